@@ -1,0 +1,1 @@
+//! The benchmark tool. Not built yet: see issue 8.

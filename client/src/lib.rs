@@ -1,0 +1,1 @@
+//! The Felix SDK. Not built yet: see issue 7.

@@ -1,0 +1,1 @@
+//! The REST control plane. Not built yet: see issue 6.

@@ -1,0 +1,1 @@
+//! The durable segment log. Not built yet: see issue 3.

@@ -1,0 +1,1589 @@
+//! JSON messages: frames with flags 0 carry one object tagged by `"type"`.
+//!
+//! Field names, their order (which fixes the encoded bytes) and which are optional are
+//! the interface; optional fields are omitted when unset so old and new peers exchange
+//! byte-identical frames. Byte fields (payloads, values, publish keys) are base64
+//! strings; cache keys are plain strings. Unknown fields are ignored (a negotiating
+//! client may talk to a legacy broker). An unknown `type` decodes to
+//! [`Message::Unknown`], never an error: whether it closes the stream or is answered
+//! `unsupported` is the receiver's decision ([`peek_request`] names it).
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+
+use crate::error_code::{ErrorCode, ErrorDetail, RetryClass};
+use crate::flags::Flags;
+use crate::frame::{self, FrameError};
+use crate::ids::{Generation, Offset, ProducerId, RequestId, Sequence, ShardId, SubscriptionId};
+use crate::routing::ShardRouting;
+
+/// How a publish is acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AckMode {
+    /// No answer.
+    None,
+    /// One answer per message.
+    #[default]
+    PerMessage,
+    /// One answer per batch.
+    PerBatch,
+}
+
+impl AckMode {
+    /// The byte in a binary acked publish (`None` has no byte: unacked frames have no
+    /// prefix).
+    pub const fn byte(self) -> Option<u8> {
+        match self {
+            AckMode::None => None,
+            AckMode::PerMessage => Some(1),
+            AckMode::PerBatch => Some(2),
+        }
+    }
+}
+
+/// Where a subscription starts. On the wire: `"latest"`, `"earliest"` or
+/// `{"offset": n}` (inclusive). Absent means latest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartPosition {
+    /// Only records appended after the subscription registered.
+    Latest,
+    /// The oldest retained record.
+    Earliest,
+    /// This offset and everything after it.
+    Offset(Offset),
+}
+
+/// Why a subscribe offset cannot be served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CursorErrorReason {
+    /// Below the oldest retained offset.
+    TooOld,
+    /// Beyond the tail.
+    InFuture,
+}
+
+/// Whether a name is a stream or a cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardKind {
+    /// A stream.
+    Stream,
+    /// A cache.
+    Cache,
+}
+
+/// A broker a client may use.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BrokerEndpoint {
+    /// The broker's node id.
+    pub node_id: String,
+    /// Where clients reach it (`host:port`).
+    pub addr: String,
+}
+
+/// Who owns one shard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardOwner {
+    /// The shard.
+    pub shard: ShardId,
+    /// The owner's node id, when one is assigned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
+    /// The owner's client address, when it advertised one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addr: Option<String>,
+    /// The assignment generation.
+    pub generation: Generation,
+    /// True when no replica can serve the shard now.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub unavailable: bool,
+}
+
+/// Why an idempotent or conditional publish was refused before anything was written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PublishRefusalReason {
+    /// The sequence skipped ahead; `expected` is the next one the broker accepts.
+    SequenceGap {
+        /// The next accepted sequence.
+        expected: Sequence,
+    },
+    /// The broker does not know the producer (never initialised, or forgotten).
+    UnknownProducer,
+    /// The sequence is older than the broker remembers.
+    SequenceExpired,
+    /// The sequence was used for a different batch.
+    SequenceReused,
+    /// `publish_if` expected another tail.
+    OffsetMismatch {
+        /// The actual tail.
+        tail: Offset,
+    },
+    /// Another broker leads the shard.
+    NotLeader {
+        /// Its node id.
+        node_id: String,
+        /// Its client address, if known.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        addr: Option<String>,
+    },
+}
+
+/// A conditional cache put's precondition: `"absent"` or `{"version": n}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheCondition {
+    /// The key has no live value.
+    Absent,
+    /// The key's current version is this.
+    Version(u64),
+}
+
+/// One state change in an atomic commit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum StateChange {
+    /// Set a key.
+    Put {
+        /// The key.
+        key: String,
+        /// The value.
+        #[serde(with = "crate::b64")]
+        value: Bytes,
+    },
+    /// Remove a key.
+    Delete {
+        /// The key.
+        key: String,
+    },
+}
+
+/// A record handed out by a consumer group poll.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupRecord {
+    /// The record's offset.
+    pub offset: Offset,
+    /// The payload.
+    #[serde(with = "crate::b64")]
+    pub payload: Bytes,
+    /// Delivery attempt (1 = first delivery, 0 = not reported).
+    #[serde(default)]
+    pub attempts: u32,
+    /// Offsets immediately before this one that hold no record.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub skipped_before: u64,
+    /// The publisher principal, when negotiated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publisher: Option<String>,
+    /// Append time, when negotiated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timestamp_micros: Option<u64>,
+}
+
+/// A record returned by `stream_read`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamRecord {
+    /// The record's offset.
+    pub offset: Offset,
+    /// The payload.
+    #[serde(with = "crate::b64")]
+    pub payload: Bytes,
+    /// The publisher principal, if recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publisher: Option<String>,
+    /// Append time.
+    pub timestamp_micros: u64,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// Every JSON message of protocol v1. `C->B` requests, `B->C` answers and events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Message {
+    // ---- Session and generic -------------------------------------------------------
+    /// C->B: authenticates the stream; first message on every client stream.
+    Auth {
+        /// The tenant the token is for.
+        tenant_id: String,
+        /// A broker-audience JWT.
+        token: String,
+        /// Frame flags the client reads (absent: a legacy client).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        client_flags: Option<u16>,
+        /// First feature word.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        client_features: Option<u32>,
+        /// High feature word (only with the EXTENDED marker).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        client_features_hi: Option<u32>,
+    },
+    /// B->C: the stream is authenticated; what the broker reads and serves.
+    AuthOk {
+        /// Frame flags the broker reads and may send.
+        server_flags: u16,
+        /// First feature word.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        server_features: Option<u32>,
+        /// High feature word.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        server_features_hi: Option<u32>,
+        /// Extra UDP ports the broker listens on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        listener_ports: Option<Vec<u16>>,
+        /// Acked publishes a stream may have unanswered (with PUBLISH_PIPELINE).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        publish_window: Option<u32>,
+    },
+    /// B->C: legacy answer to `auth`, and some acks.
+    Ok,
+    /// B->C: a refusal.
+    Error {
+        /// Human-readable text.
+        message: String,
+        /// The code (to clients that offered ERROR_CODES).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        code: Option<ErrorCode>,
+        /// What to do about it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        retry: Option<RetryClass>,
+        /// Structured detail.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        detail: Option<ErrorDetail>,
+    },
+    /// B->C: the request type is not served (both sides offered UNSUPPORTED).
+    Unsupported {
+        /// The `type` of the refused request.
+        request_type: String,
+        /// The extension name, for `extension` requests.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        extension: Option<String>,
+        /// The refused request's id, if it had one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request_id: Option<RequestId>,
+    },
+    /// Both: reserved for extensions; brokers answer `unsupported`.
+    Extension {
+        /// Extension name.
+        name: String,
+        /// Correlation id.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request_id: Option<RequestId>,
+        /// Free-form body.
+        #[serde(default)]
+        body: serde_json::Value,
+    },
+
+    // ---- Topology and routing ------------------------------------------------------
+    /// C->B: which brokers may a client use?
+    Topology,
+    /// B->C: brokers able to serve that advertised a client address (may be empty).
+    TopologyView {
+        /// The brokers.
+        brokers: Vec<BrokerEndpoint>,
+    },
+    /// B->C: another broker owns the shard.
+    NotLeader {
+        /// The owner's node id.
+        node_id: String,
+        /// Its client address, if advertised.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        addr: Option<String>,
+        /// The assignment generation this answer reflects.
+        generation: Generation,
+    },
+    /// C->B: how many shards does a stream have?
+    StreamShards {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: the stream's shard count (0 = unknown stream).
+    StreamShardsView {
+        /// Shard count.
+        shards: u32,
+        /// Correlation id.
+        request_id: RequestId,
+        /// Present only for jump_hash (absent = modulo).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        routing: Option<ShardRouting>,
+    },
+    /// C->B: how many shards does a cache have?
+    CacheShards {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: the cache's shard count.
+    CacheShardsView {
+        /// Shard count.
+        shards: u32,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: who owns each shard of a stream or cache?
+    ShardOwners {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream or cache name.
+        name: String,
+        /// Which.
+        kind: ShardKind,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: one owner per shard.
+    ShardOwnersView {
+        /// The owners.
+        owners: Vec<ShardOwner>,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+
+    // ---- Publishing ----------------------------------------------------------------
+    /// C->B: publish one record (JSON fallback).
+    Publish {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// The record.
+        #[serde(with = "crate::b64")]
+        payload: Bytes,
+        /// Routing key (an empty key is a real key).
+        #[serde(
+            default,
+            with = "crate::b64::option",
+            skip_serializing_if = "Option::is_none"
+        )]
+        key: Option<Bytes>,
+        /// Explicit shard, when the client routed it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shard: Option<ShardId>,
+        /// Correlation id (required when acked).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request_id: Option<RequestId>,
+        /// none or per_message.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ack: Option<AckMode>,
+    },
+    /// C->B: publish several records (JSON fallback).
+    PublishBatch {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// The records.
+        #[serde(with = "crate::b64::vec")]
+        payloads: Vec<Bytes>,
+        /// Routing key.
+        #[serde(
+            default,
+            with = "crate::b64::option",
+            skip_serializing_if = "Option::is_none"
+        )]
+        key: Option<Bytes>,
+        /// Explicit shard.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shard: Option<ShardId>,
+        /// Correlation id.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request_id: Option<RequestId>,
+        /// none or per_batch.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ack: Option<AckMode>,
+    },
+    /// B->C: a publish was accepted.
+    PublishOk {
+        /// Correlation id.
+        request_id: RequestId,
+        /// First offset (only to clients that offered flag 0x1000).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        offset: Option<Offset>,
+    },
+    /// B->C: a publish failed.
+    PublishError {
+        /// Correlation id.
+        request_id: RequestId,
+        /// Human-readable text.
+        message: String,
+        /// Code.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        code: Option<ErrorCode>,
+        /// Retry class.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        retry: Option<RetryClass>,
+        /// Detail.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        detail: Option<ErrorDetail>,
+    },
+    /// C->B: ask for an idempotent producer id.
+    ProducerInit {
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: the producer id.
+    ProducerInitOk {
+        /// Correlation id.
+        request_id: RequestId,
+        /// The id.
+        producer_id: ProducerId,
+    },
+    /// C->B: an idempotent batch (JSON fallback of flag 0x0100).
+    PublishIdempotent {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// The records.
+        #[serde(with = "crate::b64::vec")]
+        payloads: Vec<Bytes>,
+        /// Routing key.
+        #[serde(
+            default,
+            with = "crate::b64::option",
+            skip_serializing_if = "Option::is_none"
+        )]
+        key: Option<Bytes>,
+        /// Explicit shard.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shard: Option<ShardId>,
+        /// Correlation id.
+        request_id: RequestId,
+        /// Producer.
+        producer_id: ProducerId,
+        /// Batch number on this shard.
+        sequence: Sequence,
+    },
+    /// C->B: append only if the shard's tail is `expected_offset`.
+    PublishIf {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// The records.
+        #[serde(with = "crate::b64::vec")]
+        payloads: Vec<Bytes>,
+        /// Routing key.
+        #[serde(
+            default,
+            with = "crate::b64::option",
+            skip_serializing_if = "Option::is_none"
+        )]
+        key: Option<Bytes>,
+        /// Explicit shard.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shard: Option<ShardId>,
+        /// The tail the client expects.
+        expected_offset: Offset,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: an idempotent or conditional publish was refused; nothing was written.
+    PublishRefused {
+        /// Correlation id.
+        request_id: RequestId,
+        /// Why.
+        reason: PublishRefusalReason,
+        /// Human-readable text.
+        message: String,
+    },
+
+    // ---- Subscribing and reading ---------------------------------------------------
+    /// C->B: open a subscription on one shard.
+    Subscribe {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Clients leave it to the broker.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        subscription_id: Option<SubscriptionId>,
+        /// Where to start (absent = latest).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start: Option<StartPosition>,
+        /// Shard (absent = 0).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shard: Option<ShardId>,
+        /// Requested broker-side queue size, in batches.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        queue_capacity: Option<u32>,
+    },
+    /// B->C: the subscription is registered; events follow on a uni stream.
+    Subscribed {
+        /// Named again in `event_stream_hello`.
+        subscription_id: SubscriptionId,
+        /// First offset that will be delivered (durable, with a start).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start_offset: Option<Offset>,
+        /// Offset where live delivery begins.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        live_offset: Option<Offset>,
+        /// Granted queue size.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        queue_capacity: Option<u32>,
+    },
+    /// B->C: the requested start offset cannot be served.
+    SubscribeCursorError {
+        /// Why.
+        reason: CursorErrorReason,
+        /// What was asked.
+        requested: Offset,
+        /// Oldest retained (too_old) or the tail (in_future).
+        available: Offset,
+    },
+    /// B->C (uni): first message of an event stream.
+    EventStreamHello {
+        /// Which subscription or watch this stream carries.
+        subscription_id: SubscriptionId,
+    },
+    /// B->C (uni, last): the shard moved; resume at its new owner.
+    ShardMoved {
+        /// The subscription.
+        subscription_id: SubscriptionId,
+        /// Where to resume.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resume_from: Option<Offset>,
+        /// New owner.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        node_id: Option<String>,
+        /// Its address.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        addr: Option<String>,
+        /// Assignment generation.
+        generation: Generation,
+    },
+    /// B->C (uni, last): the stream was deleted.
+    StreamDeleted {
+        /// The subscription.
+        subscription_id: SubscriptionId,
+    },
+    /// B->C (uni, last): the subscription dropped a record and ends; resume here.
+    SubscriptionLagged {
+        /// The subscription.
+        subscription_id: SubscriptionId,
+        /// The first offset not delivered.
+        resume_from: Offset,
+    },
+    /// B->C: one event (JSON alternative to a binary batch).
+    Event {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// The record.
+        #[serde(with = "crate::b64")]
+        payload: Bytes,
+        /// Its offset (durable streams).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        offset: Option<Offset>,
+    },
+    /// B->C: several events (JSON alternative to a binary batch).
+    EventBatch {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// The records.
+        #[serde(with = "crate::b64::vec")]
+        payloads: Vec<Bytes>,
+        /// Offset of the first (record i is at base + i).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        base_offset: Option<Offset>,
+    },
+    /// C->B: read a bounded range of one shard.
+    StreamRead {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// First offset.
+        from: Offset,
+        /// Exclusive end.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        end: Option<Offset>,
+        /// Record cap.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_records: Option<u32>,
+        /// Byte cap.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_bytes: Option<u32>,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: records read.
+    StreamRecords {
+        /// The records.
+        records: Vec<StreamRecord>,
+        /// Where the next read starts.
+        next_offset: Offset,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: the first offset appended at or after a time.
+    OffsetForTime {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Microseconds since the epoch.
+        at_micros: u64,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: the answer (absent = nothing that recent).
+    OffsetValue {
+        /// The offset.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        offset: Option<Offset>,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+
+    // ---- Cache and counters --------------------------------------------------------
+    /// C->B: set a key.
+    CachePut {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+        /// Value.
+        #[serde(with = "crate::b64")]
+        value: Bytes,
+        /// Correlation id.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request_id: Option<RequestId>,
+        /// Time to live (number or null; null = forever).
+        #[serde(default)]
+        ttl_ms: Option<u64>,
+    },
+    /// C->B: read a key.
+    CacheGet {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+        /// Correlation id.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request_id: Option<RequestId>,
+    },
+    /// C->B: remove a key (needs CACHE_DELETE).
+    CacheDelete {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+        /// Correlation id.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request_id: Option<RequestId>,
+    },
+    /// B->C: a key's value (null when missing or expired; for a delete, the removed
+    /// value).
+    CacheValue {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+        /// Value or null.
+        #[serde(with = "crate::b64::option")]
+        value: Option<Bytes>,
+        /// Correlation id.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request_id: Option<RequestId>,
+        /// The value's version (with CACHE_CONDITIONAL).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        version: Option<u64>,
+    },
+    /// B->C: a put or a group settle was applied.
+    CacheOk {
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: set a key if a condition holds.
+    CachePutIf {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+        /// Value.
+        #[serde(with = "crate::b64")]
+        value: Bytes,
+        /// Time to live.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ttl_ms: Option<u64>,
+        /// The precondition.
+        condition: CacheCondition,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: remove a key if its version matches.
+    CacheDeleteIf {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+        /// Expected version.
+        version: u64,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: whether a conditional write applied.
+    CacheConditionResult {
+        /// Applied?
+        applied: bool,
+        /// The key's version now.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        version: Option<u64>,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: watch a key or a prefix.
+    CacheWatch {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// One key (xor `prefix`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        key: Option<String>,
+        /// A prefix (xor `key`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prefix: Option<String>,
+        /// Shard, for prefix watches.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shard: Option<ShardId>,
+        /// Resume point.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        from_offset: Option<Offset>,
+        /// Deliver current values first.
+        #[serde(default, skip_serializing_if = "is_false")]
+        retained: bool,
+        /// Clients leave it to the broker.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        subscription_id: Option<SubscriptionId>,
+    },
+    /// B->C: the watch is registered.
+    CacheWatchStarted {
+        /// Named again in `event_stream_hello`.
+        subscription_id: SubscriptionId,
+        /// Where it resumes.
+        resume_offset: Offset,
+        /// The resume point was compacted; current values follow.
+        #[serde(default, skip_serializing_if = "is_false")]
+        resnapshot: bool,
+        /// Number of retained values that follow (0 = empty).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        retained_count: Option<u64>,
+    },
+    /// B->C (uni): one applied cache write.
+    CacheEvent {
+        /// Key.
+        key: String,
+        /// New value (absent = delete).
+        #[serde(
+            default,
+            with = "crate::b64::option",
+            skip_serializing_if = "Option::is_none"
+        )]
+        value: Option<Bytes>,
+        /// The write's offset.
+        offset: Offset,
+        /// Absolute expiry (0 = never).
+        expires_at_millis: u64,
+    },
+    /// B->C (uni, last): the watch lagged and ends.
+    CacheWatchLagged {
+        /// Resume here.
+        resume_from: Offset,
+    },
+    /// C->B: add to a counter.
+    CounterAdd {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+        /// Signed delta.
+        delta: i64,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: read a counter.
+    CounterGet {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: a counter's value (absent = never written).
+    CounterValue {
+        /// The sum.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        value: Option<i64>,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+
+    // ---- Atomic commit and state ---------------------------------------------------
+    /// C->B: append one event and apply state changes atomically.
+    Commit {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// The entity (routing key).
+        entity_key: String,
+        /// The event.
+        #[serde(with = "crate::b64")]
+        event: Bytes,
+        /// State changes.
+        changes: Vec<StateChange>,
+        /// Correlation id.
+        request_id: RequestId,
+        /// Optimistic concurrency check.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expected_offset: Option<Offset>,
+    },
+    /// B->C: the commit's offset (the version of every key written).
+    CommitOk {
+        /// Correlation id.
+        request_id: RequestId,
+        /// Offset.
+        offset: Offset,
+    },
+    /// C->B: read one key of an entity's state.
+    StateGet {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Entity.
+        entity_key: String,
+        /// Key.
+        key: String,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: a state value.
+    StateValue {
+        /// Value or null.
+        #[serde(with = "crate::b64::option")]
+        value: Option<Bytes>,
+        /// Its version.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        version: Option<u64>,
+        /// As of this offset.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        as_of: Option<Offset>,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+
+    // ---- Consumer groups -----------------------------------------------------------
+    /// C->B: claim records.
+    GroupPoll {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Record cap.
+        max_records: u32,
+        /// Long-poll wait.
+        #[serde(default)]
+        wait_ms: u64,
+        /// Correlation id.
+        request_id: RequestId,
+        /// Named member.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        consumer: Option<String>,
+        /// Reclaim the member's claims.
+        #[serde(default, skip_serializing_if = "is_false")]
+        reclaim: bool,
+        /// Claim visibility.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        visibility_ms: Option<u64>,
+    },
+    /// B->C: claimed records (may be empty).
+    GroupRecords {
+        /// Records.
+        records: Vec<GroupRecord>,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: acknowledge a claimed record.
+    GroupAck {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Record.
+        offset: Offset,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: release a claimed record for redelivery.
+    GroupNack {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Record.
+        offset: Offset,
+        /// Correlation id.
+        request_id: RequestId,
+        /// Redeliver after.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        delay_ms: Option<u64>,
+        /// The attempt being nacked.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attempts: Option<u32>,
+    },
+    /// C->B: extend a claim.
+    GroupExtend {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Record.
+        offset: Offset,
+        /// Correlation id.
+        request_id: RequestId,
+        /// The attempt being extended.
+        attempts: u32,
+        /// Extension.
+        extend_ms: u64,
+    },
+    /// B->C: the claim's new visibility.
+    GroupExtended {
+        /// Granted.
+        visible_ms: u64,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: dead-letter a claimed record (answered `cache_ok`).
+    GroupDeadLetter {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Record.
+        offset: Offset,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: list dead letters.
+    GroupDeadLetters {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: dead-lettered offsets.
+    GroupDeadLetterList {
+        /// Offsets.
+        offsets: Vec<Offset>,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: drop a dead letter.
+    GroupDiscard {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Record.
+        offset: Offset,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: make a dead letter owed again.
+    GroupRedrive {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Record.
+        offset: Offset,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: move (or create) a group's cursor.
+    GroupSeek {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Target.
+        start: StartPosition,
+        /// Only when the group does not exist yet.
+        #[serde(default, skip_serializing_if = "is_false")]
+        if_new: bool,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: the group's position.
+    GroupPosition {
+        /// Cursor.
+        offset: Offset,
+        /// Did it move?
+        moved: bool,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: describe a group.
+    GroupDescribe {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: a group's state.
+    GroupInfo {
+        /// Committed cursor.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        committed: Option<Offset>,
+        /// Shard tail.
+        tail: Offset,
+        /// Claimed records.
+        in_flight: u64,
+        /// Records owed redelivery.
+        owed: u64,
+        /// Dead letters.
+        dead_letters: u64,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: delete a group.
+    GroupDelete {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: ShardId,
+        /// Group.
+        group: String,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: whether it existed.
+    GroupDeleted {
+        /// Existed?
+        existed: bool,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+
+    // ---- Operator inspection (FEATURE_INSPECT) -------------------------------------
+    /// C->B: inspect one shard.
+    ShardInspect {
+        /// Tenant.
+        tenant_id: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream or cache.
+        name: String,
+        /// Which.
+        kind: ShardKind,
+        /// Shard.
+        shard: ShardId,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: the shard's view (operator-facing; kept as free-form JSON).
+    ShardInspectInfo {
+        /// View.
+        view: serde_json::Value,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// C->B: list subscriptions on this broker.
+    SubscriptionsList {
+        /// Filter.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        filter: Option<serde_json::Value>,
+        /// Page size (default 100, max 1000).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limit: Option<u32>,
+        /// Page cursor.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cursor: Option<String>,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+    /// B->C: one page of subscriptions.
+    SubscriptionsListInfo {
+        /// This broker.
+        node_id: String,
+        /// Subscriptions.
+        subscriptions: Vec<serde_json::Value>,
+        /// Next page.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        next_cursor: Option<String>,
+        /// Correlation id.
+        request_id: RequestId,
+    },
+
+    /// A `type` this implementation does not know. Never sent; see [`peek_request`].
+    #[serde(other)]
+    Unknown,
+}
+
+/// Why a JSON payload is not a message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MessageError {
+    /// Not JSON, or not an object.
+    #[error("message is not a JSON object: {detail}")]
+    Syntax {
+        /// The parser's complaint.
+        detail: String,
+    },
+    /// No string `type` field.
+    #[error("message has no string \"type\" field")]
+    MissingType,
+    /// A known type whose fields are missing or of the wrong type.
+    #[error("`{message_type}` message has invalid fields: {detail}")]
+    InvalidFields {
+        /// The message's `type`.
+        message_type: String,
+        /// Which field and why.
+        detail: String,
+    },
+    /// Encoding failed (a frame longer than u32::MAX).
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+}
+
+/// The `type` and `request_id` of a payload, read without decoding the rest: how a
+/// broker names a request it does not know in `unsupported`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct RequestSummary {
+    /// The `type` field.
+    #[serde(rename = "type")]
+    pub request_type: String,
+    /// The `request_id` field, when it is an integer.
+    #[serde(default, deserialize_with = "lenient_request_id")]
+    pub request_id: Option<RequestId>,
+    /// The `name` field of an `extension`.
+    #[serde(default, deserialize_with = "lenient_string")]
+    pub name: Option<String>,
+}
+
+fn lenient_request_id<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<RequestId>, D::Error> {
+    let v = serde_json::Value::deserialize(d)?;
+    Ok(v.as_u64().map(RequestId))
+}
+
+fn lenient_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    let v = serde_json::Value::deserialize(d)?;
+    Ok(v.as_str().map(str::to_owned))
+}
+
+/// Reads `type` and `request_id` from a payload; `None` when it has no string `type`.
+pub fn peek_request(payload: &[u8]) -> Option<RequestSummary> {
+    serde_json::from_slice(payload).ok()
+}
+
+impl Message {
+    /// Decodes a JSON payload (a frame with flags 0).
+    pub fn decode(payload: &[u8]) -> Result<Message, MessageError> {
+        match serde_json::from_slice::<Message>(payload) {
+            Ok(m) => Ok(m),
+            Err(e) if e.is_data() => match peek_request(payload) {
+                Some(summary) => Err(MessageError::InvalidFields {
+                    message_type: summary.request_type,
+                    detail: e.to_string(),
+                }),
+                None => Err(MessageError::MissingType),
+            },
+            Err(e) => Err(MessageError::Syntax {
+                detail: e.to_string(),
+            }),
+        }
+    }
+
+    /// The JSON payload.
+    pub fn to_payload(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("every Message variant but Unknown serializes")
+    }
+
+    /// Appends this message as a whole frame (flags 0) to `buf`.
+    pub fn encode_frame(&self, buf: &mut BytesMut) -> Result<(), MessageError> {
+        let start = frame::begin_frame(buf, Flags::JSON);
+        serde_json::to_writer(buf.writer(), self)
+            .expect("every Message variant but Unknown serializes");
+        let written = frame::finish_frame(buf, start);
+        if written.is_err() {
+            buf.truncate(start);
+        }
+        Ok(written?)
+    }
+
+    /// This message as one frame.
+    pub fn to_frame(&self) -> Bytes {
+        let mut buf = BytesMut::with_capacity(128);
+        self.encode_frame(&mut buf)
+            .expect("a JSON message fits a frame");
+        buf.freeze()
+    }
+
+    /// The `request_id` this message carries, if any.
+    pub fn request_id(&self) -> Option<RequestId> {
+        use Message::*;
+        match self {
+            Unsupported { request_id, .. }
+            | Extension { request_id, .. }
+            | Publish { request_id, .. }
+            | PublishBatch { request_id, .. }
+            | CachePut { request_id, .. }
+            | CacheGet { request_id, .. }
+            | CacheDelete { request_id, .. }
+            | CacheValue { request_id, .. } => *request_id,
+            StreamShards { request_id, .. }
+            | StreamShardsView { request_id, .. }
+            | CacheShards { request_id, .. }
+            | CacheShardsView { request_id, .. }
+            | ShardOwners { request_id, .. }
+            | ShardOwnersView { request_id, .. }
+            | PublishOk { request_id, .. }
+            | PublishError { request_id, .. }
+            | ProducerInit { request_id }
+            | ProducerInitOk { request_id, .. }
+            | PublishIdempotent { request_id, .. }
+            | PublishIf { request_id, .. }
+            | PublishRefused { request_id, .. }
+            | StreamRead { request_id, .. }
+            | StreamRecords { request_id, .. }
+            | OffsetForTime { request_id, .. }
+            | OffsetValue { request_id, .. }
+            | CacheOk { request_id }
+            | CachePutIf { request_id, .. }
+            | CacheDeleteIf { request_id, .. }
+            | CacheConditionResult { request_id, .. }
+            | CounterAdd { request_id, .. }
+            | CounterGet { request_id, .. }
+            | CounterValue { request_id, .. }
+            | Commit { request_id, .. }
+            | CommitOk { request_id, .. }
+            | StateGet { request_id, .. }
+            | StateValue { request_id, .. }
+            | GroupPoll { request_id, .. }
+            | GroupRecords { request_id, .. }
+            | GroupAck { request_id, .. }
+            | GroupNack { request_id, .. }
+            | GroupExtend { request_id, .. }
+            | GroupExtended { request_id, .. }
+            | GroupDeadLetter { request_id, .. }
+            | GroupDeadLetters { request_id, .. }
+            | GroupDeadLetterList { request_id, .. }
+            | GroupDiscard { request_id, .. }
+            | GroupRedrive { request_id, .. }
+            | GroupSeek { request_id, .. }
+            | GroupPosition { request_id, .. }
+            | GroupDescribe { request_id, .. }
+            | GroupInfo { request_id, .. }
+            | GroupDelete { request_id, .. }
+            | GroupDeleted { request_id, .. }
+            | ShardInspect { request_id, .. }
+            | ShardInspectInfo { request_id, .. }
+            | SubscriptionsList { request_id, .. }
+            | SubscriptionsListInfo { request_id, .. } => Some(*request_id),
+            Auth { .. }
+            | AuthOk { .. }
+            | Ok
+            | Error { .. }
+            | Topology
+            | TopologyView { .. }
+            | NotLeader { .. }
+            | Subscribe { .. }
+            | Subscribed { .. }
+            | SubscribeCursorError { .. }
+            | EventStreamHello { .. }
+            | ShardMoved { .. }
+            | StreamDeleted { .. }
+            | SubscriptionLagged { .. }
+            | Event { .. }
+            | EventBatch { .. }
+            | CacheWatch { .. }
+            | CacheWatchStarted { .. }
+            | CacheEvent { .. }
+            | CacheWatchLagged { .. }
+            | Unknown => None,
+        }
+    }
+
+    /// A coded `error` message. The code and class are included only when the peer
+    /// offered ERROR_CODES (`coded`).
+    pub fn error(
+        message: impl Into<String>,
+        code: ErrorCode,
+        detail: Option<ErrorDetail>,
+        coded: bool,
+    ) -> Message {
+        if coded {
+            let retry = code.default_retry();
+            Message::Error {
+                message: message.into(),
+                code: Some(code),
+                retry: Some(retry),
+                detail,
+            }
+        } else {
+            Message::Error {
+                message: message.into(),
+                code: None,
+                retry: None,
+                detail: None,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_type_is_not_an_error() {
+        let payload = br#"{"type":"teleport","request_id":5,"x":1}"#;
+        assert_eq!(Message::decode(payload), Ok(Message::Unknown));
+        let summary = peek_request(payload).unwrap();
+        assert_eq!(summary.request_type, "teleport");
+        assert_eq!(summary.request_id, Some(RequestId(5)));
+    }
+
+    #[test]
+    fn bad_json_is_typed_and_names_the_message() {
+        assert!(matches!(
+            Message::decode(b"{not json"),
+            Err(MessageError::Syntax { .. })
+        ));
+        assert!(matches!(
+            Message::decode(b"[1,2]"),
+            Err(MessageError::MissingType) | Err(MessageError::Syntax { .. })
+        ));
+        assert_eq!(
+            Message::decode(br#"{"tenant_id":"t"}"#),
+            Err(MessageError::MissingType)
+        );
+        match Message::decode(br#"{"type":"publish","tenant_id":7}"#) {
+            Err(MessageError::InvalidFields { message_type, .. }) => {
+                assert_eq!(message_type, "publish")
+            }
+            other => panic!("{other:?}"),
+        }
+        match Message::decode(br#"{"type":"cache_put","tenant_id":"t","namespace":"n","cache":"c","key":"k","value":"!!","ttl_ms":null}"#) {
+            Err(MessageError::InvalidFields { detail, .. }) => assert!(detail.contains("base64"), "{detail}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored() {
+        let m = Message::decode(br#"{"type":"ok","future":true}"#).unwrap();
+        assert_eq!(m, Message::Ok);
+    }
+
+    #[test]
+    fn start_positions_use_the_documented_shapes() {
+        let json = |p: StartPosition| serde_json::to_string(&p).unwrap();
+        assert_eq!(json(StartPosition::Latest), r#""latest""#);
+        assert_eq!(json(StartPosition::Earliest), r#""earliest""#);
+        assert_eq!(json(StartPosition::Offset(Offset(9))), r#"{"offset":9}"#);
+    }
+
+    #[test]
+    fn refusal_reasons_use_the_documented_shapes() {
+        let json = |r: PublishRefusalReason| serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            json(PublishRefusalReason::SequenceGap {
+                expected: Sequence(3)
+            }),
+            r#"{"sequence_gap":{"expected":3}}"#
+        );
+        assert_eq!(
+            json(PublishRefusalReason::UnknownProducer),
+            r#""unknown_producer""#
+        );
+        assert_eq!(
+            json(PublishRefusalReason::OffsetMismatch { tail: Offset(4) }),
+            r#"{"offset_mismatch":{"tail":4}}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&CacheCondition::Version(2)).unwrap(),
+            r#"{"version":2}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&CacheCondition::Absent).unwrap(),
+            r#""absent""#
+        );
+    }
+
+    #[test]
+    fn cache_put_without_ttl_sends_null_and_accepts_absent() {
+        let m = Message::CachePut {
+            tenant_id: "t".into(),
+            namespace: "n".into(),
+            cache: "c".into(),
+            key: "k".into(),
+            value: Bytes::from_static(b"v"),
+            request_id: None,
+            ttl_ms: None,
+        };
+        let s = String::from_utf8(m.to_payload()).unwrap();
+        assert!(s.ends_with(r#""ttl_ms":null}"#), "{s}");
+        let absent = br#"{"type":"cache_put","tenant_id":"t","namespace":"n","cache":"c","key":"k","value":"dg=="}"#;
+        assert_eq!(Message::decode(absent).unwrap(), m);
+    }
+}
