@@ -1,1 +1,27 @@
-//! The durable segment log. Not built yet: see issue 3.
+//! `felix-storage-uring`: the durable per-shard segment log.
+//!
+//! Every stream, cache and queue is a reading of one append-only log per shard. This
+//! crate owns that log: its on-disk format ([`format`], documented in
+//! `docs/storage-format.md`), the append path with group commit and in-order commits
+//! ([`log`]), recovery that repairs a torn tail and refuses interior damage, sparse
+//! derived indexes ([`index`]), retention, and the I/O backends behind one trait
+//! ([`io`]): io_uring O_DIRECT through glommio, and an in-memory backend that fails,
+//! tears and loses writes on command. It knows offsets, records and its own format;
+//! never QUIC or frames.
+
+pub mod error;
+pub mod format;
+pub mod index;
+pub mod io;
+pub mod log;
+pub mod memlock;
+pub mod segment;
+
+pub use error::{Corruption, CorruptionKind, StorageError};
+pub use format::{BatchKind, ProducerTag};
+pub use io::dma::DmaBackend;
+pub use io::memory::MemBackend;
+pub use log::{
+    Appended, FsyncMode, LogConfig, LogStats, PendingAppend, ReadBatch, RecoveryReport, SegmentLog,
+    VerifyOnOpen,
+};

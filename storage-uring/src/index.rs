@@ -1,0 +1,160 @@
+//! The sparse offset index: one entry for a segment's first batch and then one at least
+//! every `interval` bytes, mapping an offset to the byte position of the batch that
+//! holds it.
+//!
+//! The index is derived, never trusted: it is rebuilt from the segment whenever the file
+//! is missing, short, garbled or stale, so it is never fsynced. File layout (BE):
+//! `FXIX` u32, version u16, reserved u16, base_offset u64, count u32, reserved u32, then
+//! count x (offset u64, position u64).
+
+use bytes::BufMut;
+
+use crate::format::SEGMENT_HEADER_BYTES;
+
+const INDEX_MAGIC: u32 = 0x4658_4958;
+const INDEX_VERSION: u16 = 1;
+const INDEX_HEADER_BYTES: usize = 24;
+
+/// In-memory sparse index of one segment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SparseIndex {
+    entries: Vec<(u64, u64)>,
+}
+
+impl SparseIndex {
+    /// Records a batch at `position` starting at `offset`, if it is the first batch or at
+    /// least `interval` bytes past the previous entry.
+    pub fn observe(&mut self, offset: u64, position: u64, interval: u64) {
+        match self.entries.last() {
+            Some(&(_, last)) if position < last + interval => {}
+            _ => self.entries.push((offset, position)),
+        }
+    }
+
+    /// Byte position of the batch to start scanning from for `offset`.
+    pub fn seek(&self, offset: u64) -> u64 {
+        match self.entries.partition_point(|&(o, _)| o <= offset) {
+            0 => SEGMENT_HEADER_BYTES as u64,
+            i => self.entries[i - 1].1,
+        }
+    }
+
+    /// The last entry.
+    pub fn last(&self) -> Option<(u64, u64)> {
+        self.entries.last().copied()
+    }
+
+    /// Drops the last entry (a scan starting there re-adds it).
+    pub fn truncate_last(&mut self) {
+        self.entries.pop();
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The index file's bytes.
+    pub fn encode(&self, base_offset: u64) -> Vec<u8> {
+        let mut b = Vec::with_capacity(INDEX_HEADER_BYTES + self.entries.len() * 16);
+        b.put_u32(INDEX_MAGIC);
+        b.put_u16(INDEX_VERSION);
+        b.put_u16(0);
+        b.put_u64(base_offset);
+        b.put_u32(self.entries.len() as u32);
+        b.put_u32(0);
+        for &(o, p) in &self.entries {
+            b.put_u64(o);
+            b.put_u64(p);
+        }
+        b
+    }
+
+    /// Reads an index file, checking everything that can be checked without the segment:
+    /// magic, version, base, strictly ascending offsets and positions inside
+    /// `[header, data_len)`. `None` means "rebuild".
+    pub fn decode(bytes: &[u8], base_offset: u64, data_len: u64) -> Option<SparseIndex> {
+        let header = bytes.get(..INDEX_HEADER_BYTES)?;
+        let be32 = |b: &[u8]| u32::from_be_bytes(b.try_into().expect("4 bytes"));
+        let be64 = |b: &[u8]| u64::from_be_bytes(b.try_into().expect("8 bytes"));
+        if be32(&header[0..4]) != INDEX_MAGIC
+            || u16::from_be_bytes([header[4], header[5]]) != INDEX_VERSION
+            || be64(&header[8..16]) != base_offset
+        {
+            return None;
+        }
+        let count = be32(&header[16..20]) as usize;
+        let body = &bytes[INDEX_HEADER_BYTES..];
+        if body.len() != count.checked_mul(16)? || count == 0 {
+            return None;
+        }
+        let mut entries = Vec::with_capacity(count);
+        let mut prev: Option<(u64, u64)> = None;
+        for e in body.chunks_exact(16) {
+            let (o, p) = (be64(&e[..8]), be64(&e[8..]));
+            let in_range = o >= base_offset && p >= SEGMENT_HEADER_BYTES as u64 && p < data_len;
+            let ascending = prev.is_none_or(|(po, pp)| o > po && p > pp);
+            if !in_range || !ascending {
+                return None;
+            }
+            entries.push((o, p));
+            prev = Some((o, p));
+        }
+        if entries[0] != (base_offset, SEGMENT_HEADER_BYTES as u64) {
+            return None;
+        }
+        Some(SparseIndex { entries })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seek_finds_the_greatest_entry_at_or_below() {
+        let mut idx = SparseIndex::default();
+        idx.observe(10, 4096, 100);
+        idx.observe(11, 4150, 100);
+        idx.observe(20, 4300, 100);
+        idx.observe(30, 4500, 100);
+        assert_eq!(idx.len(), 3);
+        assert_eq!(idx.seek(5), 4096);
+        assert_eq!(idx.seek(15), 4096);
+        assert_eq!(idx.seek(20), 4300);
+        assert_eq!(idx.seek(99), 4500);
+    }
+
+    #[test]
+    fn damaged_index_files_are_refused() {
+        let mut idx = SparseIndex::default();
+        idx.observe(10, 4096, 1);
+        idx.observe(20, 5000, 1);
+        let bytes = idx.encode(10);
+        assert_eq!(SparseIndex::decode(&bytes, 10, 6000), Some(idx.clone()));
+        assert_eq!(SparseIndex::decode(&bytes, 11, 6000), None, "wrong base");
+        assert_eq!(
+            SparseIndex::decode(&bytes, 10, 4500),
+            None,
+            "stale: past data end"
+        );
+        assert_eq!(
+            SparseIndex::decode(&bytes[..bytes.len() - 3], 10, 6000),
+            None,
+            "short"
+        );
+        let mut swapped = bytes.clone();
+        swapped[24 + 16..24 + 24].copy_from_slice(&5u64.to_be_bytes());
+        assert_eq!(
+            SparseIndex::decode(&swapped, 10, 6000),
+            None,
+            "not ascending"
+        );
+        assert_eq!(SparseIndex::decode(b"junk", 10, 6000), None);
+    }
+}

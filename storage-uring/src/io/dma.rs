@@ -1,0 +1,188 @@
+//! The io_uring O_DIRECT backend, on glommio's DMA files.
+//!
+//! Traps handled here (see `../shared/reference/platform-notes.md`):
+//! - glommio probes the first DMA file it opens on a device for IOPOLL support by reading
+//!   offset 0; an empty file makes it wrongly enable polling and every later O_DIRECT
+//!   read fails. [`DmaBackend::open_dir`] therefore opens a non-empty probe file first.
+//! - `DmaFile::create` opens write-only; we always open read-write.
+//! - short writes are retried until the whole buffer is written.
+//!
+//! Every write copies the caller's bytes into a buffer from glommio's registered
+//! allocator (aligned, pooled by the executor) and moves it into the write.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use bytes::Bytes;
+use glommio::io::{DmaFile, OpenOptions};
+
+use super::{Backend, SegmentFile};
+use crate::format::BLOCK_BYTES;
+
+const PROBE_FILE: &str = ".felix-dma-probe";
+
+/// A directory on a real file system, accessed with O_DIRECT through io_uring.
+#[derive(Debug, Clone)]
+pub struct DmaBackend {
+    dir: Rc<PathBuf>,
+}
+
+/// An open O_DIRECT file.
+#[derive(Debug)]
+pub struct DmaSegmentFile {
+    file: DmaFile,
+}
+
+fn to_io(e: glommio::GlommioError<()>) -> io::Error {
+    match e {
+        glommio::GlommioError::IoError(e) => e,
+        other => io::Error::other(other.to_string()),
+    }
+}
+
+impl DmaBackend {
+    /// Opens (creating) a log directory. Must run on a glommio executor.
+    pub async fn open_dir(dir: impl AsRef<Path>) -> io::Result<DmaBackend> {
+        let dir = dir.as_ref().to_path_buf();
+        std::fs::create_dir_all(&dir)?;
+        // Make sure glommio's first DMA open on this device sees a non-empty file.
+        let probe = dir.join(PROBE_FILE);
+        let needs_probe = std::fs::metadata(&probe).map(|m| m.len() < BLOCK_BYTES as u64);
+        if needs_probe.unwrap_or(true) {
+            std::fs::write(&probe, vec![0xA5u8; BLOCK_BYTES])?;
+        }
+        let f = OpenOptions::new()
+            .read(true)
+            .dma_open(&probe)
+            .await
+            .map_err(to_io)?;
+        let _ = f.read_at(0, BLOCK_BYTES).await.map_err(to_io)?;
+        f.close().await.map_err(to_io)?;
+        Ok(DmaBackend { dir: Rc::new(dir) })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Backend for DmaBackend {
+    type File = DmaSegmentFile;
+
+    async fn open(&self, name: &str, create: bool) -> io::Result<DmaSegmentFile> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .dma_open(self.dir.join(name))
+            .await
+            .map_err(to_io)?;
+        Ok(DmaSegmentFile { file })
+    }
+
+    async fn list(&self) -> io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(&*self.dir)? {
+            let entry = entry?;
+            if entry.file_type()?.is_file()
+                && let Some(name) = entry.file_name().to_str()
+                && name != PROBE_FILE
+            {
+                names.push(name.to_owned());
+            }
+        }
+        Ok(names)
+    }
+
+    async fn remove(&self, name: &str) -> io::Result<()> {
+        std::fs::remove_file(self.dir.join(name))
+    }
+
+    async fn sync_dir(&self) -> io::Result<()> {
+        let dir = glommio::io::Directory::open(&*self.dir)
+            .await
+            .map_err(to_io)?;
+        dir.sync().await.map_err(to_io)?;
+        dir.close().await.map_err(to_io)
+    }
+
+    async fn write_small(&self, name: &str, data: &[u8]) -> io::Result<()> {
+        std::fs::write(self.dir.join(name), data)
+    }
+
+    async fn read_small(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
+        match std::fs::read(self.dir.join(name)) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl SegmentFile for DmaSegmentFile {
+    async fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
+        debug_assert!(
+            (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES)
+        );
+        let mut done = 0usize;
+        while done < data.len() {
+            let mut buf = self.file.alloc_dma_buffer(data.len() - done);
+            buf.as_bytes_mut().copy_from_slice(&data[done..]);
+            let n = self
+                .file
+                .write_at(buf, pos + done as u64)
+                .await
+                .map_err(to_io)?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "O_DIRECT write wrote 0 bytes",
+                ));
+            }
+            // A short O_DIRECT write ends on a block boundary; resume there.
+            done += n - n % BLOCK_BYTES;
+            if n % BLOCK_BYTES != 0 && done < data.len() {
+                continue;
+            }
+        }
+        Ok(())
+    }
+
+    async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        let r = self.file.read_at(pos, len).await.map_err(to_io)?;
+        Ok(Bytes::copy_from_slice(&r))
+    }
+
+    async fn sync_data(&self) -> io::Result<()> {
+        self.file.fdatasync().await.map_err(to_io)
+    }
+
+    async fn size(&self) -> io::Result<u64> {
+        self.file.file_size().await.map_err(to_io)
+    }
+
+    async fn allocate(&self, len: u64) -> io::Result<()> {
+        match self.file.pre_allocate(len, true).await {
+            Ok(()) => Ok(()),
+            // Not every file system can preallocate; it is an optimisation only.
+            Err(glommio::GlommioError::IoError(e))
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
+                ) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(to_io(e)),
+        }
+    }
+
+    async fn truncate(&self, len: u64) -> io::Result<()> {
+        self.file.truncate(len).await.map_err(to_io)
+    }
+}

@@ -1,0 +1,289 @@
+//! An in-memory backend with fault injection, for tests that must see what the disk does
+//! wrong: fail the next write or fsync, tear a write (a prefix reaches the "platter",
+//! then the write fails), or crash (every file reverts to what was last fsynced, and
+//! files whose creation was never made durable by a directory sync disappear).
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::io;
+use std::rc::Rc;
+
+use bytes::Bytes;
+
+use super::{Backend, SegmentFile};
+use crate::format::BLOCK_BYTES;
+
+#[derive(Debug, Default, Clone)]
+struct MemFile {
+    /// What reads see.
+    data: Vec<u8>,
+    /// What survives a crash.
+    durable: Vec<u8>,
+    /// The creation survived a directory sync.
+    created_durably: bool,
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    fail_next_write: bool,
+    fail_next_sync: bool,
+    tear_next_write: Option<usize>,
+    /// Count of writes/syncs, for tests that aim a fault at the n-th operation.
+    writes: u64,
+    syncs: u64,
+}
+
+#[derive(Debug, Default)]
+struct MemFs {
+    files: BTreeMap<String, MemFile>,
+    faults: Faults,
+}
+
+/// An in-memory directory. Clones share the same files.
+#[derive(Debug, Clone, Default)]
+pub struct MemBackend {
+    fs: Rc<RefCell<MemFs>>,
+}
+
+/// A file of a [`MemBackend`].
+#[derive(Debug)]
+pub struct MemFileHandle {
+    fs: Rc<RefCell<MemFs>>,
+    name: String,
+}
+
+fn injected(what: &str) -> io::Error {
+    io::Error::other(format!("injected {what} failure"))
+}
+
+impl MemBackend {
+    /// An empty directory.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The next write fails with EIO and changes nothing.
+    pub fn fail_next_write(&self) {
+        self.fs.borrow_mut().faults.fail_next_write = true;
+    }
+
+    /// The next fsync fails with EIO.
+    pub fn fail_next_sync(&self) {
+        self.fs.borrow_mut().faults.fail_next_sync = true;
+    }
+
+    /// The next write lands only its first `keep` bytes, durably (as a power cut mid-
+    /// write would leave them), and then fails.
+    pub fn tear_next_write(&self, keep: usize) {
+        self.fs.borrow_mut().faults.tear_next_write = Some(keep);
+    }
+
+    /// A new backend holding what survives a crash now: each file's last fsynced
+    /// contents; files never made durable by a directory sync are gone.
+    pub fn crash(&self) -> MemBackend {
+        let fs = self.fs.borrow();
+        let files = fs
+            .files
+            .iter()
+            .filter(|(_, f)| f.created_durably)
+            .map(|(name, f)| {
+                (
+                    name.clone(),
+                    MemFile {
+                        data: f.durable.clone(),
+                        durable: f.durable.clone(),
+                        created_durably: true,
+                    },
+                )
+            })
+            .collect();
+        MemBackend {
+            fs: Rc::new(RefCell::new(MemFs {
+                files,
+                faults: Faults::default(),
+            })),
+        }
+    }
+
+    /// Overwrites bytes of a file, durably (bit rot, a stray writer).
+    pub fn corrupt(&self, name: &str, pos: usize, bytes: &[u8]) {
+        let mut fs = self.fs.borrow_mut();
+        let f = fs.files.get_mut(name).expect("corrupt: no such file");
+        for (i, b) in bytes.iter().enumerate() {
+            for v in [&mut f.data, &mut f.durable] {
+                if pos + i >= v.len() {
+                    v.resize(pos + i + 1, 0);
+                }
+                v[pos + i] = *b;
+            }
+        }
+    }
+
+    /// Sets a file's durable length (truncating or zero-extending it).
+    pub fn set_len(&self, name: &str, len: usize) {
+        let mut fs = self.fs.borrow_mut();
+        let f = fs.files.get_mut(name).expect("set_len: no such file");
+        f.data.resize(len, 0);
+        f.durable.resize(len, 0);
+    }
+
+    /// A file's current contents.
+    pub fn contents(&self, name: &str) -> Option<Vec<u8>> {
+        self.fs.borrow().files.get(name).map(|f| f.data.clone())
+    }
+
+    /// Places a whole file, durably (a foreign file in the data directory).
+    pub fn put_file(&self, name: &str, data: &[u8]) {
+        self.fs.borrow_mut().files.insert(
+            name.to_owned(),
+            MemFile {
+                data: data.to_vec(),
+                durable: data.to_vec(),
+                created_durably: true,
+            },
+        );
+    }
+
+    /// Removes a file, durably.
+    pub fn delete(&self, name: &str) {
+        self.fs.borrow_mut().files.remove(name);
+    }
+
+    /// Writes and fsyncs performed so far.
+    pub fn op_counts(&self) -> (u64, u64) {
+        let fs = self.fs.borrow();
+        (fs.faults.writes, fs.faults.syncs)
+    }
+}
+
+impl Backend for MemBackend {
+    type File = MemFileHandle;
+
+    async fn open(&self, name: &str, create: bool) -> io::Result<MemFileHandle> {
+        let mut fs = self.fs.borrow_mut();
+        if !fs.files.contains_key(name) {
+            if !create {
+                return Err(io::Error::from(io::ErrorKind::NotFound));
+            }
+            fs.files.insert(name.to_owned(), MemFile::default());
+        }
+        Ok(MemFileHandle {
+            fs: self.fs.clone(),
+            name: name.to_owned(),
+        })
+    }
+
+    async fn list(&self) -> io::Result<Vec<String>> {
+        Ok(self.fs.borrow().files.keys().cloned().collect())
+    }
+
+    async fn remove(&self, name: &str) -> io::Result<()> {
+        self.fs
+            .borrow_mut()
+            .files
+            .remove(name)
+            .map(|_| ())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
+    }
+
+    async fn sync_dir(&self) -> io::Result<()> {
+        for f in self.fs.borrow_mut().files.values_mut() {
+            f.created_durably = true;
+        }
+        Ok(())
+    }
+
+    async fn write_small(&self, name: &str, data: &[u8]) -> io::Result<()> {
+        let mut fs = self.fs.borrow_mut();
+        let f = fs.files.entry(name.to_owned()).or_default();
+        f.data = data.to_vec();
+        Ok(())
+    }
+
+    async fn read_small(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
+        Ok(self.fs.borrow().files.get(name).map(|f| f.data.clone()))
+    }
+}
+
+impl MemFileHandle {
+    fn with<T>(&self, f: impl FnOnce(&mut MemFile) -> T) -> io::Result<T> {
+        let mut fs = self.fs.borrow_mut();
+        let file = fs
+            .files
+            .get_mut(&self.name)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        Ok(f(file))
+    }
+}
+
+impl SegmentFile for MemFileHandle {
+    async fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
+        assert!(
+            (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES),
+            "O_DIRECT writes are block-aligned: pos {pos}, len {}",
+            data.len()
+        );
+        let (fail, tear) = {
+            let mut fs = self.fs.borrow_mut();
+            fs.faults.writes += 1;
+            (
+                std::mem::take(&mut fs.faults.fail_next_write),
+                fs.faults.tear_next_write.take(),
+            )
+        };
+        if fail {
+            return Err(injected("write"));
+        }
+        let pos = pos as usize;
+        let keep = tear.map_or(data.len(), |k| k.min(data.len()));
+        self.with(|f| {
+            for v in [Some(&mut f.data), tear.map(|_| &mut f.durable)]
+                .into_iter()
+                .flatten()
+            {
+                if v.len() < pos + keep {
+                    v.resize(pos + keep, 0);
+                }
+                v[pos..pos + keep].copy_from_slice(&data[..keep]);
+            }
+        })?;
+        if tear.is_some() {
+            return Err(injected("torn write"));
+        }
+        Ok(())
+    }
+
+    async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
+        self.with(|f| {
+            let start = (pos as usize).min(f.data.len());
+            let end = start.saturating_add(len).min(f.data.len());
+            Bytes::copy_from_slice(&f.data[start..end])
+        })
+    }
+
+    async fn sync_data(&self) -> io::Result<()> {
+        let fail = {
+            let mut fs = self.fs.borrow_mut();
+            fs.faults.syncs += 1;
+            std::mem::take(&mut fs.faults.fail_next_sync)
+        };
+        if fail {
+            // As on Linux after a failed fsync: the dirty data may be dropped, so what
+            // survives a crash is unknowable. Keep the old durable contents.
+            return Err(injected("fsync"));
+        }
+        self.with(|f| f.durable = f.data.clone())
+    }
+
+    async fn size(&self) -> io::Result<u64> {
+        self.with(|f| f.data.len() as u64)
+    }
+
+    async fn allocate(&self, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+
+    async fn truncate(&self, len: u64) -> io::Result<()> {
+        self.with(|f| f.data.resize(len as usize, 0))
+    }
+}

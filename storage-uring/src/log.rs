@@ -1,0 +1,1300 @@
+//! The per-shard segment log: offsets claimed at once, durability waited on later.
+//!
+//! One log lives on one core; its state is touched only from that core's executor, so
+//! it is a `RefCell` and never a lock. The durability protocol, in order:
+//!
+//! 1. `begin_append` (synchronous, no `.await`): checks the log is healthy, claims the
+//!    batch's offsets, encodes it into the staging buffer of the segment it belongs to
+//!    (deciding a roll from the projected size), and takes a commit turn. The batch's
+//!    place in the order is fixed here, before any disk wait.
+//! 2. The flusher task takes everything staged and writes it with one block-aligned
+//!    O_DIRECT write per segment (rewriting the last partial block with the new bytes
+//!    behind it). Rolling to a new segment first fdatasyncs the old one, then creates
+//!    the new file, writes and fdatasyncs its header, and fsyncs the directory.
+//! 3. Under `FsyncMode::OnCommit` the flusher then issues one fdatasync for the round:
+//!    every batch written in the round becomes durable together (group commit). Under
+//!    `Periodic` a timer asks for that fdatasync; under `None` only close does.
+//! 4. `commit` resolves once its batch is acknowledged (durable under `OnCommit`,
+//!    written otherwise) *and* every earlier turn has resolved: success, failure and
+//!    cancellation (dropping a `PendingAppend`) all release the next turn, so commits
+//!    complete in offset order. Work the caller does right after `commit` returns, before
+//!    its next `.await`, therefore also happens in offset order.
+//!
+//! A failed write or fdatasync poisons the log: the staged bytes behind it already own
+//! their offsets, and after a failed fdatasync the kernel may have dropped dirty data,
+//! so nothing is acknowledged again until the process restarts and recovery reads what
+//! actually reached the disk.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::error::{Corruption, CorruptionKind, StorageError};
+use crate::format::{
+    self, BATCH_HEADER_BYTES, BLOCK_BYTES, BatchKind, HeaderRead, MAX_BATCH_BODY_BYTES,
+    ProducerTag, SEGMENT_HEADER_BYTES, SegmentHeader,
+};
+use crate::index::SparseIndex;
+use crate::io::{Backend, SegmentFile};
+use crate::segment::{self, Segment, index_name, parse_segment_name, segment_name};
+
+/// When an acknowledged append is on stable storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsyncMode {
+    /// Never fsynced except at close: acks mean "written to the device".
+    None,
+    /// Fsynced at this interval: acks mean "written"; loss window one interval.
+    Periodic(Duration),
+    /// Acks wait for the fdatasync that covers them (group commit).
+    OnCommit,
+}
+
+impl std::str::FromStr for FsyncMode {
+    type Err = String;
+
+    /// `none`, `on-commit`, or `periodic:<ms>`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(FsyncMode::None),
+            "on-commit" | "on_commit" => Ok(FsyncMode::OnCommit),
+            other => match other.strip_prefix("periodic:") {
+                Some(ms) => ms
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|ms| *ms > 0)
+                    .map(|ms| FsyncMode::Periodic(Duration::from_millis(ms)))
+                    .ok_or_else(|| format!("bad periodic interval {ms:?} (milliseconds > 0)")),
+                None => Err(format!(
+                    "unknown fsync mode {other:?}: expected none, on-commit or periodic:<ms>"
+                )),
+            },
+        }
+    }
+}
+
+/// How much of the sealed segments recovery checksums at open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyOnOpen {
+    /// Every batch of every segment.
+    All,
+    /// Sealed segments: header, index and the batches after the last index entry; the
+    /// newest segment is always scanned in full.
+    Tail,
+}
+
+/// Log configuration.
+#[derive(Debug, Clone)]
+pub struct LogConfig {
+    /// Roll to a new segment when the next batch would pass this size.
+    pub segment_bytes_max: u64,
+    /// Sparse index spacing.
+    pub index_interval_bytes: u64,
+    /// Durability of acknowledgements.
+    pub fsync: FsyncMode,
+    /// Reserve each segment's space up front (fallocate KEEP_SIZE).
+    pub preallocate: bool,
+    /// Delete whole sealed segments from the head while the log is larger than this.
+    pub retention_bytes: Option<u64>,
+    /// Delete whole sealed segments whose newest record is older than this.
+    pub retention_age: Option<Duration>,
+    /// Checksumming at open.
+    pub verify_on_open: VerifyOnOpen,
+    /// Bytes fetched per read call.
+    pub read_window_bytes: usize,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            segment_bytes_max: 256 * 1024 * 1024,
+            index_interval_bytes: 4096,
+            fsync: FsyncMode::OnCommit,
+            preallocate: true,
+            retention_bytes: None,
+            retention_age: None,
+            verify_on_open: VerifyOnOpen::All,
+            read_window_bytes: 1024 * 1024,
+        }
+    }
+}
+
+/// What recovery found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Segments in the log after recovery.
+    pub segments: usize,
+    /// Oldest retained offset.
+    pub base_offset: u64,
+    /// Next offset to be assigned.
+    pub next_offset: u64,
+    /// Bytes of torn or zeroed tail cut from the newest segment.
+    pub truncated_bytes: u64,
+    /// Segment files discarded because their creation never completed.
+    pub discarded_segments: usize,
+    /// Index files rebuilt from their segments.
+    pub rebuilt_indexes: usize,
+    /// Bytes checksummed.
+    pub verified_bytes: u64,
+    /// Wall time.
+    pub duration: Duration,
+}
+
+/// A batch read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadBatch {
+    /// Offset of `records[0]`.
+    pub base_offset: u64,
+    /// Append time.
+    pub timestamp_micros: u64,
+    /// Data or generation start.
+    pub kind: BatchKind,
+    /// Producer tag.
+    pub producer: Option<ProducerTag>,
+    /// The records (zero-copy slices of the read buffer).
+    pub records: Vec<Bytes>,
+}
+
+impl ReadBatch {
+    /// One past the last record.
+    pub fn end_offset(&self) -> u64 {
+        self.base_offset + self.records.len() as u64
+    }
+}
+
+/// Counters for metrics and benchmarks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LogStats {
+    /// Batches appended.
+    pub appends: u64,
+    /// Flush rounds (one write per touched segment each).
+    pub flush_rounds: u64,
+    /// fdatasync calls on segment data.
+    pub syncs: u64,
+    /// Batches made durable by those syncs.
+    pub synced_batches: u64,
+    /// Bytes written, padding included.
+    pub bytes_written: u64,
+    /// Segment rolls.
+    pub rolls: u64,
+}
+
+/// Offsets `[first, end)` of an appended batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Appended {
+    /// First offset.
+    pub first: u64,
+    /// One past the last.
+    pub end: u64,
+}
+
+/// Encoded bytes waiting for the flusher, all for one segment.
+#[derive(Debug)]
+struct Chunk {
+    segment_base: u64,
+    /// The flusher must roll to a new segment at `segment_base` before writing.
+    opens_segment: bool,
+    bytes: Vec<u8>,
+    end_offset: u64,
+    batches: u64,
+    max_timestamp_micros: u64,
+    index: Vec<(u64, u64)>,
+}
+
+#[derive(Debug, Default)]
+struct Sequencer {
+    /// First offset whose turn it is.
+    next: u64,
+    /// Ranges resolved out of order: first -> end.
+    resolved: BTreeMap<u64, u64>,
+    waiters: BTreeMap<u64, Waker>,
+}
+
+impl Sequencer {
+    fn resolve(&mut self, first: u64, end: u64) {
+        if first == self.next {
+            self.next = end;
+            while let Some(end) = self.resolved.remove(&self.next) {
+                self.next = end;
+            }
+            if let Some(w) = self.waiters.remove(&self.next) {
+                w.wake();
+            }
+        } else {
+            self.resolved.insert(first, end);
+        }
+    }
+}
+
+struct State<F> {
+    segments: VecDeque<Segment<F>>,
+    staged: VecDeque<Chunk>,
+    spare: Vec<Vec<u8>>,
+    /// Next offset to assign.
+    next_offset: u64,
+    /// Where the next batch goes in the segment appends are filling.
+    append_base: u64,
+    append_pos: u64,
+    append_last_indexed: Option<u64>,
+    /// One past the last record written / fsynced.
+    written_end: u64,
+    durable_end: u64,
+    sequencer: Sequencer,
+    /// Waiters for the acknowledged end to pass a value: end needed -> wakers.
+    ack_waiters: BTreeMap<u64, Vec<Waker>>,
+    flusher: Option<Waker>,
+    sync_requested: bool,
+    /// Wakers of `sync()` callers, woken after the next fsync.
+    poisoned: Option<(&'static str, String)>,
+    closing: bool,
+    closed: bool,
+    stats: LogStats,
+}
+
+struct Shared<B: Backend> {
+    backend: B,
+    config: LogConfig,
+    state: RefCell<State<B::File>>,
+}
+
+/// A segment log over backend `B`. Cloning shares the log.
+pub struct SegmentLog<B: Backend> {
+    shared: Rc<Shared<B>>,
+    tasks: Rc<RefCell<Vec<glommio::Task<()>>>>,
+}
+
+impl<B: Backend> Clone for SegmentLog<B> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+            tasks: self.tasks.clone(),
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for SegmentLog<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let st = self.shared.state.borrow();
+        f.debug_struct("SegmentLog")
+            .field("segments", &st.segments.len())
+            .field("next_offset", &st.next_offset)
+            .field("written_end", &st.written_end)
+            .field("durable_end", &st.durable_end)
+            .finish()
+    }
+}
+
+/// A batch whose offsets are claimed. Commit it, or drop it to give up waiting (the
+/// batch is still written: its offsets are taken).
+#[must_use = "a pending append holds a commit turn until committed or dropped"]
+pub struct PendingAppend {
+    first: u64,
+    end: u64,
+    resolve: Option<Rc<dyn Fn(u64, u64)>>,
+}
+
+impl std::fmt::Debug for PendingAppend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingAppend")
+            .field("first", &self.first)
+            .field("end", &self.end)
+            .finish()
+    }
+}
+
+impl PendingAppend {
+    /// First offset claimed.
+    pub fn first(&self) -> u64 {
+        self.first
+    }
+
+    /// One past the last offset claimed.
+    pub fn end(&self) -> u64 {
+        self.end
+    }
+
+    fn release(&mut self) {
+        if let Some(resolve) = self.resolve.take() {
+            resolve(self.first, self.end);
+        }
+    }
+}
+
+impl Drop for PendingAppend {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+fn now_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+impl<B: Backend> SegmentLog<B> {
+    /// Opens the log in `backend`, recovering what is there (or creating an empty log),
+    /// and starts its flusher on the current glommio executor.
+    pub async fn open(
+        backend: B,
+        config: LogConfig,
+    ) -> Result<(SegmentLog<B>, RecoveryReport), StorageError> {
+        if config.segment_bytes_max < (SEGMENT_HEADER_BYTES + BATCH_HEADER_BYTES) as u64
+            || config.index_interval_bytes == 0
+            || config.read_window_bytes == 0
+            || config.retention_bytes == Some(0)
+            || config.retention_age == Some(Duration::ZERO)
+        {
+            return Err(StorageError::Config(format!("{config:?}")));
+        }
+        let started = Instant::now();
+        let (segments, mut report) = recover(&backend, &config).await?;
+        let last = segments
+            .back()
+            .expect("recovery leaves at least one segment");
+        let next_offset = last.end_offset;
+        let (append_base, append_pos) = (last.base, last.data_len);
+        report.segments = segments.len();
+        report.base_offset = segments.front().map_or(0, |s| s.base);
+        report.next_offset = next_offset;
+        report.duration = started.elapsed();
+        let state = State {
+            segments,
+            staged: VecDeque::new(),
+            spare: Vec::new(),
+            next_offset,
+            append_base,
+            append_pos,
+            append_last_indexed: None,
+            written_end: next_offset,
+            durable_end: next_offset,
+            sequencer: Sequencer {
+                next: next_offset,
+                ..Sequencer::default()
+            },
+            ack_waiters: BTreeMap::new(),
+            flusher: None,
+            sync_requested: false,
+            poisoned: None,
+            closing: false,
+            closed: false,
+            stats: LogStats::default(),
+        };
+        let log = SegmentLog {
+            shared: Rc::new(Shared {
+                backend,
+                config,
+                state: RefCell::new(state),
+            }),
+            tasks: Rc::new(RefCell::new(Vec::new())),
+        };
+        // The newest segment's index covers every batch, so the next entry is due one
+        // interval after its last.
+        {
+            let mut st = log.shared.state.borrow_mut();
+            st.append_last_indexed = st
+                .segments
+                .back()
+                .and_then(|s| s.index.last().map(|(_, p)| p));
+        }
+        let flusher = glommio::spawn_local(flusher(log.shared.clone()));
+        log.tasks.borrow_mut().push(flusher);
+        if let FsyncMode::Periodic(interval) = log.shared.config.fsync {
+            let ticker = glommio::spawn_local(periodic_sync(Rc::downgrade(&log.shared), interval));
+            log.tasks.borrow_mut().push(ticker);
+        }
+        Ok((log, report))
+    }
+
+    /// Claims offsets for `records` and stages them; see the module docs, step 1.
+    pub fn begin_append<R: AsRef<[u8]>>(
+        &self,
+        records: &[R],
+        timestamp_micros: u64,
+        producer: Option<ProducerTag>,
+    ) -> Result<PendingAppend, StorageError> {
+        self.begin(records, timestamp_micros, BatchKind::Data, producer)
+    }
+
+    /// Claims one offset for a generation-start record.
+    pub fn begin_generation_start(&self, generation: u64) -> Result<PendingAppend, StorageError> {
+        self.begin(
+            &[generation.to_be_bytes()],
+            now_micros(),
+            BatchKind::GenerationStart,
+            None,
+        )
+    }
+
+    fn begin<R: AsRef<[u8]>>(
+        &self,
+        records: &[R],
+        timestamp_micros: u64,
+        kind: BatchKind,
+        producer: Option<ProducerTag>,
+    ) -> Result<PendingAppend, StorageError> {
+        if records.is_empty() {
+            return Err(StorageError::EmptyBatch);
+        }
+        let len = format::batch_len(records);
+        if len - BATCH_HEADER_BYTES > MAX_BATCH_BODY_BYTES {
+            return Err(StorageError::BatchTooLarge {
+                bytes: len - BATCH_HEADER_BYTES,
+                max: MAX_BATCH_BODY_BYTES,
+            });
+        }
+        let cfg = &self.shared.config;
+        let mut st = self.shared.state.borrow_mut();
+        let st = &mut *st;
+        if let Some((op, detail)) = &st.poisoned {
+            return Err(StorageError::Poisoned {
+                op,
+                detail: detail.clone(),
+            });
+        }
+        if st.closing || st.closed {
+            return Err(StorageError::Closed);
+        }
+        let first = st.next_offset;
+        let end = first + records.len() as u64;
+        // A batch is never split: roll first if it would pass the size limit (unless
+        // the segment is empty, so an oversized batch gets a segment to itself).
+        let roll = st.append_pos > SEGMENT_HEADER_BYTES as u64
+            && st.append_pos + len as u64 > cfg.segment_bytes_max;
+        if roll {
+            st.append_base = first;
+            st.append_pos = SEGMENT_HEADER_BYTES as u64;
+            st.append_last_indexed = None;
+        }
+        let needs_chunk = roll
+            || st
+                .staged
+                .back()
+                .is_none_or(|c| c.segment_base != st.append_base);
+        if needs_chunk {
+            let bytes = st.spare.pop().unwrap_or_default();
+            st.staged.push_back(Chunk {
+                segment_base: st.append_base,
+                opens_segment: roll,
+                bytes,
+                end_offset: first,
+                batches: 0,
+                max_timestamp_micros: 0,
+                index: Vec::new(),
+            });
+        }
+        let chunk = st.staged.back_mut().expect("a chunk was just ensured");
+        format::encode_batch(
+            &mut chunk.bytes,
+            first,
+            timestamp_micros,
+            kind,
+            producer,
+            records,
+        );
+        let pos = st.append_pos;
+        if st
+            .append_last_indexed
+            .is_none_or(|last| pos >= last + cfg.index_interval_bytes)
+        {
+            chunk.index.push((first, pos));
+            st.append_last_indexed = Some(pos);
+        }
+        chunk.end_offset = end;
+        chunk.batches += 1;
+        chunk.max_timestamp_micros = chunk.max_timestamp_micros.max(timestamp_micros);
+        st.append_pos += len as u64;
+        st.next_offset = end;
+        st.stats.appends += 1;
+        if let Some(w) = st.flusher.take() {
+            w.wake();
+        }
+        let weak = Rc::downgrade(&self.shared);
+        Ok(PendingAppend {
+            first,
+            end,
+            resolve: Some(Rc::new(move |first, end| {
+                if let Some(shared) = weak.upgrade() {
+                    shared.state.borrow_mut().sequencer.resolve(first, end);
+                }
+            })),
+        })
+    }
+
+    /// Waits until the batch is acknowledged and its turn has come; see step 4.
+    pub async fn commit(&self, mut pending: PendingAppend) -> Result<Appended, StorageError> {
+        let result = poll_fn(|cx| self.poll_commit(&pending, cx)).await;
+        pending.release();
+        result.map(|()| Appended {
+            first: pending.first,
+            end: pending.end,
+        })
+    }
+
+    fn poll_commit(
+        &self,
+        p: &PendingAppend,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), StorageError>> {
+        let mut st = self.shared.state.borrow_mut();
+        let acked = ack_end(&st, self.shared.config.fsync);
+        if acked < p.end {
+            if let Some((op, detail)) = &st.poisoned {
+                return Poll::Ready(Err(StorageError::Poisoned {
+                    op,
+                    detail: detail.clone(),
+                }));
+            }
+            if st.closed {
+                return Poll::Ready(Err(StorageError::Closed));
+            }
+            st.ack_waiters
+                .entry(p.end)
+                .or_default()
+                .push(cx.waker().clone());
+            return Poll::Pending;
+        }
+        if st.sequencer.next < p.first {
+            st.sequencer.waiters.insert(p.first, cx.waker().clone());
+            return Poll::Pending;
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// `begin_append` then `commit`.
+    pub async fn append<R: AsRef<[u8]>>(
+        &self,
+        records: &[R],
+        timestamp_micros: u64,
+    ) -> Result<Appended, StorageError> {
+        let pending = self.begin_append(records, timestamp_micros, None)?;
+        self.commit(pending).await
+    }
+
+    /// Oldest retained offset.
+    pub fn base_offset(&self) -> u64 {
+        self.shared
+            .state
+            .borrow()
+            .segments
+            .front()
+            .map_or(0, |s| s.base)
+    }
+
+    /// Next offset to be assigned.
+    pub fn next_offset(&self) -> u64 {
+        self.shared.state.borrow().next_offset
+    }
+
+    /// One past the last acknowledged record: what readers may see.
+    pub fn committed_end(&self) -> u64 {
+        ack_end(&self.shared.state.borrow(), self.shared.config.fsync)
+    }
+
+    /// One past the last fsynced record.
+    pub fn durable_end(&self) -> u64 {
+        self.shared.state.borrow().durable_end
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> LogStats {
+        self.shared.state.borrow().stats
+    }
+
+    /// The poison, if a write or fsync failed.
+    pub fn poisoned(&self) -> Option<String> {
+        self.shared
+            .state
+            .borrow()
+            .poisoned
+            .as_ref()
+            .map(|(op, d)| format!("{op}: {d}"))
+    }
+
+    /// Number of segments.
+    pub fn segment_count(&self) -> usize {
+        self.shared.state.borrow().segments.len()
+    }
+
+    /// Bytes of data across all segments.
+    pub fn size_bytes(&self) -> u64 {
+        self.shared
+            .state
+            .borrow()
+            .segments
+            .iter()
+            .map(|s| s.data_len)
+            .sum()
+    }
+
+    /// Resolves once the acknowledged end passes `offset` (a record at `offset` is
+    /// readable), or the log is poisoned or closed: a tailing reader's wait.
+    pub async fn wait_for(&self, offset: u64) -> Result<(), StorageError> {
+        poll_fn(|cx| {
+            let mut st = self.shared.state.borrow_mut();
+            if ack_end(&st, self.shared.config.fsync) > offset {
+                return Poll::Ready(Ok(()));
+            }
+            if let Some((op, detail)) = &st.poisoned {
+                return Poll::Ready(Err(StorageError::Poisoned {
+                    op,
+                    detail: detail.clone(),
+                }));
+            }
+            if st.closed {
+                return Poll::Ready(Err(StorageError::Closed));
+            }
+            st.ack_waiters
+                .entry(offset + 1)
+                .or_default()
+                .push(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Forces an fdatasync of everything written so far and waits for it.
+    pub async fn sync(&self) -> Result<(), StorageError> {
+        let target = {
+            let mut st = self.shared.state.borrow_mut();
+            st.sync_requested = true;
+            if let Some(w) = st.flusher.take() {
+                w.wake();
+            }
+            st.next_offset
+        };
+        poll_fn(|cx| {
+            let mut st = self.shared.state.borrow_mut();
+            if st.durable_end >= target {
+                return Poll::Ready(Ok(()));
+            }
+            if let Some((op, detail)) = &st.poisoned {
+                return Poll::Ready(Err(StorageError::Poisoned {
+                    op,
+                    detail: detail.clone(),
+                }));
+            }
+            st.sync_requested = true;
+            if let Some(w) = st.flusher.take() {
+                w.wake();
+            }
+            // Durable waiters share the ack waiter list: a sync always wakes them.
+            st.ack_waiters
+                .entry(target)
+                .or_default()
+                .push(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Reads acknowledged records from `from`: whole batches (the first trimmed to
+    /// start at `from`) until about `max_bytes` of payload, at least one batch when any
+    /// exists. Empty at or past the acknowledged end; `Trimmed` below the base.
+    pub async fn read(&self, from: u64, max_bytes: usize) -> Result<Vec<ReadBatch>, StorageError> {
+        let mut out = Vec::new();
+        let mut offset = from;
+        let mut budget = max_bytes;
+        loop {
+            // Locate under the borrow; await with none held.
+            let (file, name, mut pos, data_len, end) = {
+                let st = self.shared.state.borrow();
+                let end = ack_end(&st, self.shared.config.fsync);
+                let base = st.segments.front().map_or(0, |s| s.base);
+                if offset < base {
+                    return Err(StorageError::Trimmed {
+                        requested: offset,
+                        oldest: base,
+                    });
+                }
+                if offset >= end || (!out.is_empty() && budget == 0) {
+                    return Ok(out);
+                }
+                let i = st.segments.partition_point(|s| s.base <= offset) - 1;
+                let s = &st.segments[i];
+                (
+                    s.file.clone(),
+                    s.name.clone(),
+                    s.index.seek(offset),
+                    s.data_len,
+                    end,
+                )
+            };
+            let window = self
+                .shared
+                .config
+                .read_window_bytes
+                .max(budget.min(16 << 20));
+            let len = ((data_len - pos) as usize).min(window);
+            let mut bytes = file
+                .read_at(pos, len)
+                .await
+                .map_err(|e| StorageError::io("read", &name, e))?;
+            let mut progressed = false;
+            let mut at = 0usize;
+            while at + BATCH_HEADER_BYTES <= bytes.len() && offset < end {
+                let corrupt = |kind: CorruptionKind, position: u64| {
+                    StorageError::Corrupt(Corruption {
+                        segment: name.clone(),
+                        position,
+                        offset: Some(offset),
+                        kind,
+                    })
+                };
+                let h = match format::decode_batch_header(&bytes[at..]) {
+                    Ok(HeaderRead::Batch(h)) => h,
+                    Ok(HeaderRead::Zero) => {
+                        return Err(corrupt(
+                            CorruptionKind::Format(format::FormatError::BatchMagic { found: 0 }),
+                            pos + at as u64,
+                        ));
+                    }
+                    Err(e) => return Err(corrupt(e.into(), pos + at as u64)),
+                };
+                if at + h.total_len() > bytes.len() {
+                    if at == 0 {
+                        // One batch larger than the window: fetch it whole.
+                        bytes = file
+                            .read_at(pos, h.total_len())
+                            .await
+                            .map_err(|e| StorageError::io("read", &name, e))?;
+                        if bytes.len() < h.total_len() {
+                            return Err(corrupt(
+                                CorruptionKind::Format(format::FormatError::Truncated {
+                                    needed: h.total_len(),
+                                    available: bytes.len(),
+                                }),
+                                pos,
+                            ));
+                        }
+                        continue;
+                    }
+                    break;
+                }
+                let body = bytes.slice(at + BATCH_HEADER_BYTES..at + h.total_len());
+                at += h.total_len();
+                progressed = true;
+                if h.end_offset() <= offset {
+                    continue;
+                }
+                if h.base_offset > offset {
+                    return Err(corrupt(
+                        CorruptionKind::OffsetGap {
+                            expected: offset,
+                            found: h.base_offset,
+                        },
+                        pos + (at - h.total_len()) as u64,
+                    ));
+                }
+                let mut records = format::decode_batch_body(&h, &body)
+                    .map_err(|e| corrupt(e.into(), pos + (at - h.total_len()) as u64))?;
+                let skip = (offset - h.base_offset) as usize;
+                records.drain(..skip);
+                let payload: usize = records.iter().map(Bytes::len).sum();
+                out.push(ReadBatch {
+                    base_offset: offset,
+                    timestamp_micros: h.timestamp_micros,
+                    kind: h.kind,
+                    producer: h.producer,
+                    records,
+                });
+                offset = h.end_offset();
+                budget = budget.saturating_sub(payload);
+                if budget == 0 {
+                    return Ok(out);
+                }
+            }
+            pos += at as u64;
+            if !progressed && pos >= data_len {
+                // The segment holds nothing more at or after `offset`: that would be a
+                // gap between segments, which recovery rules out.
+                return Err(StorageError::Corrupt(Corruption {
+                    segment: name,
+                    position: pos,
+                    offset: Some(offset),
+                    kind: CorruptionKind::OffsetGap {
+                        expected: offset,
+                        found: offset,
+                    },
+                }));
+            }
+        }
+    }
+
+    /// Deletes whole sealed segments from the head that retention no longer keeps.
+    /// Returns how many were removed. The active segment is never removed.
+    pub async fn enforce_retention(&self, now_micros: u64) -> Result<usize, StorageError> {
+        let cfg = &self.shared.config;
+        let mut doomed = Vec::new();
+        {
+            let mut st = self.shared.state.borrow_mut();
+            let mut total: u64 = st.segments.iter().map(|s| s.data_len).sum();
+            while st.segments.len() > 1 {
+                let front = &st.segments[0];
+                let too_big = cfg.retention_bytes.is_some_and(|max| total > max);
+                let too_old = cfg.retention_age.is_some_and(|age| {
+                    front.max_timestamp_micros + (age.as_micros() as u64) < now_micros
+                });
+                if !(too_big || too_old) {
+                    break;
+                }
+                total -= front.data_len;
+                let s = st.segments.pop_front().expect("len > 1");
+                doomed.push(s.base);
+            }
+        }
+        for base in &doomed {
+            let name = segment_name(*base);
+            self.shared
+                .backend
+                .remove(&name)
+                .await
+                .map_err(|e| StorageError::io("retention remove", &name, e))?;
+            let _ = self.shared.backend.remove(&index_name(*base)).await;
+        }
+        if !doomed.is_empty() {
+            self.shared
+                .backend
+                .sync_dir()
+                .await
+                .map_err(|e| StorageError::io("retention sync_dir", "log directory", e))?;
+        }
+        Ok(doomed.len())
+    }
+
+    /// Writes everything staged, fsyncs, writes the newest segment's index and stops
+    /// the flusher. Later appends fail with `Closed`.
+    pub async fn close(&self) -> Result<(), StorageError> {
+        {
+            let mut st = self.shared.state.borrow_mut();
+            st.closing = true;
+            st.sync_requested = true;
+            if let Some(w) = st.flusher.take() {
+                w.wake();
+            }
+        }
+        let tasks: Vec<_> = self.tasks.borrow_mut().drain(..).collect();
+        for t in tasks {
+            t.await;
+        }
+        let poisoned = self.shared.state.borrow().poisoned.clone();
+        if let Some((op, detail)) = poisoned {
+            return Err(StorageError::Poisoned { op, detail });
+        }
+        let (base, bytes) = {
+            let st = self.shared.state.borrow();
+            let last = st.segments.back().expect("at least one segment");
+            (last.base, last.index.encode(last.base))
+        };
+        let _ = self
+            .shared
+            .backend
+            .write_small(&index_name(base), &bytes)
+            .await;
+        Ok(())
+    }
+}
+
+fn ack_end<F>(st: &State<F>, mode: FsyncMode) -> u64 {
+    match mode {
+        FsyncMode::OnCommit => st.durable_end,
+        FsyncMode::None | FsyncMode::Periodic(_) => st.written_end,
+    }
+}
+
+fn wake_acked<F>(st: &mut State<F>, mode: FsyncMode) {
+    let acked = ack_end(st, mode).max(st.durable_end);
+    let later = st.ack_waiters.split_off(&(acked + 1));
+    let ready = std::mem::replace(&mut st.ack_waiters, later);
+    for w in ready.into_values().flatten() {
+        w.wake();
+    }
+}
+
+fn wake_all<F>(st: &mut State<F>) {
+    for w in std::mem::take(&mut st.ack_waiters).into_values().flatten() {
+        w.wake();
+    }
+    for w in std::mem::take(&mut st.sequencer.waiters).into_values() {
+        w.wake();
+    }
+}
+
+async fn periodic_sync<B: Backend>(shared: std::rc::Weak<Shared<B>>, interval: Duration) {
+    loop {
+        glommio::timer::sleep(interval).await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let mut st = shared.state.borrow_mut();
+        if st.closing || st.closed || st.poisoned.is_some() {
+            return;
+        }
+        if st.written_end > st.durable_end {
+            st.sync_requested = true;
+            if let Some(w) = st.flusher.take() {
+                w.wake();
+            }
+        }
+    }
+}
+
+/// The flusher task: steps 2 and 3 of the durability protocol.
+async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        poll_fn(|cx| {
+            let mut st = shared.state.borrow_mut();
+            if !st.staged.is_empty() || st.sync_requested || st.closing {
+                Poll::Ready(())
+            } else {
+                st.flusher = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+        .await;
+        let result = flush_round(&shared, &mut buf).await;
+        let mut st = shared.state.borrow_mut();
+        if let Err((op, e)) = result {
+            st.poisoned = Some((op, e.to_string()));
+            wake_all(&mut st);
+            st.closed = st.closing;
+            return;
+        }
+        if st.closing && st.staged.is_empty() && !st.sync_requested {
+            st.closed = true;
+            wake_all(&mut st);
+            return;
+        }
+    }
+}
+
+async fn flush_round<B: Backend>(
+    shared: &Rc<Shared<B>>,
+    buf: &mut Vec<u8>,
+) -> Result<(), (&'static str, std::io::Error)> {
+    let cfg = &shared.config;
+    let (chunks, sync_requested) = {
+        let mut st = shared.state.borrow_mut();
+        st.stats.flush_rounds += 1;
+        (
+            std::mem::take(&mut st.staged),
+            std::mem::take(&mut st.sync_requested),
+        )
+    };
+    let mut batches_written = 0u64;
+    for mut chunk in chunks {
+        if chunk.opens_segment {
+            roll(shared, chunk.segment_base).await?;
+        }
+        // Rewrite the last partial block with the new bytes behind it.
+        let (file, write_pos) = {
+            let st = shared.state.borrow();
+            let seg = st.segments.back().expect("at least one segment");
+            debug_assert_eq!(seg.base, chunk.segment_base);
+            buf.clear();
+            buf.extend_from_slice(&seg.tail_block);
+            (seg.file.clone(), format::align_down(seg.data_len))
+        };
+        buf.extend_from_slice(&chunk.bytes);
+        let data_end = buf.len();
+        buf.resize(format::align_up(data_end as u64) as usize, 0);
+        file.write_at(buf, write_pos)
+            .await
+            .map_err(|e| ("write", e))?;
+        batches_written += chunk.batches;
+        let mut st = shared.state.borrow_mut();
+        let seg = st.segments.back_mut().expect("at least one segment");
+        seg.data_len = write_pos + data_end as u64;
+        seg.end_offset = chunk.end_offset;
+        seg.max_timestamp_micros = seg.max_timestamp_micros.max(chunk.max_timestamp_micros);
+        for &(o, p) in &chunk.index {
+            seg.index.observe(o, p, 0);
+        }
+        let tail_start = format::align_down(data_end as u64) as usize;
+        seg.tail_block.clear();
+        seg.tail_block.extend_from_slice(&buf[tail_start..data_end]);
+        st.written_end = chunk.end_offset;
+        st.stats.bytes_written += buf.len() as u64;
+        chunk.bytes.clear();
+        if st.spare.len() < 4 {
+            st.spare.push(std::mem::take(&mut chunk.bytes));
+        }
+        wake_acked(&mut st, cfg.fsync);
+    }
+    let (need_sync, file, target) = {
+        let st = shared.state.borrow();
+        let want = cfg.fsync == FsyncMode::OnCommit || sync_requested;
+        let last = st.segments.back().expect("at least one segment");
+        (
+            want && st.written_end > st.durable_end,
+            last.file.clone(),
+            st.written_end,
+        )
+    };
+    if need_sync {
+        file.sync_data().await.map_err(|e| ("fsync", e))?;
+        let mut st = shared.state.borrow_mut();
+        st.durable_end = target;
+        st.stats.syncs += 1;
+        st.stats.synced_batches += batches_written;
+        wake_acked(&mut st, cfg.fsync);
+    } else if sync_requested {
+        let mut st = shared.state.borrow_mut();
+        wake_acked(&mut st, cfg.fsync);
+    }
+    Ok(())
+}
+
+/// Seals the newest segment (fdatasync, index file) and creates the next one with a
+/// durable header and directory entry before anything is written into it.
+async fn roll<B: Backend>(
+    shared: &Rc<Shared<B>>,
+    new_base: u64,
+) -> Result<(), (&'static str, std::io::Error)> {
+    let (old_file, old_base, old_index, old_end) = {
+        let st = shared.state.borrow();
+        let s = st.segments.back().expect("at least one segment");
+        (s.file.clone(), s.base, s.index.encode(s.base), s.end_offset)
+    };
+    old_file.sync_data().await.map_err(|e| ("fsync", e))?;
+    {
+        let mut st = shared.state.borrow_mut();
+        st.durable_end = st.durable_end.max(old_end);
+        st.stats.syncs += 1;
+    }
+    // Derived: a lost or torn index is rebuilt at open, so it is not fsynced.
+    let _ = shared
+        .backend
+        .write_small(&index_name(old_base), &old_index)
+        .await;
+    let segment = create_segment(&shared.backend, &shared.config, new_base)
+        .await
+        .map_err(|e| ("create segment", e))?;
+    let mut st = shared.state.borrow_mut();
+    st.segments.push_back(segment);
+    st.stats.rolls += 1;
+    Ok(())
+}
+
+async fn create_segment<B: Backend>(
+    backend: &B,
+    config: &LogConfig,
+    base: u64,
+) -> std::io::Result<Segment<B::File>> {
+    let name = segment_name(base);
+    let file = backend.open(&name, true).await?;
+    file.truncate(0).await?;
+    if config.preallocate {
+        file.allocate(config.segment_bytes_max).await?;
+    }
+    let header = SegmentHeader {
+        base_offset: base,
+        created_at_micros: now_micros(),
+    }
+    .encode();
+    file.write_at(&header, 0).await?;
+    file.sync_data().await?;
+    backend.sync_dir().await?;
+    Ok(Segment {
+        name,
+        base,
+        end_offset: base,
+        data_len: SEGMENT_HEADER_BYTES as u64,
+        file: Rc::new(file),
+        index: SparseIndex::default(),
+        max_timestamp_micros: 0,
+        tail_block: Vec::new(),
+    })
+}
+
+/// Recovery: see `docs/storage-format.md`, "Recovery".
+async fn recover<B: Backend>(
+    backend: &B,
+    config: &LogConfig,
+) -> Result<(VecDeque<Segment<B::File>>, RecoveryReport), StorageError> {
+    let mut report = RecoveryReport::default();
+    let mut bases = Vec::new();
+    for name in backend
+        .list()
+        .await
+        .map_err(|e| StorageError::io("list", "log directory", e))?
+    {
+        match parse_segment_name(&name) {
+            None => {}
+            Some(Ok(base)) => bases.push(base),
+            Some(Err(reason)) => return Err(StorageError::ForeignFile { name, reason }),
+        }
+    }
+    bases.sort_unstable();
+
+    // An interrupted roll leaves a newest segment with no durable header: it never held
+    // an acknowledged record, so it is discarded.
+    let mut fresh_base = 0;
+    while let Some(&base) = bases.last() {
+        let name = segment_name(base);
+        let file = backend
+            .open(&name, false)
+            .await
+            .map_err(|e| StorageError::io("open", &name, e))?;
+        let len = file
+            .size()
+            .await
+            .map_err(|e| StorageError::io("stat", &name, e))?;
+        let head = file
+            .read_at(0, SEGMENT_HEADER_BYTES)
+            .await
+            .map_err(|e| StorageError::io("read header", &name, e))?;
+        let blank = SegmentHeader::decode(&head).is_err()
+            && segment::first_nonzero(&file, 0, len)
+                .await
+                .map_err(|e| StorageError::io("scan", &name, e))?
+                .is_none();
+        if !blank {
+            break;
+        }
+        backend
+            .remove(&name)
+            .await
+            .map_err(|e| StorageError::io("remove blank segment", &name, e))?;
+        let _ = backend.remove(&index_name(base)).await;
+        backend
+            .sync_dir()
+            .await
+            .map_err(|e| StorageError::io("sync_dir", "log directory", e))?;
+        report.discarded_segments += 1;
+        fresh_base = base;
+        bases.pop();
+    }
+
+    let mut segments = VecDeque::new();
+    let mut expected: Option<u64> = None;
+    for (i, &base) in bases.iter().enumerate() {
+        let newest = i + 1 == bases.len();
+        let name = segment_name(base);
+        let io = |op| move |e| StorageError::io(op, &segment_name(base), e);
+        let file = backend.open(&name, false).await.map_err(io("open"))?;
+        let len = file.size().await.map_err(io("stat"))?;
+        let head = file
+            .read_at(0, SEGMENT_HEADER_BYTES)
+            .await
+            .map_err(io("read header"))?;
+        let corrupt = |position, kind| {
+            StorageError::Corrupt(Corruption {
+                segment: name.clone(),
+                position,
+                offset: expected,
+                kind,
+            })
+        };
+        let header = SegmentHeader::decode(&head).map_err(|e| corrupt(0, e.into()))?;
+        if header.base_offset != base {
+            return Err(corrupt(
+                0,
+                CorruptionKind::BaseMismatch {
+                    name: base,
+                    header: header.base_offset,
+                },
+            ));
+        }
+        if let Some(expected) = expected
+            && expected != base
+        {
+            return Err(corrupt(
+                0,
+                CorruptionKind::OffsetGap {
+                    expected,
+                    found: base,
+                },
+            ));
+        }
+        let mut index = SparseIndex::default();
+        let mut start = (SEGMENT_HEADER_BYTES as u64, base);
+        let loaded = if newest {
+            None
+        } else {
+            load_index(backend, &file, base, len).await
+        };
+        if let (Some(loaded), VerifyOnOpen::Tail) = (&loaded, config.verify_on_open) {
+            let (o, p) = loaded.last().expect("decoded indexes are non-empty");
+            start = (p, o);
+            index = loaded.clone();
+            // The scan below re-observes the entry it starts from.
+            index.truncate_last();
+        }
+        let end = segment::scan(
+            &file,
+            &name,
+            len,
+            start.0,
+            start.1,
+            newest,
+            &mut index,
+            config.index_interval_bytes,
+        )
+        .await?;
+        report.verified_bytes += end.data_len - start.0;
+        if let Some((pos, _)) = end.torn_at {
+            file.truncate(pos).await.map_err(io("truncate torn tail"))?;
+            file.sync_data().await.map_err(io("fsync repair"))?;
+            report.truncated_bytes += len - pos;
+        }
+        if !newest && loaded.as_ref() != Some(&index) {
+            report.rebuilt_indexes += 1;
+            let _ = backend
+                .write_small(&index_name(base), &index.encode(base))
+                .await;
+        }
+        let tail_start = format::align_down(end.data_len);
+        let tail_block = if newest {
+            file.read_at(tail_start, (end.data_len - tail_start) as usize)
+                .await
+                .map_err(io("read tail block"))?
+                .to_vec()
+        } else {
+            Vec::new()
+        };
+        expected = Some(end.end_offset);
+        segments.push_back(Segment {
+            name,
+            base,
+            end_offset: end.end_offset,
+            data_len: end.data_len,
+            file: Rc::new(file),
+            index,
+            max_timestamp_micros: end.max_timestamp_micros,
+            tail_block,
+        });
+    }
+    if segments.is_empty() {
+        let segment = create_segment(backend, config, fresh_base)
+            .await
+            .map_err(|e| StorageError::io("create segment", &segment_name(fresh_base), e))?;
+        segments.push_back(segment);
+    }
+    Ok((segments, report))
+}
+
+/// Loads and spot-checks a sealed segment's index: its last entry must point at a batch
+/// header that verifies and starts at that entry's offset. `None` means rebuild.
+async fn load_index<B: Backend>(
+    backend: &B,
+    file: &B::File,
+    base: u64,
+    len: u64,
+) -> Option<SparseIndex> {
+    let bytes = backend.read_small(&index_name(base)).await.ok()??;
+    let index = SparseIndex::decode(&bytes, base, len)?;
+    let (offset, pos) = index.last()?;
+    let head = file.read_at(pos, BATCH_HEADER_BYTES).await.ok()?;
+    match format::decode_batch_header(&head) {
+        Ok(HeaderRead::Batch(h)) if h.base_offset == offset => Some(index),
+        _ => None,
+    }
+}
+
+const _: () = assert!(SEGMENT_HEADER_BYTES.is_multiple_of(BLOCK_BYTES));

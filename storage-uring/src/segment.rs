@@ -1,0 +1,247 @@
+//! One segment file's in-memory state, and the validating scan that recovery and the
+//! `felix-log` tool use to walk it.
+
+use std::rc::Rc;
+
+use bytes::Bytes;
+
+use crate::error::{Corruption, CorruptionKind, StorageError};
+use crate::format::{
+    self, BATCH_HEADER_BYTES, BatchHeader, FormatError, HeaderRead, MAX_BATCH_BODY_BYTES,
+};
+use crate::index::SparseIndex;
+use crate::io::SegmentFile;
+
+/// Size of the windows a scan reads.
+const SCAN_WINDOW_BYTES: usize = 4 * 1024 * 1024;
+
+/// The file name of the segment starting at `base`.
+pub fn segment_name(base: u64) -> String {
+    format!("{base:020}.seg")
+}
+
+/// The index file name of the segment starting at `base`.
+pub fn index_name(base: u64) -> String {
+    format!("{base:020}.idx")
+}
+
+/// Parses a segment file name; `None` when `name` is not a segment name at all,
+/// `Some(Err)` when it claims to be one but is malformed.
+pub fn parse_segment_name(name: &str) -> Option<Result<u64, &'static str>> {
+    let stem = name.strip_suffix(".seg")?;
+    if stem.len() != 20 || !stem.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(Err("a .seg file whose name is not a 20-digit base offset"));
+    }
+    Some(stem.parse().map_err(|_| "base offset out of range"))
+}
+
+/// A segment that exists on disk.
+#[derive(Debug)]
+pub(crate) struct Segment<F> {
+    pub name: String,
+    pub base: u64,
+    /// One past the last record written to the file.
+    pub end_offset: u64,
+    /// Bytes of valid data written (header block included).
+    pub data_len: u64,
+    pub file: Rc<F>,
+    pub index: SparseIndex,
+    pub max_timestamp_micros: u64,
+    /// The bytes of the last partial block (`data_len % BLOCK` of them): the next write
+    /// rewrites that block with them in front.
+    pub tail_block: Vec<u8>,
+}
+
+/// How a scan ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ScanEnd {
+    pub data_len: u64,
+    pub end_offset: u64,
+    pub max_timestamp_micros: u64,
+    pub batches: u64,
+    /// Set when a torn or zeroed tail was found at this position (only when repair was
+    /// allowed).
+    pub torn_at: Option<(u64, FormatError)>,
+}
+
+/// Reads a file through a moving window.
+struct Window<'a, F> {
+    file: &'a F,
+    file_len: u64,
+    buf: Bytes,
+    buf_pos: u64,
+}
+
+impl<'a, F: SegmentFile> Window<'a, F> {
+    fn new(file: &'a F, file_len: u64) -> Self {
+        Self {
+            file,
+            file_len,
+            buf: Bytes::new(),
+            buf_pos: 0,
+        }
+    }
+
+    /// Up to `len` bytes at `pos` (fewer only at end of file).
+    async fn get(&mut self, pos: u64, len: usize) -> std::io::Result<Bytes> {
+        let want_end = (pos + len as u64).min(self.file_len);
+        let have_end = self.buf_pos + self.buf.len() as u64;
+        if pos < self.buf_pos || want_end > have_end {
+            let read_len = (want_end - pos).max(SCAN_WINDOW_BYTES as u64) as usize;
+            let read_len = read_len.min((self.file_len - pos) as usize);
+            self.buf = self.file.read_at(pos, read_len).await?;
+            self.buf_pos = pos;
+        }
+        let start = (pos - self.buf_pos) as usize;
+        let end = ((want_end - self.buf_pos) as usize).min(self.buf.len());
+        Ok(self.buf.slice(start.min(end)..end))
+    }
+}
+
+/// True when every byte of `file` from `pos` to `file_len` is zero. Returns the position
+/// of the first non-zero byte otherwise.
+pub(crate) async fn first_nonzero<F: SegmentFile>(
+    file: &F,
+    pos: u64,
+    file_len: u64,
+) -> std::io::Result<Option<u64>> {
+    let mut at = pos;
+    while at < file_len {
+        let len = ((file_len - at) as usize).min(SCAN_WINDOW_BYTES);
+        let chunk = file.read_at(at, len).await?;
+        if chunk.is_empty() {
+            break;
+        }
+        if let Some(i) = chunk.iter().position(|b| *b != 0) {
+            return Ok(Some(at + i as u64));
+        }
+        at += chunk.len() as u64;
+    }
+    Ok(None)
+}
+
+/// Walks batches from `pos` (where `expected_offset` must begin) to the end of data,
+/// verifying every header and body CRC and offset contiguity, and feeding the index.
+///
+/// The end of data is an all-zero header or end of file. Damage is repaired (reported in
+/// `torn_at`) only when `allow_tail_repair` and every byte after the damaged batch's
+/// extent is zero: then it is a torn write that was never acknowledged. Anything else
+/// is a [`Corruption`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn scan<F: SegmentFile>(
+    file: &F,
+    name: &str,
+    file_len: u64,
+    mut pos: u64,
+    mut expected_offset: u64,
+    allow_tail_repair: bool,
+    index: &mut SparseIndex,
+    index_interval: u64,
+) -> Result<ScanEnd, StorageError> {
+    let io = |e| StorageError::io("scan", name, e);
+    let mut window = Window::new(file, file_len);
+    let mut max_ts = 0u64;
+    let mut batches = 0u64;
+    let corrupt = |position: u64, offset: u64, kind: CorruptionKind| {
+        StorageError::Corrupt(Corruption {
+            segment: name.to_owned(),
+            position,
+            offset: Some(offset),
+            kind,
+        })
+    };
+    loop {
+        let done = |pos, torn_at| ScanEnd {
+            data_len: pos,
+            end_offset: expected_offset,
+            max_timestamp_micros: max_ts,
+            batches,
+            torn_at,
+        };
+        if pos >= file_len {
+            return Ok(done(pos, None));
+        }
+        let head = window.get(pos, BATCH_HEADER_BYTES).await.map_err(io)?;
+        let damage = match format::decode_batch_header(&head) {
+            Ok(HeaderRead::Zero) => {
+                // End of data, provided nothing follows the zeros.
+                match first_nonzero(file, pos, file_len).await.map_err(io)? {
+                    None => return Ok(done(pos, None)),
+                    Some(next_data) => {
+                        return Err(corrupt(
+                            pos,
+                            expected_offset,
+                            CorruptionKind::Interior {
+                                next_data,
+                                cause: FormatError::BatchMagic { found: 0 },
+                            },
+                        ));
+                    }
+                }
+            }
+            Ok(HeaderRead::Batch(h)) => match check_batch(&mut window, pos, file_len, &h).await {
+                Ok(()) if h.base_offset != expected_offset => {
+                    return Err(corrupt(
+                        pos,
+                        expected_offset,
+                        CorruptionKind::OffsetGap {
+                            expected: expected_offset,
+                            found: h.base_offset,
+                        },
+                    ));
+                }
+                Ok(()) => {
+                    index.observe(h.base_offset, pos, index_interval);
+                    expected_offset = h.end_offset();
+                    max_ts = max_ts.max(h.timestamp_micros);
+                    batches += 1;
+                    pos += h.total_len() as u64;
+                    continue;
+                }
+                Err(CheckError::Io(e)) => return Err(io(e)),
+                Err(CheckError::Format(e)) => (e, pos + h.total_len() as u64),
+            },
+            Err(e) => (e, pos + BATCH_HEADER_BYTES as u64),
+        };
+        let (cause, extent_end) = damage;
+        let after = first_nonzero(file, extent_end.min(file_len), file_len)
+            .await
+            .map_err(io)?;
+        return match after {
+            None if allow_tail_repair => Ok(done(pos, Some((pos, cause)))),
+            None => Err(corrupt(pos, expected_offset, CorruptionKind::Format(cause))),
+            Some(next_data) => Err(corrupt(
+                pos,
+                expected_offset,
+                CorruptionKind::Interior { next_data, cause },
+            )),
+        };
+    }
+}
+
+enum CheckError {
+    Io(std::io::Error),
+    Format(FormatError),
+}
+
+async fn check_batch<F: SegmentFile>(
+    window: &mut Window<'_, F>,
+    pos: u64,
+    file_len: u64,
+    h: &BatchHeader,
+) -> Result<(), CheckError> {
+    let body_pos = pos + BATCH_HEADER_BYTES as u64;
+    let available = file_len.saturating_sub(body_pos);
+    if u64::from(h.body_len) > available {
+        return Err(CheckError::Format(FormatError::Truncated {
+            needed: h.body_len as usize,
+            available: available as usize,
+        }));
+    }
+    debug_assert!(h.body_len as usize <= MAX_BATCH_BODY_BYTES);
+    let body = window
+        .get(body_pos, h.body_len as usize)
+        .await
+        .map_err(CheckError::Io)?;
+    format::verify_batch_body(h, &body).map_err(CheckError::Format)
+}
