@@ -11,6 +11,8 @@
 
 pub mod error;
 pub mod format;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod index;
 pub mod io;
 pub mod log;

@@ -106,6 +106,9 @@ pub struct LogConfig {
     pub verify_on_open: VerifyOnOpen,
     /// Bytes fetched per read call.
     pub read_window_bytes: usize,
+    /// Open without changing anything: recovery reports what it would repair instead of
+    /// repairing it, and appends are refused. For inspection tools.
+    pub read_only: bool,
 }
 
 impl Default for LogConfig {
@@ -119,6 +122,7 @@ impl Default for LogConfig {
             retention_age: None,
             verify_on_open: VerifyOnOpen::All,
             read_window_bytes: 1024 * 1024,
+            read_only: false,
         }
     }
 }
@@ -400,6 +404,10 @@ impl<B: Backend> SegmentLog<B> {
                 .segments
                 .back()
                 .and_then(|s| s.index.last().map(|(_, p)| p));
+        }
+        if log.shared.config.read_only {
+            log.shared.state.borrow_mut().closed = true;
+            return Ok((log, report));
         }
         let flusher = glommio::spawn_local(flusher(log.shared.clone()));
         log.tasks.borrow_mut().push(flusher);
@@ -869,6 +877,9 @@ impl<B: Backend> SegmentLog<B> {
     /// Writes everything staged, fsyncs, writes the newest segment's index and stops
     /// the flusher. Later appends fail with `Closed`.
     pub async fn close(&self) -> Result<(), StorageError> {
+        if self.shared.config.read_only {
+            return Ok(());
+        }
         {
             let mut st = self.shared.state.borrow_mut();
             st.closing = true;
@@ -1157,6 +1168,12 @@ async fn recover<B: Backend>(
         if !blank {
             break;
         }
+        report.discarded_segments += 1;
+        fresh_base = base;
+        bases.pop();
+        if config.read_only {
+            continue;
+        }
         backend
             .remove(&name)
             .await
@@ -1166,9 +1183,6 @@ async fn recover<B: Backend>(
             .sync_dir()
             .await
             .map_err(|e| StorageError::io("sync_dir", "log directory", e))?;
-        report.discarded_segments += 1;
-        fresh_base = base;
-        bases.pop();
     }
 
     let mut segments = VecDeque::new();
@@ -1239,8 +1253,10 @@ async fn recover<B: Backend>(
         .await?;
         report.verified_bytes += end.data_len - start.0;
         if let Some((pos, _)) = end.torn_at {
-            file.truncate(pos).await.map_err(io("truncate torn tail"))?;
-            file.sync_data().await.map_err(io("fsync repair"))?;
+            if !config.read_only {
+                file.truncate(pos).await.map_err(io("truncate torn tail"))?;
+                file.sync_data().await.map_err(io("fsync repair"))?;
+            }
             report.truncated_bytes += len - pos;
         }
         if !newest && loaded.as_ref() != Some(&index) {
@@ -1271,6 +1287,11 @@ async fn recover<B: Backend>(
         });
     }
     if segments.is_empty() {
+        if config.read_only {
+            return Err(StorageError::Config(
+                "read-only open of a directory that holds no log".into(),
+            ));
+        }
         let segment = create_segment(backend, config, fresh_base)
             .await
             .map_err(|e| StorageError::io("create segment", &segment_name(fresh_base), e))?;
