@@ -1,0 +1,300 @@
+//! Which core owns which shard.
+//!
+//! By default a shard lands on `(hash(tenant, namespace, name) + shard) % cores`, so a
+//! stream's shards spread over the cores in order. Operators override it with a pinning
+//! table of rules (`tenant/namespace/name/shard=core`, `*` matching anything; first match
+//! wins). The table is an immutable snapshot swapped in whole: resolving an owner is one
+//! atomic load, and a new table (moving a shard to another core online) never mutates one
+//! a reader holds. A core receiving a request re-checks ownership against the snapshot
+//! it sees, so a request routed by an older table is redirected rather than served by
+//! the wrong core.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+use crate::cores::CoreId;
+
+/// Streams and caches are placed independently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ShardKind {
+    /// A stream shard.
+    Stream,
+    /// A cache shard.
+    Cache,
+}
+
+/// One shard of one stream or cache.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ShardKey {
+    /// Stream or cache.
+    pub kind: ShardKind,
+    /// Tenant.
+    pub tenant: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Stream or cache name.
+    pub name: String,
+    /// Shard index.
+    pub shard: u32,
+}
+
+impl fmt::Display for ShardKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            ShardKind::Stream => "stream",
+            ShardKind::Cache => "cache",
+        };
+        write!(
+            f,
+            "{kind}:{}/{}/{}/{}",
+            self.tenant, self.namespace, self.name, self.shard
+        )
+    }
+}
+
+/// One operator pinning rule; `None` fields match anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinRule {
+    /// Tenant, or any.
+    pub tenant: Option<String>,
+    /// Namespace, or any.
+    pub namespace: Option<String>,
+    /// Stream/cache name, or any.
+    pub name: Option<String>,
+    /// Shard, or any.
+    pub shard: Option<u32>,
+    /// The core to run matching shards on.
+    pub core: CoreId,
+}
+
+impl PinRule {
+    fn matches(&self, key: &ShardKey) -> bool {
+        self.tenant.as_ref().is_none_or(|t| *t == key.tenant)
+            && self.namespace.as_ref().is_none_or(|n| *n == key.namespace)
+            && self.name.as_ref().is_none_or(|n| *n == key.name)
+            && self.shard.is_none_or(|s| s == key.shard)
+    }
+}
+
+/// A malformed pinning rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid pin rule {rule:?}: {reason} (expected tenant/namespace/name/shard=core, * for any)"
+)]
+pub struct PinRuleError {
+    /// The rule as written.
+    pub rule: String,
+    /// What is wrong.
+    pub reason: &'static str,
+}
+
+impl FromStr for PinRule {
+    type Err = PinRuleError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = |reason| PinRuleError {
+            rule: s.to_owned(),
+            reason,
+        };
+        let (pattern, core) = s.split_once('=').ok_or_else(|| err("missing `=core`"))?;
+        let core = core
+            .trim()
+            .parse()
+            .map_err(|_| err("core is not a number"))?;
+        let parts: Vec<&str> = pattern.trim().split('/').collect();
+        if parts.len() != 4 {
+            return Err(err("pattern needs four parts"));
+        }
+        let any = |p: &str| (p != "*").then(|| p.to_owned());
+        Ok(PinRule {
+            tenant: any(parts[0]),
+            namespace: any(parts[1]),
+            name: any(parts[2]),
+            shard: match parts[3] {
+                "*" => None,
+                n => Some(n.parse().map_err(|_| err("shard is not a number or *"))?),
+            },
+            core: CoreId(core),
+        })
+    }
+}
+
+/// An immutable placement: the number of cores and the pinning rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlacementTable {
+    cores: usize,
+    rules: Vec<PinRule>,
+    version: u64,
+}
+
+/// A rule that names a core the runtime does not have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("pin rule names core {core} but the broker runs {cores} cores")]
+pub struct NoSuchCore {
+    /// The core named.
+    pub core: CoreId,
+    /// Cores available.
+    pub cores: usize,
+}
+
+fn fnv(parts: &[&str]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for p in parts {
+        for b in (p.len() as u64).to_be_bytes().iter().chain(p.as_bytes()) {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    felix_wire::routing::finalize(h)
+}
+
+impl PlacementTable {
+    /// A table for `cores` cores with these rules.
+    pub fn new(
+        cores: usize,
+        rules: Vec<PinRule>,
+        version: u64,
+    ) -> Result<PlacementTable, NoSuchCore> {
+        assert!(cores > 0, "a runtime has at least one core");
+        if let Some(r) = rules.iter().find(|r| r.core.0 >= cores) {
+            return Err(NoSuchCore {
+                core: r.core,
+                cores,
+            });
+        }
+        Ok(PlacementTable {
+            cores,
+            rules,
+            version,
+        })
+    }
+
+    /// The core that owns `key`.
+    pub fn core_for(&self, key: &ShardKey) -> CoreId {
+        if let Some(r) = self.rules.iter().find(|r| r.matches(key)) {
+            return r.core;
+        }
+        let base = fnv(&[
+            match key.kind {
+                ShardKind::Stream => "s",
+                ShardKind::Cache => "c",
+            },
+            &key.tenant,
+            &key.namespace,
+            &key.name,
+        ]);
+        CoreId(((base % self.cores as u64 + u64::from(key.shard)) % self.cores as u64) as usize)
+    }
+
+    /// Whether an operator rule decided `key` (for the admin view).
+    pub fn pinned(&self, key: &ShardKey) -> bool {
+        self.rules.iter().any(|r| r.matches(key))
+    }
+
+    /// Cores.
+    pub fn cores(&self) -> usize {
+        self.cores
+    }
+
+    /// The rules.
+    pub fn rules(&self) -> &[PinRule] {
+        &self.rules
+    }
+
+    /// Bumped on every change.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+/// The current placement, shared by every core; replaced whole.
+#[derive(Debug)]
+pub struct Placement {
+    current: ArcSwap<PlacementTable>,
+}
+
+impl Placement {
+    /// Starts with `table`.
+    pub fn new(table: PlacementTable) -> Placement {
+        Placement {
+            current: ArcSwap::from_pointee(table),
+        }
+    }
+
+    /// The current table (one atomic load).
+    pub fn load(&self) -> Arc<PlacementTable> {
+        self.current.load_full()
+    }
+
+    /// The owner of `key` under the current table.
+    pub fn core_for(&self, key: &ShardKey) -> CoreId {
+        self.current.load().core_for(key)
+    }
+
+    /// Swaps in a new table.
+    pub fn replace(&self, table: PlacementTable) {
+        self.current.store(Arc::new(table));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(name: &str, shard: u32) -> ShardKey {
+        ShardKey {
+            kind: ShardKind::Stream,
+            tenant: "t".into(),
+            namespace: "default".into(),
+            name: name.into(),
+            shard,
+        }
+    }
+
+    #[test]
+    fn a_streams_shards_spread_over_every_core() {
+        let table = PlacementTable::new(4, vec![], 0).unwrap();
+        let cores: std::collections::HashSet<_> =
+            (0..4).map(|s| table.core_for(&key("orders", s))).collect();
+        assert_eq!(cores.len(), 4);
+        assert_eq!(
+            table.core_for(&key("orders", 1)),
+            table.core_for(&key("orders", 1))
+        );
+    }
+
+    #[test]
+    fn first_matching_pin_rule_wins_and_bad_rules_are_refused() {
+        let rules = vec![
+            "t/default/orders/2=3".parse::<PinRule>().unwrap(),
+            "t/*/orders/*=1".parse::<PinRule>().unwrap(),
+        ];
+        let table = PlacementTable::new(4, rules, 1).unwrap();
+        assert_eq!(table.core_for(&key("orders", 2)), CoreId(3));
+        assert_eq!(table.core_for(&key("orders", 0)), CoreId(1));
+        assert!(table.pinned(&key("orders", 7)));
+        assert!(!table.pinned(&key("payments", 0)));
+        assert!("t/a/b=1".parse::<PinRule>().is_err());
+        assert!("t/a/b/x=1".parse::<PinRule>().is_err());
+        assert!("t/a/b/1".parse::<PinRule>().is_err());
+        assert_eq!(
+            PlacementTable::new(2, vec!["*/*/*/*=5".parse().unwrap()], 0),
+            Err(NoSuchCore {
+                core: CoreId(5),
+                cores: 2
+            })
+        );
+    }
+
+    #[test]
+    fn a_replaced_table_is_seen_by_new_loads_only() {
+        let p = Placement::new(PlacementTable::new(2, vec![], 0).unwrap());
+        let old = p.load();
+        p.replace(PlacementTable::new(2, vec!["*/*/*/*=1".parse().unwrap()], 1).unwrap());
+        assert_eq!(old.version(), 0);
+        assert_eq!(p.load().version(), 1);
+        assert_eq!(p.core_for(&key("x", 0)), CoreId(1));
+    }
+}

@@ -1,0 +1,1102 @@
+//! The QUIC endpoint driver: one quinn-proto `Endpoint` and its connections, driven by one
+//! task on one core's executor.
+//!
+//! quinn-proto is sans-IO; this module moves bytes, timers and wakeups. Everything is
+//! single-threaded: handles (`Connection`, `SendStream`, `RecvStream`) share the driver
+//! state through `Rc<RefCell<_>>`, mutate the quinn-proto connection directly, mark it
+//! dirty and wake the driver task, which then transmits. No borrow is ever held across an
+//! `.await`.
+//!
+//! The driver loop, each iteration:
+//! 1. send datagrams that found the socket full last time (awaiting room);
+//! 2. drain the socket (non-blocking, bounded per iteration so one busy peer cannot
+//!    starve timers) and feed every datagram to the endpoint;
+//! 3. fire expired connection timers;
+//! 4. for every dirty connection: exchange endpoint events, turn application events into
+//!    wakeups, and transmit until quinn has nothing more (bounded per connection);
+//! 5. sleep until a datagram arrives, the earliest timer fires, or a handle wakes it.
+//!
+//! Bounded memory against bad peers comes from quinn-proto's limits, which we set: at most
+//! `max_connections` (more are refused in the handshake), 1024 concurrent streams per
+//! direction, per-stream and per-connection receive windows, a send window, and an idle
+//! timeout that also ends stalled handshakes.
+
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::future::{Future, poll_fn};
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use quinn_proto::{
+    ClientConfig, ConnectionError, ConnectionHandle, DatagramEvent, Dir, EndpointConfig, Event,
+    ReadError, ReadableError, ServerConfig, StreamEvent, StreamId, VarInt, WriteError,
+};
+
+use super::udp::UdpIo;
+
+/// Datagrams per GSO burst.
+const MAX_GSO_SEGMENTS: usize = 16;
+/// Receive buffer: one GRO run can be 64 KiB.
+const RECV_BUFFER_BYTES: usize = 64 * 1024;
+/// Receive calls per loop iteration before timers and transmits get a turn.
+const RECV_BUDGET: usize = 64;
+/// Transmits per connection per loop iteration.
+const TRANSMIT_BUDGET: usize = 64;
+
+/// Endpoint settings.
+#[derive(Clone)]
+pub struct EndpointOptions {
+    /// Accept connections with this TLS/transport config (None: client only).
+    pub server: Option<Arc<ServerConfig>>,
+    /// Connections beyond this are refused during the handshake.
+    pub max_connections: usize,
+    /// Bind with `SO_REUSEPORT` so every core can share the port.
+    pub reuse_port: bool,
+}
+
+impl std::fmt::Debug for EndpointOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EndpointOptions")
+            .field("server", &self.server.is_some())
+            .field("max_connections", &self.max_connections)
+            .field("reuse_port", &self.reuse_port)
+            .finish()
+    }
+}
+
+/// Endpoint counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EndpointStats {
+    /// Datagrams received.
+    pub datagrams_in: u64,
+    /// Send calls (a GSO burst counts once).
+    pub sends: u64,
+    /// Connections accepted.
+    pub accepted: u64,
+    /// Connections refused (over the limit).
+    pub refused: u64,
+    /// Connections open now.
+    pub open: u64,
+    /// Loop iterations.
+    pub loops: u64,
+    /// Loop iterations that took longer than 10 ms.
+    pub stalls: u64,
+}
+
+/// Why a stream or connection operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuicError {
+    /// The connection is gone.
+    #[error("connection lost: {0}")]
+    ConnectionLost(String),
+    /// The peer reset the stream.
+    #[error("stream reset by peer with code {0}")]
+    Reset(u64),
+    /// The peer stopped reading the stream.
+    #[error("stream stopped by peer with code {0}")]
+    Stopped(u64),
+    /// The stream was already finished or reset by us.
+    #[error("stream already closed")]
+    ClosedStream,
+    /// The endpoint is shut down.
+    #[error("endpoint closed")]
+    EndpointClosed,
+    /// Connecting failed before the handshake.
+    #[error("connect failed: {0}")]
+    Connect(String),
+}
+
+fn lost(e: &ConnectionError) -> QuicError {
+    QuicError::ConnectionLost(e.to_string())
+}
+
+#[derive(Default)]
+struct ConnState {
+    handles: usize,
+    connected: bool,
+    lost: Option<ConnectionError>,
+    incoming_bi: VecDeque<StreamId>,
+    incoming_uni: VecDeque<StreamId>,
+    accept_bi: Option<Waker>,
+    accept_uni: Option<Waker>,
+    readers: HashMap<StreamId, Waker>,
+    writers: HashMap<StreamId, Waker>,
+    open_waiters: Vec<Waker>,
+    state_waiters: Vec<Waker>,
+    timer: Option<Instant>,
+}
+
+struct Conn {
+    q: quinn_proto::Connection,
+    s: ConnState,
+}
+
+impl Conn {
+    fn wake_all(&mut self) {
+        for w in self
+            .s
+            .readers
+            .drain()
+            .map(|(_, w)| w)
+            .chain(self.s.writers.drain().map(|(_, w)| w))
+            .chain(self.s.open_waiters.drain(..))
+            .chain(self.s.state_waiters.drain(..))
+            .chain(self.s.accept_bi.take())
+            .chain(self.s.accept_uni.take())
+        {
+            w.wake();
+        }
+    }
+}
+
+struct Driver {
+    endpoint: quinn_proto::Endpoint,
+    server: Option<Arc<ServerConfig>>,
+    io: Rc<UdpIo>,
+    conns: HashMap<ConnectionHandle, Conn>,
+    dirty: HashSet<ConnectionHandle>,
+    timers: BTreeSet<(Instant, ConnectionHandle)>,
+    accept_queue: VecDeque<ConnectionHandle>,
+    accept_waker: Option<Waker>,
+    waker: Option<Waker>,
+    woken: bool,
+    closing: bool,
+    max_connections: usize,
+    blocked_sends: VecDeque<(Vec<u8>, SocketAddr, Option<usize>)>,
+    send_buf: Vec<u8>,
+    stats: EndpointStats,
+}
+
+impl Driver {
+    fn wake(&mut self) {
+        self.woken = true;
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
+
+    fn mark(&mut self, h: ConnectionHandle) {
+        self.dirty.insert(h);
+        self.wake();
+    }
+
+    fn send(&mut self, data_len: usize, dest: SocketAddr, segment: Option<usize>) {
+        self.stats.sends += 1;
+        let data = &self.send_buf[..data_len];
+        if !self.blocked_sends.is_empty() {
+            self.blocked_sends.push_back((data.to_vec(), dest, segment));
+            return;
+        }
+        match self.io.try_send(data, dest, segment) {
+            Ok(true) => {}
+            Ok(false) => self.blocked_sends.push_back((data.to_vec(), dest, segment)),
+            Err(e) => tracing::warn!(%dest, error = %e, "udp send failed"),
+        }
+    }
+
+    fn handle_datagram(&mut self, now: Instant, from: SocketAddr, data: BytesMut) {
+        self.stats.datagrams_in += 1;
+        let mut response = Vec::new();
+        match self
+            .endpoint
+            .handle(now, from, None, None, data, &mut response)
+        {
+            None => {}
+            Some(DatagramEvent::ConnectionEvent(h, event)) => {
+                if let Some(c) = self.conns.get_mut(&h) {
+                    c.q.handle_event(event);
+                    self.dirty.insert(h);
+                }
+            }
+            Some(DatagramEvent::Response(t)) => {
+                self.send_buf.clear();
+                self.send_buf.extend_from_slice(&response[..t.size]);
+                self.send(t.size, t.destination, t.segment_size);
+            }
+            Some(DatagramEvent::NewConnection(incoming)) => {
+                if self.closing || self.conns.len() >= self.max_connections || self.server.is_none()
+                {
+                    self.stats.refused += 1;
+                    let t = self.endpoint.refuse(incoming, &mut response);
+                    self.send_buf.clear();
+                    self.send_buf.extend_from_slice(&response[..t.size]);
+                    self.send(t.size, t.destination, t.segment_size);
+                    return;
+                }
+                match self.endpoint.accept(incoming, now, &mut response, None) {
+                    Ok((h, q)) => {
+                        self.conns.insert(
+                            h,
+                            Conn {
+                                q,
+                                s: ConnState::default(),
+                            },
+                        );
+                        self.dirty.insert(h);
+                    }
+                    Err(e) => {
+                        if let Some(t) = e.response {
+                            self.send_buf.clear();
+                            self.send_buf.extend_from_slice(&response[..t.size]);
+                            self.send(t.size, t.destination, t.segment_size);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Step 4 for one connection.
+    fn drive(&mut self, h: ConnectionHandle, now: Instant) {
+        let Some(mut c) = self.conns.remove(&h) else {
+            return;
+        };
+        while let Some(ev) = c.q.poll_endpoint_events() {
+            if let Some(cev) = self.endpoint.handle_event(h, ev) {
+                c.q.handle_event(cev);
+            }
+        }
+        while let Some(ev) = c.q.poll() {
+            match ev {
+                Event::HandshakeDataReady => {}
+                Event::Connected => {
+                    c.s.connected = true;
+                    if self.server.is_some() && c.s.handles == 0 && c.q.side().is_server() {
+                        // Handed to accept(): the queue holds the first handle.
+                        c.s.handles = 1;
+                        self.accept_queue.push_back(h);
+                        self.stats.accepted += 1;
+                        if let Some(w) = self.accept_waker.take() {
+                            w.wake();
+                        }
+                    }
+                    for w in c.s.state_waiters.drain(..) {
+                        w.wake();
+                    }
+                }
+                Event::ConnectionLost { reason } => {
+                    c.s.lost = Some(reason);
+                    c.wake_all();
+                }
+                Event::Stream(StreamEvent::Opened { dir }) => {
+                    while let Some(id) = c.q.streams().accept(dir) {
+                        match dir {
+                            Dir::Bi => c.s.incoming_bi.push_back(id),
+                            Dir::Uni => c.s.incoming_uni.push_back(id),
+                        }
+                    }
+                    let w = match dir {
+                        Dir::Bi => c.s.accept_bi.take(),
+                        Dir::Uni => c.s.accept_uni.take(),
+                    };
+                    if let Some(w) = w {
+                        w.wake();
+                    }
+                }
+                Event::Stream(StreamEvent::Readable { id }) => {
+                    if let Some(w) = c.s.readers.remove(&id) {
+                        w.wake();
+                    }
+                }
+                Event::Stream(
+                    StreamEvent::Writable { id }
+                    | StreamEvent::Finished { id }
+                    | StreamEvent::Stopped { id, .. },
+                ) => {
+                    if let Some(w) = c.s.writers.remove(&id) {
+                        w.wake();
+                    }
+                }
+                Event::Stream(StreamEvent::Available { .. }) => {
+                    for w in c.s.open_waiters.drain(..) {
+                        w.wake();
+                    }
+                }
+                Event::DatagramReceived | Event::DatagramsUnblocked => {}
+            }
+        }
+        for _ in 0..TRANSMIT_BUDGET {
+            self.send_buf.clear();
+            let Some(t) = c.q.poll_transmit(now, MAX_GSO_SEGMENTS, &mut self.send_buf) else {
+                break;
+            };
+            self.send(t.size, t.destination, t.segment_size);
+        }
+        // Anything left to send waits for the next iteration, which comes at once.
+        let timeout = c.q.poll_timeout();
+        if timeout != c.s.timer {
+            if let Some(old) = c.s.timer {
+                self.timers.remove(&(old, h));
+            }
+            if let Some(new) = timeout {
+                self.timers.insert((new, h));
+            }
+            c.s.timer = timeout;
+        }
+        if c.q.is_drained() {
+            if let Some(t) = c.s.timer.take() {
+                self.timers.remove(&(t, h));
+            }
+            if c.s.lost.is_none() {
+                c.s.lost = Some(ConnectionError::LocallyClosed);
+            }
+            c.wake_all();
+            // Keep the state while handles remain, so they can report why.
+            if c.s.handles > 0 {
+                self.conns.insert(h, c);
+            }
+            return;
+        }
+        self.conns.insert(h, c);
+    }
+}
+
+/// A QUIC endpoint on the current core. Dropping the last clone closes every connection.
+#[derive(Clone)]
+pub struct Endpoint {
+    d: Rc<RefCell<Driver>>,
+    task: Rc<RefCell<Option<glommio::Task<()>>>>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("local_addr", &self.local_addr())
+            .finish()
+    }
+}
+
+impl Endpoint {
+    /// Binds `addr` and starts the driver task on the current glommio executor.
+    pub fn bind(addr: SocketAddr, options: EndpointOptions) -> io::Result<Endpoint> {
+        let io = Rc::new(UdpIo::bind(addr, options.reuse_port)?);
+        let mut endpoint_config = EndpointConfig::default();
+        endpoint_config
+            .max_udp_payload_size(1472)
+            .map_err(io::Error::other)?;
+        let endpoint = quinn_proto::Endpoint::new(
+            Arc::new(endpoint_config),
+            options.server.clone(),
+            true,
+            None,
+        );
+        let d = Rc::new(RefCell::new(Driver {
+            endpoint,
+            server: options.server,
+            io,
+            conns: HashMap::new(),
+            dirty: HashSet::new(),
+            timers: BTreeSet::new(),
+            accept_queue: VecDeque::new(),
+            accept_waker: None,
+            waker: None,
+            woken: false,
+            closing: false,
+            max_connections: options.max_connections,
+            blocked_sends: VecDeque::new(),
+            send_buf: Vec::with_capacity(MAX_GSO_SEGMENTS * 1500),
+            stats: EndpointStats::default(),
+        }));
+        let task = glommio::spawn_local(run(d.clone()));
+        Ok(Endpoint {
+            d,
+            task: Rc::new(RefCell::new(Some(task))),
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.d.borrow().io.local_addr()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> EndpointStats {
+        let d = self.d.borrow();
+        EndpointStats {
+            open: d.conns.len() as u64,
+            ..d.stats
+        }
+    }
+
+    /// The next established incoming connection; `None` once the endpoint is closed.
+    pub async fn accept(&self) -> Option<Connection> {
+        poll_fn(|cx| {
+            let mut d = self.d.borrow_mut();
+            if let Some(h) = d.accept_queue.pop_front() {
+                return Poll::Ready(Some(Connection {
+                    d: self.d.clone(),
+                    h,
+                }));
+            }
+            if d.closing {
+                return Poll::Ready(None);
+            }
+            d.accept_waker = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Opens a connection and waits for its handshake.
+    pub async fn connect(
+        &self,
+        config: ClientConfig,
+        addr: SocketAddr,
+        server_name: &str,
+    ) -> Result<Connection, QuicError> {
+        let h = {
+            let mut d = self.d.borrow_mut();
+            if d.closing {
+                return Err(QuicError::EndpointClosed);
+            }
+            let (h, q) = d
+                .endpoint
+                .connect(Instant::now(), config, addr, server_name)
+                .map_err(|e| QuicError::Connect(e.to_string()))?;
+            d.conns.insert(
+                h,
+                Conn {
+                    q,
+                    s: ConnState {
+                        handles: 1,
+                        ..ConnState::default()
+                    },
+                },
+            );
+            d.mark(h);
+            h
+        };
+        let conn = Connection {
+            d: self.d.clone(),
+            h,
+        };
+        poll_fn(|cx| {
+            let mut d = self.d.borrow_mut();
+            let Some(c) = d.conns.get_mut(&h) else {
+                return Poll::Ready(Err(QuicError::ConnectionLost("drained".into())));
+            };
+            if let Some(e) = &c.s.lost {
+                return Poll::Ready(Err(lost(e)));
+            }
+            if c.s.connected {
+                return Poll::Ready(Ok(()));
+            }
+            c.s.state_waiters.push(cx.waker().clone());
+            Poll::Pending
+        })
+        .await?;
+        Ok(conn)
+    }
+
+    /// Closes every connection with `code` and stops accepting; `wait_idle` waits for
+    /// the closes to be sent.
+    pub fn close(&self, code: u32, reason: &[u8]) {
+        let mut d = self.d.borrow_mut();
+        d.closing = true;
+        let now = Instant::now();
+        let handles: Vec<_> = d.conns.keys().copied().collect();
+        for h in handles {
+            if let Some(c) = d.conns.get_mut(&h) {
+                c.q.close(now, VarInt::from_u32(code), Bytes::copy_from_slice(reason));
+            }
+            d.dirty.insert(h);
+        }
+        if let Some(w) = d.accept_waker.take() {
+            w.wake();
+        }
+        d.wake();
+    }
+
+    /// Waits until every connection has drained (after `close`), then stops the driver.
+    pub async fn wait_idle(&self) {
+        loop {
+            if self.d.borrow().conns.values().all(|c| c.q.is_drained()) {
+                break;
+            }
+            glommio::timer::sleep(Duration::from_millis(5)).await;
+        }
+        let task = self.task.borrow_mut().take();
+        self.d.borrow_mut().wake();
+        if let Some(t) = task {
+            t.await;
+        }
+    }
+}
+
+/// A QUIC connection handle. Clones share the connection; it is closed when the last
+/// handle (connection or stream) is dropped.
+pub struct Connection {
+    d: Rc<RefCell<Driver>>,
+    h: ConnectionHandle,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("handle", &self.h.0)
+            .finish()
+    }
+}
+
+impl Clone for Connection {
+    fn clone(&self) -> Self {
+        retain(&self.d, self.h);
+        Connection {
+            d: self.d.clone(),
+            h: self.h,
+        }
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        release(&self.d, self.h);
+    }
+}
+
+fn retain(d: &Rc<RefCell<Driver>>, h: ConnectionHandle) {
+    if let Some(c) = d.borrow_mut().conns.get_mut(&h) {
+        c.s.handles += 1;
+    }
+}
+
+fn release(d: &Rc<RefCell<Driver>>, h: ConnectionHandle) {
+    let Ok(mut d) = d.try_borrow_mut() else {
+        return;
+    };
+    let Some(c) = d.conns.get_mut(&h) else {
+        return;
+    };
+    c.s.handles = c.s.handles.saturating_sub(1);
+    if c.s.handles == 0 {
+        if c.q.is_drained() {
+            d.conns.remove(&h);
+        } else {
+            c.q.close(Instant::now(), VarInt::from_u32(0), Bytes::new());
+            d.mark(h);
+        }
+    }
+}
+
+impl Connection {
+    fn with<T>(&self, f: impl FnOnce(&mut Conn) -> T) -> Result<T, QuicError> {
+        let mut d = self.d.borrow_mut();
+        let c = d
+            .conns
+            .get_mut(&self.h)
+            .ok_or_else(|| QuicError::ConnectionLost("drained".into()))?;
+        Ok(f(c))
+    }
+
+    /// The peer's address.
+    pub fn remote_address(&self) -> Option<SocketAddr> {
+        self.with(|c| c.q.remote_address()).ok()
+    }
+
+    /// The negotiated ALPN protocol, if any.
+    pub fn alpn(&self) -> Option<Vec<u8>> {
+        self.with(|c| {
+            c.q.crypto_session()
+                .handshake_data()
+                .and_then(|h| {
+                    h.downcast::<quinn_proto::crypto::rustls::HandshakeData>()
+                        .ok()
+                })
+                .and_then(|h| h.protocol)
+        })
+        .ok()
+        .flatten()
+    }
+
+    /// Why the connection ended, if it has.
+    pub fn close_reason(&self) -> Option<String> {
+        self.with(|c| c.s.lost.as_ref().map(ToString::to_string))
+            .unwrap_or_else(|e| Some(e.to_string()))
+    }
+
+    /// Closes the connection with an application error code.
+    pub fn close(&self, code: u32, reason: &[u8]) {
+        let mut d = self.d.borrow_mut();
+        if let Some(c) = d.conns.get_mut(&self.h) {
+            c.q.close(
+                Instant::now(),
+                VarInt::from_u32(code),
+                Bytes::copy_from_slice(reason),
+            );
+        }
+        d.mark(self.h);
+    }
+
+    /// Waits until the connection ends; returns why.
+    pub async fn closed(&self) -> String {
+        poll_fn(|cx| {
+            let mut d = self.d.borrow_mut();
+            let Some(c) = d.conns.get_mut(&self.h) else {
+                return Poll::Ready("drained".to_owned());
+            };
+            if let Some(e) = &c.s.lost {
+                return Poll::Ready(e.to_string());
+            }
+            c.s.state_waiters.push(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    fn stream_pair(&self, id: StreamId) -> (SendStream, RecvStream) {
+        retain(&self.d, self.h);
+        retain(&self.d, self.h);
+        (
+            SendStream {
+                d: self.d.clone(),
+                h: self.h,
+                id,
+                finished: false,
+            },
+            RecvStream {
+                d: self.d.clone(),
+                h: self.h,
+                id,
+                done: false,
+            },
+        )
+    }
+
+    fn send_only(&self, id: StreamId) -> SendStream {
+        retain(&self.d, self.h);
+        SendStream {
+            d: self.d.clone(),
+            h: self.h,
+            id,
+            finished: false,
+        }
+    }
+
+    fn recv_only(&self, id: StreamId) -> RecvStream {
+        retain(&self.d, self.h);
+        RecvStream {
+            d: self.d.clone(),
+            h: self.h,
+            id,
+            done: false,
+        }
+    }
+
+    async fn accept_dir(&self, dir: Dir) -> Result<StreamId, QuicError> {
+        poll_fn(|cx| {
+            let mut d = self.d.borrow_mut();
+            let Some(c) = d.conns.get_mut(&self.h) else {
+                return Poll::Ready(Err(QuicError::ConnectionLost("drained".into())));
+            };
+            let q = match dir {
+                Dir::Bi => &mut c.s.incoming_bi,
+                Dir::Uni => &mut c.s.incoming_uni,
+            };
+            if let Some(id) = q.pop_front() {
+                return Poll::Ready(Ok(id));
+            }
+            if let Some(e) = &c.s.lost {
+                return Poll::Ready(Err(lost(e)));
+            }
+            let slot = match dir {
+                Dir::Bi => &mut c.s.accept_bi,
+                Dir::Uni => &mut c.s.accept_uni,
+            };
+            *slot = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    async fn open_dir(&self, dir: Dir) -> Result<StreamId, QuicError> {
+        poll_fn(|cx| {
+            let mut d = self.d.borrow_mut();
+            let Some(c) = d.conns.get_mut(&self.h) else {
+                return Poll::Ready(Err(QuicError::ConnectionLost("drained".into())));
+            };
+            if let Some(e) = &c.s.lost {
+                return Poll::Ready(Err(lost(e)));
+            }
+            if let Some(id) = c.q.streams().open(dir) {
+                d.mark(self.h);
+                return Poll::Ready(Ok(id));
+            }
+            c.s.open_waiters.push(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Waits for the peer to open a bidirectional stream.
+    pub async fn accept_bi(&self) -> Result<(SendStream, RecvStream), QuicError> {
+        let id = self.accept_dir(Dir::Bi).await?;
+        Ok(self.stream_pair(id))
+    }
+
+    /// Waits for the peer to open a unidirectional stream.
+    pub async fn accept_uni(&self) -> Result<RecvStream, QuicError> {
+        let id = self.accept_dir(Dir::Uni).await?;
+        Ok(self.recv_only(id))
+    }
+
+    /// Opens a bidirectional stream, waiting for stream credit if needed.
+    pub async fn open_bi(&self) -> Result<(SendStream, RecvStream), QuicError> {
+        let id = self.open_dir(Dir::Bi).await?;
+        Ok(self.stream_pair(id))
+    }
+
+    /// Opens a unidirectional stream, waiting for stream credit if needed.
+    pub async fn open_uni(&self) -> Result<SendStream, QuicError> {
+        let id = self.open_dir(Dir::Uni).await?;
+        Ok(self.send_only(id))
+    }
+}
+
+/// The sending half of a stream. Dropping it finishes the stream.
+pub struct SendStream {
+    d: Rc<RefCell<Driver>>,
+    h: ConnectionHandle,
+    id: StreamId,
+    finished: bool,
+}
+
+impl std::fmt::Debug for SendStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendStream").field("id", &self.id).finish()
+    }
+}
+
+impl SendStream {
+    fn poll_op<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        op: &mut dyn FnMut(&mut quinn_proto::SendStream<'_>) -> Result<T, WriteError>,
+    ) -> Poll<Result<T, QuicError>> {
+        let mut d = self.d.borrow_mut();
+        let Some(c) = d.conns.get_mut(&self.h) else {
+            return Poll::Ready(Err(QuicError::ConnectionLost("drained".into())));
+        };
+        if let Some(e) = &c.s.lost {
+            return Poll::Ready(Err(lost(e)));
+        }
+        let result = op(&mut c.q.send_stream(self.id));
+        match result {
+            Ok(v) => {
+                d.mark(self.h);
+                Poll::Ready(Ok(v))
+            }
+            Err(WriteError::Blocked) => {
+                c.s.writers.insert(self.id, cx.waker().clone());
+                Poll::Pending
+            }
+            Err(WriteError::Stopped(code)) => {
+                Poll::Ready(Err(QuicError::Stopped(code.into_inner())))
+            }
+            Err(WriteError::ClosedStream) => Poll::Ready(Err(QuicError::ClosedStream)),
+        }
+    }
+
+    /// Writes some of `data`, waiting for flow-control credit; returns how much.
+    pub async fn write(&mut self, data: &[u8]) -> Result<usize, QuicError> {
+        poll_fn(|cx| self.poll_op(cx, &mut |s| s.write(data))).await
+    }
+
+    /// Writes all of `data`.
+    pub async fn write_all(&mut self, mut data: &[u8]) -> Result<(), QuicError> {
+        while !data.is_empty() {
+            let n = self.write(data).await?;
+            data = &data[n..];
+        }
+        Ok(())
+    }
+
+    /// Writes a shared buffer without copying it.
+    pub async fn write_chunk(&mut self, chunk: Bytes) -> Result<(), QuicError> {
+        let mut bufs = [chunk];
+        while !bufs[0].is_empty() {
+            poll_fn(|cx| self.poll_op(cx, &mut |s| s.write_chunks(&mut bufs).map(|_| ()))).await?;
+        }
+        Ok(())
+    }
+
+    /// Finishes the stream (no more data).
+    pub fn finish(&mut self) -> Result<(), QuicError> {
+        if self.finished {
+            return Ok(());
+        }
+        self.finished = true;
+        let mut d = self.d.borrow_mut();
+        let Some(c) = d.conns.get_mut(&self.h) else {
+            return Err(QuicError::ConnectionLost("drained".into()));
+        };
+        let r = c.q.send_stream(self.id).finish();
+        d.mark(self.h);
+        r.map_err(|_| QuicError::ClosedStream)
+    }
+
+    /// Abandons the stream with an error code.
+    pub fn reset(&mut self, code: u32) {
+        self.finished = true;
+        let mut d = self.d.borrow_mut();
+        if let Some(c) = d.conns.get_mut(&self.h) {
+            let _ = c.q.send_stream(self.id).reset(VarInt::from_u32(code));
+            d.mark(self.h);
+        }
+    }
+
+    /// Bytes the peer has not yet acknowledged... not tracked; streams expose only
+    /// whether the peer stopped reading.
+    pub fn stopped(&self) -> Option<u64> {
+        let mut d = self.d.borrow_mut();
+        let c = d.conns.get_mut(&self.h)?;
+        c.q.send_stream(self.id)
+            .stopped()
+            .ok()
+            .flatten()
+            .map(VarInt::into_inner)
+    }
+}
+
+impl Drop for SendStream {
+    fn drop(&mut self) {
+        if !self.finished
+            && let Ok(mut d) = self.d.try_borrow_mut()
+            && let Some(c) = d.conns.get_mut(&self.h)
+        {
+            let _ = c.q.send_stream(self.id).finish();
+            d.mark(self.h);
+        }
+        release(&self.d, self.h);
+    }
+}
+
+/// The receiving half of a stream. Dropping it before the end stops the stream.
+pub struct RecvStream {
+    d: Rc<RefCell<Driver>>,
+    h: ConnectionHandle,
+    id: StreamId,
+    done: bool,
+}
+
+impl std::fmt::Debug for RecvStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecvStream").field("id", &self.id).finish()
+    }
+}
+
+impl RecvStream {
+    /// The next chunk of at most `max` bytes, in order; `Ok(None)` at the end of the
+    /// stream. Chunks are shared buffers, not copies.
+    pub async fn read_chunk(&mut self, max: usize) -> Result<Option<Bytes>, QuicError> {
+        poll_fn(|cx| self.poll_read_chunk(cx, max)).await
+    }
+
+    /// Polls for the next chunk.
+    pub fn poll_read_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        max: usize,
+    ) -> Poll<Result<Option<Bytes>, QuicError>> {
+        let mut d = self.d.borrow_mut();
+        let Some(c) = d.conns.get_mut(&self.h) else {
+            return Poll::Ready(Err(QuicError::ConnectionLost("drained".into())));
+        };
+        let mut stream = c.q.recv_stream(self.id);
+        let mut chunks = match stream.read(true) {
+            Ok(chunks) => chunks,
+            Err(ReadableError::ClosedStream) => {
+                self.done = true;
+                return Poll::Ready(Ok(None));
+            }
+            Err(ReadableError::IllegalOrderedRead) => {
+                return Poll::Ready(Err(QuicError::ClosedStream));
+            }
+        };
+        let result = chunks.next(max);
+        let transmit = chunks.finalize().should_transmit();
+        let out = match result {
+            Ok(Some(chunk)) => Poll::Ready(Ok(Some(chunk.bytes))),
+            Ok(None) => {
+                self.done = true;
+                Poll::Ready(Ok(None))
+            }
+            Err(ReadError::Blocked) => {
+                if let Some(e) = &c.s.lost {
+                    Poll::Ready(Err(lost(e)))
+                } else {
+                    c.s.readers.insert(self.id, cx.waker().clone());
+                    Poll::Pending
+                }
+            }
+            Err(ReadError::Reset(code)) => {
+                self.done = true;
+                Poll::Ready(Err(QuicError::Reset(code.into_inner())))
+            }
+        };
+        if transmit {
+            d.mark(self.h);
+        }
+        out
+    }
+
+    /// Reads exactly `buf.len()` bytes; `Ok(false)` if the stream ended first (at a
+    /// clean boundary: nothing read) and an error if it ended mid-way.
+    pub async fn read_exact(&mut self, buf: &mut [u8]) -> Result<bool, QuicError> {
+        let mut at = 0;
+        while at < buf.len() {
+            match self.read_chunk(buf.len() - at).await? {
+                Some(chunk) => {
+                    buf[at..at + chunk.len()].copy_from_slice(&chunk);
+                    at += chunk.len();
+                }
+                None if at == 0 => return Ok(false),
+                None => return Err(QuicError::ClosedStream),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Tells the peer to stop sending.
+    pub fn stop(&mut self, code: u32) {
+        self.done = true;
+        let mut d = self.d.borrow_mut();
+        if let Some(c) = d.conns.get_mut(&self.h) {
+            let _ = c.q.recv_stream(self.id).stop(VarInt::from_u32(code));
+            d.mark(self.h);
+        }
+    }
+}
+
+impl Drop for RecvStream {
+    fn drop(&mut self) {
+        if !self.done
+            && let Ok(mut d) = self.d.try_borrow_mut()
+            && let Some(c) = d.conns.get_mut(&self.h)
+        {
+            let _ = c.q.recv_stream(self.id).stop(VarInt::from_u32(0));
+            d.mark(self.h);
+        }
+        release(&self.d, self.h);
+    }
+}
+
+/// Steps 2 to 4 of the loop. Returns whether to loop again at once and the next timer,
+/// or `None` when the endpoint is closed and drained.
+fn process(
+    dr: &mut Driver,
+    io: &UdpIo,
+    recv_buf: &mut [u8],
+    now: Instant,
+    last: &mut Instant,
+) -> Option<(bool, Option<Instant>)> {
+    dr.stats.loops += 1;
+    if now.duration_since(*last) > Duration::from_millis(10) {
+        dr.stats.stalls += 1;
+    }
+    *last = now;
+    // 2. Drain the socket.
+    for _ in 0..RECV_BUDGET {
+        match io.try_recv(recv_buf) {
+            Ok(Some(r)) => {
+                let seg = r.segment.unwrap_or(r.len).max(1);
+                for piece in recv_buf[..r.len].chunks(seg) {
+                    dr.handle_datagram(now, r.from, BytesMut::from(piece));
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "udp receive failed");
+                break;
+            }
+        }
+    }
+    // 3. Expired timers.
+    while let Some(&(at, h)) = dr.timers.first() {
+        if at > now {
+            break;
+        }
+        dr.timers.remove(&(at, h));
+        if let Some(c) = dr.conns.get_mut(&h) {
+            c.s.timer = None;
+            c.q.handle_timeout(now);
+            dr.dirty.insert(h);
+        }
+    }
+    // 4. Dirty connections.
+    let dirty: Vec<_> = dr.dirty.drain().collect();
+    for h in dirty {
+        dr.drive(h, now);
+    }
+    if dr.closing && dr.accept_queue.is_empty() && dr.conns.values().all(|c| c.q.is_drained()) {
+        return None;
+    }
+    let again = !dr.dirty.is_empty() || !dr.blocked_sends.is_empty();
+    dr.woken = false;
+    Some((again, dr.timers.first().map(|(at, _)| *at)))
+}
+
+/// The driver task: see the module docs for the loop.
+async fn run(d: Rc<RefCell<Driver>>) {
+    let io = d.borrow().io.clone();
+    let mut readable: Pin<Box<dyn Future<Output = io::Result<()>>>> = Box::pin(io.readable());
+    let mut timer: Option<(Instant, glommio::timer::Timer)> = None;
+    let mut recv_buf = vec![0u8; RECV_BUFFER_BYTES];
+    let mut last = Instant::now();
+    loop {
+        // 1. Datagrams that found the socket full.
+        loop {
+            let next = d.borrow_mut().blocked_sends.pop_front();
+            let Some((data, dest, segment)) = next else {
+                break;
+            };
+            if let Err(e) = io.send_waiting(&data, dest, segment).await {
+                tracing::warn!(%dest, error = %e, "udp send failed");
+            }
+        }
+        let now = Instant::now();
+        let Some((again, deadline)) =
+            process(&mut d.borrow_mut(), &io, &mut recv_buf, now, &mut last)
+        else {
+            return;
+        };
+        if again {
+            futures_lite::future::yield_now().await;
+            continue;
+        }
+        // 5. Sleep until something happens.
+        if let Some(deadline) = deadline {
+            if timer.as_ref().is_none_or(|(at, _)| *at != deadline) {
+                let wait = deadline.saturating_duration_since(Instant::now());
+                timer = Some((deadline, glommio::timer::Timer::new(wait)));
+            }
+        } else {
+            timer = None;
+        }
+        poll_fn(|cx| {
+            let mut dr = d.borrow_mut();
+            if dr.woken {
+                dr.woken = false;
+                return Poll::Ready(());
+            }
+            if readable.as_mut().poll(cx).is_ready() {
+                readable = Box::pin(io.readable());
+                return Poll::Ready(());
+            }
+            if let Some((_, t)) = timer.as_mut()
+                && Pin::new(t).poll(cx).is_ready()
+            {
+                timer = None;
+                return Poll::Ready(());
+            }
+            dr.waker = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+    }
+}

@@ -1,0 +1,246 @@
+//! QUIC on quinn-proto, driven from the per-core executors (see [`driver`]), and the TLS
+//! and transport settings every Felix endpoint uses.
+//!
+//! Connections map to cores by the kernel: every core binds the broker port with
+//! `SO_REUSEPORT`, and the kernel hashes a client's address 4-tuple to one of those
+//! sockets, so all of a connection's datagrams reach the core that accepted it (QUIC
+//! connection migration to a new client address is therefore not supported across
+//! cores). A request for a shard owned by another core is sent over the cross-core
+//! mesh by the connection's core and answered back over it.
+
+mod alpn;
+pub mod driver;
+mod udp;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use quinn_proto::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn_proto::{ClientConfig, IdleTimeout, ServerConfig, TransportConfig, VarInt};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+pub use driver::{
+    Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, RecvStream, SendStream,
+};
+
+/// The ALPN id Felix clients may offer; clients offering none are accepted too.
+pub const ALPN: &[u8] = felix_wire::CLIENT_ALPN;
+
+/// Errors building TLS configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// rustls refused the certificate or key.
+    #[error("TLS configuration: {0}")]
+    Rustls(#[from] rustls::Error),
+    /// No TLS 1.3 suite usable for QUIC.
+    #[error("TLS configuration is not usable for QUIC: {0}")]
+    Quic(String),
+    /// Certificate generation failed.
+    #[error("certificate generation: {0}")]
+    Generate(String),
+    /// PEM could not be parsed.
+    #[error("PEM: {0}")]
+    Pem(String),
+}
+
+/// Flow-control and stream limits: what bounds a peer's memory use on this side.
+#[derive(Debug, Clone, Copy)]
+pub struct TransportLimits {
+    /// Concurrent streams the peer may open, per direction.
+    pub max_streams: u32,
+    /// Unread bytes buffered per stream.
+    pub stream_window_bytes: u32,
+    /// Unread bytes buffered per connection.
+    pub connection_window_bytes: u32,
+    /// Unacknowledged bytes we buffer for sending per connection.
+    pub send_window_bytes: u64,
+    /// A connection silent this long is closed (also bounds a stalled handshake).
+    pub idle_timeout: Duration,
+}
+
+impl Default for TransportLimits {
+    fn default() -> Self {
+        Self {
+            max_streams: 1024,
+            stream_window_bytes: 8 << 20,
+            connection_window_bytes: 32 << 20,
+            send_window_bytes: 32 << 20,
+            idle_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl TransportLimits {
+    /// The quinn-proto transport config.
+    pub fn transport(&self) -> TransportConfig {
+        let mut t = TransportConfig::default();
+        t.max_concurrent_bidi_streams(VarInt::from_u32(self.max_streams))
+            .max_concurrent_uni_streams(VarInt::from_u32(self.max_streams))
+            .stream_receive_window(VarInt::from_u32(self.stream_window_bytes))
+            .receive_window(VarInt::from_u32(self.connection_window_bytes))
+            .send_window(self.send_window_bytes)
+            .max_idle_timeout(IdleTimeout::try_from(self.idle_timeout).ok());
+        t
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// A server config for the given certificate chain and key, accepting ALPN `felix/1`
+/// or no ALPN.
+pub fn server_config(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+    limits: TransportLimits,
+) -> Result<ServerConfig, TlsError> {
+    let without = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)?;
+    let mut with = without.clone();
+    with.alpn_protocols = vec![ALPN.to_vec()];
+    let quic = |tls: rustls::ServerConfig| {
+        QuicServerConfig::try_from(tls)
+            .map(|q| Arc::new(q) as Arc<dyn quinn_proto::crypto::ServerConfig>)
+            .map_err(|e| TlsError::Quic(e.to_string()))
+    };
+    let either = alpn::EitherAlpn {
+        with_alpn: quic(with)?,
+        without_alpn: quic(without)?,
+    };
+    let mut config = ServerConfig::with_crypto(Arc::new(either));
+    config.transport_config(Arc::new(limits.transport()));
+    Ok(config)
+}
+
+/// A client config trusting `roots`, offering ALPN `felix/1` when `offer_alpn`.
+pub fn client_config(
+    roots: &[CertificateDer<'static>],
+    offer_alpn: bool,
+    limits: TransportLimits,
+) -> Result<ClientConfig, TlsError> {
+    let mut store = rustls::RootCertStore::empty();
+    for r in roots {
+        store.add(r.clone())?;
+    }
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    if offer_alpn {
+        tls.alpn_protocols = vec![ALPN.to_vec()];
+    }
+    let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
+    let mut config = ClientConfig::new(Arc::new(quic));
+    config.transport_config(Arc::new(limits.transport()));
+    Ok(config)
+}
+
+/// A certificate authority and a leaf it signed, in DER and PEM.
+#[derive(Debug, Clone)]
+pub struct GeneratedCerts {
+    /// The CA certificate (DER).
+    pub ca_der: CertificateDer<'static>,
+    /// The CA certificate (PEM), what clients trust.
+    pub ca_pem: String,
+    /// The leaf certificate (DER).
+    pub cert_der: CertificateDer<'static>,
+    /// The leaf certificate (PEM).
+    pub cert_pem: String,
+    /// The leaf's PKCS#8 key (DER).
+    pub key_der: Vec<u8>,
+    /// The leaf's key (PEM).
+    pub key_pem: String,
+}
+
+impl GeneratedCerts {
+    /// The leaf key as rustls wants it.
+    pub fn key(&self) -> PrivateKeyDer<'static> {
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.key_der.clone()))
+    }
+}
+
+/// Creates a CA and a server certificate for `names` signed by it.
+pub fn generate_certs(names: &[&str]) -> Result<GeneratedCerts, TlsError> {
+    let err = |e: rcgen::Error| TlsError::Generate(e.to_string());
+    let ca_key = rcgen::KeyPair::generate().map_err(err)?;
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "Felix dev CA");
+    let ca = ca_params.self_signed(&ca_key).map_err(err)?;
+    let leaf_key = rcgen::KeyPair::generate().map_err(err)?;
+    let mut leaf_params =
+        rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .map_err(err)?;
+    leaf_params.distinguished_name.push(
+        rcgen::DnType::CommonName,
+        names.first().copied().unwrap_or("felix"),
+    );
+    let leaf = leaf_params
+        .signed_by(&leaf_key, &ca, &ca_key)
+        .map_err(err)?;
+    Ok(GeneratedCerts {
+        ca_der: ca.der().clone(),
+        ca_pem: ca.pem(),
+        cert_der: leaf.der().clone(),
+        cert_pem: leaf.pem(),
+        key_der: leaf_key.serialize_der(),
+        key_pem: leaf_key.serialize_pem(),
+    })
+}
+
+/// Parses every certificate in a PEM text.
+pub fn certs_from_pem(pem: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let mut out = Vec::new();
+    for item in pem_blocks(pem, "CERTIFICATE")? {
+        out.push(CertificateDer::from(item));
+    }
+    if out.is_empty() {
+        return Err(TlsError::Pem("no CERTIFICATE block".into()));
+    }
+    Ok(out)
+}
+
+/// Parses a PKCS#8 private key from PEM.
+pub fn key_from_pem(pem: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let der = pem_blocks(pem, "PRIVATE KEY")?
+        .into_iter()
+        .next()
+        .ok_or_else(|| TlsError::Pem("no PRIVATE KEY block".into()))?;
+    Ok(PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(der)))
+}
+
+fn pem_blocks(pem: &str, label: &str) -> Result<Vec<Vec<u8>>, TlsError> {
+    use rustls::pki_types::pem::PemObject;
+    let _ = label;
+    let mut out = Vec::new();
+    for section in rustls::pki_types::pem::PemObject::pem_slice_iter(pem.as_bytes()) {
+        let section: CertOrKey = section.map_err(|e| TlsError::Pem(e.to_string()))?;
+        match (section, label) {
+            (CertOrKey::Cert(der), "CERTIFICATE") => out.push(der),
+            (CertOrKey::Key(der), "PRIVATE KEY") => out.push(der),
+            _ => {}
+        }
+    }
+    let _ = <CertificateDer<'static> as PemObject>::from_pem_slice;
+    Ok(out)
+}
+
+enum CertOrKey {
+    Cert(Vec<u8>),
+    Key(Vec<u8>),
+}
+
+impl rustls::pki_types::pem::PemObject for CertOrKey {
+    fn from_pem(kind: rustls::pki_types::pem::SectionKind, der: Vec<u8>) -> Option<Self> {
+        match kind {
+            rustls::pki_types::pem::SectionKind::Certificate => Some(CertOrKey::Cert(der)),
+            rustls::pki_types::pem::SectionKind::PrivateKey => Some(CertOrKey::Key(der)),
+            _ => None,
+        }
+    }
+}
