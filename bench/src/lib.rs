@@ -1,1 +1,5 @@
-//! The benchmark tool. Not built yet: see issue 8.
+//! `felix-bench`: benchmarks that print numbers and ratios against a baseline measured in
+//! the same run. See `docs/benchmarks.md` for the method.
+
+pub mod quic;
+pub mod stats;
