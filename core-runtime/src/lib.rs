@@ -12,5 +12,6 @@ pub mod placement;
 pub mod quic;
 pub mod runtime;
 pub mod stats;
+pub mod task;
 
 pub use cores::{CoreId, CoreSet};

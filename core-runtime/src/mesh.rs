@@ -194,8 +194,11 @@ impl<T: Send + 'static> Mesh<T> {
     }
 
     /// Takes the receiving ends (once): the core's inbox loop owns them.
-    pub fn take_receivers(&mut self) -> Vec<(CoreId, ConnectedReceiver<T>)> {
+    pub fn take_receivers(&mut self) -> Vec<(CoreId, Inbox<T>)> {
         std::mem::take(&mut self.from)
+            .into_iter()
+            .map(|(c, r)| (c, Inbox(r)))
+            .collect()
     }
 
     /// Closes this core's sending ends: peers' receivers end once drained.
@@ -203,6 +206,22 @@ impl<T: Send + 'static> Mesh<T> {
         for s in self.to.iter().flatten() {
             s.close();
         }
+    }
+}
+
+/// The receiving end of one peer's channel.
+pub struct Inbox<T: Send + 'static>(ConnectedReceiver<T>);
+
+impl<T: Send + 'static> std::fmt::Debug for Inbox<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Inbox")
+    }
+}
+
+impl<T: Send + 'static> Inbox<T> {
+    /// The next message; `None` once the sender closed and everything was received.
+    pub async fn recv(&self) -> Option<T> {
+        self.0.recv().await
     }
 }
 

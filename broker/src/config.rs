@@ -1,0 +1,352 @@
+//! Broker configuration: defaults < YAML file < `FELIX_*` environment < flags.
+//!
+//! Every value is validated at start, and an error names the key it came from.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use felix_core_runtime::CoreSet;
+use felix_core_runtime::placement::PinRule;
+use felix_storage_uring::FsyncMode;
+use serde::Deserialize;
+
+/// A tenant's token verification key.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TenantKey {
+    /// Key id (the token header's `kid`).
+    pub kid: String,
+    /// Raw Ed25519 public key, base64url.
+    pub public_key: String,
+}
+
+/// A tenant and its keys.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Tenant id.
+    pub id: String,
+    /// Verification keys.
+    pub keys: Vec<TenantKey>,
+}
+
+/// A stream declared up front.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct StreamConfig {
+    /// Tenant.
+    pub tenant: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Stream name.
+    pub name: String,
+    /// Shard count.
+    pub shards: u32,
+}
+
+/// The YAML file (every key optional).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// QUIC address.
+    pub listen: Option<String>,
+    /// HTTP address (`/metrics`, `/livez`, `/readyz`).
+    pub http: Option<String>,
+    /// Data directory.
+    pub data_dir: Option<PathBuf>,
+    /// Cores (`0-3`, `0,2`, `all`).
+    pub cores: Option<String>,
+    /// `on-commit`, `periodic:<ms>` or `none`.
+    pub fsync: Option<String>,
+    /// Shard count of auto-created streams and caches.
+    pub default_shards: Option<u32>,
+    /// Create unknown streams and caches on first use.
+    pub auto_create: Option<bool>,
+    /// This node's id.
+    pub node_id: Option<String>,
+    /// TLS certificate chain (PEM).
+    pub tls_cert: Option<PathBuf>,
+    /// TLS key (PKCS#8 PEM).
+    pub tls_key: Option<PathBuf>,
+    /// Tenants and their keys.
+    #[serde(default)]
+    pub tenants: Vec<TenantConfig>,
+    /// Streams to declare.
+    #[serde(default)]
+    pub streams: Vec<StreamConfig>,
+    /// Operator pinning rules (`tenant/ns/name/shard=core`).
+    #[serde(default)]
+    pub pins: Vec<String>,
+    /// Acked publishes a client stream may have unanswered.
+    pub publish_window: Option<u32>,
+    /// Connections per core beyond which handshakes are refused.
+    pub max_connections: Option<usize>,
+    /// Per-subscriber queue, in batches.
+    pub subscriber_queue: Option<usize>,
+    /// Segment size.
+    pub segment_bytes: Option<u64>,
+}
+
+/// Fully resolved configuration.
+#[derive(Debug, Clone)]
+pub struct BrokerConfig {
+    /// QUIC address.
+    pub listen: SocketAddr,
+    /// HTTP address.
+    pub http: Option<SocketAddr>,
+    /// Data directory.
+    pub data_dir: PathBuf,
+    /// Cores.
+    pub cores: CoreSet,
+    /// Durability of acks.
+    pub fsync: FsyncMode,
+    /// Auto-create shard count (`None`: unknown names are refused).
+    pub auto_create_shards: Option<u32>,
+    /// Node id.
+    pub node_id: String,
+    /// TLS files; `None` in dev mode (generated).
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// Tenants.
+    pub tenants: Vec<TenantConfig>,
+    /// Declared streams.
+    pub streams: Vec<StreamConfig>,
+    /// Pin rules.
+    pub pins: Vec<PinRule>,
+    /// Publish window.
+    pub publish_window: u32,
+    /// Connection limit per core.
+    pub max_connections: usize,
+    /// Subscriber queue capacity.
+    pub subscriber_queue: usize,
+    /// Segment size.
+    pub segment_bytes: u64,
+}
+
+/// A configuration error naming the key.
+#[derive(Debug, thiserror::Error)]
+#[error("configuration key `{key}` (from {source_name}): {message}")]
+pub struct ConfigError {
+    /// The key.
+    pub key: &'static str,
+    /// Where the value came from.
+    pub source_name: &'static str,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// Values from flags (highest precedence).
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    /// `--listen`.
+    pub listen: Option<String>,
+    /// `--http`.
+    pub http: Option<String>,
+    /// `--data-dir`.
+    pub data_dir: Option<PathBuf>,
+    /// `--cores`.
+    pub cores: Option<String>,
+    /// `--fsync`.
+    pub fsync: Option<String>,
+    /// `--shards`.
+    pub default_shards: Option<u32>,
+}
+
+fn parse<T: FromStr>(key: &'static str, src: &'static str, v: &str) -> Result<T, ConfigError>
+where
+    T::Err: std::fmt::Display,
+{
+    v.parse().map_err(|e: T::Err| ConfigError {
+        key,
+        source_name: src,
+        message: format!("{v:?}: {e}"),
+    })
+}
+
+/// A value with where it came from.
+struct Layered {
+    value: Option<String>,
+    source: &'static str,
+}
+
+fn layer(key: &'static str, env: &str, file: Option<String>, flag: Option<String>) -> Layered {
+    let _ = key;
+    if let Some(v) = flag {
+        return Layered {
+            value: Some(v),
+            source: "flag",
+        };
+    }
+    if let Ok(v) = std::env::var(env) {
+        return Layered {
+            value: Some(v),
+            source: "environment",
+        };
+    }
+    Layered {
+        value: file,
+        source: "config file",
+    }
+}
+
+impl BrokerConfig {
+    /// Resolves `file` < env < `flags` over the defaults.
+    pub fn resolve(
+        file: FileConfig,
+        flags: Overrides,
+        dev: bool,
+    ) -> Result<BrokerConfig, ConfigError> {
+        let l = layer(
+            "listen",
+            "FELIX_LISTEN",
+            file.listen.clone(),
+            flags.listen.clone(),
+        );
+        let listen = match l.value {
+            Some(v) => parse("listen", l.source, &v)?,
+            None => "127.0.0.1:5000".parse().expect("valid default"),
+        };
+        let l = layer("http", "FELIX_HTTP", file.http.clone(), flags.http.clone());
+        let http = match l.value.as_deref() {
+            Some("off") | Some("") => None,
+            Some(v) => Some(parse("http", l.source, v)?),
+            None => Some("127.0.0.1:9090".parse().expect("valid default")),
+        };
+        let l = layer(
+            "data_dir",
+            "FELIX_DATA_DIR",
+            file.data_dir.map(|p| p.display().to_string()),
+            flags.data_dir.map(|p| p.display().to_string()),
+        );
+        let data_dir = PathBuf::from(l.value.unwrap_or_else(|| "./felix-data".into()));
+        let l = layer(
+            "cores",
+            "FELIX_CORES",
+            file.cores.clone(),
+            flags.cores.clone(),
+        );
+        let cores = match l.value {
+            Some(v) => parse::<CoreSet>("cores", l.source, &v)?,
+            None => CoreSet::all(),
+        };
+        let l = layer(
+            "fsync",
+            "FELIX_FSYNC",
+            file.fsync.clone(),
+            flags.fsync.clone(),
+        );
+        let fsync = match l.value {
+            Some(v) => parse::<FsyncMode>("fsync", l.source, &v)?,
+            None => FsyncMode::OnCommit,
+        };
+        let l = layer(
+            "default_shards",
+            "FELIX_DEFAULT_SHARDS",
+            file.default_shards.map(|n| n.to_string()),
+            flags.default_shards.map(|n| n.to_string()),
+        );
+        let shards: u32 = match l.value {
+            Some(v) => parse("default_shards", l.source, &v)?,
+            None => 1,
+        };
+        if shards == 0 || shards > 4096 {
+            return Err(ConfigError {
+                key: "default_shards",
+                source_name: l.source,
+                message: format!("{shards} is out of range 1..=4096"),
+            });
+        }
+        let auto_create = file.auto_create.unwrap_or(dev);
+        let mut pins = Vec::new();
+        for p in &file.pins {
+            pins.push(parse::<PinRule>("pins", "config file", p)?);
+        }
+        let tls = match (file.tls_cert, file.tls_key) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            _ => {
+                return Err(ConfigError {
+                    key: "tls_cert",
+                    source_name: "config file",
+                    message: "tls_cert and tls_key go together".into(),
+                });
+            }
+        };
+        if !dev && tls.is_none() {
+            return Err(ConfigError {
+                key: "tls_cert",
+                source_name: "config file",
+                message: "a non-dev broker needs tls_cert and tls_key".into(),
+            });
+        }
+        if !dev && file.tenants.is_empty() {
+            return Err(ConfigError {
+                key: "tenants",
+                source_name: "config file",
+                message: "a non-dev broker needs at least one tenant with keys".into(),
+            });
+        }
+        let publish_window = file.publish_window.unwrap_or(256);
+        if publish_window == 0 {
+            return Err(ConfigError {
+                key: "publish_window",
+                source_name: "config file",
+                message: "must be at least 1".into(),
+            });
+        }
+        Ok(BrokerConfig {
+            listen,
+            http,
+            data_dir,
+            cores,
+            fsync,
+            auto_create_shards: auto_create.then_some(shards),
+            node_id: file.node_id.unwrap_or_else(|| "node-1".into()),
+            tls,
+            tenants: file.tenants,
+            streams: file.streams,
+            pins,
+            publish_window,
+            max_connections: file.max_connections.unwrap_or(10_000),
+            subscriber_queue: file.subscriber_queue.unwrap_or(512).max(1),
+            segment_bytes: file.segment_bytes.unwrap_or(256 << 20),
+        })
+    }
+
+    /// Reads a YAML file.
+    pub fn load_file(path: &std::path::Path) -> anyhow::Result<FileConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        serde_yaml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_beat_the_file_and_errors_name_the_key() {
+        let file: FileConfig =
+            serde_yaml::from_str("listen: 127.0.0.1:7000\nfsync: none\ndefault_shards: 3\n")
+                .unwrap();
+        let flags = Overrides {
+            listen: Some("127.0.0.1:7001".into()),
+            ..Overrides::default()
+        };
+        let c = BrokerConfig::resolve(file, flags, true).unwrap();
+        assert_eq!(c.listen.port(), 7001);
+        assert_eq!(c.fsync, FsyncMode::None);
+        assert_eq!(c.auto_create_shards, Some(3));
+        let bad: FileConfig = serde_yaml::from_str("fsync: sometimes\n").unwrap();
+        let e = BrokerConfig::resolve(bad, Overrides::default(), true).unwrap_err();
+        assert_eq!(e.key, "fsync");
+        assert!(
+            serde_yaml::from_str::<FileConfig>("lisen: x\n").is_err(),
+            "unknown keys are refused"
+        );
+        let e =
+            BrokerConfig::resolve(FileConfig::default(), Overrides::default(), false).unwrap_err();
+        assert_eq!(e.key, "tls_cert");
+    }
+}

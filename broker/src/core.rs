@@ -1,0 +1,865 @@
+//! One core's broker: the shards it owns, its subscribers, and the cross-core messages
+//! it sends and answers.
+//!
+//! A shard's state is touched only by its owning core. A session on another core asks
+//! the owner through the mesh ([`CoreMsg`]), and the owner re-checks ownership when the
+//! message arrives. Deliveries go the other way: after a commit, the owner encodes
+//! nothing yet; it sends one shared [`Envelope`] to each core with subscribers, where it
+//! is queued to each local subscriber and encoded once per wire format.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::future::poll_fn;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Poll, Waker};
+
+use bytes::Bytes;
+use felix_core_runtime::CoreId;
+use felix_core_runtime::mesh::{Mesh, SendError};
+use felix_core_runtime::placement::{Placement, ShardKey, ShardKind};
+use felix_core_runtime::task;
+use felix_storage_uring::{Appended, DmaBackend, LogConfig, ReadBatch, SegmentLog};
+use felix_wire::message::{CursorErrorReason, StartPosition};
+use futures_channel::oneshot;
+
+use crate::auth::TenantKeys;
+use crate::catalog::{Catalog, CoreCatalog};
+use crate::error::BrokerError;
+use crate::shard::{CacheShard, Envelope, StreamShard, now_micros};
+
+/// Deliveries queued for one peer core beyond the mesh channel; more are dropped (the
+/// subscribers on that core see an offset gap).
+const OUTBOUND_MAX: usize = 4096;
+
+/// A cache operation.
+#[derive(Debug)]
+pub enum CacheOp {
+    /// Read a key.
+    Get(String),
+    /// Write a key with an optional TTL (ms).
+    Put(String, Bytes, Option<u64>),
+    /// Remove a key.
+    Delete(String),
+}
+
+/// A cache answer.
+#[derive(Debug)]
+pub enum CacheAnswer {
+    /// A value (or none) and its version.
+    Value(Option<Bytes>, Option<u64>),
+    /// A put's version.
+    Written(u64),
+}
+
+/// Messages between cores. Each says what dropping it (the owner core gone) means.
+#[derive(Debug)]
+pub enum CoreMsg {
+    /// Append to a stream shard the receiver owns. Dropped: the publisher's wait fails
+    /// and it is answered `unacknowledged` (outcome unknown).
+    Append {
+        /// Shard.
+        key: Arc<ShardKey>,
+        /// Records (shared buffers from the client's frame).
+        records: Vec<Bytes>,
+        /// Answer.
+        reply: oneshot::Sender<Result<Appended, BrokerError>>,
+    },
+    /// Register a subscriber living on `core`. Dropped: the subscribe fails.
+    Subscribe {
+        /// Shard.
+        key: Arc<ShardKey>,
+        /// Requested start.
+        start: Option<StartPosition>,
+        /// The subscriber's core.
+        core: CoreId,
+        /// `(start, live)` offsets.
+        reply: oneshot::Sender<Result<(u64, u64), BrokerError>>,
+    },
+    /// One subscriber on `core` went away. Dropped: the owner keeps sending that core
+    /// deliveries nobody reads (harmless, bounded by the outbound queue).
+    Unsubscribe {
+        /// Shard.
+        key: Arc<ShardKey>,
+        /// The subscriber's core.
+        core: CoreId,
+    },
+    /// Read history. Dropped: the read fails and the subscription ends.
+    Read {
+        /// Shard.
+        key: Arc<ShardKey>,
+        /// First offset.
+        from: u64,
+        /// Byte budget.
+        max_bytes: usize,
+        /// Batches.
+        reply: oneshot::Sender<Result<Vec<ReadBatch>, BrokerError>>,
+    },
+    /// A committed batch for the receiver's subscribers. Dropped: they see a gap.
+    Deliver {
+        /// Shard.
+        key: Arc<ShardKey>,
+        /// The shared batch.
+        envelope: Arc<Envelope>,
+    },
+    /// A cache operation on a cache shard the receiver owns. Dropped: the client gets
+    /// `unacknowledged`.
+    Cache {
+        /// Shard.
+        key: Arc<ShardKey>,
+        /// What to do.
+        op: CacheOp,
+        /// Answer.
+        reply: oneshot::Sender<Result<CacheAnswer, BrokerError>>,
+    },
+}
+
+/// Per-core counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct CoreMetrics {
+    /// Publish batches appended.
+    pub publish_batches: AtomicU64,
+    /// Records appended.
+    pub publish_records: AtomicU64,
+    /// Payload bytes appended.
+    pub publish_bytes: AtomicU64,
+    /// Publishes refused or failed.
+    pub publish_errors: AtomicU64,
+    /// Batches handed to subscriber queues.
+    pub events_queued: AtomicU64,
+    /// Batches dropped because a subscriber queue was full.
+    pub events_dropped: AtomicU64,
+    /// Live subscriptions on this core.
+    pub subscriptions: AtomicU64,
+    /// Open client connections on this core.
+    pub connections: AtomicU64,
+    /// Cache operations.
+    pub cache_ops: AtomicU64,
+    /// Cross-core messages sent.
+    pub mesh_sent: AtomicU64,
+    /// Shards open on this core.
+    pub shards_open: AtomicU64,
+}
+
+/// What every core shares (read-mostly).
+#[derive(Debug)]
+pub struct Shared {
+    /// Where shard logs live.
+    pub data_dir: PathBuf,
+    /// Log settings for new shards.
+    pub log_config: LogConfig,
+    /// Streams and caches.
+    pub catalog: Arc<Catalog>,
+    /// Shard-to-core placement.
+    pub placement: Arc<Placement>,
+    /// Token verification keys.
+    pub keys: Arc<TenantKeys>,
+    /// This broker's node id.
+    pub node_id: String,
+    /// Acked publishes a stream may have unanswered.
+    pub publish_window: u32,
+    /// Subscriber queue capacity (batches).
+    pub subscriber_queue: usize,
+    /// Max frame payload after auth.
+    pub max_frame_bytes: u32,
+    /// Per-core metrics, in core order.
+    pub metrics: Vec<Arc<CoreMetrics>>,
+    /// Set once every core is serving.
+    pub ready: std::sync::atomic::AtomicBool,
+}
+
+enum Slot<T> {
+    Opening(Vec<Waker>),
+    Ready(T),
+    Failed(BrokerError),
+}
+
+/// A local subscriber's bounded queue of committed batches (overflow policy DropNew).
+#[derive(Debug)]
+pub struct SubQueue {
+    queue: RefCell<VecDeque<Arc<Envelope>>>,
+    capacity: usize,
+    waker: RefCell<Option<Waker>>,
+    /// Batches dropped because the queue was full.
+    pub dropped: Cell<u64>,
+    closed: Cell<bool>,
+}
+
+impl SubQueue {
+    fn new(capacity: usize) -> SubQueue {
+        SubQueue {
+            queue: RefCell::default(),
+            capacity,
+            waker: RefCell::default(),
+            dropped: Cell::new(0),
+            closed: Cell::new(false),
+        }
+    }
+
+    fn push(&self, env: Arc<Envelope>) -> bool {
+        let accepted = {
+            let mut q = self.queue.borrow_mut();
+            if q.len() >= self.capacity {
+                self.dropped.set(self.dropped.get() + 1);
+                false
+            } else {
+                q.push_back(env);
+                true
+            }
+        };
+        if let Some(w) = self.waker.borrow_mut().take() {
+            w.wake();
+        }
+        accepted
+    }
+
+    /// The next batch; `None` once closed.
+    pub async fn next(&self) -> Option<Arc<Envelope>> {
+        poll_fn(|cx| {
+            if let Some(e) = self.queue.borrow_mut().pop_front() {
+                return Poll::Ready(Some(e));
+            }
+            if self.closed.get() {
+                return Poll::Ready(None);
+            }
+            *self.waker.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Ends the subscription.
+    pub fn close(&self) {
+        self.closed.set(true);
+        if let Some(w) = self.waker.borrow_mut().take() {
+            w.wake();
+        }
+    }
+}
+
+/// One core's broker.
+pub struct CoreBroker {
+    /// This core.
+    pub core: CoreId,
+    /// Shared state.
+    pub shared: Arc<Shared>,
+    /// Catalog cache.
+    pub catalog: CoreCatalog,
+    /// This core's metrics.
+    pub metrics: Arc<CoreMetrics>,
+    mesh: Mesh<CoreMsg>,
+    streams: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<StreamShard>>>>,
+    caches: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<CacheShard>>>>,
+    subscribers: RefCell<HashMap<Arc<ShardKey>, Vec<Rc<SubQueue>>>>,
+    outbound: Vec<RefCell<VecDeque<CoreMsg>>>,
+    draining: Cell<bool>,
+}
+
+impl std::fmt::Debug for CoreBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CoreBroker")
+            .field("core", &self.core)
+            .finish()
+    }
+}
+
+fn shard_dir(root: &std::path::Path, key: &ShardKey) -> PathBuf {
+    let kind = match key.kind {
+        ShardKind::Stream => "streams",
+        ShardKind::Cache => "caches",
+    };
+    root.join(kind)
+        .join(&key.tenant)
+        .join(&key.namespace)
+        .join(&key.name)
+        .join(key.shard.to_string())
+}
+
+impl CoreBroker {
+    /// A core's broker over its connected mesh.
+    pub fn new(core: CoreId, shared: Arc<Shared>, mesh: Mesh<CoreMsg>) -> Rc<CoreBroker> {
+        let cores = mesh.cores();
+        Rc::new(CoreBroker {
+            core,
+            catalog: CoreCatalog::new(shared.catalog.clone()),
+            metrics: shared.metrics[core.index()].clone(),
+            shared,
+            mesh,
+            streams: RefCell::default(),
+            caches: RefCell::default(),
+            subscribers: RefCell::default(),
+            outbound: (0..cores).map(|_| RefCell::default()).collect(),
+            draining: Cell::new(false),
+        })
+    }
+
+    /// The core that owns `key`.
+    pub fn owner(&self, key: &ShardKey) -> CoreId {
+        self.shared.placement.core_for(key)
+    }
+
+    /// Whether the broker is shutting down.
+    pub fn draining(&self) -> bool {
+        self.draining.get()
+    }
+
+    async fn open_log(&self, key: &ShardKey) -> Result<SegmentLog<DmaBackend>, BrokerError> {
+        let dir = shard_dir(&self.shared.data_dir, key);
+        let backend = DmaBackend::open_dir(&dir)
+            .await
+            .map_err(|e| BrokerError::Storage(format!("{}: {e}", dir.display())))?;
+        let (log, report) = SegmentLog::open(backend, self.shared.log_config.clone()).await?;
+        if report.truncated_bytes > 0 || report.discarded_segments > 0 {
+            tracing::warn!(shard = %key, ?report, "recovered a torn tail");
+        }
+        self.metrics.shards_open.fetch_add(1, Ordering::Relaxed);
+        Ok(log)
+    }
+
+    /// The stream shard `key`, opening (and recovering) it on first use. Only on the
+    /// owning core.
+    pub async fn stream_shard(&self, key: &Arc<ShardKey>) -> Result<Rc<StreamShard>, BrokerError> {
+        if self.owner(key) != self.core {
+            return Err(BrokerError::ShardUnavailable(format!(
+                "{key} moved to another core"
+            )));
+        }
+        let first = {
+            let mut map = self.streams.borrow_mut();
+            match map.get(key) {
+                Some(Slot::Ready(s)) => return Ok(s.clone()),
+                Some(Slot::Failed(e)) => return Err(e.clone()),
+                Some(Slot::Opening(_)) => false,
+                None => {
+                    map.insert(key.clone(), Slot::Opening(Vec::new()));
+                    true
+                }
+            }
+        };
+        if first {
+            let opened = self
+                .open_log(key)
+                .await
+                .map(|log| Rc::new(StreamShard::new(key.clone(), log)));
+            let mut map = self.streams.borrow_mut();
+            let slot = match &opened {
+                Ok(s) => Slot::Ready(s.clone()),
+                Err(e) => Slot::Failed(e.clone()),
+            };
+            if let Some(Slot::Opening(waiters)) = map.insert(key.clone(), slot) {
+                waiters.into_iter().for_each(Waker::wake);
+            }
+            return opened;
+        }
+        poll_fn(|cx| match self.streams.borrow_mut().get_mut(key) {
+            Some(Slot::Ready(s)) => Poll::Ready(Ok(s.clone())),
+            Some(Slot::Failed(e)) => Poll::Ready(Err(e.clone())),
+            Some(Slot::Opening(w)) => {
+                w.push(cx.waker().clone());
+                Poll::Pending
+            }
+            None => Poll::Ready(Err(BrokerError::ShardUnavailable(format!("{key} closed")))),
+        })
+        .await
+    }
+
+    /// The cache shard `key`, opening it (and replaying its log) on first use.
+    pub async fn cache_shard(&self, key: &Arc<ShardKey>) -> Result<Rc<CacheShard>, BrokerError> {
+        if self.owner(key) != self.core {
+            return Err(BrokerError::ShardUnavailable(format!(
+                "{key} moved to another core"
+            )));
+        }
+        let first = {
+            let mut map = self.caches.borrow_mut();
+            match map.get(key) {
+                Some(Slot::Ready(s)) => return Ok(s.clone()),
+                Some(Slot::Failed(e)) => return Err(e.clone()),
+                Some(Slot::Opening(_)) => false,
+                None => {
+                    map.insert(key.clone(), Slot::Opening(Vec::new()));
+                    true
+                }
+            }
+        };
+        if first {
+            let opened = match self.open_log(key).await {
+                Ok(log) => CacheShard::open(key.clone(), log).await.map(Rc::new),
+                Err(e) => Err(e),
+            };
+            let mut map = self.caches.borrow_mut();
+            let slot = match &opened {
+                Ok(s) => Slot::Ready(s.clone()),
+                Err(e) => Slot::Failed(e.clone()),
+            };
+            if let Some(Slot::Opening(waiters)) = map.insert(key.clone(), slot) {
+                waiters.into_iter().for_each(Waker::wake);
+            }
+            return opened;
+        }
+        poll_fn(|cx| match self.caches.borrow_mut().get_mut(key) {
+            Some(Slot::Ready(s)) => Poll::Ready(Ok(s.clone())),
+            Some(Slot::Failed(e)) => Poll::Ready(Err(e.clone())),
+            Some(Slot::Opening(w)) => {
+                w.push(cx.waker().clone());
+                Poll::Pending
+            }
+            None => Poll::Ready(Err(BrokerError::ShardUnavailable(format!("{key} closed")))),
+        })
+        .await
+    }
+
+    async fn ask<R>(
+        &self,
+        owner: CoreId,
+        make: impl FnOnce(oneshot::Sender<Result<R, BrokerError>>) -> CoreMsg,
+    ) -> Result<R, BrokerError> {
+        let (tx, rx) = oneshot::channel();
+        self.metrics.mesh_sent.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = self.mesh.send(owner, make(tx)).await {
+            let _ = e.into_inner();
+            return Err(BrokerError::ShardUnavailable(format!(
+                "core {owner} is not accepting requests"
+            )));
+        }
+        rx.await.unwrap_or_else(|_| {
+            Err(BrokerError::Internal(
+                "the owning core dropped the request".into(),
+            ))
+        })
+    }
+
+    /// Appends `records` to a stream shard, wherever it lives; resolves once the batch
+    /// is acknowledged (durable under on-commit fsync) and fanned out.
+    pub async fn append(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        records: Vec<Bytes>,
+    ) -> Result<Appended, BrokerError> {
+        let owner = self.owner(&key);
+        if owner == self.core {
+            self.append_local(key, records).await
+        } else {
+            self.ask(owner, |reply| CoreMsg::Append {
+                key,
+                records,
+                reply,
+            })
+            .await
+        }
+    }
+
+    /// Appends on this (the owning) core. The offsets are claimed before this returns
+    /// its future when the shard is open; the commit and fanout run in a task of their
+    /// own, so a publisher going away cannot cancel them half way.
+    pub fn append_local(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        records: Vec<Bytes>,
+    ) -> impl std::future::Future<Output = Result<Appended, BrokerError>> + 'static {
+        let (tx, rx) = oneshot::channel();
+        let ready = match self.streams.borrow().get(&key) {
+            Some(Slot::Ready(s)) => Some(s.clone()),
+            _ => None,
+        };
+        let this = self.clone();
+        // Claim offsets now when possible: request order is offset order.
+        let claimed = ready.map(|shard| {
+            let pending = shard.log.begin_append(&records, now_micros(), None);
+            (shard, pending)
+        });
+        task::spawn(async move {
+            let result = async {
+                let (shard, pending) = match claimed {
+                    Some((shard, pending)) => (shard, pending?),
+                    None => {
+                        let shard = this.stream_shard(&key).await?;
+                        let pending = shard.log.begin_append(&records, now_micros(), None)?;
+                        (shard, pending)
+                    }
+                };
+                let appended = shard.log.commit(pending).await?;
+                // Fanout before any other await: offset order.
+                this.fanout(&shard, appended, records);
+                Ok(appended)
+            }
+            .await;
+            match &result {
+                Ok(a) => {
+                    this.metrics.publish_batches.fetch_add(1, Ordering::Relaxed);
+                    this.metrics
+                        .publish_records
+                        .fetch_add(a.end - a.first, Ordering::Relaxed);
+                }
+                Err(_) => {
+                    this.metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            let _ = tx.send(result);
+        })
+        .detach();
+        async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(BrokerError::Internal(
+                    "append task ended without an answer".into(),
+                ))
+            })
+        }
+    }
+
+    fn fanout(self: &Rc<Self>, shard: &StreamShard, appended: Appended, records: Vec<Bytes>) {
+        shard.advance_fanout(appended);
+        if !shard.has_subscribers() {
+            return;
+        }
+        let env = Arc::new(Envelope::new(shard.names.clone(), appended.first, records));
+        for core in shard.interested_cores() {
+            if core == self.core {
+                self.deliver_local(&shard.key, &env);
+            } else {
+                self.send_deliver(
+                    core,
+                    CoreMsg::Deliver {
+                        key: shard.key.clone(),
+                        envelope: env.clone(),
+                    },
+                );
+            }
+        }
+    }
+
+    fn deliver_local(&self, key: &ShardKey, env: &Arc<Envelope>) {
+        if let Some(subs) = self.subscribers.borrow().get(key) {
+            for s in subs {
+                if s.push(env.clone()) {
+                    self.metrics.events_queued.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    self.metrics.events_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    fn send_deliver(self: &Rc<Self>, core: CoreId, msg: CoreMsg) {
+        let mut q = self.outbound[core.index()].borrow_mut();
+        if q.is_empty() {
+            match self.mesh.try_send(core, msg) {
+                Ok(()) => {
+                    self.metrics.mesh_sent.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(SendError::Full(m)) => {
+                    q.push_back(m);
+                    let this = self.clone();
+                    task::spawn(async move { this.drain_outbound(core).await }).detach();
+                }
+                Err(_) => {}
+            }
+        } else if q.len() < OUTBOUND_MAX {
+            q.push_back(msg);
+        } else {
+            self.metrics.events_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    async fn drain_outbound(&self, core: CoreId) {
+        loop {
+            let next = self.outbound[core.index()].borrow_mut().front().is_some();
+            if !next {
+                return;
+            }
+            let msg = self.outbound[core.index()]
+                .borrow_mut()
+                .pop_front()
+                .expect("checked non-empty");
+            if self.mesh.send(core, msg).await.is_err() {
+                self.outbound[core.index()].borrow_mut().clear();
+                return;
+            }
+            self.metrics.mesh_sent.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Registers a local subscriber before asking the owner where live delivery starts
+    /// (register, then read history: nothing published in between is lost). Returns
+    /// the queue and `(start, live)`.
+    pub async fn subscribe(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        start: Option<StartPosition>,
+    ) -> Result<(Rc<SubQueue>, u64, u64), BrokerError> {
+        let queue = Rc::new(SubQueue::new(self.shared.subscriber_queue));
+        self.subscribers
+            .borrow_mut()
+            .entry(key.clone())
+            .or_default()
+            .push(queue.clone());
+        let owner = self.owner(&key);
+        let answer = if owner == self.core {
+            self.register_at_owner(&key, start, self.core).await
+        } else {
+            let k = key.clone();
+            self.ask(owner, |reply| CoreMsg::Subscribe {
+                key: k,
+                start,
+                core: self.core,
+                reply,
+            })
+            .await
+        };
+        match answer {
+            Ok((s, live)) => {
+                self.metrics.subscriptions.fetch_add(1, Ordering::Relaxed);
+                Ok((queue, s, live))
+            }
+            Err(e) => {
+                self.forget_local(&key, &queue);
+                Err(e)
+            }
+        }
+    }
+
+    async fn register_at_owner(
+        &self,
+        key: &Arc<ShardKey>,
+        start: Option<StartPosition>,
+        core: CoreId,
+    ) -> Result<(u64, u64), BrokerError> {
+        let shard = self.stream_shard(key).await?;
+        let base = shard.log.base_offset();
+        let tail = shard.log.committed_end();
+        let start = match start {
+            None | Some(StartPosition::Latest) => None,
+            Some(StartPosition::Earliest) => Some(base),
+            Some(StartPosition::Offset(o)) if o.0 < base => {
+                return Err(BrokerError::Cursor {
+                    reason: CursorErrorReason::TooOld,
+                    requested: o.0,
+                    available: base,
+                });
+            }
+            Some(StartPosition::Offset(o)) if o.0 > tail => {
+                return Err(BrokerError::Cursor {
+                    reason: CursorErrorReason::InFuture,
+                    requested: o.0,
+                    available: tail,
+                });
+            }
+            Some(StartPosition::Offset(o)) => Some(o.0),
+        };
+        let live = shard.register(core);
+        Ok((start.unwrap_or(live), live))
+    }
+
+    fn forget_local(&self, key: &Arc<ShardKey>, queue: &Rc<SubQueue>) {
+        let mut subs = self.subscribers.borrow_mut();
+        if let Some(list) = subs.get_mut(key) {
+            list.retain(|q| !Rc::ptr_eq(q, queue));
+            if list.is_empty() {
+                subs.remove(key);
+            }
+        }
+    }
+
+    /// Ends a subscription made with [`CoreBroker::subscribe`].
+    pub fn unsubscribe(self: &Rc<Self>, key: Arc<ShardKey>, queue: &Rc<SubQueue>) {
+        queue.close();
+        self.forget_local(&key, queue);
+        self.metrics.subscriptions.fetch_sub(1, Ordering::Relaxed);
+        let owner = self.owner(&key);
+        if owner == self.core {
+            if let Some(Slot::Ready(s)) = self.streams.borrow().get(&key) {
+                s.unregister(self.core);
+            }
+        } else {
+            let this = self.clone();
+            task::spawn(async move {
+                let _ = this
+                    .mesh
+                    .send(
+                        owner,
+                        CoreMsg::Unsubscribe {
+                            key,
+                            core: this.core,
+                        },
+                    )
+                    .await;
+            })
+            .detach();
+        }
+    }
+
+    /// Reads committed history from a stream shard, wherever it lives.
+    pub async fn read(
+        &self,
+        key: Arc<ShardKey>,
+        from: u64,
+        max_bytes: usize,
+    ) -> Result<Vec<ReadBatch>, BrokerError> {
+        let owner = self.owner(&key);
+        if owner == self.core {
+            let shard = self.stream_shard(&key).await?;
+            Ok(shard.log.read(from, max_bytes).await?)
+        } else {
+            self.ask(owner, |reply| CoreMsg::Read {
+                key,
+                from,
+                max_bytes,
+                reply,
+            })
+            .await
+        }
+    }
+
+    /// A cache operation, wherever the cache shard lives.
+    pub async fn cache(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        op: CacheOp,
+    ) -> Result<CacheAnswer, BrokerError> {
+        self.metrics.cache_ops.fetch_add(1, Ordering::Relaxed);
+        let owner = self.owner(&key);
+        if owner == self.core {
+            self.cache_local(&key, op).await
+        } else {
+            self.ask(owner, |reply| CoreMsg::Cache { key, op, reply })
+                .await
+        }
+    }
+
+    async fn cache_local(
+        &self,
+        key: &Arc<ShardKey>,
+        op: CacheOp,
+    ) -> Result<CacheAnswer, BrokerError> {
+        let shard = self.cache_shard(key).await?;
+        match op {
+            CacheOp::Get(k) => {
+                let e = shard.get(&k);
+                Ok(CacheAnswer::Value(
+                    e.as_ref().map(|e| e.value.clone()),
+                    e.map(|e| e.version),
+                ))
+            }
+            CacheOp::Put(k, v, ttl) => Ok(CacheAnswer::Written(shard.put(&k, v, ttl).await?)),
+            CacheOp::Delete(k) => Ok(CacheAnswer::Value(shard.delete(&k).await?, None)),
+        }
+    }
+
+    /// Handles one message from another core. Deliveries are handled inline, in the
+    /// order they arrived; everything that may wait runs in its own task.
+    pub fn handle(self: &Rc<Self>, from: CoreId, msg: CoreMsg) {
+        match msg {
+            CoreMsg::Deliver { key, envelope } => self.deliver_local(&key, &envelope),
+            CoreMsg::Append {
+                key,
+                records,
+                reply,
+            } => {
+                let fut = self.append_local(key, records);
+                task::spawn(async move {
+                    let _ = reply.send(fut.await);
+                })
+                .detach();
+            }
+            CoreMsg::Subscribe {
+                key,
+                start,
+                core,
+                reply,
+            } => {
+                let this = self.clone();
+                task::spawn(async move {
+                    let _ = reply.send(this.register_at_owner(&key, start, core).await);
+                })
+                .detach();
+            }
+            CoreMsg::Unsubscribe { key, core } => {
+                if let Some(Slot::Ready(s)) = self.streams.borrow().get(&key) {
+                    s.unregister(core);
+                }
+            }
+            CoreMsg::Read {
+                key,
+                from: offset,
+                max_bytes,
+                reply,
+            } => {
+                let this = self.clone();
+                task::spawn(async move {
+                    let r = async {
+                        let shard = this.stream_shard(&key).await?;
+                        Ok(shard.log.read(offset, max_bytes).await?)
+                    }
+                    .await;
+                    let _ = reply.send(r);
+                })
+                .detach();
+            }
+            CoreMsg::Cache { key, op, reply } => {
+                let this = self.clone();
+                task::spawn(async move {
+                    let _ = reply.send(this.cache_local(&key, op).await);
+                })
+                .detach();
+            }
+        }
+        let _ = from;
+    }
+
+    /// Starts one task per peer inbox, handing every message to [`CoreBroker::handle`].
+    pub fn serve_mesh(
+        self: &Rc<Self>,
+        inboxes: Vec<(CoreId, felix_core_runtime::mesh::Inbox<CoreMsg>)>,
+    ) {
+        for (from, inbox) in inboxes {
+            let this = self.clone();
+            task::spawn(async move {
+                while let Some(msg) = inbox.recv().await {
+                    this.handle(from, msg);
+                }
+            })
+            .detach();
+        }
+    }
+
+    /// Stops taking new work, ends subscriptions and flushes every shard's log.
+    pub async fn shutdown(&self) {
+        self.draining.set(true);
+        for subs in self.subscribers.borrow().values() {
+            for s in subs {
+                s.close();
+            }
+        }
+        let streams: Vec<_> = self
+            .streams
+            .borrow()
+            .values()
+            .filter_map(|s| match s {
+                Slot::Ready(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect();
+        for s in streams {
+            if let Err(e) = s.log.close().await {
+                tracing::warn!(shard = %s.key, error = %e, "closing a log");
+            }
+        }
+        let caches: Vec<_> = self
+            .caches
+            .borrow()
+            .values()
+            .filter_map(|s| match s {
+                Slot::Ready(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect();
+        for c in caches {
+            if let Err(e) = c.close().await {
+                tracing::warn!(shard = %c.key, error = %e, "closing a cache log");
+            }
+        }
+        self.mesh.close();
+    }
+}

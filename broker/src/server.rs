@@ -1,0 +1,247 @@
+//! Starting and stopping a broker: one pinned executor per core, each with its own QUIC
+//! socket on the shared port, its shards, and its end of the mesh.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use base64::Engine;
+use felix_core_runtime::mesh::MeshBuilder;
+use felix_core_runtime::placement::{Placement, PlacementTable};
+use felix_core_runtime::quic::{self, Endpoint, EndpointOptions, TransportLimits};
+use felix_core_runtime::runtime::{Runtime, RuntimeConfig, ShutdownHandle};
+use felix_core_runtime::task;
+use felix_storage_uring::{LogConfig, memlock};
+
+use crate::auth::TenantKeys;
+use crate::catalog::{Catalog, StreamSpec};
+use crate::config::BrokerConfig;
+use crate::core::{CoreBroker, CoreMsg, Shared};
+use crate::session;
+
+/// Cross-core channel capacity, in messages.
+const MESH_CAPACITY: usize = 1024;
+/// io_uring buffer memory per core.
+const IO_MEMORY_PER_CORE: usize = 8 << 20;
+
+/// What a started broker tells its caller.
+#[derive(Debug, Clone)]
+pub struct Started {
+    /// QUIC address.
+    pub listen: SocketAddr,
+    /// HTTP address, if enabled.
+    pub http: Option<SocketAddr>,
+}
+
+/// A running broker.
+#[derive(Debug)]
+pub struct Broker {
+    runtime: Runtime,
+    /// Addresses.
+    pub started: Started,
+    /// Shared state (metrics, catalog).
+    pub shared: Arc<Shared>,
+}
+
+impl Broker {
+    /// Stops the broker: stop accepting, end subscriptions, flush logs, join cores.
+    pub fn shutdown(self) -> anyhow::Result<()> {
+        self.runtime.shutdown();
+        self.runtime.join().map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
+    /// The stop signal.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        self.runtime.shutdown_handle()
+    }
+
+    /// Waits for the cores to finish (after the shutdown handle fired).
+    pub fn join(self) -> anyhow::Result<()> {
+        self.runtime.join().map_err(|e| anyhow::anyhow!("{e}"))
+    }
+}
+
+fn free_port(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
+    if addr.port() != 0 {
+        return Ok(addr);
+    }
+    Ok(std::net::UdpSocket::bind(addr)?.local_addr()?)
+}
+
+/// Starts a broker with TLS material and verification keys already resolved.
+pub fn start(
+    config: &BrokerConfig,
+    cert_pem: &str,
+    key_pem: &str,
+    keys: TenantKeys,
+) -> anyhow::Result<Broker> {
+    let cores = config.cores.len();
+    match memlock::ensure((IO_MEMORY_PER_CORE * cores) as u64)? {
+        memlock::MemlockStatus::Privileged => {
+            tracing::info!(
+                "RLIMIT_MEMLOCK is low but CAP_IPC_LOCK allows io_uring buffer registration"
+            )
+        }
+        other => tracing::debug!(?other, "locked memory"),
+    }
+    std::fs::create_dir_all(&config.data_dir)
+        .map_err(|e| anyhow::anyhow!("data dir {}: {e}", config.data_dir.display()))?;
+    let catalog = Arc::new(Catalog::open(
+        Some(config.data_dir.join("catalog.json")),
+        config.auto_create_shards,
+    )?);
+    for s in &config.streams {
+        catalog
+            .create_stream(
+                &s.tenant,
+                &s.namespace,
+                &s.name,
+                StreamSpec {
+                    shards: s.shards,
+                    routing: Default::default(),
+                },
+            )
+            .map_err(|e| anyhow::anyhow!("streams: {e}"))?;
+    }
+    let mut keys = keys;
+    for t in &config.tenants {
+        for k in &t.keys {
+            let pk = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(k.public_key.trim_end_matches('='))
+                .map_err(|e| anyhow::anyhow!("tenants.{}.keys.{}: {e}", t.id, k.kid))?;
+            keys.add(&t.id, &k.kid, pk);
+        }
+    }
+    let placement = Arc::new(Placement::new(PlacementTable::new(
+        cores,
+        config.pins.clone(),
+        0,
+    )?));
+    let chain = quic::certs_from_pem(cert_pem)?;
+    let key = quic::key_from_pem(key_pem)?;
+    let server_config = Arc::new(quic::server_config(chain, key, TransportLimits::default())?);
+    let listen = free_port(config.listen)?;
+    let shared = Arc::new(Shared {
+        data_dir: config.data_dir.clone(),
+        log_config: LogConfig {
+            fsync: config.fsync,
+            segment_bytes_max: config.segment_bytes,
+            ..LogConfig::default()
+        },
+        catalog,
+        placement,
+        keys: Arc::new(keys),
+        node_id: config.node_id.clone(),
+        publish_window: config.publish_window,
+        subscriber_queue: config.subscriber_queue,
+        max_frame_bytes: felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES,
+        metrics: (0..cores).map(|_| Arc::default()).collect(),
+        ready: AtomicBool::new(false),
+    });
+    let http = match config.http {
+        Some(addr) => Some(crate::http::spawn(addr, shared.clone())?),
+        None => None,
+    };
+    let mesh = Arc::new(Mutex::new(MeshBuilder::<CoreMsg>::new(
+        cores,
+        MESH_CAPACITY,
+    )));
+    let bound = Arc::new(AtomicUsize::new(0));
+    let failed = Arc::new(Mutex::new(None::<String>));
+    let max_connections = config.max_connections;
+    let (shared2, bound2, failed2) = (shared.clone(), bound.clone(), failed.clone());
+    let runtime = Runtime::start(
+        RuntimeConfig {
+            io_memory_bytes: IO_MEMORY_PER_CORE,
+            ..RuntimeConfig::new(config.cores.clone())
+        },
+        move |ctx| {
+            let ends = mesh.lock().expect("mesh builder lock").take(ctx.core);
+            let (shared, server_config, bound, failed) = (
+                shared2.clone(),
+                server_config.clone(),
+                bound2.clone(),
+                failed2.clone(),
+            );
+            async move {
+                let mut mesh = ends.connect().await;
+                let inboxes = mesh.take_receivers();
+                let core = CoreBroker::new(ctx.core, shared.clone(), mesh);
+                core.serve_mesh(inboxes);
+                let ep = match Endpoint::bind(
+                    listen,
+                    EndpointOptions {
+                        server: Some(server_config),
+                        max_connections,
+                        reuse_port: true,
+                    },
+                ) {
+                    Ok(ep) => ep,
+                    Err(e) => {
+                        *failed.lock().expect("failure slot") =
+                            Some(format!("binding {listen}: {e}"));
+                        bound.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
+                };
+                bound.fetch_add(1, Ordering::SeqCst);
+                let accept = {
+                    let (ep, core) = (ep.clone(), core.clone());
+                    task::spawn(async move {
+                        while let Some(conn) = ep.accept().await {
+                            if core.draining() {
+                                session::close_for_shutdown(&conn);
+                                continue;
+                            }
+                            task::spawn(session::serve_connection(core.clone(), conn)).detach();
+                        }
+                    })
+                };
+                ctx.shutdown.wait().await;
+                // Stop accepting, end subscriptions, flush every log, then close
+                // connections (code 0, "broker shutting down").
+                core.shutdown().await;
+                ep.close(0, b"broker shutting down");
+                let _ = task::timeout(Duration::from_secs(2), ep.wait_idle()).await;
+                drop(accept);
+            }
+        },
+    )?;
+    while bound.load(Ordering::SeqCst) < cores {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if let Some(e) = failed.lock().expect("failure slot").take() {
+        runtime.shutdown();
+        let _ = runtime.join();
+        anyhow::bail!(e);
+    }
+    shared.ready.store(true, Ordering::SeqCst);
+    Ok(Broker {
+        runtime,
+        started: Started { listen, http },
+        shared,
+    })
+}
+
+static SIGNALLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    SIGNALLED.store(true, Ordering::SeqCst);
+}
+
+/// Triggers `handle` on SIGTERM or SIGINT.
+pub fn shutdown_on_signals(handle: ShutdownHandle) {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+    }
+    std::thread::spawn(move || {
+        while !SIGNALLED.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        tracing::info!("signal received: draining");
+        handle.trigger();
+    });
+}

@@ -1,0 +1,441 @@
+//! Shards owned by a core: a stream shard (its log and its fanout frontier) and a cache
+//! shard (its log and the key index derived from it). Only the owning core touches
+//! them.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use felix_core_runtime::CoreId;
+use felix_core_runtime::placement::ShardKey;
+use felix_storage_uring::{Appended, BatchKind, DmaBackend, ReadBatch, SegmentLog};
+use felix_wire::{EventBatch, EventItem, Flags, Message, Offset};
+
+use crate::error::BrokerError;
+
+/// The names a JSON event carries, shared by every envelope of a stream.
+#[derive(Debug)]
+pub struct StreamNames {
+    /// Tenant.
+    pub tenant: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Stream.
+    pub stream: String,
+}
+
+/// How a subscriber wants events framed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventFormat {
+    /// Shared binary batch with base offset (flags 0x0024).
+    Binary,
+    /// JSON `event_batch` with `base_offset` (clients without the binary layouts).
+    Json,
+}
+
+impl EventFormat {
+    /// The format for a client's negotiated flags.
+    pub fn for_flags(peer: Flags) -> EventFormat {
+        if peer.contains(Flags::BINARY_EVENT_BATCH_SHARED.union(Flags::EVENT_BATCH_OFFSETS)) {
+            EventFormat::Binary
+        } else {
+            EventFormat::Json
+        }
+    }
+}
+
+/// One committed batch, shared by every subscriber on every core. Each wire format is
+/// encoded at most once, by whichever subscriber needs it first.
+#[derive(Debug)]
+pub struct Envelope {
+    /// Offset of `records[0]`.
+    pub base_offset: u64,
+    /// The records.
+    pub records: Vec<Bytes>,
+    names: Arc<StreamNames>,
+    binary: OnceLock<Bytes>,
+    json: OnceLock<Bytes>,
+}
+
+impl Envelope {
+    /// A new envelope.
+    pub fn new(names: Arc<StreamNames>, base_offset: u64, records: Vec<Bytes>) -> Envelope {
+        Envelope {
+            base_offset,
+            records,
+            names,
+            binary: OnceLock::new(),
+            json: OnceLock::new(),
+        }
+    }
+
+    /// One past the last record.
+    pub fn end(&self) -> u64 {
+        self.base_offset + self.records.len() as u64
+    }
+
+    /// The whole-batch frame in `format`, encoded once.
+    pub fn frame(&self, format: EventFormat) -> Bytes {
+        match format {
+            EventFormat::Binary => self
+                .binary
+                .get_or_init(|| encode_events(self.base_offset, &self.records, None))
+                .clone(),
+            EventFormat::Json => self
+                .json
+                .get_or_init(|| encode_json_events(&self.names, self.base_offset, &self.records))
+                .clone(),
+        }
+    }
+
+    /// A frame for the records from `from` on (after a partial history read).
+    pub fn frame_from(&self, from: u64, format: EventFormat) -> Bytes {
+        if from <= self.base_offset {
+            return self.frame(format);
+        }
+        let skip = (from - self.base_offset) as usize;
+        let rest = &self.records[skip.min(self.records.len())..];
+        match format {
+            EventFormat::Binary => encode_events(from, rest, None),
+            EventFormat::Json => encode_json_events(&self.names, from, rest),
+        }
+    }
+}
+
+/// Encodes records as one shared binary event batch.
+pub fn encode_events(base_offset: u64, records: &[Bytes], skipped_before: Option<u64>) -> Bytes {
+    let batch = EventBatch {
+        subscription_id: None,
+        base_offset: Some(Offset(base_offset)),
+        skipped_before,
+        publisher: None,
+        timestamps: false,
+        events: records
+            .iter()
+            .map(|r| EventItem {
+                timestamp_micros: None,
+                payload: r.clone(),
+            })
+            .collect(),
+    };
+    let mut buf = BytesMut::new();
+    batch
+        .encode_frame(&mut buf)
+        .expect("a committed batch fits an event frame");
+    buf.freeze()
+}
+
+/// Encodes records as a JSON `event_batch`.
+pub fn encode_json_events(names: &StreamNames, base_offset: u64, records: &[Bytes]) -> Bytes {
+    Message::EventBatch {
+        tenant_id: names.tenant.clone(),
+        namespace: names.namespace.clone(),
+        stream: names.stream.clone(),
+        payloads: records.to_vec(),
+        base_offset: Some(Offset(base_offset)),
+    }
+    .to_frame()
+}
+
+/// Microseconds since the epoch.
+pub fn now_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// A stream shard on its owning core.
+pub struct StreamShard {
+    /// Which shard.
+    pub key: Arc<ShardKey>,
+    /// Its log.
+    pub log: SegmentLog<DmaBackend>,
+    /// Names for JSON events.
+    pub names: Arc<StreamNames>,
+    /// Next offset to fan out: everything below it has been handed to subscribers.
+    fanout_end: Cell<u64>,
+    /// Cores with subscribers to this shard, and how many.
+    interested: RefCell<HashMap<CoreId, usize>>,
+}
+
+impl std::fmt::Debug for StreamShard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamShard")
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
+impl StreamShard {
+    /// Wraps an opened log.
+    pub fn new(key: Arc<ShardKey>, log: SegmentLog<DmaBackend>) -> StreamShard {
+        let names = Arc::new(StreamNames {
+            tenant: key.tenant.clone(),
+            namespace: key.namespace.clone(),
+            stream: key.name.clone(),
+        });
+        StreamShard {
+            fanout_end: Cell::new(log.committed_end()),
+            key,
+            log,
+            names,
+            interested: RefCell::default(),
+        }
+    }
+
+    /// Registers a subscriber on `core` and returns the offset live delivery starts at.
+    /// Everything below it is in the log; everything at or after it will be delivered
+    /// to `core`. Synchronous, so no append can slip between the two.
+    pub fn register(&self, core: CoreId) -> u64 {
+        *self.interested.borrow_mut().entry(core).or_default() += 1;
+        self.fanout_end.get()
+    }
+
+    /// Drops one subscriber of `core`.
+    pub fn unregister(&self, core: CoreId) {
+        let mut m = self.interested.borrow_mut();
+        if let Some(n) = m.get_mut(&core) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&core);
+            }
+        }
+    }
+
+    /// Cores to fan a committed batch out to.
+    pub fn interested_cores(&self) -> Vec<CoreId> {
+        self.interested.borrow().keys().copied().collect()
+    }
+
+    /// Records that `appended` was fanned out. Called right after its commit returned,
+    /// before any other `.await`, so it runs in offset order.
+    pub fn advance_fanout(&self, appended: Appended) {
+        debug_assert!(
+            appended.first >= self.fanout_end.get() || appended.end <= self.fanout_end.get()
+        );
+        self.fanout_end.set(self.fanout_end.get().max(appended.end));
+    }
+
+    /// Whether anyone subscribes.
+    pub fn has_subscribers(&self) -> bool {
+        !self.interested.borrow().is_empty()
+    }
+}
+
+/// A cache value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheEntry {
+    /// The value.
+    pub value: Bytes,
+    /// The offset of the put that wrote it.
+    pub version: u64,
+    /// Absolute expiry (ms since epoch); 0 = never.
+    pub expires_at_ms: u64,
+}
+
+impl CacheEntry {
+    fn live(&self, now_ms: u64) -> bool {
+        self.expires_at_ms == 0 || self.expires_at_ms > now_ms
+    }
+}
+
+/// Cache record in the log (our format): `op u8` (0 put, 1 delete), `expires_at_ms u64`,
+/// `key_len u16`, key UTF-8, then the value (put only). Big-endian.
+pub fn encode_cache_record(put: bool, expires_at_ms: u64, key: &str, value: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(11 + key.len() + value.len());
+    b.put_u8(u8::from(!put));
+    b.put_u64(expires_at_ms);
+    b.put_u16(key.len() as u16);
+    b.put_slice(key.as_bytes());
+    b.put_slice(value);
+    b.freeze()
+}
+
+/// A decoded cache record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheRecord {
+    /// Put (true) or delete.
+    pub put: bool,
+    /// Expiry.
+    pub expires_at_ms: u64,
+    /// Key.
+    pub key: String,
+    /// Value.
+    pub value: Bytes,
+}
+
+/// Reads a cache record; `None` when malformed.
+pub fn decode_cache_record(r: &Bytes) -> Option<CacheRecord> {
+    let op = *r.first()?;
+    let exp = u64::from_be_bytes(r.get(1..9)?.try_into().ok()?);
+    let klen = usize::from(u16::from_be_bytes(r.get(9..11)?.try_into().ok()?));
+    let key = std::str::from_utf8(r.get(11..11 + klen)?).ok()?.to_owned();
+    if op > 1 {
+        return None;
+    }
+    Some(CacheRecord {
+        put: op == 0,
+        expires_at_ms: exp,
+        key,
+        value: r.slice(11 + klen..),
+    })
+}
+
+/// Milliseconds since the epoch.
+pub fn now_ms() -> u64 {
+    now_micros() / 1000
+}
+
+/// A cache shard on its owning core: the log plus the key index derived from it.
+pub struct CacheShard {
+    /// Which shard.
+    pub key: Arc<ShardKey>,
+    log: SegmentLog<DmaBackend>,
+    index: RefCell<HashMap<String, CacheEntry>>,
+}
+
+impl std::fmt::Debug for CacheShard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheShard")
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
+impl CacheShard {
+    /// Wraps an opened log, rebuilding the index by replaying it.
+    pub async fn open(
+        key: Arc<ShardKey>,
+        log: SegmentLog<DmaBackend>,
+    ) -> Result<CacheShard, BrokerError> {
+        let mut index = HashMap::new();
+        let mut at = log.base_offset();
+        loop {
+            let batches: Vec<ReadBatch> = log.read(at, 4 << 20).await?;
+            if batches.is_empty() {
+                break;
+            }
+            for b in batches {
+                if b.kind == BatchKind::Data {
+                    for (i, r) in b.records.iter().enumerate() {
+                        let rec = decode_cache_record(r).ok_or_else(|| {
+                            BrokerError::Storage(format!(
+                                "cache {} offset {}: malformed cache record",
+                                key,
+                                b.base_offset + i as u64
+                            ))
+                        })?;
+                        apply(&mut index, rec, b.base_offset + i as u64);
+                    }
+                }
+                at = b.end_offset();
+            }
+        }
+        Ok(CacheShard {
+            key,
+            log,
+            index: RefCell::new(index),
+        })
+    }
+
+    /// The live value of `key`.
+    pub fn get(&self, key: &str) -> Option<CacheEntry> {
+        let now = now_ms();
+        self.index
+            .borrow()
+            .get(key)
+            .filter(|e| e.live(now))
+            .cloned()
+    }
+
+    /// Writes `key`; resolves when durable per the fsync mode. Returns the version.
+    pub async fn put(
+        &self,
+        key: &str,
+        value: Bytes,
+        ttl_ms: Option<u64>,
+    ) -> Result<u64, BrokerError> {
+        let expires = ttl_ms.map_or(0, |t| now_ms() + t.max(1));
+        let rec = encode_cache_record(true, expires, key, &value);
+        let pending = self.log.begin_append(&[rec], now_micros(), None)?;
+        let appended = self.log.commit(pending).await?;
+        // In commit order (no await since the commit returned): the index follows the log.
+        apply(
+            &mut self.index.borrow_mut(),
+            CacheRecord {
+                put: true,
+                expires_at_ms: expires,
+                key: key.to_owned(),
+                value,
+            },
+            appended.first,
+        );
+        Ok(appended.first)
+    }
+
+    /// Removes `key`; returns the value it had (nothing is written when it had none).
+    pub async fn delete(&self, key: &str) -> Result<Option<Bytes>, BrokerError> {
+        let Some(old) = self.get(key) else {
+            return Ok(None);
+        };
+        let rec = encode_cache_record(false, 0, key, &[]);
+        let pending = self.log.begin_append(&[rec], now_micros(), None)?;
+        let appended = self.log.commit(pending).await?;
+        apply(
+            &mut self.index.borrow_mut(),
+            CacheRecord {
+                put: false,
+                expires_at_ms: 0,
+                key: key.to_owned(),
+                value: Bytes::new(),
+            },
+            appended.first,
+        );
+        Ok(Some(old.value))
+    }
+
+    /// Flushes and closes the log.
+    pub async fn close(&self) -> Result<(), BrokerError> {
+        Ok(self.log.close().await?)
+    }
+}
+
+fn apply(index: &mut HashMap<String, CacheEntry>, rec: CacheRecord, offset: u64) {
+    if rec.put {
+        index.insert(
+            rec.key,
+            CacheEntry {
+                value: rec.value,
+                version: offset,
+                expires_at_ms: rec.expires_at_ms,
+            },
+        );
+    } else {
+        index.remove(&rec.key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_records_round_trip_and_garbage_is_refused() {
+        let r = encode_cache_record(true, 42, "k", b"value");
+        assert_eq!(
+            decode_cache_record(&r),
+            Some(CacheRecord {
+                put: true,
+                expires_at_ms: 42,
+                key: "k".into(),
+                value: Bytes::from_static(b"value")
+            })
+        );
+        assert_eq!(decode_cache_record(&Bytes::from_static(&[9, 0, 0])), None);
+        assert_eq!(
+            decode_cache_record(&Bytes::from_static(&[0; 11])).map(|r| r.key),
+            Some(String::new())
+        );
+    }
+}
