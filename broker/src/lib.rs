@@ -9,6 +9,7 @@
 
 pub mod auth;
 pub mod catalog;
+pub mod cli;
 pub mod config;
 pub mod core;
 pub mod dev;

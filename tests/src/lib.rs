@@ -1,1 +1,270 @@
-//! The cluster harness. Not built yet: it follows the broker and control plane.
+//! `felix-cluster`: the harness that runs real broker processes for integration, fault
+//! and history tests.
+//!
+//! [`BrokerProcess`] starts the broker binary on loopback with a fresh or reused data
+//! directory, reads the address it bound from its first line of output, and stops it
+//! gracefully (SIGTERM) or kills it (SIGKILL) by its own pid. [`python`] finds (or
+//! installs) the standard SDK, `felix-client==0.6.2`, so tests drive the broker as a
+//! user would.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// A broker process under test.
+#[derive(Debug)]
+pub struct BrokerProcess {
+    child: Option<Child>,
+    binary: PathBuf,
+    args: Vec<String>,
+    /// The data directory (kept across restarts).
+    pub data_dir: PathBuf,
+    /// QUIC address.
+    pub listen: SocketAddr,
+    /// HTTP address.
+    pub http: SocketAddr,
+}
+
+impl BrokerProcess {
+    /// Starts `binary dev` on loopback over `data_dir` with extra flags.
+    pub fn start_dev(
+        binary: &Path,
+        data_dir: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<BrokerProcess> {
+        let mut args: Vec<String> = vec![
+            "dev".into(),
+            "--data-dir".into(),
+            data_dir.display().to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--http".into(),
+            "127.0.0.1:0".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut p = BrokerProcess {
+            child: None,
+            binary: binary.to_path_buf(),
+            args,
+            data_dir: data_dir.to_path_buf(),
+            listen: "0.0.0.0:0".parse().expect("valid"),
+            http: "0.0.0.0:0".parse().expect("valid"),
+        };
+        p.spawn(None)?;
+        Ok(p)
+    }
+
+    fn spawn(&mut self, listen: Option<SocketAddr>) -> anyhow::Result<()> {
+        let mut args = self.args.clone();
+        if let Some(addr) = listen
+            && let Some(i) = args.iter().position(|a| a == "--listen")
+        {
+            args[i + 1] = addr.to_string();
+        }
+        let mut child = Command::new(&self.binary)
+            .args(&args)
+            .env(
+                "FELIX_LOG",
+                std::env::var("FELIX_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {}", self.binary.display()))?;
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut sent = false;
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if !sent && line.contains("listening on") {
+                    let _ = tx.send(line.clone());
+                    sent = true;
+                }
+            }
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .context("the broker did not report its address within 60 s")?;
+        // "... listening on 127.0.0.1:PORT (QUIC), http http://127.0.0.1:PORT, ..."
+        let listen = line
+            .split("listening on ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .context("no QUIC address in the start line")?;
+        self.listen = listen.parse()?;
+        if let Some(http) = line
+            .split("http://")
+            .nth(1)
+            .and_then(|r| r.split([',', ' ']).next())
+        {
+            self.http = http.parse()?;
+        }
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// The dev token.
+    pub fn token(&self) -> String {
+        std::fs::read_to_string(self.data_dir.join("dev/token"))
+            .expect("dev mode writes a token")
+            .trim()
+            .to_owned()
+    }
+
+    /// The dev CA file.
+    pub fn ca_file(&self) -> PathBuf {
+        self.data_dir.join("dev/ca.pem")
+    }
+
+    /// The pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// SIGKILL, then wait.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: signalling the child we spawned, by its pid.
+            unsafe {
+                libc::kill(c.id() as libc::pid_t, libc::SIGKILL);
+            }
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then wait up to `timeout`; returns whether it exited cleanly.
+    pub fn terminate(&mut self, timeout: Duration) -> bool {
+        let Some(mut c) = self.child.take() else {
+            return true;
+        };
+        // SAFETY: signalling the child we spawned, by its pid.
+        unsafe {
+            libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = c.try_wait() {
+                return status.success();
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Starts again on the same data directory and port.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        let addr = self.listen;
+        self.spawn(Some(addr))
+    }
+
+    /// `GET path` on the HTTP endpoint.
+    pub fn http_get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(self.http)?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        let status = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .context("no HTTP status")?;
+        let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
+        Ok((status, body))
+    }
+
+    /// A metric's sum over cores.
+    pub fn metric(&self, name: &str) -> anyhow::Result<u64> {
+        let (_, body) = self.http_get("/metrics")?;
+        Ok(body
+            .lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum())
+    }
+
+    /// The broker's resident memory, in KiB (from /proc).
+    pub fn rss_kib(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            })
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for BrokerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The python interpreter with the standard SDK installed (installing it once).
+pub fn python() -> anyhow::Result<PathBuf> {
+    static PY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    PY.get_or_init(|| {
+        if let Ok(p) = std::env::var("FELIX_PYTHON") {
+            return Ok(PathBuf::from(p));
+        }
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/setup.sh");
+        let out = Command::new("bash")
+            .arg(&script)
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| format!("running {}: {e}", script.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "{} failed: cannot install felix-client==0.6.2",
+                script.display()
+            ));
+        }
+        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    })
+    .clone()
+    .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// Runs `tests/python/<script>` against `broker` with extra arguments.
+pub fn run_python(broker: &BrokerProcess, script: &str, args: &[&str]) -> anyhow::Result<Output> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(script);
+    let out = Command::new(python()?)
+        .arg(&path)
+        .arg(broker.listen.to_string())
+        .arg(broker.data_dir.join("dev/token"))
+        .arg(broker.ca_file())
+        .args(args)
+        .output()?;
+    Ok(out)
+}
+
+/// Fails with the script's output unless it exited 0.
+pub fn expect_success(what: &str, out: &Output) -> anyhow::Result<String> {
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(stdout)
+}

@@ -1,0 +1,130 @@
+//! The `felix-broker` command line (the binary's `main` and the test harness's copy).
+
+use std::path::PathBuf;
+
+use crate::config::{BrokerConfig, FileConfig, Overrides};
+use crate::{dev, server};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "felix-broker", about = "A thread-per-core Felix broker")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+struct Common {
+    /// Data directory (logs, catalog, dev credentials).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// QUIC address.
+    #[arg(long)]
+    listen: Option<String>,
+    /// HTTP address for /metrics, /livez, /readyz ("off" to disable).
+    #[arg(long)]
+    http: Option<String>,
+    /// Cores to run on: `0-3`, `0,2` or `all`.
+    #[arg(long)]
+    cores: Option<String>,
+    /// Shard count of streams and caches created on first use.
+    #[arg(long)]
+    shards: Option<u32>,
+    /// When acks are sent: `on-commit` (after fdatasync), `periodic:<ms>`, `none`.
+    #[arg(long)]
+    fsync: Option<String>,
+}
+
+impl Common {
+    fn overrides(&self) -> Overrides {
+        Overrides {
+            listen: self.listen.clone(),
+            http: self.http.clone(),
+            data_dir: self.data_dir.clone(),
+            cores: self.cores.clone(),
+            fsync: self.fsync.clone(),
+            default_shards: self.shards,
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// A single-node broker with everything embedded (certificates, token, catalog).
+    Dev {
+        #[command(flatten)]
+        common: Common,
+        /// The tenant to create a token for.
+        #[arg(long, default_value = "dev")]
+        tenant: String,
+    },
+    /// A broker from a YAML config (overridden by FELIX_* env and flags).
+    Serve {
+        #[command(flatten)]
+        common: Common,
+        /// The YAML file.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+/// Parses the process arguments and runs the broker until it is told to stop.
+pub fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FELIX_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Dev { common, tenant } => {
+            let config = BrokerConfig::resolve(FileConfig::default(), common.overrides(), true)?;
+            let setup = dev::prepare(&config.data_dir, &tenant)?;
+            let broker =
+                server::start(&config, &setup.cert_pem, &setup.key_pem, setup.keys.clone())?;
+            println!(
+                "felix-broker dev: listening on {} (QUIC), http {}, cores {:?}, fsync {:?}, data {}",
+                broker.started.listen,
+                broker
+                    .started
+                    .http
+                    .map_or("off".to_string(), |a| format!("http://{a}")),
+                config.cores.cpus(),
+                config.fsync,
+                config.data_dir.display()
+            );
+            println!(
+                "{}",
+                dev::connect_snippet(broker.started.listen, &tenant, &setup)
+            );
+            server::shutdown_on_signals(broker.shutdown_handle());
+            broker.join()?;
+            println!("felix-broker: stopped cleanly");
+        }
+        Command::Serve { common, config } => {
+            let file = match &config {
+                Some(p) => BrokerConfig::load_file(p)?,
+                None => FileConfig::default(),
+            };
+            let config = BrokerConfig::resolve(file, common.overrides(), false)?;
+            let (cert, key) = config
+                .tls
+                .clone()
+                .expect("resolve requires TLS outside dev mode");
+            let cert_pem = std::fs::read_to_string(&cert)
+                .map_err(|e| anyhow::anyhow!("tls_cert {}: {e}", cert.display()))?;
+            let key_pem = std::fs::read_to_string(&key)
+                .map_err(|e| anyhow::anyhow!("tls_key {}: {e}", key.display()))?;
+            let broker = server::start(&config, &cert_pem, &key_pem, Default::default())?;
+            println!(
+                "felix-broker: listening on {} (QUIC)",
+                broker.started.listen
+            );
+            server::shutdown_on_signals(broker.shutdown_handle());
+            broker.join()?;
+            println!("felix-broker: stopped cleanly");
+        }
+    }
+    Ok(())
+}
