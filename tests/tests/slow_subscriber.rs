@@ -1,0 +1,96 @@
+//! A subscriber that never reads does not slow the others or grow the broker's memory
+//! without bound: its queue overflows (DropNew) while a healthy subscriber gets every
+//! record.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use felix_cluster::{BrokerProcess, expect_success, run_python};
+use felix_wire::{FrameReader, Message};
+
+/// A raw QUIC client that subscribes and then never reads its event stream.
+async fn stalled_subscriber(
+    broker: &BrokerProcess,
+) -> (quinn::Endpoint, quinn::Connection, quinn::RecvStream) {
+    let pem = std::fs::read_to_string(broker.ca_file()).unwrap();
+    let roots = felix_core_runtime::quic::certs_from_pem(&pem).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(
+        felix_core_runtime::quic::client_config(&roots, false, Default::default()).unwrap(),
+    );
+    let conn = ep
+        .connect(broker.listen, "localhost")
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let auth = Message::Auth {
+        tenant_id: "dev".into(),
+        token: broker.token(),
+        client_flags: Some(0x1FFF),
+        client_features: Some(0x800),
+        client_features_hi: None,
+    };
+    send.write_all(&auth.to_frame()).await.unwrap();
+    let sub = Message::Subscribe {
+        tenant_id: "dev".into(),
+        namespace: "default".into(),
+        stream: "fan".into(),
+        subscription_id: None,
+        start: None,
+        shard: None,
+        queue_capacity: None,
+    };
+    send.write_all(&sub.to_frame()).await.unwrap();
+    let mut reader = FrameReader::new(1 << 20);
+    let mut answers = Vec::new();
+    while answers.len() < 2 {
+        let chunk = recv.read_chunk(1 << 16, true).await.unwrap().unwrap();
+        reader.push(chunk.bytes);
+        while let Some(f) = reader.next_frame().unwrap() {
+            answers.push(Message::decode(&f.payload).unwrap());
+        }
+    }
+    assert!(matches!(answers[0], Message::AuthOk { .. }), "{answers:?}");
+    assert!(
+        matches!(answers[1], Message::Subscribed { .. }),
+        "{answers:?}"
+    );
+    // Accept the event stream and never read it.
+    let events = conn.accept_uni().await.unwrap();
+    (ep, conn, events)
+}
+
+#[test]
+fn a_subscriber_that_never_reads_is_isolated() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = BrokerProcess::start_dev(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("data"),
+        &[],
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let held = Arc::new(rt.block_on(stalled_subscriber(&broker)));
+    let rss_before = broker.rss_kib();
+    // 6,000 records of 4 KiB (24 MiB) overflow the stalled subscriber's flow-control
+    // window and its broker-side queue.
+    let out = run_python(&broker, "fanout.py", &["6000"]).unwrap();
+    let text = expect_success("fanout.py", &out).unwrap();
+    eprintln!("{text}");
+    std::thread::sleep(Duration::from_millis(200));
+    let dropped = broker.metric("felix_broker_events_dropped_total").unwrap();
+    let rss_after = broker.rss_kib();
+    eprintln!(
+        "dropped {dropped} batches for the stalled subscriber; rss {rss_before} -> {rss_after} KiB"
+    );
+    assert!(
+        dropped > 0,
+        "the stalled subscriber's queue overflowed and dropped"
+    );
+    assert!(
+        rss_after < rss_before + 128 * 1024,
+        "memory stays bounded: {rss_before} -> {rss_after} KiB"
+    );
+    drop(held);
+}
