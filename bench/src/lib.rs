@@ -1,5 +1,7 @@
 //! `felix-bench`: benchmarks that print numbers and ratios against a baseline measured in
 //! the same run. See `docs/benchmarks.md` for the method.
 
+pub mod broker;
+pub mod client;
 pub mod quic;
 pub mod stats;

@@ -26,6 +26,21 @@ enum Command {
         #[arg(long, default_value_t = 256 << 20)]
         bytes: u64,
     },
+    /// Broker: 1 KiB records, batch 1 and 64, fanout 1 and 10; ack and delivery latency.
+    Broker {
+        /// `on-commit`, `periodic:<ms>` or `none`.
+        #[arg(long, default_value = "on-commit")]
+        fsync: String,
+        /// Records per batch-64 cell (batch-1 cells send an eighth).
+        #[arg(long, default_value_t = 400_000)]
+        records: u64,
+        /// Latency samples.
+        #[arg(long, default_value_t = 3000)]
+        samples: usize,
+        /// Broker cores (`0`, `0-1`, `all`).
+        #[arg(long)]
+        cores: Option<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -35,5 +50,11 @@ fn main() -> anyhow::Result<()> {
             rtt_samples,
             bytes,
         } => felix_bench::quic::run(rounds, rtt_samples, bytes),
+        Command::Broker {
+            fsync,
+            records,
+            samples,
+            cores,
+        } => felix_bench::broker::run(cores.as_deref(), &fsync, records, samples),
     }
 }

@@ -64,8 +64,8 @@ pub enum CoreMsg {
         key: Arc<ShardKey>,
         /// Records (shared buffers from the client's frame).
         records: Vec<Bytes>,
-        /// Answer.
-        reply: oneshot::Sender<Result<Appended, BrokerError>>,
+        /// Where to answer.
+        reply: ReplyTo,
     },
     /// Register a subscriber living on `core`. Dropped: the subscribe fails.
     Subscribe {
@@ -75,8 +75,8 @@ pub enum CoreMsg {
         start: Option<StartPosition>,
         /// The subscriber's core.
         core: CoreId,
-        /// `(start, live)` offsets.
-        reply: oneshot::Sender<Result<(u64, u64), BrokerError>>,
+        /// Where to answer with `(start, live)`.
+        reply: ReplyTo,
     },
     /// One subscriber on `core` went away. Dropped: the owner keeps sending that core
     /// deliveries nobody reads (harmless, bounded by the outbound queue).
@@ -94,8 +94,8 @@ pub enum CoreMsg {
         from: u64,
         /// Byte budget.
         max_bytes: usize,
-        /// Batches.
-        reply: oneshot::Sender<Result<Vec<ReadBatch>, BrokerError>>,
+        /// Where to answer.
+        reply: ReplyTo,
     },
     /// A committed batch for the receiver's subscribers. Dropped: they see a gap.
     Deliver {
@@ -111,9 +111,39 @@ pub enum CoreMsg {
         key: Arc<ShardKey>,
         /// What to do.
         op: CacheOp,
-        /// Answer.
-        reply: oneshot::Sender<Result<CacheAnswer, BrokerError>>,
+        /// Where to answer.
+        reply: ReplyTo,
     },
+    /// The answer to a request this core sent. Dropped: the request's wait fails.
+    Reply {
+        /// The request.
+        id: u64,
+        /// The answer.
+        body: ReplyBody,
+    },
+}
+
+/// Where a cross-core request is answered: the asking core and its request id.
+/// Answers travel back over the mesh, like requests.
+#[derive(Debug, Clone, Copy)]
+pub struct ReplyTo {
+    /// The asking core.
+    pub core: CoreId,
+    /// Its request id.
+    pub id: u64,
+}
+
+/// A cross-core answer.
+#[derive(Debug)]
+pub enum ReplyBody {
+    /// To `Append`.
+    Append(Result<Appended, BrokerError>),
+    /// To `Subscribe`: `(start, live)`.
+    Subscribe(Result<(u64, u64), BrokerError>),
+    /// To `Read`.
+    Read(Result<Vec<ReadBatch>, BrokerError>),
+    /// To `Cache`.
+    Cache(Result<CacheAnswer, BrokerError>),
 }
 
 /// Per-core counters for `/metrics`.
@@ -230,6 +260,13 @@ impl SubQueue {
         .await
     }
 
+    /// Every batch queued now, without waiting (up to `max`).
+    pub fn take_ready(&self, max: usize, out: &mut Vec<Arc<Envelope>>) {
+        let mut q = self.queue.borrow_mut();
+        let n = q.len().min(max);
+        out.extend(q.drain(..n));
+    }
+
     /// Ends the subscription.
     pub fn close(&self) {
         self.closed.set(true);
@@ -237,6 +274,14 @@ impl SubQueue {
             w.wake();
         }
     }
+}
+
+/// Deliveries waiting for room in the mesh channel to one peer core.
+#[derive(Default)]
+struct Outbound {
+    queue: VecDeque<CoreMsg>,
+    /// A drainer task owns the channel: new deliveries queue behind it.
+    draining: bool,
 }
 
 /// One core's broker.
@@ -253,7 +298,9 @@ pub struct CoreBroker {
     streams: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<StreamShard>>>>,
     caches: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<CacheShard>>>>,
     subscribers: RefCell<HashMap<Arc<ShardKey>, Vec<Rc<SubQueue>>>>,
-    outbound: Vec<RefCell<VecDeque<CoreMsg>>>,
+    outbound: Vec<RefCell<Outbound>>,
+    pending: RefCell<HashMap<u64, oneshot::Sender<ReplyBody>>>,
+    next_request: Cell<u64>,
     draining: Cell<bool>,
 }
 
@@ -291,6 +338,8 @@ impl CoreBroker {
             caches: RefCell::default(),
             subscribers: RefCell::default(),
             outbound: (0..cores).map(|_| RefCell::default()).collect(),
+            pending: RefCell::default(),
+            next_request: Cell::new(1),
             draining: Cell::new(false),
         })
     }
@@ -411,43 +460,69 @@ impl CoreBroker {
         .await
     }
 
-    async fn ask<R>(
-        &self,
+    /// Sends a request to `owner` now (in call order, behind anything queued for that
+    /// core) and returns the wait for its answer, which comes back over the mesh. Sending
+    /// eagerly matters: a session queues many requests before it awaits the first.
+    fn ask(
+        self: &Rc<Self>,
         owner: CoreId,
-        make: impl FnOnce(oneshot::Sender<Result<R, BrokerError>>) -> CoreMsg,
-    ) -> Result<R, BrokerError> {
+        make: impl FnOnce(ReplyTo) -> CoreMsg,
+    ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
+        let id = self.next_request.get();
+        self.next_request.set(id + 1);
         let (tx, rx) = oneshot::channel();
-        self.metrics.mesh_sent.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = self.mesh.send(owner, make(tx)).await {
-            let _ = e.into_inner();
-            return Err(BrokerError::ShardUnavailable(format!(
-                "core {owner} is not accepting requests"
-            )));
+        self.pending.borrow_mut().insert(id, tx);
+        self.send_ordered(
+            owner,
+            make(ReplyTo {
+                core: self.core,
+                id,
+            }),
+            false,
+        );
+        async move {
+            rx.await
+                .map_err(|_| BrokerError::ShardUnavailable("the owning core did not answer".into()))
         }
-        rx.await.unwrap_or_else(|_| {
-            Err(BrokerError::Internal(
-                "the owning core dropped the request".into(),
-            ))
-        })
+    }
+
+    /// Answers a request from `to.core`.
+    fn respond(self: &Rc<Self>, to: ReplyTo, body: ReplyBody) {
+        if to.core == self.core {
+            if let Some(tx) = self.pending.borrow_mut().remove(&to.id) {
+                let _ = tx.send(body);
+            }
+        } else {
+            self.send_ordered(to.core, CoreMsg::Reply { id: to.id, body }, false);
+        }
     }
 
     /// Appends `records` to a stream shard, wherever it lives; resolves once the batch
-    /// is acknowledged (durable under on-commit fsync) and fanned out.
-    pub async fn append(
+    /// is acknowledged (durable under on-commit fsync) and fanned out. The request is
+    /// issued when this is called, not when the future is first polled, so a session's
+    /// pipelined publishes are in flight together.
+    pub fn append(
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
-    ) -> Result<Appended, BrokerError> {
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         let owner = self.owner(&key);
         if owner == self.core {
-            self.append_local(key, records).await
+            Box::pin(self.append_local(key, records))
         } else {
-            self.ask(owner, |reply| CoreMsg::Append {
+            let answer = self.ask(owner, |reply| CoreMsg::Append {
                 key,
                 records,
                 reply,
+            });
+            Box::pin(async move {
+                match answer.await? {
+                    ReplyBody::Append(r) => r,
+                    other => Err(BrokerError::Internal(format!(
+                        "mismatched answer {other:?}"
+                    ))),
+                }
             })
-            .await
         }
     }
 
@@ -519,12 +594,13 @@ impl CoreBroker {
             if core == self.core {
                 self.deliver_local(&shard.key, &env);
             } else {
-                self.send_deliver(
+                self.send_ordered(
                     core,
                     CoreMsg::Deliver {
                         key: shard.key.clone(),
                         envelope: env.clone(),
                     },
+                    true,
                 );
             }
         }
@@ -542,39 +618,57 @@ impl CoreBroker {
         }
     }
 
-    fn send_deliver(self: &Rc<Self>, core: CoreId, msg: CoreMsg) {
-        let mut q = self.outbound[core.index()].borrow_mut();
-        if q.is_empty() {
-            match self.mesh.try_send(core, msg) {
-                Ok(()) => {
-                    self.metrics.mesh_sent.fetch_add(1, Ordering::Relaxed);
+    /// Sends to another core in order: straight into the mesh channel while it has room,
+    /// else behind earlier messages in an outbound queue drained by one task (so a later
+    /// message can never overtake an earlier one). A `droppable` message (a delivery)
+    /// is dropped when that queue is full; answers never are (they are bounded by the
+    /// requests in flight).
+    fn send_ordered(self: &Rc<Self>, core: CoreId, msg: CoreMsg, droppable: bool) {
+        let start_drainer = {
+            let mut out = self.outbound[core.index()].borrow_mut();
+            if out.draining {
+                if !droppable || out.queue.len() < OUTBOUND_MAX {
+                    out.queue.push_back(msg);
+                } else {
+                    self.metrics.events_dropped.fetch_add(1, Ordering::Relaxed);
                 }
-                Err(SendError::Full(m)) => {
-                    q.push_back(m);
-                    let this = self.clone();
-                    task::spawn(async move { this.drain_outbound(core).await }).detach();
+                false
+            } else {
+                match self.mesh.try_send(core, msg) {
+                    Ok(()) => {
+                        self.metrics.mesh_sent.fetch_add(1, Ordering::Relaxed);
+                        false
+                    }
+                    Err(SendError::Full(m)) => {
+                        out.queue.push_back(m);
+                        out.draining = true;
+                        true
+                    }
+                    Err(_) => false,
                 }
-                Err(_) => {}
             }
-        } else if q.len() < OUTBOUND_MAX {
-            q.push_back(msg);
-        } else {
-            self.metrics.events_dropped.fetch_add(1, Ordering::Relaxed);
+        };
+        if start_drainer {
+            let this = self.clone();
+            task::spawn(async move { this.drain_outbound(core).await }).detach();
         }
     }
 
     async fn drain_outbound(&self, core: CoreId) {
         loop {
-            let next = self.outbound[core.index()].borrow_mut().front().is_some();
-            if !next {
-                return;
-            }
-            let msg = self.outbound[core.index()]
-                .borrow_mut()
-                .pop_front()
-                .expect("checked non-empty");
+            let next = {
+                let mut out = self.outbound[core.index()].borrow_mut();
+                let next = out.queue.pop_front();
+                if next.is_none() {
+                    out.draining = false;
+                }
+                next
+            };
+            let Some(msg) = next else { return };
             if self.mesh.send(core, msg).await.is_err() {
-                self.outbound[core.index()].borrow_mut().clear();
+                let mut out = self.outbound[core.index()].borrow_mut();
+                out.queue.clear();
+                out.draining = false;
                 return;
             }
             self.metrics.mesh_sent.fetch_add(1, Ordering::Relaxed);
@@ -600,13 +694,21 @@ impl CoreBroker {
             self.register_at_owner(&key, start, self.core).await
         } else {
             let k = key.clone();
-            self.ask(owner, |reply| CoreMsg::Subscribe {
-                key: k,
-                start,
-                core: self.core,
-                reply,
-            })
-            .await
+            match self
+                .ask(owner, |reply| CoreMsg::Subscribe {
+                    key: k,
+                    start,
+                    core: self.core,
+                    reply,
+                })
+                .await
+            {
+                Ok(ReplyBody::Subscribe(r)) => r,
+                Ok(other) => Err(BrokerError::Internal(format!(
+                    "mismatched answer {other:?}"
+                ))),
+                Err(e) => Err(e),
+            }
         };
         match answer {
             Ok((s, live)) => {
@@ -692,7 +794,7 @@ impl CoreBroker {
 
     /// Reads committed history from a stream shard, wherever it lives.
     pub async fn read(
-        &self,
+        self: &Rc<Self>,
         key: Arc<ShardKey>,
         from: u64,
         max_bytes: usize,
@@ -702,13 +804,20 @@ impl CoreBroker {
             let shard = self.stream_shard(&key).await?;
             Ok(shard.log.read(from, max_bytes).await?)
         } else {
-            self.ask(owner, |reply| CoreMsg::Read {
-                key,
-                from,
-                max_bytes,
-                reply,
-            })
-            .await
+            match self
+                .ask(owner, |reply| CoreMsg::Read {
+                    key,
+                    from,
+                    max_bytes,
+                    reply,
+                })
+                .await?
+            {
+                ReplyBody::Read(r) => r,
+                other => Err(BrokerError::Internal(format!(
+                    "mismatched answer {other:?}"
+                ))),
+            }
         }
     }
 
@@ -723,8 +832,15 @@ impl CoreBroker {
         if owner == self.core {
             self.cache_local(&key, op).await
         } else {
-            self.ask(owner, |reply| CoreMsg::Cache { key, op, reply })
-                .await
+            match self
+                .ask(owner, |reply| CoreMsg::Cache { key, op, reply })
+                .await?
+            {
+                ReplyBody::Cache(r) => r,
+                other => Err(BrokerError::Internal(format!(
+                    "mismatched answer {other:?}"
+                ))),
+            }
         }
     }
 
@@ -758,10 +874,17 @@ impl CoreBroker {
                 reply,
             } => {
                 let fut = self.append_local(key, records);
+                let this = self.clone();
                 task::spawn(async move {
-                    let _ = reply.send(fut.await);
+                    let r = fut.await;
+                    this.respond(reply, ReplyBody::Append(r));
                 })
                 .detach();
+            }
+            CoreMsg::Reply { id, body } => {
+                if let Some(tx) = self.pending.borrow_mut().remove(&id) {
+                    let _ = tx.send(body);
+                }
             }
             CoreMsg::Subscribe {
                 key,
@@ -771,7 +894,8 @@ impl CoreBroker {
             } => {
                 let this = self.clone();
                 task::spawn(async move {
-                    let _ = reply.send(this.register_at_owner(&key, start, core).await);
+                    let r = this.register_at_owner(&key, start, core).await;
+                    this.respond(reply, ReplyBody::Subscribe(r));
                 })
                 .detach();
             }
@@ -793,14 +917,15 @@ impl CoreBroker {
                         Ok(shard.log.read(offset, max_bytes).await?)
                     }
                     .await;
-                    let _ = reply.send(r);
+                    this.respond(reply, ReplyBody::Read(r));
                 })
                 .detach();
             }
             CoreMsg::Cache { key, op, reply } => {
                 let this = self.clone();
                 task::spawn(async move {
-                    let _ = reply.send(this.cache_local(&key, op).await);
+                    let r = this.cache_local(&key, op).await;
+                    this.respond(reply, ReplyBody::Cache(r));
                 })
                 .detach();
             }

@@ -53,6 +53,9 @@ pub const SERVER_FEATURES: Features = Features(
         | Features::STREAM_PUBLISH_WINDOW.0,
 );
 
+/// Queued batches a subscriber's pump writes in one go.
+const LIVE_WRITE_BATCHES: usize = 64;
+
 /// How long a connection may go without an authenticated stream.
 pub const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// QUIC application close codes.
@@ -523,12 +526,7 @@ fn append(
     core.metrics
         .publish_bytes
         .fetch_add(bytes as u64, Ordering::Relaxed);
-    if core.owner(&key) == core.core {
-        Box::pin(core.append_local(key, records))
-    } else {
-        let core = core.clone();
-        Box::pin(async move { core.append(key, records).await })
-    }
+    core.append(key, records)
 }
 
 fn binary_ack(
@@ -1131,14 +1129,22 @@ async fn pump(
                 next = b.base_offset + keep as u64;
             }
         }
-        // Live: a queue overflow shows up as an offset gap.
+        // Live: a queue overflow shows up as an offset gap. Everything already queued
+        // goes out in one vectored write (frames are shared, never copied).
+        let mut ready = Vec::with_capacity(LIVE_WRITE_BATCHES);
+        let mut frames = Vec::with_capacity(LIVE_WRITE_BATCHES);
         while let Some(env) = queue.next().await {
-            if env.end() <= next {
-                continue;
+            ready.push(env);
+            queue.take_ready(LIVE_WRITE_BATCHES - 1, &mut ready);
+            for env in ready.drain(..) {
+                if env.end() <= next {
+                    continue;
+                }
+                frames.push(env.frame_from(next, format));
+                next = env.end();
             }
-            let frame = env.frame_from(next, format);
-            uni.write_chunk(frame).await.map_err(|_| ())?;
-            next = env.end();
+            uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+            frames.clear();
         }
         let _ = uni.finish();
         Ok::<(), ()>(())

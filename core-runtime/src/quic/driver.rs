@@ -825,6 +825,21 @@ impl SendStream {
         Ok(())
     }
 
+    /// Writes several shared buffers without copying them, in order, in one pass.
+    pub async fn write_chunks(&mut self, chunks: &mut [Bytes]) -> Result<(), QuicError> {
+        let mut at = 0;
+        while at < chunks.len() {
+            let rest = &mut chunks[at..];
+            let written = poll_fn(|cx| self.poll_op(cx, &mut |s| s.write_chunks(rest))).await?;
+            at += written.chunks;
+            // A partly written chunk stays at the front, its written part sliced off.
+            while at < chunks.len() && chunks[at].is_empty() {
+                at += 1;
+            }
+        }
+        Ok(())
+    }
+
     /// Finishes the stream (no more data).
     pub fn finish(&mut self) -> Result<(), QuicError> {
         if self.finished {
