@@ -268,3 +268,40 @@ pub fn expect_success(what: &str, out: &Output) -> anyhow::Result<String> {
     }
     Ok(stdout)
 }
+
+/// A raw QUIC connection to `broker` (stock quinn), for protocol-level tests.
+pub async fn raw_connect(
+    broker: &BrokerProcess,
+) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
+    let pem = std::fs::read_to_string(broker.ca_file())?;
+    let roots = felix_core_runtime::quic::certs_from_pem(&pem)?;
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().expect("valid"))?;
+    ep.set_default_client_config(felix_core_runtime::quic::client_config(
+        &roots,
+        false,
+        Default::default(),
+    )?);
+    let conn = ep.connect(broker.listen, "localhost")?.await?;
+    Ok((ep, conn))
+}
+
+/// Reads frames from `recv` until the stream ends; returns them decoded as messages
+/// (binary frames as `None`).
+pub async fn read_messages(
+    recv: &mut quinn::RecvStream,
+    max: usize,
+) -> anyhow::Result<Vec<Option<felix_wire::Message>>> {
+    let mut reader = felix_wire::FrameReader::new(1 << 20);
+    let mut out = Vec::new();
+    while out.len() < max {
+        if let Some(f) = reader.next_frame()? {
+            out.push(felix_wire::Message::decode(&f.payload).ok());
+            continue;
+        }
+        match recv.read_chunk(1 << 16, true).await {
+            Ok(Some(c)) => reader.push(c.bytes),
+            _ => break,
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,202 @@
+//! Protocol edges the SDK never exercises: requests before auth, unknown requests with
+//! and without `FEATURE_UNSUPPORTED`, oversize pre-auth frames, and the 10 s
+//! authentication timeout.
+
+use std::time::{Duration, Instant};
+
+use felix_cluster::{BrokerProcess, raw_connect, read_messages};
+use felix_wire::{ErrorCode, Features, Message};
+
+fn broker() -> (BrokerProcess, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let b = BrokerProcess::start_dev(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("data"),
+        &[],
+    )
+    .unwrap();
+    (b, dir)
+}
+
+fn auth(b: &BrokerProcess, features: Features) -> bytes::Bytes {
+    let (lo, hi) = features.offer();
+    Message::Auth {
+        tenant_id: "dev".into(),
+        token: b.token(),
+        client_flags: Some(0x1FFF),
+        client_features: lo,
+        client_features_hi: hi,
+    }
+    .to_frame()
+}
+
+#[test]
+fn protocol_edges() {
+    let (b, _dir) = broker();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+
+        // A publish before auth is refused and the stream ends.
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        let mut frame = bytes::BytesMut::new();
+        felix_wire::PublishBatchHeader {
+            tenant: "dev",
+            namespace: "default",
+            stream: "x",
+            ack: None,
+            idempotent: None,
+            key: None,
+        }
+        .encode_frame(&mut frame, &[b"early".as_slice()])
+        .unwrap();
+        s.write_all(&frame).await.unwrap();
+        let answers = read_messages(&mut r, 10).await.unwrap();
+        assert_eq!(
+            answers.len(),
+            1,
+            "one refusal, then the stream ends: {answers:?}"
+        );
+        assert!(
+            matches!(&answers[0], Some(Message::Error { message, .. }) if message.contains("auth")),
+            "{answers:?}"
+        );
+
+        // An unknown request with UNSUPPORTED offered is answered and the stream lives on.
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b, Features::UNSUPPORTED | Features::ERROR_CODES))
+            .await
+            .unwrap();
+        s.write_all(
+            &felix_wire::frame::FrameHeader {
+                flags: felix_wire::Flags(0),
+                length: 40,
+            }
+            .to_bytes(),
+        )
+        .await
+        .unwrap();
+        s.write_all(br#"{"type":"teleport","request_id":9,"a":1}"#)
+            .await
+            .unwrap();
+        s.write_all(&Message::Topology.to_frame()).await.unwrap();
+        s.finish().unwrap();
+        let answers = read_messages(&mut r, 10).await.unwrap();
+        assert!(
+            matches!(answers[0], Some(Message::AuthOk { .. })),
+            "{answers:?}"
+        );
+        assert_eq!(
+            answers[1],
+            Some(Message::Unsupported {
+                request_type: "teleport".into(),
+                extension: None,
+                request_id: Some(felix_wire::RequestId(9)),
+            })
+        );
+        assert_eq!(
+            answers[2],
+            Some(Message::TopologyView { brokers: vec![] }),
+            "the stream kept serving"
+        );
+
+        // Without UNSUPPORTED the stream is refused with a coded error and closed.
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b, Features::ERROR_CODES)).await.unwrap();
+        s.write_all(
+            &felix_wire::frame::FrameHeader {
+                flags: felix_wire::Flags(0),
+                length: 19,
+            }
+            .to_bytes(),
+        )
+        .await
+        .unwrap();
+        s.write_all(br#"{"type":"teleport"}"#).await.unwrap();
+        s.write_all(&Message::Topology.to_frame()).await.unwrap();
+        let answers = read_messages(&mut r, 10).await.unwrap();
+        assert_eq!(
+            answers.len(),
+            2,
+            "auth_ok, the refusal, then nothing: {answers:?}"
+        );
+        assert!(
+            matches!(
+                &answers[1],
+                Some(Message::Error {
+                    code: Some(ErrorCode::InvalidRequest),
+                    ..
+                })
+            ),
+            "{answers:?}"
+        );
+
+        // A pre-auth frame over 64 KiB ends the stream on its header alone.
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(
+            &felix_wire::frame::FrameHeader {
+                flags: felix_wire::Flags(0),
+                length: 70_000,
+            }
+            .to_bytes(),
+        )
+        .await
+        .unwrap();
+        let answers = read_messages(&mut r, 10).await.unwrap();
+        assert!(answers.len() <= 1, "{answers:?}");
+
+        // A frame with an unknown flag bit is refused.
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b, Features::ERROR_CODES)).await.unwrap();
+        s.write_all(
+            &felix_wire::frame::FrameHeader {
+                flags: felix_wire::Flags(0x8000),
+                length: 2,
+            }
+            .to_bytes(),
+        )
+        .await
+        .unwrap();
+        s.write_all(b"{}").await.unwrap();
+        s.write_all(&Message::Topology.to_frame()).await.unwrap();
+        s.finish().unwrap();
+        let answers = read_messages(&mut r, 10).await.unwrap();
+        assert!(
+            matches!(
+                &answers[1],
+                Some(Message::Error {
+                    code: Some(ErrorCode::InvalidRequest),
+                    ..
+                })
+            ),
+            "{answers:?}"
+        );
+        assert_eq!(
+            answers[2],
+            Some(Message::TopologyView { brokers: vec![] }),
+            "the stream stayed aligned"
+        );
+    });
+}
+
+#[test]
+fn a_connection_that_never_authenticates_is_closed_after_ten_seconds() {
+    let (b, _dir) = broker();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        let started = Instant::now();
+        let reason = tokio::time::timeout(Duration::from_secs(20), conn.closed())
+            .await
+            .unwrap();
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_secs(9), "closed after {waited:?}");
+        match reason {
+            quinn::ConnectionError::ApplicationClosed(c) => {
+                assert_eq!(u64::from(c.error_code), 1, "close code 1");
+                assert_eq!(&c.reason[..], b"authentication timeout");
+            }
+            other => panic!("unexpected close: {other}"),
+        }
+    });
+}
