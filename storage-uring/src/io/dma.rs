@@ -44,7 +44,9 @@ fn to_io(e: glommio::GlommioError<()>) -> io::Error {
 impl DmaBackend {
     /// Opens (creating) a log directory. Must run on a glommio executor.
     pub async fn open_dir(dir: impl AsRef<Path>) -> io::Result<DmaBackend> {
-        let dir = dir.as_ref().to_path_buf();
+        // glommio opens directories by absolute path only (a relative one fails with
+        // EBADF when the directory is synced).
+        let dir = std::path::absolute(dir.as_ref())?;
         std::fs::create_dir_all(&dir)?;
         // Make sure glommio's first DMA open on this device sees a non-empty file.
         let probe = dir.join(PROBE_FILE);
