@@ -12,9 +12,15 @@ fn a_relative_log_directory_works() {
     std::env::set_current_dir(tmp.path()).unwrap();
     run(|| async {
         let backend = DmaBackend::open_dir("relative/log").await.unwrap();
-        let (log, _) = SegmentLog::open(backend, LogConfig::default()).await.unwrap();
+        let (log, _) = SegmentLog::open(backend, LogConfig::default())
+            .await
+            .unwrap();
         log.append(&[b"x"], 0).await.unwrap();
         log.close().await.unwrap();
     });
-    assert!(tmp.path().join("relative/log/00000000000000000000.seg").exists());
+    assert!(
+        tmp.path()
+            .join("relative/log/00000000000000000000.seg")
+            .exists()
+    );
 }

@@ -1,0 +1,468 @@
+//! The `felix` command line: publish, subscribe, use caches and inspect a broker.
+//!
+//! Connection settings come from flags, then `FELIX_*` environment, then a context file
+//! (`--context`, `FELIX_CONTEXT`, or `~/.config/felix/context.yaml`), then the dev
+//! defaults (`127.0.0.1:5000`, tenant `dev`, `./felix-data/dev/{token,ca.pem}`), so
+//! after `felix-broker dev` in the same directory `felix pub orders hello` just works.
+//!
+//! Exit codes: 0 ok, 2 usage or configuration, 3 broker unreachable or connection lost,
+//! 4 refused credentials (unauthenticated / forbidden), 5 not found, 6 other broker
+//! error, 7 timed out.
+
+use std::io::{BufRead, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::{AckMode, ClientConfig, ClientError, ClusterClient, ErrorCode, StartPosition};
+use bytes::Bytes;
+use clap::{Parser, Subcommand, ValueEnum};
+use serde::Deserialize;
+
+#[derive(Parser)]
+#[command(name = "felix", about = "The Felix command line", version)]
+struct Cli {
+    /// Broker address (host:port); repeatable for several seeds.
+    #[arg(long, global = true)]
+    broker: Vec<String>,
+    /// Tenant to authenticate as.
+    #[arg(long, global = true)]
+    tenant: Option<String>,
+    /// Token (prefer --token-file).
+    #[arg(long, global = true)]
+    token: Option<String>,
+    /// File holding the token.
+    #[arg(long, global = true)]
+    token_file: Option<PathBuf>,
+    /// CA certificate (PEM) to verify brokers with.
+    #[arg(long, global = true)]
+    ca: Option<PathBuf>,
+    /// TLS server name.
+    #[arg(long, global = true)]
+    server_name: Option<String>,
+    /// Namespace.
+    #[arg(long, global = true, default_value = "default")]
+    namespace: String,
+    /// Output JSON lines.
+    #[arg(long, global = true)]
+    json: bool,
+    /// Context file (YAML: broker, tenant, token_file, ca, server_name).
+    #[arg(long, global = true)]
+    context: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Ack {
+    None,
+    PerMessage,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Publish messages: the arguments, or each line of stdin.
+    Pub {
+        /// Stream.
+        stream: String,
+        /// Messages (default: read lines from stdin).
+        messages: Vec<String>,
+        /// Routing key.
+        #[arg(long)]
+        key: Option<String>,
+        /// Acknowledgement.
+        #[arg(long, value_enum, default_value = "per-message")]
+        ack: Ack,
+    },
+    /// Print messages from a stream shard.
+    Sub {
+        /// Stream.
+        stream: String,
+        /// Where to start: earliest, latest, or an offset.
+        #[arg(long, default_value = "latest")]
+        from: String,
+        /// Stop after this many messages.
+        #[arg(long)]
+        count: Option<u64>,
+        /// Shard.
+        #[arg(long, default_value_t = 0)]
+        shard: u32,
+    },
+    /// Cache operations.
+    Cache {
+        #[command(subcommand)]
+        op: CacheCmd,
+    },
+    /// Brokers a client may use.
+    Topology,
+    /// Shard count of a stream.
+    Shards {
+        /// Stream.
+        stream: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum CacheCmd {
+    /// Read a key.
+    Get {
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+    },
+    /// Set a key.
+    Put {
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+        /// Value.
+        value: String,
+        /// Time to live, seconds.
+        #[arg(long)]
+        ttl: Option<f64>,
+    },
+    /// Remove a key (prints the value it had).
+    Delete {
+        /// Cache.
+        cache: String,
+        /// Key.
+        key: String,
+    },
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Context {
+    broker: Option<Vec<String>>,
+    tenant: Option<String>,
+    token_file: Option<PathBuf>,
+    ca: Option<PathBuf>,
+    server_name: Option<String>,
+}
+
+enum Failure {
+    Usage(String),
+    Client(ClientError),
+}
+
+impl From<ClientError> for Failure {
+    fn from(e: ClientError) -> Self {
+        Failure::Client(e)
+    }
+}
+
+fn exit_code(e: &ClientError) -> i32 {
+    match e {
+        ClientError::Connection { .. } | ClientError::SubscriptionLost(_) => 3,
+        ClientError::GaveUp { last, .. } => exit_code(last),
+        e if e.is_credential_failure() => 4,
+        ClientError::Broker(b) if b.code == Some(ErrorCode::NotFound) => 5,
+        ClientError::Config(_) => 2,
+        ClientError::Timeout(_) => 7,
+        _ => 6,
+    }
+}
+
+fn load_context(cli: &Cli) -> Result<Context, Failure> {
+    let path = cli
+        .context
+        .clone()
+        .or_else(|| std::env::var("FELIX_CONTEXT").ok().map(PathBuf::from))
+        .or_else(|| {
+            let home = std::env::var("HOME").ok()?;
+            let p = PathBuf::from(home).join(".config/felix/context.yaml");
+            p.exists().then_some(p)
+        });
+    match path {
+        None => Ok(Context::default()),
+        Some(p) => {
+            let text = std::fs::read_to_string(&p)
+                .map_err(|e| Failure::Usage(format!("context {}: {e}", p.display())))?;
+            serde_yaml::from_str(&text)
+                .map_err(|e| Failure::Usage(format!("context {}: {e}", p.display())))
+        }
+    }
+}
+
+async fn connect(cli: &Cli) -> Result<(ClusterClient, String), Failure> {
+    let ctx = load_context(cli)?;
+    let brokers: Vec<String> = if !cli.broker.is_empty() {
+        cli.broker.clone()
+    } else if let Ok(b) = std::env::var("FELIX_BROKER") {
+        b.split(',').map(str::to_owned).collect()
+    } else {
+        ctx.broker
+            .clone()
+            .unwrap_or_else(|| vec!["127.0.0.1:5000".into()])
+    };
+    let seeds: Vec<SocketAddr> = brokers
+        .iter()
+        .map(|b| {
+            b.parse()
+                .or_else(|_| {
+                    use std::net::ToSocketAddrs;
+                    b.to_socket_addrs()
+                        .ok()
+                        .and_then(|mut a| a.next())
+                        .ok_or(())
+                })
+                .map_err(|_| Failure::Usage(format!("broker {b:?} is not host:port")))
+        })
+        .collect::<Result<_, _>>()?;
+    let tenant = cli
+        .tenant
+        .clone()
+        .or_else(|| std::env::var("FELIX_TENANT").ok())
+        .or(ctx.tenant.clone())
+        .unwrap_or_else(|| "dev".into());
+    let token = match (&cli.token, &cli.token_file) {
+        (Some(t), _) => t.clone(),
+        (None, Some(f)) => read_token(f)?,
+        (None, None) => match std::env::var("FELIX_TOKEN") {
+            Ok(t) => t,
+            Err(_) => {
+                let f = std::env::var("FELIX_TOKEN_FILE")
+                    .map(PathBuf::from)
+                    .ok()
+                    .or(ctx.token_file.clone())
+                    .unwrap_or_else(|| PathBuf::from("felix-data/dev/token"));
+                read_token(&f)?
+            }
+        },
+    };
+    let ca = cli
+        .ca
+        .clone()
+        .or_else(|| std::env::var("FELIX_CA").ok().map(PathBuf::from))
+        .or(ctx.ca.clone())
+        .unwrap_or_else(|| PathBuf::from("felix-data/dev/ca.pem"));
+    let server_name = cli
+        .server_name
+        .clone()
+        .or(ctx.server_name.clone())
+        .unwrap_or_else(|| "localhost".into());
+    let quinn = crate::quic_client_config_from_file(&ca, false)
+        .map_err(|e| Failure::Usage(format!("--ca: {e:#}")))?;
+    let mut config = ClientConfig::from_env_or_yaml(quinn, None)
+        .map_err(|e| Failure::Usage(format!("{e:#}")))?;
+    config.auth_tenant_id = Some(tenant.clone());
+    config.auth_token = Some(token);
+    let policy = crate::ReconnectPolicy {
+        attempts: 3,
+        deadline: Some(Duration::from_secs(10)),
+        ..Default::default()
+    };
+    Ok((
+        ClusterClient::connect_with_policy(&seeds, &server_name, config, policy).await?,
+        tenant,
+    ))
+}
+
+fn read_token(f: &std::path::Path) -> Result<String, Failure> {
+    std::fs::read_to_string(f)
+        .map(|t| t.trim().to_owned())
+        .map_err(|e| {
+            Failure::Usage(format!(
+                "token file {}: {e} (pass --token-file or set FELIX_TOKEN)",
+                f.display()
+            ))
+        })
+}
+
+fn show(
+    json: bool,
+    out: &mut impl Write,
+    payload: &[u8],
+    extra: serde_json::Value,
+) -> std::io::Result<()> {
+    if json {
+        let mut v = extra;
+        v["payload"] = serde_json::Value::String(String::from_utf8_lossy(payload).into_owned());
+        writeln!(out, "{v}")
+    } else {
+        out.write_all(payload)?;
+        out.write_all(b"\n")
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let (client, tenant) = connect(&cli).await?;
+    let ns = cli.namespace.as_str();
+    let mut out = std::io::stdout().lock();
+    match &cli.command {
+        Command::Pub {
+            stream,
+            messages,
+            key,
+            ack,
+        } => {
+            let ack = match ack {
+                Ack::None => AckMode::None,
+                Ack::PerMessage => AckMode::PerMessage,
+            };
+            let send = |m: Vec<u8>| {
+                let (client, tenant, stream, key) = (&client, &tenant, stream.clone(), key.clone());
+                async move {
+                    match key {
+                        Some(k) => {
+                            client
+                                .publish_keyed(tenant, ns, &stream, m, Bytes::from(k), ack)
+                                .await
+                        }
+                        None => client.publish(tenant, ns, &stream, m, ack).await,
+                    }
+                }
+            };
+            let emit = |o: Option<u64>, out: &mut std::io::StdoutLock<'_>| {
+                if cli.json {
+                    let _ = writeln!(out, "{}", serde_json::json!({"offset": o}));
+                }
+            };
+            if messages.is_empty() {
+                for line in std::io::stdin().lock().lines() {
+                    let line = line.map_err(|e| Failure::Usage(format!("stdin: {e}")))?;
+                    let o = send(line.into_bytes()).await?;
+                    emit(o, &mut out);
+                }
+            } else {
+                for m in messages {
+                    let o = send(m.clone().into_bytes()).await?;
+                    emit(o, &mut out);
+                }
+            }
+        }
+        Command::Sub {
+            stream,
+            from,
+            count,
+            shard,
+        } => {
+            let start = match from.as_str() {
+                "latest" => Some(StartPosition::Latest),
+                "earliest" => Some(StartPosition::Earliest),
+                n => Some(StartPosition::Offset(felix_wire::Offset(
+                    n.parse().map_err(|_| {
+                        Failure::Usage(format!("--from {n:?}: earliest, latest or an offset"))
+                    })?,
+                ))),
+            };
+            let mut sub = client
+                .subscribe_shard(&tenant, ns, stream, *shard, start)
+                .await?;
+            let mut seen = 0u64;
+            while count.is_none_or(|c| seen < c) {
+                match sub.next_event().await? {
+                    Some(e) => {
+                        let _ = show(
+                            cli.json,
+                            &mut out,
+                            &e.payload,
+                            serde_json::json!({"offset": e.offset, "shard": shard}),
+                        );
+                        let _ = out.flush();
+                        seen += 1;
+                    }
+                    None => break,
+                }
+            }
+        }
+        Command::Cache { op } => match op {
+            CacheCmd::Get { cache, key } => {
+                match client.cache_get(&tenant, ns, cache, key).await? {
+                    Some(v) => {
+                        let _ = show(cli.json, &mut out, &v, serde_json::json!({"key": key}));
+                    }
+                    None => {
+                        if cli.json {
+                            let _ = writeln!(
+                                out,
+                                "{}",
+                                serde_json::json!({"key": key, "payload": null})
+                            );
+                        }
+                        return Err(Failure::Client(ClientError::Broker(crate::BrokerError {
+                            code: Some(ErrorCode::NotFound),
+                            retry: None,
+                            detail: None,
+                            message: format!("key {key:?} not found"),
+                            context: "cache get",
+                        })));
+                    }
+                }
+            }
+            CacheCmd::Put {
+                cache,
+                key,
+                value,
+                ttl,
+            } => {
+                let ttl_ms = ttl.map(|s| (s * 1000.0).round().max(1.0) as u64);
+                client
+                    .cache_put(
+                        &tenant,
+                        ns,
+                        cache,
+                        key,
+                        Bytes::from(value.clone().into_bytes()),
+                        ttl_ms,
+                    )
+                    .await?;
+            }
+            CacheCmd::Delete { cache, key } => {
+                if let Some(v) = client.cache_delete(&tenant, ns, cache, key).await? {
+                    let _ = show(cli.json, &mut out, &v, serde_json::json!({"key": key}));
+                }
+            }
+        },
+        Command::Topology => {
+            let brokers = client.client().topology().await?;
+            for b in brokers {
+                if cli.json {
+                    let _ = writeln!(
+                        out,
+                        "{}",
+                        serde_json::json!({"node_id": b.node_id, "addr": b.addr})
+                    );
+                } else {
+                    let _ = writeln!(out, "{} {}", b.node_id, b.addr);
+                }
+            }
+        }
+        Command::Shards { stream } => {
+            let n = client.stream_shards(&tenant, ns, stream).await?;
+            if cli.json {
+                let _ = writeln!(
+                    out,
+                    "{}",
+                    serde_json::json!({"stream": stream, "shards": n})
+                );
+            } else {
+                let _ = writeln!(out, "{n}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Parses the process arguments, runs the command and exits with its code.
+pub fn main() {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime starts");
+    let code = match rt.block_on(run(cli)) {
+        Ok(()) => 0,
+        Err(Failure::Usage(m)) => {
+            eprintln!("felix: {m}");
+            2
+        }
+        Err(Failure::Client(e)) => {
+            eprintln!("felix: {e}");
+            exit_code(&e)
+        }
+    };
+    std::process::exit(code);
+}

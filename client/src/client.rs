@@ -1,0 +1,990 @@
+//! `Client`: one broker, one QUIC connection, authenticated streams per purpose.
+//!
+//! Every stream the client opens authenticates itself with `auth` first. Publishes go
+//! over one long-lived, pipelined stream (acks matched by request id); cache operations
+//! and discovery requests over one request/response stream; each subscription opens a
+//! short-lived request stream and receives its events on a broker-opened unidirectional
+//! stream, matched to it by the id in `event_stream_hello`. A `Client` does not
+//! reconnect: a dead connection fails its calls (use `ClusterClient`).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::{Bytes, BytesMut};
+use felix_wire::flags::FrameKind;
+use felix_wire::message::{BrokerEndpoint, StartPosition};
+use felix_wire::{
+    AckMode, AckPrefix, EventBatch, Features, Flags, FrameReader, Message, PublishAck,
+    PublishAckStatus, PublishBatchHeader, RequestId, ShardId,
+};
+use tokio::sync::{Mutex, mpsc, oneshot};
+
+use crate::config::ClientConfig;
+use crate::error::{BrokerError, ClientError, NotLeaderError, SubscribeCursorError};
+
+/// Flags this client reads (everything but publisher names and timestamps).
+const CLIENT_FLAGS: Flags = Flags(0x1FFF);
+
+fn client_features() -> Features {
+    Features::TOPOLOGY
+        | Features::REDIRECT
+        | Features::CACHE_DELETE
+        | Features::STREAM_SHARDS
+        | Features::CACHE_SHARDS
+        | Features::ERROR_CODES
+        | Features::UNSUPPORTED
+        | Features::PUBLISH_PIPELINE
+        | Features::STREAM_PUBLISH_WINDOW
+}
+
+/// What the broker agreed to.
+#[derive(Debug, Clone, Copy)]
+pub struct Negotiated {
+    /// Layouts both sides read.
+    pub flags: Flags,
+    /// Requests the broker serves (that we offered).
+    pub features: Features,
+    /// The publish window the broker granted.
+    pub publish_window: Option<u32>,
+}
+
+/// A delivered record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// Tenant.
+    pub tenant_id: Arc<str>,
+    /// Namespace.
+    pub namespace: Arc<str>,
+    /// Stream.
+    pub stream: Arc<str>,
+    /// The record.
+    pub payload: Bytes,
+    /// Its offset (durable streams).
+    pub offset: Option<u64>,
+    /// Offsets just before this one that hold no event (not drops).
+    pub skipped_before: u64,
+}
+
+fn broker_error(context: &'static str, m: Message) -> ClientError {
+    match m {
+        Message::Error {
+            message,
+            code,
+            retry,
+            detail,
+        }
+        | Message::PublishError {
+            message,
+            code,
+            retry,
+            detail,
+            ..
+        } => ClientError::Broker(BrokerError {
+            retry: retry.or_else(|| code.as_ref().map(felix_wire::ErrorCode::default_retry)),
+            code,
+            detail,
+            message,
+            context,
+        }),
+        Message::NotLeader {
+            node_id,
+            addr,
+            generation,
+        } => ClientError::NotLeader(NotLeaderError {
+            node_id,
+            addr,
+            generation: generation.0,
+        }),
+        Message::SubscribeCursorError {
+            reason,
+            requested,
+            available,
+        } => ClientError::Cursor(SubscribeCursorError {
+            reason,
+            requested: requested.0,
+            available: available.0,
+        }),
+        Message::Unsupported { request_type, .. } => {
+            ClientError::Protocol(format!("broker does not serve {request_type}"))
+        }
+        other => ClientError::Protocol(format!("{context}: unexpected answer {other:?}")),
+    }
+}
+
+struct Stream {
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    reader: FrameReader,
+}
+
+async fn read_frame(
+    recv: &mut quinn::RecvStream,
+    reader: &mut FrameReader,
+) -> Result<Option<felix_wire::Frame>, ClientError> {
+    loop {
+        if let Some(f) = reader
+            .next_frame()
+            .map_err(|e| ClientError::Protocol(e.to_string()))?
+        {
+            return Ok(Some(f));
+        }
+        match recv.read_chunk(1 << 20, true).await {
+            Ok(Some(c)) => reader.push(c.bytes),
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(ClientError::connection("broker", e)),
+        }
+    }
+}
+
+async fn read_message(s: &mut Stream, context: &'static str) -> Result<Message, ClientError> {
+    let f = read_frame(&mut s.recv, &mut s.reader)
+        .await?
+        .ok_or_else(|| {
+            ClientError::connection(
+                "broker",
+                format!("{context}: stream ended without an answer"),
+            )
+        })?;
+    Message::decode(&f.payload).map_err(|e| ClientError::Protocol(format!("{context}: {e}")))
+}
+
+/// Acked publishes waiting for their answer, by request id.
+type PendingAcks =
+    Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<Result<Option<u64>, ClientError>>>>>;
+
+#[derive(Default)]
+struct Router {
+    waiting: HashMap<u64, oneshot::Sender<(quinn::RecvStream, FrameReader)>>,
+    early: HashMap<u64, (quinn::RecvStream, FrameReader)>,
+}
+
+struct Inner {
+    addr: SocketAddr,
+    _endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+    config: ClientConfig,
+    negotiated: Negotiated,
+    publish: Mutex<Option<quinn::SendStream>>,
+    pending_acks: PendingAcks,
+    requests: Mutex<Option<Stream>>,
+    router: Arc<std::sync::Mutex<Router>>,
+    next_id: AtomicU64,
+}
+
+/// A client of one broker.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("addr", &self.inner.addr)
+            .finish()
+    }
+}
+
+impl Client {
+    /// Connects to `addr`, verifying its certificate for `server_name`, and
+    /// authenticates once to learn what the broker serves.
+    pub async fn connect(
+        addr: SocketAddr,
+        server_name: &str,
+        config: ClientConfig,
+    ) -> Result<Client, ClientError> {
+        config.tenant()?;
+        let bind: SocketAddr = if addr.is_ipv4() {
+            "0.0.0.0:0"
+        } else {
+            "[::]:0"
+        }
+        .parse()
+        .expect("valid bind address");
+        let mut endpoint =
+            quinn::Endpoint::client(bind).map_err(|e| ClientError::connection(addr, e))?;
+        endpoint.set_default_client_config(config.quinn.clone());
+        let conn = endpoint
+            .connect(addr, server_name)
+            .map_err(|e| ClientError::connection(addr, e))?
+            .await
+            .map_err(|e| ClientError::connection(addr, e))?;
+        let (requests, negotiated) = open_stream(&conn, &config, addr).await?;
+        let router: Arc<std::sync::Mutex<Router>> = Arc::default();
+        tokio::spawn(route_event_streams(
+            conn.clone(),
+            router.clone(),
+            config.max_frame_bytes,
+        ));
+        Ok(Client {
+            inner: Arc::new(Inner {
+                addr,
+                _endpoint: endpoint,
+                conn,
+                config,
+                negotiated,
+                publish: Mutex::new(None),
+                pending_acks: Arc::default(),
+                requests: Mutex::new(Some(requests)),
+                router,
+                next_id: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// The broker's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// What the broker agreed to.
+    pub fn negotiated(&self) -> Negotiated {
+        self.inner.negotiated
+    }
+
+    /// Whether the connection is closed.
+    pub fn is_closed(&self) -> bool {
+        self.inner.conn.close_reason().is_some()
+    }
+
+    fn next_id(&self) -> u64 {
+        self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn require(&self, f: Features, what: &'static str) -> Result<(), ClientError> {
+        if self.inner.negotiated.features.contains(f) {
+            Ok(())
+        } else {
+            Err(ClientError::Unsupported(what))
+        }
+    }
+
+    fn check_tenant(&self, tenant: &str) -> Result<(), ClientError> {
+        let mine = self.inner.config.tenant()?;
+        if tenant != mine {
+            return Err(ClientError::Config(format!(
+                "tenant mismatch: client auth is scoped to {mine}, request names {tenant}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// One request, one answer, on the shared request stream.
+    async fn request(&self, m: Message, context: &'static str) -> Result<Message, ClientError> {
+        let mut guard = self.inner.requests.lock().await;
+        if guard.is_none() {
+            *guard = Some(
+                open_stream(&self.inner.conn, &self.inner.config, self.inner.addr)
+                    .await?
+                    .0,
+            );
+        }
+        let s = guard.as_mut().expect("just opened");
+        let result = async {
+            s.send
+                .write_all(&m.to_frame())
+                .await
+                .map_err(|e| ClientError::connection(self.inner.addr, e))?;
+            tokio::time::timeout(self.inner.config.request_timeout, read_message(s, context))
+                .await
+                .map_err(|_| ClientError::Timeout(context))?
+        }
+        .await;
+        if matches!(
+            result,
+            Err(ClientError::Connection { .. }
+                | ClientError::Timeout(_)
+                | ClientError::Protocol(_))
+        ) {
+            // The stream's state is unknown: the next request opens a fresh one.
+            *guard = None;
+        }
+        result
+    }
+
+    /// Publishes one record; returns its offset when the broker's ack carries one.
+    pub async fn publish(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        payload: Vec<u8>,
+        ack: AckMode,
+    ) -> Result<Option<u64>, ClientError> {
+        self.publish_batch_inner(
+            tenant,
+            namespace,
+            stream,
+            None,
+            vec![Bytes::from(payload)],
+            ack,
+        )
+        .await
+    }
+
+    /// Publishes one record under a routing key.
+    pub async fn publish_keyed(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        key: Bytes,
+        payload: Vec<u8>,
+        ack: AckMode,
+    ) -> Result<Option<u64>, ClientError> {
+        self.publish_batch_inner(
+            tenant,
+            namespace,
+            stream,
+            Some(key),
+            vec![Bytes::from(payload)],
+            ack,
+        )
+        .await
+    }
+
+    /// Publishes several records as one batch; returns the first offset.
+    pub async fn publish_batch(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        payloads: Vec<Vec<u8>>,
+        ack: AckMode,
+    ) -> Result<Option<u64>, ClientError> {
+        self.publish_batch_inner(
+            tenant,
+            namespace,
+            stream,
+            None,
+            payloads.into_iter().map(Bytes::from).collect(),
+            ack,
+        )
+        .await
+    }
+
+    async fn publish_batch_inner(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        key: Option<Bytes>,
+        payloads: Vec<Bytes>,
+        ack: AckMode,
+    ) -> Result<Option<u64>, ClientError> {
+        if payloads.is_empty() {
+            return Err(ClientError::Config(
+                "a publish needs at least one record".into(),
+            ));
+        }
+        let flags = self.inner.negotiated.flags;
+        let binary = flags.contains(Flags::BINARY_PUBLISH_BATCH)
+            && (ack == AckMode::None || flags.contains(Flags::BINARY_PUBLISH_ACKED))
+            && (key.is_none() || flags.contains(Flags::BINARY_PUBLISH_KEYED));
+        let id = self.next_id();
+        let mut frame = BytesMut::new();
+        if binary {
+            PublishBatchHeader {
+                tenant,
+                namespace,
+                stream,
+                ack: (ack != AckMode::None).then_some(AckPrefix {
+                    request_id: RequestId(id),
+                    ack_mode: ack,
+                }),
+                idempotent: None,
+                key: key.as_deref(),
+            }
+            .encode_frame(&mut frame, &payloads)
+            .map_err(|e| ClientError::Config(e.to_string()))?;
+        } else {
+            let request_id = (ack != AckMode::None).then_some(RequestId(id));
+            let ack = Some(match (ack, payloads.len()) {
+                (AckMode::None, _) => AckMode::None,
+                (_, 1) => AckMode::PerMessage,
+                _ => AckMode::PerBatch,
+            });
+            let m = if payloads.len() == 1 {
+                Message::Publish {
+                    tenant_id: tenant.into(),
+                    namespace: namespace.into(),
+                    stream: stream.into(),
+                    payload: payloads.into_iter().next().expect("one payload"),
+                    key,
+                    shard: None,
+                    request_id,
+                    ack,
+                }
+            } else {
+                Message::PublishBatch {
+                    tenant_id: tenant.into(),
+                    namespace: namespace.into(),
+                    stream: stream.into(),
+                    payloads,
+                    key,
+                    shard: None,
+                    request_id,
+                    ack,
+                }
+            };
+            m.encode_frame(&mut frame)
+                .map_err(|e| ClientError::Config(e.to_string()))?;
+        }
+        let rx = (ack != AckMode::None).then(|| {
+            let (tx, rx) = oneshot::channel();
+            self.inner
+                .pending_acks
+                .lock()
+                .expect("acks lock")
+                .insert(id, tx);
+            rx
+        });
+        {
+            let mut publish = self.inner.publish.lock().await;
+            if publish.is_none() {
+                let (s, _) =
+                    open_stream(&self.inner.conn, &self.inner.config, self.inner.addr).await?;
+                tokio::spawn(read_acks(
+                    s.recv,
+                    s.reader,
+                    self.inner.pending_acks.clone(),
+                    self.inner.addr,
+                ));
+                *publish = Some(s.send);
+            }
+            let send = publish.as_mut().expect("just opened");
+            if let Err(e) = send.write_all(&frame).await {
+                *publish = None;
+                self.inner
+                    .pending_acks
+                    .lock()
+                    .expect("acks lock")
+                    .remove(&id);
+                return Err(ClientError::connection(self.inner.addr, e));
+            }
+        }
+        match rx {
+            None => Ok(None),
+            Some(rx) => match tokio::time::timeout(self.inner.config.request_timeout, rx).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(_)) => Err(ClientError::connection(
+                    self.inner.addr,
+                    "publish stream closed before the ack",
+                )),
+                Err(_) => Err(ClientError::Timeout("publish ack")),
+            },
+        }
+    }
+
+    /// Shard count of a stream (0 = the broker does not know it).
+    pub async fn stream_shards(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+    ) -> Result<u32, ClientError> {
+        self.require(Features::STREAM_SHARDS, "stream_shards")?;
+        let request_id = RequestId(self.next_id());
+        match self
+            .request(
+                Message::StreamShards {
+                    tenant_id: tenant.into(),
+                    namespace: namespace.into(),
+                    stream: stream.into(),
+                    request_id,
+                },
+                "stream_shards",
+            )
+            .await?
+        {
+            Message::StreamShardsView { shards, .. } => Ok(shards),
+            other => Err(broker_error("stream_shards", other)),
+        }
+    }
+
+    /// Brokers a client may use (empty on a single node).
+    pub async fn topology(&self) -> Result<Vec<BrokerEndpoint>, ClientError> {
+        self.require(Features::TOPOLOGY, "topology")?;
+        match self.request(Message::Topology, "topology").await? {
+            Message::TopologyView { brokers } => Ok(brokers),
+            other => Err(broker_error("topology", other)),
+        }
+    }
+
+    /// Sets a cache key, with an optional time to live.
+    pub async fn cache_put(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+        value: Bytes,
+        ttl_ms: Option<u64>,
+    ) -> Result<(), ClientError> {
+        let request_id = Some(RequestId(self.next_id()));
+        match self
+            .request(
+                Message::CachePut {
+                    tenant_id: tenant.into(),
+                    namespace: namespace.into(),
+                    cache: cache.into(),
+                    key: key.into(),
+                    value,
+                    request_id,
+                    ttl_ms,
+                },
+                "cache_put",
+            )
+            .await?
+        {
+            Message::CacheOk { .. } => Ok(()),
+            other => Err(broker_error("cache_put", other)),
+        }
+    }
+
+    /// Reads a cache key (`None` when missing or expired).
+    pub async fn cache_get(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+    ) -> Result<Option<Bytes>, ClientError> {
+        let request_id = Some(RequestId(self.next_id()));
+        match self
+            .request(
+                Message::CacheGet {
+                    tenant_id: tenant.into(),
+                    namespace: namespace.into(),
+                    cache: cache.into(),
+                    key: key.into(),
+                    request_id,
+                },
+                "cache_get",
+            )
+            .await?
+        {
+            Message::CacheValue { value, .. } => Ok(value),
+            other => Err(broker_error("cache_get", other)),
+        }
+    }
+
+    /// Removes a cache key; returns the value it had.
+    pub async fn cache_delete(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+    ) -> Result<Option<Bytes>, ClientError> {
+        self.require(Features::CACHE_DELETE, "cache_delete")?;
+        let request_id = Some(RequestId(self.next_id()));
+        match self
+            .request(
+                Message::CacheDelete {
+                    tenant_id: tenant.into(),
+                    namespace: namespace.into(),
+                    cache: cache.into(),
+                    key: key.into(),
+                    request_id,
+                },
+                "cache_delete",
+            )
+            .await?
+        {
+            Message::CacheValue { value, .. } => Ok(value),
+            other => Err(broker_error("cache_delete", other)),
+        }
+    }
+
+    /// Subscribes to shard 0 from the tail.
+    pub async fn subscribe(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+    ) -> Result<Subscription, ClientError> {
+        self.subscribe_shard(tenant, namespace, stream, 0, None)
+            .await
+    }
+
+    /// Subscribes to shard 0 from `start`.
+    pub async fn subscribe_from(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        start: Option<StartPosition>,
+    ) -> Result<Subscription, ClientError> {
+        self.subscribe_shard(tenant, namespace, stream, 0, start)
+            .await
+    }
+
+    /// Subscribes to one shard from `start` (absent = latest).
+    pub async fn subscribe_shard(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        start: Option<StartPosition>,
+    ) -> Result<Subscription, ClientError> {
+        self.check_tenant(tenant)?;
+        if matches!(
+            start,
+            Some(StartPosition::Earliest | StartPosition::Offset(_))
+        ) && !self
+            .inner
+            .negotiated
+            .flags
+            .contains(Flags::EVENT_BATCH_OFFSETS)
+        {
+            // An old broker would silently start at the tail.
+            return Err(ClientError::Unsupported(
+                "resuming a subscription from an offset",
+            ));
+        }
+        let (mut s, _) = open_stream(&self.inner.conn, &self.inner.config, self.inner.addr).await?;
+        let m = Message::Subscribe {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            stream: stream.into(),
+            subscription_id: None,
+            start,
+            shard: (shard != 0).then_some(ShardId(shard)),
+            queue_capacity: None,
+        };
+        s.send
+            .write_all(&m.to_frame())
+            .await
+            .map_err(|e| ClientError::connection(self.inner.addr, e))?;
+        let _ = s.send.finish();
+        let answer = tokio::time::timeout(
+            self.inner.config.request_timeout,
+            read_message(&mut s, "subscribe"),
+        )
+        .await
+        .map_err(|_| ClientError::Timeout("subscribe"))??;
+        let (id, start_offset, live_offset) = match answer {
+            Message::Subscribed {
+                subscription_id,
+                start_offset,
+                live_offset,
+                ..
+            } => (
+                subscription_id.0,
+                start_offset.map(|o| o.0),
+                live_offset.map(|o| o.0),
+            ),
+            other => return Err(broker_error("subscribe", other)),
+        };
+        let events = {
+            let mut r = self.inner.router.lock().expect("router lock");
+            match r.early.remove(&id) {
+                Some(found) => Ok(found),
+                None => {
+                    let (tx, rx) = oneshot::channel();
+                    r.waiting.insert(id, tx);
+                    Err(rx)
+                }
+            }
+        };
+        let (recv, reader) = match events {
+            Ok(found) => found,
+            Err(rx) => tokio::time::timeout(self.inner.config.request_timeout, rx)
+                .await
+                .map_err(|_| ClientError::Timeout("event stream"))?
+                .map_err(|_| {
+                    ClientError::connection(
+                        self.inner.addr,
+                        "connection closed before the event stream opened",
+                    )
+                })?,
+        };
+        let (tx, rx) = mpsc::channel(self.inner.config.client_sub_queue_capacity.max(1));
+        let names = (
+            Arc::<str>::from(tenant),
+            Arc::<str>::from(namespace),
+            Arc::<str>::from(stream),
+        );
+        tokio::spawn(read_events(recv, reader, tx, names));
+        Ok(Subscription {
+            rx,
+            start_offset,
+            live_offset,
+            _control: s.recv,
+        })
+    }
+}
+
+/// One shard's subscription.
+#[derive(Debug)]
+pub struct Subscription {
+    rx: mpsc::Receiver<Result<Event, ClientError>>,
+    start_offset: Option<u64>,
+    live_offset: Option<u64>,
+    _control: quinn::RecvStream,
+}
+
+impl Subscription {
+    /// The next event; `Ok(None)` when the broker ended the subscription cleanly, an
+    /// error when the connection was lost. Cancel-safe.
+    pub async fn next_event(&mut self) -> Result<Option<Event>, ClientError> {
+        match self.rx.recv().await {
+            Some(Ok(e)) => Ok(Some(e)),
+            Some(Err(e)) => Err(e),
+            None => Ok(None),
+        }
+    }
+
+    /// The first offset delivered (when a start was given).
+    pub fn start_offset(&self) -> Option<u64> {
+        self.start_offset
+    }
+
+    /// Where live delivery began.
+    pub fn live_offset(&self) -> Option<u64> {
+        self.live_offset
+    }
+}
+
+async fn read_events(
+    mut recv: quinn::RecvStream,
+    mut reader: FrameReader,
+    tx: mpsc::Sender<Result<Event, ClientError>>,
+    (t, ns, s): (Arc<str>, Arc<str>, Arc<str>),
+) {
+    loop {
+        let frame = match read_frame(&mut recv, &mut reader).await {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(e) => {
+                let _ = tx
+                    .send(Err(ClientError::SubscriptionLost(e.to_string())))
+                    .await;
+                return;
+            }
+        };
+        let mut events = Vec::new();
+        match frame.kind {
+            FrameKind::EventBatch => match EventBatch::decode(frame.flags, &frame.payload) {
+                Ok(b) => {
+                    let skipped = b.skipped_before.unwrap_or(0);
+                    for (i, e) in b.events.into_iter().enumerate() {
+                        events.push(Event {
+                            tenant_id: t.clone(),
+                            namespace: ns.clone(),
+                            stream: s.clone(),
+                            payload: e.payload,
+                            offset: b.base_offset.map(|o| o.0 + i as u64),
+                            skipped_before: if i == 0 { skipped } else { 0 },
+                        });
+                    }
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(ClientError::Protocol(e.to_string()))).await;
+                    return;
+                }
+            },
+            FrameKind::Json => match Message::decode(&frame.payload) {
+                Ok(Message::Event {
+                    payload, offset, ..
+                }) => events.push(Event {
+                    tenant_id: t.clone(),
+                    namespace: ns.clone(),
+                    stream: s.clone(),
+                    payload,
+                    offset: offset.map(|o| o.0),
+                    skipped_before: 0,
+                }),
+                Ok(Message::EventBatch {
+                    payloads,
+                    base_offset,
+                    ..
+                }) => {
+                    for (i, p) in payloads.into_iter().enumerate() {
+                        events.push(Event {
+                            tenant_id: t.clone(),
+                            namespace: ns.clone(),
+                            stream: s.clone(),
+                            payload: p,
+                            offset: base_offset.map(|o| o.0 + i as u64),
+                            skipped_before: 0,
+                        });
+                    }
+                }
+                Ok(Message::SubscriptionLagged { resume_from, .. }) => {
+                    let _ = tx
+                        .send(Err(ClientError::SubscriptionLost(format!(
+                            "subscription lagged; resume from {}",
+                            resume_from.0
+                        ))))
+                        .await;
+                    return;
+                }
+                Ok(Message::ShardMoved { .. } | Message::StreamDeleted { .. }) => return,
+                Ok(_) => {}
+                Err(e) => {
+                    let _ = tx.send(Err(ClientError::Protocol(e.to_string()))).await;
+                    return;
+                }
+            },
+            _ => {
+                let _ = tx
+                    .send(Err(ClientError::Protocol(
+                        "unexpected frame on an event stream".into(),
+                    )))
+                    .await;
+                return;
+            }
+        }
+        for e in events {
+            // Waiting here pushes back on the broker through QUIC flow control.
+            if tx.send(Ok(e)).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+async fn read_acks(
+    mut recv: quinn::RecvStream,
+    mut reader: FrameReader,
+    pending: PendingAcks,
+    addr: SocketAddr,
+) {
+    let end = loop {
+        let frame = match read_frame(&mut recv, &mut reader).await {
+            Ok(Some(f)) => f,
+            Ok(None) => break ClientError::connection(addr, "publish stream ended"),
+            Err(e) => break e,
+        };
+        let (id, result) = match frame.kind {
+            FrameKind::PublishAck => match PublishAck::decode(frame.flags, &frame.payload) {
+                Ok(ack) => {
+                    let r = match ack.status {
+                        PublishAckStatus::Ok => Ok(ack.first_offset.map(|o| o.0)),
+                        PublishAckStatus::Error => Err(ClientError::Broker(BrokerError {
+                            code: ack.code.as_ref().map(|c| c.code.clone()),
+                            retry: ack.code.as_ref().map(|c| c.retry),
+                            detail: ack.code.as_ref().and_then(|c| c.detail.clone()).map(
+                                |(reason, ms)| felix_wire::ErrorDetail {
+                                    reason: Some(reason),
+                                    retry_after_ms: (ms > 0).then_some(ms),
+                                },
+                            ),
+                            message: ack.message,
+                            context: "publish failed",
+                        })),
+                    };
+                    (ack.request_id.0, r)
+                }
+                Err(e) => break ClientError::Protocol(e.to_string()),
+            },
+            FrameKind::Json => match Message::decode(&frame.payload) {
+                Ok(Message::PublishOk { request_id, offset }) => {
+                    (request_id.0, Ok(offset.map(|o| o.0)))
+                }
+                Ok(m @ Message::PublishError { .. }) => {
+                    let Some(id) = m.request_id() else { continue };
+                    (id.0, Err(broker_error("publish failed", m)))
+                }
+                Ok(m) => break broker_error("publish stream", m),
+                Err(e) => break ClientError::Protocol(e.to_string()),
+            },
+            _ => break ClientError::Protocol("unexpected frame on a publish stream".into()),
+        };
+        if let Some(tx) = pending.lock().expect("acks lock").remove(&id) {
+            let _ = tx.send(result);
+        }
+    };
+    for (_, tx) in pending.lock().expect("acks lock").drain() {
+        let _ = tx.send(Err(end.clone()));
+    }
+}
+
+async fn route_event_streams(
+    conn: quinn::Connection,
+    router: Arc<std::sync::Mutex<Router>>,
+    max_frame: usize,
+) {
+    while let Ok(mut recv) = conn.accept_uni().await {
+        let router = router.clone();
+        tokio::spawn(async move {
+            let mut reader = FrameReader::new(max_frame.min(u32::MAX as usize) as u32);
+            let Ok(Some(f)) = read_frame(&mut recv, &mut reader).await else {
+                return;
+            };
+            let Ok(Message::EventStreamHello { subscription_id }) = Message::decode(&f.payload)
+            else {
+                return;
+            };
+            let mut r = router.lock().expect("router lock");
+            match r.waiting.remove(&subscription_id.0) {
+                Some(tx) => {
+                    let _ = tx.send((recv, reader));
+                }
+                None => {
+                    r.early.insert(subscription_id.0, (recv, reader));
+                }
+            }
+        });
+    }
+}
+
+async fn open_stream(
+    conn: &quinn::Connection,
+    config: &ClientConfig,
+    addr: SocketAddr,
+) -> Result<(Stream, Negotiated), ClientError> {
+    let (mut send, recv) = conn
+        .open_bi()
+        .await
+        .map_err(|e| ClientError::connection(addr, e))?;
+    let (lo, hi) = client_features().offer();
+    let auth = Message::Auth {
+        tenant_id: config.tenant()?.to_owned(),
+        token: config.token()?,
+        client_flags: Some(CLIENT_FLAGS.bits()),
+        client_features: lo,
+        client_features_hi: hi,
+    };
+    send.write_all(&auth.to_frame())
+        .await
+        .map_err(|e| ClientError::connection(addr, e))?;
+    let mut s = Stream {
+        send,
+        recv,
+        reader: FrameReader::new(config.max_frame_bytes.min(u32::MAX as usize) as u32),
+    };
+    let negotiated = match read_message(&mut s, "auth").await? {
+        Message::AuthOk {
+            server_flags,
+            server_features,
+            server_features_hi,
+            publish_window,
+            ..
+        } => {
+            let features = Features::from_wire(server_features, server_features_hi)
+                .intersection(client_features());
+            Negotiated {
+                flags: Flags(server_flags).intersection(CLIENT_FLAGS),
+                features,
+                publish_window: if features.contains(Features::PUBLISH_PIPELINE) {
+                    publish_window
+                } else {
+                    None
+                },
+            }
+        }
+        Message::Ok => Negotiated {
+            flags: Flags::ORIGINAL_V1,
+            features: Features::NONE,
+            publish_window: None,
+        },
+        other => return Err(broker_error("auth rejected", other)),
+    };
+    Ok((s, negotiated))
+}

@@ -1,0 +1,613 @@
+//! `ClusterClient`: a `Client` that survives the broker it uses.
+//!
+//! It connects to the first endpoint that answers, asks that broker which others a
+//! client may use (discovery only ever adds: configured seeds are never removed), and
+//! when the broker in use fails, rebuilds its `Client` from the endpoints under the
+//! [`ReconnectPolicy`]. Only one rebuild runs at a time; concurrent callers wait for it.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use felix_wire::AckMode;
+use felix_wire::message::StartPosition;
+use rand::{RngExt, SeedableRng};
+use tokio::time::Instant;
+
+use crate::client::{Client, Subscription};
+use crate::config::ClientConfig;
+use crate::error::ClientError;
+use crate::retry::{Decision, ReconnectPolicy, classify};
+
+/// Redirect hops followed for one subscribe.
+pub const MAX_REDIRECTS: usize = 3;
+
+/// A client of a cluster of brokers.
+pub struct ClusterClient {
+    seeds: Vec<SocketAddr>,
+    server_name: String,
+    config: ClientConfig,
+    policy: ReconnectPolicy,
+    current: RwLock<(Arc<Client>, u64)>,
+    discovered: RwLock<Vec<SocketAddr>>,
+    rebuild: tokio::sync::Mutex<()>,
+    rng: Mutex<rand::rngs::StdRng>,
+}
+
+impl std::fmt::Debug for ClusterClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterClient")
+            .field("seeds", &self.seeds)
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+impl ClusterClient {
+    /// Connects with the default policy.
+    pub async fn connect(
+        seeds: &[SocketAddr],
+        server_name: &str,
+        config: ClientConfig,
+    ) -> Result<ClusterClient, ClientError> {
+        Self::connect_with_policy(seeds, server_name, config, ReconnectPolicy::default()).await
+    }
+
+    /// Connects to the first seed that answers, retrying under `policy`, then discovers
+    /// the other brokers.
+    pub async fn connect_with_policy(
+        seeds: &[SocketAddr],
+        server_name: &str,
+        config: ClientConfig,
+        policy: ReconnectPolicy,
+    ) -> Result<ClusterClient, ClientError> {
+        if seeds.is_empty() {
+            return Err(ClientError::Config(
+                "at least one broker address is required".into(),
+            ));
+        }
+        config.tenant()?;
+        let seeds = seeds.to_vec();
+        let client = establish(
+            &seeds,
+            server_name,
+            &config,
+            &policy,
+            &Mutex::new(rand::rngs::StdRng::from_rng(&mut rand::rng())),
+        )
+        .await?;
+        let cc = ClusterClient {
+            seeds,
+            server_name: server_name.to_owned(),
+            config,
+            policy,
+            current: RwLock::new((Arc::new(client), 0)),
+            discovered: RwLock::new(Vec::new()),
+            rebuild: tokio::sync::Mutex::new(()),
+            rng: Mutex::new(rand::rngs::StdRng::from_rng(&mut rand::rng())),
+        };
+        let _ = cc.refresh_topology().await;
+        Ok(cc)
+    }
+
+    /// Everywhere this client would try: discovered brokers and every seed.
+    pub fn endpoints(&self) -> Vec<SocketAddr> {
+        let mut seen = BTreeSet::new();
+        let mut out = Vec::new();
+        for a in self
+            .discovered
+            .read()
+            .expect("discovered lock")
+            .iter()
+            .chain(&self.seeds)
+        {
+            if seen.insert(*a) {
+                out.push(*a);
+            }
+        }
+        out
+    }
+
+    /// Asks the broker in use which brokers a client may use; returns how many it named.
+    /// Discovered brokers that are no longer named are dropped; seeds never are.
+    pub async fn refresh_topology(&self) -> Result<usize, ClientError> {
+        let brokers = self.client().topology().await?;
+        let addrs: Vec<SocketAddr> = brokers.iter().filter_map(|b| b.addr.parse().ok()).collect();
+        *self.discovered.write().expect("discovered lock") = addrs;
+        Ok(brokers.len())
+    }
+
+    /// The `Client` in use.
+    pub fn client(&self) -> Arc<Client> {
+        self.current.read().expect("current lock").0.clone()
+    }
+
+    fn generation(&self) -> u64 {
+        self.current.read().expect("current lock").1
+    }
+
+    /// Replaces the `Client` in use, unless someone already did since `seen`.
+    async fn reconnect(&self, seen: u64) -> Result<(), ClientError> {
+        let _one = self.rebuild.lock().await;
+        if self.generation() != seen {
+            return Ok(());
+        }
+        let client = establish(
+            &self.endpoints(),
+            &self.server_name,
+            &self.config,
+            &self.policy,
+            &self.rng,
+        )
+        .await?;
+        {
+            let mut cur = self.current.write().expect("current lock");
+            *cur = (Arc::new(client), seen + 1);
+        }
+        let _ = self.refresh_topology().await;
+        Ok(())
+    }
+
+    fn jitter(&self, attempt: usize) -> Duration {
+        let unit: f64 = self.rng.lock().expect("rng lock").random();
+        self.policy.delay(attempt, unit)
+    }
+
+    /// Publishes once. On a connection failure the connection is replaced before the
+    /// error returns, so the next call goes somewhere live; the record is not resent
+    /// (it may have landed).
+    pub async fn publish(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        payload: Vec<u8>,
+        ack: AckMode,
+    ) -> Result<Option<u64>, ClientError> {
+        let seen = self.generation();
+        let r = self
+            .client()
+            .publish(tenant, namespace, stream, payload, ack)
+            .await;
+        if let Err(e) = &r
+            && classify(e, Duration::ZERO) == Decision::Reconnect
+        {
+            let _ = self.reconnect(seen).await;
+        }
+        r
+    }
+
+    /// Publishes under a routing key, once (see [`ClusterClient::publish`]).
+    pub async fn publish_keyed(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        payload: Vec<u8>,
+        key: Bytes,
+        ack: AckMode,
+    ) -> Result<Option<u64>, ClientError> {
+        let seen = self.generation();
+        let r = self
+            .client()
+            .publish_keyed(tenant, namespace, stream, key, payload, ack)
+            .await;
+        if let Err(e) = &r
+            && classify(e, Duration::ZERO) == Decision::Reconnect
+        {
+            let _ = self.reconnect(seen).await;
+        }
+        r
+    }
+
+    /// Publishes, reconnecting and resending until acknowledged or the policy gives
+    /// up. May deliver the record twice: only the application can tell duplicates.
+    pub async fn publish_at_least_once(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        payload: Vec<u8>,
+        ack: AckMode,
+    ) -> Result<Option<u64>, ClientError> {
+        self.with_retry(true, |c| {
+            let payload = payload.clone();
+            async move { c.publish(tenant, namespace, stream, payload, ack).await }
+        })
+        .await
+    }
+
+    /// Runs `op` on the client in use, retrying by the error's class under the policy.
+    /// `resend_unknown`: whether an outcome-unknown failure may be retried.
+    pub(crate) async fn with_retry<T, F, Fut>(
+        &self,
+        resend_unknown: bool,
+        op: F,
+    ) -> Result<T, ClientError>
+    where
+        F: Fn(Arc<Client>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, ClientError>>,
+    {
+        let started = Instant::now();
+        let mut first_not_found: Option<Instant> = None;
+        let mut last = None;
+        for attempt in 0..self.policy.attempts.max(1) {
+            let seen = self.generation();
+            let e = match op(self.client()).await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            if matches!(&e, ClientError::Broker(b) if b.code == Some(felix_wire::ErrorCode::NotFound))
+            {
+                first_not_found.get_or_insert_with(Instant::now);
+            }
+            let since_nf = first_not_found.map_or(Duration::ZERO, |t| t.elapsed());
+            let mut wait = self.jitter(attempt);
+            match classify(&e, since_nf) {
+                Decision::Fail => return Err(e),
+                Decision::OutcomeUnknown if !resend_unknown => return Err(e),
+                Decision::OutcomeUnknown => {}
+                Decision::Retry { at_least } => wait = wait.max(at_least),
+                Decision::Reconnect => {
+                    if let Err(re) = self.reconnect(seen).await
+                        && re.is_credential_failure()
+                    {
+                        return Err(re);
+                    }
+                }
+            }
+            last = Some(e);
+            if attempt + 1 == self.policy.attempts {
+                break;
+            }
+            if let Some(deadline) = self.policy.deadline
+                && started.elapsed() + wait >= deadline
+            {
+                break;
+            }
+            tokio::time::sleep(wait).await;
+        }
+        Err(ClientError::GaveUp {
+            attempts: self.policy.attempts,
+            endpoints: self.endpoints().len(),
+            last: Box::new(last.unwrap_or(ClientError::Timeout("no attempt made"))),
+        })
+    }
+
+    /// Subscribes to one shard, following `not_leader` redirects up to
+    /// [`MAX_REDIRECTS`] hops and never revisiting a broker within one attempt.
+    pub async fn subscribe_shard(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        start: Option<StartPosition>,
+    ) -> Result<Subscription, ClientError> {
+        let mut client = self.client();
+        let mut visited = vec![client.addr()];
+        for _ in 0..=MAX_REDIRECTS {
+            match client
+                .subscribe_shard(tenant, namespace, stream, shard, start)
+                .await
+            {
+                Err(ClientError::NotLeader(nl)) => {
+                    let addr: SocketAddr = nl
+                        .addr
+                        .as_deref()
+                        .and_then(|a| a.parse().ok())
+                        .ok_or_else(|| ClientError::NotLeader(nl.clone()))?;
+                    if visited.contains(&addr) {
+                        return Err(ClientError::Protocol(format!("redirected back to {addr}")));
+                    }
+                    visited.push(addr);
+                    client = Arc::new(
+                        Client::connect(addr, &self.server_name, self.config.clone()).await?,
+                    );
+                }
+                other => return other,
+            }
+        }
+        Err(ClientError::Protocol(format!(
+            "more than {MAX_REDIRECTS} redirects"
+        )))
+    }
+
+    /// Subscribes to shard 0 from `start`, with retries.
+    pub async fn subscribe_from(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        start: Option<StartPosition>,
+    ) -> Result<Subscription, ClientError> {
+        self.with_retry(false, |_| {
+            self.subscribe_shard(tenant, namespace, stream, 0, start)
+        })
+        .await
+    }
+
+    /// Shard count of a stream, with retries.
+    pub async fn stream_shards(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+    ) -> Result<u32, ClientError> {
+        self.with_retry(false, |c| async move {
+            c.stream_shards(tenant, namespace, stream).await
+        })
+        .await
+    }
+
+    /// Sets a cache key (retried: a put is idempotent).
+    pub async fn cache_put(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+        value: Bytes,
+        ttl_ms: Option<u64>,
+    ) -> Result<(), ClientError> {
+        self.with_retry(true, |c| {
+            let value = value.clone();
+            async move {
+                c.cache_put(tenant, namespace, cache, key, value, ttl_ms)
+                    .await
+            }
+        })
+        .await
+    }
+
+    /// Reads a cache key.
+    pub async fn cache_get(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+    ) -> Result<Option<Bytes>, ClientError> {
+        self.with_retry(true, |c| async move {
+            c.cache_get(tenant, namespace, cache, key).await
+        })
+        .await
+    }
+
+    /// Removes a cache key; returns the value it had.
+    pub async fn cache_delete(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+    ) -> Result<Option<Bytes>, ClientError> {
+        self.with_retry(false, |c| async move {
+            c.cache_delete(tenant, namespace, cache, key).await
+        })
+        .await
+    }
+}
+
+/// Connects to the first endpoint that answers, under the policy. A credential failure
+/// returns at once: it would fail the same way on every broker.
+async fn establish(
+    endpoints: &[SocketAddr],
+    server_name: &str,
+    config: &ClientConfig,
+    policy: &ReconnectPolicy,
+    rng: &Mutex<rand::rngs::StdRng>,
+) -> Result<Client, ClientError> {
+    let unit = || -> f64 { rng.lock().expect("rng lock").random() };
+    connect_any(endpoints, policy, unit, |addr| {
+        Client::connect(addr, server_name, config.clone())
+    })
+    .await
+}
+
+/// The reconnect loop, with the connection step and the jitter source passed in so it
+/// can be tested on a virtual clock: every attempt tries every endpoint in order;
+/// between attempts it sleeps a full-jitter backoff; a deadline (checked before each
+/// sleep and after each endpoint) ends it early.
+pub(crate) async fn connect_any<T, F, Fut>(
+    endpoints: &[SocketAddr],
+    policy: &ReconnectPolicy,
+    mut unit: impl FnMut() -> f64,
+    mut connect: F,
+) -> Result<T, ClientError>
+where
+    F: FnMut(SocketAddr) -> Fut,
+    Fut: std::future::Future<Output = Result<T, ClientError>>,
+{
+    let started = Instant::now();
+    let mut last = None;
+    let attempts = policy.attempts.max(1);
+    let gave_up = |attempts: usize, last: Option<ClientError>| ClientError::GaveUp {
+        attempts,
+        endpoints: endpoints.len(),
+        last: Box::new(last.unwrap_or(ClientError::Config("no endpoints".into()))),
+    };
+    for attempt in 0..attempts {
+        for &addr in endpoints {
+            match connect(addr).await {
+                Ok(c) => return Ok(c),
+                Err(e) if e.is_credential_failure() => return Err(e),
+                Err(e) => last = Some(e),
+            }
+            if policy.deadline.is_some_and(|d| started.elapsed() >= d) {
+                return Err(gave_up(attempt + 1, last));
+            }
+        }
+        if attempt + 1 == attempts {
+            break;
+        }
+        let wait = policy.delay(attempt, unit());
+        if let Some(d) = policy.deadline
+            && started.elapsed() + wait >= d
+        {
+            return Err(gave_up(attempt + 1, last));
+        }
+        tokio::time::sleep(wait).await;
+    }
+    Err(gave_up(attempts, last))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+    use crate::error::BrokerError;
+
+    fn seeds() -> Vec<SocketAddr> {
+        vec![
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+        ]
+    }
+
+    /// Each connect takes `cost` of virtual time and fails with `err`.
+    type Attempt<'a> =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), ClientError>> + 'a>>;
+
+    fn failing<'a>(
+        cost: Duration,
+        err: ClientError,
+        log: &'a RefCell<Vec<Instant>>,
+    ) -> impl FnMut(SocketAddr) -> Attempt<'a> + 'a {
+        move |_| {
+            let err = err.clone();
+            Box::pin(async move {
+                log.borrow_mut().push(Instant::now());
+                tokio::time::sleep(cost).await;
+                Err(err)
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn attempts_try_every_endpoint_and_sleep_within_the_jitter_ceiling() {
+        let policy = ReconnectPolicy {
+            attempts: 4,
+            backoff: Duration::from_millis(200),
+            max_backoff: Duration::from_millis(500),
+            deadline: None,
+        };
+        let log = RefCell::new(Vec::new());
+        let start = Instant::now();
+        let r = connect_any(
+            &seeds(),
+            &policy,
+            || 0.999,
+            failing(
+                Duration::from_millis(100),
+                ClientError::connection("x", "refused"),
+                &log,
+            ),
+        )
+        .await;
+        assert!(
+            matches!(
+                r,
+                Err(ClientError::GaveUp {
+                    attempts: 4,
+                    endpoints: 2,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        let tries = log.borrow();
+        assert_eq!(tries.len(), 8, "4 attempts x 2 endpoints");
+        // Gaps between attempts: 100 ms of the second endpoint, then the sleep; the
+        // sleeps (unit 0.999) sit just under 200, 400 and the 500 cap.
+        for (i, cap) in [200u64, 400, 500].into_iter().enumerate() {
+            let gap = tries[2 * i + 2] - tries[2 * i + 1] - Duration::from_millis(100);
+            assert!(
+                gap <= Duration::from_millis(cap),
+                "sleep {i} = {gap:?} over {cap} ms"
+            );
+            assert!(
+                gap >= Duration::from_millis(cap * 99 / 100),
+                "sleep {i} = {gap:?} is full jitter near the ceiling"
+            );
+        }
+        assert!(start.elapsed() < Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn zero_jitter_retries_at_once() {
+        let policy = ReconnectPolicy::default();
+        let log = RefCell::new(Vec::new());
+        let start = Instant::now();
+        let _ = connect_any(
+            &seeds()[..1],
+            &policy,
+            || 0.0,
+            failing(
+                Duration::from_millis(10),
+                ClientError::connection("x", "refused"),
+                &log,
+            ),
+        )
+        .await;
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_millis(50),
+            "5 attempts x 10 ms, no sleeping"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_shorter_than_one_attempt_allows_no_retry() {
+        let policy = ReconnectPolicy {
+            deadline: Some(Duration::from_secs(1)),
+            ..ReconnectPolicy::default()
+        };
+        let log = RefCell::new(Vec::new());
+        let start = Instant::now();
+        let r = connect_any(
+            &seeds()[..1],
+            &policy,
+            || 0.5,
+            failing(
+                Duration::from_secs(6),
+                ClientError::Timeout("handshake"),
+                &log,
+            ),
+        )
+        .await;
+        assert!(
+            matches!(r, Err(ClientError::GaveUp { attempts: 1, .. })),
+            "{r:?}"
+        );
+        assert_eq!(log.borrow().len(), 1, "the first attempt spent the budget");
+        assert_eq!(start.elapsed(), Duration::from_secs(6));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_credential_failure_is_terminal_and_immediate() {
+        let policy = ReconnectPolicy::default();
+        let log = RefCell::new(Vec::new());
+        let denied = ClientError::Broker(BrokerError {
+            code: Some(felix_wire::ErrorCode::Unauthenticated),
+            retry: Some(felix_wire::RetryClass::Fatal),
+            detail: None,
+            message: "bad token".into(),
+            context: "auth rejected",
+        });
+        let start = Instant::now();
+        let r = connect_any(
+            &seeds(),
+            &policy,
+            || 0.5,
+            failing(Duration::from_millis(5), denied.clone(), &log),
+        )
+        .await;
+        assert!(matches!(&r, Err(e) if e.is_credential_failure()), "{r:?}");
+        assert_eq!(log.borrow().len(), 1, "not retried, not tried elsewhere");
+        assert_eq!(start.elapsed(), Duration::from_millis(5));
+    }
+}

@@ -1,0 +1,258 @@
+//! Reading a whole multi-shard stream: one subscription per shard, merged.
+//!
+//! Ordering is per shard only. Opening covers every shard or fails naming the shards it
+//! could not reach. A lost shard is re-established on its own, resuming after the last
+//! offset it delivered, and announced with `ShardLost` / `ShardRecovered`; the other
+//! shards keep delivering.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use felix_wire::Offset;
+use felix_wire::message::StartPosition;
+use tokio::sync::mpsc;
+
+use crate::client::Event;
+use crate::cluster::ClusterClient;
+use crate::error::ClientError;
+
+/// One offset per shard: the last delivered.
+pub type ShardOffsets = BTreeMap<u32, u64>;
+
+/// Pause before re-establishing a lost shard.
+const RECOVER_PAUSE: Duration = Duration::from_millis(250);
+
+/// What a sharded subscription yields. Exhaustive on purpose: the guide's match over
+/// these three arms must keep compiling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardEvent {
+    /// A record from `shard`.
+    Record {
+        /// The shard.
+        shard: u32,
+        /// The record.
+        event: Event,
+    },
+    /// The shard's owner is gone; it is being re-established. Not an error and not
+    /// silence: the other shards still deliver.
+    ShardLost {
+        /// The shard.
+        shard: u32,
+        /// Why.
+        error: String,
+    },
+    /// The shard is delivering again, from where it stopped.
+    ShardRecovered {
+        /// The shard.
+        shard: u32,
+    },
+}
+
+/// A subscription over every shard of a stream.
+#[derive(Debug)]
+pub struct ShardedSubscription {
+    rx: mpsc::Receiver<ShardEvent>,
+    positions: Arc<Mutex<ShardOffsets>>,
+    shards: u32,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for ShardedSubscription {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl ShardedSubscription {
+    /// The next item.
+    pub async fn next(&mut self) -> Option<ShardEvent> {
+        self.rx.recv().await
+    }
+
+    /// The last offset handed out per shard (only shards that delivered).
+    pub fn positions(&self) -> ShardOffsets {
+        self.positions.lock().expect("positions lock").clone()
+    }
+
+    /// Shard count.
+    pub fn shards(&self) -> u32 {
+        self.shards
+    }
+}
+
+impl ClusterClient {
+    /// Subscribes to every shard of a stream from `start` (absent = latest).
+    pub async fn subscribe_sharded(
+        self: &Arc<Self>,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        start: Option<StartPosition>,
+    ) -> Result<ShardedSubscription, ClientError> {
+        self.resubscribe_sharded(tenant, namespace, stream, ShardOffsets::new(), start)
+            .await
+    }
+
+    /// Like [`ClusterClient::subscribe_sharded`], resuming listed shards at their
+    /// offset + 1 and starting the others at `start`.
+    pub async fn resubscribe_sharded(
+        self: &Arc<Self>,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        offsets: ShardOffsets,
+        start: Option<StartPosition>,
+    ) -> Result<ShardedSubscription, ClientError> {
+        let shards = self.stream_shards(tenant, namespace, stream).await?;
+        if shards == 0 {
+            return Err(ClientError::Broker(crate::error::BrokerError {
+                code: Some(felix_wire::ErrorCode::NotFound),
+                retry: Some(felix_wire::RetryClass::Fatal),
+                detail: None,
+                message: format!(
+                    "stream {tenant}/{namespace}/{stream} has no shards (unknown to the broker)"
+                ),
+                context: "subscribe_sharded",
+            }));
+        }
+        let start_of = |shard: u32| match offsets.get(&shard) {
+            Some(o) => Some(StartPosition::Offset(Offset(o + 1))),
+            None => start,
+        };
+        let opened = futures_join_all((0..shards).map(|shard| {
+            let cc = self.clone();
+            let (t, n, s) = (tenant.to_owned(), namespace.to_owned(), stream.to_owned());
+            async move {
+                let r = cc
+                    .with_retry(false, |_| {
+                        cc.subscribe_shard(&t, &n, &s, shard, start_of(shard))
+                    })
+                    .await;
+                (shard, r)
+            }
+        }))
+        .await;
+        let failed: Vec<String> = opened
+            .iter()
+            .filter_map(|(shard, r)| r.as_ref().err().map(|e| format!("shard {shard}: {e}")))
+            .collect();
+        if !failed.is_empty() {
+            return Err(ClientError::Protocol(format!(
+                "could not open every shard of {tenant}/{namespace}/{stream}: {}",
+                failed.join("; ")
+            )));
+        }
+        let (tx, rx) = mpsc::channel(64 * shards as usize);
+        let positions = Arc::new(Mutex::new(offsets));
+        let mut tasks = Vec::new();
+        for (shard, sub) in opened {
+            let sub = sub.expect("checked above");
+            let (cc, tx, positions) = (self.clone(), tx.clone(), positions.clone());
+            let (t, n, s) = (tenant.to_owned(), namespace.to_owned(), stream.to_owned());
+            tasks.push(tokio::spawn(async move {
+                forward(cc, (t, n, s), shard, sub, start, tx, positions).await;
+            }));
+        }
+        Ok(ShardedSubscription {
+            rx,
+            positions,
+            shards,
+            tasks,
+        })
+    }
+}
+
+async fn forward(
+    cc: Arc<ClusterClient>,
+    (t, n, s): (String, String, String),
+    shard: u32,
+    mut sub: crate::client::Subscription,
+    start: Option<StartPosition>,
+    tx: mpsc::Sender<ShardEvent>,
+    positions: Arc<Mutex<ShardOffsets>>,
+) {
+    loop {
+        let error = loop {
+            match sub.next_event().await {
+                Ok(Some(event)) => {
+                    if let Some(o) = event.offset {
+                        positions.lock().expect("positions lock").insert(shard, o);
+                    }
+                    if tx.send(ShardEvent::Record { shard, event }).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => break "the broker ended the subscription".to_owned(),
+                Err(e) => break e.to_string(),
+            }
+        };
+        if tx
+            .send(ShardEvent::ShardLost { shard, error })
+            .await
+            .is_err()
+        {
+            return;
+        }
+        // Re-establish forever, resuming after the last offset delivered.
+        sub = loop {
+            tokio::time::sleep(RECOVER_PAUSE).await;
+            let resume = match positions.lock().expect("positions lock").get(&shard) {
+                Some(o) => Some(StartPosition::Offset(Offset(o + 1))),
+                None => start,
+            };
+            let client = cc.client();
+            match cc.subscribe_shard(&t, &n, &s, shard, resume).await {
+                Ok(sub) => break sub,
+                Err(e) => {
+                    if crate::retry::classify(&e, Duration::ZERO) == crate::retry::Decision::Fail {
+                        tracing::warn!(shard, error = %e, "re-establishing a shard failed");
+                    }
+                    if client.is_closed() {
+                        let _ = cc
+                            .with_retry(false, |c| async move { c.topology().await.map(|_| ()) })
+                            .await;
+                    }
+                }
+            }
+        };
+        if tx.send(ShardEvent::ShardRecovered { shard }).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Runs futures concurrently and collects their outputs in order.
+async fn futures_join_all<F: std::future::Future>(
+    futs: impl IntoIterator<Item = F>,
+) -> Vec<F::Output> {
+    let mut set = Vec::new();
+    for f in futs {
+        set.push(f);
+    }
+    let mut out = Vec::with_capacity(set.len());
+    // Poll all together: pin them and drive with a simple join.
+    let mut pinned: Vec<_> = set.into_iter().map(Box::pin).collect();
+    let mut done: Vec<Option<F::Output>> = (0..pinned.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut all = true;
+        for (i, f) in pinned.iter_mut().enumerate() {
+            if done[i].is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => done[i] = Some(v),
+                    std::task::Poll::Pending => all = false,
+                }
+            }
+        }
+        if all {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    out.extend(done.into_iter().map(|d| d.expect("all done")));
+    out
+}

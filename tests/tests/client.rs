@@ -1,0 +1,343 @@
+//! Our SDK against `felix-broker dev`: the guide's examples run as written, publish /
+//! subscribe / cache, the `felix` CLI, and a sharded subscription that survives the
+//! broker being killed and restarted.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use felix_client::{
+    AckMode, ClientConfig, ClusterClient, ReconnectPolicy, ShardEvent, StartPosition,
+};
+use felix_cluster::BrokerProcess;
+
+fn broker(extra: &[&str]) -> (BrokerProcess, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let b = BrokerProcess::start_dev(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("data"),
+        extra,
+    )
+    .unwrap();
+    (b, dir)
+}
+
+fn config(b: &BrokerProcess) -> ClientConfig {
+    let quinn = felix_client::quic_client_config_from_file(&b.ca_file(), false).unwrap();
+    let mut config = ClientConfig::from_env_or_yaml(quinn, None).unwrap();
+    config.auth_tenant_id = Some("dev".to_string());
+    config.auth_token = Some(b.token());
+    config
+}
+
+#[test]
+fn the_guides_connect_with_policy_example_runs() {
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // As in the guide, with this broker's address as the one seed.
+        let seeds: [SocketAddr; 1] = [b.listen];
+        let client = ClusterClient::connect_with_policy(
+            &seeds,
+            "localhost",
+            config(&b),
+            ReconnectPolicy {
+                attempts: 5,
+                backoff: Duration::from_millis(200),
+                max_backoff: Duration::from_secs(2),
+                deadline: Some(Duration::from_secs(10)),
+            },
+        )
+        .await
+        .unwrap();
+        let o = client
+            .publish_at_least_once(
+                "dev",
+                "default",
+                "orders",
+                b"payload".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        assert_eq!(o, Some(0));
+        assert_eq!(
+            client.endpoints(),
+            vec![b.listen],
+            "an empty topology keeps the seeds"
+        );
+        assert_eq!(client.refresh_topology().await.unwrap(), 0);
+    });
+}
+
+#[test]
+fn publish_subscribe_and_cache_through_the_sdk() {
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = ClusterClient::connect(&[b.listen], "localhost", config(&b))
+            .await
+            .unwrap();
+        let mut live = c
+            .subscribe_from("dev", "default", "s", Some(StartPosition::Latest))
+            .await
+            .unwrap();
+        for i in 0..50u64 {
+            let o = c
+                .publish(
+                    "dev",
+                    "default",
+                    "s",
+                    format!("m{i}").into_bytes(),
+                    AckMode::PerMessage,
+                )
+                .await
+                .unwrap();
+            assert_eq!(o, Some(i));
+        }
+        assert_eq!(
+            c.publish("dev", "default", "s", b"x".to_vec(), AckMode::None)
+                .await
+                .unwrap(),
+            None
+        );
+        let batch = c
+            .client()
+            .publish_batch(
+                "dev",
+                "default",
+                "s",
+                vec![b"b0".to_vec(), b"b1".to_vec()],
+                AckMode::PerBatch,
+            )
+            .await
+            .unwrap();
+        assert_eq!(batch, Some(51));
+        for i in 0..50u64 {
+            let e = live.next_event().await.unwrap().unwrap();
+            assert_eq!(
+                (e.offset, e.payload.as_ref()),
+                (Some(i), format!("m{i}").as_bytes())
+            );
+        }
+        let mut replay = c
+            .subscribe_from(
+                "dev",
+                "default",
+                "s",
+                Some(StartPosition::Offset(felix_wire::Offset(49))),
+            )
+            .await
+            .unwrap();
+        let e = replay.next_event().await.unwrap().unwrap();
+        assert_eq!(e.offset, Some(49));
+        assert!(matches!(
+            c.subscribe_from(
+                "dev",
+                "default",
+                "s",
+                Some(StartPosition::Offset(felix_wire::Offset(999)))
+            )
+            .await,
+            Err(felix_client::ClientError::Cursor(_))
+        ));
+        c.cache_put(
+            "dev",
+            "default",
+            "c",
+            "k",
+            bytes::Bytes::from_static(b"v"),
+            Some(60_000),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            c.cache_get("dev", "default", "c", "k")
+                .await
+                .unwrap()
+                .as_deref(),
+            Some(&b"v"[..])
+        );
+        assert_eq!(
+            c.cache_delete("dev", "default", "c", "k")
+                .await
+                .unwrap()
+                .as_deref(),
+            Some(&b"v"[..])
+        );
+        assert_eq!(c.cache_get("dev", "default", "c", "k").await.unwrap(), None);
+        // Another tenant's stream is refused before anything is sent.
+        assert!(matches!(
+            c.client().subscribe("other", "default", "s").await,
+            Err(felix_client::ClientError::Config(_))
+        ));
+        // A wrong token is a terminal credential failure.
+        let mut bad = config(&b);
+        bad.auth_token = Some("nope".into());
+        let started = std::time::Instant::now();
+        let err = ClusterClient::connect(&[b.listen], "localhost", bad)
+            .await
+            .unwrap_err();
+        assert!(err.is_credential_failure(), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_millis(190),
+            "not retried with backoff"
+        );
+    });
+}
+
+#[test]
+fn a_sharded_subscription_survives_a_broker_restart_without_a_gap() {
+    // 4 shards on 2 cores: the placement spreads them over both.
+    let (mut b, _dir) = broker(&["--shards", "4", "--cores", "0-1"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let policy = ReconnectPolicy {
+            attempts: 40,
+            backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(250),
+            deadline: None,
+        };
+        let c = Arc::new(
+            ClusterClient::connect_with_policy(&[b.listen], "localhost", config(&b), policy)
+                .await
+                .unwrap(),
+        );
+        for i in 0..40u32 {
+            c.publish_keyed(
+                "dev",
+                "default",
+                "wide",
+                format!("a{i}").into_bytes(),
+                bytes::Bytes::from(format!("k{i}")),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        }
+        let mut sub = c
+            .subscribe_sharded("dev", "default", "wide", Some(StartPosition::Earliest))
+            .await
+            .unwrap();
+        assert_eq!(sub.shards(), 4);
+        let (_, placement) = b.http_get("/placement").unwrap();
+        let mut seen: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+        let mut payloads = Vec::new();
+        while payloads.len() < 40 {
+            if let Some(ShardEvent::Record { shard, event }) = sub.next().await {
+                seen.entry(shard).or_default().push(event.offset.unwrap());
+                payloads.push(event.payload);
+            }
+        }
+        let cores: std::collections::BTreeSet<u64> =
+            serde_json::from_str::<serde_json::Value>(&placement).unwrap()["shards"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|s| s["core"].as_u64()).collect())
+                .unwrap_or_default();
+        assert_eq!(
+            cores.len(),
+            2,
+            "the four shards live on both cores: {placement}"
+        );
+        // Kill the broker mid-subscription, restart it, publish more.
+        b.restart().unwrap();
+        let mut lost = std::collections::BTreeSet::new();
+        let mut recovered = std::collections::BTreeSet::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while recovered.len() < 4 {
+            match tokio::time::timeout_at(deadline, sub.next())
+                .await
+                .expect("shards recover in time")
+            {
+                Some(ShardEvent::ShardLost { shard, .. }) => {
+                    lost.insert(shard);
+                }
+                Some(ShardEvent::ShardRecovered { shard }) => {
+                    assert!(lost.contains(&shard), "recovered only after lost");
+                    recovered.insert(shard);
+                }
+                Some(ShardEvent::Record { .. }) => panic!("no new records were published"),
+                None => panic!("the subscription ended"),
+            }
+        }
+        assert_eq!(lost.len(), 4, "every shard was lost");
+        for i in 40..80u32 {
+            c.publish_keyed(
+                "dev",
+                "default",
+                "wide",
+                format!("a{i}").into_bytes(),
+                bytes::Bytes::from(format!("k{i}")),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        }
+        while payloads.len() < 80 {
+            match tokio::time::timeout_at(deadline, sub.next())
+                .await
+                .expect("records after the restart")
+            {
+                Some(ShardEvent::Record { shard, event }) => {
+                    seen.entry(shard).or_default().push(event.offset.unwrap());
+                    payloads.push(event.payload);
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        for (shard, offsets) in &seen {
+            assert_eq!(
+                offsets,
+                &(0..offsets.len() as u64).collect::<Vec<_>>(),
+                "shard {shard}: no gap and no repeat across the restart"
+            );
+        }
+        let mut got: Vec<_> = payloads
+            .iter()
+            .map(|p| String::from_utf8_lossy(p).to_string())
+            .collect();
+        got.sort();
+        let mut want: Vec<_> = (0..80).map(|i| format!("a{i}")).collect();
+        want.sort();
+        assert_eq!(got, want);
+    });
+}
+
+#[test]
+fn felix_pub_piped_into_felix_sub() {
+    let (b, _dir) = broker(&[]);
+    let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
+    let common = |cmd: &mut std::process::Command| {
+        cmd.arg("--broker")
+            .arg(b.listen.to_string())
+            .arg("--token-file")
+            .arg(b.data_dir.join("dev/token"))
+            .arg("--ca")
+            .arg(b.ca_file());
+    };
+    let mut sub = std::process::Command::new(felix);
+    common(&mut sub);
+    let sub = sub
+        .args(["sub", "orders", "--from", "earliest", "--count", "3"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut publ = std::process::Command::new(felix);
+    common(&mut publ);
+    let mut publ = publ
+        .args(["pub", "orders"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    publ.stdin
+        .take()
+        .unwrap()
+        .write_all(b"one\ntwo\nthree\n")
+        .unwrap();
+    assert!(publ.wait().unwrap().success());
+    let out = sub.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "one\ntwo\nthree\n");
+}
