@@ -22,6 +22,8 @@ pub mod fuzzing;
 pub mod ids;
 pub mod message;
 pub mod routing;
+#[cfg(feature = "tokens")]
+pub mod token;
 
 mod b64;
 mod cursor;
