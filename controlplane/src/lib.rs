@@ -1,1 +1,18 @@
-//! The REST control plane. Not built yet: see issue 6.
+//! The Felix control plane: a conventional tokio REST service that owns tenants,
+//! namespaces, streams, caches, the node catalog and shard assignments. It is never on
+//! the data path: brokers register, heartbeat, and follow the assignment feed.
+//!
+//! - [`store`]: the metadata store trait and the in-memory store; [`pg`]: Postgres.
+//! - [`api`]: the REST API with token authentication and RBAC on every endpoint.
+//! - [`placement`]: the timed pass that assigns shards to ready nodes.
+//! - [`server`]: wiring it together; [`config`]: the binary's settings.
+//! - [`client`]: a blocking client brokers and the `felix` tool use.
+
+pub mod api;
+pub mod client;
+pub mod config;
+pub mod model;
+pub mod pg;
+pub mod placement;
+pub mod server;
+pub mod store;

@@ -1,0 +1,1297 @@
+//! The REST API (axum): every handler authenticates, authorizes, validates, then makes
+//! one atomic store batch, so the store is never left half-written.
+//!
+//! Errors are JSON `{code, message, field?}` with 400 (validation, naming the field),
+//! 401 (no or bad token), 403 (missing permission), 404, 409 (conflict or version
+//! mismatch), 413 (body over 64 KiB), 503 (store unavailable).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use felix_wire::token::{
+    CONTROLPLANE_AUDIENCE, Claims, Grant, ISSUER, Jwk, SigningKey, TenantKeys,
+};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::model::*;
+use crate::store::{Doc, Expect, Kind, Op, Store, StoreError};
+
+use base64 as b64;
+
+/// Largest request body.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Service settings.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    /// Enables `POST /internal/bootstrap` with this token.
+    pub bootstrap_token: Option<String>,
+    /// How often nodes heartbeat.
+    pub heartbeat_interval: Duration,
+    /// Silence after which a node is down and its shards move.
+    pub expiry_timeout: Duration,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self {
+            bootstrap_token: None,
+            heartbeat_interval: Duration::from_secs(1),
+            expiry_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Shared handler state.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    /// The store.
+    pub store: Arc<dyn Store>,
+    /// Settings.
+    pub config: ApiConfig,
+}
+
+/// An API error.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    field: Option<String>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            field: None,
+        }
+    }
+
+    fn invalid(field: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            field: Some(field.to_owned()),
+            ..ApiError::new(StatusCode::BAD_REQUEST, "invalid", message)
+        }
+    }
+
+    fn unauthenticated(m: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::UNAUTHORIZED, "unauthenticated", m)
+    }
+
+    fn forbidden(m: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::FORBIDDEN, "forbidden", m)
+    }
+
+    fn not_found(m: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", m)
+    }
+
+    fn conflict(m: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::CONFLICT, "conflict", m)
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Conflict { .. } => ApiError::conflict(e.to_string()),
+            StoreError::NotFound { .. } => ApiError::not_found(e.to_string()),
+            StoreError::Unavailable(m) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", m)
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = json!({"code": self.code, "message": self.message});
+        if let Some(f) = self.field {
+            body["field"] = Value::String(f);
+        }
+        (self.status, Json(body)).into_response()
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Wall-clock milliseconds since the epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Reads and parses a JSON body with the size limit, naming the bad field.
+async fn body<T: DeserializeOwned>(b: Body) -> ApiResult<T> {
+    let bytes: Bytes = axum::body::to_bytes(b, MAX_BODY_BYTES).await.map_err(|_| {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("request body over {MAX_BODY_BYTES} bytes"),
+        )
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        let msg = e.to_string();
+        let field = msg
+            .split('`')
+            .nth(1)
+            .filter(|_| msg.contains("field"))
+            .unwrap_or("body")
+            .to_owned();
+        ApiError::invalid(&field, msg)
+    })
+}
+
+fn name(field: &str, v: &str) -> ApiResult<()> {
+    if valid_name(v) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            field,
+            format!("{field} {v:?} must be 1-128 of [A-Za-z0-9-_.], starting alphanumeric"),
+        ))
+    }
+}
+
+fn to<T: DeserializeOwned>(d: &Doc) -> ApiResult<T> {
+    serde_json::from_value(d.value.clone()).map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("stored {}: {e}", d.key),
+        )
+    })
+}
+
+fn val<T: Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).expect("resources serialize")
+}
+
+// ---- Keys and tokens ----------------------------------------------------------------
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StoredKey {
+    kid: String,
+    pkcs8: String,
+    active: bool,
+}
+
+async fn tenant_keys(
+    store: &dyn Store,
+    tenant: &str,
+) -> ApiResult<(TenantKeys, Option<SigningKey>)> {
+    let mut keys = TenantKeys::default();
+    let mut active = None;
+    for d in store.list(Kind::SigningKey, &format!("{tenant}/")).await? {
+        let k: StoredKey = to(&d)?;
+        let pkcs8 = b64::engine::general_purpose::STANDARD
+            .decode(&k.pkcs8)
+            .map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+            })?;
+        let sk = SigningKey::from_pkcs8(&pkcs8, &k.kid).map_err(|e| {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+        })?;
+        keys.add(tenant, &k.kid, sk.public_key());
+        if k.active {
+            active = Some(sk);
+        }
+    }
+    Ok((keys, active))
+}
+
+fn new_key_op(tenant: &str) -> ApiResult<(Op, SigningKey)> {
+    let kid = format!("{tenant}-{}", now_ms());
+    let key = SigningKey::generate(&kid)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    let stored = StoredKey {
+        kid: kid.clone(),
+        pkcs8: b64::engine::general_purpose::STANDARD.encode(key.pkcs8()),
+        active: true,
+    };
+    Ok((
+        Op::Put {
+            kind: Kind::SigningKey,
+            key: format!("{tenant}/{kid}"),
+            value: val(&stored),
+            expect: Expect::Absent,
+        },
+        key,
+    ))
+}
+
+fn sign(
+    key: &SigningKey,
+    tenant: &str,
+    sub: &str,
+    audience: &str,
+    perms: Vec<String>,
+    ttl: u64,
+) -> String {
+    let now = now_ms() / 1000;
+    key.sign(&Claims {
+        iss: ISSUER.into(),
+        aud: audience.into(),
+        sub: sub.into(),
+        tid: tenant.into(),
+        iat: now,
+        exp: now + ttl,
+        nbf: None,
+        perms,
+    })
+}
+
+/// Authenticates the bearer token (control-plane audience) against its tenant's keys.
+async fn authenticate(st: &AppState, headers: &HeaderMap) -> ApiResult<Grant> {
+    let token = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or_else(|| ApiError::unauthenticated("missing Authorization: Bearer token"))?;
+    let tenant = TenantKeys::claimed_tenant(token)
+        .ok_or_else(|| ApiError::unauthenticated("malformed token"))?;
+    let (keys, _) = tenant_keys(st.store.as_ref(), &tenant).await?;
+    let grant = keys
+        .verify_for(token, &tenant, now_ms() / 1000, CONTROLPLANE_AUDIENCE)
+        .map_err(|e| ApiError::unauthenticated(e.to_string()))?;
+    // Cluster-scope permissions mean something only from the operator tenant.
+    if tenant != OPERATOR_TENANT && grant.perm_strings().iter().any(|p| operator_only(p)) {
+        return Err(ApiError::forbidden(
+            "cluster and node permissions are only valid in operator tokens",
+        ));
+    }
+    Ok(grant)
+}
+
+/// Permissions only the operator tenant's tokens may carry.
+fn operator_only(perm: &str) -> bool {
+    matches!(perm.split(':').nth(1), Some("cluster" | "node"))
+}
+
+fn require(grant: &Grant, action: &str, kind: &str, path: &[&str]) -> ApiResult<()> {
+    if grant.allows_object(action, kind, path) {
+        Ok(())
+    } else {
+        Err(ApiError::forbidden(format!(
+            "requires {action} on {kind}:{}",
+            path.join("/")
+        )))
+    }
+}
+
+// ---- Handlers -----------------------------------------------------------------------
+
+async fn live() -> Json<Value> {
+    Json(json!({"status": "live"}))
+}
+
+async fn ready(State(st): State<AppState>) -> ApiResult<Json<Value>> {
+    st.store.ping().await?;
+    Ok(Json(json!({"status": "ready"})))
+}
+
+async fn openapi() -> Response {
+    (
+        [("content-type", "application/json")],
+        include_str!("../openapi.json"),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BootstrapBody {
+    #[serde(default = "admin")]
+    principal: String,
+}
+
+fn admin() -> String {
+    "operator-admin".into()
+}
+
+async fn bootstrap(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    b: Body,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let Some(expected) = &st.config.bootstrap_token else {
+        return Err(ApiError::not_found("bootstrap is disabled"));
+    };
+    let given = headers
+        .get("x-felix-bootstrap-token")
+        .and_then(|v| v.to_str().ok());
+    if given != Some(expected.as_str()) {
+        return Err(ApiError::unauthenticated(
+            "wrong or missing X-Felix-Bootstrap-Token",
+        ));
+    }
+    let req: BootstrapBody = body(b).await?;
+    let (key_op, key) = new_key_op(OPERATOR_TENANT)?;
+    st.store
+        .batch(vec![
+            Op::Put {
+                kind: Kind::Meta,
+                key: "bootstrap".into(),
+                value: json!({"at_ms": now_ms()}),
+                expect: Expect::Absent,
+            },
+            Op::Put {
+                kind: Kind::Tenant,
+                key: OPERATOR_TENANT.into(),
+                value: val(&Tenant {
+                    tenant_id: OPERATOR_TENANT.into(),
+                    display_name: "Operators".into(),
+                }),
+                expect: Expect::Absent,
+            },
+            key_op,
+        ])
+        .await
+        .map_err(|e| match e {
+            StoreError::Conflict { .. } => ApiError::conflict("already initialized"),
+            other => other.into(),
+        })?;
+    let perms = vec![
+        "tenant.manage:cluster:*".to_owned(),
+        "node.manage:cluster:*".to_owned(),
+        "node.view:cluster:*".to_owned(),
+    ];
+    let token = sign(
+        &key,
+        OPERATOR_TENANT,
+        &req.principal,
+        CONTROLPLANE_AUDIENCE,
+        perms,
+        365 * 24 * 3600,
+    );
+    Ok((
+        StatusCode::OK,
+        Json(json!({"token": token, "kid": key.kid, "tenant_id": OPERATOR_TENANT})),
+    ))
+}
+
+async fn list_tenants(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "cluster", &["*"])?;
+    let items: Vec<Tenant> = st
+        .store
+        .list(Kind::Tenant, "")
+        .await?
+        .iter()
+        .map(to)
+        .collect::<ApiResult<_>>()?;
+    Ok(Json(json!({"items": items})))
+}
+
+async fn tenants_snapshot(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.view", "cluster", &["*"])?;
+    let items: Vec<Tenant> = st
+        .store
+        .list(Kind::Tenant, "")
+        .await?
+        .iter()
+        .map(to)
+        .collect::<ApiResult<_>>()?;
+    Ok(Json(
+        json!({"items": items, "next_seq": st.store.head().await?}),
+    ))
+}
+
+async fn create_tenant(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    b: Body,
+) -> ApiResult<(StatusCode, Json<Tenant>)> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "cluster", &["*"])?;
+    let t: Tenant = body(b).await?;
+    name("tenant_id", &t.tenant_id)?;
+    let (key_op, _) = new_key_op(&t.tenant_id)?;
+    st.store
+        .batch(vec![
+            Op::Put {
+                kind: Kind::Tenant,
+                key: t.tenant_id.clone(),
+                value: val(&t),
+                expect: Expect::Absent,
+            },
+            key_op,
+        ])
+        .await?;
+    Ok((StatusCode::CREATED, Json(t)))
+}
+
+async fn delete_tenant(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(t): Path<String>,
+) -> ApiResult<StatusCode> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "cluster", &["*"])?;
+    // Creating a namespace rewrites its tenant: deleting at this version fails if one
+    // was created after the emptiness check.
+    let d = st
+        .store
+        .get(Kind::Tenant, &t)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("tenant {t} not found")))?;
+    if !st
+        .store
+        .list(Kind::Namespace, &format!("{t}/"))
+        .await?
+        .is_empty()
+    {
+        return Err(ApiError::conflict(format!(
+            "tenant {t} still has namespaces"
+        )));
+    }
+    let mut ops = vec![Op::Delete {
+        kind: Kind::Tenant,
+        key: t.clone(),
+        expect: Expect::Version(d.version),
+    }];
+    for k in st.store.list(Kind::SigningKey, &format!("{t}/")).await? {
+        ops.push(Op::Delete {
+            kind: Kind::SigningKey,
+            key: k.key,
+            expect: Expect::Any,
+        });
+    }
+    st.store.batch(ops).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn jwks(State(st): State<AppState>, Path(t): Path<String>) -> ApiResult<Json<Value>> {
+    if st.store.get(Kind::Tenant, &t).await?.is_none() {
+        return Err(ApiError::not_found(format!("tenant {t} not found")));
+    }
+    let mut keys = Vec::new();
+    for d in st.store.list(Kind::SigningKey, &format!("{t}/")).await? {
+        let k: StoredKey = to(&d)?;
+        let pkcs8 = b64::engine::general_purpose::STANDARD
+            .decode(&k.pkcs8)
+            .unwrap_or_default();
+        if let Ok(sk) = SigningKey::from_pkcs8(&pkcs8, &k.kid) {
+            keys.push(Jwk::ed25519(&k.kid, &sk.public_key()));
+        }
+    }
+    Ok(Json(json!({"keys": keys})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenRequest {
+    sub: String,
+    audience: String,
+    perms: Vec<String>,
+    #[serde(default = "hour")]
+    ttl_seconds: u64,
+}
+
+fn hour() -> u64 {
+    3600
+}
+
+async fn issue_token(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(t): Path<String>,
+    b: Body,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "tenant", &[&t])?;
+    let req: TokenRequest = body(b).await?;
+    if req.audience != CONTROLPLANE_AUDIENCE && req.audience != felix_wire::token::BROKER_AUDIENCE {
+        return Err(ApiError::invalid(
+            "audience",
+            "felix-broker or felix-controlplane",
+        ));
+    }
+    if req.ttl_seconds == 0 || req.ttl_seconds > 365 * 24 * 3600 {
+        return Err(ApiError::invalid("ttl_seconds", "1 second to 1 year"));
+    }
+    for p in &req.perms {
+        let mut parts = p.splitn(3, ':');
+        let (Some(action), Some(_kind), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            return Err(ApiError::invalid(
+                "perms",
+                format!("{p:?} is not action:kind:path"),
+            ));
+        };
+        let inside = !operator_only(p) && path.split('/').next() == Some(t.as_str());
+        // The operator tenant hands out cluster and node permissions it holds itself.
+        let operator_scope =
+            operator_only(p) && t == OPERATOR_TENANT && g.allows_object(action, "cluster", &["*"]);
+        if !(inside || operator_scope) {
+            return Err(ApiError::forbidden(format!(
+                "{p:?} reaches outside tenant {t}"
+            )));
+        }
+    }
+    let (_, key) = tenant_keys(st.store.as_ref(), &t).await?;
+    let key = key.ok_or_else(|| ApiError::not_found(format!("tenant {t} has no signing key")))?;
+    let token = sign(
+        &key,
+        &t,
+        &req.sub,
+        &req.audience,
+        req.perms,
+        req.ttl_seconds,
+    );
+    Ok(Json(json!({"token": token, "expires_in": req.ttl_seconds})))
+}
+
+async fn list_namespaces(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(t): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "ns.manage", "namespace", &[&t, "*"])?;
+    let items: Vec<Namespace> = st
+        .store
+        .list(Kind::Namespace, &format!("{t}/"))
+        .await?
+        .iter()
+        .map(to)
+        .collect::<ApiResult<_>>()?;
+    Ok(Json(json!({"items": items})))
+}
+
+async fn create_namespace(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(t): Path<String>,
+    b: Body,
+) -> ApiResult<(StatusCode, Json<Namespace>)> {
+    let g = authenticate(&st, &h).await?;
+    let mut ns: Namespace = body(b).await?;
+    name("namespace", &ns.namespace)?;
+    require(&g, "ns.manage", "namespace", &[&t, &ns.namespace])?;
+    ns.tenant_id = t.clone();
+    let tenant = st
+        .store
+        .get(Kind::Tenant, &t)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("tenant {t} not found")))?;
+    st.store
+        .batch(vec![
+            Op::Put {
+                kind: Kind::Tenant,
+                key: t.clone(),
+                value: tenant.value,
+                expect: Expect::Version(tenant.version),
+            },
+            Op::Put {
+                kind: Kind::Namespace,
+                key: format!("{t}/{}", ns.namespace),
+                value: val(&ns),
+                expect: Expect::Absent,
+            },
+        ])
+        .await?;
+    Ok((StatusCode::CREATED, Json(ns)))
+}
+
+async fn delete_namespace(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, ns)): Path<(String, String)>,
+) -> ApiResult<StatusCode> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "ns.manage", "namespace", &[&t, &ns])?;
+    // Creating a stream or cache rewrites its namespace, so deleting at the version
+    // read here fails if one was created after the emptiness check.
+    let d = namespace_must_exist(&st, &t, &ns).await?;
+    let prefix = format!("{t}/{ns}/");
+    if !st.store.list(Kind::Stream, &prefix).await?.is_empty()
+        || !st.store.list(Kind::Cache, &prefix).await?.is_empty()
+    {
+        return Err(ApiError::conflict(format!(
+            "namespace {t}/{ns} still has streams or caches"
+        )));
+    }
+    st.store
+        .batch(vec![Op::Delete {
+            kind: Kind::Namespace,
+            key: d.key,
+            expect: Expect::Version(d.version),
+        }])
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn namespace_must_exist(st: &AppState, t: &str, ns: &str) -> ApiResult<Doc> {
+    st.store
+        .get(Kind::Namespace, &format!("{t}/{ns}"))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("namespace {t}/{ns} not found")))
+}
+
+fn with_version<T: DeserializeOwned>(d: &Doc) -> ApiResult<(T, u64)> {
+    Ok((to(d)?, d.version))
+}
+
+async fn list_streams(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, ns)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "stream.manage", "stream", &[&t, &ns, "*"])?;
+    let mut items = Vec::new();
+    for d in st.store.list(Kind::Stream, &format!("{t}/{ns}/")).await? {
+        let (mut s, v): (Stream, u64) = with_version(&d)?;
+        s.version = v;
+        items.push(s);
+    }
+    Ok(Json(json!({"items": items})))
+}
+
+async fn streams_snapshot(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.view", "cluster", &["*"])?;
+    let mut streams = Vec::new();
+    for d in st.store.list(Kind::Stream, "").await? {
+        let (mut s, v): (Stream, u64) = with_version(&d)?;
+        s.version = v;
+        streams.push(s);
+    }
+    let mut caches = Vec::new();
+    for d in st.store.list(Kind::Cache, "").await? {
+        let (mut c, v): (Cache, u64) = with_version(&d)?;
+        c.version = v;
+        caches.push(c);
+    }
+    Ok(Json(json!({"items": streams, "caches": caches})))
+}
+
+async fn create_stream(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, ns)): Path<(String, String)>,
+    b: Body,
+) -> ApiResult<(StatusCode, Json<Stream>)> {
+    let g = authenticate(&st, &h).await?;
+    let spec: StreamCreate = body(b).await?;
+    name("stream", &spec.stream)?;
+    require(&g, "stream.manage", "stream", &[&t, &ns, &spec.stream])?;
+    if spec.shards == 0 || spec.shards > 4096 {
+        return Err(ApiError::invalid("shards", "1 to 4096"));
+    }
+    if spec.replication_factor == 0 || spec.replication_factor > 7 {
+        return Err(ApiError::invalid("replication_factor", "1 to 7"));
+    }
+    if spec.retention.max_age_seconds == Some(0) {
+        return Err(ApiError::invalid(
+            "retention.max_age_seconds",
+            "0 is not a bound; omit it",
+        ));
+    }
+    if spec.retention.max_size_bytes == Some(0) {
+        return Err(ApiError::invalid(
+            "retention.max_size_bytes",
+            "0 is not a bound; omit it",
+        ));
+    }
+    if !matches!(spec.kind.as_str(), "Stream" | "Queue" | "Cache") {
+        return Err(ApiError::invalid("kind", "Stream, Queue or Cache"));
+    }
+    if !matches!(spec.delivery.as_str(), "AtMostOnce" | "AtLeastOnce") {
+        return Err(ApiError::invalid("delivery", "AtMostOnce or AtLeastOnce"));
+    }
+    let ns_doc = namespace_must_exist(&st, &t, &ns).await?;
+    let stream = Stream {
+        tenant_id: t.clone(),
+        namespace: ns.clone(),
+        spec,
+        version: 0,
+    };
+    let written = st
+        .store
+        .batch(vec![
+            Op::Put {
+                kind: Kind::Namespace,
+                key: ns_doc.key,
+                value: ns_doc.value,
+                expect: Expect::Version(ns_doc.version),
+            },
+            Op::Put {
+                kind: Kind::Stream,
+                key: format!("{t}/{ns}/{}", stream.spec.stream),
+                value: val(&stream),
+                expect: Expect::Absent,
+            },
+        ])
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(Stream {
+            version: written[1].version,
+            ..stream
+        }),
+    ))
+}
+
+async fn get_stream(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, ns, s)): Path<(String, String, String)>,
+) -> ApiResult<Json<Stream>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "stream.manage", "stream", &[&t, &ns, &s])?;
+    let d = st
+        .store
+        .get(Kind::Stream, &format!("{t}/{ns}/{s}"))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("stream {t}/{ns}/{s} not found")))?;
+    let (mut stream, v): (Stream, u64) = with_version(&d)?;
+    stream.version = v;
+    Ok(Json(stream))
+}
+
+async fn patch_stream(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, ns, s)): Path<(String, String, String)>,
+    b: Body,
+) -> ApiResult<Json<Stream>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "stream.manage", "stream", &[&t, &ns, &s])?;
+    let patch: StreamPatch = body(b).await?;
+    let key = format!("{t}/{ns}/{s}");
+    let d = st
+        .store
+        .get(Kind::Stream, &key)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("stream {t}/{ns}/{s} not found")))?;
+    if let Some(v) = patch.version
+        && v != d.version
+    {
+        return Err(ApiError::conflict(format!(
+            "stream is at version {}, not {v}",
+            d.version
+        )));
+    }
+    let mut stream: Stream = to(&d)?;
+    if let Some(r) = patch.retention {
+        if r.max_age_seconds == Some(0) || r.max_size_bytes == Some(0) {
+            return Err(ApiError::invalid("retention", "0 is not a bound; omit it"));
+        }
+        stream.spec.retention = r;
+    }
+    if let Some(c) = patch.consistency {
+        stream.spec.consistency = c;
+    }
+    if let Some(d) = patch.delivery {
+        if !matches!(d.as_str(), "AtMostOnce" | "AtLeastOnce") {
+            return Err(ApiError::invalid("delivery", "AtMostOnce or AtLeastOnce"));
+        }
+        stream.spec.delivery = d;
+    }
+    if let Some(durable) = patch.durable {
+        stream.spec.durable = durable;
+    }
+    let written = st
+        .store
+        .batch(vec![Op::Put {
+            kind: Kind::Stream,
+            key,
+            value: val(&stream),
+            expect: Expect::Version(d.version),
+        }])
+        .await?;
+    stream.version = written[0].version;
+    Ok(Json(stream))
+}
+
+async fn delete_stream(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, ns, s)): Path<(String, String, String)>,
+) -> ApiResult<StatusCode> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "stream.manage", "stream", &[&t, &ns, &s])?;
+    let mut ops = vec![Op::Delete {
+        kind: Kind::Stream,
+        key: format!("{t}/{ns}/{s}"),
+        expect: Expect::Present,
+    }];
+    for a in st
+        .store
+        .list(Kind::Assignment, &format!("stream/{t}/{ns}/{s}/"))
+        .await?
+    {
+        ops.push(Op::Delete {
+            kind: Kind::Assignment,
+            key: a.key,
+            expect: Expect::Any,
+        });
+    }
+    st.store.batch(ops).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn list_caches(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, ns)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "cache.manage", "cache", &[&t, &ns, "*"])?;
+    let mut items = Vec::new();
+    for d in st.store.list(Kind::Cache, &format!("{t}/{ns}/")).await? {
+        let (mut c, v): (Cache, u64) = with_version(&d)?;
+        c.version = v;
+        items.push(c);
+    }
+    Ok(Json(json!({"items": items})))
+}
+
+async fn create_cache(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, ns)): Path<(String, String)>,
+    b: Body,
+) -> ApiResult<(StatusCode, Json<Cache>)> {
+    let g = authenticate(&st, &h).await?;
+    let spec: CacheCreate = body(b).await?;
+    name("cache", &spec.cache)?;
+    require(&g, "cache.manage", "cache", &[&t, &ns, &spec.cache])?;
+    if spec.shards == 0 || spec.shards > 4096 {
+        return Err(ApiError::invalid("shards", "1 to 4096"));
+    }
+    if spec.replication_factor == 0 || spec.replication_factor > 7 {
+        return Err(ApiError::invalid("replication_factor", "1 to 7"));
+    }
+    let ns_doc = namespace_must_exist(&st, &t, &ns).await?;
+    let cache = Cache {
+        tenant_id: t.clone(),
+        namespace: ns.clone(),
+        spec,
+        version: 0,
+    };
+    let written = st
+        .store
+        .batch(vec![
+            Op::Put {
+                kind: Kind::Namespace,
+                key: ns_doc.key,
+                value: ns_doc.value,
+                expect: Expect::Version(ns_doc.version),
+            },
+            Op::Put {
+                kind: Kind::Cache,
+                key: format!("{t}/{ns}/{}", cache.spec.cache),
+                value: val(&cache),
+                expect: Expect::Absent,
+            },
+        ])
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(Cache {
+            version: written[1].version,
+            ..cache
+        }),
+    ))
+}
+
+async fn get_cache(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, ns, c)): Path<(String, String, String)>,
+) -> ApiResult<Json<Cache>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "cache.manage", "cache", &[&t, &ns, &c])?;
+    let d = st
+        .store
+        .get(Kind::Cache, &format!("{t}/{ns}/{c}"))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("cache {t}/{ns}/{c} not found")))?;
+    let (mut cache, v): (Cache, u64) = with_version(&d)?;
+    cache.version = v;
+    Ok(Json(cache))
+}
+
+async fn delete_cache(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, ns, c)): Path<(String, String, String)>,
+) -> ApiResult<StatusCode> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "cache.manage", "cache", &[&t, &ns, &c])?;
+    let mut ops = vec![Op::Delete {
+        kind: Kind::Cache,
+        key: format!("{t}/{ns}/{c}"),
+        expect: Expect::Present,
+    }];
+    for a in st
+        .store
+        .list(Kind::Assignment, &format!("cache/{t}/{ns}/{c}/"))
+        .await?
+    {
+        ops.push(Op::Delete {
+            kind: Kind::Assignment,
+            key: a.key,
+            expect: Expect::Any,
+        });
+    }
+    st.store.batch(ops).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn list_nodes(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.view", "cluster", &["*"])?;
+    let items: Vec<Node> = st
+        .store
+        .list(Kind::Node, "")
+        .await?
+        .iter()
+        .map(to)
+        .collect::<ApiResult<_>>()?;
+    Ok(Json(json!({"items": items})))
+}
+
+async fn register_node(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    b: Body,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let g = authenticate(&st, &h).await?;
+    let reg: NodeRegistration = body(b).await?;
+    name("node_id", &reg.node_id)?;
+    require(&g, "node.manage", "node", &[&reg.node_id])?;
+    if let Some(a) = &reg.client_addr
+        && a.parse::<std::net::SocketAddr>().is_err()
+    {
+        return Err(ApiError::invalid(
+            "client_addr",
+            format!("{a:?} is not host:port"),
+        ));
+    }
+    let existing = st.store.get(Kind::Node, &reg.node_id).await?;
+    let incarnation = existing
+        .as_ref()
+        .map(to::<Node>)
+        .transpose()?
+        .map_or(1, |n| n.incarnation + 1);
+    let node = Node {
+        registration: reg,
+        lifecycle: Lifecycle::Live,
+        incarnation,
+        last_heartbeat_ms: now_ms(),
+    };
+    st.store
+        .batch(vec![Op::Put {
+            kind: Kind::Node,
+            key: node.registration.node_id.clone(),
+            value: val(&node),
+            expect: existing.map_or(Expect::Absent, |d| Expect::Version(d.version)),
+        }])
+        .await?;
+    let mut answer = val(&node);
+    answer["heartbeat_interval_ms"] = json!(st.config.heartbeat_interval.as_millis() as u64);
+    answer["expiry_timeout_ms"] = json!(st.config.expiry_timeout.as_millis() as u64);
+    Ok((StatusCode::OK, Json(answer)))
+}
+
+async fn get_node(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Node>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.view", "cluster", &["*"])?;
+    let d = st
+        .store
+        .get(Kind::Node, &id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("node {id} not found")))?;
+    Ok(Json(to(&d)?))
+}
+
+async fn delete_node(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.manage", "cluster", &["*"])?;
+    let d = st
+        .store
+        .get(Kind::Node, &id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("node {id} not found")))?;
+    let node: Node = to(&d)?;
+    if matches!(node.lifecycle, Lifecycle::Live | Lifecycle::Draining) {
+        return Err(ApiError::conflict(format!(
+            "node {id} is {:?}",
+            node.lifecycle
+        )));
+    }
+    for a in st.store.list(Kind::Assignment, "").await? {
+        let a: Assignment = to(&a)?;
+        if a.leader == id {
+            return Err(ApiError::conflict(format!(
+                "node {id} still leads {}",
+                a.key.store_key()
+            )));
+        }
+    }
+    st.store
+        .batch(vec![Op::Delete {
+            kind: Kind::Node,
+            key: id,
+            expect: Expect::Version(d.version),
+        }])
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Heartbeat {
+    incarnation: u64,
+}
+
+async fn heartbeat(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(id): Path<String>,
+    b: Body,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.manage", "node", &[&id])?;
+    let hb: Heartbeat = body(b).await?;
+    let d = st
+        .store
+        .get(Kind::Node, &id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("node {id} not registered")))?;
+    let mut node: Node = to(&d)?;
+    if hb.incarnation < node.incarnation {
+        return Err(ApiError::conflict(format!(
+            "incarnation {} is older than {}",
+            hb.incarnation, node.incarnation
+        )));
+    }
+    if node.lifecycle == Lifecycle::Down || node.lifecycle == Lifecycle::Left {
+        return Err(ApiError::conflict(format!(
+            "node {id} is {:?}: register again",
+            node.lifecycle
+        )));
+    }
+    node.last_heartbeat_ms = now_ms();
+    st.store
+        .batch(vec![Op::Put {
+            kind: Kind::Node,
+            key: id.clone(),
+            value: val(&node),
+            expect: Expect::Version(d.version),
+        }])
+        .await?;
+    Ok(Json(json!({
+        "node_id": id,
+        "lifecycle": node.lifecycle,
+        "heartbeat_interval_ms": st.config.heartbeat_interval.as_millis() as u64,
+        "expiry_timeout_ms": st.config.expiry_timeout.as_millis() as u64,
+    })))
+}
+
+async fn list_assignments(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.view", "cluster", &["*"])?;
+    let items: Vec<Assignment> = st
+        .store
+        .list(Kind::Assignment, "")
+        .await?
+        .iter()
+        .map(to)
+        .collect::<ApiResult<_>>()?;
+    Ok(Json(json!({"items": items})))
+}
+
+async fn assignments_snapshot(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.view", "cluster", &["*"])?;
+    // The head is read first: changes after it are served by /changes, so a write
+    // racing the snapshot is seen twice (harmless) rather than never.
+    let head = st.store.head().await?;
+    let items: Vec<Assignment> = st
+        .store
+        .list(Kind::Assignment, "")
+        .await?
+        .iter()
+        .map(to)
+        .collect::<ApiResult<_>>()?;
+    Ok(Json(json!({"items": items, "next_seq": head})))
+}
+
+#[derive(Deserialize)]
+struct ChangesQuery {
+    since: u64,
+    #[serde(default)]
+    wait_ms: u64,
+}
+
+async fn assignment_changes(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Query(q): Query<ChangesQuery>,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.view", "cluster", &["*"])?;
+    let wait = Duration::from_millis(q.wait_ms.min(25_000));
+    let (items, next) = st
+        .store
+        .changes(Kind::Assignment, q.since, 1000, wait)
+        .await?;
+    Ok(Json(json!({"items": items, "next_seq": next})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MoveRequest {
+    tenant_id: String,
+    namespace: String,
+    stream: String,
+    shard: u32,
+    #[serde(default = "stream_kind")]
+    kind: String,
+    destination: String,
+}
+
+fn stream_kind() -> String {
+    "stream".into()
+}
+
+async fn shard_move(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.manage", "cluster", &["*"])?;
+    let m: MoveRequest = body(b).await?;
+    let key = AssignmentKey {
+        tenant_id: m.tenant_id,
+        namespace: m.namespace,
+        kind: m.kind,
+        name: m.stream,
+        shard: m.shard,
+    };
+    let d = st
+        .store
+        .get(Kind::Assignment, &key.store_key())
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("unknown_shard: {}", key.store_key())))?;
+    let mut a: Assignment = to(&d)?;
+    let nodes = ready_nodes(st.store.as_ref(), &st.config).await?;
+    if !nodes
+        .iter()
+        .any(|n| n.registration.node_id == m.destination)
+    {
+        return Err(ApiError::conflict(format!(
+            "destination_not_live: {}",
+            m.destination
+        )));
+    }
+    if a.leader == m.destination {
+        return Err(ApiError::conflict("already_leader"));
+    }
+    a.leader = m.destination.clone();
+    if !a.replicas.contains(&m.destination) {
+        a.replicas.insert(0, m.destination);
+    }
+    a.generation += 1;
+    st.store
+        .batch(vec![Op::Put {
+            kind: Kind::Assignment,
+            key: key.store_key(),
+            value: val(&a),
+            expect: Expect::Version(d.version),
+        }])
+        .await?;
+    Ok(Json(json!({"assignment": a})))
+}
+
+/// Nodes that may be assigned shards: live, heard from within the expiry, and with a
+/// client address.
+pub async fn ready_nodes(store: &dyn Store, config: &ApiConfig) -> Result<Vec<Node>, StoreError> {
+    let now = now_ms();
+    let mut out = Vec::new();
+    for d in store.list(Kind::Node, "").await? {
+        let Ok(n) = serde_json::from_value::<Node>(d.value.clone()) else {
+            continue;
+        };
+        if n.lifecycle == Lifecycle::Live
+            && now.saturating_sub(n.last_heartbeat_ms) < config.expiry_timeout.as_millis() as u64
+            && n.registration.client_addr.is_some()
+        {
+            out.push(n);
+        }
+    }
+    Ok(out)
+}
+
+/// The router.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/system/live", get(live))
+        .route("/v1/system/ready", get(ready))
+        .route("/v1/system/health", get(ready))
+        .route("/v1/openapi.json", get(openapi))
+        .route("/internal/bootstrap", post(bootstrap))
+        .route("/v1/tenants", get(list_tenants).post(create_tenant))
+        .route("/v1/tenants/snapshot", get(tenants_snapshot))
+        .route("/v1/tenants/{t}", axum::routing::delete(delete_tenant))
+        .route("/v1/tenants/{t}/.well-known/jwks.json", get(jwks))
+        .route("/v1/tenants/{t}/tokens", post(issue_token))
+        .route(
+            "/v1/tenants/{t}/namespaces",
+            get(list_namespaces).post(create_namespace),
+        )
+        .route(
+            "/v1/tenants/{t}/namespaces/{ns}",
+            axum::routing::delete(delete_namespace),
+        )
+        .route(
+            "/v1/tenants/{t}/namespaces/{ns}/streams",
+            get(list_streams).post(create_stream),
+        )
+        .route(
+            "/v1/tenants/{t}/namespaces/{ns}/streams/{s}",
+            get(get_stream).patch(patch_stream).delete(delete_stream),
+        )
+        .route(
+            "/v1/tenants/{t}/namespaces/{ns}/caches",
+            get(list_caches).post(create_cache),
+        )
+        .route(
+            "/v1/tenants/{t}/namespaces/{ns}/caches/{c}",
+            get(get_cache).delete(delete_cache),
+        )
+        .route("/v1/streams/snapshot", get(streams_snapshot))
+        .route("/v1/nodes", get(list_nodes).post(register_node))
+        .route("/v1/nodes/{id}", get(get_node).delete(delete_node))
+        .route("/v1/nodes/{id}/heartbeat", post(heartbeat))
+        .route("/v1/shard-assignments", get(list_assignments))
+        .route("/v1/shard-assignments/snapshot", get(assignments_snapshot))
+        .route("/v1/shard-assignments/changes", get(assignment_changes))
+        .route("/v1/shard-moves", post(shard_move))
+        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .with_state(state)
+}

@@ -1,0 +1,212 @@
+//! `felix-controlplane` settings: defaults < YAML file < `FELIX_CONTROLPLANE_*`
+//! environment < flags. An error names the key and where its value came from.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::api::ApiConfig;
+use crate::server::{ServerConfig, StoreConfig};
+
+/// The YAML file (every key optional).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// HTTP address.
+    pub listen: Option<String>,
+    /// `memory` or a `postgres://` URL.
+    pub store: Option<String>,
+    /// Token that enables `POST /internal/bootstrap`.
+    pub bootstrap_token: Option<String>,
+    /// How often brokers heartbeat.
+    pub heartbeat_interval_ms: Option<u64>,
+    /// Silence after which a broker is down and its shards move.
+    pub expiry_timeout_ms: Option<u64>,
+    /// Time between placement passes.
+    pub placement_interval_ms: Option<u64>,
+}
+
+/// Values given as flags.
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    /// `--listen`.
+    pub listen: Option<String>,
+    /// `--store`.
+    pub store: Option<String>,
+    /// `--bootstrap-token`.
+    pub bootstrap_token: Option<String>,
+    /// `--heartbeat-interval-ms`.
+    pub heartbeat_interval_ms: Option<u64>,
+    /// `--expiry-timeout-ms`.
+    pub expiry_timeout_ms: Option<u64>,
+    /// `--placement-interval-ms`.
+    pub placement_interval_ms: Option<u64>,
+}
+
+/// A bad setting.
+#[derive(Debug, thiserror::Error)]
+#[error("configuration key `{key}` (from {source_name}): {message}")]
+pub struct ConfigError {
+    /// The key.
+    pub key: &'static str,
+    /// `flag`, `environment`, `config file` or `default`.
+    pub source_name: &'static str,
+    /// What is wrong.
+    pub message: String,
+}
+
+fn pick(env: &str, file: Option<String>, flag: Option<String>) -> (Option<String>, &'static str) {
+    if flag.is_some() {
+        return (flag, "flag");
+    }
+    if let Ok(v) = std::env::var(env) {
+        return (Some(v), "environment");
+    }
+    (file, "config file")
+}
+
+fn millis(
+    key: &'static str,
+    env: &str,
+    file: Option<u64>,
+    flag: Option<u64>,
+    default: u64,
+) -> Result<Duration, ConfigError> {
+    let (v, source_name) = pick(
+        env,
+        file.map(|n| n.to_string()),
+        flag.map(|n| n.to_string()),
+    );
+    let Some(v) = v else {
+        return Ok(Duration::from_millis(default));
+    };
+    match v.parse::<u64>() {
+        Ok(n) if n > 0 => Ok(Duration::from_millis(n)),
+        _ => Err(ConfigError {
+            key,
+            source_name,
+            message: format!("{v:?} is not a positive number of milliseconds"),
+        }),
+    }
+}
+
+/// Resolves the layers into a server configuration.
+pub fn resolve(file: FileConfig, flags: Overrides) -> Result<ServerConfig, ConfigError> {
+    let (v, source_name) = pick("FELIX_CONTROLPLANE_LISTEN", file.listen, flags.listen);
+    let listen: SocketAddr = match v {
+        Some(v) => v.parse().map_err(|e| ConfigError {
+            key: "listen",
+            source_name,
+            message: format!("{v:?}: {e}"),
+        })?,
+        None => ([127, 0, 0, 1], 7070).into(),
+    };
+    let (v, source_name) = pick("FELIX_CONTROLPLANE_STORE", file.store, flags.store);
+    let store = match v {
+        Some(v) => v.parse::<StoreConfig>().map_err(|message| ConfigError {
+            key: "store",
+            source_name,
+            message,
+        })?,
+        None => StoreConfig::Memory,
+    };
+    let (bootstrap_token, _) = pick(
+        "FELIX_CONTROLPLANE_BOOTSTRAP_TOKEN",
+        file.bootstrap_token,
+        flags.bootstrap_token,
+    );
+    if bootstrap_token.as_deref().is_some_and(|t| t.len() < 16) {
+        return Err(ConfigError {
+            key: "bootstrap_token",
+            source_name: "any",
+            message: "must be at least 16 characters".into(),
+        });
+    }
+    let heartbeat_interval = millis(
+        "heartbeat_interval_ms",
+        "FELIX_CONTROLPLANE_HEARTBEAT_INTERVAL_MS",
+        file.heartbeat_interval_ms,
+        flags.heartbeat_interval_ms,
+        1000,
+    )?;
+    let expiry_timeout = millis(
+        "expiry_timeout_ms",
+        "FELIX_CONTROLPLANE_EXPIRY_TIMEOUT_MS",
+        file.expiry_timeout_ms,
+        flags.expiry_timeout_ms,
+        5000,
+    )?;
+    if expiry_timeout <= heartbeat_interval {
+        return Err(ConfigError {
+            key: "expiry_timeout_ms",
+            source_name: "any",
+            message: format!(
+                "{expiry_timeout:?} must exceed heartbeat_interval_ms ({heartbeat_interval:?})"
+            ),
+        });
+    }
+    let placement_interval = millis(
+        "placement_interval_ms",
+        "FELIX_CONTROLPLANE_PLACEMENT_INTERVAL_MS",
+        file.placement_interval_ms,
+        flags.placement_interval_ms,
+        1000,
+    )?;
+    Ok(ServerConfig {
+        listen,
+        store,
+        api: ApiConfig {
+            bootstrap_token,
+            heartbeat_interval,
+            expiry_timeout,
+        },
+        placement_interval,
+    })
+}
+
+/// Reads the YAML file.
+pub fn load_file(path: &Path) -> anyhow::Result<FileConfig> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    serde_yaml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_beat_the_file_and_errors_name_the_key() {
+        let file: FileConfig =
+            serde_yaml::from_str("listen: 127.0.0.1:7100\nexpiry_timeout_ms: 3000\n").unwrap();
+        let c = resolve(
+            file,
+            Overrides {
+                listen: Some("127.0.0.1:7101".into()),
+                ..Overrides::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(c.listen.port(), 7101);
+        assert_eq!(c.api.expiry_timeout, Duration::from_secs(3));
+        assert_eq!(c.store, StoreConfig::Memory);
+
+        let file: FileConfig = serde_yaml::from_str("store: mysql://x\n").unwrap();
+        assert_eq!(
+            resolve(file, Overrides::default()).unwrap_err().key,
+            "store"
+        );
+        let file: FileConfig =
+            serde_yaml::from_str("heartbeat_interval_ms: 5000\nexpiry_timeout_ms: 4000\n").unwrap();
+        assert_eq!(
+            resolve(file, Overrides::default()).unwrap_err().key,
+            "expiry_timeout_ms"
+        );
+        assert!(
+            serde_yaml::from_str::<FileConfig>("lisen: x\n").is_err(),
+            "unknown keys are refused"
+        );
+    }
+}

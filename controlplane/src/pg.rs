@@ -1,0 +1,282 @@
+//! The Postgres store: the same documents and change log in two tables
+//! (`migrations/`). Batches run in one transaction with the touched rows locked, so a
+//! precondition failure rolls everything back and concurrent writers serialise per key.
+
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio_postgres::{Client, NoTls};
+
+use crate::store::{BoxFut, Change, Doc, Expect, Kind, Op, Store, StoreError};
+
+const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../migrations/0001_documents.sql"))];
+
+/// A Postgres-backed store.
+pub struct PgStore {
+    client: tokio::sync::Mutex<Client>,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PgStore")
+    }
+}
+
+fn unavailable(e: tokio_postgres::Error) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+impl PgStore {
+    /// Connects and applies the migrations that have not run yet.
+    pub async fn connect(url: &str) -> anyhow::Result<PgStore> {
+        let (client, conn) = tokio_postgres::connect(url, NoTls)
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to postgres: {e}"))?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::error!(error = %e, "postgres connection ended");
+            }
+        });
+        client
+            .batch_execute("CREATE TABLE IF NOT EXISTS felix_migrations (id INT PRIMARY KEY)")
+            .await?;
+        for (id, sql) in MIGRATIONS {
+            let done = client
+                .query_opt("SELECT id FROM felix_migrations WHERE id = $1", &[id])
+                .await?
+                .is_some();
+            if !done {
+                client.batch_execute(sql).await?;
+                client
+                    .execute(
+                        "INSERT INTO felix_migrations (id) VALUES ($1) ON CONFLICT DO NOTHING",
+                        &[id],
+                    )
+                    .await?;
+            }
+        }
+        Ok(PgStore {
+            client: tokio::sync::Mutex::new(client),
+        })
+    }
+}
+
+fn check(kind: Kind, key: &str, found: Option<i64>, expect: Expect) -> Result<(), StoreError> {
+    let found = found.map(|v| v as u64);
+    let conflict = |reason: String| StoreError::Conflict {
+        kind: kind.name(),
+        key: key.to_owned(),
+        reason,
+    };
+    match (expect, found) {
+        (Expect::Any, _) | (Expect::Absent, None) | (Expect::Present, Some(_)) => Ok(()),
+        (Expect::Absent, Some(_)) => Err(conflict("already exists".into())),
+        (Expect::Present | Expect::Version(_), None) => Err(StoreError::NotFound {
+            kind: kind.name(),
+            key: key.to_owned(),
+        }),
+        (Expect::Version(v), Some(f)) if v == f => Ok(()),
+        (Expect::Version(v), Some(f)) => Err(conflict(format!("version is {f}, expected {v}"))),
+    }
+}
+
+impl Store for PgStore {
+    fn get<'a>(&'a self, kind: Kind, key: &'a str) -> BoxFut<'a, Option<Doc>> {
+        Box::pin(async move {
+            let c = self.client.lock().await;
+            let row = c
+                .query_opt(
+                    "SELECT version, value FROM felix_docs WHERE kind = $1 AND key = $2",
+                    &[&kind.name(), &key],
+                )
+                .await
+                .map_err(unavailable)?;
+            Ok(row.map(|r| Doc {
+                key: key.to_owned(),
+                version: r.get::<_, i64>(0) as u64,
+                value: r.get::<_, Value>(1),
+            }))
+        })
+    }
+
+    fn list<'a>(&'a self, kind: Kind, prefix: &'a str) -> BoxFut<'a, Vec<Doc>> {
+        Box::pin(async move {
+            let c = self.client.lock().await;
+            let pattern = format!(
+                "{}%",
+                prefix
+                    .replace('\\', "\\\\")
+                    .replace('%', "\\%")
+                    .replace('_', "\\_")
+            );
+            let rows = c
+                .query(
+                    "SELECT key, version, value FROM felix_docs WHERE kind = $1 AND key LIKE $2 ORDER BY key COLLATE \"C\"",
+                    &[&kind.name(), &pattern],
+                )
+                .await
+                .map_err(unavailable)?;
+            Ok(rows
+                .into_iter()
+                .map(|r| Doc {
+                    key: r.get(0),
+                    version: r.get::<_, i64>(1) as u64,
+                    value: r.get(2),
+                })
+                .collect())
+        })
+    }
+
+    fn batch(&self, ops: Vec<Op>) -> BoxFut<'_, Vec<Doc>> {
+        Box::pin(async move {
+            let mut c = self.client.lock().await;
+            let tx = c.transaction().await.map_err(unavailable)?;
+            // One writer at a time across every control-plane instance: change
+            // sequence numbers then become visible in order, so a feed reader that has
+            // seen seq N never later finds a smaller one committed behind it.
+            tx.execute("SELECT pg_advisory_xact_lock(7463)", &[])
+                .await
+                .map_err(unavailable)?;
+            let mut written = Vec::new();
+            for op in ops {
+                let (kind, key, expect) = match &op {
+                    Op::Put {
+                        kind, key, expect, ..
+                    }
+                    | Op::Delete { kind, key, expect } => (*kind, key.clone(), *expect),
+                };
+                let found: Option<i64> = tx
+                    .query_opt(
+                        "SELECT version FROM felix_docs WHERE kind = $1 AND key = $2 FOR UPDATE",
+                        &[&kind.name(), &key],
+                    )
+                    .await
+                    .map_err(unavailable)?
+                    .map(|r| r.get(0));
+                // Returning drops the transaction: rolled back.
+                check(kind, &key, found, expect)?;
+                match op {
+                    Op::Put { value, .. } => {
+                        let version = found.unwrap_or(0) + 1;
+                        let r = tx
+                            .execute(
+                                "INSERT INTO felix_docs (kind, key, version, value) VALUES ($1, $2, $3, $4) \
+                                 ON CONFLICT (kind, key) DO UPDATE SET version = EXCLUDED.version, value = EXCLUDED.value",
+                                &[&kind.name(), &key, &version, &value],
+                            )
+                            .await;
+                        if let Err(e) = r {
+                            // A concurrent create of the same key lost the race.
+                            return Err(match e.code() {
+                                Some(c)
+                                    if *c == tokio_postgres::error::SqlState::UNIQUE_VIOLATION =>
+                                {
+                                    StoreError::Conflict {
+                                        kind: kind.name(),
+                                        key,
+                                        reason: "already exists".into(),
+                                    }
+                                }
+                                _ => unavailable(e),
+                            });
+                        }
+                        tx.execute(
+                            "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'put', $3)",
+                            &[&kind.name(), &key, &value],
+                        )
+                        .await
+                        .map_err(unavailable)?;
+                        written.push(Doc {
+                            key,
+                            version: version as u64,
+                            value,
+                        });
+                    }
+                    Op::Delete { .. } => {
+                        tx.execute(
+                            "DELETE FROM felix_docs WHERE kind = $1 AND key = $2",
+                            &[&kind.name(), &key],
+                        )
+                        .await
+                        .map_err(unavailable)?;
+                        tx.execute(
+                            "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'delete', NULL)",
+                            &[&kind.name(), &key],
+                        )
+                        .await
+                        .map_err(unavailable)?;
+                    }
+                }
+            }
+            tx.commit().await.map_err(unavailable)?;
+            Ok(written)
+        })
+    }
+
+    fn changes(
+        &self,
+        kind: Kind,
+        since: u64,
+        limit: usize,
+        wait: Duration,
+    ) -> BoxFut<'_, (Vec<Change>, u64)> {
+        Box::pin(async move {
+            let deadline = tokio::time::Instant::now() + wait;
+            loop {
+                let (page, head) = {
+                    let c = self.client.lock().await;
+                    let rows = c
+                        .query(
+                            "SELECT seq, key, op, value FROM felix_changes WHERE kind = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+                            &[&kind.name(), &(since as i64), &(limit as i64)],
+                        )
+                        .await
+                        .map_err(unavailable)?;
+                    let head: i64 = c
+                        .query_one("SELECT COALESCE(MAX(seq), 0) FROM felix_changes", &[])
+                        .await
+                        .map_err(unavailable)?
+                        .get(0);
+                    let page: Vec<Change> = rows
+                        .into_iter()
+                        .map(|r| Change {
+                            seq: r.get::<_, i64>(0) as u64,
+                            key: r.get(1),
+                            op: r.get(2),
+                            value: r.get(3),
+                        })
+                        .collect();
+                    (page, head as u64)
+                };
+                if !page.is_empty() {
+                    let next = page.last().map_or(head, |c| c.seq);
+                    return Ok((page, next));
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return Ok((Vec::new(), head.max(since)));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    }
+
+    fn head(&self) -> BoxFut<'_, u64> {
+        Box::pin(async move {
+            let c = self.client.lock().await;
+            let head: i64 = c
+                .query_one("SELECT COALESCE(MAX(seq), 0) FROM felix_changes", &[])
+                .await
+                .map_err(unavailable)?
+                .get(0);
+            Ok(head as u64)
+        })
+    }
+
+    fn ping(&self) -> BoxFut<'_, ()> {
+        Box::pin(async move {
+            let c = self.client.lock().await;
+            c.simple_query("SELECT 1").await.map_err(unavailable)?;
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,157 @@
+//! Running the service: open the store, serve the API, run placement on a timer.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::api::{self, ApiConfig, AppState};
+use crate::pg::PgStore;
+use crate::placement;
+use crate::store::{MemoryStore, Store};
+
+/// Where metadata lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreConfig {
+    /// In process; lost on exit (dev, tests).
+    Memory,
+    /// A Postgres URL (`postgres://user@host/db`).
+    Postgres(String),
+}
+
+impl std::str::FromStr for StoreConfig {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "memory" {
+            Ok(StoreConfig::Memory)
+        } else if s.starts_with("postgres://")
+            || s.starts_with("postgresql://")
+            || s.contains("host=")
+        {
+            Ok(StoreConfig::Postgres(s.to_owned()))
+        } else {
+            Err(format!("{s:?}: expected `memory` or a postgres:// URL"))
+        }
+    }
+}
+
+/// Service settings.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// HTTP address.
+    pub listen: SocketAddr,
+    /// Metadata store.
+    pub store: StoreConfig,
+    /// API settings (bootstrap token, heartbeat timing).
+    pub api: ApiConfig,
+    /// Time between placement passes.
+    pub placement_interval: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: ([127, 0, 0, 1], 7070).into(),
+            store: StoreConfig::Memory,
+            api: ApiConfig::default(),
+            placement_interval: Duration::from_millis(1000),
+        }
+    }
+}
+
+/// A running control plane.
+#[derive(Debug)]
+pub struct Running {
+    /// The bound address.
+    pub addr: SocketAddr,
+    /// The store it serves.
+    pub store: Arc<dyn Store>,
+    stop: tokio::sync::watch::Sender<bool>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    placement: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Stops serving and placing.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.server.await;
+        self.placement.abort();
+        let _ = self.placement.await;
+    }
+}
+
+/// Opens the configured store.
+pub async fn open_store(config: &StoreConfig) -> anyhow::Result<Arc<dyn Store>> {
+    Ok(match config {
+        StoreConfig::Memory => Arc::new(MemoryStore::new()),
+        StoreConfig::Postgres(url) => Arc::new(PgStore::connect(url).await?),
+    })
+}
+
+/// Starts serving on the current tokio runtime.
+pub async fn start(config: ServerConfig) -> anyhow::Result<Running> {
+    let store = open_store(&config.store).await?;
+    start_with_store(config, store).await
+}
+
+/// Starts serving over an already opened store.
+pub async fn start_with_store(
+    config: ServerConfig,
+    store: Arc<dyn Store>,
+) -> anyhow::Result<Running> {
+    if config.api.expiry_timeout <= config.api.heartbeat_interval {
+        anyhow::bail!(
+            "expiry timeout ({:?}) must exceed the heartbeat interval ({:?})",
+            config.api.expiry_timeout,
+            config.api.heartbeat_interval
+        );
+    }
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let state = AppState {
+        store: store.clone(),
+        config: config.api.clone(),
+    };
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let app = api::router(state);
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    let placement = {
+        let (store, api, every) = (store.clone(), config.api.clone(), config.placement_interval);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match placement::pass(store.as_ref(), &api).await {
+                    Ok(r) if r != placement::PassReport::default() => {
+                        tracing::info!(?r, "placement pass")
+                    }
+                    Ok(_) => {}
+                    // A conflict means someone else wrote first; the next pass replans.
+                    Err(e) => tracing::warn!(error = %e, "placement pass"),
+                }
+            }
+        })
+    };
+    let backend = match config.store {
+        StoreConfig::Memory => "memory",
+        StoreConfig::Postgres(_) => "postgres",
+    };
+    tracing::info!(%addr, backend, "control plane serving");
+    Ok(Running {
+        addr,
+        store,
+        stop,
+        server,
+        placement,
+    })
+}

@@ -1,0 +1,835 @@
+//! Every endpoint, RBAC refusal and conflict, run against the in-memory store and
+//! against a real Postgres (started by `tests/postgres/setup.sh`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use felix_controlplane::api::ApiConfig;
+use felix_controlplane::client::{ClientError, ControlPlaneClient};
+use felix_controlplane::model::Assignment;
+use felix_controlplane::placement;
+use felix_controlplane::server::{self, ServerConfig};
+use felix_controlplane::store::{MemoryStore, Store};
+use serde_json::{Value, json};
+
+const BOOTSTRAP: &str = "bootstrap-secret-0123456789";
+
+struct Service {
+    url: String,
+    store: Arc<dyn Store>,
+    config: ApiConfig,
+    rt: tokio::runtime::Runtime,
+    running: Option<server::Running>,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Some(r) = self.running.take() {
+            self.rt.block_on(r.stop());
+        }
+    }
+}
+
+fn start(store: Arc<dyn Store>, rt: tokio::runtime::Runtime) -> Service {
+    let config = ApiConfig {
+        bootstrap_token: Some(BOOTSTRAP.into()),
+        heartbeat_interval: Duration::from_millis(200),
+        expiry_timeout: Duration::from_millis(1000),
+    };
+    let running = rt
+        .block_on(server::start_with_store(
+            ServerConfig {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                api: config.clone(),
+                // Passes are driven by hand below.
+                placement_interval: Duration::from_secs(3600),
+                ..ServerConfig::default()
+            },
+            store.clone(),
+        ))
+        .unwrap();
+    Service {
+        url: format!("http://{}", running.addr),
+        store,
+        config,
+        rt,
+        running: Some(running),
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn memory_service() -> Service {
+    start(Arc::new(MemoryStore::new()), runtime())
+}
+
+/// A fresh database on the test Postgres, so runs never see each other's rows.
+fn postgres_service() -> Service {
+    let base = match std::env::var("FELIX_TEST_POSTGRES_URL") {
+        Ok(u) => u,
+        Err(_) => {
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/postgres/setup.sh");
+            let out = std::process::Command::new("bash")
+                .arg(script)
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .expect("running tests/postgres/setup.sh");
+            assert!(out.status.success(), "tests/postgres/setup.sh failed");
+            String::from_utf8(out.stdout).unwrap().trim().to_owned()
+        }
+    };
+    let rt = runtime();
+    let db = format!(
+        "felix_test_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            % 1_000_000_000
+    );
+    let url = rt.block_on(async {
+        let (c, conn) = tokio_postgres::connect(&base, tokio_postgres::NoTls)
+            .await
+            .expect("connecting to the test postgres");
+        tokio::spawn(conn);
+        c.batch_execute(&format!("CREATE DATABASE {db}"))
+            .await
+            .unwrap();
+        let (prefix, _) = base.rsplit_once('/').unwrap();
+        format!("{prefix}/{db}")
+    });
+    let store = rt
+        .block_on(felix_controlplane::pg::PgStore::connect(&url))
+        .expect("opening the postgres store");
+    start(Arc::new(store), rt)
+}
+
+fn status(r: Result<Value, ClientError>) -> (u16, Option<String>, Option<String>) {
+    match r {
+        Ok(_) => (200, None, None),
+        Err(ClientError::Api {
+            status,
+            code,
+            field,
+            ..
+        }) => (status, Some(code), field),
+        Err(e) => panic!("transport error: {e}"),
+    }
+}
+
+fn expect_err(r: Result<Value, ClientError>, want: u16) -> (Option<String>, Option<String>) {
+    let (s, code, field) = status(r);
+    assert_eq!(s, want, "expected HTTP {want}, got {s} ({code:?})");
+    (code, field)
+}
+
+fn scenario(svc: &Service) {
+    let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
+
+    // Health and the document need no token.
+    assert_eq!(anon.get("/v1/system/live").unwrap()["status"], "live");
+    assert_eq!(anon.get("/v1/system/ready").unwrap()["status"], "ready");
+    assert_eq!(anon.get("/v1/system/health").unwrap()["status"], "ready");
+    let doc = anon.get("/v1/openapi.json").unwrap();
+    assert!(doc["paths"]["/v1/shard-assignments/changes"].is_object());
+    expect_err(anon.get("/v1/no-such-thing"), 404);
+
+    // Everything else needs a token.
+    let (code, _) = expect_err(anon.get("/v1/tenants"), 401);
+    assert_eq!(code.as_deref(), Some("unauthenticated"));
+    expect_err(
+        anon.clone().with_token("not.a.token").get("/v1/tenants"),
+        401,
+    );
+
+    // Bootstrap: wrong secret, then once, then never again.
+    expect_err(
+        anon.post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", "wrong")],
+        ),
+        401,
+    );
+    expect_err(anon.post("/internal/bootstrap", &json!({})), 401);
+    let boot = anon
+        .post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+        )
+        .unwrap();
+    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    expect_err(
+        anon.post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+        ),
+        409,
+    );
+
+    // Tenants.
+    assert_eq!(
+        admin
+            .post(
+                "/v1/tenants",
+                &json!({"tenant_id": "acme", "display_name": "Acme"})
+            )
+            .unwrap()["tenant_id"],
+        "acme"
+    );
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "globex"}))
+        .unwrap();
+    expect_err(
+        admin.post("/v1/tenants", &json!({"tenant_id": "acme"})),
+        409,
+    );
+    let (_, field) = expect_err(
+        admin.post("/v1/tenants", &json!({"tenant_id": "bad name"})),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("tenant_id"));
+    let (_, field) = expect_err(admin.post("/v1/tenants", &json!({"tenant": "x"})), 400);
+    assert_eq!(
+        field.as_deref(),
+        Some("tenant_id"),
+        "a missing field is named"
+    );
+    let names: Vec<String> = admin.get("/v1/tenants").unwrap()["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["tenant_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["acme", "globex", "operator"]);
+    assert!(
+        admin.get("/v1/tenants/snapshot").unwrap()["next_seq"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+
+    // JWKS is public; unknown tenants are 404.
+    let jwks = anon.get("/v1/tenants/acme/.well-known/jwks.json").unwrap();
+    assert_eq!(jwks["keys"][0]["kty"], "OKP");
+    expect_err(anon.get("/v1/tenants/nobody/.well-known/jwks.json"), 404);
+
+    // Tokens: the operator issues a tenant admin; bad audiences, TTLs and perms that
+    // reach outside the tenant are refused.
+    let issue = |c: &ControlPlaneClient, t: &str, body: Value| {
+        c.post(&format!("/v1/tenants/{t}/tokens"), &body)
+    };
+    let acme_admin = admin.clone().with_token(
+        issue(&admin, "acme", json!({"sub": "alice", "audience": "felix-controlplane", "perms": ["tenant.manage:tenant:acme"]})).unwrap()["token"]
+            .as_str()
+            .unwrap(),
+    );
+    let (_, field) = expect_err(
+        issue(
+            &admin,
+            "acme",
+            json!({"sub": "a", "audience": "somewhere", "perms": []}),
+        ),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("audience"));
+    let (_, field) = expect_err(
+        issue(
+            &admin,
+            "acme",
+            json!({"sub": "a", "audience": "felix-broker", "perms": [], "ttl_seconds": 0}),
+        ),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("ttl_seconds"));
+    expect_err(
+        issue(
+            &acme_admin,
+            "acme",
+            json!({"sub": "a", "audience": "felix-broker", "perms": ["stream.publish:stream:globex/*/*"]}),
+        ),
+        403,
+    );
+    expect_err(
+        issue(
+            &acme_admin,
+            "acme",
+            json!({"sub": "a", "audience": "felix-broker", "perms": ["node.manage:cluster:*"]}),
+        ),
+        403,
+    );
+    expect_err(
+        issue(
+            &acme_admin,
+            "globex",
+            json!({"sub": "a", "audience": "felix-broker", "perms": []}),
+        ),
+        403,
+    );
+    let broker_token = issue(&acme_admin, "acme", json!({"sub": "app", "audience": "felix-broker", "perms": ["stream.publish:stream:acme/*/*"]})).unwrap();
+    assert_eq!(broker_token["expires_in"], 3600);
+    // A broker-audience token is not accepted here.
+    expect_err(
+        anon.clone()
+            .with_token(broker_token["token"].as_str().unwrap())
+            .get("/v1/tenants/acme/namespaces"),
+        401,
+    );
+
+    // A tenant admin stays inside its tenant.
+    expect_err(acme_admin.get("/v1/tenants"), 403);
+    expect_err(acme_admin.delete("/v1/tenants/globex"), 403);
+
+    // Namespaces.
+    assert_eq!(
+        acme_admin
+            .post(
+                "/v1/tenants/acme/namespaces",
+                &json!({"namespace": "payments"})
+            )
+            .unwrap()["tenant_id"],
+        "acme"
+    );
+    expect_err(
+        acme_admin.post(
+            "/v1/tenants/acme/namespaces",
+            &json!({"namespace": "payments"}),
+        ),
+        409,
+    );
+    expect_err(
+        acme_admin.post("/v1/tenants/globex/namespaces", &json!({"namespace": "x"})),
+        403,
+    );
+    expect_err(
+        admin.post("/v1/tenants/nobody/namespaces", &json!({"namespace": "x"})),
+        404,
+    );
+    let (_, field) = expect_err(
+        acme_admin.post("/v1/tenants/acme/namespaces", &json!({"namespace": "-x"})),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("namespace"));
+    assert_eq!(
+        acme_admin.get("/v1/tenants/acme/namespaces").unwrap()["items"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // Streams: validation names the field, duplicates conflict, updates are versioned.
+    let streams = "/v1/tenants/acme/namespaces/payments/streams";
+    let stream = |name: &str, shards: u32| json!({"stream": name, "kind": "Stream", "shards": shards, "replication_factor": 1});
+    let (_, field) = expect_err(acme_admin.post(streams, &stream("orders", 0)), 400);
+    assert_eq!(field.as_deref(), Some("shards"));
+    let (_, field) = expect_err(
+        acme_admin.post(
+            streams,
+            &json!({"stream": "orders", "kind": "Table", "shards": 1}),
+        ),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("kind"));
+    let (_, field) = expect_err(
+        acme_admin.post(
+            streams,
+            &json!({"stream": "orders", "kind": "Stream", "shards": 1, "colour": "red"}),
+        ),
+        400,
+    );
+    assert_eq!(
+        field.as_deref(),
+        Some("colour"),
+        "unknown fields are refused by name"
+    );
+    let (_, field) = expect_err(acme_admin.post(streams, &json!({"stream": "orders", "kind": "Stream", "shards": 1, "retention": {"max_age_seconds": 0}})), 400);
+    assert_eq!(field.as_deref(), Some("retention.max_age_seconds"));
+    expect_err(
+        acme_admin.post(
+            "/v1/tenants/acme/namespaces/nope/streams",
+            &stream("orders", 1),
+        ),
+        404,
+    );
+    let created = acme_admin
+        .post(streams, &json!({"stream": "orders", "kind": "Stream", "shards": 4, "replication_factor": 2, "routing": "jump_hash"}))
+        .unwrap();
+    assert_eq!(created["shards"], 4);
+    let v1 = created["version"].as_u64().unwrap();
+    expect_err(acme_admin.post(streams, &stream("orders", 4)), 409);
+    let (_, field) = expect_err(
+        acme_admin.post(
+            streams,
+            &json!({"stream": "big", "kind": "Stream", "shards": 1, "pad": "x".repeat(70_000)}),
+        ),
+        413,
+    );
+    assert_eq!(field, None);
+    let got = acme_admin.get(&format!("{streams}/orders")).unwrap();
+    assert_eq!(
+        (got["version"].as_u64(), got["routing"].as_str()),
+        (Some(v1), Some("jump_hash"))
+    );
+    expect_err(acme_admin.get(&format!("{streams}/missing")), 404);
+    expect_err(
+        acme_admin.patch(
+            &format!("{streams}/orders"),
+            &json!({"durable": false, "version": v1 + 7}),
+        ),
+        409,
+    );
+    let patched = acme_admin
+        .patch(
+            &format!("{streams}/orders"),
+            &json!({"durable": false, "retention": {"max_age_seconds": 60}, "version": v1}),
+        )
+        .unwrap();
+    assert_eq!(
+        (patched["durable"].as_bool(), patched["version"].as_u64()),
+        (Some(false), Some(v1 + 1))
+    );
+    let (_, field) = expect_err(
+        acme_admin.patch(
+            &format!("{streams}/orders"),
+            &json!({"delivery": "Sometimes"}),
+        ),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("delivery"));
+    expect_err(
+        acme_admin.patch(&format!("{streams}/orders"), &json!({"shards": 8})),
+        400,
+    );
+    assert_eq!(
+        acme_admin.get(streams).unwrap()["items"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // A token scoped to one namespace's streams.
+    let narrow = admin.clone().with_token(
+        issue(&acme_admin, "acme", json!({"sub": "ci", "audience": "felix-controlplane", "perms": ["stream.manage:stream:acme/payments/orders"]})).unwrap()["token"]
+            .as_str()
+            .unwrap(),
+    );
+    narrow.get(&format!("{streams}/orders")).unwrap();
+    expect_err(narrow.post(streams, &stream("other", 1)), 403);
+    expect_err(
+        narrow.get("/v1/tenants/acme/namespaces/payments/caches"),
+        403,
+    );
+
+    // Caches.
+    let caches = "/v1/tenants/acme/namespaces/payments/caches";
+    let c = acme_admin
+        .post(caches, &json!({"cache": "sessions", "shards": 2}))
+        .unwrap();
+    assert_eq!(c["shards"], 2);
+    expect_err(acme_admin.post(caches, &json!({"cache": "sessions"})), 409);
+    let (_, field) = expect_err(
+        acme_admin.post(caches, &json!({"cache": "c2", "replication_factor": 9})),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("replication_factor"));
+    assert_eq!(
+        acme_admin.get(&format!("{caches}/sessions")).unwrap()["cache"],
+        "sessions"
+    );
+    assert_eq!(
+        acme_admin.get(caches).unwrap()["items"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    let snapshot = admin.get("/v1/streams/snapshot").unwrap();
+    assert_eq!(
+        (
+            snapshot["items"].as_array().unwrap().len(),
+            snapshot["caches"].as_array().unwrap().len()
+        ),
+        (1, 1)
+    );
+    expect_err(acme_admin.get("/v1/streams/snapshot"), 403);
+
+    // Nodes: a node token may register and heartbeat only itself.
+    let node_token = |id: &str| {
+        issue(&admin, "operator", json!({"sub": id, "audience": "felix-controlplane", "perms": [format!("node.manage:node:{id}"), "node.view:cluster:*"]})).unwrap()["token"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let node_a = anon.clone().with_token(node_token("node-a"));
+    let node_b = anon.clone().with_token(node_token("node-b"));
+    let (_, field) = expect_err(
+        node_a.post(
+            "/v1/nodes",
+            &json!({"node_id": "node-a", "client_addr": "nowhere"}),
+        ),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("client_addr"));
+    expect_err(
+        node_a.post(
+            "/v1/nodes",
+            &json!({"node_id": "node-b", "client_addr": "127.0.0.1:1"}),
+        ),
+        403,
+    );
+    expect_err(
+        acme_admin.post("/v1/nodes", &json!({"node_id": "node-a"})),
+        403,
+    );
+    let reg_a = node_a
+        .post(
+            "/v1/nodes",
+            &json!({"node_id": "node-a", "client_addr": "127.0.0.1:5001"}),
+        )
+        .unwrap();
+    assert_eq!(
+        (reg_a["incarnation"].as_u64(), reg_a["lifecycle"].as_str()),
+        (Some(1), Some("live"))
+    );
+    assert_eq!(reg_a["heartbeat_interval_ms"], 200);
+    node_b
+        .post(
+            "/v1/nodes",
+            &json!({"node_id": "node-b", "client_addr": "127.0.0.1:5002"}),
+        )
+        .unwrap();
+    // Without a client address a node is never assigned anything.
+    admin
+        .post("/v1/nodes", &json!({"node_id": "node-c"}))
+        .unwrap();
+    expect_err(
+        node_a.post("/v1/nodes/node-a/heartbeat", &json!({"incarnation": 0})),
+        409,
+    );
+    expect_err(
+        node_a.post("/v1/nodes/node-b/heartbeat", &json!({"incarnation": 1})),
+        403,
+    );
+    expect_err(
+        admin.post("/v1/nodes/node-z/heartbeat", &json!({"incarnation": 1})),
+        404,
+    );
+    assert_eq!(
+        node_a
+            .post("/v1/nodes/node-a/heartbeat", &json!({"incarnation": 1}))
+            .unwrap()["lifecycle"],
+        "live"
+    );
+    assert_eq!(
+        node_a.get("/v1/nodes").unwrap()["items"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+    assert_eq!(
+        node_a.get("/v1/nodes/node-b").unwrap()["client_addr"],
+        "127.0.0.1:5002"
+    );
+    expect_err(node_a.get("/v1/nodes/node-z"), 404);
+    expect_err(acme_admin.get("/v1/nodes"), 403);
+
+    // Placement: 4 + 2 shards over two ready nodes, balanced, never on node-c.
+    let snap0 = node_a.get("/v1/shard-assignments/snapshot").unwrap();
+    assert!(snap0["items"].as_array().unwrap().is_empty());
+    let since = snap0["next_seq"].as_u64().unwrap();
+    let report = svc
+        .rt
+        .block_on(placement::pass(svc.store.as_ref(), &svc.config))
+        .unwrap();
+    assert_eq!((report.created, report.unplaced), (6, 0));
+    let again = svc
+        .rt
+        .block_on(placement::pass(svc.store.as_ref(), &svc.config))
+        .unwrap();
+    assert_eq!(
+        again,
+        placement::PassReport::default(),
+        "a settled cluster writes nothing"
+    );
+    let assignments: Vec<Assignment> =
+        serde_json::from_value(node_a.get("/v1/shard-assignments").unwrap()["items"].clone())
+            .unwrap();
+    assert_eq!(assignments.len(), 6);
+    let per = placement::leaders_per_node(&assignments);
+    assert_eq!(per.get("node-a"), Some(&3), "{per:?}");
+    assert_eq!(per.get("node-b"), Some(&3), "{per:?}");
+    for a in &assignments {
+        assert_ne!(a.leader, "node-c");
+        let want_replicas = if a.key.kind == "stream" { 2 } else { 1 };
+        assert_eq!(a.replicas.len(), want_replicas, "{a:?}");
+        assert_eq!(a.generation, 1);
+        assert_eq!(
+            a.routing.is_some(),
+            a.key.kind == "stream",
+            "jump_hash travels with stream assignments"
+        );
+    }
+    let changes = node_a
+        .get_long(
+            &format!("/v1/shard-assignments/changes?since={since}&wait_ms=2000"),
+            Duration::from_secs(3),
+        )
+        .unwrap();
+    assert_eq!(changes["items"].as_array().unwrap().len(), 6);
+    let head = changes["next_seq"].as_u64().unwrap();
+    let t = std::time::Instant::now();
+    let idle = node_a
+        .get_long(
+            &format!("/v1/shard-assignments/changes?since={head}&wait_ms=300"),
+            Duration::from_secs(3),
+        )
+        .unwrap();
+    assert!(idle["items"].as_array().unwrap().is_empty());
+    assert!(
+        t.elapsed() >= Duration::from_millis(250),
+        "the long poll waited"
+    );
+
+    // Moves: unknown destination, already leader, then a real one.
+    let orders0 = assignments
+        .iter()
+        .find(|a| a.key.kind == "stream" && a.key.shard == 0)
+        .unwrap();
+    let other = if orders0.leader == "node-a" {
+        "node-b"
+    } else {
+        "node-a"
+    };
+    let mv = |dest: &str| json!({"tenant_id": "acme", "namespace": "payments", "stream": "orders", "shard": 0, "destination": dest});
+    expect_err(admin.post("/v1/shard-moves", &mv("node-z")), 409);
+    expect_err(admin.post("/v1/shard-moves", &mv("node-c")), 409);
+    expect_err(admin.post("/v1/shard-moves", &mv(&orders0.leader)), 409);
+    expect_err(node_a.post("/v1/shard-moves", &mv(other)), 403);
+    expect_err(admin.post("/v1/shard-moves", &json!({"tenant_id": "acme", "namespace": "payments", "stream": "orders", "shard": 9, "destination": other})), 404);
+    let moved = admin.post("/v1/shard-moves", &mv(other)).unwrap();
+    assert_eq!(
+        (
+            moved["assignment"]["leader"].as_str(),
+            moved["assignment"]["generation"].as_u64()
+        ),
+        (Some(other), Some(2))
+    );
+
+    // A node that stops heartbeating goes down and its shards move to the other.
+    std::thread::sleep(Duration::from_millis(20));
+    node_a
+        .post("/v1/nodes/node-a/heartbeat", &json!({"incarnation": 1}))
+        .unwrap();
+    let heard = |id: &str| {
+        serde_json::from_value::<felix_controlplane::model::Node>(
+            node_a.get(&format!("/v1/nodes/{id}")).unwrap(),
+        )
+        .unwrap()
+        .last_heartbeat_ms
+    };
+    // Judge the pass just inside node-a's expiry (1 s): node-b, silent since it
+    // registered earlier, is past its own.
+    let judge = heard("node-a") + 999;
+    assert!(judge >= heard("node-b") + 1000);
+    let report = svc
+        .rt
+        .block_on(placement::pass_at(svc.store.as_ref(), &svc.config, judge))
+        .unwrap();
+    assert!(
+        report.nodes_down.contains(&"node-b".to_owned()),
+        "{report:?}"
+    );
+    assert!(
+        !report.nodes_down.contains(&"node-a".to_owned()),
+        "{report:?}"
+    );
+    let assignments: Vec<Assignment> =
+        serde_json::from_value(node_a.get("/v1/shard-assignments").unwrap()["items"].clone())
+            .unwrap();
+    assert!(
+        assignments
+            .iter()
+            .all(|a| a.leader == "node-a" && a.replicas == ["node-a"]),
+        "{assignments:?}"
+    );
+    assert!(assignments.iter().any(|a| a.generation > 1));
+    assert_eq!(node_a.get("/v1/nodes/node-b").unwrap()["lifecycle"], "down");
+    // A heartbeat never revives a down node; registering again does.
+    let (code, _) = expect_err(
+        node_b.post("/v1/nodes/node-b/heartbeat", &json!({"incarnation": 1})),
+        409,
+    );
+    assert_eq!(code.as_deref(), Some("conflict"));
+    assert_eq!(
+        node_b
+            .post(
+                "/v1/nodes",
+                &json!({"node_id": "node-b", "client_addr": "127.0.0.1:5002"})
+            )
+            .unwrap()["incarnation"],
+        2
+    );
+
+    // Deleting a node: not while live, not while leading.
+    expect_err(admin.delete("/v1/nodes/node-a"), 409);
+    expect_err(node_a.delete("/v1/nodes/node-z"), 403);
+    expect_err(admin.delete("/v1/nodes/node-z"), 404);
+
+    // Deleting: a namespace with streams and a tenant with namespaces conflict.
+    expect_err(
+        acme_admin.delete("/v1/tenants/acme/namespaces/payments"),
+        409,
+    );
+    expect_err(admin.delete("/v1/tenants/acme"), 409);
+    acme_admin.delete(&format!("{streams}/orders")).unwrap();
+    expect_err(acme_admin.delete(&format!("{streams}/orders")), 404);
+    acme_admin.delete(&format!("{caches}/sessions")).unwrap();
+    let assignments = node_a.get("/v1/shard-assignments").unwrap();
+    assert!(
+        assignments["items"].as_array().unwrap().is_empty(),
+        "deleting cascades to assignments"
+    );
+    acme_admin
+        .delete("/v1/tenants/acme/namespaces/payments")
+        .unwrap();
+    expect_err(
+        acme_admin.delete("/v1/tenants/acme/namespaces/payments"),
+        404,
+    );
+    admin.delete("/v1/tenants/acme").unwrap();
+    expect_err(anon.get("/v1/tenants/acme/.well-known/jwks.json"), 404);
+    // Tokens of a deleted tenant stop working: its keys went with it.
+    expect_err(acme_admin.get("/v1/tenants/acme/namespaces"), 401);
+}
+
+#[test]
+fn api_against_the_memory_store() {
+    scenario(&memory_service());
+}
+
+#[test]
+fn api_against_postgres() {
+    scenario(&postgres_service());
+}
+
+#[test]
+fn postgres_keeps_metadata_across_restarts() {
+    let svc = postgres_service();
+    let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
+    let boot = anon
+        .post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+        )
+        .unwrap();
+    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    // A second service over the same database sees it and accepts the same token.
+    let again = start(svc.store.clone(), runtime());
+    let admin2 =
+        ControlPlaneClient::new(&again.url, Some(boot["token"].as_str().unwrap().to_owned()))
+            .unwrap();
+    assert_eq!(
+        admin2.get("/v1/tenants").unwrap()["items"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    expect_err(
+        admin2.post("/v1/tenants", &json!({"tenant_id": "acme"})),
+        409,
+    );
+}
+
+#[test]
+fn concurrent_creates_of_one_name_admit_exactly_one() {
+    for svc in [memory_service(), postgres_service()] {
+        let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
+        let boot = anon
+            .post_with(
+                "/internal/bootstrap",
+                &json!({}),
+                &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+            )
+            .unwrap();
+        let admin = anon.with_token(boot["token"].as_str().unwrap());
+        let results: Vec<u16> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8)
+                .map(|_| {
+                    let admin = admin.clone();
+                    s.spawn(move || {
+                        status(admin.post("/v1/tenants", &json!({"tenant_id": "race"}))).0
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(
+            results.iter().filter(|s| **s == 200).count(),
+            1,
+            "{results:?}"
+        );
+        assert!(
+            results.iter().all(|s| *s == 200 || *s == 409),
+            "{results:?}"
+        );
+    }
+}
+
+#[test]
+fn openapi_describes_every_route() {
+    let source = include_str!("../src/api.rs");
+    let shape = |p: &str| {
+        let mut out = String::new();
+        let mut depth = 0;
+        for c in p.chars() {
+            match c {
+                '{' => {
+                    depth += 1;
+                    out.push_str("{}");
+                }
+                '}' => depth -= 1,
+                _ if depth == 0 => out.push(c),
+                _ => {}
+            }
+        }
+        out
+    };
+    let mut routes: Vec<String> = source
+        .split(".route(")
+        .skip(1)
+        .filter_map(|r| {
+            r.trim_start()
+                .strip_prefix('"')?
+                .split('"')
+                .next()
+                .map(shape)
+        })
+        .collect();
+    routes.sort();
+    let doc: Value = serde_json::from_str(include_str!("../openapi.json")).unwrap();
+    let mut documented: Vec<String> = doc["paths"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|p| shape(p))
+        .collect();
+    documented.sort();
+    assert_eq!(routes, documented);
+}
