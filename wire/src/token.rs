@@ -159,7 +159,6 @@ impl SigningKey {
     }
 }
 
-
 /// Every tenant's verification keys: tenant -> (kid, raw Ed25519 public key).
 #[derive(Debug, Clone, Default)]
 pub struct TenantKeys {
@@ -198,7 +197,13 @@ impl TenantKeys {
     }
 
     /// Verifies `token` for `tenant` and `audience`.
-    pub fn verify_for(&self, token: &str, tenant: &str, now: u64, audience: &'static str) -> Result<Grant, AuthError> {
+    pub fn verify_for(
+        &self,
+        token: &str,
+        tenant: &str,
+        now: u64,
+        audience: &'static str,
+    ) -> Result<Grant, AuthError> {
         let mut parts = token.trim().split('.');
         let (Some(h), Some(c), Some(s), None) =
             (parts.next(), parts.next(), parts.next(), parts.next())
@@ -297,7 +302,10 @@ impl Jwk {
         if self.kty != "OKP" || self.crv != "Ed25519" {
             return None;
         }
-        URL_SAFE_NO_PAD.decode(&self.x).ok().filter(|k| k.len() == 32)
+        URL_SAFE_NO_PAD
+            .decode(&self.x)
+            .ok()
+            .filter(|k| k.len() == 32)
     }
 }
 
@@ -414,14 +422,17 @@ impl Grant {
                 ("tenant.manage", "tenant") if inside_tenant => {
                     p.path.len() == 1 && path.first().is_some_and(|t| seg(&p.path[0], t))
                 }
-                ("ns.manage", "namespace") if matches!(kind, "namespace" | "stream" | "cache" | "group") => {
+                ("ns.manage", "namespace")
+                    if matches!(kind, "namespace" | "stream" | "cache" | "group") =>
+                {
                     p.path.len() == 2
                         && path.len() >= 2
                         && seg(&p.path[0], path[0])
                         && seg(&p.path[1], path[1])
                 }
                 (a, k) if a == action && k == kind => {
-                    p.path.len() == path.len() && p.path.iter().zip(path).all(|(pat, v)| seg(pat, v))
+                    p.path.len() == path.len()
+                        && p.path.iter().zip(path).all(|(pat, v)| seg(pat, v))
                 }
                 _ => false,
             }
