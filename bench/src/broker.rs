@@ -63,6 +63,7 @@ impl LocalBroker {
                 cores: cores.map(str::to_owned),
                 fsync: Some(fsync.into()),
                 default_shards: Some(1),
+                ..Overrides::default()
             },
             true,
         )?;

@@ -110,6 +110,17 @@ impl Catalog {
         self.create(true, t, ns, s, spec)
     }
 
+    /// Declares a cache (idempotent when the spec matches).
+    pub fn create_cache(
+        &self,
+        t: &str,
+        ns: &str,
+        c: &str,
+        spec: StreamSpec,
+    ) -> Result<StreamSpec, BrokerError> {
+        self.create(false, t, ns, c, spec)
+    }
+
     fn create(
         &self,
         stream: bool,

@@ -33,6 +33,12 @@ struct Common {
     /// When acks are sent: `on-commit` (after fdatasync), `periodic:<ms>`, `none`.
     #[arg(long)]
     fsync: Option<String>,
+    /// Follow this control plane (`http://host:port`) for placement and keys.
+    #[arg(long)]
+    controlplane: Option<String>,
+    /// This node's id.
+    #[arg(long)]
+    node_id: Option<String>,
 }
 
 impl Common {
@@ -44,6 +50,8 @@ impl Common {
             cores: self.cores.clone(),
             fsync: self.fsync.clone(),
             default_shards: self.shards,
+            controlplane_url: self.controlplane.clone(),
+            node_id: self.node_id.clone(),
         }
     }
 }

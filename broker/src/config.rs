@@ -86,6 +86,33 @@ pub struct FileConfig {
     pub subscriber_queue: Option<usize>,
     /// Segment size.
     pub segment_bytes: Option<u64>,
+    /// Control-plane URL (`http://host:port`): follow it for placement and keys.
+    pub controlplane_url: Option<String>,
+    /// This node's control-plane token.
+    pub node_token: Option<String>,
+    /// A file holding the node token.
+    pub node_token_file: Option<PathBuf>,
+    /// Where clients reach this broker (default: `listen`, unless unspecified).
+    pub client_advertise_addr: Option<String>,
+    /// CA (PEM) that signed the other brokers' certificates, for forwarding.
+    pub peer_ca: Option<PathBuf>,
+    /// Name the other brokers' certificates carry (default `localhost`).
+    pub peer_server_name: Option<String>,
+}
+
+/// Following a control plane.
+#[derive(Debug, Clone)]
+pub struct ClusterSettings {
+    /// Control-plane URL.
+    pub url: String,
+    /// Node token (control-plane audience).
+    pub token: String,
+    /// Where clients reach this broker.
+    pub client_addr: SocketAddr,
+    /// CA for peer brokers.
+    pub peer_ca: Option<PathBuf>,
+    /// Peer certificate name.
+    pub peer_server_name: String,
 }
 
 /// Fully resolved configuration.
@@ -121,6 +148,8 @@ pub struct BrokerConfig {
     pub subscriber_queue: usize,
     /// Segment size.
     pub segment_bytes: u64,
+    /// Control-plane following, when configured.
+    pub cluster: Option<ClusterSettings>,
 }
 
 /// A configuration error naming the key.
@@ -150,6 +179,10 @@ pub struct Overrides {
     pub fsync: Option<String>,
     /// `--shards`.
     pub default_shards: Option<u32>,
+    /// `--controlplane`.
+    pub controlplane_url: Option<String>,
+    /// `--node-id`.
+    pub node_id: Option<String>,
 }
 
 fn parse<T: FromStr>(key: &'static str, src: &'static str, v: &str) -> Result<T, ConfigError>
@@ -202,7 +235,7 @@ impl BrokerConfig {
             file.listen.clone(),
             flags.listen.clone(),
         );
-        let listen = match l.value {
+        let listen: SocketAddr = match l.value {
             Some(v) => parse("listen", l.source, &v)?,
             None => "127.0.0.1:5000".parse().expect("valid default"),
         };
@@ -279,11 +312,95 @@ impl BrokerConfig {
                 message: "a non-dev broker needs tls_cert and tls_key".into(),
             });
         }
-        if !dev && file.tenants.is_empty() {
+        let l = layer(
+            "controlplane_url",
+            "FELIX_CONTROLPLANE_URL",
+            file.controlplane_url.clone(),
+            flags.controlplane_url.clone(),
+        );
+        let cluster = match l.value {
+            None => None,
+            Some(url) => {
+                let src = l.source;
+                if !url.starts_with("http://") {
+                    return Err(ConfigError {
+                        key: "controlplane_url",
+                        source_name: src,
+                        message: format!("{url:?}: expected http://host:port"),
+                    });
+                }
+                let t = layer(
+                    "node_token",
+                    "FELIX_NODE_TOKEN",
+                    file.node_token.clone(),
+                    None,
+                );
+                let tf = layer(
+                    "node_token_file",
+                    "FELIX_NODE_TOKEN_FILE",
+                    file.node_token_file
+                        .as_ref()
+                        .map(|p| p.display().to_string()),
+                    None,
+                );
+                let token = match (t.value, tf.value) {
+                    (Some(t), _) => t,
+                    (None, Some(path)) => std::fs::read_to_string(&path)
+                        .map_err(|e| ConfigError {
+                            key: "node_token_file",
+                            source_name: tf.source,
+                            message: format!("{path}: {e}"),
+                        })?
+                        .trim()
+                        .to_owned(),
+                    (None, None) => {
+                        return Err(ConfigError {
+                            key: "node_token",
+                            source_name: src,
+                            message:
+                                "following a control plane needs node_token or node_token_file"
+                                    .into(),
+                        });
+                    }
+                };
+                let a = layer(
+                    "client_advertise_addr",
+                    "FELIX_CLIENT_ADVERTISE_ADDR",
+                    file.client_advertise_addr.clone(),
+                    None,
+                );
+                let client_addr: SocketAddr = match a.value {
+                    Some(v) => parse("client_advertise_addr", a.source, &v)?,
+                    None if !listen.ip().is_unspecified() && listen.port() != 0 => listen,
+                    None => {
+                        return Err(ConfigError {
+                            key: "client_advertise_addr",
+                            source_name: "default",
+                            message: format!(
+                                "listen {listen} is not an address clients can reach; set client_advertise_addr"
+                            ),
+                        });
+                    }
+                };
+                Some(ClusterSettings {
+                    url,
+                    token,
+                    client_addr,
+                    peer_ca: file.peer_ca.clone(),
+                    peer_server_name: file
+                        .peer_server_name
+                        .clone()
+                        .unwrap_or_else(|| "localhost".into()),
+                })
+            }
+        };
+        if !dev && file.tenants.is_empty() && cluster.is_none() {
             return Err(ConfigError {
                 key: "tenants",
                 source_name: "config file",
-                message: "a non-dev broker needs at least one tenant with keys".into(),
+                message:
+                    "a non-dev broker needs tenants with keys, or a control plane to get them from"
+                        .into(),
             });
         }
         let publish_window = file.publish_window.unwrap_or(256);
@@ -301,7 +418,9 @@ impl BrokerConfig {
             cores,
             fsync,
             auto_create_shards: auto_create.then_some(shards),
-            node_id: file.node_id.unwrap_or_else(|| "node-1".into()),
+            node_id: layer("node_id", "FELIX_NODE_ID", file.node_id, flags.node_id)
+                .value
+                .unwrap_or_else(|| "node-1".into()),
             tls,
             tenants: file.tenants,
             streams: file.streams,
@@ -310,6 +429,7 @@ impl BrokerConfig {
             max_connections: file.max_connections.unwrap_or(10_000),
             subscriber_queue: file.subscriber_queue.unwrap_or(512).max(1),
             segment_bytes: file.segment_bytes.unwrap_or(256 << 20),
+            cluster,
         })
     }
 

@@ -27,8 +27,11 @@ use futures_channel::oneshot;
 
 use crate::auth::TenantKeys;
 use crate::catalog::{Catalog, CoreCatalog};
+use crate::cluster::{Cluster, Resolved};
 use crate::error::BrokerError;
+use crate::forward::Forwarder;
 use crate::shard::{CacheShard, Envelope, StreamShard, now_micros};
+use arc_swap::ArcSwap;
 
 /// Deliveries queued for one peer core beyond the mesh channel; more are dropped (the
 /// subscribers on that core see an offset gap).
@@ -171,6 +174,8 @@ pub struct CoreMetrics {
     pub mesh_sent: AtomicU64,
     /// Shards open on this core.
     pub shards_open: AtomicU64,
+    /// Requests forwarded to the broker that leads their shard.
+    pub forwarded: AtomicU64,
 }
 
 /// What every core shares (read-mostly).
@@ -184,8 +189,10 @@ pub struct Shared {
     pub catalog: Arc<Catalog>,
     /// Shard-to-core placement.
     pub placement: Arc<Placement>,
-    /// Token verification keys.
-    pub keys: Arc<TenantKeys>,
+    /// Token verification keys (swapped whole when the control plane's JWKS change).
+    pub keys: Arc<ArcSwap<TenantKeys>>,
+    /// Control-plane membership and routes; `None` for a standalone broker.
+    pub cluster: Option<Arc<Cluster>>,
     /// This broker's node id.
     pub node_id: String,
     /// Acked publishes a stream may have unanswered.
@@ -302,6 +309,8 @@ pub struct CoreBroker {
     pending: RefCell<HashMap<u64, oneshot::Sender<ReplyBody>>>,
     next_request: Cell<u64>,
     draining: Cell<bool>,
+    /// Sends requests on to other brokers (cluster mode).
+    pub forwarder: Option<Forwarder>,
 }
 
 impl std::fmt::Debug for CoreBroker {
@@ -326,7 +335,12 @@ fn shard_dir(root: &std::path::Path, key: &ShardKey) -> PathBuf {
 
 impl CoreBroker {
     /// A core's broker over its connected mesh.
-    pub fn new(core: CoreId, shared: Arc<Shared>, mesh: Mesh<CoreMsg>) -> Rc<CoreBroker> {
+    pub fn new(
+        core: CoreId,
+        shared: Arc<Shared>,
+        mesh: Mesh<CoreMsg>,
+        forwarder: Option<Forwarder>,
+    ) -> Rc<CoreBroker> {
         let cores = mesh.cores();
         Rc::new(CoreBroker {
             core,
@@ -341,12 +355,22 @@ impl CoreBroker {
             pending: RefCell::default(),
             next_request: Cell::new(1),
             draining: Cell::new(false),
+            forwarder,
         })
     }
 
     /// The core that owns `key`.
     pub fn owner(&self, key: &ShardKey) -> CoreId {
         self.shared.placement.core_for(key)
+    }
+
+    /// Where a request for `key` goes: here, another broker, or nowhere right now.
+    /// A standalone broker serves everything itself.
+    pub fn resolve(&self, key: &ShardKey) -> Resolved {
+        match &self.shared.cluster {
+            None => Resolved::Local,
+            Some(c) => c.resolve(key),
+        }
     }
 
     /// Whether the broker is shutting down.

@@ -33,6 +33,17 @@ pub enum BrokerError {
     /// Anything else; outcome unknown.
     #[error("internal: {0}")]
     Internal(String),
+    /// A forwarded request got no answer; it may or may not have been applied.
+    #[error("unacknowledged: {0}")]
+    Unacknowledged(String),
+    /// Another broker leads the shard (for clients that cannot take `not_leader`).
+    #[error("not leader: {node_id} leads it{}", addr.as_deref().map(|a| format!(" at {a}")).unwrap_or_default())]
+    NotLeader {
+        /// The leader.
+        node_id: String,
+        /// Its client address.
+        addr: Option<String>,
+    },
     /// A subscribe offset outside the retained log.
     #[error("cursor {reason:?}: requested {requested}, available {available}")]
     Cursor {
@@ -60,6 +71,8 @@ impl BrokerError {
             BrokerError::Storage(_) => ErrorCode::Storage,
             BrokerError::Draining => ErrorCode::Draining,
             BrokerError::Internal(_) => ErrorCode::Internal,
+            BrokerError::Unacknowledged(_) => ErrorCode::Unacknowledged,
+            BrokerError::NotLeader { .. } => ErrorCode::NotLeader,
         }
     }
 
@@ -74,6 +87,15 @@ impl BrokerError {
                 reason: None,
                 retry_after_ms: Some(200),
             }),
+            // Reasons are wire tokens (`not_assigned`, `owner_unavailable`, ...).
+            BrokerError::ShardUnavailable(reason)
+                if reason.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') =>
+            {
+                Some(ErrorDetail {
+                    reason: Some(reason.clone()),
+                    retry_after_ms: None,
+                })
+            }
             _ => None,
         }
     }

@@ -16,7 +16,7 @@ use crate::core::Shared;
 pub fn render(shared: &Shared) -> String {
     let mut out = String::new();
     type Read = fn(&crate::core::CoreMetrics) -> u64;
-    let counters: [(&str, &str, Read); 11] = [
+    let counters: [(&str, &str, Read); 12] = [
         ("felix_broker_publish_batches_total", "counter", |m| {
             m.publish_batches.load(Ordering::Relaxed)
         }),
@@ -50,6 +50,9 @@ pub fn render(shared: &Shared) -> String {
         ("felix_broker_shards_open", "gauge", |m| {
             m.shards_open.load(Ordering::Relaxed)
         }),
+        ("felix_broker_forwarded_total", "counter", |m| {
+            m.forwarded.load(Ordering::Relaxed)
+        }),
     ];
     for (name, kind, get) in counters {
         let _ = writeln!(out, "# TYPE {name} {kind}");
@@ -63,6 +66,22 @@ pub fn render(shared: &Shared) -> String {
         "felix_broker_ready {}",
         u8::from(shared.ready.load(Ordering::Relaxed))
     );
+    if let Some(c) = &shared.cluster {
+        let _ = writeln!(out, "# TYPE felix_broker_controlplane_syncs_total counter");
+        let _ = writeln!(
+            out,
+            "felix_broker_controlplane_syncs_total {}",
+            c.syncs.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(out, "# TYPE felix_broker_heartbeats_total counter");
+        let _ = writeln!(
+            out,
+            "felix_broker_heartbeats_total {}",
+            c.heartbeats.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(out, "# TYPE felix_broker_shards_led gauge");
+        let _ = writeln!(out, "felix_broker_shards_led {}", c.shards_led());
+    }
     let table = shared.placement.load();
     let _ = writeln!(out, "# TYPE felix_broker_placement_cores gauge");
     let _ = writeln!(out, "felix_broker_placement_cores {}", table.cores());

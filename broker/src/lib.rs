@@ -10,10 +10,12 @@
 pub mod auth;
 pub mod catalog;
 pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod core;
 pub mod dev;
 pub mod error;
+pub mod forward;
 pub mod http;
 pub mod server;
 pub mod session;

@@ -16,8 +16,10 @@ use felix_storage_uring::{LogConfig, memlock};
 
 use crate::auth::TenantKeys;
 use crate::catalog::{Catalog, StreamSpec};
+use crate::cluster::Cluster;
 use crate::config::BrokerConfig;
 use crate::core::{CoreBroker, CoreMsg, Shared};
+use crate::forward::Forwarder;
 use crate::session;
 
 /// Cross-core channel capacity, in messages.
@@ -118,6 +120,33 @@ pub fn start(
         config.pins.clone(),
         0,
     )?));
+    let keys = Arc::new(arc_swap::ArcSwap::from_pointee(keys));
+    let cluster = config
+        .cluster
+        .as_ref()
+        .map(|_| Arc::new(Cluster::new(config.node_id.clone())));
+    let peer_config = match &config.cluster {
+        None => None,
+        Some(c) => {
+            // Peers are trusted through `peer_ca`, or else the CA of our own chain (the
+            // last certificate in it).
+            let roots = match &c.peer_ca {
+                Some(p) => quic::certs_from_pem(
+                    &std::fs::read_to_string(p)
+                        .map_err(|e| anyhow::anyhow!("peer_ca {}: {e}", p.display()))?,
+                )?,
+                None => quic::certs_from_pem(cert_pem)?
+                    .last()
+                    .cloned()
+                    .into_iter()
+                    .collect(),
+            };
+            Some((
+                quic::client_config(&roots, true, TransportLimits::default())?,
+                c.peer_server_name.clone(),
+            ))
+        }
+    };
     let chain = quic::certs_from_pem(cert_pem)?;
     let key = quic::key_from_pem(key_pem)?;
     let server_config = Arc::new(quic::server_config(chain, key, TransportLimits::default())?);
@@ -131,7 +160,8 @@ pub fn start(
         },
         catalog,
         placement,
-        keys: Arc::new(keys),
+        keys: keys.clone(),
+        cluster: cluster.clone(),
         node_id: config.node_id.clone(),
         publish_window: config.publish_window,
         subscriber_queue: config.subscriber_queue,
@@ -151,6 +181,7 @@ pub fn start(
     let failed = Arc::new(Mutex::new(None::<String>));
     let max_connections = config.max_connections;
     let (shared2, bound2, failed2) = (shared.clone(), bound.clone(), failed.clone());
+    let peer_config = Arc::new(peer_config);
     let runtime = Runtime::start(
         RuntimeConfig {
             io_memory_bytes: IO_MEMORY_PER_CORE,
@@ -158,16 +189,29 @@ pub fn start(
         },
         move |ctx| {
             let ends = mesh.lock().expect("mesh builder lock").take(ctx.core);
-            let (shared, server_config, bound, failed) = (
+            let (shared, server_config, bound, failed, peer_config) = (
                 shared2.clone(),
                 server_config.clone(),
                 bound2.clone(),
                 failed2.clone(),
+                peer_config.clone(),
             );
             async move {
                 let mut mesh = ends.connect().await;
                 let inboxes = mesh.take_receivers();
-                let core = CoreBroker::new(ctx.core, shared.clone(), mesh);
+                let forwarder = match peer_config.as_ref() {
+                    None => None,
+                    Some((cfg, name)) => match Forwarder::bind(cfg.clone(), name.clone()) {
+                        Ok(f) => Some(f),
+                        Err(e) => {
+                            *failed.lock().expect("failure slot") =
+                                Some(format!("binding the forwarding endpoint: {e}"));
+                            bound.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                    },
+                };
+                let core = CoreBroker::new(ctx.core, shared.clone(), mesh, forwarder);
                 core.serve_mesh(inboxes);
                 let ep = match Endpoint::bind(
                     listen,
@@ -215,6 +259,21 @@ pub fn start(
         runtime.shutdown();
         let _ = runtime.join();
         anyhow::bail!(e);
+    }
+    // Serving first, then joining: the control plane assigns shards to a node only
+    // after it registers, and by then it answers on its port.
+    if let (Some(settings), Some(cluster)) = (&config.cluster, &cluster)
+        && let Err(e) = crate::cluster::join(
+            settings,
+            cluster.clone(),
+            shared.catalog.clone(),
+            keys.clone(),
+            Duration::from_secs(30),
+        )
+    {
+        runtime.shutdown();
+        let _ = runtime.join();
+        return Err(e);
     }
     shared.ready.store(true, Ordering::SeqCst);
     Ok(Broker {

@@ -23,23 +23,37 @@ use felix_core_runtime::placement::{ShardKey, ShardKind};
 use felix_core_runtime::quic::{Connection, RecvStream, SendStream};
 use felix_core_runtime::task;
 use felix_storage_uring::BatchKind;
+use felix_wire::binary::OwnerHint;
 use felix_wire::flags::FrameKind;
 use felix_wire::frame::FrameError;
 use felix_wire::message::{self, StartPosition};
 use felix_wire::{
-    Features, Flags, Frame, FrameReader, Message, Offset, PublishAck, PublishBatch, RequestId,
-    ShardId, SubscriptionId, routing,
+    Features, Flags, Frame, FrameReader, Generation, Message, Offset, PublishAck, PublishBatch,
+    RequestId, ShardId, SubscriptionId, routing,
 };
 
 use crate::auth::{Action, Grant, now_secs};
 use crate::catalog::validate_name;
+use crate::cluster::{Resolved, Route};
 use crate::core::{CacheAnswer, CacheOp, CoreBroker, SubQueue};
 use crate::error::BrokerError;
+use crate::forward;
 use crate::shard::{EventFormat, StreamNames, encode_events, encode_json_events};
 
 /// Frame layouts this broker reads and writes.
-pub const SERVER_FLAGS: Flags =
-    Flags(0x0001 | 0x0004 | 0x0008 | 0x0010 | 0x0020 | 0x0040 | 0x0200 | 0x0400 | 0x0800 | 0x1000);
+pub const SERVER_FLAGS: Flags = Flags(
+    0x0001
+        | 0x0004
+        | 0x0008
+        | 0x0010
+        | 0x0020
+        | 0x0040
+        | 0x0080
+        | 0x0200
+        | 0x0400
+        | 0x0800
+        | 0x1000,
+);
 
 /// Requests this broker serves. Advertise only what is served.
 pub const SERVER_FEATURES: Features = Features(
@@ -52,6 +66,18 @@ pub const SERVER_FEATURES: Features = Features(
         | Features::PUBLISH_PIPELINE.0
         | Features::STREAM_PUBLISH_WINDOW.0,
 );
+
+/// What a broker following a control plane serves on top: redirects and owners.
+pub const CLUSTER_FEATURES: Features =
+    Features(SERVER_FEATURES.0 | Features::REDIRECT.0 | Features::SHARD_OWNERS.0);
+
+fn served_features(core: &CoreBroker) -> Features {
+    if core.shared.cluster.is_some() {
+        CLUSTER_FEATURES
+    } else {
+        SERVER_FEATURES
+    }
+}
 
 /// Queued batches a subscriber's pump writes in one go.
 const LIVE_WRITE_BATCHES: usize = 64;
@@ -66,6 +92,8 @@ const CLOSE_AUTH_TIMEOUT: u32 = 1;
 #[derive(Debug, Clone)]
 struct Session {
     grant: Grant,
+    /// The bearer token, for requests forwarded to another broker.
+    token: Rc<str>,
     /// Layouts both sides read: what we may send.
     flags: Flags,
     /// Features the client offered that we serve.
@@ -391,15 +419,17 @@ async fn handshake(
     let grant = core
         .shared
         .keys
+        .load()
         .verify(&token, &tenant_id, now_secs())
         .map_err(|e| refuse(BrokerError::Unauthenticated(e.to_string()), coded))?;
     let legacy = client_flags.is_none();
     let client_flags = client_flags.map_or(Flags::ORIGINAL_V1, Flags);
-    let features = offered.intersection(SERVER_FEATURES);
+    let served = served_features(core);
+    let features = offered.intersection(served);
     let reply = if legacy {
         Message::Ok
     } else {
-        let (lo, hi) = SERVER_FEATURES.answer(offered);
+        let (lo, hi) = served.answer(offered);
         Message::AuthOk {
             server_flags: SERVER_FLAGS.bits(),
             server_features: lo,
@@ -413,6 +443,7 @@ async fn handshake(
     Ok((
         Session {
             grant,
+            token: token.into(),
             flags: client_flags.intersection(SERVER_FLAGS),
             features,
         },
@@ -446,6 +477,57 @@ fn stream_key(
         name: s.to_owned(),
         shard,
     }))
+}
+
+/// A subscribe for a shard another broker leads: `not_leader` to clients that take
+/// redirects, a coded error to the rest.
+fn not_leader(session: &Session, route: &Route) -> Bytes {
+    if session.features.contains(Features::REDIRECT) {
+        Message::NotLeader {
+            node_id: route.leader.to_string(),
+            addr: route.addr.map(|a| a.to_string()),
+            generation: Generation(route.generation),
+        }
+        .to_frame()
+    } else {
+        error_frame(
+            &BrokerError::NotLeader {
+                node_id: route.leader.to_string(),
+                addr: route.addr.map(|a| a.to_string()),
+            },
+            Some(session),
+        )
+    }
+}
+
+/// Who leads each shard of a stream or cache.
+fn shard_owners(
+    core: &CoreBroker,
+    t: &str,
+    ns: &str,
+    name: &str,
+    kind: message::ShardKind,
+    request_id: RequestId,
+) -> Bytes {
+    let kind = match kind {
+        message::ShardKind::Stream => ShardKind::Stream,
+        message::ShardKind::Cache => ShardKind::Cache,
+    };
+    let owners = match &core.shared.cluster {
+        Some(c) => c
+            .routes_of(kind, t, ns, name)
+            .into_iter()
+            .map(|(shard, r)| message::ShardOwner {
+                shard: ShardId(shard),
+                node_id: Some(r.leader.to_string()),
+                unavailable: r.addr.is_none(),
+                addr: r.addr.map(|a| a.to_string()),
+                generation: Generation(r.generation),
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    Message::ShardOwnersView { owners, request_id }.to_frame()
 }
 
 fn cache_key(
@@ -509,12 +591,119 @@ fn handle_publish_only(core: &Rc<CoreBroker>, session: &Session, frame: Frame) -
         core.metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
         return true;
     };
-    let fut = append(core, key, batch.payloads);
-    task::spawn(async move {
-        let _ = fut.await;
-    })
-    .detach();
+    match core.resolve(&key) {
+        Resolved::Local => {
+            let fut = append(core, key, batch.payloads);
+            task::spawn(async move {
+                let _ = fut.await;
+            })
+            .detach();
+        }
+        Resolved::Remote(route) => {
+            let fut = forward(core, session, &route, forward::reframe(&frame), false);
+            task::spawn(async move {
+                let _ = fut.await;
+            })
+            .detach();
+        }
+        Resolved::Unavailable(_) => {
+            core.metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
     true
+}
+
+/// Sends a request on to the shard's leader (see [`forward`]).
+fn forward(
+    core: &Rc<CoreBroker>,
+    session: &Session,
+    route: &Route,
+    request: Bytes,
+    answered: bool,
+) -> Pin<Box<dyn Future<Output = Result<Option<Frame>, BrokerError>>>> {
+    let core = core.clone();
+    let (tenant, token) = (session.grant.tenant.clone(), session.token.clone());
+    let addr = route.addr;
+    core.metrics.forwarded.fetch_add(1, Ordering::Relaxed);
+    Box::pin(async move {
+        let (Some(f), Some(addr)) = (core.forwarder.as_ref(), addr) else {
+            return Err(BrokerError::ShardUnavailable("owner_unavailable".into()));
+        };
+        f.call(addr, &tenant, &token, request, answered).await
+    })
+}
+
+/// The owner hint a forwarded ack carries.
+fn owner_hint(route: &Route) -> OwnerHint {
+    OwnerHint {
+        node_id: route.leader.to_string(),
+        addr: route.addr.map(|a| a.to_string()),
+        generation: Generation(route.generation),
+    }
+}
+
+/// The leader's answer to a forwarded binary publish, re-encoded for this client with
+/// the owner named so it can publish there directly next time.
+fn relay_binary_ack(
+    session: &Session,
+    request_id: RequestId,
+    route: &Route,
+    answer: Result<Option<Frame>, BrokerError>,
+) -> Bytes {
+    let mut ack = match answer {
+        Ok(Some(f)) if f.kind == FrameKind::PublishAck => {
+            match PublishAck::decode(f.flags, &f.payload) {
+                Ok(a) => a,
+                Err(e) => ack_for(
+                    request_id,
+                    Err(BrokerError::Internal(format!("leader's ack: {e}"))),
+                ),
+            }
+        }
+        Ok(Some(f)) => match Message::decode(&f.payload) {
+            Ok(Message::Error { message, code, .. }) => {
+                let mut a = PublishAck::error(
+                    request_id,
+                    message,
+                    code.unwrap_or(felix_wire::ErrorCode::Internal),
+                );
+                a.request_id = request_id;
+                a
+            }
+            _ => ack_for(
+                request_id,
+                Err(BrokerError::Internal(
+                    "unexpected answer from the shard leader".into(),
+                )),
+            ),
+        },
+        Ok(None) => ack_for(
+            request_id,
+            Err(BrokerError::Unacknowledged(
+                "no answer from the shard leader".into(),
+            )),
+        ),
+        Err(e) => ack_for(request_id, Err(e)),
+    };
+    ack.owner = Some(owner_hint(route));
+    encode_ack(session, &ack)
+}
+
+/// The leader's answer to a forwarded JSON request, passed through; our own error if
+/// there was none.
+fn relay_json(
+    session: &Session,
+    answer: Result<Option<Frame>, BrokerError>,
+    on_error: impl FnOnce(BrokerError) -> Bytes,
+) -> Bytes {
+    let _ = session;
+    match answer {
+        Ok(Some(f)) if f.kind == FrameKind::Json => forward::json_frame(&f.payload),
+        Ok(_) => on_error(BrokerError::Internal(
+            "unexpected answer from the shard leader".into(),
+        )),
+        Err(e) => on_error(e),
+    }
 }
 
 fn append(
@@ -534,7 +723,14 @@ fn binary_ack(
     request_id: RequestId,
     result: Result<felix_storage_uring::Appended, BrokerError>,
 ) -> Bytes {
-    let ack = match result {
+    encode_ack(session, &ack_for(request_id, result))
+}
+
+fn ack_for(
+    request_id: RequestId,
+    result: Result<felix_storage_uring::Appended, BrokerError>,
+) -> PublishAck {
+    match result {
         Ok(a) => PublishAck::ok(request_id, Some(Offset(a.first))),
         Err(e) => {
             let mut ack = PublishAck::error(request_id, e.to_string(), e.code());
@@ -546,7 +742,10 @@ fn binary_ack(
             }
             ack
         }
-    };
+    }
+}
+
+fn encode_ack(session: &Session, ack: &PublishAck) -> Bytes {
     let mut buf = BytesMut::with_capacity(64);
     ack.encode_frame(&mut buf, session.flags)
         .expect("an ack fits a frame");
@@ -606,24 +805,60 @@ fn handle_frame(
                     b,
                 ))
             }) {
-                Ok((key, batch)) => {
-                    let fut = append(core, key, batch.payloads);
-                    match batch.ack {
-                        Some(a) => {
-                            let s = session.clone();
-                            outbox.push(
-                                Box::pin(
-                                    async move { Some(binary_ack(&s, a.request_id, fut.await)) },
-                                ),
-                                true,
-                            );
+                Ok((key, batch)) => match core.resolve(&key) {
+                    Resolved::Local => {
+                        let fut = append(core, key, batch.payloads);
+                        match batch.ack {
+                            Some(a) => {
+                                let s = session.clone();
+                                outbox.push(
+                                    Box::pin(async move {
+                                        Some(binary_ack(&s, a.request_id, fut.await))
+                                    }),
+                                    true,
+                                );
+                            }
+                            None => task::spawn(async move {
+                                let _ = fut.await;
+                            })
+                            .detach(),
                         }
-                        None => task::spawn(async move {
-                            let _ = fut.await;
-                        })
-                        .detach(),
                     }
-                }
+                    Resolved::Remote(route) => {
+                        let fut = forward(
+                            core,
+                            session,
+                            &route,
+                            forward::reframe(&frame),
+                            batch.ack.is_some(),
+                        );
+                        match batch.ack {
+                            Some(a) => {
+                                let s = session.clone();
+                                outbox.push(
+                                    Box::pin(async move {
+                                        Some(relay_binary_ack(&s, a.request_id, &route, fut.await))
+                                    }),
+                                    true,
+                                );
+                            }
+                            None => task::spawn(async move {
+                                let _ = fut.await;
+                            })
+                            .detach(),
+                        }
+                    }
+                    Resolved::Unavailable(reason) => {
+                        core.metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
+                        if let Some(a) = batch.ack {
+                            outbox.push_now(binary_ack(
+                                session,
+                                a.request_id,
+                                Err(BrokerError::ShardUnavailable(reason.into())),
+                            ));
+                        }
+                    }
+                },
                 Err(e) => {
                     core.metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
                     match ack {
@@ -680,6 +915,7 @@ fn handle_message(
             core,
             session,
             outbox,
+            raw,
             (tenant_id, namespace, stream),
             vec![payload],
             key,
@@ -700,6 +936,7 @@ fn handle_message(
             core,
             session,
             outbox,
+            raw,
             (tenant_id, namespace, stream),
             payloads,
             key,
@@ -760,13 +997,17 @@ fn handle_message(
             true
         }
         Message::Topology => {
-            // One node: no other broker to offer. An empty answer is normal.
-            outbox.push_now(
-                Message::TopologyView {
-                    brokers: Vec::new(),
-                }
-                .to_frame(),
-            );
+            // A standalone broker has no other broker to offer: an empty answer.
+            let brokers = core
+                .shared
+                .cluster
+                .as_ref()
+                .map(|c| c.brokers())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(node_id, addr)| message::BrokerEndpoint { node_id, addr })
+                .collect();
+            outbox.push_now(Message::TopologyView { brokers }.to_frame());
             true
         }
         Message::Subscribe {
@@ -790,8 +1031,27 @@ fn handle_message(
                         Some(shard.map_or(0, |s| s.0)),
                     )
                 });
-            match r {
-                Ok(key) => subscribe(core, conn, session, outbox, key, start),
+            match r.map(|k| (core.resolve(&k), k)) {
+                Ok((Resolved::Local, key)) => subscribe(core, conn, session, outbox, key, start),
+                Ok((Resolved::Remote(route), _)) => outbox.push_now(not_leader(session, &route)),
+                Ok((Resolved::Unavailable(reason), _)) => {
+                    fail(outbox, BrokerError::ShardUnavailable(reason.into()))
+                }
+                Err(e) => fail(outbox, e),
+            }
+            true
+        }
+        Message::ShardOwners {
+            tenant_id,
+            namespace,
+            name,
+            kind,
+            request_id,
+        } => {
+            match session.check_tenant(&tenant_id) {
+                Ok(()) => outbox.push_now(shard_owners(
+                    core, &tenant_id, &namespace, &name, kind, request_id,
+                )),
                 Err(e) => fail(outbox, e),
             }
             true
@@ -807,6 +1067,7 @@ fn handle_message(
                 core,
                 session,
                 outbox,
+                raw,
                 Action::CacheRead,
                 (tenant_id, namespace, cache, key),
                 request_id,
@@ -827,6 +1088,7 @@ fn handle_message(
                 core,
                 session,
                 outbox,
+                raw,
                 Action::CacheWrite,
                 (tenant_id, namespace, cache, key),
                 request_id,
@@ -845,6 +1107,7 @@ fn handle_message(
                 core,
                 session,
                 outbox,
+                raw,
                 Action::CacheWrite,
                 (tenant_id, namespace, cache, key),
                 request_id,
@@ -895,6 +1158,7 @@ fn json_publish(
     core: &Rc<CoreBroker>,
     session: &Session,
     outbox: &Rc<Outbox>,
+    raw: &[u8],
     (t, ns, s): (String, String, String),
     payloads: Vec<Bytes>,
     key: Option<Bytes>,
@@ -917,7 +1181,37 @@ fn json_publish(
                 ));
             }
             stream_key(core, &t, &ns, &s, key.as_deref(), shard.map(|s| s.0))
+        })
+        .and_then(|k| match core.resolve(&k) {
+            Resolved::Local => Ok(Ok(k)),
+            Resolved::Remote(route) => Ok(Err(route)),
+            Resolved::Unavailable(reason) => Err(BrokerError::ShardUnavailable(reason.into())),
         });
+    let prepared = match prepared {
+        Ok(Ok(k)) => Ok(k),
+        Ok(Err(route)) => {
+            let fut = forward(core, session, &route, forward::json_frame(raw), acked);
+            if acked {
+                let (s, rid) = (session.clone(), request_id.unwrap_or_default());
+                outbox.push(
+                    Box::pin(async move {
+                        let answer = fut.await;
+                        Some(relay_json(&s, answer, |e| {
+                            json_publish_answer(&s, rid, Err(e))
+                        }))
+                    }),
+                    true,
+                );
+            } else {
+                task::spawn(async move {
+                    let _ = fut.await;
+                })
+                .detach();
+            }
+            return true;
+        }
+        Err(e) => Err(e),
+    };
     match (prepared, acked) {
         (Ok(k), true) => {
             let fut = append(core, k, payloads);
@@ -950,10 +1244,12 @@ fn json_publish(
     true
 }
 
+#[allow(clippy::too_many_arguments)]
 fn cache_request(
     core: &Rc<CoreBroker>,
     session: &Session,
     outbox: &Rc<Outbox>,
+    raw: &[u8],
     action: Action,
     (t, ns, c, key): (String, String, String, String),
     request_id: Option<RequestId>,
@@ -967,8 +1263,29 @@ fn cache_request(
         }
         cache_key(core, &t, &ns, &c, &key)
     });
-    let shard = match shard {
-        Ok(s) => s,
+    let shard = match shard.map(|k| (core.resolve(&k), k)) {
+        Ok((Resolved::Local, k)) => k,
+        Ok((Resolved::Remote(route), _)) => {
+            let fut = forward(core, session, &route, forward::json_frame(raw), true);
+            let s = session.clone();
+            outbox.push(
+                Box::pin(async move {
+                    let answer = fut.await;
+                    Some(relay_json(&s, answer, |e| {
+                        e.to_message(s.coded()).to_frame()
+                    }))
+                }),
+                false,
+            );
+            return;
+        }
+        Ok((Resolved::Unavailable(reason), _)) => {
+            outbox.push_now(error_frame(
+                &BrokerError::ShardUnavailable(reason.into()),
+                Some(session),
+            ));
+            return;
+        }
         Err(e) => {
             outbox.push_now(error_frame(&e, Some(session)));
             return;

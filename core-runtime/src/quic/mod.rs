@@ -16,8 +16,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use quinn_proto::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use quinn_proto::{ClientConfig, IdleTimeout, ServerConfig, TransportConfig, VarInt};
+use quinn_proto::{IdleTimeout, ServerConfig, TransportConfig, VarInt};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+/// A QUIC client configuration (what [`Endpoint::connect`] takes).
+pub use quinn_proto::ClientConfig;
 
 pub use driver::{
     Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, RecvStream, SendStream,

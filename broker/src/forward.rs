@@ -1,0 +1,186 @@
+//! Forwarding requests for shards another broker leads.
+//!
+//! Publishes and cache operations that reach a broker which does not lead the shard
+//! are sent on to the leader over the ordinary client protocol, authenticated with the
+//! client's own token (so the leader re-checks the permission), and the leader's answer
+//! is relayed. Forwarding never chains: the leader answers for itself. Each core keeps
+//! its own client endpoint and one connection per peer; a request uses a fresh stream.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use felix_core_runtime::quic::{ClientConfig, Connection, Endpoint, EndpointOptions, RecvStream};
+use felix_core_runtime::task;
+use felix_wire::frame::{FrameHeader, FrameReader};
+use felix_wire::{ErrorCode, Features, Flags, Frame, Message};
+
+use crate::error::BrokerError;
+
+/// Layouts a forwarding broker asks the leader to answer in: every ack detail, so
+/// nothing is lost before the answer is re-encoded for the client.
+const FORWARD_FLAGS: Flags = Flags(0x0001 | 0x0008 | 0x0010 | 0x0040 | 0x0200 | 0x0400 | 0x1000);
+
+/// How long a forwarded request may wait for its answer.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One core's forwarding client.
+pub struct Forwarder {
+    endpoint: Endpoint,
+    config: ClientConfig,
+    server_name: String,
+    peers: RefCell<HashMap<SocketAddr, Connection>>,
+}
+
+impl std::fmt::Debug for Forwarder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Forwarder")
+            .field("peers", &self.peers.borrow().len())
+            .finish()
+    }
+}
+
+/// Re-frames a received frame (header plus the zero-copy payload) for sending on.
+pub fn reframe(frame: &Frame) -> Bytes {
+    let header = FrameHeader {
+        flags: frame.flags,
+        length: frame.payload.len() as u32,
+    };
+    let mut out = BytesMut::with_capacity(12 + frame.payload.len());
+    out.extend_from_slice(&header.to_bytes());
+    out.extend_from_slice(&frame.payload);
+    out.freeze()
+}
+
+/// Frames a raw JSON message.
+pub fn json_frame(raw: &[u8]) -> Bytes {
+    let header = FrameHeader {
+        flags: Flags::JSON,
+        length: raw.len() as u32,
+    };
+    let mut out = BytesMut::with_capacity(12 + raw.len());
+    out.extend_from_slice(&header.to_bytes());
+    out.extend_from_slice(raw);
+    out.freeze()
+}
+
+/// The leader's refusal of the forwarded `auth`, as our own error.
+fn remote_refusal(m: Message) -> BrokerError {
+    match m {
+        Message::Error { message, code, .. } => match code {
+            Some(ErrorCode::Unauthenticated) => BrokerError::Unauthenticated(message),
+            Some(ErrorCode::Forbidden) => BrokerError::Forbidden(message),
+            _ => BrokerError::ShardUnavailable("owner_unavailable".into()),
+        },
+        _ => BrokerError::Internal("the shard leader answered auth with something else".into()),
+    }
+}
+
+async fn read_frame(recv: &mut RecvStream, reader: &mut FrameReader) -> Option<Frame> {
+    loop {
+        if let Ok(Some(f)) = reader.next_frame() {
+            return Some(f);
+        }
+        match recv.read_chunk(256 * 1024).await {
+            Ok(Some(chunk)) => reader.push(chunk),
+            _ => return None,
+        }
+    }
+}
+
+impl Forwarder {
+    /// Binds this core's client endpoint (an ephemeral port: answers must come back to
+    /// this core's socket, not the shared listening port).
+    pub fn bind(config: ClientConfig, server_name: String) -> std::io::Result<Forwarder> {
+        let endpoint = Endpoint::bind(
+            "0.0.0.0:0".parse().expect("valid address"),
+            EndpointOptions {
+                server: None,
+                max_connections: 1024,
+                reuse_port: false,
+            },
+        )?;
+        Ok(Forwarder {
+            endpoint,
+            config,
+            server_name,
+            peers: RefCell::default(),
+        })
+    }
+
+    async fn connection(&self, addr: SocketAddr) -> Result<Connection, BrokerError> {
+        let existing = self.peers.borrow().get(&addr).cloned();
+        if let Some(c) = existing {
+            if c.close_reason().is_none() {
+                return Ok(c);
+            }
+            self.peers.borrow_mut().remove(&addr);
+        }
+        let c = self
+            .endpoint
+            .connect(self.config.clone(), addr, &self.server_name)
+            .await
+            .map_err(|e| {
+                tracing::warn!(%addr, error = %e, "connecting to the shard leader");
+                BrokerError::ShardUnavailable("owner_unavailable".into())
+            })?;
+        self.peers.borrow_mut().insert(addr, c.clone());
+        Ok(c)
+    }
+
+    /// Sends `auth` and `request` to the leader at `addr` on a fresh stream. With
+    /// `answered`, waits for and returns the answer frame; without, returns once sent.
+    ///
+    /// Failing before anything was sent is `shard_unavailable` (safe to retry); failing
+    /// after is `unacknowledged` (the leader may have applied it).
+    pub async fn call(
+        &self,
+        addr: SocketAddr,
+        tenant: &str,
+        token: &str,
+        request: Bytes,
+        answered: bool,
+    ) -> Result<Option<Frame>, BrokerError> {
+        let conn = self.connection(addr).await?;
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|_| {
+            self.peers.borrow_mut().remove(&addr);
+            BrokerError::ShardUnavailable("owner_unavailable".into())
+        })?;
+        let (lo, hi) = Features::ERROR_CODES.offer();
+        let auth = Message::Auth {
+            tenant_id: tenant.to_owned(),
+            token: token.to_owned(),
+            client_flags: Some(FORWARD_FLAGS.bits()),
+            client_features: lo,
+            client_features_hi: hi,
+        }
+        .to_frame();
+        let lost =
+            || BrokerError::Unacknowledged("the shard leader went away before answering".into());
+        send.write_chunks(&mut [auth, request])
+            .await
+            .map_err(|_| lost())?;
+        let _ = send.finish();
+        if !answered {
+            return Ok(None);
+        }
+        let mut reader = FrameReader::preauth();
+        let answer = task::timeout(ANSWER_TIMEOUT, async {
+            let first = read_frame(&mut recv, &mut reader).await.ok_or_else(lost)?;
+            match Message::decode(&first.payload) {
+                Ok(Message::AuthOk { .. } | Message::Ok) => {}
+                Ok(m) => return Err(remote_refusal(m)),
+                Err(e) => return Err(BrokerError::Internal(format!("leader's auth answer: {e}"))),
+            }
+            reader.set_max_payload_bytes(felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES);
+            read_frame(&mut recv, &mut reader).await.ok_or_else(lost)
+        })
+        .await
+        .ok_or_else(|| {
+            BrokerError::Unacknowledged("the shard leader did not answer in time".into())
+        })??;
+        Ok(Some(answer))
+    }
+}
