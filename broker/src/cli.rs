@@ -126,8 +126,18 @@ pub fn main() -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("tls_key {}: {e}", key.display()))?;
             let broker = server::start(&config, &cert_pem, &key_pem, Default::default())?;
             println!(
-                "felix-broker: listening on {} (QUIC)",
-                broker.started.listen
+                "felix-broker: listening on {} (QUIC), http {}, node {}{}",
+                broker.started.listen,
+                broker
+                    .started
+                    .http
+                    .map_or("off".to_string(), |a| format!("http://{a}")),
+                config.node_id,
+                config
+                    .cluster
+                    .as_ref()
+                    .map(|c| format!(", following {}", c.url))
+                    .unwrap_or_default()
             );
             server::shutdown_on_signals(broker.shutdown_handle());
             broker.join()?;

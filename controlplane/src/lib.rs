@@ -9,6 +9,7 @@
 //! - [`client`]: a blocking client brokers and the `felix` tool use.
 
 pub mod api;
+pub mod cli;
 pub mod client;
 pub mod config;
 pub mod model;

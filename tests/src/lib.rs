@@ -59,6 +59,45 @@ impl BrokerProcess {
         Ok(p)
     }
 
+    /// Starts `binary serve --config <config>` on `listen` (a fixed port: a broker that
+    /// follows a control plane advertises it) over `data_dir`.
+    pub fn start_serve(
+        binary: &Path,
+        data_dir: &Path,
+        config: &Path,
+        listen: SocketAddr,
+    ) -> anyhow::Result<BrokerProcess> {
+        let args: Vec<String> = vec![
+            "serve".into(),
+            "--config".into(),
+            config.display().to_string(),
+            "--data-dir".into(),
+            data_dir.display().to_string(),
+            "--listen".into(),
+            listen.to_string(),
+            "--http".into(),
+            "127.0.0.1:0".into(),
+        ];
+        let mut p = BrokerProcess {
+            child: None,
+            binary: binary.to_path_buf(),
+            args,
+            data_dir: data_dir.to_path_buf(),
+            listen,
+            http: "0.0.0.0:0".parse().expect("valid"),
+        };
+        p.spawn(None)?;
+        Ok(p)
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGSTOP`) to the process.
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: signalling the child we spawned, by its pid.
+        unsafe {
+            libc::kill(self.pid() as libc::pid_t, signal);
+        }
+    }
+
     fn spawn(&mut self, listen: Option<SocketAddr>) -> anyhow::Result<()> {
         let mut args = self.args.clone();
         if let Some(addr) = listen
@@ -214,6 +253,116 @@ impl Drop for BrokerProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A free UDP port on loopback (bound and released: another process could take it,
+/// which on a test machine it does not).
+pub fn free_udp_addr() -> anyhow::Result<SocketAddr> {
+    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// TLS files for brokers that must trust each other and be trusted by clients: one CA,
+/// one leaf for `localhost` and 127.0.0.1.
+#[derive(Debug, Clone)]
+pub struct ClusterCerts {
+    /// Leaf chain (PEM).
+    pub cert: PathBuf,
+    /// Leaf key (PEM).
+    pub key: PathBuf,
+    /// The CA (PEM).
+    pub ca: PathBuf,
+}
+
+impl ClusterCerts {
+    /// Generates and writes them under `dir`.
+    pub fn write(dir: &Path) -> anyhow::Result<ClusterCerts> {
+        let g = felix_core_runtime::quic::generate_certs(&["localhost", "127.0.0.1"])?;
+        let c = ClusterCerts {
+            cert: dir.join("cert.pem"),
+            key: dir.join("key.pem"),
+            ca: dir.join("ca.pem"),
+        };
+        std::fs::write(&c.cert, &g.cert_pem)?;
+        std::fs::write(&c.key, &g.key_pem)?;
+        std::fs::write(&c.ca, &g.ca_pem)?;
+        Ok(c)
+    }
+}
+
+/// A control-plane process under test (in-memory store unless told otherwise).
+#[derive(Debug)]
+pub struct ControlPlaneProcess {
+    child: Option<Child>,
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+}
+
+impl ControlPlaneProcess {
+    /// Starts `binary --listen 127.0.0.1:0 <extra>` and waits for its address.
+    pub fn start(binary: &Path, extra: &[&str]) -> anyhow::Result<ControlPlaneProcess> {
+        let mut child = Command::new(binary)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(extra)
+            .env(
+                "FELIX_LOG",
+                std::env::var("FELIX_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.split("listening on ").nth(1) {
+                    let _ = tx.send(url.trim().to_owned());
+                }
+            }
+        });
+        let url = rx
+            .recv_timeout(Duration::from_secs(30))
+            .context("the control plane did not report its address")?;
+        Ok(ControlPlaneProcess {
+            child: Some(child),
+            url,
+        })
+    }
+}
+
+impl Drop for ControlPlaneProcess {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Polls `f` every 50 ms until it returns `Some` or `timeout` passes.
+pub fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Option<T>,
+) -> anyhow::Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs `tests/python/<script>` with `args`.
+pub fn run_python_args(script: &str, args: &[&str]) -> anyhow::Result<Output> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(script);
+    Ok(Command::new(python()?).arg(&path).args(args).output()?)
 }
 
 /// The python interpreter with the standard SDK installed (installing it once).

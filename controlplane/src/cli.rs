@@ -1,0 +1,77 @@
+//! The `felix-controlplane` command line (the binary's `main` and the test harness's copy).
+
+use std::path::PathBuf;
+
+use crate::config::{self, FileConfig, Overrides};
+use crate::server;
+use clap::Parser;
+
+/// The Felix control plane.
+#[derive(Debug, Parser)]
+#[command(name = "felix-controlplane", version)]
+struct Args {
+    /// YAML configuration file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// HTTP address (default 127.0.0.1:7070).
+    #[arg(long)]
+    listen: Option<String>,
+    /// `memory` or a postgres:// URL.
+    #[arg(long)]
+    store: Option<String>,
+    /// Enables POST /internal/bootstrap with this token.
+    #[arg(long)]
+    bootstrap_token: Option<String>,
+    /// How often brokers heartbeat.
+    #[arg(long)]
+    heartbeat_interval_ms: Option<u64>,
+    /// Silence after which a broker is down and its shards move.
+    #[arg(long)]
+    expiry_timeout_ms: Option<u64>,
+    /// Time between placement passes.
+    #[arg(long)]
+    placement_interval_ms: Option<u64>,
+}
+
+/// Parses the process arguments and serves until SIGTERM or SIGINT.
+pub fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FELIX_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let file = match &args.config {
+        Some(p) => config::load_file(p)?,
+        None => FileConfig::default(),
+    };
+    let config = config::resolve(
+        file,
+        Overrides {
+            listen: args.listen,
+            store: args.store,
+            bootstrap_token: args.bootstrap_token,
+            heartbeat_interval_ms: args.heartbeat_interval_ms,
+            expiry_timeout_ms: args.expiry_timeout_ms,
+            placement_interval_ms: args.placement_interval_ms,
+        },
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let running = server::start(config).await?;
+        // The one line scripts and the test harness wait for.
+        println!("felix-controlplane listening on http://{}", running.addr);
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        running.stop().await;
+        anyhow::Ok(())
+    })
+}

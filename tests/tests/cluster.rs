@@ -1,0 +1,273 @@
+//! A control plane and two brokers as processes: a 4-shard stream is placed across both,
+//! the standard SDK publishes and reads through whichever broker leads each shard, and a
+//! broker that stops heartbeating loses its shards after the expiry.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use felix_cluster::{
+    BrokerProcess, ClusterCerts, ControlPlaneProcess, expect_success, free_udp_addr,
+    run_python_args, wait_for,
+};
+use felix_controlplane::client::ControlPlaneClient;
+use serde_json::{Value, json};
+
+const BOOTSTRAP: &str = "cluster-test-bootstrap-token";
+
+fn leaders(admin: &ControlPlaneClient) -> BTreeMap<String, String> {
+    admin.get("/v1/shard-assignments").unwrap()["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                format!("{}/{}", a["kind"].as_str().unwrap(), a["shard"]),
+                a["leader"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+fn token(admin: &ControlPlaneClient, tenant: &str, body: Value) -> String {
+    admin
+        .post(&format!("/v1/tenants/{tenant}/tokens"), &body)
+        .unwrap()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+fn broker_config(
+    dir: &Path,
+    certs: &ClusterCerts,
+    url: &str,
+    node: &str,
+    node_token: &str,
+) -> std::path::PathBuf {
+    let path = dir.join(format!("{node}.yaml"));
+    std::fs::write(
+        &path,
+        format!(
+            "node_id: {node}\ncores: \"0\"\nfsync: none\ntls_cert: {}\ntls_key: {}\npeer_ca: {}\ncontrolplane_url: {url}\nnode_token: {node_token}\n",
+            certs.cert.display(),
+            certs.key.display(),
+            certs.ca.display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("felix-cluster")
+        .tempdir_in("/var/tmp")?;
+    let cp = ControlPlaneProcess::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        &[
+            "--bootstrap-token",
+            BOOTSTRAP,
+            "--heartbeat-interval-ms",
+            "200",
+            "--expiry-timeout-ms",
+            "1500",
+            "--placement-interval-ms",
+            "200",
+        ],
+    )?;
+    let anon = ControlPlaneClient::new(&cp.url, None)?;
+    let boot = anon.post_with(
+        "/internal/bootstrap",
+        &json!({}),
+        &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+    )?;
+    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    admin.post("/v1/tenants", &json!({"tenant_id": "acme"}))?;
+    admin.post(
+        "/v1/tenants/acme/namespaces",
+        &json!({"namespace": "payments"}),
+    )?;
+    admin.post(
+        "/v1/tenants/acme/namespaces/payments/streams",
+        &json!({"stream": "orders", "kind": "Stream", "shards": 4}),
+    )?;
+    admin.post(
+        "/v1/tenants/acme/namespaces/payments/caches",
+        &json!({"cache": "sessions", "shards": 2}),
+    )?;
+    let client_token = dir.path().join("client.token");
+    std::fs::write(
+        &client_token,
+        token(
+            &admin,
+            "acme",
+            json!({"sub": "app", "audience": "felix-broker", "perms": felix_wire::token::all_data_perms("acme")}),
+        ),
+    )?;
+
+    let certs = ClusterCerts::write(dir.path())?;
+    let binary = Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test"));
+    let mut brokers = Vec::new();
+    for node in ["node-a", "node-b"] {
+        let node_token = token(
+            &admin,
+            "operator",
+            json!({"sub": node, "audience": "felix-controlplane", "perms": [format!("node.manage:node:{node}"), "node.view:cluster:*"]}),
+        );
+        let config = broker_config(dir.path(), &certs, &cp.url, node, &node_token);
+        let data = dir.path().join(node);
+        brokers.push(BrokerProcess::start_serve(
+            binary,
+            &data,
+            &config,
+            free_udp_addr()?,
+        )?);
+    }
+
+    // Placement spreads the 4 stream shards (and 2 cache shards) across both brokers.
+    let placed = wait_for(
+        "6 shards placed on both brokers",
+        Duration::from_secs(20),
+        || {
+            let l = leaders(&admin);
+            let on_a = l.values().filter(|n| *n == "node-a").count();
+            (l.len() == 6 && on_a == 3).then_some(l)
+        },
+    )?;
+    let streams_on: Vec<usize> = ["node-a", "node-b"]
+        .iter()
+        .map(|n| {
+            placed
+                .iter()
+                .filter(|(k, v)| k.starts_with("stream") && *v == n)
+                .count()
+        })
+        .collect();
+    assert!(
+        streams_on.iter().all(|n| *n >= 1),
+        "stream shards on both brokers: {placed:?}"
+    );
+    // Each broker learns its share.
+    wait_for("brokers see their routes", Duration::from_secs(10), || {
+        let led: Vec<u64> = brokers
+            .iter()
+            .map(|b| b.metric("felix_broker_shards_led").unwrap_or(0))
+            .collect();
+        (led == [3, 3]).then_some(())
+    })?;
+
+    // The standard SDK, seeded with both brokers.
+    let seeds = format!("{},{}", brokers[0].listen, brokers[1].listen);
+    let (token_path, ca) = (
+        client_token.display().to_string(),
+        certs.ca.display().to_string(),
+    );
+    let out = run_python_args(
+        "cluster.py",
+        &[&seeds, &token_path, &ca, "first", "sessions"],
+    )?;
+    println!("{}", expect_success("cluster.py (both brokers)", &out)?);
+    for b in &brokers {
+        assert!(
+            b.metric("felix_broker_publish_records_total")? > 0,
+            "every broker stored records for the shards it leads"
+        );
+    }
+    // The standard SDK went straight to each leader. A client that knows only node-a
+    // still reaches every shard: node-a forwards, and a subscribe to a shard node-b
+    // leads is answered with not_leader naming node-b.
+    let rt = tokio::runtime::Runtime::new()?;
+    let quinn = felix_client::quic_client_config_from_file(&certs.ca, false)?;
+    let mut config = felix_client::ClientConfig::from_env_or_yaml(quinn, None)?;
+    config.auth_tenant_id = Some("acme".into());
+    config.auth_token = Some(std::fs::read_to_string(&client_token)?);
+    let b_stream_shard: u32 = placed
+        .iter()
+        .find(|(k, v)| k.starts_with("stream") && *v == "node-b")
+        .map(|(k, _)| k.rsplit('/').next().unwrap().parse().unwrap())
+        .unwrap();
+    let before = brokers[0].metric("felix_broker_forwarded_total")?;
+    rt.block_on(async {
+        let c = felix_client::Client::connect(brokers[0].listen, "localhost", config).await?;
+        for i in 0..40 {
+            let key = bytes::Bytes::from(format!("direct-{i}"));
+            let off = c
+                .publish_keyed(
+                    "acme",
+                    "payments",
+                    "orders",
+                    key,
+                    b"x".to_vec(),
+                    felix_client::AckMode::PerMessage,
+                )
+                .await?;
+            assert!(
+                off.is_some(),
+                "a forwarded publish is acked with its offset"
+            );
+        }
+        for i in 0..20 {
+            let k = format!("d{i}");
+            c.cache_put(
+                "acme",
+                "payments",
+                "sessions",
+                &k,
+                bytes::Bytes::from_static(b"v"),
+                None,
+            )
+            .await?;
+            let got = c.cache_get("acme", "payments", "sessions", &k).await?;
+            assert_eq!(got.as_deref(), Some(&b"v"[..]));
+        }
+        match c
+            .subscribe_shard("acme", "payments", "orders", b_stream_shard, None)
+            .await
+        {
+            Err(felix_client::ClientError::NotLeader(nl)) => {
+                assert_eq!(nl.node_id, "node-b");
+                assert_eq!(nl.addr, Some(brokers[1].listen.to_string()));
+            }
+            other => panic!(
+                "expected not_leader for shard {b_stream_shard}, got {:?}",
+                other.err()
+            ),
+        }
+        anyhow::Ok(())
+    })?;
+    let forwarded = brokers[0].metric("felix_broker_forwarded_total")? - before;
+    assert!(
+        forwarded >= 20,
+        "node-a forwarded node-b's publishes and cache ops ({forwarded})"
+    );
+
+    // node-b stops heartbeating (frozen): after the expiry its shards move to node-a.
+    brokers[1].signal(libc::SIGSTOP);
+    let moved = wait_for(
+        "node-b's shards moved to node-a",
+        Duration::from_secs(15),
+        || {
+            let l = leaders(&admin);
+            (l.len() == 6 && l.values().all(|n| n == "node-a")).then_some(l)
+        },
+    );
+    let down = admin.get("/v1/nodes/node-b")?["lifecycle"].clone();
+    brokers[1].signal(libc::SIGCONT);
+    moved?;
+    assert_eq!(down, "down");
+    // Entering through node-a alone, every shard is served again.
+    wait_for("node-a leads all 6", Duration::from_secs(10), || {
+        (brokers[0].metric("felix_broker_shards_led").unwrap_or(0) == 6).then_some(())
+    })?;
+    let only_a = brokers[0].listen.to_string();
+    let out = run_python_args("cluster.py", &[&only_a, &token_path, &ca, "after-move"])?;
+    expect_success("cluster.py (after node-b went silent)", &out)?;
+    // node-b, thawed, registers again as a new incarnation and is live.
+    wait_for("node-b live again", Duration::from_secs(10), || {
+        let n = admin.get("/v1/nodes/node-b").ok()?;
+        (n["lifecycle"] == "live" && n["incarnation"].as_u64()? >= 2).then_some(())
+    })?;
+    Ok(())
+}
