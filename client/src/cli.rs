@@ -46,9 +46,16 @@ struct Cli {
     /// Output JSON lines.
     #[arg(long, global = true)]
     json: bool,
-    /// Context file (YAML: broker, tenant, token_file, ca, server_name).
+    /// Context file (YAML: broker, tenant, token_file, ca, server_name, controlplane,
+    /// controlplane_token_file).
     #[arg(long, global = true)]
     context: Option<PathBuf>,
+    /// Control-plane URL for `stream` commands (`http://host:port`).
+    #[arg(long, global = true)]
+    controlplane: Option<String>,
+    /// File holding a control-plane token (audience felix-controlplane).
+    #[arg(long, global = true)]
+    controlplane_token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -100,6 +107,37 @@ enum Command {
         /// Stream.
         stream: String,
     },
+    /// Create and list streams through the control plane.
+    Stream {
+        #[command(subcommand)]
+        op: StreamCmd,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Routing {
+    Modulo,
+    JumpHash,
+}
+
+#[derive(Subcommand)]
+enum StreamCmd {
+    /// Create a stream (shard count and routing are fixed from then on).
+    Create {
+        /// Stream.
+        stream: String,
+        /// Shard count.
+        #[arg(long, default_value_t = 1)]
+        shards: u32,
+        /// Key-to-shard mapping.
+        #[arg(long, value_enum, default_value = "modulo")]
+        routing: Routing,
+        /// Replicas, leader included.
+        #[arg(long, default_value_t = 1)]
+        replication_factor: u32,
+    },
+    /// List the namespace's streams.
+    List,
 }
 
 #[derive(Subcommand)]
@@ -140,6 +178,8 @@ struct Context {
     token_file: Option<PathBuf>,
     ca: Option<PathBuf>,
     server_name: Option<String>,
+    controlplane: Option<String>,
+    controlplane_token_file: Option<PathBuf>,
 }
 
 enum Failure {
@@ -287,6 +327,116 @@ fn show(
     }
 }
 
+/// Exit code for a control-plane failure, on the same scale as broker failures.
+fn controlplane_exit_code(e: &felix_controlplane::client::ClientError) -> i32 {
+    match e.status() {
+        None => 3,
+        Some(401 | 403) => 4,
+        Some(404) => 5,
+        Some(400 | 413) => 2,
+        Some(_) => 6,
+    }
+}
+
+/// `felix stream ...`: talks to the control plane, not to a broker.
+fn run_stream(cli: &Cli, op: &StreamCmd) -> Result<(), i32> {
+    use felix_controlplane::client::ControlPlaneClient;
+    let usage = |m: String| {
+        eprintln!("felix: {m}");
+        2
+    };
+    let ctx = load_context(cli).map_err(|f| match f {
+        Failure::Usage(m) => usage(m),
+        Failure::Client(e) => usage(e.to_string()),
+    })?;
+    let url = cli
+        .controlplane
+        .clone()
+        .or_else(|| std::env::var("FELIX_CONTROLPLANE_URL").ok())
+        .or(ctx.controlplane.clone())
+        .ok_or_else(|| {
+            usage("stream commands need --controlplane (or FELIX_CONTROLPLANE_URL)".into())
+        })?;
+    let token = match std::env::var("FELIX_CONTROLPLANE_TOKEN") {
+        Ok(t) if cli.controlplane_token_file.is_none() => t,
+        _ => {
+            let f = cli
+                .controlplane_token_file
+                .clone()
+                .or_else(|| std::env::var("FELIX_CONTROLPLANE_TOKEN_FILE").ok().map(PathBuf::from))
+                .or(ctx.controlplane_token_file.clone())
+                .ok_or_else(|| {
+                    usage("stream commands need --controlplane-token-file (or FELIX_CONTROLPLANE_TOKEN)".into())
+                })?;
+            read_token(&f).map_err(|f| match f {
+                Failure::Usage(m) => usage(m),
+                Failure::Client(e) => usage(e.to_string()),
+            })?
+        }
+    };
+    let tenant = cli
+        .tenant
+        .clone()
+        .or_else(|| std::env::var("FELIX_TENANT").ok())
+        .or(ctx.tenant.clone())
+        .unwrap_or_else(|| "dev".into());
+    let cp = ControlPlaneClient::new(&url, Some(token)).map_err(|e| usage(e.to_string()))?;
+    let path = format!("/v1/tenants/{tenant}/namespaces/{}/streams", cli.namespace);
+    let fail = |e: felix_controlplane::client::ClientError| {
+        eprintln!("felix: {e}");
+        controlplane_exit_code(&e)
+    };
+    let mut out = std::io::stdout().lock();
+    match op {
+        StreamCmd::Create {
+            stream,
+            shards,
+            routing,
+            replication_factor,
+        } => {
+            let routing = match routing {
+                Routing::Modulo => "modulo",
+                Routing::JumpHash => "jump_hash",
+            };
+            let created = cp
+                .post(
+                    &path,
+                    &serde_json::json!({
+                        "stream": stream, "kind": "Stream", "shards": shards,
+                        "routing": routing, "replication_factor": replication_factor,
+                    }),
+                )
+                .map_err(fail)?;
+            if cli.json {
+                let _ = writeln!(out, "{created}");
+            } else {
+                let _ = writeln!(
+                    out,
+                    "created {tenant}/{}/{stream} with {shards} shards",
+                    cli.namespace
+                );
+            }
+        }
+        StreamCmd::List => {
+            let listed = cp.get(&path).map_err(fail)?;
+            for s in listed["items"].as_array().into_iter().flatten() {
+                if cli.json {
+                    let _ = writeln!(out, "{s}");
+                } else {
+                    let _ = writeln!(
+                        out,
+                        "{} shards={} routing={}",
+                        s["stream"].as_str().unwrap_or(""),
+                        s["shards"],
+                        s["routing"].as_str().unwrap_or("modulo")
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 async fn run(cli: Cli) -> Result<(), Failure> {
     let (client, tenant) = connect(&cli).await?;
     let ns = cli.namespace.as_str();
@@ -430,6 +580,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 }
             }
         }
+        Command::Stream { .. } => unreachable!("handled before connecting"),
         Command::Shards { stream } => {
             let n = client.stream_shards(&tenant, ns, stream).await?;
             if cli.json {
@@ -449,6 +600,12 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 /// Parses the process arguments, runs the command and exits with its code.
 pub fn main() {
     let cli = Cli::parse();
+    if let Command::Stream { op } = &cli.command {
+        std::process::exit(match run_stream(&cli, op) {
+            Ok(()) => 0,
+            Err(code) => code,
+        });
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

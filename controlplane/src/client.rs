@@ -24,7 +24,7 @@ pub enum ClientError {
         message: String,
     },
     /// The service answered with an error.
-    #[error("{status} {code}: {message}")]
+    #[error("{status} {code}: {message}{}", field.as_deref().map(|f| format!(" (field `{f}`)")).unwrap_or_default())]
     Api {
         /// HTTP status.
         status: u16,

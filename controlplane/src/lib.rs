@@ -6,14 +6,23 @@
 //! - [`api`]: the REST API with token authentication and RBAC on every endpoint.
 //! - [`placement`]: the timed pass that assigns shards to ready nodes.
 //! - [`server`]: wiring it together; [`config`]: the binary's settings.
-//! - [`client`]: a blocking client brokers and the `felix` tool use.
+//! - [`client`]: a blocking client brokers and the `felix` tool use; with default
+//!   features off, the crate is only this and [`model`].
 
-pub mod api;
-pub mod cli;
 pub mod client;
-pub mod config;
 pub mod model;
+
+#[cfg(feature = "server")]
+pub mod api;
+#[cfg(feature = "server")]
+pub mod cli;
+#[cfg(feature = "server")]
+pub mod config;
+#[cfg(feature = "server")]
 pub mod pg;
+#[cfg(feature = "server")]
 pub mod placement;
+#[cfg(feature = "server")]
 pub mod server;
+#[cfg(feature = "server")]
 pub mod store;

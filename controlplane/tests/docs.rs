@@ -10,7 +10,9 @@ const BOOTSTRAP: &str = "docs-walkthrough-bootstrap";
 
 fn walkthrough() -> String {
     let doc = include_str!("../../docs/control-plane.md");
-    let start = doc.find("<!-- walkthrough:start -->").expect("start marker");
+    let start = doc
+        .find("<!-- walkthrough:start -->")
+        .expect("start marker");
     let end = doc.find("<!-- walkthrough:end -->").expect("end marker");
     let block = &doc[start..end];
     let code = block.split("```bash\n").nth(1).expect("a bash block");
@@ -52,8 +54,14 @@ fn the_documented_curl_walkthrough_works() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains(r#""tenant_id":"acme""#), "{stdout}");
-    assert!(stdout.contains(r#""version": 2"#), "the PATCH applied: {stdout}");
-    let placed = stdout.lines().filter(|l| l.contains(r#""leader":"node-a""#)).count();
+    assert!(
+        stdout.contains(r#""version": 2"#),
+        "the PATCH applied: {stdout}"
+    );
+    let placed = stdout
+        .lines()
+        .filter(|l| l.contains(r#""leader":"node-a""#))
+        .count();
     assert_eq!(placed, 4, "four shards on node-a: {stdout}");
     assert!(stdout.contains(r#""field":"shards""#), "{stdout}");
     assert!(stdout.trim_end().ends_with("401"), "{stdout}");

@@ -271,3 +271,113 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
     })?;
     Ok(())
 }
+
+#[test]
+fn felix_stream_create_and_list_go_through_the_control_plane() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cp = ControlPlaneProcess::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        &["--bootstrap-token", BOOTSTRAP],
+    )?;
+    let anon = ControlPlaneClient::new(&cp.url, None)?;
+    let boot = anon.post_with(
+        "/internal/bootstrap",
+        &json!({}),
+        &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+    )?;
+    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    admin.post("/v1/tenants", &json!({"tenant_id": "acme"}))?;
+    admin.post(
+        "/v1/tenants/acme/namespaces",
+        &json!({"namespace": "payments"}),
+    )?;
+    let token_file = dir.path().join("acme-admin.token");
+    std::fs::write(
+        &token_file,
+        token(
+            &admin,
+            "acme",
+            json!({"sub": "ops", "audience": "felix-controlplane", "perms": ["tenant.manage:tenant:acme"]}),
+        ),
+    )?;
+    let felix = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_felix-under-test"))
+            .args([
+                "--controlplane",
+                &cp.url,
+                "--tenant",
+                "acme",
+                "--namespace",
+                "payments",
+            ])
+            .arg("--controlplane-token-file")
+            .arg(&token_file)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = felix(&[
+        "stream",
+        "create",
+        "audit",
+        "--shards",
+        "3",
+        "--routing",
+        "jump-hash",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "created acme/payments/audit with 3 shards"
+    );
+    let again = felix(&["stream", "create", "audit", "--shards", "3"]);
+    assert_eq!(again.status.code(), Some(6), "a duplicate is a conflict");
+    assert!(String::from_utf8_lossy(&again.stderr).contains("409"));
+    let zero = felix(&["stream", "create", "empty", "--shards", "0"]);
+    assert_eq!(
+        zero.status.code(),
+        Some(2),
+        "invalid input is a usage error"
+    );
+    assert!(String::from_utf8_lossy(&zero.stderr).contains("shards"));
+    let list = felix(&["stream", "list", "--json"]);
+    assert_eq!(list.status.code(), Some(0));
+    let streams: Vec<Value> = String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(streams.len(), 1);
+    assert_eq!(
+        (
+            streams[0]["stream"].as_str(),
+            streams[0]["shards"].as_u64(),
+            streams[0]["routing"].as_str()
+        ),
+        (Some("audit"), Some(3), Some("jump_hash"))
+    );
+    // Another tenant's namespace is forbidden; no control plane is a usage error.
+    let other = std::process::Command::new(env!("CARGO_BIN_EXE_felix-under-test"))
+        .args([
+            "--controlplane",
+            &cp.url,
+            "--tenant",
+            "globex",
+            "stream",
+            "list",
+            "--controlplane-token-file",
+        ])
+        .arg(&token_file)
+        .output()?;
+    assert_eq!(other.status.code(), Some(4));
+    let nowhere = std::process::Command::new(env!("CARGO_BIN_EXE_felix-under-test"))
+        .args(["stream", "list"])
+        .env_remove("FELIX_CONTROLPLANE_URL")
+        .output()?;
+    assert_eq!(nowhere.status.code(), Some(2));
+    Ok(())
+}
