@@ -152,6 +152,13 @@ impl Catalog {
         Ok(spec)
     }
 
+    /// A stream's (`stream`) or cache's spec, if declared.
+    pub fn spec(&self, stream: bool, t: &str, ns: &str, n: &str) -> Option<StreamSpec> {
+        let st = self.state.read().expect("catalog lock");
+        let map = if stream { &st.streams } else { &st.caches };
+        map.get(&flat(t, ns, n)).copied()
+    }
+
     fn lookup(
         &self,
         stream: bool,

@@ -65,6 +65,9 @@ enum Command {
         /// The tenant to create a token for.
         #[arg(long, default_value = "dev")]
         tenant: String,
+        /// Address of the embedded control plane ("off" to run without one).
+        #[arg(long, default_value = "127.0.0.1:7070")]
+        controlplane_listen: String,
     },
     /// A broker from a YAML config (overridden by FELIX_* env and flags).
     Serve {
@@ -86,7 +89,11 @@ pub fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
-        Command::Dev { common, tenant } => {
+        Command::Dev {
+            common,
+            tenant,
+            controlplane_listen,
+        } => {
             let config = BrokerConfig::resolve(FileConfig::default(), common.overrides(), true)?;
             let setup = dev::prepare(&config.data_dir, &tenant)?;
             let broker =
@@ -102,6 +109,22 @@ pub fn main() -> anyhow::Result<()> {
                 config.fsync,
                 config.data_dir.display()
             );
+            if controlplane_listen != "off" {
+                let listen = controlplane_listen.parse().map_err(|e| {
+                    anyhow::anyhow!("--controlplane-listen {controlplane_listen:?}: {e}")
+                })?;
+                let cp = crate::embedded::start(
+                    listen,
+                    &config.data_dir,
+                    &tenant,
+                    broker.shared.clone(),
+                )?;
+                println!(
+                    "felix-broker dev: control plane {} (admin token {})",
+                    cp.url,
+                    cp.token_path.display()
+                );
+            }
             println!(
                 "{}",
                 dev::connect_snippet(broker.started.listen, &tenant, &setup)

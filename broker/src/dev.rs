@@ -26,7 +26,8 @@ pub struct DevSetup {
     pub keys: TenantKeys,
 }
 
-fn write_private(path: &Path, data: &[u8]) -> anyhow::Result<()> {
+/// Writes `data` to `path` readable by the owner only (atomically, durably).
+pub fn write_private(path: &Path, data: &[u8]) -> anyhow::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("tmp");
     let mut f = std::fs::OpenOptions::new()

@@ -14,6 +14,7 @@ pub mod cluster;
 pub mod config;
 pub mod core;
 pub mod dev;
+pub mod embedded;
 pub mod error;
 pub mod forward;
 pub mod http;

@@ -363,11 +363,13 @@ fn run_stream(cli: &Cli, op: &StreamCmd) -> Result<(), i32> {
             let f = cli
                 .controlplane_token_file
                 .clone()
-                .or_else(|| std::env::var("FELIX_CONTROLPLANE_TOKEN_FILE").ok().map(PathBuf::from))
+                .or_else(|| {
+                    std::env::var("FELIX_CONTROLPLANE_TOKEN_FILE")
+                        .ok()
+                        .map(PathBuf::from)
+                })
                 .or(ctx.controlplane_token_file.clone())
-                .ok_or_else(|| {
-                    usage("stream commands need --controlplane-token-file (or FELIX_CONTROLPLANE_TOKEN)".into())
-                })?;
+                .unwrap_or_else(|| PathBuf::from("felix-data/dev/controlplane.token"));
             read_token(&f).map_err(|f| match f {
                 Failure::Usage(m) => usage(m),
                 Failure::Client(e) => usage(e.to_string()),

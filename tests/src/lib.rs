@@ -28,6 +28,8 @@ pub struct BrokerProcess {
     pub listen: SocketAddr,
     /// HTTP address.
     pub http: SocketAddr,
+    /// The embedded control plane's URL (dev mode).
+    pub controlplane: Option<String>,
 }
 
 impl BrokerProcess {
@@ -45,6 +47,8 @@ impl BrokerProcess {
             "127.0.0.1:0".into(),
             "--http".into(),
             "127.0.0.1:0".into(),
+            "--controlplane-listen".into(),
+            "127.0.0.1:0".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut p = BrokerProcess {
@@ -54,6 +58,7 @@ impl BrokerProcess {
             data_dir: data_dir.to_path_buf(),
             listen: "0.0.0.0:0".parse().expect("valid"),
             http: "0.0.0.0:0".parse().expect("valid"),
+            controlplane: None,
         };
         p.spawn(None)?;
         Ok(p)
@@ -85,6 +90,7 @@ impl BrokerProcess {
             data_dir: data_dir.to_path_buf(),
             listen,
             http: "0.0.0.0:0".parse().expect("valid"),
+            controlplane: None,
         };
         p.spawn(None)?;
         Ok(p)
@@ -118,11 +124,9 @@ impl BrokerProcess {
         let stdout = child.stdout.take().expect("piped");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            let mut sent = false;
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if !sent && line.contains("listening on") {
+                if line.contains("listening on") || line.contains("control plane http://") {
                     let _ = tx.send(line.clone());
-                    sent = true;
                 }
             }
         });
@@ -142,6 +146,21 @@ impl BrokerProcess {
             .and_then(|r| r.split([',', ' ']).next())
         {
             self.http = http.parse()?;
+        }
+        let embedded = self.args.first().is_some_and(|a| a == "dev")
+            && !self
+                .args
+                .windows(2)
+                .any(|w| w[0] == "--controlplane-listen" && w[1] == "off");
+        if embedded {
+            let line = rx
+                .recv_timeout(Duration::from_secs(30))
+                .context("the dev broker did not report its control plane")?;
+            self.controlplane = line
+                .split("control plane ")
+                .nth(1)
+                .and_then(|r| r.split_whitespace().next())
+                .map(str::to_owned);
         }
         self.child = Some(child);
         Ok(())

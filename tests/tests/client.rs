@@ -341,3 +341,69 @@ fn felix_pub_piped_into_felix_sub() {
     assert!(out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stdout), "one\ntwo\nthree\n");
 }
+
+#[test]
+fn dev_mode_embeds_a_control_plane() {
+    let (b, _dir) = broker(&[]);
+    let url = b
+        .controlplane
+        .clone()
+        .expect("dev mode reports its control plane");
+    let felix = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_felix-under-test"))
+            .args(["--controlplane", &url, "--controlplane-token-file"])
+            .arg(b.data_dir.join("dev/controlplane.token"))
+            .arg("--broker")
+            .arg(b.listen.to_string())
+            .arg("--token-file")
+            .arg(b.data_dir.join("dev/token"))
+            .arg("--ca")
+            .arg(b.ca_file())
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    // A stream made through the API reaches the broker with its shard count.
+    let out = felix(&["stream", "create", "wide", "--shards", "4"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    felix_cluster::wait_for(
+        "the broker learns of `wide`",
+        Duration::from_secs(10),
+        || {
+            let out = felix(&["shards", "wide"]);
+            (String::from_utf8_lossy(&out.stdout).trim() == "4").then_some(())
+        },
+    )
+    .unwrap();
+    // A stream the broker made on first use shows up in the API.
+    let out = felix(&["pub", "auto", "hello"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    felix_cluster::wait_for(
+        "`auto` listed by the control plane",
+        Duration::from_secs(10),
+        || {
+            let out = felix(&["stream", "list"]);
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            (text.contains("auto shards=1") && text.contains("wide shards=4")).then_some(())
+        },
+    )
+    .unwrap();
+    // The API refuses to redefine what the broker already made.
+    let out = felix(&["stream", "create", "auto", "--shards", "4"]);
+    assert_eq!(
+        out.status.code(),
+        Some(6),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
