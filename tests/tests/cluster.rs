@@ -235,6 +235,28 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
                 other.err()
             ),
         }
+        // Our ClusterClient, seeded with node-a alone, follows the redirect and reads
+        // the records node-b holds.
+        let quinn = felix_client::quic_client_config_from_file(&certs.ca, false)?;
+        let mut config = felix_client::ClientConfig::from_env_or_yaml(quinn, None)?;
+        config.auth_tenant_id = Some("acme".into());
+        config.auth_token = Some(std::fs::read_to_string(&client_token)?);
+        let cc =
+            felix_client::ClusterClient::connect(&[brokers[0].listen], "localhost", config).await?;
+        let mut sub = cc
+            .subscribe_shard(
+                "acme",
+                "payments",
+                "orders",
+                b_stream_shard,
+                Some(felix_client::StartPosition::Earliest),
+            )
+            .await?;
+        let first = tokio::time::timeout(Duration::from_secs(10), sub.next_event()).await??;
+        assert!(
+            first.is_some(),
+            "the redirected subscription delivers node-b's records"
+        );
         anyhow::Ok(())
     })?;
     let forwarded = brokers[0].metric("felix_broker_forwarded_total")? - before;
