@@ -51,11 +51,28 @@ impl std::fmt::Debug for LocalBroker {
 impl LocalBroker {
     /// Starts one with `cores` and `fsync`.
     pub fn start(cores: Option<&str>, fsync: &str) -> anyhow::Result<LocalBroker> {
-        let dir = tempfile::Builder::new()
-            .prefix("felix-bench")
-            .tempdir_in("/var/tmp")?;
+        Self::start_with(cores, fsync, &[], None)
+    }
+
+    /// Starts one with operator pin rules, over `dir` when given (a restart) or a fresh
+    /// temporary directory.
+    pub fn start_with(
+        cores: Option<&str>,
+        fsync: &str,
+        pins: &[String],
+        dir: Option<tempfile::TempDir>,
+    ) -> anyhow::Result<LocalBroker> {
+        let dir = match dir {
+            Some(d) => d,
+            None => tempfile::Builder::new()
+                .prefix("felix-bench")
+                .tempdir_in("/var/tmp")?,
+        };
         let config = BrokerConfig::resolve(
-            FileConfig::default(),
+            FileConfig {
+                pins: pins.to_vec(),
+                ..FileConfig::default()
+            },
             Overrides {
                 listen: Some("127.0.0.1:0".into()),
                 http: Some("off".into()),
@@ -93,6 +110,14 @@ impl LocalBroker {
             b.shutdown()?;
         }
         Ok(())
+    }
+
+    /// Stops it and keeps its data directory (for a restart over it).
+    pub fn stop_keep(mut self) -> anyhow::Result<tempfile::TempDir> {
+        if let Some(b) = self.broker.take() {
+            b.shutdown()?;
+        }
+        Ok(std::mem::replace(&mut self._dir, tempfile::tempdir()?))
     }
 
     /// Its address.

@@ -145,6 +145,20 @@ impl Publisher {
         stream: &str,
         payloads: &[Bytes],
     ) -> anyhow::Result<()> {
+        self.publish_at(target, namespace, stream, payloads, None)
+            .await
+    }
+
+    /// Like [`Publisher::publish`], with the ack latency measured from `intended` (the
+    /// time an open-loop schedule meant to send it) instead of the actual send.
+    pub async fn publish_at(
+        &mut self,
+        target: &Target,
+        namespace: &str,
+        stream: &str,
+        payloads: &[Bytes],
+        intended: Option<Instant>,
+    ) -> anyhow::Result<()> {
         self.window.acquire().await?.forget();
         self.next_id += 1;
         self.buf.clear();
@@ -163,7 +177,7 @@ impl Publisher {
         self.sent_at
             .lock()
             .expect("ack times")
-            .push_back(Instant::now());
+            .push_back(intended.unwrap_or_else(Instant::now));
         self.send.write_all(&self.buf).await?;
         Ok(())
     }

@@ -3,5 +3,9 @@
 
 pub mod broker;
 pub mod client;
+pub mod compare;
+pub mod drivers;
+pub mod peers;
 pub mod quic;
+pub mod report;
 pub mod stats;

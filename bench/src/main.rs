@@ -26,6 +26,22 @@ enum Command {
         #[arg(long, default_value_t = 256 << 20)]
         bytes: u64,
     },
+    /// The scenario matrix against our broker, NATS JetStream and Redis Streams; writes
+    /// results.json, results.md, throughput.svg and latency.svg.
+    Compare {
+        /// Cell size.
+        #[arg(long, value_enum, default_value = "small")]
+        scale: felix_bench::compare::Scale,
+        /// Brokers to drive.
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "felix,nats,redis")]
+        peers: Vec<felix_bench::compare::Peer>,
+        /// Our broker's cores.
+        #[arg(long, default_value = "0-1")]
+        cores: String,
+        /// Output directory.
+        #[arg(long, default_value = "bench-results")]
+        out: std::path::PathBuf,
+    },
     /// Broker: 1 KiB records, batch 1 and 64, fanout 1 and 10; ack and delivery latency.
     Broker {
         /// `on-commit`, `periodic:<ms>` or `none`.
@@ -50,6 +66,22 @@ fn main() -> anyhow::Result<()> {
             rtt_samples,
             bytes,
         } => felix_bench::quic::run(rounds, rtt_samples, bytes),
+        Command::Compare {
+            scale,
+            peers,
+            cores,
+            out,
+        } => {
+            let md = felix_bench::compare::run(&felix_bench::compare::Options {
+                scale,
+                peers,
+                cores,
+                out,
+                progress: true,
+            })?;
+            println!("{md}");
+            Ok(())
+        }
         Command::Broker {
             fsync,
             records,

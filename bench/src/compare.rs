@@ -1,0 +1,511 @@
+//! `felix-bench compare`: the scenario matrix against our broker and the peers, in one
+//! run on one machine, written out as JSON, a Markdown table with ratios, and SVG plots.
+//!
+//! Method (docs/benchmarks.md has the long form):
+//! - Every broker runs on loopback on this machine, sharing its cores with the load
+//!   generator (a tokio runtime in this process). Ours runs in process on `--cores`.
+//! - Closed loop: each producer keeps a window of batches in flight and sends the next as
+//!   soon as there is room; throughput = records acknowledged / time to the last ack.
+//! - Open loop (S12): batches are due at fixed intervals; ack latency is measured from the
+//!   due time, so a broker that falls behind is charged for the wait (no coordinated
+//!   omission).
+//! - Consumers open before producers; every cell checks that each consumer received every
+//!   record and fails on loss or timeout. A warm-up cell per broker is not reported.
+//! - Durable cells (S6-S8, S12 durable) sync before acknowledging on every broker; the
+//!   others acknowledge once the write is handed to the OS, again on every broker.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use serde_json::{Value, json};
+
+use crate::broker::LocalBroker;
+use crate::drivers::{Driver, FelixDriver, NatsDriver, RedisDriver, stamp_now, stamped};
+use crate::peers::{self, PeerBinaries};
+use crate::stats::percentile;
+
+/// How big each cell is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scale {
+    /// Seconds in total: what `cargo test` runs so the tool cannot rot.
+    Tiny,
+    /// A few minutes: the documented run.
+    Small,
+    /// Longer cells, steadier numbers.
+    Full,
+}
+
+impl Scale {
+    /// Records per batch-64 cell.
+    fn records(self) -> u64 {
+        match self {
+            Scale::Tiny => 2_048,
+            Scale::Small => 128_000,
+            Scale::Full => 512_000,
+        }
+    }
+
+    /// Latency samples.
+    fn samples(self) -> usize {
+        match self {
+            Scale::Tiny => 40,
+            Scale::Small => 2_000,
+            Scale::Full => 5_000,
+        }
+    }
+}
+
+/// Which brokers to drive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Peer {
+    /// Ours.
+    Felix,
+    /// NATS JetStream.
+    Nats,
+    /// Redis Streams.
+    Redis,
+}
+
+/// Run settings.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Cell size.
+    pub scale: Scale,
+    /// Brokers.
+    pub peers: Vec<Peer>,
+    /// Our broker's cores.
+    pub cores: String,
+    /// Where results go.
+    pub out: std::path::PathBuf,
+    /// Print a progress bar per run.
+    pub progress: bool,
+}
+
+/// One scenario cell's shape.
+#[derive(Debug, Clone, Copy)]
+struct Spec {
+    id: &'static str,
+    what: &'static str,
+    size: usize,
+    batch: usize,
+    fanout: usize,
+    producers: usize,
+    durable: bool,
+    /// Batches in flight per producer (1 = one at a time).
+    window: usize,
+    /// Records per producer, as a fraction of the scale's batch-64 count.
+    share: f64,
+    /// Open loop at this fraction of a throughput scenario's maximum.
+    open_of: Option<(&'static str, f64)>,
+}
+
+const SPECS: &[Spec] = &[
+    Spec { id: "S1", what: "1 KiB, batch 1, fanout 1, one at a time (latency)", size: 1024, batch: 1, fanout: 1, producers: 1, durable: false, window: 1, share: 0.0, open_of: None },
+    Spec { id: "S2", what: "1 KiB, batch 1, fanout 10", size: 1024, batch: 1, fanout: 10, producers: 1, durable: false, window: 256, share: 0.125, open_of: None },
+    Spec { id: "S3", what: "1 KiB, batch 64, fanout 1", size: 1024, batch: 64, fanout: 1, producers: 1, durable: false, window: 64, share: 1.0, open_of: None },
+    Spec { id: "S4a", what: "4 KiB, batch 64", size: 4096, batch: 64, fanout: 1, producers: 1, durable: false, window: 32, share: 0.25, open_of: None },
+    Spec { id: "S4b", what: "16 KiB, batch 64", size: 16384, batch: 64, fanout: 1, producers: 1, durable: false, window: 16, share: 0.0625, open_of: None },
+    Spec { id: "S5", what: "1 KiB, batch 64, fanout 10 (delivered)", size: 1024, batch: 64, fanout: 10, producers: 1, durable: false, window: 64, share: 0.25, open_of: None },
+    Spec { id: "S6", what: "1 KiB, batch 1, fsync before ack", size: 1024, batch: 1, fanout: 1, producers: 1, durable: true, window: 256, share: 0.0625, open_of: None },
+    Spec { id: "S7", what: "1 KiB, batch 64, 1 producer, fsync before ack", size: 1024, batch: 64, fanout: 1, producers: 1, durable: true, window: 64, share: 0.5, open_of: None },
+    Spec { id: "S8", what: "128 B, 64 producers, fsync before ack", size: 128, batch: 1, fanout: 1, producers: 64, durable: true, window: 1, share: 0.005, open_of: None },
+    Spec { id: "S12a", what: "open loop at 50% of S3", size: 1024, batch: 64, fanout: 1, producers: 1, durable: false, window: 4096, share: 0.25, open_of: Some(("S3", 0.5)) },
+    Spec { id: "S12b", what: "open loop at 80% of S3", size: 1024, batch: 64, fanout: 1, producers: 1, durable: false, window: 4096, share: 0.25, open_of: Some(("S3", 0.8)) },
+    Spec { id: "S12c", what: "open loop at 50% of S7 (fsync)", size: 1024, batch: 64, fanout: 1, producers: 1, durable: true, window: 4096, share: 0.125, open_of: Some(("S7", 0.5)) },
+    Spec { id: "S12d", what: "open loop at 80% of S7 (fsync)", size: 1024, batch: 64, fanout: 1, producers: 1, durable: true, window: 4096, share: 0.125, open_of: Some(("S7", 0.8)) },
+];
+
+/// What one cell measured.
+#[derive(Debug, Clone, Default)]
+pub struct Measured {
+    /// Records acknowledged per second.
+    pub acked_per_sec: f64,
+    /// Payload MB/s acknowledged.
+    pub mb_per_sec: f64,
+    /// Records delivered per second, all consumers.
+    pub delivered_per_sec: f64,
+    /// Ack latency percentiles (µs): p50, p99, p999.
+    pub ack: [f64; 3],
+    /// Publish-to-delivery percentiles (µs), latency cells only.
+    pub e2e: Option<[f64; 3]>,
+    /// Ack latency curve (percentile, µs) for plots.
+    pub curve: Vec<(f64, f64)>,
+}
+
+fn pcts(v: &mut [f64]) -> [f64; 3] {
+    [percentile(v, 0.5), percentile(v, 0.99), percentile(v, 0.999)]
+}
+
+fn curve(v: &mut [f64]) -> Vec<(f64, f64)> {
+    [0.5, 0.75, 0.9, 0.95, 0.99, 0.995, 0.999, 1.0]
+        .iter()
+        .map(|p| (*p, percentile(v, *p)))
+        .collect()
+}
+
+/// A one-line progress bar on stderr.
+struct Progress {
+    label: String,
+    total: u64,
+    shown: std::sync::atomic::AtomicU64,
+    on: bool,
+}
+
+impl Progress {
+    fn new(label: String, total: u64, on: bool) -> Arc<Progress> {
+        let p = Arc::new(Progress {
+            label,
+            total: total.max(1),
+            shown: Default::default(),
+            on,
+        });
+        p.draw(0);
+        p
+    }
+
+    fn draw(&self, done: u64) {
+        if !self.on {
+            return;
+        }
+        let pct = (done * 100 / self.total).min(100);
+        let last = self.shown.load(std::sync::atomic::Ordering::Relaxed);
+        if pct == last && done != 0 {
+            return;
+        }
+        self.shown.store(pct, std::sync::atomic::Ordering::Relaxed);
+        let filled = (pct as usize) / 4;
+        eprint!("\r{:<44} [{}{}] {pct:>3}%", self.label, "#".repeat(filled), ".".repeat(25 - filled));
+    }
+
+    fn done(&self, note: &str) {
+        if self.on {
+            eprintln!("\r{:<44} [{}] {note}", self.label, "#".repeat(25));
+        }
+    }
+}
+
+/// Runs one cell against `driver`. `rate`: open-loop records per second.
+async fn run_cell(driver: &dyn Driver, spec: &Spec, scale: Scale, rate: Option<f64>, progress: bool) -> anyhow::Result<Measured> {
+    static UNIQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = UNIQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    run_cell_on(driver, spec, scale, rate, progress, format!("bench{}{n}", spec.id.to_lowercase())).await
+}
+
+async fn run_cell_on(
+    driver: &dyn Driver,
+    spec: &Spec,
+    scale: Scale,
+    rate: Option<f64>,
+    progress: bool,
+    stream: String,
+) -> anyhow::Result<Measured> {
+    driver.create(stream.clone()).await?;
+    let latency_cell = spec.window == 1 && spec.producers == 1;
+    let records_per_producer: u64 = if latency_cell {
+        scale.samples() as u64
+    } else {
+        ((scale.records() as f64 * spec.share) as u64).max(spec.batch as u64 * 4)
+    };
+    let batches = records_per_producer.div_ceil(spec.batch as u64);
+    let total = batches * spec.batch as u64 * spec.producers as u64;
+    let bar = Progress::new(format!("{} {}", spec.id, driver.name()), total, progress);
+
+    let mut consumers = Vec::new();
+    for _ in 0..spec.fanout {
+        consumers.push(driver.consumer(stream.clone()).await?);
+    }
+    // Let push consumers and subscriptions settle before the first record.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let collect_e2e = latency_cell || spec.open_of.is_some();
+    let counters: Vec<_> = consumers
+        .into_iter()
+        .map(|mut c| {
+            tokio::spawn(async move {
+                let mut got = 0u64;
+                let mut last = Instant::now();
+                let mut e2e = Vec::new();
+                while got < total {
+                    match tokio::time::timeout(Duration::from_secs(10), c.next()).await {
+                        Ok(Ok(Some(stamps))) => {
+                            got += stamps.len() as u64;
+                            last = Instant::now();
+                            if collect_e2e {
+                                let now = stamp_now();
+                                e2e.extend(stamps.iter().map(|s| now.saturating_sub(*s) as f64 / 1e3));
+                            }
+                        }
+                        Ok(Ok(None)) | Err(_) => break,
+                        Ok(Err(e)) => return Err(e),
+                    }
+                }
+                Ok::<_, anyhow::Error>((got, last, e2e))
+            })
+        })
+        .collect();
+
+    let static_batch: Vec<Bytes> = (0..spec.batch).map(|_| stamped(spec.size, 0)).collect();
+    let started = Instant::now();
+    let interval = rate.map(|r| Duration::from_secs_f64(spec.batch as f64 * spec.producers as f64 / r));
+    let mut producers = Vec::new();
+    for _ in 0..spec.producers {
+        let mut p = driver.producer(stream.clone(), spec.window).await?;
+        let (bar, static_batch) = (bar.clone(), static_batch.clone());
+        let (size, batch) = (spec.size, spec.batch);
+        producers.push(tokio::spawn(async move {
+            for i in 0..batches {
+                let intended = match interval {
+                    Some(iv) => {
+                        let due = started + iv * i as u32;
+                        tokio::time::sleep_until(due.into()).await;
+                        due
+                    }
+                    None => Instant::now(),
+                };
+                if collect_e2e {
+                    let s = stamp_now();
+                    let b: Vec<Bytes> = (0..batch).map(|_| stamped(size, s)).collect();
+                    p.send(&b, intended).await?;
+                } else {
+                    p.send(&static_batch, intended).await?;
+                }
+                if i % 64 == 0 {
+                    bar.draw(i * batch as u64);
+                }
+            }
+            p.finish().await
+        }));
+    }
+    let mut acks = Vec::new();
+    for p in producers {
+        acks.extend(p.await.context("producer task")??);
+    }
+    let acked_secs = started.elapsed().as_secs_f64();
+    let mut delivered = 0u64;
+    let mut last = started;
+    let mut e2e = Vec::new();
+    for c in counters {
+        let (got, at, lat) = c.await.context("consumer task")??;
+        delivered += got;
+        last = last.max(at);
+        e2e.extend(lat);
+    }
+    let expected = total * spec.fanout as u64;
+    if delivered < expected {
+        bar.done("FAILED");
+        anyhow::bail!("lost {} of {expected} deliveries", expected - delivered);
+    }
+    let delivered_secs = last.duration_since(started).as_secs_f64().max(acked_secs);
+    let m = Measured {
+        acked_per_sec: total as f64 / acked_secs,
+        mb_per_sec: total as f64 * spec.size as f64 / acked_secs / 1e6,
+        delivered_per_sec: delivered as f64 / delivered_secs,
+        ack: pcts(&mut acks),
+        e2e: collect_e2e.then(|| pcts(&mut e2e)),
+        curve: curve(&mut acks),
+    };
+    bar.done(&format!("{:.0} msgs/s, ack p99 {:.0} us", m.acked_per_sec, m.ack[1]));
+    Ok(m)
+}
+
+/// The machine a run was on.
+pub fn machine(dir: &std::path::Path) -> Value {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpu = read("/proc/cpuinfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned()))
+        .unwrap_or_default();
+    let (f50, f99) = fsync_probe(dir).unwrap_or((0.0, 0.0));
+    json!({
+        "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        "cpu": cpu,
+        "kernel": read("/proc/sys/kernel/osrelease").trim(),
+        "fsync_4k_p50_us": f50,
+        "fsync_4k_p99_us": f99,
+    })
+}
+
+/// 4 KiB write + fdatasync, 200 times, in `dir`: the disk's durable-write floor.
+fn fsync_probe(dir: &std::path::Path) -> anyhow::Result<(f64, f64)> {
+    use std::io::Write;
+    use std::os::unix::io::AsRawFd;
+    let path = dir.join("fsync-probe");
+    let mut f = std::fs::File::create(&path)?;
+    let block = vec![0x33u8; 4096];
+    let mut lat = Vec::with_capacity(200);
+    for _ in 0..200 {
+        let t = Instant::now();
+        f.write_all(&block)?;
+        // SAFETY: fdatasync on a file descriptor this function owns.
+        let rc = unsafe { libc::fdatasync(f.as_raw_fd()) };
+        anyhow::ensure!(rc == 0, "fdatasync failed");
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let _ = std::fs::remove_file(&path);
+    Ok((percentile(&mut lat, 0.5), percentile(&mut lat, 0.99)))
+}
+
+/// One broker's results, by scenario id.
+type Results = Vec<(String, String, Result<Measured, String>)>;
+
+fn drivers_for(peer: Peer, durable: bool, bins: Option<&PeerBinaries>, cores: &str) -> anyhow::Result<(Box<dyn Driver>, Box<dyn std::any::Any>)> {
+    Ok(match peer {
+        Peer::Felix => {
+            let b = LocalBroker::start(Some(cores), if durable { "on-commit" } else { "none" })?;
+            (Box::new(FelixDriver { target: b.target.clone() }), Box::new(b))
+        }
+        Peer::Nats => {
+            let p = peers::start_nats(&bins.context("peer binaries")?.nats, durable)?;
+            (Box::new(NatsDriver { addr: p.addr }), Box::new(p))
+        }
+        Peer::Redis => {
+            let p = peers::start_redis(&bins.context("peer binaries")?.redis, durable)?;
+            (Box::new(RedisDriver { addr: p.addr }), Box::new(p))
+        }
+    })
+}
+
+/// Runs the matrix; writes `results.json`, `results.md` and SVG plots under `out`.
+/// Returns the Markdown.
+pub fn run(opts: &Options) -> anyhow::Result<String> {
+    std::fs::create_dir_all(&opts.out)?;
+    let bins = if opts.peers.iter().any(|p| *p != Peer::Felix) {
+        Some(PeerBinaries::install()?)
+    } else {
+        None
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let scratch = tempfile::Builder::new().prefix("felix-bench-probe").tempdir_in("/var/tmp")?;
+    let mut machine = machine(scratch.path());
+    let mut results: Results = Vec::new();
+    for &peer in &opts.peers {
+        for durable in [false, true] {
+            let (driver, guard) = drivers_for(peer, durable, bins.as_ref(), &opts.cores)?;
+            let driver: Arc<dyn Driver> = Arc::from(driver);
+            rt.block_on(async {
+                // Warm-up: connections, first stream, first file; not reported.
+                let warm = Spec { id: "warmup", what: "", size: 1024, batch: 16, fanout: 1, producers: 1, durable, window: 16, share: 0.05, open_of: None };
+                if let Err(e) = run_cell(driver.as_ref(), &warm, opts.scale, None, false).await {
+                    eprintln!("warm-up on {} failed: {e:#}", driver.name());
+                }
+                for spec in SPECS.iter().filter(|s| s.durable == durable) {
+                    let rate = match spec.open_of {
+                        None => None,
+                        Some((of, fraction)) => results
+                            .iter()
+                            .find(|(id, d, r)| id == of && d == driver.name() && r.is_ok())
+                            .and_then(|(_, _, r)| r.as_ref().ok())
+                            .map(|m| m.acked_per_sec * fraction),
+                    };
+                    if spec.open_of.is_some() && rate.is_none() {
+                        results.push((spec.id.into(), driver.name().into(), Err("no maximum to take a fraction of".into())));
+                        continue;
+                    }
+                    let r = run_cell(driver.as_ref(), spec, opts.scale, rate, opts.progress).await;
+                    results.push((spec.id.into(), driver.name().into(), r.map_err(|e| format!("{e:#}"))));
+                }
+            });
+            drop(guard);
+        }
+    }
+    // Ours only: scaling (S13), pinning sweep, recovery (S14).
+    let mut extra = serde_json::Map::new();
+    if opts.peers.contains(&Peer::Felix) {
+        extra.insert("S13".into(), rt.block_on(scaling(opts))?);
+        extra.insert("pinning".into(), rt.block_on(pinning(opts))?);
+        extra.insert("S14".into(), recovery(opts, &rt)?);
+    }
+    machine["scale"] = json!(format!("{:?}", opts.scale).to_lowercase());
+    machine["felix_cores"] = json!(opts.cores);
+    let report = crate::report::Report {
+        machine,
+        specs: SPECS.iter().map(|s| (s.id, s.what, s.durable)).collect(),
+        results,
+        extra,
+    };
+    let md = report.markdown();
+    std::fs::write(opts.out.join("results.md"), &md)?;
+    std::fs::write(opts.out.join("results.json"), serde_json::to_string_pretty(&report.json())?)?;
+    std::fs::write(opts.out.join("throughput.svg"), report.throughput_svg())?;
+    std::fs::write(opts.out.join("latency.svg"), report.latency_svg())?;
+    if report.failures() > 0 {
+        anyhow::bail!("{} cells failed; see {}", report.failures(), opts.out.join("results.md").display());
+    }
+    Ok(md)
+}
+
+/// S13: S3's load with 2 producers on 2 streams, broker on 1 core vs 2 cores.
+async fn scaling(opts: &Options) -> anyhow::Result<Value> {
+    let spec = Spec { id: "S13", what: "", size: 1024, batch: 64, fanout: 1, producers: 1, durable: false, window: 64, share: 0.5, open_of: None };
+    let mut out = serde_json::Map::new();
+    for cores in ["0", "0-1"] {
+        let b = LocalBroker::start(Some(cores), "none")?;
+        let d = FelixDriver { target: b.target.clone() };
+        let (a, c) = tokio::join!(
+            run_cell(&d, &spec, opts.scale, None, false),
+            run_cell(&d, &spec, opts.scale, None, false)
+        );
+        let total = a?.acked_per_sec + c?.acked_per_sec;
+        out.insert(format!("cores_{cores}"), json!(total));
+        b.stop()?;
+    }
+    let one = out["cores_0"].as_f64().unwrap_or(0.0);
+    let two = out["cores_0-1"].as_f64().unwrap_or(0.0);
+    out.insert("ratio".into(), json!(if one > 0.0 { two / one } else { 0.0 }));
+    Ok(Value::Object(out))
+}
+
+/// What a pinning table changes: two hot streams on the same core vs apart.
+async fn pinning(opts: &Options) -> anyhow::Result<Value> {
+    let spec = Spec { id: "pin", what: "", size: 1024, batch: 64, fanout: 1, producers: 1, durable: false, window: 64, share: 0.5, open_of: None };
+    let mut out = serde_json::Map::new();
+    // Streams are named benchpin<N>: pin by wildcard on the name prefix is not a rule
+    // shape, so pin the whole tenant (both streams) to core 0, or leave the hash.
+    for (label, pins) in [("hashed", vec![]), ("all_on_core_0", vec!["dev/*/*/*=0".to_owned()])] {
+        let b = LocalBroker::start_with(Some(&opts.cores), "none", &pins, None)?;
+        let d = FelixDriver { target: b.target.clone() };
+        let (a, c) = tokio::join!(
+            run_cell(&d, &spec, opts.scale, None, false),
+            run_cell(&d, &spec, opts.scale, None, false)
+        );
+        out.insert(label.into(), json!(a?.acked_per_sec + c?.acked_per_sec));
+        b.stop()?;
+    }
+    Ok(Value::Object(out))
+}
+
+/// S14: write a durable log, stop, restart over it, and time reopening the shard.
+fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Value> {
+    let spec = Spec { id: "S14", what: "", size: 4096, batch: 64, fanout: 1, producers: 1, durable: true, window: 32, share: 1.0, open_of: None };
+    let b = LocalBroker::start(Some(&opts.cores), "on-commit")?;
+    let d = FelixDriver { target: b.target.clone() };
+    rt.block_on(run_cell_on(&d, &spec, opts.scale, None, false, "benchrecovery".into()))?;
+    let dir = b.stop_keep()?;
+    let bytes = dir_bytes(&dir.path().join("data/streams"));
+    let t = Instant::now();
+    let b = LocalBroker::start_with(Some(&opts.cores), "on-commit", &[], Some(dir))?;
+    // The shard's log is opened (and recovered) on first use: a consumer attach.
+    let d = FelixDriver { target: b.target.clone() };
+    rt.block_on(async {
+        d.consumer("benchrecovery".into()).await?;
+        anyhow::Ok(())
+    })?;
+    let secs = t.elapsed().as_secs_f64();
+    b.stop()?;
+    Ok(json!({"bytes": bytes, "seconds": secs, "mb_per_sec": bytes as f64 / secs / 1e6}))
+}
+
+fn dir_bytes(p: &std::path::Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(p) else { return 0 };
+    rd.flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
