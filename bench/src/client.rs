@@ -30,15 +30,25 @@ pub struct Target {
 
 impl Target {
     /// A connected QUIC connection.
+    ///
+    /// Connections share one client endpoint (one UDP socket and driver) per runtime
+    /// thread, as one client process would, so a cell with many producers measures the
+    /// broker rather than dozens of client sockets.
     pub async fn connect(&self) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
+        thread_local! {
+            static ENDPOINT: std::cell::RefCell<Option<quinn::Endpoint>> = const { std::cell::RefCell::new(None) };
+        }
         let roots = felix_core_runtime::quic::certs_from_pem(&self.ca_pem)?;
-        let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().expect("valid"))?;
-        ep.set_default_client_config(felix_core_runtime::quic::client_config(
-            &roots,
-            false,
-            Default::default(),
-        )?);
-        let conn = ep.connect(self.addr, "localhost")?.await?;
+        let config = felix_core_runtime::quic::client_config(&roots, false, Default::default())?;
+        let ep = match ENDPOINT.with(|e| e.borrow().clone()) {
+            Some(ep) => ep,
+            None => {
+                let ep = quinn::Endpoint::client("127.0.0.1:0".parse().expect("valid"))?;
+                ENDPOINT.with(|e| *e.borrow_mut() = Some(ep.clone()));
+                ep
+            }
+        };
+        let conn = ep.connect_with(config, self.addr, "localhost")?.await?;
         Ok((ep, conn))
     }
 

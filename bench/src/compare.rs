@@ -81,6 +81,8 @@ pub struct Options {
     pub out: std::path::PathBuf,
     /// Print a progress bar per run.
     pub progress: bool,
+    /// Repetitions of the matrix (medians reported).
+    pub rounds: usize,
 }
 
 /// One scenario cell's shape.
@@ -102,19 +104,162 @@ struct Spec {
 }
 
 const SPECS: &[Spec] = &[
-    Spec { id: "S1", what: "1 KiB, batch 1, fanout 1, one at a time (latency)", size: 1024, batch: 1, fanout: 1, producers: 1, durable: false, window: 1, share: 0.0, open_of: None },
-    Spec { id: "S2", what: "1 KiB, batch 1, fanout 10", size: 1024, batch: 1, fanout: 10, producers: 1, durable: false, window: 256, share: 0.125, open_of: None },
-    Spec { id: "S3", what: "1 KiB, batch 64, fanout 1", size: 1024, batch: 64, fanout: 1, producers: 1, durable: false, window: 64, share: 1.0, open_of: None },
-    Spec { id: "S4a", what: "4 KiB, batch 64", size: 4096, batch: 64, fanout: 1, producers: 1, durable: false, window: 32, share: 0.25, open_of: None },
-    Spec { id: "S4b", what: "16 KiB, batch 64", size: 16384, batch: 64, fanout: 1, producers: 1, durable: false, window: 16, share: 0.0625, open_of: None },
-    Spec { id: "S5", what: "1 KiB, batch 64, fanout 10 (delivered)", size: 1024, batch: 64, fanout: 10, producers: 1, durable: false, window: 64, share: 0.25, open_of: None },
-    Spec { id: "S6", what: "1 KiB, batch 1, fsync before ack", size: 1024, batch: 1, fanout: 1, producers: 1, durable: true, window: 256, share: 0.0625, open_of: None },
-    Spec { id: "S7", what: "1 KiB, batch 64, 1 producer, fsync before ack", size: 1024, batch: 64, fanout: 1, producers: 1, durable: true, window: 64, share: 0.5, open_of: None },
-    Spec { id: "S8", what: "128 B, 64 producers, fsync before ack", size: 128, batch: 1, fanout: 1, producers: 64, durable: true, window: 1, share: 0.005, open_of: None },
-    Spec { id: "S12a", what: "open loop at 50% of S3", size: 1024, batch: 64, fanout: 1, producers: 1, durable: false, window: 4096, share: 0.25, open_of: Some(("S3", 0.5)) },
-    Spec { id: "S12b", what: "open loop at 80% of S3", size: 1024, batch: 64, fanout: 1, producers: 1, durable: false, window: 4096, share: 0.25, open_of: Some(("S3", 0.8)) },
-    Spec { id: "S12c", what: "open loop at 50% of S7 (fsync)", size: 1024, batch: 64, fanout: 1, producers: 1, durable: true, window: 4096, share: 0.125, open_of: Some(("S7", 0.5)) },
-    Spec { id: "S12d", what: "open loop at 80% of S7 (fsync)", size: 1024, batch: 64, fanout: 1, producers: 1, durable: true, window: 4096, share: 0.125, open_of: Some(("S7", 0.8)) },
+    Spec {
+        id: "S1",
+        what: "1 KiB, batch 1, fanout 1, one at a time (latency)",
+        size: 1024,
+        batch: 1,
+        fanout: 1,
+        producers: 1,
+        durable: false,
+        window: 1,
+        share: 0.0,
+        open_of: None,
+    },
+    Spec {
+        id: "S2",
+        what: "1 KiB, batch 1, fanout 10",
+        size: 1024,
+        batch: 1,
+        fanout: 10,
+        producers: 1,
+        durable: false,
+        window: 256,
+        share: 0.125,
+        open_of: None,
+    },
+    Spec {
+        id: "S3",
+        what: "1 KiB, batch 64, fanout 1",
+        size: 1024,
+        batch: 64,
+        fanout: 1,
+        producers: 1,
+        durable: false,
+        window: 64,
+        share: 1.0,
+        open_of: None,
+    },
+    Spec {
+        id: "S4a",
+        what: "4 KiB, batch 64",
+        size: 4096,
+        batch: 64,
+        fanout: 1,
+        producers: 1,
+        durable: false,
+        window: 32,
+        share: 0.25,
+        open_of: None,
+    },
+    Spec {
+        id: "S4b",
+        what: "16 KiB, batch 64",
+        size: 16384,
+        batch: 64,
+        fanout: 1,
+        producers: 1,
+        durable: false,
+        window: 16,
+        share: 0.0625,
+        open_of: None,
+    },
+    Spec {
+        id: "S5",
+        what: "1 KiB, batch 64, fanout 10 (delivered)",
+        size: 1024,
+        batch: 64,
+        fanout: 10,
+        producers: 1,
+        durable: false,
+        window: 64,
+        share: 0.25,
+        open_of: None,
+    },
+    Spec {
+        id: "S6",
+        what: "1 KiB, batch 1, fsync before ack",
+        size: 1024,
+        batch: 1,
+        fanout: 1,
+        producers: 1,
+        durable: true,
+        window: 256,
+        share: 0.0625,
+        open_of: None,
+    },
+    Spec {
+        id: "S7",
+        what: "1 KiB, batch 64, 1 producer, fsync before ack",
+        size: 1024,
+        batch: 64,
+        fanout: 1,
+        producers: 1,
+        durable: true,
+        window: 64,
+        share: 0.5,
+        open_of: None,
+    },
+    Spec {
+        id: "S8",
+        what: "128 B, 64 producers, fsync before ack",
+        size: 128,
+        batch: 1,
+        fanout: 1,
+        producers: 64,
+        durable: true,
+        window: 1,
+        share: 0.005,
+        open_of: None,
+    },
+    Spec {
+        id: "S12a",
+        what: "open loop at 50% of S3",
+        size: 1024,
+        batch: 64,
+        fanout: 1,
+        producers: 1,
+        durable: false,
+        window: 4096,
+        share: 0.25,
+        open_of: Some(("S3", 0.5)),
+    },
+    Spec {
+        id: "S12b",
+        what: "open loop at 80% of S3",
+        size: 1024,
+        batch: 64,
+        fanout: 1,
+        producers: 1,
+        durable: false,
+        window: 4096,
+        share: 0.25,
+        open_of: Some(("S3", 0.8)),
+    },
+    Spec {
+        id: "S12c",
+        what: "open loop at 50% of S7 (fsync)",
+        size: 1024,
+        batch: 64,
+        fanout: 1,
+        producers: 1,
+        durable: true,
+        window: 4096,
+        share: 0.125,
+        open_of: Some(("S7", 0.5)),
+    },
+    Spec {
+        id: "S12d",
+        what: "open loop at 80% of S7 (fsync)",
+        size: 1024,
+        batch: 64,
+        fanout: 1,
+        producers: 1,
+        durable: true,
+        window: 4096,
+        share: 0.125,
+        open_of: Some(("S7", 0.8)),
+    },
 ];
 
 /// What one cell measured.
@@ -135,7 +280,11 @@ pub struct Measured {
 }
 
 fn pcts(v: &mut [f64]) -> [f64; 3] {
-    [percentile(v, 0.5), percentile(v, 0.99), percentile(v, 0.999)]
+    [
+        percentile(v, 0.5),
+        percentile(v, 0.99),
+        percentile(v, 0.999),
+    ]
 }
 
 fn curve(v: &mut [f64]) -> Vec<(f64, f64)> {
@@ -176,7 +325,12 @@ impl Progress {
         }
         self.shown.store(pct, std::sync::atomic::Ordering::Relaxed);
         let filled = (pct as usize) / 4;
-        eprint!("\r{:<44} [{}{}] {pct:>3}%", self.label, "#".repeat(filled), ".".repeat(25 - filled));
+        eprint!(
+            "\r{:<44} [{}{}] {pct:>3}%",
+            self.label,
+            "#".repeat(filled),
+            ".".repeat(25 - filled)
+        );
     }
 
     fn done(&self, note: &str) {
@@ -187,10 +341,24 @@ impl Progress {
 }
 
 /// Runs one cell against `driver`. `rate`: open-loop records per second.
-async fn run_cell(driver: &dyn Driver, spec: &Spec, scale: Scale, rate: Option<f64>, progress: bool) -> anyhow::Result<Measured> {
+async fn run_cell(
+    driver: &dyn Driver,
+    spec: &Spec,
+    scale: Scale,
+    rate: Option<f64>,
+    progress: bool,
+) -> anyhow::Result<Measured> {
     static UNIQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let n = UNIQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    run_cell_on(driver, spec, scale, rate, progress, format!("bench{}{n}", spec.id.to_lowercase())).await
+    run_cell_on(
+        driver,
+        spec,
+        scale,
+        rate,
+        progress,
+        format!("bench{}{n}", spec.id.to_lowercase()),
+    )
+    .await
 }
 
 async fn run_cell_on(
@@ -233,7 +401,9 @@ async fn run_cell_on(
                             last = Instant::now();
                             if collect_e2e {
                                 let now = stamp_now();
-                                e2e.extend(stamps.iter().map(|s| now.saturating_sub(*s) as f64 / 1e3));
+                                e2e.extend(
+                                    stamps.iter().map(|s| now.saturating_sub(*s) as f64 / 1e3),
+                                );
                             }
                         }
                         Ok(Ok(None)) | Err(_) => break,
@@ -247,7 +417,8 @@ async fn run_cell_on(
 
     let static_batch: Vec<Bytes> = (0..spec.batch).map(|_| stamped(spec.size, 0)).collect();
     let started = Instant::now();
-    let interval = rate.map(|r| Duration::from_secs_f64(spec.batch as f64 * spec.producers as f64 / r));
+    let interval =
+        rate.map(|r| Duration::from_secs_f64(spec.batch as f64 * spec.producers as f64 / r));
     let mut producers = Vec::new();
     for _ in 0..spec.producers {
         let mut p = driver.producer(stream.clone(), spec.window).await?;
@@ -305,7 +476,10 @@ async fn run_cell_on(
         e2e: collect_e2e.then(|| pcts(&mut e2e)),
         curve: curve(&mut acks),
     };
-    bar.done(&format!("{:.0} msgs/s, ack p99 {:.0} us", m.acked_per_sec, m.ack[1]));
+    bar.done(&format!(
+        "{:.0} msgs/s, ack p99 {:.0} us",
+        m.acked_per_sec, m.ack[1]
+    ));
     Ok(m)
 }
 
@@ -314,7 +488,10 @@ pub fn machine(dir: &std::path::Path) -> Value {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let cpu = read("/proc/cpuinfo")
         .lines()
-        .find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned()))
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
+        })
         .unwrap_or_default();
     let (f50, f99) = fsync_probe(dir).unwrap_or((0.0, 0.0));
     json!({
@@ -349,11 +526,21 @@ fn fsync_probe(dir: &std::path::Path) -> anyhow::Result<(f64, f64)> {
 /// One broker's results, by scenario id.
 type Results = Vec<(String, String, Result<Measured, String>)>;
 
-fn drivers_for(peer: Peer, durable: bool, bins: Option<&PeerBinaries>, cores: &str) -> anyhow::Result<(Box<dyn Driver>, Box<dyn std::any::Any>)> {
+fn drivers_for(
+    peer: Peer,
+    durable: bool,
+    bins: Option<&PeerBinaries>,
+    cores: &str,
+) -> anyhow::Result<(Box<dyn Driver>, Box<dyn std::any::Any>)> {
     Ok(match peer {
         Peer::Felix => {
             let b = LocalBroker::start(Some(cores), if durable { "on-commit" } else { "none" })?;
-            (Box::new(FelixDriver { target: b.target.clone() }), Box::new(b))
+            (
+                Box::new(FelixDriver {
+                    target: b.target.clone(),
+                }),
+                Box::new(b),
+            )
         }
         Peer::Nats => {
             let p = peers::start_nats(&bins.context("peer binaries")?.nats, durable)?;
@@ -379,45 +566,80 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let scratch = tempfile::Builder::new().prefix("felix-bench-probe").tempdir_in("/var/tmp")?;
+    let scratch = tempfile::Builder::new()
+        .prefix("felix-bench-probe")
+        .tempdir_in("/var/tmp")?;
     let mut machine = machine(scratch.path());
-    let mut results: Results = Vec::new();
-    for &peer in &opts.peers {
-        for durable in [false, true] {
-            let (driver, guard) = drivers_for(peer, durable, bins.as_ref(), &opts.cores)?;
-            let driver: Arc<dyn Driver> = Arc::from(driver);
-            rt.block_on(async {
-                // Warm-up: connections, first stream, first file; not reported.
-                let warm = Spec { id: "warmup", what: "", size: 1024, batch: 16, fanout: 1, producers: 1, durable, window: 16, share: 0.05, open_of: None };
-                if let Err(e) = run_cell(driver.as_ref(), &warm, opts.scale, None, false).await {
-                    eprintln!("warm-up on {} failed: {e:#}", driver.name());
-                }
-                for spec in SPECS.iter().filter(|s| s.durable == durable) {
-                    let rate = match spec.open_of {
-                        None => None,
-                        Some((of, fraction)) => results
-                            .iter()
-                            .find(|(id, d, r)| id == of && d == driver.name() && r.is_ok())
-                            .and_then(|(_, _, r)| r.as_ref().ok())
-                            .map(|m| m.acked_per_sec * fraction),
-                    };
-                    if spec.open_of.is_some() && rate.is_none() {
-                        results.push((spec.id.into(), driver.name().into(), Err("no maximum to take a fraction of".into())));
-                        continue;
-                    }
-                    let r = run_cell(driver.as_ref(), spec, opts.scale, rate, opts.progress).await;
-                    results.push((spec.id.into(), driver.name().into(), r.map_err(|e| format!("{e:#}"))));
-                }
-            });
-            drop(guard);
+    // Rounds repeat the whole matrix, peer after peer, so every broker sees the same
+    // spread of machine noise; each cell reports its median round.
+    let mut rounds: Vec<Results> = Vec::new();
+    for round in 0..opts.rounds.max(1) {
+        if opts.progress && opts.rounds > 1 {
+            eprintln!("round {} of {}", round + 1, opts.rounds);
         }
+        let mut results: Results = Vec::new();
+        for &peer in &opts.peers {
+            for durable in [false, true] {
+                let (driver, guard) = drivers_for(peer, durable, bins.as_ref(), &opts.cores)?;
+                let driver: Arc<dyn Driver> = Arc::from(driver);
+                rt.block_on(async {
+                    // Warm-up: connections, first stream, first file; not reported.
+                    let warm = Spec {
+                        id: "warmup",
+                        what: "",
+                        size: 1024,
+                        batch: 16,
+                        fanout: 1,
+                        producers: 1,
+                        durable,
+                        window: 16,
+                        share: 0.05,
+                        open_of: None,
+                    };
+                    if let Err(e) = run_cell(driver.as_ref(), &warm, opts.scale, None, false).await
+                    {
+                        eprintln!("warm-up on {} failed: {e:#}", driver.name());
+                    }
+                    for spec in SPECS.iter().filter(|s| s.durable == durable) {
+                        let rate = match spec.open_of {
+                            None => None,
+                            Some((of, fraction)) => results
+                                .iter()
+                                .find(|(id, d, r)| id == of && d == driver.name() && r.is_ok())
+                                .and_then(|(_, _, r)| r.as_ref().ok())
+                                .map(|m| m.acked_per_sec * fraction),
+                        };
+                        if spec.open_of.is_some() && rate.is_none() {
+                            results.push((
+                                spec.id.into(),
+                                driver.name().into(),
+                                Err("no maximum to take a fraction of".into()),
+                            ));
+                            continue;
+                        }
+                        let r =
+                            run_cell(driver.as_ref(), spec, opts.scale, rate, opts.progress).await;
+                        results.push((
+                            spec.id.into(),
+                            driver.name().into(),
+                            r.map_err(|e| format!("{e:#}")),
+                        ));
+                    }
+                });
+                drop(guard);
+            }
+        }
+        rounds.push(results);
     }
+    let results = median_rounds(rounds);
     // Ours only: scaling (S13), pinning sweep, recovery (S14).
     let mut extra = serde_json::Map::new();
     if opts.peers.contains(&Peer::Felix) {
-        extra.insert("S13".into(), rt.block_on(scaling(opts))?);
-        extra.insert("pinning".into(), rt.block_on(pinning(opts))?);
-        extra.insert("S14".into(), recovery(opts, &rt)?);
+        let or_error =
+            |r: anyhow::Result<Value>| r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        extra.insert("S13".into(), or_error(rt.block_on(scaling(opts))));
+        extra.insert("pinning".into(), or_error(rt.block_on(pinning(opts))));
+        extra.insert("S14".into(), or_error(recovery(opts, &rt)));
     }
     machine["scale"] = json!(format!("{:?}", opts.scale).to_lowercase());
     machine["felix_cores"] = json!(opts.cores);
@@ -429,22 +651,67 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     };
     let md = report.markdown();
     std::fs::write(opts.out.join("results.md"), &md)?;
-    std::fs::write(opts.out.join("results.json"), serde_json::to_string_pretty(&report.json())?)?;
+    std::fs::write(
+        opts.out.join("results.json"),
+        serde_json::to_string_pretty(&report.json())?,
+    )?;
     std::fs::write(opts.out.join("throughput.svg"), report.throughput_svg())?;
     std::fs::write(opts.out.join("latency.svg"), report.latency_svg())?;
     if report.failures() > 0 {
-        anyhow::bail!("{} cells failed; see {}", report.failures(), opts.out.join("results.md").display());
+        anyhow::bail!(
+            "{} cells failed; see {}",
+            report.failures(),
+            opts.out.join("results.md").display()
+        );
     }
     Ok(md)
 }
 
+/// Per cell, the round with the median headline; a cell that failed in any round is
+/// reported failed (loss is never averaged away).
+fn median_rounds(mut rounds: Vec<Results>) -> Results {
+    let first = rounds.remove(0);
+    first
+        .into_iter()
+        .map(|(id, broker, r)| {
+            let mut all = vec![r];
+            for round in &rounds {
+                if let Some((_, _, r)) = round.iter().find(|(i, b, _)| *i == id && *b == broker) {
+                    all.push(r.clone());
+                }
+            }
+            if let Some(e) = all.iter().find_map(|r| r.as_ref().err()) {
+                return (id, broker, Err(e.clone()));
+            }
+            let mut ok: Vec<Measured> = all.into_iter().filter_map(Result::ok).collect();
+            let key = |m: &Measured| crate::report::headline_of(&id, m);
+            ok.sort_by(|a, b| key(a).partial_cmp(&key(b)).expect("no NaN"));
+            let mid = ok.swap_remove(ok.len() / 2);
+            (id, broker, Ok(mid))
+        })
+        .collect()
+}
+
 /// S13: S3's load with 2 producers on 2 streams, broker on 1 core vs 2 cores.
 async fn scaling(opts: &Options) -> anyhow::Result<Value> {
-    let spec = Spec { id: "S13", what: "", size: 1024, batch: 64, fanout: 1, producers: 1, durable: false, window: 64, share: 0.5, open_of: None };
+    let spec = Spec {
+        id: "S13",
+        what: "",
+        size: 1024,
+        batch: 64,
+        fanout: 0,
+        producers: 1,
+        durable: false,
+        window: 64,
+        share: 0.5,
+        open_of: None,
+    };
     let mut out = serde_json::Map::new();
     for cores in ["0", "0-1"] {
         let b = LocalBroker::start(Some(cores), "none")?;
-        let d = FelixDriver { target: b.target.clone() };
+        let d = FelixDriver {
+            target: b.target.clone(),
+        };
         let (a, c) = tokio::join!(
             run_cell(&d, &spec, opts.scale, None, false),
             run_cell(&d, &spec, opts.scale, None, false)
@@ -455,19 +722,38 @@ async fn scaling(opts: &Options) -> anyhow::Result<Value> {
     }
     let one = out["cores_0"].as_f64().unwrap_or(0.0);
     let two = out["cores_0-1"].as_f64().unwrap_or(0.0);
-    out.insert("ratio".into(), json!(if one > 0.0 { two / one } else { 0.0 }));
+    out.insert(
+        "ratio".into(),
+        json!(if one > 0.0 { two / one } else { 0.0 }),
+    );
     Ok(Value::Object(out))
 }
 
 /// What a pinning table changes: two hot streams on the same core vs apart.
 async fn pinning(opts: &Options) -> anyhow::Result<Value> {
-    let spec = Spec { id: "pin", what: "", size: 1024, batch: 64, fanout: 1, producers: 1, durable: false, window: 64, share: 0.5, open_of: None };
+    let spec = Spec {
+        id: "pin",
+        what: "",
+        size: 1024,
+        batch: 64,
+        fanout: 0,
+        producers: 1,
+        durable: false,
+        window: 64,
+        share: 0.5,
+        open_of: None,
+    };
     let mut out = serde_json::Map::new();
     // Streams are named benchpin<N>: pin by wildcard on the name prefix is not a rule
     // shape, so pin the whole tenant (both streams) to core 0, or leave the hash.
-    for (label, pins) in [("hashed", vec![]), ("all_on_core_0", vec!["dev/*/*/*=0".to_owned()])] {
+    for (label, pins) in [
+        ("hashed", vec![]),
+        ("all_on_core_0", vec!["dev/*/*/*=0".to_owned()]),
+    ] {
         let b = LocalBroker::start_with(Some(&opts.cores), "none", &pins, None)?;
-        let d = FelixDriver { target: b.target.clone() };
+        let d = FelixDriver {
+            target: b.target.clone(),
+        };
         let (a, c) = tokio::join!(
             run_cell(&d, &spec, opts.scale, None, false),
             run_cell(&d, &spec, opts.scale, None, false)
@@ -480,16 +766,38 @@ async fn pinning(opts: &Options) -> anyhow::Result<Value> {
 
 /// S14: write a durable log, stop, restart over it, and time reopening the shard.
 fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Value> {
-    let spec = Spec { id: "S14", what: "", size: 4096, batch: 64, fanout: 1, producers: 1, durable: true, window: 32, share: 1.0, open_of: None };
+    let spec = Spec {
+        id: "S14",
+        what: "",
+        size: 4096,
+        batch: 64,
+        fanout: 0,
+        producers: 1,
+        durable: true,
+        window: 32,
+        share: 1.0,
+        open_of: None,
+    };
     let b = LocalBroker::start(Some(&opts.cores), "on-commit")?;
-    let d = FelixDriver { target: b.target.clone() };
-    rt.block_on(run_cell_on(&d, &spec, opts.scale, None, false, "benchrecovery".into()))?;
+    let d = FelixDriver {
+        target: b.target.clone(),
+    };
+    rt.block_on(run_cell_on(
+        &d,
+        &spec,
+        opts.scale,
+        None,
+        false,
+        "benchrecovery".into(),
+    ))?;
     let dir = b.stop_keep()?;
     let bytes = dir_bytes(&dir.path().join("data/streams"));
     let t = Instant::now();
     let b = LocalBroker::start_with(Some(&opts.cores), "on-commit", &[], Some(dir))?;
     // The shard's log is opened (and recovered) on first use: a consumer attach.
-    let d = FelixDriver { target: b.target.clone() };
+    let d = FelixDriver {
+        target: b.target.clone(),
+    };
     rt.block_on(async {
         d.consumer("benchrecovery".into()).await?;
         anyhow::Ok(())
@@ -500,7 +808,9 @@ fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Valu
 }
 
 fn dir_bytes(p: &std::path::Path) -> u64 {
-    let Ok(rd) = std::fs::read_dir(p) else { return 0 };
+    let Ok(rd) = std::fs::read_dir(p) else {
+        return 0;
+    };
     rd.flatten()
         .map(|e| match e.metadata() {
             Ok(m) if m.is_dir() => dir_bytes(&e.path()),

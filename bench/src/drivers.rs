@@ -137,14 +137,22 @@ impl Producer for FelixProducer {
     fn send<'a>(&'a mut self, payloads: &'a [Bytes], intended: Instant) -> BoxFut<'a, ()> {
         Box::pin(async move {
             self.publisher
-                .publish_at(&self.target, "default", &self.stream, payloads, Some(intended))
+                .publish_at(
+                    &self.target,
+                    "default",
+                    &self.stream,
+                    payloads,
+                    Some(intended),
+                )
                 .await
         })
     }
 
     fn finish(self: Box<Self>) -> BoxFut<'static, Vec<f64>> {
         Box::pin(async move {
-            let FelixProducer { publisher, _conn, .. } = *self;
+            let FelixProducer {
+                publisher, _conn, ..
+            } = *self;
             let lat = publisher.finish().await?;
             drop(_conn);
             Ok(lat)
@@ -257,7 +265,9 @@ impl Producer for TcpProducer {
             }
             acks.abort();
             drop(write);
-            Ok(std::mem::take(&mut *state.latencies.lock().expect("latencies")))
+            Ok(std::mem::take(
+                &mut *state.latencies.lock().expect("latencies"),
+            ))
         })
     }
 }
@@ -278,7 +288,10 @@ enum NatsMsg {
     Other,
 }
 
-async fn nats_read(r: &mut BufReader<OwnedReadHalf>, line: &mut String) -> anyhow::Result<Option<NatsMsg>> {
+async fn nats_read(
+    r: &mut BufReader<OwnedReadHalf>,
+    line: &mut String,
+) -> anyhow::Result<Option<NatsMsg>> {
     line.clear();
     if r.read_line(line).await? == 0 {
         return Ok(None);
@@ -307,7 +320,9 @@ async fn nats_read(r: &mut BufReader<OwnedReadHalf>, line: &mut String) -> anyho
     }
 }
 
-async fn nats_connect(addr: SocketAddr) -> anyhow::Result<(BufReader<OwnedReadHalf>, OwnedWriteHalf)> {
+async fn nats_connect(
+    addr: SocketAddr,
+) -> anyhow::Result<(BufReader<OwnedReadHalf>, OwnedWriteHalf)> {
     let s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
     let (r, mut w) = s.into_split();
@@ -327,10 +342,20 @@ async fn nats_connect(addr: SocketAddr) -> anyhow::Result<(BufReader<OwnedReadHa
 }
 
 /// One JetStream API request.
-async fn nats_request(addr: SocketAddr, subject: &str, body: &str) -> anyhow::Result<serde_json::Value> {
+async fn nats_request(
+    addr: SocketAddr,
+    subject: &str,
+    body: &str,
+) -> anyhow::Result<serde_json::Value> {
     let (mut r, mut w) = nats_connect(addr).await?;
-    w.write_all(format!("SUB _INBOX.api 1\r\nPUB {subject} _INBOX.api {}\r\n{body}\r\n", body.len()).as_bytes())
-        .await?;
+    w.write_all(
+        format!(
+            "SUB _INBOX.api 1\r\nPUB {subject} _INBOX.api {}\r\n{body}\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await?;
     let mut line = String::new();
     loop {
         match nats_read(&mut r, &mut line).await? {
@@ -374,7 +399,12 @@ impl Driver for NatsDriver {
                 "name": stream, "subjects": [stream], "storage": "file",
                 "retention": "limits", "discard": "old", "num_replicas": 1,
             });
-            nats_request(self.addr, &format!("$JS.API.STREAM.CREATE.{stream}"), &body.to_string()).await?;
+            nats_request(
+                self.addr,
+                &format!("$JS.API.STREAM.CREATE.{stream}"),
+                &body.to_string(),
+            )
+            .await?;
             Ok(())
         })
     }
@@ -419,7 +449,8 @@ impl Driver for NatsDriver {
             let n = NEXT_CONSUMER.fetch_add(1, Ordering::Relaxed);
             let deliver = format!("deliver.{stream}.{n}");
             let (r, mut w) = nats_connect(self.addr).await?;
-            w.write_all(format!("SUB {deliver} 1\r\nPING\r\n").as_bytes()).await?;
+            w.write_all(format!("SUB {deliver} 1\r\nPING\r\n").as_bytes())
+                .await?;
             let body = serde_json::json!({
                 "stream_name": stream,
                 "config": {
@@ -428,7 +459,12 @@ impl Driver for NatsDriver {
                     "max_ack_pending": -1,
                 },
             });
-            nats_request(self.addr, &format!("$JS.API.CONSUMER.CREATE.{stream}"), &body.to_string()).await?;
+            nats_request(
+                self.addr,
+                &format!("$JS.API.CONSUMER.CREATE.{stream}"),
+                &body.to_string(),
+            )
+            .await?;
             Ok(Box::new(NatsConsumer {
                 r,
                 w,
@@ -473,7 +509,10 @@ enum Resp {
     Array(Option<Vec<Resp>>),
 }
 
-fn read_resp<'a>(r: &'a mut BufReader<OwnedReadHalf>, line: &'a mut String) -> Pin<Box<dyn Future<Output = anyhow::Result<Option<Resp>>> + Send + 'a>> {
+fn read_resp<'a>(
+    r: &'a mut BufReader<OwnedReadHalf>,
+    line: &'a mut String,
+) -> Pin<Box<dyn Future<Output = anyhow::Result<Option<Resp>>> + Send + 'a>> {
     Box::pin(async move {
         line.clear();
         if r.read_line(line).await? == 0 {
@@ -601,7 +640,16 @@ impl Consumer for RedisConsumer {
                 self.buf.clear();
                 resp_command(
                     &mut self.buf,
-                    &[b"XREAD", b"COUNT", b"4096", b"BLOCK", b"1000", b"STREAMS", self.stream.as_bytes(), self.last_id.as_bytes()],
+                    &[
+                        b"XREAD",
+                        b"COUNT",
+                        b"4096",
+                        b"BLOCK",
+                        b"1000",
+                        b"STREAMS",
+                        self.stream.as_bytes(),
+                        self.last_id.as_bytes(),
+                    ],
                 );
                 self.w.write_all(&self.buf).await?;
                 let Some(v) = read_resp(&mut self.r, &mut self.line).await? else {
@@ -616,10 +664,16 @@ impl Consumer for RedisConsumer {
                 };
                 let mut stamps = Vec::new();
                 for s in streams {
-                    let Resp::Array(Some(mut pair)) = s else { continue };
-                    let Some(Resp::Array(Some(entries))) = pair.pop() else { continue };
+                    let Resp::Array(Some(mut pair)) = s else {
+                        continue;
+                    };
+                    let Some(Resp::Array(Some(entries))) = pair.pop() else {
+                        continue;
+                    };
                     for e in entries {
-                        let Resp::Array(Some(mut entry)) = e else { continue };
+                        let Resp::Array(Some(mut entry)) = e else {
+                            continue;
+                        };
                         if let Some(Resp::Array(Some(fields))) = entry.pop()
                             && let Some(Resp::Bulk(Some(value))) = fields.into_iter().nth(1)
                         {

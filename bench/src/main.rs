@@ -33,7 +33,12 @@ enum Command {
         #[arg(long, value_enum, default_value = "small")]
         scale: felix_bench::compare::Scale,
         /// Brokers to drive.
-        #[arg(long, value_enum, value_delimiter = ',', default_value = "felix,nats,redis")]
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            default_value = "felix,nats,redis"
+        )]
         peers: Vec<felix_bench::compare::Peer>,
         /// Our broker's cores.
         #[arg(long, default_value = "0-1")]
@@ -41,6 +46,9 @@ enum Command {
         /// Output directory.
         #[arg(long, default_value = "bench-results")]
         out: std::path::PathBuf,
+        /// Repetitions of the whole matrix; each cell reports its median round.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
     },
     /// Broker: 1 KiB records, batch 1 and 64, fanout 1 and 10; ack and delivery latency.
     Broker {
@@ -71,6 +79,7 @@ fn main() -> anyhow::Result<()> {
             peers,
             cores,
             out,
+            rounds,
         } => {
             let md = felix_bench::compare::run(&felix_bench::compare::Options {
                 scale,
@@ -78,6 +87,7 @@ fn main() -> anyhow::Result<()> {
                 cores,
                 out,
                 progress: true,
+                rounds,
             })?;
             println!("{md}");
             Ok(())

@@ -66,7 +66,9 @@ impl Drop for PeerProcess {
 }
 
 fn free_tcp_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 fn wait_listening(child: &mut Child, addr: SocketAddr, what: &str) -> anyhow::Result<()> {
@@ -86,7 +88,9 @@ fn wait_listening(child: &mut Child, addr: SocketAddr, what: &str) -> anyhow::Re
 }
 
 fn scratch(prefix: &str) -> anyhow::Result<tempfile::TempDir> {
-    Ok(tempfile::Builder::new().prefix(prefix).tempdir_in("/var/tmp")?)
+    Ok(tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/var/tmp")?)
 }
 
 /// Starts NATS with JetStream (file storage); `durable` syncs every write before acking.
@@ -99,7 +103,11 @@ pub fn start_nats(bin: &Path, durable: bool) -> anyhow::Result<PeerProcess> {
         format!(
             "listen: 127.0.0.1:{port}\nmax_payload: 8MB\nmax_pending: 256MB\njetstream {{\n  store_dir: \"{}\"\n  max_file_store: 64GB\n{}}}\n",
             dir.path().join("js").display(),
-            if durable { "  sync_interval: always\n" } else { "" }
+            if durable {
+                "  sync_interval: always\n"
+            } else {
+                ""
+            }
         ),
     )?;
     let mut child = Command::new(bin)
@@ -123,8 +131,20 @@ pub fn start_redis(bin: &Path, durable: bool) -> anyhow::Result<PeerProcess> {
     let dir = scratch("felix-bench-redis")?;
     let port = free_tcp_port()?;
     let mut child = Command::new(bin)
-        .args(["--bind", "127.0.0.1", "--port", &port.to_string(), "--save", ""])
-        .args(["--appendonly", "yes", "--appendfsync", if durable { "always" } else { "no" }])
+        .args([
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--save",
+            "",
+        ])
+        .args([
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            if durable { "always" } else { "no" },
+        ])
         .args(["--protected-mode", "no", "--daemonize", "no", "--dir"])
         .arg(dir.path())
         .stdout(Stdio::null())

@@ -33,6 +33,11 @@ fn delivery_judged(id: &str) -> bool {
     id == "S2" || id == "S5"
 }
 
+/// The number a scenario is judged by.
+pub fn headline_of(id: &str, m: &Measured) -> f64 {
+    headline(id, m)
+}
+
 fn headline(id: &str, m: &Measured) -> f64 {
     if latency_judged(id) {
         m.ack[1]
@@ -71,9 +76,14 @@ impl Report {
             .map(|(_, _, r)| r)
     }
 
-    /// Cells that failed.
+    /// Cells that failed (ours-only figures included).
     pub fn failures(&self) -> usize {
         self.results.iter().filter(|(_, _, r)| r.is_err()).count()
+            + self
+                .extra
+                .values()
+                .filter(|v| v.get("error").is_some())
+                .count()
     }
 
     /// The JSON document.
@@ -111,11 +121,18 @@ impl Report {
         let _ = writeln!(
             s,
             "Machine: {} cores ({}), kernel {}, 4 KiB write+fdatasync p50 {:.0} us / p99 {:.0} us. Scale `{}`; our broker on cores `{}`; load generator in the same machine.\n",
-            m["cores"], m["cpu"].as_str().unwrap_or("?"), m["kernel"].as_str().unwrap_or("?"),
-            m["fsync_4k_p50_us"].as_f64().unwrap_or(0.0), m["fsync_4k_p99_us"].as_f64().unwrap_or(0.0),
-            m["scale"].as_str().unwrap_or("?"), m["felix_cores"].as_str().unwrap_or("?"),
+            m["cores"],
+            m["cpu"].as_str().unwrap_or("?"),
+            m["kernel"].as_str().unwrap_or("?"),
+            m["fsync_4k_p50_us"].as_f64().unwrap_or(0.0),
+            m["fsync_4k_p99_us"].as_f64().unwrap_or(0.0),
+            m["scale"].as_str().unwrap_or("?"),
+            m["felix_cores"].as_str().unwrap_or("?"),
         );
-        let _ = writeln!(s, "Headline per scenario: acked msgs/s; delivered msgs/s for fanout cells (S2, S5); ack p99 in µs for latency cells (S1, S12: lower is better, and the ratio is peer ÷ ours).\n");
+        let _ = writeln!(
+            s,
+            "Headline per scenario: acked msgs/s; delivered msgs/s for fanout cells (S2, S5); ack p99 in µs for latency cells (S1, S12: lower is better, and the ratio is peer ÷ ours).\n"
+        );
         let mut header = "| scenario | what | durable |".to_owned();
         let mut rule = "|---|---|---|".to_owned();
         for b in &brokers {
@@ -128,7 +145,10 @@ impl Report {
         }
         let _ = writeln!(s, "{header}\n{rule}");
         for (id, what, durable) in &self.specs {
-            let mut row = format!("| {id} | {what} | {} |", if *durable { "fsync" } else { "no" });
+            let mut row = format!(
+                "| {id} | {what} | {} |",
+                if *durable { "fsync" } else { "no" }
+            );
             for b in &brokers {
                 row.push_str(&match self.get(id, b) {
                     Some(Ok(m)) if latency_judged(id) => format!(" {:.0} µs |", headline(id, m)),
@@ -141,7 +161,11 @@ impl Report {
                 row.push_str(&match (self.get(id, OURS), self.get(id, p)) {
                     (Some(Ok(o)), Some(Ok(q))) => {
                         let (ours, theirs) = (headline(id, o), headline(id, q));
-                        let ratio = if latency_judged(id) { theirs / ours } else { ours / theirs };
+                        let ratio = if latency_judged(id) {
+                            theirs / ours
+                        } else {
+                            ours / theirs
+                        };
                         format!(" {ratio:.2}x |")
                     }
                     _ => " - |".into(),
@@ -150,25 +174,45 @@ impl Report {
             let _ = writeln!(s, "{row}");
         }
         let _ = writeln!(s, "\n## Every cell\n");
-        let _ = writeln!(s, "| scenario | broker | acked msgs/s | MB/s | delivered msgs/s | ack p50 / p99 / p999 µs | e2e p50 / p99 / p999 µs |");
+        let _ = writeln!(
+            s,
+            "| scenario | broker | acked msgs/s | MB/s | delivered msgs/s | ack p50 / p99 / p999 µs | e2e p50 / p99 / p999 µs |"
+        );
         let _ = writeln!(s, "|---|---|---|---|---|---|---|");
         for (id, b, r) in &self.results {
             match r {
                 Ok(m) => {
-                    let e2e = m.e2e.map_or("-".to_owned(), |e| format!("{:.0} / {:.0} / {:.0}", e[0], e[1], e[2]));
+                    let e2e = m.e2e.map_or("-".to_owned(), |e| {
+                        format!("{:.0} / {:.0} / {:.0}", e[0], e[1], e[2])
+                    });
                     let _ = writeln!(
                         s,
                         "| {id} | {b} | {:.0} | {:.1} | {:.0} | {:.0} / {:.0} / {:.0} | {e2e} |",
-                        m.acked_per_sec, m.mb_per_sec, m.delivered_per_sec, m.ack[0], m.ack[1], m.ack[2]
+                        m.acked_per_sec,
+                        m.mb_per_sec,
+                        m.delivered_per_sec,
+                        m.ack[0],
+                        m.ack[1],
+                        m.ack[2]
                     );
                 }
                 Err(e) => {
-                    let _ = writeln!(s, "| {id} | {b} | failed: {} | | | | |", e.replace('|', "/"));
+                    let _ = writeln!(
+                        s,
+                        "| {id} | {b} | failed: {} | | | | |",
+                        e.replace('|', "/")
+                    );
                 }
             }
         }
         let _ = writeln!(s, "\n## Ours only\n");
-        if let Some(v) = self.extra.get("S13") {
+        for (k, v) in &self.extra {
+            if let Some(e) = v.get("error") {
+                let _ = writeln!(s, "- {k}: failed: {}", e.as_str().unwrap_or("?"));
+            }
+        }
+        let ok = |k: &str| self.extra.get(k).filter(|v| v.get("error").is_none());
+        if let Some(v) = ok("S13") {
             let _ = writeln!(
                 s,
                 "- S13 scaling (S3 load, 2 producers on 2 streams): 1 core {} msgs/s, 2 cores {} msgs/s: {:.2}x.",
@@ -177,7 +221,7 @@ impl Report {
                 v["ratio"].as_f64().unwrap_or(0.0)
             );
         }
-        if let Some(v) = self.extra.get("pinning") {
+        if let Some(v) = ok("pinning") {
             let _ = writeln!(
                 s,
                 "- Pinning sweep (2 hot streams, S3 load): placement by hash {} msgs/s; both pinned to core 0 {} msgs/s.",
@@ -185,7 +229,7 @@ impl Report {
                 fmt_rate(v["all_on_core_0"].as_f64().unwrap_or(0.0))
             );
         }
-        if let Some(v) = self.extra.get("S14") {
+        if let Some(v) = ok("S14") {
             let _ = writeln!(
                 s,
                 "- S14 recovery: restart over {:.1} MB of log and reopen the shard in {:.3} s ({:.0} MB/s, broker start included).",
@@ -204,6 +248,13 @@ impl Report {
     /// Each target: met or missed, and by how much.
     pub fn targets(&self) -> Vec<String> {
         let mut out = Vec::new();
+        let show = |v: f64| {
+            if v < 100.0 {
+                format!("{v:.2}")
+            } else {
+                fmt_rate(v)
+            }
+        };
         let mut check = |what: String, got: Option<f64>, want: f64, higher: bool| {
             let Some(got) = got else {
                 out.push(format!("{what}: not measured"));
@@ -214,8 +265,8 @@ impl Report {
             out.push(format!(
                 "{what}: {} (got {}, target {}; {:.2}x of target)",
                 if met { "met" } else { "MISSED" },
-                fmt_rate(got),
-                fmt_rate(want),
+                show(got),
+                show(want),
                 by
             ));
         };
@@ -223,10 +274,30 @@ impl Report {
             Some(Ok(m)) => Some(f(m)),
             _ => None,
         };
-        check("S3 acked msgs/s ≥ 550k".into(), ours("S3", |m| m.acked_per_sec), 550e3, true);
-        check("S5 delivered msgs/s ≥ 1.4M".into(), ours("S5", |m| m.delivered_per_sec), 1.4e6, true);
-        check("S7 durable msgs/s ≥ 180k".into(), ours("S7", |m| m.acked_per_sec), 180e3, true);
-        check("S1 ack p99 ≤ 200 µs".into(), ours("S1", |m| m.ack[1]), 200.0, false);
+        check(
+            "S3 acked msgs/s ≥ 550k".into(),
+            ours("S3", |m| m.acked_per_sec),
+            550e3,
+            true,
+        );
+        check(
+            "S5 delivered msgs/s ≥ 1.4M".into(),
+            ours("S5", |m| m.delivered_per_sec),
+            1.4e6,
+            true,
+        );
+        check(
+            "S7 durable msgs/s ≥ 180k".into(),
+            ours("S7", |m| m.acked_per_sec),
+            180e3,
+            true,
+        );
+        check(
+            "S1 ack p99 ≤ 200 µs".into(),
+            ours("S1", |m| m.ack[1]),
+            200.0,
+            false,
+        );
         let s13 = self.extra.get("S13").and_then(|v| v["ratio"].as_f64());
         check("S13 2 cores ≥ 1.8x 1 core".into(), s13, 1.8, true);
         for (peer, want) in [("redis-streams", 3.0), ("nats-jetstream", 10.0)] {
@@ -255,12 +326,25 @@ impl Report {
         let group = (w - left - 20.0) / ids.len().max(1) as f64;
         let bar = group * 0.8 / brokers.len().max(1) as f64;
         let (lo, hi) = (3.0f64, 7.0f64); // 1k .. 10M msgs/s
-        let y = |v: f64| top + plot_h * (1.0 - ((v.max(1.0).log10() - lo) / (hi - lo)).clamp(0.0, 1.0));
-        let mut s = format!(r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#);
-        let _ = write!(s, r#"<text x="{left}" y="20" font-size="14">msgs/s per scenario (acked; delivered for S2, S5), log scale</text>"#);
+        let y =
+            |v: f64| top + plot_h * (1.0 - ((v.max(1.0).log10() - lo) / (hi - lo)).clamp(0.0, 1.0));
+        let mut s = format!(
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+        );
+        let _ = write!(
+            s,
+            r#"<text x="{left}" y="20" font-size="14">msgs/s per scenario (acked; delivered for S2, S5), log scale</text>"#
+        );
         for e in 3..=7 {
             let yy = y(10f64.powi(e));
-            let _ = write!(s, r##"<line x1="{left}" x2="{}" y1="{yy}" y2="{yy}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##, w - 20.0, left - 6.0, yy + 4.0, fmt_rate(10f64.powi(e)));
+            let _ = write!(
+                s,
+                r##"<line x1="{left}" x2="{}" y1="{yy}" y2="{yy}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##,
+                w - 20.0,
+                left - 6.0,
+                yy + 4.0,
+                fmt_rate(10f64.powi(e))
+            );
         }
         for (gi, id) in ids.iter().enumerate() {
             let gx = left + gi as f64 * group + group * 0.1;
@@ -269,14 +353,33 @@ impl Report {
                     let v = headline(id, m);
                     let x = gx + bi as f64 * bar;
                     let yy = y(v);
-                    let _ = write!(s, r#"<rect x="{x:.1}" y="{yy:.1}" width="{:.1}" height="{:.1}" fill="{}"><title>{id} {b}: {}</title></rect>"#, bar - 2.0, top + plot_h - yy, COLORS[bi % COLORS.len()], fmt_rate(v));
+                    let _ = write!(
+                        s,
+                        r#"<rect x="{x:.1}" y="{yy:.1}" width="{:.1}" height="{:.1}" fill="{}"><title>{id} {b}: {}</title></rect>"#,
+                        bar - 2.0,
+                        top + plot_h - yy,
+                        COLORS[bi % COLORS.len()],
+                        fmt_rate(v)
+                    );
                 }
             }
-            let _ = write!(s, r#"<text x="{:.1}" y="{}" text-anchor="middle">{id}</text>"#, gx + group * 0.4, h - bottom + 18.0);
+            let _ = write!(
+                s,
+                r#"<text x="{:.1}" y="{}" text-anchor="middle">{id}</text>"#,
+                gx + group * 0.4,
+                h - bottom + 18.0
+            );
         }
         for (bi, b) in brokers.iter().enumerate() {
             let x = left + bi as f64 * 160.0;
-            let _ = write!(s, r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{b}</text>"#, h - 24.0, COLORS[bi % COLORS.len()], x + 16.0, h - 14.0);
+            let _ = write!(
+                s,
+                r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{b}</text>"#,
+                h - 24.0,
+                COLORS[bi % COLORS.len()],
+                x + 16.0,
+                h - 14.0
+            );
         }
         s.push_str("</svg>\n");
         s
@@ -290,31 +393,66 @@ impl Report {
         let pw = w / panels.len() as f64;
         let plot_h = h - top - bottom;
         let (lo, hi) = (1.0f64, 6.0f64); // 10 µs .. 1 s
-        let y = |v: f64| top + plot_h * (1.0 - ((v.max(1.0).log10() - lo) / (hi - lo)).clamp(0.0, 1.0));
-        let mut s = format!(r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#);
+        let y =
+            |v: f64| top + plot_h * (1.0 - ((v.max(1.0).log10() - lo) / (hi - lo)).clamp(0.0, 1.0));
+        let mut s = format!(
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+        );
         for (pi, id) in panels.iter().enumerate() {
             let x0 = pi as f64 * pw + 60.0;
             let pw_in = pw - 80.0;
-            let _ = write!(s, r#"<text x="{x0}" y="20" font-size="14">{id}: ack latency (µs) by percentile</text>"#);
+            let _ = write!(
+                s,
+                r#"<text x="{x0}" y="20" font-size="14">{id}: ack latency (µs) by percentile</text>"#
+            );
             for e in 1..=6 {
                 let yy = y(10f64.powi(e));
-                let _ = write!(s, r##"<line x1="{x0}" x2="{}" y1="{yy}" y2="{yy}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##, x0 + pw_in, x0 - 4.0, yy + 4.0, fmt_rate(10f64.powi(e)));
+                let _ = write!(
+                    s,
+                    r##"<line x1="{x0}" x2="{}" y1="{yy}" y2="{yy}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##,
+                    x0 + pw_in,
+                    x0 - 4.0,
+                    yy + 4.0,
+                    fmt_rate(10f64.powi(e))
+                );
             }
             let labels = ["p50", "p75", "p90", "p95", "p99", "p99.5", "p99.9", "max"];
             let xs = |i: usize| x0 + pw_in * i as f64 / (labels.len() - 1) as f64;
             for (i, l) in labels.iter().enumerate() {
-                let _ = write!(s, r#"<text x="{:.1}" y="{}" text-anchor="middle">{l}</text>"#, xs(i), h - bottom + 16.0);
+                let _ = write!(
+                    s,
+                    r#"<text x="{:.1}" y="{}" text-anchor="middle">{l}</text>"#,
+                    xs(i),
+                    h - bottom + 16.0
+                );
             }
             for (bi, b) in brokers.iter().enumerate() {
                 if let Some(Ok(m)) = self.get(id, b) {
-                    let pts: Vec<String> = m.curve.iter().enumerate().map(|(i, (_, v))| format!("{:.1},{:.1}", xs(i), y(*v))).collect();
-                    let _ = write!(s, r#"<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>"#, COLORS[bi % COLORS.len()], pts.join(" "));
+                    let pts: Vec<String> = m
+                        .curve
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (_, v))| format!("{:.1},{:.1}", xs(i), y(*v)))
+                        .collect();
+                    let _ = write!(
+                        s,
+                        r#"<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>"#,
+                        COLORS[bi % COLORS.len()],
+                        pts.join(" ")
+                    );
                 }
             }
         }
         for (bi, b) in brokers.iter().enumerate() {
             let x = 60.0 + bi as f64 * 160.0;
-            let _ = write!(s, r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{b}</text>"#, h - 24.0, COLORS[bi % COLORS.len()], x + 16.0, h - 14.0);
+            let _ = write!(
+                s,
+                r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{b}</text>"#,
+                h - 24.0,
+                COLORS[bi % COLORS.len()],
+                x + 16.0,
+                h - 14.0
+            );
         }
         s.push_str("</svg>\n");
         s

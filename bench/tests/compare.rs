@@ -1,0 +1,45 @@
+//! Every compare scenario, against our broker and both peers, at a tiny size: the tool
+//! cannot rot. (Numbers at this size mean nothing; `felix-bench compare` is the run.)
+
+use felix_bench::compare::{Options, Peer, Scale, run};
+
+#[test]
+fn every_scenario_runs_against_every_broker() {
+    let out = tempfile::tempdir().unwrap();
+    let md = run(&Options {
+        scale: Scale::Tiny,
+        peers: vec![Peer::Felix, Peer::Nats, Peer::Redis],
+        cores: "0-1".into(),
+        out: out.path().to_path_buf(),
+        progress: false,
+        rounds: 1,
+    })
+    .unwrap_or_else(|e| panic!("the matrix failed: {e:#}"));
+    for f in [
+        "results.json",
+        "results.md",
+        "throughput.svg",
+        "latency.svg",
+    ] {
+        assert!(out.path().join(f).exists(), "{f} written");
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.path().join("results.json")).unwrap()).unwrap();
+    let scenarios = json["scenarios"].as_array().unwrap().len();
+    let cells = json["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), scenarios * 3, "every scenario on every broker");
+    for c in cells {
+        assert!(c.get("error").is_none(), "{c}");
+        assert!(c["acked_per_sec"].as_f64().unwrap() > 0.0, "{c}");
+    }
+    for k in ["S13", "pinning", "S14"] {
+        assert!(
+            json["felix_only"][k].get("error").is_none(),
+            "{k}: {}",
+            json["felix_only"][k]
+        );
+    }
+    assert!(md.contains("felix vs nats-jetstream") && md.contains("felix vs redis-streams"));
+    let svg = std::fs::read_to_string(out.path().join("throughput.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("<rect"));
+}
