@@ -176,6 +176,8 @@ pub struct CoreMetrics {
     pub shards_open: AtomicU64,
     /// Requests forwarded to the broker that leads their shard.
     pub forwarded: AtomicU64,
+    /// Times a subscriber's overflowed queue was made up by reading the log.
+    pub subscriber_catchups: AtomicU64,
 }
 
 /// What every core shares (read-mostly).
@@ -213,7 +215,8 @@ enum Slot<T> {
     Failed(BrokerError),
 }
 
-/// A local subscriber's bounded queue of committed batches (overflow policy DropNew).
+/// A local subscriber's bounded queue of committed batches (overflow policy DropNew;
+/// the pump reads dropped batches back from the log).
 #[derive(Debug)]
 pub struct SubQueue {
     queue: RefCell<VecDeque<Arc<Envelope>>>,

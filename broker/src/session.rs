@@ -1381,6 +1381,59 @@ fn next_subscription_id(core: &CoreBroker) -> u64 {
     ((core.core.index() as u64) << 48) | n
 }
 
+/// Writes the committed records `[from, to)` from the log; returns where it stopped
+/// (`to`, or earlier if retention already removed the rest).
+#[allow(clippy::too_many_arguments)]
+async fn replay(
+    core: &Rc<CoreBroker>,
+    key: &Arc<ShardKey>,
+    uni: &mut SendStream,
+    names: &StreamNames,
+    from: u64,
+    to: u64,
+    format: EventFormat,
+) -> Result<u64, ()> {
+    let mut next = from;
+    let mut skipped = 0u64;
+    while next < to {
+        let batches = core
+            .read(key.clone(), next, 1 << 20)
+            .await
+            .map_err(|_| ())?;
+        if batches.is_empty() {
+            break;
+        }
+        for b in batches {
+            if b.base_offset >= to {
+                return Ok(to);
+            }
+            if b.base_offset + (b.records.len() as u64) <= next {
+                continue;
+            }
+            let skip = next.saturating_sub(b.base_offset) as usize;
+            let keep = ((to - b.base_offset) as usize).min(b.records.len());
+            if b.kind == BatchKind::GenerationStart {
+                skipped += (keep - skip) as u64;
+                next = b.base_offset + keep as u64;
+                continue;
+            }
+            let first = b.base_offset + skip as u64;
+            let frame = match format {
+                EventFormat::Binary => encode_events(
+                    first,
+                    &b.records[skip..keep],
+                    (skipped > 0).then_some(skipped),
+                ),
+                EventFormat::Json => encode_json_events(names, first, &b.records[skip..keep]),
+            };
+            skipped = 0;
+            uni.write_chunk(frame).await.map_err(|_| ())?;
+            next = b.base_offset + keep as u64;
+        }
+    }
+    Ok(next)
+}
+
 /// Delivers history from `start` to `live`, then live batches, on a broker-opened
 /// unidirectional stream, until the client goes away or the broker stops.
 #[allow(clippy::too_many_arguments)]
@@ -1409,53 +1462,41 @@ async fn pump(
             namespace: key.namespace.clone(),
             stream: key.name.clone(),
         };
-        let mut next = start;
-        let mut skipped = 0u64;
         // History: never dropped; a slow reader slows the replay.
-        while next < live {
-            let batches = core
-                .read(key.clone(), next, 1 << 20)
-                .await
-                .map_err(|_| ())?;
-            if batches.is_empty() {
-                break;
-            }
-            for b in batches {
-                if b.base_offset >= live {
-                    next = live;
-                    break;
-                }
-                let keep = ((live - b.base_offset) as usize).min(b.records.len());
-                if b.kind == BatchKind::GenerationStart {
-                    skipped += keep as u64;
-                    next = b.base_offset + keep as u64;
-                    continue;
-                }
-                let frame = match format {
-                    EventFormat::Binary => encode_events(
-                        b.base_offset,
-                        &b.records[..keep],
-                        (skipped > 0).then_some(skipped),
-                    ),
-                    EventFormat::Json => {
-                        encode_json_events(&names, b.base_offset, &b.records[..keep])
-                    }
-                };
-                skipped = 0;
-                uni.write_chunk(frame).await.map_err(|_| ())?;
-                next = b.base_offset + keep as u64;
-            }
-        }
-        // Live: a queue overflow shows up as an offset gap. Everything already queued
-        // goes out in one vectored write (frames are shared, never copied).
+        let mut next = replay(&core, &key, &mut uni, &names, start, live, format).await?;
+        // Live: batches queued after each commit. A queue that overflowed (a reader
+        // slower than the writers) shows up as a gap before the next batch; the gap is
+        // read back from the log, so a slow subscriber falls behind but loses nothing.
+        // Everything queued goes out in one vectored write (frames are shared).
         let mut ready = Vec::with_capacity(LIVE_WRITE_BATCHES);
         let mut frames = Vec::with_capacity(LIVE_WRITE_BATCHES);
-        while let Some(env) = queue.next().await {
+        let mut dropped_seen = queue.dropped.get();
+        loop {
+            // Batches dropped at the tail leave no later batch to reveal the gap: after
+            // any drop, read the log up to its end before waiting again. (Drops happen
+            // only while the queue is full, so none can slip in while it is empty.)
+            if queue.dropped.get() != dropped_seen {
+                dropped_seen = queue.dropped.get();
+                core.metrics
+                    .subscriber_catchups
+                    .fetch_add(1, Ordering::Relaxed);
+                next = replay(&core, &key, &mut uni, &names, next, u64::MAX, format).await?;
+            }
+            let Some(env) = queue.next().await else { break };
             ready.push(env);
             queue.take_ready(LIVE_WRITE_BATCHES - 1, &mut ready);
             for env in ready.drain(..) {
                 if env.end() <= next {
                     continue;
+                }
+                if env.base_offset > next {
+                    uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+                    frames.clear();
+                    core.metrics
+                        .subscriber_catchups
+                        .fetch_add(1, Ordering::Relaxed);
+                    next = replay(&core, &key, &mut uni, &names, next, env.base_offset, format)
+                        .await?;
                 }
                 frames.push(env.frame_from(next, format));
                 next = env.end();
