@@ -83,6 +83,8 @@ pub struct Options {
     pub progress: bool,
     /// Repetitions of the matrix (medians reported).
     pub rounds: usize,
+    /// Only these scenario ids (empty: all). The ours-only figures run only when empty.
+    pub only: Vec<String>,
 }
 
 /// One scenario cell's shape.
@@ -600,7 +602,9 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
                     {
                         eprintln!("warm-up on {} failed: {e:#}", driver.name());
                     }
-                    for spec in SPECS.iter().filter(|s| s.durable == durable) {
+                    let wanted =
+                        |s: &&Spec| opts.only.is_empty() || opts.only.iter().any(|o| o == s.id);
+                    for spec in SPECS.iter().filter(|s| s.durable == durable).filter(wanted) {
                         let rate = match spec.open_of {
                             None => None,
                             Some((of, fraction)) => results
@@ -634,7 +638,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let results = median_rounds(rounds);
     // Ours only: scaling (S13), pinning sweep, recovery (S14).
     let mut extra = serde_json::Map::new();
-    if opts.peers.contains(&Peer::Felix) {
+    if opts.peers.contains(&Peer::Felix) && opts.only.is_empty() {
         let or_error =
             |r: anyhow::Result<Value>| r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
         extra.insert("S13".into(), or_error(rt.block_on(scaling(opts))));
@@ -645,7 +649,11 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     machine["felix_cores"] = json!(opts.cores);
     let report = crate::report::Report {
         machine,
-        specs: SPECS.iter().map(|s| (s.id, s.what, s.durable)).collect(),
+        specs: SPECS
+            .iter()
+            .filter(|s| opts.only.is_empty() || opts.only.iter().any(|o| o == s.id))
+            .map(|s| (s.id, s.what, s.durable))
+            .collect(),
         results,
         extra,
     };

@@ -49,6 +49,9 @@ enum Command {
         /// Repetitions of the whole matrix; each cell reports its median round.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Only these scenarios (e.g. `S1,S3`); the ours-only figures need the full set.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
     },
     /// Broker: 1 KiB records, batch 1 and 64, fanout 1 and 10; ack and delivery latency.
     Broker {
@@ -80,6 +83,7 @@ fn main() -> anyhow::Result<()> {
             cores,
             out,
             rounds,
+            only,
         } => {
             let md = felix_bench::compare::run(&felix_bench::compare::Options {
                 scale,
@@ -88,6 +92,7 @@ fn main() -> anyhow::Result<()> {
                 out,
                 progress: true,
                 rounds,
+                only,
             })?;
             println!("{md}");
             Ok(())

@@ -13,6 +13,7 @@ fn every_scenario_runs_against_every_broker() {
         out: out.path().to_path_buf(),
         progress: false,
         rounds: 1,
+        only: Vec::new(),
     })
     .unwrap_or_else(|e| panic!("the matrix failed: {e:#}"));
     for f in [

@@ -178,6 +178,9 @@ pub struct CoreMetrics {
     pub forwarded: AtomicU64,
     /// Times a subscriber's overflowed queue was made up by reading the log.
     pub subscriber_catchups: AtomicU64,
+    /// Deliveries to this core that another core dropped (its outbound queue was full);
+    /// this core's subscribers then check the log for what they missed.
+    pub deliveries_lost_inbound: AtomicU64,
 }
 
 /// What every core shares (read-mostly).
@@ -658,6 +661,10 @@ impl CoreBroker {
                     out.queue.push_back(msg);
                 } else {
                     self.metrics.events_dropped.fetch_add(1, Ordering::Relaxed);
+                    // Tell the destination core's subscribers to look for a gap.
+                    self.shared.metrics[core.index()]
+                        .deliveries_lost_inbound
+                        .fetch_add(1, Ordering::Relaxed);
                 }
                 false
             } else {

@@ -79,6 +79,10 @@ fn served_features(core: &CoreBroker) -> Features {
     }
 }
 
+/// How long an idle subscriber's pump waits before checking for deliveries another
+/// core dropped.
+const GAP_CHECK: Duration = Duration::from_millis(100);
+
 /// Queued batches a subscriber's pump writes in one go.
 const LIVE_WRITE_BATCHES: usize = 64;
 
@@ -1470,19 +1474,25 @@ async fn pump(
         // Everything queued goes out in one vectored write (frames are shared).
         let mut ready = Vec::with_capacity(LIVE_WRITE_BATCHES);
         let mut frames = Vec::with_capacity(LIVE_WRITE_BATCHES);
-        let mut dropped_seen = queue.dropped.get();
+        let lost_inbound = || core.metrics.deliveries_lost_inbound.load(Ordering::Relaxed);
+        let (mut dropped_seen, mut lost_seen) = (queue.dropped.get(), lost_inbound());
         loop {
             // Batches dropped at the tail leave no later batch to reveal the gap: after
-            // any drop, read the log up to its end before waiting again. (Drops happen
-            // only while the queue is full, so none can slip in while it is empty.)
-            if queue.dropped.get() != dropped_seen {
-                dropped_seen = queue.dropped.get();
+            // any drop — by this queue, or by another core's full outbound queue to this
+            // core — read the log up to its end before waiting again. The wait is
+            // bounded so a drop by another core is noticed while idle.
+            if queue.dropped.get() != dropped_seen || lost_inbound() != lost_seen {
+                (dropped_seen, lost_seen) = (queue.dropped.get(), lost_inbound());
                 core.metrics
                     .subscriber_catchups
                     .fetch_add(1, Ordering::Relaxed);
                 next = replay(&core, &key, &mut uni, &names, next, u64::MAX, format).await?;
             }
-            let Some(env) = queue.next().await else { break };
+            let env = match task::timeout(GAP_CHECK, queue.next()).await {
+                Some(Some(env)) => env,
+                Some(None) => break,
+                None => continue,
+            };
             ready.push(env);
             queue.take_ready(LIVE_WRITE_BATCHES - 1, &mut ready);
             for env in ready.drain(..) {
