@@ -644,6 +644,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         extra.insert("S13".into(), or_error(rt.block_on(scaling(opts))));
         extra.insert("pinning".into(), or_error(rt.block_on(pinning(opts))));
         extra.insert("S14".into(), or_error(recovery(opts, &rt)));
+        extra.insert("S11".into(), or_error(transport(opts)));
     }
     machine["scale"] = json!(format!("{:?}", opts.scale).to_lowercase());
     machine["felix_cores"] = json!(opts.cores);
@@ -813,6 +814,32 @@ fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Valu
     let secs = t.elapsed().as_secs_f64();
     b.stop()?;
     Ok(json!({"bytes": bytes, "seconds": secs, "mb_per_sec": bytes as f64 / secs / 1e6}))
+}
+
+/// S11: the raw QUIC transport ceiling — one connection, 64 KiB writes, counted by an
+/// echo-free sink on our driver (1 core) and on quinn/tokio (1 worker), same client.
+fn transport(opts: &Options) -> anyhow::Result<Value> {
+    use crate::quic::{Certs, Client, start_ours, start_quinn};
+    let bytes: u64 = match opts.scale {
+        Scale::Tiny => 8 << 20,
+        Scale::Small => 256 << 20,
+        Scale::Full => 1 << 30,
+    };
+    let certs = Certs::new()?;
+    let client = Client::new(&certs, 1)?;
+    let ours = start_ours(&certs, 1)?;
+    let ours_mb = client.throughput(ours.addr(), 1, bytes)?;
+    let mut rtt = client.rtt(ours.addr(), 500)?;
+    ours.stop();
+    let quinn = start_quinn(&certs, 1)?;
+    let quinn_mb = client.throughput(quinn.addr(), 1, bytes)?;
+    quinn.stop();
+    Ok(json!({
+        "felix_mb_per_sec": ours_mb,
+        "quinn_mb_per_sec": quinn_mb,
+        "ratio": ours_mb / quinn_mb,
+        "felix_rtt_p50_us": percentile(&mut rtt, 0.5),
+    }))
 }
 
 fn dir_bytes(p: &std::path::Path) -> u64 {

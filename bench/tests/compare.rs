@@ -33,7 +33,7 @@ fn every_scenario_runs_against_every_broker() {
         assert!(c.get("error").is_none(), "{c}");
         assert!(c["acked_per_sec"].as_f64().unwrap() > 0.0, "{c}");
     }
-    for k in ["S13", "pinning", "S14"] {
+    for k in ["S11", "S13", "pinning", "S14"] {
         assert!(
             json["felix_only"][k].get("error").is_none(),
             "{k}: {}",

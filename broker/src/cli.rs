@@ -39,6 +39,9 @@ struct Common {
     /// This node's id.
     #[arg(long)]
     node_id: Option<String>,
+    /// Microseconds an idle core busy-polls before sleeping (lower latency, more CPU).
+    #[arg(long)]
+    spin_us: Option<u64>,
 }
 
 impl Common {
@@ -52,6 +55,7 @@ impl Common {
             default_shards: self.shards,
             controlplane_url: self.controlplane.clone(),
             node_id: self.node_id.clone(),
+            spin_us: self.spin_us,
         }
     }
 }

@@ -86,6 +86,8 @@ pub struct FileConfig {
     pub subscriber_queue: Option<usize>,
     /// Segment size.
     pub segment_bytes: Option<u64>,
+    /// Microseconds an idle core busy-polls before sleeping (0: never spin).
+    pub spin_us: Option<u64>,
     /// Control-plane URL (`http://host:port`): follow it for placement and keys.
     pub controlplane_url: Option<String>,
     /// This node's control-plane token.
@@ -148,6 +150,8 @@ pub struct BrokerConfig {
     pub subscriber_queue: usize,
     /// Segment size.
     pub segment_bytes: u64,
+    /// Busy-poll before an idle core sleeps.
+    pub spin: Option<std::time::Duration>,
     /// Control-plane following, when configured.
     pub cluster: Option<ClusterSettings>,
 }
@@ -183,6 +187,8 @@ pub struct Overrides {
     pub controlplane_url: Option<String>,
     /// `--node-id`.
     pub node_id: Option<String>,
+    /// `--spin-us`.
+    pub spin_us: Option<u64>,
 }
 
 fn parse<T: FromStr>(key: &'static str, src: &'static str, v: &str) -> Result<T, ConfigError>
@@ -429,6 +435,20 @@ impl BrokerConfig {
             max_connections: file.max_connections.unwrap_or(10_000),
             subscriber_queue: file.subscriber_queue.unwrap_or(512).max(1),
             segment_bytes: file.segment_bytes.unwrap_or(256 << 20),
+            spin: {
+                let l = layer(
+                    "spin_us",
+                    "FELIX_SPIN_US",
+                    file.spin_us.map(|n| n.to_string()),
+                    flags.spin_us.map(|n| n.to_string()),
+                );
+                match l.value {
+                    Some(v) => Some(parse::<u64>("spin_us", l.source, &v)?)
+                        .filter(|us| *us > 0)
+                        .map(std::time::Duration::from_micros),
+                    None => None,
+                }
+            },
             cluster,
         })
     }

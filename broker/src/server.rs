@@ -185,6 +185,7 @@ pub fn start(
     let runtime = Runtime::start(
         RuntimeConfig {
             io_memory_bytes: IO_MEMORY_PER_CORE,
+            spin_before_park: config.spin,
             ..RuntimeConfig::new(config.cores.clone())
         },
         move |ctx| {

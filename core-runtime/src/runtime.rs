@@ -23,6 +23,10 @@ pub struct RuntimeConfig {
     pub io_memory_bytes: usize,
     /// Thread name prefix.
     pub name: String,
+    /// Busy-poll this long before an idle executor sleeps (`None`: sleep at once).
+    /// Trades CPU for latency: an executor that is still spinning when the next
+    /// packet or completion arrives skips the wake-up (eventfd, context switch).
+    pub spin_before_park: Option<std::time::Duration>,
 }
 
 impl RuntimeConfig {
@@ -32,6 +36,7 @@ impl RuntimeConfig {
             cores,
             io_memory_bytes: 4 << 20,
             name: "felix-core".into(),
+            spin_before_park: None,
         }
     }
 }
@@ -152,9 +157,13 @@ impl Runtime {
                 stats: core_stats,
             };
             let body = body.clone();
-            let handle = glommio::LocalExecutorBuilder::new(glommio::Placement::Fixed(cpu))
+            let mut builder = glommio::LocalExecutorBuilder::new(glommio::Placement::Fixed(cpu))
                 .name(&format!("{}-{i}", config.name))
-                .io_memory(config.io_memory_bytes)
+                .io_memory(config.io_memory_bytes);
+            if let Some(spin) = config.spin_before_park {
+                builder = builder.spin_before_park(spin);
+            }
+            let handle = builder
                 .spawn(move || async move { body(ctx).await })
                 .map_err(|e| RuntimeError::Start {
                     core: i,
