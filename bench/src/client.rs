@@ -31,20 +31,28 @@ pub struct Target {
 impl Target {
     /// A connected QUIC connection.
     ///
-    /// Connections share one client endpoint (one UDP socket and driver) per runtime
-    /// thread, as one client process would, so a cell with many producers measures the
-    /// broker rather than dozens of client sockets.
+    /// Connections share a small pool of client endpoints per runtime thread (as one
+    /// client process with a few sockets would): fewer sockets than connections keeps
+    /// the client's overhead down, and more than one spreads connections over the
+    /// broker's cores (its SO_REUSEPORT sockets pick a core by source address).
     pub async fn connect(&self) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
+        const POOL: usize = 8;
         thread_local! {
-            static ENDPOINT: std::cell::RefCell<Option<quinn::Endpoint>> = const { std::cell::RefCell::new(None) };
+            static ENDPOINTS: std::cell::RefCell<(Vec<quinn::Endpoint>, usize)> = const { std::cell::RefCell::new((Vec::new(), 0)) };
         }
         let roots = felix_core_runtime::quic::certs_from_pem(&self.ca_pem)?;
         let config = felix_core_runtime::quic::client_config(&roots, false, Default::default())?;
-        let ep = match ENDPOINT.with(|e| e.borrow().clone()) {
+        let pooled = ENDPOINTS.with(|e| {
+            let mut e = e.borrow_mut();
+            let (eps, next) = &mut *e;
+            *next += 1;
+            (eps.len() == POOL).then(|| eps[*next % POOL].clone())
+        });
+        let ep = match pooled {
             Some(ep) => ep,
             None => {
                 let ep = quinn::Endpoint::client("127.0.0.1:0".parse().expect("valid"))?;
-                ENDPOINT.with(|e| *e.borrow_mut() = Some(ep.clone()));
+                ENDPOINTS.with(|e| e.borrow_mut().0.push(ep.clone()));
                 ep
             }
         };
