@@ -38,7 +38,7 @@ use quinn_proto::{
     ReadError, ReadableError, ServerConfig, StreamEvent, StreamId, VarInt, WriteError,
 };
 
-use super::udp::UdpIo;
+use super::udp::{Received, UdpIo};
 
 /// Datagrams per GSO burst.
 const MAX_GSO_SEGMENTS: usize = 16;
@@ -112,6 +112,31 @@ pub enum QuicError {
     Connect(String),
 }
 
+/// What the driver's bookkeeping needs from a datagram transport. The UDP socket
+/// implements it; tests implement it in memory and step the driver with a virtual clock.
+pub(crate) trait Datagrams {
+    /// Where this transport receives.
+    fn local_addr(&self) -> SocketAddr;
+    /// The next datagram (or GRO run) without blocking.
+    fn try_recv(&self, buf: &mut [u8]) -> io::Result<Option<Received>>;
+    /// Sends without blocking; `Ok(false)` when it would block.
+    fn try_send(&self, data: &[u8], dest: SocketAddr, segment: Option<usize>) -> io::Result<bool>;
+}
+
+impl Datagrams for UdpIo {
+    fn local_addr(&self) -> SocketAddr {
+        UdpIo::local_addr(self)
+    }
+
+    fn try_recv(&self, buf: &mut [u8]) -> io::Result<Option<Received>> {
+        UdpIo::try_recv(self, buf)
+    }
+
+    fn try_send(&self, data: &[u8], dest: SocketAddr, segment: Option<usize>) -> io::Result<bool> {
+        UdpIo::try_send(self, data, dest, segment)
+    }
+}
+
 fn lost(e: &ConnectionError) -> QuicError {
     QuicError::ConnectionLost(e.to_string())
 }
@@ -158,7 +183,7 @@ impl Conn {
 struct Driver {
     endpoint: quinn_proto::Endpoint,
     server: Option<Arc<ServerConfig>>,
-    io: Rc<UdpIo>,
+    io: Rc<dyn Datagrams>,
     conns: HashMap<ConnectionHandle, Conn>,
     dirty: HashSet<ConnectionHandle>,
     timers: BTreeSet<(Instant, ConnectionHandle)>,
@@ -174,6 +199,65 @@ struct Driver {
 }
 
 impl Driver {
+    fn new(
+        io: Rc<dyn Datagrams>,
+        server: Option<Arc<ServerConfig>>,
+        max_connections: usize,
+    ) -> io::Result<Driver> {
+        let mut endpoint_config = EndpointConfig::default();
+        endpoint_config
+            .max_udp_payload_size(1472)
+            .map_err(io::Error::other)?;
+        let endpoint =
+            quinn_proto::Endpoint::new(Arc::new(endpoint_config), server.clone(), true, None);
+        Ok(Driver {
+            endpoint,
+            server,
+            io,
+            conns: HashMap::new(),
+            dirty: HashSet::new(),
+            timers: BTreeSet::new(),
+            accept_queue: VecDeque::new(),
+            accept_waker: None,
+            waker: None,
+            woken: false,
+            closing: false,
+            max_connections,
+            blocked_sends: VecDeque::new(),
+            send_buf: Vec::with_capacity(MAX_GSO_SEGMENTS * 1500),
+            stats: EndpointStats::default(),
+        })
+    }
+
+    /// Starts a client handshake (the synchronous half of [`Endpoint::connect`]).
+    fn start_connect(
+        &mut self,
+        now: Instant,
+        config: ClientConfig,
+        addr: SocketAddr,
+        server_name: &str,
+    ) -> Result<ConnectionHandle, QuicError> {
+        if self.closing {
+            return Err(QuicError::EndpointClosed);
+        }
+        let (h, q) = self
+            .endpoint
+            .connect(now, config, addr, server_name)
+            .map_err(|e| QuicError::Connect(e.to_string()))?;
+        self.conns.insert(
+            h,
+            Conn {
+                q,
+                s: ConnState {
+                    handles: 1,
+                    ..ConnState::default()
+                },
+            },
+        );
+        self.mark(h);
+        Ok(h)
+    }
+
     fn wake(&mut self) {
         self.woken = true;
         if let Some(w) = self.waker.take() {
@@ -375,35 +459,13 @@ impl std::fmt::Debug for Endpoint {
 impl Endpoint {
     /// Binds `addr` and starts the driver task on the current glommio executor.
     pub fn bind(addr: SocketAddr, options: EndpointOptions) -> io::Result<Endpoint> {
-        let io = Rc::new(UdpIo::bind(addr, options.reuse_port)?);
-        let mut endpoint_config = EndpointConfig::default();
-        endpoint_config
-            .max_udp_payload_size(1472)
-            .map_err(io::Error::other)?;
-        let endpoint = quinn_proto::Endpoint::new(
-            Arc::new(endpoint_config),
-            options.server.clone(),
-            true,
-            None,
-        );
-        let d = Rc::new(RefCell::new(Driver {
-            endpoint,
-            server: options.server,
-            io,
-            conns: HashMap::new(),
-            dirty: HashSet::new(),
-            timers: BTreeSet::new(),
-            accept_queue: VecDeque::new(),
-            accept_waker: None,
-            waker: None,
-            woken: false,
-            closing: false,
-            max_connections: options.max_connections,
-            blocked_sends: VecDeque::new(),
-            send_buf: Vec::with_capacity(MAX_GSO_SEGMENTS * 1500),
-            stats: EndpointStats::default(),
-        }));
-        let task = glommio::spawn_local(run(d.clone()));
+        let udp = Rc::new(UdpIo::bind(addr, options.reuse_port)?);
+        let d = Rc::new(RefCell::new(Driver::new(
+            udp.clone(),
+            options.server,
+            options.max_connections,
+        )?));
+        let task = glommio::spawn_local(run(d.clone(), udp));
         Ok(Endpoint {
             d,
             task: Rc::new(RefCell::new(Some(task))),
@@ -450,28 +512,10 @@ impl Endpoint {
         addr: SocketAddr,
         server_name: &str,
     ) -> Result<Connection, QuicError> {
-        let h = {
-            let mut d = self.d.borrow_mut();
-            if d.closing {
-                return Err(QuicError::EndpointClosed);
-            }
-            let (h, q) = d
-                .endpoint
-                .connect(Instant::now(), config, addr, server_name)
-                .map_err(|e| QuicError::Connect(e.to_string()))?;
-            d.conns.insert(
-                h,
-                Conn {
-                    q,
-                    s: ConnState {
-                        handles: 1,
-                        ..ConnState::default()
-                    },
-                },
-            );
-            d.mark(h);
-            h
-        };
+        let h = self
+            .d
+            .borrow_mut()
+            .start_connect(Instant::now(), config, addr, server_name)?;
         let conn = Connection {
             d: self.d.clone(),
             h,
@@ -1005,7 +1049,7 @@ impl Drop for RecvStream {
 /// or `None` when the endpoint is closed and drained.
 fn process(
     dr: &mut Driver,
-    io: &UdpIo,
+    io: &dyn Datagrams,
     recv_buf: &mut [u8],
     now: Instant,
     last: &mut Instant,
@@ -1057,8 +1101,7 @@ fn process(
 }
 
 /// The driver task: see the module docs for the loop.
-async fn run(d: Rc<RefCell<Driver>>) {
-    let io = d.borrow().io.clone();
+async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
     let mut readable: Pin<Box<dyn Future<Output = io::Result<()>>>> = Box::pin(io.readable());
     let mut timer: Option<(Instant, glommio::timer::Timer)> = None;
     let mut recv_buf = vec![0u8; RECV_BUFFER_BYTES];
@@ -1075,9 +1118,13 @@ async fn run(d: Rc<RefCell<Driver>>) {
             }
         }
         let now = Instant::now();
-        let Some((again, deadline)) =
-            process(&mut d.borrow_mut(), &io, &mut recv_buf, now, &mut last)
-        else {
+        let Some((again, deadline)) = process(
+            &mut d.borrow_mut(),
+            io.as_ref(),
+            &mut recv_buf,
+            now,
+            &mut last,
+        ) else {
             return;
         };
         if again {
@@ -1113,5 +1160,248 @@ async fn run(d: Rc<RefCell<Driver>>) {
             Poll::Pending
         })
         .await;
+    }
+}
+
+/// The driver's bookkeeping without sockets or an executor: drivers exchange datagrams
+/// through an in-memory network and are stepped with a virtual clock, so timeouts of
+/// seconds take microseconds and every run is the same.
+#[cfg(test)]
+mod sans_io {
+    use std::cell::RefCell;
+    use std::collections::{HashSet, VecDeque};
+    use std::io;
+    use std::net::SocketAddr;
+    use std::rc::Rc;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::{Datagrams, Driver, process};
+    use crate::quic::udp::Received;
+    use crate::quic::{TransportLimits, client_config, generate_certs, server_config};
+
+    /// Datagrams in flight, and destinations whose traffic is lost.
+    #[derive(Default)]
+    struct Net {
+        queue: RefCell<VecDeque<(SocketAddr, SocketAddr, Vec<u8>)>>,
+        black_holes: RefCell<HashSet<SocketAddr>>,
+    }
+
+    struct MemIo {
+        addr: SocketAddr,
+        net: Rc<Net>,
+    }
+
+    impl Datagrams for MemIo {
+        fn local_addr(&self) -> SocketAddr {
+            self.addr
+        }
+
+        fn try_recv(&self, buf: &mut [u8]) -> io::Result<Option<Received>> {
+            let mut q = self.net.queue.borrow_mut();
+            let Some(i) = q.iter().position(|(_, to, _)| *to == self.addr) else {
+                return Ok(None);
+            };
+            let (from, _, data) = q.remove(i).expect("found");
+            buf[..data.len()].copy_from_slice(&data);
+            Ok(Some(Received {
+                len: data.len(),
+                from,
+                segment: None,
+            }))
+        }
+
+        fn try_send(
+            &self,
+            data: &[u8],
+            dest: SocketAddr,
+            segment: Option<usize>,
+        ) -> io::Result<bool> {
+            if self.net.black_holes.borrow().contains(&dest) {
+                return Ok(true);
+            }
+            for piece in data.chunks(segment.unwrap_or(data.len()).max(1)) {
+                self.net
+                    .queue
+                    .borrow_mut()
+                    .push_back((self.addr, dest, piece.to_vec()));
+            }
+            Ok(true)
+        }
+    }
+
+    struct Fixture {
+        net: Rc<Net>,
+        server: Driver,
+        server_addr: SocketAddr,
+        client_config: quinn_proto::ClientConfig,
+        now: Instant,
+    }
+
+    fn addr(port: u16) -> SocketAddr {
+        ([127, 0, 0, 1], port).into()
+    }
+
+    fn fixture(max_connections: usize, limits: TransportLimits) -> Fixture {
+        let certs = generate_certs(&["localhost"]).unwrap();
+        let server_cfg =
+            Arc::new(server_config(vec![certs.cert_der.clone()], certs.key(), limits).unwrap());
+        let net = Rc::new(Net::default());
+        let server_addr = addr(4433);
+        let io = Rc::new(MemIo {
+            addr: server_addr,
+            net: net.clone(),
+        });
+        Fixture {
+            server: Driver::new(io, Some(server_cfg), max_connections).unwrap(),
+            server_addr,
+            client_config: client_config(&[certs.ca_der.clone()], false, limits).unwrap(),
+            net,
+            now: Instant::now(),
+        }
+    }
+
+    fn client(f: &Fixture, port: u16) -> Driver {
+        Driver::new(
+            Rc::new(MemIo {
+                addr: addr(port),
+                net: f.net.clone(),
+            }),
+            None,
+            16,
+        )
+        .unwrap()
+    }
+
+    fn step(d: &mut Driver, now: Instant) {
+        let io = d.io.clone();
+        let mut buf = vec![0u8; 65536];
+        let mut last = now;
+        process(d, io.as_ref(), &mut buf, now, &mut last);
+    }
+
+    /// Steps the server and every client `n` times, `dt` of virtual time apart.
+    fn run(f: &mut Fixture, clients: &mut [Driver], n: usize, dt: Duration) {
+        for _ in 0..n {
+            for c in clients.iter_mut() {
+                step(c, f.now);
+            }
+            step(&mut f.server, f.now);
+            f.now += dt;
+        }
+    }
+
+    fn connected(d: &Driver) -> usize {
+        d.conns.values().filter(|c| c.s.connected).count()
+    }
+
+    #[test]
+    fn a_handshake_completes_over_a_virtual_network() {
+        let mut f = fixture(16, TransportLimits::default());
+        let mut c = client(&f, 5000);
+        let cfg = f.client_config.clone();
+        c.start_connect(f.now, cfg, f.server_addr, "localhost")
+            .unwrap();
+        run(
+            &mut f,
+            std::slice::from_mut(&mut c),
+            20,
+            Duration::from_millis(1),
+        );
+        assert_eq!(connected(&c), 1, "the client side is connected");
+        assert_eq!(
+            f.server.accept_queue.len(),
+            1,
+            "the server queued it for accept()"
+        );
+        assert_eq!(f.server.stats.accepted, 1);
+    }
+
+    #[test]
+    fn stalled_handshakes_are_reclaimed_by_the_idle_timeout() {
+        let limits = TransportLimits {
+            idle_timeout: Duration::from_secs(10),
+            ..TransportLimits::default()
+        };
+        let mut f = fixture(1000, limits);
+        let mut clients: Vec<Driver> = (0..50).map(|i| client(&f, 6000 + i)).collect();
+        // The server's answers never arrive: every handshake stalls half way.
+        for (i, c) in clients.iter_mut().enumerate() {
+            f.net.black_holes.borrow_mut().insert(addr(6000 + i as u16));
+            let cfg = f.client_config.clone();
+            c.start_connect(f.now, cfg, f.server_addr, "localhost")
+                .unwrap();
+        }
+        run(&mut f, &mut clients, 3, Duration::from_millis(1));
+        assert_eq!(
+            f.server.conns.len(),
+            50,
+            "each stalled handshake holds state for now"
+        );
+        assert_eq!(f.server.stats.accepted, 0);
+        // 30 s of virtual time, stepping the server alone once a virtual second.
+        for _ in 0..30 {
+            f.now += Duration::from_secs(1);
+            step(&mut f.server, f.now);
+        }
+        assert_eq!(
+            f.server.conns.len(),
+            0,
+            "every stalled handshake was reclaimed"
+        );
+        assert!(f.server.timers.is_empty(), "and its timers with it");
+    }
+
+    #[test]
+    fn garbage_datagrams_leave_no_state() {
+        let mut f = fixture(16, TransportLimits::default());
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for i in 0..500u32 {
+            let len = 1 + (i as usize * 37) % 1400;
+            let data: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            f.net
+                .queue
+                .borrow_mut()
+                .push_back((addr(7000 + (i % 50) as u16), f.server_addr, data));
+        }
+        for _ in 0..10 {
+            step(&mut f.server, f.now);
+            f.now += Duration::from_millis(1);
+        }
+        assert_eq!(f.server.stats.datagrams_in, 500);
+        assert_eq!(
+            f.server.conns.len(),
+            0,
+            "garbage creates no connection state"
+        );
+        assert!(f.server.accept_queue.is_empty());
+    }
+
+    #[test]
+    fn connections_beyond_the_limit_are_refused_in_the_handshake() {
+        let mut f = fixture(2, TransportLimits::default());
+        let mut clients: Vec<Driver> = (0..3).map(|i| client(&f, 8000 + i)).collect();
+        for c in clients.iter_mut() {
+            let cfg = f.client_config.clone();
+            c.start_connect(f.now, cfg, f.server_addr, "localhost")
+                .unwrap();
+            // One at a time, so which one is refused is deterministic.
+            run(
+                &mut f,
+                std::slice::from_mut(c),
+                20,
+                Duration::from_millis(1),
+            );
+        }
+        assert_eq!(f.server.stats.accepted, 2);
+        assert_eq!(f.server.stats.refused, 1);
+        assert_eq!(connected(&clients[2]), 0, "the third client never connects");
     }
 }
