@@ -1255,7 +1255,8 @@ mod sans_io {
         Fixture {
             server: Driver::new(io, Some(server_cfg), max_connections).unwrap(),
             server_addr,
-            client_config: client_config(&[certs.ca_der.clone()], false, limits).unwrap(),
+            client_config: client_config(std::slice::from_ref(&certs.ca_der), false, limits)
+                .unwrap(),
             net,
             now: Instant::now(),
         }
