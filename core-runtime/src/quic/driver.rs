@@ -34,8 +34,9 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use quinn_proto::{
-    ClientConfig, ConnectionError, ConnectionHandle, DatagramEvent, Dir, EndpointConfig, Event,
-    ReadError, ReadableError, ServerConfig, StreamEvent, StreamId, VarInt, WriteError,
+    ClientConfig, ConnectionError, ConnectionHandle, DatagramEvent, Dir, EcnCodepoint,
+    EndpointConfig, Event, ReadError, ReadableError, ServerConfig, StreamEvent, StreamId, VarInt,
+    WriteError,
 };
 
 use super::udp::{Received, UdpIo};
@@ -119,8 +120,14 @@ pub(crate) trait Datagrams {
     fn local_addr(&self) -> SocketAddr;
     /// The next datagram (or GRO run) without blocking.
     fn try_recv(&self, buf: &mut [u8]) -> io::Result<Option<Received>>;
-    /// Sends without blocking; `Ok(false)` when it would block.
-    fn try_send(&self, data: &[u8], dest: SocketAddr, segment: Option<usize>) -> io::Result<bool>;
+    /// Sends without blocking, with `ecn` in the IP header; `Ok(false)` when it would block.
+    fn try_send(
+        &self,
+        data: &[u8],
+        dest: SocketAddr,
+        segment: Option<usize>,
+        ecn: Option<EcnCodepoint>,
+    ) -> io::Result<bool>;
 }
 
 impl Datagrams for UdpIo {
@@ -132,8 +139,14 @@ impl Datagrams for UdpIo {
         UdpIo::try_recv(self, buf)
     }
 
-    fn try_send(&self, data: &[u8], dest: SocketAddr, segment: Option<usize>) -> io::Result<bool> {
-        UdpIo::try_send(self, data, dest, segment)
+    fn try_send(
+        &self,
+        data: &[u8],
+        dest: SocketAddr,
+        segment: Option<usize>,
+        ecn: Option<EcnCodepoint>,
+    ) -> io::Result<bool> {
+        UdpIo::try_send(self, data, dest, segment, ecn)
     }
 }
 
@@ -270,26 +283,38 @@ impl Driver {
         self.wake();
     }
 
-    fn send(&mut self, data_len: usize, dest: SocketAddr, segment: Option<usize>) {
+    fn send(
+        &mut self,
+        data_len: usize,
+        dest: SocketAddr,
+        segment: Option<usize>,
+        ecn: Option<EcnCodepoint>,
+    ) {
         self.stats.sends += 1;
         let data = &self.send_buf[..data_len];
         if !self.blocked_sends.is_empty() {
             self.blocked_sends.push_back((data.to_vec(), dest, segment));
             return;
         }
-        match self.io.try_send(data, dest, segment) {
+        match self.io.try_send(data, dest, segment, ecn) {
             Ok(true) => {}
             Ok(false) => self.blocked_sends.push_back((data.to_vec(), dest, segment)),
             Err(e) => tracing::warn!(%dest, error = %e, "udp send failed"),
         }
     }
 
-    fn handle_datagram(&mut self, now: Instant, from: SocketAddr, data: BytesMut) {
+    fn handle_datagram(
+        &mut self,
+        now: Instant,
+        from: SocketAddr,
+        ecn: Option<EcnCodepoint>,
+        data: BytesMut,
+    ) {
         self.stats.datagrams_in += 1;
         let mut response = Vec::new();
         match self
             .endpoint
-            .handle(now, from, None, None, data, &mut response)
+            .handle(now, from, None, ecn, data, &mut response)
         {
             None => {}
             Some(DatagramEvent::ConnectionEvent(h, event)) => {
@@ -301,7 +326,7 @@ impl Driver {
             Some(DatagramEvent::Response(t)) => {
                 self.send_buf.clear();
                 self.send_buf.extend_from_slice(&response[..t.size]);
-                self.send(t.size, t.destination, t.segment_size);
+                self.send(t.size, t.destination, t.segment_size, t.ecn);
             }
             Some(DatagramEvent::NewConnection(incoming)) => {
                 if self.closing || self.conns.len() >= self.max_connections || self.server.is_none()
@@ -310,7 +335,7 @@ impl Driver {
                     let t = self.endpoint.refuse(incoming, &mut response);
                     self.send_buf.clear();
                     self.send_buf.extend_from_slice(&response[..t.size]);
-                    self.send(t.size, t.destination, t.segment_size);
+                    self.send(t.size, t.destination, t.segment_size, t.ecn);
                     return;
                 }
                 match self.endpoint.accept(incoming, now, &mut response, None) {
@@ -328,7 +353,7 @@ impl Driver {
                         if let Some(t) = e.response {
                             self.send_buf.clear();
                             self.send_buf.extend_from_slice(&response[..t.size]);
-                            self.send(t.size, t.destination, t.segment_size);
+                            self.send(t.size, t.destination, t.segment_size, t.ecn);
                         }
                     }
                 }
@@ -410,7 +435,7 @@ impl Driver {
             let Some(t) = c.q.poll_transmit(now, MAX_GSO_SEGMENTS, &mut self.send_buf) else {
                 break;
             };
-            self.send(t.size, t.destination, t.segment_size);
+            self.send(t.size, t.destination, t.segment_size, t.ecn);
         }
         // Anything left to send waits for the next iteration, which comes at once.
         let timeout = c.q.poll_timeout();
@@ -1065,7 +1090,7 @@ fn process(
             Ok(Some(r)) => {
                 let seg = r.segment.unwrap_or(r.len).max(1);
                 for piece in recv_buf[..r.len].chunks(seg) {
-                    dr.handle_datagram(now, r.from, BytesMut::from(piece));
+                    dr.handle_datagram(now, r.from, r.ecn, BytesMut::from(piece));
                 }
             }
             Ok(None) => break,
@@ -1208,6 +1233,7 @@ mod sans_io {
                 len: data.len(),
                 from,
                 segment: None,
+                ecn: None,
             }))
         }
 
@@ -1216,6 +1242,7 @@ mod sans_io {
             data: &[u8],
             dest: SocketAddr,
             segment: Option<usize>,
+            _ecn: Option<quinn_proto::EcnCodepoint>,
         ) -> io::Result<bool> {
             if self.net.black_holes.borrow().contains(&dest) {
                 return Ok(true);

@@ -10,6 +10,10 @@
 //! - `SO_REUSEPORT` lets every core bind the same port; the kernel hashes each client's
 //!   4-tuple to one core's socket, so a connection stays on the core that accepted it.
 //! - `IP_MTU_DISCOVER = IP_PMTUDISC_PROBE` lets quinn's path-MTU discovery send probes.
+//! - ECN: the TOS / traffic-class byte is read on receive (`IP_RECVTOS`,
+//!   `IPV6_RECVTCLASS`) and set per send (`IP_TOS`, `IPV6_TCLASS` control messages), so
+//!   quinn-proto can validate ECN on a path and react to congestion marks before loss.
+//!   Sends that had to wait for socket room go without a mark.
 
 use std::cell::Cell;
 use std::io;
@@ -30,6 +34,8 @@ pub(crate) struct Received {
     pub from: SocketAddr,
     /// Size of each coalesced datagram; `None` when the buffer holds one.
     pub segment: Option<usize>,
+    /// The ECN bits it arrived with.
+    pub ecn: Option<quinn_proto::EcnCodepoint>,
 }
 
 #[derive(Debug)]
@@ -94,6 +100,11 @@ impl UdpIo {
                 );
             }
         }
+        // Report each datagram's TOS / traffic class (ECN bits) on receive.
+        let _ = match addr {
+            SocketAddr::V4(_) => setsockopt_int(fd, libc::IPPROTO_IP, libc::IP_RECVTOS, 1),
+            SocketAddr::V6(_) => setsockopt_int(fd, libc::IPPROTO_IPV6, libc::IPV6_RECVTCLASS, 1),
+        };
         // GRO is an optimisation: a kernel without it just delivers single datagrams.
         let _ = setsockopt_int(fd, libc::SOL_UDP, libc::UDP_GRO, 1);
         let local = socket
@@ -156,6 +167,7 @@ impl UdpIo {
             };
         }
         let mut segment = None;
+        let mut tos: Option<u8> = None;
         // SAFETY: walking the control messages the kernel wrote into `control`.
         unsafe {
             let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
@@ -167,6 +179,11 @@ impl UdpIo {
                     if size > 0 && (size as usize) < n as usize {
                         segment = Some(size as usize);
                     }
+                } else if c.cmsg_level == libc::IPPROTO_IP && c.cmsg_type == libc::IP_TOS {
+                    tos = Some(std::ptr::read_unaligned(libc::CMSG_DATA(cmsg)));
+                } else if c.cmsg_level == libc::IPPROTO_IPV6 && c.cmsg_type == libc::IPV6_TCLASS {
+                    let v = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>());
+                    tos = Some(v as u8);
                 }
                 cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
             }
@@ -179,6 +196,7 @@ impl UdpIo {
             len: n as usize,
             from,
             segment,
+            ecn: tos.and_then(|t| quinn_proto::EcnCodepoint::from_bits(t & 0b11)),
         }))
     }
 
@@ -189,50 +207,81 @@ impl UdpIo {
         data: &[u8],
         dest: SocketAddr,
         segment: Option<usize>,
+        ecn: Option<quinn_proto::EcnCodepoint>,
     ) -> io::Result<bool> {
         let segment = segment.filter(|s| *s < data.len());
         if segment.is_some() && !self.gso.get() {
             for piece in data.chunks(segment.unwrap_or(data.len())) {
-                if !self.send_one(piece, dest, None)? {
+                if !self.send_one(piece, dest, None, ecn)? {
                     return Ok(false);
                 }
             }
             return Ok(true);
         }
-        match self.send_one(data, dest, segment) {
+        match self.send_one(data, dest, segment, ecn) {
             Err(e) if segment.is_some() && e.raw_os_error() == Some(libc::EIO) => {
                 // The device cannot segment: stop asking, send this burst piece by piece.
                 self.gso.set(false);
-                self.try_send(data, dest, segment)
+                self.try_send(data, dest, segment, ecn)
             }
             other => other,
         }
     }
 
-    fn send_one(&self, data: &[u8], dest: SocketAddr, segment: Option<usize>) -> io::Result<bool> {
+    fn send_one(
+        &self,
+        data: &[u8],
+        dest: SocketAddr,
+        segment: Option<usize>,
+        ecn: Option<quinn_proto::EcnCodepoint>,
+    ) -> io::Result<bool> {
         let addr = SockAddr::from(dest);
         let mut iov = libc::iovec {
             iov_base: data.as_ptr() as *mut libc::c_void,
             iov_len: data.len(),
         };
-        let mut control = [0u64; 4];
+        let mut control = [0u64; 8];
         // SAFETY: plain-old-data struct.
         let mut msg: libc::msghdr = unsafe { zeroed() };
         msg.msg_name = addr.as_ptr() as *mut libc::c_void;
         msg.msg_namelen = addr.len();
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
-        if let Some(seg) = segment {
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let (seg_space, int_space) = unsafe {
+            (
+                libc::CMSG_SPACE(size_of::<u16>() as u32) as usize,
+                libc::CMSG_SPACE(size_of::<libc::c_int>() as u32) as usize,
+            )
+        };
+        let space = segment.map_or(0, |_| seg_space) + ecn.map_or(0, |_| int_space);
+        if space > 0 {
             msg.msg_control = control.as_mut_ptr().cast();
-            // SAFETY: CMSG_SPACE is a pure size computation.
-            msg.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<u16>() as u32) } as usize;
-            // SAFETY: the control buffer is large enough for one u16 control message.
+            msg.msg_controllen = space;
+            // SAFETY: the control buffer (64 bytes) holds both messages (24 + 24 bytes),
+            // and CMSG_NXTHDR walks within the length set just above.
             unsafe {
-                let cmsg = libc::CMSG_FIRSTHDR(&msg);
-                (*cmsg).cmsg_level = libc::SOL_UDP;
-                (*cmsg).cmsg_type = libc::UDP_SEGMENT;
-                (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<u16>() as u32) as usize;
-                std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<u16>(), seg as u16);
+                let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+                if let Some(seg) = segment {
+                    (*cmsg).cmsg_level = libc::SOL_UDP;
+                    (*cmsg).cmsg_type = libc::UDP_SEGMENT;
+                    (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<u16>() as u32) as usize;
+                    std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<u16>(), seg as u16);
+                    cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+                }
+                if let Some(ecn) = ecn {
+                    let (level, kind) = match dest {
+                        SocketAddr::V4(_) => (libc::IPPROTO_IP, libc::IP_TOS),
+                        SocketAddr::V6(_) => (libc::IPPROTO_IPV6, libc::IPV6_TCLASS),
+                    };
+                    (*cmsg).cmsg_level = level;
+                    (*cmsg).cmsg_type = kind;
+                    (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<libc::c_int>() as u32) as usize;
+                    std::ptr::write_unaligned(
+                        libc::CMSG_DATA(cmsg).cast::<libc::c_int>(),
+                        libc::c_int::from(ecn as u8),
+                    );
+                }
             }
         }
         loop {
@@ -281,5 +330,45 @@ impl UdpIo {
                 .map_err(|e| io::Error::other(e.to_string()))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quinn_proto::EcnCodepoint;
+
+    #[test]
+    fn ecn_marks_travel_through_the_kernel_both_ways() {
+        crate::task::block_on(async {
+            let a = UdpIo::bind("127.0.0.1:0".parse().unwrap(), false).unwrap();
+            let b = UdpIo::bind("127.0.0.1:0".parse().unwrap(), false).unwrap();
+            let mut buf = vec![0u8; 65536];
+            for mark in [
+                Some(EcnCodepoint::Ect0),
+                Some(EcnCodepoint::Ect1),
+                Some(EcnCodepoint::Ce),
+                None,
+            ] {
+                assert!(a.try_send(b"hello", b.local_addr(), None, mark).unwrap());
+                b.readable().await.unwrap();
+                let r = b.try_recv(&mut buf).unwrap().expect("a datagram");
+                assert_eq!(&buf[..r.len], b"hello");
+                assert_eq!(r.ecn, mark, "sent {mark:?}");
+            }
+            // A GSO burst keeps its mark on every segment.
+            let burst = vec![7u8; 3000];
+            assert!(
+                a.try_send(&burst, b.local_addr(), Some(1000), Some(EcnCodepoint::Ect0))
+                    .unwrap()
+            );
+            let mut got = 0;
+            while got < 3000 {
+                b.readable().await.unwrap();
+                let r = b.try_recv(&mut buf).unwrap().expect("a datagram");
+                assert_eq!(r.ecn, Some(EcnCodepoint::Ect0));
+                got += r.len;
+            }
+        });
     }
 }
