@@ -180,6 +180,28 @@ struct Targets {
     base_keys: TenantKeys,
 }
 
+/// `base` plus every tenant's verification keys from the control plane's JWKS.
+pub fn fetch_keys(cp: &ControlPlaneClient, base: &TenantKeys) -> anyhow::Result<TenantKeys> {
+    let mut keys = base.clone();
+    let tenants = cp.get("/v1/tenants/snapshot")?;
+    for tenant in tenants["items"].as_array().into_iter().flatten() {
+        let Some(id) = tenant["tenant_id"].as_str() else {
+            continue;
+        };
+        let jwks = cp.get(&format!("/v1/tenants/{id}/.well-known/jwks.json"))?;
+        for k in jwks["keys"].as_array().into_iter().flatten() {
+            let (Some(kid), Some(x)) = (k["kid"].as_str(), k["x"].as_str()) else {
+                continue;
+            };
+            match base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(x.trim_end_matches('=')) {
+                Ok(pk) => keys.add(id, kid, pk),
+                Err(e) => tracing::warn!(tenant = id, kid, error = %e, "unreadable JWK"),
+            }
+        }
+    }
+    Ok(keys)
+}
+
 /// One full sync: stream shapes, then keys, then nodes and routes (in that order).
 fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
     let shapes = cp.get("/v1/streams/snapshot")?;
@@ -208,23 +230,7 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
         }
     }
 
-    let mut keys = t.base_keys.clone();
-    let tenants = cp.get("/v1/tenants/snapshot")?;
-    for tenant in tenants["items"].as_array().into_iter().flatten() {
-        let Some(id) = tenant["tenant_id"].as_str() else {
-            continue;
-        };
-        let jwks = cp.get(&format!("/v1/tenants/{id}/.well-known/jwks.json"))?;
-        for k in jwks["keys"].as_array().into_iter().flatten() {
-            let (Some(kid), Some(x)) = (k["kid"].as_str(), k["x"].as_str()) else {
-                continue;
-            };
-            match base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(x.trim_end_matches('=')) {
-                Ok(pk) => keys.add(id, kid, pk),
-                Err(e) => tracing::warn!(tenant = id, kid, error = %e, "unreadable JWK"),
-            }
-        }
-    }
+    let keys = fetch_keys(cp, &t.base_keys)?;
     t.keys.store(Arc::new(keys));
 
     let nodes: Vec<NodeDoc> = items(&cp.get("/v1/nodes")?, "items")?;

@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine as _;
 use felix_controlplane::client::{ClientError, ControlPlaneClient};
 use felix_controlplane::server::{self, ServerConfig};
 use felix_controlplane::store::{BoxFut, Change, Doc, Kind, MemoryStore, Op, Store, StoreError};
@@ -270,21 +269,7 @@ fn mirror_once(
         ))?;
     }
     // Keys of tenants made through the API.
-    let mut keys = base.clone();
-    let tenants = admin.get("/v1/tenants")?;
-    for t in tenants["items"].as_array().into_iter().flatten() {
-        let Some(id) = t["tenant_id"].as_str() else {
-            continue;
-        };
-        let jwks = admin.get(&format!("/v1/tenants/{id}/.well-known/jwks.json"))?;
-        for k in jwks["keys"].as_array().into_iter().flatten() {
-            if let (Some(kid), Some(x)) = (k["kid"].as_str(), k["x"].as_str())
-                && let Ok(pk) = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(x)
-            {
-                keys.add(id, kid, pk);
-            }
-        }
-    }
+    let keys = crate::cluster::fetch_keys(admin, base)?;
     shared.keys.store(Arc::new(keys));
     Ok(())
 }

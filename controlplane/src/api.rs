@@ -715,13 +715,29 @@ async fn create_stream(
     if !matches!(spec.delivery.as_str(), "AtMostOnce" | "AtLeastOnce") {
         return Err(ApiError::invalid("delivery", "AtMostOnce or AtLeastOnce"));
     }
-    let ns_doc = namespace_must_exist(&st, &t, &ns).await?;
     let stream = Stream {
         tenant_id: t.clone(),
         namespace: ns.clone(),
         spec,
         version: 0,
     };
+    let name = stream.spec.stream.clone();
+    let version = create_in_namespace(&st, &t, &ns, Kind::Stream, &name, val(&stream)).await?;
+    Ok((StatusCode::CREATED, Json(Stream { version, ..stream })))
+}
+
+/// Creates a stream or cache document, rewriting its namespace at the version read so
+/// that a namespace deleted meanwhile makes the create fail (and vice versa). Returns
+/// the new document's version.
+async fn create_in_namespace(
+    st: &AppState,
+    t: &str,
+    ns: &str,
+    kind: Kind,
+    name: &str,
+    value: Value,
+) -> ApiResult<u64> {
+    let ns_doc = namespace_must_exist(st, t, ns).await?;
     let written = st
         .store
         .batch(vec![
@@ -732,20 +748,45 @@ async fn create_stream(
                 expect: Expect::Version(ns_doc.version),
             },
             Op::Put {
-                kind: Kind::Stream,
-                key: format!("{t}/{ns}/{}", stream.spec.stream),
-                value: val(&stream),
+                kind,
+                key: format!("{t}/{ns}/{name}"),
+                value,
                 expect: Expect::Absent,
             },
         ])
         .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(Stream {
-            version: written[1].version,
-            ..stream
-        }),
-    ))
+    Ok(written[1].version)
+}
+
+/// Deletes a stream or cache and, in the same batch, its shard assignments.
+async fn delete_with_assignments(
+    st: &AppState,
+    kind: Kind,
+    t: &str,
+    ns: &str,
+    name: &str,
+) -> ApiResult<()> {
+    let mut ops = vec![Op::Delete {
+        kind,
+        key: format!("{t}/{ns}/{name}"),
+        expect: Expect::Present,
+    }];
+    for a in st
+        .store
+        .list(
+            Kind::Assignment,
+            &format!("{}/{t}/{ns}/{name}/", kind.name()),
+        )
+        .await?
+    {
+        ops.push(Op::Delete {
+            kind: Kind::Assignment,
+            key: a.key,
+            expect: Expect::Any,
+        });
+    }
+    st.store.batch(ops).await?;
+    Ok(())
 }
 
 async fn get_stream(
@@ -827,23 +868,7 @@ async fn delete_stream(
 ) -> ApiResult<StatusCode> {
     let g = authenticate(&st, &h).await?;
     require(&g, "stream.manage", "stream", &[&t, &ns, &s])?;
-    let mut ops = vec![Op::Delete {
-        kind: Kind::Stream,
-        key: format!("{t}/{ns}/{s}"),
-        expect: Expect::Present,
-    }];
-    for a in st
-        .store
-        .list(Kind::Assignment, &format!("stream/{t}/{ns}/{s}/"))
-        .await?
-    {
-        ops.push(Op::Delete {
-            kind: Kind::Assignment,
-            key: a.key,
-            expect: Expect::Any,
-        });
-    }
-    st.store.batch(ops).await?;
+    delete_with_assignments(&st, Kind::Stream, &t, &ns, &s).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -879,37 +904,15 @@ async fn create_cache(
     if spec.replication_factor == 0 || spec.replication_factor > 7 {
         return Err(ApiError::invalid("replication_factor", "1 to 7"));
     }
-    let ns_doc = namespace_must_exist(&st, &t, &ns).await?;
     let cache = Cache {
         tenant_id: t.clone(),
         namespace: ns.clone(),
         spec,
         version: 0,
     };
-    let written = st
-        .store
-        .batch(vec![
-            Op::Put {
-                kind: Kind::Namespace,
-                key: ns_doc.key,
-                value: ns_doc.value,
-                expect: Expect::Version(ns_doc.version),
-            },
-            Op::Put {
-                kind: Kind::Cache,
-                key: format!("{t}/{ns}/{}", cache.spec.cache),
-                value: val(&cache),
-                expect: Expect::Absent,
-            },
-        ])
-        .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(Cache {
-            version: written[1].version,
-            ..cache
-        }),
-    ))
+    let name = cache.spec.cache.clone();
+    let version = create_in_namespace(&st, &t, &ns, Kind::Cache, &name, val(&cache)).await?;
+    Ok((StatusCode::CREATED, Json(Cache { version, ..cache })))
 }
 
 async fn get_cache(
@@ -936,23 +939,7 @@ async fn delete_cache(
 ) -> ApiResult<StatusCode> {
     let g = authenticate(&st, &h).await?;
     require(&g, "cache.manage", "cache", &[&t, &ns, &c])?;
-    let mut ops = vec![Op::Delete {
-        kind: Kind::Cache,
-        key: format!("{t}/{ns}/{c}"),
-        expect: Expect::Present,
-    }];
-    for a in st
-        .store
-        .list(Kind::Assignment, &format!("cache/{t}/{ns}/{c}/"))
-        .await?
-    {
-        ops.push(Op::Delete {
-            kind: Kind::Assignment,
-            key: a.key,
-            expect: Expect::Any,
-        });
-    }
-    st.store.batch(ops).await?;
+    delete_with_assignments(&st, Kind::Cache, &t, &ns, &c).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
