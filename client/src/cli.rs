@@ -354,9 +354,8 @@ fn run_stream(cli: &Cli, op: &StreamCmd) -> Result<(), i32> {
         .clone()
         .or_else(|| std::env::var("FELIX_CONTROLPLANE_URL").ok())
         .or(ctx.controlplane.clone())
-        .ok_or_else(|| {
-            usage("stream commands need --controlplane (or FELIX_CONTROLPLANE_URL)".into())
-        })?;
+        // `felix-broker dev` embeds one here.
+        .unwrap_or_else(|| "http://127.0.0.1:7070".into());
     let token = match std::env::var("FELIX_CONTROLPLANE_TOKEN") {
         Ok(t) if cli.controlplane_token_file.is_none() => t,
         _ => {
