@@ -120,6 +120,11 @@ impl LocalBroker {
         Ok(std::mem::replace(&mut self._dir, tempfile::tempdir()?))
     }
 
+    /// The broker's shared state (its metrics).
+    pub fn shared(&self) -> Option<std::sync::Arc<felix_broker::core::Shared>> {
+        self.broker.as_ref().map(|b| b.shared.clone())
+    }
+
     /// Its address.
     pub fn addr(&self) -> SocketAddr {
         self.target.addr

@@ -279,6 +279,8 @@ pub struct Measured {
     pub e2e: Option<[f64; 3]>,
     /// Ack latency curve (percentile, µs) for plots.
     pub curve: Vec<(f64, f64)>,
+    /// Batches made durable per fdatasync during the cell (ours, durable cells).
+    pub appends_per_flush: Option<f64>,
 }
 
 fn pcts(v: &mut [f64]) -> [f64; 3] {
@@ -418,6 +420,7 @@ async fn run_cell_on(
         .collect();
 
     let static_batch: Vec<Bytes> = (0..spec.batch).map(|_| stamped(spec.size, 0)).collect();
+    let flushes_before = driver.flush_counts();
     let started = Instant::now();
     let interval =
         rate.map(|r| Duration::from_secs_f64(spec.batch as f64 * spec.producers as f64 / r));
@@ -470,7 +473,18 @@ async fn run_cell_on(
         anyhow::bail!("lost {} of {expected} deliveries", expected - delivered);
     }
     let delivered_secs = last.duration_since(started).as_secs_f64().max(acked_secs);
+    let appends_per_flush = match flushes_before {
+        Some((s0, b0)) if spec.durable => {
+            // The broker samples its logs' counters every 250 ms.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            driver
+                .flush_counts()
+                .and_then(|(s1, b1)| (s1 > s0).then(|| (b1 - b0) as f64 / (s1 - s0) as f64))
+        }
+        _ => None,
+    };
     let m = Measured {
+        appends_per_flush,
         acked_per_sec: total as f64 / acked_secs,
         mb_per_sec: total as f64 * spec.size as f64 / acked_secs / 1e6,
         delivered_per_sec: delivered as f64 / delivered_secs,
@@ -540,6 +554,7 @@ fn drivers_for(
             (
                 Box::new(FelixDriver {
                     target: b.target.clone(),
+                    shared: b.shared(),
                 }),
                 Box::new(b),
             )
@@ -720,6 +735,7 @@ async fn scaling(opts: &Options) -> anyhow::Result<Value> {
         let b = LocalBroker::start(Some(cores), "none")?;
         let d = FelixDriver {
             target: b.target.clone(),
+            shared: b.shared(),
         };
         let (a, c) = tokio::join!(
             run_cell(&d, &spec, opts.scale, None, false),
@@ -762,6 +778,7 @@ async fn pinning(opts: &Options) -> anyhow::Result<Value> {
         let b = LocalBroker::start_with(Some(&opts.cores), "none", &pins, None)?;
         let d = FelixDriver {
             target: b.target.clone(),
+            shared: b.shared(),
         };
         let (a, c) = tokio::join!(
             run_cell(&d, &spec, opts.scale, None, false),
@@ -790,6 +807,7 @@ fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Valu
     let b = LocalBroker::start(Some(&opts.cores), "on-commit")?;
     let d = FelixDriver {
         target: b.target.clone(),
+        shared: b.shared(),
     };
     rt.block_on(run_cell_on(
         &d,
@@ -806,6 +824,7 @@ fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Valu
     // The shard's log is opened (and recovered) on first use: a consumer attach.
     let d = FelixDriver {
         target: b.target.clone(),
+        shared: b.shared(),
     };
     rt.block_on(async {
         d.consumer("benchrecovery".into()).await?;

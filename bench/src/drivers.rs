@@ -61,6 +61,10 @@ pub trait Driver: Send + Sync {
     fn producer(&self, stream: String, window: usize) -> BoxFut<'_, Box<dyn Producer>>;
     /// A consumer of new records.
     fn consumer(&self, stream: String) -> BoxFut<'_, Box<dyn Consumer>>;
+    /// Durable flushes so far and the batches they covered, where the broker reports them.
+    fn flush_counts(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// Sends batches.
@@ -84,6 +88,8 @@ pub trait Consumer: Send {
 pub struct FelixDriver {
     /// How to reach it.
     pub target: Target,
+    /// Its metrics, when it runs in this process.
+    pub shared: Option<Arc<felix_broker::core::Shared>>,
 }
 
 struct FelixProducer {
@@ -106,6 +112,16 @@ impl Driver for FelixDriver {
     fn create(&self, _stream: String) -> BoxFut<'_, ()> {
         // The dev broker creates streams on first use.
         Box::pin(async { Ok(()) })
+    }
+
+    fn flush_counts(&self) -> Option<(u64, u64)> {
+        let shared = self.shared.as_ref()?;
+        Some(shared.metrics.iter().fold((0, 0), |(s, b), m| {
+            (
+                s + m.log_syncs.load(Ordering::Relaxed),
+                b + m.log_synced_batches.load(Ordering::Relaxed),
+            )
+        }))
     }
 
     fn producer(&self, stream: String, window: usize) -> BoxFut<'_, Box<dyn Producer>> {

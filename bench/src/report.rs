@@ -99,6 +99,7 @@ impl Report {
                     "ack_us": {"p50": m.ack[0], "p99": m.ack[1], "p999": m.ack[2]},
                     "e2e_us": m.e2e.map(|e| json!({"p50": e[0], "p99": e[1], "p999": e[2]})),
                     "ack_curve_us": m.curve.iter().map(|(p, v)| json!([p, v])).collect::<Vec<_>>(),
+                    "batches_per_fdatasync": m.appends_per_flush,
                 }),
                 Err(e) => json!({"scenario": id, "broker": b, "error": e}),
             })
@@ -176,18 +177,21 @@ impl Report {
         let _ = writeln!(s, "\n## Every cell\n");
         let _ = writeln!(
             s,
-            "| scenario | broker | acked msgs/s | MB/s | delivered msgs/s | ack p50 / p99 / p999 µs | e2e p50 / p99 / p999 µs |"
+            "| scenario | broker | acked msgs/s | MB/s | delivered msgs/s | ack p50 / p99 / p999 µs | e2e p50 / p99 / p999 µs | batches per fdatasync |"
         );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|");
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
         for (id, b, r) in &self.results {
             match r {
                 Ok(m) => {
                     let e2e = m.e2e.map_or("-".to_owned(), |e| {
                         format!("{:.0} / {:.0} / {:.0}", e[0], e[1], e[2])
                     });
+                    let apf = m
+                        .appends_per_flush
+                        .map_or("-".to_owned(), |v| format!("{v:.1}"));
                     let _ = writeln!(
                         s,
-                        "| {id} | {b} | {:.0} | {:.1} | {:.0} | {:.0} / {:.0} / {:.0} | {e2e} |",
+                        "| {id} | {b} | {:.0} | {:.1} | {:.0} | {:.0} / {:.0} / {:.0} | {e2e} | {apf} |",
                         m.acked_per_sec,
                         m.mb_per_sec,
                         m.delivered_per_sec,
@@ -199,7 +203,7 @@ impl Report {
                 Err(e) => {
                     let _ = writeln!(
                         s,
-                        "| {id} | {b} | failed: {} | | | | |",
+                        "| {id} | {b} | failed: {} | | | | | |",
                         e.replace('|', "/")
                     );
                 }

@@ -24,6 +24,7 @@ use felix_core_runtime::task;
 use felix_storage_uring::{Appended, DmaBackend, LogConfig, ReadBatch, SegmentLog};
 use felix_wire::message::{CursorErrorReason, StartPosition};
 use futures_channel::oneshot;
+use std::time::Duration;
 
 use crate::auth::TenantKeys;
 use crate::catalog::{Catalog, CoreCatalog};
@@ -181,6 +182,10 @@ pub struct CoreMetrics {
     /// Deliveries to this core that another core dropped (its outbound queue was full);
     /// this core's subscribers then check the log for what they missed.
     pub deliveries_lost_inbound: AtomicU64,
+    /// fdatasync calls by this core's open stream logs (sampled every 250 ms).
+    pub log_syncs: AtomicU64,
+    /// Batches those syncs made durable: `/ log_syncs` is appends per flush.
+    pub log_synced_batches: AtomicU64,
 }
 
 /// What every core shares (read-mostly).
@@ -965,6 +970,34 @@ impl CoreBroker {
             }
         }
         let _ = from;
+    }
+
+    /// Samples the open stream logs' counters into this core's metrics every 250 ms, off
+    /// the request path (the HTTP thread and benchmarks read the atomics).
+    pub fn sample_log_stats(self: &Rc<Self>) {
+        let this = Rc::downgrade(self);
+        task::spawn(async move {
+            loop {
+                task::sleep(Duration::from_millis(250)).await;
+                let Some(core) = this.upgrade() else { return };
+                if core.draining() {
+                    return;
+                }
+                let (mut syncs, mut batches) = (0, 0);
+                for slot in core.streams.borrow().values() {
+                    if let Slot::Ready(shard) = slot {
+                        let st = shard.log.stats();
+                        syncs += st.syncs;
+                        batches += st.synced_batches;
+                    }
+                }
+                core.metrics.log_syncs.store(syncs, Ordering::Relaxed);
+                core.metrics
+                    .log_synced_batches
+                    .store(batches, Ordering::Relaxed);
+            }
+        })
+        .detach();
     }
 
     /// Starts one task per peer inbox, handing every message to [`CoreBroker::handle`].

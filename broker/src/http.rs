@@ -16,7 +16,7 @@ use crate::core::Shared;
 pub fn render(shared: &Shared) -> String {
     let mut out = String::new();
     type Read = fn(&crate::core::CoreMetrics) -> u64;
-    let counters: [(&str, &str, Read); 13] = [
+    let counters: [(&str, &str, Read); 15] = [
         ("felix_broker_publish_batches_total", "counter", |m| {
             m.publish_batches.load(Ordering::Relaxed)
         }),
@@ -55,6 +55,12 @@ pub fn render(shared: &Shared) -> String {
         }),
         ("felix_broker_subscriber_catchups_total", "counter", |m| {
             m.subscriber_catchups.load(Ordering::Relaxed)
+        }),
+        ("felix_broker_log_syncs", "gauge", |m| {
+            m.log_syncs.load(Ordering::Relaxed)
+        }),
+        ("felix_broker_log_synced_batches", "gauge", |m| {
+            m.log_synced_batches.load(Ordering::Relaxed)
         }),
     ];
     for (name, kind, get) in counters {

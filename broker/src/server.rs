@@ -214,6 +214,7 @@ pub fn start(
                 };
                 let core = CoreBroker::new(ctx.core, shared.clone(), mesh, forwarder);
                 core.serve_mesh(inboxes);
+                core.sample_log_stats();
                 let ep = match Endpoint::bind(
                     listen,
                     EndpointOptions {
