@@ -835,10 +835,11 @@ fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Valu
     Ok(json!({"bytes": bytes, "seconds": secs, "mb_per_sec": bytes as f64 / secs / 1e6}))
 }
 
-/// S11: the raw QUIC transport ceiling — one connection, 64 KiB writes, counted by an
-/// echo-free sink on our driver (1 core) and on quinn/tokio (1 worker), same client.
+/// S11: the raw QUIC transport ceiling — one connection, 64 KiB writes, client to server
+/// (counted by an echo-free sink) and server to client, on our driver (1 core) and on
+/// quinn/tokio (1 worker), same client.
 fn transport(opts: &Options) -> anyhow::Result<Value> {
-    use crate::quic::{Certs, Client, start_ours, start_quinn};
+    use crate::quic::{Certs, Client, Direction, start_ours, start_quinn};
     let bytes: u64 = match opts.scale {
         Scale::Tiny => 8 << 20,
         Scale::Small => 256 << 20,
@@ -846,17 +847,27 @@ fn transport(opts: &Options) -> anyhow::Result<Value> {
     };
     let certs = Certs::new()?;
     let client = Client::new(&certs, 1)?;
+    let down = |addr| -> anyhow::Result<f64> {
+        Ok(client
+            .transfer(addr, Direction::Download, 1, bytes, "")?
+            .mb_per_sec)
+    };
     let ours = start_ours(&certs, 1)?;
     let ours_mb = client.throughput(ours.addr(), 1, bytes)?;
+    let ours_down = down(ours.addr())?;
     let mut rtt = client.rtt(ours.addr(), 500)?;
     ours.stop();
     let quinn = start_quinn(&certs, 1)?;
     let quinn_mb = client.throughput(quinn.addr(), 1, bytes)?;
+    let quinn_down = down(quinn.addr())?;
     quinn.stop();
     Ok(json!({
         "felix_mb_per_sec": ours_mb,
         "quinn_mb_per_sec": quinn_mb,
         "ratio": ours_mb / quinn_mb,
+        "felix_download_mb_per_sec": ours_down,
+        "quinn_download_mb_per_sec": quinn_down,
+        "download_ratio": ours_down / quinn_down,
         "felix_rtt_p50_us": percentile(&mut rtt, 0.5),
     }))
 }

@@ -25,6 +25,14 @@ enum Command {
         /// Bytes per throughput run.
         #[arg(long, default_value_t = 256 << 20)]
         bytes: u64,
+        /// Throughput directions to run (`upload`, `download`); both by default.
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            default_value = "upload,download"
+        )]
+        directions: Vec<felix_bench::quic::Direction>,
     },
     /// The scenario matrix against our broker, NATS JetStream and Redis Streams; writes
     /// results.json, results.md, throughput.svg and latency.svg.
@@ -76,7 +84,8 @@ fn main() -> anyhow::Result<()> {
             rounds,
             rtt_samples,
             bytes,
-        } => felix_bench::quic::run(rounds, rtt_samples, bytes),
+            directions,
+        } => felix_bench::quic::run(rounds, rtt_samples, bytes, &directions),
         Command::Compare {
             scale,
             peers,

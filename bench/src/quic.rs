@@ -3,21 +3,46 @@
 //! the same quinn/tokio client driving both, in one run.
 //!
 //! - RTT: one connection, one bidirectional stream, 64 B written and read back, repeated.
-//! - Throughput: one connection, one unidirectional stream, 64 KiB writes; the server
+//! - Upload: one connection, one unidirectional stream, 64 KiB client writes; the server
 //!   counts the bytes and answers the count when the stream ends.
+//! - Download: one connection; the client asks for N bytes and the server writes them as
+//!   64 KiB chunks on a stream it opens. The server is the sender, the heavier side of
+//!   QUIC (packet building, loss detection, congestion control, encryption), so this is
+//!   the direction where the server rather than the client sets the pace.
 //! - Scaling: our driver on 1 core and on 2 cores (SO_REUSEPORT), 2 connections.
+//!
+//! Every transfer also reports the CPU time the server's threads and the client's threads
+//! spent on it (from `/proc/self/task/*/schedstat`), so the cost per byte of each server
+//! is measured even when the client, sharing a small machine, is what limits the rate.
 
+use std::collections::HashMap;
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use bytes::Bytes;
 use felix_core_runtime::CoreSet;
 use felix_core_runtime::quic::{self, Connection, Endpoint, EndpointOptions, TransportLimits};
 use felix_core_runtime::runtime::{Runtime, RuntimeConfig};
 use rustls::pki_types::CertificateDer;
 
 use crate::stats::{median, percentile};
+
+/// Bytes per write in the throughput runs.
+const CHUNK: usize = 64 * 1024;
+/// First byte of a unidirectional stream: the client uploads; anything else asks the
+/// server for the byte count that follows.
+const UPLOAD: u8 = b'U';
+const DOWNLOAD: u8 = b'D';
+
+/// Thread-name prefixes the CPU accounting groups by.
+const OURS_THREADS: &str = "felix-core";
+const QUINN_THREADS: &str = "quinn-server";
+const CLIENT_THREADS: &str = "bench-client";
+
+/// Busy-poll time of the spinning variant in the RTT table.
+const SPIN: Duration = Duration::from_micros(100);
 
 /// TLS material shared by every server in a run.
 #[derive(Debug, Clone)]
@@ -64,14 +89,31 @@ async fn serve_ours(conn: Connection) {
             Ok(Err(mut recv)) => {
                 let conn = conn.clone();
                 glommio::spawn_local(async move {
-                    let mut n = 0u64;
-                    while let Ok(Some(chunk)) = recv.read_chunk(1 << 20).await {
-                        n += chunk.len() as u64;
+                    let mut tag = [0u8; 9];
+                    if !matches!(recv.read_exact(&mut tag).await, Ok(true)) {
+                        return;
                     }
-                    if let Ok(mut s) = conn.open_uni().await {
+                    let Ok(mut s) = conn.open_uni().await else {
+                        return;
+                    };
+                    if tag[0] == UPLOAD {
+                        let mut n = 0u64;
+                        while let Ok(Some(chunk)) = recv.read_chunk(1 << 20).await {
+                            n += chunk.len() as u64;
+                        }
                         let _ = s.write_all(&n.to_be_bytes()).await;
-                        let _ = s.finish();
+                    } else {
+                        let want = u64::from_be_bytes(tag[1..].try_into().expect("8 bytes"));
+                        let chunk = Bytes::from(vec![2u8; CHUNK]);
+                        let mut sent = 0;
+                        while sent < want {
+                            if s.write_chunk(chunk.clone()).await.is_err() {
+                                return;
+                            }
+                            sent += CHUNK as u64;
+                        }
                     }
+                    let _ = s.finish();
                 })
                 .detach();
             }
@@ -101,6 +143,16 @@ fn free_port() -> anyhow::Result<SocketAddr> {
 
 /// Our driver on the first `cores` CPUs, every core bound to one port.
 pub fn start_ours(certs: &Certs, cores: usize) -> anyhow::Result<Box<dyn Server>> {
+    start_ours_spinning(certs, cores, None)
+}
+
+/// Our driver as [`start_ours`], each idle core busy-polling for `spin` before it sleeps
+/// (the broker's `spin_us`).
+pub fn start_ours_spinning(
+    certs: &Certs,
+    cores: usize,
+    spin: Option<Duration>,
+) -> anyhow::Result<Box<dyn Server>> {
     let cpus = felix_core_runtime::cores::available_cpus();
     let set = CoreSet::new(cpus.into_iter().take(cores).collect())?;
     anyhow::ensure!(
@@ -110,7 +162,9 @@ pub fn start_ours(certs: &Certs, cores: usize) -> anyhow::Result<Box<dyn Server>
     let addr = free_port()?;
     let certs = certs.clone();
     let (tx, rx) = std::sync::mpsc::channel();
-    let runtime = Runtime::start(RuntimeConfig::new(set), move |ctx| {
+    let mut config = RuntimeConfig::new(set);
+    config.spin_before_park = spin;
+    let runtime = Runtime::start(config, move |ctx| {
         let certs = certs.clone();
         let tx = tx.clone();
         async move {
@@ -139,6 +193,9 @@ pub fn start_ours(certs: &Certs, cores: usize) -> anyhow::Result<Box<dyn Server>
                 })
             };
             ctx.shutdown.wait().await;
+            if std::env::var_os("FELIX_BENCH_DEBUG").is_some() {
+                eprintln!("{:?}", ep.stats());
+            }
             ep.close(0, b"bench over");
             drop(accept);
         }
@@ -170,6 +227,7 @@ impl Server for Quinn {
 pub fn start_quinn(certs: &Certs, threads: usize) -> anyhow::Result<Box<dyn Server>> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
+        .thread_name(QUINN_THREADS)
         .enable_all()
         .build()?;
     let config = quic::server_config(
@@ -200,14 +258,29 @@ pub fn start_quinn(certs: &Certs, threads: usize) -> anyhow::Result<Box<dyn Serv
                             let Ok(mut recv) = uni else { return };
                             let conn = conn.clone();
                             tokio::spawn(async move {
-                                let mut n = 0u64;
-                                while let Ok(Some(chunk)) = recv.read_chunk(1 << 20, true).await {
-                                    n += chunk.bytes.len() as u64;
+                                let mut tag = [0u8; 9];
+                                if recv.read_exact(&mut tag).await.is_err() {
+                                    return;
                                 }
-                                if let Ok(mut s) = conn.open_uni().await {
+                                let Ok(mut s) = conn.open_uni().await else { return };
+                                if tag[0] == UPLOAD {
+                                    let mut n = 0u64;
+                                    while let Ok(Some(chunk)) = recv.read_chunk(1 << 20, true).await {
+                                        n += chunk.bytes.len() as u64;
+                                    }
                                     let _ = s.write_all(&n.to_be_bytes()).await;
-                                    let _ = s.finish();
+                                } else {
+                                    let want = u64::from_be_bytes(tag[1..].try_into().expect("8 bytes"));
+                                    let chunk = Bytes::from(vec![2u8; CHUNK]);
+                                    let mut sent = 0;
+                                    while sent < want {
+                                        if s.write_chunk(chunk.clone()).await.is_err() {
+                                            return;
+                                        }
+                                        sent += CHUNK as u64;
+                                    }
                                 }
+                                let _ = s.finish();
                             });
                         }
                     }
@@ -218,7 +291,89 @@ pub fn start_quinn(certs: &Certs, threads: usize) -> anyhow::Result<Box<dyn Serv
     Ok(Box::new(Quinn { addr, rt, endpoint }))
 }
 
-/// The client side of every measurement.
+/// CPU time (ns) every live thread of this process has used, by thread id, with its name.
+fn thread_cpu() -> HashMap<u32, (String, u64)> {
+    let mut out = HashMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for task in tasks.flatten() {
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+            continue;
+        };
+        let dir = task.path();
+        let (Ok(name), Ok(stat)) = (
+            std::fs::read_to_string(dir.join("comm")),
+            std::fs::read_to_string(dir.join("schedstat")),
+        ) else {
+            continue;
+        };
+        let ns = stat
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        out.insert(tid, (name.trim().to_string(), ns));
+    }
+    out
+}
+
+/// What one transfer cost.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Transfer {
+    /// Megabytes (10^6) per second of stream payload.
+    pub mb_per_sec: f64,
+    /// CPU seconds the server's threads spent per GB (10^9) moved.
+    pub server_cpu_per_gb: f64,
+    /// CPU seconds the client's threads spent per second of wall time (1.0 = one core).
+    pub client_cores: f64,
+    /// Same for the server's threads.
+    pub server_cores: f64,
+    /// Seconds it took.
+    pub wall: f64,
+}
+
+/// Runs `f` (which moves `bytes` of payload) and charges the CPU time threads named
+/// `server` and the client's threads spent meanwhile.
+fn measured(
+    server: &str,
+    bytes: u64,
+    f: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<Transfer> {
+    let before = thread_cpu();
+    let started = Instant::now();
+    f()?;
+    let wall = started.elapsed().as_secs_f64();
+    let after = thread_cpu();
+    let spent = |prefix: &str| -> f64 {
+        after
+            .iter()
+            .filter(|(_, (name, _))| name.starts_with(prefix))
+            .map(|(tid, (_, ns))| ns - before.get(tid).map_or(0, |b| b.1.min(*ns)))
+            .sum::<u64>() as f64
+            / 1e9
+    };
+    let (server_s, client_s) = (spent(server), spent(CLIENT_THREADS));
+    Ok(Transfer {
+        mb_per_sec: bytes as f64 / wall / 1e6,
+        server_cpu_per_gb: server_s / (bytes as f64 / 1e9),
+        client_cores: client_s / wall,
+        server_cores: server_s / wall,
+        wall,
+    })
+}
+
+/// Which way the bulk bytes flow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Direction {
+    /// Client writes, server counts.
+    Upload,
+    /// Server writes, client counts.
+    Download,
+}
+
+/// The client side of every measurement: quinn on tokio, its threads named
+/// `bench-client` (the calling thread only waits).
 #[derive(Debug)]
 pub struct Client {
     rt: tokio::runtime::Runtime,
@@ -230,6 +385,7 @@ impl Client {
     pub fn new(certs: &Certs, threads: usize) -> anyhow::Result<Client> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
+            .thread_name(CLIENT_THREADS)
             .enable_all()
             .build()?;
         let mut endpoint =
@@ -245,7 +401,8 @@ impl Client {
     /// RTT samples (µs) of 64 B echoes on one stream.
     pub fn rtt(&self, addr: SocketAddr, samples: usize) -> anyhow::Result<Vec<f64>> {
         let ep = self.endpoint.clone();
-        self.rt.block_on(async move {
+        // Spawned, so the loop runs on the client's worker like every other measurement.
+        let task = self.rt.spawn(async move {
             let conn = ep.connect(addr, "localhost")?.await?;
             let (mut s, mut r) = conn.open_bi().await?;
             let msg = [7u8; 64];
@@ -261,119 +418,229 @@ impl Client {
             }
             s.finish()?;
             conn.close(0u32.into(), b"");
-            Ok(out)
-        })
+            anyhow::Ok(out)
+        });
+        self.rt.block_on(task)?
     }
 
-    /// MB/s of `bytes` sent over `connections` connections at once, 64 KiB writes.
+    /// MB/s of `bytes` uploaded over `connections` connections at once, 64 KiB writes.
     pub fn throughput(
         &self,
         addr: SocketAddr,
         connections: usize,
         bytes: u64,
     ) -> anyhow::Result<f64> {
+        Ok(self
+            .transfer(addr, Direction::Upload, connections, bytes, OURS_THREADS)?
+            .mb_per_sec)
+    }
+
+    /// Moves `bytes` (split over `connections` connections at once) in `direction`,
+    /// charging threads named `server` as the server.
+    pub fn transfer(
+        &self,
+        addr: SocketAddr,
+        direction: Direction,
+        connections: usize,
+        bytes: u64,
+        server: &str,
+    ) -> anyhow::Result<Transfer> {
         let ep = self.endpoint.clone();
-        self.rt.block_on(async move {
+        let per = (bytes / connections as u64).div_ceil(CHUNK as u64) * CHUNK as u64;
+        let conns = self.rt.block_on(async {
             let mut conns = Vec::new();
             for _ in 0..connections {
                 conns.push(ep.connect(addr, "localhost")?.await?);
             }
-            let started = Instant::now();
-            let mut tasks = Vec::new();
-            for conn in conns {
-                let per = bytes / connections as u64;
-                tasks.push(tokio::spawn(async move {
-                    let chunk = bytes::Bytes::from(vec![1u8; 64 * 1024]);
-                    let mut s = conn.open_uni().await?;
-                    let mut sent = 0u64;
-                    while sent < per {
-                        s.write_chunk(chunk.clone()).await?;
-                        sent += chunk.len() as u64;
-                    }
-                    s.finish()?;
-                    let mut back = conn.accept_uni().await?;
-                    let count = back.read_to_end(8).await?;
-                    let n = u64::from_be_bytes(
-                        count.try_into().map_err(|_| anyhow::anyhow!("bad count"))?,
-                    );
-                    anyhow::ensure!(n == sent, "server counted {n} of {sent} bytes");
-                    conn.close(0u32.into(), b"");
-                    Ok::<u64, anyhow::Error>(sent)
-                }));
-            }
-            let mut total = 0;
-            for t in tasks {
-                total += t.await??;
-            }
-            Ok(total as f64 / started.elapsed().as_secs_f64() / 1e6)
+            anyhow::Ok(conns)
+        })?;
+        measured(server, per * connections as u64, || {
+            self.rt.block_on(async move {
+                let mut tasks = Vec::new();
+                for conn in conns {
+                    tasks.push(tokio::spawn(async move {
+                        let mut s = conn.open_uni().await?;
+                        let moved = if direction == Direction::Upload {
+                            s.write_all(&[UPLOAD; 9]).await?;
+                            let chunk = Bytes::from(vec![1u8; CHUNK]);
+                            let mut sent = 0u64;
+                            while sent < per {
+                                s.write_chunk(chunk.clone()).await?;
+                                sent += CHUNK as u64;
+                            }
+                            s.finish()?;
+                            let mut back = conn.accept_uni().await?;
+                            let count = back.read_to_end(8).await?;
+                            u64::from_be_bytes(
+                                count.try_into().map_err(|_| anyhow::anyhow!("bad count"))?,
+                            )
+                        } else {
+                            let mut ask = [DOWNLOAD; 9];
+                            ask[1..].copy_from_slice(&per.to_be_bytes());
+                            s.write_all(&ask).await?;
+                            s.finish()?;
+                            let mut r = conn.accept_uni().await?;
+                            let mut got = 0u64;
+                            while let Some(c) = r.read_chunk(1 << 20, false).await? {
+                                got += c.bytes.len() as u64;
+                            }
+                            got
+                        };
+                        anyhow::ensure!(moved == per, "{direction:?} moved {moved} of {per} bytes");
+                        conn.close(0u32.into(), b"");
+                        Ok::<(), anyhow::Error>(())
+                    }));
+                }
+                for t in tasks {
+                    t.await??;
+                }
+                anyhow::Ok(())
+            })
         })
     }
 }
 
-/// Runs the whole comparison and prints a Markdown table.
-pub fn run(rounds: usize, rtt_samples: usize, bytes: u64) -> anyhow::Result<()> {
+fn medians(v: &[Transfer]) -> Transfer {
+    let m = |f: fn(&Transfer) -> f64| median(v.iter().map(f).collect());
+    Transfer {
+        mb_per_sec: m(|t| t.mb_per_sec),
+        server_cpu_per_gb: m(|t| t.server_cpu_per_gb),
+        client_cores: m(|t| t.client_cores),
+        server_cores: m(|t| t.server_cores),
+        wall: m(|t| t.wall),
+    }
+}
+
+/// Runs the whole comparison and prints Markdown tables.
+pub fn run(
+    rounds: usize,
+    rtt_samples: usize,
+    bytes: u64,
+    directions: &[Direction],
+) -> anyhow::Result<()> {
     let certs = Certs::new()?;
     let client = Client::new(&certs, 1)?;
-    let mut rtts: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-    let mut tputs: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-    let mut scale: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let names = [
+        "felix driver (glommio + quinn-proto, 1 core)",
+        "quinn/tokio (1 worker)",
+    ];
+    let mut rtts: [Vec<f64>; 3] = Default::default();
+    let mut echo_cpu: [Vec<f64>; 3] = Default::default();
+    let mut up: [Vec<Transfer>; 2] = Default::default();
+    let mut down: [Vec<Transfer>; 2] = Default::default();
+    let mut scale: [Vec<Transfer>; 2] = Default::default();
+    let cpus = felix_core_runtime::cores::available_cpus().len();
     for round in 0..rounds {
         // Alternate the order so neither server always runs first.
         let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
         for which in order {
-            let server = if which == 0 {
-                start_ours(&certs, 1)?
+            let (server, threads) = if which == 0 {
+                (start_ours(&certs, 1)?, OURS_THREADS)
             } else {
-                start_quinn(&certs, 1)?
+                (start_quinn(&certs, 1)?, QUINN_THREADS)
             };
-            rtts[which].extend(client.rtt(server.addr(), rtt_samples)?);
-            tputs[which].push(client.throughput(server.addr(), 1, bytes)?);
+            let t = measured(threads, 0, || {
+                rtts[which].extend(client.rtt(server.addr(), rtt_samples)?);
+                Ok(())
+            })?;
+            echo_cpu[which].push(t.server_cores * t.wall / rtt_samples as f64 * 1e6);
+            for &dir in directions {
+                let t = client.transfer(server.addr(), dir, 1, bytes, threads)?;
+                match dir {
+                    Direction::Upload => up[which].push(t),
+                    Direction::Download => down[which].push(t),
+                }
+            }
             server.stop();
             eprint!(".");
         }
-        let cpus = felix_core_runtime::cores::available_cpus().len();
-        if cpus >= 2 {
+        let spinning = start_ours_spinning(&certs, 1, Some(SPIN))?;
+        let t = measured(OURS_THREADS, 0, || {
+            rtts[2].extend(client.rtt(spinning.addr(), rtt_samples)?);
+            Ok(())
+        })?;
+        echo_cpu[2].push(t.server_cores * t.wall / rtt_samples as f64 * 1e6);
+        spinning.stop();
+        if cpus >= 2 && directions.contains(&Direction::Download) {
             let client2 = Client::new(&certs, 2)?;
             for (i, cores) in [1usize, 2].into_iter().enumerate() {
                 let server = start_ours(&certs, cores)?;
-                scale[i].push(client2.throughput(server.addr(), 2, bytes)?);
+                scale[i].push(client2.transfer(
+                    server.addr(),
+                    Direction::Download,
+                    2,
+                    bytes,
+                    OURS_THREADS,
+                )?);
                 server.stop();
                 eprint!(".");
             }
         }
     }
     eprintln!();
-    println!("| server | RTT p50 us | p99 us | p999 us | 1-conn MB/s (median of {rounds}) |");
+    println!("RTT, 64 B echo, one connection ({rounds} x {rtt_samples} samples):\n");
+    println!("| server | p50 us | p99 us | p999 us | server CPU us per echo |");
     println!("|---|---|---|---|---|");
-    for (i, name) in [
-        "felix driver (glommio + quinn-proto, 1 core)",
-        "quinn/tokio (1 worker)",
-    ]
-    .iter()
-    .enumerate()
-    {
+    let spin_name = format!("{} + spin {} us", names[0], SPIN.as_micros());
+    for (i, name) in names.iter().chain([&spin_name.as_str()]).enumerate() {
         let mut r = rtts[i].clone();
         println!(
-            "| {name} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            "| {name} | {:.0} | {:.0} | {:.0} | {:.1} |",
             percentile(&mut r, 0.5),
             percentile(&mut r, 0.99),
             percentile(&mut r, 0.999),
-            median(tputs[i].clone())
+            median(echo_cpu[i].clone()),
         );
     }
-    let (ours, theirs) = (median(tputs[0].clone()), median(tputs[1].clone()));
-    let (mut ro, mut rq) = (rtts[0].clone(), rtts[1].clone());
     println!(
-        "\nthroughput ratio ours/quinn: {:.2}x; p99 RTT ratio ours/quinn: {:.2}x",
-        ours / theirs,
-        percentile(&mut ro, 0.99) / percentile(&mut rq, 0.99)
+        "\nOne connection, 64 KiB writes, {} MB per run, medians of {rounds}; CPU is \
+         seconds per GB moved and cores busy (1.0 = one CPU) during the run:\n",
+        bytes / 1_000_000
+    );
+    println!("| server | direction | MB/s | server CPU s/GB | server cores | client cores |");
+    println!("|---|---|---|---|---|---|");
+    let (u, d) = (
+        [medians(&up[0]), medians(&up[1])],
+        [medians(&down[0]), medians(&down[1])],
+    );
+    for (dir, t, ran) in [("upload", &u, &up), ("download", &d, &down)] {
+        for (i, name) in names.iter().enumerate().filter(|_| !ran[0].is_empty()) {
+            println!(
+                "| {name} | {dir} | {:.0} | {:.3} | {:.2} | {:.2} |",
+                t[i].mb_per_sec, t[i].server_cpu_per_gb, t[i].server_cores, t[i].client_cores
+            );
+        }
+    }
+    let [mut ro, mut rq, mut rs] = rtts.clone();
+    println!();
+    for (dir, t, ran) in [("upload", &u, &up), ("download", &d, &down)] {
+        if !ran[0].is_empty() {
+            println!(
+                "{dir}: throughput ours/quinn {:.2}x; server CPU per byte quinn/ours {:.2}x",
+                t[0].mb_per_sec / t[1].mb_per_sec,
+                t[1].server_cpu_per_gb / t[0].server_cpu_per_gb,
+            );
+        }
+    }
+    let q99 = percentile(&mut rq, 0.99);
+    println!(
+        "p99 RTT ours/quinn: {:.2}x; spinning {:.2}x",
+        percentile(&mut ro, 0.99) / q99,
+        percentile(&mut rs, 0.99) / q99
     );
     if !scale[0].is_empty() {
-        let (one, two) = (median(scale[0].clone()), median(scale[1].clone()));
+        let (one, two) = (medians(&scale[0]), medians(&scale[1]));
         println!(
-            "scaling, 2 connections: 1 core {one:.0} MB/s, 2 cores {two:.0} MB/s, ratio {:.2}x \
-             (client shares the same CPUs)",
-            two / one
+            "scaling, 2 connections, download: 1 core {:.0} MB/s ({:.2} server cores, {:.2} \
+             client cores), 2 cores {:.0} MB/s ({:.2} server cores, {:.2} client cores), \
+             ratio {:.2}x ({cpus} CPUs on this machine, shared with the client)",
+            one.mb_per_sec,
+            one.server_cores,
+            one.client_cores,
+            two.mb_per_sec,
+            two.server_cores,
+            two.client_cores,
+            two.mb_per_sec / one.mb_per_sec
         );
     }
     Ok(())

@@ -236,10 +236,13 @@ impl Report {
         if let Some(v) = ok("S11") {
             let _ = writeln!(
                 s,
-                "- S11 QUIC transport ceiling (1 connection, 64 KiB writes): our driver {:.0} MB/s, quinn/tokio {:.0} MB/s ({:.2}x); 64 B RTT p50 {:.0} µs.",
+                "- S11 QUIC transport ceiling (1 connection, 64 KiB writes): client to server, our driver {:.0} MB/s, quinn/tokio {:.0} MB/s ({:.2}x); server to client {:.0} vs {:.0} MB/s ({:.2}x); 64 B RTT p50 {:.0} µs.",
                 v["felix_mb_per_sec"].as_f64().unwrap_or(0.0),
                 v["quinn_mb_per_sec"].as_f64().unwrap_or(0.0),
                 v["ratio"].as_f64().unwrap_or(0.0),
+                v["felix_download_mb_per_sec"].as_f64().unwrap_or(0.0),
+                v["quinn_download_mb_per_sec"].as_f64().unwrap_or(0.0),
+                v["download_ratio"].as_f64().unwrap_or(0.0),
                 v["felix_rtt_p50_us"].as_f64().unwrap_or(0.0)
             );
         }

@@ -10,11 +10,13 @@
 //! The driver loop, each iteration:
 //! 1. send datagrams that found the socket full last time (awaiting room);
 //! 2. drain the socket (non-blocking, bounded per iteration so one busy peer cannot
-//!    starve timers) and feed every datagram to the endpoint;
+//!    starve timers) and feed every datagram to the endpoint — only after the readiness
+//!    probe fired, so an iteration woken by a handle or a timer makes no receive call;
 //! 3. fire expired connection timers;
 //! 4. for every dirty connection: exchange endpoint events, turn application events into
 //!    wakeups, and transmit until quinn has nothing more (bounded per connection);
-//! 5. sleep until a datagram arrives, the earliest timer fires, or a handle wakes it.
+//! 5. sleep until a datagram arrives, the earliest timer fires, or a handle wakes it. The
+//!    reactor timer is re-armed only for a sooner deadline (see `run`).
 //!
 //! Bounded memory against bad peers comes from quinn-proto's limits, which we set: at most
 //! `max_connections` (more are refused in the handshake), 1024 concurrent streams per
@@ -22,7 +24,7 @@
 //! timeout that also ends stalled handshakes.
 
 use std::cell::RefCell;
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::future::{Future, poll_fn};
 use std::io;
 use std::net::SocketAddr;
@@ -38,6 +40,7 @@ use quinn_proto::{
     EndpointConfig, Event, ReadError, ReadableError, ServerConfig, StreamEvent, StreamId, VarInt,
     WriteError,
 };
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::udp::{Received, UdpIo};
 
@@ -163,8 +166,8 @@ struct ConnState {
     incoming_uni: VecDeque<StreamId>,
     accept_bi: Option<Waker>,
     accept_uni: Option<Waker>,
-    readers: HashMap<StreamId, Waker>,
-    writers: HashMap<StreamId, Waker>,
+    readers: FxHashMap<StreamId, Waker>,
+    writers: FxHashMap<StreamId, Waker>,
     open_waiters: Vec<Waker>,
     state_waiters: Vec<Waker>,
     timer: Option<Instant>,
@@ -197,8 +200,10 @@ struct Driver {
     endpoint: quinn_proto::Endpoint,
     server: Option<Arc<ServerConfig>>,
     io: Rc<dyn Datagrams>,
-    conns: HashMap<ConnectionHandle, Conn>,
-    dirty: HashSet<ConnectionHandle>,
+    // Fx rather than SipHash: these are looked up per datagram and per stream call, and
+    // their keys are our own handles or stream ids bounded by the stream limits.
+    conns: FxHashMap<ConnectionHandle, Conn>,
+    dirty: FxHashSet<ConnectionHandle>,
     timers: BTreeSet<(Instant, ConnectionHandle)>,
     accept_queue: VecDeque<ConnectionHandle>,
     accept_waker: Option<Waker>,
@@ -227,8 +232,8 @@ impl Driver {
             endpoint,
             server,
             io,
-            conns: HashMap::new(),
-            dirty: HashSet::new(),
+            conns: FxHashMap::default(),
+            dirty: FxHashSet::default(),
             timers: BTreeSet::new(),
             accept_queue: VecDeque::new(),
             accept_waker: None,
@@ -1070,12 +1075,14 @@ impl Drop for RecvStream {
     }
 }
 
-/// Steps 2 to 4 of the loop. Returns whether to loop again at once and the next timer,
-/// or `None` when the endpoint is closed and drained.
+/// Steps 2 to 4 of the loop. The socket is read only while `readable` says it may hold
+/// datagrams; it is cleared once a read finds it empty. Returns whether to loop again at
+/// once and the next timer, or `None` when the endpoint is closed and drained.
 fn process(
     dr: &mut Driver,
     io: &dyn Datagrams,
     recv_buf: &mut [u8],
+    readable: &mut bool,
     now: Instant,
     last: &mut Instant,
 ) -> Option<(bool, Option<Instant>)> {
@@ -1086,17 +1093,24 @@ fn process(
     *last = now;
     // 2. Drain the socket.
     for _ in 0..RECV_BUDGET {
+        if !*readable {
+            break;
+        }
         match io.try_recv(recv_buf) {
             Ok(Some(r)) => {
                 let seg = r.segment.unwrap_or(r.len).max(1);
+                // One allocation per datagram, on purpose: quinn-proto's stream reassembly
+                // charges each buffered chunk its packet's size, so a datagram cut out of a
+                // shared receive buffer would pin the whole buffer behind a chunk a peer
+                // leaves unread (tried: no CPU measurably saved, see docs/benchmarks.md).
                 for piece in recv_buf[..r.len].chunks(seg) {
                     dr.handle_datagram(now, r.from, r.ecn, BytesMut::from(piece));
                 }
             }
-            Ok(None) => break,
+            Ok(None) => *readable = false,
             Err(e) => {
                 tracing::warn!(error = %e, "udp receive failed");
-                break;
+                *readable = false;
             }
         }
     }
@@ -1120,7 +1134,7 @@ fn process(
     if dr.closing && dr.accept_queue.is_empty() && dr.conns.values().all(|c| c.q.is_drained()) {
         return None;
     }
-    let again = !dr.dirty.is_empty() || !dr.blocked_sends.is_empty();
+    let again = !dr.dirty.is_empty() || !dr.blocked_sends.is_empty() || *readable;
     dr.woken = false;
     Some((again, dr.timers.first().map(|(at, _)| *at)))
 }
@@ -1131,6 +1145,10 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
     let mut timer: Option<(Instant, glommio::timer::Timer)> = None;
     let mut recv_buf = vec![0u8; RECV_BUFFER_BYTES];
     let mut last = Instant::now();
+    // Whether the socket may hold datagrams: set when the readiness probe fires, cleared
+    // when a read comes back empty, so a loop woken by a task or a timer makes no
+    // receive syscall that is bound to fail.
+    let mut socket_ready = true;
     loop {
         // 1. Datagrams that found the socket full.
         loop {
@@ -1147,6 +1165,7 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
             &mut d.borrow_mut(),
             io.as_ref(),
             &mut recv_buf,
+            &mut socket_ready,
             now,
             &mut last,
         ) else {
@@ -1156,9 +1175,13 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
             futures_lite::future::yield_now().await;
             continue;
         }
-        // 5. Sleep until something happens.
+        // 5. Sleep until something happens. The timer is re-armed only when the next
+        // deadline comes sooner than the armed one: quinn-proto pushes its idle timeout
+        // later on every packet, and re-arming each time costs the reactor a timeout
+        // submission and a cancellation per loop. One that fires early finds nothing
+        // expired and is armed again for the real deadline.
         if let Some(deadline) = deadline {
-            if timer.as_ref().is_none_or(|(at, _)| *at != deadline) {
+            if timer.as_ref().is_none_or(|(at, _)| *at > deadline) {
                 let wait = deadline.saturating_duration_since(Instant::now());
                 timer = Some((deadline, glommio::timer::Timer::new(wait)));
             }
@@ -1173,6 +1196,7 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
             }
             if readable.as_mut().poll(cx).is_ready() {
                 readable = Box::pin(io.readable());
+                socket_ready = true;
                 return Poll::Ready(());
             }
             if let Some((_, t)) = timer.as_mut()
@@ -1305,7 +1329,7 @@ mod sans_io {
         let io = d.io.clone();
         let mut buf = vec![0u8; 65536];
         let mut last = now;
-        process(d, io.as_ref(), &mut buf, now, &mut last);
+        process(d, io.as_ref(), &mut buf, &mut true, now, &mut last);
     }
 
     /// Steps the server and every client `n` times, `dt` of virtual time apart.
