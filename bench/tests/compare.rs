@@ -41,7 +41,10 @@ fn every_scenario_runs_against_every_broker() {
         );
     }
     for k in ["felix_download_mb_per_sec", "quinn_download_mb_per_sec"] {
-        assert!(json["felix_only"]["S11"][k].as_f64().unwrap() > 0.0, "S11 {k}");
+        assert!(
+            json["felix_only"]["S11"][k].as_f64().unwrap() > 0.0,
+            "S11 {k}"
+        );
     }
     assert!(md.contains("felix vs nats-jetstream") && md.contains("felix vs redis-streams"));
     let svg = std::fs::read_to_string(out.path().join("throughput.svg")).unwrap();
