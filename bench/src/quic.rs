@@ -41,6 +41,10 @@ const OURS_THREADS: &str = "felix-core";
 const QUINN_THREADS: &str = "quinn-server";
 const CLIENT_THREADS: &str = "bench-client";
 
+/// Concurrency of the loaded echo run.
+const LOADED_CONNECTIONS: usize = 4;
+const LOADED_STREAMS: usize = 64;
+
 /// Busy-poll time of the spinning variant in the RTT table.
 const SPIN: Duration = Duration::from_micros(100);
 
@@ -363,6 +367,19 @@ fn measured(
     })
 }
 
+/// What a run of concurrent echoes cost.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Echoes {
+    /// Echoes completed per second.
+    pub per_sec: f64,
+    /// CPU microseconds the server's threads spent per echo.
+    pub server_cpu_us: f64,
+    /// CPU seconds the server's threads spent per second of wall time.
+    pub server_cores: f64,
+    /// Same for the client's threads.
+    pub client_cores: f64,
+}
+
 /// Which way the bulk bytes flow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Direction {
@@ -421,6 +438,60 @@ impl Client {
             anyhow::Ok(out)
         });
         self.rt.block_on(task)?
+    }
+
+    /// 64 B echoes kept in flight on `streams` bidirectional streams spread over
+    /// `connections` connections, `per_stream` each: the small-request load a broker
+    /// sees, where the executor rarely parks. Charges threads named `server`.
+    pub fn echoes(
+        &self,
+        addr: SocketAddr,
+        connections: usize,
+        streams: usize,
+        per_stream: usize,
+        server: &str,
+    ) -> anyhow::Result<Echoes> {
+        let ep = self.endpoint.clone();
+        let conns = self.rt.block_on(async {
+            let mut conns = Vec::new();
+            for _ in 0..connections {
+                conns.push(ep.connect(addr, "localhost")?.await?);
+            }
+            anyhow::Ok(conns)
+        })?;
+        let total = streams * per_stream;
+        let t = measured(server, 0, || {
+            self.rt.block_on(async {
+                let mut tasks = Vec::new();
+                for i in 0..streams {
+                    let conn = conns[i % conns.len()].clone();
+                    tasks.push(tokio::spawn(async move {
+                        let (mut s, mut r) = conn.open_bi().await?;
+                        let msg = [7u8; 64];
+                        let mut back = [0u8; 64];
+                        for _ in 0..per_stream {
+                            s.write_all(&msg).await?;
+                            r.read_exact(&mut back).await?;
+                        }
+                        s.finish()?;
+                        anyhow::Ok(())
+                    }));
+                }
+                for t in tasks {
+                    t.await??;
+                }
+                anyhow::Ok(())
+            })
+        })?;
+        for c in conns {
+            c.close(0u32.into(), b"");
+        }
+        Ok(Echoes {
+            per_sec: total as f64 / t.wall,
+            server_cpu_us: t.server_cores * t.wall / total as f64 * 1e6,
+            server_cores: t.server_cores,
+            client_cores: t.client_cores,
+        })
     }
 
     /// MB/s of `bytes` uploaded over `connections` connections at once, 64 KiB writes.
@@ -526,6 +597,7 @@ pub fn run(
     ];
     let mut rtts: [Vec<f64>; 3] = Default::default();
     let mut echo_cpu: [Vec<f64>; 3] = Default::default();
+    let mut loaded: [Vec<Echoes>; 2] = Default::default();
     let mut up: [Vec<Transfer>; 2] = Default::default();
     let mut down: [Vec<Transfer>; 2] = Default::default();
     let mut scale: [Vec<Transfer>; 2] = Default::default();
@@ -544,6 +616,13 @@ pub fn run(
                 Ok(())
             })?;
             echo_cpu[which].push(t.server_cores * t.wall / rtt_samples as f64 * 1e6);
+            loaded[which].push(client.echoes(
+                server.addr(),
+                LOADED_CONNECTIONS,
+                LOADED_STREAMS,
+                rtt_samples / 10,
+                threads,
+            )?);
             for &dir in directions {
                 let t = client.transfer(server.addr(), dir, 1, bytes, threads)?;
                 match dir {
@@ -590,6 +669,23 @@ pub fn run(
             percentile(&mut r, 0.99),
             percentile(&mut r, 0.999),
             median(echo_cpu[i].clone()),
+        );
+    }
+    println!(
+        "\n64 B echoes, {LOADED_STREAMS} streams in flight over {LOADED_CONNECTIONS} \
+         connections, {} per stream, medians of {rounds}:\n",
+        rtt_samples / 10
+    );
+    println!("| server | echoes/s | server CPU us per echo | server cores | client cores |");
+    println!("|---|---|---|---|---|");
+    for (i, name) in names.iter().enumerate() {
+        let m = |f: fn(&Echoes) -> f64| median(loaded[i].iter().map(f).collect());
+        println!(
+            "| {name} | {:.0} | {:.1} | {:.2} | {:.2} |",
+            m(|e| e.per_sec),
+            m(|e| e.server_cpu_us),
+            m(|e| e.server_cores),
+            m(|e| e.client_cores)
         );
     }
     println!(

@@ -15,7 +15,10 @@ fn every_scenario_runs_against_every_broker() {
         rounds: 1,
         only: Vec::new(),
     })
-    .unwrap_or_else(|e| panic!("the matrix failed: {e:#}"));
+    .unwrap_or_else(|e| {
+        let md = std::fs::read_to_string(out.path().join("results.md")).unwrap_or_default();
+        panic!("the matrix failed: {e:#}\n{md}")
+    });
     for f in [
         "results.json",
         "results.md",
