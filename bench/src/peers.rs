@@ -26,7 +26,7 @@ pub struct PeerBinaries {
 impl PeerBinaries {
     /// Runs `bench/peers/setup.sh` (installing what is missing) and reads its answer.
     pub fn install() -> anyhow::Result<PeerBinaries> {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers/setup.sh");
+        let script = manifest_dir().join("peers/setup.sh");
         let out = Command::new("bash")
             .arg(&script)
             .stderr(Stdio::inherit())
@@ -158,4 +158,13 @@ pub fn start_redis(bin: &Path, durable: bool) -> anyhow::Result<PeerProcess> {
         addr,
         _dir: dir,
     })
+}
+
+/// This package's directory: cargo's value at run time (a build reused from another
+/// checkout must not read that checkout's files), the compile-time one otherwise.
+fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
+        || env!("CARGO_MANIFEST_DIR").into(),
+        std::path::PathBuf::from,
+    )
 }

@@ -74,9 +74,9 @@ fn postgres_service() -> Service {
     let base = match std::env::var("FELIX_TEST_POSTGRES_URL") {
         Ok(u) => u,
         Err(_) => {
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/postgres/setup.sh");
+            let script = manifest_dir().join("../tests/postgres/setup.sh");
             let out = std::process::Command::new("bash")
-                .arg(script)
+                .arg(&script)
                 .stderr(std::process::Stdio::inherit())
                 .output()
                 .expect("running tests/postgres/setup.sh");
@@ -832,4 +832,13 @@ fn openapi_describes_every_route() {
         .collect();
     documented.sort();
     assert_eq!(routes, documented);
+}
+
+/// This package's directory: cargo's value at run time (a build reused from another
+/// checkout must not read that checkout's files), the compile-time one otherwise.
+fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
+        || env!("CARGO_MANIFEST_DIR").into(),
+        std::path::PathBuf::from,
+    )
 }

@@ -378,9 +378,7 @@ pub fn wait_for<T>(
 
 /// Runs `tests/python/<script>` with `args`.
 pub fn run_python_args(script: &str, args: &[&str]) -> anyhow::Result<Output> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("python")
-        .join(script);
+    let path = manifest_dir().join("python").join(script);
     Ok(Command::new(python()?).arg(&path).args(args).output()?)
 }
 
@@ -391,7 +389,7 @@ pub fn python() -> anyhow::Result<PathBuf> {
         if let Ok(p) = std::env::var("FELIX_PYTHON") {
             return Ok(PathBuf::from(p));
         }
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/setup.sh");
+        let script = manifest_dir().join("python/setup.sh");
         let out = Command::new("bash")
             .arg(&script)
             .stderr(Stdio::inherit())
@@ -411,9 +409,7 @@ pub fn python() -> anyhow::Result<PathBuf> {
 
 /// Runs `tests/python/<script>` against `broker` with extra arguments.
 pub fn run_python(broker: &BrokerProcess, script: &str, args: &[&str]) -> anyhow::Result<Output> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("python")
-        .join(script);
+    let path = manifest_dir().join("python").join(script);
     let out = Command::new(python()?)
         .arg(&path)
         .arg(broker.listen.to_string())
@@ -472,4 +468,13 @@ pub async fn read_messages(
         }
     }
     Ok(out)
+}
+
+/// This package's directory: cargo's value at run time (a build reused from another
+/// checkout must not read that checkout's files), the compile-time one otherwise.
+pub fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
+        || env!("CARGO_MANIFEST_DIR").into(),
+        std::path::PathBuf::from,
+    )
 }

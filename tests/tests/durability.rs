@@ -17,7 +17,7 @@ fn sigkill_loses_no_acknowledged_publish() {
         &["--fsync", "on-commit"],
     )
     .unwrap();
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/publish_forever.py");
+    let script = felix_cluster::manifest_dir().join("python/publish_forever.py");
     let mut acked: BTreeMap<u64, String> = BTreeMap::new();
     for cycle in 0..3 {
         let mut publisher = Command::new(python().unwrap())

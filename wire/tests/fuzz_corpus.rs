@@ -2,12 +2,8 @@
 //! entry points the `cargo fuzz` targets call, so every CI run re-checks every input a
 //! fuzzer ever kept, without a fuzzing toolchain.
 
-use std::path::Path;
-
 fn replay(target: &str, run: fn(&[u8])) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz/corpus")
-        .join(target);
+    let dir = manifest_dir().join("fuzz/corpus").join(target);
     let mut n = 0;
     for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
         let data = std::fs::read(entry.unwrap().path()).unwrap();
@@ -44,4 +40,13 @@ fn publish_ack_corpus_replays_clean() {
 #[test]
 fn event_batch_corpus_replays_clean() {
     replay("event_batch", felix_wire::fuzzing::event_batch);
+}
+
+/// This package's directory: cargo's value at run time (a build reused from another
+/// checkout must not read that checkout's files), the compile-time one otherwise.
+fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
+        || env!("CARGO_MANIFEST_DIR").into(),
+        std::path::PathBuf::from,
+    )
 }

@@ -16,11 +16,11 @@ use felix_wire::{
 use serde_json::Value;
 
 fn vendored_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vectors")
+    manifest_dir().join("tests/vectors")
 }
 
 fn shared_dir() -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/wire-vectors");
+    let dir = manifest_dir().join("../../shared/reference/wire-vectors");
     dir.is_dir().then_some(dir)
 }
 
@@ -187,4 +187,13 @@ fn vendored_vectors_match_the_shared_reference() {
         theirs.iter().map(|v| (&v.0, &v.2)).collect::<Vec<_>>(),
         "tests/vectors is a faithful copy of the shared vectors"
     );
+}
+
+/// This package's directory: cargo's value at run time (a build reused from another
+/// checkout must not read that checkout's files), the compile-time one otherwise.
+fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
+        || env!("CARGO_MANIFEST_DIR").into(),
+        std::path::PathBuf::from,
+    )
 }
