@@ -440,6 +440,17 @@ impl Client {
         self.rt.block_on(task)?
     }
 
+    /// `n` connections to `addr`, handshakes done (outside any measurement).
+    fn connect(&self, addr: SocketAddr, n: usize) -> anyhow::Result<Vec<quinn::Connection>> {
+        self.rt.block_on(async {
+            let mut conns = Vec::new();
+            for _ in 0..n {
+                conns.push(self.endpoint.connect(addr, "localhost")?.await?);
+            }
+            anyhow::Ok(conns)
+        })
+    }
+
     /// 64 B echoes kept in flight on `streams` bidirectional streams spread over
     /// `connections` connections, `per_stream` each: the small-request load a broker
     /// sees, where the executor rarely parks. Charges threads named `server`.
@@ -451,14 +462,7 @@ impl Client {
         per_stream: usize,
         server: &str,
     ) -> anyhow::Result<Echoes> {
-        let ep = self.endpoint.clone();
-        let conns = self.rt.block_on(async {
-            let mut conns = Vec::new();
-            for _ in 0..connections {
-                conns.push(ep.connect(addr, "localhost")?.await?);
-            }
-            anyhow::Ok(conns)
-        })?;
+        let conns = self.connect(addr, connections)?;
         let total = streams * per_stream;
         let t = measured(server, 0, || {
             self.rt.block_on(async {
@@ -516,15 +520,8 @@ impl Client {
         bytes: u64,
         server: &str,
     ) -> anyhow::Result<Transfer> {
-        let ep = self.endpoint.clone();
         let per = (bytes / connections as u64).div_ceil(CHUNK as u64) * CHUNK as u64;
-        let conns = self.rt.block_on(async {
-            let mut conns = Vec::new();
-            for _ in 0..connections {
-                conns.push(ep.connect(addr, "localhost")?.await?);
-            }
-            anyhow::Ok(conns)
-        })?;
+        let conns = self.connect(addr, connections)?;
         measured(server, per * connections as u64, || {
             self.rt.block_on(async move {
                 let mut tasks = Vec::new();
