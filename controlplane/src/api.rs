@@ -444,11 +444,7 @@ async fn delete_tenant(
     require(&g, "tenant.manage", "cluster", &["*"])?;
     // Creating a namespace rewrites its tenant: deleting at this version fails if one
     // was created after the emptiness check.
-    let d = st
-        .store
-        .get(Kind::Tenant, &t)
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("tenant {t} not found")))?;
+    let d = must_exist(&st, Kind::Tenant, &t).await?;
     if !st
         .store
         .list(Kind::Namespace, &format!("{t}/"))
@@ -584,11 +580,7 @@ async fn create_namespace(
     name("namespace", &ns.namespace)?;
     require(&g, "ns.manage", "namespace", &[&t, &ns.namespace])?;
     ns.tenant_id = t.clone();
-    let tenant = st
-        .store
-        .get(Kind::Tenant, &t)
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("tenant {t} not found")))?;
+    let tenant = must_exist(&st, Kind::Tenant, &t).await?;
     st.store
         .batch(vec![
             Op::Put {
@@ -637,10 +629,15 @@ async fn delete_namespace(
 }
 
 async fn namespace_must_exist(st: &AppState, t: &str, ns: &str) -> ApiResult<Doc> {
+    must_exist(st, Kind::Namespace, &format!("{t}/{ns}")).await
+}
+
+/// The document at `key`, or 404 "<kind> <key> not found".
+async fn must_exist(st: &AppState, kind: Kind, key: &str) -> ApiResult<Doc> {
     st.store
-        .get(Kind::Namespace, &format!("{t}/{ns}"))
+        .get(kind, key)
         .await?
-        .ok_or_else(|| ApiError::not_found(format!("namespace {t}/{ns} not found")))
+        .ok_or_else(|| ApiError::not_found(format!("{} {key} not found", kind.name())))
 }
 
 fn with_version<T: DeserializeOwned>(d: &Doc) -> ApiResult<(T, u64)> {
@@ -796,11 +793,7 @@ async fn get_stream(
 ) -> ApiResult<Json<Stream>> {
     let g = authenticate(&st, &h).await?;
     require(&g, "stream.manage", "stream", &[&t, &ns, &s])?;
-    let d = st
-        .store
-        .get(Kind::Stream, &format!("{t}/{ns}/{s}"))
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("stream {t}/{ns}/{s} not found")))?;
+    let d = must_exist(&st, Kind::Stream, &format!("{t}/{ns}/{s}")).await?;
     let (mut stream, v): (Stream, u64) = with_version(&d)?;
     stream.version = v;
     Ok(Json(stream))
@@ -816,11 +809,7 @@ async fn patch_stream(
     require(&g, "stream.manage", "stream", &[&t, &ns, &s])?;
     let patch: StreamPatch = body(b).await?;
     let key = format!("{t}/{ns}/{s}");
-    let d = st
-        .store
-        .get(Kind::Stream, &key)
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("stream {t}/{ns}/{s} not found")))?;
+    let d = must_exist(&st, Kind::Stream, &key).await?;
     if let Some(v) = patch.version
         && v != d.version
     {
@@ -922,11 +911,7 @@ async fn get_cache(
 ) -> ApiResult<Json<Cache>> {
     let g = authenticate(&st, &h).await?;
     require(&g, "cache.manage", "cache", &[&t, &ns, &c])?;
-    let d = st
-        .store
-        .get(Kind::Cache, &format!("{t}/{ns}/{c}"))
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("cache {t}/{ns}/{c} not found")))?;
+    let d = must_exist(&st, Kind::Cache, &format!("{t}/{ns}/{c}")).await?;
     let (mut cache, v): (Cache, u64) = with_version(&d)?;
     cache.version = v;
     Ok(Json(cache))
@@ -1006,11 +991,7 @@ async fn get_node(
 ) -> ApiResult<Json<Node>> {
     let g = authenticate(&st, &h).await?;
     require(&g, "node.view", "cluster", &["*"])?;
-    let d = st
-        .store
-        .get(Kind::Node, &id)
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("node {id} not found")))?;
+    let d = must_exist(&st, Kind::Node, &id).await?;
     Ok(Json(to(&d)?))
 }
 
@@ -1021,11 +1002,7 @@ async fn delete_node(
 ) -> ApiResult<StatusCode> {
     let g = authenticate(&st, &h).await?;
     require(&g, "node.manage", "cluster", &["*"])?;
-    let d = st
-        .store
-        .get(Kind::Node, &id)
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("node {id} not found")))?;
+    let d = must_exist(&st, Kind::Node, &id).await?;
     let node: Node = to(&d)?;
     if matches!(node.lifecycle, Lifecycle::Live | Lifecycle::Draining) {
         return Err(ApiError::conflict(format!(
