@@ -175,6 +175,8 @@ struct ConnState {
 
 struct Conn {
     q: quinn_proto::Connection,
+    /// quinn-proto's handle, valid while `live` maps it to this connection.
+    handle: ConnectionHandle,
     s: ConnState,
 }
 
@@ -202,10 +204,15 @@ struct Driver {
     io: Rc<dyn Datagrams>,
     // Fx rather than SipHash: these are looked up per datagram and per stream call, and
     // their keys are our own handles or stream ids bounded by the stream limits.
-    conns: FxHashMap<ConnectionHandle, Conn>,
-    dirty: FxHashSet<ConnectionHandle>,
-    timers: BTreeSet<(Instant, ConnectionHandle)>,
-    accept_queue: VecDeque<ConnectionHandle>,
+    conns: FxHashMap<ConnId, Conn>,
+    /// quinn-proto's handle of each connection it still tracks. A handle is removed
+    /// the moment quinn-proto frees it (the connection drained), because quinn-proto
+    /// hands the same handle to its next connection.
+    live: FxHashMap<ConnectionHandle, ConnId>,
+    next_id: u64,
+    dirty: FxHashSet<ConnId>,
+    timers: BTreeSet<(Instant, ConnId)>,
+    accept_queue: VecDeque<ConnId>,
     accept_waker: Option<Waker>,
     waker: Option<Waker>,
     woken: bool,
@@ -233,6 +240,8 @@ impl Driver {
             server,
             io,
             conns: FxHashMap::default(),
+            live: FxHashMap::default(),
+            next_id: 1,
             dirty: FxHashSet::default(),
             timers: BTreeSet::new(),
             accept_queue: VecDeque::new(),
@@ -254,7 +263,7 @@ impl Driver {
         config: ClientConfig,
         addr: SocketAddr,
         server_name: &str,
-    ) -> Result<ConnectionHandle, QuicError> {
+    ) -> Result<ConnId, QuicError> {
         if self.closing {
             return Err(QuicError::EndpointClosed);
         }
@@ -262,18 +271,37 @@ impl Driver {
             .endpoint
             .connect(now, config, addr, server_name)
             .map_err(|e| QuicError::Connect(e.to_string()))?;
+        let id = self.insert_conn(h, q, 1);
+        self.mark(id);
+        Ok(id)
+    }
+
+    /// Tracks a connection quinn-proto just created under a fresh id.
+    fn insert_conn(
+        &mut self,
+        h: ConnectionHandle,
+        q: quinn_proto::Connection,
+        handles: usize,
+    ) -> ConnId {
+        let id = ConnId(self.next_id);
+        self.next_id += 1;
+        let replaced = self.live.insert(h, id);
+        debug_assert!(
+            replaced.is_none(),
+            "quinn-proto reused a handle it had not freed"
+        );
         self.conns.insert(
-            h,
+            id,
             Conn {
                 q,
+                handle: h,
                 s: ConnState {
-                    handles: 1,
+                    handles,
                     ..ConnState::default()
                 },
             },
         );
-        self.mark(h);
-        Ok(h)
+        id
     }
 
     fn wake(&mut self) {
@@ -283,7 +311,7 @@ impl Driver {
         }
     }
 
-    fn mark(&mut self, h: ConnectionHandle) {
+    fn mark(&mut self, h: ConnId) {
         self.dirty.insert(h);
         self.wake();
     }
@@ -323,9 +351,11 @@ impl Driver {
         {
             None => {}
             Some(DatagramEvent::ConnectionEvent(h, event)) => {
-                if let Some(c) = self.conns.get_mut(&h) {
+                if let Some(&id) = self.live.get(&h)
+                    && let Some(c) = self.conns.get_mut(&id)
+                {
                     c.q.handle_event(event);
-                    self.dirty.insert(h);
+                    self.dirty.insert(id);
                 }
             }
             Some(DatagramEvent::Response(t)) => {
@@ -345,14 +375,8 @@ impl Driver {
                 }
                 match self.endpoint.accept(incoming, now, &mut response, None) {
                     Ok((h, q)) => {
-                        self.conns.insert(
-                            h,
-                            Conn {
-                                q,
-                                s: ConnState::default(),
-                            },
-                        );
-                        self.dirty.insert(h);
+                        let id = self.insert_conn(h, q, 0);
+                        self.dirty.insert(id);
                     }
                     Err(e) => {
                         if let Some(t) = e.response {
@@ -367,13 +391,19 @@ impl Driver {
     }
 
     /// Step 4 for one connection.
-    fn drive(&mut self, h: ConnectionHandle, now: Instant) {
+    fn drive(&mut self, h: ConnId, now: Instant) {
         let Some(mut c) = self.conns.remove(&h) else {
             return;
         };
         while let Some(ev) = c.q.poll_endpoint_events() {
-            if let Some(cev) = self.endpoint.handle_event(h, ev) {
+            let drained = ev.is_drained();
+            if let Some(cev) = self.endpoint.handle_event(c.handle, ev) {
                 c.q.handle_event(cev);
+            }
+            if drained {
+                // quinn-proto has freed the handle and will give it to a new
+                // connection: stop routing its datagrams here.
+                self.live.remove(&c.handle);
             }
         }
         while let Some(ev) = c.q.poll() {
@@ -574,7 +604,7 @@ impl Endpoint {
         let mut d = self.d.borrow_mut();
         d.closing = true;
         let now = Instant::now();
-        let handles: Vec<_> = d.conns.keys().copied().collect();
+        let handles: Vec<ConnId> = d.conns.keys().copied().collect();
         for h in handles {
             if let Some(c) = d.conns.get_mut(&h) {
                 c.q.close(now, VarInt::from_u32(code), Bytes::copy_from_slice(reason));
@@ -603,18 +633,22 @@ impl Endpoint {
     }
 }
 
+/// Our own name for a connection. Unlike quinn-proto's `ConnectionHandle` (a slab index
+/// it frees when the connection drains and hands to the next one) it is never reused, so
+/// a handle that outlives its connection finds it gone rather than finding a stranger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(u64);
+
 /// A QUIC connection handle. Clones share the connection; it is closed when the last
 /// handle (connection or stream) is dropped.
 pub struct Connection {
     d: Rc<RefCell<Driver>>,
-    h: ConnectionHandle,
+    h: ConnId,
 }
 
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Connection")
-            .field("handle", &self.h.0)
-            .finish()
+        f.debug_struct("Connection").field("id", &self.h.0).finish()
     }
 }
 
@@ -634,13 +668,13 @@ impl Drop for Connection {
     }
 }
 
-fn retain(d: &Rc<RefCell<Driver>>, h: ConnectionHandle) {
+fn retain(d: &Rc<RefCell<Driver>>, h: ConnId) {
     if let Some(c) = d.borrow_mut().conns.get_mut(&h) {
         c.s.handles += 1;
     }
 }
 
-fn release(d: &Rc<RefCell<Driver>>, h: ConnectionHandle) {
+fn release(d: &Rc<RefCell<Driver>>, h: ConnId) {
     let Ok(mut d) = d.try_borrow_mut() else {
         return;
     };
@@ -659,6 +693,11 @@ fn release(d: &Rc<RefCell<Driver>>, h: ConnectionHandle) {
 }
 
 impl Connection {
+    /// This connection's id: unique for the endpoint's life, never reused.
+    pub fn id(&self) -> ConnId {
+        self.h
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut Conn) -> T) -> Result<T, QuicError> {
         let mut d = self.d.borrow_mut();
         let c = d
@@ -835,7 +874,7 @@ impl Connection {
 /// The sending half of a stream. Dropping it finishes the stream.
 pub struct SendStream {
     d: Rc<RefCell<Driver>>,
-    h: ConnectionHandle,
+    h: ConnId,
     id: StreamId,
     finished: bool,
 }
@@ -968,7 +1007,7 @@ impl Drop for SendStream {
 /// The receiving half of a stream. Dropping it before the end stops the stream.
 pub struct RecvStream {
     d: Rc<RefCell<Driver>>,
-    h: ConnectionHandle,
+    h: ConnId,
     id: StreamId,
     done: bool,
 }
@@ -1434,6 +1473,90 @@ mod sans_io {
             "garbage creates no connection state"
         );
         assert!(f.server.accept_queue.is_empty());
+    }
+
+    #[test]
+    fn a_handle_that_outlives_its_connection_never_reaches_the_next_one() {
+        let limits = TransportLimits {
+            idle_timeout: Duration::from_secs(5),
+            ..TransportLimits::default()
+        };
+        let Fixture {
+            net,
+            server,
+            server_addr,
+            client_config,
+            mut now,
+        } = fixture(16, limits);
+        let server = Rc::new(RefCell::new(server));
+        let f = Fixture {
+            net: net.clone(),
+            server: Driver::new(
+                Rc::new(MemIo {
+                    addr: addr(1),
+                    net: net.clone(),
+                }),
+                None,
+                1,
+            )
+            .unwrap(),
+            server_addr,
+            client_config: client_config.clone(),
+            now,
+        };
+        let step_all = |clients: &mut [&mut Driver], now: &mut Instant, n: usize, dt: Duration| {
+            for _ in 0..n {
+                for c in clients.iter_mut() {
+                    step(c, *now);
+                }
+                step(&mut server.borrow_mut(), *now);
+                *now += dt;
+            }
+        };
+        let accept = || {
+            let h = server
+                .borrow_mut()
+                .accept_queue
+                .pop_front()
+                .expect("accepted");
+            // The accept queue held the connection's first handle; it is ours now.
+            super::Connection {
+                d: server.clone(),
+                h,
+            }
+        };
+        // A connects and is accepted; a session holds its handle (a subscription's
+        // stream, say) and keeps holding it after A vanishes without closing.
+        let mut a = client(&f, 9001);
+        a.start_connect(now, client_config.clone(), server_addr, "localhost")
+            .unwrap();
+        step_all(&mut [&mut a], &mut now, 20, Duration::from_millis(1));
+        let old = accept();
+        assert_eq!(old.close_reason(), None, "A is connected");
+        net.black_holes.borrow_mut().insert(addr(9001));
+        net.black_holes.borrow_mut().insert(server_addr);
+        step_all(&mut [], &mut now, 10, Duration::from_secs(1));
+        assert!(
+            old.close_reason().is_some(),
+            "A timed out while its handle lived"
+        );
+        net.black_holes.borrow_mut().clear();
+        // B connects: quinn-proto gives it the slot A's connection freed.
+        let mut b = client(&f, 9002);
+        b.start_connect(now, client_config.clone(), server_addr, "localhost")
+            .unwrap();
+        step_all(&mut [&mut b], &mut now, 20, Duration::from_millis(1));
+        let new = accept();
+        assert_ne!(old.id(), new.id());
+        assert_eq!(new.close_reason(), None, "B is connected");
+        assert!(
+            old.close_reason().is_some(),
+            "A's handle still reports A's end, not B's connection"
+        );
+        assert!(
+            futures_lite::future::block_on(old.open_uni()).is_err(),
+            "nothing can be written to B through A's handle"
+        );
     }
 
     #[test]
