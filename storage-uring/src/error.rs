@@ -72,6 +72,16 @@ pub enum StorageError {
         /// The original error.
         detail: String,
     },
+    /// The device ran out of space (ENOSPC) or quota (EDQUOT) before this batch was
+    /// written. The batch is not acknowledged and its offsets are reused; the log takes
+    /// writes again once space is freed.
+    #[error("no space left on device during {op}: {detail}")]
+    NoSpace {
+        /// The step that failed: a data write or a step of creating a segment.
+        op: &'static str,
+        /// The original error.
+        detail: String,
+    },
     /// The data directory is damaged where repair would lose acknowledged records.
     #[error(transparent)]
     Corrupt(#[from] Corruption),

@@ -1,7 +1,8 @@
 //! All file I/O goes through [`Backend`] and [`SegmentFile`], so the same log and the
 //! same tests run on the io_uring O_DIRECT backend ([`dma::DmaBackend`]) and on an
 //! in-memory backend that can be told to fail, tear or lose writes
-//! ([`memory::MemBackend`]).
+//! ([`memory::MemBackend`]). The real backend can be handed a [`faults::StorageFaults`]
+//! seam so that a running process can be shown a full disk or a failing fdatasync.
 //!
 //! Writes are whole blocks: `pos` and `data.len()` are multiples of
 //! [`crate::format::BLOCK_BYTES`], as O_DIRECT requires; the memory backend checks this
@@ -13,6 +14,7 @@ use std::io;
 use bytes::Bytes;
 
 pub mod dma;
+pub mod faults;
 pub mod memory;
 
 /// A directory holding one log's files.

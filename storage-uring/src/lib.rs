@@ -22,7 +22,8 @@ pub mod segment;
 pub use error::{Corruption, CorruptionKind, StorageError};
 pub use format::{BatchKind, ProducerTag};
 pub use io::dma::DmaBackend;
-pub use io::memory::MemBackend;
+pub use io::faults::{FaultTimes, StorageFaults};
+pub use io::memory::{MemBackend, MemOp};
 pub use log::{
     Appended, FsyncMode, LogConfig, LogStats, PendingAppend, ReadBatch, RecoveryReport, SegmentLog,
     VerifyOnOpen,

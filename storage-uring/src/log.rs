@@ -20,14 +20,40 @@
 //!    complete in offset order. Work the caller does right after `commit` returns, before
 //!    its next `.await`, therefore also happens in offset order.
 //!
-//! A failed write or fdatasync poisons the log: the staged bytes behind it already own
-//! their offsets, and after a failed fdatasync the kernel may have dropped dirty data,
-//! so nothing is acknowledged again until the process restarts and recovery reads what
-//! actually reached the disk.
+//! 5. Running out of space is not poison. When the flusher's write of a chunk, or any
+//!    step of creating the next segment (truncate, fallocate, header write, header
+//!    fdatasync, directory fsync), fails with ENOSPC or EDQUOT, it rolls back:
+//!    - (5a) Cleanup first: a half-made segment file is removed and the directory
+//!      fsynced; a file whose write failed is cut back to `align_up(data_len)` if the
+//!      write grew it. If cleanup fails, the log is poisoned instead.
+//!    - (5b) Every batch not yet written fails with `NoSpace`: the failing chunk, the
+//!      rest of the round, and everything staged meanwhile. Batches written earlier in
+//!      the round are untouched, and the round still fdatasyncs them.
+//!    - (5c) Their offsets are given back: `next_offset` returns to `written_end`, the
+//!      append position to the newest segment's written end. The next append claims the
+//!      same offsets and rewrites the segment's last partial block, as every append does.
+//!    - (5d) The era ends. A `PendingAppend` remembers its era; one at or past the era's
+//!      rollback point fails with `NoSpace` for good, even after a later batch reuses
+//!      and acknowledges its offsets. Releasing it leaves the commit order alone: the
+//!      sequencer forgets turns at or past the point and resumes there.
+//!
+//!    This is safe because nothing at or past `written_end` was acknowledged (an ack
+//!    needs the write), and after cleanup the file holds nothing past the valid end
+//!    except, at most, inside the last partial block, which the next write rewrites.
+//!    A crash before that leaves what a crash mid-write always leaves: a torn tail that
+//!    recovery cuts, or a whole unacknowledged batch that it may keep; never data after
+//!    a gap, which recovery would have to refuse as interior damage.
+//!
+//! Any other failed write, and a failed fdatasync of data (whatever the errno), poisons
+//! the log: the staged bytes behind a failed write already own their offsets, and after a
+//! failed fdatasync the kernel may have dropped dirty pages, so what is on disk is
+//! unknowable. Nothing is acknowledged again until the process restarts and recovery
+//! reads what actually reached the disk.
 
-use std::cell::RefCell;
+use std::cell::{OnceCell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
 use std::future::poll_fn;
+use std::io;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -185,6 +211,8 @@ pub struct LogStats {
     pub bytes_written: u64,
     /// Segment rolls.
     pub rolls: u64,
+    /// Times the disk was full and unwritten batches were rolled back (step 5).
+    pub no_space_rollbacks: u64,
 }
 
 /// Offsets `[first, end)` of an appended batch.
@@ -234,6 +262,32 @@ impl Sequencer {
     }
 }
 
+/// The appends between two no-space rollbacks (step 5). Each `PendingAppend` holds its
+/// era, so a rollback's record lives exactly as long as a batch that may ask about it.
+#[derive(Debug, Default)]
+struct Era {
+    number: u64,
+    ended: OnceCell<Rollback>,
+}
+
+/// How an era ended.
+#[derive(Debug)]
+struct Rollback {
+    /// `written_end` at the rollback: batches from here on were given back.
+    point: u64,
+    op: &'static str,
+    detail: String,
+}
+
+impl Rollback {
+    fn error(&self) -> StorageError {
+        StorageError::NoSpace {
+            op: self.op,
+            detail: self.detail.clone(),
+        }
+    }
+}
+
 struct State<F> {
     segments: VecDeque<Segment<F>>,
     staged: VecDeque<Chunk>,
@@ -248,6 +302,7 @@ struct State<F> {
     written_end: u64,
     durable_end: u64,
     sequencer: Sequencer,
+    era: Rc<Era>,
     /// Waiters for the acknowledged end to pass a value: end needed -> wakers.
     ack_waiters: BTreeMap<u64, Vec<Waker>>,
     flusher: Option<Waker>,
@@ -298,6 +353,7 @@ impl<B: Backend> std::fmt::Debug for SegmentLog<B> {
 pub struct PendingAppend {
     first: u64,
     end: u64,
+    era: Rc<Era>,
     resolve: Option<Rc<dyn Fn(u64, u64)>>,
 }
 
@@ -306,6 +362,7 @@ impl std::fmt::Debug for PendingAppend {
         f.debug_struct("PendingAppend")
             .field("first", &self.first)
             .field("end", &self.end)
+            .field("era", &self.era.number)
             .finish()
     }
 }
@@ -321,9 +378,17 @@ impl PendingAppend {
         self.end
     }
 
+    /// The rollback that gave this batch's offsets back, if one did (step 5d).
+    fn rolled_back(&self) -> Option<&Rollback> {
+        self.era.ended.get().filter(|rb| self.first >= rb.point)
+    }
+
     fn release(&mut self) {
         if let Some(resolve) = self.resolve.take() {
-            resolve(self.first, self.end);
+            // A rolled-back batch's offsets are the next era's turns now.
+            if self.rolled_back().is_none() {
+                resolve(self.first, self.end);
+            }
         }
     }
 }
@@ -380,6 +445,7 @@ impl<B: Backend> SegmentLog<B> {
                 next: next_offset,
                 ..Sequencer::default()
             },
+            era: Rc::default(),
             ack_waiters: BTreeMap::new(),
             flusher: None,
             sync_requested: false,
@@ -428,11 +494,15 @@ impl<B: Backend> SegmentLog<B> {
         self.begin(records, timestamp_micros, BatchKind::Data, producer)
     }
 
-    /// Claims one offset for a generation-start record.
-    pub fn begin_generation_start(&self, generation: u64) -> Result<PendingAppend, StorageError> {
+    /// Claims one offset for a generation-start record stamped `timestamp_micros`.
+    pub fn begin_generation_start(
+        &self,
+        generation: u64,
+        timestamp_micros: u64,
+    ) -> Result<PendingAppend, StorageError> {
         self.begin(
             &[generation.to_be_bytes()],
-            now_micros(),
+            timestamp_micros,
             BatchKind::GenerationStart,
             None,
         )
@@ -525,6 +595,7 @@ impl<B: Backend> SegmentLog<B> {
         Ok(PendingAppend {
             first,
             end,
+            era: st.era.clone(),
             resolve: Some(Rc::new(move |first, end| {
                 if let Some(shared) = weak.upgrade() {
                     shared.state.borrow_mut().sequencer.resolve(first, end);
@@ -548,6 +619,10 @@ impl<B: Backend> SegmentLog<B> {
         p: &PendingAppend,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), StorageError>> {
+        // Before the ack check: a later era may have acknowledged these very offsets.
+        if let Some(rb) = p.rolled_back() {
+            return Poll::Ready(Err(rb.error()));
+        }
         let mut st = self.shared.state.borrow_mut();
         let acked = ack_end(&st, self.shared.config.fsync);
         if acked < p.end {
@@ -613,6 +688,12 @@ impl<B: Backend> SegmentLog<B> {
         self.shared.state.borrow().stats
     }
 
+    /// Times the disk was full and unwritten batches were rolled back; also in
+    /// [`LogStats::no_space_rollbacks`].
+    pub fn no_space_rollbacks(&self) -> u64 {
+        self.shared.state.borrow().stats.no_space_rollbacks
+    }
+
     /// The poison, if a write or fsync failed.
     pub fn poisoned(&self) -> Option<String> {
         self.shared
@@ -665,17 +746,19 @@ impl<B: Backend> SegmentLog<B> {
         .await
     }
 
-    /// Forces an fdatasync of everything written so far and waits for it.
+    /// Forces an fdatasync of everything written so far and waits for it. Batches a
+    /// no-space rollback gave back are not waited for: they were never written.
     pub async fn sync(&self) -> Result<(), StorageError> {
-        let target = {
+        let (claimed, era) = {
             let mut st = self.shared.state.borrow_mut();
             st.sync_requested = true;
             if let Some(w) = st.flusher.take() {
                 w.wake();
             }
-            st.next_offset
+            (st.next_offset, st.era.clone())
         };
         poll_fn(|cx| {
+            let target = era.ended.get().map_or(claimed, |rb| claimed.min(rb.point));
             let mut st = self.shared.state.borrow_mut();
             if st.durable_end >= target {
                 return Poll::Ready(Ok(()));
@@ -833,19 +916,35 @@ impl<B: Backend> SegmentLog<B> {
         }
     }
 
-    /// Deletes whole sealed segments from the head that retention no longer keeps.
-    /// Returns how many were removed. The active segment is never removed.
+    /// Deletes whole sealed segments from the head that the configured retention no
+    /// longer keeps. Returns how many were removed. The active segment is never removed.
     pub async fn enforce_retention(&self, now_micros: u64) -> Result<usize, StorageError> {
         let cfg = &self.shared.config;
+        self.enforce_retention_with(now_micros, cfg.retention_bytes, cfg.retention_age)
+            .await
+    }
+
+    /// [`SegmentLog::enforce_retention`] with the bounds passed in (a stream's current
+    /// retention) instead of the configured ones: segments go while the log is larger
+    /// than `max_bytes` or while their newest record is older than `max_age`.
+    pub async fn enforce_retention_with(
+        &self,
+        now_micros: u64,
+        max_bytes: Option<u64>,
+        max_age: Option<Duration>,
+    ) -> Result<usize, StorageError> {
         let mut doomed = Vec::new();
         {
             let mut st = self.shared.state.borrow_mut();
             let mut total: u64 = st.segments.iter().map(|s| s.data_len).sum();
             while st.segments.len() > 1 {
                 let front = &st.segments[0];
-                let too_big = cfg.retention_bytes.is_some_and(|max| total > max);
-                let too_old = cfg.retention_age.is_some_and(|age| {
-                    front.max_timestamp_micros + (age.as_micros() as u64) < now_micros
+                let too_big = max_bytes.is_some_and(|max| total > max);
+                let too_old = max_age.is_some_and(|age| {
+                    front
+                        .max_timestamp_micros
+                        .saturating_add(age.as_micros().min(u128::from(u64::MAX)) as u64)
+                        < now_micros
                 });
                 if !(too_big || too_old) {
                     break;
@@ -954,7 +1053,7 @@ async fn periodic_sync<B: Backend>(shared: std::rc::Weak<Shared<B>>, interval: D
     }
 }
 
-/// The flusher task: steps 2 and 3 of the durability protocol.
+/// The flusher task: steps 2, 3 and 5 of the durability protocol.
 async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
     let mut buf: Vec<u8> = Vec::new();
     loop {
@@ -984,10 +1083,34 @@ async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
     }
 }
 
+/// Why a flusher step failed, which decides what the log does about it.
+enum Failure {
+    /// Out of space or quota: roll back (step 5).
+    NoSpace(&'static str, io::Error),
+    /// Anything else: poison.
+    Poison(&'static str, io::Error),
+}
+
+impl Failure {
+    fn of(op: &'static str, e: io::Error) -> Failure {
+        if is_no_space(&e) {
+            Failure::NoSpace(op, e)
+        } else {
+            Failure::Poison(op, e)
+        }
+    }
+}
+
+/// ENOSPC or EDQUOT: the device or the quota is full, and freeing space will cure it.
+fn is_no_space(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+}
+
+/// One round of steps 2 and 3. `Err` poisons the log; a full disk is handled here.
 async fn flush_round<B: Backend>(
     shared: &Rc<Shared<B>>,
     buf: &mut Vec<u8>,
-) -> Result<(), (&'static str, std::io::Error)> {
+) -> Result<(), (&'static str, io::Error)> {
     let cfg = &shared.config;
     let (chunks, sync_requested) = {
         let mut st = shared.state.borrow_mut();
@@ -998,44 +1121,21 @@ async fn flush_round<B: Backend>(
         )
     };
     let mut batches_written = 0u64;
-    for mut chunk in chunks {
-        if chunk.opens_segment {
-            roll(shared, chunk.segment_base).await?;
-        }
-        // Rewrite the last partial block with the new bytes behind it.
-        let (file, write_pos) = {
-            let st = shared.state.borrow();
-            let seg = st.segments.back().expect("at least one segment");
-            debug_assert_eq!(seg.base, chunk.segment_base);
-            buf.clear();
-            buf.extend_from_slice(&seg.tail_block);
-            (seg.file.clone(), format::align_down(seg.data_len))
-        };
-        buf.extend_from_slice(&chunk.bytes);
-        let data_end = buf.len();
-        buf.resize(format::align_up(data_end as u64) as usize, 0);
-        file.write_at(buf, write_pos)
-            .await
-            .map_err(|e| ("write", e))?;
-        batches_written += chunk.batches;
+    let mut chunks = chunks.into_iter();
+    while let Some(chunk) = chunks.next() {
+        let result = write_chunk(shared, buf, &chunk).await;
         let mut st = shared.state.borrow_mut();
-        let seg = st.segments.back_mut().expect("at least one segment");
-        seg.data_len = write_pos + data_end as u64;
-        seg.end_offset = chunk.end_offset;
-        seg.max_timestamp_micros = seg.max_timestamp_micros.max(chunk.max_timestamp_micros);
-        for &(o, p) in &chunk.index {
-            seg.index.observe(o, p, 0);
+        recycle(&mut st, chunk);
+        match result {
+            Ok(batches) => batches_written += batches,
+            Err(Failure::Poison(op, e)) => return Err((op, e)),
+            Err(Failure::NoSpace(op, e)) => {
+                for rest in chunks.by_ref() {
+                    recycle(&mut st, rest);
+                }
+                roll_back(&mut st, op, &e);
+            }
         }
-        let tail_start = format::align_down(data_end as u64) as usize;
-        seg.tail_block.clear();
-        seg.tail_block.extend_from_slice(&buf[tail_start..data_end]);
-        st.written_end = chunk.end_offset;
-        st.stats.bytes_written += buf.len() as u64;
-        chunk.bytes.clear();
-        if st.spare.len() < 4 {
-            st.spare.push(std::mem::take(&mut chunk.bytes));
-        }
-        wake_acked(&mut st, cfg.fsync);
     }
     let (need_sync, file, target) = {
         let st = shared.state.borrow();
@@ -1061,18 +1161,129 @@ async fn flush_round<B: Backend>(
     Ok(())
 }
 
-/// Seals the newest segment (fdatasync, index file) and creates the next one with a
-/// durable header and directory entry before anything is written into it.
-async fn roll<B: Backend>(
+/// Step 2 for one chunk: rolls if it opens a segment, then writes it. Returns the
+/// batches written.
+async fn write_chunk<B: Backend>(
     shared: &Rc<Shared<B>>,
-    new_base: u64,
-) -> Result<(), (&'static str, std::io::Error)> {
+    buf: &mut Vec<u8>,
+    chunk: &Chunk,
+) -> Result<u64, Failure> {
+    if chunk.opens_segment {
+        roll(shared, chunk.segment_base).await?;
+    }
+    // Rewrite the last partial block with the new bytes behind it.
+    let (file, write_pos, valid_len) = {
+        let st = shared.state.borrow();
+        let seg = st.segments.back().expect("at least one segment");
+        debug_assert_eq!(seg.base, chunk.segment_base);
+        buf.clear();
+        buf.extend_from_slice(&seg.tail_block);
+        (
+            seg.file.clone(),
+            format::align_down(seg.data_len),
+            seg.data_len,
+        )
+    };
+    buf.extend_from_slice(&chunk.bytes);
+    let data_end = buf.len();
+    buf.resize(format::align_up(data_end as u64) as usize, 0);
+    if let Err(e) = file.write_at(buf, write_pos).await {
+        if !is_no_space(&e) {
+            return Err(Failure::Poison("write", e));
+        }
+        // Step 5a: blocks that landed past the valid end would sit behind the shorter
+        // batch that reuses these offsets, and recovery would call that interior damage.
+        cut_back(&*file, valid_len)
+            .await
+            .map_err(|e| Failure::Poison("truncate after a no-space write", e))?;
+        return Err(Failure::NoSpace("write", e));
+    }
+    let mut st = shared.state.borrow_mut();
+    let seg = st.segments.back_mut().expect("at least one segment");
+    seg.data_len = write_pos + data_end as u64;
+    seg.end_offset = chunk.end_offset;
+    seg.max_timestamp_micros = seg.max_timestamp_micros.max(chunk.max_timestamp_micros);
+    for &(o, p) in &chunk.index {
+        seg.index.observe(o, p, 0);
+    }
+    let tail_start = format::align_down(data_end as u64) as usize;
+    seg.tail_block.clear();
+    seg.tail_block.extend_from_slice(&buf[tail_start..data_end]);
+    st.written_end = chunk.end_offset;
+    st.stats.bytes_written += buf.len() as u64;
+    wake_acked(&mut st, shared.config.fsync);
+    Ok(chunk.batches)
+}
+
+/// Keeps a chunk's buffer for reuse by `begin_append`.
+fn recycle<F>(st: &mut State<F>, mut chunk: Chunk) {
+    if st.spare.len() < 4 {
+        chunk.bytes.clear();
+        st.spare.push(chunk.bytes);
+    }
+}
+
+/// Cuts a file whose write failed back to the block holding its valid end, if the write
+/// grew it (step 5a).
+async fn cut_back<F: SegmentFile>(file: &F, valid_len: u64) -> io::Result<()> {
+    let keep = format::align_up(valid_len);
+    if file.size().await? > keep {
+        file.truncate(keep).await?;
+    }
+    Ok(())
+}
+
+/// Steps 5b to 5d, after cleanup: fails every batch not yet written, gives their offsets
+/// back and ends the era.
+fn roll_back<F>(st: &mut State<F>, op: &'static str, e: &io::Error) {
+    let point = st.written_end;
+    let (base, data_len, last_indexed) = {
+        let seg = st.segments.back().expect("at least one segment");
+        debug_assert_eq!(seg.end_offset, point, "writing ends in the newest segment");
+        (seg.base, seg.data_len, seg.index.last().map(|(_, p)| p))
+    };
+    let next_era = Rc::new(Era {
+        number: st.era.number + 1,
+        ended: OnceCell::new(),
+    });
+    let ended = std::mem::replace(&mut st.era, next_era);
+    ended
+        .ended
+        .set(Rollback {
+            point,
+            op,
+            detail: e.to_string(),
+        })
+        .expect("an era ends once: the current era has not ended");
+    for chunk in std::mem::take(&mut st.staged) {
+        recycle(st, chunk);
+    }
+    st.next_offset = point;
+    st.append_base = base;
+    st.append_pos = data_len;
+    st.append_last_indexed = last_indexed;
+    // Turns at or past the point were taken by batches that no longer exist; the next
+    // era's batches take them again.
+    drop(st.sequencer.resolved.split_off(&point));
+    st.sequencer.next = st.sequencer.next.min(point);
+    st.stats.no_space_rollbacks += 1;
+    wake_all(st);
+}
+
+/// Seals the newest segment (fdatasync, index file) and creates the next one with a
+/// durable header and directory entry before anything is written into it. Out of space
+/// while creating it, the half-made file is removed (step 5a).
+async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), Failure> {
     let (old_file, old_base, old_index, old_end) = {
         let st = shared.state.borrow();
         let s = st.segments.back().expect("at least one segment");
         (s.file.clone(), s.base, s.index.encode(s.base), s.end_offset)
     };
-    old_file.sync_data().await.map_err(|e| ("fsync", e))?;
+    // It covers written data: a failure poisons, whatever the errno.
+    old_file
+        .sync_data()
+        .await
+        .map_err(|e| Failure::Poison("fsync", e))?;
     {
         let mut st = shared.state.borrow_mut();
         st.durable_end = st.durable_end.max(old_end);
@@ -1083,34 +1294,68 @@ async fn roll<B: Backend>(
         .backend
         .write_small(&index_name(old_base), &old_index)
         .await;
-    let segment = create_segment(&shared.backend, &shared.config, new_base)
-        .await
-        .map_err(|e| ("create segment", e))?;
+    let segment = match create_segment(&shared.backend, &shared.config, new_base).await {
+        Ok(segment) => segment,
+        Err((op, e)) => {
+            let failure = Failure::of(op, e);
+            if matches!(failure, Failure::NoSpace(..)) {
+                // Left behind, a segment with a header would break the offset chain
+                // once the old segment grows past its base.
+                discard_segment(&shared.backend, new_base)
+                    .await
+                    .map_err(|e| Failure::Poison("remove a half-made segment", e))?;
+            }
+            return Err(failure);
+        }
+    };
     let mut st = shared.state.borrow_mut();
     st.segments.push_back(segment);
     st.stats.rolls += 1;
     Ok(())
 }
 
+/// Removes the segment file at `base`, if there is one, durably.
+async fn discard_segment<B: Backend>(backend: &B, base: u64) -> io::Result<()> {
+    match backend.remove(&segment_name(base)).await {
+        Ok(()) => backend.sync_dir().await,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Creates the segment at `base`: an empty file, its space reserved, a durable header
+/// and a durable directory entry. `Err` names the step that failed.
 async fn create_segment<B: Backend>(
     backend: &B,
     config: &LogConfig,
     base: u64,
-) -> std::io::Result<Segment<B::File>> {
+) -> Result<Segment<B::File>, (&'static str, io::Error)> {
     let name = segment_name(base);
-    let file = backend.open(&name, true).await?;
-    file.truncate(0).await?;
+    let step = |op| move |e| (op, e);
+    let file = backend
+        .open(&name, true)
+        .await
+        .map_err(step("create segment"))?;
+    file.truncate(0)
+        .await
+        .map_err(step("truncate new segment"))?;
     if config.preallocate {
-        file.allocate(config.segment_bytes_max).await?;
+        file.allocate(config.segment_bytes_max)
+            .await
+            .map_err(step("fallocate new segment"))?;
     }
     let header = SegmentHeader {
         base_offset: base,
         created_at_micros: now_micros(),
     }
     .encode();
-    file.write_at(&header, 0).await?;
-    file.sync_data().await?;
-    backend.sync_dir().await?;
+    file.write_at(&header, 0)
+        .await
+        .map_err(step("write segment header"))?;
+    file.sync_data()
+        .await
+        .map_err(step("fsync segment header"))?;
+    backend.sync_dir().await.map_err(step("fsync directory"))?;
     Ok(Segment {
         name,
         base,
@@ -1294,7 +1539,7 @@ async fn recover<B: Backend>(
         }
         let segment = create_segment(backend, config, fresh_base)
             .await
-            .map_err(|e| StorageError::io("create segment", &segment_name(fresh_base), e))?;
+            .map_err(|(op, e)| StorageError::io(op, &segment_name(fresh_base), e))?;
         segments.push_back(segment);
     }
     Ok((segments, report))

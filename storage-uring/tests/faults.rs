@@ -9,7 +9,9 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use common::{payload, run};
-use felix_storage_uring::{FsyncMode, LogConfig, MemBackend, SegmentLog, StorageError};
+use felix_storage_uring::{
+    FaultTimes, FsyncMode, LogConfig, MemBackend, MemOp, SegmentLog, StorageError,
+};
 use rand::{RngExt, SeedableRng};
 
 fn cfg() -> LogConfig {
@@ -205,15 +207,20 @@ fn random_faults_and_crashes_never_lose_an_acknowledged_record() {
                             Ok(a) => {
                                 acked.borrow_mut().insert(a.first, a.end);
                             }
+                            // Rolled back: the offsets are reused by the next append.
+                            Err(StorageError::NoSpace { .. }) => {}
                             Err(_) => return,
                         }
                     }
                 }));
             }
-            match rng.random_range(0..4) {
+            match rng.random_range(0..7) {
                 0 => mem.fail_next_sync(),
                 1 => mem.fail_next_write(),
                 2 => mem.tear_next_write(rng.random_range(0..8192)),
+                3 => mem.fail_next_write_with(libc::ENOSPC),
+                4 => mem.tear_next_write_with(rng.random_range(0..8192), libc::ENOSPC),
+                5 => mem.fail_with(MemOp::Allocate, libc::EDQUOT, 0, FaultTimes::Once),
                 _ => {}
             }
             for t in tasks {

@@ -98,7 +98,7 @@ async fn batches_keep_kind_producer_and_timestamp<F: Fixture>(fx: F) {
         .unwrap();
     assert_eq!((p.first(), p.end()), (0, 3));
     log.commit(p).await.unwrap();
-    let g = log.begin_generation_start(7).unwrap();
+    let g = log.begin_generation_start(7, 5678).unwrap();
     log.commit(g).await.unwrap();
     let batches = log.read(0, 1 << 20).await.unwrap();
     assert_eq!(batches.len(), 2);
@@ -108,6 +108,10 @@ async fn batches_keep_kind_producer_and_timestamp<F: Fixture>(fx: F) {
     assert_eq!(batches[1].kind, BatchKind::GenerationStart);
     assert_eq!(batches[1].base_offset, 3);
     assert_eq!(batches[1].records[0].as_ref(), 7u64.to_be_bytes());
+    assert_eq!(
+        batches[1].timestamp_micros, 5678,
+        "the caller's clock, not the log's"
+    );
     log.close().await.unwrap();
 }
 
@@ -342,6 +346,40 @@ async fn retention_removes_whole_old_segments_only<F: Fixture>(fx: F) {
     log.close().await.unwrap();
 }
 
+async fn retention_bounds_can_be_passed_in<F: Fixture>(fx: F) {
+    // Nothing configured: the caller's bounds are the only ones.
+    let (log, _) = SegmentLog::open(fx.backend().await, small_segments())
+        .await
+        .unwrap();
+    fill(&log, 400, 1000).await;
+    let before = log.segment_count();
+    assert_eq!(log.enforce_retention(u64::MAX / 2).await.unwrap(), 0);
+    let removed = log
+        .enforce_retention_with(0, Some(200 * 1024), None)
+        .await
+        .unwrap();
+    assert!(removed > 0 && log.segment_count() == before - removed);
+    assert!(log.size_bytes() <= 200 * 1024 + 64 * 1024);
+    let base = log.base_offset();
+    check_contents(&read_all(&log).await, base, 400, 1000);
+    // An age too large to add to a timestamp keeps everything rather than overflowing.
+    assert!(log.segment_count() > 1);
+    assert_eq!(
+        log.enforce_retention_with(u64::MAX, None, Some(Duration::MAX))
+            .await
+            .unwrap(),
+        0
+    );
+    // Records are stamped with their offset as the time: all are old 10 s after 400.
+    let removed = log
+        .enforce_retention_with(400 + 10_000_000 + 1, None, Some(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    assert!(removed > 0);
+    assert_eq!(log.segment_count(), 1, "only the active segment is left");
+    log.close().await.unwrap();
+}
+
 async fn tailing_wait_resolves_when_a_record_is_committed<F: Fixture>(fx: F) {
     let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
         .await
@@ -470,6 +508,7 @@ both_backends!(
     interior_damage_refuses_to_open_naming_segment_and_offset,
     deleted_truncated_or_stale_indexes_are_rebuilt,
     retention_removes_whole_old_segments_only,
+    retention_bounds_can_be_passed_in,
     tailing_wait_resolves_when_a_record_is_committed,
     every_fsync_mode_acknowledges_and_recovers,
     oversized_and_empty_batches_are_refused,

@@ -6,6 +6,11 @@
 //!   read fails. [`DmaBackend::open_dir`] therefore opens a non-empty probe file first.
 //! - `DmaFile::create` opens write-only; we always open read-write.
 //! - short writes are retried until the whole buffer is written.
+//! - glommio wraps OS errors with context; `to_io` hands back the OS error itself so the
+//!   log can tell a full disk (ENOSPC, EDQUOT) from a failing one by its errno.
+//!
+//! A backend opened with [`DmaBackend::open_dir_with_faults`] consults its
+//! [`StorageFaults`] before every data write, fallocate and fdatasync of a segment file.
 //!
 //! Every write copies the caller's bytes into a buffer from glommio's registered
 //! allocator (aligned, pooled by the executor) and moves it into the write.
@@ -13,10 +18,12 @@
 use std::io;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use glommio::io::{DmaFile, OpenOptions};
 
+use super::faults::StorageFaults;
 use super::{Backend, SegmentFile};
 use crate::format::BLOCK_BYTES;
 
@@ -26,17 +33,22 @@ const PROBE_FILE: &str = ".felix-dma-probe";
 #[derive(Debug, Clone)]
 pub struct DmaBackend {
     dir: Rc<PathBuf>,
+    faults: Option<Arc<StorageFaults>>,
 }
 
 /// An open O_DIRECT file.
 #[derive(Debug)]
 pub struct DmaSegmentFile {
     file: DmaFile,
+    faults: Option<Arc<StorageFaults>>,
 }
 
+/// The OS error behind a glommio error, errno intact (the caller names the operation and
+/// file); anything else as an `Other` error with glommio's description.
 fn to_io(e: glommio::GlommioError<()>) -> io::Error {
     match e {
         glommio::GlommioError::IoError(e) => e,
+        glommio::GlommioError::EnhancedIoError { source, .. } => source,
         other => io::Error::other(other.to_string()),
     }
 }
@@ -44,6 +56,15 @@ fn to_io(e: glommio::GlommioError<()>) -> io::Error {
 impl DmaBackend {
     /// Opens (creating) a log directory. Must run on a glommio executor.
     pub async fn open_dir(dir: impl AsRef<Path>) -> io::Result<DmaBackend> {
+        Self::open_dir_with_faults(dir, None).await
+    }
+
+    /// [`DmaBackend::open_dir`], with `faults` consulted before every data write,
+    /// fallocate and fdatasync of a segment file (`None`: no faults, as `open_dir`).
+    pub async fn open_dir_with_faults(
+        dir: impl AsRef<Path>,
+        faults: Option<Arc<StorageFaults>>,
+    ) -> io::Result<DmaBackend> {
         // glommio opens directories by absolute path only (a relative one fails with
         // EBADF when the directory is synced).
         let dir = std::path::absolute(dir.as_ref())?;
@@ -61,7 +82,10 @@ impl DmaBackend {
             .map_err(to_io)?;
         let _ = f.read_at(0, BLOCK_BYTES).await.map_err(to_io)?;
         f.close().await.map_err(to_io)?;
-        Ok(DmaBackend { dir: Rc::new(dir) })
+        Ok(DmaBackend {
+            dir: Rc::new(dir),
+            faults,
+        })
     }
 
     /// The directory.
@@ -81,7 +105,10 @@ impl Backend for DmaBackend {
             .dma_open(self.dir.join(name))
             .await
             .map_err(to_io)?;
-        Ok(DmaSegmentFile { file })
+        Ok(DmaSegmentFile {
+            file,
+            faults: self.faults.clone(),
+        })
     }
 
     async fn list(&self) -> io::Result<Vec<String>> {
@@ -123,11 +150,22 @@ impl Backend for DmaBackend {
     }
 }
 
+impl DmaSegmentFile {
+    fn check_write(&self) -> io::Result<()> {
+        self.faults.as_ref().map_or(Ok(()), |f| f.check_write())
+    }
+
+    fn check_sync(&self) -> io::Result<()> {
+        self.faults.as_ref().map_or(Ok(()), |f| f.check_sync())
+    }
+}
+
 impl SegmentFile for DmaSegmentFile {
     async fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
         debug_assert!(
             (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES)
         );
+        self.check_write()?;
         let mut done = 0usize;
         while done < data.len() {
             let mut buf = self.file.alloc_dma_buffer(data.len() - done);
@@ -161,6 +199,7 @@ impl SegmentFile for DmaSegmentFile {
     }
 
     async fn sync_data(&self) -> io::Result<()> {
+        self.check_sync()?;
         self.file.fdatasync().await.map_err(to_io)
     }
 
@@ -169,22 +208,35 @@ impl SegmentFile for DmaSegmentFile {
     }
 
     async fn allocate(&self, len: u64) -> io::Result<()> {
-        match self.file.pre_allocate(len, true).await {
-            Ok(()) => Ok(()),
+        self.check_write()?;
+        match self.file.pre_allocate(len, true).await.map_err(to_io) {
             // Not every file system can preallocate; it is an optimisation only.
-            Err(glommio::GlommioError::IoError(e))
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
-                ) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(to_io(e)),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) => Ok(()),
+            other => other,
         }
     }
 
     async fn truncate(&self, len: u64) -> io::Result<()> {
         self.file.truncate(len).await.map_err(to_io)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn glommio_errors_keep_their_errno() {
+        // A full disk must read as ENOSPC, however glommio dressed the error up.
+        let enhanced = glommio::GlommioError::<()>::EnhancedIoError {
+            source: io::Error::from_raw_os_error(libc::ENOSPC),
+            op: "Writing",
+            path: Some(PathBuf::from("/x/00000000000000000000.seg")),
+            fd: Some(7),
+        };
+        assert_eq!(to_io(enhanced).raw_os_error(), Some(libc::ENOSPC));
+        let plain =
+            glommio::GlommioError::<()>::IoError(io::Error::from_raw_os_error(libc::EDQUOT));
+        assert_eq!(to_io(plain).raw_os_error(), Some(libc::EDQUOT));
     }
 }

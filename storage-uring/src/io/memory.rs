@@ -1,7 +1,11 @@
 //! An in-memory backend with fault injection, for tests that must see what the disk does
 //! wrong: fail the next write or fsync, tear a write (a prefix reaches the "platter",
 //! then the write fails), or crash (every file reverts to what was last fsynced, and
-//! files whose creation was never made durable by a directory sync disappear).
+//! files whose creation was never made durable by a directory sync disappear). Faults
+//! can carry an errno ([`MemBackend::fail_with`]) so the log's handling of a full disk
+//! (ENOSPC, EDQUOT) is tested here, step by step, as well as on the real backend. A
+//! write yields to the executor once before it lands, as a real one waits for the
+//! device, so appenders interleave with the flusher here as they do on disk.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -10,6 +14,7 @@ use std::rc::Rc;
 
 use bytes::Bytes;
 
+use super::faults::FaultTimes;
 use super::{Backend, SegmentFile};
 use crate::format::BLOCK_BYTES;
 
@@ -23,14 +28,60 @@ struct MemFile {
     created_durably: bool,
 }
 
+/// An operation of the memory backend that a fault can be aimed at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemOp {
+    /// `SegmentFile::write_at`.
+    Write,
+    /// `SegmentFile::sync_data`.
+    Sync,
+    /// `SegmentFile::allocate`.
+    Allocate,
+    /// `SegmentFile::truncate`.
+    Truncate,
+    /// `Backend::sync_dir`.
+    SyncDir,
+}
+
+const MEM_OPS: usize = 5;
+
+#[derive(Debug, Clone, Copy)]
+struct Armed {
+    errno: i32,
+    /// Operations of its kind still let through before it fires.
+    skip: u64,
+    times: FaultTimes,
+}
+
 #[derive(Debug, Default)]
 struct Faults {
     fail_next_write: bool,
     fail_next_sync: bool,
-    tear_next_write: Option<usize>,
+    /// Bytes that land, and the errno the write then fails with (`None`: a plain error).
+    tear_next_write: Option<(usize, Option<i32>)>,
+    armed: [Option<Armed>; MEM_OPS],
     /// Count of writes/syncs, for tests that aim a fault at the n-th operation.
     writes: u64,
     syncs: u64,
+}
+
+impl Faults {
+    /// Fails `op` now if a fault aimed at it is due.
+    fn check(&mut self, op: MemOp) -> io::Result<()> {
+        let slot = &mut self.armed[op as usize];
+        let Some(armed) = slot else {
+            return Ok(());
+        };
+        if armed.skip > 0 {
+            armed.skip -= 1;
+            return Ok(());
+        }
+        let errno = armed.errno;
+        if armed.times == FaultTimes::Once {
+            *slot = None;
+        }
+        Err(io::Error::from_raw_os_error(errno))
+    }
 }
 
 #[derive(Debug, Default)]
@@ -75,7 +126,36 @@ impl MemBackend {
     /// The next write lands only its first `keep` bytes, durably (as a power cut mid-
     /// write would leave them), and then fails.
     pub fn tear_next_write(&self, keep: usize) {
-        self.fs.borrow_mut().faults.tear_next_write = Some(keep);
+        self.fs.borrow_mut().faults.tear_next_write = Some((keep, None));
+    }
+
+    /// As [`MemBackend::tear_next_write`], failing with `errno` (a write that ran out of
+    /// space part way).
+    pub fn tear_next_write_with(&self, keep: usize, errno: i32) {
+        self.fs.borrow_mut().faults.tear_next_write = Some((keep, Some(errno)));
+    }
+
+    /// The next write fails with `errno` (e.g. `libc::ENOSPC`) and changes nothing.
+    pub fn fail_next_write_with(&self, errno: i32) {
+        self.fail_with(MemOp::Write, errno, 0, FaultTimes::Once);
+    }
+
+    /// After letting `skip` more `op`s through, `op` fails with `errno` and changes
+    /// nothing: once, or every time until [`MemBackend::clear_faults`]. Replaces any
+    /// fault already aimed at `op`.
+    pub fn fail_with(&self, op: MemOp, errno: i32, skip: u64, times: FaultTimes) {
+        self.fs.borrow_mut().faults.armed[op as usize] = Some(Armed { errno, skip, times });
+    }
+
+    /// Disarms every fault ("space was freed").
+    pub fn clear_faults(&self) {
+        let mut fs = self.fs.borrow_mut();
+        let (writes, syncs) = (fs.faults.writes, fs.faults.syncs);
+        fs.faults = Faults {
+            writes,
+            syncs,
+            ..Faults::default()
+        };
     }
 
     /// A new backend holding what survives a crash now: each file's last fsynced
@@ -187,7 +267,9 @@ impl Backend for MemBackend {
     }
 
     async fn sync_dir(&self) -> io::Result<()> {
-        for f in self.fs.borrow_mut().files.values_mut() {
+        let mut fs = self.fs.borrow_mut();
+        fs.faults.check(MemOp::SyncDir)?;
+        for f in fs.files.values_mut() {
             f.created_durably = true;
         }
         Ok(())
@@ -223,19 +305,22 @@ impl SegmentFile for MemFileHandle {
             "O_DIRECT writes are block-aligned: pos {pos}, len {}",
             data.len()
         );
+        // A real write waits for the device: other tasks (appenders) run meanwhile.
+        futures_lite::future::yield_now().await;
         let (fail, tear) = {
             let mut fs = self.fs.borrow_mut();
             fs.faults.writes += 1;
-            (
-                std::mem::take(&mut fs.faults.fail_next_write),
-                fs.faults.tear_next_write.take(),
-            )
+            let fail = std::mem::take(&mut fs.faults.fail_next_write);
+            if !fail {
+                fs.faults.check(MemOp::Write)?;
+            }
+            (fail, fs.faults.tear_next_write.take())
         };
         if fail {
             return Err(injected("write"));
         }
         let pos = pos as usize;
-        let keep = tear.map_or(data.len(), |k| k.min(data.len()));
+        let keep = tear.map_or(data.len(), |(k, _)| k.min(data.len()));
         self.with(|f| {
             for v in [Some(&mut f.data), tear.map(|_| &mut f.durable)]
                 .into_iter()
@@ -247,8 +332,10 @@ impl SegmentFile for MemFileHandle {
                 v[pos..pos + keep].copy_from_slice(&data[..keep]);
             }
         })?;
-        if tear.is_some() {
-            return Err(injected("torn write"));
+        match tear {
+            Some((_, Some(errno))) => return Err(io::Error::from_raw_os_error(errno)),
+            Some((_, None)) => return Err(injected("torn write")),
+            None => {}
         }
         Ok(())
     }
@@ -265,7 +352,11 @@ impl SegmentFile for MemFileHandle {
         let fail = {
             let mut fs = self.fs.borrow_mut();
             fs.faults.syncs += 1;
-            std::mem::take(&mut fs.faults.fail_next_sync)
+            let fail = std::mem::take(&mut fs.faults.fail_next_sync);
+            if !fail {
+                fs.faults.check(MemOp::Sync)?;
+            }
+            fail
         };
         if fail {
             // As on Linux after a failed fsync: the dirty data may be dropped, so what
@@ -280,10 +371,11 @@ impl SegmentFile for MemFileHandle {
     }
 
     async fn allocate(&self, _len: u64) -> io::Result<()> {
-        Ok(())
+        self.fs.borrow_mut().faults.check(MemOp::Allocate)
     }
 
     async fn truncate(&self, len: u64) -> io::Result<()> {
+        self.fs.borrow_mut().faults.check(MemOp::Truncate)?;
         self.with(|f| f.data.resize(len as usize, 0))
     }
 }
