@@ -16,26 +16,10 @@ use crate::api::{ApiConfig, now_ms};
 use crate::model::{Assignment, AssignmentKey, Cache, Lifecycle, Node, Stream};
 use crate::store::{Doc, Expect, Kind, Op, Store, StoreError};
 
-const FNV_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(FNV_BASIS, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(FNV_PRIME)
-    })
-}
-
-fn mix(mut h: u64) -> u64 {
-    h ^= h >> 30;
-    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h ^= h >> 27;
-    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
-    h ^ (h >> 31)
-}
-
 /// A node's score for a shard; the highest leads.
 pub fn score(shard_key: &str, node_id: &str) -> u64 {
-    mix(mix(fnv1a(shard_key.as_bytes())) ^ fnv1a(node_id.as_bytes()))
+    use felix_wire::routing::{finalize, fnv1a64};
+    finalize(finalize(fnv1a64(shard_key.as_bytes())) ^ fnv1a64(node_id.as_bytes()))
 }
 
 /// Node ids best first for `shard_key` (ties broken by id, so the order is total).

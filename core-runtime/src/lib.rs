@@ -6,6 +6,7 @@
 //! those executors ([`quic`]). It and `felix-storage-uring` are the only crates that
 //! name glommio; everything above sees these types.
 
+pub mod clock;
 pub mod cores;
 pub mod mesh;
 pub mod placement;

@@ -141,13 +141,14 @@ pub struct NoSuchCore {
 }
 
 fn fnv(parts: &[&str]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for p in parts {
-        for b in (p.len() as u64).to_be_bytes().iter().chain(p.as_bytes()) {
-            h = (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    felix_wire::routing::finalize(h)
+    use felix_wire::routing::{finalize, fnv1a64, fnv1a64_update};
+    let h = parts.iter().fold(fnv1a64(&[]), |h, p| {
+        fnv1a64_update(
+            fnv1a64_update(h, &(p.len() as u64).to_be_bytes()),
+            p.as_bytes(),
+        )
+    });
+    finalize(h)
 }
 
 impl PlacementTable {

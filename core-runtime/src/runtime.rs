@@ -159,7 +159,10 @@ impl Runtime {
             let body = body.clone();
             let mut builder = glommio::LocalExecutorBuilder::new(glommio::Placement::Fixed(cpu))
                 .name(&format!("{}-{i}", config.name))
-                .io_memory(config.io_memory_bytes);
+                .io_memory(config.io_memory_bytes)
+                // Blocking work (catalog writes) runs on one unpinned thread, not on
+                // the pinned core's CPU.
+                .blocking_thread_pool_placement(glommio::PoolPlacement::Unbound(1));
             if let Some(spin) = config.spin_before_park {
                 builder = builder.spin_before_park(spin);
             }

@@ -36,6 +36,16 @@ where
     Task(glommio::spawn_local(f))
 }
 
+/// Runs blocking `f` (file I/O, fsync) on the executor's blocking thread, off the core
+/// thread, and resolves with its result.
+pub async fn spawn_blocking<F, R>(f: F) -> R
+where
+    F: FnOnce() -> R + Send + 'static,
+    R: Send + 'static,
+{
+    glommio::executor().spawn_blocking(f).await
+}
+
 /// Sleeps on the current core's timer.
 pub async fn sleep(d: Duration) {
     glommio::timer::sleep(d).await;

@@ -26,9 +26,15 @@ pub enum ShardRouting {
 
 /// FNV-1a 64 of `bytes`.
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(FNV_OFFSET_BASIS, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(FNV_PRIME)
-    })
+    fnv1a64_update(FNV_OFFSET_BASIS, bytes)
+}
+
+/// Continues an FNV-1a 64 hash `h` (start from [`fnv1a64`] of the first part) over
+/// `bytes`: the project's one FNV, for keys, placement and rendezvous scores alike.
+pub fn fnv1a64_update(h: u64, bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(h, |h, b| (h ^ u64::from(*b)).wrapping_mul(FNV_PRIME))
 }
 
 /// The splitmix64 finalizer: spreads FNV's weak low bits over the whole word.

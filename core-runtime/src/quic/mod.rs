@@ -23,7 +23,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 pub use quinn_proto::ClientConfig;
 
 pub use driver::{
-    Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, RecvStream, SendStream,
+    ConnId, Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, RecvStream, SendStream,
 };
 
 /// The ALPN id Felix clients may offer; clients offering none are accepted too.
@@ -57,7 +57,9 @@ pub struct TransportLimits {
     pub connection_window_bytes: u32,
     /// Unacknowledged bytes we buffer for sending per connection.
     pub send_window_bytes: u64,
-    /// A connection silent this long is closed (also bounds a stalled handshake).
+    /// A connection silent this long is closed (also bounds a stalled handshake). This
+    /// side pings an idle peer three times per timeout, so a live peer that has nothing
+    /// to say keeps its connection and a dead one loses it within the timeout.
     pub idle_timeout: Duration,
 }
 
@@ -82,7 +84,8 @@ impl TransportLimits {
             .stream_receive_window(VarInt::from_u32(self.stream_window_bytes))
             .receive_window(VarInt::from_u32(self.connection_window_bytes))
             .send_window(self.send_window_bytes)
-            .max_idle_timeout(IdleTimeout::try_from(self.idle_timeout).ok());
+            .max_idle_timeout(IdleTimeout::try_from(self.idle_timeout).ok())
+            .keep_alive_interval(Some(self.idle_timeout / 3));
         t
     }
 }
