@@ -80,7 +80,7 @@ async fn serve_ours(conn: Connection) {
                 .await;
         match next {
             Ok(Ok((mut send, mut recv))) => {
-                glommio::spawn_local(async move {
+                felix_core_runtime::task::spawn(async move {
                     while let Ok(Some(chunk)) = recv.read_chunk(64 * 1024).await {
                         if send.write_chunk(chunk).await.is_err() {
                             return;
@@ -92,7 +92,7 @@ async fn serve_ours(conn: Connection) {
             }
             Ok(Err(mut recv)) => {
                 let conn = conn.clone();
-                glommio::spawn_local(async move {
+                felix_core_runtime::task::spawn(async move {
                     let mut tag = [0u8; 9];
                     if !matches!(recv.read_exact(&mut tag).await, Ok(true)) {
                         return;
@@ -190,9 +190,9 @@ pub fn start_ours_spinning(
             let _ = tx.send(());
             let accept = {
                 let ep = ep.clone();
-                glommio::spawn_local(async move {
+                felix_core_runtime::task::spawn(async move {
                     while let Some(conn) = ep.accept().await {
-                        glommio::spawn_local(serve_ours(conn)).detach();
+                        felix_core_runtime::task::spawn(serve_ours(conn)).detach();
                     }
                 })
             };

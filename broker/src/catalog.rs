@@ -1,42 +1,133 @@
-//! What streams and caches exist, and their shard counts.
+//! What streams and caches exist: their shard counts, routing and retention.
 //!
-//! Single-node metadata: held in memory, persisted to `<data-dir>/catalog.json` so a
-//! restart routes keys exactly as before (a stream's shard count and routing are fixed
-//! at creation). In dev mode a stream or cache used for the first time is created with
-//! the defaults. Writes are rare and take a lock; every core keeps its own read cache
-//! ([`CoreCatalog`]) so the publish path never touches the lock after first use.
+//! Single-node metadata, held in memory and persisted to `<data-dir>/catalog.json` so a
+//! restart routes keys exactly as before (shard count and routing are fixed at creation).
+//! In dev mode a stream or cache used for the first time is created with the defaults,
+//! by a client whose token may write it.
+//!
+//! What must stay true:
+//! - No file I/O on a core thread. Changes land in memory under a short lock (no I/O
+//!   under it); [`Catalog::persist`] writes them, called by the thread that made the
+//!   change when it may block (the control-plane follower, the embedded control plane),
+//!   or by a core through its blocking pool before it acknowledges the first write to a
+//!   new stream ([`Catalog::needs_persist`]).
+//! - A deleted stream's data never comes back. A deletion is recorded (and persisted)
+//!   until every core has closed its shards and removed their directories
+//!   ([`Catalog::pending_deletions`], [`Catalog::deletion_done`]); the name cannot be
+//!   created again until then, and a restart finishes a deletion a crash interrupted.
+//! - Cores read through a per-core cache ([`CoreCatalog`]) that is dropped whenever the
+//!   catalog's epoch moves (a deletion or a retention change), so the publish path takes
+//!   the lock only on a miss and never allocates on a hit.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 
-use felix_wire::routing::ShardRouting;
+use felix_core_runtime::placement::{ShardKey, ShardKind};
+use felix_wire::routing::{ShardRouting, fnv1a64, fnv1a64_update};
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::BrokerError;
 
-/// A stream's fixed shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StreamSpec {
-    /// Shard count.
-    pub shards: u32,
-    /// Key-to-shard mapping.
-    #[serde(default)]
-    pub routing: ShardRouting,
+/// How long a stream keeps its records; unset bounds do not apply.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retention {
+    /// Records older than this go (whole sealed segments at a time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_age_seconds: Option<u64>,
+    /// The log is trimmed from its head while larger than this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_size_bytes: Option<u64>,
 }
 
-/// A name triple: tenant, namespace, stream or cache.
-pub type Name = (String, String, String);
+impl Retention {
+    /// Whether any bound is set.
+    pub fn is_set(&self) -> bool {
+        self.max_age_seconds.is_some() || self.max_size_bytes.is_some()
+    }
+}
 
-#[derive(Debug, Default, Serialize, Deserialize)]
+/// A stream's or cache's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamSpec {
+    /// Shard count (fixed).
+    pub shards: u32,
+    /// Key-to-shard mapping (fixed).
+    #[serde(default)]
+    pub routing: ShardRouting,
+    /// Retention (may change).
+    #[serde(default)]
+    pub retention: Retention,
+}
+
+impl StreamSpec {
+    /// A spec with default routing and no retention.
+    pub fn new(shards: u32) -> StreamSpec {
+        StreamSpec {
+            shards,
+            routing: ShardRouting::Modulo,
+            retention: Retention::default(),
+        }
+    }
+}
+
+/// A stream or cache being deleted: its data is removed by the cores that own its
+/// shards before the name may be used again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deletion {
+    /// Stream or cache.
+    pub stream: bool,
+    /// Tenant.
+    pub tenant: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// Its shard count.
+    pub shards: u32,
+    /// Cores that finished (bit per core index).
+    #[serde(default)]
+    pub done_by: u64,
+}
+
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
 struct State {
     streams: HashMap<String, StreamSpec>,
     caches: HashMap<String, StreamSpec>,
+    #[serde(default)]
+    deleting: Vec<Deletion>,
+}
+
+impl State {
+    fn map(&self, stream: bool) -> &HashMap<String, StreamSpec> {
+        if stream { &self.streams } else { &self.caches }
+    }
+
+    fn map_mut(&mut self, stream: bool) -> &mut HashMap<String, StreamSpec> {
+        if stream {
+            &mut self.streams
+        } else {
+            &mut self.caches
+        }
+    }
+
+    fn deleting(&self, stream: bool, t: &str, ns: &str, n: &str) -> bool {
+        self.deleting
+            .iter()
+            .any(|d| d.stream == stream && d.tenant == t && d.namespace == ns && d.name == n)
+    }
 }
 
 fn flat(t: &str, ns: &str, n: &str) -> String {
     format!("{t}/{ns}/{n}")
+}
+
+fn what(stream: bool) -> &'static str {
+    if stream { "stream" } else { "cache" }
 }
 
 /// Validates a tenant, namespace, stream or cache name: 1-128 of `[A-Za-z0-9-_.]`,
@@ -52,7 +143,8 @@ pub fn validate_name(what: &'static str, name: &str) -> Result<(), BrokerError> 
         Ok(())
     } else {
         Err(BrokerError::InvalidRequest(format!(
-            "invalid {what} name {name:?}: 1-128 of [A-Za-z0-9-_.], starting alphanumeric"
+            "invalid {what} name {:?}: 1-128 of [A-Za-z0-9-_.], starting alphanumeric",
+            crate::error::cut(name)
         )))
     }
 }
@@ -64,6 +156,13 @@ pub struct Catalog {
     path: Option<PathBuf>,
     /// Shard count for streams and caches created on first use; `None` = refuse unknown.
     auto_create_shards: Option<u32>,
+    /// Bumped by every change; `durable` is the version last written to disk.
+    version: AtomicU64,
+    durable: AtomicU64,
+    /// Bumped by changes that invalidate what cores cached (deletions, retention).
+    epoch: AtomicU64,
+    /// Held while writing the file (never on a core thread).
+    persisting: Mutex<()>,
 }
 
 impl Catalog {
@@ -78,28 +177,64 @@ impl Catalog {
             state: RwLock::new(state),
             path,
             auto_create_shards,
+            version: AtomicU64::new(0),
+            durable: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
+            persisting: Mutex::new(()),
         })
     }
 
-    fn persist(&self, state: &State) -> Result<(), BrokerError> {
-        let Some(path) = &self.path else {
-            return Ok(());
-        };
-        let tmp = path.with_extension("json.tmp");
-        let write = || -> std::io::Result<()> {
-            let f = std::fs::File::create(&tmp)?;
-            serde_json::to_writer_pretty(&f, state)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path)?;
-            if let Some(dir) = path.parent() {
-                std::fs::File::open(dir)?.sync_all()?;
-            }
-            Ok(())
-        };
-        write().map_err(|e| BrokerError::Internal(format!("persisting the catalog: {e}")))
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Declares a stream (idempotent when the spec matches).
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn changed(&self, invalidates: bool) {
+        self.version.fetch_add(1, Ordering::SeqCst);
+        if invalidates {
+            self.epoch.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether changes are waiting to be written. Cheap: two atomic loads.
+    pub fn needs_persist(&self) -> bool {
+        self.durable.load(Ordering::Acquire) < self.version.load(Ordering::Acquire)
+    }
+
+    /// The cache-invalidation epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Writes the catalog durably (temporary file, fsync, rename, directory fsync) if it
+    /// changed since the last write. Blocks: never call it on a core thread.
+    pub fn persist(&self) -> Result<(), BrokerError> {
+        let Some(path) = &self.path else {
+            self.durable
+                .store(self.version.load(Ordering::SeqCst), Ordering::Release);
+            return Ok(());
+        };
+        let _writing = self.persisting.lock().unwrap_or_else(|p| p.into_inner());
+        let (version, body) = {
+            let st = self.read();
+            let version = self.version.load(Ordering::SeqCst);
+            (version, serde_json::to_vec_pretty(&*st))
+        };
+        if version <= self.durable.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let body = body.map_err(|e| BrokerError::Internal(format!("encoding the catalog: {e}")))?;
+        write_durably(path, &body)
+            .map_err(|e| BrokerError::Storage(format!("persisting the catalog: {e}")))?;
+        self.durable.fetch_max(version, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Declares a stream (idempotent when the spec matches; a new retention replaces the
+    /// old one).
     pub fn create_stream(
         &self,
         t: &str,
@@ -131,35 +266,109 @@ impl Catalog {
     ) -> Result<StreamSpec, BrokerError> {
         validate_name("tenant", t)?;
         validate_name("namespace", ns)?;
-        validate_name(if stream { "stream" } else { "cache" }, n)?;
+        validate_name(what(stream), n)?;
         if spec.shards == 0 || spec.shards > 4096 {
             return Err(BrokerError::InvalidRequest(format!(
                 "shard count {} out of range 1..=4096",
                 spec.shards
             )));
         }
-        let mut st = self.state.write().expect("catalog lock");
-        let map = if stream {
-            &mut st.streams
-        } else {
-            &mut st.caches
-        };
-        if let Some(existing) = map.get(&flat(t, ns, n)) {
+        let mut st = self.write();
+        if st.deleting(stream, t, ns, n) {
+            return Err(BrokerError::ShardUnavailable("deleting".into()));
+        }
+        let map = st.map_mut(stream);
+        if let Some(existing) = map.get_mut(&flat(t, ns, n)) {
+            if existing.shards == spec.shards
+                && existing.routing == spec.routing
+                && existing.retention != spec.retention
+            {
+                existing.retention = spec.retention;
+                let updated = *existing;
+                drop(st);
+                self.changed(true);
+                return Ok(updated);
+            }
             return Ok(*existing);
         }
         map.insert(flat(t, ns, n), spec);
-        self.persist(&st)?;
+        drop(st);
+        self.changed(false);
         Ok(spec)
+    }
+
+    /// Deletes a stream (`stream`) or cache: it is gone for new requests at once, and
+    /// its data is removed by the cores (see the module docs). Returns whether it
+    /// existed.
+    pub fn delete(&self, stream: bool, t: &str, ns: &str, n: &str) -> bool {
+        let mut st = self.write();
+        let Some(spec) = st.map_mut(stream).remove(&flat(t, ns, n)) else {
+            return false;
+        };
+        st.deleting.push(Deletion {
+            stream,
+            tenant: t.to_owned(),
+            namespace: ns.to_owned(),
+            name: n.to_owned(),
+            shards: spec.shards,
+            done_by: 0,
+        });
+        drop(st);
+        self.changed(true);
+        true
+    }
+
+    /// Deletions some core has not finished yet (`core` is the asking core's index).
+    pub fn pending_deletions(&self, core: usize) -> Vec<Deletion> {
+        self.read()
+            .deleting
+            .iter()
+            .filter(|d| d.done_by & (1 << core) == 0)
+            .cloned()
+            .collect()
+    }
+
+    /// `core` removed its part of `deletion`. Once all `cores` have, the deletion is
+    /// forgotten and the name may be created again. Returns whether it was the last.
+    pub fn deletion_done(&self, deletion: &Deletion, core: usize, cores: usize) -> bool {
+        let mut st = self.write();
+        let all = if cores >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << cores) - 1
+        };
+        let mut finished = false;
+        st.deleting.retain_mut(|d| {
+            if d.stream == deletion.stream
+                && d.tenant == deletion.tenant
+                && d.namespace == deletion.namespace
+                && d.name == deletion.name
+            {
+                d.done_by |= 1 << core;
+                finished = d.done_by & all == all;
+                !finished
+            } else {
+                true
+            }
+        });
+        drop(st);
+        self.changed(false);
+        finished
+    }
+
+    /// Whether a deletion of this name is still in progress.
+    pub fn is_deleting(&self, stream: bool, t: &str, ns: &str, n: &str) -> bool {
+        self.read().deleting(stream, t, ns, n)
     }
 
     /// A stream's (`stream`) or cache's spec, if declared.
     pub fn spec(&self, stream: bool, t: &str, ns: &str, n: &str) -> Option<StreamSpec> {
-        let st = self.state.read().expect("catalog lock");
-        let map = if stream { &st.streams } else { &st.caches };
-        map.get(&flat(t, ns, n)).copied()
+        self.read().map(stream).get(&flat(t, ns, n)).copied()
     }
 
-    fn lookup(
+    /// Looks a name up; creates it with the defaults when `create` and auto-create is
+    /// on. In memory only: the caller persists.
+    pub fn lookup(
         &self,
         stream: bool,
         t: &str,
@@ -167,52 +376,112 @@ impl Catalog {
         n: &str,
         create: bool,
     ) -> Result<StreamSpec, BrokerError> {
-        {
-            let st = self.state.read().expect("catalog lock");
-            let map = if stream { &st.streams } else { &st.caches };
-            if let Some(spec) = map.get(&flat(t, ns, n)) {
-                return Ok(*spec);
-            }
+        if let Some(spec) = self.spec(stream, t, ns, n) {
+            return Ok(spec);
         }
         match self.auto_create_shards {
-            Some(shards) if create => self.create(
-                stream,
-                t,
-                ns,
-                n,
-                StreamSpec {
-                    shards,
-                    routing: ShardRouting::Modulo,
-                },
-            ),
+            Some(shards) if create => self.create(stream, t, ns, n, StreamSpec::new(shards)),
             _ => Err(BrokerError::NotFound(format!(
                 "{} {t}/{ns}/{n} not found",
-                if stream { "stream" } else { "cache" }
+                what(stream)
             ))),
         }
     }
 
-    /// Every stream, for the admin view.
-    pub fn streams(&self) -> Vec<(String, StreamSpec)> {
-        let st = self.state.read().expect("catalog lock");
-        let mut v: Vec<_> = st.streams.iter().map(|(k, v)| (k.clone(), *v)).collect();
+    /// Every stream (`stream`) or cache, by `tenant/ns/name`.
+    pub fn list(&self, stream: bool) -> Vec<(String, StreamSpec)> {
+        let st = self.read();
+        let mut v: Vec<_> = st
+            .map(stream)
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }
+
+    /// Every stream, for the admin view.
+    pub fn streams(&self) -> Vec<(String, StreamSpec)> {
+        self.list(true)
+    }
 }
+
+fn write_durably(path: &Path, body: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let tmp = path.with_extension("json.tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(body)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// A stream or cache as one core sees it: its spec and the key of each shard, built
+/// once so requests share them instead of allocating names.
+#[derive(Debug)]
+pub struct Entry {
+    /// The spec.
+    pub spec: StreamSpec,
+    keys: Vec<Arc<ShardKey>>,
+}
+
+impl Entry {
+    fn new(kind: ShardKind, t: &str, ns: &str, n: &str, spec: StreamSpec) -> Entry {
+        Entry {
+            spec,
+            keys: (0..spec.shards)
+                .map(|shard| {
+                    Arc::new(ShardKey {
+                        kind,
+                        tenant: t.to_owned(),
+                        namespace: ns.to_owned(),
+                        name: n.to_owned(),
+                        shard,
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// The key of `shard` (None past the shard count).
+    pub fn key(&self, shard: u32) -> Option<&Arc<ShardKey>> {
+        self.keys.get(shard as usize)
+    }
+
+    fn is(&self, t: &str, ns: &str, n: &str) -> bool {
+        let k = &self.keys[0];
+        k.tenant == t && k.namespace == ns && k.name == n
+    }
+}
+
+fn name_hash(t: &str, ns: &str, n: &str) -> u64 {
+    [t, ns, n].iter().fold(fnv1a64(&[]), |h, p| {
+        fnv1a64_update(
+            fnv1a64_update(h, &(p.len() as u32).to_be_bytes()),
+            p.as_bytes(),
+        )
+    })
+}
+
+type EntryMap = FxHashMap<u64, Vec<Rc<Entry>>>;
 
 /// One core's read-through cache of the catalog.
 #[derive(Debug)]
 pub struct CoreCatalog {
     shared: Arc<Catalog>,
-    streams: RefCell<HashMap<Name, StreamSpec>>,
-    caches: RefCell<HashMap<Name, StreamSpec>>,
+    epoch: Cell<u64>,
+    streams: RefCell<EntryMap>,
+    caches: RefCell<EntryMap>,
 }
 
 impl CoreCatalog {
     /// A cache over `shared`.
     pub fn new(shared: Arc<Catalog>) -> Self {
         Self {
+            epoch: Cell::new(shared.epoch()),
             shared,
             streams: RefCell::default(),
             caches: RefCell::default(),
@@ -226,38 +495,52 @@ impl CoreCatalog {
         ns: &str,
         n: &str,
         create: bool,
-    ) -> Result<StreamSpec, BrokerError> {
+    ) -> Result<Rc<Entry>, BrokerError> {
+        let epoch = self.shared.epoch();
+        if epoch != self.epoch.get() {
+            self.epoch.set(epoch);
+            self.streams.borrow_mut().clear();
+            self.caches.borrow_mut().clear();
+        }
         let cache = if stream { &self.streams } else { &self.caches };
-        // Borrowed-key lookup without allocating: scan is avoided by a tuple key built
-        // only on a miss.
-        let key = (t.to_owned(), ns.to_owned(), n.to_owned());
-        if let Some(spec) = cache.borrow().get(&key) {
-            return Ok(*spec);
+        let h = name_hash(t, ns, n);
+        if let Some(e) = cache
+            .borrow()
+            .get(&h)
+            .and_then(|v| v.iter().find(|e| e.is(t, ns, n)))
+        {
+            return Ok(e.clone());
         }
         let spec = self.shared.lookup(stream, t, ns, n, create)?;
-        cache.borrow_mut().insert(key, spec);
-        Ok(spec)
+        let kind = if stream {
+            ShardKind::Stream
+        } else {
+            ShardKind::Cache
+        };
+        let e = Rc::new(Entry::new(kind, t, ns, n, spec));
+        cache.borrow_mut().entry(h).or_default().push(e.clone());
+        Ok(e)
     }
 
-    /// A stream's spec; created with defaults in dev mode when `create`.
+    /// A stream; created with defaults in dev mode when `create`.
     pub fn stream(
         &self,
         t: &str,
         ns: &str,
         s: &str,
         create: bool,
-    ) -> Result<StreamSpec, BrokerError> {
+    ) -> Result<Rc<Entry>, BrokerError> {
         self.get(true, t, ns, s, create)
     }
 
-    /// A cache's spec; created with defaults in dev mode when `create`.
+    /// A cache; created with defaults in dev mode when `create`.
     pub fn cache(
         &self,
         t: &str,
         ns: &str,
         c: &str,
         create: bool,
-    ) -> Result<StreamSpec, BrokerError> {
+    ) -> Result<Rc<Entry>, BrokerError> {
         self.get(false, t, ns, c, create)
     }
 
@@ -288,6 +571,9 @@ mod tests {
             c.lookup(false, "dev", "default", "orders", false).is_err(),
             "caches are separate"
         );
+        assert!(c.needs_persist(), "the creation is in memory only");
+        c.persist().unwrap();
+        assert!(!c.needs_persist());
         let c = Catalog::open(Some(path), Some(8)).unwrap();
         assert_eq!(
             c.lookup(true, "dev", "default", "orders", true)
@@ -301,5 +587,51 @@ mod tests {
             strict.lookup(true, "dev", "default", "nope", true),
             Err(BrokerError::NotFound(_))
         ));
+    }
+
+    #[test]
+    fn a_deleted_name_stays_gone_until_every_core_removed_its_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("catalog.json");
+        let c = Catalog::open(Some(path.clone()), Some(2)).unwrap();
+        c.lookup(true, "t", "ns", "s", true).unwrap();
+        assert!(c.delete(true, "t", "ns", "s"));
+        assert!(!c.delete(true, "t", "ns", "s"), "only once");
+        assert!(matches!(
+            c.lookup(true, "t", "ns", "s", true),
+            Err(BrokerError::ShardUnavailable(_))
+        ));
+        c.persist().unwrap();
+        // A restart in the middle still knows the deletion is owed.
+        let c = Catalog::open(Some(path), Some(2)).unwrap();
+        let owed = c.pending_deletions(0);
+        assert_eq!(owed.len(), 1);
+        assert!(!c.deletion_done(&owed[0], 0, 2));
+        assert!(c.pending_deletions(0).is_empty());
+        assert_eq!(c.pending_deletions(1).len(), 1);
+        assert!(c.deletion_done(&owed[0], 1, 2));
+        assert!(!c.is_deleting(true, "t", "ns", "s"));
+        assert!(
+            c.lookup(true, "t", "ns", "s", true).is_ok(),
+            "the name is free again"
+        );
+    }
+
+    #[test]
+    fn core_caches_hit_without_the_lock_and_drop_on_a_new_epoch() {
+        let shared = Arc::new(Catalog::open(None, Some(3)).unwrap());
+        let core = CoreCatalog::new(shared.clone());
+        let a = core.stream("t", "ns", "s", true).unwrap();
+        assert_eq!(a.spec.shards, 3);
+        assert_eq!(a.key(2).unwrap().shard, 2);
+        assert!(a.key(3).is_none());
+        let b = core.stream("t", "ns", "s", false).unwrap();
+        assert!(Rc::ptr_eq(&a, &b), "a hit shares the entry");
+        assert!(core.stream("t", "ns", "other", false).is_err());
+        shared.delete(true, "t", "ns", "s");
+        assert!(
+            core.stream("t", "ns", "s", false).is_err(),
+            "a deletion is seen by the next lookup"
+        );
     }
 }

@@ -42,6 +42,12 @@ struct Common {
     /// Microseconds an idle core busy-polls before sleeping (lower latency, more CPU).
     #[arg(long)]
     spin_us: Option<u64>,
+    /// Close a connection that has not authenticated a stream within this (0: never).
+    #[arg(long)]
+    auth_timeout_ms: Option<u64>,
+    /// Close a connection silent this long (its subscriptions end with it).
+    #[arg(long)]
+    idle_timeout_ms: Option<u64>,
 }
 
 impl Common {
@@ -56,6 +62,8 @@ impl Common {
             controlplane_url: self.controlplane.clone(),
             node_id: self.node_id.clone(),
             spin_us: self.spin_us,
+            auth_timeout_ms: self.auth_timeout_ms,
+            idle_timeout_ms: self.idle_timeout_ms,
         }
     }
 }
@@ -72,6 +80,9 @@ enum Command {
         /// Address of the embedded control plane ("off" to run without one).
         #[arg(long, default_value = "127.0.0.1:7070")]
         controlplane_listen: String,
+        /// A YAML file with more settings (limits, segment size); flags win.
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// A broker from a YAML config (overridden by FELIX_* env and flags).
     Serve {
@@ -83,22 +94,48 @@ enum Command {
     },
 }
 
+/// A panic anywhere in the broker stops the process with exit code 70, so a supervisor
+/// restarts it: a core that died would leave its connections hanging while the process
+/// looked healthy.
+fn exit_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        let thread = std::thread::current();
+        eprintln!(
+            "felix-broker: thread {:?} panicked; exiting (70) for a supervisor to restart the broker",
+            thread.name().unwrap_or("unnamed")
+        );
+        // SAFETY: _exit ends the process at once, running no destructors or atexit
+        // handlers that could deadlock against the panicking thread.
+        unsafe { libc::_exit(70) };
+    }));
+}
+
 /// Parses the process arguments and runs the broker until it is told to stop.
 pub fn main() -> anyhow::Result<()> {
+    use std::io::IsTerminal as _;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("FELIX_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
+    exit_on_panic();
     match Cli::parse().command {
         Command::Dev {
             common,
             tenant,
             controlplane_listen,
+            config,
         } => {
-            let config = BrokerConfig::resolve(FileConfig::default(), common.overrides(), true)?;
+            let file = match &config {
+                Some(p) => BrokerConfig::load_file(p)?,
+                None => FileConfig::default(),
+            };
+            let config = BrokerConfig::resolve(file, common.overrides(), true)?;
             let setup = dev::prepare(&config.data_dir, &tenant)?;
             let broker =
                 server::start(&config, &setup.cert_pem, &setup.key_pem, setup.keys.clone())?;
@@ -133,7 +170,7 @@ pub fn main() -> anyhow::Result<()> {
                 "{}",
                 dev::connect_snippet(broker.started.listen, &tenant, &setup)
             );
-            server::shutdown_on_signals(broker.shutdown_handle());
+            server::shutdown_on_signals(broker.shutdown_handle())?;
             broker.join()?;
             println!("felix-broker: stopped cleanly");
         }
@@ -166,7 +203,7 @@ pub fn main() -> anyhow::Result<()> {
                     .map(|c| format!(", following {}", c.url))
                     .unwrap_or_default()
             );
-            server::shutdown_on_signals(broker.shutdown_handle());
+            server::shutdown_on_signals(broker.shutdown_handle())?;
             broker.join()?;
             println!("felix-broker: stopped cleanly");
         }

@@ -7,7 +7,7 @@
 //! becomes ours is known to the cores before any request is routed to it. A request
 //! for a shard with no route is refused, never served locally.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,7 +22,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::auth::TenantKeys;
-use crate::catalog::{Catalog, StreamSpec};
+use crate::catalog::{Catalog, Retention, StreamSpec};
 use crate::config::ClusterSettings;
 
 /// Who leads one shard.
@@ -157,6 +157,8 @@ struct StreamDoc {
     shards: u32,
     #[serde(default)]
     routing: ShardRouting,
+    #[serde(default)]
+    retention: Retention,
 }
 
 #[derive(Deserialize)]
@@ -205,11 +207,16 @@ pub fn fetch_keys(cp: &ControlPlaneClient, base: &TenantKeys) -> anyhow::Result<
 /// One full sync: stream shapes, then keys, then nodes and routes (in that order).
 fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
     let shapes = cp.get("/v1/streams/snapshot")?;
+    let mut listed = (HashSet::new(), HashSet::new());
     for s in items::<StreamDoc>(&shapes, "items")? {
         let spec = StreamSpec {
             shards: s.shards,
             routing: s.routing,
+            retention: s.retention,
         };
+        listed
+            .0
+            .insert(format!("{}/{}/{}", s.tenant_id, s.namespace, s.stream));
         if let Err(e) = t
             .catalog
             .create_stream(&s.tenant_id, &s.namespace, &s.stream, spec)
@@ -218,16 +225,34 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
         }
     }
     for c in items::<CacheDoc>(&shapes, "caches")? {
-        let spec = StreamSpec {
-            shards: c.shards,
-            routing: ShardRouting::Modulo,
-        };
-        if let Err(e) = t
-            .catalog
-            .create_cache(&c.tenant_id, &c.namespace, &c.cache, spec)
-        {
+        listed
+            .1
+            .insert(format!("{}/{}/{}", c.tenant_id, c.namespace, c.cache));
+        if let Err(e) = t.catalog.create_cache(
+            &c.tenant_id,
+            &c.namespace,
+            &c.cache,
+            StreamSpec::new(c.shards),
+        ) {
             tracing::warn!(error = %e, "cache {}/{}/{} differs from the local catalog", c.tenant_id, c.namespace, c.cache);
         }
+    }
+    // The control plane is the catalog's authority: a name it no longer lists was
+    // deleted, and its data goes with it (the cores remove it).
+    for (stream, names) in [(true, &listed.0), (false, &listed.1)] {
+        for (name, _) in t.catalog.list(stream) {
+            if names.contains(&name) {
+                continue;
+            }
+            let mut parts = name.splitn(3, '/');
+            if let (Some(tn), Some(ns), Some(n)) = (parts.next(), parts.next(), parts.next()) {
+                tracing::info!(name = %name, "deleted in the control plane; removing its data");
+                t.catalog.delete(stream, tn, ns, n);
+            }
+        }
+    }
+    if let Err(e) = t.catalog.persist() {
+        tracing::error!(error = %e, "persisting the catalog");
     }
 
     let keys = fetch_keys(cp, &t.base_keys)?;

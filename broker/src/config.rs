@@ -88,6 +88,20 @@ pub struct FileConfig {
     pub segment_bytes: Option<u64>,
     /// Microseconds an idle core busy-polls before sleeping (0: never spin).
     pub spin_us: Option<u64>,
+    /// A connection with no authenticated stream is closed after this (0: never).
+    pub auth_timeout_ms: Option<u64>,
+    /// A connection silent this long is closed, and its subscriptions end.
+    pub idle_timeout_ms: Option<u64>,
+    /// Subscriptions one connection may hold.
+    pub max_subscriptions_per_connection: Option<usize>,
+    /// Publish payload bytes in flight per connection before reading pauses.
+    pub max_inflight_publish_bytes: Option<usize>,
+    /// Concurrent streams a client may open per connection, per direction.
+    pub max_streams_per_connection: Option<u32>,
+    /// How often each core enforces retention and finishes deletions (ms).
+    pub housekeeping_ms: Option<u64>,
+    /// Serve `POST /debug/storage-faults` (tests and chaos runs only).
+    pub fault_injection: Option<bool>,
     /// Control-plane URL (`http://host:port`): follow it for placement and keys.
     pub controlplane_url: Option<String>,
     /// This node's control-plane token.
@@ -154,6 +168,16 @@ pub struct BrokerConfig {
     pub spin: Option<std::time::Duration>,
     /// Control-plane following, when configured.
     pub cluster: Option<ClusterSettings>,
+    /// Per-connection bounds.
+    pub limits: crate::session::Limits,
+    /// QUIC idle timeout.
+    pub idle_timeout: std::time::Duration,
+    /// Concurrent client streams per connection, per direction.
+    pub max_streams: u32,
+    /// Retention and deletion cadence.
+    pub housekeeping_interval: std::time::Duration,
+    /// Storage fault injection over HTTP (tests only).
+    pub fault_injection: bool,
 }
 
 /// A configuration error naming the key.
@@ -189,6 +213,10 @@ pub struct Overrides {
     pub node_id: Option<String>,
     /// `--spin-us`.
     pub spin_us: Option<u64>,
+    /// `--auth-timeout-ms`.
+    pub auth_timeout_ms: Option<u64>,
+    /// `--idle-timeout-ms`.
+    pub idle_timeout_ms: Option<u64>,
 }
 
 fn parse<T: FromStr>(key: &'static str, src: &'static str, v: &str) -> Result<T, ConfigError>
@@ -417,7 +445,79 @@ impl BrokerConfig {
                 message: "must be at least 1".into(),
             });
         }
+        let l = layer(
+            "auth_timeout_ms",
+            "FELIX_AUTH_TIMEOUT_MS",
+            file.auth_timeout_ms.map(|n| n.to_string()),
+            flags.auth_timeout_ms.map(|n| n.to_string()),
+        );
+        let auth_timeout = match l.value {
+            Some(v) => Some(parse::<u64>("auth_timeout_ms", l.source, &v)?)
+                .filter(|ms| *ms > 0)
+                .map(std::time::Duration::from_millis),
+            None => Some(std::time::Duration::from_secs(10)),
+        };
+        let l = layer(
+            "idle_timeout_ms",
+            "FELIX_IDLE_TIMEOUT_MS",
+            file.idle_timeout_ms.map(|n| n.to_string()),
+            flags.idle_timeout_ms.map(|n| n.to_string()),
+        );
+        let idle_timeout_ms: u64 = match l.value {
+            Some(v) => parse("idle_timeout_ms", l.source, &v)?,
+            None => 30_000,
+        };
+        if !(100..=600_000).contains(&idle_timeout_ms) {
+            return Err(ConfigError {
+                key: "idle_timeout_ms",
+                source_name: l.source,
+                message: format!("{idle_timeout_ms} is out of range 100..=600000"),
+            });
+        }
+        let positive = |key: &'static str, v: Option<usize>, default: usize| match v {
+            Some(0) => Err(ConfigError {
+                key,
+                source_name: "config file",
+                message: "must be at least 1".into(),
+            }),
+            Some(n) => Ok(n),
+            None => Ok(default),
+        };
+        let defaults = crate::session::Limits::default();
+        let limits = crate::session::Limits {
+            auth_timeout,
+            subscriptions_per_connection: positive(
+                "max_subscriptions_per_connection",
+                file.max_subscriptions_per_connection,
+                defaults.subscriptions_per_connection,
+            )?,
+            inflight_publish_bytes: positive(
+                "max_inflight_publish_bytes",
+                file.max_inflight_publish_bytes,
+                defaults.inflight_publish_bytes,
+            )?,
+        };
+        let max_streams = positive(
+            "max_streams_per_connection",
+            file.max_streams_per_connection.map(|n| n as usize),
+            1024,
+        )?
+        .min(u32::MAX as usize) as u32;
+        let housekeeping_ms = positive(
+            "housekeeping_ms",
+            file.housekeeping_ms.map(|n| n as usize),
+            1000,
+        )? as u64;
+        let fault_injection = match std::env::var("FELIX_FAULT_INJECTION") {
+            Ok(v) => v == "1" || v == "true",
+            Err(_) => file.fault_injection.unwrap_or(false),
+        };
         Ok(BrokerConfig {
+            fault_injection,
+            limits,
+            idle_timeout: std::time::Duration::from_millis(idle_timeout_ms),
+            max_streams,
+            housekeeping_interval: std::time::Duration::from_millis(housekeeping_ms),
             listen,
             http,
             data_dir,

@@ -27,16 +27,23 @@ use futures_channel::oneshot;
 use std::time::Duration;
 
 use crate::auth::TenantKeys;
-use crate::catalog::{Catalog, CoreCatalog};
-use crate::cluster::{Cluster, Resolved};
+use crate::catalog::{Catalog, CoreCatalog, Entry};
+use crate::cluster::{Cluster, Resolved, Route};
 use crate::error::BrokerError;
 use crate::forward::Forwarder;
-use crate::shard::{CacheShard, Envelope, StreamShard, now_micros};
+use crate::session::Limits;
+use crate::session::dispatch::Directory;
+use crate::shard::{CacheShard, Envelope, StreamShard};
 use arc_swap::ArcSwap;
+use felix_core_runtime::clock;
 
 /// Deliveries queued for one peer core beyond the mesh channel; more are dropped (the
 /// subscribers on that core see an offset gap).
 const OUTBOUND_MAX: usize = 4096;
+/// Requests one core may have outstanding at another; more are refused `overloaded`
+/// before anything is sent, so nothing is appended and the client may retry. Answers
+/// are bounded by the requests that asked for them.
+pub const CROSS_CORE_REQUESTS_MAX: usize = 8192;
 
 /// A cache operation.
 #[derive(Debug)]
@@ -186,6 +193,24 @@ pub struct CoreMetrics {
     pub log_syncs: AtomicU64,
     /// Batches those syncs made durable: `/ log_syncs` is appends per flush.
     pub log_synced_batches: AtomicU64,
+    /// Live batches a subscriber refused because they belonged to another shard (a bug
+    /// caught, never a record sent to the wrong subscriber).
+    pub foreign_batches: AtomicU64,
+    /// Cross-core requests refused because the destination core had too many
+    /// outstanding from this one.
+    pub cross_core_refused: AtomicU64,
+    /// Cross-core requests outstanding from this core (all destinations).
+    pub cross_core_outstanding: AtomicU64,
+    /// Open logs poisoned by a failed write or fsync (sampled).
+    pub poisoned_logs: AtomicU64,
+    /// 1 while the last append on this core failed for lack of disk space.
+    pub disk_full: AtomicU64,
+    /// Appends refused for lack of disk space.
+    pub disk_full_refusals: AtomicU64,
+    /// 1 while this core serves; 0 before it starts and after it stops.
+    pub alive: AtomicU64,
+    /// Records removed by retention.
+    pub retention_segments_removed: AtomicU64,
 }
 
 /// What every core shares (read-mostly).
@@ -211,10 +236,16 @@ pub struct Shared {
     pub subscriber_queue: usize,
     /// Max frame payload after auth.
     pub max_frame_bytes: u32,
+    /// Per-connection bounds.
+    pub limits: Limits,
+    /// How often each core enforces retention and finishes deletions.
+    pub housekeeping_interval: Duration,
     /// Per-core metrics, in core order.
     pub metrics: Vec<Arc<CoreMetrics>>,
     /// Set once every core is serving.
     pub ready: std::sync::atomic::AtomicBool,
+    /// Storage faults armed over HTTP, when fault injection is on.
+    pub faults: Option<Arc<felix_storage_uring::StorageFaults>>,
 }
 
 enum Slot<T> {
@@ -317,7 +348,9 @@ pub struct CoreBroker {
     caches: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<CacheShard>>>>,
     subscribers: RefCell<HashMap<Arc<ShardKey>, Vec<Rc<SubQueue>>>>,
     outbound: Vec<RefCell<Outbound>>,
-    pending: RefCell<HashMap<u64, oneshot::Sender<ReplyBody>>>,
+    pending: RefCell<HashMap<u64, (CoreId, oneshot::Sender<ReplyBody>)>>,
+    /// Requests outstanding at each core, by core index.
+    outstanding: Vec<Cell<usize>>,
     next_request: Cell<u64>,
     draining: Cell<bool>,
     /// Sends requests on to other brokers (cluster mode).
@@ -344,6 +377,36 @@ fn shard_dir(root: &std::path::Path, key: &ShardKey) -> PathBuf {
         .join(key.shard.to_string())
 }
 
+impl Directory for CoreBroker {
+    fn stream(&self, t: &str, ns: &str, s: &str, create: bool) -> Result<Rc<Entry>, BrokerError> {
+        self.catalog.stream(t, ns, s, create)
+    }
+
+    fn cache(&self, t: &str, ns: &str, c: &str, create: bool) -> Result<Rc<Entry>, BrokerError> {
+        self.catalog.cache(t, ns, c, create)
+    }
+
+    fn resolve(&self, key: &ShardKey) -> Resolved {
+        CoreBroker::resolve(self, key)
+    }
+
+    fn topology(&self) -> Vec<(String, String)> {
+        // A standalone broker has no other broker to offer: an empty answer.
+        self.shared
+            .cluster
+            .as_ref()
+            .map(|c| c.brokers())
+            .unwrap_or_default()
+    }
+
+    fn owners(&self, kind: ShardKind, t: &str, ns: &str, name: &str) -> Vec<(u32, Route)> {
+        match &self.shared.cluster {
+            Some(c) => c.routes_of(kind, t, ns, name),
+            None => Vec::new(),
+        }
+    }
+}
+
 impl CoreBroker {
     /// A core's broker over its connected mesh.
     pub fn new(
@@ -364,6 +427,7 @@ impl CoreBroker {
             subscribers: RefCell::default(),
             outbound: (0..cores).map(|_| RefCell::default()).collect(),
             pending: RefCell::default(),
+            outstanding: (0..cores).map(|_| Cell::new(0)).collect(),
             next_request: Cell::new(1),
             draining: Cell::new(false),
             forwarder,
@@ -389,9 +453,56 @@ impl CoreBroker {
         self.draining.get()
     }
 
+    /// Writes the catalog from the core's blocking pool (never on the core thread).
+    /// False when it could not be written.
+    pub async fn persist_catalog(&self) -> bool {
+        let catalog = self.shared.catalog.clone();
+        match task::spawn_blocking(move || catalog.persist()).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(error = %e, "persisting the catalog");
+                false
+            }
+        }
+    }
+
+    /// Sends a request on to the shard's leader (see [`crate::forward`]), authenticated
+    /// with the client's own token.
+    pub fn forward(
+        self: &Rc<Self>,
+        session: &crate::session::Session,
+        route: &Route,
+        request: Bytes,
+        answered: bool,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Option<felix_wire::Frame>, BrokerError>>>,
+    > {
+        let core = self.clone();
+        let (tenant, token) = (session.tenant().to_owned(), session.token.clone());
+        let addr = route.addr;
+        self.metrics.forwarded.fetch_add(1, Ordering::Relaxed);
+        Box::pin(async move {
+            let (Some(f), Some(addr)) = (core.forwarder.as_ref(), addr) else {
+                return Err(BrokerError::ShardUnavailable("owner_unavailable".into()));
+            };
+            f.call(addr, &tenant, &token, request, answered).await
+        })
+    }
+
     async fn open_log(&self, key: &ShardKey) -> Result<SegmentLog<DmaBackend>, BrokerError> {
+        // A shard opens only while its stream exists: a request that raced a deletion
+        // must not bring the deleted directory back.
+        let stream = key.kind == ShardKind::Stream;
+        if self
+            .shared
+            .catalog
+            .spec(stream, &key.tenant, &key.namespace, &key.name)
+            .is_none()
+        {
+            return Err(BrokerError::NotFound(format!("{key} does not exist")));
+        }
         let dir = shard_dir(&self.shared.data_dir, key);
-        let backend = DmaBackend::open_dir(&dir)
+        let backend = DmaBackend::open_dir_with_faults(&dir, self.shared.faults.clone())
             .await
             .map_err(|e| BrokerError::Storage(format!("{}: {e}", dir.display())))?;
         let (log, report) = SegmentLog::open(backend, self.shared.log_config.clone()).await?;
@@ -503,30 +614,58 @@ impl CoreBroker {
         owner: CoreId,
         make: impl FnOnce(ReplyTo) -> CoreMsg,
     ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
-        let id = self.next_request.get();
-        self.next_request.set(id + 1);
-        let (tx, rx) = oneshot::channel();
-        self.pending.borrow_mut().insert(id, tx);
-        self.send_ordered(
-            owner,
-            make(ReplyTo {
-                core: self.core,
-                id,
-            }),
-            false,
-        );
+        let outstanding = &self.outstanding[owner.index()];
+        let rx = if outstanding.get() >= CROSS_CORE_REQUESTS_MAX {
+            self.metrics
+                .cross_core_refused
+                .fetch_add(1, Ordering::Relaxed);
+            None
+        } else {
+            outstanding.set(outstanding.get() + 1);
+            self.metrics
+                .cross_core_outstanding
+                .fetch_add(1, Ordering::Relaxed);
+            let id = self.next_request.get();
+            self.next_request.set(id + 1);
+            let (tx, rx) = oneshot::channel();
+            self.pending.borrow_mut().insert(id, (owner, tx));
+            self.send_ordered(
+                owner,
+                make(ReplyTo {
+                    core: self.core,
+                    id,
+                }),
+                false,
+            );
+            Some(rx)
+        };
         async move {
-            rx.await
-                .map_err(|_| BrokerError::ShardUnavailable("the owning core did not answer".into()))
+            match rx {
+                None => Err(BrokerError::Overloaded("core_queue_full".into())),
+                Some(rx) => rx.await.map_err(|_| {
+                    BrokerError::ShardUnavailable("the owning core did not answer".into())
+                }),
+            }
         }
+    }
+
+    /// Completes the request `id` this core sent.
+    fn complete(&self, id: u64, body: ReplyBody) {
+        let Some((owner, tx)) = self.pending.borrow_mut().remove(&id) else {
+            return;
+        };
+        let n = &self.outstanding[owner.index()];
+        n.set(n.get().saturating_sub(1));
+        self.metrics
+            .cross_core_outstanding
+            .fetch_sub(1, Ordering::Relaxed);
+        let _ = tx.send(body);
     }
 
     /// Answers a request from `to.core`.
     fn respond(self: &Rc<Self>, to: ReplyTo, body: ReplyBody) {
         if to.core == self.core {
-            if let Some(tx) = self.pending.borrow_mut().remove(&to.id) {
-                let _ = tx.send(body);
-            }
+            self.complete(to.id, body);
         } else {
             self.send_ordered(to.core, CoreMsg::Reply { id: to.id, body }, false);
         }
@@ -577,7 +716,7 @@ impl CoreBroker {
         let this = self.clone();
         // Claim offsets now when possible: request order is offset order.
         let claimed = ready.map(|shard| {
-            let pending = shard.log.begin_append(&records, now_micros(), None);
+            let pending = shard.log.begin_append(&records, clock::wall_micros(), None);
             (shard, pending)
         });
         task::spawn(async move {
@@ -586,7 +725,10 @@ impl CoreBroker {
                     Some((shard, pending)) => (shard, pending?),
                     None => {
                         let shard = this.stream_shard(&key).await?;
-                        let pending = shard.log.begin_append(&records, now_micros(), None)?;
+                        let pending =
+                            shard
+                                .log
+                                .begin_append(&records, clock::wall_micros(), None)?;
                         (shard, pending)
                     }
                 };
@@ -602,9 +744,16 @@ impl CoreBroker {
                     this.metrics
                         .publish_records
                         .fetch_add(a.end - a.first, Ordering::Relaxed);
+                    this.metrics.disk_full.store(0, Ordering::Relaxed);
                 }
-                Err(_) => {
+                Err(e) => {
                     this.metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
+                    if matches!(e, BrokerError::Overloaded(r) if r == "disk_full") {
+                        this.metrics.disk_full.store(1, Ordering::Relaxed);
+                        this.metrics
+                            .disk_full_refusals
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
             let _ = tx.send(result);
@@ -624,7 +773,7 @@ impl CoreBroker {
         if !shard.has_subscribers() {
             return;
         }
-        let env = Arc::new(Envelope::new(shard.names.clone(), appended.first, records));
+        let env = Arc::new(Envelope::new(shard.key.clone(), appended.first, records));
         for core in shard.interested_cores() {
             if core == self.core {
                 self.deliver_local(&shard.key, &env);
@@ -889,16 +1038,17 @@ impl CoreBroker {
         op: CacheOp,
     ) -> Result<CacheAnswer, BrokerError> {
         let shard = self.cache_shard(key).await?;
+        let now = clock::now();
         match op {
             CacheOp::Get(k) => {
-                let e = shard.get(&k);
+                let e = shard.get(&k, now);
                 Ok(CacheAnswer::Value(
                     e.as_ref().map(|e| e.value.clone()),
                     e.map(|e| e.version),
                 ))
             }
-            CacheOp::Put(k, v, ttl) => Ok(CacheAnswer::Written(shard.put(&k, v, ttl).await?)),
-            CacheOp::Delete(k) => Ok(CacheAnswer::Value(shard.delete(&k).await?, None)),
+            CacheOp::Put(k, v, ttl) => Ok(CacheAnswer::Written(shard.put(&k, v, ttl, now).await?)),
+            CacheOp::Delete(k) => Ok(CacheAnswer::Value(shard.delete(&k, now).await?, None)),
         }
     }
 
@@ -920,11 +1070,7 @@ impl CoreBroker {
                 })
                 .detach();
             }
-            CoreMsg::Reply { id, body } => {
-                if let Some(tx) = self.pending.borrow_mut().remove(&id) {
-                    let _ = tx.send(body);
-                }
-            }
+            CoreMsg::Reply { id, body } => self.complete(id, body),
             CoreMsg::Subscribe {
                 key,
                 start,
@@ -983,14 +1129,23 @@ impl CoreBroker {
                 if core.draining() {
                     return;
                 }
-                let (mut syncs, mut batches) = (0, 0);
+                let (mut syncs, mut batches, mut poisoned) = (0, 0, 0);
                 for slot in core.streams.borrow().values() {
                     if let Slot::Ready(shard) = slot {
                         let st = shard.log.stats();
                         syncs += st.syncs;
                         batches += st.synced_batches;
+                        poisoned += u64::from(shard.log.poisoned().is_some());
                     }
                 }
+                for slot in core.caches.borrow().values() {
+                    if let Slot::Ready(shard) = slot {
+                        poisoned += u64::from(shard.log().poisoned().is_some());
+                    }
+                }
+                core.metrics
+                    .poisoned_logs
+                    .store(poisoned, Ordering::Relaxed);
                 core.metrics.log_syncs.store(syncs, Ordering::Relaxed);
                 core.metrics
                     .log_synced_batches
@@ -998,6 +1153,139 @@ impl CoreBroker {
             }
         })
         .detach();
+    }
+
+    /// Starts the housekeeping task: every `housekeeping_interval`, finish deletions
+    /// (close this core's shards of deleted streams, remove their data) and enforce each
+    /// open stream's retention.
+    pub fn start_housekeeping(self: &Rc<Self>) {
+        let this = Rc::downgrade(self);
+        let interval = self.shared.housekeeping_interval;
+        task::spawn(async move {
+            loop {
+                task::sleep(interval).await;
+                let Some(core) = this.upgrade() else { return };
+                if core.draining() {
+                    return;
+                }
+                core.finish_deletions().await;
+                core.enforce_retention().await;
+            }
+        })
+        .detach();
+    }
+
+    /// Closes this core's shards of deleted streams and caches, ends local
+    /// subscriptions to them, and removes their directories (off the core thread).
+    pub async fn finish_deletions(self: &Rc<Self>) {
+        let catalog = self.shared.catalog.clone();
+        let (me, cores) = (self.core.index(), self.shared.metrics.len());
+        for d in catalog.pending_deletions(me) {
+            let kind = if d.stream {
+                ShardKind::Stream
+            } else {
+                ShardKind::Cache
+            };
+            let mut dirs = Vec::new();
+            for shard in 0..d.shards {
+                let key = ShardKey {
+                    kind,
+                    tenant: d.tenant.clone(),
+                    namespace: d.namespace.clone(),
+                    name: d.name.clone(),
+                    shard,
+                };
+                if let Some(subs) = self.subscribers.borrow_mut().remove(&key) {
+                    subs.iter().for_each(|q| q.close());
+                }
+                if self.owner(&key) != self.core {
+                    continue;
+                }
+                self.close_shard(&key).await;
+                dirs.push(shard_dir(&self.shared.data_dir, &key));
+            }
+            let parent = dirs.first().and_then(|d| d.parent().map(PathBuf::from));
+            let (catalog, d2) = (catalog.clone(), d.clone());
+            let removed = task::spawn_blocking(move || {
+                for dir in &dirs {
+                    match std::fs::remove_dir_all(dir) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(format!("{}: {e}", dir.display())),
+                    }
+                }
+                if catalog.deletion_done(&d2, me, cores)
+                    && let Some(parent) = parent
+                {
+                    // Empty once every core removed its shards.
+                    let _ = std::fs::remove_dir(&parent);
+                }
+                catalog.persist().map_err(|e| e.to_string())
+            })
+            .await;
+            match removed {
+                Ok(()) => tracing::info!(
+                    tenant = %d.tenant, namespace = %d.namespace, name = %d.name,
+                    "deleted data of a removed {}", if d.stream { "stream" } else { "cache" }
+                ),
+                Err(e) => tracing::warn!(error = %e, "removing a deleted stream's data"),
+            }
+        }
+    }
+
+    async fn close_shard(&self, key: &ShardKey) {
+        let stream = self.streams.borrow_mut().remove(key);
+        if let Some(Slot::Ready(s)) = stream {
+            let _ = s.log.close().await;
+            self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
+        }
+        let cache = self.caches.borrow_mut().remove(key);
+        if let Some(Slot::Ready(c)) = cache {
+            let _ = c.close().await;
+            self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Removes whole sealed segments each open stream's retention no longer keeps.
+    pub async fn enforce_retention(&self) {
+        let shards: Vec<Rc<StreamShard>> = self
+            .streams
+            .borrow()
+            .values()
+            .filter_map(|s| match s {
+                Slot::Ready(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect();
+        let now = clock::wall_micros();
+        for s in shards {
+            let k = &s.key;
+            let Some(spec) = self
+                .shared
+                .catalog
+                .spec(true, &k.tenant, &k.namespace, &k.name)
+            else {
+                continue;
+            };
+            if !spec.retention.is_set() {
+                continue;
+            }
+            let age = spec.retention.max_age_seconds.map(Duration::from_secs);
+            match s
+                .log
+                .enforce_retention_with(now, spec.retention.max_size_bytes, age)
+                .await
+            {
+                Ok(0) => {}
+                Ok(n) => {
+                    self.metrics
+                        .retention_segments_removed
+                        .fetch_add(n as u64, Ordering::Relaxed);
+                    tracing::debug!(shard = %k, segments = n, "retention");
+                }
+                Err(e) => tracing::warn!(shard = %k, error = %e, "enforcing retention"),
+            }
+        }
     }
 
     /// Starts one task per peer inbox, handing every message to [`CoreBroker::handle`].

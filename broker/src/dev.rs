@@ -76,9 +76,15 @@ pub fn prepare(data_dir: &Path, tenant: &str) -> anyhow::Result<DevSetup> {
     let token_path = dir.join("token");
     let existing = std::fs::read_to_string(&token_path).ok();
     let token = match existing {
-        Some(t) if keys.verify(&t, tenant, auth::now_secs()).is_ok() => t.trim().to_owned(),
+        Some(t)
+            if keys
+                .verify(&t, tenant, felix_core_runtime::clock::now().wall_secs())
+                .is_ok() =>
+        {
+            t.trim().to_owned()
+        }
         _ => {
-            let now = auth::now_secs();
+            let now = felix_core_runtime::clock::now().wall_secs();
             let t = key.sign(&Claims {
                 iss: auth::ISSUER.into(),
                 aud: auth::BROKER_AUDIENCE.into(),

@@ -123,8 +123,9 @@ pub fn start(
         .name("felix-cp-mirror".into())
         .spawn(move || {
             let base = (**shared.keys.load()).clone();
+            let mut mirrored = std::collections::HashSet::new();
             loop {
-                if let Err(e) = mirror_once(&admin, &shared, &base) {
+                if let Err(e) = mirror_once(&admin, &shared, &base, &mut mirrored) {
                     tracing::warn!(error = %e, "mirroring the embedded control plane");
                 }
                 std::thread::sleep(Duration::from_millis(250));
@@ -168,11 +169,38 @@ impl Store for CatalogStore {
                     Op::Delete { .. } => None,
                 })
                 .collect();
+            let deleted: Vec<(bool, String)> = ops
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Delete {
+                        kind: Kind::Stream,
+                        key,
+                        ..
+                    } => Some((true, key.clone())),
+                    Op::Delete {
+                        kind: Kind::Cache,
+                        key,
+                        ..
+                    } => Some((false, key.clone())),
+                    _ => None,
+                })
+                .collect();
+            let catalog = &self.shared.catalog;
             for (stream, s) in &created {
-                if let Some(have) =
-                    self.shared
-                        .catalog
-                        .spec(*stream, &s.tenant_id, &s.namespace, &s.stream)
+                // A name being deleted is free again only once its data is gone.
+                let mut waited = 0;
+                while catalog.is_deleting(*stream, &s.tenant_id, &s.namespace, &s.stream) {
+                    if waited >= DELETION_WAIT_MS {
+                        return Err(StoreError::Conflict {
+                            kind: if *stream { "stream" } else { "cache" },
+                            key: format!("{}/{}/{}", s.tenant_id, s.namespace, s.stream),
+                            reason: "its previous data is still being deleted; retry".into(),
+                        });
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    waited += 20;
+                }
+                if let Some(have) = catalog.spec(*stream, &s.tenant_id, &s.namespace, &s.stream)
                     && (have.shards != s.shards || have.routing != s.routing)
                 {
                     return Err(StoreError::Conflict {
@@ -190,19 +218,28 @@ impl Store for CatalogStore {
                 let spec = StreamSpec {
                     shards: s.shards,
                     routing: s.routing,
+                    retention: s.retention,
                 };
                 let r = if stream {
-                    self.shared
-                        .catalog
-                        .create_stream(&s.tenant_id, &s.namespace, &s.stream, spec)
+                    catalog.create_stream(&s.tenant_id, &s.namespace, &s.stream, spec)
                 } else {
-                    self.shared
-                        .catalog
-                        .create_cache(&s.tenant_id, &s.namespace, &s.stream, spec)
+                    catalog.create_cache(&s.tenant_id, &s.namespace, &s.stream, spec)
                 };
                 if let Err(e) = r {
                     tracing::warn!(error = %e, "writing an API-created stream to the dev catalog");
                 }
+            }
+            for (stream, key) in deleted {
+                let mut parts = key.splitn(3, '/');
+                if let (Some(t), Some(ns), Some(n)) = (parts.next(), parts.next(), parts.next()) {
+                    catalog.delete(stream, t, ns, n);
+                }
+            }
+            let c = catalog.clone();
+            match tokio::task::spawn_blocking(move || c.persist()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!(error = %e, "persisting the dev catalog"),
+                Err(e) => tracing::error!(error = %e, "persisting the dev catalog"),
             }
             Ok(written)
         })
@@ -236,17 +273,31 @@ struct Shape {
     shards: u32,
     #[serde(default)]
     routing: felix_wire::routing::ShardRouting,
+    #[serde(default)]
+    retention: crate::catalog::Retention,
 }
 
+/// How long creating a name waits for the deletion of its previous data.
+const DELETION_WAIT_MS: u64 = 5_000;
+
+/// One pass of the mirror. `mirrored` remembers every name already known to the API,
+/// so a stream deleted through the API is never listed again by a stale pass.
 fn mirror_once(
     admin: &ControlPlaneClient,
     shared: &Shared,
     base: &crate::auth::TenantKeys,
+    mirrored: &mut std::collections::HashSet<String>,
 ) -> anyhow::Result<()> {
     let snapshot = admin.get("/v1/streams/snapshot")?;
     let streams: Vec<Shape> = serde_json::from_value(snapshot["items"].clone())?;
+    for s in &streams {
+        mirrored.insert(format!("{}/{}/{}", s.tenant_id, s.namespace, s.stream));
+    }
     // Broker -> API: streams auto-created on first use.
     for (name, spec) in shared.catalog.streams() {
+        if !mirrored.insert(name.clone()) {
+            continue;
+        }
         let mut parts = name.splitn(3, '/');
         let (Some(t), Some(ns), Some(s)) = (parts.next(), parts.next(), parts.next()) else {
             continue;

@@ -3,6 +3,30 @@
 use felix_storage_uring::StorageError;
 use felix_wire::{ErrorCode, ErrorDetail, Message};
 
+/// The most of a peer's own text (a name, a key) an answer echoes back.
+pub const ECHO_MAX_BYTES: usize = 128;
+/// The longest error text an answer carries. Every answer's strings are bounded before
+/// encoding, so encoding an answer cannot fail (a binary ack's strings have 16-bit
+/// lengths).
+pub const ERROR_TEXT_MAX_BYTES: usize = 1024;
+
+/// `s` cut to at most `max` bytes at a character boundary.
+pub fn cut_to(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// A peer's text as it may be echoed in an answer.
+pub fn cut(s: &str) -> &str {
+    cut_to(s, ECHO_MAX_BYTES)
+}
+
 /// What a request can fail with.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum BrokerError {
@@ -24,6 +48,10 @@ pub enum BrokerError {
     /// A queue is full.
     #[error("overloaded: {0}")]
     Overloaded(String),
+    /// A per-connection bound was reached (too many subscriptions, say). Not retried:
+    /// the client must use fewer, or another connection.
+    #[error("limit exceeded: {0}")]
+    LimitExceeded(String),
     /// Storage failed; the write may or may not be durable.
     #[error("storage: {0}")]
     Storage(String),
@@ -68,6 +96,7 @@ impl BrokerError {
             }
             BrokerError::ShardUnavailable(_) => ErrorCode::ShardUnavailable,
             BrokerError::Overloaded(_) => ErrorCode::Overloaded,
+            BrokerError::LimitExceeded(_) => ErrorCode::LimitExceeded,
             BrokerError::Storage(_) => ErrorCode::Storage,
             BrokerError::Draining => ErrorCode::Draining,
             BrokerError::Internal(_) => ErrorCode::Internal,
@@ -81,7 +110,8 @@ impl BrokerError {
         match self {
             BrokerError::Overloaded(reason) => Some(ErrorDetail {
                 reason: Some(reason.clone()),
-                retry_after_ms: Some(50),
+                // A full disk frees slowly; a full queue drains in milliseconds.
+                retry_after_ms: Some(if reason == "disk_full" { 1000 } else { 50 }),
             }),
             BrokerError::NotFound(_) => Some(ErrorDetail {
                 reason: None,
@@ -100,9 +130,20 @@ impl BrokerError {
         }
     }
 
+    /// The text sent to a client: the error's description, bounded.
+    pub fn wire_text(&self) -> String {
+        let mut text = self.to_string();
+        if text.len() > ERROR_TEXT_MAX_BYTES {
+            let end = cut_to(&text, ERROR_TEXT_MAX_BYTES - 3).len();
+            text.truncate(end);
+            text.push_str("...");
+        }
+        text
+    }
+
     /// The `error` message for a client (`coded` when it offered ERROR_CODES).
     pub fn to_message(&self, coded: bool) -> Message {
-        Message::error(self.to_string(), self.code(), self.detail(), coded)
+        Message::error(self.wire_text(), self.code(), self.detail(), coded)
     }
 }
 
@@ -113,6 +154,9 @@ impl From<StorageError> for BrokerError {
             StorageError::BatchTooLarge { .. } | StorageError::EmptyBatch => {
                 BrokerError::InvalidRequest(e.to_string())
             }
+            // The write was refused before anything reached the disk: nothing was
+            // appended, and the log takes writes again once space is freed.
+            StorageError::NoSpace { .. } => BrokerError::Overloaded("disk_full".into()),
             other => BrokerError::Storage(other.to_string()),
         }
     }

@@ -1,170 +1,403 @@
-//! The operator HTTP endpoint: `/metrics` (Prometheus text), `/livez`, `/readyz`.
+//! The operator HTTP endpoint: `/metrics` (Prometheus text), `/livez`, `/readyz`,
+//! `/placement`, and, only when fault injection is enabled, `/debug/storage-faults`.
 //!
-//! A plain blocking server on its own thread: it is never on the data path, and it
-//! reads only relaxed atomic counters the cores publish.
+//! axum on its own thread and a current-thread tokio runtime: never on a core, never
+//! on the data path. Each connection is its own task and each answer has a deadline, so
+//! a slow client cannot hold up `/livez`. It reads only the relaxed atomics the cores
+//! publish.
 
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use crate::core::Shared;
+use axum::Router;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use felix_storage_uring::FaultTimes;
+
+use crate::core::{CoreMetrics, Shared};
+
+/// How long any answer may take.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+type Read = fn(&CoreMetrics) -> u64;
+
+/// Per-core series: name, type, help, reader.
+const PER_CORE: &[(&str, &str, &str, Read)] = &[
+    (
+        "felix_broker_publish_batches_total",
+        "counter",
+        "Publish batches appended.",
+        |m| m.publish_batches.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_publish_records_total",
+        "counter",
+        "Records appended.",
+        |m| m.publish_records.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_publish_bytes_total",
+        "counter",
+        "Payload bytes received for appends.",
+        |m| m.publish_bytes.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_publish_errors_total",
+        "counter",
+        "Publishes refused or failed.",
+        |m| m.publish_errors.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_events_queued_total",
+        "counter",
+        "Batches handed to subscriber queues.",
+        |m| m.events_queued.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_events_dropped_total",
+        "counter",
+        "Batches a full subscriber or core queue dropped (read back from the log).",
+        |m| m.events_dropped.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_subscriptions",
+        "gauge",
+        "Live subscriptions.",
+        |m| m.subscriptions.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_connections",
+        "gauge",
+        "Open client connections.",
+        |m| m.connections.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_cache_ops_total",
+        "counter",
+        "Cache operations.",
+        |m| m.cache_ops.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_mesh_messages_sent_total",
+        "counter",
+        "Cross-core messages sent.",
+        |m| m.mesh_sent.load(Ordering::Relaxed),
+    ),
+    ("felix_broker_shards_open", "gauge", "Shards open.", |m| {
+        m.shards_open.load(Ordering::Relaxed)
+    }),
+    (
+        "felix_broker_forwarded_total",
+        "counter",
+        "Requests forwarded to the shard's leader.",
+        |m| m.forwarded.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_subscriber_catchups_total",
+        "counter",
+        "Times a subscriber read missed batches back from the log.",
+        |m| m.subscriber_catchups.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_log_syncs",
+        "gauge",
+        "fdatasync calls by open stream logs.",
+        |m| m.log_syncs.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_log_synced_batches",
+        "gauge",
+        "Batches made durable by those syncs.",
+        |m| m.log_synced_batches.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_foreign_batches_total",
+        "counter",
+        "Live batches a subscriber refused as another shard's.",
+        |m| m.foreign_batches.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_cross_core_refused_total",
+        "counter",
+        "Cross-core requests refused at the per-core-pair bound.",
+        |m| m.cross_core_refused.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_cross_core_outstanding",
+        "gauge",
+        "Cross-core requests awaiting an answer.",
+        |m| m.cross_core_outstanding.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_poisoned_logs",
+        "gauge",
+        "Open logs poisoned by a failed write or fsync.",
+        |m| m.poisoned_logs.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_disk_full",
+        "gauge",
+        "1 while appends fail for lack of disk space.",
+        |m| m.disk_full.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_disk_full_refusals_total",
+        "counter",
+        "Appends refused for lack of disk space.",
+        |m| m.disk_full_refusals.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_core_alive",
+        "gauge",
+        "1 while the core serves.",
+        |m| m.alive.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_retention_segments_removed_total",
+        "counter",
+        "Segments removed by retention.",
+        |m| m.retention_segments_removed.load(Ordering::Relaxed),
+    ),
+];
 
 /// Renders every metric.
 pub fn render(shared: &Shared) -> String {
     let mut out = String::new();
-    type Read = fn(&crate::core::CoreMetrics) -> u64;
-    let counters: [(&str, &str, Read); 15] = [
-        ("felix_broker_publish_batches_total", "counter", |m| {
-            m.publish_batches.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_publish_records_total", "counter", |m| {
-            m.publish_records.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_publish_bytes_total", "counter", |m| {
-            m.publish_bytes.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_publish_errors_total", "counter", |m| {
-            m.publish_errors.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_events_queued_total", "counter", |m| {
-            m.events_queued.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_events_dropped_total", "counter", |m| {
-            m.events_dropped.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_subscriptions", "gauge", |m| {
-            m.subscriptions.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_connections", "gauge", |m| {
-            m.connections.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_cache_ops_total", "counter", |m| {
-            m.cache_ops.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_mesh_messages_sent_total", "counter", |m| {
-            m.mesh_sent.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_shards_open", "gauge", |m| {
-            m.shards_open.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_forwarded_total", "counter", |m| {
-            m.forwarded.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_subscriber_catchups_total", "counter", |m| {
-            m.subscriber_catchups.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_log_syncs", "gauge", |m| {
-            m.log_syncs.load(Ordering::Relaxed)
-        }),
-        ("felix_broker_log_synced_batches", "gauge", |m| {
-            m.log_synced_batches.load(Ordering::Relaxed)
-        }),
-    ];
-    for (name, kind, get) in counters {
+    for (name, kind, help, read) in PER_CORE {
+        let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} {kind}");
         for (core, m) in shared.metrics.iter().enumerate() {
-            let _ = writeln!(out, "{name}{{core=\"{core}\"}} {}", get(m));
+            let _ = writeln!(out, "{name}{{core=\"{core}\"}} {}", read(m));
         }
     }
-    let _ = writeln!(out, "# TYPE felix_broker_ready gauge");
-    let _ = writeln!(
-        out,
-        "felix_broker_ready {}",
-        u8::from(shared.ready.load(Ordering::Relaxed))
+    let mut gauge = |name: &str, help: &str, v: u64| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        let _ = writeln!(out, "{name} {v}");
+    };
+    gauge(
+        "felix_broker_ready",
+        "1 when /readyz answers ready.",
+        u64::from(unready_reasons(shared).is_empty()),
     );
     if let Some(c) = &shared.cluster {
-        let _ = writeln!(out, "# TYPE felix_broker_controlplane_syncs_total counter");
-        let _ = writeln!(
-            out,
-            "felix_broker_controlplane_syncs_total {}",
-            c.syncs.load(Ordering::Relaxed)
+        gauge(
+            "felix_broker_controlplane_syncs_total",
+            "Full syncs from the control plane.",
+            c.syncs.load(Ordering::Relaxed),
         );
-        let _ = writeln!(out, "# TYPE felix_broker_heartbeats_total counter");
-        let _ = writeln!(
-            out,
-            "felix_broker_heartbeats_total {}",
-            c.heartbeats.load(Ordering::Relaxed)
+        gauge(
+            "felix_broker_heartbeats_total",
+            "Heartbeats the control plane accepted.",
+            c.heartbeats.load(Ordering::Relaxed),
         );
-        let _ = writeln!(out, "# TYPE felix_broker_shards_led gauge");
-        let _ = writeln!(out, "felix_broker_shards_led {}", c.shards_led());
+        gauge(
+            "felix_broker_shards_led",
+            "Shards this broker leads.",
+            c.shards_led() as u64,
+        );
     }
     let table = shared.placement.load();
-    let _ = writeln!(out, "# TYPE felix_broker_placement_cores gauge");
-    let _ = writeln!(out, "felix_broker_placement_cores {}", table.cores());
-    let _ = writeln!(out, "# TYPE felix_broker_placement_pin_rules gauge");
-    let _ = writeln!(
-        out,
-        "felix_broker_placement_pin_rules {}",
-        table.rules().len()
+    gauge(
+        "felix_broker_placement_cores",
+        "Cores shards are placed on.",
+        table.cores() as u64,
+    );
+    gauge(
+        "felix_broker_placement_pin_rules",
+        "Operator pin rules.",
+        table.rules().len() as u64,
     );
     out
 }
 
-fn handle(mut s: TcpStream, shared: &Shared) -> std::io::Result<()> {
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut line = String::new();
-    BufReader::new(&s).read_line(&mut line)?;
-    let path = line.split_whitespace().nth(1).unwrap_or("/");
-    let (status, body, ctype) = match path {
-        "/livez" => ("200 OK", "ok\n".to_owned(), "text/plain"),
-        "/readyz" if shared.ready.load(Ordering::Relaxed) => {
-            ("200 OK", "ready\n".to_owned(), "text/plain")
+/// Why the broker is not ready; empty when it is.
+pub fn unready_reasons(shared: &Shared) -> Vec<String> {
+    let mut reasons = Vec::new();
+    if !shared.ready.load(Ordering::Relaxed) {
+        reasons.push("starting".to_owned());
+    }
+    for (core, m) in shared.metrics.iter().enumerate() {
+        if shared.ready.load(Ordering::Relaxed) && m.alive.load(Ordering::Relaxed) == 0 {
+            reasons.push(format!("core {core} is not running"));
         }
-        "/readyz" => (
-            "503 Service Unavailable",
-            "starting\n".to_owned(),
-            "text/plain",
-        ),
-        "/metrics" => ("200 OK", render(shared), "text/plain; version=0.0.4"),
-        "/placement" => {
-            let table = shared.placement.load();
-            let rules: Vec<String> = table.rules().iter().map(|r| format!("{r:?}")).collect();
-            let streams = shared.catalog.streams();
-            let mut owners = Vec::new();
-            for (name, spec) in streams {
-                let mut parts = name.splitn(3, '/');
-                let (t, ns, s) = (
-                    parts.next().unwrap_or(""),
-                    parts.next().unwrap_or(""),
-                    parts.next().unwrap_or(""),
-                );
-                for shard in 0..spec.shards {
-                    let key = felix_core_runtime::placement::ShardKey {
-                        kind: felix_core_runtime::placement::ShardKind::Stream,
-                        tenant: t.into(),
-                        namespace: ns.into(),
-                        name: s.into(),
-                        shard,
-                    };
-                    owners.push(serde_json::json!({"stream": name, "shard": shard, "core": table.core_for(&key).index(), "pinned": table.pinned(&key)}));
-                }
-            }
-            let body = serde_json::json!({"cores": table.cores(), "version": table.version(), "rules": rules, "shards": owners});
-            ("200 OK", format!("{body}\n"), "application/json")
+        let poisoned = m.poisoned_logs.load(Ordering::Relaxed);
+        if poisoned > 0 {
+            reasons.push(format!(
+                "core {core}: {poisoned} log(s) poisoned by a failed write or fsync (restart to recover)"
+            ));
         }
-        _ => ("404 Not Found", "not found\n".to_owned(), "text/plain"),
-    };
-    write!(
-        s,
-        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
+        if m.disk_full.load(Ordering::Relaxed) > 0 {
+            reasons.push(format!("core {core}: disk full, appends refused"));
+        }
+    }
+    reasons
 }
 
-/// Serves until the process exits.
+async fn livez() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
+    let reasons = unready_reasons(&shared);
+    if reasons.is_empty() {
+        "ready\n".into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{}\n", reasons.join("\n")),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        render(&shared),
+    )
+        .into_response()
+}
+
+async fn placement(State(shared): State<Arc<Shared>>) -> Response {
+    let table = shared.placement.load();
+    let rules: Vec<String> = table.rules().iter().map(|r| format!("{r:?}")).collect();
+    let mut owners = Vec::new();
+    for (name, spec) in shared.catalog.streams() {
+        let mut parts = name.splitn(3, '/');
+        let (t, ns, s) = (
+            parts.next().unwrap_or(""),
+            parts.next().unwrap_or(""),
+            parts.next().unwrap_or(""),
+        );
+        for shard in 0..spec.shards {
+            let key = felix_core_runtime::placement::ShardKey {
+                kind: felix_core_runtime::placement::ShardKind::Stream,
+                tenant: t.into(),
+                namespace: ns.into(),
+                name: s.into(),
+                shard,
+            };
+            owners.push(serde_json::json!({"stream": name, "shard": shard, "core": table.core_for(&key).index(), "pinned": table.pinned(&key)}));
+        }
+    }
+    axum::Json(serde_json::json!({"cores": table.cores(), "version": table.version(), "rules": rules, "shards": owners}))
+        .into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct FaultQuery {
+    /// `write` or `sync`; absent with `clear`.
+    op: Option<String>,
+    /// `eio` or `enospc`.
+    errno: Option<String>,
+    /// `once` (default) or `always`.
+    times: Option<String>,
+    /// Clear every armed fault.
+    #[serde(default)]
+    clear: bool,
+}
+
+/// Arms a storage fault on every core's logs (tests and chaos runs only).
+async fn storage_faults(
+    State(shared): State<Arc<Shared>>,
+    Query(q): Query<FaultQuery>,
+) -> Response {
+    let Some(faults) = &shared.faults else {
+        return (StatusCode::NOT_FOUND, "fault injection is off\n").into_response();
+    };
+    if q.clear {
+        faults.clear();
+        return "cleared\n".into_response();
+    }
+    let errno = match q.errno.as_deref() {
+        Some("eio") | None => libc::EIO,
+        Some("enospc") => libc::ENOSPC,
+        Some(other) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("unknown errno {other:?}\n"),
+            )
+                .into_response();
+        }
+    };
+    let times = match q.times.as_deref() {
+        Some("always") => FaultTimes::Always,
+        Some("once") | None => FaultTimes::Once,
+        Some(other) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("unknown times {other:?}\n"),
+            )
+                .into_response();
+        }
+    };
+    match q.op.as_deref() {
+        Some("write") => faults.fail_writes(errno, times),
+        Some("sync") => faults.fail_syncs(errno, times),
+        other => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("op must be write or sync, not {other:?}\n"),
+            )
+                .into_response();
+        }
+    }
+    "armed\n".into_response()
+}
+
+/// Serves on `addr` until the process exits; returns the bound address.
 pub fn spawn(addr: SocketAddr, shared: Arc<Shared>) -> anyhow::Result<SocketAddr> {
-    let listener =
-        TcpListener::bind(addr).map_err(|e| anyhow::anyhow!("binding --http {addr}: {e}"))?;
+    let listener = std::net::TcpListener::bind(addr)
+        .map_err(|e| anyhow::anyhow!("binding --http {addr}: {e}"))?;
+    listener.set_nonblocking(true)?;
     let bound = listener.local_addr()?;
+    let app = Router::new()
+        .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/placement", get(placement))
+        .route("/debug/storage-faults", post(storage_faults))
+        .with_state(shared)
+        .layer(axum::middleware::from_fn(deadline));
     std::thread::Builder::new()
         .name("felix-http".into())
         .spawn(move || {
-            for s in listener.incoming().flatten() {
-                let _ = handle(s, &shared);
-            }
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::error!(error = %e, "the HTTP endpoint's runtime did not start");
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let listener = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "the HTTP endpoint's listener");
+                        return;
+                    }
+                };
+                if let Err(e) = axum::serve(listener, app).await {
+                    tracing::error!(error = %e, "the HTTP endpoint stopped");
+                }
+            });
         })?;
     Ok(bound)
+}
+
+/// Every answer within [`ANSWER_TIMEOUT`].
+async fn deadline(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    match tokio::time::timeout(ANSWER_TIMEOUT, next.run(req)).await {
+        Ok(r) => r,
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "timed out\n").into_response(),
+    }
 }

@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,9 +19,10 @@ use crate::auth::TenantKeys;
 use crate::catalog::{Catalog, StreamSpec};
 use crate::cluster::Cluster;
 use crate::config::BrokerConfig;
-use crate::core::{CoreBroker, CoreMsg, Shared};
+use crate::core::{CoreBroker, CoreMetrics, CoreMsg, Shared};
 use crate::forward::Forwarder;
 use crate::session;
+use felix_storage_uring::StorageFaults;
 
 /// Cross-core channel capacity, in messages.
 const MESH_CAPACITY: usize = 1024;
@@ -95,17 +97,12 @@ pub fn start(
     )?);
     for s in &config.streams {
         catalog
-            .create_stream(
-                &s.tenant,
-                &s.namespace,
-                &s.name,
-                StreamSpec {
-                    shards: s.shards,
-                    routing: Default::default(),
-                },
-            )
+            .create_stream(&s.tenant, &s.namespace, &s.name, StreamSpec::new(s.shards))
             .map_err(|e| anyhow::anyhow!("streams: {e}"))?;
     }
+    catalog
+        .persist()
+        .map_err(|e| anyhow::anyhow!("catalog: {e}"))?;
     let mut keys = keys;
     for t in &config.tenants {
         for k in &t.keys {
@@ -149,7 +146,12 @@ pub fn start(
     };
     let chain = quic::certs_from_pem(cert_pem)?;
     let key = quic::key_from_pem(key_pem)?;
-    let server_config = Arc::new(quic::server_config(chain, key, TransportLimits::default())?);
+    let transport = TransportLimits {
+        max_streams: config.max_streams,
+        idle_timeout: config.idle_timeout,
+        ..TransportLimits::default()
+    };
+    let server_config = Arc::new(quic::server_config(chain, key, transport)?);
     let listen = free_port(config.listen)?;
     let shared = Arc::new(Shared {
         data_dir: config.data_dir.clone(),
@@ -166,8 +168,11 @@ pub fn start(
         publish_window: config.publish_window,
         subscriber_queue: config.subscriber_queue,
         max_frame_bytes: felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES,
+        limits: config.limits,
+        housekeeping_interval: config.housekeeping_interval,
         metrics: (0..cores).map(|_| Arc::default()).collect(),
         ready: AtomicBool::new(false),
+        faults: config.fault_injection.then(StorageFaults::new),
     });
     let http = match config.http {
         Some(addr) => Some(crate::http::spawn(addr, shared.clone())?),
@@ -213,8 +218,11 @@ pub fn start(
                     },
                 };
                 let core = CoreBroker::new(ctx.core, shared.clone(), mesh, forwarder);
+                // Unready from the moment this core stops serving, however it stops.
+                let _alive = Alive::new(&core.metrics);
                 core.serve_mesh(inboxes);
                 core.sample_log_stats();
+                core.start_housekeeping();
                 let ep = match Endpoint::bind(
                     listen,
                     EndpointOptions {
@@ -285,24 +293,35 @@ pub fn start(
     })
 }
 
-static SIGNALLED: AtomicBool = AtomicBool::new(false);
+/// Marks a core alive while it serves.
+struct Alive(Arc<CoreMetrics>);
 
-extern "C" fn on_signal(_: libc::c_int) {
-    SIGNALLED.store(true, Ordering::SeqCst);
+impl Alive {
+    fn new(m: &Arc<CoreMetrics>) -> Alive {
+        m.alive.store(1, Ordering::SeqCst);
+        Alive(m.clone())
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.0.alive.store(0, Ordering::SeqCst);
+    }
 }
 
 /// Triggers `handle` on SIGTERM or SIGINT.
-pub fn shutdown_on_signals(handle: ShutdownHandle) {
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-    unsafe {
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-    }
-    std::thread::spawn(move || {
-        while !SIGNALLED.load(Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        tracing::info!("signal received: draining");
-        handle.trigger();
-    });
+pub fn shutdown_on_signals(handle: ShutdownHandle) -> anyhow::Result<()> {
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])?;
+    std::thread::Builder::new()
+        .name("felix-signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                tracing::info!(signal = sig, "signal received: draining");
+                handle.trigger();
+            }
+        })?;
+    Ok(())
 }

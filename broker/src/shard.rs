@@ -8,13 +8,14 @@ use std::sync::{Arc, OnceLock};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use felix_core_runtime::CoreId;
+use felix_core_runtime::clock::Now;
 use felix_core_runtime::placement::ShardKey;
 use felix_storage_uring::{Appended, BatchKind, DmaBackend, ReadBatch, SegmentLog};
 use felix_wire::{EventBatch, EventItem, Flags, Message, Offset};
 
 use crate::error::BrokerError;
 
-/// The names a JSON event carries, shared by every envelope of a stream.
+/// The names a JSON event carries.
 #[derive(Debug)]
 pub struct StreamNames {
     /// Tenant.
@@ -23,6 +24,17 @@ pub struct StreamNames {
     pub namespace: String,
     /// Stream.
     pub stream: String,
+}
+
+impl StreamNames {
+    /// The names of `key`'s stream.
+    pub fn of(key: &ShardKey) -> StreamNames {
+        StreamNames {
+            tenant: key.tenant.clone(),
+            namespace: key.namespace.clone(),
+            stream: key.name.clone(),
+        }
+    }
 }
 
 /// How a subscriber wants events framed.
@@ -49,25 +61,30 @@ impl EventFormat {
 /// encoded at most once, by whichever subscriber needs it first.
 #[derive(Debug)]
 pub struct Envelope {
+    /// The shard it was committed to: a subscriber checks it before sending.
+    pub key: Arc<ShardKey>,
     /// Offset of `records[0]`.
     pub base_offset: u64,
     /// The records.
     pub records: Vec<Bytes>,
-    names: Arc<StreamNames>,
     binary: OnceLock<Bytes>,
     json: OnceLock<Bytes>,
 }
 
 impl Envelope {
     /// A new envelope.
-    pub fn new(names: Arc<StreamNames>, base_offset: u64, records: Vec<Bytes>) -> Envelope {
+    pub fn new(key: Arc<ShardKey>, base_offset: u64, records: Vec<Bytes>) -> Envelope {
         Envelope {
+            key,
             base_offset,
             records,
-            names,
             binary: OnceLock::new(),
             json: OnceLock::new(),
         }
+    }
+
+    fn names(&self) -> StreamNames {
+        StreamNames::of(&self.key)
     }
 
     /// One past the last record.
@@ -84,7 +101,7 @@ impl Envelope {
                 .clone(),
             EventFormat::Json => self
                 .json
-                .get_or_init(|| encode_json_events(&self.names, self.base_offset, &self.records))
+                .get_or_init(|| encode_json_events(&self.names(), self.base_offset, &self.records))
                 .clone(),
         }
     }
@@ -98,7 +115,7 @@ impl Envelope {
         let rest = &self.records[skip.min(self.records.len())..];
         match format {
             EventFormat::Binary => encode_events(from, rest, None),
-            EventFormat::Json => encode_json_events(&self.names, from, rest),
+            EventFormat::Json => encode_json_events(&self.names(), from, rest),
         }
     }
 }
@@ -138,21 +155,12 @@ pub fn encode_json_events(names: &StreamNames, base_offset: u64, records: &[Byte
     .to_frame()
 }
 
-/// Microseconds since the epoch.
-pub fn now_micros() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
-}
-
 /// A stream shard on its owning core.
 pub struct StreamShard {
     /// Which shard.
     pub key: Arc<ShardKey>,
     /// Its log.
     pub log: SegmentLog<DmaBackend>,
-    /// Names for JSON events.
-    pub names: Arc<StreamNames>,
     /// Next offset to fan out: everything below it has been handed to subscribers.
     fanout_end: Cell<u64>,
     /// Cores with subscribers to this shard, and how many.
@@ -170,16 +178,10 @@ impl std::fmt::Debug for StreamShard {
 impl StreamShard {
     /// Wraps an opened log.
     pub fn new(key: Arc<ShardKey>, log: SegmentLog<DmaBackend>) -> StreamShard {
-        let names = Arc::new(StreamNames {
-            tenant: key.tenant.clone(),
-            namespace: key.namespace.clone(),
-            stream: key.name.clone(),
-        });
         StreamShard {
             fanout_end: Cell::new(log.committed_end()),
             key,
             log,
-            names,
             interested: RefCell::default(),
         }
     }
@@ -282,11 +284,6 @@ pub fn decode_cache_record(r: &Bytes) -> Option<CacheRecord> {
     })
 }
 
-/// Milliseconds since the epoch.
-pub fn now_ms() -> u64 {
-    now_micros() / 1000
-}
-
 /// A cache shard on its owning core: the log plus the key index derived from it.
 pub struct CacheShard {
     /// Which shard.
@@ -339,26 +336,27 @@ impl CacheShard {
         })
     }
 
-    /// The live value of `key`.
-    pub fn get(&self, key: &str) -> Option<CacheEntry> {
-        let now = now_ms();
+    /// The value of `key` live at `now`.
+    pub fn get(&self, key: &str, now: Now) -> Option<CacheEntry> {
         self.index
             .borrow()
             .get(key)
-            .filter(|e| e.live(now))
+            .filter(|e| e.live(now.wall_ms()))
             .cloned()
     }
 
-    /// Writes `key`; resolves when durable per the fsync mode. Returns the version.
+    /// Writes `key` at `now`; resolves when durable per the fsync mode. Returns the
+    /// version.
     pub async fn put(
         &self,
         key: &str,
         value: Bytes,
         ttl_ms: Option<u64>,
+        now: Now,
     ) -> Result<u64, BrokerError> {
-        let expires = ttl_ms.map_or(0, |t| now_ms() + t.max(1));
+        let expires = ttl_ms.map_or(0, |t| now.wall_ms() + t.max(1));
         let rec = encode_cache_record(true, expires, key, &value);
-        let pending = self.log.begin_append(&[rec], now_micros(), None)?;
+        let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
         let appended = self.log.commit(pending).await?;
         // In commit order (no await since the commit returned): the index follows the log.
         apply(
@@ -374,13 +372,14 @@ impl CacheShard {
         Ok(appended.first)
     }
 
-    /// Removes `key`; returns the value it had (nothing is written when it had none).
-    pub async fn delete(&self, key: &str) -> Result<Option<Bytes>, BrokerError> {
-        let Some(old) = self.get(key) else {
+    /// Removes `key` at `now`; returns the value it had (nothing is written when it had
+    /// none).
+    pub async fn delete(&self, key: &str, now: Now) -> Result<Option<Bytes>, BrokerError> {
+        let Some(old) = self.get(key, now) else {
             return Ok(None);
         };
         let rec = encode_cache_record(false, 0, key, &[]);
-        let pending = self.log.begin_append(&[rec], now_micros(), None)?;
+        let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
         let appended = self.log.commit(pending).await?;
         apply(
             &mut self.index.borrow_mut(),
@@ -398,6 +397,11 @@ impl CacheShard {
     /// Flushes and closes the log.
     pub async fn close(&self) -> Result<(), BrokerError> {
         Ok(self.log.close().await?)
+    }
+
+    /// The log (for health checks and retention).
+    pub fn log(&self) -> &SegmentLog<DmaBackend> {
+        &self.log
     }
 }
 

@@ -227,12 +227,21 @@ impl BrokerProcess {
 
     /// `GET path` on the HTTP endpoint.
     pub fn http_get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        self.http_request("GET", path)
+    }
+
+    /// `POST path` (empty body) on the HTTP endpoint.
+    pub fn http_post(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        self.http_request("POST", path)
+    }
+
+    fn http_request(&self, method: &str, path: &str) -> anyhow::Result<(u16, String)> {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(self.http)?;
         s.set_read_timeout(Some(Duration::from_secs(5)))?;
         write!(
             s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
         )?;
         let mut text = String::new();
         s.read_to_string(&mut text)?;

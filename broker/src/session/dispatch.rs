@@ -1,0 +1,1141 @@
+//! Dispatch: each frame is decoded once into a [`Request`], then decided into one
+//! [`Action`] against a [`Directory`] (names, shard routes) at `now`. No I/O: the driver
+//! carries the action out and encodes its outcome through [`crate::session::answer`].
+//!
+//! One publish path serves binary and JSON publishes alike: authorize, look the stream
+//! up (creating it in dev mode only for a token that may write it), pick the shard,
+//! resolve its owner, then append here, forward to the leader, or refuse.
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use felix_core_runtime::clock::Now;
+use felix_core_runtime::placement::{ShardKey, ShardKind};
+use felix_wire::binary::WireStr;
+use felix_wire::flags::FrameKind;
+use felix_wire::frame::FrameError;
+use felix_wire::message::{self, RequestSummary, StartPosition};
+use felix_wire::{Features, Frame, Generation, Message, PublishBatch, RequestId, ShardId, routing};
+
+use crate::auth::Action as Perm;
+use crate::catalog::Entry;
+use crate::cluster::{Resolved, Route};
+use crate::core::CacheOp;
+use crate::error::{BrokerError, cut};
+use crate::session::Session;
+use crate::session::answer::{self, AnswerTo};
+
+/// What dispatch needs to know about names and routes. The broker's core implements
+/// it; tests and the fuzz target use an in-memory one.
+pub trait Directory {
+    /// A stream, created with the defaults when `create` (dev mode).
+    fn stream(&self, t: &str, ns: &str, s: &str, create: bool) -> Result<Rc<Entry>, BrokerError>;
+    /// A cache, created with the defaults when `create` (dev mode).
+    fn cache(&self, t: &str, ns: &str, c: &str, create: bool) -> Result<Rc<Entry>, BrokerError>;
+    /// Who serves a shard.
+    fn resolve(&self, key: &ShardKey) -> Resolved;
+    /// Live brokers clients may use: `(node_id, addr)`.
+    fn topology(&self) -> Vec<(String, String)>;
+    /// The route of every shard of a stream or cache.
+    fn owners(&self, kind: ShardKind, t: &str, ns: &str, name: &str) -> Vec<(u32, Route)>;
+}
+
+/// A publish, from either layout.
+#[derive(Debug, Clone)]
+pub struct Publish {
+    /// Tenant.
+    pub tenant: WireStr,
+    /// Namespace.
+    pub namespace: WireStr,
+    /// Stream.
+    pub stream: WireStr,
+    /// Routing key.
+    pub key: Option<Bytes>,
+    /// Explicit shard (JSON only).
+    pub shard: Option<u32>,
+    /// The records (slices of the received frame).
+    pub records: Vec<Bytes>,
+    /// Who is owed the answer.
+    pub answer: AnswerTo,
+    /// The request as received, framed again for a leader if it must be forwarded.
+    pub wire: Bytes,
+}
+
+impl Publish {
+    /// Payload bytes.
+    pub fn bytes(&self) -> usize {
+        self.records.iter().map(Bytes::len).sum()
+    }
+}
+
+/// The operation of a cache request.
+#[derive(Debug, Clone)]
+pub enum CacheRequestOp {
+    /// `cache_get`.
+    Get,
+    /// `cache_put` with an optional TTL.
+    Put(Bytes, Option<u64>),
+    /// `cache_delete`.
+    Delete,
+}
+
+/// A cache request.
+#[derive(Debug, Clone)]
+pub struct CacheRequest {
+    /// Tenant.
+    pub tenant: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Cache.
+    pub cache: String,
+    /// Key.
+    pub key: String,
+    /// Correlation id.
+    pub request_id: Option<RequestId>,
+    /// What to do.
+    pub op: CacheRequestOp,
+    /// The request as received, for forwarding.
+    pub wire: Bytes,
+}
+
+/// One request, decoded once.
+#[derive(Debug, Clone)]
+pub enum Request {
+    /// Binary or JSON publish.
+    Publish(Publish),
+    /// How many shards a stream has.
+    StreamShards {
+        /// Tenant.
+        tenant: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Correlation.
+        request_id: RequestId,
+    },
+    /// How many shards a cache has.
+    CacheShards {
+        /// Tenant.
+        tenant: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Correlation.
+        request_id: RequestId,
+    },
+    /// Which brokers a client may use.
+    Topology,
+    /// Subscribe to one shard of a stream.
+    Subscribe {
+        /// Tenant.
+        tenant: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard (0 when absent).
+        shard: Option<ShardId>,
+        /// Where to start.
+        start: Option<StartPosition>,
+    },
+    /// Who leads each shard.
+    ShardOwners {
+        /// Tenant.
+        tenant: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream or cache.
+        name: String,
+        /// Which.
+        kind: message::ShardKind,
+        /// Correlation.
+        request_id: RequestId,
+    },
+    /// Cache get, put or delete.
+    Cache(CacheRequest),
+    /// A frame that is refused as it stands: malformed, a second `auth`, an ack or
+    /// event batch sent by a client. `ends_stream` when the stream cannot go on.
+    Refused {
+        /// Why.
+        error: BrokerError,
+        /// Whether the stream ends after the answer.
+        ends_stream: bool,
+    },
+    /// A request this broker does not serve.
+    Unsupported(Option<RequestSummary>),
+}
+
+/// What the driver does for one request.
+#[derive(Debug)]
+pub enum Action {
+    /// Write this answer.
+    Answer(Bytes),
+    /// Nothing to write; an unanswered request was refused (counted).
+    Refused(BrokerError),
+    /// Write the answer (if any), then end the stream.
+    Close(Option<Bytes>),
+    /// Append to a shard this broker serves.
+    Append {
+        /// The shard.
+        key: Arc<ShardKey>,
+        /// The records.
+        records: Vec<Bytes>,
+        /// Who is owed the answer.
+        answer: AnswerTo,
+    },
+    /// Send the request on to the shard's leader and relay its answer.
+    Forward {
+        /// The leader.
+        route: Route,
+        /// The request, framed.
+        frame: Bytes,
+        /// What the answer is.
+        answer: Forwarded,
+    },
+    /// A cache operation on a shard this broker serves.
+    Cache {
+        /// The shard.
+        key: Arc<ShardKey>,
+        /// What to do.
+        op: CacheOp,
+        /// Who is owed the answer, and the names it echoes.
+        reply: CacheReply,
+    },
+    /// Register a subscription and start its pump.
+    Subscribe {
+        /// The shard.
+        key: Arc<ShardKey>,
+        /// Where to start.
+        start: Option<StartPosition>,
+    },
+}
+
+/// The answer owed for a forwarded request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forwarded {
+    /// A publish's answer, re-encoded for this client with the leader named.
+    Publish(AnswerTo),
+    /// A JSON answer passed through.
+    Json,
+}
+
+/// The names a cache answer echoes.
+#[derive(Debug, Clone)]
+pub struct CacheReply {
+    /// Tenant.
+    pub tenant: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Cache.
+    pub cache: String,
+    /// Key.
+    pub key: String,
+    /// Correlation.
+    pub request_id: Option<RequestId>,
+    /// Whether the request was a put (answered `cache_ok`).
+    pub put: bool,
+}
+
+/// Longest cache key.
+pub const CACHE_KEY_MAX_BYTES: usize = 4096;
+
+/// Decodes one frame read after the handshake. `answered` is false on a client's
+/// unidirectional stream: publishes there are never answered.
+pub fn decode(frame: &Frame, answered: bool) -> Request {
+    let owed = |a: AnswerTo| if answered { a } else { AnswerTo::Nothing };
+    match frame.kind {
+        FrameKind::PublishBatch => match PublishBatch::decode(frame.flags, &frame.payload) {
+            Ok(b) => Request::Publish(Publish {
+                answer: owed(
+                    b.ack
+                        .map_or(AnswerTo::Nothing, |a| AnswerTo::Binary(a.request_id)),
+                ),
+                tenant: b.tenant,
+                namespace: b.namespace,
+                stream: b.stream,
+                key: b.key,
+                shard: None,
+                records: b.payloads,
+                wire: crate::forward::reframe(frame),
+            }),
+            Err(e) => Request::Refused {
+                error: BrokerError::InvalidRequest(e.to_string()),
+                ends_stream: false,
+            },
+        },
+        FrameKind::Json => match Message::decode(&frame.payload) {
+            Ok(m) => from_message(m, &frame.payload, owed),
+            Err(e) => Request::Refused {
+                error: BrokerError::InvalidRequest(e.to_string()),
+                ends_stream: false,
+            },
+        },
+        FrameKind::PublishAck | FrameKind::EventBatch => Request::Refused {
+            error: BrokerError::InvalidRequest("clients do not send acks or event batches".into()),
+            ends_stream: false,
+        },
+    }
+}
+
+/// The request for a frame the reader could not read whole.
+pub fn undecodable(e: &FrameError) -> Request {
+    Request::Refused {
+        error: BrokerError::InvalidRequest(e.to_string()),
+        ends_stream: !e.stream_still_aligned(),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn json_publish(
+    raw: &Bytes,
+    owed: impl Fn(AnswerTo) -> AnswerTo,
+    (tenant, namespace, stream): (String, String, String),
+    records: Vec<Bytes>,
+    key: Option<Bytes>,
+    shard: Option<ShardId>,
+    request_id: Option<RequestId>,
+    ack: Option<message::AckMode>,
+) -> Request {
+    let acked = ack.is_some_and(|a| a != message::AckMode::None);
+    let answer = match (acked, request_id) {
+        (false, _) => AnswerTo::Nothing,
+        (true, Some(rid)) => AnswerTo::Json(rid),
+        (true, None) => {
+            return Request::Refused {
+                error: BrokerError::InvalidRequest("an acked publish needs a request_id".into()),
+                ends_stream: false,
+            };
+        }
+    };
+    Request::Publish(Publish {
+        tenant: tenant.into(),
+        namespace: namespace.into(),
+        stream: stream.into(),
+        key,
+        shard: shard.map(|s| s.0),
+        records,
+        answer: owed(answer),
+        wire: crate::forward::json_frame(raw),
+    })
+}
+
+fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) -> Request {
+    match m {
+        Message::Publish {
+            tenant_id,
+            namespace,
+            stream,
+            payload,
+            key,
+            shard,
+            request_id,
+            ack,
+        } => json_publish(
+            raw,
+            owed,
+            (tenant_id, namespace, stream),
+            vec![payload],
+            key,
+            shard,
+            request_id,
+            ack,
+        ),
+        Message::PublishBatch {
+            tenant_id,
+            namespace,
+            stream,
+            payloads,
+            key,
+            shard,
+            request_id,
+            ack,
+        } => json_publish(
+            raw,
+            owed,
+            (tenant_id, namespace, stream),
+            payloads,
+            key,
+            shard,
+            request_id,
+            ack,
+        ),
+        Message::StreamShards {
+            tenant_id,
+            namespace,
+            stream,
+            request_id,
+        } => Request::StreamShards {
+            tenant: tenant_id,
+            namespace,
+            stream,
+            request_id,
+        },
+        Message::CacheShards {
+            tenant_id,
+            namespace,
+            cache,
+            request_id,
+        } => Request::CacheShards {
+            tenant: tenant_id,
+            namespace,
+            cache,
+            request_id,
+        },
+        Message::Topology => Request::Topology,
+        Message::Subscribe {
+            tenant_id,
+            namespace,
+            stream,
+            start,
+            shard,
+            ..
+        } => Request::Subscribe {
+            tenant: tenant_id,
+            namespace,
+            stream,
+            shard,
+            start,
+        },
+        Message::ShardOwners {
+            tenant_id,
+            namespace,
+            name,
+            kind,
+            request_id,
+        } => Request::ShardOwners {
+            tenant: tenant_id,
+            namespace,
+            name,
+            kind,
+            request_id,
+        },
+        Message::CacheGet {
+            tenant_id,
+            namespace,
+            cache,
+            key,
+            request_id,
+        } => cache_request(
+            raw,
+            (tenant_id, namespace, cache, key),
+            request_id,
+            CacheRequestOp::Get,
+        ),
+        Message::CachePut {
+            tenant_id,
+            namespace,
+            cache,
+            key,
+            value,
+            request_id,
+            ttl_ms,
+        } => cache_request(
+            raw,
+            (tenant_id, namespace, cache, key),
+            request_id,
+            CacheRequestOp::Put(value, ttl_ms),
+        ),
+        Message::CacheDelete {
+            tenant_id,
+            namespace,
+            cache,
+            key,
+            request_id,
+        } => cache_request(
+            raw,
+            (tenant_id, namespace, cache, key),
+            request_id,
+            CacheRequestOp::Delete,
+        ),
+        Message::Auth { .. } => Request::Refused {
+            error: BrokerError::InvalidRequest("second auth on an authenticated stream".into()),
+            ends_stream: false,
+        },
+        _ => Request::Unsupported(message::peek_request(raw)),
+    }
+}
+
+fn cache_request(
+    raw: &Bytes,
+    (tenant, namespace, cache, key): (String, String, String, String),
+    request_id: Option<RequestId>,
+    op: CacheRequestOp,
+) -> Request {
+    Request::Cache(CacheRequest {
+        tenant,
+        namespace,
+        cache,
+        key,
+        request_id,
+        op,
+        wire: crate::forward::json_frame(raw),
+    })
+}
+
+/// Decides what to do with `request`. `answered` is false on a client's
+/// unidirectional stream, where only publishes may travel and nothing is answered.
+pub fn decide(
+    session: &Session,
+    dir: &impl Directory,
+    request: Request,
+    answered: bool,
+    now: Now,
+) -> Action {
+    let error = |e: BrokerError| Action::Answer(answer::error(session, &e));
+    if !answered && !matches!(request, Request::Publish(_)) {
+        return Action::Close(None);
+    }
+    match request {
+        Request::Publish(p) => publish(session, dir, p, answered, now),
+        Request::Refused {
+            error: e,
+            ends_stream,
+        } => {
+            let frame = answer::error(session, &e);
+            if ends_stream {
+                Action::Close(Some(frame))
+            } else {
+                Action::Answer(frame)
+            }
+        }
+        Request::StreamShards {
+            tenant,
+            namespace,
+            stream,
+            request_id,
+        } => {
+            let create = session.may_create(true, &namespace, &stream);
+            match session
+                .check_tenant(&tenant)
+                .and_then(|()| dir.stream(&tenant, &namespace, &stream, create))
+            {
+                Ok(e) => Action::Answer(
+                    Message::StreamShardsView {
+                        shards: e.spec.shards,
+                        request_id,
+                        routing: (e.spec.routing == routing::ShardRouting::JumpHash)
+                            .then_some(e.spec.routing),
+                    }
+                    .to_frame(),
+                ),
+                // A stream this broker has not heard of has no shards: the SDK's
+                // sharded subscribe fails rather than reading shard 0 of nothing.
+                Err(BrokerError::NotFound(_)) => Action::Answer(
+                    Message::StreamShardsView {
+                        shards: 0,
+                        request_id,
+                        routing: None,
+                    }
+                    .to_frame(),
+                ),
+                Err(e) => error(e),
+            }
+        }
+        Request::CacheShards {
+            tenant,
+            namespace,
+            cache,
+            request_id,
+        } => {
+            let create = session.may_create(false, &namespace, &cache);
+            match session
+                .check_tenant(&tenant)
+                .and_then(|()| dir.cache(&tenant, &namespace, &cache, create))
+            {
+                Ok(e) => Action::Answer(
+                    Message::CacheShardsView {
+                        shards: e.spec.shards,
+                        request_id,
+                    }
+                    .to_frame(),
+                ),
+                Err(e) => error(e),
+            }
+        }
+        Request::Topology => Action::Answer(
+            Message::TopologyView {
+                brokers: dir
+                    .topology()
+                    .into_iter()
+                    .map(|(node_id, addr)| message::BrokerEndpoint { node_id, addr })
+                    .collect(),
+            }
+            .to_frame(),
+        ),
+        Request::Subscribe {
+            tenant,
+            namespace,
+            stream,
+            shard,
+            start,
+        } => {
+            let key = session
+                .authorize(Perm::StreamSubscribe, &tenant, &namespace, &stream, now)
+                .and_then(|()| {
+                    let create = session.may_create(true, &namespace, &stream);
+                    let entry = dir.stream(&tenant, &namespace, &stream, create)?;
+                    shard_key(
+                        &entry,
+                        &tenant,
+                        &namespace,
+                        &stream,
+                        shard.map_or(0, |s| s.0),
+                    )
+                });
+            match key.map(|k| (dir.resolve(&k), k)) {
+                Ok((Resolved::Local, key)) => Action::Subscribe { key, start },
+                Ok((Resolved::Remote(route), _)) => Action::Answer(not_leader(session, &route)),
+                Ok((Resolved::Unavailable(reason), _)) => {
+                    error(BrokerError::ShardUnavailable(reason.into()))
+                }
+                Err(e) => error(e),
+            }
+        }
+        Request::ShardOwners {
+            tenant,
+            namespace,
+            name,
+            kind,
+            request_id,
+        } => match session.check_tenant(&tenant) {
+            Ok(()) => {
+                let kind = match kind {
+                    message::ShardKind::Stream => ShardKind::Stream,
+                    message::ShardKind::Cache => ShardKind::Cache,
+                };
+                let owners = dir
+                    .owners(kind, &tenant, &namespace, &name)
+                    .into_iter()
+                    .map(|(shard, r)| message::ShardOwner {
+                        shard: ShardId(shard),
+                        node_id: Some(r.leader.to_string()),
+                        unavailable: r.addr.is_none(),
+                        addr: r.addr.map(|a| a.to_string()),
+                        generation: Generation(r.generation),
+                    })
+                    .collect();
+                Action::Answer(Message::ShardOwnersView { owners, request_id }.to_frame())
+            }
+            Err(e) => error(e),
+        },
+        Request::Cache(c) => cache(session, dir, c, now),
+        Request::Unsupported(summary) => unsupported(session, summary),
+    }
+}
+
+fn shard_key(
+    entry: &Entry,
+    t: &str,
+    ns: &str,
+    name: &str,
+    shard: u32,
+) -> Result<Arc<ShardKey>, BrokerError> {
+    entry.key(shard).cloned().ok_or_else(|| {
+        BrokerError::InvalidRequest(format!(
+            "shard {shard} out of range: {t}/{ns}/{name} has {} shards",
+            entry.spec.shards
+        ))
+    })
+}
+
+fn publish(
+    session: &Session,
+    dir: &impl Directory,
+    p: Publish,
+    answered: bool,
+    now: Now,
+) -> Action {
+    let answer = p.answer;
+    let refuse = |e: BrokerError| match answer {
+        AnswerTo::Nothing if answered && matches!(e, BrokerError::InvalidRequest(_)) => {
+            // An unacked publish that cannot be read gets an `error`: the client
+            // would otherwise never learn its publishes are malformed.
+            Action::Answer(answer::error(session, &e))
+        }
+        AnswerTo::Nothing => Action::Refused(e),
+        to => {
+            Action::Answer(answer::publish(session, to, Err(e), None).expect("an answer is owed"))
+        }
+    };
+    let (t, ns, s) = (p.tenant.as_str(), p.namespace.as_str(), p.stream.as_str());
+    if let Err(e) = session.authorize(Perm::StreamPublish, t, ns, s, now) {
+        return refuse(e);
+    }
+    if p.records.is_empty() {
+        return refuse(BrokerError::InvalidRequest(
+            "a publish batch needs at least one record".into(),
+        ));
+    }
+    let entry = match dir.stream(t, ns, s, session.may_create(true, ns, s)) {
+        Ok(e) => e,
+        Err(e) => return refuse(e),
+    };
+    let shard = match p.shard {
+        Some(n) => n,
+        None => routing::shard_for_key(p.key.as_deref(), entry.spec.shards, entry.spec.routing).0,
+    };
+    let key = match shard_key(&entry, t, ns, s, shard) {
+        Ok(k) => k,
+        Err(e) => return refuse(e),
+    };
+    match dir.resolve(&key) {
+        Resolved::Local => Action::Append {
+            key,
+            records: p.records,
+            answer,
+        },
+        Resolved::Remote(route) => Action::Forward {
+            route,
+            frame: p.wire,
+            answer: Forwarded::Publish(answer),
+        },
+        Resolved::Unavailable(reason) => refuse(BrokerError::ShardUnavailable(reason.into())),
+    }
+}
+
+fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> Action {
+    let error = |e: BrokerError| Action::Answer(answer::error(session, &e));
+    let perm = match c.op {
+        CacheRequestOp::Get => Perm::CacheRead,
+        CacheRequestOp::Put(..) | CacheRequestOp::Delete => Perm::CacheWrite,
+    };
+    let key = session
+        .authorize(perm, &c.tenant, &c.namespace, &c.cache, now)
+        .and_then(|()| {
+            if c.key.len() > CACHE_KEY_MAX_BYTES {
+                return Err(BrokerError::InvalidRequest(format!(
+                    "cache keys are at most {CACHE_KEY_MAX_BYTES} bytes"
+                )));
+            }
+            let create = session.may_create(false, &c.namespace, &c.cache);
+            let entry = dir.cache(&c.tenant, &c.namespace, &c.cache, create)?;
+            let shard = routing::shard_for_key(
+                Some(c.key.as_bytes()),
+                entry.spec.shards,
+                entry.spec.routing,
+            )
+            .0;
+            shard_key(&entry, &c.tenant, &c.namespace, &c.cache, shard)
+        });
+    let key = match key {
+        Ok(k) => k,
+        Err(e) => return error(e),
+    };
+    match dir.resolve(&key) {
+        Resolved::Local => {
+            let put = matches!(c.op, CacheRequestOp::Put(..));
+            let op = match c.op {
+                CacheRequestOp::Get => CacheOp::Get(c.key.clone()),
+                CacheRequestOp::Put(v, ttl) => CacheOp::Put(c.key.clone(), v, ttl),
+                CacheRequestOp::Delete => CacheOp::Delete(c.key.clone()),
+            };
+            Action::Cache {
+                key,
+                op,
+                reply: CacheReply {
+                    tenant: c.tenant,
+                    namespace: c.namespace,
+                    cache: c.cache,
+                    key: c.key,
+                    request_id: c.request_id,
+                    put,
+                },
+            }
+        }
+        Resolved::Remote(route) => Action::Forward {
+            route,
+            frame: c.wire,
+            answer: Forwarded::Json,
+        },
+        Resolved::Unavailable(reason) => error(BrokerError::ShardUnavailable(reason.into())),
+    }
+}
+
+/// A subscribe for a shard another broker leads: `not_leader` to clients that take
+/// redirects, a coded error to the rest.
+fn not_leader(session: &Session, route: &Route) -> Bytes {
+    if session.features.contains(Features::REDIRECT) {
+        Message::NotLeader {
+            node_id: route.leader.to_string(),
+            addr: route.addr.map(|a| a.to_string()),
+            generation: Generation(route.generation),
+        }
+        .to_frame()
+    } else {
+        answer::error(
+            session,
+            &BrokerError::NotLeader {
+                node_id: route.leader.to_string(),
+                addr: route.addr.map(|a| a.to_string()),
+            },
+        )
+    }
+}
+
+/// A request we do not serve (an unknown type, or one whose feature we did not
+/// advertise): `unsupported` when both sides offered it; otherwise say why and end the
+/// stream. What the client sent is echoed only in part.
+fn unsupported(session: &Session, summary: Option<RequestSummary>) -> Action {
+    if session.features.contains(Features::UNSUPPORTED) {
+        Action::Answer(
+            Message::Unsupported {
+                request_type: summary
+                    .as_ref()
+                    .map_or_else(|| "unknown".into(), |s| cut(&s.request_type).to_owned()),
+                extension: summary
+                    .as_ref()
+                    .and_then(|s| s.name.as_deref().map(|n| cut(n).to_owned())),
+                request_id: summary.and_then(|s| s.request_id),
+            }
+            .to_frame(),
+        )
+    } else {
+        let kind = summary.map(|s| cut(&s.request_type).to_owned());
+        Action::Close(Some(answer::error(
+            session,
+            &BrokerError::InvalidRequest(format!(
+                "unsupported request {:?}",
+                kind.unwrap_or_default()
+            )),
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::BytesMut;
+    use felix_wire::binary::AckPrefix;
+    use felix_wire::{AckMode, ErrorCode, Flags, PublishAck, PublishBatchHeader};
+
+    use super::*;
+    use crate::session::testing::{MemDirectory, TENANT, at, parse_frame, session, session_with};
+
+    fn binary_publish(t: &str, ns: &str, s: &str, key: Option<&[u8]>, rid: Option<u64>) -> Frame {
+        let mut buf = BytesMut::new();
+        PublishBatchHeader {
+            tenant: t,
+            namespace: ns,
+            stream: s,
+            ack: rid.map(|id| AckPrefix {
+                request_id: RequestId(id),
+                ack_mode: AckMode::PerMessage,
+            }),
+            idempotent: None,
+            key,
+        }
+        .encode_frame(&mut buf, &[b"one".as_slice(), b"two"])
+        .unwrap();
+        parse_frame(&buf.freeze())
+    }
+
+    fn json(m: Message) -> Frame {
+        parse_frame(&m.to_frame())
+    }
+
+    fn decide_frame(s: &Session, dir: &MemDirectory, f: &Frame, answered: bool) -> Action {
+        decide(s, dir, decode(f, answered), answered, at(2_000))
+    }
+
+    /// The error code of an `error` frame or a failed binary ack.
+    fn refusal_code(a: &Action) -> ErrorCode {
+        let (Action::Answer(b) | Action::Close(Some(b))) = a else {
+            panic!("not an answer: {a:?}");
+        };
+        let f = parse_frame(b);
+        match f.kind {
+            FrameKind::PublishAck => {
+                PublishAck::decode(f.flags, &f.payload)
+                    .unwrap()
+                    .code
+                    .unwrap()
+                    .code
+            }
+            _ => match Message::decode(&f.payload).unwrap() {
+                Message::Error { code, .. } | Message::PublishError { code, .. } => code.unwrap(),
+                other => panic!("not a refusal: {other:?}"),
+            },
+        }
+    }
+
+    #[test]
+    fn binary_and_json_publishes_take_the_same_path_to_the_same_shard() {
+        let dir = MemDirectory::new(4);
+        let s = session();
+        let bin = decide_frame(
+            &s,
+            &dir,
+            &binary_publish(TENANT, "ns", "orders", Some(b"k1"), Some(9)),
+            true,
+        );
+        let js = decide_frame(
+            &s,
+            &dir,
+            &json(Message::PublishBatch {
+                tenant_id: TENANT.into(),
+                namespace: "ns".into(),
+                stream: "orders".into(),
+                payloads: vec![Bytes::from_static(b"one"), Bytes::from_static(b"two")],
+                key: Some(Bytes::from_static(b"k1")),
+                shard: None,
+                request_id: Some(RequestId(9)),
+                ack: Some(message::AckMode::PerMessage),
+            }),
+            true,
+        );
+        let (
+            Action::Append {
+                key: k1,
+                records: r1,
+                answer: a1,
+            },
+            Action::Append {
+                key: k2,
+                records: r2,
+                answer: a2,
+            },
+        ) = (bin, js)
+        else {
+            panic!("both append");
+        };
+        assert_eq!(k1, k2, "one routing decision");
+        assert_eq!(r1, r2);
+        assert_eq!(a1, AnswerTo::Binary(RequestId(9)));
+        assert_eq!(a2, AnswerTo::Json(RequestId(9)));
+    }
+
+    #[test]
+    fn names_near_the_protocols_limit_are_refused_with_an_answer_that_encodes() {
+        let dir = MemDirectory::new(1);
+        let s = session();
+        let long = "n".repeat(65_000);
+        let a = decide_frame(
+            &s,
+            &dir,
+            &binary_publish(TENANT, &long, &long, None, Some(1)),
+            true,
+        );
+        assert_eq!(refusal_code(&a), ErrorCode::InvalidRequest);
+        let Action::Answer(b) = a else { unreachable!() };
+        assert!(
+            b.len() < 2_048,
+            "the echoed names are cut: {} bytes",
+            b.len()
+        );
+        // Another tenant's name, huge: forbidden, and bounded too.
+        let a = decide_frame(
+            &s,
+            &dir,
+            &binary_publish(&long, "ns", "s", None, Some(2)),
+            true,
+        );
+        assert_eq!(refusal_code(&a), ErrorCode::Forbidden);
+    }
+
+    #[test]
+    fn an_unanswered_publish_is_refused_silently_and_a_uni_stream_carries_only_publishes() {
+        let dir = MemDirectory::new(1);
+        let s = session();
+        let a = decide_frame(
+            &s,
+            &dir,
+            &binary_publish("t2", "ns", "s", None, None),
+            false,
+        );
+        assert!(
+            matches!(a, Action::Refused(BrokerError::Forbidden(_))),
+            "{a:?}"
+        );
+        // A publish with an ack prefix on a uni stream is still never answered.
+        let a = decide_frame(
+            &s,
+            &dir,
+            &binary_publish(TENANT, "ns", "s", None, Some(3)),
+            false,
+        );
+        assert!(
+            matches!(
+                a,
+                Action::Append {
+                    answer: AnswerTo::Nothing,
+                    ..
+                }
+            ),
+            "{a:?}"
+        );
+        let a = decide_frame(&s, &dir, &json(Message::Topology), false);
+        assert!(matches!(a, Action::Close(None)), "{a:?}");
+    }
+
+    #[test]
+    fn dev_mode_creates_a_stream_only_for_a_token_that_may_write_it() {
+        let dir = MemDirectory::new(2);
+        let reader = session_with(
+            vec![format!("stream.subscribe:stream:{TENANT}/*/*")],
+            Features::ERROR_CODES,
+        );
+        let shards = |s: &Session| {
+            let a = decide_frame(
+                s,
+                &dir,
+                &json(Message::StreamShards {
+                    tenant_id: TENANT.into(),
+                    namespace: "ns".into(),
+                    stream: "fresh".into(),
+                    request_id: RequestId(1),
+                }),
+                true,
+            );
+            let Action::Answer(b) = a else {
+                panic!("{a:?}")
+            };
+            match Message::decode(&parse_frame(&b).payload).unwrap() {
+                Message::StreamShardsView { shards, .. } => shards,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(shards(&reader), 0, "unknown to a reader, and not created");
+        assert!(dir.catalog().spec(true, TENANT, "ns", "fresh").is_none());
+        let sub = decide_frame(
+            &reader,
+            &dir,
+            &json(Message::Subscribe {
+                tenant_id: TENANT.into(),
+                namespace: "ns".into(),
+                stream: "fresh".into(),
+                subscription_id: None,
+                start: None,
+                shard: None,
+                queue_capacity: None,
+            }),
+            true,
+        );
+        assert_eq!(refusal_code(&sub), ErrorCode::NotFound);
+        assert_eq!(shards(&session()), 2, "a writer creates it");
+        assert_eq!(shards(&reader), 2, "then everyone sees it");
+    }
+
+    #[test]
+    fn routes_decide_between_append_forward_and_refusal() {
+        let dir = MemDirectory::new(2);
+        let s = session();
+        let frame = binary_publish(TENANT, "ns", "s", None, Some(1));
+        let Action::Append { key, .. } = decide_frame(&s, &dir, &frame, true) else {
+            panic!()
+        };
+        dir.remote.borrow_mut().insert(
+            (*key).clone(),
+            Route {
+                leader: "node-b".into(),
+                addr: Some(([127, 0, 0, 1], 6000).into()),
+                generation: 4,
+            },
+        );
+        let a = decide_frame(&s, &dir, &frame, true);
+        let Action::Forward {
+            frame: wire,
+            answer,
+            route,
+        } = a
+        else {
+            panic!("{a:?}")
+        };
+        assert_eq!(&*route.leader, "node-b");
+        assert_eq!(answer, Forwarded::Publish(AnswerTo::Binary(RequestId(1))));
+        assert_eq!(
+            parse_frame(&wire).payload,
+            frame.payload,
+            "forwarded as received"
+        );
+        dir.remote.borrow_mut().clear();
+        dir.unavailable.borrow_mut().insert((*key).clone());
+        assert_eq!(
+            refusal_code(&decide_frame(&s, &dir, &frame, true)),
+            ErrorCode::ShardUnavailable
+        );
+    }
+
+    #[test]
+    fn a_shard_out_of_range_and_an_empty_batch_are_invalid() {
+        let dir = MemDirectory::new(2);
+        let s = session();
+        let sub = json(Message::Subscribe {
+            tenant_id: TENANT.into(),
+            namespace: "ns".into(),
+            stream: "s".into(),
+            subscription_id: None,
+            start: None,
+            shard: Some(ShardId(7)),
+            queue_capacity: None,
+        });
+        assert_eq!(
+            refusal_code(&decide_frame(&s, &dir, &sub, true)),
+            ErrorCode::InvalidRequest
+        );
+        let empty = json(Message::PublishBatch {
+            tenant_id: TENANT.into(),
+            namespace: "ns".into(),
+            stream: "s".into(),
+            payloads: vec![],
+            key: None,
+            shard: None,
+            request_id: Some(RequestId(5)),
+            ack: Some(message::AckMode::PerBatch),
+        });
+        assert_eq!(
+            refusal_code(&decide_frame(&s, &dir, &empty, true)),
+            ErrorCode::InvalidRequest
+        );
+    }
+
+    #[test]
+    fn unknown_requests_end_the_stream_unless_the_client_takes_unsupported() {
+        let dir = MemDirectory::new(1);
+        let mut buf = BytesMut::new();
+        felix_wire::frame::write_frame(
+            &mut buf,
+            Flags::JSON,
+            format!(
+                r#"{{"type":"frobnicate","request_id":4,"name":"{}"}}"#,
+                "x".repeat(10_000)
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let frame = parse_frame(&buf.freeze());
+        let plain = decide_frame(&session(), &dir, &frame, true);
+        assert!(matches!(plain, Action::Close(Some(_))), "{plain:?}");
+        let taker = session_with(crate::auth::all_data_perms(TENANT), Features::UNSUPPORTED);
+        let Action::Answer(b) = decide_frame(&taker, &dir, &frame, true) else {
+            panic!()
+        };
+        assert!(b.len() < 1_024, "the request type is echoed cut");
+        assert!(matches!(
+            Message::decode(&parse_frame(&b).payload).unwrap(),
+            Message::Unsupported {
+                request_id: Some(RequestId(4)),
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_session_is_refused_once_its_token_expires_on_virtual_time() {
+        let dir = MemDirectory::new(1);
+        let token =
+            crate::session::testing::token(crate::auth::all_data_perms(TENANT), 1_000, 5_000);
+        let grant = crate::session::testing::keys()
+            .verify(&token, TENANT, 1_000)
+            .unwrap();
+        let s = Session::new(grant, &token, Flags(0xffff), Features::ERROR_CODES);
+        let f = binary_publish(TENANT, "ns", "s", None, Some(1));
+        assert!(matches!(
+            decide(&s, &dir, decode(&f, true), true, at(4_999)),
+            Action::Append { .. }
+        ));
+        let late = decide(&s, &dir, decode(&f, true), true, at(5_000 + 3_600));
+        assert_eq!(refusal_code(&late), ErrorCode::Unauthenticated);
+    }
+}

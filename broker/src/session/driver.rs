@@ -1,0 +1,732 @@
+//! The session driver: the only file in `session/` that touches QUIC streams, tasks and
+//! the clock. It moves bytes between the connection and the sans-IO pieces: frames into
+//! [`handshake`](super::handshake) and [`dispatch`](super::dispatch), actions out to the
+//! core, answers through the [`Outbox`], live batches through the subscription [`Pump`].
+//!
+//! Per connection ([`ConnScope`]): the authentication deadline, the publish bytes in
+//! flight, the subscription count, and the end of the connection, which ends every
+//! subscription made on it whether or not it was sending anything.
+//! Per stream: one reader (this task) and one writer task; the reader stops reading
+//! while the outbox is at its window or the connection's byte budget is spent.
+
+use std::cell::{Cell, RefCell};
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Poll, Waker};
+use std::time::Duration;
+
+use bytes::Bytes;
+use felix_core_runtime::clock;
+use felix_core_runtime::placement::ShardKey;
+use felix_core_runtime::quic::{ConnId, Connection, RecvStream, SendStream};
+use felix_core_runtime::task;
+use felix_wire::frame::FrameError;
+use felix_wire::message::StartPosition;
+use felix_wire::{Frame, FrameReader, Message, Offset, SubscriptionId};
+use rustc_hash::FxHashMap;
+
+use super::answer::{self, AnswerTo};
+use super::dispatch::{self, Action, CacheReply, Forwarded, Request};
+use super::handshake::{AuthDeadline, AuthTimer, HandshakeEnv, handshake};
+use super::outbox::{Answer, ByteBudget, Flush, Outbox};
+use super::subscription::{Live, Pump};
+use super::{Limits, Session, served_features};
+use crate::core::{CacheAnswer, CoreBroker, SubQueue};
+use crate::error::BrokerError;
+use crate::shard::EventFormat;
+
+/// How long an idle subscriber's pump waits before checking for deliveries another
+/// core dropped.
+const GAP_CHECK: Duration = Duration::from_millis(100);
+/// Queued batches a subscriber's pump writes in one go.
+const LIVE_WRITE_BATCHES: usize = 64;
+/// Bytes of history read from the log per read.
+const HISTORY_READ_BYTES: usize = 1 << 20;
+/// Answers a stream's writer hands to QUIC in one write.
+const WRITE_BATCH_FRAMES: usize = 64;
+/// QUIC application close codes.
+const CLOSE_SHUTDOWN: u32 = 0;
+const CLOSE_AUTH_TIMEOUT: u32 = 1;
+
+/// What a connection's streams share.
+#[derive(Debug)]
+pub struct ConnScope {
+    id: ConnId,
+    limits: Limits,
+    auth: RefCell<AuthDeadline>,
+    budget: RefCell<ByteBudget>,
+    budget_waiters: RefCell<Vec<Waker>>,
+    subscriptions: Cell<usize>,
+    next_subscription: Cell<u64>,
+    closed: Cell<bool>,
+    /// One waker per live subscription, woken when the connection ends.
+    on_close: RefCell<FxHashMap<u64, Waker>>,
+}
+
+impl ConnScope {
+    fn new(id: ConnId, limits: Limits, accepted: std::time::Instant) -> ConnScope {
+        ConnScope {
+            id,
+            limits,
+            auth: RefCell::new(AuthDeadline::new(accepted, limits.auth_timeout)),
+            budget: RefCell::new(ByteBudget::new(limits.inflight_publish_bytes)),
+            budget_waiters: RefCell::default(),
+            subscriptions: Cell::new(0),
+            next_subscription: Cell::new(1),
+            closed: Cell::new(false),
+            on_close: RefCell::default(),
+        }
+    }
+
+    /// Marks the connection ended and wakes everything waiting on it.
+    fn close(&self) {
+        self.closed.set(true);
+        let wakers: Vec<Waker> = self.on_close.borrow_mut().drain().map(|(_, w)| w).collect();
+        wakers.into_iter().for_each(Waker::wake);
+        self.wake_budget();
+    }
+
+    /// Resolves once the connection has ended (`id`: the waiting subscription).
+    async fn closed(&self, id: u64) {
+        poll_fn(|cx| {
+            if self.closed.get() {
+                self.on_close.borrow_mut().remove(&id);
+                return Poll::Ready(());
+            }
+            self.on_close.borrow_mut().insert(id, cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Waits until `n` publish bytes fit the connection's budget, then takes them.
+    /// False when the connection ended first.
+    async fn take_budget(&self, n: usize) -> bool {
+        poll_fn(|cx| {
+            if self.closed.get() {
+                return Poll::Ready(false);
+            }
+            if self.budget.borrow_mut().try_take(n) {
+                return Poll::Ready(true);
+            }
+            self.budget_waiters.borrow_mut().push(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    fn release_budget(&self, n: usize) {
+        if n > 0 {
+            self.budget.borrow_mut().release(n);
+            self.wake_budget();
+        }
+    }
+
+    fn wake_budget(&self) {
+        let waiters = std::mem::take(&mut *self.budget_waiters.borrow_mut());
+        waiters.into_iter().for_each(Waker::wake);
+    }
+}
+
+/// Publish bytes held against a connection's budget until dropped.
+struct Held {
+    scope: Rc<ConnScope>,
+    bytes: usize,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.scope.release_budget(self.bytes);
+    }
+}
+
+/// Serves one accepted connection until it closes.
+pub async fn serve_connection(core: Rc<CoreBroker>, conn: Connection) {
+    core.metrics.connections.fetch_add(1, Ordering::Relaxed);
+    let scope = Rc::new(ConnScope::new(
+        conn.id(),
+        core.shared.limits,
+        clock::now().instant,
+    ));
+    let watchdog = task::spawn(auth_watchdog(conn.clone(), scope.clone()));
+    loop {
+        let next = futures_lite::future::or(
+            async { conn.accept_bi().await.map(|(s, r)| (Some(s), r)) },
+            async { conn.accept_uni().await.map(|r| (None, r)) },
+        )
+        .await;
+        let Ok((send, recv)) = next else { break };
+        let (core, scope, conn) = (core.clone(), scope.clone(), conn.clone());
+        task::spawn(async move {
+            serve_stream(core, scope, conn, send, recv).await;
+        })
+        .detach();
+    }
+    // The connection is gone, closed or silent past its idle timeout: every
+    // subscription made on it ends now, whether or not it had anything to send.
+    scope.close();
+    drop(watchdog);
+    tracing::debug!(conn = ?scope.id, "connection ended");
+    core.metrics.connections.fetch_sub(1, Ordering::Relaxed);
+}
+
+async fn auth_watchdog(conn: Connection, scope: Rc<ConnScope>) {
+    loop {
+        let now = clock::now().instant;
+        let at = scope.auth.borrow().poll(now);
+        match at {
+            AuthTimer::Done => return,
+            AuthTimer::Expired => {
+                conn.close(CLOSE_AUTH_TIMEOUT, b"authentication timeout");
+                return;
+            }
+            AuthTimer::WaitUntil(t) => task::sleep(t.saturating_duration_since(now)).await,
+        }
+    }
+}
+
+/// Closes a connection because the broker is shutting down.
+pub fn close_for_shutdown(conn: &Connection) {
+    conn.close(CLOSE_SHUTDOWN, b"broker shutting down");
+}
+
+/// Reads the next whole frame. `Ok(None)` at a clean end of stream (or a lost one).
+async fn next_frame(
+    recv: &mut RecvStream,
+    reader: &mut FrameReader,
+) -> Result<Option<Frame>, FrameError> {
+    loop {
+        if let Some(f) = reader.next_frame()? {
+            return Ok(Some(f));
+        }
+        match recv.read_chunk(256 * 1024).await {
+            Ok(Some(chunk)) => reader.push(chunk),
+            Ok(None) | Err(_) => return Ok(None),
+        }
+    }
+}
+
+/// A stream's outbox and the two tasks that share it.
+#[derive(Debug)]
+struct Answers {
+    outbox: RefCell<Outbox>,
+    writer: RefCell<Option<Waker>>,
+    reader: RefCell<Option<Waker>>,
+    /// The writer could not write (the peer stopped reading or went away).
+    failed: Cell<bool>,
+}
+
+impl Answers {
+    fn push(&self, answer: Answer) {
+        self.outbox.borrow_mut().push(answer);
+        if let Some(w) = self.writer.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    fn close(&self) {
+        self.outbox.borrow_mut().close();
+        if let Some(w) = self.writer.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    /// Waits until another request's answer fits (or the writer failed).
+    async fn room(&self) {
+        poll_fn(|cx| {
+            if self.failed.get() || self.outbox.borrow().has_room() {
+                Poll::Ready(())
+            } else {
+                *self.reader.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+        .await
+    }
+
+    fn wake_reader(&self) {
+        if let Some(w) = self.reader.borrow_mut().take() {
+            w.wake();
+        }
+    }
+}
+
+async fn write_answers(answers: Rc<Answers>, mut send: SendStream) {
+    let mut batch = Vec::with_capacity(WRITE_BATCH_FRAMES);
+    loop {
+        let flush = poll_fn(|cx| {
+            let f = answers
+                .outbox
+                .borrow_mut()
+                .poll_flush(cx, &mut batch, WRITE_BATCH_FRAMES);
+            if f == Flush::Wait {
+                *answers.writer.borrow_mut() = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            Poll::Ready(f)
+        })
+        .await;
+        match flush {
+            Flush::Done => break,
+            Flush::Wait => unreachable!("waits inside poll_fn"),
+            Flush::Write => {
+                answers.wake_reader();
+                if !batch.is_empty() && send.write_chunks(&mut batch).await.is_err() {
+                    answers.failed.set(true);
+                    answers.wake_reader();
+                    return;
+                }
+                batch.clear();
+            }
+        }
+    }
+    let _ = send.finish();
+}
+
+/// Serves one client-opened stream: handshake, then requests until it ends.
+async fn serve_stream(
+    core: Rc<CoreBroker>,
+    scope: Rc<ConnScope>,
+    conn: Connection,
+    send: Option<SendStream>,
+    mut recv: RecvStream,
+) {
+    let answered = send.is_some();
+    let answers = Rc::new(Answers {
+        outbox: RefCell::new(Outbox::new(core.shared.publish_window as usize)),
+        writer: RefCell::default(),
+        reader: RefCell::default(),
+        failed: Cell::new(false),
+    });
+    let writer = send.map(|s| task::spawn(write_answers(answers.clone(), s)));
+    let mut reader = FrameReader::preauth();
+    if let Some(session) =
+        authenticate(&core, &scope, &answers, answered, &mut recv, &mut reader).await
+    {
+        reader.set_max_payload_bytes(core.shared.max_frame_bytes);
+        serve_requests(
+            &core,
+            &scope,
+            &conn,
+            &answers,
+            &session,
+            answered,
+            &mut recv,
+            &mut reader,
+        )
+        .await;
+    }
+    answers.close();
+    if let Some(w) = writer {
+        w.await;
+    }
+}
+
+/// Reads and checks the first frame; queues its answer. `None`: the stream ends.
+async fn authenticate(
+    core: &CoreBroker,
+    scope: &ConnScope,
+    answers: &Answers,
+    answered: bool,
+    recv: &mut RecvStream,
+    reader: &mut FrameReader,
+) -> Option<Session> {
+    let frame = match next_frame(recv, reader).await {
+        Ok(Some(f)) => f,
+        Ok(None) => return None,
+        Err(e) => {
+            if answered {
+                let e = BrokerError::InvalidRequest(e.to_string());
+                answers.push(Answer::Ready(Some(e.to_message(false).to_frame())));
+            }
+            return None;
+        }
+    };
+    let keys = core.shared.keys.load();
+    let env = HandshakeEnv {
+        keys: &keys,
+        served: served_features(core.shared.cluster.is_some()),
+        draining: core.draining(),
+        publish_window: core.shared.publish_window,
+    };
+    match handshake(&frame, &env, clock::now()) {
+        Ok((session, reply)) => {
+            scope.auth.borrow_mut().authenticated();
+            if answered {
+                answers.push(Answer::Ready(Some(reply)));
+            }
+            Some(session)
+        }
+        Err(refusal) => {
+            tracing::debug!(error = %refusal.error, "stream refused at auth");
+            if answered {
+                answers.push(Answer::Ready(refusal.answer));
+            }
+            None
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn serve_requests(
+    core: &Rc<CoreBroker>,
+    scope: &Rc<ConnScope>,
+    conn: &Connection,
+    answers: &Rc<Answers>,
+    session: &Session,
+    answered: bool,
+    recv: &mut RecvStream,
+    reader: &mut FrameReader,
+) {
+    loop {
+        answers.room().await;
+        if answers.failed.get() || core.draining() || scope.closed.get() {
+            return;
+        }
+        let request = match next_frame(recv, reader).await {
+            Ok(Some(frame)) => dispatch::decode(&frame, answered),
+            Ok(None) => return,
+            Err(e) => dispatch::undecodable(&e),
+        };
+        let held = match &request {
+            Request::Publish(p) => {
+                let bytes = p.bytes();
+                if !scope.take_budget(bytes).await {
+                    return;
+                }
+                Some(Held {
+                    scope: scope.clone(),
+                    bytes,
+                })
+            }
+            _ => None,
+        };
+        let action = dispatch::decide(session, core.as_ref(), request, answered, clock::now());
+        let go_on = execute(core, scope, conn, answers, session, answered, action, held).await;
+        if !go_on {
+            return;
+        }
+    }
+}
+
+/// Carries out one action. Returns false to end the stream.
+#[allow(clippy::too_many_arguments)]
+async fn execute(
+    core: &Rc<CoreBroker>,
+    scope: &Rc<ConnScope>,
+    conn: &Connection,
+    answers: &Rc<Answers>,
+    session: &Session,
+    answered: bool,
+    action: Action,
+    held: Option<Held>,
+) -> bool {
+    match action {
+        Action::Answer(frame) => {
+            answers.push(Answer::Ready(Some(frame)));
+            true
+        }
+        Action::Refused(e) => {
+            tracing::trace!(error = %e, "unanswered publish refused");
+            core.metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
+            true
+        }
+        Action::Close(frame) => {
+            if answered {
+                answers.push(Answer::Ready(frame));
+            }
+            false
+        }
+        Action::Append {
+            key,
+            records,
+            answer,
+        } => {
+            // A stream created by this publish is on disk before the publish is.
+            if core.catalog.shared().needs_persist() && !core.persist_catalog().await {
+                let e = BrokerError::Storage("the catalog could not be persisted".into());
+                reply_publish(answers, session, answer, Err(e));
+                return true;
+            }
+            let bytes: usize = records.iter().map(Bytes::len).sum();
+            core.metrics
+                .publish_bytes
+                .fetch_add(bytes as u64, Ordering::Relaxed);
+            let appended = core.append(key, records);
+            if answer.owed() {
+                let session = session.clone();
+                answers.push(Answer::Pending(Box::pin(async move {
+                    let outcome = appended.await.map(|a| a.first);
+                    drop(held);
+                    answer::publish(&session, answer, outcome, None)
+                })));
+            } else {
+                task::spawn(async move {
+                    let _ = appended.await;
+                    drop(held);
+                })
+                .detach();
+            }
+            true
+        }
+        Action::Forward {
+            route,
+            frame,
+            answer: forwarded,
+        } => {
+            let owed = match forwarded {
+                Forwarded::Publish(a) => a.owed(),
+                Forwarded::Json => true,
+            };
+            let call = core.forward(session, &route, frame, owed);
+            if owed {
+                let session = session.clone();
+                answers.push(Answer::Pending(Box::pin(async move {
+                    let reply = call.await;
+                    drop(held);
+                    match forwarded {
+                        Forwarded::Publish(to) => answer::publish(
+                            &session,
+                            to,
+                            answer::leader_publish_outcome(reply),
+                            Some(&route),
+                        ),
+                        Forwarded::Json => Some(answer::relay_json(&session, reply)),
+                    }
+                })));
+            } else {
+                task::spawn(async move {
+                    let _ = call.await;
+                    drop(held);
+                })
+                .detach();
+            }
+            true
+        }
+        Action::Cache { key, op, reply } => {
+            let (core, session) = (core.clone(), session.clone());
+            answers.push(Answer::Pending(Box::pin(async move {
+                let result = core.cache(key, op).await;
+                Some(cache_answer(&session, reply, result))
+            })));
+            true
+        }
+        Action::Subscribe { key, start } => {
+            if scope.subscriptions.get() >= scope.limits.subscriptions_per_connection {
+                let e = BrokerError::LimitExceeded(format!(
+                    "a connection may hold {} subscriptions",
+                    scope.limits.subscriptions_per_connection
+                ));
+                answers.push(Answer::Ready(Some(answer::error(session, &e))));
+                return true;
+            }
+            scope.subscriptions.set(scope.subscriptions.get() + 1);
+            let (tx, rx) = futures_channel::oneshot::channel::<Bytes>();
+            answers.push(Answer::Pending(Box::pin(async move { rx.await.ok() })));
+            let sub = Subscription {
+                core: core.clone(),
+                scope: scope.clone(),
+                conn: conn.clone(),
+                key,
+                format: EventFormat::for_flags(session.flags),
+                id: scope.next_subscription.get(),
+            };
+            scope.next_subscription.set(sub.id + 1);
+            let session = session.clone();
+            task::spawn(sub.run(session, start, tx)).detach();
+            true
+        }
+    }
+}
+
+fn reply_publish(
+    answers: &Answers,
+    session: &Session,
+    to: AnswerTo,
+    outcome: Result<u64, BrokerError>,
+) {
+    if let Some(frame) = answer::publish(session, to, outcome, None) {
+        answers.push(Answer::Ready(Some(frame)));
+    }
+}
+
+fn cache_answer(
+    session: &Session,
+    reply: CacheReply,
+    result: Result<CacheAnswer, BrokerError>,
+) -> Bytes {
+    match result {
+        Err(e) => e.to_message(session.coded()),
+        Ok(CacheAnswer::Value(value, _)) if !reply.put => Message::CacheValue {
+            tenant_id: reply.tenant,
+            namespace: reply.namespace,
+            cache: reply.cache,
+            key: reply.key,
+            value,
+            request_id: reply.request_id,
+            version: None,
+        },
+        Ok(_) => Message::CacheOk {
+            request_id: reply.request_id.unwrap_or_default(),
+        },
+    }
+    .to_frame()
+}
+
+/// One subscription: registered with the shard's owner, pumped until the connection
+/// ends, the client stops reading, or the broker stops.
+struct Subscription {
+    core: Rc<CoreBroker>,
+    scope: Rc<ConnScope>,
+    conn: Connection,
+    key: Arc<ShardKey>,
+    format: EventFormat,
+    id: u64,
+}
+
+impl Subscription {
+    async fn run(
+        self,
+        session: Session,
+        start: Option<StartPosition>,
+        answer: futures_channel::oneshot::Sender<Bytes>,
+    ) {
+        let sub_id = SubscriptionId(((self.core.core.index() as u64) << 48) | self.id);
+        match self.core.subscribe(self.key.clone(), start).await {
+            Ok((queue, start, live)) => {
+                let _ = answer.send(
+                    Message::Subscribed {
+                        subscription_id: sub_id,
+                        start_offset: Some(Offset(start)),
+                        live_offset: Some(Offset(live)),
+                        queue_capacity: None,
+                    }
+                    .to_frame(),
+                );
+                let pump = Pump::new(self.key.clone(), start, self.format);
+                futures_lite::future::or(
+                    async {
+                        let _ = self.pump(&queue, pump, live, sub_id).await;
+                    },
+                    self.scope.closed(self.id),
+                )
+                .await;
+                self.core.unsubscribe(self.key.clone(), &queue);
+            }
+            Err(BrokerError::Cursor {
+                reason,
+                requested,
+                available,
+            }) => {
+                let _ = answer.send(
+                    Message::SubscribeCursorError {
+                        reason,
+                        requested: Offset(requested),
+                        available: Offset(available),
+                    }
+                    .to_frame(),
+                );
+            }
+            Err(e) => {
+                let _ = answer.send(answer::error(&session, &e));
+            }
+        }
+        self.scope.on_close.borrow_mut().remove(&self.id);
+        self.scope
+            .subscriptions
+            .set(self.scope.subscriptions.get() - 1);
+    }
+
+    /// History from the log up to `live`, then live batches, on a broker-opened
+    /// unidirectional stream. Err when the client went away.
+    async fn pump(
+        &self,
+        queue: &Rc<SubQueue>,
+        mut pump: Pump,
+        live: u64,
+        sub_id: SubscriptionId,
+    ) -> Result<(), ()> {
+        let mut uni = self.conn.open_uni().await.map_err(|_| ())?;
+        uni.write_chunk(
+            Message::EventStreamHello {
+                subscription_id: sub_id,
+            }
+            .to_frame(),
+        )
+        .await
+        .map_err(|_| ())?;
+        // History: never dropped; a slow reader slows the replay.
+        self.read_back(&mut uni, &mut pump, live).await?;
+        let metrics = &self.core.metrics;
+        let lost_inbound = || metrics.deliveries_lost_inbound.load(Ordering::Relaxed);
+        let (mut dropped_seen, mut lost_seen) = (queue.dropped.get(), lost_inbound());
+        let mut ready = Vec::with_capacity(LIVE_WRITE_BATCHES);
+        let mut frames = Vec::with_capacity(LIVE_WRITE_BATCHES);
+        loop {
+            // Batches dropped at the tail leave no later batch to reveal the gap: after
+            // any drop, by this queue or by another core's full outbound queue to this
+            // core, read the log to its end before waiting again. The wait is bounded
+            // so a drop by another core is noticed while idle.
+            if queue.dropped.get() != dropped_seen || lost_inbound() != lost_seen {
+                (dropped_seen, lost_seen) = (queue.dropped.get(), lost_inbound());
+                metrics.subscriber_catchups.fetch_add(1, Ordering::Relaxed);
+                self.read_back(&mut uni, &mut pump, u64::MAX).await?;
+            }
+            let env = match task::timeout(GAP_CHECK, queue.next()).await {
+                Some(Some(env)) => env,
+                Some(None) => break,
+                None => continue,
+            };
+            ready.push(env);
+            queue.take_ready(LIVE_WRITE_BATCHES - 1, &mut ready);
+            for env in ready.drain(..) {
+                loop {
+                    match pump.on_live(&env) {
+                        Live::Stale => break,
+                        Live::Foreign => {
+                            metrics.foreign_batches.fetch_add(1, Ordering::Relaxed);
+                            break;
+                        }
+                        Live::Frame(f) => {
+                            frames.push(f);
+                            break;
+                        }
+                        Live::Gap { to } => {
+                            uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+                            frames.clear();
+                            metrics.subscriber_catchups.fetch_add(1, Ordering::Relaxed);
+                            self.read_back(&mut uni, &mut pump, to).await?;
+                            // What the log no longer holds (retention) is skipped.
+                            pump.skip_to(to);
+                        }
+                    }
+                }
+            }
+            uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+            frames.clear();
+        }
+        let _ = uni.finish();
+        Ok(())
+    }
+
+    /// Writes the committed records `[pump.next(), to)` from the log.
+    async fn read_back(&self, uni: &mut SendStream, pump: &mut Pump, to: u64) -> Result<(), ()> {
+        let mut frames = Vec::new();
+        while pump.next() < to {
+            let batches = self
+                .core
+                .read(self.key.clone(), pump.next(), HISTORY_READ_BYTES)
+                .await
+                .map_err(|_| ())?;
+            let done = pump.on_history(&batches, to, &mut frames);
+            uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+            frames.clear();
+            if done {
+                break;
+            }
+        }
+        Ok(())
+    }
+}

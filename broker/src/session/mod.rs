@@ -1,0 +1,94 @@
+//! One client connection, as sans-IO pieces and a thin driver:
+//!
+//! - [`handshake`]: the first frame of a stream and `now` become a [`Session`] or a
+//!   typed refusal; the connection's authentication deadline.
+//! - [`dispatch`]: each frame decoded once into a request, decided into one action
+//!   against a [`dispatch::Directory`]; one publish path for binary, JSON and forwarded
+//!   publishes.
+//! - [`answer`]: the one encoder of publish outcomes and errors; every string bounded.
+//! - [`outbox`]: answers in request order, bounded by the window; publish bytes in
+//!   flight bounded per connection.
+//! - [`subscription`]: a subscription's position: history, live batches, gaps.
+//! - [`driver`]: the only part that touches QUIC streams, tasks and the clock.
+//!
+//! Time comes in from outside (`now` on every decision), so the pieces are tested on
+//! virtual time without sockets; `broker/fuzz` drives dispatch with arbitrary frames.
+
+pub mod answer;
+pub mod dispatch;
+pub mod driver;
+pub mod handshake;
+pub mod outbox;
+pub mod subscription;
+
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod testing;
+
+use std::time::Duration;
+
+pub use driver::{close_for_shutdown, serve_connection};
+pub use handshake::Session;
+
+use felix_wire::{Features, Flags};
+
+/// Frame layouts this broker reads and writes.
+pub const SERVER_FLAGS: Flags = Flags(
+    0x0001
+        | 0x0004
+        | 0x0008
+        | 0x0010
+        | 0x0020
+        | 0x0040
+        | 0x0080
+        | 0x0200
+        | 0x0400
+        | 0x0800
+        | 0x1000,
+);
+
+/// Requests this broker serves. Advertise only what is served.
+pub const SERVER_FEATURES: Features = Features(
+    Features::TOPOLOGY.0
+        | Features::CACHE_DELETE.0
+        | Features::STREAM_SHARDS.0
+        | Features::CACHE_SHARDS.0
+        | Features::ERROR_CODES.0
+        | Features::UNSUPPORTED.0
+        | Features::PUBLISH_PIPELINE.0
+        | Features::STREAM_PUBLISH_WINDOW.0,
+);
+
+/// What a broker following a control plane serves on top: redirects and owners.
+pub const CLUSTER_FEATURES: Features =
+    Features(SERVER_FEATURES.0 | Features::REDIRECT.0 | Features::SHARD_OWNERS.0);
+
+/// The features a broker serves: more when it follows a control plane.
+pub fn served_features(clustered: bool) -> Features {
+    if clustered {
+        CLUSTER_FEATURES
+    } else {
+        SERVER_FEATURES
+    }
+}
+
+/// Per-connection bounds (configuration; defaults in `docs/configuration.md`).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// A connection with no authenticated stream is closed after this (`None`: never).
+    pub auth_timeout: Option<Duration>,
+    /// Subscriptions one connection may hold; more are refused `limit_exceeded`.
+    pub subscriptions_per_connection: usize,
+    /// Publish payload bytes in flight per connection; past it the broker stops
+    /// reading publishes until earlier ones complete.
+    pub inflight_publish_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            auth_timeout: Some(Duration::from_secs(10)),
+            subscriptions_per_connection: 1024,
+            inflight_publish_bytes: 64 << 20,
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! A subscription's position and what it sends next: history read from the log, then
+//! live batches, with gaps (batches dropped by a full queue) read back from the log. No
+//! I/O: the driver's pump task reads the log, takes live batches from the subscriber's
+//! queue and writes the frames this returns.
+//!
+//! What must stay true: offsets go out contiguous and increasing, each once; a batch of
+//! another shard is never sent (it is counted and dropped); a generation-start record is
+//! never sent, and the next event says how many offsets it skipped.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use felix_core_runtime::placement::ShardKey;
+use felix_storage_uring::{BatchKind, ReadBatch};
+
+use crate::shard::Envelope;
+use crate::shard::{EventFormat, StreamNames, encode_events, encode_json_events};
+
+/// One subscription's pump state.
+#[derive(Debug)]
+pub struct Pump {
+    key: Arc<ShardKey>,
+    names: StreamNames,
+    format: EventFormat,
+    next: u64,
+    /// Offsets of generation-start records passed since the last event sent.
+    skipped: u64,
+}
+
+/// What to do with a live batch.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Live {
+    /// Already sent (it overlaps history): nothing.
+    Stale,
+    /// Another shard's batch: never sent.
+    Foreign,
+    /// Records before it are missing here: read `[next, to)` from the log first, then
+    /// offer the batch again.
+    Gap {
+        /// Where the batch starts.
+        to: u64,
+    },
+    /// Send this frame.
+    Frame(Bytes),
+}
+
+impl Pump {
+    /// A pump for `key` starting at offset `start`.
+    pub fn new(key: Arc<ShardKey>, start: u64, format: EventFormat) -> Pump {
+        Pump {
+            names: StreamNames {
+                tenant: key.tenant.clone(),
+                namespace: key.namespace.clone(),
+                stream: key.name.clone(),
+            },
+            key,
+            format,
+            next: start,
+            skipped: 0,
+        }
+    }
+
+    /// The next offset to send.
+    pub fn next(&self) -> u64 {
+        self.next
+    }
+
+    /// The shard.
+    pub fn key(&self) -> &Arc<ShardKey> {
+        &self.key
+    }
+
+    fn encode(&mut self, first: u64, records: &[Bytes]) -> Bytes {
+        let skipped = std::mem::take(&mut self.skipped);
+        match self.format {
+            EventFormat::Binary => encode_events(first, records, (skipped > 0).then_some(skipped)),
+            EventFormat::Json => encode_json_events(&self.names, first, records),
+        }
+    }
+
+    /// Moves past offsets below `to` that the log no longer holds (retention removed
+    /// them while this subscriber lagged): the client sees the jump in offsets.
+    pub fn skip_to(&mut self, to: u64) {
+        self.next = self.next.max(to);
+    }
+
+    /// Takes history read from the log at [`Pump::next`], sending records below `to`;
+    /// frames go to `out`. Returns true when nothing below `to` is left to read (an
+    /// empty read means the log ends here, or retention removed the rest).
+    pub fn on_history(&mut self, batches: &[ReadBatch], to: u64, out: &mut Vec<Bytes>) -> bool {
+        if batches.is_empty() {
+            return true;
+        }
+        for b in batches {
+            if b.base_offset >= to || self.next >= to {
+                return true;
+            }
+            let end = b.base_offset + b.records.len() as u64;
+            if end <= self.next {
+                continue;
+            }
+            let skip = self.next.saturating_sub(b.base_offset) as usize;
+            let keep = ((to - b.base_offset) as usize).min(b.records.len());
+            let first = b.base_offset + skip as u64;
+            self.next = b.base_offset + keep as u64;
+            if b.kind == BatchKind::GenerationStart {
+                self.skipped += (keep - skip) as u64;
+                continue;
+            }
+            let frame = self.encode(first, &b.records[skip..keep]);
+            out.push(frame);
+        }
+        self.next >= to
+    }
+
+    /// Takes a live batch from the subscriber's queue.
+    pub fn on_live(&mut self, env: &Envelope) -> Live {
+        if !Arc::ptr_eq(&env.key, &self.key) && *env.key != *self.key {
+            return Live::Foreign;
+        }
+        if env.end() <= self.next {
+            return Live::Stale;
+        }
+        if env.base_offset > self.next {
+            return Live::Gap {
+                to: env.base_offset,
+            };
+        }
+        let frame = if self.skipped > 0 || env.base_offset < self.next {
+            let skip = (self.next - env.base_offset) as usize;
+            self.encode(self.next, &env.records[skip..])
+        } else {
+            env.frame(self.format)
+        };
+        self.next = env.end();
+        Live::Frame(frame)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use felix_core_runtime::placement::ShardKind;
+    use felix_wire::EventBatch;
+
+    fn key(shard: u32) -> Arc<ShardKey> {
+        Arc::new(ShardKey {
+            kind: ShardKind::Stream,
+            tenant: "t".into(),
+            namespace: "ns".into(),
+            name: "s".into(),
+            shard,
+        })
+    }
+
+    fn records(n: usize) -> Vec<Bytes> {
+        (0..n).map(|i| Bytes::from(format!("r{i}"))).collect()
+    }
+
+    fn batch(base: u64, n: usize, kind: BatchKind) -> ReadBatch {
+        ReadBatch {
+            base_offset: base,
+            timestamp_micros: 0,
+            kind,
+            producer: None,
+            records: records(n),
+        }
+    }
+
+    fn env(k: &Arc<ShardKey>, base: u64, n: usize) -> Envelope {
+        Envelope::new(k.clone(), base, records(n))
+    }
+
+    /// (first offset, count, skipped_before) of a binary event frame.
+    fn events(frame: &Bytes) -> (u64, usize, Option<u64>) {
+        let f = crate::session::testing::parse_frame(frame);
+        let b = EventBatch::decode(f.flags, &f.payload).unwrap();
+        (b.base_offset.unwrap().0, b.events.len(), b.skipped_before)
+    }
+
+    #[test]
+    fn history_then_live_sends_every_offset_once() {
+        let k = key(0);
+        let mut p = Pump::new(k.clone(), 2, EventFormat::Binary);
+        let mut out = Vec::new();
+        // History [2, 10): the first batch starts before the subscription.
+        let done = p.on_history(
+            &[batch(0, 5, BatchKind::Data), batch(5, 5, BatchKind::Data)],
+            10,
+            &mut out,
+        );
+        assert!(done);
+        assert_eq!(events(&out[0]), (2, 3, None));
+        assert_eq!(events(&out[1]), (5, 5, None));
+        // Live from 8 overlaps history: only 10.. goes out; an old batch is stale.
+        assert_eq!(p.on_live(&env(&k, 5, 3)), Live::Stale);
+        let Live::Frame(f) = p.on_live(&env(&k, 8, 4)) else {
+            panic!()
+        };
+        assert_eq!(events(&f), (10, 2, None));
+        assert_eq!(p.next(), 12);
+    }
+
+    #[test]
+    fn a_dropped_batch_is_a_gap_read_back_before_the_next() {
+        let k = key(0);
+        let mut p = Pump::new(k.clone(), 0, EventFormat::Binary);
+        let Live::Frame(_) = p.on_live(&env(&k, 0, 2)) else {
+            panic!()
+        };
+        // [2, 5) was dropped by a full queue.
+        let late = env(&k, 5, 1);
+        assert_eq!(p.on_live(&late), Live::Gap { to: 5 });
+        let mut out = Vec::new();
+        assert!(p.on_history(
+            &[batch(2, 3, BatchKind::Data), batch(5, 1, BatchKind::Data)],
+            5,
+            &mut out
+        ));
+        assert_eq!(out.len(), 1, "the read stops at the gap's end");
+        assert_eq!(events(&out[0]), (2, 3, None));
+        let Live::Frame(f) = p.on_live(&late) else {
+            panic!()
+        };
+        assert_eq!(events(&f), (5, 1, None));
+    }
+
+    #[test]
+    fn another_shards_batch_is_never_sent() {
+        let mut p = Pump::new(key(0), 0, EventFormat::Binary);
+        assert_eq!(p.on_live(&env(&key(1), 0, 3)), Live::Foreign);
+        let other_tenant = Arc::new(ShardKey {
+            tenant: "u".into(),
+            ..(*key(0)).clone()
+        });
+        assert_eq!(p.on_live(&env(&other_tenant, 0, 3)), Live::Foreign);
+        assert_eq!(p.next(), 0);
+        assert!(
+            matches!(p.on_live(&env(&key(0), 0, 1)), Live::Frame(_)),
+            "an equal key in another Arc is this shard"
+        );
+    }
+
+    #[test]
+    fn generation_start_records_are_skipped_and_counted() {
+        let k = key(0);
+        let mut p = Pump::new(k.clone(), 0, EventFormat::Binary);
+        let mut out = Vec::new();
+        p.on_history(
+            &[
+                batch(0, 2, BatchKind::Data),
+                batch(2, 1, BatchKind::GenerationStart),
+                batch(3, 2, BatchKind::Data),
+            ],
+            5,
+            &mut out,
+        );
+        assert_eq!(out.len(), 2);
+        assert_eq!(
+            events(&out[1]),
+            (3, 2, Some(1)),
+            "the event after it says so"
+        );
+        // A generation start at the end of history is reported on the first live batch.
+        p.on_history(&[batch(5, 1, BatchKind::GenerationStart)], 6, &mut out);
+        let Live::Frame(f) = p.on_live(&env(&k, 6, 1)) else {
+            panic!()
+        };
+        assert_eq!(events(&f), (6, 1, Some(1)));
+    }
+
+    #[test]
+    fn an_empty_read_ends_history_early() {
+        let mut p = Pump::new(key(0), 3, EventFormat::Binary);
+        assert!(
+            p.on_history(&[], 10, &mut Vec::new()),
+            "retention removed the rest"
+        );
+        assert_eq!(p.next(), 3);
+    }
+}

@@ -1,0 +1,255 @@
+//! Every per-connection queue has a bound, and a hostile (authenticated) client that
+//! pushes against one neither grows the broker's memory past a stated budget nor stops
+//! other clients: one never reads its answers, one opens subscriptions without end, one
+//! streams unacknowledged publishes to shards on both cores.
+
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use felix_cluster::{BrokerProcess, raw_connect};
+use felix_wire::{
+    AckMode, ErrorCode, Features, FrameReader, Message, PublishBatchHeader, RequestId,
+};
+
+/// RSS growth allowed over the broker's idle size, in KiB: the bounds below hold the
+/// queued state well under this (answers: window x frame; subscriptions: their queues;
+/// publishes: the byte budget plus QUIC receive windows).
+const RSS_BUDGET_KIB: u64 = 160 * 1024;
+
+fn broker(dir: &tempfile::TempDir, config: &str) -> BrokerProcess {
+    let path = dir.path().join("broker.yaml");
+    std::fs::write(&path, config).unwrap();
+    BrokerProcess::start_dev(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("data"),
+        &[
+            "--config",
+            path.to_str().unwrap(),
+            "--shards",
+            "2",
+            "--fsync",
+            "none",
+        ],
+    )
+    .unwrap()
+}
+
+fn auth(b: &BrokerProcess) -> bytes::Bytes {
+    let (lo, hi) = Features::ERROR_CODES
+        .union(Features::PUBLISH_PIPELINE)
+        .union(Features::STREAM_PUBLISH_WINDOW)
+        .offer();
+    Message::Auth {
+        tenant_id: "dev".into(),
+        token: b.token(),
+        client_flags: Some(0x1FFF),
+        client_features: lo,
+        client_features_hi: hi,
+    }
+    .to_frame()
+}
+
+fn publish(stream: &str, key: &[u8], payload: &[u8], ack: Option<u64>) -> bytes::Bytes {
+    let mut buf = BytesMut::new();
+    PublishBatchHeader {
+        tenant: "dev",
+        namespace: "default",
+        stream,
+        ack: ack.map(|id| felix_wire::binary::AckPrefix {
+            request_id: RequestId(id),
+            ack_mode: AckMode::PerMessage,
+        }),
+        idempotent: None,
+        key: Some(key),
+    }
+    .encode_frame(&mut buf, &[payload])
+    .unwrap();
+    buf.freeze()
+}
+
+/// Another client publishes one acked record and gets its ack within 10 s.
+async fn another_client_publishes(b: &BrokerProcess) {
+    let (_ep, conn) = raw_connect(b).await.unwrap();
+    let (mut s, mut r) = conn.open_bi().await.unwrap();
+    s.write_all(&auth(b)).await.unwrap();
+    s.write_all(&publish("bystander", b"k", b"hello", Some(1)))
+        .await
+        .unwrap();
+    let frames = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut reader = FrameReader::new(1 << 20);
+        let mut n = 0;
+        while n < 2 {
+            let c = r.read_chunk(1 << 16, true).await.unwrap().unwrap();
+            reader.push(c.bytes);
+            while let Some(f) = reader.next_frame().unwrap() {
+                if n == 1 {
+                    let ack = felix_wire::PublishAck::decode(f.flags, &f.payload).unwrap();
+                    assert_eq!(ack.status, felix_wire::binary::PublishAckStatus::Ok);
+                }
+                n += 1;
+            }
+        }
+        n
+    })
+    .await
+    .expect("another client's publish is answered while the hostile one pushes");
+    assert_eq!(frames, 2);
+}
+
+fn assert_rss_within_budget(b: &BrokerProcess, idle_kib: u64, what: &str) {
+    let rss = b.rss_kib();
+    eprintln!(
+        "{what}: broker RSS {} MiB (idle {} MiB)",
+        rss / 1024,
+        idle_kib / 1024
+    );
+    assert!(
+        rss < idle_kib + RSS_BUDGET_KIB,
+        "{what}: RSS {rss} KiB over idle {idle_kib} KiB + budget {RSS_BUDGET_KIB} KiB"
+    );
+}
+
+#[test]
+fn a_client_that_never_reads_its_answers_is_held_by_the_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(&dir, "publish_window: 64\n");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        another_client_publishes(&b).await;
+        let idle = b.rss_kib();
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        // Several streams, each writing acked publishes and never reading an answer.
+        let mut writers = Vec::new();
+        for stream in 0..8u64 {
+            let (mut s, r) = conn.open_bi().await.unwrap();
+            let auth = auth(&b);
+            writers.push(tokio::spawn(async move {
+                let _keep_unread = r;
+                s.write_all(&auth).await.unwrap();
+                let payload = vec![7u8; 1024];
+                let (mut sent, mut held) = (0u64, false);
+                let until = Instant::now() + Duration::from_secs(4);
+                while Instant::now() < until {
+                    let frame = publish("unread", &stream.to_be_bytes(), &payload, Some(sent));
+                    match tokio::time::timeout(Duration::from_millis(500), s.write_all(&frame))
+                        .await
+                    {
+                        Ok(Ok(())) => sent += 1,
+                        Ok(Err(_)) => break,
+                        // Blocked by flow control: the broker stopped reading this stream.
+                        Err(_) => held = true,
+                    }
+                }
+                (sent, held)
+            }));
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        another_client_publishes(&b).await;
+        let mut sent = 0;
+        for w in writers {
+            sent += w.await.unwrap();
+        }
+        eprintln!("unread answers: {sent} publishes written before flow control held them");
+        assert!(
+            sent < 8 * 20_000,
+            "the broker stopped reading at some point"
+        );
+        assert_rss_within_budget(&b, idle, "a client that never reads");
+    });
+}
+
+#[test]
+fn subscriptions_per_connection_are_bounded_and_refused_with_limit_exceeded() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(&dir, "max_subscriptions_per_connection: 50\n");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let idle = b.rss_kib();
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        const ASKED: usize = 400;
+        let sub = Message::Subscribe {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            stream: "flood".into(),
+            subscription_id: None,
+            start: None,
+            shard: None,
+            queue_capacity: None,
+        }
+        .to_frame();
+        let writer = tokio::spawn(async move {
+            for _ in 0..ASKED {
+                s.write_all(&sub).await.unwrap();
+            }
+            s
+        });
+        let mut reader = FrameReader::new(1 << 20);
+        let (mut subscribed, mut refused, mut seen) = (0, 0, 0);
+        while seen < ASKED + 1 {
+            let c = tokio::time::timeout(Duration::from_secs(20), r.read_chunk(1 << 16, true))
+                .await
+                .expect("every subscribe is answered")
+                .unwrap()
+                .unwrap();
+            reader.push(c.bytes);
+            while let Some(f) = reader.next_frame().unwrap() {
+                seen += 1;
+                match Message::decode(&f.payload).unwrap() {
+                    Message::Subscribed { .. } => subscribed += 1,
+                    Message::Error {
+                        code: Some(ErrorCode::LimitExceeded),
+                        ..
+                    } => refused += 1,
+                    Message::AuthOk { .. } => {}
+                    other => panic!("unexpected answer {other:?}"),
+                }
+            }
+        }
+        let _s = writer.await.unwrap();
+        assert_eq!(subscribed, 50, "the bound");
+        assert_eq!(refused, ASKED - 50, "the rest are refused limit_exceeded");
+        assert_eq!(b.metric("felix_broker_subscriptions").unwrap(), 50);
+        // Another connection has its own allowance, and other clients keep publishing.
+        another_client_publishes(&b).await;
+        assert_rss_within_budget(&b, idle, "a subscription flood");
+    });
+}
+
+#[test]
+fn unacknowledged_publishes_to_both_cores_are_held_by_the_byte_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(&dir, "max_inflight_publish_bytes: 8388608\n");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        another_client_publishes(&b).await;
+        let idle = b.rss_kib();
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        let mut s = conn.open_uni().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        // Keys for both shards of a 2-shard stream: one is owned by the other core.
+        let payload = vec![1u8; 60 * 1024];
+        let until = Instant::now() + Duration::from_secs(4);
+        let flood = tokio::spawn(async move {
+            let mut i = 0u64;
+            while Instant::now() < until {
+                let frame = publish("flood", &i.to_be_bytes(), &payload, None);
+                if s.write_all(&frame).await.is_err() {
+                    break;
+                }
+                i += 1;
+            }
+            (i, s)
+        });
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let mid = b.rss_kib();
+        another_client_publishes(&b).await;
+        let (sent, _s) = flood.await.unwrap();
+        eprintln!(
+            "unacked flood: {sent} x 60 KiB publishes, RSS mid-flood {} MiB",
+            mid / 1024
+        );
+        assert_rss_within_budget(&b, idle, "an unacknowledged publish flood");
+    });
+}
