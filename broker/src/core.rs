@@ -246,6 +246,9 @@ pub struct Shared {
     pub ready: std::sync::atomic::AtomicBool,
     /// Storage faults armed over HTTP, when fault injection is on.
     pub faults: Option<Arc<felix_storage_uring::StorageFaults>>,
+    /// With fault injection on: the core (index) whose next housekeeping tick panics,
+    /// or -1. Tests that a dead core takes the process down.
+    pub panic_core: std::sync::atomic::AtomicI64,
 }
 
 enum Slot<T> {
@@ -1167,6 +1170,11 @@ impl CoreBroker {
                 let Some(core) = this.upgrade() else { return };
                 if core.draining() {
                     return;
+                }
+                if core.shared.faults.is_some()
+                    && core.shared.panic_core.load(Ordering::Relaxed) == core.core.index() as i64
+                {
+                    panic!("injected panic on core {}", core.core.index());
                 }
                 core.finish_deletions().await;
                 core.enforce_retention().await;

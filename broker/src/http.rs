@@ -351,6 +351,20 @@ async fn storage_faults(
     "armed\n".into_response()
 }
 
+#[derive(serde::Deserialize)]
+struct PanicQuery {
+    core: i64,
+}
+
+/// Makes a core panic at its next housekeeping tick (fault injection only).
+async fn panic_core(State(shared): State<Arc<Shared>>, Query(q): Query<PanicQuery>) -> Response {
+    if shared.faults.is_none() {
+        return (StatusCode::NOT_FOUND, "fault injection is off\n").into_response();
+    }
+    shared.panic_core.store(q.core, Ordering::SeqCst);
+    "armed\n".into_response()
+}
+
 /// Serves on `addr` until the process exits; returns the bound address.
 pub fn spawn(addr: SocketAddr, shared: Arc<Shared>) -> anyhow::Result<SocketAddr> {
     let listener = std::net::TcpListener::bind(addr)
@@ -363,6 +377,7 @@ pub fn spawn(addr: SocketAddr, shared: Arc<Shared>) -> anyhow::Result<SocketAddr
         .route("/metrics", get(metrics))
         .route("/placement", get(placement))
         .route("/debug/storage-faults", post(storage_faults))
+        .route("/debug/panic", post(panic_core))
         .with_state(shared)
         .layer(axum::middleware::from_fn(deadline));
     std::thread::Builder::new()

@@ -173,6 +173,7 @@ pub fn start(
         metrics: (0..cores).map(|_| Arc::default()).collect(),
         ready: AtomicBool::new(false),
         faults: config.fault_injection.then(StorageFaults::new),
+        panic_core: std::sync::atomic::AtomicI64::new(-1),
     });
     let http = match config.http {
         Some(addr) => Some(crate::http::spawn(addr, shared.clone())?),

@@ -184,6 +184,26 @@ impl BrokerProcess {
         self.child.as_ref().expect("running").id()
     }
 
+    /// The exit status, if the process has exited.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// The embedded control plane's admin client (dev mode).
+    pub fn admin(&self) -> anyhow::Result<felix_controlplane::client::ControlPlaneClient> {
+        let url = self
+            .controlplane
+            .as_deref()
+            .context("no embedded control plane")?;
+        let token = std::fs::read_to_string(self.data_dir.join("dev/controlplane.token"))?;
+        Ok(felix_controlplane::client::ControlPlaneClient::new(
+            url,
+            Some(token.trim().to_owned()),
+        )?)
+    }
+
     /// SIGKILL, then wait.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -1,0 +1,237 @@
+//! What an operator relies on: retention set on a stream is enforced, a deleted stream's
+//! data is gone (the name comes back empty), a dead core stops the process instead of
+//! leaving it looking healthy, the authentication timeout is configurable, and a slow
+//! HTTP client cannot hold up `/livez`.
+
+use std::io::Write as _;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use felix_client::{Client, ClientConfig};
+use felix_cluster::{BrokerProcess, raw_connect, wait_for};
+use felix_wire::AckMode;
+use felix_wire::message::StartPosition;
+use serde_json::json;
+
+fn start(dir: &Path, config: &str, extra: &[&str]) -> BrokerProcess {
+    let path = dir.join("broker.yaml");
+    std::fs::write(&path, config).unwrap();
+    let mut args = vec!["--config", path.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    BrokerProcess::start_dev(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.join("data"),
+        &args,
+    )
+    .unwrap()
+}
+
+async fn client(b: &BrokerProcess) -> Client {
+    let quinn = felix_client::quic_client_config_from_file(&b.ca_file(), false).unwrap();
+    let mut config = ClientConfig::from_env_or_yaml(quinn, None).unwrap();
+    config.auth_tenant_id = Some("dev".to_string());
+    config.auth_token = Some(b.token());
+    Client::connect(b.listen, "localhost", config)
+        .await
+        .unwrap()
+}
+
+/// The oldest offset a subscriber from `earliest` starts at, and the first record.
+async fn earliest(c: &Client, stream: &str) -> (u64, Option<Vec<u8>>) {
+    let mut sub = c
+        .subscribe_from("dev", "default", stream, Some(StartPosition::Earliest))
+        .await
+        .unwrap();
+    let start = sub.start_offset().unwrap();
+    let first = match tokio::time::timeout(Duration::from_secs(2), sub.next_event()).await {
+        Ok(Ok(Some(e))) => Some(e.payload.to_vec()),
+        _ => None,
+    };
+    (start, first)
+}
+
+fn segments(b: &BrokerProcess, stream: &str) -> usize {
+    let dir = b.data_dir.join(format!("streams/dev/default/{stream}/0"));
+    std::fs::read_dir(&dir)
+        .map(|d| {
+            d.filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".log"))
+            })
+            .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn retention_set_on_a_stream_is_enforced_and_deleting_it_removes_its_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "segment_bytes: 262144\nhousekeeping_ms: 100\n",
+        &["--fsync", "none"],
+    );
+    let admin = b.admin().unwrap();
+    let streams = "/v1/tenants/dev/namespaces/default/streams";
+    admin
+        .post(
+            streams,
+            &json!({"stream": "sized", "kind": "Stream", "shards": 1,
+                    "retention": {"max_size_bytes": 524288}}),
+        )
+        .unwrap();
+    admin
+        .post(
+            streams,
+            &json!({"stream": "aged", "kind": "Stream", "shards": 1,
+                    "retention": {"max_age_seconds": 1}}),
+        )
+        .unwrap();
+    admin
+        .post(
+            streams,
+            &json!({"stream": "doomed", "kind": "Stream", "shards": 1}),
+        )
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        let payload = vec![b'x'; 16 * 1024];
+        for stream in ["sized", "aged", "doomed"] {
+            for _ in 0..160 {
+                c.publish(
+                    "dev",
+                    "default",
+                    stream,
+                    payload.clone(),
+                    AckMode::PerMessage,
+                )
+                .await
+                .unwrap();
+            }
+        }
+        // 2.5 MiB in 256 KiB segments: the size bound keeps the newest ~512 KiB.
+        wait_for("retention by size", Duration::from_secs(5), || {
+            (segments(&b, "sized") <= 4).then_some(())
+        })
+        .unwrap();
+        let (start, _) = earliest(&c, "sized").await;
+        assert!(start > 100, "the head was trimmed: oldest offset {start}");
+        // Age: every sealed segment is older than a second soon.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        wait_for("retention by age", Duration::from_secs(5), || {
+            (segments(&b, "aged") <= 1).then_some(())
+        })
+        .unwrap();
+        let (start, _) = earliest(&c, "aged").await;
+        assert!(start > 100, "old segments went: oldest offset {start}");
+        assert!(
+            b.metric("felix_broker_retention_segments_removed_total")
+                .unwrap()
+                > 0
+        );
+
+        // Deleting through the control plane removes the data...
+        admin.delete(&format!("{streams}/doomed")).unwrap();
+        let shard_dir = b.data_dir.join("streams/dev/default/doomed");
+        wait_for(
+            "the deleted stream's data to go",
+            Duration::from_secs(5),
+            || (!shard_dir.exists()).then_some(()),
+        )
+        .unwrap();
+        // ...so the name comes back empty.
+        wait_for("the name to be free again", Duration::from_secs(5), || {
+            admin
+                .post(
+                    streams,
+                    &json!({"stream": "doomed", "kind": "Stream", "shards": 1}),
+                )
+                .ok()
+        })
+        .unwrap();
+        let o = c
+            .publish(
+                "dev",
+                "default",
+                "doomed",
+                b"reborn".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        assert_eq!(o, Some(0), "offsets start over");
+        let (start, first) = earliest(&c, "doomed").await;
+        assert_eq!((start, first.as_deref()), (0, Some(&b"reborn"[..])));
+    });
+}
+
+#[test]
+fn a_panic_on_a_core_stops_the_process_with_a_non_zero_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start(
+        dir.path(),
+        "fault_injection: true\nhousekeeping_ms: 100\n",
+        &[],
+    );
+    assert_eq!(b.http_get("/readyz").unwrap().0, 200);
+    let (status, body) = b.http_post("/debug/panic?core=1").unwrap();
+    assert_eq!(status, 200, "{body}");
+    let exit = wait_for("the broker to exit", Duration::from_secs(10), || {
+        b.exit_status()
+    })
+    .unwrap();
+    assert_eq!(exit.code(), Some(70), "{exit:?}");
+}
+
+#[test]
+fn the_authentication_timeout_is_configurable_and_can_be_turned_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let short = start(dir.path(), "auth_timeout_ms: 700\n", &[]);
+    let off_dir = tempfile::tempdir().unwrap();
+    let off = start(
+        off_dir.path(),
+        "auth_timeout_ms: 0\nidle_timeout_ms: 60000\n",
+        &[],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_e1, closed) = raw_connect(&short).await.unwrap();
+        let (_e2, kept) = raw_connect(&off).await.unwrap();
+        let started = Instant::now();
+        let reason = tokio::time::timeout(Duration::from_secs(10), closed.closed())
+            .await
+            .unwrap();
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(500) && waited < Duration::from_secs(5),
+            "closed after {waited:?}"
+        );
+        assert!(matches!(reason, quinn::ConnectionError::ApplicationClosed(ref c) if u64::from(c.error_code) == 1));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(kept.close_reason().is_none(), "no deadline with auth_timeout_ms: 0");
+    });
+}
+
+#[test]
+fn a_slow_http_client_does_not_hold_up_livez() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(dir.path(), "", &[]);
+    // Several clients that send half a request and stall.
+    let stalled: Vec<_> = (0..8)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(b.http).unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                .unwrap();
+            s
+        })
+        .collect();
+    let started = Instant::now();
+    assert_eq!(b.http_get("/livez").unwrap().0, 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(stalled);
+}
