@@ -34,6 +34,13 @@ pub enum CorruptionKind {
         /// The damage itself.
         cause: FormatError,
     },
+    /// The intent file of an interrupted truncation or reset does not decode, or names
+    /// an offset the log cannot be cut at.
+    #[error("log intent file is unusable: {reason}")]
+    Intent {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
 }
 
 /// Where corruption was found.
@@ -115,6 +122,59 @@ pub enum StorageError {
     /// The log was closed.
     #[error("log is closed")]
     Closed,
+    /// `begin_append_at` named an offset other than the next one.
+    #[error("append at offset {found} refused: the log's next offset is {expected}")]
+    NotAtTail {
+        /// The log's next offset.
+        expected: u64,
+        /// The offset asked for.
+        found: u64,
+    },
+    /// An offset outside what the operation accepts.
+    #[error("offset {offset} is outside [{low}, {high}]")]
+    OutOfRange {
+        /// The offset asked for.
+        offset: u64,
+        /// Lowest accepted.
+        low: u64,
+        /// Highest accepted.
+        high: u64,
+    },
+    /// A truncation point inside a batch: batches are cut whole or not at all.
+    #[error("offset {offset} is not the first offset of a batch")]
+    NotBatchBoundary {
+        /// The offset asked for.
+        offset: u64,
+    },
+    /// A truncation or reset holds the log: appends, retention and other truncations
+    /// are refused until it returns.
+    #[error("a truncation or reset of the log is in progress")]
+    Busy,
+    /// `reset_empty_at` on a log that holds records.
+    #[error("the log holds records [{base_offset}, {next_offset}): only an empty log is reset")]
+    NotEmpty {
+        /// Oldest retained offset.
+        base_offset: u64,
+        /// Next offset.
+        next_offset: u64,
+    },
+    /// A truncation removed this batch's records before its commit was awaited.
+    #[error("the batch was removed by a truncation from offset {from}")]
+    RemovedByTruncation {
+        /// Where the truncation cut.
+        from: u64,
+    },
+    /// A batch whose shape its kind forbids.
+    #[error("invalid batch: {0}")]
+    InvalidBatch(&'static str),
+    /// A metadata file name the log refuses.
+    #[error("metadata file name {name:?} refused: {reason}")]
+    BadMetaName {
+        /// The name.
+        name: String,
+        /// Why.
+        reason: &'static str,
+    },
     /// Configuration that cannot work.
     #[error("invalid log configuration: {0}")]
     Config(String),

@@ -49,6 +49,11 @@ impl SparseIndex {
         self.entries.pop();
     }
 
+    /// Drops the entries of batches at or after `offset` (a truncation cut them).
+    pub fn retain_below(&mut self, offset: u64) {
+        self.entries.retain(|&(o, _)| o < offset);
+    }
+
     /// Number of entries.
     pub fn len(&self) -> usize {
         self.entries.len()

@@ -36,6 +36,13 @@ pub trait Backend: Clone + 'static {
     async fn write_small(&self, name: &str, data: &[u8]) -> io::Result<()>;
     /// Reads a small whole file; `Ok(None)` when it does not exist.
     async fn read_small(&self, name: &str) -> io::Result<Option<Vec<u8>>>;
+    /// Creates or empties `name`, writes exactly `data` with ordinary buffered I/O and
+    /// fdatasyncs it (metadata and intent files). Its directory entry is durable only
+    /// after [`Backend::sync_dir`].
+    async fn write_synced(&self, name: &str, data: &[u8]) -> io::Result<()>;
+    /// Atomically replaces `to` with `from` (rename(2)): a reader sees the old `to` or
+    /// the new one. Durable only after [`Backend::sync_dir`].
+    async fn rename(&self, from: &str, to: &str) -> io::Result<()>;
 }
 
 /// One open file.

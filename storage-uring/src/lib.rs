@@ -4,9 +4,10 @@
 //! crate owns that log: its on-disk format ([`format`], documented in
 //! `docs/storage-format.md`), the append path with group commit and in-order commits
 //! ([`log`]), recovery that repairs a torn tail and refuses interior damage, sparse
-//! derived indexes ([`index`]), retention, and the I/O backends behind one trait
-//! ([`io`]): io_uring O_DIRECT through glommio, and an in-memory backend that fails,
-//! tears and loses writes on command. It knows offsets, records and its own format;
+//! derived indexes ([`index`]), retention, the cuts and small state files replication
+//! needs (`truncate_from`, `reset_empty_at`, `write_meta`), and the I/O backends behind
+//! one trait ([`io`]): io_uring O_DIRECT through glommio, and an in-memory backend that
+//! fails, tears, loses writes and forgets unsynced directory changes on command. It knows offsets, records and its own format;
 //! never QUIC or frames.
 
 pub mod error;

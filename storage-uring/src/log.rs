@@ -49,6 +49,50 @@
 //! failed fdatasync the kernel may have dropped dirty pages, so what is on disk is
 //! unknowable. Nothing is acknowledged again until the process restarts and recovery
 //! reads what actually reached the disk.
+//!
+//! Replication cuts the log and stores state beside it ([`cut`], [`meta`]):
+//!
+//! 6. `truncate_from(o)` removes every record at or after `o` (a batch boundary), and
+//!    `reset_empty_at(b)` turns an empty log into an empty log starting at `b`. Both
+//!    hold the log and go through a durable intent file, `LOG-INTENT`:
+//!    - (6a) The log is marked busy: `begin` and retention refuse with `Busy`. The
+//!      flusher writes (and, under `OnCommit`, fdatasyncs) what was staged before the
+//!      call, then parks. The preconditions are checked again after that wait, and the
+//!      cut's byte position is found by reading batch headers (`NotBatchBoundary` if
+//!      `o` falls inside a batch). Nothing has changed yet: any failure returns as is.
+//!    - (6b) Commit point: the intent (kind, offset, CRC) is written to `LOG-INTENT.tmp`
+//!      and fdatasynced, renamed over `LOG-INTENT`, and the directory fsynced. Before the
+//!      rename a crash leaves the old log and a leftover temporary that nothing reads.
+//!      From the rename on, recovery finishes the change (6d) whatever else reached the
+//!      disk, so a crash leaves the new log. A failure from the rename on therefore
+//!      poisons the log (the intent may be durable), and so does dropping the call.
+//!    - (6c) Memory becomes the new log: the era ends at `o` (a `PendingAppend` at or
+//!      past it fails with `RemovedByTruncation`, and the sequencer forgets its turn, as
+//!      in 5d); next, written and durable ends, append position, index, tail block and
+//!      last batch are those of the cut. A read or `sync` that spans the change starts
+//!      over on the new log, so no read begun after the call returns a removed record.
+//!    - (6d) Disk: segment files after the one holding `o` and their indexes are removed
+//!      and the directory fsynced; then that segment is cut to `o`'s byte position
+//!      (ftruncate, fdatasync) and its last block rewritten with zeros after the cut
+//!      (write, fdatasync). The first fdatasync makes the shorter size durable before the
+//!      zeros are written, so a crash can never leave zeros followed by removed bytes
+//!      (which recovery would call interior damage). A reset instead removes every
+//!      segment and creates the one at `b` (durable header, directory fsync). Recovery,
+//!      finding an intent, does the same: removes segments past `o` (or all, for a
+//!      reset) before scanning, cuts the newest at `o` if it extends past it, or creates
+//!      the segment at `b`. Each step is idempotent, so a crash during recovery is safe.
+//!    - (6e) The intent is removed and the directory fsynced before the call returns and
+//!      before an append is accepted again. The cut is durable by then, so a new batch
+//!      is never written into a file that still holds removed bytes behind it, and a
+//!      crash never shows a removed record after a new one; and no intent survives to
+//!      cut records acknowledged later.
+//!
+//! 7. `write_meta(name, bytes)` writes `name.tmp` and fdatasyncs it, renames it over
+//!    `name`, and fsyncs the directory. Before the rename a crash leaves the old file
+//!    (the temporary is ignored and rewritten next time); between the rename and the
+//!    directory fsync, the old or the new one; after it, the new one. Rename replaces
+//!    the name atomically, so a reader never sees a mix. Recovery ignores these files:
+//!    their names cannot end in `.seg` or `.idx`.
 
 use std::cell::{OnceCell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
@@ -67,7 +111,13 @@ use crate::format::{
 };
 use crate::index::SparseIndex;
 use crate::io::{Backend, SegmentFile};
-use crate::segment::{self, Segment, index_name, parse_segment_name, segment_name};
+use crate::segment::{Segment, index_name, segment_name};
+
+pub mod cut;
+pub mod meta;
+mod recover;
+
+use recover::recover;
 
 /// When an acknowledged append is on stable storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +220,8 @@ pub struct RecoveryReport {
     pub rebuilt_indexes: usize,
     /// Bytes checksummed.
     pub verified_bytes: u64,
+    /// An interrupted truncation or reset was found and finished (step 6d).
+    pub finished_intent: bool,
     /// Wall time.
     pub duration: Duration,
 }
@@ -213,6 +265,8 @@ pub struct LogStats {
     pub rolls: u64,
     /// Times the disk was full and unwritten batches were rolled back (step 5).
     pub no_space_rollbacks: u64,
+    /// Truncations and resets (step 6).
+    pub cuts: u64,
 }
 
 /// Offsets `[first, end)` of an appended batch.
@@ -235,6 +289,7 @@ struct Chunk {
     batches: u64,
     max_timestamp_micros: u64,
     index: Vec<(u64, u64)>,
+    last_batch: Option<(u64, BatchKind)>,
 }
 
 #[derive(Debug, Default)]
@@ -262,8 +317,9 @@ impl Sequencer {
     }
 }
 
-/// The appends between two no-space rollbacks (step 5). Each `PendingAppend` holds its
-/// era, so a rollback's record lives exactly as long as a batch that may ask about it.
+/// The appends between two rollbacks (no space, step 5; truncation, step 6). Each
+/// `PendingAppend` holds its era, so a rollback's record lives exactly as long as a batch
+/// that may ask about it.
 #[derive(Debug, Default)]
 struct Era {
     number: u64,
@@ -273,17 +329,29 @@ struct Era {
 /// How an era ended.
 #[derive(Debug)]
 struct Rollback {
-    /// `written_end` at the rollback: batches from here on were given back.
+    /// Batches from here on were given back: `written_end` at a no-space rollback, the
+    /// cut at a truncation.
     point: u64,
-    op: &'static str,
-    detail: String,
+    cause: RollbackCause,
+    /// The era that followed: a truncation may give back, in a later era, a batch that
+    /// this rollback kept.
+    next: Rc<Era>,
+}
+
+#[derive(Debug)]
+enum RollbackCause {
+    NoSpace { op: &'static str, detail: String },
+    Truncated,
 }
 
 impl Rollback {
     fn error(&self) -> StorageError {
-        StorageError::NoSpace {
-            op: self.op,
-            detail: self.detail.clone(),
+        match &self.cause {
+            RollbackCause::NoSpace { op, detail } => StorageError::NoSpace {
+                op,
+                detail: detail.clone(),
+            },
+            RollbackCause::Truncated => StorageError::RemovedByTruncation { from: self.point },
         }
     }
 }
@@ -312,6 +380,19 @@ struct State<F> {
     closing: bool,
     closed: bool,
     stats: LogStats,
+    /// Base offset and kind of the last batch claimed.
+    last_batch: Option<(u64, BatchKind)>,
+    /// A truncation or reset holds the log (step 6a).
+    exclusive: bool,
+    /// The flusher is in a round.
+    flushing: bool,
+    /// Woken when the flusher ends a round or stops.
+    idle_waiter: Option<Waker>,
+    /// Truncations and resets begun: a read or sync spanning one starts over (step 6c).
+    cuts: u64,
+    /// A `write_meta` is in progress; the others wait here.
+    meta_writing: bool,
+    meta_waiters: Vec<Waker>,
 }
 
 struct Shared<B: Backend> {
@@ -378,9 +459,16 @@ impl PendingAppend {
         self.end
     }
 
-    /// The rollback that gave this batch's offsets back, if one did (step 5d).
+    /// The rollback that gave this batch's offsets back, if one did (steps 5d, 6c).
     fn rolled_back(&self) -> Option<&Rollback> {
-        self.era.ended.get().filter(|rb| self.first >= rb.point)
+        let mut era = &*self.era;
+        while let Some(rb) = era.ended.get() {
+            if self.first >= rb.point {
+                return Some(rb);
+            }
+            era = &rb.next;
+        }
+        None
     }
 
     fn release(&mut self) {
@@ -427,6 +515,7 @@ impl<B: Backend> SegmentLog<B> {
             .expect("recovery leaves at least one segment");
         let next_offset = last.end_offset;
         let (append_base, append_pos) = (last.base, last.data_len);
+        let last_batch = written_last_batch(&segments);
         report.segments = segments.len();
         report.base_offset = segments.front().map_or(0, |s| s.base);
         report.next_offset = next_offset;
@@ -453,6 +542,13 @@ impl<B: Backend> SegmentLog<B> {
             closing: false,
             closed: false,
             stats: LogStats::default(),
+            last_batch,
+            exclusive: false,
+            flushing: false,
+            idle_waiter: None,
+            cuts: 0,
+            meta_writing: false,
+            meta_waiters: Vec::new(),
         };
         let log = SegmentLog {
             shared: Rc::new(Shared {
@@ -494,6 +590,35 @@ impl<B: Backend> SegmentLog<B> {
         self.begin(records, timestamp_micros, BatchKind::Data, producer)
     }
 
+    /// A follower's append: as `begin_append`, but only at `first_offset`, which must be
+    /// the log's next offset (`NotAtTail` otherwise, and nothing changes). `kind` is the
+    /// leader's: a generation-start batch is stored as shipped, and must be one 8-byte
+    /// record.
+    pub fn begin_append_at<R: AsRef<[u8]>>(
+        &self,
+        first_offset: u64,
+        records: &[R],
+        timestamp_micros: u64,
+        kind: BatchKind,
+    ) -> Result<PendingAppend, StorageError> {
+        if kind == BatchKind::GenerationStart && !matches!(records, [r] if r.as_ref().len() == 8) {
+            return Err(StorageError::InvalidBatch(
+                "a generation-start batch holds one 8-byte record",
+            ));
+        }
+        {
+            let st = self.shared.state.borrow();
+            admit(&st)?;
+            if st.next_offset != first_offset {
+                return Err(StorageError::NotAtTail {
+                    expected: st.next_offset,
+                    found: first_offset,
+                });
+            }
+        }
+        self.begin(records, timestamp_micros, kind, None)
+    }
+
     /// Claims one offset for a generation-start record stamped `timestamp_micros`.
     pub fn begin_generation_start(
         &self,
@@ -528,15 +653,7 @@ impl<B: Backend> SegmentLog<B> {
         let cfg = &self.shared.config;
         let mut st = self.shared.state.borrow_mut();
         let st = &mut *st;
-        if let Some((op, detail)) = &st.poisoned {
-            return Err(StorageError::Poisoned {
-                op,
-                detail: detail.clone(),
-            });
-        }
-        if st.closing || st.closed {
-            return Err(StorageError::Closed);
-        }
+        admit(st)?;
         let first = st.next_offset;
         let end = first + records.len() as u64;
         // A batch is never split: roll first if it would pass the size limit (unless
@@ -563,6 +680,7 @@ impl<B: Backend> SegmentLog<B> {
                 batches: 0,
                 max_timestamp_micros: 0,
                 index: Vec::new(),
+                last_batch: None,
             });
         }
         let chunk = st.staged.back_mut().expect("a chunk was just ensured");
@@ -583,10 +701,12 @@ impl<B: Backend> SegmentLog<B> {
             st.append_last_indexed = Some(pos);
         }
         chunk.end_offset = end;
+        chunk.last_batch = Some((first, kind));
         chunk.batches += 1;
         chunk.max_timestamp_micros = chunk.max_timestamp_micros.max(timestamp_micros);
         st.append_pos += len as u64;
         st.next_offset = end;
+        st.last_batch = Some((first, kind));
         st.stats.appends += 1;
         if let Some(w) = st.flusher.take() {
             w.wake();
@@ -673,6 +793,16 @@ impl<B: Backend> SegmentLog<B> {
         self.shared.state.borrow().next_offset
     }
 
+    /// Base offset and kind of the last batch in the log (the one ending at
+    /// `next_offset()`, staged or written), from memory; `None` when the log holds no
+    /// record. A replication state machine's "last entry": its generation is the
+    /// payload of the latest generation-start batch, which a read returns.
+    pub fn last_batch(&self) -> Option<(u64, BatchKind)> {
+        let st = self.shared.state.borrow();
+        let base = st.segments.front().map_or(0, |s| s.base);
+        st.last_batch.filter(|&(first, _)| first >= base)
+    }
+
     /// One past the last acknowledged record: what readers may see.
     pub fn committed_end(&self) -> u64 {
         ack_end(&self.shared.state.borrow(), self.shared.config.fsync)
@@ -749,13 +879,13 @@ impl<B: Backend> SegmentLog<B> {
     /// Forces an fdatasync of everything written so far and waits for it. Batches a
     /// no-space rollback gave back are not waited for: they were never written.
     pub async fn sync(&self) -> Result<(), StorageError> {
-        let (claimed, era) = {
+        let (claimed, era, cuts) = {
             let mut st = self.shared.state.borrow_mut();
             st.sync_requested = true;
             if let Some(w) = st.flusher.take() {
                 w.wake();
             }
-            (st.next_offset, st.era.clone())
+            (st.next_offset, st.era.clone(), st.cuts)
         };
         poll_fn(|cx| {
             let target = era.ended.get().map_or(claimed, |rb| claimed.min(rb.point));
@@ -768,6 +898,10 @@ impl<B: Backend> SegmentLog<B> {
                     op,
                     detail: detail.clone(),
                 }));
+            }
+            if st.cuts != cuts && !st.exclusive {
+                // A truncation or reset finished since: it left everything durable.
+                return Poll::Ready(Ok(()));
             }
             st.sync_requested = true;
             if let Some(w) = st.flusher.take() {
@@ -790,7 +924,13 @@ impl<B: Backend> SegmentLog<B> {
         let mut out = Vec::new();
         let mut offset = from;
         let mut budget = max_bytes;
-        loop {
+        let mut cuts = self.shared.state.borrow().cuts;
+        'locate: loop {
+            if self.shared.state.borrow().cuts != cuts {
+                // A truncation or reset ran across an await: start over on the new log.
+                (out, offset, budget) = (Vec::new(), from, max_bytes);
+                cuts = self.shared.state.borrow().cuts;
+            }
             // Locate under the borrow; await with none held.
             let (file, name, mut pos, data_len, end) = {
                 let st = self.shared.state.borrow();
@@ -821,10 +961,11 @@ impl<B: Backend> SegmentLog<B> {
                 .read_window_bytes
                 .max(budget.min(16 << 20));
             let len = ((data_len - pos) as usize).min(window);
-            let mut bytes = file
-                .read_at(pos, len)
-                .await
-                .map_err(|e| StorageError::io("read", &name, e))?;
+            let read = file.read_at(pos, len).await;
+            if self.shared.state.borrow().cuts != cuts {
+                continue 'locate;
+            }
+            let mut bytes = read.map_err(|e| StorageError::io("read", &name, e))?;
             let mut progressed = false;
             let mut at = 0usize;
             while at + BATCH_HEADER_BYTES <= bytes.len() && offset < end {
@@ -849,10 +990,11 @@ impl<B: Backend> SegmentLog<B> {
                 if at + h.total_len() > bytes.len() {
                     if at == 0 {
                         // One batch larger than the window: fetch it whole.
-                        bytes = file
-                            .read_at(pos, h.total_len())
-                            .await
-                            .map_err(|e| StorageError::io("read", &name, e))?;
+                        let read = file.read_at(pos, h.total_len()).await;
+                        if self.shared.state.borrow().cuts != cuts {
+                            continue 'locate;
+                        }
+                        bytes = read.map_err(|e| StorageError::io("read", &name, e))?;
                         if bytes.len() < h.total_len() {
                             return Err(corrupt(
                                 CorruptionKind::Format(format::FormatError::Truncated {
@@ -936,6 +1078,9 @@ impl<B: Backend> SegmentLog<B> {
         let mut doomed = Vec::new();
         {
             let mut st = self.shared.state.borrow_mut();
+            if st.exclusive {
+                return Err(StorageError::Busy);
+            }
             let mut total: u64 = st.segments.iter().map(|s| s.data_len).sum();
             while st.segments.len() > 1 {
                 let front = &st.segments[0];
@@ -1032,6 +1177,37 @@ fn wake_all<F>(st: &mut State<F>) {
     for w in std::mem::take(&mut st.sequencer.waiters).into_values() {
         w.wake();
     }
+    if let Some(w) = st.idle_waiter.take() {
+        w.wake();
+    }
+}
+
+/// Refuses a new batch while the log cannot take one.
+fn admit<F>(st: &State<F>) -> Result<(), StorageError> {
+    if let Some(e) = poison_error(st) {
+        return Err(e);
+    }
+    if st.closing || st.closed {
+        return Err(StorageError::Closed);
+    }
+    if st.exclusive {
+        return Err(StorageError::Busy);
+    }
+    Ok(())
+}
+
+fn poison_error<F>(st: &State<F>) -> Option<StorageError> {
+    st.poisoned
+        .as_ref()
+        .map(|(op, detail)| StorageError::Poisoned {
+            op,
+            detail: detail.clone(),
+        })
+}
+
+/// The last batch written to `segments`, newest segment first.
+fn written_last_batch<F>(segments: &VecDeque<Segment<F>>) -> Option<(u64, BatchKind)> {
+    segments.iter().rev().find_map(|s| s.last_batch)
 }
 
 async fn periodic_sync<B: Backend>(shared: std::rc::Weak<Shared<B>>, interval: Duration) {
@@ -1057,18 +1233,35 @@ async fn periodic_sync<B: Backend>(shared: std::rc::Weak<Shared<B>>, interval: D
 async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
     let mut buf: Vec<u8> = Vec::new();
     loop {
-        poll_fn(|cx| {
+        let go = poll_fn(|cx| {
             let mut st = shared.state.borrow_mut();
-            if !st.staged.is_empty() || st.sync_requested || st.closing {
-                Poll::Ready(())
+            if st.poisoned.is_some() {
+                // Poisoned by a truncation (step 6b): nothing more is written.
+                return Poll::Ready(false);
+            }
+            // A truncation or reset parks the flusher once what it staged is written.
+            let parked = st.exclusive && st.staged.is_empty();
+            if !parked && (!st.staged.is_empty() || st.sync_requested || st.closing) {
+                st.flushing = true;
+                Poll::Ready(true)
             } else {
                 st.flusher = Some(cx.waker().clone());
                 Poll::Pending
             }
         })
         .await;
+        if !go {
+            let mut st = shared.state.borrow_mut();
+            st.closed = st.closing;
+            wake_all(&mut st);
+            return;
+        }
         let result = flush_round(&shared, &mut buf).await;
         let mut st = shared.state.borrow_mut();
+        st.flushing = false;
+        if let Some(w) = st.idle_waiter.take() {
+            w.wake();
+        }
         if let Err((op, e)) = result {
             st.poisoned = Some((op, e.to_string()));
             wake_all(&mut st);
@@ -1202,6 +1395,7 @@ async fn write_chunk<B: Backend>(
     let seg = st.segments.back_mut().expect("at least one segment");
     seg.data_len = write_pos + data_end as u64;
     seg.end_offset = chunk.end_offset;
+    seg.last_batch = chunk.last_batch.or(seg.last_batch);
     seg.max_timestamp_micros = seg.max_timestamp_micros.max(chunk.max_timestamp_micros);
     for &(o, p) in &chunk.index {
         seg.index.observe(o, p, 0);
@@ -1242,19 +1436,6 @@ fn roll_back<F>(st: &mut State<F>, op: &'static str, e: &io::Error) {
         debug_assert_eq!(seg.end_offset, point, "writing ends in the newest segment");
         (seg.base, seg.data_len, seg.index.last().map(|(_, p)| p))
     };
-    let next_era = Rc::new(Era {
-        number: st.era.number + 1,
-        ended: OnceCell::new(),
-    });
-    let ended = std::mem::replace(&mut st.era, next_era);
-    ended
-        .ended
-        .set(Rollback {
-            point,
-            op,
-            detail: e.to_string(),
-        })
-        .expect("an era ends once: the current era has not ended");
     for chunk in std::mem::take(&mut st.staged) {
         recycle(st, chunk);
     }
@@ -1262,11 +1443,34 @@ fn roll_back<F>(st: &mut State<F>, op: &'static str, e: &io::Error) {
     st.append_base = base;
     st.append_pos = data_len;
     st.append_last_indexed = last_indexed;
+    st.last_batch = written_last_batch(&st.segments);
+    st.stats.no_space_rollbacks += 1;
+    let cause = RollbackCause::NoSpace {
+        op,
+        detail: e.to_string(),
+    };
+    end_era(st, point, cause);
+}
+
+/// Ends the era at `point` (steps 5d and 6c): batches at or past it were given back.
+fn end_era<F>(st: &mut State<F>, point: u64, cause: RollbackCause) {
+    let next_era = Rc::new(Era {
+        number: st.era.number + 1,
+        ended: OnceCell::new(),
+    });
+    let ended = std::mem::replace(&mut st.era, next_era.clone());
+    ended
+        .ended
+        .set(Rollback {
+            point,
+            cause,
+            next: next_era,
+        })
+        .expect("an era ends once: the current era has not ended");
     // Turns at or past the point were taken by batches that no longer exist; the next
     // era's batches take them again.
     drop(st.sequencer.resolved.split_off(&point));
     st.sequencer.next = st.sequencer.next.min(point);
-    st.stats.no_space_rollbacks += 1;
     wake_all(st);
 }
 
@@ -1365,202 +1569,8 @@ async fn create_segment<B: Backend>(
         index: SparseIndex::default(),
         max_timestamp_micros: 0,
         tail_block: Vec::new(),
+        last_batch: None,
     })
-}
-
-/// Recovery: see `docs/storage-format.md`, "Recovery".
-async fn recover<B: Backend>(
-    backend: &B,
-    config: &LogConfig,
-) -> Result<(VecDeque<Segment<B::File>>, RecoveryReport), StorageError> {
-    let mut report = RecoveryReport::default();
-    let mut bases = Vec::new();
-    for name in backend
-        .list()
-        .await
-        .map_err(|e| StorageError::io("list", "log directory", e))?
-    {
-        match parse_segment_name(&name) {
-            None => {}
-            Some(Ok(base)) => bases.push(base),
-            Some(Err(reason)) => return Err(StorageError::ForeignFile { name, reason }),
-        }
-    }
-    bases.sort_unstable();
-
-    // An interrupted roll leaves a newest segment with no durable header: it never held
-    // an acknowledged record, so it is discarded.
-    let mut fresh_base = 0;
-    while let Some(&base) = bases.last() {
-        let name = segment_name(base);
-        let file = backend
-            .open(&name, false)
-            .await
-            .map_err(|e| StorageError::io("open", &name, e))?;
-        let len = file
-            .size()
-            .await
-            .map_err(|e| StorageError::io("stat", &name, e))?;
-        let head = file
-            .read_at(0, SEGMENT_HEADER_BYTES)
-            .await
-            .map_err(|e| StorageError::io("read header", &name, e))?;
-        let blank = SegmentHeader::decode(&head).is_err()
-            && segment::first_nonzero(&file, 0, len)
-                .await
-                .map_err(|e| StorageError::io("scan", &name, e))?
-                .is_none();
-        if !blank {
-            break;
-        }
-        report.discarded_segments += 1;
-        fresh_base = base;
-        bases.pop();
-        if config.read_only {
-            continue;
-        }
-        backend
-            .remove(&name)
-            .await
-            .map_err(|e| StorageError::io("remove blank segment", &name, e))?;
-        let _ = backend.remove(&index_name(base)).await;
-        backend
-            .sync_dir()
-            .await
-            .map_err(|e| StorageError::io("sync_dir", "log directory", e))?;
-    }
-
-    let mut segments = VecDeque::new();
-    let mut expected: Option<u64> = None;
-    for (i, &base) in bases.iter().enumerate() {
-        let newest = i + 1 == bases.len();
-        let name = segment_name(base);
-        let io = |op| move |e| StorageError::io(op, &segment_name(base), e);
-        let file = backend.open(&name, false).await.map_err(io("open"))?;
-        let len = file.size().await.map_err(io("stat"))?;
-        let head = file
-            .read_at(0, SEGMENT_HEADER_BYTES)
-            .await
-            .map_err(io("read header"))?;
-        let corrupt = |position, kind| {
-            StorageError::Corrupt(Corruption {
-                segment: name.clone(),
-                position,
-                offset: expected,
-                kind,
-            })
-        };
-        let header = SegmentHeader::decode(&head).map_err(|e| corrupt(0, e.into()))?;
-        if header.base_offset != base {
-            return Err(corrupt(
-                0,
-                CorruptionKind::BaseMismatch {
-                    name: base,
-                    header: header.base_offset,
-                },
-            ));
-        }
-        if let Some(expected) = expected
-            && expected != base
-        {
-            return Err(corrupt(
-                0,
-                CorruptionKind::OffsetGap {
-                    expected,
-                    found: base,
-                },
-            ));
-        }
-        let mut index = SparseIndex::default();
-        let mut start = (SEGMENT_HEADER_BYTES as u64, base);
-        let loaded = if newest {
-            None
-        } else {
-            load_index(backend, &file, base, len).await
-        };
-        if let (Some(loaded), VerifyOnOpen::Tail) = (&loaded, config.verify_on_open) {
-            let (o, p) = loaded.last().expect("decoded indexes are non-empty");
-            start = (p, o);
-            index = loaded.clone();
-            // The scan below re-observes the entry it starts from.
-            index.truncate_last();
-        }
-        let end = segment::scan(
-            &file,
-            &name,
-            len,
-            start.0,
-            start.1,
-            newest,
-            &mut index,
-            config.index_interval_bytes,
-        )
-        .await?;
-        report.verified_bytes += end.data_len - start.0;
-        if let Some((pos, _)) = end.torn_at {
-            if !config.read_only {
-                file.truncate(pos).await.map_err(io("truncate torn tail"))?;
-                file.sync_data().await.map_err(io("fsync repair"))?;
-            }
-            report.truncated_bytes += len - pos;
-        }
-        if !newest && loaded.as_ref() != Some(&index) {
-            report.rebuilt_indexes += 1;
-            let _ = backend
-                .write_small(&index_name(base), &index.encode(base))
-                .await;
-        }
-        let tail_start = format::align_down(end.data_len);
-        let tail_block = if newest {
-            file.read_at(tail_start, (end.data_len - tail_start) as usize)
-                .await
-                .map_err(io("read tail block"))?
-                .to_vec()
-        } else {
-            Vec::new()
-        };
-        expected = Some(end.end_offset);
-        segments.push_back(Segment {
-            name,
-            base,
-            end_offset: end.end_offset,
-            data_len: end.data_len,
-            file: Rc::new(file),
-            index,
-            max_timestamp_micros: end.max_timestamp_micros,
-            tail_block,
-        });
-    }
-    if segments.is_empty() {
-        if config.read_only {
-            return Err(StorageError::Config(
-                "read-only open of a directory that holds no log".into(),
-            ));
-        }
-        let segment = create_segment(backend, config, fresh_base)
-            .await
-            .map_err(|(op, e)| StorageError::io(op, &segment_name(fresh_base), e))?;
-        segments.push_back(segment);
-    }
-    Ok((segments, report))
-}
-
-/// Loads and spot-checks a sealed segment's index: its last entry must point at a batch
-/// header that verifies and starts at that entry's offset. `None` means rebuild.
-async fn load_index<B: Backend>(
-    backend: &B,
-    file: &B::File,
-    base: u64,
-    len: u64,
-) -> Option<SparseIndex> {
-    let bytes = backend.read_small(&index_name(base)).await.ok()??;
-    let index = SparseIndex::decode(&bytes, base, len)?;
-    let (offset, pos) = index.last()?;
-    let head = file.read_at(pos, BATCH_HEADER_BYTES).await.ok()?;
-    match format::decode_batch_header(&head) {
-        Ok(HeaderRead::Batch(h)) if h.base_offset == offset => Some(index),
-        _ => None,
-    }
 }
 
 const _: () = assert!(SEGMENT_HEADER_BYTES.is_multiple_of(BLOCK_BYTES));

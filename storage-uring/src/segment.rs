@@ -7,7 +7,7 @@ use bytes::Bytes;
 
 use crate::error::{Corruption, CorruptionKind, StorageError};
 use crate::format::{
-    self, BATCH_HEADER_BYTES, BatchHeader, FormatError, HeaderRead, MAX_BATCH_BODY_BYTES,
+    self, BATCH_HEADER_BYTES, BatchHeader, BatchKind, FormatError, HeaderRead, MAX_BATCH_BODY_BYTES,
 };
 use crate::index::SparseIndex;
 use crate::io::SegmentFile;
@@ -50,6 +50,8 @@ pub(crate) struct Segment<F> {
     /// The bytes of the last partial block (`data_len % BLOCK` of them): the next write
     /// rewrites that block with them in front.
     pub tail_block: Vec<u8>,
+    /// Base offset and kind of the last batch written to the file.
+    pub last_batch: Option<(u64, BatchKind)>,
 }
 
 /// How a scan ended.
@@ -59,6 +61,8 @@ pub(crate) struct ScanEnd {
     pub end_offset: u64,
     pub max_timestamp_micros: u64,
     pub batches: u64,
+    /// Base offset and kind of the last whole batch.
+    pub last_batch: Option<(u64, BatchKind)>,
     /// Set when a torn or zeroed tail was found at this position (only when repair was
     /// allowed).
     pub torn_at: Option<(u64, FormatError)>,
@@ -142,6 +146,7 @@ pub(crate) async fn scan<F: SegmentFile>(
     let mut window = Window::new(file, file_len);
     let mut max_ts = 0u64;
     let mut batches = 0u64;
+    let mut last_batch = None;
     let corrupt = |position: u64, offset: u64, kind: CorruptionKind| {
         StorageError::Corrupt(Corruption {
             segment: name.to_owned(),
@@ -156,6 +161,7 @@ pub(crate) async fn scan<F: SegmentFile>(
             end_offset: expected_offset,
             max_timestamp_micros: max_ts,
             batches,
+            last_batch,
             torn_at,
         };
         if pos >= file_len {
@@ -195,6 +201,7 @@ pub(crate) async fn scan<F: SegmentFile>(
                     expected_offset = h.end_offset();
                     max_ts = max_ts.max(h.timestamp_micros);
                     batches += 1;
+                    last_batch = Some((h.base_offset, h.kind));
                     pos += h.total_len() as u64;
                     continue;
                 }

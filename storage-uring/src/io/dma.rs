@@ -21,7 +21,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use glommio::io::{DmaFile, OpenOptions};
+use glommio::io::{BufferedFile, DmaFile, OpenOptions};
 
 use super::faults::StorageFaults;
 use super::{Backend, SegmentFile};
@@ -147,6 +147,34 @@ impl Backend for DmaBackend {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    async fn write_synced(&self, name: &str, data: &[u8]) -> io::Result<()> {
+        let file = BufferedFile::create(self.dir.join(name))
+            .await
+            .map_err(to_io)?;
+        let mut done = 0usize;
+        while done < data.len() {
+            let n = file
+                .write_at(data[done..].to_vec(), done as u64)
+                .await
+                .map_err(to_io)?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "write wrote 0 bytes",
+                ));
+            }
+            done += n;
+        }
+        file.fdatasync().await.map_err(to_io)?;
+        file.close().await.map_err(to_io)
+    }
+
+    async fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        glommio::io::rename(self.dir.join(from), self.dir.join(to))
+            .await
+            .map_err(to_io)
     }
 }
 

@@ -1,11 +1,15 @@
 //! An in-memory backend with fault injection, for tests that must see what the disk does
 //! wrong: fail the next write or fsync, tear a write (a prefix reaches the "platter",
 //! then the write fails), or crash (every file reverts to what was last fsynced, and
-//! files whose creation was never made durable by a directory sync disappear). Faults
-//! can carry an errno ([`MemBackend::fail_with`]) so the log's handling of a full disk
-//! (ENOSPC, EDQUOT) is tested here, step by step, as well as on the real backend. A
-//! write yields to the executor once before it lands, as a real one waits for the
-//! device, so appenders interleave with the flusher here as they do on disk.
+//! the directory to what the last directory sync saw: a file created, removed or renamed
+//! since then is back where it was). Faults can carry an errno
+//! ([`MemBackend::fail_with`]) so the log's handling of a full disk (ENOSPC, EDQUOT) is
+//! tested here, step by step, as well as on the real backend. A write yields to the
+//! executor once before it lands, as a real one waits for the device, so appenders
+//! interleave with the flusher here as they do on disk.
+//!
+//! Files are inodes shared by the directory and by open handles, as on Linux: a handle
+//! keeps working on a file that was removed or renamed after it was opened.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -24,8 +28,15 @@ struct MemFile {
     data: Vec<u8>,
     /// What survives a crash.
     durable: Vec<u8>,
-    /// The creation survived a directory sync.
-    created_durably: bool,
+}
+
+type Inode = Rc<RefCell<MemFile>>;
+
+fn inode(data: &[u8], durable: &[u8]) -> Inode {
+    Rc::new(RefCell::new(MemFile {
+        data: data.to_vec(),
+        durable: durable.to_vec(),
+    }))
 }
 
 /// An operation of the memory backend that a fault can be aimed at.
@@ -41,9 +52,11 @@ pub enum MemOp {
     Truncate,
     /// `Backend::sync_dir`.
     SyncDir,
+    /// `Backend::rename`.
+    Rename,
 }
 
-const MEM_OPS: usize = 5;
+const MEM_OPS: usize = 6;
 
 #[derive(Debug, Clone, Copy)]
 struct Armed {
@@ -86,8 +99,17 @@ impl Faults {
 
 #[derive(Debug, Default)]
 struct MemFs {
-    files: BTreeMap<String, MemFile>,
+    /// The directory as operations left it.
+    files: BTreeMap<String, Inode>,
+    /// The directory as the last `sync_dir` saw it: what a crash leaves.
+    synced: BTreeMap<String, Inode>,
     faults: Faults,
+}
+
+impl MemFs {
+    fn file(&self, name: &str) -> Option<Inode> {
+        self.files.get(name).cloned()
+    }
 }
 
 /// An in-memory directory. Clones share the same files.
@@ -97,10 +119,17 @@ pub struct MemBackend {
 }
 
 /// A file of a [`MemBackend`].
-#[derive(Debug)]
 pub struct MemFileHandle {
     fs: Rc<RefCell<MemFs>>,
-    name: String,
+    file: Inode,
+}
+
+impl std::fmt::Debug for MemFileHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemFileHandle")
+            .field("len", &self.file.borrow().data.len())
+            .finish()
+    }
 }
 
 fn injected(what: &str) -> io::Error {
@@ -158,27 +187,21 @@ impl MemBackend {
         };
     }
 
-    /// A new backend holding what survives a crash now: each file's last fsynced
-    /// contents; files never made durable by a directory sync are gone.
+    /// A new backend holding what survives a crash now: the directory as the last
+    /// directory sync saw it, each file with its last fsynced contents.
     pub fn crash(&self) -> MemBackend {
         let fs = self.fs.borrow();
-        let files = fs
-            .files
+        let files: BTreeMap<String, Inode> = fs
+            .synced
             .iter()
-            .filter(|(_, f)| f.created_durably)
             .map(|(name, f)| {
-                (
-                    name.clone(),
-                    MemFile {
-                        data: f.durable.clone(),
-                        durable: f.durable.clone(),
-                        created_durably: true,
-                    },
-                )
+                let durable = &f.borrow().durable;
+                (name.clone(), inode(durable, durable))
             })
             .collect();
         MemBackend {
             fs: Rc::new(RefCell::new(MemFs {
+                synced: files.clone(),
                 files,
                 faults: Faults::default(),
             })),
@@ -187,8 +210,9 @@ impl MemBackend {
 
     /// Overwrites bytes of a file, durably (bit rot, a stray writer).
     pub fn corrupt(&self, name: &str, pos: usize, bytes: &[u8]) {
-        let mut fs = self.fs.borrow_mut();
-        let f = fs.files.get_mut(name).expect("corrupt: no such file");
+        let f = self.fs.borrow().file(name).expect("corrupt: no such file");
+        let mut f = f.borrow_mut();
+        let f = &mut *f;
         for (i, b) in bytes.iter().enumerate() {
             for v in [&mut f.data, &mut f.durable] {
                 if pos + i >= v.len() {
@@ -201,32 +225,30 @@ impl MemBackend {
 
     /// Sets a file's durable length (truncating or zero-extending it).
     pub fn set_len(&self, name: &str, len: usize) {
-        let mut fs = self.fs.borrow_mut();
-        let f = fs.files.get_mut(name).expect("set_len: no such file");
+        let f = self.fs.borrow().file(name).expect("set_len: no such file");
+        let mut f = f.borrow_mut();
         f.data.resize(len, 0);
         f.durable.resize(len, 0);
     }
 
     /// A file's current contents.
     pub fn contents(&self, name: &str) -> Option<Vec<u8>> {
-        self.fs.borrow().files.get(name).map(|f| f.data.clone())
+        self.fs.borrow().file(name).map(|f| f.borrow().data.clone())
     }
 
     /// Places a whole file, durably (a foreign file in the data directory).
     pub fn put_file(&self, name: &str, data: &[u8]) {
-        self.fs.borrow_mut().files.insert(
-            name.to_owned(),
-            MemFile {
-                data: data.to_vec(),
-                durable: data.to_vec(),
-                created_durably: true,
-            },
-        );
+        let mut fs = self.fs.borrow_mut();
+        let f = inode(data, data);
+        fs.files.insert(name.to_owned(), f.clone());
+        fs.synced.insert(name.to_owned(), f);
     }
 
     /// Removes a file, durably.
     pub fn delete(&self, name: &str) {
-        self.fs.borrow_mut().files.remove(name);
+        let mut fs = self.fs.borrow_mut();
+        fs.files.remove(name);
+        fs.synced.remove(name);
     }
 
     /// Writes and fsyncs performed so far.
@@ -241,15 +263,18 @@ impl Backend for MemBackend {
 
     async fn open(&self, name: &str, create: bool) -> io::Result<MemFileHandle> {
         let mut fs = self.fs.borrow_mut();
-        if !fs.files.contains_key(name) {
-            if !create {
-                return Err(io::Error::from(io::ErrorKind::NotFound));
+        let file = match fs.file(name) {
+            Some(f) => f,
+            None if create => {
+                let f = Inode::default();
+                fs.files.insert(name.to_owned(), f.clone());
+                f
             }
-            fs.files.insert(name.to_owned(), MemFile::default());
-        }
+            None => return Err(io::Error::from(io::ErrorKind::NotFound)),
+        };
         Ok(MemFileHandle {
             fs: self.fs.clone(),
-            name: name.to_owned(),
+            file,
         })
     }
 
@@ -269,32 +294,50 @@ impl Backend for MemBackend {
     async fn sync_dir(&self) -> io::Result<()> {
         let mut fs = self.fs.borrow_mut();
         fs.faults.check(MemOp::SyncDir)?;
-        for f in fs.files.values_mut() {
-            f.created_durably = true;
-        }
+        fs.synced = fs.files.clone();
         Ok(())
     }
 
     async fn write_small(&self, name: &str, data: &[u8]) -> io::Result<()> {
         let mut fs = self.fs.borrow_mut();
         let f = fs.files.entry(name.to_owned()).or_default();
-        f.data = data.to_vec();
+        f.borrow_mut().data = data.to_vec();
         Ok(())
     }
 
     async fn read_small(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
-        Ok(self.fs.borrow().files.get(name).map(|f| f.data.clone()))
+        Ok(self.contents(name))
+    }
+
+    async fn write_synced(&self, name: &str, data: &[u8]) -> io::Result<()> {
+        futures_lite::future::yield_now().await;
+        let mut fs = self.fs.borrow_mut();
+        fs.faults.writes += 1;
+        fs.faults.check(MemOp::Write)?;
+        let f = fs.files.entry(name.to_owned()).or_default().clone();
+        f.borrow_mut().data = data.to_vec();
+        fs.faults.syncs += 1;
+        fs.faults.check(MemOp::Sync)?;
+        let mut f = f.borrow_mut();
+        f.durable = f.data.clone();
+        Ok(())
+    }
+
+    async fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        let mut fs = self.fs.borrow_mut();
+        fs.faults.check(MemOp::Rename)?;
+        let f = fs
+            .files
+            .remove(from)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        fs.files.insert(to.to_owned(), f);
+        Ok(())
     }
 }
 
 impl MemFileHandle {
     fn with<T>(&self, f: impl FnOnce(&mut MemFile) -> T) -> io::Result<T> {
-        let mut fs = self.fs.borrow_mut();
-        let file = fs
-            .files
-            .get_mut(&self.name)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-        Ok(f(file))
+        Ok(f(&mut self.file.borrow_mut()))
     }
 }
 

@@ -1,0 +1,167 @@
+//! Small durable files beside the log (step 7 of the module docs of [`crate::log`]):
+//! replication state such as the accepted generation and leader, or a commit mark.
+//!
+//! What must stay true: a reader sees a whole old or a whole new file, before and after a
+//! crash; a name never collides with a segment, an index, a temporary or the intent
+//! file, so recovery can ignore every one of them.
+
+use std::future::poll_fn;
+use std::io;
+use std::task::Poll;
+
+use crate::error::StorageError;
+use crate::io::Backend;
+use crate::log::SegmentLog;
+
+/// Longest metadata file name.
+pub const META_NAME_MAX_BYTES: usize = 64;
+
+/// The suffix of the temporary a replacement is written to before its rename.
+const TEMP_SUFFIX: &str = ".tmp";
+
+/// Checks a metadata file name: 1 to [`META_NAME_MAX_BYTES`] of `[a-z0-9._-]`, not
+/// hidden, no `..`, and not ending like a segment, index or temporary file.
+pub fn check_meta_name(name: &str) -> Result<(), StorageError> {
+    let refuse = |reason| {
+        Err(StorageError::BadMetaName {
+            name: name.to_owned(),
+            reason,
+        })
+    };
+    if name.is_empty() || name.len() > META_NAME_MAX_BYTES {
+        return refuse("a name is 1 to 64 bytes");
+    }
+    let allowed = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b);
+    if !name.bytes().all(allowed) {
+        return refuse("only a-z, 0-9, '.', '_' and '-' are allowed");
+    }
+    if name.starts_with('.') || name.contains("..") {
+        return refuse("hidden names and '..' are not allowed");
+    }
+    if [".seg", ".idx"].iter().any(|s| name.ends_with(s)) {
+        return refuse("collides with segment and index file names");
+    }
+    if name.ends_with(TEMP_SUFFIX) {
+        return refuse("collides with temporary file names");
+    }
+    Ok(())
+}
+
+fn temp_name(name: &str) -> String {
+    format!("{name}{TEMP_SUFFIX}")
+}
+
+/// Writes and fdatasyncs the temporary that will replace `name`. Nothing reads it: a
+/// failure or a crash here leaves `name` as it was.
+pub(super) async fn write_temp<B: Backend>(
+    backend: &B,
+    name: &str,
+    bytes: &[u8],
+) -> io::Result<()> {
+    backend.write_synced(&temp_name(name), bytes).await
+}
+
+/// Renames the temporary over `name` and fsyncs the directory: from the rename on,
+/// `name` may hold the new contents; after the fsync, it does.
+pub(super) async fn install<B: Backend>(
+    backend: &B,
+    name: &str,
+) -> Result<(), (&'static str, io::Error)> {
+    backend
+        .rename(&temp_name(name), name)
+        .await
+        .map_err(|e| ("rename", e))?;
+    backend.sync_dir().await.map_err(|e| ("fsync directory", e))
+}
+
+/// One `write_meta` at a time: two would share a temporary.
+struct MetaTurn<'a, B: Backend>(&'a SegmentLog<B>);
+
+impl<B: Backend> Drop for MetaTurn<'_, B> {
+    fn drop(&mut self) {
+        let mut st = self.0.shared.state.borrow_mut();
+        st.meta_writing = false;
+        for w in std::mem::take(&mut st.meta_waiters) {
+            w.wake();
+        }
+    }
+}
+
+impl<B: Backend> SegmentLog<B> {
+    /// Replaces the metadata file `name` with `bytes`, durably (step 7): after it
+    /// returns, a reopen reads `bytes`; after a crash during it, the old contents or
+    /// `bytes`, never a mix. Calls are served one at a time. Refused on a read-only log.
+    pub async fn write_meta(&self, name: &str, bytes: &[u8]) -> Result<(), StorageError> {
+        check_meta_name(name)?;
+        if self.shared.config.read_only {
+            return Err(StorageError::Closed);
+        }
+        let _turn = self.meta_turn().await;
+        let backend = &self.shared.backend;
+        write_temp(backend, name, bytes)
+            .await
+            .map_err(|e| StorageError::io("write metadata", name, e))?;
+        install(backend, name)
+            .await
+            .map_err(|(op, e)| StorageError::io(op, name, e))
+    }
+
+    /// The contents of the metadata file `name`; `None` if it was never written.
+    pub async fn read_meta(&self, name: &str) -> Result<Option<Vec<u8>>, StorageError> {
+        check_meta_name(name)?;
+        self.shared
+            .backend
+            .read_small(name)
+            .await
+            .map_err(|e| StorageError::io("read metadata", name, e))
+    }
+
+    async fn meta_turn(&self) -> MetaTurn<'_, B> {
+        poll_fn(|cx| {
+            let mut st = self.shared.state.borrow_mut();
+            if st.meta_writing {
+                st.meta_waiters.push(cx.waker().clone());
+                return Poll::Pending;
+            }
+            st.meta_writing = true;
+            Poll::Ready(())
+        })
+        .await;
+        MetaTurn(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meta_names_never_collide_with_the_log_files() {
+        for ok in ["replication", "commit-mark", "gen_2.v1", "a"] {
+            assert!(check_meta_name(ok).is_ok(), "{ok}");
+        }
+        let long = "a".repeat(META_NAME_MAX_BYTES + 1);
+        for bad in [
+            "",
+            long.as_str(),
+            "a/b",
+            "../x",
+            "..",
+            ".",
+            ".hidden",
+            "a..b",
+            "Upper",
+            "LOG-INTENT",
+            "sp ace",
+            "00000000000000000000.seg",
+            "00000000000000000000.idx",
+            "x.seg",
+            "state.tmp",
+        ] {
+            assert!(
+                matches!(check_meta_name(bad), Err(StorageError::BadMetaName { .. })),
+                "{bad:?} accepted"
+            );
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! Recovery at open: finds the segments, discards an interrupted roll, finishes an
+//! interrupted truncation or reset (step 6d of the module docs of [`crate::log`]), scans
+//! and repairs the newest segment's torn tail, and loads or rebuilds the indexes. See
+//! `docs/storage-format.md`, "Recovery".
+
+use std::collections::VecDeque;
+use std::rc::Rc;
+
+use super::{LogConfig, RecoveryReport, VerifyOnOpen, create_segment, cut};
+use crate::error::{Corruption, CorruptionKind, StorageError};
+use crate::format::{self, BATCH_HEADER_BYTES, HeaderRead, SEGMENT_HEADER_BYTES, SegmentHeader};
+use crate::index::SparseIndex;
+use crate::io::{Backend, SegmentFile};
+use crate::segment::{self, Segment, index_name, parse_segment_name, segment_name};
+
+/// Recovery: see `docs/storage-format.md`, "Recovery".
+pub(super) async fn recover<B: Backend>(
+    backend: &B,
+    config: &LogConfig,
+) -> Result<(VecDeque<Segment<B::File>>, RecoveryReport), StorageError> {
+    let mut report = RecoveryReport::default();
+    let mut bases = Vec::new();
+    // Metadata files (step 7) and the intent file are not segments: they are skipped.
+    for name in backend
+        .list()
+        .await
+        .map_err(|e| StorageError::io("list", "log directory", e))?
+    {
+        match parse_segment_name(&name) {
+            None => {}
+            Some(Ok(base)) => bases.push(base),
+            Some(Err(reason)) => return Err(StorageError::ForeignFile { name, reason }),
+        }
+    }
+    bases.sort_unstable();
+    let intent = cut::read_intent(backend, config.read_only).await?;
+    let mut fresh_base = 0;
+    if let Some(intent) = intent {
+        fresh_base = cut::remove_cut_segments(backend, &mut bases, intent).await?;
+    }
+
+    // An interrupted roll leaves a newest segment with no durable header: it never held
+    // an acknowledged record, so it is discarded.
+    while let Some(&base) = bases.last() {
+        let name = segment_name(base);
+        let file = backend
+            .open(&name, false)
+            .await
+            .map_err(|e| StorageError::io("open", &name, e))?;
+        let len = file
+            .size()
+            .await
+            .map_err(|e| StorageError::io("stat", &name, e))?;
+        let head = file
+            .read_at(0, SEGMENT_HEADER_BYTES)
+            .await
+            .map_err(|e| StorageError::io("read header", &name, e))?;
+        let blank = SegmentHeader::decode(&head).is_err()
+            && segment::first_nonzero(&file, 0, len)
+                .await
+                .map_err(|e| StorageError::io("scan", &name, e))?
+                .is_none();
+        if !blank {
+            break;
+        }
+        report.discarded_segments += 1;
+        fresh_base = base;
+        bases.pop();
+        if config.read_only {
+            continue;
+        }
+        backend
+            .remove(&name)
+            .await
+            .map_err(|e| StorageError::io("remove blank segment", &name, e))?;
+        let _ = backend.remove(&index_name(base)).await;
+        backend
+            .sync_dir()
+            .await
+            .map_err(|e| StorageError::io("sync_dir", "log directory", e))?;
+    }
+
+    let mut segments = VecDeque::new();
+    let mut expected: Option<u64> = None;
+    for (i, &base) in bases.iter().enumerate() {
+        let newest = i + 1 == bases.len();
+        let name = segment_name(base);
+        let io = |op| move |e| StorageError::io(op, &segment_name(base), e);
+        let file = backend.open(&name, false).await.map_err(io("open"))?;
+        let len = file.size().await.map_err(io("stat"))?;
+        let head = file
+            .read_at(0, SEGMENT_HEADER_BYTES)
+            .await
+            .map_err(io("read header"))?;
+        let corrupt = |position, kind| {
+            StorageError::Corrupt(Corruption {
+                segment: name.clone(),
+                position,
+                offset: expected,
+                kind,
+            })
+        };
+        let header = SegmentHeader::decode(&head).map_err(|e| corrupt(0, e.into()))?;
+        if header.base_offset != base {
+            return Err(corrupt(
+                0,
+                CorruptionKind::BaseMismatch {
+                    name: base,
+                    header: header.base_offset,
+                },
+            ));
+        }
+        if let Some(expected) = expected
+            && expected != base
+        {
+            return Err(corrupt(
+                0,
+                CorruptionKind::OffsetGap {
+                    expected,
+                    found: base,
+                },
+            ));
+        }
+        let mut index = SparseIndex::default();
+        let mut start = (SEGMENT_HEADER_BYTES as u64, base);
+        let loaded = if newest {
+            None
+        } else {
+            load_index(backend, &file, base, len).await
+        };
+        if let (Some(loaded), VerifyOnOpen::Tail) = (&loaded, config.verify_on_open) {
+            let (o, p) = loaded.last().expect("decoded indexes are non-empty");
+            start = (p, o);
+            index = loaded.clone();
+            // The scan below re-observes the entry it starts from.
+            index.truncate_last();
+        }
+        let end = segment::scan(
+            &file,
+            &name,
+            len,
+            start.0,
+            start.1,
+            newest,
+            &mut index,
+            config.index_interval_bytes,
+        )
+        .await?;
+        report.verified_bytes += end.data_len - start.0;
+        if let Some((pos, _)) = end.torn_at {
+            if !config.read_only {
+                file.truncate(pos).await.map_err(io("truncate torn tail"))?;
+                file.sync_data().await.map_err(io("fsync repair"))?;
+            }
+            report.truncated_bytes += len - pos;
+        }
+        if !newest && loaded.as_ref() != Some(&index) {
+            report.rebuilt_indexes += 1;
+            let _ = backend
+                .write_small(&index_name(base), &index.encode(base))
+                .await;
+        }
+        let tail_start = format::align_down(end.data_len);
+        let tail_block = if newest {
+            file.read_at(tail_start, (end.data_len - tail_start) as usize)
+                .await
+                .map_err(io("read tail block"))?
+                .to_vec()
+        } else {
+            Vec::new()
+        };
+        expected = Some(end.end_offset);
+        segments.push_back(Segment {
+            name,
+            base,
+            end_offset: end.end_offset,
+            data_len: end.data_len,
+            file: Rc::new(file),
+            index,
+            max_timestamp_micros: end.max_timestamp_micros,
+            tail_block,
+            last_batch: end.last_batch,
+        });
+    }
+    if segments.is_empty() {
+        if config.read_only {
+            return Err(StorageError::Config(
+                "read-only open of a directory that holds no log".into(),
+            ));
+        }
+        let segment = create_segment(backend, config, fresh_base)
+            .await
+            .map_err(|(op, e)| StorageError::io(op, &segment_name(fresh_base), e))?;
+        segments.push_back(segment);
+    }
+    if let Some(intent) = intent {
+        cut::finish_at_open(backend, &mut segments, intent).await?;
+        report.finished_intent = true;
+    }
+    Ok((segments, report))
+}
+
+/// Loads and spot-checks a sealed segment's index: its last entry must point at a batch
+/// header that verifies and starts at that entry's offset. `None` means rebuild.
+async fn load_index<B: Backend>(
+    backend: &B,
+    file: &B::File,
+    base: u64,
+    len: u64,
+) -> Option<SparseIndex> {
+    let bytes = backend.read_small(&index_name(base)).await.ok()??;
+    let index = SparseIndex::decode(&bytes, base, len)?;
+    let (offset, pos) = index.last()?;
+    let head = file.read_at(pos, BATCH_HEADER_BYTES).await.ok()?;
+    match format::decode_batch_header(&head) {
+        Ok(HeaderRead::Batch(h)) if h.base_offset == offset => Some(index),
+        _ => None,
+    }
+}

@@ -1,0 +1,194 @@
+//! Small durable files beside the log (replication state): `write_meta` replaces one
+//! atomically and durably, `read_meta` reads it, recovery ignores them and any leftover
+//! temporary. Round trips run on both backends; crashes at each step need the memory
+//! backend.
+
+mod common;
+
+use common::{Disk, Fixture, Mem, run};
+use felix_storage_uring::{FaultTimes, LogConfig, MemBackend, MemOp, SegmentLog, StorageError};
+
+async fn meta_round_trips_and_survives_reopen<F: Fixture>(fx: F) {
+    let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(log.read_meta("replication").await.unwrap(), None);
+    log.write_meta("replication", b"generation 3, leader 7")
+        .await
+        .unwrap();
+    log.write_meta("commit-mark", &42u64.to_be_bytes())
+        .await
+        .unwrap();
+    // A shorter replacement leaves nothing of the longer one behind.
+    log.write_meta("replication", b"gen 4").await.unwrap();
+    assert_eq!(
+        log.read_meta("replication").await.unwrap().as_deref(),
+        Some(b"gen 4".as_slice())
+    );
+    log.write_meta("empty", b"").await.unwrap();
+    log.append(&[b"a record"], 0).await.unwrap();
+    log.close().await.unwrap();
+    let (log, report) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(report.next_offset, 1);
+    assert_eq!(
+        log.read_meta("replication").await.unwrap().as_deref(),
+        Some(b"gen 4".as_slice())
+    );
+    assert_eq!(
+        log.read_meta("commit-mark").await.unwrap(),
+        Some(42u64.to_be_bytes().to_vec())
+    );
+    assert_eq!(log.read_meta("empty").await.unwrap(), Some(Vec::new()));
+    log.close().await.unwrap();
+}
+
+async fn recovery_ignores_meta_files_and_leftover_temporaries<F: Fixture>(fx: F) {
+    let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    log.append(&[b"one"], 0).await.unwrap();
+    log.write_meta("vote", b"v1").await.unwrap();
+    log.close().await.unwrap();
+    // What a crash mid-write leaves: temporaries of a metadata file and of an intent.
+    fx.write("vote.tmp", b"half-written garbage");
+    fx.write("LOG-INTENT.tmp", b"also garbage");
+    let (log, report) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(report.next_offset, 1);
+    assert!(!report.finished_intent);
+    assert_eq!(log.read_meta("vote").await.unwrap(), Some(b"v1".to_vec()));
+    // The next write replaces the leftover temporary.
+    log.write_meta("vote", b"v2").await.unwrap();
+    assert_eq!(log.read_meta("vote").await.unwrap(), Some(b"v2".to_vec()));
+    log.close().await.unwrap();
+}
+
+async fn bad_meta_names_are_refused<F: Fixture>(fx: F) {
+    let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    for bad in [
+        "",
+        "../escape",
+        "a/b",
+        "..",
+        ".hidden",
+        "Upper",
+        "LOG-INTENT",
+        "00000000000000000000.seg",
+        "00000000000000000000.idx",
+        "x.tmp",
+    ] {
+        assert!(
+            matches!(
+                log.write_meta(bad, b"x").await,
+                Err(StorageError::BadMetaName { .. })
+            ),
+            "{bad:?} written"
+        );
+        assert!(matches!(
+            log.read_meta(bad).await,
+            Err(StorageError::BadMetaName { .. })
+        ));
+    }
+    log.close().await.unwrap();
+    // Nothing was written that a reopen would trip over.
+    let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    log.close().await.unwrap();
+}
+
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            use super::*;
+            $(#[test] fn $name() { run(|| super::$name(Mem(MemBackend::new()))); })*
+        }
+        mod disk {
+            use super::*;
+            $(#[test] fn $name() { run(|| super::$name(Disk::new())); })*
+        }
+    };
+}
+
+both_backends!(
+    meta_round_trips_and_survives_reopen,
+    recovery_ignores_meta_files_and_leftover_temporaries,
+    bad_meta_names_are_refused,
+);
+
+/// A fault at each step of a replacement, then a crash: the reopened file is the old or
+/// the new contents, never a mix or nothing; after a success, the new.
+#[test]
+fn a_crash_during_write_meta_keeps_the_old_or_the_new_contents() {
+    run(|| async {
+        let old = b"generation 1; voted for 3".to_vec();
+        let new = b"generation 2".to_vec();
+        let mut outcomes = [0usize; 2];
+        for op in [MemOp::Write, MemOp::Sync, MemOp::Rename, MemOp::SyncDir] {
+            for fail in [false, true] {
+                let mem = MemBackend::new();
+                let (log, _) = SegmentLog::open(mem.clone(), LogConfig::default())
+                    .await
+                    .unwrap();
+                log.write_meta("state", &old).await.unwrap();
+                if fail {
+                    mem.fail_with(op, libc::EIO, 0, FaultTimes::Once);
+                }
+                let result = log.write_meta("state", &new).await;
+                assert_eq!(result.is_ok(), !fail, "{op:?}: {result:?}");
+                mem.clear_faults();
+                let (after, _) = SegmentLog::open(mem.crash(), LogConfig::default())
+                    .await
+                    .expect("recovery ignores metadata files");
+                let got = after.read_meta("state").await.unwrap().expect("a file");
+                assert!(got == old || got == new, "{op:?}: {got:?}");
+                if result.is_ok() {
+                    assert_eq!(got, new, "{op:?}");
+                } else {
+                    outcomes[usize::from(got == new)] += 1;
+                }
+                after.close().await.unwrap();
+            }
+        }
+        assert!(outcomes[0] > 0, "{outcomes:?}");
+    });
+}
+
+/// The memory backend models a rename as a directory change: a crash before the
+/// directory is synced keeps the old name's file.
+#[test]
+fn a_rename_is_durable_only_after_a_directory_sync() {
+    run(|| async {
+        use felix_storage_uring::io::Backend;
+        let mem = MemBackend::new();
+        mem.write_synced("a", b"old").await.unwrap();
+        mem.sync_dir().await.unwrap();
+        mem.write_synced("a.tmp", b"new").await.unwrap();
+        mem.rename("a.tmp", "a").await.unwrap();
+        assert_eq!(mem.read_small("a").await.unwrap(), Some(b"new".to_vec()));
+        assert_eq!(
+            mem.crash().read_small("a").await.unwrap(),
+            Some(b"old".to_vec())
+        );
+        mem.sync_dir().await.unwrap();
+        let crashed = mem.crash();
+        assert_eq!(
+            crashed.read_small("a").await.unwrap(),
+            Some(b"new".to_vec())
+        );
+        assert_eq!(crashed.read_small("a.tmp").await.unwrap(), None);
+        // A removal, too, waits for the directory sync.
+        mem.remove("a").await.unwrap();
+        assert_eq!(
+            mem.crash().read_small("a").await.unwrap(),
+            Some(b"new".to_vec())
+        );
+        mem.sync_dir().await.unwrap();
+        assert_eq!(mem.crash().read_small("a").await.unwrap(), None);
+    });
+}
