@@ -6,7 +6,8 @@ use bytes::{Bytes, BytesMut};
 
 use crate::binary::{EventBatch, PublishAck, PublishBatch};
 use crate::flags::Flags;
-use crate::frame::{FrameReader, HEADER_LEN};
+use crate::frame::{Decoded, FrameReader, HEADER_LEN};
+use crate::internal::{self, InternalError, InternalHeader, InternalMessage, InternalReader};
 use crate::message::Message;
 
 /// Frames: arbitrary bytes through a [`FrameReader`], pushed in two pieces at a point
@@ -105,4 +106,80 @@ pub fn event_batch(data: &[u8]) {
             .expect("a decoded batch re-encodes");
         assert_eq!(&buf[HEADER_LEN..], &payload[..], "event batch is canonical");
     }
+}
+
+/// Internal (broker-to-broker) frames: arbitrary bytes decoded frame by frame. Whatever
+/// decodes re-encodes to the same bytes (an `Unknown` message, whose body is skipped,
+/// to its kind and correlation id). An [`InternalReader`] fed the same bytes in two
+/// pieces, split at a point chosen by the first byte, yields the same messages and
+/// errors in the same order.
+pub fn internal(data: &[u8]) {
+    let limit = 4096;
+    let mut expected: Vec<Result<InternalMessage, InternalError>> = Vec::new();
+    let mut rest = Bytes::copy_from_slice(data);
+    loop {
+        match internal::decode_frame(&rest, limit) {
+            Ok(Decoded::Complete { value, consumed }) => {
+                let mut buf = BytesMut::new();
+                value
+                    .encode(&mut buf)
+                    .expect("a decoded internal message re-encodes");
+                if let InternalMessage::Unknown { kind, .. } = value {
+                    // Only the kind and the correlation id survive an unknown kind.
+                    assert!(!internal::kind::is_known(kind));
+                    assert_eq!(&buf[..8], &rest[..8], "magic, version, kind");
+                    assert_eq!(
+                        &buf[internal::HEADER_LEN..],
+                        &rest[internal::HEADER_LEN..][..8]
+                    );
+                } else {
+                    assert_eq!(
+                        &buf[..],
+                        &rest[..consumed],
+                        "internal encoding is canonical"
+                    );
+                }
+                expected.push(Ok(value));
+                let _ = rest.split_to(consumed);
+            }
+            Ok(Decoded::NeedMore(n)) => {
+                assert!(n > 0);
+                break;
+            }
+            Err(e) if e.is_fatal() => {
+                expected.push(Err(e));
+                break;
+            }
+            Err(e) => {
+                let header = InternalHeader::parse(&rest)
+                    .expect("a malformed body had a valid header")
+                    .expect("and a whole one");
+                assert!(header.length <= limit && rest.len() >= header.frame_len());
+                expected.push(Err(e));
+                let _ = rest.split_to(header.frame_len());
+            }
+        }
+    }
+
+    let split = data.first().map_or(0, |b| usize::from(*b)).min(data.len());
+    let mut reader = InternalReader::new(limit);
+    let mut got = Vec::new();
+    'pieces: for piece in [&data[..split], &data[split..]] {
+        reader.push(Bytes::copy_from_slice(piece));
+        loop {
+            match reader.next() {
+                Ok(Some(message)) => got.push(Ok(message)),
+                Ok(None) => break,
+                Err(e) => {
+                    let fatal = e.is_fatal();
+                    got.push(Err(e));
+                    if fatal {
+                        break 'pieces;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(got, expected, "the reader agrees with one-shot decoding");
+    assert!(reader.buffered() <= data.len());
 }

@@ -5,7 +5,8 @@
 //! ([`message`]), the binary hot-path layouts selected by flag bits ([`binary`]), the
 //! flag and feature numbering spaces ([`flags`], [`features`]), error codes with their
 //! retry classes ([`error_code`]), the key-to-shard routing function ([`routing`]) and the
-//! typed ids every other crate uses ([`ids`]).
+//! typed ids every other crate uses ([`ids`]). The broker-to-broker replication protocol
+//! (`felix-internal/1`) lives in [`internal`].
 //!
 //! It is pure: no I/O, no async, no clock, no runtime. Encoders append to a caller's
 //! buffer; decoders read from a byte slice or shared [`bytes::Bytes`], return payloads as
@@ -20,6 +21,7 @@ pub mod frame;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod ids;
+pub mod internal;
 pub mod message;
 pub mod routing;
 #[cfg(feature = "tokens")]
@@ -37,6 +39,7 @@ pub use features::Features;
 pub use flags::Flags;
 pub use frame::{Frame, FrameError, FrameHeader, FrameReader};
 pub use ids::{Generation, Offset, ProducerId, RequestId, Sequence, ShardId, SubscriptionId};
+pub use internal::INTERNAL_ALPN;
 pub use message::{AckMode, Message, MessageError, StartPosition};
 pub use routing::{ShardRouting, shard_for_key};
 

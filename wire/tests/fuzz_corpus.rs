@@ -42,6 +42,11 @@ fn event_batch_corpus_replays_clean() {
     replay("event_batch", felix_wire::fuzzing::event_batch);
 }
 
+#[test]
+fn internal_corpus_replays_clean() {
+    replay("internal", felix_wire::fuzzing::internal);
+}
+
 /// This package's directory: cargo's value at run time (a build reused from another
 /// checkout must not read that checkout's files), the compile-time one otherwise.
 fn manifest_dir() -> std::path::PathBuf {

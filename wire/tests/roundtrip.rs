@@ -354,5 +354,6 @@ mod felix_wire_fuzz_targets {
         felix_wire::fuzzing::frames(data);
         felix_wire::fuzzing::json_message(data);
         felix_wire::fuzzing::binary_layouts(data);
+        felix_wire::fuzzing::internal(data);
     }
 }
