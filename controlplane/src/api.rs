@@ -23,6 +23,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::model::*;
+use crate::placement;
+use crate::replication::{ReplicaReports, ReplicaStatus, StoredReport, Verdict};
 use crate::store::{Doc, Expect, Kind, Op, Store, StoreError};
 
 use base64 as b64;
@@ -37,8 +39,16 @@ pub struct ApiConfig {
     pub bootstrap_token: Option<String>,
     /// How often nodes heartbeat.
     pub heartbeat_interval: Duration,
-    /// Silence after which a node is down and its shards move.
+    /// The lease a heartbeat buys, told to brokers: a broker keeps it for
+    /// `expiry_timeout - expiry_timeout/4` from the instant it *sent* the heartbeat.
     pub expiry_timeout: Duration,
+    /// Extra silence, beyond the expiry, before a node is marked down and its shards
+    /// may go to someone else (`None`: a quarter of the expiry, the least allowed).
+    /// It absorbs clock-rate drift and the broker's own give-up margin, so the old
+    /// leader has stopped writing before a successor is named.
+    pub regrant_margin: Option<Duration>,
+    /// How long a replica-set member may be down before it is replaced.
+    pub replica_restore_after: Duration,
 }
 
 impl Default for ApiConfig {
@@ -47,6 +57,37 @@ impl Default for ApiConfig {
             bootstrap_token: None,
             heartbeat_interval: Duration::from_secs(1),
             expiry_timeout: Duration::from_secs(5),
+            regrant_margin: None,
+            replica_restore_after: Duration::from_secs(60),
+        }
+    }
+}
+
+impl ApiConfig {
+    /// The regrant margin in force: the configured one, or a quarter of the expiry.
+    pub fn regrant_margin(&self) -> Duration {
+        self.regrant_margin.unwrap_or(self.expiry_timeout / 4)
+    }
+
+    /// Silence after which a node is marked down: the expiry plus the regrant margin.
+    pub fn down_after(&self) -> Duration {
+        self.expiry_timeout + self.regrant_margin()
+    }
+
+    /// How long a replica report stays usable: `2 × expiry + heartbeat_interval`.
+    pub fn report_ttl(&self) -> Duration {
+        self.expiry_timeout * 2 + self.heartbeat_interval
+    }
+
+    /// Refuses a margin below a quarter of the expiry: the broker gives up its lease a
+    /// quarter early, and a smaller margin would let a successor start before that.
+    pub fn check_margin(&self) -> Result<(), String> {
+        match self.regrant_margin {
+            Some(m) if m * 4 < self.expiry_timeout => Err(format!(
+                "regrant margin {m:?} is below a quarter of the expiry ({:?})",
+                self.expiry_timeout
+            )),
+            _ => Ok(()),
         }
     }
 }
@@ -58,6 +99,8 @@ pub struct AppState {
     pub store: Arc<dyn Store>,
     /// Settings.
     pub config: ApiConfig,
+    /// The latest replica report per shard (memory only).
+    pub reports: ReplicaReports,
 }
 
 /// An API error.
@@ -979,8 +1022,7 @@ async fn register_node(
         }])
         .await?;
     let mut answer = val(&node);
-    answer["heartbeat_interval_ms"] = json!(st.config.heartbeat_interval.as_millis() as u64);
-    answer["expiry_timeout_ms"] = json!(st.config.expiry_timeout.as_millis() as u64);
+    add_timing(&mut answer, &st.config);
     Ok((StatusCode::OK, Json(answer)))
 }
 
@@ -1071,25 +1113,63 @@ async fn heartbeat(
             expect: Expect::Version(d.version),
         }])
         .await?;
-    Ok(Json(json!({
-        "node_id": id,
-        "lifecycle": node.lifecycle,
-        "heartbeat_interval_ms": st.config.heartbeat_interval.as_millis() as u64,
-        "expiry_timeout_ms": st.config.expiry_timeout.as_millis() as u64,
-    })))
+    let mut answer = json!({"node_id": id, "lifecycle": node.lifecycle});
+    add_timing(&mut answer, &st.config);
+    Ok(Json(answer))
+}
+
+/// The timing a broker's lease follows: it heartbeats every `heartbeat_interval_ms`,
+/// keeps its lease for `expiry_timeout_ms - expiry_timeout_ms/4` from each heartbeat it
+/// sent, and is marked down only after `expiry_timeout_ms + regrant_margin_ms` of
+/// silence.
+fn add_timing(answer: &mut Value, config: &ApiConfig) {
+    let ms = |d: Duration| json!(d.as_millis() as u64);
+    answer["heartbeat_interval_ms"] = ms(config.heartbeat_interval);
+    answer["expiry_timeout_ms"] = ms(config.expiry_timeout);
+    answer["regrant_margin_ms"] = ms(config.regrant_margin());
 }
 
 async fn list_assignments(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
     let g = authenticate(&st, &h).await?;
     require(&g, "node.view", "cluster", &["*"])?;
-    let items: Vec<Assignment> = st
-        .store
-        .list(Kind::Assignment, "")
-        .await?
-        .iter()
-        .map(to)
-        .collect::<ApiResult<_>>()?;
+    let items = assignments_with_replication(&st).await?;
     Ok(Json(json!({"items": items})))
+}
+
+/// Every assignment, each with `under_replicated` and the `positions` of the latest
+/// replica report (`{}` when none is known). Derived, so not in the change feed.
+async fn assignments_with_replication(st: &AppState) -> ApiResult<Vec<Value>> {
+    let now = now_ms();
+    let ready = ready_ids(st, now).await?;
+    let reports = st
+        .reports
+        .snapshot(now, st.config.report_ttl().as_millis() as u64);
+    let mut items = Vec::new();
+    for d in st.store.list(Kind::Assignment, "").await? {
+        let a: Assignment = to(&d)?;
+        let report = reports.get(&d.key);
+        let mut v = val(&a);
+        v["under_replicated"] = json!(crate::replication::under_replicated(
+            &a,
+            |n| ready.contains(n),
+            report
+        ));
+        v["positions"] = json!(report.map(StoredReport::positions).unwrap_or_default());
+        items.push(v);
+    }
+    Ok(items)
+}
+
+/// Ids of the nodes that are ready at `now`.
+async fn ready_ids(st: &AppState, now: u64) -> ApiResult<std::collections::HashSet<String>> {
+    let mut out = std::collections::HashSet::new();
+    for d in st.store.list(Kind::Node, "").await? {
+        let n: Node = to(&d)?;
+        if placement::standing(&n, &st.config, now).ready {
+            out.insert(n.registration.node_id);
+        }
+    }
+    Ok(out)
 }
 
 async fn assignments_snapshot(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
@@ -1098,13 +1178,7 @@ async fn assignments_snapshot(State(st): State<AppState>, h: HeaderMap) -> ApiRe
     // The head is read first: changes after it are served by /changes, so a write
     // racing the snapshot is seen twice (harmless) rather than never.
     let head = st.store.head().await?;
-    let items: Vec<Assignment> = st
-        .store
-        .list(Kind::Assignment, "")
-        .await?
-        .iter()
-        .map(to)
-        .collect::<ApiResult<_>>()?;
+    let items = assignments_with_replication(&st).await?;
     Ok(Json(json!({"items": items, "next_seq": head})))
 }
 
@@ -1201,14 +1275,203 @@ pub async fn ready_nodes(store: &dyn Store, config: &ApiConfig) -> Result<Vec<No
         let Ok(n) = serde_json::from_value::<Node>(d.value.clone()) else {
             continue;
         };
-        if n.lifecycle == Lifecycle::Live
-            && now.saturating_sub(n.last_heartbeat_ms) < config.expiry_timeout.as_millis() as u64
-            && n.registration.client_addr.is_some()
-        {
+        if placement::standing(&n, config, now).ready {
             out.push(n);
         }
     }
     Ok(out)
+}
+
+async fn replica_status(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(id): Path<String>,
+    b: Body,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.manage", "node", &[&id])?;
+    let req: ReplicaStatus = body(b).await?;
+    for r in &req.shards {
+        if !matches!(r.kind.as_str(), "stream" | "cache") {
+            return Err(ApiError::invalid("shards.kind", "stream or cache"));
+        }
+        if r.commit > r.log_end {
+            return Err(ApiError::invalid(
+                "shards.commit",
+                format!("commit {} is past log_end {}", r.commit, r.log_end),
+            ));
+        }
+    }
+    let now = now_ms();
+    let ttl = st.config.report_ttl().as_millis() as u64;
+    let mut results = Vec::new();
+    let mut refused = 0;
+    for r in req.shards {
+        let key = r.key();
+        let a: Option<Assignment> = st
+            .store
+            .get(Kind::Assignment, &key.store_key())
+            .await?
+            .as_ref()
+            .map(to)
+            .transpose()?;
+        let generation = r.generation;
+        let verdict = st.reports.offer(&id, r, a.as_ref(), now, ttl);
+        if verdict != Verdict::Accepted {
+            refused += 1;
+        }
+        let mut v = val(&key);
+        v["generation"] = json!(generation);
+        v["result"] = json!(verdict);
+        results.push(v);
+    }
+    if refused == 0 {
+        return Ok((StatusCode::OK, Json(json!({"results": results}))));
+    }
+    let message = format!("{refused} of {} shard reports refused", results.len());
+    Ok((
+        StatusCode::CONFLICT,
+        Json(json!({"code": "conflict", "message": message, "results": results})),
+    ))
+}
+
+async fn replication_view(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.view", "cluster", &["*"])?;
+    let now = now_ms();
+    let ready = ready_ids(&st, now).await?;
+    let reports = st
+        .reports
+        .snapshot(now, st.config.report_ttl().as_millis() as u64);
+    let mut items = Vec::new();
+    for d in st.store.list(Kind::Assignment, "").await? {
+        let a: Assignment = to(&d)?;
+        if a.replicas.len() < 2 {
+            continue;
+        }
+        let report = reports.get(&d.key);
+        let positions = report.map(StoredReport::positions).unwrap_or_default();
+        let members: Vec<Value> = a
+            .replicas
+            .iter()
+            .map(|n| {
+                json!({
+                    "node_id": n,
+                    "leader": *n == a.leader,
+                    "ready": ready.contains(n),
+                    "position": positions.get(n),
+                    "halted": report.is_some_and(|r| r.halted(n)),
+                })
+            })
+            .collect();
+        let mut v = val(&a.key);
+        v["leader"] = json!(a.leader);
+        v["generation"] = json!(a.generation);
+        v["members"] = json!(members);
+        v["under_replicated"] = json!(crate::replication::under_replicated(
+            &a,
+            |n| ready.contains(n),
+            report
+        ));
+        v["report"] = report.map_or(Value::Null, |r| {
+            json!({
+                "from": r.from,
+                "generation": r.report.generation,
+                "log_end": r.report.log_end,
+                "commit": r.report.commit,
+                "age_ms": now.saturating_sub(r.received_ms),
+            })
+        });
+        items.push(v);
+    }
+    Ok(Json(json!({"items": items})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AbandonRequest {
+    kind: String,
+    tenant_id: String,
+    namespace: String,
+    name: String,
+    shard: u32,
+}
+
+/// Places a shard nobody holding its data can take on the best ready node, with an
+/// empty log: whatever only the old leader (or the old set) held is lost. For an
+/// unreplicated durable shard whose owner will not come back; placement never does
+/// this on its own.
+async fn abandon(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.manage", "cluster", &["*"])?;
+    let req: AbandonRequest = body(b).await?;
+    if !matches!(req.kind.as_str(), "stream" | "cache") {
+        return Err(ApiError::invalid("kind", "stream or cache"));
+    }
+    let key = AssignmentKey {
+        tenant_id: req.tenant_id,
+        namespace: req.namespace,
+        kind: req.kind,
+        name: req.name,
+        shard: req.shard,
+    };
+    let store_key = key.store_key();
+    let d = st
+        .store
+        .get(Kind::Assignment, &store_key)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("unknown_shard: {store_key}")))?;
+    let mut a: Assignment = to(&d)?;
+    let now = now_ms();
+    let mut ready = Vec::new();
+    let mut leader_holds = false;
+    for nd in st.store.list(Kind::Node, "").await? {
+        let n: Node = to(&nd)?;
+        let s = placement::standing(&n, &st.config, now);
+        if n.registration.node_id == a.leader {
+            leader_holds = s.holds;
+        }
+        if s.ready {
+            ready.push(n.registration.node_id);
+        }
+    }
+    if leader_holds {
+        return Err(ApiError::conflict(format!(
+            "leader_available: {} may still hold its lease; nothing to abandon",
+            a.leader
+        )));
+    }
+    let report = st
+        .reports
+        .snapshot(now, st.config.report_ttl().as_millis() as u64)
+        .remove(&store_key);
+    if let Some(m) = a.replicas.iter().find(|m| {
+        **m != a.leader && ready.contains(m) && !report.as_ref().is_some_and(|r| r.halted(m))
+    }) {
+        return Err(ApiError::conflict(format!(
+            "member_available: placement will promote a member ({m}) that holds the data"
+        )));
+    }
+    let ready_ids: Vec<&str> = ready.iter().map(String::as_str).collect();
+    let size = a.replicas.len().max(1) as u32;
+    let (leader, replicas) = placement::fresh_set(&store_key, size, &ready_ids, |_| true, |_| true)
+        .ok_or_else(|| ApiError::conflict("no_ready_node: nobody can take the shard"))?;
+    let previous = std::mem::replace(&mut a.leader, leader);
+    a.replicas = replicas;
+    a.generation += 1;
+    st.store
+        .batch(vec![Op::Put {
+            kind: Kind::Assignment,
+            key: store_key.clone(),
+            value: val(&a),
+            expect: Expect::Version(d.version),
+        }])
+        .await?;
+    // Positions in the abandoned logs mean nothing for the new one.
+    st.reports.forget(&store_key);
+    Ok(Json(
+        json!({"lost_data": true, "previous_leader": previous, "assignment": a}),
+    ))
 }
 
 /// The router.
@@ -1256,6 +1519,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/shard-assignments/snapshot", get(assignments_snapshot))
         .route("/v1/shard-assignments/changes", get(assignment_changes))
         .route("/v1/shard-moves", post(shard_move))
+        .route("/v1/nodes/{id}/replica-status", post(replica_status))
+        .route("/v1/placement/replication", get(replication_view))
+        .route("/v1/placement/abandon", post(abandon))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .with_state(state)
 }

@@ -28,6 +28,13 @@ struct Args {
     /// Silence after which a broker is down and its shards move.
     #[arg(long)]
     expiry_timeout_ms: Option<u64>,
+    /// Extra silence beyond the expiry before a broker is down (default and least:
+    /// a quarter of the expiry).
+    #[arg(long)]
+    regrant_margin_ms: Option<u64>,
+    /// How long a replica-set member may be down before it is replaced.
+    #[arg(long)]
+    replica_restore_after_ms: Option<u64>,
     /// Time between placement passes.
     #[arg(long)]
     placement_interval_ms: Option<u64>,
@@ -55,6 +62,8 @@ pub fn main() -> anyhow::Result<()> {
             bootstrap_token: args.bootstrap_token,
             heartbeat_interval_ms: args.heartbeat_interval_ms,
             expiry_timeout_ms: args.expiry_timeout_ms,
+            regrant_margin_ms: args.regrant_margin_ms,
+            replica_restore_after_ms: args.replica_restore_after_ms,
             placement_interval_ms: args.placement_interval_ms,
         },
     )?;

@@ -24,6 +24,10 @@ pub struct FileConfig {
     pub heartbeat_interval_ms: Option<u64>,
     /// Silence after which a broker is down and its shards move.
     pub expiry_timeout_ms: Option<u64>,
+    /// Extra silence beyond the expiry before a broker is marked down (≥ expiry/4).
+    pub regrant_margin_ms: Option<u64>,
+    /// How long a replica-set member may be down before it is replaced.
+    pub replica_restore_after_ms: Option<u64>,
     /// Time between placement passes.
     pub placement_interval_ms: Option<u64>,
 }
@@ -41,6 +45,10 @@ pub struct Overrides {
     pub heartbeat_interval_ms: Option<u64>,
     /// `--expiry-timeout-ms`.
     pub expiry_timeout_ms: Option<u64>,
+    /// `--regrant-margin-ms`.
+    pub regrant_margin_ms: Option<u64>,
+    /// `--replica-restore-after-ms`.
+    pub replica_restore_after_ms: Option<u64>,
     /// `--placement-interval-ms`.
     pub placement_interval_ms: Option<u64>,
 }
@@ -74,16 +82,26 @@ fn millis(
     flag: Option<u64>,
     default: u64,
 ) -> Result<Duration, ConfigError> {
+    Ok(optional_millis(key, env, file, flag)?.unwrap_or(Duration::from_millis(default)))
+}
+
+/// A positive number of milliseconds from the layers, or `None` when no layer sets it.
+fn optional_millis(
+    key: &'static str,
+    env: &str,
+    file: Option<u64>,
+    flag: Option<u64>,
+) -> Result<Option<Duration>, ConfigError> {
     let (v, source_name) = pick(
         env,
         file.map(|n| n.to_string()),
         flag.map(|n| n.to_string()),
     );
     let Some(v) = v else {
-        return Ok(Duration::from_millis(default));
+        return Ok(None);
     };
     match v.parse::<u64>() {
-        Ok(n) if n > 0 => Ok(Duration::from_millis(n)),
+        Ok(n) if n > 0 => Ok(Some(Duration::from_millis(n))),
         _ => Err(ConfigError {
             key,
             source_name,
@@ -147,6 +165,32 @@ pub fn resolve(file: FileConfig, flags: Overrides) -> Result<ServerConfig, Confi
             ),
         });
     }
+    // Unset, the margin follows the expiry (a quarter of it); set, it may not be less.
+    let regrant_margin = optional_millis(
+        "regrant_margin_ms",
+        "FELIX_CONTROLPLANE_REGRANT_MARGIN_MS",
+        file.regrant_margin_ms,
+        flags.regrant_margin_ms,
+    )?;
+    if let Some(m) = regrant_margin
+        && m * 4 < expiry_timeout
+    {
+        return Err(ConfigError {
+            key: "regrant_margin_ms",
+            source_name: "any",
+            message: format!(
+                "{m:?} is below a quarter of expiry_timeout_ms ({expiry_timeout:?}): a broker \
+                 gives up its lease a quarter early, the margin must cover that"
+            ),
+        });
+    }
+    let replica_restore_after = millis(
+        "replica_restore_after_ms",
+        "FELIX_CONTROLPLANE_REPLICA_RESTORE_AFTER_MS",
+        file.replica_restore_after_ms,
+        flags.replica_restore_after_ms,
+        60_000,
+    )?;
     let placement_interval = millis(
         "placement_interval_ms",
         "FELIX_CONTROLPLANE_PLACEMENT_INTERVAL_MS",
@@ -161,6 +205,8 @@ pub fn resolve(file: FileConfig, flags: Overrides) -> Result<ServerConfig, Confi
             bootstrap_token,
             heartbeat_interval,
             expiry_timeout,
+            regrant_margin,
+            replica_restore_after,
         },
         placement_interval,
     })
@@ -208,5 +254,34 @@ mod tests {
             serde_yaml::from_str::<FileConfig>("lisen: x\n").is_err(),
             "unknown keys are refused"
         );
+    }
+
+    #[test]
+    fn the_regrant_margin_defaults_to_a_quarter_and_may_not_be_less() {
+        let file: FileConfig = serde_yaml::from_str("expiry_timeout_ms: 8000\n").unwrap();
+        let c = resolve(file, Overrides::default()).unwrap();
+        assert_eq!(c.api.regrant_margin, None);
+        assert_eq!(c.api.regrant_margin(), Duration::from_secs(2));
+        assert_eq!(c.api.down_after(), Duration::from_secs(10));
+        assert_eq!(c.api.replica_restore_after, Duration::from_secs(60));
+        let file: FileConfig =
+            serde_yaml::from_str("expiry_timeout_ms: 8000\nregrant_margin_ms: 3000\n").unwrap();
+        let c = resolve(file, Overrides::default()).unwrap();
+        assert_eq!(c.api.down_after(), Duration::from_secs(11));
+        let file: FileConfig =
+            serde_yaml::from_str("expiry_timeout_ms: 8000\nregrant_margin_ms: 1999\n").unwrap();
+        assert_eq!(
+            resolve(file, Overrides::default()).unwrap_err().key,
+            "regrant_margin_ms"
+        );
+        let c = resolve(
+            FileConfig::default(),
+            Overrides {
+                replica_restore_after_ms: Some(250),
+                ..Overrides::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(c.api.replica_restore_after, Duration::from_millis(250));
     }
 }

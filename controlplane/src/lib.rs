@@ -4,7 +4,8 @@
 //!
 //! - [`store`]: the metadata store trait and the in-memory store; [`pg`]: Postgres.
 //! - [`api`]: the REST API with token authentication and RBAC on every endpoint.
-//! - [`placement`]: the timed pass that assigns shards to ready nodes.
+//! - [`placement`]: the timed pass that assigns shards to ready nodes and promotes
+//!   successors; [`replication`]: the replica reports it judges them by.
 //! - [`server`]: wiring it together; [`config`]: the binary's settings.
 //! - [`client`]: a blocking client brokers and the `felix` tool use; with default
 //!   features off, the crate is only this and [`model`].
@@ -22,6 +23,8 @@ pub mod config;
 pub mod pg;
 #[cfg(feature = "server")]
 pub mod placement;
+#[cfg(feature = "server")]
+pub mod replication;
 #[cfg(feature = "server")]
 pub mod server;
 #[cfg(feature = "server")]

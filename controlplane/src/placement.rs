@@ -1,12 +1,36 @@
-//! Placement: a timed pass that marks silent nodes down and gives every shard a leader
-//! and replicas among the ready nodes.
+//! Placement: a timed pass that marks silent nodes down, places new shards on the
+//! ready nodes, promotes a successor when a leader is gone, and restores replica sets
+//! whose members stay down.
 //!
 //! Ranking is rendezvous (highest-random-weight) hashing: each node gets a score per
 //! shard and the highest leads, the next best replicate. The shard key and the node id
 //! are hashed separately and then mixed; hashing their concatenation skews badly.
-//! A pass only moves what it must: a shard keeps its leader while that leader is ready,
-//! so adding a node does not reshuffle a settled cluster. Every write is conditional on
-//! the version the pass read, so a pass racing an operator's move loses and replans.
+//! A pass only moves what it must: a shard keeps its leader while that leader may still
+//! hold its lease, so adding a node does not reshuffle a settled cluster. Every write is
+//! conditional on the version the pass read, so a pass racing an operator's move loses
+//! and replans.
+//!
+//! What a pass may do to an existing shard, and why:
+//!
+//! - **Nothing while the leader may hold its lease.** A broker keeps its lease for
+//!   `expiry − expiry/4` from the heartbeat it sent; a node is down only after
+//!   `expiry + regrant_margin` of silence, so a successor is never named while the old
+//!   leader may still write.
+//! - **Promote within the set** when the leader is gone and the set has other members:
+//!   the ready, unhalted member reported furthest ahead (ties: rendezvous rank) leads at
+//!   generation + 1, and the set is kept as it is, dead leader included, so majorities
+//!   are counted over the same members the acknowledged Quorum records live on. The
+//!   promoted broker fences a majority before serving, which keeps Quorum streams safe
+//!   whichever member is chosen; the choice matters for Leader streams (their loss
+//!   window is what the promoted member lacks) and for how soon the shard serves.
+//! - **Wait for the owner** when the leader is gone and nobody else holds the shard's
+//!   durable log (RF 1): reopening it elsewhere would reopen it empty. Only
+//!   `POST /v1/placement/abandon` does that, and says it lost data.
+//! - **Restore the set** under a ready leader that has reported at its generation: a
+//!   member down for `replica_restore_after` is replaced in place by the best-ranked
+//!   ready non-member, and a set shorter than the replication factor is filled. Never
+//!   in the same write as a promotion (the new leader must fence over the set the
+//!   records live on first), never the leader, never shrinking the set.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -14,6 +38,7 @@ use felix_wire::routing::ShardRouting;
 
 use crate::api::{ApiConfig, now_ms};
 use crate::model::{Assignment, AssignmentKey, Cache, Lifecycle, Node, Stream};
+use crate::replication::{ReplicaReports, StoredReport};
 use crate::store::{Doc, Expect, Kind, Op, Store, StoreError};
 
 /// A node's score for a shard; the highest leads.
@@ -39,17 +64,48 @@ pub struct PassReport {
     pub nodes_down: Vec<String>,
     /// Assignments created.
     pub created: usize,
-    /// Assignments whose leader or replicas changed.
+    /// Assignments whose leader changed (promotions).
     pub moved: usize,
+    /// Assignments whose replica set changed (down members replaced, short sets filled).
+    pub restored: usize,
     /// Assignments removed (stream or cache gone, or shard count shrank).
     pub removed: usize,
-    /// Shards no ready node could take.
+    /// Shards no ready node (or no ready member of their set) could take.
     pub unplaced: usize,
+    /// Durable shards left with their down owner, the only node with their log.
+    pub waiting_for_owner: usize,
+}
+
+/// How a node stands at an instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Standing {
+    /// May take new roles: live, heard from within the expiry, with a client address.
+    pub ready: bool,
+    /// May still hold its lease: live or draining, and silent for less than
+    /// `expiry + regrant_margin`. Its shards stay with it.
+    pub holds: bool,
+    /// Time since its last heartbeat.
+    pub silent_ms: u64,
+}
+
+/// How `n` stands at `now_ms`.
+pub fn standing(n: &Node, config: &ApiConfig, now_ms: u64) -> Standing {
+    let silent_ms = now_ms.saturating_sub(n.last_heartbeat_ms);
+    let heartbeating = matches!(n.lifecycle, Lifecycle::Live | Lifecycle::Draining);
+    Standing {
+        ready: n.lifecycle == Lifecycle::Live
+            && silent_ms < config.expiry_timeout.as_millis() as u64
+            && n.registration.client_addr.is_some(),
+        holds: heartbeating && silent_ms < config.down_after().as_millis() as u64,
+        silent_ms,
+    }
 }
 
 struct Target {
     key: AssignmentKey,
     replication: u32,
+    /// Has a log that outlives the process (caches are projections over one).
+    durable: bool,
     routing: Option<ShardRouting>,
 }
 
@@ -70,6 +126,7 @@ fn targets(streams: &[Stream], caches: &[Cache]) -> BTreeMap<String, Target> {
                 Target {
                     key,
                     replication: s.spec.replication_factor,
+                    durable: s.spec.durable,
                     routing,
                 },
             );
@@ -89,6 +146,7 @@ fn targets(streams: &[Stream], caches: &[Cache]) -> BTreeMap<String, Target> {
                 Target {
                     key,
                     replication: c.spec.replication_factor,
+                    durable: true,
                     routing: None,
                 },
             );
@@ -106,25 +164,22 @@ fn encode<T: serde::Serialize>(v: &T) -> serde_json::Value {
     serde_json::to_value(v).expect("model types serialize")
 }
 
-/// The leader and replicas a shard should have. A ready current leader stays; otherwise
-/// the best-ranked node that `may_lead` (falling back to any that `may_lead_at_all`).
-fn plan(
+/// A leader and replicas for a shard placed from scratch: the best-ranked node that
+/// `may_lead` (falling back to any that `may_lead_at_all`), then the next best ready
+/// nodes, `replication` in all.
+pub fn fresh_set(
     store_key: &str,
     replication: u32,
     ready: &[&str],
-    current_leader: Option<&str>,
     may_lead: impl Fn(&str) -> bool,
     may_lead_at_all: impl Fn(&str) -> bool,
 ) -> Option<(String, Vec<String>)> {
     let ranked = rank(store_key, ready.iter().copied());
-    let leader = match current_leader {
-        Some(l) if ready.contains(&l) => l,
-        _ => ranked
-            .iter()
-            .copied()
-            .find(|n| may_lead(n))
-            .or_else(|| ranked.iter().copied().find(|n| may_lead_at_all(n)))?,
-    };
+    let leader = ranked
+        .iter()
+        .copied()
+        .find(|n| may_lead(n))
+        .or_else(|| ranked.iter().copied().find(|n| may_lead_at_all(n)))?;
     let mut replicas = vec![leader.to_owned()];
     replicas.extend(
         ranked
@@ -136,24 +191,169 @@ fn plan(
     Some((leader.to_owned(), replicas))
 }
 
-/// Runs one placement pass at wall-clock `now_ms`.
+/// The cluster as one pass sees it.
+struct View<'a> {
+    nodes: &'a BTreeMap<String, Standing>,
+    /// Down this long (not ready past the expiry, plus `replica_restore_after`), a
+    /// member is replaced.
+    replace_after_ms: u64,
+}
+
+impl View<'_> {
+    fn ready(&self, n: &str) -> bool {
+        self.nodes.get(n).is_some_and(|s| s.ready)
+    }
+
+    fn holds(&self, n: &str) -> bool {
+        self.nodes.get(n).is_some_and(|s| s.holds)
+    }
+
+    /// Not ready, and silent past the expiry plus `replica_restore_after`; a node no
+    /// longer in the catalog has been gone long enough.
+    fn long_down(&self, n: &str) -> bool {
+        self.nodes
+            .get(n)
+            .is_none_or(|s| !s.ready && s.silent_ms >= self.replace_after_ms)
+    }
+
+    fn ready_ids(&self) -> impl Iterator<Item = &str> {
+        self.nodes
+            .iter()
+            .filter(|(_, s)| s.ready)
+            .map(|(n, _)| n.as_str())
+    }
+}
+
+/// What a pass does to an existing assignment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Decision {
+    /// Leave it.
+    Keep,
+    /// A new leader from within the set; the set is kept.
+    Promote(String),
+    /// The same leader over a restored set.
+    Reseat(Vec<String>),
+    /// A fresh leader and set (only for shards without a durable log).
+    Replace(String, Vec<String>),
+    /// The leader is gone and is the only node with the shard's log.
+    WaitForOwner,
+    /// The leader is gone and no member can take over.
+    Unplaced,
+}
+
+/// The member to promote: ready, not halted in the latest report, allowed to lead;
+/// the furthest reported position wins (an unreported member counts as behind every
+/// reported one), ties go to the better rendezvous rank.
+fn successor(
+    store_key: &str,
+    a: &Assignment,
+    view: &View<'_>,
+    report: Option<&StoredReport>,
+    may_lead: &dyn Fn(&str) -> bool,
+) -> Option<String> {
+    let positions = report.map(StoredReport::positions).unwrap_or_default();
+    let candidates = a.replicas.iter().map(String::as_str).filter(|m| {
+        *m != a.leader && view.ready(m) && may_lead(m) && !report.is_some_and(|r| r.halted(m))
+    });
+    let mut best: Option<(&str, Option<u64>)> = None;
+    for m in rank(store_key, candidates) {
+        let at = positions.get(m).copied();
+        if best.is_none_or(|(_, b)| at > b) {
+            best = Some((m, at));
+        }
+    }
+    best.map(|(m, _)| m.to_owned())
+}
+
+/// The set with every long-down follower replaced by the best-ranked ready
+/// non-member, in place, then filled up to `replication`; `None` when unchanged.
+fn restored(
+    store_key: &str,
+    a: &Assignment,
+    replication: u32,
+    view: &View<'_>,
+) -> Option<Vec<String>> {
+    let mut set = a.replicas.clone();
+    let outside = view
+        .ready_ids()
+        .filter(|n| !a.replicas.iter().any(|m| m == n));
+    let mut spare = rank(store_key, outside).into_iter();
+    let mut changed = false;
+    for m in set.iter_mut() {
+        if *m != a.leader && view.long_down(m) {
+            let Some(s) = spare.next() else { break };
+            *m = s.to_owned();
+            changed = true;
+        }
+    }
+    while set.len() < replication as usize {
+        let Some(s) = spare.next() else { break };
+        set.push(s.to_owned());
+        changed = true;
+    }
+    changed.then_some(set)
+}
+
+/// Decides what becomes of an existing assignment (see the module docs).
+fn decide(
+    target: &Target,
+    store_key: &str,
+    a: &Assignment,
+    view: &View<'_>,
+    report: Option<&StoredReport>,
+    may_lead: &dyn Fn(&str) -> bool,
+    may_lead_at_all: &dyn Fn(&str) -> bool,
+) -> Decision {
+    if view.holds(&a.leader) {
+        // The set changes only under a ready leader that has reported serving this
+        // generation: until then it may still be fencing over the current set.
+        let serving =
+            report.is_some_and(|r| r.from == a.leader && r.report.generation == a.generation);
+        if !(view.ready(&a.leader) && serving) {
+            return Decision::Keep;
+        }
+        return restored(store_key, a, target.replication, view)
+            .map_or(Decision::Keep, Decision::Reseat);
+    }
+    if a.replicas.iter().all(|m| *m == a.leader) {
+        if target.durable {
+            return Decision::WaitForOwner;
+        }
+        // Nothing outlives the process: the shard may start over anywhere.
+        let ready: Vec<&str> = view.ready_ids().collect();
+        return fresh_set(
+            store_key,
+            target.replication,
+            &ready,
+            may_lead,
+            may_lead_at_all,
+        )
+        .map_or(Decision::Unplaced, |(l, r)| Decision::Replace(l, r));
+    }
+    successor(store_key, a, view, report, may_lead_at_all)
+        .map_or(Decision::Unplaced, Decision::Promote)
+}
+
+/// Runs one placement pass at wall-clock `now_ms`, judging reports in `reports`.
 pub async fn pass_at(
     store: &dyn Store,
     config: &ApiConfig,
+    reports: &ReplicaReports,
     now_ms: u64,
 ) -> Result<PassReport, StoreError> {
-    let expiry = config.expiry_timeout.as_millis() as u64;
+    let down_after = config.down_after().as_millis() as u64;
     let mut report = PassReport::default();
     let mut ops = Vec::new();
 
-    // 1. Nodes silent past the expiry go down; a heartbeat never revives them.
-    let mut ready: Vec<String> = Vec::new();
+    // 1. Nodes silent past the expiry plus the regrant margin go down; a heartbeat
+    //    never revives them.
+    let mut nodes: BTreeMap<String, Standing> = BTreeMap::new();
     let mut leading: BTreeMap<String, u32> = BTreeMap::new();
     let mut caps: BTreeMap<String, Option<u32>> = BTreeMap::new();
     for d in store.list(Kind::Node, "").await? {
         let mut n: Node = decode(&d)?;
-        let silent = now_ms.saturating_sub(n.last_heartbeat_ms) >= expiry;
-        if n.lifecycle == Lifecycle::Live && silent {
+        let s = standing(&n, config, now_ms);
+        if n.lifecycle == Lifecycle::Live && s.silent_ms >= down_after {
             n.lifecycle = Lifecycle::Down;
             report.nodes_down.push(n.registration.node_id.clone());
             ops.push(Op::Put {
@@ -162,14 +362,20 @@ pub async fn pass_at(
                 value: encode(&n),
                 expect: Expect::Version(d.version),
             });
-        } else if n.lifecycle == Lifecycle::Live && n.registration.client_addr.is_some() {
+        }
+        if s.ready {
             caps.insert(
                 n.registration.node_id.clone(),
                 n.registration.capacity.max_shards,
             );
-            ready.push(n.registration.node_id.clone());
         }
+        nodes.insert(n.registration.node_id, s);
     }
+    let view = View {
+        nodes: &nodes,
+        replace_after_ms: (config.expiry_timeout + config.replica_restore_after).as_millis() as u64,
+    };
+    let latest = reports.snapshot(now_ms, config.report_ttl().as_millis() as u64);
 
     // 2. What should be placed.
     let streams: Vec<Stream> = store
@@ -200,19 +406,20 @@ pub async fn pass_at(
             });
             continue;
         }
-        if ready.contains(&a.leader) {
+        if view.ready(&a.leader) {
             *leading.entry(a.leader.clone()).or_default() += 1;
         }
         current.insert(d.key.clone(), (d, a));
     }
 
-    // A node may not lead past its `max_shards` (hard) and, when a shard needs a new
+    // A node may not lead past its `max_shards` (hard) and, when a new shard needs a
     // leader, should not pass its fair share (soft): hashing alone can put all of a
     // small stream on one node.
+    let ready_count = nodes.values().filter(|s| s.ready).count();
     let share = (wanted.len() as u32)
-        .div_ceil(ready.len().max(1) as u32)
+        .div_ceil(ready_count.max(1) as u32)
         .max(1);
-    let ready_ids: Vec<&str> = ready.iter().map(String::as_str).collect();
+    let ready_ids: Vec<&str> = view.ready_ids().collect();
     for (key, target) in std::mem::take(&mut wanted) {
         let led = |n: &str| leading.get(n).copied().unwrap_or(0);
         let under_cap = |n: &str| {
@@ -222,56 +429,72 @@ pub async fn pass_at(
                 .is_none_or(|cap| led(n) < cap)
         };
         let under_share = |n: &str| under_cap(n) && led(n) < share;
-        let existing = current.remove(&key);
-        let current_leader = existing.as_ref().map(|(_, a)| a.leader.as_str());
-        let Some((leader, replicas)) = plan(
-            &key,
-            target.replication,
-            &ready_ids,
-            current_leader,
-            under_share,
-            under_cap,
-        ) else {
-            report.unplaced += 1;
+        let Some((doc, mut a)) = current.remove(&key) else {
+            let Some((leader, replicas)) =
+                fresh_set(&key, target.replication, &ready_ids, under_share, under_cap)
+            else {
+                report.unplaced += 1;
+                continue;
+            };
+            *leading.entry(leader.clone()).or_default() += 1;
+            report.created += 1;
+            ops.push(Op::Put {
+                kind: Kind::Assignment,
+                key,
+                value: encode(&Assignment {
+                    key: target.key,
+                    leader,
+                    replicas,
+                    generation: 1,
+                    state: "active".into(),
+                    routing: target.routing,
+                }),
+                expect: Expect::Absent,
+            });
             continue;
         };
-        match existing {
-            Some((doc, mut a)) => {
-                if leader == a.leader && replicas == a.replicas {
-                    continue;
-                }
-                if leader != a.leader {
-                    *leading.entry(leader.clone()).or_default() += 1;
-                    a.generation += 1;
-                }
+        match decide(
+            &target,
+            &key,
+            &a,
+            &view,
+            latest.get(&key),
+            &under_share,
+            &under_cap,
+        ) {
+            Decision::Keep => continue,
+            Decision::WaitForOwner => {
+                report.waiting_for_owner += 1;
+                continue;
+            }
+            Decision::Unplaced => {
+                report.unplaced += 1;
+                continue;
+            }
+            Decision::Promote(leader) => {
+                *leading.entry(leader.clone()).or_default() += 1;
+                a.leader = leader;
+                report.moved += 1;
+            }
+            Decision::Reseat(replicas) => {
+                a.replicas = replicas;
+                report.restored += 1;
+            }
+            Decision::Replace(leader, replicas) => {
+                *leading.entry(leader.clone()).or_default() += 1;
                 a.leader = leader;
                 a.replicas = replicas;
                 report.moved += 1;
-                ops.push(Op::Put {
-                    kind: Kind::Assignment,
-                    key,
-                    value: encode(&a),
-                    expect: Expect::Version(doc.version),
-                });
-            }
-            None => {
-                *leading.entry(leader.clone()).or_default() += 1;
-                report.created += 1;
-                ops.push(Op::Put {
-                    kind: Kind::Assignment,
-                    key,
-                    value: encode(&Assignment {
-                        key: target.key,
-                        leader,
-                        replicas,
-                        generation: 1,
-                        state: "active".into(),
-                        routing: target.routing,
-                    }),
-                    expect: Expect::Absent,
-                });
             }
         }
+        // Every write of an assignment is a new generation.
+        a.generation += 1;
+        ops.push(Op::Put {
+            kind: Kind::Assignment,
+            key,
+            value: encode(&a),
+            expect: Expect::Version(doc.version),
+        });
     }
     if !ops.is_empty() {
         store.batch(ops).await?;
@@ -280,8 +503,12 @@ pub async fn pass_at(
 }
 
 /// Runs one placement pass now.
-pub async fn pass(store: &dyn Store, config: &ApiConfig) -> Result<PassReport, StoreError> {
-    pass_at(store, config, now_ms()).await
+pub async fn pass(
+    store: &dyn Store,
+    config: &ApiConfig,
+    reports: &ReplicaReports,
+) -> Result<PassReport, StoreError> {
+    pass_at(store, config, reports, now_ms()).await
 }
 
 /// Leaders per node, for balance checks and the docs.
@@ -335,19 +562,444 @@ mod tests {
     }
 
     #[test]
-    fn plan_keeps_a_ready_leader_and_fills_replicas() {
+    fn a_fresh_set_leads_with_the_best_allowed_node_and_fills_replicas() {
         let any = |_: &str| true;
-        let (l, r) = plan("k", 2, &["a", "b", "c"], Some("b"), any, any).unwrap();
-        assert_eq!(l, "b");
+        let (l, r) = fresh_set("k", 2, &["a", "b", "c"], any, any).unwrap();
+        assert_eq!(l, rank("k", ["a", "b", "c"])[0]);
         assert_eq!(r.len(), 2);
-        assert_eq!(r[0], "b");
+        assert_eq!(r[0], l);
         assert!(distinct(&r));
-        assert!(plan("k", 1, &[], None, any, any).is_none());
-        let (l, _) = plan("k", 1, &["a"], Some("gone"), any, any).unwrap();
-        assert_eq!(l, "a");
+        assert!(fresh_set("k", 1, &[], any, any).is_none());
         // Nobody under their share: fall back to anyone under their cap.
-        let (l, _) = plan("k", 1, &["a", "b"], None, |_| false, |n| n == "b").unwrap();
+        let (l, _) = fresh_set("k", 1, &["a", "b"], |_| false, |n| n == "b").unwrap();
         assert_eq!(l, "b");
-        assert!(plan("k", 1, &["a", "b"], None, |_| false, |_| false).is_none());
+        assert!(fresh_set("k", 1, &["a", "b"], |_| false, |_| false).is_none());
+    }
+
+    /// Pass tests over the memory store, on a virtual clock: node heartbeats are
+    /// written with the stamp a test wants, and passes are judged at a chosen instant.
+    mod passes {
+        use super::*;
+        use crate::model::{Capacity, NodeRegistration, Retention, StreamCreate};
+        use crate::replication::{FollowerReport, ShardReport, Verdict};
+        use crate::store::MemoryStore;
+        use std::time::Duration;
+
+        const T0: u64 = 1_000_000;
+
+        struct Fixture {
+            store: MemoryStore,
+            reports: ReplicaReports,
+            config: ApiConfig,
+        }
+
+        fn fixture() -> Fixture {
+            Fixture {
+                store: MemoryStore::new(),
+                reports: ReplicaReports::new(),
+                config: ApiConfig {
+                    heartbeat_interval: Duration::from_millis(200),
+                    // Down after 1000 + 250 ms of silence.
+                    expiry_timeout: Duration::from_millis(1000),
+                    regrant_margin: None,
+                    // Replaced after 1000 + 5000 ms of silence.
+                    replica_restore_after: Duration::from_millis(5000),
+                    ..ApiConfig::default()
+                },
+            }
+        }
+
+        fn key(name: &str) -> String {
+            format!("stream/t/ns/{name}/0")
+        }
+
+        impl Fixture {
+            async fn put(&self, kind: Kind, key: String, value: serde_json::Value) {
+                self.store
+                    .batch(vec![Op::Put {
+                        kind,
+                        key,
+                        value,
+                        expect: Expect::Any,
+                    }])
+                    .await
+                    .unwrap();
+            }
+
+            /// A live node with a client address, last heard at `heard_ms`.
+            async fn node(&self, id: &str, heard_ms: u64) {
+                let n = Node {
+                    registration: NodeRegistration {
+                        node_id: id.into(),
+                        client_addr: Some("127.0.0.1:1".into()),
+                        advertise_addr: None,
+                        region: "default".into(),
+                        capacity: Capacity::default(),
+                    },
+                    lifecycle: Lifecycle::Live,
+                    incarnation: 1,
+                    last_heartbeat_ms: heard_ms,
+                };
+                self.put(Kind::Node, id.into(), encode(&n)).await;
+            }
+
+            /// A one-shard stream led by `replicas[0]`.
+            async fn stream(&self, name: &str, replicas: &[&str], durable: bool, generation: u64) {
+                let s = Stream {
+                    tenant_id: "t".into(),
+                    namespace: "ns".into(),
+                    spec: StreamCreate {
+                        stream: name.into(),
+                        kind: "Stream".into(),
+                        shards: 1,
+                        replication_factor: replicas.len() as u32,
+                        retention: Retention::default(),
+                        consistency: crate::model::Consistency::Quorum,
+                        delivery: "AtLeastOnce".into(),
+                        durable,
+                        routing: ShardRouting::default(),
+                    },
+                    version: 0,
+                };
+                self.put(Kind::Stream, format!("t/ns/{name}"), encode(&s))
+                    .await;
+                let a = Assignment {
+                    key: AssignmentKey {
+                        tenant_id: "t".into(),
+                        namespace: "ns".into(),
+                        kind: "stream".into(),
+                        name: name.into(),
+                        shard: 0,
+                    },
+                    leader: replicas[0].into(),
+                    replicas: replicas.iter().map(|r| (*r).to_owned()).collect(),
+                    generation,
+                    state: "active".into(),
+                    routing: None,
+                };
+                self.put(Kind::Assignment, key(name), encode(&a)).await;
+            }
+
+            async fn get(&self, name: &str) -> Assignment {
+                decode(
+                    &self
+                        .store
+                        .get(Kind::Assignment, &key(name))
+                        .await
+                        .unwrap()
+                        .unwrap(),
+                )
+                .unwrap()
+            }
+
+            /// The leader `from` reports `(follower, durable_end, halted)` at `at_ms`.
+            async fn report(
+                &self,
+                from: &str,
+                name: &str,
+                generation: u64,
+                log_end: u64,
+                followers: &[(&str, u64, bool)],
+                at_ms: u64,
+            ) -> Verdict {
+                let r = ShardReport {
+                    kind: "stream".into(),
+                    tenant_id: "t".into(),
+                    namespace: "ns".into(),
+                    name: name.into(),
+                    shard: 0,
+                    generation,
+                    log_end,
+                    commit: 0,
+                    followers: followers
+                        .iter()
+                        .map(|(n, d, h)| FollowerReport {
+                            node_id: (*n).into(),
+                            durable_end: *d,
+                            halted: *h,
+                        })
+                        .collect(),
+                };
+                let a = self
+                    .store
+                    .get(Kind::Assignment, &key(name))
+                    .await
+                    .unwrap()
+                    .map(|d| decode::<Assignment>(&d).unwrap());
+                self.reports.offer(from, r, a.as_ref(), at_ms, 10_000)
+            }
+
+            async fn pass(&self, now: u64) -> PassReport {
+                pass_at(&self.store, &self.config, &self.reports, now)
+                    .await
+                    .unwrap()
+            }
+        }
+
+        /// A node name that outranks every one of `others` for `store_key`.
+        fn outranking(store_key: &str, others: &[&str]) -> String {
+            (0..)
+                .map(|i| format!("n{i}"))
+                .find(|n| {
+                    let mut all: Vec<&str> = others.to_vec();
+                    all.push(n);
+                    rank(store_key, all)[0] == n
+                })
+                .unwrap()
+        }
+
+        #[tokio::test]
+        async fn an_unreplicated_durable_shard_waits_for_its_owner() {
+            let f = fixture();
+            let now = T0 + 10_000;
+            f.node("a", T0).await;
+            f.node("b", now).await;
+            f.stream("kept", &["a"], true, 1).await;
+            // Not durable: nothing outlives the process, so it may start over on b.
+            f.stream("scratch", &["a"], false, 1).await;
+            let r = f.pass(now).await;
+            assert_eq!(r.nodes_down, ["a"]);
+            assert_eq!((r.waiting_for_owner, r.moved), (1, 1), "{r:?}");
+            let kept = f.get("kept").await;
+            assert_eq!((kept.leader.as_str(), kept.generation), ("a", 1));
+            let scratch = f.get("scratch").await;
+            assert_eq!(
+                (
+                    scratch.leader.as_str(),
+                    scratch.replicas.as_slice(),
+                    scratch.generation
+                ),
+                ("b", ["b".to_owned()].as_slice(), 2)
+            );
+            // It keeps waiting, pass after pass.
+            assert_eq!(f.pass(now + 1).await.waiting_for_owner, 1);
+            assert_eq!(f.get("kept").await.leader, "a");
+        }
+
+        #[tokio::test]
+        async fn the_member_reported_furthest_ahead_is_promoted_and_the_set_kept() {
+            let f = fixture();
+            let now = T0 + 10_000;
+            let k = key("s");
+            let ranked = rank(&k, ["b", "c"]);
+            // The better-ranked member is behind: only positions can pick the other.
+            let (behind, ahead) = (ranked[0], ranked[1]);
+            let outsider = outranking(&k, &["b", "c"]);
+            for n in ["b", "c", outsider.as_str()] {
+                f.node(n, now).await;
+            }
+            f.node("a", T0).await;
+            f.stream("s", &["a", "b", "c"], true, 4).await;
+            let v = f
+                .report(
+                    "a",
+                    "s",
+                    4,
+                    100,
+                    &[(behind, 60, false), (ahead, 90, false)],
+                    now,
+                )
+                .await;
+            assert_eq!(v, Verdict::Accepted);
+            let r = f.pass(now).await;
+            assert_eq!((r.moved, r.unplaced), (1, 0), "{r:?}");
+            let a = f.get("s").await;
+            assert_eq!(a.leader, ahead);
+            assert_eq!(
+                a.replicas,
+                ["a", "b", "c"],
+                "the set is kept, dead leader included"
+            );
+            assert_eq!(a.generation, 5);
+            assert_eq!(
+                f.pass(now + 1).await,
+                PassReport::default(),
+                "settled: the new leader keeps it"
+            );
+        }
+
+        #[tokio::test]
+        async fn a_halted_member_is_never_promoted() {
+            let f = fixture();
+            let now = T0 + 10_000;
+            let k = key("s");
+            let ranked = rank(&k, ["b", "c"]);
+            // The halted member is both best-ranked and furthest ahead.
+            let (halted, healthy) = (ranked[0], ranked[1]);
+            f.node("a", T0).await;
+            f.node("b", now).await;
+            f.node("c", now).await;
+            f.stream("s", &["a", "b", "c"], true, 2).await;
+            f.report(
+                "a",
+                "s",
+                2,
+                100,
+                &[(halted, 99, true), (healthy, 10, false)],
+                now,
+            )
+            .await;
+            f.pass(now).await;
+            let a = f.get("s").await;
+            assert_eq!((a.leader.as_str(), a.generation), (healthy, 3));
+
+            // With every other member halted the shard stays where it is.
+            let f = fixture();
+            f.node("a", T0).await;
+            f.node("b", now).await;
+            f.node("c", now).await;
+            f.stream("s", &["a", "b", "c"], true, 2).await;
+            f.report("a", "s", 2, 100, &[("b", 99, true), ("c", 10, true)], now)
+                .await;
+            let r = f.pass(now).await;
+            assert_eq!(r.unplaced, 1, "{r:?}");
+            assert_eq!(f.get("s").await.leader, "a");
+        }
+
+        #[tokio::test]
+        async fn without_a_report_the_best_ranked_ready_member_leads() {
+            let f = fixture();
+            let now = T0 + 10_000;
+            let k = key("s");
+            // A non-member that outranks both members is never the successor: it
+            // holds none of the shard's log.
+            let outsider = outranking(&k, &["b", "c"]);
+            f.node("a", T0).await;
+            for n in ["b", "c", outsider.as_str()] {
+                f.node(n, now).await;
+            }
+            f.stream("s", &["a", "b", "c"], true, 1).await;
+            f.pass(now).await;
+            let a = f.get("s").await;
+            assert_eq!(a.leader, rank(&k, ["b", "c"])[0]);
+            assert_eq!(a.replicas, ["a", "b", "c"]);
+            assert_eq!(a.generation, 2);
+
+            // No member ready: the shard stays as it is (unplaced).
+            let f = fixture();
+            f.node("a", T0).await;
+            f.node("b", T0).await;
+            f.node(&outsider, now).await;
+            f.stream("s", &["a", "b"], true, 1).await;
+            let r = f.pass(now).await;
+            assert_eq!(r.unplaced, 1, "{r:?}");
+            assert_eq!(f.get("s").await.leader, "a");
+        }
+
+        #[tokio::test]
+        async fn a_leader_is_not_replaced_before_expiry_plus_margin() {
+            let f = fixture();
+            f.node("a", T0).await;
+            f.stream("s", &["a", "b"], true, 1).await;
+            for (now, down) in [(T0 + 1000, false), (T0 + 1249, false), (T0 + 1250, true)] {
+                f.node("b", now).await;
+                let r = f.pass(now).await;
+                assert_eq!(
+                    r.nodes_down.contains(&"a".to_owned()),
+                    down,
+                    "at +{}: {r:?}",
+                    now - T0
+                );
+                let a = f.get("s").await;
+                assert_eq!(a.leader == "b", down, "at +{}: {a:?}", now - T0);
+            }
+            // Past the expiry but inside the margin, a may no longer take new roles.
+            let f = fixture();
+            f.node("a", T0).await;
+            f.node("b", T0 + 1100).await;
+            let s = standing(
+                &decode(&f.store.get(Kind::Node, "a").await.unwrap().unwrap()).unwrap(),
+                &f.config,
+                T0 + 1100,
+            );
+            assert_eq!((s.ready, s.holds), (false, true));
+        }
+
+        #[tokio::test]
+        async fn a_member_down_past_restore_after_is_replaced_in_place() {
+            let f = fixture();
+            let k = key("s");
+            f.node("c", T0).await;
+            f.stream("s", &["a", "b", "c"], true, 2).await;
+            let spare = rank(&k, ["d", "e"])[0];
+            // c has been silent for expiry + restore_after, less a millisecond.
+            let early = T0 + 5999;
+            for n in ["a", "b", "d", "e"] {
+                f.node(n, early).await;
+            }
+            f.report("a", "s", 2, 10, &[("b", 10, false), ("c", 5, false)], early)
+                .await;
+            assert_eq!(f.pass(early).await.restored, 0);
+            assert_eq!(f.get("s").await.replicas, ["a", "b", "c"]);
+
+            let now = T0 + 6000;
+            for n in ["a", "b", "d", "e"] {
+                f.node(n, now).await;
+            }
+            let r = f.pass(now).await;
+            assert_eq!((r.restored, r.moved), (1, 0), "{r:?}");
+            let a = f.get("s").await;
+            assert_eq!(a.leader, "a");
+            assert_eq!(
+                a.replicas,
+                ["a", "b", spare],
+                "replaced in place, others kept"
+            );
+            assert_eq!(a.generation, 3);
+        }
+
+        #[tokio::test]
+        async fn sets_change_only_under_a_leader_serving_its_generation() {
+            let f = fixture();
+            let now = T0 + 60_000;
+            f.node("c", T0).await;
+            for n in ["a", "b", "d"] {
+                f.node(n, now).await;
+            }
+            f.stream("s", &["a", "b", "c"], true, 1).await;
+            // No report: the leader may still be fencing over this set.
+            assert_eq!(f.pass(now).await.restored, 0);
+            // A report from an older generation does not count either (here the
+            // assignment was rewritten after the report was stored).
+            assert_eq!(f.report("a", "s", 1, 10, &[], now).await, Verdict::Accepted);
+            let mut a = f.get("s").await;
+            a.generation = 2;
+            f.put(Kind::Assignment, key("s"), encode(&a)).await;
+            assert_eq!(f.pass(now).await.restored, 0);
+            assert_eq!(f.report("a", "s", 2, 10, &[], now).await, Verdict::Accepted);
+            assert_eq!(f.pass(now).await.restored, 1);
+            assert_eq!(f.get("s").await.replicas, ["a", "b", "d"]);
+        }
+
+        #[tokio::test]
+        async fn a_set_is_never_shrunk_and_a_short_one_is_filled() {
+            let f = fixture();
+            let now = T0 + 60_000;
+            // c is long down but nobody can replace it: it stays a member.
+            f.node("c", T0).await;
+            f.node("a", now).await;
+            f.node("b", now).await;
+            f.stream("s", &["a", "b", "c"], true, 2).await;
+            f.report("a", "s", 2, 10, &[], now).await;
+            let r = f.pass(now).await;
+            assert_eq!((r.restored, r.moved), (0, 0), "{r:?}");
+            assert_eq!(f.get("s").await.replicas, ["a", "b", "c"]);
+
+            // A set created short (one node was ready) grows to the replication factor.
+            let f = fixture();
+            f.node("a", now).await;
+            f.node("b", now).await;
+            f.stream("s", &["a", "b"], true, 1).await;
+            let mut a = f.get("s").await;
+            a.replicas.truncate(1);
+            f.put(Kind::Assignment, key("s"), encode(&a)).await;
+            f.report("a", "s", 1, 10, &[], now).await;
+            assert_eq!(f.pass(now).await.restored, 1);
+            let a = f.get("s").await;
+            assert_eq!(
+                (a.replicas.as_slice(), a.generation),
+                (["a".to_owned(), "b".to_owned()].as_slice(), 2)
+            );
+        }
     }
 }

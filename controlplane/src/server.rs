@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::api::{self, ApiConfig, AppState};
 use crate::pg::PgStore;
 use crate::placement;
+use crate::replication::ReplicaReports;
 use crate::store::{MemoryStore, Store};
 
 /// Where metadata lives.
@@ -66,6 +67,8 @@ pub struct Running {
     pub addr: SocketAddr,
     /// The store it serves.
     pub store: Arc<dyn Store>,
+    /// The replica reports its API keeps and its placement pass reads.
+    pub reports: ReplicaReports,
     stop: tokio::sync::watch::Sender<bool>,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
     placement: tokio::task::JoinHandle<()>,
@@ -107,13 +110,16 @@ pub async fn start_with_store(
             config.api.heartbeat_interval
         );
     }
+    config.api.check_margin().map_err(|m| anyhow::anyhow!(m))?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
     let addr = listener.local_addr()?;
+    let reports = ReplicaReports::new();
     let state = AppState {
         store: store.clone(),
         config: config.api.clone(),
+        reports: reports.clone(),
     };
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     let app = api::router(state);
@@ -126,12 +132,13 @@ pub async fn start_with_store(
     });
     let placement = {
         let (store, api, every) = (store.clone(), config.api.clone(), config.placement_interval);
+        let reports = reports.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                match placement::pass(store.as_ref(), &api).await {
+                match placement::pass(store.as_ref(), &api, &reports).await {
                     Ok(r) if r != placement::PassReport::default() => {
                         tracing::info!(?r, "placement pass")
                     }
@@ -150,6 +157,7 @@ pub async fn start_with_store(
     Ok(Running {
         addr,
         store,
+        reports,
         stop,
         server,
         placement,

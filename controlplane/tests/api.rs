@@ -8,8 +8,9 @@ use felix_controlplane::api::ApiConfig;
 use felix_controlplane::client::{ClientError, ControlPlaneClient};
 use felix_controlplane::model::Assignment;
 use felix_controlplane::placement;
+use felix_controlplane::replication::ReplicaReports;
 use felix_controlplane::server::{self, ServerConfig};
-use felix_controlplane::store::{MemoryStore, Store};
+use felix_controlplane::store::{Expect, Kind, MemoryStore, Op, Store};
 use serde_json::{Value, json};
 
 const BOOTSTRAP: &str = "bootstrap-secret-0123456789";
@@ -17,6 +18,7 @@ const BOOTSTRAP: &str = "bootstrap-secret-0123456789";
 struct Service {
     url: String,
     store: Arc<dyn Store>,
+    reports: ReplicaReports,
     config: ApiConfig,
     rt: tokio::runtime::Runtime,
     running: Option<server::Running>,
@@ -34,7 +36,11 @@ fn start(store: Arc<dyn Store>, rt: tokio::runtime::Runtime) -> Service {
     let config = ApiConfig {
         bootstrap_token: Some(BOOTSTRAP.into()),
         heartbeat_interval: Duration::from_millis(200),
+        // Down after 1000 + 250 ms (the default margin, a quarter) of silence.
         expiry_timeout: Duration::from_millis(1000),
+        regrant_margin: None,
+        // Members silent for 1000 + 300 ms are replaced.
+        replica_restore_after: Duration::from_millis(300),
     };
     let running = rt
         .block_on(server::start_with_store(
@@ -51,6 +57,7 @@ fn start(store: Arc<dyn Store>, rt: tokio::runtime::Runtime) -> Service {
     Service {
         url: format!("http://{}", running.addr),
         store,
+        reports: running.reports.clone(),
         config,
         rt,
         running: Some(running),
@@ -503,6 +510,13 @@ fn scenario(svc: &Service) {
         (Some(1), Some("live"))
     );
     assert_eq!(reg_a["heartbeat_interval_ms"], 200);
+    assert_eq!(
+        (
+            reg_a["expiry_timeout_ms"].as_u64(),
+            reg_a["regrant_margin_ms"].as_u64()
+        ),
+        (Some(1000), Some(250))
+    );
     node_b
         .post(
             "/v1/nodes",
@@ -525,11 +539,16 @@ fn scenario(svc: &Service) {
         admin.post("/v1/nodes/node-z/heartbeat", &json!({"incarnation": 1})),
         404,
     );
+    let beat = node_a
+        .post("/v1/nodes/node-a/heartbeat", &json!({"incarnation": 1}))
+        .unwrap();
+    assert_eq!(beat["lifecycle"], "live");
     assert_eq!(
-        node_a
-            .post("/v1/nodes/node-a/heartbeat", &json!({"incarnation": 1}))
-            .unwrap()["lifecycle"],
-        "live"
+        (
+            beat["expiry_timeout_ms"].as_u64(),
+            beat["regrant_margin_ms"].as_u64()
+        ),
+        (Some(1000), Some(250))
     );
     assert_eq!(
         node_a.get("/v1/nodes").unwrap()["items"]
@@ -551,12 +570,20 @@ fn scenario(svc: &Service) {
     let since = snap0["next_seq"].as_u64().unwrap();
     let report = svc
         .rt
-        .block_on(placement::pass(svc.store.as_ref(), &svc.config))
+        .block_on(placement::pass(
+            svc.store.as_ref(),
+            &svc.config,
+            &svc.reports,
+        ))
         .unwrap();
     assert_eq!((report.created, report.unplaced), (6, 0));
     let again = svc
         .rt
-        .block_on(placement::pass(svc.store.as_ref(), &svc.config))
+        .block_on(placement::pass(
+            svc.store.as_ref(),
+            &svc.config,
+            &svc.reports,
+        ))
         .unwrap();
     assert_eq!(
         again,
@@ -627,8 +654,10 @@ fn scenario(svc: &Service) {
         (Some(other), Some(2))
     );
 
-    // A node that stops heartbeating goes down and its shards move to the other.
-    std::thread::sleep(Duration::from_millis(20));
+    // A node that stops heartbeating goes down after the expiry plus the margin; its
+    // replicated shards are promoted to the other member, its unreplicated (RF 1,
+    // durable) cache shards wait for it.
+    std::thread::sleep(Duration::from_millis(300));
     node_a
         .post("/v1/nodes/node-a/heartbeat", &json!({"incarnation": 1}))
         .unwrap();
@@ -639,13 +668,32 @@ fn scenario(svc: &Service) {
         .unwrap()
         .last_heartbeat_ms
     };
-    // Judge the pass just inside node-a's expiry (1 s): node-b, silent since it
-    // registered earlier, is past its own.
-    let judge = heard("node-a") + 999;
-    assert!(judge >= heard("node-b") + 1000);
+    let before: Vec<Assignment> =
+        serde_json::from_value(node_a.get("/v1/shard-assignments").unwrap()["items"].clone())
+            .unwrap();
+    // Past node-b's expiry but inside the margin: nothing happens yet.
     let report = svc
         .rt
-        .block_on(placement::pass_at(svc.store.as_ref(), &svc.config, judge))
+        .block_on(placement::pass_at(
+            svc.store.as_ref(),
+            &svc.config,
+            &svc.reports,
+            heard("node-b") + 1100,
+        ))
+        .unwrap();
+    assert_eq!(report, placement::PassReport::default());
+    // Judge the pass just inside node-a's expiry (1 s): node-b, silent since it
+    // registered earlier, is past its expiry plus the margin (1.25 s).
+    let judge = heard("node-a") + 999;
+    assert!(judge >= heard("node-b") + 1250);
+    let report = svc
+        .rt
+        .block_on(placement::pass_at(
+            svc.store.as_ref(),
+            &svc.config,
+            &svc.reports,
+            judge,
+        ))
         .unwrap();
     assert!(
         report.nodes_down.contains(&"node-b".to_owned()),
@@ -655,15 +703,29 @@ fn scenario(svc: &Service) {
         !report.nodes_down.contains(&"node-a".to_owned()),
         "{report:?}"
     );
+    let b_caches = before
+        .iter()
+        .filter(|a| a.key.kind == "cache" && a.leader == "node-b")
+        .count();
+    assert_eq!(report.waiting_for_owner, b_caches, "{report:?}");
     let assignments: Vec<Assignment> =
         serde_json::from_value(node_a.get("/v1/shard-assignments").unwrap()["items"].clone())
             .unwrap();
-    assert!(
-        assignments
-            .iter()
-            .all(|a| a.leader == "node-a" && a.replicas == ["node-a"]),
-        "{assignments:?}"
-    );
+    for (was, now) in before.iter().zip(&assignments) {
+        assert_eq!(was.key, now.key);
+        assert_eq!(was.replicas, now.replicas, "sets are kept: {now:?}");
+        if was.leader == "node-a" {
+            assert_eq!(was, now, "node-a's shards stay as they were");
+        } else if was.key.kind == "stream" {
+            assert_eq!(
+                (now.leader.as_str(), now.generation),
+                ("node-a", was.generation + 1),
+                "promoted: {now:?}"
+            );
+        } else {
+            assert_eq!(was, now, "an RF 1 cache shard waits for node-b: {now:?}");
+        }
+    }
     assert!(assignments.iter().any(|a| a.generation > 1));
     assert_eq!(node_a.get("/v1/nodes/node-b").unwrap()["lifecycle"], "down");
     // A heartbeat never revives a down node; registering again does.
@@ -712,6 +774,406 @@ fn scenario(svc: &Service) {
     expect_err(anon.get("/v1/tenants/acme/.well-known/jwks.json"), 404);
     // Tokens of a deleted tenant stop working: its keys went with it.
     expect_err(acme_admin.get("/v1/tenants/acme/namespaces"), 401);
+}
+
+/// `POST` that returns the status and JSON body whatever the status (the client
+/// keeps only `code`, `message` and `field` of an error).
+fn raw_post(url: &str, token: &str, path: &str, body: &Value) -> (u16, Value) {
+    use std::io::{Read, Write};
+    let host = url.strip_prefix("http://").unwrap();
+    let payload = serde_json::to_vec(body).unwrap();
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        payload.len()
+    )
+    .unwrap();
+    s.write_all(&payload).unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let status = raw.split(' ').nth(1).unwrap().parse().unwrap();
+    let (_, body) = raw.split_once("\r\n\r\n").unwrap();
+    (status, serde_json::from_str(body).unwrap())
+}
+
+/// Rewrites a node's last heartbeat: the pass judges silence by this stamp, so a test
+/// can make a node silent without waiting.
+fn silence(svc: &Service, id: &str, heard_ms: u64) {
+    svc.rt.block_on(async {
+        let d = svc.store.get(Kind::Node, id).await.unwrap().unwrap();
+        let mut n: felix_controlplane::model::Node = serde_json::from_value(d.value).unwrap();
+        n.last_heartbeat_ms = heard_ms;
+        svc.store
+            .batch(vec![Op::Put {
+                kind: Kind::Node,
+                key: id.into(),
+                value: serde_json::to_value(&n).unwrap(),
+                expect: Expect::Version(d.version),
+            }])
+            .await
+            .unwrap();
+    });
+}
+
+fn replication_scenario(svc: &Service) {
+    let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
+    let boot = anon
+        .post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+        )
+        .unwrap();
+    let admin_token = boot["token"].as_str().unwrap().to_owned();
+    let admin = anon.clone().with_token(&admin_token);
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    admin
+        .post(
+            "/v1/tenants/acme/namespaces",
+            &json!({"namespace": "payments"}),
+        )
+        .unwrap();
+    let streams = "/v1/tenants/acme/namespaces/payments/streams";
+    admin
+        .post(streams, &json!({"stream": "orders", "kind": "Stream", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}))
+        .unwrap();
+    admin
+        .post(
+            streams,
+            &json!({"stream": "ledger", "kind": "Stream", "shards": 1}),
+        )
+        .unwrap();
+    let nodes = ["node-a", "node-b", "node-c", "node-d"];
+    let mut tokens = std::collections::BTreeMap::new();
+    for (i, id) in nodes.iter().enumerate() {
+        let t = admin
+            .post("/v1/tenants/operator/tokens", &json!({"sub": id, "audience": "felix-controlplane", "perms": [format!("node.manage:node:{id}"), "node.view:cluster:*"]}))
+            .unwrap()["token"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        anon.clone()
+            .with_token(&t)
+            .post(
+                "/v1/nodes",
+                &json!({"node_id": id, "client_addr": format!("127.0.0.1:{}", 5100 + i)}),
+            )
+            .unwrap();
+        tokens.insert(*id, t);
+    }
+    let pass = || {
+        svc.rt
+            .block_on(placement::pass(
+                svc.store.as_ref(),
+                &svc.config,
+                &svc.reports,
+            ))
+            .unwrap()
+    };
+    assert_eq!(pass().created, 2);
+    let get = |name: &str| -> Assignment {
+        let items = admin.get("/v1/shard-assignments").unwrap()["items"].clone();
+        let all: Vec<Assignment> = serde_json::from_value(items).unwrap();
+        all.into_iter().find(|a| a.key.name == name).unwrap()
+    };
+    let orders = get("orders");
+    assert_eq!(orders.replicas.len(), 3);
+    let leader = orders.leader.clone();
+    // Followers in rendezvous order: the better-ranked one will report behind.
+    let (behind, ahead) = (orders.replicas[1].clone(), orders.replicas[2].clone());
+    let outsider = *nodes
+        .iter()
+        .find(|n| !orders.replicas.iter().any(|m| m == *n))
+        .unwrap();
+    // The unreplicated ledger shard is put on the same leader, so that one failure
+    // shows both rules.
+    svc.rt.block_on(async {
+        let key = "stream/acme/payments/ledger/0";
+        let d = svc.store.get(Kind::Assignment, key).await.unwrap().unwrap();
+        let mut a: Assignment = serde_json::from_value(d.value).unwrap();
+        a.leader = leader.clone();
+        a.replicas = vec![leader.clone()];
+        svc.store
+            .batch(vec![Op::Put {
+                kind: Kind::Assignment,
+                key: key.into(),
+                value: serde_json::to_value(&a).unwrap(),
+                expect: Expect::Version(d.version),
+            }])
+            .await
+            .unwrap();
+    });
+
+    // Reports: verdicts per shard, 200 only when all were accepted.
+    let shard = |name: &str, generation: u64, log_end: u64, followers: Value| {
+        json!({"kind": "stream", "tenant_id": "acme", "namespace": "payments", "name": name,
+               "shard": 0, "generation": generation, "log_end": log_end, "commit": log_end / 2,
+               "followers": followers})
+    };
+    let report = |from: &str, shards: Vec<Value>| {
+        raw_post(
+            &svc.url,
+            &tokens[from],
+            &format!("/v1/nodes/{from}/replica-status"),
+            &json!({ "shards": shards }),
+        )
+    };
+    let results = |v: &Value| -> Vec<String> {
+        v["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["result"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let positions = json!([
+        {"node_id": behind, "durable_end": 40},
+        {"node_id": ahead, "durable_end": 90}
+    ]);
+    let (code, body) = report(&leader, vec![shard("orders", 1, 100, positions.clone())]);
+    assert_eq!((code, results(&body)), (200, vec!["accepted".to_owned()]));
+    // Same generation, shorter log: stale. A follower: not_leader. Ahead of the
+    // assignment: future_generation. No such shard: unassigned. One refusal makes
+    // the whole answer a 409 that still lists every shard.
+    let (code, body) = report(
+        &leader,
+        vec![
+            shard("orders", 1, 99, positions.clone()),
+            shard("orders", 2, 120, positions.clone()),
+            shard("nothing", 1, 1, json!([])),
+            shard("ledger", 1, 7, json!([])),
+        ],
+    );
+    assert_eq!(code, 409);
+    assert_eq!(body["code"], "conflict");
+    assert_eq!(
+        results(&body),
+        ["stale", "future_generation", "unassigned", "accepted"]
+    );
+    assert_eq!(body["results"][0]["name"], "orders");
+    let (code, body) = report(&behind, vec![shard("orders", 1, 500, json!([]))]);
+    assert_eq!((code, results(&body)), (409, vec!["not_leader".to_owned()]));
+    // A node reports only as itself; bodies are validated.
+    let (code, _) = raw_post(
+        &svc.url,
+        &tokens[behind.as_str()],
+        &format!("/v1/nodes/{leader}/replica-status"),
+        &json!({"shards": []}),
+    );
+    assert_eq!(code, 403);
+    let mut bad = shard("orders", 1, 100, json!([]));
+    bad["kind"] = json!("table");
+    let (code, body) = report(&leader, vec![bad]);
+    assert_eq!((code, body["field"].as_str()), (400, Some("shards.kind")));
+
+    // Visibility: positions and under-replication on the list, the snapshot and the
+    // replication view.
+    let (code, _) = report(
+        &leader,
+        vec![shard(
+            "orders",
+            1,
+            100,
+            json!([
+                {"node_id": behind, "durable_end": 40, "halted": true},
+                {"node_id": ahead, "durable_end": 90}
+            ]),
+        )],
+    );
+    assert_eq!(code, 200);
+    let item = |v: &Value, name: &str| -> Value {
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["name"] == name)
+            .unwrap()
+            .clone()
+    };
+    let listed = item(&admin.get("/v1/shard-assignments").unwrap(), "orders");
+    assert_eq!(
+        listed["positions"],
+        json!({leader.as_str(): 100, behind.as_str(): 40, ahead.as_str(): 90})
+    );
+    assert_eq!(
+        listed["under_replicated"], true,
+        "a halted follower is no redundancy"
+    );
+    let snap = admin.get("/v1/shard-assignments/snapshot").unwrap();
+    assert_eq!(item(&snap, "orders")["under_replicated"], true);
+    assert_eq!(item(&snap, "ledger")["under_replicated"], false);
+    assert_eq!(
+        item(&snap, "ledger")["positions"],
+        json!({leader.as_str(): 7})
+    );
+    let view = admin.get("/v1/placement/replication").unwrap();
+    assert_eq!(
+        view["items"].as_array().unwrap().len(),
+        1,
+        "only replicated shards: {view}"
+    );
+    let v = item(&view, "orders");
+    assert_eq!(
+        (v["leader"].as_str(), v["generation"].as_u64()),
+        (Some(leader.as_str()), Some(1))
+    );
+    assert_eq!(v["report"]["log_end"], 100);
+    let member = |v: &Value, id: &str| -> Value {
+        v["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["node_id"] == id)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(
+        member(&v, &behind),
+        json!({"node_id": behind, "leader": false, "ready": true, "position": 40, "halted": true})
+    );
+    expect_err(
+        anon.clone()
+            .with_token("x.y.z")
+            .get("/v1/placement/replication"),
+        401,
+    );
+    // The follower recovered: the latest report (same generation, same log end, so
+    // accepted) names nobody halted. Positions alone now pick the successor.
+    let (code, _) = report(&leader, vec![shard("orders", 1, 100, positions.clone())]);
+    assert_eq!(code, 200);
+    assert_eq!(
+        item(&admin.get("/v1/shard-assignments").unwrap(), "orders")["under_replicated"],
+        false
+    );
+
+    // Abandon refuses while the owner may still hold its lease, and needs the cluster
+    // permission.
+    let ledger_key = json!({"kind": "stream", "tenant_id": "acme", "namespace": "payments", "name": "ledger", "shard": 0});
+    let (code, _) = expect_err(admin.post("/v1/placement/abandon", &ledger_key), 409);
+    assert_eq!(code.as_deref(), Some("conflict"));
+    expect_err(
+        anon.clone()
+            .with_token(&tokens[leader.as_str()])
+            .post("/v1/placement/abandon", &ledger_key),
+        403,
+    );
+
+    // The leader goes quiet. Past its expiry but inside the margin it keeps both
+    // shards; past expiry + margin the furthest-ahead member takes orders
+    // (set kept, generation + 1) and the RF 1 ledger waits for its owner.
+    for n in nodes.iter().filter(|n| **n != leader) {
+        anon.clone()
+            .with_token(&tokens[n])
+            .post(
+                &format!("/v1/nodes/{n}/heartbeat"),
+                &json!({"incarnation": 1}),
+            )
+            .unwrap();
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let pass_at = |at: u64| {
+        svc.rt
+            .block_on(placement::pass_at(
+                svc.store.as_ref(),
+                &svc.config,
+                &svc.reports,
+                at,
+            ))
+            .unwrap()
+    };
+    silence(svc, &leader, now - 1150);
+    let r = pass_at(now);
+    assert_eq!(r, placement::PassReport::default(), "inside the margin");
+    assert_eq!(get("orders").leader, leader);
+    silence(svc, &leader, now - 10_000);
+    let r = pass_at(now);
+    assert_eq!(r.nodes_down, std::slice::from_ref(&leader));
+    assert_eq!((r.moved, r.waiting_for_owner), (1, 1), "{r:?}");
+    let promoted = get("orders");
+    assert_eq!(
+        promoted.leader, ahead,
+        "furthest ahead, not best-ranked ({behind})"
+    );
+    assert_eq!(promoted.replicas, orders.replicas, "the set is kept");
+    assert_eq!(promoted.generation, 2);
+    let ledger = get("ledger");
+    assert_eq!(
+        (ledger.leader.as_str(), ledger.generation),
+        (leader.as_str(), 1)
+    );
+
+    // The old leader's word no longer counts; the new one's does.
+    let (code, body) = report(&leader, vec![shard("orders", 1, 200, json!([]))]);
+    assert_eq!((code, results(&body)), (409, vec!["stale".to_owned()]));
+    let (code, _) = report(
+        &ahead,
+        vec![shard(
+            "orders",
+            2,
+            100,
+            json!([{"node_id": behind, "durable_end": 100}]),
+        )],
+    );
+    assert_eq!(code, 200);
+    // The dead old leader has now been silent past expiry + replica_restore_after:
+    // the next pass replaces it, in place, by the one ready non-member.
+    for n in nodes.iter().filter(|n| **n != leader) {
+        anon.clone()
+            .with_token(&tokens[n])
+            .post(
+                &format!("/v1/nodes/{n}/heartbeat"),
+                &json!({"incarnation": 1}),
+            )
+            .unwrap();
+    }
+    let r = pass();
+    assert_eq!((r.restored, r.moved), (1, 0), "{r:?}");
+    let restored = get("orders");
+    let mut want = orders.replicas.clone();
+    want[0] = outsider.to_owned();
+    assert_eq!(
+        (
+            restored.leader.as_str(),
+            &restored.replicas,
+            restored.generation
+        ),
+        (ahead.as_str(), &want, 3)
+    );
+
+    // Abandoning the waiting ledger moves it to a ready node and says data was lost;
+    // orders has a serving leader and cannot be abandoned.
+    let answer = admin.post("/v1/placement/abandon", &ledger_key).unwrap();
+    assert_eq!(answer["lost_data"], true);
+    assert_eq!(answer["previous_leader"], leader.as_str());
+    let moved: Assignment = serde_json::from_value(answer["assignment"].clone()).unwrap();
+    assert_ne!(moved.leader, leader);
+    assert_eq!(moved.replicas, std::slice::from_ref(&moved.leader));
+    assert_eq!(moved.generation, 2);
+    assert_eq!(get("ledger"), moved);
+    let mut orders_key = ledger_key.clone();
+    orders_key["name"] = json!("orders");
+    expect_err(admin.post("/v1/placement/abandon", &orders_key), 409);
+    let mut nothing = ledger_key.clone();
+    nothing["name"] = json!("nothing");
+    expect_err(admin.post("/v1/placement/abandon", &nothing), 404);
+    assert_eq!(pass().waiting_for_owner, 0);
+}
+
+#[test]
+fn replication_against_the_memory_store() {
+    replication_scenario(&memory_service());
+}
+
+#[test]
+fn replication_against_postgres() {
+    replication_scenario(&postgres_service());
 }
 
 #[test]
