@@ -18,6 +18,7 @@ pub mod embedded;
 pub mod error;
 pub mod forward;
 pub mod http;
+pub mod replication;
 pub mod server;
 pub mod session;
 pub mod shard;

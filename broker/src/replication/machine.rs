@@ -1,0 +1,1333 @@
+//! One replica of one shard: leader, candidate or follower, as a sans-IO state machine.
+//!
+//! Inputs are `handle_*` calls (an assignment from the control plane, a message from a
+//! peer, a local log event, a timer) with `now` passed in; outputs are polled with
+//! [`Replica::poll_output`]: messages to send, durable metadata to write, batches to
+//! store, suffixes to cut, ranges to read for shipping, commit marks. The driver
+//! (`peer.rs`) only carries them out; the simulator (`sim.rs`) runs several replicas
+//! over a faulty network in virtual time. The design and why each rule exists:
+//! `docs/replication.md`.
+//!
+//! What must stay true (the simulator checks it after every step):
+//! - A replica accepts a generation only by a `Fence` from its leader, and persists the
+//!   ballot `(generation, leader)` before answering; from then on it refuses older
+//!   generations and other leaders at that generation. So a deposed leader cannot collect
+//!   a majority once its successor has fenced one.
+//! - A candidate serves only after a majority (itself counted) has fenced, after taking
+//!   the furthest-ahead log among them by `(generation of the last record, end)`, and
+//!   after appending its generation-start record. Any majority intersects the one that
+//!   held an acknowledged record, so the new leader holds every acknowledged record.
+//! - The commit mark counts a majority only at offsets past the leader's own
+//!   generation-start record (Raft's figure 8: a record of an older generation held by a
+//!   majority may still be overwritten unless a record of the current one is committed
+//!   after it).
+//! - Nothing below a replica's commit mark is ever cut. Records at equal offsets with
+//!   equal generations are equal (one writer per generation), which is what lets a
+//!   follower compare logs by generation labels instead of bytes.
+//! - Batches keep the boundaries their writer gave them on every replica, so a cut is
+//!   always at a batch boundary.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+/// A broker's node id.
+pub type NodeId = Arc<str>;
+
+/// How long a sent `Fence` or batch waits for its answer before it is sent again.
+pub const RESEND_AFTER: Duration = Duration::from_millis(400);
+/// How often an idle leader tells followers the commit mark (an empty batch).
+pub const COMMIT_HEARTBEAT: Duration = Duration::from_millis(200);
+/// Bytes a leader ships to one follower in one message.
+pub const SHIP_BYTES: usize = 1 << 20;
+/// `prev_generation` of a message starting at the sender's base: the record before is
+/// gone there, committed, and equal everywhere.
+pub const BELOW_BASE: u64 = u64::MAX;
+
+/// What a batch is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchKind {
+    /// Client records.
+    Data,
+    /// The first record of a generation (its payload is the generation).
+    GenerationStart(u64),
+}
+
+/// A batch at its offsets, as stored and shipped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// Offset of the first record.
+    pub base: u64,
+    /// Data or generation start.
+    pub kind: BatchKind,
+    /// Append time.
+    pub timestamp_micros: u64,
+    /// The records.
+    pub records: Vec<Bytes>,
+}
+
+impl Batch {
+    /// One past the last record.
+    pub fn end(&self) -> u64 {
+        self.base + self.records.len() as u64
+    }
+}
+
+/// Why a replica refused a batch or a fence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The batch starts past the replica's end: resume at `expected`.
+    Gap,
+    /// The logs disagree at or before the batch: resume at `expected`.
+    Mismatch,
+    /// A newer generation, or another leader at this one, was accepted.
+    Fenced,
+    /// This generation was never fenced here: fence first.
+    NotFenced,
+    /// Storing it would cut committed records: this follower is halted.
+    BelowCommit,
+    /// The replica's log ends below the leader's base: bootstrap it.
+    Bootstrap,
+    /// Busy or failing locally: try again later.
+    Unavailable,
+}
+
+/// A message between replicas of one shard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Msg {
+    /// A leader asks a replica to accept `generation` with it as leader.
+    Fence {
+        /// Generation.
+        generation: u64,
+    },
+    /// The replica accepted: what its log holds.
+    FenceOk {
+        /// Generation accepted.
+        generation: u64,
+        /// Oldest offset held.
+        base: u64,
+        /// One past the last durable record.
+        end: u64,
+        /// Its commit mark.
+        commit: u64,
+        /// Generation of its last record (0 when empty).
+        last_generation: u64,
+    },
+    /// A candidate reads a fenced replica's log from `from`.
+    Fetch {
+        /// The candidate's generation.
+        generation: u64,
+        /// First offset wanted.
+        from: u64,
+    },
+    /// Batches at their offsets, starting at `from`.
+    Records {
+        /// The sender's generation.
+        generation: u64,
+        /// Where the message starts (the first batch's base, if any).
+        from: u64,
+        /// Generation of the record at `from - 1` in the sender's log: 0 when `from` is 0,
+        /// [`BELOW_BASE`] when the sender no longer holds it (retention).
+        prev_generation: u64,
+        /// The sender's commit mark.
+        commit: u64,
+        /// Contiguous batches (may be empty: a commit heartbeat).
+        batches: Vec<Batch>,
+        /// Whether this answers a `Fetch` (a candidate catching up) rather than shipping.
+        fetched: bool,
+    },
+    /// The replica durably holds the shipped range up to `end`.
+    Ok {
+        /// Generation.
+        generation: u64,
+        /// One past the last record verified and durable.
+        end: u64,
+    },
+    /// A refusal.
+    Refused {
+        /// The refusing replica's accepted generation.
+        generation: u64,
+        /// Why.
+        code: Refusal,
+        /// Where to resume (Gap, Mismatch) or the base to bootstrap at.
+        expected: u64,
+    },
+    /// The leader's log begins at `base`: start an empty log there.
+    Bootstrap {
+        /// Generation.
+        generation: u64,
+        /// The leader's base.
+        base: u64,
+    },
+}
+
+/// What the control plane assigned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    /// Generation (+1 on every assignment write).
+    pub generation: u64,
+    /// The leader.
+    pub leader: NodeId,
+    /// Every replica, leader included.
+    pub replicas: Vec<NodeId>,
+}
+
+/// The durable part of a replica's state, written before it is relied on.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Meta {
+    /// Highest generation accepted.
+    pub generation: u64,
+    /// The leader accepted at it.
+    pub leader: Option<String>,
+    /// Commit mark known (a hint: a lower value is always safe).
+    pub commit: u64,
+}
+
+/// What the machine asks its driver to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    /// Send `msg` to `to`.
+    Send {
+        /// Peer.
+        to: NodeId,
+        /// Message.
+        msg: Msg,
+    },
+    /// Write `meta` durably, then call [`Replica::handle_persisted`].
+    Persist(Meta),
+    /// Store these batches at their offsets (they start at the log's end), then report
+    /// durability with [`Replica::handle_durable`].
+    Store(Vec<Batch>),
+    /// Cut every record at or after `from` durably, then call
+    /// [`Replica::handle_truncated`].
+    Truncate {
+        /// First offset removed.
+        from: u64,
+    },
+    /// Replace the (now empty) log with an empty one starting at `base`, then call
+    /// [`Replica::handle_truncated`].
+    ResetAt {
+        /// New base.
+        base: u64,
+    },
+    /// Read batches from `from` (up to [`SHIP_BYTES`]) and hand them to
+    /// [`Replica::handle_read`] for `to`; `fetch` when answering a candidate's fetch.
+    Read {
+        /// Who they are for.
+        to: NodeId,
+        /// First offset.
+        from: u64,
+        /// Answering a fetch (not shipping).
+        fetch: bool,
+    },
+    /// Append this generation's start record at the log's end (as a leader's own
+    /// append), then report durability with [`Replica::handle_durable`].
+    AppendGenerationStart {
+        /// Generation.
+        generation: u64,
+    },
+    /// The commit mark moved: acknowledgements and readers may go up to here.
+    Commit(u64),
+    /// Whether this replica may take writes as leader now.
+    Serving(bool),
+    /// A follower was halted (its log cannot be repaired without losing committed
+    /// records); reported for operators.
+    Halted {
+        /// The follower.
+        peer: NodeId,
+    },
+}
+
+/// The local log as the machine sees it.
+#[derive(Debug, Clone, Default)]
+struct LogView {
+    base: u64,
+    /// One past the last record claimed (written or being written).
+    end: u64,
+    /// One past the last durable record.
+    durable: u64,
+    /// Where each generation begins: start offset -> generation.
+    epochs: BTreeMap<u64, u64>,
+}
+
+impl LogView {
+    fn generation_at(&self, offset: u64) -> u64 {
+        self.epochs
+            .range(..=offset)
+            .next_back()
+            .map_or(0, |(_, g)| *g)
+    }
+
+    fn last_generation(&self) -> u64 {
+        if self.durable == self.base {
+            0
+        } else {
+            self.generation_at(self.durable - 1)
+        }
+    }
+
+    /// Where the epoch holding `offset` begins.
+    fn epoch_start(&self, offset: u64) -> u64 {
+        self.epochs
+            .range(..=offset)
+            .next_back()
+            .map_or(self.base, |(o, _)| *o)
+    }
+
+    fn observe(&mut self, batches: &[Batch]) {
+        for b in batches {
+            if let BatchKind::GenerationStart(g) = b.kind {
+                self.epochs.insert(b.base, g);
+            }
+            self.end = self.end.max(b.end());
+        }
+    }
+
+    fn cut(&mut self, from: u64) {
+        self.epochs.split_off(&from);
+        self.end = from;
+        self.durable = self.durable.min(from);
+    }
+}
+
+/// A follower's state as its leader sees it.
+#[derive(Debug, Clone)]
+struct Cursor {
+    /// Next offset to send.
+    next: u64,
+    /// One past the last record it durably holds, verified at our generation.
+    matched: u64,
+    /// A message is in flight since then (`None`: free to send).
+    sent_at: Option<Instant>,
+    /// Our own log read for it is in flight.
+    reading: bool,
+    /// The commit mark we last told it.
+    told_commit: u64,
+    /// Refused to cut committed records: not shipped to again.
+    halted: bool,
+}
+
+impl Cursor {
+    fn new(next: u64) -> Cursor {
+        Cursor {
+            next,
+            matched: 0,
+            sent_at: None,
+            reading: false,
+            told_commit: 0,
+            halted: false,
+        }
+    }
+}
+
+/// A candidate: fencing a majority, then catching up from the furthest-ahead log.
+#[derive(Debug)]
+struct Candidate {
+    replicas: Vec<NodeId>,
+    /// Who accepted our fence: `(base, end, last_generation)`.
+    fenced: HashMap<NodeId, (u64, u64, u64)>,
+    fence_sent: HashMap<NodeId, Instant>,
+    /// The log we take, and its end.
+    source: Option<(NodeId, u64)>,
+    /// Our log agrees with the source's up to here.
+    verified: u64,
+    fetch_sent: Option<Instant>,
+    start_requested: bool,
+}
+
+#[derive(Debug)]
+struct Leading {
+    replicas: Vec<NodeId>,
+    /// Offset of this generation's start record: the commit mark counts past it only.
+    start: u64,
+    cursors: HashMap<NodeId, Cursor>,
+}
+
+#[derive(Debug)]
+enum Role {
+    /// Not (yet) in the replica set, or waiting for a newer assignment.
+    Idle,
+    Follower,
+    Candidate(Candidate),
+    Leader(Leading),
+}
+
+/// A batch message being applied (one at a time).
+#[derive(Debug)]
+struct Ingest {
+    from: NodeId,
+    generation: u64,
+    /// Batches to store once the cut is done.
+    rest: Vec<Batch>,
+    /// One past the last record of the message.
+    end: u64,
+    /// The sender's commit, capped at `end`.
+    commit: u64,
+    /// A candidate's own fetch (no answer is sent).
+    fetched: bool,
+    cutting: bool,
+}
+
+/// What comparing a batch message with the local log found.
+enum Compare {
+    /// Refuse it.
+    Refuse(Refusal, u64),
+    /// Cut at `at` (None: nothing to cut), then store `rest`.
+    Apply { at: Option<u64>, rest: Vec<Batch> },
+}
+
+/// One replica of one shard.
+#[derive(Debug)]
+pub struct Replica {
+    me: NodeId,
+    meta: Meta,
+    /// A ballot write is in flight.
+    persisting: bool,
+    /// Fences to answer once the ballot is durable.
+    pending_fence_ok: Vec<(NodeId, u64)>,
+    assigned: Option<Assignment>,
+    role: Role,
+    log: LogView,
+    commit: u64,
+    ingest: Option<Ingest>,
+    serving: bool,
+    last_heartbeat: Option<Instant>,
+    out: VecDeque<Output>,
+}
+
+impl Replica {
+    /// A replica named `me` over a log holding `[base, end)` (all durable), whose
+    /// generations begin at `epochs`, with the persisted `meta`.
+    pub fn new(me: NodeId, meta: Meta, base: u64, end: u64, epochs: BTreeMap<u64, u64>) -> Replica {
+        Replica {
+            me,
+            commit: meta.commit.min(end).max(base),
+            meta,
+            persisting: false,
+            pending_fence_ok: Vec::new(),
+            assigned: None,
+            role: Role::Idle,
+            log: LogView {
+                base,
+                end,
+                durable: end,
+                epochs,
+            },
+            ingest: None,
+            serving: false,
+            last_heartbeat: None,
+            out: VecDeque::new(),
+        }
+    }
+
+    /// The next thing to do.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.out.pop_front()
+    }
+
+    /// Whether this replica leads and may take writes now.
+    pub fn serving(&self) -> bool {
+        self.serving
+    }
+
+    /// The commit mark.
+    pub fn commit(&self) -> u64 {
+        self.commit
+    }
+
+    /// The generation this replica accepted.
+    pub fn generation(&self) -> u64 {
+        self.meta.generation
+    }
+
+    /// The local log's claimed end and durable end.
+    pub fn log_end(&self) -> (u64, u64) {
+        (self.log.end, self.log.durable)
+    }
+
+    /// Generation of the record at `offset` (0 when unknown).
+    pub fn generation_at(&self, offset: u64) -> u64 {
+        self.log.generation_at(offset)
+    }
+
+    /// Where each generation begins in the local log.
+    pub fn epochs(&self) -> &BTreeMap<u64, u64> {
+        &self.log.epochs
+    }
+
+    /// The durable state to persist, with the current commit mark.
+    pub fn meta(&self) -> Meta {
+        Meta {
+            commit: self.commit,
+            ..self.meta.clone()
+        }
+    }
+
+    /// Whether this replica leads (serving or not).
+    pub fn is_leader(&self) -> bool {
+        matches!(self.role, Role::Leader(_))
+    }
+
+    /// Followers' positions (leader only): `(peer, matched, halted)`.
+    pub fn followers(&self) -> Vec<(NodeId, u64, bool)> {
+        match &self.role {
+            Role::Leader(l) => l
+                .cursors
+                .iter()
+                .map(|(p, c)| (p.clone(), c.matched, c.halted))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    fn send(&mut self, to: &NodeId, msg: Msg) {
+        self.out.push_back(Output::Send {
+            to: to.clone(),
+            msg,
+        });
+    }
+
+    fn refuse(&mut self, to: &NodeId, code: Refusal, expected: u64) {
+        let msg = Msg::Refused {
+            generation: self.meta.generation,
+            code,
+            expected,
+        };
+        self.send(to, msg);
+    }
+
+    fn set_serving(&mut self, serving: bool) {
+        if self.serving != serving {
+            self.serving = serving;
+            self.out.push_back(Output::Serving(serving));
+        }
+    }
+
+    fn majority(n: usize) -> usize {
+        n / 2 + 1
+    }
+
+    // ---- the control plane ----------------------------------------------------------
+
+    /// The control plane's assignment for this shard. Older generations are ignored.
+    pub fn handle_assignment(&mut self, a: Assignment, now: Instant) {
+        if let Some(old) = &self.assigned {
+            if old.generation > a.generation {
+                return;
+            }
+            if old.generation == a.generation {
+                if let Role::Leader(l) = &mut self.role {
+                    l.replicas = a.replicas.clone();
+                }
+                self.assigned = Some(a);
+                return;
+            }
+        }
+        self.assigned = Some(a.clone());
+        self.set_serving(false);
+        if !a.replicas.contains(&self.me) {
+            self.role = Role::Idle;
+            return;
+        }
+        if a.leader != self.me {
+            if !matches!(self.role, Role::Follower) {
+                self.role = Role::Follower;
+            }
+            return;
+        }
+        let mine = self.meta.leader.as_deref() == Some(&*self.me);
+        if a.generation < self.meta.generation || (a.generation == self.meta.generation && !mine) {
+            // Another leader was accepted at this generation or later: leading it could
+            // give it two leaders. Wait for a newer assignment.
+            self.role = Role::Idle;
+            return;
+        }
+        self.role = Role::Candidate(Candidate {
+            replicas: a.replicas.clone(),
+            fenced: HashMap::new(),
+            fence_sent: HashMap::new(),
+            source: None,
+            verified: self.commit,
+            fetch_sent: None,
+            start_requested: false,
+        });
+        if a.generation > self.meta.generation {
+            self.accept(a.generation, self.me.clone());
+        } else {
+            // Our own ballot at this generation survived a restart: carry on.
+            self.candidate_step(now);
+        }
+    }
+
+    /// Starts persisting the ballot `(generation, leader)`; it counts once durable.
+    fn accept(&mut self, generation: u64, leader: NodeId) {
+        self.meta.generation = generation;
+        self.meta.leader = Some(leader.to_string());
+        self.persisting = true;
+        self.out.push_back(Output::Persist(self.meta()));
+    }
+
+    /// The last requested [`Output::Persist`] is durable.
+    pub fn handle_persisted(&mut self, now: Instant) {
+        if !std::mem::take(&mut self.persisting) {
+            return;
+        }
+        for (to, generation) in std::mem::take(&mut self.pending_fence_ok) {
+            if generation == self.meta.generation {
+                self.answer_fence(&to);
+            }
+        }
+        self.candidate_step(now);
+    }
+
+    fn answer_fence(&mut self, to: &NodeId) {
+        let msg = Msg::FenceOk {
+            generation: self.meta.generation,
+            base: self.log.base,
+            end: self.log.durable,
+            commit: self.commit,
+            last_generation: self.log.last_generation(),
+        };
+        self.send(to, msg);
+    }
+
+    // ---- messages ---------------------------------------------------------------------
+
+    /// A message from `from`.
+    pub fn handle_message(&mut self, from: NodeId, msg: Msg, now: Instant) {
+        match msg {
+            Msg::Fence { generation } => self.on_fence(from, generation),
+            Msg::FenceOk {
+                generation,
+                base,
+                end,
+                commit,
+                last_generation,
+            } => self.on_fence_ok(from, generation, (base, end, commit, last_generation), now),
+            Msg::Fetch {
+                generation,
+                from: at,
+            } => self.on_fetch(from, generation, at),
+            Msg::Records {
+                generation,
+                from: at,
+                prev_generation,
+                commit,
+                batches,
+                fetched,
+            } => self.on_records(
+                from,
+                generation,
+                (at, prev_generation),
+                commit,
+                batches,
+                fetched,
+                now,
+            ),
+            Msg::Ok { generation, end } => self.on_ok(from, generation, end, now),
+            Msg::Refused {
+                generation,
+                code,
+                expected,
+            } => self.on_refused(from, generation, code, expected, now),
+            Msg::Bootstrap { generation, base } => self.on_bootstrap(from, generation, base),
+        }
+    }
+
+    /// Whether `leader` at `generation` is the ballot this replica accepted.
+    fn check_ballot(&self, leader: &NodeId, generation: u64) -> Result<(), Refusal> {
+        if generation < self.meta.generation
+            || (generation == self.meta.generation
+                && self.meta.leader.as_deref() != Some(&**leader))
+        {
+            return Err(Refusal::Fenced);
+        }
+        if generation > self.meta.generation || self.persisting {
+            return Err(Refusal::NotFenced);
+        }
+        Ok(())
+    }
+
+    fn on_fence(&mut self, from: NodeId, generation: u64) {
+        if generation < self.meta.generation
+            || (generation == self.meta.generation && self.meta.leader.as_deref() != Some(&*from))
+        {
+            self.refuse(&from, Refusal::Fenced, 0);
+            return;
+        }
+        if generation == self.meta.generation {
+            if self.persisting {
+                self.pending_fence_ok.push((from, generation));
+            } else {
+                self.answer_fence(&from);
+            }
+            return;
+        }
+        // A newer generation: stop leading or following the old one now; answer once
+        // the ballot is durable.
+        if matches!(self.role, Role::Leader(_) | Role::Candidate(_)) {
+            self.role = Role::Follower;
+        }
+        self.set_serving(false);
+        self.ingest = None;
+        self.accept(generation, from.clone());
+        self.pending_fence_ok.push((from, generation));
+    }
+
+    fn on_fence_ok(
+        &mut self,
+        from: NodeId,
+        generation: u64,
+        (base, end, commit, last_generation): (u64, u64, u64, u64),
+        now: Instant,
+    ) {
+        if generation != self.meta.generation {
+            return;
+        }
+        match &mut self.role {
+            Role::Candidate(c) => {
+                c.fenced.insert(from, (base, end, last_generation));
+                // Below a fenced replica's commit every log agrees.
+                let _ = commit;
+                self.candidate_step(now);
+            }
+            Role::Leader(l) => {
+                // A follower fenced again (it had missed our fence): ship from its end.
+                if let Some(cur) = l.cursors.get_mut(&from) {
+                    cur.next = end.max(base).min(self.log.durable);
+                    cur.sent_at = None;
+                }
+                self.pump(now);
+            }
+            _ => {}
+        }
+    }
+
+    fn on_fetch(&mut self, from: NodeId, generation: u64, at: u64) {
+        if let Err(code) = self.check_ballot(&from, generation) {
+            self.refuse(&from, code, 0);
+            return;
+        }
+        self.out.push_back(Output::Read {
+            to: from,
+            from: at.max(self.log.base),
+            fetch: true,
+        });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on_records(
+        &mut self,
+        from: NodeId,
+        generation: u64,
+        prev: (u64, u64),
+        commit: u64,
+        batches: Vec<Batch>,
+        fetched: bool,
+        now: Instant,
+    ) {
+        if fetched {
+            // The answer to a candidate's own fetch, from the source it chose.
+            let ours = match &self.role {
+                Role::Candidate(c) => {
+                    generation == self.meta.generation
+                        && c.source.as_ref().is_some_and(|(p, _)| *p == from)
+                }
+                _ => false,
+            };
+            if ours && self.ingest.is_none() {
+                if let Role::Candidate(c) = &mut self.role {
+                    c.fetch_sent = None;
+                }
+                self.ingest(from, generation, prev, commit, batches, true, now);
+            }
+            return;
+        }
+        if let Err(code) = self.check_ballot(&from, generation) {
+            self.refuse(&from, code, 0);
+            return;
+        }
+        if !matches!(self.role, Role::Follower | Role::Idle) {
+            self.refuse(&from, Refusal::Fenced, 0);
+            return;
+        }
+        if self.ingest.is_some() {
+            // One message at a time; the leader resends after its timeout.
+            return;
+        }
+        self.ingest(from, generation, prev, commit, batches, false, now);
+    }
+
+    /// The follower's tail check: compares a batch message with the local log.
+    fn compare(&self, (first, prev_generation): (u64, u64), batches: &[Batch]) -> Compare {
+        let log = &self.log;
+        if batches.first().is_some_and(|b| b.base != first) {
+            return Compare::Refuse(Refusal::Mismatch, self.commit.max(log.base));
+        }
+        if first > log.durable {
+            return Compare::Refuse(Refusal::Gap, log.durable);
+        }
+        // The record before the first must agree, unless it is below our base or the
+        // sender's (then it is committed, and equal everywhere).
+        if first > log.base && prev_generation != BELOW_BASE {
+            let ours = log.generation_at(first - 1);
+            if ours != prev_generation {
+                let back = log.epoch_start(first - 1).max(self.commit).max(log.base);
+                return Compare::Refuse(Refusal::Mismatch, back.min(first - 1));
+            }
+        }
+        // Walk what we hold already: equal generations at equal offsets are equal records.
+        let mut generation = prev_generation;
+        let mut rest = Vec::new();
+        let mut at = None;
+        for b in batches {
+            if let BatchKind::GenerationStart(g) = b.kind {
+                generation = g;
+            }
+            if at.is_none() && b.base < log.durable {
+                if b.base < log.base {
+                    continue;
+                }
+                let starts_here = log.epochs.get(&b.base).copied();
+                let theirs_start = matches!(b.kind, BatchKind::GenerationStart(_));
+                let same = log.generation_at(b.base) == generation
+                    && starts_here.is_some() == theirs_start;
+                if same {
+                    continue;
+                }
+                at = Some(b.base);
+            }
+            rest.push(b.clone());
+        }
+        if at.is_none() {
+            rest.retain(|b| b.base >= log.durable);
+        }
+        Compare::Apply { at, rest }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn ingest(
+        &mut self,
+        from: NodeId,
+        generation: u64,
+        prev: (u64, u64),
+        commit: u64,
+        batches: Vec<Batch>,
+        fetched: bool,
+        now: Instant,
+    ) {
+        if self.log.end > self.log.durable {
+            // Our own appends (from when we led) are still on their way to the disk:
+            // compare once they are there. The sender asks again.
+            return;
+        }
+        // An empty message (a commit heartbeat) verifies only what precedes it.
+        let end = batches.last().map_or(prev.0, Batch::end);
+        match self.compare(prev, &batches) {
+            Compare::Refuse(code, expected) => {
+                if fetched {
+                    if let Role::Candidate(c) = &mut self.role {
+                        c.verified = expected.min(c.verified);
+                    }
+                    self.candidate_step(now);
+                } else {
+                    self.refuse(&from, code, expected);
+                }
+            }
+            Compare::Apply { at, rest } => {
+                if let Some(at) = at
+                    && at < self.commit
+                {
+                    // Would rewrite committed records: never.
+                    if fetched {
+                        self.candidate_step(now);
+                    } else {
+                        let commit = self.commit;
+                        self.refuse(&from, Refusal::BelowCommit, commit);
+                    }
+                    return;
+                }
+                self.ingest = Some(Ingest {
+                    from,
+                    generation,
+                    rest,
+                    end,
+                    commit: commit.min(end),
+                    fetched,
+                    cutting: at.is_some(),
+                });
+                match at {
+                    Some(at) => {
+                        self.log.cut(at);
+                        self.out.push_back(Output::Truncate { from: at });
+                    }
+                    None => self.store(now),
+                }
+            }
+        }
+    }
+
+    fn store(&mut self, now: Instant) {
+        let Some(ing) = &mut self.ingest else { return };
+        let rest = std::mem::take(&mut ing.rest);
+        if !rest.is_empty() {
+            self.log.observe(&rest);
+            self.out.push_back(Output::Store(rest));
+        }
+        self.finish_ingest(now);
+    }
+
+    /// Answers the batch message in progress once its range is durable.
+    fn finish_ingest(&mut self, now: Instant) {
+        let Some(ing) = &self.ingest else { return };
+        if ing.cutting || self.log.durable < ing.end.min(self.log.end) {
+            return;
+        }
+        let ing = self.ingest.take().expect("checked above");
+        let end = ing.end.min(self.log.durable);
+        if ing.commit > self.commit && !ing.fetched {
+            self.commit = ing.commit.min(self.log.durable);
+            self.out.push_back(Output::Commit(self.commit));
+        }
+        if ing.fetched {
+            if let Role::Candidate(c) = &mut self.role {
+                c.verified = c.verified.max(end);
+            }
+            self.candidate_step(now);
+        } else {
+            self.send(
+                &ing.from,
+                Msg::Ok {
+                    generation: ing.generation,
+                    end,
+                },
+            );
+        }
+    }
+
+    fn on_bootstrap(&mut self, from: NodeId, generation: u64, base: u64) {
+        if let Err(code) = self.check_ballot(&from, generation) {
+            self.refuse(&from, code, 0);
+            return;
+        }
+        if self.ingest.is_some() {
+            return;
+        }
+        if self.log.base <= base && base <= self.log.durable {
+            // We hold the leader's base already.
+            self.send(
+                &from,
+                Msg::Ok {
+                    generation,
+                    end: base,
+                },
+            );
+            return;
+        }
+        if self.commit > base {
+            let commit = self.commit;
+            self.refuse(&from, Refusal::BelowCommit, commit);
+            return;
+        }
+        // Everything we hold is below the leader's base: start over, empty, at it.
+        let old = self.log.base;
+        self.ingest = Some(Ingest {
+            from,
+            generation,
+            rest: Vec::new(),
+            end: base,
+            commit: base,
+            fetched: false,
+            cutting: true,
+        });
+        self.log.cut(old);
+        self.log.base = base;
+        self.log.end = base;
+        self.log.durable = base;
+        self.commit = self.commit.max(base);
+        self.out.push_back(Output::Truncate { from: old });
+        self.out.push_back(Output::ResetAt { base });
+    }
+
+    // ---- local log events -------------------------------------------------------------
+
+    /// A cut (and any reset after it) requested with [`Output::Truncate`] is done.
+    pub fn handle_truncated(&mut self, now: Instant) {
+        let Some(ing) = &mut self.ingest else { return };
+        if !ing.cutting {
+            return;
+        }
+        ing.cutting = false;
+        self.store(now);
+    }
+
+    /// A leader's own append claimed `[first, end)`. False (claim nothing) when this
+    /// replica may not take writes or the offsets are not its log's end.
+    pub fn handle_appended(&mut self, first: u64, end: u64) -> bool {
+        if !self.serving || first != self.log.end {
+            return false;
+        }
+        self.log.end = end;
+        true
+    }
+
+    /// This replica's generation-start record was claimed at `start`.
+    pub fn handle_generation_start(&mut self, start: u64) {
+        let generation = self.meta.generation;
+        self.log.epochs.insert(start, generation);
+        self.log.end = self.log.end.max(start + 1);
+    }
+
+    /// The local log is durable up to `end`.
+    pub fn handle_durable(&mut self, end: u64, now: Instant) {
+        if end <= self.log.durable {
+            return;
+        }
+        self.log.durable = end;
+        self.log.end = self.log.end.max(end);
+        match &self.role {
+            Role::Leader(_) => {
+                self.advance_commit();
+                self.pump(now);
+            }
+            Role::Candidate(c) if c.start_requested && self.ingest.is_none() => {
+                self.candidate_step(now)
+            }
+            _ => self.finish_ingest(now),
+        }
+    }
+
+    /// Batches read from `from` for `to` by an [`Output::Read`] (empty: nothing there,
+    /// or below the log's base).
+    pub fn handle_read(
+        &mut self,
+        to: NodeId,
+        asked: u64,
+        batches: Vec<Batch>,
+        fetch: bool,
+        now: Instant,
+    ) {
+        // A read starts at the batch holding the offset asked for.
+        let from = batches.first().map_or(asked, |b| b.base.min(asked));
+        let prev_generation = if from == 0 {
+            0
+        } else if from > self.log.base {
+            self.log.generation_at(from - 1)
+        } else {
+            BELOW_BASE
+        };
+        let generation = self.meta.generation;
+        let commit = self.commit;
+        if fetch {
+            self.send(
+                &to,
+                Msg::Records {
+                    generation,
+                    from,
+                    prev_generation,
+                    commit,
+                    batches,
+                    fetched: true,
+                },
+            );
+            return;
+        }
+        let base = self.log.base;
+        let Role::Leader(l) = &mut self.role else {
+            return;
+        };
+        let Some(cur) = l.cursors.get_mut(&to) else {
+            return;
+        };
+        cur.reading = false;
+        if asked != cur.next {
+            self.pump(now);
+            return;
+        }
+        cur.sent_at = Some(now);
+        if from < base {
+            self.send(&to, Msg::Bootstrap { generation, base });
+            return;
+        }
+        cur.told_commit = commit;
+        self.send(
+            &to,
+            Msg::Records {
+                generation,
+                from,
+                prev_generation,
+                commit,
+                batches,
+                fetched: false,
+            },
+        );
+    }
+
+    // ---- candidate ------------------------------------------------------------------
+
+    /// Moves a candidate on: fence a majority, take the furthest-ahead log, append the
+    /// generation's start record, then lead.
+    fn candidate_step(&mut self, now: Instant) {
+        if self.persisting || self.ingest.is_some() {
+            return;
+        }
+        let generation = self.meta.generation;
+        let me = self.me.clone();
+        let mine = (self.log.base, self.log.durable, self.log.last_generation());
+        let Role::Candidate(c) = &mut self.role else {
+            return;
+        };
+        c.fenced.insert(me.clone(), mine);
+        let mut fences = Vec::new();
+        for r in &c.replicas {
+            if *r == me || c.fenced.contains_key(r) {
+                continue;
+            }
+            if c.fence_sent
+                .get(r)
+                .is_none_or(|at| now.duration_since(*at) >= RESEND_AFTER)
+            {
+                c.fence_sent.insert(r.clone(), now);
+                fences.push(r.clone());
+            }
+        }
+        let enough = c.fenced.len() >= Self::majority(c.replicas.len());
+        for r in fences {
+            self.send(&r, Msg::Fence { generation });
+        }
+        if !enough {
+            return;
+        }
+        let Role::Candidate(c) = &mut self.role else {
+            return;
+        };
+        if c.source.is_none() {
+            // The furthest-ahead log: by the generation of its last record, then its
+            // length; ours on a tie (nothing to fetch).
+            let (node, (_, end, _)) = c
+                .fenced
+                .iter()
+                .max_by_key(|(n, (_, end, last))| (*last, *end, **n == me))
+                .map(|(n, v)| (n.clone(), *v))
+                .expect("a majority is not empty");
+            c.source = Some((node, end));
+        }
+        let (source, target) = c.source.clone().expect("chosen above");
+        if !c.start_requested {
+            if source != me && c.verified < target {
+                if c.fetch_sent
+                    .is_none_or(|at| now.duration_since(at) >= RESEND_AFTER)
+                {
+                    c.fetch_sent = Some(now);
+                    let from = c.verified.max(self.log.base).min(self.log.durable);
+                    self.send(&source, Msg::Fetch { generation, from });
+                }
+                return;
+            }
+            if source != me && self.log.durable > target {
+                // Records past the best log are in no majority: not committed, cut them.
+                self.ingest = Some(Ingest {
+                    from: me,
+                    generation,
+                    rest: Vec::new(),
+                    end: target,
+                    commit: 0,
+                    fetched: true,
+                    cutting: true,
+                });
+                self.log.cut(target);
+                self.out.push_back(Output::Truncate { from: target });
+                return;
+            }
+            c.start_requested = true;
+            self.out
+                .push_back(Output::AppendGenerationStart { generation });
+            return;
+        }
+        let start = self
+            .log
+            .epochs
+            .iter()
+            .rev()
+            .find(|(_, g)| **g == generation)
+            .map(|(o, _)| *o);
+        let Some(start) = start.filter(|s| self.log.durable > *s) else {
+            return;
+        };
+        let Role::Candidate(c) = std::mem::replace(&mut self.role, Role::Idle) else {
+            unreachable!("a candidate, matched above")
+        };
+        let cursors = c
+            .replicas
+            .iter()
+            .filter(|r| **r != me)
+            .map(|r| {
+                let end = c.fenced.get(r).map_or(start, |v| v.1);
+                (r.clone(), Cursor::new(end.min(start)))
+            })
+            .collect();
+        self.role = Role::Leader(Leading {
+            replicas: c.replicas,
+            start,
+            cursors,
+        });
+        self.set_serving(true);
+        self.advance_commit();
+        self.pump(now);
+    }
+
+    // ---- leader ---------------------------------------------------------------------
+
+    fn on_ok(&mut self, from: NodeId, generation: u64, end: u64, now: Instant) {
+        if generation != self.meta.generation {
+            return;
+        }
+        let Role::Leader(l) = &mut self.role else {
+            return;
+        };
+        let Some(cur) = l.cursors.get_mut(&from) else {
+            return;
+        };
+        cur.sent_at = None;
+        cur.matched = cur.matched.max(end);
+        cur.next = cur.next.max(end);
+        self.advance_commit();
+        self.pump(now);
+    }
+
+    fn on_refused(
+        &mut self,
+        from: NodeId,
+        generation: u64,
+        code: Refusal,
+        expected: u64,
+        now: Instant,
+    ) {
+        if code == Refusal::Fenced {
+            // A newer generation was accepted there: someone else leads now, stop at
+            // once. (At our own generation it can only answer a request we sent under
+            // an older one: stale.)
+            if generation > self.meta.generation
+                && matches!(self.role, Role::Leader(_) | Role::Candidate(_))
+            {
+                self.set_serving(false);
+                self.role = Role::Idle;
+            }
+            return;
+        }
+        if generation > self.meta.generation {
+            return;
+        }
+        let my_generation = self.meta.generation;
+        let base = self.log.base;
+        match &mut self.role {
+            Role::Candidate(c) if code == Refusal::NotFenced => {
+                c.fence_sent.remove(&from);
+                self.candidate_step(now);
+            }
+            Role::Leader(l) => {
+                let Some(cur) = l.cursors.get_mut(&from) else {
+                    return;
+                };
+                cur.sent_at = None;
+                match code {
+                    Refusal::Gap | Refusal::Mismatch => cur.next = expected.max(base),
+                    Refusal::Bootstrap => cur.next = base,
+                    Refusal::NotFenced => {
+                        cur.sent_at = Some(now);
+                        self.send(
+                            &from,
+                            Msg::Fence {
+                                generation: my_generation,
+                            },
+                        );
+                        return;
+                    }
+                    Refusal::BelowCommit => {
+                        if !cur.halted {
+                            cur.halted = true;
+                            self.out.push_back(Output::Halted { peer: from });
+                        }
+                        return;
+                    }
+                    Refusal::Unavailable | Refusal::Fenced => {}
+                }
+                self.pump(now);
+            }
+            _ => {}
+        }
+    }
+
+    /// The highest offset a majority (leader counted) holds durably at this generation,
+    /// counted only past this generation's start record.
+    fn advance_commit(&mut self) {
+        let Role::Leader(l) = &self.role else { return };
+        let mut held: Vec<u64> = l
+            .replicas
+            .iter()
+            .map(|r| {
+                if *r == self.me {
+                    self.log.durable
+                } else {
+                    l.cursors.get(r).map_or(0, |c| c.matched)
+                }
+            })
+            .collect();
+        held.sort_unstable_by(|a, b| b.cmp(a));
+        let candidate = held[Self::majority(held.len()) - 1];
+        if candidate > l.start && candidate > self.commit {
+            self.commit = candidate;
+            self.out.push_back(Output::Commit(candidate));
+        }
+    }
+
+    /// Ships to every free follower what is durable here, and tells idle ones the
+    /// commit mark now and then.
+    fn pump(&mut self, now: Instant) {
+        let durable = self.log.durable;
+        let commit = self.commit;
+        let heartbeat = self
+            .last_heartbeat
+            .is_none_or(|t| now.duration_since(t) >= COMMIT_HEARTBEAT);
+        let Role::Leader(l) = &mut self.role else {
+            return;
+        };
+        let mut reads = Vec::new();
+        for (peer, cur) in &mut l.cursors {
+            if cur.halted || cur.reading {
+                continue;
+            }
+            if let Some(at) = cur.sent_at {
+                if now.duration_since(at) < RESEND_AFTER {
+                    continue;
+                }
+                cur.sent_at = None;
+            }
+            if cur.next < durable || (heartbeat && cur.told_commit < commit) {
+                cur.reading = true;
+                reads.push((peer.clone(), cur.next));
+            }
+        }
+        if heartbeat {
+            self.last_heartbeat = Some(now);
+        }
+        for (to, from) in reads {
+            self.out.push_back(Output::Read {
+                to,
+                from,
+                fetch: false,
+            });
+        }
+    }
+
+    /// Timers: resend fences, fetches and batches that went unanswered.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match &self.role {
+            Role::Candidate(_) => self.candidate_step(now),
+            Role::Leader(_) => self.pump(now),
+            _ => {}
+        }
+    }
+}
