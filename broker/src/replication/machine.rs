@@ -383,8 +383,9 @@ enum Compare {
 pub struct Replica {
     me: NodeId,
     meta: Meta,
-    /// A ballot write is in flight.
-    persisting: bool,
+    /// The generation of the newest ballot write in flight: fences at it are answered
+    /// only when that write (not an older one) is durable.
+    persisting: Option<u64>,
     /// Fences to answer once the ballot is durable.
     pending_fence_ok: Vec<(NodeId, u64)>,
     assigned: Option<Assignment>,
@@ -405,7 +406,7 @@ impl Replica {
             me,
             commit: meta.commit.min(end).max(base),
             meta,
-            persisting: false,
+            persisting: None,
             pending_fence_ok: Vec::new(),
             assigned: None,
             role: Role::Idle,
@@ -565,15 +566,17 @@ impl Replica {
     fn accept(&mut self, generation: u64, leader: NodeId) {
         self.meta.generation = generation;
         self.meta.leader = Some(leader.to_string());
-        self.persisting = true;
+        self.persisting = Some(generation);
         self.out.push_back(Output::Persist(self.meta()));
     }
 
-    /// The last requested [`Output::Persist`] is durable.
-    pub fn handle_persisted(&mut self, now: Instant) {
-        if !std::mem::take(&mut self.persisting) {
+    /// An [`Output::Persist`] of the ballot at `generation` is durable (writes complete
+    /// in the order they were asked for).
+    pub fn handle_persisted(&mut self, generation: u64, now: Instant) {
+        if self.persisting != Some(generation) {
             return;
         }
+        self.persisting = None;
         for (to, generation) in std::mem::take(&mut self.pending_fence_ok) {
             if generation == self.meta.generation {
                 self.answer_fence(&to);
@@ -644,7 +647,7 @@ impl Replica {
         {
             return Err(Refusal::Fenced);
         }
-        if generation > self.meta.generation || self.persisting {
+        if generation > self.meta.generation || self.persisting.is_some() {
             return Err(Refusal::NotFenced);
         }
         Ok(())
@@ -658,7 +661,7 @@ impl Replica {
             return;
         }
         if generation == self.meta.generation {
-            if self.persisting {
+            if self.persisting.is_some() {
                 self.pending_fence_ok.push((from, generation));
             } else {
                 self.answer_fence(&from);
@@ -1070,7 +1073,7 @@ impl Replica {
     /// Moves a candidate on: fence a majority, take the furthest-ahead log, append the
     /// generation's start record, then lead.
     fn candidate_step(&mut self, now: Instant) {
-        if self.persisting || self.ingest.is_some() {
+        if self.persisting.is_some() || self.ingest.is_some() {
             return;
         }
         let generation = self.meta.generation;

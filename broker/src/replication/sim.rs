@@ -502,10 +502,15 @@ impl Sim {
                 }
             }
             Event::Persisted { node, epoch, meta } => {
-                if self.nodes[node].epoch == epoch {
+                // Ballot writes complete in order: an older one landing late changes
+                // nothing a newer one wrote.
+                if self.nodes[node].epoch == epoch
+                    && meta.generation >= self.nodes[node].meta.generation
+                {
+                    let generation = meta.generation;
                     self.nodes[node].meta = meta;
                     if let Some(r) = self.nodes[node].replica.as_mut() {
-                        r.handle_persisted(now);
+                        r.handle_persisted(generation, now);
                         self.drive(node);
                     }
                 }
