@@ -51,6 +51,17 @@ impl Retention {
     }
 }
 
+/// When a write is acknowledged.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Consistency {
+    /// Once the leader holds it durably (what is not yet shipped may be lost in a
+    /// failover: `felix_broker_replication_lag_records`).
+    #[default]
+    Leader,
+    /// Once a majority of the replica set, leader included, holds it durably.
+    Quorum,
+}
+
 /// A stream's or cache's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamSpec {
@@ -62,16 +73,33 @@ pub struct StreamSpec {
     /// Retention (may change).
     #[serde(default)]
     pub retention: Retention,
+    /// Copies of each shard, leader included (fixed).
+    #[serde(default = "one")]
+    pub replication_factor: u32,
+    /// When writes are acknowledged (may change).
+    #[serde(default)]
+    pub consistency: Consistency,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl StreamSpec {
-    /// A spec with default routing and no retention.
+    /// A spec with default routing, no retention, one copy.
     pub fn new(shards: u32) -> StreamSpec {
         StreamSpec {
             shards,
             routing: ShardRouting::Modulo,
             retention: Retention::default(),
+            replication_factor: 1,
+            consistency: Consistency::Leader,
         }
+    }
+
+    /// Whether its shards are replicated.
+    pub fn replicated(&self) -> bool {
+        self.replication_factor > 1
     }
 }
 
@@ -281,9 +309,13 @@ impl Catalog {
         if let Some(existing) = map.get_mut(&flat(t, ns, n)) {
             if existing.shards == spec.shards
                 && existing.routing == spec.routing
-                && existing.retention != spec.retention
+                && (existing.retention != spec.retention
+                    || existing.consistency != spec.consistency
+                    || existing.replication_factor != spec.replication_factor)
             {
                 existing.retention = spec.retention;
+                existing.consistency = spec.consistency;
+                existing.replication_factor = spec.replication_factor;
                 let updated = *existing;
                 drop(st);
                 self.changed(true);

@@ -22,7 +22,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::auth::TenantKeys;
-use crate::catalog::{Catalog, Retention, StreamSpec};
+use crate::catalog::{Catalog, Consistency, Retention, StreamSpec};
 use crate::config::ClusterSettings;
 
 /// Who leads one shard.
@@ -34,6 +34,8 @@ pub struct Route {
     pub addr: Option<SocketAddr>,
     /// Assignment generation.
     pub generation: u64,
+    /// Every replica, leader included.
+    pub replicas: Arc<[Arc<str>]>,
 }
 
 /// The routing snapshot: replaced whole, never patched.
@@ -43,6 +45,45 @@ pub struct ClusterView {
     pub routes: HashMap<ShardKey, Route>,
     /// Live brokers with a client address: `(node_id, addr)`.
     pub brokers: Vec<(String, String)>,
+    /// Where each live broker takes broker-to-broker connections.
+    pub peers: HashMap<String, SocketAddr>,
+    /// Bumped by every sync, so cores notice a new snapshot with one load.
+    pub version: u64,
+}
+
+/// What a leader reports about one shard (to the control plane, `/metrics` and
+/// `/replication/halted`), refreshed by the core that leads it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ShardReport {
+    /// `stream` or `cache`.
+    pub kind: &'static str,
+    /// Tenant.
+    pub tenant_id: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// Shard.
+    pub shard: u32,
+    /// Generation led.
+    pub generation: u64,
+    /// One past the leader's last durable record.
+    pub log_end: u64,
+    /// Commit mark.
+    pub commit: u64,
+    /// Followers: what each durably holds, and whether it is halted.
+    pub followers: Vec<FollowerReport>,
+}
+
+/// One follower in a [`ShardReport`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FollowerReport {
+    /// Node.
+    pub node_id: String,
+    /// What it holds at this generation.
+    pub durable_end: u64,
+    /// Refused to cut committed records: it needs an operator.
+    pub halted: bool,
 }
 
 /// Where a request for a shard goes.
@@ -69,6 +110,12 @@ pub struct Cluster {
     /// Heartbeats the control plane accepted.
     pub heartbeats: AtomicU64,
     stop: AtomicBool,
+    /// The lease: writes are taken only before this instant (nanoseconds after
+    /// `clock_base`), anchored at when the last accepted heartbeat was sent.
+    lease_until: AtomicU64,
+    clock_base: Instant,
+    /// Replicated shards this broker leads, by the core that leads each.
+    pub reports: std::sync::Mutex<HashMap<ShardKey, ShardReport>>,
 }
 
 impl Cluster {
@@ -81,7 +128,32 @@ impl Cluster {
             syncs: AtomicU64::new(0),
             heartbeats: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            lease_until: AtomicU64::new(0),
+            clock_base: Instant::now(),
+            reports: std::sync::Mutex::default(),
         }
+    }
+
+    /// Whether this broker holds its lease at `now` (its own monotonic clock).
+    pub fn lease_valid(&self, now: Instant) -> bool {
+        let at = now.saturating_duration_since(self.clock_base).as_nanos() as u64;
+        at < self.lease_until.load(Ordering::Acquire)
+    }
+
+    /// A heartbeat sent at `sent` was accepted with an expiry timeout of `expiry`: the
+    /// lease runs to `sent + expiry - expiry/4`. The control plane declares the broker
+    /// down only after `expiry + margin` (margin >= expiry/4) since it *received* the
+    /// heartbeat, so this broker has stopped writing by then, with room for clock
+    /// drift. Never moves backwards.
+    pub fn renew_lease(&self, sent: Instant, expiry: Duration) {
+        let until = sent.saturating_duration_since(self.clock_base) + expiry - expiry / 4;
+        self.lease_until
+            .fetch_max(until.as_nanos() as u64, Ordering::AcqRel);
+    }
+
+    /// The current snapshot.
+    pub fn view(&self) -> Arc<ClusterView> {
+        self.view.load_full()
     }
 
     /// Resolves a shard's owner: one atomic load and a map lookup.
@@ -135,6 +207,8 @@ impl Cluster {
 struct NodeDoc {
     node_id: String,
     client_addr: Option<String>,
+    #[serde(default)]
+    advertise_addr: Option<String>,
     lifecycle: String,
 }
 
@@ -147,6 +221,8 @@ struct AssignmentDoc {
     shard: u32,
     leader: String,
     generation: u64,
+    #[serde(default)]
+    replicas: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -159,6 +235,14 @@ struct StreamDoc {
     routing: ShardRouting,
     #[serde(default)]
     retention: Retention,
+    #[serde(default = "one")]
+    replication_factor: u32,
+    #[serde(default)]
+    consistency: Consistency,
+}
+
+fn one() -> u32 {
+    1
 }
 
 #[derive(Deserialize)]
@@ -213,6 +297,8 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
             shards: s.shards,
             routing: s.routing,
             retention: s.retention,
+            replication_factor: s.replication_factor.max(1),
+            consistency: s.consistency,
         };
         listed
             .0
@@ -264,6 +350,16 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
         .filter(|n| n.lifecycle == "live")
         .filter_map(|n| Some((n.node_id.as_str(), n.client_addr.as_deref()?.parse().ok()?)))
         .collect();
+    let peers: HashMap<String, SocketAddr> = nodes
+        .iter()
+        .filter(|n| n.lifecycle == "live")
+        .filter_map(|n| {
+            Some((
+                n.node_id.clone(),
+                n.advertise_addr.as_deref()?.parse().ok()?,
+            ))
+        })
+        .collect();
     let snapshot = cp.get("/v1/shard-assignments/snapshot")?;
     let next_seq = snapshot["next_seq"].as_u64().unwrap_or(0);
     let mut routes = HashMap::new();
@@ -283,6 +379,11 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
                 shard: a.shard,
             },
             Route {
+                replicas: if a.replicas.is_empty() {
+                    vec![Arc::from(a.leader.as_str())].into()
+                } else {
+                    a.replicas.iter().map(|r| Arc::from(r.as_str())).collect()
+                },
                 leader: a.leader.into(),
                 addr,
                 generation: a.generation,
@@ -294,22 +395,32 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
         .map(|(n, a)| ((*n).to_owned(), a.to_string()))
         .collect();
     brokers.sort();
-    t.cluster
-        .view
-        .store(Arc::new(ClusterView { routes, brokers }));
+    let version = t.cluster.view.load().version + 1;
+    t.cluster.view.store(Arc::new(ClusterView {
+        routes,
+        brokers,
+        peers,
+        version,
+    }));
     t.cluster.syncs.fetch_add(1, Ordering::Relaxed);
     Ok(next_seq)
 }
 
+/// What a registration answered: incarnation, heartbeat interval, when it was sent,
+/// and the lease length.
+type Registered = (u64, Duration, Instant, Option<Duration>);
+
 fn register(
     cp: &ControlPlaneClient,
     node_id: &str,
-    client_addr: SocketAddr,
-) -> Result<(u64, Duration), ClientError> {
-    let answer = cp.post(
-        "/v1/nodes",
-        &json!({"node_id": node_id, "client_addr": client_addr.to_string()}),
-    )?;
+    addrs: Addrs,
+) -> Result<Registered, ClientError> {
+    let mut body = json!({"node_id": node_id, "client_addr": addrs.client.to_string()});
+    if let Some(peer) = addrs.peer {
+        body["advertise_addr"] = json!(peer.to_string());
+    }
+    let sent = Instant::now();
+    let answer = cp.post("/v1/nodes", &body)?;
     let incarnation = answer["incarnation"].as_u64().unwrap_or(1);
     let interval = Duration::from_millis(
         answer["heartbeat_interval_ms"]
@@ -317,7 +428,23 @@ fn register(
             .unwrap_or(1000)
             .max(50),
     );
-    Ok((incarnation, interval))
+    Ok((incarnation, interval, sent, expiry_of(&answer)))
+}
+
+/// The lease length a control-plane answer grants (`expiry_timeout_ms`).
+fn expiry_of(answer: &Value) -> Option<Duration> {
+    answer["expiry_timeout_ms"]
+        .as_u64()
+        .map(Duration::from_millis)
+}
+
+/// Where this broker is reached: by clients, and by peers (broker-to-broker).
+#[derive(Debug, Clone, Copy)]
+pub struct Addrs {
+    /// Client QUIC address.
+    pub client: SocketAddr,
+    /// Broker-to-broker address, when replication is on.
+    pub peer: Option<SocketAddr>,
 }
 
 /// Registers with the control plane, does the first full sync, and starts the
@@ -334,9 +461,18 @@ pub fn join(
     let node_id = node_id.as_str();
     let cp = ControlPlaneClient::new(&settings.url, Some(settings.token.clone()))?;
     let deadline = Instant::now() + patience;
+    let addrs = Addrs {
+        client: settings.client_addr,
+        peer: settings.peer_advertise_addr,
+    };
     let (incarnation, interval) = loop {
-        match register(&cp, node_id, settings.client_addr) {
-            Ok(r) => break r,
+        match register(&cp, node_id, addrs) {
+            Ok((incarnation, interval, sent, expiry)) => {
+                if let Some(expiry) = expiry {
+                    cluster.renew_lease(sent, expiry);
+                }
+                break (incarnation, interval);
+            }
             Err(e @ ClientError::Api { .. }) => {
                 anyhow::bail!("control plane refused registration: {e}")
             }
@@ -359,17 +495,10 @@ pub fn join(
     tracing::info!(node_id, incarnation, url = %settings.url, "joined the cluster");
 
     {
-        let (cp, cluster, node_id, client_addr) = (
-            cp.clone(),
-            cluster.clone(),
-            node_id.to_owned(),
-            settings.client_addr,
-        );
+        let (cp, cluster, node_id) = (cp.clone(), cluster.clone(), node_id.to_owned());
         std::thread::Builder::new()
             .name("felix-heartbeat".into())
-            .spawn(move || {
-                heartbeat_loop(&cp, &cluster, &node_id, client_addr, incarnation, interval)
-            })?;
+            .spawn(move || heartbeat_loop(&cp, &cluster, &node_id, addrs, incarnation, interval))?;
     }
     std::thread::Builder::new().name("felix-follow".into()).spawn(move || {
         let mut cp = cp;
@@ -395,26 +524,46 @@ pub fn join(
     Ok(())
 }
 
+/// Heartbeats every `interval`, renewing the lease from each accepted one (anchored at
+/// when it was sent), and reports the replicated shards this broker leads.
 fn heartbeat_loop(
     cp: &ControlPlaneClient,
     cluster: &Cluster,
     node_id: &str,
-    client_addr: SocketAddr,
+    addrs: Addrs,
     mut incarnation: u64,
     interval: Duration,
 ) {
     let path = format!("/v1/nodes/{node_id}/heartbeat");
+    let report_path = format!("/v1/nodes/{node_id}/replica-status");
     while !cluster.stop.load(Ordering::SeqCst) {
         std::thread::sleep(interval);
+        let sent = Instant::now();
         match cp.post(&path, &json!({"incarnation": incarnation})) {
-            Ok(_) => {
+            Ok(answer) => {
                 cluster.heartbeats.fetch_add(1, Ordering::Relaxed);
+                if let Some(expiry) = expiry_of(&answer) {
+                    cluster.renew_lease(sent, expiry);
+                }
+                let shards: Vec<ShardReport> = cluster
+                    .reports
+                    .lock()
+                    .map(|r| r.values().cloned().collect())
+                    .unwrap_or_default();
+                if !shards.is_empty()
+                    && let Err(e) = cp.post(&report_path, &json!({ "shards": shards }))
+                {
+                    tracing::debug!(error = %e, "replica report");
+                }
             }
             // Declared down (or replaced): register again, as a new incarnation.
             Err(ClientError::Api {
                 status: 409 | 404, ..
-            }) => match register(cp, node_id, client_addr) {
-                Ok((i, _)) => {
+            }) => match register(cp, node_id, addrs) {
+                Ok((i, _, sent, expiry)) => {
+                    if let Some(expiry) = expiry {
+                        cluster.renew_lease(sent, expiry);
+                    }
                     tracing::warn!(
                         incarnation = i,
                         "the control plane had marked this node down; registered again"

@@ -114,6 +114,12 @@ pub struct FileConfig {
     pub peer_ca: Option<PathBuf>,
     /// Name the other brokers' certificates carry (default `localhost`).
     pub peer_server_name: Option<String>,
+    /// Where this broker takes broker-to-broker connections (replication).
+    pub internal_listen: Option<String>,
+    /// Where peers reach that listener (default: `internal_listen`).
+    pub internal_advertise_addr: Option<String>,
+    /// Accept peers that do not present a node token (tests on one host only).
+    pub internal_allow_unauthenticated: Option<bool>,
 }
 
 /// Following a control plane.
@@ -129,6 +135,12 @@ pub struct ClusterSettings {
     pub peer_ca: Option<PathBuf>,
     /// Peer certificate name.
     pub peer_server_name: String,
+    /// Broker-to-broker listener.
+    pub internal_listen: Option<SocketAddr>,
+    /// Where peers reach it.
+    pub peer_advertise_addr: Option<SocketAddr>,
+    /// Accept peers without a node token.
+    pub internal_allow_unauthenticated: bool,
 }
 
 /// Fully resolved configuration.
@@ -416,7 +428,42 @@ impl BrokerConfig {
                         });
                     }
                 };
+                let i = layer(
+                    "internal_listen",
+                    "FELIX_INTERNAL_LISTEN",
+                    file.internal_listen.clone(),
+                    None,
+                );
+                let internal_listen: Option<SocketAddr> = match i.value {
+                    Some(v) => Some(parse("internal_listen", i.source, &v)?),
+                    None => None,
+                };
+                let a = layer(
+                    "internal_advertise_addr",
+                    "FELIX_INTERNAL_ADVERTISE_ADDR",
+                    file.internal_advertise_addr.clone(),
+                    None,
+                );
+                let peer_advertise_addr: Option<SocketAddr> = match (a.value, internal_listen) {
+                    (Some(v), _) => Some(parse("internal_advertise_addr", a.source, &v)?),
+                    (None, Some(l)) if !l.ip().is_unspecified() && l.port() != 0 => Some(l),
+                    (None, Some(l)) => {
+                        return Err(ConfigError {
+                            key: "internal_advertise_addr",
+                            source_name: "default",
+                            message: format!(
+                                "internal_listen {l} is not an address peers can reach; set internal_advertise_addr"
+                            ),
+                        });
+                    }
+                    (None, None) => None,
+                };
                 Some(ClusterSettings {
+                    internal_listen,
+                    peer_advertise_addr,
+                    internal_allow_unauthenticated: file
+                        .internal_allow_unauthenticated
+                        .unwrap_or(false),
                     url,
                     token,
                     client_addr,

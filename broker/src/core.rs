@@ -125,6 +125,14 @@ pub enum CoreMsg {
         /// Where to answer.
         reply: ReplyTo,
     },
+    /// A replication frame from a peer broker, for a shard this core owns (or answering
+    /// a request it sent). Dropped: the sender resends after its timeout.
+    Peer {
+        /// The peer.
+        from: crate::replication::machine::NodeId,
+        /// The frame.
+        msg: felix_wire::internal::InternalMessage,
+    },
     /// The answer to a request this core sent. Dropped: the request's wait fails.
     Reply {
         /// The request.
@@ -211,6 +219,20 @@ pub struct CoreMetrics {
     pub alive: AtomicU64,
     /// Records removed by retention.
     pub retention_segments_removed: AtomicU64,
+    /// Records shipped to followers.
+    pub replication_shipped: AtomicU64,
+    /// Records stored as a follower.
+    pub replicated: AtomicU64,
+    /// Records led shards (Leader consistency) hold that their slowest follower does
+    /// not: what a failover now could lose.
+    pub replication_lag_records: AtomicU64,
+    /// Followers halted (they would have to cut committed records).
+    pub replication_halted: AtomicU64,
+    /// Quorum publishes answered outcome-unknown (no majority in time, or leadership
+    /// changed first).
+    pub quorum_unknown: AtomicU64,
+    /// Writes refused because this broker's lease had run out.
+    pub lease_refusals: AtomicU64,
 }
 
 /// What every core shares (read-mostly).
@@ -358,6 +380,9 @@ pub struct CoreBroker {
     draining: Cell<bool>,
     /// Sends requests on to other brokers (cluster mode).
     pub forwarder: Option<Forwarder>,
+    /// Replicas of the replicated shards this core owns (cluster mode with a
+    /// broker-to-broker listener).
+    pub replicas: Option<Rc<crate::replication::replica::Replicas>>,
 }
 
 impl std::fmt::Debug for CoreBroker {
@@ -417,6 +442,7 @@ impl CoreBroker {
         shared: Arc<Shared>,
         mesh: Mesh<CoreMsg>,
         forwarder: Option<Forwarder>,
+        replicas: Option<Rc<crate::replication::replica::Replicas>>,
     ) -> Rc<CoreBroker> {
         let cores = mesh.cores();
         Rc::new(CoreBroker {
@@ -434,6 +460,7 @@ impl CoreBroker {
             next_request: Cell::new(1),
             draining: Cell::new(false),
             forwarder,
+            replicas,
         })
     }
 
@@ -685,7 +712,7 @@ impl CoreBroker {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         let owner = self.owner(&key);
         if owner == self.core {
-            Box::pin(self.append_local(key, records))
+            self.append_local(key, records)
         } else {
             let answer = self.ask(owner, |reply| CoreMsg::Append {
                 key,
@@ -707,6 +734,100 @@ impl CoreBroker {
     /// its future when the shard is open; the commit and fanout run in a task of their
     /// own, so a publisher going away cannot cancel them half way.
     pub fn append_local(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        records: Vec<Bytes>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
+        if let Some(c) = &self.shared.cluster
+            && !c.lease_valid(clock::now().instant)
+        {
+            // Cut off from the control plane past our lease: another broker may lead
+            // this shard by now.
+            self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
+            return Box::pin(std::future::ready(Err(BrokerError::ShardUnavailable(
+                "stale".into(),
+            ))));
+        }
+        if let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(&key)) {
+            return Box::pin(self.append_replicated(rs, records));
+        }
+        Box::pin(self.append_unreplicated(key, records))
+    }
+
+    /// Appends to a replicated shard this broker leads: offsets claimed now, acked after
+    /// local durability (Leader) or once a majority holds it (Quorum), and only while
+    /// the lease holds.
+    fn append_replicated(
+        self: &Rc<Self>,
+        rs: Rc<crate::replication::replica::ReplicaShard>,
+        records: Vec<Bytes>,
+    ) -> impl std::future::Future<Output = Result<Appended, BrokerError>> + 'static {
+        let this = self.clone();
+        let admitted = rs.admit(&records, clock::wall_micros());
+        let (tx, rx) = oneshot::channel();
+        task::spawn(async move {
+            let result = async {
+                let (pending, term) = admitted?;
+                let appended = rs.shard.log.commit(pending).await?;
+                rs.durable(appended.end);
+                if rs.consistency.get() == crate::catalog::Consistency::Quorum {
+                    let waited = task::timeout(
+                        crate::replication::replica::QUORUM_WAIT,
+                        rs.committed(appended.end, term),
+                    )
+                    .await;
+                    match waited {
+                        Some(Ok(())) => {}
+                        Some(Err(e)) => {
+                            this.metrics.quorum_unknown.fetch_add(1, Ordering::Relaxed);
+                            return Err(e);
+                        }
+                        None => {
+                            this.metrics.quorum_unknown.fetch_add(1, Ordering::Relaxed);
+                            return Err(BrokerError::Unacknowledged(
+                                "a majority of replicas did not confirm the write in time".into(),
+                            ));
+                        }
+                    }
+                }
+                // The lease is read again at the ack: a broker paused past it must not
+                // acknowledge what a successor may not hold.
+                if let Some(c) = &this.shared.cluster
+                    && !c.lease_valid(clock::now().instant)
+                {
+                    this.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
+                    return Err(BrokerError::Unacknowledged(
+                        "the lease lapsed before the write was acknowledged".into(),
+                    ));
+                }
+                this.fanout(&rs.shard, appended, records);
+                Ok(appended)
+            }
+            .await;
+            match &result {
+                Ok(a) => {
+                    this.metrics.publish_batches.fetch_add(1, Ordering::Relaxed);
+                    this.metrics
+                        .publish_records
+                        .fetch_add(a.end - a.first, Ordering::Relaxed);
+                }
+                Err(_) => {
+                    this.metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            let _ = tx.send(result);
+        })
+        .detach();
+        async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(BrokerError::Internal(
+                    "append task ended without an answer".into(),
+                ))
+            })
+        }
+    }
+
+    fn append_unreplicated(
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
@@ -921,7 +1042,13 @@ impl CoreBroker {
     ) -> Result<(u64, u64), BrokerError> {
         let shard = self.stream_shard(key).await?;
         let base = shard.log.base_offset();
-        let tail = shard.log.committed_end();
+        let replica = self.replicas.as_ref().and_then(|r| r.get(key));
+        if replica.as_ref().is_some_and(|rs| !rs.serving()) {
+            // Still fencing or catching up (or deposed): nothing to read here yet.
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        let visible = replica.map_or(u64::MAX, |rs| rs.visible_end());
+        let tail = shard.log.committed_end().min(visible);
         let start = match start {
             None | Some(StartPosition::Latest) => None,
             Some(StartPosition::Earliest) => Some(base),
@@ -992,8 +1119,7 @@ impl CoreBroker {
     ) -> Result<Vec<ReadBatch>, BrokerError> {
         let owner = self.owner(&key);
         if owner == self.core {
-            let shard = self.stream_shard(&key).await?;
-            Ok(shard.log.read(from, max_bytes).await?)
+            self.read_local(&key, from, max_bytes).await
         } else {
             match self
                 .ask(owner, |reply| CoreMsg::Read {
@@ -1010,6 +1136,81 @@ impl CoreBroker {
                 ))),
             }
         }
+    }
+
+    /// Reads on the owning core: committed records only (a replicated Quorum shard's
+    /// readers stop at its commit mark).
+    async fn read_local(
+        &self,
+        key: &Arc<ShardKey>,
+        from: u64,
+        max_bytes: usize,
+    ) -> Result<Vec<ReadBatch>, BrokerError> {
+        let shard = self.stream_shard(key).await?;
+        let mut batches = shard.log.read(from, max_bytes).await?;
+        if let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(key)) {
+            let visible = rs.visible_end();
+            batches.retain(|b| b.end_offset() <= visible);
+        }
+        Ok(batches)
+    }
+
+    /// Routes a replication frame from a peer to the core it is for: the shard's owner
+    /// for a request, the asking core for an answer.
+    pub fn route_peer(
+        self: &Rc<Self>,
+        from: crate::replication::machine::NodeId,
+        msg: felix_wire::internal::InternalMessage,
+    ) {
+        use crate::replication::replica::{Target, target};
+        let to = match target(&msg) {
+            Some(Target::Shard(k)) => self.owner(&k),
+            Some(Target::Core(c)) if c.index() < self.outbound.len() => c,
+            _ => return,
+        };
+        if to == self.core {
+            if let Some(r) = &self.replicas {
+                r.deliver(from, msg);
+            }
+        } else {
+            // Droppable like a delivery: the sender resends after its timeout.
+            self.send_ordered(to, CoreMsg::Peer { from, msg }, true);
+        }
+    }
+
+    /// Starts the task that keeps this core's replicas in line with the control
+    /// plane's assignments (every 100 ms).
+    pub fn start_replication(self: &Rc<Self>) {
+        let Some(replicas) = self.replicas.clone() else {
+            return;
+        };
+        let this = Rc::downgrade(self);
+        task::spawn(async move {
+            loop {
+                task::sleep(Duration::from_millis(100)).await;
+                let Some(core) = this.upgrade() else { return };
+                if core.draining() {
+                    return;
+                }
+                let catalog = core.shared.catalog.clone();
+                replicas
+                    .sync(
+                        |k| core.owner(k) == core.core,
+                        |k| {
+                            catalog
+                                .spec(true, &k.tenant, &k.namespace, &k.name)
+                                .filter(|s| s.replicated())
+                                .map(|s| s.consistency)
+                        },
+                        |key| {
+                            let core = core.clone();
+                            async move { core.stream_shard(&key).await }
+                        },
+                    )
+                    .await;
+            }
+        })
+        .detach();
     }
 
     /// A cache operation, wherever the cache shard lives.
@@ -1074,6 +1275,11 @@ impl CoreBroker {
                 .detach();
             }
             CoreMsg::Reply { id, body } => self.complete(id, body),
+            CoreMsg::Peer { from, msg } => {
+                if let Some(r) = &self.replicas {
+                    r.deliver(from, msg);
+                }
+            }
             CoreMsg::Subscribe {
                 key,
                 start,
@@ -1100,11 +1306,7 @@ impl CoreBroker {
             } => {
                 let this = self.clone();
                 task::spawn(async move {
-                    let r = async {
-                        let shard = this.stream_shard(&key).await?;
-                        Ok(shard.log.read(offset, max_bytes).await?)
-                    }
-                    .await;
+                    let r = this.read_local(&key, offset, max_bytes).await;
                     this.respond(reply, ReplyBody::Read(r));
                 })
                 .detach();

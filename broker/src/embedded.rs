@@ -215,10 +215,11 @@ impl Store for CatalogStore {
             }
             let written = self.inner.batch(ops).await?;
             for (stream, s) in created {
+                // The dev broker is one node: it keeps one copy whatever the API says.
                 let spec = StreamSpec {
-                    shards: s.shards,
                     routing: s.routing,
                     retention: s.retention,
+                    ..StreamSpec::new(s.shards)
                 };
                 let r = if stream {
                     catalog.create_stream(&s.tenant_id, &s.namespace, &s.stream, spec)

@@ -21,13 +21,28 @@ use crate::cluster::Cluster;
 use crate::config::BrokerConfig;
 use crate::core::{CoreBroker, CoreMetrics, CoreMsg, Shared};
 use crate::forward::Forwarder;
+use crate::replication::machine::NodeId;
+use crate::replication::peer::{self, Outbound, PeerAuth};
+use crate::replication::replica::Replicas;
 use crate::session;
 use felix_storage_uring::StorageFaults;
+use felix_wire::internal::InternalMessage;
+use std::rc::Rc;
 
 /// Cross-core channel capacity, in messages.
 const MESH_CAPACITY: usize = 1024;
 /// io_uring buffer memory per core.
 const IO_MEMORY_PER_CORE: usize = 8 << 20;
+
+/// The broker-to-broker listener and client settings.
+struct Internal {
+    listen: SocketAddr,
+    server: Arc<quic::ServerConfig>,
+    client: quic::ClientConfig,
+    server_name: String,
+    token: String,
+    allow_unauthenticated: bool,
+}
 
 /// What a started broker tells its caller.
 #[derive(Debug, Clone)]
@@ -144,6 +159,43 @@ pub fn start(
             ))
         }
     };
+    // Replication: a broker-to-broker listener and client config, when configured.
+    let internal = match &config.cluster {
+        Some(c) if c.internal_listen.is_some() => {
+            let roots = match &c.peer_ca {
+                Some(p) => quic::certs_from_pem(
+                    &std::fs::read_to_string(p)
+                        .map_err(|e| anyhow::anyhow!("peer_ca {}: {e}", p.display()))?,
+                )?,
+                None => quic::certs_from_pem(cert_pem)?
+                    .last()
+                    .cloned()
+                    .into_iter()
+                    .collect(),
+            };
+            let limits = TransportLimits::default();
+            let server = quic::internal_server_config(
+                quic::certs_from_pem(cert_pem)?,
+                quic::key_from_pem(key_pem)?,
+                limits,
+            )?;
+            let listen = free_port(c.internal_listen.expect("checked above"))?;
+            if c.internal_allow_unauthenticated {
+                tracing::warn!(
+                    "internal_allow_unauthenticated: peers are trusted without a node token"
+                );
+            }
+            Some(Arc::new(Internal {
+                listen,
+                server: Arc::new(server),
+                client: quic::internal_client_config(&roots, limits)?,
+                server_name: c.peer_server_name.clone(),
+                token: c.token.clone(),
+                allow_unauthenticated: c.internal_allow_unauthenticated,
+            }))
+        }
+        _ => None,
+    };
     let chain = quic::certs_from_pem(cert_pem)?;
     let key = quic::key_from_pem(key_pem)?;
     let transport = TransportLimits {
@@ -188,6 +240,7 @@ pub fn start(
     let max_connections = config.max_connections;
     let (shared2, bound2, failed2) = (shared.clone(), bound.clone(), failed.clone());
     let peer_config = Arc::new(peer_config);
+    let (internal2, keys2, cluster2) = (internal.clone(), keys.clone(), cluster.clone());
     let runtime = Runtime::start(
         RuntimeConfig {
             io_memory_bytes: IO_MEMORY_PER_CORE,
@@ -203,6 +256,7 @@ pub fn start(
                 failed2.clone(),
                 peer_config.clone(),
             );
+            let (internal, keys, cluster) = (internal2.clone(), keys2.clone(), cluster2.clone());
             async move {
                 let mut mesh = ends.connect().await;
                 let inboxes = mesh.take_receivers();
@@ -218,12 +272,69 @@ pub fn start(
                         }
                     },
                 };
-                let core = CoreBroker::new(ctx.core, shared.clone(), mesh, forwarder);
+                let replicas = match (internal.as_deref(), &cluster) {
+                    (Some(i), Some(cluster)) => {
+                        match Outbound::bind(
+                            &shared.node_id,
+                            &i.token,
+                            i.client.clone(),
+                            i.server_name.clone(),
+                        ) {
+                            Ok(out) => Some(Rc::new(Replicas::new(
+                                shared.node_id.as_str().into(),
+                                ctx.core,
+                                cluster.clone(),
+                                out,
+                                shared.metrics[ctx.core.index()].clone(),
+                            ))),
+                            Err(e) => {
+                                *failed.lock().expect("failure slot") =
+                                    Some(format!("binding the replication client endpoint: {e}"));
+                                bound.fetch_add(1, Ordering::SeqCst);
+                                return;
+                            }
+                        }
+                    }
+                    _ => None,
+                };
+                let core = CoreBroker::new(ctx.core, shared.clone(), mesh, forwarder, replicas);
                 // Unready from the moment this core stops serving, however it stops.
                 let _alive = Alive::new(&core.metrics);
                 core.serve_mesh(inboxes);
                 core.sample_log_stats();
                 core.start_housekeeping();
+                core.start_replication();
+                let internal_ep = match internal.as_deref() {
+                    None => None,
+                    Some(i) => match Endpoint::bind(
+                        i.listen,
+                        EndpointOptions {
+                            server: Some(i.server.clone()),
+                            max_connections: 1024,
+                            reuse_port: true,
+                        },
+                    ) {
+                        Ok(ep) => {
+                            let auth = PeerAuth {
+                                keys: keys.clone(),
+                                allow_unauthenticated: i.allow_unauthenticated,
+                            };
+                            let c = core.clone();
+                            let deliver: Rc<dyn Fn(NodeId, InternalMessage)> =
+                                Rc::new(move |from, msg| c.route_peer(from, msg));
+                            task::spawn(peer::serve(ep.clone(), auth, deliver)).detach();
+                            Some(ep)
+                        }
+                        Err(e) => {
+                            *failed.lock().expect("failure slot") = Some(format!(
+                                "binding the replication listener {}: {e}",
+                                i.listen
+                            ));
+                            bound.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                    },
+                };
                 let ep = match Endpoint::bind(
                     listen,
                     EndpointOptions {
@@ -258,6 +369,9 @@ pub fn start(
                 // connections (code 0, "broker shutting down").
                 core.shutdown().await;
                 ep.close(0, b"broker shutting down");
+                if let Some(iep) = &internal_ep {
+                    iep.close(0, b"broker shutting down");
+                }
                 let _ = task::timeout(Duration::from_secs(2), ep.wait_idle()).await;
                 drop(accept);
             }

@@ -219,6 +219,17 @@ impl StreamShard {
         self.fanout_end.set(self.fanout_end.get().max(appended.end));
     }
 
+    /// Next offset to fan out.
+    pub fn fanout_end(&self) -> u64 {
+        self.fanout_end.get()
+    }
+
+    /// Moves the fanout frontier to `end` (a replica that starts or stops leading, or
+    /// whose suffix was cut).
+    pub fn reset_fanout(&self, end: u64) {
+        self.fanout_end.set(end);
+    }
+
     /// Whether anyone subscribes.
     pub fn has_subscribers(&self) -> bool {
         !self.interested.borrow().is_empty()

@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+pub mod cluster;
+
 /// A broker process under test.
 #[derive(Debug)]
 pub struct BrokerProcess {

@@ -323,7 +323,9 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
                     {
                         break;
                     }
-                    Ok(Ok(o)) => anyhow::bail!("a write to the frozen owner's shard was acked at {o:?}"),
+                    Ok(Ok(o)) => {
+                        anyhow::bail!("a write to the frozen owner's shard was acked at {o:?}")
+                    }
                     _ if tokio::time::Instant::now() < deadline => continue,
                     other => anyhow::bail!("expected shard_unavailable, got {other:?}"),
                 }
@@ -352,32 +354,38 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
             .0 == b_stream_shard
         })
         .expect("some key lands on that shard");
-    wait_for("node-a routes to node-b again", Duration::from_secs(15), || {
-        rt.block_on(async {
-            let quinn = felix_client::quic_client_config_from_file(&certs.ca, false).ok()?;
-            let mut config = felix_client::ClientConfig::from_env_or_yaml(quinn, None).ok()?;
-            config.auth_tenant_id = Some("acme".into());
-            config.auth_token = std::fs::read_to_string(&client_token).ok();
-            let c = felix_client::Client::connect(brokers[0].listen, "localhost", config)
-                .await
-                .ok()?;
-            let probe = c.stream_shards("acme", "payments", "orders");
-            let _ = tokio::time::timeout(Duration::from_secs(2), probe).await.ok()?;
-            let publish = c.publish_keyed(
-                "acme",
-                "payments",
-                "orders",
-                bytes::Bytes::from(b_key.clone()),
-                b"probe".to_vec(),
-                felix_client::AckMode::PerMessage,
-            );
-            tokio::time::timeout(Duration::from_secs(2), publish)
-                .await
-                .ok()?
-                .ok()
-                .flatten()
-        })
-    })?;
+    wait_for(
+        "node-a routes to node-b again",
+        Duration::from_secs(15),
+        || {
+            rt.block_on(async {
+                let quinn = felix_client::quic_client_config_from_file(&certs.ca, false).ok()?;
+                let mut config = felix_client::ClientConfig::from_env_or_yaml(quinn, None).ok()?;
+                config.auth_tenant_id = Some("acme".into());
+                config.auth_token = std::fs::read_to_string(&client_token).ok();
+                let c = felix_client::Client::connect(brokers[0].listen, "localhost", config)
+                    .await
+                    .ok()?;
+                let probe = c.stream_shards("acme", "payments", "orders");
+                let _ = tokio::time::timeout(Duration::from_secs(2), probe)
+                    .await
+                    .ok()?;
+                let publish = c.publish_keyed(
+                    "acme",
+                    "payments",
+                    "orders",
+                    bytes::Bytes::from(b_key.clone()),
+                    b"probe".to_vec(),
+                    felix_client::AckMode::PerMessage,
+                );
+                tokio::time::timeout(Duration::from_secs(2), publish)
+                    .await
+                    .ok()?
+                    .ok()
+                    .flatten()
+            })
+        },
+    )?;
     let only_a = brokers[0].listen.to_string();
     let out = run_python_args("cluster.py", &[&only_a, &token_path, &ca, "after-thaw"])?;
     expect_success("cluster.py (after node-b came back)", &out)?;

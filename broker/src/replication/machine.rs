@@ -206,7 +206,7 @@ pub enum Output {
         /// First offset removed.
         from: u64,
     },
-    /// Replace the (now empty) log with an empty one starting at `base`, then call
+    /// Drop every record and start over with an empty log at `base`, then call
     /// [`Replica::handle_truncated`].
     ResetAt {
         /// New base.
@@ -950,13 +950,28 @@ impl Replica {
         self.log.end = base;
         self.log.durable = base;
         self.commit = self.commit.max(base);
-        self.out.push_back(Output::Truncate { from: old });
         self.out.push_back(Output::ResetAt { base });
     }
 
     // ---- local log events -------------------------------------------------------------
 
-    /// A cut (and any reset after it) requested with [`Output::Truncate`] is done.
+    /// Local storage failed to carry out a [`Output::Store`], [`Output::Truncate`] or
+    /// [`Output::ResetAt`]: the batch message in progress is abandoned (its sender asks
+    /// again) and the log's end is taken from storage.
+    pub fn handle_failed(&mut self, end: u64, durable: u64, now: Instant) {
+        let fetched = self.ingest.take().is_some_and(|i| i.fetched);
+        self.log.cut(end);
+        self.log.durable = durable.min(end);
+        if fetched {
+            if let Role::Candidate(c) = &mut self.role {
+                c.fetch_sent = None;
+            }
+            self.candidate_step(now);
+        }
+    }
+
+    /// A cut or reset requested with [`Output::Truncate`] or [`Output::ResetAt`] is
+    /// done.
     pub fn handle_truncated(&mut self, now: Instant) {
         let Some(ing) = &mut self.ingest else { return };
         if !ing.cutting {

@@ -4,5 +4,7 @@
 //! `docs/replication.md`.
 
 pub mod machine;
+pub mod peer;
+pub mod replica;
 #[cfg(test)]
 pub mod sim;

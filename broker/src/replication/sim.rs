@@ -319,9 +319,12 @@ impl Sim {
             }
             Output::ResetAt { base } => {
                 let n = &mut self.nodes[node];
-                assert!(n.batches.is_empty(), "reset on a non-empty log");
+                n.batches.clear();
                 n.base = base;
                 n.durable = base;
+                self.committed_checked[node] = base;
+                let delay = self.rng.random_range(1..5);
+                self.schedule(delay, Event::Truncated { node, epoch });
             }
             Output::Read { to, from, fetch } => {
                 let n = &self.nodes[node];

@@ -1031,6 +1031,7 @@ mod tests {
                 leader: "node-b".into(),
                 addr: Some(([127, 0, 0, 1], 6000).into()),
                 generation: 4,
+                replicas: vec!["node-b".into()].into(),
             },
         );
         let a = decide_frame(&s, &dir, &frame, true);

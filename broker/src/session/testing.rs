@@ -136,6 +136,7 @@ impl Directory for MemDirectory {
                     leader: "node-x".into(),
                     addr: Some(([127, 0, 0, 1], 5999).into()),
                     generation: 3,
+                    replicas: vec!["node-x".into()].into(),
                 });
             }
             Some(false) if key.shard % 2 == 1 => {

@@ -16,11 +16,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use quinn_proto::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use quinn_proto::{IdleTimeout, ServerConfig, TransportConfig, VarInt};
+use quinn_proto::{IdleTimeout, TransportConfig, VarInt};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 /// A QUIC client configuration (what [`Endpoint::connect`] takes).
-pub use quinn_proto::ClientConfig;
+pub use quinn_proto::{ClientConfig, ServerConfig};
 
 pub use driver::{
     ConnId, Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, RecvStream, SendStream,
@@ -117,6 +117,45 @@ pub fn server_config(
         without_alpn: quic(without)?,
     };
     let mut config = ServerConfig::with_crypto(Arc::new(either));
+    config.transport_config(Arc::new(limits.transport()));
+    Ok(config)
+}
+
+/// A server config for the broker-to-broker listener: ALPN `felix-internal/1` only,
+/// so a client connection can never land on it by mistake.
+pub fn internal_server_config(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+    limits: TransportLimits,
+) -> Result<ServerConfig, TlsError> {
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)?;
+    tls.alpn_protocols = vec![felix_wire::internal::INTERNAL_ALPN.to_vec()];
+    let quic = QuicServerConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
+    let mut config = ServerConfig::with_crypto(Arc::new(quic));
+    config.transport_config(Arc::new(limits.transport()));
+    Ok(config)
+}
+
+/// A client config for broker-to-broker connections: trusting `roots`, offering ALPN
+/// `felix-internal/1`.
+pub fn internal_client_config(
+    roots: &[CertificateDer<'static>],
+    limits: TransportLimits,
+) -> Result<ClientConfig, TlsError> {
+    let mut store = rustls::RootCertStore::empty();
+    for r in roots {
+        store.add(r.clone())?;
+    }
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![felix_wire::internal::INTERNAL_ALPN.to_vec()];
+    let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
+    let mut config = ClientConfig::new(Arc::new(quic));
     config.transport_config(Arc::new(limits.transport()));
     Ok(config)
 }

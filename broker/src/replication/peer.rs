@@ -1,0 +1,281 @@
+//! The broker-to-broker transport of one core: the only sockets in `replication/`.
+//!
+//! Outbound, each core keeps one QUIC connection per peer (ALPN `felix-internal/1`) with
+//! one unidirectional stream that opens with `Hello` (our node id and node token) and
+//! then carries frames in order. A bounded queue sits in front of it; when it is full,
+//! frames are dropped, which the replication protocol tolerates (every request is sent
+//! again after a timeout). Inbound, connections land on whichever core the kernel picks;
+//! every stream must open with a `Hello` whose node token the control plane signed for
+//! that node id (unless the operator explicitly allows unauthenticated peers), and its
+//! frames are handed to the broker, which routes each to the core that owns the shard.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::task::{Poll, Waker};
+
+use arc_swap::ArcSwap;
+use bytes::{Bytes, BytesMut};
+use felix_core_runtime::quic::{ClientConfig, Connection, Endpoint, EndpointOptions};
+use felix_core_runtime::{clock, task};
+use felix_wire::internal::{self, Hello, InternalMessage, InternalReader};
+use felix_wire::token::CONTROLPLANE_AUDIENCE;
+
+use super::machine::NodeId;
+use crate::auth::TenantKeys;
+
+/// Bytes queued for one peer before frames are dropped.
+const QUEUE_BYTES_MAX: usize = 64 << 20;
+/// The tenant whose keys sign node tokens.
+const OPERATOR_TENANT: &str = "operator";
+
+/// Frames waiting for one peer's stream.
+#[derive(Debug, Default)]
+struct PeerQueue {
+    frames: RefCell<VecDeque<Bytes>>,
+    bytes: Cell<usize>,
+    waker: RefCell<Option<Waker>>,
+    dead: Cell<bool>,
+}
+
+impl PeerQueue {
+    fn push(&self, frame: Bytes) -> bool {
+        if self.bytes.get() + frame.len() > QUEUE_BYTES_MAX {
+            return false;
+        }
+        self.bytes.set(self.bytes.get() + frame.len());
+        self.frames.borrow_mut().push_back(frame);
+        if let Some(w) = self.waker.borrow_mut().take() {
+            w.wake();
+        }
+        true
+    }
+
+    async fn take_all(&self, out: &mut Vec<Bytes>) {
+        poll_fn(|cx| {
+            let mut q = self.frames.borrow_mut();
+            if q.is_empty() {
+                *self.waker.borrow_mut() = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            out.extend(q.drain(..));
+            self.bytes.set(0);
+            Poll::Ready(())
+        })
+        .await
+    }
+}
+
+/// One core's outbound connections to peers.
+pub struct Outbound {
+    hello: Bytes,
+    endpoint: Endpoint,
+    config: ClientConfig,
+    server_name: String,
+    peers: RefCell<HashMap<NodeId, Rc<PeerQueue>>>,
+    /// Frames dropped at a full queue or a dead connection.
+    pub dropped: Cell<u64>,
+}
+
+impl std::fmt::Debug for Outbound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbound")
+            .field("peers", &self.peers.borrow().len())
+            .finish()
+    }
+}
+
+impl Outbound {
+    /// This core's client endpoint (an ephemeral port) for node `me` with `token`.
+    pub fn bind(
+        me: &str,
+        token: &str,
+        config: ClientConfig,
+        server_name: String,
+    ) -> std::io::Result<Outbound> {
+        let endpoint = Endpoint::bind(
+            "0.0.0.0:0".parse().expect("a valid address"),
+            EndpointOptions {
+                server: None,
+                max_connections: 1024,
+                reuse_port: false,
+            },
+        )?;
+        let mut hello = BytesMut::new();
+        InternalMessage::Hello(Hello {
+            correlation_id: 0,
+            node_id: me.to_owned(),
+            token: token.to_owned(),
+            capabilities: internal::capabilities::FENCE | internal::capabilities::FETCH,
+        })
+        .encode(&mut hello)
+        .map_err(|e| std::io::Error::other(format!("encoding hello: {e}")))?;
+        Ok(Outbound {
+            hello: hello.freeze(),
+            endpoint,
+            config,
+            server_name,
+            peers: RefCell::default(),
+            dropped: Cell::new(0),
+        })
+    }
+
+    /// Queues `frame` for `to` at `addr`, connecting if needed. Never waits.
+    pub fn send(&self, to: &NodeId, addr: SocketAddr, frame: Bytes) {
+        let queue = {
+            let mut peers = self.peers.borrow_mut();
+            match peers.get(to) {
+                Some(q) if !q.dead.get() => q.clone(),
+                _ => {
+                    let q = Rc::new(PeerQueue::default());
+                    peers.insert(to.clone(), q.clone());
+                    task::spawn(run_peer(
+                        q.clone(),
+                        self.endpoint.clone(),
+                        self.config.clone(),
+                        self.server_name.clone(),
+                        addr,
+                        self.hello.clone(),
+                    ))
+                    .detach();
+                    q
+                }
+            }
+        };
+        if !queue.push(frame) {
+            self.dropped.set(self.dropped.get() + 1);
+        }
+    }
+}
+
+async fn run_peer(
+    queue: Rc<PeerQueue>,
+    endpoint: Endpoint,
+    config: ClientConfig,
+    server_name: String,
+    addr: SocketAddr,
+    hello: Bytes,
+) {
+    let result = async {
+        let conn = endpoint
+            .connect(config, addr, &server_name)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut stream = conn.open_uni().await.map_err(|e| e.to_string())?;
+        stream.write_chunk(hello).await.map_err(|e| e.to_string())?;
+        let mut frames = Vec::new();
+        loop {
+            queue.take_all(&mut frames).await;
+            stream
+                .write_chunks(&mut frames)
+                .await
+                .map_err(|e| e.to_string())?;
+            frames.clear();
+        }
+        #[allow(unreachable_code)]
+        Ok::<(), String>(())
+    }
+    .await;
+    if let Err(e) = result {
+        tracing::debug!(peer = %addr, error = %e, "peer connection ended");
+    }
+    queue.dead.set(true);
+    queue.frames.borrow_mut().clear();
+}
+
+/// Who may talk to this broker's replication listener.
+#[derive(Debug, Clone)]
+pub struct PeerAuth {
+    /// Verification keys (the operator tenant's sign node tokens).
+    pub keys: Arc<ArcSwap<TenantKeys>>,
+    /// Accept a `Hello` without checking its token (tests on one host only).
+    pub allow_unauthenticated: bool,
+}
+
+impl PeerAuth {
+    /// The node a `Hello` proves it is: a control-plane token for that node id.
+    pub fn check(&self, hello: &Hello) -> Result<NodeId, String> {
+        if self.allow_unauthenticated {
+            return Ok(hello.node_id.as_str().into());
+        }
+        let grant = self
+            .keys
+            .load()
+            .verify_for(
+                &hello.token,
+                OPERATOR_TENANT,
+                clock::now().wall_secs(),
+                CONTROLPLANE_AUDIENCE,
+            )
+            .map_err(|e| format!("node token: {e}"))?;
+        if !grant.allows_object("node.manage", "node", &[&hello.node_id]) {
+            return Err(format!(
+                "the token does not name node {:?}",
+                crate::error::cut(&hello.node_id)
+            ));
+        }
+        Ok(hello.node_id.as_str().into())
+    }
+}
+
+/// Serves inbound peer connections on `endpoint` until it closes, handing every frame
+/// after a valid `Hello` to `deliver` with the peer's node id.
+pub async fn serve(
+    endpoint: Endpoint,
+    auth: PeerAuth,
+    deliver: Rc<dyn Fn(NodeId, InternalMessage)>,
+) {
+    while let Some(conn) = endpoint.accept().await {
+        let (auth, deliver) = (auth.clone(), deliver.clone());
+        task::spawn(serve_connection(conn, auth, deliver)).detach();
+    }
+}
+
+async fn serve_connection(
+    conn: Connection,
+    auth: PeerAuth,
+    deliver: Rc<dyn Fn(NodeId, InternalMessage)>,
+) {
+    while let Ok(mut recv) = conn.accept_uni().await {
+        let (auth, deliver, conn) = (auth.clone(), deliver.clone(), conn.clone());
+        task::spawn(async move {
+            let mut reader = InternalReader::new(internal::PREHELLO_MAX_PAYLOAD_BYTES);
+            let mut from: Option<NodeId> = None;
+            loop {
+                match reader.next() {
+                    Ok(Some(InternalMessage::Hello(h))) if from.is_none() => match auth.check(&h) {
+                        Ok(node) => {
+                            from = Some(node);
+                            reader.set_max_payload_bytes(internal::DEFAULT_MAX_PAYLOAD_BYTES);
+                        }
+                        Err(e) => {
+                            tracing::warn!(node = %crate::error::cut(&h.node_id), error = %e, "peer refused");
+                            conn.close(2, b"peer not authenticated");
+                            return;
+                        }
+                    },
+                    Ok(Some(m)) => match &from {
+                        Some(node) => deliver(node.clone(), m),
+                        None => {
+                            conn.close(2, b"hello first");
+                            return;
+                        }
+                    },
+                    Ok(None) => match recv.read_chunk(1 << 20).await {
+                        Ok(Some(chunk)) => reader.push(chunk),
+                        _ => return,
+                    },
+                    Err(e) if e.is_fatal() => {
+                        tracing::warn!(error = %e, "peer stream");
+                        return;
+                    }
+                    Err(e) => tracing::debug!(error = %e, "malformed peer frame skipped"),
+                }
+            }
+        })
+        .detach();
+    }
+}

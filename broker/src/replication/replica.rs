@@ -1,0 +1,933 @@
+//! The replica machine of one stream shard, driven on the core that owns the shard, and
+//! the per-core set of them ([`Replicas`]).
+//!
+//! The driver carries out the machine's outputs in order, awaiting storage where the
+//! machine must wait for it (a ballot before answering a fence, a stored batch before
+//! acknowledging it, a cut before storing over it); messages go out through the core's
+//! [`Outbound`] without waiting. A leader's own client appends claim their offsets in
+//! the log and tell the machine synchronously (`admit`), so appends and shipping agree on
+//! every offset. Quorum acknowledgements wait for the commit mark; waiters are woken in
+//! offset order, so the fanout that follows each of them happens in offset order too.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Poll, Waker};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use felix_core_runtime::placement::{ShardKey, ShardKind};
+use felix_core_runtime::{CoreId, clock, task};
+use felix_storage_uring::{BatchKind as LogBatchKind, PendingAppend};
+use felix_wire::internal::{self, InternalMessage, RefusalCode, ShardRef};
+use felix_wire::{Generation, Offset, ShardId, message};
+
+use super::machine::{Assignment, Batch, BatchKind, Meta, Msg, NodeId, Output, Refusal, Replica};
+use super::peer::Outbound;
+use crate::catalog::Consistency;
+use crate::cluster::{Cluster, FollowerReport, Route, ShardReport};
+use crate::core::CoreMetrics;
+use crate::error::BrokerError;
+use crate::shard::StreamShard;
+
+/// The meta file holding a replica's ballot and commit mark.
+const META_FILE: &str = "replica";
+/// How long an idle replica's driver sleeps between timer checks.
+const TICK: Duration = Duration::from_millis(100);
+/// How long a Quorum publish waits for a majority before its outcome is unknown.
+pub const QUORUM_WAIT: Duration = Duration::from_secs(5);
+/// Requests remembered for routing their answers back.
+const PENDING_MAX: usize = 65_536;
+
+/// Requests sent, by correlation id, and their order (the oldest are forgotten first).
+type PendingRequests = (HashMap<u64, Arc<ShardKey>>, VecDeque<u64>);
+
+/// One replicated stream shard on its owning core.
+pub struct ReplicaShard {
+    /// Which shard.
+    pub key: Arc<ShardKey>,
+    /// Its log and fanout state.
+    pub shard: Rc<StreamShard>,
+    machine: RefCell<Replica>,
+    /// When writes are acknowledged.
+    pub consistency: Cell<Consistency>,
+    waker: RefCell<Option<Waker>>,
+    kicked: Cell<bool>,
+    /// Quorum acknowledgements waiting for the commit mark: end -> wakers.
+    waiters: RefCell<BTreeMap<u64, Vec<Waker>>>,
+    /// Bumped whenever this replica stops or starts serving: a waiter from another
+    /// leadership term never succeeds.
+    term: Cell<u64>,
+    generation: Cell<u64>,
+}
+
+impl std::fmt::Debug for ReplicaShard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaShard")
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
+impl ReplicaShard {
+    fn kick(&self) {
+        self.kicked.set(true);
+        if let Some(w) = self.waker.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    /// Whether this replica leads and serves.
+    pub fn serving(&self) -> bool {
+        self.machine.borrow().serving()
+    }
+
+    /// What readers may see: the commit mark on a Quorum shard, everything otherwise.
+    pub fn visible_end(&self) -> u64 {
+        match self.consistency.get() {
+            Consistency::Quorum => self.machine.borrow().commit(),
+            Consistency::Leader => u64::MAX,
+        }
+    }
+
+    /// Claims `records` at the log's end for a client append on the serving leader.
+    /// Returns the pending append and the leadership term it was admitted in.
+    pub fn admit(
+        &self,
+        records: &[Bytes],
+        now_micros: u64,
+    ) -> Result<(PendingAppend, u64), BrokerError> {
+        let mut m = self.machine.borrow_mut();
+        if !m.serving() {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        let pending = self.shard.log.begin_append(records, now_micros, None)?;
+        if !m.handle_appended(pending.first(), pending.end()) {
+            return Err(BrokerError::Internal(format!(
+                "{}: the log and the replica disagree on the end",
+                self.key
+            )));
+        }
+        Ok((pending, self.term.get()))
+    }
+
+    /// The leader's own append is durable up to `end`.
+    pub fn durable(&self, end: u64) {
+        self.machine
+            .borrow_mut()
+            .handle_durable(end, clock::now().instant);
+        self.kick();
+    }
+
+    /// Waits until a majority holds `[.., end)`, in the term `term`. Fails when
+    /// leadership changed meanwhile (the outcome is then unknown).
+    pub async fn committed(&self, end: u64, term: u64) -> Result<(), BrokerError> {
+        poll_fn(|cx| {
+            if self.term.get() != term {
+                return Poll::Ready(Err(BrokerError::Unacknowledged(
+                    "leadership changed before a majority held the write".into(),
+                )));
+            }
+            if self.machine.borrow().commit() >= end {
+                return Poll::Ready(Ok(()));
+            }
+            self.waiters
+                .borrow_mut()
+                .entry(end)
+                .or_default()
+                .push(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    fn on_commit(&self, commit: u64) {
+        let ready = {
+            let mut w = self.waiters.borrow_mut();
+            let later = w.split_off(&(commit + 1));
+            std::mem::replace(&mut *w, later)
+        };
+        // In offset order: what each waiter does next (fanout) happens in that order.
+        for (_, wakers) in ready {
+            wakers.into_iter().for_each(Waker::wake);
+        }
+    }
+
+    fn on_serving(&self, serving: bool) {
+        self.term.set(self.term.get() + 1);
+        let all = std::mem::take(&mut *self.waiters.borrow_mut());
+        for (_, wakers) in all {
+            wakers.into_iter().for_each(Waker::wake);
+        }
+        if serving {
+            let end = self.shard.log.committed_end();
+            self.shard.reset_fanout(end.min(self.visible_end()));
+        }
+    }
+
+    /// The report a leader makes.
+    fn report(&self) -> Option<ShardReport> {
+        let m = self.machine.borrow();
+        if !m.is_leader() {
+            return None;
+        }
+        let k = &self.key;
+        Some(ShardReport {
+            kind: "stream",
+            tenant_id: k.tenant.clone(),
+            namespace: k.namespace.clone(),
+            name: k.name.clone(),
+            shard: k.shard,
+            generation: m.generation(),
+            log_end: m.log_end().1,
+            commit: m.commit(),
+            followers: m
+                .followers()
+                .into_iter()
+                .map(|(node, matched, halted)| FollowerReport {
+                    node_id: node.to_string(),
+                    durable_end: matched,
+                    halted,
+                })
+                .collect(),
+        })
+    }
+}
+
+/// Every replica this core drives, and the transport they share.
+pub struct Replicas {
+    me: NodeId,
+    core: CoreId,
+    cluster: Arc<Cluster>,
+    out: Outbound,
+    shards: RefCell<HashMap<Arc<ShardKey>, Rc<ReplicaShard>>>,
+    next_correlation: Cell<u64>,
+    /// Requests we sent, for routing answers: correlation id -> shard.
+    pending: RefCell<PendingRequests>,
+    /// The last request each peer sent about each shard: its answers echo the id.
+    last_in: RefCell<HashMap<(Arc<ShardKey>, NodeId), u64>>,
+    metrics: Arc<CoreMetrics>,
+}
+
+impl std::fmt::Debug for Replicas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replicas")
+            .field("core", &self.core)
+            .field("shards", &self.shards.borrow().len())
+            .finish()
+    }
+}
+
+fn shard_ref(key: &ShardKey) -> ShardRef {
+    ShardRef {
+        kind: match key.kind {
+            ShardKind::Stream => message::ShardKind::Stream,
+            ShardKind::Cache => message::ShardKind::Cache,
+        },
+        tenant: key.tenant.as_str().into(),
+        namespace: key.namespace.as_str().into(),
+        name: key.name.as_str().into(),
+        shard: ShardId(key.shard),
+    }
+}
+
+/// The shard a wire reference names.
+pub fn shard_key(r: &ShardRef) -> ShardKey {
+    ShardKey {
+        kind: match r.kind {
+            message::ShardKind::Stream => ShardKind::Stream,
+            message::ShardKind::Cache => ShardKind::Cache,
+        },
+        tenant: r.tenant.as_str().to_owned(),
+        namespace: r.namespace.as_str().to_owned(),
+        name: r.name.as_str().to_owned(),
+        shard: r.shard.0,
+    }
+}
+
+/// Where an inbound frame goes: the shard it names (requests) or the core that sent the
+/// request it answers (the top byte of its correlation id).
+#[derive(Debug)]
+pub enum Target {
+    /// A request about a shard.
+    Shard(ShardKey),
+    /// An answer to a request sent by this core.
+    Core(CoreId),
+}
+
+/// Where `m` goes, or `None` when it needs no routing.
+pub fn target(m: &InternalMessage) -> Option<Target> {
+    match m {
+        InternalMessage::Fence(f) => Some(Target::Shard(shard_key(&f.shard))),
+        InternalMessage::Fetch(f) => Some(Target::Shard(shard_key(&f.shard))),
+        InternalMessage::Records(r) => Some(Target::Shard(shard_key(&r.shard))),
+        InternalMessage::Bootstrap(b) => Some(Target::Shard(shard_key(&b.shard))),
+        InternalMessage::FenceOk(_)
+        | InternalMessage::ReplicateOk(_)
+        | InternalMessage::ReplicateRefused(_) => {
+            Some(Target::Core(CoreId((m.correlation_id() >> 56) as usize)))
+        }
+        _ => None,
+    }
+}
+
+fn refusal_code(r: Refusal) -> RefusalCode {
+    match r {
+        Refusal::Gap => RefusalCode::Gap,
+        Refusal::Mismatch => RefusalCode::Mismatch,
+        Refusal::Fenced => RefusalCode::Fenced,
+        Refusal::NotFenced => RefusalCode::NotFenced,
+        Refusal::BelowCommit => RefusalCode::BelowCommit,
+        Refusal::Bootstrap => RefusalCode::Bootstrap,
+        Refusal::Unavailable => RefusalCode::Unavailable,
+    }
+}
+
+fn refusal(c: RefusalCode) -> Refusal {
+    match c {
+        RefusalCode::Gap => Refusal::Gap,
+        RefusalCode::Mismatch => Refusal::Mismatch,
+        RefusalCode::Fenced => Refusal::Fenced,
+        RefusalCode::NotFenced => Refusal::NotFenced,
+        RefusalCode::BelowCommit => Refusal::BelowCommit,
+        RefusalCode::Bootstrap => Refusal::Bootstrap,
+        _ => Refusal::Unavailable,
+    }
+}
+
+/// Machine batches on the wire and back.
+fn ship_batch(b: Batch) -> internal::ShipBatch {
+    internal::ShipBatch {
+        base_offset: Offset(b.base),
+        timestamp_micros: b.timestamp_micros,
+        kind: match b.kind {
+            BatchKind::Data => internal::BatchKind::Data,
+            BatchKind::GenerationStart(_) => internal::BatchKind::GenerationStart,
+        },
+        records: b.records,
+    }
+}
+
+fn machine_batch(b: internal::ShipBatch) -> Batch {
+    let kind = match b.kind {
+        internal::BatchKind::Data => BatchKind::Data,
+        internal::BatchKind::GenerationStart => BatchKind::GenerationStart(
+            b.records
+                .first()
+                .and_then(|r| r.get(..8))
+                .map_or(0, |g| u64::from_be_bytes(g.try_into().expect("8 bytes"))),
+        ),
+    };
+    Batch {
+        base: b.base_offset.0,
+        kind,
+        timestamp_micros: b.timestamp_micros,
+        records: b.records,
+    }
+}
+
+impl Replicas {
+    /// The replicas of core `core` of broker `me`, sending through `out`.
+    pub fn new(
+        me: NodeId,
+        core: CoreId,
+        cluster: Arc<Cluster>,
+        out: Outbound,
+        metrics: Arc<CoreMetrics>,
+    ) -> Replicas {
+        Replicas {
+            me,
+            core,
+            cluster,
+            out,
+            shards: RefCell::default(),
+            next_correlation: Cell::new(1),
+            pending: RefCell::default(),
+            last_in: RefCell::default(),
+            metrics,
+        }
+    }
+
+    /// The replica of `key`, if this core drives one.
+    pub fn get(&self, key: &ShardKey) -> Option<Rc<ReplicaShard>> {
+        self.shards.borrow().get(key).cloned()
+    }
+
+    /// Every replica this core drives.
+    pub fn all(&self) -> Vec<Rc<ReplicaShard>> {
+        self.shards.borrow().values().cloned().collect()
+    }
+
+    fn correlation(&self, key: &Arc<ShardKey>) -> u64 {
+        let n = self.next_correlation.get();
+        self.next_correlation.set(n + 1);
+        let id = ((self.core.index() as u64) << 56) | (n & ((1 << 56) - 1));
+        let (map, order) = &mut *self.pending.borrow_mut();
+        map.insert(id, key.clone());
+        order.push_back(id);
+        while order.len() > PENDING_MAX {
+            if let Some(old) = order.pop_front() {
+                map.remove(&old);
+            }
+        }
+        id
+    }
+
+    /// Encodes and queues `msg` about `key` for `to`.
+    fn send(&self, key: &Arc<ShardKey>, to: &NodeId, msg: Msg) {
+        let Some(addr) = self.cluster.view().peers.get(&**to).copied() else {
+            return;
+        };
+        let answer_id = || {
+            self.last_in
+                .borrow()
+                .get(&(key.clone(), to.clone()))
+                .copied()
+                .unwrap_or(0)
+        };
+        let me = self.me.to_string();
+        let wire = match msg {
+            Msg::Fence { generation } => InternalMessage::Fence(internal::Fence {
+                correlation_id: self.correlation(key),
+                shard: shard_ref(key),
+                generation: Generation(generation),
+                leader: me,
+            }),
+            Msg::FenceOk {
+                generation,
+                base,
+                end,
+                commit,
+                last_generation,
+            } => InternalMessage::FenceOk(internal::FenceOk {
+                correlation_id: answer_id(),
+                generation: Generation(generation),
+                log_base: Offset(base),
+                log_end: Offset(end),
+                commit: Offset(commit),
+                last_generation: Generation(last_generation),
+            }),
+            Msg::Fetch { generation, from } => InternalMessage::Fetch(internal::Fetch {
+                correlation_id: self.correlation(key),
+                shard: shard_ref(key),
+                generation: Generation(generation),
+                leader: me,
+                from_offset: Offset(from),
+                max_bytes: super::machine::SHIP_BYTES as u32,
+            }),
+            Msg::Records {
+                generation,
+                from,
+                prev_generation,
+                commit,
+                batches,
+                fetched,
+            } => {
+                let records: u64 = batches.iter().map(|b| b.records.len() as u64).sum();
+                self.metrics
+                    .replication_shipped
+                    .fetch_add(records, Ordering::Relaxed);
+                // `leader` names the generation's leader: the requester for a fetch's
+                // answer, ourselves for a ship. `prev_offset` carries `from - 1` (0/0
+                // for a message at offset 0).
+                let (prev_offset, prev_generation) = if from == 0 {
+                    (0, 0)
+                } else {
+                    (from - 1, prev_generation)
+                };
+                InternalMessage::Records(internal::Records {
+                    correlation_id: if fetched {
+                        answer_id()
+                    } else {
+                        self.correlation(key)
+                    },
+                    shard: shard_ref(key),
+                    generation: Generation(generation),
+                    leader: if fetched { to.to_string() } else { me },
+                    prev_offset: Offset(prev_offset),
+                    prev_generation: Generation(prev_generation),
+                    commit: Offset(commit),
+                    batches: batches.into_iter().map(ship_batch).collect(),
+                })
+            }
+            Msg::Ok { generation, end } => InternalMessage::ReplicateOk(internal::ReplicateOk {
+                correlation_id: answer_id(),
+                generation: Generation(generation),
+                durable_end: Offset(end),
+            }),
+            Msg::Refused {
+                generation,
+                code,
+                expected,
+            } => InternalMessage::ReplicateRefused(internal::ReplicateRefused {
+                correlation_id: answer_id(),
+                generation: Generation(generation),
+                code: refusal_code(code),
+                expected_offset: Offset(expected),
+                detail: String::new(),
+            }),
+            Msg::Bootstrap { generation, base } => {
+                InternalMessage::Bootstrap(internal::Bootstrap {
+                    correlation_id: self.correlation(key),
+                    shard: shard_ref(key),
+                    generation: Generation(generation),
+                    leader: me,
+                    base_offset: Offset(base),
+                })
+            }
+        };
+        let mut buf = BytesMut::new();
+        match wire.encode(&mut buf) {
+            Ok(()) => self.out.send(to, addr, buf.freeze()),
+            Err(e) => tracing::error!(shard = %key, error = %e, "encoding a replication message"),
+        }
+    }
+
+    /// A frame from peer `from`, routed to this core.
+    pub fn deliver(&self, from: NodeId, m: InternalMessage) {
+        let now = clock::now().instant;
+        let (key, msg) = match m {
+            InternalMessage::Fence(f) => {
+                let key = self.remember(&f.shard, &from, f.correlation_id);
+                (
+                    key,
+                    Msg::Fence {
+                        generation: f.generation.0,
+                    },
+                )
+            }
+            InternalMessage::Fetch(f) => {
+                let key = self.remember(&f.shard, &from, f.correlation_id);
+                (
+                    key,
+                    Msg::Fetch {
+                        generation: f.generation.0,
+                        from: f.from_offset.0,
+                    },
+                )
+            }
+            InternalMessage::Bootstrap(b) => {
+                let key = self.remember(&b.shard, &from, b.correlation_id);
+                (
+                    key,
+                    Msg::Bootstrap {
+                        generation: b.generation.0,
+                        base: b.base_offset.0,
+                    },
+                )
+            }
+            InternalMessage::Records(r) => {
+                let fetched = r.leader == *self.me;
+                let key = if fetched {
+                    Arc::new(shard_key(&r.shard))
+                } else {
+                    self.remember(&r.shard, &from, r.correlation_id)
+                };
+                let from_offset = match r.batches.first() {
+                    Some(b) => b.base_offset.0,
+                    None if r.prev_offset.0 == 0 && r.prev_generation.0 == 0 => 0,
+                    None => r.prev_offset.0 + 1,
+                };
+                (
+                    key,
+                    Msg::Records {
+                        generation: r.generation.0,
+                        from: from_offset,
+                        prev_generation: r.prev_generation.0,
+                        commit: r.commit.0,
+                        batches: r.batches.into_iter().map(machine_batch).collect(),
+                        fetched,
+                    },
+                )
+            }
+            InternalMessage::FenceOk(f) => {
+                let Some(key) = self.answered(f.correlation_id) else {
+                    return;
+                };
+                (
+                    key,
+                    Msg::FenceOk {
+                        generation: f.generation.0,
+                        base: f.log_base.0,
+                        end: f.log_end.0,
+                        commit: f.commit.0,
+                        last_generation: f.last_generation.0,
+                    },
+                )
+            }
+            InternalMessage::ReplicateOk(o) => {
+                let Some(key) = self.answered(o.correlation_id) else {
+                    return;
+                };
+                (
+                    key,
+                    Msg::Ok {
+                        generation: o.generation.0,
+                        end: o.durable_end.0,
+                    },
+                )
+            }
+            InternalMessage::ReplicateRefused(r) => {
+                let Some(key) = self.answered(r.correlation_id) else {
+                    return;
+                };
+                (
+                    key,
+                    Msg::Refused {
+                        generation: r.generation.0,
+                        code: refusal(r.code),
+                        expected: r.expected_offset.0,
+                    },
+                )
+            }
+            _ => return,
+        };
+        let Some(rs) = self.get(&key) else {
+            // Not (yet) a replica here: the sender asks again once we have caught up
+            // with the control plane's assignment.
+            return;
+        };
+        rs.machine.borrow_mut().handle_message(from, msg, now);
+        rs.kick();
+    }
+
+    fn remember(&self, r: &ShardRef, from: &NodeId, correlation_id: u64) -> Arc<ShardKey> {
+        let key = Arc::new(shard_key(r));
+        self.last_in
+            .borrow_mut()
+            .insert((key.clone(), from.clone()), correlation_id);
+        key
+    }
+
+    fn answered(&self, correlation_id: u64) -> Option<Arc<ShardKey>> {
+        self.pending.borrow().0.get(&correlation_id).cloned()
+    }
+
+    /// Brings this core's replicas in line with the control plane's assignments:
+    /// opens a replica for every replicated stream shard this broker is in the set of
+    /// and this core owns, and hands each its assignment. `open` opens the shard's log.
+    pub async fn sync<F, Fut>(
+        self: &Rc<Self>,
+        owned: impl Fn(&ShardKey) -> bool,
+        replicated: impl Fn(&ShardKey) -> Option<Consistency>,
+        open: F,
+    ) where
+        F: Fn(Arc<ShardKey>) -> Fut,
+        Fut: std::future::Future<Output = Result<Rc<StreamShard>, BrokerError>>,
+    {
+        let view = self.cluster.view();
+        let mine: Vec<(ShardKey, Route)> = view
+            .routes
+            .iter()
+            .filter(|(k, r)| {
+                k.kind == ShardKind::Stream
+                    && r.replicas.len() > 1
+                    && r.replicas.iter().any(|n| **n == *self.me)
+                    && owned(k)
+            })
+            .map(|(k, r)| (k.clone(), r.clone()))
+            .collect();
+        for (key, route) in mine {
+            let Some(consistency) = replicated(&key) else {
+                continue;
+            };
+            let existing = self.get(&key);
+            let rs = match existing {
+                Some(rs) => rs,
+                None => match self.open(Arc::new(key.clone()), consistency, &open).await {
+                    Ok(rs) => rs,
+                    Err(e) => {
+                        tracing::warn!(shard = %key, error = %e, "opening a replica");
+                        continue;
+                    }
+                },
+            };
+            rs.consistency.set(consistency);
+            if rs.generation.get() != route.generation {
+                rs.generation.set(route.generation);
+                rs.machine.borrow_mut().handle_assignment(
+                    Assignment {
+                        generation: route.generation,
+                        leader: route.leader.clone(),
+                        replicas: route.replicas.to_vec(),
+                    },
+                    clock::now().instant,
+                );
+                rs.kick();
+            }
+        }
+        // Reports of the shards this core leads.
+        let mut reports = Vec::new();
+        let mut lag = 0u64;
+        let mut halted = 0u64;
+        for rs in self.all() {
+            if let Some(r) = rs.report() {
+                if rs.consistency.get() == Consistency::Leader {
+                    let slowest = r
+                        .followers
+                        .iter()
+                        .filter(|f| !f.halted)
+                        .map(|f| f.durable_end)
+                        .min()
+                        .unwrap_or(r.log_end);
+                    lag += r.log_end.saturating_sub(slowest);
+                }
+                halted += r.followers.iter().filter(|f| f.halted).count() as u64;
+                reports.push(((*rs.key).clone(), r));
+            }
+        }
+        self.metrics
+            .replication_lag_records
+            .store(lag, Ordering::Relaxed);
+        self.metrics
+            .replication_halted
+            .store(halted, Ordering::Relaxed);
+        if let Ok(mut all) = self.cluster.reports.lock() {
+            all.retain(|k, _| !self.shards.borrow().contains_key(k));
+            all.extend(reports);
+        }
+    }
+
+    async fn open<F, Fut>(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        consistency: Consistency,
+        open: &F,
+    ) -> Result<Rc<ReplicaShard>, BrokerError>
+    where
+        F: Fn(Arc<ShardKey>) -> Fut,
+        Fut: std::future::Future<Output = Result<Rc<StreamShard>, BrokerError>>,
+    {
+        let shard = open(key.clone()).await?;
+        let log = &shard.log;
+        let meta: Meta = match log.read_meta(META_FILE).await? {
+            Some(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| BrokerError::Storage(format!("{key}: replica metadata: {e}")))?,
+            None => Meta::default(),
+        };
+        // Where each generation begins: the generation-start records in the log.
+        let (base, end) = (log.base_offset(), log.committed_end());
+        let mut epochs = BTreeMap::new();
+        let mut at = base;
+        while at < end {
+            let batches = log.read(at, 4 << 20).await?;
+            let Some(last) = batches.last() else { break };
+            at = last.end_offset();
+            for b in batches {
+                if b.kind == LogBatchKind::GenerationStart
+                    && let Some(g) = b.records.first().and_then(|r| r.get(..8))
+                {
+                    epochs.insert(
+                        b.base_offset,
+                        u64::from_be_bytes(g.try_into().expect("8 bytes")),
+                    );
+                }
+            }
+        }
+        let machine = Replica::new(self.me.clone(), meta, base, end, epochs);
+        let rs = Rc::new(ReplicaShard {
+            key: key.clone(),
+            shard,
+            machine: RefCell::new(machine),
+            consistency: Cell::new(consistency),
+            waker: RefCell::default(),
+            kicked: Cell::new(false),
+            waiters: RefCell::default(),
+            term: Cell::new(0),
+            generation: Cell::new(0),
+        });
+        self.shards.borrow_mut().insert(key, rs.clone());
+        let (this, driven) = (self.clone(), rs.clone());
+        task::spawn(async move { this.drive(driven).await }).detach();
+        Ok(rs)
+    }
+
+    /// The driver of one replica: carries out its outputs in order, and its timers.
+    async fn drive(self: Rc<Self>, rs: Rc<ReplicaShard>) {
+        loop {
+            loop {
+                let next = rs.machine.borrow_mut().poll_output();
+                let Some(out) = next else { break };
+                self.carry_out(&rs, out).await;
+            }
+            let kicked = futures_lite::future::or(
+                poll_fn(|cx| {
+                    if rs.kicked.replace(false) {
+                        return Poll::Ready(true);
+                    }
+                    *rs.waker.borrow_mut() = Some(cx.waker().clone());
+                    Poll::Pending
+                }),
+                async {
+                    task::sleep(TICK).await;
+                    false
+                },
+            )
+            .await;
+            if !kicked {
+                rs.machine.borrow_mut().handle_timeout(clock::now().instant);
+            }
+        }
+    }
+
+    async fn carry_out(&self, rs: &Rc<ReplicaShard>, out: Output) {
+        let log = &rs.shard.log;
+        let now = || clock::now().instant;
+        match out {
+            Output::Send { to, msg } => self.send(&rs.key, &to, msg),
+            Output::Persist(meta) => {
+                let bytes = serde_json::to_vec(&meta).expect("meta serializes");
+                match log.write_meta(META_FILE, &bytes).await {
+                    Ok(()) => rs
+                        .machine
+                        .borrow_mut()
+                        .handle_persisted(meta.generation, now()),
+                    Err(e) => {
+                        tracing::error!(shard = %rs.key, error = %e, "persisting the replica ballot")
+                    }
+                }
+            }
+            Output::Store(batches) => {
+                let mut pending = Vec::with_capacity(batches.len());
+                let mut failed = None;
+                let records: u64 = batches.iter().map(|b| b.records.len() as u64).sum();
+                for b in &batches {
+                    let kind = match b.kind {
+                        BatchKind::Data => LogBatchKind::Data,
+                        BatchKind::GenerationStart(_) => LogBatchKind::GenerationStart,
+                    };
+                    match log.begin_append_at(b.base, &b.records, b.timestamp_micros, kind) {
+                        Ok(p) => pending.push(p),
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                }
+                let mut end = None;
+                for p in pending {
+                    match log.commit(p).await {
+                        Ok(a) => end = Some(a.end),
+                        Err(e) => {
+                            failed.get_or_insert(e);
+                        }
+                    }
+                }
+                match failed {
+                    None => {
+                        self.metrics
+                            .replicated
+                            .fetch_add(records, Ordering::Relaxed);
+                        if let Some(end) = end {
+                            rs.machine.borrow_mut().handle_durable(end, now());
+                        }
+                    }
+                    Some(e) => {
+                        tracing::warn!(shard = %rs.key, error = %e, "storing replicated batches");
+                        rs.machine.borrow_mut().handle_failed(
+                            log.next_offset(),
+                            log.committed_end(),
+                            now(),
+                        );
+                    }
+                }
+            }
+            Output::Truncate { from } => match log.truncate_from(from).await {
+                Ok(()) => {
+                    rs.shard.reset_fanout(rs.shard.fanout_end().min(from));
+                    rs.machine.borrow_mut().handle_truncated(now());
+                }
+                Err(e) => {
+                    tracing::warn!(shard = %rs.key, error = %e, "cutting a replica's suffix");
+                    rs.machine.borrow_mut().handle_failed(
+                        log.next_offset(),
+                        log.committed_end(),
+                        now(),
+                    );
+                }
+            },
+            Output::ResetAt { base } => {
+                let reset = async {
+                    log.truncate_from(log.base_offset()).await?;
+                    log.reset_empty_at(base).await
+                };
+                match reset.await {
+                    Ok(()) => {
+                        rs.shard.reset_fanout(base);
+                        rs.machine.borrow_mut().handle_truncated(now());
+                    }
+                    Err(e) => {
+                        tracing::warn!(shard = %rs.key, error = %e, "bootstrapping a replica");
+                        rs.machine.borrow_mut().handle_failed(
+                            log.next_offset(),
+                            log.committed_end(),
+                            now(),
+                        );
+                    }
+                }
+            }
+            Output::Read { to, from, fetch } => {
+                let batches = log
+                    .read(from, super::machine::SHIP_BYTES)
+                    .await
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|b| {
+                        let kind = if b.kind == LogBatchKind::GenerationStart {
+                            BatchKind::GenerationStart(
+                                b.records.first().and_then(|r| r.get(..8)).map_or(0, |g| {
+                                    u64::from_be_bytes(g.try_into().expect("8 bytes"))
+                                }),
+                            )
+                        } else {
+                            BatchKind::Data
+                        };
+                        Batch {
+                            base: b.base_offset,
+                            kind,
+                            timestamp_micros: b.timestamp_micros,
+                            records: b.records,
+                        }
+                    })
+                    .collect();
+                rs.machine
+                    .borrow_mut()
+                    .handle_read(to, from, batches, fetch, now());
+            }
+            Output::AppendGenerationStart { generation } => {
+                let first = log.next_offset();
+                let record = generation.to_be_bytes();
+                match log.begin_append_at(
+                    first,
+                    &[record],
+                    clock::wall_micros(),
+                    LogBatchKind::GenerationStart,
+                ) {
+                    Ok(p) => {
+                        rs.machine.borrow_mut().handle_generation_start(first);
+                        match log.commit(p).await {
+                            Ok(a) => rs.machine.borrow_mut().handle_durable(a.end, now()),
+                            Err(e) => {
+                                tracing::error!(shard = %rs.key, error = %e, "writing a generation start")
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!(shard = %rs.key, error = %e, "claiming a generation start")
+                    }
+                }
+            }
+            Output::Commit(c) => rs.on_commit(c),
+            Output::Serving(serving) => {
+                tracing::info!(shard = %rs.key, serving, generation = rs.machine.borrow().generation(), "replica leadership");
+                rs.on_serving(serving);
+            }
+            Output::Halted { peer } => {
+                tracing::error!(shard = %rs.key, peer = %peer, "a follower would have to cut committed records: halted");
+            }
+        }
+    }
+}

@@ -1,0 +1,387 @@
+//! Replicated shards across three brokers and a control plane, driven by our SDK: a
+//! Quorum leader killed under load loses nothing it acknowledged; a leader paused past
+//! its lease acknowledges nothing after it wakes; a Leader stream loses at most the lag
+//! it reported.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use felix_cluster::cluster::{CP_ARGS, NAMESPACE, TENANT, TestCluster};
+use felix_cluster::wait_for;
+use felix_wire::AckMode;
+use felix_wire::message::StartPosition;
+
+fn cluster() -> TestCluster {
+    TestCluster::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        3,
+        CP_ARGS,
+        "",
+    )
+    .unwrap()
+}
+
+/// Records acknowledged so far: offset -> payload.
+type Acked = Arc<Mutex<BTreeMap<u64, Vec<u8>>>>;
+
+/// Publishes one record at a time through a ClusterClient seeded with every broker
+/// until `stop`, recording each acknowledgement.
+async fn publish_until(
+    c: &TestCluster,
+    stream: &str,
+    tag: &str,
+    acked: Acked,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> usize {
+    let connect = || async {
+        felix_client::ClusterClient::connect(&c.seeds(), "localhost", c.client_config().unwrap())
+            .await
+    };
+    let mut client = connect().await.unwrap();
+    let (mut i, mut failed) = (0usize, 0usize);
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let payload = format!("{tag}-{i}").into_bytes();
+        i += 1;
+        let sent = tokio::time::timeout(
+            Duration::from_secs(2),
+            client.publish(
+                TENANT,
+                NAMESPACE,
+                stream,
+                payload.clone(),
+                AckMode::PerMessage,
+            ),
+        )
+        .await;
+        match sent {
+            Ok(Ok(Some(offset))) => {
+                let old = acked.lock().unwrap().insert(offset, payload);
+                assert!(old.is_none(), "offset {offset} acknowledged twice");
+            }
+            Ok(_) => failed += 1,
+            Err(_) => {
+                // A connection to a dead broker hangs until its idle timeout: start over.
+                failed += 1;
+                if let Ok(c) = connect().await {
+                    client = c;
+                }
+            }
+        }
+    }
+    failed
+}
+
+/// Every record of shard 0, read from its leader: offset -> payload. Subscribes again
+/// until the leader serves and the read reaches `at_least` (or 30 s pass).
+async fn read_all(c: &TestCluster, stream: &str, at_least: u64) -> BTreeMap<u64, Vec<u8>> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = BTreeMap::new();
+    while Instant::now() < deadline {
+        got.clear();
+        let Ok(client) = felix_client::ClusterClient::connect(
+            &c.seeds(),
+            "localhost",
+            c.client_config().unwrap(),
+        )
+        .await
+        else {
+            continue;
+        };
+        let Ok(mut sub) = client
+            .subscribe_shard(TENANT, NAMESPACE, stream, 0, Some(StartPosition::Earliest))
+            .await
+        else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        while let Ok(Ok(Some(e))) =
+            tokio::time::timeout(Duration::from_secs(2), sub.next_event()).await
+        {
+            let o = e.offset.expect("durable streams carry offsets");
+            assert!(
+                got.insert(o, e.payload.to_vec()).is_none(),
+                "offset {o} delivered twice"
+            );
+        }
+        if got.keys().next_back().is_some_and(|o| *o + 1 >= at_least) {
+            break;
+        }
+    }
+    got
+}
+
+fn check_nothing_lost(acked: &BTreeMap<u64, Vec<u8>>, read: &BTreeMap<u64, Vec<u8>>) {
+    for (o, p) in acked {
+        match read.get(o) {
+            Some(have) if have == p => {}
+            other => panic!(
+                "acknowledged offset {o} ({:?}) reads back as {:?}",
+                String::from_utf8_lossy(p),
+                other.map(|v| String::from_utf8_lossy(v).into_owned())
+            ),
+        }
+    }
+}
+
+#[test]
+fn a_quorum_leader_killed_under_load_loses_nothing_it_acknowledged() {
+    let mut c = cluster();
+    c.create_stream("q", 1, 3, "Quorum").unwrap();
+    let (leader, generation) = c
+        .wait_leader("q", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Load before, across and after the kill.
+    let publisher = {
+        let c = &c;
+        std::thread::scope(|s| {
+            let (acked2, stop2) = (acked.clone(), stop.clone());
+            let h = s.spawn(move || {
+                tokio::runtime::Runtime::new()
+                    .unwrap()
+                    .block_on(publish_until(c, "q", "a", acked2, stop2))
+            });
+            // Let it write a while, then kill the leader.
+            wait_for("acked writes", Duration::from_secs(30), || {
+                (acked.lock().unwrap().len() >= 50).then_some(())
+            })
+            .unwrap();
+            let at_kill = acked.lock().unwrap().len();
+            // SAFETY: signalling a child we spawned.
+            unsafe { libc::kill(c.brokers[leader].pid() as i32, libc::SIGKILL) };
+            let killed = Instant::now();
+            let (successor, _) = c
+                .wait_leader("q", 0, Some(leader), generation, Duration::from_secs(30))
+                .unwrap();
+            wait_for("writes acknowledged again", Duration::from_secs(30), || {
+                (acked.lock().unwrap().len() > at_kill + 20).then_some(())
+            })
+            .unwrap();
+            eprintln!(
+                "failover: node-{leader} killed after {at_kill} acks; node-{successor} serving again {:?} later",
+                killed.elapsed()
+            );
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            h.join().unwrap()
+        })
+    };
+    eprintln!("publishes that failed or timed out (not acknowledged): {publisher}");
+    let acked = acked.lock().unwrap().clone();
+    let read = rt.block_on(read_all(
+        &c,
+        "q",
+        acked.keys().next_back().map_or(0, |o| o + 1),
+    ));
+    check_nothing_lost(&acked, &read);
+    // The killed broker comes back as a follower and catches up.
+    c.brokers[leader].restart().unwrap();
+    let end = *read.keys().next_back().unwrap() + 1;
+    wait_for(
+        "the old leader to catch up",
+        Duration::from_secs(30),
+        || {
+            let r = c.admin.get("/v1/placement/replication").ok()?;
+            let shard = r["items"]
+                .as_array()?
+                .iter()
+                .find(|i| i["name"] == "q")?
+                .clone();
+            let me = shard["members"]
+                .as_array()?
+                .iter()
+                .find(|m| m["node_id"] == format!("node-{leader}").as_str())?
+                .clone();
+            (me["position"].as_u64()? >= end).then_some(())
+        },
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_leader_paused_past_its_lease_acknowledges_nothing_after_it_wakes() {
+    let c = cluster();
+    c.create_stream("p", 1, 3, "Quorum").unwrap();
+    let (leader, generation) = c
+        .wait_leader("p", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // One client talks to the leader alone (its publishes stall while it is paused and
+    // are answered when it wakes); another goes wherever the cluster sends it.
+    let direct: Acked = Arc::default();
+    std::thread::scope(|s| {
+        let (a, st) = (acked.clone(), stop.clone());
+        let cref = &c;
+        let h = s.spawn(move || {
+            tokio::runtime::Runtime::new()
+                .unwrap()
+                .block_on(publish_until(cref, "p", "cluster", a, st))
+        });
+        let (d, st) = (direct.clone(), stop.clone());
+        let leader_addr = c.brokers[leader].listen;
+        let config = c.client_config().unwrap();
+        let d2 = s.spawn(move || {
+            tokio::runtime::Runtime::new()
+                .unwrap()
+                .block_on(async move {
+                    let client = felix_client::Client::connect(leader_addr, "localhost", config)
+                        .await
+                        .unwrap();
+                    let mut i = 0;
+                    // Several in flight at any time: some are queued when the pause comes.
+                    let mut inflight = Vec::new();
+                    while !st.load(std::sync::atomic::Ordering::SeqCst) {
+                        while inflight.len() < 8 {
+                            let payload = format!("direct-{i}").into_bytes();
+                            i += 1;
+                            let client = client.clone();
+                            inflight.push(tokio::spawn(async move {
+                                let r = client
+                                    .publish(
+                                        TENANT,
+                                        NAMESPACE,
+                                        "p",
+                                        payload.clone(),
+                                        AckMode::PerMessage,
+                                    )
+                                    .await;
+                                (payload, r)
+                            }));
+                        }
+                        let (done, _, rest) = futures_select(inflight).await;
+                        inflight = rest;
+                        if let Ok((payload, Ok(Some(o)))) = done {
+                            d.lock().unwrap().insert(o, payload);
+                        }
+                    }
+                })
+        });
+        wait_for("acked writes", Duration::from_secs(30), || {
+            (acked.lock().unwrap().len() >= 30).then_some(())
+        })
+        .unwrap();
+        c.brokers[leader].signal(libc::SIGSTOP);
+        let (successor, _) = c
+            .wait_leader("p", 0, Some(leader), generation, Duration::from_secs(30))
+            .unwrap();
+        let at = acked.lock().unwrap().len();
+        wait_for(
+            "the successor acknowledges",
+            Duration::from_secs(30),
+            || (acked.lock().unwrap().len() > at + 20).then_some(()),
+        )
+        .unwrap();
+        let direct_before = direct.lock().unwrap().len();
+        c.brokers[leader].signal(libc::SIGCONT);
+        std::thread::sleep(Duration::from_secs(2));
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        eprintln!(
+            "node-{leader} paused, node-{successor} took over; direct acks before the pause {direct_before}, after {}",
+            direct.lock().unwrap().len()
+        );
+        h.join().unwrap();
+        let _ = d2.join();
+    });
+    let mut all = acked.lock().unwrap().clone();
+    for (o, p) in direct.lock().unwrap().iter() {
+        if let Some(other) = all.insert(*o, p.clone()) {
+            assert_eq!(&other, p, "offset {o} acknowledged with two values");
+        }
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let read = rt.block_on(read_all(
+        &c,
+        "p",
+        all.keys().next_back().map_or(0, |o| o + 1),
+    ));
+    check_nothing_lost(&all, &read);
+}
+
+/// The first of `futs` to finish, and the rest.
+async fn futures_select<T>(
+    futs: Vec<tokio::task::JoinHandle<T>>,
+) -> (
+    Result<T, tokio::task::JoinError>,
+    usize,
+    Vec<tokio::task::JoinHandle<T>>,
+) {
+    let mut futs = futs;
+    loop {
+        for i in 0..futs.len() {
+            if futs[i].is_finished() {
+                let f = futs.remove(i);
+                return (f.await, i, futs);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[test]
+fn a_leader_stream_loses_at_most_the_lag_it_reported() {
+    let mut c = cluster();
+    c.create_stream("l", 1, 3, "Leader").unwrap();
+    let (leader, generation) = c
+        .wait_leader("l", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (a, st) = (acked.clone(), stop.clone());
+        let task = async { publish_until(&c, "l", "lead", a, st).await };
+        let until = async {
+            wait_for_async(|| acked.lock().unwrap().len() >= 200).await;
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        };
+        tokio::join!(task, until);
+    });
+    // The lag the leader reports right before it dies is what a failover may lose.
+    let lag = c.brokers[leader]
+        .metric("felix_broker_replication_lag_records")
+        .unwrap();
+    c.brokers[leader].kill();
+    let (successor, _) = c
+        .wait_leader("l", 0, Some(leader), generation, Duration::from_secs(30))
+        .unwrap();
+    let acked = acked.lock().unwrap().clone();
+    let read = rt.block_on(read_all(
+        &c,
+        "l",
+        acked.keys().next_back().map_or(0, |o| o + 1),
+    ));
+    eprintln!(
+        "read {} records, offsets {:?}..{:?}; acked offsets {:?}..{:?}",
+        read.len(),
+        read.keys().next(),
+        read.keys().next_back(),
+        acked.keys().next(),
+        acked.keys().next_back()
+    );
+    let lost = acked
+        .iter()
+        .filter(|(o, p)| read.get(*o) != Some(*p))
+        .count() as u64;
+    eprintln!(
+        "Leader stream: {} acked, {lost} lost in the failover to node-{successor}, lag reported {lag}",
+        acked.len()
+    );
+    assert!(
+        lost <= lag,
+        "lost {lost} acknowledged records, more than the {lag} reported"
+    );
+    let _ = &mut c;
+}
+
+async fn wait_for_async(mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
