@@ -1,5 +1,6 @@
 //! The operator HTTP endpoint: `/metrics` (Prometheus text), `/livez`, `/readyz`,
-//! `/placement`, and, only when fault injection is enabled, `/debug/storage-faults`.
+//! `/placement`, `/replication/halted`, and, only when fault injection is enabled,
+//! `/debug/storage-faults` and `/debug/panic`.
 //!
 //! axum on its own thread and a current-thread tokio runtime: never on a core, never
 //! on the data path. Each connection is its own task and each answer has a deadline, so
@@ -351,6 +352,29 @@ async fn storage_faults(
     "armed\n".into_response()
 }
 
+/// Followers halted because they would have to cut committed records (`[]` when none).
+async fn halted(State(shared): State<Arc<Shared>>) -> Response {
+    let mut out = Vec::new();
+    if let Some(c) = &shared.cluster
+        && let Ok(reports) = c.reports.lock()
+    {
+        for r in reports.values() {
+            for f in r.followers.iter().filter(|f| f.halted) {
+                out.push(serde_json::json!({
+                    "stream": format!("{}/{}/{}", r.tenant_id, r.namespace, r.name),
+                    "shard": r.shard,
+                    "node": f.node_id,
+                    "generation": r.generation,
+                    "progress": f.durable_end,
+                    "reason": "diverged below the commit mark",
+                    "advice": "the follower's log disagrees with committed records; remove its data for the shard so it is rebuilt",
+                }));
+            }
+        }
+    }
+    axum::Json(serde_json::Value::Array(out)).into_response()
+}
+
 #[derive(serde::Deserialize)]
 struct PanicQuery {
     core: i64,
@@ -376,6 +400,7 @@ pub fn spawn(addr: SocketAddr, shared: Arc<Shared>) -> anyhow::Result<SocketAddr
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/placement", get(placement))
+        .route("/replication/halted", get(halted))
         .route("/debug/storage-faults", post(storage_faults))
         .route("/debug/panic", post(panic_core))
         .with_state(shared)
