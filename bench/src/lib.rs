@@ -7,5 +7,6 @@ pub mod compare;
 pub mod drivers;
 pub mod peers;
 pub mod quic;
+pub mod replication;
 pub mod report;
 pub mod stats;

@@ -61,6 +61,19 @@ enum Command {
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
+    /// Replication's cost: a one-copy stream and a Quorum stream with three copies on
+    /// three brokers in this process, same load, same run.
+    Replication {
+        /// Repetitions (medians are reported).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Batches of 64 per throughput cell.
+        #[arg(long, default_value_t = 2000)]
+        batches: usize,
+        /// One-at-a-time latency samples.
+        #[arg(long, default_value_t = 1000)]
+        samples: usize,
+    },
     /// Broker: 1 KiB records, batch 1 and 64, fanout 1 and 10; ack and delivery latency.
     Broker {
         /// `on-commit`, `periodic:<ms>` or `none`.
@@ -104,6 +117,17 @@ fn main() -> anyhow::Result<()> {
                 only,
             })?;
             println!("{md}");
+            Ok(())
+        }
+        Command::Replication {
+            rounds,
+            batches,
+            samples,
+        } => {
+            println!(
+                "{}",
+                felix_bench::replication::run(rounds, batches, samples)?
+            );
             Ok(())
         }
         Command::Broker {
