@@ -1481,9 +1481,15 @@ impl CoreBroker {
                 continue;
             }
             let age = spec.retention.max_age_seconds.map(Duration::from_secs);
+            // A replicated shard keeps everything not yet committed, on every replica.
+            let floor = self
+                .replicas
+                .as_ref()
+                .and_then(|r| r.get(k))
+                .map_or(u64::MAX, |rs| rs.commit());
             match s
                 .log
-                .enforce_retention_with(now, spec.retention.max_size_bytes, age)
+                .enforce_retention_below(now, spec.retention.max_size_bytes, age, floor)
                 .await
             {
                 Ok(0) => {}

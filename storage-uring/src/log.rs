@@ -1075,6 +1075,20 @@ impl<B: Backend> SegmentLog<B> {
         max_bytes: Option<u64>,
         max_age: Option<Duration>,
     ) -> Result<usize, StorageError> {
+        self.enforce_retention_below(now_micros, max_bytes, max_age, u64::MAX)
+            .await
+    }
+
+    /// [`SegmentLog::enforce_retention_with`], never removing a segment holding a
+    /// record at or after `floor` (a replicated shard's commit mark: records not yet
+    /// committed everywhere must stay for followers and a successor).
+    pub async fn enforce_retention_below(
+        &self,
+        now_micros: u64,
+        max_bytes: Option<u64>,
+        max_age: Option<Duration>,
+        floor: u64,
+    ) -> Result<usize, StorageError> {
         let mut doomed = Vec::new();
         {
             let mut st = self.shared.state.borrow_mut();
@@ -1084,6 +1098,9 @@ impl<B: Backend> SegmentLog<B> {
             let mut total: u64 = st.segments.iter().map(|s| s.data_len).sum();
             while st.segments.len() > 1 {
                 let front = &st.segments[0];
+                if front.end_offset > floor {
+                    break;
+                }
                 let too_big = max_bytes.is_some_and(|max| total > max);
                 let too_old = max_age.is_some_and(|age| {
                     front

@@ -514,3 +514,29 @@ both_backends!(
     oversized_and_empty_batches_are_refused,
     a_foreign_file_is_refused_and_unrelated_files_ignored,
 );
+
+#[test]
+fn retention_never_removes_a_segment_past_the_floor() {
+    run(|| async {
+        let (log, _) = SegmentLog::open(MemBackend::new(), small_segments())
+            .await
+            .unwrap();
+        fill(&log, 200, 2048).await;
+        assert!(log.segment_count() > 3);
+        // Everything is over the size bound, but nothing at or after offset 10 may go.
+        let removed = log
+            .enforce_retention_below(u64::MAX, Some(1), None, 10)
+            .await
+            .unwrap();
+        assert_eq!(removed, 0, "the first segment holds the floor");
+        let removed = log
+            .enforce_retention_below(u64::MAX, Some(1), None, 150)
+            .await
+            .unwrap();
+        assert!(removed > 0);
+        assert!(
+            log.base_offset() <= 150,
+            "nothing at or after the floor went"
+        );
+    });
+}

@@ -85,6 +85,11 @@ impl ReplicaShard {
         self.machine.borrow().serving()
     }
 
+    /// The commit mark.
+    pub fn commit(&self) -> u64 {
+        self.machine.borrow().commit()
+    }
+
     /// What readers may see: the commit mark on a Quorum shard, everything otherwise.
     pub fn visible_end(&self) -> u64 {
         match self.consistency.get() {
