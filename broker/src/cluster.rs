@@ -251,6 +251,10 @@ struct CacheDoc {
     namespace: String,
     cache: String,
     shards: u32,
+    #[serde(default = "one")]
+    replication_factor: u32,
+    #[serde(default)]
+    consistency: Consistency,
 }
 
 fn items<T: serde::de::DeserializeOwned>(v: &Value, field: &str) -> anyhow::Result<Vec<T>> {
@@ -314,12 +318,15 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
         listed
             .1
             .insert(format!("{}/{}/{}", c.tenant_id, c.namespace, c.cache));
-        if let Err(e) = t.catalog.create_cache(
-            &c.tenant_id,
-            &c.namespace,
-            &c.cache,
-            StreamSpec::new(c.shards),
-        ) {
+        let spec = StreamSpec {
+            replication_factor: c.replication_factor.max(1),
+            consistency: c.consistency,
+            ..StreamSpec::new(c.shards)
+        };
+        if let Err(e) = t
+            .catalog
+            .create_cache(&c.tenant_id, &c.namespace, &c.cache, spec)
+        {
             tracing::warn!(error = %e, "cache {}/{}/{} differs from the local catalog", c.tenant_id, c.namespace, c.cache);
         }
     }

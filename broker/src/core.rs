@@ -768,7 +768,7 @@ impl CoreBroker {
         task::spawn(async move {
             let result = async {
                 let (pending, term) = admitted?;
-                let appended = rs.shard.log.commit(pending).await?;
+                let appended = rs.log().commit(pending).await?;
                 rs.durable(appended.end);
                 if rs.consistency.get() == crate::catalog::Consistency::Quorum {
                     let waited = task::timeout(
@@ -800,7 +800,9 @@ impl CoreBroker {
                         "the lease lapsed before the write was acknowledged".into(),
                     ));
                 }
-                this.fanout(&rs.shard, appended, records);
+                if let crate::replication::replica::Held::Stream(s) = &rs.held {
+                    this.fanout(s, appended, records);
+                }
                 Ok(appended)
             }
             .await;
@@ -1198,13 +1200,28 @@ impl CoreBroker {
                         |k| core.owner(k) == core.core,
                         |k| {
                             catalog
-                                .spec(true, &k.tenant, &k.namespace, &k.name)
+                                .spec(
+                                    k.kind == ShardKind::Stream,
+                                    &k.tenant,
+                                    &k.namespace,
+                                    &k.name,
+                                )
                                 .filter(|s| s.replicated())
                                 .map(|s| s.consistency)
                         },
                         |key| {
                             let core = core.clone();
-                            async move { core.stream_shard(&key).await }
+                            async move {
+                                use crate::replication::replica::Held;
+                                match key.kind {
+                                    ShardKind::Stream => {
+                                        core.stream_shard(&key).await.map(Held::Stream)
+                                    }
+                                    ShardKind::Cache => {
+                                        core.cache_shard(&key).await.map(Held::Cache)
+                                    }
+                                }
+                            }
                         },
                     )
                     .await;
@@ -1241,6 +1258,9 @@ impl CoreBroker {
         key: &Arc<ShardKey>,
         op: CacheOp,
     ) -> Result<CacheAnswer, BrokerError> {
+        if let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(key)) {
+            return self.cache_replicated(rs, op).await;
+        }
         let shard = self.cache_shard(key).await?;
         let now = clock::now();
         match op {
@@ -1254,6 +1274,79 @@ impl CoreBroker {
             CacheOp::Put(k, v, ttl) => Ok(CacheAnswer::Written(shard.put(&k, v, ttl, now).await?)),
             CacheOp::Delete(k) => Ok(CacheAnswer::Value(shard.delete(&k, now).await?, None)),
         }
+    }
+
+    /// A cache operation on a replicated cache this broker leads: writes go through the
+    /// replica (claimed, durable, a majority for Quorum, the lease read again) and reach
+    /// the index only then, in commit order; reads need a serving leader.
+    async fn cache_replicated(
+        &self,
+        rs: Rc<crate::replication::replica::ReplicaShard>,
+        op: CacheOp,
+    ) -> Result<CacheAnswer, BrokerError> {
+        let crate::replication::replica::Held::Cache(cache) = rs.held.clone() else {
+            return Err(BrokerError::Internal(
+                "a stream replica asked for a cache".into(),
+            ));
+        };
+        if !rs.serving() {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        let now = clock::now();
+        let (record, old) = match op {
+            CacheOp::Get(k) => {
+                let e = cache.get(&k, now);
+                return Ok(CacheAnswer::Value(
+                    e.as_ref().map(|e| e.value.clone()),
+                    e.map(|e| e.version),
+                ));
+            }
+            CacheOp::Put(k, v, ttl) => {
+                let expires = ttl.map_or(0, |t| now.wall_ms() + t.max(1));
+                (
+                    crate::shard::encode_cache_record(true, expires, &k, &v),
+                    None,
+                )
+            }
+            CacheOp::Delete(k) => match cache.get(&k, now) {
+                None => return Ok(CacheAnswer::Value(None, None)),
+                Some(old) => (
+                    crate::shard::encode_cache_record(false, 0, &k, &[]),
+                    Some(old.value),
+                ),
+            },
+        };
+        let (pending, term) = rs.admit(std::slice::from_ref(&record), now.wall_micros)?;
+        let appended = rs.log().commit(pending).await?;
+        rs.durable(appended.end);
+        if rs.consistency.get() == crate::catalog::Consistency::Quorum {
+            match task::timeout(
+                crate::replication::replica::QUORUM_WAIT,
+                rs.committed(appended.end, term),
+            )
+            .await
+            {
+                Some(Ok(())) => {}
+                Some(Err(e)) => return Err(e),
+                None => {
+                    return Err(BrokerError::Unacknowledged(
+                        "a majority of replicas did not confirm the write in time".into(),
+                    ));
+                }
+            }
+        }
+        if let Some(c) = &self.shared.cluster
+            && !c.lease_valid(clock::now().instant)
+        {
+            return Err(BrokerError::Unacknowledged(
+                "the lease lapsed before the write was acknowledged".into(),
+            ));
+        }
+        cache.apply_stored(appended.first, &[record]);
+        Ok(match old {
+            None => CacheAnswer::Written(appended.first),
+            Some(v) => CacheAnswer::Value(Some(v), None),
+        })
     }
 
     /// Handles one message from another core. Deliveries are handled inline, in the

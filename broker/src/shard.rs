@@ -317,34 +317,31 @@ impl CacheShard {
         key: Arc<ShardKey>,
         log: SegmentLog<DmaBackend>,
     ) -> Result<CacheShard, BrokerError> {
-        let mut index = HashMap::new();
-        let mut at = log.base_offset();
-        loop {
-            let batches: Vec<ReadBatch> = log.read(at, 4 << 20).await?;
-            if batches.is_empty() {
-                break;
-            }
-            for b in batches {
-                if b.kind == BatchKind::Data {
-                    for (i, r) in b.records.iter().enumerate() {
-                        let rec = decode_cache_record(r).ok_or_else(|| {
-                            BrokerError::Storage(format!(
-                                "cache {} offset {}: malformed cache record",
-                                key,
-                                b.base_offset + i as u64
-                            ))
-                        })?;
-                        apply(&mut index, rec, b.base_offset + i as u64);
-                    }
-                }
-                at = b.end_offset();
-            }
-        }
+        let index = replay(&key, &log).await?;
         Ok(CacheShard {
             key,
             log,
             index: RefCell::new(index),
         })
+    }
+
+    /// Rebuilds the index from the log (a replica whose suffix was cut, or that starts
+    /// leading).
+    pub async fn rebuild(&self) -> Result<(), BrokerError> {
+        let index = replay(&self.key, &self.log).await?;
+        *self.index.borrow_mut() = index;
+        Ok(())
+    }
+
+    /// Applies records stored at `base..` (by a follower, or a leader's replicated
+    /// write once it may be read) to the index.
+    pub fn apply_stored(&self, base: u64, records: &[Bytes]) {
+        let mut index = self.index.borrow_mut();
+        for (i, r) in records.iter().enumerate() {
+            if let Some(rec) = decode_cache_record(r) {
+                apply(&mut index, rec, base + i as u64);
+            }
+        }
     }
 
     /// The value of `key` live at `now`.
@@ -414,6 +411,37 @@ impl CacheShard {
     pub fn log(&self) -> &SegmentLog<DmaBackend> {
         &self.log
     }
+}
+
+/// The index a cache log describes.
+async fn replay(
+    key: &ShardKey,
+    log: &SegmentLog<DmaBackend>,
+) -> Result<HashMap<String, CacheEntry>, BrokerError> {
+    let mut index = HashMap::new();
+    let mut at = log.base_offset();
+    loop {
+        let batches: Vec<ReadBatch> = log.read(at, 4 << 20).await?;
+        if batches.is_empty() {
+            break;
+        }
+        for b in batches {
+            if b.kind == BatchKind::Data {
+                for (i, r) in b.records.iter().enumerate() {
+                    let rec = decode_cache_record(r).ok_or_else(|| {
+                        BrokerError::Storage(format!(
+                            "cache {} offset {}: malformed cache record",
+                            key,
+                            b.base_offset + i as u64
+                        ))
+                    })?;
+                    apply(&mut index, rec, b.base_offset + i as u64);
+                }
+            }
+            at = b.end_offset();
+        }
+    }
+    Ok(index)
 }
 
 fn apply(index: &mut HashMap<String, CacheEntry>, rec: CacheRecord, offset: u64) {

@@ -12,6 +12,7 @@ use felix_cluster::cluster::{CP_ARGS, NAMESPACE, TENANT, TestCluster};
 use felix_cluster::wait_for;
 use felix_wire::AckMode;
 use felix_wire::message::StartPosition;
+use serde_json as _;
 
 fn cluster() -> TestCluster {
     TestCluster::start(
@@ -384,4 +385,90 @@ async fn wait_for_async(mut f: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "timed out");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+#[test]
+fn a_quorum_cache_keeps_every_acknowledged_value_across_a_leader_kill() {
+    let mut c = cluster();
+    c.admin
+        .post(
+            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
+            &serde_json::json!({"cache": "sessions", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
+        )
+        .unwrap();
+    let leader_of = |c: &TestCluster| {
+        c.assignments()
+            .ok()?
+            .into_iter()
+            .find(|a| a["kind"] == "cache")
+            .map(|a| {
+                (
+                    c.index(a["leader"].as_str().unwrap()),
+                    a["generation"].as_u64().unwrap(),
+                )
+            })
+    };
+    let (leader, generation) =
+        wait_for("a cache leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Through a broker that will survive: it forwards to the leader.
+    let via = (leader + 1) % 3;
+    let put = |c: &TestCluster, n: usize, tag: &'static str| {
+        let addr = c.brokers[via].listen;
+        let config = c.client_config().unwrap();
+        rt.block_on(async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let client = felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap();
+            let mut i = 0;
+            while i < n {
+                let v = bytes::Bytes::from(format!("{tag}-{i}"));
+                match client
+                    .cache_put(TENANT, NAMESPACE, "sessions", &format!("k{i}"), v, None)
+                    .await
+                {
+                    Ok(()) => i += 1,
+                    Err(e) => {
+                        assert!(Instant::now() < deadline, "cache writes never resumed: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        })
+    };
+    put(&c, 40, "before");
+    c.brokers[leader].kill();
+    let (successor, _) = wait_for("a new cache leader", Duration::from_secs(30), || {
+        leader_of(&c).filter(|(l, g)| *l != leader && *g > generation)
+    })
+    .unwrap();
+    eprintln!("cache leader node-{leader} killed, node-{successor} leads");
+    // Every value written before the kill is there; writes go on.
+    let addr = c.brokers[via].listen;
+    let config = c.client_config().unwrap();
+    rt.block_on(async move {
+        let client = felix_client::Client::connect(addr, "localhost", config)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut i = 0;
+        while i < 40 {
+            match client
+                .cache_get(TENANT, NAMESPACE, "sessions", &format!("k{i}"))
+                .await
+            {
+                Ok(v) => {
+                    assert_eq!(v.as_deref(), Some(format!("before-{i}").as_bytes()), "k{i}");
+                    i += 1;
+                }
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "cache reads never resumed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    });
+    put(&c, 10, "after");
+    let _ = &mut c;
 }

@@ -31,7 +31,8 @@ use crate::catalog::Consistency;
 use crate::cluster::{Cluster, FollowerReport, Route, ShardReport};
 use crate::core::CoreMetrics;
 use crate::error::BrokerError;
-use crate::shard::StreamShard;
+use crate::shard::{CacheShard, StreamShard};
+use felix_storage_uring::{DmaBackend, SegmentLog};
 
 /// The meta file holding a replica's ballot and commit mark.
 const META_FILE: &str = "replica";
@@ -45,12 +46,46 @@ const PENDING_MAX: usize = 65_536;
 /// Requests sent, by correlation id, and their order (the oldest are forgotten first).
 type PendingRequests = (HashMap<u64, Arc<ShardKey>>, VecDeque<u64>);
 
-/// One replicated stream shard on its owning core.
+/// What a replica's log belongs to, for what each kind does on top of the log: a
+/// stream's fanout frontier, a cache's key index.
+#[derive(Debug, Clone)]
+pub enum Held {
+    /// A stream shard.
+    Stream(Rc<StreamShard>),
+    /// A cache shard.
+    Cache(Rc<CacheShard>),
+}
+
+impl Held {
+    fn log(&self) -> &SegmentLog<DmaBackend> {
+        match self {
+            Held::Stream(s) => &s.log,
+            Held::Cache(c) => c.log(),
+        }
+    }
+
+    /// After the log's suffix was cut or replaced: what was derived from it follows.
+    async fn after_cut(&self, end: u64) {
+        match self {
+            Held::Stream(s) => s.reset_fanout(s.fanout_end().min(end)),
+            Held::Cache(c) => {
+                if let Err(e) = c.rebuild().await {
+                    tracing::error!(shard = %c.key, error = %e, "rebuilding a cache index");
+                }
+            }
+        }
+    }
+}
+
+/// One replicated shard on its owning core.
 pub struct ReplicaShard {
     /// Which shard.
     pub key: Arc<ShardKey>,
-    /// Its log and fanout state.
-    pub shard: Rc<StreamShard>,
+    /// Its stream or cache state.
+    pub held: Held,
+    log: SegmentLog<DmaBackend>,
+    /// Derived state (a cache's index) is rebuilt before a new leader takes requests.
+    ready: Cell<bool>,
     machine: RefCell<Replica>,
     /// When writes are acknowledged.
     pub consistency: Cell<Consistency>,
@@ -82,7 +117,12 @@ impl ReplicaShard {
 
     /// Whether this replica leads and serves.
     pub fn serving(&self) -> bool {
-        self.machine.borrow().serving()
+        self.ready.get() && self.machine.borrow().serving()
+    }
+
+    /// The log.
+    pub fn log(&self) -> &SegmentLog<DmaBackend> {
+        &self.log
     }
 
     /// The commit mark.
@@ -106,10 +146,10 @@ impl ReplicaShard {
         now_micros: u64,
     ) -> Result<(PendingAppend, u64), BrokerError> {
         let mut m = self.machine.borrow_mut();
-        if !m.serving() {
+        if !m.serving() || !self.ready.get() {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
-        let pending = self.shard.log.begin_append(records, now_micros, None)?;
+        let pending = self.log.begin_append(records, now_micros, None)?;
         if !m.handle_appended(pending.first(), pending.end()) {
             return Err(BrokerError::Internal(format!(
                 "{}: the log and the replica disagree on the end",
@@ -161,15 +201,27 @@ impl ReplicaShard {
         }
     }
 
-    fn on_serving(&self, serving: bool) {
+    async fn on_serving(&self, serving: bool) {
         self.term.set(self.term.get() + 1);
+        self.ready.set(false);
         let all = std::mem::take(&mut *self.waiters.borrow_mut());
         for (_, wakers) in all {
             wakers.into_iter().for_each(Waker::wake);
         }
         if serving {
-            let end = self.shard.log.committed_end();
-            self.shard.reset_fanout(end.min(self.visible_end()));
+            match &self.held {
+                Held::Stream(s) => {
+                    let end = self.log.committed_end();
+                    s.reset_fanout(end.min(self.visible_end()));
+                }
+                Held::Cache(c) => {
+                    if let Err(e) = c.rebuild().await {
+                        tracing::error!(shard = %self.key, error = %e, "rebuilding a cache index");
+                        return;
+                    }
+                }
+            }
+            self.ready.set(true);
         }
     }
 
@@ -181,7 +233,10 @@ impl ReplicaShard {
         }
         let k = &self.key;
         Some(ShardReport {
-            kind: "stream",
+            kind: match k.kind {
+                ShardKind::Stream => "stream",
+                ShardKind::Cache => "cache",
+            },
             tenant_id: k.tenant.clone(),
             namespace: k.namespace.clone(),
             name: k.name.clone(),
@@ -612,8 +667,8 @@ impl Replicas {
     }
 
     /// Brings this core's replicas in line with the control plane's assignments:
-    /// opens a replica for every replicated stream shard this broker is in the set of
-    /// and this core owns, and hands each its assignment. `open` opens the shard's log.
+    /// opens a replica for every replicated stream or cache shard this broker is in the
+    /// set of and this core owns, and hands each its assignment. `open` opens the shard.
     pub async fn sync<F, Fut>(
         self: &Rc<Self>,
         owned: impl Fn(&ShardKey) -> bool,
@@ -621,17 +676,14 @@ impl Replicas {
         open: F,
     ) where
         F: Fn(Arc<ShardKey>) -> Fut,
-        Fut: std::future::Future<Output = Result<Rc<StreamShard>, BrokerError>>,
+        Fut: std::future::Future<Output = Result<Held, BrokerError>>,
     {
         let view = self.cluster.view();
         let mine: Vec<(ShardKey, Route)> = view
             .routes
             .iter()
             .filter(|(k, r)| {
-                k.kind == ShardKind::Stream
-                    && r.replicas.len() > 1
-                    && r.replicas.iter().any(|n| **n == *self.me)
-                    && owned(k)
+                r.replicas.len() > 1 && r.replicas.iter().any(|n| **n == *self.me) && owned(k)
             })
             .map(|(k, r)| (k.clone(), r.clone()))
             .collect();
@@ -704,10 +756,11 @@ impl Replicas {
     ) -> Result<Rc<ReplicaShard>, BrokerError>
     where
         F: Fn(Arc<ShardKey>) -> Fut,
-        Fut: std::future::Future<Output = Result<Rc<StreamShard>, BrokerError>>,
+        Fut: std::future::Future<Output = Result<Held, BrokerError>>,
     {
-        let shard = open(key.clone()).await?;
-        let log = &shard.log;
+        let held = open(key.clone()).await?;
+        let log = held.log().clone();
+        let log = &log;
         let meta: Meta = match log.read_meta(META_FILE).await? {
             Some(bytes) => serde_json::from_slice(&bytes)
                 .map_err(|e| BrokerError::Storage(format!("{key}: replica metadata: {e}")))?,
@@ -735,7 +788,9 @@ impl Replicas {
         let machine = Replica::new(self.me.clone(), meta, base, end, epochs);
         let rs = Rc::new(ReplicaShard {
             key: key.clone(),
-            shard,
+            log: held.log().clone(),
+            held,
+            ready: Cell::new(false),
             machine: RefCell::new(machine),
             consistency: Cell::new(consistency),
             waker: RefCell::default(),
@@ -779,7 +834,7 @@ impl Replicas {
     }
 
     async fn carry_out(&self, rs: &Rc<ReplicaShard>, out: Output) {
-        let log = &rs.shard.log;
+        let log = &rs.log;
         let now = || clock::now().instant;
         match out {
             Output::Send { to, msg } => self.send(&rs.key, &to, msg),
@@ -842,7 +897,7 @@ impl Replicas {
             }
             Output::Truncate { from } => match log.truncate_from(from).await {
                 Ok(()) => {
-                    rs.shard.reset_fanout(rs.shard.fanout_end().min(from));
+                    rs.held.after_cut(from).await;
                     rs.machine.borrow_mut().handle_truncated(now());
                 }
                 Err(e) => {
@@ -861,7 +916,7 @@ impl Replicas {
                 };
                 match reset.await {
                     Ok(()) => {
-                        rs.shard.reset_fanout(base);
+                        rs.held.after_cut(base).await;
                         rs.machine.borrow_mut().handle_truncated(now());
                     }
                     Err(e) => {
@@ -928,7 +983,7 @@ impl Replicas {
             Output::Commit(c) => rs.on_commit(c),
             Output::Serving(serving) => {
                 tracing::info!(shard = %rs.key, serving, generation = rs.machine.borrow().generation(), "replica leadership");
-                rs.on_serving(serving);
+                rs.on_serving(serving).await;
             }
             Output::Halted { peer } => {
                 tracing::error!(shard = %rs.key, peer = %peer, "a follower would have to cut committed records: halted");
