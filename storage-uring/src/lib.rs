@@ -27,5 +27,5 @@ pub use io::faults::{FaultTimes, StorageFaults};
 pub use io::memory::{MemBackend, MemOp};
 pub use log::{
     Appended, FsyncMode, LogConfig, LogStats, PendingAppend, ReadBatch, RecoveryReport, SegmentLog,
-    VerifyOnOpen,
+    TornTail, VerifyOnOpen,
 };

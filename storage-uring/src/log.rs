@@ -14,6 +14,8 @@
 //! 3. Under `FsyncMode::OnCommit` the flusher then issues one fdatasync for the round:
 //!    every batch written in the round becomes durable together (group commit). Under
 //!    `Periodic` a timer asks for that fdatasync; under `None` only close does.
+//!    (`LogConfig::unsafe_skip_fdatasync` leaves this call out: a mutant the power-loss
+//!    tests must catch.)
 //! 4. `commit` resolves once its batch is acknowledged (durable under `OnCommit`,
 //!    written otherwise) *and* every earlier turn has resolved: success, failure and
 //!    cancellation (dropping a `PendingAppend`) all release the next turn, so commits
@@ -185,6 +187,12 @@ pub struct LogConfig {
     /// Open without changing anything: recovery reports what it would repair instead of
     /// repairing it, and appends are refused. For inspection tools.
     pub read_only: bool,
+    /// A deliberate bug: under `OnCommit` the flusher acknowledges a round as if the
+    /// fdatasync of step 3 had run, without calling it. The log then believes those
+    /// bytes durable, so a later `sync` or `close` does not fsync them either; a roll
+    /// still fdatasyncs the segment it seals. For tests that must show a missing fsync
+    /// is caught; never set it otherwise.
+    pub unsafe_skip_fdatasync: bool,
 }
 
 impl Default for LogConfig {
@@ -199,6 +207,7 @@ impl Default for LogConfig {
             verify_on_open: VerifyOnOpen::All,
             read_window_bytes: 1024 * 1024,
             read_only: false,
+            unsafe_skip_fdatasync: false,
         }
     }
 }
@@ -222,8 +231,30 @@ pub struct RecoveryReport {
     pub verified_bytes: u64,
     /// An interrupted truncation or reset was found and finished (step 6d).
     pub finished_intent: bool,
+    /// The torn tail cut from the newest segment (read-only: that would be cut).
+    pub torn_tail: Option<TornTail>,
     /// Wall time.
     pub duration: Duration,
+}
+
+/// A torn tail of the newest segment: a batch whose write never completed, followed by
+/// nothing but zeros. It was never acknowledged; recovery cuts it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TornTail {
+    /// The segment file.
+    pub segment: String,
+    /// Where the cut is: the end of the last whole batch, the file's new length.
+    pub position: u64,
+    /// Bytes cut: the damaged batch and the zeros after it.
+    pub bytes: u64,
+    /// The offset the damaged batch starts at: the log's next offset after the cut.
+    pub first_offset: u64,
+    /// Records in the damaged batch, when its header survived and names `first_offset`:
+    /// the cut loses offsets `first_offset..first_offset + records`. `None` when the
+    /// header itself is damaged, so no record in it can be named.
+    pub records: Option<u64>,
+    /// What is wrong with the batch.
+    pub cause: format::FormatError,
 }
 
 /// A batch read back.
@@ -1358,10 +1389,14 @@ async fn flush_round<B: Backend>(
         )
     };
     if need_sync {
-        file.sync_data().await.map_err(|e| ("fsync", e))?;
+        // The mutant skips the group commit's fdatasync; one asked for still runs.
+        let skip = cfg.unsafe_skip_fdatasync && !sync_requested;
+        if !skip {
+            file.sync_data().await.map_err(|e| ("fsync", e))?;
+        }
         let mut st = shared.state.borrow_mut();
         st.durable_end = target;
-        st.stats.syncs += 1;
+        st.stats.syncs += u64::from(!skip);
         st.stats.synced_batches += batches_written;
         wake_acked(&mut st, cfg.fsync);
     } else if sync_requested {

@@ -63,9 +63,19 @@ pub(crate) struct ScanEnd {
     pub batches: u64,
     /// Base offset and kind of the last whole batch.
     pub last_batch: Option<(u64, BatchKind)>,
-    /// Set when a torn or zeroed tail was found at this position (only when repair was
-    /// allowed).
-    pub torn_at: Option<(u64, FormatError)>,
+    /// Set when a torn tail was found (only when repair was allowed).
+    pub torn_at: Option<Torn>,
+}
+
+/// A torn tail a scan found: everything from `pos` on may be cut.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Torn {
+    /// Where the damaged batch starts.
+    pub pos: u64,
+    /// What is wrong with it.
+    pub cause: FormatError,
+    /// Its header, when that much survived (the header checksum matched).
+    pub header: Option<BatchHeader>,
 }
 
 /// Reads a file through a moving window.
@@ -206,16 +216,16 @@ pub(crate) async fn scan<F: SegmentFile>(
                     continue;
                 }
                 Err(CheckError::Io(e)) => return Err(io(e)),
-                Err(CheckError::Format(e)) => (e, pos + h.total_len() as u64),
+                Err(CheckError::Format(e)) => (e, pos + h.total_len() as u64, Some(h)),
             },
-            Err(e) => (e, pos + BATCH_HEADER_BYTES as u64),
+            Err(e) => (e, pos + BATCH_HEADER_BYTES as u64, None),
         };
-        let (cause, extent_end) = damage;
+        let (cause, extent_end, header) = damage;
         let after = first_nonzero(file, extent_end.min(file_len), file_len)
             .await
             .map_err(io)?;
         return match after {
-            None if allow_tail_repair => Ok(done(pos, Some((pos, cause)))),
+            None if allow_tail_repair => Ok(done(pos, Some(Torn { pos, cause, header }))),
             None => Err(corrupt(pos, expected_offset, CorruptionKind::Format(cause))),
             Some(next_data) => Err(corrupt(
                 pos,

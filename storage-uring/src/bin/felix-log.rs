@@ -3,11 +3,15 @@
 //! - `dump`: print records as JSON lines (read-only).
 //! - `verify`: run recovery read-only, checksum every batch, check offsets are
 //!   contiguous, and report what a broker's open would repair; exit 1 on corruption.
+//! - `repair`: cut the torn tail a broker's open would cut, and say exactly which offsets
+//!   that loses; `--dry-run` only says it. Refuses (exit 2) when the log has damage that
+//!   recovery cannot repair without losing acknowledged records.
 //! - `write`: append deterministic records until killed or a count is reached, printing
 //!   one `{"ack":first,"end":end}` line per acknowledged batch, flushed as it happens.
 //!   The crash test kills it mid-append and checks every acknowledged record survives.
 //!
-//! Output is JSON lines on stdout; diagnostics go to stderr.
+//! Output is JSON lines on stdout (`repair`: text, or one JSON object with `--json`);
+//! diagnostics go to stderr.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -65,6 +69,19 @@ enum Command {
         /// Also check each record is the deterministic payload `write` produces.
         #[arg(long)]
         expect_written_payloads: bool,
+    },
+    /// Cut the torn tail recovery would cut (exit 0), or refuse when the damage is not a
+    /// torn tail (exit 2).
+    Repair {
+        /// The log directory.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Change nothing: print what a repair would cut (exit 2 if it would refuse).
+        #[arg(long)]
+        dry_run: bool,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Append deterministic records, reporting each acknowledgement.
     #[command(hide = true)]
@@ -218,6 +235,13 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 })
             )?;
         }
+        Command::Repair { dir, dry_run, json } => {
+            drop(out);
+            let code = repair(&dir, dry_run, json).await?;
+            if code != 0 {
+                std::process::exit(code);
+            }
+        }
         Command::Write {
             dir,
             records,
@@ -290,4 +314,184 @@ async fn open_read_only(
         ..LogConfig::default()
     };
     Ok(SegmentLog::open(backend, config).await?)
+}
+
+/// What `repair` found, decided or did.
+enum RepairOutcome {
+    /// Recovery repairs the log (or would): what it cuts, and the log after it.
+    Repairable(felix_storage_uring::RecoveryReport),
+    /// Recovery refuses: the damage is not a torn tail.
+    Refused(StorageError),
+}
+
+/// `felix-log repair`: returns the exit code (0 repaired or nothing to do, 2 refused).
+async fn repair(dir: &std::path::Path, dry_run: bool, json: bool) -> anyhow::Result<i32> {
+    // A read-only open reports exactly what a read-write one would do, and changes
+    // nothing, so a refusal leaves the directory as it was.
+    let intent_pending = dir
+        .join(felix_storage_uring::log::cut::INTENT_FILE)
+        .exists();
+    let plan = if intent_pending {
+        if dry_run {
+            bail!(
+                "an interrupted truncation or reset is pending ({}): a read-write open \
+                 finishes it first, so a dry run cannot see past it; run repair without \
+                 --dry-run",
+                felix_storage_uring::log::cut::INTENT_FILE
+            );
+        }
+        None
+    } else {
+        Some(analyse(dir).await?)
+    };
+    let outcome = match plan {
+        Some(refused @ RepairOutcome::Refused(_)) => refused,
+        Some(plan) if dry_run => plan,
+        _ => {
+            let backend = DmaBackend::open_dir(dir).await?;
+            let config = LogConfig {
+                verify_on_open: VerifyOnOpen::All,
+                ..LogConfig::default()
+            };
+            match SegmentLog::open(backend, config).await {
+                Ok((log, report)) => {
+                    log.close().await?;
+                    RepairOutcome::Repairable(report)
+                }
+                Err(e) if refusal(&e) => RepairOutcome::Refused(e),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    if json {
+        writeln!(out, "{}", repair_json(&outcome, dry_run))?;
+    } else {
+        write!(out, "{}", repair_text(&outcome, dry_run))?;
+    }
+    Ok(match outcome {
+        RepairOutcome::Repairable(_) => 0,
+        RepairOutcome::Refused(_) => 2,
+    })
+}
+
+/// Runs recovery read-only: what a repair would do, or why it would refuse.
+async fn analyse(dir: &std::path::Path) -> anyhow::Result<RepairOutcome> {
+    match open_read_only(dir, VerifyOnOpen::All).await {
+        Ok((_, report)) => Ok(RepairOutcome::Repairable(report)),
+        Err(e) => match e.downcast::<StorageError>() {
+            Ok(e) if refusal(&e) => Ok(RepairOutcome::Refused(e)),
+            Ok(e) => Err(e.into()),
+            Err(e) => Err(e),
+        },
+    }
+}
+
+/// Errors that mean "recovery will not repair this": damage that is not a torn tail.
+fn refusal(e: &StorageError) -> bool {
+    matches!(
+        e,
+        StorageError::Corrupt(_) | StorageError::ForeignFile { .. }
+    )
+}
+
+fn repair_json(outcome: &RepairOutcome, dry_run: bool) -> serde_json::Value {
+    match outcome {
+        RepairOutcome::Repairable(r) => {
+            let cut = r.torn_tail.as_ref().map(|t| {
+                json!({
+                    "segment": t.segment,
+                    "position": t.position,
+                    "bytes": t.bytes,
+                    "first_offset": t.first_offset,
+                    "last_offset": t.records.map(|n| t.first_offset + n - 1),
+                    "records": t.records,
+                    "cause": t.cause.to_string(),
+                })
+            });
+            json!({
+                "dry_run": dry_run,
+                "repairable": true,
+                "cut": cut,
+                "discarded_segments": r.discarded_segments,
+                "finished_intent": r.finished_intent,
+                "base_offset": r.base_offset,
+                "next_offset": r.next_offset,
+                "segments": r.segments,
+            })
+        }
+        RepairOutcome::Refused(e) => {
+            let mut v = json!({
+                "dry_run": dry_run,
+                "repairable": false,
+                "error": e.to_string(),
+            });
+            if let StorageError::Corrupt(c) = e {
+                v["segment"] = json!(c.segment);
+                v["position"] = json!(c.position);
+                v["offset"] = json!(c.offset);
+            }
+            v
+        }
+    }
+}
+
+fn repair_text(outcome: &RepairOutcome, dry_run: bool) -> String {
+    let (cuts, ends) = if dry_run {
+        ("would cut", "would end")
+    } else {
+        ("cut", "ends")
+    };
+    let r = match outcome {
+        RepairOutcome::Refused(e) => {
+            return format!(
+                "repair impossible: {e}\n\
+                 Only a torn tail of the newest segment (a damaged last batch followed by \
+                 nothing but zeros) can be cut without losing acknowledged records. Nothing \
+                 was changed; restore this log from a replica or a backup.\n"
+            );
+        }
+        RepairOutcome::Repairable(r) => r,
+    };
+    let mut text = String::new();
+    if r.finished_intent {
+        text += "finished an interrupted truncation or reset\n";
+    }
+    if r.discarded_segments > 0 {
+        text += &format!(
+            "{} {} segment file(s) whose creation never completed (no records)\n",
+            if dry_run { "would remove" } else { "removed" },
+            r.discarded_segments
+        );
+    }
+    match &r.torn_tail {
+        None => text += "no torn tail: nothing to cut\n",
+        Some(t) => {
+            text += &format!(
+                "segment {}: torn tail at byte {} ({})\n{cuts} {} bytes: ",
+                t.segment, t.position, t.cause, t.bytes
+            );
+            text += &match t.records {
+                Some(n) => format!(
+                    "offsets {}..={} ({n} record{})\n",
+                    t.first_offset,
+                    t.first_offset + n - 1,
+                    if n == 1 { "" } else { "s" }
+                ),
+                None => format!(
+                    "the batch header at offset {} is damaged, so how many records it held \
+                     is unknown; nothing from offset {} on remains\n",
+                    t.first_offset, t.first_offset
+                ),
+            };
+        }
+    }
+    text += &format!(
+        "the log {ends} at offset {} (base {}, {} segment{})\n",
+        r.next_offset,
+        r.base_offset,
+        r.segments,
+        if r.segments == 1 { "" } else { "s" }
+    );
+    text
 }

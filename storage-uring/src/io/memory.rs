@@ -10,6 +10,22 @@
 //!
 //! Files are inodes shared by the directory and by open handles, as on Linux: a handle
 //! keeps working on a file that was removed or renamed after it was opened.
+//!
+//! Two models of losing power. [`MemBackend::crash`] is the kind one: every file holds
+//! exactly what it held at its last fsync. [`MemBackend::power_loss`] is what a disk with
+//! a volatile write cache may do: it may have persisted any subset of the sectors written
+//! since the last fsync, in any order. The directory is as in a crash; then each file is
+//! compared, 512-byte sector by sector, between what reads see and what was last synced,
+//! and every sector that differs is kept in its new or its old version by a seeded coin:
+//! - inside the synced length, the old version is the synced bytes;
+//! - past it (the file grew), the old version is zeros: a dropped sector reads as zeros
+//!   and the file keeps the length reads see, as an allocated but unwritten extent does
+//!   (preallocated space, a size update that reached the disk before the data did);
+//! - a file shortened since its last sync keeps the new or the old length (one coin: the
+//!   size is one field), and past the new length holds its synced bytes.
+//!
+//! So a power loss never invents bytes nobody wrote, but may leave holes before data that
+//! did land. An fsync makes every sector of the file durable at once.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -208,6 +224,31 @@ impl MemBackend {
         }
     }
 
+    /// A new backend holding what may survive a power cut now: as [`MemBackend::crash`],
+    /// but every 512-byte sector written since the file's last fsync is independently
+    /// kept or lost, chosen by a generator seeded with `seed` (the module docs give the
+    /// model). The same state and seed give the same result.
+    pub fn power_loss(&self, seed: u64) -> MemBackend {
+        let mut coin = SplitMix64(seed);
+        let fs = self.fs.borrow();
+        let files: BTreeMap<String, Inode> = fs
+            .synced
+            .iter()
+            .map(|(name, f)| {
+                let f = f.borrow();
+                let survived = sectors_after_power_loss(&f.data, &f.durable, &mut coin);
+                (name.clone(), inode(&survived, &survived))
+            })
+            .collect();
+        MemBackend {
+            fs: Rc::new(RefCell::new(MemFs {
+                synced: files.clone(),
+                files,
+                faults: Faults::default(),
+            })),
+        }
+    }
+
     /// Overwrites bytes of a file, durably (bit rot, a stray writer).
     pub fn corrupt(&self, name: &str, pos: usize, bytes: &[u8]) {
         let f = self.fs.borrow().file(name).expect("corrupt: no such file");
@@ -255,6 +296,53 @@ impl MemBackend {
     pub fn op_counts(&self) -> (u64, u64) {
         let fs = self.fs.borrow();
         (fs.faults.writes, fs.faults.syncs)
+    }
+}
+
+/// The unit a disk persists atomically in the power-loss model.
+pub const SECTOR_BYTES: usize = 512;
+
+/// What a file holds after a power cut: `data` as reads see it, `durable` as last
+/// synced; each differing sector is the new or the old one, by `coin`.
+fn sectors_after_power_loss(data: &[u8], durable: &[u8], coin: &mut SplitMix64) -> Vec<u8> {
+    let len = if data.len() < durable.len() && coin.flip() {
+        durable.len()
+    } else {
+        data.len()
+    };
+    // Past either length a version reads as zeros: never-written space, or bytes a
+    // truncation removed.
+    let byte = |v: &[u8], i: usize| v.get(i).copied().unwrap_or(0);
+    let mut out = vec![0u8; len];
+    for start in (0..len).step_by(SECTOR_BYTES) {
+        let end = (start + SECTOR_BYTES).min(len);
+        let differs = (start..end).any(|i| byte(data, i) != byte(durable, i));
+        let from = if start >= data.len() || (differs && coin.flip()) {
+            durable
+        } else {
+            data
+        };
+        for (i, b) in out[start..end].iter_mut().enumerate() {
+            *b = byte(from, start + i);
+        }
+    }
+    out
+}
+
+/// A tiny seeded generator (splitmix64): the library does not depend on `rand`.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn flip(&mut self) -> bool {
+        self.next() & 1 == 1
     }
 }
 
@@ -420,5 +508,117 @@ impl SegmentFile for MemFileHandle {
     async fn truncate(&self, len: u64) -> io::Result<()> {
         self.fs.borrow_mut().faults.check(MemOp::Truncate)?;
         self.with(|f| f.data.resize(len as usize, 0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures_lite::future::block_on;
+
+    use super::*;
+
+    const BLOCK: usize = BLOCK_BYTES;
+
+    /// A directory with `a` synced as `old`, then `new` written over it without a sync.
+    fn written_after_sync(old: &[u8], new: &[u8]) -> MemBackend {
+        let mem = MemBackend::new();
+        block_on(async {
+            let f = mem.open("a", true).await.unwrap();
+            f.write_at(old, 0).await.unwrap();
+            f.sync_data().await.unwrap();
+            mem.sync_dir().await.unwrap();
+            f.write_at(new, 0).await.unwrap();
+        });
+        mem
+    }
+
+    fn sectors(bytes: &[u8]) -> Vec<&[u8]> {
+        bytes.chunks(SECTOR_BYTES).collect()
+    }
+
+    #[test]
+    fn power_loss_keeps_each_unsynced_sector_old_or_new_and_both_happen() {
+        let old = vec![1u8; BLOCK];
+        let new = vec![2u8; BLOCK];
+        let mem = written_after_sync(&old, &new);
+        let (mut kept_new, mut kept_old) = (0, 0);
+        for seed in 0..32 {
+            let after = mem.power_loss(seed).contents("a").unwrap();
+            assert_eq!(after.len(), BLOCK);
+            for s in sectors(&after) {
+                // A sector is all of one version: the disk writes sectors whole.
+                assert!(s == &old[..SECTOR_BYTES] || s == &new[..SECTOR_BYTES]);
+                kept_new += usize::from(s[0] == 2);
+                kept_old += usize::from(s[0] == 1);
+            }
+            assert_eq!(mem.power_loss(seed).contents("a"), Some(after), "seeded");
+        }
+        assert!(
+            kept_new > 0 && kept_old > 0,
+            "{kept_new} new, {kept_old} old"
+        );
+        // A crash is the case where every sector kept its old version.
+        assert_eq!(mem.crash().contents("a"), Some(old));
+    }
+
+    #[test]
+    fn power_loss_past_the_synced_length_keeps_the_length_and_drops_to_zeros() {
+        let old = vec![1u8; BLOCK];
+        let mut new = old.clone();
+        new.extend(vec![3u8; 2 * BLOCK]);
+        let mem = written_after_sync(&old, &new);
+        let mut dropped = 0;
+        for seed in 0..16 {
+            let after = mem.power_loss(seed).contents("a").unwrap();
+            assert_eq!(
+                after.len(),
+                new.len(),
+                "the file keeps the length reads saw"
+            );
+            assert_eq!(after[..BLOCK], old[..], "synced sectors are untouched");
+            for s in sectors(&after[BLOCK..]) {
+                assert!(s.iter().all(|b| *b == 3) || s.iter().all(|b| *b == 0));
+                dropped += usize::from(s[0] == 0);
+            }
+        }
+        assert!(dropped > 0);
+    }
+
+    #[test]
+    fn power_loss_leaves_synced_files_alone_and_forgets_unsynced_names() {
+        let mem = MemBackend::new();
+        block_on(async {
+            let f = mem.open("synced", true).await.unwrap();
+            f.write_at(&[7u8; BLOCK], 0).await.unwrap();
+            f.sync_data().await.unwrap();
+            mem.sync_dir().await.unwrap();
+            let g = mem.open("unlisted", true).await.unwrap();
+            g.write_at(&[8u8; BLOCK], 0).await.unwrap();
+            g.sync_data().await.unwrap();
+        });
+        for seed in 0..8 {
+            let after = mem.power_loss(seed);
+            assert_eq!(after.contents("synced"), Some(vec![7u8; BLOCK]));
+            assert_eq!(
+                after.contents("unlisted"),
+                None,
+                "its name was never synced"
+            );
+        }
+    }
+
+    #[test]
+    fn power_loss_after_an_unsynced_truncate_keeps_one_length_or_the_other() {
+        let mem = written_after_sync(&[5u8; 2 * BLOCK], &[5u8; 2 * BLOCK]);
+        block_on(async {
+            let f = mem.open("a", false).await.unwrap();
+            f.truncate(BLOCK as u64).await.unwrap();
+        });
+        let lens: std::collections::BTreeSet<usize> = (0..16)
+            .map(|seed| mem.power_loss(seed).contents("a").unwrap())
+            .inspect(|c| assert!(c.iter().all(|b| *b == 5), "old bytes or none"))
+            .map(|c| c.len())
+            .collect();
+        assert_eq!(lens, [BLOCK, 2 * BLOCK].into());
     }
 }

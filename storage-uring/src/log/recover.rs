@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::rc::Rc;
 
-use super::{LogConfig, RecoveryReport, VerifyOnOpen, create_segment, cut};
+use super::{LogConfig, RecoveryReport, TornTail, VerifyOnOpen, create_segment, cut};
 use crate::error::{Corruption, CorruptionKind, StorageError};
 use crate::format::{self, BATCH_HEADER_BYTES, HeaderRead, SEGMENT_HEADER_BYTES, SegmentHeader};
 use crate::index::SparseIndex;
@@ -147,12 +147,24 @@ pub(super) async fn recover<B: Backend>(
         )
         .await?;
         report.verified_bytes += end.data_len - start.0;
-        if let Some((pos, _)) = end.torn_at {
+        if let Some(torn) = end.torn_at {
+            let pos = torn.pos;
             if !config.read_only {
                 file.truncate(pos).await.map_err(io("truncate torn tail"))?;
                 file.sync_data().await.map_err(io("fsync repair"))?;
             }
             report.truncated_bytes += len - pos;
+            report.torn_tail = Some(TornTail {
+                segment: name.clone(),
+                position: pos,
+                bytes: len - pos,
+                first_offset: end.end_offset,
+                records: torn
+                    .header
+                    .filter(|h| h.base_offset == end.end_offset)
+                    .map(|h| u64::from(h.record_count)),
+                cause: torn.cause,
+            });
         }
         if !newest && loaded.as_ref() != Some(&index) {
             report.rebuilt_indexes += 1;

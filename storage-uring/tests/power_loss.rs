@@ -1,0 +1,235 @@
+//! Power loss on the in-memory backend: a disk may keep any subset of the sectors written
+//! since the last fsync ([`MemBackend::power_loss`]). Appenders commit batches under
+//! on-commit fsync; power is cut at a random moment, several times per run and over many
+//! seeds; after every cut the reopened log must hold every acknowledged record at its
+//! offset and nothing that was not appended there. The same run with the group commit's
+//! fdatasync left out (`LogConfig::unsafe_skip_fdatasync`) must fail: that shows the
+//! check catches a missing fsync.
+//!
+//! The memory backend's fdatasync completes without yielding, so a cut from another task
+//! lands between flush rounds, never between a round's write and its fdatasync. That
+//! case is the ignored test at the end: recovery does not yet survive it.
+
+mod common;
+
+use std::cell::Cell;
+use std::rc::Rc;
+
+use common::{payload, run};
+use felix_storage_uring::{LogConfig, MemBackend, SegmentLog};
+use rand::{RngExt, SeedableRng};
+
+/// Seeds per run of the correct log.
+const SEEDS: u64 = 150;
+/// Power cuts per seed.
+const CUTS: usize = 4;
+
+fn cfg(skip_fdatasync: bool) -> LogConfig {
+    LogConfig {
+        // Small segments, so cuts also land around rolls.
+        segment_bytes_max: 16 * 1024,
+        index_interval_bytes: 512,
+        unsafe_skip_fdatasync: skip_fdatasync,
+        ..LogConfig::default()
+    }
+}
+
+/// Every record's length follows from its offset, so a read can check it on its own.
+fn record(offset: u64) -> Vec<u8> {
+    payload(offset, 16 + (offset * 37 % 200) as usize)
+}
+
+/// What a power cut broke.
+#[derive(Debug)]
+enum Broken {
+    /// Recovery refused to open the log.
+    Refused(String),
+    /// Acknowledged records are missing.
+    Lost { acked_end: u64, recovered_end: u64 },
+    /// A record is not what was appended at its offset, or offsets are not contiguous.
+    Invented(String),
+}
+
+impl std::fmt::Display for Broken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Broken::Refused(e) => write!(f, "recovery refused the log: {e}"),
+            Broken::Lost {
+                acked_end,
+                recovered_end,
+            } => write!(
+                f,
+                "acknowledged records {recovered_end}..{acked_end} are gone after recovery"
+            ),
+            Broken::Invented(what) => write!(f, "invented: {what}"),
+        }
+    }
+}
+
+/// Reopens the log after a cut and checks it against what was acknowledged before it.
+async fn check(mem: &MemBackend, config: &LogConfig, acked_end: u64) -> Result<u64, Broken> {
+    let (log, _) = SegmentLog::open(mem.clone(), config.clone())
+        .await
+        .map_err(|e| Broken::Refused(e.to_string()))?;
+    let mut at = log.base_offset();
+    if at != 0 {
+        return Err(Broken::Invented(format!("the log starts at {at}, not 0")));
+    }
+    loop {
+        let batches = log
+            .read(at, 1 << 20)
+            .await
+            .map_err(|e| Broken::Invented(format!("read at {at}: {e}")))?;
+        if batches.is_empty() {
+            break;
+        }
+        for b in batches {
+            if b.base_offset != at {
+                return Err(Broken::Invented(format!(
+                    "batch at {} where {at} was expected",
+                    b.base_offset
+                )));
+            }
+            for (i, r) in b.records.iter().enumerate() {
+                let o = b.base_offset + i as u64;
+                if r[..] != record(o)[..] {
+                    return Err(Broken::Invented(format!("record {o} was not appended")));
+                }
+            }
+            at = b.end_offset();
+        }
+    }
+    log.close()
+        .await
+        .map_err(|e| Broken::Refused(format!("close: {e}")))?;
+    if at < acked_end {
+        return Err(Broken::Lost {
+            acked_end,
+            recovered_end: at,
+        });
+    }
+    Ok(at)
+}
+
+/// One seed: the log lives `CUTS` times, each life ended by a power cut at a random
+/// moment while appenders are committing.
+async fn run_seed(seed: u64, skip_fdatasync: bool) -> Result<(), Broken> {
+    let config = cfg(skip_fdatasync);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut mem = MemBackend::new();
+    let mut acked_end = 0u64;
+    for _ in 0..CUTS {
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone())
+            .await
+            .map_err(|e| Broken::Refused(e.to_string()))?;
+        let acked = Rc::new(Cell::new(acked_end));
+        let mut tasks = Vec::new();
+        for _ in 0..rng.random_range(1..8) {
+            let (log, acked) = (log.clone(), acked.clone());
+            let (appends, max_records) = (rng.random_range(1..20), rng.random_range(1..5u64));
+            tasks.push(glommio::spawn_local(async move {
+                for i in 0..appends {
+                    let first = log.next_offset();
+                    let n = 1 + (first + i) % max_records;
+                    let records: Vec<Vec<u8>> = (first..first + n).map(record).collect();
+                    let Ok(pending) = log.begin_append(&records, 0, None) else {
+                        return;
+                    };
+                    match log.commit(pending).await {
+                        Ok(a) => acked.set(acked.get().max(a.end)),
+                        Err(_) => return,
+                    }
+                }
+            }));
+        }
+        for _ in 0..rng.random_range(0..300) {
+            futures_lite::future::yield_now().await;
+        }
+        // The cut: what was acknowledged by now must survive it.
+        acked_end = acked.get();
+        mem = mem.power_loss(rng.random());
+        // The old log goes on writing to the old directory: stop it.
+        drop(tasks);
+        drop(log);
+        check(&mem, &config, acked_end).await?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_power_cut_keeps_every_acknowledged_record_and_invents_none() {
+    run(|| async {
+        let base = std::env::var("FELIX_POWER_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| rand::rng().random::<u64>());
+        eprintln!("FELIX_POWER_SEED={base} (seeds {base}.. +{SEEDS})");
+        for seed in (0..SEEDS).map(|i| base.wrapping_add(i)) {
+            if let Err(broken) = run_seed(seed, false).await {
+                panic!("FELIX_POWER_SEED={seed} (a rerun starts at it): {broken}");
+            }
+        }
+    });
+}
+
+/// The check above is worth something only if it fails when the fdatasync is missing:
+/// some seed must lose an acknowledged record (most make recovery refuse the log, with
+/// holes in front of data that did land, which the check also reports).
+#[test]
+fn the_power_cut_check_catches_a_missing_fdatasync() {
+    run(|| async {
+        let mut refused = 0;
+        for seed in 0..SEEDS {
+            match run_seed(seed, true).await {
+                Ok(()) => {}
+                Err(broken @ Broken::Lost { .. }) => {
+                    eprintln!("seed {seed}, after {refused} refusals: {broken}");
+                    return;
+                }
+                Err(Broken::Refused(_)) => refused += 1,
+                Err(broken @ Broken::Invented(_)) => panic!("seed {seed}: {broken}"),
+            }
+        }
+        panic!(
+            "without the fdatasync no power cut in {SEEDS} seeds lost an acknowledged record \
+             ({refused} made recovery refuse the log)"
+        );
+    });
+}
+
+/// A cut during a round's fdatasync (here: the fdatasync fails, then power goes) leaves
+/// the round's unacknowledged sectors in any subset. Recovery today calls a hole followed
+/// by data that did land interior damage and refuses to open, though nothing acknowledged
+/// was touched. Ignored until recovery can tell that case from damage to acknowledged
+/// data (see `docs/storage-format.md`, "Power loss and the repair tool").
+#[test]
+#[ignore = "recovery refuses holes in an unsynced tail as interior damage"]
+fn a_power_cut_inside_the_fdatasync_leaves_a_log_that_opens() {
+    run(|| async {
+        let config = cfg(false);
+        let mut refused = Vec::new();
+        for seed in 0..64 {
+            let mem = MemBackend::new();
+            let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+            for o in 0..5 {
+                log.append(&[record(o)], 0).await.unwrap();
+            }
+            // One round of several batches, written and then not made durable.
+            let pending: Vec<_> = (5..12)
+                .map(|o| log.begin_append(&[record(o)], 0, None).unwrap())
+                .collect();
+            mem.fail_next_sync();
+            for p in pending {
+                assert!(
+                    log.commit(p).await.is_err(),
+                    "nothing of the round is acked"
+                );
+            }
+            drop(log);
+            if let Err(broken) = check(&mem.power_loss(seed), &config, 5).await {
+                refused.push(format!("seed {seed}: {broken}"));
+            }
+        }
+        assert!(refused.is_empty(), "{} of 64: {refused:#?}", refused.len());
+    });
+}
