@@ -184,6 +184,7 @@ pub fn start_ours_spinning(
                     server: Some(Arc::new(config)),
                     max_connections: 10_000,
                     reuse_port: true,
+                    reset_secret: None,
                 },
             )
             .expect("bind");

@@ -116,6 +116,8 @@ pub struct Cluster {
     clock_base: Instant,
     /// Replicated shards this broker leads, by the core that leads each.
     pub reports: std::sync::Mutex<HashMap<ShardKey, ShardReport>>,
+    /// Deliberate bugs (checker mutant runs only).
+    pub mutants: crate::config::Mutants,
 }
 
 impl Cluster {
@@ -131,11 +133,15 @@ impl Cluster {
             lease_until: AtomicU64::new(0),
             clock_base: Instant::now(),
             reports: std::sync::Mutex::default(),
+            mutants: crate::config::Mutants::default(),
         }
     }
 
     /// Whether this broker holds its lease at `now` (its own monotonic clock).
     pub fn lease_valid(&self, now: Instant) -> bool {
+        if self.mutants.ack_after_lease {
+            return true;
+        }
         let at = now.saturating_duration_since(self.clock_base).as_nanos() as u64;
         at < self.lease_until.load(Ordering::Acquire)
     }

@@ -102,6 +102,9 @@ pub struct FileConfig {
     pub housekeeping_ms: Option<u64>,
     /// Serve `POST /debug/storage-faults` (tests and chaos runs only).
     pub fault_injection: Option<bool>,
+    /// A deliberately broken behaviour, for showing the chaos checker catches it
+    /// (debug builds with `fault_injection` only; see [`Mutants`]).
+    pub mutant: Option<String>,
     /// Control-plane URL (`http://host:port`): follow it for placement and keys.
     pub controlplane_url: Option<String>,
     /// This node's control-plane token.
@@ -190,6 +193,40 @@ pub struct BrokerConfig {
     pub housekeeping_interval: std::time::Duration,
     /// Storage fault injection over HTTP (tests only).
     pub fault_injection: bool,
+    /// Deliberate bugs (checker mutant runs only).
+    pub mutants: Mutants,
+}
+
+/// Deliberate bugs the chaos checker must catch (`mutant:` in the config, a
+/// comma-separated list). Honoured only by debug builds with `fault_injection` on; a
+/// release build refuses to start with one.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Mutants {
+    /// `ack-after-lease`: write and acknowledge with the lease lapsed.
+    pub ack_after_lease: bool,
+    /// `skip-fence`: lead without fencing a majority; take deposed leaders' records.
+    pub skip_fence: bool,
+    /// `reuse-offsets`: at open, hand out the last record's offset again.
+    pub reuse_offsets: bool,
+}
+
+impl Mutants {
+    fn parse(list: &str) -> Result<Mutants, String> {
+        let mut m = Mutants::default();
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name {
+                "ack-after-lease" => m.ack_after_lease = true,
+                "skip-fence" => m.skip_fence = true,
+                "reuse-offsets" => m.reuse_offsets = true,
+                other => {
+                    return Err(format!(
+                        "unknown mutant {other:?} (ack-after-lease, skip-fence, reuse-offsets)"
+                    ));
+                }
+            }
+        }
+        Ok(m)
+    }
 }
 
 /// A configuration error naming the key.
@@ -559,8 +596,26 @@ impl BrokerConfig {
             Ok(v) => v == "1" || v == "true",
             Err(_) => file.fault_injection.unwrap_or(false),
         };
+        let mutants = match file.mutant.as_deref() {
+            None => Mutants::default(),
+            Some(list) => {
+                let refuse = |message: String| ConfigError {
+                    key: "mutant",
+                    source_name: "config file",
+                    message,
+                };
+                if !cfg!(debug_assertions) || !fault_injection {
+                    return Err(refuse(
+                        "mutants are deliberate bugs: only debug builds with fault_injection take one"
+                            .into(),
+                    ));
+                }
+                Mutants::parse(list).map_err(refuse)?
+            }
+        };
         Ok(BrokerConfig {
             fault_injection,
+            mutants,
             limits,
             idle_timeout: std::time::Duration::from_millis(idle_timeout_ms),
             max_streams,

@@ -258,6 +258,8 @@ pub struct Shared {
     pub subscriber_queue: usize,
     /// Max frame payload after auth.
     pub max_frame_bytes: u32,
+    /// Deliberate bugs (checker mutant runs only).
+    pub mutants: crate::config::Mutants,
     /// Per-connection bounds.
     pub limits: Limits,
     /// How often each core enforces retention and finishes deletions.
@@ -539,6 +541,13 @@ impl CoreBroker {
         if report.truncated_bytes > 0 || report.discarded_segments > 0 {
             tracing::warn!(shard = %key, ?report, "recovered a torn tail");
         }
+        if self.shared.mutants.reuse_offsets
+            && let Some((last, _)) = log.last_batch()
+        {
+            // Deliberately broken (checker mutant runs only): the last batch's offsets
+            // are handed out again.
+            log.truncate_from(last).await?;
+        }
         self.metrics.shards_open.fetch_add(1, Ordering::Relaxed);
         Ok(log)
     }
@@ -730,6 +739,34 @@ impl CoreBroker {
         }
     }
 
+    /// The replica of `key` on this core. A shard the catalog says is replicated but
+    /// whose replica is not attached yet (just after a restart, before the first sync
+    /// with the control plane's assignments) is unavailable: served as a plain shard it
+    /// would acknowledge writes no majority holds and show readers uncommitted records.
+    fn replica_of(
+        &self,
+        key: &ShardKey,
+    ) -> Result<Option<Rc<crate::replication::replica::ReplicaShard>>, BrokerError> {
+        if let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(key)) {
+            return Ok(Some(rs));
+        }
+        let replicated = self.shared.cluster.is_some()
+            && self
+                .shared
+                .catalog
+                .spec(
+                    key.kind == ShardKind::Stream,
+                    &key.tenant,
+                    &key.namespace,
+                    &key.name,
+                )
+                .is_some_and(|s| s.replicated());
+        if replicated {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        Ok(None)
+    }
+
     /// Appends on this (the owning) core. The offsets are claimed before this returns
     /// its future when the shard is open; the commit and fanout run in a task of their
     /// own, so a publisher going away cannot cancel them half way.
@@ -748,8 +785,10 @@ impl CoreBroker {
                 "stale".into(),
             ))));
         }
-        if let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(&key)) {
-            return Box::pin(self.append_replicated(rs, records));
+        match self.replica_of(&key) {
+            Ok(Some(rs)) => return Box::pin(self.append_replicated(rs, records)),
+            Ok(None) => {}
+            Err(e) => return Box::pin(std::future::ready(Err(e))),
         }
         Box::pin(self.append_unreplicated(key, records))
     }
@@ -1044,7 +1083,7 @@ impl CoreBroker {
     ) -> Result<(u64, u64), BrokerError> {
         let shard = self.stream_shard(key).await?;
         let base = shard.log.base_offset();
-        let replica = self.replicas.as_ref().and_then(|r| r.get(key));
+        let replica = self.replica_of(key)?;
         if replica.as_ref().is_some_and(|rs| !rs.serving()) {
             // Still fencing or catching up (or deposed): nothing to read here yet.
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
@@ -1149,8 +1188,9 @@ impl CoreBroker {
         max_bytes: usize,
     ) -> Result<Vec<ReadBatch>, BrokerError> {
         let shard = self.stream_shard(key).await?;
+        let replica = self.replica_of(key)?;
         let mut batches = shard.log.read(from, max_bytes).await?;
-        if let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(key)) {
+        if let Some(rs) = replica {
             let visible = rs.visible_end();
             batches.retain(|b| b.end_offset() <= visible);
         }
@@ -1225,6 +1265,16 @@ impl CoreBroker {
                         },
                     )
                     .await;
+                // Records from before a leader's term reach subscribers as its commit
+                // mark passes them: an empty batch at the new frontier makes every
+                // subscriber behind it read them from the log.
+                for rs in replicas.all() {
+                    if let (Some(to), crate::replication::replica::Held::Stream(s)) =
+                        (rs.fanout_marker(), &rs.held)
+                    {
+                        core.fanout(s, Appended { first: to, end: to }, Vec::new());
+                    }
+                }
             }
         })
         .detach();
@@ -1258,7 +1308,7 @@ impl CoreBroker {
         key: &Arc<ShardKey>,
         op: CacheOp,
     ) -> Result<CacheAnswer, BrokerError> {
-        if let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(key)) {
+        if let Some(rs) = self.replica_of(key)? {
             return self.cache_replicated(rs, op).await;
         }
         let shard = self.cache_shard(key).await?;
@@ -1575,11 +1625,12 @@ impl CoreBroker {
             }
             let age = spec.retention.max_age_seconds.map(Duration::from_secs);
             // A replicated shard keeps everything not yet committed, on every replica.
-            let floor = self
-                .replicas
-                .as_ref()
-                .and_then(|r| r.get(k))
-                .map_or(u64::MAX, |rs| rs.commit());
+            let floor = match self.replica_of(k) {
+                Ok(Some(rs)) => rs.commit(),
+                Ok(None) => u64::MAX,
+                // Not attached yet: nothing is known to be committed.
+                Err(_) => continue,
+            };
             match s
                 .log
                 .enforce_retention_below(now, spec.retention.max_size_bytes, age, floor)

@@ -100,6 +100,7 @@ impl Forwarder {
                 server: None,
                 max_connections: 1024,
                 reuse_port: false,
+                reset_secret: None,
             },
         )?;
         Ok(Forwarder {

@@ -88,6 +88,40 @@ fn free_port(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
     Ok(std::net::UdpSocket::bind(addr)?.local_addr()?)
 }
 
+/// The QUIC stateless-reset secret, kept in `<data_dir>/quic-reset.secret` (created
+/// once, mode 0600): a restarted broker resets the connections its previous run held,
+/// so clients and peers reconnect at once instead of after their idle timeout.
+fn reset_secret(data_dir: &std::path::Path) -> anyhow::Result<[u8; 32]> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = data_dir.join("quic-reset.secret");
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            return bytes.try_into().map_err(|b: Vec<u8>| {
+                anyhow::anyhow!("{}: {} bytes, expected 32", path.display(), b.len())
+            });
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(anyhow::anyhow!("{}: {e}", path.display())),
+    }
+    let mut secret = [0u8; 32];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret)
+        .map_err(|_| anyhow::anyhow!("no system randomness"))?;
+    let tmp = data_dir.join("quic-reset.secret.tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", tmp.display()))?;
+    f.write_all(&secret)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &path)?;
+    std::fs::File::open(data_dir)?.sync_all()?;
+    Ok(secret)
+}
+
 /// Starts a broker with TLS material and verification keys already resolved.
 pub fn start(
     config: &BrokerConfig,
@@ -106,6 +140,7 @@ pub fn start(
     }
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|e| anyhow::anyhow!("data dir {}: {e}", config.data_dir.display()))?;
+    let reset_secret = reset_secret(&config.data_dir)?;
     let catalog = Arc::new(Catalog::open(
         Some(config.data_dir.join("catalog.json")),
         config.auto_create_shards,
@@ -133,10 +168,11 @@ pub fn start(
         0,
     )?));
     let keys = Arc::new(arc_swap::ArcSwap::from_pointee(keys));
-    let cluster = config
-        .cluster
-        .as_ref()
-        .map(|_| Arc::new(Cluster::new(config.node_id.clone())));
+    let cluster = config.cluster.as_ref().map(|_| {
+        let mut c = Cluster::new(config.node_id.clone());
+        c.mutants = config.mutants;
+        Arc::new(c)
+    });
     let peer_config = match &config.cluster {
         None => None,
         Some(c) => {
@@ -225,6 +261,7 @@ pub fn start(
         metrics: (0..cores).map(|_| Arc::default()).collect(),
         ready: AtomicBool::new(false),
         faults: config.fault_injection.then(StorageFaults::new),
+        mutants: config.mutants,
         panic_core: std::sync::atomic::AtomicI64::new(-1),
     });
     let http = match config.http {
@@ -275,6 +312,7 @@ pub fn start(
                 let replicas = match (internal.as_deref(), &cluster) {
                     (Some(i), Some(cluster)) => {
                         match Outbound::bind(
+                            i.listen.ip(),
                             &shared.node_id,
                             &i.token,
                             i.client.clone(),
@@ -312,6 +350,7 @@ pub fn start(
                             server: Some(i.server.clone()),
                             max_connections: 1024,
                             reuse_port: true,
+                            reset_secret: Some(reset_secret),
                         },
                     ) {
                         Ok(ep) => {
@@ -341,6 +380,7 @@ pub fn start(
                         server: Some(server_config),
                         max_connections,
                         reuse_port: true,
+                        reset_secret: Some(reset_secret),
                     },
                 ) {
                     Ok(ep) => ep,

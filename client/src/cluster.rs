@@ -70,14 +70,10 @@ impl ClusterClient {
         }
         config.tenant()?;
         let seeds = seeds.to_vec();
-        let client = establish(
-            &seeds,
-            server_name,
-            &config,
-            &policy,
-            &Mutex::new(rand::rngs::StdRng::from_rng(&mut rand::rng())),
-        )
-        .await?;
+        // Seeded before the await: the thread's generator must not live across it, or
+        // the future is not `Send` and cannot run on a multi-threaded runtime.
+        let rng = Mutex::new(rand::rngs::StdRng::from_rng(&mut rand::rng()));
+        let client = establish(&seeds, server_name, &config, &policy, &rng).await?;
         let cc = ClusterClient {
             seeds,
             server_name: server_name.to_owned(),
@@ -86,7 +82,7 @@ impl ClusterClient {
             current: RwLock::new((Arc::new(client), 0)),
             discovered: RwLock::new(Vec::new()),
             rebuild: tokio::sync::Mutex::new(()),
-            rng: Mutex::new(rand::rngs::StdRng::from_rng(&mut rand::rng())),
+            rng,
         };
         let _ = cc.refresh_topology().await;
         Ok(cc)
@@ -460,6 +456,16 @@ mod tests {
 
     use super::*;
     use crate::error::BrokerError;
+
+    /// Compiles only if the client's futures can move between threads (a
+    /// multi-threaded runtime's `spawn` needs that).
+    #[allow(dead_code)]
+    fn futures_are_send(seeds: &[SocketAddr], config: ClientConfig, c: &ClusterClient) {
+        fn send<T: Send>(_: &T) {}
+        send(&ClusterClient::connect(seeds, "localhost", config));
+        send(&c.publish("t", "n", "s", Vec::new(), AckMode::PerMessage));
+        send(&c.subscribe_shard("t", "n", "s", 0, None));
+    }
 
     fn seeds() -> Vec<SocketAddr> {
         vec![

@@ -95,6 +95,7 @@ fn start_server(max_connections: usize) -> Server {
                         server: Some(Arc::new(config)),
                         max_connections,
                         reuse_port: false,
+                        reset_secret: None,
                     },
                 )
                 .unwrap();

@@ -303,6 +303,47 @@ fn a_leader_paused_past_its_lease_acknowledges_nothing_after_it_wakes() {
     check_nothing_lost(&all, &read);
 }
 
+/// A leader killed and restarted at once comes back in its own generation (or a
+/// successor takes over): either way its history must reach a new subscriber with no
+/// new write to carry it. (It did not: the fanout frontier stayed at the commit mark
+/// known at restart, and history reads stop at that frontier.)
+#[test]
+fn a_restarted_leader_serves_its_history_to_new_subscribers_without_new_writes() {
+    let mut c = cluster();
+    c.create_stream("h", 1, 3, "Quorum").unwrap();
+    let (leader, _) = c
+        .wait_leader("h", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let acked = rt.block_on(async {
+        let client = felix_client::ClusterClient::connect(
+            &c.seeds(),
+            "localhost",
+            c.client_config().unwrap(),
+        )
+        .await
+        .unwrap();
+        let mut acked = BTreeMap::new();
+        for i in 0..20 {
+            let payload = format!("h-{i}").into_bytes();
+            let o = client
+                .publish_at_least_once(TENANT, NAMESPACE, "h", payload.clone(), AckMode::PerMessage)
+                .await
+                .unwrap()
+                .unwrap();
+            acked.insert(o, payload);
+        }
+        acked
+    });
+    c.brokers[leader].restart().unwrap();
+    let read = rt.block_on(read_all(
+        &c,
+        "h",
+        acked.keys().next_back().map_or(0, |o| o + 1),
+    ));
+    check_nothing_lost(&acked, &read);
+}
+
 /// The first of `futs` to finish, and the rest.
 async fn futures_select<T>(
     futs: Vec<tokio::task::JoinHandle<T>>,

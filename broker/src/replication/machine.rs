@@ -396,6 +396,9 @@ pub struct Replica {
     serving: bool,
     last_heartbeat: Option<Instant>,
     out: VecDeque<Output>,
+    /// A deliberately broken replica (checker mutants only): leads without fencing a
+    /// majority first, and takes records from any generation.
+    skip_fence: bool,
 }
 
 impl Replica {
@@ -420,6 +423,7 @@ impl Replica {
             serving: false,
             last_heartbeat: None,
             out: VecDeque::new(),
+            skip_fence: false,
         }
     }
 
@@ -639,8 +643,18 @@ impl Replica {
         }
     }
 
+    /// Breaks fencing on purpose: this replica then leads on its own log without
+    /// fencing a majority, and takes records from deposed leaders. Only the checker's mutant runs call it, to show the simulator and the
+    /// chaos checker catch the bug.
+    pub fn break_fencing_for_mutant_runs(&mut self) {
+        self.skip_fence = true;
+    }
+
     /// Whether `leader` at `generation` is the ballot this replica accepted.
     fn check_ballot(&self, leader: &NodeId, generation: u64) -> Result<(), Refusal> {
+        if self.skip_fence && generation <= self.meta.generation {
+            return Ok(());
+        }
         if generation < self.meta.generation
             || (generation == self.meta.generation
                 && self.meta.leader.as_deref() != Some(&**leader))
@@ -1111,7 +1125,7 @@ impl Replica {
                 fences.push(r.clone());
             }
         }
-        let enough = c.fenced.len() >= Self::majority(c.replicas.len());
+        let enough = self.skip_fence || c.fenced.len() >= Self::majority(c.replicas.len());
         for r in fences {
             self.send(&r, Msg::Fence { generation });
         }

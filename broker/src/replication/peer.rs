@@ -89,19 +89,23 @@ impl std::fmt::Debug for Outbound {
 }
 
 impl Outbound {
-    /// This core's client endpoint (an ephemeral port) for node `me` with `token`.
+    /// This core's client endpoint for node `me` with `token`: an ephemeral port on
+    /// `local` (the internal listener's address), so peer traffic leaves from the
+    /// interface operators gave it.
     pub fn bind(
+        local: std::net::IpAddr,
         me: &str,
         token: &str,
         config: ClientConfig,
         server_name: String,
     ) -> std::io::Result<Outbound> {
         let endpoint = Endpoint::bind(
-            "0.0.0.0:0".parse().expect("a valid address"),
+            std::net::SocketAddr::new(local, 0),
             EndpointOptions {
                 server: None,
                 max_connections: 1024,
                 reuse_port: false,
+                reset_secret: None,
             },
         )?;
         let mut hello = BytesMut::new();

@@ -97,6 +97,10 @@ pub struct ReplicaShard {
     /// leadership term never succeeds.
     term: Cell<u64>,
     generation: Cell<u64>,
+    /// A stream leader's log end when it began serving: records below it were written
+    /// before this term and are fanned out by no append, so a marker does it as the
+    /// commit mark passes them (see [`ReplicaShard::fanout_marker`]).
+    unfanned_until: Cell<u64>,
 }
 
 impl std::fmt::Debug for ReplicaShard {
@@ -128,6 +132,21 @@ impl ReplicaShard {
     /// The commit mark.
     pub fn commit(&self) -> u64 {
         self.machine.borrow().commit()
+    }
+
+    /// Where fanout should move to now, if a serving stream leader's commit mark has
+    /// passed records from before its term that no append fanned out. Subscribers (and
+    /// new subscribers' history reads, which stop at the fanout frontier) see those
+    /// records only once the frontier moves; with no new writes nothing else moves it.
+    pub fn fanout_marker(&self) -> Option<u64> {
+        let Held::Stream(s) = &self.held else {
+            return None;
+        };
+        if !self.serving() {
+            return None;
+        }
+        let to = self.visible_end().min(self.unfanned_until.get());
+        (to > s.fanout_end()).then_some(to)
     }
 
     /// What readers may see: the commit mark on a Quorum shard, everything otherwise.
@@ -213,6 +232,7 @@ impl ReplicaShard {
                 Held::Stream(s) => {
                     let end = self.log.committed_end();
                     s.reset_fanout(end.min(self.visible_end()));
+                    self.unfanned_until.set(end);
                 }
                 Held::Cache(c) => {
                     if let Err(e) = c.rebuild().await {
@@ -785,7 +805,10 @@ impl Replicas {
                 }
             }
         }
-        let machine = Replica::new(self.me.clone(), meta, base, end, epochs);
+        let mut machine = Replica::new(self.me.clone(), meta, base, end, epochs);
+        if self.cluster.mutants.skip_fence {
+            machine.break_fencing_for_mutant_runs();
+        }
         let rs = Rc::new(ReplicaShard {
             key: key.clone(),
             log: held.log().clone(),
@@ -798,6 +821,7 @@ impl Replicas {
             waiters: RefCell::default(),
             term: Cell::new(0),
             generation: Cell::new(0),
+            unfanned_until: Cell::new(0),
         });
         self.shards.borrow_mut().insert(key, rs.clone());
         let (this, driven) = (self.clone(), rs.clone());

@@ -45,6 +45,8 @@ pub struct SimConfig {
     /// Probability that a node crashes right after it asks for a ballot write, before
     /// the write completes (the window a replica must not answer in).
     pub crash_while_persisting: f64,
+    /// Every replica skips fencing (a mutant the checks must catch).
+    pub mutant_skip_fence: bool,
 }
 
 impl Default for SimConfig {
@@ -58,6 +60,7 @@ impl Default for SimConfig {
             reassign: 0.006,
             partition: 0.004,
             crash_while_persisting: 0.1,
+            mutant_skip_fence: false,
         }
     }
 }
@@ -158,6 +161,14 @@ struct Sim {
     writes: u64,
 }
 
+/// `r`, broken as `config` asks.
+fn replica(mut r: Replica, config: &SimConfig) -> Replica {
+    if config.mutant_skip_fence {
+        r.break_fencing_for_mutant_runs();
+    }
+    r
+}
+
 fn fail(seed: u64, what: String) -> ! {
     panic!("replication simulation seed {seed}: {what} (replay: FELIX_SIM_SEED={seed})");
 }
@@ -171,12 +182,9 @@ impl Sim {
             .iter()
             .map(|id| Node {
                 id: id.clone(),
-                replica: Some(Replica::new(
-                    id.clone(),
-                    Meta::default(),
-                    0,
-                    0,
-                    BTreeMap::new(),
+                replica: Some(replica(
+                    Replica::new(id.clone(), Meta::default(), 0, 0, BTreeMap::new()),
+                    &config,
                 )),
                 epoch: 0,
                 base: 0,
@@ -481,7 +489,10 @@ impl Sim {
 
     fn restart(&mut self, node: usize) {
         let n = &mut self.nodes[node];
-        let mut r = Replica::new(n.id.clone(), n.meta.clone(), n.base, n.end(), n.epochs());
+        let mut r = replica(
+            Replica::new(n.id.clone(), n.meta.clone(), n.base, n.end(), n.epochs()),
+            &self.config,
+        );
         if let Some(a) = n.assignment.clone() {
             r.handle_assignment(a, self.start + Duration::from_millis(self.now_ms));
         }
@@ -758,6 +769,26 @@ mod tests {
                 },
             );
         }
+    }
+
+    /// The simulator's checks are worth something only if they catch a broken replica:
+    /// one that takes records from deposed leaders must be caught within a few seeds.
+    #[test]
+    fn the_simulator_catches_replicas_that_skip_fencing() {
+        let caught = (0..200u64).find(|seed| {
+            std::panic::catch_unwind(|| {
+                run(
+                    50_000 + seed,
+                    SimConfig {
+                        mutant_skip_fence: true,
+                        ..SimConfig::default()
+                    },
+                )
+            })
+            .is_err()
+        });
+        let seed = caught.expect("200 seeds with fencing broken and nothing caught");
+        eprintln!("skip-fence mutant caught at seed {}", 50_000 + seed);
     }
 
     #[test]

@@ -62,6 +62,11 @@ pub struct EndpointOptions {
     pub max_connections: usize,
     /// Bind with `SO_REUSEPORT` so every core can share the port.
     pub reuse_port: bool,
+    /// The stateless-reset secret. A server that keeps it across restarts (and shares
+    /// it between its cores) answers packets of connections it no longer knows with a
+    /// reset its peers can verify, so they drop the connection at once instead of
+    /// waiting out the idle timeout. `None`: a random one per endpoint.
+    pub reset_secret: Option<[u8; 32]>,
 }
 
 impl std::fmt::Debug for EndpointOptions {
@@ -70,6 +75,7 @@ impl std::fmt::Debug for EndpointOptions {
             .field("server", &self.server.is_some())
             .field("max_connections", &self.max_connections)
             .field("reuse_port", &self.reuse_port)
+            .field("reset_secret", &self.reset_secret.is_some())
             .finish()
     }
 }
@@ -228,8 +234,24 @@ impl Driver {
         io: Rc<dyn Datagrams>,
         server: Option<Arc<ServerConfig>>,
         max_connections: usize,
+        reset_secret: Option<[u8; 32]>,
     ) -> io::Result<Driver> {
-        let mut endpoint_config = EndpointConfig::default();
+        let mut endpoint_config = match reset_secret {
+            Some(secret) => {
+                let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &secret);
+                // Connection ids must validate across restarts too (quinn-proto drops a
+                // packet whose id its generator did not make, before any reset): the id
+                // generator's key comes from the same secret.
+                let tag = ring::hmac::sign(&key, b"felix quic connection id key");
+                let cid_key = u64::from_le_bytes(tag.as_ref()[..8].try_into().expect("8 bytes"));
+                let mut c = EndpointConfig::new(Arc::new(key));
+                c.cid_generator(move || {
+                    Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key))
+                });
+                c
+            }
+            None => EndpointConfig::default(),
+        };
         endpoint_config
             .max_udp_payload_size(1472)
             .map_err(io::Error::other)?;
@@ -524,6 +546,7 @@ impl Endpoint {
             udp.clone(),
             options.server,
             options.max_connections,
+            options.reset_secret,
         )?));
         let task = glommio::spawn_local(run(d.clone(), udp));
         Ok(Endpoint {
@@ -1343,7 +1366,7 @@ mod sans_io {
             net: net.clone(),
         });
         Fixture {
-            server: Driver::new(io, Some(server_cfg), max_connections).unwrap(),
+            server: Driver::new(io, Some(server_cfg), max_connections, None).unwrap(),
             server_addr,
             client_config: client_config(std::slice::from_ref(&certs.ca_der), false, limits)
                 .unwrap(),
@@ -1360,6 +1383,7 @@ mod sans_io {
             }),
             None,
             16,
+            None,
         )
         .unwrap()
     }
@@ -1443,6 +1467,51 @@ mod sans_io {
         assert!(f.server.timers.is_empty(), "and its timers with it");
     }
 
+    /// A server restarted with the same reset secret resets its old connections the
+    /// moment their peers speak; with another secret the peers wait out the idle
+    /// timeout (what brokers saw before their secret was kept on disk).
+    #[test]
+    fn a_restarted_server_with_its_secret_resets_old_connections_at_once() {
+        for (secret_after, reset) in [([7u8; 32], true), ([8u8; 32], false)] {
+            let limits = TransportLimits {
+                idle_timeout: Duration::from_secs(30),
+                ..TransportLimits::default()
+            };
+            let mut f = fixture(16, limits);
+            let (io, cfg) = (f.server.io.clone(), f.server.server.clone());
+            f.server = Driver::new(io.clone(), cfg.clone(), 16, Some([7u8; 32])).unwrap();
+            let mut c = client(&f, 5100);
+            let ccfg = f.client_config.clone();
+            c.start_connect(f.now, ccfg, f.server_addr, "localhost")
+                .unwrap();
+            run(
+                &mut f,
+                std::slice::from_mut(&mut c),
+                20,
+                Duration::from_millis(1),
+            );
+            assert_eq!(connected(&c), 1);
+            // The server process restarts: same address, no connection state.
+            f.server = Driver::new(io, cfg, 16, Some(secret_after)).unwrap();
+            // The client's keepalive (a third of the idle timeout) is its next packet.
+            run(
+                &mut f,
+                std::slice::from_mut(&mut c),
+                120,
+                Duration::from_millis(100),
+            );
+            let lost: Vec<_> = c.conns.values().filter_map(|x| x.s.lost.clone()).collect();
+            assert_eq!(
+                !lost.is_empty(),
+                reset,
+                "after 12 virtual seconds: reset expected {reset}, lost {lost:?}"
+            );
+            if reset {
+                assert!(matches!(lost[0], quinn_proto::ConnectionError::Reset));
+            }
+        }
+    }
+
     #[test]
     fn garbage_datagrams_leave_no_state() {
         let mut f = fixture(16, TransportLimits::default());
@@ -1498,6 +1567,7 @@ mod sans_io {
                 }),
                 None,
                 1,
+                None,
             )
             .unwrap(),
             server_addr,
