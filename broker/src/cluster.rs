@@ -113,6 +113,10 @@ pub struct Cluster {
     /// The lease: writes are taken only before this instant (nanoseconds after
     /// `clock_base`), anchored at when the last accepted heartbeat was sent.
     lease_until: AtomicU64,
+    /// A renewal made after the lease ran out, waiting for a sync.
+    pending_lease: AtomicU64,
+    /// When the latest such renewal's heartbeat was sent (ns after `clock_base`).
+    resync_after: AtomicU64,
     clock_base: Instant,
     /// Replicated shards this broker leads, by the core that leads each.
     pub reports: std::sync::Mutex<HashMap<ShardKey, ShardReport>>,
@@ -131,6 +135,8 @@ impl Cluster {
             heartbeats: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             lease_until: AtomicU64::new(0),
+            pending_lease: AtomicU64::new(0),
+            resync_after: AtomicU64::new(0),
             clock_base: Instant::now(),
             reports: std::sync::Mutex::default(),
             mutants: crate::config::Mutants::default(),
@@ -151,10 +157,47 @@ impl Cluster {
     /// down only after `expiry + margin` (margin >= expiry/4) since it *received* the
     /// heartbeat, so this broker has stopped writing by then, with room for clock
     /// drift. Never moves backwards.
+    ///
+    /// A heartbeat sent after the lease ran out renews nothing yet: while this broker
+    /// was cut off (or paused) the control plane may have moved its shards, and until
+    /// it has read the assignments again it would take writes for shards it no longer
+    /// leads. The renewal waits for a sync that started after it ([`Cluster::synced_at`]).
     pub fn renew_lease(&self, sent: Instant, expiry: Duration) {
-        let until = sent.saturating_duration_since(self.clock_base) + expiry - expiry / 4;
-        self.lease_until
-            .fetch_max(until.as_nanos() as u64, Ordering::AcqRel);
+        let sent_ns = sent.saturating_duration_since(self.clock_base).as_nanos() as u64;
+        let until = (sent.saturating_duration_since(self.clock_base) + expiry - expiry / 4)
+            .as_nanos() as u64;
+        if sent_ns >= self.lease_until.load(Ordering::Acquire) {
+            self.pending_lease.fetch_max(until, Ordering::AcqRel);
+            self.resync_after.fetch_max(sent_ns, Ordering::AcqRel);
+            return;
+        }
+        self.lease_until.fetch_max(until, Ordering::AcqRel);
+    }
+
+    /// A sync from the control plane that started at `started` completed: a lease
+    /// renewed while lapsed counts from now on if the sync began after that renewal.
+    pub fn synced_at(&self, started: Instant) {
+        let started_ns = started
+            .saturating_duration_since(self.clock_base)
+            .as_nanos() as u64;
+        let after = self.resync_after.load(Ordering::Acquire);
+        if started_ns > after {
+            self.lease_until
+                .fetch_max(self.pending_lease.load(Ordering::Acquire), Ordering::AcqRel);
+        }
+    }
+
+    /// Whether the latest assignments this broker has read name it leader of `key` at
+    /// `generation`: a replica's own belief can trail them by a sync.
+    pub fn leads(&self, key: &ShardKey, generation: u64) -> bool {
+        if self.mutants.ack_after_lease {
+            return true;
+        }
+        self.view
+            .load()
+            .routes
+            .get(key)
+            .is_some_and(|r| *r.leader == *self.node_id && r.generation == generation)
     }
 
     /// The current snapshot.
@@ -503,7 +546,9 @@ pub fn join(
         keys,
         base_keys,
     };
+    let started = Instant::now();
     let mut seq = sync(&cp, &targets)?;
+    cluster.synced_at(started);
     cluster.synced.store(true, Ordering::SeqCst);
     tracing::info!(node_id, incarnation, url = %settings.url, "joined the cluster");
 
@@ -528,8 +573,12 @@ pub fn join(
                 std::thread::sleep(Duration::from_millis(500));
                 continue;
             }
+            let started = Instant::now();
             match sync(&cp, &targets) {
-                Ok(next) => seq = next,
+                Ok(next) => {
+                    seq = next;
+                    targets.cluster.synced_at(started);
+                }
                 Err(e) => tracing::warn!(error = %e, "syncing from the control plane; keeping the last snapshot"),
             }
         }

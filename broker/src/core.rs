@@ -739,6 +739,16 @@ impl CoreBroker {
         }
     }
 
+    /// Whether this broker may take or acknowledge a write for `rs` now: its lease
+    /// holds and the assignments it last read still name it leader at the replica's
+    /// generation (the replica itself learns of a successor a sync later).
+    fn may_acknowledge(&self, rs: &crate::replication::replica::ReplicaShard) -> bool {
+        match &self.shared.cluster {
+            None => true,
+            Some(c) => c.lease_valid(clock::now().instant) && c.leads(&rs.key, rs.generation()),
+        }
+    }
+
     /// The replica of `key` on this core. A shard the catalog says is replicated but
     /// whose replica is not attached yet (just after a restart, before the first sync
     /// with the control plane's assignments) is unavailable: served as a plain shard it
@@ -802,7 +812,12 @@ impl CoreBroker {
         records: Vec<Bytes>,
     ) -> impl std::future::Future<Output = Result<Appended, BrokerError>> + 'static {
         let this = self.clone();
-        let admitted = rs.admit(&records, clock::wall_micros());
+        let admitted = if self.may_acknowledge(&rs) {
+            rs.admit(&records, clock::wall_micros())
+        } else {
+            self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
+            Err(BrokerError::ShardUnavailable("stale".into()))
+        };
         let (tx, rx) = oneshot::channel();
         task::spawn(async move {
             let result = async {
@@ -829,11 +844,10 @@ impl CoreBroker {
                         }
                     }
                 }
-                // The lease is read again at the ack: a broker paused past it must not
-                // acknowledge what a successor may not hold.
-                if let Some(c) = &this.shared.cluster
-                    && !c.lease_valid(clock::now().instant)
-                {
+                // The lease and the assignments are read again at the ack: a broker
+                // paused past its lease must not acknowledge what a successor may not
+                // hold.
+                if !this.may_acknowledge(&rs) {
                     this.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
                     return Err(BrokerError::Unacknowledged(
                         "the lease lapsed before the write was acknowledged".into(),
@@ -1366,6 +1380,10 @@ impl CoreBroker {
                 ),
             },
         };
+        if !self.may_acknowledge(&rs) {
+            self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
+            return Err(BrokerError::ShardUnavailable("stale".into()));
+        }
         let (pending, term) = rs.admit(std::slice::from_ref(&record), now.wall_micros)?;
         let appended = rs.log().commit(pending).await?;
         rs.durable(appended.end);
@@ -1385,9 +1403,7 @@ impl CoreBroker {
                 }
             }
         }
-        if let Some(c) = &self.shared.cluster
-            && !c.lease_valid(clock::now().instant)
-        {
+        if !self.may_acknowledge(&rs) {
             return Err(BrokerError::Unacknowledged(
                 "the lease lapsed before the write was acknowledged".into(),
             ));

@@ -134,6 +134,11 @@ impl ReplicaShard {
         self.machine.borrow().commit()
     }
 
+    /// The generation this replica accepted.
+    pub fn generation(&self) -> u64 {
+        self.machine.borrow().generation()
+    }
+
     /// Where fanout should move to now, if a serving stream leader's commit mark has
     /// passed records from before its term that no append fanned out. Subscribers (and
     /// new subscribers' history reads, which stop at the fanout frontier) see those
