@@ -2,13 +2,16 @@
 //! directories and ports that survive restarts: what the multi-node tests drive.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use felix_controlplane::client::ControlPlaneClient;
 use serde_json::{Value, json};
 
+use crate::proxy::{Party, Rules};
 use crate::{BrokerProcess, ClusterCerts, ControlPlaneProcess, free_udp_addr, wait_for};
 
 /// The bootstrap secret the harness's control plane starts with.
@@ -44,6 +47,21 @@ pub struct TestCluster {
     pub brokers: Vec<BrokerProcess>,
     /// A client token with every data permission on the tenant.
     pub client_token: String,
+    /// The link proxies, when started with them.
+    pub net: Option<Net>,
+}
+
+/// Proxies on every link (see [`crate::proxy`]): clients reach `node-i` through
+/// `client_fronts[i]`, peers reach it through its internal front, and it reaches the
+/// control plane through its own TCP proxy.
+#[derive(Debug)]
+pub struct Net {
+    /// The runtime the proxies run on.
+    pub runtime: tokio::runtime::Runtime,
+    /// The link rules.
+    pub rules: Arc<Rules>,
+    /// Where clients reach each broker.
+    pub client_fronts: Vec<SocketAddr>,
 }
 
 fn token(admin: &ControlPlaneClient, tenant: &str, body: Value) -> anyhow::Result<String> {
@@ -66,6 +84,40 @@ impl TestCluster {
         cp_args: &[&str],
         extra_yaml: &str,
     ) -> anyhow::Result<TestCluster> {
+        Self::start_inner(broker, controlplane, nodes, cp_args, extra_yaml, false)
+    }
+
+    /// As [`TestCluster::start`], with every link behind a proxy ([`TestCluster::net`]).
+    pub fn start_with_proxies(
+        broker: &Path,
+        controlplane: &Path,
+        nodes: usize,
+        cp_args: &[&str],
+        extra_yaml: &str,
+    ) -> anyhow::Result<TestCluster> {
+        Self::start_inner(broker, controlplane, nodes, cp_args, extra_yaml, true)
+    }
+
+    fn start_inner(
+        broker: &Path,
+        controlplane: &Path,
+        nodes: usize,
+        cp_args: &[&str],
+        extra_yaml: &str,
+        proxies: bool,
+    ) -> anyhow::Result<TestCluster> {
+        let mut net = if proxies {
+            Some(Net {
+                runtime: tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .enable_all()
+                    .build()?,
+                rules: Arc::default(),
+                client_fronts: Vec::new(),
+            })
+        } else {
+            None
+        };
         let dir = tempfile::Builder::new()
             .prefix("felix-cluster")
             .tempdir_in("/var/tmp")?;
@@ -98,23 +150,57 @@ impl TestCluster {
                 "operator",
                 json!({"sub": node, "audience": "felix-controlplane", "perms": [format!("node.manage:node:{node}"), "node.view:cluster:*"]}),
             )?;
-            let internal = free_udp_addr()?;
+            let listen = free_udp_addr()?;
+            let (internal, mut fronts, cp_url) = match &mut net {
+                None => (free_udp_addr()?, String::new(), cp.url.clone()),
+                Some(net) => {
+                    let internal = crate::free_udp_addr_on(Party::node_ip(i))?;
+                    let cp_addr: SocketAddr = cp
+                        .url
+                        .trim_start_matches("http://")
+                        .trim_end_matches('/')
+                        .parse()?;
+                    let rules = net.rules.clone();
+                    let (client_front, internal_front, cp_front) =
+                        net.runtime.block_on(async move {
+                            anyhow::Ok((
+                                crate::proxy::udp(Party::Node(i), listen, rules.clone()).await?,
+                                crate::proxy::udp(Party::Node(i), internal, rules.clone()).await?,
+                                crate::proxy::tcp(
+                                    Party::Node(i),
+                                    Party::ControlPlane,
+                                    cp_addr,
+                                    rules,
+                                )
+                                .await?,
+                            ))
+                        })?;
+                    net.client_fronts.push(client_front);
+                    (
+                        internal,
+                        format!(
+                            "client_advertise_addr: {client_front}\ninternal_advertise_addr: {internal_front}\n"
+                        ),
+                        format!("http://{cp_front}"),
+                    )
+                }
+            };
+            fronts.push_str(extra_yaml);
             let config = dir.path().join(format!("{node}.yaml"));
             std::fs::write(
                 &config,
                 format!(
-                    "node_id: {node}\ncores: \"0-1\"\nfsync: on-commit\ntls_cert: {}\ntls_key: {}\npeer_ca: {}\ncontrolplane_url: {}\nnode_token: {node_token}\ninternal_listen: {internal}\n{extra_yaml}",
+                    "node_id: {node}\ncores: \"0-1\"\nfsync: on-commit\ntls_cert: {}\ntls_key: {}\npeer_ca: {}\ncontrolplane_url: {cp_url}\nnode_token: {node_token}\ninternal_listen: {internal}\n{fronts}",
                     certs.cert.display(),
                     certs.key.display(),
                     certs.ca.display(),
-                    cp.url,
                 ),
             )?;
             brokers.push(BrokerProcess::start_serve(
                 broker,
                 &dir.path().join(&node),
                 &config,
-                free_udp_addr()?,
+                listen,
             )?);
         }
         Ok(TestCluster {
@@ -124,6 +210,7 @@ impl TestCluster {
             certs,
             brokers,
             client_token,
+            net,
         })
     }
 
@@ -213,9 +300,17 @@ impl TestCluster {
         Ok(config)
     }
 
-    /// Every broker's client address.
-    pub fn seeds(&self) -> Vec<std::net::SocketAddr> {
-        self.brokers.iter().map(|b| b.listen).collect()
+    /// Every broker's client address (its proxy's, behind proxies).
+    pub fn seeds(&self) -> Vec<SocketAddr> {
+        match &self.net {
+            Some(net) => net.client_fronts.clone(),
+            None => self.brokers.iter().map(|b| b.listen).collect(),
+        }
+    }
+
+    /// The link rules (behind proxies only).
+    pub fn rules(&self) -> &Rules {
+        &self.net.as_ref().expect("started with proxies").rules
     }
 
     /// The data directory.

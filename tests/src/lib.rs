@@ -16,7 +16,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+pub mod chaos;
 pub mod cluster;
+pub mod history;
+pub mod proxy;
 
 /// A broker process under test.
 #[derive(Debug)]
@@ -303,6 +306,11 @@ impl Drop for BrokerProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A free UDP port on `ip` (any of 127.0.0.0/8 is loopback).
+pub fn free_udp_addr_on(ip: std::net::IpAddr) -> anyhow::Result<SocketAddr> {
+    Ok(std::net::UdpSocket::bind(SocketAddr::new(ip, 0))?.local_addr()?)
 }
 
 /// A free UDP port on loopback (bound and released: another process could take it,

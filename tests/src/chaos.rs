@@ -1,0 +1,946 @@
+//! Chaos runs: a workload recorded into a [`History`], a nemesis that injects one kind
+//! of fault on a seeded schedule, and the checker over the final logs.
+//!
+//! A run starts a cluster ([`TestCluster`], behind proxies where the scenario cuts
+//! links), creates its streams, starts producers (one record at a time, or eight in
+//! flight) and a reader per durable stream, lets the nemesis act until the duration is
+//! up, heals everything (links, paused and killed brokers), lets the workload run on
+//! briefly, stops it, reads every shard back from its leader and checks. The result is
+//! one JSON object: the seed, the fault timeline, the workload's counts and the
+//! checker's report.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use felix_client::{ClientError, ClusterClient};
+use felix_wire::Offset;
+use felix_wire::message::StartPosition;
+use felix_wire::{AckMode, RetryClass};
+use serde_json::{Value, json};
+
+use crate::cluster::{CP_ARGS, NAMESPACE, TENANT, TestCluster};
+use crate::history::{FinalLogs, History, Op, OpKind, Outcome, Promise, check};
+use crate::proxy::{Link, Party};
+
+/// One stream a scenario writes.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamSpec {
+    /// Its name.
+    pub name: &'static str,
+    /// Copies.
+    pub replication_factor: u32,
+    /// `Quorum` or `Leader`.
+    pub consistency: &'static str,
+}
+
+/// What a scenario does to the cluster.
+pub type NemesisFn = fn(&mut Nemesis<'_>) -> anyhow::Result<()>;
+
+/// A named fault schedule over a cluster shape.
+#[derive(Debug, Clone, Copy)]
+pub struct Scenario {
+    /// Its name on the command line.
+    pub name: &'static str,
+    /// What it injects.
+    pub about: &'static str,
+    /// Brokers.
+    pub nodes: usize,
+    /// Whether links go through proxies.
+    pub proxies: bool,
+    /// Extra broker configuration.
+    pub broker_yaml: &'static str,
+    /// The streams.
+    pub streams: &'static [StreamSpec],
+    /// Producers per stream.
+    pub producers: usize,
+    /// Records in flight per producer (1 = sequential).
+    pub depth: usize,
+    /// The nemesis.
+    pub nemesis: NemesisFn,
+}
+
+const Q3: StreamSpec = StreamSpec {
+    name: "q",
+    replication_factor: 3,
+    consistency: "Quorum",
+};
+const Q3B: StreamSpec = StreamSpec {
+    name: "r",
+    replication_factor: 3,
+    consistency: "Quorum",
+};
+const L3: StreamSpec = StreamSpec {
+    name: "l",
+    replication_factor: 3,
+    consistency: "Leader",
+};
+const ONE: [StreamSpec; 3] = [
+    StreamSpec {
+        name: "a",
+        replication_factor: 1,
+        consistency: "Quorum",
+    },
+    StreamSpec {
+        name: "b",
+        replication_factor: 1,
+        consistency: "Quorum",
+    },
+    StreamSpec {
+        name: "c",
+        replication_factor: 1,
+        consistency: "Quorum",
+    },
+];
+
+/// Every scenario.
+pub const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "kill-restart",
+        about: "one broker, three streams, eight records in flight per producer: SIGKILL and restart every 1-3 s",
+        nodes: 1,
+        proxies: false,
+        broker_yaml: "",
+        streams: &ONE,
+        producers: 1,
+        depth: 8,
+        nemesis: kill_restart,
+    },
+    Scenario {
+        name: "leader-kill",
+        about: "three brokers, Quorum streams: SIGKILL a leader, restart it 2-4 s later",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "",
+        streams: &[Q3, Q3B],
+        producers: 2,
+        depth: 1,
+        nemesis: leader_kill,
+    },
+    Scenario {
+        name: "leader-bounce",
+        about: "three brokers, Quorum streams: SIGKILL a leader and restart it at once, before the control plane notices",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "",
+        streams: &[Q3, Q3B],
+        producers: 2,
+        depth: 1,
+        nemesis: leader_bounce,
+    },
+    Scenario {
+        name: "leader-pause",
+        about: "three brokers, a Quorum and a Leader stream: SIGSTOP the Leader stream's leader past its lease, SIGCONT it",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "",
+        streams: &[Q3, L3],
+        producers: 2,
+        depth: 4,
+        nemesis: leader_pause,
+    },
+    Scenario {
+        name: "leader-isolated",
+        about: "three brokers behind proxies: cut a leader from its followers both ways for 3-5 s",
+        nodes: 3,
+        proxies: true,
+        broker_yaml: "",
+        streams: &[Q3, Q3B],
+        producers: 2,
+        depth: 1,
+        nemesis: leader_isolated,
+    },
+    Scenario {
+        name: "leader-one-way",
+        about: "three brokers behind proxies: a leader's packets to its followers dropped (it still hears them) for 3-5 s",
+        nodes: 3,
+        proxies: true,
+        broker_yaml: "",
+        streams: &[Q3],
+        producers: 2,
+        depth: 1,
+        nemesis: leader_one_way,
+    },
+    Scenario {
+        name: "controlplane-partition",
+        about: "three brokers behind proxies: cut a leader from the control plane for 3-5 s (its lease lapses)",
+        nodes: 3,
+        proxies: true,
+        broker_yaml: "",
+        streams: &[Q3, Q3B],
+        producers: 2,
+        depth: 1,
+        nemesis: controlplane_partition,
+    },
+    Scenario {
+        name: "flaky-links",
+        about: "three brokers behind proxies: every link drops 5%, duplicates 5%, delays 0-20 ms (reordering); a leader is killed now and then",
+        nodes: 3,
+        proxies: true,
+        broker_yaml: "",
+        streams: &[Q3, L3],
+        producers: 2,
+        depth: 1,
+        nemesis: flaky_links,
+    },
+    Scenario {
+        name: "fsync-eio",
+        about: "one broker: fdatasync fails with EIO (once), the shard refuses writes, the broker restarts",
+        nodes: 1,
+        proxies: false,
+        broker_yaml: "fault_injection: true\n",
+        streams: &ONE,
+        producers: 1,
+        depth: 4,
+        nemesis: fsync_eio,
+    },
+];
+
+/// The scenario named `name`.
+pub fn scenario(name: &str) -> Option<&'static Scenario> {
+    SCENARIOS.iter().find(|s| s.name == name)
+}
+
+/// A small seeded generator (splitmix64).
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    /// The next number.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[lo, hi]`.
+    pub fn between(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+}
+
+/// What a nemesis acts on: the cluster, its seeded randomness, its deadline, and the
+/// timeline it writes.
+#[derive(Debug)]
+pub struct Nemesis<'a> {
+    /// The cluster.
+    pub cluster: &'a mut TestCluster,
+    /// The scenario's streams.
+    pub streams: &'static [StreamSpec],
+    /// Seeded randomness.
+    pub rng: Rng,
+    began: Instant,
+    deadline: Instant,
+    timeline: Vec<Value>,
+    paused: Vec<usize>,
+    killed: Vec<usize>,
+}
+
+impl Nemesis<'_> {
+    /// Whether the run's time is not up.
+    pub fn running(&self) -> bool {
+        Instant::now() < self.deadline
+    }
+
+    /// Writes an event into the timeline.
+    pub fn event(&mut self, what: &str, detail: Value) {
+        self.timeline.push(
+            json!({"t_ms": self.began.elapsed().as_millis() as u64, "fault": what, "detail": detail}),
+        );
+    }
+
+    /// Sleeps a random time in `[lo, hi]` ms, or less when the run ends first.
+    pub fn sleep_ms(&mut self, lo: u64, hi: u64) {
+        let d = Duration::from_millis(self.rng.between(lo, hi));
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        std::thread::sleep(d.min(left.max(Duration::from_millis(1))));
+    }
+
+    /// The leader of a random stream's shard 0, once there is one.
+    pub fn some_leader(&mut self) -> anyhow::Result<(usize, &'static str)> {
+        let spec = self.streams[self.rng.between(0, self.streams.len() as u64 - 1) as usize];
+        let (leader, _) =
+            self.cluster
+                .wait_leader(spec.name, 0, None, 0, Duration::from_secs(30))?;
+        Ok((leader, spec.name))
+    }
+
+    /// SIGKILL broker `i`.
+    pub fn kill(&mut self, i: usize) {
+        self.cluster.brokers[i].kill();
+        self.killed.push(i);
+        self.event("kill", json!({"node": i}));
+    }
+
+    /// Starts broker `i` again.
+    pub fn restart(&mut self, i: usize) -> anyhow::Result<()> {
+        self.cluster.brokers[i].restart()?;
+        self.killed.retain(|k| *k != i);
+        self.event("restart", json!({"node": i}));
+        Ok(())
+    }
+
+    /// SIGSTOP broker `i`.
+    pub fn pause(&mut self, i: usize) {
+        self.cluster.brokers[i].signal(libc::SIGSTOP);
+        self.paused.push(i);
+        self.event("pause", json!({"node": i}));
+    }
+
+    /// SIGCONT broker `i`.
+    pub fn resume(&mut self, i: usize) {
+        self.cluster.brokers[i].signal(libc::SIGCONT);
+        self.paused.retain(|k| *k != i);
+        self.event("resume", json!({"node": i}));
+    }
+
+    /// Sets a link rule.
+    pub fn link(&mut self, from: Party, to: Party, link: Link) {
+        self.cluster.rules().set(from, to, link);
+        self.event(
+            "link",
+            json!({"from": from.to_string(), "to": to.to_string(), "cut": link.cut,
+                   "drop": link.drop, "duplicate": link.duplicate,
+                   "delay_ms": link.delay.as_millis() as u64, "jitter_ms": link.jitter.as_millis() as u64}),
+        );
+    }
+
+    /// Every link back to normal.
+    pub fn heal_links(&mut self) {
+        if self.cluster.net.is_some() {
+            self.cluster.rules().heal();
+            self.event("heal", json!({}));
+        }
+    }
+
+    /// Heals everything: links, paused and killed brokers.
+    fn heal_all(&mut self) -> anyhow::Result<()> {
+        self.heal_links();
+        for i in self.paused.clone() {
+            self.resume(i);
+        }
+        for i in self.killed.clone() {
+            self.restart(i)?;
+        }
+        Ok(())
+    }
+}
+
+fn kill_restart(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1000, 3000);
+        n.kill(0);
+        n.restart(0)?;
+    }
+    Ok(())
+}
+
+fn leader_kill(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let (leader, _) = n.some_leader()?;
+        n.kill(leader);
+        n.sleep_ms(2000, 4000);
+        n.restart(leader)?;
+    }
+    Ok(())
+}
+
+fn leader_bounce(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let (leader, _) = n.some_leader()?;
+        n.kill(leader);
+        n.restart(leader)?;
+    }
+    Ok(())
+}
+
+fn leader_pause(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        // A Leader-consistency stream's leader when there is one: its acks need no
+        // majority, so one acknowledged after the lease ran out would show.
+        let (leader, _) = match n.streams.iter().find(|s| s.consistency == "Leader") {
+            Some(s) => (
+                n.cluster
+                    .wait_leader(s.name, 0, None, 0, Duration::from_secs(30))?
+                    .0,
+                s.name,
+            ),
+            None => n.some_leader()?,
+        };
+        n.pause(leader);
+        // The harness's lease is 1.125 s; the control plane moves leadership ~1.9 s on.
+        std::thread::sleep(Duration::from_millis(n.rng.between(2500, 4000)));
+        n.resume(leader);
+    }
+    Ok(())
+}
+
+fn others(n: &Nemesis<'_>, i: usize) -> Vec<usize> {
+    (0..n.cluster.brokers.len()).filter(|j| *j != i).collect()
+}
+
+fn leader_isolated(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let (leader, _) = n.some_leader()?;
+        for j in others(n, leader) {
+            n.link(Party::Node(leader), Party::Node(j), Link::cut());
+            n.link(Party::Node(j), Party::Node(leader), Link::cut());
+        }
+        std::thread::sleep(Duration::from_millis(n.rng.between(3000, 5000)));
+        n.heal_links();
+    }
+    Ok(())
+}
+
+fn leader_one_way(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let (leader, _) = n.some_leader()?;
+        for j in others(n, leader) {
+            n.link(Party::Node(leader), Party::Node(j), Link::cut());
+        }
+        std::thread::sleep(Duration::from_millis(n.rng.between(3000, 5000)));
+        n.heal_links();
+    }
+    Ok(())
+}
+
+fn controlplane_partition(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let (leader, _) = n.some_leader()?;
+        n.link(Party::Node(leader), Party::ControlPlane, Link::cut());
+        std::thread::sleep(Duration::from_millis(n.rng.between(3000, 5000)));
+        n.heal_links();
+    }
+    Ok(())
+}
+
+fn flaky_links(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    let flaky = Link {
+        drop: 0.05,
+        duplicate: 0.05,
+        jitter: Duration::from_millis(20),
+        ..Link::default()
+    };
+    let nodes = n.cluster.brokers.len();
+    for i in 0..nodes {
+        n.link(Party::Client, Party::Node(i), flaky);
+        n.link(Party::Node(i), Party::Client, flaky);
+        for j in others(n, i) {
+            n.link(Party::Node(i), Party::Node(j), flaky);
+        }
+    }
+    while n.running() {
+        n.sleep_ms(3000, 6000);
+        if !n.running() {
+            break;
+        }
+        let (leader, _) = n.some_leader()?;
+        n.kill(leader);
+        n.sleep_ms(1000, 3000);
+        n.restart(leader)?;
+    }
+    Ok(())
+}
+
+fn fsync_eio(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let (status, body) =
+            n.cluster.brokers[0].http_post("/debug/storage-faults?op=sync&errno=eio&times=once")?;
+        anyhow::ensure!(status == 200, "arming the fault: {status} {body}");
+        n.event("fsync-eio", json!({"node": 0}));
+        n.sleep_ms(1000, 2000);
+        // A poisoned shard stays refusing until the broker restarts and recovers.
+        n.kill(0);
+        n.restart(0)?;
+    }
+    Ok(())
+}
+
+/// The broker and control-plane binaries: this package's own targets next to the
+/// running executable when cargo built them (tests), otherwise links to this
+/// executable under their names (`cargo run -p felix-cluster` builds only the chaos
+/// binary, which acts as either when called by those names).
+pub fn sibling_binaries() -> anyhow::Result<(PathBuf, PathBuf)> {
+    let exe = std::env::current_exe()?;
+    let mut dir = exe
+        .parent()
+        .context("the executable's directory")?
+        .to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let broker = dir.join(BROKER_BIN);
+    let cp = dir.join(CONTROLPLANE_BIN);
+    if broker.exists() && cp.exists() {
+        return Ok((broker, cp));
+    }
+    let links = std::env::temp_dir().join(format!("felix-cluster-bin-{}", std::process::id()));
+    std::fs::create_dir_all(&links)?;
+    let (broker, cp) = (links.join(BROKER_BIN), links.join(CONTROLPLANE_BIN));
+    for l in [&broker, &cp] {
+        let _ = std::fs::remove_file(l);
+        std::os::unix::fs::symlink(&exe, l)?;
+    }
+    Ok((broker, cp))
+}
+
+/// The broker binary's name.
+pub const BROKER_BIN: &str = "felix-broker-under-test";
+/// The control plane binary's name.
+pub const CONTROLPLANE_BIN: &str = "felix-controlplane-under-test";
+
+/// Classifies a publish's failure.
+pub fn outcome_of(e: &ClientError) -> Outcome {
+    match e {
+        ClientError::NotLeader(_) => Outcome::Refused,
+        ClientError::Broker(b) => match (&b.code, b.retry) {
+            (Some(code), retry) => {
+                if retry.unwrap_or_else(|| code.default_retry()) == RetryClass::OutcomeUnknown {
+                    Outcome::Unknown
+                } else {
+                    Outcome::Refused
+                }
+            }
+            (None, _) => Outcome::Unknown,
+        },
+        _ => Outcome::Unknown,
+    }
+}
+
+async fn connect(
+    seeds: &[std::net::SocketAddr],
+    config: &felix_client::ClientConfig,
+) -> Option<ClusterClient> {
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        ClusterClient::connect(seeds, "localhost", config.clone()),
+    )
+    .await
+    .ok()?
+    .ok()
+}
+
+/// One producer: publishes `stream/p<id>/<seq>` until `stop`, `depth` at a time.
+async fn producer(
+    id: u32,
+    stream: &'static str,
+    depth: usize,
+    seeds: Vec<std::net::SocketAddr>,
+    config: felix_client::ClientConfig,
+    history: Arc<History>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut client: Option<Arc<ClusterClient>> = None;
+    let mut seq = 0u64;
+    while !stop.load(Ordering::SeqCst) {
+        let c = match &client {
+            Some(c) => c.clone(),
+            None => match connect(&seeds, &config).await {
+                Some(c) => {
+                    let c = Arc::new(c);
+                    client = Some(c.clone());
+                    c
+                }
+                None => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            },
+        };
+        let mut batch = Vec::with_capacity(depth);
+        for _ in 0..depth {
+            let payload = format!("{stream}/p{id}/{seq}").into_bytes();
+            let (c, history) = (c.clone(), history.clone());
+            let this = seq;
+            seq += 1;
+            batch.push(tokio::spawn(async move {
+                let start_us = history.now_us();
+                // Longer than the broker's quorum wait (5 s): a publish a paused leader
+                // holds is still waiting when it wakes.
+                let r = tokio::time::timeout(
+                    Duration::from_secs(6),
+                    c.publish(
+                        TENANT,
+                        NAMESPACE,
+                        stream,
+                        payload.clone(),
+                        AckMode::PerMessage,
+                    ),
+                )
+                .await;
+                let (outcome, offset, error, timed_out) = match r {
+                    Ok(Ok(offset)) => (Outcome::Ok, offset, None, false),
+                    Ok(Err(e)) => (outcome_of(&e), None, Some(e.to_string()), false),
+                    Err(_) => (Outcome::Unknown, None, Some("timed out".into()), true),
+                };
+                let refused = outcome == Outcome::Refused;
+                history.record(Op {
+                    process: id,
+                    seq: this,
+                    sequential: depth == 1,
+                    stream: stream.to_owned(),
+                    kind: OpKind::Publish { payload, offset },
+                    start_us,
+                    end_us: history.now_us(),
+                    outcome,
+                    error,
+                });
+                (timed_out, refused)
+            }));
+        }
+        let (mut reconnect, mut refused) = (false, false);
+        for b in batch {
+            let (t, r) = b.await.unwrap_or((true, false));
+            reconnect |= t;
+            refused |= r;
+        }
+        if reconnect {
+            // A connection to a dead broker hangs until its idle timeout: start over.
+            client = None;
+        } else if refused {
+            // No leader yet, or not here: give the cluster a moment.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// One reader of `stream`'s shard 0: records every record it is delivered.
+async fn reader(
+    id: u32,
+    stream: &'static str,
+    seeds: Vec<std::net::SocketAddr>,
+    config: felix_client::ClientConfig,
+    history: Arc<History>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut next = 0u64;
+    let mut seq = 0u64;
+    while !stop.load(Ordering::SeqCst) {
+        let Some(c) = connect(&seeds, &config).await else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        let from = if next == 0 {
+            StartPosition::Earliest
+        } else {
+            StartPosition::Offset(Offset(next))
+        };
+        let Ok(Ok(mut sub)) = tokio::time::timeout(
+            Duration::from_secs(5),
+            c.subscribe_shard(TENANT, NAMESPACE, stream, 0, Some(from)),
+        )
+        .await
+        else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        while !stop.load(Ordering::SeqCst) {
+            match tokio::time::timeout(Duration::from_secs(3), sub.next_event()).await {
+                Ok(Ok(Some(e))) => {
+                    let Some(offset) = e.offset else { continue };
+                    let at = history.now_us();
+                    history.record(Op {
+                        process: id,
+                        seq,
+                        sequential: false,
+                        stream: stream.to_owned(),
+                        kind: OpKind::Read {
+                            shard: 0,
+                            offset,
+                            payload: e.payload.to_vec(),
+                        },
+                        start_us: at,
+                        end_us: at,
+                        outcome: Outcome::Ok,
+                        error: None,
+                    });
+                    seq += 1;
+                    next = offset + 1;
+                }
+                // Quiet for a while (a dead leader keeps a subscription silent): start over.
+                Ok(Ok(None)) | Ok(Err(_)) | Err(_) => break,
+            }
+        }
+    }
+}
+
+/// Every record of every stream's shard 0, read from its leader until a read goes
+/// quiet past the highest acknowledged offset (or 60 s pass).
+pub async fn final_logs(
+    cluster: &TestCluster,
+    streams: &[StreamSpec],
+    at_least: &HashMap<String, u64>,
+) -> anyhow::Result<FinalLogs> {
+    let mut out = FinalLogs::new();
+    let config = cluster.client_config()?;
+    for spec in streams {
+        let want = at_least.get(spec.name).copied().unwrap_or(0);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut got = BTreeMap::new();
+        loop {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "could not read {} back (have {} records, want offsets past {want})",
+                spec.name,
+                got.len()
+            );
+            got.clear();
+            let Some(c) = connect(&cluster.seeds(), &config).await else {
+                continue;
+            };
+            let Ok(Ok(mut sub)) = tokio::time::timeout(
+                Duration::from_secs(5),
+                c.subscribe_shard(
+                    TENANT,
+                    NAMESPACE,
+                    spec.name,
+                    0,
+                    Some(StartPosition::Earliest),
+                ),
+            )
+            .await
+            else {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            };
+            while let Ok(Ok(Some(e))) =
+                tokio::time::timeout(Duration::from_secs(2), sub.next_event()).await
+            {
+                if let Some(o) = e.offset {
+                    got.insert(o, e.payload.to_vec());
+                }
+            }
+            if got.keys().next_back().map_or(0, |o| o + 1) >= want {
+                break;
+            }
+        }
+        out.insert((spec.name.to_owned(), 0), got);
+    }
+    Ok(out)
+}
+
+/// Runs `scenario` for `duration` with `seed`, with the deliberate bug `mutant` when
+/// given; returns the result line.
+pub fn run(
+    scenario: &Scenario,
+    seed: u64,
+    duration: Duration,
+    mutant: Option<&str>,
+) -> anyhow::Result<Value> {
+    let (broker, cp) = sibling_binaries()?;
+    run_with(scenario, seed, duration, mutant, &broker, &cp)
+}
+
+/// Every stream's leadership changes, as the history's clock saw them (polled every
+/// 100 ms until `stop`).
+fn watch_leadership(
+    admin: felix_controlplane::client::ControlPlaneClient,
+    history: Arc<History>,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<HashMap<String, Vec<u64>>> {
+    std::thread::spawn(move || {
+        let mut last: HashMap<String, u64> = HashMap::new();
+        let mut changes: HashMap<String, Vec<u64>> = HashMap::new();
+        while !stop.load(Ordering::SeqCst) {
+            if let Ok(v) = admin.get("/v1/shard-assignments") {
+                let now = history.now_us();
+                for a in v["items"].as_array().into_iter().flatten() {
+                    let (Some(name), Some(g)) = (a["name"].as_str(), a["generation"].as_u64())
+                    else {
+                        continue;
+                    };
+                    if last.insert(name.to_owned(), g).is_some_and(|old| old != g) {
+                        changes.entry(name.to_owned()).or_default().push(now);
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        changes
+    })
+}
+
+/// As [`run`], with the binaries given.
+pub fn run_with(
+    scenario: &Scenario,
+    seed: u64,
+    duration: Duration,
+    mutant: Option<&str>,
+    broker: &Path,
+    cp: &Path,
+) -> anyhow::Result<Value> {
+    let began = Instant::now();
+    let start = if scenario.proxies {
+        TestCluster::start_with_proxies
+    } else {
+        TestCluster::start
+    };
+    let mut yaml = scenario.broker_yaml.to_owned();
+    if let Some(m) = mutant {
+        if !yaml.contains("fault_injection") {
+            yaml.push_str("fault_injection: true\n");
+        }
+        yaml.push_str(&format!("mutant: {m}\n"));
+    }
+    let mut cluster = start(broker, cp, scenario.nodes, CP_ARGS, &yaml)?;
+    let mut promise = HashMap::new();
+    for s in scenario.streams {
+        cluster.create_stream(s.name, 1, s.replication_factor, s.consistency)?;
+        promise.insert(
+            s.name.to_owned(),
+            if s.consistency == "Leader" && s.replication_factor > 1 {
+                Promise::LeaderOnly
+            } else {
+                Promise::Durable
+            },
+        );
+    }
+    for s in scenario.streams {
+        cluster.wait_leader(s.name, 0, None, 0, Duration::from_secs(30))?;
+    }
+    let history = Arc::new(History::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = watch_leadership(cluster.admin.clone(), history.clone(), stop.clone());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut tasks = Vec::new();
+    let mut id = 0u32;
+    for s in scenario.streams {
+        for _ in 0..scenario.producers {
+            tasks.push(rt.spawn(producer(
+                id,
+                s.name,
+                scenario.depth,
+                cluster.seeds(),
+                cluster.client_config()?,
+                history.clone(),
+                stop.clone(),
+            )));
+            id += 1;
+        }
+        if promise[s.name] == Promise::Durable {
+            tasks.push(rt.spawn(reader(
+                id,
+                s.name,
+                cluster.seeds(),
+                cluster.client_config()?,
+                history.clone(),
+                stop.clone(),
+            )));
+            id += 1;
+        }
+    }
+    let mut nemesis = Nemesis {
+        cluster: &mut cluster,
+        streams: scenario.streams,
+        rng: Rng::new(seed),
+        began,
+        deadline: Instant::now() + duration,
+        timeline: Vec::new(),
+        paused: Vec::new(),
+        killed: Vec::new(),
+    };
+    let acted = (scenario.nemesis)(&mut nemesis);
+    let healed = nemesis.heal_all();
+    let timeline = std::mem::take(&mut nemesis.timeline);
+    acted?;
+    healed?;
+    for s in scenario.streams {
+        cluster.wait_leader(s.name, 0, None, 0, Duration::from_secs(30))?;
+    }
+    // The workload runs on against the healed cluster, then stops.
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::SeqCst);
+    rt.block_on(async {
+        for t in tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+    });
+    let ops = history.ops();
+    let changes = watcher.join().unwrap_or_default();
+    let mut at_least: HashMap<String, u64> = HashMap::new();
+    for op in &ops {
+        if let (
+            OpKind::Publish {
+                offset: Some(o), ..
+            },
+            Outcome::Ok,
+        ) = (&op.kind, op.outcome)
+            && promise.get(&op.stream) == Some(&Promise::Durable)
+        {
+            let e = at_least.entry(op.stream.clone()).or_default();
+            *e = (*e).max(o + 1);
+        }
+    }
+    let mut per_stream = serde_json::Map::new();
+    for s in scenario.streams {
+        let mine = ops.iter().filter(|o| o.stream == s.name);
+        let (mut acked, mut reads) = (0u64, 0u64);
+        for o in mine {
+            match (&o.kind, o.outcome) {
+                (OpKind::Publish { .. }, Outcome::Ok) => acked += 1,
+                (OpKind::Read { .. }, _) => reads += 1,
+                _ => {}
+            }
+        }
+        per_stream.insert(
+            s.name.to_owned(),
+            json!({"acked": acked, "reads": reads, "acked_end": at_least.get(s.name)}),
+        );
+    }
+    let finals = match rt.block_on(final_logs(&cluster, scenario.streams, &at_least)) {
+        Ok(f) => f,
+        Err(e) => {
+            if let Some(secs) = std::env::var("FELIX_CHAOS_HOLD")
+                .ok()
+                .and_then(|s| s.parse().ok())
+            {
+                let token = cluster.path().join("client.token");
+                let _ = std::fs::write(&token, &cluster.client_token);
+                eprintln!(
+                    "holding the cluster in {} for {secs} s: {e:#}; streams {per_stream:?}; control plane {}; brokers {:?}; client token in {}",
+                    cluster.path().display(),
+                    cluster.cp.url,
+                    cluster.seeds(),
+                    token.display()
+                );
+                std::thread::sleep(Duration::from_secs(secs));
+            }
+            return Err(e.context(format!("streams {}", Value::Object(per_stream))));
+        }
+    };
+    let report = check(&ops, &finals, &promise, &changes);
+    Ok(json!({
+        "scenario": scenario.name,
+        "seed": seed,
+        "mutant": mutant,
+        "leadership_changes": changes,
+        "duration_s": duration.as_secs_f64(),
+        "wall_s": began.elapsed().as_secs_f64(),
+        "nodes": scenario.nodes,
+        "timeline": timeline,
+        "valid": report.valid(),
+        "anomalies": report.classes(),
+        "streams": per_stream,
+        "report": report.json(),
+    }))
+}

@@ -1,0 +1,547 @@
+//! A history of client operations and a checker over the final logs.
+//!
+//! Workers record every operation they start: when it started and ended, and how it
+//! ended — acknowledged (with its offset), refused (the broker said it did not write
+//! it), or unknown (a timeout, a lost connection, an outcome-unknown error). Every
+//! published payload is unique, so the checker can find each record in the final logs,
+//! read back from every shard's leader after the faults heal, and report:
+//!
+//! - **lost**: an acknowledged record missing from the final log (on a Leader-consistency
+//!   stream this is the loss its consistency allows, counted but not an error);
+//! - **two values**: an offset that was acknowledged, read or finally holds more than one
+//!   payload;
+//! - **duplicates**: one payload at two offsets (nothing here ever resends one);
+//! - **order**: a sequential producer's acknowledged records out of its order;
+//! - **uncommitted reads**: a subscriber read a record that the final log does not hold
+//!   at that offset (it read something that was never committed);
+//! - **refused present**: a write the broker refused appears anyway.
+//!
+//! An acknowledgement from a deposed leader is harmful only if its record is not in the
+//! successor's log; it then shows up as lost or as two values.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use serde_json::{Value, json};
+
+/// How an operation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Acknowledged.
+    Ok,
+    /// The broker said it did not apply it.
+    Refused,
+    /// It may or may not have been applied.
+    Unknown,
+}
+
+/// What an operation was.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OpKind {
+    /// A publish of a unique payload; `offset` when acknowledged.
+    Publish {
+        /// The payload.
+        payload: Vec<u8>,
+        /// The acknowledged offset.
+        offset: Option<u64>,
+    },
+    /// A subscriber saw `payload` at `shard`/`offset`.
+    Read {
+        /// The shard.
+        shard: u32,
+        /// The offset.
+        offset: u64,
+        /// The payload.
+        payload: Vec<u8>,
+    },
+}
+
+/// One operation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Op {
+    /// Which worker (producer or reader) did it.
+    pub process: u32,
+    /// Its sequence number within that worker.
+    pub seq: u64,
+    /// Whether the worker waits for each operation before the next (order is checked
+    /// only then).
+    pub sequential: bool,
+    /// The stream.
+    pub stream: String,
+    /// What it was.
+    pub kind: OpKind,
+    /// Microseconds since the history began.
+    pub start_us: u64,
+    /// Microseconds since the history began.
+    pub end_us: u64,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// The error text, for anything but `Ok`.
+    pub error: Option<String>,
+}
+
+/// A thread-safe recorder.
+#[derive(Debug)]
+pub struct History {
+    began: Instant,
+    ops: Mutex<Vec<Op>>,
+}
+
+impl Default for History {
+    fn default() -> Self {
+        History {
+            began: Instant::now(),
+            ops: Mutex::default(),
+        }
+    }
+}
+
+impl History {
+    /// Microseconds since the history began.
+    pub fn now_us(&self) -> u64 {
+        self.began.elapsed().as_micros() as u64
+    }
+
+    /// Records a finished operation.
+    pub fn record(&self, op: Op) {
+        self.ops.lock().expect("history lock").push(op);
+    }
+
+    /// Every operation so far, in the order they ended.
+    pub fn ops(&self) -> Vec<Op> {
+        self.ops.lock().expect("history lock").clone()
+    }
+}
+
+/// What each stream promises about acknowledged records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Promise {
+    /// Nothing acknowledged may be lost (Quorum, or one durable copy).
+    Durable,
+    /// Acknowledged records may be lost to a failover (Leader consistency).
+    LeaderOnly,
+}
+
+/// The final contents of every shard: (stream, shard) -> offset -> payload.
+pub type FinalLogs = BTreeMap<(String, u32), BTreeMap<u64, Vec<u8>>>;
+
+/// One anomaly, for the report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Anomaly {
+    /// The stream.
+    pub stream: String,
+    /// The shard, where known.
+    pub shard: Option<u32>,
+    /// The offset, where known.
+    pub offset: Option<u64>,
+    /// What went wrong.
+    pub what: String,
+}
+
+impl Anomaly {
+    fn json(&self) -> Value {
+        json!({"stream": self.stream, "shard": self.shard, "offset": self.offset, "what": self.what})
+    }
+}
+
+/// What the checker found.
+#[derive(Debug, Default, Clone)]
+pub struct Report {
+    /// Operations in the history.
+    pub ops: usize,
+    /// Acknowledged publishes.
+    pub acked: usize,
+    /// Refused publishes.
+    pub refused: usize,
+    /// Publishes with an unknown outcome.
+    pub unknown: usize,
+    /// Of those, how many are in the final log.
+    pub unknown_present: usize,
+    /// Reads checked.
+    pub reads: usize,
+    /// Records in the final logs.
+    pub final_records: usize,
+    /// Acknowledged records missing where the promise was durable.
+    pub lost: Vec<Anomaly>,
+    /// Acknowledged records missing where the promise allowed it.
+    pub lost_allowed: usize,
+    /// Offsets seen with two payloads.
+    pub two_values: Vec<Anomaly>,
+    /// Payloads at two offsets.
+    pub duplicates: Vec<Anomaly>,
+    /// Sequential producers' acknowledgements out of order.
+    pub order: Vec<Anomaly>,
+    /// Reads of records the final log does not hold there.
+    pub uncommitted_reads: Vec<Anomaly>,
+    /// Refused writes that appear.
+    pub refused_present: Vec<Anomaly>,
+}
+
+impl Report {
+    /// Whether nothing is wrong.
+    pub fn valid(&self) -> bool {
+        self.lost.is_empty()
+            && self.two_values.is_empty()
+            && self.duplicates.is_empty()
+            && self.order.is_empty()
+            && self.uncommitted_reads.is_empty()
+            && self.refused_present.is_empty()
+    }
+
+    /// The anomaly classes found, by name.
+    pub fn classes(&self) -> Vec<&'static str> {
+        [
+            ("lost", self.lost.len()),
+            ("two_values", self.two_values.len()),
+            ("duplicates", self.duplicates.len()),
+            ("order", self.order.len()),
+            ("uncommitted_reads", self.uncommitted_reads.len()),
+            ("refused_present", self.refused_present.len()),
+        ]
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(c, _)| c)
+        .collect()
+    }
+
+    /// The report as JSON; each anomaly list is cut to its first 20.
+    pub fn json(&self) -> Value {
+        let list = |v: &[Anomaly]| json!({"count": v.len(), "first": v.iter().take(20).map(Anomaly::json).collect::<Vec<_>>()});
+        json!({
+            "valid": self.valid(),
+            "ops": self.ops,
+            "acked": self.acked,
+            "refused": self.refused,
+            "unknown": self.unknown,
+            "unknown_present": self.unknown_present,
+            "reads": self.reads,
+            "final_records": self.final_records,
+            "lost": list(&self.lost),
+            "lost_allowed": self.lost_allowed,
+            "two_values": list(&self.two_values),
+            "duplicates": list(&self.duplicates),
+            "order": list(&self.order),
+            "uncommitted_reads": list(&self.uncommitted_reads),
+            "refused_present": list(&self.refused_present),
+        })
+    }
+}
+
+fn show(p: &[u8]) -> String {
+    String::from_utf8_lossy(p).into_owned()
+}
+
+/// How far an acknowledgement may trail the leadership change that lost it (the ack
+/// was sent before the old leader's lease ran out, well before the change; it may
+/// reach the client, and the change the harness's poller, a little late).
+pub const ACK_SLACK_US: u64 = 500_000;
+
+/// Checks `ops` against the final logs; `promise` says what each stream promises
+/// (absent streams are durable); `changes` holds when the harness saw each stream's
+/// leadership change (µs, the history's clock). On a Leader-consistency stream an
+/// acknowledged record may be lost only to a change that came after its ack: one
+/// acknowledged after every change was acknowledged by a deposed leader.
+pub fn check(
+    ops: &[Op],
+    finals: &FinalLogs,
+    promise: &HashMap<String, Promise>,
+    changes: &HashMap<String, Vec<u64>>,
+) -> Report {
+    let mut r = Report {
+        ops: ops.len(),
+        final_records: finals.values().map(BTreeMap::len).sum(),
+        ..Report::default()
+    };
+    // Where each payload finally is, and payloads at more than one place.
+    let mut located: HashMap<(&str, &[u8]), (u32, u64)> = HashMap::new();
+    for ((stream, shard), log) in finals {
+        for (offset, payload) in log {
+            if let Some((s0, o0)) = located.insert((stream, payload), (*shard, *offset)) {
+                r.duplicates.push(Anomaly {
+                    stream: stream.clone(),
+                    shard: Some(*shard),
+                    offset: Some(*offset),
+                    what: format!("{:?} is also at shard {s0} offset {o0}", show(payload)),
+                });
+            }
+        }
+    }
+    // Every value each (stream, shard, offset) was seen with.
+    let mut seen: BTreeMap<(&str, u32, u64), BTreeSet<&[u8]>> = BTreeMap::new();
+    for ((stream, shard), log) in finals {
+        for (offset, payload) in log {
+            seen.entry((stream, *shard, *offset))
+                .or_default()
+                .insert(payload);
+        }
+    }
+    // Per (process, stream, shard): (seq, offset) of acknowledged sequential publishes.
+    type Acks<'a> = BTreeMap<(u32, &'a str, u32), Vec<(u64, u64)>>;
+    let mut acks: Acks<'_> = BTreeMap::new();
+    for op in ops {
+        match &op.kind {
+            OpKind::Publish { payload, offset } => {
+                let at = located
+                    .get(&(op.stream.as_str(), payload.as_slice()))
+                    .copied();
+                match op.outcome {
+                    Outcome::Ok => {
+                        r.acked += 1;
+                        let Some((shard, final_offset)) = at else {
+                            let later_change = changes
+                                .get(&op.stream)
+                                .is_some_and(|c| c.iter().any(|t| t + ACK_SLACK_US >= op.end_us));
+                            if promise.get(&op.stream) == Some(&Promise::LeaderOnly) && later_change
+                            {
+                                r.lost_allowed += 1;
+                            } else if promise.get(&op.stream) == Some(&Promise::LeaderOnly) {
+                                r.lost.push(Anomaly {
+                                    stream: op.stream.clone(),
+                                    shard: None,
+                                    offset: *offset,
+                                    what: format!(
+                                        "acknowledged {:?} at {} µs, after the last leadership change: a deposed leader acknowledged it",
+                                        show(payload),
+                                        op.end_us
+                                    ),
+                                });
+                            } else {
+                                r.lost.push(Anomaly {
+                                    stream: op.stream.clone(),
+                                    shard: None,
+                                    offset: *offset,
+                                    what: format!(
+                                        "acknowledged {:?} (at {} µs) is not in the final log",
+                                        show(payload),
+                                        op.end_us
+                                    ),
+                                });
+                            }
+                            continue;
+                        };
+                        if let Some(o) = offset {
+                            if *o != final_offset {
+                                seen.entry((&op.stream, shard, *o))
+                                    .or_default()
+                                    .insert(payload);
+                            }
+                            if op.sequential {
+                                acks.entry((op.process, &op.stream, shard))
+                                    .or_default()
+                                    .push((op.seq, *o));
+                            }
+                        }
+                    }
+                    Outcome::Refused => {
+                        r.refused += 1;
+                        if let Some((shard, o)) = at {
+                            r.refused_present.push(Anomaly {
+                                stream: op.stream.clone(),
+                                shard: Some(shard),
+                                offset: Some(o),
+                                what: format!(
+                                    "{:?} was refused ({}) but is in the log",
+                                    show(payload),
+                                    op.error.as_deref().unwrap_or("")
+                                ),
+                            });
+                        }
+                    }
+                    Outcome::Unknown => {
+                        r.unknown += 1;
+                        r.unknown_present += usize::from(at.is_some());
+                    }
+                }
+            }
+            OpKind::Read {
+                shard,
+                offset,
+                payload,
+            } => {
+                r.reads += 1;
+                let holds = finals
+                    .get(&(op.stream.clone(), *shard))
+                    .and_then(|l| l.get(offset));
+                if holds != Some(payload) {
+                    r.uncommitted_reads.push(Anomaly {
+                        stream: op.stream.clone(),
+                        shard: Some(*shard),
+                        offset: Some(*offset),
+                        what: format!(
+                            "read {:?} at {} µs; the final log holds {:?}",
+                            show(payload),
+                            op.end_us,
+                            holds.map(|h| show(h))
+                        ),
+                    });
+                    seen.entry((&op.stream, *shard, *offset))
+                        .or_default()
+                        .insert(payload);
+                }
+            }
+        }
+    }
+    for ((stream, shard, offset), values) in &seen {
+        if values.len() > 1 {
+            r.two_values.push(Anomaly {
+                stream: (*stream).to_owned(),
+                shard: Some(*shard),
+                offset: Some(*offset),
+                what: format!(
+                    "seen with {}",
+                    values
+                        .iter()
+                        .map(|v| format!("{:?}", show(v)))
+                        .collect::<Vec<_>>()
+                        .join(" and ")
+                ),
+            });
+        }
+    }
+    for ((process, stream, shard), mut list) in acks {
+        list.sort_unstable();
+        for w in list.windows(2) {
+            if w[1].1 <= w[0].1 {
+                r.order.push(Anomaly {
+                    stream: stream.to_owned(),
+                    shard: Some(shard),
+                    offset: Some(w[1].1),
+                    what: format!(
+                        "producer {process}: #{} acknowledged at {} after #{} at {}",
+                        w[1].0, w[1].1, w[0].0, w[0].1
+                    ),
+                });
+            }
+        }
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn publish(process: u32, seq: u64, payload: &str, outcome: Outcome, offset: Option<u64>) -> Op {
+        Op {
+            process,
+            seq,
+            sequential: true,
+            stream: "s".into(),
+            kind: OpKind::Publish {
+                payload: payload.as_bytes().to_vec(),
+                offset,
+            },
+            start_us: seq * 10,
+            end_us: seq * 10 + 5,
+            outcome,
+            error: None,
+        }
+    }
+
+    fn read(offset: u64, payload: &str) -> Op {
+        Op {
+            process: 99,
+            seq: offset,
+            sequential: false,
+            stream: "s".into(),
+            kind: OpKind::Read {
+                shard: 0,
+                offset,
+                payload: payload.as_bytes().to_vec(),
+            },
+            start_us: 0,
+            end_us: 0,
+            outcome: Outcome::Ok,
+            error: None,
+        }
+    }
+
+    fn finals(records: &[&str]) -> FinalLogs {
+        let log = records
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (i as u64, p.as_bytes().to_vec()))
+            .collect();
+        BTreeMap::from([(("s".to_owned(), 0), log)])
+    }
+
+    fn run(ops: &[Op], records: &[&str]) -> Report {
+        check(ops, &finals(records), &HashMap::new(), &HashMap::new())
+    }
+
+    #[test]
+    fn a_clean_history_is_valid() {
+        let ops = [
+            publish(1, 0, "a", Outcome::Ok, Some(0)),
+            publish(1, 1, "b", Outcome::Unknown, None),
+            publish(1, 2, "c", Outcome::Ok, Some(2)),
+            publish(1, 3, "d", Outcome::Refused, None),
+            read(0, "a"),
+            read(2, "c"),
+        ];
+        let r = run(&ops, &["a", "b", "c"]);
+        assert!(r.valid(), "{}", r.json());
+        assert_eq!(
+            (r.acked, r.unknown, r.unknown_present, r.refused),
+            (2, 1, 1, 1)
+        );
+    }
+
+    #[test]
+    fn an_acknowledged_record_missing_is_lost() {
+        let r = run(&[publish(1, 0, "a", Outcome::Ok, Some(0))], &[]);
+        assert_eq!(r.classes(), ["lost"]);
+        // Unless the stream promised only its leader's copy and its leadership changed
+        // after the ack (at 5 µs)...
+        let promise = HashMap::from([("s".to_owned(), Promise::LeaderOnly)]);
+        let op = [publish(1, 0, "a", Outcome::Ok, Some(0))];
+        let changed = HashMap::from([("s".to_owned(), vec![1_000])]);
+        let r = check(&op, &finals(&[]), &promise, &changed);
+        assert!(r.valid());
+        assert_eq!(r.lost_allowed, 1);
+        // ... and not when every change came before the ack: a deposed leader's ack.
+        let mut late = op.clone();
+        late[0].end_us = 2_000_000;
+        let r = check(&late, &finals(&[]), &promise, &changed);
+        assert_eq!(r.classes(), ["lost"]);
+    }
+
+    #[test]
+    fn an_offset_acknowledged_for_one_record_and_holding_another_has_two_values() {
+        // "a" was acknowledged at 0, but the log moved it to 1 and put "x" at 0 (an
+        // offset reused after a failover).
+        let r = run(&[publish(1, 0, "a", Outcome::Ok, Some(0))], &["x", "a"]);
+        assert_eq!(r.classes(), ["two_values"]);
+    }
+
+    #[test]
+    fn a_payload_twice_is_a_duplicate() {
+        let r = run(&[publish(1, 0, "a", Outcome::Ok, Some(0))], &["a", "a"]);
+        assert_eq!(r.classes(), ["duplicates"]);
+    }
+
+    #[test]
+    fn a_sequential_producer_acknowledged_backwards_is_out_of_order() {
+        let ops = [
+            publish(1, 0, "a", Outcome::Ok, Some(1)),
+            publish(1, 1, "b", Outcome::Ok, Some(0)),
+        ];
+        let r = run(&ops, &["b", "a"]);
+        assert_eq!(r.classes(), ["order"]);
+    }
+
+    #[test]
+    fn reading_what_the_final_log_does_not_hold_is_an_uncommitted_read() {
+        let r = run(&[read(1, "ghost")], &["a"]);
+        assert_eq!(r.classes(), ["uncommitted_reads"]);
+        let r = run(&[read(0, "ghost")], &["a"]);
+        assert_eq!(r.classes(), ["two_values", "uncommitted_reads"]);
+    }
+
+    #[test]
+    fn a_refused_write_that_appears_is_reported() {
+        let r = run(&[publish(1, 0, "a", Outcome::Refused, None)], &["a"]);
+        assert_eq!(r.classes(), ["refused_present"]);
+    }
+}
