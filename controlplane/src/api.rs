@@ -49,6 +49,9 @@ pub struct ApiConfig {
     pub regrant_margin: Option<Duration>,
     /// How long a replica-set member may be down before it is replaced.
     pub replica_restore_after: Duration,
+    /// Serve `POST /debug/clock` (steps this process's wall clock; tests and chaos
+    /// runs only).
+    pub fault_injection: bool,
 }
 
 impl Default for ApiConfig {
@@ -59,6 +62,7 @@ impl Default for ApiConfig {
             expiry_timeout: Duration::from_secs(5),
             regrant_margin: None,
             replica_restore_after: Duration::from_secs(60),
+            fault_injection: false,
         }
     }
 }
@@ -170,11 +174,47 @@ impl IntoResponse for ApiError {
 
 type ApiResult<T> = Result<T, ApiError>;
 
-/// Wall-clock milliseconds since the epoch.
-pub fn now_ms() -> u64 {
+/// A step injected into this process's wall clock (`POST /debug/clock`).
+static WALL_STEP_MS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+fn system_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Wall-clock milliseconds since the epoch: for what is about calendar time (token
+/// lifetimes, key ids, event stamps). It steps when the host's clock does.
+pub fn now_ms() -> u64 {
+    system_ms().saturating_add_signed(WALL_STEP_MS.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// Milliseconds on a clock that never steps: the wall clock read once, then a
+/// monotonic clock. Heartbeat silence and report ages are measured on it, so a step of
+/// the host's clock neither declares live brokers down (naming a second leader while
+/// the first still holds its lease) nor keeps silent ones up. Stored heartbeat times
+/// are on it too; after a restart they compare against a new reading of the wall
+/// clock, which only a step between the two runs can skew.
+pub fn liveness_ms() -> u64 {
+    static BASE: std::sync::OnceLock<(u64, std::time::Instant)> = std::sync::OnceLock::new();
+    let (wall, at) = BASE.get_or_init(|| (system_ms(), std::time::Instant::now()));
+    wall + at.elapsed().as_millis() as u64
+}
+
+/// `POST /debug/clock {"step_ms": n}`: steps the wall clock of this process by `n` ms
+/// (negative: back), as an operator's mistake or a bad NTP server would.
+async fn debug_clock(body: axum::body::Bytes) -> ApiResult<Json<Value>> {
+    let v: Value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()))?;
+    let step = v["step_ms"].as_i64().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "step_ms: an integer",
+        )
+    })?;
+    let total = WALL_STEP_MS.fetch_add(step, std::sync::atomic::Ordering::Relaxed) + step;
+    Ok(Json(json!({"step_ms": total})))
 }
 
 /// Reads and parses a JSON body with the size limit, naming the bad field.
@@ -1011,7 +1051,7 @@ async fn register_node(
         registration: reg,
         lifecycle: Lifecycle::Live,
         incarnation,
-        last_heartbeat_ms: now_ms(),
+        last_heartbeat_ms: liveness_ms(),
     };
     st.store
         .batch(vec![Op::Put {
@@ -1104,7 +1144,7 @@ async fn heartbeat(
             node.lifecycle
         )));
     }
-    node.last_heartbeat_ms = now_ms();
+    node.last_heartbeat_ms = liveness_ms();
     st.store
         .batch(vec![Op::Put {
             kind: Kind::Node,
@@ -1139,7 +1179,7 @@ async fn list_assignments(State(st): State<AppState>, h: HeaderMap) -> ApiResult
 /// Every assignment, each with `under_replicated` and the `positions` of the latest
 /// replica report (`{}` when none is known). Derived, so not in the change feed.
 async fn assignments_with_replication(st: &AppState) -> ApiResult<Vec<Value>> {
-    let now = now_ms();
+    let now = liveness_ms();
     let ready = ready_ids(st, now).await?;
     let reports = st
         .reports
@@ -1269,7 +1309,7 @@ async fn shard_move(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiRes
 /// Nodes that may be assigned shards: live, heard from within the expiry, and with a
 /// client address.
 pub async fn ready_nodes(store: &dyn Store, config: &ApiConfig) -> Result<Vec<Node>, StoreError> {
-    let now = now_ms();
+    let now = liveness_ms();
     let mut out = Vec::new();
     for d in store.list(Kind::Node, "").await? {
         let Ok(n) = serde_json::from_value::<Node>(d.value.clone()) else {
@@ -1302,7 +1342,7 @@ async fn replica_status(
             ));
         }
     }
-    let now = now_ms();
+    let now = liveness_ms();
     let ttl = st.config.report_ttl().as_millis() as u64;
     let mut results = Vec::new();
     let mut refused = 0;
@@ -1338,7 +1378,7 @@ async fn replica_status(
 async fn replication_view(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
     let g = authenticate(&st, &h).await?;
     require(&g, "node.view", "cluster", &["*"])?;
-    let now = now_ms();
+    let now = liveness_ms();
     let ready = ready_ids(&st, now).await?;
     let reports = st
         .reports
@@ -1422,7 +1462,7 @@ async fn abandon(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiResult
         .await?
         .ok_or_else(|| ApiError::not_found(format!("unknown_shard: {store_key}")))?;
     let mut a: Assignment = to(&d)?;
-    let now = now_ms();
+    let now = liveness_ms();
     let mut ready = Vec::new();
     let mut leader_holds = false;
     for nd in st.store.list(Kind::Node, "").await? {
@@ -1476,7 +1516,12 @@ async fn abandon(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiResult
 
 /// The router.
 pub fn router(state: AppState) -> Router {
-    Router::new()
+    let debug = if state.config.fault_injection {
+        Router::new().route("/debug/clock", post(debug_clock))
+    } else {
+        Router::new()
+    };
+    debug
         .route("/v1/system/live", get(live))
         .route("/v1/system/ready", get(ready))
         .route("/v1/system/health", get(ready))

@@ -38,6 +38,10 @@ struct Args {
     /// Time between placement passes.
     #[arg(long)]
     placement_interval_ms: Option<u64>,
+    /// Serve POST /debug/clock, which steps this process's wall clock (tests and
+    /// chaos runs only; also FELIX_FAULT_INJECTION=1).
+    #[arg(long)]
+    fault_injection: bool,
 }
 
 /// Parses the process arguments and serves until SIGTERM or SIGINT.
@@ -67,6 +71,9 @@ pub fn main() -> anyhow::Result<()> {
             placement_interval_ms: args.placement_interval_ms,
         },
     )?;
+    let mut config = config;
+    config.api.fault_injection = args.fault_injection
+        || std::env::var("FELIX_FAULT_INJECTION").is_ok_and(|v| v == "1" || v == "true");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

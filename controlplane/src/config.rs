@@ -207,6 +207,7 @@ pub fn resolve(file: FileConfig, flags: Overrides) -> Result<ServerConfig, Confi
             expiry_timeout,
             regrant_margin,
             replica_restore_after,
+            fault_injection: false,
         },
         placement_interval,
     })

@@ -36,7 +36,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use felix_wire::routing::ShardRouting;
 
-use crate::api::{ApiConfig, now_ms};
+use crate::api::{ApiConfig, liveness_ms};
 use crate::model::{Assignment, AssignmentKey, Cache, Lifecycle, Node, Stream};
 use crate::replication::{ReplicaReports, StoredReport};
 use crate::store::{Doc, Expect, Kind, Op, Store, StoreError};
@@ -334,7 +334,8 @@ fn decide(
         .map_or(Decision::Unplaced, Decision::Promote)
 }
 
-/// Runs one placement pass at wall-clock `now_ms`, judging reports in `reports`.
+/// Runs one placement pass at `now_ms` (on the liveness clock, [`liveness_ms`]),
+/// judging reports in `reports`.
 pub async fn pass_at(
     store: &dyn Store,
     config: &ApiConfig,
@@ -508,7 +509,7 @@ pub async fn pass(
     config: &ApiConfig,
     reports: &ReplicaReports,
 ) -> Result<PassReport, StoreError> {
-    pass_at(store, config, reports, now_ms()).await
+    pass_at(store, config, reports, liveness_ms()).await
 }
 
 /// Leaders per node, for balance checks and the docs.

@@ -41,6 +41,7 @@ fn start(store: Arc<dyn Store>, rt: tokio::runtime::Runtime) -> Service {
         regrant_margin: None,
         // Members silent for 1000 + 300 ms are replaced.
         replica_restore_after: Duration::from_millis(300),
+        fault_injection: false,
     };
     let running = rt
         .block_on(server::start_with_store(

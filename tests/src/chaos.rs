@@ -59,6 +59,8 @@ pub struct Scenario {
     pub producers: usize,
     /// Records in flight per producer (1 = sequential).
     pub depth: usize,
+    /// No leadership may change (the faults must not cost a failover).
+    pub stable: bool,
     /// The nemesis.
     pub nemesis: NemesisFn,
 }
@@ -107,6 +109,7 @@ pub const SCENARIOS: &[Scenario] = &[
         streams: &ONE,
         producers: 1,
         depth: 8,
+        stable: false,
         nemesis: kill_restart,
     },
     Scenario {
@@ -118,6 +121,7 @@ pub const SCENARIOS: &[Scenario] = &[
         streams: &[Q3, Q3B],
         producers: 2,
         depth: 1,
+        stable: false,
         nemesis: leader_kill,
     },
     Scenario {
@@ -129,6 +133,7 @@ pub const SCENARIOS: &[Scenario] = &[
         streams: &[Q3, Q3B],
         producers: 2,
         depth: 1,
+        stable: false,
         nemesis: leader_bounce,
     },
     Scenario {
@@ -140,6 +145,7 @@ pub const SCENARIOS: &[Scenario] = &[
         streams: &[Q3, L3],
         producers: 2,
         depth: 4,
+        stable: false,
         nemesis: leader_pause,
     },
     Scenario {
@@ -151,6 +157,7 @@ pub const SCENARIOS: &[Scenario] = &[
         streams: &[Q3, Q3B],
         producers: 2,
         depth: 1,
+        stable: false,
         nemesis: leader_isolated,
     },
     Scenario {
@@ -162,6 +169,7 @@ pub const SCENARIOS: &[Scenario] = &[
         streams: &[Q3],
         producers: 2,
         depth: 1,
+        stable: false,
         nemesis: leader_one_way,
     },
     Scenario {
@@ -173,6 +181,7 @@ pub const SCENARIOS: &[Scenario] = &[
         streams: &[Q3, Q3B],
         producers: 2,
         depth: 1,
+        stable: false,
         nemesis: controlplane_partition,
     },
     Scenario {
@@ -184,7 +193,20 @@ pub const SCENARIOS: &[Scenario] = &[
         streams: &[Q3, L3],
         producers: 2,
         depth: 1,
+        stable: false,
         nemesis: flaky_links,
+    },
+    Scenario {
+        name: "controlplane-clock",
+        about: "three brokers: the control plane's wall clock steps forward and back by seconds to minutes; no broker may be declared down, no leadership may move",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "",
+        streams: &[Q3, L3],
+        producers: 2,
+        depth: 1,
+        stable: true,
+        nemesis: controlplane_clock,
     },
     Scenario {
         name: "fsync-eio",
@@ -195,6 +217,7 @@ pub const SCENARIOS: &[Scenario] = &[
         streams: &ONE,
         producers: 1,
         depth: 4,
+        stable: false,
         nemesis: fsync_eio,
     },
 ];
@@ -454,6 +477,22 @@ fn flaky_links(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         n.kill(leader);
         n.sleep_ms(1000, 3000);
         n.restart(leader)?;
+    }
+    Ok(())
+}
+
+fn controlplane_clock(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    let steps: [i64; 6] = [5_000, -5_000, 60_000, -120_000, 3_600_000, -3_540_000];
+    let mut i = 0;
+    while n.running() {
+        n.sleep_ms(700, 1500);
+        let step = steps[i % steps.len()];
+        i += 1;
+        n.cluster
+            .admin
+            .post("/debug/clock", &json!({ "step_ms": step }))
+            .map_err(|e| anyhow::anyhow!("stepping the control plane's clock: {e}"))?;
+        n.event("controlplane-clock", json!({ "step_ms": step }));
     }
     Ok(())
 }
@@ -799,7 +838,9 @@ pub fn run_with(
         }
         yaml.push_str(&format!("mutant: {m}\n"));
     }
-    let mut cluster = start(broker, cp, scenario.nodes, CP_ARGS, &yaml)?;
+    let mut cp_args = CP_ARGS.to_vec();
+    cp_args.push("--fault-injection");
+    let mut cluster = start(broker, cp, scenario.nodes, &cp_args, &yaml)?;
     let mut promise = HashMap::new();
     for s in scenario.streams {
         cluster.create_stream(s.name, 1, s.replication_factor, s.consistency)?;
@@ -929,6 +970,11 @@ pub fn run_with(
         }
     };
     let report = check(&ops, &finals, &promise, &changes);
+    let moved = scenario.stable && !changes.is_empty();
+    let mut anomalies = report.classes();
+    if moved {
+        anomalies.push("leadership_moved");
+    }
     Ok(json!({
         "scenario": scenario.name,
         "seed": seed,
@@ -938,8 +984,8 @@ pub fn run_with(
         "wall_s": began.elapsed().as_secs_f64(),
         "nodes": scenario.nodes,
         "timeline": timeline,
-        "valid": report.valid(),
-        "anomalies": report.classes(),
+        "valid": report.valid() && !moved,
+        "anomalies": anomalies,
         "streams": per_stream,
         "report": report.json(),
     }))

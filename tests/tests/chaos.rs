@@ -51,6 +51,7 @@ fn every_scenario_is_listed_here() {
         "leader-one-way",
         "controlplane-partition",
         "flaky-links",
+        "controlplane-clock",
         "fsync-eio",
     ];
     let all: Vec<_> = SCENARIOS.iter().map(|s| s.name).collect();
@@ -95,6 +96,11 @@ fn controlplane_partition() {
 #[test]
 fn flaky_links() {
     assert_clean("flaky-links");
+}
+
+#[test]
+fn controlplane_clock() {
+    assert_clean("controlplane-clock");
 }
 
 #[test]

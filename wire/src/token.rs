@@ -539,4 +539,63 @@ mod tests {
             Err(AuthError::Malformed(_))
         ));
     }
+
+    /// The token matrix of the fault harness: each way a token can be wrong, refused
+    /// with its own error.
+    #[test]
+    fn the_token_matrix() {
+        let (key, keys) = setup();
+        let b64 = |v: &[u8]| URL_SAFE_NO_PAD.encode(v);
+        let body = b64(&serde_json::to_vec(&claims("acme", vec![])).unwrap());
+        // Not yet valid.
+        let mut c = claims("acme", vec![]);
+        c.nbf = Some(1900);
+        assert_eq!(
+            keys.verify(&key.sign(&c), "acme", 1500),
+            Err(AuthError::Expired)
+        );
+        // Wrong issuer.
+        let mut c = claims("acme", vec![]);
+        c.iss = "someone-else".into();
+        assert!(matches!(
+            keys.verify(&key.sign(&c), "acme", 1500),
+            Err(AuthError::Claim { claim: "iss", .. })
+        ));
+        // alg: none, no signature.
+        let none = format!("{}.{body}.", b64(br#"{"alg":"none","typ":"JWT"}"#));
+        assert!(matches!(
+            keys.verify(&none, "acme", 1500),
+            Err(AuthError::Algorithm(a)) if a == "none"
+        ));
+        // HS256 "signed" with the public key as the HMAC secret (the classic confusion).
+        let header = b64(br#"{"alg":"HS256","typ":"JWT","kid":"k1"}"#);
+        let input = format!("{header}.{body}");
+        let hmac = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key.public_key());
+        let tag = ring::hmac::sign(&hmac, input.as_bytes());
+        let hs = format!("{input}.{}", b64(tag.as_ref()));
+        assert!(matches!(
+            keys.verify(&hs, "acme", 1500),
+            Err(AuthError::Algorithm(a)) if a == "HS256"
+        ));
+        // Unknown kid: a key this tenant does not have, even if the signature is good.
+        let stranger = SigningKey::generate("k9").unwrap();
+        let mut keys_with_k9_elsewhere = keys.clone();
+        keys_with_k9_elsewhere.add("beta", "k9", stranger.public_key());
+        assert!(matches!(
+            keys_with_k9_elsewhere.verify(&stranger.sign(&claims("acme", vec![])), "acme", 1500),
+            Err(AuthError::Signature(_))
+        ));
+        // A key revoked (removed from the set) refuses what it signed.
+        let good = key.sign(&claims("acme", vec![]));
+        let mut revoked = TenantKeys::default();
+        revoked.add(
+            "acme",
+            "k2",
+            SigningKey::generate("k2").unwrap().public_key(),
+        );
+        assert!(matches!(
+            revoked.verify(&good, "acme", 1500),
+            Err(AuthError::Signature(_))
+        ));
+    }
 }
