@@ -14,6 +14,10 @@ use bytes::{BufMut, Bytes};
 
 /// Alignment of every write and of the header block (O_DIRECT).
 pub const BLOCK_BYTES: usize = 4096;
+/// The smallest unit a disk writes whole: after a power cut each sector of an unsynced
+/// write holds either all of its new bytes or all of its old ones. Recovery reads a
+/// sector whose share of a damaged batch is all zeros as one that kept its old content.
+pub const SECTOR_BYTES: usize = 512;
 /// The header block at the start of every segment.
 pub const SEGMENT_HEADER_BYTES: usize = BLOCK_BYTES;
 /// `FXSG`.
@@ -28,6 +32,21 @@ pub const BATCH_HEADER_BYTES: usize = 56;
 pub const RECORD_PREFIX_BYTES: usize = 4;
 /// Largest batch body accepted, checked before any allocation.
 pub const MAX_BATCH_BODY_BYTES: usize = 64 * 1024 * 1024;
+/// Most bytes of staged batches one flush round writes before its fdatasync. A batch is
+/// never split, so a round passes this only when it is one batch larger than it. The
+/// bound limits how much of the newest segment a power cut can find unsynced, which is
+/// what lets recovery tell a torn last round from damage to synced data
+/// ([`LAST_ROUND_REACH_BYTES`]). 8 MiB: larger than a round under ordinary load, so group
+/// commit is unchanged there, while a backlog costs one fdatasync per 8 MiB.
+pub const ROUND_BYTES_MAX: usize = 8 * 1024 * 1024;
+/// How far past its first byte the data of an unsynced flush round can reach: a round
+/// (less than [`ROUND_BYTES_MAX`] plus one whole batch) and a block of margin. Recovery
+/// cuts damage in the newest segment that has data after it only when the file's last
+/// non-zero byte lies within this distance of the damage; farther, the damage is in
+/// data that was synced, and the log refuses to open. Changing this changes which logs
+/// recovery accepts: it belongs to the format.
+pub const LAST_ROUND_REACH_BYTES: u64 =
+    (ROUND_BYTES_MAX + BATCH_HEADER_BYTES + MAX_BATCH_BODY_BYTES + BLOCK_BYTES) as u64;
 
 /// What a batch holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -7,13 +7,21 @@
 //!    batch's offsets, encodes it into the staging buffer of the segment it belongs to
 //!    (deciding a roll from the projected size), and takes a commit turn. The batch's
 //!    place in the order is fixed here, before any disk wait.
-//! 2. The flusher task takes everything staged and writes it with one block-aligned
-//!    O_DIRECT write per segment (rewriting the last partial block with the new bytes
-//!    behind it). Rolling to a new segment first fdatasyncs the old one, then creates
-//!    the new file, writes and fdatasyncs its header, and fsyncs the directory.
+//! 2. The flusher task takes what is staged, up to [`format::ROUND_BYTES_MAX`] bytes of
+//!    batches (staging starts a new chunk rather than let one pass the bound, and a
+//!    round takes whole chunks, so only a batch larger than the bound makes a round
+//!    larger, and then it is the round's only batch). What is left waits for the next
+//!    round, which starts at once. It writes the round with one block-aligned O_DIRECT
+//!    write per segment (rewriting the last partial block with the new bytes behind it).
+//!    Rolling to a new segment first fdatasyncs the old one, then creates the new file,
+//!    writes and fdatasyncs its header, and fsyncs the directory.
 //! 3. Under `FsyncMode::OnCommit` the flusher then issues one fdatasync for the round:
 //!    every batch written in the round becomes durable together (group commit). Under
-//!    `Periodic` a timer asks for that fdatasync; under `None` only close does.
+//!    `Periodic` a timer asks for that fdatasync; under `None` only close does (every
+//!    round once the log is closing). Because a round is bounded and the next one starts
+//!    only after this fdatasync, a power cut finds at most one round of the newest
+//!    segment unsynced; recovery relies on that to cut a torn last round
+//!    (`docs/storage-format.md`, "Recovery").
 //!    (`LogConfig::unsafe_skip_fdatasync` leaves this call out: a mutant the power-loss
 //!    tests must catch.)
 //! 4. `commit` resolves once its batch is acknowledged (durable under `OnCommit`,
@@ -237,22 +245,31 @@ pub struct RecoveryReport {
     pub duration: Duration,
 }
 
-/// A torn tail of the newest segment: a batch whose write never completed, followed by
-/// nothing but zeros. It was never acknowledged; recovery cuts it.
+/// What recovery cut from the end of the newest segment, never acknowledged data:
+/// - a torn tail: a batch whose write never completed, followed by nothing but zeros;
+/// - a torn last round: damage with more data after it, all within
+///   [`format::LAST_ROUND_REACH_BYTES`] of the damage, as a power cut during a round's
+///   fdatasync leaves it. The batches after the damage are cut too, whole or not: the
+///   log cannot keep records after a gap in its offsets.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TornTail {
     /// The segment file.
     pub segment: String,
     /// Where the cut is: the end of the last whole batch, the file's new length.
     pub position: u64,
-    /// Bytes cut: the damaged batch and the zeros after it.
+    /// Bytes cut: the damaged batch, whatever follows it, and the zeros after that.
     pub bytes: u64,
     /// The offset the damaged batch starts at: the log's next offset after the cut.
     pub first_offset: u64,
-    /// Records in the damaged batch, when its header survived and names `first_offset`:
-    /// the cut loses offsets `first_offset..first_offset + records`. `None` when the
-    /// header itself is damaged, so no record in it can be named.
+    /// Records the cut loses, offsets `first_offset..first_offset + records`, when they
+    /// can be counted: the batch headers from the damage to the end of the data are
+    /// walked, and where one is damaged the walk resumes at the next header that
+    /// verifies and continues the offsets. `None` when a batch whose header is damaged
+    /// has no such header after it (it may be the last batch), so no count is certain.
     pub records: Option<u64>,
+    /// Where non-zero bytes resume after the damaged batch: `Some` for a torn last
+    /// round, `None` for a torn tail.
+    pub data_after: Option<u64>,
     /// What is wrong with the batch.
     pub cause: format::FormatError,
 }
@@ -292,6 +309,9 @@ pub struct LogStats {
     pub synced_batches: u64,
     /// Bytes written, padding included.
     pub bytes_written: u64,
+    /// Most bytes of batches one flush round took: at most [`format::ROUND_BYTES_MAX`],
+    /// unless a single batch is larger (step 2).
+    pub largest_round_bytes: u64,
     /// Segment rolls.
     pub rolls: u64,
     /// Times the disk was full and unwritten batches were rolled back (step 5).
@@ -696,11 +716,11 @@ impl<B: Backend> SegmentLog<B> {
             st.append_pos = SEGMENT_HEADER_BYTES as u64;
             st.append_last_indexed = None;
         }
+        // A chunk never grows past a round's bound (step 2): a round takes whole chunks.
         let needs_chunk = roll
-            || st
-                .staged
-                .back()
-                .is_none_or(|c| c.segment_base != st.append_base);
+            || st.staged.back().is_none_or(|c| {
+                c.segment_base != st.append_base || c.bytes.len() + len > format::ROUND_BYTES_MAX
+            });
         if needs_chunk {
             let bytes = st.spare.pop().unwrap_or_default();
             st.staged.push_back(Chunk {
@@ -1356,10 +1376,12 @@ async fn flush_round<B: Backend>(
     let (chunks, sync_requested) = {
         let mut st = shared.state.borrow_mut();
         st.stats.flush_rounds += 1;
-        (
-            std::mem::take(&mut st.staged),
-            std::mem::take(&mut st.sync_requested),
-        )
+        let chunks = take_round(&mut st.staged);
+        let round_bytes: usize = chunks.iter().map(|c| c.bytes.len()).sum();
+        st.stats.largest_round_bytes = st.stats.largest_round_bytes.max(round_bytes as u64);
+        // Close asks for a sync of everything, which may take several rounds.
+        let sync_requested = std::mem::take(&mut st.sync_requested) || st.closing;
+        (chunks, sync_requested)
     };
     let mut batches_written = 0u64;
     let mut chunks = chunks.into_iter();
@@ -1404,6 +1426,22 @@ async fn flush_round<B: Backend>(
         wake_acked(&mut st, cfg.fsync);
     }
     Ok(())
+}
+
+/// Step 2: takes the chunks of one round from the front of `staged`, the first always and
+/// each next one while the round stays within [`format::ROUND_BYTES_MAX`].
+fn take_round(staged: &mut VecDeque<Chunk>) -> VecDeque<Chunk> {
+    let mut bytes = 0;
+    let n = staged
+        .iter()
+        .enumerate()
+        .take_while(|(i, c)| {
+            bytes += c.bytes.len();
+            *i == 0 || bytes <= format::ROUND_BYTES_MAX
+        })
+        .count();
+    let rest = staged.split_off(n);
+    std::mem::replace(staged, rest)
 }
 
 /// Step 2 for one chunk: rolls if it opens a segment, then writes it. Returns the

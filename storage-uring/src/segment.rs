@@ -7,7 +7,8 @@ use bytes::Bytes;
 
 use crate::error::{Corruption, CorruptionKind, StorageError};
 use crate::format::{
-    self, BATCH_HEADER_BYTES, BatchHeader, BatchKind, FormatError, HeaderRead, MAX_BATCH_BODY_BYTES,
+    self, BATCH_HEADER_BYTES, BATCH_MAGIC, BatchHeader, BatchKind, FormatError, HeaderRead,
+    LAST_ROUND_REACH_BYTES, MAX_BATCH_BODY_BYTES, RECORD_PREFIX_BYTES,
 };
 use crate::index::SparseIndex;
 use crate::io::SegmentFile;
@@ -67,15 +68,18 @@ pub(crate) struct ScanEnd {
     pub torn_at: Option<Torn>,
 }
 
-/// A torn tail a scan found: everything from `pos` on may be cut.
+/// A torn tail or torn last round a scan found: everything from `pos` on may be cut.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Torn {
     /// Where the damaged batch starts.
     pub pos: u64,
     /// What is wrong with it.
     pub cause: FormatError,
-    /// Its header, when that much survived (the header checksum matched).
-    pub header: Option<BatchHeader>,
+    /// Records from `pos` to the end of the data, when they can be counted
+    /// ([`count_records`]).
+    pub records: Option<u64>,
+    /// Where non-zero bytes resume after the damaged batch: a torn last round.
+    pub data_after: Option<u64>,
 }
 
 /// Reads a file through a moving window.
@@ -134,13 +138,35 @@ pub(crate) async fn first_nonzero<F: SegmentFile>(
     Ok(None)
 }
 
+/// One past the last non-zero byte of `file` in `[pos, file_len)`; `pos` when there is
+/// none.
+pub(crate) async fn data_end<F: SegmentFile>(
+    file: &F,
+    pos: u64,
+    file_len: u64,
+) -> std::io::Result<u64> {
+    let mut end = file_len;
+    while end > pos {
+        let start = end.saturating_sub(SCAN_WINDOW_BYTES as u64).max(pos);
+        let chunk = file.read_at(start, (end - start) as usize).await?;
+        if let Some(i) = chunk.iter().rposition(|b| *b != 0) {
+            return Ok(start + i as u64 + 1);
+        }
+        end = start;
+    }
+    Ok(pos)
+}
+
 /// Walks batches from `pos` (where `expected_offset` must begin) to the end of data,
 /// verifying every header and body CRC and offset contiguity, and feeding the index.
 ///
 /// The end of data is an all-zero header or end of file. Damage is repaired (reported in
-/// `torn_at`) only when `allow_tail_repair` and every byte after the damaged batch's
-/// extent is zero: then it is a torn write that was never acknowledged. Anything else
-/// is a [`Corruption`].
+/// `torn_at`) only when `allow_tail_repair` (the newest segment) and either every byte
+/// after the damaged batch's extent is zero (a torn tail), or the last non-zero byte
+/// lies within [`LAST_ROUND_REACH_BYTES`] of the damage (a torn last round: a power cut
+/// while the round's fdatasync ran kept only some of its sectors). Neither was
+/// acknowledged. Anything else is a [`Corruption`]: damage farther back lies in data
+/// that was synced.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn scan<F: SegmentFile>(
     file: &F,
@@ -178,22 +204,20 @@ pub(crate) async fn scan<F: SegmentFile>(
             return Ok(done(pos, None));
         }
         let head = window.get(pos, BATCH_HEADER_BYTES).await.map_err(io)?;
-        let damage = match format::decode_batch_header(&head) {
+        let (cause, extent_end) = match format::decode_batch_header(&head) {
             Ok(HeaderRead::Zero) => {
                 // End of data, provided nothing follows the zeros.
-                match first_nonzero(file, pos, file_len).await.map_err(io)? {
-                    None => return Ok(done(pos, None)),
-                    Some(next_data) => {
-                        return Err(corrupt(
-                            pos,
-                            expected_offset,
-                            CorruptionKind::Interior {
-                                next_data,
-                                cause: FormatError::BatchMagic { found: 0 },
-                            },
-                        ));
-                    }
+                if first_nonzero(file, pos, file_len)
+                    .await
+                    .map_err(io)?
+                    .is_none()
+                {
+                    return Ok(done(pos, None));
                 }
+                (
+                    FormatError::BatchMagic { found: 0 },
+                    pos + BATCH_HEADER_BYTES as u64,
+                )
             }
             Ok(HeaderRead::Batch(h)) => match check_batch(&mut window, pos, file_len, &h).await {
                 Ok(()) if h.base_offset != expected_offset => {
@@ -216,24 +240,135 @@ pub(crate) async fn scan<F: SegmentFile>(
                     continue;
                 }
                 Err(CheckError::Io(e)) => return Err(io(e)),
-                Err(CheckError::Format(e)) => (e, pos + h.total_len() as u64, Some(h)),
+                Err(CheckError::Format(e)) => (e, pos + h.total_len() as u64),
             },
-            Err(e) => (e, pos + BATCH_HEADER_BYTES as u64, None),
+            Err(e) => (e, pos + BATCH_HEADER_BYTES as u64),
         };
-        let (cause, extent_end, header) = damage;
         let after = first_nonzero(file, extent_end.min(file_len), file_len)
             .await
             .map_err(io)?;
-        return match after {
-            None if allow_tail_repair => Ok(done(pos, Some(Torn { pos, cause, header }))),
-            None => Err(corrupt(pos, expected_offset, CorruptionKind::Format(cause))),
-            Some(next_data) => Err(corrupt(
-                pos,
-                expected_offset,
-                CorruptionKind::Interior { next_data, cause },
-            )),
+        let refuse = |after: Option<u64>| {
+            let kind = match after {
+                None => CorruptionKind::Format(cause),
+                Some(next_data) => CorruptionKind::Interior { next_data, cause },
+            };
+            Err(corrupt(pos, expected_offset, kind))
         };
+        if !allow_tail_repair {
+            return refuse(after);
+        }
+        let end = data_end(file, pos, file_len).await.map_err(io)?;
+        if after.is_some()
+            && (end - pos > LAST_ROUND_REACH_BYTES
+                || !lost_sector(&mut window, pos, extent_end)
+                    .await
+                    .map_err(io)?)
+        {
+            return refuse(after);
+        }
+        let records = count_records(&mut window, pos, end, expected_offset)
+            .await
+            .map_err(io)?;
+        let torn = Torn {
+            pos,
+            cause,
+            records,
+            data_after: after,
+        };
+        return Ok(done(pos, Some(torn)));
     }
+}
+
+/// Whether the damaged batch at `[pos, extent_end)` shows what a power cut leaves: a
+/// sector whose share of the batch is all zeros. Every byte of an unacknowledged batch
+/// lies past what was synced before its round, so a sector that kept its old content
+/// holds zeros where the batch should be (bytes past the end of the file count as
+/// zeros). A flipped bit or a stray write leaves no such sector, and damage with data
+/// after it is then refused even at the end of the newest segment. (A batch whose
+/// payload is itself zeros can show such a sector without a power cut: within the last
+/// round's reach such damage is cut, as a power cut would be.)
+async fn lost_sector<F: SegmentFile>(
+    window: &mut Window<'_, F>,
+    pos: u64,
+    extent_end: u64,
+) -> std::io::Result<bool> {
+    let sector = format::SECTOR_BYTES as u64;
+    let mut start = pos;
+    while start < extent_end {
+        let end = ((start / sector + 1) * sector).min(extent_end);
+        let share = window.get(start, (end - start) as usize).await?;
+        if share.iter().all(|b| *b == 0) {
+            return Ok(true);
+        }
+        start = end;
+    }
+    Ok(false)
+}
+
+/// Counts the records in the batches from `pos` (where `first_offset` begins) to
+/// `data_end`, which a cut at `pos` loses; best effort, for the recovery report. Walks
+/// the batch headers; at a damaged one, it resumes at the next header that verifies and
+/// could continue the offsets (its base is past the walk's, by no more records than the
+/// bytes skipped could hold), and the records in between are the gap up to that base.
+/// `None` when no such header follows a damaged one (the last batch's header may be the
+/// damaged one, and its record count is then unknown), or a whole header breaks the
+/// offsets. Only headers are read: a batch whose body is damaged still counts.
+async fn count_records<F: SegmentFile>(
+    window: &mut Window<'_, F>,
+    mut pos: u64,
+    data_end: u64,
+    first_offset: u64,
+) -> std::io::Result<Option<u64>> {
+    let mut end = first_offset;
+    while pos < data_end {
+        let head = window.get(pos, BATCH_HEADER_BYTES).await?;
+        match format::decode_batch_header(&head) {
+            Ok(HeaderRead::Batch(h)) if h.base_offset == end => {
+                end = h.end_offset();
+                pos += h.total_len() as u64;
+            }
+            Ok(HeaderRead::Batch(_)) => return Ok(None),
+            Ok(HeaderRead::Zero) | Err(_) => match resume(window, pos, data_end, end).await? {
+                Some((at, base)) => (pos, end) = (at, base),
+                None => return Ok(None),
+            },
+        }
+    }
+    Ok(Some(end - first_offset))
+}
+
+/// The next header after the damaged batch at `pos` (expected at offset `expected`) that
+/// verifies and could follow it: position and base offset.
+async fn resume<F: SegmentFile>(
+    window: &mut Window<'_, F>,
+    pos: u64,
+    data_end: u64,
+    expected: u64,
+) -> std::io::Result<Option<(u64, u64)>> {
+    let magic = BATCH_MAGIC.to_be_bytes();
+    let mut at = pos + 1;
+    while at < data_end {
+        // Overlapping windows, so a magic that straddles two is seen.
+        let len = ((data_end - at) as usize).min(SCAN_WINDOW_BYTES) + magic.len() - 1;
+        let bytes = window.get(at, len).await?;
+        let Some(i) = bytes.windows(magic.len()).position(|w| w == magic) else {
+            at += (bytes.len() + 1).saturating_sub(magic.len()).max(1) as u64;
+            continue;
+        };
+        let candidate = at + i as u64;
+        if candidate >= data_end {
+            break;
+        }
+        let head = window.get(candidate, BATCH_HEADER_BYTES).await?;
+        if let Ok(HeaderRead::Batch(h)) = format::decode_batch_header(&head) {
+            let most = (candidate - pos) / RECORD_PREFIX_BYTES as u64;
+            if h.base_offset > expected && h.base_offset - expected <= most {
+                return Ok(Some((candidate, h.base_offset)));
+            }
+        }
+        at = candidate + 1;
+    }
+    Ok(None)
 }
 
 enum CheckError {

@@ -540,3 +540,37 @@ fn retention_never_removes_a_segment_past_the_floor() {
         );
     });
 }
+
+/// Recovery's torn-last-round rule relies on a flush round never taking more than
+/// `ROUND_BYTES_MAX` of batches (unless one batch is larger): a backlog staged at once
+/// is written in several rounds, each made durable before the next starts.
+#[test]
+fn a_backlog_is_flushed_in_bounded_rounds() {
+    run(|| async {
+        let (log, _) = SegmentLog::open(MemBackend::new(), LogConfig::default())
+            .await
+            .unwrap();
+        let batch = vec![7u8; 1024 * 1024];
+        let pending: Vec<_> = (0..20)
+            .map(|o| log.begin_append(&[&batch[..]], o, None).unwrap())
+            .collect();
+        for p in pending {
+            log.commit(p).await.unwrap();
+        }
+        let stats = log.stats();
+        assert!(
+            stats.largest_round_bytes <= format_round_max() as u64,
+            "{stats:?}"
+        );
+        assert!(stats.flush_rounds >= 3, "{stats:?}");
+        // One batch larger than the bound is a round of its own.
+        let big = vec![8u8; format_round_max() + 1];
+        log.append(&[&big[..]], 0).await.unwrap();
+        assert!(log.stats().largest_round_bytes > format_round_max() as u64);
+        log.close().await.unwrap();
+    });
+}
+
+fn format_round_max() -> usize {
+    felix_storage_uring::format::ROUND_BYTES_MAX
+}

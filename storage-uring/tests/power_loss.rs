@@ -198,12 +198,10 @@ fn the_power_cut_check_catches_a_missing_fdatasync() {
 }
 
 /// A cut during a round's fdatasync (here: the fdatasync fails, then power goes) leaves
-/// the round's unacknowledged sectors in any subset. Recovery today calls a hole followed
-/// by data that did land interior damage and refuses to open, though nothing acknowledged
-/// was touched. Ignored until recovery can tell that case from damage to acknowledged
-/// data (see `docs/storage-format.md`, "Power loss and the repair tool").
+/// the round's unacknowledged sectors in any subset: holes with data after them. Recovery
+/// cuts such damage when it lies within one bounded round of the end of the newest
+/// segment (`docs/storage-format.md`, "Recovery"), and keeps every acknowledged record.
 #[test]
-#[ignore = "recovery refuses holes in an unsynced tail as interior damage"]
 fn a_power_cut_inside_the_fdatasync_leaves_a_log_that_opens() {
     run(|| async {
         let config = cfg(false);

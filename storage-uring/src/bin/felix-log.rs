@@ -406,6 +406,7 @@ fn repair_json(outcome: &RepairOutcome, dry_run: bool) -> serde_json::Value {
                     "first_offset": t.first_offset,
                     "last_offset": t.records.map(|n| t.first_offset + n - 1),
                     "records": t.records,
+                    "data_after": t.data_after,
                     "cause": t.cause.to_string(),
                 })
             });
@@ -446,9 +447,10 @@ fn repair_text(outcome: &RepairOutcome, dry_run: bool) -> String {
         RepairOutcome::Refused(e) => {
             return format!(
                 "repair impossible: {e}\n\
-                 Only a torn tail of the newest segment (a damaged last batch followed by \
-                 nothing but zeros) can be cut without losing acknowledged records. Nothing \
-                 was changed; restore this log from a replica or a backup.\n"
+                 Only the end of the newest segment (a torn tail, or damage within one \
+                 flush round of the end of its data) can be cut without losing acknowledged \
+                 records. Nothing was changed; restore this log from a replica or a \
+                 backup.\n"
             );
         }
         RepairOutcome::Repairable(r) => r,
@@ -467,10 +469,15 @@ fn repair_text(outcome: &RepairOutcome, dry_run: bool) -> String {
     match &r.torn_tail {
         None => text += "no torn tail: nothing to cut\n",
         Some(t) => {
-            text += &format!(
-                "segment {}: torn tail at byte {} ({})\n{cuts} {} bytes: ",
-                t.segment, t.position, t.cause, t.bytes
-            );
+            text += &match t.data_after {
+                None => format!("segment {}: torn tail at byte {}", t.segment, t.position),
+                Some(at) => format!(
+                    "segment {}: torn last flush round at byte {}, data resumes at byte {at} \
+                     (a power cut during its fdatasync; none of it was acknowledged)",
+                    t.segment, t.position
+                ),
+            };
+            text += &format!(" ({})\n{cuts} {} bytes: ", t.cause, t.bytes);
             text += &match t.records {
                 Some(n) => format!(
                     "offsets {}..={} ({n} record{})\n",
@@ -478,9 +485,14 @@ fn repair_text(outcome: &RepairOutcome, dry_run: bool) -> String {
                     t.first_offset + n - 1,
                     if n == 1 { "" } else { "s" }
                 ),
-                None => format!(
+                None if t.data_after.is_none() => format!(
                     "the batch header at offset {} is damaged, so how many records it held \
                      is unknown; nothing from offset {} on remains\n",
+                    t.first_offset, t.first_offset
+                ),
+                None => format!(
+                    "a batch header from offset {} on is damaged, so how many records are \
+                     lost is unknown; nothing from offset {} on remains\n",
                     t.first_offset, t.first_offset
                 ),
             };

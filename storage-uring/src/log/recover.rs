@@ -159,10 +159,8 @@ pub(super) async fn recover<B: Backend>(
                 position: pos,
                 bytes: len - pos,
                 first_offset: end.end_offset,
-                records: torn
-                    .header
-                    .filter(|h| h.base_offset == end.end_offset)
-                    .map(|h| u64::from(h.record_count)),
+                records: torn.records,
+                data_after: torn.data_after,
                 cause: torn.cause,
             });
         }
