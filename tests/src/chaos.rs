@@ -197,6 +197,18 @@ pub const SCENARIOS: &[Scenario] = &[
         nemesis: flaky_links,
     },
     Scenario {
+        name: "planned-move",
+        about: "three brokers, Quorum streams: move a shard's leadership to another replica every 1.5-3 s (POST /v1/shard-moves)",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "",
+        streams: &[Q3, Q3B],
+        producers: 2,
+        depth: 4,
+        stable: false,
+        nemesis: planned_move,
+    },
+    Scenario {
         name: "controlplane-clock",
         about: "three brokers: the control plane's wall clock steps forward and back by seconds to minutes; no broker may be declared down, no leadership may move",
         nodes: 3,
@@ -477,6 +489,25 @@ fn flaky_links(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         n.kill(leader);
         n.sleep_ms(1000, 3000);
         n.restart(leader)?;
+    }
+    Ok(())
+}
+
+fn planned_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let (leader, stream) = n.some_leader()?;
+        let to = others(n, leader)[n.rng.between(0, 1) as usize];
+        let answer = n.cluster.admin.post(
+            "/v1/shard-moves",
+            &json!({"tenant_id": crate::cluster::TENANT, "namespace": NAMESPACE,
+                    "stream": stream, "shard": 0, "destination": format!("node-{to}")}),
+        );
+        n.event(
+            "move",
+            json!({"stream": stream, "from": leader, "to": to, "ok": answer.is_ok(),
+                   "error": answer.err().map(|e| e.to_string())}),
+        );
     }
     Ok(())
 }

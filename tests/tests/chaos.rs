@@ -51,6 +51,7 @@ fn every_scenario_is_listed_here() {
         "leader-one-way",
         "controlplane-partition",
         "flaky-links",
+        "planned-move",
         "controlplane-clock",
         "fsync-eio",
     ];
@@ -96,6 +97,11 @@ fn controlplane_partition() {
 #[test]
 fn flaky_links() {
     assert_clean("flaky-links");
+}
+
+#[test]
+fn planned_move() {
+    assert_clean("planned-move");
 }
 
 #[test]
