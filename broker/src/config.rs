@@ -80,6 +80,12 @@ pub struct FileConfig {
     pub pins: Vec<String>,
     /// Acked publishes a client stream may have unanswered.
     pub publish_window: Option<u32>,
+    /// Consumer groups: how long a claim holds before the record is owed again.
+    pub group_visibility_ms: Option<u64>,
+    /// Consumer groups: deliveries before a record is dead-lettered.
+    pub group_max_attempts: Option<u32>,
+    /// Consumer groups: claims outstanding per group; polls at the cap answer empty.
+    pub group_max_in_flight: Option<usize>,
     /// Connections per core beyond which handshakes are refused.
     pub max_connections: Option<usize>,
     /// Per-subscriber queue, in batches.
@@ -173,6 +179,8 @@ pub struct BrokerConfig {
     pub pins: Vec<PinRule>,
     /// Publish window.
     pub publish_window: u32,
+    /// Consumer-group bounds.
+    pub group_limits: crate::groups::tracker::Limits,
     /// Connection limit per core.
     pub max_connections: usize,
     /// Subscriber queue capacity.
@@ -634,6 +642,15 @@ impl BrokerConfig {
             streams: file.streams,
             pins,
             publish_window,
+            group_limits: {
+                let d = crate::groups::tracker::Limits::default();
+                crate::groups::tracker::Limits {
+                    visibility_ms: file.group_visibility_ms.unwrap_or(d.visibility_ms).max(1),
+                    max_attempts: file.group_max_attempts.unwrap_or(d.max_attempts).max(1),
+                    max_in_flight: file.group_max_in_flight.unwrap_or(d.max_in_flight).max(1),
+                    max_claim: d.max_claim,
+                }
+            },
             max_connections: file.max_connections.unwrap_or(10_000),
             subscriber_queue: file.subscriber_queue.unwrap_or(512).max(1),
             segment_bytes: file.segment_bytes.unwrap_or(256 << 20),

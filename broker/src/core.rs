@@ -117,6 +117,15 @@ pub enum CoreMsg {
     },
     /// A cache operation on a cache shard the receiver owns. Dropped: the client gets
     /// `unacknowledged`.
+    /// A consumer-group request for a stream shard this core owns.
+    Group {
+        /// The stream shard.
+        key: Arc<ShardKey>,
+        /// The request.
+        op: crate::groups::GroupOp,
+        /// Where the answer goes.
+        reply: ReplyTo,
+    },
     Cache {
         /// Shard.
         key: Arc<ShardKey>,
@@ -163,6 +172,8 @@ pub enum ReplyBody {
     Read(Result<Vec<ReadBatch>, BrokerError>),
     /// To `Cache`.
     Cache(Result<CacheAnswer, BrokerError>),
+    /// To `Group`.
+    Group(Result<crate::groups::GroupAnswer, BrokerError>),
 }
 
 /// Per-core counters for `/metrics`.
@@ -186,6 +197,8 @@ pub struct CoreMetrics {
     pub connections: AtomicU64,
     /// Cache operations.
     pub cache_ops: AtomicU64,
+    /// Consumer-group requests.
+    pub group_ops: AtomicU64,
     /// Cross-core messages sent.
     pub mesh_sent: AtomicU64,
     /// Shards open on this core.
@@ -254,6 +267,8 @@ pub struct Shared {
     pub node_id: String,
     /// Acked publishes a stream may have unanswered.
     pub publish_window: u32,
+    /// Consumer-group bounds.
+    pub group_limits: crate::groups::tracker::Limits,
     /// Subscriber queue capacity (batches).
     pub subscriber_queue: usize,
     /// Max frame payload after auth.
@@ -373,6 +388,7 @@ pub struct CoreBroker {
     mesh: Mesh<CoreMsg>,
     streams: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<StreamShard>>>>,
     caches: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<CacheShard>>>>,
+    groups: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<crate::groups::GroupShard>>>>,
     subscribers: RefCell<HashMap<Arc<ShardKey>, Vec<Rc<SubQueue>>>>,
     outbound: Vec<RefCell<Outbound>>,
     pending: RefCell<HashMap<u64, (CoreId, oneshot::Sender<ReplyBody>)>>,
@@ -455,6 +471,7 @@ impl CoreBroker {
             mesh,
             streams: RefCell::default(),
             caches: RefCell::default(),
+            groups: RefCell::default(),
             subscribers: RefCell::default(),
             outbound: (0..cores).map(|_| RefCell::default()).collect(),
             pending: RefCell::default(),
@@ -1294,6 +1311,97 @@ impl CoreBroker {
         .detach();
     }
 
+    /// A consumer-group request, wherever the stream shard lives.
+    pub async fn group(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        op: crate::groups::GroupOp,
+    ) -> Result<crate::groups::GroupAnswer, BrokerError> {
+        self.metrics.group_ops.fetch_add(1, Ordering::Relaxed);
+        let owner = self.owner(&key);
+        if owner == self.core {
+            self.group_local(&key, op).await
+        } else {
+            match self
+                .ask(owner, |reply| CoreMsg::Group { key, op, reply })
+                .await?
+            {
+                ReplyBody::Group(r) => r,
+                other => Err(BrokerError::Internal(format!(
+                    "mismatched answer {other:?}"
+                ))),
+            }
+        }
+    }
+
+    /// A group request on the owning core. On a replicated shard only a serving leader
+    /// answers (the group log is the leader's own: see `docs/queues.md`).
+    async fn group_local(
+        &self,
+        key: &Arc<ShardKey>,
+        op: crate::groups::GroupOp,
+    ) -> Result<crate::groups::GroupAnswer, BrokerError> {
+        if let Some(rs) = self.replica_of(key)?
+            && !rs.serving()
+        {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        let stream = self.stream_shard(key).await?;
+        let groups = self.group_shard(key).await?;
+        groups.serve(&stream, op).await
+    }
+
+    /// The groups of stream shard `key`, opening their log on first use.
+    async fn group_shard(
+        &self,
+        key: &Arc<ShardKey>,
+    ) -> Result<Rc<crate::groups::GroupShard>, BrokerError> {
+        let first = {
+            let mut map = self.groups.borrow_mut();
+            match map.get(key) {
+                Some(Slot::Ready(s)) => return Ok(s.clone()),
+                Some(Slot::Failed(e)) => return Err(e.clone()),
+                Some(Slot::Opening(_)) => false,
+                None => {
+                    map.insert(key.clone(), Slot::Opening(Vec::new()));
+                    true
+                }
+            }
+        };
+        if first {
+            let dir = shard_dir(&self.shared.data_dir, key).join("groups");
+            let opened = async {
+                let backend = DmaBackend::open_dir_with_faults(&dir, self.shared.faults.clone())
+                    .await
+                    .map_err(|e| BrokerError::Storage(format!("{}: {e}", dir.display())))?;
+                let (log, _) = SegmentLog::open(backend, self.shared.log_config.clone()).await?;
+                crate::groups::GroupShard::open(log, self.shared.group_limits)
+                    .await
+                    .map(Rc::new)
+            }
+            .await;
+            let mut map = self.groups.borrow_mut();
+            let slot = match &opened {
+                Ok(s) => Slot::Ready(s.clone()),
+                Err(e) => Slot::Failed(e.clone()),
+            };
+            if let Some(Slot::Opening(waiters)) = map.insert(key.clone(), slot) {
+                waiters.into_iter().for_each(Waker::wake);
+            }
+            return opened;
+        }
+        poll_fn(|cx| match self.groups.borrow_mut().get_mut(key) {
+            Some(Slot::Ready(s)) => Poll::Ready(Ok(s.clone())),
+            Some(Slot::Failed(e)) => Poll::Ready(Err(e.clone())),
+            Some(Slot::Opening(w)) => {
+                w.push(cx.waker().clone());
+                Poll::Pending
+            }
+            None => Poll::Ready(Err(BrokerError::ShardUnavailable(format!("{key} closed")))),
+        })
+        .await
+    }
+
     /// A cache operation, wherever the cache shard lives.
     pub async fn cache(
         self: &Rc<Self>,
@@ -1478,6 +1586,14 @@ impl CoreBroker {
                 })
                 .detach();
             }
+            CoreMsg::Group { key, op, reply } => {
+                let this = self.clone();
+                task::spawn(async move {
+                    let r = this.group_local(&key, op).await;
+                    this.respond(reply, ReplyBody::Group(r));
+                })
+                .detach();
+            }
         }
         let _ = from;
     }
@@ -1603,6 +1719,10 @@ impl CoreBroker {
     }
 
     async fn close_shard(&self, key: &ShardKey) {
+        let groups = self.groups.borrow_mut().remove(key);
+        if let Some(Slot::Ready(g)) = groups {
+            let _ = g.close().await;
+        }
         let stream = self.streams.borrow_mut().remove(key);
         if let Some(Slot::Ready(s)) = stream {
             let _ = s.log.close().await;
@@ -1714,6 +1834,20 @@ impl CoreBroker {
         for c in caches {
             if let Err(e) = c.close().await {
                 tracing::warn!(shard = %c.key, error = %e, "closing a cache log");
+            }
+        }
+        let groups: Vec<_> = self
+            .groups
+            .borrow()
+            .values()
+            .filter_map(|s| match s {
+                Slot::Ready(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect();
+        for g in groups {
+            if let Err(e) = g.close().await {
+                tracing::warn!(error = %e, "closing a group log");
             }
         }
         self.mesh.close();

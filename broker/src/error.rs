@@ -72,6 +72,10 @@ pub enum BrokerError {
         /// Its client address.
         addr: Option<String>,
     },
+    /// A group settle for a record this group's claims do not hold (never handed out,
+    /// or its claim lapsed and it went out again).
+    #[error("stale claim: {0}")]
+    StaleClaim(String),
     /// A subscribe offset outside the retained log.
     #[error("cursor {reason:?}: requested {requested}, available {available}")]
     Cursor {
@@ -102,6 +106,7 @@ impl BrokerError {
             BrokerError::Internal(_) => ErrorCode::Internal,
             BrokerError::Unacknowledged(_) => ErrorCode::Unacknowledged,
             BrokerError::NotLeader { .. } => ErrorCode::NotLeader,
+            BrokerError::StaleClaim(_) => ErrorCode::StaleClaim,
         }
     }
 

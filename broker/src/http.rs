@@ -84,6 +84,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.cache_ops.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_group_ops_total",
+        "counter",
+        "Consumer-group requests.",
+        |m| m.group_ops.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_mesh_messages_sent_total",
         "counter",
         "Cross-core messages sent.",

@@ -3,7 +3,8 @@
 //! Each shard is owned by one core ([`core`]); a client connection lives on the core the
 //! kernel hashed it to and reaches shards elsewhere through the mesh ([`session`]).
 //! Streams are logs ([`shard`]) with fanout after durability; caches are logs with a
-//! derived key index. Tokens are verified per stream ([`auth`]); names and shard counts
+//! derived key index; consumer groups are durable cursors over a stream shard
+//! ([`groups`]). Tokens are verified per stream ([`auth`]); names and shard counts
 //! come from the catalog ([`catalog`]). `felix-broker dev` ([`dev`]) prepares a single
 //! node with everything embedded.
 
@@ -17,6 +18,7 @@ pub mod dev;
 pub mod embedded;
 pub mod error;
 pub mod forward;
+pub mod groups;
 pub mod http;
 pub mod replication;
 pub mod server;

@@ -254,6 +254,7 @@ pub fn start(
         cluster: cluster.clone(),
         node_id: config.node_id.clone(),
         publish_window: config.publish_window,
+        group_limits: config.group_limits,
         subscriber_queue: config.subscriber_queue,
         max_frame_bytes: felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES,
         limits: config.limits,

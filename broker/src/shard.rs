@@ -165,6 +165,8 @@ pub struct StreamShard {
     fanout_end: Cell<u64>,
     /// Cores with subscribers to this shard, and how many.
     interested: RefCell<HashMap<CoreId, usize>>,
+    /// Woken when the fanout frontier moves: waiting group polls look again.
+    pub appended: crate::groups::Wakers,
 }
 
 impl std::fmt::Debug for StreamShard {
@@ -183,6 +185,7 @@ impl StreamShard {
             key,
             log,
             interested: RefCell::default(),
+            appended: crate::groups::Wakers::default(),
         }
     }
 
@@ -217,6 +220,7 @@ impl StreamShard {
             appended.first >= self.fanout_end.get() || appended.end <= self.fanout_end.get()
         );
         self.fanout_end.set(self.fanout_end.get().max(appended.end));
+        self.appended.wake_all();
     }
 
     /// Next offset to fan out.
@@ -228,6 +232,7 @@ impl StreamShard {
     /// whose suffix was cut).
     pub fn reset_fanout(&self, end: u64) {
         self.fanout_end.set(end);
+        self.appended.wake_all();
     }
 
     /// Whether anyone subscribes.

@@ -23,6 +23,7 @@ use crate::catalog::Entry;
 use crate::cluster::{Resolved, Route};
 use crate::core::CacheOp;
 use crate::error::{BrokerError, cut};
+use crate::groups::GroupOp;
 use crate::session::Session;
 use crate::session::answer::{self, AnswerTo};
 
@@ -156,6 +157,21 @@ pub enum Request {
     },
     /// Cache get, put or delete.
     Cache(CacheRequest),
+    /// A consumer-group request.
+    Group {
+        /// Tenant.
+        tenant: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: u32,
+        /// Correlation.
+        request_id: RequestId,
+        /// What to do.
+        op: GroupOp,
+    },
     /// A frame that is refused as it stands: malformed, a second `auth`, an ack or
     /// event batch sent by a client. `ends_stream` when the stream cannot go on.
     Refused {
@@ -203,6 +219,15 @@ pub enum Action {
         op: CacheOp,
         /// Who is owed the answer, and the names it echoes.
         reply: CacheReply,
+    },
+    /// A consumer-group request on a stream shard this broker serves.
+    Group {
+        /// The stream shard.
+        key: Arc<ShardKey>,
+        /// What to do.
+        op: GroupOp,
+        /// Correlation.
+        request_id: RequestId,
     },
     /// Register a subscription and start its pump.
     Subscribe {
@@ -454,8 +479,213 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
             error: BrokerError::InvalidRequest("second auth on an authenticated stream".into()),
             ends_stream: false,
         },
-        _ => Request::Unsupported(message::peek_request(raw)),
+        m => group_request(m).unwrap_or_else(|| Request::Unsupported(message::peek_request(raw))),
     }
+}
+
+/// A consumer-group message as a request; `None` for any other message.
+fn group_request(m: Message) -> Option<Request> {
+    let req = |tenant_id, namespace, stream, shard: ShardId, request_id, op| Request::Group {
+        tenant: tenant_id,
+        namespace,
+        stream,
+        shard: shard.0,
+        request_id,
+        op,
+    };
+    Some(match m {
+        Message::GroupPoll {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            max_records,
+            wait_ms,
+            request_id,
+            visibility_ms,
+            ..
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::Poll {
+                group,
+                max: max_records,
+                wait_ms,
+                visibility_ms: visibility_ms.unwrap_or(0),
+            },
+        ),
+        Message::GroupAck {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            offset,
+            request_id,
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::Ack(group, offset.0),
+        ),
+        Message::GroupNack {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            offset,
+            request_id,
+            delay_ms,
+            ..
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::Nack(group, offset.0, delay_ms.unwrap_or(0)),
+        ),
+        Message::GroupExtend {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            offset,
+            request_id,
+            attempts,
+            extend_ms,
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::Extend(group, offset.0, attempts, extend_ms),
+        ),
+        Message::GroupDeadLetter {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            offset,
+            request_id,
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::DeadLetter(group, offset.0),
+        ),
+        Message::GroupDeadLetters {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            request_id,
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::DeadLetters(group),
+        ),
+        Message::GroupDiscard {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            offset,
+            request_id,
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::Discard(group, offset.0),
+        ),
+        Message::GroupRedrive {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            offset,
+            request_id,
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::Redrive(group, offset.0),
+        ),
+        Message::GroupSeek {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            start,
+            if_new,
+            request_id,
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::Seek {
+                group,
+                start,
+                if_new,
+            },
+        ),
+        Message::GroupDescribe {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            request_id,
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::Describe(group),
+        ),
+        Message::GroupDelete {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            group,
+            request_id,
+        } => req(
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            GroupOp::Delete(group),
+        ),
+        _ => return None,
+    })
 }
 
 fn cache_request(
@@ -622,6 +852,35 @@ pub fn decide(
             Err(e) => error(e),
         },
         Request::Cache(c) => cache(session, dir, c, now),
+        Request::Group {
+            tenant,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            op,
+        } => {
+            // Consuming through a group is reading the stream: `stream.subscribe`.
+            let key = session
+                .authorize(Perm::StreamSubscribe, &tenant, &namespace, &stream, now)
+                .and_then(|()| crate::groups::check_name(op.group()))
+                .and_then(|()| {
+                    let entry = dir.stream(&tenant, &namespace, &stream, false)?;
+                    shard_key(&entry, &tenant, &namespace, &stream, shard)
+                });
+            match key.map(|k| (dir.resolve(&k), k)) {
+                Ok((Resolved::Local, key)) => Action::Group {
+                    key,
+                    op,
+                    request_id,
+                },
+                Ok((Resolved::Remote(route), _)) => Action::Answer(not_leader(session, &route)),
+                Ok((Resolved::Unavailable(reason), _)) => {
+                    error(BrokerError::ShardUnavailable(reason.into()))
+                }
+                Err(e) => error(e),
+            }
+        }
         Request::Unsupported(summary) => unsupported(session, summary),
     }
 }

@@ -513,6 +513,18 @@ async fn execute(
             })));
             true
         }
+        Action::Group {
+            key,
+            op,
+            request_id,
+        } => {
+            let (core, session) = (core.clone(), session.clone());
+            answers.push(Answer::Pending(Box::pin(async move {
+                let result = core.group(key, op).await;
+                Some(group_answer(&session, request_id, result))
+            })));
+            true
+        }
         Action::Subscribe { key, start } => {
             if scope.subscriptions.get() >= scope.limits.subscriptions_per_connection {
                 let e = BrokerError::LimitExceeded(format!(
@@ -570,6 +582,55 @@ fn cache_answer(
         },
         Ok(_) => Message::CacheOk {
             request_id: reply.request_id.unwrap_or_default(),
+        },
+    }
+    .to_frame()
+}
+
+fn group_answer(
+    session: &Session,
+    request_id: felix_wire::RequestId,
+    result: Result<crate::groups::GroupAnswer, BrokerError>,
+) -> Bytes {
+    use crate::groups::GroupAnswer as A;
+    use felix_wire::Offset;
+    match result {
+        Err(e) => e.to_message(session.coded()),
+        Ok(A::Records(records)) => Message::GroupRecords {
+            records,
+            request_id,
+        },
+        Ok(A::Done) => Message::CacheOk { request_id },
+        Ok(A::Extended(visible_ms)) => Message::GroupExtended {
+            visible_ms,
+            request_id,
+        },
+        Ok(A::DeadLetters(offsets)) => Message::GroupDeadLetterList {
+            offsets: offsets.into_iter().map(Offset).collect(),
+            request_id,
+        },
+        Ok(A::Position(offset, moved)) => Message::GroupPosition {
+            offset: Offset(offset),
+            moved,
+            request_id,
+        },
+        Ok(A::Info {
+            committed,
+            tail,
+            in_flight,
+            owed,
+            dead_letters,
+        }) => Message::GroupInfo {
+            committed: committed.map(Offset),
+            tail: Offset(tail),
+            in_flight,
+            owed,
+            dead_letters,
+            request_id,
+        },
+        Ok(A::Deleted(existed)) => Message::GroupDeleted {
+            existed,
+            request_id,
         },
     }
     .to_frame()

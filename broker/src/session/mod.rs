@@ -55,7 +55,11 @@ pub const SERVER_FEATURES: Features = Features(
         | Features::ERROR_CODES.0
         | Features::UNSUPPORTED.0
         | Features::PUBLISH_PIPELINE.0
-        | Features::STREAM_PUBLISH_WINDOW.0,
+        | Features::STREAM_PUBLISH_WINDOW.0
+        | Features::CONSUMER_GROUP.0
+        | Features::GROUP_DEAD_LETTERS.0
+        | Features::GROUP_ADMIN.0
+        | Features::GROUP_CLAIM_CONTROL.0,
 );
 
 /// What a broker following a control plane serves on top: redirects and owners.

@@ -280,6 +280,14 @@ impl Harness {
                     self.push(Some(f));
                 }
             },
+            Action::Group { request_id, .. } => {
+                // The harness serves no groups: an empty poll answer stands for any.
+                let frame = felix_wire::Message::GroupRecords {
+                    records: Vec::new(),
+                    request_id,
+                };
+                self.push(Some(frame.to_frame()));
+            }
             Action::Cache { key, op, .. } => {
                 let map = self.caches.entry((*key).clone()).or_default();
                 let frame = match op {

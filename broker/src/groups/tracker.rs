@@ -1,0 +1,559 @@
+//! One consumer group's state over one stream shard, sans-IO: offsets in, decisions out,
+//! time passed in as milliseconds of a clock that never steps.
+//!
+//! The durable part is a set of [`Event`]s (acks, dead letters, redrives, discards,
+//! seeks) the caller writes to the shard's group log before it answers; recovery folds
+//! the same events through [`Tracker::apply`], so the state a restart rebuilds is the
+//! state that was acknowledged. Claims (who holds what until when) are memory only: a
+//! restart or failover hands unsettled records out again (at-least-once).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Bounds and defaults of a group (configuration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// How long a claim holds before the record is owed again.
+    pub visibility_ms: u64,
+    /// Deliveries before a record is dead-lettered.
+    pub max_attempts: u32,
+    /// Claims outstanding at once; polls at the cap answer empty.
+    pub max_in_flight: usize,
+    /// Records one poll hands out.
+    pub max_claim: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            visibility_ms: 30_000,
+            max_attempts: 5,
+            max_in_flight: 10_000,
+            max_claim: 1000,
+        }
+    }
+}
+
+/// A durable change to a group, written to the shard's group log before it is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// A record is finished.
+    Ack(u64),
+    /// A record was given up on: finished for the cursor, listed as a dead letter.
+    Dead(u64),
+    /// A dead letter is owed again, its attempts reset.
+    Redrive(u64),
+    /// A dead letter is dropped from the list (the record stays finished).
+    Discard(u64),
+    /// The cursor is placed at an offset; everything in flight or owed is forgotten.
+    Seek(u64),
+}
+
+/// Why a settle was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// The offset is not held by a claim of this group (never handed out, lapsed and
+    /// handed out again, or settled differently).
+    StaleClaim(String),
+    /// The offset is not a dead letter of this group.
+    NotDeadLetter(u64),
+}
+
+/// A claim on one record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Claim {
+    deadline_ms: u64,
+    attempts: u32,
+}
+
+/// A record owed again (its claim lapsed, it was nacked or redriven).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Owed {
+    attempts: u32,
+    not_before_ms: u64,
+}
+
+/// What one poll decided.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Claimed {
+    /// Offsets handed out, with the delivery attempt each is on (1 = first).
+    pub handed: Vec<(u64, u32)>,
+    /// Offsets that reached the attempt limit: dead-lettered in memory; the caller writes
+    /// an [`Event::Dead`] for each before answering (and calls [`Tracker::undo_dead`]
+    /// if that write fails).
+    pub dead: Vec<u64>,
+}
+
+/// A group's counts, for `group_describe`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    /// Everything below is finished.
+    pub committed: u64,
+    /// Claims outstanding.
+    pub in_flight: u64,
+    /// Records owed again.
+    pub owed: u64,
+    /// Dead letters.
+    pub dead_letters: u64,
+}
+
+/// One group's state.
+#[derive(Debug, Clone)]
+pub struct Tracker {
+    limits: Limits,
+    /// Every offset below it is finished (acked, dead-lettered or skipped), except those
+    /// in `owed` (a redrive does not move the cursor back).
+    committed: u64,
+    /// The next offset never handed out.
+    high_water: u64,
+    in_flight: BTreeMap<u64, Claim>,
+    owed: BTreeMap<u64, Owed>,
+    /// Finished offsets at or past `committed`, waiting for the run below them.
+    settled_ahead: BTreeSet<u64>,
+    dead: BTreeSet<u64>,
+}
+
+impl Tracker {
+    /// A group whose cursor starts at `start`.
+    pub fn new(start: u64, limits: Limits) -> Tracker {
+        Tracker {
+            limits,
+            committed: start,
+            high_water: start,
+            in_flight: BTreeMap::new(),
+            owed: BTreeMap::new(),
+            settled_ahead: BTreeSet::new(),
+            dead: BTreeSet::new(),
+        }
+    }
+
+    /// The cursor: every offset below it is finished.
+    pub fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    /// Counts for `group_describe`.
+    pub fn counts(&self) -> Counts {
+        Counts {
+            committed: self.committed,
+            in_flight: self.in_flight.len() as u64,
+            owed: self.owed.len() as u64,
+            dead_letters: self.dead.len() as u64,
+        }
+    }
+
+    /// Dead letters, lowest first.
+    pub fn dead_letters(&self) -> impl Iterator<Item = u64> + '_ {
+        self.dead.iter().copied()
+    }
+
+    /// Applies a durable event: during recovery, and after a live change was written.
+    /// Live changes already made in memory apply again harmlessly.
+    pub fn apply(&mut self, event: Event) {
+        match event {
+            Event::Ack(o) => {
+                self.in_flight.remove(&o);
+                self.owed.remove(&o);
+                self.settle(o);
+            }
+            Event::Dead(o) => {
+                self.in_flight.remove(&o);
+                self.owed.remove(&o);
+                self.dead.insert(o);
+                self.settle(o);
+            }
+            Event::Redrive(o) => {
+                self.dead.remove(&o);
+                self.settled_ahead.remove(&o);
+                self.in_flight.remove(&o);
+                self.owed.insert(
+                    o,
+                    Owed {
+                        attempts: 0,
+                        not_before_ms: 0,
+                    },
+                );
+            }
+            Event::Discard(o) => {
+                self.dead.remove(&o);
+            }
+            Event::Seek(o) => {
+                self.committed = o;
+                self.high_water = o;
+                self.in_flight.clear();
+                self.owed.clear();
+                self.settled_ahead.clear();
+            }
+        }
+    }
+
+    /// Marks `o` finished and moves the cursor over the contiguous run.
+    fn settle(&mut self, o: u64) {
+        if o >= self.committed {
+            self.settled_ahead.insert(o);
+        }
+        self.high_water = self.high_water.max(o + 1).max(self.committed);
+        while self.settled_ahead.remove(&self.committed) {
+            self.committed += 1;
+        }
+        self.high_water = self.high_water.max(self.committed);
+    }
+
+    /// Offsets below `base` are gone from the log (retention): they are finished,
+    /// unread. Returns how many were skipped. Not durable: recovery skips them again.
+    pub fn skip_below(&mut self, base: u64) -> u64 {
+        if self.committed >= base {
+            return 0;
+        }
+        let skipped = base - self.committed;
+        self.in_flight.retain(|o, _| *o >= base);
+        self.owed.retain(|o, _| *o >= base);
+        self.settled_ahead.retain(|o| *o >= base);
+        self.committed = base;
+        self.high_water = self.high_water.max(base);
+        while self.settled_ahead.remove(&self.committed) {
+            self.committed += 1;
+        }
+        skipped
+    }
+
+    /// An offset handed out that holds no record for consumers (a replication marker):
+    /// finished without a delivery. Not durable: recovery skips it again.
+    pub fn skip(&mut self, o: u64) {
+        self.in_flight.remove(&o);
+        self.owed.remove(&o);
+        self.settle(o);
+    }
+
+    /// One poll at `now_ms`: lapsed claims become owed; owed records go out before new
+    /// ones, in offset order; a record past the attempt limit is dead-lettered instead;
+    /// new offsets come from the cursor's run up to `tail` (exclusive). At most `max`
+    /// records, and never past the in-flight cap.
+    pub fn claim(&mut self, tail: u64, max: usize, now_ms: u64, visibility_ms: u64) -> Claimed {
+        self.expire(now_ms);
+        let visibility = if visibility_ms == 0 {
+            self.limits.visibility_ms
+        } else {
+            visibility_ms
+        };
+        let max = max.min(self.limits.max_claim);
+        let mut out = Claimed::default();
+        let room = |t: &Tracker, out: &Claimed| {
+            out.handed.len() < max && t.in_flight.len() < t.limits.max_in_flight
+        };
+        let ready: Vec<(u64, Owed)> = self
+            .owed
+            .iter()
+            .filter(|(_, w)| w.not_before_ms <= now_ms)
+            .map(|(o, w)| (*o, *w))
+            .collect();
+        for (o, w) in ready {
+            if !room(self, &out) {
+                break;
+            }
+            self.owed.remove(&o);
+            if w.attempts >= self.limits.max_attempts {
+                self.dead.insert(o);
+                self.settle(o);
+                out.dead.push(o);
+                continue;
+            }
+            self.hand(o, w.attempts + 1, now_ms + visibility, &mut out);
+        }
+        while self.high_water < tail && room(self, &out) {
+            let o = self.high_water;
+            self.high_water += 1;
+            if self.settled_ahead.contains(&o) || self.in_flight.contains_key(&o) {
+                continue;
+            }
+            if self.owed.contains_key(&o) {
+                continue; // delayed: it goes out when its time comes
+            }
+            self.hand(o, 1, now_ms + visibility, &mut out);
+        }
+        out
+    }
+
+    fn hand(&mut self, o: u64, attempts: u32, deadline_ms: u64, out: &mut Claimed) {
+        self.in_flight.insert(
+            o,
+            Claim {
+                deadline_ms,
+                attempts,
+            },
+        );
+        out.handed.push((o, attempts));
+    }
+
+    /// Claims whose time ran out become owed.
+    fn expire(&mut self, now_ms: u64) {
+        let lapsed: Vec<(u64, Claim)> = self
+            .in_flight
+            .iter()
+            .filter(|(_, c)| c.deadline_ms <= now_ms)
+            .map(|(o, c)| (*o, *c))
+            .collect();
+        for (o, c) in lapsed {
+            self.in_flight.remove(&o);
+            self.owed.insert(
+                o,
+                Owed {
+                    attempts: c.attempts,
+                    not_before_ms: 0,
+                },
+            );
+        }
+    }
+
+    /// When the next claim lapses or the next delayed record comes due, if any: a
+    /// waiting poll re-checks then.
+    pub fn next_due_ms(&self) -> Option<u64> {
+        let claim = self.in_flight.values().map(|c| c.deadline_ms).min();
+        let owed = self.owed.values().map(|w| w.not_before_ms).min();
+        claim.into_iter().chain(owed).min()
+    }
+
+    /// An ack. `Ok(Some(event))` when it must be written; `Ok(None)` for a record
+    /// already finished (a repeated ack). Acks after a lapsed claim are accepted while
+    /// the record has not gone out again.
+    pub fn ack(&mut self, o: u64) -> Result<Option<Event>, Refusal> {
+        if self.in_flight.remove(&o).is_some() || self.owed.remove(&o).is_some() {
+            self.apply(Event::Ack(o));
+            return Ok(Some(Event::Ack(o)));
+        }
+        if o < self.committed || self.settled_ahead.contains(&o) {
+            return Ok(None);
+        }
+        Err(Refusal::StaleClaim(format!(
+            "offset {o} is not claimed by this group"
+        )))
+    }
+
+    /// Hands a claim back that never reached the consumer: owed again, its attempt not
+    /// counted.
+    pub fn release(&mut self, o: u64, attempts: u32) {
+        if self.in_flight.remove(&o).is_some() {
+            self.owed.insert(
+                o,
+                Owed {
+                    attempts: attempts.saturating_sub(1),
+                    not_before_ms: 0,
+                },
+            );
+        }
+    }
+
+    /// Reverts a settle whose write failed: the record is owed again.
+    pub fn undo_settle(&mut self, o: u64, attempts: u32) {
+        self.settled_ahead.remove(&o);
+        if o < self.committed {
+            // The cursor moved over it in memory only; owed below the cursor goes out
+            // again all the same.
+            self.dead.remove(&o);
+        }
+        self.owed.insert(
+            o,
+            Owed {
+                attempts,
+                not_before_ms: 0,
+            },
+        );
+    }
+
+    /// Reverts a dead-lettering whose write failed.
+    pub fn undo_dead(&mut self, o: u64) {
+        self.dead.remove(&o);
+        self.undo_settle(o, self.limits.max_attempts);
+    }
+
+    /// A nack: the claimed record is owed again after `delay_ms`. Refused once the claim
+    /// has lapsed (or the record went out again).
+    pub fn nack(&mut self, o: u64, now_ms: u64, delay_ms: u64) -> Result<(), Refusal> {
+        self.expire(now_ms);
+        match self.in_flight.remove(&o) {
+            Some(c) => {
+                self.owed.insert(
+                    o,
+                    Owed {
+                        attempts: c.attempts,
+                        not_before_ms: now_ms + delay_ms,
+                    },
+                );
+                Ok(())
+            }
+            None => Err(Refusal::StaleClaim(format!(
+                "offset {o} is not claimed by this group (its claim lapsed or was settled)"
+            ))),
+        }
+    }
+
+    /// Extends a claim on its `attempts`-th delivery by `extend_ms` from now; returns the
+    /// granted visibility.
+    pub fn extend(
+        &mut self,
+        o: u64,
+        attempts: u32,
+        now_ms: u64,
+        extend_ms: u64,
+    ) -> Result<u64, Refusal> {
+        self.expire(now_ms);
+        match self.in_flight.get_mut(&o) {
+            Some(c) if c.attempts == attempts || attempts == 0 => {
+                let granted = extend_ms.clamp(1, self.limits.visibility_ms.max(1) * 10);
+                c.deadline_ms = now_ms + granted;
+                Ok(granted)
+            }
+            _ => Err(Refusal::StaleClaim(format!(
+                "offset {o} is not claimed by this group on attempt {attempts}"
+            ))),
+        }
+    }
+
+    /// Dead-letters a claimed record at the consumer's request; the caller writes the
+    /// returned event before answering.
+    pub fn dead_letter(&mut self, o: u64, now_ms: u64) -> Result<Event, Refusal> {
+        self.expire(now_ms);
+        if self.in_flight.remove(&o).is_some() || self.owed.remove(&o).is_some() {
+            self.apply(Event::Dead(o));
+            return Ok(Event::Dead(o));
+        }
+        Err(Refusal::StaleClaim(format!(
+            "offset {o} is not claimed by this group"
+        )))
+    }
+
+    /// Checks that `o` is a dead letter, for redrive and discard.
+    pub fn is_dead(&self, o: u64) -> Result<(), Refusal> {
+        if self.dead.contains(&o) {
+            Ok(())
+        } else {
+            Err(Refusal::NotDeadLetter(o))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            visibility_ms: 1000,
+            max_attempts: 3,
+            max_in_flight: 100,
+            max_claim: 1000,
+        }
+    }
+
+    fn offsets(c: &Claimed) -> Vec<u64> {
+        c.handed.iter().map(|(o, _)| *o).collect()
+    }
+
+    #[test]
+    fn two_polls_never_hold_the_same_record_and_the_cursor_moves_over_contiguous_acks() {
+        let mut t = Tracker::new(0, limits());
+        let a = t.claim(10, 4, 0, 0);
+        let b = t.claim(10, 4, 0, 0);
+        assert_eq!(offsets(&a), vec![0, 1, 2, 3]);
+        assert_eq!(offsets(&b), vec![4, 5, 6, 7]);
+        assert_eq!(t.ack(1), Ok(Some(Event::Ack(1))));
+        assert_eq!(t.committed(), 0, "offset 0 is not finished");
+        assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
+        assert_eq!(t.committed(), 2);
+        assert_eq!(t.ack(0), Ok(None), "a repeated ack writes nothing");
+        assert!(matches!(t.ack(9), Err(Refusal::StaleClaim(_))));
+    }
+
+    #[test]
+    fn a_lapsed_claim_is_owed_before_new_records_and_counts_attempts() {
+        let mut t = Tracker::new(0, limits());
+        t.claim(3, 1, 0, 0);
+        // Before the visibility timeout: offset 0 stays with its holder.
+        assert_eq!(t.claim(3, 1, 999, 0).handed, vec![(1, 1)]);
+        // After it: offset 0 goes out again, on its second attempt, before offset 2.
+        assert_eq!(t.claim(3, 2, 1000, 0).handed, vec![(0, 2), (2, 1)]);
+        // The lapsed holder may still ack while no one else settled it.
+        assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
+    }
+
+    #[test]
+    fn a_nack_counts_an_attempt_and_the_limit_dead_letters() {
+        let mut t = Tracker::new(0, limits());
+        for attempt in 1..=3 {
+            assert_eq!(t.claim(1, 1, 0, 0).handed, vec![(0, attempt)]);
+            t.nack(0, 0, 0).unwrap();
+        }
+        let c = t.claim(1, 1, 0, 0);
+        assert!(c.handed.is_empty());
+        assert_eq!(c.dead, vec![0]);
+        assert_eq!(t.dead_letters().collect::<Vec<_>>(), vec![0]);
+        assert_eq!(t.committed(), 1, "a dead letter is finished for the cursor");
+        // A nack after the claim lapsed is refused.
+        t.claim(2, 1, 0, 0);
+        assert!(t.nack(1, 5000, 0).is_err());
+    }
+
+    #[test]
+    fn redrive_owes_a_dead_letter_again_without_moving_the_cursor_back() {
+        let mut t = Tracker::new(0, limits());
+        t.claim(2, 2, 0, 0);
+        assert_eq!(t.dead_letter(0, 0), Ok(Event::Dead(0)));
+        t.ack(1).unwrap();
+        assert_eq!(t.committed(), 2);
+        t.is_dead(0).unwrap();
+        t.apply(Event::Redrive(0));
+        assert_eq!(t.committed(), 2);
+        assert_eq!(t.claim(2, 5, 0, 0).handed, vec![(0, 1)], "attempts reset");
+        assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
+        assert_eq!(t.dead_letters().count(), 0);
+        assert_eq!(t.is_dead(0), Err(Refusal::NotDeadLetter(0)));
+    }
+
+    #[test]
+    fn a_delayed_nack_waits_and_a_poll_learns_when_to_look_again() {
+        let mut t = Tracker::new(0, limits());
+        t.claim(1, 1, 0, 0);
+        t.nack(0, 10, 500).unwrap();
+        assert!(t.claim(1, 1, 100, 0).handed.is_empty());
+        assert_eq!(t.next_due_ms(), Some(510));
+        assert_eq!(t.claim(1, 1, 510, 0).handed, vec![(0, 2)]);
+    }
+
+    #[test]
+    fn recovery_from_events_restores_cursor_dead_letters_and_redrives() {
+        let mut live = Tracker::new(0, limits());
+        let mut events = Vec::new();
+        live.claim(5, 5, 0, 0);
+        for o in [0, 1, 3] {
+            events.extend(live.ack(o).unwrap());
+        }
+        events.push(live.dead_letter(2, 0).unwrap());
+        live.claim(5, 5, 0, 0);
+        events.push(Event::Redrive(2));
+        live.apply(Event::Redrive(2));
+        let mut back = Tracker::new(0, limits());
+        for e in &events {
+            back.apply(*e);
+        }
+        assert_eq!(back.committed(), live.committed());
+        assert_eq!(back.committed(), 4);
+        // Offset 2 is owed again, offset 4 was never finished: both go out; 0, 1, 3 never.
+        assert_eq!(offsets(&back.claim(5, 10, 0, 0)), vec![2, 4]);
+    }
+
+    #[test]
+    fn the_in_flight_cap_answers_empty_and_seek_forgets_claims() {
+        let mut t = Tracker::new(
+            0,
+            Limits {
+                max_in_flight: 2,
+                ..limits()
+            },
+        );
+        assert_eq!(t.claim(10, 5, 0, 0).handed.len(), 2);
+        assert!(t.claim(10, 5, 0, 0).handed.is_empty());
+        t.apply(Event::Seek(8));
+        assert_eq!(offsets(&t.claim(10, 5, 0, 0)), vec![8, 9]);
+        assert_eq!(t.skip_below(9), 1);
+        assert_eq!(t.committed(), 9);
+    }
+}
