@@ -41,6 +41,51 @@ fn sdk_gets_typed_errors_for_bad_tokens_and_wrong_tenants() {
     run("auth.py", &[]);
 }
 
+/// A broker whose group claims lapse in a second and whose records dead-letter after
+/// three deliveries, so the script sees both within seconds.
+fn group_broker() -> (BrokerProcess, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("broker.yaml");
+    std::fs::write(
+        &config,
+        "group_visibility_ms: 1000\ngroup_max_attempts: 3\n",
+    )
+    .unwrap();
+    let b = BrokerProcess::start_dev(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("data"),
+        &["--config", config.to_str().unwrap()],
+    )
+    .unwrap();
+    (b, dir)
+}
+
+#[test]
+fn sdk_consumer_groups_claim_ack_nack_dead_letter_and_redrive() {
+    let (b, _dir) = group_broker();
+    let out = run_python(&b, "groups.py", &[]).unwrap();
+    eprintln!("{}", expect_success("groups.py", &out).unwrap());
+}
+
+#[test]
+fn a_group_neither_redelivers_acked_records_nor_loses_unacked_ones_across_sigkill() {
+    let (mut b, dir) = group_broker();
+    let acked = dir.path().join("acked.txt");
+    let acked = acked.to_str().unwrap();
+    let out = run_python(&b, "groups_restart.py", &["before", acked]).unwrap();
+    eprintln!(
+        "{}",
+        expect_success("groups_restart.py before", &out).unwrap()
+    );
+    b.kill();
+    b.restart().unwrap();
+    let out = run_python(&b, "groups_restart.py", &["after", acked]).unwrap();
+    eprintln!(
+        "{}",
+        expect_success("groups_restart.py after", &out).unwrap()
+    );
+}
+
 #[test]
 fn health_and_metrics_endpoints_answer() {
     let (b, _dir) = broker(&[]);

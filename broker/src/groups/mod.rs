@@ -379,9 +379,7 @@ impl GroupShard {
                 self.tracker(&group, |t| t.dead_letters().collect())
                     .unwrap_or_default(),
             )),
-            GroupOp::Discard(group, o) => {
-                self.settle_dead_letter(&group, Event::Discard(o)).await
-            }
+            GroupOp::Discard(group, o) => self.settle_dead_letter(&group, Event::Discard(o)).await,
             GroupOp::Redrive(group, o) => {
                 let answer = self.settle_dead_letter(&group, Event::Redrive(o)).await;
                 self.settled.wake_all();
@@ -598,9 +596,15 @@ mod tests {
             Some(Event::Seek(9)),
             None,
         ] {
-            assert_eq!(decode(encode("orders-workers", e)), Some(("orders-workers".into(), e)));
+            assert_eq!(
+                decode(encode("orders-workers", e)),
+                Some(("orders-workers".into(), e))
+            );
         }
-        assert_eq!(decode(Bytes::from_static(&[9, 0, 0, 0, 0, 0, 0, 0, 0, 0])), None);
+        assert_eq!(
+            decode(Bytes::from_static(&[9, 0, 0, 0, 0, 0, 0, 0, 0, 0])),
+            None
+        );
         assert_eq!(decode(Bytes::from_static(&[1, 5, b'a'])), None);
     }
 }
