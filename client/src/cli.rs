@@ -100,6 +100,11 @@ enum Command {
         #[command(subcommand)]
         op: CacheCmd,
     },
+    /// Consumer groups (queues) on a stream shard.
+    Group {
+        #[command(subcommand)]
+        op: GroupCmd,
+    },
     /// Brokers a client may use.
     Topology,
     /// Shard count of a stream.
@@ -138,6 +143,62 @@ enum StreamCmd {
     },
     /// List the namespace's streams.
     List,
+}
+
+/// Which group: `STREAM GROUP [--shard N]`.
+#[derive(clap::Args)]
+struct GroupArgs {
+    /// Stream.
+    stream: String,
+    /// Group.
+    group: String,
+    /// Shard.
+    #[arg(long, default_value_t = 0)]
+    shard: u32,
+}
+
+#[derive(Subcommand)]
+enum GroupCmd {
+    /// Claim records and print them (offset and attempt with --json).
+    Poll {
+        #[command(flatten)]
+        at: GroupArgs,
+        /// Records at most.
+        #[arg(long, default_value_t = 32)]
+        max: u32,
+        /// Seconds the broker may wait for records.
+        #[arg(long, default_value_t = 5.0)]
+        wait: f64,
+        /// Acknowledge each record once printed.
+        #[arg(long)]
+        ack: bool,
+    },
+    /// Finish records.
+    Ack {
+        #[command(flatten)]
+        at: GroupArgs,
+        /// Offsets.
+        #[arg(required = true)]
+        offsets: Vec<u64>,
+    },
+    /// List the offsets the group gave up on.
+    DeadLetters {
+        #[command(flatten)]
+        at: GroupArgs,
+    },
+    /// Put dead letters back in the queue, their attempts reset.
+    Redrive {
+        #[command(flatten)]
+        at: GroupArgs,
+        /// Offsets.
+        #[arg(required = true)]
+        offsets: Vec<u64>,
+    },
+    /// Print the group's cursor, lag and counts.
+    Describe {
+        #[command(flatten)]
+        at: GroupArgs,
+    },
 }
 
 #[derive(Subcommand)]
@@ -567,6 +628,78 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 }
             }
         },
+        Command::Group { op } => {
+            let c = client.client();
+            let at =
+                |a: &GroupArgs| crate::GroupRef::new(&tenant, ns, &a.stream, a.shard, &a.group);
+            match op {
+                GroupCmd::Poll {
+                    at: a,
+                    max,
+                    wait,
+                    ack,
+                } => {
+                    let g = at(a);
+                    let options = crate::PollOptions {
+                        max_records: *max,
+                        wait: std::time::Duration::from_secs_f64(wait.clamp(0.0, 30.0)),
+                        visibility: None,
+                    };
+                    for r in c.group_poll(&g, options).await? {
+                        let _ = show(
+                            cli.json,
+                            &mut out,
+                            &r.payload,
+                            serde_json::json!({"offset": r.offset.0, "attempts": r.attempts}),
+                        );
+                        let _ = out.flush();
+                        if *ack {
+                            c.group_ack(&g, r.offset.0).await?;
+                        }
+                    }
+                }
+                GroupCmd::Ack { at: a, offsets } => {
+                    let g = at(a);
+                    for o in offsets {
+                        c.group_ack(&g, *o).await?;
+                    }
+                }
+                GroupCmd::DeadLetters { at: a } => {
+                    for o in c.group_dead_letters(&at(a)).await? {
+                        let _ = writeln!(out, "{o}");
+                    }
+                }
+                GroupCmd::Redrive { at: a, offsets } => {
+                    let g = at(a);
+                    for o in offsets {
+                        c.group_redrive(&g, *o).await?;
+                    }
+                }
+                GroupCmd::Describe { at: a } => {
+                    let i = c.group_describe(&at(a)).await?;
+                    let committed = i.committed.map_or("none".to_string(), |c| c.to_string());
+                    if cli.json {
+                        let _ = writeln!(
+                            out,
+                            "{}",
+                            serde_json::json!({"committed": i.committed, "tail": i.tail,
+                                "lag": i.lag(), "in_flight": i.in_flight, "owed": i.owed,
+                                "dead_letters": i.dead_letters})
+                        );
+                    } else {
+                        let _ = writeln!(
+                            out,
+                            "committed {committed}\ntail {}\nlag {}\nin_flight {}\nowed {}\ndead_letters {}",
+                            i.tail,
+                            i.lag(),
+                            i.in_flight,
+                            i.owed,
+                            i.dead_letters
+                        );
+                    }
+                }
+            }
+        }
         Command::Topology => {
             let brokers = client.client().topology().await?;
             for b in brokers {

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use felix_wire::flags::FrameKind;
@@ -37,6 +38,10 @@ fn client_features() -> Features {
         | Features::UNSUPPORTED
         | Features::PUBLISH_PIPELINE
         | Features::STREAM_PUBLISH_WINDOW
+        | Features::CONSUMER_GROUP
+        | Features::GROUP_DEAD_LETTERS
+        | Features::GROUP_ADMIN
+        | Features::GROUP_CLAIM_CONTROL
 }
 
 /// What the broker agreed to.
@@ -67,7 +72,7 @@ pub struct Event {
     pub skipped_before: u64,
 }
 
-fn broker_error(context: &'static str, m: Message) -> ClientError {
+pub(crate) fn broker_error(context: &'static str, m: Message) -> ClientError {
     match m {
         Message::Error {
             message,
@@ -249,11 +254,11 @@ impl Client {
         self.inner.conn.close_reason().is_some()
     }
 
-    fn next_id(&self) -> u64 {
+    pub(crate) fn next_id(&self) -> u64 {
         self.inner.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn require(&self, f: Features, what: &'static str) -> Result<(), ClientError> {
+    pub(crate) fn require(&self, f: Features, what: &'static str) -> Result<(), ClientError> {
         if self.inner.negotiated.features.contains(f) {
             Ok(())
         } else {
@@ -272,6 +277,30 @@ impl Client {
     }
 
     /// One request, one answer, on the shared request stream.
+    /// Sends `m` on a stream of its own and reads its one answer, allowing `wait` beyond
+    /// the request timeout (a long poll). Group requests go this way, so a waiting poll
+    /// holds up nothing else.
+    pub(crate) async fn request_on_own_stream(
+        &self,
+        m: Message,
+        context: &'static str,
+        wait: Duration,
+    ) -> Result<Message, ClientError> {
+        let (mut s, _) = open_stream(&self.inner.conn, &self.inner.config, self.inner.addr).await?;
+        s.send
+            .write_all(&m.to_frame())
+            .await
+            .map_err(|e| ClientError::connection(self.inner.addr, e))?;
+        let answer = tokio::time::timeout(
+            self.inner.config.request_timeout + wait,
+            read_message(&mut s, context),
+        )
+        .await
+        .map_err(|_| ClientError::Timeout(context))?;
+        let _ = s.send.finish();
+        answer
+    }
+
     async fn request(&self, m: Message, context: &'static str) -> Result<Message, ClientError> {
         let mut guard = self.inner.requests.lock().await;
         if guard.is_none() {

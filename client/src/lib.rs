@@ -73,6 +73,7 @@ pub mod client;
 pub mod cluster;
 pub mod config;
 pub mod error;
+pub mod groups;
 pub mod retry;
 pub mod sharded;
 
@@ -80,7 +81,9 @@ pub use client::{Client, Event, Negotiated, Subscription};
 pub use cluster::ClusterClient;
 pub use config::{ClientConfig, TokenProvider, quic_client_config, quic_client_config_from_file};
 pub use error::{BrokerError, ClientError, NotLeaderError, SubscribeCursorError};
+pub use felix_wire::message::GroupRecord;
 pub use felix_wire::message::{BrokerEndpoint, CursorErrorReason, StartPosition};
 pub use felix_wire::{AckMode, ErrorCode, ErrorDetail, RetryClass, ShardRouting};
+pub use groups::{GroupInfo, GroupRef, PollOptions};
 pub use retry::ReconnectPolicy;
 pub use sharded::{ShardEvent, ShardOffsets, ShardedSubscription};

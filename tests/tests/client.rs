@@ -407,3 +407,105 @@ fn dev_mode_embeds_a_control_plane() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn our_sdk_and_the_felix_command_serve_consumer_groups() {
+    use felix_client::{GroupRef, PollOptions};
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let seeds: [SocketAddr; 1] = [b.listen];
+        let cluster = ClusterClient::connect(&seeds, "localhost", config(&b))
+            .await
+            .unwrap();
+        for i in 0..6 {
+            cluster
+                .publish(
+                    "dev",
+                    "default",
+                    "tasks",
+                    format!("t{i}").into_bytes(),
+                    AckMode::PerMessage,
+                )
+                .await
+                .unwrap();
+        }
+        let c = cluster.client();
+        let g = GroupRef::new("dev", "default", "tasks", 0, "sdk");
+        let quick = PollOptions {
+            max_records: 4,
+            wait: Duration::from_millis(200),
+            visibility: Some(Duration::from_secs(60)),
+        };
+        let got = c.group_poll(&g, quick).await.unwrap();
+        assert_eq!(
+            got.iter().map(|r| r.offset.0).collect::<Vec<_>>(),
+            vec![0, 1, 2, 3]
+        );
+        c.group_ack(&g, 0).await.unwrap();
+        c.group_ack(&g, 1).await.unwrap();
+        c.group_dead_letter(&g, 2).await.unwrap();
+        c.group_nack(&g, 3, Duration::from_secs(30)).await.unwrap();
+        let info = c.group_describe(&g).await.unwrap();
+        assert_eq!(info.committed, Some(3), "{info:?}");
+        assert_eq!(
+            (info.tail, info.owed, info.dead_letters),
+            (6, 1, 1),
+            "{info:?}"
+        );
+        // The delayed record waits; the next two go out.
+        let got = c.group_poll(&g, quick).await.unwrap();
+        assert_eq!(
+            got.iter().map(|r| r.offset.0).collect::<Vec<_>>(),
+            vec![4, 5]
+        );
+        assert_eq!(c.group_dead_letters(&g).await.unwrap(), vec![2]);
+        // Seek moves the cursor and forgets claims; delete removes the group.
+        assert_eq!(
+            c.group_seek(&g, StartPosition::Offset(felix_wire::Offset(5)), false)
+                .await
+                .unwrap(),
+            (5, true)
+        );
+        assert_eq!(c.group_describe(&g).await.unwrap().in_flight, 0);
+        assert!(c.group_delete(&g).await.unwrap());
+        assert!(!c.group_delete(&g).await.unwrap());
+        assert_eq!(c.group_describe(&g).await.unwrap().committed, None);
+        // An ack the group never handed out is a typed stale claim.
+        let e = c
+            .group_ack(&GroupRef::new("dev", "default", "tasks", 0, "other"), 1)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("stale"), "{e}");
+    });
+    // The command line: poll with --ack, then describe.
+    let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(felix)
+            .arg("--broker")
+            .arg(b.listen.to_string())
+            .arg("--token-file")
+            .arg(b.data_dir.join("dev/token"))
+            .arg("--ca")
+            .arg(b.ca_file())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let polled = run(&[
+        "group", "poll", "tasks", "cli", "--max", "10", "--wait", "0.2", "--ack",
+    ]);
+    assert_eq!(polled, "t0\nt1\nt2\nt3\nt4\nt5\n");
+    let described = run(&["group", "describe", "tasks", "cli"]);
+    assert!(
+        described.starts_with("committed 6\ntail 6\nlag 0\n"),
+        "{described}"
+    );
+    assert_eq!(run(&["group", "dead-letters", "tasks", "cli"]), "");
+}
