@@ -54,6 +54,10 @@ pub enum CacheOp {
     Put(String, Bytes, Option<u64>),
     /// Remove a key.
     Delete(String),
+    /// Add a signed delta to a counter.
+    CounterAdd(String, i64),
+    /// Read a counter.
+    CounterGet(String),
 }
 
 /// A cache answer.
@@ -63,6 +67,8 @@ pub enum CacheAnswer {
     Value(Option<Bytes>, Option<u64>),
     /// A put's version.
     Written(u64),
+    /// A counter's sum (`None`: never written).
+    Counter(Option<i64>),
 }
 
 /// Messages between cores. Each says what dropping it (the owner core gone) means.
@@ -1445,6 +1451,10 @@ impl CoreBroker {
             }
             CacheOp::Put(k, v, ttl) => Ok(CacheAnswer::Written(shard.put(&k, v, ttl, now).await?)),
             CacheOp::Delete(k) => Ok(CacheAnswer::Value(shard.delete(&k, now).await?, None)),
+            CacheOp::CounterAdd(k, d) => Ok(CacheAnswer::Counter(Some(
+                shard.counter_add(&k, d, now).await?,
+            ))),
+            CacheOp::CounterGet(k) => Ok(CacheAnswer::Counter(shard.counter(&k))),
         }
     }
 
@@ -1465,6 +1475,7 @@ impl CoreBroker {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
         let now = clock::now();
+        let mut counter = None;
         let (record, old) = match op {
             CacheOp::Get(k) => {
                 let e = cache.get(&k, now);
@@ -1487,6 +1498,12 @@ impl CoreBroker {
                     Some(old.value),
                 ),
             },
+            CacheOp::CounterGet(k) => return Ok(CacheAnswer::Counter(cache.counter(&k))),
+            CacheOp::CounterAdd(k, d) => {
+                cache.check_add(&k, d)?;
+                counter = Some(k.clone());
+                (crate::shard::encode_counter_record(&k, d), None)
+            }
         };
         if !self.may_acknowledge(&rs) {
             self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
@@ -1517,6 +1534,9 @@ impl CoreBroker {
             ));
         }
         cache.apply_stored(appended.first, &[record]);
+        if let Some(k) = counter {
+            return Ok(CacheAnswer::Counter(cache.counter(&k)));
+        }
         Ok(match old {
             None => CacheAnswer::Written(appended.first),
             Some(v) => CacheAnswer::Value(Some(v), None),

@@ -258,46 +258,80 @@ impl CacheEntry {
     }
 }
 
-/// Cache record in the log (our format): `op u8` (0 put, 1 delete), `expires_at_ms u64`,
-/// `key_len u16`, key UTF-8, then the value (put only). Big-endian.
+/// Cache record in the log (our format): `op u8` (0 put, 1 delete, 2 counter add), then
+/// `expires_at_ms u64` (put; 0 for the others) or the counter's signed delta (add, as
+/// i64), `key_len u16`, key UTF-8, then the value (put only). Big-endian. Counters share
+/// the cache's log and its replication, but not its keys: a cache value and a counter may
+/// have the same key and are unrelated.
 pub fn encode_cache_record(put: bool, expires_at_ms: u64, key: &str, value: &[u8]) -> Bytes {
+    encode(u8::from(!put), expires_at_ms, key, value)
+}
+
+/// A counter add record (op 2).
+pub fn encode_counter_record(key: &str, delta: i64) -> Bytes {
+    encode(2, delta as u64, key, &[])
+}
+
+fn encode(op: u8, word: u64, key: &str, value: &[u8]) -> Bytes {
     let mut b = BytesMut::with_capacity(11 + key.len() + value.len());
-    b.put_u8(u8::from(!put));
-    b.put_u64(expires_at_ms);
+    b.put_u8(op);
+    b.put_u64(word);
     b.put_u16(key.len() as u16);
     b.put_slice(key.as_bytes());
     b.put_slice(value);
     b.freeze()
 }
 
+/// What a cache record does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordOp {
+    /// Set the key.
+    Put,
+    /// Remove the key.
+    Delete,
+    /// Add a signed delta to the counter of that key.
+    Add(i64),
+}
+
 /// A decoded cache record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheRecord {
-    /// Put (true) or delete.
-    pub put: bool,
-    /// Expiry.
+    /// What it does.
+    pub op: RecordOp,
+    /// Expiry (puts).
     pub expires_at_ms: u64,
     /// Key.
     pub key: String,
-    /// Value.
+    /// Value (puts).
     pub value: Bytes,
 }
 
 /// Reads a cache record; `None` when malformed.
 pub fn decode_cache_record(r: &Bytes) -> Option<CacheRecord> {
     let op = *r.first()?;
-    let exp = u64::from_be_bytes(r.get(1..9)?.try_into().ok()?);
+    let word = u64::from_be_bytes(r.get(1..9)?.try_into().ok()?);
     let klen = usize::from(u16::from_be_bytes(r.get(9..11)?.try_into().ok()?));
     let key = std::str::from_utf8(r.get(11..11 + klen)?).ok()?.to_owned();
-    if op > 1 {
-        return None;
-    }
+    let value = r.slice(11 + klen..);
+    let (op, expires_at_ms) = match op {
+        0 => (RecordOp::Put, word),
+        1 if value.is_empty() => (RecordOp::Delete, 0),
+        2 if value.is_empty() => (RecordOp::Add(word as i64), 0),
+        _ => return None,
+    };
     Some(CacheRecord {
-        put: op == 0,
-        expires_at_ms: exp,
+        op,
+        expires_at_ms,
         key,
-        value: r.slice(11 + klen..),
+        value,
     })
+}
+
+/// What a cache log describes: the live values and the counters.
+#[derive(Debug, Default)]
+struct Projection {
+    index: HashMap<String, CacheEntry>,
+    counters: HashMap<String, i64>,
 }
 
 /// A cache shard on its owning core: the log plus the key index derived from it.
@@ -305,7 +339,7 @@ pub struct CacheShard {
     /// Which shard.
     pub key: Arc<ShardKey>,
     log: SegmentLog<DmaBackend>,
-    index: RefCell<HashMap<String, CacheEntry>>,
+    state: RefCell<Projection>,
 }
 
 impl std::fmt::Debug for CacheShard {
@@ -322,37 +356,38 @@ impl CacheShard {
         key: Arc<ShardKey>,
         log: SegmentLog<DmaBackend>,
     ) -> Result<CacheShard, BrokerError> {
-        let index = replay(&key, &log).await?;
+        let state = replay(&key, &log).await?;
         Ok(CacheShard {
             key,
             log,
-            index: RefCell::new(index),
+            state: RefCell::new(state),
         })
     }
 
     /// Rebuilds the index from the log (a replica whose suffix was cut, or that starts
     /// leading).
     pub async fn rebuild(&self) -> Result<(), BrokerError> {
-        let index = replay(&self.key, &self.log).await?;
-        *self.index.borrow_mut() = index;
+        let state = replay(&self.key, &self.log).await?;
+        *self.state.borrow_mut() = state;
         Ok(())
     }
 
     /// Applies records stored at `base..` (by a follower, or a leader's replicated
     /// write once it may be read) to the index.
     pub fn apply_stored(&self, base: u64, records: &[Bytes]) {
-        let mut index = self.index.borrow_mut();
+        let mut state = self.state.borrow_mut();
         for (i, r) in records.iter().enumerate() {
             if let Some(rec) = decode_cache_record(r) {
-                apply(&mut index, rec, base + i as u64);
+                apply(&mut state, rec, base + i as u64);
             }
         }
     }
 
     /// The value of `key` live at `now`.
     pub fn get(&self, key: &str, now: Now) -> Option<CacheEntry> {
-        self.index
+        self.state
             .borrow()
+            .index
             .get(key)
             .filter(|e| e.live(now.wall_ms()))
             .cloned()
@@ -373,9 +408,9 @@ impl CacheShard {
         let appended = self.log.commit(pending).await?;
         // In commit order (no await since the commit returned): the index follows the log.
         apply(
-            &mut self.index.borrow_mut(),
+            &mut self.state.borrow_mut(),
             CacheRecord {
-                put: true,
+                op: RecordOp::Put,
                 expires_at_ms: expires,
                 key: key.to_owned(),
                 value,
@@ -395,9 +430,9 @@ impl CacheShard {
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
         let appended = self.log.commit(pending).await?;
         apply(
-            &mut self.index.borrow_mut(),
+            &mut self.state.borrow_mut(),
             CacheRecord {
-                put: false,
+                op: RecordOp::Delete,
                 expires_at_ms: 0,
                 key: key.to_owned(),
                 value: Bytes::new(),
@@ -405,6 +440,43 @@ impl CacheShard {
             appended.first,
         );
         Ok(Some(old.value))
+    }
+
+    /// The counter `key`: `None` when never written (which is not zero).
+    pub fn counter(&self, key: &str) -> Option<i64> {
+        self.state.borrow().counters.get(key).copied()
+    }
+
+    /// Refuses a delta that would take the counter `key` past i64.
+    pub fn check_add(&self, key: &str, delta: i64) -> Result<(), BrokerError> {
+        match self.counter(key).unwrap_or(0).checked_add(delta) {
+            Some(_) => Ok(()),
+            None => Err(BrokerError::InvalidRequest(format!(
+                "adding {delta} would overflow the counter {}",
+                crate::error::cut(key)
+            ))),
+        }
+    }
+
+    /// Adds `delta` to the counter `key`; resolves when durable per the fsync mode with
+    /// the sum including it.
+    pub async fn counter_add(&self, key: &str, delta: i64, now: Now) -> Result<i64, BrokerError> {
+        self.check_add(key, delta)?;
+        let rec = encode_counter_record(key, delta);
+        let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
+        let appended = self.log.commit(pending).await?;
+        let mut state = self.state.borrow_mut();
+        apply(
+            &mut state,
+            CacheRecord {
+                op: RecordOp::Add(delta),
+                expires_at_ms: 0,
+                key: key.to_owned(),
+                value: Bytes::new(),
+            },
+            appended.first,
+        );
+        Ok(state.counters.get(key).copied().unwrap_or(0))
     }
 
     /// Flushes and closes the log.
@@ -418,12 +490,9 @@ impl CacheShard {
     }
 }
 
-/// The index a cache log describes.
-async fn replay(
-    key: &ShardKey,
-    log: &SegmentLog<DmaBackend>,
-) -> Result<HashMap<String, CacheEntry>, BrokerError> {
-    let mut index = HashMap::new();
+/// The values and counters a cache log describes.
+async fn replay(key: &ShardKey, log: &SegmentLog<DmaBackend>) -> Result<Projection, BrokerError> {
+    let mut index = Projection::default();
     let mut at = log.base_offset();
     loop {
         let batches: Vec<ReadBatch> = log.read(at, 4 << 20).await?;
@@ -449,18 +518,27 @@ async fn replay(
     Ok(index)
 }
 
-fn apply(index: &mut HashMap<String, CacheEntry>, rec: CacheRecord, offset: u64) {
-    if rec.put {
-        index.insert(
-            rec.key,
-            CacheEntry {
-                value: rec.value,
-                version: offset,
-                expires_at_ms: rec.expires_at_ms,
-            },
-        );
-    } else {
-        index.remove(&rec.key);
+fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
+    match rec.op {
+        RecordOp::Put => {
+            state.index.insert(
+                rec.key,
+                CacheEntry {
+                    value: rec.value,
+                    version: offset,
+                    expires_at_ms: rec.expires_at_ms,
+                },
+            );
+        }
+        RecordOp::Delete => {
+            state.index.remove(&rec.key);
+        }
+        RecordOp::Add(delta) => {
+            // Wrapping, so every replica folds the same sum; adds are checked against
+            // overflow before they are written.
+            let sum = state.counters.entry(rec.key).or_insert(0);
+            *sum = sum.wrapping_add(delta);
+        }
     }
 }
 
@@ -474,12 +552,20 @@ mod tests {
         assert_eq!(
             decode_cache_record(&r),
             Some(CacheRecord {
-                put: true,
+                op: RecordOp::Put,
                 expires_at_ms: 42,
                 key: "k".into(),
                 value: Bytes::from_static(b"value")
             })
         );
+        for delta in [0, -1, i64::MIN, i64::MAX] {
+            let r = decode_cache_record(&encode_counter_record("hits", delta)).unwrap();
+            assert_eq!((r.op, r.key.as_str()), (RecordOp::Add(delta), "hits"));
+        }
+        // A delete or an add with a value is not ours.
+        let mut bad = encode_counter_record("k", 1).to_vec();
+        bad.push(0);
+        assert_eq!(decode_cache_record(&Bytes::from(bad)), None);
         assert_eq!(decode_cache_record(&Bytes::from_static(&[9, 0, 0])), None);
         assert_eq!(
             decode_cache_record(&Bytes::from_static(&[0; 11])).map(|r| r.key),

@@ -38,6 +38,7 @@ fn client_features() -> Features {
         | Features::UNSUPPORTED
         | Features::PUBLISH_PIPELINE
         | Features::STREAM_PUBLISH_WINDOW
+        | Features::COUNTERS
         | Features::CONSUMER_GROUP
         | Features::GROUP_DEAD_LETTERS
         | Features::GROUP_ADMIN
@@ -539,6 +540,53 @@ impl Client {
         match self.request(Message::Topology, "topology").await? {
             Message::TopologyView { brokers } => Ok(brokers),
             other => Err(broker_error("topology", other)),
+        }
+    }
+
+    /// Adds a signed delta to a counter beside the cache and returns the sum including
+    /// it. At-least-once: an add retried after a lost answer counts twice.
+    pub async fn counter_add(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+        delta: i64,
+    ) -> Result<i64, ClientError> {
+        self.require(Features::COUNTERS, "counter_add")?;
+        let m = Message::CounterAdd {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            cache: cache.into(),
+            key: key.into(),
+            delta,
+            request_id: RequestId(self.next_id()),
+        };
+        match self.request(m, "counter_add").await? {
+            Message::CounterValue { value, .. } => Ok(value.unwrap_or(delta)),
+            other => Err(broker_error("counter_add", other)),
+        }
+    }
+
+    /// Reads a counter: `None` when never written (which is not zero).
+    pub async fn counter_get(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+    ) -> Result<Option<i64>, ClientError> {
+        self.require(Features::COUNTERS, "counter_get")?;
+        let m = Message::CounterGet {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            cache: cache.into(),
+            key: key.into(),
+            request_id: RequestId(self.next_id()),
+        };
+        match self.request(m, "counter_get").await? {
+            Message::CounterValue { value, .. } => Ok(value),
+            other => Err(broker_error("counter_get", other)),
         }
     }
 

@@ -87,6 +87,17 @@ fn a_group_neither_redelivers_acked_records_nor_loses_unacked_ones_across_sigkil
 }
 
 #[test]
+fn sdk_counters_are_exact_under_concurrent_writers_and_survive_sigkill() {
+    let (mut b, _dir) = broker(&["--shards", "2"]);
+    let out = run_python(&b, "counters.py", &["run"]).unwrap();
+    eprintln!("{}", expect_success("counters.py run", &out).unwrap());
+    b.kill();
+    b.restart().unwrap();
+    let out = run_python(&b, "counters.py", &["check"]).unwrap();
+    eprintln!("{}", expect_success("counters.py check", &out).unwrap());
+}
+
+#[test]
 fn health_and_metrics_endpoints_answer() {
     let (b, _dir) = broker(&[]);
     assert_eq!(b.http_get("/livez").unwrap().0, 200);

@@ -429,7 +429,7 @@ async fn wait_for_async(mut f: impl FnMut() -> bool) {
 }
 
 #[test]
-fn a_quorum_cache_keeps_every_acknowledged_value_across_a_leader_kill() {
+fn a_quorum_cache_keeps_every_acknowledged_value_and_counter_across_a_leader_kill() {
     let mut c = cluster();
     c.admin
         .post(
@@ -479,6 +479,23 @@ fn a_quorum_cache_keeps_every_acknowledged_value_across_a_leader_kill() {
         })
     };
     put(&c, 40, "before");
+    // Counters share the cache's log and its replication: 40 adds before the kill.
+    {
+        let addr = c.brokers[via].listen;
+        let config = c.client_config().unwrap();
+        rt.block_on(async move {
+            let client = felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap();
+            for i in 1..=40 {
+                let sum = client
+                    .counter_add(TENANT, NAMESPACE, "sessions", "k0", 1)
+                    .await
+                    .unwrap();
+                assert_eq!(sum, i);
+            }
+        });
+    }
     c.brokers[leader].kill();
     let (successor, _) = wait_for("a new cache leader", Duration::from_secs(30), || {
         leader_of(&c).filter(|(l, g)| *l != leader && *g > generation)
@@ -509,6 +526,14 @@ fn a_quorum_cache_keeps_every_acknowledged_value_across_a_leader_kill() {
                 }
             }
         }
+        assert_eq!(
+            client
+                .counter_get(TENANT, NAMESPACE, "sessions", "k0")
+                .await
+                .unwrap(),
+            Some(40),
+            "every acknowledged add survives the leader"
+        );
     });
     put(&c, 10, "after");
     let _ = &mut c;

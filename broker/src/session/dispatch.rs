@@ -79,6 +79,10 @@ pub enum CacheRequestOp {
     Put(Bytes, Option<u64>),
     /// `cache_delete`.
     Delete,
+    /// `counter_add`.
+    CounterAdd(i64),
+    /// `counter_get`.
+    CounterGet,
 }
 
 /// A cache request.
@@ -474,6 +478,31 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
             (tenant_id, namespace, cache, key),
             request_id,
             CacheRequestOp::Delete,
+        ),
+        Message::CounterAdd {
+            tenant_id,
+            namespace,
+            cache,
+            key,
+            delta,
+            request_id,
+        } => cache_request(
+            raw,
+            (tenant_id, namespace, cache, key),
+            Some(request_id),
+            CacheRequestOp::CounterAdd(delta),
+        ),
+        Message::CounterGet {
+            tenant_id,
+            namespace,
+            cache,
+            key,
+            request_id,
+        } => cache_request(
+            raw,
+            (tenant_id, namespace, cache, key),
+            Some(request_id),
+            CacheRequestOp::CounterGet,
         ),
         Message::Auth { .. } => Request::Refused {
             error: BrokerError::InvalidRequest("second auth on an authenticated stream".into()),
@@ -959,7 +988,10 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
     let error = |e: BrokerError| Action::Answer(answer::error(session, &e));
     let perm = match c.op {
         CacheRequestOp::Get => Perm::CacheRead,
-        CacheRequestOp::Put(..) | CacheRequestOp::Delete => Perm::CacheWrite,
+        CacheRequestOp::Put(..) | CacheRequestOp::Delete | CacheRequestOp::CounterAdd(_) => {
+            Perm::CacheWrite
+        }
+        CacheRequestOp::CounterGet => Perm::CacheRead,
     };
     let key = session
         .authorize(perm, &c.tenant, &c.namespace, &c.cache, now)
@@ -990,6 +1022,8 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
                 CacheRequestOp::Get => CacheOp::Get(c.key.clone()),
                 CacheRequestOp::Put(v, ttl) => CacheOp::Put(c.key.clone(), v, ttl),
                 CacheRequestOp::Delete => CacheOp::Delete(c.key.clone()),
+                CacheRequestOp::CounterAdd(d) => CacheOp::CounterAdd(c.key.clone(), d),
+                CacheRequestOp::CounterGet => CacheOp::CounterGet(c.key.clone()),
             };
             Action::Cache {
                 key,

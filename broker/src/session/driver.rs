@@ -571,6 +571,10 @@ fn cache_answer(
 ) -> Bytes {
     match result {
         Err(e) => e.to_message(session.coded()),
+        Ok(CacheAnswer::Counter(value)) => Message::CounterValue {
+            value,
+            request_id: reply.request_id.unwrap_or_default(),
+        },
         Ok(CacheAnswer::Value(value, _)) if !reply.put => Message::CacheValue {
             tenant_id: reply.tenant,
             namespace: reply.namespace,

@@ -309,6 +309,12 @@ impl Harness {
                             request_id: Default::default(),
                         }
                     }
+                    CacheOp::CounterAdd(..) | CacheOp::CounterGet(_) => {
+                        felix_wire::Message::CounterValue {
+                            value: None,
+                            request_id: Default::default(),
+                        }
+                    }
                 }
                 .to_frame();
                 self.push(Some(frame));
