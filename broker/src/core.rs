@@ -71,6 +71,41 @@ pub enum CacheAnswer {
     Counter(Option<i64>),
 }
 
+/// An atomic commit on its way to the log: the encoded record, the changes to apply to
+/// the shard's state once it is acknowledged, and the tail it expects (if any).
+#[derive(Debug)]
+pub struct CommitWrite {
+    /// The commit record ([`crate::state::encode`]).
+    pub record: Bytes,
+    /// Its changes.
+    pub changes: Vec<crate::state::Change>,
+    /// Write only if the shard's next offset is this.
+    pub expected: Option<u64>,
+}
+
+/// A state request, for the core that owns the stream shard.
+#[derive(Debug)]
+pub enum StateOp {
+    /// Commit an event and changes.
+    Commit {
+        /// The event readers see.
+        event: Bytes,
+        /// The write.
+        write: CommitWrite,
+    },
+    /// Read one key.
+    Get(String),
+}
+
+/// A state answer.
+#[derive(Debug)]
+pub enum StateAnswer {
+    /// The commit's offset.
+    Committed(u64),
+    /// A value and its version, as of an offset.
+    Value(Option<(Bytes, u64)>, u64),
+}
+
 /// Messages between cores. Each says what dropping it (the owner core gone) means.
 #[derive(Debug)]
 pub enum CoreMsg {
@@ -132,6 +167,15 @@ pub enum CoreMsg {
         /// Where the answer goes.
         reply: ReplyTo,
     },
+    /// A state request for a stream shard this core owns.
+    State {
+        /// The stream shard.
+        key: Arc<ShardKey>,
+        /// The request.
+        op: StateOp,
+        /// Where the answer goes.
+        reply: ReplyTo,
+    },
     Cache {
         /// Shard.
         key: Arc<ShardKey>,
@@ -180,6 +224,8 @@ pub enum ReplyBody {
     Cache(Result<CacheAnswer, BrokerError>),
     /// To `Group`.
     Group(Result<crate::groups::GroupAnswer, BrokerError>),
+    /// To `State`.
+    State(Result<StateAnswer, BrokerError>),
 }
 
 /// Per-core counters for `/metrics`.
@@ -808,6 +854,18 @@ impl CoreBroker {
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
+        self.write_local(key, records, None)
+    }
+
+    /// As [`CoreBroker::append_local`]; with `commit`, the batch is that atomic commit
+    /// (`records` is then its event, what subscribers are sent) and its changes reach the
+    /// shard's state in commit order.
+    fn write_local(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        records: Vec<Bytes>,
+        commit: Option<CommitWrite>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         if let Some(c) = &self.shared.cluster
             && !c.lease_valid(clock::now().instant)
         {
@@ -819,11 +877,11 @@ impl CoreBroker {
             ))));
         }
         match self.replica_of(&key) {
-            Ok(Some(rs)) => return Box::pin(self.append_replicated(rs, records)),
+            Ok(Some(rs)) => return Box::pin(self.append_replicated(rs, records, commit)),
             Ok(None) => {}
             Err(e) => return Box::pin(std::future::ready(Err(e))),
         }
-        Box::pin(self.append_unreplicated(key, records))
+        Box::pin(self.append_unreplicated(key, records, commit))
     }
 
     /// Appends to a replicated shard this broker leads: offsets claimed now, acked after
@@ -833,10 +891,19 @@ impl CoreBroker {
         self: &Rc<Self>,
         rs: Rc<crate::replication::replica::ReplicaShard>,
         records: Vec<Bytes>,
+        commit: Option<CommitWrite>,
     ) -> impl std::future::Future<Output = Result<Appended, BrokerError>> + 'static {
         let this = self.clone();
         let admitted = if self.may_acknowledge(&rs) {
-            rs.admit(&records, clock::wall_micros())
+            match &commit {
+                None => rs.admit(&records, clock::wall_micros()),
+                Some(c) => match c.expected {
+                    Some(e) if e != rs.log().next_offset() => Err(BrokerError::OffsetMismatch {
+                        tail: rs.log().next_offset(),
+                    }),
+                    _ => rs.admit_commit(&c.record, clock::wall_micros()),
+                },
+            }
         } else {
             self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
             Err(BrokerError::ShardUnavailable("stale".into()))
@@ -878,6 +945,9 @@ impl CoreBroker {
                 }
                 if let crate::replication::replica::Held::Stream(s) = &rs.held {
                     this.fanout(s, appended, records);
+                    if let Some(c) = commit {
+                        s.state.borrow_mut().applied(appended.first, c.changes);
+                    }
                 }
                 Ok(appended)
             }
@@ -909,6 +979,7 @@ impl CoreBroker {
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
+        commit: Option<CommitWrite>,
     ) -> impl std::future::Future<Output = Result<Appended, BrokerError>> + 'static {
         let (tx, rx) = oneshot::channel();
         let ready = match self.streams.borrow().get(&key) {
@@ -916,9 +987,25 @@ impl CoreBroker {
             _ => None,
         };
         let this = self.clone();
+        let claim = move |shard: &StreamShard,
+                          records: &[Bytes],
+                          commit: &Option<CommitWrite>|
+              -> Result<felix_storage_uring::PendingAppend, BrokerError> {
+            match commit {
+                None => Ok(shard
+                    .log
+                    .begin_append(records, clock::wall_micros(), None)?),
+                Some(c) => match c.expected {
+                    Some(e) if e != shard.log.next_offset() => Err(BrokerError::OffsetMismatch {
+                        tail: shard.log.next_offset(),
+                    }),
+                    _ => Ok(shard.log.begin_commit(&c.record, clock::wall_micros())?),
+                },
+            }
+        };
         // Claim offsets now when possible: request order is offset order.
         let claimed = ready.map(|shard| {
-            let pending = shard.log.begin_append(&records, clock::wall_micros(), None);
+            let pending = claim(&shard, &records, &commit);
             (shard, pending)
         });
         task::spawn(async move {
@@ -927,16 +1014,16 @@ impl CoreBroker {
                     Some((shard, pending)) => (shard, pending?),
                     None => {
                         let shard = this.stream_shard(&key).await?;
-                        let pending =
-                            shard
-                                .log
-                                .begin_append(&records, clock::wall_micros(), None)?;
+                        let pending = claim(&shard, &records, &commit)?;
                         (shard, pending)
                     }
                 };
                 let appended = shard.log.commit(pending).await?;
                 // Fanout before any other await: offset order.
                 this.fanout(&shard, appended, records);
+                if let Some(c) = commit {
+                    shard.state.borrow_mut().applied(appended.first, c.changes);
+                }
                 Ok(appended)
             }
             .await;
@@ -1317,6 +1404,104 @@ impl CoreBroker {
         .detach();
     }
 
+    /// A commit or state read, wherever the stream shard lives.
+    pub async fn state(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        op: StateOp,
+    ) -> Result<StateAnswer, BrokerError> {
+        let owner = self.owner(&key);
+        if owner == self.core {
+            self.state_local(key, op).await
+        } else {
+            match self
+                .ask(owner, |reply| CoreMsg::State { key, op, reply })
+                .await?
+            {
+                ReplyBody::State(r) => r,
+                other => Err(BrokerError::Internal(format!(
+                    "mismatched answer {other:?}"
+                ))),
+            }
+        }
+    }
+
+    async fn state_local(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        op: StateOp,
+    ) -> Result<StateAnswer, BrokerError> {
+        match op {
+            StateOp::Commit { event, write } => {
+                crate::state::check(&write.changes)?;
+                let appended = self.write_local(key, vec![event], Some(write)).await?;
+                Ok(StateAnswer::Committed(appended.first))
+            }
+            StateOp::Get(k) => {
+                if let Some(rs) = self.replica_of(&key)?
+                    && !rs.serving()
+                {
+                    return Err(BrokerError::ShardUnavailable("not_ready".into()));
+                }
+                let shard = self.stream_shard(&key).await?;
+                self.build_state(&shard).await?;
+                let value = match &*shard.state.borrow() {
+                    crate::state::StateSlot::Built(i) => i.get(&k),
+                    _ => {
+                        return Err(BrokerError::ShardUnavailable("state_rebuilding".into()));
+                    }
+                };
+                Ok(StateAnswer::Value(value, shard.fanout_end()))
+            }
+        }
+    }
+
+    /// Builds the shard's state index from its log if it is not built: commits below
+    /// the frontier are read back; commits acknowledged meanwhile queue and apply after.
+    async fn build_state(&self, shard: &StreamShard) -> Result<(), BrokerError> {
+        use crate::state::{StateIndex, StateSlot};
+        loop {
+            match &*shard.state.borrow() {
+                StateSlot::Built(_) => return Ok(()),
+                StateSlot::Building(_) => {}
+                StateSlot::Unbuilt => break,
+            }
+            // Another request is building it.
+            task::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        *shard.state.borrow_mut() = StateSlot::Building(Vec::new());
+        let end = shard.fanout_end();
+        let mut index = StateIndex::default();
+        let mut at = shard.log.base_offset();
+        let scanned = async {
+            while at < end {
+                let batches = shard.log.read(at, 4 << 20).await?;
+                let Some(last) = batches.last() else { break };
+                at = last.end_offset();
+                let below: Vec<_> = batches
+                    .into_iter()
+                    .filter(|b| b.base_offset < end)
+                    .collect();
+                index.apply_batches(&below)?;
+            }
+            Ok::<_, BrokerError>(())
+        }
+        .await;
+        let mut slot = shard.state.borrow_mut();
+        let StateSlot::Building(queued) = std::mem::take(&mut *slot) else {
+            // Reset meanwhile (the shard's frontier moved under us): start again later.
+            return Err(BrokerError::ShardUnavailable("state_rebuilding".into()));
+        };
+        scanned?;
+        for (offset, changes) in queued {
+            if offset >= end {
+                index.apply(offset, &changes);
+            }
+        }
+        *slot = StateSlot::Built(index);
+        Ok(())
+    }
+
     /// A consumer-group request, wherever the stream shard lives.
     pub async fn group(
         self: &Rc<Self>,
@@ -1603,6 +1788,14 @@ impl CoreBroker {
                 task::spawn(async move {
                     let r = this.cache_local(&key, op).await;
                     this.respond(reply, ReplyBody::Cache(r));
+                })
+                .detach();
+            }
+            CoreMsg::State { key, op, reply } => {
+                let this = self.clone();
+                task::spawn(async move {
+                    let r = this.state_local(key, op).await;
+                    this.respond(reply, ReplyBody::State(r));
                 })
                 .detach();
             }

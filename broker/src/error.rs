@@ -76,6 +76,12 @@ pub enum BrokerError {
     /// or its claim lapsed and it went out again).
     #[error("stale claim: {0}")]
     StaleClaim(String),
+    /// A conditional write's expected tail did not match; nothing was written.
+    #[error("the shard's tail is {tail}, not the expected offset")]
+    OffsetMismatch {
+        /// The actual tail.
+        tail: u64,
+    },
     /// A subscribe offset outside the retained log.
     #[error("cursor {reason:?}: requested {requested}, available {available}")]
     Cursor {
@@ -107,6 +113,7 @@ impl BrokerError {
             BrokerError::Unacknowledged(_) => ErrorCode::Unacknowledged,
             BrokerError::NotLeader { .. } => ErrorCode::NotLeader,
             BrokerError::StaleClaim(_) => ErrorCode::StaleClaim,
+            BrokerError::OffsetMismatch { .. } => ErrorCode::InvalidRequest,
         }
     }
 

@@ -24,3 +24,4 @@ pub mod replication;
 pub mod server;
 pub mod session;
 pub mod shard;
+pub mod state;

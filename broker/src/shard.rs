@@ -167,6 +167,8 @@ pub struct StreamShard {
     interested: RefCell<HashMap<CoreId, usize>>,
     /// Woken when the fanout frontier moves: waiting group polls look again.
     pub appended: crate::groups::Wakers,
+    /// The shard's state (atomic commits), built on demand.
+    pub state: RefCell<crate::state::StateSlot>,
 }
 
 impl std::fmt::Debug for StreamShard {
@@ -186,6 +188,7 @@ impl StreamShard {
             log,
             interested: RefCell::default(),
             appended: crate::groups::Wakers::default(),
+            state: RefCell::default(),
         }
     }
 
@@ -232,6 +235,8 @@ impl StreamShard {
     /// whose suffix was cut).
     pub fn reset_fanout(&self, end: u64) {
         self.fanout_end.set(end);
+        // What the log holds may have changed under the state index: build it again.
+        *self.state.borrow_mut() = crate::state::StateSlot::Unbuilt;
         self.appended.wake_all();
     }
 

@@ -57,6 +57,9 @@ pub enum BatchKind {
     /// at a new generation. It takes an offset but is never delivered to readers of the
     /// data.
     GenerationStart,
+    /// One record holding an atomic commit: an event and state changes (the broker's
+    /// encoding). Readers of the data see only its event.
+    Commit,
 }
 
 impl BatchKind {
@@ -64,6 +67,7 @@ impl BatchKind {
         match self {
             BatchKind::Data => 0,
             BatchKind::GenerationStart => 1,
+            BatchKind::Commit => 2,
         }
     }
 }
@@ -302,6 +306,7 @@ pub fn decode_batch_header(bytes: &[u8]) -> Result<HeaderRead, FormatError> {
     let kind = match h[32] {
         0 => BatchKind::Data,
         1 => BatchKind::GenerationStart,
+        2 => BatchKind::Commit,
         _ => return Err(FormatError::BatchHeaderInvalid("unknown batch kind")),
     };
     if h[33] > 1 || h[34] != 0 || h[35] != 0 {

@@ -657,6 +657,11 @@ impl<B: Backend> SegmentLog<B> {
                 "a generation-start batch holds one 8-byte record",
             ));
         }
+        if kind == BatchKind::Commit && records.len() != 1 {
+            return Err(StorageError::InvalidBatch(
+                "a commit batch holds one record",
+            ));
+        }
         {
             let st = self.shared.state.borrow();
             admit(&st)?;
@@ -668,6 +673,16 @@ impl<B: Backend> SegmentLog<B> {
             }
         }
         self.begin(records, timestamp_micros, kind, None)
+    }
+
+    /// Claims one offset for an atomic commit (one record, stored as a `Commit` batch:
+    /// readers of the data see only its event; the broker owns the encoding).
+    pub fn begin_commit(
+        &self,
+        record: &[u8],
+        timestamp_micros: u64,
+    ) -> Result<PendingAppend, StorageError> {
+        self.begin(&[record], timestamp_micros, BatchKind::Commit, None)
     }
 
     /// Claims one offset for a generation-start record stamped `timestamp_micros`.

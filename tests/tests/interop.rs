@@ -98,6 +98,17 @@ fn sdk_counters_are_exact_under_concurrent_writers_and_survive_sigkill() {
 }
 
 #[test]
+fn sdk_commit_and_state_get_agree_on_versions_and_survive_sigkill() {
+    let (mut b, _dir) = broker(&[]);
+    let out = run_python(&b, "commit.py", &["run"]).unwrap();
+    eprintln!("{}", expect_success("commit.py run", &out).unwrap());
+    b.kill();
+    b.restart().unwrap();
+    let out = run_python(&b, "commit.py", &["check"]).unwrap();
+    eprintln!("{}", expect_success("commit.py check", &out).unwrap());
+}
+
+#[test]
 fn health_and_metrics_endpoints_answer() {
     let (b, _dir) = broker(&[]);
     assert_eq!(b.http_get("/livez").unwrap().0, 200);

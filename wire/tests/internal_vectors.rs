@@ -126,6 +126,7 @@ fn describe(message: &InternalMessage) -> Value {
                 "kind": match b.kind {
                     BatchKind::Data => "data",
                     BatchKind::GenerationStart => "generation_start",
+                    BatchKind::Commit => "commit",
                 },
                 "records_hex": b.records.iter().map(hex::encode).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),

@@ -522,7 +522,7 @@ impl GroupShard {
             }
             let batches = stream.log.read(o, POLL_BYTES_MAX.min(1 << 20)).await?;
             covered_end = batches.last().map_or(o + 1, |b| b.end_offset()).max(o + 1);
-            for b in batches {
+            for b in batches.into_iter().map(crate::state::readable) {
                 if b.kind != BatchKind::Data {
                     continue;
                 }

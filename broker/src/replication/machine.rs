@@ -53,6 +53,8 @@ pub enum BatchKind {
     Data,
     /// The first record of a generation (its payload is the generation).
     GenerationStart(u64),
+    /// An atomic commit (one record).
+    Commit,
 }
 
 /// A batch at its offsets, as stored and shipped.

@@ -183,6 +183,26 @@ impl ReplicaShard {
         Ok((pending, self.term.get()))
     }
 
+    /// As [`ReplicaShard::admit`], for an atomic commit's one record (a `Commit` batch).
+    pub fn admit_commit(
+        &self,
+        record: &Bytes,
+        now_micros: u64,
+    ) -> Result<(PendingAppend, u64), BrokerError> {
+        let mut m = self.machine.borrow_mut();
+        if !m.serving() || !self.ready.get() {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        let pending = self.log.begin_commit(record, now_micros)?;
+        if !m.handle_appended(pending.first(), pending.end()) {
+            return Err(BrokerError::Internal(format!(
+                "{}: the log and the replica disagree on the end",
+                self.key
+            )));
+        }
+        Ok((pending, self.term.get()))
+    }
+
     /// The leader's own append is durable up to `end`.
     pub fn durable(&self, end: u64) {
         self.machine
@@ -391,6 +411,7 @@ fn ship_batch(b: Batch) -> internal::ShipBatch {
         kind: match b.kind {
             BatchKind::Data => internal::BatchKind::Data,
             BatchKind::GenerationStart(_) => internal::BatchKind::GenerationStart,
+            BatchKind::Commit => internal::BatchKind::Commit,
         },
         records: b.records,
     }
@@ -399,6 +420,7 @@ fn ship_batch(b: Batch) -> internal::ShipBatch {
 fn machine_batch(b: internal::ShipBatch) -> Batch {
     let kind = match b.kind {
         internal::BatchKind::Data => BatchKind::Data,
+        internal::BatchKind::Commit => BatchKind::Commit,
         internal::BatchKind::GenerationStart => BatchKind::GenerationStart(
             b.records
                 .first()
@@ -887,6 +909,7 @@ impl Replicas {
                     let kind = match b.kind {
                         BatchKind::Data => LogBatchKind::Data,
                         BatchKind::GenerationStart(_) => LogBatchKind::GenerationStart,
+                        BatchKind::Commit => LogBatchKind::Commit,
                     };
                     match log.begin_append_at(b.base, &b.records, b.timestamp_micros, kind) {
                         Ok(p) => pending.push(p),
@@ -965,14 +988,14 @@ impl Replicas {
                     .unwrap_or_default()
                     .into_iter()
                     .map(|b| {
-                        let kind = if b.kind == LogBatchKind::GenerationStart {
-                            BatchKind::GenerationStart(
+                        let kind = match b.kind {
+                            LogBatchKind::GenerationStart => BatchKind::GenerationStart(
                                 b.records.first().and_then(|r| r.get(..8)).map_or(0, |g| {
                                     u64::from_be_bytes(g.try_into().expect("8 bytes"))
                                 }),
-                            )
-                        } else {
-                            BatchKind::Data
+                            ),
+                            LogBatchKind::Commit => BatchKind::Commit,
+                            LogBatchKind::Data => BatchKind::Data,
                         };
                         Batch {
                             base: b.base_offset,

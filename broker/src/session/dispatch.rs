@@ -70,6 +70,22 @@ impl Publish {
     }
 }
 
+/// What a state request does.
+#[derive(Debug, Clone)]
+pub enum StateRequest {
+    /// `commit`.
+    Commit {
+        /// The event.
+        event: Bytes,
+        /// The changes.
+        changes: Vec<crate::state::Change>,
+        /// Optimistic concurrency.
+        expected: Option<u64>,
+    },
+    /// `state_get`.
+    Get(String),
+}
+
 /// The operation of a cache request.
 #[derive(Debug, Clone)]
 pub enum CacheRequestOp {
@@ -161,6 +177,23 @@ pub enum Request {
     },
     /// Cache get, put or delete.
     Cache(CacheRequest),
+    /// An atomic commit or a state read on the stream shard `entity_key` routes to.
+    State {
+        /// Tenant.
+        tenant: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Routing key.
+        entity_key: String,
+        /// Correlation.
+        request_id: RequestId,
+        /// The commit (event, changes, expected tail) or the key to read.
+        op: StateRequest,
+        /// The request as received, for forwarding.
+        wire: Bytes,
+    },
     /// A consumer-group request.
     Group {
         /// Tenant.
@@ -223,6 +256,15 @@ pub enum Action {
         op: CacheOp,
         /// Who is owed the answer, and the names it echoes.
         reply: CacheReply,
+    },
+    /// A commit or state read on a stream shard this broker serves.
+    State {
+        /// The stream shard.
+        key: Arc<ShardKey>,
+        /// What to do.
+        op: crate::core::StateOp,
+        /// Correlation.
+        request_id: RequestId,
     },
     /// A consumer-group request on a stream shard this broker serves.
     Group {
@@ -504,6 +546,52 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
             Some(request_id),
             CacheRequestOp::CounterGet,
         ),
+        Message::Commit {
+            tenant_id,
+            namespace,
+            stream,
+            entity_key,
+            event,
+            changes,
+            request_id,
+            expected_offset,
+        } => Request::State {
+            tenant: tenant_id,
+            namespace,
+            stream,
+            entity_key,
+            request_id,
+            op: StateRequest::Commit {
+                event,
+                changes: changes
+                    .into_iter()
+                    .map(|c| match c {
+                        message::StateChange::Put { key, value } => {
+                            crate::state::Change::Put(key, value)
+                        }
+                        message::StateChange::Delete { key } => crate::state::Change::Delete(key),
+                    })
+                    .collect(),
+                expected: expected_offset.map(|o| o.0),
+            },
+            wire: crate::forward::json_frame(raw),
+        },
+        Message::StateGet {
+            tenant_id,
+            namespace,
+            stream,
+            entity_key,
+            key,
+            request_id,
+        } => Request::State {
+            tenant: tenant_id,
+            namespace,
+            stream,
+            entity_key,
+            request_id,
+            op: StateRequest::Get(key),
+            wire: crate::forward::json_frame(raw),
+        },
         Message::Auth { .. } => Request::Refused {
             error: BrokerError::InvalidRequest("second auth on an authenticated stream".into()),
             ends_stream: false,
@@ -881,6 +969,71 @@ pub fn decide(
             Err(e) => error(e),
         },
         Request::Cache(c) => cache(session, dir, c, now),
+        Request::State {
+            tenant,
+            namespace,
+            stream,
+            entity_key,
+            request_id,
+            op,
+            wire,
+        } => {
+            let perm = match op {
+                StateRequest::Commit { .. } => Perm::StreamPublish,
+                StateRequest::Get(_) => Perm::StreamSubscribe,
+            };
+            let key = session
+                .authorize(perm, &tenant, &namespace, &stream, now)
+                .and_then(|()| {
+                    let create = session.may_create(true, &namespace, &stream);
+                    let entry = dir.stream(&tenant, &namespace, &stream, create)?;
+                    let shard = routing::shard_for_key(
+                        Some(entity_key.as_bytes()),
+                        entry.spec.shards,
+                        entry.spec.routing,
+                    )
+                    .0;
+                    shard_key(&entry, &tenant, &namespace, &stream, shard)
+                });
+            match key.map(|k| (dir.resolve(&k), k)) {
+                Ok((Resolved::Local, key)) => {
+                    let op = match op {
+                        StateRequest::Commit {
+                            event,
+                            changes,
+                            expected,
+                        } => {
+                            if let Err(e) = crate::state::check(&changes) {
+                                return error(e);
+                            }
+                            crate::core::StateOp::Commit {
+                                write: crate::core::CommitWrite {
+                                    record: crate::state::encode(&event, &changes),
+                                    changes,
+                                    expected,
+                                },
+                                event,
+                            }
+                        }
+                        StateRequest::Get(k) => crate::core::StateOp::Get(k),
+                    };
+                    Action::State {
+                        key,
+                        op,
+                        request_id,
+                    }
+                }
+                Ok((Resolved::Remote(route), _)) => Action::Forward {
+                    route,
+                    frame: wire,
+                    answer: Forwarded::Json,
+                },
+                Ok((Resolved::Unavailable(reason), _)) => {
+                    error(BrokerError::ShardUnavailable(reason.into()))
+                }
+                Err(e) => error(e),
+            }
+        }
         Request::Group {
             tenant,
             namespace,

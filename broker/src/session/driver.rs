@@ -513,6 +513,18 @@ async fn execute(
             })));
             true
         }
+        Action::State {
+            key,
+            op,
+            request_id,
+        } => {
+            let (core, session) = (core.clone(), session.clone());
+            answers.push(Answer::Pending(Box::pin(async move {
+                let result = core.state(key, op).await;
+                Some(state_answer(&session, request_id, result))
+            })));
+            true
+        }
         Action::Group {
             key,
             op,
@@ -586,6 +598,36 @@ fn cache_answer(
         },
         Ok(_) => Message::CacheOk {
             request_id: reply.request_id.unwrap_or_default(),
+        },
+    }
+    .to_frame()
+}
+
+fn state_answer(
+    session: &Session,
+    request_id: felix_wire::RequestId,
+    result: Result<crate::core::StateAnswer, BrokerError>,
+) -> Bytes {
+    use crate::core::StateAnswer as A;
+    use felix_wire::Offset;
+    match result {
+        Err(BrokerError::OffsetMismatch { tail }) => Message::PublishRefused {
+            request_id,
+            reason: felix_wire::message::PublishRefusalReason::OffsetMismatch {
+                tail: Offset(tail),
+            },
+            message: format!("the shard's tail is {tail}"),
+        },
+        Err(e) => e.to_message(session.coded()),
+        Ok(A::Committed(offset)) => Message::CommitOk {
+            request_id,
+            offset: Offset(offset),
+        },
+        Ok(A::Value(value, as_of)) => Message::StateValue {
+            version: value.as_ref().map(|(_, v)| *v),
+            value: value.map(|(v, _)| v),
+            as_of: Some(Offset(as_of)),
+            request_id,
         },
     }
     .to_frame()

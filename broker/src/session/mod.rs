@@ -57,6 +57,7 @@ pub const SERVER_FEATURES: Features = Features(
         | Features::PUBLISH_PIPELINE.0
         | Features::STREAM_PUBLISH_WINDOW.0
         | Features::COUNTERS.0
+        | Features::ATOMIC_COMMIT.0
         | Features::CONSUMER_GROUP.0
         | Features::GROUP_DEAD_LETTERS.0
         | Features::GROUP_ADMIN.0

@@ -107,6 +107,12 @@ impl Pump {
                 self.skipped += (keep - skip) as u64;
                 continue;
             }
+            if b.kind == BatchKind::Commit {
+                // An atomic commit: readers see its event only.
+                let b = crate::state::readable(b.clone());
+                out.push(self.encode(first, &b.records[skip..keep]));
+                continue;
+            }
             let frame = self.encode(first, &b.records[skip..keep]);
             out.push(frame);
         }

@@ -280,6 +280,13 @@ impl Harness {
                     self.push(Some(f));
                 }
             },
+            Action::State { request_id, .. } => {
+                let frame = felix_wire::Message::CommitOk {
+                    request_id,
+                    offset: felix_wire::Offset(0),
+                };
+                self.push(Some(frame.to_frame()));
+            }
             Action::Group { request_id, .. } => {
                 // The harness serves no groups: an empty poll answer stands for any.
                 let frame = felix_wire::Message::GroupRecords {

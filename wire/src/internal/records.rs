@@ -31,6 +31,8 @@ pub enum BatchKind {
     /// The record a new leader appends at the start of its generation (byte 1); never
     /// delivered to readers.
     GenerationStart,
+    /// An atomic commit: one record, an event and state changes (byte 2).
+    Commit,
 }
 
 impl BatchKind {
@@ -39,6 +41,7 @@ impl BatchKind {
         match self {
             BatchKind::Data => 0,
             BatchKind::GenerationStart => 1,
+            BatchKind::Commit => 2,
         }
     }
 
@@ -47,6 +50,7 @@ impl BatchKind {
         match byte {
             0 => Ok(BatchKind::Data),
             1 => Ok(BatchKind::GenerationStart),
+            2 => Ok(BatchKind::Commit),
             byte => Err(BodyError::UnknownBatchKind { byte }),
         }
     }
