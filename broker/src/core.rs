@@ -71,14 +71,12 @@ pub enum CacheAnswer {
     Counter(Option<i64>),
 }
 
-/// An atomic commit on its way to the log: the encoded record, the changes to apply to
-/// the shard's state once it is acknowledged, and the tail it expects (if any).
+/// An atomic commit on its way to the log: the encoded record and the tail it expects
+/// (if any). The shard's state reads it back from the log once it is visible.
 #[derive(Debug)]
 pub struct CommitWrite {
     /// The commit record ([`crate::state::encode`]).
     pub record: Bytes,
-    /// Its changes.
-    pub changes: Vec<crate::state::Change>,
     /// Write only if the shard's next offset is this.
     pub expected: Option<u64>,
 }
@@ -945,9 +943,6 @@ impl CoreBroker {
                 }
                 if let crate::replication::replica::Held::Stream(s) = &rs.held {
                     this.fanout(s, appended, records);
-                    if let Some(c) = commit {
-                        s.state.borrow_mut().applied(appended.first, c.changes);
-                    }
                 }
                 Ok(appended)
             }
@@ -1021,9 +1016,6 @@ impl CoreBroker {
                 let appended = shard.log.commit(pending).await?;
                 // Fanout before any other await: offset order.
                 this.fanout(&shard, appended, records);
-                if let Some(c) = commit {
-                    shard.state.borrow_mut().applied(appended.first, c.changes);
-                }
                 Ok(appended)
             }
             .await;
@@ -1433,7 +1425,6 @@ impl CoreBroker {
     ) -> Result<StateAnswer, BrokerError> {
         match op {
             StateOp::Commit { event, write } => {
-                crate::state::check(&write.changes)?;
                 let appended = self.write_local(key, vec![event], Some(write)).await?;
                 Ok(StateAnswer::Committed(appended.first))
             }
@@ -1444,62 +1435,62 @@ impl CoreBroker {
                     return Err(BrokerError::ShardUnavailable("not_ready".into()));
                 }
                 let shard = self.stream_shard(&key).await?;
-                self.build_state(&shard).await?;
-                let value = match &*shard.state.borrow() {
-                    crate::state::StateSlot::Built(i) => i.get(&k),
-                    _ => {
-                        return Err(BrokerError::ShardUnavailable("state_rebuilding".into()));
+                let to = match self.replica_of(&key)? {
+                    None => shard.fanout_end(),
+                    Some(rs) => {
+                        // A read index: everything in the log now (which holds every
+                        // write a previous leader acknowledged) must be committed before
+                        // the answer, or a new leader would answer from before its
+                        // predecessor's last acknowledged commit.
+                        let index = rs.log().committed_end();
+                        if rs.consistency.get() == crate::catalog::Consistency::Quorum {
+                            let term = rs.term();
+                            match task::timeout(
+                                crate::replication::replica::QUORUM_WAIT,
+                                rs.committed(index, term),
+                            )
+                            .await
+                            {
+                                Some(Ok(())) => {}
+                                Some(Err(e)) => return Err(e),
+                                None => {
+                                    return Err(BrokerError::ShardUnavailable("not_ready".into()));
+                                }
+                            }
+                        }
+                        rs.visible_end().min(rs.log().committed_end())
                     }
                 };
-                Ok(StateAnswer::Value(value, shard.fanout_end()))
+                self.catch_up_state(&shard, to).await?;
+                let value = shard.state.borrow().as_ref().and_then(|i| i.get(&k));
+                Ok(StateAnswer::Value(value, to))
             }
         }
     }
 
-    /// Builds the shard's state index from its log if it is not built: commits below
-    /// the frontier are read back; commits acknowledged meanwhile queue and apply after.
-    async fn build_state(&self, shard: &StreamShard) -> Result<(), BrokerError> {
-        use crate::state::{StateIndex, StateSlot};
+    /// Brings the shard's state index up to `to` (its visible frontier) by reading the
+    /// commits in the log it has not applied, building it from the log's base the first
+    /// time.
+    async fn catch_up_state(&self, shard: &StreamShard, to: u64) -> Result<(), BrokerError> {
+        if shard.state.borrow().is_none() {
+            *shard.state.borrow_mut() = Some(crate::state::StateIndex::at(shard.log.base_offset()));
+        }
         loop {
-            match &*shard.state.borrow() {
-                StateSlot::Built(_) => return Ok(()),
-                StateSlot::Building(_) => {}
-                StateSlot::Unbuilt => break,
+            let Some(from) = shard.state.borrow().as_ref().map(|i| i.end()) else {
+                // Dropped meanwhile (the frontier was reset): the caller may retry.
+                return Err(BrokerError::ShardUnavailable("state_rebuilding".into()));
+            };
+            if from >= to {
+                return Ok(());
             }
-            // Another request is building it.
-            task::sleep(std::time::Duration::from_millis(1)).await;
-        }
-        *shard.state.borrow_mut() = StateSlot::Building(Vec::new());
-        let end = shard.fanout_end();
-        let mut index = StateIndex::default();
-        let mut at = shard.log.base_offset();
-        let scanned = async {
-            while at < end {
-                let batches = shard.log.read(at, 4 << 20).await?;
-                let Some(last) = batches.last() else { break };
-                at = last.end_offset();
-                let below: Vec<_> = batches
-                    .into_iter()
-                    .filter(|b| b.base_offset < end)
-                    .collect();
-                index.apply_batches(&below)?;
+            let batches = shard.log.read(from, 4 << 20).await?;
+            if batches.is_empty() {
+                return Ok(());
             }
-            Ok::<_, BrokerError>(())
-        }
-        .await;
-        let mut slot = shard.state.borrow_mut();
-        let StateSlot::Building(queued) = std::mem::take(&mut *slot) else {
-            // Reset meanwhile (the shard's frontier moved under us): start again later.
-            return Err(BrokerError::ShardUnavailable("state_rebuilding".into()));
-        };
-        scanned?;
-        for (offset, changes) in queued {
-            if offset >= end {
-                index.apply(offset, &changes);
+            if let Some(index) = shard.state.borrow_mut().as_mut() {
+                index.apply_batches(&batches, to)?;
             }
         }
-        *slot = StateSlot::Built(index);
-        Ok(())
     }
 
     /// A consumer-group request, wherever the stream shard lives.

@@ -168,7 +168,7 @@ pub struct StreamShard {
     /// Woken when the fanout frontier moves: waiting group polls look again.
     pub appended: crate::groups::Wakers,
     /// The shard's state (atomic commits), built on demand.
-    pub state: RefCell<crate::state::StateSlot>,
+    pub state: RefCell<Option<crate::state::StateIndex>>,
 }
 
 impl std::fmt::Debug for StreamShard {
@@ -236,7 +236,7 @@ impl StreamShard {
     pub fn reset_fanout(&self, end: u64) {
         self.fanout_end.set(end);
         // What the log holds may have changed under the state index: build it again.
-        *self.state.borrow_mut() = crate::state::StateSlot::Unbuilt;
+        *self.state.borrow_mut() = None;
         self.appended.wake_all();
     }
 

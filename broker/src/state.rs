@@ -3,10 +3,13 @@
 //!
 //! Readers of the data (subscriptions, groups) see only the event, at the commit's
 //! offset. The shard's *state* (key → value, version) is the fold of its commits' changes;
-//! the version of every key a commit writes is the commit's offset. The index is built
-//! from the log the first time a shard's state is asked for, then kept current by each
-//! acknowledged commit; it is dropped whenever the shard's frontier is reset (a replica
-//! that starts or stops leading, or whose suffix was cut) and built again on demand.
+//! the version of every key a commit writes is the commit's offset. The index is derived
+//! by reading the log: built the first time a shard's state is asked for, and caught up
+//! to the shard's visible frontier before every read, so it holds exactly the commits a
+//! reader may see, however they got into the log (this leader's writes, or a previous
+//! leader's, shipped here and made visible when the commit mark passed them). It is
+//! dropped whenever the shard's frontier is reset (a replica that starts or stops
+//! leading, or whose suffix was cut) and built again on demand.
 //!
 //! Commit record (big-endian): `u8 version (1)`, `u32 event_len`, event, `u32 op_count`,
 //! then per op `u8 op (0 put, 1 delete)`, `u32 key_len`, key (UTF-8), and for a put
@@ -148,15 +151,29 @@ pub fn readable(mut b: ReadBatch) -> ReadBatch {
     b
 }
 
-/// A shard's state: key → (value, version).
+/// A shard's state: key → (value, version), covering the log below `end`.
 #[derive(Debug, Default)]
 pub struct StateIndex {
     values: HashMap<String, (Bytes, u64)>,
+    end: u64,
 }
 
 impl StateIndex {
+    /// An empty index starting at the log's base.
+    pub fn at(base: u64) -> StateIndex {
+        StateIndex {
+            values: HashMap::new(),
+            end: base,
+        }
+    }
+
+    /// Everything below this offset is applied.
+    pub fn end(&self) -> u64 {
+        self.end
+    }
+
     /// Applies a commit at `offset`.
-    pub fn apply(&mut self, offset: u64, changes: &[Change]) {
+    fn apply(&mut self, offset: u64, changes: &[Change]) {
         for c in changes {
             match c {
                 Change::Put(k, v) => {
@@ -169,16 +186,24 @@ impl StateIndex {
         }
     }
 
-    /// Applies every commit in `batches`.
-    pub fn apply_batches(&mut self, batches: &[ReadBatch]) -> Result<(), BrokerError> {
-        for b in batches.iter().filter(|b| b.kind == BatchKind::Commit) {
-            let (_, changes) = b.records.first().and_then(decode).ok_or_else(|| {
-                BrokerError::Storage(format!(
-                    "offset {}: a commit record that cannot be read",
-                    b.base_offset
-                ))
-            })?;
-            self.apply(b.base_offset, &changes);
+    /// Applies the batches read from the log below `to`, skipping any already applied
+    /// (two readers catching up at once read the same batches; the second applies
+    /// nothing).
+    pub fn apply_batches(&mut self, batches: &[ReadBatch], to: u64) -> Result<(), BrokerError> {
+        for b in batches {
+            if b.base_offset < self.end || b.base_offset >= to {
+                continue;
+            }
+            if b.kind == BatchKind::Commit {
+                let (_, changes) = b.records.first().and_then(decode).ok_or_else(|| {
+                    BrokerError::Storage(format!(
+                        "offset {}: a commit record that cannot be read",
+                        b.base_offset
+                    ))
+                })?;
+                self.apply(b.base_offset, &changes);
+            }
+            self.end = b.end_offset();
         }
         Ok(())
     }
@@ -186,30 +211,6 @@ impl StateIndex {
     /// A key's value and version.
     pub fn get(&self, key: &str) -> Option<(Bytes, u64)> {
         self.values.get(key).cloned()
-    }
-}
-
-/// A stream shard's state index, built on demand.
-#[derive(Debug, Default)]
-pub enum StateSlot {
-    /// Not built (or dropped).
-    #[default]
-    Unbuilt,
-    /// Being built from the log; commits acknowledged meanwhile wait here, applied
-    /// once the scan is done.
-    Building(Vec<(u64, Vec<Change>)>),
-    /// Current up to the shard's frontier.
-    Built(StateIndex),
-}
-
-impl StateSlot {
-    /// Applies an acknowledged commit: to the index, or queued while it is built.
-    pub fn applied(&mut self, offset: u64, changes: Vec<Change>) {
-        match self {
-            StateSlot::Unbuilt => {}
-            StateSlot::Building(q) => q.push((offset, changes)),
-            StateSlot::Built(i) => i.apply(offset, &changes),
-        }
     }
 }
 
@@ -238,22 +239,44 @@ mod tests {
         assert_eq!(decode(&Bytes::from(trailing)), None);
     }
 
+    fn commit_batch(base: u64, changes: &[Change]) -> ReadBatch {
+        ReadBatch {
+            base_offset: base,
+            timestamp_micros: 0,
+            kind: BatchKind::Commit,
+            producer: None,
+            records: vec![encode(b"e", changes)],
+        }
+    }
+
     #[test]
-    fn the_index_keeps_the_last_write_and_its_version() {
-        let mut i = StateIndex::default();
-        i.apply(3, &[Change::Put("a".into(), Bytes::from_static(b"1"))]);
-        i.apply(
-            7,
-            &[
-                Change::Put("a".into(), Bytes::from_static(b"2")),
-                Change::Put("b".into(), Bytes::from_static(b"x")),
-            ],
-        );
-        i.apply(9, &[Change::Delete("b".into())]);
+    fn the_index_keeps_the_last_write_and_its_version_and_applies_each_batch_once() {
+        let put = |k: &str, v: &'static [u8]| Change::Put(k.into(), Bytes::from_static(v));
+        let batches = vec![
+            commit_batch(3, &[put("a", b"1")]),
+            ReadBatch {
+                base_offset: 4,
+                timestamp_micros: 0,
+                kind: BatchKind::Data,
+                producer: None,
+                records: vec![Bytes::from_static(b"plain"); 3],
+            },
+            commit_batch(7, &[put("a", b"2"), put("b", b"x")]),
+            commit_batch(8, &[Change::Delete("b".into())]),
+            commit_batch(9, &[put("a", b"not yet visible")]),
+        ];
+        let mut i = StateIndex::at(3);
+        i.apply_batches(&batches, 9).unwrap();
+        assert_eq!(i.end(), 9);
         assert_eq!(i.get("a"), Some((Bytes::from_static(b"2"), 7)));
         assert_eq!(i.get("b"), None);
-        let mut slot = StateSlot::Building(Vec::new());
-        slot.applied(10, vec![Change::Delete("a".into())]);
-        assert!(matches!(&slot, StateSlot::Building(q) if q.len() == 1));
+        // A late reader of the same batches changes nothing; the next one goes on.
+        i.apply_batches(&batches[..3], 9).unwrap();
+        assert_eq!(i.get("a"), Some((Bytes::from_static(b"2"), 7)));
+        i.apply_batches(&batches, 10).unwrap();
+        assert_eq!(
+            i.get("a"),
+            Some((Bytes::from_static(b"not yet visible"), 9))
+        );
     }
 }

@@ -39,6 +39,7 @@ fn client_features() -> Features {
         | Features::PUBLISH_PIPELINE
         | Features::STREAM_PUBLISH_WINDOW
         | Features::COUNTERS
+        | Features::ATOMIC_COMMIT
         | Features::CONSUMER_GROUP
         | Features::GROUP_DEAD_LETTERS
         | Features::GROUP_ADMIN
@@ -91,6 +92,24 @@ pub(crate) fn broker_error(context: &'static str, m: Message) -> ClientError {
             retry: retry.or_else(|| code.as_ref().map(felix_wire::ErrorCode::default_retry)),
             code,
             detail,
+            message,
+            context,
+        }),
+        Message::PublishRefused {
+            reason, message, ..
+        } => ClientError::Broker(BrokerError {
+            code: None,
+            retry: Some(felix_wire::RetryClass::Fatal),
+            detail: Some(felix_wire::ErrorDetail {
+                reason: serde_json::to_value(&reason).ok().map(|v| match v {
+                    serde_json::Value::String(s) => s,
+                    other => other
+                        .as_object()
+                        .and_then(|o| o.keys().next().cloned())
+                        .unwrap_or_default(),
+                }),
+                retry_after_ms: None,
+            }),
             message,
             context,
         }),
@@ -587,6 +606,74 @@ impl Client {
         match self.request(m, "counter_get").await? {
             Message::CounterValue { value, .. } => Ok(value),
             other => Err(broker_error("counter_get", other)),
+        }
+    }
+
+    /// Commits `event` and `changes` as one record on the shard of `stream` that
+    /// `entity_key` routes to: every reader sees all of it or none. Returns the event's
+    /// offset, the version of every key written. With `expected_offset`, only if the
+    /// shard's next offset is that (a `PublishRefused` with `offset_mismatch` otherwise).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn commit(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        entity_key: &str,
+        event: Bytes,
+        changes: Vec<felix_wire::message::StateChange>,
+        expected_offset: Option<u64>,
+    ) -> Result<u64, ClientError> {
+        self.require(Features::ATOMIC_COMMIT, "commit")?;
+        let m = Message::Commit {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            stream: stream.into(),
+            entity_key: entity_key.into(),
+            event,
+            changes,
+            request_id: RequestId(self.next_id()),
+            expected_offset: expected_offset.map(felix_wire::Offset),
+        };
+        match self
+            .request_on_own_stream(m, "commit", Duration::ZERO)
+            .await?
+        {
+            Message::CommitOk { offset, .. } => Ok(offset.0),
+            other => Err(broker_error("commit", other)),
+        }
+    }
+
+    /// One key of the state of the shard of `stream` that `entity_key` routes to:
+    /// `(value, version)`, and the offset the answer is as of.
+    pub async fn state_get(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        entity_key: &str,
+        key: &str,
+    ) -> Result<(Option<(Bytes, u64)>, Option<u64>), ClientError> {
+        self.require(Features::ATOMIC_COMMIT, "state_get")?;
+        let m = Message::StateGet {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            stream: stream.into(),
+            entity_key: entity_key.into(),
+            key: key.into(),
+            request_id: RequestId(self.next_id()),
+        };
+        match self
+            .request_on_own_stream(m, "state_get", Duration::ZERO)
+            .await?
+        {
+            Message::StateValue {
+                value,
+                version,
+                as_of,
+                ..
+            } => Ok((value.map(|v| (v, version.unwrap_or(0))), as_of.map(|o| o.0))),
+            other => Err(broker_error("state_get", other)),
         }
     }
 

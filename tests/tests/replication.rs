@@ -538,3 +538,121 @@ fn a_quorum_cache_keeps_every_acknowledged_value_and_counter_across_a_leader_kil
     put(&c, 10, "after");
     let _ = &mut c;
 }
+
+#[test]
+fn quorum_commits_keep_their_state_and_events_across_a_leader_kill() {
+    use felix_wire::message::StateChange;
+    let mut c = cluster();
+    c.create_stream("ledger", 1, 3, "Quorum").unwrap();
+    let leader_of = |c: &TestCluster| {
+        c.assignments()
+            .ok()?
+            .into_iter()
+            .find(|a| a["kind"] == "stream" && a["name"] == "ledger")
+            .map(|a| {
+                (
+                    c.index(a["leader"].as_str().unwrap()),
+                    a["generation"].as_u64().unwrap(),
+                )
+            })
+    };
+    let (leader, generation) =
+        wait_for("a ledger leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
+    let via = (leader + 1) % 3;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let connect = |c: &TestCluster| {
+        let (addr, config) = (c.brokers[via].listen, c.client_config().unwrap());
+        async move {
+            felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap()
+        }
+    };
+    // Twenty commits through a broker that will survive (it forwards to the leader).
+    let mut offsets = Vec::new();
+    rt.block_on(async {
+        let client = connect(&c).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut i = 0;
+        while i < 20 {
+            let changes = vec![StateChange::Put {
+                key: "balance".into(),
+                value: bytes::Bytes::from(format!("{}", i * 10)),
+            }];
+            match client
+                .commit(
+                    TENANT,
+                    NAMESPACE,
+                    "ledger",
+                    "acct",
+                    format!("event-{i}").into(),
+                    changes,
+                    None,
+                )
+                .await
+            {
+                Ok(o) => {
+                    offsets.push(o);
+                    i += 1;
+                }
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "commits never went through: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        // A stale expected offset is refused and writes nothing.
+        let e = client
+            .commit(
+                TENANT,
+                NAMESPACE,
+                "ledger",
+                "acct",
+                "stale".into(),
+                vec![],
+                Some(0),
+            )
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("tail"), "{e}");
+    });
+    c.brokers[leader].kill();
+    wait_for("a new ledger leader", Duration::from_secs(30), || {
+        leader_of(&c).filter(|(l, g)| *l != leader && *g > generation)
+    })
+    .unwrap();
+    rt.block_on(async {
+        let client = connect(&c).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let last = *offsets.last().unwrap();
+        loop {
+            match client
+                .state_get(TENANT, NAMESPACE, "ledger", "acct", "balance")
+                .await
+            {
+                Ok((value, _)) => {
+                    assert_eq!(
+                        value,
+                        Some((bytes::Bytes::from_static(b"190"), last)),
+                        "the new leader's state holds the last acknowledged commit"
+                    );
+                    break;
+                }
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "state reads never resumed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    });
+    // Subscribers of the new leader see every acknowledged commit's event, and only it.
+    let read = rt.block_on(read_all(&c, "ledger", offsets.last().unwrap() + 1));
+    for (i, o) in offsets.iter().enumerate() {
+        assert_eq!(read[o], format!("event-{i}").into_bytes(), "offset {o}");
+    }
+    assert!(
+        read.values().all(|v| v.starts_with(b"event-")),
+        "readers see events only"
+    );
+    let _ = &mut c;
+}

@@ -129,6 +129,11 @@ impl ReplicaShard {
         &self.log
     }
 
+    /// The leadership term (changes whenever this replica starts or stops leading).
+    pub fn term(&self) -> u64 {
+        self.term.get()
+    }
+
     /// The commit mark.
     pub fn commit(&self) -> u64 {
         self.machine.borrow().commit()

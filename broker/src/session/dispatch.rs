@@ -1009,7 +1009,6 @@ pub fn decide(
                             crate::core::StateOp::Commit {
                                 write: crate::core::CommitWrite {
                                     record: crate::state::encode(&event, &changes),
-                                    changes,
                                     expected,
                                 },
                                 event,
