@@ -81,6 +81,47 @@ pub struct CommitWrite {
     pub expected: Option<u64>,
 }
 
+/// A cache watch's request to the core that owns the cache shard.
+#[derive(Debug)]
+pub enum WatchReq {
+    /// Where a new watch starts: `from` (an offset), or now; with `retained`, the
+    /// current values first.
+    Start {
+        /// Keys followed.
+        filter: crate::shard::WatchFilter,
+        /// Resume offset.
+        from: Option<u64>,
+        /// Current values first.
+        retained: bool,
+    },
+    /// Changes from `from`, waiting up to `wait` for one.
+    Next {
+        /// Keys followed.
+        filter: crate::shard::WatchFilter,
+        /// Resume offset.
+        from: u64,
+        /// Longest wait.
+        wait: std::time::Duration,
+    },
+}
+
+/// The owner's answer to a [`WatchReq`].
+#[derive(Debug)]
+pub enum WatchAnswer {
+    /// Current values to deliver first (retained, or a resnapshot), and where changes
+    /// continue.
+    Started {
+        /// Values.
+        values: Vec<crate::shard::WatchChange>,
+        /// Where the watch continues.
+        resume: u64,
+        /// The offset asked for is gone: the values restate the state.
+        resnapshot: bool,
+    },
+    /// Changes, and where the next read starts.
+    Changes(Vec<crate::shard::WatchChange>, u64),
+}
+
 /// A state request, for the core that owns the stream shard.
 #[derive(Debug)]
 pub enum StateOp {
@@ -174,6 +215,15 @@ pub enum CoreMsg {
         /// Where the answer goes.
         reply: ReplyTo,
     },
+    /// A cache watch's request for a cache shard this core owns.
+    Watch {
+        /// The cache shard.
+        key: Arc<ShardKey>,
+        /// The request.
+        req: WatchReq,
+        /// Where the answer goes.
+        reply: ReplyTo,
+    },
     Cache {
         /// Shard.
         key: Arc<ShardKey>,
@@ -224,6 +274,8 @@ pub enum ReplyBody {
     Group(Result<crate::groups::GroupAnswer, BrokerError>),
     /// To `State`.
     State(Result<StateAnswer, BrokerError>),
+    /// To `Watch`.
+    Watch(Result<WatchAnswer, BrokerError>),
 }
 
 /// Per-core counters for `/metrics`.
@@ -1396,6 +1448,95 @@ impl CoreBroker {
         .detach();
     }
 
+    /// A cache watch's request, wherever the cache shard lives.
+    pub async fn watch(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        req: WatchReq,
+    ) -> Result<WatchAnswer, BrokerError> {
+        let owner = self.owner(&key);
+        if owner == self.core {
+            self.watch_local(&key, req).await
+        } else {
+            match self
+                .ask(owner, |reply| CoreMsg::Watch { key, req, reply })
+                .await?
+            {
+                ReplyBody::Watch(r) => r,
+                other => Err(BrokerError::Internal(format!(
+                    "mismatched answer {other:?}"
+                ))),
+            }
+        }
+    }
+
+    async fn watch_local(
+        &self,
+        key: &Arc<ShardKey>,
+        req: WatchReq,
+    ) -> Result<WatchAnswer, BrokerError> {
+        let cache = match self.replica_of(key)? {
+            Some(rs) => {
+                if !rs.serving() {
+                    return Err(BrokerError::ShardUnavailable("not_ready".into()));
+                }
+                match &rs.held {
+                    crate::replication::replica::Held::Cache(c) => c.clone(),
+                    _ => {
+                        return Err(BrokerError::Internal(
+                            "a stream replica asked for a cache".into(),
+                        ));
+                    }
+                }
+            }
+            None => self.cache_shard(key).await?,
+        };
+        match req {
+            WatchReq::Start {
+                filter,
+                from,
+                retained,
+            } => {
+                let now = clock::now();
+                match from {
+                    Some(o) if o < cache.log().base_offset() => {
+                        let (values, resume) = cache.snapshot(&filter, now);
+                        Ok(WatchAnswer::Started {
+                            values,
+                            resume,
+                            resnapshot: true,
+                        })
+                    }
+                    Some(o) => Ok(WatchAnswer::Started {
+                        values: Vec::new(),
+                        resume: o,
+                        resnapshot: false,
+                    }),
+                    None if retained => {
+                        let (values, resume) = cache.snapshot(&filter, now);
+                        Ok(WatchAnswer::Started {
+                            values,
+                            resume,
+                            resnapshot: false,
+                        })
+                    }
+                    None => Ok(WatchAnswer::Started {
+                        values: Vec::new(),
+                        resume: cache.applied_end(),
+                        resnapshot: false,
+                    }),
+                }
+            }
+            WatchReq::Next { filter, from, wait } => {
+                if cache.applied_end() <= from {
+                    task::timeout(wait, cache.changed.changed()).await;
+                }
+                let (changes, next) = cache.changes(from, &filter, 1 << 20).await?;
+                Ok(WatchAnswer::Changes(changes, next))
+            }
+        }
+    }
+
     /// A commit or state read, wherever the stream shard lives.
     pub async fn state(
         self: &Rc<Self>,
@@ -1779,6 +1920,14 @@ impl CoreBroker {
                 task::spawn(async move {
                     let r = this.cache_local(&key, op).await;
                     this.respond(reply, ReplyBody::Cache(r));
+                })
+                .detach();
+            }
+            CoreMsg::Watch { key, req, reply } => {
+                let this = self.clone();
+                task::spawn(async move {
+                    let r = this.watch_local(&key, req).await;
+                    this.respond(reply, ReplyBody::Watch(r));
                 })
                 .detach();
             }

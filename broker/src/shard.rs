@@ -332,11 +332,45 @@ pub fn decode_cache_record(r: &Bytes) -> Option<CacheRecord> {
     })
 }
 
-/// What a cache log describes: the live values and the counters.
+/// What a cache log describes: the live values and the counters, up to `end`.
 #[derive(Debug, Default)]
 struct Projection {
     index: HashMap<String, CacheEntry>,
     counters: HashMap<String, i64>,
+    /// Every record below it is applied.
+    end: u64,
+}
+
+/// Which keys a cache watch follows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchFilter {
+    /// Exactly this key.
+    Key(String),
+    /// Every key beginning with this (`""`: every key of the shard).
+    Prefix(String),
+}
+
+impl WatchFilter {
+    /// Whether `key` is followed.
+    pub fn matches(&self, key: &str) -> bool {
+        match self {
+            WatchFilter::Key(k) => k == key,
+            WatchFilter::Prefix(p) => key.starts_with(p.as_str()),
+        }
+    }
+}
+
+/// One change a cache watch delivers: a put (`value` set) or a delete, at `offset`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchChange {
+    /// Key.
+    pub key: String,
+    /// The new value; `None` for a delete.
+    pub value: Option<Bytes>,
+    /// The record's offset (a put's version).
+    pub offset: u64,
+    /// Absolute expiry in ms, 0 = never.
+    pub expires_at_ms: u64,
 }
 
 /// A cache shard on its owning core: the log plus the key index derived from it.
@@ -345,6 +379,8 @@ pub struct CacheShard {
     pub key: Arc<ShardKey>,
     log: SegmentLog<DmaBackend>,
     state: RefCell<Projection>,
+    /// Woken whenever records are applied: waiting watches look again.
+    pub changed: crate::groups::Wakers,
 }
 
 impl std::fmt::Debug for CacheShard {
@@ -366,6 +402,7 @@ impl CacheShard {
             key,
             log,
             state: RefCell::new(state),
+            changed: crate::groups::Wakers::default(),
         })
     }
 
@@ -374,6 +411,7 @@ impl CacheShard {
     pub async fn rebuild(&self) -> Result<(), BrokerError> {
         let state = replay(&self.key, &self.log).await?;
         *self.state.borrow_mut() = state;
+        self.changed.wake_all();
         Ok(())
     }
 
@@ -386,6 +424,8 @@ impl CacheShard {
                 apply(&mut state, rec, base + i as u64);
             }
         }
+        state.end = state.end.max(base + records.len() as u64);
+        self.changed.wake_all();
     }
 
     /// The value of `key` live at `now`.
@@ -422,6 +462,7 @@ impl CacheShard {
             },
             appended.first,
         );
+        self.changed.wake_all();
         Ok(appended.first)
     }
 
@@ -444,7 +485,82 @@ impl CacheShard {
             },
             appended.first,
         );
+        self.changed.wake_all();
         Ok(Some(old.value))
+    }
+
+    /// Every record below this offset is applied to the index.
+    pub fn applied_end(&self) -> u64 {
+        self.state.borrow().end
+    }
+
+    /// The live values the filter follows, oldest version first, and the offset the
+    /// snapshot is as of (a watch continues from there).
+    pub fn snapshot(&self, filter: &WatchFilter, now: Now) -> (Vec<WatchChange>, u64) {
+        let state = self.state.borrow();
+        let mut values: Vec<WatchChange> = state
+            .index
+            .iter()
+            .filter(|(k, e)| filter.matches(k) && e.live(now.wall_ms()))
+            .map(|(k, e)| WatchChange {
+                key: k.clone(),
+                value: Some(e.value.clone()),
+                offset: e.version,
+                expires_at_ms: e.expires_at_ms,
+            })
+            .collect();
+        values.sort_by_key(|c| c.offset);
+        (values, state.end)
+    }
+
+    /// The puts and deletes the filter follows in `[from, applied end)`, at most about
+    /// `max_bytes` of log, and where the next read starts.
+    pub async fn changes(
+        &self,
+        from: u64,
+        filter: &WatchFilter,
+        max_bytes: usize,
+    ) -> Result<(Vec<WatchChange>, u64), BrokerError> {
+        let end = self.applied_end();
+        if from >= end {
+            return Ok((Vec::new(), from));
+        }
+        let mut out = Vec::new();
+        let mut next = from;
+        for b in self.log.read(from, max_bytes).await? {
+            if b.base_offset >= end {
+                break;
+            }
+            for (i, r) in b.records.iter().enumerate() {
+                let offset = b.base_offset + i as u64;
+                if offset < from || offset >= end || b.kind != BatchKind::Data {
+                    continue;
+                }
+                let Some(rec) = decode_cache_record(r) else {
+                    continue;
+                };
+                if !filter.matches(&rec.key) {
+                    continue;
+                }
+                match rec.op {
+                    RecordOp::Put => out.push(WatchChange {
+                        key: rec.key,
+                        value: Some(rec.value),
+                        offset,
+                        expires_at_ms: rec.expires_at_ms,
+                    }),
+                    RecordOp::Delete => out.push(WatchChange {
+                        key: rec.key,
+                        value: None,
+                        offset,
+                        expires_at_ms: 0,
+                    }),
+                    RecordOp::Add(_) => {}
+                }
+            }
+            next = b.end_offset().min(end);
+        }
+        Ok((out, next.max(from)))
     }
 
     /// The counter `key`: `None` when never written (which is not zero).
@@ -481,6 +597,7 @@ impl CacheShard {
             },
             appended.first,
         );
+        self.changed.wake_all();
         Ok(state.counters.get(key).copied().unwrap_or(0))
     }
 
@@ -520,10 +637,12 @@ async fn replay(key: &ShardKey, log: &SegmentLog<DmaBackend>) -> Result<Projecti
             at = b.end_offset();
         }
     }
+    index.end = index.end.max(at);
     Ok(index)
 }
 
 fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
+    state.end = state.end.max(offset + 1);
     match rec.op {
         RecordOp::Put => {
             state.index.insert(

@@ -109,6 +109,11 @@ fn sdk_commit_and_state_get_agree_on_versions_and_survive_sigkill() {
 }
 
 #[test]
+fn sdk_cache_watches_by_key_prefix_retained_and_from_an_offset() {
+    run("watch.py", &[]);
+}
+
+#[test]
 fn health_and_metrics_endpoints_answer() {
     let (b, _dir) = broker(&[]);
     assert_eq!(b.http_get("/livez").unwrap().0, 200);

@@ -177,6 +177,23 @@ pub enum Request {
     },
     /// Cache get, put or delete.
     Cache(CacheRequest),
+    /// Watch a cache key or prefix.
+    CacheWatch {
+        /// Tenant.
+        tenant: String,
+        /// Namespace.
+        namespace: String,
+        /// Cache.
+        cache: String,
+        /// Keys followed.
+        filter: crate::shard::WatchFilter,
+        /// Shard (prefix watches; a key picks its own).
+        shard: Option<ShardId>,
+        /// Resume offset.
+        from: Option<u64>,
+        /// Current values first.
+        retained: bool,
+    },
     /// An atomic commit or a state read on the stream shard `entity_key` routes to.
     State {
         /// Tenant.
@@ -256,6 +273,17 @@ pub enum Action {
         op: CacheOp,
         /// Who is owed the answer, and the names it echoes.
         reply: CacheReply,
+    },
+    /// Start a cache watch and its pump.
+    CacheWatch {
+        /// The cache shard.
+        key: Arc<ShardKey>,
+        /// Keys followed.
+        filter: crate::shard::WatchFilter,
+        /// Resume offset.
+        from: Option<u64>,
+        /// Current values first.
+        retained: bool,
     },
     /// A commit or state read on a stream shard this broker serves.
     State {
@@ -546,6 +574,47 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
             Some(request_id),
             CacheRequestOp::CounterGet,
         ),
+        Message::CacheWatch {
+            tenant_id,
+            namespace,
+            cache,
+            key,
+            prefix,
+            shard,
+            from_offset,
+            retained,
+            ..
+        } => {
+            let filter = match (key, prefix) {
+                (Some(k), None) => crate::shard::WatchFilter::Key(k),
+                (None, Some(p)) => crate::shard::WatchFilter::Prefix(p),
+                _ => {
+                    return Request::Refused {
+                        error: BrokerError::InvalidRequest(
+                            "a cache watch names a key or a prefix, not both".into(),
+                        ),
+                        ends_stream: false,
+                    };
+                }
+            };
+            if retained && from_offset.is_some() {
+                return Request::Refused {
+                    error: BrokerError::InvalidRequest(
+                        "a retained watch starts from the current values, not an offset".into(),
+                    ),
+                    ends_stream: false,
+                };
+            }
+            Request::CacheWatch {
+                tenant: tenant_id,
+                namespace,
+                cache,
+                filter,
+                shard,
+                from: from_offset.map(|o| o.0),
+                retained,
+            }
+        }
         Message::Commit {
             tenant_id,
             namespace,
@@ -969,6 +1038,47 @@ pub fn decide(
             Err(e) => error(e),
         },
         Request::Cache(c) => cache(session, dir, c, now),
+        Request::CacheWatch {
+            tenant,
+            namespace,
+            cache,
+            filter,
+            shard,
+            from,
+            retained,
+        } => {
+            let key = session
+                .authorize(Perm::CacheRead, &tenant, &namespace, &cache, now)
+                .and_then(|()| {
+                    let create = session.may_create(false, &namespace, &cache);
+                    let entry = dir.cache(&tenant, &namespace, &cache, create)?;
+                    let shard = match &filter {
+                        crate::shard::WatchFilter::Key(k) => {
+                            routing::shard_for_key(
+                                Some(k.as_bytes()),
+                                entry.spec.shards,
+                                entry.spec.routing,
+                            )
+                            .0
+                        }
+                        crate::shard::WatchFilter::Prefix(_) => shard.map_or(0, |s| s.0),
+                    };
+                    shard_key(&entry, &tenant, &namespace, &cache, shard)
+                });
+            match key.map(|k| (dir.resolve(&k), k)) {
+                Ok((Resolved::Local, key)) => Action::CacheWatch {
+                    key,
+                    filter,
+                    from,
+                    retained,
+                },
+                Ok((Resolved::Remote(route), _)) => Action::Answer(not_leader(session, &route)),
+                Ok((Resolved::Unavailable(reason), _)) => {
+                    error(BrokerError::ShardUnavailable(reason.into()))
+                }
+                Err(e) => error(e),
+            }
+        }
         Request::State {
             tenant,
             namespace,

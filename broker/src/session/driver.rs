@@ -513,6 +513,36 @@ async fn execute(
             })));
             true
         }
+        Action::CacheWatch {
+            key,
+            filter,
+            from,
+            retained,
+        } => {
+            if scope.subscriptions.get() >= scope.limits.subscriptions_per_connection {
+                let e = BrokerError::LimitExceeded(format!(
+                    "a connection may hold {} subscriptions and watches",
+                    scope.limits.subscriptions_per_connection
+                ));
+                answers.push(Answer::Ready(Some(answer::error(session, &e))));
+                return true;
+            }
+            scope.subscriptions.set(scope.subscriptions.get() + 1);
+            let (tx, rx) = futures_channel::oneshot::channel::<Bytes>();
+            answers.push(Answer::Pending(Box::pin(async move { rx.await.ok() })));
+            let watch = CacheWatch {
+                core: core.clone(),
+                scope: scope.clone(),
+                conn: conn.clone(),
+                key,
+                filter,
+                id: scope.next_subscription.get(),
+            };
+            scope.next_subscription.set(watch.id + 1);
+            let session = session.clone();
+            task::spawn(watch.run(session, from, retained, tx)).detach();
+            true
+        }
         Action::State {
             key,
             op,
@@ -678,6 +708,143 @@ fn group_answer(
             existed,
             request_id,
         },
+    }
+    .to_frame()
+}
+
+/// One cache watch: its start asked of the shard's owner, then changes read from the
+/// cache's log and sent on a broker-opened unidirectional stream until the connection
+/// ends. A client that stops reading holds the pump back (QUIC flow control); nothing is
+/// queued for it, so a watch never lags.
+struct CacheWatch {
+    core: Rc<CoreBroker>,
+    scope: Rc<ConnScope>,
+    conn: Connection,
+    key: Arc<ShardKey>,
+    filter: crate::shard::WatchFilter,
+    id: u64,
+}
+
+/// How long one read of a watch waits for a change before it asks again.
+const WATCH_WAIT: Duration = Duration::from_secs(1);
+
+impl CacheWatch {
+    async fn run(
+        self,
+        session: Session,
+        from: Option<u64>,
+        retained: bool,
+        answer: futures_channel::oneshot::Sender<Bytes>,
+    ) {
+        use crate::core::{WatchAnswer, WatchReq};
+        let sub_id = SubscriptionId(((self.core.core.index() as u64) << 48) | self.id);
+        let start = self
+            .core
+            .watch(
+                self.key.clone(),
+                WatchReq::Start {
+                    filter: self.filter.clone(),
+                    from,
+                    retained,
+                },
+            )
+            .await;
+        match start {
+            Ok(WatchAnswer::Started {
+                values,
+                resume,
+                resnapshot,
+            }) => {
+                let _ = answer.send(
+                    Message::CacheWatchStarted {
+                        subscription_id: sub_id,
+                        resume_offset: Offset(resume),
+                        resnapshot,
+                        retained_count: (retained || resnapshot).then_some(values.len() as u64),
+                    }
+                    .to_frame(),
+                );
+                futures_lite::future::or(
+                    async {
+                        let _ = self.pump(sub_id, values, resume).await;
+                    },
+                    self.scope.closed(self.id),
+                )
+                .await;
+            }
+            Ok(other) => {
+                let e = BrokerError::Internal(format!("mismatched watch answer {other:?}"));
+                let _ = answer.send(answer::error(&session, &e));
+            }
+            Err(e) => {
+                let _ = answer.send(answer::error(&session, &e));
+            }
+        }
+        self.scope.on_close.borrow_mut().remove(&self.id);
+        self.scope
+            .subscriptions
+            .set(self.scope.subscriptions.get() - 1);
+    }
+
+    async fn pump(
+        &self,
+        sub_id: SubscriptionId,
+        first: Vec<crate::shard::WatchChange>,
+        mut from: u64,
+    ) -> Result<(), ()> {
+        use crate::core::{WatchAnswer, WatchReq};
+        let mut uni = self.conn.open_uni().await.map_err(|_| ())?;
+        uni.write_chunk(
+            Message::EventStreamHello {
+                subscription_id: sub_id,
+            }
+            .to_frame(),
+        )
+        .await
+        .map_err(|_| ())?;
+        let mut frames: Vec<Bytes> = first.into_iter().map(watch_event).collect();
+        uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+        loop {
+            let next = self
+                .core
+                .watch(
+                    self.key.clone(),
+                    WatchReq::Next {
+                        filter: self.filter.clone(),
+                        from,
+                        wait: WATCH_WAIT,
+                    },
+                )
+                .await;
+            match next {
+                Ok(WatchAnswer::Changes(changes, next)) => {
+                    from = next;
+                    let mut frames: Vec<Bytes> = changes.into_iter().map(watch_event).collect();
+                    uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+                }
+                Ok(_) => return Err(()),
+                Err(_) => {
+                    // The shard cannot be read here now (it moved, or this broker lost
+                    // it): the watch ends and the client re-watches from `from`.
+                    let lagged = Message::CacheWatchLagged {
+                        resume_from: Offset(from),
+                    }
+                    .to_frame();
+                    let _ = uni.write_chunk(lagged).await;
+                    let _ = uni.finish();
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+fn watch_event(c: crate::shard::WatchChange) -> Bytes {
+    Message::CacheEvent {
+        key: c.key,
+        value: c.value,
+        offset: Offset(c.offset),
+        expires_at_millis: c.expires_at_ms,
     }
     .to_frame()
 }

@@ -56,6 +56,8 @@ pub const SERVER_FEATURES: Features = Features(
         | Features::UNSUPPORTED.0
         | Features::PUBLISH_PIPELINE.0
         | Features::STREAM_PUBLISH_WINDOW.0
+        | Features::CACHE_WATCH.0
+        | Features::CACHE_WATCH_RETAINED.0
         | Features::COUNTERS.0
         | Features::ATOMIC_COMMIT.0
         | Features::CONSUMER_GROUP.0

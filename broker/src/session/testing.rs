@@ -280,6 +280,9 @@ impl Harness {
                     self.push(Some(f));
                 }
             },
+            Action::CacheWatch { .. } => {
+                self.push(None);
+            }
             Action::State { request_id, .. } => {
                 let frame = felix_wire::Message::CommitOk {
                     request_id,

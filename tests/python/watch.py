@@ -1,0 +1,53 @@
+"""Cache watches: a key watch sees every put and delete in order; a prefix watch sees the
+prefix only; a retained watch starts with the current values; a watch from an offset
+replays; counters are not cache changes."""
+import felix
+from common import check, connect
+
+T, NS, C = "dev", "default", "rooms"
+c = connect()
+
+
+def changes(w, n, timeout=3.0):
+    got = []
+    while len(got) < n:
+        ch = w.recv(timeout=timeout)
+        if ch is None:
+            break
+        got.append(ch)
+    return got
+
+
+w = c.watch_cache(T, NS, C, felix.CacheWatchFilter.key("room-1"))
+c.cache_put(T, NS, C, "room-1", b"ada")
+c.cache_put(T, NS, C, "room-2", b"not watched")
+c.counter_add(T, NS, C, "room-1", 5)
+c.cache_put(T, NS, C, "room-1", b"grace")
+c.cache_delete(T, NS, C, "room-1")
+got = changes(w, 3)
+check([(x.key, x.value) for x in got] == [("room-1", b"ada"), ("room-1", b"grace"), ("room-1", None)],
+      "a key watch sees each put and the delete, in order: %r" % [(x.key, x.value) for x in got])
+check(got[0].offset < got[1].offset < got[2].offset, "at increasing offsets")
+check(w.recv(timeout=0.5) is None, "and nothing else (not the counter, not other keys)")
+first_offset = got[0].offset
+
+p = c.watch_cache(T, NS, C, felix.CacheWatchFilter.prefix("user:"))
+c.cache_put(T, NS, C, "user:1", b"a")
+c.cache_put(T, NS, C, "other", b"x")
+c.cache_put(T, NS, C, "user:2", b"b")
+got = changes(p, 2)
+check([x.key for x in got] == ["user:1", "user:2"], "a prefix watch sees its prefix only")
+
+r = c.watch_cache(T, NS, C, felix.CacheWatchFilter.prefix("user:"), retained=True)
+got = changes(r, 2)
+check(sorted((x.key, x.value) for x in got) == [("user:1", b"a"), ("user:2", b"b")],
+      "a retained watch starts with the current values")
+check(r.retained_count == 2, "and says how many (%r)" % r.retained_count)
+c.cache_put(T, NS, C, "user:3", b"c")
+got = changes(r, 1)
+check([(x.key, x.value) for x in got] == [("user:3", b"c")], "then goes on live")
+
+h = c.watch_cache(T, NS, C, felix.CacheWatchFilter.key("room-1"), start=first_offset)
+got = changes(h, 3)
+check([x.value for x in got] == [b"ada", b"grace", None], "a watch from an offset replays from there")
+print("done")
