@@ -155,6 +155,8 @@ pub enum CoreMsg {
         key: Arc<ShardKey>,
         /// Records (shared buffers from the client's frame).
         records: Vec<Bytes>,
+        /// An idempotent producer's `(producer_id, sequence)`.
+        idempotent: Option<(u64, u64)>,
         /// Where to answer.
         reply: ReplyTo,
     },
@@ -301,6 +303,8 @@ pub struct CoreMetrics {
     pub cache_ops: AtomicU64,
     /// Consumer-group requests.
     pub group_ops: AtomicU64,
+    /// Idempotent re-sends answered from the log instead of appended again.
+    pub idempotent_duplicates: AtomicU64,
     /// Cross-core messages sent.
     pub mesh_sent: AtomicU64,
     /// Shards open on this core.
@@ -391,6 +395,9 @@ pub struct Shared {
     /// or -1. Tests that a dead core takes the process down.
     pub panic_core: std::sync::atomic::AtomicI64,
 }
+
+#[path = "core/idempotent.rs"]
+mod idempotent;
 
 enum Slot<T> {
     Opening(Vec<Waker>),
@@ -837,14 +844,19 @@ impl CoreBroker {
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
+        idempotent: Option<(u64, u64)>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         let owner = self.owner(&key);
         if owner == self.core {
-            self.append_local(key, records)
+            match idempotent {
+                None => self.append_local(key, records),
+                Some(tag) => self.append_idempotent(key, records, tag),
+            }
         } else {
             let answer = self.ask(owner, |reply| CoreMsg::Append {
                 key,
                 records,
+                idempotent,
                 reply,
             });
             Box::pin(async move {
@@ -916,6 +928,46 @@ impl CoreBroker {
         records: Vec<Bytes>,
         commit: Option<CommitWrite>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
+        self.write_tagged(key, records, commit, None)
+    }
+
+    /// As [`CoreBroker::write_local`], the batch tagged with an idempotent producer's
+    /// `(producer_id, sequence)`. Every claim made here is noted in the shard's producer
+    /// table, so the table stays current without reading the log back.
+    fn write_tagged(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        records: Vec<Bytes>,
+        commit: Option<CommitWrite>,
+        tag: Option<(u64, u64)>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
+        let shard = self.ready_stream(&key);
+        let before = shard.as_ref().map(|s| s.log.next_offset());
+        let fut = self.write_claimed(key, records, commit, tag);
+        if let (Some(shard), Some(before)) = (shard, before) {
+            let after = shard.log.next_offset();
+            if after > before {
+                shard.note_claimed(before, after, tag);
+            }
+        }
+        fut
+    }
+
+    /// The stream shard `key` when it is open on this core.
+    fn ready_stream(&self, key: &ShardKey) -> Option<Rc<StreamShard>> {
+        match self.streams.borrow().get(key) {
+            Some(Slot::Ready(s)) => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    fn write_claimed(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        records: Vec<Bytes>,
+        commit: Option<CommitWrite>,
+        tag: Option<(u64, u64)>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         if let Some(c) = &self.shared.cluster
             && !c.lease_valid(clock::now().instant)
         {
@@ -927,11 +979,11 @@ impl CoreBroker {
             ))));
         }
         match self.replica_of(&key) {
-            Ok(Some(rs)) => return Box::pin(self.append_replicated(rs, records, commit)),
+            Ok(Some(rs)) => return Box::pin(self.append_replicated(rs, records, commit, tag)),
             Ok(None) => {}
             Err(e) => return Box::pin(std::future::ready(Err(e))),
         }
-        Box::pin(self.append_unreplicated(key, records, commit))
+        Box::pin(self.append_unreplicated(key, records, commit, tag))
     }
 
     /// Appends to a replicated shard this broker leads: offsets claimed now, acked after
@@ -942,11 +994,12 @@ impl CoreBroker {
         rs: Rc<crate::replication::replica::ReplicaShard>,
         records: Vec<Bytes>,
         commit: Option<CommitWrite>,
+        tag: Option<(u64, u64)>,
     ) -> impl std::future::Future<Output = Result<Appended, BrokerError>> + 'static {
         let this = self.clone();
         let admitted = if self.may_acknowledge(&rs) {
             match &commit {
-                None => rs.admit(&records, clock::wall_micros()),
+                None => rs.admit(&records, clock::wall_micros(), tag),
                 Some(c) => match c.expected {
                     Some(e) if e != rs.log().next_offset() => Err(BrokerError::OffsetMismatch {
                         tail: rs.log().next_offset(),
@@ -1027,6 +1080,7 @@ impl CoreBroker {
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
         commit: Option<CommitWrite>,
+        tag: Option<(u64, u64)>,
     ) -> impl std::future::Future<Output = Result<Appended, BrokerError>> + 'static {
         let (tx, rx) = oneshot::channel();
         let ready = match self.streams.borrow().get(&key) {
@@ -1039,9 +1093,14 @@ impl CoreBroker {
                           commit: &Option<CommitWrite>|
               -> Result<felix_storage_uring::PendingAppend, BrokerError> {
             match commit {
-                None => Ok(shard
-                    .log
-                    .begin_append(records, clock::wall_micros(), None)?),
+                None => Ok(shard.log.begin_append(
+                    records,
+                    clock::wall_micros(),
+                    tag.map(|(producer_id, sequence)| felix_storage_uring::ProducerTag {
+                        producer_id,
+                        sequence,
+                    }),
+                )?),
                 Some(c) => match c.expected {
                     Some(e) if e != shard.log.next_offset() => Err(BrokerError::OffsetMismatch {
                         tail: shard.log.next_offset(),
@@ -1826,7 +1885,7 @@ impl CoreBroker {
             self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
             return Err(BrokerError::ShardUnavailable("stale".into()));
         }
-        let (pending, term) = rs.admit(std::slice::from_ref(&record), now.wall_micros)?;
+        let (pending, term) = rs.admit(std::slice::from_ref(&record), now.wall_micros, None)?;
         let appended = rs.log().commit(pending).await?;
         rs.durable(appended.end);
         if rs.consistency.get() == crate::catalog::Consistency::Quorum {
@@ -1868,9 +1927,13 @@ impl CoreBroker {
             CoreMsg::Append {
                 key,
                 records,
+                idempotent,
                 reply,
             } => {
-                let fut = self.append_local(key, records);
+                let fut = match idempotent {
+                    None => self.append_local(key, records),
+                    Some(tag) => self.append_idempotent(key, records, tag),
+                };
                 let this = self.clone();
                 task::spawn(async move {
                     let r = fut.await;

@@ -76,6 +76,9 @@ pub enum BrokerError {
     /// or its claim lapsed and it went out again).
     #[error("stale claim: {0}")]
     StaleClaim(String),
+    /// An idempotent (or conditional) publish refused before anything was written.
+    #[error("publish refused: {0:?}")]
+    Refused(felix_wire::message::PublishRefusalReason),
     /// A conditional write's expected tail did not match; nothing was written.
     #[error("the shard's tail is {tail}, not the expected offset")]
     OffsetMismatch {
@@ -113,7 +116,9 @@ impl BrokerError {
             BrokerError::Unacknowledged(_) => ErrorCode::Unacknowledged,
             BrokerError::NotLeader { .. } => ErrorCode::NotLeader,
             BrokerError::StaleClaim(_) => ErrorCode::StaleClaim,
-            BrokerError::OffsetMismatch { .. } => ErrorCode::InvalidRequest,
+            BrokerError::OffsetMismatch { .. } | BrokerError::Refused(_) => {
+                ErrorCode::InvalidRequest
+            }
         }
     }
 

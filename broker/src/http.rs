@@ -84,6 +84,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.cache_ops.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_idempotent_duplicates_total",
+        "counter",
+        "Idempotent re-sends answered from the log instead of appended again.",
+        |m| m.idempotent_duplicates.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_group_ops_total",
         "counter",
         "Consumer-group requests.",

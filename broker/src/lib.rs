@@ -20,6 +20,7 @@ pub mod error;
 pub mod forward;
 pub mod groups;
 pub mod http;
+pub mod producers;
 pub mod replication;
 pub mod server;
 pub mod session;

@@ -169,6 +169,13 @@ pub struct StreamShard {
     pub appended: crate::groups::Wakers,
     /// The shard's state (atomic commits), built on demand.
     pub state: RefCell<Option<crate::state::StateIndex>>,
+    /// Idempotent producers: built from the log on first use, then kept current by
+    /// every claim on this core (`None` until built, or after a reset).
+    pub producers: RefCell<Option<crate::producers::ProducerTable>>,
+    /// Idempotent publishes waiting, in arrival order, while the table is built.
+    pub idempotent_queue: RefCell<std::collections::VecDeque<crate::producers::Queued>>,
+    /// Whether a task is building the producer table.
+    pub building_producers: std::cell::Cell<bool>,
 }
 
 impl std::fmt::Debug for StreamShard {
@@ -189,6 +196,9 @@ impl StreamShard {
             interested: RefCell::default(),
             appended: crate::groups::Wakers::default(),
             state: RefCell::default(),
+            producers: RefCell::default(),
+            idempotent_queue: RefCell::default(),
+            building_producers: std::cell::Cell::new(false),
         }
     }
 
@@ -237,7 +247,21 @@ impl StreamShard {
         self.fanout_end.set(end);
         // What the log holds may have changed under the state index: build it again.
         *self.state.borrow_mut() = None;
+        *self.producers.borrow_mut() = None;
         self.appended.wake_all();
+    }
+
+    /// Notes a claim of `first..end` made on this core (tagged when idempotent), so the
+    /// producer table stays current without reading the log back. A table that missed a
+    /// claim (one made elsewhere, a generation start) is dropped and built again.
+    pub fn note_claimed(&self, first: u64, end: u64, tag: Option<(u64, u64)>) {
+        let mut slot = self.producers.borrow_mut();
+        let Some(table) = slot.as_mut() else {
+            return;
+        };
+        if !table.claimed(first, end, tag) {
+            *slot = None;
+        }
     }
 
     /// Whether anyone subscribes.

@@ -39,6 +39,7 @@ fn client_features() -> Features {
         | Features::PUBLISH_PIPELINE
         | Features::STREAM_PUBLISH_WINDOW
         | Features::COUNTERS
+        | Features::IDEMPOTENT_PRODUCER
         | Features::ATOMIC_COMMIT
         | Features::CONSUMER_GROUP
         | Features::GROUP_DEAD_LETTERS
@@ -97,22 +98,7 @@ pub(crate) fn broker_error(context: &'static str, m: Message) -> ClientError {
         }),
         Message::PublishRefused {
             reason, message, ..
-        } => ClientError::Broker(BrokerError {
-            code: None,
-            retry: Some(felix_wire::RetryClass::Fatal),
-            detail: Some(felix_wire::ErrorDetail {
-                reason: serde_json::to_value(&reason).ok().map(|v| match v {
-                    serde_json::Value::String(s) => s,
-                    other => other
-                        .as_object()
-                        .and_then(|o| o.keys().next().cloned())
-                        .unwrap_or_default(),
-                }),
-                retry_after_ms: None,
-            }),
-            message,
-            context,
-        }),
+        } => ClientError::Refused { reason, message },
         Message::NotLeader {
             node_id,
             addr,
@@ -606,6 +592,56 @@ impl Client {
         match self.request(m, "counter_get").await? {
             Message::CounterValue { value, .. } => Ok(value),
             other => Err(broker_error("counter_get", other)),
+        }
+    }
+
+    /// Asks the broker for an idempotent producer id (random, 64 bits).
+    pub async fn producer_init(&self) -> Result<u64, ClientError> {
+        self.require(Features::IDEMPOTENT_PRODUCER, "producer_init")?;
+        let m = Message::ProducerInit {
+            request_id: RequestId(self.next_id()),
+        };
+        match self
+            .request_on_own_stream(m, "producer_init", Duration::ZERO)
+            .await?
+        {
+            Message::ProducerInitOk { producer_id, .. } => Ok(producer_id.0),
+            other => Err(broker_error("producer_init", other)),
+        }
+    }
+
+    /// Publishes batch `sequence` of idempotent producer `producer_id` to `shard` (0
+    /// when `None`): appended once however often it is re-sent. Returns the batch's
+    /// first offset. The sequence rules are the caller's (see
+    /// [`crate::IdempotentProducer`], which keeps them).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn publish_idempotent(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: Option<u32>,
+        payloads: Vec<Bytes>,
+        producer_id: u64,
+        sequence: u64,
+    ) -> Result<u64, ClientError> {
+        self.require(Features::IDEMPOTENT_PRODUCER, "publish_idempotent")?;
+        let m = Message::PublishIdempotent {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            stream: stream.into(),
+            payloads,
+            key: None,
+            shard: shard.map(felix_wire::ShardId),
+            request_id: RequestId(self.next_id()),
+            producer_id: felix_wire::ProducerId(producer_id),
+            sequence: felix_wire::Sequence(sequence),
+        };
+        match self.request(m, "publish_idempotent").await? {
+            Message::PublishOk { offset, .. } => offset.map(|o| o.0).ok_or_else(|| {
+                ClientError::Protocol("publish_ok without the batch's offset".into())
+            }),
+            other => Err(broker_error("publish_idempotent", other)),
         }
     }
 

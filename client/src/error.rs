@@ -99,6 +99,15 @@ pub enum ClientError {
     /// No answer in time.
     #[error("timed out: {0}")]
     Timeout(&'static str),
+    /// An idempotent or conditional publish was refused before anything was written
+    /// (a sequence gap, an unknown producer, a tail that did not match). Never retried.
+    #[error("publish refused ({reason:?}): {message}")]
+    Refused {
+        /// Why.
+        reason: felix_wire::message::PublishRefusalReason,
+        /// The broker's text.
+        message: String,
+    },
 }
 
 impl ClientError {

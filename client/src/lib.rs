@@ -74,6 +74,7 @@ pub mod cluster;
 pub mod config;
 pub mod error;
 pub mod groups;
+pub mod idempotent;
 pub mod retry;
 pub mod sharded;
 
@@ -85,5 +86,6 @@ pub use felix_wire::message::GroupRecord;
 pub use felix_wire::message::{BrokerEndpoint, CursorErrorReason, StartPosition};
 pub use felix_wire::{AckMode, ErrorCode, ErrorDetail, RetryClass, ShardRouting};
 pub use groups::{GroupInfo, GroupRef, PollOptions};
+pub use idempotent::IdempotentProducer;
 pub use retry::ReconnectPolicy;
 pub use sharded::{ShardEvent, ShardOffsets, ShardedSubscription};

@@ -652,6 +652,18 @@ impl<B: Backend> SegmentLog<B> {
         timestamp_micros: u64,
         kind: BatchKind,
     ) -> Result<PendingAppend, StorageError> {
+        self.begin_append_at_tagged(first_offset, records, timestamp_micros, kind, None)
+    }
+
+    /// As [`SegmentLog::begin_append_at`], keeping the leader's producer tag.
+    pub fn begin_append_at_tagged<R: AsRef<[u8]>>(
+        &self,
+        first_offset: u64,
+        records: &[R],
+        timestamp_micros: u64,
+        kind: BatchKind,
+        producer: Option<ProducerTag>,
+    ) -> Result<PendingAppend, StorageError> {
         if kind == BatchKind::GenerationStart && !matches!(records, [r] if r.as_ref().len() == 8) {
             return Err(StorageError::InvalidBatch(
                 "a generation-start batch holds one 8-byte record",
@@ -672,7 +684,7 @@ impl<B: Backend> SegmentLog<B> {
                 });
             }
         }
-        self.begin(records, timestamp_micros, kind, None)
+        self.begin(records, timestamp_micros, kind, producer)
     }
 
     /// Claims one offset for an atomic commit (one record, stored as a `Commit` batch:

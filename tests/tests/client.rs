@@ -509,3 +509,94 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
     );
     assert_eq!(run(&["group", "dead-letters", "tasks", "cli"]), "");
 }
+
+#[test]
+fn an_idempotent_resend_lands_once_even_after_a_broker_restart() {
+    use felix_client::ClientError;
+    use felix_wire::message::PublishRefusalReason;
+    let (mut b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let seeds: [SocketAddr; 1] = [b.listen];
+    let publish = |c: &felix_client::Client, producer: u64, seq: u64, body: &str| {
+        let payloads = vec![bytes::Bytes::from(body.to_string())];
+        let c = c.clone();
+        async move {
+            c.publish_idempotent("dev", "default", "idem", None, payloads, producer, seq)
+                .await
+        }
+    };
+    let producer = rt.block_on(async {
+        let cluster = ClusterClient::connect(&seeds, "localhost", config(&b))
+            .await
+            .unwrap();
+        let p = cluster.idempotent_producer().await.unwrap();
+        for i in 0..5u64 {
+            assert_eq!(
+                p.publish("dev", "default", "idem", format!("r{i}").into_bytes())
+                    .await
+                    .unwrap(),
+                i
+            );
+        }
+        let c = cluster.client();
+        // A re-send of batch 3 (its answer lost, say) is answered with its offset, not
+        // appended again.
+        assert_eq!(publish(&c, p.producer_id(), 3, "r3").await.unwrap(), 3);
+        // A gap and a producer the broker never saw are refused, typed.
+        match publish(&c, p.producer_id(), 9, "x").await {
+            Err(ClientError::Refused {
+                reason: PublishRefusalReason::SequenceGap { expected },
+                ..
+            }) => {
+                assert_eq!(expected.0, 5)
+            }
+            other => panic!("expected a sequence gap, got {other:?}"),
+        }
+        match publish(&c, 12345, 4, "x").await {
+            Err(ClientError::Refused {
+                reason: PublishRefusalReason::UnknownProducer,
+                ..
+            }) => {}
+            other => panic!("expected unknown_producer, got {other:?}"),
+        }
+        p.producer_id()
+    });
+    // After a restart the broker rebuilds what it knows of the producer from the log.
+    b.kill();
+    b.restart().unwrap();
+    rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        assert_eq!(
+            publish(&c, producer, 4, "r4").await.unwrap(),
+            4,
+            "re-send after restart"
+        );
+        assert_eq!(
+            publish(&c, producer, 5, "r5").await.unwrap(),
+            5,
+            "the next batch appends"
+        );
+        let mut sub = c
+            .subscribe_from("dev", "default", "idem", Some(StartPosition::Earliest))
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        while got.len() < 6 {
+            let e = tokio::time::timeout(Duration::from_secs(5), sub.next_event())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            got.push(String::from_utf8(e.payload.to_vec()).unwrap());
+        }
+        assert_eq!(got, ["r0", "r1", "r2", "r3", "r4", "r5"], "each batch once");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), sub.next_event())
+                .await
+                .is_err(),
+            "and nothing more"
+        );
+    });
+}

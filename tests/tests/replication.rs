@@ -656,3 +656,124 @@ fn quorum_commits_keep_their_state_and_events_across_a_leader_kill() {
     );
     let _ = &mut c;
 }
+
+#[test]
+fn an_idempotent_resend_after_a_leader_kill_is_answered_from_the_successors_log() {
+    let mut c = cluster();
+    c.create_stream("orders-idem", 1, 3, "Quorum").unwrap();
+    let leader_of = |c: &TestCluster| {
+        c.assignments()
+            .ok()?
+            .into_iter()
+            .find(|a| a["kind"] == "stream" && a["name"] == "orders-idem")
+            .map(|a| {
+                (
+                    c.index(a["leader"].as_str().unwrap()),
+                    a["generation"].as_u64().unwrap(),
+                )
+            })
+    };
+    let (leader, generation) =
+        wait_for("a leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
+    let via = (leader + 1) % 3;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let connect = |c: &TestCluster| {
+        let (addr, config) = (c.brokers[via].listen, c.client_config().unwrap());
+        async move {
+            felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap()
+        }
+    };
+    let body = |i: u64| bytes::Bytes::from(format!("order-{i}"));
+    let producer = 0xfe11_c0de_u64;
+    let mut offsets = BTreeMap::new();
+    rt.block_on(async {
+        let client = connect(&c).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut i = 0;
+        while i < 30 {
+            match client
+                .publish_idempotent(
+                    TENANT,
+                    NAMESPACE,
+                    "orders-idem",
+                    None,
+                    vec![body(i)],
+                    producer,
+                    i,
+                )
+                .await
+            {
+                Ok(o) => {
+                    offsets.insert(i, o);
+                    i += 1;
+                }
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "publishes never went through: {e}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    });
+    c.brokers[leader].kill();
+    wait_for("a new leader", Duration::from_secs(30), || {
+        leader_of(&c).filter(|(l, g)| *l != leader && *g > generation)
+    })
+    .unwrap();
+    rt.block_on(async {
+        let client = connect(&c).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // The last ten answers were "lost": re-sent to the successor, each is answered
+        // with its original offset.
+        for i in 20..30u64 {
+            loop {
+                match client
+                    .publish_idempotent(
+                        TENANT,
+                        NAMESPACE,
+                        "orders-idem",
+                        None,
+                        vec![body(i)],
+                        producer,
+                        i,
+                    )
+                    .await
+                {
+                    Ok(o) => {
+                        assert_eq!(o, offsets[&i], "batch {i} answered from the log");
+                        break;
+                    }
+                    Err(e) => {
+                        assert!(
+                            Instant::now() < deadline,
+                            "re-sends never went through: {e}"
+                        );
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }
+        let o = client
+            .publish_idempotent(
+                TENANT,
+                NAMESPACE,
+                "orders-idem",
+                None,
+                vec![body(30)],
+                producer,
+                30,
+            )
+            .await
+            .unwrap();
+        offsets.insert(30, o);
+    });
+    let read = rt.block_on(read_all(&c, "orders-idem", offsets[&30] + 1));
+    let bodies: Vec<_> = read.values().cloned().collect();
+    let want: Vec<_> = (0..=30).map(|i| body(i).to_vec()).collect();
+    assert_eq!(bodies, want, "each batch exactly once, in order");
+    let _ = &mut c;
+}

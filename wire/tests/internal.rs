@@ -35,12 +35,14 @@ fn records() -> Records {
         commit: Offset(95),
         batches: vec![
             ShipBatch {
+                producer: None,
                 base_offset: Offset(100),
                 timestamp_micros: 1_700_000_000_000_000,
                 kind: BatchKind::GenerationStart,
                 records: vec![Bytes::copy_from_slice(&7u64.to_be_bytes())],
             },
             ShipBatch {
+                producer: None,
                 base_offset: Offset(101),
                 timestamp_micros: 1_700_000_000_000_123,
                 kind: BatchKind::Data,
@@ -846,6 +848,7 @@ fn batches() -> impl Strategy<Value = (u64, Vec<ShipBatch>)> {
             .into_iter()
             .map(|(ts, start, records)| {
                 let b = ShipBatch {
+                    producer: (!start && ts % 2 == 0).then_some((ts, ts / 3)),
                     base_offset: Offset(next),
                     timestamp_micros: ts,
                     kind: if start {

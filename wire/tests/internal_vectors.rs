@@ -59,12 +59,14 @@ fn vectors() -> Vec<(&'static str, InternalMessage)> {
                 commit: Offset(40),
                 batches: vec![
                     ShipBatch {
+                        producer: None,
                         base_offset: Offset(42),
                         timestamp_micros: 1_700_000_000_000_000,
                         kind: BatchKind::GenerationStart,
                         records: vec![Bytes::copy_from_slice(&7u64.to_be_bytes())],
                     },
                     ShipBatch {
+                        producer: None,
                         base_offset: Offset(43),
                         timestamp_micros: 1_700_000_000_000_250,
                         kind: BatchKind::Data,

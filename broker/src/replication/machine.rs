@@ -66,6 +66,9 @@ pub struct Batch {
     pub kind: BatchKind,
     /// Append time.
     pub timestamp_micros: u64,
+    /// An idempotent producer's `(producer_id, sequence)`, shipped with the batch so a
+    /// promoted replica answers re-sends too.
+    pub producer: Option<(u64, u64)>,
     /// The records.
     pub records: Vec<Bytes>,
 }

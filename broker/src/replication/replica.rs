@@ -173,12 +173,17 @@ impl ReplicaShard {
         &self,
         records: &[Bytes],
         now_micros: u64,
+        tag: Option<(u64, u64)>,
     ) -> Result<(PendingAppend, u64), BrokerError> {
         let mut m = self.machine.borrow_mut();
         if !m.serving() || !self.ready.get() {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
-        let pending = self.log.begin_append(records, now_micros, None)?;
+        let tag = tag.map(|(producer_id, sequence)| felix_storage_uring::ProducerTag {
+            producer_id,
+            sequence,
+        });
+        let pending = self.log.begin_append(records, now_micros, tag)?;
         if !m.handle_appended(pending.first(), pending.end()) {
             return Err(BrokerError::Internal(format!(
                 "{}: the log and the replica disagree on the end",
@@ -418,6 +423,7 @@ fn ship_batch(b: Batch) -> internal::ShipBatch {
             BatchKind::GenerationStart(_) => internal::BatchKind::GenerationStart,
             BatchKind::Commit => internal::BatchKind::Commit,
         },
+        producer: b.producer,
         records: b.records,
     }
 }
@@ -437,6 +443,7 @@ fn machine_batch(b: internal::ShipBatch) -> Batch {
         base: b.base_offset.0,
         kind,
         timestamp_micros: b.timestamp_micros,
+        producer: b.producer,
         records: b.records,
     }
 }
@@ -916,7 +923,19 @@ impl Replicas {
                         BatchKind::GenerationStart(_) => LogBatchKind::GenerationStart,
                         BatchKind::Commit => LogBatchKind::Commit,
                     };
-                    match log.begin_append_at(b.base, &b.records, b.timestamp_micros, kind) {
+                    let tag = b.producer.map(|(producer_id, sequence)| {
+                        felix_storage_uring::ProducerTag {
+                            producer_id,
+                            sequence,
+                        }
+                    });
+                    match log.begin_append_at_tagged(
+                        b.base,
+                        &b.records,
+                        b.timestamp_micros,
+                        kind,
+                        tag,
+                    ) {
                         Ok(p) => pending.push(p),
                         Err(e) => {
                             failed = Some(e);
@@ -1006,6 +1025,7 @@ impl Replicas {
                             base: b.base_offset,
                             kind,
                             timestamp_micros: b.timestamp_micros,
+                            producer: b.producer.map(|t| (t.producer_id, t.sequence)),
                             records: b.records,
                         }
                     })

@@ -353,6 +353,7 @@ impl Sim {
                     base: start,
                     kind: BatchKind::GenerationStart(generation),
                     timestamp_micros: 0,
+                    producer: None,
                     records: vec![Bytes::copy_from_slice(&generation.to_be_bytes())],
                 });
                 n.replica
@@ -463,6 +464,7 @@ impl Sim {
             base: first,
             kind: BatchKind::Data,
             timestamp_micros: 0,
+            producer: None,
             records: records.clone(),
         });
         n.pending.push((first, generation, records));

@@ -55,6 +55,11 @@ pub fn publish(
         }
         AnswerTo::Json(rid) => Some(
             match result {
+                Err(BrokerError::Refused(reason)) => Message::PublishRefused {
+                    request_id: rid,
+                    message: format!("{reason:?}"),
+                    reason,
+                },
                 Ok(first) => Message::PublishOk {
                     request_id: rid,
                     offset: session
@@ -136,6 +141,7 @@ pub fn leader_publish_outcome(
             Ok(Message::PublishOk {
                 offset: Some(o), ..
             }) => Ok(o.0),
+            Ok(Message::PublishRefused { reason, .. }) => Err(BrokerError::Refused(reason)),
             Ok(Message::PublishError {
                 message,
                 code,

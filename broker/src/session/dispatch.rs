@@ -61,6 +61,8 @@ pub struct Publish {
     pub answer: AnswerTo,
     /// The request as received, framed again for a leader if it must be forwarded.
     pub wire: Bytes,
+    /// An idempotent producer's `(producer_id, sequence)`.
+    pub idempotent: Option<(u64, u64)>,
 }
 
 impl Publish {
@@ -149,6 +151,8 @@ pub enum Request {
     },
     /// Which brokers a client may use.
     Topology,
+    /// An idempotent producer asks for its id.
+    ProducerInit(RequestId),
     /// Subscribe to one shard of a stream.
     Subscribe {
         /// Tenant.
@@ -255,6 +259,8 @@ pub enum Action {
         records: Vec<Bytes>,
         /// Who is owed the answer.
         answer: AnswerTo,
+        /// An idempotent producer's `(producer_id, sequence)`.
+        idempotent: Option<(u64, u64)>,
     },
     /// Send the request on to the shard's leader and relay its answer.
     Forward {
@@ -348,10 +354,16 @@ pub fn decode(frame: &Frame, answered: bool) -> Request {
     match frame.kind {
         FrameKind::PublishBatch => match PublishBatch::decode(frame.flags, &frame.payload) {
             Ok(b) => Request::Publish(Publish {
-                answer: owed(
-                    b.ack
-                        .map_or(AnswerTo::Nothing, |a| AnswerTo::Binary(a.request_id)),
-                ),
+                // Idempotent binary frames are answered in JSON (publish_ok /
+                // publish_error / publish_refused).
+                answer: owed(b.ack.map_or(AnswerTo::Nothing, |a| {
+                    if b.idempotent.is_some() {
+                        AnswerTo::Json(a.request_id)
+                    } else {
+                        AnswerTo::Binary(a.request_id)
+                    }
+                })),
+                idempotent: b.idempotent.map(|i| (i.producer_id.0, i.sequence.0)),
                 tenant: b.tenant,
                 namespace: b.namespace,
                 stream: b.stream,
@@ -418,6 +430,7 @@ fn json_publish(
         records,
         answer: owed(answer),
         wire: crate::forward::json_frame(raw),
+        idempotent: None,
     })
 }
 
@@ -461,6 +474,33 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
             request_id,
             ack,
         ),
+        Message::ProducerInit { request_id } => Request::ProducerInit(request_id),
+        Message::PublishIdempotent {
+            tenant_id,
+            namespace,
+            stream,
+            payloads,
+            key,
+            shard,
+            request_id,
+            producer_id,
+            sequence,
+        } => match json_publish(
+            raw,
+            owed,
+            (tenant_id, namespace, stream),
+            payloads,
+            key,
+            shard,
+            Some(request_id),
+            Some(message::AckMode::PerBatch),
+        ) {
+            Request::Publish(mut p) => {
+                p.idempotent = Some((producer_id.0, sequence.0));
+                Request::Publish(p)
+            }
+            other => other,
+        },
         Message::StreamShards {
             tenant_id,
             namespace,
@@ -971,6 +1011,13 @@ pub fn decide(
                 Err(e) => error(e),
             }
         }
+        Request::ProducerInit(request_id) => Action::Answer(
+            Message::ProducerInitOk {
+                request_id,
+                producer_id: felix_wire::ProducerId(rand::random::<u64>()),
+            }
+            .to_frame(),
+        ),
         Request::Topology => Action::Answer(
             Message::TopologyView {
                 brokers: dir
@@ -1231,11 +1278,17 @@ fn publish(
         Ok(k) => k,
         Err(e) => return refuse(e),
     };
+    if p.idempotent.is_some() && !answer.owed() {
+        return refuse(BrokerError::InvalidRequest(
+            "an idempotent publish must be acknowledged".into(),
+        ));
+    }
     match dir.resolve(&key) {
         Resolved::Local => Action::Append {
             key,
             records: p.records,
             answer,
+            idempotent: p.idempotent,
         },
         Resolved::Remote(route) => Action::Forward {
             route,
@@ -1445,11 +1498,13 @@ mod tests {
                 key: k1,
                 records: r1,
                 answer: a1,
+                ..
             },
             Action::Append {
                 key: k2,
                 records: r2,
                 answer: a2,
+                ..
             },
         ) = (bin, js)
         else {

@@ -443,6 +443,7 @@ async fn execute(
             key,
             records,
             answer,
+            idempotent,
         } => {
             // A stream created by this publish is on disk before the publish is.
             if core.catalog.shared().needs_persist() && !core.persist_catalog().await {
@@ -454,7 +455,7 @@ async fn execute(
             core.metrics
                 .publish_bytes
                 .fetch_add(bytes as u64, Ordering::Relaxed);
-            let appended = core.append(key, records);
+            let appended = core.append(key, records, idempotent);
             if answer.owed() {
                 let session = session.clone();
                 answers.push(Answer::Pending(Box::pin(async move {

@@ -58,6 +58,7 @@ pub const SERVER_FEATURES: Features = Features(
         | Features::STREAM_PUBLISH_WINDOW.0
         | Features::CACHE_WATCH.0
         | Features::CACHE_WATCH_RETAINED.0
+        | Features::IDEMPOTENT_PRODUCER.0
         | Features::COUNTERS.0
         | Features::ATOMIC_COMMIT.0
         | Features::CONSUMER_GROUP.0

@@ -255,6 +255,7 @@ impl Harness {
                 key,
                 records,
                 answer: to,
+                ..
             } => {
                 let log = self.logs.entry((*key).clone()).or_default();
                 let first = log.len() as u64;

@@ -65,9 +65,15 @@ pub struct ShipBatch {
     pub timestamp_micros: u64,
     /// Data or generation start.
     pub kind: BatchKind,
+    /// An idempotent producer's `(producer_id, sequence)` on a data batch. On the wire
+    /// the kind byte then has its high bit set and the two u64 follow it.
+    pub producer: Option<(u64, u64)>,
     /// The records (at least one); zero-copy slices of the received frame.
     pub records: Vec<Bytes>,
 }
+
+/// The kind byte's flag for a producer tag.
+const PRODUCER_TAGGED: u8 = 0x80;
 
 /// Kind 20: records shipped by the leader (or returned for a `Fetch`). Answered
 /// `ReplicateOk` or `ReplicateRefused`.
@@ -178,7 +184,16 @@ impl Records {
         for _ in 0..count {
             let base_offset = Offset(s.u64("base_offset")?);
             let timestamp_micros = s.u64("timestamp_micros")?;
-            let kind = BatchKind::from_byte(s.u8("batch kind")?)?;
+            let kind_byte = s.u8("batch kind")?;
+            let kind = BatchKind::from_byte(kind_byte & !PRODUCER_TAGGED)?;
+            let producer = if kind_byte & PRODUCER_TAGGED != 0 {
+                if kind != BatchKind::Data {
+                    return Err(BodyError::UnknownBatchKind { byte: kind_byte });
+                }
+                Some((s.u64("producer_id")?, s.u64("sequence")?))
+            } else {
+                None
+            };
             let record_count = s.count(4, "record count")?;
             tally.batch(base_offset, record_count)?;
             let mut records = Vec::with_capacity(record_count);
@@ -190,6 +205,7 @@ impl Records {
                 base_offset,
                 timestamp_micros,
                 kind,
+                producer,
                 records,
             });
         }
@@ -202,7 +218,10 @@ impl Body for Records {
         let section: usize = self
             .batches
             .iter()
-            .map(|b| 21 + b.records.iter().map(|r| 4 + r.len()).sum::<usize>())
+            .map(|b| {
+                21 + 16 * usize::from(b.producer.is_some())
+                    + b.records.iter().map(|r| 4 + r.len()).sum::<usize>()
+            })
             .sum();
         self.shard.len() + 4 + self.leader.len() + 36 + 4 + section
     }
@@ -224,7 +243,14 @@ impl Body for Records {
         for batch in &self.batches {
             buf.put_u64(batch.base_offset.0);
             buf.put_u64(batch.timestamp_micros);
-            buf.put_u8(batch.kind.byte());
+            match batch.producer {
+                Some((id, sequence)) if batch.kind == BatchKind::Data => {
+                    buf.put_u8(batch.kind.byte() | PRODUCER_TAGGED);
+                    buf.put_u64(id);
+                    buf.put_u64(sequence);
+                }
+                _ => buf.put_u8(batch.kind.byte()),
+            }
             buf.put_u32(batch.records.len() as u32);
             for record in &batch.records {
                 buf.put_u32(record.len() as u32);

@@ -1,0 +1,220 @@
+//! Idempotent publishes on the core that owns the shard: the producer table decides each
+//! batch against the shard's log (append, answer a re-send from the log, or refuse), in
+//! the order the batches arrived.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use felix_core_runtime::placement::ShardKey;
+use felix_core_runtime::task;
+use felix_storage_uring::Appended;
+use futures_channel::oneshot;
+
+use super::{CoreBroker, Slot};
+use crate::error::BrokerError;
+use crate::producers::{Decision, ProducerTable, Queued};
+use crate::shard::StreamShard;
+
+type Outcome = Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>>;
+
+/// How long a re-send of a batch still being written is told to wait.
+const IN_FLIGHT_RETRY: &str = "in_flight";
+
+impl CoreBroker {
+    /// An idempotent publish of batch `tag = (producer_id, sequence)` on this (the
+    /// owning) core. Decided and claimed at once when the shard's producer table is
+    /// current; otherwise queued, in arrival order, while the table is built from the
+    /// log.
+    pub(super) fn append_idempotent(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        records: Vec<Bytes>,
+        tag: (u64, u64),
+    ) -> Outcome {
+        let shard = match self.streams.borrow().get(&key) {
+            Some(Slot::Ready(s)) => Some(s.clone()),
+            _ => None,
+        };
+        if let Some(shard) = &shard {
+            let current = shard
+                .producers
+                .borrow()
+                .as_ref()
+                .is_some_and(|t| t.end() == shard.log.next_offset());
+            if current && shard.idempotent_queue.borrow().is_empty() {
+                return self.decide_and_write(shard, key, records, tag);
+            }
+        }
+        let (tx, rx) = oneshot::channel();
+        let queued = Queued {
+            records,
+            tag,
+            answer: tx,
+        };
+        match shard {
+            Some(shard) => {
+                shard.idempotent_queue.borrow_mut().push_back(queued);
+                self.build_producers(shard, key);
+            }
+            None => {
+                let this = self.clone();
+                task::spawn(async move {
+                    match this.stream_shard(&key).await {
+                        Ok(shard) => {
+                            shard.idempotent_queue.borrow_mut().push_back(queued);
+                            this.build_producers(shard, key);
+                        }
+                        Err(e) => {
+                            let _ = queued.answer.send(Err(e));
+                        }
+                    }
+                })
+                .detach();
+            }
+        }
+        Box::pin(async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(BrokerError::Internal(
+                    "an idempotent publish was dropped unanswered".into(),
+                ))
+            })
+        })
+    }
+
+    /// Decides the batch against the current table and carries the decision out. The
+    /// decision and the claim happen with no wait between them.
+    fn decide_and_write(
+        self: &Rc<Self>,
+        shard: &Rc<StreamShard>,
+        key: Arc<ShardKey>,
+        records: Vec<Bytes>,
+        (producer, sequence): (u64, u64),
+    ) -> Outcome {
+        let decision = match shard.producers.borrow().as_ref() {
+            Some(t) => t.decide(producer, sequence, records.len() as u32, false),
+            None => {
+                return Box::pin(std::future::ready(Err(BrokerError::ShardUnavailable(
+                    "not_ready".into(),
+                ))));
+            }
+        };
+        match decision {
+            Decision::Append => {
+                let first = shard.log.next_offset();
+                let written = self.write_tagged(key, records, None, Some((producer, sequence)));
+                let shard = shard.clone();
+                Box::pin(async move {
+                    let result = written.await;
+                    let mut table = shard.producers.borrow_mut();
+                    if let Some(t) = table.as_mut() {
+                        // In the log (durable) whatever the fate of the ack: a re-send is
+                        // answered from there. Otherwise it never got there: forgotten,
+                        // so the re-send appends.
+                        if result.is_ok() || shard.log.committed_end() > first {
+                            t.written(producer, sequence);
+                        } else {
+                            t.failed(producer, sequence);
+                        }
+                    }
+                    result
+                })
+            }
+            Decision::Duplicate { pending: true, .. } => Box::pin(std::future::ready(Err(
+                BrokerError::Overloaded(IN_FLIGHT_RETRY.into()),
+            ))),
+            Decision::Duplicate { first, end, .. } => {
+                self.metrics
+                    .idempotent_duplicates
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let replica = self.replica_of(&key);
+                Box::pin(async move {
+                    // On a Quorum shard the original may not be committed yet (it came
+                    // from a previous leader): answer once a majority holds it.
+                    if let Ok(Some(rs)) = replica
+                        && rs.consistency.get() == crate::catalog::Consistency::Quorum
+                    {
+                        let term = rs.term();
+                        match task::timeout(
+                            crate::replication::replica::QUORUM_WAIT,
+                            rs.committed(end, term),
+                        )
+                        .await
+                        {
+                            Some(Ok(())) => {}
+                            Some(Err(e)) => return Err(e),
+                            None => {
+                                return Err(BrokerError::Unacknowledged(
+                                    "a majority did not confirm the original in time".into(),
+                                ));
+                            }
+                        }
+                    }
+                    Ok(Appended { first, end })
+                })
+            }
+            Decision::Refuse(reason) => {
+                Box::pin(std::future::ready(Err(BrokerError::Refused(reason))))
+            }
+        }
+    }
+
+    /// Builds (or catches up) the shard's producer table from its log, once per shard at
+    /// a time, then serves the queued publishes in arrival order.
+    fn build_producers(self: &Rc<Self>, shard: Rc<StreamShard>, key: Arc<ShardKey>) {
+        if shard.building_producers.replace(true) {
+            return;
+        }
+        let this = self.clone();
+        task::spawn(async move {
+            let built = this.read_producers(&shard).await;
+            shard.building_producers.set(false);
+            let queued: VecDeque<Queued> =
+                std::mem::take(&mut *shard.idempotent_queue.borrow_mut());
+            for q in queued {
+                let outcome = match &built {
+                    Ok(()) => this.decide_and_write(&shard, key.clone(), q.records, q.tag),
+                    Err(e) => Box::pin(std::future::ready(Err(e.clone()))) as Outcome,
+                };
+                task::spawn(async move {
+                    let _ = q.answer.send(outcome.await);
+                })
+                .detach();
+            }
+        })
+        .detach();
+    }
+
+    /// Reads the log into the producer table until the table covers every claim: the
+    /// log's end, once the appends in flight are durable.
+    async fn read_producers(&self, shard: &StreamShard) -> Result<(), BrokerError> {
+        let mut table = shard
+            .producers
+            .borrow_mut()
+            .take()
+            .unwrap_or_else(|| ProducerTable::at(shard.log.base_offset()));
+        let mut idle = 0u32;
+        loop {
+            let (durable, end) = (shard.log.committed_end(), shard.log.next_offset());
+            if table.end() >= end {
+                break;
+            }
+            if table.end() < durable {
+                let batches = shard.log.read(table.end(), 4 << 20).await?;
+                table.apply_batches(&batches, durable);
+                idle = 0;
+                continue;
+            }
+            // Appends in flight: they are durable within a flush round.
+            idle += 1;
+            if idle > 5_000 {
+                return Err(BrokerError::ShardUnavailable("not_ready".into()));
+            }
+            task::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        *shard.producers.borrow_mut() = Some(table);
+        Ok(())
+    }
+}

@@ -1,0 +1,335 @@
+//! Idempotent producers on one stream shard, sans-IO: what the leader remembers of each
+//! producer's recent batches, and what it does with the next one.
+//!
+//! A producer numbers its batches per shard from 0. Each batch is stored with its
+//! `(producer_id, sequence)` tag in the batch header, and shipped with it, so the table is
+//! derived from the log on any replica: built on first use by reading the shard's log,
+//! caught up before each decision, and told of this leader's own admissions (which are
+//! past the log's durable end until they commit). A batch re-sent under a sequence the
+//! table holds is answered from the log (its original offsets) and not appended again.
+
+use std::collections::{HashMap, VecDeque};
+
+use felix_storage_uring::{BatchKind, ReadBatch};
+use felix_wire::Sequence;
+use felix_wire::message::PublishRefusalReason;
+
+/// Batches remembered per producer and shard.
+pub const WINDOW: usize = 64;
+/// Producers remembered per shard; past it the one whose newest batch is oldest goes.
+pub const PRODUCERS_MAX: usize = 4096;
+
+/// One remembered batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    sequence: u64,
+    first: u64,
+    records: u32,
+    /// Admitted by this leader, not yet durable.
+    pending: bool,
+}
+
+/// What to do with an idempotent batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// The next sequence: append it.
+    Append,
+    /// Already in the log at `first..end`: answer from there. `pending` while its
+    /// original append has not finished (the re-send should come again shortly).
+    Duplicate {
+        /// First offset.
+        first: u64,
+        /// One past the last.
+        end: u64,
+        /// Still being written.
+        pending: bool,
+    },
+    /// Refused; nothing is written.
+    Refuse(PublishRefusalReason),
+}
+
+/// An idempotent publish waiting for its shard's producer table to be built.
+pub struct Queued {
+    /// The records.
+    pub records: Vec<bytes::Bytes>,
+    /// `(producer_id, sequence)`.
+    pub tag: (u64, u64),
+    /// Where its outcome goes.
+    pub answer: futures_channel::oneshot::Sender<
+        Result<felix_storage_uring::Appended, crate::error::BrokerError>,
+    >,
+}
+
+impl std::fmt::Debug for Queued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queued").field("tag", &self.tag).finish()
+    }
+}
+
+/// The producers of one shard.
+#[derive(Debug, Default)]
+pub struct ProducerTable {
+    producers: HashMap<u64, VecDeque<Entry>>,
+    /// Every batch of the log below it has been read into the table.
+    end: u64,
+}
+
+impl ProducerTable {
+    /// An empty table that starts reading the log at `base`.
+    pub fn at(base: u64) -> ProducerTable {
+        ProducerTable {
+            producers: HashMap::new(),
+            end: base,
+        }
+    }
+
+    /// Where reading the log resumes.
+    pub fn end(&self) -> u64 {
+        self.end
+    }
+
+    /// Decides batch `sequence` of `producer`, holding `records` records.
+    /// `reuse_offered`: the client takes `sequence_reused` (otherwise a re-send whose
+    /// record count differs is still answered from the log: the client promised the
+    /// same batch).
+    pub fn decide(
+        &self,
+        producer: u64,
+        sequence: u64,
+        records: u32,
+        reuse_offered: bool,
+    ) -> Decision {
+        let Some(batches) = self.producers.get(&producer) else {
+            return if sequence == 0 {
+                Decision::Append
+            } else {
+                Decision::Refuse(PublishRefusalReason::UnknownProducer)
+            };
+        };
+        let last = batches.back().map_or(0, |e| e.sequence);
+        if sequence == last + 1 {
+            return Decision::Append;
+        }
+        if sequence > last + 1 {
+            return Decision::Refuse(PublishRefusalReason::SequenceGap {
+                expected: Sequence(last + 1),
+            });
+        }
+        match batches.iter().find(|e| e.sequence == sequence) {
+            Some(e) if e.records != records && reuse_offered => {
+                Decision::Refuse(PublishRefusalReason::SequenceReused)
+            }
+            Some(e) => Decision::Duplicate {
+                first: e.first,
+                end: e.first + u64::from(e.records),
+                pending: e.pending,
+            },
+            None => Decision::Refuse(PublishRefusalReason::SequenceExpired),
+        }
+    }
+
+    fn record(&mut self, producer: u64, e: Entry) {
+        if !self.producers.contains_key(&producer) && self.producers.len() >= PRODUCERS_MAX {
+            // Forget the producer whose newest batch is oldest.
+            if let Some(oldest) = self
+                .producers
+                .iter()
+                .min_by_key(|(_, b)| b.back().map_or(0, |e| e.first))
+                .map(|(p, _)| *p)
+            {
+                self.producers.remove(&oldest);
+            }
+        }
+        let batches = self.producers.entry(producer).or_default();
+        if let Some(existing) = batches.iter_mut().find(|x| x.sequence == e.sequence) {
+            *existing = Entry {
+                pending: existing.pending && e.pending,
+                ..e
+            };
+            return;
+        }
+        if batches.back().is_some_and(|b| b.sequence > e.sequence) {
+            return; // older than what is known: nothing to learn
+        }
+        batches.push_back(e);
+        while batches.len() > WINDOW {
+            batches.pop_front();
+        }
+    }
+
+    /// A claim of `first..end` was made on the leader (tagged when idempotent): the table
+    /// covers it without reading it back. False when the claim is not where the table
+    /// ends (the table missed something and must be rebuilt).
+    pub fn claimed(&mut self, first: u64, end: u64, tag: Option<(u64, u64)>) -> bool {
+        if first != self.end {
+            return false;
+        }
+        if let Some((producer, sequence)) = tag {
+            self.admitted(producer, sequence, first, (end - first) as u32);
+        }
+        self.end = end;
+        true
+    }
+
+    /// This leader admitted `sequence` at `first`: pending until [`Self::written`].
+    pub fn admitted(&mut self, producer: u64, sequence: u64, first: u64, records: u32) {
+        self.record(
+            producer,
+            Entry {
+                sequence,
+                first,
+                records,
+                pending: true,
+            },
+        );
+    }
+
+    /// The batch is in the log (durable), whatever the fate of its acknowledgement.
+    pub fn written(&mut self, producer: u64, sequence: u64) {
+        if let Some(e) = self
+            .producers
+            .get_mut(&producer)
+            .and_then(|b| b.iter_mut().find(|e| e.sequence == sequence))
+        {
+            e.pending = false;
+        }
+    }
+
+    /// The batch never reached the log: it and every later batch of the producer are
+    /// forgotten (their appends fail too), so the re-send appends.
+    pub fn failed(&mut self, producer: u64, sequence: u64) {
+        if let Some(b) = self.producers.get_mut(&producer) {
+            b.retain(|e| e.sequence < sequence);
+            if b.is_empty() {
+                self.producers.remove(&producer);
+            }
+        }
+    }
+
+    /// Reads tagged batches from the log below `to`, skipping what was already read.
+    pub fn apply_batches(&mut self, batches: &[ReadBatch], to: u64) {
+        for b in batches {
+            if b.base_offset < self.end || b.base_offset >= to {
+                continue;
+            }
+            if let (BatchKind::Data, Some(tag)) = (b.kind, b.producer) {
+                self.record(
+                    tag.producer_id,
+                    Entry {
+                        sequence: tag.sequence,
+                        first: b.base_offset,
+                        records: b.records.len() as u32,
+                        pending: false,
+                    },
+                );
+            }
+            self.end = b.end_offset();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use felix_storage_uring::ProducerTag;
+
+    fn tagged(base: u64, producer: u64, sequence: u64, n: usize) -> ReadBatch {
+        ReadBatch {
+            base_offset: base,
+            timestamp_micros: 0,
+            kind: BatchKind::Data,
+            producer: Some(ProducerTag {
+                producer_id: producer,
+                sequence,
+            }),
+            records: vec![Bytes::from_static(b"r"); n],
+        }
+    }
+
+    #[test]
+    fn the_next_sequence_appends_a_resend_is_answered_from_the_log() {
+        let mut t = ProducerTable::at(0);
+        assert_eq!(t.decide(7, 0, 2, false), Decision::Append);
+        t.admitted(7, 0, 10, 2);
+        assert_eq!(
+            t.decide(7, 0, 2, false),
+            Decision::Duplicate {
+                first: 10,
+                end: 12,
+                pending: true
+            }
+        );
+        t.written(7, 0);
+        assert_eq!(
+            t.decide(7, 0, 2, false),
+            Decision::Duplicate {
+                first: 10,
+                end: 12,
+                pending: false
+            }
+        );
+        assert_eq!(t.decide(7, 1, 1, false), Decision::Append);
+        assert_eq!(
+            t.decide(7, 3, 1, false),
+            Decision::Refuse(PublishRefusalReason::SequenceGap {
+                expected: Sequence(1)
+            })
+        );
+        assert_eq!(
+            t.decide(8, 4, 1, false),
+            Decision::Refuse(PublishRefusalReason::UnknownProducer)
+        );
+        assert_eq!(
+            t.decide(7, 0, 5, true),
+            Decision::Refuse(PublishRefusalReason::SequenceReused)
+        );
+    }
+
+    #[test]
+    fn a_failed_append_is_forgotten_with_everything_after_it() {
+        let mut t = ProducerTable::at(0);
+        t.admitted(1, 0, 0, 1);
+        t.written(1, 0);
+        t.admitted(1, 1, 1, 1);
+        t.admitted(1, 2, 2, 1);
+        t.failed(1, 1);
+        assert_eq!(t.decide(1, 1, 1, false), Decision::Append);
+        t.failed(1, 0);
+        assert_eq!(t.decide(1, 0, 1, false), Decision::Append);
+    }
+
+    #[test]
+    fn the_table_is_derived_from_the_log_and_old_sequences_expire() {
+        let mut t = ProducerTable::at(5);
+        let batches: Vec<_> = (0..70u64).map(|s| tagged(5 + s, 9, s, 1)).collect();
+        t.apply_batches(&batches, 5 + 70);
+        assert_eq!(t.end(), 75);
+        assert_eq!(t.decide(9, 70, 1, false), Decision::Append);
+        assert_eq!(
+            t.decide(9, 69, 1, false),
+            Decision::Duplicate {
+                first: 74,
+                end: 75,
+                pending: false
+            }
+        );
+        assert_eq!(
+            t.decide(9, 2, 1, false),
+            Decision::Refuse(PublishRefusalReason::SequenceExpired),
+            "only the last {WINDOW} batches are remembered"
+        );
+        // Reading the same batches again changes nothing; a pending admission that the
+        // log then shows is no longer pending.
+        t.admitted(9, 70, 75, 1);
+        t.apply_batches(&[tagged(75, 9, 70, 1)], 76);
+        assert_eq!(
+            t.decide(9, 70, 1, false),
+            Decision::Duplicate {
+                first: 75,
+                end: 76,
+                pending: false
+            }
+        );
+    }
+}
