@@ -170,7 +170,7 @@ pub fn main() -> anyhow::Result<()> {
                 "{}",
                 dev::connect_snippet(broker.started.listen, &tenant, &setup)
             );
-            server::shutdown_on_signals(broker.shutdown_handle())?;
+            server::shutdown_on_signals(broker.shutdown_handle(), None)?;
             broker.join()?;
             println!("felix-broker: stopped cleanly");
         }
@@ -203,7 +203,7 @@ pub fn main() -> anyhow::Result<()> {
                     .map(|c| format!(", following {}", c.url))
                     .unwrap_or_default()
             );
-            server::shutdown_on_signals(broker.shutdown_handle())?;
+            server::shutdown_on_signals(broker.shutdown_handle(), broker.shared.cluster.clone())?;
             broker.join()?;
             println!("felix-broker: stopped cleanly");
         }

@@ -122,6 +122,11 @@ pub struct Cluster {
     pub reports: std::sync::Mutex<HashMap<ShardKey, ShardReport>>,
     /// Deliberate bugs (checker mutant runs only).
     pub mutants: crate::config::Mutants,
+    /// The control plane, once joined (for a drain).
+    control_plane: std::sync::Mutex<Option<ControlPlaneClient>>,
+    /// Set when a drain starts: new client connections are turned away (clients
+    /// reconnect elsewhere) while the ones open keep being served.
+    pub draining: AtomicBool,
 }
 
 impl Cluster {
@@ -140,6 +145,39 @@ impl Cluster {
             clock_base: Instant::now(),
             reports: std::sync::Mutex::default(),
             mutants: crate::config::Mutants::default(),
+            control_plane: std::sync::Mutex::default(),
+            draining: AtomicBool::new(false),
+        }
+    }
+
+    /// Hands the shards this broker leads to their replicas before it stops: asks the
+    /// control plane to drain this node, then waits (up to `patience`) until the
+    /// assignments it follows show it leading only what could not move. Serving goes on
+    /// meanwhile; clients follow the new leaders.
+    pub fn drain(&self, patience: Duration) {
+        let Some(cp) = self.control_plane.lock().ok().and_then(|c| c.clone()) else {
+            return;
+        };
+        self.draining.store(true, Ordering::SeqCst);
+        let answer = match cp.post(&format!("/v1/nodes/{}/drain", self.node_id), &json!({})) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "draining: the control plane did not take the drain");
+                return;
+            }
+        };
+        let count = |k: &str| answer[k].as_array().map_or(0, Vec::len);
+        let (moved, kept) = (count("moved"), count("kept"));
+        tracing::info!(moved, kept, "draining: leadership handed to replicas");
+        let deadline = Instant::now() + patience;
+        while self.shards_led() > kept && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let left = self.shards_led();
+        if left > kept {
+            tracing::warn!(left, kept, "draining: gave up waiting for every move");
+        } else {
+            tracing::info!(kept, "draining: every movable shard moved");
         }
     }
 
@@ -539,6 +577,9 @@ pub fn join(
             Err(e) => anyhow::bail!("control plane unreachable: {e}"),
         }
     };
+    if let Ok(mut slot) = cluster.control_plane.lock() {
+        *slot = Some(cp.clone());
+    }
     let base_keys = (**keys.load()).clone();
     let targets = Targets {
         cluster: cluster.clone(),

@@ -611,6 +611,18 @@ impl CoreBroker {
         self.draining.get()
     }
 
+    /// Whether new client connections are turned away: shutting down, or draining
+    /// (the shards move to replicas; clients reconnect to another broker while the
+    /// connections already open keep being served).
+    pub fn refusing_connections(&self) -> bool {
+        self.draining.get()
+            || self
+                .shared
+                .cluster
+                .as_ref()
+                .is_some_and(|c| c.draining.load(Ordering::Relaxed))
+    }
+
     /// Writes the catalog from the core's blocking pool (never on the core thread).
     /// False when it could not be written.
     pub async fn persist_catalog(&self) -> bool {

@@ -397,7 +397,7 @@ pub fn start(
                     let (ep, core) = (ep.clone(), core.clone());
                     task::spawn(async move {
                         while let Some(conn) = ep.accept().await {
-                            if core.draining() {
+                            if core.refusing_connections() {
                                 session::close_for_shutdown(&conn);
                                 continue;
                             }
@@ -465,8 +465,16 @@ impl Drop for Alive {
     }
 }
 
-/// Triggers `handle` on SIGTERM or SIGINT.
-pub fn shutdown_on_signals(handle: ShutdownHandle) -> anyhow::Result<()> {
+/// How long a broker stopping on a signal waits for its shards to move to replicas.
+const DRAIN_PATIENCE: Duration = Duration::from_secs(15);
+
+/// Triggers `handle` on SIGTERM or SIGINT. A broker following a control plane first
+/// drains: the shards it leads are handed to caught-up replicas (see
+/// [`Cluster::drain`](crate::cluster::Cluster::drain)) while it keeps serving.
+pub fn shutdown_on_signals(
+    handle: ShutdownHandle,
+    cluster: Option<Arc<crate::cluster::Cluster>>,
+) -> anyhow::Result<()> {
     let mut signals = signal_hook::iterator::Signals::new([
         signal_hook::consts::SIGTERM,
         signal_hook::consts::SIGINT,
@@ -476,6 +484,9 @@ pub fn shutdown_on_signals(handle: ShutdownHandle) -> anyhow::Result<()> {
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
                 tracing::info!(signal = sig, "signal received: draining");
+                if let Some(c) = &cluster {
+                    c.drain(DRAIN_PATIENCE);
+                }
                 handle.trigger();
             }
         })?;

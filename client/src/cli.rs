@@ -117,6 +117,16 @@ enum Command {
         #[command(subcommand)]
         op: StreamCmd,
     },
+    /// Shard leadership, through the control plane.
+    Shard {
+        #[command(subcommand)]
+        op: ShardCmd,
+    },
+    /// Brokers, through the control plane.
+    Broker {
+        #[command(subcommand)]
+        op: BrokerCmd,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -198,6 +208,28 @@ enum GroupCmd {
     Describe {
         #[command(flatten)]
         at: GroupArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum ShardCmd {
+    /// Move a shard's leadership to another of its replicas (a new generation).
+    Move {
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: u32,
+        /// The replica to lead it (node id).
+        destination: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum BrokerCmd {
+    /// Drain a broker: it takes no new roles, and the shards it leads move to replicas.
+    Drain {
+        /// Node id.
+        node: String,
     },
 }
 
@@ -400,7 +432,7 @@ fn controlplane_exit_code(e: &felix_controlplane::client::ClientError) -> i32 {
 }
 
 /// `felix stream ...`: talks to the control plane, not to a broker.
-fn run_stream(cli: &Cli, op: &StreamCmd) -> Result<(), i32> {
+fn run_controlplane(cli: &Cli) -> Result<(), i32> {
     use felix_controlplane::client::ControlPlaneClient;
     let usage = |m: String| {
         eprintln!("felix: {m}");
@@ -449,6 +481,66 @@ fn run_stream(cli: &Cli, op: &StreamCmd) -> Result<(), i32> {
         controlplane_exit_code(&e)
     };
     let mut out = std::io::stdout().lock();
+    let op = match &cli.command {
+        Command::Stream { op } => op,
+        Command::Shard {
+            op:
+                ShardCmd::Move {
+                    stream,
+                    shard,
+                    destination,
+                },
+        } => {
+            let moved = cp
+                .post(
+                    "/v1/shard-moves",
+                    &serde_json::json!({
+                        "tenant_id": tenant, "namespace": cli.namespace, "stream": stream,
+                        "shard": shard, "destination": destination,
+                    }),
+                )
+                .map_err(fail)?;
+            if cli.json {
+                let _ = writeln!(out, "{moved}");
+            } else {
+                let _ = writeln!(
+                    out,
+                    "{stream}/{shard}: {} leads at generation {}",
+                    moved["assignment"]["leader"].as_str().unwrap_or("?"),
+                    moved["assignment"]["generation"]
+                );
+            }
+            return Ok(());
+        }
+        Command::Broker {
+            op: BrokerCmd::Drain { node },
+        } => {
+            let drained = cp
+                .post(&format!("/v1/nodes/{node}/drain"), &serde_json::json!({}))
+                .map_err(fail)?;
+            if cli.json {
+                let _ = writeln!(out, "{drained}");
+            } else {
+                for m in drained["moved"].as_array().into_iter().flatten() {
+                    let _ = writeln!(
+                        out,
+                        "moved {} to {}",
+                        m["shard"].as_str().unwrap_or("?"),
+                        m["leader"].as_str().unwrap_or("?")
+                    );
+                }
+                for k in drained["kept"].as_array().into_iter().flatten() {
+                    let _ = writeln!(
+                        out,
+                        "kept {} (no other ready replica)",
+                        k.as_str().unwrap_or("?")
+                    );
+                }
+            }
+            return Ok(());
+        }
+        _ => unreachable!("only control-plane commands come here"),
+    };
     match op {
         StreamCmd::Create {
             stream,
@@ -714,7 +806,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 }
             }
         }
-        Command::Stream { .. } => unreachable!("handled before connecting"),
+        Command::Stream { .. } | Command::Shard { .. } | Command::Broker { .. } => {
+            unreachable!("handled before connecting")
+        }
         Command::Shards { stream } => {
             let n = client.stream_shards(&tenant, ns, stream).await?;
             if cli.json {
@@ -734,8 +828,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 /// Parses the process arguments, runs the command and exits with its code.
 pub fn main() {
     let cli = Cli::parse();
-    if let Command::Stream { op } = &cli.command {
-        std::process::exit(match run_stream(&cli, op) {
+    if matches!(
+        &cli.command,
+        Command::Stream { .. } | Command::Shard { .. } | Command::Broker { .. }
+    ) {
+        std::process::exit(match run_controlplane(&cli) {
             Ok(()) => 0,
             Err(code) => code,
         });

@@ -1290,10 +1290,16 @@ async fn shard_move(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiRes
     if a.leader == m.destination {
         return Err(ApiError::conflict("already_leader"));
     }
-    a.leader = m.destination.clone();
+    // Only a replica holds the shard's log: a broker outside the replica set would
+    // lead it empty. (Staging a copy on a new broker first is not built.)
     if !a.replicas.contains(&m.destination) {
-        a.replicas.insert(0, m.destination);
+        return Err(ApiError::conflict(format!(
+            "destination_not_replica: {} holds no copy of {}",
+            m.destination,
+            key.store_key()
+        )));
     }
+    a.leader = m.destination.clone();
     a.generation += 1;
     st.store
         .batch(vec![Op::Put {
@@ -1304,6 +1310,74 @@ async fn shard_move(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiRes
         }])
         .await?;
     Ok(Json(json!({"assignment": a})))
+}
+
+/// `POST /v1/nodes/{id}/drain`: the node stops taking new roles (lifecycle
+/// `draining`) and every shard it leads that has another ready replica is handed to one
+/// (a new generation, as a move). The new leader fences a majority and takes the
+/// furthest-ahead log before it serves, so the choice among replicas is safe; a lagging
+/// one only takes longer. Answers the shards moved and those kept (no other ready
+/// replica: an unreplicated shard stays until its node comes back).
+async fn drain_node(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.manage", "node", &[&id])?;
+    let d = must_exist(&st, Kind::Node, &id).await?;
+    let mut node: Node = to(&d)?;
+    match node.lifecycle {
+        Lifecycle::Live => {
+            node.lifecycle = Lifecycle::Draining;
+            st.store
+                .batch(vec![Op::Put {
+                    kind: Kind::Node,
+                    key: id.clone(),
+                    value: val(&node),
+                    expect: Expect::Version(d.version),
+                }])
+                .await?;
+        }
+        Lifecycle::Draining => {}
+        other => {
+            return Err(ApiError::conflict(format!("node {id} is {other:?}")));
+        }
+    }
+    let ready: Vec<String> = ready_nodes(st.store.as_ref(), &st.config)
+        .await?
+        .into_iter()
+        .map(|n| n.registration.node_id)
+        .collect();
+    let (mut moved, mut kept) = (Vec::new(), Vec::new());
+    for doc in st.store.list(Kind::Assignment, "").await? {
+        let mut a: Assignment = to(&doc)?;
+        if a.leader != id {
+            continue;
+        }
+        let key = a.key.store_key();
+        let Some(to_node) = a
+            .replicas
+            .iter()
+            .find(|r| **r != id && ready.contains(r))
+            .cloned()
+        else {
+            kept.push(key);
+            continue;
+        };
+        a.leader = to_node.clone();
+        a.generation += 1;
+        st.store
+            .batch(vec![Op::Put {
+                kind: Kind::Assignment,
+                key: key.clone(),
+                value: val(&a),
+                expect: Expect::Version(doc.version),
+            }])
+            .await?;
+        moved.push(json!({"shard": key, "leader": to_node, "generation": a.generation}));
+    }
+    Ok(Json(json!({"node_id": id, "moved": moved, "kept": kept})))
 }
 
 /// Nodes that may be assigned shards: live, heard from within the expiry, and with a
@@ -1560,6 +1634,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/nodes", get(list_nodes).post(register_node))
         .route("/v1/nodes/{id}", get(get_node).delete(delete_node))
         .route("/v1/nodes/{id}/heartbeat", post(heartbeat))
+        .route("/v1/nodes/{id}/drain", post(drain_node))
         .route("/v1/shard-assignments", get(list_assignments))
         .route("/v1/shard-assignments/snapshot", get(assignments_snapshot))
         .route("/v1/shard-assignments/changes", get(assignment_changes))

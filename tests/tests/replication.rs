@@ -777,3 +777,79 @@ fn an_idempotent_resend_after_a_leader_kill_is_answered_from_the_successors_log(
     assert_eq!(bodies, want, "each batch exactly once, in order");
     let _ = &mut c;
 }
+
+#[test]
+fn sigterm_hands_a_leaders_shards_to_replicas_before_it_exits() {
+    let mut c = cluster();
+    c.create_stream("drained", 1, 3, "Quorum").unwrap();
+    let (leader, generation) = c
+        .wait_leader("drained", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let acked: Acked = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (failed, handed_over) = {
+        let c = &c;
+        std::thread::scope(|s| {
+            let (acked2, stop2) = (acked.clone(), stop.clone());
+            let view: &TestCluster = c;
+            let h = s.spawn(move || {
+                tokio::runtime::Runtime::new()
+                    .unwrap()
+                    .block_on(publish_until(view, "drained", "d", acked2, stop2))
+            });
+            wait_for("acked writes", Duration::from_secs(30), || {
+                (acked.lock().unwrap().len() >= 50).then_some(())
+            })
+            .unwrap();
+            let at_term = acked.lock().unwrap().len();
+            let t = Instant::now();
+            // SAFETY: signalling a child we spawned.
+            unsafe { libc::kill(view.brokers[leader].pid() as i32, libc::SIGTERM) };
+            let (successor, _) = view
+                .wait_leader(
+                    "drained",
+                    0,
+                    Some(leader),
+                    generation,
+                    Duration::from_secs(20),
+                )
+                .unwrap();
+            let handed_over = t.elapsed();
+            wait_for(
+                "writes acknowledged on the successor",
+                Duration::from_secs(30),
+                || (acked.lock().unwrap().len() > at_term + 20).then_some(()),
+            )
+            .unwrap();
+            eprintln!(
+                "drain: node-{leader} got SIGTERM after {at_term} acks; node-{successor} led {handed_over:?} later; 20 more acks {:?} after the signal",
+                t.elapsed()
+            );
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            (h.join().unwrap(), handed_over)
+        })
+    };
+    // The first SIGTERM is the only one: wait for the exit it started.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let exited_cleanly = loop {
+        if let Some(status) = c.brokers[leader].exit_status() {
+            break status.success();
+        }
+        assert!(Instant::now() < deadline, "the drained broker never exited");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(exited_cleanly, "the drained broker exits 0");
+    assert!(
+        handed_over < Duration::from_secs(1),
+        "leadership moved at the drain, not after a lease expiry ({handed_over:?})"
+    );
+    eprintln!("publishes that failed or timed out during the drain: {failed}");
+    let acked = acked.lock().unwrap().clone();
+    let read = rt.block_on(read_all(
+        &c,
+        "drained",
+        acked.keys().next_back().map_or(0, |o| o + 1),
+    ));
+    check_nothing_lost(&acked, &read);
+}
