@@ -303,6 +303,8 @@ pub struct CoreMetrics {
     pub cache_ops: AtomicU64,
     /// Consumer-group requests.
     pub group_ops: AtomicU64,
+    /// Subscriptions ended because their shard moved to another broker.
+    pub subscriptions_moved: AtomicU64,
     /// Idempotent re-sends answered from the log instead of appended again.
     pub idempotent_duplicates: AtomicU64,
     /// Cross-core messages sent.

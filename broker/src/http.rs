@@ -84,6 +84,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.cache_ops.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_subscriptions_moved_total",
+        "counter",
+        "Subscriptions ended with shard_moved because their shard moved to another broker.",
+        |m| m.subscriptions_moved.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_idempotent_duplicates_total",
         "counter",
         "Idempotent re-sends answered from the log instead of appended again.",

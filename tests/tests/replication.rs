@@ -853,3 +853,65 @@ fn sigterm_hands_a_leaders_shards_to_replicas_before_it_exits() {
     ));
     check_nothing_lost(&acked, &read);
 }
+
+#[test]
+fn a_subscriber_follows_its_shard_across_planned_moves() {
+    let c = cluster();
+    c.create_stream("moving", 1, 3, "Quorum").unwrap();
+    let (mut leader, mut generation) = c
+        .wait_leader("moving", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let token = c.dir.path().join("client.token");
+    std::fs::write(&token, &c.client_token).unwrap();
+    let seeds = c
+        .seeds()
+        .iter()
+        .map(|a| a.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let script = {
+        let (token, ca) = (
+            token.display().to_string(),
+            c.certs.ca.display().to_string(),
+        );
+        std::thread::spawn(move || {
+            felix_cluster::run_python_args("follow_move.py", &[&seeds, &token, &ca, "300"])
+        })
+    };
+    // Three moves while it publishes and reads, each to the next replica.
+    let mut cutovers = Vec::new();
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(1500));
+        let to = (leader + 1) % 3;
+        let t = Instant::now();
+        c.admin
+            .post(
+                "/v1/shard-moves",
+                &serde_json::json!({"tenant_id": TENANT, "namespace": NAMESPACE, "stream": "moving",
+                    "shard": 0, "destination": format!("node-{to}")}),
+            )
+            .unwrap();
+        (leader, generation) = c
+            .wait_leader(
+                "moving",
+                0,
+                Some(leader),
+                generation,
+                Duration::from_secs(20),
+            )
+            .unwrap();
+        cutovers.push(t.elapsed());
+    }
+    let out = script.join().unwrap().unwrap();
+    let text = felix_cluster::expect_success("follow_move.py", &out).unwrap();
+    eprintln!("{text}\nmove to new assignment: {cutovers:?}");
+    let moved: u64 = c
+        .brokers
+        .iter()
+        .map(|b| {
+            b.metric("felix_broker_subscriptions_moved_total")
+                .unwrap_or(0)
+        })
+        .sum();
+    assert!(moved >= 1, "a subscription ended with shard_moved");
+}

@@ -24,7 +24,9 @@ use felix_core_runtime::quic::{ConnId, Connection, RecvStream, SendStream};
 use felix_core_runtime::task;
 use felix_wire::frame::FrameError;
 use felix_wire::message::StartPosition;
-use felix_wire::{Frame, FrameReader, Message, Offset, SubscriptionId};
+use felix_wire::{Features, Frame, FrameReader, Generation, Message, Offset, SubscriptionId};
+
+use crate::cluster::Resolved;
 use rustc_hash::FxHashMap;
 
 use super::answer::{self, AnswerTo};
@@ -587,6 +589,7 @@ async fn execute(
                 key,
                 format: EventFormat::for_flags(session.flags),
                 id: scope.next_subscription.get(),
+                shard_moved: session.features.contains(Features::SHARD_MOVED),
             };
             scope.next_subscription.set(sub.id + 1);
             let session = session.clone();
@@ -859,6 +862,8 @@ struct Subscription {
     key: Arc<ShardKey>,
     format: EventFormat,
     id: u64,
+    /// The client takes `shard_moved`.
+    shard_moved: bool,
 }
 
 impl Subscription {
@@ -914,6 +919,33 @@ impl Subscription {
             .set(self.scope.subscriptions.get() - 1);
     }
 
+    /// The shard moved to `route`: a last `shard_moved` (to clients that take it) naming
+    /// the successor and the offset to resume from, then the stream ends.
+    async fn moved(
+        &self,
+        uni: &mut SendStream,
+        sub_id: SubscriptionId,
+        resume_from: u64,
+        route: &crate::cluster::Route,
+    ) {
+        self.core
+            .metrics
+            .subscriptions_moved
+            .fetch_add(1, Ordering::Relaxed);
+        if self.shard_moved {
+            let last = Message::ShardMoved {
+                subscription_id: sub_id,
+                resume_from: Some(Offset(resume_from)),
+                node_id: Some(route.leader.to_string()),
+                addr: route.addr.map(|a| a.to_string()),
+                generation: Generation(route.generation),
+            }
+            .to_frame();
+            let _ = uni.write_chunk(last).await;
+        }
+        let _ = uni.finish();
+    }
+
     /// History from the log up to `live`, then live batches, on a broker-opened
     /// unidirectional stream. Err when the client went away.
     async fn pump(
@@ -952,7 +984,15 @@ impl Subscription {
             let env = match task::timeout(GAP_CHECK, queue.next()).await {
                 Some(Some(env)) => env,
                 Some(None) => break,
-                None => continue,
+                None => {
+                    // Idle: if the shard has moved to another broker, say where and end,
+                    // rather than stall silently.
+                    if let Resolved::Remote(route) = self.core.resolve(&self.key) {
+                        self.moved(&mut uni, sub_id, pump.next(), &route).await;
+                        return Ok(());
+                    }
+                    continue;
+                }
             };
             ready.push(env);
             queue.take_ready(LIVE_WRITE_BATCHES - 1, &mut ready);

@@ -68,8 +68,9 @@ pub const SERVER_FEATURES: Features = Features(
 );
 
 /// What a broker following a control plane serves on top: redirects and owners.
-pub const CLUSTER_FEATURES: Features =
-    Features(SERVER_FEATURES.0 | Features::REDIRECT.0 | Features::SHARD_OWNERS.0);
+pub const CLUSTER_FEATURES: Features = Features(
+    SERVER_FEATURES.0 | Features::REDIRECT.0 | Features::SHARD_OWNERS.0 | Features::SHARD_MOVED.0,
+);
 
 /// The features a broker serves: more when it follows a control plane.
 pub fn served_features(clustered: bool) -> Features {
