@@ -915,3 +915,120 @@ fn a_subscriber_follows_its_shard_across_planned_moves() {
         .sum();
     assert!(moved >= 1, "a subscription ended with shard_moved");
 }
+
+#[test]
+fn twenty_planned_moves_under_load_lose_and_double_nothing() {
+    let c = cluster();
+    c.create_stream("moves20", 1, 3, "Quorum").unwrap();
+    let (mut leader, mut generation) = c
+        .wait_leader("moves20", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    // (sent, acknowledged, offset) of every acknowledged publish.
+    type Log = Arc<Mutex<Vec<(Instant, Instant, u64, Vec<u8>)>>>;
+    let log: Log = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut moves = Vec::new();
+    let failed = std::thread::scope(|s| {
+        let (log2, stop2, c2) = (log.clone(), stop.clone(), &c);
+        let h = s.spawn(move || {
+            tokio::runtime::Runtime::new()
+                .unwrap()
+                .block_on(async move {
+                    let client = felix_client::ClusterClient::connect(
+                        &c2.seeds(),
+                        "localhost",
+                        c2.client_config().unwrap(),
+                    )
+                    .await
+                    .unwrap();
+                    let (mut i, mut failed) = (0u64, 0u64);
+                    while !stop2.load(std::sync::atomic::Ordering::SeqCst) {
+                        let payload = format!("m-{i}").into_bytes();
+                        i += 1;
+                        let sent = Instant::now();
+                        match tokio::time::timeout(
+                            Duration::from_secs(2),
+                            client.publish(
+                                TENANT,
+                                NAMESPACE,
+                                "moves20",
+                                payload.clone(),
+                                AckMode::PerMessage,
+                            ),
+                        )
+                        .await
+                        {
+                            Ok(Ok(Some(o))) => {
+                                log2.lock()
+                                    .unwrap()
+                                    .push((sent, Instant::now(), o, payload))
+                            }
+                            _ => failed += 1,
+                        }
+                    }
+                    failed
+                })
+        });
+        wait_for("acked writes", Duration::from_secs(30), || {
+            (log.lock().unwrap().len() >= 20).then_some(())
+        })
+        .unwrap();
+        for _ in 0..20 {
+            std::thread::sleep(Duration::from_millis(600));
+            let to = (leader + 1) % 3;
+            c.admin
+                .post(
+                    "/v1/shard-moves",
+                    &serde_json::json!({"tenant_id": TENANT, "namespace": NAMESPACE,
+                        "stream": "moves20", "shard": 0, "destination": format!("node-{to}")}),
+                )
+                .unwrap();
+            moves.push(Instant::now());
+            (leader, generation) = c
+                .wait_leader(
+                    "moves20",
+                    0,
+                    Some(leader),
+                    generation,
+                    Duration::from_secs(20),
+                )
+                .unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(600));
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        h.join().unwrap()
+    });
+    let log = log.lock().unwrap().clone();
+    // Cut-over to the first acknowledgement of a publish sent after it.
+    let mut gaps: Vec<Duration> = moves
+        .iter()
+        .map(|m| {
+            log.iter()
+                .filter(|(sent, _, _, _)| sent > m)
+                .map(|(_, acked, _, _)| *acked - *m)
+                .min()
+                .expect("writes acknowledged after every move")
+        })
+        .collect();
+    gaps.sort();
+    eprintln!(
+        "20 moves: cut-over to first ack on the new leader median {:?}, max {:?}; {} acked, {failed} publishes failed or timed out",
+        gaps[gaps.len() / 2],
+        gaps[gaps.len() - 1],
+        log.len()
+    );
+    let acked: BTreeMap<u64, Vec<u8>> = log.iter().map(|(_, _, o, p)| (*o, p.clone())).collect();
+    assert_eq!(acked.len(), log.len(), "no offset acknowledged twice");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let read = rt.block_on(read_all(
+        &c,
+        "moves20",
+        acked.keys().next_back().unwrap() + 1,
+    ));
+    check_nothing_lost(&acked, &read);
+    let mut payloads: Vec<_> = read.values().collect();
+    let total = payloads.len();
+    payloads.sort();
+    payloads.dedup();
+    assert_eq!(payloads.len(), total, "no record in the log twice");
+}
