@@ -771,9 +771,57 @@ fn an_idempotent_resend_after_a_leader_kill_is_answered_from_the_successors_log(
             .unwrap();
         offsets.insert(30, o);
     });
-    let read = rt.block_on(read_all(&c, "orders-idem", offsets[&30] + 1));
+    // And across a planned move: the new leader answers re-sends from its log too.
+    let (now_leader, now_generation) = leader_of(&c).unwrap();
+    let to = (0..3)
+        .find(|n| *n != now_leader && *n != leader)
+        .expect("the third broker");
+    c.admin
+        .post(
+            "/v1/shard-moves",
+            &serde_json::json!({"tenant_id": TENANT, "namespace": NAMESPACE,
+                "stream": "orders-idem", "shard": 0, "destination": format!("node-{to}")}),
+        )
+        .unwrap();
+    wait_for("the moved leader", Duration::from_secs(30), || {
+        leader_of(&c).filter(|(l, g)| *l == to && *g > now_generation)
+    })
+    .unwrap();
+    rt.block_on(async {
+        let client = connect(&c).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for i in 25..=31u64 {
+            loop {
+                match client
+                    .publish_idempotent(
+                        TENANT,
+                        NAMESPACE,
+                        "orders-idem",
+                        None,
+                        vec![body(i)],
+                        producer,
+                        i,
+                    )
+                    .await
+                {
+                    Ok(o) => {
+                        if let Some(first) = offsets.get(&i) {
+                            assert_eq!(o, *first, "batch {i} answered from the log after the move");
+                        }
+                        offsets.insert(i, o);
+                        break;
+                    }
+                    Err(e) => {
+                        assert!(Instant::now() < deadline, "publishes never resumed: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }
+    });
+    let read = rt.block_on(read_all(&c, "orders-idem", offsets[&31] + 1));
     let bodies: Vec<_> = read.values().cloned().collect();
-    let want: Vec<_> = (0..=30).map(|i| body(i).to_vec()).collect();
+    let want: Vec<_> = (0..=31).map(|i| body(i).to_vec()).collect();
     assert_eq!(bodies, want, "each batch exactly once, in order");
     let _ = &mut c;
 }
