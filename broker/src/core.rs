@@ -122,6 +122,16 @@ pub enum WatchAnswer {
     Changes(Vec<crate::shard::WatchChange>, u64),
 }
 
+/// A write that is not a plain publish.
+#[derive(Debug)]
+pub enum Special {
+    /// An atomic commit.
+    Commit(CommitWrite),
+    /// Consumer-group events (a `Group` batch: replicated with the shard, never fanned
+    /// out to readers).
+    Group,
+}
+
 /// A state request, for the core that owns the stream shard.
 #[derive(Debug)]
 pub enum StateOp {
@@ -499,7 +509,6 @@ pub struct CoreBroker {
     mesh: Mesh<CoreMsg>,
     streams: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<StreamShard>>>>,
     caches: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<CacheShard>>>>,
-    groups: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<crate::groups::GroupShard>>>>,
     subscribers: RefCell<HashMap<Arc<ShardKey>, Vec<Rc<SubQueue>>>>,
     outbound: Vec<RefCell<Outbound>>,
     pending: RefCell<HashMap<u64, (CoreId, oneshot::Sender<ReplyBody>)>>,
@@ -582,7 +591,6 @@ impl CoreBroker {
             mesh,
             streams: RefCell::default(),
             caches: RefCell::default(),
-            groups: RefCell::default(),
             subscribers: RefCell::default(),
             outbound: (0..cores).map(|_| RefCell::default()).collect(),
             pending: RefCell::default(),
@@ -942,7 +950,18 @@ impl CoreBroker {
         records: Vec<Bytes>,
         commit: Option<CommitWrite>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
-        self.write_tagged(key, records, commit, None)
+        self.write_tagged(key, records, commit.map(Special::Commit), None)
+    }
+
+    /// Writes consumer-group events of stream shard `key` (on its owning core): durable,
+    /// and on a replicated shard held by a majority (Quorum) under the lease, like any
+    /// write; never fanned out.
+    pub(crate) fn write_group(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        records: Vec<Bytes>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
+        self.write_tagged(key, records, Some(Special::Group), None)
     }
 
     /// As [`CoreBroker::write_local`], the batch tagged with an idempotent producer's
@@ -952,7 +971,7 @@ impl CoreBroker {
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
-        commit: Option<CommitWrite>,
+        commit: Option<Special>,
         tag: Option<(u64, u64)>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         let shard = self.ready_stream(&key);
@@ -979,7 +998,7 @@ impl CoreBroker {
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
-        commit: Option<CommitWrite>,
+        commit: Option<Special>,
         tag: Option<(u64, u64)>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         if let Some(c) = &self.shared.cluster
@@ -1007,14 +1026,15 @@ impl CoreBroker {
         self: &Rc<Self>,
         rs: Rc<crate::replication::replica::ReplicaShard>,
         records: Vec<Bytes>,
-        commit: Option<CommitWrite>,
+        commit: Option<Special>,
         tag: Option<(u64, u64)>,
     ) -> impl std::future::Future<Output = Result<Appended, BrokerError>> + 'static {
         let this = self.clone();
         let admitted = if self.may_acknowledge(&rs) {
             match &commit {
                 None => rs.admit(&records, clock::wall_micros(), tag),
-                Some(c) => match c.expected {
+                Some(Special::Group) => rs.admit_group(&records, clock::wall_micros()),
+                Some(Special::Commit(c)) => match c.expected {
                     Some(e) if e != rs.log().next_offset() => Err(BrokerError::OffsetMismatch {
                         tail: rs.log().next_offset(),
                     }),
@@ -1061,7 +1081,11 @@ impl CoreBroker {
                     ));
                 }
                 if let crate::replication::replica::Held::Stream(s) = &rs.held {
-                    this.fanout(s, appended, records);
+                    if matches!(commit, Some(Special::Group)) {
+                        s.advance_fanout(appended);
+                    } else {
+                        this.fanout(s, appended, records);
+                    }
                 }
                 Ok(appended)
             }
@@ -1093,7 +1117,7 @@ impl CoreBroker {
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
-        commit: Option<CommitWrite>,
+        commit: Option<Special>,
         tag: Option<(u64, u64)>,
     ) -> impl std::future::Future<Output = Result<Appended, BrokerError>> + 'static {
         let (tx, rx) = oneshot::channel();
@@ -1104,7 +1128,7 @@ impl CoreBroker {
         let this = self.clone();
         let claim = move |shard: &StreamShard,
                           records: &[Bytes],
-                          commit: &Option<CommitWrite>|
+                          commit: &Option<Special>|
               -> Result<felix_storage_uring::PendingAppend, BrokerError> {
             match commit {
                 None => Ok(shard.log.begin_append(
@@ -1115,7 +1139,8 @@ impl CoreBroker {
                         sequence,
                     }),
                 )?),
-                Some(c) => match c.expected {
+                Some(Special::Group) => Ok(shard.log.begin_group(records, clock::wall_micros())?),
+                Some(Special::Commit(c)) => match c.expected {
                     Some(e) if e != shard.log.next_offset() => Err(BrokerError::OffsetMismatch {
                         tail: shard.log.next_offset(),
                     }),
@@ -1140,7 +1165,11 @@ impl CoreBroker {
                 };
                 let appended = shard.log.commit(pending).await?;
                 // Fanout before any other await: offset order.
-                this.fanout(&shard, appended, records);
+                if matches!(commit, Some(Special::Group)) {
+                    shard.advance_fanout(appended);
+                } else {
+                    this.fanout(&shard, appended, records);
+                }
                 Ok(appended)
             }
             .await;
@@ -1733,7 +1762,7 @@ impl CoreBroker {
     /// A group request on the owning core. On a replicated shard only a serving leader
     /// answers (the group log is the leader's own: see `docs/queues.md`).
     async fn group_local(
-        &self,
+        self: &Rc<Self>,
         key: &Arc<ShardKey>,
         op: crate::groups::GroupOp,
     ) -> Result<crate::groups::GroupAnswer, BrokerError> {
@@ -1743,59 +1772,38 @@ impl CoreBroker {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
         let stream = self.stream_shard(key).await?;
-        let groups = self.group_shard(key).await?;
+        let groups = self.group_shard(key, &stream).await?;
         groups.serve(&stream, op).await
     }
 
-    /// The groups of stream shard `key`, opening their log on first use.
+    /// The groups of stream shard `key` while this core leads it, built from the
+    /// shard's log on first use (one build at a time; others wait for it).
     async fn group_shard(
-        &self,
+        self: &Rc<Self>,
         key: &Arc<ShardKey>,
+        stream: &Rc<StreamShard>,
     ) -> Result<Rc<crate::groups::GroupShard>, BrokerError> {
-        let first = {
-            let mut map = self.groups.borrow_mut();
-            match map.get(key) {
-                Some(Slot::Ready(s)) => return Ok(s.clone()),
-                Some(Slot::Failed(e)) => return Err(e.clone()),
-                Some(Slot::Opening(_)) => false,
-                None => {
-                    map.insert(key.clone(), Slot::Opening(Vec::new()));
-                    true
-                }
+        loop {
+            if let Some(g) = stream.groups.borrow().as_ref() {
+                return Ok(g.clone());
             }
-        };
-        if first {
-            let dir = shard_dir(&self.shared.data_dir, key).join("groups");
-            let opened = async {
-                let backend = DmaBackend::open_dir_with_faults(&dir, self.shared.faults.clone())
-                    .await
-                    .map_err(|e| BrokerError::Storage(format!("{}: {e}", dir.display())))?;
-                let (log, _) = SegmentLog::open(backend, self.shared.log_config.clone()).await?;
-                crate::groups::GroupShard::open(log, self.shared.group_limits)
-                    .await
-                    .map(Rc::new)
+            if !stream.building_groups.replace(true) {
+                break;
             }
-            .await;
-            let mut map = self.groups.borrow_mut();
-            let slot = match &opened {
-                Ok(s) => Slot::Ready(s.clone()),
-                Err(e) => Slot::Failed(e.clone()),
-            };
-            if let Some(Slot::Opening(waiters)) = map.insert(key.clone(), slot) {
-                waiters.into_iter().for_each(Waker::wake);
-            }
-            return opened;
+            task::sleep(std::time::Duration::from_millis(1)).await;
         }
-        poll_fn(|cx| match self.groups.borrow_mut().get_mut(key) {
-            Some(Slot::Ready(s)) => Poll::Ready(Ok(s.clone())),
-            Some(Slot::Failed(e)) => Poll::Ready(Err(e.clone())),
-            Some(Slot::Opening(w)) => {
-                w.push(cx.waker().clone());
-                Poll::Pending
-            }
-            None => Poll::Ready(Err(BrokerError::ShardUnavailable(format!("{key} closed")))),
-        })
-        .await
+        let weak = Rc::downgrade(self);
+        let k = key.clone();
+        let writer: crate::groups::GroupWriter = Box::new(move |records| match weak.upgrade() {
+            Some(core) => core.write_group(k.clone(), records),
+            None => Box::pin(std::future::ready(Err(BrokerError::Draining))),
+        });
+        let built =
+            crate::groups::GroupShard::build(stream, self.shared.group_limits, writer).await;
+        stream.building_groups.set(false);
+        let g = Rc::new(built?);
+        *stream.groups.borrow_mut() = Some(g.clone());
+        Ok(g)
     }
 
     /// A cache operation, wherever the cache shard lives.
@@ -2149,10 +2157,6 @@ impl CoreBroker {
     }
 
     async fn close_shard(&self, key: &ShardKey) {
-        let groups = self.groups.borrow_mut().remove(key);
-        if let Some(Slot::Ready(g)) = groups {
-            let _ = g.close().await;
-        }
         let stream = self.streams.borrow_mut().remove(key);
         if let Some(Slot::Ready(s)) = stream {
             let _ = s.log.close().await;
@@ -2264,20 +2268,6 @@ impl CoreBroker {
         for c in caches {
             if let Err(e) = c.close().await {
                 tracing::warn!(shard = %c.key, error = %e, "closing a cache log");
-            }
-        }
-        let groups: Vec<_> = self
-            .groups
-            .borrow()
-            .values()
-            .filter_map(|s| match s {
-                Slot::Ready(s) => Some(s.clone()),
-                _ => None,
-            })
-            .collect();
-        for g in groups {
-            if let Err(e) = g.close().await {
-                tracing::warn!(error = %e, "closing a group log");
             }
         }
         self.mesh.close();

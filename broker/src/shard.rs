@@ -176,6 +176,10 @@ pub struct StreamShard {
     pub idempotent_queue: RefCell<std::collections::VecDeque<crate::producers::Queued>>,
     /// Whether a task is building the producer table.
     pub building_producers: std::cell::Cell<bool>,
+    /// The shard's consumer groups while this core leads it (built on first use).
+    pub groups: RefCell<Option<std::rc::Rc<crate::groups::GroupShard>>>,
+    /// Whether a task is building the groups.
+    pub building_groups: std::cell::Cell<bool>,
 }
 
 impl std::fmt::Debug for StreamShard {
@@ -199,6 +203,8 @@ impl StreamShard {
             producers: RefCell::default(),
             idempotent_queue: RefCell::default(),
             building_producers: std::cell::Cell::new(false),
+            groups: RefCell::default(),
+            building_groups: std::cell::Cell::new(false),
         }
     }
 
@@ -248,6 +254,7 @@ impl StreamShard {
         // What the log holds may have changed under the state index: build it again.
         *self.state.borrow_mut() = None;
         *self.producers.borrow_mut() = None;
+        *self.groups.borrow_mut() = None;
         self.appended.wake_all();
     }
 

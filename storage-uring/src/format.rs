@@ -60,6 +60,9 @@ pub enum BatchKind {
     /// One record holding an atomic commit: an event and state changes (the broker's
     /// encoding). Readers of the data see only its event.
     Commit,
+    /// Consumer-group events of the shard (the broker's encoding): replicated with the
+    /// shard, never delivered to readers of the data.
+    Group,
 }
 
 impl BatchKind {
@@ -68,6 +71,7 @@ impl BatchKind {
             BatchKind::Data => 0,
             BatchKind::GenerationStart => 1,
             BatchKind::Commit => 2,
+            BatchKind::Group => 3,
         }
     }
 }
@@ -307,6 +311,7 @@ pub fn decode_batch_header(bytes: &[u8]) -> Result<HeaderRead, FormatError> {
         0 => BatchKind::Data,
         1 => BatchKind::GenerationStart,
         2 => BatchKind::Commit,
+        3 => BatchKind::Group,
         _ => return Err(FormatError::BatchHeaderInvalid("unknown batch kind")),
     };
     if h[33] > 1 || h[34] != 0 || h[35] != 0 {

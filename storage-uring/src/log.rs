@@ -697,6 +697,16 @@ impl<B: Backend> SegmentLog<B> {
         self.begin(&[record], timestamp_micros, BatchKind::Commit, None)
     }
 
+    /// Claims offsets for consumer-group events (a `Group` batch: replicated with the
+    /// shard, skipped by readers of the data; the broker owns the encoding).
+    pub fn begin_group<R: AsRef<[u8]>>(
+        &self,
+        records: &[R],
+        timestamp_micros: u64,
+    ) -> Result<PendingAppend, StorageError> {
+        self.begin(records, timestamp_micros, BatchKind::Group, None)
+    }
+
     /// Claims one offset for a generation-start record stamped `timestamp_micros`.
     pub fn begin_generation_start(
         &self,

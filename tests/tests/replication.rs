@@ -1080,3 +1080,100 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
     payloads.dedup();
     assert_eq!(payloads.len(), total, "no record in the log twice");
 }
+
+#[test]
+fn a_groups_cursor_and_dead_letters_survive_a_leader_kill() {
+    use felix_client::{GroupRef, PollOptions};
+    let mut c = cluster();
+    c.create_stream("jobs", 1, 3, "Quorum").unwrap();
+    let (leader, generation) = c
+        .wait_leader("jobs", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let g = GroupRef::new(TENANT, NAMESPACE, "jobs", 0, "workers");
+    let poll = PollOptions {
+        max_records: 100,
+        wait: Duration::from_millis(300),
+        visibility: Some(Duration::from_secs(60)),
+    };
+    let addrs: Vec<_> = c.brokers.iter().map(|b| b.listen).collect();
+    let config = c.client_config().unwrap();
+    let at = |i: usize| {
+        let (addr, config) = (addrs[i], config.clone());
+        async move {
+            felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap()
+        }
+    };
+    let (handled, dead, rest) = rt.block_on(async {
+        let client = at(leader).await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut published = Vec::new();
+        while published.len() < 30 {
+            let body = format!("job-{}", published.len()).into_bytes();
+            match client
+                .publish(TENANT, NAMESPACE, "jobs", body, AckMode::PerMessage)
+                .await
+            {
+                Ok(o) => published.push(o.expect("an offset")),
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "the leader never served: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        let got = client
+            .group_poll(
+                &g,
+                PollOptions {
+                    max_records: 21,
+                    ..poll
+                },
+            )
+            .await
+            .unwrap();
+        let got: Vec<u64> = got.iter().map(|r| r.offset.0).collect();
+        assert_eq!(got, published[..21], "the first 21 records, in order");
+        // Acks out of order, then one record given up on.
+        for o in got[..20].iter().rev() {
+            client.group_ack(&g, *o).await.unwrap();
+        }
+        client.group_dead_letter(&g, got[20]).await.unwrap();
+        (got[..20].to_vec(), got[20], published[21..].to_vec())
+    });
+    c.brokers[leader].kill();
+    let (successor, _) = c
+        .wait_leader("jobs", 0, Some(leader), generation, Duration::from_secs(30))
+        .unwrap();
+    rt.block_on(async {
+        let client = at(successor).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut seen = Vec::new();
+        loop {
+            match client.group_poll(&g, poll).await {
+                Ok(records) if records.is_empty() && seen.len() >= rest.len() => break,
+                Ok(records) => {
+                    for r in records {
+                        seen.push(r.offset.0);
+                        client.group_ack(&g, r.offset.0).await.unwrap();
+                    }
+                }
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "the group never came back: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+            assert!(Instant::now() < deadline, "only {seen:?} delivered");
+        }
+        seen.sort();
+        // What was acked or dead-lettered on the old leader never comes back; the records
+        // it never handed out come, once each.
+        assert!(
+            seen.iter().all(|o| !handled.contains(o) && *o != dead),
+            "redelivered after the failover: {seen:?}"
+        );
+        assert_eq!(seen, rest, "after the failover");
+        assert_eq!(client.group_dead_letters(&g).await.unwrap(), vec![dead]);
+    });
+}

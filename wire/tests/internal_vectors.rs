@@ -129,6 +129,7 @@ fn describe(message: &InternalMessage) -> Value {
                     BatchKind::Data => "data",
                     BatchKind::GenerationStart => "generation_start",
                     BatchKind::Commit => "commit",
+                    BatchKind::Group => "group",
                 },
                 "records_hex": b.records.iter().map(hex::encode).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),

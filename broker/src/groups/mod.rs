@@ -3,10 +3,12 @@
 //!
 //! - [`tracker`]: one group's state, sans-IO (claims, owed records, the cursor, dead
 //!   letters), with time passed in.
-//! - The group log: one `storage-uring` log per stream shard, beside the shard's own
-//!   (`<shard dir>/groups/`), holding every group's durable events (acks, dead letters,
-//!   redrives, discards, seeks, deletes). An event is durable before its request is
-//!   answered; opening the shard's groups folds the log back into trackers.
+//! - Group events live in the stream shard's own log, as `Group` batches (every group's
+//!   acks, dead letters, redrives, discards, seeks, deletes): replicated, fenced and
+//!   recovered with the shard, skipped by readers of the data. An event is durable (and
+//!   on a Quorum shard held by a majority) before its request is answered; the shard's
+//!   groups are built by folding those batches the first time a leader serves a group
+//!   request, and dropped whenever it starts or stops leading.
 //! - [`GroupShard::serve`]: one request against the stream shard and its groups.
 //!
 //! Claims are memory only: after a restart, a failover or a move, unsettled records go
@@ -21,9 +23,8 @@ use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use felix_core_runtime::clock;
 use felix_core_runtime::task;
-use felix_storage_uring::{BatchKind, DmaBackend, SegmentLog};
+use felix_storage_uring::{Appended, BatchKind};
 use felix_wire::Offset;
 use felix_wire::message::{GroupRecord, StartPosition};
 
@@ -187,7 +188,7 @@ const KIND_DISCARD: u8 = 4;
 const KIND_SEEK: u8 = 5;
 const KIND_DELETE: u8 = 6;
 
-/// A record of the group log: `u8 kind, u8 group length, group, u64 offset` (big-endian).
+/// A group event record (one record of a `Group` batch): `u8 kind, u8 group length, group, u64 offset` (big-endian).
 /// `None` is a delete of the group.
 fn encode(group: &str, event: Option<Event>) -> Bytes {
     let (kind, offset) = match event {
@@ -229,9 +230,14 @@ fn decode(mut r: Bytes) -> Option<(String, Option<Event>)> {
     Some((group, event))
 }
 
-/// The groups of one stream shard, on its owning core.
+/// Appends group events to the stream shard's log (the owning core's write path).
+pub type GroupWriter = Box<
+    dyn Fn(Vec<Bytes>) -> std::pin::Pin<Box<dyn Future<Output = Result<Appended, BrokerError>>>>,
+>;
+
+/// The groups of one stream shard, on its owning core while it leads.
 pub struct GroupShard {
-    log: SegmentLog<DmaBackend>,
+    writer: GroupWriter,
     groups: RefCell<HashMap<String, Tracker>>,
     limits: Limits,
     /// Woken when records become owed (a nack, a redrive): waiting polls look again.
@@ -247,42 +253,46 @@ impl std::fmt::Debug for GroupShard {
 }
 
 impl GroupShard {
-    /// Opens the group log and folds it into trackers.
-    pub async fn open(log: SegmentLog<DmaBackend>, limits: Limits) -> Result<Self, BrokerError> {
+    /// Folds the `Group` batches of `stream`'s log into trackers; later events go
+    /// through `writer`.
+    pub async fn build(
+        stream: &StreamShard,
+        limits: Limits,
+        writer: GroupWriter,
+    ) -> Result<Self, BrokerError> {
         let mut groups: HashMap<String, Tracker> = HashMap::new();
-        let mut at = log.base_offset();
-        while at < log.next_offset() {
-            let batches = log.read(at, 1 << 20).await?;
+        let mut at = stream.log.base_offset();
+        let end = stream.log.committed_end();
+        while at < end {
+            let batches = stream.log.read(at, 4 << 20).await?;
             let Some(last) = batches.last() else { break };
             at = last.end_offset();
-            for r in batches.into_iter().flat_map(|b| b.records) {
-                let Some((group, event)) = decode(r) else {
-                    return Err(BrokerError::Storage(
-                        "the group log holds a record it cannot read".into(),
-                    ));
-                };
-                match event {
-                    None => {
-                        groups.remove(&group);
+            for b in batches.into_iter().filter(|b| b.kind == BatchKind::Group) {
+                for r in b.records {
+                    let Some((group, event)) = decode(r) else {
+                        return Err(BrokerError::Storage(format!(
+                            "{}: a group event it cannot read at offset {}",
+                            stream.key, b.base_offset
+                        )));
+                    };
+                    match event {
+                        None => {
+                            groups.remove(&group);
+                        }
+                        Some(e) => groups
+                            .entry(group)
+                            .or_insert_with(|| Tracker::new(0, limits))
+                            .apply(e),
                     }
-                    Some(e) => groups
-                        .entry(group)
-                        .or_insert_with(|| Tracker::new(0, limits))
-                        .apply(e),
                 }
             }
         }
         Ok(GroupShard {
-            log,
+            writer,
             groups: RefCell::new(groups),
             limits,
             settled: Wakers::default(),
         })
-    }
-
-    /// Closes the group log.
-    pub async fn close(&self) -> Result<(), BrokerError> {
-        Ok(self.log.close().await?)
     }
 
     /// Writes events of `group` and waits until they are durable.
@@ -291,7 +301,7 @@ impl GroupShard {
             return Ok(());
         }
         let records: Vec<Bytes> = events.iter().map(|e| encode(group, *e)).collect();
-        self.log.append(&records, clock::wall_micros()).await?;
+        (self.writer)(records).await?;
         Ok(())
     }
 
@@ -417,6 +427,7 @@ impl GroupShard {
                 Ok(GroupAnswer::Position(target, before != Some(target)))
             }
             GroupOp::Describe(group) => {
+                self.pass_markers(stream, &group).await?;
                 let counts = self.tracker(&group, |t| {
                     t.skip_below(stream.log.base_offset());
                     t.counts()
@@ -436,6 +447,40 @@ impl GroupShard {
                 self.write(&group, &[None]).await?;
                 self.groups.borrow_mut().remove(&group);
                 Ok(GroupAnswer::Deleted(true))
+            }
+        }
+    }
+
+    /// Moves an idle group's cursor over the offsets at it that hold no record for
+    /// consumers (group events, generation markers), so its lag counts records only.
+    async fn pass_markers(&self, stream: &StreamShard, group: &str) -> Result<(), BrokerError> {
+        loop {
+            let tail = stream.fanout_end();
+            let Some(at) = self
+                .tracker(group, |t| t.at_frontier().then(|| t.committed()))
+                .flatten()
+                .filter(|at| *at < tail)
+            else {
+                return Ok(());
+            };
+            let batches = stream.log.read(at, 64 << 10).await?;
+            let mut moved = false;
+            for b in batches
+                .iter()
+                .take_while(|b| matches!(b.kind, BatchKind::Group | BatchKind::GenerationStart))
+            {
+                if b.base_offset > at || b.end_offset() > tail {
+                    break;
+                }
+                self.tracker(group, |t| {
+                    if t.at_frontier() && t.committed() == b.base_offset {
+                        (b.base_offset..b.end_offset()).for_each(|o| t.skip(o));
+                        moved = true;
+                    }
+                });
+            }
+            if !moved {
+                return Ok(());
             }
         }
     }
@@ -469,25 +514,9 @@ impl GroupShard {
         let deadline = started + wait.as_millis() as u64;
         loop {
             let now = mono_ms();
-            let base = stream.log.base_offset();
-            let tail = stream.fanout_end();
-            let Some(claimed) = self.tracker(group, |t| {
-                t.skip_below(base);
-                t.claim(tail, max, now, visibility_ms)
-            }) else {
-                return Err(BrokerError::NotFound(format!("group {group} was deleted")));
-            };
-            if !claimed.dead.is_empty() {
-                let events: Vec<_> = claimed.dead.iter().map(|o| Some(Event::Dead(*o))).collect();
-                if let Err(e) = self.write(group, &events).await {
-                    self.tracker(group, |t| claimed.dead.iter().for_each(|o| t.undo_dead(*o)));
-                    self.tracker(group, |t| {
-                        claimed.handed.iter().for_each(|(o, a)| t.release(*o, *a))
-                    });
-                    return Err(e);
-                }
-            }
-            let records = self.read_claimed(stream, group, &claimed.handed).await?;
+            let records = self
+                .claim_once(stream, group, max, now, visibility_ms)
+                .await?;
             if !records.is_empty() || now >= deadline {
                 return Ok(records);
             }
@@ -502,6 +531,49 @@ impl GroupShard {
         }
     }
 
+    /// Claims up to `max` records now. Claimed offsets that hold no record for consumers
+    /// (group events, generation markers) are passed over and the claim goes on, so a
+    /// poll is not cut short by them.
+    async fn claim_once(
+        &self,
+        stream: &StreamShard,
+        group: &str,
+        max: usize,
+        now: u64,
+        visibility_ms: u64,
+    ) -> Result<Vec<GroupRecord>, BrokerError> {
+        let mut out = Vec::new();
+        loop {
+            let base = stream.log.base_offset();
+            let tail = stream.fanout_end();
+            let Some(claimed) = self.tracker(group, |t| {
+                t.skip_below(base);
+                t.claim(tail, max - out.len(), now, visibility_ms)
+            }) else {
+                return Err(BrokerError::NotFound(format!("group {group} was deleted")));
+            };
+            if !claimed.dead.is_empty() {
+                let events: Vec<_> = claimed.dead.iter().map(|o| Some(Event::Dead(*o))).collect();
+                if let Err(e) = self.write(group, &events).await {
+                    self.tracker(group, |t| claimed.dead.iter().for_each(|o| t.undo_dead(*o)));
+                    self.tracker(group, |t| {
+                        claimed.handed.iter().for_each(|(o, a)| t.release(*o, *a))
+                    });
+                    return Err(e);
+                }
+            }
+            let handed = claimed.handed.len();
+            let (records, passed) = self.read_claimed(stream, group, &claimed.handed).await?;
+            let full = records.len() + passed < handed;
+            out.extend(records);
+            // Stop when full (by count, or the answer's byte bound handed claims back),
+            // when nothing more could be claimed, or when nothing was passed over.
+            if out.len() >= max || handed == 0 || passed == 0 || full {
+                return Ok(out);
+            }
+        }
+    }
+
     /// Reads the records of the claimed offsets. An offset that holds no record for
     /// consumers (a replication marker) is finished without a delivery; claims past the
     /// answer's byte bound are handed back, their attempt not counted.
@@ -510,7 +582,7 @@ impl GroupShard {
         stream: &StreamShard,
         group: &str,
         handed: &[(u64, u32)],
-    ) -> Result<Vec<GroupRecord>, BrokerError> {
+    ) -> Result<(Vec<GroupRecord>, usize), BrokerError> {
         let mut found: BTreeMap<u64, Bytes> = BTreeMap::new();
         let mut wanted: Vec<u64> = handed.iter().map(|(o, _)| *o).collect();
         wanted.sort_unstable();
@@ -536,11 +608,14 @@ impl GroupShard {
             }
         }
         let mut out = Vec::with_capacity(handed.len());
-        let mut bytes = 0usize;
+        let (mut bytes, mut passed) = (0usize, 0usize);
         self.tracker(group, |t| {
             for &(o, attempts) in handed {
                 match found.remove(&o) {
-                    None if o < covered_end => t.skip(o),
+                    None if o < covered_end => {
+                        t.skip(o);
+                        passed += 1;
+                    }
                     Some(payload) if out.is_empty() || bytes + payload.len() <= POLL_BYTES_MAX => {
                         bytes += payload.len();
                         out.push(GroupRecord {
@@ -556,7 +631,7 @@ impl GroupShard {
                 }
             }
         });
-        Ok(out)
+        Ok((out, passed))
     }
 }
 

@@ -131,6 +131,12 @@ impl Tracker {
         self.committed
     }
 
+    /// Whether every offset from the cursor on is untouched (never handed out, owed or
+    /// settled): the cursor may then move over offsets that hold no record.
+    pub fn at_frontier(&self) -> bool {
+        self.high_water == self.committed && self.owed.is_empty()
+    }
+
     /// Counts for `group_describe`.
     pub fn counts(&self) -> Counts {
         Counts {

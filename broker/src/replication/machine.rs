@@ -55,6 +55,8 @@ pub enum BatchKind {
     GenerationStart(u64),
     /// An atomic commit (one record).
     Commit,
+    /// Consumer-group events.
+    Group,
 }
 
 /// A batch at its offsets, as stored and shipped.

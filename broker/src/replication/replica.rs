@@ -213,6 +213,26 @@ impl ReplicaShard {
         Ok((pending, self.term.get()))
     }
 
+    /// As [`ReplicaShard::admit`], for consumer-group events (a `Group` batch).
+    pub fn admit_group(
+        &self,
+        records: &[Bytes],
+        now_micros: u64,
+    ) -> Result<(PendingAppend, u64), BrokerError> {
+        let mut m = self.machine.borrow_mut();
+        if !m.serving() || !self.ready.get() {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        let pending = self.log.begin_group(records, now_micros)?;
+        if !m.handle_appended(pending.first(), pending.end()) {
+            return Err(BrokerError::Internal(format!(
+                "{}: the log and the replica disagree on the end",
+                self.key
+            )));
+        }
+        Ok((pending, self.term.get()))
+    }
+
     /// The leader's own append is durable up to `end`.
     pub fn durable(&self, end: u64) {
         self.machine
@@ -422,6 +442,7 @@ fn ship_batch(b: Batch) -> internal::ShipBatch {
             BatchKind::Data => internal::BatchKind::Data,
             BatchKind::GenerationStart(_) => internal::BatchKind::GenerationStart,
             BatchKind::Commit => internal::BatchKind::Commit,
+            BatchKind::Group => internal::BatchKind::Group,
         },
         producer: b.producer,
         records: b.records,
@@ -432,6 +453,7 @@ fn machine_batch(b: internal::ShipBatch) -> Batch {
     let kind = match b.kind {
         internal::BatchKind::Data => BatchKind::Data,
         internal::BatchKind::Commit => BatchKind::Commit,
+        internal::BatchKind::Group => BatchKind::Group,
         internal::BatchKind::GenerationStart => BatchKind::GenerationStart(
             b.records
                 .first()
@@ -922,6 +944,7 @@ impl Replicas {
                         BatchKind::Data => LogBatchKind::Data,
                         BatchKind::GenerationStart(_) => LogBatchKind::GenerationStart,
                         BatchKind::Commit => LogBatchKind::Commit,
+                        BatchKind::Group => LogBatchKind::Group,
                     };
                     let tag = b.producer.map(|(producer_id, sequence)| {
                         felix_storage_uring::ProducerTag {
@@ -1019,6 +1042,7 @@ impl Replicas {
                                 }),
                             ),
                             LogBatchKind::Commit => BatchKind::Commit,
+                            LogBatchKind::Group => BatchKind::Group,
                             LogBatchKind::Data => BatchKind::Data,
                         };
                         Batch {

@@ -114,7 +114,7 @@ impl Node {
             .iter()
             .filter_map(|b| match b.kind {
                 BatchKind::GenerationStart(g) => Some((b.base, g)),
-                BatchKind::Data | BatchKind::Commit => None,
+                BatchKind::Data | BatchKind::Commit | BatchKind::Group => None,
             })
             .collect()
     }

@@ -103,7 +103,7 @@ impl Pump {
             let keep = ((to - b.base_offset) as usize).min(b.records.len());
             let first = b.base_offset + skip as u64;
             self.next = b.base_offset + keep as u64;
-            if b.kind == BatchKind::GenerationStart {
+            if matches!(b.kind, BatchKind::GenerationStart | BatchKind::Group) {
                 self.skipped += (keep - skip) as u64;
                 continue;
             }

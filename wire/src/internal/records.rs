@@ -33,6 +33,8 @@ pub enum BatchKind {
     GenerationStart,
     /// An atomic commit: one record, an event and state changes (byte 2).
     Commit,
+    /// Consumer-group events of the shard (byte 3).
+    Group,
 }
 
 impl BatchKind {
@@ -42,6 +44,7 @@ impl BatchKind {
             BatchKind::Data => 0,
             BatchKind::GenerationStart => 1,
             BatchKind::Commit => 2,
+            BatchKind::Group => 3,
         }
     }
 
@@ -51,6 +54,7 @@ impl BatchKind {
             0 => Ok(BatchKind::Data),
             1 => Ok(BatchKind::GenerationStart),
             2 => Ok(BatchKind::Commit),
+            3 => Ok(BatchKind::Group),
             byte => Err(BodyError::UnknownBatchKind { byte }),
         }
     }
