@@ -54,6 +54,15 @@ pub enum CacheOp {
     Put(String, Bytes, Option<u64>),
     /// Remove a key.
     Delete(String),
+    /// Write a key only if the condition holds.
+    PutIf(
+        String,
+        Bytes,
+        Option<u64>,
+        felix_wire::message::CacheCondition,
+    ),
+    /// Remove a key only if its version is this.
+    DeleteIf(String, u64),
     /// Add a signed delta to a counter.
     CounterAdd(String, i64),
     /// Read a counter.
@@ -69,6 +78,9 @@ pub enum CacheAnswer {
     Written(u64),
     /// A counter's sum (`None`: never written).
     Counter(Option<i64>),
+    /// A conditional write: applied or not, and the version (the new one when applied,
+    /// the current one when not).
+    Condition(bool, Option<u64>),
 }
 
 /// An atomic commit on its way to the log: the encoded record and the tail it expects
@@ -1853,6 +1865,25 @@ impl CoreBroker {
                 shard.counter_add(&k, d, now).await?,
             ))),
             CacheOp::CounterGet(k) => Ok(CacheAnswer::Counter(shard.counter(&k))),
+            CacheOp::PutIf(k, v, ttl, condition) => {
+                // Checked once every earlier write of the key is applied, and claimed
+                // with no wait after the check (put claims before its first await).
+                shard.key_settled(&k).await;
+                if let Err(current) = shard.condition_holds(&k, &condition, clock::now()) {
+                    return Ok(CacheAnswer::Condition(false, current));
+                }
+                let version = shard.put(&k, v, ttl, clock::now()).await?;
+                Ok(CacheAnswer::Condition(true, Some(version)))
+            }
+            CacheOp::DeleteIf(k, version) => {
+                shard.key_settled(&k).await;
+                let condition = felix_wire::message::CacheCondition::Version(version);
+                if let Err(current) = shard.condition_holds(&k, &condition, clock::now()) {
+                    return Ok(CacheAnswer::Condition(false, current));
+                }
+                shard.delete(&k, clock::now()).await?;
+                Ok(CacheAnswer::Condition(true, None))
+            }
         }
     }
 
@@ -1872,8 +1903,35 @@ impl CoreBroker {
         if !rs.serving() {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
-        let now = clock::now();
+        let mut now = clock::now();
         let mut counter = None;
+        let mut conditional = false;
+        let op = match op {
+            CacheOp::PutIf(k, v, ttl, condition) => {
+                cache.key_settled(&k).await;
+                now = clock::now();
+                if let Err(current) = cache.condition_holds(&k, &condition, now) {
+                    return Ok(CacheAnswer::Condition(false, current));
+                }
+                conditional = true;
+                CacheOp::Put(k, v, ttl)
+            }
+            CacheOp::DeleteIf(k, version) => {
+                cache.key_settled(&k).await;
+                now = clock::now();
+                let condition = felix_wire::message::CacheCondition::Version(version);
+                if let Err(current) = cache.condition_holds(&k, &condition, now) {
+                    return Ok(CacheAnswer::Condition(false, current));
+                }
+                conditional = true;
+                CacheOp::Delete(k)
+            }
+            other => other,
+        };
+        let written_key = match &op {
+            CacheOp::Put(k, ..) | CacheOp::Delete(k) | CacheOp::CounterAdd(k, _) => Some(k.clone()),
+            _ => None,
+        };
         let (record, old) = match op {
             CacheOp::Get(k) => {
                 let e = cache.get(&k, now);
@@ -1897,6 +1955,9 @@ impl CoreBroker {
                 ),
             },
             CacheOp::CounterGet(k) => return Ok(CacheAnswer::Counter(cache.counter(&k))),
+            CacheOp::PutIf(..) | CacheOp::DeleteIf(..) => {
+                unreachable!("conditional writes were turned into plain ones above")
+            }
             CacheOp::CounterAdd(k, d) => {
                 cache.check_add(&k, d)?;
                 counter = Some(k.clone());
@@ -1907,6 +1968,9 @@ impl CoreBroker {
             self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
             return Err(BrokerError::ShardUnavailable("stale".into()));
         }
+        // From the claim until the index has the write: conditional writes of the key
+        // wait for it.
+        let _writing = written_key.as_deref().map(|k| cache.key_write(k));
         let (pending, term) = rs.admit(std::slice::from_ref(&record), now.wall_micros, None)?;
         let appended = rs.log().commit(pending).await?;
         rs.durable(appended.end);
@@ -1934,6 +1998,12 @@ impl CoreBroker {
         cache.apply_stored(appended.first, &[record]);
         if let Some(k) = counter {
             return Ok(CacheAnswer::Counter(cache.counter(&k)));
+        }
+        if conditional {
+            return Ok(CacheAnswer::Condition(
+                true,
+                old.is_none().then_some(appended.first),
+            ));
         }
         Ok(match old {
             None => CacheAnswer::Written(appended.first),

@@ -412,6 +412,30 @@ pub struct CacheShard {
     state: RefCell<Projection>,
     /// Woken whenever records are applied: waiting watches look again.
     pub changed: crate::groups::Wakers,
+    /// Writes claimed but not yet applied, per key: a conditional write waits for them,
+    /// so its condition is checked against every write before it.
+    in_flight: RefCell<HashMap<String, u32>>,
+}
+
+/// A key's write in flight, from its claim until it is applied (or failed).
+#[derive(Debug)]
+pub struct KeyWrite<'a> {
+    shard: &'a CacheShard,
+    key: String,
+}
+
+impl Drop for KeyWrite<'_> {
+    fn drop(&mut self) {
+        let mut m = self.shard.in_flight.borrow_mut();
+        if let Some(n) = m.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.key);
+            }
+        }
+        drop(m);
+        self.shard.changed.wake_all();
+    }
 }
 
 impl std::fmt::Debug for CacheShard {
@@ -434,6 +458,7 @@ impl CacheShard {
             log,
             state: RefCell::new(state),
             changed: crate::groups::Wakers::default(),
+            in_flight: RefCell::default(),
         })
     }
 
@@ -480,6 +505,7 @@ impl CacheShard {
     ) -> Result<u64, BrokerError> {
         let expires = ttl_ms.map_or(0, |t| now.wall_ms() + t.max(1));
         let rec = encode_cache_record(true, expires, key, &value);
+        let _writing = self.key_write(key);
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
         let appended = self.log.commit(pending).await?;
         // In commit order (no await since the commit returned): the index follows the log.
@@ -504,6 +530,7 @@ impl CacheShard {
             return Ok(None);
         };
         let rec = encode_cache_record(false, 0, key, &[]);
+        let _writing = self.key_write(key);
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
         let appended = self.log.commit(pending).await?;
         apply(
@@ -518,6 +545,43 @@ impl CacheShard {
         );
         self.changed.wake_all();
         Ok(Some(old.value))
+    }
+
+    /// Marks a write of `key` in flight until the returned guard drops.
+    pub fn key_write(&self, key: &str) -> KeyWrite<'_> {
+        *self
+            .in_flight
+            .borrow_mut()
+            .entry(key.to_owned())
+            .or_default() += 1;
+        KeyWrite {
+            shard: self,
+            key: key.to_owned(),
+        }
+    }
+
+    /// Waits until no write of `key` is in flight.
+    pub async fn key_settled(&self, key: &str) {
+        while self.in_flight.borrow().contains_key(key) {
+            self.changed.changed().await;
+        }
+    }
+
+    /// Checks a conditional write's condition against the applied index: `Err` with the
+    /// key's current version (none when absent) when it does not hold.
+    pub fn condition_holds(
+        &self,
+        key: &str,
+        condition: &felix_wire::message::CacheCondition,
+        now: Now,
+    ) -> Result<(), Option<u64>> {
+        use felix_wire::message::CacheCondition;
+        let current = self.get(key, now).map(|e| e.version);
+        match (condition, current) {
+            (CacheCondition::Absent, None) => Ok(()),
+            (CacheCondition::Version(v), Some(c)) if *v == c => Ok(()),
+            _ => Err(current),
+        }
     }
 
     /// Every record below this offset is applied to the index.

@@ -39,6 +39,7 @@ fn client_features() -> Features {
         | Features::PUBLISH_PIPELINE
         | Features::STREAM_PUBLISH_WINDOW
         | Features::COUNTERS
+        | Features::CACHE_CONDITIONAL
         | Features::IDEMPOTENT_PRODUCER
         | Features::ATOMIC_COMMIT
         | Features::CONSUMER_GROUP
@@ -710,6 +711,63 @@ impl Client {
                 ..
             } => Ok((value.map(|v| (v, version.unwrap_or(0))), as_of.map(|o| o.0))),
             other => Err(broker_error("state_get", other)),
+        }
+    }
+
+    /// Sets a cache key only if `condition` holds (absent, or at a version: the offset
+    /// of the put that wrote it). Returns whether it applied and the version (the new
+    /// one when applied, the current one, if any, when not).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn cache_put_if(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+        value: Bytes,
+        ttl_ms: Option<u64>,
+        condition: felix_wire::message::CacheCondition,
+    ) -> Result<(bool, Option<u64>), ClientError> {
+        self.require(Features::CACHE_CONDITIONAL, "cache_put_if")?;
+        let m = Message::CachePutIf {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            cache: cache.into(),
+            key: key.into(),
+            value,
+            ttl_ms,
+            condition,
+            request_id: RequestId(self.next_id()),
+        };
+        match self.request(m, "cache_put_if").await? {
+            Message::CacheConditionResult {
+                applied, version, ..
+            } => Ok((applied, version)),
+            other => Err(broker_error("cache_put_if", other)),
+        }
+    }
+
+    /// Removes a cache key only if its version is `version`; whether it applied.
+    pub async fn cache_delete_if(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+        version: u64,
+    ) -> Result<bool, ClientError> {
+        self.require(Features::CACHE_CONDITIONAL, "cache_delete_if")?;
+        let m = Message::CacheDeleteIf {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            cache: cache.into(),
+            key: key.into(),
+            version,
+            request_id: RequestId(self.next_id()),
+        };
+        match self.request(m, "cache_delete_if").await? {
+            Message::CacheConditionResult { applied, .. } => Ok(applied),
+            other => Err(broker_error("cache_delete_if", other)),
         }
     }
 

@@ -597,3 +597,113 @@ fn an_idempotent_resend_lands_once_even_after_a_broker_restart() {
         );
     });
 }
+
+#[test]
+fn conditional_cache_writes_apply_once_under_a_race() {
+    use felix_wire::message::CacheCondition;
+    let (b, _dir) = broker(&["--shards", "2"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let connect = || async {
+            felix_client::Client::connect(b.listen, "localhost", config(&b))
+                .await
+                .unwrap()
+        };
+        let clients: Vec<_> = futures_join(8, connect).await;
+        // Eight clients race to create the same key: one wins.
+        let racers = clients.iter().enumerate().map(|(i, c)| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                c.cache_put_if(
+                    "dev",
+                    "default",
+                    "locks",
+                    "leader",
+                    format!("c{i}").into(),
+                    None,
+                    CacheCondition::Absent,
+                )
+                .await
+                .unwrap()
+            })
+        });
+        let mut won = Vec::new();
+        for (i, r) in racers.collect::<Vec<_>>().into_iter().enumerate() {
+            let (applied, version) = r.await.unwrap();
+            if applied {
+                won.push((i, version.unwrap()));
+            }
+        }
+        assert_eq!(won.len(), 1, "exactly one create applies: {won:?}");
+        let (winner, version) = won[0];
+        let c = &clients[0];
+        assert_eq!(
+            c.cache_get("dev", "default", "locks", "leader")
+                .await
+                .unwrap()
+                .as_deref(),
+            Some(format!("c{winner}").as_bytes())
+        );
+        // Eight race to replace it at the version they read: one wins again.
+        let racers = clients.iter().enumerate().map(|(i, c)| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                c.cache_put_if(
+                    "dev",
+                    "default",
+                    "locks",
+                    "leader",
+                    format!("r{i}").into(),
+                    None,
+                    CacheCondition::Version(version),
+                )
+                .await
+                .unwrap()
+            })
+        });
+        let mut applied = 0;
+        let mut newest = None;
+        for r in racers.collect::<Vec<_>>() {
+            let (ok, v) = r.await.unwrap();
+            if ok {
+                applied += 1;
+                newest = v;
+            } else {
+                assert!(
+                    v.is_some_and(|v| v > version),
+                    "a loser learns the newer version"
+                );
+            }
+        }
+        assert_eq!(applied, 1, "exactly one replace applies");
+        // A delete at a stale version does nothing; at the current one it removes.
+        assert!(
+            !c.cache_delete_if("dev", "default", "locks", "leader", version)
+                .await
+                .unwrap()
+        );
+        assert!(
+            c.cache_delete_if("dev", "default", "locks", "leader", newest.unwrap())
+                .await
+                .unwrap()
+        );
+        assert_eq!(
+            c.cache_get("dev", "default", "locks", "leader")
+                .await
+                .unwrap(),
+            None
+        );
+    });
+}
+
+async fn futures_join<F, Fut>(n: usize, f: F) -> Vec<felix_client::Client>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = felix_client::Client>,
+{
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(f().await);
+    }
+    out
+}

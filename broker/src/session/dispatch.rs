@@ -97,6 +97,10 @@ pub enum CacheRequestOp {
     Put(Bytes, Option<u64>),
     /// `cache_delete`.
     Delete,
+    /// `cache_put_if`.
+    PutIf(Bytes, Option<u64>, message::CacheCondition),
+    /// `cache_delete_if`.
+    DeleteIf(u64),
     /// `counter_add`.
     CounterAdd(i64),
     /// `counter_get`.
@@ -588,6 +592,34 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
             (tenant_id, namespace, cache, key),
             request_id,
             CacheRequestOp::Delete,
+        ),
+        Message::CachePutIf {
+            tenant_id,
+            namespace,
+            cache,
+            key,
+            value,
+            ttl_ms,
+            condition,
+            request_id,
+        } => cache_request(
+            raw,
+            (tenant_id, namespace, cache, key),
+            Some(request_id),
+            CacheRequestOp::PutIf(value, ttl_ms, condition),
+        ),
+        Message::CacheDeleteIf {
+            tenant_id,
+            namespace,
+            cache,
+            key,
+            version,
+            request_id,
+        } => cache_request(
+            raw,
+            (tenant_id, namespace, cache, key),
+            Some(request_id),
+            CacheRequestOp::DeleteIf(version),
         ),
         Message::CounterAdd {
             tenant_id,
@@ -1303,9 +1335,11 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
     let error = |e: BrokerError| Action::Answer(answer::error(session, &e));
     let perm = match c.op {
         CacheRequestOp::Get => Perm::CacheRead,
-        CacheRequestOp::Put(..) | CacheRequestOp::Delete | CacheRequestOp::CounterAdd(_) => {
-            Perm::CacheWrite
-        }
+        CacheRequestOp::Put(..)
+        | CacheRequestOp::Delete
+        | CacheRequestOp::PutIf(..)
+        | CacheRequestOp::DeleteIf(_)
+        | CacheRequestOp::CounterAdd(_) => Perm::CacheWrite,
         CacheRequestOp::CounterGet => Perm::CacheRead,
     };
     let key = session
@@ -1337,6 +1371,8 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
                 CacheRequestOp::Get => CacheOp::Get(c.key.clone()),
                 CacheRequestOp::Put(v, ttl) => CacheOp::Put(c.key.clone(), v, ttl),
                 CacheRequestOp::Delete => CacheOp::Delete(c.key.clone()),
+                CacheRequestOp::PutIf(v, ttl, cond) => CacheOp::PutIf(c.key.clone(), v, ttl, cond),
+                CacheRequestOp::DeleteIf(version) => CacheOp::DeleteIf(c.key.clone(), version),
                 CacheRequestOp::CounterAdd(d) => CacheOp::CounterAdd(c.key.clone(), d),
                 CacheRequestOp::CounterGet => CacheOp::CounterGet(c.key.clone()),
             };

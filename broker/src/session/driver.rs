@@ -617,6 +617,11 @@ fn cache_answer(
 ) -> Bytes {
     match result {
         Err(e) => e.to_message(session.coded()),
+        Ok(CacheAnswer::Condition(applied, version)) => Message::CacheConditionResult {
+            applied,
+            version,
+            request_id: reply.request_id.unwrap_or_default(),
+        },
         Ok(CacheAnswer::Counter(value)) => Message::CounterValue {
             value,
             request_id: reply.request_id.unwrap_or_default(),

@@ -320,6 +320,13 @@ impl Harness {
                             request_id: Default::default(),
                         }
                     }
+                    CacheOp::PutIf(..) | CacheOp::DeleteIf(..) => {
+                        felix_wire::Message::CacheConditionResult {
+                            applied: false,
+                            version: None,
+                            request_id: Default::default(),
+                        }
+                    }
                     CacheOp::CounterAdd(..) | CacheOp::CounterGet(_) => {
                         felix_wire::Message::CounterValue {
                             value: None,
