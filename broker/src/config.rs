@@ -82,6 +82,9 @@ pub struct FileConfig {
     pub publish_window: Option<u32>,
     /// Consumer groups: how long a claim holds before the record is owed again.
     pub group_visibility_ms: Option<u64>,
+    /// Caches: writes since the last compaction before the next one (and at least four
+    /// times the live keys).
+    pub cache_compact_after: Option<u64>,
     /// Consumer groups: deliveries before a record is dead-lettered.
     pub group_max_attempts: Option<u32>,
     /// Consumer groups: claims outstanding per group; polls at the cap answer empty.
@@ -181,6 +184,8 @@ pub struct BrokerConfig {
     pub publish_window: u32,
     /// Consumer-group bounds.
     pub group_limits: crate::groups::tracker::Limits,
+    /// Cache compaction threshold (writes).
+    pub cache_compact_after: u64,
     /// Connection limit per core.
     pub max_connections: usize,
     /// Subscriber queue capacity.
@@ -642,6 +647,7 @@ impl BrokerConfig {
             streams: file.streams,
             pins,
             publish_window,
+            cache_compact_after: file.cache_compact_after.unwrap_or(10_000).max(1),
             group_limits: {
                 let d = crate::groups::tracker::Limits::default();
                 crate::groups::tracker::Limits {

@@ -325,6 +325,8 @@ pub struct CoreMetrics {
     pub cache_ops: AtomicU64,
     /// Consumer-group requests.
     pub group_ops: AtomicU64,
+    /// Cache compactions done.
+    pub cache_compactions: AtomicU64,
     /// Subscriptions ended because their shard moved to another broker.
     pub subscriptions_moved: AtomicU64,
     /// Idempotent re-sends answered from the log instead of appended again.
@@ -399,6 +401,8 @@ pub struct Shared {
     pub publish_window: u32,
     /// Consumer-group bounds.
     pub group_limits: crate::groups::tracker::Limits,
+    /// Cache compaction threshold (writes).
+    pub cache_compact_after: u64,
     /// Subscriber queue capacity (batches).
     pub subscriber_queue: usize,
     /// Max frame payload after auth.
@@ -1850,6 +1854,19 @@ impl CoreBroker {
             return self.cache_replicated(rs, op).await;
         }
         let shard = self.cache_shard(key).await?;
+        if shard.compaction_due(self.shared.cache_compact_after) {
+            let (shard, metrics) = (shard.clone(), self.metrics.clone());
+            task::spawn(async move {
+                match shard.compact().await {
+                    Ok(c) => {
+                        metrics.cache_compactions.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(shard = %shard.key, ?c, "cache compacted");
+                    }
+                    Err(e) => tracing::warn!(shard = %shard.key, error = %e, "cache compaction"),
+                }
+            })
+            .detach();
+        }
         let now = clock::now();
         match op {
             CacheOp::Get(k) => {

@@ -84,6 +84,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.cache_ops.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_cache_compactions_total",
+        "counter",
+        "Cache logs compacted (live values copied past a cut, older segments removed).",
+        |m| m.cache_compactions.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_subscriptions_moved_total",
         "counter",
         "Subscriptions ended with shard_moved because their shard moved to another broker.",

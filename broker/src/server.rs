@@ -255,6 +255,7 @@ pub fn start(
         node_id: config.node_id.clone(),
         publish_window: config.publish_window,
         group_limits: config.group_limits,
+        cache_compact_after: config.cache_compact_after,
         subscriber_queue: config.subscriber_queue,
         max_frame_bytes: felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES,
         limits: config.limits,

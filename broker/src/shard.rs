@@ -282,10 +282,12 @@ impl StreamShard {
 pub struct CacheEntry {
     /// The value.
     pub value: Bytes,
-    /// The offset of the put that wrote it.
+    /// The offset of the put that wrote it (kept by a compaction's copy).
     pub version: u64,
     /// Absolute expiry (ms since epoch); 0 = never.
     pub expires_at_ms: u64,
+    /// The offset of the record it was last restated at (the put, or its copy).
+    pub at: u64,
 }
 
 impl CacheEntry {
@@ -308,6 +310,21 @@ pub fn encode_counter_record(key: &str, delta: i64) -> Bytes {
     encode(2, delta as u64, key, &[])
 }
 
+/// A compaction's copy of a live value (op 3): a put that keeps the version of the put
+/// it copies (`u64` version first in the value part), so conditional writes see the
+/// same version after compaction.
+pub fn encode_carried_put(key: &str, expires_at_ms: u64, version: u64, value: &[u8]) -> Bytes {
+    let mut v = Vec::with_capacity(8 + value.len());
+    v.extend_from_slice(&version.to_be_bytes());
+    v.extend_from_slice(value);
+    encode(3, expires_at_ms, key, &v)
+}
+
+/// A compaction's checkpoint of a counter (op 4): the sum, replacing the deltas before.
+pub fn encode_counter_checkpoint(key: &str, sum: i64) -> Bytes {
+    encode(4, sum as u64, key, &[])
+}
+
 fn encode(op: u8, word: u64, key: &str, value: &[u8]) -> Bytes {
     let mut b = BytesMut::with_capacity(11 + key.len() + value.len());
     b.put_u8(op);
@@ -327,6 +344,8 @@ pub enum RecordOp {
     Delete,
     /// Add a signed delta to the counter of that key.
     Add(i64),
+    /// Set the counter of that key (a compaction's checkpoint).
+    Set(i64),
 }
 
 /// A decoded cache record.
@@ -340,6 +359,8 @@ pub struct CacheRecord {
     pub key: String,
     /// Value (puts).
     pub value: Bytes,
+    /// The version a compaction's copy keeps (otherwise the record's offset).
+    pub carried: Option<u64>,
 }
 
 /// Reads a cache record; `None` when malformed.
@@ -349,10 +370,15 @@ pub fn decode_cache_record(r: &Bytes) -> Option<CacheRecord> {
     let klen = usize::from(u16::from_be_bytes(r.get(9..11)?.try_into().ok()?));
     let key = std::str::from_utf8(r.get(11..11 + klen)?).ok()?.to_owned();
     let value = r.slice(11 + klen..);
-    let (op, expires_at_ms) = match op {
-        0 => (RecordOp::Put, word),
-        1 if value.is_empty() => (RecordOp::Delete, 0),
-        2 if value.is_empty() => (RecordOp::Add(word as i64), 0),
+    let (op, expires_at_ms, value, carried) = match op {
+        0 => (RecordOp::Put, word, value, None),
+        1 if value.is_empty() => (RecordOp::Delete, 0, value, None),
+        2 if value.is_empty() => (RecordOp::Add(word as i64), 0, value, None),
+        3 if value.len() >= 8 => {
+            let version = u64::from_be_bytes(value[..8].try_into().ok()?);
+            (RecordOp::Put, word, value.slice(8..), Some(version))
+        }
+        4 if value.is_empty() => (RecordOp::Set(word as i64), 0, value, None),
         _ => return None,
     };
     Some(CacheRecord {
@@ -360,7 +386,14 @@ pub fn decode_cache_record(r: &Bytes) -> Option<CacheRecord> {
         expires_at_ms,
         key,
         value,
+        carried,
     })
+}
+
+/// The in-flight key a counter's adds are tracked under (a cache key that happened to
+/// equal it would only make writes of it wait for those adds).
+fn counter_guard_key(name: &str) -> String {
+    format!("\u{0}counter\u{0}{name}")
 }
 
 /// What a cache log describes: the live values and the counters, up to `end`.
@@ -415,7 +448,37 @@ pub struct CacheShard {
     /// Writes claimed but not yet applied, per key: a conditional write waits for them,
     /// so its condition is checked against every write before it.
     in_flight: RefCell<HashMap<String, u32>>,
+    /// Writes since the last compaction.
+    writes: std::cell::Cell<u64>,
+    /// A compaction is running.
+    compacting: std::cell::Cell<bool>,
 }
+
+/// What one compaction did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Compacted {
+    /// The cut: everything below it was removed, what was live copied past it.
+    pub cut: u64,
+    /// Values copied.
+    pub values: usize,
+    /// Counters checkpointed.
+    pub counters: usize,
+    /// Segments removed.
+    pub segments: usize,
+}
+
+/// What a compaction copies next.
+enum Picked {
+    /// These values.
+    Copy(Vec<(String, CacheEntry)>),
+    /// Nothing now: the values left below the cut have writes in flight.
+    Wait,
+    /// Everything live is past the cut.
+    Done,
+}
+
+/// Live values or counters one compaction batch copies.
+const COMPACT_BATCH: usize = 64;
 
 /// A key's write in flight, from its claim until it is applied (or failed).
 #[derive(Debug)]
@@ -459,6 +522,8 @@ impl CacheShard {
             state: RefCell::new(state),
             changed: crate::groups::Wakers::default(),
             in_flight: RefCell::default(),
+            writes: std::cell::Cell::new(0),
+            compacting: std::cell::Cell::new(false),
         })
     }
 
@@ -507,6 +572,7 @@ impl CacheShard {
         let rec = encode_cache_record(true, expires, key, &value);
         let _writing = self.key_write(key);
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
+        self.writes.set(self.writes.get() + 1);
         let appended = self.log.commit(pending).await?;
         // In commit order (no await since the commit returned): the index follows the log.
         apply(
@@ -516,6 +582,7 @@ impl CacheShard {
                 expires_at_ms: expires,
                 key: key.to_owned(),
                 value,
+                carried: None,
             },
             appended.first,
         );
@@ -532,6 +599,7 @@ impl CacheShard {
         let rec = encode_cache_record(false, 0, key, &[]);
         let _writing = self.key_write(key);
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
+        self.writes.set(self.writes.get() + 1);
         let appended = self.log.commit(pending).await?;
         apply(
             &mut self.state.borrow_mut(),
@@ -540,11 +608,161 @@ impl CacheShard {
                 expires_at_ms: 0,
                 key: key.to_owned(),
                 value: Bytes::new(),
+                carried: None,
             },
             appended.first,
         );
         self.changed.wake_all();
         Ok(Some(old.value))
+    }
+
+    /// Whether the log holds enough overwritten records to compact: more writes since
+    /// the last compaction than `after` and than four times what is live.
+    pub fn compaction_due(&self, after: u64) -> bool {
+        if self.compacting.get() {
+            return false;
+        }
+        let st = self.state.borrow();
+        let live = (st.index.len() + st.counters.len()) as u64;
+        self.writes.get() > after.max(4 * live)
+    }
+
+    /// Compacts the log: cuts it at its next offset, copies every value still live
+    /// below the cut past it (keeping its version) and checkpoints every counter, then
+    /// removes the sealed segments below the cut. Writes go on meanwhile; a key written
+    /// again after the cut is not copied (its newer record is past the cut). Deletes
+    /// and expired values are simply not copied. Only for a cache this broker alone
+    /// holds (a replicated cache's log is cut by the replicas together: not built).
+    pub async fn compact(&self) -> Result<Compacted, BrokerError> {
+        if self.compacting.replace(true) {
+            return Err(BrokerError::Overloaded("compacting".into()));
+        }
+        let result = self.compact_now().await;
+        self.compacting.set(false);
+        result
+    }
+
+    async fn compact_now(&self) -> Result<Compacted, BrokerError> {
+        self.log.roll_next();
+        let cut = self.log.next_offset();
+        self.writes.set(0);
+        // Everything below the cut applied: what the index says below it is final.
+        while self.applied_end() < cut {
+            self.changed.changed().await;
+        }
+        let now = felix_core_runtime::clock::now();
+        let mut values = 0;
+        loop {
+            // Pick, claim and mark in one go (no wait in between): live values below
+            // the cut whose key has no write in flight.
+            let picked = self.pick_copies(cut, now.wall_ms());
+            let batch = match picked {
+                Picked::Done => break,
+                Picked::Wait => {
+                    // Left below the cut: values whose key has a write in flight. Wait
+                    // for it (applied: the value is past the cut; failed: copy it).
+                    self.changed.changed().await;
+                    continue;
+                }
+                Picked::Copy(batch) => batch,
+            };
+            let records: Vec<Bytes> = batch
+                .iter()
+                .map(|(k, e)| encode_carried_put(k, e.expires_at_ms, e.version, &e.value))
+                .collect();
+            let pending = self.log.begin_append(&records, now.wall_micros, None)?;
+            let guards: Vec<_> = batch.iter().map(|(k, _)| self.key_write(k)).collect();
+            let appended = self.log.commit(pending).await?;
+            {
+                let mut st = self.state.borrow_mut();
+                for (i, r) in records.iter().enumerate() {
+                    if let Some(rec) = decode_cache_record(r) {
+                        apply(&mut st, rec, appended.first + i as u64);
+                    }
+                }
+            }
+            values += records.len();
+            drop(guards);
+        }
+        // Counters: a checkpoint of each sum, taken while no add of it is in flight.
+        let names: Vec<String> = self.state.borrow().counters.keys().cloned().collect();
+        let mut counters = 0;
+        for chunk in names.chunks(COMPACT_BATCH) {
+            for name in chunk {
+                self.key_settled(&counter_guard_key(name)).await;
+            }
+            let (pending, guards, records) = {
+                let st = self.state.borrow();
+                let inflight = self.in_flight.borrow();
+                if chunk
+                    .iter()
+                    .any(|n| inflight.contains_key(&counter_guard_key(n)))
+                {
+                    // An add slipped in: checkpoint these on the next compaction instead
+                    // of cutting below their deltas. Nothing below the cut is removed.
+                    return Err(BrokerError::Overloaded("compaction raced a counter".into()));
+                }
+                let records: Vec<Bytes> = chunk
+                    .iter()
+                    .filter_map(|n| st.counters.get(n).map(|s| encode_counter_checkpoint(n, *s)))
+                    .collect();
+                drop(inflight);
+                drop(st);
+                if records.is_empty() {
+                    continue;
+                }
+                let pending = self.log.begin_append(&records, now.wall_micros, None)?;
+                let guards: Vec<_> = chunk
+                    .iter()
+                    .map(|n| self.key_write(&counter_guard_key(n)))
+                    .collect();
+                (pending, guards, records)
+            };
+            let appended = self.log.commit(pending).await?;
+            {
+                let mut st = self.state.borrow_mut();
+                for (i, r) in records.iter().enumerate() {
+                    if let Some(rec) = decode_cache_record(r) {
+                        apply(&mut st, rec, appended.first + i as u64);
+                    }
+                }
+            }
+            counters += records.len();
+            drop(guards);
+        }
+        // The copies are durable (commit waited for them): the segments below the cut
+        // can go.
+        let segments = self
+            .log
+            .enforce_retention_below(now.wall_micros, Some(0), None, cut)
+            .await?;
+        Ok(Compacted {
+            cut,
+            values,
+            counters,
+            segments,
+        })
+    }
+
+    /// The next batch of live values a compaction copies past `cut`.
+    fn pick_copies(&self, cut: u64, now_ms: u64) -> Picked {
+        let st = self.state.borrow();
+        let inflight = self.in_flight.borrow();
+        let batch: Vec<(String, CacheEntry)> = st
+            .index
+            .iter()
+            .filter(|(k, e)| e.at < cut && e.live(now_ms) && !inflight.contains_key(*k))
+            .take(COMPACT_BATCH)
+            .map(|(k, e)| (k.clone(), e.clone()))
+            .collect();
+        if !batch.is_empty() {
+            return Picked::Copy(batch);
+        }
+        if st.index.values().any(|e| e.at < cut && e.live(now_ms)) {
+            Picked::Wait
+        } else {
+            Picked::Done
+        }
     }
 
     /// Marks a write of `key` in flight until the returned guard drops.
@@ -638,6 +856,8 @@ impl CacheShard {
                     continue;
                 }
                 match rec.op {
+                    // A compaction's copy restates a value; it is not a change.
+                    RecordOp::Put if rec.carried.is_some() => {}
                     RecordOp::Put => out.push(WatchChange {
                         key: rec.key,
                         value: Some(rec.value),
@@ -650,7 +870,7 @@ impl CacheShard {
                         offset,
                         expires_at_ms: 0,
                     }),
-                    RecordOp::Add(_) => {}
+                    RecordOp::Add(_) | RecordOp::Set(_) => {}
                 }
             }
             next = b.end_offset().min(end);
@@ -679,7 +899,9 @@ impl CacheShard {
     pub async fn counter_add(&self, key: &str, delta: i64, now: Now) -> Result<i64, BrokerError> {
         self.check_add(key, delta)?;
         let rec = encode_counter_record(key, delta);
+        let _writing = self.key_write(&counter_guard_key(key));
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
+        self.writes.set(self.writes.get() + 1);
         let appended = self.log.commit(pending).await?;
         let mut state = self.state.borrow_mut();
         apply(
@@ -689,6 +911,7 @@ impl CacheShard {
                 expires_at_ms: 0,
                 key: key.to_owned(),
                 value: Bytes::new(),
+                carried: None,
             },
             appended.first,
         );
@@ -744,8 +967,9 @@ fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
                 rec.key,
                 CacheEntry {
                     value: rec.value,
-                    version: offset,
+                    version: rec.carried.unwrap_or(offset),
                     expires_at_ms: rec.expires_at_ms,
+                    at: offset,
                 },
             );
         }
@@ -757,6 +981,9 @@ fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
             // overflow before they are written.
             let sum = state.counters.entry(rec.key).or_insert(0);
             *sum = sum.wrapping_add(delta);
+        }
+        RecordOp::Set(sum) => {
+            state.counters.insert(rec.key, sum);
         }
     }
 }
@@ -774,7 +1001,8 @@ mod tests {
                 op: RecordOp::Put,
                 expires_at_ms: 42,
                 key: "k".into(),
-                value: Bytes::from_static(b"value")
+                value: Bytes::from_static(b"value"),
+                carried: None,
             })
         );
         for delta in [0, -1, i64::MIN, i64::MAX] {

@@ -435,6 +435,8 @@ struct State<F> {
     last_batch: Option<(u64, BatchKind)>,
     /// A truncation or reset holds the log (step 6a).
     exclusive: bool,
+    /// The next batch starts a new segment (a compaction's cut).
+    roll_requested: bool,
     /// The flusher is in a round.
     flushing: bool,
     /// Woken when the flusher ends a round or stops.
@@ -595,6 +597,7 @@ impl<B: Backend> SegmentLog<B> {
             stats: LogStats::default(),
             last_batch,
             exclusive: false,
+            roll_requested: false,
             flushing: false,
             idle_waiter: None,
             cuts: 0,
@@ -747,7 +750,8 @@ impl<B: Backend> SegmentLog<B> {
         // A batch is never split: roll first if it would pass the size limit (unless
         // the segment is empty, so an oversized batch gets a segment to itself).
         let roll = st.append_pos > SEGMENT_HEADER_BYTES as u64
-            && st.append_pos + len as u64 > cfg.segment_bytes_max;
+            && (st.roll_requested || st.append_pos + len as u64 > cfg.segment_bytes_max);
+        st.roll_requested = false;
         if roll {
             st.append_base = first;
             st.append_pos = SEGMENT_HEADER_BYTES as u64;
@@ -1144,6 +1148,13 @@ impl<B: Backend> SegmentLog<B> {
                 }));
             }
         }
+    }
+
+    /// Makes the next batch start a new segment (unless the current one is empty), so
+    /// that everything below the offset it gets lies in sealed segments: a compaction
+    /// copies what is live past that cut, then removes the segments below it.
+    pub fn roll_next(&self) {
+        self.shared.state.borrow_mut().roll_requested = true;
     }
 
     /// Deletes whole sealed segments from the head that the configured retention no

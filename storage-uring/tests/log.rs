@@ -574,3 +574,37 @@ fn a_backlog_is_flushed_in_bounded_rounds() {
 fn format_round_max() -> usize {
     felix_storage_uring::format::ROUND_BYTES_MAX
 }
+
+/// A compaction's cut: `roll_next` makes the next batch open a segment, so removing the
+/// sealed segments below it leaves exactly the records from the cut on.
+#[test]
+fn roll_next_cuts_a_segment_and_removal_below_it_keeps_the_rest() {
+    run(|| async {
+        let (log, _) = SegmentLog::open(MemBackend::new(), LogConfig::default())
+            .await
+            .unwrap();
+        fill(&log, 10, 100).await;
+        assert_eq!(log.segment_count(), 1);
+        log.roll_next();
+        let cut = log.next_offset();
+        fill(&log, 3, 100).await;
+        assert_eq!(
+            log.segment_count(),
+            2,
+            "the batch after the cut opened a segment"
+        );
+        let removed = log
+            .enforce_retention_below(0, Some(0), None, cut)
+            .await
+            .unwrap();
+        assert_eq!(removed, 1);
+        assert_eq!(log.base_offset(), cut);
+        check_contents(&read_all(&log).await, cut, cut + 3, 100);
+        // Asking twice rolls once.
+        log.roll_next();
+        log.roll_next();
+        fill(&log, 2, 100).await;
+        assert_eq!(log.segment_count(), 2);
+        log.close().await.unwrap();
+    });
+}

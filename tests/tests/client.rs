@@ -707,3 +707,147 @@ where
     }
     out
 }
+
+#[test]
+fn an_overwritten_cache_stays_small_on_disk_and_keeps_every_value_across_a_restart() {
+    use felix_wire::message::CacheCondition;
+    let dir = tempfile::tempdir().unwrap();
+    let config_file = dir.path().join("broker.yaml");
+    std::fs::write(
+        &config_file,
+        "segment_bytes: 65536\ncache_compact_after: 2000\n",
+    )
+    .unwrap();
+    let mut b = BrokerProcess::start_dev(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("data"),
+        &["--config", config_file.to_str().unwrap()],
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    const WRITERS: usize = 8;
+    const EACH: usize = 1500;
+    let (pinned_version, hot_before) = rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        c.cache_put(
+            "dev",
+            "default",
+            "hot",
+            "pinned",
+            "written once".into(),
+            None,
+        )
+        .await
+        .unwrap();
+        let (_, pinned_version) = c
+            .cache_put_if(
+                "dev",
+                "default",
+                "hot",
+                "pinned",
+                "written once".into(),
+                None,
+                CacheCondition::Absent,
+            )
+            .await
+            .unwrap();
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let config = config(&b);
+                let addr = b.listen;
+                tokio::spawn(async move {
+                    let c = felix_client::Client::connect(addr, "localhost", config)
+                        .await
+                        .unwrap();
+                    for i in 0..EACH {
+                        let v = format!("{w}-{i}-{}", "x".repeat(100));
+                        c.cache_put("dev", "default", "hot", "key", v.into(), None)
+                            .await
+                            .unwrap();
+                        c.counter_add("dev", "default", "hot", "writes", 1)
+                            .await
+                            .unwrap();
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.await.unwrap();
+        }
+        let hot = c.cache_get("dev", "default", "hot", "key").await.unwrap();
+        (pinned_version.expect("the current version"), hot)
+    });
+    let compactions = b.metric("felix_broker_cache_compactions_total").unwrap();
+    let dir_bytes = |p: &std::path::Path| -> u64 {
+        walk(p)
+            .iter()
+            .map(|f| f.metadata().map_or(0, |m| m.len()))
+            .sum()
+    };
+    let on_disk = dir_bytes(&b.data_dir.join("caches"));
+    eprintln!(
+        "{} puts and {} adds: {compactions} compactions, {on_disk} bytes of cache log on disk",
+        WRITERS * EACH,
+        WRITERS * EACH
+    );
+    assert!(compactions > 0, "the cache was compacted");
+    assert!(
+        on_disk < 1 << 20,
+        "an overwritten cache stays under 1 MiB on disk ({on_disk} bytes; ~6 MB written)"
+    );
+    b.kill();
+    b.restart().unwrap();
+    rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        assert_eq!(
+            c.cache_get("dev", "default", "hot", "key").await.unwrap(),
+            hot_before
+        );
+        assert_eq!(
+            c.cache_get("dev", "default", "hot", "pinned")
+                .await
+                .unwrap()
+                .as_deref(),
+            Some(&b"written once"[..])
+        );
+        assert_eq!(
+            c.counter_get("dev", "default", "hot", "writes")
+                .await
+                .unwrap(),
+            Some((WRITERS * EACH) as i64),
+            "every add survives compaction and restart"
+        );
+        // The value kept its version through the copies.
+        let (applied, _) = c
+            .cache_put_if(
+                "dev",
+                "default",
+                "hot",
+                "pinned",
+                "v2".into(),
+                None,
+                CacheCondition::Version(pinned_version),
+            )
+            .await
+            .unwrap();
+        assert!(applied, "the version a compaction carried still matches");
+    });
+}
+
+fn walk(p: &std::path::Path) -> Vec<std::fs::DirEntry> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(p) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                out.extend(walk(&e.path()));
+            } else {
+                out.push(e);
+            }
+        }
+    }
+    out
+}
