@@ -174,6 +174,12 @@ impl From<StorageError> for BrokerError {
             // The write was refused before anything reached the disk: nothing was
             // appended, and the log takes writes again once space is freed.
             StorageError::NoSpace { .. } => BrokerError::Overloaded("disk_full".into()),
+            // A read below what retention kept: the reader's cursor is too old.
+            StorageError::Trimmed { requested, oldest } => BrokerError::Cursor {
+                reason: felix_wire::message::CursorErrorReason::TooOld,
+                requested,
+                available: oldest,
+            },
             other => BrokerError::Storage(other.to_string()),
         }
     }

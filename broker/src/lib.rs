@@ -21,6 +21,7 @@ pub mod forward;
 pub mod groups;
 pub mod http;
 pub mod producers;
+pub mod reads;
 pub mod replication;
 pub mod server;
 pub mod session;

@@ -39,6 +39,8 @@ fn client_features() -> Features {
         | Features::PUBLISH_PIPELINE
         | Features::STREAM_PUBLISH_WINDOW
         | Features::COUNTERS
+        | Features::STREAM_READ
+        | Features::RECORD_TIMESTAMPS
         | Features::CACHE_CONDITIONAL
         | Features::IDEMPOTENT_PRODUCER
         | Features::ATOMIC_COMMIT
@@ -593,6 +595,72 @@ impl Client {
         match self.request(m, "counter_get").await? {
             Message::CounterValue { value, .. } => Ok(value),
             other => Err(broker_error("counter_get", other)),
+        }
+    }
+
+    /// Records of shard `shard` from `from` up to `end` (exclusive; as far as the log
+    /// goes when `None`), at most `max_records`; and the offset the next read starts
+    /// at. Served by the shard's leader only.
+    pub async fn stream_read(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        from: u64,
+        end: Option<u64>,
+        max_records: Option<u32>,
+    ) -> Result<(Vec<felix_wire::message::StreamRecord>, u64), ClientError> {
+        self.require(Features::STREAM_READ, "stream_read")?;
+        let m = Message::StreamRead {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            stream: stream.into(),
+            shard: felix_wire::ShardId(shard),
+            from: felix_wire::Offset(from),
+            end: end.map(felix_wire::Offset),
+            max_records,
+            max_bytes: None,
+            request_id: RequestId(self.next_id()),
+        };
+        match self
+            .request_on_own_stream(m, "stream_read", Duration::ZERO)
+            .await?
+        {
+            Message::StreamRecords {
+                records,
+                next_offset,
+                ..
+            } => Ok((records, next_offset.0)),
+            other => Err(broker_error("stream_read", other)),
+        }
+    }
+
+    /// The first offset of shard `shard` appended at or after `at_micros` (microseconds
+    /// since the Unix epoch); `None` when nothing is, yet.
+    pub async fn offset_for_time(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        at_micros: u64,
+    ) -> Result<Option<u64>, ClientError> {
+        self.require(Features::RECORD_TIMESTAMPS, "offset_for_time")?;
+        let m = Message::OffsetForTime {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            stream: stream.into(),
+            shard: felix_wire::ShardId(shard),
+            at_micros,
+            request_id: RequestId(self.next_id()),
+        };
+        match self
+            .request_on_own_stream(m, "offset_for_time", Duration::ZERO)
+            .await?
+        {
+            Message::OffsetValue { offset, .. } => Ok(offset.map(|o| o.0)),
+            other => Err(broker_error("offset_for_time", other)),
         }
     }
 

@@ -851,3 +851,113 @@ fn walk(p: &std::path::Path) -> Vec<std::fs::DirEntry> {
     }
     out
 }
+
+#[test]
+fn stream_read_returns_a_bounded_range_and_offset_for_time_finds_the_first_record_after() {
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        let publish = |i: usize| {
+            let c = c.clone();
+            async move {
+                c.publish(
+                    "dev",
+                    "default",
+                    "ranges",
+                    format!("r{i}").into_bytes(),
+                    AckMode::PerMessage,
+                )
+                .await
+                .unwrap()
+                .unwrap()
+            }
+        };
+        for i in 0..10 {
+            publish(i).await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let middle = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        for i in 10..20 {
+            publish(i).await;
+        }
+        // A group's events and an atomic commit sit in the log too.
+        let g = felix_client::GroupRef::new("dev", "default", "ranges", 0, "g");
+        let polled = c
+            .group_poll(
+                &g,
+                felix_client::PollOptions {
+                    max_records: 2,
+                    wait: Duration::ZERO,
+                    visibility: None,
+                },
+            )
+            .await
+            .unwrap();
+        c.group_ack(&g, polled[0].offset.0).await.unwrap();
+        let committed = c
+            .commit(
+                "dev",
+                "default",
+                "ranges",
+                "e",
+                "the event".into(),
+                vec![],
+                None,
+            )
+            .await
+            .unwrap();
+
+        let (records, next) = c
+            .stream_read("dev", "default", "ranges", 0, 5, Some(15), None)
+            .await
+            .unwrap();
+        let offsets: Vec<u64> = records.iter().map(|r| r.offset.0).collect();
+        assert_eq!(offsets, (5..15).collect::<Vec<_>>());
+        assert_eq!(next, 15);
+        assert_eq!(records[0].payload.as_ref(), b"r5");
+        let (records, next) = c
+            .stream_read("dev", "default", "ranges", 0, 5, None, Some(3))
+            .await
+            .unwrap();
+        assert_eq!(
+            (records.len(), next),
+            (3, 8),
+            "max_records bounds it; next resumes"
+        );
+        // From 18 to the end: r18, r19, then the commit's event; the group's events are
+        // passed over.
+        let (records, _) = c
+            .stream_read("dev", "default", "ranges", 0, 18, None, None)
+            .await
+            .unwrap();
+        let payloads: Vec<_> = records.iter().map(|r| r.payload.clone()).collect();
+        assert_eq!(payloads, [&b"r18"[..], b"r19", b"the event"]);
+        assert_eq!(records.last().unwrap().offset.0, committed);
+        assert_eq!(
+            c.offset_for_time("dev", "default", "ranges", 0, middle)
+                .await
+                .unwrap(),
+            Some(10),
+            "the first record at or after the instant"
+        );
+        assert_eq!(
+            c.offset_for_time("dev", "default", "ranges", 0, 0)
+                .await
+                .unwrap(),
+            Some(0)
+        );
+        assert_eq!(
+            c.offset_for_time("dev", "default", "ranges", 0, u64::MAX)
+                .await
+                .unwrap(),
+            None
+        );
+    });
+}

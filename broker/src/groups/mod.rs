@@ -583,7 +583,7 @@ impl GroupShard {
         group: &str,
         handed: &[(u64, u32)],
     ) -> Result<(Vec<GroupRecord>, usize), BrokerError> {
-        let mut found: BTreeMap<u64, Bytes> = BTreeMap::new();
+        let mut found: BTreeMap<u64, (Bytes, u64)> = BTreeMap::new();
         let mut wanted: Vec<u64> = handed.iter().map(|(o, _)| *o).collect();
         wanted.sort_unstable();
         let mut covered_end = 0u64;
@@ -602,7 +602,7 @@ impl GroupShard {
                     let at = b.base_offset + i as u64;
                     if wanted.binary_search(&at).is_ok() {
                         bytes += r.len();
-                        found.insert(at, r);
+                        found.insert(at, (r, b.timestamp_micros));
                     }
                 }
             }
@@ -616,7 +616,9 @@ impl GroupShard {
                         t.skip(o);
                         passed += 1;
                     }
-                    Some(payload) if out.is_empty() || bytes + payload.len() <= POLL_BYTES_MAX => {
+                    Some((payload, at))
+                        if out.is_empty() || bytes + payload.len() <= POLL_BYTES_MAX =>
+                    {
                         bytes += payload.len();
                         out.push(GroupRecord {
                             offset: Offset(o),
@@ -624,7 +626,7 @@ impl GroupShard {
                             attempts,
                             skipped_before: 0,
                             publisher: None,
-                            timestamp_micros: None,
+                            timestamp_micros: Some(at),
                         });
                     }
                     _ => t.release(o, attempts),

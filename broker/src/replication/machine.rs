@@ -27,7 +27,7 @@
 //! - Batches keep the boundaries their writer gave them on every replica, so a cut is
 //!   always at a batch boundary.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -333,9 +333,11 @@ impl Cursor {
 #[derive(Debug)]
 struct Candidate {
     replicas: Vec<NodeId>,
-    /// Who accepted our fence: `(base, end, last_generation)`.
-    fenced: HashMap<NodeId, (u64, u64, u64)>,
-    fence_sent: HashMap<NodeId, Instant>,
+    /// Who accepted our fence: `(base, end, last_generation)`. Ordered maps here and in
+    /// [`Leading`]: iteration order decides the order of outputs (and the source chosen
+    /// among equally-ahead logs), which must not vary from process to process.
+    fenced: BTreeMap<NodeId, (u64, u64, u64)>,
+    fence_sent: BTreeMap<NodeId, Instant>,
     /// The log we take, and its end.
     source: Option<(NodeId, u64)>,
     /// Our log agrees with the source's up to here.
@@ -349,7 +351,7 @@ struct Leading {
     replicas: Vec<NodeId>,
     /// Offset of this generation's start record: the commit mark counts past it only.
     start: u64,
-    cursors: HashMap<NodeId, Cursor>,
+    cursors: BTreeMap<NodeId, Cursor>,
 }
 
 #[derive(Debug)]
@@ -558,8 +560,8 @@ impl Replica {
         }
         self.role = Role::Candidate(Candidate {
             replicas: a.replicas.clone(),
-            fenced: HashMap::new(),
-            fence_sent: HashMap::new(),
+            fenced: BTreeMap::new(),
+            fence_sent: BTreeMap::new(),
             source: None,
             verified: self.commit,
             fetch_sent: None,

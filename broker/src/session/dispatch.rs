@@ -72,6 +72,15 @@ impl Publish {
     }
 }
 
+/// A bounded read by position.
+#[derive(Debug, Clone, Copy)]
+pub enum Query {
+    /// `stream_read`: from, end, max records, max bytes.
+    Range(u64, Option<u64>, Option<u32>, Option<u32>),
+    /// `offset_for_time`: the instant, microseconds since the epoch.
+    OffsetForTime(u64),
+}
+
 /// What a state request does.
 #[derive(Debug, Clone)]
 pub enum StateRequest {
@@ -202,6 +211,21 @@ pub enum Request {
         /// Current values first.
         retained: bool,
     },
+    /// `stream_read`.
+    StreamRead {
+        /// Tenant.
+        tenant: String,
+        /// Namespace.
+        namespace: String,
+        /// Stream.
+        stream: String,
+        /// Shard.
+        shard: u32,
+        /// Correlation.
+        request_id: RequestId,
+        /// What to read.
+        query: Query,
+    },
     /// An atomic commit or a state read on the stream shard `entity_key` routes to.
     State {
         /// Tenant.
@@ -283,6 +307,15 @@ pub enum Action {
         op: CacheOp,
         /// Who is owed the answer, and the names it echoes.
         reply: CacheReply,
+    },
+    /// A bounded read by position on a stream shard this broker serves.
+    Query {
+        /// The stream shard.
+        key: Arc<ShardKey>,
+        /// What to read.
+        query: Query,
+        /// Correlation.
+        request_id: RequestId,
     },
     /// Start a cache watch and its pump.
     CacheWatch {
@@ -687,6 +720,39 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
                 retained,
             }
         }
+        Message::StreamRead {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            from,
+            end,
+            max_records,
+            max_bytes,
+            request_id,
+        } => Request::StreamRead {
+            tenant: tenant_id,
+            namespace,
+            stream,
+            shard: shard.0,
+            request_id,
+            query: Query::Range(from.0, end.map(|o| o.0), max_records, max_bytes),
+        },
+        Message::OffsetForTime {
+            tenant_id,
+            namespace,
+            stream,
+            shard,
+            at_micros,
+            request_id,
+        } => Request::StreamRead {
+            tenant: tenant_id,
+            namespace,
+            stream,
+            shard: shard.0,
+            request_id,
+            query: Query::OffsetForTime(at_micros),
+        },
         Message::Commit {
             tenant_id,
             namespace,
@@ -1117,6 +1183,34 @@ pub fn decide(
             Err(e) => error(e),
         },
         Request::Cache(c) => cache(session, dir, c, now),
+        Request::StreamRead {
+            tenant,
+            namespace,
+            stream,
+            shard,
+            request_id,
+            query,
+        } => {
+            let key = session
+                .authorize(Perm::StreamSubscribe, &tenant, &namespace, &stream, now)
+                .and_then(|()| {
+                    let entry = dir.stream(&tenant, &namespace, &stream, false)?;
+                    shard_key(&entry, &tenant, &namespace, &stream, shard)
+                });
+            match key.map(|k| (dir.resolve(&k), k)) {
+                Ok((Resolved::Local, key)) => Action::Query {
+                    key,
+                    query,
+                    request_id,
+                },
+                // Not forwarded: the client reads from the leader.
+                Ok((Resolved::Remote(route), _)) => Action::Answer(not_leader(session, &route)),
+                Ok((Resolved::Unavailable(reason), _)) => {
+                    error(BrokerError::ShardUnavailable(reason.into()))
+                }
+                Err(e) => error(e),
+            }
+        }
         Request::CacheWatch {
             tenant,
             namespace,

@@ -516,6 +516,49 @@ async fn execute(
             })));
             true
         }
+        Action::Query {
+            key,
+            query,
+            request_id,
+        } => {
+            let (core, session) = (core.clone(), session.clone());
+            answers.push(Answer::Pending(Box::pin(async move {
+                let frame = match query {
+                    dispatch::Query::Range(from, end, max_records, max_bytes) => {
+                        match crate::reads::stream_read(
+                            &core,
+                            key,
+                            from,
+                            end,
+                            max_records,
+                            max_bytes,
+                        )
+                        .await
+                        {
+                            Ok((records, next)) => Message::StreamRecords {
+                                records,
+                                next_offset: Offset(next),
+                                request_id,
+                            }
+                            .to_frame(),
+                            Err(e) => answer::error(&session, &e),
+                        }
+                    }
+                    dispatch::Query::OffsetForTime(at) => {
+                        match crate::reads::offset_for_time(&core, key, at).await {
+                            Ok(offset) => Message::OffsetValue {
+                                offset: offset.map(Offset),
+                                request_id,
+                            }
+                            .to_frame(),
+                            Err(e) => answer::error(&session, &e),
+                        }
+                    }
+                };
+                Some(frame)
+            })));
+            true
+        }
         Action::CacheWatch {
             key,
             filter,

@@ -281,7 +281,7 @@ impl Harness {
                     self.push(Some(f));
                 }
             },
-            Action::CacheWatch { .. } => {
+            Action::Query { .. } | Action::CacheWatch { .. } => {
                 self.push(None);
             }
             Action::State { request_id, .. } => {
