@@ -601,6 +601,7 @@ impl Client {
     /// Records of shard `shard` from `from` up to `end` (exclusive; as far as the log
     /// goes when `None`), at most `max_records`; and the offset the next read starts
     /// at. Served by the shard's leader only.
+    #[allow(clippy::too_many_arguments)]
     pub async fn stream_read(
         &self,
         tenant: &str,
