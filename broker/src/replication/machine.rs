@@ -779,8 +779,13 @@ impl Replica {
             self.refuse(&from, Refusal::Fenced, 0);
             return;
         }
-        if self.ingest.is_some() {
-            // One message at a time; the leader resends after its timeout.
+        if let Some(ing) = &mut self.ingest {
+            // One message at a time; the leader resends after its timeout. Keep the commit
+            // mark it carries, though: an idle leader does not send it again. (Capped at
+            // the message being applied: that prefix is verified against this leader.)
+            if !ing.fetched && ing.generation == generation {
+                ing.commit = ing.commit.max(commit.min(ing.end));
+            }
             return;
         }
         self.ingest(from, generation, prev, commit, batches, false, now);
@@ -1346,7 +1351,12 @@ impl Replica {
                 }
                 cur.sent_at = None;
             }
-            if cur.next < durable || (heartbeat && cur.told_commit < commit) {
+            // `matched < next`: where it stands is unverified (e.g. it fenced again and we
+            // moved `next` to its end): probe, even with nothing new to ship.
+            if cur.next < durable
+                || cur.matched < cur.next
+                || (heartbeat && cur.told_commit < commit)
+            {
                 cur.reading = true;
                 reads.push((peer.clone(), cur.next));
             }

@@ -159,6 +159,8 @@ struct Sim {
     /// Who acknowledged in each generation.
     ackers: HashMap<u64, usize>,
     writes: u64,
+    /// Faults are over: clients stop writing, so the replicas settle on a fixed target.
+    healed: bool,
 }
 
 /// `r`, broken as `config` asks.
@@ -215,6 +217,7 @@ impl Sim {
             committed_checked: vec![0; config.nodes],
             ackers: HashMap::new(),
             writes: 0,
+            healed: false,
         }
     }
 
@@ -563,8 +566,14 @@ impl Sim {
                     self.drive(node);
                 }
             }
-            Event::Restart { node } => self.restart(node),
+            Event::Restart { node } => {
+                // `heal` may have restarted it already.
+                if self.nodes[node].replica.is_none() {
+                    self.restart(node);
+                }
+            }
             Event::Crash { node } => self.crash(node),
+            Event::ClientWrite if self.healed => {}
             Event::ClientWrite => {
                 self.client_write();
                 let delay = self.rng.random_range(1..10);
@@ -668,6 +677,7 @@ impl Sim {
     }
 
     fn heal(&mut self) {
+        self.healed = true;
         self.cut_links.clear();
         self.config.loss = 0.0;
         self.config.duplicate = 0.0;
