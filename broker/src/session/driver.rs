@@ -510,9 +510,19 @@ async fn execute(
         }
         Action::Cache { key, op, reply } => {
             let (core, session) = (core.clone(), session.clone());
+            // Started now, not when its answer's turn comes: pipelined requests are in
+            // flight together (and share a group commit).
+            let started = run_to_completion(async move { core.cache(key, op).await });
             answers.push(Answer::Pending(Box::pin(async move {
-                let result = core.cache(key, op).await;
-                Some(cache_answer(&session, reply, result))
+                Some(cache_answer(
+                    &session,
+                    reply,
+                    started.await.unwrap_or_else(|_| {
+                        Err(BrokerError::Internal(
+                            "the request's task ended unanswered".into(),
+                        ))
+                    }),
+                ))
             })));
             true
         }
@@ -595,9 +605,17 @@ async fn execute(
             request_id,
         } => {
             let (core, session) = (core.clone(), session.clone());
+            let started = run_to_completion(async move { core.state(key, op).await });
             answers.push(Answer::Pending(Box::pin(async move {
-                let result = core.state(key, op).await;
-                Some(state_answer(&session, request_id, result))
+                Some(state_answer(
+                    &session,
+                    request_id,
+                    started.await.unwrap_or_else(|_| {
+                        Err(BrokerError::Internal(
+                            "the request's task ended unanswered".into(),
+                        ))
+                    }),
+                ))
             })));
             true
         }
@@ -607,10 +625,27 @@ async fn execute(
             request_id,
         } => {
             let (core, session) = (core.clone(), session.clone());
-            answers.push(Answer::Pending(Box::pin(async move {
-                let result = core.group(key, op).await;
-                Some(group_answer(&session, request_id, result))
-            })));
+            // A poll is cancelled with its connection (records claimed for a consumer
+            // that went away would wait out their visibility); settles run to completion.
+            if matches!(op, crate::groups::GroupOp::Poll { .. }) {
+                let started = task::spawn(async move { core.group(key, op).await });
+                answers.push(Answer::Pending(Box::pin(async move {
+                    Some(group_answer(&session, request_id, started.await))
+                })));
+            } else {
+                let started = run_to_completion(async move { core.group(key, op).await });
+                answers.push(Answer::Pending(Box::pin(async move {
+                    Some(group_answer(
+                        &session,
+                        request_id,
+                        started.await.unwrap_or_else(|_| {
+                            Err(BrokerError::Internal(
+                                "the request's task ended unanswered".into(),
+                            ))
+                        }),
+                    ))
+                })));
+            }
             true
         }
         Action::Subscribe { key, start } => {
@@ -683,6 +718,20 @@ fn cache_answer(
         },
     }
     .to_frame()
+}
+
+/// Starts `f` now as a task of its own that runs to completion even if the connection
+/// goes away (a write once begun is finished, not abandoned half way), and returns the
+/// wait for its outcome.
+fn run_to_completion<T: 'static>(
+    f: impl std::future::Future<Output = T> + 'static,
+) -> futures_channel::oneshot::Receiver<T> {
+    let (tx, rx) = futures_channel::oneshot::channel();
+    task::spawn(async move {
+        let _ = tx.send(f.await);
+    })
+    .detach();
+    rx
 }
 
 fn state_answer(
