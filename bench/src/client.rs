@@ -60,7 +60,7 @@ impl Target {
         Ok((ep, conn))
     }
 
-    fn auth(&self) -> Bytes {
+    pub(crate) fn auth(&self) -> Bytes {
         Message::Auth {
             tenant_id: self.tenant.clone(),
             token: self.token.clone(),

@@ -297,14 +297,17 @@ pub struct NatsDriver {
     pub addr: SocketAddr,
 }
 
-enum NatsMsg {
-    Msg { payload: Bytes },
+pub(crate) enum NatsMsg {
+    Msg {
+        payload: Bytes,
+        reply: Option<String>,
+    },
     Ping,
     Err(String),
     Other,
 }
 
-async fn nats_read(
+pub(crate) async fn nats_read(
     r: &mut BufReader<OwnedReadHalf>,
     line: &mut String,
 ) -> anyhow::Result<Option<NatsMsg>> {
@@ -328,7 +331,10 @@ async fn nats_read(
             r.read_exact(&mut buf).await?;
             buf.truncate(total);
             let payload = Bytes::from(buf).slice(headers..);
-            Ok(Some(NatsMsg::Msg { payload }))
+            // MSG <subject> <sid> [reply] <size>; HMSG adds the header size.
+            let fixed = if op == "HMSG" { 4 } else { 3 };
+            let reply = (fields.len() > fixed).then(|| fields[2].to_owned());
+            Ok(Some(NatsMsg::Msg { payload, reply }))
         }
         "PING" => Ok(Some(NatsMsg::Ping)),
         "-ERR" => Ok(Some(NatsMsg::Err(l.to_owned()))),
@@ -336,7 +342,7 @@ async fn nats_read(
     }
 }
 
-async fn nats_connect(
+pub(crate) async fn nats_connect(
     addr: SocketAddr,
 ) -> anyhow::Result<(BufReader<OwnedReadHalf>, OwnedWriteHalf)> {
     let s = TcpStream::connect(addr).await?;
@@ -358,7 +364,7 @@ async fn nats_connect(
 }
 
 /// One JetStream API request.
-async fn nats_request(
+pub(crate) async fn nats_request(
     addr: SocketAddr,
     subject: &str,
     body: &str,
@@ -375,7 +381,7 @@ async fn nats_request(
     let mut line = String::new();
     loop {
         match nats_read(&mut r, &mut line).await? {
-            Some(NatsMsg::Msg { payload }) => {
+            Some(NatsMsg::Msg { payload, .. }) => {
                 let v: serde_json::Value = serde_json::from_slice(&payload)?;
                 if let Some(e) = v.get("error") {
                     bail!("nats {subject}: {e}");
@@ -436,7 +442,7 @@ impl Driver for NatsDriver {
                 let mut line = String::new();
                 loop {
                     match nats_read(&mut r, &mut line).await? {
-                        Some(NatsMsg::Msg { payload }) => {
+                        Some(NatsMsg::Msg { payload, .. }) => {
                             if payload.windows(7).any(|w| w == b"\"error\"") {
                                 bail!("nats publish failed: {}", String::from_utf8_lossy(&payload));
                             }
@@ -495,7 +501,9 @@ impl Consumer for NatsConsumer {
         Box::pin(async move {
             loop {
                 match nats_read(&mut self.r, &mut self.line).await? {
-                    Some(NatsMsg::Msg { payload }) => return Ok(Some(vec![stamp_of(&payload)])),
+                    Some(NatsMsg::Msg { payload, .. }) => {
+                        return Ok(Some(vec![stamp_of(&payload)]));
+                    }
                     Some(NatsMsg::Ping) => self.w.write_all(b"PONG\r\n").await?,
                     Some(NatsMsg::Err(e)) => bail!("nats: {e}"),
                     Some(NatsMsg::Other) => {}
@@ -517,7 +525,7 @@ pub struct RedisDriver {
 
 /// A RESP value (only what XADD and XREAD answer).
 #[derive(Debug)]
-enum Resp {
+pub(crate) enum Resp {
     Simple,
     Error(String),
     Int,
@@ -525,7 +533,7 @@ enum Resp {
     Array(Option<Vec<Resp>>),
 }
 
-fn read_resp<'a>(
+pub(crate) fn read_resp<'a>(
     r: &'a mut BufReader<OwnedReadHalf>,
     line: &'a mut String,
 ) -> Pin<Box<dyn Future<Output = anyhow::Result<Option<Resp>>> + Send + 'a>> {
@@ -568,7 +576,7 @@ fn read_resp<'a>(
     })
 }
 
-fn resp_command(buf: &mut BytesMut, args: &[&[u8]]) {
+pub(crate) fn resp_command(buf: &mut BytesMut, args: &[&[u8]]) {
     buf.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
     for a in args {
         buf.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());

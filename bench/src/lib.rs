@@ -6,6 +6,7 @@ pub mod client;
 pub mod compare;
 pub mod drivers;
 pub mod peers;
+pub mod queue;
 pub mod quic;
 pub mod replication;
 pub mod report;

@@ -74,6 +74,30 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         samples: usize,
     },
+    /// Queues: consumer groups, durable, against NATS JetStream pull consumers and Redis
+    /// Streams consumer groups: claim + ack throughput and round latency.
+    Queue {
+        /// Brokers to drive.
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            default_value = "felix,nats,redis"
+        )]
+        peers: Vec<felix_bench::compare::Peer>,
+        /// Consumer counts.
+        #[arg(long, value_delimiter = ',', default_value = "1,8")]
+        consumers: Vec<usize>,
+        /// Records per cell (1 KiB each).
+        #[arg(long, default_value_t = 20_000)]
+        records: usize,
+        /// Records one claim takes at most.
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Repetitions (medians are reported).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// Broker: 1 KiB records, batch 1 and 64, fanout 1 and 10; ack and delivery latency.
     Broker {
         /// `on-commit`, `periodic:<ms>` or `none`.
@@ -127,6 +151,19 @@ fn main() -> anyhow::Result<()> {
             println!(
                 "{}",
                 felix_bench::replication::run(rounds, batches, samples)?
+            );
+            Ok(())
+        }
+        Command::Queue {
+            peers,
+            consumers,
+            records,
+            batch,
+            rounds,
+        } => {
+            println!(
+                "{}",
+                felix_bench::queue::run(&peers, &consumers, records, batch, rounds)?
             );
             Ok(())
         }
