@@ -84,8 +84,8 @@ pub fn run(
         x.sort_by(f64::total_cmp);
         x[x.len() / 2]
     };
-    let mut md = format!(
-        "| broker | consumers | records/s | round p50 µs | round p99 µs |\n|---|---|---|---|---|\n"
+    let mut md = String::from(
+        "| broker | consumers | records/s | round p50 µs | round p99 µs |\n|---|---|---|---|---|\n",
     );
     for (peer, n, v) in &cells {
         md += &format!(
@@ -451,12 +451,11 @@ async fn redis_consumer(addr: SocketAddr, stream: String, i: usize, batch: usize
         args.extend(ids.iter().map(|id| id.as_ref()));
         resp_command(&mut buf, &args);
         w.write_all(&buf).await?;
-        match read_resp(&mut r, &mut line)
+        if let Resp::Error(e) = read_resp(&mut r, &mut line)
             .await?
             .context("redis closed")?
         {
-            Resp::Error(e) => bail!("redis XACK: {e}"),
-            _ => {}
+            bail!("redis XACK: {e}");
         }
         done += ids.len();
         lat.push(t.elapsed().as_secs_f64() * 1e6);
