@@ -397,6 +397,9 @@ pub struct Shared {
     pub cluster: Option<Arc<Cluster>>,
     /// This broker's node id.
     pub node_id: String,
+    /// The client address a standalone broker answers `topology` with (`None` when it
+    /// listens on an unspecified address).
+    pub client_addr: Option<std::net::SocketAddr>,
     /// Acked publishes a stream may have unanswered.
     pub publish_window: u32,
     /// Consumer-group bounds.
@@ -573,12 +576,16 @@ impl Directory for CoreBroker {
     }
 
     fn topology(&self) -> Vec<(String, String)> {
-        // A standalone broker has no other broker to offer: an empty answer.
-        self.shared
-            .cluster
-            .as_ref()
-            .map(|c| c.brokers())
-            .unwrap_or_default()
+        match &self.shared.cluster {
+            Some(c) => c.brokers(),
+            // A standalone broker is the whole cluster: it answers with itself (when it
+            // listens on an address a client can dial).
+            None => self
+                .shared
+                .client_addr
+                .map(|a| vec![(self.shared.node_id.clone(), a.to_string())])
+                .unwrap_or_default(),
+        }
     }
 
     fn owners(&self, kind: ShardKind, t: &str, ns: &str, name: &str) -> Vec<(u32, Route)> {

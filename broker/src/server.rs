@@ -253,6 +253,7 @@ pub fn start(
         keys: keys.clone(),
         cluster: cluster.clone(),
         node_id: config.node_id.clone(),
+        client_addr: (!listen.ip().is_unspecified()).then_some(listen),
         publish_window: config.publish_window,
         group_limits: config.group_limits,
         cache_compact_after: config.cache_compact_after,

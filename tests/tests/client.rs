@@ -961,3 +961,25 @@ fn stream_read_returns_a_bounded_range_and_offset_for_time_finds_the_first_recor
         );
     });
 }
+
+#[test]
+fn a_standalone_broker_answers_topology_with_itself() {
+    let (b, _dir) = broker(&[]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_felix-under-test"))
+        .arg("--broker")
+        .arg(b.listen.to_string())
+        .arg("--token-file")
+        .arg(b.data_dir.join("dev/token"))
+        .arg("--ca")
+        .arg(b.ca_file())
+        .arg("topology")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.trim(), format!("node-1 {}", b.listen), "{text}");
+}
