@@ -765,10 +765,12 @@ pub async fn final_logs(
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut got = BTreeMap::new();
         // A whole read (the subscription went quiet) that ends short of the highest
-        // acknowledged offset, the same three times running, is the log as it is: it
-        // goes to the checker, which reports what it lacks (a log shorter than what was
-        // acknowledged is exactly what the checker is for).
-        let (mut last_end, mut same) = (None, 0);
+        // acknowledged offset, the same for 15 s running, is the log as it is: it goes
+        // to the checker, which reports what it lacks (a log shorter than what was
+        // acknowledged is exactly what the checker is for). Not sooner: a deposed
+        // broker that has not heard of its successor yet serves its own, shorter log for
+        // a few seconds.
+        let mut short: Option<(u64, Instant)> = None;
         loop {
             anyhow::ensure!(
                 Instant::now() < deadline,
@@ -806,11 +808,15 @@ pub async fn final_logs(
             if end >= want {
                 break;
             }
-            same = if last_end == Some(end) { same + 1 } else { 0 };
-            last_end = Some(end);
-            if same >= 2 {
-                break;
+            match short {
+                Some((e, since)) if e == end => {
+                    if since.elapsed() >= Duration::from_secs(15) {
+                        break;
+                    }
+                }
+                _ => short = Some((end, Instant::now())),
             }
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
         out.insert((spec.name.to_owned(), 0), got);
     }
