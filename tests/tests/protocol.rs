@@ -94,9 +94,10 @@ fn protocol_edges() {
                 request_id: Some(felix_wire::RequestId(9)),
             })
         );
-        assert_eq!(
-            answers[2],
-            Some(Message::TopologyView { brokers: vec![] }),
+        // The broker names itself in its topology; what matters is that it answered.
+        assert!(
+            matches!(answers[2], Some(Message::TopologyView { .. })),
+            "{}: {answers:?}",
             "the stream kept serving"
         );
 
@@ -171,9 +172,10 @@ fn protocol_edges() {
             ),
             "{answers:?}"
         );
-        assert_eq!(
-            answers[2],
-            Some(Message::TopologyView { brokers: vec![] }),
+        // The broker names itself in its topology; what matters is that it answered.
+        assert!(
+            matches!(answers[2], Some(Message::TopologyView { .. })),
+            "{}: {answers:?}",
             "the stream stayed aligned"
         );
     });
