@@ -2221,7 +2221,20 @@ impl CoreBroker {
                 self.close_shard(&key).await;
                 dirs.push(shard_dir(&self.shared.data_dir, &key));
             }
-            let parent = dirs.first().and_then(|d| d.parent().map(PathBuf::from));
+            // The stream's directory goes with the last core to finish, which may own none
+            // of its shards (then `dirs` is empty): name it from the stream, not from them.
+            let parent = shard_dir(
+                &self.shared.data_dir,
+                &ShardKey {
+                    kind,
+                    tenant: d.tenant.clone(),
+                    namespace: d.namespace.clone(),
+                    name: d.name.clone(),
+                    shard: 0,
+                },
+            )
+            .parent()
+            .map(PathBuf::from);
             let (catalog, d2) = (catalog.clone(), d.clone());
             let removed = task::spawn_blocking(move || {
                 for dir in &dirs {
