@@ -175,22 +175,11 @@ impl ReplicaShard {
         now_micros: u64,
         tag: Option<(u64, u64)>,
     ) -> Result<(PendingAppend, u64), BrokerError> {
-        let mut m = self.machine.borrow_mut();
-        if !m.serving() || !self.ready.get() {
-            return Err(BrokerError::ShardUnavailable("not_ready".into()));
-        }
         let tag = tag.map(|(producer_id, sequence)| felix_storage_uring::ProducerTag {
             producer_id,
             sequence,
         });
-        let pending = self.log.begin_append(records, now_micros, tag)?;
-        if !m.handle_appended(pending.first(), pending.end()) {
-            return Err(BrokerError::Internal(format!(
-                "{}: the log and the replica disagree on the end",
-                self.key
-            )));
-        }
-        Ok((pending, self.term.get()))
+        self.admit_with(|log| log.begin_append(records, now_micros, tag))
     }
 
     /// As [`ReplicaShard::admit`], for an atomic commit's one record (a `Commit` batch).
@@ -199,18 +188,7 @@ impl ReplicaShard {
         record: &Bytes,
         now_micros: u64,
     ) -> Result<(PendingAppend, u64), BrokerError> {
-        let mut m = self.machine.borrow_mut();
-        if !m.serving() || !self.ready.get() {
-            return Err(BrokerError::ShardUnavailable("not_ready".into()));
-        }
-        let pending = self.log.begin_commit(record, now_micros)?;
-        if !m.handle_appended(pending.first(), pending.end()) {
-            return Err(BrokerError::Internal(format!(
-                "{}: the log and the replica disagree on the end",
-                self.key
-            )));
-        }
-        Ok((pending, self.term.get()))
+        self.admit_with(|log| log.begin_commit(record, now_micros))
     }
 
     /// As [`ReplicaShard::admit`], for consumer-group events (a `Group` batch).
@@ -219,11 +197,22 @@ impl ReplicaShard {
         records: &[Bytes],
         now_micros: u64,
     ) -> Result<(PendingAppend, u64), BrokerError> {
+        self.admit_with(|log| log.begin_group(records, now_micros))
+    }
+
+    /// Claims with `claim` on the serving leader and tells the machine where the log
+    /// now ends: the one admission path every kind of write takes.
+    fn admit_with(
+        &self,
+        claim: impl FnOnce(
+            &SegmentLog<DmaBackend>,
+        ) -> Result<PendingAppend, felix_storage_uring::StorageError>,
+    ) -> Result<(PendingAppend, u64), BrokerError> {
         let mut m = self.machine.borrow_mut();
         if !m.serving() || !self.ready.get() {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
-        let pending = self.log.begin_group(records, now_micros)?;
+        let pending = claim(&self.log)?;
         if !m.handle_appended(pending.first(), pending.end()) {
             return Err(BrokerError::Internal(format!(
                 "{}: the log and the replica disagree on the end",
