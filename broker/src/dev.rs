@@ -94,6 +94,7 @@ pub fn prepare(data_dir: &Path, tenant: &str) -> anyhow::Result<DevSetup> {
                 exp: now + 10 * 365 * 24 * 3600,
                 nbf: None,
                 perms: auth::all_data_perms(tenant),
+                jti: None,
             });
             write_private(&token_path, t.as_bytes())?;
             t

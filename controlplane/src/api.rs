@@ -25,6 +25,7 @@ use serde_json::{Value, json};
 use crate::model::*;
 use crate::placement;
 use crate::replication::{ReplicaReports, ReplicaStatus, StoredReport, Verdict};
+use crate::sealing::{Keyring, Sealed};
 use crate::store::{Doc, Expect, Kind, Op, Store, StoreError};
 
 use base64 as b64;
@@ -105,6 +106,8 @@ pub struct AppState {
     pub config: ApiConfig,
     /// The latest replica report per shard (memory only).
     pub reports: ReplicaReports,
+    /// Seals and opens tenants' private signing keys.
+    pub keyring: Arc<Keyring>,
 }
 
 /// An API error.
@@ -265,55 +268,164 @@ fn val<T: Serialize>(v: &T) -> Value {
 
 // ---- Keys and tokens ----------------------------------------------------------------
 
+/// A tenant's signing key as stored: the public half in clear, the private half sealed
+/// with the keyring's current KEK (`crate::sealing`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct StoredKey {
     kid: String,
-    pkcs8: String,
+    /// The raw Ed25519 public key, base64url without padding (a JWK's `x`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    public: Option<String>,
+    /// The PKCS#8 private key, sealed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sealed: Option<Sealed>,
+    /// The PKCS#8 private key in clear base64, as versions before sealing stored it;
+    /// sealed (and removed) when the service starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pkcs8: Option<String>,
+    /// Whether new tokens are signed with it (one per tenant).
     active: bool,
+    #[serde(default)]
+    created_ms: u64,
 }
 
-async fn tenant_keys(
-    store: &dyn Store,
-    tenant: &str,
-) -> ApiResult<(TenantKeys, Option<SigningKey>)> {
-    let mut keys = TenantKeys::default();
-    let mut active = None;
-    for d in store.list(Kind::SigningKey, &format!("{tenant}/")).await? {
-        let k: StoredKey = to(&d)?;
-        let pkcs8 = b64::engine::general_purpose::STANDARD
-            .decode(&k.pkcs8)
-            .map_err(|e| {
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-            })?;
-        let sk = SigningKey::from_pkcs8(&pkcs8, &k.kid).map_err(|e| {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
-        })?;
-        keys.add(tenant, &k.kid, sk.public_key());
-        if k.active {
-            active = Some(sk);
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+}
+
+impl StoredKey {
+    fn new(keyring: &Keyring, tenant: &str, key: &SigningKey, active: bool) -> StoredKey {
+        StoredKey {
+            kid: key.kid.clone(),
+            public: Some(b64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key.public_key())),
+            sealed: Some(keyring.seal(&format!("{tenant}/{}", key.kid), key.pkcs8())),
+            pkcs8: None,
+            active,
+            created_ms: now_ms(),
         }
     }
-    Ok((keys, active))
+
+    /// The raw public key (from a legacy clear row, the private key's public half).
+    fn public_key(&self) -> ApiResult<Vec<u8>> {
+        if let Some(x) = &self.public {
+            return b64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(x)
+                .map_err(internal);
+        }
+        let pkcs8 = self
+            .clear_pkcs8()
+            .ok_or_else(|| internal(format!("signing key {} has no public key", self.kid)))??;
+        Ok(SigningKey::from_pkcs8(&pkcs8, &self.kid)
+            .map_err(internal)?
+            .public_key())
+    }
+
+    fn clear_pkcs8(&self) -> Option<ApiResult<Vec<u8>>> {
+        self.pkcs8.as_ref().map(|p| {
+            b64::engine::general_purpose::STANDARD
+                .decode(p)
+                .map_err(internal)
+        })
+    }
+
+    /// The private key, opened with `keyring`.
+    fn open(&self, keyring: &Keyring, tenant: &str) -> ApiResult<SigningKey> {
+        let pkcs8 = match (&self.sealed, self.clear_pkcs8()) {
+            (Some(sealed), _) => keyring
+                .open(&format!("{tenant}/{}", self.kid), sealed)
+                .map_err(internal)?,
+            (None, Some(clear)) => clear?,
+            (None, None) => return Err(internal(format!("signing key {} is empty", self.kid))),
+        };
+        SigningKey::from_pkcs8(&pkcs8, &self.kid).map_err(internal)
+    }
 }
 
-fn new_key_op(tenant: &str) -> ApiResult<(Op, SigningKey)> {
-    let kid = format!("{tenant}-{}", now_ms());
-    let key = SigningKey::generate(&kid)
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
-    let stored = StoredKey {
-        kid: kid.clone(),
-        pkcs8: b64::engine::general_purpose::STANDARD.encode(key.pkcs8()),
-        active: true,
-    };
+/// A tenant's verification keys (public halves only; nothing is opened).
+async fn tenant_keys(store: &dyn Store, tenant: &str) -> ApiResult<TenantKeys> {
+    let mut keys = TenantKeys::default();
+    for d in store.list(Kind::SigningKey, &format!("{tenant}/")).await? {
+        let k: StoredKey = to(&d)?;
+        keys.add(tenant, &k.kid, k.public_key()?);
+    }
+    Ok(keys)
+}
+
+/// The tenant's active signing key, opened.
+async fn active_key(st: &AppState, tenant: &str) -> ApiResult<SigningKey> {
+    for d in st
+        .store
+        .list(Kind::SigningKey, &format!("{tenant}/"))
+        .await?
+    {
+        let k: StoredKey = to(&d)?;
+        if k.active {
+            return k.open(&st.keyring, tenant);
+        }
+    }
+    Err(ApiError::not_found(format!(
+        "tenant {tenant} has no active signing key"
+    )))
+}
+
+fn random_hex(bytes: usize) -> String {
+    use ring::rand::SecureRandom as _;
+    let mut b = vec![0u8; bytes];
+    ring::rand::SystemRandom::new()
+        .fill(&mut b)
+        .expect("the system random source");
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn new_key_op(keyring: &Keyring, tenant: &str, active: bool) -> ApiResult<(Op, SigningKey)> {
+    let kid = format!("{tenant}-{}-{}", now_ms(), random_hex(3));
+    let key = SigningKey::generate(&kid).map_err(internal)?;
     Ok((
         Op::Put {
             kind: Kind::SigningKey,
             key: format!("{tenant}/{kid}"),
-            value: val(&stored),
+            value: val(&StoredKey::new(keyring, tenant, &key, active)),
             expect: Expect::Absent,
         },
         key,
     ))
+}
+
+/// Seals with the current KEK every signing key stored in clear or sealed with a
+/// previous KEK; refuses (naming the row and KEK) one sealed with a KEK not configured.
+/// Returns how many rows it rewrote.
+pub async fn reseal_keys(store: &dyn Store, keyring: &Keyring) -> anyhow::Result<usize> {
+    let mut rewritten = 0;
+    for d in store.list(Kind::SigningKey, "").await? {
+        let k: StoredKey = serde_json::from_value(d.value.clone())?;
+        let stale = match &k.sealed {
+            Some(s) => keyring.stale(&s.kek),
+            None => true,
+        };
+        if !stale {
+            continue;
+        }
+        let Some((tenant, _)) = d.key.split_once('/') else {
+            anyhow::bail!("signing key row {:?} is not tenant/kid", d.key);
+        };
+        let key = k
+            .open(keyring, tenant)
+            .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+        let resealed = StoredKey {
+            created_ms: k.created_ms,
+            ..StoredKey::new(keyring, tenant, &key, k.active)
+        };
+        store
+            .batch(vec![Op::Put {
+                kind: Kind::SigningKey,
+                key: d.key.clone(),
+                value: val(&resealed),
+                expect: Expect::Version(d.version),
+            }])
+            .await?;
+        rewritten += 1;
+    }
+    Ok(rewritten)
 }
 
 fn sign(
@@ -323,9 +435,10 @@ fn sign(
     audience: &str,
     perms: Vec<String>,
     ttl: u64,
-) -> String {
+) -> (String, String) {
     let now = now_ms() / 1000;
-    key.sign(&Claims {
+    let jti = random_hex(16);
+    let token = key.sign(&Claims {
         iss: ISSUER.into(),
         aud: audience.into(),
         sub: sub.into(),
@@ -334,7 +447,9 @@ fn sign(
         exp: now + ttl,
         nbf: None,
         perms,
-    })
+        jti: Some(jti.clone()),
+    });
+    (token, jti)
 }
 
 /// Authenticates the bearer token (control-plane audience) against its tenant's keys.
@@ -346,10 +461,15 @@ async fn authenticate(st: &AppState, headers: &HeaderMap) -> ApiResult<Grant> {
         .ok_or_else(|| ApiError::unauthenticated("missing Authorization: Bearer token"))?;
     let tenant = TenantKeys::claimed_tenant(token)
         .ok_or_else(|| ApiError::unauthenticated("malformed token"))?;
-    let (keys, _) = tenant_keys(st.store.as_ref(), &tenant).await?;
+    let keys = tenant_keys(st.store.as_ref(), &tenant).await?;
     let grant = keys
         .verify_for(token, &tenant, now_ms() / 1000, CONTROLPLANE_AUDIENCE)
         .map_err(|e| ApiError::unauthenticated(e.to_string()))?;
+    if let Some(jti) = &grant.jti
+        && denied(st.store.as_ref(), &tenant, jti).await?
+    {
+        return Err(ApiError::unauthenticated(format!("token {jti} is revoked")));
+    }
     // Cluster-scope permissions mean something only from the operator tenant.
     if tenant != OPERATOR_TENANT && grant.perm_strings().iter().any(|p| operator_only(p)) {
         return Err(ApiError::forbidden(
@@ -422,7 +542,7 @@ async fn bootstrap(
         ));
     }
     let req: BootstrapBody = body(b).await?;
-    let (key_op, key) = new_key_op(OPERATOR_TENANT)?;
+    let (key_op, key) = new_key_op(&st.keyring, OPERATOR_TENANT, true)?;
     st.store
         .batch(vec![
             Op::Put {
@@ -452,7 +572,7 @@ async fn bootstrap(
         "node.manage:cluster:*".to_owned(),
         "node.view:cluster:*".to_owned(),
     ];
-    let token = sign(
+    let (token, _) = sign(
         &key,
         OPERATOR_TENANT,
         &req.principal,
@@ -503,7 +623,7 @@ async fn create_tenant(
     require(&g, "tenant.manage", "cluster", &["*"])?;
     let t: Tenant = body(b).await?;
     name("tenant_id", &t.tenant_id)?;
-    let (key_op, _) = new_key_op(&t.tenant_id)?;
+    let (key_op, _) = new_key_op(&st.keyring, &t.tenant_id, true)?;
     st.store
         .batch(vec![
             Op::Put {
@@ -561,12 +681,7 @@ async fn jwks(State(st): State<AppState>, Path(t): Path<String>) -> ApiResult<Js
     let mut keys = Vec::new();
     for d in st.store.list(Kind::SigningKey, &format!("{t}/")).await? {
         let k: StoredKey = to(&d)?;
-        let pkcs8 = b64::engine::general_purpose::STANDARD
-            .decode(&k.pkcs8)
-            .unwrap_or_default();
-        if let Ok(sk) = SigningKey::from_pkcs8(&pkcs8, &k.kid) {
-            keys.push(Jwk::ed25519(&k.kid, &sk.public_key()));
-        }
+        keys.push(Jwk::ed25519(&k.kid, &k.public_key()?));
     }
     Ok(Json(json!({"keys": keys})))
 }
@@ -622,9 +737,8 @@ async fn issue_token(
             )));
         }
     }
-    let (_, key) = tenant_keys(st.store.as_ref(), &t).await?;
-    let key = key.ok_or_else(|| ApiError::not_found(format!("tenant {t} has no signing key")))?;
-    let token = sign(
+    let key = active_key(&st, &t).await?;
+    let (token, jti) = sign(
         &key,
         &t,
         &req.sub,
@@ -632,7 +746,9 @@ async fn issue_token(
         req.perms,
         req.ttl_seconds,
     );
-    Ok(Json(json!({"token": token, "expires_in": req.ttl_seconds})))
+    Ok(Json(
+        json!({"token": token, "jti": jti, "kid": key.kid, "expires_in": req.ttl_seconds}),
+    ))
 }
 
 async fn list_namespaces(
@@ -1588,6 +1704,385 @@ async fn abandon(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiResult
     ))
 }
 
+// ---- Signing keys, revocation and the audit log ----------------------------------
+
+#[derive(Serialize)]
+struct KeyView {
+    kid: String,
+    active: bool,
+    created_ms: u64,
+    /// The id of the KEK that seals it (never the key itself).
+    sealed_by: Option<String>,
+}
+
+async fn list_signing_keys(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(t): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "tenant", &[&t])?;
+    must_exist(&st, Kind::Tenant, &t).await?;
+    let mut items = Vec::new();
+    for d in st.store.list(Kind::SigningKey, &format!("{t}/")).await? {
+        let k: StoredKey = to(&d)?;
+        items.push(KeyView {
+            kid: k.kid,
+            active: k.active,
+            created_ms: k.created_ms,
+            sealed_by: k.sealed.map(|s| s.kek),
+        });
+    }
+    Ok(Json(json!({"items": items})))
+}
+
+/// `POST /v1/tenants/{t}/signing-keys`: stages a new key. It verifies at once (brokers
+/// learn it with the JWKS) but signs only once activated, so a rotation can wait until
+/// every broker knows the new key before tokens signed by it appear.
+async fn stage_signing_key(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(t): Path<String>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "tenant", &[&t])?;
+    let tenant = must_exist(&st, Kind::Tenant, &t).await?;
+    let (op, key) = new_key_op(&st.keyring, &t, false)?;
+    // Written at the tenant's version: a tenant deleted meanwhile keeps no stray key.
+    st.store
+        .batch(vec![
+            Op::Put {
+                kind: Kind::Tenant,
+                key: t.clone(),
+                value: tenant.value.clone(),
+                expect: Expect::Version(tenant.version),
+            },
+            op,
+        ])
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"kid": key.kid, "active": false})),
+    ))
+}
+
+/// `POST /v1/tenants/{t}/signing-keys/{kid}/activate`: new tokens are signed with it;
+/// the previous active key keeps verifying until retired.
+async fn activate_signing_key(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, kid)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "tenant", &[&t])?;
+    let docs = st.store.list(Kind::SigningKey, &format!("{t}/")).await?;
+    if !docs.iter().any(|d| d.key == format!("{t}/{kid}")) {
+        return Err(ApiError::not_found(format!("tenant {t} has no key {kid}")));
+    }
+    let mut ops = Vec::new();
+    for d in docs {
+        let mut k: StoredKey = to(&d)?;
+        let want = k.kid == kid;
+        if k.active != want {
+            k.active = want;
+            ops.push(Op::Put {
+                kind: Kind::SigningKey,
+                key: d.key.clone(),
+                value: val(&k),
+                expect: Expect::Version(d.version),
+            });
+        }
+    }
+    if !ops.is_empty() {
+        st.store.batch(ops).await?;
+    }
+    Ok(Json(json!({"kid": kid, "active": true})))
+}
+
+/// `DELETE /v1/tenants/{t}/signing-keys/{kid}`: retires a key. Tokens it signed stop
+/// verifying: brokers drop it with their next key sync and close the connections that
+/// authenticated with it. The active key cannot be retired (activate another first).
+async fn retire_signing_key(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path((t, kid)): Path<(String, String)>,
+) -> ApiResult<StatusCode> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "tenant", &[&t])?;
+    let key = format!("{t}/{kid}");
+    let d = st
+        .store
+        .get(Kind::SigningKey, &key)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("tenant {t} has no key {kid}")))?;
+    let k: StoredKey = to(&d)?;
+    if k.active {
+        return Err(ApiError::conflict(format!(
+            "{kid} is the active signing key: activate another before retiring it"
+        )));
+    }
+    st.store
+        .batch(vec![Op::Delete {
+            kind: Kind::SigningKey,
+            key,
+            expect: Expect::Version(d.version),
+        }])
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A revoked token.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Denial {
+    tenant_id: String,
+    jti: String,
+    /// Until when (s since the epoch) the denial is kept: the token's expiry.
+    until: u64,
+    #[serde(default)]
+    reason: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DenyRequest {
+    jti: String,
+    /// The token's expiry, when known; a denial outliving it is pointless.
+    #[serde(default)]
+    until: Option<u64>,
+    #[serde(default)]
+    reason: String,
+}
+
+/// Longest a denial is kept without a stated expiry: the longest token lifetime.
+const DENIAL_MAX_SECS: u64 = 365 * 24 * 3600;
+
+async fn denied(store: &dyn Store, tenant: &str, jti: &str) -> ApiResult<bool> {
+    Ok(
+        match store.get(Kind::Denial, &format!("{tenant}/{jti}")).await? {
+            Some(d) => to::<Denial>(&d)?.until >= now_ms() / 1000,
+            None => false,
+        },
+    )
+}
+
+/// `POST /v1/tenants/{t}/token-denials {jti, until?, reason?}`: revokes one token now,
+/// for emergencies (a leaked token), without retiring the key that signed it.
+async fn deny_token(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(t): Path<String>,
+    b: Body,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "tenant", &[&t])?;
+    let req: DenyRequest = body(b).await?;
+    if req.jti.is_empty()
+        || req.jti.len() > 128
+        || !req
+            .jti
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
+    {
+        return Err(ApiError::invalid("jti", "1-128 of [A-Za-z0-9-_]"));
+    }
+    let now = now_ms() / 1000;
+    let until = req
+        .until
+        .unwrap_or(now + DENIAL_MAX_SECS)
+        .min(now + DENIAL_MAX_SECS);
+    must_exist(&st, Kind::Tenant, &t).await?;
+    let denial = Denial {
+        tenant_id: t.clone(),
+        jti: req.jti.clone(),
+        until,
+        reason: req.reason.chars().take(256).collect(),
+    };
+    st.store
+        .batch(vec![Op::Put {
+            kind: Kind::Denial,
+            key: format!("{t}/{}", req.jti),
+            value: val(&denial),
+            expect: Expect::Any,
+        }])
+        .await?;
+    Ok((StatusCode::CREATED, Json(val(&denial))))
+}
+
+async fn live_denials(store: &dyn Store, prefix: &str) -> ApiResult<Vec<Denial>> {
+    let now = now_ms() / 1000;
+    Ok(store
+        .list(Kind::Denial, prefix)
+        .await?
+        .iter()
+        .map(to::<Denial>)
+        .collect::<ApiResult<Vec<_>>>()?
+        .into_iter()
+        .filter(|d| d.until >= now)
+        .collect())
+}
+
+async fn tenant_denials(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(t): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "tenant", &[&t])?;
+    let items = live_denials(st.store.as_ref(), &format!("{t}/")).await?;
+    Ok(Json(json!({"items": items})))
+}
+
+/// `GET /v1/token-denials`: every live denial, for brokers (cluster view).
+async fn all_denials(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "node.view", "cluster", &["*"])?;
+    let items = live_denials(st.store.as_ref(), "").await?;
+    Ok(Json(json!({"items": items})))
+}
+
+/// One control-plane write, as the audit log keeps it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct AuditEntry {
+    at_ms: u64,
+    /// The caller's principal (`bootstrap` for the bootstrap token, `anonymous` without
+    /// a token). For an answer of 401 it is what the token claimed, unverified.
+    principal: String,
+    /// The caller's tenant.
+    tenant: String,
+    method: String,
+    path: String,
+    status: u16,
+}
+
+/// What a bearer token claims (`tid`, `sub`), read without verifying it: the handler
+/// verifies; the audit log only labels the request.
+fn claimed_caller(headers: &HeaderMap) -> (String, String) {
+    if headers.contains_key("x-felix-bootstrap-token") {
+        return ("bootstrap".into(), OPERATOR_TENANT.into());
+    }
+    let claims = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|t| t.split('.').nth(1))
+        .and_then(|c| b64::engine::general_purpose::URL_SAFE_NO_PAD.decode(c).ok())
+        .and_then(|c| serde_json::from_slice::<Value>(&c).ok());
+    match claims {
+        Some(c) => (
+            c["sub"].as_str().unwrap_or("").chars().take(128).collect(),
+            c["tid"].as_str().unwrap_or("").chars().take(128).collect(),
+        ),
+        None => ("anonymous".into(), String::new()),
+    }
+}
+
+/// Paths whose writes are routine broker traffic, not operator actions.
+fn routine(path: &str) -> bool {
+    path.ends_with("/heartbeat") || path.ends_with("/replica-status") || path.starts_with("/debug/")
+}
+
+/// Records every write (POST, PUT, PATCH, DELETE) with its outcome once answered.
+async fn audit(
+    State(st): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let method = req.method().clone();
+    let write = !matches!(
+        method,
+        axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
+    );
+    let path = req.uri().path().to_owned();
+    if !write || routine(&path) {
+        return next.run(req).await;
+    }
+    let (principal, tenant) = claimed_caller(req.headers());
+    let answer = next.run(req).await;
+    let entry = AuditEntry {
+        at_ms: now_ms(),
+        principal,
+        tenant,
+        method: method.to_string(),
+        path,
+        status: answer.status().as_u16(),
+    };
+    let key = format!("{:013}-{}", entry.at_ms, random_hex(4));
+    // The write has happened whatever this does; a lost entry is logged, not hidden.
+    if let Err(e) = st
+        .store
+        .batch(vec![Op::Put {
+            kind: Kind::Audit,
+            key,
+            value: val(&entry),
+            expect: Expect::Absent,
+        }])
+        .await
+    {
+        tracing::error!(error = %e, ?entry, "audit entry not stored");
+    }
+    answer
+}
+
+#[derive(Deserialize)]
+struct AuditQuery {
+    #[serde(default)]
+    since_ms: u64,
+    #[serde(default = "audit_page")]
+    limit: usize,
+}
+
+fn audit_page() -> usize {
+    500
+}
+
+async fn audit_entries(st: &AppState, q: &AuditQuery, tenant: Option<&str>) -> ApiResult<Value> {
+    let limit = q.limit.clamp(1, 5000);
+    let mut items = Vec::new();
+    let mut next = None;
+    for d in st.store.list(Kind::Audit, "").await? {
+        let e: AuditEntry = to(&d)?;
+        if e.at_ms < q.since_ms {
+            continue;
+        }
+        if let Some(t) = tenant
+            && e.tenant != t
+            && !e.path.starts_with(&format!("/v1/tenants/{t}/"))
+            && e.path != format!("/v1/tenants/{t}")
+        {
+            continue;
+        }
+        if items.len() == limit {
+            next = Some(e.at_ms);
+            break;
+        }
+        items.push(e);
+    }
+    Ok(json!({"items": items, "next_since_ms": next}))
+}
+
+/// `GET /v1/audit?since_ms=&limit=`: every write, oldest first (operators).
+async fn audit_log(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Query(q): Query<AuditQuery>,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "cluster", &["*"])?;
+    Ok(Json(audit_entries(&st, &q, None).await?))
+}
+
+/// `GET /v1/tenants/{t}/audit`: the writes made by or to one tenant.
+async fn tenant_audit_log(
+    State(st): State<AppState>,
+    h: HeaderMap,
+    Path(t): Path<String>,
+    Query(q): Query<AuditQuery>,
+) -> ApiResult<Json<Value>> {
+    let g = authenticate(&st, &h).await?;
+    require(&g, "tenant.manage", "tenant", &[&t])?;
+    Ok(Json(audit_entries(&st, &q, Some(&t)).await?))
+}
+
 /// The router.
 pub fn router(state: AppState) -> Router {
     let debug = if state.config.fault_injection {
@@ -1606,6 +2101,25 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/tenants/{t}", axum::routing::delete(delete_tenant))
         .route("/v1/tenants/{t}/.well-known/jwks.json", get(jwks))
         .route("/v1/tenants/{t}/tokens", post(issue_token))
+        .route(
+            "/v1/tenants/{t}/signing-keys",
+            get(list_signing_keys).post(stage_signing_key),
+        )
+        .route(
+            "/v1/tenants/{t}/signing-keys/{kid}/activate",
+            post(activate_signing_key),
+        )
+        .route(
+            "/v1/tenants/{t}/signing-keys/{kid}",
+            axum::routing::delete(retire_signing_key),
+        )
+        .route(
+            "/v1/tenants/{t}/token-denials",
+            get(tenant_denials).post(deny_token),
+        )
+        .route("/v1/token-denials", get(all_denials))
+        .route("/v1/audit", get(audit_log))
+        .route("/v1/tenants/{t}/audit", get(tenant_audit_log))
         .route(
             "/v1/tenants/{t}/namespaces",
             get(list_namespaces).post(create_namespace),
@@ -1643,5 +2157,6 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/placement/replication", get(replication_view))
         .route("/v1/placement/abandon", post(abandon))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(axum::middleware::from_fn_with_state(state.clone(), audit))
         .with_state(state)
 }

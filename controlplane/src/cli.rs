@@ -38,6 +38,14 @@ struct Args {
     /// Time between placement passes.
     #[arg(long)]
     placement_interval_ms: Option<u64>,
+    /// File holding the key-encryption key (32 bytes, base64: `openssl rand -base64
+    /// 32`) that seals tenants' signing keys in the store. Required with Postgres.
+    #[arg(long)]
+    key_encryption_key_file: Option<String>,
+    /// A previous key-encryption key still accepted to open keys (repeatable; for
+    /// rotation: every key is sealed again with the current one at start).
+    #[arg(long = "previous-key-encryption-key-file")]
+    previous_key_encryption_key_files: Vec<String>,
     /// Serve POST /debug/clock, which steps this process's wall clock (tests and
     /// chaos runs only; also FELIX_FAULT_INJECTION=1).
     #[arg(long)]
@@ -69,6 +77,8 @@ pub fn main() -> anyhow::Result<()> {
             regrant_margin_ms: args.regrant_margin_ms,
             replica_restore_after_ms: args.replica_restore_after_ms,
             placement_interval_ms: args.placement_interval_ms,
+            key_encryption_key_file: args.key_encryption_key_file,
+            previous_key_encryption_key_files: args.previous_key_encryption_key_files,
         },
     )?;
     let mut config = config;

@@ -8,7 +8,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::api::ApiConfig;
-use crate::server::{ServerConfig, StoreConfig};
+use crate::sealing::read_kek;
+use crate::server::{KeySource, ServerConfig, StoreConfig};
 
 /// The YAML file (every key optional).
 #[derive(Debug, Default, Deserialize)]
@@ -30,6 +31,11 @@ pub struct FileConfig {
     pub replica_restore_after_ms: Option<u64>,
     /// Time between placement passes.
     pub placement_interval_ms: Option<u64>,
+    /// File holding the key-encryption key (32 bytes, base64) that seals tenants'
+    /// signing keys in the store.
+    pub key_encryption_key_file: Option<String>,
+    /// Files of earlier key-encryption keys, still accepted to open (a rotation).
+    pub previous_key_encryption_key_files: Option<Vec<String>>,
 }
 
 /// Values given as flags.
@@ -51,6 +57,10 @@ pub struct Overrides {
     pub replica_restore_after_ms: Option<u64>,
     /// `--placement-interval-ms`.
     pub placement_interval_ms: Option<u64>,
+    /// `--key-encryption-key-file`.
+    pub key_encryption_key_file: Option<String>,
+    /// `--previous-key-encryption-key-file` (repeatable).
+    pub previous_key_encryption_key_files: Vec<String>,
 }
 
 /// A bad setting.
@@ -198,7 +208,47 @@ pub fn resolve(file: FileConfig, flags: Overrides) -> Result<ServerConfig, Confi
         flags.placement_interval_ms,
         1000,
     )?;
+    let (kek, source_name) = pick(
+        "FELIX_CONTROLPLANE_KEK_FILE",
+        file.key_encryption_key_file,
+        flags.key_encryption_key_file,
+    );
+    let (previous, _) = pick(
+        "FELIX_CONTROLPLANE_PREVIOUS_KEK_FILES",
+        file.previous_key_encryption_key_files.map(|v| v.join(",")),
+        (!flags.previous_key_encryption_key_files.is_empty())
+            .then(|| flags.previous_key_encryption_key_files.join(",")),
+    );
+    let keys = match kek {
+        None if previous.is_some() => {
+            return Err(ConfigError {
+                key: "previous_key_encryption_key_files",
+                source_name: "any",
+                message: "given without key_encryption_key_file".into(),
+            });
+        }
+        None => KeySource::Ephemeral,
+        Some(path) => {
+            let read = |p: &str, key: &'static str, source_name: &'static str| {
+                read_kek(Path::new(p)).map_err(|e| ConfigError {
+                    key,
+                    source_name,
+                    message: e.to_string(),
+                })
+            };
+            KeySource::Material {
+                current: read(&path, "key_encryption_key_file", source_name)?,
+                previous: previous
+                    .iter()
+                    .flat_map(|p| p.split(','))
+                    .filter(|p| !p.is_empty())
+                    .map(|p| read(p, "previous_key_encryption_key_files", "any"))
+                    .collect::<Result<_, _>>()?,
+            }
+        }
+    };
     Ok(ServerConfig {
+        keys,
         listen,
         store,
         api: ApiConfig {

@@ -26,6 +26,8 @@ pub mod placement;
 #[cfg(feature = "server")]
 pub mod replication;
 #[cfg(feature = "server")]
+pub mod sealing;
+#[cfg(feature = "server")]
 pub mod server;
 #[cfg(feature = "server")]
 pub mod store;

@@ -8,6 +8,7 @@ use crate::api::{self, ApiConfig, AppState};
 use crate::pg::PgStore;
 use crate::placement;
 use crate::replication::ReplicaReports;
+use crate::sealing::{KEK_BYTES, Keyring};
 use crate::store::{MemoryStore, Store};
 
 /// Where metadata lives.
@@ -47,6 +48,24 @@ pub struct ServerConfig {
     pub api: ApiConfig,
     /// Time between placement passes.
     pub placement_interval: Duration,
+    /// The key-encryption keys that seal tenants' signing keys at rest.
+    pub keys: KeySource,
+}
+
+/// Where the key-encryption keys (KEKs) come from.
+#[derive(Debug, Clone, Default)]
+pub enum KeySource {
+    /// A random KEK made at start and never written down: signing keys in a persistent
+    /// store would not open after a restart, so only the in-memory store may use it.
+    #[default]
+    Ephemeral,
+    /// KEK material: the current one (seals) and previous ones (still open).
+    Material {
+        /// Seals and opens.
+        current: [u8; KEK_BYTES],
+        /// Only opens (a rotation in progress).
+        previous: Vec<[u8; KEK_BYTES]>,
+    },
 }
 
 impl Default for ServerConfig {
@@ -56,6 +75,7 @@ impl Default for ServerConfig {
             store: StoreConfig::Memory,
             api: ApiConfig::default(),
             placement_interval: Duration::from_millis(1000),
+            keys: KeySource::Ephemeral,
         }
     }
 }
@@ -94,6 +114,14 @@ pub async fn open_store(config: &StoreConfig) -> anyhow::Result<Arc<dyn Store>> 
 
 /// Starts serving on the current tokio runtime.
 pub async fn start(config: ServerConfig) -> anyhow::Result<Running> {
+    if matches!(config.store, StoreConfig::Postgres(_))
+        && matches!(config.keys, KeySource::Ephemeral)
+    {
+        anyhow::bail!(
+            "a Postgres store needs a key-encryption key (key_encryption_key_file or \
+             FELIX_CONTROLPLANE_KEK_FILE): tenants' signing keys are stored sealed with it"
+        );
+    }
     let store = open_store(&config.store).await?;
     start_with_store(config, store).await
 }
@@ -111,6 +139,20 @@ pub async fn start_with_store(
         );
     }
     config.api.check_margin().map_err(|m| anyhow::anyhow!(m))?;
+    let keyring = Arc::new(match &config.keys {
+        KeySource::Ephemeral => Keyring::ephemeral(),
+        KeySource::Material { current, previous } => Keyring::new(current, previous),
+    });
+    let resealed = api::reseal_keys(store.as_ref(), &keyring)
+        .await
+        .map_err(|e| anyhow::anyhow!("sealing signing keys: {e}"))?;
+    if resealed > 0 {
+        tracing::info!(
+            resealed,
+            kek = keyring.current_id(),
+            "signing keys sealed with the current key-encryption key"
+        );
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
@@ -120,6 +162,7 @@ pub async fn start_with_store(
         store: store.clone(),
         config: config.api.clone(),
         reports: reports.clone(),
+        keyring,
     };
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     let app = api::router(state);

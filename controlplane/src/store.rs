@@ -35,6 +35,10 @@ pub enum Kind {
     SigningKey,
     /// Control-plane state (bootstrap).
     Meta,
+    /// Revoked tokens, by tenant and token id.
+    Denial,
+    /// The audit log of control-plane writes.
+    Audit,
 }
 
 impl Kind {
@@ -49,6 +53,8 @@ impl Kind {
             Kind::Assignment => "assignment",
             Kind::SigningKey => "signing_key",
             Kind::Meta => "meta",
+            Kind::Denial => "token_denial",
+            Kind::Audit => "audit",
         }
     }
 }

@@ -9,11 +9,12 @@ use felix_controlplane::client::{ClientError, ControlPlaneClient};
 use felix_controlplane::model::Assignment;
 use felix_controlplane::placement;
 use felix_controlplane::replication::ReplicaReports;
-use felix_controlplane::server::{self, ServerConfig};
+use felix_controlplane::server::{self, KeySource, ServerConfig};
 use felix_controlplane::store::{Expect, Kind, MemoryStore, Op, Store};
 use serde_json::{Value, json};
 
 const BOOTSTRAP: &str = "bootstrap-secret-0123456789";
+const TEST_KEK: [u8; 32] = [0x42; 32];
 
 struct Service {
     url: String,
@@ -50,6 +51,12 @@ fn start(store: Arc<dyn Store>, rt: tokio::runtime::Runtime) -> Service {
                 api: config.clone(),
                 // Passes are driven by hand below.
                 placement_interval: Duration::from_secs(3600),
+                // One KEK for every service in the run: a second service over the same
+                // database opens what the first sealed.
+                keys: KeySource::Material {
+                    current: TEST_KEK,
+                    previous: Vec::new(),
+                },
                 ..ServerConfig::default()
             },
             store.clone(),
@@ -1304,4 +1311,301 @@ fn manifest_dir() -> std::path::PathBuf {
         || env!("CARGO_MANIFEST_DIR").into(),
         std::path::PathBuf::from,
     )
+}
+
+/// Rotation, retirement, revocation by token id, the audit log, and keys sealed at rest.
+fn key_lifecycle_scenario(svc: &Service) {
+    let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
+    let boot = anon
+        .post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+        )
+        .unwrap();
+    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    let issue = |perms: Value| {
+        admin
+            .post(
+                "/v1/tenants/acme/tokens",
+                &json!({"sub": "alice", "audience": "felix-controlplane", "perms": perms}),
+            )
+            .unwrap()
+    };
+    let first = issue(json!(["tenant.manage:tenant:acme"]));
+    let acme = anon.clone().with_token(first["token"].as_str().unwrap());
+    let old_kid = first["kid"].as_str().unwrap().to_owned();
+    assert_eq!(first["jti"].as_str().unwrap().len(), 32);
+
+    // The store holds no usable private key: the row has the public key and a sealed
+    // blob, no PKCS#8, and the blob opens with no other KEK.
+    let rows = svc
+        .rt
+        .block_on(svc.store.list(Kind::SigningKey, "acme/"))
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    let row = &rows[0].value;
+    assert!(row.get("pkcs8").is_none(), "{row}");
+    assert_eq!(row["sealed"]["kek"].as_str().unwrap().len(), 16);
+    let sealed: felix_controlplane::sealing::Sealed =
+        serde_json::from_value(row["sealed"].clone()).unwrap();
+    let key_row = format!("acme/{old_kid}");
+    let opened = felix_controlplane::sealing::Keyring::new(&TEST_KEK, &[])
+        .open(&key_row, &sealed)
+        .unwrap();
+    assert!(felix_wire::token::SigningKey::from_pkcs8(&opened, &old_kid).is_ok());
+    assert!(
+        felix_controlplane::sealing::Keyring::new(&[1; 32], &[])
+            .open(&key_row, &sealed)
+            .is_err(),
+        "another KEK does not open it"
+    );
+    let text = row.to_string();
+    let b64 = |b: &[u8]| {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(b)
+    };
+    assert!(
+        !text.contains(&b64(&opened)),
+        "the clear key is not in the row"
+    );
+
+    // Stage a key: listed, in the JWKS, not yet signing.
+    let staged = acme
+        .post("/v1/tenants/acme/signing-keys", &json!({}))
+        .unwrap();
+    let new_kid = staged["kid"].as_str().unwrap().to_owned();
+    assert_eq!(staged["active"], false);
+    let listed = acme.get("/v1/tenants/acme/signing-keys").unwrap();
+    let items = listed["items"].as_array().unwrap();
+    assert_eq!(items.len(), 2);
+    assert!(
+        items
+            .iter()
+            .all(|k| k.get("pkcs8").is_none() && k.get("sealed").is_none())
+    );
+    let jwks = anon.get("/v1/tenants/acme/.well-known/jwks.json").unwrap();
+    assert_eq!(jwks["keys"].as_array().unwrap().len(), 2);
+    assert_eq!(issue(json!([]))["kid"], old_kid.as_str());
+    // The active key cannot be retired; an unknown one is 404.
+    expect_err(
+        acme.delete(&format!("/v1/tenants/acme/signing-keys/{old_kid}")),
+        409,
+    );
+    expect_err(
+        acme.post("/v1/tenants/acme/signing-keys/nope/activate", &json!({})),
+        404,
+    );
+    // Another tenant's admin cannot touch acme's keys.
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "globex"}))
+        .unwrap();
+    let globex = anon.clone().with_token(
+        admin
+            .post(
+                "/v1/tenants/globex/tokens",
+                &json!({"sub": "g", "audience": "felix-controlplane", "perms": ["tenant.manage:tenant:globex"]}),
+            )
+            .unwrap()["token"]
+            .as_str()
+            .unwrap(),
+    );
+    expect_err(globex.get("/v1/tenants/acme/signing-keys"), 403);
+    expect_err(
+        globex.post("/v1/tenants/acme/signing-keys", &json!({})),
+        403,
+    );
+
+    // Activate the new one: new tokens carry its kid; old tokens still verify.
+    acme.post(
+        &format!("/v1/tenants/acme/signing-keys/{new_kid}/activate"),
+        &json!({}),
+    )
+    .unwrap();
+    let second = issue(json!(["tenant.manage:tenant:acme"]));
+    assert_eq!(second["kid"], new_kid.as_str());
+    let acme2 = anon.clone().with_token(second["token"].as_str().unwrap());
+    acme.get("/v1/tenants/acme/signing-keys").unwrap();
+    // Retire the old key: tokens it signed stop working; the JWKS drops it.
+    acme2
+        .delete(&format!("/v1/tenants/acme/signing-keys/{old_kid}"))
+        .unwrap();
+    expect_err(acme.get("/v1/tenants/acme/signing-keys"), 401);
+    let jwks = anon.get("/v1/tenants/acme/.well-known/jwks.json").unwrap();
+    assert_eq!(jwks["keys"].as_array().unwrap().len(), 1);
+    assert_eq!(jwks["keys"][0]["kid"], new_kid.as_str());
+
+    // Deny one token by id: refused at once; the other token of the key still works.
+    let third = issue(json!(["tenant.manage:tenant:acme"]));
+    let acme3 = anon.clone().with_token(third["token"].as_str().unwrap());
+    acme3.get("/v1/tenants/acme/signing-keys").unwrap();
+    let (_, field) = expect_err(
+        acme2.post(
+            "/v1/tenants/acme/token-denials",
+            &json!({"jti": "bad jti!"}),
+        ),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("jti"));
+    acme2
+        .post(
+            "/v1/tenants/acme/token-denials",
+            &json!({"jti": third["jti"], "reason": "leaked in a log"}),
+        )
+        .unwrap();
+    let (code, _) = expect_err(acme3.get("/v1/tenants/acme/signing-keys"), 401);
+    assert_eq!(code.as_deref(), Some("unauthenticated"));
+    acme2.get("/v1/tenants/acme/signing-keys").unwrap();
+    let denials = admin.get("/v1/token-denials").unwrap();
+    assert_eq!(denials["items"][0]["jti"], third["jti"]);
+    expect_err(acme2.get("/v1/token-denials"), 403);
+    assert_eq!(
+        acme2.get("/v1/tenants/acme/token-denials").unwrap()["items"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // The audit log: every write, who and with what outcome, none of the reads.
+    let log = admin.get("/v1/audit").unwrap();
+    let entries = log["items"].as_array().unwrap();
+    let line = |e: &Value| {
+        format!(
+            "{} {} {} {}",
+            e["principal"].as_str().unwrap(),
+            e["method"].as_str().unwrap(),
+            e["path"].as_str().unwrap(),
+            e["status"]
+        )
+    };
+    let lines: Vec<String> = entries.iter().map(line).collect();
+    let has = |want: &str| lines.iter().any(|l| l == want);
+    assert!(has("bootstrap POST /internal/bootstrap 200"), "{lines:#?}");
+    assert!(has("operator-admin POST /v1/tenants 201"), "{lines:#?}");
+    assert!(
+        has("alice POST /v1/tenants/acme/signing-keys 201"),
+        "{lines:#?}"
+    );
+    assert!(
+        has(&format!(
+            "alice DELETE /v1/tenants/acme/signing-keys/{old_kid} 409"
+        )),
+        "{lines:#?}"
+    );
+    assert!(
+        has(&format!(
+            "alice DELETE /v1/tenants/acme/signing-keys/{old_kid} 204"
+        )),
+        "{lines:#?}"
+    );
+    assert!(
+        has("g POST /v1/tenants/acme/signing-keys 403"),
+        "{lines:#?}"
+    );
+    assert!(
+        has("alice POST /v1/tenants/acme/token-denials 201"),
+        "{lines:#?}"
+    );
+    assert!(
+        !lines.iter().any(|l| l.contains(" GET ")),
+        "reads are not audited"
+    );
+    let times: Vec<u64> = entries
+        .iter()
+        .map(|e| e["at_ms"].as_u64().unwrap())
+        .collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "oldest first");
+    // A tenant sees its own entries only; paging continues where a page ended.
+    let own = acme2.get("/v1/tenants/acme/audit").unwrap();
+    let own: Vec<String> = own["items"].as_array().unwrap().iter().map(line).collect();
+    assert!(own.iter().all(|l| !l.contains("globex")), "{own:#?}");
+    assert!(own.iter().any(|l| l.contains("token-denials")));
+    expect_err(acme2.get("/v1/audit"), 403);
+    expect_err(globex.get("/v1/tenants/acme/audit"), 403);
+    let page = admin.get("/v1/audit?limit=2").unwrap();
+    assert_eq!(page["items"].as_array().unwrap().len(), 2);
+    assert!(page["next_since_ms"].as_u64().is_some());
+}
+
+#[test]
+fn signing_keys_rotate_retire_and_revoke_against_the_memory_store() {
+    key_lifecycle_scenario(&memory_service());
+}
+
+#[test]
+fn signing_keys_rotate_retire_and_revoke_against_postgres() {
+    key_lifecycle_scenario(&postgres_service());
+}
+
+#[test]
+fn keys_stored_in_clear_or_under_an_old_kek_are_sealed_again_at_start() {
+    let rt = runtime();
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    // A row as versions before sealing wrote it.
+    let legacy = felix_wire::token::SigningKey::generate("acme-old").unwrap();
+    let clear = {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(legacy.pkcs8())
+    };
+    rt.block_on(store.batch(vec![
+        Op::Put {
+            kind: Kind::Tenant,
+            key: "acme".into(),
+            value: json!({"tenant_id": "acme"}),
+            expect: Expect::Absent,
+        },
+        Op::Put {
+            kind: Kind::SigningKey,
+            key: "acme/acme-old".into(),
+            value: json!({"kid": "acme-old", "pkcs8": clear, "active": true}),
+            expect: Expect::Absent,
+        },
+    ]))
+    .unwrap();
+    let old = felix_controlplane::sealing::Keyring::new(&[5; 32], &[]);
+    let n = rt
+        .block_on(felix_controlplane::api::reseal_keys(store.as_ref(), &old))
+        .unwrap();
+    assert_eq!(n, 1);
+    let row = rt
+        .block_on(store.get(Kind::SigningKey, "acme/acme-old"))
+        .unwrap()
+        .unwrap();
+    assert!(row.value.get("pkcs8").is_none(), "{}", row.value);
+    assert_eq!(row.value["sealed"]["kek"], old.current_id());
+    // Rotation: the new KEK current, the old one previous: sealed again, opens only
+    // with the new one afterwards.
+    let new = felix_controlplane::sealing::Keyring::new(&[6; 32], &[[5; 32]]);
+    assert_eq!(
+        rt.block_on(felix_controlplane::api::reseal_keys(store.as_ref(), &new))
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        rt.block_on(felix_controlplane::api::reseal_keys(store.as_ref(), &new))
+            .unwrap(),
+        0
+    );
+    let row = rt
+        .block_on(store.get(Kind::SigningKey, "acme/acme-old"))
+        .unwrap()
+        .unwrap();
+    let sealed: felix_controlplane::sealing::Sealed =
+        serde_json::from_value(row.value["sealed"].clone()).unwrap();
+    assert_eq!(
+        felix_controlplane::sealing::Keyring::new(&[6; 32], &[])
+            .open("acme/acme-old", &sealed)
+            .unwrap(),
+        legacy.pkcs8()
+    );
+    // Without the KEK that sealed it, start refuses and names the KEK.
+    let lost = felix_controlplane::sealing::Keyring::new(&[7; 32], &[]);
+    let e = rt
+        .block_on(felix_controlplane::api::reseal_keys(store.as_ref(), &lost))
+        .unwrap_err();
+    assert!(e.to_string().contains(new.current_id()), "{e}");
 }

@@ -96,6 +96,9 @@ pub struct Claims {
     /// `action:object` permissions.
     #[serde(default)]
     pub perms: Vec<String>,
+    /// Token id: what a deny-list names to revoke this one token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jti: Option<String>,
 }
 
 /// A signing key (dev mode and tests; production keys live in the control plane).
@@ -226,17 +229,17 @@ impl TenantKeys {
             .ok_or_else(|| AuthError::UnknownTenant(tenant.to_owned()))?;
         let sig = decode(s)?;
         let input = &token.trim()[..h.len() + 1 + c.len()];
-        let verified = keys
+        let Some((kid, _)) = keys
             .iter()
             .filter(|(kid, _)| header.kid.as_ref().is_none_or(|k| k == kid))
-            .any(|(_, pk)| {
+            .find(|(_, pk)| {
                 signature::UnparsedPublicKey::new(&signature::ED25519, pk)
                     .verify(input.as_bytes(), &sig)
                     .is_ok()
-            });
-        if !verified {
+            })
+        else {
             return Err(AuthError::Signature(tenant.to_owned()));
-        }
+        };
         let claims: Claims = serde_json::from_slice(&decode(c)?)
             .map_err(|_| AuthError::Malformed("bad claims JSON"))?;
         if claims.iss != ISSUER {
@@ -262,7 +265,16 @@ impl TenantKeys {
                 requested: tenant.to_owned(),
             });
         }
-        Grant::compile(&claims)
+        let mut grant = Grant::compile(&claims)?;
+        grant.kid = kid.clone();
+        Ok(grant)
+    }
+
+    /// Whether `kid` is still one of `tenant`'s keys.
+    pub fn has_key(&self, tenant: &str, kid: &str) -> bool {
+        self.keys
+            .get(tenant)
+            .is_some_and(|ks| ks.iter().any(|(k, _)| k == kid))
     }
 }
 
@@ -356,6 +368,10 @@ pub struct Grant {
     pub principal: String,
     /// Expiry (s).
     pub expires_at: u64,
+    /// The id of the key that verified the token.
+    pub kid: String,
+    /// The token's id, when it has one.
+    pub jti: Option<String>,
     perms: Vec<Perm>,
 }
 
@@ -376,6 +392,8 @@ impl Grant {
             tenant: claims.tid.clone(),
             principal: claims.sub.clone(),
             expires_at: claims.exp,
+            kid: String::new(),
+            jti: claims.jti.clone(),
             perms,
         })
     }
@@ -474,6 +492,7 @@ mod tests {
             exp: 2000,
             nbf: None,
             perms,
+            jti: None,
         }
     }
 

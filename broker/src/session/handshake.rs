@@ -268,6 +268,7 @@ mod tests {
             exp,
             nbf: None,
             perms: all_data_perms("t1"),
+            jti: None,
         });
         (keys, token)
     }

@@ -64,6 +64,7 @@ pub fn token(perms: Vec<String>, iat: u64, exp: u64) -> String {
         exp,
         nbf: None,
         perms,
+        jti: None,
     })
 }
 
