@@ -553,7 +553,7 @@ pub fn join(
 ) -> anyhow::Result<()> {
     let node_id = cluster.node_id.clone();
     let node_id = node_id.as_str();
-    let cp = ControlPlaneClient::new(&settings.url, Some(settings.token.clone()))?;
+    let cp = settings.client(Some(settings.token.clone()))?;
     let deadline = Instant::now() + patience;
     let addrs = Addrs {
         client: settings.client_addr,
@@ -569,6 +569,11 @@ pub fn join(
             }
             Err(e @ ClientError::Api { .. }) => {
                 anyhow::bail!("control plane refused registration: {e}")
+            }
+            // A certificate that does not verify is a configuration fault (or someone in
+            // the middle), not an outage: waiting will not fix it.
+            Err(e @ ClientError::Tls(_)) => {
+                anyhow::bail!("cannot verify the control plane: {e}")
             }
             Err(e) if Instant::now() < deadline => {
                 tracing::warn!(error = %e, "control plane unreachable; retrying");

@@ -114,8 +114,14 @@ pub struct FileConfig {
     /// A deliberately broken behaviour, for showing the chaos checker catches it
     /// (debug builds with `fault_injection` only; see [`Mutants`]).
     pub mutant: Option<String>,
-    /// Control-plane URL (`http://host:port`): follow it for placement and keys.
+    /// Control-plane URL (`https://host:port`, or `http://` on loopback): follow it for
+    /// placement and keys.
     pub controlplane_url: Option<String>,
+    /// CA bundle (PEM) the control plane's certificate must chain to.
+    pub controlplane_ca: Option<PathBuf>,
+    /// Follow a plain-HTTP control plane on a host that is not loopback (keys and
+    /// assignments then travel unprotected; warned about at start).
+    pub controlplane_insecure: Option<bool>,
     /// This node's control-plane token.
     pub node_token: Option<String>,
     /// A file holding the node token.
@@ -153,6 +159,33 @@ pub struct ClusterSettings {
     pub peer_advertise_addr: Option<SocketAddr>,
     /// Accept peers without a node token.
     pub internal_allow_unauthenticated: bool,
+    /// CA bundle the control plane's certificate must chain to (`https` URLs).
+    pub ca: Option<PathBuf>,
+    /// Plain HTTP to a control plane that is not on loopback was asked for.
+    pub insecure: bool,
+}
+
+impl ClusterSettings {
+    /// A client for the control plane with `token`, verifying it as configured.
+    pub fn client(
+        &self,
+        token: Option<String>,
+    ) -> Result<
+        felix_controlplane::client::ControlPlaneClient,
+        felix_controlplane::client::ClientError,
+    > {
+        use felix_controlplane::client::{ClientTls, ControlPlaneClient};
+        let tls = self
+            .ca
+            .as_deref()
+            .map(ClientTls::from_ca_file)
+            .transpose()?;
+        if self.insecure {
+            ControlPlaneClient::new_insecure(&self.url, token, tls)
+        } else {
+            ControlPlaneClient::with_tls(&self.url, token, tls)
+        }
+    }
 }
 
 /// Fully resolved configuration.
@@ -418,12 +451,46 @@ impl BrokerConfig {
             None => None,
             Some(url) => {
                 let src = l.source;
-                if !url.starts_with("http://") {
+                let ca = layer(
+                    "controlplane_ca",
+                    "FELIX_CONTROLPLANE_CA",
+                    file.controlplane_ca
+                        .as_ref()
+                        .map(|p| p.display().to_string()),
+                    None,
+                );
+                let insecure = file.controlplane_insecure.unwrap_or(false)
+                    || std::env::var("FELIX_CONTROLPLANE_INSECURE")
+                        .is_ok_and(|v| v == "1" || v == "true");
+                let probe = ClusterSettings {
+                    url: url.clone(),
+                    token: String::new(),
+                    client_addr: listen,
+                    peer_ca: None,
+                    peer_server_name: String::new(),
+                    internal_listen: None,
+                    peer_advertise_addr: None,
+                    internal_allow_unauthenticated: false,
+                    ca: ca.value.as_ref().map(PathBuf::from),
+                    insecure,
+                };
+                // The URL, the CA and plain HTTP off loopback are checked here, so a
+                // broker refuses a control plane it could not verify before it starts.
+                if let Err(e) = probe.client(None) {
+                    let key = match e {
+                        felix_controlplane::client::ClientError::Tls(_) if ca.value.is_some() => {
+                            "controlplane_ca"
+                        }
+                        _ => "controlplane_url",
+                    };
                     return Err(ConfigError {
-                        key: "controlplane_url",
+                        key,
                         source_name: src,
-                        message: format!("{url:?}: expected http://host:port"),
+                        message: e.to_string(),
                     });
+                }
+                if insecure && url.starts_with("http://") {
+                    tracing::warn!(%url, "following a plain-HTTP control plane (controlplane_insecure): keys and assignments travel unprotected");
                 }
                 let t = layer(
                     "node_token",
@@ -522,6 +589,8 @@ impl BrokerConfig {
                         .peer_server_name
                         .clone()
                         .unwrap_or_else(|| "localhost".into()),
+                    ca: probe.ca,
+                    insecure,
                 })
             }
         };

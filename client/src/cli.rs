@@ -50,12 +50,20 @@ struct Cli {
     /// controlplane_token_file).
     #[arg(long, global = true)]
     context: Option<PathBuf>,
-    /// Control-plane URL for `stream` commands (`http://host:port`).
+    /// Control-plane URL for `stream` commands (`https://host:port`, or `http://` on
+    /// loopback).
     #[arg(long, global = true)]
     controlplane: Option<String>,
     /// File holding a control-plane token (audience felix-controlplane).
     #[arg(long, global = true)]
     controlplane_token_file: Option<PathBuf>,
+    /// CA bundle (PEM) the control plane's certificate must chain to (`https` URLs;
+    /// also FELIX_CONTROLPLANE_CA).
+    #[arg(long, global = true)]
+    controlplane_ca: Option<PathBuf>,
+    /// Speak plain HTTP to a control plane that is not on loopback.
+    #[arg(long, global = true)]
+    controlplane_insecure: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -273,6 +281,8 @@ struct Context {
     server_name: Option<String>,
     controlplane: Option<String>,
     controlplane_token_file: Option<PathBuf>,
+    #[serde(default)]
+    controlplane_ca: Option<PathBuf>,
 }
 
 enum Failure {
@@ -474,7 +484,27 @@ fn run_controlplane(cli: &Cli) -> Result<(), i32> {
         .or_else(|| std::env::var("FELIX_TENANT").ok())
         .or(ctx.tenant.clone())
         .unwrap_or_else(|| "dev".into());
-    let cp = ControlPlaneClient::new(&url, Some(token)).map_err(|e| usage(e.to_string()))?;
+    let ca = cli
+        .controlplane_ca
+        .clone()
+        .or_else(|| {
+            std::env::var("FELIX_CONTROLPLANE_CA")
+                .ok()
+                .map(PathBuf::from)
+        })
+        .or(ctx.controlplane_ca.clone());
+    let tls = ca
+        .as_deref()
+        .map(felix_controlplane::client::ClientTls::from_ca_file)
+        .transpose()
+        .map_err(|e| usage(e.to_string()))?;
+    let cp = if cli.controlplane_insecure {
+        eprintln!("felix: warning: plain HTTP to the control plane (--controlplane-insecure)");
+        ControlPlaneClient::new_insecure(&url, Some(token), tls)
+    } else {
+        ControlPlaneClient::with_tls(&url, Some(token), tls)
+    }
+    .map_err(|e| usage(e.to_string()))?;
     let path = format!("/v1/tenants/{tenant}/namespaces/{}/streams", cli.namespace);
     let fail = |e: felix_controlplane::client::ClientError| {
         eprintln!("felix: {e}");

@@ -46,6 +46,16 @@ struct Args {
     /// rotation: every key is sealed again with the current one at start).
     #[arg(long = "previous-key-encryption-key-file")]
     previous_key_encryption_key_files: Vec<String>,
+    /// Serve HTTPS with this certificate chain (PEM; with --tls-key-file).
+    #[arg(long)]
+    tls_cert_file: Option<String>,
+    /// The certificate's private key (PEM).
+    #[arg(long)]
+    tls_key_file: Option<String>,
+    /// Serve plain HTTP on an address that is not loopback (keys and assignments then
+    /// travel unprotected; logged as a warning).
+    #[arg(long)]
+    insecure_http: bool,
     /// Serve POST /debug/clock, which steps this process's wall clock (tests and
     /// chaos runs only; also FELIX_FAULT_INJECTION=1).
     #[arg(long)]
@@ -79,6 +89,9 @@ pub fn main() -> anyhow::Result<()> {
             placement_interval_ms: args.placement_interval_ms,
             key_encryption_key_file: args.key_encryption_key_file,
             previous_key_encryption_key_files: args.previous_key_encryption_key_files,
+            tls_cert_file: args.tls_cert_file,
+            tls_key_file: args.tls_key_file,
+            insecure_http: args.insecure_http,
         },
     )?;
     let mut config = config;
@@ -91,7 +104,10 @@ pub fn main() -> anyhow::Result<()> {
     rt.block_on(async move {
         let running = server::start(config).await?;
         // The one line scripts and the test harness wait for.
-        println!("felix-controlplane listening on http://{}", running.addr);
+        println!(
+            "felix-controlplane listening on {}://{}",
+            running.scheme, running.addr
+        );
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}

@@ -36,6 +36,12 @@ pub struct FileConfig {
     pub key_encryption_key_file: Option<String>,
     /// Files of earlier key-encryption keys, still accepted to open (a rotation).
     pub previous_key_encryption_key_files: Option<Vec<String>>,
+    /// Serve HTTPS with this certificate chain (PEM) ...
+    pub tls_cert_file: Option<String>,
+    /// ... and this private key (PEM).
+    pub tls_key_file: Option<String>,
+    /// Serve plain HTTP on an address that is not loopback.
+    pub insecure_http: Option<bool>,
 }
 
 /// Values given as flags.
@@ -61,6 +67,12 @@ pub struct Overrides {
     pub key_encryption_key_file: Option<String>,
     /// `--previous-key-encryption-key-file` (repeatable).
     pub previous_key_encryption_key_files: Vec<String>,
+    /// `--tls-cert-file`.
+    pub tls_cert_file: Option<String>,
+    /// `--tls-key-file`.
+    pub tls_key_file: Option<String>,
+    /// `--insecure-http`.
+    pub insecure_http: bool,
 }
 
 /// A bad setting.
@@ -247,7 +259,41 @@ pub fn resolve(file: FileConfig, flags: Overrides) -> Result<ServerConfig, Confi
             }
         }
     };
+    let (cert, cert_source) = pick(
+        "FELIX_CONTROLPLANE_TLS_CERT_FILE",
+        file.tls_cert_file,
+        flags.tls_cert_file,
+    );
+    let (key, _) = pick(
+        "FELIX_CONTROLPLANE_TLS_KEY_FILE",
+        file.tls_key_file,
+        flags.tls_key_file,
+    );
+    let tls = match (cert, key) {
+        (None, None) => None,
+        (Some(cert), Some(key)) => Some(
+            crate::tls::ServerTls::from_files(Path::new(&cert), Path::new(&key)).map_err(|e| {
+                ConfigError {
+                    key: "tls_cert_file",
+                    source_name: cert_source,
+                    message: e.to_string(),
+                }
+            })?,
+        ),
+        _ => {
+            return Err(ConfigError {
+                key: "tls_cert_file",
+                source_name: "any",
+                message: "tls_cert_file and tls_key_file go together".into(),
+            });
+        }
+    };
+    let insecure_http = flags.insecure_http
+        || std::env::var("FELIX_CONTROLPLANE_INSECURE_HTTP").is_ok_and(|v| v == "1" || v == "true")
+        || file.insecure_http.unwrap_or(false);
     Ok(ServerConfig {
+        tls,
+        insecure_http,
         keys,
         listen,
         store,

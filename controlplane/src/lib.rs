@@ -31,3 +31,5 @@ pub mod sealing;
 pub mod server;
 #[cfg(feature = "server")]
 pub mod store;
+#[cfg(feature = "server")]
+pub mod tls;

@@ -10,6 +10,7 @@ use crate::placement;
 use crate::replication::ReplicaReports;
 use crate::sealing::{KEK_BYTES, Keyring};
 use crate::store::{MemoryStore, Store};
+use crate::tls::{ServerTls, TlsListener};
 
 /// Where metadata lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,6 +51,10 @@ pub struct ServerConfig {
     pub placement_interval: Duration,
     /// The key-encryption keys that seal tenants' signing keys at rest.
     pub keys: KeySource,
+    /// Serve HTTPS with this certificate.
+    pub tls: Option<ServerTls>,
+    /// Serve plain HTTP on an address that is not loopback (warned about at start).
+    pub insecure_http: bool,
 }
 
 /// Where the key-encryption keys (KEKs) come from.
@@ -76,6 +81,8 @@ impl Default for ServerConfig {
             api: ApiConfig::default(),
             placement_interval: Duration::from_millis(1000),
             keys: KeySource::Ephemeral,
+            tls: None,
+            insecure_http: false,
         }
     }
 }
@@ -85,6 +92,8 @@ impl Default for ServerConfig {
 pub struct Running {
     /// The bound address.
     pub addr: SocketAddr,
+    /// `https` or `http`.
+    pub scheme: &'static str,
     /// The store it serves.
     pub store: Arc<dyn Store>,
     /// The replica reports its API keeps and its placement pass reads.
@@ -153,6 +162,18 @@ pub async fn start_with_store(
             "signing keys sealed with the current key-encryption key"
         );
     }
+    let tls = config.tls.as_ref().map(ServerTls::config).transpose()?;
+    if tls.is_none() && !config.listen.ip().is_loopback() {
+        if !config.insecure_http {
+            anyhow::bail!(
+                "refusing plain HTTP on {}: brokers would take verification keys and \
+                 assignments from it unprotected. Configure tls_cert_file and tls_key_file, \
+                 listen on loopback, or set insecure_http",
+                config.listen
+            );
+        }
+        tracing::warn!(listen = %config.listen, "serving plain HTTP off loopback (insecure_http): keys and assignments travel unprotected");
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
@@ -166,13 +187,26 @@ pub async fn start_with_store(
     };
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     let app = api::router(state);
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stopped.wait_for(|s| *s).await;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let server = match tls {
+        Some(tls) => {
+            let listener = TlsListener::new(listener, tls)?;
+            tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                    .await
             })
-            .await
-    });
+        }
+        None => tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                })
+                .await
+        }),
+    };
     let placement = {
         let (store, api, every) = (store.clone(), config.api.clone(), config.placement_interval);
         let reports = reports.clone();
@@ -196,9 +230,10 @@ pub async fn start_with_store(
         StoreConfig::Memory => "memory",
         StoreConfig::Postgres(_) => "postgres",
     };
-    tracing::info!(%addr, backend, "control plane serving");
+    tracing::info!(%addr, scheme, backend, "control plane serving");
     Ok(Running {
         addr,
+        scheme,
         store,
         reports,
         stop,
