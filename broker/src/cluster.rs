@@ -127,6 +127,20 @@ pub struct Cluster {
     /// Set when a drain starts: new client connections are turned away (clients
     /// reconnect elsewhere) while the ones open keep being served.
     pub draining: AtomicBool,
+    /// What the last sync could not verify (reported on `/readyz` and `/metrics`).
+    pub sync_status: std::sync::Mutex<SyncStatus>,
+    /// Syncs that failed (the last snapshot kept).
+    pub sync_failures: AtomicU64,
+}
+
+/// What the broker could not take from the control plane at its last sync.
+#[derive(Debug, Default, Clone)]
+pub struct SyncStatus {
+    /// Why the last sync failed (unreachable, or a certificate that does not verify);
+    /// `None` after a good one.
+    pub last_error: Option<String>,
+    /// Tenants whose key set was refused, and why; they keep their last good keys.
+    pub unverified_tenants: Vec<(String, String)>,
 }
 
 impl Cluster {
@@ -147,6 +161,8 @@ impl Cluster {
             mutants: crate::config::Mutants::default(),
             control_plane: std::sync::Mutex::default(),
             draining: AtomicBool::new(false),
+            sync_status: std::sync::Mutex::default(),
+            sync_failures: AtomicU64::new(0),
         }
     }
 
@@ -357,26 +373,90 @@ struct Targets {
     base_keys: TenantKeys,
 }
 
-/// `base` plus every tenant's verification keys from the control plane's JWKS.
-pub fn fetch_keys(cp: &ControlPlaneClient, base: &TenantKeys) -> anyhow::Result<TenantKeys> {
+/// The most keys one tenant's JWKS may list: more is refused as malformed.
+pub const JWKS_MAX_KEYS: usize = 64;
+
+/// Reads a JWKS answer strictly: every key an Ed25519 OKP key (`kty` `OKP`, `crv`
+/// `Ed25519`, `alg` `EdDSA` when given, `use` `sig` when given) with a 32-byte `x`, each
+/// `kid` once, at most [`JWKS_MAX_KEYS`]. Anything else refuses the whole set: a key
+/// set that is partly wrong is not one to trust in part.
+pub fn parse_jwks(v: &Value) -> Result<Vec<(String, Vec<u8>)>, String> {
+    let keys = v["keys"].as_array().ok_or("no `keys` array")?;
+    if keys.len() > JWKS_MAX_KEYS {
+        return Err(format!("{} keys, at most {JWKS_MAX_KEYS}", keys.len()));
+    }
+    let mut out: Vec<(String, Vec<u8>)> = Vec::with_capacity(keys.len());
+    for k in keys {
+        let field = |f: &str| k[f].as_str();
+        let kid = field("kid")
+            .filter(|k| !k.is_empty() && k.len() <= 128)
+            .ok_or("a key without a usable `kid`")?;
+        if field("kty") != Some("OKP") {
+            return Err(format!("key {kid}: kty {:?}, expected OKP", k["kty"]));
+        }
+        if field("crv") != Some("Ed25519") {
+            return Err(format!("key {kid}: crv {:?}, expected Ed25519", k["crv"]));
+        }
+        if !matches!(field("alg"), None | Some("EdDSA")) {
+            return Err(format!("key {kid}: alg {:?}, expected EdDSA", k["alg"]));
+        }
+        if !matches!(field("use"), None | Some("sig")) {
+            return Err(format!("key {kid}: use {:?}, expected sig", k["use"]));
+        }
+        let x = field("x").ok_or_else(|| format!("key {kid}: no `x`"))?;
+        let pk = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(x.trim_end_matches('='))
+            .map_err(|e| format!("key {kid}: x is not base64url: {e}"))?;
+        if pk.len() != 32 {
+            return Err(format!("key {kid}: x is {} bytes, expected 32", pk.len()));
+        }
+        if out.iter().any(|(k, _)| k == kid) {
+            return Err(format!("key id {kid} appears twice"));
+        }
+        out.push((kid.to_owned(), pk));
+    }
+    Ok(out)
+}
+
+/// `base` plus every tenant's verification keys from the control plane's JWKS, and the
+/// revoked token ids. A tenant whose key set is refused ([`parse_jwks`]) or cannot be
+/// fetched keeps its keys from `last`; those tenants are returned with the reason.
+pub fn fetch_keys(
+    cp: &ControlPlaneClient,
+    base: &TenantKeys,
+    last: &TenantKeys,
+) -> anyhow::Result<(TenantKeys, Vec<(String, String)>)> {
     let mut keys = base.clone();
+    let mut unverified = Vec::new();
     let tenants = cp.get("/v1/tenants/snapshot")?;
     for tenant in tenants["items"].as_array().into_iter().flatten() {
         let Some(id) = tenant["tenant_id"].as_str() else {
             continue;
         };
-        let jwks = cp.get(&format!("/v1/tenants/{id}/.well-known/jwks.json"))?;
-        for k in jwks["keys"].as_array().into_iter().flatten() {
-            let (Some(kid), Some(x)) = (k["kid"].as_str(), k["x"].as_str()) else {
-                continue;
-            };
-            match base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(x.trim_end_matches('=')) {
-                Ok(pk) => keys.add(id, kid, pk),
-                Err(e) => tracing::warn!(tenant = id, kid, error = %e, "unreadable JWK"),
+        let answer = cp
+            .get(&format!("/v1/tenants/{id}/.well-known/jwks.json"))
+            .map_err(|e| e.to_string())
+            .and_then(|v| parse_jwks(&v));
+        match answer {
+            Ok(list) => {
+                for (kid, pk) in list {
+                    keys.add(id, &kid, pk);
+                }
+            }
+            Err(why) => {
+                tracing::error!(tenant = id, reason = %why, "refusing the tenant's key set; keeping its last good keys");
+                keys.set_keys(id, last.keys_of(id).to_vec());
+                unverified.push((id.to_owned(), why));
             }
         }
     }
-    Ok(keys)
+    let denials = cp.get("/v1/token-denials")?;
+    for d in denials["items"].as_array().into_iter().flatten() {
+        if let (Some(t), Some(jti)) = (d["tenant_id"].as_str(), d["jti"].as_str()) {
+            keys.deny(t, jti);
+        }
+    }
+    Ok((keys, unverified))
 }
 
 /// One full sync: stream shapes, then keys, then nodes and routes (in that order).
@@ -435,8 +515,14 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
         tracing::error!(error = %e, "persisting the catalog");
     }
 
-    let keys = fetch_keys(cp, &t.base_keys)?;
-    t.keys.store(Arc::new(keys));
+    let (keys, unverified) = fetch_keys(cp, &t.base_keys, &t.keys.load())?;
+    // Swapped only on a change: cores re-check live connections against each new set.
+    if **t.keys.load() != keys {
+        t.keys.store(Arc::new(keys));
+    }
+    if let Ok(mut status) = t.cluster.sync_status.lock() {
+        status.unverified_tenants = unverified;
+    }
 
     let nodes: Vec<NodeDoc> = items(&cp.get("/v1/nodes")?, "items")?;
     let addr_of: HashMap<&str, SocketAddr> = nodes
@@ -624,8 +710,17 @@ pub fn join(
                 Ok(next) => {
                     seq = next;
                     targets.cluster.synced_at(started);
+                    if let Ok(mut status) = targets.cluster.sync_status.lock() {
+                        status.last_error = None;
+                    }
                 }
-                Err(e) => tracing::warn!(error = %e, "syncing from the control plane; keeping the last snapshot"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "syncing from the control plane; keeping the last snapshot");
+                    targets.cluster.sync_failures.fetch_add(1, Ordering::Relaxed);
+                    if let Ok(mut status) = targets.cluster.sync_status.lock() {
+                        status.last_error = Some(e.to_string());
+                    }
+                }
             }
         }
     })?;
@@ -682,5 +777,130 @@ fn heartbeat_loop(
             },
             Err(e) => tracing::warn!(error = %e, "heartbeat"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn jwk(kid: &str, x: &[u8]) -> Value {
+        json!({"kty": "OKP", "crv": "Ed25519", "alg": "EdDSA", "use": "sig", "kid": kid,
+               "x": base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(x)})
+    }
+
+    #[test]
+    fn forged_or_malformed_key_sets_are_refused_whole() {
+        let good = json!({"keys": [jwk("a", &[1; 32]), jwk("b", &[2; 32])]});
+        assert_eq!(parse_jwks(&good).unwrap().len(), 2);
+        let with = |k: Value| json!({"keys": [jwk("a", &[1; 32]), k]});
+        let refusals = [
+            (json!({}), "keys"),
+            (
+                with(json!({"kty": "RSA", "kid": "r", "n": "x", "e": "AQAB"})),
+                "kty",
+            ),
+            (
+                with(json!({"kty": "OKP", "crv": "X25519", "kid": "c", "x": "AAAA"})),
+                "crv",
+            ),
+            (
+                with(
+                    json!({"kty": "OKP", "crv": "Ed25519", "alg": "none", "kid": "n", "x": "AAAA"}),
+                ),
+                "alg",
+            ),
+            (with(jwk("a", &[3; 32])), "twice"),
+            (with(jwk("short", &[3; 16])), "16 bytes"),
+            (
+                with(json!({"kty": "OKP", "crv": "Ed25519", "kid": "bad", "x": "!!"})),
+                "base64url",
+            ),
+            (
+                with(json!({"kty": "OKP", "crv": "Ed25519", "x": "AAAA"})),
+                "kid",
+            ),
+        ];
+        for (set, why) in refusals {
+            let e = parse_jwks(&set).unwrap_err();
+            assert!(e.contains(why), "{set}: {e}");
+        }
+        let many: Vec<Value> = (0..=JWKS_MAX_KEYS)
+            .map(|i| jwk(&format!("k{i}"), &[1; 32]))
+            .collect();
+        assert!(
+            parse_jwks(&json!({ "keys": many }))
+                .unwrap_err()
+                .contains("at most")
+        );
+    }
+
+    /// A one-shot HTTP server answering each path with a canned JSON body.
+    fn canned(answers: Vec<(&'static str, Value)>) -> String {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                let mut buf = [0u8; 4096];
+                let n = conn.read(&mut buf).unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]).into_owned();
+                let path = head.split(' ').nth(1).unwrap_or("").to_owned();
+                let body = answers
+                    .iter()
+                    .find(|(p, _)| *p == path)
+                    .map_or_else(|| json!({"code": "not_found"}), |(_, v)| v.clone())
+                    .to_string();
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    #[test]
+    fn a_refused_key_set_keeps_the_tenants_last_good_keys_and_says_why() {
+        let url = canned(vec![
+            (
+                "/v1/tenants/snapshot",
+                json!({"items": [{"tenant_id": "acme"}, {"tenant_id": "globex"}]}),
+            ),
+            // Someone rewrote acme's set: a key that is not Ed25519 sits in it.
+            (
+                "/v1/tenants/acme/.well-known/jwks.json",
+                json!({"keys": [jwk("evil", &[9; 32]), {"kty": "EC", "kid": "p256"}]}),
+            ),
+            (
+                "/v1/tenants/globex/.well-known/jwks.json",
+                json!({"keys": [jwk("g1", &[7; 32])]}),
+            ),
+            (
+                "/v1/token-denials",
+                json!({"items": [{"tenant_id": "globex", "jti": "leaked"}]}),
+            ),
+        ]);
+        let cp = ControlPlaneClient::new(&url, None).unwrap();
+        let mut last = TenantKeys::default();
+        last.add("acme", "a1", vec![1; 32]);
+        let (keys, unverified) = fetch_keys(&cp, &TenantKeys::default(), &last).unwrap();
+        assert_eq!(
+            keys.keys_of("acme"),
+            last.keys_of("acme"),
+            "acme keeps a1, gains nothing"
+        );
+        assert_eq!(keys.keys_of("globex").len(), 1);
+        assert_eq!(unverified.len(), 1);
+        assert_eq!(unverified[0].0, "acme");
+        assert!(unverified[0].1.contains("kty"), "{unverified:?}");
+        // The denial arrived with the keys.
+        let mut expected = TenantKeys::default();
+        expected.set_keys("acme", last.keys_of("acme").to_vec());
+        expected.add("globex", "g1", vec![7; 32]);
+        expected.deny("globex", "leaked");
+        assert_eq!(keys, expected);
     }
 }

@@ -321,6 +321,8 @@ pub struct CoreMetrics {
     pub subscriptions: AtomicU64,
     /// Open client connections on this core.
     pub connections: AtomicU64,
+    /// Connections closed because a token they authenticated with was revoked.
+    pub revoked_connections: AtomicU64,
     /// Cache operations.
     pub cache_ops: AtomicU64,
     /// Consumer-group requests.
@@ -540,6 +542,9 @@ pub struct CoreBroker {
     /// Replicas of the replicated shards this core owns (cluster mode with a
     /// broker-to-broker listener).
     pub replicas: Option<Rc<crate::replication::replica::Replicas>>,
+    /// Woken when the verification keys change (a key retired, a token revoked):
+    /// connections on this core check their grants again.
+    pub keys_changed: crate::groups::Wakers,
 }
 
 impl std::fmt::Debug for CoreBroker {
@@ -622,6 +627,7 @@ impl CoreBroker {
             draining: Cell::new(false),
             forwarder,
             replicas,
+            keys_changed: crate::groups::Wakers::default(),
         })
     }
 

@@ -321,7 +321,9 @@ fn mirror_once(
         ))?;
     }
     // Keys of tenants made through the API.
-    let keys = crate::cluster::fetch_keys(admin, base)?;
-    shared.keys.store(Arc::new(keys));
+    let (keys, _) = crate::cluster::fetch_keys(admin, base, &shared.keys.load())?;
+    if **shared.keys.load() != keys {
+        shared.keys.store(Arc::new(keys));
+    }
     Ok(())
 }

@@ -78,6 +78,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.connections.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_revoked_connections_total",
+        "counter",
+        "Connections closed because a token they authenticated with was revoked or its key retired.",
+        |m| m.revoked_connections.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_cache_ops_total",
         "counter",
         "Cache operations.",
@@ -226,6 +232,22 @@ pub fn render(shared: &Shared) -> String {
             "Shards this broker leads.",
             c.shards_led() as u64,
         );
+        let status = c.sync_status.lock().map(|s| s.clone()).unwrap_or_default();
+        gauge(
+            "felix_broker_controlplane_sync_failures_total",
+            "Syncs from the control plane that failed (the last snapshot was kept).",
+            c.sync_failures.load(Ordering::Relaxed),
+        );
+        gauge(
+            "felix_broker_controlplane_unverified",
+            "1 while the last sync failed (unreachable, or its certificate did not verify).",
+            u64::from(status.last_error.is_some()),
+        );
+        gauge(
+            "felix_broker_controlplane_refused_key_sets",
+            "Tenants whose key set the last sync refused (they keep their last good keys).",
+            status.unverified_tenants.len() as u64,
+        );
     }
     let table = shared.placement.load();
     gauge(
@@ -268,10 +290,36 @@ async fn livez() -> &'static str {
     "ok\n"
 }
 
+/// What the broker serves with but could not refresh: it stays ready (its last good
+/// keys and assignments still hold) and says so.
+pub fn degraded_reasons(shared: &Shared) -> Vec<String> {
+    let Some(c) = &shared.cluster else {
+        return Vec::new();
+    };
+    let status = c.sync_status.lock().map(|s| s.clone()).unwrap_or_default();
+    let mut out = Vec::new();
+    if let Some(e) = status.last_error {
+        out.push(format!(
+            "degraded: control plane not synced, serving with the last good keys and assignments: {e}"
+        ));
+    }
+    for (tenant, why) in status.unverified_tenants {
+        out.push(format!(
+            "degraded: tenant {tenant}'s key set refused ({why}); its last good keys kept"
+        ));
+    }
+    out
+}
+
 async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
     let reasons = unready_reasons(&shared);
     if reasons.is_empty() {
-        "ready\n".into_response()
+        let mut body = "ready\n".to_owned();
+        for line in degraded_reasons(&shared) {
+            body.push_str(&line);
+            body.push('\n');
+        }
+        body.into_response()
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -407,6 +407,7 @@ pub fn start(
                         }
                     })
                 };
+                let key_watch = task::spawn(session::watch_keys(core.clone()));
                 ctx.shutdown.wait().await;
                 // Stop accepting, end subscriptions, flush every log, then close
                 // connections (code 0, "broker shutting down").
@@ -417,6 +418,7 @@ pub fn start(
                 }
                 let _ = task::timeout(Duration::from_secs(2), ep.wait_idle()).await;
                 drop(accept);
+                drop(key_watch);
             }
         },
     )?;

@@ -31,6 +31,9 @@ pub enum AuthError {
     /// Not three base64url parts, or bad JSON.
     #[error("malformed token: {0}")]
     Malformed(&'static str),
+    /// Revoked by id.
+    #[error("{0}")]
+    Revoked(String),
     /// Not EdDSA.
     #[error("unsupported token algorithm {0:?} (expected EdDSA)")]
     Algorithm(String),
@@ -162,10 +165,13 @@ impl SigningKey {
     }
 }
 
-/// Every tenant's verification keys: tenant -> (kid, raw Ed25519 public key).
-#[derive(Debug, Clone, Default)]
+/// Every tenant's verification keys: tenant -> (kid, raw Ed25519 public key), and the
+/// tokens revoked by id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TenantKeys {
     keys: HashMap<String, Vec<(String, Vec<u8>)>>,
+    /// (tenant, jti) of revoked tokens.
+    denied: std::collections::HashSet<(String, String)>,
 }
 
 impl TenantKeys {
@@ -175,6 +181,35 @@ impl TenantKeys {
             .entry(tenant.to_owned())
             .or_default()
             .push((kid.to_owned(), public_key));
+    }
+
+    /// Revokes `tenant`'s token `jti`.
+    pub fn deny(&mut self, tenant: &str, jti: &str) {
+        self.denied.insert((tenant.to_owned(), jti.to_owned()));
+    }
+
+    /// `tenant`'s keys, in the order added.
+    pub fn keys_of(&self, tenant: &str) -> &[(String, Vec<u8>)] {
+        self.keys.get(tenant).map_or(&[], Vec::as_slice)
+    }
+
+    /// Replaces `tenant`'s keys.
+    pub fn set_keys(&mut self, tenant: &str, keys: Vec<(String, Vec<u8>)>) {
+        self.keys.insert(tenant.to_owned(), keys);
+    }
+
+    /// Why a grant verified earlier no longer holds: its key was retired, or its token
+    /// revoked. `None` while it holds (expiry is checked per request, not here).
+    pub fn revoked(&self, grant: &Grant) -> Option<String> {
+        if !self.has_key(&grant.tenant, &grant.kid) {
+            return Some(format!("signing key {} retired", grant.kid));
+        }
+        match &grant.jti {
+            Some(jti) if self.denied.contains(&(grant.tenant.clone(), jti.clone())) => {
+                Some(format!("token {jti} revoked"))
+            }
+            _ => None,
+        }
     }
 
     /// Verifies a broker-audience `token` for `tenant` at `now` (seconds) and compiles
@@ -267,6 +302,9 @@ impl TenantKeys {
         }
         let mut grant = Grant::compile(&claims)?;
         grant.kid = kid.clone();
+        if let Some(why) = self.revoked(&grant) {
+            return Err(AuthError::Revoked(why));
+        }
         Ok(grant)
     }
 
@@ -501,6 +539,38 @@ mod tests {
         let mut keys = TenantKeys::default();
         keys.add("acme", "k1", key.public_key());
         (key, keys)
+    }
+
+    #[test]
+    fn a_grant_stops_holding_when_its_key_is_retired_or_its_token_denied() {
+        let (key, mut keys) = setup();
+        let other = SigningKey::generate("k2").unwrap();
+        keys.add("acme", "k2", other.public_key());
+        let mut c = claims("acme", vec![]);
+        c.jti = Some("t-1".into());
+        let g = keys.verify(&key.sign(&c), "acme", 1500).unwrap();
+        assert_eq!(g.kid, "k1", "the key that verified it is recorded");
+        assert_eq!(g.jti.as_deref(), Some("t-1"));
+        assert_eq!(keys.revoked(&g), None);
+        // Denied by id: the grant no longer holds, and the token no longer verifies.
+        let mut denied = keys.clone();
+        denied.deny("acme", "t-1");
+        assert!(denied.revoked(&g).unwrap().contains("t-1"));
+        assert!(matches!(
+            denied.verify(&key.sign(&c), "acme", 1500),
+            Err(AuthError::Revoked(_))
+        ));
+        // Another tenant's denial of the same id does nothing here.
+        let mut elsewhere = keys.clone();
+        elsewhere.deny("globex", "t-1");
+        assert_eq!(elsewhere.revoked(&g), None);
+        // k1 retired: the grant is gone; k2's tokens still hold.
+        let mut rotated = TenantKeys::default();
+        rotated.add("acme", "k2", other.public_key());
+        assert!(rotated.revoked(&g).unwrap().contains("k1"));
+        let g2 = rotated.verify(&other.sign(&c), "acme", 1500).unwrap();
+        assert_eq!(rotated.revoked(&g2), None);
+        assert!(rotated.verify(&key.sign(&c), "acme", 1500).is_err());
     }
 
     #[test]

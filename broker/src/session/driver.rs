@@ -51,6 +51,11 @@ const WRITE_BATCH_FRAMES: usize = 64;
 /// QUIC application close codes.
 const CLOSE_SHUTDOWN: u32 = 0;
 const CLOSE_AUTH_TIMEOUT: u32 = 1;
+/// A token this connection authenticated with was revoked, or its key retired.
+const CLOSE_REVOKED: u32 = 2;
+/// How often each core looks for a new key set (the bound on top of the control-plane
+/// sync for closing a revoked connection).
+const KEY_CHECK: Duration = Duration::from_millis(250);
 
 /// What a connection's streams share.
 #[derive(Debug)]
@@ -65,6 +70,8 @@ pub struct ConnScope {
     closed: Cell<bool>,
     /// One waker per live subscription, woken when the connection ends.
     on_close: RefCell<FxHashMap<u64, Waker>>,
+    /// The grants its streams authenticated with (checked again when keys change).
+    grants: RefCell<Vec<Rc<crate::auth::Grant>>>,
 }
 
 impl ConnScope {
@@ -79,6 +86,7 @@ impl ConnScope {
             next_subscription: Cell::new(1),
             closed: Cell::new(false),
             on_close: RefCell::default(),
+            grants: RefCell::default(),
         }
     }
 
@@ -153,6 +161,7 @@ pub async fn serve_connection(core: Rc<CoreBroker>, conn: Connection) {
         clock::now().instant,
     ));
     let watchdog = task::spawn(auth_watchdog(conn.clone(), scope.clone()));
+    let revocation = task::spawn(revocation_watch(core.clone(), conn.clone(), scope.clone()));
     loop {
         let next = futures_lite::future::or(
             async { conn.accept_bi().await.map(|(s, r)| (Some(s), r)) },
@@ -170,6 +179,7 @@ pub async fn serve_connection(core: Rc<CoreBroker>, conn: Connection) {
     // subscription made on it ends now, whether or not it had anything to send.
     scope.close();
     drop(watchdog);
+    drop(revocation);
     tracing::debug!(conn = ?scope.id, "connection ended");
     core.metrics.connections.fetch_sub(1, Ordering::Relaxed);
 }
@@ -185,6 +195,39 @@ async fn auth_watchdog(conn: Connection, scope: Rc<ConnScope>) {
                 return;
             }
             AuthTimer::WaitUntil(t) => task::sleep(t.saturating_duration_since(now)).await,
+        }
+    }
+}
+
+/// Closes the connection once a key set arrives under which one of its grants no longer
+/// holds (its signing key retired, its token revoked by id).
+async fn revocation_watch(core: Rc<CoreBroker>, conn: Connection, scope: Rc<ConnScope>) {
+    loop {
+        core.keys_changed.changed().await;
+        let keys = core.shared.keys.load();
+        let why = scope.grants.borrow().iter().find_map(|g| keys.revoked(g));
+        if let Some(why) = why {
+            tracing::info!(conn = ?scope.id, reason = %why, "closing a connection whose token no longer holds");
+            core.metrics
+                .revoked_connections
+                .fetch_add(1, Ordering::Relaxed);
+            conn.close(CLOSE_REVOKED, format!("token revoked: {why}").as_bytes());
+            return;
+        }
+    }
+}
+
+/// Watches this core's view of the verification keys and wakes the connections'
+/// revocation checks when a new set is stored (only on a change: the sync stores one
+/// only then).
+pub async fn watch_keys(core: Rc<CoreBroker>) {
+    let mut seen = Arc::as_ptr(&core.shared.keys.load_full());
+    loop {
+        task::sleep(KEY_CHECK).await;
+        let now = Arc::as_ptr(&core.shared.keys.load_full());
+        if now != seen {
+            seen = now;
+            core.keys_changed.wake_all();
         }
     }
 }
@@ -356,6 +399,7 @@ async fn authenticate(
     match handshake(&frame, &env, clock::now()) {
         Ok((session, reply)) => {
             scope.auth.borrow_mut().authenticated();
+            scope.grants.borrow_mut().push(session.grant().clone());
             if answered {
                 answers.push(Answer::Ready(Some(reply)));
             }

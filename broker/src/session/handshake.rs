@@ -50,6 +50,11 @@ impl Session {
         &self.grant.tenant
     }
 
+    /// What the token granted (and which key verified it).
+    pub fn grant(&self) -> &Rc<Grant> {
+        &self.grant
+    }
+
     /// Whether the client reads coded errors.
     pub fn coded(&self) -> bool {
         self.features.contains(Features::ERROR_CODES)

@@ -26,7 +26,7 @@ pub mod testing;
 
 use std::time::Duration;
 
-pub use driver::{close_for_shutdown, serve_connection};
+pub use driver::{close_for_shutdown, serve_connection, watch_keys};
 pub use handshake::Session;
 
 use felix_wire::{Features, Flags};
