@@ -22,6 +22,8 @@ pub mod config;
 #[cfg(feature = "server")]
 pub mod pg;
 #[cfg(feature = "server")]
+pub mod pg_tls;
+#[cfg(feature = "server")]
 pub mod placement;
 #[cfg(feature = "server")]
 pub mod replication;

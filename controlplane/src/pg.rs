@@ -27,16 +27,44 @@ fn unavailable(e: tokio_postgres::Error) -> StoreError {
 }
 
 impl PgStore {
-    /// Connects and applies the migrations that have not run yet.
+    /// Connects (over TLS with `sslmode=verify-full`, see [`crate::pg_tls`]) and applies
+    /// the migrations that have not run yet.
     pub async fn connect(url: &str) -> anyhow::Result<PgStore> {
-        let (client, conn) = tokio_postgres::connect(url, NoTls)
-            .await
-            .map_err(|e| anyhow::anyhow!("connecting to postgres: {e}"))?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::error!(error = %e, "postgres connection ended");
+        let (url, tls) =
+            crate::pg_tls::split(url).map_err(|e| anyhow::anyhow!("store URL: {e}"))?;
+        let failed = |e: tokio_postgres::Error| {
+            // The cause (a certificate that does not verify, say) sits in the sources.
+            let mut message = format!("connecting to postgres: {e}");
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                message.push_str(&format!(": {s}"));
+                source = s.source();
             }
-        });
+            anyhow::anyhow!(message)
+        };
+        let client = match tls {
+            crate::pg_tls::PgTls::Off => {
+                let (client, conn) = tokio_postgres::connect(&url, NoTls).await.map_err(failed)?;
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::error!(error = %e, "postgres connection ended");
+                    }
+                });
+                client
+            }
+            crate::pg_tls::PgTls::VerifyFull { ca } => {
+                let mut config: tokio_postgres::Config = url.parse().map_err(failed)?;
+                config.ssl_mode(tokio_postgres::config::SslMode::Require);
+                let tls = crate::pg_tls::MakeRustls::from_ca_file(&ca)?;
+                let (client, conn) = config.connect(tls).await.map_err(failed)?;
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::error!(error = %e, "postgres connection ended");
+                    }
+                });
+                client
+            }
+        };
         client
             .batch_execute("CREATE TABLE IF NOT EXISTS felix_migrations (id INT PRIMARY KEY)")
             .await?;

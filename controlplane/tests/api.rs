@@ -84,21 +84,40 @@ fn memory_service() -> Service {
     start(Arc::new(MemoryStore::new()), runtime())
 }
 
-/// A fresh database on the test Postgres, so runs never see each other's rows.
+fn setup_script(args: &[&str]) -> String {
+    let script = manifest_dir().join("../tests/postgres/setup.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .args(args)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .expect("running tests/postgres/setup.sh");
+    assert!(out.status.success(), "tests/postgres/setup.sh failed");
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+/// The test Postgres's URL (plain, for administration) and its TLS CA file.
+fn test_postgres() -> (String, String) {
+    let base = std::env::var("FELIX_TEST_POSTGRES_URL").unwrap_or_else(|_| setup_script(&[]));
+    let ca = std::env::var("FELIX_TEST_POSTGRES_CA").unwrap_or_else(|_| setup_script(&["--ca"]));
+    (base, ca)
+}
+
+/// A fresh database on the test Postgres, so runs never see each other's rows. The
+/// store reaches it over TLS (`sslmode=verify-full`), as production should.
 fn postgres_service() -> Service {
-    let base = match std::env::var("FELIX_TEST_POSTGRES_URL") {
-        Ok(u) => u,
-        Err(_) => {
-            let script = manifest_dir().join("../tests/postgres/setup.sh");
-            let out = std::process::Command::new("bash")
-                .arg(&script)
-                .stderr(std::process::Stdio::inherit())
-                .output()
-                .expect("running tests/postgres/setup.sh");
-            assert!(out.status.success(), "tests/postgres/setup.sh failed");
-            String::from_utf8(out.stdout).unwrap().trim().to_owned()
-        }
-    };
+    let (url, rt) = fresh_database();
+    let (_, ca) = test_postgres();
+    let store = rt
+        .block_on(felix_controlplane::pg::PgStore::connect(&format!(
+            "{url}?sslmode=verify-full&sslrootcert={ca}"
+        )))
+        .expect("opening the postgres store over TLS");
+    start(Arc::new(store), rt)
+}
+
+fn fresh_database() -> (String, tokio::runtime::Runtime) {
+    let (base, _) = test_postgres();
     let rt = runtime();
     let db = format!(
         "felix_test_{}_{}",
@@ -120,10 +139,63 @@ fn postgres_service() -> Service {
         let (prefix, _) = base.rsplit_once('/').unwrap();
         format!("{prefix}/{db}")
     });
-    let store = rt
-        .block_on(felix_controlplane::pg::PgStore::connect(&url))
-        .expect("opening the postgres store");
-    start(Arc::new(store), rt)
+    (url, rt)
+}
+
+#[test]
+fn the_postgres_store_speaks_tls_and_refuses_a_server_it_cannot_verify() {
+    let (url, rt) = fresh_database();
+    let (base, ca) = test_postgres();
+    let db = url.rsplit_once('/').unwrap().1.to_owned();
+    let _store = rt
+        .block_on(felix_controlplane::pg::PgStore::connect(&format!(
+            "{url}?sslmode=verify-full&sslrootcert={ca}"
+        )))
+        .unwrap();
+    // The server sees the store's session as TLS.
+    let tls_sessions: i64 = rt.block_on(async {
+        let (c, conn) = tokio_postgres::connect(&base, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        c.query_one(
+            "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+             WHERE a.datname = $1 AND s.ssl",
+            &[&db],
+        )
+        .await
+        .unwrap()
+        .get(0)
+    });
+    assert_eq!(tls_sessions, 1);
+    // A CA that did not sign the server's certificate (here: the leaf itself) is refused.
+    let leaf = std::path::Path::new(&ca).with_file_name("server.crt");
+    let e = rt
+        .block_on(felix_controlplane::pg::PgStore::connect(&format!(
+            "{url}?sslmode=verify-full&sslrootcert={}",
+            leaf.display()
+        )))
+        .unwrap_err();
+    assert!(e.to_string().contains("certificate"), "{e}");
+    // A name the certificate does not carry is refused too (it names localhost and
+    // 127.0.0.1, not 127.0.0.2).
+    let e = rt
+        .block_on(felix_controlplane::pg::PgStore::connect(&format!(
+            "{}?sslmode=verify-full&sslrootcert={ca}",
+            url.replace("127.0.0.1", "127.0.0.2")
+        )))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("certificate") || e.to_string().contains("connect"),
+        "{e}"
+    );
+    // Encryption without verification is refused before connecting.
+    let e = rt
+        .block_on(felix_controlplane::pg::PgStore::connect(&format!(
+            "{url}?sslmode=require"
+        )))
+        .unwrap_err();
+    assert!(e.to_string().contains("verify-full"), "{e}");
 }
 
 fn status(r: Result<Value, ClientError>) -> (u16, Option<String>, Option<String>) {

@@ -3,6 +3,8 @@
 # Installs the server with apt-get when no initdb is found. Idempotent (a running
 # cluster is reused) and serialised with flock so parallel test binaries do not race.
 # Listens on 127.0.0.1 only, trust auth: test data, never production.
+# TLS is on, with a certificate for localhost/127.0.0.1 from a test CA made here:
+# `setup.sh --ca` prints that CA's file, for tests that connect with sslmode=verify-full.
 set -euo pipefail
 port="${FELIX_PG_PORT:-55432}"
 dir="${FELIX_PG_DIR:-/var/tmp/felix-pg-$port}"
@@ -41,6 +43,31 @@ if [ ! -f "$dir/PG_VERSION" ]; then
     [ ${#as_pg[@]} -eq 0 ] || chown postgres: "$dir"
     chmod 700 "$dir"
     "${as_pg[@]}" "$bin/initdb" -D "$dir" -U postgres --auth=trust -E UTF8 >&2
+fi
+# A test CA and a server certificate it signs (made once per data directory).
+if [ ! -f "$dir/server.crt" ]; then
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 3650 \
+        -subj "/CN=felix test postgres CA" -keyout "$dir/ca.key" -out "$dir/ca.crt" 2>/dev/null
+    openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+        -subj "/CN=localhost" -keyout "$dir/server.key" -out "$dir/server.csr" 2>/dev/null
+    printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > "$dir/server.ext"
+    openssl x509 -req -in "$dir/server.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" \
+        -CAcreateserial -days 3650 -extfile "$dir/server.ext" -out "$dir/server.crt" 2>/dev/null
+    chmod 600 "$dir/server.key"
+    [ ${#as_pg[@]} -eq 0 ] || chown postgres: "$dir/server.key" "$dir/server.crt"
+fi
+if [ "${1:-}" = "--ca" ]; then
+    echo "$dir/ca.crt"
+    exit 0
+fi
+if ! grep -q "^ssl = on" "$dir/postgresql.auto.conf" 2>/dev/null; then
+    printf "ssl = on\nssl_cert_file = '%s'\nssl_key_file = '%s'\n" \
+        "$dir/server.crt" "$dir/server.key" >> "$dir/postgresql.auto.conf"
+    # A cluster already running (started before TLS was added) takes it on reload.
+    if "${as_pg[@]}" "$bin/pg_ctl" -D "$dir" status >/dev/null 2>&1; then
+        "${as_pg[@]}" "$bin/pg_ctl" -D "$dir" reload >&2
+        sleep 1
+    fi
 fi
 if ! "${as_pg[@]}" "$bin/pg_ctl" -D "$dir" status >/dev/null 2>&1; then
     "${as_pg[@]}" "$bin/pg_ctl" -D "$dir" -l "$dir/server.log" -w -t 60 \
