@@ -355,3 +355,187 @@ fn retired_keys_and_denied_tokens_close_live_connections_within_the_bound() {
         .sum();
     assert_eq!(revoked, 2, "{metrics}");
 }
+
+/// A TCP forwarder whose upstream can be switched while it runs: what a machine in the
+/// middle does to the broker's route to the control plane.
+struct Switch {
+    addr: std::net::SocketAddr,
+    upstream: std::sync::Arc<std::sync::Mutex<std::net::SocketAddr>>,
+}
+
+impl Switch {
+    fn start(upstream: std::net::SocketAddr) -> Switch {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let upstream = std::sync::Arc::new(std::sync::Mutex::new(upstream));
+        let target = upstream.clone();
+        std::thread::spawn(move || {
+            for inbound in listener.incoming() {
+                let Ok(inbound) = inbound else { return };
+                let to = *target.lock().unwrap();
+                let Ok(outbound) = std::net::TcpStream::connect(to) else {
+                    continue;
+                };
+                for (mut from, mut to) in [
+                    (inbound.try_clone().unwrap(), outbound.try_clone().unwrap()),
+                    (outbound, inbound),
+                ] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Switch { addr, upstream }
+    }
+
+    fn point_at(&self, upstream: std::net::SocketAddr) {
+        *self.upstream.lock().unwrap() = upstream;
+    }
+}
+
+fn socket_of(url: &str) -> std::net::SocketAddr {
+    url.trim_start_matches("https://").parse().unwrap()
+}
+
+/// Someone takes over the broker's route to the control plane and answers with a control
+/// plane of their own (its own CA, its own "acme" keys): the broker refuses every answer,
+/// keeps the keys it had, says so on /readyz and /metrics, and a token signed with the
+/// impostor's key is never accepted.
+#[test]
+fn a_control_plane_impostor_cannot_get_a_forged_token_accepted() {
+    let dir = tempfile::Builder::new()
+        .prefix("felix-security")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let (cp, real, admin) = https_control_plane(dir.path());
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    let route = Switch::start(socket_of(&cp.url));
+    let url = format!("https://127.0.0.1:{}", route.addr.port());
+    let binary = Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test"));
+    let config = broker_config(
+        dir.path(),
+        &real,
+        &url,
+        &real.ca,
+        "node-m",
+        &node_token(&admin, "node-m"),
+    );
+    let broker = BrokerProcess::start_serve(
+        binary,
+        &dir.path().join("node-m"),
+        &config,
+        free_udp_addr().unwrap(),
+    )
+    .unwrap();
+    let genuine = broker_token(&admin);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let accepted = |token: &Value| rt.block_on(connect(broker.listen, &real.ca, token)).is_ok();
+    wait_for(
+        "the genuine token accepted",
+        Duration::from_secs(20),
+        || accepted(&genuine).then_some(()),
+    )
+    .unwrap();
+
+    // The impostor: a control plane with a certificate from another CA, whose "acme"
+    // has a key of its own.
+    let fake_dir = dir.path().join("impostor");
+    std::fs::create_dir_all(&fake_dir).unwrap();
+    let (impostor, _fake_certs, fake_admin) = https_control_plane(&fake_dir);
+    fake_admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    let forged = broker_token(&fake_admin);
+    assert!(
+        !accepted(&forged),
+        "before the takeover the forged token is refused"
+    );
+    route.point_at(socket_of(&impostor.url));
+
+    // The broker notices (its syncs fail on the certificate), keeps serving with what it
+    // had, and reports it.
+    let readyz = wait_for(
+        "readyz reports the unverified control plane",
+        Duration::from_secs(15),
+        || {
+            let (code, body) = broker.http_get("/readyz").ok()?;
+            (code == 200 && body.contains("degraded: control plane not synced")).then_some(body)
+        },
+    )
+    .unwrap();
+    assert!(readyz.contains("certificate"), "{readyz}");
+    let (_, metrics) = broker.http_get("/metrics").unwrap();
+    assert!(
+        metrics.contains("felix_broker_controlplane_unverified 1"),
+        "{metrics}"
+    );
+    // Give the impostor several sync rounds, then check: forged refused, genuine kept.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        !accepted(&forged),
+        "a token signed by the impostor's key is refused"
+    );
+    assert!(
+        accepted(&genuine),
+        "the last good keys still verify genuine tokens"
+    );
+
+    // The route restored: the broker syncs again and the report clears.
+    route.point_at(socket_of(&cp.url));
+    wait_for("readyz clears", Duration::from_secs(15), || {
+        let (_, body) = broker.http_get("/readyz").ok()?;
+        (!body.contains("degraded")).then_some(())
+    })
+    .unwrap();
+    assert!(!accepted(&forged));
+}
+
+/// A control plane serving a certificate that has expired is refused, saying so.
+#[test]
+fn an_expired_control_plane_certificate_is_refused_with_a_clear_error() {
+    let dir = tempfile::Builder::new()
+        .prefix("felix-security")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let mut leaf_params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap();
+    leaf_params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+    leaf_params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+    let leaf = leaf_params.signed_by(&leaf_key, &ca, &ca_key).unwrap();
+    let (cert, key, ca_file) = (
+        dir.path().join("cert.pem"),
+        dir.path().join("key.pem"),
+        dir.path().join("ca.pem"),
+    );
+    std::fs::write(&cert, leaf.pem()).unwrap();
+    std::fs::write(&key, leaf_key.serialize_pem()).unwrap();
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let cp = ControlPlaneProcess::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        &[
+            "--tls-cert-file",
+            &cert.display().to_string(),
+            "--tls-key-file",
+            &key.display().to_string(),
+        ],
+    )
+    .unwrap();
+    let client = ControlPlaneClient::with_tls(
+        &cp.url,
+        None,
+        Some(ClientTls::from_ca_file(&ca_file).unwrap()),
+    )
+    .unwrap();
+    match client.get("/v1/system/live") {
+        Err(ClientError::Tls(m)) => assert!(m.contains("expired"), "{m}"),
+        other => panic!("expected an expired-certificate refusal, got {other:?}"),
+    }
+}
