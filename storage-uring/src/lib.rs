@@ -26,6 +26,6 @@ pub use io::dma::DmaBackend;
 pub use io::faults::{FaultTimes, StorageFaults};
 pub use io::memory::{MemBackend, MemOp};
 pub use log::{
-    Appended, FsyncMode, LogConfig, LogStats, PendingAppend, ReadBatch, RecoveryReport, SegmentLog,
-    TornTail, VerifyOnOpen,
+    Appended, EARLY_ACK_STAGED_MAX, FsyncMode, LogConfig, LogStats, PendingAppend, ReadBatch,
+    RecoveryReport, SegmentLog, TornTail, VerifyOnOpen,
 };

@@ -24,11 +24,15 @@
 //!    (`docs/storage-format.md`, "Recovery").
 //!    (`LogConfig::unsafe_skip_fdatasync` leaves this call out: a mutant the power-loss
 //!    tests must catch.)
-//! 4. `commit` resolves once its batch is acknowledged (durable under `OnCommit`,
-//!    written otherwise) *and* every earlier turn has resolved: success, failure and
-//!    cancellation (dropping a `PendingAppend`) all release the next turn, so commits
-//!    complete in offset order. Work the caller does right after `commit` returns, before
-//!    its next `.await`, therefore also happens in offset order.
+//! 4. `commit` resolves once its batch is acknowledged *and* every earlier turn has
+//!    resolved: success, failure and cancellation (dropping a `PendingAppend`) all
+//!    release the next turn, so commits complete in offset order. Work the caller does
+//!    right after `commit` returns, before its next `.await`, therefore also happens in
+//!    offset order. Under `OnCommit` a batch is acknowledged once durable. Under `None`
+//!    and `Periodic` it is acknowledged once sequenced (step 1): the ack does not wait
+//!    for the device, and a reader asking for such a batch before the flusher has
+//!    written it waits for that write. What was acknowledged but not yet written is the
+//!    loss window of those modes: a crash, or a failed write, loses it.
 //!
 //! 5. Running out of space is not poison. When the flusher's write of a chunk, or any
 //!    step of creating the next segment (truncate, fallocate, header write, header
@@ -47,9 +51,13 @@
 //!      and acknowledges its offsets. Releasing it leaves the commit order alone: the
 //!      sequencer forgets turns at or past the point and resumes there.
 //!
-//!    This is safe because nothing at or past `written_end` was acknowledged (an ack
-//!    needs the write), and after cleanup the file holds nothing past the valid end
-//!    except, at most, inside the last partial block, which the next write rewrites.
+//!    This is safe because under `OnCommit` nothing at or past `written_end` was
+//!    acknowledged (an ack needs the durable write), and after cleanup the file holds
+//!    nothing past the valid end except, at most, inside the last partial block, which
+//!    the next write rewrites. (Under `None` and `Periodic` the staged batches *were*
+//!    acknowledged, step 4, and readers may have seen them: giving their offsets back
+//!    would let other records take offsets already read, so there running out of space
+//!    poisons the log, as below, instead.)
 //!    A crash before that leaves what a crash mid-write always leaves: a torn tail that
 //!    recovery cuts, or a whole unacknowledged batch that it may keep; never data after
 //!    a gap, which recovery would have to refuse as interior damage.
@@ -129,15 +137,31 @@ mod recover;
 
 use recover::recover;
 
+/// Under `None` and `Periodic`, batches are acknowledged at sequencing while at most this
+/// many bytes are staged and not yet being written; past it a batch waits for its write.
+/// With the round being written (at most [`format::ROUND_BYTES_MAX`], unless one batch is
+/// larger) this bounds what a crash can take back.
+pub const EARLY_ACK_STAGED_MAX: usize = 16 << 20;
+
 /// When an acknowledged append is on stable storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FsyncMode {
-    /// Never fsynced except at close: acks mean "written to the device".
+    /// Never fsynced except at close. Acks mean "sequenced": the batch has its offsets
+    /// and readers see it; the flusher writes it moments later. A crash (or a failed
+    /// write) loses what was acknowledged but not yet written, and a power cut what was
+    /// not yet synced.
     None,
-    /// Fsynced at this interval: acks mean "written"; loss window one interval.
+    /// As `None`, and fsynced at this interval: a power cut loses at most one interval.
     Periodic(Duration),
     /// Acks wait for the fdatasync that covers them (group commit).
     OnCommit,
+}
+
+impl FsyncMode {
+    /// Whether an append is acknowledged once sequenced, before its write (step 4).
+    pub fn acks_before_write(self) -> bool {
+        !matches!(self, FsyncMode::OnCommit)
+    }
 }
 
 impl std::str::FromStr for FsyncMode {
@@ -419,6 +443,9 @@ struct State<F> {
     append_last_indexed: Option<u64>,
     /// One past the last record written / fsynced.
     written_end: u64,
+    /// Under `None` and `Periodic`: one past the last batch acknowledged at sequencing
+    /// (step 4); batches past it wait for their write (too much was staged).
+    early_end: u64,
     durable_end: u64,
     sequencer: Sequencer,
     era: Rc<Era>,
@@ -582,6 +609,7 @@ impl<B: Backend> SegmentLog<B> {
             append_pos,
             append_last_indexed: None,
             written_end: next_offset,
+            early_end: next_offset,
             durable_end: next_offset,
             sequencer: Sequencer {
                 next: next_offset,
@@ -803,6 +831,17 @@ impl<B: Backend> SegmentLog<B> {
         if let Some(w) = st.flusher.take() {
             w.wake();
         }
+        // Acknowledged now, unless the flusher is far behind: then this batch waits for
+        // its write, which is what bounds staged memory (and the loss window).
+        if cfg.fsync.acks_before_write()
+            && st.staged.iter().map(|c| c.bytes.len()).sum::<usize>() <= EARLY_ACK_STAGED_MAX
+        {
+            st.early_end = end;
+        }
+        if cfg.fsync.acks_before_write() && !st.ack_waiters.is_empty() {
+            // Acknowledged now: a tailing reader need not wait for the write.
+            wake_acked(st, cfg.fsync);
+        }
         let weak = Rc::downgrade(&self.shared);
         Ok(PendingAppend {
             first,
@@ -968,6 +1007,35 @@ impl<B: Backend> SegmentLog<B> {
         .await
     }
 
+    /// Resolves once `offset` is written (or the log was cut, poisoned or closed): a
+    /// read of a record acknowledged at sequencing waits here for its write.
+    async fn written_past(&self, offset: u64) -> Result<(), StorageError> {
+        let cuts = self.shared.state.borrow().cuts;
+        poll_fn(|cx| {
+            let mut st = self.shared.state.borrow_mut();
+            if st.written_end > offset || st.cuts != cuts || st.next_offset <= offset {
+                return Poll::Ready(Ok(()));
+            }
+            if let Some((op, detail)) = &st.poisoned {
+                return Poll::Ready(Err(StorageError::Poisoned {
+                    op,
+                    detail: detail.clone(),
+                }));
+            }
+            if st.closed {
+                return Poll::Ready(Err(StorageError::Closed));
+            }
+            // Woken by the write that passes it (every write wakes the waiters at or
+            // below the acknowledged end, which is past `offset`).
+            st.ack_waiters
+                .entry(offset + 1)
+                .or_default()
+                .push(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
     /// Forces an fdatasync of everything written so far and waits for it. Batches a
     /// no-space rollback gave back are not waited for: they were never written.
     pub async fn sync(&self) -> Result<(), StorageError> {
@@ -1024,7 +1092,7 @@ impl<B: Backend> SegmentLog<B> {
                 cuts = self.shared.state.borrow().cuts;
             }
             // Locate under the borrow; await with none held.
-            let (file, name, mut pos, data_len, end) = {
+            let located = {
                 let st = self.shared.state.borrow();
                 let end = ack_end(&st, self.shared.config.fsync);
                 let base = st.segments.front().map_or(0, |s| s.base);
@@ -1037,15 +1105,27 @@ impl<B: Backend> SegmentLog<B> {
                 if offset >= end || (!out.is_empty() && budget == 0) {
                     return Ok(out);
                 }
-                let i = st.segments.partition_point(|s| s.base <= offset) - 1;
-                let s = &st.segments[i];
-                (
-                    s.file.clone(),
-                    s.name.clone(),
-                    s.index.seek(offset),
-                    s.data_len,
-                    end,
-                )
+                if offset >= st.written_end {
+                    if !out.is_empty() {
+                        return Ok(out);
+                    }
+                    None
+                } else {
+                    let i = st.segments.partition_point(|s| s.base <= offset) - 1;
+                    let s = &st.segments[i];
+                    Some((
+                        s.file.clone(),
+                        s.name.clone(),
+                        s.index.seek(offset),
+                        s.data_len,
+                        end.min(st.written_end),
+                    ))
+                }
+            };
+            let Some((file, name, mut pos, data_len, end)) = located else {
+                // Acknowledged at sequencing, not yet written (step 4): wait for it.
+                self.written_past(offset).await?;
+                continue 'locate;
             };
             let window = self
                 .shared
@@ -1273,7 +1353,8 @@ impl<B: Backend> SegmentLog<B> {
 fn ack_end<F>(st: &State<F>, mode: FsyncMode) -> u64 {
     match mode {
         FsyncMode::OnCommit => st.durable_end,
-        FsyncMode::None | FsyncMode::Periodic(_) => st.written_end,
+        // Sequenced is acknowledged (step 4), within the staging bound.
+        FsyncMode::None | FsyncMode::Periodic(_) => st.early_end.max(st.written_end),
     }
 }
 
@@ -1440,6 +1521,11 @@ async fn flush_round<B: Backend>(
         match result {
             Ok(batches) => batches_written += batches,
             Err(Failure::Poison(op, e)) => return Err((op, e)),
+            // Everything staged was acknowledged when it was sequenced (step 4): giving
+            // its offsets back would let other records take offsets readers have seen.
+            Err(Failure::NoSpace(op, e)) if cfg.fsync.acks_before_write() => {
+                return Err((op, e));
+            }
             Err(Failure::NoSpace(op, e)) => {
                 for rest in chunks.by_ref() {
                     recycle(&mut st, rest);
@@ -1609,6 +1695,7 @@ fn end_era<F>(st: &mut State<F>, point: u64, cause: RollbackCause) {
     // era's batches take them again.
     drop(st.sequencer.resolved.split_off(&point));
     st.sequencer.next = st.sequencer.next.min(point);
+    st.early_end = st.early_end.min(point);
     wake_all(st);
 }
 

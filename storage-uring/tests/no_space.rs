@@ -1,6 +1,8 @@
 //! A full disk is not poison. ENOSPC or EDQUOT on a data write, or on any step of
 //! creating a segment, fails exactly the batches not yet written with `NoSpace`, gives
 //! their offsets back and leaves the log taking writes; a failed fdatasync still poisons.
+//! (Under `None` and `Periodic`, which acknowledge at sequencing, the batches not yet
+//! written were acknowledged, so there a full disk poisons: the last tests.)
 //! The families that the fault seam of the io_uring backend can reach run on both
 //! backends; aiming at one step of a roll, tearing and crashing need the memory backend.
 //! Every test ends by checking what a reopen (and, on memory, a crash) recovers: the
@@ -583,11 +585,7 @@ fn batches_staged_while_the_failing_write_runs_fail_too() {
 fn a_sync_does_not_wait_for_rolled_back_batches() {
     run(|| async {
         let mem = MemBackend::new();
-        let written_only = LogConfig {
-            fsync: FsyncMode::None,
-            ..cfg()
-        };
-        let (log, _) = SegmentLog::open(mem.clone(), written_only).await.unwrap();
+        let (log, _) = SegmentLog::open(mem.clone(), cfg()).await.unwrap();
         let mut acked = Vec::new();
         append(&log, &mut acked, 100).await;
         mem.fail_next_write_with(libc::ENOSPC);
@@ -678,4 +676,107 @@ async fn fill_a_real_file_system(root: String, cfg: LogConfig) {
         assert_eq!(report.next_offset, acked.len() as u64);
         log.close().await.unwrap();
     }
+}
+
+/// Under `None` an append is acknowledged once sequenced: the ack comes before any write,
+/// and a read of the record waits for the flusher's write instead of missing it.
+#[test]
+fn without_fsync_an_append_is_acknowledged_before_its_write_and_reads_wait_for_it() {
+    run(|| async {
+        let mem = MemBackend::new();
+        let none = LogConfig {
+            fsync: FsyncMode::None,
+            ..cfg()
+        };
+        let (log, _) = SegmentLog::open(mem.clone(), none).await.unwrap();
+        let written = log.stats().bytes_written;
+        let p = log.begin_append(&[payload(0, 100)], 0, None).unwrap();
+        let a = log.commit(p).await.unwrap();
+        assert_eq!((a.first, a.end), (0, 1));
+        assert_eq!(
+            log.stats().bytes_written,
+            written,
+            "acknowledged before the flusher wrote anything"
+        );
+        assert_eq!(log.committed_end(), 1, "readers may ask for it at once");
+        let got = log.read(0, 1 << 20).await.unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(&got[0].records[0][..], &payload(0, 100)[..]);
+        assert!(
+            log.stats().bytes_written > written,
+            "the read waited for the write"
+        );
+    });
+}
+
+/// Under `None`, a full disk cannot give offsets back: the batches staged were already
+/// acknowledged (and readers may have seen them). The log is poisoned instead, and what
+/// was acknowledged but not written is the documented loss; no offset is ever reused.
+#[test]
+fn without_fsync_running_out_of_space_poisons_instead_of_reusing_acknowledged_offsets() {
+    run(|| async {
+        let mem = MemBackend::new();
+        let none = LogConfig {
+            fsync: FsyncMode::None,
+            ..cfg()
+        };
+        let (log, _) = SegmentLog::open(mem.clone(), none.clone()).await.unwrap();
+        log.append(&[payload(0, 100)], 0).await.unwrap();
+        log.sync().await.unwrap();
+        mem.fail_next_write_with(libc::ENOSPC);
+        let p = log.begin_append(&[payload(1, 100)], 0, None).unwrap();
+        let a = log.commit(p).await.unwrap();
+        assert_eq!(a.first, 1, "acknowledged at sequencing");
+        assert!(matches!(
+            log.sync().await,
+            Err(StorageError::Poisoned { .. })
+        ));
+        assert!(matches!(
+            log.begin_append(&[payload(1, 100)], 0, None),
+            Err(StorageError::Poisoned { .. })
+        ));
+        drop(log);
+        let (after, report) = SegmentLog::open(mem.clone(), none).await.unwrap();
+        assert_eq!(
+            report.next_offset, 1,
+            "offset 1 was lost with the failed write"
+        );
+        check(&after, &[100]).await;
+    });
+}
+
+/// Acknowledging at sequencing is bounded: past [`EARLY_ACK_STAGED_MAX`] staged bytes a
+/// batch waits for its write, so a producer faster than the disk cannot grow memory (or
+/// the loss window) without limit.
+#[test]
+fn without_fsync_early_acks_stop_at_the_staging_bound() {
+    run(|| async {
+        let mem = MemBackend::new();
+        let none = LogConfig {
+            fsync: FsyncMode::None,
+            segment_bytes_max: 256 << 20,
+            ..cfg()
+        };
+        let (log, _) = SegmentLog::open(mem.clone(), none).await.unwrap();
+        let record = vec![7u8; 1 << 20];
+        // Claimed back to back, with no await: the flusher has not run.
+        let pending: Vec<PendingAppend> = (0..24)
+            .map(|_| log.begin_append(&[&record[..]], 0, None).unwrap())
+            .collect();
+        let early = log.committed_end();
+        assert!(
+            early >= 8,
+            "small stagings are acknowledged at once: {early}"
+        );
+        assert!(
+            early as usize * (1 << 20) <= felix_storage_uring::EARLY_ACK_STAGED_MAX,
+            "no more than the bound is acknowledged unwritten: {early}"
+        );
+        assert!(early < 24);
+        // The rest are acknowledged as the flusher writes them.
+        for p in pending {
+            log.commit(p).await.unwrap();
+        }
+        assert_eq!(log.committed_end(), 24);
+    });
 }

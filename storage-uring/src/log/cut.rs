@@ -567,6 +567,7 @@ impl<B: Backend> SegmentLog<B> {
         st.append_last_indexed = seg.index.last().map(|(_, p)| p);
         st.next_offset = offset;
         st.written_end = offset;
+        st.early_end = offset;
         st.durable_end = st.durable_end.min(offset);
         st.last_batch = written_last_batch(&st.segments);
         st.cuts += 1;
@@ -602,6 +603,7 @@ impl<B: Backend> SegmentLog<B> {
         st.append_last_indexed = None;
         st.next_offset = base;
         st.written_end = base;
+        st.early_end = base;
         st.durable_end = base;
         st.last_batch = None;
         let waiters = std::mem::take(&mut st.sequencer.waiters);
