@@ -97,6 +97,8 @@ pub struct FileConfig {
     pub segment_bytes: Option<u64>,
     /// Microseconds an idle core busy-polls before sleeping (0: never spin).
     pub spin_us: Option<u64>,
+    /// Without fsync on commit: microseconds a log lets appends gather before writing.
+    pub write_linger_us: Option<u64>,
     /// A connection with no authenticated stream is closed after this (0: never).
     pub auth_timeout_ms: Option<u64>,
     /// A connection silent this long is closed, and its subscriptions end.
@@ -188,6 +190,9 @@ impl ClusterSettings {
     }
 }
 
+/// Default [`BrokerConfig::write_linger`], in µs (`docs/configuration.md`).
+pub const DEFAULT_WRITE_LINGER_US: u64 = 250;
+
 /// Fully resolved configuration.
 #[derive(Debug, Clone)]
 pub struct BrokerConfig {
@@ -227,6 +232,8 @@ pub struct BrokerConfig {
     pub segment_bytes: u64,
     /// Busy-poll before an idle core sleeps.
     pub spin: Option<std::time::Duration>,
+    /// Without fsync on commit: how long a log lets appends gather before writing.
+    pub write_linger: std::time::Duration,
     /// Control-plane following, when configured.
     pub cluster: Option<ClusterSettings>,
     /// Per-connection bounds.
@@ -742,6 +749,28 @@ impl BrokerConfig {
                         .map(std::time::Duration::from_micros),
                     None => None,
                 }
+            },
+            write_linger: {
+                let l = layer(
+                    "write_linger_us",
+                    "FELIX_WRITE_LINGER_US",
+                    file.write_linger_us.map(|n| n.to_string()),
+                    None,
+                );
+                let us = match l.value {
+                    Some(v) => parse::<u64>("write_linger_us", l.source, &v)?,
+                    None => DEFAULT_WRITE_LINGER_US,
+                };
+                if us > 100_000 {
+                    return Err(ConfigError {
+                        key: "write_linger_us",
+                        source_name: l.source,
+                        message: format!(
+                            "{us} µs: at most 100000 (it widens the crash loss window)"
+                        ),
+                    });
+                }
+                std::time::Duration::from_micros(us)
             },
             cluster,
         })

@@ -246,6 +246,7 @@ pub fn start(
         log_config: LogConfig {
             fsync: config.fsync,
             segment_bytes_max: config.segment_bytes,
+            write_linger: config.write_linger,
             ..LogConfig::default()
         },
         catalog,

@@ -143,6 +143,9 @@ use recover::recover;
 /// larger) this bounds what a crash can take back.
 pub const EARLY_ACK_STAGED_MAX: usize = 16 << 20;
 
+/// The flusher lingers only while less than this is staged.
+const LINGER_BYTES_MAX: usize = 1 << 20;
+
 /// When an acknowledged append is on stable storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FsyncMode {
@@ -206,6 +209,12 @@ pub struct LogConfig {
     pub index_interval_bytes: u64,
     /// Durability of acknowledgements.
     pub fsync: FsyncMode,
+    /// Under `None` and `Periodic` (which acknowledge before the write): how long the
+    /// flusher lets appends gather before it writes them, so that one device write
+    /// carries many one-at-a-time appends. Adds this much to the crash loss window and
+    /// to the wait of a reader asking for a record not yet written; acks do not wait.
+    /// Zero writes at once.
+    pub write_linger: Duration,
     /// Reserve each segment's space up front (fallocate KEEP_SIZE).
     pub preallocate: bool,
     /// Delete whole sealed segments from the head while the log is larger than this.
@@ -233,6 +242,7 @@ impl Default for LogConfig {
             segment_bytes_max: 256 * 1024 * 1024,
             index_interval_bytes: 4096,
             fsync: FsyncMode::OnCommit,
+            write_linger: Duration::ZERO,
             preallocate: true,
             retention_bytes: None,
             retention_age: None,
@@ -1452,6 +1462,18 @@ async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
             st.closed = st.closing;
             wake_all(&mut st);
             return;
+        }
+        let linger = shared.config.write_linger;
+        if shared.config.fsync.acks_before_write() && !linger.is_zero() && {
+            let st = shared.state.borrow();
+            !st.closing
+                && !st.sync_requested
+                && !st.exclusive
+                && st.staged.iter().map(|c| c.bytes.len()).sum::<usize>() < LINGER_BYTES_MAX
+        } {
+            // The appends are acknowledged already (step 4): let more gather so one
+            // write carries them.
+            glommio::timer::sleep(linger).await;
         }
         let result = flush_round(&shared, &mut buf).await;
         let mut st = shared.state.borrow_mut();

@@ -780,3 +780,46 @@ fn without_fsync_early_acks_stop_at_the_staging_bound() {
         assert_eq!(log.committed_end(), 24);
     });
 }
+
+/// With a write linger, acknowledged appends made one at a time share device writes.
+#[test]
+fn without_fsync_a_write_linger_gathers_one_at_a_time_appends_into_one_write() {
+    run(|| async {
+        for (linger, most_rounds) in [(Duration::ZERO, 10), (Duration::from_millis(20), 2)] {
+            let mem = MemBackend::new();
+            let none = LogConfig {
+                fsync: FsyncMode::None,
+                write_linger: linger,
+                ..cfg()
+            };
+            let (log, _) = SegmentLog::open(mem.clone(), none).await.unwrap();
+            let rounds = log.stats().flush_rounds;
+            for o in 0..10 {
+                let started = Instant::now();
+                log.append(&[payload(o, 100)], 0).await.unwrap();
+                assert!(
+                    started.elapsed() < Duration::from_millis(15),
+                    "acks do not linger"
+                );
+                // One at a time: give the flusher its turn between appends.
+                glommio::yield_if_needed().await;
+                glommio::executor().yield_task_queue_now().await;
+            }
+            // A read returns what is written and waits only for its first record.
+            let mut at = 0;
+            while at < 10 {
+                let read = log.read(at, 1 << 20).await.unwrap();
+                assert!(!read.is_empty());
+                at = read.last().unwrap().end_offset();
+            }
+            let took = log.stats().flush_rounds - rounds;
+            assert!(
+                took <= most_rounds,
+                "linger {linger:?}: {took} write rounds for 10 appends"
+            );
+            if !linger.is_zero() {
+                assert!(took >= 1);
+            }
+        }
+    });
+}
