@@ -281,6 +281,9 @@ pub struct Measured {
     pub curve: Vec<(f64, f64)>,
     /// Batches made durable per fdatasync during the cell (ours, durable cells).
     pub appends_per_flush: Option<f64>,
+    /// The broker's CPU time per acknowledged message (µs), deliveries included: its
+    /// threads' schedstat over the cell (ours: the core threads; peers: the process).
+    pub server_cpu_us: Option<f64>,
 }
 
 fn pcts(v: &mut [f64]) -> [f64; 3] {
@@ -421,6 +424,7 @@ async fn run_cell_on(
 
     let static_batch: Vec<Bytes> = (0..spec.batch).map(|_| stamped(spec.size, 0)).collect();
     let flushes_before = driver.flush_counts();
+    let cpu_before = driver.server_cpu_ns();
     let started = Instant::now();
     let interval =
         rate.map(|r| Duration::from_secs_f64(spec.batch as f64 * spec.producers as f64 / r));
@@ -467,6 +471,10 @@ async fn run_cell_on(
         last = last.max(at);
         e2e.extend(lat);
     }
+    let server_cpu_us = match (cpu_before, driver.server_cpu_ns()) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / 1e3 / total as f64),
+        _ => None,
+    };
     let expected = total * spec.fanout as u64;
     if delivered < expected {
         bar.done("FAILED");
@@ -485,6 +493,7 @@ async fn run_cell_on(
     };
     let m = Measured {
         appends_per_flush,
+        server_cpu_us,
         acked_per_sec: total as f64 / acked_secs,
         mb_per_sec: total as f64 * spec.size as f64 / acked_secs / 1e6,
         delivered_per_sec: delivered as f64 / delivered_secs,
@@ -561,11 +570,23 @@ fn drivers_for(
         }
         Peer::Nats => {
             let p = peers::start_nats(&bins.context("peer binaries")?.nats, durable)?;
-            (Box::new(NatsDriver { addr: p.addr }), Box::new(p))
+            (
+                Box::new(NatsDriver {
+                    addr: p.addr,
+                    pid: Some(p.pid()),
+                }),
+                Box::new(p),
+            )
         }
         Peer::Redis => {
             let p = peers::start_redis(&bins.context("peer binaries")?.redis, durable)?;
-            (Box::new(RedisDriver { addr: p.addr }), Box::new(p))
+            (
+                Box::new(RedisDriver {
+                    addr: p.addr,
+                    pid: Some(p.pid()),
+                }),
+                Box::new(p),
+            )
         }
     })
 }

@@ -65,6 +65,31 @@ pub trait Driver: Send + Sync {
     fn flush_counts(&self) -> Option<(u64, u64)> {
         None
     }
+    /// CPU time (ns) the broker's threads have used so far, where it can be read.
+    fn server_cpu_ns(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// CPU time (ns) used by the threads of process `pid` (`self` for this one) whose name
+/// passes `keep`, from each thread's schedstat.
+pub fn threads_cpu_ns(pid: &str, keep: impl Fn(&str) -> bool) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut total = 0u64;
+    for task in tasks.flatten() {
+        let dir = task.path();
+        let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if !keep(name.trim()) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("schedstat")).unwrap_or_default();
+        total += stat
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Some(total)
 }
 
 /// Sends batches.
@@ -112,6 +137,15 @@ impl Driver for FelixDriver {
     fn create(&self, _stream: String) -> BoxFut<'_, ()> {
         // The dev broker creates streams on first use.
         Box::pin(async { Ok(()) })
+    }
+
+    fn server_cpu_ns(&self) -> Option<u64> {
+        // In this process: the broker's cores and the io_uring workers they start (the
+        // load generator is tokio and starts none).
+        self.shared.as_ref()?;
+        threads_cpu_ns("self", |n| {
+            n.starts_with("felix-core") || n.starts_with("iou-wrk")
+        })
     }
 
     fn flush_counts(&self) -> Option<(u64, u64)> {
@@ -295,6 +329,8 @@ impl Producer for TcpProducer {
 pub struct NatsDriver {
     /// Server address.
     pub addr: SocketAddr,
+    /// Its process, for CPU accounting.
+    pub pid: Option<u32>,
 }
 
 pub(crate) enum NatsMsg {
@@ -415,6 +451,10 @@ impl Driver for NatsDriver {
         "nats-jetstream"
     }
 
+    fn server_cpu_ns(&self) -> Option<u64> {
+        threads_cpu_ns(&self.pid?.to_string(), |_| true)
+    }
+
     fn create(&self, stream: String) -> BoxFut<'_, ()> {
         Box::pin(async move {
             let body = serde_json::json!({
@@ -521,6 +561,8 @@ impl Consumer for NatsConsumer {
 pub struct RedisDriver {
     /// Server address.
     pub addr: SocketAddr,
+    /// Its process, for CPU accounting.
+    pub pid: Option<u32>,
 }
 
 /// A RESP value (only what XADD and XREAD answer).
@@ -601,6 +643,10 @@ struct RedisConsumer {
 impl Driver for RedisDriver {
     fn name(&self) -> &'static str {
         "redis-streams"
+    }
+
+    fn server_cpu_ns(&self) -> Option<u64> {
+        threads_cpu_ns(&self.pid?.to_string(), |_| true)
     }
 
     fn create(&self, _stream: String) -> BoxFut<'_, ()> {

@@ -58,6 +58,13 @@ pub struct PeerProcess {
     _dir: tempfile::TempDir,
 }
 
+impl PeerProcess {
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
 impl Drop for PeerProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();

@@ -143,7 +143,10 @@ async fn one_cell(
         }
         Peer::Nats => {
             let p = peers::start_nats(&bins.context("peer binaries")?.nats, true)?;
-            let driver = NatsDriver { addr: p.addr };
+            let driver = NatsDriver {
+                addr: p.addr,
+                pid: Some(p.pid()),
+            };
             driver.create(stream.clone()).await?;
             fill(&driver, &stream, records).await?;
             nats_request(
@@ -165,7 +168,10 @@ async fn one_cell(
         }
         Peer::Redis => {
             let p = peers::start_redis(&bins.context("peer binaries")?.redis, true)?;
-            let driver = RedisDriver { addr: p.addr };
+            let driver = RedisDriver {
+                addr: p.addr,
+                pid: Some(p.pid()),
+            };
             fill(&driver, &stream, records).await?;
             let addr = p.addr;
             redis_call(

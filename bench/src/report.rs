@@ -100,6 +100,7 @@ impl Report {
                     "e2e_us": m.e2e.map(|e| json!({"p50": e[0], "p99": e[1], "p999": e[2]})),
                     "ack_curve_us": m.curve.iter().map(|(p, v)| json!([p, v])).collect::<Vec<_>>(),
                     "batches_per_fdatasync": m.appends_per_flush,
+                    "server_cpu_us_per_msg": m.server_cpu_us,
                 }),
                 Err(e) => json!({"scenario": id, "broker": b, "error": e}),
             })
@@ -174,12 +175,37 @@ impl Report {
             }
             let _ = writeln!(s, "{row}");
         }
+        let _ = writeln!(
+            s,
+            "\n## Broker CPU per acknowledged message\n\nµs of the broker's threads (schedstat) per acked message, deliveries included; lower is better, the ratio is peer ÷ ours.\n"
+        );
+        let _ = writeln!(s, "{header}\n{rule}");
+        for (id, what, durable) in &self.specs {
+            let cpu = |b: &str| match self.get(id, b) {
+                Some(Ok(m)) => m.server_cpu_us,
+                _ => None,
+            };
+            let mut row = format!(
+                "| {id} | {what} | {} |",
+                if *durable { "fsync" } else { "no" }
+            );
+            for b in &brokers {
+                row.push_str(&cpu(b).map_or(" - |".to_owned(), |v| format!(" {v:.1} |")));
+            }
+            for p in &peers {
+                row.push_str(&match (cpu(OURS), cpu(p)) {
+                    (Some(o), Some(q)) if o > 0.0 => format!(" {:.2}x |", q / o),
+                    _ => " - |".into(),
+                });
+            }
+            let _ = writeln!(s, "{row}");
+        }
         let _ = writeln!(s, "\n## Every cell\n");
         let _ = writeln!(
             s,
-            "| scenario | broker | acked msgs/s | MB/s | delivered msgs/s | ack p50 / p99 / p999 µs | e2e p50 / p99 / p999 µs | batches per fdatasync |"
+            "| scenario | broker | acked msgs/s | MB/s | delivered msgs/s | ack p50 / p99 / p999 µs | e2e p50 / p99 / p999 µs | batches per fdatasync | broker CPU µs/msg |"
         );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
         for (id, b, r) in &self.results {
             match r {
                 Ok(m) => {
@@ -189,9 +215,12 @@ impl Report {
                     let apf = m
                         .appends_per_flush
                         .map_or("-".to_owned(), |v| format!("{v:.1}"));
+                    let cpu = m
+                        .server_cpu_us
+                        .map_or("-".to_owned(), |v| format!("{v:.1}"));
                     let _ = writeln!(
                         s,
-                        "| {id} | {b} | {:.0} | {:.1} | {:.0} | {:.0} / {:.0} / {:.0} | {e2e} | {apf} |",
+                        "| {id} | {b} | {:.0} | {:.1} | {:.0} | {:.0} / {:.0} / {:.0} | {e2e} | {apf} | {cpu} |",
                         m.acked_per_sec,
                         m.mb_per_sec,
                         m.delivered_per_sec,
@@ -203,7 +232,7 @@ impl Report {
                 Err(e) => {
                     let _ = writeln!(
                         s,
-                        "| {id} | {b} | failed: {} | | | | | |",
+                        "| {id} | {b} | failed: {} | | | | | | |",
                         e.replace('|', "/")
                     );
                 }
