@@ -116,28 +116,37 @@ impl BrokerProcess {
         {
             args[i + 1] = addr.to_string();
         }
-        let mut child = Command::new(&self.binary)
-            .args(&args)
-            .env(
-                "FELIX_LOG",
-                std::env::var("FELIX_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .with_context(|| format!("starting {}", self.binary.display()))?;
-        let stdout = child.stdout.take().expect("piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line.contains("listening on") || line.contains("control plane http://") {
-                    let _ = tx.send(line.clone());
+        // A broker restarted on its fixed port can find it briefly taken (another
+        // process's ephemeral socket got it while the broker was down): it exits at
+        // once saying so. Try again a few times rather than fail the run, and never
+        // wait out the whole deadline for a process that is already gone.
+        let mut attempt = 0;
+        let (child, rx, line) = loop {
+            attempt += 1;
+            let (mut child, rx) = self.start_child(&args)?;
+            match rx.recv_timeout(Duration::from_secs(60)) {
+                Ok(Some(line)) => break (child, rx, line),
+                Ok(None) => {
+                    let status = child.wait()?;
+                    if attempt < 4 {
+                        eprintln!(
+                            "harness: {} exited before reporting its address ({status}); starting it again",
+                            self.binary.display()
+                        );
+                        std::thread::sleep(Duration::from_millis(500 * attempt));
+                        continue;
+                    }
+                    bail!(
+                        "the broker exited before reporting its address ({status}), {attempt} tries"
+                    );
+                }
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    bail!("the broker did not report its address within 60 s");
                 }
             }
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .context("the broker did not report its address within 60 s")?;
+        };
         // "... listening on 127.0.0.1:PORT (QUIC), http http://127.0.0.1:PORT, ..."
         let listen = line
             .split("listening on ")
@@ -160,6 +169,8 @@ impl BrokerProcess {
         if embedded {
             let line = rx
                 .recv_timeout(Duration::from_secs(30))
+                .ok()
+                .flatten()
                 .context("the dev broker did not report its control plane")?;
             self.controlplane = line
                 .split("control plane ")
@@ -169,6 +180,35 @@ impl BrokerProcess {
         }
         self.child = Some(child);
         Ok(())
+    }
+
+    /// Starts the process; the receiver gets each start line (`Some`), then `None` when
+    /// its output ends (it exited).
+    fn start_child(
+        &self,
+        args: &[String],
+    ) -> anyhow::Result<(Child, std::sync::mpsc::Receiver<Option<String>>)> {
+        let mut child = Command::new(&self.binary)
+            .args(args)
+            .env(
+                "FELIX_LOG",
+                std::env::var("FELIX_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {}", self.binary.display()))?;
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.contains("listening on") || line.contains("control plane http://") {
+                    let _ = tx.send(Some(line.clone()));
+                }
+            }
+            let _ = tx.send(None);
+        });
+        Ok((child, rx))
     }
 
     /// The dev token.

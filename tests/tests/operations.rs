@@ -1,7 +1,8 @@
 //! What an operator relies on: retention set on a stream is enforced, a deleted stream's
 //! data is gone (the name comes back empty), a dead core stops the process instead of
 //! leaving it looking healthy, the authentication timeout is configurable, and a slow
-//! HTTP client cannot hold up `/livez`.
+//! HTTP client cannot hold up `/livez`; and the harness restarts a broker whose port
+//! was briefly taken.
 
 use std::io::Write as _;
 use std::path::Path;
@@ -236,4 +237,45 @@ fn a_slow_http_client_does_not_hold_up_livez() {
         started.elapsed()
     );
     drop(stalled);
+}
+
+/// A restart whose fixed port is briefly taken (as another process's ephemeral socket
+/// can take it while the broker is down) is retried until the port frees; one that stays
+/// taken fails at once with the reason, instead of waiting out a minute.
+#[test]
+fn the_harness_restarts_a_broker_whose_port_was_briefly_taken() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = BrokerProcess::start_dev(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        dir.path(),
+        &[],
+    )
+    .unwrap();
+    let port = b.listen;
+    b.kill();
+    // A killed broker's sockets close a moment after it exits (io_uring tears its rings
+    // down in the background): the very window a restart used to fail in.
+    let bind = || {
+        wait_for("the port free", Duration::from_secs(10), || {
+            std::net::UdpSocket::bind(port).ok()
+        })
+        .unwrap()
+    };
+    let squatter = bind();
+    let released = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1200));
+        drop(squatter);
+    });
+    let started = std::time::Instant::now();
+    b.restart().unwrap();
+    assert_eq!(b.listen, port, "the same port");
+    assert!(started.elapsed() >= Duration::from_millis(1000));
+    released.join().unwrap();
+
+    b.kill();
+    let _held = bind();
+    let started = std::time::Instant::now();
+    let e = b.restart().unwrap_err();
+    assert!(e.to_string().contains("exited before reporting"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(20));
 }
