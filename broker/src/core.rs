@@ -702,19 +702,24 @@ impl CoreBroker {
         // A shard opens only while its stream exists: a request that raced a deletion
         // must not bring the deleted directory back.
         let stream = key.kind == ShardKind::Stream;
-        if self
+        let Some(spec) = self
             .shared
             .catalog
             .spec(stream, &key.tenant, &key.namespace, &key.name)
-            .is_none()
-        {
+        else {
             return Err(BrokerError::NotFound(format!("{key} does not exist")));
-        }
+        };
         let dir = shard_dir(&self.shared.data_dir, key);
         let backend = DmaBackend::open_dir_with_faults(&dir, self.shared.faults.clone())
             .await
             .map_err(|e| BrokerError::Storage(format!("{}: {e}", dir.display())))?;
-        let (log, report) = SegmentLog::open(backend, self.shared.log_config.clone()).await?;
+        let mut config = self.shared.log_config.clone();
+        if spec.replicated() {
+            // A leader ships what it reads back from its log, so a linger would delay
+            // every follower (and a Quorum ack) by that much: write at once.
+            config.write_linger = std::time::Duration::ZERO;
+        }
+        let (log, report) = SegmentLog::open(backend, config).await?;
         if report.truncated_bytes > 0 || report.discarded_segments > 0 {
             tracing::warn!(shard = %key, ?report, "recovered a torn tail");
         }

@@ -730,8 +730,12 @@ impl CacheShard {
             counters += records.len();
             drop(guards);
         }
-        // The copies are durable (commit waited for them): the segments below the cut
-        // can go.
+        // The copies must be on disk before the segments below the cut go: under
+        // `fsync: none` and `periodic` a commit answers at sequencing, before the write,
+        // and a crash (or a failed write) then would take back values written long ago,
+        // outside the loss window those modes promise. Sync waits for the write and the
+        // fdatasync of everything claimed so far.
+        self.log.sync().await?;
         let segments = self
             .log
             .enforce_retention_below(now.wall_micros, Some(0), None, cut)
@@ -991,6 +995,53 @@ fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Under `fsync: none` a commit answers at sequencing; a compaction must still have
+    /// its copies on disk before it removes the segments they replace.
+    #[test]
+    fn a_compaction_without_fsync_syncs_its_copies_before_removing_old_segments() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let backend = DmaBackend::open_dir(dir.path()).await.unwrap();
+            let config = felix_storage_uring::LogConfig {
+                fsync: felix_storage_uring::FsyncMode::None,
+                segment_bytes_max: 64 * 1024,
+                // Long enough that, unsynced, nothing of the copies would be written
+                // by the time the old segments go.
+                write_linger: std::time::Duration::from_millis(200),
+                ..felix_storage_uring::LogConfig::default()
+            };
+            let (log, _) = SegmentLog::open(backend, config).await.unwrap();
+            let key = Arc::new(ShardKey {
+                kind: felix_core_runtime::placement::ShardKind::Cache,
+                tenant: "t".into(),
+                namespace: "ns".into(),
+                name: "c".into(),
+                shard: 0,
+            });
+            let shard = CacheShard::open(key, log).await.unwrap();
+            let now = felix_core_runtime::clock::now();
+            shard
+                .put("kept", Bytes::from_static(b"written long ago"), None, now)
+                .await
+                .unwrap();
+            for i in 0..1500u32 {
+                let v = Bytes::from(i.to_be_bytes().repeat(25));
+                shard.put("hot", v, None, now).await.unwrap();
+            }
+            let c = shard.compact().await.unwrap();
+            assert!(c.segments > 0, "{c:?}");
+            assert!(
+                shard.log.durable_end() >= c.cut + (c.values + c.counters) as u64,
+                "the copies are durable before the old segments go: {c:?}, durable end {}",
+                shard.log.durable_end()
+            );
+            assert_eq!(
+                shard.get("kept", now).unwrap().value,
+                Bytes::from_static(b"written long ago")
+            );
+        });
+    }
 
     #[test]
     fn cache_records_round_trip_and_garbage_is_refused() {
