@@ -305,6 +305,12 @@ pub enum ReplyBody {
 /// Per-core counters for `/metrics`.
 #[derive(Debug, Default)]
 pub struct CoreMetrics {
+    /// From a publish read off its stream to its acknowledgement being ready
+    /// (appended, replicated as the stream asks, lease checked; forwarding excluded).
+    pub publish_ack: crate::histogram::Histogram,
+    /// From a batch's offsets being claimed on the shard's core to its commit (the
+    /// device write and fdatasync under `fsync: on-commit`).
+    pub append_commit: crate::histogram::Histogram,
     /// Publish batches appended.
     pub publish_batches: AtomicU64,
     /// Records appended.
@@ -1083,7 +1089,9 @@ impl CoreBroker {
         task::spawn(async move {
             let result = async {
                 let (pending, term) = admitted?;
+                let waiting = clock::now().instant;
                 let appended = rs.log().commit(pending).await?;
+                this.metrics.append_commit.observe(waiting.elapsed());
                 rs.durable(appended.end);
                 if rs.consistency.get() == crate::catalog::Consistency::Quorum {
                     let waited = task::timeout(
@@ -1197,7 +1205,9 @@ impl CoreBroker {
                         (shard, pending)
                     }
                 };
+                let waiting = clock::now().instant;
                 let appended = shard.log.commit(pending).await?;
+                this.metrics.append_commit.observe(waiting.elapsed());
                 // Fanout before any other await: offset order.
                 if matches!(commit, Some(Special::Group)) {
                     shard.advance_fanout(appended);

@@ -206,6 +206,24 @@ pub fn render(shared: &Shared) -> String {
             let _ = writeln!(out, "{name}{{core=\"{core}\"}} {}", read(m));
         }
     }
+    for (name, help, pick) in [
+        (
+            "felix_broker_publish_ack_seconds",
+            "From a publish read off its stream to its acknowledgement being ready (appended, replicated as the stream asks).",
+            (|m: &CoreMetrics| &m.publish_ack) as fn(&CoreMetrics) -> &crate::histogram::Histogram,
+        ),
+        (
+            "felix_broker_append_commit_seconds",
+            "From a batch's offsets being claimed to its commit on the shard's core (device write and fdatasync under fsync on-commit).",
+            |m: &CoreMetrics| &m.append_commit,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        for (core, m) in shared.metrics.iter().enumerate() {
+            pick(m).render(&mut out, name, &format!("core=\"{core}\""));
+        }
+    }
     let mut gauge = |name: &str, help: &str, v: u64| {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} gauge");

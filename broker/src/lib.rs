@@ -19,6 +19,7 @@ pub mod embedded;
 pub mod error;
 pub mod forward;
 pub mod groups;
+pub mod histogram;
 pub mod http;
 pub mod producers;
 pub mod reads;

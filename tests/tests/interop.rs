@@ -125,6 +125,31 @@ fn health_and_metrics_endpoints_answer() {
         body.contains("felix_broker_publish_records_total{core=\"0\"}"),
         "{body}"
     );
+    // Latency histograms: cumulative buckets per core, counted once per acked publish.
+    assert!(
+        body.contains("# TYPE felix_broker_publish_ack_seconds histogram"),
+        "{body}"
+    );
+    let count = |body: &str, name: &str| -> u64 {
+        body.lines()
+            .filter(|l| l.starts_with(&format!("{name}_count{{")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    assert_eq!(count(&body, "felix_broker_publish_ack_seconds"), 0);
+    let out = run_python(&b, "streams.py", &[]).unwrap();
+    expect_success("streams.py", &out).unwrap();
+    let (_, body) = b.http_get("/metrics").unwrap();
+    let acked = count(&body, "felix_broker_publish_ack_seconds");
+    assert!(
+        acked >= 20,
+        "the acked publishes were timed: {acked}\n{body}"
+    );
+    assert!(count(&body, "felix_broker_append_commit_seconds") >= acked);
+    assert!(
+        body.contains("felix_broker_publish_ack_seconds_bucket{core=\"0\",le=\"+Inf\"}"),
+        "{body}"
+    );
 }
 
 #[test]

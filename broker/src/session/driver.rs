@@ -501,11 +501,16 @@ async fn execute(
             core.metrics
                 .publish_bytes
                 .fetch_add(bytes as u64, Ordering::Relaxed);
+            let read_at = clock::now().instant;
             let appended = core.append(key, records, idempotent);
             if answer.owed() {
                 let session = session.clone();
+                let metrics = core.metrics.clone();
                 answers.push(Answer::Pending(Box::pin(async move {
                     let outcome = appended.await.map(|a| a.first);
+                    if outcome.is_ok() {
+                        metrics.publish_ack.observe(read_at.elapsed());
+                    }
                     drop(held);
                     answer::publish(&session, answer, outcome, None)
                 })));
