@@ -85,6 +85,43 @@ pub struct Options {
     pub rounds: usize,
     /// Only these scenario ids (empty: all). The ours-only figures run only when empty.
     pub only: Vec<String>,
+    /// Run the load generator only on these CPUs, and confine every broker (ours by
+    /// `cores`, each peer's process by affinity) to `cores`: the per-core cell a machine
+    /// whose other cores run the load can measure honestly.
+    pub load_cores: Option<String>,
+}
+
+/// Sets the CPU affinity of thread or process `tid` (0: the calling thread).
+pub fn confine(tid: i32, cpus: &[usize]) -> std::io::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes within it for
+    // CPUs below CPU_SETSIZE, which `cpus` (from /proc) are.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
+        if libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Confines every thread of process `pid` to `cpus` (threads it starts later inherit).
+pub fn confine_process(pid: u32, cpus: &[usize]) -> std::io::Result<()> {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
+        if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) {
+            confine(tid, cpus)?;
+        }
+    }
+    Ok(())
+}
+
+fn parse_cpus(list: &str) -> anyhow::Result<Vec<usize>> {
+    let set: felix_core_runtime::cores::CoreSet = list
+        .parse()
+        .map_err(|e| anyhow::anyhow!("CPU list {list:?}: {e}"))?;
+    Ok(set.cpus().to_vec())
 }
 
 /// One scenario cell's shape.
@@ -556,7 +593,14 @@ fn drivers_for(
     durable: bool,
     bins: Option<&PeerBinaries>,
     cores: &str,
+    confine_peers_to: Option<&[usize]>,
 ) -> anyhow::Result<(Box<dyn Driver>, Box<dyn std::any::Any>)> {
+    let confined = |p: peers::PeerProcess| -> anyhow::Result<peers::PeerProcess> {
+        if let Some(cpus) = confine_peers_to {
+            confine_process(p.pid(), cpus)?;
+        }
+        Ok(p)
+    };
     Ok(match peer {
         Peer::Felix => {
             let b = LocalBroker::start(Some(cores), if durable { "on-commit" } else { "none" })?;
@@ -569,7 +613,10 @@ fn drivers_for(
             )
         }
         Peer::Nats => {
-            let p = peers::start_nats(&bins.context("peer binaries")?.nats, durable)?;
+            let p = confined(peers::start_nats(
+                &bins.context("peer binaries")?.nats,
+                durable,
+            )?)?;
             (
                 Box::new(NatsDriver {
                     addr: p.addr,
@@ -579,7 +626,10 @@ fn drivers_for(
             )
         }
         Peer::Redis => {
-            let p = peers::start_redis(&bins.context("peer binaries")?.redis, durable)?;
+            let p = confined(peers::start_redis(
+                &bins.context("peer binaries")?.redis,
+                durable,
+            )?)?;
             (
                 Box::new(RedisDriver {
                     addr: p.addr,
@@ -600,10 +650,21 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     } else {
         None
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let load_cpus = opts.load_cores.as_deref().map(parse_cpus).transpose()?;
+    let broker_cpus = match &load_cpus {
+        Some(_) => Some(parse_cpus(&opts.cores)?),
+        None => None,
+    };
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(2).enable_all();
+    if let Some(cpus) = load_cpus.clone() {
+        // The load runs in spawned tasks, on the runtime's workers; this thread only
+        // waits (and starts our broker, whose cores pin themselves to `cores`).
+        builder.on_thread_start(move || {
+            let _ = confine(0, &cpus);
+        });
+    }
+    let rt = builder.build()?;
     let scratch = tempfile::Builder::new()
         .prefix("felix-bench-probe")
         .tempdir_in("/var/tmp")?;
@@ -618,7 +679,13 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         let mut results: Results = Vec::new();
         for &peer in &opts.peers {
             for durable in [false, true] {
-                let (driver, guard) = drivers_for(peer, durable, bins.as_ref(), &opts.cores)?;
+                let (driver, guard) = drivers_for(
+                    peer,
+                    durable,
+                    bins.as_ref(),
+                    &opts.cores,
+                    broker_cpus.as_deref(),
+                )?;
                 let driver: Arc<dyn Driver> = Arc::from(driver);
                 rt.block_on(async {
                     // Warm-up: connections, first stream, first file; not reported.
@@ -684,6 +751,7 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     }
     machine["scale"] = json!(format!("{:?}", opts.scale).to_lowercase());
     machine["felix_cores"] = json!(opts.cores);
+    machine["load_cores"] = json!(opts.load_cores);
     let report = crate::report::Report {
         machine,
         specs: SPECS

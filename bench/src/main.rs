@@ -60,6 +60,10 @@ enum Command {
         /// Only these scenarios (e.g. `S1,S3`); the ours-only figures need the full set.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
+        /// Run the load generator only on these CPUs (e.g. `1`) and confine every
+        /// broker, peers included, to `--cores` (e.g. `0`): msgs/s per broker core.
+        #[arg(long)]
+        load_cores: Option<String>,
     },
     /// Replication's cost: a one-copy stream and a Quorum stream with three copies on
     /// three brokers in this process, same load, same run.
@@ -130,6 +134,7 @@ fn main() -> anyhow::Result<()> {
             out,
             rounds,
             only,
+            load_cores,
         } => {
             let md = felix_bench::compare::run(&felix_bench::compare::Options {
                 scale,
@@ -139,6 +144,7 @@ fn main() -> anyhow::Result<()> {
                 progress: true,
                 rounds,
                 only,
+                load_cores,
             })?;
             println!("{md}");
             Ok(())

@@ -122,7 +122,7 @@ impl Report {
         let _ = writeln!(s, "# felix-bench compare\n");
         let _ = writeln!(
             s,
-            "Machine: {} cores ({}), kernel {}, 4 KiB write+fdatasync p50 {:.0} us / p99 {:.0} us. Scale `{}`; our broker on cores `{}`; load generator in the same machine.\n",
+            "Machine: {} cores ({}), kernel {}, 4 KiB write+fdatasync p50 {:.0} us / p99 {:.0} us. Scale `{}`; our broker on cores `{}`; {}.\n",
             m["cores"],
             m["cpu"].as_str().unwrap_or("?"),
             m["kernel"].as_str().unwrap_or("?"),
@@ -130,6 +130,13 @@ impl Report {
             m["fsync_4k_p99_us"].as_f64().unwrap_or(0.0),
             m["scale"].as_str().unwrap_or("?"),
             m["felix_cores"].as_str().unwrap_or("?"),
+            match m["load_cores"].as_str() {
+                Some(l) => format!(
+                    "load generator confined to CPUs `{l}`, every broker (peers included) to `{}`: msgs/s here are per broker core",
+                    m["felix_cores"].as_str().unwrap_or("?")
+                ),
+                None => "load generator in the same machine, on any CPU".to_owned(),
+            },
         );
         let _ = writeln!(
             s,

@@ -14,6 +14,7 @@ fn every_scenario_runs_against_every_broker() {
         progress: false,
         rounds: 1,
         only: Vec::new(),
+        load_cores: None,
     })
     .unwrap_or_else(|e| {
         let md = std::fs::read_to_string(out.path().join("results.md")).unwrap_or_default();
@@ -52,4 +53,31 @@ fn every_scenario_runs_against_every_broker() {
     assert!(md.contains("felix vs nats-jetstream") && md.contains("felix vs redis-streams"));
     let svg = std::fs::read_to_string(out.path().join("throughput.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("<rect"));
+}
+
+/// The per-core cell: load on CPU 1, every broker (peers included) confined to CPU 0.
+#[test]
+fn the_confined_cell_runs_with_the_load_on_its_own_cpu() {
+    if felix_core_runtime::cores::available_cpus().len() < 2 {
+        eprintln!("skipped: needs two CPUs");
+        return;
+    }
+    let out = tempfile::tempdir().unwrap();
+    run(&Options {
+        scale: Scale::Tiny,
+        peers: vec![Peer::Felix, Peer::Redis],
+        cores: "0".into(),
+        out: out.path().to_path_buf(),
+        progress: false,
+        rounds: 1,
+        only: vec!["S3".into()],
+        load_cores: Some("1".into()),
+    })
+    .unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("results.json")).unwrap())
+            .unwrap();
+    assert_eq!(json["machine"]["load_cores"], "1");
+    let md = std::fs::read_to_string(out.path().join("results.md")).unwrap();
+    assert!(md.contains("load generator confined to CPUs `1`"), "{md}");
 }
