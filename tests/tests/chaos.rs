@@ -14,11 +14,15 @@ use serde_json::Value;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn run(name: &str, seconds: u64, mutant: Option<&str>) -> Value {
+    run_seed(name, 1, seconds, mutant)
+}
+
+fn run_seed(name: &str, seed: u64, seconds: u64, mutant: Option<&str>) -> Value {
     let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let s = scenario(name).expect("a scenario");
     let line = run_with(
         s,
-        1,
+        seed,
         Duration::from_secs(seconds),
         mutant,
         Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
@@ -114,13 +118,21 @@ fn fsync_eio() {
     assert_clean("fsync-eio");
 }
 
+/// The mutant must be caught within two runs (seeds 1 and 2). A Leader-stream loss is
+/// allowed when a leadership change follows the publish's start (the old leader may
+/// have decided the ack before it), so the ack-after-lease mutant shows only through
+/// publishes that start after the change and reach the deposed leader before it syncs:
+/// one 8 s run does not always have one.
 fn assert_caught(name: &str, mutant: &str) {
-    let line = run(name, 8, Some(mutant));
-    assert_eq!(
-        line["valid"], false,
-        "{name} with {mutant}: the checker found nothing: {}",
-        line["report"]
-    );
+    let mut reports = Vec::new();
+    for seed in [1, 2] {
+        let line = run_seed(name, seed, 8, Some(mutant));
+        if line["valid"] == false {
+            return;
+        }
+        reports.push(line["report"].to_string());
+    }
+    panic!("{name} with {mutant}: the checker found nothing in two runs: {reports:?}");
 }
 
 #[test]

@@ -506,8 +506,21 @@ async fn execute(
             if answer.owed() {
                 let session = session.clone();
                 let metrics = core.metrics.clone();
+                let cluster = core.shared.cluster.clone();
                 answers.push(Answer::Pending(Box::pin(async move {
-                    let outcome = appended.await.map(|a| a.first);
+                    let mut outcome = appended.await.map(|a| a.first);
+                    // The lease is read once more as the ack goes out: a broker frozen
+                    // between deciding an ack and sending it must not hand a client,
+                    // seconds later, an ack from a leadership it no longer holds.
+                    if outcome.is_ok()
+                        && cluster
+                            .as_ref()
+                            .is_some_and(|c| !c.lease_valid(clock::now().instant))
+                    {
+                        outcome = Err(BrokerError::Unacknowledged(
+                            "the lease lapsed before the acknowledgement was sent".into(),
+                        ));
+                    }
                     if outcome.is_ok() {
                         metrics.publish_ack.observe(read_at.elapsed());
                     }
