@@ -999,14 +999,8 @@ impl<B: Backend> SegmentLog<B> {
             if ack_end(&st, self.shared.config.fsync) > offset {
                 return Poll::Ready(Ok(()));
             }
-            if let Some((op, detail)) = &st.poisoned {
-                return Poll::Ready(Err(StorageError::Poisoned {
-                    op,
-                    detail: detail.clone(),
-                }));
-            }
-            if st.closed {
-                return Poll::Ready(Err(StorageError::Closed));
+            if let Some(e) = stopped(&st) {
+                return Poll::Ready(Err(e));
             }
             st.ack_waiters
                 .entry(offset + 1)
@@ -1026,14 +1020,8 @@ impl<B: Backend> SegmentLog<B> {
             if st.written_end > offset || st.cuts != cuts || st.next_offset <= offset {
                 return Poll::Ready(Ok(()));
             }
-            if let Some((op, detail)) = &st.poisoned {
-                return Poll::Ready(Err(StorageError::Poisoned {
-                    op,
-                    detail: detail.clone(),
-                }));
-            }
-            if st.closed {
-                return Poll::Ready(Err(StorageError::Closed));
+            if let Some(e) = stopped(&st) {
+                return Poll::Ready(Err(e));
             }
             // Woken by the write that passes it (every write wakes the waiters at or
             // below the acknowledged end, which is past `offset`).
@@ -1358,6 +1346,17 @@ impl<B: Backend> SegmentLog<B> {
             .await;
         Ok(())
     }
+}
+
+/// Why a waiter can stop waiting for progress: the log is poisoned or closed.
+fn stopped<F>(st: &State<F>) -> Option<StorageError> {
+    if let Some((op, detail)) = &st.poisoned {
+        return Some(StorageError::Poisoned {
+            op,
+            detail: detail.clone(),
+        });
+    }
+    st.closed.then_some(StorageError::Closed)
 }
 
 fn ack_end<F>(st: &State<F>, mode: FsyncMode) -> u64 {

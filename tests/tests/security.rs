@@ -213,6 +213,22 @@ async fn publishes(c: &felix_client::Client) -> bool {
     .is_ok()
 }
 
+/// Connects with `token` and publishes, retrying for up to 10 s while the broker has not
+/// synced the key that signed it yet.
+async fn connect_once_accepted(
+    addr: std::net::SocketAddr,
+    ca: &Path,
+    token: &Value,
+) -> Option<felix_client::Client> {
+    for _ in 0..100 {
+        match connect(addr, ca, token).await {
+            Ok(c) if publishes(&c).await => return Some(c),
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    None
+}
+
 /// Waits until `c` is closed by the broker; how long it took.
 async fn closed_within(c: &felix_client::Client, bound: Duration) -> Duration {
     let started = Instant::now();
@@ -280,17 +296,9 @@ fn retired_keys_and_denied_tokens_close_live_connections_within_the_bound() {
     rt.block_on(async {
         let addr = broker.listen;
         // Keys reach the broker with its sync; connect once they have.
-        let mut one = None;
-        for _ in 0..100 {
-            match connect(addr, &real.ca, &first).await {
-                Ok(c) if publishes(&c).await => {
-                    one = Some(c);
-                    break;
-                }
-                _ => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
-        let one = one.expect("the first token is accepted");
+        let one = connect_once_accepted(addr, &real.ca, &first)
+            .await
+            .expect("the first token is accepted");
         let two = connect(addr, &real.ca, &second).await.unwrap();
         assert!(publishes(&two).await);
 
@@ -324,17 +332,9 @@ fn retired_keys_and_denied_tokens_close_live_connections_within_the_bound() {
             .unwrap();
         let third = broker_token(&admin);
         assert_eq!(third["kid"], new_kid.as_str());
-        let mut three = None;
-        for _ in 0..100 {
-            match connect(addr, &real.ca, &third).await {
-                Ok(c) if publishes(&c).await => {
-                    three = Some(c);
-                    break;
-                }
-                _ => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
-        let three = three.expect("a token of the new key is accepted once the broker has it");
+        let three = connect_once_accepted(addr, &real.ca, &third)
+            .await
+            .expect("a token of the new key is accepted once the broker has it");
         assert!(!two.is_closed(), "activation alone closes nothing");
         admin
             .delete(&format!("/v1/tenants/acme/signing-keys/{old_kid}"))

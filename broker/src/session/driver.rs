@@ -505,15 +505,18 @@ async fn execute(
             let appended = core.append(key, records, idempotent);
             if answer.owed() {
                 let session = session.clone();
-                let metrics = core.metrics.clone();
-                let cluster = core.shared.cluster.clone();
+                // One clone of this core's handle (an Rc, core-local): no shared
+                // reference count is touched per publish.
+                let core = core.clone();
                 answers.push(Answer::Pending(Box::pin(async move {
                     let mut outcome = appended.await.map(|a| a.first);
                     // The lease is read once more as the ack goes out: a broker frozen
                     // between deciding an ack and sending it must not hand a client,
                     // seconds later, an ack from a leadership it no longer holds.
                     if outcome.is_ok()
-                        && cluster
+                        && core
+                            .shared
+                            .cluster
                             .as_ref()
                             .is_some_and(|c| !c.lease_valid(clock::now().instant))
                     {
@@ -522,7 +525,7 @@ async fn execute(
                         ));
                     }
                     if outcome.is_ok() {
-                        metrics.publish_ack.observe(read_at.elapsed());
+                        core.metrics.publish_ack.observe(read_at.elapsed());
                     }
                     drop(held);
                     answer::publish(&session, answer, outcome, None)
