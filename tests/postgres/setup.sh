@@ -45,6 +45,9 @@ if [ ! -f "$dir/PG_VERSION" ]; then
     "${as_pg[@]}" "$bin/initdb" -D "$dir" -U postgres --auth=trust -E UTF8 >&2
 fi
 # A test CA and a server certificate it signs (made once per data directory).
+if ! command -v openssl >/dev/null && [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >&2
+fi
 if [ ! -f "$dir/server.crt" ]; then
     openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 3650 \
         -subj "/CN=felix test postgres CA" -keyout "$dir/ca.key" -out "$dir/ca.crt" 2>/dev/null
