@@ -264,6 +264,13 @@ pub enum CoreMsg {
         /// The frame.
         msg: felix_wire::internal::InternalMessage,
     },
+    /// A step of a live re-pin (see `core/moves.rs`). Dropped: the re-pin fails.
+    Move {
+        /// The step.
+        step: moves::MoveStep,
+        /// Where to answer.
+        reply: ReplyTo,
+    },
     /// The answer to a request this core sent. Dropped: the request's wait fails.
     Reply {
         /// The request.
@@ -300,6 +307,8 @@ pub enum ReplyBody {
     State(Result<StateAnswer, BrokerError>),
     /// To `Watch`.
     Watch(Result<WatchAnswer, BrokerError>),
+    /// To `Move`.
+    Move(Result<moves::MoveAnswer, BrokerError>),
 }
 
 /// Per-core counters for `/metrics`.
@@ -386,6 +395,29 @@ pub struct CoreMetrics {
     pub quorum_unknown: AtomicU64,
     /// Writes refused because this broker's lease had run out.
     pub lease_refusals: AtomicU64,
+    /// Requests held while their shard moved to this core (a live re-pin).
+    pub requests_held: AtomicU64,
+    /// Requests sent here under an older placement, passed on to the owning core.
+    pub requests_passed_on: AtomicU64,
+    /// Shards moved to this core by live re-pins.
+    pub shards_moved_in: AtomicU64,
+    /// CPU time this core's thread has used, nanoseconds (sampled every 250 ms).
+    pub cpu_ns: AtomicU64,
+    /// Batches waiting in this core's subscriber queues (sampled).
+    pub subscriber_queued: AtomicU64,
+    /// This core's open shards and where their logs end (sampled, for `/cores`).
+    pub shards: std::sync::Mutex<Vec<ShardSample>>,
+}
+
+/// One open shard as last sampled by its core.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ShardSample {
+    /// `stream:tenant/namespace/name/shard` or `cache:…`.
+    pub shard: String,
+    /// Where its log ends (records and markers written so far).
+    pub end: u64,
+    /// Cores with subscribers to it.
+    pub subscriber_cores: usize,
 }
 
 /// What every core shares (read-mostly).
@@ -433,10 +465,17 @@ pub struct Shared {
     /// With fault injection on: the core (index) whose next housekeeping tick panics,
     /// or -1. Tests that a dead core takes the process down.
     pub panic_core: std::sync::atomic::AtomicI64,
+    /// Operators' re-pins, from the HTTP thread to the core that applies them.
+    pub repins: futures_channel::mpsc::UnboundedSender<moves::RepinJob>,
+    /// The receiving end, taken by the first core to start.
+    pub repin_jobs:
+        std::sync::Mutex<Option<futures_channel::mpsc::UnboundedReceiver<moves::RepinJob>>>,
 }
 
 #[path = "core/idempotent.rs"]
 mod idempotent;
+#[path = "core/moves.rs"]
+pub mod moves;
 
 enum Slot<T> {
     Opening(Vec<Waker>),
@@ -499,6 +538,16 @@ impl SubQueue {
         .await
     }
 
+    /// Batches queued.
+    pub fn len(&self) -> usize {
+        self.queue.borrow().len()
+    }
+
+    /// Whether none is queued.
+    pub fn is_empty(&self) -> bool {
+        self.queue.borrow().is_empty()
+    }
+
     /// Every batch queued now, without waiting (up to `max`).
     pub fn take_ready(&self, max: usize, out: &mut Vec<Arc<Envelope>>) {
         let mut q = self.queue.borrow_mut();
@@ -551,6 +600,11 @@ pub struct CoreBroker {
     /// Woken when the verification keys change (a key retired, a token revoked):
     /// connections on this core check their grants again.
     pub keys_changed: crate::groups::Wakers,
+    /// Shards moving to this core: their requests wait here, in order, until taken.
+    arriving: RefCell<HashMap<Arc<ShardKey>, Vec<moves::Held>>>,
+    /// Shards moving away that this core still serves, with the requests it accepted
+    /// for them and has not finished.
+    leaving: RefCell<HashMap<Arc<ShardKey>, Rc<Cell<usize>>>>,
 }
 
 impl std::fmt::Debug for CoreBroker {
@@ -634,6 +688,8 @@ impl CoreBroker {
             forwarder,
             replicas,
             keys_changed: crate::groups::Wakers::default(),
+            arriving: RefCell::default(),
+            leaving: RefCell::default(),
         })
     }
 
@@ -743,7 +799,7 @@ impl CoreBroker {
     /// The stream shard `key`, opening (and recovering) it on first use. Only on the
     /// owning core.
     pub async fn stream_shard(&self, key: &Arc<ShardKey>) -> Result<Rc<StreamShard>, BrokerError> {
-        if self.owner(key) != self.core {
+        if self.owner(key) != self.core && !self.leaving(key) {
             return Err(BrokerError::ShardUnavailable(format!(
                 "{key} moved to another core"
             )));
@@ -789,7 +845,7 @@ impl CoreBroker {
 
     /// The cache shard `key`, opening it (and replaying its log) on first use.
     pub async fn cache_shard(&self, key: &Arc<ShardKey>) -> Result<Rc<CacheShard>, BrokerError> {
-        if self.owner(key) != self.core {
+        if self.owner(key) != self.core && !self.leaving(key) {
             return Err(BrokerError::ShardUnavailable(format!(
                 "{key} moved to another core"
             )));
@@ -909,6 +965,10 @@ impl CoreBroker {
         idempotent: Option<(u64, u64)>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         let owner = self.owner(&key);
+        if owner == self.core && self.held(&key) {
+            let k = key.clone();
+            return self.after_arrival(&k, move |c| c.append(key, records, idempotent));
+        }
         if owner == self.core {
             match idempotent {
                 None => self.append_local(key, records),
@@ -1356,27 +1416,7 @@ impl CoreBroker {
             .entry(key.clone())
             .or_default()
             .push(queue.clone());
-        let owner = self.owner(&key);
-        let answer = if owner == self.core {
-            self.register_at_owner(&key, start, self.core).await
-        } else {
-            let k = key.clone();
-            match self
-                .ask(owner, |reply| CoreMsg::Subscribe {
-                    key: k,
-                    start,
-                    core: self.core,
-                    reply,
-                })
-                .await
-            {
-                Ok(ReplyBody::Subscribe(r)) => r,
-                Ok(other) => Err(BrokerError::Internal(format!(
-                    "mismatched answer {other:?}"
-                ))),
-                Err(e) => Err(e),
-            }
-        };
+        let answer = self.register(key.clone(), start).await;
         match answer {
             Ok((s, live)) => {
                 self.metrics.subscriptions.fetch_add(1, Ordering::Relaxed);
@@ -1387,6 +1427,37 @@ impl CoreBroker {
                 Err(e)
             }
         }
+    }
+
+    /// Registers this core's subscriber to `key` at the shard's owner: `(start, live)`.
+    fn register(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        start: Option<StartPosition>,
+    ) -> moves::Answer<(u64, u64)> {
+        let owner = self.owner(&key);
+        if owner == self.core && self.held(&key) {
+            let k = key.clone();
+            return self.after_arrival(&k, move |c| c.register(key, start));
+        }
+        if owner == self.core {
+            let this = self.clone();
+            return Box::pin(async move { this.register_at_owner(&key, start, this.core).await });
+        }
+        let answer = self.ask(owner, |reply| CoreMsg::Subscribe {
+            key,
+            start,
+            core: self.core,
+            reply,
+        });
+        Box::pin(async move {
+            match answer.await? {
+                ReplyBody::Subscribe(r) => r,
+                other => Err(BrokerError::Internal(format!(
+                    "mismatched answer {other:?}"
+                ))),
+            }
+        })
     }
 
     async fn register_at_owner(
@@ -1442,26 +1513,23 @@ impl CoreBroker {
         queue.close();
         self.forget_local(&key, queue);
         self.metrics.subscriptions.fetch_sub(1, Ordering::Relaxed);
+        self.unregister(key);
+    }
+
+    /// Drops this core's subscriber to `key` at the shard's owner (in order behind
+    /// what this core sent that owner before).
+    fn unregister(self: &Rc<Self>, key: Arc<ShardKey>) {
         let owner = self.owner(&key);
-        if owner == self.core {
+        if owner == self.core && self.held(&key) {
+            let (this, k) = (self.clone(), key.clone());
+            self.hold(&k, Box::new(move || this.unregister(key)));
+        } else if owner == self.core {
             if let Some(Slot::Ready(s)) = self.streams.borrow().get(&key) {
                 s.unregister(self.core);
             }
         } else {
-            let this = self.clone();
-            task::spawn(async move {
-                let _ = this
-                    .mesh
-                    .send(
-                        owner,
-                        CoreMsg::Unsubscribe {
-                            key,
-                            core: this.core,
-                        },
-                    )
-                    .await;
-            })
-            .detach();
+            let core = self.core;
+            self.send_ordered(owner, CoreMsg::Unsubscribe { key, core }, false);
         }
     }
 
@@ -1473,6 +1541,14 @@ impl CoreBroker {
         max_bytes: usize,
     ) -> Result<Vec<ReadBatch>, BrokerError> {
         let owner = self.owner(&key);
+        if owner == self.core && self.held(&key) {
+            let k = key.clone();
+            return self
+                .after_arrival(&k, move |c| {
+                    Box::pin(async move { c.read(key, from, max_bytes).await })
+                })
+                .await;
+        }
         if owner == self.core {
             self.read_local(&key, from, max_bytes).await
         } else {
@@ -1601,6 +1677,14 @@ impl CoreBroker {
         req: WatchReq,
     ) -> Result<WatchAnswer, BrokerError> {
         let owner = self.owner(&key);
+        if owner == self.core && self.held(&key) {
+            let k = key.clone();
+            return self
+                .after_arrival(&k, move |c| {
+                    Box::pin(async move { c.watch(key, req).await })
+                })
+                .await;
+        }
         if owner == self.core {
             self.watch_local(&key, req).await
         } else {
@@ -1690,6 +1774,12 @@ impl CoreBroker {
         op: StateOp,
     ) -> Result<StateAnswer, BrokerError> {
         let owner = self.owner(&key);
+        if owner == self.core && self.held(&key) {
+            let k = key.clone();
+            return self
+                .after_arrival(&k, move |c| Box::pin(async move { c.state(key, op).await }))
+                .await;
+        }
         if owner == self.core {
             self.state_local(key, op).await
         } else {
@@ -1788,6 +1878,12 @@ impl CoreBroker {
     ) -> Result<crate::groups::GroupAnswer, BrokerError> {
         self.metrics.group_ops.fetch_add(1, Ordering::Relaxed);
         let owner = self.owner(&key);
+        if owner == self.core && self.held(&key) {
+            let k = key.clone();
+            return self
+                .after_arrival(&k, move |c| Box::pin(async move { c.group(key, op).await }))
+                .await;
+        }
         if owner == self.core {
             self.group_local(&key, op).await
         } else {
@@ -1858,6 +1954,12 @@ impl CoreBroker {
     ) -> Result<CacheAnswer, BrokerError> {
         self.metrics.cache_ops.fetch_add(1, Ordering::Relaxed);
         let owner = self.owner(&key);
+        if owner == self.core && self.held(&key) {
+            let k = key.clone();
+            return self
+                .after_arrival(&k, move |c| Box::pin(async move { c.cache(key, op).await }))
+                .await;
+        }
         if owner == self.core {
             self.cache_local(&key, op).await
         } else {
@@ -2059,6 +2161,10 @@ impl CoreBroker {
     /// Handles one message from another core. Deliveries are handled inline, in the
     /// order they arrived; everything that may wait runs in its own task.
     pub fn handle(self: &Rc<Self>, from: CoreId, msg: CoreMsg) {
+        let (admit, msg) = self.admit(from, msg);
+        let (moves::Admit::Serve(guard), Some(msg)) = (admit, msg) else {
+            return;
+        };
         match msg {
             CoreMsg::Deliver { key, envelope } => self.deliver_local(&key, &envelope),
             CoreMsg::Append {
@@ -2073,12 +2179,21 @@ impl CoreBroker {
                 };
                 let this = self.clone();
                 task::spawn(async move {
+                    let _guard = guard;
                     let r = fut.await;
                     this.respond(reply, ReplyBody::Append(r));
                 })
                 .detach();
             }
             CoreMsg::Reply { id, body } => self.complete(id, body),
+            CoreMsg::Move { step, reply } => {
+                let this = self.clone();
+                task::spawn(async move {
+                    let r = this.move_step(step).await;
+                    this.respond(reply, ReplyBody::Move(r));
+                })
+                .detach();
+            }
             CoreMsg::Peer { from, msg } => {
                 if let Some(r) = &self.replicas {
                     r.deliver(from, msg);
@@ -2092,12 +2207,14 @@ impl CoreBroker {
             } => {
                 let this = self.clone();
                 task::spawn(async move {
+                    let _guard = guard;
                     let r = this.register_at_owner(&key, start, core).await;
                     this.respond(reply, ReplyBody::Subscribe(r));
                 })
                 .detach();
             }
             CoreMsg::Unsubscribe { key, core } => {
+                drop(guard);
                 if let Some(Slot::Ready(s)) = self.streams.borrow().get(&key) {
                     s.unregister(core);
                 }
@@ -2110,6 +2227,7 @@ impl CoreBroker {
             } => {
                 let this = self.clone();
                 task::spawn(async move {
+                    let _guard = guard;
                     let r = this.read_local(&key, offset, max_bytes).await;
                     this.respond(reply, ReplyBody::Read(r));
                 })
@@ -2118,6 +2236,7 @@ impl CoreBroker {
             CoreMsg::Cache { key, op, reply } => {
                 let this = self.clone();
                 task::spawn(async move {
+                    let _guard = guard;
                     let r = this.cache_local(&key, op).await;
                     this.respond(reply, ReplyBody::Cache(r));
                 })
@@ -2126,6 +2245,7 @@ impl CoreBroker {
             CoreMsg::Watch { key, req, reply } => {
                 let this = self.clone();
                 task::spawn(async move {
+                    let _guard = guard;
                     let r = this.watch_local(&key, req).await;
                     this.respond(reply, ReplyBody::Watch(r));
                 })
@@ -2134,6 +2254,7 @@ impl CoreBroker {
             CoreMsg::State { key, op, reply } => {
                 let this = self.clone();
                 task::spawn(async move {
+                    let _guard = guard;
                     let r = this.state_local(key, op).await;
                     this.respond(reply, ReplyBody::State(r));
                 })
@@ -2142,6 +2263,7 @@ impl CoreBroker {
             CoreMsg::Group { key, op, reply } => {
                 let this = self.clone();
                 task::spawn(async move {
+                    let _guard = guard;
                     let r = this.group_local(&key, op).await;
                     this.respond(reply, ReplyBody::Group(r));
                 })
@@ -2179,6 +2301,7 @@ impl CoreBroker {
                 core.metrics
                     .poisoned_logs
                     .store(poisoned, Ordering::Relaxed);
+                core.sample_shards();
                 core.metrics.log_syncs.store(syncs, Ordering::Relaxed);
                 core.metrics
                     .log_synced_batches
@@ -2186,6 +2309,51 @@ impl CoreBroker {
             }
         })
         .detach();
+    }
+
+    /// Samples what `/cores` and `felix top` show: this thread's CPU time, the open
+    /// shards, the subscriber queues.
+    fn sample_shards(&self) {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid out-pointer; CLOCK_THREAD_CPUTIME_ID needs nothing else.
+        if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0 {
+            let ns = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+            self.metrics.cpu_ns.store(ns, Ordering::Relaxed);
+        }
+        let mut shards = Vec::new();
+        for slot in self.streams.borrow().values() {
+            if let Slot::Ready(s) = slot {
+                shards.push(ShardSample {
+                    shard: s.key.to_string(),
+                    end: s.log.next_offset(),
+                    subscriber_cores: s.interest().len(),
+                });
+            }
+        }
+        for slot in self.caches.borrow().values() {
+            if let Slot::Ready(c) = slot {
+                shards.push(ShardSample {
+                    shard: c.key.to_string(),
+                    end: c.log().next_offset(),
+                    subscriber_cores: 0,
+                });
+            }
+        }
+        shards.sort_by(|a, b| a.shard.cmp(&b.shard));
+        let queued: usize = self
+            .subscribers
+            .borrow()
+            .values()
+            .flatten()
+            .map(|q| q.len())
+            .sum();
+        self.metrics
+            .subscriber_queued
+            .store(queued as u64, Ordering::Relaxed);
+        *self.metrics.shards.lock().expect("shard sample lock") = shards;
     }
 
     /// Starts the housekeeping task: every `housekeeping_interval`, finish deletions

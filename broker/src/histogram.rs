@@ -34,6 +34,14 @@ impl Histogram {
         self.count.load(Ordering::Relaxed)
     }
 
+    /// Counts per bucket (not cumulative), in [`BOUNDS_US`] order and `+Inf` last.
+    pub fn buckets(&self) -> Vec<u64> {
+        self.buckets
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect()
+    }
+
     /// Appends this histogram's Prometheus lines (`_bucket` cumulative with `le` in
     /// seconds, `_sum`, `_count`) for series `name` with `labels` (`core="0"`).
     pub fn render(&self, out: &mut String, name: &str, labels: &str) {

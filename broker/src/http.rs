@@ -21,6 +21,7 @@ use axum::routing::{get, post};
 use felix_storage_uring::FaultTimes;
 
 use crate::core::{CoreMetrics, Shared};
+use felix_core_runtime::placement::PinRule;
 
 /// How long any answer may take.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -112,6 +113,36 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         "counter",
         "Consumer-group requests.",
         |m| m.group_ops.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_requests_held_total",
+        "counter",
+        "Requests held while their shard moved to this core (live re-pin).",
+        |m| m.requests_held.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_requests_passed_on_total",
+        "counter",
+        "Requests that reached this core under an older placement and were passed on to the owning core.",
+        |m| m.requests_passed_on.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_shards_moved_in_total",
+        "counter",
+        "Shards moved to this core by live re-pins.",
+        |m| m.shards_moved_in.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_core_cpu_nanoseconds_total",
+        "counter",
+        "CPU time of this core's thread, sampled every 250 ms.",
+        |m| m.cpu_ns.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_subscriber_queued_batches",
+        "gauge",
+        "Batches waiting in this core's subscriber queues (sampled).",
+        |m| m.subscriber_queued.load(Ordering::Relaxed),
     ),
     (
         "felix_broker_mesh_messages_sent_total",
@@ -355,9 +386,81 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         .into_response()
 }
 
+#[derive(serde::Deserialize)]
+struct PinBody {
+    /// `tenant/namespace/name[/shard]=core`.
+    rule: String,
+}
+
+/// How long a re-pin may take before the answer gives up waiting (it still completes).
+const PIN_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// Pins shards to a core on the running broker and keeps the pin across restarts.
+async fn pin(State(shared): State<Arc<Shared>>, axum::Json(body): axum::Json<PinBody>) -> Response {
+    let rule: PinRule = match body.rule.parse() {
+        Ok(r) => r,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    };
+    let (tx, rx) = futures_channel::oneshot::channel();
+    let job = crate::core::moves::RepinJob { rule, answer: tx };
+    if shared.repins.unbounded_send(job).is_err() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "the broker is stopping\n").into_response();
+    }
+    match tokio::time::timeout(PIN_TIMEOUT, rx).await {
+        Ok(Ok(Ok(report))) => axum::Json(report).into_response(),
+        Ok(Ok(Err(crate::error::BrokerError::InvalidRequest(e)))) => {
+            (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response()
+        }
+        Ok(Ok(Err(e))) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+        Ok(Err(_)) => (StatusCode::SERVICE_UNAVAILABLE, "the broker is stopping\n").into_response(),
+        Err(_) => (
+            StatusCode::ACCEPTED,
+            "still moving; GET /placement shows when it is done\n",
+        )
+            .into_response(),
+    }
+}
+
+/// Per-core figures for `felix top`: counters, CPU time, latency buckets and the open
+/// shards, as the cores last sampled them.
+async fn cores(State(shared): State<Arc<Shared>>) -> Response {
+    let table = shared.placement.load();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let cores: Vec<serde_json::Value> = shared
+        .metrics
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let shards = m.shards.lock().map(|s| s.clone()).unwrap_or_default();
+            serde_json::json!({
+                "core": i,
+                "cpu_ns": m.cpu_ns.load(Ordering::Relaxed),
+                "publish_records": m.publish_records.load(Ordering::Relaxed),
+                "publish_batches": m.publish_batches.load(Ordering::Relaxed),
+                "connections": m.connections.load(Ordering::Relaxed),
+                "subscriptions": m.subscriptions.load(Ordering::Relaxed),
+                "subscriber_queued": m.subscriber_queued.load(Ordering::Relaxed),
+                "mesh_sent": m.mesh_sent.load(Ordering::Relaxed),
+                "append_commit_buckets": m.append_commit.buckets(),
+                "publish_ack_buckets": m.publish_ack.buckets(),
+                "shards": shards,
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({
+        "now_ms": now_ms,
+        "version": table.version(),
+        "bounds_us": crate::histogram::BOUNDS_US,
+        "cores": cores,
+    }))
+    .into_response()
+}
+
 async fn placement(State(shared): State<Arc<Shared>>) -> Response {
     let table = shared.placement.load();
-    let rules: Vec<String> = table.rules().iter().map(|r| format!("{r:?}")).collect();
+    let rules: Vec<String> = table.rules().iter().map(ToString::to_string).collect();
     let mut owners = Vec::new();
     for (name, spec) in shared.catalog.streams() {
         let mut parts = name.splitn(3, '/');
@@ -490,6 +593,8 @@ pub fn spawn(addr: SocketAddr, shared: Arc<Shared>) -> anyhow::Result<SocketAddr
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/placement", get(placement))
+        .route("/pins", post(pin))
+        .route("/cores", get(cores))
         .route("/replication/halted", get(halted))
         .route("/debug/storage-faults", post(storage_faults))
         .route("/debug/panic", post(panic_core))

@@ -162,11 +162,22 @@ pub fn start(
             keys.add(&t.id, &k.kid, pk);
         }
     }
-    let placement = Arc::new(Placement::new(PlacementTable::new(
-        cores,
-        config.pins.clone(),
-        0,
-    )?));
+    // Pins set live (`POST /pins`, `felix pin`) come first: each was made to win over
+    // what was there when it was set. One naming a core this start does not run is
+    // dropped with a warning rather than refusing to start.
+    let mut pins = Vec::new();
+    for rule in crate::core::moves::read_pins(&crate::core::moves::pins_file(&config.data_dir))
+        .map_err(|e| anyhow::anyhow!("live pins: {e}"))?
+    {
+        if rule.core.index() >= cores {
+            tracing::warn!(rule = %rule, cores, "a live pin names a core this broker does not run; ignored");
+            continue;
+        }
+        pins.push(rule);
+    }
+    pins.extend(config.pins.iter().cloned());
+    let placement = Arc::new(Placement::new(PlacementTable::new(cores, pins, 0)?));
+    let (repins, repin_jobs) = futures_channel::mpsc::unbounded();
     let keys = Arc::new(arc_swap::ArcSwap::from_pointee(keys));
     let cluster = config.cluster.as_ref().map(|_| {
         let mut c = Cluster::new(config.node_id.clone());
@@ -267,6 +278,8 @@ pub fn start(
         faults: config.fault_injection.then(StorageFaults::new),
         mutants: config.mutants,
         panic_core: std::sync::atomic::AtomicI64::new(-1),
+        repins,
+        repin_jobs: Mutex::new(Some(repin_jobs)),
     });
     let http = match config.http {
         Some(addr) => Some(crate::http::spawn(addr, shared.clone())?),
@@ -346,6 +359,7 @@ pub fn start(
                 core.sample_log_stats();
                 core.start_housekeeping();
                 core.start_replication();
+                core.start_repins();
                 let internal_ep = match internal.as_deref() {
                     None => None,
                     Some(i) => match Endpoint::bind(

@@ -180,6 +180,8 @@ pub struct StreamShard {
     pub groups: RefCell<Option<std::rc::Rc<crate::groups::GroupShard>>>,
     /// Whether a task is building the groups.
     pub building_groups: std::cell::Cell<bool>,
+    /// Set when the shard is moving to another core: long polls answer at once.
+    pub closing: std::cell::Cell<bool>,
 }
 
 impl std::fmt::Debug for StreamShard {
@@ -205,6 +207,7 @@ impl StreamShard {
             building_producers: std::cell::Cell::new(false),
             groups: RefCell::default(),
             building_groups: std::cell::Cell::new(false),
+            closing: std::cell::Cell::new(false),
         }
     }
 
@@ -214,6 +217,20 @@ impl StreamShard {
     pub fn register(&self, core: CoreId) -> u64 {
         *self.interested.borrow_mut().entry(core).or_default() += 1;
         self.fanout_end.get()
+    }
+
+    /// Registers `n` subscribers on `core` (handed over by a live re-pin).
+    pub fn register_many(&self, core: CoreId, n: usize) {
+        *self.interested.borrow_mut().entry(core).or_default() += n;
+    }
+
+    /// Cores with subscribers and how many (handed over by a live re-pin).
+    pub fn interest(&self) -> Vec<(CoreId, usize)> {
+        self.interested
+            .borrow()
+            .iter()
+            .map(|(c, n)| (*c, *n))
+            .collect()
     }
 
     /// Drops one subscriber of `core`.

@@ -135,6 +135,32 @@ enum Command {
         #[command(subcommand)]
         op: BrokerCmd,
     },
+    /// Pin shards to a core on a running broker (`tenant/ns/stream[/shard]=core`):
+    /// they move live and the pin is kept across restarts. Talks to the broker's
+    /// operator endpoint (`--http`).
+    Pin {
+        /// The rule, e.g. `acme/default/orders/2=1`.
+        rule: String,
+        /// The broker's operator HTTP address (`felix-broker --http`; also
+        /// FELIX_BROKER_HTTP).
+        #[arg(long)]
+        http: Option<String>,
+    },
+    /// A live view of a broker's cores: busy %, msgs/s, shards, connections,
+    /// subscriber queues, fsync p99, cross-core traffic, the hottest shards and
+    /// suggested pins.
+    Top {
+        /// The broker's operator HTTP address (`felix-broker --http`; also
+        /// FELIX_BROKER_HTTP).
+        #[arg(long)]
+        http: Option<String>,
+        /// Seconds between frames.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Stop after this many frames.
+        #[arg(long)]
+        iterations: Option<u64>,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -836,7 +862,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 }
             }
         }
-        Command::Stream { .. } | Command::Shard { .. } | Command::Broker { .. } => {
+        Command::Stream { .. }
+        | Command::Shard { .. }
+        | Command::Broker { .. }
+        | Command::Pin { .. }
+        | Command::Top { .. } => {
             unreachable!("handled before connecting")
         }
         Command::Shards { stream } => {
@@ -858,6 +888,37 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 /// Parses the process arguments, runs the command and exits with its code.
 pub fn main() {
     let cli = Cli::parse();
+    let ops_http = |flag: &Option<String>| {
+        flag.clone()
+            .or_else(|| std::env::var("FELIX_BROKER_HTTP").ok())
+            .unwrap_or_else(|| "127.0.0.1:9090".to_owned())
+    };
+    match &cli.command {
+        Command::Pin { rule, http } => {
+            std::process::exit(match crate::ops::pin(&ops_http(http), rule, cli.json) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("felix: {e}");
+                    1
+                }
+            })
+        }
+        Command::Top {
+            http,
+            interval,
+            iterations,
+        } => {
+            let every = Duration::from_secs_f64(interval.clamp(0.1, 3600.0));
+            std::process::exit(match crate::ops::top(&ops_http(http), every, *iterations) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("felix: {e}");
+                    1
+                }
+            })
+        }
+        _ => {}
+    }
     if matches!(
         &cli.command,
         Command::Stream { .. } | Command::Shard { .. } | Command::Broker { .. }

@@ -75,6 +75,7 @@ pub mod config;
 pub mod error;
 pub mod groups;
 pub mod idempotent;
+pub mod ops;
 pub mod retry;
 pub mod sharded;
 

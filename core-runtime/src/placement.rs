@@ -91,6 +91,32 @@ pub struct PinRuleError {
     pub reason: &'static str,
 }
 
+impl PinRule {
+    /// Whether two rules match the same shards (they may name different cores).
+    pub fn same_pattern(&self, other: &PinRule) -> bool {
+        self.tenant == other.tenant
+            && self.namespace == other.namespace
+            && self.name == other.name
+            && self.shard == other.shard
+    }
+}
+
+impl fmt::Display for PinRule {
+    /// As it is parsed: `tenant/namespace/name/shard=core`, `*` for any.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let part = |p: &Option<String>| p.clone().unwrap_or_else(|| "*".to_owned());
+        let shard = self.shard.map_or_else(|| "*".to_owned(), |s| s.to_string());
+        write!(
+            f,
+            "{}/{}/{}/{shard}={}",
+            part(&self.tenant),
+            part(&self.namespace),
+            part(&self.name),
+            self.core.0
+        )
+    }
+}
+
 impl FromStr for PinRule {
     type Err = PinRuleError;
 
@@ -104,9 +130,13 @@ impl FromStr for PinRule {
             .trim()
             .parse()
             .map_err(|_| err("core is not a number"))?;
-        let parts: Vec<&str> = pattern.trim().split('/').collect();
+        let mut parts: Vec<&str> = pattern.trim().split('/').collect();
+        if parts.len() == 3 {
+            // `tenant/namespace/name=core`: every shard.
+            parts.push("*");
+        }
         if parts.len() != 4 {
-            return Err(err("pattern needs four parts"));
+            return Err(err("pattern needs three or four parts"));
         }
         let any = |p: &str| (p != "*").then(|| p.to_owned());
         Ok(PinRule {
@@ -187,6 +217,19 @@ impl PlacementTable {
             &key.name,
         ]);
         CoreId(((base % self.cores as u64 + u64::from(key.shard)) % self.cores as u64) as usize)
+    }
+
+    /// This table with `rule` ahead of every other (it wins), replacing a rule for the
+    /// same shards; the version is bumped.
+    pub fn with_rule(&self, rule: PinRule) -> Result<PlacementTable, NoSuchCore> {
+        let mut rules = vec![rule.clone()];
+        rules.extend(
+            self.rules
+                .iter()
+                .filter(|r| !r.same_pattern(&rule))
+                .cloned(),
+        );
+        PlacementTable::new(self.cores, rules, self.version + 1)
     }
 
     /// Whether an operator rule decided `key` (for the admin view).
@@ -277,7 +320,11 @@ mod tests {
         assert_eq!(table.core_for(&key("orders", 0)), CoreId(1));
         assert!(table.pinned(&key("orders", 7)));
         assert!(!table.pinned(&key("payments", 0)));
-        assert!("t/a/b=1".parse::<PinRule>().is_err());
+        assert_eq!(
+            "t/a/b=1".parse::<PinRule>().unwrap().to_string(),
+            "t/a/b/*=1"
+        );
+        assert!("t/a=1".parse::<PinRule>().is_err());
         assert!("t/a/b/x=1".parse::<PinRule>().is_err());
         assert!("t/a/b/1".parse::<PinRule>().is_err());
         assert_eq!(
@@ -287,6 +334,26 @@ mod tests {
                 cores: 2
             })
         );
+    }
+
+    #[test]
+    fn a_new_rule_wins_and_replaces_one_for_the_same_shards() {
+        let table = PlacementTable::new(4, vec!["t/*/orders/*=1".parse().unwrap()], 3).unwrap();
+        let moved = table
+            .with_rule("t/default/orders/2=3".parse().unwrap())
+            .unwrap();
+        assert_eq!(moved.version(), 4);
+        assert_eq!(moved.core_for(&key("orders", 2)), CoreId(3));
+        assert_eq!(moved.core_for(&key("orders", 0)), CoreId(1));
+        let back = moved
+            .with_rule("t/default/orders/2=0".parse().unwrap())
+            .unwrap();
+        assert_eq!(back.rules().len(), 2);
+        assert_eq!(back.core_for(&key("orders", 2)), CoreId(0));
+        assert!(table.with_rule("*/*/*/*=9".parse().unwrap()).is_err());
+        for r in back.rules() {
+            assert_eq!(r.to_string().parse::<PinRule>().unwrap(), *r);
+        }
     }
 
     #[test]

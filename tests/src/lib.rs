@@ -300,6 +300,22 @@ impl BrokerProcess {
         self.http_request("POST", path)
     }
 
+    /// `POST path` with a JSON body on the HTTP endpoint.
+    pub fn http_post_json(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> anyhow::Result<(u16, String)> {
+        let (status, body) = felix_client::ops::http(
+            &self.http.to_string(),
+            "POST",
+            path,
+            Some(&body.to_string()),
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
+        Ok((status, body))
+    }
+
     fn http_request(&self, method: &str, path: &str) -> anyhow::Result<(u16, String)> {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(self.http)?;

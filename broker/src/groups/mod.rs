@@ -517,7 +517,8 @@ impl GroupShard {
             let records = self
                 .claim_once(stream, group, max, now, visibility_ms)
                 .await?;
-            if !records.is_empty() || now >= deadline {
+            // A shard moving to another core answers now; the consumer asks again there.
+            if !records.is_empty() || now >= deadline || stream.closing.get() {
                 return Ok(records);
             }
             let next_due = self.tracker(group, |t| t.next_due_ms()).flatten();
