@@ -984,3 +984,93 @@ fn a_standalone_broker_answers_topology_with_itself() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert_eq!(text.trim(), format!("node-1 {}", b.listen), "{text}");
 }
+
+#[test]
+fn felix_top_in_a_terminal_shows_per_core_rows_that_move_with_load() {
+    let (b, _dir) = broker(&["--cores", "0-1", "--fsync", "none"]);
+    // A tmux server of our own (its own socket), a fixed-size terminal.
+    let socket = format!("felix-top-test-{}", std::process::id());
+    let tmux = |args: &[&str]| {
+        std::process::Command::new("tmux")
+            .args(["-L", &socket])
+            .args(args)
+            .output()
+            .expect("tmux runs (.ci/test installs it)")
+    };
+    let felix = env!("CARGO_BIN_EXE_felix-under-test");
+    let started = tmux(&[
+        "new-session",
+        "-d",
+        "-x",
+        "120",
+        "-y",
+        "30",
+        &format!("{felix} top --http {} --interval 0.5", b.http),
+    ]);
+    assert!(started.status.success(), "{started:?}");
+    let screen = || String::from_utf8_lossy(&tmux(&["capture-pane", "-p"]).stdout).into_owned();
+    // `(core, msgs/s)` per row on the screen now.
+    let rows = |text: &str| -> Vec<(u64, f64)> {
+        text.lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let core = f.first()?.parse().ok()?;
+                let rate = f.get(2)?.parse().ok()?;
+                (f.len() >= 9).then_some((core, rate))
+            })
+            .collect()
+    };
+    let wait_screen = |want: &dyn Fn(&str) -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = screen();
+            if want(&s) {
+                return s;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "screen never matched:\n{s}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let idle = wait_screen(&|s| rows(s).len() == 2);
+    assert!(
+        idle.contains("BUSY%") && idle.contains("FSYNC p99"),
+        "{idle}"
+    );
+    assert!(rows(&idle).iter().all(|r| r.1 == 0.0), "{idle}");
+    // Under load, a core's row shows the rate and the shard is the hottest.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (stop, config, addr) = (stop.clone(), config(&b), b.listen);
+        std::thread::spawn(move || {
+            tokio::runtime::Runtime::new()
+                .unwrap()
+                .block_on(async move {
+                    let c = felix_client::Client::connect(addr, "localhost", config)
+                        .await
+                        .unwrap();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        c.publish(
+                            "dev",
+                            "default",
+                            "topload",
+                            b"x".to_vec(),
+                            AckMode::PerMessage,
+                        )
+                        .await
+                        .unwrap();
+                    }
+                })
+        })
+    };
+    let busy = wait_screen(&|s| rows(s).iter().any(|r| r.1 > 50.0));
+    eprintln!("felix top under load:\n{busy}");
+    assert!(busy.contains("stream:dev/default/topload/0"), "{busy}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.join().unwrap();
+    // And back to idle once it stops.
+    wait_screen(&|s| rows(s).len() == 2 && rows(s).iter().all(|r| r.1 == 0.0));
+    tmux(&["kill-server"]);
+}
