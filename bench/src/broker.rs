@@ -38,6 +38,8 @@ pub struct LocalBroker {
     _dir: tempfile::TempDir,
     /// How to reach it.
     pub target: Target,
+    /// Its operator HTTP endpoint (`/pins`, `/cores`).
+    pub http: Option<std::net::SocketAddr>,
 }
 
 impl std::fmt::Debug for LocalBroker {
@@ -75,7 +77,7 @@ impl LocalBroker {
             },
             Overrides {
                 listen: Some("127.0.0.1:0".into()),
-                http: Some("off".into()),
+                http: Some("127.0.0.1:0".into()),
                 data_dir: Some(dir.path().join("data")),
                 cores: cores.map(str::to_owned),
                 fsync: Some(fsync.into()),
@@ -97,7 +99,9 @@ impl LocalBroker {
             tenant: "dev".into(),
             token: setup.token.clone(),
         };
+        let http = broker.started.http;
         Ok(LocalBroker {
+            http,
             broker: Some(broker),
             _dir: dir,
             target,

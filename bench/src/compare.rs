@@ -83,7 +83,8 @@ pub struct Options {
     pub progress: bool,
     /// Repetitions of the matrix (medians reported).
     pub rounds: usize,
-    /// Only these scenario ids (empty: all). The ours-only figures run only when empty.
+    /// Only these scenario ids (empty: all), including the ours-only figures (`S13`,
+    /// `pinning`, `S14`, `S11`).
     pub only: Vec<String>,
     /// Run the load generator only on these CPUs, and confine every broker (ours by
     /// `cores`, each peer's process by affinity) to `cores`: the per-core cell a machine
@@ -741,13 +742,23 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
     let results = median_rounds(rounds);
     // Ours only: scaling (S13), pinning sweep, recovery (S14).
     let mut extra = serde_json::Map::new();
-    if opts.peers.contains(&Peer::Felix) && opts.only.is_empty() {
+    // All of them without `--only`; otherwise those it names (`--only pinning`).
+    let wanted = |id: &str| opts.only.is_empty() || opts.only.iter().any(|o| o == id);
+    if opts.peers.contains(&Peer::Felix) {
         let or_error =
             |r: anyhow::Result<Value>| r.unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
-        extra.insert("S13".into(), or_error(rt.block_on(scaling(opts))));
-        extra.insert("pinning".into(), or_error(rt.block_on(pinning(opts))));
-        extra.insert("S14".into(), or_error(recovery(opts, &rt)));
-        extra.insert("S11".into(), or_error(transport(opts)));
+        if wanted("S13") {
+            extra.insert("S13".into(), or_error(rt.block_on(scaling(opts))));
+        }
+        if wanted("pinning") {
+            extra.insert("pinning".into(), or_error(rt.block_on(pinning(opts))));
+        }
+        if wanted("S14") {
+            extra.insert("S14".into(), or_error(recovery(opts, &rt)));
+        }
+        if wanted("S11") {
+            extra.insert("S11".into(), or_error(transport(opts)));
+        }
     }
     machine["scale"] = json!(format!("{:?}", opts.scale).to_lowercase());
     machine["felix_cores"] = json!(opts.cores);
@@ -876,7 +887,92 @@ async fn pinning(opts: &Options) -> anyhow::Result<Value> {
         out.insert(label.into(), json!(a?.acked_per_sec + c?.acked_per_sec));
         b.stop()?;
     }
+    out.insert("live_repin".into(), live_repin(opts).await?);
     Ok(Value::Object(out))
+}
+
+/// Two streams under load on core 0; halfway through, one is re-pinned live to core 1
+/// (`POST /pins`). Throughput before and after, ack p99 before and while it moves.
+async fn live_repin(opts: &Options) -> anyhow::Result<Value> {
+    let cores = &opts.cores;
+    if !cores.contains('-') && !cores.contains(',') {
+        return Ok(json!({"skipped": "needs two cores (--cores 0-1)"}));
+    }
+    let half = match opts.scale {
+        Scale::Tiny => Duration::from_millis(500),
+        Scale::Small => Duration::from_secs(2),
+        Scale::Full => Duration::from_secs(5),
+    };
+    let b = LocalBroker::start_with(Some(cores), "none", &["dev/*/*/*=0".to_owned()], None)?;
+    let http = b.http.context("the bench broker serves HTTP")?;
+    let d = FelixDriver {
+        target: b.target.clone(),
+        shared: b.shared(),
+    };
+    let start = Instant::now();
+    let end = start + half * 2;
+    let load = |stream: &'static str| {
+        let d = d.clone();
+        async move {
+            d.create(stream.into()).await?;
+            let mut p = d.producer(stream.into(), 64).await?;
+            let batch: Vec<Bytes> = (0..64).map(|_| stamped(1024, 0)).collect();
+            let mut sent = Vec::new();
+            while Instant::now() < end {
+                let t = Instant::now();
+                p.send(&batch, t).await?;
+                sent.push(t);
+            }
+            let lat = p.finish().await?;
+            anyhow::Ok(sent.into_iter().zip(lat).collect::<Vec<(Instant, f64)>>())
+        }
+    };
+    let mover = async {
+        tokio::time::sleep_until((start + half).into()).await;
+        let began = Instant::now();
+        let answer = tokio::task::spawn_blocking(move || {
+            felix_client::ops::http(
+                &http.to_string(),
+                "POST",
+                "/pins",
+                Some(r#"{"rule": "dev/default/benchlive1/0=1"}"#),
+            )
+        })
+        .await?
+        .map_err(|e| anyhow::anyhow!(e))?;
+        anyhow::ensure!(answer.0 == 200, "re-pin refused: {answer:?}");
+        let report: Value = serde_json::from_str(&answer.1)?;
+        anyhow::Ok((began, Instant::now(), report))
+    };
+    let (a, c, moved) = tokio::join!(load("benchlive0"), load("benchlive1"), mover);
+    b.stop()?;
+    let (began, done, report) = moved?;
+    let acks: Vec<(Instant, f64)> = a?.into_iter().chain(c?).collect();
+    // Steady windows leave out the first quarter (warm-up) and the move itself.
+    let rate = |from: Instant, to: Instant| {
+        let n = acks.iter().filter(|(t, _)| *t >= from && *t < to).count();
+        n as f64 * 64.0 / (to - from).as_secs_f64()
+    };
+    let p99 = |from: Instant, to: Instant| {
+        let mut v: Vec<f64> = acks
+            .iter()
+            .filter(|(t, _)| *t >= from && *t < to)
+            .map(|(_, l)| *l)
+            .collect();
+        percentile(&mut v, 0.99)
+    };
+    let settle = Duration::from_millis(100);
+    Ok(json!({
+        "before_msgs_per_sec": rate(start + half / 4, began),
+        "after_msgs_per_sec": rate(done + settle, end),
+        "before_p99_us": p99(start + half / 4, began),
+        "during_move_p99_us": p99(began - settle, done + settle),
+        "move_ms": (done - began).as_secs_f64() * 1e3,
+        "hold_ms": report["hold_ms"],
+        "flush_ms": report["flush_ms"],
+        "release_ms": report["release_ms"],
+        "take_ms": report["take_ms"],
+    }))
 }
 
 /// S14: write a durable log, stop, restart over it, and time reopening the shard.

@@ -268,6 +268,24 @@ impl Report {
                 fmt_rate(v["hashed"].as_f64().unwrap_or(0.0)),
                 fmt_rate(v["all_on_core_0"].as_f64().unwrap_or(0.0))
             );
+            let live = &v["live_repin"];
+            if live["before_msgs_per_sec"].is_number() {
+                let _ = writeln!(
+                    s,
+                    "- Live re-pin (2 streams on core 0, one moved to core 1 under load): {} msgs/s before, {} after ({:.2}x); ack p99 {:.0} µs before, {:.0} µs during the move ({:.1} ms, requests held {:.1} ms: barriers {:.1}, old core finishing and closing {:.1}, new core opening {:.1}).",
+                    fmt_rate(live["before_msgs_per_sec"].as_f64().unwrap_or(0.0)),
+                    fmt_rate(live["after_msgs_per_sec"].as_f64().unwrap_or(0.0)),
+                    live["after_msgs_per_sec"].as_f64().unwrap_or(0.0)
+                        / live["before_msgs_per_sec"].as_f64().unwrap_or(1.0).max(1.0),
+                    live["before_p99_us"].as_f64().unwrap_or(0.0),
+                    live["during_move_p99_us"].as_f64().unwrap_or(0.0),
+                    live["move_ms"].as_f64().unwrap_or(0.0),
+                    live["hold_ms"].as_f64().unwrap_or(0.0),
+                    live["flush_ms"].as_f64().unwrap_or(0.0),
+                    live["release_ms"].as_f64().unwrap_or(0.0),
+                    live["take_ms"].as_f64().unwrap_or(0.0)
+                );
+            }
         }
         if let Some(v) = ok("S11") {
             let _ = writeln!(

@@ -605,6 +605,8 @@ pub struct CoreBroker {
     /// Shards moving away that this core still serves, with the requests it accepted
     /// for them and has not finished.
     leaving: RefCell<HashMap<Arc<ShardKey>, Rc<Cell<usize>>>>,
+    /// Shards just handed over by another core, to open without re-checking every batch.
+    handed_over: RefCell<std::collections::HashSet<Arc<ShardKey>>>,
 }
 
 impl std::fmt::Debug for CoreBroker {
@@ -690,6 +692,7 @@ impl CoreBroker {
             keys_changed: crate::groups::Wakers::default(),
             arriving: RefCell::default(),
             leaving: RefCell::default(),
+            handed_over: RefCell::default(),
         })
     }
 
@@ -776,6 +779,12 @@ impl CoreBroker {
             .await
             .map_err(|e| BrokerError::Storage(format!("{}: {e}", dir.display())))?;
         let mut config = self.shared.log_config.clone();
+        if self.handed_over.borrow_mut().remove(key) {
+            // Closed and sealed by another core of this broker a moment ago (a live
+            // re-pin): its sealed segments' indexes and tails are checked, not every
+            // batch again (which a start after a crash does).
+            config.verify_on_open = felix_storage_uring::VerifyOnOpen::Tail;
+        }
         if spec.replicated() {
             // A leader ships what it reads back from its log, so a linger would delay
             // every follower (and a Quorum ack) by that much: write at once.

@@ -1346,6 +1346,33 @@ impl<B: Backend> SegmentLog<B> {
             .await;
         Ok(())
     }
+
+    /// After [`SegmentLog::close`]: seals the newest segment (its index written) and
+    /// starts an empty one, so the next open loads that index instead of scanning and
+    /// checksumming the whole segment. Used when another core takes the shard over at
+    /// once (a live re-pin). Nothing when the newest segment holds fewer than
+    /// `min_bytes` (or no batch at all: creating a segment costs a few syncs, more than
+    /// scanning a small one), or when the log is still open (sealing only speeds up the
+    /// next open).
+    pub async fn seal_active(&self, min_bytes: u64) -> Result<(), StorageError> {
+        let (closed, next, written) = {
+            let st = self.shared.state.borrow();
+            let newest = st.segments.back().expect("at least one segment");
+            (
+                st.closed,
+                st.next_offset,
+                newest.end_offset > newest.base && st.append_pos >= min_bytes,
+            )
+        };
+        if self.shared.config.read_only || !written || !closed {
+            return Ok(());
+        }
+        roll(&self.shared, next).await.map_err(|f| match f {
+            Failure::NoSpace(op, e) | Failure::Poison(op, e) => {
+                StorageError::io(op, &segment_name(next), e)
+            }
+        })
+    }
 }
 
 /// Why a waiter can stop waiting for progress: the log is poisoned or closed.

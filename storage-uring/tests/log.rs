@@ -85,6 +85,45 @@ async fn appends_read_back_across_segments_and_reopen<F: Fixture>(fx: F) {
     log.close().await.unwrap();
 }
 
+async fn a_sealed_log_reopens_from_its_index_without_scanning<F: Fixture>(fx: F) {
+    let config = LogConfig {
+        index_interval_bytes: 1024,
+        verify_on_open: VerifyOnOpen::Tail,
+        ..LogConfig::default()
+    };
+    let (log, _) = SegmentLog::open(fx.backend().await, config.clone())
+        .await
+        .unwrap();
+    fill(&log, 200, 1000).await;
+    log.close().await.unwrap();
+    let (log, report) = SegmentLog::open(fx.backend().await, config.clone())
+        .await
+        .unwrap();
+    // Unsealed: the newest segment is checksummed whole.
+    assert!(report.verified_bytes >= 200 * 1000, "{report:?}");
+    log.close().await.unwrap();
+    // Below the size asked for: left as it is.
+    log.seal_active(1 << 20).await.unwrap();
+    log.seal_active(0).await.unwrap();
+    let (log, report) = SegmentLog::open(fx.backend().await, config.clone())
+        .await
+        .unwrap();
+    // Sealed: only the batches past its last index entry are.
+    assert!(report.verified_bytes < 4 * 1024, "{report:?}");
+    assert_eq!(report.next_offset, 200);
+    assert_eq!(report.segments, 2);
+    check_contents(&read_all(&log).await, 0, 200, 1000);
+    fill(&log, 10, 1000).await;
+    // An empty newest segment is not sealed again.
+    log.close().await.unwrap();
+    log.seal_active(0).await.unwrap();
+    log.seal_active(0).await.unwrap();
+    let (log, report) = SegmentLog::open(fx.backend().await, config).await.unwrap();
+    assert_eq!(report.segments, 3);
+    check_contents(&read_all(&log).await, 0, 210, 1000);
+    log.close().await.unwrap();
+}
+
 async fn batches_keep_kind_producer_and_timestamp<F: Fixture>(fx: F) {
     let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
         .await
@@ -500,6 +539,7 @@ macro_rules! both_backends {
 
 both_backends!(
     appends_read_back_across_segments_and_reopen,
+    a_sealed_log_reopens_from_its_index_without_scanning,
     batches_keep_kind_producer_and_timestamp,
     concurrent_commits_resolve_in_offset_order,
     a_dropped_pending_append_does_not_stall_its_successors,

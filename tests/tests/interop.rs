@@ -120,6 +120,46 @@ fn health_and_metrics_endpoints_answer() {
     assert_eq!(b.http_get("/readyz").unwrap().0, 200);
     let (status, body) = b.http_get("/metrics").unwrap();
     assert_eq!(status, 200);
+    // Every series has HELP and TYPE, and every series the Grafana dashboard queries
+    // exists (the dashboard cannot drift from the names).
+    let typed: std::collections::BTreeSet<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next())
+        .collect();
+    for l in body
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let name = l.split(['{', ' ']).next().unwrap();
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s).filter(|b| typed.contains(b)))
+            .unwrap_or(name);
+        assert!(typed.contains(base), "{name} has no TYPE line");
+        assert!(
+            body.contains(&format!("# HELP {base} ")),
+            "{base} has no HELP line"
+        );
+    }
+    let dashboard = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/ops/grafana-dashboard.json"),
+    )
+    .unwrap();
+    let mut queried = 0;
+    for part in dashboard.split("felix_broker_").skip(1) {
+        let name: String = part
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+            .collect();
+        let name = format!("felix_broker_{name}");
+        let base = name.strip_suffix("_bucket").unwrap_or(&name);
+        assert!(
+            typed.contains(base),
+            "the dashboard queries {name}, which /metrics lacks"
+        );
+        queried += 1;
+    }
+    assert!(queried >= 20, "{queried}");
     assert!(body.contains("felix_broker_ready 1"), "{body}");
     assert!(
         body.contains("felix_broker_publish_records_total{core=\"0\"}"),

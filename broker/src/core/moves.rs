@@ -43,6 +43,10 @@ use crate::error::BrokerError;
 /// How long A waits for the shard's in-flight work before it closes the log anyway.
 const RELEASE_WAIT_MAX: Duration = Duration::from_secs(10);
 
+/// A moving shard's newest segment is sealed (a new one started) when it holds at least
+/// this much: scanning less at the new core costs less than creating a segment.
+const SEAL_MIN_BYTES: u64 = 16 << 20;
+
 /// A request held until its shard arrives: run once, in arrival order.
 pub type Held = Box<dyn FnOnce()>;
 
@@ -75,6 +79,9 @@ pub struct Handover {
     pub open: bool,
     /// Cores with subscribers to it, and how many.
     pub interested: Vec<(CoreId, usize)>,
+    /// Whether the old core closed and sealed its log cleanly (the new core then checks
+    /// the sealed segments' tails, not every batch).
+    pub sealed: bool,
 }
 
 /// The answer to a [`MoveStep`].
@@ -107,6 +114,12 @@ pub struct RepinReport {
     pub moved: Vec<(String, usize, usize)>,
     /// From the table swap to the last shard taken (requests waited at most this long).
     pub hold_ms: f64,
+    /// Of which: every core's barrier answered.
+    pub flush_ms: f64,
+    /// Of which: the old cores finished in-flight work and closed the logs.
+    pub release_ms: f64,
+    /// Of which: the new cores opened (recovered) the logs and served what was held.
+    pub take_ms: f64,
 }
 
 /// Counts one request a leaving core accepted and has not finished.
@@ -305,6 +318,7 @@ impl CoreBroker {
                 self.step(CoreId(c), MoveStep::Flush(from.clone())).await?;
             }
         }
+        let flushed = Instant::now();
         let mut handed: BTreeMap<CoreId, Vec<Handover>> = BTreeMap::new();
         for (core, keys) in sources {
             let MoveAnswer::Released(hs) = self.step(core, MoveStep::Release(keys)).await? else {
@@ -319,10 +333,13 @@ impl CoreBroker {
                 handed.entry(to).or_default().push(h);
             }
         }
+        let released = Instant::now();
         for (core, hs) in handed {
             self.step(core, MoveStep::Take(hs)).await?;
         }
-        let hold_ms = swapped.elapsed().as_secs_f64() * 1e3;
+        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+        let taken = Instant::now();
+        let hold_ms = ms(swapped, taken);
         self.persist_pin(&rule).await?;
         tracing::info!(rule = %rule, shards = moves.len(), hold_ms, "re-pinned");
         Ok(RepinReport {
@@ -333,6 +350,9 @@ impl CoreBroker {
                 .map(|(k, a, b)| (k.to_string(), a.index(), b.index()))
                 .collect(),
             hold_ms,
+            flush_ms: ms(swapped, flushed),
+            release_ms: ms(flushed, released),
+            take_ms: ms(released, taken),
         })
     }
 
@@ -450,33 +470,73 @@ impl CoreBroker {
                 let interested = stream.as_ref().map(|s| s.interest()).unwrap_or_default();
                 let open = stream.is_some() || cache.is_some();
                 drop((stream, cache));
-                self.close_shard(&key).await;
+                let sealed = self.close_for_move(&key).await;
                 self.leaving.borrow_mut().remove(&key);
                 return Handover {
                     key,
                     open,
                     interested,
+                    sealed,
                 };
             }
             if Instant::now() >= deadline {
                 tracing::warn!(shard = %key, pending, "work still running on a moving shard; closing it anyway");
                 let interested = stream.as_ref().map(|s| s.interest()).unwrap_or_default();
                 drop((stream, cache));
-                self.close_shard(&key).await;
+                let sealed = self.close_for_move(&key).await;
                 self.leaving.borrow_mut().remove(&key);
                 return Handover {
                     key,
                     open: true,
                     interested,
+                    sealed,
                 };
             }
             task::sleep(Duration::from_millis(1)).await;
         }
     }
 
+    /// Closes `key`'s log here and seals its newest segment, so the core taking it over
+    /// loads indexes instead of scanning. True when both went cleanly.
+    async fn close_for_move(&self, key: &ShardKey) -> bool {
+        let stream = self.streams.borrow_mut().remove(key);
+        let cache = self.caches.borrow_mut().remove(key);
+        let mut clean = true;
+        if let Some(Slot::Ready(s)) = stream {
+            clean &= self.seal(key, s.log.close().await, &s.log).await;
+        }
+        if let Some(Slot::Ready(c)) = cache {
+            clean &= self.seal(key, c.log().close().await, c.log()).await;
+        }
+        clean
+    }
+
+    async fn seal(
+        &self,
+        key: &ShardKey,
+        closed: Result<(), felix_storage_uring::StorageError>,
+        log: &felix_storage_uring::SegmentLog<felix_storage_uring::DmaBackend>,
+    ) -> bool {
+        self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
+        let sealed = match closed {
+            Ok(()) => log.seal_active(SEAL_MIN_BYTES).await,
+            Err(e) => Err(e),
+        };
+        match sealed {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(shard = %key, error = %e, "closing a moving shard");
+                false
+            }
+        }
+    }
+
     /// Takes `h` over: opens the shard, registers its subscriber cores, then serves the
     /// requests held for it in the order they came.
     async fn take(self: &Rc<Self>, h: Handover) {
+        if h.sealed {
+            self.handed_over.borrow_mut().insert(h.key.clone());
+        }
         if h.open || !h.interested.is_empty() {
             match h.key.kind {
                 ShardKind::Stream => match self.stream_shard(&h.key).await {
