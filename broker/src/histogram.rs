@@ -2,7 +2,6 @@
 //! atomic counters, so recording is a few uncontended increments on the core's own
 //! cache lines and reading never stops the core.
 
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -42,24 +41,9 @@ impl Histogram {
             .collect()
     }
 
-    /// Appends this histogram's Prometheus lines (`_bucket` cumulative with `le` in
-    /// seconds, `_sum`, `_count`) for series `name` with `labels` (`core="0"`).
-    pub fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let mut cumulative = 0u64;
-        for (i, b) in self.buckets.iter().enumerate() {
-            cumulative += b.load(Ordering::Relaxed);
-            let le = match BOUNDS_US.get(i) {
-                Some(us) => format!("{}", *us as f64 / 1e6),
-                None => "+Inf".to_owned(),
-            };
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {cumulative}");
-        }
-        let _ = writeln!(
-            out,
-            "{name}_sum{{{labels}}} {}",
-            self.sum_us.load(Ordering::Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.count());
+    /// Sum of observations, seconds.
+    pub fn sum_seconds(&self) -> f64 {
+        self.sum_us.load(Ordering::Relaxed) as f64 / 1e6
     }
 }
 
@@ -68,26 +52,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn observations_land_in_cumulative_buckets_with_sum_and_count() {
+    fn observations_land_in_their_buckets_with_sum_and_count() {
         let h = Histogram::default();
         h.observe(Duration::from_micros(20));
         h.observe(Duration::from_micros(25));
         h.observe(Duration::from_micros(400));
         h.observe(Duration::from_secs(5));
-        let mut out = String::new();
-        h.render(&mut out, "x_seconds", "core=\"0\"");
-        let line = |le: &str| {
-            out.lines()
-                .find(|l| l.starts_with(&format!("x_seconds_bucket{{core=\"0\",le=\"{le}\"}}")))
-                .and_then(|l| l.rsplit(' ').next())
-                .and_then(|v| v.parse::<u64>().ok())
-        };
-        assert_eq!(line("0.000025"), Some(2), "{out}");
-        assert_eq!(line("0.0003"), Some(2), "{out}");
-        assert_eq!(line("0.0005"), Some(3), "{out}");
-        assert_eq!(line("1"), Some(3), "{out}");
-        assert_eq!(line("+Inf"), Some(4), "{out}");
-        assert!(out.contains("x_seconds_count{core=\"0\"} 4"), "{out}");
-        assert!(out.contains("x_seconds_sum{core=\"0\"} 5.000445"), "{out}");
+        let b = h.buckets();
+        assert_eq!(b.len(), BOUNDS_US.len() + 1);
+        assert_eq!(b[0], 2, "25 µs is in the 25 µs bucket: {b:?}");
+        assert_eq!(b[5], 1, "400 µs is in the 500 µs bucket: {b:?}");
+        assert_eq!(b[BOUNDS_US.len()], 1, "5 s is past the last bound: {b:?}");
+        assert_eq!(b.iter().sum::<u64>(), 4);
+        assert_eq!(h.count(), 4);
+        assert!((h.sum_seconds() - 5.000445).abs() < 1e-9);
     }
 }

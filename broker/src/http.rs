@@ -1,5 +1,6 @@
-//! The operator HTTP endpoint: `/metrics` (Prometheus text), `/livez`, `/readyz`,
-//! `/placement`, `/replication/halted`, and, only when fault injection is enabled,
+//! The operator HTTP endpoint: `/metrics` (OpenMetrics text via `prometheus-client`),
+//! `/livez`, `/readyz`, `/placement`, `/cores` (what `felix top` shows), `POST /pins`
+//! (live re-pin), `/replication/halted`, and, only when fault injection is enabled,
 //! `/debug/storage-faults` and `/debug/panic`.
 //!
 //! axum on its own thread and a current-thread tokio runtime: never on a core, never
@@ -7,7 +8,6 @@
 //! a slow client cannot hold up `/livez`. It reads only the relaxed atomics the cores
 //! publish.
 
-use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -22,6 +22,8 @@ use felix_storage_uring::FaultTimes;
 
 use crate::core::{CoreMetrics, Shared};
 use felix_core_runtime::placement::PinRule;
+use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
 
 /// How long any answer may take.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -133,12 +135,6 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.shards_moved_in.load(Ordering::Relaxed),
     ),
     (
-        "felix_broker_core_cpu_nanoseconds_total",
-        "counter",
-        "CPU time of this core's thread, sampled every 250 ms.",
-        |m| m.cpu_ns.load(Ordering::Relaxed),
-    ),
-    (
         "felix_broker_subscriber_queued_batches",
         "gauge",
         "Batches waiting in this core's subscriber queues (sampled).",
@@ -227,89 +223,166 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
     ),
 ];
 
-/// Renders every metric.
-pub fn render(shared: &Shared) -> String {
+/// Renders every metric in the OpenMetrics text format, through `prometheus-client`.
+/// The cores record into their own relaxed atomics (no registry, no lock on the data
+/// path); a collector reads them at scrape time.
+pub fn render(shared: &Arc<Shared>) -> String {
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(Collector(shared.clone())));
     let mut out = String::new();
-    for (name, kind, help, read) in PER_CORE {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} {kind}");
-        for (core, m) in shared.metrics.iter().enumerate() {
-            let _ = writeln!(out, "{name}{{core=\"{core}\"}} {}", read(m));
-        }
-    }
-    for (name, help, pick) in [
-        (
-            "felix_broker_publish_ack_seconds",
-            "From a publish read off its stream to its acknowledgement being ready (appended, replicated as the stream asks).",
-            (|m: &CoreMetrics| &m.publish_ack) as fn(&CoreMetrics) -> &crate::histogram::Histogram,
-        ),
-        (
-            "felix_broker_append_commit_seconds",
-            "From a batch's offsets being claimed to its commit on the shard's core (device write and fdatasync under fsync on-commit).",
-            |m: &CoreMetrics| &m.append_commit,
-        ),
-    ] {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} histogram");
-        for (core, m) in shared.metrics.iter().enumerate() {
-            pick(m).render(&mut out, name, &format!("core=\"{core}\""));
-        }
-    }
-    let mut gauge = |name: &str, help: &str, v: u64| {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} gauge");
-        let _ = writeln!(out, "{name} {v}");
-    };
-    gauge(
-        "felix_broker_ready",
-        "1 when /readyz answers ready.",
-        u64::from(unready_reasons(shared).is_empty()),
-    );
-    if let Some(c) = &shared.cluster {
-        gauge(
-            "felix_broker_controlplane_syncs_total",
-            "Full syncs from the control plane.",
-            c.syncs.load(Ordering::Relaxed),
-        );
-        gauge(
-            "felix_broker_heartbeats_total",
-            "Heartbeats the control plane accepted.",
-            c.heartbeats.load(Ordering::Relaxed),
-        );
-        gauge(
-            "felix_broker_shards_led",
-            "Shards this broker leads.",
-            c.shards_led() as u64,
-        );
-        let status = c.sync_status.lock().map(|s| s.clone()).unwrap_or_default();
-        gauge(
-            "felix_broker_controlplane_sync_failures_total",
-            "Syncs from the control plane that failed (the last snapshot was kept).",
-            c.sync_failures.load(Ordering::Relaxed),
-        );
-        gauge(
-            "felix_broker_controlplane_unverified",
-            "1 while the last sync failed (unreachable, or its certificate did not verify).",
-            u64::from(status.last_error.is_some()),
-        );
-        gauge(
-            "felix_broker_controlplane_refused_key_sets",
-            "Tenants whose key set the last sync refused (they keep their last good keys).",
-            status.unverified_tenants.len() as u64,
-        );
-    }
-    let table = shared.placement.load();
-    gauge(
-        "felix_broker_placement_cores",
-        "Cores shards are placed on.",
-        table.cores() as u64,
-    );
-    gauge(
-        "felix_broker_placement_pin_rules",
-        "Operator pin rules.",
-        table.rules().len() as u64,
-    );
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .expect("writing to a String cannot fail");
     out
+}
+
+/// Reads the cores' atomics for one scrape.
+#[derive(Debug)]
+struct Collector(Arc<Shared>);
+
+/// `prometheus-client` adds `_total` to a counter's samples: descriptors are named
+/// without it.
+fn family(name: &str, kind: &str) -> (String, MetricType) {
+    match kind {
+        "counter" => (
+            name.strip_suffix("_total").unwrap_or(name).to_owned(),
+            MetricType::Counter,
+        ),
+        _ => (name.to_owned(), MetricType::Gauge),
+    }
+}
+
+impl prometheus_client::collector::Collector for Collector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let shared = &self.0;
+        let cores: Vec<[(&str, String); 1]> = (0..shared.metrics.len())
+            .map(|c| [("core", c.to_string())])
+            .collect();
+        for (name, kind, help, read) in PER_CORE {
+            let (name, kind) = family(name, kind);
+            let mut m = encoder.encode_descriptor(&name, help, None, kind)?;
+            for (labels, metrics) in cores.iter().zip(&shared.metrics) {
+                let v = read(metrics);
+                let mut f = m.encode_family(labels)?;
+                match kind {
+                    MetricType::Counter => f.encode_counter::<NoLabelSet, _, u64>(&v, None)?,
+                    _ => f.encode_gauge(&v)?,
+                }
+            }
+        }
+        let cpu = encoder.encode_descriptor(
+            "felix_broker_core_cpu_seconds",
+            "CPU time of this core's thread, sampled every 250 ms.",
+            None,
+            MetricType::Counter,
+        );
+        let mut cpu = cpu?;
+        for (labels, m) in cores.iter().zip(&shared.metrics) {
+            let secs = m.cpu_ns.load(Ordering::Relaxed) as f64 / 1e9;
+            cpu.encode_family(labels)?
+                .encode_counter::<NoLabelSet, _, u64>(&secs, None)?;
+        }
+        for (name, help, pick) in [
+            (
+                "felix_broker_publish_ack_seconds",
+                "From a publish read off its stream to its acknowledgement being ready (appended, replicated as the stream asks).",
+                (|m: &CoreMetrics| &m.publish_ack)
+                    as fn(&CoreMetrics) -> &crate::histogram::Histogram,
+            ),
+            (
+                "felix_broker_append_commit_seconds",
+                "From a batch's offsets being claimed to its commit on the shard's core (device write and fdatasync under fsync on-commit).",
+                |m: &CoreMetrics| &m.append_commit,
+            ),
+        ] {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
+            for (labels, metrics) in cores.iter().zip(&shared.metrics) {
+                let h = pick(metrics);
+                let buckets: Vec<(f64, u64)> = h
+                    .buckets()
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, n)| {
+                        let le = crate::histogram::BOUNDS_US
+                            .get(i)
+                            .map_or(f64::MAX, |us| *us as f64 / 1e6);
+                        (le, n)
+                    })
+                    .collect();
+                m.encode_family(labels)?.encode_histogram::<NoLabelSet>(
+                    h.sum_seconds(),
+                    h.count(),
+                    &buckets,
+                    None,
+                )?;
+            }
+        }
+        let mut one = |name: &str, help: &str, kind: MetricType, v: u64| {
+            let mut m = encoder.encode_descriptor(name, help, None, kind)?;
+            match kind {
+                MetricType::Counter => m.encode_counter::<NoLabelSet, _, u64>(&v, None),
+                _ => m.encode_gauge(&v),
+            }
+        };
+        one(
+            "felix_broker_ready",
+            "1 when /readyz answers ready.",
+            MetricType::Gauge,
+            u64::from(unready_reasons(shared).is_empty()),
+        )?;
+        if let Some(c) = &shared.cluster {
+            one(
+                "felix_broker_controlplane_syncs",
+                "Full syncs from the control plane.",
+                MetricType::Counter,
+                c.syncs.load(Ordering::Relaxed),
+            )?;
+            one(
+                "felix_broker_heartbeats",
+                "Heartbeats the control plane accepted.",
+                MetricType::Counter,
+                c.heartbeats.load(Ordering::Relaxed),
+            )?;
+            one(
+                "felix_broker_shards_led",
+                "Shards this broker leads.",
+                MetricType::Gauge,
+                c.shards_led() as u64,
+            )?;
+            let status = c.sync_status.lock().map(|s| s.clone()).unwrap_or_default();
+            one(
+                "felix_broker_controlplane_sync_failures",
+                "Syncs from the control plane that failed (the last snapshot was kept).",
+                MetricType::Counter,
+                c.sync_failures.load(Ordering::Relaxed),
+            )?;
+            one(
+                "felix_broker_controlplane_unverified",
+                "1 while the last sync failed (unreachable, or its certificate did not verify).",
+                MetricType::Gauge,
+                u64::from(status.last_error.is_some()),
+            )?;
+            one(
+                "felix_broker_controlplane_refused_key_sets",
+                "Tenants whose key set the last sync refused (they keep their last good keys).",
+                MetricType::Gauge,
+                status.unverified_tenants.len() as u64,
+            )?;
+        }
+        let table = shared.placement.load();
+        one(
+            "felix_broker_placement_cores",
+            "Cores shards are placed on.",
+            MetricType::Gauge,
+            table.cores() as u64,
+        )?;
+        one(
+            "felix_broker_placement_pin_rules",
+            "Operator pin rules.",
+            MetricType::Gauge,
+            table.rules().len() as u64,
+        )?;
+        Ok(())
+    }
 }
 
 /// Why the broker is not ready; empty when it is.
@@ -380,7 +453,10 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     (
-        [("content-type", "text/plain; version=0.0.4")],
+        [(
+            "content-type",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         render(&shared),
     )
         .into_response()
