@@ -179,6 +179,8 @@ pub enum CoreMsg {
         records: Vec<Bytes>,
         /// An idempotent producer's `(producer_id, sequence)`.
         idempotent: Option<(u64, u64)>,
+        /// When the connection's core sent it (the mesh-hop stage).
+        sent: std::time::Instant,
         /// Where to answer.
         reply: ReplyTo,
     },
@@ -320,6 +322,13 @@ pub struct CoreMetrics {
     /// From a batch's offsets being claimed on the shard's core to its commit (the
     /// device write and fdatasync under `fsync: on-commit`).
     pub append_commit: crate::histogram::Histogram,
+    /// From a publish leaving the connection's core to the shard's core taking it up
+    /// (only publishes that cross cores).
+    pub mesh_hop: crate::histogram::Histogram,
+    /// One flush round's device writes, this core's logs.
+    pub log_write: crate::histogram::Histogram,
+    /// One fdatasync, this core's logs (a group commit covers a round).
+    pub log_fsync: crate::histogram::Histogram,
     /// Publish batches appended.
     pub publish_batches: AtomicU64,
     /// Records appended.
@@ -988,6 +997,7 @@ impl CoreBroker {
                 key,
                 records,
                 idempotent,
+                sent: std::time::Instant::now(),
                 reply,
             });
             Box::pin(async move {
@@ -2180,8 +2190,10 @@ impl CoreBroker {
                 key,
                 records,
                 idempotent,
+                sent,
                 reply,
             } => {
+                self.metrics.mesh_hop.observe(sent.elapsed());
                 let fut = match idempotent {
                     None => self.append_local(key, records),
                     Some(tag) => self.append_idempotent(key, records, tag),
@@ -2296,6 +2308,7 @@ impl CoreBroker {
                 let (mut syncs, mut batches, mut poisoned) = (0, 0, 0);
                 for slot in core.streams.borrow().values() {
                     if let Slot::Ready(shard) = slot {
+                        core.add_device_latency(shard.log.take_device_latency());
                         let st = shard.log.stats();
                         syncs += st.syncs;
                         batches += st.synced_batches;
@@ -2304,6 +2317,7 @@ impl CoreBroker {
                 }
                 for slot in core.caches.borrow().values() {
                     if let Slot::Ready(shard) = slot {
+                        core.add_device_latency(shard.log().take_device_latency());
                         poisoned += u64::from(shard.log().poisoned().is_some());
                     }
                 }
@@ -2318,6 +2332,11 @@ impl CoreBroker {
             }
         })
         .detach();
+    }
+
+    fn add_device_latency(&self, d: felix_storage_uring::DeviceLatency) {
+        self.metrics.log_write.add(&d.write);
+        self.metrics.log_fsync.add(&d.sync);
     }
 
     /// Samples what `/cores` and `felix top` show: this thread's CPU time, the open

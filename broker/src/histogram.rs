@@ -5,10 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Upper bounds of the buckets, in microseconds (a last one, `+Inf`, is implied).
-pub const BOUNDS_US: [u64; 14] = [
-    25, 50, 100, 200, 300, 500, 1_000, 2_000, 5_000, 10_000, 50_000, 100_000, 500_000, 1_000_000,
-];
+/// Upper bounds of the buckets, in microseconds (a last one, `+Inf`, is implied): the
+/// storage log's, so its device times add straight in.
+pub use felix_storage_uring::LATENCY_BOUNDS_US as BOUNDS_US;
 
 /// Counts of observations per bucket, their sum and count.
 #[derive(Debug, Default)]
@@ -26,6 +25,19 @@ impl Histogram {
         self.buckets[i].fetch_add(1, Ordering::Relaxed);
         self.sum_us.fetch_add(us, Ordering::Relaxed);
         self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds observations counted elsewhere (a log's device times) in the same buckets.
+    pub fn add(&self, b: &felix_storage_uring::LatencyBuckets) {
+        let mut n = 0;
+        for (bucket, c) in self.buckets.iter().zip(b.counts) {
+            if c > 0 {
+                bucket.fetch_add(c, Ordering::Relaxed);
+                n += c;
+            }
+        }
+        self.sum_us.fetch_add(b.sum_us, Ordering::Relaxed);
+        self.count.fetch_add(n, Ordering::Relaxed);
     }
 
     /// Observations so far.
@@ -66,5 +78,11 @@ mod tests {
         assert_eq!(b.iter().sum::<u64>(), 4);
         assert_eq!(h.count(), 4);
         assert!((h.sum_seconds() - 5.000445).abs() < 1e-9);
+        let mut more = felix_storage_uring::LatencyBuckets::default();
+        more.observe(Duration::from_micros(30));
+        more.observe(Duration::from_secs(2));
+        h.add(&more);
+        let b = h.buckets();
+        assert_eq!((b[1], b[BOUNDS_US.len()], h.count()), (1, 2, 6));
     }
 }

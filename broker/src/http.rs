@@ -293,6 +293,21 @@ impl prometheus_client::collector::Collector for Collector {
                 "From a batch's offsets being claimed to its commit on the shard's core (device write and fdatasync under fsync on-commit).",
                 |m: &CoreMetrics| &m.append_commit,
             ),
+            (
+                "felix_broker_mesh_hop_seconds",
+                "From a publish leaving the connection's core to the shard's core taking it up (cross-core publishes only).",
+                |m: &CoreMetrics| &m.mesh_hop,
+            ),
+            (
+                "felix_broker_log_write_seconds",
+                "One flush round's device writes on this core's logs (sampled every 250 ms).",
+                |m: &CoreMetrics| &m.log_write,
+            ),
+            (
+                "felix_broker_log_fsync_seconds",
+                "One fdatasync on this core's logs; a group commit covers a whole round (sampled every 250 ms).",
+                |m: &CoreMetrics| &m.log_fsync,
+            ),
         ] {
             let mut m = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
             for (labels, metrics) in cores.iter().zip(&shared.metrics) {

@@ -26,6 +26,7 @@ pub use io::dma::DmaBackend;
 pub use io::faults::{FaultTimes, StorageFaults};
 pub use io::memory::{MemBackend, MemOp};
 pub use log::{
-    Appended, EARLY_ACK_STAGED_MAX, FsyncMode, LogConfig, LogStats, PendingAppend, ReadBatch,
-    RecoveryReport, SegmentLog, TornTail, VerifyOnOpen,
+    Appended, DeviceLatency, EARLY_ACK_STAGED_MAX, FsyncMode, LATENCY_BOUNDS_US, LatencyBuckets,
+    LogConfig, LogStats, PendingAppend, ReadBatch, RecoveryReport, SegmentLog, TornTail,
+    VerifyOnOpen,
 };

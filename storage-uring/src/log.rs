@@ -354,6 +354,40 @@ pub struct LogStats {
     pub cuts: u64,
 }
 
+/// Upper bounds (µs) of the latency buckets the log keeps for its device calls; one more,
+/// unbounded, follows. The broker's histograms use the same bounds.
+pub const LATENCY_BOUNDS_US: [u64; 14] = [
+    25, 50, 100, 200, 300, 500, 1_000, 2_000, 5_000, 10_000, 50_000, 100_000, 500_000, 1_000_000,
+];
+
+/// Observations per latency bucket and their sum, kept by the log's own core (no
+/// atomics) and drained by whoever reports them ([`SegmentLog::take_device_latency`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LatencyBuckets {
+    /// Per bucket, [`LATENCY_BOUNDS_US`] order, the unbounded one last.
+    pub counts: [u64; LATENCY_BOUNDS_US.len() + 1],
+    /// Sum of observations, µs.
+    pub sum_us: u64,
+}
+
+impl LatencyBuckets {
+    /// Records one observation.
+    pub fn observe(&mut self, d: Duration) {
+        let us = d.as_micros().min(u128::from(u64::MAX)) as u64;
+        self.counts[LATENCY_BOUNDS_US.partition_point(|b| *b < us)] += 1;
+        self.sum_us = self.sum_us.saturating_add(us);
+    }
+}
+
+/// How long the device took, per flush round: the data write(s), and the fdatasync.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceLatency {
+    /// One round's writes (one per segment the round touched).
+    pub write: LatencyBuckets,
+    /// One fdatasync of a round (group commit) or of a sealed segment.
+    pub sync: LatencyBuckets,
+}
+
 /// Offsets `[first, end)` of an appended batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Appended {
@@ -462,6 +496,8 @@ struct State<F> {
     /// Waiters for the acknowledged end to pass a value: end needed -> wakers.
     ack_waiters: BTreeMap<u64, Vec<Waker>>,
     flusher: Option<Waker>,
+    /// Device times since they were last taken.
+    device_latency: DeviceLatency,
     sync_requested: bool,
     /// Wakers of `sync()` callers, woken after the next fsync.
     poisoned: Option<(&'static str, String)>,
@@ -628,6 +664,7 @@ impl<B: Backend> SegmentLog<B> {
             era: Rc::default(),
             ack_waiters: BTreeMap::new(),
             flusher: None,
+            device_latency: DeviceLatency::default(),
             sync_requested: false,
             poisoned: None,
             closing: false,
@@ -952,6 +989,12 @@ impl<B: Backend> SegmentLog<B> {
     /// One past the last fsynced record.
     pub fn durable_end(&self) -> u64 {
         self.shared.state.borrow().durable_end
+    }
+
+    /// The device times observed since the last call (then reset): the caller adds
+    /// them to its own histograms.
+    pub fn take_device_latency(&self) -> DeviceLatency {
+        std::mem::take(&mut self.shared.state.borrow_mut().device_latency)
     }
 
     /// Counters.
@@ -1561,6 +1604,7 @@ async fn flush_round<B: Backend>(
         (chunks, sync_requested)
     };
     let mut batches_written = 0u64;
+    let writing = std::time::Instant::now();
     let mut chunks = chunks.into_iter();
     while let Some(chunk) = chunks.next() {
         let result = write_chunk(shared, buf, &chunk).await;
@@ -1583,7 +1627,10 @@ async fn flush_round<B: Backend>(
         }
     }
     let (need_sync, file, target) = {
-        let st = shared.state.borrow();
+        let mut st = shared.state.borrow_mut();
+        if batches_written > 0 {
+            st.device_latency.write.observe(writing.elapsed());
+        }
         let want = cfg.fsync == FsyncMode::OnCommit || sync_requested;
         let last = st.segments.back().expect("at least one segment");
         (
@@ -1595,10 +1642,14 @@ async fn flush_round<B: Backend>(
     if need_sync {
         // The mutant skips the group commit's fdatasync; one asked for still runs.
         let skip = cfg.unsafe_skip_fdatasync && !sync_requested;
+        let syncing = std::time::Instant::now();
         if !skip {
             file.sync_data().await.map_err(|e| ("fsync", e))?;
         }
         let mut st = shared.state.borrow_mut();
+        if !skip {
+            st.device_latency.sync.observe(syncing.elapsed());
+        }
         st.durable_end = target;
         st.stats.syncs += u64::from(!skip);
         st.stats.synced_batches += batches_written;

@@ -189,6 +189,28 @@ fn health_and_metrics_endpoints_answer() {
         "the acked publishes were timed: {acked}\n{body}"
     );
     assert!(count(&body, "felix_broker_append_commit_seconds") >= acked);
+    // The device stages (fsync on-commit here): each round's write and fdatasync,
+    // sampled from the logs every 250 ms.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let (_, body) = b.http_get("/metrics").unwrap();
+        let (writes, syncs) = (
+            count(&body, "felix_broker_log_write_seconds"),
+            count(&body, "felix_broker_log_fsync_seconds"),
+        );
+        if writes > 0 && syncs > 0 {
+            assert!(
+                syncs <= acked && writes <= acked,
+                "{writes} {syncs} {acked}"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no device times: {body}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     // The +Inf bucket of each core counts every observation.
     let inf: u64 = body
         .lines()
