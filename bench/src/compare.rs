@@ -322,6 +322,9 @@ pub struct Measured {
     /// The broker's CPU time per acknowledged message (µs), deliveries included: its
     /// threads' schedstat over the cell (ours: the core threads; peers: the process).
     pub server_cpu_us: Option<f64>,
+    /// Ours: each stage's p50 and p99 (µs, bucket bounds) over the cell, from the
+    /// broker's per-core histograms.
+    pub stages: Vec<(&'static str, f64, f64)>,
 }
 
 fn pcts(v: &mut [f64]) -> [f64; 3] {
@@ -462,6 +465,7 @@ async fn run_cell_on(
 
     let static_batch: Vec<Bytes> = (0..spec.batch).map(|_| stamped(spec.size, 0)).collect();
     let flushes_before = driver.flush_counts();
+    let stages_before = driver.stage_buckets();
     let cpu_before = driver.server_cpu_ns();
     let started = Instant::now();
     let interval =
@@ -529,7 +533,27 @@ async fn run_cell_on(
         }
         _ => None,
     };
+    // The device stages are sampled every 250 ms (waited for above on durable cells).
+    if !spec.durable && stages_before.is_some() {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let stages = match (stages_before, driver.stage_buckets()) {
+        (Some(before), Some(after)) => before
+            .iter()
+            .zip(after)
+            .filter_map(|((name, b), (_, a))| {
+                let d: Vec<u64> = a.iter().zip(b).map(|(a, b)| a.saturating_sub(*b)).collect();
+                Some((
+                    *name,
+                    crate::drivers::bucket_quantile(&d, 0.5)?,
+                    crate::drivers::bucket_quantile(&d, 0.99)?,
+                ))
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
     let m = Measured {
+        stages,
         appends_per_flush,
         server_cpu_us,
         acked_per_sec: total as f64 / acked_secs,

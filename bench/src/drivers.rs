@@ -69,6 +69,41 @@ pub trait Driver: Send + Sync {
     fn server_cpu_ns(&self) -> Option<u64> {
         None
     }
+    /// The broker's per-stage latency histograms so far (bucket counts, all cores),
+    /// where it keeps them: `(stage, counts)`.
+    fn stage_buckets(&self) -> Option<Vec<(&'static str, Vec<u64>)>> {
+        None
+    }
+}
+
+/// The stages [`Driver::stage_buckets`] reports, in the order a publish passes them.
+pub const STAGES: [&str; 5] = [
+    "mesh hop",
+    "claim to commit",
+    "device write",
+    "fdatasync",
+    "received to ack",
+];
+
+/// The bucket bound (µs) below which `q` of the observations in `counts` fall.
+pub fn bucket_quantile(counts: &[u64], q: f64) -> Option<f64> {
+    let total: u64 = counts.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let want = (total as f64 * q).ceil() as u64;
+    let mut seen = 0;
+    for (i, n) in counts.iter().enumerate() {
+        seen += n;
+        if seen >= want {
+            return Some(
+                felix_broker::histogram::BOUNDS_US
+                    .get(i)
+                    .map_or(f64::INFINITY, |b| *b as f64),
+            );
+        }
+    }
+    None
 }
 
 /// CPU time (ns) used by the threads of process `pid` (`self` for this one) whose name
@@ -146,6 +181,32 @@ impl Driver for FelixDriver {
         threads_cpu_ns("self", |n| {
             n.starts_with("felix-core") || n.starts_with("iou-wrk")
         })
+    }
+
+    fn stage_buckets(&self) -> Option<Vec<(&'static str, Vec<u64>)>> {
+        let shared = self.shared.as_ref()?;
+        type Pick = fn(&felix_broker::core::CoreMetrics) -> &felix_broker::histogram::Histogram;
+        let picks: [Pick; 5] = [
+            |m| &m.mesh_hop,
+            |m| &m.append_commit,
+            |m| &m.log_write,
+            |m| &m.log_fsync,
+            |m| &m.publish_ack,
+        ];
+        let stages = STAGES.iter().zip(picks);
+        Some(
+            stages
+                .map(|(name, pick)| {
+                    let mut sum = vec![0u64; felix_broker::histogram::BOUNDS_US.len() + 1];
+                    for m in &shared.metrics {
+                        for (s, c) in sum.iter_mut().zip(pick(m).buckets()) {
+                            *s += c;
+                        }
+                    }
+                    (*name, sum)
+                })
+                .collect(),
+        )
     }
 
     fn flush_counts(&self) -> Option<(u64, u64)> {

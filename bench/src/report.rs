@@ -101,6 +101,7 @@ impl Report {
                     "ack_curve_us": m.curve.iter().map(|(p, v)| json!([p, v])).collect::<Vec<_>>(),
                     "batches_per_fdatasync": m.appends_per_flush,
                     "server_cpu_us_per_msg": m.server_cpu_us,
+                    "stages_us": m.stages.iter().map(|(n, p50, p99)| json!({"stage": n, "p50_le": p50, "p99_le": p99})).collect::<Vec<_>>(),
                 }),
                 Err(e) => json!({"scenario": id, "broker": b, "error": e}),
             })
@@ -206,6 +207,42 @@ impl Report {
                 });
             }
             let _ = writeln!(s, "{row}");
+        }
+        let staged: Vec<_> = self
+            .results
+            .iter()
+            .filter_map(|(id, b, r)| Some((id, b, r.as_ref().ok()?)))
+            .filter(|(_, _, m)| !m.stages.is_empty())
+            .collect();
+        if !staged.is_empty() {
+            let _ = writeln!(
+                s,
+                "\n## Where an acknowledgement's time goes (ours)\n\nPer-stage p50 / p99 over each cell from the broker's per-core histograms (µs, upper bound of the bucket: 25, 50, 100, 200, 300, 500, 1000, …). Device write and fdatasync are per flush round; the mesh hop counts cross-core publishes only.\n"
+            );
+            // In path order, those any cell saw.
+            let names: Vec<&str> = crate::drivers::STAGES
+                .iter()
+                .copied()
+                .filter(|n| {
+                    staged
+                        .iter()
+                        .any(|(_, _, m)| m.stages.iter().any(|x| x.0 == *n))
+                })
+                .collect();
+            let _ = writeln!(s, "| scenario | {} |", names.join(" | "));
+            let _ = writeln!(s, "|---|{}", "---|".repeat(names.len()));
+            for (id, _, m) in staged {
+                let cells: Vec<String> = names
+                    .iter()
+                    .map(|n| {
+                        m.stages
+                            .iter()
+                            .find(|x| x.0 == *n)
+                            .map_or("-".to_owned(), |x| format!("≤{} / ≤{}", x.1, x.2))
+                    })
+                    .collect();
+                let _ = writeln!(s, "| {id} | {} |", cells.join(" | "));
+            }
         }
         let _ = writeln!(s, "\n## Every cell\n");
         let _ = writeln!(

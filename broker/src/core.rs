@@ -609,11 +609,8 @@ pub struct CoreBroker {
     /// Woken when the verification keys change (a key retired, a token revoked):
     /// connections on this core check their grants again.
     pub keys_changed: crate::groups::Wakers,
-    /// Shards moving to this core: their requests wait here, in order, until taken.
-    arriving: RefCell<HashMap<Arc<ShardKey>, Vec<moves::Held>>>,
-    /// Shards moving away that this core still serves, with the requests it accepted
-    /// for them and has not finished.
-    leaving: RefCell<HashMap<Arc<ShardKey>, Rc<Cell<usize>>>>,
+    /// A live re-pin in progress: what moves to and from this core, requests held.
+    moving: RefCell<Option<moves::MoveState>>,
     /// Shards just handed over by another core, to open without re-checking every batch.
     handed_over: RefCell<std::collections::HashSet<Arc<ShardKey>>>,
 }
@@ -699,8 +696,7 @@ impl CoreBroker {
             forwarder,
             replicas,
             keys_changed: crate::groups::Wakers::default(),
-            arriving: RefCell::default(),
-            leaving: RefCell::default(),
+            moving: RefCell::default(),
             handed_over: RefCell::default(),
         })
     }
@@ -717,6 +713,12 @@ impl CoreBroker {
             None => Resolved::Local,
             Some(c) => c.resolve(key),
         }
+    }
+
+    /// Whether this core serves `key`: it owns it, or it is moving away and not yet
+    /// released.
+    fn serves(&self, key: &ShardKey) -> bool {
+        self.owner(key) == self.core || self.leaving(key)
     }
 
     /// Whether the broker is shutting down.
@@ -817,7 +819,7 @@ impl CoreBroker {
     /// The stream shard `key`, opening (and recovering) it on first use. Only on the
     /// owning core.
     pub async fn stream_shard(&self, key: &Arc<ShardKey>) -> Result<Rc<StreamShard>, BrokerError> {
-        if self.owner(key) != self.core && !self.leaving(key) {
+        if !self.serves(key) {
             return Err(BrokerError::ShardUnavailable(format!(
                 "{key} moved to another core"
             )));
@@ -835,10 +837,25 @@ impl CoreBroker {
             }
         };
         if first {
-            let opened = self
+            let mut opened = self
                 .open_log(key)
                 .await
                 .map(|log| Rc::new(StreamShard::new(key.clone(), log)));
+            if !self.serves(key) {
+                // The table changed while it opened (a live re-pin): another core owns
+                // it now and may open it too. Close this copy, never serve it.
+                if let Ok(s) = &opened {
+                    let _ = s.log.close().await;
+                    self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
+                }
+                opened = Err(BrokerError::ShardUnavailable(format!(
+                    "{key} moved to another core"
+                )));
+                if let Some(Slot::Opening(waiters)) = self.streams.borrow_mut().remove(key) {
+                    waiters.into_iter().for_each(Waker::wake);
+                }
+                return opened;
+            }
             let mut map = self.streams.borrow_mut();
             let slot = match &opened {
                 Ok(s) => Slot::Ready(s.clone()),
@@ -863,7 +880,7 @@ impl CoreBroker {
 
     /// The cache shard `key`, opening it (and replaying its log) on first use.
     pub async fn cache_shard(&self, key: &Arc<ShardKey>) -> Result<Rc<CacheShard>, BrokerError> {
-        if self.owner(key) != self.core && !self.leaving(key) {
+        if !self.serves(key) {
             return Err(BrokerError::ShardUnavailable(format!(
                 "{key} moved to another core"
             )));
@@ -881,10 +898,24 @@ impl CoreBroker {
             }
         };
         if first {
-            let opened = match self.open_log(key).await {
+            let mut opened = match self.open_log(key).await {
                 Ok(log) => CacheShard::open(key.clone(), log).await.map(Rc::new),
                 Err(e) => Err(e),
             };
+            if !self.serves(key) {
+                // As for a stream: opened while it moved to another core.
+                if let Ok(c) = &opened {
+                    let _ = c.close().await;
+                    self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
+                }
+                opened = Err(BrokerError::ShardUnavailable(format!(
+                    "{key} moved to another core"
+                )));
+                if let Some(Slot::Opening(waiters)) = self.caches.borrow_mut().remove(key) {
+                    waiters.into_iter().for_each(Waker::wake);
+                }
+                return opened;
+            }
             let mut map = self.caches.borrow_mut();
             let slot = match &opened {
                 Ok(s) => Slot::Ready(s.clone()),
@@ -915,8 +946,27 @@ impl CoreBroker {
         owner: CoreId,
         make: impl FnOnce(ReplyTo) -> CoreMsg,
     ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
+        self.ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, make)
+    }
+
+    /// As [`CoreBroker::ask`] for control messages (a re-pin's steps): never refused
+    /// for load, so a shard can move while its core is saturated. They are few.
+    fn ask_control(
+        self: &Rc<Self>,
+        owner: CoreId,
+        make: impl FnOnce(ReplyTo) -> CoreMsg,
+    ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
+        self.ask_bounded(owner, usize::MAX, make)
+    }
+
+    fn ask_bounded(
+        self: &Rc<Self>,
+        owner: CoreId,
+        bound: usize,
+        make: impl FnOnce(ReplyTo) -> CoreMsg,
+    ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
         let outstanding = &self.outstanding[owner.index()];
-        let rx = if outstanding.get() >= CROSS_CORE_REQUESTS_MAX {
+        let rx = if outstanding.get() >= bound {
             self.metrics
                 .cross_core_refused
                 .fetch_add(1, Ordering::Relaxed);

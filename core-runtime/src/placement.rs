@@ -281,6 +281,11 @@ impl Placement {
     pub fn replace(&self, table: PlacementTable) {
         self.current.store(Arc::new(table));
     }
+
+    /// Swaps in a new table already shared.
+    pub fn replace_arc(&self, table: Arc<PlacementTable>) {
+        self.current.store(table);
+    }
 }
 
 #[cfg(test)]

@@ -1,30 +1,42 @@
 //! Moving shards between cores on a running broker (a live re-pin).
 //!
-//! A new pin rule is applied by one core, the coordinator, in five steps over the mesh.
-//! For every shard the rule moves from core A to core B:
+//! A new pin rule is applied by one core, the coordinator, in steps over the mesh. Every
+//! core learns the old and the new placement table (**Begin**), and from them which
+//! shards move away from it and which move to it: decided per key by the two tables,
+//! so a stream created or deleted while the re-pin runs is covered too. For every shard
+//! moving from core A to core B:
 //!
-//! 1. **Arrive** (at B): requests for the shard that reach B are held, in arrival order.
-//!    **Leave** (at A): A keeps serving the shard although the table will name B.
+//! 1. **Begin**: B will hold the shard's requests, in arrival order, once the table names
+//!    it; A keeps serving the shard although the table will name B.
 //! 2. The new table is swapped in: from now on every core sends the shard's requests
 //!    to B, where they wait.
-//! 3. **Flush** (at every core C): C sends a barrier to each A behind everything it sent
-//!    A before (the mesh channel from C to A is FIFO) and waits for the answer. Once
+//! 3. **Flush** (at every core): the core sends a barrier to every other core behind
+//!    everything it sent before (a mesh channel is FIFO) and waits for the answers. Once
 //!    every core answered, A has been handed every request sent under the old table.
-//! 4. **Release** (at A): A waits for those requests and its in-flight appends (commit
-//!    and fanout) to finish, wakes long polls and watches so they answer now, closes the
-//!    log, and hands over the cores with subscribers.
-//! 5. **Take** (at B): B opens the log, registers those subscriber cores, and serves the
-//!    held requests in the order they came.
+//! 4. **Release** (at every core, as A): wait for those requests and the shards' in-flight
+//!    appends (commit and fanout) to finish, answer long polls and watches now, stop
+//!    serving the moving shards, close (and seal) their logs, hand over the cores with
+//!    subscribers.
+//! 5. **Take** (at each B): open the logs, register those subscriber cores.
+//! 6. **End** (at every core): serve the held requests in the order they came; the
+//!    re-pin is over. A re-pin that fails before the swap ends the same way.
 //!
-//! What this keeps true: one core writes a log at a time; a producer's requests reach
-//! the log in the order it sent them (all older ones at A before any newer one at B);
-//! an append acknowledged by A was committed before B opened the log; subscribers keep
-//! their queues (A fans out its last batches, B the next ones; a subscriber that sees a
-//! later batch first reads the gap from the log and drops the stale copy). A request
-//! sent to A after it let go is passed on to B, not refused.
+//! What this keeps true: one core writes a log at a time (A closes before B opens, and
+//! nothing reopens it at A: a shard no longer served here is refused, and one opened
+//! while the table changed is closed again); a producer's requests reach the log in the
+//! order it sent them (all older ones at A before any newer one at B); an append
+//! acknowledged by A was committed before B opened the log; subscribers keep their
+//! queues (A fans out its last batches, B the next ones; a subscriber that sees a later
+//! batch first reads the gap from the log and drops the stale copy). A request sent to A
+//! after it let go is passed on to B, not refused. The steps are control messages outside
+//! the cross-core request bound, so a shard under heavy load can still move.
+//!
+//! Not carried across (as across a restart): a consumer group's in-flight claims and
+//! attempt counts live in the old core's memory; the new core rebuilds the groups from
+//! their logged events, so records claimed but not yet acknowledged go out again at once.
 
 use std::cell::Cell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -32,7 +44,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use felix_core_runtime::CoreId;
-use felix_core_runtime::placement::{PinRule, ShardKey, ShardKind};
+use felix_core_runtime::placement::{PinRule, PlacementTable, ShardKey, ShardKind};
 use felix_core_runtime::task;
 use futures_channel::oneshot;
 use futures_lite::StreamExt;
@@ -40,8 +52,8 @@ use futures_lite::StreamExt;
 use super::{CoreBroker, CoreMsg, ReplyBody, Slot};
 use crate::error::BrokerError;
 
-/// How long A waits for the shard's in-flight work before it closes the log anyway.
-const RELEASE_WAIT_MAX: Duration = Duration::from_secs(10);
+/// How often a release still waiting for work on the shards says so.
+const RELEASE_WARN_AFTER: Duration = Duration::from_secs(10);
 
 /// A moving shard's newest segment is sealed (a new one started) when it holds at least
 /// this much: scanning less at the new core costs less than creating a segment.
@@ -56,18 +68,23 @@ pub type Answer<T> = Pin<Box<dyn std::future::Future<Output = Result<T, BrokerEr
 /// One step of a live re-pin, sent by the coordinating core.
 #[derive(Debug)]
 pub enum MoveStep {
-    /// Hold these shards' requests until they are taken.
-    Arrive(Vec<Arc<ShardKey>>),
-    /// Keep serving these shards while the table names another core.
-    Leave(Vec<Arc<ShardKey>>),
-    /// Send a barrier to each of these cores and wait for the answers.
-    Flush(Vec<CoreId>),
+    /// The tables before and after: each core works out what moves to and from it.
+    Begin {
+        /// Before.
+        old: Arc<PlacementTable>,
+        /// After.
+        new: Arc<PlacementTable>,
+    },
+    /// Send a barrier to every other core and wait for the answers.
+    Flush,
     /// Answered at once: everything sent before it has been handled.
     Barrier,
-    /// Finish these shards' work, close them, hand them over.
-    Release(Vec<Arc<ShardKey>>),
-    /// Open these shards and serve what was held.
+    /// Finish the shards moving away, close them, hand them over.
+    Release,
+    /// Open these shards (moving here) and register their subscribers.
     Take(Vec<Handover>),
+    /// Serve what was held; the re-pin is over here.
+    End,
 }
 
 /// A shard handed from one core to another.
@@ -120,6 +137,30 @@ pub struct RepinReport {
     pub release_ms: f64,
     /// Of which: the new cores opened (recovered) the logs and served what was held.
     pub take_ms: f64,
+    /// Whether the pin was saved for the next start (`pins.json`).
+    pub persisted: bool,
+}
+
+/// A re-pin in progress, as one core sees it.
+pub(super) struct MoveState {
+    old: Arc<PlacementTable>,
+    new: Arc<PlacementTable>,
+    /// Requests held for shards moving here, per shard in arrival order.
+    held: HashMap<Arc<ShardKey>, Vec<Held>>,
+    /// Requests accepted for shards moving away and not finished.
+    pending: Rc<Cell<usize>>,
+    /// The shards moving away are closed: no longer served here.
+    released: bool,
+}
+
+impl MoveState {
+    fn arriving(&self, key: &ShardKey, me: CoreId) -> bool {
+        self.new.core_for(key) == me && self.old.core_for(key) != me
+    }
+
+    fn leaving(&self, key: &ShardKey, me: CoreId) -> bool {
+        !self.released && self.old.core_for(key) == me && self.new.core_for(key) != me
+    }
 }
 
 /// Counts one request a leaving core accepted and has not finished.
@@ -160,23 +201,27 @@ pub(super) enum Admit {
 }
 
 impl CoreBroker {
-    /// Whether requests for `key` are held here (it is arriving).
+    /// Whether requests for `key` are held here (it is moving here and not yet served).
     pub(super) fn held(&self, key: &ShardKey) -> bool {
-        let a = self.arriving.borrow();
-        !a.is_empty() && a.contains_key(key)
+        self.moving
+            .borrow()
+            .as_ref()
+            .is_some_and(|m| m.arriving(key, self.core))
     }
 
     /// Whether this core still serves `key` although the table names another.
     pub(super) fn leaving(&self, key: &ShardKey) -> bool {
-        let l = self.leaving.borrow();
-        !l.is_empty() && l.contains_key(key)
+        self.moving
+            .borrow()
+            .as_ref()
+            .is_some_and(|m| m.leaving(key, self.core))
     }
 
     /// Runs `call` once `key` has arrived here, in the order held calls came; answers
     /// what it answers.
     pub(super) fn after_arrival<T: 'static>(
         self: &Rc<Self>,
-        key: &ShardKey,
+        key: &Arc<ShardKey>,
         call: impl FnOnce(Rc<CoreBroker>) -> Answer<T> + 'static,
     ) -> Answer<T> {
         let (tx, rx) = oneshot::channel();
@@ -197,10 +242,12 @@ impl CoreBroker {
         })
     }
 
-    pub(super) fn hold(&self, key: &ShardKey, f: Held) {
+    pub(super) fn hold(&self, key: &Arc<ShardKey>, f: Held) {
         self.metrics.requests_held.fetch_add(1, Ordering::Relaxed);
-        if let Some(q) = self.arriving.borrow_mut().get_mut(key) {
-            q.push(f);
+        match self.moving.borrow_mut().as_mut() {
+            Some(m) => m.held.entry(key.clone()).or_default().push(f),
+            // Only called while `held` says so, on this core's thread: unreachable.
+            None => tracing::error!(shard = %key, "a request held with no re-pin running"),
         }
     }
 
@@ -216,9 +263,15 @@ impl CoreBroker {
             self.hold(&key, Box::new(move || this.handle(from, msg)));
             return (Admit::Done, None);
         }
-        if let Some(n) = self.leaving.borrow().get(key) {
+        let pending = self
+            .moving
+            .borrow()
+            .as_ref()
+            .filter(|m| m.leaving(key, self.core))
+            .map(|m| m.pending.clone());
+        if let Some(n) = pending {
             n.set(n.get() + 1);
-            return (Admit::Serve(Some(Pending(n.clone()))), Some(msg));
+            return (Admit::Serve(Some(Pending(n))), Some(msg));
         }
         let owner = self.owner(key);
         if owner != self.core {
@@ -295,52 +348,57 @@ impl CoreBroker {
                 }
             }
         }
-        let group = |pick: fn(&(Arc<ShardKey>, CoreId, CoreId)) -> CoreId| {
-            let mut m: BTreeMap<CoreId, Vec<Arc<ShardKey>>> = BTreeMap::new();
-            for mv in &moves {
-                m.entry(pick(mv)).or_default().push(mv.0.clone());
+        let cores: Vec<CoreId> = (0..self.shared.metrics.len()).map(CoreId).collect();
+        let new = Arc::new(new);
+        for &c in &cores {
+            let begin = MoveStep::Begin {
+                old: old.clone(),
+                new: new.clone(),
+            };
+            if let Err(e) = self.step(c, begin).await {
+                // Nothing moved yet: every core forgets the re-pin.
+                for &c in &cores {
+                    let _ = self.step(c, MoveStep::End).await;
+                }
+                return Err(e);
             }
-            m
-        };
-        let (sources, targets) = (group(|m| m.1), group(|m| m.2));
-        for (core, keys) in &targets {
-            self.step(*core, MoveStep::Arrive(keys.clone())).await?;
-        }
-        for (core, keys) in &sources {
-            self.step(*core, MoveStep::Leave(keys.clone())).await?;
         }
         let swapped = Instant::now();
         let version = new.version();
-        self.shared.placement.replace(new);
-        let from: Vec<CoreId> = sources.keys().copied().collect();
-        if !from.is_empty() {
-            for c in 0..self.shared.metrics.len() {
-                self.step(CoreId(c), MoveStep::Flush(from.clone())).await?;
-            }
+        self.shared.placement.replace_arc(new.clone());
+        // From here on the steps are control messages (never refused for load): only a
+        // core that stopped can fail one, and then the broker is stopping.
+        for &c in &cores {
+            self.step(c, MoveStep::Flush).await?;
         }
         let flushed = Instant::now();
         let mut handed: BTreeMap<CoreId, Vec<Handover>> = BTreeMap::new();
-        for (core, keys) in sources {
-            let MoveAnswer::Released(hs) = self.step(core, MoveStep::Release(keys)).await? else {
+        for &c in &cores {
+            let MoveAnswer::Released(hs) = self.step(c, MoveStep::Release).await? else {
                 return Err(BrokerError::Internal("release answered nothing".into()));
             };
             for h in hs {
-                let to = moves
-                    .iter()
-                    .find(|m| m.0 == h.key)
-                    .map(|m| m.2)
-                    .expect("released shards were asked for");
-                handed.entry(to).or_default().push(h);
+                handed.entry(new.core_for(&h.key)).or_default().push(h);
             }
         }
         let released = Instant::now();
         for (core, hs) in handed {
             self.step(core, MoveStep::Take(hs)).await?;
         }
+        for &c in &cores {
+            self.step(c, MoveStep::End).await?;
+        }
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
         let taken = Instant::now();
         let hold_ms = ms(swapped, taken);
-        self.persist_pin(&rule).await?;
+        // The move is done either way; a pin that could not be saved is said so.
+        let persisted = match self.persist_pin(&rule).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(rule = %rule, error = %e, "saving a live pin; it holds until restart");
+                false
+            }
+        };
         tracing::info!(rule = %rule, shards = moves.len(), hold_ms, "re-pinned");
         Ok(RepinReport {
             version,
@@ -353,6 +411,7 @@ impl CoreBroker {
             flush_ms: ms(swapped, flushed),
             release_ms: ms(flushed, released),
             take_ms: ms(released, taken),
+            persisted,
         })
     }
 
@@ -389,7 +448,7 @@ impl CoreBroker {
             let this = self.clone();
             return Box::pin(async move { this.move_step(step).await });
         }
-        let answer = self.ask(core, |reply| CoreMsg::Move { step, reply });
+        let answer = self.ask_control(core, |reply| CoreMsg::Move { step, reply });
         Box::pin(async move {
             match answer.await? {
                 ReplyBody::Move(r) => r,
@@ -406,91 +465,123 @@ impl CoreBroker {
         step: MoveStep,
     ) -> Result<MoveAnswer, BrokerError> {
         match step {
-            MoveStep::Arrive(keys) => {
-                let mut a = self.arriving.borrow_mut();
-                for k in keys {
-                    a.entry(k).or_default();
-                }
+            MoveStep::Begin { old, new } => {
+                *self.moving.borrow_mut() = Some(MoveState {
+                    old,
+                    new,
+                    held: HashMap::new(),
+                    pending: Rc::new(Cell::new(0)),
+                    released: false,
+                });
             }
-            MoveStep::Leave(keys) => {
-                let mut l = self.leaving.borrow_mut();
-                for k in keys {
-                    l.entry(k).or_insert_with(|| Rc::new(Cell::new(0)));
-                }
-            }
-            MoveStep::Flush(cores) => {
-                for c in cores {
-                    if c != self.core {
-                        self.step(c, MoveStep::Barrier).await?;
+            MoveStep::Flush => {
+                for c in 0..self.shared.metrics.len() {
+                    if c != self.core.index() {
+                        self.step(CoreId(c), MoveStep::Barrier).await?;
                     }
                 }
             }
             MoveStep::Barrier => {}
-            MoveStep::Release(keys) => {
-                let mut out = Vec::with_capacity(keys.len());
-                for key in keys {
-                    out.push(self.release(key).await);
-                }
-                return Ok(MoveAnswer::Released(out));
-            }
+            MoveStep::Release => return Ok(MoveAnswer::Released(self.release().await)),
             MoveStep::Take(handovers) => {
                 for h in handovers {
                     self.take(h).await;
+                }
+            }
+            MoveStep::End => {
+                let state = self.moving.borrow_mut().take();
+                for (_, queue) in state.map(|m| m.held).unwrap_or_default() {
+                    for f in queue {
+                        f();
+                    }
                 }
             }
         }
         Ok(MoveAnswer::Done)
     }
 
-    /// Lets go of `key`: waits for the requests it accepted and the shard's in-flight
-    /// work, then closes the log.
-    async fn release(self: &Rc<Self>, key: Arc<ShardKey>) -> Handover {
-        let deadline = Instant::now() + RELEASE_WAIT_MAX;
+    /// The shards open (or opening) here that move away, and whether one is still
+    /// opening.
+    fn moving_away(&self) -> (Vec<Arc<ShardKey>>, bool) {
+        let m = self.moving.borrow();
+        let Some(m) = m.as_ref() else {
+            return (Vec::new(), false);
+        };
+        let me = self.core;
+        let leaving = |k: &ShardKey| m.old.core_for(k) == me && m.new.core_for(k) != me;
+        let mut keys = Vec::new();
+        let mut opening = false;
+        for (k, slot) in self.streams.borrow().iter() {
+            if leaving(k) {
+                opening |= matches!(slot, Slot::Opening(_));
+                keys.push(k.clone());
+            }
+        }
+        for (k, slot) in self.caches.borrow().iter() {
+            if leaving(k) {
+                opening |= matches!(slot, Slot::Opening(_));
+                keys.push(k.clone());
+            }
+        }
+        (keys, opening)
+    }
+
+    /// Lets go of every shard moving away: waits for the requests accepted for them and
+    /// their in-flight work, stops serving them, closes their logs.
+    async fn release(self: &Rc<Self>) -> Vec<Handover> {
+        let started = Instant::now();
+        let mut warned = 0;
         loop {
-            let opening = matches!(self.streams.borrow().get(&key), Some(Slot::Opening(_)))
-                || matches!(self.caches.borrow().get(&key), Some(Slot::Opening(_)));
-            let stream = self.ready_stream(&key);
-            let cache = match self.caches.borrow().get(&key) {
-                Some(Slot::Ready(c)) => Some(c.clone()),
-                _ => None,
-            };
-            if let Some(s) = &stream {
-                // Long group polls answer now; their consumers ask again at the new core.
-                s.closing.set(true);
-                s.appended.wake_all();
-            }
-            if let Some(c) = &cache {
-                c.changed.wake_all();
-            }
-            let pending = self.leaving.borrow().get(&key).map_or(0, |n| n.get());
-            // Ours and the shard table's; any more is work still running on it.
-            let busy = stream.as_ref().is_some_and(|s| Rc::strong_count(s) > 2)
-                || cache.as_ref().is_some_and(|c| Rc::strong_count(c) > 2);
-            if !opening && pending == 0 && !busy {
-                let interested = stream.as_ref().map(|s| s.interest()).unwrap_or_default();
-                let open = stream.is_some() || cache.is_some();
-                drop((stream, cache));
-                let sealed = self.close_for_move(&key).await;
-                self.leaving.borrow_mut().remove(&key);
-                return Handover {
-                    key,
-                    open,
-                    interested,
-                    sealed,
+            let (keys, opening) = self.moving_away();
+            let mut busy = opening;
+            for key in &keys {
+                if let Some(s) = self.ready_stream(key) {
+                    // Long group polls answer now; consumers ask again at the new core.
+                    s.closing.set(true);
+                    s.appended.wake_all();
+                    // Ours and the shard table's; any more is work still running on it.
+                    busy |= Rc::strong_count(&s) > 2;
+                }
+                let cache = match self.caches.borrow().get(key) {
+                    Some(Slot::Ready(c)) => Some(c.clone()),
+                    _ => None,
                 };
+                if let Some(c) = cache {
+                    c.changed.wake_all();
+                    busy |= Rc::strong_count(&c) > 2;
+                }
             }
-            if Instant::now() >= deadline {
-                tracing::warn!(shard = %key, pending, "work still running on a moving shard; closing it anyway");
-                let interested = stream.as_ref().map(|s| s.interest()).unwrap_or_default();
-                drop((stream, cache));
-                let sealed = self.close_for_move(&key).await;
-                self.leaving.borrow_mut().remove(&key);
-                return Handover {
-                    key,
-                    open: true,
-                    interested,
-                    sealed,
-                };
+            let pending = self.moving.borrow().as_ref().map_or(0, |m| m.pending.get());
+            if !busy && pending == 0 {
+                // Stop serving them first: nothing may reopen a log while it closes.
+                if let Some(m) = self.moving.borrow_mut().as_mut() {
+                    m.released = true;
+                }
+                let mut out = Vec::with_capacity(keys.len());
+                for key in keys {
+                    let interested = self
+                        .ready_stream(&key)
+                        .map(|s| s.interest())
+                        .unwrap_or_default();
+                    let sealed = self.close_for_move(&key).await;
+                    out.push(Handover {
+                        key,
+                        open: true,
+                        interested,
+                        sealed,
+                    });
+                }
+                return out;
+            }
+            // Never close under running work (another core would open the log while
+            // this one still writes it): wait, and say so.
+            if started.elapsed() > RELEASE_WARN_AFTER * (warned + 1) {
+                warned += 1;
+                tracing::warn!(
+                    pending,
+                    ?keys,
+                    "a re-pin waits for work on shards moving away"
+                );
             }
             task::sleep(Duration::from_millis(1)).await;
         }
@@ -531,11 +622,13 @@ impl CoreBroker {
         }
     }
 
-    /// Takes `h` over: opens the shard, registers its subscriber cores, then serves the
-    /// requests held for it in the order they came.
+    /// Takes `h` over: opens the shard and registers its subscriber cores (the requests
+    /// held for it are served at [`MoveStep::End`]).
     async fn take(self: &Rc<Self>, h: Handover) {
         if h.sealed {
             self.handed_over.borrow_mut().insert(h.key.clone());
+        } else {
+            self.handed_over.borrow_mut().remove(&h.key);
         }
         if h.open || !h.interested.is_empty() {
             match h.key.kind {
@@ -555,14 +648,6 @@ impl CoreBroker {
             }
         }
         self.metrics.shards_moved_in.fetch_add(1, Ordering::Relaxed);
-        let held = self
-            .arriving
-            .borrow_mut()
-            .remove(&h.key)
-            .unwrap_or_default();
-        for f in held {
-            f();
-        }
     }
 }
 
