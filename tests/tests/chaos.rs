@@ -118,21 +118,22 @@ fn fsync_eio() {
     assert_clean("fsync-eio");
 }
 
-/// The mutant must be caught within two runs (seeds 1 and 2). A Leader-stream loss is
-/// allowed when a leadership change follows the publish's start (the old leader may
-/// have decided the ack before it), so the ack-after-lease mutant shows only through
-/// publishes that start after the change and reach the deposed leader before it syncs:
-/// one 8 s run does not always have one.
+/// The mutant must be caught within four runs (seeds 1 to 4; most are caught by the
+/// first). A Leader-stream loss is allowed when a leadership change follows the
+/// publish's start (the old leader may have decided the ack before it), so the
+/// ack-after-lease mutant shows only through publishes that start after the change and
+/// reach the deposed leader before it syncs: an 8 s run does not always have one (two
+/// seeds missed it once in about ten CI runs).
 fn assert_caught(name: &str, mutant: &str) {
     let mut reports = Vec::new();
-    for seed in [1, 2] {
+    for seed in [1, 2, 3, 4] {
         let line = run_seed(name, seed, 8, Some(mutant));
         if line["valid"] == false {
             return;
         }
         reports.push(line["report"].to_string());
     }
-    panic!("{name} with {mutant}: the checker found nothing in two runs: {reports:?}");
+    panic!("{name} with {mutant}: the checker found nothing in four runs: {reports:?}");
 }
 
 #[test]
