@@ -2485,7 +2485,7 @@ impl CoreBroker {
                 if self.owner(&key) != self.core {
                     continue;
                 }
-                self.close_shard(&key).await;
+                self.close_shard(&key, false).await;
                 dirs.push(shard_dir(&self.shared.data_dir, &key));
             }
             // The stream's directory goes with the last core to finish, which may own none
@@ -2530,17 +2530,35 @@ impl CoreBroker {
         }
     }
 
-    async fn close_shard(&self, key: &ShardKey) {
+    /// Closes `key`'s log (stream or cache) on this core. With `seal`, a large newest
+    /// segment is sealed too, so the core taking the shard over loads its index instead
+    /// of scanning it. True when everything went cleanly.
+    async fn close_shard(&self, key: &ShardKey, seal: bool) -> bool {
         let stream = self.streams.borrow_mut().remove(key);
-        if let Some(Slot::Ready(s)) = stream {
-            let _ = s.log.close().await;
-            self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
-        }
         let cache = self.caches.borrow_mut().remove(key);
-        if let Some(Slot::Ready(c)) = cache {
-            let _ = c.close().await;
+        let logs = [
+            match &stream {
+                Some(Slot::Ready(s)) => Some(&s.log),
+                _ => None,
+            },
+            match &cache {
+                Some(Slot::Ready(c)) => Some(c.log()),
+                _ => None,
+            },
+        ];
+        let mut clean = true;
+        for log in logs.into_iter().flatten() {
             self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
+            let mut closed = log.close().await;
+            if seal && closed.is_ok() {
+                closed = log.seal_active(moves::SEAL_MIN_BYTES).await;
+            }
+            if let Err(e) = closed {
+                tracing::warn!(shard = %key, error = %e, "closing a shard");
+                clean = false;
+            }
         }
+        clean
     }
 
     /// Removes whole sealed segments each open stream's retention no longer keeps.

@@ -188,14 +188,8 @@ impl BrokerProcess {
         &self,
         args: &[String],
     ) -> anyhow::Result<(Child, std::sync::mpsc::Receiver<Option<String>>)> {
-        let mut child = Command::new(&self.binary)
+        let mut child = harness_child(&self.binary)
             .args(args)
-            .env(
-                "FELIX_LOG",
-                std::env::var("FELIX_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .with_context(|| format!("starting {}", self.binary.display()))?;
         let stdout = child.stdout.take().expect("piped");
@@ -300,39 +294,20 @@ impl BrokerProcess {
         self.http_request("POST", path)
     }
 
-    /// `POST path` with a JSON body on the HTTP endpoint.
-    pub fn http_post_json(
-        &self,
-        path: &str,
-        body: &serde_json::Value,
-    ) -> anyhow::Result<(u16, String)> {
-        let (status, body) = felix_client::ops::http(
-            &self.http.to_string(),
-            "POST",
-            path,
-            Some(&body.to_string()),
-        )
-        .map_err(|e| anyhow::anyhow!(e))?;
-        Ok((status, body))
+    fn http_request(&self, method: &str, path: &str) -> anyhow::Result<(u16, String)> {
+        self.http_exchange(method, path, None)
     }
 
-    fn http_request(&self, method: &str, path: &str) -> anyhow::Result<(u16, String)> {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(self.http)?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut text = String::new();
-        s.read_to_string(&mut text)?;
-        let status = text
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .context("no HTTP status")?;
-        let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
-        Ok((status, body))
+    /// One exchange with the broker's operator endpoint, through the `felix` command's
+    /// own HTTP client.
+    fn http_exchange(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> anyhow::Result<(u16, String)> {
+        felix_client::ops::http(&self.http.to_string(), method, path, body)
+            .map_err(|e| anyhow::anyhow!(e))
     }
 
     /// A metric's sum over cores.
@@ -362,6 +337,19 @@ impl Drop for BrokerProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A broker or control-plane process as the harness runs it: logs at `FELIX_LOG`
+/// (default `warn`) on our stderr, its start lines on a pipe.
+fn harness_child(binary: &Path) -> Command {
+    let mut cmd = Command::new(binary);
+    cmd.env(
+        "FELIX_LOG",
+        std::env::var("FELIX_LOG").unwrap_or_else(|_| "warn".into()),
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit());
+    cmd
 }
 
 /// A free UDP port on `ip` (any of 127.0.0.0/8 is loopback).
@@ -414,15 +402,9 @@ pub struct ControlPlaneProcess {
 impl ControlPlaneProcess {
     /// Starts `binary --listen 127.0.0.1:0 <extra>` and waits for its address.
     pub fn start(binary: &Path, extra: &[&str]) -> anyhow::Result<ControlPlaneProcess> {
-        let mut child = Command::new(binary)
+        let mut child = harness_child(binary)
             .args(["--listen", "127.0.0.1:0"])
             .args(extra)
-            .env(
-                "FELIX_LOG",
-                std::env::var("FELIX_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .with_context(|| format!("starting {}", binary.display()))?;
         let stdout = child.stdout.take().expect("piped");

@@ -57,7 +57,7 @@ const RELEASE_WARN_AFTER: Duration = Duration::from_secs(10);
 
 /// A moving shard's newest segment is sealed (a new one started) when it holds at least
 /// this much: scanning less at the new core costs less than creating a segment.
-const SEAL_MIN_BYTES: u64 = 16 << 20;
+pub(super) const SEAL_MIN_BYTES: u64 = 16 << 20;
 
 /// A request held until its shard arrives: run once, in arrival order.
 pub type Held = Box<dyn FnOnce()>;
@@ -92,8 +92,6 @@ pub enum MoveStep {
 pub struct Handover {
     /// The shard.
     pub key: Arc<ShardKey>,
-    /// Whether it was open on the old core (the new one opens it at once).
-    pub open: bool,
     /// Cores with subscribers to it, and how many.
     pub interested: Vec<(CoreId, usize)>,
     /// Whether the old core closed and sealed its log cleanly (the new core then checks
@@ -563,10 +561,9 @@ impl CoreBroker {
                         .ready_stream(&key)
                         .map(|s| s.interest())
                         .unwrap_or_default();
-                    let sealed = self.close_for_move(&key).await;
+                    let sealed = self.close_shard(&key, true).await;
                     out.push(Handover {
                         key,
-                        open: true,
                         interested,
                         sealed,
                     });
@@ -587,41 +584,6 @@ impl CoreBroker {
         }
     }
 
-    /// Closes `key`'s log here and seals its newest segment, so the core taking it over
-    /// loads indexes instead of scanning. True when both went cleanly.
-    async fn close_for_move(&self, key: &ShardKey) -> bool {
-        let stream = self.streams.borrow_mut().remove(key);
-        let cache = self.caches.borrow_mut().remove(key);
-        let mut clean = true;
-        if let Some(Slot::Ready(s)) = stream {
-            clean &= self.seal(key, s.log.close().await, &s.log).await;
-        }
-        if let Some(Slot::Ready(c)) = cache {
-            clean &= self.seal(key, c.log().close().await, c.log()).await;
-        }
-        clean
-    }
-
-    async fn seal(
-        &self,
-        key: &ShardKey,
-        closed: Result<(), felix_storage_uring::StorageError>,
-        log: &felix_storage_uring::SegmentLog<felix_storage_uring::DmaBackend>,
-    ) -> bool {
-        self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
-        let sealed = match closed {
-            Ok(()) => log.seal_active(SEAL_MIN_BYTES).await,
-            Err(e) => Err(e),
-        };
-        match sealed {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(shard = %key, error = %e, "closing a moving shard");
-                false
-            }
-        }
-    }
-
     /// Takes `h` over: opens the shard and registers its subscriber cores (the requests
     /// held for it are served at [`MoveStep::End`]).
     async fn take(self: &Rc<Self>, h: Handover) {
@@ -630,20 +592,20 @@ impl CoreBroker {
         } else {
             self.handed_over.borrow_mut().remove(&h.key);
         }
-        if h.open || !h.interested.is_empty() {
-            match h.key.kind {
-                ShardKind::Stream => match self.stream_shard(&h.key).await {
-                    Ok(s) => {
-                        for (core, n) in &h.interested {
-                            s.register_many(*core, *n);
-                        }
+        // It was open on the old core: open it here at once, so its subscribers' cores
+        // get the next batches.
+        match h.key.kind {
+            ShardKind::Stream => match self.stream_shard(&h.key).await {
+                Ok(s) => {
+                    for (core, n) in &h.interested {
+                        s.register_many(*core, *n);
                     }
-                    Err(e) => tracing::warn!(shard = %h.key, error = %e, "opening a moved shard"),
-                },
-                ShardKind::Cache => {
-                    if let Err(e) = self.cache_shard(&h.key).await {
-                        tracing::warn!(shard = %h.key, error = %e, "opening a moved cache shard");
-                    }
+                }
+                Err(e) => tracing::warn!(shard = %h.key, error = %e, "opening a moved shard"),
+            },
+            ShardKind::Cache => {
+                if let Err(e) = self.cache_shard(&h.key).await {
+                    tracing::warn!(shard = %h.key, error = %e, "opening a moved cache shard");
                 }
             }
         }
