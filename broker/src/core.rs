@@ -44,6 +44,8 @@ const OUTBOUND_MAX: usize = 4096;
 /// before anything is sent, so nothing is appended and the client may retry. Answers
 /// are bounded by the requests that asked for them.
 pub const CROSS_CORE_REQUESTS_MAX: usize = 8192;
+/// Expired values one cache shard deletes per housekeeping round.
+const EXPIRE_BATCH: usize = 256;
 
 /// A cache operation.
 #[derive(Debug)]
@@ -67,6 +69,9 @@ pub enum CacheOp {
     CounterAdd(String, i64),
     /// Read a counter.
     CounterGet(String),
+    /// Write a delete of a key whose value at this version expired (the leader's
+    /// housekeeping; nothing is written when the key was written again since).
+    Expire(String, u64),
 }
 
 /// A cache answer.
@@ -353,6 +358,8 @@ pub struct CoreMetrics {
     pub group_ops: AtomicU64,
     /// Cache compactions done.
     pub cache_compactions: AtomicU64,
+    /// Expired cache values deleted by housekeeping.
+    pub cache_expired: AtomicU64,
     /// Subscriptions ended because their shard moved to another broker.
     pub subscriptions_moved: AtomicU64,
     /// Idempotent re-sends answered from the log instead of appended again.
@@ -2100,6 +2107,10 @@ impl CoreBroker {
                 shard.delete(&k, clock::now()).await?;
                 Ok(CacheAnswer::Condition(true, None))
             }
+            CacheOp::Expire(k, version) => {
+                let wrote = shard.expire(&k, version, now).await?;
+                Ok(CacheAnswer::Condition(wrote, None))
+            }
         }
     }
 
@@ -2122,6 +2133,7 @@ impl CoreBroker {
         let mut now = clock::now();
         let mut counter = None;
         let mut conditional = false;
+        let mut expiring = false;
         let op = match op {
             CacheOp::PutIf(k, v, ttl, condition) => {
                 cache.key_settled(&k).await;
@@ -2140,6 +2152,15 @@ impl CoreBroker {
                     return Ok(CacheAnswer::Condition(false, current));
                 }
                 conditional = true;
+                CacheOp::Delete(k)
+            }
+            CacheOp::Expire(k, version) => {
+                cache.key_settled(&k).await;
+                if !cache.expired_at(&k, version, now) {
+                    return Ok(CacheAnswer::Condition(false, None));
+                }
+                conditional = true;
+                expiring = true;
                 CacheOp::Delete(k)
             }
             other => other,
@@ -2163,6 +2184,9 @@ impl CoreBroker {
                     None,
                 )
             }
+            CacheOp::Delete(k) if expiring => {
+                (crate::shard::encode_cache_record(false, 0, &k, &[]), None)
+            }
             CacheOp::Delete(k) => match cache.get(&k, now) {
                 None => return Ok(CacheAnswer::Value(None, None)),
                 Some(old) => (
@@ -2171,7 +2195,7 @@ impl CoreBroker {
                 ),
             },
             CacheOp::CounterGet(k) => return Ok(CacheAnswer::Counter(cache.counter(&k))),
-            CacheOp::PutIf(..) | CacheOp::DeleteIf(..) => {
+            CacheOp::PutIf(..) | CacheOp::DeleteIf(..) | CacheOp::Expire(..) => {
                 unreachable!("conditional writes were turned into plain ones above")
             }
             CacheOp::CounterAdd(k, d) => {
@@ -2454,6 +2478,7 @@ impl CoreBroker {
                 }
                 core.finish_deletions().await;
                 core.enforce_retention().await;
+                core.expire_cache_values().await;
             }
         })
         .detach();
@@ -2606,6 +2631,57 @@ impl CoreBroker {
                     tracing::debug!(shard = %k, segments = n, "retention");
                 }
                 Err(e) => tracing::warn!(shard = %k, error = %e, "enforcing retention"),
+            }
+        }
+    }
+
+    /// Writes a delete for each expired value of every cache this core leads (at most
+    /// [`EXPIRE_BATCH`] per shard per round): watchers see expiry as a delete, and the
+    /// next compaction leaves the value behind. A key written again meanwhile is kept.
+    pub async fn expire_cache_values(self: &Rc<Self>) {
+        let now = clock::now();
+        let mut caches: Vec<Rc<CacheShard>> = self
+            .caches
+            .borrow()
+            .values()
+            .filter_map(|s| match s {
+                Slot::Ready(c) => Some(c.clone()),
+                _ => None,
+            })
+            .collect();
+        if let Some(r) = &self.replicas {
+            caches.extend(
+                r.all()
+                    .into_iter()
+                    .filter(|rs| rs.serving())
+                    .filter_map(|rs| match &rs.held {
+                        crate::replication::replica::Held::Cache(c) => Some(c.clone()),
+                        crate::replication::replica::Held::Stream(_) => None,
+                    }),
+            );
+        }
+        for cache in caches {
+            // Concurrently: the deletes share flushes (group commit).
+            let deletes: Vec<_> = cache
+                .expired(now, EXPIRE_BATCH)
+                .into_iter()
+                .map(|(k, version)| {
+                    let (this, key) = (self.clone(), cache.key.clone());
+                    task::spawn(
+                        async move { this.cache_local(&key, CacheOp::Expire(k, version)).await },
+                    )
+                })
+                .collect();
+            for delete in deletes {
+                match delete.await {
+                    Ok(CacheAnswer::Condition(true, _)) => {
+                        self.metrics.cache_expired.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::debug!(shard = %cache.key, error = %e, "expiring a cache value");
+                    }
+                }
             }
         }
     }

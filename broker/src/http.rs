@@ -99,6 +99,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.cache_compactions.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_cache_expired_total",
+        "counter",
+        "Expired cache values deleted (a delete written to the log by housekeeping).",
+        |m| m.cache_expired.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_subscriptions_moved_total",
         "counter",
         "Subscriptions ended with shard_moved because their shard moved to another broker.",

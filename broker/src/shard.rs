@@ -613,6 +613,47 @@ impl CacheShard {
         let Some(old) = self.get(key, now) else {
             return Ok(None);
         };
+        self.write_delete(key, now).await?;
+        Ok(Some(old.value))
+    }
+
+    /// Up to `max` keys whose value expired by `now`, each with the version that expired.
+    pub fn expired(&self, now: Now, max: usize) -> Vec<(String, u64)> {
+        let now_ms = now.wall_ms();
+        self.state
+            .borrow()
+            .index
+            .iter()
+            .filter(|(_, e)| !e.live(now_ms))
+            .take(max)
+            .map(|(k, e)| (k.clone(), e.version))
+            .collect()
+    }
+
+    /// Whether `key` still holds the value written at `version` and it expired by `now`
+    /// (a write of the key since, a refresh, wins).
+    pub fn expired_at(&self, key: &str, version: u64, now: Now) -> bool {
+        self.state
+            .borrow()
+            .index
+            .get(key)
+            .is_some_and(|e| e.version == version && !e.live(now.wall_ms()))
+    }
+
+    /// Writes a delete of `key` if its value at `version` expired by `now`, checked once
+    /// every earlier write of the key is applied; returns whether it wrote one. Watchers
+    /// see the delete, and the value leaves the index and (at the next compaction) the
+    /// disk.
+    pub async fn expire(&self, key: &str, version: u64, now: Now) -> Result<bool, BrokerError> {
+        self.key_settled(key).await;
+        if !self.expired_at(key, version, now) {
+            return Ok(false);
+        }
+        self.write_delete(key, now).await?;
+        Ok(true)
+    }
+
+    async fn write_delete(&self, key: &str, now: Now) -> Result<(), BrokerError> {
         let rec = encode_cache_record(false, 0, key, &[]);
         let _writing = self.key_write(key);
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
@@ -630,7 +671,7 @@ impl CacheShard {
             appended.first,
         );
         self.changed.wake_all();
-        Ok(Some(old.value))
+        Ok(())
     }
 
     /// Whether the log holds enough overwritten records to compact: more writes since
@@ -1057,6 +1098,67 @@ mod tests {
                 shard.get("kept", now).unwrap().value,
                 Bytes::from_static(b"written long ago")
             );
+        });
+    }
+
+    async fn cache_in(dir: &std::path::Path) -> CacheShard {
+        let backend = DmaBackend::open_dir(dir).await.unwrap();
+        let (log, _) = SegmentLog::open(backend, felix_storage_uring::LogConfig::default())
+            .await
+            .unwrap();
+        let key = Arc::new(ShardKey {
+            kind: felix_core_runtime::placement::ShardKind::Cache,
+            tenant: "t".into(),
+            namespace: "ns".into(),
+            name: "c".into(),
+            shard: 0,
+        });
+        CacheShard::open(key, log).await.unwrap()
+    }
+
+    /// Expiry writes a delete for the version that expired only: a key written again
+    /// between the scan and the delete keeps its new value.
+    #[test]
+    fn expiry_deletes_the_expired_version_only() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = cache_in(dir.path()).await;
+            let now = felix_core_runtime::clock::now();
+            let later = Now::at(now.instant, now.wall_micros + 2_000_000);
+            let a = shard
+                .put("a", Bytes::from_static(b"1"), Some(1000), now)
+                .await
+                .unwrap();
+            let b = shard
+                .put("b", Bytes::from_static(b"2"), Some(1000), now)
+                .await
+                .unwrap();
+            shard
+                .put("c", Bytes::from_static(b"3"), None, now)
+                .await
+                .unwrap();
+            let mut due = shard.expired(later, 10);
+            due.sort();
+            assert_eq!(due, vec![("a".to_owned(), a), ("b".to_owned(), b)]);
+            // "b" is written again after the scan.
+            shard
+                .put("b", Bytes::from_static(b"new"), None, later)
+                .await
+                .unwrap();
+            assert!(shard.expire("a", a, later).await.unwrap());
+            assert!(!shard.expire("b", b, later).await.unwrap());
+            assert_eq!(shard.expired(later, 10), vec![]);
+            assert_eq!(
+                shard.get("b", later).unwrap().value,
+                Bytes::from_static(b"new")
+            );
+            // The delete is in the log: a replay has no "a" even at the earlier time.
+            let end = shard.log.next_offset();
+            drop(shard);
+            let shard = cache_in(dir.path()).await;
+            assert_eq!(shard.log.next_offset(), end);
+            assert!(shard.get("a", now).is_none(), "the delete is durable");
+            assert!(shard.get("c", now).is_some());
         });
     }
 

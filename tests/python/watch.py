@@ -50,4 +50,16 @@ check([(x.key, x.value) for x in got] == [("user:3", b"c")], "then goes on live"
 h = c.watch_cache(T, NS, C, felix.CacheWatchFilter.key("room-1"), start=first_offset)
 got = changes(h, 3)
 check([x.value for x in got] == [b"ada", b"grace", None], "a watch from an offset replays from there")
+# Expiry is a delete in the log: a watcher sees it; a key written again meanwhile stays.
+e = c.watch_cache(T, NS, C, felix.CacheWatchFilter.prefix("session:"))
+c.cache_put(T, NS, C, "session:a", b"short", ttl=0.3)
+c.cache_put(T, NS, C, "session:b", b"short too", ttl=0.3)
+c.cache_put(T, NS, C, "session:b", b"refreshed")
+got = changes(e, 4, timeout=4.0)
+check([(x.key, x.value) for x in got] == [("session:a", b"short"), ("session:b", b"short too"),
+                                         ("session:b", b"refreshed"), ("session:a", None)],
+      "an expired value is deleted and the watch sees it; a refreshed one is kept: %r"
+      % [(x.key, x.value) for x in got])
+check(e.recv(timeout=1.5) is None, "and nothing else")
+check(c.cache_get(T, NS, C, "session:b") == b"refreshed", "the refreshed value is still there")
 print("done")

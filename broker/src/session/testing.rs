@@ -321,7 +321,7 @@ impl Harness {
                             request_id: Default::default(),
                         }
                     }
-                    CacheOp::PutIf(..) | CacheOp::DeleteIf(..) => {
+                    CacheOp::PutIf(..) | CacheOp::DeleteIf(..) | CacheOp::Expire(..) => {
                         felix_wire::Message::CacheConditionResult {
                             applied: false,
                             version: None,
