@@ -2063,7 +2063,7 @@ impl CoreBroker {
         if shard.compaction_due(self.shared.cache_compact_after) {
             let (shard, metrics) = (shard.clone(), self.metrics.clone());
             task::spawn(async move {
-                match shard.compact().await {
+                match shard.compact(&crate::shard::LocalWrites(shard.log())).await {
                     Ok(c) => {
                         metrics.cache_compactions.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!(shard = %shard.key, ?c, "cache compacted");
@@ -2130,6 +2130,19 @@ impl CoreBroker {
         if !rs.serving() {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
+        if cache.compaction_due(self.shared.cache_compact_after) {
+            let (rs, cache, metrics) = (rs.clone(), cache.clone(), self.metrics.clone());
+            task::spawn(async move {
+                match cache.compact(&ReplicatedWrites(rs)).await {
+                    Ok(c) => {
+                        metrics.cache_compactions.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(shard = %cache.key, ?c, "replicated cache compacted");
+                    }
+                    Err(e) => tracing::warn!(shard = %cache.key, error = %e, "cache compaction"),
+                }
+            })
+            .detach();
+        }
         let mut now = clock::now();
         let mut counter = None;
         let mut conditional = false;
@@ -2166,7 +2179,7 @@ impl CoreBroker {
             other => other,
         };
         let written_key = match &op {
-            CacheOp::Put(k, ..) | CacheOp::Delete(k) | CacheOp::CounterAdd(k, _) => Some(k.clone()),
+            CacheOp::Put(k, ..) | CacheOp::Delete(k) => Some(k.clone()),
             _ => None,
         };
         let (record, old) = match op {
@@ -2211,6 +2224,9 @@ impl CoreBroker {
         // From the claim until the index has the write: conditional writes of the key
         // wait for it.
         let _writing = written_key.as_deref().map(|k| cache.key_write(k));
+        // An add is in flight from its claim until applied: a compaction does not
+        // checkpoint the counter below it meanwhile.
+        let _adding = counter.as_deref().map(|k| cache.counter_write(k));
         let (pending, term) = rs.admit(std::slice::from_ref(&record), now.wall_micros, None)?;
         let appended = rs.log().commit(pending).await?;
         rs.durable(appended.end);
@@ -2479,6 +2495,7 @@ impl CoreBroker {
                 core.finish_deletions().await;
                 core.enforce_retention().await;
                 core.expire_cache_values().await;
+                core.cut_replicated_caches().await;
             }
         })
         .detach();
@@ -2611,9 +2628,17 @@ impl CoreBroker {
                 continue;
             }
             let age = spec.retention.max_age_seconds.map(Duration::from_secs);
-            // A replicated shard keeps everything not yet committed, on every replica.
+            // A replicated shard keeps everything not yet committed, on every replica,
+            // and what a restart must know of the generations of what it removes.
             let floor = match self.replica_of(k) {
-                Ok(Some(rs)) => rs.commit(),
+                Ok(Some(rs)) => {
+                    let floor = rs.commit();
+                    if let Err(e) = rs.keep_epochs(floor).await {
+                        tracing::warn!(shard = %k, error = %e, "keeping generation starts");
+                        continue;
+                    }
+                    floor
+                }
                 Ok(None) => u64::MAX,
                 // Not attached yet: nothing is known to be committed.
                 Err(_) => continue,
@@ -2628,6 +2653,9 @@ impl CoreBroker {
                     self.metrics
                         .retention_segments_removed
                         .fetch_add(n as u64, Ordering::Relaxed);
+                    if let Ok(Some(rs)) = self.replica_of(k) {
+                        rs.rebased();
+                    }
                     tracing::debug!(shard = %k, segments = n, "retention");
                 }
                 Err(e) => tracing::warn!(shard = %k, error = %e, "enforcing retention"),
@@ -2640,7 +2668,7 @@ impl CoreBroker {
     /// next compaction leaves the value behind. A key written again meanwhile is kept.
     pub async fn expire_cache_values(self: &Rc<Self>) {
         let now = clock::now();
-        let mut caches: Vec<Rc<CacheShard>> = self
+        let caches: Vec<Rc<CacheShard>> = self
             .caches
             .borrow()
             .values()
@@ -2649,18 +2677,13 @@ impl CoreBroker {
                 _ => None,
             })
             .collect();
-        if let Some(r) = &self.replicas {
-            caches.extend(
-                r.all()
-                    .into_iter()
-                    .filter(|rs| rs.serving())
-                    .filter_map(|rs| match &rs.held {
-                        crate::replication::replica::Held::Cache(c) => Some(c.clone()),
-                        crate::replication::replica::Held::Stream(_) => None,
-                    }),
-            );
-        }
         for cache in caches {
+            // A replica expires nothing unless it leads.
+            match self.replica_of(&cache.key) {
+                Ok(Some(rs)) if !rs.serving() => continue,
+                Err(_) => continue,
+                _ => {}
+            }
             // Concurrently: the deletes share flushes (group commit).
             let deletes: Vec<_> = cache
                 .expired(now, EXPIRE_BATCH)
@@ -2682,6 +2705,46 @@ impl CoreBroker {
                         tracing::debug!(shard = %cache.key, error = %e, "expiring a cache value");
                     }
                 }
+            }
+        }
+    }
+
+    /// Removes each replicated cache's segments below its newest compaction's cut once
+    /// the cut marker is committed (leader and followers alike, each on its own log),
+    /// and tells the replica its new base.
+    pub async fn cut_replicated_caches(&self) {
+        let Some(replicas) = &self.replicas else {
+            return;
+        };
+        let now = clock::wall_micros();
+        for rs in replicas.all() {
+            let crate::replication::replica::Held::Cache(cache) = &rs.held else {
+                continue;
+            };
+            let Some((marker, cut)) = cache.cut_marker() else {
+                continue;
+            };
+            if rs.commit() <= marker || rs.log().base_offset() >= cut {
+                continue;
+            }
+            if let Err(e) = rs.keep_epochs(cut).await {
+                tracing::warn!(shard = %rs.key, error = %e, "keeping generation starts");
+                continue;
+            }
+            match rs
+                .log()
+                .enforce_retention_below(now, Some(0), None, cut)
+                .await
+            {
+                Ok(0) => {}
+                Ok(n) => {
+                    self.metrics
+                        .retention_segments_removed
+                        .fetch_add(n as u64, Ordering::Relaxed);
+                    rs.rebased();
+                    tracing::debug!(shard = %rs.key, segments = n, cut, "replicated cache cut");
+                }
+                Err(e) => tracing::warn!(shard = %rs.key, error = %e, "cutting a replicated cache"),
             }
         }
     }
@@ -2739,5 +2802,30 @@ impl CoreBroker {
             }
         }
         self.mesh.close();
+    }
+}
+
+/// A compaction of a replicated cache this broker leads: copies go through the replica
+/// (fenced by its generation, shipped like any write), and the cut is a marker record;
+/// [`CoreBroker::cut_replicated_caches`] removes the segments below once it commits.
+struct ReplicatedWrites(Rc<crate::replication::replica::ReplicaShard>);
+
+impl crate::shard::CompactionWrites for ReplicatedWrites {
+    async fn append(&self, records: &[Bytes], now_micros: u64) -> Result<u64, BrokerError> {
+        let (pending, _term) = self.0.admit(records, now_micros, None)?;
+        let appended = self.0.log().commit(pending).await?;
+        self.0.durable(appended.end);
+        Ok(appended.first)
+    }
+
+    async fn finish(&self, cut: u64, now_micros: u64) -> Result<usize, BrokerError> {
+        let marker = crate::shard::encode_cut_marker(cut);
+        let first = self
+            .append(std::slice::from_ref(&marker), now_micros)
+            .await?;
+        if let crate::replication::replica::Held::Cache(c) = &self.0.held {
+            c.apply_stored(first, std::slice::from_ref(&marker));
+        }
+        Ok(0)
     }
 }

@@ -342,6 +342,13 @@ pub fn encode_counter_checkpoint(key: &str, sum: i64) -> Bytes {
     encode(4, sum as u64, key, &[])
 }
 
+/// A replicated compaction's cut marker (op 5, no key): every live value below `cut` has
+/// a copy between `cut` and this record. Once the marker is committed, each replica
+/// removes its segments below `cut` on its own.
+pub fn encode_cut_marker(cut: u64) -> Bytes {
+    encode(5, cut, "", &[])
+}
+
 fn encode(op: u8, word: u64, key: &str, value: &[u8]) -> Bytes {
     let mut b = BytesMut::with_capacity(11 + key.len() + value.len());
     b.put_u8(op);
@@ -363,6 +370,8 @@ pub enum RecordOp {
     Add(i64),
     /// Set the counter of that key (a compaction's checkpoint).
     Set(i64),
+    /// A replicated compaction's cut at this offset (see [`encode_cut_marker`]).
+    Cut(u64),
 }
 
 /// A decoded cache record.
@@ -396,6 +405,7 @@ pub fn decode_cache_record(r: &Bytes) -> Option<CacheRecord> {
             (RecordOp::Put, word, value.slice(8..), Some(version))
         }
         4 if value.is_empty() => (RecordOp::Set(word as i64), 0, value, None),
+        5 if value.is_empty() && key.is_empty() => (RecordOp::Cut(word), 0, value, None),
         _ => return None,
     };
     Some(CacheRecord {
@@ -420,6 +430,8 @@ struct Projection {
     counters: HashMap<String, i64>,
     /// Every record below it is applied.
     end: u64,
+    /// The newest cut marker held: (its offset, the cut).
+    cut_marker: Option<(u64, u64)>,
 }
 
 /// Which keys a cache watch follows.
@@ -496,6 +508,8 @@ enum Picked {
 
 /// Live values or counters one compaction batch copies.
 const COMPACT_BATCH: usize = 64;
+/// How long a compaction waits for the writes below its cut to reach the index.
+const COMPACT_APPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A key's write in flight, from its claim until it is applied (or failed).
 #[derive(Debug)]
@@ -556,6 +570,7 @@ impl CacheShard {
     /// Applies records stored at `base..` (by a follower, or a leader's replicated
     /// write once it may be read) to the index.
     pub fn apply_stored(&self, base: u64, records: &[Bytes]) {
+        self.writes.set(self.writes.get() + records.len() as u64);
         let mut state = self.state.borrow_mut();
         for (i, r) in records.iter().enumerate() {
             if let Some(rec) = decode_cache_record(r) {
@@ -564,6 +579,29 @@ impl CacheShard {
         }
         state.end = state.end.max(base + records.len() as u64);
         self.changed.wake_all();
+    }
+
+    /// A follower stored these data batches (`(base, records)`): it keeps only their cut
+    /// markers (its index is rebuilt when it leads).
+    pub fn note_stored<'a>(&self, batches: impl IntoIterator<Item = (u64, &'a [Bytes])>) {
+        for (base, records) in batches {
+            for (i, r) in records.iter().enumerate() {
+                if r.first() == Some(&5)
+                    && let Some(CacheRecord {
+                        op: RecordOp::Cut(cut),
+                        ..
+                    }) = decode_cache_record(r)
+                {
+                    self.state.borrow_mut().cut_marker = Some((base + i as u64, cut));
+                }
+            }
+        }
+    }
+
+    /// The newest replicated compaction's cut marker this replica holds: (the marker's
+    /// offset, the cut). Segments below the cut may go once the marker is committed.
+    pub fn cut_marker(&self) -> Option<(u64, u64)> {
+        self.state.borrow().cut_marker
     }
 
     /// The value of `key` live at `now`.
@@ -687,26 +725,39 @@ impl CacheShard {
 
     /// Compacts the log: cuts it at its next offset, copies every value still live
     /// below the cut past it (keeping its version) and checkpoints every counter, then
-    /// removes the sealed segments below the cut. Writes go on meanwhile; a key written
-    /// again after the cut is not copied (its newer record is past the cut). Deletes
-    /// and expired values are simply not copied. Only for a cache this broker alone
-    /// holds (a replicated cache's log is cut by the replicas together: not built).
-    pub async fn compact(&self) -> Result<Compacted, BrokerError> {
+    /// lets `writes` finish: a cache this broker alone holds removes the sealed segments
+    /// below the cut at once; a replicated one writes a cut marker, and every replica
+    /// removes its own segments below the cut once the marker is committed. Writes go on
+    /// meanwhile; a key written again after the cut is not copied (its newer record is
+    /// past the cut). Deletes and expired values are simply not copied.
+    pub async fn compact(&self, writes: &impl CompactionWrites) -> Result<Compacted, BrokerError> {
         if self.compacting.replace(true) {
             return Err(BrokerError::Overloaded("compacting".into()));
         }
-        let result = self.compact_now().await;
+        let result = self.compact_now(writes).await;
         self.compacting.set(false);
         result
     }
 
-    async fn compact_now(&self) -> Result<Compacted, BrokerError> {
+    async fn compact_now(&self, writes: &impl CompactionWrites) -> Result<Compacted, BrokerError> {
         self.log.roll_next();
         let cut = self.log.next_offset();
         self.writes.set(0);
-        // Everything below the cut applied: what the index says below it is final.
-        while self.applied_end() < cut {
-            self.changed.changed().await;
+        // Everything below the cut applied: what the index says below it is final. (A
+        // replicated write whose outcome was unknown is never applied: give up rather
+        // than wait for it.)
+        let applied = async {
+            while self.applied_end() < cut {
+                self.changed.changed().await;
+            }
+        };
+        if felix_core_runtime::task::timeout(COMPACT_APPLY_WAIT, applied)
+            .await
+            .is_none()
+        {
+            return Err(BrokerError::Overloaded(
+                "compaction: writes below the cut were not applied".into(),
+            ));
         }
         let now = felix_core_runtime::clock::now();
         let mut values = 0;
@@ -728,17 +779,10 @@ impl CacheShard {
                 .iter()
                 .map(|(k, e)| encode_carried_put(k, e.expires_at_ms, e.version, &e.value))
                 .collect();
-            let pending = self.log.begin_append(&records, now.wall_micros, None)?;
             let guards: Vec<_> = batch.iter().map(|(k, _)| self.key_write(k)).collect();
-            let appended = self.log.commit(pending).await?;
-            {
-                let mut st = self.state.borrow_mut();
-                for (i, r) in records.iter().enumerate() {
-                    if let Some(rec) = decode_cache_record(r) {
-                        apply(&mut st, rec, appended.first + i as u64);
-                    }
-                }
-            }
+            // `append` claims its offsets before its first wait.
+            let first = writes.append(&records, now.wall_micros).await?;
+            self.apply_copies(first, &records);
             values += records.len();
             drop(guards);
         }
@@ -749,7 +793,7 @@ impl CacheShard {
             for name in chunk {
                 self.key_settled(&counter_guard_key(name)).await;
             }
-            let (pending, guards, records) = {
+            let (guards, records) = {
                 let st = self.state.borrow();
                 let inflight = self.in_flight.borrow();
                 if chunk
@@ -769,41 +813,33 @@ impl CacheShard {
                 if records.is_empty() {
                     continue;
                 }
-                let pending = self.log.begin_append(&records, now.wall_micros, None)?;
                 let guards: Vec<_> = chunk
                     .iter()
                     .map(|n| self.key_write(&counter_guard_key(n)))
                     .collect();
-                (pending, guards, records)
+                (guards, records)
             };
-            let appended = self.log.commit(pending).await?;
-            {
-                let mut st = self.state.borrow_mut();
-                for (i, r) in records.iter().enumerate() {
-                    if let Some(rec) = decode_cache_record(r) {
-                        apply(&mut st, rec, appended.first + i as u64);
-                    }
-                }
-            }
+            let first = writes.append(&records, now.wall_micros).await?;
+            self.apply_copies(first, &records);
             counters += records.len();
             drop(guards);
         }
-        // The copies must be on disk before the segments below the cut go: under
-        // `fsync: none` and `periodic` a commit answers at sequencing, before the write,
-        // and a crash (or a failed write) then would take back values written long ago,
-        // outside the loss window those modes promise. Sync waits for the write and the
-        // fdatasync of everything claimed so far.
-        self.log.sync().await?;
-        let segments = self
-            .log
-            .enforce_retention_below(now.wall_micros, Some(0), None, cut)
-            .await?;
+        let segments = writes.finish(cut, now.wall_micros).await?;
         Ok(Compacted {
             cut,
             values,
             counters,
             segments,
         })
+    }
+
+    fn apply_copies(&self, first: u64, records: &[Bytes]) {
+        let mut st = self.state.borrow_mut();
+        for (i, r) in records.iter().enumerate() {
+            if let Some(rec) = decode_cache_record(r) {
+                apply(&mut st, rec, first + i as u64);
+            }
+        }
     }
 
     /// The next batch of live values a compaction copies past `cut`.
@@ -825,6 +861,12 @@ impl CacheShard {
         } else {
             Picked::Done
         }
+    }
+
+    /// Marks an add to counter `name` in flight until the returned guard drops (a
+    /// compaction checkpoints a counter only while none is).
+    pub fn counter_write(&self, name: &str) -> KeyWrite<'_> {
+        self.key_write(&counter_guard_key(name))
     }
 
     /// Marks a write of `key` in flight until the returned guard drops.
@@ -932,7 +974,7 @@ impl CacheShard {
                         offset,
                         expires_at_ms: 0,
                     }),
-                    RecordOp::Add(_) | RecordOp::Set(_) => {}
+                    RecordOp::Add(_) | RecordOp::Set(_) | RecordOp::Cut(_) => {}
                 }
             }
             next = b.end_offset().min(end);
@@ -992,6 +1034,50 @@ impl CacheShard {
     }
 }
 
+/// Where a compaction's records go.
+pub trait CompactionWrites {
+    /// Appends `records` (claiming their offsets before the first wait) and resolves
+    /// once they are durable here: the offset of the first.
+    fn append(
+        &self,
+        records: &[Bytes],
+        now_micros: u64,
+    ) -> impl std::future::Future<Output = Result<u64, BrokerError>>;
+
+    /// Every copy is written: make the records below `cut` go. Returns the segments
+    /// removed now.
+    fn finish(
+        &self,
+        cut: u64,
+        now_micros: u64,
+    ) -> impl std::future::Future<Output = Result<usize, BrokerError>>;
+}
+
+/// A compaction of a cache this broker alone holds: straight to its log; the segments
+/// below the cut go as soon as the copies are on disk.
+#[derive(Debug)]
+pub struct LocalWrites<'a>(pub &'a SegmentLog<DmaBackend>);
+
+impl CompactionWrites for LocalWrites<'_> {
+    async fn append(&self, records: &[Bytes], now_micros: u64) -> Result<u64, BrokerError> {
+        let pending = self.0.begin_append(records, now_micros, None)?;
+        Ok(self.0.commit(pending).await?.first)
+    }
+
+    async fn finish(&self, cut: u64, now_micros: u64) -> Result<usize, BrokerError> {
+        // The copies must be on disk before the segments below the cut go: under
+        // `fsync: none` and `periodic` a commit answers at sequencing, before the write,
+        // and a crash (or a failed write) then would take back values written long ago,
+        // outside the loss window those modes promise. Sync waits for the write and the
+        // fdatasync of everything claimed so far.
+        self.0.sync().await?;
+        Ok(self
+            .0
+            .enforce_retention_below(now_micros, Some(0), None, cut)
+            .await?)
+    }
+}
+
 /// The values and counters a cache log describes.
 async fn replay(key: &ShardKey, log: &SegmentLog<DmaBackend>) -> Result<Projection, BrokerError> {
     let mut index = Projection::default();
@@ -1047,6 +1133,7 @@ fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
         RecordOp::Set(sum) => {
             state.counters.insert(rec.key, sum);
         }
+        RecordOp::Cut(cut) => state.cut_marker = Some((offset, cut)),
     }
 }
 
@@ -1087,7 +1174,7 @@ mod tests {
                 let v = Bytes::from(i.to_be_bytes().repeat(25));
                 shard.put("hot", v, None, now).await.unwrap();
             }
-            let c = shard.compact().await.unwrap();
+            let c = shard.compact(&LocalWrites(shard.log())).await.unwrap();
             assert!(c.segments > 0, "{c:?}");
             assert!(
                 shard.log.durable_end() >= c.cut + (c.values + c.counters) as u64,

@@ -1177,3 +1177,204 @@ fn a_groups_cursor_and_dead_letters_survive_a_leader_kill() {
         assert_eq!(client.group_dead_letters(&g).await.unwrap(), vec![dead]);
     });
 }
+
+fn dir_bytes(p: &Path) -> u64 {
+    let mut total = 0;
+    if let Ok(rd) = std::fs::read_dir(p) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                total += dir_bytes(&e.path());
+            } else {
+                total += e.metadata().map_or(0, |m| m.len());
+            }
+        }
+    }
+    total
+}
+
+/// A replicated cache overwritten thousands of times stays small on every replica (each
+/// removes its own segments below a compaction's cut once the cut marker commits), and
+/// the replica promoted after a leader kill rebuilds every value, version and counter
+/// from its compacted log.
+#[test]
+fn a_replicated_cache_is_compacted_on_every_replica_and_keeps_its_values_across_a_leader_kill() {
+    use felix_wire::message::CacheCondition;
+    let mut c = TestCluster::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        3,
+        CP_ARGS,
+        "segment_bytes: 65536\ncache_compact_after: 500\nhousekeeping_ms: 200\n",
+    )
+    .unwrap();
+    c.admin
+        .post(
+            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
+            &serde_json::json!({"cache": "hot", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
+        )
+        .unwrap();
+    let leader_of = |c: &TestCluster| {
+        c.assignments()
+            .ok()?
+            .into_iter()
+            .find(|a| a["kind"] == "cache")
+            .map(|a| {
+                (
+                    c.index(a["leader"].as_str().unwrap()),
+                    a["generation"].as_u64().unwrap(),
+                )
+            })
+    };
+    let (leader, generation) =
+        wait_for("a cache leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
+    let via = (leader + 1) % 3;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    const WRITERS: usize = 4;
+    const EACH: usize = 1500;
+    let (addr, config) = (c.brokers[via].listen, c.client_config().unwrap());
+    let (pinned_version, last) = rt.block_on(async {
+        let client = felix_client::Client::connect(addr, "localhost", config.clone())
+            .await
+            .unwrap();
+        // The new shard serves once its leader has fenced a majority.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let pinned = loop {
+            match client
+                .cache_put_if(
+                    TENANT,
+                    NAMESPACE,
+                    "hot",
+                    "pinned",
+                    "written once".into(),
+                    None,
+                    CacheCondition::Absent,
+                )
+                .await
+            {
+                Ok((_, v)) => break v,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "cache writes never began: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let config = config.clone();
+                tokio::spawn(async move {
+                    let c = felix_client::Client::connect(addr, "localhost", config)
+                        .await
+                        .unwrap();
+                    for i in 0..EACH {
+                        let v = format!("{w}-{i}-{}", "x".repeat(300));
+                        c.cache_put(TENANT, NAMESPACE, "hot", &format!("key{w}"), v.into(), None)
+                            .await
+                            .unwrap();
+                        c.counter_add(TENANT, NAMESPACE, "hot", "writes", 1)
+                            .await
+                            .unwrap();
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.await.unwrap();
+        }
+        let last = client
+            .cache_get(TENANT, NAMESPACE, "hot", "key0")
+            .await
+            .unwrap();
+        (pinned.expect("a version"), last)
+    });
+    let written = WRITERS * EACH * 330;
+    // Every replica cuts its own log once the marker commits (housekeeping, 200 ms).
+    let bound = 700 * 1024;
+    let sizes = wait_for(
+        "every replica's cache log compacted",
+        Duration::from_secs(20),
+        || {
+            let sizes: Vec<u64> = c
+                .brokers
+                .iter()
+                .map(|b| dir_bytes(&b.data_dir.join("caches")))
+                .collect();
+            sizes.iter().all(|s| *s < bound).then_some(sizes)
+        },
+    )
+    .unwrap_or_else(|e| {
+        let sizes: Vec<u64> = c
+            .brokers
+            .iter()
+            .map(|b| dir_bytes(&b.data_dir.join("caches")))
+            .collect();
+        panic!("{e}: cache log bytes per broker {sizes:?} (bound {bound}, ~{written} written)")
+    });
+    let compactions = c.brokers[leader]
+        .metric("felix_broker_cache_compactions_total")
+        .unwrap();
+    eprintln!(
+        "{} puts and as many adds (~{written} bytes): {compactions} compactions on the leader; cache log bytes per broker {sizes:?}",
+        WRITERS * EACH
+    );
+    assert!(compactions > 0);
+    c.brokers[leader].kill();
+    wait_for("a new cache leader", Duration::from_secs(30), || {
+        leader_of(&c).filter(|(l, g)| *l != leader && *g > generation)
+    })
+    .unwrap();
+    let config = c.client_config().unwrap();
+    rt.block_on(async move {
+        let client = felix_client::Client::connect(addr, "localhost", config)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match client.cache_get(TENANT, NAMESPACE, "hot", "key0").await {
+                Ok(v) => {
+                    assert_eq!(v, last, "the last value survives compaction and the kill");
+                    break;
+                }
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "cache reads never resumed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        assert_eq!(
+            client
+                .cache_get(TENANT, NAMESPACE, "hot", "pinned")
+                .await
+                .unwrap()
+                .as_deref(),
+            Some(&b"written once"[..]),
+            "a value written once before every compaction is still there"
+        );
+        let (applied, version) = client
+            .cache_put_if(
+                TENANT,
+                NAMESPACE,
+                "hot",
+                "pinned",
+                "again".into(),
+                None,
+                CacheCondition::Absent,
+            )
+            .await
+            .unwrap();
+        assert!(!applied);
+        assert_eq!(
+            version,
+            Some(pinned_version),
+            "with the version it was written at"
+        );
+        assert_eq!(
+            client
+                .counter_get(TENANT, NAMESPACE, "hot", "writes")
+                .await
+                .unwrap(),
+            Some((WRITERS * EACH) as i64),
+            "the counter is exact"
+        );
+    });
+    let _ = &mut c;
+}

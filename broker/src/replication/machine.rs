@@ -204,6 +204,10 @@ pub enum Output {
     },
     /// Write `meta` durably, then call [`Replica::handle_persisted`].
     Persist(Meta),
+    /// Keep these generation starts `(offset, generation)` with the log, durably: its
+    /// base moved past the records that began them, and a restart must still know the
+    /// generation of the records at the base (see [`Replica::epochs_through`]).
+    KeepEpochs(Vec<(u64, u64)>),
     /// Store these batches at their offsets (they start at the log's end), then report
     /// durability with [`Replica::handle_durable`].
     Store(Vec<Batch>),
@@ -408,6 +412,11 @@ pub struct Replica {
     /// A deliberately broken replica (checker mutants only): leads without fencing a
     /// majority first, and takes records from any generation.
     skip_fence: bool,
+    /// `(generation, base)`: the leader of that generation said its log begins at `base`
+    /// (a `Bootstrap` answered "held already"). A batch message from there whose previous
+    /// generation disagrees with ours means our records from there on differ from the
+    /// leader's committed ones: we start over at its base.
+    leader_base: Option<(u64, u64)>,
 }
 
 impl Replica {
@@ -433,6 +442,7 @@ impl Replica {
             last_heartbeat: None,
             out: VecDeque::new(),
             skip_fence: false,
+            leader_base: None,
         }
     }
 
@@ -854,9 +864,57 @@ impl Replica {
             // compare once they are there. The sender asks again.
             return;
         }
+        // A message starting at our base names the generation of the record before it,
+        // which this log no longer holds (removed below the commit mark, or never held
+        // after a bootstrap): remember it, so records at the base compare by generation
+        // like any others. (Recorded one below the base: no record starts there.)
+        let (first, prev_generation) = prev;
+        if first >= self.log.base
+            && first > 0
+            && first - 1 < self.commit.max(self.log.base)
+            && prev_generation != BELOW_BASE
+            && prev_generation != 0
+            && self.log.epochs.range(..first).next_back().is_none()
+        {
+            self.log.epochs.insert(first - 1, prev_generation);
+            let keep = self.epochs_through(first);
+            self.out.push_back(Output::KeepEpochs(keep));
+        }
         // An empty message (a commit heartbeat) verifies only what precedes it.
         let end = batches.last().map_or(prev.0, Batch::end);
         match self.compare(prev, &batches) {
+            Compare::Refuse(_, _)
+                if (fetched && first > self.fetch_from() && first <= commit)
+                    || (!fetched && self.leader_base == Some((generation, first))) =>
+            {
+                // What the sender has starts at its base, past records of ours that it
+                // removed (committed, so equal everywhere) or that differ from its
+                // committed ones (and so, by log matching, everything of ours after
+                // them does too): start over, empty, at its base.
+                let old = self.log.base;
+                self.ingest = Some(Ingest {
+                    from,
+                    generation,
+                    rest: batches,
+                    end,
+                    commit: commit.min(end),
+                    fetched,
+                    cutting: true,
+                });
+                self.log.cut(old);
+                // What we knew of generations below the new base is stale.
+                self.log.epochs.clear();
+                self.log.base = first;
+                self.log.end = first;
+                self.log.durable = first;
+                self.commit = self.commit.max(first);
+                self.out.push_back(Output::ResetAt { base: first });
+                if prev_generation != BELOW_BASE && prev_generation != 0 {
+                    self.log.epochs.insert(first - 1, prev_generation);
+                    let keep = self.epochs_through(first);
+                    self.out.push_back(Output::KeepEpochs(keep));
+                }
+            }
             Compare::Refuse(code, expected) => {
                 if fetched {
                     if let Role::Candidate(c) = &mut self.role {
@@ -947,7 +1005,9 @@ impl Replica {
             return;
         }
         if self.log.base <= base && base <= self.log.durable {
-            // We hold the leader's base already.
+            // We hold the leader's base already. (If our record before it differs from
+            // the leader's, the batch message from the base says so: see `leader_base`.)
+            self.leader_base = Some((generation, base));
             self.send(
                 &from,
                 Msg::Ok {
@@ -974,6 +1034,7 @@ impl Replica {
             cutting: true,
         });
         self.log.cut(old);
+        self.log.epochs.clear();
         self.log.base = base;
         self.log.end = base;
         self.log.durable = base;
@@ -1019,6 +1080,42 @@ impl Replica {
         true
     }
 
+    /// Storage removed the records below `base` (retention or a cache compaction's cut;
+    /// only ever committed ones): a follower whose log ends below it is bootstrapped
+    /// from here. Epoch entries below the base stay (one per generation; the one that
+    /// covers the base is still needed).
+    pub fn handle_base(&mut self, base: u64) {
+        if base > self.log.base && base <= self.log.durable.min(self.commit) {
+            self.log.base = base;
+        }
+    }
+
+    /// Where a candidate asks its source for records: a fetch answered from further on
+    /// starts at the source's base (it no longer holds what we asked for).
+    fn fetch_from(&self) -> u64 {
+        match &self.role {
+            Role::Candidate(c) => c.verified.max(self.log.base).min(self.log.durable),
+            _ => u64::MAX,
+        }
+    }
+
+    /// The generation starts a restart needs from outside the log once the records
+    /// below `upto` are gone: the one in force at the log's base, and every later one
+    /// up to `upto`. Kept (see [`Output::KeepEpochs`]) before a prefix is removed.
+    pub fn epochs_through(&self, upto: u64) -> Vec<(u64, u64)> {
+        let from = self
+            .log
+            .epochs
+            .range(..=self.log.base)
+            .next_back()
+            .map_or(0, |(o, _)| *o);
+        self.log
+            .epochs
+            .range(from..=upto)
+            .map(|(o, g)| (*o, *g))
+            .collect()
+    }
+
     /// This replica's generation-start record was claimed at `start`.
     pub fn handle_generation_start(&mut self, start: u64) {
         let generation = self.meta.generation;
@@ -1055,14 +1152,23 @@ impl Replica {
         fetch: bool,
         now: Instant,
     ) {
+        // A candidate fetching below our base gets what we hold from the base on (what
+        // is below it is committed; the candidate starts over there).
+        let mut batches = batches;
+        let asked = if fetch && asked < self.log.base {
+            batches.retain(|b| b.base >= self.log.base);
+            self.log.base
+        } else {
+            asked
+        };
         // A read starts at the batch holding the offset asked for.
         let from = batches.first().map_or(asked, |b| b.base.min(asked));
-        let prev_generation = if from == 0 {
-            0
-        } else if from > self.log.base {
-            self.log.generation_at(from - 1)
-        } else {
-            BELOW_BASE
+        // At or below our base the record before is gone; its generation is still known
+        // when the epoch covering it is (kept when a prefix is removed).
+        let prev_generation = match (from, self.log.generation_at(from.saturating_sub(1))) {
+            (0, _) => 0,
+            (_, g) if from > self.log.base || g != 0 => g,
+            _ => BELOW_BASE,
         };
         let generation = self.meta.generation;
         let commit = self.commit;
@@ -1168,6 +1274,7 @@ impl Replica {
                 {
                     c.fetch_sent = Some(now);
                     let from = c.verified.max(self.log.base).min(self.log.durable);
+                    debug_assert_eq!(from, self.fetch_from());
                     self.send(&source, Msg::Fetch { generation, from });
                 }
                 return;
@@ -1279,7 +1386,9 @@ impl Replica {
                 };
                 cur.sent_at = None;
                 match code {
-                    Refusal::Gap | Refusal::Mismatch => cur.next = expected.max(base),
+                    // Below our base: the read finds nothing there, and the follower is
+                    // bootstrapped at the base.
+                    Refusal::Gap | Refusal::Mismatch => cur.next = expected,
                     Refusal::Bootstrap => cur.next = base,
                     Refusal::NotFenced => {
                         cur.sent_at = Some(now);

@@ -36,6 +36,9 @@ use felix_storage_uring::{DmaBackend, SegmentLog};
 
 /// The meta file holding a replica's ballot and commit mark.
 const META_FILE: &str = "replica";
+/// Generation starts whose records the log no longer holds (see
+/// [`super::machine::Output::KeepEpochs`]): JSON `[[offset, generation], ..]`.
+const EPOCHS_FILE: &str = "epochs";
 /// How long an idle replica's driver sleeps between timer checks.
 const TICK: Duration = Duration::from_millis(100);
 /// How long a Quorum publish waits for a majority before its outcome is unknown.
@@ -137,6 +140,21 @@ impl ReplicaShard {
     /// The commit mark.
     pub fn commit(&self) -> u64 {
         self.machine.borrow().commit()
+    }
+
+    /// Before records below `upto` are removed: keeps what a restart needs to know of
+    /// their generations.
+    pub async fn keep_epochs(&self, upto: u64) -> Result<(), BrokerError> {
+        let epochs = self.machine.borrow().epochs_through(upto);
+        write_epochs(&self.log, &epochs).await
+    }
+
+    /// Storage removed records below the log's base: the machine follows.
+    pub fn rebased(&self) {
+        self.machine
+            .borrow_mut()
+            .handle_base(self.log.base_offset());
+        self.kick();
     }
 
     /// The generation this replica accepted.
@@ -855,6 +873,14 @@ impl Replicas {
                 }
             }
         }
+        // The generation in force at the base, when the record that began it is gone.
+        if let Some(bytes) = log.read_meta(EPOCHS_FILE).await? {
+            let kept: Vec<(u64, u64)> = serde_json::from_slice(&bytes)
+                .map_err(|e| BrokerError::Storage(format!("{key}: generation starts: {e}")))?;
+            for (offset, generation) in kept {
+                epochs.entry(offset).or_insert(generation);
+            }
+        }
         let mut machine = Replica::new(self.me.clone(), meta, base, end, epochs);
         if self.cluster.mutants.skip_fence {
             machine.break_fencing_for_mutant_runs();
@@ -924,6 +950,11 @@ impl Replicas {
                     }
                 }
             }
+            Output::KeepEpochs(epochs) => {
+                if let Err(e) = write_epochs(log, &epochs).await {
+                    tracing::error!(shard = %rs.key, error = %e, "keeping generation starts");
+                }
+            }
             Output::Store(batches) => {
                 let mut pending = Vec::with_capacity(batches.len());
                 let mut failed = None;
@@ -971,6 +1002,15 @@ impl Replicas {
                             .fetch_add(records, Ordering::Relaxed);
                         if let Some(end) = end {
                             rs.machine.borrow_mut().handle_durable(end, now());
+                        }
+                        if let Held::Cache(c) = &rs.held {
+                            // A compaction's cut marker: the prefix goes once it commits.
+                            c.note_stored(
+                                batches
+                                    .iter()
+                                    .filter(|b| b.kind == BatchKind::Data)
+                                    .map(|b| (b.base, &b.records[..])),
+                            );
                         }
                     }
                     Some(e) => {
@@ -1080,4 +1120,13 @@ impl Replicas {
             }
         }
     }
+}
+
+async fn write_epochs(
+    log: &SegmentLog<DmaBackend>,
+    epochs: &[(u64, u64)],
+) -> Result<(), BrokerError> {
+    let bytes = serde_json::to_vec(epochs).expect("pairs serialize");
+    log.write_meta(EPOCHS_FILE, &bytes).await?;
+    Ok(())
 }

@@ -45,6 +45,9 @@ pub struct SimConfig {
     /// Probability that a node crashes right after it asks for a ballot write, before
     /// the write completes (the window a replica must not answer in).
     pub crash_while_persisting: f64,
+    /// Per-step probability that one replica removes a committed prefix of its log
+    /// (retention, a cache compaction's cut): a follower behind it must be bootstrapped.
+    pub prefix_removal: f64,
     /// Every replica skips fencing (a mutant the checks must catch).
     pub mutant_skip_fence: bool,
 }
@@ -60,6 +63,7 @@ impl Default for SimConfig {
             reassign: 0.006,
             partition: 0.004,
             crash_while_persisting: 0.1,
+            prefix_removal: 0.01,
             mutant_skip_fence: false,
         }
     }
@@ -86,6 +90,9 @@ struct Node {
     /// Process incarnation: completions of a crashed process are dropped.
     epoch: u64,
     base: u64,
+    /// Where each generation began, for removed batches (kept on disk with the log, as
+    /// the broker's epoch file is, so a restart knows the generation at its base).
+    removed_epochs: BTreeMap<u64, u64>,
     batches: Vec<Batch>,
     durable: u64,
     meta: Meta,
@@ -110,13 +117,12 @@ impl Node {
     }
 
     fn epochs(&self) -> BTreeMap<u64, u64> {
-        self.batches
-            .iter()
-            .filter_map(|b| match b.kind {
-                BatchKind::GenerationStart(g) => Some((b.base, g)),
-                BatchKind::Data | BatchKind::Commit | BatchKind::Group => None,
-            })
-            .collect()
+        let mut epochs = self.removed_epochs.clone();
+        epochs.extend(self.batches.iter().filter_map(|b| match b.kind {
+            BatchKind::GenerationStart(g) => Some((b.base, g)),
+            BatchKind::Data | BatchKind::Commit | BatchKind::Group => None,
+        }));
+        epochs
     }
 
     fn cut(&mut self, from: u64) {
@@ -190,6 +196,7 @@ impl Sim {
                 )),
                 epoch: 0,
                 base: 0,
+                removed_epochs: BTreeMap::new(),
                 batches: Vec::new(),
                 durable: 0,
                 meta: Meta::default(),
@@ -328,9 +335,13 @@ impl Sim {
                 let delay = self.rng.random_range(1..5);
                 self.schedule(delay, Event::Truncated { node, epoch });
             }
+            Output::KeepEpochs(epochs) => {
+                self.nodes[node].removed_epochs.extend(epochs);
+            }
             Output::ResetAt { base } => {
                 let n = &mut self.nodes[node];
                 n.batches.clear();
+                n.removed_epochs.clear();
                 n.base = base;
                 n.durable = base;
                 self.committed_checked[node] = base;
@@ -592,7 +603,32 @@ impl Sim {
         true
     }
 
+    /// `node` removes whole batches below its commit mark and durable end.
+    fn remove_prefix(&mut self, node: usize) {
+        let n = &mut self.nodes[node];
+        let Some(commit) = n.replica.as_ref().map(Replica::commit) else {
+            return;
+        };
+        let floor = commit.min(n.durable);
+        let removable = n.batches.partition_point(|b| b.end() <= floor);
+        if removable == 0 {
+            return;
+        }
+        let remove = self.rng.random_range(1..=removable);
+        let base = n.batches[remove - 1].end();
+        // As the broker does: keep the generation starts first, then remove.
+        let keep = n.replica.as_ref().expect("running").epochs_through(base);
+        n.removed_epochs.extend(keep);
+        n.base = base;
+        n.batches.drain(..remove);
+        n.replica.as_mut().expect("running").handle_base(base);
+    }
+
     fn faults(&mut self) {
+        if self.rng.random_bool(self.config.prefix_removal) {
+            let node = self.rng.random_range(0..self.nodes.len());
+            self.remove_prefix(node);
+        }
         if self.rng.random_bool(self.config.crash) {
             let node = self.rng.random_range(0..self.nodes.len());
             self.crash(node);
