@@ -358,6 +358,9 @@ pub struct CoreMetrics {
     pub group_ops: AtomicU64,
     /// Cache compactions done.
     pub cache_compactions: AtomicU64,
+    /// Subscriptions ended with `subscription_lagged` (retention removed what they had
+    /// not read).
+    pub subscriptions_lagged: AtomicU64,
     /// Expired cache values deleted by housekeeping.
     pub cache_expired: AtomicU64,
     /// Subscriptions ended because their shard moved to another broker.

@@ -99,6 +99,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.cache_compactions.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_subscriptions_lagged_total",
+        "counter",
+        "Subscriptions ended with subscription_lagged: retention removed records they had not read.",
+        |m| m.subscriptions_lagged.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_cache_expired_total",
         "counter",
         "Expired cache values deleted (a delete written to the log by housekeeping).",

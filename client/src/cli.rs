@@ -324,7 +324,9 @@ impl From<ClientError> for Failure {
 
 fn exit_code(e: &ClientError) -> i32 {
     match e {
-        ClientError::Connection { .. } | ClientError::SubscriptionLost(_) => 3,
+        ClientError::Connection { .. }
+        | ClientError::SubscriptionLost(_)
+        | ClientError::SubscriptionLagged { .. } => 3,
         ClientError::GaveUp { last, .. } => exit_code(last),
         e if e.is_credential_failure() => 4,
         ClientError::Broker(b) if b.code == Some(ErrorCode::NotFound) => 5,

@@ -48,6 +48,7 @@ fn client_features() -> Features {
         | Features::GROUP_DEAD_LETTERS
         | Features::GROUP_ADMIN
         | Features::GROUP_CLAIM_CONTROL
+        | Features::SUBSCRIPTION_LAGGED
 }
 
 /// What the broker agreed to.
@@ -1144,10 +1145,9 @@ async fn read_events(
                 }
                 Ok(Message::SubscriptionLagged { resume_from, .. }) => {
                     let _ = tx
-                        .send(Err(ClientError::SubscriptionLost(format!(
-                            "subscription lagged; resume from {}",
-                            resume_from.0
-                        ))))
+                        .send(Err(ClientError::SubscriptionLagged {
+                            resume_from: resume_from.0,
+                        }))
                         .await;
                     return;
                 }

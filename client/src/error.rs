@@ -76,6 +76,14 @@ pub enum ClientError {
     /// The event stream broke before the broker ended it.
     #[error("subscription lost: {0}")]
     SubscriptionLost(String),
+    /// The broker ended a durable subscription at its first drop: it could not send
+    /// `resume_from` (retention removed it before it was read). Every event before it was
+    /// delivered; subscribing from `resume_from` says whether it is still there.
+    #[error("subscription lagged; resume from {resume_from}")]
+    SubscriptionLagged {
+        /// The first offset not delivered.
+        resume_from: u64,
+    },
     /// The broker said something the protocol does not allow here.
     #[error("protocol violation: {0}")]
     Protocol(String),

@@ -103,6 +103,7 @@ pub fn classify(e: &ClientError, since_first_not_found: Duration) -> Decision {
             at_least: Duration::ZERO,
         },
         ClientError::Cursor(_)
+        | ClientError::SubscriptionLagged { .. }
         | ClientError::Refused { .. }
         | ClientError::Config(_)
         | ClientError::Unsupported(_)

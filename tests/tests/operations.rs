@@ -533,3 +533,105 @@ fn a_shard_re_pinned_100_times_under_load_loses_and_doubles_nothing() {
         );
     }
 }
+
+/// A subscriber that stops reading while retention removes what it has not read yet:
+/// our client (which takes `subscription_lagged`) gets every record before the hole,
+/// contiguous, then `SubscriptionLagged` naming the first offset it missed, which is
+/// below what the stream still holds. Nothing is skipped silently.
+#[test]
+fn a_subscriber_behind_retention_ends_with_subscription_lagged_at_its_first_missed_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "segment_bytes: 65536\nhousekeeping_ms: 100\n",
+        &["--fsync", "none"],
+    );
+    b.admin()
+        .unwrap()
+        .post(
+            "/v1/tenants/dev/namespaces/default/streams",
+            &json!({"stream": "tail", "kind": "Stream", "shards": 1,
+                    "retention": {"max_size_bytes": 262144}}),
+        )
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let reader = client(&b).await;
+        let writer = client(&b).await;
+        let payload = vec![b'x'; 32 * 1024];
+        writer
+            .publish(
+                "dev",
+                "default",
+                "tail",
+                payload.clone(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        let mut sub = reader
+            .subscribe_from("dev", "default", "tail", Some(StartPosition::Earliest))
+            .await
+            .unwrap();
+        let first = sub.next_event().await.unwrap().unwrap().offset.unwrap();
+        assert_eq!(first, 0);
+        // The reader stops; 100 MiB go by (more than QUIC's windows, 64 MiB for a
+        // stream, and the client's queue hold), and retention keeps the newest ~256 KiB.
+        for _ in 0..3200 {
+            writer
+                .publish("dev", "default", "tail", payload.clone(), AckMode::None)
+                .await
+                .unwrap();
+        }
+        writer
+            .publish(
+                "dev",
+                "default",
+                "tail",
+                payload.clone(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let oldest = loop {
+            let (oldest, _) = earliest(&writer, "tail").await;
+            if oldest > 3000 {
+                break oldest;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "retention never ran: oldest offset {oldest}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        // The reader resumes.
+        let mut last = first;
+        let resume_from = loop {
+            match tokio::time::timeout(Duration::from_secs(10), sub.next_event()).await {
+                Ok(Ok(Some(e))) => {
+                    let o = e.offset.unwrap();
+                    assert_eq!(o, last + 1, "offsets are contiguous up to the hole");
+                    last = o;
+                }
+                Ok(Err(felix_client::ClientError::SubscriptionLagged { resume_from })) => {
+                    break resume_from;
+                }
+                other => panic!("expected subscription_lagged after offset {last}, got {other:?}"),
+            }
+        };
+        eprintln!(
+            "delivered 0..={last}, lagged at {resume_from}; the stream now starts at {oldest}"
+        );
+        assert_eq!(
+            resume_from,
+            last + 1,
+            "lagged names the first offset not delivered"
+        );
+        assert!(resume_from < oldest, "and retention removed it");
+        assert_eq!(
+            b.metric("felix_broker_subscriptions_lagged_total").unwrap(),
+            1
+        );
+    });
+}

@@ -733,6 +733,7 @@ async fn execute(
                 format: EventFormat::for_flags(session.flags),
                 id: scope.next_subscription.get(),
                 shard_moved: session.features.contains(Features::SHARD_MOVED),
+                lagged_ends: session.features.contains(Features::SUBSCRIPTION_LAGGED),
             };
             scope.next_subscription.set(sub.id + 1);
             let session = session.clone();
@@ -1026,6 +1027,8 @@ struct Subscription {
     id: u64,
     /// The client takes `shard_moved`.
     shard_moved: bool,
+    /// The client takes `subscription_lagged`: end at the first drop.
+    lagged_ends: bool,
 }
 
 impl Subscription {
@@ -1047,7 +1050,10 @@ impl Subscription {
                     }
                     .to_frame(),
                 );
-                let pump = Pump::new(self.key.clone(), start, self.format);
+                let mut pump = Pump::new(self.key.clone(), start, self.format);
+                if self.lagged_ends {
+                    pump = pump.ending_at_drop();
+                }
                 futures_lite::future::or(
                     async {
                         let _ = self.pump(&queue, pump, live, sub_id).await;
@@ -1108,6 +1114,28 @@ impl Subscription {
         let _ = uni.finish();
     }
 
+    /// The subscription could not send `resume_from` (the log no longer holds it): a
+    /// last `subscription_lagged` naming it, then the stream ends.
+    async fn lagged(
+        &self,
+        uni: &mut SendStream,
+        sub_id: SubscriptionId,
+        resume_from: u64,
+    ) -> Result<(), ()> {
+        self.core
+            .metrics
+            .subscriptions_lagged
+            .fetch_add(1, Ordering::Relaxed);
+        let last = Message::SubscriptionLagged {
+            subscription_id: sub_id,
+            resume_from: Offset(resume_from),
+        }
+        .to_frame();
+        uni.write_chunk(last).await.map_err(|_| ())?;
+        let _ = uni.finish();
+        Ok(())
+    }
+
     /// History from the log up to `live`, then live batches, on a broker-opened
     /// unidirectional stream. Err when the client went away.
     async fn pump(
@@ -1128,6 +1156,9 @@ impl Subscription {
         .map_err(|_| ())?;
         // History: never dropped; a slow reader slows the replay.
         self.read_back(&mut uni, &mut pump, live).await?;
+        if let Some(at) = pump.lagged() {
+            return self.lagged(&mut uni, sub_id, at).await;
+        }
         let metrics = &self.core.metrics;
         let lost_inbound = || metrics.deliveries_lost_inbound.load(Ordering::Relaxed);
         let (mut dropped_seen, mut lost_seen) = (queue.dropped.get(), lost_inbound());
@@ -1142,6 +1173,9 @@ impl Subscription {
                 (dropped_seen, lost_seen) = (queue.dropped.get(), lost_inbound());
                 metrics.subscriber_catchups.fetch_add(1, Ordering::Relaxed);
                 self.read_back(&mut uni, &mut pump, u64::MAX).await?;
+                if let Some(at) = pump.lagged() {
+                    return self.lagged(&mut uni, sub_id, at).await;
+                }
             }
             let env = match task::timeout(GAP_CHECK, queue.next()).await {
                 Some(Some(env)) => env,
@@ -1175,8 +1209,13 @@ impl Subscription {
                             frames.clear();
                             metrics.subscriber_catchups.fetch_add(1, Ordering::Relaxed);
                             self.read_back(&mut uni, &mut pump, to).await?;
-                            // What the log no longer holds (retention) is skipped.
+                            // What the log no longer holds (retention) is skipped, or
+                            // ends the subscription.
                             pump.skip_to(to);
+                            if let Some(at) = pump.lagged() {
+                                uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+                                return self.lagged(&mut uni, sub_id, at).await;
+                            }
                         }
                     }
                 }
@@ -1188,15 +1227,25 @@ impl Subscription {
         Ok(())
     }
 
-    /// Writes the committed records `[pump.next(), to)` from the log.
+    /// Writes the committed records `[pump.next(), to)` from the log. What the log no
+    /// longer holds is skipped, or (for a client that takes `subscription_lagged`) ends
+    /// the subscription: see [`Pump::lagged`].
     async fn read_back(&self, uni: &mut SendStream, pump: &mut Pump, to: u64) -> Result<(), ()> {
         let mut frames = Vec::new();
-        while pump.next() < to {
-            let batches = self
+        while pump.next() < to && pump.lagged().is_none() {
+            let batches = match self
                 .core
                 .read(self.key.clone(), pump.next(), HISTORY_READ_BYTES)
                 .await
-                .map_err(|_| ())?;
+            {
+                Ok(b) => b,
+                Err(BrokerError::Cursor { available, .. }) => {
+                    // Retention removed what this subscriber had not read yet.
+                    pump.skip_to(available);
+                    continue;
+                }
+                Err(_) => return Err(()),
+            };
             let done = pump.on_history(&batches, to, &mut frames);
             uni.write_chunks(&mut frames).await.map_err(|_| ())?;
             frames.clear();

@@ -67,7 +67,8 @@ pub const SERVER_FEATURES: Features = Features(
         | Features::CONSUMER_GROUP.0
         | Features::GROUP_DEAD_LETTERS.0
         | Features::GROUP_ADMIN.0
-        | Features::GROUP_CLAIM_CONTROL.0,
+        | Features::GROUP_CLAIM_CONTROL.0
+        | Features::SUBSCRIPTION_LAGGED.0,
 );
 
 /// What a broker following a control plane serves on top: redirects and owners.

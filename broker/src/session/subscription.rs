@@ -25,6 +25,11 @@ pub struct Pump {
     next: u64,
     /// Offsets of generation-start records passed since the last event sent.
     skipped: u64,
+    /// The client takes `subscription_lagged`: the subscription ends at its first drop
+    /// instead of jumping over it.
+    end_at_drop: bool,
+    /// The first offset that could not be sent (the log no longer holds it).
+    lagged: Option<u64>,
 }
 
 /// What to do with a live batch.
@@ -57,7 +62,22 @@ impl Pump {
             format,
             next: start,
             skipped: 0,
+            end_at_drop: false,
+            lagged: None,
         }
+    }
+
+    /// Ends the subscription at its first drop (the client negotiated
+    /// `FEATURE_SUBSCRIPTION_LAGGED`): see [`Pump::lagged`].
+    pub fn ending_at_drop(mut self) -> Pump {
+        self.end_at_drop = true;
+        self
+    }
+
+    /// Where the subscription lagged out: the first offset it could not send. Set only
+    /// when it ends at drops; nothing past it is sent.
+    pub fn lagged(&self) -> Option<u64> {
+        self.lagged
     }
 
     /// The next offset to send.
@@ -81,19 +101,33 @@ impl Pump {
     /// Moves past offsets below `to` that the log no longer holds (retention removed
     /// them while this subscriber lagged): the client sees the jump in offsets.
     pub fn skip_to(&mut self, to: u64) {
-        self.next = self.next.max(to);
+        if to <= self.next {
+            return;
+        }
+        if self.end_at_drop {
+            self.lagged.get_or_insert(self.next);
+        } else {
+            self.next = to;
+        }
     }
 
     /// Takes history read from the log at [`Pump::next`], sending records below `to`;
     /// frames go to `out`. Returns true when nothing below `to` is left to read (an
     /// empty read means the log ends here, or retention removed the rest).
     pub fn on_history(&mut self, batches: &[ReadBatch], to: u64, out: &mut Vec<Bytes>) -> bool {
-        if batches.is_empty() {
+        if batches.is_empty() || self.lagged.is_some() {
             return true;
         }
         for b in batches {
             if b.base_offset >= to || self.next >= to {
                 return true;
+            }
+            if b.base_offset > self.next {
+                // Records before this batch are gone (retention removed them).
+                self.skip_to(b.base_offset);
+                if self.lagged.is_some() {
+                    return true;
+                }
             }
             let end = b.base_offset + b.records.len() as u64;
             if end <= self.next {
@@ -121,6 +155,9 @@ impl Pump {
 
     /// Takes a live batch from the subscriber's queue.
     pub fn on_live(&mut self, env: &Envelope) -> Live {
+        if self.lagged.is_some() {
+            return Live::Stale;
+        }
         if !Arc::ptr_eq(&env.key, &self.key) && *env.key != *self.key {
             return Live::Foreign;
         }
@@ -283,5 +320,46 @@ mod tests {
             "retention removed the rest"
         );
         assert_eq!(p.next(), 3);
+    }
+
+    /// Retention removed `[3, 6)` before this subscriber read it: an old client sees the
+    /// jump in offsets; one that takes `subscription_lagged` gets every record before the
+    /// hole and then the offset it could not send, and nothing after.
+    #[test]
+    fn a_hole_is_skipped_or_ends_the_subscription_where_the_client_takes_lagged() {
+        let k = key(0);
+        let history = [batch(0, 3, BatchKind::Data), batch(6, 4, BatchKind::Data)];
+
+        let mut old = Pump::new(k.clone(), 0, EventFormat::Binary);
+        let mut out = Vec::new();
+        assert!(old.on_history(&history, 10, &mut out));
+        assert_eq!(
+            out.iter().map(events).collect::<Vec<_>>(),
+            vec![(0, 3, None), (6, 4, None)]
+        );
+        assert_eq!((old.next(), old.lagged()), (10, None));
+
+        let mut new = Pump::new(k.clone(), 0, EventFormat::Binary).ending_at_drop();
+        let mut out = Vec::new();
+        assert!(new.on_history(&history, 10, &mut out));
+        assert_eq!(
+            out.iter().map(events).collect::<Vec<_>>(),
+            vec![(0, 3, None)]
+        );
+        assert_eq!((new.next(), new.lagged()), (3, Some(3)));
+        // Nothing more goes out, live or read back.
+        assert_eq!(new.on_live(&env(&k, 10, 2)), Live::Stale);
+        assert!(new.on_history(&[batch(6, 4, BatchKind::Data)], 10, &mut out));
+        assert_eq!(out.len(), 1);
+
+        // A live batch past a hole the log cannot fill (read back found nothing there).
+        let mut live = Pump::new(k.clone(), 3, EventFormat::Binary).ending_at_drop();
+        assert_eq!(live.on_live(&env(&k, 6, 2)), Live::Gap { to: 6 });
+        live.skip_to(6);
+        assert_eq!(live.lagged(), Some(3));
+        let mut skipping = Pump::new(k.clone(), 3, EventFormat::Binary);
+        skipping.skip_to(6);
+        assert!(matches!(skipping.on_live(&env(&k, 6, 2)), Live::Frame(_)));
+        assert_eq!(skipping.next(), 8);
     }
 }
