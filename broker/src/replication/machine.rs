@@ -891,24 +891,18 @@ impl Replica {
                 // removed (committed, so equal everywhere) or that differ from its
                 // committed ones (and so, by log matching, everything of ours after
                 // them does too): start over, empty, at its base.
-                let old = self.log.base;
-                self.ingest = Some(Ingest {
-                    from,
-                    generation,
-                    rest: batches,
-                    end,
-                    commit: commit.min(end),
-                    fetched,
-                    cutting: true,
-                });
-                self.log.cut(old);
-                // What we knew of generations below the new base is stale.
-                self.log.epochs.clear();
-                self.log.base = first;
-                self.log.end = first;
-                self.log.durable = first;
-                self.commit = self.commit.max(first);
-                self.out.push_back(Output::ResetAt { base: first });
+                self.start_over_at(
+                    first,
+                    Ingest {
+                        from,
+                        generation,
+                        rest: batches,
+                        end,
+                        commit: commit.min(end),
+                        fetched,
+                        cutting: true,
+                    },
+                );
                 if prev_generation != BELOW_BASE && prev_generation != 0 {
                     self.log.epochs.insert(first - 1, prev_generation);
                     let keep = self.epochs_through(first);
@@ -1023,16 +1017,26 @@ impl Replica {
             return;
         }
         // Everything we hold is below the leader's base: start over, empty, at it.
+        self.start_over_at(
+            base,
+            Ingest {
+                from,
+                generation,
+                rest: Vec::new(),
+                end: base,
+                commit: base,
+                fetched: false,
+                cutting: true,
+            },
+        );
+    }
+
+    /// Drops the whole log and starts it over, empty, at `base` (everything below is
+    /// committed and gone at the sender), then stores what `ingest` carries. What we
+    /// knew of generations below the new base is stale.
+    fn start_over_at(&mut self, base: u64, ingest: Ingest) {
+        self.ingest = Some(ingest);
         let old = self.log.base;
-        self.ingest = Some(Ingest {
-            from,
-            generation,
-            rest: Vec::new(),
-            end: base,
-            commit: base,
-            fetched: false,
-            cutting: true,
-        });
         self.log.cut(old);
         self.log.epochs.clear();
         self.log.base = base;
