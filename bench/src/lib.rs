@@ -2,6 +2,7 @@
 //! the same run. See `docs/benchmarks.md` for the method.
 
 pub mod broker;
+pub mod cache;
 pub mod client;
 pub mod compare;
 pub mod drivers;

@@ -102,6 +102,25 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         rounds: usize,
     },
+    /// Caches and counters, durable, against Redis with `appendfsync always`: put, get
+    /// and increment throughput, latency and server CPU per operation.
+    Cache {
+        /// Brokers to drive (`felix`, `redis`).
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "felix,redis")]
+        peers: Vec<felix_bench::compare::Peer>,
+        /// Requests in flight on the one connection.
+        #[arg(long, value_delimiter = ',', default_value = "1,64")]
+        windows: Vec<usize>,
+        /// Operations per cell.
+        #[arg(long, default_value_t = 20_000)]
+        ops: usize,
+        /// Repetitions (medians are reported).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Our broker's cores (`0`: the connection always lands on the cache's core).
+        #[arg(long, default_value = "0-1")]
+        cores: String,
+    },
     /// Broker: 1 KiB records, batch 1 and 64, fanout 1 and 10; ack and delivery latency.
     Broker {
         /// `on-commit`, `periodic:<ms>` or `none`.
@@ -170,6 +189,19 @@ fn main() -> anyhow::Result<()> {
             println!(
                 "{}",
                 felix_bench::queue::run(&peers, &consumers, records, batch, rounds)?
+            );
+            Ok(())
+        }
+        Command::Cache {
+            peers,
+            windows,
+            ops,
+            rounds,
+            cores,
+        } => {
+            println!(
+                "{}",
+                felix_bench::cache::run(&peers, &windows, ops, rounds, &cores)?
             );
             Ok(())
         }
