@@ -593,9 +593,11 @@ type Registered = (u64, Duration, Instant, Option<Duration>);
 fn register(
     cp: &ControlPlaneClient,
     node_id: &str,
+    instance: &str,
     addrs: Addrs,
 ) -> Result<Registered, ClientError> {
-    let mut body = json!({"node_id": node_id, "client_addr": addrs.client.to_string()});
+    let mut body = json!({"node_id": node_id, "client_addr": addrs.client.to_string(),
+                          "instance_id": instance});
     if let Some(peer) = addrs.peer {
         body["advertise_addr"] = json!(peer.to_string());
     }
@@ -635,6 +637,7 @@ pub fn join(
     cluster: Arc<Cluster>,
     catalog: Arc<Catalog>,
     keys: Arc<ArcSwap<TenantKeys>>,
+    instance: &str,
     patience: Duration,
 ) -> anyhow::Result<()> {
     let node_id = cluster.node_id.clone();
@@ -646,7 +649,7 @@ pub fn join(
         peer: settings.peer_advertise_addr,
     };
     let (incarnation, interval) = loop {
-        match register(&cp, node_id, addrs) {
+        match register(&cp, node_id, instance, addrs) {
             Ok((incarnation, interval, sent, expiry)) => {
                 if let Some(expiry) = expiry {
                     cluster.renew_lease(sent, expiry);
@@ -685,10 +688,11 @@ pub fn join(
     tracing::info!(node_id, incarnation, url = %settings.url, "joined the cluster");
 
     {
-        let (cp, cluster, node_id) = (cp.clone(), cluster.clone(), node_id.to_owned());
+        let (cp, cluster) = (cp.clone(), cluster.clone());
+        let who = (node_id.to_owned(), instance.to_owned());
         std::thread::Builder::new()
             .name("felix-heartbeat".into())
-            .spawn(move || heartbeat_loop(&cp, &cluster, &node_id, addrs, incarnation, interval))?;
+            .spawn(move || heartbeat_loop(&cp, &cluster, &who, addrs, incarnation, interval))?;
     }
     std::thread::Builder::new().name("felix-follow".into()).spawn(move || {
         let mut cp = cp;
@@ -732,7 +736,7 @@ pub fn join(
 fn heartbeat_loop(
     cp: &ControlPlaneClient,
     cluster: &Cluster,
-    node_id: &str,
+    (node_id, instance): &(String, String),
     addrs: Addrs,
     mut incarnation: u64,
     interval: Duration,
@@ -759,10 +763,12 @@ fn heartbeat_loop(
                     tracing::debug!(error = %e, "replica report");
                 }
             }
-            // Declared down (or replaced): register again, as a new incarnation.
+            // Declared down (or replaced): register again, as a new incarnation. While
+            // another broker holds this node id the control plane refuses that, no
+            // heartbeat renews the lease, and this broker stops writing as it runs out.
             Err(ClientError::Api {
                 status: 409 | 404, ..
-            }) => match register(cp, node_id, addrs) {
+            }) => match register(cp, node_id, instance, addrs) {
                 Ok((i, _, sent, expiry)) => {
                     if let Some(expiry) = expiry {
                         cluster.renew_lease(sent, expiry);

@@ -122,6 +122,20 @@ fn reset_secret(data_dir: &std::path::Path) -> anyhow::Result<[u8; 32]> {
     Ok(secret)
 }
 
+/// This broker process's identity towards the control plane: derived from the reset
+/// secret, so it is the same across restarts over one data directory and different for
+/// a broker started elsewhere under the same node id (which the control plane refuses
+/// while this one heartbeats). The secret itself never leaves the machine.
+fn instance_id(secret: &[u8; 32]) -> String {
+    let mut input = b"felix node instance\0".to_vec();
+    input.extend_from_slice(secret);
+    let d = ring::digest::digest(&ring::digest::SHA256, &input);
+    d.as_ref()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// Starts a broker with TLS material and verification keys already resolved.
 pub fn start(
     config: &BrokerConfig,
@@ -453,6 +467,7 @@ pub fn start(
             cluster.clone(),
             shared.catalog.clone(),
             keys.clone(),
+            &instance_id(&reset_secret),
             Duration::from_secs(30),
         )
     {

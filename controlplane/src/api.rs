@@ -1158,11 +1158,11 @@ async fn register_node(
         ));
     }
     let existing = st.store.get(Kind::Node, &reg.node_id).await?;
-    let incarnation = existing
-        .as_ref()
-        .map(to::<Node>)
-        .transpose()?
-        .map_or(1, |n| n.incarnation + 1);
+    let previous = existing.as_ref().map(to::<Node>).transpose()?;
+    if let Some(old) = &previous {
+        in_use_by_another(old, &reg, liveness_ms(), st.config.down_after())?;
+    }
+    let incarnation = previous.map_or(1, |n| n.incarnation + 1);
     let node = Node {
         registration: reg,
         lifecycle: Lifecycle::Live,
@@ -1180,6 +1180,40 @@ async fn register_node(
     let mut answer = val(&node);
     add_timing(&mut answer, &st.config);
     Ok((StatusCode::OK, Json(answer)))
+}
+
+/// Refuses a registration of `old`'s id by a different broker process while `old`
+/// may still hold its lease (live or draining, heard from within `down_after`): two
+/// brokers under one id would both believe they lead that node's shards. The same
+/// process registering again (a restart over the same data directory) is a new
+/// incarnation as before; so is anyone once the old one has been silent long enough to
+/// be declared down. Registrations without an instance id are not checked.
+fn in_use_by_another(
+    old: &Node,
+    reg: &NodeRegistration,
+    now_ms: u64,
+    down_after: Duration,
+) -> ApiResult<()> {
+    let (Some(theirs), Some(ours)) = (&old.registration.instance_id, &reg.instance_id) else {
+        return Ok(());
+    };
+    let silent_ms = now_ms.saturating_sub(old.last_heartbeat_ms);
+    if theirs == ours
+        || !matches!(old.lifecycle, Lifecycle::Live | Lifecycle::Draining)
+        || silent_ms >= down_after.as_millis() as u64
+    {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        "node_id_in_use",
+        format!(
+            "node id {} is held by another broker (instance {theirs}, heard from {silent_ms} ms ago); \
+             give this one its own node id, or stop the other and retry after {} ms",
+            reg.node_id,
+            down_after.as_millis() as u64 - silent_ms
+        ),
+    ))
 }
 
 async fn get_node(

@@ -207,6 +207,11 @@ pub struct NodeRegistration {
     /// Capacity.
     #[serde(default)]
     pub capacity: Capacity,
+    /// Which broker process holds this id: an identity kept in its data directory, the
+    /// same across its restarts. A second broker started with the same node id is
+    /// refused while the first still heartbeats.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
 }
 
 fn default_region() -> String {

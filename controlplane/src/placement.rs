@@ -636,6 +636,7 @@ mod tests {
                         advertise_addr: None,
                         region: "default".into(),
                         capacity: Capacity::default(),
+                        instance_id: None,
                     },
                     lifecycle: Lifecycle::Live,
                     incarnation: 1,

@@ -644,6 +644,28 @@ fn scenario(svc: &Service) {
     expect_err(node_a.get("/v1/nodes/node-z"), 404);
     expect_err(acme_admin.get("/v1/nodes"), 403);
 
+    // A second broker under a live node's id is refused while the first may still hold
+    // its lease; the same instance registering again (its restart) is a new incarnation;
+    // once the first has been silent past the down timeout, the id is free.
+    let reg = |instance: &str| {
+        admin.post(
+            "/v1/nodes",
+            &json!({"node_id": "node-c", "instance_id": instance}),
+        )
+    };
+    let first = reg("i-1").unwrap()["incarnation"].as_u64().unwrap();
+    let (code, _) = expect_err(reg("i-2"), 409);
+    assert_eq!(code.as_deref(), Some("node_id_in_use"));
+    assert_eq!(reg("i-1").unwrap()["incarnation"].as_u64(), Some(first + 1));
+    assert_eq!(admin.get("/v1/nodes/node-c").unwrap()["instance_id"], "i-1");
+    let heard = admin.get("/v1/nodes/node-c").unwrap()["last_heartbeat_ms"]
+        .as_u64()
+        .unwrap();
+    silence(svc, "node-c", heard - 500);
+    expect_err(reg("i-2"), 409);
+    silence(svc, "node-c", heard - 1300);
+    assert_eq!(reg("i-2").unwrap()["incarnation"].as_u64(), Some(first + 2));
+
     // Placement: 4 + 2 shards over two ready nodes, balanced, never on node-c.
     let snap0 = node_a.get("/v1/shard-assignments/snapshot").unwrap();
     assert!(snap0["items"].as_array().unwrap().is_empty());

@@ -541,3 +541,144 @@ fn felix_stream_create_and_list_go_through_the_control_plane() -> anyhow::Result
     assert_eq!(nowhere.status.code(), Some(2));
     Ok(())
 }
+
+/// Two brokers started under one node id would both believe they lead that node's
+/// shards. The control plane refuses the second while the first heartbeats (it is a
+/// different process: another data directory, so another instance id), the second
+/// exits with the reason, and the first keeps its registration and its shards. Once the
+/// first is gone and silent past the down timeout, the id is free (a replaced disk).
+#[test]
+fn a_second_broker_under_a_live_node_id_is_refused_and_the_first_keeps_its_shards()
+-> anyhow::Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("felix-cluster")
+        .tempdir_in("/var/tmp")?;
+    let cp = ControlPlaneProcess::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        &[
+            "--bootstrap-token",
+            BOOTSTRAP,
+            "--heartbeat-interval-ms",
+            "200",
+            "--expiry-timeout-ms",
+            "1500",
+            "--placement-interval-ms",
+            "200",
+        ],
+    )?;
+    let anon = ControlPlaneClient::new(&cp.url, None)?;
+    let boot = anon.post_with(
+        "/internal/bootstrap",
+        &json!({}),
+        &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+    )?;
+    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    admin.post("/v1/tenants", &json!({"tenant_id": "acme"}))?;
+    admin.post(
+        "/v1/tenants/acme/namespaces",
+        &json!({"namespace": "payments"}),
+    )?;
+    admin.post(
+        "/v1/tenants/acme/namespaces/payments/streams",
+        &json!({"stream": "orders", "kind": "Stream", "shards": 2}),
+    )?;
+    let certs = ClusterCerts::write(dir.path())?;
+    let binary = Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test"));
+    let node_token = token(
+        &admin,
+        "operator",
+        json!({"sub": "node-a", "audience": "felix-controlplane", "perms": ["node.manage:node:node-a", "node.view:cluster:*"]}),
+    );
+    let config = broker_config(dir.path(), &certs, &cp.url, "node-a", &node_token);
+    let mut first =
+        BrokerProcess::start_serve(binary, &dir.path().join("first"), &config, free_udp_addr()?)?;
+    wait_for("2 shards on node-a", Duration::from_secs(20), || {
+        let l = leaders(&admin);
+        (l.len() == 2 && l.values().all(|n| n == "node-a")).then_some(())
+    })?;
+    let before = admin.get("/v1/nodes/node-a")?;
+    assert!(
+        before["instance_id"]
+            .as_str()
+            .is_some_and(|i| i.len() == 32),
+        "{before}"
+    );
+
+    // The impostor: same config and node id, its own data directory and port.
+    let second_dir = dir.path().join("second");
+    let second_listen = free_udp_addr()?;
+    let serve = |data: &Path| {
+        std::process::Command::new(binary)
+            .args(["serve", "--config"])
+            .arg(&config)
+            .arg("--data-dir")
+            .arg(data)
+            .args([
+                "--listen",
+                &second_listen.to_string(),
+                "--http",
+                "127.0.0.1:0",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+    };
+    let mut impostor = serve(&second_dir)?;
+    let status = wait_for("the impostor exits", Duration::from_secs(20), || {
+        impostor.try_wait().ok().flatten()
+    });
+    let status = match status {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = impostor.kill();
+            let _ = impostor.wait();
+            return Err(e.context("a second broker under node-a kept running"));
+        }
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut impostor.stderr.take().unwrap(), &mut stderr)?;
+    assert!(!status.success(), "refused, so a failed start: {status}");
+    assert!(
+        stderr.contains("node_id_in_use") || stderr.contains("held by another broker"),
+        "the reason is given: {stderr}"
+    );
+
+    // Longer than the expiry: the first kept its registration, heartbeats and shards.
+    std::thread::sleep(Duration::from_secs(2));
+    let after = admin.get("/v1/nodes/node-a")?;
+    assert_eq!(
+        (
+            &after["instance_id"],
+            &after["incarnation"],
+            &after["lifecycle"],
+            &after["client_addr"]
+        ),
+        (
+            &before["instance_id"],
+            &before["incarnation"],
+            &json!("live"),
+            &before["client_addr"]
+        ),
+        "the first broker's registration is untouched"
+    );
+    assert!(leaders(&admin).values().all(|n| n == "node-a"));
+    assert!(first.exit_status().is_none(), "the first broker still runs");
+
+    // The first gone and silent past the down timeout: the id is free again.
+    first.kill();
+    std::thread::sleep(Duration::from_millis(2500));
+    let replacement = BrokerProcess::start_serve(binary, &second_dir, &config, second_listen)?;
+    let now = wait_for(
+        "the replacement registered",
+        Duration::from_secs(20),
+        || {
+            admin
+                .get("/v1/nodes/node-a")
+                .ok()
+                .filter(|n| n["instance_id"] != before["instance_id"] && n["lifecycle"] == "live")
+        },
+    )?;
+    assert_eq!(now["client_addr"], json!(second_listen.to_string()));
+    drop(replacement);
+    Ok(())
+}
