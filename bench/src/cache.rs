@@ -65,13 +65,16 @@ pub struct CacheCell {
 }
 
 /// Runs every cell for `peers` with each window; prints a table and, per cell, ours
-/// against Redis. `ops`: operations per cell; `cores`: our broker's. Medians of `rounds`.
+/// against Redis. `ops`: operations per cell; `cores`: our broker's; `cross_core`: our
+/// connection is opened again until it lands on a core other than the cache shard's
+/// (the case load following moves the shard for). Medians of `rounds`.
 pub fn run(
     peers: &[Peer],
     windows: &[usize],
     ops: usize,
     rounds: usize,
     cores: &str,
+    cross_core: bool,
 ) -> anyhow::Result<String> {
     anyhow::ensure!(
         !peers.contains(&Peer::Nats),
@@ -91,7 +94,14 @@ pub fn run(
     for round in 0..rounds.max(1) {
         eprintln!("round {} of {}", round + 1, rounds.max(1));
         for &peer in peers {
-            let results = rt.block_on(one_server(peer, windows, ops, cores, bins.as_ref()))?;
+            let results = rt.block_on(one_server(
+                peer,
+                windows,
+                ops,
+                cores,
+                cross_core,
+                bins.as_ref(),
+            ))?;
             for (op, window, cell) in results {
                 eprintln!(
                     "  {peer:?} {op:?} window {window}: {:.0} ops/s, p50 {:.0} µs p99 {:.0} µs, cpu {} µs/op",
@@ -195,13 +205,52 @@ async fn one_server(
     windows: &[usize],
     ops: usize,
     cores: &str,
+    cross_core: bool,
     bins: Option<&PeerBinaries>,
 ) -> anyhow::Result<Vec<(Op, usize, CacheCell)>> {
     let mut out = Vec::new();
     match peer {
         Peer::Felix => {
             let b = LocalBroker::start(Some(cores), "on-commit")?;
-            let mut conn = FelixConn::open(&b.target).await?;
+            let shared = b.shared().context("an in-process broker")?;
+            let key = felix_core_runtime::placement::ShardKey {
+                kind: felix_core_runtime::placement::ShardKind::Cache,
+                tenant: b.target.tenant.clone(),
+                namespace: "default".into(),
+                name: "bench".into(),
+                shard: 0,
+            };
+            let shard_core = shared.placement.core_for(&key).index();
+            let connections = || -> Vec<u64> {
+                shared
+                    .metrics
+                    .iter()
+                    .map(|m| m.connections.load(std::sync::atomic::Ordering::Relaxed))
+                    .collect()
+            };
+            // Earlier connections stay open while trying again, so the core whose count
+            // grew is the new one's.
+            let mut tried = Vec::new();
+            let (mut conn, mut conn_core) = loop {
+                let before = connections();
+                let conn = FelixConn::open(&b.target).await?;
+                let core = connections()
+                    .iter()
+                    .zip(&before)
+                    .position(|(a, b)| a > b)
+                    .unwrap_or(usize::MAX);
+                if !cross_core || core != shard_core || tried.len() >= 20 {
+                    break (conn, core);
+                }
+                tried.push(conn);
+            };
+            drop(tried);
+            if conn_core == usize::MAX {
+                conn_core = shard_core;
+            }
+            eprintln!(
+                "  ours: connection on core {conn_core}, cache shard on core {shard_core} at the start"
+            );
             let metrics = FelixDriver {
                 target: b.target.clone(),
                 shared: b.shared(),

@@ -120,6 +120,10 @@ enum Command {
         /// Our broker's cores (`0`: the connection always lands on the cache's core).
         #[arg(long, default_value = "0-1")]
         cores: String,
+        /// Open our connection on a core other than the cache shard's (reconnecting
+        /// until it lands there): the case load following is for.
+        #[arg(long)]
+        cross_core: bool,
     },
     /// Broker: 1 KiB records, batch 1 and 64, fanout 1 and 10; ack and delivery latency.
     Broker {
@@ -198,10 +202,11 @@ fn main() -> anyhow::Result<()> {
             ops,
             rounds,
             cores,
+            cross_core,
         } => {
             println!(
                 "{}",
-                felix_bench::cache::run(&peers, &windows, ops, rounds, &cores)?
+                felix_bench::cache::run(&peers, &windows, ops, rounds, &cores, cross_core)?
             );
             Ok(())
         }

@@ -86,7 +86,7 @@ fn the_confined_cell_runs_with_the_load_on_its_own_cpu() {
 fn the_cache_cells_run_against_ours_and_redis_and_check_their_answers() {
     // Each cell checks every answer (a get returns the value put) and ends by reading
     // the counters back: they must hold exactly the increments sent.
-    let md = felix_bench::cache::run(&[Peer::Felix, Peer::Redis], &[1, 8], 300, 1, "0-1")
+    let md = felix_bench::cache::run(&[Peer::Felix, Peer::Redis], &[1, 8], 300, 1, "0-1", true)
         .unwrap_or_else(|e| panic!("the cache cells failed: {e:#}"));
     for op in ["Put", "Get", "Incr"] {
         for window in [1, 8] {

@@ -99,6 +99,8 @@ pub struct FileConfig {
     pub spin_us: Option<u64>,
     /// Without fsync on commit: microseconds a log lets appends gather before writing.
     pub write_linger_us: Option<u64>,
+    /// Move an unpinned shard to the core its requests arrive on (default true).
+    pub follow_load: Option<bool>,
     /// A connection with no authenticated stream is closed after this (0: never).
     pub auth_timeout_ms: Option<u64>,
     /// A connection silent this long is closed, and its subscriptions end.
@@ -234,6 +236,8 @@ pub struct BrokerConfig {
     pub spin: Option<std::time::Duration>,
     /// Without fsync on commit: how long a log lets appends gather before writing.
     pub write_linger: std::time::Duration,
+    /// Move an unpinned shard to the core its requests arrive on (`core/follow.rs`).
+    pub follow_load: bool,
     /// Control-plane following, when configured.
     pub cluster: Option<ClusterSettings>,
     /// Per-connection bounds.
@@ -771,6 +775,18 @@ impl BrokerConfig {
                     });
                 }
                 std::time::Duration::from_micros(us)
+            },
+            follow_load: {
+                let l = layer(
+                    "follow_load",
+                    "FELIX_FOLLOW_LOAD",
+                    file.follow_load.map(|b| b.to_string()),
+                    None,
+                );
+                match l.value {
+                    Some(v) => parse::<bool>("follow_load", l.source, &v)?,
+                    None => true,
+                }
             },
             cluster,
         })

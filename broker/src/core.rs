@@ -420,6 +420,8 @@ pub struct CoreMetrics {
     pub requests_passed_on: AtomicU64,
     /// Shards moved to this core by live re-pins.
     pub shards_moved_in: AtomicU64,
+    /// Automatic re-pins this core applied (load following; the coordinator's only).
+    pub follow_moves: AtomicU64,
     /// CPU time this core's thread has used, nanoseconds (sampled every 250 ms).
     pub cpu_ns: AtomicU64,
     /// Batches waiting in this core's subscriber queues (sampled).
@@ -489,8 +491,16 @@ pub struct Shared {
     /// The receiving end, taken by the first core to start.
     pub repin_jobs:
         std::sync::Mutex<Option<futures_channel::mpsc::UnboundedReceiver<moves::RepinJob>>>,
+    /// Move unpinned shards to the core their requests arrive on (`core/follow.rs`).
+    pub follow_load: bool,
+    /// Each core's request counts per shard since its last report, for load following.
+    pub load_reports: std::sync::Mutex<Vec<follow::LoadReport>>,
+    /// The rules load following added (the others are operators'), newest first.
+    pub auto_pins: std::sync::Mutex<Vec<felix_core_runtime::placement::PinRule>>,
 }
 
+#[path = "core/follow.rs"]
+pub mod follow;
 #[path = "core/idempotent.rs"]
 mod idempotent;
 #[path = "core/moves.rs"]
@@ -623,6 +633,9 @@ pub struct CoreBroker {
     moving: RefCell<Option<moves::MoveState>>,
     /// Shards just handed over by another core, to open without re-checking every batch.
     handed_over: RefCell<std::collections::HashSet<Arc<ShardKey>>>,
+    /// Per shard since the last load report: small requests this core received for it
+    /// and, for shards it owns, small deliveries it sent to each core (index = core).
+    load: RefCell<HashMap<Arc<ShardKey>, Vec<u32>>>,
 }
 
 impl std::fmt::Debug for CoreBroker {
@@ -708,6 +721,7 @@ impl CoreBroker {
             keys_changed: crate::groups::Wakers::default(),
             moving: RefCell::default(),
             handed_over: RefCell::default(),
+            load: RefCell::default(),
         })
     }
 
@@ -1042,6 +1056,7 @@ impl CoreBroker {
         records: Vec<Bytes>,
         idempotent: Option<(u64, u64)>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
+        self.note_load(&key, self.core, records.len());
         let owner = self.owner(&key);
         if owner == self.core && self.held(&key) {
             let k = key.clone();
@@ -1391,8 +1406,10 @@ impl CoreBroker {
         if !shard.has_subscribers() {
             return;
         }
+        let count = records.len();
         let env = Arc::new(Envelope::new(shard.key.clone(), appended.first, records));
         for core in shard.interested_cores() {
+            self.note_load(&shard.key, core, count);
             if core == self.core {
                 self.deliver_local(&shard.key, &env);
             } else {
@@ -2032,6 +2049,7 @@ impl CoreBroker {
         op: CacheOp,
     ) -> Result<CacheAnswer, BrokerError> {
         self.metrics.cache_ops.fetch_add(1, Ordering::Relaxed);
+        self.note_load(&key, self.core, 1);
         let owner = self.owner(&key);
         if owner == self.core && self.held(&key) {
             let k = key.clone();

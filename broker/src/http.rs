@@ -147,6 +147,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.shards_moved_in.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_follow_load_moves_total",
+        "counter",
+        "Shards re-pinned automatically to the core their requests arrive on (counted by the core that applies re-pins).",
+        |m| m.follow_moves.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_subscriber_queued_batches",
         "gauge",
         "Batches waiting in this core's subscriber queues (sampled).",
@@ -505,7 +511,11 @@ async fn pin(State(shared): State<Arc<Shared>>, axum::Json(body): axum::Json<Pin
         Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
     };
     let (tx, rx) = futures_channel::oneshot::channel();
-    let job = crate::core::moves::RepinJob { rule, answer: tx };
+    let job = crate::core::moves::RepinJob {
+        rule,
+        auto: false,
+        answer: tx,
+    };
     if shared.repins.unbounded_send(job).is_err() {
         return (StatusCode::SERVICE_UNAVAILABLE, "the broker is stopping\n").into_response();
     }

@@ -294,6 +294,9 @@ pub fn start(
         panic_core: std::sync::atomic::AtomicI64::new(-1),
         repins,
         repin_jobs: Mutex::new(Some(repin_jobs)),
+        follow_load: config.follow_load,
+        load_reports: Mutex::default(),
+        auto_pins: Mutex::default(),
     });
     let http = match config.http {
         Some(addr) => Some(crate::http::spawn(addr, shared.clone())?),
@@ -374,6 +377,7 @@ pub fn start(
                 core.start_housekeeping();
                 core.start_replication();
                 core.start_repins();
+                core.start_load_reports();
                 let internal_ep = match internal.as_deref() {
                     None => None,
                     Some(i) => match Endpoint::bind(

@@ -71,7 +71,8 @@ pub struct PinRule {
 }
 
 impl PinRule {
-    fn matches(&self, key: &ShardKey) -> bool {
+    /// Whether this rule decides `key`'s core (when no rule before it does).
+    pub fn matches(&self, key: &ShardKey) -> bool {
         self.tenant.as_ref().is_none_or(|t| *t == key.tenant)
             && self.namespace.as_ref().is_none_or(|n| *n == key.namespace)
             && self.name.as_ref().is_none_or(|n| *n == key.name)

@@ -635,3 +635,161 @@ fn a_subscriber_behind_retention_ends_with_subscription_lagged_at_its_first_miss
         );
     });
 }
+
+/// A per-core value of a metric (`name{core="i"} v`).
+fn per_core(b: &BrokerProcess, name: &str) -> Vec<u64> {
+    let (_, body) = b.http_get("/metrics").unwrap();
+    let mut v = vec![0; 2];
+    for l in body.lines().filter(|l| l.starts_with(&format!("{name}{{"))) {
+        let core = l
+            .split("core=\"")
+            .nth(1)
+            .and_then(|r| r.split('"').next())
+            .and_then(|c| c.parse::<usize>().ok());
+        if let (Some(c), Some(n)) = (core, l.rsplit(' ').next().and_then(|n| n.parse().ok()))
+            && c < v.len()
+        {
+            v[c] = n;
+        }
+    }
+    v
+}
+
+/// One producer on one connection whose stream's shard another core owns: every publish
+/// crosses the mesh until load following moves the shard to the connection's core, within
+/// seconds; then none does, and every record is in the log once, in order. A shard an
+/// operator pinned stays where the operator put it under the same load.
+#[test]
+fn a_shard_follows_its_producer_to_its_core_unless_an_operator_pinned_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "",
+        &["--fsync", "none", "--cores", "0-1", "--shards", "1"],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // Connections until one lands on the core that does not own `followed`/0 (the
+        // earlier ones stay open, so the core whose count grew is the new one's).
+        let first = client(&b).await;
+        first
+            .publish(
+                "dev",
+                "default",
+                "followed",
+                b"0".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        let (owner, _) = owner_core(&b, "followed");
+        let mut kept = vec![first];
+        let (c, core) = loop {
+            let before = per_core(&b, "felix_broker_connections");
+            let c = client(&b).await;
+            let after = per_core(&b, "felix_broker_connections");
+            let core = (0..2).find(|&i| after[i] > before[i]).unwrap() as u64;
+            if core != owner {
+                break (c, core);
+            }
+            assert!(
+                kept.len() < 30,
+                "no connection landed on core {}",
+                1 - owner
+            );
+            kept.push(c);
+        };
+        drop(kept);
+
+        let mut sent = vec![b"0".to_vec()];
+        let hops_at_start = b.metric("felix_broker_mesh_hop_seconds_count").unwrap();
+        let started = Instant::now();
+        while owner_core(&b, "followed").0 != core {
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "the shard stayed on core {owner} while every publish came from core {core}"
+            );
+            for _ in 0..50 {
+                let p = format!("{}", sent.len()).into_bytes();
+                c.publish("dev", "default", "followed", p.clone(), AckMode::PerMessage)
+                    .await
+                    .unwrap();
+                sent.push(p);
+            }
+        }
+        let moved_after = started.elapsed();
+        assert!(
+            b.metric("felix_broker_mesh_hop_seconds_count").unwrap() > hops_at_start,
+            "publishes crossed cores before the move"
+        );
+        assert_eq!(b.metric("felix_broker_follow_load_moves_total").unwrap(), 1);
+        // Moved: the next publishes are served where they arrive.
+        let hops = b.metric("felix_broker_mesh_hop_seconds_count").unwrap();
+        for _ in 0..300 {
+            let p = format!("{}", sent.len()).into_bytes();
+            c.publish("dev", "default", "followed", p.clone(), AckMode::PerMessage)
+                .await
+                .unwrap();
+            sent.push(p);
+        }
+        assert_eq!(
+            b.metric("felix_broker_mesh_hop_seconds_count").unwrap(),
+            hops,
+            "no publish crosses cores once the shard follows its producer"
+        );
+        let mut sub = c
+            .subscribe_from("dev", "default", "followed", Some(StartPosition::Earliest))
+            .await
+            .unwrap();
+        for (i, want) in sent.iter().enumerate() {
+            let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                .await
+                .expect("every record comes back")
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                (e.offset, e.payload.as_ref()),
+                (Some(i as u64), want.as_slice()),
+                "record {i} once, in order"
+            );
+        }
+        eprintln!(
+            "moved after {moved_after:?} and {} publishes",
+            sent.len() - 300
+        );
+
+        // An operator's pin on the other core holds under the same load.
+        c.publish(
+            "dev",
+            "default",
+            "pinned",
+            b"x".to_vec(),
+            AckMode::PerMessage,
+        )
+        .await
+        .unwrap();
+        let away = 1 - core;
+        let (status, body) = felix_client::ops::http(
+            &b.http.to_string(),
+            "POST",
+            "/pins",
+            Some(&json!({ "rule": format!("dev/default/pinned/0={away}") }).to_string()),
+        )
+        .unwrap();
+        assert_eq!(status, 200, "{body}");
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(3) {
+            c.publish(
+                "dev",
+                "default",
+                "pinned",
+                b"x".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        }
+        assert_eq!(owner_core(&b, "pinned").0, away, "the operator's pin holds");
+        assert_eq!(b.metric("felix_broker_follow_load_moves_total").unwrap(), 1);
+    });
+}

@@ -114,6 +114,9 @@ pub enum MoveAnswer {
 pub struct RepinJob {
     /// The rule (it wins over every rule before it).
     pub rule: PinRule,
+    /// Made by load following (`core/follow.rs`), not by an operator: applied only
+    /// while no operator rule matches its shard, and never saved.
+    pub auto: bool,
     /// Where the outcome goes.
     pub answer: oneshot::Sender<Result<RepinReport, BrokerError>>,
 }
@@ -294,6 +297,7 @@ impl CoreBroker {
         else {
             return;
         };
+        self.start_follow_load();
         let this = Rc::downgrade(self);
         task::spawn(async move {
             while let Some(job) = jobs.next().await {
@@ -302,16 +306,31 @@ impl CoreBroker {
                     let _ = job.answer.send(Err(BrokerError::Draining));
                     continue;
                 }
-                let r = core.repin(job.rule).await;
+                let r = core.repin(job.rule, job.auto).await;
                 let _ = job.answer.send(r);
             }
         })
         .detach();
     }
 
-    /// Applies `rule` to the running broker, moving every shard it re-homes.
-    async fn repin(self: &Rc<Self>, rule: PinRule) -> Result<RepinReport, BrokerError> {
+    /// Applies `rule` to the running broker, moving every shard it re-homes. An
+    /// automatic rule (`auto`) is dropped when an operator's rule matches its shard by
+    /// now, and is not saved.
+    async fn repin(self: &Rc<Self>, rule: PinRule, auto: bool) -> Result<RepinReport, BrokerError> {
         let old = self.shared.placement.load();
+        if auto {
+            let autos = self
+                .shared
+                .auto_pins
+                .lock()
+                .expect("auto pins lock")
+                .clone();
+            if super::follow::operator_pinned(&old, &autos, &rule) {
+                return Err(BrokerError::InvalidRequest(format!(
+                    "{rule}: an operator pinned these shards"
+                )));
+            }
+        }
         let new = old
             .with_rule(rule.clone())
             .map_err(|e| BrokerError::InvalidRequest(e.to_string()))?;
@@ -389,15 +408,26 @@ impl CoreBroker {
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
         let taken = Instant::now();
         let hold_ms = ms(swapped, taken);
-        // The move is done either way; a pin that could not be saved is said so.
-        let persisted = match self.persist_pin(&rule).await {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::error!(rule = %rule, error = %e, "saving a live pin; it holds until restart");
-                false
+        {
+            let mut autos = self.shared.auto_pins.lock().expect("auto pins lock");
+            autos.retain(|a| !a.same_pattern(&rule));
+            if auto {
+                autos.insert(0, rule.clone());
             }
-        };
-        tracing::info!(rule = %rule, shards = moves.len(), hold_ms, "re-pinned");
+        }
+        // The move is done either way; a pin that could not be saved is said so.
+        let persisted = !auto
+            && match self.persist_pin(&rule).await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::error!(rule = %rule, error = %e, "saving a live pin; it holds until restart");
+                    false
+                }
+            };
+        if auto {
+            self.metrics.follow_moves.fetch_add(1, Ordering::Relaxed);
+        }
+        tracing::info!(rule = %rule, auto, shards = moves.len(), hold_ms, "re-pinned");
         Ok(RepinReport {
             version,
             rule: rule.to_string(),
