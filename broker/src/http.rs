@@ -573,7 +573,15 @@ async fn cores(State(shared): State<Arc<Shared>>) -> Response {
 
 async fn placement(State(shared): State<Arc<Shared>>) -> Response {
     let table = shared.placement.load();
+    let autos = shared.auto_pins.lock().expect("auto pins lock").clone();
     let rules: Vec<String> = table.rules().iter().map(ToString::to_string).collect();
+    // The rules load following added (`core/follow.rs`); the others are operators'.
+    let automatic: Vec<String> = table
+        .rules()
+        .iter()
+        .filter(|r| autos.contains(r))
+        .map(ToString::to_string)
+        .collect();
     let mut owners = Vec::new();
     for (name, spec) in shared.catalog.streams() {
         let mut parts = name.splitn(3, '/');
@@ -590,10 +598,13 @@ async fn placement(State(shared): State<Arc<Shared>>) -> Response {
                 name: s.into(),
                 shard,
             };
-            owners.push(serde_json::json!({"stream": name, "shard": shard, "core": table.core_for(&key).index(), "pinned": table.pinned(&key)}));
+            let rule = crate::core::follow::rule_for(&key, table.core_for(&key));
+            let pinned = crate::core::follow::operator_pinned(&table, &autos, &rule);
+            let followed = !pinned && autos.contains(&rule);
+            owners.push(serde_json::json!({"stream": name, "shard": shard, "core": table.core_for(&key).index(), "pinned": pinned, "followed": followed}));
         }
     }
-    axum::Json(serde_json::json!({"cores": table.cores(), "version": table.version(), "rules": rules, "shards": owners}))
+    axum::Json(serde_json::json!({"cores": table.cores(), "version": table.version(), "rules": rules, "automatic_rules": automatic, "shards": owners}))
         .into_response()
 }
 

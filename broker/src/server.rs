@@ -294,7 +294,8 @@ pub fn start(
         panic_core: std::sync::atomic::AtomicI64::new(-1),
         repins,
         repin_jobs: Mutex::new(Some(repin_jobs)),
-        follow_load: config.follow_load,
+        // With one core there is nowhere to move a shard to.
+        follow_load: config.follow_load && config.cores.len() > 1,
         load_reports: Mutex::default(),
         auto_pins: Mutex::default(),
     });

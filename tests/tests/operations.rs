@@ -791,5 +791,26 @@ fn a_shard_follows_its_producer_to_its_core_unless_an_operator_pinned_it() {
         }
         assert_eq!(owner_core(&b, "pinned").0, away, "the operator's pin holds");
         assert_eq!(b.metric("felix_broker_follow_load_moves_total").unwrap(), 1);
+        // The placement view tells the two apart.
+        let (_, body) = b.http_get("/placement").unwrap();
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let flags = |stream: &str| {
+            let s = v["shards"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|s| s["stream"] == format!("dev/default/{stream}"))
+                .unwrap();
+            (
+                s["pinned"].as_bool().unwrap(),
+                s["followed"].as_bool().unwrap(),
+            )
+        };
+        assert_eq!(flags("followed"), (false, true), "{v}");
+        assert_eq!(flags("pinned"), (true, false), "{v}");
+        assert_eq!(
+            v["automatic_rules"],
+            json!([format!("dev/default/followed/0={core}")])
+        );
     });
 }

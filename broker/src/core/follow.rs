@@ -38,7 +38,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use felix_core_runtime::CoreId;
-use felix_core_runtime::placement::{PinRule, PlacementTable, ShardKey};
+use felix_core_runtime::placement::{PinRule, PlacementTable, ShardKey, ShardKind};
 use felix_core_runtime::task;
 
 use super::CoreBroker;
@@ -71,17 +71,18 @@ pub struct LoadReport {
     pub counts: HashMap<Arc<ShardKey>, Vec<u32>>,
 }
 
-/// Where `counts` (requests per core in one window) say a shard owned by `owner` should
-/// go, given each core's `busy` share: the core that sent at least [`SHARE`] of at least
-/// [`MIN_REQUESTS`], when that is not the owner and has room.
-pub fn destination(counts: &[u32], owner: CoreId, busy: &[f64]) -> Option<CoreId> {
+/// Where `counts` (traffic per core in one window) say a shard owned by `owner` (if
+/// known) should go, given each core's `busy` share: the core with at least [`SHARE`] of
+/// at least [`MIN_REQUESTS`], when that is not the owner and has room.
+pub fn destination(counts: &[u32], owner: Option<CoreId>, busy: &[f64]) -> Option<CoreId> {
     let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
     if total < u64::from(MIN_REQUESTS) {
         return None;
     }
     let (best, &n) = counts.iter().enumerate().max_by_key(|(_, n)| **n)?;
     let room = busy.get(best).is_none_or(|&b| b < MAX_BUSY);
-    (best != owner.index() && n as f64 >= SHARE * total as f64 && room).then_some(CoreId(best))
+    (owner != Some(CoreId(best)) && n as f64 >= SHARE * total as f64 && room)
+        .then_some(CoreId(best))
 }
 
 /// Whether a rule that is not one of `autos` matches the shards `rule` names: an
@@ -100,7 +101,7 @@ pub fn operator_pinned(table: &PlacementTable, autos: &[PinRule], rule: &PinRule
 /// matching.
 fn key_of(rule: &PinRule) -> Option<ShardKey> {
     Some(ShardKey {
-        kind: felix_core_runtime::placement::ShardKind::Stream,
+        kind: ShardKind::Stream,
         tenant: rule.tenant.clone()?,
         namespace: rule.namespace.clone()?,
         name: rule.name.clone()?,
@@ -173,7 +174,8 @@ impl CoreBroker {
         let this = Rc::downgrade(self);
         task::spawn(async move {
             let cores = this.upgrade().map_or(0, |c| c.shared.metrics.len());
-            let mut moved: HashMap<Arc<ShardKey>, Instant> = HashMap::new();
+            let mut moved: HashMap<ShardKey, Instant> = HashMap::new();
+            let mut warned_full = false;
             let cpu = |c: &CoreBroker| -> Vec<u64> {
                 c.shared
                     .metrics
@@ -202,11 +204,23 @@ impl CoreBroker {
                 let reports = std::mem::take(
                     &mut *core.shared.load_reports.lock().expect("load reports lock"),
                 );
-                let mut counts: HashMap<Arc<ShardKey>, Vec<u32>> = HashMap::new();
+                // A rule moves a stream's shard and a cache's shard of the same name and
+                // number together: their counts add up, under the stream's key, with the
+                // kinds that had traffic (each is placed by its own hash).
+                let mut counts: HashMap<ShardKey, (Vec<u32>, Vec<ShardKind>)> = HashMap::new();
                 for r in reports {
                     for (key, n) in r.counts {
-                        let sum = counts.entry(key).or_insert_with(|| vec![0; cores]);
+                        let pattern = ShardKey {
+                            kind: ShardKind::Stream,
+                            ..(*key).clone()
+                        };
+                        let (sum, kinds) = counts
+                            .entry(pattern)
+                            .or_insert_with(|| (vec![0; cores], Vec::new()));
                         sum.iter_mut().zip(n).for_each(|(s, n)| *s += n);
+                        if !kinds.contains(&key.kind) {
+                            kinds.push(key.kind);
+                        }
                     }
                 }
                 moved.retain(|_, at| now - *at < COOLDOWN);
@@ -218,29 +232,41 @@ impl CoreBroker {
                     .expect("auto pins lock")
                     .clone();
                 if autos.len() >= MAX_AUTO_RULES {
+                    if !warned_full {
+                        tracing::warn!(
+                            rules = autos.len(),
+                            "load following stopped: {MAX_AUTO_RULES} shards were moved automatically; it resumes after a restart"
+                        );
+                        warned_full = true;
+                    }
                     continue;
                 }
                 // The busiest shard first: one move per window.
                 let mut candidates: Vec<_> = counts.into_iter().collect();
-                candidates.sort_by_key(|(_, c)| std::cmp::Reverse(c.iter().sum::<u32>()));
-                for (key, c) in candidates {
+                candidates.sort_by_key(|(_, (c, _))| std::cmp::Reverse(c.iter().sum::<u32>()));
+                for (key, (c, kinds)) in candidates {
                     if moved.contains_key(&key) {
                         continue;
                     }
-                    let Some(to) = destination(&c, table.core_for(&key), &busy) else {
+                    let Some(to) = destination(&c, None, &busy) else {
                         continue;
                     };
+                    let placed = |kind| table.core_for(&ShardKey { kind, ..key.clone() });
+                    if kinds.iter().all(|&k| placed(k) == to) {
+                        continue;
+                    }
                     let rule = rule_for(&key, to);
                     if operator_pinned(&table, &autos, &rule) {
                         continue;
                     }
-                    let spec = core.shared.catalog.spec(
-                        key.kind == felix_core_runtime::placement::ShardKind::Stream,
-                        &key.tenant,
-                        &key.namespace,
-                        &key.name,
-                    );
-                    if core.shared.cluster.is_some() && spec.is_none_or(|s| s.replicated()) {
+                    // Either kind under this name that is replicated keeps both in place.
+                    let replicated = [true, false].into_iter().any(|stream| {
+                        core.shared
+                            .catalog
+                            .spec(stream, &key.tenant, &key.namespace, &key.name)
+                            .is_some_and(|s| s.replicated())
+                    });
+                    if core.shared.cluster.is_some() && replicated {
                         continue;
                     }
                     moved.insert(key.clone(), now);
@@ -270,26 +296,35 @@ mod tests {
     fn a_shard_moves_to_the_core_that_sends_most_of_its_requests_when_it_has_room() {
         let idle = [0.1, 0.1];
         // One connection on core 1, the shard on core 0.
-        assert_eq!(destination(&[0, 500], CoreId(0), &idle), Some(CoreId(1)));
-        // Already there.
-        assert_eq!(destination(&[0, 500], CoreId(1), &idle), None);
-        // Quiet: not worth a move.
-        assert_eq!(destination(&[0, MIN_REQUESTS - 1], CoreId(0), &idle), None);
         assert_eq!(
-            destination(&[0, MIN_REQUESTS], CoreId(0), &idle),
+            destination(&[0, 500], Some(CoreId(0)), &idle),
+            Some(CoreId(1))
+        );
+        // Already there.
+        assert_eq!(destination(&[0, 500], Some(CoreId(1)), &idle), None);
+        // Quiet: not worth a move.
+        assert_eq!(
+            destination(&[0, MIN_REQUESTS - 1], Some(CoreId(0)), &idle),
+            None
+        );
+        assert_eq!(
+            destination(&[0, MIN_REQUESTS], Some(CoreId(0)), &idle),
             Some(CoreId(1))
         );
         // Spread over both cores: it stays.
-        assert_eq!(destination(&[300, 700], CoreId(0), &idle), None);
-        assert_eq!(destination(&[150, 850], CoreId(0), &idle), Some(CoreId(1)));
+        assert_eq!(destination(&[300, 700], Some(CoreId(0)), &idle), None);
+        assert_eq!(
+            destination(&[150, 850], Some(CoreId(0)), &idle),
+            Some(CoreId(1))
+        );
         // The destination is busy: moving would trade parallelism for hops.
-        assert_eq!(destination(&[0, 500], CoreId(0), &[0.1, 0.7]), None);
+        assert_eq!(destination(&[0, 500], Some(CoreId(0)), &[0.1, 0.7]), None);
     }
 
     #[test]
     fn only_rules_load_following_added_leave_a_shard_movable() {
         let key = ShardKey {
-            kind: felix_core_runtime::placement::ShardKind::Cache,
+            kind: ShardKind::Cache,
             tenant: "t".into(),
             namespace: "ns".into(),
             name: "c".into(),

@@ -383,6 +383,14 @@ impl CoreBroker {
         let swapped = Instant::now();
         let version = new.version();
         self.shared.placement.replace_arc(new.clone());
+        {
+            // With the table: which of its rules load following made.
+            let mut autos = self.shared.auto_pins.lock().expect("auto pins lock");
+            autos.retain(|a| !a.same_pattern(&rule));
+            if auto {
+                autos.insert(0, rule.clone());
+            }
+        }
         // From here on the steps are control messages (never refused for load): only a
         // core that stopped can fail one, and then the broker is stopping.
         for &c in &cores {
@@ -408,13 +416,6 @@ impl CoreBroker {
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
         let taken = Instant::now();
         let hold_ms = ms(swapped, taken);
-        {
-            let mut autos = self.shared.auto_pins.lock().expect("auto pins lock");
-            autos.retain(|a| !a.same_pattern(&rule));
-            if auto {
-                autos.insert(0, rule.clone());
-            }
-        }
         // The move is done either way; a pin that could not be saved is said so.
         let persisted = !auto
             && match self.persist_pin(&rule).await {
