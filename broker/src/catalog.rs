@@ -191,6 +191,9 @@ pub struct Catalog {
     epoch: AtomicU64,
     /// Held while writing the file (never on a core thread).
     persisting: Mutex<()>,
+    /// Names created since the last write, with the version that created them: a
+    /// publish to one of them waits for the catalog on disk, others do not.
+    unwritten: Mutex<HashMap<(bool, String), u64>>,
 }
 
 impl Catalog {
@@ -209,6 +212,7 @@ impl Catalog {
             durable: AtomicU64::new(0),
             epoch: AtomicU64::new(0),
             persisting: Mutex::new(()),
+            unwritten: Mutex::default(),
         })
     }
 
@@ -230,6 +234,17 @@ impl Catalog {
     /// Whether changes are waiting to be written. Cheap: two atomic loads.
     pub fn needs_persist(&self) -> bool {
         self.durable.load(Ordering::Acquire) < self.version.load(Ordering::Acquire)
+    }
+
+    /// Whether the stream (`stream`) or cache was created since the catalog was last
+    /// written. Cheap when nothing is waiting (two atomic loads); a lock otherwise.
+    pub fn unwritten(&self, stream: bool, t: &str, ns: &str, n: &str) -> bool {
+        self.needs_persist()
+            && self
+                .unwritten
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(&(stream, flat(t, ns, n)))
     }
 
     /// The cache-invalidation epoch.
@@ -255,9 +270,25 @@ impl Catalog {
             return Ok(());
         }
         let body = body.map_err(|e| BrokerError::Internal(format!("encoding the catalog: {e}")))?;
-        write_durably(path, &body)
-            .map_err(|e| BrokerError::Storage(format!("persisting the catalog: {e}")))?;
+        write_durably(path, &body).map_err(|e| {
+            // Nothing was written: out of room is worth retrying, and says so.
+            let reason = match e.raw_os_error() {
+                Some(libc::ENOSPC | libc::EDQUOT) => Some("disk_full"),
+                _ => crate::core::out_of_resources(&e),
+            };
+            match reason {
+                Some(r) => {
+                    tracing::warn!(error = %e, "persisting the catalog");
+                    BrokerError::Overloaded(r.into())
+                }
+                None => BrokerError::Storage(format!("persisting the catalog: {e}")),
+            }
+        })?;
         self.durable.fetch_max(version, Ordering::AcqRel);
+        self.unwritten
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, v| *v > version);
         Ok(())
     }
 
@@ -326,6 +357,11 @@ impl Catalog {
         map.insert(flat(t, ns, n), spec);
         drop(st);
         self.changed(false);
+        let version = self.version.load(Ordering::SeqCst);
+        self.unwritten
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((stream, flat(t, ns, n)), version);
         Ok(spec)
     }
 

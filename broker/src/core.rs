@@ -601,6 +601,17 @@ struct Outbound {
     draining: bool,
 }
 
+/// The overload reason for an error worth retrying once the machine has room again
+/// (out of file descriptors or memory), or `None`. A shard that failed to open for one
+/// of these is not remembered as failed: the next request opens it again.
+pub fn out_of_resources(e: &std::io::Error) -> Option<&'static str> {
+    match e.raw_os_error() {
+        Some(libc::EMFILE | libc::ENFILE) => Some("out_of_file_descriptors"),
+        Some(libc::ENOMEM) => Some("out_of_memory"),
+        _ => None,
+    }
+}
+
 /// One core's broker.
 pub struct CoreBroker {
     /// This core.
@@ -763,16 +774,11 @@ impl CoreBroker {
     }
 
     /// Writes the catalog from the core's blocking pool (never on the core thread).
-    /// False when it could not be written.
-    pub async fn persist_catalog(&self) -> bool {
+    pub async fn persist_catalog(&self) -> Result<(), BrokerError> {
         let catalog = self.shared.catalog.clone();
-        match task::spawn_blocking(move || catalog.persist()).await {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::error!(error = %e, "persisting the catalog");
-                false
-            }
-        }
+        task::spawn_blocking(move || catalog.persist())
+            .await
+            .inspect_err(|e| tracing::error!(error = %e, "persisting the catalog"))
     }
 
     /// Sends a request on to the shard's leader (see [`crate::forward`]), authenticated
@@ -812,7 +818,13 @@ impl CoreBroker {
         let dir = shard_dir(&self.shared.data_dir, key);
         let backend = DmaBackend::open_dir_with_faults(&dir, self.shared.faults.clone())
             .await
-            .map_err(|e| BrokerError::Storage(format!("{}: {e}", dir.display())))?;
+            .map_err(|e| match out_of_resources(&e) {
+                Some(reason) => {
+                    tracing::warn!(shard = %key, error = %e, "cannot open a shard now");
+                    BrokerError::Overloaded(reason.into())
+                }
+                None => BrokerError::Storage(format!("{}: {e}", dir.display())),
+            })?;
         let mut config = self.shared.log_config.clone();
         if self.handed_over.borrow_mut().remove(key) {
             // Closed and sealed by another core of this broker a moment ago (a live
@@ -825,7 +837,17 @@ impl CoreBroker {
             // every follower (and a Quorum ack) by that much: write at once.
             config.write_linger = std::time::Duration::ZERO;
         }
-        let (log, report) = SegmentLog::open(backend, config).await?;
+        let (log, report) = match SegmentLog::open(backend, config).await {
+            Ok(opened) => opened,
+            Err(felix_storage_uring::StorageError::Io { source, op, file })
+                if out_of_resources(&source).is_some() =>
+            {
+                tracing::warn!(shard = %key, %op, %file, error = %source, "cannot open a shard now");
+                let reason = out_of_resources(&source).unwrap_or("out_of_resources");
+                return Err(BrokerError::Overloaded(reason.into()));
+            }
+            Err(e) => return Err(e.into()),
+        };
         if report.truncated_bytes > 0 || report.discarded_segments > 0 {
             tracing::warn!(shard = %key, ?report, "recovered a torn tail");
         }
@@ -883,6 +905,13 @@ impl CoreBroker {
             let mut map = self.streams.borrow_mut();
             let slot = match &opened {
                 Ok(s) => Slot::Ready(s.clone()),
+                // Out of file descriptors or memory: the next request tries again.
+                Err(BrokerError::Overloaded(_)) => {
+                    if let Some(Slot::Opening(waiters)) = map.remove(key) {
+                        waiters.into_iter().for_each(Waker::wake);
+                    }
+                    return opened;
+                }
                 Err(e) => Slot::Failed(e.clone()),
             };
             if let Some(Slot::Opening(waiters)) = map.insert(key.clone(), slot) {
@@ -943,6 +972,13 @@ impl CoreBroker {
             let mut map = self.caches.borrow_mut();
             let slot = match &opened {
                 Ok(s) => Slot::Ready(s.clone()),
+                // Out of file descriptors or memory: the next request tries again.
+                Err(BrokerError::Overloaded(_)) => {
+                    if let Some(Slot::Opening(waiters)) = map.remove(key) {
+                        waiters.into_iter().for_each(Waker::wake);
+                    }
+                    return opened;
+                }
                 Err(e) => Slot::Failed(e.clone()),
             };
             if let Some(Slot::Opening(waiters)) = map.insert(key.clone(), slot) {

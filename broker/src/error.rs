@@ -128,7 +128,12 @@ impl BrokerError {
             BrokerError::Overloaded(reason) => Some(ErrorDetail {
                 reason: Some(reason.clone()),
                 // A full disk frees slowly; a full queue drains in milliseconds.
-                retry_after_ms: Some(if reason == "disk_full" { 1000 } else { 50 }),
+                // (and out of file descriptors or memory).
+                retry_after_ms: Some(if reason == "disk_full" || reason.starts_with("out_of_") {
+                    1000
+                } else {
+                    50
+                }),
             }),
             BrokerError::NotFound(_) => Some(ErrorDetail {
                 reason: None,

@@ -814,3 +814,170 @@ fn a_shard_follows_its_producer_to_its_core_unless_an_operator_pinned_it() {
         );
     });
 }
+
+/// Sets process `pid`'s soft limit on open files to `soft` (the hard limit stays, so it
+/// can be raised again); returns the soft limit it had.
+fn set_open_files(pid: u32, soft: u64) -> u64 {
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid pointers to rlimit structs; `pid` is our child.
+    let got = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            std::ptr::null(),
+            &mut old,
+        )
+    };
+    assert_eq!(got, 0, "reading the limit");
+    let new = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: as above.
+    let set = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            &new,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(set, 0, "setting the limit");
+    old.rlim_cur
+}
+
+/// A broker out of file descriptors (a client creating streams without end, a low
+/// `ulimit -n`) refuses what needs a new one with a retryable `overloaded` naming the
+/// reason, keeps serving the streams it has open, and takes the refused streams once
+/// descriptors free up; after a restart every acknowledged record is there.
+#[test]
+fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_working() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start(
+        dir.path(),
+        "",
+        &["--fsync", "on-commit", "--cores", "0-1", "--shards", "1"],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let publish = |c: &Client, stream: String, payload: Vec<u8>| {
+        let c = c.clone();
+        async move {
+            c.publish("dev", "default", &stream, payload, AckMode::PerMessage)
+                .await
+        }
+    };
+    let mut acked: Vec<(String, Vec<u8>)> = Vec::new();
+    rt.block_on(async {
+        let c = client(&b).await;
+        publish(&c, "keep".into(), b"k".to_vec()).await.unwrap();
+        acked.push(("keep".into(), b"k".to_vec()));
+        let open = std::fs::read_dir(format!("/proc/{}/fd", b.pid()))
+            .unwrap()
+            .count() as u64;
+        let was = set_open_files(b.pid(), open + 8);
+        let mut refused = Vec::new();
+        for i in 0..40 {
+            let stream = format!("s{i}");
+            match publish(&c, stream.clone(), stream.clone().into_bytes()).await {
+                Ok(_) => acked.push((stream.clone(), stream.into_bytes())),
+                Err(felix_client::ClientError::Broker(e)) => {
+                    assert_eq!(
+                        (e.code.clone(), e.reason()),
+                        (
+                            Some(felix_wire::ErrorCode::Overloaded),
+                            Some("out_of_file_descriptors")
+                        ),
+                        "a typed, retryable refusal: {e:?}"
+                    );
+                    refused.push(stream);
+                }
+                Err(e) => panic!("{stream}: not a typed refusal: {e:?}"),
+            }
+            // The stream opened before keeps taking publishes.
+            let p = format!("k{i}").into_bytes();
+            publish(&c, "keep".into(), p.clone())
+                .await
+                .unwrap_or_else(|e| panic!("an open stream stopped working: {e:?}"));
+            acked.push(("keep".into(), p));
+        }
+        assert!(
+            refused.len() > 10,
+            "the limit was reached early: refused {refused:?}"
+        );
+        eprintln!("new streams: {} of 40 refused", refused.len());
+        set_open_files(b.pid(), was);
+        for stream in refused {
+            publish(&c, stream.clone(), stream.clone().into_bytes())
+                .await
+                .unwrap_or_else(|e| panic!("{stream} refused after descriptors freed: {e:?}"));
+            acked.push((stream.clone(), stream.into_bytes()));
+        }
+    });
+    b.restart().unwrap();
+    // After a restart the streams exist and their shards open on first use: out of
+    // descriptors, an open is refused and tried again by the next request.
+    let streams: Vec<String> = (0..40).map(|i| format!("s{i}")).collect();
+    rt.block_on(async {
+        let c = client(&b).await;
+        publish(&c, "keep".into(), b"again".to_vec()).await.unwrap();
+        acked.push(("keep".into(), b"again".to_vec()));
+        let open = std::fs::read_dir(format!("/proc/{}/fd", b.pid()))
+            .unwrap()
+            .count() as u64;
+        let was = set_open_files(b.pid(), open + 8);
+        let mut refused = Vec::new();
+        for stream in &streams {
+            let p = format!("{stream} again").into_bytes();
+            match publish(&c, stream.clone(), p.clone()).await {
+                Ok(_) => acked.push((stream.clone(), p)),
+                Err(felix_client::ClientError::Broker(e))
+                    if e.reason() == Some("out_of_file_descriptors") =>
+                {
+                    refused.push(stream.clone())
+                }
+                Err(e) => panic!("{stream}: not a typed refusal: {e:?}"),
+            }
+        }
+        assert!(refused.len() > 10, "refused {refused:?}");
+        eprintln!(
+            "shard opens after the restart: {} of 40 refused",
+            refused.len()
+        );
+        set_open_files(b.pid(), was);
+        for stream in refused {
+            let p = format!("{stream} again").into_bytes();
+            publish(&c, stream.clone(), p.clone())
+                .await
+                .unwrap_or_else(|e| panic!("{stream} still refused: {e:?}"));
+            acked.push((stream, p));
+        }
+    });
+    rt.block_on(async {
+        let c = client(&b).await;
+        let mut want: std::collections::BTreeMap<String, Vec<Vec<u8>>> = Default::default();
+        for (s, p) in acked {
+            want.entry(s).or_default().push(p);
+        }
+        for (stream, payloads) in want {
+            let mut sub = c
+                .subscribe_from("dev", "default", &stream, Some(StartPosition::Earliest))
+                .await
+                .unwrap();
+            for (i, p) in payloads.iter().enumerate() {
+                let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                    .await
+                    .unwrap_or_else(|_| panic!("{stream}: record {i} missing after restart"))
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(
+                    (e.offset, e.payload.as_ref()),
+                    (Some(i as u64), p.as_slice()),
+                    "{stream} record {i}"
+                );
+            }
+        }
+    });
+}

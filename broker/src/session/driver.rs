@@ -491,9 +491,16 @@ async fn execute(
             answer,
             idempotent,
         } => {
-            // A stream created by this publish is on disk before the publish is.
-            if core.catalog.shared().needs_persist() && !core.persist_catalog().await {
-                let e = BrokerError::Storage("the catalog could not be persisted".into());
+            // A stream created by this publish (or another not yet on disk) is on disk
+            // before the publish is; publishes to streams already there do not wait for
+            // (or fail with) writing someone else's new stream. Nothing is appended when
+            // this fails: out of room is `overloaded`, anything else `storage`.
+            if core
+                .catalog
+                .shared()
+                .unwritten(true, &key.tenant, &key.namespace, &key.name)
+                && let Err(e) = core.persist_catalog().await
+            {
                 reply_publish(answers, session, answer, Err(e));
                 return true;
             }
