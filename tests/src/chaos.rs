@@ -209,6 +209,18 @@ pub const SCENARIOS: &[Scenario] = &[
         nemesis: planned_move,
     },
     Scenario {
+        name: "sigterm-drain",
+        about: "three brokers, Quorum streams, four records in flight: SIGTERM a leader (it drains: its shards move to replicas, then it exits 0 within 20 s), start it again",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "",
+        streams: &[Q3, Q3B],
+        producers: 2,
+        depth: 4,
+        stable: false,
+        nemesis: sigterm_drain,
+    },
+    Scenario {
         name: "controlplane-clock",
         about: "three brokers: the control plane's wall clock steps forward and back by seconds to minutes; no broker may be declared down, no leadership may move",
         nodes: 3,
@@ -508,6 +520,27 @@ fn planned_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
             json!({"stream": stream, "from": leader, "to": to, "ok": answer.is_ok(),
                    "error": answer.err().map(|e| e.to_string())}),
         );
+    }
+    Ok(())
+}
+
+fn sigterm_drain(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let (leader, _) = n.some_leader()?;
+        n.event("sigterm", json!({"node": leader}));
+        let started = Instant::now();
+        let clean = n.cluster.brokers[leader].terminate(Duration::from_secs(20));
+        n.event(
+            "exited",
+            json!({"node": leader, "clean": clean, "after_ms": started.elapsed().as_millis() as u64}),
+        );
+        anyhow::ensure!(
+            clean,
+            "node {leader} did not drain and exit 0 within 20 s of SIGTERM"
+        );
+        n.sleep_ms(500, 1500);
+        n.restart(leader)?;
     }
     Ok(())
 }

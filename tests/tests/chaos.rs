@@ -56,6 +56,7 @@ fn every_scenario_is_listed_here() {
         "controlplane-partition",
         "flaky-links",
         "planned-move",
+        "sigterm-drain",
         "controlplane-clock",
         "fsync-eio",
     ];
@@ -106,6 +107,11 @@ fn flaky_links() {
 #[test]
 fn planned_move() {
     assert_clean("planned-move");
+}
+
+#[test]
+fn sigterm_drain() {
+    assert_clean("sigterm-drain");
 }
 
 #[test]
