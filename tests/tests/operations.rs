@@ -812,6 +812,50 @@ fn a_shard_follows_its_producer_to_its_core_unless_an_operator_pinned_it() {
             v["automatic_rules"],
             json!([format!("dev/default/followed/0={core}")])
         );
+
+        // A queue whose consumer holds a claim stays where it is under the same load
+        // (its claims live in its core's memory; a move would hand them out again).
+        let mut queue = None;
+        for i in 0..20 {
+            let name = format!("queued{i}");
+            c.publish(
+                "dev",
+                "default",
+                &name,
+                b"job".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+            if owner_core(&b, &name).0 != core {
+                queue = Some(name);
+                break;
+            }
+        }
+        let queue = queue.expect("a stream placed on the other core");
+        let g = felix_client::GroupRef::new("dev", "default", &queue, 0, "workers");
+        let claimed = c
+            .group_poll(&g, felix_client::PollOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(claimed.len(), 1);
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(5) {
+            c.publish(
+                "dev",
+                "default",
+                &queue,
+                b"more".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        }
+        assert_eq!(owner_core(&b, &queue).0, 1 - core, "the queue stays");
+        c.group_ack(&g, claimed[0].offset.0)
+            .await
+            .expect("the claim still holds");
+        assert_eq!(b.metric("felix_broker_follow_load_moves_total").unwrap(), 1);
     });
 }
 

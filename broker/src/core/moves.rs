@@ -74,6 +74,9 @@ pub enum MoveStep {
         old: Arc<PlacementTable>,
         /// After.
         new: Arc<PlacementTable>,
+        /// An automatic re-pin (load following): a core refuses it when a shard moving
+        /// away from it has consumer groups in use.
+        auto: bool,
     },
     /// Send a barrier to every other core and wait for the answers.
     Flush,
@@ -371,6 +374,7 @@ impl CoreBroker {
             let begin = MoveStep::Begin {
                 old: old.clone(),
                 new: new.clone(),
+                auto,
             };
             if let Err(e) = self.step(c, begin).await {
                 // Nothing moved yet: every core forgets the re-pin.
@@ -494,7 +498,23 @@ impl CoreBroker {
         step: MoveStep,
     ) -> Result<MoveAnswer, BrokerError> {
         match step {
-            MoveStep::Begin { old, new } => {
+            MoveStep::Begin { old, new, auto } => {
+                if auto {
+                    // Claims live in this core's memory: moving would hand them out
+                    // again. Load following leaves such a shard where it is.
+                    let me = self.core;
+                    let grouped = self.streams.borrow().iter().any(|(k, slot)| {
+                        old.core_for(k) == me
+                            && new.core_for(k) != me
+                            && matches!(slot, Slot::Ready(s)
+                                if s.groups.borrow().is_some() || s.building_groups.get())
+                    });
+                    if grouped {
+                        return Err(BrokerError::InvalidRequest(
+                            "a shard moving away has consumer groups in use".into(),
+                        ));
+                    }
+                }
                 *self.moving.borrow_mut() = Some(MoveState {
                     old,
                     new,
