@@ -61,6 +61,9 @@ pub struct Scenario {
     pub depth: usize,
     /// No leadership may change (the faults must not cost a failover).
     pub stable: bool,
+    /// The control plane keeps its metadata in Postgres (a fresh database of the test
+    /// server) instead of memory.
+    pub postgres: bool,
     /// The nemesis.
     pub nemesis: NemesisFn,
 }
@@ -110,6 +113,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 1,
         depth: 8,
         stable: false,
+        postgres: false,
         nemesis: kill_restart,
     },
     Scenario {
@@ -122,6 +126,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 2,
         depth: 1,
         stable: false,
+        postgres: false,
         nemesis: leader_kill,
     },
     Scenario {
@@ -134,6 +139,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 2,
         depth: 1,
         stable: false,
+        postgres: false,
         nemesis: leader_bounce,
     },
     Scenario {
@@ -146,6 +152,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 2,
         depth: 4,
         stable: false,
+        postgres: false,
         nemesis: leader_pause,
     },
     Scenario {
@@ -158,6 +165,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 2,
         depth: 1,
         stable: false,
+        postgres: false,
         nemesis: leader_isolated,
     },
     Scenario {
@@ -170,6 +178,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 2,
         depth: 1,
         stable: false,
+        postgres: false,
         nemesis: leader_one_way,
     },
     Scenario {
@@ -182,6 +191,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 2,
         depth: 1,
         stable: false,
+        postgres: false,
         nemesis: controlplane_partition,
     },
     Scenario {
@@ -194,6 +204,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 2,
         depth: 1,
         stable: false,
+        postgres: false,
         nemesis: flaky_links,
     },
     Scenario {
@@ -206,6 +217,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 2,
         depth: 4,
         stable: false,
+        postgres: false,
         nemesis: planned_move,
     },
     Scenario {
@@ -218,7 +230,21 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 2,
         depth: 4,
         stable: false,
+        postgres: false,
         nemesis: sigterm_drain,
+    },
+    Scenario {
+        name: "controlplane-restart",
+        about: "three brokers, the control plane on Postgres: SIGKILL the control plane every 2-4 s and start it again 0.3-1.5 s later (leases lapse, brokers re-register)",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "",
+        streams: &[Q3, L3],
+        producers: 2,
+        depth: 1,
+        stable: false,
+        postgres: true,
+        nemesis: controlplane_restart,
     },
     Scenario {
         name: "controlplane-clock",
@@ -230,6 +256,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 2,
         depth: 1,
         stable: true,
+        postgres: false,
         nemesis: controlplane_clock,
     },
     Scenario {
@@ -242,6 +269,7 @@ pub const SCENARIOS: &[Scenario] = &[
         producers: 1,
         depth: 4,
         stable: false,
+        postgres: false,
         nemesis: fsync_eio,
     },
 ];
@@ -541,6 +569,22 @@ fn sigterm_drain(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         );
         n.sleep_ms(500, 1500);
         n.restart(leader)?;
+    }
+    Ok(())
+}
+
+fn controlplane_restart(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(2000, 4000);
+        n.cluster.cp.kill();
+        n.event("controlplane-kill", json!({}));
+        n.sleep_ms(300, 1500);
+        let started = Instant::now();
+        n.cluster.cp.restart()?;
+        n.event(
+            "controlplane-restart",
+            json!({"start_ms": started.elapsed().as_millis() as u64}),
+        );
     }
     Ok(())
 }
@@ -919,8 +963,13 @@ pub fn run_with(
         }
         yaml.push_str(&format!("mutant: {m}\n"));
     }
-    let mut cp_args = CP_ARGS.to_vec();
-    cp_args.push("--fault-injection");
+    let mut cp_args: Vec<String> = CP_ARGS.iter().map(|s| s.to_string()).collect();
+    cp_args.push("--fault-injection".into());
+    let kek_dir = tempfile::tempdir()?;
+    if scenario.postgres {
+        cp_args.extend(crate::postgres_store_args(kek_dir.path())?);
+    }
+    let cp_args: Vec<&str> = cp_args.iter().map(String::as_str).collect();
     let mut cluster = start(broker, cp, scenario.nodes, &cp_args, &yaml)?;
     let mut promise = HashMap::new();
     for s in scenario.streams {

@@ -397,13 +397,32 @@ pub struct ControlPlaneProcess {
     child: Option<Child>,
     /// `http://127.0.0.1:PORT`.
     pub url: String,
+    binary: PathBuf,
+    extra: Vec<String>,
 }
 
 impl ControlPlaneProcess {
     /// Starts `binary --listen 127.0.0.1:0 <extra>` and waits for its address.
     pub fn start(binary: &Path, extra: &[&str]) -> anyhow::Result<ControlPlaneProcess> {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let (child, url) = Self::spawn(binary, "127.0.0.1:0", &extra)?
+            .context("the control plane exited during start")?;
+        Ok(ControlPlaneProcess {
+            child: Some(child),
+            url,
+            binary: binary.to_path_buf(),
+            extra,
+        })
+    }
+
+    /// Spawns it on `listen`; `None` when it exited before reporting its address.
+    fn spawn(
+        binary: &Path,
+        listen: &str,
+        extra: &[String],
+    ) -> anyhow::Result<Option<(Child, String)>> {
         let mut child = harness_child(binary)
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", listen])
             .args(extra)
             .spawn()
             .with_context(|| format!("starting {}", binary.display()))?;
@@ -416,22 +435,120 @@ impl ControlPlaneProcess {
                 }
             }
         });
-        let url = rx
-            .recv_timeout(Duration::from_secs(30))
-            .context("the control plane did not report its address")?;
-        Ok(ControlPlaneProcess {
-            child: Some(child),
-            url,
-        })
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(url) => Ok(Some((child, url))),
+            // Its output ended: it exited (a port still held, say).
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let _ = child.wait();
+                Ok(None)
+            }
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(anyhow::anyhow!(
+                    "the control plane did not report its address: {e}"
+                ))
+            }
+        }
     }
-}
 
-impl Drop for ControlPlaneProcess {
-    fn drop(&mut self) {
+    /// SIGKILL.
+    pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Starts it again on the same address with the same arguments (a Postgres store
+    /// keeps the metadata; a memory one starts empty), retrying while the port is held.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        let listen = self
+            .url
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_owned();
+        for _ in 0..20 {
+            if let Some((child, _)) = Self::spawn(&self.binary, &listen, &self.extra)? {
+                self.child = Some(child);
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        anyhow::bail!("the control plane did not start again on {listen}")
+    }
+}
+
+/// Control-plane arguments for a store in a fresh database of the test Postgres
+/// (`tests/postgres/setup.sh` starts it, installing the server if needed; or
+/// `FELIX_TEST_POSTGRES_URL` / `FELIX_TEST_POSTGRES_CA`), reached over TLS with the
+/// server verified, and a key-encryption key written under `dir`.
+pub fn postgres_store_args(dir: &Path) -> anyhow::Result<Vec<String>> {
+    let setup = |args: &[&str]| -> anyhow::Result<String> {
+        let out = Command::new("bash")
+            .arg(manifest_dir().join("postgres/setup.sh"))
+            .args(args)
+            .stderr(Stdio::inherit())
+            .output()?;
+        anyhow::ensure!(out.status.success(), "tests/postgres/setup.sh failed");
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    };
+    let base = match std::env::var("FELIX_TEST_POSTGRES_URL") {
+        Ok(u) => u,
+        Err(_) => setup(&[])?,
+    };
+    let ca = match std::env::var("FELIX_TEST_POSTGRES_CA") {
+        Ok(c) => c,
+        Err(_) => setup(&["--ca"])?,
+    };
+    let db = format!(
+        "felix_chaos_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos()
+            % 1_000_000_000
+    );
+    let createdb = std::iter::once(PathBuf::from("createdb"))
+        .chain(
+            std::fs::read_dir("/usr/lib/postgresql")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|v| v.path().join("bin/createdb")),
+        )
+        .find(|p| {
+            Command::new(p)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .context("no createdb found")?;
+    let out = Command::new(&createdb)
+        .arg(format!("--maintenance-db={base}"))
+        .arg(&db)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "createdb {db}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (prefix, _) = base.rsplit_once('/').context("a database URL")?;
+    let kek = dir.join("kek");
+    // Test data: a fixed key.
+    std::fs::write(&kek, "QkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkI=\n")?;
+    Ok(vec![
+        "--store".into(),
+        format!("{prefix}/{db}?sslmode=verify-full&sslrootcert={ca}"),
+        "--key-encryption-key-file".into(),
+        kek.display().to_string(),
+    ])
+}
+
+impl Drop for ControlPlaneProcess {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 

@@ -57,6 +57,7 @@ fn every_scenario_is_listed_here() {
         "flaky-links",
         "planned-move",
         "sigterm-drain",
+        "controlplane-restart",
         "controlplane-clock",
         "fsync-eio",
     ];
@@ -112,6 +113,11 @@ fn planned_move() {
 #[test]
 fn sigterm_drain() {
     assert_clean("sigterm-drain");
+}
+
+#[test]
+fn controlplane_restart() {
+    assert_clean("controlplane-restart");
 }
 
 #[test]
