@@ -1,12 +1,23 @@
 //! A subscriber that never reads does not slow the others or grow the broker's memory
 //! without bound: its queue overflows (DropNew) while a healthy subscriber gets every
 //! record. A slow one that reads again gets every record too, read back from the log.
+//!
+//! `cargo test` publishes 6,000 records of 4 KiB (24 MiB); the long form sets
+//! `FELIX_SLOW_SUBSCRIBER_RECORDS=262144` (1 GiB; docs/reliability.md has its figures).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use felix_cluster::{BrokerProcess, expect_success, run_python};
 use felix_wire::{FrameReader, Message};
+
+/// Records of 4 KiB each test publishes.
+fn records() -> usize {
+    std::env::var("FELIX_SLOW_SUBSCRIBER_RECORDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6000)
+}
 
 /// A raw QUIC client that subscribes and then never reads its event stream.
 async fn stalled_subscriber(
@@ -75,7 +86,8 @@ fn a_subscriber_that_never_reads_is_isolated() {
     let rss_before = broker.rss_kib();
     // 6,000 records of 4 KiB (24 MiB) overflow the stalled subscriber's flow-control
     // window and its broker-side queue.
-    let out = run_python(&broker, "fanout.py", &["6000"]).unwrap();
+    let n = records().to_string();
+    let out = run_python(&broker, "fanout.py", &[&n]).unwrap();
     let text = expect_success("fanout.py", &out).unwrap();
     eprintln!("{text}");
     std::thread::sleep(Duration::from_millis(200));
@@ -131,18 +143,33 @@ fn a_slow_subscriber_catches_up_from_the_log_without_loss() {
     // Subscribed from the tail, then not reading while 6,000 x 4 KiB are published:
     // its queue overflows. When it reads again it must still get every record.
     let (_ep, _conn, mut events) = rt.block_on(stalled_subscriber(&broker));
-    let out = run_python(&broker, "fanout.py", &["6000"]).unwrap();
+    let n = records();
+    let rss_before = broker.rss_kib();
+    let out = run_python(&broker, "fanout.py", &[&n.to_string()]).unwrap();
     expect_success("fanout.py", &out).unwrap();
     assert!(
         broker.metric("felix_broker_events_dropped_total").unwrap() > 0,
         "the queue overflowed"
     );
-    let offsets = rt.block_on(read_offsets(&mut events, 6000));
-    assert_eq!(offsets.len(), 6000, "every record, none twice");
+    let rss_behind = broker.rss_kib();
+    let started = std::time::Instant::now();
+    let offsets = rt.block_on(read_offsets(&mut events, n));
+    eprintln!(
+        "caught up {n} records ({} MiB) in {:?}; rss {rss_before} -> {rss_behind} (behind) -> {} KiB (caught up)",
+        n * 4 / 1024,
+        started.elapsed(),
+        broker.rss_kib()
+    );
+    assert_eq!(offsets.len(), n, "every record, none twice");
     assert_eq!(
         offsets,
-        (offsets[0]..offsets[0] + 6000).collect::<Vec<_>>(),
+        (offsets[0]..offsets[0] + n as u64).collect::<Vec<_>>(),
         "contiguous, in order"
+    );
+    assert!(
+        broker.rss_kib() < rss_before + 128 * 1024,
+        "memory stays bounded while it catches up: {rss_before} -> {} KiB",
+        broker.rss_kib()
     );
     assert!(
         broker
