@@ -258,6 +258,10 @@ impl Catalog {
         let Some(path) = &self.path else {
             self.durable
                 .store(self.version.load(Ordering::SeqCst), Ordering::Release);
+            self.unwritten
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clear();
             return Ok(());
         };
         let _writing = self.persisting.lock().unwrap_or_else(|p| p.into_inner());
@@ -355,13 +359,15 @@ impl Catalog {
             return Ok(*existing);
         }
         map.insert(flat(t, ns, n), spec);
-        drop(st);
+        // Marked unwritten before anyone can see the name (the lock is still held): a
+        // request on another core that finds it also finds that it must wait.
         self.changed(false);
         let version = self.version.load(Ordering::SeqCst);
         self.unwritten
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert((stream, flat(t, ns, n)), version);
+        drop(st);
         Ok(spec)
     }
 

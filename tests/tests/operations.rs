@@ -1025,3 +1025,36 @@ fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_
         }
     });
 }
+
+/// A cache (or a stream) created by its first write is in the catalog on disk before
+/// that write is acknowledged, so a restart with another `--shards` default still
+/// routes its keys to the shards that hold them.
+#[test]
+fn a_cache_created_by_its_first_write_is_in_the_catalog_before_the_ack() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "",
+        &["--fsync", "on-commit", "--cores", "0-1", "--shards", "2"],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        c.cache_put(
+            "dev",
+            "default",
+            "fresh",
+            "k",
+            bytes::Bytes::from_static(b"v"),
+            None,
+        )
+        .await
+        .unwrap();
+    });
+    let catalog: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(b.data_dir.join("catalog.json")).unwrap()).unwrap();
+    assert_eq!(
+        catalog["caches"]["dev/default/fresh"]["shards"], 2,
+        "{catalog}"
+    );
+}

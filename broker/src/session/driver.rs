@@ -584,7 +584,17 @@ async fn execute(
             let (core, session) = (core.clone(), session.clone());
             // Started now, not when its answer's turn comes: pipelined requests are in
             // flight together (and share a group commit).
-            let started = run_to_completion(async move { core.cache(key, op).await });
+            let started = run_to_completion(async move {
+                // A cache created by this request is on disk before its first write.
+                if core
+                    .catalog
+                    .shared()
+                    .unwritten(false, &key.tenant, &key.namespace, &key.name)
+                {
+                    core.persist_catalog().await?;
+                }
+                core.cache(key, op).await
+            });
             answers.push(Answer::Pending(Box::pin(async move {
                 Some(cache_answer(
                     &session,
@@ -677,7 +687,17 @@ async fn execute(
             request_id,
         } => {
             let (core, session) = (core.clone(), session.clone());
-            let started = run_to_completion(async move { core.state(key, op).await });
+            let started = run_to_completion(async move {
+                // As for a publish: a stream created by this commit is on disk first.
+                if core
+                    .catalog
+                    .shared()
+                    .unwritten(true, &key.tenant, &key.namespace, &key.name)
+                {
+                    core.persist_catalog().await?;
+                }
+                core.state(key, op).await
+            });
             answers.push(Answer::Pending(Box::pin(async move {
                 Some(state_answer(
                     &session,
