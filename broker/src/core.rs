@@ -773,6 +773,22 @@ impl CoreBroker {
                 .is_some_and(|c| c.draining.load(Ordering::Relaxed))
     }
 
+    /// Before a write to `key`'s stream or cache: if the name was created since the
+    /// catalog was last written (by this request, on first use), writes the catalog, so
+    /// the name is on disk before anything under it is. Names already written cost two
+    /// atomic loads; nothing is written when this fails (out of room is `overloaded`).
+    pub async fn catalog_written_for(&self, key: &ShardKey) -> Result<(), BrokerError> {
+        let stream = key.kind == ShardKind::Stream;
+        if self
+            .catalog
+            .shared()
+            .unwritten(stream, &key.tenant, &key.namespace, &key.name)
+        {
+            self.persist_catalog().await?;
+        }
+        Ok(())
+    }
+
     /// Writes the catalog from the core's blocking pool (never on the core thread).
     pub async fn persist_catalog(&self) -> Result<(), BrokerError> {
         let catalog = self.shared.catalog.clone();

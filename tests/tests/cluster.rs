@@ -59,11 +59,10 @@ fn broker_config(
     path
 }
 
-#[test]
-fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
-    let dir = tempfile::Builder::new()
-        .prefix("felix-cluster")
-        .tempdir_in("/var/tmp")?;
+/// A control plane with fast timings (heartbeats every 200 ms, down after 1.5 s + a
+/// margin), bootstrapped, with tenant `acme` and namespace `payments`: the process and
+/// an admin client.
+fn control_plane() -> anyhow::Result<(ControlPlaneProcess, ControlPlaneClient)> {
     let cp = ControlPlaneProcess::start(
         Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
         &[
@@ -89,6 +88,15 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
         "/v1/tenants/acme/namespaces",
         &json!({"namespace": "payments"}),
     )?;
+    Ok((cp, admin))
+}
+
+#[test]
+fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("felix-cluster")
+        .tempdir_in("/var/tmp")?;
+    let (cp, admin) = control_plane()?;
     admin.post(
         "/v1/tenants/acme/namespaces/payments/streams",
         &json!({"stream": "orders", "kind": "Stream", "shards": 4}),
@@ -553,31 +561,7 @@ fn a_second_broker_under_a_live_node_id_is_refused_and_the_first_keeps_its_shard
     let dir = tempfile::Builder::new()
         .prefix("felix-cluster")
         .tempdir_in("/var/tmp")?;
-    let cp = ControlPlaneProcess::start(
-        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
-        &[
-            "--bootstrap-token",
-            BOOTSTRAP,
-            "--heartbeat-interval-ms",
-            "200",
-            "--expiry-timeout-ms",
-            "1500",
-            "--placement-interval-ms",
-            "200",
-        ],
-    )?;
-    let anon = ControlPlaneClient::new(&cp.url, None)?;
-    let boot = anon.post_with(
-        "/internal/bootstrap",
-        &json!({}),
-        &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
-    )?;
-    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
-    admin.post("/v1/tenants", &json!({"tenant_id": "acme"}))?;
-    admin.post(
-        "/v1/tenants/acme/namespaces",
-        &json!({"namespace": "payments"}),
-    )?;
+    let (cp, admin) = control_plane()?;
     admin.post(
         "/v1/tenants/acme/namespaces/payments/streams",
         &json!({"stream": "orders", "kind": "Stream", "shards": 2}),

@@ -491,16 +491,9 @@ async fn execute(
             answer,
             idempotent,
         } => {
-            // A stream created by this publish (or another not yet on disk) is on disk
-            // before the publish is; publishes to streams already there do not wait for
-            // (or fail with) writing someone else's new stream. Nothing is appended when
-            // this fails: out of room is `overloaded`, anything else `storage`.
-            if core
-                .catalog
-                .shared()
-                .unwritten(true, &key.tenant, &key.namespace, &key.name)
-                && let Err(e) = core.persist_catalog().await
-            {
+            // Publishes to streams already on disk do not wait for (or fail with)
+            // writing someone else's new stream.
+            if let Err(e) = core.catalog_written_for(&key).await {
                 reply_publish(answers, session, answer, Err(e));
                 return true;
             }
@@ -585,14 +578,7 @@ async fn execute(
             // Started now, not when its answer's turn comes: pipelined requests are in
             // flight together (and share a group commit).
             let started = run_to_completion(async move {
-                // A cache created by this request is on disk before its first write.
-                if core
-                    .catalog
-                    .shared()
-                    .unwritten(false, &key.tenant, &key.namespace, &key.name)
-                {
-                    core.persist_catalog().await?;
-                }
+                core.catalog_written_for(&key).await?;
                 core.cache(key, op).await
             });
             answers.push(Answer::Pending(Box::pin(async move {
@@ -688,14 +674,7 @@ async fn execute(
         } => {
             let (core, session) = (core.clone(), session.clone());
             let started = run_to_completion(async move {
-                // As for a publish: a stream created by this commit is on disk first.
-                if core
-                    .catalog
-                    .shared()
-                    .unwritten(true, &key.tenant, &key.namespace, &key.name)
-                {
-                    core.persist_catalog().await?;
-                }
+                core.catalog_written_for(&key).await?;
                 core.state(key, op).await
             });
             answers.push(Answer::Pending(Box::pin(async move {
