@@ -39,6 +39,13 @@ impl SparseIndex {
         }
     }
 
+    /// Byte position of the first indexed batch starting after `offset`: the batch that
+    /// holds `offset` ends at or before it. `None` past the last entry.
+    pub fn next_after(&self, offset: u64) -> Option<u64> {
+        let i = self.entries.partition_point(|&(o, _)| o <= offset);
+        self.entries.get(i).map(|&(_, p)| p)
+    }
+
     /// The last entry.
     pub fn last(&self) -> Option<(u64, u64)> {
         self.entries.last().copied()

@@ -1122,6 +1122,20 @@ impl<B: Backend> SegmentLog<B> {
     /// start at `from`) until about `max_bytes` of payload, at least one batch when any
     /// exists. Empty at or past the acknowledged end; `Trimmed` below the base.
     pub async fn read(&self, from: u64, max_bytes: usize) -> Result<Vec<ReadBatch>, StorageError> {
+        self.read_to(from, u64::MAX, max_bytes).await
+    }
+
+    /// As [`SegmentLog::read`], stopping at `until` (exclusive): the last batch may
+    /// reach past it, but no batch starting at or after it is read, and the device read
+    /// is bounded by the index to the batches that can hold offsets below it. A reader
+    /// that knows which offsets it wants (a consumer group's claim) reads those, not a
+    /// whole read window.
+    pub async fn read_to(
+        &self,
+        from: u64,
+        until: u64,
+        max_bytes: usize,
+    ) -> Result<Vec<ReadBatch>, StorageError> {
         let mut out = Vec::new();
         let mut offset = from;
         let mut budget = max_bytes;
@@ -1135,7 +1149,7 @@ impl<B: Backend> SegmentLog<B> {
             // Locate under the borrow; await with none held.
             let located = {
                 let st = self.shared.state.borrow();
-                let end = ack_end(&st, self.shared.config.fsync);
+                let end = ack_end(&st, self.shared.config.fsync).min(until.max(from + 1));
                 let base = st.segments.front().map_or(0, |s| s.base);
                 if offset < base {
                     return Err(StorageError::Trimmed {
@@ -1154,11 +1168,14 @@ impl<B: Backend> SegmentLog<B> {
                 } else {
                     let i = st.segments.partition_point(|s| s.base <= offset) - 1;
                     let s = &st.segments[i];
+                    // The batch holding `end - 1` ends at or before the next batch
+                    // the index names past it.
+                    let stop = s.index.next_after(end - 1).unwrap_or(s.data_len);
                     Some((
                         s.file.clone(),
                         s.name.clone(),
                         s.index.seek(offset),
-                        s.data_len,
+                        stop.min(s.data_len),
                         end.min(st.written_end),
                     ))
                 }

@@ -555,6 +555,37 @@ both_backends!(
     a_foreign_file_is_refused_and_unrelated_files_ignored,
 );
 
+/// A reader that knows where it stops (a consumer group's claim) gets the batches below
+/// that offset and reads from the device about what they hold, not a whole read window.
+#[test]
+fn a_bounded_read_stops_at_its_end_and_reads_only_what_it_needs() {
+    run(|| async {
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), LogConfig::default())
+            .await
+            .unwrap();
+        fill(&log, 2000, 1000).await;
+        let before = mem.bytes_read();
+        let batches = log.read_to(100, 164, 1 << 20).await.unwrap();
+        let read = mem.bytes_read() - before;
+        let offsets: Vec<u64> = batches.iter().map(|b| b.base_offset).collect();
+        assert_eq!(offsets, (100..164).collect::<Vec<_>>());
+        assert!(
+            read < 64 * 1100 + 2 * 4096 + 8192,
+            "64 records of 1000 bytes cost a {read}-byte device read"
+        );
+        // Unbounded, the same read takes a whole window.
+        let before = mem.bytes_read();
+        let all = log.read(100, 1 << 20).await.unwrap();
+        assert!(all.len() > 900, "{}", all.len());
+        assert!(mem.bytes_read() - before >= 1 << 20);
+        // Past the acknowledged end and below the base it answers as `read` does.
+        assert!(log.read_to(2000, 3000, 1 << 20).await.unwrap().is_empty());
+        let tail = log.read_to(1990, 5000, 1 << 20).await.unwrap();
+        assert_eq!(tail.len(), 10);
+    });
+}
+
 #[test]
 fn retention_never_removes_a_segment_past_the_floor() {
     run(|| async {

@@ -587,13 +587,17 @@ impl GroupShard {
         let mut found: BTreeMap<u64, (Bytes, u64)> = BTreeMap::new();
         let mut wanted: Vec<u64> = handed.iter().map(|(o, _)| *o).collect();
         wanted.sort_unstable();
+        let until = wanted.last().map_or(0, |o| o + 1);
         let mut covered_end = 0u64;
         let mut bytes = 0usize;
         for &o in &wanted {
             if o < covered_end || bytes >= POLL_BYTES_MAX {
                 continue;
             }
-            let batches = stream.log.read(o, POLL_BYTES_MAX.min(1 << 20)).await?;
+            let batches = stream
+                .log
+                .read_to(o, until, POLL_BYTES_MAX.min(1 << 20))
+                .await?;
             covered_end = batches.last().map_or(o + 1, |b| b.end_offset()).max(o + 1);
             for b in batches.into_iter().map(crate::state::readable) {
                 if b.kind != BatchKind::Data {

@@ -120,6 +120,8 @@ struct MemFs {
     /// The directory as the last `sync_dir` saw it: what a crash leaves.
     synced: BTreeMap<String, Inode>,
     faults: Faults,
+    /// Bytes returned by reads so far.
+    read_bytes: u64,
 }
 
 impl MemFs {
@@ -220,6 +222,7 @@ impl MemBackend {
                 synced: files.clone(),
                 files,
                 faults: Faults::default(),
+                read_bytes: 0,
             })),
         }
     }
@@ -245,6 +248,7 @@ impl MemBackend {
                 synced: files.clone(),
                 files,
                 faults: Faults::default(),
+                read_bytes: 0,
             })),
         }
     }
@@ -290,6 +294,11 @@ impl MemBackend {
         let mut fs = self.fs.borrow_mut();
         fs.files.remove(name);
         fs.synced.remove(name);
+    }
+
+    /// Bytes read from files so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.fs.borrow().read_bytes
     }
 
     /// Writes and fsyncs performed so far.
@@ -472,11 +481,13 @@ impl SegmentFile for MemFileHandle {
     }
 
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
-        self.with(|f| {
+        let read = self.with(|f| {
             let start = (pos as usize).min(f.data.len());
             let end = start.saturating_add(len).min(f.data.len());
             Bytes::copy_from_slice(&f.data[start..end])
-        })
+        })?;
+        self.fs.borrow_mut().read_bytes += read.len() as u64;
+        Ok(read)
     }
 
     async fn sync_data(&self) -> io::Result<()> {
