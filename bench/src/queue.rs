@@ -42,6 +42,9 @@ pub struct QueueCell {
     pub p50_us: f64,
     /// Claim-and-ack round, µs.
     pub p99_us: f64,
+    /// The broker's CPU per acknowledged record (its threads' schedstat over the
+    /// consuming phase), µs.
+    pub cpu_us: Option<f64>,
 }
 
 /// Runs the queue cells for `peers` with each consumer count; prints a table with the
@@ -69,8 +72,11 @@ pub fn run(
             for &n in consumers {
                 let cell = rt.block_on(one_cell(peer, n, records, batch, bins.as_ref()))?;
                 eprintln!(
-                    "  {peer:?} x{n}: {:.0} records/s, round p50 {:.0} µs p99 {:.0} µs",
-                    cell.rate, cell.p50_us, cell.p99_us
+                    "  {peer:?} x{n}: {:.0} records/s, round p50 {:.0} µs p99 {:.0} µs, CPU {} µs/record",
+                    cell.rate,
+                    cell.p50_us,
+                    cell.p99_us,
+                    cpu_text(cell.cpu_us)
                 );
                 match cells.iter_mut().find(|(p, c, _)| *p == peer && *c == n) {
                     Some((_, _, v)) => v.push(cell),
@@ -85,14 +91,19 @@ pub fn run(
         x[x.len() / 2]
     };
     let mut md = String::from(
-        "| broker | consumers | records/s | round p50 µs | round p99 µs |\n|---|---|---|---|---|\n",
+        "| broker | consumers | records/s | round p50 µs | round p99 µs | broker CPU µs/record |\n|---|---|---|---|---|---|\n",
     );
     for (peer, n, v) in &cells {
+        let cpu = v
+            .iter()
+            .all(|c| c.cpu_us.is_some())
+            .then(|| median(v, |c| c.cpu_us.unwrap_or(0.0)));
         md += &format!(
-            "| {peer:?} | {n} | {:.0} | {:.0} | {:.0} |\n",
+            "| {peer:?} | {n} | {:.0} | {:.0} | {:.0} | {} |\n",
             median(v, |c| c.rate),
             median(v, |c| c.p50_us),
-            median(v, |c| c.p99_us)
+            median(v, |c| c.p99_us),
+            cpu_text(cpu)
         );
     }
     for &n in consumers {
@@ -116,6 +127,10 @@ pub fn run(
     Ok(md)
 }
 
+fn cpu_text(cpu: Option<f64>) -> String {
+    cpu.map_or_else(|| "-".into(), |c| format!("{c:.1}"))
+}
+
 async fn one_cell(
     peer: Peer,
     consumers: usize,
@@ -133,7 +148,7 @@ async fn one_cell(
             };
             fill(&driver, &stream, records).await?;
             let target = b.target.clone();
-            let cell = consume(consumers, records, |i| {
+            let cell = consume(&driver, consumers, records, |i| {
                 let (target, stream) = (target.clone(), stream.clone());
                 async move { felix_consumer(target, stream, i, batch).await }
             })
@@ -160,7 +175,7 @@ async fn one_cell(
             )
             .await?;
             let addr = p.addr;
-            consume(consumers, records, |i| {
+            consume(&driver, consumers, records, |i| {
                 let stream = stream.clone();
                 async move { nats_consumer(addr, stream, i, batch).await }
             })
@@ -179,7 +194,7 @@ async fn one_cell(
                 &[b"XGROUP", b"CREATE", stream.as_bytes(), b"workers", b"0"],
             )
             .await?;
-            consume(consumers, records, |i| {
+            consume(&driver, consumers, records, |i| {
                 let stream = stream.clone();
                 async move { redis_consumer(addr, stream, i, batch).await }
             })
@@ -206,12 +221,17 @@ async fn fill(driver: &dyn Driver, stream: &str, records: usize) -> anyhow::Resu
 type Consumed = anyhow::Result<(usize, Vec<f64>)>;
 
 /// Runs `consumers` consumers until together they acknowledged `records`.
-async fn consume<F, Fut>(consumers: usize, records: usize, make: F) -> anyhow::Result<QueueCell>
+async fn consume<F, Fut>(
+    driver: &dyn Driver,
+    consumers: usize,
+    records: usize,
+    make: F,
+) -> anyhow::Result<QueueCell>
 where
     F: Fn(usize) -> Fut,
     Fut: std::future::Future<Output = Consumed> + Send + 'static,
 {
-    let _ = records;
+    let cpu_before = driver.server_cpu_ns();
     let started = Instant::now();
     let tasks: Vec<_> = (0..consumers).map(|i| tokio::spawn(make(i))).collect();
     let (mut total, mut lat) = (0, Vec::new());
@@ -221,11 +241,16 @@ where
         lat.extend(l);
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let cpu_us = match (cpu_before, driver.server_cpu_ns()) {
+        (Some(a), Some(b)) if total > 0 => Some(b.saturating_sub(a) as f64 / 1e3 / total as f64),
+        _ => None,
+    };
     anyhow::ensure!(total >= records, "consumed {total} of {records}");
     Ok(QueueCell {
         rate: total as f64 / elapsed,
         p50_us: percentile(&mut lat, 0.5),
         p99_us: percentile(&mut lat, 0.99),
+        cpu_us,
     })
 }
 

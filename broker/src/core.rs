@@ -2025,6 +2025,9 @@ impl CoreBroker {
         op: crate::groups::GroupOp,
     ) -> Result<crate::groups::GroupAnswer, BrokerError> {
         self.metrics.group_ops.fetch_add(1, Ordering::Relaxed);
+        // Consumers of one group on one core draw the shard there (load following);
+        // their claims move with it.
+        self.note_load(&key, self.core, 1);
         let owner = self.owner(&key);
         if owner == self.core && self.held(&key) {
             let k = key.clone();
@@ -2064,6 +2067,17 @@ impl CoreBroker {
         groups.serve(&stream, op).await
     }
 
+    /// Where the groups of stream shard `key` write their events: its log, through this
+    /// core's write path.
+    fn group_writer(self: &Rc<Self>, key: &Arc<ShardKey>) -> crate::groups::GroupWriter {
+        let weak = Rc::downgrade(self);
+        let k = key.clone();
+        Box::new(move |records| match weak.upgrade() {
+            Some(core) => core.write_group(k.clone(), records),
+            None => Box::pin(std::future::ready(Err(BrokerError::Draining))),
+        })
+    }
+
     /// The groups of stream shard `key` while this core leads it, built from the
     /// shard's log on first use (one build at a time; others wait for it).
     async fn group_shard(
@@ -2080,14 +2094,12 @@ impl CoreBroker {
             }
             task::sleep(std::time::Duration::from_millis(1)).await;
         }
-        let weak = Rc::downgrade(self);
-        let k = key.clone();
-        let writer: crate::groups::GroupWriter = Box::new(move |records| match weak.upgrade() {
-            Some(core) => core.write_group(k.clone(), records),
-            None => Box::pin(std::future::ready(Err(BrokerError::Draining))),
-        });
-        let built =
-            crate::groups::GroupShard::build(stream, self.shared.group_limits, writer).await;
+        let built = crate::groups::GroupShard::build(
+            stream,
+            self.shared.group_limits,
+            self.group_writer(key),
+        )
+        .await;
         stream.building_groups.set(false);
         let g = Rc::new(built?);
         *stream.groups.borrow_mut() = Some(g.clone());

@@ -661,7 +661,8 @@ fn per_core(b: &BrokerProcess, name: &str) -> Vec<u64> {
 /// One producer on one connection whose stream's shard another core owns: every publish
 /// crosses the mesh until load following moves the shard to the connection's core, within
 /// seconds; then none does, and every record is in the log once, in order. A shard an
-/// operator pinned stays where the operator put it under the same load.
+/// operator pinned stays where the operator put it under the same load. A queue follows
+/// its consumer with its claims.
 #[test]
 fn a_shard_follows_its_producer_to_its_core_unless_an_operator_pinned_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -816,8 +817,8 @@ fn a_shard_follows_its_producer_to_its_core_unless_an_operator_pinned_it() {
             json!([format!("dev/default/followed/0={core}")])
         );
 
-        // A queue whose consumer holds a claim stays where it is under the same load
-        // (its claims live in its core's memory; a move would hand them out again).
+        // A queue follows its consumer too, and the claims move with it: a record
+        // claimed before the move is not handed out again after it.
         let mut queue = None;
         for i in 0..20 {
             let name = format!("queued{i}");
@@ -837,28 +838,54 @@ fn a_shard_follows_its_producer_to_its_core_unless_an_operator_pinned_it() {
         }
         let queue = queue.expect("a stream placed on the other core");
         let g = felix_client::GroupRef::new("dev", "default", &queue, 0, "workers");
-        let claimed = c
-            .group_poll(&g, felix_client::PollOptions::default())
-            .await
-            .unwrap();
+        let long = felix_client::PollOptions {
+            max_records: 1,
+            wait: Duration::from_millis(100),
+            visibility: Some(Duration::from_secs(120)),
+        };
+        let claimed = c.group_poll(&g, long).await.unwrap();
         assert_eq!(claimed.len(), 1);
+        assert_eq!(claimed[0].payload.as_ref(), b"job");
         let started = Instant::now();
-        while started.elapsed() < Duration::from_secs(5) {
-            c.publish(
-                "dev",
-                "default",
-                &queue,
-                b"more".to_vec(),
-                AckMode::PerMessage,
+        while owner_core(&b, &queue).0 != core {
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "the queue stayed on core {} while its consumer and producer are on {core}",
+                1 - core
+            );
+            for _ in 0..50 {
+                c.publish(
+                    "dev",
+                    "default",
+                    &queue,
+                    b"more".to_vec(),
+                    AckMode::PerMessage,
+                )
+                .await
+                .unwrap();
+            }
+        }
+        assert_eq!(b.metric("felix_broker_follow_load_moves_total").unwrap(), 2);
+        let next = c
+            .group_poll(
+                &g,
+                felix_client::PollOptions {
+                    max_records: 100,
+                    ..long
+                },
             )
             .await
             .unwrap();
-        }
-        assert_eq!(owner_core(&b, &queue).0, 1 - core, "the queue stays");
+        assert!(!next.is_empty());
+        assert!(
+            next.iter()
+                .all(|r| r.offset != claimed[0].offset && r.payload.as_ref() == b"more"),
+            "the record claimed before the move went out again: {:?}",
+            next.iter().map(|r| r.offset).collect::<Vec<_>>()
+        );
         c.group_ack(&g, claimed[0].offset.0)
             .await
             .expect("the claim still holds");
-        assert_eq!(b.metric("felix_broker_follow_load_moves_total").unwrap(), 1);
     });
 }
 

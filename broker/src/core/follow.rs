@@ -22,8 +22,6 @@
 //! - a shard spread over cores (no core has [`SHARE`] of its traffic), a quiet one
 //!   (under [`MIN_REQUESTS`] in a window), or one whose requests come from a core that is
 //!   busy already ([`MAX_BUSY`]): moving it there would trade parallelism for hops;
-//! - a stream shard whose consumer groups are in use (its owner says so in each report):
-//!   a move would hand the records its consumers had claimed out again;
 //! - a shard moved less than [`COOLDOWN`] ago, and any once [`MAX_AUTO_RULES`] shards were
 //!   moved (every rule is checked on each lookup);
 //! - replicated shards in a cluster (they move only with a restart).
@@ -71,9 +69,6 @@ pub struct LoadReport {
     /// Per shard, per core (index): small requests received there, and small
     /// deliveries sent there by the shard's owner.
     pub counts: HashMap<Arc<ShardKey>, Vec<u32>>,
-    /// Stream shards this core owns whose consumer groups are in use: they stay put (a
-    /// move would hand their claimed records out again).
-    pub grouped: Vec<Arc<ShardKey>>,
 }
 
 /// Where `counts` (traffic per core in one window) say a shard owned by `owner` (if
@@ -157,23 +152,14 @@ impl CoreBroker {
                     return;
                 }
                 let counts = std::mem::take(&mut *core.load.borrow_mut());
-                let grouped: Vec<Arc<ShardKey>> = core
-                    .streams
-                    .borrow()
-                    .iter()
-                    .filter(|(_, slot)| {
-                        matches!(slot, super::Slot::Ready(s) if s.groups.borrow().is_some())
-                    })
-                    .map(|(k, _)| k.clone())
-                    .collect();
-                if counts.is_empty() && grouped.is_empty() {
+                if counts.is_empty() {
                     continue;
                 }
                 core.shared
                     .load_reports
                     .lock()
                     .expect("load reports lock")
-                    .push(LoadReport { counts, grouped });
+                    .push(LoadReport { counts });
             }
         })
         .detach();
@@ -222,10 +208,6 @@ impl CoreBroker {
                 // number together: their counts add up, under the stream's key, with the
                 // kinds that had traffic (each is placed by its own hash).
                 let mut counts: HashMap<ShardKey, (Vec<u32>, Vec<ShardKind>)> = HashMap::new();
-                let mut grouped: std::collections::HashSet<ShardKey> = Default::default();
-                for r in &reports {
-                    grouped.extend(r.grouped.iter().map(|k| (**k).clone()));
-                }
                 for r in reports {
                     for (key, n) in r.counts {
                         let pattern = ShardKey {
@@ -263,7 +245,7 @@ impl CoreBroker {
                 let mut candidates: Vec<_> = counts.into_iter().collect();
                 candidates.sort_by_key(|(_, (c, _))| std::cmp::Reverse(c.iter().sum::<u32>()));
                 for (key, (c, kinds)) in candidates {
-                    if moved.contains_key(&key) || grouped.contains(&key) {
+                    if moved.contains_key(&key) {
                         continue;
                     }
                     let Some(to) = destination(&c, None, &busy) else {

@@ -31,9 +31,11 @@
 //! after it let go is passed on to B, not refused. The steps are control messages outside
 //! the cross-core request bound, so a shard under heavy load can still move.
 //!
-//! Not carried across (as across a restart): a consumer group's in-flight claims and
-//! attempt counts live in the old core's memory; the new core rebuilds the groups from
-//! their logged events, so records claimed but not yet acknowledged go out again at once.
+//! A stream shard's consumer groups move with it: the old core hands over their state
+//! as it left them (cursors, dead letters, and the claims in flight with their attempt
+//! counts and deadlines, on one process-wide monotonic clock), and the new core serves
+//! from that instead of folding the log, so a record claimed before the move is not
+//! handed to another consumer after it.
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
@@ -74,9 +76,6 @@ pub enum MoveStep {
         old: Arc<PlacementTable>,
         /// After.
         new: Arc<PlacementTable>,
-        /// An automatic re-pin (load following): a core refuses it when a shard moving
-        /// away from it has consumer groups in use.
-        auto: bool,
     },
     /// Send a barrier to every other core and wait for the answers.
     Flush,
@@ -100,6 +99,9 @@ pub struct Handover {
     /// Whether the old core closed and sealed its log cleanly (the new core then checks
     /// the sealed segments' tails, not every batch).
     pub sealed: bool,
+    /// The shard's consumer groups as the old core left them, claims in flight included
+    /// (`None`: not built there; the new core folds them from the log on first use).
+    pub groups: Option<HashMap<String, crate::groups::tracker::Tracker>>,
 }
 
 /// The answer to a [`MoveStep`].
@@ -374,7 +376,6 @@ impl CoreBroker {
             let begin = MoveStep::Begin {
                 old: old.clone(),
                 new: new.clone(),
-                auto,
             };
             if let Err(e) = self.step(c, begin).await {
                 // Nothing moved yet: every core forgets the re-pin.
@@ -498,23 +499,7 @@ impl CoreBroker {
         step: MoveStep,
     ) -> Result<MoveAnswer, BrokerError> {
         match step {
-            MoveStep::Begin { old, new, auto } => {
-                if auto {
-                    // Claims live in this core's memory: moving would hand them out
-                    // again. Load following leaves such a shard where it is.
-                    let me = self.core;
-                    let grouped = self.streams.borrow().iter().any(|(k, slot)| {
-                        old.core_for(k) == me
-                            && new.core_for(k) != me
-                            && matches!(slot, Slot::Ready(s)
-                                if s.groups.borrow().is_some() || s.building_groups.get())
-                    });
-                    if grouped {
-                        return Err(BrokerError::InvalidRequest(
-                            "a shard moving away has consumer groups in use".into(),
-                        ));
-                    }
-                }
+            MoveStep::Begin { old, new } => {
                 *self.moving.borrow_mut() = Some(MoveState {
                     old,
                     new,
@@ -608,15 +593,17 @@ impl CoreBroker {
                 }
                 let mut out = Vec::with_capacity(keys.len());
                 for key in keys {
-                    let interested = self
-                        .ready_stream(&key)
-                        .map(|s| s.interest())
-                        .unwrap_or_default();
+                    let stream = self.ready_stream(&key);
+                    let interested = stream.as_ref().map(|s| s.interest()).unwrap_or_default();
+                    // Nothing runs on the shard now: its groups' state is complete.
+                    let groups =
+                        stream.and_then(|s| s.groups.borrow().as_ref().map(|g| g.trackers()));
                     let sealed = self.close_shard(&key, true).await;
                     out.push(Handover {
                         key,
                         interested,
                         sealed,
+                        groups,
                     });
                 }
                 return out;
@@ -650,6 +637,15 @@ impl CoreBroker {
                 Ok(s) => {
                     for (core, n) in &h.interested {
                         s.register_many(*core, *n);
+                    }
+                    // Held requests run at End, after this: none has built the groups.
+                    if let Some(groups) = h.groups {
+                        *s.groups.borrow_mut() =
+                            Some(Rc::new(crate::groups::GroupShard::from_trackers(
+                                groups,
+                                self.shared.group_limits,
+                                self.group_writer(&h.key),
+                            )));
                     }
                 }
                 Err(e) => tracing::warn!(shard = %h.key, error = %e, "opening a moved shard"),

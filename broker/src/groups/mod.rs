@@ -287,12 +287,29 @@ impl GroupShard {
                 }
             }
         }
-        Ok(GroupShard {
+        Ok(Self::from_trackers(groups, limits, writer))
+    }
+
+    /// The groups as another core left them (a live re-pin hands them over with the
+    /// shard): their cursors, dead letters, and the claims in flight, so a record claimed
+    /// before the move is not handed to a second consumer after it.
+    pub fn from_trackers(
+        groups: HashMap<String, Tracker>,
+        limits: Limits,
+        writer: GroupWriter,
+    ) -> Self {
+        GroupShard {
             writer,
             groups: RefCell::new(groups),
             limits,
             settled: Wakers::default(),
-        })
+        }
+    }
+
+    /// Every group's state, for handing the shard to another core. Call it only once
+    /// nothing runs on the shard: the state of a request still running would be lost.
+    pub fn trackers(&self) -> HashMap<String, Tracker> {
+        self.groups.borrow().clone()
     }
 
     /// Writes events of `group` and waits until they are durable.
