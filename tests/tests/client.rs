@@ -476,6 +476,39 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
             .await
             .unwrap_err();
         assert!(e.to_string().contains("stale"), "{e}");
+
+        // 64 acks sent at once all settle: the cursor passes every record.
+        let payloads = (0..64).map(|i| format!("b{i}").into_bytes()).collect();
+        c.publish_batch("dev", "default", "burst", payloads, AckMode::PerMessage)
+            .await
+            .unwrap();
+        let g = GroupRef::new("dev", "default", "burst", 0, "sdk");
+        let claimed = c
+            .group_poll(
+                &g,
+                PollOptions {
+                    max_records: 64,
+                    ..quick
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(claimed.len(), 64);
+        let acks: Vec<_> = claimed
+            .iter()
+            .map(|r| {
+                let (c, g, o) = (c.clone(), g.clone(), r.offset.0);
+                tokio::spawn(async move { c.group_ack(&g, o).await })
+            })
+            .collect();
+        for a in acks {
+            a.await.unwrap().unwrap();
+        }
+        let info = c.group_describe(&g).await.unwrap();
+        assert_eq!((info.in_flight, info.owed), (0, 0), "{info:?}");
+        // Past the records and the group's own events after them.
+        assert_eq!(info.committed, Some(info.tail), "{info:?}");
+        assert!(info.tail > claimed[63].offset.0, "{info:?}");
     });
     // The command line: poll with --ack, then describe.
     let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
