@@ -881,16 +881,32 @@ impl CoreBroker {
     /// The stream shard `key`, opening (and recovering) it on first use. Only on the
     /// owning core.
     pub async fn stream_shard(&self, key: &Arc<ShardKey>) -> Result<Rc<StreamShard>, BrokerError> {
+        // A request that waited on an open that failed without leaving an answer behind
+        // (out of file descriptors, a re-pin) tries the open itself: it gets its own
+        // answer, not a bare "closed".
+        loop {
+            if let Some(answer) = self.stream_shard_once(key).await {
+                return answer;
+            }
+        }
+    }
+
+    /// One try at [`CoreBroker::stream_shard`]: `None` when it waited on another request's
+    /// open that ended without a result to share.
+    async fn stream_shard_once(
+        &self,
+        key: &Arc<ShardKey>,
+    ) -> Option<Result<Rc<StreamShard>, BrokerError>> {
         if !self.serves(key) {
-            return Err(BrokerError::ShardUnavailable(format!(
+            return Some(Err(BrokerError::ShardUnavailable(format!(
                 "{key} moved to another core"
-            )));
+            ))));
         }
         let first = {
             let mut map = self.streams.borrow_mut();
             match map.get(key) {
-                Some(Slot::Ready(s)) => return Ok(s.clone()),
-                Some(Slot::Failed(e)) => return Err(e.clone()),
+                Some(Slot::Ready(s)) => return Some(Ok(s.clone())),
+                Some(Slot::Failed(e)) => return Some(Err(e.clone())),
                 Some(Slot::Opening(_)) => false,
                 None => {
                     map.insert(key.clone(), Slot::Opening(Vec::new()));
@@ -916,7 +932,7 @@ impl CoreBroker {
                 if let Some(Slot::Opening(waiters)) = self.streams.borrow_mut().remove(key) {
                     waiters.into_iter().for_each(Waker::wake);
                 }
-                return opened;
+                return Some(opened);
             }
             let mut map = self.streams.borrow_mut();
             let slot = match &opened {
@@ -926,39 +942,55 @@ impl CoreBroker {
                     if let Some(Slot::Opening(waiters)) = map.remove(key) {
                         waiters.into_iter().for_each(Waker::wake);
                     }
-                    return opened;
+                    return Some(opened);
                 }
                 Err(e) => Slot::Failed(e.clone()),
             };
             if let Some(Slot::Opening(waiters)) = map.insert(key.clone(), slot) {
                 waiters.into_iter().for_each(Waker::wake);
             }
-            return opened;
+            return Some(opened);
         }
         poll_fn(|cx| match self.streams.borrow_mut().get_mut(key) {
-            Some(Slot::Ready(s)) => Poll::Ready(Ok(s.clone())),
-            Some(Slot::Failed(e)) => Poll::Ready(Err(e.clone())),
+            Some(Slot::Ready(s)) => Poll::Ready(Some(Ok(s.clone()))),
+            Some(Slot::Failed(e)) => Poll::Ready(Some(Err(e.clone()))),
             Some(Slot::Opening(w)) => {
                 w.push(cx.waker().clone());
                 Poll::Pending
             }
-            None => Poll::Ready(Err(BrokerError::ShardUnavailable(format!("{key} closed")))),
+            None => Poll::Ready(None),
         })
         .await
     }
 
     /// The cache shard `key`, opening it (and replaying its log) on first use.
     pub async fn cache_shard(&self, key: &Arc<ShardKey>) -> Result<Rc<CacheShard>, BrokerError> {
+        // A request that waited on an open that failed without leaving an answer behind
+        // (out of file descriptors, a re-pin) tries the open itself: it gets its own
+        // answer, not a bare "closed".
+        loop {
+            if let Some(answer) = self.cache_shard_once(key).await {
+                return answer;
+            }
+        }
+    }
+
+    /// One try at [`CoreBroker::cache_shard`]: `None` when it waited on another request's
+    /// open that ended without a result to share.
+    async fn cache_shard_once(
+        &self,
+        key: &Arc<ShardKey>,
+    ) -> Option<Result<Rc<CacheShard>, BrokerError>> {
         if !self.serves(key) {
-            return Err(BrokerError::ShardUnavailable(format!(
+            return Some(Err(BrokerError::ShardUnavailable(format!(
                 "{key} moved to another core"
-            )));
+            ))));
         }
         let first = {
             let mut map = self.caches.borrow_mut();
             match map.get(key) {
-                Some(Slot::Ready(s)) => return Ok(s.clone()),
-                Some(Slot::Failed(e)) => return Err(e.clone()),
+                Some(Slot::Ready(s)) => return Some(Ok(s.clone())),
+                Some(Slot::Failed(e)) => return Some(Err(e.clone())),
                 Some(Slot::Opening(_)) => false,
                 None => {
                     map.insert(key.clone(), Slot::Opening(Vec::new()));
@@ -983,7 +1015,7 @@ impl CoreBroker {
                 if let Some(Slot::Opening(waiters)) = self.caches.borrow_mut().remove(key) {
                     waiters.into_iter().for_each(Waker::wake);
                 }
-                return opened;
+                return Some(opened);
             }
             let mut map = self.caches.borrow_mut();
             let slot = match &opened {
@@ -993,23 +1025,23 @@ impl CoreBroker {
                     if let Some(Slot::Opening(waiters)) = map.remove(key) {
                         waiters.into_iter().for_each(Waker::wake);
                     }
-                    return opened;
+                    return Some(opened);
                 }
                 Err(e) => Slot::Failed(e.clone()),
             };
             if let Some(Slot::Opening(waiters)) = map.insert(key.clone(), slot) {
                 waiters.into_iter().for_each(Waker::wake);
             }
-            return opened;
+            return Some(opened);
         }
         poll_fn(|cx| match self.caches.borrow_mut().get_mut(key) {
-            Some(Slot::Ready(s)) => Poll::Ready(Ok(s.clone())),
-            Some(Slot::Failed(e)) => Poll::Ready(Err(e.clone())),
+            Some(Slot::Ready(s)) => Poll::Ready(Some(Ok(s.clone()))),
+            Some(Slot::Failed(e)) => Poll::Ready(Some(Err(e.clone()))),
             Some(Slot::Opening(w)) => {
                 w.push(cx.waker().clone());
                 Poll::Pending
             }
-            None => Poll::Ready(Err(BrokerError::ShardUnavailable(format!("{key} closed")))),
+            None => Poll::Ready(None),
         })
         .await
     }

@@ -943,11 +943,12 @@ fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_
                 .await
         }
     };
-    let mut acked: Vec<(String, Vec<u8>)> = Vec::new();
+    // Every acknowledged record: stream, offset, payload.
+    let mut acked: Vec<(String, u64, Vec<u8>)> = Vec::new();
     rt.block_on(async {
         let c = client(&b).await;
-        publish(&c, "keep".into(), b"k".to_vec()).await.unwrap();
-        acked.push(("keep".into(), b"k".to_vec()));
+        let o = publish(&c, "keep".into(), b"k".to_vec()).await.unwrap();
+        acked.push(("keep".into(), o.unwrap(), b"k".to_vec()));
         let open = std::fs::read_dir(format!("/proc/{}/fd", b.pid()))
             .unwrap()
             .count() as u64;
@@ -956,7 +957,7 @@ fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_
         for i in 0..40 {
             let stream = format!("s{i}");
             match publish(&c, stream.clone(), stream.clone().into_bytes()).await {
-                Ok(_) => acked.push((stream.clone(), stream.into_bytes())),
+                Ok(o) => acked.push((stream.clone(), o.unwrap(), stream.into_bytes())),
                 Err(felix_client::ClientError::Broker(e)) => {
                     assert_eq!(
                         (e.code.clone(), e.reason()),
@@ -972,10 +973,10 @@ fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_
             }
             // The stream opened before keeps taking publishes.
             let p = format!("k{i}").into_bytes();
-            publish(&c, "keep".into(), p.clone())
+            let o = publish(&c, "keep".into(), p.clone())
                 .await
                 .unwrap_or_else(|e| panic!("an open stream stopped working: {e:?}"));
-            acked.push(("keep".into(), p));
+            acked.push(("keep".into(), o.unwrap(), p));
         }
         assert!(
             refused.len() > 10,
@@ -984,35 +985,45 @@ fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_
         eprintln!("new streams: {} of 40 refused", refused.len());
         set_open_files(b.pid(), was);
         for stream in refused {
-            publish(&c, stream.clone(), stream.clone().into_bytes())
+            let o = publish(&c, stream.clone(), stream.clone().into_bytes())
                 .await
                 .unwrap_or_else(|e| panic!("{stream} refused after descriptors freed: {e:?}"));
-            acked.push((stream.clone(), stream.into_bytes()));
+            acked.push((stream.clone(), o.unwrap(), stream.into_bytes()));
         }
     });
     b.restart().unwrap();
     // After a restart the streams exist and their shards open on first use: out of
-    // descriptors, an open is refused and tried again by the next request.
+    // descriptors, an open is refused and tried again by the next request. Three
+    // publishes race to each shard's first open: those that waited on an open that
+    // failed get the same typed refusal (or open it themselves), never a bare "closed".
     let streams: Vec<String> = (0..40).map(|i| format!("s{i}")).collect();
     rt.block_on(async {
         let c = client(&b).await;
-        publish(&c, "keep".into(), b"again".to_vec()).await.unwrap();
-        acked.push(("keep".into(), b"again".to_vec()));
+        let o = publish(&c, "keep".into(), b"again".to_vec()).await.unwrap();
+        acked.push(("keep".into(), o.unwrap(), b"again".to_vec()));
         let open = std::fs::read_dir(format!("/proc/{}/fd", b.pid()))
             .unwrap()
             .count() as u64;
         let was = set_open_files(b.pid(), open + 8);
         let mut refused = Vec::new();
         for stream in &streams {
-            let p = format!("{stream} again").into_bytes();
-            match publish(&c, stream.clone(), p.clone()).await {
-                Ok(_) => acked.push((stream.clone(), p)),
-                Err(felix_client::ClientError::Broker(e))
-                    if e.reason() == Some("out_of_file_descriptors") =>
-                {
-                    refused.push(stream.clone())
+            let racing: Vec<_> = (0..3)
+                .map(|k| {
+                    let p = format!("{stream} again {k}").into_bytes();
+                    let sent = publish(&c, stream.clone(), p.clone());
+                    tokio::spawn(async move { (p, sent.await) })
+                })
+                .collect();
+            for r in racing {
+                match r.await.unwrap() {
+                    (p, Ok(o)) => acked.push((stream.clone(), o.unwrap(), p)),
+                    (p, Err(felix_client::ClientError::Broker(e)))
+                        if e.reason() == Some("out_of_file_descriptors") =>
+                    {
+                        refused.push((stream.clone(), p))
+                    }
+                    (_, Err(e)) => panic!("{stream}: not a typed refusal: {e:?}"),
                 }
-                Err(e) => panic!("{stream}: not a typed refusal: {e:?}"),
             }
         }
         assert!(refused.len() > 10, "refused {refused:?}");
@@ -1021,37 +1032,39 @@ fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_
             refused.len()
         );
         set_open_files(b.pid(), was);
-        for stream in refused {
-            let p = format!("{stream} again").into_bytes();
-            publish(&c, stream.clone(), p.clone())
+        for (stream, p) in refused {
+            let o = publish(&c, stream.clone(), p.clone())
                 .await
                 .unwrap_or_else(|e| panic!("{stream} still refused: {e:?}"));
-            acked.push((stream, p));
+            acked.push((stream, o.unwrap(), p));
         }
     });
     rt.block_on(async {
         let c = client(&b).await;
-        let mut want: std::collections::BTreeMap<String, Vec<Vec<u8>>> = Default::default();
-        for (s, p) in acked {
-            want.entry(s).or_default().push(p);
+        // Each stream holds exactly its acknowledged records, each at its offset.
+        type Records = std::collections::BTreeMap<u64, Vec<u8>>;
+        let mut want: std::collections::BTreeMap<String, Records> = Default::default();
+        for (s, o, p) in acked {
+            assert!(
+                want.entry(s.clone()).or_default().insert(o, p).is_none(),
+                "{s}: offset {o} acknowledged twice"
+            );
         }
-        for (stream, payloads) in want {
+        for (stream, records) in want {
             let mut sub = c
                 .subscribe_from("dev", "default", &stream, Some(StartPosition::Earliest))
                 .await
                 .unwrap();
-            for (i, p) in payloads.iter().enumerate() {
+            let mut got = Records::new();
+            for i in 0..records.len() {
                 let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
                     .await
                     .unwrap_or_else(|_| panic!("{stream}: record {i} missing after restart"))
                     .unwrap()
                     .unwrap();
-                assert_eq!(
-                    (e.offset, e.payload.as_ref()),
-                    (Some(i as u64), p.as_slice()),
-                    "{stream} record {i}"
-                );
+                got.insert(e.offset.unwrap(), e.payload.to_vec());
             }
+            assert_eq!(got, records, "{stream}");
         }
     });
 }
