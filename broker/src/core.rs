@@ -642,6 +642,9 @@ pub struct CoreBroker {
     pub keys_changed: crate::groups::Wakers,
     /// A live re-pin in progress: what moves to and from this core, requests held.
     moving: RefCell<Option<moves::MoveState>>,
+    /// Syncs and synced batches of the stream logs closed on this core (a shard moved
+    /// away): the sampled counters stay monotonic.
+    closed_log_stats: Cell<(u64, u64)>,
     /// Shards just handed over by another core, to open without re-checking every batch.
     handed_over: RefCell<std::collections::HashSet<Arc<ShardKey>>>,
     /// Per shard since the last load report: small requests this core received for it
@@ -731,6 +734,7 @@ impl CoreBroker {
             replicas,
             keys_changed: crate::groups::Wakers::default(),
             moving: RefCell::default(),
+            closed_log_stats: Cell::new((0, 0)),
             handed_over: RefCell::default(),
             load: RefCell::default(),
         })
@@ -2512,7 +2516,8 @@ impl CoreBroker {
                 if core.draining() {
                     return;
                 }
-                let (mut syncs, mut batches, mut poisoned) = (0, 0, 0);
+                let (mut syncs, mut batches) = core.closed_log_stats.get();
+                let mut poisoned = 0;
                 for slot in core.streams.borrow().values() {
                     if let Slot::Ready(shard) = slot {
                         core.add_device_latency(shard.log.take_device_latency());
@@ -2716,6 +2721,12 @@ impl CoreBroker {
                 tracing::warn!(shard = %key, error = %e, "closing a shard");
                 clean = false;
             }
+        }
+        if let Some(Slot::Ready(s)) = &stream {
+            let st = s.log.stats();
+            let (syncs, batches) = self.closed_log_stats.get();
+            self.closed_log_stats
+                .set((syncs + st.syncs, batches + st.synced_batches));
         }
         clean
     }
