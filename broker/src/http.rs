@@ -135,6 +135,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.requests_held.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_takeover_held_total",
+        "counter",
+        "Publishes held while this broker took their replicated shard over (a move's or failover's cut-over).",
+        |m| m.takeover_held.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_requests_passed_on_total",
         "counter",
         "Requests that reached this core under an older placement and were passed on to the owning core.",

@@ -989,7 +989,7 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
                     )
                     .await
                     .unwrap();
-                    let (mut i, mut failed) = (0u64, 0u64);
+                    let (mut i, mut failed) = (0u64, BTreeMap::<String, u64>::new());
                     while !stop2.load(std::sync::atomic::Ordering::SeqCst) {
                         let payload = format!("m-{i}").into_bytes();
                         i += 1;
@@ -1011,7 +1011,9 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
                                     .unwrap()
                                     .push((sent, Instant::now(), o, payload))
                             }
-                            _ => failed += 1,
+                            Ok(Ok(None)) => *failed.entry("no offset".into()).or_default() += 1,
+                            Ok(Err(e)) => *failed.entry(e.to_string()).or_default() += 1,
+                            Err(_) => *failed.entry("timed out (2 s)".into()).or_default() += 1,
                         }
                     }
                     failed
@@ -1060,10 +1062,28 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
         .collect();
     gaps.sort();
     eprintln!(
-        "20 moves: cut-over to first ack on the new leader median {:?}, max {:?}; {} acked, {failed} publishes failed or timed out",
+        "20 moves: cut-over to first ack on the new leader median {:?}, max {:?}; {} acked; failed or timed out: {failed:?}; held at takeovers: {}",
         gaps[gaps.len() / 2],
         gaps[gaps.len() - 1],
-        log.len()
+        log.len(),
+        (0..3)
+            .map(|n| c.brokers[n]
+                .metric("felix_broker_takeover_held_total")
+                .unwrap_or(0))
+            .sum::<u64>()
+    );
+    // Writes reaching the new leader while it takes over are held and then appended,
+    // and the old leader forwards to it once fenced: a refusal is rare (88 in 20 moves
+    // without the hold, 545 also without the prompt assignment pickup). Writes in flight
+    // at the old leader may still end outcome-unknown (`unacknowledged`), as they must.
+    let refused: u64 = failed
+        .iter()
+        .filter(|(e, _)| e.contains("shard unavailable"))
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        refused <= 20,
+        "{refused} publishes refused in 20 moves: {failed:?}"
     );
     let acked: BTreeMap<u64, Vec<u8>> = log.iter().map(|(_, _, o, p)| (*o, p.clone())).collect();
     assert_eq!(acked.len(), log.len(), "no offset acknowledged twice");

@@ -489,6 +489,13 @@ impl Replica {
         }
     }
 
+    /// Whether this replica was named leader and does not serve yet: a candidate
+    /// fencing a majority, catching up, or writing its generation start.
+    pub fn taking_over(&self) -> bool {
+        matches!(self.role, Role::Candidate(_))
+            || (matches!(self.role, Role::Leader(_)) && !self.serving)
+    }
+
     /// Whether this replica leads (serving or not).
     pub fn is_leader(&self) -> bool {
         matches!(self.role, Role::Leader(_))

@@ -127,6 +127,13 @@ impl ReplicaShard {
         self.ready.get() && self.machine.borrow().serving()
     }
 
+    /// Whether this replica was named leader and does not serve yet (fencing, catching
+    /// up, writing its generation start, rebuilding what it serves from).
+    pub fn taking_over(&self) -> bool {
+        let m = self.machine.borrow();
+        m.taking_over() || (m.serving() && !self.ready.get())
+    }
+
     /// The log.
     pub fn log(&self) -> &SegmentLog<DmaBackend> {
         &self.log
@@ -941,10 +948,15 @@ impl Replicas {
             Output::Persist(meta) => {
                 let bytes = serde_json::to_vec(&meta).expect("meta serializes");
                 match log.write_meta(META_FILE, &bytes).await {
-                    Ok(()) => rs
-                        .machine
-                        .borrow_mut()
-                        .handle_persisted(meta.generation, now()),
+                    Ok(()) => {
+                        rs.machine
+                            .borrow_mut()
+                            .handle_persisted(meta.generation, now());
+                        // Fenced by a newer leader: send requests there from now on.
+                        if let Some(leader) = &meta.leader {
+                            self.cluster.note_ballot(&rs.key, meta.generation, leader);
+                        }
+                    }
                     Err(e) => {
                         tracing::error!(shard = %rs.key, error = %e, "persisting the replica ballot")
                     }

@@ -1,0 +1,122 @@
+//! Writes that reach a broker while it takes a replicated shard over (a planned move's
+//! or a failover's cut-over: the assignments name it leader and its replica is still
+//! fencing a majority, catching up or writing its generation start) are held here, in
+//! arrival order, until the replica serves, and then appended in that order; past
+//! [`HOLD_MAX`] they are refused `shard_unavailable` with reason `moving` (retryable).
+//! The old leader forwards what reaches it to the new one once its view names it, so a
+//! producer sees a short pause instead of a refusal. Without the hold every write in the
+//! window was refused and each client retried on its own.
+
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use felix_core_runtime::placement::ShardKey;
+use felix_core_runtime::task;
+use futures_channel::oneshot;
+
+use super::CoreBroker;
+use super::moves::Answer;
+use crate::error::BrokerError;
+
+/// The longest a write waits for its shard's new leader to serve.
+pub const HOLD_MAX: Duration = Duration::from_secs(1);
+
+/// How often a hold looks again (only while one is waiting).
+const RECHECK: Duration = Duration::from_millis(2);
+
+/// A held call: run it (`true`) or refuse it (`false`).
+pub(super) type Held = Box<dyn FnOnce(bool)>;
+
+impl CoreBroker {
+    /// Whether writes to `key` wait here: its replica is taking the shard over, or writes
+    /// that came earlier are still held (a later one must not pass them).
+    pub(super) fn taking_over(&self, key: &ShardKey) -> bool {
+        self.takeover_held.borrow().contains_key(key) || self.replica_taking_over(key)
+    }
+
+    /// Whether `key`'s replica here is becoming its serving leader: named leader and
+    /// fencing, catching up or writing its generation start; or named leader at a newer
+    /// generation by the assignments this broker read, which reach the replica on the
+    /// core's next look (within milliseconds).
+    fn replica_taking_over(&self, key: &ShardKey) -> bool {
+        let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(key)) else {
+            return false;
+        };
+        if rs.taking_over() {
+            return true;
+        }
+        !rs.serving()
+            && self.shared.cluster.as_ref().is_some_and(|c| {
+                c.view()
+                    .routes
+                    .get(key)
+                    .is_some_and(|r| *r.leader == *c.node_id && r.generation > rs.generation())
+            })
+    }
+
+    /// Runs `call` once `key`'s replica serves, after every call held before it; answers
+    /// what it answers, or `moving` past [`HOLD_MAX`].
+    pub(super) fn after_takeover<T: 'static>(
+        self: &Rc<Self>,
+        key: &Arc<ShardKey>,
+        call: impl FnOnce(Rc<CoreBroker>) -> Answer<T> + 'static,
+    ) -> Answer<T> {
+        let (tx, rx) = oneshot::channel();
+        let this = self.clone();
+        let held: Held = Box::new(move |run| {
+            if !run {
+                let _ = tx.send(Err(moving()));
+                return;
+            }
+            // Called in arrival order with no await between calls: offsets are claimed
+            // in that order.
+            let fut = call(this);
+            task::spawn(async move {
+                let _ = tx.send(fut.await);
+            })
+            .detach();
+        });
+        self.metrics.takeover_held.fetch_add(1, Ordering::Relaxed);
+        let first = {
+            let mut map = self.takeover_held.borrow_mut();
+            let queue = map.entry(key.clone()).or_default();
+            queue.push(held);
+            queue.len() == 1
+        };
+        if first {
+            self.settle_takeover(key.clone());
+        }
+        Box::pin(async move { rx.await.unwrap_or_else(|_| Err(moving())) })
+    }
+
+    /// Waits until `key`'s replica serves (or stops taking over, or time runs out), then
+    /// runs or refuses what was held.
+    fn settle_takeover(self: &Rc<Self>, key: Arc<ShardKey>) {
+        let this = Rc::downgrade(self);
+        task::spawn(async move {
+            let deadline = Instant::now() + HOLD_MAX;
+            loop {
+                task::sleep(RECHECK).await;
+                let Some(core) = this.upgrade() else { return };
+                let waiting = core.replica_taking_over(&key);
+                if waiting && Instant::now() < deadline {
+                    continue;
+                }
+                let held = core.takeover_held.borrow_mut().remove(&key);
+                // Serving now (or no longer this broker's to take: each call then gets
+                // the answer it would have had), or out of time.
+                for f in held.unwrap_or_default() {
+                    f(!waiting);
+                }
+                return;
+            }
+        })
+        .detach();
+    }
+}
+
+fn moving() -> BrokerError {
+    BrokerError::ShardUnavailable("moving".into())
+}
