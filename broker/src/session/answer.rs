@@ -174,7 +174,21 @@ fn relayed_error(
     code: Option<ErrorCode>,
     detail: Option<(String, u64)>,
 ) -> BrokerError {
-    let message = cut_to(&message, ERROR_TEXT_MAX_BYTES / 2).to_owned();
+    let message = cut_to(&message, ERROR_TEXT_MAX_BYTES / 2);
+    // The leader's message is its error's text, which starts with the kind's own words
+    // ("unacknowledged: ..."): rewrapped whole it would say them twice.
+    let prefix = match code {
+        Some(ErrorCode::Unauthenticated) => "unauthenticated: ",
+        Some(ErrorCode::Forbidden) => "forbidden: ",
+        Some(ErrorCode::InvalidRequest) => "invalid request: ",
+        Some(ErrorCode::ShardUnavailable) => "shard unavailable: ",
+        Some(ErrorCode::Overloaded) => "overloaded: ",
+        Some(ErrorCode::LimitExceeded) => "limit exceeded: ",
+        Some(ErrorCode::Storage) => "storage: ",
+        Some(ErrorCode::Unacknowledged) => "unacknowledged: ",
+        _ => "",
+    };
+    let message = message.strip_prefix(prefix).unwrap_or(message).to_owned();
     let reason = detail.map(|(r, _)| r).unwrap_or_default();
     match code {
         Some(ErrorCode::Unauthenticated) => BrokerError::Unauthenticated(message),
@@ -257,5 +271,15 @@ mod tests {
         .unwrap();
         let relayed = leader_publish_outcome(Ok(Some(parse_frame(&refused)))).unwrap_err();
         assert_eq!(relayed.code(), ErrorCode::Overloaded);
+        // ... and says what the leader said once, not the kind's words twice.
+        let unknown = publish(
+            &s,
+            AnswerTo::Binary(RequestId(3)),
+            Err(BrokerError::Unacknowledged("leadership changed".into())),
+            None,
+        )
+        .unwrap();
+        let relayed = leader_publish_outcome(Ok(Some(parse_frame(&unknown)))).unwrap_err();
+        assert_eq!(relayed.to_string(), "unacknowledged: leadership changed");
     }
 }
