@@ -525,9 +525,9 @@ async fn run_cell_on(
     let delivered_secs = last.duration_since(started).as_secs_f64().max(acked_secs);
     let appends_per_flush = match flushes_before {
         Some((s0, b0)) if spec.durable => {
-            // The broker samples its logs' counters every 250 ms. They are sums over the
-            // logs open on each core: a shard that moved between cores (load following)
-            // takes its counts along, and then there is no ratio to report.
+            // The broker samples its logs' counters every 250 ms. A shard moving between
+            // cores mid-cell (load following) can make a sample fall short for a moment:
+            // then there is no ratio to report.
             tokio::time::sleep(Duration::from_millis(300)).await;
             driver.flush_counts().and_then(|(s1, b1)| {
                 (s1 > s0 && b1 >= b0).then(|| (b1 - b0) as f64 / (s1 - s0) as f64)

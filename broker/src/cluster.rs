@@ -259,46 +259,6 @@ impl Cluster {
         self.view.load_full()
     }
 
-    /// A replica here accepted `leader` at `generation` for `key` (its fence): the
-    /// control plane assigned it, and this broker's snapshot may trail by a sync. Routes
-    /// the shard there at once, so requests reaching this broker are forwarded instead of
-    /// refused `stale` until the next sync brings the same assignment. The next sync
-    /// replaces the snapshot whole (the control plane stays the authority).
-    pub fn note_ballot(&self, key: &ShardKey, generation: u64, leader: &str) {
-        if *leader == *self.node_id {
-            return;
-        }
-        self.view.rcu(|view| {
-            let Some(old) = view.routes.get(key) else {
-                return view.clone();
-            };
-            if old.generation >= generation {
-                return view.clone();
-            }
-            let addr = view
-                .brokers
-                .iter()
-                .find(|(n, _)| n == leader)
-                .and_then(|(_, a)| a.parse().ok());
-            let mut routes = view.routes.clone();
-            routes.insert(
-                key.clone(),
-                Route {
-                    leader: leader.into(),
-                    addr,
-                    generation,
-                    replicas: old.replicas.clone(),
-                },
-            );
-            Arc::new(ClusterView {
-                routes,
-                brokers: view.brokers.clone(),
-                peers: view.peers.clone(),
-                version: view.version + 1,
-            })
-        });
-    }
-
     /// Resolves a shard's owner: one atomic load and a map lookup.
     pub fn resolve(&self, key: &ShardKey) -> Resolved {
         if !self.synced.load(Ordering::Relaxed) {

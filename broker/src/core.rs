@@ -2721,6 +2721,25 @@ impl CoreBroker {
     async fn close_shard(&self, key: &ShardKey, seal: bool) -> bool {
         let stream = self.streams.borrow_mut().remove(key);
         let cache = self.caches.borrow_mut().remove(key);
+        // Requests waiting on an open under way try again (and are told where it went).
+        if let Some(Slot::Opening(waiters)) = &stream {
+            waiters.iter().for_each(Waker::wake_by_ref);
+        }
+        if let Some(Slot::Opening(waiters)) = &cache {
+            waiters.iter().for_each(Waker::wake_by_ref);
+        }
+        // Its sync counts move to this core's closed-log total at once (a sample taken
+        // while it closes must not fall short), and what closing adds after.
+        let counted = match &stream {
+            Some(Slot::Ready(s)) => {
+                let st = s.log.stats();
+                let (syncs, batches) = self.closed_log_stats.get();
+                self.closed_log_stats
+                    .set((syncs + st.syncs, batches + st.synced_batches));
+                Some(st)
+            }
+            _ => None,
+        };
         let logs = [
             match &stream {
                 Some(Slot::Ready(s)) => Some(&s.log),
@@ -2743,11 +2762,13 @@ impl CoreBroker {
                 clean = false;
             }
         }
-        if let Some(Slot::Ready(s)) = &stream {
+        if let (Some(Slot::Ready(s)), Some(before)) = (&stream, counted) {
             let st = s.log.stats();
             let (syncs, batches) = self.closed_log_stats.get();
-            self.closed_log_stats
-                .set((syncs + st.syncs, batches + st.synced_batches));
+            self.closed_log_stats.set((
+                syncs + st.syncs.saturating_sub(before.syncs),
+                batches + st.synced_batches.saturating_sub(before.synced_batches),
+            ));
         }
         clean
     }

@@ -188,7 +188,7 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
     (
         "felix_broker_log_syncs",
         "gauge",
-        "fdatasync calls by open stream logs.",
+        "fdatasync calls by this core's stream logs (open ones, and those closed here since the start).",
         |m| m.log_syncs.load(Ordering::Relaxed),
     ),
     (

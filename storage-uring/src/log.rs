@@ -1126,10 +1126,10 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     /// As [`SegmentLog::read`], stopping at `until` (exclusive): the last batch may
-    /// reach past it, but no batch starting at or after it is read, and the device read
-    /// is bounded by the index to the batches that can hold offsets below it. A reader
-    /// that knows which offsets it wants (a consumer group's claim) reads those, not a
-    /// whole read window.
+    /// reach past it, but no batch starting at or after it is read (with `until <= from`,
+    /// the batch holding `from`), and the device read is bounded by the index to the
+    /// batches that can hold offsets below it. A reader that knows which offsets it
+    /// wants (a consumer group's claim) reads those, not a whole read window.
     pub async fn read_to(
         &self,
         from: u64,

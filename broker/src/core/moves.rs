@@ -16,7 +16,7 @@
 //! 4. **Release** (at every core, as A): wait for those requests and the shards' in-flight
 //!    appends (commit and fanout) to finish, answer long polls and watches now, stop
 //!    serving the moving shards, close (and seal) their logs, hand over the cores with
-//!    subscribers.
+//!    subscribers and the consumer groups' state (claims included).
 //! 5. **Take** (at each B): open the logs, register those subscriber cores.
 //! 6. **End** (at every core): serve the held requests in the order they came; the
 //!    re-pin is over. A re-pin that fails before the swap ends the same way.

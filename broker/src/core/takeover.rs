@@ -5,7 +5,8 @@
 //! [`HOLD_MAX`] they are refused `shard_unavailable` with reason `moving` (retryable).
 //! The old leader forwards what reaches it to the new one once its view names it, so a
 //! producer sees a short pause instead of a refusal. Without the hold every write in the
-//! window was refused and each client retried on its own.
+//! window was refused and each client retried on its own. Writes already admitted at the
+//! old leader when it was fenced end outcome-unknown, as they must.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -25,6 +26,10 @@ pub const HOLD_MAX: Duration = Duration::from_secs(1);
 
 /// How often a hold looks again (only while one is waiting).
 const RECHECK: Duration = Duration::from_millis(2);
+
+/// Publishes one shard holds at most; more are refused at once (their payloads wait in
+/// memory while held).
+const HELD_MAX: usize = 4096;
 
 /// A held call: run it (`true`) or refuse it (`false`).
 pub(super) type Held = Box<dyn FnOnce(bool)>;
@@ -78,13 +83,16 @@ impl CoreBroker {
             })
             .detach();
         });
-        self.metrics.takeover_held.fetch_add(1, Ordering::Relaxed);
         let first = {
             let mut map = self.takeover_held.borrow_mut();
             let queue = map.entry(key.clone()).or_default();
+            if queue.len() >= HELD_MAX {
+                return Box::pin(std::future::ready(Err(moving())));
+            }
             queue.push(held);
             queue.len() == 1
         };
+        self.metrics.takeover_held.fetch_add(1, Ordering::Relaxed);
         if first {
             self.settle_takeover(key.clone());
         }

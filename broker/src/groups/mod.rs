@@ -11,8 +11,9 @@
 //!   request, and dropped whenever it starts or stops leading.
 //! - [`GroupShard::serve`]: one request against the stream shard and its groups.
 //!
-//! Claims are memory only: after a restart, a failover or a move, unsettled records go
-//! out again (at-least-once). See `docs/queues.md`.
+//! Claims are memory only: after a restart or a failover, unsettled records go out again
+//! (at-least-once); a live re-pin between cores hands them to the new core with the
+//! shard (`core/moves.rs`). See `docs/queues.md`.
 
 pub mod tracker;
 

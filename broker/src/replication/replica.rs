@@ -948,15 +948,10 @@ impl Replicas {
             Output::Persist(meta) => {
                 let bytes = serde_json::to_vec(&meta).expect("meta serializes");
                 match log.write_meta(META_FILE, &bytes).await {
-                    Ok(()) => {
-                        rs.machine
-                            .borrow_mut()
-                            .handle_persisted(meta.generation, now());
-                        // Fenced by a newer leader: send requests there from now on.
-                        if let Some(leader) = &meta.leader {
-                            self.cluster.note_ballot(&rs.key, meta.generation, leader);
-                        }
-                    }
+                    Ok(()) => rs
+                        .machine
+                        .borrow_mut()
+                        .handle_persisted(meta.generation, now()),
                     Err(e) => {
                         tracing::error!(shard = %rs.key, error = %e, "persisting the replica ballot")
                     }
