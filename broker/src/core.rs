@@ -893,169 +893,112 @@ impl CoreBroker {
     /// The stream shard `key`, opening (and recovering) it on first use. Only on the
     /// owning core.
     pub async fn stream_shard(&self, key: &Arc<ShardKey>) -> Result<Rc<StreamShard>, BrokerError> {
-        // A request that waited on an open that failed without leaving an answer behind
-        // (out of file descriptors, a re-pin) tries the open itself: it gets its own
-        // answer, not a bare "closed".
-        loop {
-            if let Some(answer) = self.stream_shard_once(key).await {
-                return answer;
-            }
-        }
-    }
-
-    /// One try at [`CoreBroker::stream_shard`]: `None` when it waited on another request's
-    /// open that ended without a result to share.
-    async fn stream_shard_once(
-        &self,
-        key: &Arc<ShardKey>,
-    ) -> Option<Result<Rc<StreamShard>, BrokerError>> {
-        if !self.serves(key) {
-            return Some(Err(BrokerError::ShardUnavailable(format!(
-                "{key} moved to another core"
-            ))));
-        }
-        let first = {
-            let mut map = self.streams.borrow_mut();
-            match map.get(key) {
-                Some(Slot::Ready(s)) => return Some(Ok(s.clone())),
-                Some(Slot::Failed(e)) => return Some(Err(e.clone())),
-                Some(Slot::Opening(_)) => false,
-                None => {
-                    map.insert(key.clone(), Slot::Opening(Vec::new()));
-                    true
-                }
-            }
-        };
-        if first {
-            let mut opened = self
-                .open_log(key)
-                .await
-                .map(|log| Rc::new(StreamShard::new(key.clone(), log)));
-            if !self.serves(key) {
-                // The table changed while it opened (a live re-pin): another core owns
-                // it now and may open it too. Close this copy, never serve it.
-                if let Ok(s) = &opened {
-                    let _ = s.log.close().await;
-                    self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
-                }
-                opened = Err(BrokerError::ShardUnavailable(format!(
-                    "{key} moved to another core"
-                )));
-                if let Some(Slot::Opening(waiters)) = self.streams.borrow_mut().remove(key) {
-                    waiters.into_iter().for_each(Waker::wake);
-                }
-                return Some(opened);
-            }
-            let mut map = self.streams.borrow_mut();
-            let slot = match &opened {
-                Ok(s) => Slot::Ready(s.clone()),
-                // Out of file descriptors or memory: the next request tries again.
-                Err(BrokerError::Overloaded(_)) => {
-                    if let Some(Slot::Opening(waiters)) = map.remove(key) {
-                        waiters.into_iter().for_each(Waker::wake);
-                    }
-                    return Some(opened);
-                }
-                Err(e) => Slot::Failed(e.clone()),
-            };
-            if let Some(Slot::Opening(waiters)) = map.insert(key.clone(), slot) {
-                waiters.into_iter().for_each(Waker::wake);
-            }
-            return Some(opened);
-        }
-        poll_fn(|cx| match self.streams.borrow_mut().get_mut(key) {
-            Some(Slot::Ready(s)) => Poll::Ready(Some(Ok(s.clone()))),
-            Some(Slot::Failed(e)) => Poll::Ready(Some(Err(e.clone()))),
-            Some(Slot::Opening(w)) => {
-                w.push(cx.waker().clone());
-                Poll::Pending
-            }
-            None => Poll::Ready(None),
-        })
+        self.shard_slot(
+            &self.streams,
+            key,
+            || async {
+                self.open_log(key)
+                    .await
+                    .map(|log| Rc::new(StreamShard::new(key.clone(), log)))
+            },
+            |s| async move {
+                let _ = s.log.close().await;
+            },
+        )
         .await
     }
 
     /// The cache shard `key`, opening it (and replaying its log) on first use.
     pub async fn cache_shard(&self, key: &Arc<ShardKey>) -> Result<Rc<CacheShard>, BrokerError> {
-        // A request that waited on an open that failed without leaving an answer behind
-        // (out of file descriptors, a re-pin) tries the open itself: it gets its own
-        // answer, not a bare "closed".
+        self.shard_slot(
+            &self.caches,
+            key,
+            || async {
+                let log = self.open_log(key).await?;
+                CacheShard::open(key.clone(), log).await.map(Rc::new)
+            },
+            |c| async move {
+                let _ = c.close().await;
+            },
+        )
+        .await
+    }
+
+    /// The shard `key` of `slots`, opened by `open` on first use: one open at a time,
+    /// later requests wait for it and share its answer. `close` undoes an open that
+    /// finished after the shard moved to another core. A request that waited on an open
+    /// that failed without leaving an answer behind (out of file descriptors, a re-pin)
+    /// tries the open itself: it gets its own answer, not a bare "closed".
+    async fn shard_slot<T, Open, Opened, Close, Closed>(
+        &self,
+        slots: &RefCell<HashMap<Arc<ShardKey>, Slot<Rc<T>>>>,
+        key: &Arc<ShardKey>,
+        open: Open,
+        close: Close,
+    ) -> Result<Rc<T>, BrokerError>
+    where
+        Open: Fn() -> Opened,
+        Opened: std::future::Future<Output = Result<Rc<T>, BrokerError>>,
+        Close: Fn(Rc<T>) -> Closed,
+        Closed: std::future::Future<Output = ()>,
+    {
+        let moved = || BrokerError::ShardUnavailable(format!("{key} moved to another core"));
+        let wake = |slot: Option<Slot<Rc<T>>>| {
+            if let Some(Slot::Opening(waiters)) = slot {
+                waiters.into_iter().for_each(Waker::wake);
+            }
+        };
         loop {
-            if let Some(answer) = self.cache_shard_once(key).await {
+            if !self.serves(key) {
+                return Err(moved());
+            }
+            let first = {
+                let mut map = slots.borrow_mut();
+                match map.get(key) {
+                    Some(Slot::Ready(s)) => return Ok(s.clone()),
+                    Some(Slot::Failed(e)) => return Err(e.clone()),
+                    Some(Slot::Opening(_)) => false,
+                    None => {
+                        map.insert(key.clone(), Slot::Opening(Vec::new()));
+                        true
+                    }
+                }
+            };
+            if first {
+                let opened = open().await;
+                if !self.serves(key) {
+                    // The table changed while it opened (a live re-pin): another core
+                    // owns it now and may open it too. Close this copy, never serve it.
+                    if let Ok(s) = opened {
+                        close(s).await;
+                        self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
+                    }
+                    wake(slots.borrow_mut().remove(key));
+                    return Err(moved());
+                }
+                let mut map = slots.borrow_mut();
+                match &opened {
+                    Ok(s) => wake(map.insert(key.clone(), Slot::Ready(s.clone()))),
+                    // Out of file descriptors or memory: the next request tries again.
+                    Err(BrokerError::Overloaded(_)) => wake(map.remove(key)),
+                    Err(e) => wake(map.insert(key.clone(), Slot::Failed(e.clone()))),
+                }
+                return opened;
+            }
+            let shared = poll_fn(|cx| match slots.borrow_mut().get_mut(key) {
+                Some(Slot::Ready(s)) => Poll::Ready(Some(Ok(s.clone()))),
+                Some(Slot::Failed(e)) => Poll::Ready(Some(Err(e.clone()))),
+                Some(Slot::Opening(w)) => {
+                    w.push(cx.waker().clone());
+                    Poll::Pending
+                }
+                None => Poll::Ready(None),
+            })
+            .await;
+            if let Some(answer) = shared {
                 return answer;
             }
         }
-    }
-
-    /// One try at [`CoreBroker::cache_shard`]: `None` when it waited on another request's
-    /// open that ended without a result to share.
-    async fn cache_shard_once(
-        &self,
-        key: &Arc<ShardKey>,
-    ) -> Option<Result<Rc<CacheShard>, BrokerError>> {
-        if !self.serves(key) {
-            return Some(Err(BrokerError::ShardUnavailable(format!(
-                "{key} moved to another core"
-            ))));
-        }
-        let first = {
-            let mut map = self.caches.borrow_mut();
-            match map.get(key) {
-                Some(Slot::Ready(s)) => return Some(Ok(s.clone())),
-                Some(Slot::Failed(e)) => return Some(Err(e.clone())),
-                Some(Slot::Opening(_)) => false,
-                None => {
-                    map.insert(key.clone(), Slot::Opening(Vec::new()));
-                    true
-                }
-            }
-        };
-        if first {
-            let mut opened = match self.open_log(key).await {
-                Ok(log) => CacheShard::open(key.clone(), log).await.map(Rc::new),
-                Err(e) => Err(e),
-            };
-            if !self.serves(key) {
-                // As for a stream: opened while it moved to another core.
-                if let Ok(c) = &opened {
-                    let _ = c.close().await;
-                    self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
-                }
-                opened = Err(BrokerError::ShardUnavailable(format!(
-                    "{key} moved to another core"
-                )));
-                if let Some(Slot::Opening(waiters)) = self.caches.borrow_mut().remove(key) {
-                    waiters.into_iter().for_each(Waker::wake);
-                }
-                return Some(opened);
-            }
-            let mut map = self.caches.borrow_mut();
-            let slot = match &opened {
-                Ok(s) => Slot::Ready(s.clone()),
-                // Out of file descriptors or memory: the next request tries again.
-                Err(BrokerError::Overloaded(_)) => {
-                    if let Some(Slot::Opening(waiters)) = map.remove(key) {
-                        waiters.into_iter().for_each(Waker::wake);
-                    }
-                    return Some(opened);
-                }
-                Err(e) => Slot::Failed(e.clone()),
-            };
-            if let Some(Slot::Opening(waiters)) = map.insert(key.clone(), slot) {
-                waiters.into_iter().for_each(Waker::wake);
-            }
-            return Some(opened);
-        }
-        poll_fn(|cx| match self.caches.borrow_mut().get_mut(key) {
-            Some(Slot::Ready(s)) => Poll::Ready(Some(Ok(s.clone()))),
-            Some(Slot::Failed(e)) => Poll::Ready(Some(Err(e.clone()))),
-            Some(Slot::Opening(w)) => {
-                w.push(cx.waker().clone());
-                Poll::Pending
-            }
-            None => Poll::Ready(None),
-        })
-        .await
     }
 
     /// Sends a request to `owner` now (in call order, behind anything queued for that

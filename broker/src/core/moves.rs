@@ -67,6 +67,18 @@ pub type Held = Box<dyn FnOnce()>;
 /// A boxed answer.
 pub type Answer<T> = Pin<Box<dyn std::future::Future<Output = Result<T, BrokerError>>>>;
 
+/// Runs a held call's answer to the end in a task of its own and sends it to `tx` (the
+/// waiting request), so the next held call starts without waiting for this one.
+pub(super) fn answer_when_done<T: 'static>(
+    answer: Answer<T>,
+    tx: oneshot::Sender<Result<T, BrokerError>>,
+) {
+    task::spawn(async move {
+        let _ = tx.send(answer.await);
+    })
+    .detach();
+}
+
 /// One step of a live re-pin, sent by the coordinating core.
 #[derive(Debug)]
 pub enum MoveStep {
@@ -232,16 +244,7 @@ impl CoreBroker {
     ) -> Answer<T> {
         let (tx, rx) = oneshot::channel();
         let this = self.clone();
-        self.hold(
-            key,
-            Box::new(move || {
-                let fut = call(this);
-                task::spawn(async move {
-                    let _ = tx.send(fut.await);
-                })
-                .detach();
-            }),
-        );
+        self.hold(key, Box::new(move || answer_when_done(call(this), tx)));
         Box::pin(async move {
             rx.await
                 .unwrap_or_else(|_| Err(BrokerError::ShardUnavailable("moving".into())))

@@ -18,7 +18,7 @@ use felix_core_runtime::task;
 use futures_channel::oneshot;
 
 use super::CoreBroker;
-use super::moves::Answer;
+use super::moves::{Answer, answer_when_done};
 use crate::error::BrokerError;
 
 /// The longest a write waits for its shard's new leader to serve.
@@ -77,11 +77,7 @@ impl CoreBroker {
             }
             // Called in arrival order with no await between calls: offsets are claimed
             // in that order.
-            let fut = call(this);
-            task::spawn(async move {
-                let _ = tx.send(fut.await);
-            })
-            .detach();
+            answer_when_done(call(this), tx);
         });
         let first = {
             let mut map = self.takeover_held.borrow_mut();
