@@ -12,7 +12,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use felix_core_runtime::quic::{ClientConfig, Connection, Endpoint, EndpointOptions, RecvStream};
+use felix_core_runtime::quic::{
+    ClientConfig, Connection, Endpoint, EndpointOptions, RecvStream, TransportLimits,
+};
 use felix_core_runtime::task;
 use felix_wire::frame::{FrameHeader, FrameReader};
 use felix_wire::{ErrorCode, Features, Flags, Frame, Message};
@@ -25,6 +27,22 @@ const FORWARD_FLAGS: Flags = Flags(0x0001 | 0x0008 | 0x0010 | 0x0040 | 0x0200 | 
 
 /// How long a forwarded request may wait for its answer.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A connection to a leader silent this long is closed, failing what waits on it. A
+/// killed or frozen leader never closes its side, and the view keeps naming it until
+/// the control plane declares it down (lease + margin, about two seconds): requests
+/// forwarded in that window would otherwise wait out the whole answer timeout on a
+/// connection that looks alive. A live leader answers the keep-alive pings (one per
+/// second) from its QUIC driver however busy its shards are.
+const PEER_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The transport a core's forwarding connections use.
+pub fn transport_limits() -> TransportLimits {
+    TransportLimits {
+        idle_timeout: PEER_IDLE_TIMEOUT,
+        ..TransportLimits::default()
+    }
+}
 
 /// One core's forwarding client.
 pub struct Forwarder {

@@ -215,7 +215,7 @@ pub fn start(
                     .collect(),
             };
             Some((
-                quic::client_config(&roots, true, TransportLimits::default())?,
+                quic::client_config(&roots, true, crate::forward::transport_limits())?,
                 c.peer_server_name.clone(),
             ))
         }

@@ -276,6 +276,52 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
     // node-b stops heartbeating (frozen). It is declared down, but its shards have one
     // durable copy, on node-b: they wait for it rather than reopen empty on node-a.
     brokers[1].signal(libc::SIGSTOP);
+    let key = (0..)
+        .map(|i| format!("probe-{i}"))
+        .find(|k| {
+            felix_wire::routing::shard_for_key(
+                Some(k.as_bytes()),
+                4,
+                felix_wire::routing::ShardRouting::Modulo,
+            )
+            .0 == b_stream_shard
+        })
+        .expect("some key lands on that shard");
+    let client_config = || -> anyhow::Result<felix_client::ClientConfig> {
+        let quinn = felix_client::quic_client_config_from_file(&certs.ca, false)?;
+        let mut config = felix_client::ClientConfig::from_env_or_yaml(quinn, None)?;
+        config.auth_tenant_id = Some("acme".into());
+        config.auth_token = Some(std::fs::read_to_string(&client_token)?);
+        Ok(config)
+    };
+    // Before node-b is declared down, node-a still forwards to it over the connection
+    // it already holds, which looks alive: the frozen leader never closes it. The
+    // forwarded publish is answered (outcome unknown) once that connection has been
+    // silent for its idle timeout, not after the 30 s answer timeout.
+    let started = std::time::Instant::now();
+    let answered = rt.block_on(async {
+        let c =
+            felix_client::Client::connect(brokers[0].listen, "localhost", client_config()?).await?;
+        let publish = c.publish_keyed(
+            "acme",
+            "payments",
+            "orders",
+            bytes::Bytes::from(key.clone()),
+            b"x".to_vec(),
+            felix_client::AckMode::PerMessage,
+        );
+        anyhow::Ok(tokio::time::timeout(Duration::from_secs(15), publish).await)
+    })?;
+    let waited = started.elapsed();
+    eprintln!("publish forwarded to the frozen leader answered after {waited:?}: {answered:?}");
+    assert!(
+        matches!(answered, Ok(Err(_))),
+        "a publish forwarded to a frozen leader is refused, not acked or left hanging: {answered:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(8),
+        "a publish forwarded to a frozen leader waited {waited:?}"
+    );
     let frozen = wait_for("node-b declared down", Duration::from_secs(15), || {
         (admin.get("/v1/nodes/node-b").ok()?["lifecycle"] == "down").then_some(())
     });
@@ -289,22 +335,8 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
         );
         // Through node-a, a publish to one of them is refused (typed, retryable),
         // never stored in an empty log.
-        let key = (0..)
-            .map(|i| format!("probe-{i}"))
-            .find(|k| {
-                felix_wire::routing::shard_for_key(
-                    Some(k.as_bytes()),
-                    4,
-                    felix_wire::routing::ShardRouting::Modulo,
-                )
-                .0 == b_stream_shard
-            })
-            .expect("some key lands on that shard");
         rt.block_on(async {
-            let quinn = felix_client::quic_client_config_from_file(&certs.ca, false)?;
-            let mut config = felix_client::ClientConfig::from_env_or_yaml(quinn, None)?;
-            config.auth_tenant_id = Some("acme".into());
-            config.auth_token = Some(std::fs::read_to_string(&client_token)?);
+            let config = client_config()?;
             // node-a learns node-b is down at its next sync (within a couple of seconds);
             // until then it forwards, and the frozen node-b does not answer (a fresh
             // connection per attempt: answers on one stream come in request order).
