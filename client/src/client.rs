@@ -185,7 +185,19 @@ struct Inner {
     pending_acks: PendingAcks,
     requests: Mutex<Option<Stream>>,
     router: Arc<std::sync::Mutex<Router>>,
+    /// The task handing the broker's event streams to subscriptions. It holds the
+    /// connection, so it ends with the last handle to the client: otherwise a dropped
+    /// client's connection (and the broker's resources for it) lived on until the
+    /// process exited. Subscriptions already made keep their own streams, and with them
+    /// the connection, until they are dropped too.
+    routing: tokio::task::AbortHandle,
     next_id: AtomicU64,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.routing.abort();
+    }
 }
 
 /// A client of one broker.
@@ -228,11 +240,12 @@ impl Client {
             .map_err(|e| ClientError::connection(addr, e))?;
         let (requests, negotiated) = open_stream(&conn, &config, addr).await?;
         let router: Arc<std::sync::Mutex<Router>> = Arc::default();
-        tokio::spawn(route_event_streams(
+        let routing = tokio::spawn(route_event_streams(
             conn.clone(),
             router.clone(),
             config.max_frame_bytes,
-        ));
+        ))
+        .abort_handle();
         Ok(Client {
             inner: Arc::new(Inner {
                 addr,
@@ -244,6 +257,7 @@ impl Client {
                 pending_acks: Arc::default(),
                 requests: Mutex::new(Some(requests)),
                 router,
+                routing,
                 next_id: AtomicU64::new(1),
             }),
         })
@@ -1085,7 +1099,14 @@ async fn read_events(
     (t, ns, s): (Arc<str>, Arc<str>, Arc<str>),
 ) {
     loop {
-        let frame = match read_frame(&mut recv, &mut reader).await {
+        // A dropped subscription ends here at once, not at its next event: dropping the
+        // event stream tells the broker to stop, and lets the connection close once
+        // nothing else holds it.
+        let read = tokio::select! {
+            read = read_frame(&mut recv, &mut reader) => read,
+            () = tx.closed() => return,
+        };
+        let frame = match read {
             Ok(Some(f)) => f,
             Ok(None) => return,
             Err(e) => {

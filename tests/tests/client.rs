@@ -996,6 +996,78 @@ fn stream_read_returns_a_bounded_range_and_offset_for_time_finds_the_first_recor
     });
 }
 
+/// Dropping a client closes its connection at the broker, unless a subscription made
+/// on it is still alive: that subscription keeps delivering until it is dropped too.
+/// (The client's event-stream router once held the connection forever, so every
+/// dropped client kept a broker connection open until the process exited.)
+#[test]
+fn a_dropped_client_closes_its_connection_once_its_subscriptions_are_gone() {
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let connections = || b.metric("felix_broker_connections").unwrap();
+    let settles_at = |want: u64| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let n = connections();
+            if n == want {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the broker still counts {n} connections, expected {want}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let publisher = rt
+        .block_on(felix_client::Client::connect(
+            b.listen,
+            "localhost",
+            config(&b),
+        ))
+        .unwrap();
+    let publish = |i: u64| {
+        rt.block_on(publisher.publish(
+            "dev",
+            "default",
+            "s",
+            format!("m{i}").into_bytes(),
+            AckMode::PerMessage,
+        ))
+        .unwrap()
+    };
+    publish(0);
+    settles_at(1);
+    // A client used once and dropped.
+    rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        assert!(c.cache_get("dev", "default", "c", "k").await.is_ok());
+    });
+    settles_at(1);
+    // A client dropped while its subscription lives on.
+    let mut sub = rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        c.subscribe_from("dev", "default", "s", Some(StartPosition::Latest))
+            .await
+            .unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(connections(), 2, "the subscription keeps its connection");
+    let offset = publish(1);
+    let event = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(10), sub.next_event()).await })
+        .expect("the subscription delivers after its client was dropped")
+        .unwrap()
+        .expect("an event");
+    assert_eq!(event.offset, offset);
+    drop(sub);
+    settles_at(1);
+}
+
 #[test]
 fn a_standalone_broker_answers_topology_with_itself() {
     let (b, _dir) = broker(&[]);
