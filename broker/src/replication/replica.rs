@@ -104,6 +104,74 @@ pub struct ReplicaShard {
     /// before this term and are fanned out by no append, so a marker does it as the
     /// commit mark passes them (see [`ReplicaShard::fanout_marker`]).
     unfanned_until: Cell<u64>,
+    /// Follower stores claimed and not yet durable (or failed): a cut waits for them.
+    stores_in_flight: Cell<usize>,
+    /// What this leader claimed lately, as it is shipped (see [`ShipBuffer`]).
+    shipping: RefCell<ShipBuffer>,
+}
+
+/// Bytes of recent claims a leader keeps to ship from memory.
+const SHIP_BUFFER_BYTES: usize = 8 << 20;
+
+/// A leader's latest claims, contiguous, as batches: followers are shipped them (once
+/// durable here) without reading them back from the device. Older records are read
+/// from the log. Cleared when the leader's claims and its machine disagree, and when
+/// it stops or starts serving.
+#[derive(Debug, Default)]
+struct ShipBuffer {
+    batches: VecDeque<Batch>,
+    bytes: usize,
+}
+
+impl ShipBuffer {
+    fn push(&mut self, batch: Batch) {
+        if self.batches.back().is_some_and(|b| b.end() != batch.base) {
+            self.clear();
+        }
+        self.bytes += batch.records.iter().map(Bytes::len).sum::<usize>();
+        self.batches.push_back(batch);
+        while self.bytes > SHIP_BUFFER_BYTES && self.batches.len() > 1 {
+            self.pop();
+        }
+    }
+
+    fn pop(&mut self) {
+        if let Some(b) = self.batches.pop_front() {
+            self.bytes -= b.records.iter().map(Bytes::len).sum::<usize>();
+        }
+    }
+
+    fn clear(&mut self) {
+        self.batches.clear();
+        self.bytes = 0;
+    }
+
+    /// Drops what every follower holds.
+    fn trim_below(&mut self, offset: u64) {
+        while self.batches.front().is_some_and(|b| b.end() <= offset) {
+            self.pop();
+        }
+    }
+
+    /// Batches from the one holding `from`, about `max_bytes` of them; `None` when
+    /// `from` is not held here.
+    fn read(&self, from: u64, max_bytes: usize) -> Option<Vec<Batch>> {
+        let first = self.batches.front()?;
+        if from < first.base || from >= self.batches.back()?.end() {
+            return None;
+        }
+        let i = self.batches.partition_point(|b| b.end() <= from);
+        let mut out = Vec::new();
+        let mut bytes = 0;
+        for b in self.batches.range(i..) {
+            if !out.is_empty() && bytes >= max_bytes {
+                break;
+            }
+            bytes += b.records.iter().map(Bytes::len).sum::<usize>();
+            out.push(b.clone());
+        }
+        Some(out)
+    }
 }
 
 impl std::fmt::Debug for ReplicaShard {
@@ -115,6 +183,62 @@ impl std::fmt::Debug for ReplicaShard {
 }
 
 impl ReplicaShard {
+    /// Waits until the follower stores in flight are durable (or failed): a cut must
+    /// not race them.
+    async fn after_stores(&self) {
+        while self.stores_in_flight.get() > 0 {
+            task::sleep(Duration::from_micros(200)).await;
+        }
+    }
+
+    /// Awaits a follower store claimed by the driver and reports it to the machine.
+    async fn finish_store(
+        &self,
+        batches: Vec<Batch>,
+        pending: Vec<PendingAppend>,
+        failed: Option<felix_storage_uring::StorageError>,
+        metrics: &CoreMetrics,
+    ) {
+        let log = &self.log;
+        let now = || clock::now().instant;
+        let mut failed = failed;
+        let records: u64 = batches.iter().map(|b| b.records.len() as u64).sum();
+        let mut end = None;
+        for p in pending {
+            match log.commit(p).await {
+                Ok(a) => end = Some(a.end),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        match failed {
+            None => {
+                metrics.replicated.fetch_add(records, Ordering::Relaxed);
+                if let Some(end) = end {
+                    self.machine.borrow_mut().handle_durable(end, now());
+                }
+                if let Held::Cache(c) = &self.held {
+                    // A compaction's cut marker: the prefix goes once it commits.
+                    c.note_stored(
+                        batches
+                            .iter()
+                            .filter(|b| b.kind == BatchKind::Data)
+                            .map(|b| (b.base, &b.records[..])),
+                    );
+                }
+            }
+            Some(e) => {
+                tracing::warn!(shard = %self.key, error = %e, "storing replicated batches");
+                self.machine.borrow_mut().handle_failed(
+                    log.next_offset(),
+                    log.committed_end(),
+                    now(),
+                );
+            }
+        }
+    }
+
     fn kick(&self) {
         self.kicked.set(true);
         if let Some(w) = self.waker.borrow_mut().take() {
@@ -200,11 +324,18 @@ impl ReplicaShard {
         now_micros: u64,
         tag: Option<(u64, u64)>,
     ) -> Result<(PendingAppend, u64), BrokerError> {
+        let shipped = |base| Batch {
+            base,
+            kind: BatchKind::Data,
+            timestamp_micros: now_micros,
+            producer: tag,
+            records: records.to_vec(),
+        };
         let tag = tag.map(|(producer_id, sequence)| felix_storage_uring::ProducerTag {
             producer_id,
             sequence,
         });
-        self.admit_with(|log| log.begin_append(records, now_micros, tag))
+        self.admit_with(|log| log.begin_append(records, now_micros, tag), shipped)
     }
 
     /// As [`ReplicaShard::admit`], for an atomic commit's one record (a `Commit` batch).
@@ -213,7 +344,14 @@ impl ReplicaShard {
         record: &Bytes,
         now_micros: u64,
     ) -> Result<(PendingAppend, u64), BrokerError> {
-        self.admit_with(|log| log.begin_commit(record, now_micros))
+        let shipped = |base| Batch {
+            base,
+            kind: BatchKind::Commit,
+            timestamp_micros: now_micros,
+            producer: None,
+            records: vec![record.clone()],
+        };
+        self.admit_with(|log| log.begin_commit(record, now_micros), shipped)
     }
 
     /// As [`ReplicaShard::admit`], for consumer-group events (a `Group` batch).
@@ -222,23 +360,34 @@ impl ReplicaShard {
         records: &[Bytes],
         now_micros: u64,
     ) -> Result<(PendingAppend, u64), BrokerError> {
-        self.admit_with(|log| log.begin_group(records, now_micros))
+        let shipped = |base| Batch {
+            base,
+            kind: BatchKind::Group,
+            timestamp_micros: now_micros,
+            producer: None,
+            records: records.to_vec(),
+        };
+        self.admit_with(|log| log.begin_group(records, now_micros), shipped)
     }
 
-    /// Claims with `claim` on the serving leader and tells the machine where the log
-    /// now ends: the one admission path every kind of write takes.
+    /// Claims with `claim` on the serving leader, tells the machine where the log now
+    /// ends, and ships the batch (`shipped`, given its base) from memory: the one
+    /// admission path every kind of write takes.
     fn admit_with(
         &self,
         claim: impl FnOnce(
             &SegmentLog<DmaBackend>,
         ) -> Result<PendingAppend, felix_storage_uring::StorageError>,
+        shipped: impl FnOnce(u64) -> Batch,
     ) -> Result<(PendingAppend, u64), BrokerError> {
         let mut m = self.machine.borrow_mut();
         if !m.serving() || !self.ready.get() {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
         let pending = claim(&self.log)?;
+        self.shipping.borrow_mut().push(shipped(pending.first()));
         if !m.handle_appended(pending.first(), pending.end()) {
+            self.shipping.borrow_mut().clear();
             return Err(BrokerError::Internal(format!(
                 "{}: the log and the replica disagree on the end",
                 self.key
@@ -292,6 +441,7 @@ impl ReplicaShard {
     async fn on_serving(&self, serving: bool) {
         self.term.set(self.term.get() + 1);
         self.ready.set(false);
+        self.shipping.borrow_mut().clear();
         let all = std::mem::take(&mut *self.waiters.borrow_mut());
         for (_, wakers) in all {
             wakers.into_iter().for_each(Waker::wake);
@@ -905,6 +1055,8 @@ impl Replicas {
             term: Cell::new(0),
             generation: Cell::new(0),
             unfanned_until: Cell::new(0),
+            stores_in_flight: Cell::new(0),
+            shipping: RefCell::default(),
         });
         self.shards.borrow_mut().insert(key, rs.clone());
         let (this, driven) = (self.clone(), rs.clone());
@@ -963,9 +1115,11 @@ impl Replicas {
                 }
             }
             Output::Store(batches) => {
+                // Claimed here, in order; awaited on a task of its own, so the driver
+                // goes on and the next message's store is staged behind this one while
+                // it is written: one fsync covers both.
                 let mut pending = Vec::with_capacity(batches.len());
                 let mut failed = None;
-                let records: u64 = batches.iter().map(|b| b.records.len() as u64).sum();
                 for b in &batches {
                     let kind = match b.kind {
                         BatchKind::Data => LogBatchKind::Data,
@@ -993,35 +1147,24 @@ impl Replicas {
                         }
                     }
                 }
-                let mut end = None;
-                for p in pending {
-                    match log.commit(p).await {
-                        Ok(a) => end = Some(a.end),
-                        Err(e) => {
-                            failed.get_or_insert(e);
-                        }
+                rs.stores_in_flight.set(rs.stores_in_flight.get() + 1);
+                let (rs, metrics) = (rs.clone(), self.metrics.clone());
+                task::spawn(async move {
+                    rs.finish_store(batches, pending, failed, &metrics).await;
+                    rs.stores_in_flight.set(rs.stores_in_flight.get() - 1);
+                    rs.kick();
+                })
+                .detach();
+            }
+            Output::Truncate { from } => {
+                rs.after_stores().await;
+                match log.truncate_from(from).await {
+                    Ok(()) => {
+                        rs.held.after_cut(from).await;
+                        rs.machine.borrow_mut().handle_truncated(now());
                     }
-                }
-                match failed {
-                    None => {
-                        self.metrics
-                            .replicated
-                            .fetch_add(records, Ordering::Relaxed);
-                        if let Some(end) = end {
-                            rs.machine.borrow_mut().handle_durable(end, now());
-                        }
-                        if let Held::Cache(c) = &rs.held {
-                            // A compaction's cut marker: the prefix goes once it commits.
-                            c.note_stored(
-                                batches
-                                    .iter()
-                                    .filter(|b| b.kind == BatchKind::Data)
-                                    .map(|b| (b.base, &b.records[..])),
-                            );
-                        }
-                    }
-                    Some(e) => {
-                        tracing::warn!(shard = %rs.key, error = %e, "storing replicated batches");
+                    Err(e) => {
+                        tracing::warn!(shard = %rs.key, error = %e, "cutting a replica's suffix");
                         rs.machine.borrow_mut().handle_failed(
                             log.next_offset(),
                             log.committed_end(),
@@ -1030,22 +1173,9 @@ impl Replicas {
                     }
                 }
             }
-            Output::Truncate { from } => match log.truncate_from(from).await {
-                Ok(()) => {
-                    rs.held.after_cut(from).await;
-                    rs.machine.borrow_mut().handle_truncated(now());
-                }
-                Err(e) => {
-                    tracing::warn!(shard = %rs.key, error = %e, "cutting a replica's suffix");
-                    rs.machine.borrow_mut().handle_failed(
-                        log.next_offset(),
-                        log.committed_end(),
-                        now(),
-                    );
-                }
-            },
             Output::ResetAt { base } => {
                 let reset = async {
+                    rs.after_stores().await;
                     log.truncate_from(log.base_offset()).await?;
                     log.reset_empty_at(base).await
                 };
@@ -1065,6 +1195,20 @@ impl Replicas {
                 }
             }
             Output::Read { to, from, fetch } => {
+                if !fetch {
+                    let held = {
+                        let mut shipping = rs.shipping.borrow_mut();
+                        let slowest = rs.machine.borrow().followers().iter().map(|f| f.1).min();
+                        shipping.trim_below(slowest.unwrap_or(0));
+                        shipping.read(from, super::machine::SHIP_BYTES)
+                    };
+                    if let Some(batches) = held {
+                        rs.machine
+                            .borrow_mut()
+                            .handle_read(to, from, batches, fetch, now());
+                        return;
+                    }
+                }
                 let batches = log
                     .read(from, super::machine::SHIP_BYTES)
                     .await

@@ -527,6 +527,15 @@ impl Sim {
             Event::Deliver { to, from, msg } => {
                 let from_id = self.nodes[from].id.clone();
                 if let Some(r) = self.nodes[to].replica.as_mut() {
+                    if trace() {
+                        eprintln!(
+                            "{} {from_id}->n{to}: {} | commit {} log {:?}",
+                            self.now_ms,
+                            brief(&msg),
+                            r.commit(),
+                            r.log_end()
+                        );
+                    }
                     r.handle_message(from_id, msg, now);
                     self.drive(to);
                 }
@@ -786,6 +795,32 @@ pub fn run(seed: u64, config: SimConfig) {
         fail(seed, format!("did not settle after healing: {states:?}"));
     }
     let _ = sim.writes;
+}
+
+/// `FELIX_SIM_TRACE=1` (with `FELIX_SIM_SEED`): every delivered message, and the
+/// receiver's commit mark and log end before it, on stderr.
+fn trace() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("FELIX_SIM_TRACE").is_some())
+}
+
+/// A message without its records.
+fn brief(msg: &Msg) -> String {
+    match msg {
+        Msg::Records {
+            generation,
+            from,
+            prev_generation,
+            commit,
+            batches,
+            fetched,
+        } => format!(
+            "Records g{generation} [{from}, {}) prev g{prev_generation} commit {commit}{}",
+            batches.last().map_or(*from, Batch::end),
+            if *fetched { " fetched" } else { "" }
+        ),
+        m => format!("{m:?}"),
+    }
 }
 
 #[cfg(test)]
