@@ -1943,7 +1943,25 @@ impl CoreBroker {
         }
     }
 
+    /// A commit or state read on the owning core; held while this broker's replica
+    /// takes the shard over, as publishes are.
     async fn state_local(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        op: StateOp,
+    ) -> Result<StateAnswer, BrokerError> {
+        if self.taking_over(&key) {
+            let k = key.clone();
+            return self
+                .after_takeover(&k, move |c| {
+                    Box::pin(async move { c.state_now(key, op).await })
+                })
+                .await;
+        }
+        self.state_now(key, op).await
+    }
+
+    async fn state_now(
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         op: StateOp,
@@ -2050,9 +2068,27 @@ impl CoreBroker {
         }
     }
 
+    /// A group request on the owning core; held while this broker's replica takes the
+    /// shard over, as publishes are.
+    async fn group_local(
+        self: &Rc<Self>,
+        key: &Arc<ShardKey>,
+        op: crate::groups::GroupOp,
+    ) -> Result<crate::groups::GroupAnswer, BrokerError> {
+        if self.taking_over(key) {
+            let k = key.clone();
+            return self
+                .after_takeover(key, move |c| {
+                    Box::pin(async move { c.group_now(&k, op).await })
+                })
+                .await;
+        }
+        self.group_now(key, op).await
+    }
+
     /// A group request on the owning core. On a replicated shard only a serving leader
     /// answers (the group log is the leader's own: see `docs/queues.md`).
-    async fn group_local(
+    async fn group_now(
         self: &Rc<Self>,
         key: &Arc<ShardKey>,
         op: crate::groups::GroupOp,
@@ -2122,7 +2158,7 @@ impl CoreBroker {
                 .await;
         }
         if owner == self.core {
-            self.cache_local(&key, op).await
+            self.cache_owned(key, op).await
         } else {
             match self
                 .ask(owner, |reply| CoreMsg::Cache { key, op, reply })
@@ -2134,6 +2170,26 @@ impl CoreBroker {
                 ))),
             }
         }
+    }
+
+    /// A cache operation on the core that owns the cache shard. While this broker's
+    /// replica takes the shard over (a planned move's or a failover's cut-over) it waits,
+    /// behind the operations that came before it, until the replica serves: as
+    /// publishes do (see `core/takeover.rs`).
+    async fn cache_owned(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        op: CacheOp,
+    ) -> Result<CacheAnswer, BrokerError> {
+        if self.taking_over(&key) {
+            let k = key.clone();
+            return self
+                .after_takeover(&k, move |c| {
+                    Box::pin(async move { c.cache_local(&key, op).await })
+                })
+                .await;
+        }
+        self.cache_local(&key, op).await
     }
 
     async fn cache_local(
@@ -2433,7 +2489,7 @@ impl CoreBroker {
                 let this = self.clone();
                 task::spawn(async move {
                     let _guard = guard;
-                    let r = this.cache_local(&key, op).await;
+                    let r = this.cache_owned(key, op).await;
                     this.respond(reply, ReplyBody::Cache(r));
                 })
                 .detach();

@@ -966,9 +966,14 @@ pub fn run_with(
     let mut cp_args: Vec<String> = CP_ARGS.iter().map(|s| s.to_string()).collect();
     cp_args.push("--fault-injection".into());
     let kek_dir = tempfile::tempdir()?;
-    if scenario.postgres {
-        cp_args.extend(crate::postgres_store_args(kek_dir.path())?);
-    }
+    // Dropped after the cluster (declared before it): the run's database goes with it.
+    let _database = if scenario.postgres {
+        let (args, db) = crate::postgres_store_args(kek_dir.path())?;
+        cp_args.extend(args);
+        Some(db)
+    } else {
+        None
+    };
     let cp_args: Vec<&str> = cp_args.iter().map(String::as_str).collect();
     let mut cluster = start(broker, cp, scenario.nodes, &cp_args, &yaml)?;
     let mut promise = HashMap::new();

@@ -484,7 +484,7 @@ impl ControlPlaneProcess {
 /// (`tests/postgres/setup.sh` starts it, installing the server if needed; or
 /// `FELIX_TEST_POSTGRES_URL` / `FELIX_TEST_POSTGRES_CA`), reached over TLS with the
 /// server verified, and a key-encryption key written under `dir`.
-pub fn postgres_store_args(dir: &Path) -> anyhow::Result<Vec<String>> {
+pub fn postgres_store_args(dir: &Path) -> anyhow::Result<(Vec<String>, TestDatabase)> {
     let setup = |args: &[&str]| -> anyhow::Result<String> {
         let out = Command::new("bash")
             .arg(manifest_dir().join("postgres/setup.sh"))
@@ -534,16 +534,46 @@ pub fn postgres_store_args(dir: &Path) -> anyhow::Result<Vec<String>> {
         "createdb {db}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let guard = TestDatabase {
+        dropdb: createdb.with_file_name("dropdb"),
+        base: base.clone(),
+        name: db.clone(),
+    };
     let (prefix, _) = base.rsplit_once('/').context("a database URL")?;
     let kek = dir.join("kek");
     // Test data: a fixed key.
     std::fs::write(&kek, "QkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkI=\n")?;
-    Ok(vec![
-        "--store".into(),
-        format!("{prefix}/{db}?sslmode=verify-full&sslrootcert={ca}"),
-        "--key-encryption-key-file".into(),
-        kek.display().to_string(),
-    ])
+    Ok((
+        vec![
+            "--store".into(),
+            format!("{prefix}/{db}?sslmode=verify-full&sslrootcert={ca}"),
+            "--key-encryption-key-file".into(),
+            kek.display().to_string(),
+        ],
+        guard,
+    ))
+}
+
+/// A database made for one run; dropped (with any connection left to it) when this is,
+/// so repeated chaos runs do not fill the test server's disk.
+#[derive(Debug)]
+pub struct TestDatabase {
+    dropdb: PathBuf,
+    base: String,
+    name: String,
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let dropped = Command::new(&self.dropdb)
+            .arg(format!("--maintenance-db={}", self.base))
+            .args(["--if-exists", "--force"])
+            .arg(&self.name)
+            .output();
+        if !dropped.is_ok_and(|o| o.status.success()) {
+            eprintln!("could not drop the test database {}", self.name);
+        }
+    }
 }
 
 impl Drop for ControlPlaneProcess {
