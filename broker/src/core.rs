@@ -2718,15 +2718,18 @@ impl CoreBroker {
     /// segment is sealed too, so the core taking the shard over loads its index instead
     /// of scanning it. True when everything went cleanly.
     async fn close_shard(&self, key: &ShardKey, seal: bool) -> bool {
+        // An open under way finishes first, and the close takes what it opened. Removing
+        // its slot instead left the opener to put the log back as ready after the close
+        // (a deleted stream's log, its files unlinked, served to a stream re-created
+        // under the same name), and let a request woken meanwhile open the same log a
+        // second time beside it. (A re-pin waits for opens before it closes anyway.)
+        while matches!(self.streams.borrow().get(key), Some(Slot::Opening(_)))
+            || matches!(self.caches.borrow().get(key), Some(Slot::Opening(_)))
+        {
+            task::sleep(std::time::Duration::from_millis(1)).await;
+        }
         let stream = self.streams.borrow_mut().remove(key);
         let cache = self.caches.borrow_mut().remove(key);
-        // Requests waiting on an open under way try again (and are told where it went).
-        if let Some(Slot::Opening(waiters)) = &stream {
-            waiters.iter().for_each(Waker::wake_by_ref);
-        }
-        if let Some(Slot::Opening(waiters)) = &cache {
-            waiters.iter().for_each(Waker::wake_by_ref);
-        }
         // Its sync counts move to this core's closed-log total at once (a sample taken
         // while it closes must not fall short), and what closing adds after.
         let counted = match &stream {
