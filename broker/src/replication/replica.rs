@@ -39,6 +39,11 @@ const META_FILE: &str = "replica";
 /// Generation starts whose records the log no longer holds (see
 /// [`super::machine::Output::KeepEpochs`]): JSON `[[offset, generation], ..]`.
 const EPOCHS_FILE: &str = "epochs";
+/// Where the log's generation-start records are, written before each one is (JSON
+/// `[[offset, generation], ..]`): a replica opens by checking each, instead of reading
+/// its whole log to find them. An entry whose record never made it (a crash between) or
+/// was cut is dropped at the check.
+const STARTS_FILE: &str = "generation-starts";
 /// How long an idle replica's driver sleeps between timer checks.
 const TICK: Duration = Duration::from_millis(100);
 /// How long a Quorum publish waits for a majority before its outcome is unknown.
@@ -1013,23 +1018,7 @@ impl Replicas {
         };
         // Where each generation begins: the generation-start records in the log.
         let (base, end) = (log.base_offset(), log.committed_end());
-        let mut epochs = BTreeMap::new();
-        let mut at = base;
-        while at < end {
-            let batches = log.read(at, 4 << 20).await?;
-            let Some(last) = batches.last() else { break };
-            at = last.end_offset();
-            for b in batches {
-                if b.kind == LogBatchKind::GenerationStart
-                    && let Some(g) = b.records.first().and_then(|r| r.get(..8))
-                {
-                    epochs.insert(
-                        b.base_offset,
-                        u64::from_be_bytes(g.try_into().expect("8 bytes")),
-                    );
-                }
-            }
-        }
+        let mut epochs = find_generation_starts(log).await?;
         // The generation in force at the base, when the record that began it is gone.
         if let Some(bytes) = log.read_meta(EPOCHS_FILE).await? {
             let kept: Vec<(u64, u64)> = serde_json::from_slice(&bytes)
@@ -1115,6 +1104,24 @@ impl Replicas {
                 }
             }
             Output::Store(batches) => {
+                if batches
+                    .iter()
+                    .any(|b| matches!(b.kind, BatchKind::GenerationStart(_)))
+                {
+                    // Listed before stored (the machine already counts them). Never
+                    // stored unlisted: a restart would not know where the generation
+                    // began. The sender asks again.
+                    let starts = rs.machine.borrow().epochs().clone();
+                    if let Err(e) = list_generation_starts(log, &starts).await {
+                        tracing::error!(shard = %rs.key, error = %e, "listing generation starts");
+                        rs.machine.borrow_mut().handle_failed(
+                            log.next_offset(),
+                            log.committed_end(),
+                            now(),
+                        );
+                        return;
+                    }
+                }
                 // Claimed here, in order; awaited on a task of its own, so the driver
                 // goes on and the next message's store is staged behind this one while
                 // it is written: one fsync covers both.
@@ -1241,6 +1248,12 @@ impl Replicas {
             Output::AppendGenerationStart { generation } => {
                 let first = log.next_offset();
                 let record = generation.to_be_bytes();
+                let mut starts = rs.machine.borrow().epochs().clone();
+                starts.insert(first, generation);
+                if let Err(e) = list_generation_starts(log, &starts).await {
+                    tracing::error!(shard = %rs.key, error = %e, "listing generation starts");
+                    return;
+                }
                 match log.begin_append_at(
                     first,
                     &[record],
@@ -1273,6 +1286,71 @@ impl Replicas {
     }
 }
 
+/// The generation-start records of `log`, `offset -> generation`: the entries of its
+/// [`STARTS_FILE`] whose record is there (one small read each), or, for a log written
+/// before that file existed, a scan of the whole log (and the file is written then).
+pub async fn find_generation_starts<B: felix_storage_uring::io::Backend>(
+    log: &SegmentLog<B>,
+) -> Result<BTreeMap<u64, u64>, BrokerError> {
+    let (base, end) = (log.base_offset(), log.committed_end());
+    let parse = |b: &felix_storage_uring::ReadBatch| {
+        b.records
+            .first()
+            .and_then(|r| r.get(..8))
+            .map(|g| u64::from_be_bytes(g.try_into().expect("8 bytes")))
+    };
+    let mut starts = BTreeMap::new();
+    match log.read_meta(STARTS_FILE).await? {
+        Some(bytes) => {
+            let listed: Vec<(u64, u64)> = serde_json::from_slice(&bytes)
+                .map_err(|e| BrokerError::Storage(format!("generation starts: {e}")))?;
+            for (offset, generation) in listed {
+                if offset < base || offset >= end {
+                    continue;
+                }
+                let read = log.read_to(offset, offset + 1, 64).await?;
+                let holds = read.first().is_some_and(|b| {
+                    b.base_offset == offset
+                        && b.kind == LogBatchKind::GenerationStart
+                        && parse(b) == Some(generation)
+                });
+                if holds {
+                    starts.insert(offset, generation);
+                }
+            }
+        }
+        None => {
+            let mut at = base;
+            while at < end {
+                let batches = log.read(at, 4 << 20).await?;
+                let Some(last) = batches.last() else { break };
+                at = last.end_offset();
+                for b in batches {
+                    if b.kind == LogBatchKind::GenerationStart
+                        && let Some(g) = parse(&b)
+                    {
+                        starts.insert(b.base_offset, g);
+                    }
+                }
+            }
+            list_generation_starts(log, &starts).await?;
+        }
+    }
+    Ok(starts)
+}
+
+/// Writes where `log`'s generation-start records are (see [`STARTS_FILE`]), durably:
+/// done before a new one is appended or stored, so the list never misses one.
+pub async fn list_generation_starts<B: felix_storage_uring::io::Backend>(
+    log: &SegmentLog<B>,
+    starts: &BTreeMap<u64, u64>,
+) -> Result<(), BrokerError> {
+    let pairs: Vec<(u64, u64)> = starts.iter().map(|(o, g)| (*o, *g)).collect();
+    let bytes = serde_json::to_vec(&pairs).expect("pairs serialize");
+    log.write_meta(STARTS_FILE, &bytes).await?;
+    Ok(())
+}
+
 async fn write_epochs(
     log: &SegmentLog<DmaBackend>,
     epochs: &[(u64, u64)],
@@ -1280,4 +1358,77 @@ async fn write_epochs(
     let bytes = serde_json::to_vec(epochs).expect("pairs serialize");
     log.write_meta(EPOCHS_FILE, &bytes).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use felix_storage_uring::{BatchKind as LogBatchKind, LogConfig, MemBackend, SegmentLog};
+
+    use super::{find_generation_starts, list_generation_starts};
+
+    async fn append(log: &SegmentLog<MemBackend>, kind: LogBatchKind, record: &[u8]) {
+        let p = log
+            .begin_append_at(log.next_offset(), &[record], 0, kind)
+            .unwrap();
+        log.commit(p).await.unwrap();
+    }
+
+    /// A log of ~2 MB with generation starts at 0 and 1,001.
+    async fn log_with_two_generations(mem: &MemBackend) -> SegmentLog<MemBackend> {
+        let (log, _) = SegmentLog::open(mem.clone(), LogConfig::default())
+            .await
+            .unwrap();
+        let data = vec![7u8; 1000];
+        append(&log, LogBatchKind::GenerationStart, &1u64.to_be_bytes()).await;
+        for _ in 0..1000 {
+            append(&log, LogBatchKind::Data, &data).await;
+        }
+        append(&log, LogBatchKind::GenerationStart, &3u64.to_be_bytes()).await;
+        for _ in 0..1000 {
+            append(&log, LogBatchKind::Data, &data).await;
+        }
+        log
+    }
+
+    #[test]
+    fn a_replica_finds_its_generation_starts_from_their_list_not_by_reading_its_log() {
+        felix_core_runtime::task::block_on(async {
+            let mem = MemBackend::new();
+            let log = log_with_two_generations(&mem).await;
+            let want = BTreeMap::from([(0, 1), (1001, 3)]);
+            // Listed, with an entry whose record never made it (offset 1,500 holds data)
+            // and one past the end (cut): both dropped at the check.
+            let mut listed = want.clone();
+            listed.insert(1500, 4);
+            listed.insert(5000, 5);
+            list_generation_starts(&log, &listed).await.unwrap();
+            let before = mem.bytes_read();
+            assert_eq!(find_generation_starts(&log).await.unwrap(), want);
+            let read = mem.bytes_read() - before;
+            assert!(read < 64 << 10, "checking 4 entries read {read} bytes");
+        });
+    }
+
+    #[test]
+    fn a_log_without_the_list_is_scanned_once_and_listed() {
+        felix_core_runtime::task::block_on(async {
+            let mem = MemBackend::new();
+            let log = log_with_two_generations(&mem).await;
+            let want = BTreeMap::from([(0, 1), (1001, 3)]);
+            let before = mem.bytes_read();
+            assert_eq!(find_generation_starts(&log).await.unwrap(), want);
+            assert!(
+                mem.bytes_read() - before > 1 << 20,
+                "the whole log was read"
+            );
+            let before = mem.bytes_read();
+            assert_eq!(find_generation_starts(&log).await.unwrap(), want);
+            assert!(
+                mem.bytes_read() - before < 64 << 10,
+                "then the list is used"
+            );
+        });
+    }
 }
