@@ -279,8 +279,13 @@ impl LogView {
             .map_or(0, |(_, g)| *g)
     }
 
+    /// The generation of the last durable record, held or removed: a log whose every
+    /// record went below its base (retention, a compaction's cut) still ends with them,
+    /// and the epochs kept for the base say their generation. (Answering 0 for such a
+    /// log lost an election for a replica holding acknowledged records: found by the
+    /// simulator once followers took the commit mark promptly.)
     fn last_generation(&self) -> u64 {
-        if self.durable == self.base {
+        if self.durable == 0 {
             0
         } else {
             self.generation_at(self.durable - 1)
@@ -322,15 +327,18 @@ struct Cursor {
     resume: u64,
     /// One past the last record it durably holds, verified at our generation.
     matched: u64,
-    /// Ends of the messages sent and not answered yet, oldest first.
-    in_flight: VecDeque<u64>,
+    /// `(end, commit mark carried)` of the messages sent and not answered yet, oldest
+    /// first.
+    in_flight: VecDeque<(u64, u64)>,
     /// Since when it owes an answer with nothing answered (`None`: nothing in flight).
     waiting_since: Option<Instant>,
     /// A fence of ours is on its way to it: nothing else is sent until it is answered.
     fencing: bool,
     /// Our own log read for it is in flight.
     reading: bool,
-    /// The commit mark we last told it.
+    /// The highest commit mark it confirmed hearing (carried by a message it answered).
+    /// Counted at the answer, not at the send: a mark lost on the network is sent again
+    /// by the next heartbeat.
     told_commit: u64,
     /// Refused to cut committed records: not shipped to again.
     halted: bool,
@@ -859,6 +867,14 @@ impl Replica {
         if self.heard_commit.0 != generation || commit > self.heard_commit.1 {
             self.heard_commit = (generation, commit);
         }
+        // Taken at once as far as this log was verified against that leader: a heartbeat
+        // that arrives while we apply a message is not answered by itself.
+        let (vg, v) = self.log.verified;
+        let heard = self.heard_commit.1.min(v).min(self.log.durable);
+        if vg == generation && heard > self.commit {
+            self.commit = heard;
+            self.out.push_back(Output::Commit(heard));
+        }
         if let Some(ing) = &mut self.ingest {
             let (first, prev_generation) = prev;
             // The next message from the same leader, starting where the last one taken
@@ -1227,6 +1243,14 @@ impl Replica {
             .collect()
     }
 
+    /// Writing this candidate's generation-start record failed before it was claimed:
+    /// it is asked for again at the next timer.
+    pub fn handle_generation_start_failed(&mut self) {
+        if let Role::Candidate(c) = &mut self.role {
+            c.start_requested = false;
+        }
+    }
+
     /// This replica's generation-start record was claimed at `start`.
     pub fn handle_generation_start(&mut self, start: u64) {
         let generation = self.meta.generation;
@@ -1313,14 +1337,17 @@ impl Replica {
             cur.waiting_since = Some(now);
         }
         if from < base {
-            cur.in_flight.push_back(base);
+            cur.in_flight.push_back((base, 0));
             self.send(&to, Msg::Bootstrap { generation, base });
             return;
         }
+        // Only what is durable here is shipped (see `handle_appended`).
+        let durable = self.log.durable;
+        let mut batches = batches;
+        batches.retain(|b| b.end() <= durable);
         let end = batches.last().map_or(from, Batch::end);
-        cur.in_flight.push_back(end);
+        cur.in_flight.push_back((end, commit));
         cur.next = cur.next.max(end);
-        cur.told_commit = commit;
         self.send(
             &to,
             Msg::Records {
@@ -1461,14 +1488,15 @@ impl Replica {
         let Some(cur) = l.cursors.get_mut(&from) else {
             return;
         };
-        let progressed = end > cur.matched || cur.in_flight.front().is_some_and(|e| *e <= end);
+        let progressed = end > cur.matched || cur.in_flight.front().is_some_and(|(e, _)| *e <= end);
         cur.matched = cur.matched.max(end);
         cur.next = cur.next.max(end);
         cur.resume = cur.resume.max(end);
-        while cur.in_flight.front().is_some_and(|e| *e <= end) {
-            cur.in_flight.pop_front();
+        while let Some((_, told)) = cur.in_flight.pop_front_if(|(e, _)| *e <= end) {
+            cur.told_commit = cur.told_commit.max(told);
         }
-        if progressed {
+        if progressed && !cur.fencing {
+            // (A fence of ours still owes its answer: its timer keeps running.)
             cur.waiting_since = (!cur.in_flight.is_empty()).then_some(now);
         }
         self.advance_commit();
@@ -1923,5 +1951,45 @@ mod tests {
             })
             .collect();
         assert_eq!(oks, vec![first_end], "the durable part is answered at once");
+    }
+
+    #[test]
+    fn a_commit_mark_lost_on_the_network_is_sent_again_by_an_idle_leader() {
+        let mut p = leading_pair();
+        for _ in 0..3 {
+            p.append(2);
+            p.settle();
+        }
+        let end = p.nodes[&id("a")].end();
+        assert_eq!(p.nodes[&id("a")].replica.commit(), end);
+        // The heartbeat carrying the last commit mark is lost.
+        p.now += COMMIT_HEARTBEAT;
+        let now = p.now;
+        p.nodes
+            .get_mut(&id("a"))
+            .expect("a")
+            .replica
+            .handle_timeout(now);
+        p.drive(&id("a"));
+        assert!(p.wire.pop_front().is_some(), "a heartbeat went out");
+        assert!(p.wire.is_empty());
+        assert!(p.nodes[&id("b")].replica.commit() < end);
+        // Unanswered, it goes out again; the follower learns the mark.
+        for _ in 0..4 {
+            p.now += COMMIT_HEARTBEAT;
+            let now = p.now;
+            p.nodes
+                .get_mut(&id("a"))
+                .expect("a")
+                .replica
+                .handle_timeout(now);
+            p.drive(&id("a"));
+            while p.deliver_one() {}
+        }
+        assert_eq!(
+            p.nodes[&id("b")].replica.commit(),
+            end,
+            "the follower knows the mark"
+        );
     }
 }

@@ -158,18 +158,19 @@ impl ShipBuffer {
         }
     }
 
-    /// Batches from the one holding `from`, about `max_bytes` of them; `None` when
-    /// `from` is not held here.
-    fn read(&self, from: u64, max_bytes: usize) -> Option<Vec<Batch>> {
+    /// Batches from the one holding `from`, about `max_bytes` of them, none reaching
+    /// past `durable` (a record is shipped only once durable here: see
+    /// `Replica::handle_appended`); `None` when `from` is not held here.
+    fn read(&self, from: u64, max_bytes: usize, durable: u64) -> Option<Vec<Batch>> {
         let first = self.batches.front()?;
-        if from < first.base || from >= self.batches.back()?.end() {
+        if from < first.base || from >= self.batches.back()?.end() || from >= durable {
             return None;
         }
         let i = self.batches.partition_point(|b| b.end() <= from);
         let mut out = Vec::new();
         let mut bytes = 0;
         for b in self.batches.range(i..) {
-            if !out.is_empty() && bytes >= max_bytes {
+            if b.end() > durable || (!out.is_empty() && bytes >= max_bytes) {
                 break;
             }
             bytes += b.records.iter().map(Bytes::len).sum::<usize>();
@@ -1205,9 +1206,13 @@ impl Replicas {
                 if !fetch {
                     let held = {
                         let mut shipping = rs.shipping.borrow_mut();
-                        let slowest = rs.machine.borrow().followers().iter().map(|f| f.1).min();
+                        let (slowest, durable) = {
+                            let m = rs.machine.borrow();
+                            let slowest = m.followers().iter().map(|f| f.1).min();
+                            (slowest, m.log_end().1)
+                        };
                         shipping.trim_below(slowest.unwrap_or(0));
-                        shipping.read(from, super::machine::SHIP_BYTES)
+                        shipping.read(from, super::machine::SHIP_BYTES, durable)
                     };
                     if let Some(batches) = held {
                         rs.machine
@@ -1252,6 +1257,7 @@ impl Replicas {
                 starts.insert(first, generation);
                 if let Err(e) = list_generation_starts(log, &starts).await {
                     tracing::error!(shard = %rs.key, error = %e, "listing generation starts");
+                    rs.machine.borrow_mut().handle_generation_start_failed();
                     return;
                 }
                 match log.begin_append_at(
@@ -1270,7 +1276,8 @@ impl Replicas {
                         }
                     }
                     Err(e) => {
-                        tracing::error!(shard = %rs.key, error = %e, "claiming a generation start")
+                        tracing::error!(shard = %rs.key, error = %e, "claiming a generation start");
+                        rs.machine.borrow_mut().handle_generation_start_failed();
                     }
                 }
             }
@@ -1430,5 +1437,34 @@ mod tests {
                 "then the list is used"
             );
         });
+    }
+
+    #[test]
+    fn the_ship_buffer_never_ships_past_the_leaders_durable_end() {
+        use super::super::machine::{Batch, BatchKind};
+        let batch = |base: u64, n: u64| Batch {
+            base,
+            kind: BatchKind::Data,
+            timestamp_micros: 0,
+            producer: None,
+            records: (0..n).map(|_| bytes::Bytes::from_static(b"r")).collect(),
+        };
+        let mut buffer = super::ShipBuffer::default();
+        buffer.push(batch(0, 1));
+        buffer.push(batch(1, 2));
+        buffer.push(batch(3, 1));
+        let ends = |b: Option<Vec<Batch>>| b.map(|b| b.iter().map(Batch::end).collect::<Vec<_>>());
+        // Claimed up to 4, durable up to 3: the batch past 3 stays here.
+        assert_eq!(ends(buffer.read(0, 1 << 20, 3)), Some(vec![1, 3]));
+        assert_eq!(
+            ends(buffer.read(3, 1 << 20, 3)),
+            None,
+            "nothing durable to ship"
+        );
+        assert_eq!(ends(buffer.read(3, 1 << 20, 4)), Some(vec![4]));
+        // A claim that does not continue the buffer starts it over.
+        buffer.push(batch(9, 1));
+        assert_eq!(ends(buffer.read(0, 1 << 20, 10)), None);
+        assert_eq!(ends(buffer.read(9, 1 << 20, 10)), Some(vec![10]));
     }
 }
