@@ -1992,4 +1992,35 @@ mod tests {
             "the follower knows the mark"
         );
     }
+
+    #[test]
+    fn a_replica_whose_records_are_all_below_its_base_still_reports_their_generation() {
+        // Retention removed every record (base = end = 5); they were of generation 1.
+        let mut r = Replica::new(id("b"), Meta::default(), 5, 5, BTreeMap::from([(0, 1)]));
+        let now = Instant::now();
+        r.handle_message(id("a"), Msg::Fence { generation: 2 }, now);
+        while let Some(out) = r.poll_output() {
+            match out {
+                Output::Persist(meta) => r.handle_persisted(meta.generation, now),
+                Output::Send {
+                    msg:
+                        Msg::FenceOk {
+                            last_generation,
+                            end,
+                            ..
+                        },
+                    ..
+                } => {
+                    assert_eq!(
+                        (end, last_generation),
+                        (5, 1),
+                        "ends with generation 1's records"
+                    );
+                    return;
+                }
+                _ => {}
+            }
+        }
+        panic!("no FenceOk");
+    }
 }
