@@ -1260,11 +1260,14 @@ impl Replica {
 
     /// The local log is durable up to `end`.
     pub fn handle_durable(&mut self, end: u64, now: Instant) {
+        // Never past what this replica claimed: a store that completes after a cut of
+        // its records (it was claimed before the cut) reports an end they no longer
+        // have.
+        let end = end.min(self.log.end);
         if end <= self.log.durable {
             return;
         }
         self.log.durable = end;
-        self.log.end = self.log.end.max(end);
         match &self.role {
             Role::Leader(_) => {
                 self.advance_commit();
@@ -2022,5 +2025,16 @@ mod tests {
             }
         }
         panic!("no FenceOk");
+    }
+
+    #[test]
+    fn durability_is_never_reported_past_what_the_replica_claimed() {
+        let mut r = Replica::new(id("b"), Meta::default(), 0, 4, BTreeMap::from([(0, 1)]));
+        // A store claimed [4, 10), then the log was cut at 6 (its view ends there): the
+        // store's completion says 10.
+        r.log.end = 10;
+        r.log.cut(6);
+        r.handle_durable(10, Instant::now());
+        assert_eq!(r.log_end(), (6, 6), "durable up to the cut, not past it");
     }
 }

@@ -111,6 +111,10 @@ pub struct ReplicaShard {
     unfanned_until: Cell<u64>,
     /// Follower stores claimed and not yet durable (or failed): a cut waits for them.
     stores_in_flight: Cell<usize>,
+    /// Bumped by every cut or reset: a store claimed before one reports nothing when it
+    /// completes (the machine's view of those offsets was cut, and what is stored there
+    /// next is not this store's).
+    store_era: Cell<u64>,
     /// What this leader claimed lately, as it is shipped (see [`ShipBuffer`]).
     shipping: RefCell<ShipBuffer>,
 }
@@ -204,6 +208,7 @@ impl ReplicaShard {
         pending: Vec<PendingAppend>,
         failed: Option<felix_storage_uring::StorageError>,
         metrics: &CoreMetrics,
+        era: u64,
     ) {
         let log = &self.log;
         let now = || clock::now().instant;
@@ -217,6 +222,10 @@ impl ReplicaShard {
                     failed.get_or_insert(e);
                 }
             }
+        }
+        if self.store_era.get() != era {
+            // Cut or reset since it was claimed: nothing to report.
+            return;
         }
         match failed {
             None => {
@@ -1046,6 +1055,7 @@ impl Replicas {
             generation: Cell::new(0),
             unfanned_until: Cell::new(0),
             stores_in_flight: Cell::new(0),
+            store_era: Cell::new(0),
             shipping: RefCell::default(),
         });
         self.shards.borrow_mut().insert(key, rs.clone());
@@ -1156,15 +1166,17 @@ impl Replicas {
                     }
                 }
                 rs.stores_in_flight.set(rs.stores_in_flight.get() + 1);
-                let (rs, metrics) = (rs.clone(), self.metrics.clone());
+                let (rs, metrics, era) = (rs.clone(), self.metrics.clone(), rs.store_era.get());
                 task::spawn(async move {
-                    rs.finish_store(batches, pending, failed, &metrics).await;
+                    rs.finish_store(batches, pending, failed, &metrics, era)
+                        .await;
                     rs.stores_in_flight.set(rs.stores_in_flight.get() - 1);
                     rs.kick();
                 })
                 .detach();
             }
             Output::Truncate { from } => {
+                rs.store_era.set(rs.store_era.get() + 1);
                 rs.after_stores().await;
                 match log.truncate_from(from).await {
                     Ok(()) => {
@@ -1182,6 +1194,7 @@ impl Replicas {
                 }
             }
             Output::ResetAt { base } => {
+                rs.store_era.set(rs.store_era.get() + 1);
                 let reset = async {
                     rs.after_stores().await;
                     log.truncate_from(log.base_offset()).await?;
