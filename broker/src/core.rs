@@ -1171,11 +1171,8 @@ impl CoreBroker {
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
-        if self.taking_over(&key) {
-            let k = key.clone();
-            return self.after_takeover(&k, move |c| c.append_local(key, records));
-        }
-        self.write_local(key, records, None)
+        let k = key.clone();
+        self.through_takeover(&k, move |c| c.write_local(key, records, None))
     }
 
     /// As [`CoreBroker::append_local`]; with `commit`, the batch is that atomic commit
@@ -1950,15 +1947,11 @@ impl CoreBroker {
         key: Arc<ShardKey>,
         op: StateOp,
     ) -> Result<StateAnswer, BrokerError> {
-        if self.taking_over(&key) {
-            let k = key.clone();
-            return self
-                .after_takeover(&k, move |c| {
-                    Box::pin(async move { c.state_now(key, op).await })
-                })
-                .await;
-        }
-        self.state_now(key, op).await
+        let k = key.clone();
+        self.through_takeover(&k, move |c| {
+            Box::pin(async move { c.state_now(key, op).await })
+        })
+        .await
     }
 
     async fn state_now(
@@ -2075,15 +2068,11 @@ impl CoreBroker {
         key: &Arc<ShardKey>,
         op: crate::groups::GroupOp,
     ) -> Result<crate::groups::GroupAnswer, BrokerError> {
-        if self.taking_over(key) {
-            let k = key.clone();
-            return self
-                .after_takeover(key, move |c| {
-                    Box::pin(async move { c.group_now(&k, op).await })
-                })
-                .await;
-        }
-        self.group_now(key, op).await
+        let k = key.clone();
+        self.through_takeover(key, move |c| {
+            Box::pin(async move { c.group_now(&k, op).await })
+        })
+        .await
     }
 
     /// A group request on the owning core. On a replicated shard only a serving leader
@@ -2181,15 +2170,11 @@ impl CoreBroker {
         key: Arc<ShardKey>,
         op: CacheOp,
     ) -> Result<CacheAnswer, BrokerError> {
-        if self.taking_over(&key) {
-            let k = key.clone();
-            return self
-                .after_takeover(&k, move |c| {
-                    Box::pin(async move { c.cache_local(&key, op).await })
-                })
-                .await;
-        }
-        self.cache_local(&key, op).await
+        let k = key.clone();
+        self.through_takeover(&k, move |c| {
+            Box::pin(async move { c.cache_local(&key, op).await })
+        })
+        .await
     }
 
     async fn cache_local(

@@ -25,6 +25,8 @@ pub mod proxy;
 #[derive(Debug)]
 pub struct BrokerProcess {
     child: Option<Child>,
+    /// The test looked at how the process ended (`exit_status`): an exit it expected.
+    exit_seen: bool,
     binary: PathBuf,
     args: Vec<String>,
     /// The data directory (kept across restarts).
@@ -58,6 +60,7 @@ impl BrokerProcess {
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut p = BrokerProcess {
             child: None,
+            exit_seen: false,
             binary: binary.to_path_buf(),
             args,
             data_dir: data_dir.to_path_buf(),
@@ -90,6 +93,7 @@ impl BrokerProcess {
         ];
         let mut p = BrokerProcess {
             child: None,
+            exit_seen: false,
             binary: binary.to_path_buf(),
             args,
             data_dir: data_dir.to_path_buf(),
@@ -179,6 +183,7 @@ impl BrokerProcess {
                 .map(str::to_owned);
         }
         self.child = Some(child);
+        self.exit_seen = false;
         Ok(())
     }
 
@@ -225,9 +230,12 @@ impl BrokerProcess {
 
     /// The exit status, if the process has exited.
     pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
-        self.child
+        let status = self
+            .child
             .as_mut()
-            .and_then(|c| c.try_wait().ok().flatten())
+            .and_then(|c| c.try_wait().ok().flatten());
+        self.exit_seen |= status.is_some();
+        status
     }
 
     /// The embedded control plane's admin client (dev mode).
@@ -246,6 +254,19 @@ impl BrokerProcess {
     /// SIGKILL, then wait.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
+            // A broker exits 70 when one of its cores panicked: a test that did not ask
+            // for that fails here, whatever else it checked (a harness that restarts
+            // brokers would otherwise hide it).
+            if let Ok(Some(status)) = c.try_wait()
+                && status.code() == Some(70)
+                && !self.exit_seen
+                && !std::thread::panicking()
+            {
+                panic!(
+                    "the broker in {} exited 70 (a core panicked) before the test stopped it",
+                    self.data_dir.display()
+                );
+            }
             // SAFETY: signalling the child we spawned, by its pid.
             unsafe {
                 libc::kill(c.id() as libc::pid_t, libc::SIGKILL);

@@ -114,6 +114,18 @@ async fn read_all(c: &TestCluster, stream: &str, at_least: u64) -> BTreeMap<u64,
     got
 }
 
+/// Asks the control plane to move shard 0 of `name` (`kind`: stream or cache) to
+/// `node-{to}`.
+fn move_shard(c: &TestCluster, kind: &str, name: &str, to: usize) {
+    c.admin
+        .post(
+            "/v1/shard-moves",
+            &serde_json::json!({"tenant_id": TENANT, "namespace": NAMESPACE, "stream": name,
+                "kind": kind, "shard": 0, "destination": format!("node-{to}")}),
+        )
+        .unwrap();
+}
+
 fn check_nothing_lost(acked: &BTreeMap<u64, Vec<u8>>, read: &BTreeMap<u64, Vec<u8>>) {
     for (o, p) in acked {
         match read.get(o) {
@@ -776,13 +788,7 @@ fn an_idempotent_resend_after_a_leader_kill_is_answered_from_the_successors_log(
     let to = (0..3)
         .find(|n| *n != now_leader && *n != leader)
         .expect("the third broker");
-    c.admin
-        .post(
-            "/v1/shard-moves",
-            &serde_json::json!({"tenant_id": TENANT, "namespace": NAMESPACE,
-                "stream": "orders-idem", "shard": 0, "destination": format!("node-{to}")}),
-        )
-        .unwrap();
+    move_shard(&c, "stream", "orders-idem", to);
     wait_for("the moved leader", Duration::from_secs(30), || {
         leader_of(&c).filter(|(l, g)| *l == to && *g > now_generation)
     })
@@ -932,13 +938,7 @@ fn a_subscriber_follows_its_shard_across_planned_moves() {
         std::thread::sleep(Duration::from_millis(1500));
         let to = (leader + 1) % 3;
         let t = Instant::now();
-        c.admin
-            .post(
-                "/v1/shard-moves",
-                &serde_json::json!({"tenant_id": TENANT, "namespace": NAMESPACE, "stream": "moving",
-                    "shard": 0, "destination": format!("node-{to}")}),
-            )
-            .unwrap();
+        move_shard(&c, "stream", "moving", to);
         (leader, generation) = c
             .wait_leader(
                 "moving",
@@ -1026,13 +1026,7 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
         for _ in 0..20 {
             std::thread::sleep(Duration::from_millis(600));
             let to = (leader + 1) % 3;
-            c.admin
-                .post(
-                    "/v1/shard-moves",
-                    &serde_json::json!({"tenant_id": TENANT, "namespace": NAMESPACE,
-                        "stream": "moves20", "shard": 0, "destination": format!("node-{to}")}),
-                )
-                .unwrap();
+            move_shard(&c, "stream", "moves20", to);
             moves.push(Instant::now());
             (leader, generation) = c
                 .wait_leader(
@@ -1475,14 +1469,7 @@ fn cache_writes_are_held_through_planned_moves() {
         for _ in 0..20 {
             std::thread::sleep(Duration::from_millis(400));
             let to = (leader + 1) % 3;
-            c.admin
-                .post(
-                    "/v1/shard-moves",
-                    &serde_json::json!({"tenant_id": TENANT, "namespace": NAMESPACE,
-                        "stream": "moving", "kind": "cache", "shard": 0,
-                        "destination": format!("node-{to}")}),
-                )
-                .unwrap();
+            move_shard(&c, "cache", "moving", to);
             (leader, generation) =
                 wait_for("the moved cache leader", Duration::from_secs(20), || {
                     leader_of(&c).filter(|(l, g)| *l != leader && *g > generation)
@@ -1619,13 +1606,7 @@ fn idempotent_publishes_are_held_through_planned_moves() {
         for _ in 0..10 {
             std::thread::sleep(Duration::from_millis(400));
             let to = (leader + 1) % 3;
-            c.admin
-                .post(
-                    "/v1/shard-moves",
-                    &serde_json::json!({"tenant_id": TENANT, "namespace": NAMESPACE,
-                        "stream": "idem", "shard": 0, "destination": format!("node-{to}")}),
-                )
-                .unwrap();
+            move_shard(&c, "stream", "idem", to);
             (leader, generation) = c
                 .wait_leader("idem", 0, Some(leader), generation, Duration::from_secs(20))
                 .unwrap();

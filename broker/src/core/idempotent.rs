@@ -37,7 +37,7 @@ impl CoreBroker {
         if self.taking_over(&key) {
             // Held through a takeover's cut-over like any publish, in arrival order.
             let k = key.clone();
-            return self.after_takeover(&k, move |c| c.append_idempotent(key, records, tag));
+            return self.through_takeover(&k, move |c| c.append_idempotent(key, records, tag));
         }
         let shard = match self.streams.borrow().get(&key) {
             Some(Slot::Ready(s)) => Some(s.clone()),

@@ -61,9 +61,24 @@ impl CoreBroker {
             })
     }
 
+    /// Runs `call` now, or, while this broker's replica takes `key` over, once it
+    /// serves (in arrival order): the one entry every kind of write and read on a
+    /// replicated shard's owning core goes through.
+    pub(super) fn through_takeover<T: 'static>(
+        self: &Rc<Self>,
+        key: &Arc<ShardKey>,
+        call: impl FnOnce(Rc<CoreBroker>) -> Answer<T> + 'static,
+    ) -> Answer<T> {
+        if self.taking_over(key) {
+            self.after_takeover(key, call)
+        } else {
+            call(self.clone())
+        }
+    }
+
     /// Runs `call` once `key`'s replica serves, after every call held before it; answers
     /// what it answers, or `moving` past [`HOLD_MAX`].
-    pub(super) fn after_takeover<T: 'static>(
+    fn after_takeover<T: 'static>(
         self: &Rc<Self>,
         key: &Arc<ShardKey>,
         call: impl FnOnce(Rc<CoreBroker>) -> Answer<T> + 'static,

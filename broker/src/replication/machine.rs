@@ -85,6 +85,24 @@ impl Batch {
     pub fn end(&self) -> u64 {
         self.base + self.records.len() as u64
     }
+
+    /// The record that begins `generation` at `base`: its payload is the generation,
+    /// 8 bytes big-endian.
+    pub fn generation_start(base: u64, generation: u64) -> Batch {
+        Batch {
+            base,
+            kind: BatchKind::GenerationStart(generation),
+            timestamp_micros: 0,
+            producer: None,
+            records: vec![Bytes::copy_from_slice(&generation.to_be_bytes())],
+        }
+    }
+}
+
+/// The generation a generation-start batch's records name (`None` when malformed).
+pub fn generation_named(records: &[Bytes]) -> Option<u64> {
+    let g = records.first()?.get(..8)?;
+    Some(u64::from_be_bytes(g.try_into().expect("8 bytes")))
 }
 
 /// Why a replica refused a batch or a fence.
@@ -1751,13 +1769,8 @@ mod tests {
                     }
                     Output::AppendGenerationStart { generation } => {
                         let start = node.end();
-                        node.batches.push(Batch {
-                            base: start,
-                            kind: BatchKind::GenerationStart(generation),
-                            timestamp_micros: 0,
-                            producer: None,
-                            records: vec![Bytes::copy_from_slice(&generation.to_be_bytes())],
-                        });
+                        node.batches
+                            .push(Batch::generation_start(start, generation));
                         node.replica.handle_generation_start(start);
                         node.durable = start + 1;
                         node.replica.handle_durable(start + 1, now);
@@ -1813,6 +1826,15 @@ mod tests {
             });
             a.durable = end;
             a.replica.handle_durable(end, now);
+            self.drive(&id("a"));
+        }
+
+        /// A heartbeat interval passes: the leader `a`'s timers run.
+        fn heartbeat_time(&mut self) {
+            self.now += COMMIT_HEARTBEAT;
+            let now = self.now;
+            let a = self.nodes.get_mut(&id("a")).expect("a");
+            a.replica.handle_timeout(now);
             self.drive(&id("a"));
         }
 
@@ -1911,14 +1933,7 @@ mod tests {
             "everything committed"
         );
         // The idle leader's heartbeat brings the follower the last commit mark.
-        p.now += COMMIT_HEARTBEAT;
-        let now = p.now;
-        p.nodes
-            .get_mut(&id("a"))
-            .expect("a")
-            .replica
-            .handle_timeout(now);
-        p.drive(&id("a"));
+        p.heartbeat_time();
         while p.deliver_one() {}
         assert_eq!(
             p.nodes[&id("b")].replica.commit(),
@@ -1966,27 +1981,13 @@ mod tests {
         let end = p.nodes[&id("a")].end();
         assert_eq!(p.nodes[&id("a")].replica.commit(), end);
         // The heartbeat carrying the last commit mark is lost.
-        p.now += COMMIT_HEARTBEAT;
-        let now = p.now;
-        p.nodes
-            .get_mut(&id("a"))
-            .expect("a")
-            .replica
-            .handle_timeout(now);
-        p.drive(&id("a"));
+        p.heartbeat_time();
         assert!(p.wire.pop_front().is_some(), "a heartbeat went out");
         assert!(p.wire.is_empty());
         assert!(p.nodes[&id("b")].replica.commit() < end);
         // Unanswered, it goes out again; the follower learns the mark.
         for _ in 0..4 {
-            p.now += COMMIT_HEARTBEAT;
-            let now = p.now;
-            p.nodes
-                .get_mut(&id("a"))
-                .expect("a")
-                .replica
-                .handle_timeout(now);
-            p.drive(&id("a"));
+            p.heartbeat_time();
             while p.deliver_one() {}
         }
         assert_eq!(

@@ -25,7 +25,9 @@ use felix_storage_uring::{BatchKind as LogBatchKind, PendingAppend};
 use felix_wire::internal::{self, InternalMessage, RefusalCode, ShardRef};
 use felix_wire::{Generation, Offset, ShardId, message};
 
-use super::machine::{Assignment, Batch, BatchKind, Meta, Msg, NodeId, Output, Refusal, Replica};
+use super::machine::{
+    Assignment, Batch, BatchKind, Meta, Msg, NodeId, Output, Refusal, Replica, generation_named,
+};
 use super::peer::Outbound;
 use crate::catalog::Consistency;
 use crate::cluster::{Cluster, FollowerReport, Route, ShardReport};
@@ -245,13 +247,19 @@ impl ReplicaShard {
             }
             Some(e) => {
                 tracing::warn!(shard = %self.key, error = %e, "storing replicated batches");
-                self.machine.borrow_mut().handle_failed(
-                    log.next_offset(),
-                    log.committed_end(),
-                    now(),
-                );
+                self.storage_failed();
             }
         }
+    }
+
+    /// Storage failed to carry out a store, cut or reset: the machine takes the log's end
+    /// from storage.
+    fn storage_failed(&self) {
+        self.machine.borrow_mut().handle_failed(
+            self.log.next_offset(),
+            self.log.committed_end(),
+            clock::now().instant,
+        );
     }
 
     fn kick(&self) {
@@ -633,12 +641,9 @@ fn machine_batch(b: internal::ShipBatch) -> Batch {
         internal::BatchKind::Data => BatchKind::Data,
         internal::BatchKind::Commit => BatchKind::Commit,
         internal::BatchKind::Group => BatchKind::Group,
-        internal::BatchKind::GenerationStart => BatchKind::GenerationStart(
-            b.records
-                .first()
-                .and_then(|r| r.get(..8))
-                .map_or(0, |g| u64::from_be_bytes(g.try_into().expect("8 bytes"))),
-        ),
+        internal::BatchKind::GenerationStart => {
+            BatchKind::GenerationStart(generation_named(&b.records).unwrap_or(0))
+        }
     };
     Batch {
         base: b.base_offset.0,
@@ -1029,6 +1034,16 @@ impl Replicas {
         // Where each generation begins: the generation-start records in the log.
         let (base, end) = (log.base_offset(), log.committed_end());
         let mut epochs = find_generation_starts(log).await?;
+        if cfg!(debug_assertions) {
+            // Debug builds (the test suites) read the whole log as well and insist the
+            // two agree: a path that stored a generation start without listing it first
+            // fails at the next open, wherever in the suite that is.
+            let scanned = scan_generation_starts(log).await?;
+            assert_eq!(
+                epochs, scanned,
+                "{key}: the generation-starts list misses a record"
+            );
+        }
         // The generation in force at the base, when the record that began it is gone.
         if let Some(bytes) = log.read_meta(EPOCHS_FILE).await? {
             let kept: Vec<(u64, u64)> = serde_json::from_slice(&bytes)
@@ -1125,11 +1140,7 @@ impl Replicas {
                     let starts = rs.machine.borrow().epochs().clone();
                     if let Err(e) = list_generation_starts(log, &starts).await {
                         tracing::error!(shard = %rs.key, error = %e, "listing generation starts");
-                        rs.machine.borrow_mut().handle_failed(
-                            log.next_offset(),
-                            log.committed_end(),
-                            now(),
-                        );
+                        rs.storage_failed();
                         return;
                     }
                 }
@@ -1185,11 +1196,7 @@ impl Replicas {
                     }
                     Err(e) => {
                         tracing::warn!(shard = %rs.key, error = %e, "cutting a replica's suffix");
-                        rs.machine.borrow_mut().handle_failed(
-                            log.next_offset(),
-                            log.committed_end(),
-                            now(),
-                        );
+                        rs.storage_failed();
                     }
                 }
             }
@@ -1207,11 +1214,7 @@ impl Replicas {
                     }
                     Err(e) => {
                         tracing::warn!(shard = %rs.key, error = %e, "bootstrapping a replica");
-                        rs.machine.borrow_mut().handle_failed(
-                            log.next_offset(),
-                            log.committed_end(),
-                            now(),
-                        );
+                        rs.storage_failed();
                     }
                 }
             }
@@ -1242,9 +1245,7 @@ impl Replicas {
                     .map(|b| {
                         let kind = match b.kind {
                             LogBatchKind::GenerationStart => BatchKind::GenerationStart(
-                                b.records.first().and_then(|r| r.get(..8)).map_or(0, |g| {
-                                    u64::from_be_bytes(g.try_into().expect("8 bytes"))
-                                }),
+                                generation_named(&b.records).unwrap_or(0),
                             ),
                             LogBatchKind::Commit => BatchKind::Commit,
                             LogBatchKind::Group => BatchKind::Group,
@@ -1313,47 +1314,47 @@ pub async fn find_generation_starts<B: felix_storage_uring::io::Backend>(
     log: &SegmentLog<B>,
 ) -> Result<BTreeMap<u64, u64>, BrokerError> {
     let (base, end) = (log.base_offset(), log.committed_end());
-    let parse = |b: &felix_storage_uring::ReadBatch| {
-        b.records
-            .first()
-            .and_then(|r| r.get(..8))
-            .map(|g| u64::from_be_bytes(g.try_into().expect("8 bytes")))
+    let Some(bytes) = log.read_meta(STARTS_FILE).await? else {
+        let starts = scan_generation_starts(log).await?;
+        list_generation_starts(log, &starts).await?;
+        return Ok(starts);
     };
+    let listed: Vec<(u64, u64)> = serde_json::from_slice(&bytes)
+        .map_err(|e| BrokerError::Storage(format!("generation starts: {e}")))?;
     let mut starts = BTreeMap::new();
-    match log.read_meta(STARTS_FILE).await? {
-        Some(bytes) => {
-            let listed: Vec<(u64, u64)> = serde_json::from_slice(&bytes)
-                .map_err(|e| BrokerError::Storage(format!("generation starts: {e}")))?;
-            for (offset, generation) in listed {
-                if offset < base || offset >= end {
-                    continue;
-                }
-                let read = log.read_to(offset, offset + 1, 64).await?;
-                let holds = read.first().is_some_and(|b| {
-                    b.base_offset == offset
-                        && b.kind == LogBatchKind::GenerationStart
-                        && parse(b) == Some(generation)
-                });
-                if holds {
-                    starts.insert(offset, generation);
-                }
-            }
+    for (offset, generation) in listed {
+        if offset < base || offset >= end {
+            continue;
         }
-        None => {
-            let mut at = base;
-            while at < end {
-                let batches = log.read(at, 4 << 20).await?;
-                let Some(last) = batches.last() else { break };
-                at = last.end_offset();
-                for b in batches {
-                    if b.kind == LogBatchKind::GenerationStart
-                        && let Some(g) = parse(&b)
-                    {
-                        starts.insert(b.base_offset, g);
-                    }
-                }
+        let read = log.read_to(offset, offset + 1, 64).await?;
+        let holds = read.first().is_some_and(|b| {
+            b.base_offset == offset
+                && b.kind == LogBatchKind::GenerationStart
+                && generation_named(&b.records) == Some(generation)
+        });
+        if holds {
+            starts.insert(offset, generation);
+        }
+    }
+    Ok(starts)
+}
+
+/// Every generation-start record of `log`, by reading all of it.
+async fn scan_generation_starts<B: felix_storage_uring::io::Backend>(
+    log: &SegmentLog<B>,
+) -> Result<BTreeMap<u64, u64>, BrokerError> {
+    let (mut at, end) = (log.base_offset(), log.committed_end());
+    let mut starts = BTreeMap::new();
+    while at < end {
+        let batches = log.read(at, 4 << 20).await?;
+        let Some(last) = batches.last() else { break };
+        at = last.end_offset();
+        for b in batches {
+            if b.kind == LogBatchKind::GenerationStart
+                && let Some(g) = generation_named(&b.records)
+            {
+                starts.insert(b.base_offset, g);
             }
-            list_generation_starts(log, &starts).await?;
         }
     }
     Ok(starts)

@@ -363,13 +363,7 @@ impl Sim {
             Output::AppendGenerationStart { generation } => {
                 let n = &mut self.nodes[node];
                 let start = n.end();
-                n.batches.push(Batch {
-                    base: start,
-                    kind: BatchKind::GenerationStart(generation),
-                    timestamp_micros: 0,
-                    producer: None,
-                    records: vec![Bytes::copy_from_slice(&generation.to_be_bytes())],
-                });
+                n.batches.push(Batch::generation_start(start, generation));
                 n.replica
                     .as_mut()
                     .expect("running")
