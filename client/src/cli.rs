@@ -713,7 +713,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let mut sub = client
                 .subscribe_shard(&tenant, ns, stream, *shard, start)
                 .await?;
-            let mut seen = 0u64;
+            let (mut seen, mut last) = (0u64, None);
             while count.is_none_or(|c| seen < c) {
                 match sub.next_event().await? {
                     Some(e) => {
@@ -725,8 +725,29 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         );
                         let _ = out.flush();
                         seen += 1;
+                        last = e.offset.or(last);
                     }
-                    None => break,
+                    None => match sub.end() {
+                        // Follow a planned move: resume after the last record shown.
+                        Some(crate::SubscriptionEnd::Moved {
+                            node_id,
+                            resume_from,
+                            ..
+                        }) => {
+                            eprintln!(
+                                "shard {shard} moved to {}; following",
+                                node_id.as_deref().unwrap_or("another broker")
+                            );
+                            let resume = last.map(|o| o + 1).or(resume_from);
+                            let start = resume
+                                .map(|o| StartPosition::Offset(felix_wire::Offset(o)))
+                                .or(start);
+                            sub = client
+                                .subscribe_shard(&tenant, ns, stream, *shard, start)
+                                .await?;
+                        }
+                        _ => break,
+                    },
                 }
             }
         }

@@ -49,6 +49,7 @@ fn client_features() -> Features {
         | Features::GROUP_ADMIN
         | Features::GROUP_CLAIM_CONTROL
         | Features::SUBSCRIPTION_LAGGED
+        | Features::SHARD_MOVED
 }
 
 /// What the broker agreed to.
@@ -1046,14 +1047,16 @@ impl Client {
                 })?,
         };
         let (tx, rx) = mpsc::channel(self.inner.config.client_sub_queue_capacity.max(1));
+        let end = Arc::new(std::sync::Mutex::new(None));
         let names = (
             Arc::<str>::from(tenant),
             Arc::<str>::from(namespace),
             Arc::<str>::from(stream),
         );
-        tokio::spawn(read_events(recv, reader, tx, names));
+        tokio::spawn(read_events(recv, reader, tx, names, end.clone()));
         Ok(Subscription {
             rx,
+            end,
             start_offset,
             live_offset,
             _control: s.recv,
@@ -1061,10 +1064,29 @@ impl Client {
     }
 }
 
+/// Why the broker ended a subscription cleanly (its last message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SubscriptionEnd {
+    /// The shard moved to another broker (`shard_moved`): resume there.
+    Moved {
+        /// The first offset this subscription did not deliver, when the broker knew it.
+        resume_from: Option<u64>,
+        /// The new owner.
+        node_id: Option<String>,
+        /// The new owner's client address, when it publishes one.
+        addr: Option<String>,
+        /// The assignment generation that moved the shard.
+        generation: u64,
+    },
+    /// The stream was deleted.
+    StreamDeleted,
+}
+
 /// One shard's subscription.
 #[derive(Debug)]
 pub struct Subscription {
     rx: mpsc::Receiver<Result<Event, ClientError>>,
+    end: Arc<std::sync::Mutex<Option<SubscriptionEnd>>>,
     start_offset: Option<u64>,
     live_offset: Option<u64>,
     _control: quinn::RecvStream,
@@ -1079,6 +1101,13 @@ impl Subscription {
             Some(Err(e)) => Err(e),
             None => Ok(None),
         }
+    }
+
+    /// Why the broker ended the subscription, once [`Subscription::next_event`] has
+    /// returned `Ok(None)` after the broker's last message (`None` before that, or when
+    /// it ended without saying why).
+    pub fn end(&self) -> Option<SubscriptionEnd> {
+        self.end.lock().expect("end lock").clone()
     }
 
     /// The first offset delivered (when a start was given).
@@ -1097,6 +1126,7 @@ async fn read_events(
     mut reader: FrameReader,
     tx: mpsc::Sender<Result<Event, ClientError>>,
     (t, ns, s): (Arc<str>, Arc<str>, Arc<str>),
+    end: Arc<std::sync::Mutex<Option<SubscriptionEnd>>>,
 ) {
     loop {
         // A dropped subscription ends here at once, not at its next event: dropping the
@@ -1172,7 +1202,27 @@ async fn read_events(
                         .await;
                     return;
                 }
-                Ok(Message::ShardMoved { .. } | Message::StreamDeleted { .. }) => return,
+                Ok(Message::ShardMoved {
+                    resume_from,
+                    node_id,
+                    addr,
+                    generation,
+                    ..
+                }) => {
+                    // Set before the channel closes (this task returning drops `tx`), so
+                    // a reader that saw the end also sees why.
+                    *end.lock().expect("end lock") = Some(SubscriptionEnd::Moved {
+                        resume_from: resume_from.map(|o| o.0),
+                        node_id,
+                        addr,
+                        generation: generation.0,
+                    });
+                    return;
+                }
+                Ok(Message::StreamDeleted { .. }) => {
+                    *end.lock().expect("end lock") = Some(SubscriptionEnd::StreamDeleted);
+                    return;
+                }
                 Ok(_) => {}
                 Err(e) => {
                     let _ = tx.send(Err(ClientError::Protocol(e.to_string()))).await;

@@ -41,7 +41,8 @@
 //! # }
 //! ```
 //!
-//! Consuming a whole multi-shard stream (the guide's example, as written):
+//! Consuming a whole multi-shard stream (the guide's example, with the two kinds the
+//! standard SDK added after it: `ShardMoved` and `StreamDeleted`):
 //!
 //! ```no_run
 //! # use std::sync::Arc;
@@ -62,6 +63,9 @@
 //!         // re-established, and the others are still delivering.
 //!         ShardEvent::ShardLost { shard, error } => warn!(shard, %error, "shard down"),
 //!         ShardEvent::ShardRecovered { shard } => info!(shard, "shard back"),
+//!         // A planned move: followed at once, nothing missed.
+//!         ShardEvent::ShardMoved { shard, node_id, .. } => info!(shard, ?node_id, "shard moved"),
+//!         ShardEvent::StreamDeleted { shard } => warn!(shard, "stream deleted"),
 //!     }
 //! }
 //! # Ok(())
@@ -79,7 +83,7 @@ pub mod ops;
 pub mod retry;
 pub mod sharded;
 
-pub use client::{Client, Event, Negotiated, Subscription};
+pub use client::{Client, Event, Negotiated, Subscription, SubscriptionEnd};
 pub use cluster::ClusterClient;
 pub use config::{ClientConfig, TokenProvider, quic_client_config, quic_client_config_from_file};
 pub use error::{BrokerError, ClientError, NotLeaderError, SubscribeCursorError};

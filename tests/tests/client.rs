@@ -259,6 +259,7 @@ fn a_sharded_subscription_survives_a_broker_restart_without_a_gap() {
                     recovered.insert(shard);
                 }
                 Some(ShardEvent::Record { .. }) => panic!("no new records were published"),
+                Some(other) => panic!("a restart is not a move or a deletion: {other:?}"),
                 None => panic!("the subscription ended"),
             }
         }

@@ -975,8 +975,71 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
     type Log = Arc<Mutex<Vec<(Instant, Instant, u64, Vec<u8>)>>>;
     let log: Log = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Our SDK's sharded subscriber reads from the start through every move: (offset,
+    // payload) delivered, and the moves it was told of.
+    type Delivered = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
+    let delivered: Delivered = Arc::default();
+    let told_moved = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // Set once publishing stopped: the last acknowledged offset, + 1.
+    let read_until = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut moves = Vec::new();
     let failed = std::thread::scope(|s| {
+        let (delivered2, told2, until2, c2) = (
+            delivered.clone(),
+            told_moved.clone(),
+            read_until.clone(),
+            &c,
+        );
+        let subscriber = s.spawn(move || {
+            tokio::runtime::Runtime::new()
+                .unwrap()
+                .block_on(async move {
+                    use felix_client::ShardEvent;
+                    let client = Arc::new(
+                        felix_client::ClusterClient::connect(
+                            &c2.seeds(),
+                            "localhost",
+                            c2.client_config().unwrap(),
+                        )
+                        .await
+                        .unwrap(),
+                    );
+                    let mut sub = client
+                        .subscribe_sharded(
+                            TENANT,
+                            NAMESPACE,
+                            "moves20",
+                            Some(StartPosition::Earliest),
+                        )
+                        .await
+                        .unwrap();
+                    let mut finished_at: Option<Instant> = None;
+                    loop {
+                        let until = until2.load(std::sync::atomic::Ordering::SeqCst);
+                        if until > 0 {
+                            let f = *finished_at.get_or_insert_with(Instant::now);
+                            let last = delivered2.lock().unwrap().last().map(|(o, _)| *o);
+                            if last.is_some_and(|o| o + 1 >= until)
+                                || f.elapsed() > Duration::from_secs(30)
+                            {
+                                return;
+                            }
+                        }
+                        match tokio::time::timeout(Duration::from_millis(500), sub.next()).await {
+                            Ok(Some(ShardEvent::Record { event, .. })) => delivered2
+                                .lock()
+                                .unwrap()
+                                .push((event.offset.unwrap(), event.payload.to_vec())),
+                            Ok(Some(ShardEvent::ShardMoved { .. })) => {
+                                told2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            }
+                            Ok(Some(other)) => eprintln!("subscriber: {other:?}"),
+                            Ok(None) => panic!("the sharded subscription ended"),
+                            Err(_) => {}
+                        }
+                    }
+                })
+        });
         let (log2, stop2, c2) = (log.clone(), stop.clone(), &c);
         let h = s.spawn(move || {
             tokio::runtime::Runtime::new()
@@ -1040,7 +1103,11 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
         }
         std::thread::sleep(Duration::from_millis(600));
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        h.join().unwrap()
+        let failed = h.join().unwrap();
+        let last = log.lock().unwrap().iter().map(|(_, _, o, _)| *o).max();
+        read_until.store(last.unwrap() + 1, std::sync::atomic::Ordering::SeqCst);
+        subscriber.join().unwrap();
+        failed
     });
     let log = log.lock().unwrap().clone();
     // Cut-over to the first acknowledgement of a publish sent after it.
@@ -1093,6 +1160,32 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
     payloads.sort();
     payloads.dedup();
     assert_eq!(payloads.len(), total, "no record in the log twice");
+    // The subscriber resumed at the right offset after every move: each record once, in
+    // offset order, the log's own payload at each offset, every acknowledged one there.
+    let delivered = delivered.lock().unwrap().clone();
+    let told = told_moved.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!(
+        "our SDK's sharded subscriber: {} records, told of {told} moves",
+        delivered.len()
+    );
+    for w in delivered.windows(2) {
+        assert!(
+            w[0].0 < w[1].0,
+            "delivered out of order or twice: {} then {}",
+            w[0].0,
+            w[1].0
+        );
+    }
+    let got: BTreeMap<u64, Vec<u8>> = delivered.into_iter().collect();
+    for (o, p) in &got {
+        assert_eq!(read.get(o), Some(p), "offset {o} delivered as in the log");
+    }
+    for o in acked.keys() {
+        assert!(got.contains_key(o), "acknowledged offset {o} delivered");
+    }
+    // Every move ends the subscription at the old leader with `shard_moved`; one in
+    // the middle of following the previous may end it otherwise.
+    assert!(told >= 10, "told of {told} of 20 moves");
 }
 
 #[test]
