@@ -36,6 +36,9 @@ pub struct Route {
     pub generation: u64,
     /// Every replica, leader included.
     pub replicas: Arc<[Arc<str>]>,
+    /// A copy being staged for a move: shipped to, not a member (see
+    /// `replication::machine::Assignment::learners`).
+    pub learners: Arc<[Arc<str>]>,
 }
 
 /// The routing snapshot: replaced whole, never patched.
@@ -71,6 +74,9 @@ pub struct ShardReport {
     pub log_end: u64,
     /// Commit mark.
     pub commit: u64,
+    /// The commit mark is past this generation's start record (every earlier record is
+    /// on a majority of the current set).
+    pub generation_committed: bool,
     /// Followers: what each durably holds, and whether it is halted.
     pub followers: Vec<FollowerReport>,
 }
@@ -84,6 +90,8 @@ pub struct FollowerReport {
     pub durable_end: u64,
     /// Refused to cut committed records: it needs an operator.
     pub halted: bool,
+    /// A copy staged for a move, not a member of the set.
+    pub staged: bool,
 }
 
 /// Where a request for a shard goes.
@@ -326,6 +334,9 @@ struct AssignmentDoc {
     generation: u64,
     #[serde(default)]
     replicas: Vec<String>,
+    /// The destination of a move while its copy is staged.
+    #[serde(default)]
+    staging: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -564,6 +575,7 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
                 } else {
                     a.replicas.iter().map(|r| Arc::from(r.as_str())).collect()
                 },
+                learners: a.staging.iter().map(|n| Arc::from(n.as_str())).collect(),
                 leader: a.leader.into(),
                 addr,
                 generation: a.generation,

@@ -1313,7 +1313,8 @@ impl CoreBroker {
                 if !this.may_acknowledge(&rs) {
                     this.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
                     return Err(BrokerError::Unacknowledged(
-                        "the lease lapsed before the write was acknowledged".into(),
+                        "the lease lapsed or the shard was reassigned before the write was acknowledged"
+                            .into(),
                     ));
                 }
                 if let crate::replication::replica::Held::Stream(s) = &rs.held {
@@ -2374,7 +2375,8 @@ impl CoreBroker {
         }
         if !self.may_acknowledge(&rs) {
             return Err(BrokerError::Unacknowledged(
-                "the lease lapsed before the write was acknowledged".into(),
+                "the lease lapsed or the shard was reassigned before the write was acknowledged"
+                    .into(),
             ));
         }
         cache.apply_stored(appended.first, &[record]);

@@ -560,6 +560,13 @@ fn run_controlplane(cli: &Cli) -> Result<(), i32> {
                 .map_err(fail)?;
             if cli.json {
                 let _ = writeln!(out, "{moved}");
+            } else if moved["staged"].as_bool() == Some(true) {
+                let _ = writeln!(
+                    out,
+                    "{stream}/{shard}: staging a copy on {destination} (generation {}); it \
+                     leads once the copy holds the log",
+                    moved["assignment"]["generation"]
+                );
             } else {
                 let _ = writeln!(
                     out,

@@ -1440,16 +1440,30 @@ async fn shard_move(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiRes
     if a.leader == m.destination {
         return Err(ApiError::conflict("already_leader"));
     }
-    // Only a replica holds the shard's log: a broker outside the replica set would
-    // lead it empty. (Staging a copy on a new broker first is not built.)
-    if !a.replicas.contains(&m.destination) {
+    if a.staging.is_some() || a.retiring.is_some() {
         return Err(ApiError::conflict(format!(
-            "destination_not_replica: {} holds no copy of {}",
-            m.destination,
+            "already_moving: {} is being moved",
             key.store_key()
         )));
     }
-    a.leader = m.destination.clone();
+    let staged = !a.replicas.contains(&m.destination);
+    if staged {
+        // A broker outside the set holds nothing yet: a copy is staged there first
+        // (shipped by the leader, counted by no majority) and placement cuts over once
+        // it holds the log. A shard with one copy has nothing shipping its log.
+        if a.replicas.len() < 2 {
+            return Err(ApiError::conflict(format!(
+                "destination_not_replica: {} holds no copy of {}, and a shard with one \
+                 copy cannot stage one (nothing ships its log); move it within a \
+                 replicated stream or cache",
+                m.destination,
+                key.store_key()
+            )));
+        }
+        a.staging = Some(m.destination.clone());
+    } else {
+        a.leader = m.destination.clone();
+    }
     a.generation += 1;
     st.store
         .batch(vec![Op::Put {
@@ -1459,7 +1473,7 @@ async fn shard_move(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiRes
             expect: Expect::Version(d.version),
         }])
         .await?;
-    Ok(Json(json!({"assignment": a})))
+    Ok(Json(json!({"assignment": a, "staged": staged})))
 }
 
 /// `POST /v1/nodes/{id}/drain`: the node stops taking new roles (lifecycle

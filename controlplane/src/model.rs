@@ -274,6 +274,14 @@ pub struct Assignment {
     /// Present for jump_hash streams.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing: Option<ShardRouting>,
+    /// A move's destination outside `replicas` while its copy is staged: the leader
+    /// ships to it, no majority counts it. Placement cuts over once it holds the log.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staging: Option<String>,
+    /// After a staged move's cut-over: the old leader, still a member so the new
+    /// leader's fence covers it, removed once the new leader serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retiring: Option<String>,
 }
 
 /// Validates a resource name: 1-128 of `[A-Za-z0-9-_.]`, starting alphanumeric.

@@ -31,6 +31,18 @@
 //!   ready non-member, and a set shorter than the replication factor is filled. Never
 //!   in the same write as a promotion (the new leader must fence over the set the
 //!   records live on first), never the leader, never shrinking the set.
+//! - **Finish a staged move** (`POST /v1/shard-moves` to a broker outside the set
+//!   writes `staging`): once the leader, serving this generation, reports the staged
+//!   copy within [`STAGED_MAX_LAG`] records of its log, cut over: the destination
+//!   leads and joins the set, and the old leader stays a member (`retiring`), so the
+//!   new leader's fence, a majority of the enlarged set, meets every majority the
+//!   acknowledged records live on. Once the new leader reports its own generation
+//!   committed over the enlarged set (every committed record is then on a majority of
+//!   it, so on a majority of it less one member), the old leader leaves the set;
+//!   "serving" alone is not enough (the simulator finds records lost when a failover
+//!   leader that shares the only copy with the retiring member is trusted). A
+//!   staged destination that stops being ready is dropped (the move is abandoned); a
+//!   failover abandons it too.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -224,11 +236,22 @@ impl View<'_> {
     }
 }
 
+/// How far behind the leader's log a staged copy may be for the cut-over: the new
+/// leader fetches the rest while it takes over (writes are held meanwhile).
+pub const STAGED_MAX_LAG: u64 = 1000;
+
 /// What a pass does to an existing assignment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Decision {
     /// Leave it.
     Keep,
+    /// A staged move's destination holds the log: it leads, in the set, with the old
+    /// leader still a member (retiring).
+    CutOver(String),
+    /// The new leader of a cut-over serves: the retiring member leaves the set.
+    Retire,
+    /// The staged destination is gone: drop it.
+    Unstage,
     /// A new leader from within the set; the set is kept.
     Promote(String),
     /// The same leader over a restored set.
@@ -311,6 +334,31 @@ fn decide(
             report.is_some_and(|r| r.from == a.leader && r.report.generation == a.generation);
         if !(view.ready(&a.leader) && serving) {
             return Decision::Keep;
+        }
+        if let Some(d) = &a.staging {
+            if !view.ready(d) {
+                return Decision::Unstage;
+            }
+            let caught_up = report.is_some_and(|r| {
+                r.report.followers.iter().any(|f| {
+                    f.node_id == *d
+                        && !f.halted
+                        && f.durable_end.saturating_add(STAGED_MAX_LAG) >= r.report.log_end
+                })
+            });
+            return if caught_up {
+                Decision::CutOver(d.clone())
+            } else {
+                Decision::Keep
+            };
+        }
+        if a.retiring.is_some() {
+            let committed = report.is_some_and(|r| r.report.generation_committed);
+            return if committed {
+                Decision::Retire
+            } else {
+                Decision::Keep
+            };
         }
         return restored(store_key, a, target.replication, view)
             .map_or(Decision::Keep, Decision::Reseat);
@@ -449,6 +497,8 @@ pub async fn pass_at(
                     generation: 1,
                     state: "active".into(),
                     routing: target.routing,
+                    staging: None,
+                    retiring: None,
                 }),
                 expect: Expect::Absent,
             });
@@ -474,8 +524,29 @@ pub async fn pass_at(
             }
             Decision::Promote(leader) => {
                 *leading.entry(leader.clone()).or_default() += 1;
+                // A failover abandons a staged move; a retiring member that now leads
+                // stays.
+                a.staging = None;
+                if a.retiring.as_ref() == Some(&leader) {
+                    a.retiring = None;
+                }
                 a.leader = leader;
                 report.moved += 1;
+            }
+            Decision::CutOver(to) => {
+                *leading.entry(to.clone()).or_default() += 1;
+                a.replicas.push(to.clone());
+                a.retiring = Some(std::mem::replace(&mut a.leader, to));
+                a.staging = None;
+                report.moved += 1;
+            }
+            Decision::Retire => {
+                let gone = a.retiring.take();
+                a.replicas.retain(|m| Some(m) != gone.as_ref());
+                report.restored += 1;
+            }
+            Decision::Unstage => {
+                a.staging = None;
             }
             Decision::Reseat(replicas) => {
                 a.replicas = replicas;
@@ -485,6 +556,7 @@ pub async fn pass_at(
                 *leading.entry(leader.clone()).or_default() += 1;
                 a.leader = leader;
                 a.replicas = replicas;
+                (a.staging, a.retiring) = (None, None);
                 report.moved += 1;
             }
         }
@@ -592,6 +664,8 @@ mod tests {
             store: MemoryStore,
             reports: ReplicaReports,
             config: ApiConfig,
+            /// What leaders' reports say of their generation being committed.
+            committed: std::cell::Cell<bool>,
         }
 
         fn fixture() -> Fixture {
@@ -607,6 +681,7 @@ mod tests {
                     replica_restore_after: Duration::from_millis(5000),
                     ..ApiConfig::default()
                 },
+                committed: std::cell::Cell::new(false),
             }
         }
 
@@ -678,6 +753,8 @@ mod tests {
                     generation,
                     state: "active".into(),
                     routing: None,
+                    staging: None,
+                    retiring: None,
                 };
                 self.put(Kind::Assignment, key(name), encode(&a)).await;
             }
@@ -713,12 +790,14 @@ mod tests {
                     generation,
                     log_end,
                     commit: 0,
+                    generation_committed: self.committed.get(),
                     followers: followers
                         .iter()
                         .map(|(n, d, h)| FollowerReport {
                             node_id: (*n).into(),
                             durable_end: *d,
                             halted: *h,
+                            staged: false,
                         })
                         .collect(),
                 };
@@ -971,6 +1050,116 @@ mod tests {
             assert_eq!(f.report("a", "s", 2, 10, &[], now).await, Verdict::Accepted);
             assert_eq!(f.pass(now).await.restored, 1);
             assert_eq!(f.get("s").await.replicas, ["a", "b", "d"]);
+        }
+
+        #[tokio::test]
+        async fn a_staged_move_cuts_over_once_the_copy_holds_the_log_and_then_retires_the_old_leader()
+         {
+            let f = fixture();
+            let now = T0 + 60_000;
+            for n in ["a", "b", "c"] {
+                f.node(n, now).await;
+            }
+            f.stream("s", &["a", "b"], true, 4).await;
+            let mut a = f.get("s").await;
+            a.staging = Some("c".into());
+            f.put(Kind::Assignment, key("s"), encode(&a)).await;
+            // The copy is far behind: nothing changes.
+            let far = 10_000 - STAGED_MAX_LAG - 1;
+            assert_eq!(
+                f.report(
+                    "a",
+                    "s",
+                    4,
+                    10_000,
+                    &[("b", 10_000, false), ("c", far, false)],
+                    now
+                )
+                .await,
+                Verdict::Accepted
+            );
+            f.pass(now).await;
+            assert_eq!(
+                f.get("s").await.generation,
+                4,
+                "no cut-over while far behind"
+            );
+            // Within the bound: c leads, and a is still a member while c fences.
+            f.report(
+                "a",
+                "s",
+                4,
+                10_000,
+                &[("b", 10_000, false), ("c", 9_500, false)],
+                now,
+            )
+            .await;
+            f.pass(now).await;
+            let a = f.get("s").await;
+            assert_eq!((a.leader.as_str(), a.generation), ("c", 5));
+            assert_eq!(a.replicas, ["a", "b", "c"]);
+            assert_eq!((a.staging, a.retiring.as_deref()), (None, Some("a")));
+            // Not before c reports generation 5 committed (serving is not enough).
+            f.pass(now).await;
+            assert_eq!(f.get("s").await.replicas, ["a", "b", "c"]);
+            f.report(
+                "c",
+                "s",
+                5,
+                10_001,
+                &[("a", 10_000, false), ("b", 10_001, false)],
+                now,
+            )
+            .await;
+            f.pass(now).await;
+            assert_eq!(f.get("s").await.replicas, ["a", "b", "c"]);
+            f.committed.set(true);
+            f.report(
+                "c",
+                "s",
+                5,
+                10_002,
+                &[("a", 10_002, false), ("b", 10_002, false)],
+                now,
+            )
+            .await;
+            f.pass(now).await;
+            let a = f.get("s").await;
+            assert_eq!((a.leader.as_str(), a.generation), ("c", 6));
+            assert_eq!(
+                (a.replicas, a.retiring),
+                (vec!["b".into(), "c".into()], None)
+            );
+        }
+
+        #[tokio::test]
+        async fn a_staged_move_is_dropped_when_its_destination_goes_and_by_a_failover() {
+            let f = fixture();
+            let now = T0 + 60_000;
+            f.node("c", T0).await;
+            for n in ["a", "b"] {
+                f.node(n, now).await;
+            }
+            f.stream("s", &["a", "b"], true, 4).await;
+            let mut a = f.get("s").await;
+            a.staging = Some("c".into());
+            f.put(Kind::Assignment, key("s"), encode(&a)).await;
+            f.report("a", "s", 4, 10, &[("b", 10, false), ("c", 10, false)], now)
+                .await;
+            f.pass(now).await;
+            let a = f.get("s").await;
+            assert_eq!((a.leader.as_str(), a.staging, a.generation), ("a", None, 5));
+            // A failover (a silent past the expiry) abandons a staged move too.
+            let mut a = f.get("s").await;
+            a.staging = Some("c".into());
+            f.put(Kind::Assignment, key("s"), encode(&a)).await;
+            f.node("a", T0).await;
+            f.node("b", now + 60_000).await;
+            f.node("c", now + 60_000).await;
+            f.pass(now + 60_000).await;
+            let a = f.get("s").await;
+            assert_eq!((a.leader.as_str(), a.staging), ("b", None));
+            assert_eq!(a.replicas, ["a", "b"], "a staged copy never leads");
         }
 
         #[tokio::test]

@@ -31,6 +31,9 @@ pub struct FollowerReport {
     /// The follower stopped replicating (diverged, needs a bootstrap): it may not lead.
     #[serde(default)]
     pub halted: bool,
+    /// A copy staged for a move (not a member of the set yet).
+    #[serde(default)]
+    pub staged: bool,
 }
 
 /// One shard in a leader's report.
@@ -53,6 +56,10 @@ pub struct ShardReport {
     pub log_end: u64,
     /// The committed (majority-held) mark.
     pub commit: u64,
+    /// The commit mark is past the leader's generation-start record: every record
+    /// before it is on a majority of the current set, which a member's removal needs.
+    #[serde(default)]
+    pub generation_committed: bool,
     /// Its followers.
     #[serde(default)]
     pub followers: Vec<FollowerReport>,
@@ -253,6 +260,8 @@ mod tests {
             generation,
             state: "active".into(),
             routing: None,
+            staging: None,
+            retiring: None,
         }
     }
 
@@ -266,10 +275,12 @@ mod tests {
             generation,
             log_end,
             commit: log_end,
+            generation_committed: true,
             followers: vec![FollowerReport {
                 node_id: "b".into(),
                 durable_end: log_end / 2,
                 halted: false,
+                staged: false,
             }],
         }
     }

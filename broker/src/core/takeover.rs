@@ -52,13 +52,15 @@ impl CoreBroker {
         if rs.taking_over() {
             return true;
         }
-        !rs.serving()
-            && self.shared.cluster.as_ref().is_some_and(|c| {
-                c.view()
-                    .routes
-                    .get(key)
-                    .is_some_and(|r| *r.leader == *c.node_id && r.generation > rs.generation())
-            })
+        // (Serving or not: a new generation led by this broker again, as a staged move's
+        // writes make, is a takeover too; until the replica has it, `may_acknowledge`
+        // refuses writes as stale.)
+        self.shared.cluster.as_ref().is_some_and(|c| {
+            c.view()
+                .routes
+                .get(key)
+                .is_some_and(|r| *r.leader == *c.node_id && r.generation > rs.generation())
+        })
     }
 
     /// Runs `call` now, or, while this broker's replica takes `key` over, once it

@@ -200,8 +200,11 @@ pub struct Assignment {
     pub generation: u64,
     /// The leader.
     pub leader: NodeId,
-    /// Every replica, leader included.
+    /// Every replica, leader included: the members majorities are counted over.
     pub replicas: Vec<NodeId>,
+    /// Copies being staged for a move (not in `replicas`): shipped to like followers,
+    /// never counted toward a majority (fence or commit), never leaders.
+    pub learners: Vec<NodeId>,
 }
 
 /// The durable part of a replica's state, written before it is relied on.
@@ -412,6 +415,8 @@ struct Candidate {
 #[derive(Debug)]
 struct Leading {
     replicas: Vec<NodeId>,
+    /// Staged copies: shipped to, not counted.
+    learners: Vec<NodeId>,
     /// Offset of this generation's start record: the commit mark counts past it only.
     start: u64,
     cursors: BTreeMap<NodeId, Cursor>,
@@ -571,13 +576,21 @@ impl Replica {
         matches!(self.role, Role::Leader(_))
     }
 
-    /// Followers' positions (leader only): `(peer, matched, halted)`.
-    pub fn followers(&self) -> Vec<(NodeId, u64, bool)> {
+    /// Leading, with the commit mark past this generation's start record: every record
+    /// before it is then held by a majority of the current set (log matching), which a
+    /// control plane must know before it removes a member (see `placement.rs`).
+    pub fn committed_in_generation(&self) -> bool {
+        matches!(&self.role, Role::Leader(l) if self.commit > l.start)
+    }
+
+    /// Followers' positions (leader only): `(peer, matched, halted, staged)`; a staged
+    /// copy (a learner) is not a member of the set.
+    pub fn followers(&self) -> Vec<(NodeId, u64, bool, bool)> {
         match &self.role {
             Role::Leader(l) => l
                 .cursors
                 .iter()
-                .map(|(p, c)| (p.clone(), c.matched, c.halted))
+                .map(|(p, c)| (p.clone(), c.matched, c.halted, l.learners.contains(p)))
                 .collect(),
             _ => Vec::new(),
         }
@@ -638,6 +651,7 @@ impl Replica {
             if old.generation == a.generation {
                 if let Role::Leader(l) = &mut self.role {
                     l.replicas = a.replicas.clone();
+                    l.learners = a.learners.clone();
                 }
                 self.assigned = Some(a);
                 return;
@@ -645,11 +659,14 @@ impl Replica {
         }
         self.assigned = Some(a.clone());
         self.set_serving(false);
-        if !a.replicas.contains(&self.me) {
+        let learner = a.learners.contains(&self.me) && !a.replicas.contains(&self.me);
+        if !a.replicas.contains(&self.me) && !learner {
             self.role = Role::Idle;
             return;
         }
-        if a.leader != self.me {
+        if a.leader != self.me || learner {
+            // (A learner never leads: an assignment naming one is refused by the
+            // control plane; should one arrive, it only follows.)
             if !matches!(self.role, Role::Follower) {
                 self.role = Role::Follower;
             }
@@ -1478,9 +1495,18 @@ impl Replica {
         let Role::Candidate(c) = std::mem::replace(&mut self.role, Role::Idle) else {
             unreachable!("a candidate, matched above")
         };
+        let learners = self
+            .assigned
+            .as_ref()
+            .filter(|a| a.generation == generation)
+            .map(|a| a.learners.clone())
+            .unwrap_or_default();
+        // Learners were not fenced: their first message is refused `NotFenced`, and
+        // they are fenced then, as a follower that missed the election is.
         let cursors = c
             .replicas
             .iter()
+            .chain(learners.iter())
             .filter(|r| **r != me)
             .map(|r| {
                 let end = c.fenced.get(r).map_or(start, |v| v.1);
@@ -1489,6 +1515,7 @@ impl Replica {
             .collect();
         self.role = Role::Leader(Leading {
             replicas: c.replicas,
+            learners,
             start,
             cursors,
         });
@@ -1707,6 +1734,8 @@ mod tests {
         nodes: BTreeMap<NodeId, Node>,
         wire: VecDeque<(NodeId, NodeId, Msg)>,
         now: Instant,
+        /// Messages to or from this node are lost.
+        cut_off: Option<NodeId>,
     }
 
     fn id(s: &str) -> NodeId {
@@ -1715,8 +1744,12 @@ mod tests {
 
     impl Pair {
         fn new() -> Pair {
+            Pair::of(&["a", "b"])
+        }
+
+        fn of(names: &[&str]) -> Pair {
             let mut nodes = BTreeMap::new();
-            for n in ["a", "b"] {
+            for n in names {
                 nodes.insert(
                     id(n),
                     Node {
@@ -1732,6 +1765,7 @@ mod tests {
                 nodes,
                 wire: VecDeque::new(),
                 now: Instant::now(),
+                cut_off: None,
             }
         }
 
@@ -1791,6 +1825,13 @@ mod tests {
             let Some((from, to, msg)) = self.wire.pop_front() else {
                 return false;
             };
+            if self
+                .cut_off
+                .as_ref()
+                .is_some_and(|c| *c == from || *c == to)
+            {
+                return true;
+            }
             let now = self.now;
             self.nodes
                 .get_mut(&to)
@@ -1802,8 +1843,9 @@ mod tests {
         }
 
         fn settle(&mut self) {
-            for n in [id("a"), id("b")] {
-                self.drive(&n);
+            let names: Vec<NodeId> = self.nodes.keys().cloned().collect();
+            for n in &names {
+                self.drive(n);
             }
             while self.deliver_one() {}
         }
@@ -1858,12 +1900,87 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_staged_copy_is_shipped_to_but_counted_by_no_majority() {
+        let mut p = Pair::of(&["a", "b", "c"]);
+        let assign = |p: &mut Pair, generation: u64| {
+            let a = Assignment {
+                generation,
+                leader: id("a"),
+                replicas: vec![id("a"), id("b")],
+                learners: vec![id("c")],
+            };
+            for n in [id("a"), id("b"), id("c")] {
+                let now = p.now;
+                let node = p.nodes.get_mut(&n).expect("node");
+                node.replica.handle_assignment(a.clone(), now);
+            }
+            p.settle();
+        };
+        assign(&mut p, 1);
+        assert!(p.nodes[&id("a")].replica.serving(), "a leads");
+        p.append(5);
+        p.settle();
+        // The staged copy holds the log (fenced when its first message was refused).
+        assert_eq!(p.nodes[&id("c")].end(), p.nodes[&id("a")].end());
+        assert_eq!(p.nodes[&id("c")].replica.generation(), 1);
+        assert_eq!(p.nodes[&id("a")].replica.commit(), 6);
+        let staged: Vec<_> = p.nodes[&id("a")]
+            .replica
+            .followers()
+            .into_iter()
+            .map(|(n, _, _, staged)| (n.to_string(), staged))
+            .collect();
+        assert_eq!(staged, [("b".into(), false), ("c".into(), true)]);
+        // b's disk stalls: c holds the next records durably, and the mark stays.
+        p.nodes.get_mut(&id("b")).expect("b").auto_sync = false;
+        p.append(3);
+        p.settle();
+        assert_eq!(p.nodes[&id("c")].durable, 9);
+        assert_eq!(
+            p.nodes[&id("a")].replica.commit(),
+            6,
+            "c counts for nothing"
+        );
+        p.sync_b();
+        p.settle();
+        assert_eq!(p.nodes[&id("a")].replica.commit(), 9);
+        // A new generation with b unreachable: c's fence does not make a majority.
+        p.cut_off = Some(id("b"));
+        assign(&mut p, 2);
+        for _ in 0..3 {
+            p.now += RESEND_AFTER;
+            let now = p.now;
+            p.nodes
+                .get_mut(&id("a"))
+                .expect("a")
+                .replica
+                .handle_timeout(now);
+            p.settle();
+        }
+        assert!(
+            !p.nodes[&id("a")].replica.serving(),
+            "no majority without b"
+        );
+        p.cut_off = None;
+        p.now += RESEND_AFTER;
+        let now = p.now;
+        p.nodes
+            .get_mut(&id("a"))
+            .expect("a")
+            .replica
+            .handle_timeout(now);
+        p.settle();
+        assert!(p.nodes[&id("a")].replica.serving(), "b's fence makes it");
+    }
+
     fn leading_pair() -> Pair {
         let mut p = Pair::new();
         let a = Assignment {
             generation: 1,
             leader: id("a"),
             replicas: vec![id("a"), id("b")],
+            learners: Vec::new(),
         };
         for n in [id("a"), id("b")] {
             let now = p.now;

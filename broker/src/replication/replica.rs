@@ -506,13 +506,15 @@ impl ReplicaShard {
             generation: m.generation(),
             log_end: m.log_end().1,
             commit: m.commit(),
+            generation_committed: m.committed_in_generation(),
             followers: m
                 .followers()
                 .into_iter()
-                .map(|(node, matched, halted)| FollowerReport {
+                .map(|(node, matched, halted, staged)| FollowerReport {
                     node_id: node.to_string(),
                     durable_end: matched,
                     halted,
+                    staged,
                 })
                 .collect(),
         })
@@ -948,7 +950,12 @@ impl Replicas {
             .routes
             .iter()
             .filter(|(k, r)| {
-                r.replicas.len() > 1 && r.replicas.iter().any(|n| **n == *self.me) && owned(k)
+                r.replicas.len() > 1
+                    && r.replicas
+                        .iter()
+                        .chain(r.learners.iter())
+                        .any(|n| **n == *self.me)
+                    && owned(k)
             })
             .map(|(k, r)| (k.clone(), r.clone()))
             .collect();
@@ -975,6 +982,7 @@ impl Replicas {
                         generation: route.generation,
                         leader: route.leader.clone(),
                         replicas: route.replicas.to_vec(),
+                        learners: route.learners.to_vec(),
                     },
                     clock::now().instant,
                 );
@@ -991,7 +999,7 @@ impl Replicas {
                     let slowest = r
                         .followers
                         .iter()
-                        .filter(|f| !f.halted)
+                        .filter(|f| !f.halted && !f.staged)
                         .map(|f| f.durable_end)
                         .min()
                         .unwrap_or(r.log_end);

@@ -50,7 +50,18 @@ pub struct SimConfig {
     pub prefix_removal: f64,
     /// Every replica skips fencing (a mutant the checks must catch).
     pub mutant_skip_fence: bool,
+    /// Members of the replica set at the start (0: every node); the others hold
+    /// nothing until a staged move names them.
+    pub members: usize,
+    /// Per-step probability of starting a staged move (the control plane's three
+    /// writes: stage a copy on a non-member, cut over once the leader reports it within
+    /// [`STAGED_MAX_LAG`] records, retire the old leader once the new one serves).
+    pub staged_moves: f64,
 }
+
+/// How far behind a staged copy may be at the cut-over (the control plane's bound,
+/// small here so the new leader often has records to fetch).
+const STAGED_MAX_LAG: u64 = 8;
 
 impl Default for SimConfig {
     fn default() -> Self {
@@ -65,6 +76,8 @@ impl Default for SimConfig {
             crash_while_persisting: 0.1,
             prefix_removal: 0.01,
             mutant_skip_fence: false,
+            members: 0,
+            staged_moves: 0.0,
         }
     }
 }
@@ -152,6 +165,14 @@ struct Sim {
     /// Directed links that drop everything.
     cut_links: HashSet<(usize, usize)>,
     generation: u64,
+    /// The control plane's view: the set, its leader, a staged copy and a retiring
+    /// member (see `controlplane/src/placement.rs`).
+    members: Vec<usize>,
+    leader: usize,
+    staging: Option<usize>,
+    retiring: Option<usize>,
+    /// Staged moves cut over and retired, for the test's report.
+    moves: (u64, u64),
     /// Acknowledged records: offset -> (value, generation).
     acked: BTreeMap<u64, (Bytes, u64)>,
     /// The same, in the order they were acknowledged.
@@ -217,6 +238,16 @@ impl Sim {
             nodes,
             cut_links: HashSet::new(),
             generation: 0,
+            members: (0..if config.members == 0 {
+                config.nodes
+            } else {
+                config.members
+            })
+                .collect(),
+            leader: 0,
+            staging: None,
+            retiring: None,
+            moves: (0, 0),
             acked: BTreeMap::new(),
             acked_log: Vec::new(),
             leader_checked: None,
@@ -248,15 +279,98 @@ impl Sim {
             .expect("a known node")
     }
 
-    /// A new assignment: the next generation, led by a random replica.
+    /// A new assignment: the next generation, led by a random member (a failover or a
+    /// move within the set; it abandons a staged copy, as the control plane does).
     fn reassign(&mut self) {
+        self.leader = self.members[self.rng.random_range(0..self.members.len())];
+        self.staging = None;
+        if self.retiring == Some(self.leader) {
+            self.retiring = None;
+        }
+        self.publish_assignment();
+    }
+
+    /// The control plane's staged-move writes, when their conditions hold now.
+    fn staged_move_step(&mut self) {
+        let leader_serves = self.nodes[self.leader]
+            .replica
+            .as_ref()
+            .is_some_and(|r| r.serving() && r.generation() == self.generation);
+        if let Some(d) = self.staging {
+            if self.nodes[d].replica.is_none() {
+                self.staging = None;
+                self.publish_assignment();
+                return;
+            }
+            // The leader's report: the staged copy within the bound of its log.
+            let r = self.nodes[self.leader].replica.as_ref();
+            let caught_up = leader_serves
+                && r.is_some_and(|r| {
+                    let end = r.log_end().1;
+                    r.followers().iter().any(|(n, matched, halted, staged)| {
+                        *n == self.nodes[d].id
+                            && *staged
+                            && !halted
+                            && matched + STAGED_MAX_LAG >= end
+                    })
+                });
+            if caught_up {
+                self.members.push(d);
+                self.retiring = Some(self.leader);
+                self.leader = d;
+                self.staging = None;
+                self.moves.0 += 1;
+                self.publish_assignment();
+            }
+            return;
+        }
+        if let Some(old) = self.retiring {
+            // Once the leader's own generation has committed over the enlarged set,
+            // every committed record is on a majority of it, so of the set less one.
+            let committed = self.nodes[self.leader]
+                .replica
+                .as_ref()
+                .is_some_and(Replica::committed_in_generation);
+            if leader_serves && committed {
+                self.members.retain(|m| *m != old);
+                self.retiring = None;
+                self.moves.1 += 1;
+                self.publish_assignment();
+            }
+            return;
+        }
+        let outside: Vec<usize> = (0..self.nodes.len())
+            .filter(|n| !self.members.contains(n))
+            .collect();
+        if !outside.is_empty() && leader_serves && self.rng.random_bool(self.config.staged_moves) {
+            self.staging = Some(outside[self.rng.random_range(0..outside.len())]);
+            self.publish_assignment();
+        }
+    }
+
+    /// Writes the control plane's view as the next generation.
+    fn publish_assignment(&mut self) {
         self.generation += 1;
-        let leader = self.rng.random_range(0..self.nodes.len());
         let a = Assignment {
             generation: self.generation,
-            leader: self.nodes[leader].id.clone(),
-            replicas: self.nodes.iter().map(|n| n.id.clone()).collect(),
+            leader: self.nodes[self.leader].id.clone(),
+            replicas: self
+                .members
+                .iter()
+                .map(|m| self.nodes[*m].id.clone())
+                .collect(),
+            learners: self
+                .staging
+                .iter()
+                .map(|d| self.nodes[*d].id.clone())
+                .collect(),
         };
+        if trace() {
+            eprintln!(
+                "{} assign g{} leader {} members {:?} learners {:?} retiring {:?}",
+                self.now_ms, a.generation, a.leader, a.replicas, a.learners, self.retiring
+            );
+        }
         for node in 0..self.nodes.len() {
             let delay = self.rng.random_range(1..30);
             self.schedule(delay, Event::Assign { node, a: a.clone() });
@@ -639,6 +753,9 @@ impl Sim {
         if self.rng.random_bool(self.config.reassign) {
             self.reassign();
         }
+        if self.config.staged_moves > 0.0 {
+            self.staged_move_step();
+        }
         if self.rng.random_bool(self.config.partition) {
             if self.cut_links.is_empty() {
                 // Isolate one node, one way or both.
@@ -754,7 +871,7 @@ pub fn run(seed: u64, config: SimConfig) {
             .find(|i| sim.nodes[*i].replica.as_ref().is_some_and(Replica::serving));
         if let Some(l) = leader {
             let commit = sim.nodes[l].replica.as_ref().expect("serving").commit();
-            let all = sim.nodes.iter().all(|n| {
+            let all = sim.members.iter().map(|m| &sim.nodes[*m]).all(|n| {
                 n.replica.as_ref().is_some_and(|r| r.commit() >= commit) && n.durable >= commit
             });
             // Every committed offset was compared on every replica by `check`.
@@ -789,7 +906,17 @@ pub fn run(seed: u64, config: SimConfig) {
         fail(seed, format!("did not settle after healing: {states:?}"));
     }
     let _ = sim.writes;
+    if config.staged_moves > 0.0 && trace() {
+        eprintln!(
+            "seed {seed}: staged moves cut over {}, retired {}",
+            sim.moves.0, sim.moves.1
+        );
+    }
+    MOVES_CUT_OVER.fetch_add(sim.moves.0, std::sync::atomic::Ordering::Relaxed);
 }
+
+/// Staged moves cut over across runs (a test checks the runs exercised some).
+static MOVES_CUT_OVER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// `FELIX_SIM_TRACE=1` (with `FELIX_SIM_SEED`): every delivered message, and the
 /// receiver's commit mark and log end before it, on stderr.
@@ -830,6 +957,36 @@ mod tests {
         for seed in start..start + 1000 {
             run(seed, SimConfig::default());
         }
+    }
+
+    /// Staged moves (a copy on a node outside the set, cut-over, retirement) under the
+    /// same faults, with failovers in between: nothing acknowledged is lost.
+    #[test]
+    fn staged_moves_to_nodes_outside_the_set_lose_nothing() {
+        let before = MOVES_CUT_OVER.load(std::sync::atomic::Ordering::Relaxed);
+        for seed in 0..300 {
+            run(
+                20_000 + seed,
+                SimConfig {
+                    nodes: 4,
+                    members: 3,
+                    staged_moves: 0.05,
+                    ..SimConfig::default()
+                },
+            );
+            run(
+                30_000 + seed,
+                SimConfig {
+                    nodes: 3,
+                    members: 2,
+                    staged_moves: 0.05,
+                    ..SimConfig::default()
+                },
+            );
+        }
+        let moves = MOVES_CUT_OVER.load(std::sync::atomic::Ordering::Relaxed) - before;
+        eprintln!("staged moves cut over in 600 runs: {moves}");
+        assert!(moves >= 150, "the runs exercised staged moves: {moves}");
     }
 
     #[test]
@@ -874,7 +1031,20 @@ mod tests {
             .ok()
             .and_then(|s| s.parse().ok())
         {
-            run(seed, SimConfig::default());
+            // `FELIX_SIM_STAGED=<members>`: the staged-moves runs (one node outside).
+            let config = match std::env::var("FELIX_SIM_STAGED")
+                .ok()
+                .and_then(|s| s.parse().ok())
+            {
+                Some(members) => SimConfig {
+                    nodes: members + 1,
+                    members,
+                    staged_moves: 0.05,
+                    ..SimConfig::default()
+                },
+                None => SimConfig::default(),
+            };
+            run(seed, config);
         }
     }
 }

@@ -1772,6 +1772,7 @@ mod tests {
                 addr: Some(([127, 0, 0, 1], 6000).into()),
                 generation: 4,
                 replicas: vec!["node-b".into()].into(),
+                learners: Vec::new().into(),
             },
         );
         let a = decide_frame(&s, &dir, &frame, true);

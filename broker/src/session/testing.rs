@@ -138,6 +138,7 @@ impl Directory for MemDirectory {
                     addr: Some(([127, 0, 0, 1], 5999).into()),
                     generation: 3,
                     replicas: vec!["node-x".into()].into(),
+                    learners: Vec::new().into(),
                 });
             }
             Some(false) if key.shard % 2 == 1 => {
