@@ -1460,11 +1460,13 @@ async fn shard_move(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiRes
                 key.store_key()
             )));
         }
+        // At the same generation: no member changes, so no election.
         a.staging = Some(m.destination.clone());
+        a.replaces = Some(a.leader.clone());
     } else {
         a.leader = m.destination.clone();
+        a.generation += 1;
     }
-    a.generation += 1;
     st.store
         .batch(vec![Op::Put {
             kind: Kind::Assignment,

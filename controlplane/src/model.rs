@@ -274,10 +274,14 @@ pub struct Assignment {
     /// Present for jump_hash streams.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing: Option<ShardRouting>,
-    /// A move's destination outside `replicas` while its copy is staged: the leader
-    /// ships to it, no majority counts it. Placement cuts over once it holds the log.
+    /// A copy being staged on a node outside `replicas`: the leader ships to it, no
+    /// majority counts it. Placement makes it a member once it holds the log.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staging: Option<String>,
+    /// The member the staged copy replaces: the leader (a move: the copy then leads)
+    /// or a follower down too long (a restore).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaces: Option<String>,
     /// After a staged move's cut-over: the old leader, still a member so the new
     /// leader's fence covers it, removed once the new leader serves.
     #[serde(default, skip_serializing_if = "Option::is_none")]

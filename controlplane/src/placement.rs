@@ -27,10 +27,14 @@
 //!   durable log (RF 1): reopening it elsewhere would reopen it empty. Only
 //!   `POST /v1/placement/abandon` does that, and says it lost data.
 //! - **Restore the set** under a ready leader that has reported at its generation: a
-//!   member down for `replica_restore_after` is replaced in place by the best-ranked
-//!   ready non-member, and a set shorter than the replication factor is filled. Never
-//!   in the same write as a promotion (the new leader must fence over the set the
-//!   records live on first), never the leader, never shrinking the set.
+//!   member down for `replica_restore_after` is replaced by the best-ranked ready
+//!   non-member, through a staged copy as a move is (below): the copy joins, then the
+//!   member leaves; and a set shorter than the replication factor is filled, one
+//!   member a write. Never in the same write as a promotion (the new leader must fence
+//!   over the set the records live on first), never the leader. Never a swap in one
+//!   write: the simulator loses acknowledged records when a member that is only
+//!   silent to the control plane (still acknowledging the leader's shipments) is
+//!   swapped out and a failover follows before the leader's new generation commits.
 //! - **Finish a staged move** (`POST /v1/shard-moves` to a broker outside the set
 //!   writes `staging`): once the leader, serving this generation, reports the staged
 //!   copy within [`STAGED_MAX_LAG`] records of its log, cut over: the destination
@@ -245,8 +249,8 @@ pub const STAGED_MAX_LAG: u64 = 1000;
 enum Decision {
     /// Leave it.
     Keep,
-    /// A staged move's destination holds the log: it leads, in the set, with the old
-    /// leader still a member (retiring).
+    /// A staged copy holds the log: it joins the set (leading, for a move) and the
+    /// member it replaces stays until the next write (retiring).
     CutOver(String),
     /// The new leader of a cut-over serves: the retiring member leaves the set.
     Retire,
@@ -254,8 +258,10 @@ enum Decision {
     Unstage,
     /// A new leader from within the set; the set is kept.
     Promote(String),
-    /// The same leader over a restored set.
-    Reseat(Vec<String>),
+    /// Stage a copy on the first node to replace the second (down too long).
+    Stage(String, String),
+    /// Add a member to a short set.
+    Grow(String),
     /// A fresh leader and set (only for shards without a durable log).
     Replace(String, Vec<String>),
     /// The leader is gone and is the only node with the shard's log.
@@ -288,33 +294,27 @@ fn successor(
     best.map(|(m, _)| m.to_owned())
 }
 
-/// The set with every long-down follower replaced by the best-ranked ready
-/// non-member, in place, then filled up to `replication`; `None` when unchanged.
-fn restored(
+/// The next step of restoring the set: `(replaced, spare)`, the best-ranked ready
+/// non-member to stage in place of the first long-down follower, or (`replaced` None)
+/// to add to a set shorter than `replication`; `None` when nothing is to be done.
+fn restore_step(
     store_key: &str,
     a: &Assignment,
     replication: u32,
     view: &View<'_>,
-) -> Option<Vec<String>> {
-    let mut set = a.replicas.clone();
+) -> Option<(Option<String>, String)> {
     let outside = view
         .ready_ids()
         .filter(|n| !a.replicas.iter().any(|m| m == n));
-    let mut spare = rank(store_key, outside).into_iter();
-    let mut changed = false;
-    for m in set.iter_mut() {
-        if *m != a.leader && view.long_down(m) {
-            let Some(s) = spare.next() else { break };
-            *m = s.to_owned();
-            changed = true;
-        }
+    let spare = rank(store_key, outside).into_iter().next()?.to_owned();
+    if let Some(gone) = a
+        .replicas
+        .iter()
+        .find(|m| **m != a.leader && view.long_down(m))
+    {
+        return Some((Some(gone.clone()), spare));
     }
-    while set.len() < replication as usize {
-        let Some(s) = spare.next() else { break };
-        set.push(s.to_owned());
-        changed = true;
-    }
-    changed.then_some(set)
+    (a.replicas.len() < replication as usize).then_some((None, spare))
 }
 
 /// Decides what becomes of an existing assignment (see the module docs).
@@ -360,8 +360,12 @@ fn decide(
                 Decision::Keep
             };
         }
-        return restored(store_key, a, target.replication, view)
-            .map_or(Decision::Keep, Decision::Reseat);
+        return match restore_step(store_key, a, target.replication, view) {
+            Some((Some(gone), spare)) => Decision::Stage(spare, gone),
+            // Growing a set by one keeps every old majority meeting every new one.
+            Some((None, spare)) => Decision::Grow(spare),
+            None => Decision::Keep,
+        };
     }
     if a.replicas.iter().all(|m| *m == a.leader) {
         if target.durable {
@@ -498,13 +502,14 @@ pub async fn pass_at(
                     state: "active".into(),
                     routing: target.routing,
                     staging: None,
+                    replaces: None,
                     retiring: None,
                 }),
                 expect: Expect::Absent,
             });
             continue;
         };
-        match decide(
+        let decision = decide(
             &target,
             &key,
             &a,
@@ -512,7 +517,12 @@ pub async fn pass_at(
             latest.get(&key),
             &under_share,
             &under_cap,
-        ) {
+        );
+        // Staging a copy or dropping one changes no member: the same generation (the
+        // leader takes the copy on without an election, which a set missing a
+        // majority could not hold).
+        let new_generation = !matches!(decision, Decision::Stage(..) | Decision::Unstage);
+        match decision {
             Decision::Keep => continue,
             Decision::WaitForOwner => {
                 report.waiting_for_owner += 1;
@@ -526,7 +536,7 @@ pub async fn pass_at(
                 *leading.entry(leader.clone()).or_default() += 1;
                 // A failover abandons a staged move; a retiring member that now leads
                 // stays.
-                a.staging = None;
+                (a.staging, a.replaces) = (None, None);
                 if a.retiring.as_ref() == Some(&leader) {
                     a.retiring = None;
                 }
@@ -534,11 +544,21 @@ pub async fn pass_at(
                 report.moved += 1;
             }
             Decision::CutOver(to) => {
-                *leading.entry(to.clone()).or_default() += 1;
                 a.replicas.push(to.clone());
-                a.retiring = Some(std::mem::replace(&mut a.leader, to));
                 a.staging = None;
-                report.moved += 1;
+                match a.replaces.take() {
+                    // A move: the copy leads.
+                    Some(r) if r == a.leader => {
+                        *leading.entry(to.clone()).or_default() += 1;
+                        a.retiring = Some(std::mem::replace(&mut a.leader, to));
+                        report.moved += 1;
+                    }
+                    Some(r) => {
+                        a.retiring = Some(r);
+                        report.restored += 1;
+                    }
+                    None => report.restored += 1,
+                }
             }
             Decision::Retire => {
                 let gone = a.retiring.take();
@@ -547,21 +567,29 @@ pub async fn pass_at(
             }
             Decision::Unstage => {
                 a.staging = None;
+                a.replaces = None;
             }
-            Decision::Reseat(replicas) => {
-                a.replicas = replicas;
+            Decision::Stage(spare, gone) => {
+                a.staging = Some(spare);
+                a.replaces = Some(gone);
+                report.restored += 1;
+            }
+            Decision::Grow(spare) => {
+                a.replicas.push(spare);
                 report.restored += 1;
             }
             Decision::Replace(leader, replicas) => {
                 *leading.entry(leader.clone()).or_default() += 1;
                 a.leader = leader;
                 a.replicas = replicas;
-                (a.staging, a.retiring) = (None, None);
+                (a.staging, a.replaces, a.retiring) = (None, None, None);
                 report.moved += 1;
             }
         }
-        // Every write of an assignment is a new generation.
-        a.generation += 1;
+        // Every other write of an assignment is a new generation.
+        if new_generation {
+            a.generation += 1;
+        }
         ops.push(Op::Put {
             kind: Kind::Assignment,
             key,
@@ -754,6 +782,7 @@ mod tests {
                     state: "active".into(),
                     routing: None,
                     staging: None,
+                    replaces: None,
                     retiring: None,
                 };
                 self.put(Kind::Assignment, key(name), encode(&a)).await;
@@ -1017,16 +1046,47 @@ mod tests {
             for n in ["a", "b", "d", "e"] {
                 f.node(n, now).await;
             }
+            // Not swapped in one write: a copy is staged on the spare first.
             let r = f.pass(now).await;
             assert_eq!((r.restored, r.moved), (1, 0), "{r:?}");
             let a = f.get("s").await;
-            assert_eq!(a.leader, "a");
+            assert_eq!((a.leader.as_str(), a.generation), ("a", 3));
+            assert_eq!(a.replicas, ["a", "b", "c"]);
             assert_eq!(
-                a.replicas,
-                ["a", "b", spare],
-                "replaced in place, others kept"
+                (a.staging.as_deref(), a.replaces.as_deref()),
+                (Some(spare), Some("c"))
             );
-            assert_eq!(a.generation, 3);
+            // The copy holds the log: it joins, c stays until the leader's generation
+            // commits over the enlarged set.
+            f.report(
+                "a",
+                "s",
+                3,
+                10,
+                &[("b", 10, false), (spare, 10, false)],
+                now,
+            )
+            .await;
+            f.pass(now).await;
+            let a = f.get("s").await;
+            assert_eq!((a.leader.as_str(), a.generation), ("a", 4));
+            assert_eq!(a.replicas, ["a", "b", "c", spare]);
+            assert_eq!((a.staging, a.retiring.as_deref()), (None, Some("c")));
+            f.committed.set(true);
+            f.report(
+                "a",
+                "s",
+                4,
+                11,
+                &[("b", 11, false), (spare, 11, false)],
+                now,
+            )
+            .await;
+            f.pass(now).await;
+            let a = f.get("s").await;
+            assert_eq!(a.generation, 5);
+            assert_eq!(a.replicas, ["a", "b", spare], "c replaced, others kept");
+            assert_eq!(a.retiring, None);
         }
 
         #[tokio::test]
@@ -1049,7 +1109,12 @@ mod tests {
             assert_eq!(f.pass(now).await.restored, 0);
             assert_eq!(f.report("a", "s", 2, 10, &[], now).await, Verdict::Accepted);
             assert_eq!(f.pass(now).await.restored, 1);
-            assert_eq!(f.get("s").await.replicas, ["a", "b", "d"]);
+            let a = f.get("s").await;
+            assert_eq!(a.replicas, ["a", "b", "c"]);
+            assert_eq!(
+                (a.staging.as_deref(), a.replaces.as_deref()),
+                (Some("d"), Some("c"))
+            );
         }
 
         #[tokio::test]
@@ -1063,6 +1128,7 @@ mod tests {
             f.stream("s", &["a", "b"], true, 4).await;
             let mut a = f.get("s").await;
             a.staging = Some("c".into());
+            a.replaces = Some("a".into());
             f.put(Kind::Assignment, key("s"), encode(&a)).await;
             // The copy is far behind: nothing changes.
             let far = 10_000 - STAGED_MAX_LAG - 1;

@@ -261,6 +261,7 @@ mod tests {
             state: "active".into(),
             routing: None,
             staging: None,
+            replaces: None,
             retiring: None,
         }
     }

@@ -576,6 +576,11 @@ impl Replica {
         matches!(self.role, Role::Leader(_))
     }
 
+    /// The staged copies the current assignment names.
+    pub fn learners(&self) -> &[NodeId] {
+        self.assigned.as_ref().map_or(&[], |a| &a.learners)
+    }
+
     /// Leading, with the commit mark past this generation's start record: every record
     /// before it is then held by a majority of the current set (log matching), which a
     /// control plane must know before it removes a member (see `placement.rs`).
@@ -649,11 +654,27 @@ impl Replica {
                 return;
             }
             if old.generation == a.generation {
+                // The same generation: only the staged copies change (the control plane
+                // stages and drops them without an election; they count for nothing).
+                let me = self.me.clone();
                 if let Role::Leader(l) = &mut self.role {
+                    for n in &a.learners {
+                        if *n != me && !l.cursors.contains_key(n) {
+                            // Unfenced: refused `NotFenced`, fenced, then shipped to.
+                            l.cursors.insert(n.clone(), Cursor::new(l.start));
+                        }
+                    }
+                    l.cursors
+                        .retain(|n, _| a.replicas.contains(n) || a.learners.contains(n));
                     l.replicas = a.replicas.clone();
                     l.learners = a.learners.clone();
                 }
+                let learner = a.learners.contains(&me) && !a.replicas.contains(&me);
+                if learner && matches!(self.role, Role::Idle) {
+                    self.role = Role::Follower;
+                }
                 self.assigned = Some(a);
+                self.pump(now);
                 return;
             }
         }
@@ -954,6 +975,17 @@ impl Replica {
         }
         if first > log.durable {
             return Compare::Refuse(Refusal::Gap, log.durable);
+        }
+        // A message from the sender's base cannot vouch for the record before it: fine
+        // when ours there is committed (equal everywhere), but an uncommitted one may
+        // differ, and so may the records after it, whose batches need not even start
+        // where the sender's do. Refused: a candidate's fetch then starts over at the
+        // sender's base, and a follower is bootstrapped there (the leader, sent below
+        // its base, answers `Bootstrap`). (Applying it cut a stale log in the middle of
+        // a batch: simulator seed 108,351, a staged copy bootstrapped at its leader's
+        // base and later the source of a lagging candidate's election.)
+        if first > log.base && prev_generation == BELOW_BASE && first > self.commit {
+            return Compare::Refuse(Refusal::Mismatch, first - 1);
         }
         // The record before the first must agree, unless it is below our base or the
         // sender's (then it is committed, and equal everywhere).
@@ -1903,12 +1935,12 @@ mod tests {
     #[test]
     fn a_staged_copy_is_shipped_to_but_counted_by_no_majority() {
         let mut p = Pair::of(&["a", "b", "c"]);
-        let assign = |p: &mut Pair, generation: u64| {
+        let assign_with = |p: &mut Pair, generation: u64, learners: Vec<NodeId>| {
             let a = Assignment {
                 generation,
                 leader: id("a"),
                 replicas: vec![id("a"), id("b")],
-                learners: vec![id("c")],
+                learners,
             };
             for n in [id("a"), id("b"), id("c")] {
                 let now = p.now;
@@ -1917,10 +1949,15 @@ mod tests {
             }
             p.settle();
         };
-        assign(&mut p, 1);
+        let assign = |p: &mut Pair, generation: u64| assign_with(p, generation, vec![id("c")]);
+        assign_with(&mut p, 1, Vec::new());
         assert!(p.nodes[&id("a")].replica.serving(), "a leads");
         p.append(5);
         p.settle();
+        assert_eq!(p.nodes[&id("c")].end(), 0, "not staged yet");
+        // Staged at the same generation: no election, and the copy is shipped to.
+        assign(&mut p, 1);
+        assert!(p.nodes[&id("a")].replica.serving(), "a still leads");
         // The staged copy holds the log (fenced when its first message was refused).
         assert_eq!(p.nodes[&id("c")].end(), p.nodes[&id("a")].end());
         assert_eq!(p.nodes[&id("c")].replica.generation(), 1);

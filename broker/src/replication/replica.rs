@@ -975,7 +975,8 @@ impl Replicas {
                 },
             };
             rs.consistency.set(consistency);
-            if rs.generation.get() != route.generation {
+            let learners_changed = *rs.machine.borrow().learners() != *route.learners;
+            if rs.generation.get() != route.generation || learners_changed {
                 rs.generation.set(route.generation);
                 rs.machine.borrow_mut().handle_assignment(
                     Assignment {

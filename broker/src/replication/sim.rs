@@ -53,6 +53,9 @@ pub struct SimConfig {
     /// Members of the replica set at the start (0: every node); the others hold
     /// nothing until a staged move names them.
     pub members: usize,
+    /// A restore swaps a follower out for an empty node in one write, as placement did
+    /// before staged copies (a mutant the checks must catch).
+    pub mutant_reseat: bool,
     /// Per-step probability of starting a staged move (the control plane's three
     /// writes: stage a copy on a non-member, cut over once the leader reports it within
     /// [`STAGED_MAX_LAG`] records, retire the old leader once the new one serves).
@@ -78,19 +81,44 @@ impl Default for SimConfig {
             mutant_skip_fence: false,
             members: 0,
             staged_moves: 0.0,
+            mutant_reseat: false,
         }
     }
 }
 
 #[derive(Debug)]
 enum Event {
-    Deliver { to: usize, from: usize, msg: Msg },
-    Persisted { node: usize, epoch: u64, meta: Meta },
-    Durable { node: usize, epoch: u64, end: u64 },
-    Truncated { node: usize, epoch: u64 },
-    Assign { node: usize, a: Assignment },
-    Restart { node: usize },
-    Crash { node: usize },
+    Deliver {
+        to: usize,
+        from: usize,
+        msg: Msg,
+    },
+    Persisted {
+        node: usize,
+        epoch: u64,
+        meta: Meta,
+    },
+    Durable {
+        node: usize,
+        epoch: u64,
+        end: u64,
+    },
+    Truncated {
+        node: usize,
+        epoch: u64,
+    },
+    /// `seq` orders the control plane's writes (two may share a generation).
+    Assign {
+        node: usize,
+        seq: u64,
+        a: Assignment,
+    },
+    Restart {
+        node: usize,
+    },
+    Crash {
+        node: usize,
+    },
     ClientWrite,
     Tick,
 }
@@ -111,6 +139,8 @@ struct Node {
     meta: Meta,
     /// The assignment it last heard (survives a crash like a re-sync would).
     assignment: Option<Assignment>,
+    /// The control-plane write it came from.
+    assignment_seq: u64,
     /// Client writes it claimed and has not acknowledged: (first, generation, records).
     pending: Vec<(u64, u64, Vec<Bytes>)>,
 }
@@ -170,9 +200,13 @@ struct Sim {
     members: Vec<usize>,
     leader: usize,
     staging: Option<usize>,
+    /// The member the staged copy replaces (the leader: a move).
+    replaces: Option<usize>,
     retiring: Option<usize>,
     /// Staged moves cut over and retired, for the test's report.
     moves: (u64, u64),
+    /// Control-plane writes so far.
+    assignment_seq: u64,
     /// Acknowledged records: offset -> (value, generation).
     acked: BTreeMap<u64, (Bytes, u64)>,
     /// The same, in the order they were acknowledged.
@@ -222,6 +256,7 @@ impl Sim {
                 durable: 0,
                 meta: Meta::default(),
                 assignment: None,
+                assignment_seq: 0,
                 pending: Vec::new(),
             })
             .collect();
@@ -246,8 +281,10 @@ impl Sim {
                 .collect(),
             leader: 0,
             staging: None,
+            replaces: None,
             retiring: None,
             moves: (0, 0),
+            assignment_seq: 0,
             acked: BTreeMap::new(),
             acked_log: Vec::new(),
             leader_checked: None,
@@ -283,7 +320,7 @@ impl Sim {
     /// move within the set; it abandons a staged copy, as the control plane does).
     fn reassign(&mut self) {
         self.leader = self.members[self.rng.random_range(0..self.members.len())];
-        self.staging = None;
+        (self.staging, self.replaces) = (None, None);
         if self.retiring == Some(self.leader) {
             self.retiring = None;
         }
@@ -298,8 +335,8 @@ impl Sim {
             .is_some_and(|r| r.serving() && r.generation() == self.generation);
         if let Some(d) = self.staging {
             if self.nodes[d].replica.is_none() {
-                self.staging = None;
-                self.publish_assignment();
+                (self.staging, self.replaces) = (None, None);
+                self.publish_staging();
                 return;
             }
             // The leader's report: the staged copy within the bound of its log.
@@ -316,9 +353,14 @@ impl Sim {
                 });
             if caught_up {
                 self.members.push(d);
-                self.retiring = Some(self.leader);
-                self.leader = d;
                 self.staging = None;
+                let replaces = self.replaces.take();
+                if replaces == Some(self.leader) {
+                    self.retiring = Some(self.leader);
+                    self.leader = d;
+                } else {
+                    self.retiring = replaces;
+                }
                 self.moves.0 += 1;
                 self.publish_assignment();
             }
@@ -343,14 +385,60 @@ impl Sim {
             .filter(|n| !self.members.contains(n))
             .collect();
         if !outside.is_empty() && leader_serves && self.rng.random_bool(self.config.staged_moves) {
-            self.staging = Some(outside[self.rng.random_range(0..outside.len())]);
+            let d = outside[self.rng.random_range(0..outside.len())];
+            if self.rng.random_bool(0.5) {
+                self.staging = Some(d);
+                self.replaces = Some(self.leader);
+                self.publish_staging();
+            } else {
+                self.reseat(d);
+            }
+        }
+    }
+
+    /// The control plane's other set change: a follower (down too long, in the real
+    /// one) is replaced by `d` through a staged copy, as a move is (the copy joins, then
+    /// the follower is retired). The mutant swaps them in one write.
+    fn reseat(&mut self, d: usize) {
+        let followers: Vec<usize> = self
+            .members
+            .iter()
+            .copied()
+            .filter(|m| *m != self.leader)
+            .collect();
+        if followers.is_empty() {
+            return;
+        }
+        let gone = followers[self.rng.random_range(0..followers.len())];
+        if self.config.mutant_reseat {
+            for m in self.members.iter_mut() {
+                if *m == gone {
+                    *m = d;
+                }
+            }
             self.publish_assignment();
+        } else {
+            self.staging = Some(d);
+            self.replaces = Some(gone);
+            self.publish_staging();
         }
     }
 
     /// Writes the control plane's view as the next generation.
     fn publish_assignment(&mut self) {
         self.generation += 1;
+        self.publish_view();
+    }
+
+    /// Writes a staged copy taken on or dropped: the same generation (no member
+    /// changes; the leader takes it on without an election).
+    fn publish_staging(&mut self) {
+        self.publish_view();
+    }
+
+    fn publish_view(&mut self) {
+        self.assignment_seq += 1;
+        let seq = self.assignment_seq;
         let a = Assignment {
             generation: self.generation,
             leader: self.nodes[self.leader].id.clone(),
@@ -373,7 +461,14 @@ impl Sim {
         }
         for node in 0..self.nodes.len() {
             let delay = self.rng.random_range(1..30);
-            self.schedule(delay, Event::Assign { node, a: a.clone() });
+            self.schedule(
+                delay,
+                Event::Assign {
+                    node,
+                    seq,
+                    a: a.clone(),
+                },
+            );
         }
     }
 
@@ -680,15 +775,15 @@ impl Sim {
                     self.drive(node);
                 }
             }
-            Event::Assign { node, a } => {
-                // A restarted broker learns the newest assignment (the feed is ordered).
+            Event::Assign { node, seq, a } => {
+                // The feed is ordered: a delayed older write is not applied. A restarted
+                // broker learns the newest assignment.
                 let n = &mut self.nodes[node];
-                if n.assignment
-                    .as_ref()
-                    .is_none_or(|o| o.generation < a.generation)
-                {
-                    n.assignment = Some(a.clone());
+                if seq < n.assignment_seq {
+                    return true;
                 }
+                n.assignment_seq = seq;
+                n.assignment = Some(a.clone());
                 if let Some(r) = self.nodes[node].replica.as_mut() {
                     r.handle_assignment(a, now);
                     self.drive(node);
@@ -984,9 +1079,22 @@ mod tests {
                 },
             );
         }
+        // Seeds that found bugs: 108,351 (a candidate cut a stale log mid-batch on a
+        // message from its source's base; `compare`), 21,658 (retiring on "serving").
+        for seed in [108_351, 21_658] {
+            run(
+                seed,
+                SimConfig {
+                    nodes: 4,
+                    members: 3,
+                    staged_moves: 0.05,
+                    ..SimConfig::default()
+                },
+            );
+        }
         let moves = MOVES_CUT_OVER.load(std::sync::atomic::Ordering::Relaxed) - before;
         eprintln!("staged moves cut over in 600 runs: {moves}");
-        assert!(moves >= 150, "the runs exercised staged moves: {moves}");
+        assert!(moves >= 300, "the runs exercised staged moves: {moves}");
     }
 
     #[test]
@@ -1023,6 +1131,29 @@ mod tests {
         });
         let seed = caught.expect("200 seeds with fencing broken and nothing caught");
         eprintln!("skip-fence mutant caught at seed {}", 50_000 + seed);
+    }
+
+    /// A follower swapped for an empty node in one write (placement's restore before
+    /// it staged copies) loses acknowledged records the checks must catch.
+    #[test]
+    fn the_simulator_catches_a_follower_swapped_out_in_one_write() {
+        let caught = (0..300u64).find(|seed| {
+            std::panic::catch_unwind(|| {
+                run(
+                    70_000 + seed,
+                    SimConfig {
+                        nodes: 4,
+                        members: 3,
+                        staged_moves: 0.05,
+                        mutant_reseat: true,
+                        ..SimConfig::default()
+                    },
+                )
+            })
+            .is_err()
+        });
+        let seed = caught.expect("300 seeds with one-write swaps and nothing caught");
+        eprintln!("one-write swap caught at seed {}", 70_000 + seed);
     }
 
     #[test]
