@@ -262,6 +262,17 @@ impl Cluster {
             .is_some_and(|r| *r.leader == *self.node_id && r.generation == generation)
     }
 
+    /// Whether the assignments read name this broker leader of `key` at a generation
+    /// newer than `generation` (one atomic load, no reference count taken: every write
+    /// to a replicated shard asks).
+    pub fn leads_newer(&self, key: &ShardKey, generation: u64) -> bool {
+        self.view
+            .load()
+            .routes
+            .get(key)
+            .is_some_and(|r| *r.leader == *self.node_id && r.generation > generation)
+    }
+
     /// The current snapshot.
     pub fn view(&self) -> Arc<ClusterView> {
         self.view.load_full()

@@ -1442,7 +1442,8 @@ async fn shard_move(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiRes
     }
     if a.staging.is_some() || a.retiring.is_some() {
         return Err(ApiError::conflict(format!(
-            "already_moving: {} is being moved",
+            "already_moving: {} has a copy being staged or a member retiring (a move or \
+             a restore under way)",
             key.store_key()
         )));
     }
@@ -1522,15 +1523,21 @@ async fn drain_node(
             continue;
         }
         let key = a.key.store_key();
-        let Some(to_node) = a
-            .replicas
-            .iter()
-            .find(|r| **r != id && ready.contains(r))
+        // A member that is not on its way out first; a move or restore under way is
+        // abandoned (its copy was to replace this leader, or is shipped to by it).
+        let candidates = || a.replicas.iter().filter(|r| **r != id && ready.contains(r));
+        let Some(to_node) = candidates()
+            .find(|r| Some(*r) != a.retiring.as_ref())
+            .or_else(|| candidates().next())
             .cloned()
         else {
             kept.push(key);
             continue;
         };
+        (a.staging, a.replaces) = (None, None);
+        if a.retiring.as_ref() == Some(&to_node) {
+            a.retiring = None;
+        }
         a.leader = to_node.clone();
         a.generation += 1;
         st.store

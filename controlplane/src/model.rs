@@ -282,8 +282,9 @@ pub struct Assignment {
     /// or a follower down too long (a restore).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replaces: Option<String>,
-    /// After a staged move's cut-over: the old leader, still a member so the new
-    /// leader's fence covers it, removed once the new leader serves.
+    /// After a staged copy joined: the member it replaces (the old leader, for a
+    /// move), still a member so the next election's fence covers it, removed once the
+    /// leader reports its generation committed over the enlarged set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retiring: Option<String>,
 }

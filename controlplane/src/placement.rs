@@ -241,8 +241,10 @@ impl View<'_> {
 }
 
 /// How far behind the leader's log a staged copy may be for the cut-over: the new
-/// leader fetches the rest while it takes over (writes are held meanwhile).
-pub const STAGED_MAX_LAG: u64 = 1000;
+/// leader fetches the rest while it takes over (writes are held meanwhile). Safety does
+/// not depend on it; it bounds that hold. A busy leader keeps up to 4 messages of up to
+/// 1 MiB in flight to each copy, thousands of small records: 1,000 would never be met.
+pub const STAGED_MAX_LAG: u64 = 10_000;
 
 /// What a pass does to an existing assignment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -252,9 +254,10 @@ enum Decision {
     /// A staged copy holds the log: it joins the set (leading, for a move) and the
     /// member it replaces stays until the next write (retiring).
     CutOver(String),
-    /// The new leader of a cut-over serves: the retiring member leaves the set.
+    /// The leader's generation committed over the enlarged set: the retiring member
+    /// leaves it.
     Retire,
-    /// The staged destination is gone: drop it.
+    /// The staged copy is gone or halted: drop it.
     Unstage,
     /// A new leader from within the set; the set is kept.
     Promote(String),
@@ -336,17 +339,22 @@ fn decide(
             return Decision::Keep;
         }
         if let Some(d) = &a.staging {
-            if !view.ready(d) {
+            let copy = report.and_then(|r| r.report.followers.iter().find(|f| f.node_id == *d));
+            if !view.ready(d) || copy.is_some_and(|f| f.halted) {
                 return Decision::Unstage;
             }
-            let caught_up = report.is_some_and(|r| {
-                r.report.followers.iter().any(|f| {
-                    f.node_id == *d
-                        && !f.halted
-                        && f.durable_end.saturating_add(STAGED_MAX_LAG) >= r.report.log_end
-                })
+            // Holding something (it was fenced and shipped to), and near the end.
+            let caught_up = report.zip(copy).is_some_and(|(r, f)| {
+                (f.durable_end > 0 || r.report.log_end == 0)
+                    && f.durable_end.saturating_add(STAGED_MAX_LAG) >= r.report.log_end
             });
-            return if caught_up {
+            // The enlarged set's next election needs a majority of it up: joining while
+            // members are down could leave its leader unable to fence (say 2 of 3
+            // followers down); the copy keeps up meanwhile, and joins when one returns.
+            let up = a.replicas.iter().filter(|m| view.ready(m)).count() + 1;
+            // A majority of the len + 1 members: (len + 1) / 2 + 1.
+            let majority = a.replicas.len().div_ceil(2) + 1;
+            return if caught_up && up >= majority {
                 Decision::CutOver(d.clone())
             } else {
                 Decision::Keep
@@ -561,7 +569,9 @@ pub async fn pass_at(
                 }
             }
             Decision::Retire => {
-                let gone = a.retiring.take();
+                // (Never the leader: a promotion or drain to the retiring member clears
+                // it.)
+                let gone = a.retiring.take().filter(|g| *g != a.leader);
                 a.replicas.retain(|m| Some(m) != gone.as_ref());
                 report.restored += 1;
             }
@@ -1050,7 +1060,11 @@ mod tests {
             let r = f.pass(now).await;
             assert_eq!((r.restored, r.moved), (1, 0), "{r:?}");
             let a = f.get("s").await;
-            assert_eq!((a.leader.as_str(), a.generation), ("a", 3));
+            assert_eq!(
+                (a.leader.as_str(), a.generation),
+                ("a", 2),
+                "staged at the same generation"
+            );
             assert_eq!(a.replicas, ["a", "b", "c"]);
             assert_eq!(
                 (a.staging.as_deref(), a.replaces.as_deref()),
@@ -1061,7 +1075,7 @@ mod tests {
             f.report(
                 "a",
                 "s",
-                3,
+                2,
                 10,
                 &[("b", 10, false), (spare, 10, false)],
                 now,
@@ -1069,14 +1083,14 @@ mod tests {
             .await;
             f.pass(now).await;
             let a = f.get("s").await;
-            assert_eq!((a.leader.as_str(), a.generation), ("a", 4));
+            assert_eq!((a.leader.as_str(), a.generation), ("a", 3));
             assert_eq!(a.replicas, ["a", "b", "c", spare]);
             assert_eq!((a.staging, a.retiring.as_deref()), (None, Some("c")));
             f.committed.set(true);
             f.report(
                 "a",
                 "s",
-                4,
+                3,
                 11,
                 &[("b", 11, false), (spare, 11, false)],
                 now,
@@ -1084,7 +1098,7 @@ mod tests {
             .await;
             f.pass(now).await;
             let a = f.get("s").await;
-            assert_eq!(a.generation, 5);
+            assert_eq!(a.generation, 4);
             assert_eq!(a.replicas, ["a", "b", spare], "c replaced, others kept");
             assert_eq!(a.retiring, None);
         }
@@ -1131,14 +1145,14 @@ mod tests {
             a.replaces = Some("a".into());
             f.put(Kind::Assignment, key("s"), encode(&a)).await;
             // The copy is far behind: nothing changes.
-            let far = 10_000 - STAGED_MAX_LAG - 1;
+            let far = 30_000 - STAGED_MAX_LAG - 1;
             assert_eq!(
                 f.report(
                     "a",
                     "s",
                     4,
-                    10_000,
-                    &[("b", 10_000, false), ("c", far, false)],
+                    30_000,
+                    &[("b", 30_000, false), ("c", far, false)],
                     now
                 )
                 .await,
@@ -1155,8 +1169,8 @@ mod tests {
                 "a",
                 "s",
                 4,
-                10_000,
-                &[("b", 10_000, false), ("c", 9_500, false)],
+                30_000,
+                &[("b", 30_000, false), ("c", 29_500, false)],
                 now,
             )
             .await;
@@ -1172,8 +1186,8 @@ mod tests {
                 "c",
                 "s",
                 5,
-                10_001,
-                &[("a", 10_000, false), ("b", 10_001, false)],
+                30_001,
+                &[("a", 30_000, false), ("b", 30_001, false)],
                 now,
             )
             .await;
@@ -1184,8 +1198,8 @@ mod tests {
                 "c",
                 "s",
                 5,
-                10_002,
-                &[("a", 10_002, false), ("b", 10_002, false)],
+                30_002,
+                &[("a", 30_002, false), ("b", 30_002, false)],
                 now,
             )
             .await;
@@ -1214,7 +1228,8 @@ mod tests {
                 .await;
             f.pass(now).await;
             let a = f.get("s").await;
-            assert_eq!((a.leader.as_str(), a.staging, a.generation), ("a", None, 5));
+            // Dropped at the same generation: no member changed.
+            assert_eq!((a.leader.as_str(), a.staging, a.generation), ("a", None, 4));
             // A failover (a silent past the expiry) abandons a staged move too.
             let mut a = f.get("s").await;
             a.staging = Some("c".into());
@@ -1226,6 +1241,49 @@ mod tests {
             let a = f.get("s").await;
             assert_eq!((a.leader.as_str(), a.staging), ("b", None));
             assert_eq!(a.replicas, ["a", "b"], "a staged copy never leads");
+        }
+
+        #[tokio::test]
+        async fn a_staged_copy_joins_only_with_a_majority_of_the_enlarged_set_up_and_a_halted_one_is_dropped()
+         {
+            let f = fixture();
+            let now = T0 + 60_000;
+            f.node("b", T0).await;
+            f.node("c", T0).await;
+            for n in ["a", "d"] {
+                f.node(n, now).await;
+            }
+            f.stream("s", &["a", "b", "c"], true, 4).await;
+            let mut a = f.get("s").await;
+            a.staging = Some("d".into());
+            a.replaces = Some("b".into());
+            f.put(Kind::Assignment, key("s"), encode(&a)).await;
+            f.report("a", "s", 4, 10, &[("d", 10, false)], now).await;
+            f.pass(now).await;
+            let a = f.get("s").await;
+            assert_eq!(
+                (a.generation, a.staging.as_deref()),
+                (4, Some("d")),
+                "2 of 4 up: its leader could not fence, so it waits"
+            );
+            f.node("c", now).await;
+            f.pass(now).await;
+            let a = f.get("s").await;
+            assert_eq!(a.generation, 5, "3 of 4 up");
+            assert_eq!(a.replicas, ["a", "b", "c", "d"]);
+            assert_eq!((a.leader.as_str(), a.retiring.as_deref()), ("a", Some("b")));
+
+            // A copy its leader reports halted is dropped (it would never catch up).
+            f.stream("h", &["a", "c"], true, 7).await;
+            let mut a = f.get("h").await;
+            a.staging = Some("d".into());
+            a.replaces = Some("a".into());
+            f.put(Kind::Assignment, key("h"), encode(&a)).await;
+            f.report("a", "h", 7, 10, &[("c", 10, false), ("d", 0, true)], now)
+                .await;
+            f.pass(now).await;
+            let a = f.get("h").await;
+            assert_eq!((a.generation, a.staging, a.replaces), (7, None, None));
         }
 
         #[tokio::test]

@@ -1225,7 +1225,9 @@ fn replication_scenario(svc: &Service) {
     );
     assert_eq!(code, 200);
     // The dead old leader has now been silent past expiry + replica_restore_after:
-    // the next pass replaces it, in place, by the one ready non-member.
+    // the next passes replace it by the one ready non-member, through a staged copy:
+    // staged (same generation), joined once reported caught up, then the dead member
+    // retired once the leader reports its generation committed.
     for n in nodes.iter().filter(|n| **n != leader) {
         anon.clone()
             .with_token(&tokens[n])
@@ -1237,16 +1239,104 @@ fn replication_scenario(svc: &Service) {
     }
     let r = pass();
     assert_eq!((r.restored, r.moved), (1, 0), "{r:?}");
+    let staged = get("orders");
+    assert_eq!(
+        (
+            staged.replicas.as_slice(),
+            staged.staging.as_deref(),
+            staged.replaces.as_deref(),
+            staged.generation
+        ),
+        (
+            orders.replicas.as_slice(),
+            Some(outsider),
+            Some(leader.as_str()),
+            2
+        )
+    );
+    let (code, _) = report(
+        &ahead,
+        vec![shard(
+            "orders",
+            2,
+            100,
+            json!([{"node_id": behind, "durable_end": 100},
+                   {"node_id": outsider, "durable_end": 100, "staged": true}]),
+        )],
+    );
+    assert_eq!(code, 200);
+    pass();
+    let joined = get("orders");
+    let mut enlarged = orders.replicas.clone();
+    enlarged.push(outsider.to_owned());
+    assert_eq!(
+        (
+            &joined.replicas,
+            joined.retiring.as_deref(),
+            joined.generation
+        ),
+        (&enlarged, Some(leader.as_str()), 3)
+    );
+    let mut committed = shard(
+        "orders",
+        3,
+        101,
+        json!([{"node_id": behind, "durable_end": 101},
+               {"node_id": outsider, "durable_end": 101}]),
+    );
+    committed["generation_committed"] = json!(true);
+    let (code, _) = report(&ahead, vec![committed]);
+    assert_eq!(code, 200);
+    pass();
     let restored = get("orders");
-    let mut want = orders.replicas.clone();
-    want[0] = outsider.to_owned();
+    let want: Vec<String> = enlarged.into_iter().filter(|n| *n != leader).collect();
     assert_eq!(
         (
             restored.leader.as_str(),
             &restored.replicas,
             restored.generation
         ),
-        (ahead.as_str(), &want, 3)
+        (ahead.as_str(), &want, 4)
+    );
+
+    // A drain in the middle of a restore or move hands leadership to a member that is
+    // not retiring (the retiring one would be removed from its own set while leading),
+    // and abandons a staged copy.
+    let key = restored.key.store_key();
+    let doc = svc
+        .rt
+        .block_on(svc.store.get(Kind::Assignment, &key))
+        .unwrap()
+        .unwrap();
+    let mut mid = restored.clone();
+    mid.retiring = Some(behind.clone());
+    mid.staging = Some(leader.clone());
+    mid.replaces = Some(ahead.clone());
+    svc.rt
+        .block_on(svc.store.batch(vec![Op::Put {
+            kind: Kind::Assignment,
+            key,
+            value: serde_json::to_value(&mid).unwrap(),
+            expect: Expect::Version(doc.version),
+        }]))
+        .unwrap();
+    let (code, body) = raw_post(
+        &svc.url,
+        &tokens[ahead.as_str()],
+        &format!("/v1/nodes/{ahead}/drain"),
+        &json!({}),
+    );
+    assert_eq!(code, 200, "{body}");
+    let drained = get("orders");
+    assert_eq!(
+        (
+            drained.leader.as_str(),
+            drained.retiring.as_deref(),
+            drained.staging,
+            drained.replaces
+        ),
+        (outsider, Some(behind.as_str()), None, None),
+        "{body}"
     );
 
     // Abandoning the waiting ledger moves it to a ready node and says data was lost;

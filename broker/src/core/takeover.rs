@@ -55,12 +55,10 @@ impl CoreBroker {
         // (Serving or not: a new generation led by this broker again, as a staged move's
         // writes make, is a takeover too; until the replica has it, `may_acknowledge`
         // refuses writes as stale.)
-        self.shared.cluster.as_ref().is_some_and(|c| {
-            c.view()
-                .routes
-                .get(key)
-                .is_some_and(|r| *r.leader == *c.node_id && r.generation > rs.generation())
-        })
+        self.shared
+            .cluster
+            .as_ref()
+            .is_some_and(|c| c.leads_newer(key, rs.generation()))
     }
 
     /// Runs `call` now, or, while this broker's replica takes `key` over, once it

@@ -1006,7 +1006,7 @@ impl Replicas {
                         .unwrap_or(r.log_end);
                     lag += r.log_end.saturating_sub(slowest);
                 }
-                halted += r.followers.iter().filter(|f| f.halted).count() as u64;
+                halted += r.followers.iter().filter(|f| f.halted && !f.staged).count() as u64;
                 reports.push(((*rs.key).clone(), r));
             }
         }
