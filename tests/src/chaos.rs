@@ -78,6 +78,16 @@ const Q3B: StreamSpec = StreamSpec {
     replication_factor: 3,
     consistency: "Quorum",
 };
+const Q2: StreamSpec = StreamSpec {
+    name: "s",
+    replication_factor: 2,
+    consistency: "Quorum",
+};
+const Q2B: StreamSpec = StreamSpec {
+    name: "u",
+    replication_factor: 2,
+    consistency: "Quorum",
+};
 const L3: StreamSpec = StreamSpec {
     name: "l",
     replication_factor: 3,
@@ -219,6 +229,19 @@ pub const SCENARIOS: &[Scenario] = &[
         stable: false,
         postgres: false,
         nemesis: planned_move,
+    },
+    Scenario {
+        name: "staged-move",
+        about: "three brokers, Quorum streams with two copies: move a shard to the broker holding no copy every 1.5-3 s (a staged copy, cut-over, retirement); now and then SIGKILL a broker and restart it 1-3 s later, in the middle of a move",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "",
+        streams: &[Q2, Q2B],
+        producers: 2,
+        depth: 4,
+        stable: false,
+        postgres: false,
+        nemesis: staged_move,
     },
     Scenario {
         name: "sigterm-drain",
@@ -546,6 +569,47 @@ fn planned_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         n.event(
             "move",
             json!({"stream": stream, "from": leader, "to": to, "ok": answer.is_ok(),
+                   "error": answer.err().map(|e| e.to_string())}),
+        );
+    }
+    Ok(())
+}
+
+fn staged_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        if n.rng.between(0, 3) == 0 {
+            let victim = n.rng.between(0, n.cluster.brokers.len() as u64 - 1) as usize;
+            n.kill(victim);
+            n.sleep_ms(1000, 3000);
+            n.restart(victim)?;
+            continue;
+        }
+        let (_, stream) = n.some_leader()?;
+        let Some(a) = n.cluster.assignment(stream, 0) else {
+            continue;
+        };
+        let members: Vec<String> = a["replicas"]
+            .as_array()
+            .map(|m| {
+                m.iter()
+                    .filter_map(|r| r.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let Some(to) =
+            (0..n.cluster.brokers.len()).find(|i| !members.contains(&format!("node-{i}")))
+        else {
+            continue;
+        };
+        let answer = n.cluster.admin.post(
+            "/v1/shard-moves",
+            &json!({"tenant_id": crate::cluster::TENANT, "namespace": NAMESPACE,
+                    "stream": stream, "shard": 0, "destination": format!("node-{to}")}),
+        );
+        n.event(
+            "staged-move",
+            json!({"stream": stream, "members": members, "to": to, "ok": answer.is_ok(),
                    "error": answer.err().map(|e| e.to_string())}),
         );
     }

@@ -56,6 +56,7 @@ fn every_scenario_is_listed_here() {
         "controlplane-partition",
         "flaky-links",
         "planned-move",
+        "staged-move",
         "sigterm-drain",
         "controlplane-restart",
         "controlplane-clock",
@@ -108,6 +109,11 @@ fn flaky_links() {
 #[test]
 fn planned_move() {
     assert_clean("planned-move");
+}
+
+#[test]
+fn staged_move() {
+    assert_clean("staged-move");
 }
 
 #[test]
