@@ -561,11 +561,7 @@ fn planned_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         n.sleep_ms(1500, 3000);
         let (leader, stream) = n.some_leader()?;
         let to = others(n, leader)[n.rng.between(0, 1) as usize];
-        let answer = n.cluster.admin.post(
-            "/v1/shard-moves",
-            &json!({"tenant_id": crate::cluster::TENANT, "namespace": NAMESPACE,
-                    "stream": stream, "shard": 0, "destination": format!("node-{to}")}),
-        );
+        let answer = move_shard(n, stream, to);
         n.event(
             "move",
             json!({"stream": stream, "from": leader, "to": to, "ok": answer.is_ok(),
@@ -573,6 +569,19 @@ fn planned_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// `POST /v1/shard-moves`: shard 0 of `stream` to broker `to`.
+fn move_shard(
+    n: &Nemesis<'_>,
+    stream: &str,
+    to: usize,
+) -> Result<Value, felix_controlplane::client::ClientError> {
+    n.cluster.admin.post(
+        "/v1/shard-moves",
+        &json!({"tenant_id": crate::cluster::TENANT, "namespace": NAMESPACE,
+                "stream": stream, "shard": 0, "destination": format!("node-{to}")}),
+    )
 }
 
 fn staged_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
@@ -602,11 +611,7 @@ fn staged_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         else {
             continue;
         };
-        let answer = n.cluster.admin.post(
-            "/v1/shard-moves",
-            &json!({"tenant_id": crate::cluster::TENANT, "namespace": NAMESPACE,
-                    "stream": stream, "shard": 0, "destination": format!("node-{to}")}),
-        );
+        let answer = move_shard(n, stream, to);
         n.event(
             "staged-move",
             json!({"stream": stream, "members": members, "to": to, "ok": answer.is_ok(),

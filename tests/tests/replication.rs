@@ -116,6 +116,55 @@ async fn read_all(c: &TestCluster, stream: &str, at_least: u64) -> BTreeMap<u64,
 
 /// Asks the control plane to move shard 0 of `name` (`kind`: stream or cache) to
 /// `node-{to}`.
+/// Every acknowledged publish of [`publish_one_at_a_time`]: (sent, acknowledged, offset,
+/// payload).
+type Published = Arc<Mutex<Vec<(Instant, Instant, u64, Vec<u8>)>>>;
+
+/// Publishes small labelled records (`m-<i>`) one at a time to `stream` through a
+/// ClusterClient until `stop` (2 s bound each, no retry), recording every
+/// acknowledgement in `log`; answers the failures by message. Blocks: run it on a
+/// thread of its own. Takes the seeds and configuration rather than the cluster, so a
+/// test may kill brokers meanwhile.
+fn publish_one_at_a_time(
+    (seeds, config): (Vec<std::net::SocketAddr>, felix_client::ClientConfig),
+    stream: &str,
+    log: Published,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> BTreeMap<String, u64> {
+    tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(async move {
+            let client = felix_client::ClusterClient::connect(&seeds, "localhost", config)
+                .await
+                .unwrap();
+            let (mut i, mut failed) = (0u64, BTreeMap::<String, u64>::new());
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let payload = format!("m-{i}").into_bytes();
+                i += 1;
+                let sent = Instant::now();
+                let publish = client.publish(
+                    TENANT,
+                    NAMESPACE,
+                    stream,
+                    payload.clone(),
+                    AckMode::PerMessage,
+                );
+                match tokio::time::timeout(Duration::from_secs(2), publish).await {
+                    Ok(Ok(Some(o))) => log.lock().unwrap().push((sent, Instant::now(), o, payload)),
+                    Ok(Ok(None)) => *failed.entry("no offset".into()).or_default() += 1,
+                    Ok(Err(e)) => *failed.entry(e.to_string()).or_default() += 1,
+                    Err(_) => *failed.entry("timed out (2 s)".into()).or_default() += 1,
+                }
+            }
+            failed
+        })
+}
+
+/// The seeds and client configuration of `c`, for [`publish_one_at_a_time`].
+fn client_of(c: &TestCluster) -> (Vec<std::net::SocketAddr>, felix_client::ClientConfig) {
+    (c.seeds(), c.client_config().unwrap())
+}
+
 fn move_shard(c: &TestCluster, kind: &str, name: &str, to: usize) {
     c.admin
         .post(
@@ -971,9 +1020,7 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
     let (mut leader, mut generation) = c
         .wait_leader("moves20", 0, None, 0, Duration::from_secs(20))
         .unwrap();
-    // (sent, acknowledged, offset) of every acknowledged publish.
-    type Log = Arc<Mutex<Vec<(Instant, Instant, u64, Vec<u8>)>>>;
-    let log: Log = Arc::default();
+    let log: Published = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Our SDK's sharded subscriber reads from the start through every move: (offset,
     // payload) delivered, and the moves it was told of.
@@ -1040,48 +1087,8 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
                     }
                 })
         });
-        let (log2, stop2, c2) = (log.clone(), stop.clone(), &c);
-        let h = s.spawn(move || {
-            tokio::runtime::Runtime::new()
-                .unwrap()
-                .block_on(async move {
-                    let client = felix_client::ClusterClient::connect(
-                        &c2.seeds(),
-                        "localhost",
-                        c2.client_config().unwrap(),
-                    )
-                    .await
-                    .unwrap();
-                    let (mut i, mut failed) = (0u64, BTreeMap::<String, u64>::new());
-                    while !stop2.load(std::sync::atomic::Ordering::SeqCst) {
-                        let payload = format!("m-{i}").into_bytes();
-                        i += 1;
-                        let sent = Instant::now();
-                        match tokio::time::timeout(
-                            Duration::from_secs(2),
-                            client.publish(
-                                TENANT,
-                                NAMESPACE,
-                                "moves20",
-                                payload.clone(),
-                                AckMode::PerMessage,
-                            ),
-                        )
-                        .await
-                        {
-                            Ok(Ok(Some(o))) => {
-                                log2.lock()
-                                    .unwrap()
-                                    .push((sent, Instant::now(), o, payload))
-                            }
-                            Ok(Ok(None)) => *failed.entry("no offset".into()).or_default() += 1,
-                            Ok(Err(e)) => *failed.entry(e.to_string()).or_default() += 1,
-                            Err(_) => *failed.entry("timed out (2 s)".into()).or_default() += 1,
-                        }
-                    }
-                    failed
-                })
-        });
+        let (log2, stop2, client) = (log.clone(), stop.clone(), client_of(&c));
+        let h = s.spawn(move || publish_one_at_a_time(client, "moves20", log2, stop2));
         wait_for("acked writes", Duration::from_secs(30), || {
             (log.lock().unwrap().len() >= 20).then_some(())
         })
@@ -1757,8 +1764,7 @@ fn a_move_to_a_broker_outside_the_set_stages_a_copy_and_loses_nothing() {
         refused.to_string().contains("destination_not_replica"),
         "{refused}"
     );
-    type Log = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
-    let log: Log = Arc::default();
+    let log: Published = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let members = |a: &serde_json::Value| -> Vec<usize> {
         let mut m: Vec<usize> = a["replicas"]
@@ -1772,39 +1778,8 @@ fn a_move_to_a_broker_outside_the_set_stages_a_copy_and_loses_nothing() {
     };
     let mut took = Vec::new();
     let failed = std::thread::scope(|s| {
-        let (log2, stop2, c2) = (log.clone(), stop.clone(), &c);
-        let h = s.spawn(move || {
-            tokio::runtime::Runtime::new()
-                .unwrap()
-                .block_on(async move {
-                    let client = felix_client::ClusterClient::connect(
-                        &c2.seeds(),
-                        "localhost",
-                        c2.client_config().unwrap(),
-                    )
-                    .await
-                    .unwrap();
-                    let (mut i, mut failed) = (0u64, BTreeMap::<String, u64>::new());
-                    while !stop2.load(std::sync::atomic::Ordering::SeqCst) {
-                        let payload = format!("m-{i}").into_bytes();
-                        i += 1;
-                        let publish = client.publish(
-                            TENANT,
-                            NAMESPACE,
-                            "staged",
-                            payload.clone(),
-                            AckMode::PerMessage,
-                        );
-                        match tokio::time::timeout(Duration::from_secs(2), publish).await {
-                            Ok(Ok(Some(o))) => log2.lock().unwrap().push((o, payload)),
-                            Ok(Ok(None)) => *failed.entry("no offset".into()).or_default() += 1,
-                            Ok(Err(e)) => *failed.entry(e.to_string()).or_default() += 1,
-                            Err(_) => *failed.entry("timed out (2 s)".into()).or_default() += 1,
-                        }
-                    }
-                    failed
-                })
-        });
+        let (log2, stop2, client) = (log.clone(), stop.clone(), client_of(&c));
+        let h = s.spawn(move || publish_one_at_a_time(client, "staged", log2, stop2));
         wait_for("acked writes", Duration::from_secs(30), || {
             (log.lock().unwrap().len() >= 50).then_some(())
         })
@@ -1845,7 +1820,7 @@ fn a_move_to_a_broker_outside_the_set_stages_a_copy_and_loses_nothing() {
         "4 staged moves: request to settled {took:?}; {} acked; failed or timed out: {failed:?}",
         log.len()
     );
-    let acked: BTreeMap<u64, Vec<u8>> = log.iter().cloned().collect();
+    let acked: BTreeMap<u64, Vec<u8>> = log.iter().map(|(_, _, o, p)| (*o, p.clone())).collect();
     assert_eq!(acked.len(), log.len(), "no offset acknowledged twice");
     let rt = tokio::runtime::Runtime::new().unwrap();
     let read = rt.block_on(read_all(
@@ -1898,42 +1873,15 @@ fn a_follower_down_too_long_is_replaced_through_a_staged_copy_and_nothing_is_los
         .find(|m| *m != leader)
         .unwrap();
     let spare = (0..3).find(|n| *n != leader && *n != follower).unwrap();
-    let acked: Acked = Arc::default();
+    let log: Published = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let (seeds, config) = (c.seeds(), c.client_config().unwrap());
     let publisher = {
-        let (acked, stop) = (acked.clone(), stop.clone());
-        std::thread::spawn(move || {
-            tokio::runtime::Runtime::new()
-                .unwrap()
-                .block_on(async move {
-                    let client = felix_client::ClusterClient::connect(&seeds, "localhost", config)
-                        .await
-                        .unwrap();
-                    let mut i = 0u64;
-                    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                        let payload = format!("r-{i}").into_bytes();
-                        i += 1;
-                        let publish = client.publish(
-                            TENANT,
-                            NAMESPACE,
-                            "restored",
-                            payload.clone(),
-                            AckMode::PerMessage,
-                        );
-                        if let Ok(Ok(Some(o))) =
-                            tokio::time::timeout(Duration::from_secs(2), publish).await
-                        {
-                            let old = acked.lock().unwrap().insert(o, payload);
-                            assert!(old.is_none(), "offset {o} acknowledged twice");
-                        }
-                    }
-                })
-        })
+        let (log, stop, client) = (log.clone(), stop.clone(), client_of(&c));
+        std::thread::spawn(move || publish_one_at_a_time(client, "restored", log, stop))
     };
     wait_for("acked writes", Duration::from_secs(30), || {
-        (acked.lock().unwrap().len() >= 50).then_some(())
+        (log.lock().unwrap().len() >= 50).then_some(())
     })
     .unwrap();
     let killed = Instant::now();
@@ -1954,18 +1902,18 @@ fn a_follower_down_too_long_is_replaced_through_a_staged_copy_and_nothing_is_los
     })
     .unwrap();
     let restored_after = killed.elapsed();
-    let acked_then = acked.lock().unwrap().len();
+    let acked_then = log.lock().unwrap().len();
     wait_for(
         "writes acknowledged by the restored set",
         Duration::from_secs(20),
-        || (acked.lock().unwrap().len() >= acked_then + 50).then_some(()),
+        || (log.lock().unwrap().len() >= acked_then + 50).then_some(()),
     )
     .unwrap();
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    publisher.join().unwrap();
+    let failed = publisher.join().unwrap();
     eprintln!(
-        "follower killed; set restored after {restored_after:?}: {done}; {} acked",
-        acked.lock().unwrap().len()
+        "follower killed; set restored after {restored_after:?}: {done}; {} acked; failed: {failed:?}",
+        log.lock().unwrap().len()
     );
     assert_eq!(c.index(done["leader"].as_str().unwrap()), leader);
     // Stage (same generation), join, retire.
@@ -1974,7 +1922,9 @@ fn a_follower_down_too_long_is_replaced_through_a_staged_copy_and_nothing_is_los
         generation + 2,
         "{done}"
     );
-    let acked = acked.lock().unwrap().clone();
+    let log = log.lock().unwrap().clone();
+    let acked: BTreeMap<u64, Vec<u8>> = log.iter().map(|(_, _, o, p)| (*o, p.clone())).collect();
+    assert_eq!(acked.len(), log.len(), "no offset acknowledged twice");
     let read = rt.block_on(read_all(
         &c,
         "restored",

@@ -1985,29 +1985,22 @@ mod tests {
         // A new generation with b unreachable: c's fence does not make a majority.
         p.cut_off = Some(id("b"));
         assign(&mut p, 2);
-        for _ in 0..3 {
+        let resend_time = |p: &mut Pair| {
             p.now += RESEND_AFTER;
             let now = p.now;
-            p.nodes
-                .get_mut(&id("a"))
-                .expect("a")
-                .replica
-                .handle_timeout(now);
+            let a = p.nodes.get_mut(&id("a")).expect("a");
+            a.replica.handle_timeout(now);
             p.settle();
+        };
+        for _ in 0..3 {
+            resend_time(&mut p);
         }
         assert!(
             !p.nodes[&id("a")].replica.serving(),
             "no majority without b"
         );
         p.cut_off = None;
-        p.now += RESEND_AFTER;
-        let now = p.now;
-        p.nodes
-            .get_mut(&id("a"))
-            .expect("a")
-            .replica
-            .handle_timeout(now);
-        p.settle();
+        resend_time(&mut p);
         assert!(p.nodes[&id("a")].replica.serving(), "b's fence makes it");
     }
 
