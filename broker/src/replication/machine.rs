@@ -1057,6 +1057,30 @@ impl Replica {
             let keep = self.epochs_through(first);
             self.out.push_back(Output::KeepEpochs(keep));
         }
+        // A message starting below our base (we were bootstrapped at the leader's base,
+        // past where the sender resumed) names, with its batches below the base, the
+        // generation of the record just before the base: committed, equal everywhere.
+        // Without it this log took its records for generation 0, reported so in a later
+        // election, lost it to a shorter log, and committed records were cut
+        // (simulator seed 302,925).
+        let base = self.log.base;
+        if first < base
+            && prev_generation != BELOW_BASE
+            && batches.iter().any(|b| b.end() >= base)
+            && self.log.epochs.range(..base).next_back().is_none()
+        {
+            let mut at_base = prev_generation;
+            for b in batches.iter().take_while(|b| b.base < base) {
+                if let BatchKind::GenerationStart(g) = b.kind {
+                    at_base = g;
+                }
+            }
+            if at_base != 0 {
+                self.log.epochs.insert(base - 1, at_base);
+                let keep = self.epochs_through(base);
+                self.out.push_back(Output::KeepEpochs(keep));
+            }
+        }
         // An empty message (a commit heartbeat) verifies only what precedes it.
         let end = batches.last().map_or(prev.0, Batch::end);
         match self.compare(prev, &batches) {

@@ -1092,6 +1092,19 @@ mod tests {
                 },
             );
         }
+        // 302,925: a replica bootstrapped at its leader's base never learned the
+        // generation at its base from a message starting below it (`ingest`).
+        run(
+            302_925,
+            SimConfig {
+                nodes: 5,
+                members: 3,
+                staged_moves: 0.05,
+                crash: 0.008,
+                loss: 0.05,
+                ..SimConfig::default()
+            },
+        );
         let moves = MOVES_CUT_OVER.load(std::sync::atomic::Ordering::Relaxed) - before;
         eprintln!("staged moves cut over in 600 runs: {moves}");
         assert!(moves >= 300, "the runs exercised staged moves: {moves}");
