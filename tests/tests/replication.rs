@@ -165,6 +165,27 @@ fn client_of(c: &TestCluster) -> (Vec<std::net::SocketAddr>, felix_client::Clien
     (c.seeds(), c.client_config().unwrap())
 }
 
+/// Checks the stream's log against what [`publish_one_at_a_time`] had acknowledged:
+/// no offset acknowledged twice, every acknowledged record at its offset, no record in
+/// the log twice. Answers (acknowledged, read back) by offset.
+fn check_published(
+    c: &TestCluster,
+    stream: &str,
+    log: &[(Instant, Instant, u64, Vec<u8>)],
+) -> (BTreeMap<u64, Vec<u8>>, BTreeMap<u64, Vec<u8>>) {
+    let acked: BTreeMap<u64, Vec<u8>> = log.iter().map(|(_, _, o, p)| (*o, p.clone())).collect();
+    assert_eq!(acked.len(), log.len(), "no offset acknowledged twice");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let read = rt.block_on(read_all(c, stream, acked.keys().next_back().unwrap() + 1));
+    check_nothing_lost(&acked, &read);
+    let mut payloads: Vec<_> = read.values().collect();
+    let total = payloads.len();
+    payloads.sort();
+    payloads.dedup();
+    assert_eq!(payloads.len(), total, "no record in the log twice");
+    (acked, read)
+}
+
 fn move_shard(c: &TestCluster, kind: &str, name: &str, to: usize) {
     c.admin
         .post(
@@ -1153,20 +1174,7 @@ fn twenty_planned_moves_under_load_lose_and_double_nothing() {
         refused <= 20,
         "{refused} publishes refused in 20 moves: {failed:?}"
     );
-    let acked: BTreeMap<u64, Vec<u8>> = log.iter().map(|(_, _, o, p)| (*o, p.clone())).collect();
-    assert_eq!(acked.len(), log.len(), "no offset acknowledged twice");
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let read = rt.block_on(read_all(
-        &c,
-        "moves20",
-        acked.keys().next_back().unwrap() + 1,
-    ));
-    check_nothing_lost(&acked, &read);
-    let mut payloads: Vec<_> = read.values().collect();
-    let total = payloads.len();
-    payloads.sort();
-    payloads.dedup();
-    assert_eq!(payloads.len(), total, "no record in the log twice");
+    let (acked, read) = check_published(&c, "moves20", &log);
     // The subscriber resumed at the right offset after every move: each record once, in
     // offset order, the log's own payload at each offset, every acknowledged one there.
     let delivered = delivered.lock().unwrap().clone();
@@ -1821,20 +1829,7 @@ fn a_move_to_a_broker_outside_the_set_stages_a_copy_and_loses_nothing() {
         "4 staged moves: request to settled {took:?}; {} acked; failed or timed out: {failed:?}",
         log.len()
     );
-    let acked: BTreeMap<u64, Vec<u8>> = log.iter().map(|(_, _, o, p)| (*o, p.clone())).collect();
-    assert_eq!(acked.len(), log.len(), "no offset acknowledged twice");
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let read = rt.block_on(read_all(
-        &c,
-        "staged",
-        acked.keys().next_back().unwrap() + 1,
-    ));
-    check_nothing_lost(&acked, &read);
-    let mut payloads: Vec<_> = read.values().collect();
-    let total = payloads.len();
-    payloads.sort();
-    payloads.dedup();
-    assert_eq!(payloads.len(), total, "no record in the log twice");
+    check_published(&c, "staged", &log);
     let refused: u64 = failed
         .iter()
         .filter(|(e, _)| e.contains("shard unavailable"))

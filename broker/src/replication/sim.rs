@@ -1059,38 +1059,21 @@ mod tests {
     #[test]
     fn staged_moves_to_nodes_outside_the_set_lose_nothing() {
         let before = MOVES_CUT_OVER.load(std::sync::atomic::Ordering::Relaxed);
+        // `members` of the set on `nodes` nodes, staged moves and restores.
+        let staged = |nodes, members| SimConfig {
+            nodes,
+            members,
+            staged_moves: 0.05,
+            ..SimConfig::default()
+        };
         for seed in 0..300 {
-            run(
-                20_000 + seed,
-                SimConfig {
-                    nodes: 4,
-                    members: 3,
-                    staged_moves: 0.05,
-                    ..SimConfig::default()
-                },
-            );
-            run(
-                30_000 + seed,
-                SimConfig {
-                    nodes: 3,
-                    members: 2,
-                    staged_moves: 0.05,
-                    ..SimConfig::default()
-                },
-            );
+            run(20_000 + seed, staged(4, 3));
+            run(30_000 + seed, staged(3, 2));
         }
         // Seeds that found bugs: 108,351 (a candidate cut a stale log mid-batch on a
         // message from its source's base; `compare`), 21,658 (retiring on "serving").
         for seed in [108_351, 21_658] {
-            run(
-                seed,
-                SimConfig {
-                    nodes: 4,
-                    members: 3,
-                    staged_moves: 0.05,
-                    ..SimConfig::default()
-                },
-            );
+            run(seed, staged(4, 3));
         }
         // 302,925: a replica bootstrapped at its leader's base never learned the
         // generation at its base from a message starting below it (`ingest`).
