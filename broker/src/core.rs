@@ -409,6 +409,8 @@ pub struct CoreMetrics {
     pub replication_lag_records: AtomicU64,
     /// Followers halted (they would have to cut committed records).
     pub replication_halted: AtomicU64,
+    /// Copies of replicated shards removed after this broker left their set.
+    pub replicas_left: AtomicU64,
     /// Quorum publishes answered outcome-unknown (no majority in time, or leadership
     /// changed first).
     pub quorum_unknown: AtomicU64,
@@ -1771,7 +1773,7 @@ impl CoreBroker {
                 }
                 (seen, last) = (version, std::time::Instant::now());
                 let catalog = core.shared.catalog.clone();
-                replicas
+                let left = replicas
                     .sync(
                         |k| core.owner(k) == core.core,
                         |k| {
@@ -1801,6 +1803,9 @@ impl CoreBroker {
                         },
                     )
                     .await;
+                for key in left {
+                    core.leave_replica(&key).await;
+                }
                 // Records from before a leader's term reach subscribers as its commit
                 // mark passes them: an empty batch at the new frontier makes every
                 // subscriber behind it read them from the log.
@@ -2656,6 +2661,11 @@ impl CoreBroker {
                 if self.owner(&key) != self.core {
                     continue;
                 }
+                // A replica of it stops too: left in place, it would keep the closed log
+                // and stand in for the shard of a stream re-created under this name.
+                if let Some(r) = &self.replicas {
+                    r.remove(&key);
+                }
                 self.close_shard(&key, false).await;
                 dirs.push(shard_dir(&self.shared.data_dir, &key));
             }
@@ -2698,6 +2708,33 @@ impl CoreBroker {
                 ),
                 Err(e) => tracing::warn!(error = %e, "removing a deleted stream's data"),
             }
+        }
+    }
+
+    /// Removes this broker's copy of a replicated shard whose set it left (see
+    /// `Replicas::sync`): the replica stops, the shard closes, its directory goes.
+    async fn leave_replica(&self, key: &ShardKey) {
+        let Some(replicas) = &self.replicas else {
+            return;
+        };
+        if replicas.remove(key).is_none() {
+            return;
+        }
+        self.close_shard(key, false).await;
+        let dir = shard_dir(&self.shared.data_dir, key);
+        let removed = task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(format!("{}: {e}", dir.display()))
+            }
+            _ => Ok(()),
+        })
+        .await;
+        match removed {
+            Ok(()) => {
+                self.metrics.replicas_left.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(shard = %key, "removed the copy of a shard whose set this broker left");
+            }
+            Err(e) => tracing::warn!(shard = %key, error = %e, "removing a left shard's copy"),
         }
     }
 

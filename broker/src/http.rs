@@ -245,6 +245,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         "Segments removed by retention.",
         |m| m.retention_segments_removed.load(Ordering::Relaxed),
     ),
+    (
+        "felix_broker_replicas_left_total",
+        "counter",
+        "Copies of replicated shards removed after this broker left their set.",
+        |m| m.replicas_left.load(Ordering::Relaxed),
+    ),
 ];
 
 /// Renders every metric in the OpenMetrics text format, through `prometheus-client`.

@@ -1928,3 +1928,169 @@ fn a_follower_down_too_long_is_replaced_through_a_staged_copy_and_nothing_is_los
     ));
     check_nothing_lost(&acked, &read);
 }
+
+/// Publishes `n` records one at a time (each retried until acknowledged); answers
+/// offset -> payload.
+async fn publish_n(c: &TestCluster, stream: &str, tag: &str, n: usize) -> BTreeMap<u64, Vec<u8>> {
+    let client =
+        felix_client::ClusterClient::connect(&c.seeds(), "localhost", c.client_config().unwrap())
+            .await
+            .unwrap();
+    let mut acked = BTreeMap::new();
+    for i in 0..n {
+        let payload = format!("{tag}-{i}").into_bytes();
+        let o = client
+            .publish_at_least_once(
+                TENANT,
+                NAMESPACE,
+                stream,
+                payload.clone(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            acked.insert(o, payload).is_none(),
+            "offset {o} acknowledged twice"
+        );
+    }
+    acked
+}
+
+#[test]
+fn a_deleted_replicated_stream_leaves_every_broker_and_its_name_comes_back_empty() {
+    let mut c = cluster();
+    c.create_stream("doomed", 1, 3, "Quorum").unwrap();
+    c.wait_leader("doomed", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let old = rt.block_on(publish_n(&c, "doomed", "old", 50));
+    let dirs: Vec<_> = c
+        .brokers
+        .iter()
+        .map(|b| {
+            b.data_dir
+                .join(format!("streams/{TENANT}/{NAMESPACE}/doomed"))
+        })
+        .collect();
+    wait_for("a copy on every broker", Duration::from_secs(10), || {
+        dirs.iter().all(|d| d.join("0").exists()).then_some(())
+    })
+    .unwrap();
+    let streams = format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/streams");
+    c.admin.delete(&format!("{streams}/doomed")).unwrap();
+    wait_for(
+        "the deleted stream's data to leave every broker",
+        Duration::from_secs(30),
+        || dirs.iter().all(|d| !d.exists()).then_some(()),
+    )
+    .unwrap();
+    // The name comes back with nothing of the old stream in it, on every broker: its
+    // leader writes from the start and its followers hold what it ships.
+    wait_for("the name to be free again", Duration::from_secs(10), || {
+        c.create_stream("doomed", 1, 3, "Quorum").ok()
+    })
+    .unwrap();
+    c.wait_leader("doomed", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let new = rt.block_on(publish_n(&c, "doomed", "new", 20));
+    // Offsets as in the old stream's beginning (after its leader's generation start),
+    // not after its end.
+    assert_eq!(
+        new.keys().collect::<Vec<_>>(),
+        old.keys().take(20).collect::<Vec<_>>(),
+        "the re-created stream starts where the old one did, not at its end {:?}",
+        old.keys().next_back()
+    );
+    let read = rt.block_on(read_all(&c, "doomed", 20));
+    assert_eq!(
+        read, new,
+        "the re-created stream holds exactly its own records"
+    );
+    // Every broker serves it after its leader goes: kill the leader and read again.
+    let (leader, g) = c
+        .wait_leader("doomed", 0, None, 0, Duration::from_secs(5))
+        .unwrap();
+    c.brokers[leader].kill();
+    c.wait_leader("doomed", 0, Some(leader), g, Duration::from_secs(20))
+        .unwrap();
+    let read = rt.block_on(read_all(&c, "doomed", 20));
+    assert_eq!(read, new, "its new leader holds exactly the new records");
+}
+
+/// Members of an assignment, by broker index, sorted.
+fn members_of(c: &TestCluster, a: &serde_json::Value) -> Vec<usize> {
+    let mut m: Vec<usize> = a["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| c.index(r.as_str().unwrap()))
+        .collect();
+    m.sort_unstable();
+    m
+}
+
+/// Moves shard 0 of `stream` to the broker outside its set and waits for the move to
+/// settle; answers (from, to).
+fn move_to_the_broker_outside(c: &TestCluster, stream: &str) -> (usize, usize) {
+    let a = c.assignment(stream, 0).unwrap();
+    let set = members_of(c, &a);
+    let to = (0..3).find(|n| !set.contains(n)).unwrap();
+    let from = c.index(a["leader"].as_str().unwrap());
+    move_shard(c, "stream", stream, to);
+    wait_for("the staged move to finish", Duration::from_secs(30), || {
+        let a = c.assignment(stream, 0)?;
+        (c.index(a["leader"].as_str()?) == to
+            && a.get("staging").is_none()
+            && a.get("retiring").is_none())
+        .then_some(())
+    })
+    .unwrap();
+    (from, to)
+}
+
+#[test]
+fn a_broker_that_left_a_shards_set_removes_its_copy_and_can_be_staged_again_from_nothing() {
+    let c = cluster();
+    c.create_stream("moving", 1, 2, "Quorum").unwrap();
+    c.wait_leader("moving", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut acked = rt.block_on(publish_n(&c, "moving", "a", 100));
+    let (from, _) = move_to_the_broker_outside(&c, "moving");
+    let copy = c.brokers[from]
+        .data_dir
+        .join(format!("streams/{TENANT}/{NAMESPACE}/moving/0"));
+    assert!(copy.exists(), "kept through the grace period");
+    wait_for(
+        "the retired copy to be removed",
+        Duration::from_secs(20),
+        || (!copy.exists()).then_some(()),
+    )
+    .unwrap();
+    assert_eq!(
+        c.brokers[from]
+            .metric("felix_broker_replicas_left_total")
+            .unwrap(),
+        1
+    );
+    // Back to the broker that removed its copy: it is staged from nothing, leads, and
+    // holds everything acknowledged before and after.
+    acked.extend(rt.block_on(publish_n(&c, "moving", "b", 50)));
+    // The broker outside the set is `from` now.
+    let (_, to) = move_to_the_broker_outside(&c, "moving");
+    assert_eq!(to, from);
+    acked.extend(rt.block_on(publish_n(&c, "moving", "c", 50)));
+    let read = rt.block_on(read_all(
+        &c,
+        "moving",
+        acked.keys().next_back().unwrap() + 1,
+    ));
+    check_nothing_lost(&acked, &read);
+    assert_eq!(
+        read.len(),
+        acked.len(),
+        "and nothing else but generation starts"
+    );
+}

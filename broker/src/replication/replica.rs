@@ -119,7 +119,17 @@ pub struct ReplicaShard {
     store_era: Cell<u64>,
     /// What this leader claimed lately, as it is shipped (see [`ShipBuffer`]).
     shipping: RefCell<ShipBuffer>,
+    /// Forgotten by [`Replicas::remove`]: its driver stops.
+    stopped: Cell<bool>,
+    /// Since when the control plane's assignment has left this broker out of the set
+    /// (see [`Replicas::sync`]).
+    left_out_since: Cell<Option<std::time::Instant>>,
 }
+
+/// How long a replica whose set this broker left is kept before its data is removed:
+/// the control plane's word is final (generations only grow), so this is a margin for
+/// an operator's second thoughts, not for safety.
+pub const LEFT_OUT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Bytes of recent claims a leader keeps to ship from memory.
 const SHIP_BUFFER_BYTES: usize = 8 << 20;
@@ -683,6 +693,24 @@ impl Replicas {
         self.shards.borrow().get(key).cloned()
     }
 
+    /// Stops driving `key`'s replica and forgets it: its stream or cache was deleted, or
+    /// this broker left its set. A write waiting for its commit fails (outcome unknown).
+    /// The caller closes the shard; a later assignment naming this broker again opens a
+    /// new replica.
+    pub fn remove(&self, key: &ShardKey) -> Option<Rc<ReplicaShard>> {
+        let rs = self.shards.borrow_mut().remove(key)?;
+        rs.stopped.set(true);
+        rs.ready.set(false);
+        rs.term.set(rs.term.get() + 1);
+        let waiting = std::mem::take(&mut *rs.waiters.borrow_mut());
+        waiting.into_values().flatten().for_each(Waker::wake);
+        rs.kick();
+        if let Ok(mut all) = self.cluster.reports.lock() {
+            all.remove(key);
+        }
+        Some(rs)
+    }
+
     /// Every replica this core drives.
     pub fn all(&self) -> Vec<Rc<ReplicaShard>> {
         self.shards.borrow().values().cloned().collect()
@@ -936,12 +964,19 @@ impl Replicas {
     /// Brings this core's replicas in line with the control plane's assignments:
     /// opens a replica for every replicated stream or cache shard this broker is in the
     /// set of and this core owns, and hands each its assignment. `open` opens the shard.
+    ///
+    /// Answers the replicas whose set this broker left [`LEFT_OUT_GRACE`] ago or more,
+    /// for the caller to remove with their data: the control plane wrote a newer
+    /// generation without this broker, which it does only once the new set holds what
+    /// was committed (a move's retirement waits for a commit in the new generation; a
+    /// replaced or drained member was one copy of a majority that stays).
     pub async fn sync<F, Fut>(
         self: &Rc<Self>,
         owned: impl Fn(&ShardKey) -> bool,
         replicated: impl Fn(&ShardKey) -> Option<Consistency>,
         open: F,
-    ) where
+    ) -> Vec<Arc<ShardKey>>
+    where
         F: Fn(Arc<ShardKey>) -> Fut,
         Fut: std::future::Future<Output = Result<Held, BrokerError>>,
     {
@@ -990,6 +1025,27 @@ impl Replicas {
                 rs.kick();
             }
         }
+        let now = std::time::Instant::now();
+        let mut left = Vec::new();
+        for rs in self.all() {
+            let left_out = view.routes.get(&*rs.key).is_some_and(|r| {
+                r.generation > rs.generation.get()
+                    && !r
+                        .replicas
+                        .iter()
+                        .chain(r.learners.iter())
+                        .any(|n| **n == *self.me)
+            });
+            if !left_out {
+                rs.left_out_since.set(None);
+                continue;
+            }
+            let since = rs.left_out_since.get().unwrap_or(now);
+            rs.left_out_since.set(Some(since));
+            if now.duration_since(since) >= LEFT_OUT_GRACE && !rs.serving() {
+                left.push(rs.key.clone());
+            }
+        }
         // Reports of the shards this core leads.
         let mut reports = Vec::new();
         let mut lag = 0u64;
@@ -1020,6 +1076,7 @@ impl Replicas {
             all.retain(|k, _| !self.shards.borrow().contains_key(k));
             all.extend(reports);
         }
+        left
     }
 
     async fn open<F, Fut>(
@@ -1081,6 +1138,8 @@ impl Replicas {
             stores_in_flight: Cell::new(0),
             store_era: Cell::new(0),
             shipping: RefCell::default(),
+            stopped: Cell::new(false),
+            left_out_since: Cell::new(None),
         });
         self.shards.borrow_mut().insert(key, rs.clone());
         let (this, driven) = (self.clone(), rs.clone());
@@ -1091,6 +1150,9 @@ impl Replicas {
     /// The driver of one replica: carries out its outputs in order, and its timers.
     async fn drive(self: Rc<Self>, rs: Rc<ReplicaShard>) {
         loop {
+            if rs.stopped.get() {
+                return;
+            }
             loop {
                 let next = rs.machine.borrow_mut().poll_output();
                 let Some(out) = next else { break };
