@@ -211,7 +211,8 @@ pub struct LogConfig {
     pub fsync: FsyncMode,
     /// Under `None` and `Periodic` (which acknowledge before the write): how long the
     /// flusher lets appends gather before it writes them, so that one device write
-    /// carries many one-at-a-time appends. Adds this much to the crash loss window and
+    /// carries many one-at-a-time appends; an append made after half of it starts the
+    /// write at once. Adds this much to the crash loss window and
     /// to the wait of a reader asking for a record not yet written; acks do not wait.
     /// Zero writes at once.
     pub write_linger: Duration,
@@ -496,6 +497,9 @@ struct State<F> {
     /// Waiters for the acknowledged end to pass a value: end needed -> wakers.
     ack_waiters: BTreeMap<u64, Vec<Waker>>,
     flusher: Option<Waker>,
+    /// A lingering flusher's waker and the time from which an append may end its linger
+    /// (see [`flusher`]).
+    linger_kick: Option<(Instant, Waker)>,
     /// Device times since they were last taken.
     device_latency: DeviceLatency,
     sync_requested: bool,
@@ -664,6 +668,7 @@ impl<B: Backend> SegmentLog<B> {
             era: Rc::default(),
             ack_waiters: BTreeMap::new(),
             flusher: None,
+            linger_kick: None,
             device_latency: DeviceLatency::default(),
             sync_requested: false,
             poisoned: None,
@@ -876,6 +881,14 @@ impl<B: Backend> SegmentLog<B> {
         st.last_batch = Some((first, kind));
         st.stats.appends += 1;
         if let Some(w) = st.flusher.take() {
+            w.wake();
+        }
+        if st
+            .linger_kick
+            .as_ref()
+            .is_some_and(|(from, _)| Instant::now() >= *from)
+            && let Some((_, w)) = st.linger_kick.take()
+        {
             w.wake();
         }
         // Acknowledged now, unless the flusher is far behind: then this batch waits for
@@ -1558,8 +1571,26 @@ async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
                 && st.staged.iter().map(|c| c.bytes.len()).sum::<usize>() < LINGER_BYTES_MAX
         } {
             // The appends are acknowledged already (step 4): let more gather so one
-            // write carries them.
-            glommio::timer::sleep(linger).await;
+            // write carries them. An append made after half the linger ends it, so a
+            // steady one-at-a-time producer starts each write from its own wake-up
+            // rather than the core waking once more for a timer; the timer is for the
+            // last append before a pause.
+            let from = Instant::now() + linger / 2;
+            let mut armed = false;
+            futures_lite::future::or(glommio::timer::sleep(linger), async {
+                poll_fn(|cx| {
+                    let mut st = shared.state.borrow_mut();
+                    if armed && st.linger_kick.is_none() {
+                        return Poll::Ready(());
+                    }
+                    armed = true;
+                    st.linger_kick = Some((from, cx.waker().clone()));
+                    Poll::Pending
+                })
+                .await;
+            })
+            .await;
+            shared.state.borrow_mut().linger_kick = None;
         }
         let result = flush_round(&shared, &mut buf).await;
         let mut st = shared.state.borrow_mut();

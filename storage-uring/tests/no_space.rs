@@ -823,3 +823,47 @@ fn without_fsync_a_write_linger_gathers_one_at_a_time_appends_into_one_write() {
         }
     });
 }
+
+/// An append made after half the linger starts the write at once: a steady producer's
+/// writes go from its own wake-ups, not from one more for the timer. The linger still
+/// bounds how long the last append before a pause waits.
+#[test]
+fn without_fsync_an_append_after_half_the_linger_starts_the_write() {
+    run(|| async {
+        let linger = Duration::from_millis(1000);
+        let mem = MemBackend::new();
+        let none = LogConfig {
+            fsync: FsyncMode::None,
+            write_linger: linger,
+            ..cfg()
+        };
+        let (log, _) = SegmentLog::open(mem.clone(), none).await.unwrap();
+        let start = Instant::now();
+        log.append(&[payload(0, 100)], 0).await.unwrap();
+        glommio::timer::sleep(Duration::from_millis(600)).await;
+        let rounds = log.stats().flush_rounds;
+        log.append(&[payload(1, 100)], 0).await.unwrap();
+        // Both written long before the linger's timer (1 s after the first).
+        let read = log.read(1, 1 << 20).await.unwrap();
+        assert_eq!(read.last().unwrap().end_offset(), 2);
+        let waited = start.elapsed();
+        assert!(
+            waited < Duration::from_millis(900),
+            "written {waited:?} after the first append"
+        );
+        assert_eq!(
+            log.stats().flush_rounds,
+            rounds + 1,
+            "one write carries both"
+        );
+        // The last append before a pause is written when the linger ends.
+        let last = Instant::now();
+        log.append(&[payload(2, 100)], 0).await.unwrap();
+        log.read(2, 1 << 20).await.unwrap();
+        let waited = last.elapsed();
+        assert!(
+            waited >= Duration::from_millis(900) && waited < Duration::from_millis(3000),
+            "the lone append waited {waited:?}"
+        );
+    });
+}
