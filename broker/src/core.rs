@@ -507,6 +507,9 @@ pub struct Shared {
 pub mod follow;
 #[path = "core/idempotent.rs"]
 mod idempotent;
+#[path = "core/left.rs"]
+mod left;
+pub use left::empty_trash as empty_left_copies_trash;
 #[path = "core/moves.rs"]
 pub mod moves;
 #[path = "core/takeover.rs"]
@@ -659,6 +662,9 @@ pub struct CoreBroker {
     /// Per shard since the last load report: small requests this core received for it
     /// and, for shards it owns, small deliveries it sent to each core (index = core).
     load: RefCell<HashMap<Arc<ShardKey>, Vec<u32>>>,
+    /// Copies on disk of sets this broker was left out of while it was down, and since
+    /// when (`core/left.rs`).
+    left_copies: RefCell<left::LeftCopies>,
 }
 
 impl std::fmt::Debug for CoreBroker {
@@ -669,7 +675,7 @@ impl std::fmt::Debug for CoreBroker {
     }
 }
 
-fn shard_dir(root: &std::path::Path, key: &ShardKey) -> PathBuf {
+pub(crate) fn shard_dir(root: &std::path::Path, key: &ShardKey) -> PathBuf {
     let kind = match key.kind {
         ShardKind::Stream => "streams",
         ShardKind::Cache => "caches",
@@ -745,6 +751,7 @@ impl CoreBroker {
             moving: RefCell::default(),
             closed_log_stats: Cell::new((0, 0)),
             takeover_held: RefCell::default(),
+            left_copies: RefCell::default(),
             handed_over: RefCell::default(),
             load: RefCell::default(),
         })
@@ -2628,6 +2635,7 @@ impl CoreBroker {
                 }
                 core.finish_deletions().await;
                 core.enforce_retention().await;
+                core.remove_copies_left_while_down().await;
                 core.expire_cache_values().await;
                 core.cut_replicated_caches().await;
             }
@@ -2711,37 +2719,10 @@ impl CoreBroker {
         }
     }
 
-    /// Removes this broker's copy of a replicated shard whose set it left (see
-    /// `Replicas::sync`): the replica stops, the shard closes, its directory goes.
-    async fn leave_replica(&self, key: &ShardKey) {
-        let Some(replicas) = &self.replicas else {
-            return;
-        };
-        if replicas.remove(key).is_none() {
-            return;
-        }
-        self.close_shard(key, false).await;
-        let dir = shard_dir(&self.shared.data_dir, key);
-        let removed = task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                Err(format!("{}: {e}", dir.display()))
-            }
-            _ => Ok(()),
-        })
-        .await;
-        match removed {
-            Ok(()) => {
-                self.metrics.replicas_left.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(shard = %key, "removed the copy of a shard whose set this broker left");
-            }
-            Err(e) => tracing::warn!(shard = %key, error = %e, "removing a left shard's copy"),
-        }
-    }
-
     /// Closes `key`'s log (stream or cache) on this core. With `seal`, a large newest
     /// segment is sealed too, so the core taking the shard over loads its index instead
     /// of scanning it. True when everything went cleanly.
-    async fn close_shard(&self, key: &ShardKey, seal: bool) -> bool {
+    pub(crate) async fn close_shard(&self, key: &ShardKey, seal: bool) -> bool {
         // An open under way finishes first, and the close takes what it opened. Removing
         // its slot instead left the opener to put the log back as ready after the close
         // (a deleted stream's log, its files unlinked, served to a stream re-created

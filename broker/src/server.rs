@@ -154,6 +154,7 @@ pub fn start(
     }
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|e| anyhow::anyhow!("data dir {}: {e}", config.data_dir.display()))?;
+    crate::core::empty_left_copies_trash(&config.data_dir);
     let reset_secret = reset_secret(&config.data_dir)?;
     let catalog = Arc::new(Catalog::open(
         Some(config.data_dir.join("catalog.json")),

@@ -1927,6 +1927,31 @@ fn a_follower_down_too_long_is_replaced_through_a_staged_copy_and_nothing_is_los
         acked.keys().next_back().unwrap() + 1,
     ));
     check_nothing_lost(&acked, &read);
+    // The replaced follower comes back: its copy, left out of the set while it was
+    // down, is removed (no replica opens it), and nothing else of the stream changes.
+    let copy = c.brokers[follower]
+        .data_dir
+        .join(format!("streams/{TENANT}/{NAMESPACE}/restored/0"));
+    assert!(copy.join("replica").exists(), "the killed follower's copy");
+    c.brokers[follower].restart().unwrap();
+    wait_for(
+        "the replaced follower's copy to be removed",
+        Duration::from_secs(30),
+        || (!copy.exists()).then_some(()),
+    )
+    .unwrap();
+    assert_eq!(
+        c.brokers[follower]
+            .metric("felix_broker_replicas_left_total")
+            .unwrap(),
+        1
+    );
+    let read = rt.block_on(read_all(
+        &c,
+        "restored",
+        acked.keys().next_back().unwrap() + 1,
+    ));
+    check_nothing_lost(&acked, &read);
 }
 
 /// Publishes `n` records one at a time (each retried until acknowledged); answers

@@ -37,7 +37,7 @@ use crate::shard::{CacheShard, StreamShard};
 use felix_storage_uring::{DmaBackend, SegmentLog};
 
 /// The meta file holding a replica's ballot and commit mark.
-const META_FILE: &str = "replica";
+pub const META_FILE: &str = "replica";
 /// Generation starts whose records the log no longer holds (see
 /// [`super::machine::Output::KeepEpochs`]): JSON `[[offset, generation], ..]`.
 const EPOCHS_FILE: &str = "epochs";
@@ -709,6 +709,38 @@ impl Replicas {
             all.remove(key);
         }
         Some(rs)
+    }
+
+    /// Replicated shards (more than one copy) whose current set leaves this broker out
+    /// and that this core owns and does not drive, with their assignment's generation:
+    /// what a copy on disk was left out of while this broker was down.
+    pub fn not_driven_left_out(&self, owned: impl Fn(&ShardKey) -> bool) -> Vec<(ShardKey, u64)> {
+        let view = self.cluster.view();
+        let shards = self.shards.borrow();
+        view.routes
+            .iter()
+            .filter(|(k, r)| {
+                r.replicas.len() > 1
+                    && !r
+                        .replicas
+                        .iter()
+                        .chain(r.learners.iter())
+                        .any(|n| **n == *self.me)
+                    && owned(k)
+                    && !shards.contains_key(*k)
+            })
+            .map(|(k, r)| (k.clone(), r.generation))
+            .collect()
+    }
+
+    /// Whether the control plane's current assignment of `key` names this broker.
+    pub fn named(&self, key: &ShardKey) -> bool {
+        self.cluster.view().routes.get(key).is_none_or(|r| {
+            r.replicas
+                .iter()
+                .chain(r.learners.iter())
+                .any(|n| **n == *self.me)
+        })
     }
 
     /// Every replica this core drives.
