@@ -39,6 +39,9 @@ pub struct Route {
     /// A copy being staged for a move: shipped to, not a member (see
     /// `replication::machine::Assignment::learners`).
     pub learners: Arc<[Arc<str>]>,
+    /// The generation an operator's abandon wrote: copies that accepted an older one
+    /// are kept for manual recovery (`core/left.rs`).
+    pub abandoned: Option<u64>,
 }
 
 /// The routing snapshot: replaced whole, never patched.
@@ -139,6 +142,8 @@ pub struct Cluster {
     pub sync_status: std::sync::Mutex<SyncStatus>,
     /// Syncs that failed (the last snapshot kept).
     pub sync_failures: AtomicU64,
+    /// When the last good sync completed (ns after `clock_base`; 0: none yet).
+    good_sync_ns: AtomicU64,
 }
 
 /// What the broker could not take from the control plane at its last sync.
@@ -171,6 +176,7 @@ impl Cluster {
             draining: AtomicBool::new(false),
             sync_status: std::sync::Mutex::default(),
             sync_failures: AtomicU64::new(0),
+            good_sync_ns: AtomicU64::new(0),
         }
     }
 
@@ -239,6 +245,8 @@ impl Cluster {
     /// A sync from the control plane that started at `started` completed: a lease
     /// renewed while lapsed counts from now on if the sync began after that renewal.
     pub fn synced_at(&self, started: Instant) {
+        let now_ns = self.clock_base.elapsed().as_nanos() as u64;
+        self.good_sync_ns.store(now_ns.max(1), Ordering::Release);
         let started_ns = started
             .saturating_duration_since(self.clock_base)
             .as_nanos() as u64;
@@ -247,6 +255,14 @@ impl Cluster {
             self.lease_until
                 .fetch_max(self.pending_lease.load(Ordering::Acquire), Ordering::AcqRel);
         }
+    }
+
+    /// Whether the assignments were read from the control plane within `within`.
+    pub fn view_fresh(&self, within: Duration) -> bool {
+        let at = self.good_sync_ns.load(Ordering::Acquire);
+        at != 0
+            && (self.clock_base.elapsed().as_nanos() as u64).saturating_sub(at)
+                <= within.as_nanos() as u64
     }
 
     /// Whether the latest assignments this broker has read name it leader of `key` at
@@ -348,6 +364,9 @@ struct AssignmentDoc {
     /// The destination of a move while its copy is staged.
     #[serde(default)]
     staging: Option<String>,
+    /// The generation an operator's abandon wrote.
+    #[serde(default)]
+    abandoned: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -587,6 +606,7 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
                     a.replicas.iter().map(|r| Arc::from(r.as_str())).collect()
                 },
                 learners: a.staging.iter().map(|n| Arc::from(n.as_str())).collect(),
+                abandoned: a.abandoned,
                 leader: a.leader.into(),
                 addr,
                 generation: a.generation,

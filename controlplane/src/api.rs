@@ -1746,6 +1746,7 @@ async fn abandon(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiResult
     let previous = std::mem::replace(&mut a.leader, leader);
     a.replicas = replicas;
     a.generation += 1;
+    a.abandoned = Some(a.generation);
     st.store
         .batch(vec![Op::Put {
             kind: Kind::Assignment,

@@ -287,6 +287,11 @@ pub struct Assignment {
     /// leader reports its generation committed over the enlarged set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retiring: Option<String>,
+    /// The generation an operator's abandon wrote (`POST /v1/placement/abandon`):
+    /// copies from before it are what a manual recovery would start from, so brokers
+    /// never remove them on their own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abandoned: Option<u64>,
 }
 
 /// Validates a resource name: 1-128 of `[A-Za-z0-9-_.]`, starting alphanumeric.

@@ -512,6 +512,7 @@ pub async fn pass_at(
                     staging: None,
                     replaces: None,
                     retiring: None,
+                    abandoned: None,
                 }),
                 expect: Expect::Absent,
             });
@@ -794,6 +795,7 @@ mod tests {
                     staging: None,
                     replaces: None,
                     retiring: None,
+                    abandoned: None,
                 };
                 self.put(Kind::Assignment, key(name), encode(&a)).await;
             }

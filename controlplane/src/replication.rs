@@ -263,6 +263,7 @@ mod tests {
             staging: None,
             replaces: None,
             retiring: None,
+            abandoned: None,
         }
     }
 

@@ -1348,6 +1348,8 @@ fn replication_scenario(svc: &Service) {
     assert_ne!(moved.leader, leader);
     assert_eq!(moved.replicas, std::slice::from_ref(&moved.leader));
     assert_eq!(moved.generation, 2);
+    // Marked, so brokers keep what the old owner left for a manual recovery.
+    assert_eq!(moved.abandoned, Some(2));
     assert_eq!(get("ledger"), moved);
     let mut orders_key = ledger_key.clone();
     orders_key["name"] = json!("orders");

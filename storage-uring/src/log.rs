@@ -1096,9 +1096,7 @@ impl<B: Backend> SegmentLog<B> {
         let (claimed, era, cuts) = {
             let mut st = self.shared.state.borrow_mut();
             st.sync_requested = true;
-            if let Some(w) = st.flusher.take() {
-                w.wake();
-            }
+            wake_flusher_now(&mut st);
             (st.next_offset, st.era.clone(), st.cuts)
         };
         poll_fn(|cx| {
@@ -1118,9 +1116,7 @@ impl<B: Backend> SegmentLog<B> {
                 return Poll::Ready(Ok(()));
             }
             st.sync_requested = true;
-            if let Some(w) = st.flusher.take() {
-                w.wake();
-            }
+            wake_flusher_now(&mut st);
             // Durable waiters share the ack waiter list: a sync always wakes them.
             st.ack_waiters
                 .entry(target)
@@ -1395,9 +1391,7 @@ impl<B: Backend> SegmentLog<B> {
             let mut st = self.shared.state.borrow_mut();
             st.closing = true;
             st.sync_requested = true;
-            if let Some(w) = st.flusher.take() {
-                w.wake();
-            }
+            wake_flusher_now(&mut st);
         }
         let tasks: Vec<_> = self.tasks.borrow_mut().drain(..).collect();
         for t in tasks {
@@ -1528,10 +1522,18 @@ async fn periodic_sync<B: Backend>(shared: std::rc::Weak<Shared<B>>, interval: D
         }
         if st.written_end > st.durable_end {
             st.sync_requested = true;
-            if let Some(w) = st.flusher.take() {
-                w.wake();
-            }
+            wake_flusher_now(&mut st);
         }
+    }
+}
+
+/// Wakes the flusher, ending a write linger at once (a sync or a close asks for it).
+fn wake_flusher_now<F>(st: &mut State<F>) {
+    if let Some(w) = st.flusher.take() {
+        w.wake();
+    }
+    if let Some((_, w)) = st.linger_kick.take() {
+        w.wake();
     }
 }
 

@@ -830,7 +830,7 @@ fn without_fsync_a_write_linger_gathers_one_at_a_time_appends_into_one_write() {
 #[test]
 fn without_fsync_an_append_after_half_the_linger_starts_the_write() {
     run(|| async {
-        let linger = Duration::from_millis(1000);
+        let linger = Duration::from_millis(2000);
         let mem = MemBackend::new();
         let none = LogConfig {
             fsync: FsyncMode::None,
@@ -840,15 +840,15 @@ fn without_fsync_an_append_after_half_the_linger_starts_the_write() {
         let (log, _) = SegmentLog::open(mem.clone(), none).await.unwrap();
         let start = Instant::now();
         log.append(&[payload(0, 100)], 0).await.unwrap();
-        glommio::timer::sleep(Duration::from_millis(600)).await;
+        glommio::timer::sleep(Duration::from_millis(1200)).await;
         let rounds = log.stats().flush_rounds;
         log.append(&[payload(1, 100)], 0).await.unwrap();
-        // Both written long before the linger's timer (1 s after the first).
+        // Both written long before the linger's timer (2 s after the first).
         let read = log.read(1, 1 << 20).await.unwrap();
         assert_eq!(read.last().unwrap().end_offset(), 2);
         let waited = start.elapsed();
         assert!(
-            waited < Duration::from_millis(900),
+            waited < Duration::from_millis(1800),
             "written {waited:?} after the first append"
         );
         assert_eq!(
@@ -862,8 +862,17 @@ fn without_fsync_an_append_after_half_the_linger_starts_the_write() {
         log.read(2, 1 << 20).await.unwrap();
         let waited = last.elapsed();
         assert!(
-            waited >= Duration::from_millis(900) && waited < Duration::from_millis(3000),
+            waited >= Duration::from_millis(1800) && waited < Duration::from_millis(6000),
             "the lone append waited {waited:?}"
+        );
+        // A sync ends a linger at once.
+        log.append(&[payload(3, 100)], 0).await.unwrap();
+        let syncing = Instant::now();
+        log.sync().await.unwrap();
+        assert!(
+            syncing.elapsed() < Duration::from_millis(1000),
+            "a sync waited {:?} for the linger",
+            syncing.elapsed()
         );
     });
 }

@@ -121,6 +121,8 @@ pub struct ReplicaShard {
     shipping: RefCell<ShipBuffer>,
     /// Forgotten by [`Replicas::remove`]: its driver stops.
     stopped: Cell<bool>,
+    /// Its driver has stopped: it carries out nothing more.
+    driver_done: Cell<bool>,
     /// Since when the control plane's assignment has left this broker out of the set
     /// (see [`Replicas::sync`]).
     left_out_since: Cell<Option<std::time::Instant>>,
@@ -130,6 +132,24 @@ pub struct ReplicaShard {
 /// the control plane's word is final (generations only grow), so this is a margin for
 /// an operator's second thoughts, not for safety.
 pub const LEFT_OUT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A copy is removed only on assignments read from the control plane this recently (the
+/// feed resyncs every few seconds; a broker that cannot reach it removes nothing).
+pub const VIEW_FRESH: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether `r` leaves broker `me` out of a set of more than one copy in a way that lets
+/// a copy that accepted generation `accepted` go: at a newer generation, and not by an
+/// operator's abandon that came after it (see `core/left.rs`).
+fn left_out_of(me: &str, r: &Route, accepted: u64) -> bool {
+    r.replicas.len() > 1
+        && r.generation > accepted
+        && r.abandoned.is_none_or(|g| accepted >= g)
+        && !r
+            .replicas
+            .iter()
+            .chain(r.learners.iter())
+            .any(|n| **n == *me)
+}
 
 /// Bytes of recent claims a leader keeps to ship from memory.
 const SHIP_BUFFER_BYTES: usize = 8 << 20;
@@ -324,6 +344,11 @@ impl ReplicaShard {
     /// The generation this replica accepted.
     pub fn generation(&self) -> u64 {
         self.machine.borrow().generation()
+    }
+
+    /// The newest generation this replica was handed or accepted.
+    pub fn known_generation(&self) -> u64 {
+        self.generation.get().max(self.generation())
     }
 
     /// Where fanout should move to now, if a serving stream leader's commit mark has
@@ -711,36 +736,32 @@ impl Replicas {
         Some(rs)
     }
 
-    /// Replicated shards (more than one copy) whose current set leaves this broker out
-    /// and that this core owns and does not drive, with their assignment's generation:
-    /// what a copy on disk was left out of while this broker was down.
-    pub fn not_driven_left_out(&self, owned: impl Fn(&ShardKey) -> bool) -> Vec<(ShardKey, u64)> {
-        let view = self.cluster.view();
-        let shards = self.shards.borrow();
-        view.routes
-            .iter()
-            .filter(|(k, r)| {
-                r.replicas.len() > 1
-                    && !r
-                        .replicas
-                        .iter()
-                        .chain(r.learners.iter())
-                        .any(|n| **n == *self.me)
-                    && owned(k)
-                    && !shards.contains_key(*k)
-            })
-            .map(|(k, r)| (k.clone(), r.generation))
-            .collect()
+    /// For a copy on disk that no replica on this core drives and whose replica had
+    /// accepted generation `accepted`: whether the assignments, read from the control
+    /// plane within [`VIEW_FRESH`], left this broker out of its set (see
+    /// [`Replicas::sync`]).
+    pub fn left_out(&self, key: &ShardKey, accepted: u64) -> bool {
+        if !self.cluster.view_fresh(VIEW_FRESH) || self.shards.borrow().contains_key(key) {
+            return false;
+        }
+        self.cluster
+            .view()
+            .routes
+            .get(key)
+            .is_some_and(|r| left_out_of(&self.me, r, accepted))
     }
 
-    /// Whether the control plane's current assignment of `key` names this broker.
-    pub fn named(&self, key: &ShardKey) -> bool {
-        self.cluster.view().routes.get(key).is_none_or(|r| {
-            r.replicas
-                .iter()
-                .chain(r.learners.iter())
-                .any(|n| **n == *self.me)
-        })
+    /// Waits until the driver of `rs` (removed by [`Replicas::remove`]) has stopped
+    /// and no store of it is in flight; false if that takes longer than `within`.
+    pub async fn wait_stopped(rs: &ReplicaShard, within: Duration) -> bool {
+        let until = std::time::Instant::now() + within;
+        while !rs.driver_done.get() || rs.stores_in_flight.get() > 0 {
+            if std::time::Instant::now() >= until {
+                return false;
+            }
+            task::sleep(Duration::from_millis(1)).await;
+        }
+        true
     }
 
     /// Every replica this core drives.
@@ -1059,15 +1080,16 @@ impl Replicas {
         }
         let now = std::time::Instant::now();
         let mut left = Vec::new();
+        let fresh = self.cluster.view_fresh(VIEW_FRESH);
         for rs in self.all() {
-            let left_out = view.routes.get(&*rs.key).is_some_and(|r| {
-                r.generation > rs.generation.get()
-                    && !r
-                        .replicas
-                        .iter()
-                        .chain(r.learners.iter())
-                        .any(|n| **n == *self.me)
-            });
+            // Above every generation this replica was handed or accepted: a view that
+            // trails a re-add this replica already accepted never removes it.
+            let accepted = rs.known_generation();
+            let left_out = fresh
+                && view
+                    .routes
+                    .get(&*rs.key)
+                    .is_some_and(|r| left_out_of(&self.me, r, accepted));
             if !left_out {
                 rs.left_out_since.set(None);
                 continue;
@@ -1171,6 +1193,7 @@ impl Replicas {
             store_era: Cell::new(0),
             shipping: RefCell::default(),
             stopped: Cell::new(false),
+            driver_done: Cell::new(false),
             left_out_since: Cell::new(None),
         });
         self.shards.borrow_mut().insert(key, rs.clone());
@@ -1182,10 +1205,11 @@ impl Replicas {
     /// The driver of one replica: carries out its outputs in order, and its timers.
     async fn drive(self: Rc<Self>, rs: Rc<ReplicaShard>) {
         loop {
-            if rs.stopped.get() {
-                return;
-            }
             loop {
+                if rs.stopped.get() {
+                    rs.driver_done.set(true);
+                    return;
+                }
                 let next = rs.machine.borrow_mut().poll_output();
                 let Some(out) = next else { break };
                 self.carry_out(&rs, out).await;
@@ -1487,10 +1511,11 @@ async fn write_epochs(
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
+    use std::sync::Arc;
 
     use felix_storage_uring::{BatchKind as LogBatchKind, LogConfig, MemBackend, SegmentLog};
 
-    use super::{find_generation_starts, list_generation_starts};
+    use super::{find_generation_starts, left_out_of, list_generation_starts};
 
     async fn append(log: &SegmentLog<MemBackend>, kind: LogBatchKind, record: &[u8]) {
         let p = log
@@ -1554,6 +1579,36 @@ mod tests {
                 "then the list is used"
             );
         });
+    }
+
+    #[test]
+    fn a_copy_goes_only_when_a_newer_set_of_several_copies_leaves_it_out_and_no_abandon_followed_it()
+     {
+        let route = |generation: u64, replicas: &[&str], learners: &[&str], abandoned| {
+            crate::cluster::Route {
+                leader: replicas[0].into(),
+                addr: None,
+                generation,
+                replicas: replicas.iter().map(|r| Arc::from(*r)).collect(),
+                learners: learners.iter().map(|r| Arc::from(*r)).collect(),
+                abandoned,
+            }
+        };
+        // Retired after a move: a newer generation without it.
+        assert!(left_out_of("c", &route(5, &["a", "b"], &[], None), 4));
+        // Named: a member, or a copy being staged again.
+        assert!(!left_out_of("c", &route(5, &["a", "c"], &[], None), 4));
+        assert!(!left_out_of("c", &route(5, &["a", "b"], &["c"], None), 4));
+        // A view no newer than what the copy accepted (a re-add it took already).
+        assert!(!left_out_of("c", &route(5, &["a", "b"], &[], None), 5));
+        assert!(!left_out_of("c", &route(5, &["a", "b"], &[], None), 6));
+        // One copy: what an abandon or a move of an unreplicated shard left stays.
+        assert!(!left_out_of("c", &route(9, &["a"], &[], None), 4));
+        // An abandon after the copy's generation: kept for manual recovery.
+        assert!(!left_out_of("c", &route(5, &["a", "b"], &[], Some(5)), 4));
+        assert!(!left_out_of("c", &route(8, &["a", "b"], &[], Some(5)), 4));
+        // A copy that accepted the abandon's generation or later is a normal member.
+        assert!(left_out_of("c", &route(8, &["a", "b"], &[], Some(5)), 6));
     }
 
     #[test]

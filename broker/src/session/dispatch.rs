@@ -1773,6 +1773,7 @@ mod tests {
                 generation: 4,
                 replicas: vec!["node-b".into()].into(),
                 learners: Vec::new().into(),
+                abandoned: None,
             },
         );
         let a = decide_frame(&s, &dir, &frame, true);
