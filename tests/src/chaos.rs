@@ -1174,6 +1174,13 @@ pub fn run_with(
         }
     };
     let report = check(&ops, &finals, &promise, &changes);
+    // Copies brokers removed after leaving a shard's set (counted since each one's
+    // last start; a run that moves shards around shows the removals it exercised).
+    let copies_removed: u64 = cluster
+        .brokers
+        .iter()
+        .filter_map(|b| b.metric("felix_broker_replicas_left_total").ok())
+        .sum();
     let moved = scenario.stable && !changes.is_empty();
     let mut anomalies = report.classes();
     if moved {
@@ -1191,6 +1198,7 @@ pub fn run_with(
         "valid": report.valid() && !moved,
         "anomalies": anomalies,
         "streams": per_stream,
+        "copies_removed": copies_removed,
         "report": report.json(),
     }))
 }
