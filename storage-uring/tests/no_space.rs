@@ -781,18 +781,22 @@ fn without_fsync_early_acks_stop_at_the_staging_bound() {
     });
 }
 
+/// A log in memory that acknowledges at sequencing (`fsync: none`) with `linger`.
+async fn lingering_log(linger: Duration) -> SegmentLog<MemBackend> {
+    let none = LogConfig {
+        fsync: FsyncMode::None,
+        write_linger: linger,
+        ..cfg()
+    };
+    SegmentLog::open(MemBackend::new(), none).await.unwrap().0
+}
+
 /// With a write linger, acknowledged appends made one at a time share device writes.
 #[test]
 fn without_fsync_a_write_linger_gathers_one_at_a_time_appends_into_one_write() {
     run(|| async {
         for (linger, most_rounds) in [(Duration::ZERO, 10), (Duration::from_millis(20), 2)] {
-            let mem = MemBackend::new();
-            let none = LogConfig {
-                fsync: FsyncMode::None,
-                write_linger: linger,
-                ..cfg()
-            };
-            let (log, _) = SegmentLog::open(mem.clone(), none).await.unwrap();
+            let log = lingering_log(linger).await;
             let rounds = log.stats().flush_rounds;
             for o in 0..10 {
                 let started = Instant::now();
@@ -830,14 +834,7 @@ fn without_fsync_a_write_linger_gathers_one_at_a_time_appends_into_one_write() {
 #[test]
 fn without_fsync_an_append_after_half_the_linger_starts_the_write() {
     run(|| async {
-        let linger = Duration::from_millis(2000);
-        let mem = MemBackend::new();
-        let none = LogConfig {
-            fsync: FsyncMode::None,
-            write_linger: linger,
-            ..cfg()
-        };
-        let (log, _) = SegmentLog::open(mem.clone(), none).await.unwrap();
+        let log = lingering_log(Duration::from_millis(2000)).await;
         let start = Instant::now();
         log.append(&[payload(0, 100)], 0).await.unwrap();
         glommio::timer::sleep(Duration::from_millis(1200)).await;

@@ -1775,16 +1775,7 @@ fn a_move_to_a_broker_outside_the_set_stages_a_copy_and_loses_nothing() {
     );
     let log: Published = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let members = |a: &serde_json::Value| -> Vec<usize> {
-        let mut m: Vec<usize> = a["replicas"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| c.index(r.as_str().unwrap()))
-            .collect();
-        m.sort_unstable();
-        m
-    };
+    let members = |a: &serde_json::Value| members_of(&c, a);
     let mut took = Vec::new();
     let failed = std::thread::scope(|s| {
         let (log2, stop2, client) = (log.clone(), stop.clone(), client_of(&c));
@@ -1929,23 +1920,10 @@ fn a_follower_down_too_long_is_replaced_through_a_staged_copy_and_nothing_is_los
     check_nothing_lost(&acked, &read);
     // The replaced follower comes back: its copy, left out of the set while it was
     // down, is removed (no replica opens it), and nothing else of the stream changes.
-    let copy = c.brokers[follower]
-        .data_dir
-        .join(format!("streams/{TENANT}/{NAMESPACE}/restored/0"));
+    let copy = copy_of(&c, follower, "restored");
     assert!(copy.join("replica").exists(), "the killed follower's copy");
     c.brokers[follower].restart().unwrap();
-    wait_for(
-        "the replaced follower's copy to be removed",
-        Duration::from_secs(30),
-        || (!copy.exists()).then_some(()),
-    )
-    .unwrap();
-    assert_eq!(
-        c.brokers[follower]
-            .metric("felix_broker_replicas_left_total")
-            .unwrap(),
-        1
-    );
+    wait_copy_removed(&c, follower, &copy, Duration::from_secs(30));
     let read = rt.block_on(read_all(
         &c,
         "restored",
@@ -2044,6 +2022,27 @@ fn a_deleted_replicated_stream_leaves_every_broker_and_its_name_comes_back_empty
     assert_eq!(read, new, "its new leader holds exactly the new records");
 }
 
+/// Broker `b`'s copy of shard 0 of `stream`.
+fn copy_of(c: &TestCluster, b: usize, stream: &str) -> std::path::PathBuf {
+    c.brokers[b]
+        .data_dir
+        .join(format!("streams/{TENANT}/{NAMESPACE}/{stream}/0"))
+}
+
+/// Waits for broker `b` to remove `copy`, the only copy it removed since it started.
+fn wait_copy_removed(c: &TestCluster, b: usize, copy: &Path, within: Duration) {
+    wait_for("a left copy to be removed", within, || {
+        (!copy.exists()).then_some(())
+    })
+    .unwrap();
+    assert_eq!(
+        c.brokers[b]
+            .metric("felix_broker_replicas_left_total")
+            .unwrap(),
+        1
+    );
+}
+
 /// Members of an assignment, by broker index, sorted.
 fn members_of(c: &TestCluster, a: &serde_json::Value) -> Vec<usize> {
     let mut m: Vec<usize> = a["replicas"]
@@ -2084,22 +2083,9 @@ fn a_broker_that_left_a_shards_set_removes_its_copy_and_can_be_staged_again_from
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut acked = rt.block_on(publish_n(&c, "moving", "a", 100));
     let (from, _) = move_to_the_broker_outside(&c, "moving");
-    let copy = c.brokers[from]
-        .data_dir
-        .join(format!("streams/{TENANT}/{NAMESPACE}/moving/0"));
+    let copy = copy_of(&c, from, "moving");
     assert!(copy.exists(), "kept through the grace period");
-    wait_for(
-        "the retired copy to be removed",
-        Duration::from_secs(20),
-        || (!copy.exists()).then_some(()),
-    )
-    .unwrap();
-    assert_eq!(
-        c.brokers[from]
-            .metric("felix_broker_replicas_left_total")
-            .unwrap(),
-        1
-    );
+    wait_copy_removed(&c, from, &copy, Duration::from_secs(20));
     // Back to the broker that removed its copy: it is staged from nothing, leads, and
     // holds everything acknowledged before and after.
     acked.extend(rt.block_on(publish_n(&c, "moving", "b", 50)));
