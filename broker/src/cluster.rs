@@ -144,13 +144,6 @@ pub struct Cluster {
     pub sync_failures: AtomicU64,
     /// When the last good sync completed (ns after `clock_base`; 0: none yet).
     good_sync_ns: AtomicU64,
-    /// Shards whose replica here was fenced by a successor at a generation newer than
-    /// the assignments this broker has read: generation and leader it accepted. While
-    /// the view still names this broker, requests go to that leader (`resolve`) instead
-    /// of being refused by a replica that no longer serves.
-    superseded: std::sync::Mutex<HashMap<ShardKey, (u64, Arc<str>)>>,
-    /// Whether `superseded` holds anything (one load on the resolve path).
-    any_superseded: AtomicBool,
 }
 
 /// What the broker could not take from the control plane at its last sync.
@@ -184,8 +177,6 @@ impl Cluster {
             sync_status: std::sync::Mutex::default(),
             sync_failures: AtomicU64::new(0),
             good_sync_ns: AtomicU64::new(0),
-            superseded: std::sync::Mutex::default(),
-            any_superseded: AtomicBool::new(false),
         }
     }
 
@@ -298,16 +289,6 @@ impl Cluster {
             .is_some_and(|r| *r.leader == *self.node_id && r.generation > generation)
     }
 
-    /// Whether the latest assignments name this broker leader of `key` with more than
-    /// one copy (one atomic load, no reference count taken).
-    pub fn leads_copies_of(&self, key: &ShardKey) -> bool {
-        self.view
-            .load()
-            .routes
-            .get(key)
-            .is_some_and(|r| *r.leader == *self.node_id && r.replicas.len() > 1)
-    }
-
     /// The current snapshot.
     pub fn view(&self) -> Arc<ClusterView> {
         self.view.load_full()
@@ -321,64 +302,10 @@ impl Cluster {
         let view = self.view.load();
         match view.routes.get(key) {
             None => Resolved::Unavailable("not_assigned"),
-            Some(r) if *r.leader == *self.node_id => match self.successor(key, r, &view) {
-                Some(route) => Resolved::Remote(route),
-                None => Resolved::Local,
-            },
+            Some(r) if *r.leader == *self.node_id => Resolved::Local,
             Some(r) if r.addr.is_none() => Resolved::Unavailable("owner_unavailable"),
             Some(r) => Resolved::Remote(r.clone()),
         }
-    }
-
-    /// This broker's replica of `key` was fenced at `generation` by `leader`, another
-    /// broker (see [`Cluster::resolve`]).
-    pub fn supersede(&self, key: &ShardKey, generation: u64, leader: Arc<str>) {
-        if let Ok(mut all) = self.superseded.lock() {
-            all.insert(key.clone(), (generation, leader));
-            self.any_superseded.store(true, Ordering::Release);
-        }
-    }
-
-    /// Forgets what the view has caught up with, and what `keep` says to drop.
-    pub fn forget_superseded(&self, keep: impl Fn(&ShardKey, u64) -> bool) {
-        if !self.any_superseded.load(Ordering::Acquire) {
-            return;
-        }
-        let view = self.view.load();
-        if let Ok(mut all) = self.superseded.lock() {
-            all.retain(|k, (g, _)| {
-                keep(k, *g) && view.routes.get(k).is_some_and(|r| r.generation < *g)
-            });
-            self.any_superseded
-                .store(!all.is_empty(), Ordering::Release);
-        }
-    }
-
-    /// The route to the broker that fenced this one's replica of `key`, while the view
-    /// `r` (naming this broker) is older than that fence and the successor's client
-    /// address is known. The successor's own view names it already: it fences only
-    /// once its assignments make it leader.
-    fn successor(&self, key: &ShardKey, r: &Route, view: &ClusterView) -> Option<Route> {
-        if !self.any_superseded.load(Ordering::Acquire) {
-            return None;
-        }
-        let (generation, leader) = self.superseded.lock().ok()?.get(key).cloned()?;
-        if generation <= r.generation || *leader == *self.node_id {
-            return None;
-        }
-        let addr = view
-            .brokers
-            .iter()
-            .find(|(n, _)| **n == *leader)
-            .and_then(|(_, a)| a.parse().ok())?;
-        Some(Route {
-            leader,
-            addr: Some(addr),
-            generation,
-            replicas: r.replicas.clone(),
-            learners: r.learners.clone(),
-            abandoned: r.abandoned,
-        })
     }
 
     /// Every shard route of one stream or cache, by shard.

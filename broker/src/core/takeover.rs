@@ -47,7 +47,7 @@ impl CoreBroker {
     /// core's next look (within milliseconds).
     fn replica_taking_over(&self, key: &ShardKey) -> bool {
         let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(key)) else {
-            return self.replica_not_attached(key);
+            return false;
         };
         if rs.taking_over() {
             return true;
@@ -59,29 +59,6 @@ impl CoreBroker {
             .cluster
             .as_ref()
             .is_some_and(|c| c.leads_newer(key, rs.generation()))
-    }
-
-    /// Whether the assignments name this broker leader of replicated `key` while this
-    /// core has not attached its replica yet (the core's next look opens it; on a busy
-    /// machine that took long enough to refuse 21 writes `not_ready` after a cache was
-    /// created): a takeover too.
-    fn replica_not_attached(&self, key: &ShardKey) -> bool {
-        self.replicas.is_some()
-            && self
-                .shared
-                .cluster
-                .as_ref()
-                .is_some_and(|c| c.leads_copies_of(key))
-            && self
-                .shared
-                .catalog
-                .spec(
-                    key.kind == felix_core_runtime::placement::ShardKind::Stream,
-                    &key.tenant,
-                    &key.namespace,
-                    &key.name,
-                )
-                .is_some_and(|s| s.replicated())
     }
 
     /// Runs `call` now, or, while this broker's replica takes `key` over, once it

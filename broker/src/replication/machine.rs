@@ -541,11 +541,6 @@ impl Replica {
         self.meta.generation
     }
 
-    /// The leader this replica accepted at its generation.
-    pub fn accepted_leader(&self) -> Option<&str> {
-        self.meta.leader.as_deref()
-    }
-
     /// The local log's claimed end and durable end.
     pub fn log_end(&self) -> (u64, u64) {
         (self.log.end, self.log.durable)

@@ -999,22 +999,6 @@ impl Replicas {
             return;
         };
         rs.machine.borrow_mut().handle_message(from, msg, now);
-        // Fenced by a successor the assignments here do not name yet: requests for the
-        // shard go to it from now on (`Cluster::resolve`).
-        let successor = {
-            let m = rs.machine.borrow();
-            (m.generation() > rs.generation.get())
-                .then(|| {
-                    m.accepted_leader()
-                        .map(|l| (m.generation(), Arc::<str>::from(l)))
-                })
-                .flatten()
-        };
-        if let Some((generation, leader)) = successor
-            && *leader != *self.me
-        {
-            self.cluster.supersede(&key, generation, leader);
-        }
         rs.kick();
     }
 
@@ -1146,10 +1130,6 @@ impl Replicas {
             all.retain(|k, _| !self.shards.borrow().contains_key(k));
             all.extend(reports);
         }
-        // Successors the view has caught up with are forgotten (entries of shards this
-        // core does not drive are left to their own core).
-        self.cluster
-            .forget_superseded(|k, g| self.get(k).is_none_or(|rs| rs.generation() >= g));
         left
     }
 
