@@ -561,27 +561,24 @@ fn planned_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         n.sleep_ms(1500, 3000);
         let (leader, stream) = n.some_leader()?;
         let to = others(n, leader)[n.rng.between(0, 1) as usize];
-        let answer = move_shard(n, stream, to);
-        n.event(
-            "move",
-            json!({"stream": stream, "from": leader, "to": to, "ok": answer.is_ok(),
-                   "error": answer.err().map(|e| e.to_string())}),
-        );
+        move_and_record(n, "move", stream, to, json!({"from": leader}));
     }
     Ok(())
 }
 
-/// `POST /v1/shard-moves`: shard 0 of `stream` to broker `to`.
-fn move_shard(
-    n: &Nemesis<'_>,
-    stream: &str,
-    to: usize,
-) -> Result<Value, felix_controlplane::client::ClientError> {
-    n.cluster.admin.post(
+/// `POST /v1/shard-moves` of shard 0 of `stream` to broker `to`, recorded as event
+/// `what` with `detail`, the stream, the destination and how the request ended.
+fn move_and_record(n: &mut Nemesis<'_>, what: &str, stream: &str, to: usize, mut detail: Value) {
+    let answer = n.cluster.admin.post(
         "/v1/shard-moves",
         &json!({"tenant_id": crate::cluster::TENANT, "namespace": NAMESPACE,
                 "stream": stream, "shard": 0, "destination": format!("node-{to}")}),
-    )
+    );
+    detail["stream"] = json!(stream);
+    detail["to"] = json!(to);
+    detail["ok"] = json!(answer.is_ok());
+    detail["error"] = json!(answer.err().map(|e| e.to_string()));
+    n.event(what, detail);
 }
 
 fn staged_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
@@ -611,12 +608,7 @@ fn staged_move(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         else {
             continue;
         };
-        let answer = move_shard(n, stream, to);
-        n.event(
-            "staged-move",
-            json!({"stream": stream, "members": members, "to": to, "ok": answer.is_ok(),
-                   "error": answer.err().map(|e| e.to_string())}),
-        );
+        move_and_record(n, "staged-move", stream, to, json!({"members": members}));
     }
     Ok(())
 }

@@ -175,15 +175,27 @@ fn check_published(
 ) -> (BTreeMap<u64, Vec<u8>>, BTreeMap<u64, Vec<u8>>) {
     let acked: BTreeMap<u64, Vec<u8>> = log.iter().map(|(_, _, o, p)| (*o, p.clone())).collect();
     assert_eq!(acked.len(), log.len(), "no offset acknowledged twice");
+    let read = check_read_back(c, stream, &acked, "record");
+    (acked, read)
+}
+
+/// Reads `stream`'s log back and checks every acknowledged `what` is at its offset and
+/// none is there twice; answers the log by offset.
+fn check_read_back(
+    c: &TestCluster,
+    stream: &str,
+    acked: &BTreeMap<u64, Vec<u8>>,
+    what: &str,
+) -> BTreeMap<u64, Vec<u8>> {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let read = rt.block_on(read_all(c, stream, acked.keys().next_back().unwrap() + 1));
-    check_nothing_lost(&acked, &read);
+    check_nothing_lost(acked, &read);
     let mut payloads: Vec<_> = read.values().collect();
     let total = payloads.len();
     payloads.sort();
     payloads.dedup();
-    assert_eq!(payloads.len(), total, "no record in the log twice");
-    (acked, read)
+    assert_eq!(payloads.len(), total, "no {what} in the log twice");
+    read
 }
 
 fn move_shard(c: &TestCluster, kind: &str, name: &str, to: usize) {
@@ -1740,14 +1752,7 @@ fn idempotent_publishes_are_held_through_planned_moves() {
         "10 moves: {} idempotent batches acknowledged; held at takeovers: {held}",
         acked.len()
     );
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let read = rt.block_on(read_all(&c, "idem", acked.keys().next_back().unwrap() + 1));
-    check_nothing_lost(&acked, &read);
-    let mut payloads: Vec<_> = read.values().collect();
-    let total = payloads.len();
-    payloads.sort();
-    payloads.dedup();
-    assert_eq!(payloads.len(), total, "no batch in the log twice");
+    check_read_back(&c, "idem", &acked, "batch");
     assert!(held > 0, "idempotent publishes were held at a takeover");
 }
 

@@ -40,6 +40,15 @@ pub struct LeftCopies {
     removed: Cell<u64>,
 }
 
+/// The generation the replica of the copy in `dir` accepted, from its metadata; `None`
+/// when it holds none (it never was a replica here).
+fn accepted_generation(dir: &Path) -> Option<u64> {
+    let bytes = std::fs::read(dir.join(META_FILE)).ok()?;
+    serde_json::from_slice::<Meta>(&bytes)
+        .ok()
+        .map(|m| m.generation)
+}
+
 /// Every shard copy under `root` holding replica metadata, with the generation its
 /// replica accepted (`streams|caches/<tenant>/<namespace>/<name>/<shard>/replica`).
 fn replica_copies(root: &Path) -> Vec<(ShardKey, u64)> {
@@ -60,11 +69,7 @@ fn replica_copies(root: &Path) -> Vec<(ShardKey, u64)> {
                         let Ok(shard) = shard.parse::<u32>() else {
                             continue;
                         };
-                        let Some(accepted) = std::fs::read(d.join(META_FILE))
-                            .ok()
-                            .and_then(|b| serde_json::from_slice::<Meta>(&b).ok())
-                            .map(|m| m.generation)
-                        else {
+                        let Some(accepted) = accepted_generation(&d) else {
                             continue;
                         };
                         let key = ShardKey {
@@ -148,10 +153,7 @@ impl CoreBroker {
             // (a replica could have opened it since the walk), not open here, still
             // left out.
             let dir = shard_dir(&self.shared.data_dir, &key);
-            let accepted = std::fs::read(dir.join(META_FILE))
-                .ok()
-                .and_then(|b| serde_json::from_slice::<Meta>(&b).ok())
-                .map(|m| m.generation);
+            let accepted = accepted_generation(&dir);
             let open =
                 self.streams.borrow().contains_key(&key) || self.caches.borrow().contains_key(&key);
             if !open && accepted.is_some_and(|g| replicas.left_out(&key, g)) {
