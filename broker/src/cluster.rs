@@ -289,6 +289,16 @@ impl Cluster {
             .is_some_and(|r| *r.leader == *self.node_id && r.generation > generation)
     }
 
+    /// Whether the latest assignments name this broker leader of `key` with more than
+    /// one copy (one atomic load, no reference count taken).
+    pub fn leads_copies_of(&self, key: &ShardKey) -> bool {
+        self.view
+            .load()
+            .routes
+            .get(key)
+            .is_some_and(|r| *r.leader == *self.node_id && r.replicas.len() > 1)
+    }
+
     /// The current snapshot.
     pub fn view(&self) -> Arc<ClusterView> {
         self.view.load_full()

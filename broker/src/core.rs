@@ -490,6 +490,10 @@ pub struct Shared {
     /// With fault injection on: the core (index) whose next housekeeping tick panics,
     /// or -1. Tests that a dead core takes the process down.
     pub panic_core: std::sync::atomic::AtomicI64,
+    /// With fault injection on: cores do not look at the assignments for their replicas
+    /// (none is opened, stopped or handed a new generation) while set. Tests the window
+    /// in which a broker is named leader before its core has attached the replica.
+    pub replica_sync_paused: std::sync::atomic::AtomicBool,
     /// Operators' re-pins, from the HTTP thread to the core that applies them.
     pub repins: futures_channel::mpsc::UnboundedSender<moves::RepinJob>,
     /// The receiving end, taken by the first core to start.
@@ -1773,6 +1777,9 @@ impl CoreBroker {
                 let Some(core) = this.upgrade() else { return };
                 if core.draining() {
                     return;
+                }
+                if core.shared.replica_sync_paused.load(Ordering::Relaxed) {
+                    continue;
                 }
                 let version = core.shared.cluster.as_ref().map_or(0, |c| c.view().version);
                 if version == seen && last.elapsed() < Duration::from_millis(100) {

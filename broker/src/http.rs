@@ -1,7 +1,7 @@
 //! The operator HTTP endpoint: `/metrics` (OpenMetrics text via `prometheus-client`),
 //! `/livez`, `/readyz`, `/placement`, `/cores` (what `felix top` shows), `POST /pins`
 //! (live re-pin), `/replication/halted`, and, only when fault injection is enabled,
-//! `/debug/storage-faults` and `/debug/panic`.
+//! `/debug/storage-faults`, `/debug/replica-sync` and `/debug/panic`.
 //!
 //! axum on its own thread and a current-thread tokio runtime: never on a core, never
 //! on the data path. Each connection is its own task and each answer has a deadline, so
@@ -709,6 +709,24 @@ struct PanicQuery {
     core: i64,
 }
 
+#[derive(serde::Deserialize)]
+struct ReplicaSyncQuery {
+    pause: bool,
+}
+
+/// Pauses (`pause=true`) or resumes every core's look at the assignments for its
+/// replicas (fault injection only).
+async fn replica_sync(
+    State(shared): State<Arc<Shared>>,
+    Query(q): Query<ReplicaSyncQuery>,
+) -> Response {
+    if shared.faults.is_none() {
+        return (StatusCode::NOT_FOUND, "fault injection is off\n").into_response();
+    }
+    shared.replica_sync_paused.store(q.pause, Ordering::SeqCst);
+    if q.pause { "paused\n" } else { "resumed\n" }.into_response()
+}
+
 /// Makes a core panic at its next housekeeping tick (fault injection only).
 async fn panic_core(State(shared): State<Arc<Shared>>, Query(q): Query<PanicQuery>) -> Response {
     if shared.faults.is_none() {
@@ -734,6 +752,7 @@ pub fn spawn(addr: SocketAddr, shared: Arc<Shared>) -> anyhow::Result<SocketAddr
         .route("/replication/halted", get(halted))
         .route("/debug/storage-faults", post(storage_faults))
         .route("/debug/panic", post(panic_core))
+        .route("/debug/replica-sync", post(replica_sync))
         .with_state(shared)
         .layer(axum::middleware::from_fn(deadline));
     std::thread::Builder::new()

@@ -293,6 +293,7 @@ pub fn start(
         faults: config.fault_injection.then(StorageFaults::new),
         mutants: config.mutants,
         panic_core: std::sync::atomic::AtomicI64::new(-1),
+        replica_sync_paused: std::sync::atomic::AtomicBool::new(false),
         repins,
         repin_jobs: Mutex::new(Some(repin_jobs)),
         // With one core there is nowhere to move a shard to.

@@ -114,8 +114,6 @@ async fn read_all(c: &TestCluster, stream: &str, at_least: u64) -> BTreeMap<u64,
     got
 }
 
-/// Asks the control plane to move shard 0 of `name` (`kind`: stream or cache) to
-/// `node-{to}`.
 /// Every acknowledged publish of [`publish_one_at_a_time`]: (sent, acknowledged, offset,
 /// payload).
 type Published = Arc<Mutex<Vec<(Instant, Instant, u64, Vec<u8>)>>>;
@@ -198,6 +196,8 @@ fn check_read_back(
     read
 }
 
+/// Asks the control plane to move shard 0 of `name` (`kind`: stream or cache) to
+/// `node-{to}`.
 fn move_shard(c: &TestCluster, kind: &str, name: &str, to: usize) {
     c.admin
         .post(
@@ -1662,6 +1662,116 @@ fn cache_writes_are_held_through_planned_moves() {
         o.refused <= 100,
         "{} cache writes refused in 20 moves",
         o.refused
+    );
+}
+
+/// The reason a shard-unavailable refusal gives, or the error itself.
+fn refusal_reason(r: Result<Option<u64>, felix_client::ClientError>) -> Result<String, String> {
+    match r {
+        Err(felix_client::ClientError::Broker(e))
+            if e.code == Some(felix_wire::ErrorCode::ShardUnavailable) =>
+        {
+            Ok(e.detail
+                .and_then(|d| d.reason)
+                .unwrap_or_else(|| "(none)".into()))
+        }
+        other => Err(format!("{other:?}")),
+    }
+}
+
+/// A new replicated stream's leader can be asked before its core has attached the
+/// shard's replica: clients learn the leader from the control plane, the core opens the
+/// replica on its next look at the assignments. Writes in that window are held like a
+/// takeover's, not refused `not_ready` (a new cache's first writes were, up to 21 in one
+/// run of the test above). The window is widened here by pausing every core's look at
+/// the assignments (a fault-injection seam): a write waits the whole hold and is refused
+/// `moving`, and one waiting when the look resumes is acknowledged.
+#[test]
+fn a_new_shards_first_writes_wait_for_its_replica_instead_of_being_refused() {
+    let c = TestCluster::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        3,
+        CP_ARGS,
+        "fault_injection: true\n",
+    )
+    .unwrap();
+    let pause = |on: bool| {
+        for b in &c.brokers {
+            let (status, _) = b
+                .http_post(&format!("/debug/replica-sync?pause={on}"))
+                .unwrap();
+            assert_eq!(status, 200);
+        }
+    };
+    pause(true);
+    c.create_stream("late", 1, 3, "Quorum").unwrap();
+    let (leader, _) = c
+        .wait_leader("late", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (addr, config) = (c.brokers[leader].listen, c.client_config().unwrap());
+    let client = rt.block_on(async {
+        felix_client::Client::connect(addr, "localhost", config)
+            .await
+            .unwrap()
+    });
+    let publish = |client: &felix_client::Client, what: &'static str| {
+        let client = client.clone();
+        async move {
+            let publish = client.publish(
+                TENANT,
+                NAMESPACE,
+                "late",
+                what.as_bytes().to_vec(),
+                AckMode::PerMessage,
+            );
+            tokio::time::timeout(Duration::from_secs(5), publish)
+                .await
+                .expect("a publish is answered within 5 s")
+        }
+    };
+    // Until the leader has read the assignment naming it, it refuses `not_assigned`;
+    // then the write is held (no replica to take it), for the whole hold.
+    let mut reasons = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let held_for = loop {
+        let asked = Instant::now();
+        let reason = refusal_reason(rt.block_on(publish(&client, "first")))
+            .expect("refused shard_unavailable while no replica is attached");
+        assert_ne!(
+            reason, "not_ready",
+            "refused while the replica was not attached, after {reasons:?}"
+        );
+        if reason == "moving" {
+            break asked.elapsed();
+        }
+        reasons.push(reason);
+        assert!(Instant::now() < deadline, "never held: {reasons:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        held_for >= Duration::from_millis(900),
+        "refused `moving` after {held_for:?}, not after holding the write"
+    );
+    // A write held when the cores look again is taken once the replica serves.
+    let second = rt.spawn(publish(&client, "second"));
+    std::thread::sleep(Duration::from_millis(100));
+    pause(false);
+    let second = rt.block_on(second).unwrap();
+    let offset = match second {
+        Ok(Some(offset)) => offset,
+        // On a slow machine the replica's takeover may outlast the hold: once more.
+        other => {
+            assert_eq!(refusal_reason(other).as_deref(), Ok("moving"));
+            rt.block_on(publish(&client, "second")).unwrap().unwrap()
+        }
+    };
+    let read = rt.block_on(read_all(&c, "late", 1));
+    assert_eq!(read.get(&offset).map(Vec::as_slice), Some(&b"second"[..]));
+    assert!(
+        !read.values().any(|v| v == b"first"),
+        "a write refused `moving` is not in the log"
     );
 }
 

@@ -1,6 +1,7 @@
 //! Writes that reach a broker while it takes a replicated shard over (a planned move's
 //! or a failover's cut-over: the assignments name it leader and its replica is still
-//! fencing a majority, catching up or writing its generation start) are held here, in
+//! fencing a majority, catching up or writing its generation start; or a new shard's
+//! leader whose core has not attached the replica yet) are held here, in
 //! arrival order, until the replica serves, and then appended in that order; past
 //! [`HOLD_MAX`] they are refused `shard_unavailable` with reason `moving` (retryable).
 //! The old leader forwards what reaches it to the new one once its view names it, so a
@@ -44,10 +45,11 @@ impl CoreBroker {
     /// Whether `key`'s replica here is becoming its serving leader: named leader and
     /// fencing, catching up or writing its generation start; or named leader at a newer
     /// generation by the assignments this broker read, which reach the replica on the
-    /// core's next look (within milliseconds).
+    /// core's next look (within milliseconds); or named leader while the core has not
+    /// attached the replica yet.
     fn replica_taking_over(&self, key: &ShardKey) -> bool {
         let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(key)) else {
-            return false;
+            return self.replica_not_attached(key);
         };
         if rs.taking_over() {
             return true;
@@ -59,6 +61,31 @@ impl CoreBroker {
             .cluster
             .as_ref()
             .is_some_and(|c| c.leads_newer(key, rs.generation()))
+    }
+
+    /// Whether the assignments name this broker leader of replicated `key` while this
+    /// core has not attached its replica yet: the core's next look at the assignments
+    /// opens it (within 10 ms, longer on a busy machine). Clients learn the leader from
+    /// the control plane and may ask before that; refused `not_ready`, a new cache's
+    /// first writes failed (up to 21 in one run of the planned-moves cache test). Held,
+    /// they wait like a takeover's.
+    fn replica_not_attached(&self, key: &ShardKey) -> bool {
+        self.replicas.is_some()
+            && self
+                .shared
+                .cluster
+                .as_ref()
+                .is_some_and(|c| c.leads_copies_of(key))
+            && self
+                .shared
+                .catalog
+                .spec(
+                    key.kind == felix_core_runtime::placement::ShardKind::Stream,
+                    &key.tenant,
+                    &key.namespace,
+                    &key.name,
+                )
+                .is_some_and(|s| s.replicated())
     }
 
     /// Runs `call` now, or, while this broker's replica takes `key` over, once it
