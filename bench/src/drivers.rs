@@ -77,12 +77,13 @@ pub trait Driver: Send + Sync {
 }
 
 /// The stages [`Driver::stage_buckets`] reports, in the order a publish passes them.
-pub const STAGES: [&str; 5] = [
+pub const STAGES: [&str; 6] = [
     "mesh hop",
     "claim to commit",
     "device write",
     "fdatasync",
     "received to ack",
+    "written to sent",
 ];
 
 /// The bucket bound (µs) below which `q` of the observations in `counts` fall.
@@ -186,12 +187,13 @@ impl Driver for FelixDriver {
     fn stage_buckets(&self) -> Option<Vec<(&'static str, Vec<u64>)>> {
         let shared = self.shared.as_ref()?;
         type Pick = fn(&felix_broker::core::CoreMetrics) -> &felix_broker::histogram::Histogram;
-        let picks: [Pick; 5] = [
+        let picks: [Pick; 6] = [
             |m| &m.mesh_hop,
             |m| &m.append_commit,
             |m| &m.log_write,
             |m| &m.log_fsync,
             |m| &m.publish_ack,
+            |m| &m.answer_send,
         ];
         let stages = STAGES.iter().zip(picks);
         Some(

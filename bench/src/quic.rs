@@ -185,6 +185,7 @@ pub fn start_ours_spinning(
                     max_connections: 10_000,
                     reuse_port: true,
                     reset_secret: None,
+                    on_sent: None,
                 },
             )
             .expect("bind");

@@ -217,7 +217,7 @@ impl Report {
         if !staged.is_empty() {
             let _ = writeln!(
                 s,
-                "\n## Where an acknowledgement's time goes (ours)\n\nPer-stage p50 / p99 over each cell from the broker's per-core histograms (µs, upper bound of the bucket: 25, 50, 100, 200, 300, 500, 1000, …). Device write and fdatasync are per flush round; the mesh hop counts cross-core publishes only.\n"
+                "\n## Where an acknowledgement's time goes (ours)\n\nPer-stage p50 / p99 over each cell from the broker's per-core histograms (µs, upper bound of the bucket: 25, 50, 100, 200, 300, 500, 1000, …). Device write and fdatasync are per flush round; the mesh hop counts cross-core publishes only; written to sent is an answer's (or a delivery's) last step, from its write to the connection's stream to the next datagram that connection sends.\n"
             );
             // In path order, those any cell saw.
             let names: Vec<&str> = crate::drivers::STAGES

@@ -334,6 +334,9 @@ pub struct CoreMetrics {
     pub log_write: crate::histogram::Histogram,
     /// One fdatasync, this core's logs (a group commit covers a round).
     pub log_fsync: crate::histogram::Histogram,
+    /// From an answer (or a delivery) written to a client connection's stream to the
+    /// first datagram of that connection handed to the kernel after it.
+    pub answer_send: crate::histogram::Histogram,
     /// Publish batches appended.
     pub publish_batches: AtomicU64,
     /// Records appended.

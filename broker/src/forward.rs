@@ -119,6 +119,7 @@ impl Forwarder {
                 max_connections: 1024,
                 reuse_port: false,
                 reset_secret: None,
+                on_sent: None,
             },
         )?;
         Ok(Forwarder {

@@ -338,6 +338,11 @@ impl prometheus_client::collector::Collector for Collector {
                 "One fdatasync on this core's logs; a group commit covers a whole round (sampled every 250 ms).",
                 |m: &CoreMetrics| &m.log_fsync,
             ),
+            (
+                "felix_broker_answer_send_seconds",
+                "From an answer or delivery written to a client connection's stream to the first datagram that connection sends after it.",
+                |m: &CoreMetrics| &m.answer_send,
+            ),
         ] {
             let mut m = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
             for (labels, metrics) in cores.iter().zip(&shared.metrics) {

@@ -390,6 +390,7 @@ pub fn start(
                             max_connections: 1024,
                             reuse_port: true,
                             reset_secret: Some(reset_secret),
+                            on_sent: None,
                         },
                     ) {
                         Ok(ep) => {
@@ -420,6 +421,10 @@ pub fn start(
                         max_connections,
                         reuse_port: true,
                         reset_secret: Some(reset_secret),
+                        on_sent: Some({
+                            let metrics = core.metrics.clone();
+                            Arc::new(move |waited| metrics.answer_send.observe(waited))
+                        }),
                     },
                 ) {
                     Ok(ep) => ep,

@@ -96,6 +96,7 @@ fn start_server(max_connections: usize) -> Server {
                         max_connections,
                         reuse_port: false,
                         reset_secret: None,
+                        on_sent: None,
                     },
                 )
                 .unwrap();

@@ -190,6 +190,10 @@ fn health_and_metrics_endpoints_answer() {
     );
     let appends = count(&body, "felix_broker_append_commit_seconds");
     assert!(appends >= acked);
+    // The last stage: answers written to a connection, then sent (once per send that
+    // follows writes, so at most one per answer).
+    let sent = count(&body, "felix_broker_answer_send_seconds");
+    assert!(sent > 0, "answers' sends were timed: {body}");
     // The device stages (fsync on-commit here): each round's write and fdatasync,
     // sampled from the logs every 250 ms.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);

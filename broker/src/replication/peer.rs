@@ -106,6 +106,7 @@ impl Outbound {
                 max_connections: 1024,
                 reuse_port: false,
                 reset_secret: None,
+                on_sent: None,
             },
         )?;
         let mut hello = BytesMut::new();

@@ -67,7 +67,14 @@ pub struct EndpointOptions {
     /// reset its peers can verify, so they drop the connection at once instead of
     /// waiting out the idle timeout. `None`: a random one per endpoint.
     pub reset_secret: Option<[u8; 32]>,
+    /// Called, on the endpoint's core, with how long stream data a connection was given
+    /// waited for the first datagram that connection sent after it (measured from the
+    /// oldest write not followed by a send yet): the last stage of an answer's way out.
+    pub on_sent: Option<SentHook>,
 }
+
+/// See [`EndpointOptions::on_sent`].
+pub type SentHook = Arc<dyn Fn(Duration) + Send + Sync>;
 
 impl std::fmt::Debug for EndpointOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -76,6 +83,7 @@ impl std::fmt::Debug for EndpointOptions {
             .field("max_connections", &self.max_connections)
             .field("reuse_port", &self.reuse_port)
             .field("reset_secret", &self.reset_secret.is_some())
+            .field("on_sent", &self.on_sent.is_some())
             .finish()
     }
 }
@@ -177,6 +185,9 @@ struct ConnState {
     open_waiters: Vec<Waker>,
     state_waiters: Vec<Waker>,
     timer: Option<Instant>,
+    /// When stream data was first written since this connection last sent (only with
+    /// an `on_sent` hook).
+    unsent_since: Option<Instant>,
 }
 
 struct Conn {
@@ -227,6 +238,7 @@ struct Driver {
     blocked_sends: VecDeque<(Vec<u8>, SocketAddr, Option<usize>)>,
     send_buf: Vec<u8>,
     stats: EndpointStats,
+    on_sent: Option<SentHook>,
 }
 
 impl Driver {
@@ -275,6 +287,7 @@ impl Driver {
             blocked_sends: VecDeque::new(),
             send_buf: Vec::with_capacity(MAX_GSO_SEGMENTS * 1500),
             stats: EndpointStats::default(),
+            on_sent: None,
         })
     }
 
@@ -487,12 +500,17 @@ impl Driver {
                 Event::DatagramReceived | Event::DatagramsUnblocked => {}
             }
         }
+        let mut sent = false;
         for _ in 0..TRANSMIT_BUDGET {
             self.send_buf.clear();
             let Some(t) = c.q.poll_transmit(now, MAX_GSO_SEGMENTS, &mut self.send_buf) else {
                 break;
             };
             self.send(t.size, t.destination, t.segment_size, t.ecn);
+            sent = true;
+        }
+        if sent && let (Some(hook), Some(written)) = (&self.on_sent, c.s.unsent_since.take()) {
+            hook(Instant::now().saturating_duration_since(written));
         }
         // Anything left to send waits for the next iteration, which comes at once.
         let timeout = c.q.poll_timeout();
@@ -542,12 +560,14 @@ impl Endpoint {
     /// Binds `addr` and starts the driver task on the current glommio executor.
     pub fn bind(addr: SocketAddr, options: EndpointOptions) -> io::Result<Endpoint> {
         let udp = Rc::new(UdpIo::bind(addr, options.reuse_port)?);
-        let d = Rc::new(RefCell::new(Driver::new(
+        let mut driver = Driver::new(
             udp.clone(),
             options.server,
             options.max_connections,
             options.reset_secret,
-        )?));
+        )?;
+        driver.on_sent = options.on_sent;
+        let d = Rc::new(RefCell::new(driver));
         let task = glommio::spawn_local(run(d.clone(), udp));
         Ok(Endpoint {
             d,
@@ -915,6 +935,7 @@ impl SendStream {
         op: &mut dyn FnMut(&mut quinn_proto::SendStream<'_>) -> Result<T, WriteError>,
     ) -> Poll<Result<T, QuicError>> {
         let mut d = self.d.borrow_mut();
+        let timed = d.on_sent.is_some();
         let Some(c) = d.conns.get_mut(&self.h) else {
             return Poll::Ready(Err(QuicError::ConnectionLost("drained".into())));
         };
@@ -924,6 +945,9 @@ impl SendStream {
         let result = op(&mut c.q.send_stream(self.id));
         match result {
             Ok(v) => {
+                if timed && c.s.unsent_since.is_none() {
+                    c.s.unsent_since = Some(Instant::now());
+                }
                 d.mark(self.h);
                 Poll::Ready(Ok(v))
             }
