@@ -72,6 +72,10 @@ async fn serve(conn: Connection) {
 }
 
 fn start_server(max_connections: usize) -> Server {
+    start_server_with(max_connections, TransportLimits::default())
+}
+
+fn start_server_with(max_connections: usize, limits: TransportLimits) -> Server {
     let certs = quic::generate_certs(&["localhost"]).unwrap();
     let ca = certs.ca_der.clone();
     let (tx, rx) = mpsc::channel();
@@ -83,12 +87,8 @@ fn start_server(max_connections: usize) -> Server {
             .make()
             .unwrap()
             .run(async move {
-                let config = quic::server_config(
-                    vec![certs.cert_der.clone()],
-                    certs.key(),
-                    TransportLimits::default(),
-                )
-                .unwrap();
+                let config =
+                    quic::server_config(vec![certs.cert_der.clone()], certs.key(), limits).unwrap();
                 let ep = Endpoint::bind(
                     "127.0.0.1:0".parse().unwrap(),
                     EndpointOptions {
@@ -188,6 +188,43 @@ fn a_quinn_client_exchanges_data_on_bi_and_uni_streams() {
             conn.close(0u32.into(), b"done");
             ep.wait_idle().await;
         }
+    });
+}
+
+/// A client that stops reading each answer before the server finishes the answer's
+/// stream (it read what it wanted, then finishes its own side) gets its stream credit
+/// back: the server resets a stream the peer stopped instead of leaving it allocated.
+/// With the server allowing 8 streams at once, 40 such exchanges in a row on one
+/// connection; they used to stop at the ninth, waiting forever for a stream.
+#[test]
+fn streams_the_client_stopped_reading_are_freed_and_their_credit_comes_back() {
+    let limits = TransportLimits {
+        max_streams: 8,
+        ..TransportLimits::default()
+    };
+    let server = start_server_with(10, limits);
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let ep = client(&server, false);
+        let conn = ep.connect(server.addr, "localhost").unwrap().await.unwrap();
+        for i in 0..40 {
+            let exchange = async {
+                let (mut s, mut r) = conn.open_bi().await.unwrap();
+                s.write_all(b"ping").await.unwrap();
+                let mut pong = [0u8; 4];
+                r.read_exact(&mut pong).await.unwrap();
+                assert_eq!(&pong, b"ping");
+                // Stop reading (STOP_SENDING), then end our side: the server's finish
+                // meets a stopped stream.
+                drop(r);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                s.finish().unwrap();
+            };
+            tokio::time::timeout(Duration::from_secs(5), exchange)
+                .await
+                .unwrap_or_else(|_| panic!("exchange {i} never got a stream"));
+        }
+        conn.close(0u32.into(), b"done");
+        ep.wait_idle().await;
     });
 }
 

@@ -1010,9 +1010,9 @@ impl SendStream {
         let Some(c) = d.conns.get_mut(&self.h) else {
             return Err(QuicError::ConnectionLost("drained".into()));
         };
-        let r = c.q.send_stream(self.id).finish();
+        let r = finish_or_reset(&mut c.q, self.id);
         d.mark(self.h);
-        r.map_err(|_| QuicError::ClosedStream)
+        r
     }
 
     /// Abandons the stream with an error code.
@@ -1044,10 +1044,28 @@ impl Drop for SendStream {
             && let Ok(mut d) = self.d.try_borrow_mut()
             && let Some(c) = d.conns.get_mut(&self.h)
         {
-            let _ = c.q.send_stream(self.id).finish();
+            let _ = finish_or_reset(&mut c.q, self.id);
             d.mark(self.h);
         }
         release(&self.d, self.h);
+    }
+}
+
+/// Finishes a send stream, or resets it when the peer stopped it. quinn-proto frees a
+/// stream the peer stopped only once it is reset (the reset acknowledged): finishing it
+/// fails and leaves it allocated, and with it one of the peer's stream credits. A client
+/// that stops reading each answer before the answer's stream is finished (our SDK's
+/// one-request streams do) then found, after `max_streams` requests, that it could open
+/// no more on that connection.
+fn finish_or_reset(q: &mut quinn_proto::Connection, id: StreamId) -> Result<(), QuicError> {
+    let mut s = q.send_stream(id);
+    match s.finish() {
+        Ok(()) => Ok(()),
+        Err(quinn_proto::FinishError::Stopped(code)) => {
+            let _ = s.reset(code);
+            Err(QuicError::Stopped(code.into_inner()))
+        }
+        Err(quinn_proto::FinishError::ClosedStream) => Err(QuicError::ClosedStream),
     }
 }
 
