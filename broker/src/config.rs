@@ -89,6 +89,8 @@ pub struct FileConfig {
     pub group_max_attempts: Option<u32>,
     /// Consumer groups: claims outstanding per group; polls at the cap answer empty.
     pub group_max_in_flight: Option<usize>,
+    /// Log bytes between a shard's group snapshots.
+    pub group_snapshot_bytes: Option<u64>,
     /// Connections per core beyond which handshakes are refused.
     pub max_connections: Option<usize>,
     /// Per-subscriber queue, in batches.
@@ -734,6 +736,10 @@ impl BrokerConfig {
                     visibility_ms: file.group_visibility_ms.unwrap_or(d.visibility_ms).max(1),
                     max_attempts: file.group_max_attempts.unwrap_or(d.max_attempts).max(1),
                     max_in_flight: file.group_max_in_flight.unwrap_or(d.max_in_flight).max(1),
+                    snapshot_every_bytes: file
+                        .group_snapshot_bytes
+                        .unwrap_or(d.snapshot_every_bytes)
+                        .max(4096),
                     max_claim: d.max_claim,
                 }
             },

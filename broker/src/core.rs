@@ -359,6 +359,14 @@ pub struct CoreMetrics {
     pub cache_ops: AtomicU64,
     /// Consumer-group requests.
     pub group_ops: AtomicU64,
+    /// Group snapshots written.
+    pub group_snapshots: AtomicU64,
+    /// Builds of a shard's groups from its log.
+    pub group_folds: AtomicU64,
+    /// Of them, builds that started from a snapshot.
+    pub group_folds_from_snapshot: AtomicU64,
+    /// Record bytes those builds read.
+    pub group_fold_bytes: AtomicU64,
     /// Cache compactions done.
     pub cache_compactions: AtomicU64,
     /// Subscriptions ended with `subscription_lagged` (retention removed what they had
@@ -2112,6 +2120,9 @@ impl CoreBroker {
         }
         let stream = self.stream_shard(key).await?;
         let groups = self.group_shard(key, &stream).await?;
+        if groups.snapshot_if_due(&stream) {
+            self.metrics.group_snapshots.fetch_add(1, Ordering::Relaxed);
+        }
         groups.serve(&stream, op).await
     }
 
@@ -2150,6 +2161,14 @@ impl CoreBroker {
         .await;
         stream.building_groups.set(false);
         let g = Rc::new(built?);
+        let built = g.built();
+        let m = &self.metrics;
+        m.group_folds.fetch_add(1, Ordering::Relaxed);
+        m.group_fold_bytes
+            .fetch_add(built.read_bytes, Ordering::Relaxed);
+        if built.from_snapshot.is_some() {
+            m.group_folds_from_snapshot.fetch_add(1, Ordering::Relaxed);
+        }
         *stream.groups.borrow_mut() = Some(g.clone());
         Ok(g)
     }

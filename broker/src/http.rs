@@ -129,6 +129,30 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.group_ops.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_group_snapshots_total",
+        "counter",
+        "Group snapshots written (every group's durable state, so a new leader folds only the log after it).",
+        |m| m.group_snapshots.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_group_folds_total",
+        "counter",
+        "Builds of a shard's groups by folding its log (once per leadership).",
+        |m| m.group_folds.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_group_folds_from_snapshot_total",
+        "counter",
+        "Of those, folds that started from a group snapshot.",
+        |m| m.group_folds_from_snapshot.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_group_fold_bytes_total",
+        "counter",
+        "Record bytes read by those folds.",
+        |m| m.group_fold_bytes.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_requests_held_total",
         "counter",
         "Requests held while their shard moved to this core (live re-pin).",

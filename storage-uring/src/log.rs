@@ -1036,6 +1036,18 @@ impl<B: Backend> SegmentLog<B> {
         self.shared.state.borrow().segments.len()
     }
 
+    /// The first offset of each segment, oldest first (the first may lie below
+    /// [`SegmentLog::base_offset`] once records were cut from its front).
+    pub fn segment_bases(&self) -> Vec<u64> {
+        self.shared
+            .state
+            .borrow()
+            .segments
+            .iter()
+            .map(|s| s.base)
+            .collect()
+    }
+
     /// Bytes of data across all segments.
     pub fn size_bytes(&self) -> u64 {
         self.shared

@@ -542,6 +542,127 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
     assert_eq!(run(&["group", "dead-letters", "tasks", "cli"]), "");
 }
 
+/// A shard's groups are rebuilt after a restart from the newest group snapshot, reading
+/// a bounded stretch of the log instead of all of it, and come back exactly: acked
+/// records are not handed out again, unacked ones are, once each, and the dead letters
+/// are listed. (3 MiB of records in 256 KiB segments, a snapshot every 128 KiB.)
+#[test]
+fn a_restart_builds_a_groups_state_from_its_newest_snapshot() {
+    use felix_client::{GroupRef, PollOptions};
+    use std::collections::BTreeSet;
+    let dir = tempfile::tempdir().unwrap();
+    let config_file = dir.path().join("broker.yaml");
+    std::fs::write(
+        &config_file,
+        "segment_bytes: 262144\ngroup_snapshot_bytes: 131072\n",
+    )
+    .unwrap();
+    let mut b = BrokerProcess::start_dev(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("data"),
+        &["--config", config_file.to_str().unwrap()],
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let g = GroupRef::new("dev", "default", "jobs", 0, "workers");
+    let poll = PollOptions {
+        max_records: 300,
+        wait: Duration::from_millis(300),
+        visibility: Some(Duration::from_secs(600)),
+    };
+    // Left unacked, and dead-lettered: by offset.
+    let unacked = |o: u64| o.is_multiple_of(97);
+    let dead = |o: u64| o % 101 == 5 && !unacked(o);
+    let (left, dead_letters) = rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        let (mut left, mut dead_letters) = (BTreeSet::new(), BTreeSet::new());
+        for _round in 0..10 {
+            let mut published = BTreeSet::new();
+            for _ in 0..10 {
+                let records = vec![vec![b'r'; 1000]; 30];
+                let first = c
+                    .publish_batch("dev", "default", "jobs", records, AckMode::PerBatch)
+                    .await
+                    .unwrap()
+                    .unwrap();
+                published.extend(first..first + 30);
+            }
+            while !published.is_empty() {
+                let got = c.group_poll(&g, poll).await.unwrap();
+                assert!(!got.is_empty(), "records still unclaimed: {published:?}");
+                for r in got {
+                    let o = r.offset.0;
+                    assert!(published.remove(&o), "offset {o} handed out twice");
+                    if unacked(o) {
+                        left.insert(o);
+                    } else if dead(o) {
+                        c.group_dead_letter(&g, o).await.unwrap();
+                        dead_letters.insert(o);
+                    } else {
+                        c.group_ack(&g, o).await.unwrap();
+                    }
+                }
+            }
+        }
+        (left, dead_letters)
+    });
+    let snapshots = b.metric("felix_broker_group_snapshots_total").unwrap();
+    let log_bytes = 3_000 * 1_000;
+    assert!(
+        snapshots >= 5,
+        "{snapshots} snapshots in ~{log_bytes} bytes"
+    );
+    b.kill();
+    b.restart().unwrap();
+    rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        let mut again = BTreeSet::new();
+        loop {
+            let got = c.group_poll(&g, poll).await.unwrap();
+            if got.is_empty() {
+                break;
+            }
+            for r in got {
+                assert!(again.insert(r.offset.0), "{} handed out twice", r.offset.0);
+            }
+        }
+        let extra: Vec<_> = again.difference(&left).take(10).collect();
+        let missing: Vec<_> = left.difference(&again).take(10).collect();
+        assert!(
+            extra.is_empty() && missing.is_empty(),
+            "exactly the {} unacked records go out again: {} did, among them acked {extra:?}; missing {missing:?}",
+            left.len(),
+            again.len()
+        );
+        assert_eq!(
+            c.group_dead_letters(&g)
+                .await
+                .unwrap()
+                .into_iter()
+                .collect::<BTreeSet<_>>(),
+            dead_letters
+        );
+    });
+    let (folds, from_snapshot, read) = (
+        b.metric("felix_broker_group_folds_total").unwrap(),
+        b.metric("felix_broker_group_folds_from_snapshot_total")
+            .unwrap(),
+        b.metric("felix_broker_group_fold_bytes_total").unwrap(),
+    );
+    eprintln!(
+        "{snapshots} snapshots; after the restart {folds} fold(s), {from_snapshot} from a snapshot, {read} bytes read of ~{log_bytes}"
+    );
+    assert_eq!((folds, from_snapshot), (1, 1));
+    assert!(
+        read < 1 << 20,
+        "the fold read {read} bytes of a ~{log_bytes}-byte log"
+    );
+}
+
 #[test]
 fn an_idempotent_resend_lands_once_even_after_a_broker_restart() {
     use felix_client::ClientError;

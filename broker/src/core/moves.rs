@@ -113,7 +113,7 @@ pub struct Handover {
     pub sealed: bool,
     /// The shard's consumer groups as the old core left them, claims in flight included
     /// (`None`: not built there; the new core folds them from the log on first use).
-    pub groups: Option<HashMap<String, crate::groups::tracker::Tracker>>,
+    pub groups: Option<crate::groups::GroupState>,
 }
 
 /// The answer to a [`MoveStep`].
@@ -599,8 +599,7 @@ impl CoreBroker {
                     let stream = self.ready_stream(&key);
                     let interested = stream.as_ref().map(|s| s.interest()).unwrap_or_default();
                     // Nothing runs on the shard now: its groups' state is complete.
-                    let groups =
-                        stream.and_then(|s| s.groups.borrow().as_ref().map(|g| g.trackers()));
+                    let groups = stream.and_then(|s| s.groups.borrow().as_ref().map(|g| g.state()));
                     let sealed = self.close_shard(&key, true).await;
                     out.push(Handover {
                         key,
@@ -644,7 +643,7 @@ impl CoreBroker {
                     // Held requests run at End, after this: none has built the groups.
                     if let Some(groups) = h.groups {
                         *s.groups.borrow_mut() =
-                            Some(Rc::new(crate::groups::GroupShard::from_trackers(
+                            Some(Rc::new(crate::groups::GroupShard::from_state(
                                 groups,
                                 self.shared.group_limits,
                                 self.group_writer(&h.key),

@@ -9,6 +9,11 @@
 //!   on a Quorum shard held by a majority) before its request is answered; the shard's
 //!   groups are built by folding those batches the first time a leader serves a group
 //!   request, and dropped whenever it starts or stops leading.
+//! - Group snapshots bound that fold: once [`Limits::snapshot_every_bytes`] of log were
+//!   written since the last one, the leader writes the durable state of every group
+//!   (what folding the events before it builds) as one record of a `Group` batch. A fold
+//!   starts from the newest snapshot (looked for from the newest segment back) and
+//!   applies only the events after it; a full fold passes snapshots over.
 //! - [`GroupShard::serve`]: one request against the stream shard and its groups.
 //!
 //! Claims are memory only: after a restart or a failover, unsettled records go out again
@@ -20,6 +25,7 @@ pub mod tracker;
 use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
+use std::rc::Rc;
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
@@ -31,7 +37,7 @@ use felix_wire::message::{GroupRecord, StartPosition};
 
 use crate::error::BrokerError;
 use crate::shard::StreamShard;
-use tracker::{Event, Limits, Refusal, Tracker};
+use tracker::{Durable, Event, Limits, Refusal, Tracker};
 
 /// Longest group name.
 pub const GROUP_NAME_MAX_BYTES: usize = 128;
@@ -188,6 +194,13 @@ const KIND_REDRIVE: u8 = 3;
 const KIND_DISCARD: u8 = 4;
 const KIND_SEEK: u8 = 5;
 const KIND_DELETE: u8 = 6;
+const KIND_SNAPSHOT: u8 = 7;
+
+/// Version of the snapshot record's layout.
+const SNAPSHOT_VERSION: u8 = 1;
+/// The largest snapshot a leader writes: a larger state is not snapshotted (the next
+/// fold starts from the snapshot before, or the log's base).
+const SNAPSHOT_MAX_BYTES: usize = 256 << 10;
 
 /// A group event record (one record of a `Group` batch): `u8 kind, u8 group length, group, u64 offset` (big-endian).
 /// `None` is a delete of the group.
@@ -206,6 +219,99 @@ fn encode(group: &str, event: Option<Event>) -> Bytes {
     b.put_slice(group.as_bytes());
     b.put_u64(offset);
     b.freeze()
+}
+
+/// A group snapshot record: `u8 kind (7), u8 version (1), u32 groups`, then per group
+/// (by name) `u8 name length, name, u64 committed, u64 high water`, and three offset
+/// lists (owed by a redrive, settled ahead of the cursor, dead letters), each `u32
+/// count, count x u64` (big-endian). `None` past [`SNAPSHOT_MAX_BYTES`].
+fn encode_snapshot(groups: &HashMap<String, Tracker>) -> Option<Bytes> {
+    let mut names: Vec<&String> = groups.keys().collect();
+    names.sort_unstable();
+    let mut b = BytesMut::with_capacity(6 + 64 * names.len());
+    b.put_u8(KIND_SNAPSHOT);
+    b.put_u8(SNAPSHOT_VERSION);
+    b.put_u32(names.len() as u32);
+    for name in names {
+        let d = groups[name].durable();
+        b.put_u8(name.len() as u8);
+        b.put_slice(name.as_bytes());
+        b.put_u64(d.committed);
+        b.put_u64(d.high_water);
+        for list in [&d.owed, &d.settled_ahead, &d.dead] {
+            b.put_u32(list.len() as u32);
+            list.iter().for_each(|o| b.put_u64(*o));
+            if b.len() > SNAPSHOT_MAX_BYTES {
+                return None;
+            }
+        }
+    }
+    Some(b.freeze())
+}
+
+fn decode_snapshot(mut r: Bytes, limits: Limits) -> Option<HashMap<String, Tracker>> {
+    if r.len() < 6 || r.get_u8() != KIND_SNAPSHOT || r.get_u8() != SNAPSHOT_VERSION {
+        return None;
+    }
+    let n = r.get_u32();
+    let mut groups = HashMap::new();
+    for _ in 0..n {
+        let len = usize::from(*r.first()?);
+        r.advance(1);
+        if r.len() < len + 16 {
+            return None;
+        }
+        let name = String::from_utf8(r.split_to(len).to_vec()).ok()?;
+        let (committed, high_water) = (r.get_u64(), r.get_u64());
+        let mut lists: [Vec<u64>; 3] = Default::default();
+        for list in &mut lists {
+            if r.len() < 4 {
+                return None;
+            }
+            let count = r.get_u32() as usize;
+            if r.len() < count.checked_mul(8)? {
+                return None;
+            }
+            *list = (0..count).map(|_| r.get_u64()).collect();
+        }
+        let [owed, settled_ahead, dead] = lists;
+        let d = Durable {
+            committed,
+            high_water,
+            owed,
+            settled_ahead,
+            dead,
+        };
+        groups.insert(name, Tracker::from_durable(d, limits));
+    }
+    r.is_empty().then_some(groups)
+}
+
+fn is_snapshot(r: &[u8]) -> bool {
+    r.first() == Some(&KIND_SNAPSHOT)
+}
+
+/// Applies one group event record to folded state, as every fold does (a group first
+/// named by an event starts at offset 0; `None` deletes it).
+fn fold_event(
+    groups: &mut HashMap<String, Tracker>,
+    group: &str,
+    event: Option<Event>,
+    limits: Limits,
+) {
+    match event {
+        None => {
+            groups.remove(group);
+        }
+        Some(e) => match groups.get_mut(group) {
+            Some(t) => t.apply(e),
+            None => {
+                let mut t = Tracker::new(0, limits);
+                t.apply(e);
+                groups.insert(group.to_owned(), t);
+            }
+        },
+    }
 }
 
 fn decode(mut r: Bytes) -> Option<(String, Option<Event>)> {
@@ -243,6 +349,33 @@ pub struct GroupShard {
     limits: Limits,
     /// Woken when records become owed (a nack, a redrive): waiting polls look again.
     settled: Wakers,
+    /// What folding the log up to the last event written builds: events are applied
+    /// here as they are handed to the writer, which claims their offsets in that same
+    /// order, so a snapshot taken from it holds exactly the events before its own
+    /// offset. `None` once a write failed (the log may lack an event applied here): no
+    /// more snapshots until the groups are built again.
+    folded: Rc<RefCell<Option<HashMap<String, Tracker>>>>,
+    /// The log's size when the last snapshot was written (or what the build read).
+    snapshot_mark: Cell<u64>,
+    /// How the groups were built, for metrics.
+    built: Built,
+}
+
+/// How [`GroupShard::build`] went.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Built {
+    /// The offset of the snapshot the fold started from.
+    pub from_snapshot: Option<u64>,
+    /// Bytes of records read: looking for the snapshot and folding after it.
+    pub read_bytes: u64,
+}
+
+/// A shard's groups as one core hands them to another (a live re-pin).
+#[derive(Debug, Clone)]
+pub struct GroupState {
+    trackers: HashMap<String, Tracker>,
+    folded: Option<HashMap<String, Tracker>>,
+    snapshot_mark: u64,
 }
 
 impl std::fmt::Debug for GroupShard {
@@ -254,63 +387,102 @@ impl std::fmt::Debug for GroupShard {
 }
 
 impl GroupShard {
-    /// Folds the `Group` batches of `stream`'s log into trackers; later events go
-    /// through `writer`.
+    /// Folds the `Group` batches of `stream`'s log into trackers, from the newest group
+    /// snapshot on (or from the base when there is none); later events go through
+    /// `writer`.
     pub async fn build(
         stream: &StreamShard,
         limits: Limits,
         writer: GroupWriter,
     ) -> Result<Self, BrokerError> {
-        let mut groups: HashMap<String, Tracker> = HashMap::new();
-        let mut at = stream.log.base_offset();
+        let base = stream.log.base_offset();
         let end = stream.log.committed_end();
+        let mut start = (base, HashMap::new(), None);
+        let mut until = end;
+        let mut read_bytes = 0u64;
+        for segment in stream.log.segment_bases().into_iter().rev() {
+            let from = segment.max(base);
+            if from < until {
+                let (newest, read) = newest_snapshot(stream, from, until, limits).await?;
+                read_bytes += read;
+                if let Some((at, groups)) = newest {
+                    start = (at + 1, groups, Some(at));
+                    break;
+                }
+            }
+            until = until.min(from);
+            if from <= base {
+                break;
+            }
+        }
+        let (mut at, mut groups, from_snapshot) = start;
+        let mut folded_bytes = 0u64;
         while at < end {
             let batches = stream.log.read(at, 4 << 20).await?;
             let Some(last) = batches.last() else { break };
             at = last.end_offset();
-            for b in batches.into_iter().filter(|b| b.kind == BatchKind::Group) {
+            for b in batches {
+                folded_bytes += b.records.iter().map(|r| r.len() as u64).sum::<u64>();
+                if b.kind != BatchKind::Group {
+                    continue;
+                }
                 for r in b.records {
-                    let Some((group, event)) = decode(r) else {
-                        return Err(BrokerError::Storage(format!(
-                            "{}: a group event it cannot read at offset {}",
-                            stream.key, b.base_offset
-                        )));
-                    };
-                    match event {
-                        None => {
-                            groups.remove(&group);
-                        }
-                        Some(e) => groups
-                            .entry(group)
-                            .or_insert_with(|| Tracker::new(0, limits))
-                            .apply(e),
+                    if is_snapshot(&r) {
+                        continue;
                     }
+                    let Some((group, event)) = decode(r) else {
+                        return Err(unreadable(stream, b.base_offset));
+                    };
+                    fold_event(&mut groups, &group, event, limits);
                 }
             }
         }
-        Ok(Self::from_trackers(groups, limits, writer))
+        let shard = Self::from_state(
+            GroupState {
+                folded: Some(groups.clone()),
+                trackers: groups,
+                snapshot_mark: stream.log.size_bytes().saturating_sub(folded_bytes),
+            },
+            limits,
+            writer,
+        );
+        Ok(GroupShard {
+            built: Built {
+                from_snapshot,
+                read_bytes: read_bytes + folded_bytes,
+            },
+            ..shard
+        })
     }
 
     /// The groups as another core left them (a live re-pin hands them over with the
     /// shard): their cursors, dead letters, and the claims in flight, so a record claimed
     /// before the move is not handed to a second consumer after it.
-    pub fn from_trackers(
-        groups: HashMap<String, Tracker>,
-        limits: Limits,
-        writer: GroupWriter,
-    ) -> Self {
+    pub fn from_state(state: GroupState, limits: Limits, writer: GroupWriter) -> Self {
         GroupShard {
             writer,
-            groups: RefCell::new(groups),
+            groups: RefCell::new(state.trackers),
             limits,
             settled: Wakers::default(),
+            folded: Rc::new(RefCell::new(state.folded)),
+            snapshot_mark: Cell::new(state.snapshot_mark),
+            built: Built::default(),
         }
     }
 
     /// Every group's state, for handing the shard to another core. Call it only once
     /// nothing runs on the shard: the state of a request still running would be lost.
-    pub fn trackers(&self) -> HashMap<String, Tracker> {
-        self.groups.borrow().clone()
+    pub fn state(&self) -> GroupState {
+        GroupState {
+            trackers: self.groups.borrow().clone(),
+            folded: self.folded.borrow().clone(),
+            snapshot_mark: self.snapshot_mark.get(),
+        }
+    }
+
+    /// How the build went (a hand-over's: nothing read).
+    pub fn built(&self) -> Built {
+        self.built
     }
 
     /// Writes events of `group` and waits until they are durable.
@@ -319,8 +491,45 @@ impl GroupShard {
             return Ok(());
         }
         let records: Vec<Bytes> = events.iter().map(|e| encode(group, *e)).collect();
-        (self.writer)(records).await?;
+        // With no await in between: the writer claims the events' offsets in the order
+        // the folded state takes them.
+        if let Some(folded) = self.folded.borrow_mut().as_mut() {
+            for e in events {
+                fold_event(folded, group, *e, self.limits);
+            }
+        }
+        let written = (self.writer)(records).await;
+        if written.is_err() {
+            *self.folded.borrow_mut() = None;
+        }
+        written?;
         Ok(())
+    }
+
+    /// Writes a group snapshot when [`Limits::snapshot_every_bytes`] of log were written
+    /// since the last. In the background: no request waits for it; a failed one ends
+    /// snapshots until the groups are built again. Returns whether one was started.
+    pub fn snapshot_if_due(&self, stream: &StreamShard) -> bool {
+        let size = stream.log.size_bytes();
+        // Retention shrinks the log: count from what is left.
+        let mark = self.snapshot_mark.get().min(size);
+        self.snapshot_mark.set(mark);
+        if size - mark < self.limits.snapshot_every_bytes {
+            return false;
+        }
+        self.snapshot_mark.set(size);
+        let Some(record) = self.folded.borrow().as_ref().and_then(encode_snapshot) else {
+            return false;
+        };
+        let written = (self.writer)(vec![record]);
+        let folded = self.folded.clone();
+        task::spawn(async move {
+            if written.await.is_err() {
+                *folded.borrow_mut() = None;
+            }
+        })
+        .detach();
+        true
     }
 
     fn tracker<T>(&self, group: &str, f: impl FnOnce(&mut Tracker) -> T) -> Option<T> {
@@ -660,6 +869,49 @@ impl GroupShard {
     }
 }
 
+/// The newest group snapshot in `[from, until)` of `stream`'s log (its offset and the
+/// groups it holds), and the bytes of records read looking.
+async fn newest_snapshot(
+    stream: &StreamShard,
+    from: u64,
+    until: u64,
+    limits: Limits,
+) -> Result<(Option<(u64, HashMap<String, Tracker>)>, u64), BrokerError> {
+    let mut newest = None;
+    let mut at = from;
+    let mut read = 0u64;
+    while at < until {
+        let batches = stream.log.read_to(at, until, 4 << 20).await?;
+        let Some(last) = batches.last() else { break };
+        at = last.end_offset();
+        for b in batches {
+            read += b.records.iter().map(|r| r.len() as u64).sum::<u64>();
+            if b.kind != BatchKind::Group {
+                continue;
+            }
+            for (i, r) in b.records.into_iter().enumerate() {
+                if is_snapshot(&r) && b.base_offset + (i as u64) < until {
+                    newest = Some((b.base_offset + i as u64, r));
+                }
+            }
+        }
+    }
+    let Some((offset, record)) = newest else {
+        return Ok((None, read));
+    };
+    match decode_snapshot(record, limits) {
+        Some(groups) => Ok((Some((offset, groups)), read)),
+        None => Err(unreadable(stream, offset)),
+    }
+}
+
+fn unreadable(stream: &StreamShard, offset: u64) -> BrokerError {
+    BrokerError::Storage(format!(
+        "{}: a group event it cannot read at offset {offset}",
+        stream.key
+    ))
+}
+
 /// Milliseconds on a clock that never steps, from the first call in this process.
 fn mono_ms() -> u64 {
     static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
@@ -706,5 +958,104 @@ mod tests {
             None
         );
         assert_eq!(decode(Bytes::from_static(&[1, 5, b'a'])), None);
+    }
+
+    /// Events over three groups and 64 offsets, each kind as likely, one in eight a
+    /// delete of its group (seeded).
+    fn random_events(seed: u64, n: usize) -> Vec<(String, Option<Event>)> {
+        let mut x = seed.max(1);
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        (0..n)
+            .map(|_| {
+                let group = format!("g{}", next() % 3);
+                let o = next() % 64;
+                let event = match next() % 8 {
+                    0 | 1 => Some(Event::Ack(o)),
+                    2 => Some(Event::Dead(o)),
+                    3 => Some(Event::Redrive(o)),
+                    4 => Some(Event::Discard(o)),
+                    5 | 6 => Some(Event::Seek(o / 4)),
+                    _ => None,
+                };
+                (group, event)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_fold_from_the_newest_snapshot_builds_what_the_whole_fold_builds() {
+        let limits = Limits::default();
+        for seed in 1..200u64 {
+            // The log as a leader writes it: events, and now and then a snapshot of the
+            // state its events so far fold to.
+            let mut folded = HashMap::new();
+            let mut log: Vec<Result<(String, Option<Event>), Bytes>> = Vec::new();
+            for (i, (group, event)) in random_events(seed, 300).into_iter().enumerate() {
+                fold_event(&mut folded, &group, event, limits);
+                log.push(Ok((group, event)));
+                if (i as u64 * 7 + seed).is_multiple_of(23) {
+                    log.push(Err(encode_snapshot(&folded).unwrap()));
+                }
+            }
+            let mut whole = HashMap::new();
+            for (group, event) in log.iter().filter_map(|r| r.as_ref().ok()) {
+                fold_event(&mut whole, group, *event, limits);
+            }
+            assert_eq!(whole, folded, "seed {seed}");
+            let newest = log.iter().rposition(Result::is_err).unwrap();
+            let mut from_snapshot =
+                decode_snapshot(log[newest].clone().unwrap_err(), limits).unwrap();
+            for (group, event) in log[newest + 1..].iter().filter_map(|r| r.as_ref().ok()) {
+                fold_event(&mut from_snapshot, group, *event, limits);
+            }
+            assert_eq!(from_snapshot, whole, "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn snapshots_round_trip_refuse_garbage_and_stay_bounded() {
+        let limits = Limits::default();
+        let mut groups = HashMap::new();
+        for (group, event) in [
+            ("a", Event::Seek(10)),
+            ("a", Event::Ack(12)),
+            ("a", Event::Dead(10)),
+            ("a", Event::Redrive(10)),
+            ("a", Event::Dead(14)),
+            ("b", Event::Ack(0)),
+        ] {
+            fold_event(&mut groups, group, Some(event), limits);
+        }
+        let record = encode_snapshot(&groups).unwrap();
+        assert!(is_snapshot(&record));
+        assert_eq!(
+            decode_snapshot(record.clone(), limits),
+            Some(groups.clone())
+        );
+        let a = groups["a"].durable();
+        assert_eq!(
+            (a.committed, a.owed.as_slice()),
+            (11, &[10][..]),
+            "a redrive leaves the cursor"
+        );
+        assert_eq!((a.settled_ahead, a.dead), (vec![12, 14], vec![14]));
+        // Cut anywhere, or with a byte more, it is refused.
+        for cut in [0, 5, 7, record.len() - 1] {
+            assert_eq!(decode_snapshot(record.slice(..cut), limits), None, "{cut}");
+        }
+        let mut longer = record.to_vec();
+        longer.push(0);
+        assert_eq!(decode_snapshot(longer.into(), limits), None);
+        // Past the bound (here: 40,000 dead letters) nothing is written.
+        let mut big = HashMap::new();
+        for o in 0..40_000 {
+            fold_event(&mut big, "c", Some(Event::Dead(o * 2)), limits);
+        }
+        assert_eq!(encode_snapshot(&big), None);
     }
 }

@@ -20,6 +20,9 @@ pub struct Limits {
     pub max_in_flight: usize,
     /// Records one poll hands out.
     pub max_claim: usize,
+    /// Log bytes written after a shard's last group snapshot before its leader writes
+    /// another (`mod.rs`): bounds how much of the log a new leader folds.
+    pub snapshot_every_bytes: u64,
 }
 
 impl Default for Limits {
@@ -29,6 +32,7 @@ impl Default for Limits {
             max_attempts: 5,
             max_in_flight: 10_000,
             max_claim: 1000,
+            snapshot_every_bytes: 64 << 20,
         }
     }
 }
@@ -96,8 +100,24 @@ pub struct Counts {
     pub dead_letters: u64,
 }
 
+/// What folding events builds of a tracker (claims are never part of it): the durable
+/// state a group snapshot holds (`mod.rs`). Offsets lowest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Durable {
+    /// The cursor.
+    pub committed: u64,
+    /// The next offset never handed out (as far as events tell).
+    pub high_water: u64,
+    /// Records owed again by a redrive.
+    pub owed: Vec<u64>,
+    /// Finished offsets at or past the cursor.
+    pub settled_ahead: Vec<u64>,
+    /// Dead letters.
+    pub dead: Vec<u64>,
+}
+
 /// One group's state.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Tracker {
     limits: Limits,
     /// Every offset below it is finished (acked, dead-lettered or skipped), except those
@@ -192,12 +212,15 @@ impl Tracker {
         }
     }
 
-    /// Marks `o` finished and moves the cursor over the contiguous run.
+    /// Marks `o` finished and moves the cursor over the contiguous run. Does not move
+    /// the high water past `o`: live, `o` was handed out and lies below it already;
+    /// in a fold nothing was handed out, and the unfinished offsets between the cursor
+    /// and the last settled one must go out again (they did not after a restart before:
+    /// an ack past an unacked record hid that record for good).
     fn settle(&mut self, o: u64) {
         if o >= self.committed {
             self.settled_ahead.insert(o);
         }
-        self.high_water = self.high_water.max(o + 1).max(self.committed);
         while self.settled_ahead.remove(&self.committed) {
             self.committed += 1;
         }
@@ -427,6 +450,40 @@ impl Tracker {
         )))
     }
 
+    /// The durable state of a tracker built only by [`Tracker::apply`] (one that never
+    /// claimed: such a tracker holds no claims, and the records it owes were redriven,
+    /// owed at once on their first attempt).
+    pub fn durable(&self) -> Durable {
+        debug_assert!(
+            self.in_flight.is_empty(),
+            "a folded tracker holds no claims"
+        );
+        Durable {
+            committed: self.committed,
+            high_water: self.high_water,
+            owed: self.owed.keys().copied().collect(),
+            settled_ahead: self.settled_ahead.iter().copied().collect(),
+            dead: self.dead.iter().copied().collect(),
+        }
+    }
+
+    /// The tracker that folding the events behind `d` built.
+    pub fn from_durable(d: Durable, limits: Limits) -> Tracker {
+        let redriven = Owed {
+            attempts: 0,
+            not_before_ms: 0,
+        };
+        Tracker {
+            limits,
+            committed: d.committed,
+            high_water: d.high_water,
+            in_flight: BTreeMap::new(),
+            owed: d.owed.into_iter().map(|o| (o, redriven)).collect(),
+            settled_ahead: d.settled_ahead.into_iter().collect(),
+            dead: d.dead.into_iter().collect(),
+        }
+    }
+
     /// Checks that `o` is a dead letter, for redrive and discard.
     pub fn is_dead(&self, o: u64) -> Result<(), Refusal> {
         if self.dead.contains(&o) {
@@ -447,11 +504,27 @@ mod tests {
             max_attempts: 3,
             max_in_flight: 100,
             max_claim: 1000,
+            snapshot_every_bytes: 1 << 20,
         }
     }
 
     fn offsets(c: &Claimed) -> Vec<u64> {
         c.handed.iter().map(|(o, _)| *o).collect()
+    }
+
+    #[test]
+    fn a_folded_group_hands_out_again_the_unfinished_records_below_its_last_ack() {
+        // What a restart folds from the log: acks of 1, 3 and 5, a dead letter at 6;
+        // 0, 2 and 4 were handed out before and never finished.
+        let mut t = Tracker::new(0, limits());
+        for e in [Event::Ack(1), Event::Ack(3), Event::Ack(5), Event::Dead(6)] {
+            t.apply(e);
+        }
+        assert_eq!(t.committed(), 0);
+        assert_eq!(offsets(&t.claim(10, 10, 0, 0)), vec![0, 2, 4, 7, 8, 9]);
+        assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
+        assert_eq!(t.ack(2), Ok(Some(Event::Ack(2))));
+        assert_eq!(t.committed(), 4);
     }
 
     #[test]
