@@ -2120,10 +2120,12 @@ impl CoreBroker {
         }
         let stream = self.stream_shard(key).await?;
         let groups = self.group_shard(key, &stream).await?;
-        if groups.snapshot_if_due(&stream) {
-            self.metrics.group_snapshots.fetch_add(1, Ordering::Relaxed);
-        }
-        groups.serve(&stream, op).await
+        groups.snapshot_if_due(&stream);
+        let answer = groups.serve(&stream, op).await;
+        self.metrics
+            .group_snapshots
+            .fetch_add(groups.take_snapshots(), Ordering::Relaxed);
+        answer
     }
 
     /// Where the groups of stream shard `key` write their events: its log, through this

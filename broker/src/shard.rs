@@ -271,7 +271,9 @@ impl StreamShard {
         // What the log holds may have changed under the state index: build it again.
         *self.state.borrow_mut() = None;
         *self.producers.borrow_mut() = None;
-        *self.groups.borrow_mut() = None;
+        if let Some(groups) = self.groups.borrow_mut().take() {
+            groups.retire();
+        }
         self.appended.wake_all();
     }
 

@@ -357,6 +357,20 @@ pub struct GroupShard {
     folded: Rc<RefCell<Option<HashMap<String, Tracker>>>>,
     /// The log's size when the last snapshot was written (or what the build read).
     snapshot_mark: Cell<u64>,
+    /// Group event writes handed to the writer and not yet answered. A snapshot waits
+    /// for none: a write that failed (its offset given back, or refused at admission)
+    /// is only seen failed once its answer comes, and a snapshot taken before that
+    /// would hold an event the log lacks.
+    pending: Cell<usize>,
+    /// A snapshot came due while writes were pending: the log's size then, taken when
+    /// the last of them is answered.
+    deferred: Cell<Option<u64>>,
+    /// Snapshots started since [`GroupShard::take_snapshots`] last asked.
+    started: Rc<Cell<u64>>,
+    /// Set when the shard's groups were dropped (a leadership change): a request still
+    /// running on this state (a waiting poll) must write nothing more, or the groups
+    /// built next would miss its events.
+    retired: Cell<bool>,
     /// How the groups were built, for metrics.
     built: Built,
 }
@@ -403,7 +417,10 @@ impl GroupShard {
         for segment in stream.log.segment_bases().into_iter().rev() {
             let from = segment.max(base);
             if from < until {
-                let (newest, read) = newest_snapshot(stream, from, until, limits).await?;
+                let found = newest_snapshot(stream, from, until, limits).await;
+                let Some((newest, read)) = or_full_fold(stream, found)? else {
+                    break;
+                };
                 read_bytes += read;
                 if let Some((at, groups)) = newest {
                     start = (at + 1, groups, Some(at));
@@ -466,6 +483,10 @@ impl GroupShard {
             settled: Wakers::default(),
             folded: Rc::new(RefCell::new(state.folded)),
             snapshot_mark: Cell::new(state.snapshot_mark),
+            pending: Cell::new(0),
+            deferred: Cell::new(None),
+            started: Rc::default(),
+            retired: Cell::new(false),
             built: Built::default(),
         }
     }
@@ -485,10 +506,23 @@ impl GroupShard {
         self.built
     }
 
+    /// Marks these groups dropped: later writes are refused.
+    pub fn retire(&self) {
+        self.retired.set(true);
+    }
+
+    /// Snapshots started since the last call.
+    pub fn take_snapshots(&self) -> u64 {
+        self.started.replace(0)
+    }
+
     /// Writes events of `group` and waits until they are durable.
     async fn write(&self, group: &str, events: &[Option<Event>]) -> Result<(), BrokerError> {
         if events.is_empty() {
             return Ok(());
+        }
+        if self.retired.get() {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
         let records: Vec<Bytes> = events.iter().map(|e| encode(group, *e)).collect();
         // With no await in between: the writer claims the events' offsets in the order
@@ -498,30 +532,57 @@ impl GroupShard {
                 fold_event(folded, group, *e, self.limits);
             }
         }
+        self.pending.set(self.pending.get() + 1);
         let written = (self.writer)(records).await;
+        self.pending.set(self.pending.get() - 1);
         if written.is_err() {
-            *self.folded.borrow_mut() = None;
+            self.stop_snapshots();
+        } else if self.pending.get() == 0
+            && let Some(size) = self.deferred.take()
+        {
+            self.snapshot_now(size);
         }
         written?;
         Ok(())
     }
 
+    /// No more snapshots until the groups are built again: the events-only copy may
+    /// hold an event the log lacks.
+    fn stop_snapshots(&self) {
+        self.deferred.set(None);
+        if self.folded.borrow_mut().take().is_some() {
+            tracing::warn!(
+                "a group event write failed: no more group snapshots on this shard until its groups are built again"
+            );
+        }
+    }
+
     /// Writes a group snapshot when [`Limits::snapshot_every_bytes`] of log were written
-    /// since the last. In the background: no request waits for it; a failed one ends
-    /// snapshots until the groups are built again. Returns whether one was started.
-    pub fn snapshot_if_due(&self, stream: &StreamShard) -> bool {
+    /// since the last: now, or once the group writes in flight are answered. In the
+    /// background: no request waits for it; a failed one ends snapshots until the
+    /// groups are built again.
+    pub fn snapshot_if_due(&self, stream: &StreamShard) {
         let size = stream.log.size_bytes();
         // Retention shrinks the log: count from what is left.
         let mark = self.snapshot_mark.get().min(size);
         self.snapshot_mark.set(mark);
-        if size - mark < self.limits.snapshot_every_bytes {
-            return false;
+        if size - mark < self.limits.snapshot_every_bytes || self.retired.get() {
+            return;
         }
+        if self.pending.get() > 0 {
+            self.deferred.set(Some(size));
+            return;
+        }
+        self.snapshot_now(size);
+    }
+
+    fn snapshot_now(&self, size: u64) {
         self.snapshot_mark.set(size);
         let Some(record) = self.folded.borrow().as_ref().and_then(encode_snapshot) else {
-            return false;
+            return;
         };
         let written = (self.writer)(vec![record]);
+        self.started.set(self.started.get() + 1);
         let folded = self.folded.clone();
         task::spawn(async move {
             if written.await.is_err() {
@@ -529,7 +590,6 @@ impl GroupShard {
             }
         })
         .detach();
-        true
     }
 
     fn tracker<T>(&self, group: &str, f: impl FnOnce(&mut Tracker) -> T) -> Option<T> {
@@ -791,6 +851,10 @@ impl GroupShard {
                 }
             }
             let handed = claimed.handed.len();
+            if handed == 0 && claimed.cut_short {
+                task::yield_now().await;
+                continue;
+            }
             let (records, passed) = self.read_claimed(stream, group, &claimed.handed).await?;
             let full = records.len() + passed < handed;
             out.extend(records);
@@ -902,6 +966,22 @@ async fn newest_snapshot(
     match decode_snapshot(record, limits) {
         Some(groups) => Ok((Some((offset, groups)), read)),
         None => Err(unreadable(stream, offset)),
+    }
+}
+
+/// What [`newest_snapshot`] found, or nothing when it could not read one (a layout of a
+/// later version, say): the fold then starts at the base and passes snapshots over.
+fn or_full_fold<T>(
+    stream: &StreamShard,
+    found: Result<T, BrokerError>,
+) -> Result<Option<T>, BrokerError> {
+    match found {
+        Ok(t) => Ok(Some(t)),
+        Err(BrokerError::Storage(why)) => {
+            tracing::warn!(shard = %stream.key, %why, "a group snapshot it cannot read: folding the whole log");
+            Ok(None)
+        }
+        Err(e) => Err(e),
     }
 }
 

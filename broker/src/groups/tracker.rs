@@ -85,7 +85,15 @@ pub struct Claimed {
     /// an [`Event::Dead`] for each before answering (and calls [`Tracker::undo_dead`]
     /// if that write fails).
     pub dead: Vec<u64>,
+    /// The walk over finished offsets stopped at [`CLAIM_PASS_MAX`]: claim again (after
+    /// letting the core run something else) to go on.
+    pub cut_short: bool,
 }
+
+/// Finished offsets one claim passes over at most. After a fold every finished offset
+/// ahead of the cursor is passed one by one on the first claims; without a bound a
+/// group with millions of them would hold the core for seconds.
+pub const CLAIM_PASS_MAX: usize = 65_536;
 
 /// A group's counts, for `group_describe`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,10 +296,16 @@ impl Tracker {
             }
             self.hand(o, w.attempts + 1, now_ms + visibility, &mut out);
         }
+        let mut passed = 0;
         while self.high_water < tail && room(self, &out) {
             let o = self.high_water;
             self.high_water += 1;
             if self.settled_ahead.contains(&o) || self.in_flight.contains_key(&o) {
+                passed += 1;
+                if passed >= CLAIM_PASS_MAX {
+                    out.cut_short = true;
+                    break;
+                }
                 continue;
             }
             if self.owed.contains_key(&o) {
@@ -525,6 +539,34 @@ mod tests {
         assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
         assert_eq!(t.ack(2), Ok(Some(Event::Ack(2))));
         assert_eq!(t.committed(), 4);
+    }
+
+    #[test]
+    fn a_claim_passes_a_bounded_number_of_finished_offsets_and_says_so() {
+        let mut t = Tracker::new(0, limits());
+        let ahead = 3 * CLAIM_PASS_MAX as u64;
+        for o in 1..=ahead {
+            t.apply(Event::Ack(o));
+        }
+        let first = t.claim(ahead + 10, 100, 0, 0);
+        assert_eq!(offsets(&first), vec![0]);
+        assert!(first.cut_short, "passing the acked run stops at the bound");
+        let mut handed = Vec::new();
+        let mut claims = 1;
+        loop {
+            let c = t.claim(ahead + 10, 100, 0, 0);
+            claims += 1;
+            handed.extend(offsets(&c));
+            if !c.cut_short {
+                break;
+            }
+            assert!(offsets(&c).is_empty());
+        }
+        assert_eq!(handed, ((ahead + 1)..(ahead + 10)).collect::<Vec<_>>());
+        assert_eq!(
+            claims, 4,
+            "three bounded walks over the acked run, then the rest"
+        );
     }
 
     #[test]
