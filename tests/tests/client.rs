@@ -23,6 +23,20 @@ fn broker(extra: &[&str]) -> (BrokerProcess, tempfile::TempDir) {
     (b, dir)
 }
 
+/// `felix-broker dev` with `yaml` as its configuration file.
+fn broker_with_config(yaml: &str) -> (BrokerProcess, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let config_file = dir.path().join("broker.yaml");
+    std::fs::write(&config_file, yaml).unwrap();
+    let b = BrokerProcess::start_dev(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("data"),
+        &["--config", config_file.to_str().unwrap()],
+    )
+    .unwrap();
+    (b, dir)
+}
+
 fn config(b: &BrokerProcess) -> ClientConfig {
     let quinn = felix_client::quic_client_config_from_file(&b.ca_file(), false).unwrap();
     let mut config = ClientConfig::from_env_or_yaml(quinn, None).unwrap();
@@ -550,19 +564,7 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
 fn a_restart_builds_a_groups_state_from_its_newest_snapshot() {
     use felix_client::{GroupRef, PollOptions};
     use std::collections::BTreeSet;
-    let dir = tempfile::tempdir().unwrap();
-    let config_file = dir.path().join("broker.yaml");
-    std::fs::write(
-        &config_file,
-        "segment_bytes: 262144\ngroup_snapshot_bytes: 131072\n",
-    )
-    .unwrap();
-    let mut b = BrokerProcess::start_dev(
-        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        &["--config", config_file.to_str().unwrap()],
-    )
-    .unwrap();
+    let (mut b, _dir) = broker_with_config("segment_bytes: 262144\ngroup_snapshot_bytes: 131072\n");
     let rt = tokio::runtime::Runtime::new().unwrap();
     let g = GroupRef::new("dev", "default", "jobs", 0, "workers");
     let poll = PollOptions {
@@ -867,19 +869,7 @@ where
 #[test]
 fn an_overwritten_cache_stays_small_on_disk_and_keeps_every_value_across_a_restart() {
     use felix_wire::message::CacheCondition;
-    let dir = tempfile::tempdir().unwrap();
-    let config_file = dir.path().join("broker.yaml");
-    std::fs::write(
-        &config_file,
-        "segment_bytes: 65536\ncache_compact_after: 2000\n",
-    )
-    .unwrap();
-    let mut b = BrokerProcess::start_dev(
-        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        &["--config", config_file.to_str().unwrap()],
-    )
-    .unwrap();
+    let (mut b, _dir) = broker_with_config("segment_bytes: 65536\ncache_compact_after: 2000\n");
     let rt = tokio::runtime::Runtime::new().unwrap();
     const WRITERS: usize = 8;
     const EACH: usize = 1500;
