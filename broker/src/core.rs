@@ -2120,7 +2120,7 @@ impl CoreBroker {
         }
         let stream = self.stream_shard(key).await?;
         let groups = self.group_shard(key, &stream).await?;
-        groups.snapshot_if_due(&stream);
+        groups.snapshot_if_due(stream.log.size_bytes());
         let answer = groups.serve(&stream, op).await;
         self.metrics
             .group_snapshots

@@ -375,6 +375,30 @@ pub struct GroupShard {
     built: Built,
 }
 
+/// One group event write awaiting its answer (counted in [`GroupShard::pending`]). A
+/// write whose request was dropped before the answer came may have failed unseen: it
+/// ends snapshots like a failure.
+struct Waiting<'a> {
+    shard: &'a GroupShard,
+    ok: bool,
+}
+
+impl<'a> Waiting<'a> {
+    fn start(shard: &'a GroupShard) -> Self {
+        shard.pending.set(shard.pending.get() + 1);
+        Waiting { shard, ok: false }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.shard.pending.set(self.shard.pending.get() - 1);
+        if !self.ok {
+            self.shard.stop_snapshots();
+        }
+    }
+}
+
 /// How [`GroupShard::build`] went.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Built {
@@ -532,12 +556,12 @@ impl GroupShard {
                 fold_event(folded, group, *e, self.limits);
             }
         }
-        self.pending.set(self.pending.get() + 1);
+        let mut waiting = Waiting::start(self);
         let written = (self.writer)(records).await;
-        self.pending.set(self.pending.get() - 1);
-        if written.is_err() {
-            self.stop_snapshots();
-        } else if self.pending.get() == 0
+        waiting.ok = written.is_ok();
+        drop(waiting);
+        if written.is_ok()
+            && self.pending.get() == 0
             && let Some(size) = self.deferred.take()
         {
             self.snapshot_now(size);
@@ -560,9 +584,8 @@ impl GroupShard {
     /// Writes a group snapshot when [`Limits::snapshot_every_bytes`] of log were written
     /// since the last: now, or once the group writes in flight are answered. In the
     /// background: no request waits for it; a failed one ends snapshots until the
-    /// groups are built again.
-    pub fn snapshot_if_due(&self, stream: &StreamShard) {
-        let size = stream.log.size_bytes();
+    /// groups are built again. `size`: the shard's log size now.
+    pub fn snapshot_if_due(&self, size: u64) {
         // Retention shrinks the log: count from what is left.
         let mark = self.snapshot_mark.get().min(size);
         self.snapshot_mark.set(mark);
@@ -577,6 +600,9 @@ impl GroupShard {
     }
 
     fn snapshot_now(&self, size: u64) {
+        if self.retired.get() {
+            return;
+        }
         self.snapshot_mark.set(size);
         let Some(record) = self.folded.borrow().as_ref().and_then(encode_snapshot) else {
             return;
@@ -1017,6 +1043,7 @@ fn refused(r: Refusal) -> BrokerError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures_channel::oneshot;
 
     #[test]
     fn group_log_records_round_trip_and_garbage_is_refused() {
@@ -1095,6 +1122,98 @@ mod tests {
             }
             assert_eq!(from_snapshot, whole, "seed {seed}");
         }
+    }
+
+    /// Group shard whose writer hands each write's records to the test and waits for the
+    /// test's answer.
+    type Answers = Rc<RefCell<Vec<(Vec<Bytes>, oneshot::Sender<Result<Appended, BrokerError>>)>>>;
+
+    fn shard_with_held_writes() -> (GroupShard, Answers) {
+        let writes: Answers = Rc::default();
+        let w = writes.clone();
+        let writer: GroupWriter = Box::new(move |records| {
+            let (tx, rx) = oneshot::channel();
+            w.borrow_mut().push((records, tx));
+            Box::pin(async move { rx.await.unwrap_or(Err(BrokerError::Draining)) })
+        });
+        let limits = Limits {
+            snapshot_every_bytes: 100,
+            ..Limits::default()
+        };
+        let state = GroupState {
+            trackers: HashMap::new(),
+            folded: Some(HashMap::new()),
+            snapshot_mark: 0,
+        };
+        (GroupShard::from_state(state, limits, writer), writes)
+    }
+
+    fn appended() -> Result<Appended, BrokerError> {
+        Ok(Appended { first: 0, end: 1 })
+    }
+
+    #[test]
+    fn a_snapshot_waits_for_the_group_writes_in_flight_and_none_follows_a_failed_one() {
+        felix_core_runtime::task::block_on(async {
+            // Due while a write awaits its answer: deferred; taken once it succeeds.
+            let (g, writes) = shard_with_held_writes();
+            let mut ack = std::pin::pin!(g.write("w", &[Some(Event::Ack(3))]));
+            assert!(futures_lite::future::poll_once(&mut ack).await.is_none());
+            g.snapshot_if_due(1_000);
+            assert_eq!(
+                writes.borrow().len(),
+                1,
+                "no snapshot while a write is pending"
+            );
+            let (_, answer) = writes.borrow_mut().remove(0);
+            answer.send(appended()).unwrap();
+            ack.await.unwrap();
+            let snapshot = writes.borrow_mut().remove(0).0;
+            let state = decode_snapshot(snapshot[0].clone(), g.limits).unwrap();
+            assert_eq!(
+                state["w"].durable().settled_ahead,
+                vec![3],
+                "it holds the ack"
+            );
+            assert_eq!(g.take_snapshots(), 1);
+
+            // The pending write fails: the deferred snapshot is dropped, and no later
+            // one is written (the copy may hold the failed event).
+            let (g, writes) = shard_with_held_writes();
+            let mut ack = std::pin::pin!(g.write("w", &[Some(Event::Ack(3))]));
+            assert!(futures_lite::future::poll_once(&mut ack).await.is_none());
+            g.snapshot_if_due(1_000);
+            let (_, answer) = writes.borrow_mut().remove(0);
+            answer
+                .send(Err(BrokerError::Unacknowledged("lost".into())))
+                .unwrap();
+            assert!(ack.await.is_err());
+            g.snapshot_if_due(5_000);
+            assert!(
+                writes.borrow().is_empty(),
+                "no snapshot after a failed write"
+            );
+
+            // A request dropped before its answer counts as failed.
+            let (g, writes) = shard_with_held_writes();
+            {
+                let mut ack = std::pin::pin!(g.write("w", &[Some(Event::Ack(3))]));
+                assert!(futures_lite::future::poll_once(&mut ack).await.is_none());
+            }
+            writes.borrow_mut().clear();
+            g.snapshot_if_due(1_000);
+            assert!(
+                writes.borrow().is_empty(),
+                "no snapshot after an unseen outcome"
+            );
+
+            // Retired groups write nothing.
+            let (g, writes) = shard_with_held_writes();
+            g.retire();
+            assert!(g.write("w", &[Some(Event::Ack(1))]).await.is_err());
+            g.snapshot_if_due(1_000);
+            assert!(writes.borrow().is_empty());
+        });
     }
 
     #[test]
