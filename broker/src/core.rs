@@ -2669,9 +2669,26 @@ impl CoreBroker {
                 core.remove_copies_left_while_down().await;
                 core.expire_cache_values().await;
                 core.cut_replicated_caches().await;
+                core.snapshot_idle_groups();
             }
         })
         .detach();
+    }
+
+    /// Group snapshots that came due without a group request (records keep arriving
+    /// while the consumers are away): otherwise the next leader would fold everything
+    /// written since the last request.
+    fn snapshot_idle_groups(&self) {
+        for slot in self.streams.borrow().values() {
+            let Slot::Ready(s) = slot else { continue };
+            let Some(groups) = s.groups.borrow().clone() else {
+                continue;
+            };
+            groups.snapshot_if_due(s.log.size_bytes());
+            self.metrics
+                .group_snapshots
+                .fetch_add(groups.take_snapshots(), Ordering::Relaxed);
+        }
     }
 
     /// Closes this core's shards of deleted streams and caches, ends local
