@@ -1170,7 +1170,15 @@ impl CoreBroker {
         if let Some(rs) = self.replicas.as_ref().and_then(|r| r.get(key)) {
             return Ok(Some(rs));
         }
-        let replicated = self.shared.cluster.is_some()
+        if self.replicated(key) {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        Ok(None)
+    }
+
+    /// Whether `key` belongs to a replicated stream or cache of a broker in a cluster.
+    fn replicated(&self, key: &ShardKey) -> bool {
+        self.shared.cluster.is_some()
             && self
                 .shared
                 .catalog
@@ -1180,11 +1188,7 @@ impl CoreBroker {
                     &key.namespace,
                     &key.name,
                 )
-                .is_some_and(|s| s.replicated());
-        if replicated {
-            return Err(BrokerError::ShardUnavailable("not_ready".into()));
-        }
-        Ok(None)
+                .is_some_and(|s| s.replicated())
     }
 
     /// Appends on this (the owning) core. The offsets are claimed before this returns

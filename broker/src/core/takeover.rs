@@ -76,16 +76,7 @@ impl CoreBroker {
                 .cluster
                 .as_ref()
                 .is_some_and(|c| c.leads_copies_of(key))
-            && self
-                .shared
-                .catalog
-                .spec(
-                    key.kind == felix_core_runtime::placement::ShardKind::Stream,
-                    &key.tenant,
-                    &key.namespace,
-                    &key.name,
-                )
-                .is_some_and(|s| s.replicated())
+            && self.replicated(key)
     }
 
     /// Runs `call` now, or, while this broker's replica takes `key` over, once it

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use felix_core_runtime::task;
-use felix_storage_uring::{Appended, BatchKind};
+use felix_storage_uring::{Appended, BatchKind, ReadBatch};
 use felix_wire::Offset;
 use felix_wire::message::{GroupRecord, StartPosition};
 
@@ -366,7 +366,7 @@ pub struct GroupShard {
     /// the last of them is answered.
     deferred: Cell<Option<u64>>,
     /// Snapshots started since [`GroupShard::take_snapshots`] last asked.
-    started: Rc<Cell<u64>>,
+    started: Cell<u64>,
     /// Set when the shard's groups were dropped (a leadership change): a request still
     /// running on this state (a waiting poll) must write nothing more, or the groups
     /// built next would miss its events.
@@ -456,29 +456,24 @@ impl GroupShard {
                 break;
             }
         }
-        let (mut at, mut groups, from_snapshot) = start;
-        let mut folded_bytes = 0u64;
-        while at < end {
-            let batches = stream.log.read(at, 4 << 20).await?;
-            let Some(last) = batches.last() else { break };
-            at = last.end_offset();
-            for b in batches {
-                folded_bytes += b.records.iter().map(|r| r.len() as u64).sum::<u64>();
-                if b.kind != BatchKind::Group {
+        let (at, mut groups, from_snapshot) = start;
+        let folded_bytes = walk(stream, at, end, |b| {
+            if b.kind != BatchKind::Group {
+                return Ok(());
+            }
+            for r in b.records {
+                if is_snapshot(&r) {
                     continue;
                 }
-                for r in b.records {
-                    if is_snapshot(&r) {
-                        continue;
-                    }
-                    let Some((group, event)) = decode(r) else {
-                        return Err(unreadable(stream, b.base_offset));
-                    };
-                    fold_event(&mut groups, &group, event, limits);
-                }
+                let Some((group, event)) = decode(r) else {
+                    return Err(unreadable(stream, b.base_offset));
+                };
+                fold_event(&mut groups, &group, event, limits);
             }
-        }
-        let shard = Self::from_state(
+            Ok(())
+        })
+        .await?;
+        let mut shard = Self::from_state(
             GroupState {
                 folded: Some(groups.clone()),
                 trackers: groups,
@@ -487,13 +482,11 @@ impl GroupShard {
             limits,
             writer,
         );
-        Ok(GroupShard {
-            built: Built {
-                from_snapshot,
-                read_bytes: read_bytes + folded_bytes,
-            },
-            ..shard
-        })
+        shard.built = Built {
+            from_snapshot,
+            read_bytes: read_bytes + folded_bytes,
+        };
+        Ok(shard)
     }
 
     /// The groups as another core left them (a live re-pin hands them over with the
@@ -509,7 +502,7 @@ impl GroupShard {
             snapshot_mark: Cell::new(state.snapshot_mark),
             pending: Cell::new(0),
             deferred: Cell::new(None),
-            started: Rc::default(),
+            started: Cell::new(0),
             retired: Cell::new(false),
             built: Built::default(),
         }
@@ -968,24 +961,17 @@ async fn newest_snapshot(
     limits: Limits,
 ) -> Result<(Option<(u64, HashMap<String, Tracker>)>, u64), BrokerError> {
     let mut newest = None;
-    let mut at = from;
-    let mut read = 0u64;
-    while at < until {
-        let batches = stream.log.read_to(at, until, 4 << 20).await?;
-        let Some(last) = batches.last() else { break };
-        at = last.end_offset();
-        for b in batches {
-            read += b.records.iter().map(|r| r.len() as u64).sum::<u64>();
-            if b.kind != BatchKind::Group {
-                continue;
-            }
+    let read = walk(stream, from, until, |b| {
+        if b.kind == BatchKind::Group {
             for (i, r) in b.records.into_iter().enumerate() {
                 if is_snapshot(&r) && b.base_offset + (i as u64) < until {
                     newest = Some((b.base_offset + i as u64, r));
                 }
             }
         }
-    }
+        Ok(())
+    })
+    .await?;
     let Some((offset, record)) = newest else {
         return Ok((None, read));
     };
@@ -993,6 +979,27 @@ async fn newest_snapshot(
         Some(groups) => Ok((Some((offset, groups)), read)),
         None => Err(unreadable(stream, offset)),
     }
+}
+
+/// Reads `stream`'s log over `[from, until)`, 4 MiB at a time, handing each batch to
+/// `f`; returns the bytes of records read.
+async fn walk(
+    stream: &StreamShard,
+    from: u64,
+    until: u64,
+    mut f: impl FnMut(ReadBatch) -> Result<(), BrokerError>,
+) -> Result<u64, BrokerError> {
+    let (mut at, mut read) = (from, 0u64);
+    while at < until {
+        let batches = stream.log.read_to(at, until, 4 << 20).await?;
+        let Some(last) = batches.last() else { break };
+        at = last.end_offset();
+        for b in batches {
+            read += b.records.iter().map(|r| r.len() as u64).sum::<u64>();
+            f(b)?;
+        }
+    }
+    Ok(read)
 }
 
 /// What [`newest_snapshot`] found, or nothing when it could not read one (a layout of a
