@@ -72,6 +72,22 @@ impl BrokerProcess {
         Ok(p)
     }
 
+    /// As [`BrokerProcess::start_dev`], with `yaml` written to `dir/broker.yaml` as the
+    /// configuration file, the data in `dir/data`, and `extra` arguments after it.
+    pub fn start_dev_with_config(
+        binary: &Path,
+        dir: &Path,
+        yaml: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<BrokerProcess> {
+        let path = dir.join("broker.yaml");
+        std::fs::write(&path, yaml)?;
+        let path = path.to_str().context("a UTF-8 data path")?.to_owned();
+        let mut args = vec!["--config", path.as_str()];
+        args.extend_from_slice(extra);
+        Self::start_dev(binary, &dir.join("data"), &args)
+    }
+
     /// Starts `binary serve --config <config>` on `listen` (a fixed port: a broker that
     /// follows a control plane advertises it) over `data_dir`.
     pub fn start_serve(

@@ -17,19 +17,11 @@ use felix_wire::{
 const RSS_BUDGET_KIB: u64 = 160 * 1024;
 
 fn broker(dir: &tempfile::TempDir, config: &str) -> BrokerProcess {
-    let path = dir.path().join("broker.yaml");
-    std::fs::write(&path, config).unwrap();
-    BrokerProcess::start_dev(
+    BrokerProcess::start_dev_with_config(
         std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        &[
-            "--config",
-            path.to_str().unwrap(),
-            "--shards",
-            "2",
-            "--fsync",
-            "none",
-        ],
+        dir.path(),
+        config,
+        &["--shards", "2", "--fsync", "none"],
     )
     .unwrap()
 }

@@ -26,12 +26,11 @@ fn broker(extra: &[&str]) -> (BrokerProcess, tempfile::TempDir) {
 /// `felix-broker dev` with `yaml` as its configuration file.
 fn broker_with_config(yaml: &str) -> (BrokerProcess, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let config_file = dir.path().join("broker.yaml");
-    std::fs::write(&config_file, yaml).unwrap();
-    let b = BrokerProcess::start_dev(
+    let b = BrokerProcess::start_dev_with_config(
         std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        &["--config", config_file.to_str().unwrap()],
+        dir.path(),
+        yaml,
+        &[],
     )
     .unwrap();
     (b, dir)
@@ -556,6 +555,26 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
     assert_eq!(run(&["group", "dead-letters", "tasks", "cli"]), "");
 }
 
+/// Publishes `batches` batches of 30 records of 1,000 bytes `fill` to `dev/default/jobs`;
+/// their offsets.
+async fn publish_jobs(
+    c: &felix_client::Client,
+    batches: usize,
+    fill: u8,
+) -> std::collections::BTreeSet<u64> {
+    let mut offsets = std::collections::BTreeSet::new();
+    for _ in 0..batches {
+        let records = vec![vec![fill; 1000]; 30];
+        let first = c
+            .publish_batch("dev", "default", "jobs", records, AckMode::PerBatch)
+            .await
+            .unwrap()
+            .unwrap();
+        offsets.extend(first..first + 30);
+    }
+    offsets
+}
+
 /// A shard's groups are rebuilt after a restart from the newest group snapshot, reading
 /// a bounded stretch of the log instead of all of it, and come back exactly: acked
 /// records are not handed out again, unacked ones are, once each, and the dead letters
@@ -583,16 +602,7 @@ fn a_restart_builds_a_groups_state_from_its_newest_snapshot() {
             .unwrap();
         let (mut left, mut dead_letters) = (BTreeSet::new(), BTreeSet::new());
         for _round in 0..10 {
-            let mut published = BTreeSet::new();
-            for _ in 0..10 {
-                let records = vec![vec![b'r'; 1000]; 30];
-                let first = c
-                    .publish_batch("dev", "default", "jobs", records, AckMode::PerBatch)
-                    .await
-                    .unwrap()
-                    .unwrap();
-                published.extend(first..first + 30);
-            }
+            let mut published: BTreeSet<u64> = publish_jobs(&c, 10, b'r').await;
             while !published.is_empty() {
                 let got = c.group_poll(&g, poll).await.unwrap();
                 assert!(!got.is_empty(), "records still unclaimed: {published:?}");
@@ -620,15 +630,7 @@ fn a_restart_builds_a_groups_state_from_its_newest_snapshot() {
         let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
             .await
             .unwrap();
-        for _ in 0..20 {
-            let records = vec![vec![b'i'; 1000]; 30];
-            let first = c
-                .publish_batch("dev", "default", "jobs", records, AckMode::PerBatch)
-                .await
-                .unwrap()
-                .unwrap();
-            left.extend(first..first + 30);
-        }
+        left.extend(publish_jobs(&c, 20, b'i').await);
     });
     felix_cluster::wait_for(
         "a snapshot with no group request",

@@ -45,16 +45,11 @@ fn sdk_gets_typed_errors_for_bad_tokens_and_wrong_tenants() {
 /// three deliveries, so the script sees both within seconds.
 fn group_broker() -> (BrokerProcess, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("broker.yaml");
-    std::fs::write(
-        &config,
-        "group_visibility_ms: 1000\ngroup_max_attempts: 3\n",
-    )
-    .unwrap();
-    let b = BrokerProcess::start_dev(
+    let b = BrokerProcess::start_dev_with_config(
         std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        &["--config", config.to_str().unwrap()],
+        dir.path(),
+        "group_visibility_ms: 1000\ngroup_max_attempts: 3\n",
+        &[],
     )
     .unwrap();
     (b, dir)

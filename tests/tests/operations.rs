@@ -15,14 +15,11 @@ use felix_wire::message::StartPosition;
 use serde_json::json;
 
 fn start(dir: &Path, config: &str, extra: &[&str]) -> BrokerProcess {
-    let path = dir.join("broker.yaml");
-    std::fs::write(&path, config).unwrap();
-    let mut args = vec!["--config", path.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    BrokerProcess::start_dev(
+    BrokerProcess::start_dev_with_config(
         Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.join("data"),
-        &args,
+        dir,
+        config,
+        extra,
     )
     .unwrap()
 }
