@@ -129,21 +129,28 @@ impl Publisher {
         let sent_at = Arc::new(std::sync::Mutex::new(VecDeque::<Instant>::new()));
         let (w, s) = (window.clone(), sent_at.clone());
         let acks = tokio::spawn(async move {
-            let mut lat = Vec::new();
-            while let Some(f) = next_frame(&mut recv, &mut reader).await? {
-                if f.kind != FrameKind::PublishAck {
-                    bail!("unexpected answer {:?}", Message::decode(&f.payload));
+            let read = async {
+                let mut lat = Vec::new();
+                while let Some(f) = next_frame(&mut recv, &mut reader).await? {
+                    if f.kind != FrameKind::PublishAck {
+                        bail!("unexpected answer {:?}", Message::decode(&f.payload));
+                    }
+                    let ack = PublishAck::decode(f.flags, &f.payload)?;
+                    if ack.status != PublishAckStatus::Ok {
+                        bail!("publish failed: {}", ack.message);
+                    }
+                    if let Some(t) = s.lock().expect("ack times").pop_front() {
+                        lat.push(t.elapsed().as_secs_f64() * 1e6);
+                    }
+                    w.add_permits(1);
                 }
-                let ack = PublishAck::decode(f.flags, &f.payload)?;
-                if ack.status != PublishAckStatus::Ok {
-                    bail!("publish failed: {}", ack.message);
-                }
-                if let Some(t) = s.lock().expect("ack times").pop_front() {
-                    lat.push(t.elapsed().as_secs_f64() * 1e6);
-                }
-                w.add_permits(1);
-            }
-            Ok(lat)
+                Ok(lat)
+            };
+            let result = read.await;
+            // No more acks come: a producer waiting for window room must fail, not
+            // wait forever (a refused publish during a live re-pin hung the bench).
+            w.close();
+            result
         });
         Ok(Publisher {
             send,
@@ -177,7 +184,9 @@ impl Publisher {
         payloads: &[Bytes],
         intended: Option<Instant>,
     ) -> anyhow::Result<()> {
-        self.window.acquire().await?.forget();
+        if self.window.acquire().await.map(|p| p.forget()).is_err() {
+            bail!("no more acks: a publish was refused or the stream closed (finish says which)");
+        }
         self.next_id += 1;
         self.buf.clear();
         PublishBatchHeader {
