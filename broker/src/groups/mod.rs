@@ -1131,6 +1131,65 @@ mod tests {
         }
     }
 
+    /// A snapshot this build cannot read (a later layout, say) is passed over: the fold
+    /// reads the whole log and builds what the events fold to, instead of failing every
+    /// group request of the shard.
+    #[test]
+    fn a_snapshot_it_cannot_read_leaves_a_fold_of_the_whole_log() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let backend = felix_storage_uring::DmaBackend::open_dir(dir.path())
+                .await
+                .unwrap();
+            let (log, _) = felix_storage_uring::SegmentLog::open(backend, Default::default())
+                .await
+                .unwrap();
+            let key = std::sync::Arc::new(felix_core_runtime::placement::ShardKey {
+                kind: felix_core_runtime::placement::ShardKind::Stream,
+                tenant: "t".into(),
+                namespace: "ns".into(),
+                name: "s".into(),
+                shard: 0,
+            });
+            let stream = StreamShard::new(key, log);
+            let limits = Limits::default();
+            let write = |records: Vec<Bytes>| {
+                let pending = stream.log.begin_group(&records, 0).unwrap();
+                stream.log.commit(pending)
+            };
+            let build = || {
+                let writer: GroupWriter =
+                    Box::new(|_| Box::pin(async { Err(BrokerError::Draining) }));
+                GroupShard::build(&stream, limits, writer)
+            };
+            // Events, a snapshot of what they fold to, more events: the fold starts at
+            // the snapshot.
+            let mut whole = HashMap::new();
+            let events = random_events(11, 90);
+            for (i, (group, event)) in events.iter().enumerate() {
+                fold_event(&mut whole, group, *event, limits);
+                write(vec![encode(group, *event)]).await.unwrap();
+                if i == 40 {
+                    write(vec![encode_snapshot(&whole).unwrap()]).await.unwrap();
+                }
+            }
+            let g = build().await.unwrap();
+            assert_eq!(g.built.from_snapshot, Some(41));
+            assert_eq!(*g.groups.borrow(), whole);
+            // Then a snapshot of a layout this build does not know, and more events.
+            let mut unknown = encode_snapshot(&whole).unwrap().to_vec();
+            unknown[1] = SNAPSHOT_VERSION + 1;
+            write(vec![Bytes::from(unknown)]).await.unwrap();
+            for (group, event) in random_events(12, 30) {
+                fold_event(&mut whole, &group, event, limits);
+                write(vec![encode(&group, event)]).await.unwrap();
+            }
+            let g = build().await.unwrap();
+            assert_eq!(g.built.from_snapshot, None, "no snapshot was used");
+            assert_eq!(*g.groups.borrow(), whole, "the whole log was folded");
+        });
+    }
+
     /// Group shard whose writer hands each write's records to the test and waits for the
     /// test's answer.
     type Answers = Rc<RefCell<Vec<(Vec<Bytes>, oneshot::Sender<Result<Appended, BrokerError>>)>>>;
