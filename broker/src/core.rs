@@ -505,6 +505,10 @@ pub struct Shared {
     /// (none is opened, stopped or handed a new generation) while set. Tests the window
     /// in which a broker is named leader before its core has attached the replica.
     pub replica_sync_paused: std::sync::atomic::AtomicBool,
+    /// With fault injection on: a shard's log, once opened, is not handed to the
+    /// requests waiting for it while set. Tests a re-pin that starts while a shard's
+    /// first open is under way.
+    pub opens_held: std::sync::atomic::AtomicBool,
     /// Operators' re-pins, from the HTTP thread to the core that applies them.
     pub repins: futures_channel::mpsc::UnboundedSender<moves::RepinJob>,
     /// The receiving end, taken by the first core to start.
@@ -674,6 +678,10 @@ pub struct CoreBroker {
     closed_log_stats: Cell<(u64, u64)>,
     /// Shards just handed over by another core, to open without re-checking every batch.
     handed_over: RefCell<std::collections::HashSet<Arc<ShardKey>>>,
+    /// Requests accepted here for a shard this core has not handed them yet (waiting for
+    /// its log to open, or about to ask for it), per shard: a re-pin's release waits for
+    /// them as it waits for work holding the shard (`core/moves.rs`).
+    awaiting_shard: Rc<RefCell<HashMap<Arc<ShardKey>, usize>>>,
     /// Per shard since the last load report: small requests this core received for it
     /// and, for shards it owns, small deliveries it sent to each core (index = core).
     load: RefCell<HashMap<Arc<ShardKey>, Vec<u32>>>,
@@ -768,6 +776,7 @@ impl CoreBroker {
             takeover_held: RefCell::default(),
             left_copies: RefCell::default(),
             handed_over: RefCell::default(),
+            awaiting_shard: Rc::default(),
             load: RefCell::default(),
         })
     }
@@ -910,6 +919,9 @@ impl CoreBroker {
             // are handed out again.
             log.truncate_from(last).await?;
         }
+        while self.shared.opens_held.load(Ordering::Relaxed) {
+            task::sleep(Duration::from_millis(1)).await;
+        }
         self.metrics.shards_open.fetch_add(1, Ordering::Relaxed);
         Ok(log)
     }
@@ -966,6 +978,8 @@ impl CoreBroker {
         Close: Fn(Rc<T>) -> Closed,
         Closed: std::future::Future<Output = ()>,
     {
+        // Waiting for an open counts as work on the shard until it has its answer.
+        let _awaiting = self.awaiting(key);
         let moved = || BrokerError::ShardUnavailable(format!("{key} moved to another core"));
         let wake = |slot: Option<Slot<Rc<T>>>| {
             if let Some(Slot::Opening(waiters)) = slot {
@@ -1413,6 +1427,8 @@ impl CoreBroker {
                 },
             }
         };
+        // Not open yet: accepted here all the same, until it has the shard.
+        let awaiting = ready.is_none().then(|| self.awaiting(&key));
         // Claim offsets now when possible: request order is offset order.
         let claimed = ready.map(|shard| {
             let pending = claim(&shard, &records, &commit);
@@ -1423,7 +1439,9 @@ impl CoreBroker {
                 let (shard, pending) = match claimed {
                     Some((shard, pending)) => (shard, pending?),
                     None => {
-                        let shard = this.stream_shard(&key).await?;
+                        let shard = this.stream_shard(&key).await;
+                        drop(awaiting);
+                        let shard = shard?;
                         let pending = claim(&shard, &records, &commit)?;
                         (shard, pending)
                     }

@@ -1,7 +1,7 @@
 //! The operator HTTP endpoint: `/metrics` (OpenMetrics text via `prometheus-client`),
 //! `/livez`, `/readyz`, `/placement`, `/cores` (what `felix top` shows), `POST /pins`
 //! (live re-pin), `/replication/halted`, and, only when fault injection is enabled,
-//! `/debug/storage-faults`, `/debug/replica-sync` and `/debug/panic`.
+//! `/debug/storage-faults`, `/debug/replica-sync`, `/debug/hold-opens` and `/debug/panic`.
 //!
 //! axum on its own thread and a current-thread tokio runtime: never on a core, never
 //! on the data path. Each connection is its own task and each answer has a deadline, so
@@ -756,6 +756,24 @@ async fn replica_sync(
     if q.pause { "paused\n" } else { "resumed\n" }.into_response()
 }
 
+#[derive(serde::Deserialize)]
+struct HoldOpensQuery {
+    hold: bool,
+}
+
+/// Holds (`hold=true`) or lets go of every shard log opened, before the requests
+/// waiting for it get it (fault injection only).
+async fn hold_opens(
+    State(shared): State<Arc<Shared>>,
+    Query(q): Query<HoldOpensQuery>,
+) -> Response {
+    if shared.faults.is_none() {
+        return (StatusCode::NOT_FOUND, "fault injection is off\n").into_response();
+    }
+    shared.opens_held.store(q.hold, Ordering::SeqCst);
+    if q.hold { "held\n" } else { "let go\n" }.into_response()
+}
+
 /// Makes a core panic at its next housekeeping tick (fault injection only).
 async fn panic_core(State(shared): State<Arc<Shared>>, Query(q): Query<PanicQuery>) -> Response {
     if shared.faults.is_none() {
@@ -782,6 +800,7 @@ pub fn spawn(addr: SocketAddr, shared: Arc<Shared>) -> anyhow::Result<SocketAddr
         .route("/debug/storage-faults", post(storage_faults))
         .route("/debug/panic", post(panic_core))
         .route("/debug/replica-sync", post(replica_sync))
+        .route("/debug/hold-opens", post(hold_opens))
         .with_state(shared)
         .layer(axum::middleware::from_fn(deadline));
     std::thread::Builder::new()

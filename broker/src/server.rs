@@ -294,6 +294,7 @@ pub fn start(
         mutants: config.mutants,
         panic_core: std::sync::atomic::AtomicI64::new(-1),
         replica_sync_paused: std::sync::atomic::AtomicBool::new(false),
+        opens_held: std::sync::atomic::AtomicBool::new(false),
         repins,
         repin_jobs: Mutex::new(Some(repin_jobs)),
         // With one core there is nowhere to move a shard to.

@@ -291,6 +291,88 @@ fn owner_core(b: &BrokerProcess, stream: &str) -> (u64, String) {
     (core, v["rules"][0].as_str().unwrap_or("").to_owned())
 }
 
+/// A re-pin that starts while a shard's first open is under way, with publishes accepted
+/// and waiting for that open (the fault seam holds the opened log back): the old core's
+/// release must wait for them, not close the shard under them and refuse them
+/// `moved to another core` (which a bench saw once: 63 publishes refused in one move).
+#[test]
+fn publishes_waiting_for_a_shards_first_open_are_acknowledged_across_a_re_pin() {
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
+        &["--fsync", "none", "--cores", "0-1", "--shards", "1"],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = Arc::new(client(&b).await);
+        for round in 0..12 {
+            let stream = format!("fresh{round}");
+            assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+            let publishes: Vec<_> = (0..32)
+                .map(|i| {
+                    let (c, stream) = (c.clone(), stream.clone());
+                    tokio::spawn(async move {
+                        c.publish(
+                            "dev",
+                            "default",
+                            &stream,
+                            format!("{i}").into_bytes(),
+                            AckMode::PerMessage,
+                        )
+                        .await
+                    })
+                })
+                .collect();
+            // They reach core 0 and wait for the shard's first open.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let (http, rule) = (b.http, format!("dev/default/{stream}/0=1"));
+            let pin = tokio::task::spawn_blocking(move || {
+                felix_client::ops::http(
+                    &http.to_string(),
+                    "POST",
+                    "/pins",
+                    Some(&json!({ "rule": rule }).to_string()),
+                )
+                .unwrap()
+            });
+            // The release waits for the open; then the log is let go.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+            let (status, body) = pin.await.unwrap();
+            assert_eq!(status, 200, "round {round}: {body}");
+            let mut offsets = Vec::new();
+            for p in publishes {
+                match p.await.unwrap() {
+                    Ok(Some(o)) => offsets.push(o),
+                    other => panic!("round {round}: a publish waiting for the open: {other:?}"),
+                }
+            }
+            offsets.sort_unstable();
+            assert_eq!(offsets, (0..32).collect::<Vec<u64>>(), "round {round}");
+            assert_eq!(owner_core(&b, &stream).0, 1, "round {round}: moved");
+            // Every record is there once, read at the new core.
+            let mut sub = c
+                .subscribe_from("dev", "default", &stream, Some(StartPosition::Earliest))
+                .await
+                .unwrap();
+            let mut read = Vec::new();
+            while read.len() < 32 {
+                let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                    .await
+                    .expect("records read back")
+                    .unwrap()
+                    .unwrap();
+                read.push(String::from_utf8(e.payload.to_vec()).unwrap());
+            }
+            read.sort_unstable_by_key(|r| r.parse::<u32>().unwrap());
+            let want: Vec<String> = (0..32).map(|i| i.to_string()).collect();
+            assert_eq!(read, want, "round {round}");
+        }
+    });
+}
+
 #[test]
 fn a_shard_re_pinned_100_times_under_load_loses_and_doubles_nothing() {
     use std::collections::{BTreeMap, HashSet};

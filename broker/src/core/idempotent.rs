@@ -66,8 +66,11 @@ impl CoreBroker {
             }
             None => {
                 let this = self.clone();
+                let awaiting = self.awaiting(&key);
                 task::spawn(async move {
-                    match this.stream_shard(&key).await {
+                    let shard = this.stream_shard(&key).await;
+                    drop(awaiting);
+                    match shard {
                         Ok(shard) => {
                             shard.idempotent_queue.borrow_mut().push_back(queued);
                             this.build_producers(shard, key);

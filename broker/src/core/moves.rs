@@ -13,8 +13,8 @@
 //! 3. **Flush** (at every core): the core sends a barrier to every other core behind
 //!    everything it sent before (a mesh channel is FIFO) and waits for the answers. Once
 //!    every core answered, A has been handed every request sent under the old table.
-//! 4. **Release** (at every core, as A): wait for those requests and the shards' in-flight
-//!    appends (commit and fanout) to finish, answer long polls and watches now, stop
+//! 4. **Release** (at every core, as A): wait for those requests, the ones waiting for a
+//!    shard's log to open, and the shards' in-flight appends (commit and fanout) to finish, answer long polls and watches now, stop
 //!    serving the moving shards, close (and seal) their logs, hand over the cores with
 //!    subscribers and the consumer groups' state (claims included).
 //! 5. **Take** (at each B): open the logs, register those subscriber cores.
@@ -210,6 +210,25 @@ impl CoreMsg {
     }
 }
 
+/// Counts one request accepted for a shard it does not hold yet (see
+/// `CoreBroker::awaiting_shard`).
+pub(super) struct Awaiting {
+    counts: Rc<std::cell::RefCell<HashMap<Arc<ShardKey>, usize>>>,
+    key: Arc<ShardKey>,
+}
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        let mut counts = self.counts.borrow_mut();
+        if let Some(n) = counts.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.key);
+            }
+        }
+    }
+}
+
 /// What [`CoreBroker::admit`] decided for a request from another core.
 pub(super) enum Admit {
     /// Serve it here (with a guard while the shard is leaving this core).
@@ -219,6 +238,21 @@ pub(super) enum Admit {
 }
 
 impl CoreBroker {
+    /// Counts a request accepted for `key` until the guard drops: one waiting for the
+    /// shard's log to open holds no reference to the shard, yet a release must not close
+    /// the shard (and refuse it) before it ran.
+    pub(super) fn awaiting(&self, key: &Arc<ShardKey>) -> Awaiting {
+        *self
+            .awaiting_shard
+            .borrow_mut()
+            .entry(key.clone())
+            .or_default() += 1;
+        Awaiting {
+            counts: self.awaiting_shard.clone(),
+            key: key.clone(),
+        }
+    }
+
     /// Whether requests for `key` are held here (it is moving here and not yet served).
     pub(super) fn held(&self, key: &ShardKey) -> bool {
         self.moving
@@ -538,7 +572,7 @@ impl CoreBroker {
     }
 
     /// The shards open (or opening) here that move away, and whether one is still
-    /// opening.
+    /// opening or has requests accepted that wait for it.
     fn moving_away(&self) -> (Vec<Arc<ShardKey>>, bool) {
         let m = self.moving.borrow();
         let Some(m) = m.as_ref() else {
@@ -547,7 +581,7 @@ impl CoreBroker {
         let me = self.core;
         let leaving = |k: &ShardKey| m.old.core_for(k) == me && m.new.core_for(k) != me;
         let mut keys = Vec::new();
-        let mut opening = false;
+        let mut opening = self.awaiting_shard.borrow().keys().any(|k| leaving(k));
         for (k, slot) in self.streams.borrow().iter() {
             if leaving(k) {
                 opening |= matches!(slot, Slot::Opening(_));
