@@ -147,6 +147,9 @@ pub enum Special {
     /// Consumer-group events (a `Group` batch: replicated with the shard, never fanned
     /// out to readers).
     Group,
+    /// Copies of state entries carried past retention (a `State` batch: replicated with
+    /// the shard, never fanned out to readers).
+    State,
 }
 
 /// A state request, for the core that owns the stream shard.
@@ -411,6 +414,8 @@ pub struct CoreMetrics {
     pub alive: AtomicU64,
     /// Records removed by retention.
     pub retention_segments_removed: AtomicU64,
+    /// State entries copied to the tail ahead of retention.
+    pub state_copies: AtomicU64,
     /// Records shipped to followers.
     pub replication_shipped: AtomicU64,
     /// Records stored as a follower.
@@ -522,6 +527,8 @@ pub struct Shared {
     pub auto_pins: std::sync::Mutex<Vec<felix_core_runtime::placement::PinRule>>,
 }
 
+#[path = "core/carry.rs"]
+mod carry;
 #[path = "core/follow.rs"]
 pub mod follow;
 #[path = "core/idempotent.rs"]
@@ -1252,11 +1259,15 @@ impl CoreBroker {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         let shard = self.ready_stream(&key);
         let before = shard.as_ref().map(|s| s.log.next_offset());
+        let is_commit = matches!(commit, Some(Special::Commit(_)));
         let fut = self.write_claimed(key, records, commit, tag);
         if let (Some(shard), Some(before)) = (shard, before) {
             let after = shard.log.next_offset();
             if after > before {
                 shard.note_claimed(before, after, tag);
+                if is_commit {
+                    shard.commits_claimed.set(after);
+                }
             }
         }
         fut
@@ -1310,6 +1321,7 @@ impl CoreBroker {
             match &commit {
                 None => rs.admit(&records, clock::wall_micros(), tag),
                 Some(Special::Group) => rs.admit_group(&records, clock::wall_micros()),
+                Some(Special::State) => rs.admit_state(&records, clock::wall_micros()),
                 Some(Special::Commit(c)) => match c.expected {
                     Some(e) if e != rs.log().next_offset() => Err(BrokerError::OffsetMismatch {
                         tail: rs.log().next_offset(),
@@ -1360,7 +1372,7 @@ impl CoreBroker {
                     ));
                 }
                 if let crate::replication::replica::Held::Stream(s) = &rs.held {
-                    if matches!(commit, Some(Special::Group)) {
+                    if matches!(commit, Some(Special::Group | Special::State)) {
                         s.advance_fanout(appended);
                     } else {
                         this.fanout(s, appended, records);
@@ -1419,6 +1431,7 @@ impl CoreBroker {
                     }),
                 )?),
                 Some(Special::Group) => Ok(shard.log.begin_group(records, clock::wall_micros())?),
+                Some(Special::State) => Ok(shard.log.begin_state(records, clock::wall_micros())?),
                 Some(Special::Commit(c)) => match c.expected {
                     Some(e) if e != shard.log.next_offset() => Err(BrokerError::OffsetMismatch {
                         tail: shard.log.next_offset(),
@@ -1450,7 +1463,7 @@ impl CoreBroker {
                 let appended = shard.log.commit(pending).await?;
                 this.metrics.append_commit.observe(waiting.elapsed());
                 // Fanout before any other await: offset order.
-                if matches!(commit, Some(Special::Group)) {
+                if matches!(commit, Some(Special::Group | Special::State)) {
                     shard.advance_fanout(appended);
                 } else {
                     this.fanout(&shard, appended, records);
@@ -2850,8 +2863,9 @@ impl CoreBroker {
         clean
     }
 
-    /// Removes whole sealed segments each open stream's retention no longer keeps.
-    pub async fn enforce_retention(&self) {
+    /// Removes whole sealed segments each open stream's retention no longer keeps, once
+    /// the live state they hold is carried to the tail (`core/carry.rs`).
+    pub async fn enforce_retention(self: &Rc<Self>) {
         let shards: Vec<Rc<StreamShard>> = self
             .streams
             .borrow()
@@ -2889,6 +2903,22 @@ impl CoreBroker {
                 Ok(None) => u64::MAX,
                 // Not attached yet: nothing is known to be committed.
                 Err(_) => continue,
+            };
+            let (cut, kinds) = s
+                .log
+                .retention_cut(now, spec.retention.max_size_bytes, age, floor);
+            let holds_state = kinds.has(felix_storage_uring::BatchKind::Commit)
+                || kinds.has(felix_storage_uring::BatchKind::State);
+            let floor = if cut > s.log.base_offset() && holds_state {
+                match self.state_floor(&s, cut).await {
+                    Ok(f) => floor.min(f),
+                    Err(e) => {
+                        tracing::warn!(shard = %k, error = %e, "carrying state past retention");
+                        continue;
+                    }
+                }
+            } else {
+                floor
             };
             match s
                 .log

@@ -270,6 +270,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.retention_segments_removed.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_state_copies_total",
+        "counter",
+        "State entries copied to the log's tail before retention removed their record.",
+        |m| m.state_copies.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_replicas_left_total",
         "counter",
         "Copies of replicated shards removed after this broker left their set.",

@@ -182,6 +182,10 @@ pub struct StreamShard {
     pub building_groups: std::cell::Cell<bool>,
     /// Set when the shard is moving to another core: long polls answer at once.
     pub closing: std::cell::Cell<bool>,
+    /// One past the newest atomic commit claimed here, or the log's end when this core
+    /// began writing it (a new leader's log may hold a predecessor's commits not yet
+    /// visible): the state index covers every commit once it reaches this.
+    pub commits_claimed: Cell<u64>,
 }
 
 impl std::fmt::Debug for StreamShard {
@@ -196,6 +200,7 @@ impl StreamShard {
     /// Wraps an opened log.
     pub fn new(key: Arc<ShardKey>, log: SegmentLog<DmaBackend>) -> StreamShard {
         StreamShard {
+            commits_claimed: Cell::new(log.next_offset()),
             fanout_end: Cell::new(log.committed_end()),
             key,
             log,
@@ -270,6 +275,7 @@ impl StreamShard {
         self.fanout_end.set(end);
         // What the log holds may have changed under the state index: build it again.
         *self.state.borrow_mut() = None;
+        self.commits_claimed.set(self.log.next_offset());
         *self.producers.borrow_mut() = None;
         if let Some(groups) = self.groups.borrow_mut().take() {
             groups.retire();

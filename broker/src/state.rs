@@ -14,6 +14,18 @@
 //! Commit record (big-endian): `u8 version (1)`, `u32 event_len`, event, `u32 op_count`,
 //! then per op `u8 op (0 put, 1 delete)`, `u32 key_len`, key (UTF-8), and for a put
 //! `u32 value_len`, value.
+//!
+//! **Carried past retention.** A stream's retention removes whole old segments; the
+//! state must not go with them. Before it removes segments below a cut, the leader
+//! writes a `State` batch at the tail holding a *copy* of every live entry whose
+//! newest record lies below the cut (key, value, and its version, which stays the
+//! offset of the commit that wrote it), and retention never removes a segment holding
+//! the newest record of a live entry (the index's [`StateIndex::floor`]). A copy is
+//! written only while every commit this leader claimed is already in the index (no
+//! commit lies between what the copy read and where it lands), so a copy states the
+//! exact value of its keys at its own offset, and a fold of the log applies it as it
+//! applies a commit. Copy record: `u8 version (1)`, `u32 count`, then per entry
+//! `u32 key_len`, key, `u32 value_len`, value, `u64 version`.
 
 use std::collections::HashMap;
 
@@ -151,10 +163,77 @@ pub fn readable(mut b: ReadBatch) -> ReadBatch {
     b
 }
 
-/// A shard's state: key → (value, version), covering the log below `end`.
+/// Encodes copies of state entries `(key, value, version)` as `State` batch records,
+/// a record holding up to [`COPY_RECORD_BYTES`] (and at least one entry).
+pub fn encode_copies(entries: &[(String, Bytes, u64)]) -> Vec<Bytes> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < entries.len() {
+        let mut size = 5;
+        let mut n = 0;
+        while at + n < entries.len() {
+            let (k, v, _) = &entries[at + n];
+            let entry = 16 + k.len() + v.len();
+            if n > 0 && size + entry > COPY_RECORD_BYTES {
+                break;
+            }
+            size += entry;
+            n += 1;
+        }
+        let mut b = BytesMut::with_capacity(size);
+        b.put_u8(1);
+        b.put_u32(n as u32);
+        for (k, v, version) in &entries[at..at + n] {
+            b.put_u32(k.len() as u32);
+            b.put_slice(k.as_bytes());
+            b.put_u32(v.len() as u32);
+            b.put_slice(v);
+            b.put_u64(*version);
+        }
+        out.push(b.freeze());
+        at += n;
+    }
+    out
+}
+
+/// Decodes a copy record; `None` when malformed.
+pub fn decode_copies(r: &Bytes) -> Option<Vec<(String, Bytes, u64)>> {
+    let mut b = r.clone();
+    if b.remaining() < 5 || b.get_u8() != 1 {
+        return None;
+    }
+    let n = b.get_u32() as usize;
+    let mut out = Vec::with_capacity(n.min(4096));
+    for _ in 0..n {
+        if b.remaining() < 4 {
+            return None;
+        }
+        let len = b.get_u32() as usize;
+        if b.remaining() < len {
+            return None;
+        }
+        let key = String::from_utf8(b.split_to(len).to_vec()).ok()?;
+        if b.remaining() < 4 {
+            return None;
+        }
+        let len = b.get_u32() as usize;
+        if b.remaining() < len + 8 {
+            return None;
+        }
+        let value = b.split_to(len);
+        out.push((key, value, b.get_u64()));
+    }
+    b.is_empty().then_some(out)
+}
+
+/// The most a copy record holds (one larger entry gets a record of its own).
+pub const COPY_RECORD_BYTES: usize = 256 << 10;
+
+/// A shard's state: key → (value, version, offset of the record holding it), covering
+/// the log below `end`.
 #[derive(Debug, Default)]
 pub struct StateIndex {
-    values: HashMap<String, (Bytes, u64)>,
+    values: HashMap<String, (Bytes, u64, u64)>,
     end: u64,
 }
 
@@ -177,7 +256,7 @@ impl StateIndex {
         for c in changes {
             match c {
                 Change::Put(k, v) => {
-                    self.values.insert(k.clone(), (v.clone(), offset));
+                    self.values.insert(k.clone(), (v.clone(), offset, offset));
                 }
                 Change::Delete(k) => {
                     self.values.remove(k);
@@ -203,6 +282,20 @@ impl StateIndex {
                 })?;
                 self.apply(b.base_offset, &changes);
             }
+            if b.kind == BatchKind::State {
+                for (i, r) in b.records.iter().enumerate() {
+                    let copies = decode_copies(r).ok_or_else(|| {
+                        BrokerError::Storage(format!(
+                            "offset {}: a state copy that cannot be read",
+                            b.base_offset + i as u64
+                        ))
+                    })?;
+                    for (k, v, version) in copies {
+                        self.values
+                            .insert(k, (v, version, b.base_offset + i as u64));
+                    }
+                }
+            }
             self.end = b.end_offset();
         }
         Ok(())
@@ -210,7 +303,32 @@ impl StateIndex {
 
     /// A key's value and version.
     pub fn get(&self, key: &str) -> Option<(Bytes, u64)> {
-        self.values.get(key).cloned()
+        self.values
+            .get(key)
+            .map(|(v, version, _)| (v.clone(), *version))
+    }
+
+    /// The live entries whose newest record lies below `cut`, as `(key, value,
+    /// version)`: what a copy must carry before retention removes the log below `cut`.
+    pub fn below(&self, cut: u64) -> Vec<(String, Bytes, u64)> {
+        let mut out: Vec<_> = self
+            .values
+            .iter()
+            .filter(|(_, (_, _, at))| *at < cut)
+            .map(|(k, (v, version, _))| (k.clone(), v.clone(), *version))
+            .collect();
+        out.sort_unstable_by_key(|(_, _, version)| *version);
+        out
+    }
+
+    /// The lowest offset holding the newest record of a live entry (`u64::MAX` when
+    /// there is none): retention keeps it and everything after.
+    pub fn floor(&self) -> u64 {
+        self.values
+            .values()
+            .map(|(_, _, at)| *at)
+            .min()
+            .unwrap_or(u64::MAX)
     }
 }
 
@@ -278,5 +396,87 @@ mod tests {
             i.get("a"),
             Some((Bytes::from_static(b"not yet visible"), 9))
         );
+    }
+
+    #[test]
+    fn copies_carry_values_with_their_versions_and_move_the_floor_past_the_cut() {
+        let put = |k: &str, v: &'static [u8]| Change::Put(k.into(), Bytes::from_static(v));
+        let mut i = StateIndex::at(0);
+        i.apply_batches(
+            &[
+                commit_batch(0, &[put("a", b"1"), put("b", b"2")]),
+                commit_batch(1, &[put("c", b"3")]),
+                commit_batch(5, &[put("b", b"4"), Change::Delete("c".into())]),
+            ],
+            6,
+        )
+        .unwrap();
+        assert_eq!(i.floor(), 0, "a's newest record is at 0");
+        // Retention would cut at 4: only `a` (at 0) must be carried; `c` is deleted.
+        let below = i.below(4);
+        assert_eq!(below, vec![("a".to_owned(), Bytes::from_static(b"1"), 0)]);
+        let records = encode_copies(&below);
+        assert_eq!(decode_copies(&records[0]), Some(below.clone()));
+        i.apply_batches(
+            &[ReadBatch {
+                base_offset: 9,
+                timestamp_micros: 0,
+                kind: BatchKind::State,
+                producer: None,
+                records,
+            }],
+            10,
+        )
+        .unwrap();
+        assert_eq!(
+            i.get("a"),
+            Some((Bytes::from_static(b"1"), 0)),
+            "same version"
+        );
+        assert_eq!(i.floor(), 5, "now b's commit at 5 is the oldest needed");
+        assert!(i.below(5).is_empty());
+        // A fold that starts past the cut (segments below 4 gone) sees the same state.
+        let mut after = StateIndex::at(4);
+        after
+            .apply_batches(
+                &[
+                    commit_batch(5, &[put("b", b"4"), Change::Delete("c".into())]),
+                    ReadBatch {
+                        base_offset: 9,
+                        timestamp_micros: 0,
+                        kind: BatchKind::State,
+                        producer: None,
+                        records: encode_copies(&below),
+                    },
+                ],
+                10,
+            )
+            .unwrap();
+        for k in ["a", "b", "c"] {
+            assert_eq!(after.get(k), i.get(k), "{k}");
+        }
+    }
+
+    #[test]
+    fn copy_records_split_large_state_and_refuse_garbage() {
+        let entries: Vec<(String, Bytes, u64)> = (0..10u64)
+            .map(|n| (format!("k{n}"), Bytes::from(vec![n as u8; 100 << 10]), n))
+            .collect();
+        let records = encode_copies(&entries);
+        assert!(records.len() >= 4, "{} records", records.len());
+        assert!(
+            records
+                .iter()
+                .all(|r| r.len() <= COPY_RECORD_BYTES + (100 << 10))
+        );
+        let back: Vec<_> = records
+            .iter()
+            .flat_map(|r| decode_copies(r).unwrap())
+            .collect();
+        assert_eq!(back, entries);
+        let r = &records[0];
+        for cut in [0, 4, 5, 9, r.len() - 1] {
+            assert_eq!(decode_copies(&r.slice(..cut)), None, "cut at {cut}");
+        }
     }
 }

@@ -63,6 +63,9 @@ pub enum BatchKind {
     /// Consumer-group events of the shard (the broker's encoding): replicated with the
     /// shard, never delivered to readers of the data.
     Group,
+    /// Copies of state entries carried past retention (the broker's encoding):
+    /// replicated with the shard, never delivered to readers of the data.
+    State,
 }
 
 impl BatchKind {
@@ -72,7 +75,32 @@ impl BatchKind {
             BatchKind::GenerationStart => 1,
             BatchKind::Commit => 2,
             BatchKind::Group => 3,
+            BatchKind::State => 4,
         }
+    }
+}
+
+/// A set of batch kinds: which kinds a segment may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KindSet(u8);
+
+impl KindSet {
+    /// Every kind (what a segment not read in full may hold).
+    pub const ALL: KindSet = KindSet(0x1f);
+
+    /// Adds `kind`.
+    pub fn add(&mut self, kind: BatchKind) {
+        self.0 |= 1 << kind.byte();
+    }
+
+    /// Both sets.
+    pub fn union(self, other: KindSet) -> KindSet {
+        KindSet(self.0 | other.0)
+    }
+
+    /// Whether `kind` is in the set.
+    pub fn has(self, kind: BatchKind) -> bool {
+        self.0 & (1 << kind.byte()) != 0
     }
 }
 
@@ -312,6 +340,7 @@ pub fn decode_batch_header(bytes: &[u8]) -> Result<HeaderRead, FormatError> {
         1 => BatchKind::GenerationStart,
         2 => BatchKind::Commit,
         3 => BatchKind::Group,
+        4 => BatchKind::State,
         _ => return Err(FormatError::BatchHeaderInvalid("unknown batch kind")),
     };
     if h[33] > 1 || h[34] != 0 || h[35] != 0 {

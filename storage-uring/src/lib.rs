@@ -21,7 +21,7 @@ pub mod memlock;
 pub mod segment;
 
 pub use error::{Corruption, CorruptionKind, StorageError};
-pub use format::{BatchKind, ProducerTag};
+pub use format::{BatchKind, KindSet, ProducerTag};
 pub use io::dma::DmaBackend;
 pub use io::faults::{FaultTimes, StorageFaults};
 pub use io::memory::{MemBackend, MemOp};

@@ -124,7 +124,7 @@ use bytes::Bytes;
 
 use crate::error::{Corruption, CorruptionKind, StorageError};
 use crate::format::{
-    self, BATCH_HEADER_BYTES, BLOCK_BYTES, BatchKind, HeaderRead, MAX_BATCH_BODY_BYTES,
+    self, BATCH_HEADER_BYTES, BLOCK_BYTES, BatchKind, HeaderRead, KindSet, MAX_BATCH_BODY_BYTES,
     ProducerTag, SEGMENT_HEADER_BYTES, SegmentHeader,
 };
 use crate::index::SparseIndex;
@@ -410,6 +410,7 @@ struct Chunk {
     max_timestamp_micros: u64,
     index: Vec<(u64, u64)>,
     last_batch: Option<(u64, BatchKind)>,
+    kinds: KindSet,
 }
 
 #[derive(Debug, Default)]
@@ -790,6 +791,16 @@ impl<B: Backend> SegmentLog<B> {
         self.begin(records, timestamp_micros, BatchKind::Group, None)
     }
 
+    /// Claims offsets for copies of state entries (a `State` batch: replicated with the
+    /// shard, skipped by readers of the data; the broker owns the encoding).
+    pub fn begin_state<R: AsRef<[u8]>>(
+        &self,
+        records: &[R],
+        timestamp_micros: u64,
+    ) -> Result<PendingAppend, StorageError> {
+        self.begin(records, timestamp_micros, BatchKind::State, None)
+    }
+
     /// Claims one offset for a generation-start record stamped `timestamp_micros`.
     pub fn begin_generation_start(
         &self,
@@ -853,6 +864,7 @@ impl<B: Backend> SegmentLog<B> {
                 max_timestamp_micros: 0,
                 index: Vec::new(),
                 last_batch: None,
+                kinds: KindSet::default(),
             });
         }
         let chunk = st.staged.back_mut().expect("a chunk was just ensured");
@@ -874,6 +886,7 @@ impl<B: Backend> SegmentLog<B> {
         }
         chunk.end_offset = end;
         chunk.last_batch = Some((first, kind));
+        chunk.kinds.add(kind);
         chunk.batches += 1;
         chunk.max_timestamp_micros = chunk.max_timestamp_micros.max(timestamp_micros);
         st.append_pos += len as u64;
@@ -1353,24 +1366,9 @@ impl<B: Backend> SegmentLog<B> {
             if st.exclusive {
                 return Err(StorageError::Busy);
             }
-            let mut total: u64 = st.segments.iter().map(|s| s.data_len).sum();
-            while st.segments.len() > 1 {
-                let front = &st.segments[0];
-                if front.end_offset > floor {
-                    break;
-                }
-                let too_big = max_bytes.is_some_and(|max| total > max);
-                let too_old = max_age.is_some_and(|age| {
-                    front
-                        .max_timestamp_micros
-                        .saturating_add(age.as_micros().min(u128::from(u64::MAX)) as u64)
-                        < now_micros
-                });
-                if !(too_big || too_old) {
-                    break;
-                }
-                total -= front.data_len;
-                let s = st.segments.pop_front().expect("len > 1");
+            let n = retention_doomed(&st, now_micros, max_bytes, max_age, floor);
+            for _ in 0..n {
+                let s = st.segments.pop_front().expect("doomed segments exist");
                 doomed.push(s.base);
             }
         }
@@ -1391,6 +1389,26 @@ impl<B: Backend> SegmentLog<B> {
                 .map_err(|e| StorageError::io("retention sync_dir", "log directory", e))?;
         }
         Ok(doomed.len())
+    }
+
+    /// What [`SegmentLog::enforce_retention_below`] would remove now: the base the log
+    /// would have after it, and the kinds of batch the removed segments may hold.
+    pub fn retention_cut(
+        &self,
+        now_micros: u64,
+        max_bytes: Option<u64>,
+        max_age: Option<Duration>,
+        floor: u64,
+    ) -> (u64, KindSet) {
+        let st = self.shared.state.borrow();
+        let n = retention_doomed(&st, now_micros, max_bytes, max_age, floor);
+        let kinds = st
+            .segments
+            .iter()
+            .take(n)
+            .fold(KindSet::default(), |k, s| k.union(s.kinds));
+        let base = st.segments.get(n).map_or(st.next_offset, |s| s.base);
+        (base, kinds)
     }
 
     /// Writes everything staged, fsyncs, writes the newest segment's index and stops
@@ -1781,6 +1799,7 @@ async fn write_chunk<B: Backend>(
     seg.data_len = write_pos + data_end as u64;
     seg.end_offset = chunk.end_offset;
     seg.last_batch = chunk.last_batch.or(seg.last_batch);
+    seg.kinds = seg.kinds.union(chunk.kinds);
     seg.max_timestamp_micros = seg.max_timestamp_micros.max(chunk.max_timestamp_micros);
     for &(o, p) in &chunk.index {
         seg.index.observe(o, p, 0);
@@ -1835,6 +1854,39 @@ fn roll_back<F>(st: &mut State<F>, op: &'static str, e: &io::Error) {
         detail: e.to_string(),
     };
     end_era(st, point, cause);
+}
+
+/// How many of the oldest segments retention removes: whole sealed segments ending at or
+/// below `floor`, while the log is over `max_bytes` or the segment's newest record is
+/// older than `max_age`.
+fn retention_doomed<F>(
+    st: &State<F>,
+    now_micros: u64,
+    max_bytes: Option<u64>,
+    max_age: Option<Duration>,
+    floor: u64,
+) -> usize {
+    let mut total: u64 = st.segments.iter().map(|s| s.data_len).sum();
+    let mut n = 0;
+    while st.segments.len() > n + 1 {
+        let front = &st.segments[n];
+        if front.end_offset > floor {
+            break;
+        }
+        let too_big = max_bytes.is_some_and(|max| total > max);
+        let too_old = max_age.is_some_and(|age| {
+            front
+                .max_timestamp_micros
+                .saturating_add(age.as_micros().min(u128::from(u64::MAX)) as u64)
+                < now_micros
+        });
+        if !(too_big || too_old) {
+            break;
+        }
+        total -= front.data_len;
+        n += 1;
+    }
+    n
 }
 
 /// Ends the era at `point` (steps 5d and 6c): batches at or past it were given back.
@@ -1956,6 +2008,7 @@ async fn create_segment<B: Backend>(
         max_timestamp_micros: 0,
         tail_block: Vec::new(),
         last_batch: None,
+        kinds: KindSet::default(),
     })
 }
 

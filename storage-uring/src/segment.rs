@@ -8,7 +8,7 @@ use bytes::Bytes;
 use crate::error::{Corruption, CorruptionKind, StorageError};
 use crate::format::{
     self, BATCH_HEADER_BYTES, BATCH_MAGIC, BatchHeader, BatchKind, FormatError, HeaderRead,
-    LAST_ROUND_REACH_BYTES, MAX_BATCH_BODY_BYTES, RECORD_PREFIX_BYTES,
+    KindSet, LAST_ROUND_REACH_BYTES, MAX_BATCH_BODY_BYTES, RECORD_PREFIX_BYTES,
 };
 use crate::index::SparseIndex;
 use crate::io::SegmentFile;
@@ -53,6 +53,8 @@ pub(crate) struct Segment<F> {
     pub tail_block: Vec<u8>,
     /// Base offset and kind of the last batch written to the file.
     pub last_batch: Option<(u64, BatchKind)>,
+    /// The kinds of batch the file may hold (all of them when it was not read in full).
+    pub kinds: KindSet,
 }
 
 /// How a scan ended.
@@ -64,6 +66,8 @@ pub(crate) struct ScanEnd {
     pub batches: u64,
     /// Base offset and kind of the last whole batch.
     pub last_batch: Option<(u64, BatchKind)>,
+    /// The kinds of the batches scanned.
+    pub kinds: KindSet,
     /// Set when a torn tail was found (only when repair was allowed).
     pub torn_at: Option<Torn>,
 }
@@ -183,6 +187,7 @@ pub(crate) async fn scan<F: SegmentFile>(
     let mut max_ts = 0u64;
     let mut batches = 0u64;
     let mut last_batch = None;
+    let mut kinds = KindSet::default();
     let corrupt = |position: u64, offset: u64, kind: CorruptionKind| {
         StorageError::Corrupt(Corruption {
             segment: name.to_owned(),
@@ -198,6 +203,7 @@ pub(crate) async fn scan<F: SegmentFile>(
             max_timestamp_micros: max_ts,
             batches,
             last_batch,
+            kinds,
             torn_at,
         };
         if pos >= file_len {
@@ -236,6 +242,7 @@ pub(crate) async fn scan<F: SegmentFile>(
                     max_ts = max_ts.max(h.timestamp_micros);
                     batches += 1;
                     last_batch = Some((h.base_offset, h.kind));
+                    kinds.add(h.kind);
                     pos += h.total_len() as u64;
                     continue;
                 }

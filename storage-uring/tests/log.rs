@@ -612,6 +612,52 @@ fn retention_never_removes_a_segment_past_the_floor() {
     });
 }
 
+/// What retention would remove is told before it runs: the new base and the kinds of
+/// batch the doomed segments may hold, known from the writes and from a full scan at
+/// open; a segment opened from its index without a full scan may hold any kind.
+#[test]
+fn the_retention_cut_tells_the_kinds_the_doomed_segments_hold() {
+    run(|| async {
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), small_segments())
+            .await
+            .unwrap();
+        fill(&log, 40, 2048).await;
+        let p = log.begin_commit(b"a commit", 0).unwrap();
+        log.commit(p).await.unwrap();
+        fill(&log, 160, 2048).await;
+        let p = log.begin_state(&[b"a copy"], 0).unwrap();
+        log.commit(p).await.unwrap();
+        log.sync().await.unwrap();
+        let only_data = |upto: u64| log.retention_cut(u64::MAX, Some(1), None, upto);
+        // Below the commit: data only.
+        let (cut, kinds) = only_data(40);
+        assert!(cut <= 40 && cut > 0, "{cut}");
+        assert!(kinds.has(BatchKind::Data));
+        assert!(!kinds.has(BatchKind::Commit) && !kinds.has(BatchKind::State));
+        // Past it: the commit is in a doomed segment; the copy is in the newest, kept.
+        let (cut, kinds) = only_data(u64::MAX);
+        assert!(cut > 41 && cut <= 201, "{cut}");
+        assert!(kinds.has(BatchKind::Commit) && !kinds.has(BatchKind::State));
+        assert_eq!(log.base_offset(), 0, "nothing removed by asking");
+        log.close().await.unwrap();
+        for (verify, commit_known) in [(VerifyOnOpen::All, false), (VerifyOnOpen::Tail, true)] {
+            let config = LogConfig {
+                verify_on_open: verify,
+                ..small_segments()
+            };
+            let (log, _) = SegmentLog::open(mem.clone(), config).await.unwrap();
+            let (_, kinds) = log.retention_cut(u64::MAX, Some(1), None, 40);
+            assert_eq!(
+                kinds.has(BatchKind::Commit),
+                commit_known,
+                "{verify:?}: a scanned segment is known to hold no commit"
+            );
+            log.close().await.unwrap();
+        }
+    });
+}
+
 /// Recovery's torn-last-round rule relies on a flush round never taking more than
 /// `ROUND_BYTES_MAX` of batches (unless one batch is larger): a backlog staged at once
 /// is written in several rounds, each made durable before the next starts.

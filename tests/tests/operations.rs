@@ -54,11 +54,129 @@ fn segments(b: &BrokerProcess, stream: &str) -> usize {
         .map(|d| {
             d.filter(|e| {
                 e.as_ref()
-                    .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".log"))
+                    .is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".seg"))
             })
             .count()
         })
         .unwrap_or(0)
+}
+
+/// State committed long ago outlives the stream's retention: before retention removes
+/// the segments holding a live entry's newest record, the entry is copied to the tail
+/// with its version, so `state_get` answers the same value and version after the old
+/// segments are gone, and again after a SIGKILL and restart; deleted and overwritten
+/// entries stay as they were.
+#[test]
+fn state_outlives_the_streams_retention_and_a_restart() {
+    use felix_wire::message::StateChange;
+    use std::collections::BTreeMap;
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start(
+        dir.path(),
+        "segment_bytes: 262144\nhousekeeping_ms: 100\n",
+        &["--fsync", "none"],
+    );
+    b.admin()
+        .unwrap()
+        .post(
+            "/v1/tenants/dev/namespaces/default/streams",
+            &json!({"stream": "ledger", "kind": "Stream", "shards": 1,
+                    "retention": {"max_size_bytes": 524288}}),
+        )
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    type Want = BTreeMap<String, Option<(Vec<u8>, u64)>>;
+    let check = |c: &Client, want: &Want| {
+        let (c, want) = (c.clone(), want.clone());
+        async move {
+            for (k, v) in want {
+                let (got, _) = c
+                    .state_get("dev", "default", "ledger", "acct", &k)
+                    .await
+                    .unwrap();
+                assert_eq!(got.map(|(v, o)| (v.to_vec(), o)), v, "{k}");
+            }
+        }
+    };
+    let commit = |c: &Client, changes: Vec<StateChange>| {
+        let c = c.clone();
+        async move {
+            c.commit(
+                "dev",
+                "default",
+                "ledger",
+                "acct",
+                bytes::Bytes::from_static(b"event"),
+                changes,
+                None,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let filler = |c: &Client| {
+        let c = c.clone();
+        async move {
+            for _ in 0..160 {
+                c.publish(
+                    "dev",
+                    "default",
+                    "ledger",
+                    vec![b'x'; 16 * 1024],
+                    AckMode::PerMessage,
+                )
+                .await
+                .unwrap();
+            }
+        }
+    };
+    let want = rt.block_on(async {
+        let c = client(&b).await;
+        let mut want = Want::new();
+        for k in 0..40 {
+            let (key, value) = (format!("k{k}"), format!("v{k}").into_bytes());
+            let put = StateChange::Put {
+                key: key.clone(),
+                value: value.clone().into(),
+            };
+            let at = commit(&c, vec![put]).await;
+            want.insert(key, Some((value, at)));
+        }
+        filler(&c).await;
+        // Overwritten and deleted after the first ones were written.
+        for k in 0..10 {
+            let (key, value) = (format!("k{k}"), format!("again{k}").into_bytes());
+            let put = StateChange::Put {
+                key: key.clone(),
+                value: value.clone().into(),
+            };
+            let at = commit(&c, vec![put]).await;
+            want.insert(key, Some((value, at)));
+        }
+        for k in 10..15 {
+            let key = format!("k{k}");
+            commit(&c, vec![StateChange::Delete { key: key.clone() }]).await;
+            want.insert(key, None);
+        }
+        filler(&c).await;
+        // ~5 MiB in 256 KiB segments: the size bound keeps the newest ~512 KiB.
+        wait_for("retention by size", Duration::from_secs(10), || {
+            (segments(&b, "ledger") <= 4).then_some(())
+        })
+        .unwrap();
+        let (start, _) = earliest(&c, "ledger").await;
+        assert!(start > 100, "the head was trimmed: oldest offset {start}");
+        check(&c, &want).await;
+        want
+    });
+    let copies = b.metric("felix_broker_state_copies_total").unwrap();
+    assert!(copies >= 25, "{copies} entries copied");
+    b.kill();
+    b.restart().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        check(&c, &want).await;
+    });
 }
 
 #[test]

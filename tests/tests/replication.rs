@@ -751,6 +751,151 @@ fn quorum_commits_keep_their_state_and_events_across_a_leader_kill() {
     let _ = &mut c;
 }
 
+/// A Quorum stream with retention: the leader carries live state past the cut (its
+/// copies replicated like any write), every replica trims its log without removing a
+/// live entry's newest record, and after a leader kill the successor, folding its own
+/// trimmed log, answers every key with its value and version.
+#[test]
+fn replicated_state_outlives_retention_on_every_replica_and_a_leader_kill() {
+    use felix_wire::message::StateChange;
+    let mut c = TestCluster::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        3,
+        CP_ARGS,
+        "segment_bytes: 65536\nhousekeeping_ms: 200\n",
+    )
+    .unwrap();
+    c.admin
+        .post(
+            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/streams"),
+            &serde_json::json!({"stream": "kept", "kind": "Stream", "shards": 1,
+                "replication_factor": 3, "consistency": "Quorum",
+                "retention": {"max_size_bytes": 131072}}),
+        )
+        .unwrap();
+    let leader_of = |c: &TestCluster| {
+        c.assignments()
+            .ok()?
+            .into_iter()
+            .find(|a| a["kind"] == "stream" && a["name"] == "kept")
+            .map(|a| {
+                (
+                    c.index(a["leader"].as_str().unwrap()),
+                    a["generation"].as_u64().unwrap(),
+                )
+            })
+    };
+    let (leader, generation) =
+        wait_for("a leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
+    let via = (leader + 1) % 3;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (addr, config) = (c.brokers[via].listen, c.client_config().unwrap());
+    let want = rt.block_on(async {
+        let client = felix_client::Client::connect(addr, "localhost", config.clone())
+            .await
+            .unwrap();
+        let mut want = BTreeMap::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut k = 0;
+        while k < 20 {
+            let (key, value) = (format!("k{k}"), format!("v{k}"));
+            let put = StateChange::Put {
+                key: key.clone(),
+                value: value.clone().into(),
+            };
+            match client
+                .commit(
+                    TENANT,
+                    NAMESPACE,
+                    "kept",
+                    "acct",
+                    "e".into(),
+                    vec![put],
+                    None,
+                )
+                .await
+            {
+                Ok(at) => {
+                    want.insert(key, (value.into_bytes(), at));
+                    k += 1;
+                }
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "commits never went through: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        // ~640 KiB after them in 64 KiB segments, kept to 128 KiB.
+        for _ in 0..160 {
+            client
+                .publish(
+                    TENANT,
+                    NAMESPACE,
+                    "kept",
+                    vec![b'x'; 4096],
+                    AckMode::PerMessage,
+                )
+                .await
+                .unwrap();
+        }
+        want
+    });
+    // Every replica trims, the leader having carried the state first.
+    wait_for(
+        "retention on every replica",
+        Duration::from_secs(30),
+        || {
+            c.brokers
+                .iter()
+                .all(|b| {
+                    b.metric("felix_broker_retention_segments_removed_total")
+                        .unwrap_or(0)
+                        >= 5
+                })
+                .then_some(())
+        },
+    )
+    .unwrap();
+    let copies = c.brokers[leader]
+        .metric("felix_broker_state_copies_total")
+        .unwrap();
+    assert!(copies >= 20, "the leader copied the state: {copies}");
+    c.brokers[leader].kill();
+    wait_for("a new leader", Duration::from_secs(30), || {
+        leader_of(&c).filter(|(l, g)| *l != leader && *g > generation)
+    })
+    .unwrap();
+    rt.block_on(async {
+        let client = felix_client::Client::connect(addr, "localhost", config)
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for (key, (value, at)) in &want {
+            loop {
+                match client
+                    .state_get(TENANT, NAMESPACE, "kept", "acct", key)
+                    .await
+                {
+                    Ok((got, _)) => {
+                        assert_eq!(
+                            got.map(|(v, o)| (v.to_vec(), o)),
+                            Some((value.clone(), *at)),
+                            "{key}"
+                        );
+                        break;
+                    }
+                    Err(e) => {
+                        assert!(Instant::now() < deadline, "state reads never resumed: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }
+    });
+    let _ = &mut c;
+}
+
 #[test]
 fn an_idempotent_resend_after_a_leader_kill_is_answered_from_the_successors_log() {
     let mut c = cluster();

@@ -443,9 +443,9 @@ fn empty_batches_overflowing_offsets_and_a_wrong_prev_are_refused() {
 
 #[test]
 fn unknown_shard_and_batch_kinds_and_bad_utf8_are_refused() {
-    let mut bytes = raw_records(&section(&[(100, 4, &[b"a"])]), None);
+    let mut bytes = raw_records(&section(&[(100, 5, &[b"a"])]), None);
     let (_, problem) = malformed(decode_one(&bytes));
-    assert_eq!(problem, BodyError::UnknownBatchKind { byte: 4 });
+    assert_eq!(problem, BodyError::UnknownBatchKind { byte: 5 });
     bytes[HEADER_LEN + 8] = 3; // the shard kind byte
     let (_, problem) = malformed(decode_one(&bytes));
     assert_eq!(problem, BodyError::UnknownShardKind { byte: 3 });

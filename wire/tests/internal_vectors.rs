@@ -130,6 +130,7 @@ fn describe(message: &InternalMessage) -> Value {
                     BatchKind::GenerationStart => "generation_start",
                     BatchKind::Commit => "commit",
                     BatchKind::Group => "group",
+                    BatchKind::State => "state",
                 },
                 "records_hex": b.records.iter().map(hex::encode).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),

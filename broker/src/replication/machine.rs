@@ -62,6 +62,8 @@ pub enum BatchKind {
     Commit,
     /// Consumer-group events.
     Group,
+    /// Copies of state entries carried past retention.
+    State,
 }
 
 /// A batch at its offsets, as stored and shipped.

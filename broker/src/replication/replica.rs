@@ -428,6 +428,22 @@ impl ReplicaShard {
         self.admit_with(|log| log.begin_group(records, now_micros), shipped)
     }
 
+    /// As [`ReplicaShard::admit`], for copies of state entries (a `State` batch).
+    pub fn admit_state(
+        &self,
+        records: &[Bytes],
+        now_micros: u64,
+    ) -> Result<(PendingAppend, u64), BrokerError> {
+        let shipped = |base| Batch {
+            base,
+            kind: BatchKind::State,
+            timestamp_micros: now_micros,
+            producer: None,
+            records: records.to_vec(),
+        };
+        self.admit_with(|log| log.begin_state(records, now_micros), shipped)
+    }
+
     /// Claims with `claim` on the serving leader, tells the machine where the log now
     /// ends, and ships the batch (`shipped`, given its base) from memory: the one
     /// admission path every kind of write takes.
@@ -667,6 +683,7 @@ fn ship_batch(b: Batch) -> internal::ShipBatch {
             BatchKind::GenerationStart(_) => internal::BatchKind::GenerationStart,
             BatchKind::Commit => internal::BatchKind::Commit,
             BatchKind::Group => internal::BatchKind::Group,
+            BatchKind::State => internal::BatchKind::State,
         },
         producer: b.producer,
         records: b.records,
@@ -678,6 +695,7 @@ fn machine_batch(b: internal::ShipBatch) -> Batch {
         internal::BatchKind::Data => BatchKind::Data,
         internal::BatchKind::Commit => BatchKind::Commit,
         internal::BatchKind::Group => BatchKind::Group,
+        internal::BatchKind::State => BatchKind::State,
         internal::BatchKind::GenerationStart => {
             BatchKind::GenerationStart(generation_named(&b.records).unwrap_or(0))
         }
@@ -1282,6 +1300,7 @@ impl Replicas {
                         BatchKind::GenerationStart(_) => LogBatchKind::GenerationStart,
                         BatchKind::Commit => LogBatchKind::Commit,
                         BatchKind::Group => LogBatchKind::Group,
+                        BatchKind::State => LogBatchKind::State,
                     };
                     let tag = b.producer.map(|(producer_id, sequence)| {
                         felix_storage_uring::ProducerTag {
@@ -1376,6 +1395,7 @@ impl Replicas {
                             ),
                             LogBatchKind::Commit => BatchKind::Commit,
                             LogBatchKind::Group => BatchKind::Group,
+                            LogBatchKind::State => BatchKind::State,
                             LogBatchKind::Data => BatchKind::Data,
                         };
                         Batch {

@@ -163,7 +163,7 @@ impl Node {
         let mut epochs = self.removed_epochs.clone();
         epochs.extend(self.batches.iter().filter_map(|b| match b.kind {
             BatchKind::GenerationStart(g) => Some((b.base, g)),
-            BatchKind::Data | BatchKind::Commit | BatchKind::Group => None,
+            BatchKind::Data | BatchKind::Commit | BatchKind::Group | BatchKind::State => None,
         }));
         epochs
     }

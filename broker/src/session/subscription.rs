@@ -137,7 +137,10 @@ impl Pump {
             let keep = ((to - b.base_offset) as usize).min(b.records.len());
             let first = b.base_offset + skip as u64;
             self.next = b.base_offset + keep as u64;
-            if matches!(b.kind, BatchKind::GenerationStart | BatchKind::Group) {
+            if matches!(
+                b.kind,
+                BatchKind::GenerationStart | BatchKind::Group | BatchKind::State
+            ) {
                 self.skipped += (keep - skip) as u64;
                 continue;
             }

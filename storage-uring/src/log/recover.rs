@@ -8,7 +8,9 @@ use std::rc::Rc;
 
 use super::{LogConfig, RecoveryReport, TornTail, VerifyOnOpen, create_segment, cut};
 use crate::error::{Corruption, CorruptionKind, StorageError};
-use crate::format::{self, BATCH_HEADER_BYTES, HeaderRead, SEGMENT_HEADER_BYTES, SegmentHeader};
+use crate::format::{
+    self, BATCH_HEADER_BYTES, HeaderRead, KindSet, SEGMENT_HEADER_BYTES, SegmentHeader,
+};
 use crate::index::SparseIndex;
 use crate::io::{Backend, SegmentFile};
 use crate::segment::{self, Segment, index_name, parse_segment_name, segment_name};
@@ -190,6 +192,12 @@ pub(super) async fn recover<B: Backend>(
             max_timestamp_micros: end.max_timestamp_micros,
             tail_block,
             last_batch: end.last_batch,
+            // A scan from the last index entry saw only the segment's last batches.
+            kinds: if start.0 == SEGMENT_HEADER_BYTES as u64 {
+                end.kinds
+            } else {
+                KindSet::ALL
+            },
         });
     }
     if segments.is_empty() {

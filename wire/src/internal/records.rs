@@ -35,6 +35,9 @@ pub enum BatchKind {
     Commit,
     /// Consumer-group events of the shard (byte 3).
     Group,
+    /// Copies of state entries carried past retention (byte 4); never delivered to
+    /// readers.
+    State,
 }
 
 impl BatchKind {
@@ -45,6 +48,7 @@ impl BatchKind {
             BatchKind::GenerationStart => 1,
             BatchKind::Commit => 2,
             BatchKind::Group => 3,
+            BatchKind::State => 4,
         }
     }
 
@@ -55,6 +59,7 @@ impl BatchKind {
             1 => Ok(BatchKind::GenerationStart),
             2 => Ok(BatchKind::Commit),
             3 => Ok(BatchKind::Group),
+            4 => Ok(BatchKind::State),
             byte => Err(BodyError::UnknownBatchKind { byte }),
         }
     }

@@ -1,0 +1,77 @@
+//! Carrying a stream shard's state past retention (the design is in `state.rs`): before
+//! retention removes the segments below a cut, the core that writes the shard copies
+//! the live entries whose newest record lies below it to the tail (a `State` batch,
+//! written, replicated and fenced like any write), and every copy of the shard keeps
+//! the segments that still hold a live entry's newest record.
+
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+
+use super::{CoreBroker, Special};
+use crate::error::BrokerError;
+use crate::shard::StreamShard;
+
+/// The most copied in one round (the rest waits for the next round, and holds
+/// retention back until then).
+const COPY_ROUND_BYTES: usize = 4 << 20;
+
+impl CoreBroker {
+    /// The lowest offset retention may remove up to for `shard`'s state, when it would
+    /// cut the log at `cut`. The writing core first copies the live entries below the
+    /// cut, provided every commit it claimed is already in the index (no commit lies
+    /// between what a copy reads and where it lands); otherwise, and on followers, the
+    /// floor holds until the copies arrive.
+    pub(super) async fn state_floor(
+        self: &Rc<Self>,
+        shard: &Rc<StreamShard>,
+        cut: u64,
+    ) -> Result<u64, BrokerError> {
+        let replica = self.replica_of(&shard.key)?;
+        let visible = || match &replica {
+            None => shard.fanout_end(),
+            Some(rs) if rs.serving() => rs.visible_end().min(rs.log().committed_end()),
+            // A follower knows what is committed, and folds no further.
+            Some(rs) => rs.commit(),
+        };
+        let writes = replica.as_ref().is_none_or(|rs| rs.serving());
+        self.catch_up_state(shard, visible()).await?;
+        // The index knows nothing past what is visible (a commit still on its way to
+        // the disk may sit in a segment a roll already sealed): keep that too.
+        let floor = || {
+            let f = shard.state.borrow().as_ref().map_or(0, |i| i.floor());
+            f.min(visible())
+        };
+        if !writes || floor() >= cut {
+            return Ok(floor());
+        }
+        let (entries, end) = match shard.state.borrow().as_ref() {
+            Some(i) => (i.below(cut), i.end()),
+            None => return Ok(0),
+        };
+        if end < shard.commits_claimed.get() {
+            // A commit is on its way to the log: copy next round.
+            return Ok(floor());
+        }
+        let mut size = 0;
+        let take = entries
+            .iter()
+            .take_while(|(k, v, _)| {
+                size += 16 + k.len() + v.len();
+                size <= COPY_ROUND_BYTES
+            })
+            .count()
+            .max(1);
+        let records = crate::state::encode_copies(&entries[..take]);
+        // Claimed in this call, with no await since the check above.
+        self.write_tagged(shard.key.clone(), records, Some(Special::State), None)
+            .await?;
+        // Acknowledged is not enough under `fsync: none` or `periodic`: the records they
+        // replace are about to go, so the copies are on disk first.
+        shard.log.sync().await?;
+        self.metrics
+            .state_copies
+            .fetch_add(take as u64, Ordering::Relaxed);
+        self.catch_up_state(shard, visible()).await?;
+        Ok(floor())
+    }
+}
