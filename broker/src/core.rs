@@ -1259,15 +1259,11 @@ impl CoreBroker {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         let shard = self.ready_stream(&key);
         let before = shard.as_ref().map(|s| s.log.next_offset());
-        let is_commit = matches!(commit, Some(Special::Commit(_)));
         let fut = self.write_claimed(key, records, commit, tag);
         if let (Some(shard), Some(before)) = (shard, before) {
             let after = shard.log.next_offset();
             if after > before {
                 shard.note_claimed(before, after, tag);
-                if is_commit {
-                    shard.commits_claimed.set(after);
-                }
             }
         }
         fut
@@ -1326,7 +1322,13 @@ impl CoreBroker {
                     Some(e) if e != rs.log().next_offset() => Err(BrokerError::OffsetMismatch {
                         tail: rs.log().next_offset(),
                     }),
-                    _ => rs.admit_commit(&c.record, clock::wall_micros()),
+                    _ => rs
+                        .admit_commit(&c.record, clock::wall_micros())
+                        .inspect(|_| {
+                            if let crate::replication::replica::Held::Stream(s) = &rs.held {
+                                s.commits_claimed.set(rs.log().next_offset());
+                            }
+                        }),
                 },
             }
         } else {
@@ -1436,7 +1438,13 @@ impl CoreBroker {
                     Some(e) if e != shard.log.next_offset() => Err(BrokerError::OffsetMismatch {
                         tail: shard.log.next_offset(),
                     }),
-                    _ => Ok(shard.log.begin_commit(&c.record, clock::wall_micros())?),
+                    _ => {
+                        let pending = shard.log.begin_commit(&c.record, clock::wall_micros())?;
+                        // Counted where claimed (also after waiting for the shard to
+                        // open): a state copy waits until the index has it.
+                        shard.commits_claimed.set(shard.log.next_offset());
+                        Ok(pending)
+                    }
                 },
             }
         };

@@ -771,10 +771,12 @@ impl GroupShard {
             };
             let batches = stream.log.read(at, 64 << 10).await?;
             let mut moved = false;
-            for b in batches
-                .iter()
-                .take_while(|b| matches!(b.kind, BatchKind::Group | BatchKind::GenerationStart))
-            {
+            for b in batches.iter().take_while(|b| {
+                matches!(
+                    b.kind,
+                    BatchKind::Group | BatchKind::GenerationStart | BatchKind::State
+                )
+            }) {
                 if b.base_offset > at || b.end_offset() > tail {
                     break;
                 }
