@@ -295,6 +295,45 @@ pub const SCENARIOS: &[Scenario] = &[
         postgres: false,
         nemesis: fsync_eio,
     },
+    Scenario {
+        name: "disk-full",
+        about: "one broker: every write fails with ENOSPC for 0.3-1 s (appends refused, retryable), then space returns; no restart",
+        nodes: 1,
+        proxies: false,
+        broker_yaml: "fault_injection: true\n",
+        streams: &ONE,
+        producers: 1,
+        depth: 4,
+        stable: false,
+        postgres: false,
+        nemesis: disk_full,
+    },
+    Scenario {
+        name: "core-panic",
+        about: "one broker on two cores: a core panics (the process must exit 70), the broker restarts",
+        nodes: 1,
+        proxies: false,
+        broker_yaml: "fault_injection: true\n",
+        streams: &ONE,
+        producers: 1,
+        depth: 4,
+        stable: false,
+        postgres: false,
+        nemesis: core_panic,
+    },
+    Scenario {
+        name: "damaged-restart",
+        about: "one broker, 64 KiB segments: SIGKILL, then garbage in whole sectors past the end of each shard's newest segment (a torn last round) and sealed segments' indexes deleted, cut short or garbled; restart",
+        nodes: 1,
+        proxies: false,
+        broker_yaml: "segment_bytes: 65536\n",
+        streams: &ONE,
+        producers: 1,
+        depth: 8,
+        stable: false,
+        postgres: false,
+        nemesis: damaged_restart,
+    },
 ];
 
 /// The scenario named `name`.
@@ -679,6 +718,132 @@ fn fsync_eio(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         n.restart(0)?;
     }
     Ok(())
+}
+
+fn disk_full(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1000, 2000);
+        let (status, body) = n.cluster.brokers[0]
+            .http_post("/debug/storage-faults?op=write&errno=enospc&times=always")?;
+        anyhow::ensure!(status == 200, "arming the fault: {status} {body}");
+        n.event("disk-full", json!({"node": 0}));
+        n.sleep_ms(300, 1000);
+        let (status, body) = n.cluster.brokers[0].http_post("/debug/storage-faults?clear=true")?;
+        anyhow::ensure!(status == 200, "clearing the fault: {status} {body}");
+        n.event("space-back", json!({"node": 0}));
+    }
+    Ok(())
+}
+
+fn core_panic(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let core = n.rng.between(0, 1);
+        let (status, body) =
+            n.cluster.brokers[0].http_post(&format!("/debug/panic?core={core}"))?;
+        anyhow::ensure!(status == 200, "arming the panic: {status} {body}");
+        let armed = Instant::now();
+        let code = loop {
+            if let Some(s) = n.cluster.brokers[0].exit_status() {
+                break s.code();
+            }
+            anyhow::ensure!(
+                armed.elapsed() < Duration::from_secs(10),
+                "core {core} was told to panic; the process still runs after 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        anyhow::ensure!(
+            code == Some(70),
+            "a core panicked; the process exited {code:?}, not 70"
+        );
+        n.event(
+            "core-panic",
+            json!({"core": core, "exit_ms": armed.elapsed().as_millis() as u64}),
+        );
+        n.restart(0)?;
+    }
+    Ok(())
+}
+
+fn damaged_restart(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1000, 3000);
+        n.kill(0);
+        let root = n.cluster.brokers[0].data_dir.join("streams");
+        let (mut torn, mut indexes) = (0, 0);
+        for shard in shard_dirs(&root)? {
+            let mut names: Vec<String> = std::fs::read_dir(&shard)?
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .collect();
+            names.sort();
+            let segments: Vec<&String> = names.iter().filter(|n| n.ends_with(".seg")).collect();
+            // A torn round: sectors past the end of what the newest segment holds
+            // reached the disk while an earlier one of the round did not (a sector is
+            // written whole: the garbage starts at a 4 KiB boundary, zeros before it).
+            if let Some(newest) = segments.last() {
+                use std::io::Write as _;
+                let path = shard.join(newest);
+                let end = std::fs::metadata(&path)?.len();
+                let hole = n.rng.between(0, 2) * 4096 + (4096 - end % 4096) % 4096;
+                let len = n.rng.between(1, 6000) as usize;
+                let mut bytes = vec![0u8; hole as usize];
+                bytes.extend((0..len).map(|i| (0xa5 ^ i as u8) | 1));
+                std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(&path)?
+                    .write_all(&bytes)?;
+                torn += 1;
+            }
+            // Sealed segments' indexes: deleted, cut short, or garbled.
+            for idx in names.iter().filter(|n| n.ends_with(".idx")) {
+                let path = shard.join(idx);
+                match n.rng.between(0, 3) {
+                    0 => std::fs::remove_file(&path)?,
+                    1 => {
+                        let len = std::fs::metadata(&path)?.len();
+                        std::fs::OpenOptions::new()
+                            .write(true)
+                            .open(&path)?
+                            .set_len(len / 2)?;
+                    }
+                    2 => {
+                        let mut bytes = std::fs::read(&path)?;
+                        if let Some(b) = bytes.get_mut(n.rng.between(0, 63) as usize) {
+                            *b ^= 0x5a;
+                        }
+                        std::fs::write(&path, bytes)?;
+                    }
+                    _ => continue,
+                }
+                indexes += 1;
+            }
+        }
+        n.event("damage", json!({"torn_tails": torn, "indexes": indexes}));
+        n.restart(0)?;
+    }
+    Ok(())
+}
+
+/// Every shard directory under a broker's `streams/` (tenant / namespace / stream /
+/// shard).
+fn shard_dirs(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut level = vec![root.to_path_buf()];
+    for _ in 0..4 {
+        let mut next = Vec::new();
+        for dir in level {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    next.push(e.path());
+                }
+            }
+        }
+        level = next;
+    }
+    Ok(level)
 }
 
 /// The broker and control-plane binaries: this package's own targets next to the

@@ -61,6 +61,9 @@ fn every_scenario_is_listed_here() {
         "controlplane-restart",
         "controlplane-clock",
         "fsync-eio",
+        "disk-full",
+        "core-panic",
+        "damaged-restart",
     ];
     let all: Vec<_> = SCENARIOS.iter().map(|s| s.name).collect();
     assert_eq!(all, here);
@@ -134,6 +137,21 @@ fn controlplane_clock() {
 #[test]
 fn fsync_eio() {
     assert_clean("fsync-eio");
+}
+
+#[test]
+fn disk_full() {
+    assert_clean("disk-full");
+}
+
+#[test]
+fn core_panic() {
+    assert_clean("core-panic");
+}
+
+#[test]
+fn damaged_restart() {
+    assert_clean("damaged-restart");
 }
 
 /// The mutant must be caught within four runs (seeds 1 to 4; most are caught by the
