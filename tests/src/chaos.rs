@@ -781,9 +781,14 @@ fn damaged_restart(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
             // A torn round: sectors past the end of what the newest segment holds
             // reached the disk while an earlier one of the round did not (a sector is
             // written whole: the garbage starts at a 4 KiB boundary, zeros before it).
-            if let Some(newest) = segments.last() {
+            // Not in a segment whose header block is not there yet: a segment's header
+            // is synced before any batch is written to it.
+            let newest = segments
+                .last()
+                .map(|n| shard.join(n))
+                .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.len() >= 4096));
+            if let Some(path) = newest {
                 use std::io::Write as _;
-                let path = shard.join(newest);
                 let end = std::fs::metadata(&path)?.len();
                 let hole = n.rng.between(0, 2) * 4096 + (4096 - end % 4096) % 4096;
                 let len = n.rng.between(1, 6000) as usize;
