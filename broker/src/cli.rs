@@ -137,6 +137,7 @@ pub fn main() -> anyhow::Result<()> {
             };
             let config = BrokerConfig::resolve(file, common.overrides(), true)?;
             let setup = dev::prepare(&config.data_dir, &tenant)?;
+            let signals = server::stop_signals()?;
             let broker =
                 server::start(&config, &setup.cert_pem, &setup.key_pem, setup.keys.clone())?;
             println!(
@@ -170,7 +171,7 @@ pub fn main() -> anyhow::Result<()> {
                 "{}",
                 dev::connect_snippet(broker.started.listen, &tenant, &setup)
             );
-            server::shutdown_on_signals(broker.shutdown_handle(), None)?;
+            server::shutdown_on_signals(signals, broker.shutdown_handle(), None)?;
             broker.join()?;
             println!("felix-broker: stopped cleanly");
         }
@@ -188,6 +189,7 @@ pub fn main() -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("tls_cert {}: {e}", cert.display()))?;
             let key_pem = std::fs::read_to_string(&key)
                 .map_err(|e| anyhow::anyhow!("tls_key {}: {e}", key.display()))?;
+            let signals = server::stop_signals()?;
             let broker = server::start(&config, &cert_pem, &key_pem, Default::default())?;
             println!(
                 "felix-broker: listening on {} (QUIC), http {}, node {}{}",
@@ -203,7 +205,11 @@ pub fn main() -> anyhow::Result<()> {
                     .map(|c| format!(", following {}", c.url))
                     .unwrap_or_default()
             );
-            server::shutdown_on_signals(broker.shutdown_handle(), broker.shared.cluster.clone())?;
+            server::shutdown_on_signals(
+                signals,
+                broker.shutdown_handle(),
+                broker.shared.cluster.clone(),
+            )?;
             broker.join()?;
             println!("felix-broker: stopped cleanly");
         }

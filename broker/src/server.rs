@@ -333,6 +333,18 @@ pub fn start(
             );
             let (internal, keys, cluster) = (internal2.clone(), keys2.clone(), cluster2.clone());
             async move {
+                // glommio reads the data device's properties from sysfs on its first
+                // O_DIRECT open on each core, and panics if that read fails (out of file
+                // descriptors, say). Do it now, while descriptors are plentiful: a shard
+                // opened later under a low limit then gets a typed, retryable refusal.
+                if let Err(e) = felix_storage_uring::DmaBackend::open_dir(&shared.data_dir).await {
+                    *failed.lock().expect("failure slot") = Some(format!(
+                        "opening the data directory {}: {e}",
+                        shared.data_dir.display()
+                    ));
+                    bound.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
                 let mut mesh = ends.connect().await;
                 let inboxes = mesh.take_receivers();
                 let forwarder = match peer_config.as_ref() {
@@ -515,17 +527,26 @@ impl Drop for Alive {
 /// How long a broker stopping on a signal waits for its shards to move to replicas.
 const DRAIN_PATIENCE: Duration = Duration::from_secs(15);
 
-/// Triggers `handle` on SIGTERM or SIGINT. A broker following a control plane first
-/// drains: the shards it leads are handed to caught-up replicas (see
-/// [`Cluster::drain`](crate::cluster::Cluster::drain)) while it keeps serving.
+/// The signals a broker stops on (SIGTERM, SIGINT), registered before it starts: the
+/// registration takes file descriptors, which a broker serving at its open-files limit
+/// may not have a moment later (a chaos run saw a broker exit 1 for it right after it
+/// reported itself up).
+pub fn stop_signals() -> anyhow::Result<signal_hook::iterator::Signals> {
+    Ok(signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])?)
+}
+
+/// Triggers `handle` on the `signals` from [`stop_signals`] (SIGTERM or SIGINT). A
+/// broker following a control plane first drains: the shards it leads are handed to
+/// caught-up replicas (see [`Cluster::drain`](crate::cluster::Cluster::drain)) while it
+/// keeps serving.
 pub fn shutdown_on_signals(
+    mut signals: signal_hook::iterator::Signals,
     handle: ShutdownHandle,
     cluster: Option<Arc<crate::cluster::Cluster>>,
 ) -> anyhow::Result<()> {
-    let mut signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGINT,
-    ])?;
     std::thread::Builder::new()
         .name("felix-signals".into())
         .spawn(move || {

@@ -334,6 +334,32 @@ pub const SCENARIOS: &[Scenario] = &[
         postgres: false,
         nemesis: damaged_restart,
     },
+    Scenario {
+        name: "fd-exhaustion",
+        about: "one broker: its soft open-files limit is lowered to what it has open plus 0-8 for 0.5-2 s, the first time and one time in three after that right after a restart and with no spare descriptor (shard logs cannot open until it is raised), then raised back",
+        nodes: 1,
+        proxies: false,
+        broker_yaml: "",
+        streams: &ONE,
+        producers: 1,
+        depth: 4,
+        stable: false,
+        postgres: false,
+        nemesis: fd_exhaustion,
+    },
+    Scenario {
+        name: "duplicate-node",
+        about: "three brokers, Quorum streams: every 1.5-3 s a second broker is started under a live broker's node id (its config, its own data directory and ports); it must be refused and exit non-zero, and no leadership may move",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "",
+        streams: &[Q3, Q3B],
+        producers: 2,
+        depth: 1,
+        stable: true,
+        postgres: false,
+        nemesis: duplicate_node,
+    },
 ];
 
 /// The scenario named `name`.
@@ -828,6 +854,137 @@ fn damaged_restart(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         n.restart(0)?;
     }
     Ok(())
+}
+
+fn fd_exhaustion(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    let mut first = true;
+    while n.running() {
+        n.sleep_ms(1000, 2500);
+        // The first round always restarts, so every run (a short one too) opens logs
+        // under the limit.
+        let restarted = std::mem::take(&mut first) || n.rng.between(0, 2) == 0;
+        if restarted {
+            n.kill(0);
+            n.restart(0)?;
+        }
+        let pid = n.cluster.brokers[0].pid();
+        let open = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count() as u64;
+        // Right after a restart no log is open yet: no spare descriptor at all, so the
+        // first opens are refused until the limit is lifted.
+        let limit = open + if restarted { 0 } else { n.rng.between(0, 8) };
+        let was = set_open_files(pid, limit)?;
+        n.event(
+            "fd-limit",
+            json!({"open": open, "limit": limit, "after_restart": restarted}),
+        );
+        n.sleep_ms(500, 2000);
+        set_open_files(pid, was)?;
+        n.event("fd-limit-lifted", json!({ "limit": was }));
+    }
+    Ok(())
+}
+
+fn duplicate_node(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    let mut k = 0;
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let i = n.rng.between(0, n.cluster.brokers.len() as u64 - 1) as usize;
+        let b = &n.cluster.brokers[i];
+        let node = b
+            .data_dir
+            .file_name()
+            .and_then(|f| f.to_str())
+            .context("a broker's data directory is named after its node")?
+            .to_owned();
+        let dir = b.data_dir.parent().context("the cluster directory")?;
+        // The live broker's config, with its own peer listener (the rest, node id
+        // and token included, is the live broker's).
+        let config = std::fs::read_to_string(dir.join(format!("{node}.yaml")))?;
+        let internal = crate::free_udp_addr()?;
+        let config: String = config
+            .lines()
+            .map(|l| {
+                if l.starts_with("internal_listen:") {
+                    format!("internal_listen: {internal}\n")
+                } else {
+                    format!("{l}\n")
+                }
+            })
+            .collect();
+        k += 1;
+        let path = dir.join(format!("impostor-{k}.yaml"));
+        std::fs::write(&path, config)?;
+        let started = Instant::now();
+        let mut impostor = std::process::Command::new(b.binary())
+            .args(["serve", "--config"])
+            .arg(&path)
+            .arg("--data-dir")
+            .arg(dir.join(format!("impostor-{k}")))
+            .args(["--listen", &crate::free_udp_addr()?.to_string()])
+            .args(["--http", "127.0.0.1:0"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        let status = loop {
+            if let Some(s) = impostor.try_wait()? {
+                break s;
+            }
+            if started.elapsed() > Duration::from_secs(20) {
+                let _ = impostor.kill();
+                let _ = impostor.wait();
+                anyhow::bail!("a second broker under {node} kept running for 20 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        anyhow::ensure!(!status.success(), "a second broker under {node} exited 0");
+        n.event(
+            "duplicate-node",
+            json!({"node": node, "exit": status.code(), "exit_ms": started.elapsed().as_millis() as u64}),
+        );
+    }
+    Ok(())
+}
+
+/// Sets process `pid`'s soft limit on open files to `soft` (the hard limit stays, so it
+/// can be raised again); returns the soft limit it had.
+fn set_open_files(pid: u32, soft: u64) -> anyhow::Result<u64> {
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid pointers to rlimit structs; `pid` is the broker this harness started.
+    let got = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            std::ptr::null(),
+            &mut old,
+        )
+    };
+    anyhow::ensure!(
+        got == 0,
+        "reading the open-files limit: {}",
+        std::io::Error::last_os_error()
+    );
+    let new = libc::rlimit {
+        rlim_cur: soft.min(old.rlim_max),
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: as above.
+    let set = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            &new,
+            std::ptr::null_mut(),
+        )
+    };
+    anyhow::ensure!(
+        set == 0,
+        "setting the open-files limit: {}",
+        std::io::Error::last_os_error()
+    );
+    Ok(old.rlim_cur)
 }
 
 /// Every shard directory under a broker's `streams/` (tenant / namespace / stream /
@@ -1332,7 +1489,22 @@ pub fn run_with(
                 );
                 std::thread::sleep(Duration::from_secs(secs));
             }
-            return Err(e.context(format!("streams {}", Value::Object(per_stream))));
+            // A broker that died on its own is the likeliest reason: say so.
+            let exits: Vec<String> = cluster
+                .brokers
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(i, b)| b.exit_status().map(|s| format!("broker {i} exited: {s}")))
+                .collect();
+            return Err(e.context(format!(
+                "streams {}{}",
+                Value::Object(per_stream),
+                if exits.is_empty() {
+                    String::new()
+                } else {
+                    format!("; {}", exits.join("; "))
+                }
+            )));
         }
     };
     let report = check(&ops, &finals, &promise, &changes);

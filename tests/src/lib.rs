@@ -239,6 +239,11 @@ impl BrokerProcess {
         self.data_dir.join("dev/ca.pem")
     }
 
+    /// The broker binary it runs.
+    pub fn binary(&self) -> &Path {
+        &self.binary
+    }
+
     /// The pid.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("running").id()

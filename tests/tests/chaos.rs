@@ -64,6 +64,8 @@ fn every_scenario_is_listed_here() {
         "disk-full",
         "core-panic",
         "damaged-restart",
+        "fd-exhaustion",
+        "duplicate-node",
     ];
     let all: Vec<_> = SCENARIOS.iter().map(|s| s.name).collect();
     assert_eq!(all, here);
@@ -152,6 +154,16 @@ fn core_panic() {
 #[test]
 fn damaged_restart() {
     assert_clean("damaged-restart");
+}
+
+#[test]
+fn fd_exhaustion() {
+    assert_clean("fd-exhaustion");
+}
+
+#[test]
+fn duplicate_node() {
+    assert_clean("duplicate-node");
 }
 
 /// The mutant must be caught within four runs (seeds 1 to 4; most are caught by the

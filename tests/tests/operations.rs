@@ -427,19 +427,39 @@ fn publishes_waiting_for_a_shards_first_open_are_acknowledged_across_a_re_pin() 
         let c = Arc::new(client(&b).await);
         for round in 0..12 {
             let stream = format!("fresh{round}");
+            // Odd rounds publish as idempotent producers (their own path to the shard).
+            let idempotent = round % 2 == 1;
+            let mut producers = Vec::new();
+            if idempotent {
+                for _ in 0..32 {
+                    producers.push(c.producer_init().await.unwrap());
+                }
+            }
             assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
             let publishes: Vec<_> = (0..32)
                 .map(|i| {
                     let (c, stream) = (c.clone(), stream.clone());
+                    let producer = producers.get(i).copied();
                     tokio::spawn(async move {
-                        c.publish(
-                            "dev",
-                            "default",
-                            &stream,
-                            format!("{i}").into_bytes(),
-                            AckMode::PerMessage,
-                        )
-                        .await
+                        let payload = format!("{i}").into_bytes();
+                        match producer {
+                            Some(id) => c
+                                .publish_idempotent(
+                                    "dev",
+                                    "default",
+                                    &stream,
+                                    None,
+                                    vec![payload.into()],
+                                    id,
+                                    0,
+                                )
+                                .await
+                                .map(Some),
+                            None => {
+                                c.publish("dev", "default", &stream, payload, AckMode::PerMessage)
+                                    .await
+                            }
+                        }
                     })
                 })
                 .collect();

@@ -25,6 +25,21 @@ fn cluster() -> TestCluster {
     .unwrap()
 }
 
+/// The broker leading the first shard of `kind` (named `name`, or any) and its
+/// generation, once the control plane assigned one.
+fn leader_and_generation(c: &TestCluster, kind: &str, name: Option<&str>) -> Option<(usize, u64)> {
+    c.assignments()
+        .ok()?
+        .into_iter()
+        .find(|a| a["kind"] == kind && name.is_none_or(|n| a["name"] == n))
+        .map(|a| {
+            (
+                c.index(a["leader"].as_str().unwrap()),
+                a["generation"].as_u64().unwrap(),
+            )
+        })
+}
+
 /// Records acknowledged so far: offset -> payload.
 type Acked = Arc<Mutex<BTreeMap<u64, Vec<u8>>>>;
 
@@ -531,18 +546,7 @@ fn a_quorum_cache_keeps_every_acknowledged_value_and_counter_across_a_leader_kil
             &serde_json::json!({"cache": "sessions", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
         )
         .unwrap();
-    let leader_of = |c: &TestCluster| {
-        c.assignments()
-            .ok()?
-            .into_iter()
-            .find(|a| a["kind"] == "cache")
-            .map(|a| {
-                (
-                    c.index(a["leader"].as_str().unwrap()),
-                    a["generation"].as_u64().unwrap(),
-                )
-            })
-    };
+    let leader_of = |c: &TestCluster| leader_and_generation(c, "cache", None);
     let (leader, generation) =
         wait_for("a cache leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -638,18 +642,7 @@ fn quorum_commits_keep_their_state_and_events_across_a_leader_kill() {
     use felix_wire::message::StateChange;
     let mut c = cluster();
     c.create_stream("ledger", 1, 3, "Quorum").unwrap();
-    let leader_of = |c: &TestCluster| {
-        c.assignments()
-            .ok()?
-            .into_iter()
-            .find(|a| a["kind"] == "stream" && a["name"] == "ledger")
-            .map(|a| {
-                (
-                    c.index(a["leader"].as_str().unwrap()),
-                    a["generation"].as_u64().unwrap(),
-                )
-            })
-    };
+    let leader_of = |c: &TestCluster| leader_and_generation(c, "stream", Some("ledger"));
     let (leader, generation) =
         wait_for("a ledger leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
     let via = (leader + 1) % 3;
@@ -774,18 +767,7 @@ fn replicated_state_outlives_retention_on_every_replica_and_a_leader_kill() {
                 "retention": {"max_size_bytes": 131072}}),
         )
         .unwrap();
-    let leader_of = |c: &TestCluster| {
-        c.assignments()
-            .ok()?
-            .into_iter()
-            .find(|a| a["kind"] == "stream" && a["name"] == "kept")
-            .map(|a| {
-                (
-                    c.index(a["leader"].as_str().unwrap()),
-                    a["generation"].as_u64().unwrap(),
-                )
-            })
-    };
+    let leader_of = |c: &TestCluster| leader_and_generation(c, "stream", Some("kept"));
     let (leader, generation) =
         wait_for("a leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
     let via = (leader + 1) % 3;
@@ -900,18 +882,7 @@ fn replicated_state_outlives_retention_on_every_replica_and_a_leader_kill() {
 fn an_idempotent_resend_after_a_leader_kill_is_answered_from_the_successors_log() {
     let mut c = cluster();
     c.create_stream("orders-idem", 1, 3, "Quorum").unwrap();
-    let leader_of = |c: &TestCluster| {
-        c.assignments()
-            .ok()?
-            .into_iter()
-            .find(|a| a["kind"] == "stream" && a["name"] == "orders-idem")
-            .map(|a| {
-                (
-                    c.index(a["leader"].as_str().unwrap()),
-                    a["generation"].as_u64().unwrap(),
-                )
-            })
-    };
+    let leader_of = |c: &TestCluster| leader_and_generation(c, "stream", Some("orders-idem"));
     let (leader, generation) =
         wait_for("a leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
     let via = (leader + 1) % 3;
@@ -1506,18 +1477,7 @@ fn a_replicated_cache_is_compacted_on_every_replica_and_keeps_its_values_across_
             &serde_json::json!({"cache": "hot", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
         )
         .unwrap();
-    let leader_of = |c: &TestCluster| {
-        c.assignments()
-            .ok()?
-            .into_iter()
-            .find(|a| a["kind"] == "cache")
-            .map(|a| {
-                (
-                    c.index(a["leader"].as_str().unwrap()),
-                    a["generation"].as_u64().unwrap(),
-                )
-            })
-    };
+    let leader_of = |c: &TestCluster| leader_and_generation(c, "cache", None);
     let (leader, generation) =
         wait_for("a cache leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
     let via = (leader + 1) % 3;
@@ -1686,18 +1646,7 @@ fn cache_writes_are_held_through_planned_moves() {
             &serde_json::json!({"cache": "moving", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
         )
         .unwrap();
-    let leader_of = |c: &TestCluster| {
-        c.assignments()
-            .ok()?
-            .into_iter()
-            .find(|a| a["kind"] == "cache" && a["name"] == "moving")
-            .map(|a| {
-                (
-                    c.index(a["leader"].as_str().unwrap()),
-                    a["generation"].as_u64().unwrap(),
-                )
-            })
-    };
+    let leader_of = |c: &TestCluster| leader_and_generation(c, "cache", Some("moving"));
     let (mut leader, mut generation) =
         wait_for("a cache leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
     #[derive(Default, Debug)]
