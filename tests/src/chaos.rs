@@ -872,13 +872,13 @@ fn fd_exhaustion(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         // Right after a restart no log is open yet: no spare descriptor at all, so the
         // first opens are refused until the limit is lifted.
         let limit = open + if restarted { 0 } else { n.rng.between(0, 8) };
-        let was = set_open_files(pid, limit)?;
+        let was = crate::set_open_files(pid, limit)?;
         n.event(
             "fd-limit",
             json!({"open": open, "limit": limit, "after_restart": restarted}),
         );
         n.sleep_ms(500, 2000);
-        set_open_files(pid, was)?;
+        crate::set_open_files(pid, was)?;
         n.event("fd-limit-lifted", json!({ "limit": was }));
     }
     Ok(())
@@ -943,48 +943,6 @@ fn duplicate_node(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// Sets process `pid`'s soft limit on open files to `soft` (the hard limit stays, so it
-/// can be raised again); returns the soft limit it had.
-fn set_open_files(pid: u32, soft: u64) -> anyhow::Result<u64> {
-    let mut old = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: valid pointers to rlimit structs; `pid` is the broker this harness started.
-    let got = unsafe {
-        libc::prlimit(
-            pid as libc::pid_t,
-            libc::RLIMIT_NOFILE,
-            std::ptr::null(),
-            &mut old,
-        )
-    };
-    anyhow::ensure!(
-        got == 0,
-        "reading the open-files limit: {}",
-        std::io::Error::last_os_error()
-    );
-    let new = libc::rlimit {
-        rlim_cur: soft.min(old.rlim_max),
-        rlim_max: old.rlim_max,
-    };
-    // SAFETY: as above.
-    let set = unsafe {
-        libc::prlimit(
-            pid as libc::pid_t,
-            libc::RLIMIT_NOFILE,
-            &new,
-            std::ptr::null_mut(),
-        )
-    };
-    anyhow::ensure!(
-        set == 0,
-        "setting the open-files limit: {}",
-        std::io::Error::last_os_error()
-    );
-    Ok(old.rlim_cur)
 }
 
 /// Every shard directory under a broker's `streams/` (tenant / namespace / stream /

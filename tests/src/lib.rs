@@ -744,3 +744,46 @@ pub fn manifest_dir() -> std::path::PathBuf {
         std::path::PathBuf::from,
     )
 }
+
+/// Sets process `pid`'s soft limit on open files to `soft` (the hard limit stays, so it
+/// can be raised again); returns the soft limit it had.
+pub fn set_open_files(pid: u32, soft: u64) -> anyhow::Result<u64> {
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid pointers to rlimit structs; `pid` names a process (a broker this
+    // harness started).
+    let got = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            std::ptr::null(),
+            &mut old,
+        )
+    };
+    anyhow::ensure!(
+        got == 0,
+        "reading the open-files limit: {}",
+        std::io::Error::last_os_error()
+    );
+    let new = libc::rlimit {
+        rlim_cur: soft.min(old.rlim_max),
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: as above.
+    let set = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            &new,
+            std::ptr::null_mut(),
+        )
+    };
+    anyhow::ensure!(
+        set == 0,
+        "setting the open-files limit: {}",
+        std::io::Error::last_os_error()
+    );
+    Ok(old.rlim_cur)
+}

@@ -1106,40 +1106,6 @@ fn a_shard_follows_its_producer_to_its_core_unless_an_operator_pinned_it() {
     });
 }
 
-/// Sets process `pid`'s soft limit on open files to `soft` (the hard limit stays, so it
-/// can be raised again); returns the soft limit it had.
-fn set_open_files(pid: u32, soft: u64) -> u64 {
-    let mut old = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: valid pointers to rlimit structs; `pid` is our child.
-    let got = unsafe {
-        libc::prlimit(
-            pid as libc::pid_t,
-            libc::RLIMIT_NOFILE,
-            std::ptr::null(),
-            &mut old,
-        )
-    };
-    assert_eq!(got, 0, "reading the limit");
-    let new = libc::rlimit {
-        rlim_cur: soft,
-        rlim_max: old.rlim_max,
-    };
-    // SAFETY: as above.
-    let set = unsafe {
-        libc::prlimit(
-            pid as libc::pid_t,
-            libc::RLIMIT_NOFILE,
-            &new,
-            std::ptr::null_mut(),
-        )
-    };
-    assert_eq!(set, 0, "setting the limit");
-    old.rlim_cur
-}
-
 /// A broker out of file descriptors (a client creating streams without end, a low
 /// `ulimit -n`) refuses what needs a new one with a retryable `overloaded` naming the
 /// reason, keeps serving the streams it has open, and takes the refused streams once
@@ -1169,7 +1135,7 @@ fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_
         let open = std::fs::read_dir(format!("/proc/{}/fd", b.pid()))
             .unwrap()
             .count() as u64;
-        let was = set_open_files(b.pid(), open + 8);
+        let was = felix_cluster::set_open_files(b.pid(), open + 8).unwrap();
         let mut refused = Vec::new();
         for i in 0..40 {
             let stream = format!("s{i}");
@@ -1200,7 +1166,7 @@ fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_
             "the limit was reached early: refused {refused:?}"
         );
         eprintln!("new streams: {} of 40 refused", refused.len());
-        set_open_files(b.pid(), was);
+        felix_cluster::set_open_files(b.pid(), was).unwrap();
         for stream in refused {
             let o = publish(&c, stream.clone(), stream.clone().into_bytes())
                 .await
@@ -1221,7 +1187,7 @@ fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_
         let open = std::fs::read_dir(format!("/proc/{}/fd", b.pid()))
             .unwrap()
             .count() as u64;
-        let was = set_open_files(b.pid(), open + 8);
+        let was = felix_cluster::set_open_files(b.pid(), open + 8).unwrap();
         let mut refused = Vec::new();
         for stream in &streams {
             let racing: Vec<_> = (0..3)
@@ -1248,7 +1214,7 @@ fn out_of_file_descriptors_new_streams_are_refused_retryably_and_open_ones_keep_
             "shard opens after the restart: {} of 40 refused",
             refused.len()
         );
-        set_open_files(b.pid(), was);
+        felix_cluster::set_open_files(b.pid(), was).unwrap();
         for (stream, p) in refused {
             let o = publish(&c, stream.clone(), p.clone())
                 .await
