@@ -985,8 +985,9 @@ impl CoreBroker {
         Close: Fn(Rc<T>) -> Closed,
         Closed: std::future::Future<Output = ()>,
     {
-        // Waiting for an open counts as work on the shard until it has its answer.
-        let _awaiting = self.awaiting(key);
+        // Waiting for an open counts as work on the shard until it has its answer (taken
+        // only then: an open shard is answered without touching the count).
+        let mut awaiting = None;
         let moved = || BrokerError::ShardUnavailable(format!("{key} moved to another core"));
         let wake = |slot: Option<Slot<Rc<T>>>| {
             if let Some(Slot::Opening(waiters)) = slot {
@@ -1009,6 +1010,7 @@ impl CoreBroker {
                     }
                 }
             };
+            awaiting.get_or_insert_with(|| self.awaiting(key));
             if first {
                 let opened = open().await;
                 if !self.serves(key) {
