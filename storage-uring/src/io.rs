@@ -50,6 +50,10 @@ pub trait Backend: Clone + 'static {
 pub trait SegmentFile: 'static {
     /// Writes all of `data` at `pos`. Both are block-aligned.
     async fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()>;
+    /// Writes all of `data` at `pos` over blocks the file already holds: nothing is
+    /// allocated, so a full disk cannot refuse it, and fault seams that model a full
+    /// disk let it through. Both are block-aligned.
+    async fn overwrite_at(&self, data: &[u8], pos: u64) -> io::Result<()>;
     /// Reads up to `len` bytes at `pos` (fewer at end of file). Any alignment.
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes>;
     /// Makes every completed write durable (fdatasync).

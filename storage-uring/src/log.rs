@@ -39,7 +39,10 @@
 //!    fdatasync, directory fsync), fails with ENOSPC or EDQUOT, it rolls back:
 //!    - (5a) Cleanup first: a half-made segment file is removed and the directory
 //!      fsynced; a file whose write failed is cut back to `align_up(data_len)` if the
-//!      write grew it. If cleanup fails, the log is poisoned instead.
+//!      write grew it, the block holding `data_len` is written back as it was (a short
+//!      write may have landed whole batches of the failing chunk in it, and those are
+//!      refused) and the file is fdatasynced. If cleanup fails, the log is poisoned
+//!      instead.
 //!    - (5b) Every batch not yet written fails with `NoSpace`: the failing chunk, the
 //!      rest of the round, and everything staged meanwhile. Batches written earlier in
 //!      the round are untouched, and the round still fdatasyncs them.
@@ -1792,6 +1795,22 @@ async fn write_chunk<B: Backend>(
         cut_back(&*file, valid_len)
             .await
             .map_err(|e| Failure::Poison("truncate after a no-space write", e))?;
+        // A short write (the kernel wrote the first blocks, the retry of the rest found
+        // no space) may have landed the block holding the valid end with whole batches
+        // of this chunk in it: they are refused, so they must not come back after a
+        // crash. That block is allocated already, so putting it back as it was needs no
+        // space; the sync makes the put-back and the cut outlast a power cut too.
+        let tail = (valid_len - write_pos) as usize;
+        if tail > 0 {
+            buf.truncate(tail);
+            buf.resize(format::align_up(tail as u64) as usize, 0);
+            file.overwrite_at(buf, write_pos)
+                .await
+                .map_err(|e| Failure::Poison("restore after a no-space write", e))?;
+        }
+        file.sync_data()
+            .await
+            .map_err(|e| Failure::Poison("fsync after a no-space write", e))?;
         return Err(Failure::NoSpace("write", e));
     }
     let mut st = shared.state.borrow_mut();

@@ -428,6 +428,43 @@ fn a_partly_landed_no_space_write_is_cut_back_before_its_offsets_are_reused() {
     });
 }
 
+/// A short write: the block holding the old valid end lands with whole batches of the
+/// failing chunk in it, the rest of the write finds the disk full (ext4 does this: the
+/// write returns what it wrote, our retry of the rest gets ENOSPC). Those batches were
+/// refused, so a crash right after must not bring them back (found by the chaos
+/// scenario `filesystem-full`: refused records present after a restart).
+#[test]
+fn whole_batches_of_a_refused_short_write_do_not_come_back_after_a_crash() {
+    run(|| async {
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), cfg()).await.unwrap();
+        let mut acked = Vec::new();
+        for _ in 0..5 {
+            append(&log, &mut acked, 100).await;
+        }
+        // One chunk of two batches: the small one ends inside the block holding the
+        // valid end and lands whole; the big one runs past it and is cut off.
+        mem.tear_next_write_with(4096, libc::ENOSPC);
+        let small = log.begin_append(&[payload(5, 100)], 0, None).unwrap();
+        let big = log.begin_append(&[payload(6, 20_000)], 0, None).unwrap();
+        no_space(log.commit(small).await);
+        no_space(log.commit(big).await);
+        assert_eq!(log.next_offset(), 5, "both offsets given back");
+        let (after, report) = SegmentLog::open(mem.crash(), cfg()).await.unwrap();
+        assert_eq!(
+            report.next_offset, 5,
+            "a refused batch came back after a crash"
+        );
+        check(&after, &acked).await;
+        drop(after);
+        // The log goes on: the offsets are taken again, durably.
+        append(&log, &mut acked, 77).await;
+        let (after, report) = SegmentLog::open(mem.crash(), cfg()).await.unwrap();
+        assert_eq!(report.next_offset, 6);
+        check(&after, &acked).await;
+    });
+}
+
 #[test]
 fn a_rolled_back_batch_never_reports_success_when_its_offsets_are_reused() {
     run(|| async {

@@ -186,14 +186,9 @@ impl DmaSegmentFile {
     fn check_sync(&self) -> io::Result<()> {
         self.faults.as_ref().map_or(Ok(()), |f| f.check_sync())
     }
-}
 
-impl SegmentFile for DmaSegmentFile {
-    async fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
-        debug_assert!(
-            (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES)
-        );
-        self.check_write()?;
+    /// Writes all of `data` at `pos`, resuming after short writes.
+    async fn write_all_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
         let mut done = 0usize;
         while done < data.len() {
             let mut buf = self.file.alloc_dma_buffer(data.len() - done);
@@ -216,6 +211,23 @@ impl SegmentFile for DmaSegmentFile {
             }
         }
         Ok(())
+    }
+}
+
+impl SegmentFile for DmaSegmentFile {
+    async fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
+        debug_assert!(
+            (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES)
+        );
+        self.check_write()?;
+        self.write_all_at(data, pos).await
+    }
+
+    async fn overwrite_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
+        debug_assert!(
+            (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES)
+        );
+        self.write_all_at(data, pos).await
     }
 
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
