@@ -688,3 +688,99 @@ fn a_second_broker_under_a_live_node_id_is_refused_and_the_first_keeps_its_shard
     drop(replacement);
     Ok(())
 }
+
+/// A clustered broker answers on its port before its first sync with the control plane
+/// has brought the tenants' keys. A client that authenticates then must be told to
+/// retry (`shard_unavailable` / `not_ready`), never `unauthenticated`, which is fatal to
+/// a client: after every restart some clients would give up. Found by the chaos scenario
+/// `filesystem-full-replicated` (publishes refused "unknown tenant" after a restart).
+#[test]
+fn a_broker_still_joining_tells_clients_to_retry_rather_than_refusing_their_token()
+-> anyhow::Result<()> {
+    use felix_cluster::cluster::{CP_ARGS, TENANT, TestCluster};
+    use felix_cluster::proxy::{Link, Party};
+    use felix_wire::{ErrorCode, Features, Message};
+
+    let mut c = TestCluster::start_with_proxies(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        1,
+        CP_ARGS,
+        "",
+    )?;
+    let rules = c.net.as_ref().expect("proxies").rules.clone();
+    let (addr, ca, token) = (
+        c.brokers[0].listen,
+        c.certs.ca.clone(),
+        c.client_token.clone(),
+    );
+    let (lo, hi) = Features::ERROR_CODES.offer();
+    let auth = Message::Auth {
+        tenant_id: TENANT.into(),
+        token,
+        client_flags: Some(0x1FFF),
+        client_features: lo,
+        client_features_hi: hi,
+    }
+    .to_frame();
+    // One authentication on a fresh connection: the broker's answer, or `None` while
+    // nothing answers on the port.
+    let rt = tokio::runtime::Runtime::new()?;
+    let answer = || -> Option<Message> {
+        rt.block_on(async {
+            let pem = std::fs::read_to_string(&ca).ok()?;
+            let roots = felix_core_runtime::quic::certs_from_pem(&pem).ok()?;
+            let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().ok()?).ok()?;
+            ep.set_default_client_config(
+                felix_core_runtime::quic::client_config(&roots, false, Default::default()).ok()?,
+            );
+            let conn = tokio::time::timeout(
+                Duration::from_millis(500),
+                ep.connect(addr, "localhost").ok()?,
+            )
+            .await
+            .ok()?
+            .ok()?;
+            let (mut send, mut recv) = conn.open_bi().await.ok()?;
+            send.write_all(&auth).await.ok()?;
+            let got = tokio::time::timeout(
+                Duration::from_secs(2),
+                felix_cluster::read_messages(&mut recv, 1),
+            )
+            .await
+            .ok()?
+            .ok()?;
+            got.into_iter().next().flatten()
+        })
+    };
+    assert!(
+        matches!(answer(), Some(Message::AuthOk { .. })),
+        "a joined broker authenticates the client"
+    );
+    // Restarted cut off from the control plane: it serves its port and keeps trying
+    // to join.
+    rules.set(Party::Node(0), Party::ControlPlane, Link::cut());
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let broker = &mut c.brokers[0];
+        let restarting = s.spawn(move || broker.restart());
+        let refusal = wait_for(
+            "the restarted broker to answer",
+            Duration::from_secs(20),
+            &answer,
+        );
+        rules.heal();
+        restarting.join().expect("restart thread")?;
+        match refusal? {
+            Message::Error {
+                code: Some(ErrorCode::ShardUnavailable),
+                ..
+            } => Ok(()),
+            other => anyhow::bail!("a broker not yet joined answered {other:?}"),
+        }
+    })?;
+    assert!(
+        matches!(answer(), Some(Message::AuthOk { .. })),
+        "joined again, it authenticates the client"
+    );
+    Ok(())
+}

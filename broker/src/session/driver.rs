@@ -394,6 +394,7 @@ async fn authenticate(
         keys: &keys,
         served: served_features(core.shared.cluster.is_some()),
         draining: core.draining(),
+        starting: !core.shared.ready.load(std::sync::atomic::Ordering::Relaxed),
         publish_window: core.shared.publish_window,
     };
     match handshake(&frame, &env, clock::now()) {

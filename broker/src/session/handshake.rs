@@ -124,6 +124,9 @@ pub struct HandshakeEnv<'a> {
     pub served: Features,
     /// The broker is shutting down.
     pub draining: bool,
+    /// The broker serves, but has not finished starting: a clustered broker answers on
+    /// its port before its first sync with the control plane brings the tenants' keys.
+    pub starting: bool,
     /// Acked publishes a stream may have unanswered.
     pub publish_window: u32,
 }
@@ -184,6 +187,14 @@ pub fn handshake(
                 error: BrokerError::Draining,
             }
         });
+    }
+    if env.starting {
+        // Every tenant would look unknown until the keys arrive, and `unauthenticated`
+        // is fatal to a client: this is a retry.
+        return Err(Refusal::new(
+            BrokerError::ShardUnavailable("not_ready".into()),
+            coded,
+        ));
     }
     let grant = env
         .keys
@@ -300,6 +311,7 @@ mod tests {
             keys,
             served: SERVER_FEATURES,
             draining: false,
+            starting: false,
             publish_window: 256,
         }
     }
@@ -361,6 +373,22 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(r.error, BrokerError::Draining) && r.answer.is_some());
+        // Still starting (keys not yet synced): a retry, never `unauthenticated`.
+        let starting = HandshakeEnv {
+            starting: true,
+            ..e
+        };
+        let r = handshake(
+            &auth_frame("t1", &token, Features::ERROR_CODES),
+            &starting,
+            now(1000),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&r.error, BrokerError::ShardUnavailable(why) if why == "not_ready"),
+            "{:?}",
+            r.error
+        );
         // A binary frame first.
         let bin = Frame {
             flags: Flags::BINARY_PUBLISH_BATCH,
