@@ -1342,7 +1342,11 @@ impl CoreBroker {
             let result = async {
                 let (pending, term) = admitted?;
                 let waiting = clock::now().instant;
-                let appended = rs.log().commit(pending).await?;
+                let appended = rs
+                    .log()
+                    .commit(pending)
+                    .await
+                    .inspect_err(|_| rs.append_failed())?;
                 this.metrics.append_commit.observe(waiting.elapsed());
                 rs.durable(appended.end);
                 if rs.consistency.get() == crate::catalog::Consistency::Quorum {

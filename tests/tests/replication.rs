@@ -2328,3 +2328,71 @@ fn a_broker_that_left_a_shards_set_removes_its_copy_and_can_be_staged_again_from
         "and nothing else but generation starts"
     );
 }
+
+/// A leader whose disk is full refuses writes (`overloaded` / `disk_full`, retryable)
+/// and takes them again once space is back, on both consistencies. The log gives the
+/// refused batches' offsets back; before, the replica kept believing its log ended
+/// past them, so every later write on that shard failed `internal` ("the log and the
+/// replica disagree on the end") until leadership changed (found by the chaos scenario
+/// `filesystem-full-replicated`: 861 such failures in one 60 s run).
+#[test]
+fn a_leader_whose_disk_filled_up_takes_writes_again_once_space_is_back() {
+    let c = TestCluster::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        3,
+        CP_ARGS,
+        "fault_injection: true\n",
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (stream, consistency) in [("full-q", "Quorum"), ("full-l", "Leader")] {
+        c.create_stream(stream, 1, 3, consistency).unwrap();
+        let (leader, _) = c
+            .wait_leader(stream, 0, None, 0, Duration::from_secs(20))
+            .unwrap();
+        let mut acked = rt.block_on(publish_n(&c, stream, "before", 20));
+        let fault = |q: &str| {
+            let (status, body) = c.brokers[leader]
+                .http_post(&format!("/debug/storage-faults?{q}"))
+                .unwrap();
+            assert_eq!(status, 200, "{body}");
+        };
+        fault("op=write&errno=enospc&times=always");
+        let (addr, config) = (c.brokers[leader].listen, c.client_config().unwrap());
+        rt.block_on(async {
+            let client = felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap();
+            for i in 0..3 {
+                let e = client
+                    .publish(
+                        TENANT,
+                        NAMESPACE,
+                        stream,
+                        format!("refused-{i}").into_bytes(),
+                        AckMode::PerMessage,
+                    )
+                    .await
+                    .expect_err("the leader's disk is full");
+                assert!(e.to_string().contains("disk_full"), "{stream}: {e}");
+            }
+        });
+        fault("clear=true");
+        acked.extend(rt.block_on(publish_n(&c, stream, "after", 20)));
+        assert_eq!(
+            c.wait_leader(stream, 0, None, 0, Duration::from_secs(1))
+                .unwrap()
+                .0,
+            leader,
+            "{stream}: the same leader took the writes again"
+        );
+        let offsets: Vec<u64> = acked.keys().copied().collect();
+        assert_eq!(offsets.len(), 40, "{stream}");
+        assert_eq!(
+            offsets.windows(2).filter(|w| w[1] != w[0] + 1).count(),
+            0,
+            "{stream}: the refused writes' offsets were taken again: {offsets:?}"
+        );
+    }
+}

@@ -458,6 +458,7 @@ impl ReplicaShard {
         if !m.serving() || !self.ready.get() {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
+        self.forget_given_back(&mut m);
         let pending = claim(&self.log)?;
         self.shipping.borrow_mut().push(shipped(pending.first()));
         if !m.handle_appended(pending.first(), pending.end()) {
@@ -468,6 +469,24 @@ impl ReplicaShard {
             )));
         }
         Ok((pending, self.term.get()))
+    }
+
+    /// After a leader's append failed: the log may have given offsets back.
+    pub fn append_failed(&self) {
+        self.forget_given_back(&mut self.machine.borrow_mut());
+    }
+
+    /// A full disk makes the log give back the offsets of batches it had not written
+    /// (storage step 5): it then ends below where the machine was told it ends, and
+    /// every later claim would start below it. Those batches were never shipped
+    /// (shipping waits for durability here) nor acknowledged, so the machine forgets
+    /// them too.
+    fn forget_given_back(&self, m: &mut super::machine::Replica) {
+        let end = self.log.next_offset();
+        if end < m.log_end().0 {
+            m.handle_failed(end, self.log.committed_end(), clock::now().instant);
+            self.shipping.borrow_mut().clear();
+        }
     }
 
     /// The leader's own append is durable up to `end`.
