@@ -360,6 +360,32 @@ pub const SCENARIOS: &[Scenario] = &[
         postgres: false,
         nemesis: duplicate_node,
     },
+    Scenario {
+        name: "filesystem-full",
+        about: "one broker whose data directory is on a 64 MiB ext4 of its own (a loop device; needs root), 64 KiB segments: every 1-2.5 s the filesystem is filled until ext4 refuses, 0-256 KiB given back, for 0.5-2 s (appends refused, retryable), one time in three the broker is SIGKILLed and restarted while it is full; then the filler is removed",
+        nodes: 1,
+        proxies: false,
+        broker_yaml: "segment_bytes: 65536\n",
+        streams: &ONE,
+        producers: 1,
+        depth: 4,
+        stable: false,
+        postgres: false,
+        nemesis: filesystem_full,
+    },
+    Scenario {
+        name: "filesystem-full-replicated",
+        about: "three brokers, a Quorum and a Leader stream, each broker's data directory on a 64 MiB ext4 of its own (loop devices; needs root), 64 KiB segments: every 1-2.5 s one broker's filesystem (half the time a leader's) is filled until ext4 refuses, 0-256 KiB given back, for 0.5-2 s, one time in three that broker is SIGKILLed and restarted while it is full; then the filler is removed",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "segment_bytes: 65536\n",
+        streams: &[Q3, L3],
+        producers: 2,
+        depth: 4,
+        stable: false,
+        postgres: false,
+        nemesis: filesystem_full,
+    },
 ];
 
 /// The scenario named `name`.
@@ -407,6 +433,9 @@ pub struct Nemesis<'a> {
     timeline: Vec<Value>,
     paused: Vec<usize>,
     killed: Vec<usize>,
+    /// What must outlive the brokers (a filesystem their data sits on): dropped after
+    /// the cluster.
+    held: Vec<Box<dyn std::any::Any>>,
 }
 
 impl Nemesis<'_> {
@@ -945,6 +974,78 @@ fn duplicate_node(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn filesystem_full(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    // Each broker's data directory moves onto a filesystem of its own, small enough to
+    // fill: a loop-mounted ext4 in a directory of its own (unmounted after the brokers
+    // are gone). One broker at a time, so a cluster keeps serving.
+    let mut mounts = Vec::new();
+    for i in 0..n.cluster.brokers.len() {
+        let dir = tempfile::tempdir()?;
+        let fs = crate::LoopFs::mount(dir.path(), 64)
+            .context("filesystem-full needs root and a loop device to mount a small ext4")?;
+        let mount = fs.mount.clone();
+        // Tuple fields drop in order: unmount, then remove the directory.
+        n.held.push(Box::new((fs, dir)));
+        n.kill(i);
+        let data = n.cluster.brokers[i].data_dir.clone();
+        let moved = mount.join("data");
+        let copied = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(&data)
+            .arg(&moved)
+            .status()?;
+        anyhow::ensure!(copied.success(), "copying the data directory: {copied}");
+        std::fs::remove_dir_all(&data)?;
+        std::os::unix::fs::symlink(&moved, &data)?;
+        n.restart(i)?;
+        for s in n.streams {
+            n.cluster
+                .wait_leader(s.name, 0, None, 0, Duration::from_secs(30))?;
+        }
+        n.event(
+            "data-on-small-filesystem",
+            json!({"node": i, "free": crate::free_bytes(&mount)?}),
+        );
+        mounts.push(mount);
+    }
+    while n.running() {
+        n.sleep_ms(1000, 2500);
+        // Half the time a leader's (a follower's full disk costs a Quorum write
+        // nothing while the other follower answers).
+        let i = if n.rng.between(0, 1) == 0 {
+            n.some_leader()?.0
+        } else {
+            n.rng.between(0, mounts.len() as u64 - 1) as usize
+        };
+        let filler = mounts[i].join("filler");
+        // Filled until ext4 refuses (it keeps a little it never hands out), then
+        // 0-256 KiB given back: room for a few small writes, not for a segment.
+        let filled = crate::fill(&filler, u64::MAX)?;
+        let leave = n.rng.between(0, 64) * 4096;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&filler)?
+            .set_len(filled.saturating_sub(leave))?;
+        let restart = n.rng.between(0, 2) == 0;
+        n.event(
+            "filesystem-full",
+            json!({"node": i, "filled": filled.saturating_sub(leave), "given_back": leave,
+                   "free": crate::free_bytes(&mounts[i])?, "restart": restart}),
+        );
+        n.sleep_ms(500, 2000);
+        if restart {
+            n.kill(i);
+            n.restart(i)?;
+        }
+        std::fs::remove_file(&filler)?;
+        n.event(
+            "space-back",
+            json!({"node": i, "free": crate::free_bytes(&mounts[i])?}),
+        );
+    }
+    Ok(())
+}
+
 /// Every shard directory under a broker's `streams/` (tenant / namespace / stream /
 /// shard).
 fn shard_dirs(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
@@ -1321,6 +1422,8 @@ pub fn run_with(
         None
     };
     let cp_args: Vec<&str> = cp_args.iter().map(String::as_str).collect();
+    // Declared before the cluster, so dropped after its brokers are gone.
+    let mut _held: Vec<Box<dyn std::any::Any>> = Vec::new();
     let mut cluster = start(broker, cp, scenario.nodes, &cp_args, &yaml)?;
     let mut promise = HashMap::new();
     for s in scenario.streams {
@@ -1380,10 +1483,12 @@ pub fn run_with(
         timeline: Vec::new(),
         paused: Vec::new(),
         killed: Vec::new(),
+        held: Vec::new(),
     };
     let acted = (scenario.nemesis)(&mut nemesis);
     let healed = nemesis.heal_all();
     let timeline = std::mem::take(&mut nemesis.timeline);
+    _held = std::mem::take(&mut nemesis.held);
     acted?;
     healed?;
     for s in scenario.streams {
@@ -1466,6 +1571,28 @@ pub fn run_with(
         }
     };
     let report = check(&ops, &finals, &promise, &changes);
+    // What failed publishes were answered, most frequent first (digits elided, so
+    // offsets and ids do not split one kind of answer into many).
+    let mut errors: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for op in &ops {
+        if let (OpKind::Publish { .. }, Some(e)) = (&op.kind, &op.error) {
+            let text: String = e
+                .chars()
+                .filter(|c| !c.is_ascii_digit())
+                .take(120)
+                .collect();
+            *errors
+                .entry((format!("{:?}", op.outcome), text))
+                .or_default() += 1;
+        }
+    }
+    let mut errors: Vec<_> = errors.into_iter().collect();
+    errors.sort_by_key(|e| std::cmp::Reverse(e.1));
+    let errors: Vec<Value> = errors
+        .into_iter()
+        .take(8)
+        .map(|((outcome, text), count)| json!({"outcome": outcome, "error": text, "count": count}))
+        .collect();
     // Copies brokers removed after leaving a shard's set (counted since each one's
     // last start; a run that moves shards around shows the removals it exercised).
     let copies_removed: u64 = cluster
@@ -1491,6 +1618,7 @@ pub fn run_with(
         "anomalies": anomalies,
         "streams": per_stream,
         "copies_removed": copies_removed,
+        "errors": errors,
         "report": report.json(),
     }))
 }

@@ -787,3 +787,82 @@ pub fn set_open_files(pid: u32, soft: u64) -> anyhow::Result<u64> {
     );
     Ok(old.rlim_cur)
 }
+
+/// A small ext4 image mounted on a loop device (as root), unmounted and removed on drop.
+#[derive(Debug)]
+pub struct LoopFs {
+    /// Where it is mounted.
+    pub mount: PathBuf,
+    image: PathBuf,
+}
+
+impl LoopFs {
+    /// Makes a `mib` MiB ext4 image in `dir` and mounts it at `dir/mnt`; `None` when
+    /// this process is not root or the image cannot be made or mounted.
+    pub fn mount(dir: &Path, mib: u64) -> Option<LoopFs> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return None;
+        }
+        let image = dir.join("fs.img");
+        let mount = dir.join("mnt");
+        std::fs::create_dir_all(&mount).ok()?;
+        let ok = |cmd: &mut Command| cmd.status().is_ok_and(|s| s.success());
+        if !ok(Command::new("truncate")
+            .arg("-s")
+            .arg(format!("{mib}M"))
+            .arg(&image))
+            || !ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&image))
+            || !ok(Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(&image)
+                .arg(&mount))
+        {
+            return None;
+        }
+        Some(LoopFs { mount, image })
+    }
+}
+
+/// Bytes a root process may still allocate on the filesystem holding `path` (reserved
+/// blocks included).
+pub fn free_bytes(path: &Path) -> anyhow::Result<u64> {
+    let path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
+    // SAFETY: an all-zero statvfs is a valid value to be overwritten.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a valid out pointer.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(st.f_bfree * st.f_frsize)
+}
+
+/// Allocates to the file at `path` (created), 1 MiB and then 4 KiB at a time, until the
+/// filesystem refuses or `bytes` are allocated; returns how much it got.
+pub fn fill(path: &Path, bytes: u64) -> anyhow::Result<u64> {
+    use std::os::fd::AsRawFd as _;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)?;
+    let mut done = 0u64;
+    for step in [1u64 << 20, 4096] {
+        while bytes - done >= step {
+            // SAFETY: an open file descriptor; plain allocation, no flags.
+            let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, done as i64, step as i64) };
+            if r != 0 {
+                break;
+            }
+            done += step;
+        }
+    }
+    Ok(done)
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mount).status();
+        let _ = std::fs::remove_file(&self.image);
+    }
+}

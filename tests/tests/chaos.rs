@@ -66,6 +66,8 @@ fn every_scenario_is_listed_here() {
         "damaged-restart",
         "fd-exhaustion",
         "duplicate-node",
+        "filesystem-full",
+        "filesystem-full-replicated",
     ];
     let all: Vec<_> = SCENARIOS.iter().map(|s| s.name).collect();
     assert_eq!(all, here);
@@ -164,6 +166,17 @@ fn fd_exhaustion() {
 #[test]
 fn duplicate_node() {
     assert_clean("duplicate-node");
+}
+
+#[test]
+fn filesystem_full() {
+    let probe = tempfile::tempdir().unwrap();
+    if felix_cluster::LoopFs::mount(probe.path(), 16).is_none() {
+        eprintln!("SKIPPED: needs root and a loop device to mount a small ext4");
+        return;
+    }
+    assert_clean("filesystem-full");
+    assert_clean("filesystem-full-replicated");
 }
 
 /// The mutant must be caught within four runs (seeds 1 to 4; most are caught by the

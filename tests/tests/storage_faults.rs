@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use felix_client::{Client, ClientConfig, ClientError};
-use felix_cluster::{BrokerProcess, wait_for};
+use felix_cluster::{BrokerProcess, LoopFs, wait_for};
 use felix_wire::message::StartPosition;
 use felix_wire::{AckMode, ErrorCode};
 
@@ -152,45 +152,6 @@ fn a_full_disk_refuses_appends_and_recovers_without_a_restart() {
             "every acknowledged record, contiguous, nothing refused"
         );
     });
-}
-
-/// A small ext4 image mounted on a loop device, removed on drop.
-struct LoopFs {
-    mount: std::path::PathBuf,
-    image: std::path::PathBuf,
-}
-
-impl LoopFs {
-    fn mount(dir: &Path, mib: u64) -> Option<LoopFs> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return None;
-        }
-        let image = dir.join("fs.img");
-        let mount = dir.join("mnt");
-        std::fs::create_dir_all(&mount).unwrap();
-        let ok = |cmd: &mut Command| cmd.status().is_ok_and(|s| s.success());
-        if !ok(Command::new("truncate")
-            .arg("-s")
-            .arg(format!("{mib}M"))
-            .arg(&image))
-            || !ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&image))
-            || !ok(Command::new("mount")
-                .args(["-o", "loop"])
-                .arg(&image)
-                .arg(&mount))
-        {
-            return None;
-        }
-        Some(LoopFs { mount, image })
-    }
-}
-
-impl Drop for LoopFs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.mount).status();
-        let _ = std::fs::remove_file(&self.image);
-    }
 }
 
 #[test]
