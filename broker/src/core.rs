@@ -1346,7 +1346,7 @@ impl CoreBroker {
                     .log()
                     .commit(pending)
                     .await
-                    .inspect_err(|_| rs.append_failed())?;
+                    .inspect_err(|_| rs.append_failed(term))?;
                 this.metrics.append_commit.observe(waiting.elapsed());
                 rs.durable(appended.end);
                 if rs.consistency.get() == crate::catalog::Consistency::Quorum {

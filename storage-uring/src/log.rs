@@ -1790,6 +1790,11 @@ async fn write_chunk<B: Backend>(
         if !is_no_space(&e) {
             return Err(Failure::Poison("write", e));
         }
+        if shared.config.fsync.acks_before_write() {
+            // The log poisons (step 5 does not apply): what landed was acknowledged, and
+            // recovery keeps whatever of it is whole, as after a crash.
+            return Err(Failure::NoSpace("write", e));
+        }
         // Step 5a: blocks that landed past the valid end would sit behind the shorter
         // batch that reuses these offsets, and recovery would call that interior damage.
         cut_back(&*file, valid_len)

@@ -2396,3 +2396,50 @@ fn a_leader_whose_disk_filled_up_takes_writes_again_once_space_is_back() {
         );
     }
 }
+
+/// A broker made leader while its disk is full cannot write its generation-start record
+/// (the log gives the offset back); once space is back it writes it and serves. Before,
+/// its machine took the record as claimed and waited for it to become durable forever:
+/// the shard stayed `not_ready` until the next assignment (found in review).
+#[test]
+fn a_leader_elected_while_its_disk_is_full_serves_once_space_is_back() {
+    let c = TestCluster::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        3,
+        CP_ARGS,
+        "fault_injection: true\n",
+    )
+    .unwrap();
+    c.create_stream("elect", 1, 3, "Quorum").unwrap();
+    let (leader, generation) = c
+        .wait_leader("elect", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut acked = rt.block_on(publish_n(&c, "elect", "before", 10));
+    let to = (leader + 1) % 3;
+    let fault = |q: &str| {
+        let (status, body) = c.brokers[to]
+            .http_post(&format!("/debug/storage-faults?{q}"))
+            .unwrap();
+        assert_eq!(status, 200, "{body}");
+    };
+    fault("op=write&errno=enospc&times=always");
+    move_shard(&c, "stream", "elect", to);
+    let (now, _) = c
+        .wait_leader("elect", 0, None, generation, Duration::from_secs(20))
+        .unwrap();
+    assert_eq!(now, to, "the control plane made the full broker leader");
+    std::thread::sleep(Duration::from_millis(1500));
+    fault("clear=true");
+    acked.extend(rt.block_on(publish_n(&c, "elect", "after", 10)));
+    assert_eq!(
+        c.wait_leader("elect", 0, None, 0, Duration::from_secs(1))
+            .unwrap()
+            .0,
+        to,
+        "the broker made leader while full is the one serving"
+    );
+    let offsets: Vec<u64> = acked.keys().copied().collect();
+    assert_eq!(offsets.len(), 20);
+}

@@ -471,9 +471,14 @@ impl ReplicaShard {
         Ok((pending, self.term.get()))
     }
 
-    /// After a leader's append failed: the log may have given offsets back.
-    pub fn append_failed(&self) {
-        self.forget_given_back(&mut self.machine.borrow_mut());
+    /// After a leader's append admitted in `term` failed: the log may have given
+    /// offsets back. Nothing to do once this replica stopped leading that term (its
+    /// machine then follows storage through its own stores and cuts).
+    pub fn append_failed(&self, term: u64) {
+        let mut m = self.machine.borrow_mut();
+        if self.term.get() == term && m.serving() {
+            self.forget_given_back(&mut m);
+        }
     }
 
     /// A full disk makes the log give back the offsets of batches it had not written
@@ -483,8 +488,11 @@ impl ReplicaShard {
     /// them too.
     fn forget_given_back(&self, m: &mut super::machine::Replica) {
         let end = self.log.next_offset();
-        if end < m.log_end().0 {
-            m.handle_failed(end, self.log.committed_end(), clock::now().instant);
+        let (told, durable) = m.log_end();
+        if end < told {
+            // Its own durable end: what storage made durable since reaches it through
+            // `durable`, which does the follow-up work (commit, shipping).
+            m.handle_failed(end, durable, clock::now().instant);
             self.shipping.borrow_mut().clear();
         }
     }
@@ -1451,7 +1459,11 @@ impl Replicas {
                         match log.commit(p).await {
                             Ok(a) => rs.machine.borrow_mut().handle_durable(a.end, now()),
                             Err(e) => {
-                                tracing::error!(shard = %rs.key, error = %e, "writing a generation start")
+                                // A full disk gives the offset back: the machine forgets
+                                // the start it was told of and asks for it again.
+                                tracing::error!(shard = %rs.key, error = %e, "writing a generation start");
+                                rs.storage_failed();
+                                rs.machine.borrow_mut().handle_generation_start_failed();
                             }
                         }
                     }
