@@ -361,6 +361,19 @@ pub const SCENARIOS: &[Scenario] = &[
         nemesis: duplicate_node,
     },
     Scenario {
+        name: "hostile-clients",
+        about: "one broker under the checked load, and every 0.1-0.6 s a hostile client: a forged, misaddressed or another tenant's token (and, past 63 s, an expired one); another tenant's valid token writing here; a connection asking four times its subscription bound; one that never reads its answers; subscribers that vanish without closing; a token denied while its connection publishes. Each must be refused or bounded as documented, dead clients' subscriptions must end within the idle timeout, no record may reach another stream's subscriber, memory must stay bounded",
+        nodes: 1,
+        proxies: false,
+        broker_yaml: "idle_timeout_ms: 5000\nmax_subscriptions_per_connection: 32\n",
+        streams: &ONE,
+        producers: 1,
+        depth: 4,
+        stable: false,
+        postgres: false,
+        nemesis: hostile_clients,
+    },
+    Scenario {
         name: "filesystem-full",
         about: "one broker whose data directory is on a 64 MiB ext4 of its own (a loop device; needs root), 64 KiB segments: every 1-2.5 s the filesystem is filled until ext4 refuses, 0-256 KiB given back, for 0.5-2 s (appends refused, retryable), one time in three the broker is SIGKILLed and restarted while it is full; then the filler is removed",
         nodes: 1,
@@ -1044,6 +1057,402 @@ fn filesystem_full(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The broker's idle timeout in `hostile-clients`: a client that dies without closing
+/// loses its connection (and its subscriptions) this long after its last packet.
+const HOSTILE_IDLE_MS: u64 = 5000;
+
+/// The subscriptions one connection may hold in `hostile-clients`.
+const HOSTILE_SUBSCRIPTIONS: usize = 32;
+
+fn hostile_clients(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    use felix_wire::{ErrorCode, Message};
+    let admin = n.cluster.admin.clone();
+    admin.post("/v1/tenants", &json!({"tenant_id": "intruder"}))?;
+    admin.post(
+        "/v1/tenants/intruder/namespaces",
+        &json!({"namespace": NAMESPACE}),
+    )?;
+    let mint = |tenant: &str, audience: &str, ttl_seconds: u64| -> anyhow::Result<Value> {
+        Ok(admin.post(
+            &format!("/v1/tenants/{tenant}/tokens"),
+            &json!({"sub": "hostile", "audience": audience, "ttl_seconds": ttl_seconds,
+                    "perms": felix_wire::token::all_data_perms(tenant)}),
+        )?)
+    };
+    let text = |v: &Value| v["token"].as_str().unwrap_or_default().to_owned();
+    let intruder = text(&mint("intruder", "felix-broker", 3600)?);
+    let mut bad = forgeries(&n.cluster.client_token)?;
+    bad.push(("another-tenant", intruder.clone()));
+    bad.push((
+        "wrong-audience",
+        text(&mint(TENANT, "felix-controlplane", 3600)?),
+    ));
+    let expiring = text(&mint(TENANT, "felix-broker", 1)?);
+    let minted = Instant::now();
+    // Where the floods write: a stream of its own, so the checked ones hold only the
+    // history's records.
+    n.cluster.create_stream("flood", 1, 1, "Quorum")?;
+    n.cluster
+        .wait_leader("flood", 0, None, 0, Duration::from_secs(30))?;
+    let (addr, ca, good) = (
+        n.cluster.brokers[0].listen,
+        n.cluster.certs.ca.clone(),
+        n.cluster.client_token.clone(),
+    );
+    let rss_before = n.cluster.brokers[0].rss_kib();
+    let live = n.cluster.brokers[0].metric("felix_broker_subscriptions")?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut tally: BTreeMap<&'static str, u64> = BTreeMap::new();
+    while n.running() {
+        n.sleep_ms(100, 600);
+        let attack = match n.rng.between(0, 9) {
+            0..=2 => "bad-token",
+            3 => "foreign-stream",
+            4 | 5 => "subscription-flood",
+            6 => "unread-answers",
+            7 | 8 => "dead-subscriber",
+            _ => "denied-mid-connection",
+        };
+        *tally.entry(attack).or_default() += 1;
+        match attack {
+            "bad-token" => {
+                let mut choices = bad.clone();
+                // Verification allows 60 s of clock skew past `exp`: a one-second token
+                // is refused from a minute on (runs longer than that try it).
+                if minted.elapsed() > Duration::from_secs(63) {
+                    choices.push(("expired", expiring.clone()));
+                }
+                let (what, token) = &choices[n.rng.between(0, choices.len() as u64 - 1) as usize];
+                let answer = rt.block_on(auth_answer(addr, &ca, TENANT, token))?;
+                anyhow::ensure!(
+                    matches!(
+                        answer,
+                        Message::Error {
+                            code: Some(ErrorCode::Unauthenticated),
+                            ..
+                        }
+                    ),
+                    "a {what} token was answered {answer:?}"
+                );
+                n.event("bad-token", json!({ "token": what }));
+            }
+            "foreign-stream" => {
+                // Another tenant's valid token, writing to this tenant's stream.
+                let stream = n.streams[n.rng.between(0, n.streams.len() as u64 - 1) as usize].name;
+                let refused = rt.block_on(async {
+                    let quinn = felix_client::quic_client_config_from_file(&ca, false)?;
+                    let mut config = felix_client::ClientConfig::optimized_defaults(quinn);
+                    config.auth_tenant_id = Some("intruder".into());
+                    config.auth_token = Some(intruder.clone());
+                    let c = felix_client::Client::connect(addr, "localhost", config).await?;
+                    let r = c
+                        .publish(
+                            TENANT,
+                            NAMESPACE,
+                            stream,
+                            b"intruder".to_vec(),
+                            AckMode::PerMessage,
+                        )
+                        .await;
+                    anyhow::Ok(r)
+                })?;
+                match refused {
+                    Err(ClientError::Broker(b)) if b.code == Some(ErrorCode::Forbidden) => {}
+                    other => {
+                        anyhow::bail!("another tenant's publish to {stream} was answered {other:?}")
+                    }
+                }
+                n.event("foreign-stream", json!({ "stream": stream }));
+            }
+            "subscription-flood" => {
+                let stream = n.streams[n.rng.between(0, n.streams.len() as u64 - 1) as usize].name;
+                let dies = n.rng.between(0, 1) == 0;
+                let (subscribed, refused) =
+                    subscription_flood(addr, &ca, &good, stream, 4 * HOSTILE_SUBSCRIPTIONS, dies)?;
+                anyhow::ensure!(
+                    subscribed == HOSTILE_SUBSCRIPTIONS && refused == 3 * HOSTILE_SUBSCRIPTIONS,
+                    "a connection asking {} subscriptions got {subscribed}, {refused} refused limit_exceeded (bound {HOSTILE_SUBSCRIPTIONS})",
+                    4 * HOSTILE_SUBSCRIPTIONS
+                );
+                n.event(
+                    "subscription-flood",
+                    json!({"stream": stream, "subscribed": subscribed, "refused": refused, "died": dies}),
+                );
+            }
+            "unread-answers" => {
+                let (written, held) = unread_answers(addr, &ca, &good)?;
+                anyhow::ensure!(
+                    held,
+                    "a client that never read its answers was never held back ({written} publishes written)"
+                );
+                n.event("unread-answers", json!({ "written": written }));
+            }
+            "dead-subscriber" => {
+                let stream = n.streams[n.rng.between(0, n.streams.len() as u64 - 1) as usize].name;
+                let (subscribed, _) = subscription_flood(addr, &ca, &good, stream, 1, true)?;
+                anyhow::ensure!(subscribed == 1, "a subscriber was refused");
+                n.event("dead-subscriber", json!({ "stream": stream }));
+            }
+            _ => {
+                let token = mint(TENANT, "felix-broker", 3600)?;
+                let took = rt.block_on(denied_mid_connection(&admin, addr, &ca, &token))?;
+                n.event(
+                    "denied-mid-connection",
+                    json!({"closed_ms": took.as_millis() as u64}),
+                );
+            }
+        }
+    }
+    // Every dead client's subscriptions end with its connection, within the idle
+    // timeout; nothing reached another stream's subscriber; memory stayed bounded.
+    let b = &n.cluster.brokers[0];
+    let ended = crate::wait_for(
+        "the dead clients' subscriptions to end",
+        Duration::from_millis(HOSTILE_IDLE_MS + 10_000),
+        || {
+            b.metric("felix_broker_subscriptions")
+                .ok()
+                .filter(|s| *s <= live)
+        },
+    );
+    let rss_after = b.rss_kib();
+    let foreign = b.metric("felix_broker_foreign_batches_total")?;
+    n.event(
+        "afterwards",
+        json!({"attacks": tally, "subscriptions": b.metric("felix_broker_subscriptions")?,
+               "live_before": live, "rss_kib_before": rss_before, "rss_kib_after": rss_after,
+               "foreign_batches": foreign}),
+    );
+    ended?;
+    anyhow::ensure!(
+        foreign == 0,
+        "{foreign} batches reached a foreign subscriber"
+    );
+    anyhow::ensure!(
+        rss_after < rss_before + 256 * 1024,
+        "the broker grew from {rss_before} KiB to {rss_after} KiB under hostile clients"
+    );
+    Ok(())
+}
+
+/// Tokens that must be refused, made from the valid `token`: its signature garbled, an
+/// unsigned (`alg: none`) and an HS256 one, a `kid` no key has, its claims widened
+/// under the old signature, and something that is not a token at all.
+fn forgeries(token: &str) -> anyhow::Result<Vec<(&'static str, String)>> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let mut parts = token.trim().split('.');
+    let (Some(h), Some(c), Some(s)) = (parts.next(), parts.next(), parts.next()) else {
+        anyhow::bail!("the client token is not a JWT");
+    };
+    let enc = |v: &Value| b64.encode(v.to_string());
+    let mut header: Value = serde_json::from_slice(&b64.decode(h)?)?;
+    let mut claims: Value = serde_json::from_slice(&b64.decode(c)?)?;
+    let mut sig = b64.decode(s)?;
+    sig[0] ^= 1;
+    header["kid"] = json!("no-such-key");
+    claims["exp"] = json!(claims["exp"].as_u64().unwrap_or(0) + 10 * 365 * 86_400);
+    Ok(vec![
+        ("garbled-signature", format!("{h}.{c}.{}", b64.encode(&sig))),
+        (
+            "alg-none",
+            format!("{}.{c}.", enc(&json!({"alg": "none", "typ": "JWT"}))),
+        ),
+        (
+            "hs256",
+            format!("{}.{c}.{s}", enc(&json!({"alg": "HS256", "typ": "JWT"}))),
+        ),
+        ("unknown-kid", format!("{}.{c}.{s}", enc(&header))),
+        ("widened-claims", format!("{h}.{}.{s}", enc(&claims))),
+        ("not-a-token", "not.a-token".into()),
+    ])
+}
+
+/// What the broker answers an `auth` with `token` on a fresh connection.
+async fn auth_answer(
+    addr: std::net::SocketAddr,
+    ca: &Path,
+    tenant: &str,
+    token: &str,
+) -> anyhow::Result<felix_wire::Message> {
+    let (_ep, conn) = crate::raw_connect_to(addr, ca).await?;
+    let (mut send, mut recv) = conn.open_bi().await?;
+    send.write_all(&crate::raw_auth(tenant, token)).await?;
+    let answer = tokio::time::timeout(Duration::from_secs(5), crate::read_messages(&mut recv, 1))
+        .await
+        .context("no answer to auth within 5 s")??;
+    answer
+        .into_iter()
+        .next()
+        .flatten()
+        .context("the auth answer is not a message")
+}
+
+/// Runs `work` on a runtime of its own, then leaves it: with `dies`, the client
+/// vanishes without closing anything (its connections are forgotten and the runtime
+/// that drives them dropped, so the broker hears nothing more and must time them out).
+fn on_own_runtime<T: 'static>(
+    dies: bool,
+    work: impl std::future::Future<Output = anyhow::Result<(T, Box<dyn std::any::Any>)>>,
+) -> anyhow::Result<T> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (out, held) = rt.block_on(work)?;
+    if dies {
+        std::mem::forget(held);
+        rt.shutdown_background();
+    } else {
+        drop(held);
+        // Its close goes out while the runtime still drives the connection.
+        rt.block_on(async { tokio::time::sleep(Duration::from_millis(50)).await });
+    }
+    Ok(out)
+}
+
+/// One connection asks `asked` subscriptions to `stream`; returns how many were taken
+/// and how many refused `limit_exceeded`. With `dies`, the client then vanishes.
+fn subscription_flood(
+    addr: std::net::SocketAddr,
+    ca: &Path,
+    token: &str,
+    stream: &str,
+    asked: usize,
+    dies: bool,
+) -> anyhow::Result<(usize, usize)> {
+    use felix_wire::{ErrorCode, FrameReader, Message};
+    let subscribe = Message::Subscribe {
+        tenant_id: TENANT.into(),
+        namespace: NAMESPACE.into(),
+        stream: stream.into(),
+        subscription_id: None,
+        start: None,
+        shard: None,
+        queue_capacity: None,
+    }
+    .to_frame();
+    let auth = crate::raw_auth(TENANT, token);
+    on_own_runtime(dies, async move {
+        let (ep, conn) = crate::raw_connect_to(addr, ca).await?;
+        let (mut send, mut recv) = conn.open_bi().await?;
+        send.write_all(&auth).await?;
+        for _ in 0..asked {
+            send.write_all(&subscribe).await?;
+        }
+        let mut reader = FrameReader::new(1 << 20);
+        let (mut subscribed, mut refused, mut answered) = (0, 0, 0);
+        while answered < asked {
+            let chunk =
+                tokio::time::timeout(Duration::from_secs(10), recv.read_chunk(1 << 16, true))
+                    .await
+                    .context("every subscribe is answered within 10 s")??
+                    .context("the stream ended before every subscribe was answered")?;
+            reader.push(chunk.bytes);
+            while let Some(f) = reader.next_frame()? {
+                // Events of the subscriptions taken interleave with the answers.
+                match Message::decode(&f.payload) {
+                    Ok(Message::Subscribed { .. }) => subscribed += 1,
+                    Ok(Message::Error {
+                        code: Some(ErrorCode::LimitExceeded),
+                        ..
+                    }) => refused += 1,
+                    Ok(Message::Error { message, .. }) => {
+                        anyhow::bail!("a subscribe was refused: {message}")
+                    }
+                    _ => continue,
+                }
+                answered += 1;
+            }
+        }
+        let held: Box<dyn std::any::Any> = Box::new((ep, conn, send, recv));
+        Ok(((subscribed, refused), held))
+    })
+}
+
+/// One connection (small receive windows, so its unread answers soon stop the
+/// broker's writer) writes acked publishes to `flood` for up to 5 s and never reads an
+/// answer, then vanishes; returns how many it wrote and whether the broker held it back
+/// (a write blocked by flow control: the broker stopped reading it).
+fn unread_answers(
+    addr: std::net::SocketAddr,
+    ca: &Path,
+    token: &str,
+) -> anyhow::Result<(u64, bool)> {
+    let auth = crate::raw_auth(TENANT, token);
+    on_own_runtime(true, async move {
+        let limits = felix_core_runtime::quic::TransportLimits {
+            stream_window_bytes: 16 * 1024,
+            connection_window_bytes: 256 * 1024,
+            ..Default::default()
+        };
+        let (ep, conn) = crate::raw_connect_with(addr, ca, limits).await?;
+        let (mut send, recv) = conn.open_bi().await?;
+        send.write_all(&auth).await?;
+        let payload = vec![7u8; 1024];
+        let (mut written, mut held) = (0u64, false);
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            let frame =
+                crate::raw_publish((TENANT, NAMESPACE, "flood"), b"k", &payload, Some(written));
+            match tokio::time::timeout(Duration::from_millis(300), send.write_all(&frame)).await {
+                Ok(Ok(())) => written += 1,
+                Ok(Err(e)) => anyhow::bail!("writing unread publishes: {e}"),
+                Err(_) => {
+                    held = true;
+                    break;
+                }
+            }
+        }
+        let kept: Box<dyn std::any::Any> = Box::new((ep, conn, send, recv));
+        Ok(((written, held), kept))
+    })
+}
+
+/// A token is denied by id while its connection publishes: the broker closes that
+/// connection within 5 s, and the token cannot connect again. Returns how long the
+/// close took.
+async fn denied_mid_connection(
+    admin: &felix_controlplane::client::ControlPlaneClient,
+    addr: std::net::SocketAddr,
+    ca: &Path,
+    token: &Value,
+) -> anyhow::Result<Duration> {
+    let connect = || async {
+        let quinn = felix_client::quic_client_config_from_file(ca, false)?;
+        let mut config = felix_client::ClientConfig::optimized_defaults(quinn);
+        config.auth_tenant_id = Some(TENANT.into());
+        config.auth_token = token["token"].as_str().map(str::to_owned);
+        anyhow::Ok(felix_client::Client::connect(addr, "localhost", config).await?)
+    };
+    let c = connect().await?;
+    c.publish(
+        TENANT,
+        NAMESPACE,
+        "flood",
+        b"x".to_vec(),
+        AckMode::PerMessage,
+    )
+    .await
+    .context("a fresh token publishes")?;
+    admin.post(
+        &format!("/v1/tenants/{TENANT}/token-denials"),
+        &json!({"jti": token["jti"], "reason": "hostile-clients"}),
+    )?;
+    let denied = Instant::now();
+    while !c.is_closed() {
+        anyhow::ensure!(
+            denied.elapsed() < Duration::from_secs(5),
+            "a denied token's connection was still open after 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = denied.elapsed();
+    anyhow::ensure!(connect().await.is_err(), "a denied token connected again");
+    Ok(took)
 }
 
 /// Every shard directory under a broker's `streams/` (tenant / namespace / stream /

@@ -703,16 +703,75 @@ pub fn expect_success(what: &str, out: &Output) -> anyhow::Result<String> {
 pub async fn raw_connect(
     broker: &BrokerProcess,
 ) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
-    let pem = std::fs::read_to_string(broker.ca_file())?;
+    raw_connect_to(broker.listen, &broker.ca_file()).await
+}
+
+/// A raw QUIC connection to the broker at `addr` whose certificate chains to the CA in
+/// `ca` (stock quinn).
+pub async fn raw_connect_to(
+    addr: SocketAddr,
+    ca: &Path,
+) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
+    raw_connect_with(addr, ca, Default::default()).await
+}
+
+/// As [`raw_connect_to`], with the client's transport `limits` (its receive windows).
+pub async fn raw_connect_with(
+    addr: SocketAddr,
+    ca: &Path,
+    limits: felix_core_runtime::quic::TransportLimits,
+) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
+    let pem = std::fs::read_to_string(ca)?;
     let roots = felix_core_runtime::quic::certs_from_pem(&pem)?;
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().expect("valid"))?;
     ep.set_default_client_config(felix_core_runtime::quic::client_config(
-        &roots,
-        false,
-        Default::default(),
+        &roots, false, limits,
     )?);
-    let conn = ep.connect(broker.listen, "localhost")?.await?;
+    let conn = ep.connect(addr, "localhost")?.await?;
     Ok((ep, conn))
+}
+
+/// An `auth` frame for `tenant` with `token`, offering error codes and pipelined
+/// publishes.
+pub fn raw_auth(tenant: &str, token: &str) -> bytes::Bytes {
+    use felix_wire::{Features, Message};
+    let (lo, hi) = Features::ERROR_CODES
+        .union(Features::PUBLISH_PIPELINE)
+        .union(Features::STREAM_PUBLISH_WINDOW)
+        .offer();
+    Message::Auth {
+        tenant_id: tenant.into(),
+        token: token.into(),
+        client_flags: Some(0x1FFF),
+        client_features: lo,
+        client_features_hi: hi,
+    }
+    .to_frame()
+}
+
+/// A binary publish of one record to `tenant/namespace/stream`, acked under request id
+/// `ack` (none: unacked).
+pub fn raw_publish(
+    (tenant, namespace, stream): (&str, &str, &str),
+    key: &[u8],
+    payload: &[u8],
+    ack: Option<u64>,
+) -> bytes::Bytes {
+    let mut buf = bytes::BytesMut::new();
+    felix_wire::PublishBatchHeader {
+        tenant,
+        namespace,
+        stream,
+        ack: ack.map(|id| felix_wire::binary::AckPrefix {
+            request_id: felix_wire::RequestId(id),
+            ack_mode: felix_wire::AckMode::PerMessage,
+        }),
+        idempotent: None,
+        key: Some(key),
+    }
+    .encode_frame(&mut buf, &[payload])
+    .expect("a small publish encodes");
+    buf.freeze()
 }
 
 /// Reads frames from `recv` until the stream ends; returns them decoded as messages

@@ -5,11 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
 use felix_cluster::{BrokerProcess, raw_connect};
-use felix_wire::{
-    AckMode, ErrorCode, Features, FrameReader, Message, PublishBatchHeader, RequestId,
-};
+use felix_wire::{ErrorCode, FrameReader, Message};
 
 /// RSS growth allowed over the broker's idle size, in KiB: the bounds below hold the
 /// queued state well under this (answers: window x frame; subscriptions: their queues;
@@ -27,36 +24,11 @@ fn broker(dir: &tempfile::TempDir, config: &str) -> BrokerProcess {
 }
 
 fn auth(b: &BrokerProcess) -> bytes::Bytes {
-    let (lo, hi) = Features::ERROR_CODES
-        .union(Features::PUBLISH_PIPELINE)
-        .union(Features::STREAM_PUBLISH_WINDOW)
-        .offer();
-    Message::Auth {
-        tenant_id: "dev".into(),
-        token: b.token(),
-        client_flags: Some(0x1FFF),
-        client_features: lo,
-        client_features_hi: hi,
-    }
-    .to_frame()
+    felix_cluster::raw_auth("dev", &b.token())
 }
 
 fn publish(stream: &str, key: &[u8], payload: &[u8], ack: Option<u64>) -> bytes::Bytes {
-    let mut buf = BytesMut::new();
-    PublishBatchHeader {
-        tenant: "dev",
-        namespace: "default",
-        stream,
-        ack: ack.map(|id| felix_wire::binary::AckPrefix {
-            request_id: RequestId(id),
-            ack_mode: AckMode::PerMessage,
-        }),
-        idempotent: None,
-        key: Some(key),
-    }
-    .encode_frame(&mut buf, &[payload])
-    .unwrap();
-    buf.freeze()
+    felix_cluster::raw_publish(("dev", "default", stream), key, payload, ack)
 }
 
 /// Another client publishes one acked record and gets its ack within 10 s.

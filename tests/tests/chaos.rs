@@ -66,6 +66,7 @@ fn every_scenario_is_listed_here() {
         "damaged-restart",
         "fd-exhaustion",
         "duplicate-node",
+        "hostile-clients",
         "filesystem-full",
         "filesystem-full-replicated",
     ];
@@ -166,6 +167,11 @@ fn fd_exhaustion() {
 #[test]
 fn duplicate_node() {
     assert_clean("duplicate-node");
+}
+
+#[test]
+fn hostile_clients() {
+    assert_clean("hostile-clients");
 }
 
 #[test]

@@ -699,7 +699,7 @@ fn a_broker_still_joining_tells_clients_to_retry_rather_than_refusing_their_toke
 -> anyhow::Result<()> {
     use felix_cluster::cluster::{CP_ARGS, TENANT, TestCluster};
     use felix_cluster::proxy::{Link, Party};
-    use felix_wire::{ErrorCode, Features, Message};
+    use felix_wire::{ErrorCode, Message};
 
     let mut c = TestCluster::start_with_proxies(
         Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
@@ -709,34 +709,16 @@ fn a_broker_still_joining_tells_clients_to_retry_rather_than_refusing_their_toke
         "",
     )?;
     let rules = c.net.as_ref().expect("proxies").rules.clone();
-    let (addr, ca, token) = (
-        c.brokers[0].listen,
-        c.certs.ca.clone(),
-        c.client_token.clone(),
-    );
-    let (lo, hi) = Features::ERROR_CODES.offer();
-    let auth = Message::Auth {
-        tenant_id: TENANT.into(),
-        token,
-        client_flags: Some(0x1FFF),
-        client_features: lo,
-        client_features_hi: hi,
-    }
-    .to_frame();
+    let (addr, ca) = (c.brokers[0].listen, c.certs.ca.clone());
+    let auth = felix_cluster::raw_auth(TENANT, &c.client_token);
     // One authentication on a fresh connection: the broker's answer, or `None` while
     // nothing answers on the port.
     let rt = tokio::runtime::Runtime::new()?;
     let answer = || -> Option<Message> {
         rt.block_on(async {
-            let pem = std::fs::read_to_string(&ca).ok()?;
-            let roots = felix_core_runtime::quic::certs_from_pem(&pem).ok()?;
-            let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().ok()?).ok()?;
-            ep.set_default_client_config(
-                felix_core_runtime::quic::client_config(&roots, false, Default::default()).ok()?,
-            );
-            let conn = tokio::time::timeout(
+            let (_ep, conn) = tokio::time::timeout(
                 Duration::from_millis(500),
-                ep.connect(addr, "localhost").ok()?,
+                felix_cluster::raw_connect_to(addr, &ca),
             )
             .await
             .ok()?
