@@ -128,6 +128,11 @@ struct State {
     caches: HashMap<String, StreamSpec>,
     #[serde(default)]
     deleting: Vec<Deletion>,
+    /// The control plane's incarnation of each name (`s:` or `c:` and the flat name):
+    /// a name it lists under another incarnation was deleted and created again while
+    /// this broker was away.
+    #[serde(default)]
+    incarnations: HashMap<String, String>,
 }
 
 impl State {
@@ -152,6 +157,10 @@ impl State {
 
 fn flat(t: &str, ns: &str, n: &str) -> String {
     format!("{t}/{ns}/{n}")
+}
+
+fn incarnation_key(stream: bool, t: &str, ns: &str, n: &str) -> String {
+    format!("{}:{}", if stream { "s" } else { "c" }, flat(t, ns, n))
 }
 
 fn what(stream: bool) -> &'static str {
@@ -371,6 +380,41 @@ impl Catalog {
         Ok(spec)
     }
 
+    /// Follows the control plane's `incarnation` of a stream (`stream`) or cache it lists.
+    /// Returns `false` when this catalog holds the name under another incarnation: it
+    /// was deleted and created again while this broker was away, so the old one is
+    /// deleted here (its data removed by the cores) and the caller creates the new one
+    /// once that is done. A name held with no incarnation yet (a catalog written before
+    /// incarnations, or created here first) takes this one.
+    pub fn follow_incarnation(
+        &self,
+        stream: bool,
+        t: &str,
+        ns: &str,
+        n: &str,
+        incarnation: &str,
+    ) -> bool {
+        if incarnation.is_empty() {
+            return true;
+        }
+        let key = incarnation_key(stream, t, ns, n);
+        let held = self.read().incarnations.get(&key).cloned();
+        match held {
+            Some(h) if h == incarnation => true,
+            Some(_) if self.read().map(stream).contains_key(&flat(t, ns, n)) => {
+                self.delete(stream, t, ns, n);
+                false
+            }
+            _ => {
+                self.write()
+                    .incarnations
+                    .insert(key, incarnation.to_owned());
+                self.changed(false);
+                true
+            }
+        }
+    }
+
     /// Deletes a stream (`stream`) or cache: it is gone for new requests at once, and
     /// its data is removed by the cores (see the module docs). Returns whether it
     /// existed.
@@ -379,6 +423,7 @@ impl Catalog {
         let Some(spec) = st.map_mut(stream).remove(&flat(t, ns, n)) else {
             return false;
         };
+        st.incarnations.remove(&incarnation_key(stream, t, ns, n));
         st.deleting.push(Deletion {
             stream,
             tenant: t.to_owned(),

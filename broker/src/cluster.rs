@@ -393,6 +393,8 @@ struct StreamDoc {
     replication_factor: u32,
     #[serde(default)]
     consistency: Consistency,
+    #[serde(default)]
+    incarnation: String,
 }
 
 fn one() -> u32 {
@@ -409,6 +411,8 @@ struct CacheDoc {
     replication_factor: u32,
     #[serde(default)]
     consistency: Consistency,
+    #[serde(default)]
+    incarnation: String,
 }
 
 fn items<T: serde::de::DeserializeOwned>(v: &Value, field: &str) -> anyhow::Result<Vec<T>> {
@@ -510,6 +514,29 @@ pub fn fetch_keys(
     Ok((keys, unverified))
 }
 
+/// Follows the control plane's incarnation of a stream (`stream`) or cache: one this
+/// broker holds under another incarnation was deleted and created again while it was
+/// away, so the old one is deleted here and the new one created once the cores removed
+/// its data (waited for up to 5 s; otherwise a later sync creates it). Returns whether
+/// the caller may create it now.
+fn follow_incarnation(
+    catalog: &Catalog,
+    stream: bool,
+    (t, ns, n): (&str, &str, &str),
+    incarnation: &str,
+) -> bool {
+    if catalog.follow_incarnation(stream, t, ns, n, incarnation) {
+        return true;
+    }
+    tracing::info!(name = %format!("{t}/{ns}/{n}"), stream, "deleted and created again while this broker was away; removing the old one's data");
+    let until = Instant::now() + Duration::from_secs(5);
+    while catalog.is_deleting(stream, t, ns, n) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    !catalog.is_deleting(stream, t, ns, n)
+        && catalog.follow_incarnation(stream, t, ns, n, incarnation)
+}
+
 /// One full sync: stream shapes, then keys, then nodes and routes (in that order).
 fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
     let shapes = cp.get("/v1/streams/snapshot")?;
@@ -525,6 +552,14 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
         listed
             .0
             .insert(format!("{}/{}/{}", s.tenant_id, s.namespace, s.stream));
+        if !follow_incarnation(
+            &t.catalog,
+            true,
+            (&s.tenant_id, &s.namespace, &s.stream),
+            &s.incarnation,
+        ) {
+            continue;
+        }
         if let Err(e) = t
             .catalog
             .create_stream(&s.tenant_id, &s.namespace, &s.stream, spec)
@@ -536,6 +571,14 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
         listed
             .1
             .insert(format!("{}/{}/{}", c.tenant_id, c.namespace, c.cache));
+        if !follow_incarnation(
+            &t.catalog,
+            false,
+            (&c.tenant_id, &c.namespace, &c.cache),
+            &c.incarnation,
+        ) {
+            continue;
+        }
         let spec = StreamSpec {
             replication_factor: c.replication_factor.max(1),
             consistency: c.consistency,

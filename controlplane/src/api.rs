@@ -916,6 +916,7 @@ async fn create_stream(
         namespace: ns.clone(),
         spec,
         version: 0,
+        incarnation: random_hex(8),
     };
     let name = stream.spec.stream.clone();
     let version = create_in_namespace(&st, &t, &ns, Kind::Stream, &name, val(&stream)).await?;
@@ -1097,6 +1098,7 @@ async fn create_cache(
         namespace: ns.clone(),
         spec,
         version: 0,
+        incarnation: random_hex(8),
     };
     let name = cache.spec.cache.clone();
     let version = create_in_namespace(&st, &t, &ns, Kind::Cache, &name, val(&cache)).await?;

@@ -105,6 +105,11 @@ pub struct Stream {
     /// Store version (for `PATCH` preconditions).
     #[serde(default)]
     pub version: u64,
+    /// A random id given at creation: the same name deleted and created again is
+    /// another incarnation, and a broker that was away meanwhile drops the old one's
+    /// data instead of serving it as the new one's. Empty in documents written before.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub incarnation: String,
 }
 
 /// A stream update: only these may change.
@@ -165,6 +170,9 @@ pub struct Cache {
     /// Store version.
     #[serde(default)]
     pub version: u64,
+    /// A random id given at creation (see [`Stream::incarnation`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub incarnation: String,
 }
 
 /// A node's lifecycle.

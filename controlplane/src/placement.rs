@@ -776,6 +776,7 @@ mod tests {
                         routing: ShardRouting::default(),
                     },
                     version: 0,
+                    incarnation: String::new(),
                 };
                 self.put(Kind::Stream, format!("t/ns/{name}"), encode(&s))
                     .await;

@@ -2443,3 +2443,65 @@ fn a_leader_elected_while_its_disk_is_full_serves_once_space_is_back() {
     let offsets: Vec<u64> = acked.keys().copied().collect();
     assert_eq!(offsets.len(), 20);
 }
+
+/// A broker down while its stream was deleted and created again under the same name
+/// comes back holding the old incarnation's copy. It must drop it, not serve it as the
+/// new one's: before, made leader of the new stream, it served the deleted records (the
+/// chaos scenario `delete-recreate`: "incarnation 1 … holds 7 records of earlier ones").
+/// The control plane now gives each stream an incarnation id; a broker that holds the
+/// name under another one deletes its data first.
+#[test]
+fn a_broker_away_while_its_stream_was_deleted_and_created_again_drops_the_old_data() {
+    let mut c = cluster();
+    c.create_stream("again", 1, 3, "Quorum").unwrap();
+    let (leader, _) = c
+        .wait_leader("again", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(publish_n(&c, "again", "old", 30));
+    let away = (leader + 1) % 3;
+    wait_for(
+        "a copy on the broker to go away",
+        Duration::from_secs(10),
+        || copy_of(&c, away, "again").exists().then_some(()),
+    )
+    .unwrap();
+    c.brokers[away].kill();
+    let streams = format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/streams");
+    c.admin.delete(&format!("{streams}/again")).unwrap();
+    wait_for(
+        "the deleted stream's data to leave the live brokers",
+        Duration::from_secs(30),
+        || {
+            (0..3)
+                .filter(|b| *b != away)
+                .all(|b| !copy_of(&c, b, "again").exists())
+                .then_some(())
+        },
+    )
+    .unwrap();
+    wait_for("the name to be free again", Duration::from_secs(30), || {
+        c.create_stream("again", 1, 3, "Quorum").ok()
+    })
+    .unwrap();
+    c.wait_leader("again", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let new = rt.block_on(publish_n(&c, "again", "new", 10));
+    c.brokers[away].restart().unwrap();
+    // The broker that was away leads the new stream and is read from.
+    let (now, generation) = c
+        .wait_leader("again", 0, None, 0, Duration::from_secs(5))
+        .unwrap();
+    if now != away {
+        move_shard(&c, "stream", "again", away);
+        let (moved, _) = c
+            .wait_leader("again", 0, None, generation, Duration::from_secs(30))
+            .unwrap();
+        assert_eq!(moved, away);
+    }
+    let read = rt.block_on(read_all(&c, "again", new.len() as u64));
+    assert_eq!(
+        read, new,
+        "the broker that was away serves exactly the new incarnation's records"
+    );
+}
