@@ -361,6 +361,19 @@ pub const SCENARIOS: &[Scenario] = &[
         nemesis: duplicate_node,
     },
     Scenario {
+        name: "delete-recreate",
+        about: "three brokers, a Quorum stream under the checked load, and a second Quorum stream of three copies deleted and created again under its name every 0.2-0.8 s after 20 records were written to it and read back; one time in three a broker is SIGKILLed and restarted right after the delete, one time in three one is down across the delete and the re-create, then comes back and is made the new incarnation's leader. No incarnation may hold a record of an earlier one or lose one it acknowledged, and no live broker may keep a copy after a delete",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "",
+        streams: &[Q3],
+        producers: 2,
+        depth: 4,
+        stable: false,
+        postgres: false,
+        nemesis: delete_recreate,
+    },
+    Scenario {
         name: "hostile-clients",
         about: "one broker under the checked load, and every 0.1-0.6 s a hostile client: a forged, misaddressed or another tenant's token (and, past 63 s, an expired one); another tenant's valid token writing here; a connection asking four times its subscription bound; one that never reads its answers; subscribers that vanish without closing; a token denied while its connection publishes. Each must be refused or bounded as documented, dead clients' subscriptions must end within the idle timeout, no record may reach another stream's subscriber, memory must stay bounded",
         nodes: 1,
@@ -1057,6 +1070,164 @@ fn filesystem_full(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+fn delete_recreate(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let streams = format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/streams");
+    let dirs: Vec<PathBuf> = n
+        .cluster
+        .brokers
+        .iter()
+        .map(|b| {
+            b.data_dir
+                .join(format!("streams/{TENANT}/{NAMESPACE}/churn"))
+        })
+        .collect();
+    let nodes = n.cluster.brokers.len() as u64;
+    let mut round = 0u64;
+    // A broker down across the last delete and re-create, still to start again.
+    let mut away: Option<usize> = None;
+    while n.running() {
+        n.sleep_ms(200, 800);
+        // The name is free once the control plane forgot the last incarnation.
+        crate::wait_for("the name to be free", Duration::from_secs(15), || {
+            n.cluster.create_stream("churn", 1, 3, "Quorum").ok()
+        })?;
+        n.cluster
+            .wait_leader("churn", 0, None, 0, Duration::from_secs(30))?;
+        let mut checked = Vec::new();
+        if let Some(i) = away.take() {
+            // It comes back holding a copy of the deleted incarnation under the same
+            // name; then it is made leader of the new one and read from.
+            n.restart(i)?;
+            checked.push(churn_check(&rt, n.cluster, round, None)?);
+            let (_, generation) =
+                n.cluster
+                    .wait_leader("churn", 0, None, 0, Duration::from_secs(5))?;
+            let moved = n.cluster.admin.post(
+                "/v1/shard-moves",
+                &json!({"tenant_id": TENANT, "namespace": NAMESPACE, "stream": "churn",
+                        "kind": "stream", "shard": 0, "destination": format!("node-{i}")}),
+            );
+            let leader = match moved {
+                Ok(_) => {
+                    n.cluster
+                        .wait_leader("churn", 0, None, generation, Duration::from_secs(30))?
+                        .0
+                }
+                Err(e) if e.to_string().contains("already_leader") => i,
+                Err(e) => return Err(e.into()),
+            };
+            checked.push(churn_check(&rt, n.cluster, round, Some(leader))?);
+        } else {
+            checked.push(churn_check(&rt, n.cluster, round, None)?);
+        }
+        // One time in three a broker restarts right after the delete (it must not bring
+        // its copy back); one time in three one is down across the delete and the next
+        // re-create.
+        let mode = n.rng.between(0, 2);
+        let victim = n.rng.between(0, nodes - 1) as usize;
+        if mode == 2 {
+            n.kill(victim);
+        }
+        n.cluster.admin.delete(&format!("{streams}/churn"))?;
+        if mode == 1 {
+            n.kill(victim);
+            n.restart(victim)?;
+        }
+        let down = (mode == 2).then_some(victim);
+        crate::wait_for(
+            "the deleted stream's data to leave every live broker",
+            Duration::from_secs(30),
+            || {
+                dirs.iter()
+                    .enumerate()
+                    .all(|(b, d)| Some(b) == down || !d.exists())
+                    .then_some(())
+            },
+        )?;
+        n.event(
+            "delete-recreate",
+            json!({"incarnation": round, "checked": checked,
+                   "restarted_after_delete": (mode == 1).then_some(victim),
+                   "down_across_recreate": down}),
+        );
+        away = down;
+        round += 1;
+    }
+    if let Some(i) = away {
+        n.restart(i)?;
+    }
+    Ok(())
+}
+
+/// Writes 20 records to the stream `churn` (incarnation `round`) and reads it whole
+/// (from `leader`, once it leads): it must hold every record acknowledged and none of
+/// an earlier incarnation. Returns what it wrote and read.
+fn churn_check(
+    rt: &tokio::runtime::Runtime,
+    cluster: &TestCluster,
+    round: u64,
+    leader: Option<usize>,
+) -> anyhow::Result<Value> {
+    let (acked, read) = rt.block_on(churn_round(cluster, round))?;
+    let foreign: Vec<&String> = read
+        .iter()
+        .filter(|p| !p.starts_with(&format!("churn/{round}/")))
+        .collect();
+    anyhow::ensure!(
+        foreign.is_empty(),
+        "incarnation {round} of a re-created stream (leader {leader:?}) holds {} records of earlier ones: {:?}",
+        foreign.len(),
+        &foreign[..foreign.len().min(5)]
+    );
+    let missing = acked.iter().filter(|p| !read.contains(p)).count();
+    anyhow::ensure!(
+        missing == 0,
+        "incarnation {round} (leader {leader:?}) lost {missing} of its {} acknowledged records",
+        acked.len()
+    );
+    Ok(json!({"acked": acked.len(), "read": read.len(), "leader": leader}))
+}
+
+/// Writes 20 records to the stream `churn`, tagged with its incarnation, then reads it
+/// whole: the payloads acknowledged, and every payload it holds.
+async fn churn_round(
+    cluster: &TestCluster,
+    round: u64,
+) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+    let c = ClusterClient::connect(&cluster.seeds(), "localhost", cluster.client_config()?).await?;
+    let mut acked = Vec::new();
+    for k in 0..20 {
+        let payload = format!("churn/{round}/{k}");
+        let r = tokio::time::timeout(
+            Duration::from_secs(6),
+            c.publish(
+                TENANT,
+                NAMESPACE,
+                "churn",
+                payload.clone().into_bytes(),
+                AckMode::PerMessage,
+            ),
+        )
+        .await;
+        if let Ok(Ok(_)) = r {
+            acked.push(payload);
+        }
+    }
+    let mut sub = c
+        .subscribe_shard(TENANT, NAMESPACE, "churn", 0, Some(StartPosition::Earliest))
+        .await?;
+    let mut read = Vec::new();
+    while let Ok(Ok(Some(e))) =
+        tokio::time::timeout(Duration::from_millis(1500), sub.next_event()).await
+    {
+        read.push(String::from_utf8_lossy(&e.payload).into_owned());
+    }
+    Ok((acked, read))
 }
 
 /// The broker's idle timeout in `hostile-clients`: a client that dies without closing

@@ -66,6 +66,7 @@ fn every_scenario_is_listed_here() {
         "damaged-restart",
         "fd-exhaustion",
         "duplicate-node",
+        "delete-recreate",
         "hostile-clients",
         "filesystem-full",
         "filesystem-full-replicated",
@@ -167,6 +168,11 @@ fn fd_exhaustion() {
 #[test]
 fn duplicate_node() {
     assert_clean("duplicate-node");
+}
+
+#[test]
+fn delete_recreate() {
+    assert_clean("delete-recreate");
 }
 
 #[test]
