@@ -67,6 +67,7 @@ fn every_scenario_is_listed_here() {
         "fd-exhaustion",
         "duplicate-node",
         "delete-recreate",
+        "delete-recreate-away",
         "hostile-clients",
         "filesystem-full",
         "filesystem-full-replicated",
@@ -173,6 +174,12 @@ fn duplicate_node() {
 #[test]
 fn delete_recreate() {
     assert_clean("delete-recreate");
+}
+
+#[test]
+#[ignore = "finds an open bug: a broker down across a delete and re-create, made the new incarnation's leader, can still serve records of the deleted one (docs/reliability.md row 23)"]
+fn delete_recreate_away() {
+    assert_clean("delete-recreate-away");
 }
 
 #[test]
