@@ -15,14 +15,28 @@ use felix_wire::message::StartPosition;
 use serde_json as _;
 
 fn cluster() -> TestCluster {
+    cluster_with("")
+}
+
+/// Three brokers with `yaml` appended to each one's config.
+fn cluster_with(yaml: &str) -> TestCluster {
     TestCluster::start(
         Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
         Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
         3,
         CP_ARGS,
-        "",
+        yaml,
     )
     .unwrap()
+}
+
+/// Arms (or, with `clear=true`, clears) broker `b`'s storage fault seam (a cluster
+/// started with `fault_injection: true`).
+fn storage_fault(c: &TestCluster, b: usize, query: &str) {
+    let (status, body) = c.brokers[b]
+        .http_post(&format!("/debug/storage-faults?{query}"))
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
 }
 
 /// The broker leading the first shard of `kind` (named `name`, or any) and its
@@ -1793,14 +1807,7 @@ fn refusal_reason(r: Result<Option<u64>, felix_client::ClientError>) -> Result<S
 /// `moving`, and one waiting when the look resumes is acknowledged.
 #[test]
 fn a_new_shards_first_writes_wait_for_its_replica_instead_of_being_refused() {
-    let c = TestCluster::start(
-        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
-        3,
-        CP_ARGS,
-        "fault_injection: true\n",
-    )
-    .unwrap();
+    let c = cluster_with("fault_injection: true\n");
     let pause = |on: bool| {
         for b in &c.brokers {
             let (status, _) = b
@@ -2337,14 +2344,7 @@ fn a_broker_that_left_a_shards_set_removes_its_copy_and_can_be_staged_again_from
 /// `filesystem-full-replicated`: 861 such failures in one 60 s run).
 #[test]
 fn a_leader_whose_disk_filled_up_takes_writes_again_once_space_is_back() {
-    let c = TestCluster::start(
-        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
-        3,
-        CP_ARGS,
-        "fault_injection: true\n",
-    )
-    .unwrap();
+    let c = cluster_with("fault_injection: true\n");
     let rt = tokio::runtime::Runtime::new().unwrap();
     for (stream, consistency) in [("full-q", "Quorum"), ("full-l", "Leader")] {
         c.create_stream(stream, 1, 3, consistency).unwrap();
@@ -2352,13 +2352,7 @@ fn a_leader_whose_disk_filled_up_takes_writes_again_once_space_is_back() {
             .wait_leader(stream, 0, None, 0, Duration::from_secs(20))
             .unwrap();
         let mut acked = rt.block_on(publish_n(&c, stream, "before", 20));
-        let fault = |q: &str| {
-            let (status, body) = c.brokers[leader]
-                .http_post(&format!("/debug/storage-faults?{q}"))
-                .unwrap();
-            assert_eq!(status, 200, "{body}");
-        };
-        fault("op=write&errno=enospc&times=always");
+        storage_fault(&c, leader, "op=write&errno=enospc&times=always");
         let (addr, config) = (c.brokers[leader].listen, c.client_config().unwrap());
         rt.block_on(async {
             let client = felix_client::Client::connect(addr, "localhost", config)
@@ -2378,7 +2372,7 @@ fn a_leader_whose_disk_filled_up_takes_writes_again_once_space_is_back() {
                 assert!(e.to_string().contains("disk_full"), "{stream}: {e}");
             }
         });
-        fault("clear=true");
+        storage_fault(&c, leader, "clear=true");
         acked.extend(rt.block_on(publish_n(&c, stream, "after", 20)));
         assert_eq!(
             c.wait_leader(stream, 0, None, 0, Duration::from_secs(1))
@@ -2403,14 +2397,7 @@ fn a_leader_whose_disk_filled_up_takes_writes_again_once_space_is_back() {
 /// the shard stayed `not_ready` until the next assignment (found in review).
 #[test]
 fn a_leader_elected_while_its_disk_is_full_serves_once_space_is_back() {
-    let c = TestCluster::start(
-        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
-        3,
-        CP_ARGS,
-        "fault_injection: true\n",
-    )
-    .unwrap();
+    let c = cluster_with("fault_injection: true\n");
     c.create_stream("elect", 1, 3, "Quorum").unwrap();
     let (leader, generation) = c
         .wait_leader("elect", 0, None, 0, Duration::from_secs(20))
@@ -2418,20 +2405,14 @@ fn a_leader_elected_while_its_disk_is_full_serves_once_space_is_back() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut acked = rt.block_on(publish_n(&c, "elect", "before", 10));
     let to = (leader + 1) % 3;
-    let fault = |q: &str| {
-        let (status, body) = c.brokers[to]
-            .http_post(&format!("/debug/storage-faults?{q}"))
-            .unwrap();
-        assert_eq!(status, 200, "{body}");
-    };
-    fault("op=write&errno=enospc&times=always");
+    storage_fault(&c, to, "op=write&errno=enospc&times=always");
     move_shard(&c, "stream", "elect", to);
     let (now, _) = c
         .wait_leader("elect", 0, None, generation, Duration::from_secs(20))
         .unwrap();
     assert_eq!(now, to, "the control plane made the full broker leader");
     std::thread::sleep(Duration::from_millis(1500));
-    fault("clear=true");
+    storage_fault(&c, to, "clear=true");
     acked.extend(rt.block_on(publish_n(&c, "elect", "after", 10)));
     assert_eq!(
         c.wait_leader("elect", 0, None, 0, Duration::from_secs(1))
