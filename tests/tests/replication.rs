@@ -2381,6 +2381,8 @@ fn a_leader_whose_disk_filled_up_takes_writes_again_once_space_is_back() {
             leader,
             "{stream}: the same leader took the writes again"
         );
+        // Every acknowledged record reads back, the old ones included.
+        check_nothing_lost(&acked, &rt.block_on(read_all(&c, stream, 40)));
         let offsets: Vec<u64> = acked.keys().copied().collect();
         assert_eq!(offsets.len(), 40, "{stream}");
         assert_eq!(
@@ -2423,6 +2425,8 @@ fn a_leader_elected_while_its_disk_is_full_serves_once_space_is_back() {
     );
     let offsets: Vec<u64> = acked.keys().copied().collect();
     assert_eq!(offsets.len(), 20);
+    // The new leader holds what the old one acknowledged.
+    check_nothing_lost(&acked, &rt.block_on(read_all(&c, "elect", 20)));
 }
 
 /// A broker down while its stream was deleted and created again under the same name
