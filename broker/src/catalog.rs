@@ -475,6 +475,14 @@ impl Catalog {
         finished
     }
 
+    /// The control plane's incarnation of a stream (`stream`) or cache, when known.
+    pub fn incarnation(&self, stream: bool, t: &str, ns: &str, n: &str) -> Option<String> {
+        self.read()
+            .incarnations
+            .get(&incarnation_key(stream, t, ns, n))
+            .cloned()
+    }
+
     /// Whether a deletion of this name is still in progress.
     pub fn is_deleting(&self, stream: bool, t: &str, ns: &str, n: &str) -> bool {
         self.read().deleting(stream, t, ns, n)

@@ -516,19 +516,24 @@ pub fn fetch_keys(
 
 /// Follows the control plane's incarnation of a stream (`stream`) or cache: one this
 /// broker holds under another incarnation was deleted and created again while it was
-/// away, so the old one is deleted here and the new one created once the cores removed
-/// its data (waited for up to 5 s; otherwise a later sync creates it). Returns whether
-/// the caller may create it now.
+/// away, so the old one is deleted here; the new one, and one listed again while its
+/// deletion is under way, is created once the cores removed the old data (waited for up
+/// to 5 s; otherwise a later sync creates it). Returns whether the caller may create it
+/// now.
 fn follow_incarnation(
     catalog: &Catalog,
     stream: bool,
     (t, ns, n): (&str, &str, &str),
     incarnation: &str,
 ) -> bool {
-    if catalog.follow_incarnation(stream, t, ns, n, incarnation) {
+    if !catalog.follow_incarnation(stream, t, ns, n, incarnation) {
+        tracing::info!(name = %format!("{t}/{ns}/{n}"), stream, "deleted and created again while this broker was away; removing the old one's data");
+    } else if !catalog.is_deleting(stream, t, ns, n) {
         return true;
     }
-    tracing::info!(name = %format!("{t}/{ns}/{n}"), stream, "deleted and created again while this broker was away; removing the old one's data");
+    // A deletion of the name is under way (started just now, or by an earlier sync that
+    // found it gone): the new one is created as soon as the cores finished it, not a
+    // sync later (up to 2 s of `not_found` for a stream just created again).
     let until = Instant::now() + Duration::from_secs(5);
     while catalog.is_deleting(stream, t, ns, n) && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(20));

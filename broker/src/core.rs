@@ -1851,15 +1851,13 @@ impl CoreBroker {
                     .sync(
                         |k| core.owner(k) == core.core,
                         |k| {
-                            catalog
-                                .spec(
-                                    k.kind == ShardKind::Stream,
-                                    &k.tenant,
-                                    &k.namespace,
-                                    &k.name,
-                                )
-                                .filter(|s| s.replicated())
-                                .map(|s| s.consistency)
+                            let stream = k.kind == ShardKind::Stream;
+                            let spec = catalog
+                                .spec(stream, &k.tenant, &k.namespace, &k.name)
+                                .filter(|s| s.replicated())?;
+                            let life =
+                                catalog.incarnation(stream, &k.tenant, &k.namespace, &k.name);
+                            Some((spec.consistency, life.unwrap_or_default()))
                         },
                         |key| {
                             let core = core.clone();

@@ -177,7 +177,6 @@ fn delete_recreate() {
 }
 
 #[test]
-#[ignore = "finds an open bug: a broker down across a delete and re-create, made the new incarnation's leader, can still serve records of the deleted one (docs/reliability.md row 23)"]
 fn delete_recreate_away() {
     assert_clean("delete-recreate-away");
 }

@@ -20,6 +20,7 @@ fn shard() -> ShardRef {
         tenant: WireStr::from("acme"),
         namespace: WireStr::from("default"),
         name: WireStr::from("orders"),
+        incarnation: WireStr::default(),
         shard: ShardId(3),
     }
 }
@@ -442,13 +443,63 @@ fn empty_batches_overflowing_offsets_and_a_wrong_prev_are_refused() {
 }
 
 #[test]
+fn a_shard_named_with_its_incarnation_travels_as_kind_3_or_4_and_never_with_an_empty_one() {
+    let fence = |shard: ShardRef| -> InternalMessage {
+        Fence {
+            correlation_id: 8,
+            shard,
+            generation: Generation(1),
+            leader: "node-a".into(),
+        }
+        .into()
+    };
+    for (kind, byte) in [(ShardKind::Stream, 3), (ShardKind::Cache, 4)] {
+        let m = fence(ShardRef {
+            kind,
+            incarnation: WireStr::from("5f0c9a1e"),
+            ..shard()
+        });
+        let mut buf = BytesMut::new();
+        m.encode(&mut buf).unwrap();
+        assert_eq!(buf[HEADER_LEN + 8], byte, "{kind:?}");
+        assert_eq!(decode_one(&buf).unwrap(), m);
+    }
+    // Without one, the bytes are those of a build that knows no incarnations.
+    let mut old = BytesMut::new();
+    fence(shard()).encode(&mut old).unwrap();
+    assert_eq!(old[HEADER_LEN + 8], 1);
+
+    // Kind 3 with an empty incarnation would decode to what kind 1 encodes: refused.
+    let mut p = 8u64.to_be_bytes().to_vec();
+    p.push(3);
+    for s in [&b"acme"[..], b"default", b"orders", b""] {
+        put_str(&mut p, s);
+    }
+    p.extend_from_slice(&3u32.to_be_bytes());
+    p.extend_from_slice(&1u64.to_be_bytes());
+    put_str(&mut p, b"node-a");
+    let (correlation_id, problem) = malformed(decode_one(&raw_frame(kind::FENCE, &p)));
+    assert_eq!(correlation_id, Some(8));
+    assert_eq!(problem, BodyError::EmptyIncarnation);
+    // The same frame with an incarnation decodes.
+    let at = 8 + 1 + (4 + 4) + (4 + 7) + (4 + 6);
+    let mut named = p.clone();
+    named.splice(at..at + 4, [0, 0, 0, 2, b'i', b'1']);
+    let InternalMessage::Fence(f) = decode_one(&raw_frame(kind::FENCE, &named)).unwrap() else {
+        panic!("not a fence")
+    };
+    assert_eq!(f.shard.incarnation.as_str(), "i1");
+    assert_eq!(f.shard.name.as_str(), "orders");
+}
+
+#[test]
 fn unknown_shard_and_batch_kinds_and_bad_utf8_are_refused() {
     let mut bytes = raw_records(&section(&[(100, 5, &[b"a"])]), None);
     let (_, problem) = malformed(decode_one(&bytes));
     assert_eq!(problem, BodyError::UnknownBatchKind { byte: 5 });
-    bytes[HEADER_LEN + 8] = 3; // the shard kind byte
+    bytes[HEADER_LEN + 8] = 5; // the shard kind byte
     let (_, problem) = malformed(decode_one(&bytes));
-    assert_eq!(problem, BodyError::UnknownShardKind { byte: 3 });
+    assert_eq!(problem, BodyError::UnknownShardKind { byte: 5 });
 
     let mut p = 9u64.to_be_bytes().to_vec();
     put_str(&mut p, &[0xff, 0xfe]);
@@ -821,19 +872,28 @@ fn ident() -> impl Strategy<Value = String> {
 }
 
 fn shard_ref() -> impl Strategy<Value = ShardRef> {
-    (any::<bool>(), ident(), ident(), ident(), any::<u32>()).prop_map(
-        |(stream, tenant, namespace, name, shard)| ShardRef {
-            kind: if stream {
-                ShardKind::Stream
-            } else {
-                ShardKind::Cache
-            },
-            tenant: tenant.into(),
-            namespace: namespace.into(),
-            name: name.into(),
-            shard: ShardId(shard),
-        },
+    (
+        any::<bool>(),
+        ident(),
+        ident(),
+        ident(),
+        ident(),
+        any::<u32>(),
     )
+        .prop_map(
+            |(stream, tenant, namespace, name, incarnation, shard)| ShardRef {
+                kind: if stream {
+                    ShardKind::Stream
+                } else {
+                    ShardKind::Cache
+                },
+                tenant: tenant.into(),
+                namespace: namespace.into(),
+                name: name.into(),
+                incarnation: incarnation.into(),
+                shard: ShardId(shard),
+            },
+        )
 }
 
 fn batches() -> impl Strategy<Value = (u64, Vec<ShipBatch>)> {

@@ -21,6 +21,7 @@ fn shard() -> ShardRef {
         tenant: WireStr::from("acme"),
         namespace: WireStr::from("default"),
         name: WireStr::from("orders"),
+        incarnation: WireStr::default(),
         shard: ShardId(3),
     }
 }
@@ -44,6 +45,20 @@ fn vectors() -> Vec<(&'static str, InternalMessage)> {
                 shard: shard(),
                 generation: Generation(7),
                 leader: "broker-1".into(),
+            }
+            .into(),
+        ),
+        (
+            "fence_with_incarnation",
+            Fence {
+                correlation_id: 5,
+                shard: ShardRef {
+                    kind: ShardKind::Cache,
+                    incarnation: WireStr::from("9c41d2e07b3a5f68"),
+                    ..shard()
+                },
+                generation: Generation(1),
+                leader: "broker-2".into(),
             }
             .into(),
         ),
@@ -93,13 +108,17 @@ fn vectors() -> Vec<(&'static str, InternalMessage)> {
 /// The fields a vector's JSON lists, as another implementation would read them.
 fn describe(message: &InternalMessage) -> Value {
     let shard = |s: &ShardRef| {
-        json!({
+        let mut v = json!({
             "kind": match s.kind { ShardKind::Stream => "stream", ShardKind::Cache => "cache" },
             "tenant": s.tenant.as_str(),
             "namespace": s.namespace.as_str(),
             "name": s.name.as_str(),
             "shard": s.shard.0,
-        })
+        });
+        if !s.incarnation.is_empty() {
+            v["incarnation"] = json!(s.incarnation.as_str());
+        }
+        v
     };
     match message {
         InternalMessage::Hello(m) => json!({

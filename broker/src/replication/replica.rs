@@ -54,7 +54,9 @@ pub const QUORUM_WAIT: Duration = Duration::from_secs(5);
 const PENDING_MAX: usize = 65_536;
 
 /// Requests sent, by correlation id, and their order (the oldest are forgotten first).
-type PendingRequests = (HashMap<u64, Arc<ShardKey>>, VecDeque<u64>);
+/// Requests sent, by correlation id: the shard and the [`ReplicaShard::instance`] that
+/// sent each (an answer reaches only the replica that asked), oldest first for trimming.
+type PendingRequests = (HashMap<u64, (Arc<ShardKey>, u64)>, VecDeque<u64>);
 
 /// What a replica's log belongs to, for what each kind does on top of the log: a
 /// stream's fanout frontier, a cache's key index.
@@ -91,6 +93,14 @@ impl Held {
 pub struct ReplicaShard {
     /// Which shard.
     pub key: Arc<ShardKey>,
+    /// The life of the stream or cache it is a copy of (the control plane's incarnation;
+    /// empty when not known). Messages naming another life of the name are ignored: a
+    /// copy of a deleted stream not yet removed here must not answer the fence of one
+    /// created again under its name (it would hand the new one the deleted records).
+    incarnation: RefCell<Rc<str>>,
+    /// Unique among the replicas this core ever opened: answers to requests sent by an
+    /// earlier replica of the same shard (removed since) do not reach this one.
+    instance: u64,
     /// Its stream or cache state.
     pub held: Held,
     log: SegmentLog<DmaBackend>,
@@ -607,6 +617,7 @@ pub struct Replicas {
     out: Outbound,
     shards: RefCell<HashMap<Arc<ShardKey>, Rc<ReplicaShard>>>,
     next_correlation: Cell<u64>,
+    next_instance: Cell<u64>,
     /// Requests we sent, for routing answers: correlation id -> shard.
     pending: RefCell<PendingRequests>,
     /// The last request each peer sent about each shard: its answers echo the id.
@@ -623,7 +634,7 @@ impl std::fmt::Debug for Replicas {
     }
 }
 
-fn shard_ref(key: &ShardKey) -> ShardRef {
+fn shard_ref(key: &ShardKey, incarnation: &str) -> ShardRef {
     ShardRef {
         kind: match key.kind {
             ShardKind::Stream => message::ShardKind::Stream,
@@ -632,8 +643,16 @@ fn shard_ref(key: &ShardKey) -> ShardRef {
         tenant: key.tenant.as_str().into(),
         namespace: key.namespace.as_str().into(),
         name: key.name.as_str().into(),
+        incarnation: incarnation.into(),
         shard: ShardId(key.shard),
     }
+}
+
+/// Whether a message naming incarnation `theirs` is about the life of the name a replica
+/// of `ours` copies. Either side not knowing its incarnation (a catalog or a peer from
+/// before incarnations) matches.
+fn same_life(ours: &str, theirs: &str) -> bool {
+    ours.is_empty() || theirs.is_empty() || ours == theirs
 }
 
 /// The shard a wire reference names.
@@ -752,6 +771,7 @@ impl Replicas {
             out,
             shards: RefCell::default(),
             next_correlation: Cell::new(1),
+            next_instance: Cell::new(1),
             pending: RefCell::default(),
             last_in: RefCell::default(),
             metrics,
@@ -814,12 +834,12 @@ impl Replicas {
         self.shards.borrow().values().cloned().collect()
     }
 
-    fn correlation(&self, key: &Arc<ShardKey>) -> u64 {
+    fn correlation(&self, rs: &ReplicaShard) -> u64 {
         let n = self.next_correlation.get();
         self.next_correlation.set(n + 1);
         let id = ((self.core.index() as u64) << 56) | (n & ((1 << 56) - 1));
         let (map, order) = &mut *self.pending.borrow_mut();
-        map.insert(id, key.clone());
+        map.insert(id, (rs.key.clone(), rs.instance));
         order.push_back(id);
         while order.len() > PENDING_MAX {
             if let Some(old) = order.pop_front() {
@@ -829,8 +849,9 @@ impl Replicas {
         id
     }
 
-    /// Encodes and queues `msg` about `key` for `to`.
-    fn send(&self, key: &Arc<ShardKey>, to: &NodeId, msg: Msg) {
+    /// Encodes and queues `msg` of `rs` for `to`.
+    fn send(&self, rs: &ReplicaShard, to: &NodeId, msg: Msg) {
+        let key = &rs.key;
         let Some(addr) = self.cluster.view().peers.get(&**to).copied() else {
             return;
         };
@@ -842,10 +863,11 @@ impl Replicas {
                 .unwrap_or(0)
         };
         let me = self.me.to_string();
+        let incarnation = rs.incarnation.borrow().clone();
         let wire = match msg {
             Msg::Fence { generation } => InternalMessage::Fence(internal::Fence {
-                correlation_id: self.correlation(key),
-                shard: shard_ref(key),
+                correlation_id: self.correlation(rs),
+                shard: shard_ref(key, &incarnation),
                 generation: Generation(generation),
                 leader: me,
             }),
@@ -864,8 +886,8 @@ impl Replicas {
                 last_generation: Generation(last_generation),
             }),
             Msg::Fetch { generation, from } => InternalMessage::Fetch(internal::Fetch {
-                correlation_id: self.correlation(key),
-                shard: shard_ref(key),
+                correlation_id: self.correlation(rs),
+                shard: shard_ref(key, &incarnation),
                 generation: Generation(generation),
                 leader: me,
                 from_offset: Offset(from),
@@ -895,9 +917,9 @@ impl Replicas {
                     correlation_id: if fetched {
                         answer_id()
                     } else {
-                        self.correlation(key)
+                        self.correlation(rs)
                     },
-                    shard: shard_ref(key),
+                    shard: shard_ref(key, &incarnation),
                     generation: Generation(generation),
                     leader: if fetched { to.to_string() } else { me },
                     prev_offset: Offset(prev_offset),
@@ -924,8 +946,8 @@ impl Replicas {
             }),
             Msg::Bootstrap { generation, base } => {
                 InternalMessage::Bootstrap(internal::Bootstrap {
-                    correlation_id: self.correlation(key),
-                    shard: shard_ref(key),
+                    correlation_id: self.correlation(rs),
+                    shard: shard_ref(key, &incarnation),
                     generation: Generation(generation),
                     leader: me,
                     base_offset: Offset(base),
@@ -942,9 +964,13 @@ impl Replicas {
     /// A frame from peer `from`, routed to this core.
     pub fn deliver(&self, from: NodeId, m: InternalMessage) {
         let now = clock::now().instant;
+        // Requests name the life of the stream they are about; answers reach only the
+        // replica instance that asked.
+        let (mut life, mut asker) = (None, None);
         let (key, msg) = match m {
             InternalMessage::Fence(f) => {
                 let key = self.remember(&f.shard, &from, f.correlation_id);
+                life = Some(f.shard.incarnation);
                 (
                     key,
                     Msg::Fence {
@@ -954,6 +980,7 @@ impl Replicas {
             }
             InternalMessage::Fetch(f) => {
                 let key = self.remember(&f.shard, &from, f.correlation_id);
+                life = Some(f.shard.incarnation);
                 (
                     key,
                     Msg::Fetch {
@@ -964,6 +991,7 @@ impl Replicas {
             }
             InternalMessage::Bootstrap(b) => {
                 let key = self.remember(&b.shard, &from, b.correlation_id);
+                life = Some(b.shard.incarnation);
                 (
                     key,
                     Msg::Bootstrap {
@@ -975,10 +1003,12 @@ impl Replicas {
             InternalMessage::Records(r) => {
                 let fetched = r.leader == *self.me;
                 let key = if fetched {
+                    asker = self.answered(r.correlation_id).map(|(_, i)| i);
                     Arc::new(shard_key(&r.shard))
                 } else {
                     self.remember(&r.shard, &from, r.correlation_id)
                 };
+                life = Some(r.shard.incarnation);
                 let from_offset = match r.batches.first() {
                     Some(b) => b.base_offset.0,
                     None if r.prev_offset.0 == 0 && r.prev_generation.0 == 0 => 0,
@@ -997,9 +1027,10 @@ impl Replicas {
                 )
             }
             InternalMessage::FenceOk(f) => {
-                let Some(key) = self.answered(f.correlation_id) else {
+                let Some((key, instance)) = self.answered(f.correlation_id) else {
                     return;
                 };
+                asker = Some(instance);
                 (
                     key,
                     Msg::FenceOk {
@@ -1012,9 +1043,10 @@ impl Replicas {
                 )
             }
             InternalMessage::ReplicateOk(o) => {
-                let Some(key) = self.answered(o.correlation_id) else {
+                let Some((key, instance)) = self.answered(o.correlation_id) else {
                     return;
                 };
+                asker = Some(instance);
                 (
                     key,
                     Msg::Ok {
@@ -1024,9 +1056,10 @@ impl Replicas {
                 )
             }
             InternalMessage::ReplicateRefused(r) => {
-                let Some(key) = self.answered(r.correlation_id) else {
+                let Some((key, instance)) = self.answered(r.correlation_id) else {
                     return;
                 };
+                asker = Some(instance);
                 (
                     key,
                     Msg::Refused {
@@ -1043,6 +1076,19 @@ impl Replicas {
             // with the control plane's assignment.
             return;
         };
+        if asker.is_some_and(|i| i != rs.instance) {
+            // An answer to a replica of this shard removed since.
+            return;
+        }
+        if let Some(theirs) = life
+            && !same_life(&rs.incarnation.borrow(), theirs.as_str())
+        {
+            // About another life of the name: ours was deleted (and is not removed
+            // yet) or the sender's was. Ignored like a shard we do not hold; the
+            // sender asks again once both sides follow the control plane.
+            tracing::debug!(shard = %key, from = %from, theirs = %theirs.as_str(), "a message about another incarnation");
+            return;
+        }
         rs.machine.borrow_mut().handle_message(from, msg, now);
         rs.kick();
     }
@@ -1055,13 +1101,14 @@ impl Replicas {
         key
     }
 
-    fn answered(&self, correlation_id: u64) -> Option<Arc<ShardKey>> {
+    fn answered(&self, correlation_id: u64) -> Option<(Arc<ShardKey>, u64)> {
         self.pending.borrow().0.get(&correlation_id).cloned()
     }
 
     /// Brings this core's replicas in line with the control plane's assignments:
     /// opens a replica for every replicated stream or cache shard this broker is in the
-    /// set of and this core owns, and hands each its assignment. `open` opens the shard.
+    /// set of and this core owns, and hands each its assignment. `replicated` answers a
+    /// replicated shard's consistency and incarnation; `open` opens the shard.
     ///
     /// Answers the replicas whose set this broker left [`LEFT_OUT_GRACE`] ago or more,
     /// for the caller to remove with their data: the control plane wrote a newer
@@ -1071,7 +1118,7 @@ impl Replicas {
     pub async fn sync<F, Fut>(
         self: &Rc<Self>,
         owned: impl Fn(&ShardKey) -> bool,
-        replicated: impl Fn(&ShardKey) -> Option<Consistency>,
+        replicated: impl Fn(&ShardKey) -> Option<(Consistency, String)>,
         open: F,
     ) -> Vec<Arc<ShardKey>>
     where
@@ -1093,13 +1140,26 @@ impl Replicas {
             .map(|(k, r)| (k.clone(), r.clone()))
             .collect();
         for (key, route) in mine {
-            let Some(consistency) = replicated(&key) else {
+            let Some((consistency, incarnation)) = replicated(&key) else {
                 continue;
             };
             let existing = self.get(&key);
             let rs = match existing {
-                Some(rs) => rs,
-                None => match self.open(Arc::new(key.clone()), consistency, &open).await {
+                Some(rs) if !same_life(&rs.incarnation.borrow(), &incarnation) => {
+                    // A copy of a deleted life of the name: the deletion under way
+                    // removes it, and the next sync opens the new one.
+                    continue;
+                }
+                Some(rs) => {
+                    if rs.incarnation.borrow().is_empty() && !incarnation.is_empty() {
+                        *rs.incarnation.borrow_mut() = incarnation.into();
+                    }
+                    rs
+                }
+                None => match self
+                    .open(Arc::new(key.clone()), consistency, &incarnation, &open)
+                    .await
+                {
                     Ok(rs) => rs,
                     Err(e) => {
                         tracing::warn!(shard = %key, error = %e, "opening a replica");
@@ -1182,6 +1242,7 @@ impl Replicas {
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         consistency: Consistency,
+        incarnation: &str,
         open: &F,
     ) -> Result<Rc<ReplicaShard>, BrokerError>
     where
@@ -1221,8 +1282,12 @@ impl Replicas {
         if self.cluster.mutants.skip_fence {
             machine.break_fencing_for_mutant_runs();
         }
+        let instance = self.next_instance.get();
+        self.next_instance.set(instance + 1);
         let rs = Rc::new(ReplicaShard {
             key: key.clone(),
+            incarnation: RefCell::new(incarnation.into()),
+            instance,
             log: held.log().clone(),
             held,
             ready: Cell::new(false),
@@ -1283,7 +1348,7 @@ impl Replicas {
         let log = &rs.log;
         let now = || clock::now().instant;
         match out {
-            Output::Send { to, msg } => self.send(&rs.key, &to, msg),
+            Output::Send { to, msg } => self.send(rs, &to, msg),
             Output::Persist(meta) => {
                 let bytes = serde_json::to_vec(&meta).expect("meta serializes");
                 match log.write_meta(META_FILE, &bytes).await {

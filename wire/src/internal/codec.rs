@@ -38,6 +38,10 @@ pub(super) const NAME: Field = Field {
     name: "name",
     max: MAX_IDENT_BYTES,
 };
+pub(super) const INCARNATION: Field = Field {
+    name: "incarnation",
+    max: MAX_IDENT_BYTES,
+};
 pub(super) const TOKEN: Field = Field {
     name: "token",
     max: MAX_TOKEN_BYTES,

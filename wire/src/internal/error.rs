@@ -136,12 +136,18 @@ pub enum BodyError {
         /// The CRC of the bytes received.
         computed: u32,
     },
-    /// A shard kind byte other than 1 (stream) or 2 (cache).
-    #[error("unknown shard kind byte {byte} (1 = stream, 2 = cache)")]
+    /// A shard kind byte other than 1 (stream), 2 (cache), 3 or 4 (the same with an
+    /// incarnation).
+    #[error(
+        "unknown shard kind byte {byte} (1 = stream, 2 = cache, 3 and 4 = the same with an incarnation)"
+    )]
     UnknownShardKind {
         /// The byte.
         byte: u8,
     },
+    /// A shard reference of kind 3 or 4 whose incarnation is empty.
+    #[error("shard kinds 3 and 4 carry an incarnation; this one is empty")]
+    EmptyIncarnation,
     /// A batch kind byte other than 0 (data) or 1 (generation start).
     #[error("unknown batch kind byte {byte} (0 = data, 1 = generation start)")]
     UnknownBatchKind {

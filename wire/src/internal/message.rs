@@ -5,7 +5,9 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use super::codec::{self, Cursor, DETAIL, LEADER, NAME, NAMESPACE, NODE_ID, REASON, TENANT, TOKEN};
+use super::codec::{
+    self, Cursor, DETAIL, INCARNATION, LEADER, NAME, NAMESPACE, NODE_ID, REASON, TENANT, TOKEN,
+};
 use super::error::{BodyError, EncodeError, InternalError};
 use super::kind;
 use super::records::Records;
@@ -26,7 +28,11 @@ pub(super) trait Body: Sized {
 }
 
 /// One shard of one stream or cache: `kind u8` (1 stream, 2 cache), `tenant`,
-/// `namespace`, `name` (strings of at most 512 bytes each), `shard u32`.
+/// `namespace`, `name` (strings of at most 512 bytes each), `shard u32`. A reference
+/// that names the stream's or cache's incarnation (the control plane's id of one life of
+/// the name) has kind 3 (stream) or 4 (cache) and the `incarnation` string (1 to 512
+/// bytes) after `name`: a broker holding another life of the name ignores it, so the
+/// copies of a deleted stream never answer for one created again under its name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ShardRef {
     /// Stream or cache.
@@ -37,42 +43,75 @@ pub struct ShardRef {
     pub namespace: WireStr,
     /// Stream or cache name.
     pub name: WireStr,
+    /// The incarnation of the name; empty when not known (encoded as kind 1 or 2).
+    pub incarnation: WireStr,
     /// Shard index.
     pub shard: ShardId,
 }
 
 impl ShardRef {
-    fn kind_byte(kind: ShardKind) -> u8 {
-        match kind {
+    fn kind_byte(&self) -> u8 {
+        let base = match self.kind {
             ShardKind::Stream => 1,
             ShardKind::Cache => 2,
+        };
+        if self.incarnation.is_empty() {
+            base
+        } else {
+            base + 2
         }
     }
 
     pub(super) fn len(&self) -> usize {
-        1 + 12 + self.tenant.len() + self.namespace.len() + self.name.len() + 4
+        let incarnation = if self.incarnation.is_empty() {
+            0
+        } else {
+            4 + self.incarnation.len()
+        };
+        1 + 12 + self.tenant.len() + self.namespace.len() + self.name.len() + incarnation + 4
     }
 
     pub(super) fn put(&self, buf: &mut BytesMut) -> Result<(), BodyError> {
-        buf.put_u8(Self::kind_byte(self.kind));
+        buf.put_u8(self.kind_byte());
         codec::put_str(buf, TENANT, &self.tenant)?;
         codec::put_str(buf, NAMESPACE, &self.namespace)?;
         codec::put_str(buf, NAME, &self.name)?;
+        if !self.incarnation.is_empty() {
+            codec::put_str(buf, INCARNATION, &self.incarnation)?;
+        }
         buf.put_u32(self.shard.0);
         Ok(())
     }
 
     pub(super) fn get(r: &mut Cursor<'_>) -> Result<ShardRef, BodyError> {
-        let kind = match r.u8("shard kind")? {
-            1 => ShardKind::Stream,
-            2 => ShardKind::Cache,
+        let (kind, named) = match r.u8("shard kind")? {
+            1 => (ShardKind::Stream, false),
+            2 => (ShardKind::Cache, false),
+            3 => (ShardKind::Stream, true),
+            4 => (ShardKind::Cache, true),
             byte => return Err(BodyError::UnknownShardKind { byte }),
+        };
+        let (tenant, namespace, name) = (
+            r.wire_str(TENANT)?,
+            r.wire_str(NAMESPACE)?,
+            r.wire_str(NAME)?,
+        );
+        let incarnation = if named {
+            let incarnation = r.wire_str(INCARNATION)?;
+            if incarnation.is_empty() {
+                // Kinds 3 and 4 carry one; no incarnation is kinds 1 and 2 (canonical).
+                return Err(BodyError::EmptyIncarnation);
+            }
+            incarnation
+        } else {
+            WireStr::default()
         };
         Ok(ShardRef {
             kind,
-            tenant: r.wire_str(TENANT)?,
-            namespace: r.wire_str(NAMESPACE)?,
-            name: r.wire_str(NAME)?,
+            tenant,
+            namespace,
+            name,
+            incarnation,
             shard: ShardId(r.u32("shard")?),
         })
     }
