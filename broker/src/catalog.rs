@@ -475,12 +475,24 @@ impl Catalog {
         finished
     }
 
-    /// The control plane's incarnation of a stream (`stream`) or cache, when known.
-    pub fn incarnation(&self, stream: bool, t: &str, ns: &str, n: &str) -> Option<String> {
-        self.read()
+    /// A stream's (`stream`) or cache's spec with the control plane's incarnation of it
+    /// (empty when not known), read together: a deletion between two reads would pair
+    /// the old spec with no incarnation.
+    pub fn spec_and_incarnation(
+        &self,
+        stream: bool,
+        t: &str,
+        ns: &str,
+        n: &str,
+    ) -> Option<(StreamSpec, String)> {
+        let st = self.read();
+        let spec = *st.map(stream).get(&flat(t, ns, n))?;
+        let incarnation = st
             .incarnations
             .get(&incarnation_key(stream, t, ns, n))
             .cloned()
+            .unwrap_or_default();
+        Some((spec, incarnation))
     }
 
     /// Whether a deletion of this name is still in progress.

@@ -517,14 +517,16 @@ pub fn fetch_keys(
 /// Follows the control plane's incarnation of a stream (`stream`) or cache: one this
 /// broker holds under another incarnation was deleted and created again while it was
 /// away, so the old one is deleted here; the new one, and one listed again while its
-/// deletion is under way, is created once the cores removed the old data (waited for up
-/// to 5 s; otherwise a later sync creates it). Returns whether the caller may create it
-/// now.
+/// deletion is under way, is created once the cores removed the old data (waited for
+/// until `until`, one deadline for a whole sync, so names whose deletion does not finish
+/// never hold up the sync's keys and routes for long; otherwise a later sync creates
+/// it). Returns whether the caller may create it now.
 fn follow_incarnation(
     catalog: &Catalog,
     stream: bool,
     (t, ns, n): (&str, &str, &str),
     incarnation: &str,
+    until: Instant,
 ) -> bool {
     if !catalog.follow_incarnation(stream, t, ns, n, incarnation) {
         tracing::info!(name = %format!("{t}/{ns}/{n}"), stream, "deleted and created again while this broker was away; removing the old one's data");
@@ -534,7 +536,6 @@ fn follow_incarnation(
     // A deletion of the name is under way (started just now, or by an earlier sync that
     // found it gone): the new one is created as soon as the cores finished it, not a
     // sync later (up to 2 s of `not_found` for a stream just created again).
-    let until = Instant::now() + Duration::from_secs(5);
     while catalog.is_deleting(stream, t, ns, n) && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -546,6 +547,7 @@ fn follow_incarnation(
 fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
     let shapes = cp.get("/v1/streams/snapshot")?;
     let mut listed = (HashSet::new(), HashSet::new());
+    let wait_until = Instant::now() + Duration::from_secs(2);
     for s in items::<StreamDoc>(&shapes, "items")? {
         let spec = StreamSpec {
             shards: s.shards,
@@ -562,6 +564,7 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
             true,
             (&s.tenant_id, &s.namespace, &s.stream),
             &s.incarnation,
+            wait_until,
         ) {
             continue;
         }
@@ -581,6 +584,7 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
             false,
             (&c.tenant_id, &c.namespace, &c.cache),
             &c.incarnation,
+            wait_until,
         ) {
             continue;
         }

@@ -2485,3 +2485,65 @@ fn a_broker_away_while_its_stream_was_deleted_and_created_again_drops_the_old_da
         "the broker that was away serves exactly the new incarnation's records"
     );
 }
+
+/// Row 7 of the fault matrix in a cluster: a follower's copy found damaged inside a
+/// sealed segment when it restarts stays closed — never served, never answering for
+/// the shard, never cut to what still reads — and the two intact copies go on taking
+/// Quorum writes and serve every acknowledged record. (The damaged copy is not rebuilt
+/// from its peers: docs/reliability.md, known gaps.)
+#[test]
+fn a_follower_whose_copy_is_damaged_keeps_it_closed_while_the_intact_copies_serve() {
+    let mut c = cluster_with("segment_bytes: 65536\n");
+    c.create_stream("rot", 1, 3, "Quorum").unwrap();
+    let (leader, _) = c
+        .wait_leader("rot", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // About 1 KiB each: several 64 KiB segments.
+    let pad = "r".repeat(1000);
+    let mut acked = rt.block_on(publish_n(&c, "rot", &pad, 250));
+    let follower = (leader + 1) % 3;
+    let copy = copy_of(&c, follower, "rot");
+    let sealed = wait_for(
+        "the follower's copy to hold sealed segments",
+        Duration::from_secs(10),
+        || {
+            let mut segments: Vec<_> = std::fs::read_dir(&copy)
+                .ok()?
+                .filter_map(|e| {
+                    let p = e.ok()?.path();
+                    (p.extension()? == "seg").then_some(p)
+                })
+                .collect();
+            segments.sort();
+            (segments.len() >= 3).then(|| segments[0].clone())
+        },
+    )
+    .unwrap();
+    c.brokers[follower].kill();
+    let mut bytes = std::fs::read(&sealed).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&sealed, &bytes).unwrap();
+    c.brokers[follower].restart().unwrap();
+    // The intact copies are a majority: Quorum writes go on.
+    acked.extend(rt.block_on(publish_n(&c, "rot", "after", 20)));
+    check_nothing_lost(
+        &acked,
+        &rt.block_on(read_all(&c, "rot", acked.len() as u64)),
+    );
+    assert_eq!(
+        c.wait_leader("rot", 0, None, 0, Duration::from_secs(1))
+            .unwrap()
+            .0,
+        leader,
+        "the leader did not change"
+    );
+    // The damaged copy is as it was: not truncated to what still reads, not written to.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        std::fs::read(&sealed).unwrap(),
+        bytes,
+        "the damaged segment was left alone"
+    );
+}

@@ -101,6 +101,9 @@ pub struct ReplicaShard {
     /// Unique among the replicas this core ever opened: answers to requests sent by an
     /// earlier replica of the same shard (removed since) do not reach this one.
     instance: u64,
+    /// Its stream or cache is gone from the catalog (deleted; the cores remove the
+    /// replica and its data at their next housekeeping round): it answers nothing.
+    defunct: Cell<bool>,
     /// Its stream or cache state.
     pub held: Held,
     log: SegmentLog<DmaBackend>,
@@ -137,6 +140,9 @@ pub struct ReplicaShard {
     /// (see [`Replicas::sync`]).
     left_out_since: Cell<Option<std::time::Instant>>,
 }
+
+/// How often the same failure to open a replica is logged again.
+const OPEN_FAILED_REPEAT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How long a replica whose set this broker left is kept before its data is removed:
 /// the control plane's word is final (generations only grow), so this is a margin for
@@ -618,6 +624,8 @@ pub struct Replicas {
     shards: RefCell<HashMap<Arc<ShardKey>, Rc<ReplicaShard>>>,
     next_correlation: Cell<u64>,
     next_instance: Cell<u64>,
+    /// Replicas that failed to open, with the reason last logged and when.
+    open_failed: RefCell<HashMap<ShardKey, (String, std::time::Instant)>>,
     /// Requests we sent, for routing answers: correlation id -> shard.
     pending: RefCell<PendingRequests>,
     /// The last request each peer sent about each shard: its answers echo the id.
@@ -772,6 +780,7 @@ impl Replicas {
             shards: RefCell::default(),
             next_correlation: Cell::new(1),
             next_instance: Cell::new(1),
+            open_failed: RefCell::default(),
             pending: RefCell::default(),
             last_in: RefCell::default(),
             metrics,
@@ -789,6 +798,7 @@ impl Replicas {
     /// new replica.
     pub fn remove(&self, key: &ShardKey) -> Option<Rc<ReplicaShard>> {
         let rs = self.shards.borrow_mut().remove(key)?;
+        self.last_in.borrow_mut().retain(|(k, _), _| **k != *key);
         rs.stopped.set(true);
         rs.ready.set(false);
         rs.term.set(rs.term.get() + 1);
@@ -965,11 +975,14 @@ impl Replicas {
     pub fn deliver(&self, from: NodeId, m: InternalMessage) {
         let now = clock::now().instant;
         // Requests name the life of the stream they are about; answers reach only the
-        // replica instance that asked.
-        let (mut life, mut asker) = (None, None);
+        // replica instance that asked. A request's correlation id is remembered for the
+        // answers only once it passed both checks: an answer of another life's replica
+        // must not carry it.
+        let (mut life, mut asker, mut incoming) = (None, None, None);
         let (key, msg) = match m {
             InternalMessage::Fence(f) => {
-                let key = self.remember(&f.shard, &from, f.correlation_id);
+                let key = Arc::new(shard_key(&f.shard));
+                incoming = Some(f.correlation_id);
                 life = Some(f.shard.incarnation);
                 (
                     key,
@@ -979,7 +992,8 @@ impl Replicas {
                 )
             }
             InternalMessage::Fetch(f) => {
-                let key = self.remember(&f.shard, &from, f.correlation_id);
+                let key = Arc::new(shard_key(&f.shard));
+                incoming = Some(f.correlation_id);
                 life = Some(f.shard.incarnation);
                 (
                     key,
@@ -990,7 +1004,8 @@ impl Replicas {
                 )
             }
             InternalMessage::Bootstrap(b) => {
-                let key = self.remember(&b.shard, &from, b.correlation_id);
+                let key = Arc::new(shard_key(&b.shard));
+                incoming = Some(b.correlation_id);
                 life = Some(b.shard.incarnation);
                 (
                     key,
@@ -1002,12 +1017,14 @@ impl Replicas {
             }
             InternalMessage::Records(r) => {
                 let fetched = r.leader == *self.me;
-                let key = if fetched {
-                    asker = self.answered(r.correlation_id).map(|(_, i)| i);
-                    Arc::new(shard_key(&r.shard))
+                // The answer to our fetch: only while the request is pending (instance
+                // ids start at 1, so 0 matches no replica).
+                if fetched {
+                    asker = Some(self.answered(r.correlation_id).map_or(0, |(_, i)| i));
                 } else {
-                    self.remember(&r.shard, &from, r.correlation_id)
-                };
+                    incoming = Some(r.correlation_id);
+                }
+                let key = Arc::new(shard_key(&r.shard));
                 life = Some(r.shard.incarnation);
                 let from_offset = match r.batches.first() {
                     Some(b) => b.base_offset.0,
@@ -1089,16 +1106,18 @@ impl Replicas {
             tracing::debug!(shard = %key, from = %from, theirs = %theirs.as_str(), "a message about another incarnation");
             return;
         }
+        if rs.defunct.get() {
+            // Its stream or cache is gone from the catalog: it answers nothing while its
+            // deletion is under way.
+            return;
+        }
+        if let Some(correlation_id) = incoming {
+            self.last_in
+                .borrow_mut()
+                .insert((key, from.clone()), correlation_id);
+        }
         rs.machine.borrow_mut().handle_message(from, msg, now);
         rs.kick();
-    }
-
-    fn remember(&self, r: &ShardRef, from: &NodeId, correlation_id: u64) -> Arc<ShardKey> {
-        let key = Arc::new(shard_key(r));
-        self.last_in
-            .borrow_mut()
-            .insert((key.clone(), from.clone()), correlation_id);
-        key
     }
 
     fn answered(&self, correlation_id: u64) -> Option<(Arc<ShardKey>, u64)> {
@@ -1160,9 +1179,32 @@ impl Replicas {
                     .open(Arc::new(key.clone()), consistency, &incarnation, &open)
                     .await
                 {
-                    Ok(rs) => rs,
+                    Ok(_)
+                        if replicated(&key)
+                            .is_none_or(|(_, now)| !same_life(&incarnation, &now)) =>
+                    {
+                        // Deleted while it opened (its deletion may have closed the log
+                        // already, and would not find this replica to remove it).
+                        self.remove(&key);
+                        continue;
+                    }
+                    Ok(rs) => {
+                        self.open_failed.borrow_mut().remove(&key);
+                        rs
+                    }
                     Err(e) => {
-                        tracing::warn!(shard = %key, error = %e, "opening a replica");
+                        // Tried again every sync (ten a second): said once a minute, or
+                        // when the reason changes (a damaged copy would flood the log).
+                        let now = std::time::Instant::now();
+                        let reason = e.to_string();
+                        let mut failed = self.open_failed.borrow_mut();
+                        let said = failed.get(&key).is_some_and(|(r, at)| {
+                            *r == reason && now.duration_since(*at) < OPEN_FAILED_REPEAT
+                        });
+                        if !said {
+                            tracing::warn!(shard = %key, error = %reason, "opening a replica (tried again every sync; said again once a minute)");
+                            failed.insert(key.clone(), (reason, now));
+                        }
                         continue;
                     }
                 },
@@ -1182,6 +1224,11 @@ impl Replicas {
                 );
                 rs.kick();
             }
+        }
+        for rs in self.all() {
+            let gone = replicated(&rs.key)
+                .is_none_or(|(_, now)| !same_life(&rs.incarnation.borrow(), &now));
+            rs.defunct.set(gone);
         }
         let now = std::time::Instant::now();
         let mut left = Vec::new();
@@ -1288,6 +1335,7 @@ impl Replicas {
             key: key.clone(),
             incarnation: RefCell::new(incarnation.into()),
             instance,
+            defunct: Cell::new(false),
             log: held.log().clone(),
             held,
             ready: Cell::new(false),
