@@ -46,9 +46,6 @@ const OUTBOUND_MAX: usize = 4096;
 pub const CROSS_CORE_REQUESTS_MAX: usize = 8192;
 /// Expired values one cache shard deletes per housekeeping round.
 const EXPIRE_BATCH: usize = 256;
-/// How long a shard whose log was refused as damaged is answered from that refusal
-/// before its log is read again (an operator may have restored or repaired it).
-const DAMAGED_RETRY: Duration = Duration::from_secs(10);
 
 /// A cache operation.
 #[derive(Debug)]
@@ -688,10 +685,6 @@ pub struct CoreBroker {
     closed_log_stats: Cell<(u64, u64)>,
     /// Shards just handed over by another core, to open without re-checking every batch.
     handed_over: RefCell<std::collections::HashSet<Arc<ShardKey>>>,
-    /// Shards whose log recovery refused as damaged, with when and why: asked for again
-    /// within [`DAMAGED_RETRY`], the refusal is answered without reading the log again
-    /// (a full checksum of every segment, for every request or replica sync).
-    damaged: RefCell<HashMap<ShardKey, (std::time::Instant, String)>>,
     /// Requests accepted here for a shard this core has not handed them yet (waiting for
     /// its log to open, or about to ask for it), per shard: a re-pin's release waits for
     /// them as it waits for work holding the shard (`core/moves.rs`).
@@ -790,7 +783,6 @@ impl CoreBroker {
             takeover_held: RefCell::default(),
             left_copies: RefCell::default(),
             handed_over: RefCell::default(),
-            damaged: RefCell::default(),
             awaiting_shard: Rc::default(),
             load: RefCell::default(),
         })
@@ -891,11 +883,6 @@ impl CoreBroker {
         else {
             return Err(BrokerError::NotFound(format!("{key} does not exist")));
         };
-        if let Some((at, why)) = self.damaged.borrow().get(key)
-            && at.elapsed() < DAMAGED_RETRY
-        {
-            return Err(BrokerError::Storage(why.clone()));
-        }
         let dir = shard_dir(&self.shared.data_dir, key);
         let backend = DmaBackend::open_dir_with_faults(&dir, self.shared.faults.clone())
             .await
@@ -928,20 +915,13 @@ impl CoreBroker {
                 return Err(BrokerError::Overloaded(reason.into()));
             }
             Err(e @ felix_storage_uring::StorageError::Corrupt(_)) => {
-                let why = format!("{}: {e}", dir.display());
-                let known = self
-                    .damaged
-                    .borrow_mut()
-                    .insert(key.clone(), (std::time::Instant::now(), why.clone()))
-                    .is_some_and(|(_, before)| before == why);
-                if !known {
-                    tracing::error!(shard = %key, error = %e, "the shard's log is damaged and stays closed (felix-log repair --dry-run says what a repair would do)");
-                }
-                return Err(BrokerError::Storage(why));
+                // Remembered by the shard's slot (`Slot::Failed`) until the broker
+                // restarts or the stream is deleted: said once, here.
+                tracing::error!(shard = %key, error = %e, "the shard's log is damaged and stays closed until a restart (felix-log repair --dry-run says what a repair would do)");
+                return Err(BrokerError::Storage(format!("{}: {e}", dir.display())));
             }
             Err(e) => return Err(e.into()),
         };
-        self.damaged.borrow_mut().remove(key);
         if report.truncated_bytes > 0 || report.discarded_segments > 0 {
             tracing::warn!(shard = %key, ?report, "recovered a torn tail");
         }
