@@ -884,7 +884,17 @@ fn damaged_restart(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
             if let Some(path) = newest {
                 use std::io::Write as _;
                 let end = std::fs::metadata(&path)?.len();
-                let hole = n.rng.between(0, 2) * 4096 + (4096 - end % 4096) % 4096;
+                // At least one sector of the round did not land before the garbage: the
+                // rest of the sector holding the end, or (an end on a sector boundary)
+                // whole sectors. Garbage right at an aligned end would be a first
+                // sector that landed holding no batch — no power cut writes that, and
+                // recovery rightly refuses it (seed 20261207 once drew it).
+                let pad = (4096 - end % 4096) % 4096;
+                let hole = if pad == 0 {
+                    n.rng.between(1, 2) * 4096
+                } else {
+                    n.rng.between(0, 2) * 4096 + pad
+                };
                 let len = n.rng.between(1, 6000) as usize;
                 let mut bytes = vec![0u8; hole as usize];
                 bytes.extend((0..len).map(|i| (0xa5 ^ i as u8) | 1));
