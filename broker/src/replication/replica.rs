@@ -53,9 +53,9 @@ pub const QUORUM_WAIT: Duration = Duration::from_secs(5);
 /// Requests remembered for routing their answers back.
 const PENDING_MAX: usize = 65_536;
 
-/// Requests sent, by correlation id, and their order (the oldest are forgotten first).
 /// Requests sent, by correlation id: the shard and the [`ReplicaShard::instance`] that
-/// sent each (an answer reaches only the replica that asked), oldest first for trimming.
+/// sent each (an answer reaches only the replica that asked), and their order (the
+/// oldest are forgotten first).
 type PendingRequests = (HashMap<u64, (Arc<ShardKey>, u64)>, VecDeque<u64>);
 
 /// What a replica's log belongs to, for what each kind does on top of the log: a
@@ -626,7 +626,7 @@ pub struct Replicas {
     next_instance: Cell<u64>,
     /// Replicas that failed to open, with the reason last logged and when.
     open_failed: RefCell<HashMap<ShardKey, (String, std::time::Instant)>>,
-    /// Requests we sent, for routing answers: correlation id -> shard.
+    /// Requests we sent, for routing answers: correlation id -> shard and instance.
     pending: RefCell<PendingRequests>,
     /// The last request each peer sent about each shard: its answers echo the id.
     last_in: RefCell<HashMap<(Arc<ShardKey>, NodeId), u64>>,
@@ -642,7 +642,9 @@ impl std::fmt::Debug for Replicas {
     }
 }
 
-fn shard_ref(key: &ShardKey, incarnation: &str) -> ShardRef {
+/// How `rs`'s messages name its shard, and the life of the name it copies.
+fn shard_ref(rs: &ReplicaShard) -> ShardRef {
+    let (key, life) = (&rs.key, rs.incarnation.borrow());
     ShardRef {
         kind: match key.kind {
             ShardKind::Stream => message::ShardKind::Stream,
@@ -651,7 +653,7 @@ fn shard_ref(key: &ShardKey, incarnation: &str) -> ShardRef {
         tenant: key.tenant.as_str().into(),
         namespace: key.namespace.as_str().into(),
         name: key.name.as_str().into(),
-        incarnation: incarnation.into(),
+        incarnation: (&**life).into(),
         shard: ShardId(key.shard),
     }
 }
@@ -873,11 +875,10 @@ impl Replicas {
                 .unwrap_or(0)
         };
         let me = self.me.to_string();
-        let incarnation = rs.incarnation.borrow().clone();
         let wire = match msg {
             Msg::Fence { generation } => InternalMessage::Fence(internal::Fence {
                 correlation_id: self.correlation(rs),
-                shard: shard_ref(key, &incarnation),
+                shard: shard_ref(rs),
                 generation: Generation(generation),
                 leader: me,
             }),
@@ -897,7 +898,7 @@ impl Replicas {
             }),
             Msg::Fetch { generation, from } => InternalMessage::Fetch(internal::Fetch {
                 correlation_id: self.correlation(rs),
-                shard: shard_ref(key, &incarnation),
+                shard: shard_ref(rs),
                 generation: Generation(generation),
                 leader: me,
                 from_offset: Offset(from),
@@ -929,7 +930,7 @@ impl Replicas {
                     } else {
                         self.correlation(rs)
                     },
-                    shard: shard_ref(key, &incarnation),
+                    shard: shard_ref(rs),
                     generation: Generation(generation),
                     leader: if fetched { to.to_string() } else { me },
                     prev_offset: Offset(prev_offset),
@@ -957,7 +958,7 @@ impl Replicas {
             Msg::Bootstrap { generation, base } => {
                 InternalMessage::Bootstrap(internal::Bootstrap {
                     correlation_id: self.correlation(rs),
-                    shard: shard_ref(key, &incarnation),
+                    shard: shard_ref(rs),
                     generation: Generation(generation),
                     leader: me,
                     base_offset: Offset(base),
