@@ -82,6 +82,11 @@ pub struct ShardReport {
     pub generation_committed: bool,
     /// Followers: what each durably holds, and whether it is halted.
     pub followers: Vec<FollowerReport>,
+    /// Named leader, this broker lost its copy (found damaged, being rebuilt from the
+    /// others) and will not lead this generation: the control plane promotes another.
+    /// Left out when false (a control plane that predates it refuses unknown fields).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub cannot_lead: bool,
 }
 
 /// One follower in a [`ShardReport`].
@@ -95,6 +100,10 @@ pub struct FollowerReport {
     pub halted: bool,
     /// A copy staged for a move, not a member of the set.
     pub staged: bool,
+    /// It lost its copy and rebuilds it (counted in no election): the control plane
+    /// starts a new generation, which it can be whole again at. Left out when false.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub rebuilding: bool,
 }
 
 /// Where a request for a shard goes.

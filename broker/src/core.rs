@@ -427,6 +427,8 @@ pub struct CoreMetrics {
     pub replication_halted: AtomicU64,
     /// Copies of replicated shards removed after this broker left their set.
     pub replicas_left: AtomicU64,
+    /// Copies this core's replicas are rebuilding (found damaged, started over).
+    pub replicas_rebuilding: AtomicU64,
     /// Quorum publishes answered outcome-unknown (no majority in time, or leadership
     /// changed first).
     pub quorum_unknown: AtomicU64,
@@ -529,6 +531,8 @@ pub struct Shared {
 
 #[path = "core/carry.rs"]
 mod carry;
+#[path = "core/damaged.rs"]
+mod damaged;
 #[path = "core/follow.rs"]
 pub mod follow;
 #[path = "core/idempotent.rs"]
@@ -703,6 +707,12 @@ impl std::fmt::Debug for CoreBroker {
             .field("core", &self.core)
             .finish()
     }
+}
+
+/// A log opened, or found damaged (why).
+enum Opened {
+    Log(SegmentLog<DmaBackend>),
+    Damaged(BrokerError),
 }
 
 pub(crate) fn shard_dir(root: &std::path::Path, key: &ShardKey) -> PathBuf {
@@ -884,7 +894,34 @@ impl CoreBroker {
             return Err(BrokerError::NotFound(format!("{key} does not exist")));
         };
         let dir = shard_dir(&self.shared.data_dir, key);
-        let backend = DmaBackend::open_dir_with_faults(&dir, self.shared.faults.clone())
+        let rebuildable = spec.replicated() && self.replicas.is_some();
+        match self.open_log_in(key, &dir, spec.replicated()).await? {
+            Opened::Log(log) => Ok(log),
+            Opened::Damaged(_) if rebuildable => {
+                // Other copies hold what this one held: set it aside and rebuild it
+                // from them (`damaged.rs`); open the empty copy in its place.
+                self.set_damaged_copy_aside(key, &dir).await?;
+                match self.open_log_in(key, &dir, true).await? {
+                    Opened::Log(log) => Ok(log),
+                    Opened::Damaged(e) => Err(e),
+                }
+            }
+            Opened::Damaged(e) => {
+                // Remembered by the shard's slot (`Slot::Failed`) until the broker
+                // restarts or the stream is deleted: said once, here.
+                tracing::error!(shard = %key, error = %e, "the shard's log is damaged and stays closed until a restart (felix-log repair --dry-run says what a repair would do)");
+                Err(e)
+            }
+        }
+    }
+
+    async fn open_log_in(
+        &self,
+        key: &ShardKey,
+        dir: &std::path::Path,
+        replicated: bool,
+    ) -> Result<Opened, BrokerError> {
+        let backend = DmaBackend::open_dir_with_faults(dir, self.shared.faults.clone())
             .await
             .map_err(|e| match out_of_resources(&e) {
                 Some(reason) => {
@@ -900,7 +937,7 @@ impl CoreBroker {
             // batch again (which a start after a crash does).
             config.verify_on_open = felix_storage_uring::VerifyOnOpen::Tail;
         }
-        if spec.replicated() {
+        if replicated {
             // A leader ships what it reads back from its log, so a linger would delay
             // every follower (and a Quorum ack) by that much: write at once.
             config.write_linger = std::time::Duration::ZERO;
@@ -915,10 +952,8 @@ impl CoreBroker {
                 return Err(BrokerError::Overloaded(reason.into()));
             }
             Err(e @ felix_storage_uring::StorageError::Corrupt(_)) => {
-                // Remembered by the shard's slot (`Slot::Failed`) until the broker
-                // restarts or the stream is deleted: said once, here.
-                tracing::error!(shard = %key, error = %e, "the shard's log is damaged and stays closed until a restart (felix-log repair --dry-run says what a repair would do)");
-                return Err(BrokerError::Storage(format!("{}: {e}", dir.display())));
+                let e = BrokerError::Storage(format!("{}: {e}", dir.display()));
+                return Ok(Opened::Damaged(e));
             }
             Err(e) => return Err(e.into()),
         };
@@ -936,7 +971,7 @@ impl CoreBroker {
             task::sleep(Duration::from_millis(1)).await;
         }
         self.metrics.shards_open.fetch_add(1, Ordering::Relaxed);
-        Ok(log)
+        Ok(Opened::Log(log))
     }
 
     /// The stream shard `key`, opening (and recovering) it on first use. Only on the

@@ -281,6 +281,48 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         "Copies of replicated shards removed after this broker left their set.",
         |m| m.replicas_left.load(Ordering::Relaxed),
     ),
+    (
+        "felix_broker_replication_lag_records",
+        "gauge",
+        "Records the led Leader-consistency shards hold that their slowest non-halted follower lacks: what a failover now could lose.",
+        |m| m.replication_lag_records.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_replication_halted",
+        "gauge",
+        "Followers of led shards halted (they would have to cut committed records).",
+        |m| m.replication_halted.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_replication_shipped_total",
+        "counter",
+        "Records shipped to followers.",
+        |m| m.replication_shipped.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_replicated_total",
+        "counter",
+        "Records stored as a follower.",
+        |m| m.replicated.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_quorum_unknown_total",
+        "counter",
+        "Quorum publishes answered outcome-unknown (no majority in time, or leadership changed first).",
+        |m| m.quorum_unknown.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_lease_refusals_total",
+        "counter",
+        "Writes refused because this broker's lease had run out.",
+        |m| m.lease_refusals.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_replicas_rebuilding",
+        "gauge",
+        "Copies of replicated shards found damaged, set aside and being rebuilt from the other copies (counted in no election until whole).",
+        |m| m.replicas_rebuilding.load(Ordering::Relaxed),
+    ),
 ];
 
 /// Renders every metric in the OpenMetrics text format, through `prometheus-client`.

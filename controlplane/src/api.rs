@@ -1650,6 +1650,7 @@ async fn replication_view(State(st): State<AppState>, h: HeaderMap) -> ApiResult
                     "ready": ready.contains(n),
                     "position": positions.get(n),
                     "halted": report.is_some_and(|r| r.halted(n)),
+                    "rebuilding": report.is_some_and(|r| r.rebuilding(n)),
                 })
             })
             .collect();

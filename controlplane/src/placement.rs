@@ -23,6 +23,13 @@
 //!   promoted broker fences a majority before serving, which keeps Quorum streams safe
 //!   whichever member is chosen; the choice matters for Leader streams (their loss
 //!   window is what the promoted member lacks) and for how soon the shard serves.
+//! - **Promote at once when the leader cannot lead**: a leader that lost its copy
+//!   (found damaged at open, rebuilt from the other members) reports `cannot_lead`
+//!   and never writes at its generation again, so no lease needs to run out.
+//! - **Renew the generation** (same leader, same set) under a ready leader serving
+//!   this generation whose report names a member rebuilding a lost copy: that member
+//!   counts in no election until it verified a generation elected without it. Not
+//!   while a staged move is staging or retiring (its own writes start generations).
 //! - **Wait for the owner** when the leader is gone and nobody else holds the shard's
 //!   durable log (RF 1): reopening it elsewhere would reopen it empty. Only
 //!   `POST /v1/placement/abandon` does that, and says it lost data.
@@ -90,6 +97,9 @@ pub struct PassReport {
     pub unplaced: usize,
     /// Durable shards left with their down owner, the only node with their log.
     pub waiting_for_owner: usize,
+    /// Assignments rewritten unchanged at a new generation for a member rebuilding its
+    /// copy.
+    pub renewed: usize,
 }
 
 /// How a node stands at an instant.
@@ -265,6 +275,9 @@ enum Decision {
     Stage(String, String),
     /// Add a member to a short set.
     Grow(String),
+    /// The same leader and set at a new generation: a member rebuilding a lost copy
+    /// is whole again once it verified a generation elected without it.
+    Renew,
     /// A fresh leader and set (only for shards without a durable log).
     Replace(String, Vec<String>),
     /// The leader is gone and is the only node with the shard's log.
@@ -330,6 +343,17 @@ fn decide(
     may_lead: &dyn Fn(&str) -> bool,
     may_lead_at_all: &dyn Fn(&str) -> bool,
 ) -> Decision {
+    let cannot_lead = report.is_some_and(|r| {
+        r.from == a.leader && r.report.generation == a.generation && r.report.cannot_lead
+    });
+    if cannot_lead {
+        // The leader lost its copy and will not lead this generation (it rebuilds it
+        // from the others, and writing under this generation's label again could give
+        // an offset two values): promote now, as for a leader that is gone. It never
+        // writes at this generation, so no lease of its needs to run out.
+        return successor(store_key, a, view, report, may_lead_at_all)
+            .map_or(Decision::Keep, Decision::Promote);
+    }
     if view.holds(&a.leader) {
         // The set changes only under a ready leader that has reported serving this
         // generation: until then it may still be fencing over the current set.
@@ -359,6 +383,9 @@ fn decide(
             } else {
                 Decision::Keep
             };
+        }
+        if a.retiring.is_none() && report.is_some_and(StoredReport::any_rebuilding) {
+            return Decision::Renew;
         }
         if a.retiring.is_some() {
             let committed = report.is_some_and(|r| r.report.generation_committed);
@@ -589,6 +616,7 @@ pub async fn pass_at(
                 a.replicas.push(spare);
                 report.restored += 1;
             }
+            Decision::Renew => report.renewed += 1,
             Decision::Replace(leader, replicas) => {
                 *leading.entry(leader.clone()).or_default() += 1;
                 a.leader = leader;
@@ -705,6 +733,10 @@ mod tests {
             config: ApiConfig,
             /// What leaders' reports say of their generation being committed.
             committed: std::cell::Cell<bool>,
+            /// What leaders' reports say of their leading at all (`cannot_lead`).
+            cannot_lead: std::cell::Cell<bool>,
+            /// The follower reports name as rebuilding a lost copy.
+            rebuilding: std::cell::Cell<Option<&'static str>>,
         }
 
         fn fixture() -> Fixture {
@@ -721,6 +753,8 @@ mod tests {
                     ..ApiConfig::default()
                 },
                 committed: std::cell::Cell::new(false),
+                cannot_lead: std::cell::Cell::new(false),
+                rebuilding: std::cell::Cell::new(None),
             }
         }
 
@@ -840,8 +874,10 @@ mod tests {
                             durable_end: *d,
                             halted: *h,
                             staged: false,
+                            rebuilding: self.rebuilding.get() == Some(*n),
                         })
                         .collect(),
+                    cannot_lead: self.cannot_lead.get(),
                 };
                 let a = self
                     .store
@@ -939,6 +975,72 @@ mod tests {
                 PassReport::default(),
                 "settled: the new leader keeps it"
             );
+        }
+
+        /// A live leader that lost its copy (its report says it cannot lead) is
+        /// replaced at once, though its older report was further ahead, and only then.
+        #[tokio::test]
+        async fn a_live_leader_that_cannot_lead_is_replaced_at_once() {
+            let f = fixture();
+            let now = T0 + 10_000;
+            for n in ["a", "b", "c"] {
+                f.node(n, now).await;
+            }
+            f.stream("s", &["a", "b", "c"], true, 4).await;
+            let before = f
+                .report("a", "s", 4, 100, &[("b", 90, false), ("c", 90, false)], now)
+                .await;
+            assert_eq!(before, Verdict::Accepted);
+            assert_eq!(f.pass(now).await.moved, 0, "a live serving leader stays");
+            f.cannot_lead.set(true);
+            let v = f.report("a", "s", 4, 0, &[], now + 1).await;
+            assert_eq!(
+                v,
+                Verdict::Accepted,
+                "a rebuilt copy's report replaces the old one"
+            );
+            let r = f.pass(now + 1).await;
+            assert_eq!(r.moved, 1, "{r:?}");
+            let a = f.get("s").await;
+            assert_ne!(a.leader, "a");
+            assert_eq!(a.generation, 5);
+            assert_eq!(a.replicas, ["a", "b", "c"], "the set is kept");
+        }
+
+        /// A member rebuilding a lost copy gets a new generation under the same leader
+        /// (it can be whole again only at one elected without it), once.
+        #[tokio::test]
+        async fn a_member_rebuilding_its_copy_gets_a_new_generation_under_the_same_leader() {
+            let f = fixture();
+            let now = T0 + 10_000;
+            for n in ["a", "b", "c"] {
+                f.node(n, now).await;
+            }
+            f.stream("s", &["a", "b", "c"], true, 4).await;
+            f.rebuilding.set(Some("b"));
+            let v = f
+                .report("a", "s", 4, 100, &[("b", 0, false), ("c", 100, false)], now)
+                .await;
+            assert_eq!(v, Verdict::Accepted);
+            let r = f.pass(now).await;
+            assert_eq!((r.renewed, r.moved, r.restored), (1, 0, 0), "{r:?}");
+            let a = f.get("s").await;
+            assert_eq!((a.leader.as_str(), a.generation), ("a", 5));
+            assert_eq!(a.replicas, ["a", "b", "c"]);
+            // Not again until the leader reports at the new generation; then only if a
+            // member still rebuilds.
+            assert_eq!(f.pass(now + 1).await, PassReport::default());
+            f.rebuilding.set(None);
+            f.report(
+                "a",
+                "s",
+                5,
+                100,
+                &[("b", 100, false), ("c", 100, false)],
+                now + 2,
+            )
+            .await;
+            assert_eq!(f.pass(now + 2).await, PassReport::default());
         }
 
         #[tokio::test]

@@ -34,6 +34,11 @@ pub struct FollowerReport {
     /// A copy staged for a move (not a member of the set yet).
     #[serde(default)]
     pub staged: bool,
+    /// The follower lost its copy (found damaged) and rebuilds it from the others: it
+    /// counts in no election until it verified a generation elected without it, which
+    /// placement starts.
+    #[serde(default)]
+    pub rebuilding: bool,
 }
 
 /// One shard in a leader's report.
@@ -63,6 +68,10 @@ pub struct ShardReport {
     /// Its followers.
     #[serde(default)]
     pub followers: Vec<FollowerReport>,
+    /// The named leader lost its copy (found damaged, being rebuilt from the others)
+    /// and may not lead this generation: placement promotes another member.
+    #[serde(default)]
+    pub cannot_lead: bool,
 }
 
 impl ShardReport {
@@ -81,7 +90,8 @@ impl ShardReport {
     /// with a log end at least as far (a leader's log only grows while it leads).
     pub fn supersedes(&self, older: &ShardReport) -> bool {
         self.generation > older.generation
-            || (self.generation == older.generation && self.log_end >= older.log_end)
+            || (self.generation == older.generation
+                && (self.log_end >= older.log_end || self.cannot_lead))
     }
 }
 
@@ -141,6 +151,22 @@ impl StoredReport {
             .followers
             .iter()
             .any(|f| f.halted && f.node_id == node)
+    }
+
+    /// Whether a member (not a staged copy) is rebuilding a lost copy.
+    pub fn any_rebuilding(&self) -> bool {
+        self.report
+            .followers
+            .iter()
+            .any(|f| f.rebuilding && !f.staged)
+    }
+
+    /// Whether the report names `node` as a follower rebuilding its copy.
+    pub fn rebuilding(&self, node: &str) -> bool {
+        self.report
+            .followers
+            .iter()
+            .any(|f| f.rebuilding && f.node_id == node)
     }
 
     /// Whether any follower is halted.
@@ -238,14 +264,14 @@ impl ReplicaReports {
 }
 
 /// Whether a shard lacks redundancy: fewer ready members than members, or the latest
-/// report names a halted follower.
+/// report names a halted follower or one rebuilding its copy.
 pub fn under_replicated(
     a: &Assignment,
     ready: impl Fn(&str) -> bool,
     report: Option<&StoredReport>,
 ) -> bool {
     let ready_members = a.replicas.iter().filter(|n| ready(n)).count();
-    ready_members < a.replicas.len() || report.is_some_and(StoredReport::any_halted)
+    ready_members < a.replicas.len() || report.is_some_and(|r| r.any_halted() || r.any_rebuilding())
 }
 
 #[cfg(test)]
@@ -283,7 +309,9 @@ mod tests {
                 durable_end: log_end / 2,
                 halted: false,
                 staged: false,
+                rebuilding: false,
             }],
+            cannot_lead: false,
         }
     }
 

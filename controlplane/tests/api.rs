@@ -1135,7 +1135,7 @@ fn replication_scenario(svc: &Service) {
     };
     assert_eq!(
         member(&v, &behind),
-        json!({"node_id": behind, "leader": false, "ready": true, "position": 40, "halted": true})
+        json!({"node_id": behind, "leader": false, "ready": true, "position": 40, "halted": true, "rebuilding": false})
     );
     expect_err(
         anon.clone()

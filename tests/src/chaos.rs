@@ -25,6 +25,7 @@ use serde_json::{Value, json};
 use crate::cluster::{CP_ARGS, NAMESPACE, TENANT, TestCluster};
 use crate::history::{FinalLogs, History, Op, OpKind, Outcome, Promise, check};
 use crate::proxy::{Link, Party};
+use crate::wait_for;
 
 /// One stream a scenario writes.
 #[derive(Debug, Clone, Copy)]
@@ -333,6 +334,19 @@ pub const SCENARIOS: &[Scenario] = &[
         stable: false,
         postgres: false,
         nemesis: damaged_restart,
+    },
+    Scenario {
+        name: "damaged-replica",
+        about: "three brokers, Quorum streams, 64 KiB segments: SIGKILL a broker (a leader one time in two), flip a byte inside a sealed segment of each of its copies, restart it; its damaged copies are set aside and rebuilt from the others before the next round",
+        nodes: 3,
+        proxies: false,
+        broker_yaml: "segment_bytes: 65536\n",
+        streams: &[Q3, Q3B],
+        producers: 1,
+        depth: 8,
+        stable: false,
+        postgres: false,
+        nemesis: damaged_replica,
     },
     Scenario {
         name: "fd-exhaustion",
@@ -930,6 +944,67 @@ fn damaged_restart(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         }
         n.event("damage", json!({"torn_tails": torn, "indexes": indexes}));
         n.restart(0)?;
+    }
+    Ok(())
+}
+
+fn damaged_replica(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    while n.running() {
+        n.sleep_ms(1500, 3000);
+        let b = if n.rng.between(0, 1) == 0 {
+            n.some_leader()?.0
+        } else {
+            n.rng.between(0, n.cluster.brokers.len() as u64 - 1) as usize
+        };
+        n.kill(b);
+        let root = n.cluster.brokers[b].data_dir.join("streams");
+        let mut flipped = Vec::new();
+        for shard in shard_dirs(&root)? {
+            let mut sealed: Vec<PathBuf> = std::fs::read_dir(&shard)?
+                .filter_map(|e| {
+                    let p = e.ok()?.path();
+                    (p.extension()? == "seg").then_some(p)
+                })
+                .collect();
+            sealed.sort();
+            sealed.pop(); // the active segment
+            if sealed.is_empty() {
+                continue;
+            }
+            let path = &sealed[n.rng.between(0, sealed.len() as u64 - 1) as usize];
+            let mut bytes = std::fs::read(path)?;
+            // Past the header block, inside the batches (a sealed segment's tail may
+            // be padding no checksum covers).
+            if bytes.len() < 3 * 4096 {
+                continue;
+            }
+            let at = n.rng.between(4096, bytes.len() as u64 * 3 / 4) as usize;
+            bytes[at] ^= 1 << n.rng.between(0, 7);
+            std::fs::write(path, &bytes)?;
+            flipped.push(path.strip_prefix(&root)?.display().to_string());
+        }
+        n.event("damage", json!({"node": b, "flipped": flipped}));
+        n.restart(b)?;
+        // One damaged broker at a time: copies being rebuilt count in no election, so
+        // a second one could leave a shard with no majority that may elect.
+        let began = Instant::now();
+        let rebuilt = wait_for("the copies rebuilt", Duration::from_secs(30), || {
+            let b = &n.cluster.brokers[b];
+            (b.metric("felix_broker_shards_open").ok()? >= flipped.len() as u64
+                && b.metric("felix_broker_replicas_rebuilding").ok()? == 0)
+                .then_some(())
+        });
+        // Copies set aside so far on that broker (one per damaged copy it found).
+        let set_aside = std::fs::read_dir(n.cluster.brokers[b].data_dir.join("damaged-copies"))
+            .map_or(0, |d| d.count());
+        n.event(
+            if rebuilt.is_ok() {
+                "rebuilt"
+            } else {
+                "not-rebuilt"
+            },
+            json!({"node": b, "ms": began.elapsed().as_millis() as u64, "set_aside": set_aside}),
+        );
     }
     Ok(())
 }

@@ -64,6 +64,7 @@ fn every_scenario_is_listed_here() {
         "disk-full",
         "core-panic",
         "damaged-restart",
+        "damaged-replica",
         "fd-exhaustion",
         "duplicate-node",
         "delete-recreate",
@@ -159,6 +160,11 @@ fn core_panic() {
 #[test]
 fn damaged_restart() {
     assert_clean("damaged-restart");
+}
+
+#[test]
+fn damaged_replica() {
+    assert_clean("damaged-replica");
 }
 
 #[test]

@@ -2486,26 +2486,20 @@ fn a_broker_away_while_its_stream_was_deleted_and_created_again_drops_the_old_da
     );
 }
 
-/// Row 7 of the fault matrix in a cluster: a follower's copy found damaged inside a
-/// sealed segment when it restarts stays closed — never served, never answering for
-/// the shard, never cut to what still reads — and the two intact copies go on taking
-/// Quorum writes and serve every acknowledged record. (The damaged copy is not rebuilt
-/// from its peers: docs/reliability.md, known gaps.)
-#[test]
-fn a_follower_whose_copy_is_damaged_keeps_it_closed_while_the_intact_copies_serve() {
-    let mut c = cluster_with("segment_bytes: 65536\n");
-    c.create_stream("rot", 1, 3, "Quorum").unwrap();
-    let (leader, _) = c
-        .wait_leader("rot", 0, None, 0, Duration::from_secs(20))
-        .unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    // About 1 KiB each: several 64 KiB segments.
+/// Writes `rot` until its copy on `follower` holds sealed segments (about 1 KiB a
+/// record, 64 KiB segments), then kills that broker and flips a byte in the middle of
+/// its oldest sealed segment. Returns the records acknowledged, the segment's name and
+/// its damaged bytes.
+fn damage_a_copy(
+    c: &mut TestCluster,
+    rt: &tokio::runtime::Runtime,
+    b: usize,
+) -> (BTreeMap<u64, Vec<u8>>, std::ffi::OsString, Vec<u8>) {
     let pad = "r".repeat(1000);
-    let mut acked = rt.block_on(publish_n(&c, "rot", &pad, 250));
-    let follower = (leader + 1) % 3;
-    let copy = copy_of(&c, follower, "rot");
+    let acked = rt.block_on(publish_n(c, "rot", &pad, 250));
+    let copy = copy_of(c, b, "rot");
     let sealed = wait_for(
-        "the follower's copy to hold sealed segments",
+        "the copy to hold sealed segments",
         Duration::from_secs(10),
         || {
             let mut segments: Vec<_> = std::fs::read_dir(&copy)
@@ -2520,38 +2514,124 @@ fn a_follower_whose_copy_is_damaged_keeps_it_closed_while_the_intact_copies_serv
         },
     )
     .unwrap();
-    c.brokers[follower].kill();
+    c.brokers[b].kill();
     let mut bytes = std::fs::read(&sealed).unwrap();
     let at = bytes.len() / 2;
     bytes[at] ^= 0x40;
     std::fs::write(&sealed, &bytes).unwrap();
+    (acked, sealed.file_name().unwrap().to_owned(), bytes)
+}
+
+/// Waits for broker `b` to set its damaged copy aside under `damaged-copies/`, where
+/// the damaged segment `name` is kept unchanged (`bytes`).
+fn wait_set_aside(c: &TestCluster, b: usize, name: &std::ffi::OsStr, bytes: &[u8]) {
+    let root = c.brokers[b].data_dir.join("damaged-copies");
+    let kept = wait_for(
+        "the damaged copy set aside",
+        Duration::from_secs(20),
+        || {
+            std::fs::read_dir(&root)
+                .ok()?
+                .filter_map(|e| std::fs::read(e.ok()?.path().join(name)).ok())
+                .next()
+        },
+    )
+    .unwrap();
+    assert!(kept == bytes, "the damaged segment was kept as it was");
+}
+
+/// Row 7 of the fault matrix in a cluster: a follower's copy found damaged inside a
+/// sealed segment when it restarts is set aside (kept for an operator, never cut to
+/// what still reads) and rebuilt empty from the others. Until it holds what it may
+/// have acknowledged it counts in no election; the control plane starts a new
+/// generation under the same leader, which the rebuilt copy verifies, and from then
+/// on it counts again: with the leader killed, it and the intact follower elect a
+/// leader that serves every acknowledged record and takes more.
+#[test]
+fn a_follower_whose_copy_is_damaged_sets_it_aside_and_rebuilds_it_from_the_others() {
+    let mut c = cluster_with("segment_bytes: 65536\n");
+    c.create_stream("rot", 1, 3, "Quorum").unwrap();
+    let (leader, generation) = c
+        .wait_leader("rot", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let follower = (leader + 1) % 3;
+    let (mut acked, name, bytes) = damage_a_copy(&mut c, &rt, follower);
     c.brokers[follower].restart().unwrap();
+    wait_set_aside(&c, follower, &name, &bytes);
     // The intact copies are a majority: Quorum writes go on.
+    acked.extend(rt.block_on(publish_n(&c, "rot", "after", 20)));
+    // The leader learned the follower rebuilds (its fence was answered so), and the
+    // control plane renewed the generation under the same leader.
+    let (same, renewed) = c
+        .wait_leader("rot", 0, None, generation, Duration::from_secs(20))
+        .unwrap();
+    assert_eq!(same, leader, "a renewal, not a failover");
+    wait_for("the copy rebuilt", Duration::from_secs(20), || {
+        let b = &c.brokers[follower];
+        (b.metric("felix_broker_shards_open").ok()? == 1
+            && b.metric("felix_broker_replicas_rebuilding").ok()? == 0)
+            .then_some(())
+    })
+    .unwrap();
+    acked.extend(rt.block_on(publish_n(&c, "rot", "rebuilt", 20)));
+    // It counts again: without the leader, it and the intact follower elect one.
+    c.brokers[leader].kill();
+    let (successor, _) = c
+        .wait_leader("rot", 0, Some(leader), renewed, Duration::from_secs(30))
+        .unwrap();
+    acked.extend(rt.block_on(publish_n(&c, "rot", "failed over", 20)));
+    check_nothing_lost(
+        &acked,
+        &rt.block_on(read_all(&c, "rot", acked.len() as u64)),
+    );
+    assert_ne!(successor, leader);
+}
+
+/// The same for the leader's copy: restarted within its lease, the broker named leader
+/// finds its copy damaged, sets it aside and reports it cannot lead this generation;
+/// the control plane promotes another member at once (no lease to wait out), which
+/// serves every acknowledged record, and the old leader rebuilds its copy as a
+/// follower.
+#[test]
+fn a_leader_whose_copy_is_damaged_hands_over_and_rebuilds_it_from_the_others() {
+    let mut c = cluster_with("segment_bytes: 65536\n");
+    c.create_stream("rot", 1, 3, "Quorum").unwrap();
+    let (leader, generation) = c
+        .wait_leader("rot", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (mut acked, name, bytes) = damage_a_copy(&mut c, &rt, leader);
+    c.brokers[leader].restart().unwrap();
+    wait_set_aside(&c, leader, &name, &bytes);
+    let (_, promoted) = c
+        .wait_leader("rot", 0, Some(leader), generation, Duration::from_secs(30))
+        .unwrap();
     acked.extend(rt.block_on(publish_n(&c, "rot", "after", 20)));
     check_nothing_lost(
         &acked,
         &rt.block_on(read_all(&c, "rot", acked.len() as u64)),
     );
-    assert_eq!(
-        c.wait_leader("rot", 0, None, 0, Duration::from_secs(1))
-            .unwrap()
-            .0,
-        leader,
-        "the leader did not change"
-    );
-    // The follower never opened its copy (the only shard on it), so it neither serves
-    // nor answers for it; and the copy is as it was: not truncated to what still reads,
-    // not written to.
-    assert_eq!(
-        c.brokers[follower]
-            .metric("felix_broker_shards_open")
-            .unwrap(),
-        0,
-        "the follower opened its damaged copy"
-    );
-    assert_eq!(
-        std::fs::read(&sealed).unwrap(),
-        bytes,
-        "the damaged segment was left alone"
+    // The old leader's copy is rebuilt at a generation elected without it (the new
+    // one, or one more if its first answer to the new leader was a fence's).
+    wait_for("the copy rebuilt", Duration::from_secs(20), || {
+        let b = &c.brokers[leader];
+        (b.metric("felix_broker_shards_open").ok()? == 1
+            && b.metric("felix_broker_replicas_rebuilding").ok()? == 0)
+            .then_some(())
+    })
+    .unwrap();
+    acked.extend(rt.block_on(publish_n(&c, "rot", "rebuilt", 20)));
+    // It counts again: without the new leader, it and the third member elect one.
+    let (successor, now) = c
+        .wait_leader("rot", 0, None, promoted - 1, Duration::from_secs(1))
+        .unwrap();
+    c.brokers[successor].kill();
+    c.wait_leader("rot", 0, Some(successor), now, Duration::from_secs(30))
+        .unwrap();
+    acked.extend(rt.block_on(publish_n(&c, "rot", "failed over", 20)));
+    check_nothing_lost(
+        &acked,
+        &rt.block_on(read_all(&c, "rot", acked.len() as u64)),
     );
 }

@@ -26,6 +26,15 @@
 //!   follower compare logs by generation labels instead of bytes.
 //! - Batches keep the boundaries their writer gave them on every replica, so a cut is
 //!   always at a batch boundary.
+//! - A replica that lost its copy (found damaged at open, set aside, started over
+//!   empty) may have acknowledged records it no longer holds, so it counts toward no
+//!   election until it holds everything it could have acknowledged: it answers fences
+//!   with [`Refusal::Rebuilding`] (ballot persisted, records taken), a candidate of its
+//!   counts a majority of the others, and it never leads a generation it held before
+//!   the loss (writing under that label again would give one offset two values with
+//!   one label). It is whole again once it verified a leader of a later generation's
+//!   log past that leader's start record (that leader was elected without it, so holds
+//!   every record committed before), or once it wins an election itself.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -40,6 +49,10 @@ pub type NodeId = Arc<str>;
 pub const RESEND_AFTER: Duration = Duration::from_millis(400);
 /// How often an idle leader tells followers the commit mark (an empty batch).
 pub const COMMIT_HEARTBEAT: Duration = Duration::from_millis(200);
+/// How often an idle leader sends every follower its commit mark even when it was
+/// told it already: a follower that restarted since (its mark is a stale hint) learns
+/// it, and a rebuilt copy gets the message it verifies its log by.
+pub const KEEPALIVE: Duration = Duration::from_secs(2);
 /// Bytes a leader ships to one follower in one message.
 pub const SHIP_BYTES: usize = 1 << 20;
 /// Batch messages a leader keeps in flight to one follower. With one, a follower's
@@ -124,6 +137,9 @@ pub enum Refusal {
     Bootstrap,
     /// Busy or failing locally: try again later.
     Unavailable,
+    /// Answers a fence: the ballot is accepted and records are taken, but this replica
+    /// lost its copy and may not be counted toward an election (see [`Meta::rebuilding`]).
+    Rebuilding,
 }
 
 /// A message between replicas of one shard.
@@ -218,6 +234,11 @@ pub struct Meta {
     pub leader: Option<String>,
     /// Commit mark known (a hint: a lower value is always safe).
     pub commit: u64,
+    /// The copy was lost (found damaged and set aside) while this was the highest
+    /// generation accepted: the log started over empty, and until it is whole again it
+    /// counts toward no election and leads no generation up to this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuilding: Option<u64>,
 }
 
 /// What the machine asks its driver to do.
@@ -340,6 +361,23 @@ impl LogView {
     }
 }
 
+/// A follower as its leader reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Follower {
+    /// The follower.
+    pub peer: NodeId,
+    /// One past the last record it durably holds, verified at this generation.
+    pub matched: u64,
+    /// Refused to cut committed records: not shipped to.
+    pub halted: bool,
+    /// A staged copy (a learner), not a member of the set.
+    pub staged: bool,
+    /// Answered this generation's fence `Rebuilding`: it lost its copy, and counts in
+    /// no election until a generation elected without it is verified (the control
+    /// plane starts one).
+    pub rebuilding: bool,
+}
+
 /// A follower's state as its leader sees it.
 #[derive(Debug, Clone)]
 struct Cursor {
@@ -365,6 +403,8 @@ struct Cursor {
     told_commit: u64,
     /// Refused to cut committed records: not shipped to again.
     halted: bool,
+    /// Answered our fence `Rebuilding`.
+    rebuilding: bool,
 }
 
 impl Cursor {
@@ -379,6 +419,7 @@ impl Cursor {
             reading: false,
             told_commit: 0,
             halted: false,
+            rebuilding: false,
         }
     }
 
@@ -477,6 +518,10 @@ pub struct Replica {
     ingest: Option<Ingest>,
     serving: bool,
     last_heartbeat: Option<Instant>,
+    last_keepalive: Option<Instant>,
+    /// A fence was answered `Rebuilding` since this replica started (see
+    /// `check_ballot`).
+    rebuild_announced: bool,
     out: VecDeque<Output>,
     /// A deliberately broken replica (checker mutants only): leads without fencing a
     /// majority first, and takes records from any generation.
@@ -516,6 +561,8 @@ impl Replica {
             ingest: None,
             serving: false,
             last_heartbeat: None,
+            last_keepalive: None,
+            rebuild_announced: false,
             out: VecDeque::new(),
             skip_fence: false,
             leader_base: None,
@@ -573,6 +620,23 @@ impl Replica {
             || (matches!(self.role, Role::Leader(_)) && !self.serving)
     }
 
+    /// Whether the copy is being rebuilt (see [`Meta::rebuilding`]).
+    pub fn rebuilding(&self) -> bool {
+        self.meta.rebuilding.is_some()
+    }
+
+    /// Named leader at a generation this replica may not lead because its copy was
+    /// lost at or after it: the control plane must name another leader.
+    pub fn cannot_lead(&self) -> bool {
+        self.assigned.as_ref().is_some_and(|a| {
+            a.leader == self.me
+                && self
+                    .meta
+                    .rebuilding
+                    .is_some_and(|since| a.generation <= since)
+        })
+    }
+
     /// Whether this replica leads (serving or not).
     pub fn is_leader(&self) -> bool {
         matches!(self.role, Role::Leader(_))
@@ -590,14 +654,19 @@ impl Replica {
         matches!(&self.role, Role::Leader(l) if self.commit > l.start)
     }
 
-    /// Followers' positions (leader only): `(peer, matched, halted, staged)`; a staged
-    /// copy (a learner) is not a member of the set.
-    pub fn followers(&self) -> Vec<(NodeId, u64, bool, bool)> {
+    /// Followers' positions (leader only).
+    pub fn followers(&self) -> Vec<Follower> {
         match &self.role {
             Role::Leader(l) => l
                 .cursors
                 .iter()
-                .map(|(p, c)| (p.clone(), c.matched, c.halted, l.learners.contains(p)))
+                .map(|(p, c)| Follower {
+                    peer: p.clone(),
+                    matched: c.matched,
+                    halted: c.halted,
+                    staged: l.learners.contains(p),
+                    rebuilding: c.rebuilding,
+                })
                 .collect(),
             _ => Vec::new(),
         }
@@ -615,6 +684,16 @@ impl Replica {
     fn answer_ok(&mut self, to: &NodeId, generation: u64, end: u64, carried: u64) {
         let (g, v) = self.log.verified;
         self.log.verified = (generation, if g == generation { v.max(end) } else { end });
+        let v = self.log.verified.1;
+        if self.meta.rebuilding.is_some_and(|since| generation > since)
+            && v > 0
+            && self.log.generation_at(v - 1) == generation
+        {
+            // Verified past the start record of a generation elected without us: we
+            // hold every record committed before it, and from it on we counted only
+            // for what we hold.
+            self.rebuilt();
+        }
         let heard = match self.heard_commit {
             (g, c) if g == generation => c.min(self.log.verified.1),
             _ => 0,
@@ -625,6 +704,13 @@ impl Replica {
             self.out.push_back(Output::Commit(commit));
         }
         self.send(to, Msg::Ok { generation, end });
+    }
+
+    /// The copy is whole again: it may be counted in elections from now on.
+    fn rebuilt(&mut self) {
+        if self.meta.rebuilding.take().is_some() {
+            self.out.push_back(Output::Persist(self.meta()));
+        }
     }
 
     fn refuse(&mut self, to: &NodeId, code: Refusal, expected: u64) {
@@ -702,6 +788,18 @@ impl Replica {
             self.role = Role::Idle;
             return;
         }
+        if self
+            .meta
+            .rebuilding
+            .is_some_and(|since| a.generation <= since)
+        {
+            // Led (or followed) before the copy was lost: records written under this
+            // label again could differ from ones a follower holds from the lost copy,
+            // and followers compare by label. Wait for a newer generation (the broker
+            // reports it cannot lead, see `cannot_lead`).
+            self.role = Role::Idle;
+            return;
+        }
         self.role = Role::Candidate(Candidate {
             replicas: a.replicas.clone(),
             fenced: BTreeMap::new(),
@@ -743,6 +841,12 @@ impl Replica {
     }
 
     fn answer_fence(&mut self, to: &NodeId) {
+        if self.meta.rebuilding.is_some() {
+            self.rebuild_announced = true;
+            let durable = self.log.durable;
+            self.refuse(to, Refusal::Rebuilding, durable);
+            return;
+        }
         let msg = Msg::FenceOk {
             generation: self.meta.generation,
             base: self.log.base,
@@ -815,6 +919,17 @@ impl Replica {
             return Err(Refusal::Fenced);
         }
         if generation > self.meta.generation || self.persisting.is_some() {
+            return Err(Refusal::NotFenced);
+        }
+        if !self.rebuild_announced
+            && self
+                .meta
+                .rebuilding
+                .is_some_and(|since| generation <= since)
+        {
+            // Lost our copy while following this leader: it must learn that (a fence
+            // answered `Rebuilding`), so the control plane starts a generation we can
+            // be whole again at.
             return Err(Refusal::NotFenced);
         }
         Ok(())
@@ -1485,7 +1600,11 @@ impl Replica {
                 fences.push(r.clone());
             }
         }
-        let enough = self.skip_fence || c.fenced.len() >= Self::majority(c.replicas.len());
+        // A rebuilding candidate's own log may lack records it acknowledged before its
+        // copy was lost: the majority is counted over the others (its log still
+        // competes as a source: whatever it holds it took from a leader).
+        let counted = c.fenced.len() - usize::from(self.meta.rebuilding.is_some());
+        let enough = self.skip_fence || counted >= Self::majority(c.replicas.len());
         for r in fences {
             self.send(&r, Msg::Fence { generation });
         }
@@ -1577,6 +1696,8 @@ impl Replica {
             start,
             cursors,
         });
+        // Elected by a majority of the others, it took every committed record.
+        self.rebuilt();
         self.set_serving(true);
         self.advance_commit();
         self.pump(now);
@@ -1633,7 +1754,7 @@ impl Replica {
             return;
         }
         let my_generation = self.meta.generation;
-        let base = self.log.base;
+        let (base, durable) = (self.log.base, self.log.durable);
         match &mut self.role {
             Role::Candidate(c) if code == Refusal::NotFenced => {
                 c.fence_sent.remove(&from);
@@ -1649,6 +1770,11 @@ impl Replica {
                     // bootstrapped at the base.
                     Refusal::Gap | Refusal::Mismatch => cur.restart(expected),
                     Refusal::Bootstrap => cur.restart(base),
+                    // Fenced, not counted: ship from its end as after a `FenceOk`.
+                    Refusal::Rebuilding => {
+                        cur.rebuilding = true;
+                        cur.restart(expected.max(base).min(durable));
+                    }
                     Refusal::NotFenced => {
                         cur.restart(cur.resume);
                         cur.fencing = true;
@@ -1707,6 +1833,9 @@ impl Replica {
         let heartbeat = self
             .last_heartbeat
             .is_none_or(|t| now.duration_since(t) >= COMMIT_HEARTBEAT);
+        let keepalive = self
+            .last_keepalive
+            .is_none_or(|t| now.duration_since(t) >= KEEPALIVE);
         let Role::Leader(l) = &mut self.role else {
             return;
         };
@@ -1730,7 +1859,9 @@ impl Replica {
             // nothing new to ship.
             if cur.next < durable
                 || (cur.in_flight.is_empty()
-                    && (cur.matched < cur.next || (heartbeat && cur.told_commit < commit)))
+                    && (cur.matched < cur.next
+                        || (heartbeat && cur.told_commit < commit)
+                        || keepalive))
             {
                 cur.reading = true;
                 reads.push((peer.clone(), cur.next));
@@ -1738,6 +1869,9 @@ impl Replica {
         }
         if heartbeat {
             self.last_heartbeat = Some(now);
+        }
+        if keepalive {
+            self.last_keepalive = Some(now);
         }
         for (to, from) in reads {
             self.out.push_back(Output::Read {
@@ -1992,7 +2126,7 @@ mod tests {
             .replica
             .followers()
             .into_iter()
-            .map(|(n, _, _, staged)| (n.to_string(), staged))
+            .map(|f| (f.peer.to_string(), f.staged))
             .collect();
         assert_eq!(staged, [("b".into(), false), ("c".into(), true)]);
         // b's disk stalls: c holds the next records durably, and the mark stays.

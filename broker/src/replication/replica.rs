@@ -584,7 +584,8 @@ impl ReplicaShard {
     /// The report a leader makes.
     fn report(&self) -> Option<ShardReport> {
         let m = self.machine.borrow();
-        if !m.is_leader() {
+        let cannot_lead = m.cannot_lead();
+        if !m.is_leader() && !cannot_lead {
             return None;
         }
         let k = &self.key;
@@ -597,18 +598,25 @@ impl ReplicaShard {
             namespace: k.namespace.clone(),
             name: k.name.clone(),
             shard: k.shard,
-            generation: m.generation(),
+            // (Not leading: the generation it was named leader at.)
+            generation: if cannot_lead {
+                self.generation.get()
+            } else {
+                m.generation()
+            },
             log_end: m.log_end().1,
             commit: m.commit(),
             generation_committed: m.committed_in_generation(),
+            cannot_lead,
             followers: m
                 .followers()
                 .into_iter()
-                .map(|(node, matched, halted, staged)| FollowerReport {
-                    node_id: node.to_string(),
-                    durable_end: matched,
-                    halted,
-                    staged,
+                .map(|f| FollowerReport {
+                    node_id: f.peer.to_string(),
+                    durable_end: f.matched,
+                    halted: f.halted,
+                    staged: f.staged,
+                    rebuilding: f.rebuilding,
                 })
                 .collect(),
         })
@@ -714,6 +722,7 @@ fn refusal_code(r: Refusal) -> RefusalCode {
         Refusal::BelowCommit => RefusalCode::BelowCommit,
         Refusal::Bootstrap => RefusalCode::Bootstrap,
         Refusal::Unavailable => RefusalCode::Unavailable,
+        Refusal::Rebuilding => RefusalCode::Rebuilding,
     }
 }
 
@@ -725,6 +734,7 @@ fn refusal(c: RefusalCode) -> Refusal {
         RefusalCode::NotFenced => Refusal::NotFenced,
         RefusalCode::BelowCommit => Refusal::BelowCommit,
         RefusalCode::Bootstrap => Refusal::Bootstrap,
+        RefusalCode::Rebuilding => Refusal::Rebuilding,
         _ => Refusal::Unavailable,
     }
 }
@@ -1257,6 +1267,14 @@ impl Replicas {
         let mut reports = Vec::new();
         let mut lag = 0u64;
         let mut halted = 0u64;
+        let rebuilding = self
+            .all()
+            .iter()
+            .filter(|rs| rs.machine.borrow().rebuilding())
+            .count() as u64;
+        self.metrics
+            .replicas_rebuilding
+            .store(rebuilding, Ordering::Relaxed);
         for rs in self.all() {
             if let Some(r) = rs.report() {
                 if rs.consistency.get() == Consistency::Leader {
@@ -1511,7 +1529,7 @@ impl Replicas {
                         let mut shipping = rs.shipping.borrow_mut();
                         let (slowest, durable) = {
                             let m = rs.machine.borrow();
-                            let slowest = m.followers().iter().map(|f| f.1).min();
+                            let slowest = m.followers().iter().map(|f| f.matched).min();
                             (slowest, m.log_end().1)
                         };
                         shipping.trim_below(slowest.unwrap_or(0));

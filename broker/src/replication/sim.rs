@@ -60,6 +60,12 @@ pub struct SimConfig {
     /// writes: stage a copy on a non-member, cut over once the leader reports it within
     /// [`STAGED_MAX_LAG`] records, retire the old leader once the new one serves).
     pub staged_moves: f64,
+    /// Probability that a crash loses the node's whole log (a damaged copy set aside):
+    /// it restarts empty, its ballot kept and marked rebuilding, as the broker does.
+    pub disk_loss: f64,
+    /// A lost copy restarts unmarked, so it answers fences with its empty log (a
+    /// mutant the checks must catch).
+    pub mutant_forget_rebuilding: bool,
 }
 
 /// How far behind a staged copy may be at the cut-over (the control plane's bound,
@@ -82,6 +88,8 @@ impl Default for SimConfig {
             members: 0,
             staged_moves: 0.0,
             mutant_reseat: false,
+            disk_loss: 0.0,
+            mutant_forget_rebuilding: false,
         }
     }
 }
@@ -222,6 +230,11 @@ struct Sim {
     writes: u64,
     /// Faults are over: clients stop writing, so the replicas settle on a fixed target.
     healed: bool,
+    /// Copies lost to `disk_loss`, for the test's report.
+    copies_lost: u64,
+    /// Per node: its copy was lost when this much was acknowledged, and it is not
+    /// whole again yet.
+    lost: Vec<Option<u64>>,
 }
 
 /// `r`, broken as `config` asks.
@@ -293,6 +306,8 @@ impl Sim {
             ackers: HashMap::new(),
             writes: 0,
             healed: false,
+            copies_lost: 0,
+            lost: vec![None; config.nodes],
         }
     }
 
@@ -344,11 +359,11 @@ impl Sim {
             let caught_up = leader_serves
                 && r.is_some_and(|r| {
                     let end = r.log_end().1;
-                    r.followers().iter().any(|(n, matched, halted, staged)| {
-                        *n == self.nodes[d].id
-                            && *staged
-                            && !halted
-                            && matched + STAGED_MAX_LAG >= end
+                    r.followers().iter().any(|f| {
+                        f.peer == self.nodes[d].id
+                            && f.staged
+                            && !f.halted
+                            && f.matched + STAGED_MAX_LAG >= end
                     })
                 });
             if caught_up {
@@ -690,10 +705,25 @@ impl Sim {
     }
 
     fn crash(&mut self, node: usize) {
-        let n = &mut self.nodes[node];
-        if n.replica.is_none() {
+        if self.nodes[node].replica.is_none() {
             return;
         }
+        // Copies lost and not whole again: with more than a minority of them, no
+        // election can be counted (safely so, but the run could not settle), so no
+        // more are lost until one is whole (unmarked, and holding what was acknowledged
+        // when it was lost: the same test for a mutant that never marks them).
+        let acked_end = self.acked.keys().next_back().map_or(0, |o| o + 1);
+        for (i, l) in self.lost.iter_mut().enumerate() {
+            let n = &self.nodes[i];
+            if l.is_some_and(|at| n.meta.rebuilding.is_none() && n.durable >= at) {
+                *l = None;
+            }
+        }
+        let tolerated = (self.nodes.len() - 1) / 2;
+        let lost = self.config.disk_loss > 0.0
+            && self.lost.iter().flatten().count() < tolerated
+            && self.rng.random_bool(self.config.disk_loss);
+        let n = &mut self.nodes[node];
         n.replica = None;
         n.epoch += 1;
         n.pending.clear();
@@ -702,6 +732,19 @@ impl Sim {
         let i = n.batches.partition_point(|b| b.end() <= durable);
         n.batches.truncate(i);
         n.durable = n.end();
+        if lost {
+            // The copy is set aside and started over empty (`core/damaged.rs`).
+            n.batches.clear();
+            n.removed_epochs.clear();
+            n.base = 0;
+            n.durable = 0;
+            let since = n.meta.generation;
+            n.meta.commit = 0;
+            n.meta.rebuilding = (!self.config.mutant_forget_rebuilding).then_some(since);
+            self.committed_checked[node] = 0;
+            self.copies_lost += 1;
+            self.lost[node] = Some(acked_end);
+        }
         let delay = self.rng.random_range(20..200);
         self.schedule(delay, Event::Restart { node });
     }
@@ -848,6 +891,7 @@ impl Sim {
         if self.rng.random_bool(self.config.reassign) {
             self.reassign();
         }
+        self.act_on_lost_copies();
         if self.config.staged_moves > 0.0 {
             self.staged_move_step();
         }
@@ -867,6 +911,37 @@ impl Sim {
             } else {
                 self.cut_links.clear();
             }
+        }
+    }
+
+    /// The control plane promotes another member when the named leader reports that it
+    /// lost its copy and cannot lead this generation,
+    /// and starts a new generation under the same leader when it reports a member
+    /// rebuilding its copy (which can be whole again only at a generation elected
+    /// without it).
+    fn act_on_lost_copies(&mut self) {
+        // Not at once: the report comes with the leader's next replication pass, and
+        // placement acts at its next pass (while the leader waits, it must not lead).
+        if !self.healed && !self.rng.random_bool(0.05) {
+            return;
+        }
+        let l = &self.nodes[self.leader];
+        if l.assignment
+            .as_ref()
+            .is_none_or(|a| a.generation != self.generation)
+        {
+            return;
+        }
+        let Some(r) = l.replica.as_ref() else { return };
+        if r.cannot_lead() {
+            self.reassign();
+        } else if r.serving()
+            && r.generation() == self.generation
+            && self.staging.is_none()
+            && self.retiring.is_none()
+            && r.followers().iter().any(|f| f.rebuilding && !f.staged)
+        {
+            self.publish_assignment();
         }
     }
 
@@ -961,6 +1036,7 @@ pub fn run(seed: u64, config: SimConfig) {
         if !sim.step() {
             break;
         }
+        sim.act_on_lost_copies();
         sim.check(seed);
         let leader = (0..sim.nodes.len())
             .find(|i| sim.nodes[*i].replica.as_ref().is_some_and(Replica::serving));
@@ -1008,7 +1084,11 @@ pub fn run(seed: u64, config: SimConfig) {
         );
     }
     MOVES_CUT_OVER.fetch_add(sim.moves.0, std::sync::atomic::Ordering::Relaxed);
+    COPIES_LOST.fetch_add(sim.copies_lost, std::sync::atomic::Ordering::Relaxed);
 }
+
+/// Copies lost across runs (a test checks the runs exercised some).
+static COPIES_LOST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Staged moves cut over across runs (a test checks the runs exercised some).
 static MOVES_CUT_OVER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -1152,6 +1232,54 @@ mod tests {
         eprintln!("one-write swap caught at seed {}", 70_000 + seed);
     }
 
+    /// Crashes that often lose the node's whole copy, on `nodes` nodes.
+    fn lossy(nodes: usize) -> SimConfig {
+        SimConfig {
+            nodes,
+            crash: 0.008,
+            disk_loss: 0.5,
+            ..SimConfig::default()
+        }
+    }
+
+    /// Crashes that lose a node's whole copy (found damaged, set aside, rebuilt from
+    /// the others): nothing acknowledged is lost, and the rebuilt copies catch up.
+    #[test]
+    fn copies_lost_with_their_disk_are_rebuilt_and_lose_nothing() {
+        let before = COPIES_LOST.load(std::sync::atomic::Ordering::Relaxed);
+        for seed in 0..400 {
+            run(90_000 + seed, lossy(3));
+        }
+        for seed in 0..100 {
+            run(95_000 + seed, lossy(5));
+        }
+        let lost = COPIES_LOST.load(std::sync::atomic::Ordering::Relaxed) - before;
+        eprintln!("copies lost and rebuilt: {lost}");
+        assert!(lost >= 500, "the runs lost copies: {lost}");
+    }
+
+    /// A lost copy that forgets it lost anything answers fences with its empty log: a
+    /// majority of it and a lagging copy elects a leader without acknowledged records.
+    #[test]
+    fn the_simulator_catches_a_lost_copy_counted_in_elections() {
+        let caught = (0..300u64).find(|seed| {
+            std::panic::catch_unwind(|| {
+                run(
+                    97_000 + seed,
+                    SimConfig {
+                        crash: 0.008,
+                        disk_loss: 0.5,
+                        mutant_forget_rebuilding: true,
+                        ..SimConfig::default()
+                    },
+                )
+            })
+            .is_err()
+        });
+        let seed = caught.expect("300 seeds with lost copies voting and nothing caught");
+        eprintln!("forgotten rebuild caught at seed {}", 97_000 + seed);
+    }
+
     #[test]
     fn sim_replays_one_seed() {
         if let Some(seed) = std::env::var("FELIX_SIM_SEED")
@@ -1170,6 +1298,14 @@ mod tests {
                     ..SimConfig::default()
                 },
                 None => SimConfig::default(),
+            };
+            // `FELIX_SIM_LOSS=<nodes>`: the lost-copies runs.
+            let config = match std::env::var("FELIX_SIM_LOSS")
+                .ok()
+                .and_then(|s| s.parse().ok())
+            {
+                Some(nodes) => lossy(nodes),
+                None => config,
             };
             run(seed, config);
         }

@@ -373,6 +373,10 @@ pub enum RefusalCode {
     Unavailable,
     /// The request did not decode (or its checksum failed): resend.
     Malformed,
+    /// The replica lost its copy and is rebuilding it from its peers: it accepted the
+    /// fence's generation and takes records (ship from `expected_offset`, its durable
+    /// end), but it must not be counted toward a majority that elects a leader.
+    Rebuilding,
     /// A code this implementation does not know.
     Unknown(u16),
 }
@@ -389,6 +393,7 @@ impl RefusalCode {
             RefusalCode::Bootstrap => 6,
             RefusalCode::Unavailable => 7,
             RefusalCode::Malformed => 8,
+            RefusalCode::Rebuilding => 9,
             RefusalCode::Unknown(n) => n,
         }
     }
@@ -404,6 +409,7 @@ impl RefusalCode {
             6 => RefusalCode::Bootstrap,
             7 => RefusalCode::Unavailable,
             8 => RefusalCode::Malformed,
+            9 => RefusalCode::Rebuilding,
             n => RefusalCode::Unknown(n),
         }
     }

@@ -1,0 +1,155 @@
+//! A replicated shard's copy found damaged at open is set aside and started over
+//! empty, to be rebuilt from the other copies (docs/replication.md, "A damaged copy is
+//! rebuilt"). The empty copy keeps the ballot the damaged one accepted and is marked
+//! rebuilding (`Meta::rebuilding`): it may have acknowledged records it no longer
+//! holds, so it counts toward no election until it holds them again. A shard with one
+//! copy has nothing to rebuild from: it stays closed, as before.
+//!
+//! The swap is crash-safe: the empty copy, its metadata durable, is built beside the
+//! damaged one and exchanged with it in one `renameat2(RENAME_EXCHANGE)`, so the
+//! shard's directory holds either the damaged copy (found damaged again at the next
+//! open) or the marked empty one, never an unmarked empty copy, which would answer
+//! fences as a replica that never held anything.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use felix_core_runtime::placement::ShardKey;
+use felix_storage_uring::{DmaBackend, SegmentLog};
+
+use super::CoreBroker;
+use crate::error::BrokerError;
+use crate::replication::machine::Meta;
+use crate::replication::replica::META_FILE;
+
+/// Where damaged copies are kept, under the data directory, for an operator to look
+/// at (`felix-log`) or delete. Nothing reads or removes them.
+pub const DAMAGED_DIR: &str = "damaged-copies";
+
+/// The metadata of a copy that starts over: the ballot kept, the commit mark
+/// forgotten (the empty log holds nothing committed), marked rebuilding since the
+/// newest generation it accepted.
+fn starting_over(old: Meta) -> Meta {
+    Meta {
+        rebuilding: Some(old.generation),
+        commit: 0,
+        ..old
+    }
+}
+
+fn storage(dir: &Path, what: &str, e: impl std::fmt::Display) -> BrokerError {
+    BrokerError::Storage(format!("{}: {what}: {e}", dir.display()))
+}
+
+/// Exchanges two directories atomically.
+fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    let a = CString::new(a.as_os_str().as_bytes())?;
+    let b = CString::new(b.as_os_str().as_bytes())?;
+    // SAFETY: both paths are NUL-terminated strings that outlive the call.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+impl CoreBroker {
+    /// Sets the damaged copy in `dir` aside (under [`DAMAGED_DIR`]) and leaves in its
+    /// place an empty copy marked rebuilding. Returns where the damaged copy went.
+    /// Refused (the copy stays, closed) when its ballot cannot be read: a copy that
+    /// forgot the generations it accepted could accept older leaders again.
+    pub(super) async fn set_damaged_copy_aside(
+        &self,
+        key: &ShardKey,
+        dir: &Path,
+    ) -> Result<PathBuf, BrokerError> {
+        let old = match std::fs::read(dir.join(META_FILE)) {
+            Ok(bytes) => serde_json::from_slice::<Meta>(&bytes)
+                .map_err(|e| storage(dir, "the damaged copy's replica metadata", e))?,
+            // Never a replica here: it accepted nothing.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Meta::default(),
+            Err(e) => return Err(storage(dir, "reading the damaged copy's metadata", e)),
+        };
+        let meta = starting_over(old);
+        let root = self.shared.data_dir.join(DAMAGED_DIR);
+        let fresh = root.join(format!(
+            "{}-{}",
+            self.core.index(),
+            felix_core_runtime::clock::wall_micros()
+        ));
+        std::fs::create_dir_all(&root).map_err(|e| storage(&root, "creating", e))?;
+        let backend = DmaBackend::open_dir_with_faults(&fresh, self.shared.faults.clone())
+            .await
+            .map_err(|e| storage(&fresh, "creating an empty copy", e))?;
+        let (log, _) = SegmentLog::open(backend, self.shared.log_config.clone()).await?;
+        let bytes = serde_json::to_vec(&meta).expect("metadata serializes");
+        let written = log.write_meta(META_FILE, &bytes).await;
+        let _ = log.close().await;
+        written?;
+        exchange(&fresh, dir).map_err(|e| storage(dir, "swapping in an empty copy", e))?;
+        for d in [dir.parent(), Some(root.as_path())].into_iter().flatten() {
+            sync_dir(d).map_err(|e| storage(d, "syncing", e))?;
+        }
+        tracing::error!(
+            shard = %key,
+            damaged = %fresh.display(),
+            ballot = meta.generation,
+            "the shard's copy is damaged: set aside, started over empty, rebuilding from the other copies (counted in no election until it holds what it may have acknowledged)"
+        );
+        Ok(fresh)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_that_starts_over_keeps_its_ballot_and_forgets_its_commit_mark() {
+        let old = Meta {
+            generation: 7,
+            leader: Some("b".into()),
+            commit: 120,
+            rebuilding: None,
+        };
+        let m = starting_over(old);
+        assert_eq!((m.generation, m.leader.as_deref()), (7, Some("b")));
+        assert_eq!(m.commit, 0);
+        assert_eq!(m.rebuilding, Some(7));
+        // Damaged again while rebuilding: still since the newest generation.
+        assert_eq!(
+            starting_over(Meta {
+                rebuilding: Some(3),
+                ..m
+            })
+            .rebuilding,
+            Some(7)
+        );
+    }
+
+    #[test]
+    fn exchanging_two_directories_swaps_their_contents() {
+        let t = tempfile::tempdir().unwrap();
+        let (a, b) = (t.path().join("a"), t.path().join("b"));
+        std::fs::create_dir(&a).unwrap();
+        std::fs::create_dir(&b).unwrap();
+        std::fs::write(a.join("x"), "in a").unwrap();
+        exchange(&a, &b).unwrap();
+        assert!(b.join("x").exists() && !a.join("x").exists());
+        assert!(exchange(&a, &t.path().join("missing")).is_err());
+    }
+}
