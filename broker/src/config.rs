@@ -267,6 +267,9 @@ pub struct Mutants {
     pub skip_fence: bool,
     /// `reuse-offsets`: at open, hand out the last record's offset again.
     pub reuse_offsets: bool,
+    /// `forget-rebuilding`: a damaged replica copy starts over empty without the mark
+    /// that keeps it out of elections.
+    pub forget_rebuilding: bool,
 }
 
 impl Mutants {
@@ -277,9 +280,10 @@ impl Mutants {
                 "ack-after-lease" => m.ack_after_lease = true,
                 "skip-fence" => m.skip_fence = true,
                 "reuse-offsets" => m.reuse_offsets = true,
+                "forget-rebuilding" => m.forget_rebuilding = true,
                 other => {
                     return Err(format!(
-                        "unknown mutant {other:?} (ack-after-lease, skip-fence, reuse-offsets)"
+                        "unknown mutant {other:?} (ack-after-lease, skip-fence, reuse-offsets, forget-rebuilding)"
                     ));
                 }
             }

@@ -337,10 +337,10 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "damaged-replica",
-        about: "three brokers, Quorum streams, 64 KiB segments: SIGKILL a broker (a leader one time in two), flip a byte inside a sealed segment of each of its copies, restart it; its damaged copies are set aside and rebuilt from the others before the next round",
+        about: "three brokers, Quorum streams, 16 KiB segments: SIGKILL a broker (a leader one time in two), flip a bit inside a sealed segment of each of its copies, restart it; its damaged copies are set aside and rebuilt from the others before the next round",
         nodes: 3,
         proxies: false,
-        broker_yaml: "segment_bytes: 65536\n",
+        broker_yaml: "segment_bytes: 16384\n",
         streams: &[Q3, Q3B],
         producers: 1,
         depth: 8,

@@ -35,7 +35,7 @@ fn main() -> anyhow::Result<()> {
         }
         Some("chaos") => chaos_cmd(&args[1..]),
         _ => bail!(
-            "usage: felix-cluster chaos --scenario NAME|all [--seed S] [--duration 60s] [--mutant ack-after-lease|skip-fence|reuse-offsets] | felix-cluster list"
+            "usage: felix-cluster chaos --scenario NAME|all [--seed S] [--duration 60s] [--mutant ack-after-lease|skip-fence|reuse-offsets|forget-rebuilding] | felix-cluster list"
         ),
     }
 }

@@ -84,7 +84,11 @@ impl CoreBroker {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Meta::default(),
             Err(e) => return Err(storage(dir, "reading the damaged copy's metadata", e)),
         };
-        let meta = starting_over(old);
+        let mut meta = starting_over(old);
+        if self.shared.mutants.forget_rebuilding {
+            // Deliberately broken (checker mutant runs only).
+            meta.rebuilding = None;
+        }
         let root = self.shared.data_dir.join(DAMAGED_DIR);
         let fresh = root.join(format!(
             "{}-{}",
