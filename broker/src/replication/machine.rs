@@ -2001,9 +2001,13 @@ mod tests {
                         node.durable = start + 1;
                         node.replica.handle_durable(start + 1, now);
                     }
-                    Output::Truncate { .. } | Output::ResetAt { .. } => {
-                        panic!("nothing diverges here")
+                    Output::Truncate { from } => {
+                        node.batches.retain(|b| b.base < from);
+                        assert!(node.end() <= from, "a cut inside a batch");
+                        node.durable = node.durable.min(from);
+                        node.replica.handle_truncated(now);
                     }
+                    Output::ResetAt { .. } => panic!("no log here starts over"),
                     Output::KeepEpochs(_)
                     | Output::Commit(_)
                     | Output::Serving(_)
@@ -2089,6 +2093,139 @@ mod tests {
                     |(_, _, m)| matches!(m, Msg::Records { batches, .. } if !batches.is_empty()),
                 )
                 .count()
+        }
+    }
+
+    /// The record at `offset` in `n`'s durable log.
+    fn value_at(n: &Node, offset: u64) -> Option<&Bytes> {
+        let b = n
+            .batches
+            .iter()
+            .find(|b| b.base <= offset && offset < b.end() && b.end() <= n.durable)?;
+        b.records.get((offset - b.base) as usize)
+    }
+
+    /// Why a copy that lost its log never leads the generation it lost it at. The
+    /// leader `a` of generation 1 fenced everyone but shipped its records to `e` only,
+    /// then lost its disk. Leading generation 1 again on the empty logs of b, c and d,
+    /// it would write other records at the same offsets under the same labels, and e,
+    /// comparing logs by labels, would keep its old ones and count them verified: one
+    /// offset, two values. Named leader at generation 1 it stays idle and says it
+    /// cannot lead; at generation 2 it fences a majority of the others and all agree.
+    #[test]
+    fn a_copy_that_lost_its_log_never_leads_the_generation_it_lost_it_at() {
+        let all: Vec<NodeId> = ["a", "b", "c", "d", "e"].map(id).to_vec();
+        let mut p = Pair::of(&["a", "b", "c", "d", "e"]);
+        let assign = |p: &mut Pair, generation: u64| {
+            let a = Assignment {
+                generation,
+                leader: id("a"),
+                replicas: all.clone(),
+                learners: Vec::new(),
+            };
+            for n in &all {
+                let now = p.now;
+                let node = p.nodes.get_mut(n).expect("node");
+                node.replica.handle_assignment(a.clone(), now);
+                p.drive(n);
+            }
+        };
+        let append = |p: &mut Pair, payload: &str| {
+            let now = p.now;
+            let a = p.nodes.get_mut(&id("a")).expect("a");
+            let first = a.end();
+            if !a.replica.handle_appended(first, first + 1) {
+                return;
+            }
+            a.batches.push(Batch {
+                base: first,
+                kind: BatchKind::Data,
+                timestamp_micros: 0,
+                producer: None,
+                records: vec![Bytes::from(payload.to_owned())],
+            });
+            a.durable = first + 1;
+            a.replica.handle_durable(first + 1, now);
+            p.drive(&id("a"));
+        };
+        // Every pair agrees wherever both hold a record.
+        let agree = |p: &Pair| {
+            let a = &p.nodes[&id("a")];
+            for (n, node) in &p.nodes {
+                for o in 0..node.durable.min(a.durable) {
+                    assert_eq!(value_at(node, o), value_at(a, o), "{n} and a at {o}");
+                }
+            }
+        };
+        // Generation 1: fences reach everyone, records only e.
+        assign(&mut p, 1);
+        let deliver_to_e_only = |p: &mut Pair| {
+            while let Some((from, to, msg)) = p.wire.pop_front() {
+                let shipping = matches!(msg, Msg::Records { .. } | Msg::Ok { .. });
+                if shipping && from != id("e") && to != id("e") {
+                    continue;
+                }
+                let now = p.now;
+                p.nodes
+                    .get_mut(&to)
+                    .expect("node")
+                    .replica
+                    .handle_message(from, msg, now);
+                p.drive(&to);
+            }
+        };
+        deliver_to_e_only(&mut p);
+        assert!(p.nodes[&id("a")].replica.serving());
+        append(&mut p, "old-1");
+        append(&mut p, "old-2");
+        deliver_to_e_only(&mut p);
+        assert_eq!(
+            p.nodes[&id("e")].durable,
+            3,
+            "e holds the start and both records"
+        );
+        assert_eq!(p.nodes[&id("b")].durable, 0);
+        // a loses its disk: an empty copy keeping its ballot, marked since 1.
+        p.wire.clear();
+        let meta = Meta {
+            generation: 1,
+            leader: Some("a".into()),
+            commit: 0,
+            rebuilding: Some(1),
+        };
+        let a = p.nodes.get_mut(&id("a")).expect("a");
+        a.replica = Replica::new(id("a"), meta, 0, 0, BTreeMap::new());
+        (a.batches, a.durable) = (Vec::new(), 0);
+        // Named leader at generation 1 again (the control plane has not noticed).
+        assign(&mut p, 1);
+        p.settle();
+        append(&mut p, "new");
+        p.settle();
+        agree(&p);
+        assert!(
+            !p.nodes[&id("a")].replica.serving(),
+            "it must not lead generation 1"
+        );
+        assert!(p.nodes[&id("a")].replica.cannot_lead());
+        // Generation 2: it fences the others, takes e's log and leads.
+        assign(&mut p, 2);
+        p.settle();
+        assert!(p.nodes[&id("a")].replica.serving());
+        assert!(
+            !p.nodes[&id("a")].replica.rebuilding(),
+            "whole again: it won"
+        );
+        append(&mut p, "new");
+        p.settle();
+        agree(&p);
+        // (e's old records were never committed: the new leader need not keep them,
+        // and e cut them where the logs differ.)
+        for n in &all {
+            assert_eq!(
+                p.nodes[n].durable,
+                p.nodes[&id("a")].durable,
+                "{n} caught up"
+            );
         }
     }
 
