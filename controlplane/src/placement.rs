@@ -296,7 +296,10 @@ fn successor(
     report: Option<&StoredReport>,
     may_lead: &dyn Fn(&str) -> bool,
 ) -> Option<String> {
-    let positions = report.map(StoredReport::positions).unwrap_or_default();
+    let mut positions = report.map(StoredReport::positions).unwrap_or_default();
+    // A member rebuilding a lost copy holds less than its position says until it is
+    // whole: behind every reported one.
+    positions.retain(|m, _| !report.is_some_and(|r| r.rebuilding(m)));
     let candidates = a.replicas.iter().map(String::as_str).filter(|m| {
         *m != a.leader && view.ready(m) && may_lead(m) && !report.is_some_and(|r| r.halted(m))
     });
@@ -1041,6 +1044,35 @@ mod tests {
             )
             .await;
             assert_eq!(f.pass(now + 2).await, PassReport::default());
+        }
+
+        /// A member rebuilding a lost copy counts as behind every reported one when a
+        /// successor is chosen (its reported position is what it held before).
+        #[tokio::test]
+        async fn a_member_rebuilding_its_copy_is_promoted_only_after_the_others() {
+            let f = fixture();
+            let now = T0 + 10_000;
+            let k = key("s");
+            let ranked = rank(&k, ["b", "c"]);
+            let (better, worse) = (ranked[0], ranked[1]);
+            for n in ["b", "c"] {
+                f.node(n, now).await;
+            }
+            f.node("a", T0).await;
+            f.stream("s", &["a", "b", "c"], true, 4).await;
+            // The better-ranked member is furthest ahead by its report, but rebuilding.
+            f.rebuilding.set(Some(better));
+            f.report(
+                "a",
+                "s",
+                4,
+                100,
+                &[(better, 100, false), (worse, 60, false)],
+                now,
+            )
+            .await;
+            f.pass(now).await;
+            assert_eq!(f.get("s").await.leader, worse);
         }
 
         #[tokio::test]

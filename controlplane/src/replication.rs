@@ -236,6 +236,16 @@ impl ReplicaReports {
         let key = report.key().store_key();
         let mut m = self.live(now_ms, ttl_ms);
         let verdict = judge(node, &report, assignment, m.get(&key));
+        let mut report = report;
+        if let Some(stored) = m.get(&key)
+            && report.cannot_lead
+            && report.followers.is_empty()
+            && stored.report.generation == report.generation
+        {
+            // A leader that lost its copy knows nothing of its followers: keep what it
+            // said of them before (the choice of its successor goes by them).
+            report.followers = stored.report.followers.clone();
+        }
         if verdict == Verdict::Accepted {
             m.insert(
                 key,

@@ -2612,8 +2612,7 @@ fn a_leader_whose_copy_is_damaged_hands_over_and_rebuilds_it_from_the_others() {
         &acked,
         &rt.block_on(read_all(&c, "rot", acked.len() as u64)),
     );
-    // The old leader's copy is rebuilt at a generation elected without it (the new
-    // one, or one more if its first answer to the new leader was a fence's).
+    // The old leader's copy is rebuilt at the generation elected without it.
     wait_for("the copy rebuilt", Duration::from_secs(20), || {
         let b = &c.brokers[leader];
         (b.metric("felix_broker_shards_open").ok()? == 1
@@ -2626,6 +2625,10 @@ fn a_leader_whose_copy_is_damaged_hands_over_and_rebuilds_it_from_the_others() {
     let (successor, now) = c
         .wait_leader("rot", 0, None, promoted - 1, Duration::from_secs(1))
         .unwrap();
+    assert_eq!(
+        now, promoted,
+        "no renewal: it lost its copy at an older generation than the new one"
+    );
     c.brokers[successor].kill();
     c.wait_leader("rot", 0, Some(successor), now, Duration::from_secs(30))
         .unwrap();

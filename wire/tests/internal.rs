@@ -840,12 +840,13 @@ fn refusal_codes_keep_unknown_numbers() {
         (7, RefusalCode::Unavailable),
         (8, RefusalCode::Malformed),
         (9, RefusalCode::Rebuilding),
+        (10, RefusalCode::RebuildingNeedsGeneration),
     ];
     for (n, code) in named {
         assert_eq!(RefusalCode::from_number(n), code);
         assert_eq!(code.number(), n);
     }
-    for n in [0, 10, 1000, u16::MAX] {
+    for n in [0, 11, 1000, u16::MAX] {
         assert_eq!(RefusalCode::from_number(n), RefusalCode::Unknown(n));
     }
     for n in 0..=u16::MAX {

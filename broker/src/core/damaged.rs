@@ -15,7 +15,8 @@ use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use felix_core_runtime::placement::ShardKey;
+use felix_core_runtime::placement::{ShardKey, ShardKind};
+use felix_core_runtime::task;
 use felix_storage_uring::{DmaBackend, SegmentLog};
 
 use super::CoreBroker;
@@ -77,7 +78,8 @@ impl CoreBroker {
         key: &ShardKey,
         dir: &Path,
     ) -> Result<PathBuf, BrokerError> {
-        let old = match std::fs::read(dir.join(META_FILE)) {
+        let meta_path = dir.join(META_FILE);
+        let old = match task::spawn_blocking(move || std::fs::read(meta_path)).await {
             Ok(bytes) => serde_json::from_slice::<Meta>(&bytes)
                 .map_err(|e| storage(dir, "the damaged copy's replica metadata", e))?,
             // Never a replica here: it accepted nothing.
@@ -89,24 +91,55 @@ impl CoreBroker {
             // Deliberately broken (checker mutant runs only).
             meta.rebuilding = None;
         }
+        // Named for the shard (the log line says the same), built beside the data,
+        // on the same filesystem as the shard's directory (the exchange needs that).
         let root = self.shared.data_dir.join(DAMAGED_DIR);
         let fresh = root.join(format!(
-            "{}-{}",
+            "{}-{}-{}.{}.{}.{}.{}",
+            felix_core_runtime::clock::wall_micros(),
             self.core.index(),
-            felix_core_runtime::clock::wall_micros()
+            match key.kind {
+                ShardKind::Stream => "stream",
+                ShardKind::Cache => "cache",
+            },
+            key.tenant,
+            key.namespace,
+            key.name,
+            key.shard
         ));
-        std::fs::create_dir_all(&root).map_err(|e| storage(&root, "creating", e))?;
-        let backend = DmaBackend::open_dir_with_faults(&fresh, self.shared.faults.clone())
-            .await
-            .map_err(|e| storage(&fresh, "creating an empty copy", e))?;
-        let (log, _) = SegmentLog::open(backend, self.shared.log_config.clone()).await?;
-        let bytes = serde_json::to_vec(&meta).expect("metadata serializes");
-        let written = log.write_meta(META_FILE, &bytes).await;
-        let _ = log.close().await;
-        written?;
-        exchange(&fresh, dir).map_err(|e| storage(dir, "swapping in an empty copy", e))?;
-        for d in [dir.parent(), Some(root.as_path())].into_iter().flatten() {
-            sync_dir(d).map_err(|e| storage(d, "syncing", e))?;
+        let (data_dir, r) = (self.shared.data_dir.clone(), root.clone());
+        task::spawn_blocking(move || {
+            std::fs::create_dir_all(&r)?;
+            sync_dir(&data_dir)
+        })
+        .await
+        .map_err(|e| storage(&root, "creating", e))?;
+        let built = self.empty_marked_copy(&fresh, &meta).await;
+        let swapped = match built {
+            Ok(()) => {
+                let (a, b, r) = (fresh.clone(), dir.to_path_buf(), root.clone());
+                task::spawn_blocking(move || {
+                    // The new entry is durable in `damaged-copies/` before it moves.
+                    sync_dir(&r).map_err(|e| (false, e))?;
+                    exchange(&a, &b).map_err(|e| (false, e))?;
+                    for d in [b.parent(), Some(r.as_path())].into_iter().flatten() {
+                        sync_dir(d).map_err(|e| (true, e))?;
+                    }
+                    Ok(())
+                })
+                .await
+                .map_err(|(exchanged, e)| (exchanged, storage(dir, "swapping in an empty copy", e)))
+            }
+            Err(e) => Err((false, e)),
+        };
+        if let Err((exchanged, e)) = swapped {
+            if !exchanged {
+                // The half-built empty copy would only take space (the open is tried
+                // again after a restart). Once exchanged, `fresh` is the damaged copy.
+                let f = fresh.clone();
+                let _ = task::spawn_blocking(move || std::fs::remove_dir_all(f)).await;
+            }
+            return Err(e);
         }
         tracing::error!(
             shard = %key,
@@ -115,6 +148,18 @@ impl CoreBroker {
             "the shard's copy is damaged: set aside, started over empty, rebuilding from the other copies (counted in no election until it holds what it may have acknowledged)"
         );
         Ok(fresh)
+    }
+
+    /// An empty log in `dir` whose replica metadata is `meta`, durable.
+    async fn empty_marked_copy(&self, dir: &Path, meta: &Meta) -> Result<(), BrokerError> {
+        let backend = DmaBackend::open_dir_with_faults(dir, self.shared.faults.clone())
+            .await
+            .map_err(|e| storage(dir, "creating an empty copy", e))?;
+        let (log, _) = SegmentLog::open(backend, self.shared.log_config.clone()).await?;
+        let bytes = serde_json::to_vec(meta).expect("metadata serializes");
+        let written = log.write_meta(META_FILE, &bytes).await;
+        let _ = log.close().await;
+        Ok(written?)
     }
 }
 

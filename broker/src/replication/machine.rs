@@ -139,7 +139,12 @@ pub enum Refusal {
     Unavailable,
     /// Answers a fence: the ballot is accepted and records are taken, but this replica
     /// lost its copy and may not be counted toward an election (see [`Meta::rebuilding`]).
+    /// It is whole again once it verified this generation's start record.
     Rebuilding,
+    /// As [`Refusal::Rebuilding`], but the copy was lost at this generation or a later
+    /// one, so it cannot be whole again at it: its leader reports it, and the control
+    /// plane starts a new generation.
+    RebuildingNeedsGeneration,
 }
 
 /// A message between replicas of one shard.
@@ -372,9 +377,9 @@ pub struct Follower {
     pub halted: bool,
     /// A staged copy (a learner), not a member of the set.
     pub staged: bool,
-    /// Answered this generation's fence `Rebuilding`: it lost its copy, and counts in
-    /// no election until a generation elected without it is verified (the control
-    /// plane starts one).
+    /// Answered this generation's fence `RebuildingNeedsGeneration`: it lost its copy
+    /// at this generation, and counts in no election until it verified a later one
+    /// (the control plane starts one).
     pub rebuilding: bool,
 }
 
@@ -403,7 +408,7 @@ struct Cursor {
     told_commit: u64,
     /// Refused to cut committed records: not shipped to again.
     halted: bool,
-    /// Answered our fence `Rebuilding`.
+    /// Answered our fence `RebuildingNeedsGeneration`.
     rebuilding: bool,
 }
 
@@ -841,10 +846,15 @@ impl Replica {
     }
 
     fn answer_fence(&mut self, to: &NodeId) {
-        if self.meta.rebuilding.is_some() {
+        if let Some(since) = self.meta.rebuilding {
             self.rebuild_announced = true;
             let durable = self.log.durable;
-            self.refuse(to, Refusal::Rebuilding, durable);
+            let code = if since >= self.meta.generation {
+                Refusal::RebuildingNeedsGeneration
+            } else {
+                Refusal::Rebuilding
+            };
+            self.refuse(to, code, durable);
             return;
         }
         let msg = Msg::FenceOk {
@@ -1756,8 +1766,26 @@ impl Replica {
         let my_generation = self.meta.generation;
         let (base, durable) = (self.log.base, self.log.durable);
         match &mut self.role {
-            Role::Candidate(c) if code == Refusal::NotFenced => {
-                c.fence_sent.remove(&from);
+            Role::Candidate(c)
+                if matches!(
+                    code,
+                    Refusal::NotFenced | Refusal::Rebuilding | Refusal::RebuildingNeedsGeneration
+                ) =>
+            {
+                // A replica counted as fenced that now refuses (a refused fetch, or an
+                // answer to a fence sent again): it restarted since its `FenceOk`, and
+                // may have lost its copy meanwhile. It no longer counts, and a source
+                // it was stops being one (we fetch again from the commit mark). (Without
+                // this a candidate whose source lost its copy waited for it forever.)
+                let was_source = c.source.as_ref().is_some_and(|(s, _)| *s == from);
+                if c.fenced.remove(&from).is_some() && was_source && !c.start_requested {
+                    c.source = None;
+                    c.fetch_sent = None;
+                    c.verified = c.verified.min(self.commit);
+                }
+                if code == Refusal::NotFenced {
+                    c.fence_sent.remove(&from);
+                }
                 self.candidate_step(now);
             }
             Role::Leader(l) => {
@@ -1770,9 +1798,11 @@ impl Replica {
                     // bootstrapped at the base.
                     Refusal::Gap | Refusal::Mismatch => cur.restart(expected),
                     Refusal::Bootstrap => cur.restart(base),
-                    // Fenced, not counted: ship from its end as after a `FenceOk`.
-                    Refusal::Rebuilding => {
-                        cur.rebuilding = true;
+                    // Fenced, not counted: ship from its end as after a `FenceOk`. What
+                    // it held before it lost its copy is gone: its position is its end.
+                    Refusal::Rebuilding | Refusal::RebuildingNeedsGeneration => {
+                        cur.rebuilding = code == Refusal::RebuildingNeedsGeneration;
+                        cur.matched = cur.matched.min(expected);
                         cur.restart(expected.max(base).min(durable));
                     }
                     Refusal::NotFenced => {
@@ -2225,6 +2255,83 @@ mod tests {
                 p.nodes[n].durable,
                 p.nodes[&id("a")].durable,
                 "{n} caught up"
+            );
+        }
+    }
+
+    /// A candidate's chosen source that loses its copy before the candidate fetched
+    /// from it stops counting: the candidate fences again and takes another majority's
+    /// log. (It fetched from the empty copy, was refused, and waited forever.)
+    #[test]
+    fn a_candidate_whose_source_lost_its_copy_takes_another_majority() {
+        let all: Vec<NodeId> = ["a", "b", "c"].map(id).to_vec();
+        let mut p = Pair::of(&["a", "b", "c"]);
+        let assign = |p: &mut Pair, generation: u64, leader: &str| {
+            let a = Assignment {
+                generation,
+                leader: id(leader),
+                replicas: all.clone(),
+                learners: Vec::new(),
+            };
+            for n in &all {
+                let now = p.now;
+                let node = p.nodes.get_mut(n).expect("node");
+                node.replica.handle_assignment(a.clone(), now);
+                p.drive(n);
+            }
+        };
+        assign(&mut p, 1, "a");
+        p.settle();
+        p.append(3);
+        p.settle();
+        // c misses two records: a and b are ahead of it.
+        p.cut_off = Some(id("c"));
+        p.append(2);
+        p.settle();
+        p.cut_off = Some(id("a"));
+        assign(&mut p, 2, "c");
+        // Until c asks b, the source, for its records.
+        while !p
+            .wire
+            .front()
+            .is_some_and(|(_, to, m)| *to == id("b") && matches!(m, Msg::Fetch { .. }))
+        {
+            assert!(p.deliver_one(), "c fetches from b");
+        }
+        // b loses its copy: empty, its ballot kept, marked since 2.
+        let meta = Meta {
+            generation: 2,
+            leader: Some("c".into()),
+            commit: 0,
+            rebuilding: Some(2),
+        };
+        let b = p.nodes.get_mut(&id("b")).expect("b");
+        b.replica = Replica::new(id("b"), meta, 0, 0, BTreeMap::new());
+        (b.batches, b.durable) = (Vec::new(), 0);
+        p.settle();
+        assert!(!p.nodes[&id("c")].replica.serving(), "b no longer counts");
+        // a comes back: c fences it again and takes its log.
+        p.cut_off = None;
+        for _ in 0..4 {
+            p.now += RESEND_AFTER;
+            let now = p.now;
+            for n in &all {
+                p.nodes
+                    .get_mut(n)
+                    .expect("node")
+                    .replica
+                    .handle_timeout(now);
+                p.drive(n);
+            }
+            p.settle();
+        }
+        let c = &p.nodes[&id("c")];
+        assert!(c.replica.serving(), "c leads on a's log");
+        for o in 0..6 {
+            assert_eq!(
+                value_at(c, o),
+                value_at(&p.nodes[&id("a")], o),
+                "offset {o}"
             );
         }
     }

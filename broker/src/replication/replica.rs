@@ -723,6 +723,7 @@ fn refusal_code(r: Refusal) -> RefusalCode {
         Refusal::Bootstrap => RefusalCode::Bootstrap,
         Refusal::Unavailable => RefusalCode::Unavailable,
         Refusal::Rebuilding => RefusalCode::Rebuilding,
+        Refusal::RebuildingNeedsGeneration => RefusalCode::RebuildingNeedsGeneration,
     }
 }
 
@@ -735,6 +736,7 @@ fn refusal(c: RefusalCode) -> Refusal {
         RefusalCode::BelowCommit => Refusal::BelowCommit,
         RefusalCode::Bootstrap => Refusal::Bootstrap,
         RefusalCode::Rebuilding => Refusal::Rebuilding,
+        RefusalCode::RebuildingNeedsGeneration => Refusal::RebuildingNeedsGeneration,
         _ => Refusal::Unavailable,
     }
 }

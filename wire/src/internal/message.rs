@@ -375,8 +375,12 @@ pub enum RefusalCode {
     Malformed,
     /// The replica lost its copy and is rebuilding it from its peers: it accepted the
     /// fence's generation and takes records (ship from `expected_offset`, its durable
-    /// end), but it must not be counted toward a majority that elects a leader.
+    /// end), but it must not be counted toward a majority that elects a leader. It is
+    /// whole again at this generation once it verified its start record.
     Rebuilding,
+    /// As `Rebuilding`, but the copy was lost at this generation (or a later one): it
+    /// can be whole again only at a newer generation, which its leader reports.
+    RebuildingNeedsGeneration,
     /// A code this implementation does not know.
     Unknown(u16),
 }
@@ -394,6 +398,7 @@ impl RefusalCode {
             RefusalCode::Unavailable => 7,
             RefusalCode::Malformed => 8,
             RefusalCode::Rebuilding => 9,
+            RefusalCode::RebuildingNeedsGeneration => 10,
             RefusalCode::Unknown(n) => n,
         }
     }
@@ -410,6 +415,7 @@ impl RefusalCode {
             7 => RefusalCode::Unavailable,
             8 => RefusalCode::Malformed,
             9 => RefusalCode::Rebuilding,
+            10 => RefusalCode::RebuildingNeedsGeneration,
             n => RefusalCode::Unknown(n),
         }
     }
