@@ -2172,17 +2172,30 @@ async fn publish_n(c: &TestCluster, stream: &str, tag: &str, n: usize) -> BTreeM
     let mut acked = BTreeMap::new();
     for i in 0..n {
         let payload = format!("{tag}-{i}").into_bytes();
-        let o = client
-            .publish_at_least_once(
-                TENANT,
-                NAMESPACE,
-                stream,
-                payload.clone(),
-                AckMode::PerMessage,
-            )
-            .await
-            .unwrap()
-            .unwrap();
+        // A stream just created (again) may be unknown to a busy broker for longer than
+        // the client's retries: `not_found` (retry after) means nothing was written.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let o = loop {
+            let published = client
+                .publish_at_least_once(
+                    TENANT,
+                    NAMESPACE,
+                    stream,
+                    payload.clone(),
+                    AckMode::PerMessage,
+                )
+                .await;
+            match published {
+                Err(felix_client::ClientError::GaveUp { last, .. })
+                    if Instant::now() < deadline
+                        && matches!(&*last, felix_client::ClientError::Broker(b)
+                            if b.code == Some(felix_wire::ErrorCode::NotFound)) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                other => break other.unwrap().unwrap(),
+            }
+        };
         assert!(
             acked.insert(o, payload).is_none(),
             "offset {o} acknowledged twice"
@@ -2540,6 +2553,17 @@ fn wait_set_aside(c: &TestCluster, b: usize, name: &std::ffi::OsStr, bytes: &[u8
     assert!(kept == bytes, "the damaged segment was kept as it was");
 }
 
+/// Waits for broker `b` to hold its copy of `rot` open and whole again (not rebuilding).
+fn wait_rebuilt(c: &TestCluster, b: usize) {
+    wait_for("the copy rebuilt", Duration::from_secs(20), || {
+        let b = &c.brokers[b];
+        (b.metric("felix_broker_shards_open").ok()? == 1
+            && b.metric("felix_broker_replicas_rebuilding").ok()? == 0)
+            .then_some(())
+    })
+    .unwrap();
+}
+
 /// Row 7 of the fault matrix in a cluster: a follower's copy found damaged inside a
 /// sealed segment when it restarts is set aside (kept for an operator, never cut to
 /// what still reads) and rebuilt empty from the others. Until it holds what it may
@@ -2567,13 +2591,7 @@ fn a_follower_whose_copy_is_damaged_sets_it_aside_and_rebuilds_it_from_the_other
         .wait_leader("rot", 0, None, generation, Duration::from_secs(20))
         .unwrap();
     assert_eq!(same, leader, "a renewal, not a failover");
-    wait_for("the copy rebuilt", Duration::from_secs(20), || {
-        let b = &c.brokers[follower];
-        (b.metric("felix_broker_shards_open").ok()? == 1
-            && b.metric("felix_broker_replicas_rebuilding").ok()? == 0)
-            .then_some(())
-    })
-    .unwrap();
+    wait_rebuilt(&c, follower);
     acked.extend(rt.block_on(publish_n(&c, "rot", "rebuilt", 20)));
     // It counts again: without the leader, it and the intact follower elect one.
     c.brokers[leader].kill();
@@ -2613,13 +2631,7 @@ fn a_leader_whose_copy_is_damaged_hands_over_and_rebuilds_it_from_the_others() {
         &rt.block_on(read_all(&c, "rot", acked.len() as u64)),
     );
     // The old leader's copy is rebuilt at the generation elected without it.
-    wait_for("the copy rebuilt", Duration::from_secs(20), || {
-        let b = &c.brokers[leader];
-        (b.metric("felix_broker_shards_open").ok()? == 1
-            && b.metric("felix_broker_replicas_rebuilding").ok()? == 0)
-            .then_some(())
-    })
-    .unwrap();
+    wait_rebuilt(&c, leader);
     acked.extend(rt.block_on(publish_n(&c, "rot", "rebuilt", 20)));
     // It counts again: without the new leader, it and the third member elect one.
     let (successor, now) = c

@@ -2046,6 +2046,21 @@ mod tests {
             }
         }
 
+        /// `n` loses its disk: an empty copy that keeps its ballot `(generation,
+        /// leader)`, marked rebuilding since that generation (as `core/damaged.rs`
+        /// leaves it).
+        fn lose_copy(&mut self, n: &str, generation: u64, leader: &str) {
+            let meta = Meta {
+                generation,
+                leader: Some(leader.into()),
+                commit: 0,
+                rebuilding: Some(generation),
+            };
+            let node = self.nodes.get_mut(&id(n)).expect("node");
+            node.replica = Replica::new(id(n), meta, 0, 0, BTreeMap::new());
+            (node.batches, node.durable) = (Vec::new(), 0);
+        }
+
         /// Delivers one message; false when none is on the wire.
         fn deliver_one(&mut self) -> bool {
             let Some((from, to, msg)) = self.wire.pop_front() else {
@@ -2215,17 +2230,9 @@ mod tests {
             "e holds the start and both records"
         );
         assert_eq!(p.nodes[&id("b")].durable, 0);
-        // a loses its disk: an empty copy keeping its ballot, marked since 1.
+        // a loses its disk (what it had in flight too).
         p.wire.clear();
-        let meta = Meta {
-            generation: 1,
-            leader: Some("a".into()),
-            commit: 0,
-            rebuilding: Some(1),
-        };
-        let a = p.nodes.get_mut(&id("a")).expect("a");
-        a.replica = Replica::new(id("a"), meta, 0, 0, BTreeMap::new());
-        (a.batches, a.durable) = (Vec::new(), 0);
+        p.lose_copy("a", 1, "a");
         // Named leader at generation 1 again (the control plane has not noticed).
         assign(&mut p, 1);
         p.settle();
@@ -2298,16 +2305,8 @@ mod tests {
         {
             assert!(p.deliver_one(), "c fetches from b");
         }
-        // b loses its copy: empty, its ballot kept, marked since 2.
-        let meta = Meta {
-            generation: 2,
-            leader: Some("c".into()),
-            commit: 0,
-            rebuilding: Some(2),
-        };
-        let b = p.nodes.get_mut(&id("b")).expect("b");
-        b.replica = Replica::new(id("b"), meta, 0, 0, BTreeMap::new());
-        (b.batches, b.durable) = (Vec::new(), 0);
+        // b loses its copy.
+        p.lose_copy("b", 2, "c");
         p.settle();
         assert!(!p.nodes[&id("c")].replica.serving(), "b no longer counts");
         // a comes back: c fences it again and takes its log.
