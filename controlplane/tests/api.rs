@@ -747,6 +747,18 @@ fn scenario(svc: &Service) {
     expect_err(admin.post("/v1/shard-moves", &mv(&orders0.leader)), 409);
     expect_err(node_a.post("/v1/shard-moves", &mv(other)), 403);
     expect_err(admin.post("/v1/shard-moves", &json!({"tenant_id": "acme", "namespace": "payments", "stream": "orders", "shard": 9, "destination": other})), 404);
+    // The destination must be live: on a loaded machine the registrations can be more
+    // than the 1 s expiry ago by now (CI once refused `destination_not_live`). Every
+    // node is heard again at once, so the silences judged below keep their order.
+    for n in ["node-a", "node-b", "node-c"] {
+        let incarnation = admin.get(&format!("/v1/nodes/{n}")).unwrap()["incarnation"].clone();
+        admin
+            .post(
+                &format!("/v1/nodes/{n}/heartbeat"),
+                &json!({ "incarnation": incarnation }),
+            )
+            .unwrap();
+    }
     let moved = admin.post("/v1/shard-moves", &mv(other)).unwrap();
     assert_eq!(
         (
