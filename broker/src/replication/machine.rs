@@ -1344,6 +1344,23 @@ impl Replica {
             );
             return;
         }
+        if base < self.log.base && self.commit >= self.log.base {
+            // Our log begins past the leader's base (a later bootstrap moved it, or our
+            // own retention): everything below our base is committed, and we hold the
+            // rest. A duplicated or delayed bootstrap from before ours lands here;
+            // refusing it `BelowCommit` halted this follower for the rest of the
+            // generation (the simulator's lost-copy runs, whose rebuilt copies are all
+            // bootstrapped, found it once the heal stopped starting a new generation).
+            let at = self.log.base;
+            self.send(
+                &from,
+                Msg::Ok {
+                    generation,
+                    end: at,
+                },
+            );
+            return;
+        }
         if self.commit > base {
             let commit = self.commit;
             self.refuse(&from, Refusal::BelowCommit, commit);
