@@ -2553,6 +2553,22 @@ fn wait_set_aside(c: &TestCluster, b: usize, name: &std::ffi::OsStr, bytes: &[u8
     assert!(kept == bytes, "the damaged segment was kept as it was");
 }
 
+/// Three brokers with 64 KiB segments and a Quorum stream `rot` of three copies:
+/// the cluster, its leader and generation, and a runtime for the client.
+fn rot_cluster() -> (TestCluster, usize, u64, tokio::runtime::Runtime) {
+    let c = cluster_with("segment_bytes: 65536\n");
+    c.create_stream("rot", 1, 3, "Quorum").unwrap();
+    let (leader, generation) = c
+        .wait_leader("rot", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    (
+        c,
+        leader,
+        generation,
+        tokio::runtime::Runtime::new().unwrap(),
+    )
+}
+
 /// Waits for broker `b` to hold its copy of `rot` open and whole again (not rebuilding).
 fn wait_rebuilt(c: &TestCluster, b: usize) {
     wait_for("the copy rebuilt", Duration::from_secs(20), || {
@@ -2573,12 +2589,7 @@ fn wait_rebuilt(c: &TestCluster, b: usize) {
 /// leader that serves every acknowledged record and takes more.
 #[test]
 fn a_follower_whose_copy_is_damaged_sets_it_aside_and_rebuilds_it_from_the_others() {
-    let mut c = cluster_with("segment_bytes: 65536\n");
-    c.create_stream("rot", 1, 3, "Quorum").unwrap();
-    let (leader, generation) = c
-        .wait_leader("rot", 0, None, 0, Duration::from_secs(20))
-        .unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (mut c, leader, generation, rt) = rot_cluster();
     let follower = (leader + 1) % 3;
     let (mut acked, name, bytes) = damage_a_copy(&mut c, &rt, follower);
     c.brokers[follower].restart().unwrap();
@@ -2599,11 +2610,25 @@ fn a_follower_whose_copy_is_damaged_sets_it_aside_and_rebuilds_it_from_the_other
         .wait_leader("rot", 0, Some(leader), renewed, Duration::from_secs(30))
         .unwrap();
     acked.extend(rt.block_on(publish_n(&c, "rot", "failed over", 20)));
+    assert_ne!(successor, leader);
+    // And it serves them itself: led from the rebuilt copy, every record acknowledged
+    // since the start reads back (a copy rebuilt without the old records, say from the
+    // leader's end on, would have nothing below that to serve).
+    let now = c
+        .wait_leader("rot", 0, None, renewed, Duration::from_secs(1))
+        .unwrap()
+        .1;
+    if successor != follower {
+        move_shard(&c, "stream", "rot", follower);
+        let (moved, _) = c
+            .wait_leader("rot", 0, None, now, Duration::from_secs(30))
+            .unwrap();
+        assert_eq!(moved, follower);
+    }
     check_nothing_lost(
         &acked,
         &rt.block_on(read_all(&c, "rot", acked.len() as u64)),
     );
-    assert_ne!(successor, leader);
 }
 
 /// The same for the leader's copy: restarted within its lease, the broker named leader
@@ -2613,12 +2638,7 @@ fn a_follower_whose_copy_is_damaged_sets_it_aside_and_rebuilds_it_from_the_other
 /// follower.
 #[test]
 fn a_leader_whose_copy_is_damaged_hands_over_and_rebuilds_it_from_the_others() {
-    let mut c = cluster_with("segment_bytes: 65536\n");
-    c.create_stream("rot", 1, 3, "Quorum").unwrap();
-    let (leader, generation) = c
-        .wait_leader("rot", 0, None, 0, Duration::from_secs(20))
-        .unwrap();
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (mut c, leader, generation, rt) = rot_cluster();
     let (mut acked, name, bytes) = damage_a_copy(&mut c, &rt, leader);
     c.brokers[leader].restart().unwrap();
     wait_set_aside(&c, leader, &name, &bytes);

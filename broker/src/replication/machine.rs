@@ -2110,23 +2110,52 @@ mod tests {
 
         /// The leader `a` appends a batch of `records` records and makes it durable.
         fn append(&mut self, records: usize) {
+            let first = self.nodes[&id("a")].end();
+            let payloads = (0..records)
+                .map(|i| Bytes::from(format!("r{}", first + i as u64)))
+                .collect();
+            assert!(self.append_records(payloads));
+        }
+
+        /// `a` appends a batch of these records and makes it durable; false (nothing
+        /// appended) when it does not take writes.
+        fn append_records(&mut self, records: Vec<Bytes>) -> bool {
             let now = self.now;
             let a = self.nodes.get_mut(&id("a")).expect("a");
             let first = a.end();
-            let end = first + records as u64;
-            assert!(a.replica.handle_appended(first, end));
+            let end = first + records.len() as u64;
+            if !a.replica.handle_appended(first, end) {
+                return false;
+            }
             a.batches.push(Batch {
                 base: first,
                 kind: BatchKind::Data,
                 timestamp_micros: 0,
                 producer: None,
-                records: (0..records)
-                    .map(|i| Bytes::from(format!("r{}", first + i as u64)))
-                    .collect(),
+                records,
             });
             a.durable = end;
             a.replica.handle_durable(end, now);
             self.drive(&id("a"));
+            true
+        }
+
+        /// Every node of the pair is a member of generation `generation`, led by
+        /// `leader`; each is told and carries out what it asks for.
+        fn assign(&mut self, generation: u64, leader: &str) {
+            let all: Vec<NodeId> = self.nodes.keys().cloned().collect();
+            let a = Assignment {
+                generation,
+                leader: id(leader),
+                replicas: all.clone(),
+                learners: Vec::new(),
+            };
+            for n in &all {
+                let now = self.now;
+                let node = self.nodes.get_mut(n).expect("node");
+                node.replica.handle_assignment(a.clone(), now);
+                self.drive(n);
+            }
         }
 
         /// A heartbeat interval passes: the leader `a`'s timers run.
@@ -2178,37 +2207,9 @@ mod tests {
     fn a_copy_that_lost_its_log_never_leads_the_generation_it_lost_it_at() {
         let all: Vec<NodeId> = ["a", "b", "c", "d", "e"].map(id).to_vec();
         let mut p = Pair::of(&["a", "b", "c", "d", "e"]);
-        let assign = |p: &mut Pair, generation: u64| {
-            let a = Assignment {
-                generation,
-                leader: id("a"),
-                replicas: all.clone(),
-                learners: Vec::new(),
-            };
-            for n in &all {
-                let now = p.now;
-                let node = p.nodes.get_mut(n).expect("node");
-                node.replica.handle_assignment(a.clone(), now);
-                p.drive(n);
-            }
-        };
-        let append = |p: &mut Pair, payload: &str| {
-            let now = p.now;
-            let a = p.nodes.get_mut(&id("a")).expect("a");
-            let first = a.end();
-            if !a.replica.handle_appended(first, first + 1) {
-                return;
-            }
-            a.batches.push(Batch {
-                base: first,
-                kind: BatchKind::Data,
-                timestamp_micros: 0,
-                producer: None,
-                records: vec![Bytes::from(payload.to_owned())],
-            });
-            a.durable = first + 1;
-            a.replica.handle_durable(first + 1, now);
-            p.drive(&id("a"));
+        // One record; nothing when `a` does not take writes.
+        let append = |p: &mut Pair, payload: &'static str| {
+            p.append_records(vec![Bytes::from_static(payload.as_bytes())]);
         };
         // Every pair agrees wherever both hold a record.
         let agree = |p: &Pair| {
@@ -2220,7 +2221,7 @@ mod tests {
             }
         };
         // Generation 1: fences reach everyone, records only e.
-        assign(&mut p, 1);
+        p.assign(1, "a");
         let deliver_to_e_only = |p: &mut Pair| {
             while let Some((from, to, msg)) = p.wire.pop_front() {
                 let shipping = matches!(msg, Msg::Records { .. } | Msg::Ok { .. });
@@ -2251,7 +2252,7 @@ mod tests {
         p.wire.clear();
         p.lose_copy("a", 1, "a");
         // Named leader at generation 1 again (the control plane has not noticed).
-        assign(&mut p, 1);
+        p.assign(1, "a");
         p.settle();
         append(&mut p, "new");
         p.settle();
@@ -2261,8 +2262,8 @@ mod tests {
             "it must not lead generation 1"
         );
         assert!(p.nodes[&id("a")].replica.cannot_lead());
-        // Generation 2: it fences the others, takes e's log and leads.
-        assign(&mut p, 2);
+        // Generation 2: it fences a majority of the others and leads.
+        p.assign(2, "a");
         p.settle();
         assert!(p.nodes[&id("a")].replica.serving());
         assert!(
@@ -2290,21 +2291,7 @@ mod tests {
     fn a_candidate_whose_source_lost_its_copy_takes_another_majority() {
         let all: Vec<NodeId> = ["a", "b", "c"].map(id).to_vec();
         let mut p = Pair::of(&["a", "b", "c"]);
-        let assign = |p: &mut Pair, generation: u64, leader: &str| {
-            let a = Assignment {
-                generation,
-                leader: id(leader),
-                replicas: all.clone(),
-                learners: Vec::new(),
-            };
-            for n in &all {
-                let now = p.now;
-                let node = p.nodes.get_mut(n).expect("node");
-                node.replica.handle_assignment(a.clone(), now);
-                p.drive(n);
-            }
-        };
-        assign(&mut p, 1, "a");
+        p.assign(1, "a");
         p.settle();
         p.append(3);
         p.settle();
@@ -2313,7 +2300,7 @@ mod tests {
         p.append(2);
         p.settle();
         p.cut_off = Some(id("a"));
-        assign(&mut p, 2, "c");
+        p.assign(2, "c");
         // Until c asks b, the source, for its records.
         while !p
             .wire
