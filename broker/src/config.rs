@@ -115,6 +115,9 @@ pub struct FileConfig {
     pub max_streams_per_connection: Option<u32>,
     /// How often each core enforces retention and finishes deletions (ms).
     pub housekeeping_ms: Option<u64>,
+    /// Damaged replica copies kept under `damaged-copies/` (the newest; older ones
+    /// are deleted as new ones are set aside).
+    pub damaged_copies_kept: Option<usize>,
     /// Serve `POST /debug/storage-faults` (tests and chaos runs only).
     pub fault_injection: Option<bool>,
     /// A deliberately broken behaviour, for showing the chaos checker catches it
@@ -250,6 +253,8 @@ pub struct BrokerConfig {
     pub max_streams: u32,
     /// Retention and deletion cadence.
     pub housekeeping_interval: std::time::Duration,
+    /// Damaged replica copies kept for an operator (`core/damaged.rs`).
+    pub damaged_copies_kept: usize,
     /// Storage fault injection over HTTP (tests only).
     pub fault_injection: bool,
     /// Deliberate bugs (checker mutant runs only).
@@ -691,6 +696,7 @@ impl BrokerConfig {
             file.housekeeping_ms.map(|n| n as usize),
             1000,
         )? as u64;
+        let damaged_copies_kept = positive("damaged_copies_kept", file.damaged_copies_kept, 4)?;
         let fault_injection = match std::env::var("FELIX_FAULT_INJECTION") {
             Ok(v) => v == "1" || v == "true",
             Err(_) => file.fault_injection.unwrap_or(false),
@@ -719,6 +725,7 @@ impl BrokerConfig {
             idle_timeout: std::time::Duration::from_millis(idle_timeout_ms),
             max_streams,
             housekeeping_interval: std::time::Duration::from_millis(housekeeping_ms),
+            damaged_copies_kept,
             listen,
             http,
             data_dir,

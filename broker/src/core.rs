@@ -499,6 +499,8 @@ pub struct Shared {
     pub limits: Limits,
     /// How often each core enforces retention and finishes deletions.
     pub housekeeping_interval: Duration,
+    /// Damaged replica copies kept under `damaged-copies/` (`core/damaged.rs`).
+    pub damaged_copies_kept: usize,
     /// Per-core metrics, in core order.
     pub metrics: Vec<Arc<CoreMetrics>>,
     /// Set once every core is serving.
@@ -533,6 +535,7 @@ pub struct Shared {
 mod carry;
 #[path = "core/damaged.rs"]
 mod damaged;
+pub use damaged::kept_copies as kept_damaged_copies;
 #[path = "core/follow.rs"]
 pub mod follow;
 #[path = "core/idempotent.rs"]

@@ -288,6 +288,7 @@ pub fn start(
         max_frame_bytes: felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES,
         limits: config.limits,
         housekeeping_interval: config.housekeeping_interval,
+        damaged_copies_kept: config.damaged_copies_kept,
         metrics: (0..cores).map(|_| Arc::default()).collect(),
         ready: AtomicBool::new(false),
         faults: config.fault_injection.then(StorageFaults::new),

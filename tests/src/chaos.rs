@@ -402,7 +402,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "hostile-clients",
-        about: "one broker under the checked load, and every 0.1-0.6 s a hostile client: a forged, misaddressed or another tenant's token (and, past 63 s, an expired one); another tenant's valid token writing here; a connection asking four times its subscription bound; one that never reads its answers; subscribers that vanish without closing; a token denied while its connection publishes. Each must be refused or bounded as documented, dead clients' subscriptions must end within the idle timeout, no record may reach another stream's subscriber, memory must stay bounded",
+        about: "one broker under the checked load, and every 0.1-0.6 s a hostile client: a forged, misaddressed or another tenant's token (and, past 63 s, an expired one); another tenant's valid token writing here; a connection asking four times its subscription bound; one that never reads its answers; subscribers that vanish without closing; a token denied while its connection publishes; an authenticated connection sending hostile frames (every kind of request, the session fuzz corpus, each sent as is, mutated or replaced by garbage). Each must be refused or bounded as documented, every error answer must carry a code, the broker must answer afterwards and never exit, dead clients' subscriptions must end within the idle timeout, no record may reach another stream's subscriber, memory must stay bounded",
         nodes: 1,
         proxies: false,
         broker_yaml: "idle_timeout_ms: 5000\nmax_subscriptions_per_connection: 32\n",
@@ -412,6 +412,19 @@ pub const SCENARIOS: &[Scenario] = &[
         stable: false,
         postgres: false,
         nemesis: hostile_clients,
+    },
+    Scenario {
+        name: "hostile-frames",
+        about: "one broker under the checked load, and back to back authenticated connections each opening 1-6 request streams of hostile frames (every kind of request, the session fuzz corpus, each sent as is, mutated or replaced by garbage; one stream in five publish-only): every answer must be a well-formed frame, every error must carry a code, the broker must answer a request after each connection and never exit, dead subscriptions must end and memory stay bounded",
+        nodes: 1,
+        proxies: false,
+        broker_yaml: "idle_timeout_ms: 5000\n",
+        streams: &ONE,
+        producers: 1,
+        depth: 4,
+        stable: false,
+        postgres: false,
+        nemesis: hostile_frames_only,
     },
     Scenario {
         name: "filesystem-full",
@@ -1375,6 +1388,8 @@ fn hostile_clients(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     n.cluster.create_stream("flood", 1, 1, "Quorum")?;
     n.cluster
         .wait_leader("flood", 0, None, 0, Duration::from_secs(30))?;
+    let templates = hostile_templates(n)?;
+    let mut frames_tally = FramesTally::default();
     let (addr, ca, good) = (
         n.cluster.brokers[0].listen,
         n.cluster.certs.ca.clone(),
@@ -1388,13 +1403,14 @@ fn hostile_clients(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     let mut tally: BTreeMap<&'static str, u64> = BTreeMap::new();
     while n.running() {
         n.sleep_ms(100, 600);
-        let attack = match n.rng.between(0, 9) {
+        let attack = match n.rng.between(0, 11) {
             0..=2 => "bad-token",
             3 => "foreign-stream",
             4 | 5 => "subscription-flood",
             6 => "unread-answers",
             7 | 8 => "dead-subscriber",
-            _ => "denied-mid-connection",
+            9 => "denied-mid-connection",
+            _ => "hostile-frames",
         };
         *tally.entry(attack).or_default() += 1;
         match attack {
@@ -1476,6 +1492,16 @@ fn hostile_clients(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
                 anyhow::ensure!(subscribed == 1, "a subscriber was refused");
                 n.event("dead-subscriber", json!({ "stream": stream }));
             }
+            "hostile-frames" => {
+                let seed = n.rng.next_u64();
+                let one = rt.block_on(hostile_frames(addr, &ca, &good, &templates, seed))?;
+                anyhow::ensure!(
+                    n.cluster.brokers[0].exit_status().is_none(),
+                    "the broker exited under hostile frames (seed {seed})"
+                );
+                n.event("hostile-frames", one.summary());
+                frames_tally.add(&one);
+            }
             _ => {
                 let token = mint(TENANT, "felix-broker", 3600)?;
                 let took = rt.block_on(denied_mid_connection(&admin, addr, &ca, &token))?;
@@ -1502,7 +1528,8 @@ fn hostile_clients(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     let foreign = b.metric("felix_broker_foreign_batches_total")?;
     n.event(
         "afterwards",
-        json!({"attacks": tally, "subscriptions": b.metric("felix_broker_subscriptions")?,
+        json!({"attacks": tally, "hostile_frames": frames_tally.summary(),
+               "subscriptions": b.metric("felix_broker_subscriptions")?,
                "live_before": live, "rss_kib_before": rss_before, "rss_kib_after": rss_after,
                "foreign_batches": foreign}),
     );
@@ -1732,6 +1759,420 @@ async fn denied_mid_connection(
     let took = denied.elapsed();
     anyhow::ensure!(connect().await.is_err(), "a denied token connected again");
     Ok(took)
+}
+
+/// Row 18's long form: hostile frames back to back (see [`hostile_frames`]).
+fn hostile_frames_only(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    n.cluster.create_stream("flood", 1, 1, "Quorum")?;
+    n.cluster
+        .wait_leader("flood", 0, None, 0, Duration::from_secs(30))?;
+    let templates = hostile_templates(n)?;
+    let (addr, ca, good) = (
+        n.cluster.brokers[0].listen,
+        n.cluster.certs.ca.clone(),
+        n.cluster.client_token.clone(),
+    );
+    let rss_before = n.cluster.brokers[0].rss_kib();
+    let live = n.cluster.brokers[0].metric("felix_broker_subscriptions")?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut tally = FramesTally::default();
+    let mut connections = 0u64;
+    while n.running() {
+        let seed = n.rng.next_u64();
+        let one = rt.block_on(hostile_frames(addr, &ca, &good, &templates, seed))?;
+        anyhow::ensure!(
+            n.cluster.brokers[0].exit_status().is_none(),
+            "the broker exited under hostile frames (seed {seed})"
+        );
+        tally.add(&one);
+        connections += 1;
+        if connections.is_multiple_of(25) {
+            n.event(
+                "hostile-frames",
+                json!({"connections": connections, "so_far": tally.summary()}),
+            );
+        }
+    }
+    let b = &n.cluster.brokers[0];
+    let ended = crate::wait_for(
+        "the hostile connections' subscriptions to end",
+        Duration::from_millis(HOSTILE_IDLE_MS + 10_000),
+        || {
+            b.metric("felix_broker_subscriptions")
+                .ok()
+                .filter(|s| *s <= live)
+        },
+    );
+    let rss_after = b.rss_kib();
+    n.event(
+        "afterwards",
+        json!({"connections": connections, "hostile_frames": tally.summary(),
+               "subscriptions": b.metric("felix_broker_subscriptions")?, "live_before": live,
+               "rss_kib_before": rss_before, "rss_kib_after": rss_after}),
+    );
+    ended?;
+    anyhow::ensure!(
+        rss_after < rss_before + 256 * 1024,
+        "the broker grew from {rss_before} KiB to {rss_after} KiB under hostile frames"
+    );
+    Ok(())
+}
+
+/// Valid requests the hostile-frames attack starts from: every kind a client sends,
+/// addressed to this tenant's `flood` stream and `hostile` cache (no mutation reaches a
+/// checked stream short of rewriting its name), two binary publishes, and the session
+/// fuzz corpus (another tenant's requests, frames cut short, lying counts, bad magic).
+fn hostile_templates(n: &Nemesis<'_>) -> anyhow::Result<Vec<bytes::Bytes>> {
+    n.cluster.admin.post(
+        &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
+        &json!({"cache": "hostile", "shards": 1}),
+    )?;
+    let (t, ns, s, c) = (TENANT, NAMESPACE, "flood", "hostile");
+    let b = "aG9zdGlsZQ=="; // "hostile"
+    let target = json!({"tenant_id": t, "namespace": ns, "stream": s});
+    let cache = json!({"tenant_id": t, "namespace": ns, "cache": c, "key": "k"});
+    let group = json!({"tenant_id": t, "namespace": ns, "stream": s, "shard": 0, "group": "g"});
+    let with = |base: &Value, kind: &str, more: Value| {
+        let mut v = base.clone();
+        v["type"] = json!(kind);
+        for (k, x) in more.as_object().expect("an object") {
+            v[k] = x.clone();
+        }
+        v
+    };
+    let requests = [
+        with(
+            &target,
+            "publish",
+            json!({"payload": b, "request_id": 1, "ack": "per_message"}),
+        ),
+        with(
+            &target,
+            "publish_batch",
+            json!({"payloads": [b, b], "request_id": 2, "ack": "per_batch"}),
+        ),
+        with(
+            &target,
+            "publish_if",
+            json!({"payloads": [b], "expected_offset": 0, "request_id": 3}),
+        ),
+        json!({"type": "producer_init", "request_id": 4}),
+        with(
+            &target,
+            "publish_idempotent",
+            json!({"payloads": [b], "request_id": 5, "producer_id": 1, "sequence": 0}),
+        ),
+        with(
+            &target,
+            "subscribe",
+            json!({"subscription_id": 6, "queue_capacity": 4}),
+        ),
+        with(
+            &target,
+            "stream_read",
+            json!({"shard": 0, "from": 0, "max_records": 10, "request_id": 7}),
+        ),
+        with(
+            &target,
+            "offset_for_time",
+            json!({"shard": 0, "at_micros": 0, "request_id": 8}),
+        ),
+        with(&target, "stream_shards", json!({"request_id": 9})),
+        with(
+            &cache,
+            "cache_put",
+            json!({"value": b, "request_id": 10, "ttl_ms": 60000}),
+        ),
+        with(&cache, "cache_get", json!({"request_id": 11})),
+        with(&cache, "cache_delete", json!({"request_id": 12})),
+        with(
+            &cache,
+            "cache_put_if",
+            json!({"value": b, "condition": "absent", "request_id": 13}),
+        ),
+        with(
+            &cache,
+            "cache_delete_if",
+            json!({"version": 1, "request_id": 14}),
+        ),
+        with(
+            &cache,
+            "cache_watch",
+            json!({"retained": true, "subscription_id": 15}),
+        ),
+        with(&cache, "counter_add", json!({"delta": 1, "request_id": 16})),
+        with(&cache, "counter_get", json!({"request_id": 17})),
+        with(
+            &target,
+            "commit",
+            json!({"entity_key": "e", "event": b, "request_id": 18,
+            "changes": [{"op": "put", "key": "k", "value": b}, {"op": "delete", "key": "j"}]}),
+        ),
+        with(
+            &target,
+            "state_get",
+            json!({"entity_key": "e", "key": "k", "request_id": 19}),
+        ),
+        with(
+            &group,
+            "group_poll",
+            json!({"max_records": 4, "wait_ms": 200, "request_id": 20, "reclaim": false}),
+        ),
+        with(&group, "group_ack", json!({"offset": 0, "request_id": 21})),
+        with(
+            &group,
+            "group_nack",
+            json!({"offset": 0, "request_id": 22, "delay_ms": 10}),
+        ),
+        with(
+            &group,
+            "group_extend",
+            json!({"offset": 0, "request_id": 23, "attempts": 1, "extend_ms": 100}),
+        ),
+        with(
+            &group,
+            "group_dead_letter",
+            json!({"offset": 0, "request_id": 24}),
+        ),
+        with(&group, "group_dead_letters", json!({"request_id": 25})),
+        with(
+            &group,
+            "group_redrive",
+            json!({"offset": 0, "request_id": 26}),
+        ),
+        with(
+            &group,
+            "group_seek",
+            json!({"start": "earliest", "if_new": false, "request_id": 27}),
+        ),
+        with(&group, "group_describe", json!({"request_id": 28})),
+        with(&group, "group_delete", json!({"request_id": 29})),
+        json!({"type": "shard_inspect", "tenant_id": t, "namespace": ns, "name": s, "kind": "stream", "shard": 0, "request_id": 30}),
+        json!({"type": "subscriptions_list", "limit": 5, "request_id": 31}),
+    ];
+    let mut out = Vec::new();
+    for r in requests {
+        let m = felix_wire::Message::decode(&serde_json::to_vec(&r)?)
+            .with_context(|| format!("the hostile template {r} decodes"))?;
+        out.push(m.to_frame());
+    }
+    out.push(crate::raw_publish((t, ns, s), b"k", b"hostile", Some(1)));
+    out.push(crate::raw_publish((t, ns, s), b"k", b"hostile", None));
+    let corpus = crate::manifest_dir().join("../broker/fuzz/corpus/session");
+    for entry in std::fs::read_dir(&corpus).with_context(|| corpus.display().to_string())? {
+        let data = std::fs::read(entry?.path())?;
+        // The first byte picks the fuzz harness's mode; the rest is what was sent.
+        if let Some(rest) = data.get(1..) {
+            out.push(bytes::Bytes::copy_from_slice(rest));
+        }
+    }
+    Ok(out)
+}
+
+/// `frame` damaged 1-4 times: a bit flipped, a byte overwritten, cut short, bytes
+/// inserted, a range repeated, or its header's flags or length rewritten.
+fn mutate(frame: &[u8], rng: &mut Rng) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    for _ in 0..rng.between(1, 4) {
+        let at = |rng: &mut Rng, len: usize| rng.between(0, len.max(1) as u64 - 1) as usize;
+        match rng.between(0, 6) {
+            0 if !f.is_empty() => {
+                let i = at(rng, f.len());
+                f[i] ^= 1 << rng.between(0, 7);
+            }
+            1 if !f.is_empty() => {
+                let i = at(rng, f.len());
+                f[i] = rng.next_u64() as u8;
+            }
+            2 => f.truncate(at(rng, f.len())),
+            3 => {
+                let i = at(rng, f.len() + 1).min(f.len());
+                let junk: Vec<u8> = (0..rng.between(1, 64))
+                    .map(|_| rng.next_u64() as u8)
+                    .collect();
+                f.splice(i..i, junk);
+            }
+            4 if f.len() >= 12 => {
+                let length = match rng.between(0, 2) {
+                    0 => rng.next_u64() as u32,
+                    1 => (f.len() as u32).wrapping_add(rng.between(0, 64) as u32),
+                    _ => u32::MAX,
+                };
+                f[8..12].copy_from_slice(&length.to_be_bytes());
+            }
+            5 if f.len() >= 8 => {
+                let flags = rng.next_u64() as u16;
+                f[6..8].copy_from_slice(&flags.to_be_bytes());
+            }
+            _ if f.len() >= 2 => {
+                let i = at(rng, f.len() - 1);
+                let j = (i + rng.between(1, 256) as usize).min(f.len());
+                let copy = f[i..j].to_vec();
+                f.splice(j..j, copy);
+            }
+            _ => {}
+        }
+    }
+    f
+}
+
+/// What one hostile-frames attack sent and was answered.
+#[derive(Debug, Default)]
+struct FramesTally {
+    streams: u64,
+    frames: u64,
+    mutated: u64,
+    garbage: u64,
+    answers: u64,
+    errors: BTreeMap<String, u64>,
+    streams_reset: u64,
+    connections_closed: u64,
+}
+
+impl FramesTally {
+    fn add(&mut self, o: &FramesTally) {
+        self.streams += o.streams;
+        self.frames += o.frames;
+        self.mutated += o.mutated;
+        self.garbage += o.garbage;
+        self.answers += o.answers;
+        self.streams_reset += o.streams_reset;
+        self.connections_closed += o.connections_closed;
+        for (k, v) in &o.errors {
+            *self.errors.entry(k.clone()).or_default() += v;
+        }
+    }
+
+    fn summary(&self) -> Value {
+        json!({"streams": self.streams, "frames": self.frames, "mutated": self.mutated,
+               "garbage": self.garbage, "answers": self.answers, "errors": self.errors,
+               "streams_reset": self.streams_reset,
+               "connections_closed": self.connections_closed})
+    }
+}
+
+/// One authenticated connection opens 1-6 request streams, each the auth frame then 1-8
+/// hostile frames: a template as is, mutated, or bytes that are no frame at all (one
+/// stream in five publish-only). Every answer must be a well-formed frame and every
+/// error must carry a code; afterwards the connection, or a new one where the broker
+/// closed it, must answer a request within 5 s.
+async fn hostile_frames(
+    addr: std::net::SocketAddr,
+    ca: &Path,
+    token: &str,
+    templates: &[bytes::Bytes],
+    seed: u64,
+) -> anyhow::Result<FramesTally> {
+    use felix_wire::{FrameReader, Message};
+    let mut rng = Rng::new(seed);
+    let mut tally = FramesTally::default();
+    let auth = crate::raw_auth(TENANT, token);
+    let (ep, conn) = crate::raw_connect_to(addr, ca).await?;
+    for _ in 0..rng.between(1, 6) {
+        let mut bytes = auth.to_vec();
+        for _ in 0..rng.between(1, 8) {
+            let template = &templates[rng.between(0, templates.len() as u64 - 1) as usize];
+            match rng.between(0, 19) {
+                0..=3 => bytes.extend_from_slice(template),
+                4..=16 => {
+                    bytes.extend(mutate(template, &mut rng));
+                    tally.mutated += 1;
+                }
+                _ => {
+                    bytes.extend((0..rng.between(1, 256)).map(|_| rng.next_u64() as u8));
+                    tally.garbage += 1;
+                }
+            }
+            tally.frames += 1;
+        }
+        tally.streams += 1;
+        if rng.between(0, 4) == 0 {
+            let Ok(mut send) = conn.open_uni().await else {
+                break;
+            };
+            let _ = send.write_all(&bytes).await;
+            let _ = send.finish();
+            continue;
+        }
+        let Ok((mut send, mut recv)) = conn.open_bi().await else {
+            break;
+        };
+        let _ = send.write_all(&bytes).await;
+        let _ = send.finish();
+        // Answers until the broker ends the stream (or 1 s: a subscription or a watch
+        // the garbage happened to ask for stays open, which is no hang).
+        let mut reader = FrameReader::new(1 << 22);
+        let until = tokio::time::Instant::now() + Duration::from_secs(1);
+        loop {
+            match tokio::time::timeout_at(until, recv.read_chunk(1 << 16, true)).await {
+                Ok(Ok(Some(c))) => reader.push(c.bytes),
+                Ok(Ok(None)) | Err(_) => break,
+                Ok(Err(_)) => {
+                    tally.streams_reset += 1;
+                    break;
+                }
+            }
+            while let Some(f) = reader.next_frame().map_err(|e| {
+                anyhow::anyhow!("the broker's answer is no frame: {e} (seed {seed})")
+            })? {
+                tally.answers += 1;
+                match Message::decode(&f.payload) {
+                    Ok(Message::Error { code, message, .. }) => {
+                        let code = code.with_context(|| {
+                            format!("an error without a code: {message:?} (seed {seed})")
+                        })?;
+                        *tally.errors.entry(format!("{code:?}")).or_default() += 1;
+                    }
+                    Ok(Message::PublishError { code, message, .. }) => {
+                        let code = code.with_context(|| {
+                            format!("a publish error without a code: {message:?} (seed {seed})")
+                        })?;
+                        *tally.errors.entry(format!("{code:?}")).or_default() += 1;
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    // The broker still answers: on this connection, or a new one if it closed this.
+    let conn = if conn.close_reason().is_some() {
+        tally.connections_closed += 1;
+        crate::raw_connect_to(addr, ca).await?.1
+    } else {
+        conn
+    };
+    let probe = Message::decode(&serde_json::to_vec(&json!({
+        "type": "stream_shards", "tenant_id": TENANT, "namespace": NAMESPACE,
+        "stream": "flood", "request_id": 1}))?)?
+    .to_frame();
+    let answered = tokio::time::timeout(Duration::from_secs(5), async {
+        let (mut send, mut recv) = conn.open_bi().await?;
+        send.write_all(&auth).await?;
+        send.write_all(&probe).await?;
+        let _ = send.finish();
+        crate::read_messages(&mut recv, 2).await
+    })
+    .await
+    .with_context(|| {
+        format!("the broker did not answer within 5 s after hostile frames (seed {seed})")
+    })??;
+    anyhow::ensure!(
+        matches!(
+            answered.as_slice(),
+            [
+                Some(Message::AuthOk { .. }),
+                Some(Message::StreamShardsView { .. })
+            ]
+        ),
+        "after hostile frames (seed {seed}) a stream_shards request was answered {answered:?}"
+    );
+    conn.close(0u32.into(), b"done");
+    // Sent while this runtime still drives the endpoint: the broker ends whatever the
+    // garbage happened to subscribe to now, not after its idle timeout.
+    let _ = tokio::time::timeout(Duration::from_secs(1), ep.wait_idle()).await;
+    Ok(tally)
 }
 
 /// Every shard directory under a broker's `streams/` (tenant / namespace / stream /

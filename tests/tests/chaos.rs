@@ -70,6 +70,7 @@ fn every_scenario_is_listed_here() {
         "delete-recreate",
         "delete-recreate-away",
         "hostile-clients",
+        "hostile-frames",
         "filesystem-full",
         "filesystem-full-replicated",
     ];
@@ -190,6 +191,11 @@ fn delete_recreate_away() {
 #[test]
 fn hostile_clients() {
     assert_clean("hostile-clients");
+}
+
+#[test]
+fn hostile_frames() {
+    assert_clean("hostile-frames");
 }
 
 #[test]

@@ -2551,6 +2551,16 @@ fn wait_set_aside(c: &TestCluster, b: usize, name: &std::ffi::OsStr, bytes: &[u8
     )
     .unwrap();
     assert!(kept == bytes, "the damaged segment was kept as it was");
+    // ... and counted where an operator looks.
+    let copies = c.brokers[b].metric("felix_broker_damaged_copies").unwrap();
+    let held = c.brokers[b]
+        .metric("felix_broker_damaged_copies_bytes")
+        .unwrap();
+    assert!(
+        copies == 1 && held >= bytes.len() as u64,
+        "felix_broker_damaged_copies {copies}, _bytes {held} (the segment alone is {})",
+        bytes.len()
+    );
 }
 
 /// Three brokers with 64 KiB segments and a Quorum stream `rot` of three copies:

@@ -25,8 +25,50 @@ use crate::replication::machine::Meta;
 use crate::replication::replica::META_FILE;
 
 /// Where damaged copies are kept, under the data directory, for an operator to look
-/// at (`felix-log`) or delete. Nothing reads or removes them.
+/// at (`felix-log`) or delete. Nothing reads them; the oldest are deleted once more
+/// than `damaged_copies_kept` are there ([`to_prune`]).
 pub const DAMAGED_DIR: &str = "damaged-copies";
+
+/// A copy set aside less than this long ago is never pruned: an entry that young may
+/// be another core's empty copy, still being built beside its shard.
+const PRUNE_AFTER_MICROS: u64 = 60_000_000;
+
+/// Which entries of [`DAMAGED_DIR`] to delete so that `kept` remain: the oldest first
+/// (each name begins with the wall-clock microseconds it was set aside at), none set
+/// aside within [`PRUNE_AFTER_MICROS`] of `now_micros`, and nothing whose name is not
+/// ours (an operator's own files there stay).
+pub fn to_prune(names: &[String], kept: usize, now_micros: u64) -> Vec<String> {
+    let mut ours: Vec<(u64, &String)> = names
+        .iter()
+        .filter_map(|n| Some((n.split_once('-')?.0.parse().ok()?, n)))
+        .collect();
+    ours.sort();
+    let excess = ours.len().saturating_sub(kept);
+    ours.into_iter()
+        .take(excess)
+        .filter(|(at, _)| now_micros.saturating_sub(*at) >= PRUNE_AFTER_MICROS)
+        .map(|(_, n)| n.clone())
+        .collect()
+}
+
+/// The copies kept under [`DAMAGED_DIR`] in `data_dir`, and the bytes they hold.
+pub fn kept_copies(data_dir: &Path) -> (u64, u64) {
+    fn bytes(p: &Path) -> u64 {
+        match std::fs::symlink_metadata(p) {
+            Ok(m) if m.is_dir() => std::fs::read_dir(p)
+                .map(|es| es.flatten().map(|e| bytes(&e.path())).sum())
+                .unwrap_or(0),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        }
+    }
+    let Ok(entries) = std::fs::read_dir(data_dir.join(DAMAGED_DIR)) else {
+        return (0, 0);
+    };
+    entries
+        .flatten()
+        .fold((0, 0), |(n, b), e| (n + 1, b + bytes(&e.path())))
+}
 
 /// The metadata of a copy that starts over: the ballot kept, the commit mark
 /// forgotten (the empty log holds nothing committed), marked rebuilding since the
@@ -147,7 +189,40 @@ impl CoreBroker {
             ballot = meta.generation,
             "the shard's copy is damaged: set aside, started over empty, rebuilding from the other copies (counted in no election until it holds what it may have acknowledged)"
         );
+        self.prune_damaged_copies(root).await;
         Ok(fresh)
+    }
+
+    /// Deletes the oldest damaged copies beyond `damaged_copies_kept` ([`to_prune`]).
+    /// A failure is logged and left for the next copy set aside.
+    async fn prune_damaged_copies(&self, root: PathBuf) {
+        let kept = self.shared.damaged_copies_kept;
+        let now = felix_core_runtime::clock::wall_micros();
+        let pruned = task::spawn_blocking(move || {
+            let names: Vec<String> = std::fs::read_dir(&root)?
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .collect();
+            let mut gone = Vec::new();
+            for name in to_prune(&names, kept, now) {
+                match std::fs::remove_dir_all(root.join(&name)) {
+                    Ok(()) => gone.push(name),
+                    Err(e) => {
+                        tracing::warn!(copy = %name, error = %e, "deleting an old damaged copy")
+                    }
+                }
+            }
+            std::io::Result::Ok(gone)
+        })
+        .await;
+        match pruned {
+            Ok(gone) if !gone.is_empty() => tracing::warn!(
+                deleted = ?gone,
+                kept,
+                "deleted the oldest damaged copies (damaged_copies_kept)"
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "listing damaged copies to prune"),
+        }
     }
 
     /// An empty log in `dir` whose replica metadata is `meta`, durable.
@@ -187,6 +262,37 @@ mod tests {
             })
             .rebuilding,
             Some(7)
+        );
+    }
+
+    #[test]
+    fn the_oldest_damaged_copies_beyond_the_bound_are_pruned_but_never_young_ones() {
+        let minute = PRUNE_AFTER_MICROS;
+        let now = 10 * minute;
+        let names: Vec<String> = [
+            format!("{}-0-stream.t.n.s.0", now - 3 * minute),
+            format!("{}-1-stream.t.n.s.1", now - 5 * minute),
+            format!("{}-0-cache.t.n.c.0", now - minute / 2),
+            format!("{}-1-stream.t.n.s.2", now - 4 * minute),
+            "notes-by-the-operator".to_owned(),
+        ]
+        .into();
+        // Four of ours, two kept: the two oldest go, oldest first.
+        assert_eq!(
+            to_prune(&names, 2, now),
+            [names[1].clone(), names[3].clone()]
+        );
+        // Three kept: only the oldest.
+        assert_eq!(to_prune(&names, 3, now), [names[1].clone()]);
+        assert!(to_prune(&names, 4, now).is_empty());
+        // One kept: the three oldest are beyond it, but the half-minute-old one (maybe
+        // another core's copy being built) is not among them; a young one beyond the
+        // bound stays until it is a minute old.
+        assert_eq!(to_prune(&names, 1, now).len(), 3);
+        assert_eq!(
+            to_prune(&names, 1, now - 3 * minute - 1),
+            [names[1].clone()],
+            "copies younger than a minute stay"
         );
     }
 
