@@ -501,6 +501,9 @@ pub struct Shared {
     pub housekeeping_interval: Duration,
     /// Damaged replica copies kept under `damaged-copies/` (`core/damaged.rs`).
     pub damaged_copies_kept: usize,
+    /// Entries of `damaged-copies/` some core is building or exchanging right now:
+    /// pruning never deletes them.
+    pub damaged_in_flight: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Per-core metrics, in core order.
     pub metrics: Vec<Arc<CoreMetrics>>,
     /// Set once every core is serving.

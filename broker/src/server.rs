@@ -289,6 +289,7 @@ pub fn start(
         limits: config.limits,
         housekeeping_interval: config.housekeeping_interval,
         damaged_copies_kept: config.damaged_copies_kept,
+        damaged_in_flight: Default::default(),
         metrics: (0..cores).map(|_| Arc::default()).collect(),
         ready: AtomicBool::new(false),
         faults: config.fault_injection.then(StorageFaults::new),

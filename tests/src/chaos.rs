@@ -961,7 +961,11 @@ fn damaged_restart(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The brokers' default `damaged_copies_kept`.
+const DAMAGED_COPIES_KEPT: usize = 4;
+
 fn damaged_replica(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    let mut damaged: HashMap<usize, usize> = HashMap::new();
     while n.running() {
         n.sleep_ms(1500, 3000);
         let b = if n.rng.between(0, 1) == 0 {
@@ -1007,8 +1011,10 @@ fn damaged_replica(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
                 && b.metric("felix_broker_replicas_rebuilding").ok()? == 0)
                 .then_some(())
         });
-        // Copies set aside so far on that broker (one per damaged copy it found).
-        let set_aside = std::fs::read_dir(n.cluster.brokers[b].data_dir.join("damaged-copies"))
+        // Copies damaged so far on that broker, and those it keeps set aside (the
+        // oldest beyond `damaged_copies_kept` are deleted once a minute old).
+        *damaged.entry(b).or_default() += flipped.len();
+        let kept = std::fs::read_dir(n.cluster.brokers[b].data_dir.join("damaged-copies"))
             .map_or(0, |d| d.count());
         n.event(
             if rebuilt.is_ok() {
@@ -1016,7 +1022,13 @@ fn damaged_replica(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
             } else {
                 "not-rebuilt"
             },
-            json!({"node": b, "ms": began.elapsed().as_millis() as u64, "set_aside": set_aside}),
+            json!({"node": b, "ms": began.elapsed().as_millis() as u64,
+                   "damaged_so_far": damaged[&b], "kept": kept,
+                   "kept_metric": n.cluster.brokers[b].metric("felix_broker_damaged_copies").ok()}),
+        );
+        anyhow::ensure!(
+            kept <= DAMAGED_COPIES_KEPT,
+            "broker {b} keeps {kept} damaged copies (damaged_copies_kept is {DAMAGED_COPIES_KEPT})"
         );
     }
     Ok(())

@@ -216,15 +216,20 @@ fn filesystem_full() {
 /// reach the deposed leader before it syncs: an 8 s run does not always have one (two
 /// seeds missed it once in about ten CI runs).
 fn assert_caught(name: &str, mutant: &str) {
+    assert_caught_within(name, mutant, 4);
+}
+
+/// As [`assert_caught`], trying seeds `1..=seeds`.
+fn assert_caught_within(name: &str, mutant: &str, seeds: u64) {
     let mut reports = Vec::new();
-    for seed in [1, 2, 3, 4] {
+    for seed in 1..=seeds {
         let line = run_seed(name, seed, 8, Some(mutant));
         if line["valid"] == false {
             return;
         }
         reports.push(line["report"].to_string());
     }
-    panic!("{name} with {mutant}: the checker found nothing in four runs: {reports:?}");
+    panic!("{name} with {mutant}: the checker found nothing in {seeds} runs: {reports:?}");
 }
 
 #[test]
@@ -237,8 +242,15 @@ fn the_checker_catches_acks_after_the_lease() {
     assert_caught("leader-pause", "ack-after-lease");
 }
 
-// `skip-fence` (a new leader serving without fencing a majority) is caught by the
-// replication simulator (`the_simulator_catches_replicas_that_skip_fencing` in the
-// broker): in these process runs the control plane promotes only a follower whose
-// reported position covers the commit mark, and followers refuse to cut committed
-// records, so the mutant never got to lose an acknowledged record here.
+// `skip-fence` (a new leader serving on its own log without fencing a majority): a
+// planned move hands leadership to a member that may still lack the newest committed
+// records; fencing makes it fetch them before it serves, the mutant serves without
+// them. Caught in 2 of the first 4 seeded runs here (seed 2: 182 acknowledged records
+// lost), hence six tries. The failover scenarios (`leader-kill`, `leader-pause`) do
+// not catch it: the control plane promotes only a follower whose reported position
+// covers the commit mark, and followers refuse to cut committed records. The
+// replication simulator catches it at once (`the_simulator_catches_replicas_that_skip_fencing`).
+#[test]
+fn the_checker_catches_leaders_that_skip_fencing() {
+    assert_caught_within("planned-move", "skip-fence", 6);
+}

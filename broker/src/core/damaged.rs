@@ -29,15 +29,16 @@ use crate::replication::replica::META_FILE;
 /// than `damaged_copies_kept` are there ([`to_prune`]).
 pub const DAMAGED_DIR: &str = "damaged-copies";
 
-/// A copy set aside less than this long ago is never pruned: an entry that young may
-/// be another core's empty copy, still being built beside its shard.
-const PRUNE_AFTER_MICROS: u64 = 60_000_000;
-
 /// Which entries of [`DAMAGED_DIR`] to delete so that `kept` remain: the oldest first
-/// (each name begins with the wall-clock microseconds it was set aside at), none set
-/// aside within [`PRUNE_AFTER_MICROS`] of `now_micros`, and nothing whose name is not
-/// ours (an operator's own files there stay).
-pub fn to_prune(names: &[String], kept: usize, now_micros: u64) -> Vec<String> {
+/// (each name begins with the wall-clock microseconds it was set aside at), never one
+/// `in_flight` (an empty copy another core is still building, about to be exchanged
+/// with its damaged one: it counts as kept), and nothing whose name is not ours (an
+/// operator's own files there stay).
+pub fn to_prune(
+    names: &[String],
+    kept: usize,
+    in_flight: &std::collections::HashSet<String>,
+) -> Vec<String> {
     let mut ours: Vec<(u64, &String)> = names
         .iter()
         .filter_map(|n| Some((n.split_once('-')?.0.parse().ok()?, n)))
@@ -46,7 +47,7 @@ pub fn to_prune(names: &[String], kept: usize, now_micros: u64) -> Vec<String> {
     let excess = ours.len().saturating_sub(kept);
     ours.into_iter()
         .take(excess)
-        .filter(|(at, _)| now_micros.saturating_sub(*at) >= PRUNE_AFTER_MICROS)
+        .filter(|(_, n)| !in_flight.contains(*n))
         .map(|(_, n)| n.clone())
         .collect()
 }
@@ -149,17 +150,52 @@ impl CoreBroker {
             key.name,
             key.shard
         ));
-        let (data_dir, r) = (self.shared.data_dir.clone(), root.clone());
+        let name = fresh
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_owned();
+        self.damaged_in_flight().insert(name.clone());
+        let swapped = self.swap_in_empty_copy(dir, &root, &fresh, &meta).await;
+        self.damaged_in_flight().remove(&name);
+        swapped?;
+        tracing::error!(
+            shard = %key,
+            damaged = %fresh.display(),
+            ballot = meta.generation,
+            "the shard's copy is damaged: set aside, started over empty, rebuilding from the other copies (counted in no election until it holds what it may have acknowledged)"
+        );
+        self.prune_damaged_copies(root).await;
+        Ok(fresh)
+    }
+
+    fn damaged_in_flight(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.shared
+            .damaged_in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Builds the marked empty copy at `fresh` and exchanges it with the damaged copy
+    /// in `dir`.
+    async fn swap_in_empty_copy(
+        &self,
+        dir: &Path,
+        root: &Path,
+        fresh: &Path,
+        meta: &Meta,
+    ) -> Result<(), BrokerError> {
+        let (data_dir, r) = (self.shared.data_dir.clone(), root.to_path_buf());
         task::spawn_blocking(move || {
             std::fs::create_dir_all(&r)?;
             sync_dir(&data_dir)
         })
         .await
-        .map_err(|e| storage(&root, "creating", e))?;
-        let built = self.empty_marked_copy(&fresh, &meta).await;
+        .map_err(|e| storage(root, "creating", e))?;
+        let built = self.empty_marked_copy(fresh, meta).await;
         let swapped = match built {
             Ok(()) => {
-                let (a, b, r) = (fresh.clone(), dir.to_path_buf(), root.clone());
+                let (a, b, r) = (fresh.to_path_buf(), dir.to_path_buf(), root.to_path_buf());
                 task::spawn_blocking(move || {
                     // The new entry is durable in `damaged-copies/` before it moves.
                     sync_dir(&r).map_err(|e| (false, e))?;
@@ -178,32 +214,34 @@ impl CoreBroker {
             if !exchanged {
                 // The half-built empty copy would only take space (the open is tried
                 // again after a restart). Once exchanged, `fresh` is the damaged copy.
-                let f = fresh.clone();
+                let f = fresh.to_path_buf();
                 let _ = task::spawn_blocking(move || std::fs::remove_dir_all(f)).await;
             }
             return Err(e);
         }
-        tracing::error!(
-            shard = %key,
-            damaged = %fresh.display(),
-            ballot = meta.generation,
-            "the shard's copy is damaged: set aside, started over empty, rebuilding from the other copies (counted in no election until it holds what it may have acknowledged)"
-        );
-        self.prune_damaged_copies(root).await;
-        Ok(fresh)
+        Ok(())
     }
 
     /// Deletes the oldest damaged copies beyond `damaged_copies_kept` ([`to_prune`]).
     /// A failure is logged and left for the next copy set aside.
     async fn prune_damaged_copies(&self, root: PathBuf) {
         let kept = self.shared.damaged_copies_kept;
-        let now = felix_core_runtime::clock::wall_micros();
+        let listed = task::spawn_blocking({
+            let root = root.clone();
+            move || {
+                std::fs::read_dir(root).map(|d| {
+                    d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                        .collect::<Vec<String>>()
+                })
+            }
+        })
+        .await;
+        // Chosen under the lock, so no core starts building an entry picked here: a
+        // new entry is named for the time it is created, newer than every one listed.
+        let chosen = listed.map(|names| to_prune(&names, kept, &self.damaged_in_flight()));
         let pruned = task::spawn_blocking(move || {
-            let names: Vec<String> = std::fs::read_dir(&root)?
-                .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .collect();
             let mut gone = Vec::new();
-            for name in to_prune(&names, kept, now) {
+            for name in chosen? {
                 match std::fs::remove_dir_all(root.join(&name)) {
                     Ok(()) => gone.push(name),
                     Err(e) => {
@@ -266,34 +304,30 @@ mod tests {
     }
 
     #[test]
-    fn the_oldest_damaged_copies_beyond_the_bound_are_pruned_but_never_young_ones() {
-        let minute = PRUNE_AFTER_MICROS;
-        let now = 10 * minute;
+    fn the_oldest_damaged_copies_beyond_the_bound_are_pruned_but_never_one_in_flight() {
         let names: Vec<String> = [
-            format!("{}-0-stream.t.n.s.0", now - 3 * minute),
-            format!("{}-1-stream.t.n.s.1", now - 5 * minute),
-            format!("{}-0-cache.t.n.c.0", now - minute / 2),
-            format!("{}-1-stream.t.n.s.2", now - 4 * minute),
-            "notes-by-the-operator".to_owned(),
+            "3000-0-stream.t.n.s.0",
+            "1000-1-stream.t.n.s.1",
+            "4000-0-cache.t.n.c.0",
+            "2000-1-stream.t.n.s.2",
+            "notes-by-the-operator",
         ]
+        .map(String::from)
         .into();
+        let none = std::collections::HashSet::new();
         // Four of ours, two kept: the two oldest go, oldest first.
         assert_eq!(
-            to_prune(&names, 2, now),
+            to_prune(&names, 2, &none),
             [names[1].clone(), names[3].clone()]
         );
         // Three kept: only the oldest.
-        assert_eq!(to_prune(&names, 3, now), [names[1].clone()]);
-        assert!(to_prune(&names, 4, now).is_empty());
-        // One kept: the three oldest are beyond it, but the half-minute-old one (maybe
-        // another core's copy being built) is not among them; a young one beyond the
-        // bound stays until it is a minute old.
-        assert_eq!(to_prune(&names, 1, now).len(), 3);
-        assert_eq!(
-            to_prune(&names, 1, now - 3 * minute - 1),
-            [names[1].clone()],
-            "copies younger than a minute stay"
-        );
+        assert_eq!(to_prune(&names, 3, &none), [names[1].clone()]);
+        assert!(to_prune(&names, 4, &none).is_empty());
+        // An entry another core is building counts as kept but is never deleted, even
+        // when it is among the oldest (its name's time was taken before others').
+        let building = std::collections::HashSet::from([names[1].clone()]);
+        assert_eq!(to_prune(&names, 2, &building), [names[3].clone()]);
+        assert_eq!(to_prune(&names, 1, &building).len(), 2);
     }
 
     #[test]
