@@ -2680,3 +2680,76 @@ fn a_leader_whose_copy_is_damaged_hands_over_and_rebuilds_it_from_the_others() {
         &rt.block_on(read_all(&c, "rot", acked.len() as u64)),
     );
 }
+
+/// The `epochs` file: a replica that opens its log after retention removed the record
+/// that began the generation in force at its base learns that generation from the file
+/// (the records left carry no label of their own, and a leader's next message would
+/// teach it only once it hears one). An election compares logs by the generation of
+/// their last record, then their end: a copy that took its records for generation 0
+/// loses to a shorter one, and records only it and the dead leader held (acknowledged)
+/// are cut. Here one follower is paused while the leader and the other commit 20
+/// records; the leader and that other follower are killed, the paused one resumed, the
+/// other restarted: without hearing from any leader it must know its records'
+/// generation to win. (The simulator models the file; this is its process-level check.)
+#[test]
+fn a_copy_reopened_after_retention_removed_its_generations_start_still_wins_with_the_records_it_holds()
+ {
+    let mut c = cluster_with("segment_bytes: 65536\nhousekeeping_ms: 200\n");
+    c.admin
+        .post(
+            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/streams"),
+            &serde_json::json!({"stream": "aged", "kind": "Stream", "shards": 1,
+                "replication_factor": 3, "consistency": "Quorum",
+                "retention": {"max_size_bytes": 131072}}),
+        )
+        .unwrap();
+    let (leader, generation) = c
+        .wait_leader("aged", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // ~640 KiB of 4 KiB records in 64 KiB segments, kept to 128 KiB: the segment
+    // holding the generation's start record goes on every replica.
+    let big = "x".repeat(4000);
+    let mut acked = rt.block_on(publish_n(&c, "aged", &big, 160));
+    wait_for(
+        "retention on every replica",
+        Duration::from_secs(30),
+        || {
+            c.brokers
+                .iter()
+                .all(|b| {
+                    b.metric("felix_broker_retention_segments_removed_total")
+                        .unwrap_or(0)
+                        >= 5
+                })
+                .then_some(())
+        },
+    )
+    .unwrap();
+    let (holder, paused) = ((leader + 1) % 3, (leader + 2) % 3);
+    c.brokers[paused].signal(libc::SIGSTOP);
+    let only_two = rt.block_on(publish_n(&c, "aged", "leader-and-holder", 20));
+    acked.extend(only_two.clone());
+    c.brokers[leader].kill();
+    c.brokers[holder].kill();
+    c.brokers[paused].signal(libc::SIGCONT);
+    c.brokers[holder].restart().unwrap();
+    let (successor, _) = c
+        .wait_leader("aged", 0, Some(leader), generation, Duration::from_secs(30))
+        .unwrap();
+    assert_ne!(successor, leader);
+    acked.extend(rt.block_on(publish_n(&c, "aged", "failed-over", 20)));
+    let read = rt.block_on(read_all(&c, "aged", acked.len() as u64));
+    let base = *read.keys().next().expect("records read back");
+    assert!(
+        base > 0,
+        "retention removed the oldest records (base {base})"
+    );
+    let kept: BTreeMap<u64, Vec<u8>> = acked.into_iter().filter(|(o, _)| *o >= base).collect();
+    assert!(
+        only_two.keys().all(|o| kept.contains_key(o)),
+        "the records only two copies held are above the base"
+    );
+    check_nothing_lost(&kept, &read);
+    let _ = &mut c;
+}
