@@ -504,6 +504,10 @@ pub struct Shared {
     /// Entries of `damaged-copies/` some core is building or exchanging right now:
     /// pruning never deletes them.
     pub damaged_in_flight: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Damaged copies kept, and their bytes on disk (counted at each prune).
+    pub damaged_copies: AtomicU64,
+    /// See `damaged_copies`.
+    pub damaged_copies_bytes: AtomicU64,
     /// Per-core metrics, in core order.
     pub metrics: Vec<Arc<CoreMetrics>>,
     /// Set once every core is serving.
@@ -538,7 +542,7 @@ pub struct Shared {
 mod carry;
 #[path = "core/damaged.rs"]
 mod damaged;
-pub use damaged::kept_copies as kept_damaged_copies;
+pub use damaged::{DAMAGED_DIR, prune_and_count as prune_damaged_copies};
 #[path = "core/follow.rs"]
 pub mod follow;
 #[path = "core/idempotent.rs"]

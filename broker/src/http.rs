@@ -451,18 +451,17 @@ impl prometheus_client::collector::Collector for Collector {
             MetricType::Gauge,
             u64::from(unready_reasons(shared).is_empty()),
         )?;
-        let (copies, bytes) = crate::core::kept_damaged_copies(&shared.data_dir);
         one(
             "felix_broker_damaged_copies",
             "Damaged replica copies kept under damaged-copies/ for an operator (the oldest deleted beyond damaged_copies_kept).",
             MetricType::Gauge,
-            copies,
+            shared.damaged_copies.load(Ordering::Relaxed),
         )?;
         one(
             "felix_broker_damaged_copies_bytes",
-            "Bytes the kept damaged replica copies hold.",
+            "Bytes the kept damaged replica copies take on disk.",
             MetricType::Gauge,
-            bytes,
+            shared.damaged_copies_bytes.load(Ordering::Relaxed),
         )?;
         if let Some(c) = &shared.cluster {
             one(

@@ -290,6 +290,8 @@ pub fn start(
         housekeeping_interval: config.housekeeping_interval,
         damaged_copies_kept: config.damaged_copies_kept,
         damaged_in_flight: Default::default(),
+        damaged_copies: Default::default(),
+        damaged_copies_bytes: Default::default(),
         metrics: (0..cores).map(|_| Arc::default()).collect(),
         ready: AtomicBool::new(false),
         faults: config.fault_injection.then(StorageFaults::new),
@@ -304,6 +306,25 @@ pub fn start(
         load_reports: Mutex::default(),
         auto_pins: Mutex::default(),
     });
+    // Damaged replica copies beyond the bound (left by an earlier run, or by a lower
+    // `damaged_copies_kept`) go before any core opens a shard; the rest are counted.
+    match crate::core::prune_damaged_copies(
+        &shared.data_dir.join(crate::core::DAMAGED_DIR),
+        shared.damaged_copies_kept,
+        &shared.damaged_in_flight,
+        None,
+    ) {
+        Ok(p) => {
+            if !p.deleted.is_empty() {
+                tracing::warn!(deleted = ?p.deleted, kept = shared.damaged_copies_kept, "deleted the oldest damaged copies (damaged_copies_kept)");
+            }
+            shared.damaged_copies.store(p.copies, Ordering::Relaxed);
+            shared
+                .damaged_copies_bytes
+                .store(p.bytes, Ordering::Relaxed);
+        }
+        Err(e) => tracing::warn!(error = %e, "pruning damaged copies"),
+    }
     let http = match config.http {
         Some(addr) => Some(crate::http::spawn(addr, shared.clone())?),
         None => None,

@@ -1011,11 +1011,17 @@ fn damaged_replica(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
                 && b.metric("felix_broker_replicas_rebuilding").ok()? == 0)
                 .then_some(())
         });
-        // Copies damaged so far on that broker, and those it keeps set aside (the
-        // oldest beyond `damaged_copies_kept` are deleted once a minute old).
+        // Copies damaged so far on that broker, and those it keeps set aside: the
+        // oldest beyond `damaged_copies_kept` are deleted by a prune that runs after
+        // each copy is set aside, not awaited by the reopen, so the bound may take a
+        // moment.
         *damaged.entry(b).or_default() += flipped.len();
-        let kept = std::fs::read_dir(n.cluster.brokers[b].data_dir.join("damaged-copies"))
-            .map_or(0, |d| d.count());
+        let root = n.cluster.brokers[b].data_dir.join("damaged-copies");
+        let count = || std::fs::read_dir(&root).map_or(0, |d| d.count());
+        let bounded = wait_for("the damaged copies pruned", Duration::from_secs(10), || {
+            (count() <= DAMAGED_COPIES_KEPT).then_some(())
+        });
+        let kept = count();
         n.event(
             if rebuilt.is_ok() {
                 "rebuilt"
@@ -1027,7 +1033,7 @@ fn damaged_replica(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
                    "kept_metric": n.cluster.brokers[b].metric("felix_broker_damaged_copies").ok()}),
         );
         anyhow::ensure!(
-            kept <= DAMAGED_COPIES_KEPT,
+            bounded.is_ok(),
             "broker {b} keeps {kept} damaged copies (damaged_copies_kept is {DAMAGED_COPIES_KEPT})"
         );
     }
@@ -1829,6 +1835,12 @@ fn hostile_frames_only(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         rss_after < rss_before + 256 * 1024,
         "the broker grew from {rss_before} KiB to {rss_after} KiB under hostile frames"
     );
+    // The checks above judged something: answers came, refusals among them.
+    anyhow::ensure!(
+        tally.answers > 0 && !tally.errors.is_empty(),
+        "hostile frames drew {} answers and no refusal to check",
+        tally.answers
+    );
     Ok(())
 }
 
@@ -2065,6 +2077,48 @@ impl FramesTally {
     }
 }
 
+/// Checks one answer to hostile frames: it decodes as the layout its flags name, and if
+/// it refuses something it carries a code (the connection offered error codes, and the
+/// flag for coded binary acks). Returns the refusal's code.
+fn answer_code(f: &felix_wire::Frame) -> anyhow::Result<Option<String>> {
+    use felix_wire::flags::FrameKind;
+    use felix_wire::{Message, PublishAck, PublishAckStatus};
+    match f.kind {
+        FrameKind::Json => match Message::decode(&f.payload) {
+            Ok(Message::Error { code, message, .. }) => Ok(Some(format!(
+                "{:?}",
+                code.with_context(|| format!("an error without a code: {message:?}"))?
+            ))),
+            Ok(Message::PublishError { code, message, .. }) => Ok(Some(format!(
+                "{:?}",
+                code.with_context(|| format!("a publish error without a code: {message:?}"))?
+            ))),
+            Ok(_) => Ok(None),
+            Err(e) => anyhow::bail!("a JSON answer that does not decode: {e}"),
+        },
+        FrameKind::PublishAck => {
+            let ack = PublishAck::decode(f.flags, &f.payload)
+                .map_err(|e| anyhow::anyhow!("a binary ack that does not decode: {e}"))?;
+            if ack.status != PublishAckStatus::Error {
+                return Ok(None);
+            }
+            let code = ack.code.with_context(|| {
+                format!(
+                    "a binary publish ack refused without a code: {:?}",
+                    ack.message
+                )
+            })?;
+            Ok(Some(format!("{:?}", code.code)))
+        }
+        FrameKind::EventBatch => {
+            felix_wire::EventBatch::decode(f.flags, &f.payload)
+                .map_err(|e| anyhow::anyhow!("an event batch that does not decode: {e}"))?;
+            Ok(None)
+        }
+        FrameKind::PublishBatch => anyhow::bail!("the broker sent a publish batch"),
+    }
+}
+
 /// One authenticated connection opens 1-6 request streams, each the auth frame then 1-8
 /// hostile frames: a template as is, mutated, or bytes that are no frame at all (one
 /// stream in five publish-only). Every answer must be a well-formed frame and every
@@ -2114,8 +2168,9 @@ async fn hostile_frames(
         let _ = send.write_all(&bytes).await;
         let _ = send.finish();
         // Answers until the broker ends the stream (or 1 s: a subscription or a watch
-        // the garbage happened to ask for stays open, which is no hang).
-        let mut reader = FrameReader::new(1 << 22);
+        // the garbage happened to ask for stays open, which is no hang). A read answers
+        // up to 4 MiB of records, more once encoded: the reader takes 64 MiB.
+        let mut reader = FrameReader::new(64 << 20);
         let until = tokio::time::Instant::now() + Duration::from_secs(1);
         loop {
             match tokio::time::timeout_at(until, recv.read_chunk(1 << 16, true)).await {
@@ -2130,20 +2185,10 @@ async fn hostile_frames(
                 anyhow::anyhow!("the broker's answer is no frame: {e} (seed {seed})")
             })? {
                 tally.answers += 1;
-                match Message::decode(&f.payload) {
-                    Ok(Message::Error { code, message, .. }) => {
-                        let code = code.with_context(|| {
-                            format!("an error without a code: {message:?} (seed {seed})")
-                        })?;
-                        *tally.errors.entry(format!("{code:?}")).or_default() += 1;
-                    }
-                    Ok(Message::PublishError { code, message, .. }) => {
-                        let code = code.with_context(|| {
-                            format!("a publish error without a code: {message:?} (seed {seed})")
-                        })?;
-                        *tally.errors.entry(format!("{code:?}")).or_default() += 1;
-                    }
-                    _ => {}
+                if let Some(code) = answer_code(&f)
+                    .with_context(|| format!("a hostile-frames answer (seed {seed})"))?
+                {
+                    *tally.errors.entry(code).or_default() += 1;
                 }
             }
         }

@@ -11,9 +11,12 @@
 //! open) or the marked empty one, never an unmarked empty copy, which would answer
 //! fences as a replica that never held anything.
 
+use std::collections::HashSet;
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 
 use felix_core_runtime::placement::{ShardKey, ShardKind};
 use felix_core_runtime::task;
@@ -25,50 +28,124 @@ use crate::replication::machine::Meta;
 use crate::replication::replica::META_FILE;
 
 /// Where damaged copies are kept, under the data directory, for an operator to look
-/// at (`felix-log`) or delete. Nothing reads them; the oldest are deleted once more
-/// than `damaged_copies_kept` are there ([`to_prune`]).
+/// at (`felix-log`) or delete. Nothing reads them; beyond `damaged_copies_kept` the
+/// oldest are deleted, at start-up and after each copy set aside ([`prune_and_count`]).
 pub const DAMAGED_DIR: &str = "damaged-copies";
 
-/// Which entries of [`DAMAGED_DIR`] to delete so that `kept` remain: the oldest first
-/// (each name begins with the wall-clock microseconds it was set aside at), never one
-/// `in_flight` (an empty copy another core is still building, about to be exchanged
-/// with its damaged one: it counts as kept), and nothing whose name is not ours (an
-/// operator's own files there stay).
-pub fn to_prune(
-    names: &[String],
-    kept: usize,
-    in_flight: &std::collections::HashSet<String>,
-) -> Vec<String> {
+/// When the entry `name` was set aside (wall-clock microseconds), if it is one of ours:
+/// `<micros>-<core>-<stream|cache>.<tenant>.<namespace>.<name>.<shard>`. Anything else
+/// there is an operator's and is left alone.
+fn set_aside_at(name: &str) -> Option<u64> {
+    let (micros, rest) = name.split_once('-')?;
+    let (core, rest) = rest.split_once('-')?;
+    core.parse::<usize>().ok()?;
+    (rest.starts_with("stream.") || rest.starts_with("cache.")).then_some(())?;
+    micros.parse().ok()
+}
+
+/// Which of `names` (entries of [`DAMAGED_DIR`]) to delete so that `kept` of ours
+/// remain: the oldest first, never one `protected` (an empty copy a core is still
+/// building or exchanging, and the copy just set aside: they count as kept), and
+/// nothing that is not ours.
+pub fn to_prune(names: &[String], kept: usize, protected: &HashSet<String>) -> Vec<String> {
     let mut ours: Vec<(u64, &String)> = names
         .iter()
-        .filter_map(|n| Some((n.split_once('-')?.0.parse().ok()?, n)))
+        .filter_map(|n| Some((set_aside_at(n)?, n)))
         .collect();
     ours.sort();
     let excess = ours.len().saturating_sub(kept);
     ours.into_iter()
+        .filter(|(_, n)| !protected.contains(*n))
         .take(excess)
-        .filter(|(_, n)| !in_flight.contains(*n))
         .map(|(_, n)| n.clone())
         .collect()
 }
 
-/// The copies kept under [`DAMAGED_DIR`] in `data_dir`, and the bytes they hold.
-pub fn kept_copies(data_dir: &Path) -> (u64, u64) {
-    fn bytes(p: &Path) -> u64 {
+/// What a prune did: the entries deleted, and the copies of ours left with the bytes
+/// they take on disk (allocated blocks: segments are preallocated).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Pruned {
+    /// Deleted entries.
+    pub deleted: Vec<String>,
+    /// Copies left.
+    pub copies: u64,
+    /// Their bytes on disk.
+    pub bytes: u64,
+}
+
+/// Deletes the oldest of our entries in `root` beyond `kept` ([`to_prune`]; the
+/// `protected` set is read under its lock while choosing, so no core starts building
+/// an entry chosen here: a new entry is named for its creation time and was not listed)
+/// and counts what is left. Blocking: call it off the cores' executors. A deletion that
+/// fails is logged and left for the next prune.
+pub fn prune_and_count(
+    root: &Path,
+    kept: usize,
+    protected: &Mutex<HashSet<String>>,
+    also: Option<&str>,
+) -> std::io::Result<Pruned> {
+    fn on_disk(p: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt as _;
         match std::fs::symlink_metadata(p) {
             Ok(m) if m.is_dir() => std::fs::read_dir(p)
-                .map(|es| es.flatten().map(|e| bytes(&e.path())).sum())
+                .map(|es| es.flatten().map(|e| on_disk(&e.path())).sum())
                 .unwrap_or(0),
-            Ok(m) => m.len(),
+            Ok(m) => m.blocks() * 512,
             Err(_) => 0,
         }
     }
-    let Ok(entries) = std::fs::read_dir(data_dir.join(DAMAGED_DIR)) else {
-        return (0, 0);
+    let list = || -> std::io::Result<Vec<String>> {
+        match std::fs::read_dir(root) {
+            Ok(d) => Ok(d
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .collect()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
     };
-    entries
-        .flatten()
-        .fold((0, 0), |(n, b), e| (n + 1, b + bytes(&e.path())))
+    let chosen = {
+        let names = list()?;
+        let mut held = protected.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        held.extend(also.map(str::to_owned));
+        to_prune(&names, kept, &held)
+    };
+    let mut pruned = Pruned::default();
+    for name in chosen {
+        match std::fs::remove_dir_all(root.join(&name)) {
+            Ok(()) => pruned.deleted.push(name),
+            Err(e) => tracing::warn!(copy = %name, error = %e, "deleting an old damaged copy"),
+        }
+    }
+    for name in list()?.into_iter().filter(|n| set_aside_at(n).is_some()) {
+        pruned.copies += 1;
+        pruned.bytes += on_disk(&root.join(name));
+    }
+    Ok(pruned)
+}
+
+/// Registers an entry of [`DAMAGED_DIR`] a core is building or exchanging, so no prune
+/// deletes it; deregisters it when dropped (also when the open that builds it is).
+struct InFlight<'a> {
+    set: &'a Mutex<HashSet<String>>,
+    name: String,
+}
+
+impl<'a> InFlight<'a> {
+    fn new(set: &'a Mutex<HashSet<String>>, name: String) -> InFlight<'a> {
+        set.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.clone());
+        InFlight { set, name }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.name);
+    }
 }
 
 /// The metadata of a copy that starts over: the ballot kept, the commit mark
@@ -155,9 +232,9 @@ impl CoreBroker {
             .and_then(|n| n.to_str())
             .unwrap_or_default()
             .to_owned();
-        self.damaged_in_flight().insert(name.clone());
+        let building = InFlight::new(&self.shared.damaged_in_flight, name.clone());
         let swapped = self.swap_in_empty_copy(dir, &root, &fresh, &meta).await;
-        self.damaged_in_flight().remove(&name);
+        drop(building);
         swapped?;
         tracing::error!(
             shard = %key,
@@ -165,15 +242,28 @@ impl CoreBroker {
             ballot = meta.generation,
             "the shard's copy is damaged: set aside, started over empty, rebuilding from the other copies (counted in no election until it holds what it may have acknowledged)"
         );
-        self.prune_damaged_copies(root).await;
+        // Not awaited: the shard reopens and starts its rebuild meanwhile.
+        let shared = self.shared.clone();
+        task::spawn(async move {
+            let kept = shared.damaged_copies_kept;
+            let s = shared.clone();
+            let pruned = task::spawn_blocking(move || {
+                prune_and_count(&root, kept, &s.damaged_in_flight, Some(&name))
+            })
+            .await;
+            match pruned {
+                Ok(p) => {
+                    if !p.deleted.is_empty() {
+                        tracing::warn!(deleted = ?p.deleted, kept, "deleted the oldest damaged copies (damaged_copies_kept)");
+                    }
+                    shared.damaged_copies.store(p.copies, Ordering::Relaxed);
+                    shared.damaged_copies_bytes.store(p.bytes, Ordering::Relaxed);
+                }
+                Err(e) => tracing::warn!(error = %e, "pruning damaged copies"),
+            }
+        })
+        .detach();
         Ok(fresh)
-    }
-
-    fn damaged_in_flight(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
-        self.shared
-            .damaged_in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Builds the marked empty copy at `fresh` and exchanges it with the damaged copy
@@ -220,47 +310,6 @@ impl CoreBroker {
             return Err(e);
         }
         Ok(())
-    }
-
-    /// Deletes the oldest damaged copies beyond `damaged_copies_kept` ([`to_prune`]).
-    /// A failure is logged and left for the next copy set aside.
-    async fn prune_damaged_copies(&self, root: PathBuf) {
-        let kept = self.shared.damaged_copies_kept;
-        let listed = task::spawn_blocking({
-            let root = root.clone();
-            move || {
-                std::fs::read_dir(root).map(|d| {
-                    d.filter_map(|e| e.ok()?.file_name().into_string().ok())
-                        .collect::<Vec<String>>()
-                })
-            }
-        })
-        .await;
-        // Chosen under the lock, so no core starts building an entry picked here: a
-        // new entry is named for the time it is created, newer than every one listed.
-        let chosen = listed.map(|names| to_prune(&names, kept, &self.damaged_in_flight()));
-        let pruned = task::spawn_blocking(move || {
-            let mut gone = Vec::new();
-            for name in chosen? {
-                match std::fs::remove_dir_all(root.join(&name)) {
-                    Ok(()) => gone.push(name),
-                    Err(e) => {
-                        tracing::warn!(copy = %name, error = %e, "deleting an old damaged copy")
-                    }
-                }
-            }
-            std::io::Result::Ok(gone)
-        })
-        .await;
-        match pruned {
-            Ok(gone) if !gone.is_empty() => tracing::warn!(
-                deleted = ?gone,
-                kept,
-                "deleted the oldest damaged copies (damaged_copies_kept)"
-            ),
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "listing damaged copies to prune"),
-        }
     }
 
     /// An empty log in `dir` whose replica metadata is `meta`, durable.
@@ -311,6 +360,8 @@ mod tests {
             "4000-0-cache.t.n.c.0",
             "2000-1-stream.t.n.s.2",
             "notes-by-the-operator",
+            "2026-12-02-notes",
+            "100-x-stream.t.n.s.0",
         ]
         .map(String::from)
         .into();
@@ -324,10 +375,40 @@ mod tests {
         assert_eq!(to_prune(&names, 3, &none), [names[1].clone()]);
         assert!(to_prune(&names, 4, &none).is_empty());
         // An entry another core is building counts as kept but is never deleted, even
-        // when it is among the oldest (its name's time was taken before others').
+        // when it is among the oldest (its name's time was taken before others'): the
+        // next oldest go in its place.
         let building = std::collections::HashSet::from([names[1].clone()]);
-        assert_eq!(to_prune(&names, 2, &building), [names[3].clone()]);
-        assert_eq!(to_prune(&names, 1, &building).len(), 2);
+        assert_eq!(
+            to_prune(&names, 2, &building),
+            [names[3].clone(), names[0].clone()]
+        );
+        assert_eq!(to_prune(&names, 1, &building).len(), 3);
+    }
+
+    #[test]
+    fn a_prune_deletes_from_disk_counts_what_is_left_and_spares_the_operators_files() {
+        let t = tempfile::tempdir().unwrap();
+        for name in [
+            "1000-0-stream.t.n.s.0",
+            "2000-1-stream.t.n.s.1",
+            "3000-0-cache.t.n.c.0",
+            "4000-1-stream.t.n.s.2",
+            "2026-12-02-notes",
+        ] {
+            std::fs::create_dir(t.path().join(name)).unwrap();
+            std::fs::write(t.path().join(name).join("seg"), vec![7u8; 8192]).unwrap();
+        }
+        // The oldest is being built by another core; the newest was just set aside.
+        let building = Mutex::new(HashSet::from(["1000-0-stream.t.n.s.0".to_owned()]));
+        let p = prune_and_count(t.path(), 2, &building, Some("4000-1-stream.t.n.s.2")).unwrap();
+        assert_eq!(p.deleted, ["2000-1-stream.t.n.s.1", "3000-0-cache.t.n.c.0"]);
+        assert_eq!(p.copies, 2);
+        assert!(p.bytes >= 2 * 8192, "{} bytes on disk", p.bytes);
+        assert!(t.path().join("2026-12-02-notes/seg").exists());
+        assert!(t.path().join("1000-0-stream.t.n.s.0").exists());
+        // Nothing there yet: nothing to do.
+        let none = prune_and_count(&t.path().join("missing"), 2, &building, None).unwrap();
+        assert_eq!(none, Pruned::default());
     }
 
     #[test]
