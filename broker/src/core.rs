@@ -504,7 +504,7 @@ pub struct Shared {
     /// Entries of `damaged-copies/` some core is building or exchanging right now:
     /// pruning never deletes them.
     pub damaged_in_flight: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// Damaged copies kept, and their bytes on disk (counted at each prune).
+    /// Damaged copies kept, and their bytes on disk (counted as `/metrics` is scraped).
     pub damaged_copies: AtomicU64,
     /// See `damaged_copies`.
     pub damaged_copies_bytes: AtomicU64,
@@ -542,7 +542,7 @@ pub struct Shared {
 mod carry;
 #[path = "core/damaged.rs"]
 mod damaged;
-pub use damaged::{DAMAGED_DIR, prune_and_count as prune_damaged_copies};
+pub use damaged::{DAMAGED_DIR, count as count_damaged_copies, prune as prune_damaged_copies};
 #[path = "core/follow.rs"]
 pub mod follow;
 #[path = "core/idempotent.rs"]

@@ -586,6 +586,16 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    // The damaged copies are counted from disk, on a blocking thread: never stale
+    // (an operator may delete them by hand), and a slow disk does not hold this
+    // thread, which also answers `/livez`.
+    let root = shared.data_dir.join(crate::core::DAMAGED_DIR);
+    if let Ok((copies, bytes)) =
+        tokio::task::spawn_blocking(move || crate::core::count_damaged_copies(&root)).await
+    {
+        shared.damaged_copies.store(copies, Ordering::Relaxed);
+        shared.damaged_copies_bytes.store(bytes, Ordering::Relaxed);
+    }
     (
         [(
             "content-type",

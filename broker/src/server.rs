@@ -307,22 +307,18 @@ pub fn start(
         auto_pins: Mutex::default(),
     });
     // Damaged replica copies beyond the bound (left by an earlier run, or by a lower
-    // `damaged_copies_kept`) go before any core opens a shard; the rest are counted.
+    // `damaged_copies_kept`) go before any core opens a shard.
     match crate::core::prune_damaged_copies(
         &shared.data_dir.join(crate::core::DAMAGED_DIR),
         shared.damaged_copies_kept,
         &shared.damaged_in_flight,
-        None,
     ) {
-        Ok(p) => {
-            if !p.deleted.is_empty() {
-                tracing::warn!(deleted = ?p.deleted, kept = shared.damaged_copies_kept, "deleted the oldest damaged copies (damaged_copies_kept)");
-            }
-            shared.damaged_copies.store(p.copies, Ordering::Relaxed);
-            shared
-                .damaged_copies_bytes
-                .store(p.bytes, Ordering::Relaxed);
-        }
+        Ok(deleted) if !deleted.is_empty() => tracing::warn!(
+            ?deleted,
+            kept = shared.damaged_copies_kept,
+            "deleted the oldest damaged copies (damaged_copies_kept)"
+        ),
+        Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "pruning damaged copies"),
     }
     let http = match config.http {

@@ -2552,13 +2552,17 @@ fn wait_set_aside(c: &TestCluster, b: usize, name: &std::ffi::OsStr, bytes: &[u8
     .unwrap();
     assert!(kept == bytes, "the damaged segment was kept as it was");
     // ... and counted where an operator looks.
-    let copies = c.brokers[b].metric("felix_broker_damaged_copies").unwrap();
-    let held = c.brokers[b]
-        .metric("felix_broker_damaged_copies_bytes")
-        .unwrap();
+    let b = &c.brokers[b];
+    let counted = wait_for("the damaged copy counted", Duration::from_secs(10), || {
+        let copies = b.metric("felix_broker_damaged_copies").ok()?;
+        let held = b.metric("felix_broker_damaged_copies_bytes").ok()?;
+        (copies == 1 && held >= bytes.len() as u64).then_some(())
+    });
     assert!(
-        copies == 1 && held >= bytes.len() as u64,
-        "felix_broker_damaged_copies {copies}, _bytes {held} (the segment alone is {})",
+        counted.is_ok(),
+        "felix_broker_damaged_copies {:?}, _bytes {:?} (the segment alone is {})",
+        b.metric("felix_broker_damaged_copies").ok(),
+        b.metric("felix_broker_damaged_copies_bytes").ok(),
         bytes.len()
     );
 }

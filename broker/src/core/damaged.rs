@@ -15,14 +15,13 @@ use std::collections::HashSet;
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 use felix_core_runtime::placement::{ShardKey, ShardKind};
 use felix_core_runtime::task;
 use felix_storage_uring::{DmaBackend, SegmentLog};
 
-use super::CoreBroker;
+use super::{CoreBroker, Shared};
 use crate::error::BrokerError;
 use crate::replication::machine::Meta;
 use crate::replication::replica::META_FILE;
@@ -61,29 +60,46 @@ pub fn to_prune(names: &[String], kept: usize, protected: &HashSet<String>) -> V
         .collect()
 }
 
-/// What a prune did: the entries deleted, and the copies of ours left with the bytes
-/// they take on disk (allocated blocks: segments are preallocated).
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Pruned {
-    /// Deleted entries.
-    pub deleted: Vec<String>,
-    /// Copies left.
-    pub copies: u64,
-    /// Their bytes on disk.
-    pub bytes: u64,
+/// Our entries in `root`, or none when it does not exist.
+fn list(root: &Path) -> std::io::Result<Vec<String>> {
+    match std::fs::read_dir(root) {
+        Ok(d) => Ok(d
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(e),
+    }
 }
 
 /// Deletes the oldest of our entries in `root` beyond `kept` ([`to_prune`]; the
-/// `protected` set is read under its lock while choosing, so no core starts building
-/// an entry chosen here: a new entry is named for its creation time and was not listed)
-/// and counts what is left. Blocking: call it off the cores' executors. A deletion that
-/// fails is logged and left for the next prune.
-pub fn prune_and_count(
+/// `protected` set, entries cores are building or exchanging and copies just set aside
+/// whose prune this is, is read under its lock while choosing, so no core starts
+/// building an entry chosen here: a new entry is named for its creation time and was
+/// not listed). Returns what it deleted. Blocking: call it off the cores' executors. A
+/// deletion that fails is logged and left for the next prune.
+pub fn prune(
     root: &Path,
     kept: usize,
     protected: &Mutex<HashSet<String>>,
-    also: Option<&str>,
-) -> std::io::Result<Pruned> {
+) -> std::io::Result<Vec<String>> {
+    let chosen = {
+        let names = list(root)?;
+        let held = protected.lock().unwrap_or_else(|p| p.into_inner());
+        to_prune(&names, kept, &held)
+    };
+    let mut deleted = Vec::new();
+    for name in chosen {
+        match std::fs::remove_dir_all(root.join(&name)) {
+            Ok(()) => deleted.push(name),
+            Err(e) => tracing::warn!(copy = %name, error = %e, "deleting an old damaged copy"),
+        }
+    }
+    Ok(deleted)
+}
+
+/// The copies of ours in `root` and the bytes they take on disk (allocated blocks:
+/// segments are preallocated). Blocking.
+pub fn count(root: &Path) -> (u64, u64) {
     fn on_disk(p: &Path) -> u64 {
         use std::os::unix::fs::MetadataExt as _;
         match std::fs::symlink_metadata(p) {
@@ -94,54 +110,38 @@ pub fn prune_and_count(
             Err(_) => 0,
         }
     }
-    let list = || -> std::io::Result<Vec<String>> {
-        match std::fs::read_dir(root) {
-            Ok(d) => Ok(d
-                .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .collect()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-            Err(e) => Err(e),
-        }
-    };
-    let chosen = {
-        let names = list()?;
-        let mut held = protected.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        held.extend(also.map(str::to_owned));
-        to_prune(&names, kept, &held)
-    };
-    let mut pruned = Pruned::default();
-    for name in chosen {
-        match std::fs::remove_dir_all(root.join(&name)) {
-            Ok(()) => pruned.deleted.push(name),
-            Err(e) => tracing::warn!(copy = %name, error = %e, "deleting an old damaged copy"),
-        }
-    }
-    for name in list()?.into_iter().filter(|n| set_aside_at(n).is_some()) {
-        pruned.copies += 1;
-        pruned.bytes += on_disk(&root.join(name));
-    }
-    Ok(pruned)
+    list(root)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|n| set_aside_at(n).is_some())
+        .fold((0, 0), |(n, b), name| {
+            (n + 1, b + on_disk(&root.join(name)))
+        })
 }
 
-/// Registers an entry of [`DAMAGED_DIR`] a core is building or exchanging, so no prune
-/// deletes it; deregisters it when dropped (also when the open that builds it is).
-struct InFlight<'a> {
-    set: &'a Mutex<HashSet<String>>,
+/// Registers an entry of [`DAMAGED_DIR`] that a core is building or exchanging, or
+/// that was just set aside and whose own prune has not run yet, so no prune deletes
+/// it; deregisters it when dropped (also when the open that builds it is).
+struct InFlight {
+    shared: Arc<Shared>,
     name: String,
 }
 
-impl<'a> InFlight<'a> {
-    fn new(set: &'a Mutex<HashSet<String>>, name: String) -> InFlight<'a> {
-        set.lock()
+impl InFlight {
+    fn new(shared: Arc<Shared>, name: String) -> InFlight {
+        shared
+            .damaged_in_flight
+            .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(name.clone());
-        InFlight { set, name }
+        InFlight { shared, name }
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
-        self.set
+        self.shared
+            .damaged_in_flight
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&self.name);
@@ -232,33 +232,30 @@ impl CoreBroker {
             .and_then(|n| n.to_str())
             .unwrap_or_default()
             .to_owned();
-        let building = InFlight::new(&self.shared.damaged_in_flight, name.clone());
-        let swapped = self.swap_in_empty_copy(dir, &root, &fresh, &meta).await;
-        drop(building);
-        swapped?;
+        let building = InFlight::new(self.shared.clone(), name);
+        self.swap_in_empty_copy(dir, &root, &fresh, &meta).await?;
         tracing::error!(
             shard = %key,
             damaged = %fresh.display(),
             ballot = meta.generation,
             "the shard's copy is damaged: set aside, started over empty, rebuilding from the other copies (counted in no election until it holds what it may have acknowledged)"
         );
-        // Not awaited: the shard reopens and starts its rebuild meanwhile.
+        // Not awaited: the shard reopens and starts its rebuild meanwhile. The copy just
+        // set aside stays registered until its prune is done, so no other core's prune
+        // (a clock stepped back could make it look oldest) takes it meanwhile.
         let shared = self.shared.clone();
         task::spawn(async move {
             let kept = shared.damaged_copies_kept;
-            let s = shared.clone();
-            let pruned = task::spawn_blocking(move || {
-                prune_and_count(&root, kept, &s.damaged_in_flight, Some(&name))
-            })
-            .await;
+            let pruned =
+                task::spawn_blocking(move || prune(&root, kept, &shared.damaged_in_flight)).await;
+            drop(building);
             match pruned {
-                Ok(p) => {
-                    if !p.deleted.is_empty() {
-                        tracing::warn!(deleted = ?p.deleted, kept, "deleted the oldest damaged copies (damaged_copies_kept)");
-                    }
-                    shared.damaged_copies.store(p.copies, Ordering::Relaxed);
-                    shared.damaged_copies_bytes.store(p.bytes, Ordering::Relaxed);
-                }
+                Ok(deleted) if !deleted.is_empty() => tracing::warn!(
+                    ?deleted,
+                    kept,
+                    "deleted the oldest damaged copies (damaged_copies_kept)"
+                ),
+                Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "pruning damaged copies"),
             }
         })
@@ -399,16 +396,21 @@ mod tests {
             std::fs::write(t.path().join(name).join("seg"), vec![7u8; 8192]).unwrap();
         }
         // The oldest is being built by another core; the newest was just set aside.
-        let building = Mutex::new(HashSet::from(["1000-0-stream.t.n.s.0".to_owned()]));
-        let p = prune_and_count(t.path(), 2, &building, Some("4000-1-stream.t.n.s.2")).unwrap();
-        assert_eq!(p.deleted, ["2000-1-stream.t.n.s.1", "3000-0-cache.t.n.c.0"]);
-        assert_eq!(p.copies, 2);
-        assert!(p.bytes >= 2 * 8192, "{} bytes on disk", p.bytes);
+        let held = Mutex::new(HashSet::from([
+            "1000-0-stream.t.n.s.0".to_owned(),
+            "4000-1-stream.t.n.s.2".to_owned(),
+        ]));
+        let deleted = prune(t.path(), 2, &held).unwrap();
+        assert_eq!(deleted, ["2000-1-stream.t.n.s.1", "3000-0-cache.t.n.c.0"]);
+        let (copies, bytes) = count(t.path());
+        assert_eq!(copies, 2, "the operator's directory is not counted");
+        assert!(bytes >= 2 * 8192, "{bytes} bytes on disk");
         assert!(t.path().join("2026-12-02-notes/seg").exists());
         assert!(t.path().join("1000-0-stream.t.n.s.0").exists());
-        // Nothing there yet: nothing to do.
-        let none = prune_and_count(&t.path().join("missing"), 2, &building, None).unwrap();
-        assert_eq!(none, Pruned::default());
+        // Nothing there yet: nothing to do, nothing counted.
+        let missing = t.path().join("missing");
+        assert!(prune(&missing, 2, &held).unwrap().is_empty());
+        assert_eq!(count(&missing), (0, 0));
     }
 
     #[test]
