@@ -1401,23 +1401,16 @@ fn hostile_clients(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     ));
     let expiring = text(&mint(TENANT, "felix-broker", 1)?);
     let minted = Instant::now();
-    // Where the floods write: a stream of its own, so the checked ones hold only the
-    // history's records.
-    n.cluster.create_stream("flood", 1, 1, "Quorum")?;
-    n.cluster
-        .wait_leader("flood", 0, None, 0, Duration::from_secs(30))?;
-    let templates = hostile_templates(n)?;
+    let Hostile {
+        addr,
+        ca,
+        good,
+        templates,
+        rss_before,
+        live,
+        rt,
+    } = hostile_target(n)?;
     let mut frames_tally = FramesTally::default();
-    let (addr, ca, good) = (
-        n.cluster.brokers[0].listen,
-        n.cluster.certs.ca.clone(),
-        n.cluster.client_token.clone(),
-    );
-    let rss_before = n.cluster.brokers[0].rss_kib();
-    let live = n.cluster.brokers[0].metric("felix_broker_subscriptions")?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
     let mut tally: BTreeMap<&'static str, u64> = BTreeMap::new();
     while n.running() {
         n.sleep_ms(100, 600);
@@ -1533,15 +1526,7 @@ fn hostile_clients(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     // Every dead client's subscriptions end with its connection, within the idle
     // timeout; nothing reached another stream's subscriber; memory stayed bounded.
     let b = &n.cluster.brokers[0];
-    let ended = crate::wait_for(
-        "the dead clients' subscriptions to end",
-        Duration::from_millis(HOSTILE_IDLE_MS + 10_000),
-        || {
-            b.metric("felix_broker_subscriptions")
-                .ok()
-                .filter(|s| *s <= live)
-        },
-    );
+    let ended = subscriptions_end(b, live);
     let rss_after = b.rss_kib();
     let foreign = b.metric("felix_broker_foreign_batches_total")?;
     n.event(
@@ -1779,22 +1764,64 @@ async fn denied_mid_connection(
     Ok(took)
 }
 
-/// Row 18's long form: hostile frames back to back (see [`hostile_frames`]).
-fn hostile_frames_only(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+/// What the hostile scenarios aim at and start from: the broker's address and CA, a
+/// valid token, the frame templates (after creating the `flood` stream and `hostile`
+/// cache they address), and the broker's RSS and live subscriptions before.
+struct Hostile {
+    addr: std::net::SocketAddr,
+    ca: PathBuf,
+    good: String,
+    templates: Vec<bytes::Bytes>,
+    rss_before: u64,
+    live: u64,
+    rt: tokio::runtime::Runtime,
+}
+
+fn hostile_target(n: &mut Nemesis<'_>) -> anyhow::Result<Hostile> {
+    // Where the floods write: a stream of its own, so the checked ones hold only the
+    // history's records.
     n.cluster.create_stream("flood", 1, 1, "Quorum")?;
     n.cluster
         .wait_leader("flood", 0, None, 0, Duration::from_secs(30))?;
-    let templates = hostile_templates(n)?;
-    let (addr, ca, good) = (
-        n.cluster.brokers[0].listen,
-        n.cluster.certs.ca.clone(),
-        n.cluster.client_token.clone(),
-    );
-    let rss_before = n.cluster.brokers[0].rss_kib();
-    let live = n.cluster.brokers[0].metric("felix_broker_subscriptions")?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    let b = &n.cluster.brokers[0];
+    Ok(Hostile {
+        templates: hostile_templates(n)?,
+        addr: b.listen,
+        ca: n.cluster.certs.ca.clone(),
+        good: n.cluster.client_token.clone(),
+        rss_before: b.rss_kib(),
+        live: b.metric("felix_broker_subscriptions")?,
+        rt: tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?,
+    })
+}
+
+/// Waits (the idle timeout and 10 s) until the broker holds no more subscriptions
+/// than the `live` ones from before the hostile clients.
+fn subscriptions_end(b: &crate::BrokerProcess, live: u64) -> anyhow::Result<u64> {
+    crate::wait_for(
+        "the hostile clients' subscriptions to end",
+        Duration::from_millis(HOSTILE_IDLE_MS + 10_000),
+        || {
+            b.metric("felix_broker_subscriptions")
+                .ok()
+                .filter(|s| *s <= live)
+        },
+    )
+}
+
+/// Row 18's long form: hostile frames back to back (see [`hostile_frames`]).
+fn hostile_frames_only(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
+    let Hostile {
+        addr,
+        ca,
+        good,
+        templates,
+        rss_before,
+        live,
+        rt,
+    } = hostile_target(n)?;
     let mut tally = FramesTally::default();
     let mut connections = 0u64;
     while n.running() {
@@ -1814,15 +1841,7 @@ fn hostile_frames_only(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         }
     }
     let b = &n.cluster.brokers[0];
-    let ended = crate::wait_for(
-        "the hostile connections' subscriptions to end",
-        Duration::from_millis(HOSTILE_IDLE_MS + 10_000),
-        || {
-            b.metric("felix_broker_subscriptions")
-                .ok()
-                .filter(|s| *s <= live)
-        },
-    );
+    let ended = subscriptions_end(b, live);
     let rss_after = b.rss_kib();
     n.event(
         "afterwards",

@@ -758,6 +758,25 @@ fn quorum_commits_keep_their_state_and_events_across_a_leader_kill() {
     let _ = &mut c;
 }
 
+/// Waits until every broker's retention removed at least `segments` segments.
+fn wait_retention_everywhere(c: &TestCluster, segments: u64) {
+    wait_for(
+        "retention on every replica",
+        Duration::from_secs(30),
+        || {
+            c.brokers
+                .iter()
+                .all(|b| {
+                    b.metric("felix_broker_retention_segments_removed_total")
+                        .unwrap_or(0)
+                        >= segments
+                })
+                .then_some(())
+        },
+    )
+    .unwrap();
+}
+
 /// A Quorum stream with retention: the leader carries live state past the cut (its
 /// copies replicated like any write), every replica trims its log without removing a
 /// live entry's newest record, and after a leader kill the successor, folding its own
@@ -838,21 +857,7 @@ fn replicated_state_outlives_retention_on_every_replica_and_a_leader_kill() {
         want
     });
     // Every replica trims, the leader having carried the state first.
-    wait_for(
-        "retention on every replica",
-        Duration::from_secs(30),
-        || {
-            c.brokers
-                .iter()
-                .all(|b| {
-                    b.metric("felix_broker_retention_segments_removed_total")
-                        .unwrap_or(0)
-                        >= 5
-                })
-                .then_some(())
-        },
-    )
-    .unwrap();
+    wait_retention_everywhere(&c, 5);
     let copies = c.brokers[leader]
         .metric("felix_broker_state_copies_total")
         .unwrap();
@@ -2715,21 +2720,7 @@ fn a_copy_reopened_after_retention_removed_its_generations_start_still_wins_with
     // holding the generation's start record goes on every replica.
     let big = "x".repeat(4000);
     let mut acked = rt.block_on(publish_n(&c, "aged", &big, 160));
-    wait_for(
-        "retention on every replica",
-        Duration::from_secs(30),
-        || {
-            c.brokers
-                .iter()
-                .all(|b| {
-                    b.metric("felix_broker_retention_segments_removed_total")
-                        .unwrap_or(0)
-                        >= 5
-                })
-                .then_some(())
-        },
-    )
-    .unwrap();
+    wait_retention_everywhere(&c, 5);
     let (holder, paused) = ((leader + 1) % 3, (leader + 2) % 3);
     c.brokers[paused].signal(libc::SIGSTOP);
     let only_two = rt.block_on(publish_n(&c, "aged", "leader-and-holder", 20));
