@@ -216,6 +216,12 @@ enum GroupCmd {
         /// Acknowledge each record once printed.
         #[arg(long)]
         ack: bool,
+        /// Poll as this named member: its claims are its own.
+        #[arg(long)]
+        consumer: Option<String>,
+        /// With --consumer: first hand back the records this member still holds.
+        #[arg(long, requires = "consumer")]
+        reclaim: bool,
     },
     /// Finish records.
     Ack {
@@ -816,6 +822,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     max,
                     wait,
                     ack,
+                    consumer,
+                    reclaim,
                 } => {
                     let g = at(a);
                     let options = crate::PollOptions {
@@ -823,7 +831,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         wait: std::time::Duration::from_secs_f64(wait.clamp(0.0, 30.0)),
                         visibility: None,
                     };
-                    for r in c.group_poll(&g, options).await? {
+                    let records = match consumer {
+                        Some(name) => c.group_poll_as(&g, options, name, *reclaim).await?,
+                        None => c.group_poll(&g, options).await?,
+                    };
+                    for r in records {
                         let _ = show(
                             cli.json,
                             &mut out,

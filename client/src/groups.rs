@@ -113,6 +113,33 @@ impl Client {
         g: &GroupRef,
         options: PollOptions,
     ) -> Result<Vec<GroupRecord>, ClientError> {
+        self.poll_as(g, options, None, false).await
+    }
+
+    /// Claims records as the named member `consumer` (1-128 bytes; needs a broker with
+    /// named members): the claims are its own, and with `reclaim` the broker first hands
+    /// back the records this member still holds claimed (a consumer that restarted
+    /// picks up its claims at once, on the same attempt, instead of waiting out their
+    /// visibility), then claims more.
+    pub async fn group_poll_as(
+        &self,
+        g: &GroupRef,
+        options: PollOptions,
+        consumer: &str,
+        reclaim: bool,
+    ) -> Result<Vec<GroupRecord>, ClientError> {
+        self.require(Features::GROUP_CONSUMER, "group_poll with a consumer")?;
+        self.poll_as(g, options, Some(consumer.to_owned()), reclaim)
+            .await
+    }
+
+    async fn poll_as(
+        &self,
+        g: &GroupRef,
+        options: PollOptions,
+        consumer: Option<String>,
+        reclaim: bool,
+    ) -> Result<Vec<GroupRecord>, ClientError> {
         self.require(Features::CONSUMER_GROUP, "group_poll")?;
         let m = self.group_message(g, |tenant_id, namespace, stream, shard, group, rid| {
             Message::GroupPoll {
@@ -124,8 +151,8 @@ impl Client {
                 max_records: options.max_records.max(1),
                 wait_ms: options.wait.as_millis() as u64,
                 request_id: rid,
-                consumer: None,
-                reclaim: false,
+                consumer,
+                reclaim,
                 visibility_ms: options.visibility.map(|v| (v.as_millis() as u64).max(1)),
             }
         });

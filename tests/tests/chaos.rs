@@ -245,14 +245,17 @@ fn the_checker_catches_acks_after_the_lease() {
 // `skip-fence` (a new leader serving on its own log without fencing a majority): a
 // planned move hands leadership to a member that may still lack the newest committed
 // records; fencing makes it fetch them before it serves, the mutant serves without
-// them. A move catches it only when its target lags at the cut-over: about one run in
-// two (8 s runs, seeds 1-4: seed 2, 182 acknowledged records lost; 16 s runs: seeds 2
-// and 4, no better), so this tries up to ten runs of 8 s (all ten miss ~0.1% of the
-// time). The failover scenarios (`leader-kill`, `leader-pause`) do
+// them. A move catches it only when its target lags at the cut-over, which depends on
+// timing: here, by hand, about one run in two (8 s runs, seeds 1-4: seed 2, 182
+// acknowledged records lost; 16 s runs: seeds 2 and 4), but 0 of 10 in one `.ci/run`
+// (2026-12-02). Too unreliable to gate the suite on, so it is run by hand
+// (`cargo test -p felix-cluster --test chaos -- --ignored`) and its figures are in
+// docs/reliability.md; the simulator's test (`cargo test`) catches the mutant every time. The failover scenarios (`leader-kill`, `leader-pause`) do
 // not catch it: the control plane promotes only a follower whose reported position
 // covers the commit mark, and followers refuse to cut committed records. The
 // replication simulator catches it at once (`the_simulator_catches_replicas_that_skip_fencing`).
 #[test]
+#[ignore = "timing-dependent: run by hand, see above"]
 fn the_checker_catches_leaders_that_skip_fencing() {
     assert_caught_within("planned-move", "skip-fence", 10, 8);
 }

@@ -63,6 +63,13 @@ fn sdk_consumer_groups_claim_ack_nack_dead_letter_and_redrive() {
 }
 
 #[test]
+fn sdk_named_group_members_reclaim_their_own_claims_after_a_restart() {
+    let (b, _dir) = broker(&[]);
+    let out = run_python(&b, "group_members.py", &[]).unwrap();
+    eprintln!("{}", expect_success("group_members.py", &out).unwrap());
+}
+
+#[test]
 fn a_group_neither_redelivers_acked_records_nor_loses_unacked_ones_across_sigkill() {
     let (mut b, dir) = group_broker();
     let acked = dir.path().join("acked.txt");

@@ -37,6 +37,7 @@ use felix_wire::message::{GroupRecord, StartPosition};
 
 use crate::error::BrokerError;
 use crate::shard::StreamShard;
+pub use tracker::Member;
 use tracker::{Durable, Event, Limits, Refusal, Tracker};
 
 /// Longest group name.
@@ -63,6 +64,8 @@ pub enum GroupOp {
         wait_ms: u64,
         /// Claim visibility (0 = the default).
         visibility_ms: u64,
+        /// The named member polling (`consumer`, `reclaim`), if any.
+        member: Option<Member>,
     },
     /// Finish a record.
     Ack(String, u64),
@@ -648,10 +651,12 @@ impl GroupShard {
                 max,
                 wait_ms,
                 visibility_ms,
+                member,
             } => {
                 self.ensure(&group, stream.log.base_offset()).await?;
                 let wait = Duration::from_millis(wait_ms).min(POLL_WAIT_MAX);
-                self.poll(stream, &group, max.max(1) as usize, wait, visibility_ms)
+                let max = max.max(1) as usize;
+                self.poll(stream, &group, max, wait, visibility_ms, member)
                     .await
                     .map(GroupAnswer::Records)
             }
@@ -817,13 +822,14 @@ impl GroupShard {
         max: usize,
         wait: Duration,
         visibility_ms: u64,
+        member: Option<Member>,
     ) -> Result<Vec<GroupRecord>, BrokerError> {
         let started = mono_ms();
         let deadline = started + wait.as_millis() as u64;
         loop {
             let now = mono_ms();
             let records = self
-                .claim_once(stream, group, max, now, visibility_ms)
+                .claim_once(stream, group, max, now, visibility_ms, member.as_ref())
                 .await?;
             // A shard moving to another core answers now; the consumer asks again there.
             if !records.is_empty() || now >= deadline || stream.closing.get() {
@@ -850,24 +856,30 @@ impl GroupShard {
         max: usize,
         now: u64,
         visibility_ms: u64,
+        member: Option<&Member>,
     ) -> Result<Vec<GroupRecord>, BrokerError> {
         let mut out = Vec::new();
+        // A member reclaims once per claim: after that its live claims include what
+        // this claim just handed it.
+        let mut member = member.cloned();
         loop {
             let base = stream.log.base_offset();
             let tail = stream.fanout_end();
             let Some(claimed) = self.tracker(group, |t| {
                 t.skip_below(base);
-                t.claim(tail, max - out.len(), now, visibility_ms)
+                t.claim(tail, max - out.len(), now, visibility_ms, member.as_ref())
             }) else {
                 return Err(BrokerError::NotFound(format!("group {group} was deleted")));
             };
+            if let Some(m) = member.as_mut() {
+                m.reclaim = false;
+            }
+            let fresh = &claimed.handed[claimed.reclaimed..];
             if !claimed.dead.is_empty() {
                 let events: Vec<_> = claimed.dead.iter().map(|o| Some(Event::Dead(*o))).collect();
                 if let Err(e) = self.write(group, &events).await {
                     self.tracker(group, |t| claimed.dead.iter().for_each(|o| t.undo_dead(*o)));
-                    self.tracker(group, |t| {
-                        claimed.handed.iter().for_each(|(o, a)| t.release(*o, *a))
-                    });
+                    self.tracker(group, |t| fresh.iter().for_each(|(o, a)| t.release(*o, *a)));
                     return Err(e);
                 }
             }
@@ -876,7 +888,9 @@ impl GroupShard {
                 task::yield_now().await;
                 continue;
             }
-            let (records, passed) = self.read_claimed(stream, group, &claimed.handed).await?;
+            let (records, passed) = self
+                .read_claimed(stream, group, &claimed.handed, claimed.reclaimed)
+                .await?;
             let full = records.len() + passed < handed;
             out.extend(records);
             // Stop when full (by count, or the answer's byte bound handed claims back),
@@ -889,12 +903,14 @@ impl GroupShard {
 
     /// Reads the records of the claimed offsets. An offset that holds no record for
     /// consumers (a replication marker) is finished without a delivery; claims past the
-    /// answer's byte bound are handed back, their attempt not counted.
+    /// answer's byte bound are handed back, their attempt not counted, except the first
+    /// `reclaimed` (a member's own claims: they stay its own, for its next reclaim).
     async fn read_claimed(
         &self,
         stream: &StreamShard,
         group: &str,
         handed: &[(u64, u32)],
+        reclaimed: usize,
     ) -> Result<(Vec<GroupRecord>, usize), BrokerError> {
         let mut found: BTreeMap<u64, (Bytes, u64)> = BTreeMap::new();
         let mut wanted: Vec<u64> = handed.iter().map(|(o, _)| *o).collect();
@@ -927,7 +943,7 @@ impl GroupShard {
         let mut out = Vec::with_capacity(handed.len());
         let (mut bytes, mut passed) = (0usize, 0usize);
         self.tracker(group, |t| {
-            for &(o, attempts) in handed {
+            for (i, &(o, attempts)) in handed.iter().enumerate() {
                 match found.remove(&o) {
                     None if o < covered_end => {
                         t.skip(o);
@@ -946,6 +962,7 @@ impl GroupShard {
                             timestamp_micros: Some(at),
                         });
                     }
+                    _ if i < reclaimed => {}
                     _ => t.release(o, attempts),
                 }
             }

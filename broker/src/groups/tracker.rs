@@ -8,6 +8,7 @@
 //! restart or failover hands unsettled records out again (at-least-once).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 /// Bounds and defaults of a group (configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,10 +64,24 @@ pub enum Refusal {
 }
 
 /// A claim on one record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Claim {
     deadline_ms: u64,
     attempts: u32,
+    /// The named member it was handed to, if the poll named one.
+    member: Option<Arc<str>>,
+}
+
+/// A named member of a group (`consumer` on a poll, with `FEATURE_GROUP_CONSUMER`):
+/// its claims are its own, and with `reclaim` a poll first hands it back the records
+/// it still holds (a consumer that restarted picks up its own claims at once instead
+/// of waiting out their visibility, and no other member gets them meanwhile).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// The member's name (1-128 bytes).
+    pub name: Arc<str>,
+    /// Hand back this member's live claims first.
+    pub reclaim: bool,
 }
 
 /// A record owed again (its claim lapsed, it was nacked or redriven).
@@ -79,8 +94,13 @@ struct Owed {
 /// What one poll decided.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Claimed {
-    /// Offsets handed out, with the delivery attempt each is on (1 = first).
+    /// Offsets handed out, with the delivery attempt each is on (1 = first). The first
+    /// `reclaimed` of them are a member's own live claims handed back (their attempt
+    /// unchanged, their visibility renewed): a caller that cannot deliver one leaves it
+    /// claimed instead of releasing it.
     pub handed: Vec<(u64, u32)>,
+    /// How many of `handed`, at its start, were reclaimed.
+    pub reclaimed: usize,
     /// Offsets that reached the attempt limit: dead-lettered in memory; the caller writes
     /// an [`Event::Dead`] for each before answering (and calls [`Tracker::undo_dead`]
     /// if that write fails).
@@ -261,11 +281,21 @@ impl Tracker {
         self.settle(o);
     }
 
-    /// One poll at `now_ms`: lapsed claims become owed; owed records go out before new
-    /// ones, in offset order; a record past the attempt limit is dead-lettered instead;
-    /// new offsets come from the cursor's run up to `tail` (exclusive). At most `max`
-    /// records, and never past the in-flight cap.
-    pub fn claim(&mut self, tail: u64, max: usize, now_ms: u64, visibility_ms: u64) -> Claimed {
+    /// One poll at `now_ms`: lapsed claims become owed; a reclaiming `member` first gets
+    /// its own live claims back, in offset order, their visibility renewed and their
+    /// attempt unchanged (the same delivery, not another); owed records go out before
+    /// new ones, in offset order; a record past the attempt limit is dead-lettered
+    /// instead; new offsets come from the cursor's run up to `tail` (exclusive). At most
+    /// `max` records, and never past the in-flight cap (reclaims hold no new claim).
+    /// Claims made for a named member are its own; owed records belong to no one.
+    pub fn claim(
+        &mut self,
+        tail: u64,
+        max: usize,
+        now_ms: u64,
+        visibility_ms: u64,
+        member: Option<&Member>,
+    ) -> Claimed {
         self.expire(now_ms);
         let visibility = if visibility_ms == 0 {
             self.limits.visibility_ms
@@ -274,6 +304,19 @@ impl Tracker {
         };
         let max = max.min(self.limits.max_claim);
         let mut out = Claimed::default();
+        if let Some(m) = member.filter(|m| m.reclaim) {
+            for (o, c) in self.in_flight.iter_mut() {
+                if out.handed.len() >= max {
+                    break;
+                }
+                if c.member.as_deref() == Some(&*m.name) {
+                    c.deadline_ms = now_ms + visibility;
+                    out.handed.push((*o, c.attempts));
+                }
+            }
+            out.reclaimed = out.handed.len();
+        }
+        let owner = member.map(|m| m.name.clone());
         let room = |t: &Tracker, out: &Claimed| {
             out.handed.len() < max && t.in_flight.len() < t.limits.max_in_flight
         };
@@ -294,7 +337,7 @@ impl Tracker {
                 out.dead.push(o);
                 continue;
             }
-            self.hand(o, w.attempts + 1, now_ms + visibility, &mut out);
+            self.hand(o, w.attempts + 1, now_ms + visibility, &owner, &mut out);
         }
         let mut passed = 0;
         while self.high_water < tail && room(self, &out) {
@@ -311,17 +354,25 @@ impl Tracker {
             if self.owed.contains_key(&o) {
                 continue; // delayed: it goes out when its time comes
             }
-            self.hand(o, 1, now_ms + visibility, &mut out);
+            self.hand(o, 1, now_ms + visibility, &owner, &mut out);
         }
         out
     }
 
-    fn hand(&mut self, o: u64, attempts: u32, deadline_ms: u64, out: &mut Claimed) {
+    fn hand(
+        &mut self,
+        o: u64,
+        attempts: u32,
+        deadline_ms: u64,
+        member: &Option<Arc<str>>,
+        out: &mut Claimed,
+    ) {
         self.in_flight.insert(
             o,
             Claim {
                 deadline_ms,
                 attempts,
+                member: member.clone(),
             },
         );
         out.handed.push((o, attempts));
@@ -329,18 +380,18 @@ impl Tracker {
 
     /// Claims whose time ran out become owed.
     fn expire(&mut self, now_ms: u64) {
-        let lapsed: Vec<(u64, Claim)> = self
+        let lapsed: Vec<(u64, u32)> = self
             .in_flight
             .iter()
             .filter(|(_, c)| c.deadline_ms <= now_ms)
-            .map(|(o, c)| (*o, *c))
+            .map(|(o, c)| (*o, c.attempts))
             .collect();
-        for (o, c) in lapsed {
+        for (o, attempts) in lapsed {
             self.in_flight.remove(&o);
             self.owed.insert(
                 o,
                 Owed {
-                    attempts: c.attempts,
+                    attempts,
                     not_before_ms: 0,
                 },
             );
@@ -535,7 +586,10 @@ mod tests {
             t.apply(e);
         }
         assert_eq!(t.committed(), 0);
-        assert_eq!(offsets(&t.claim(10, 10, 0, 0)), vec![0, 2, 4, 7, 8, 9]);
+        assert_eq!(
+            offsets(&t.claim(10, 10, 0, 0, None)),
+            vec![0, 2, 4, 7, 8, 9]
+        );
         assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
         assert_eq!(t.ack(2), Ok(Some(Event::Ack(2))));
         assert_eq!(t.committed(), 4);
@@ -548,13 +602,13 @@ mod tests {
         for o in 1..=ahead {
             t.apply(Event::Ack(o));
         }
-        let first = t.claim(ahead + 10, 100, 0, 0);
+        let first = t.claim(ahead + 10, 100, 0, 0, None);
         assert_eq!(offsets(&first), vec![0]);
         assert!(first.cut_short, "passing the acked run stops at the bound");
         let mut handed = Vec::new();
         let mut claims = 1;
         loop {
-            let c = t.claim(ahead + 10, 100, 0, 0);
+            let c = t.claim(ahead + 10, 100, 0, 0, None);
             claims += 1;
             handed.extend(offsets(&c));
             if !c.cut_short {
@@ -572,8 +626,8 @@ mod tests {
     #[test]
     fn two_polls_never_hold_the_same_record_and_the_cursor_moves_over_contiguous_acks() {
         let mut t = Tracker::new(0, limits());
-        let a = t.claim(10, 4, 0, 0);
-        let b = t.claim(10, 4, 0, 0);
+        let a = t.claim(10, 4, 0, 0, None);
+        let b = t.claim(10, 4, 0, 0, None);
         assert_eq!(offsets(&a), vec![0, 1, 2, 3]);
         assert_eq!(offsets(&b), vec![4, 5, 6, 7]);
         assert_eq!(t.ack(1), Ok(Some(Event::Ack(1))));
@@ -587,11 +641,11 @@ mod tests {
     #[test]
     fn a_lapsed_claim_is_owed_before_new_records_and_counts_attempts() {
         let mut t = Tracker::new(0, limits());
-        t.claim(3, 1, 0, 0);
+        t.claim(3, 1, 0, 0, None);
         // Before the visibility timeout: offset 0 stays with its holder.
-        assert_eq!(t.claim(3, 1, 999, 0).handed, vec![(1, 1)]);
+        assert_eq!(t.claim(3, 1, 999, 0, None).handed, vec![(1, 1)]);
         // After it: offset 0 goes out again, on its second attempt, before offset 2.
-        assert_eq!(t.claim(3, 2, 1000, 0).handed, vec![(0, 2), (2, 1)]);
+        assert_eq!(t.claim(3, 2, 1000, 0, None).handed, vec![(0, 2), (2, 1)]);
         // The lapsed holder may still ack while no one else settled it.
         assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
     }
@@ -600,30 +654,34 @@ mod tests {
     fn a_nack_counts_an_attempt_and_the_limit_dead_letters() {
         let mut t = Tracker::new(0, limits());
         for attempt in 1..=3 {
-            assert_eq!(t.claim(1, 1, 0, 0).handed, vec![(0, attempt)]);
+            assert_eq!(t.claim(1, 1, 0, 0, None).handed, vec![(0, attempt)]);
             t.nack(0, 0, 0).unwrap();
         }
-        let c = t.claim(1, 1, 0, 0);
+        let c = t.claim(1, 1, 0, 0, None);
         assert!(c.handed.is_empty());
         assert_eq!(c.dead, vec![0]);
         assert_eq!(t.dead_letters().collect::<Vec<_>>(), vec![0]);
         assert_eq!(t.committed(), 1, "a dead letter is finished for the cursor");
         // A nack after the claim lapsed is refused.
-        t.claim(2, 1, 0, 0);
+        t.claim(2, 1, 0, 0, None);
         assert!(t.nack(1, 5000, 0).is_err());
     }
 
     #[test]
     fn redrive_owes_a_dead_letter_again_without_moving_the_cursor_back() {
         let mut t = Tracker::new(0, limits());
-        t.claim(2, 2, 0, 0);
+        t.claim(2, 2, 0, 0, None);
         assert_eq!(t.dead_letter(0, 0), Ok(Event::Dead(0)));
         t.ack(1).unwrap();
         assert_eq!(t.committed(), 2);
         t.is_dead(0).unwrap();
         t.apply(Event::Redrive(0));
         assert_eq!(t.committed(), 2);
-        assert_eq!(t.claim(2, 5, 0, 0).handed, vec![(0, 1)], "attempts reset");
+        assert_eq!(
+            t.claim(2, 5, 0, 0, None).handed,
+            vec![(0, 1)],
+            "attempts reset"
+        );
         assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
         assert_eq!(t.dead_letters().count(), 0);
         assert_eq!(t.is_dead(0), Err(Refusal::NotDeadLetter(0)));
@@ -632,23 +690,23 @@ mod tests {
     #[test]
     fn a_delayed_nack_waits_and_a_poll_learns_when_to_look_again() {
         let mut t = Tracker::new(0, limits());
-        t.claim(1, 1, 0, 0);
+        t.claim(1, 1, 0, 0, None);
         t.nack(0, 10, 500).unwrap();
-        assert!(t.claim(1, 1, 100, 0).handed.is_empty());
+        assert!(t.claim(1, 1, 100, 0, None).handed.is_empty());
         assert_eq!(t.next_due_ms(), Some(510));
-        assert_eq!(t.claim(1, 1, 510, 0).handed, vec![(0, 2)]);
+        assert_eq!(t.claim(1, 1, 510, 0, None).handed, vec![(0, 2)]);
     }
 
     #[test]
     fn recovery_from_events_restores_cursor_dead_letters_and_redrives() {
         let mut live = Tracker::new(0, limits());
         let mut events = Vec::new();
-        live.claim(5, 5, 0, 0);
+        live.claim(5, 5, 0, 0, None);
         for o in [0, 1, 3] {
             events.extend(live.ack(o).unwrap());
         }
         events.push(live.dead_letter(2, 0).unwrap());
-        live.claim(5, 5, 0, 0);
+        live.claim(5, 5, 0, 0, None);
         events.push(Event::Redrive(2));
         live.apply(Event::Redrive(2));
         let mut back = Tracker::new(0, limits());
@@ -658,7 +716,7 @@ mod tests {
         assert_eq!(back.committed(), live.committed());
         assert_eq!(back.committed(), 4);
         // Offset 2 is owed again, offset 4 was never finished: both go out; 0, 1, 3 never.
-        assert_eq!(offsets(&back.claim(5, 10, 0, 0)), vec![2, 4]);
+        assert_eq!(offsets(&back.claim(5, 10, 0, 0, None)), vec![2, 4]);
     }
 
     #[test]
@@ -670,11 +728,72 @@ mod tests {
                 ..limits()
             },
         );
-        assert_eq!(t.claim(10, 5, 0, 0).handed.len(), 2);
-        assert!(t.claim(10, 5, 0, 0).handed.is_empty());
+        assert_eq!(t.claim(10, 5, 0, 0, None).handed.len(), 2);
+        assert!(t.claim(10, 5, 0, 0, None).handed.is_empty());
         t.apply(Event::Seek(8));
-        assert_eq!(offsets(&t.claim(10, 5, 0, 0)), vec![8, 9]);
+        assert_eq!(offsets(&t.claim(10, 5, 0, 0, None)), vec![8, 9]);
         assert_eq!(t.skip_below(9), 1);
         assert_eq!(t.committed(), 9);
+    }
+
+    fn member(name: &str, reclaim: bool) -> Member {
+        Member {
+            name: name.into(),
+            reclaim,
+        }
+    }
+
+    #[test]
+    fn a_reclaiming_member_gets_its_own_live_claims_back_first_and_nobody_elses() {
+        let mut t = Tracker::new(0, limits());
+        let (a, b) = (member("a", false), member("b", false));
+        // a holds 0-2, b holds 3-4, each visible 1,000 ms.
+        assert_eq!(offsets(&t.claim(20, 3, 0, 1000, Some(&a))), vec![0, 1, 2]);
+        assert_eq!(offsets(&t.claim(20, 2, 0, 1000, Some(&b))), vec![3, 4]);
+        // Without reclaim a named poll gets new records, not its own claims.
+        assert_eq!(offsets(&t.claim(20, 1, 100, 1000, Some(&a))), vec![5]);
+        // a restarts and reclaims at 500 ms: its four come back first, on the same
+        // attempt, then new ones; b's are not touched.
+        let c = t.claim(20, 6, 500, 1000, Some(&member("a", true)));
+        assert_eq!(c.reclaimed, 4);
+        assert_eq!(
+            c.handed,
+            vec![(0, 1), (1, 1), (2, 1), (5, 1), (6, 1), (7, 1)]
+        );
+        // Reclaimed claims were renewed from 500 ms: at 1,400 ms b's have lapsed and go
+        // out again (attempt 2) to anyone, a's have not.
+        let other = t.claim(20, 10, 1400, 1000, None);
+        assert_eq!(other.handed[..2], [(3, 2), (4, 2)]);
+        assert!(
+            offsets(&other)
+                .iter()
+                .all(|o| ![0, 1, 2, 5, 6, 7].contains(o))
+        );
+        // A reclaim is bounded by the poll's max; the rest stay a's.
+        let some = t.claim(20, 2, 1450, 1000, Some(&member("a", true)));
+        assert_eq!((some.reclaimed, offsets(&some)), (2, vec![0, 1]));
+        // A member holding nothing reclaims nothing.
+        assert_eq!(
+            t.claim(20, 1, 1450, 1000, Some(&member("z", true)))
+                .reclaimed,
+            0
+        );
+        // Claims that lapsed are owed to anyone, not reclaimed: at 3,000 ms all of a's
+        // have lapsed.
+        let late = t.claim(20, 20, 3000, 1000, Some(&member("a", true)));
+        assert_eq!(late.reclaimed, 0);
+        assert_eq!(late.handed[..3], [(0, 2), (1, 2), (2, 2)], "redelivered");
+    }
+
+    #[test]
+    fn a_reclaimed_claim_is_acked_like_any_other() {
+        let mut t = Tracker::new(0, limits());
+        t.claim(5, 2, 0, 1000, Some(&member("a", false)));
+        let back = t.claim(5, 2, 10, 1000, Some(&member("a", true)));
+        assert_eq!((back.reclaimed, offsets(&back)), (2, vec![0, 1]));
+        assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
+        assert_eq!(t.ack(1), Ok(Some(Event::Ack(1))));
+        assert_eq!(t.committed(), 2);
+        assert_eq!(t.counts().in_flight, 0);
     }
 }

@@ -807,6 +807,9 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
     }
 }
 
+/// The longest name a group member (`consumer`) may have, in bytes.
+const MEMBER_NAME_MAX: usize = 128;
+
 /// A consumer-group message as a request; `None` for any other message.
 fn group_request(m: Message) -> Option<Request> {
     let req = |tenant_id, namespace, stream, shard: ShardId, request_id, op| Request::Group {
@@ -828,20 +831,50 @@ fn group_request(m: Message) -> Option<Request> {
             wait_ms,
             request_id,
             visibility_ms,
-            ..
-        } => req(
-            tenant_id,
-            namespace,
-            stream,
-            shard,
-            request_id,
-            GroupOp::Poll {
-                group,
-                max: max_records,
-                wait_ms,
-                visibility_ms: visibility_ms.unwrap_or(0),
-            },
-        ),
+            consumer,
+            reclaim,
+        } => {
+            let member = match (consumer, reclaim) {
+                (None, false) => None,
+                (None, true) => {
+                    return Some(Request::Refused {
+                        error: BrokerError::InvalidRequest(
+                            "group_poll: reclaim names no consumer".into(),
+                        ),
+                        ends_stream: false,
+                    });
+                }
+                (Some(name), reclaim) if (1..=MEMBER_NAME_MAX).contains(&name.len()) => {
+                    Some(crate::groups::Member {
+                        name: name.into(),
+                        reclaim,
+                    })
+                }
+                (Some(name), _) => {
+                    return Some(Request::Refused {
+                        error: BrokerError::InvalidRequest(format!(
+                            "group_poll: a consumer name is 1-{MEMBER_NAME_MAX} bytes, not {}",
+                            name.len()
+                        )),
+                        ends_stream: false,
+                    });
+                }
+            };
+            req(
+                tenant_id,
+                namespace,
+                stream,
+                shard,
+                request_id,
+                GroupOp::Poll {
+                    group,
+                    max: max_records,
+                    wait_ms,
+                    visibility_ms: visibility_ms.unwrap_or(0),
+                    member,
+                },
+            )
+        }
         Message::GroupAck {
             tenant_id,
             namespace,
@@ -1595,6 +1628,53 @@ mod tests {
                 Message::Error { code, .. } | Message::PublishError { code, .. } => code.unwrap(),
                 other => panic!("not a refusal: {other:?}"),
             },
+        }
+    }
+
+    #[test]
+    fn a_poll_names_its_member_within_the_bounds_or_is_refused() {
+        let poll = |consumer: Option<String>, reclaim| Message::GroupPoll {
+            tenant_id: TENANT.into(),
+            namespace: "ns".into(),
+            stream: "s".into(),
+            shard: ShardId(0),
+            group: "g".into(),
+            max_records: 4,
+            wait_ms: 0,
+            request_id: RequestId(1),
+            consumer,
+            reclaim,
+            visibility_ms: None,
+        };
+        let member = |r: Option<Request>| match r {
+            Some(Request::Group {
+                op: GroupOp::Poll { member, .. },
+                ..
+            }) => Ok(member),
+            Some(Request::Refused { error, .. }) => Err(error.to_string()),
+            _ => Err("not a group poll".into()),
+        };
+        assert_eq!(member(group_request(poll(None, false))), Ok(None));
+        assert_eq!(
+            member(group_request(poll(Some("w".into()), true))),
+            Ok(Some(crate::groups::Member {
+                name: "w".into(),
+                reclaim: true,
+            }))
+        );
+        assert!(member(group_request(poll(Some("x".repeat(128)), false))).is_ok());
+        for (consumer, reclaim) in [
+            (None, true),
+            (Some(String::new()), false),
+            (Some("x".repeat(129)), true),
+        ] {
+            let refused = member(group_request(poll(consumer.clone(), reclaim)));
+            assert!(
+                refused
+                    .as_ref()
+                    .is_err_and(|e| e.contains("invalid request")),
+                "{consumer:?}/{reclaim}: {refused:?}"
+            );
         }
     }
 

@@ -319,16 +319,20 @@ mod tests {
     #[test]
     fn a_valid_token_yields_a_session_with_the_features_both_sides_have() {
         let (keys, token) = keys_and_token(1000, 5000);
-        // Named group members are a feature this broker does not serve.
-        let offered = Features::ERROR_CODES.union(Features::GROUP_CONSUMER);
+        // Skipped-offset counts on group records are a feature this broker does not
+        // serve; named group members it does.
+        let offered = Features::ERROR_CODES
+            .union(Features::GROUP_SKIPPED)
+            .union(Features::GROUP_CONSUMER);
         let (session, reply) =
             handshake(&auth_frame("t1", &token, offered), &env(&keys), now(1000)).unwrap();
         assert_eq!(session.tenant(), "t1");
         assert!(session.coded());
         assert!(
-            !session.features.contains(Features::GROUP_CONSUMER),
+            !session.features.contains(Features::GROUP_SKIPPED),
             "a feature we do not serve is not granted"
         );
+        assert!(session.features.contains(Features::GROUP_CONSUMER));
         let reply = Message::decode(&reply[12..]).unwrap();
         assert!(matches!(reply, Message::AuthOk { .. }), "{reply:?}");
     }
