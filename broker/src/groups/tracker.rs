@@ -75,7 +75,9 @@ struct Claim {
 /// A named member of a group (`consumer` on a poll, with `FEATURE_GROUP_CONSUMER`):
 /// its claims are its own, and with `reclaim` a poll first hands it back the records
 /// it still holds (a consumer that restarted picks up its own claims at once instead
-/// of waiting out their visibility, and no other member gets them meanwhile).
+/// of waiting out their visibility, and no other member gets them meanwhile). Names
+/// are advisory, not access control: anyone the token lets read the group may poll
+/// under any name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
     /// The member's name (1-128 bytes).
@@ -95,9 +97,8 @@ struct Owed {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Claimed {
     /// Offsets handed out, with the delivery attempt each is on (1 = first). The first
-    /// `reclaimed` of them are a member's own live claims handed back (their attempt
-    /// unchanged, their visibility renewed): a caller that cannot deliver one leaves it
-    /// claimed instead of releasing it.
+    /// `reclaimed` of them are a member's own live claims handed back as they are: a
+    /// caller that cannot deliver one leaves it claimed instead of releasing it.
     pub handed: Vec<(u64, u32)>,
     /// How many of `handed`, at its start, were reclaimed.
     pub reclaimed: usize,
@@ -282,8 +283,8 @@ impl Tracker {
     }
 
     /// One poll at `now_ms`: lapsed claims become owed; a reclaiming `member` first gets
-    /// its own live claims back, in offset order, their visibility renewed and their
-    /// attempt unchanged (the same delivery, not another); owed records go out before
+    /// its own live claims back, in offset order, as they are (the same delivery, not
+    /// another: attempt and deadline unchanged; `extend` renews); owed records go out before
     /// new ones, in offset order; a record past the attempt limit is dead-lettered
     /// instead; new offsets come from the cursor's run up to `tail` (exclusive). At most
     /// `max` records, and never past the in-flight cap (reclaims hold no new claim).
@@ -305,12 +306,16 @@ impl Tracker {
         let max = max.min(self.limits.max_claim);
         let mut out = Claimed::default();
         if let Some(m) = member.filter(|m| m.reclaim) {
-            for (o, c) in self.in_flight.iter_mut() {
+            // The same claims handed back, deadlines untouched: a consumer that crashes
+            // on a record and reclaims it again and again still sees it lapse at its
+            // first deadline and count an attempt, so a poison record is dead-lettered
+            // as without reclaim (renewing them let it escape the attempt limit: found
+            // in review).
+            for (o, c) in &self.in_flight {
                 if out.handed.len() >= max {
                     break;
                 }
                 if c.member.as_deref() == Some(&*m.name) {
-                    c.deadline_ms = now_ms + visibility;
                     out.handed.push((*o, c.attempts));
                 }
             }
@@ -747,42 +752,62 @@ mod tests {
     fn a_reclaiming_member_gets_its_own_live_claims_back_first_and_nobody_elses() {
         let mut t = Tracker::new(0, limits());
         let (a, b) = (member("a", false), member("b", false));
-        // a holds 0-2, b holds 3-4, each visible 1,000 ms.
+        // a holds 0-2, b holds 3-4, until 1,000 ms.
         assert_eq!(offsets(&t.claim(20, 3, 0, 1000, Some(&a))), vec![0, 1, 2]);
         assert_eq!(offsets(&t.claim(20, 2, 0, 1000, Some(&b))), vec![3, 4]);
-        // Without reclaim a named poll gets new records, not its own claims.
+        // Without reclaim a named poll gets new records, not its own claims (5, until
+        // 1,100 ms).
         assert_eq!(offsets(&t.claim(20, 1, 100, 1000, Some(&a))), vec![5]);
         // a restarts and reclaims at 500 ms: its four come back first, on the same
-        // attempt, then new ones; b's are not touched.
+        // attempt, then new ones (until 1,500 ms); b's are not touched.
         let c = t.claim(20, 6, 500, 1000, Some(&member("a", true)));
         assert_eq!(c.reclaimed, 4);
         assert_eq!(
             c.handed,
             vec![(0, 1), (1, 1), (2, 1), (5, 1), (6, 1), (7, 1)]
         );
-        // Reclaimed claims were renewed from 500 ms: at 1,400 ms b's have lapsed and go
-        // out again (attempt 2) to anyone, a's have not.
-        let other = t.claim(20, 10, 1400, 1000, None);
-        assert_eq!(other.handed[..2], [(3, 2), (4, 2)]);
-        assert!(
-            offsets(&other)
-                .iter()
-                .all(|o| ![0, 1, 2, 5, 6, 7].contains(o))
-        );
-        // A reclaim is bounded by the poll's max; the rest stay a's.
-        let some = t.claim(20, 2, 1450, 1000, Some(&member("a", true)));
+        // A reclaim is bounded by the poll's max; a member holding nothing gets none.
+        let some = t.claim(20, 2, 600, 1000, Some(&member("a", true)));
         assert_eq!((some.reclaimed, offsets(&some)), (2, vec![0, 1]));
-        // A member holding nothing reclaims nothing.
         assert_eq!(
-            t.claim(20, 1, 1450, 1000, Some(&member("z", true)))
+            t.claim(20, 1, 600, 1000, Some(&member("z", true)))
                 .reclaimed,
             0
         );
-        // Claims that lapsed are owed to anyone, not reclaimed: at 3,000 ms all of a's
-        // have lapsed.
-        let late = t.claim(20, 20, 3000, 1000, Some(&member("a", true)));
-        assert_eq!(late.reclaimed, 0);
-        assert_eq!(late.handed[..3], [(0, 2), (1, 2), (2, 2)], "redelivered");
+        // A reclaim renews nothing: at 1,050 ms 0-2 (reclaimed twice) have lapsed like
+        // b's 3-4, and go out again to anyone on attempt 2; a reclaim then gets only
+        // a's claims still live (5, 6, 7).
+        let later = t.claim(20, 20, 1050, 1000, Some(&member("a", true)));
+        assert_eq!(later.reclaimed, 3);
+        assert_eq!(later.handed[..3], [(5, 1), (6, 1), (7, 1)]);
+        assert_eq!(
+            later.handed[3..8],
+            [(0, 2), (1, 2), (2, 2), (3, 2), (4, 2)],
+            "lapsed claims are owed to anyone, on their next attempt"
+        );
+    }
+
+    #[test]
+    fn reclaiming_does_not_keep_a_poison_record_from_the_dead_letters() {
+        // A consumer that crashes on record 0 and reclaims it on every restart: each
+        // lapse counts an attempt, and at the limit (3 here) it is dead-lettered.
+        let mut t = Tracker::new(
+            0,
+            Limits {
+                max_attempts: 3,
+                ..limits()
+            },
+        );
+        let crashing = member("a", true);
+        let mut now = 0;
+        let mut dead = false;
+        for _ in 0..20 {
+            let c = t.claim(1, 1, now, 100, Some(&crashing));
+            dead |= c.dead.contains(&0);
+            now += 60; // restarts within the visibility, and reclaims
+        }
+        assert!(dead, "the poison record reached the dead letters");
+        assert_eq!(t.dead_letters().collect::<Vec<_>>(), vec![0]);
     }
 
     #[test]
