@@ -2500,12 +2500,15 @@ pub async fn final_logs(
         // broker that has not heard of its successor yet serves its own, shorter log for
         // a few seconds.
         let mut short: Option<(u64, Instant)> = None;
+        // How each read ended, for the error if none reaches the end.
+        let mut tries: Vec<String> = Vec::new();
         loop {
             anyhow::ensure!(
                 Instant::now() < deadline,
-                "could not read {} back (have {} records, want offsets past {want})",
+                "could not read {} back (have {} records, want offsets past {want}; reads: {})",
                 spec.name,
-                got.len()
+                got.len(),
+                tries.join("; ")
             );
             got.clear();
             let Some(c) = connect(&cluster.seeds(), &config).await else {
@@ -2526,14 +2529,27 @@ pub async fn final_logs(
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             };
-            while let Ok(Ok(Some(e))) =
-                tokio::time::timeout(Duration::from_secs(2), sub.next_event()).await
-            {
-                if let Some(o) = e.offset {
-                    got.insert(o, e.payload.to_vec());
+            let began = Instant::now();
+            let ended = loop {
+                match tokio::time::timeout(Duration::from_secs(2), sub.next_event()).await {
+                    Ok(Ok(Some(e))) => {
+                        if let Some(o) = e.offset {
+                            got.insert(o, e.payload.to_vec());
+                        }
+                    }
+                    Ok(Ok(None)) => break "ended".to_owned(),
+                    Ok(Err(e)) => break format!("error: {e}"),
+                    Err(_) => break "2 s quiet".to_owned(),
                 }
-            }
+            };
             let end = got.keys().next_back().map_or(0, |o| o + 1);
+            if end < want {
+                tries.push(format!(
+                    "{} records to {end} in {:.1} s, {ended}",
+                    got.len(),
+                    began.elapsed().as_secs_f64()
+                ));
+            }
             if end >= want {
                 break;
             }
