@@ -504,10 +504,6 @@ pub struct Shared {
     /// Entries of `damaged-copies/` some core is building or exchanging right now:
     /// pruning never deletes them.
     pub damaged_in_flight: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// Damaged copies kept, and their bytes on disk (counted as `/metrics` is scraped).
-    pub damaged_copies: AtomicU64,
-    /// See `damaged_copies`.
-    pub damaged_copies_bytes: AtomicU64,
     /// Per-core metrics, in core order.
     pub metrics: Vec<Arc<CoreMetrics>>,
     /// Set once every core is serving.

@@ -328,18 +328,19 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
 /// Renders every metric in the OpenMetrics text format, through `prometheus-client`.
 /// The cores record into their own relaxed atomics (no registry, no lock on the data
 /// path); a collector reads them at scrape time.
-pub fn render(shared: &Arc<Shared>) -> String {
+pub fn render(shared: &Arc<Shared>, damaged: (u64, u64)) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
-    registry.register_collector(Box::new(Collector(shared.clone())));
+    registry.register_collector(Box::new(Collector(shared.clone(), damaged)));
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)
         .expect("writing to a String cannot fail");
     out
 }
 
-/// Reads the cores' atomics for one scrape.
+/// Reads the cores' atomics for one scrape, with the damaged copies (count, bytes)
+/// counted from disk for it.
 #[derive(Debug)]
-struct Collector(Arc<Shared>);
+struct Collector(Arc<Shared>, (u64, u64));
 
 /// `prometheus-client` adds `_total` to a counter's samples: descriptors are named
 /// without it.
@@ -455,13 +456,13 @@ impl prometheus_client::collector::Collector for Collector {
             "felix_broker_damaged_copies",
             "Damaged replica copies kept under damaged-copies/ for an operator (the oldest deleted beyond damaged_copies_kept).",
             MetricType::Gauge,
-            shared.damaged_copies.load(Ordering::Relaxed),
+            self.1.0,
         )?;
         one(
             "felix_broker_damaged_copies_bytes",
             "Bytes the kept damaged replica copies take on disk.",
             MetricType::Gauge,
-            shared.damaged_copies_bytes.load(Ordering::Relaxed),
+            self.1.1,
         )?;
         if let Some(c) = &shared.cluster {
             one(
@@ -590,18 +591,15 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     // (an operator may delete them by hand), and a slow disk does not hold this
     // thread, which also answers `/livez`.
     let root = shared.data_dir.join(crate::core::DAMAGED_DIR);
-    if let Ok((copies, bytes)) =
-        tokio::task::spawn_blocking(move || crate::core::count_damaged_copies(&root)).await
-    {
-        shared.damaged_copies.store(copies, Ordering::Relaxed);
-        shared.damaged_copies_bytes.store(bytes, Ordering::Relaxed);
-    }
+    let damaged = tokio::task::spawn_blocking(move || crate::core::count_damaged_copies(&root))
+        .await
+        .unwrap_or_default();
     (
         [(
             "content-type",
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        render(&shared),
+        render(&shared, damaged),
     )
         .into_response()
 }

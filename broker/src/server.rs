@@ -290,8 +290,6 @@ pub fn start(
         housekeeping_interval: config.housekeeping_interval,
         damaged_copies_kept: config.damaged_copies_kept,
         damaged_in_flight: Default::default(),
-        damaged_copies: Default::default(),
-        damaged_copies_bytes: Default::default(),
         metrics: (0..cores).map(|_| Arc::default()).collect(),
         ready: AtomicBool::new(false),
         faults: config.fault_injection.then(StorageFaults::new),

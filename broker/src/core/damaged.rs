@@ -28,7 +28,7 @@ use crate::replication::replica::META_FILE;
 
 /// Where damaged copies are kept, under the data directory, for an operator to look
 /// at (`felix-log`) or delete. Nothing reads them; beyond `damaged_copies_kept` the
-/// oldest are deleted, at start-up and after each copy set aside ([`prune_and_count`]).
+/// oldest are deleted, at start-up and after each copy set aside ([`prune`]).
 pub const DAMAGED_DIR: &str = "damaged-copies";
 
 /// When the entry `name` was set aside (wall-clock microseconds), if it is one of ours:
