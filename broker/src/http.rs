@@ -453,6 +453,12 @@ impl prometheus_client::collector::Collector for Collector {
             u64::from(unready_reasons(shared).is_empty()),
         )?;
         one(
+            "felix_broker_quic_missed_wakeups_total",
+            "Socket reads forced by the QUIC driver's periodic check that found datagrams its readiness probe had not reported (each one a stall of up to 50 ms).",
+            MetricType::Counter,
+            felix_core_runtime::quic::missed_wakeups_total(),
+        )?;
+        one(
             "felix_broker_damaged_copies",
             "Damaged replica copies kept under damaged-copies/ for an operator (the oldest deleted beyond damaged_copies_kept).",
             MetricType::Gauge,

@@ -149,6 +149,12 @@ async fn read_frame(
         match recv.read_chunk(1 << 20, true).await {
             Ok(Some(c)) => reader.push(c.bytes),
             Ok(None) => return Ok(None),
+            Err(quinn::ReadError::ConnectionLost(why)) => {
+                return Err(ClientError::connection(
+                    "broker",
+                    format!("connection lost: {why}"),
+                ));
+            }
             Err(e) => return Err(ClientError::connection("broker", e)),
         }
     }

@@ -1,6 +1,7 @@
 //! A subscriber that never reads does not slow the others or grow the broker's memory
 //! without bound: its queue overflows (DropNew) while a healthy subscriber gets every
-//! record. A slow one that reads again gets every record too, read back from the log.
+//! record. A slow one that reads again gets every record too, read back from the log,
+//! and one reading a long backlog more slowly than the broker sends it is not cut off.
 //!
 //! `cargo test` publishes 6,000 records of 4 KiB (24 MiB); the long form sets
 //! `FELIX_SLOW_SUBSCRIBER_RECORDS=262144` (1 GiB; docs/reliability.md has its figures).
@@ -178,4 +179,88 @@ fn a_slow_subscriber_catches_up_from_the_log_without_loss() {
             > 0,
         "the gap was read back from the log"
     );
+}
+
+/// A subscription from the start of a log of 200,000 small records, read by our SDK more
+/// slowly than the broker sends it: every record arrives, on one connection. The broker
+/// used to stop reading its socket part-way through such a replay (its readiness probe
+/// stayed pending with the reader's acks waiting), so its own idle timer closed the
+/// connection after about 160,000 records and the reader was reset, on every retry:
+/// the read-back of every chaos run longer than two minutes failed that way.
+#[test]
+fn a_long_replay_to_a_slower_reader_is_not_cut_off() {
+    const N: u64 = 200_000;
+    const PUBLISHERS: u64 = 64;
+    let dir = tempfile::tempdir().unwrap();
+    let broker = BrokerProcess::start_dev(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("data"),
+        &[],
+    )
+    .unwrap();
+    let quinn = felix_client::quic_client_config_from_file(&broker.ca_file(), false).unwrap();
+    let mut config = felix_client::ClientConfig::from_env_or_yaml(quinn, None).unwrap();
+    config.auth_tenant_id = Some("dev".to_string());
+    config.auth_token = Some(broker.token());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = felix_client::ClusterClient::connect(&[broker.listen], "localhost", config)
+            .await
+            .unwrap();
+        // One record per publish, as the chaos runs write them: the log holds 200,000
+        // one-record batches, each its own event on the replay.
+        let mut tasks = Vec::new();
+        for p in 0..PUBLISHERS {
+            let c = c.client();
+            tasks.push(tokio::spawn(async move {
+                for i in 0..N / PUBLISHERS {
+                    c.publish(
+                        "dev",
+                        "default",
+                        "replay",
+                        format!("p{p}/{i}").into_bytes(),
+                        felix_client::AckMode::PerMessage,
+                    )
+                    .await
+                    .unwrap();
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let started = std::time::Instant::now();
+        let mut sub = c
+            .subscribe_from(
+                "dev",
+                "default",
+                "replay",
+                Some(felix_client::StartPosition::Earliest),
+            )
+            .await
+            .unwrap();
+        let mut got: Vec<(u64, Vec<u8>)> = Vec::new();
+        while (got.len() as u64) < N {
+            let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                .await
+                .unwrap_or_else(|_| panic!("quiet after {} records", got.len()))
+                .unwrap_or_else(|e| panic!("lost after {} records: {e}", got.len()))
+                .unwrap_or_else(|| panic!("ended after {} records", got.len()));
+            got.push((e.offset.expect("offsets"), e.payload.to_vec()));
+        }
+        eprintln!(
+            "read {N} records back in {:?}; reads the driver's check forced: {:?}",
+            started.elapsed(),
+            broker.metric("felix_broker_quic_missed_wakeups_total")
+        );
+        assert!(
+            got.iter().enumerate().all(|(i, (o, _))| *o == i as u64),
+            "every offset once, in order"
+        );
+        let mut seen = std::collections::HashSet::new();
+        assert!(
+            got.iter().all(|(_, p)| seen.insert(p.clone())),
+            "no record twice"
+        );
+    });
 }

@@ -11,11 +11,13 @@
 //! 1. send datagrams that found the socket full last time (awaiting room);
 //! 2. drain the socket (non-blocking, bounded per iteration so one busy peer cannot
 //!    starve timers) and feed every datagram to the endpoint — only after the readiness
-//!    probe fired, so an iteration woken by a handle or a timer makes no receive call;
+//!    probe fired, so an iteration woken by a handle or a timer makes no receive call,
+//!    or once [`READ_CHECK`] has passed since the last read (the probe can miss);
 //! 3. fire expired connection timers;
 //! 4. for every dirty connection: exchange endpoint events, turn application events into
 //!    wakeups, and transmit until quinn has nothing more (bounded per connection);
-//! 5. sleep until a datagram arrives, the earliest timer fires, or a handle wakes it. The
+//! 5. sleep until a datagram arrives, the earliest timer fires, or a handle wakes it, and
+//!    with connections open no longer than [`READ_CHECK`] past the last read. The
 //!    reactor timer is re-armed only for a sooner deadline (see `run`).
 //!
 //! Bounded memory against bad peers comes from quinn-proto's limits, which we set: at most
@@ -31,6 +33,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -52,6 +55,24 @@ const RECV_BUFFER_BYTES: usize = 64 * 1024;
 const RECV_BUDGET: usize = 64;
 /// Transmits per connection per loop iteration.
 const TRANSMIT_BUDGET: usize = 64;
+/// The longest the loop trusts the readiness probe: a loop that runs this long after its
+/// last read reads anyway, and one with connections sleeps no longer than this. The probe
+/// (a peek submitted to the executor's ring) was seen to stay pending for seconds with
+/// datagrams waiting, while the loop ran on timers and sends: a long send to a slow
+/// reader heard none of its acks and was closed by its own idle timer, the reader then
+/// reset mid-stream. It costs an idle endpoint with connections open at most 20
+/// wake-ups and empty reads a second.
+pub const READ_CHECK: Duration = Duration::from_millis(50);
+
+/// [`EndpointStats::missed_wakeups`] over every endpoint of the process (a rare event,
+/// so one shared counter costs nothing).
+static MISSED_WAKEUPS: AtomicU64 = AtomicU64::new(0);
+
+/// Reads forced by [`READ_CHECK`] that found datagrams waiting, every endpoint of the
+/// process together.
+pub fn missed_wakeups_total() -> u64 {
+    MISSED_WAKEUPS.load(Ordering::Relaxed)
+}
 
 /// Endpoint settings.
 #[derive(Clone)]
@@ -105,6 +126,9 @@ pub struct EndpointStats {
     pub loops: u64,
     /// Loop iterations that took longer than 10 ms.
     pub stalls: u64,
+    /// Reads forced by [`READ_CHECK`] that found datagrams the readiness probe had not
+    /// reported.
+    pub missed_wakeups: u64,
 }
 
 /// Why a stream or connection operation failed.
@@ -460,6 +484,7 @@ impl Driver {
                     }
                 }
                 Event::ConnectionLost { reason } => {
+                    tracing::debug!(remote = %c.q.remote_address(), %reason, "quic connection lost");
                     c.s.lost = Some(reason);
                     c.wake_all();
                 }
@@ -729,6 +754,7 @@ fn release(d: &Rc<RefCell<Driver>>, h: ConnId) {
         if c.q.is_drained() {
             d.conns.remove(&h);
         } else {
+            tracing::debug!(remote = %c.q.remote_address(), "closing a quic connection nothing holds");
             c.q.close(Instant::now(), VarInt::from_u32(0), Bytes::new());
             d.mark(h);
         }
@@ -780,6 +806,7 @@ impl Connection {
     pub fn close(&self, code: u32, reason: &[u8]) {
         let mut d = self.d.borrow_mut();
         if let Some(c) = d.conns.get_mut(&self.h) {
+            tracing::debug!(remote = %c.q.remote_address(), code, reason = %String::from_utf8_lossy(reason), "closing a quic connection");
             c.q.close(
                 Instant::now(),
                 VarInt::from_u32(code),
@@ -1253,6 +1280,7 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
     // when a read comes back empty, so a loop woken by a task or a timer makes no
     // receive syscall that is bound to fail.
     let mut socket_ready = true;
+    let mut last_read = Instant::now();
     loop {
         // 1. Datagrams that found the socket full.
         loop {
@@ -1265,6 +1293,13 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
             }
         }
         let now = Instant::now();
+        // Trust the readiness probe only so long (see READ_CHECK).
+        let forced = !socket_ready && now.duration_since(last_read) >= READ_CHECK;
+        if forced || socket_ready {
+            socket_ready = true;
+            last_read = now;
+        }
+        let before = d.borrow().stats.datagrams_in;
         let Some((again, deadline)) = process(
             &mut d.borrow_mut(),
             io.as_ref(),
@@ -1274,6 +1309,27 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
             &mut last,
         ) else {
             return;
+        };
+        let has_connections = {
+            let mut dr = d.borrow_mut();
+            if forced {
+                if dr.stats.datagrams_in > before {
+                    // Datagrams the probe had not reported.
+                    dr.stats.missed_wakeups += 1;
+                    MISSED_WAKEUPS.fetch_add(1, Ordering::Relaxed);
+                }
+                // A fresh probe in place of one pending this long: glommio keeps a
+                // waker clone for every poll of a pending read, so a probe polled by
+                // every loop for hours would hold hours of them.
+                readable = Box::pin(io.readable());
+            }
+            !dr.conns.is_empty()
+        };
+        let deadline = if has_connections {
+            let check = last_read + READ_CHECK;
+            Some(deadline.map_or(check, |at| at.min(check)))
+        } else {
+            deadline
         };
         if again {
             futures_lite::future::yield_now().await;
