@@ -454,7 +454,7 @@ impl prometheus_client::collector::Collector for Collector {
         )?;
         one(
             "felix_broker_quic_missed_wakeups_total",
-            "Socket reads forced by the QUIC driver's periodic check that found datagrams its readiness probe had not reported (each one a stall of up to 50 ms, or 1 s on an endpoint quiet for a second).",
+            "Socket reads forced by the QUIC driver's periodic check that found datagrams its readiness probe had not reported (each one a stall of up to 50 ms while datagrams flow, 250 ms or 1 s on an endpoint quiet for 200 ms).",
             MetricType::Counter,
             felix_core_runtime::quic::missed_wakeups_total(),
         )?;

@@ -17,8 +17,10 @@
 //! 4. for every dirty connection: exchange endpoint events, turn application events into
 //!    wakeups, and transmit until quinn has nothing more (bounded per connection);
 //! 5. sleep until a datagram arrives, the earliest timer fires, or a handle wakes it, and
-//!    with connections open no longer than [`READ_CHECK`] past the last read. The
-//!    reactor timer is re-armed only for a sooner deadline (see `run`).
+//!    no longer than the read check's interval past the last read ([`READ_CHECK`] while
+//!    datagrams flow, longer on a quiet endpoint). The reactor timer is re-armed only
+//!    for a sooner deadline (see `run`), so a busy endpoint, whose every read moves the
+//!    check later, takes one early timer wake-up per check interval.
 //!
 //! Bounded memory against bad peers comes from quinn-proto's limits, which we set: at most
 //! `max_connections` (more are refused in the handshake), 1024 concurrent streams per
@@ -55,20 +57,78 @@ const RECV_BUFFER_BYTES: usize = 64 * 1024;
 const RECV_BUDGET: usize = 64;
 /// Transmits per connection per loop iteration.
 const TRANSMIT_BUDGET: usize = 64;
-/// The longest the loop trusts the readiness probe: a loop that runs this long after its
-/// last read reads anyway, and one with connections sleeps no longer than this. The probe
+/// The longest the loop trusts the readiness probe while datagrams flow: a loop that
+/// runs this long after its last read reads anyway, and none sleeps past it. The probe
 /// (a peek submitted to the executor's ring) was seen to stay pending for seconds with
 /// datagrams waiting, while the loop ran on timers and sends: a long send to a slow
 /// reader heard none of its acks and was closed by its own idle timer, the reader then
-/// reset mid-stream. Once no datagram has come or gone for [`READ_CHECK_QUIET_AFTER`],
-/// [`READ_CHECK_QUIET`] applies instead: each check wakes a parked core (~100-200 µs of
-/// CPU), which 20 times a second cost an idle broker with one connection open 2-4 ms
-/// of CPU a second.
+/// reset mid-stream. Each check of a parked core wakes it (~80 µs of CPU), so an
+/// endpoint quiet for [`READ_CHECK_QUIET_AFTER`] checks less often: every
+/// [`READ_CHECK_QUIET`] with connections open (20 checks a second cost an idle broker
+/// with one connection 1.6 ms of CPU a second), every [`READ_CHECK_IDLE`] without.
 pub const READ_CHECK: Duration = Duration::from_millis(50);
-/// [`READ_CHECK`] for an endpoint that has been quiet this long.
+/// An endpoint with no datagram in or out for this long is quiet.
 pub const READ_CHECK_QUIET_AFTER: Duration = Duration::from_millis(200);
-/// [`READ_CHECK`] for a quiet endpoint.
-pub const READ_CHECK_QUIET: Duration = Duration::from_secs(1);
+/// [`READ_CHECK`] for a quiet endpoint with connections open: under the shortest idle
+/// timeout whose keep-alives (a third of it apart) leave room for a quiet spell, so a
+/// probe stuck then still lets the keep-alives in before the timeout.
+pub const READ_CHECK_QUIET: Duration = Duration::from_millis(250);
+/// [`READ_CHECK`] for a quiet endpoint with no connection: bounds what a stuck probe
+/// delays a new handshake (a client resends its first packet after about a second).
+pub const READ_CHECK_IDLE: Duration = Duration::from_secs(1);
+
+/// When the loop reads its socket though the readiness probe has not fired (see
+/// [`READ_CHECK`]). Time is passed in.
+#[derive(Debug, Clone, Copy)]
+struct ReadCheck {
+    last_read: Instant,
+    last_traffic: Instant,
+    /// Datagrams received and sends made, as last seen.
+    seen: (u64, u64),
+}
+
+impl ReadCheck {
+    fn new(now: Instant) -> ReadCheck {
+        ReadCheck {
+            last_read: now,
+            last_traffic: now,
+            seen: (0, 0),
+        }
+    }
+
+    fn interval(&self, now: Instant, has_connections: bool) -> Duration {
+        if now.duration_since(self.last_traffic) < READ_CHECK_QUIET_AFTER {
+            READ_CHECK
+        } else if has_connections {
+            READ_CHECK_QUIET
+        } else {
+            READ_CHECK_IDLE
+        }
+    }
+
+    /// Whether a loop at `now` must read whatever the probe says.
+    fn due(&self, now: Instant, has_connections: bool) -> bool {
+        now.duration_since(self.last_read) >= self.interval(now, has_connections)
+    }
+
+    /// The socket was read at `now`.
+    fn read(&mut self, now: Instant) {
+        self.last_read = now;
+    }
+
+    /// The endpoint's counters after a loop at `now`: any change is traffic.
+    fn counters(&mut self, now: Instant, datagrams_in: u64, sends: u64) {
+        if (datagrams_in, sends) != self.seen {
+            self.seen = (datagrams_in, sends);
+            self.last_traffic = now;
+        }
+    }
+
+    /// The latest a loop at `now` may sleep until.
+    fn deadline(&self, now: Instant, has_connections: bool) -> Instant {
+        self.last_read + self.interval(now, has_connections)
+    }
+}
 
 /// [`EndpointStats::missed_wakeups`] over every endpoint of the process (a rare event,
 /// so one shared counter costs nothing).
@@ -1286,9 +1346,7 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
     // when a read comes back empty, so a loop woken by a task or a timer makes no
     // receive syscall that is bound to fail.
     let mut socket_ready = true;
-    let mut last_read = Instant::now();
-    // The last loop that received or sent a datagram, and the counters it saw.
-    let mut last_traffic = (Instant::now(), 0u64, 0u64);
+    let mut check = ReadCheck::new(Instant::now());
     loop {
         // 1. Datagrams that found the socket full.
         loop {
@@ -1302,17 +1360,15 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
         }
         let now = Instant::now();
         // Trust the readiness probe only so long (see READ_CHECK).
-        let check = if now.duration_since(last_traffic.0) < READ_CHECK_QUIET_AFTER {
-            READ_CHECK
-        } else {
-            READ_CHECK_QUIET
+        let (before, had_connections) = {
+            let dr = d.borrow();
+            (dr.stats.datagrams_in, !dr.conns.is_empty())
         };
-        let forced = !socket_ready && now.duration_since(last_read) >= check;
+        let forced = !socket_ready && check.due(now, had_connections);
         if forced || socket_ready {
             socket_ready = true;
-            last_read = now;
+            check.read(now);
         }
-        let before = d.borrow().stats.datagrams_in;
         let Some((again, deadline)) = process(
             &mut d.borrow_mut(),
             io.as_ref(),
@@ -1323,29 +1379,27 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
         ) else {
             return;
         };
-        let has_connections = {
+        if forced {
+            // Datagrams found though the probe, asked once more, is still pending: it
+            // missed them (a probe that fired but was not looked at yet is no miss).
+            let pending = futures_lite::future::poll_once(readable.as_mut())
+                .await
+                .is_none();
             let mut dr = d.borrow_mut();
-            if forced {
-                if dr.stats.datagrams_in > before {
-                    // Datagrams the probe had not reported.
-                    dr.stats.missed_wakeups += 1;
-                    MISSED_WAKEUPS.fetch_add(1, Ordering::Relaxed);
-                }
-                // A fresh probe in place of one pending this long: glommio keeps a
-                // waker clone for every poll of a pending read, so a probe polled by
-                // every loop for hours would hold hours of them.
-                readable = Box::pin(io.readable());
+            if pending && dr.stats.datagrams_in > before {
+                dr.stats.missed_wakeups += 1;
+                MISSED_WAKEUPS.fetch_add(1, Ordering::Relaxed);
             }
-            if (dr.stats.datagrams_in, dr.stats.sends) != (last_traffic.1, last_traffic.2) {
-                last_traffic = (now, dr.stats.datagrams_in, dr.stats.sends);
-            }
-            !dr.conns.is_empty()
-        };
-        let deadline = if has_connections {
-            let check = last_read + check;
-            Some(deadline.map_or(check, |at| at.min(check)))
-        } else {
-            deadline
+            // A fresh probe in place of one pending this long: glommio keeps a waker
+            // clone for every poll of a pending read, so a probe polled by every loop
+            // for hours would hold hours of them.
+            readable = Box::pin(io.readable());
+        }
+        let deadline = {
+            let dr = d.borrow();
+            check.counters(now, dr.stats.datagrams_in, dr.stats.sends);
+            let cap = check.deadline(now, !dr.conns.is_empty());
+            Some(deadline.map_or(cap, |at| at.min(cap)))
         };
         if again {
             futures_lite::future::yield_now().await;
@@ -1356,23 +1410,24 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
         // later on every packet, and re-arming each time costs the reactor a timeout
         // submission and a cancellation per loop. One that fires early finds nothing
         // expired and is armed again for the real deadline.
-        if let Some(deadline) = deadline {
-            if timer.as_ref().is_none_or(|(at, _)| *at > deadline) {
-                let wait = deadline.saturating_duration_since(Instant::now());
-                timer = Some((deadline, glommio::timer::Timer::new(wait)));
-            }
-        } else {
-            timer = None;
+        if let Some(deadline) = deadline
+            && timer.as_ref().is_none_or(|(at, _)| *at > deadline)
+        {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            timer = Some((deadline, glommio::timer::Timer::new(wait)));
         }
         poll_fn(|cx| {
             let mut dr = d.borrow_mut();
-            if dr.woken {
-                dr.woken = false;
-                return Poll::Ready(());
-            }
+            // The probe first: a probe is submitted only when first polled, and a loop
+            // woken by its handles again and again would otherwise never look at it.
             if readable.as_mut().poll(cx).is_ready() {
                 readable = Box::pin(io.readable());
                 socket_ready = true;
+                dr.woken = false;
+                return Poll::Ready(());
+            }
+            if dr.woken {
+                dr.woken = false;
                 return Poll::Ready(());
             }
             if let Some((_, t)) = timer.as_mut()
@@ -1385,6 +1440,67 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
             Poll::Pending
         })
         .await;
+    }
+}
+
+#[cfg(test)]
+mod read_check {
+    use std::time::{Duration, Instant};
+
+    use super::{READ_CHECK, READ_CHECK_IDLE, READ_CHECK_QUIET, READ_CHECK_QUIET_AFTER, ReadCheck};
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_loop_reads_once_the_check_interval_passed_since_its_last_read() {
+        let t0 = Instant::now();
+        let mut c = ReadCheck::new(t0);
+        c.counters(t0, 1, 1);
+        assert!(!c.due(t0 + READ_CHECK - MS, true));
+        assert!(c.due(t0 + READ_CHECK, true));
+        c.read(t0 + READ_CHECK);
+        assert!(
+            !c.due(t0 + READ_CHECK + MS, true),
+            "a read starts the interval again"
+        );
+    }
+
+    #[test]
+    fn a_quiet_endpoint_checks_less_often_and_one_without_connections_least() {
+        let t0 = Instant::now();
+        let mut c = ReadCheck::new(t0);
+        c.counters(t0, 5, 5);
+        let quiet = t0 + READ_CHECK_QUIET_AFTER;
+        assert!(
+            !c.due(quiet, true),
+            "quiet: {READ_CHECK_QUIET:?} from the last read"
+        );
+        assert!(c.due(t0 + READ_CHECK_QUIET, true));
+        assert!(!c.due(t0 + READ_CHECK_QUIET, false));
+        assert!(c.due(t0 + READ_CHECK_IDLE, false));
+        // Unchanged counters are no traffic; a change is.
+        c.counters(quiet, 5, 5);
+        assert!(!c.due(t0 + READ_CHECK_QUIET - MS, true));
+        c.counters(quiet, 6, 5);
+        assert!(c.due(quiet, true), "traffic again: {READ_CHECK:?}");
+    }
+
+    #[test]
+    fn the_deadline_is_never_behind_a_loop_that_did_not_have_to_read() {
+        let t0 = Instant::now();
+        let mut c = ReadCheck::new(t0);
+        for step in 0..2_000u64 {
+            let now = t0 + Duration::from_micros(step * 997);
+            let conns = step % 3 != 0;
+            if step % 7 == 0 {
+                c.counters(now, step, step);
+            }
+            if c.due(now, conns) {
+                c.read(now);
+            }
+            assert!(c.deadline(now, conns) > now, "step {step}");
+            assert!(c.deadline(now, conns) <= now + READ_CHECK_IDLE);
+        }
     }
 }
 

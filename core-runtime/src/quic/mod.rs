@@ -23,8 +23,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 pub use quinn_proto::{ClientConfig, ServerConfig};
 
 pub use driver::{
-    ConnId, Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, READ_CHECK,
-    RecvStream, SendStream, missed_wakeups_total,
+    ConnId, Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, RecvStream,
+    SendStream, missed_wakeups_total,
 };
 
 /// The ALPN id Felix clients may offer; clients offering none are accepted too.
