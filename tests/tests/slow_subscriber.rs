@@ -20,6 +20,19 @@ fn records() -> usize {
         .unwrap_or(6000)
 }
 
+/// `felix-broker dev` on a data directory of its own; bind as `(_dir, broker)` so the
+/// broker stops before its directory goes.
+fn dev_broker() -> (tempfile::TempDir, BrokerProcess) {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = BrokerProcess::start_dev(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("data"),
+        &[],
+    )
+    .unwrap();
+    (dir, broker)
+}
+
 /// A raw QUIC client that subscribes and then never reads its event stream.
 async fn stalled_subscriber(
     broker: &BrokerProcess,
@@ -75,13 +88,7 @@ async fn stalled_subscriber(
 
 #[test]
 fn a_subscriber_that_never_reads_is_isolated() {
-    let dir = tempfile::tempdir().unwrap();
-    let broker = BrokerProcess::start_dev(
-        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        &[],
-    )
-    .unwrap();
+    let (_dir, broker) = dev_broker();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let held = Arc::new(rt.block_on(stalled_subscriber(&broker)));
     let rss_before = broker.rss_kib();
@@ -133,13 +140,7 @@ async fn read_offsets(events: &mut quinn::RecvStream, n: usize) -> Vec<u64> {
 
 #[test]
 fn a_slow_subscriber_catches_up_from_the_log_without_loss() {
-    let dir = tempfile::tempdir().unwrap();
-    let broker = BrokerProcess::start_dev(
-        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        &[],
-    )
-    .unwrap();
+    let (_dir, broker) = dev_broker();
     let rt = tokio::runtime::Runtime::new().unwrap();
     // Subscribed from the tail, then not reading while 6,000 x 4 KiB are published:
     // its queue overflows. When it reads again it must still get every record.
@@ -197,13 +198,7 @@ fn a_long_replay_to_a_slower_reader_is_not_cut_off() {
         .unwrap_or(200_000)
         / PUBLISHERS
         * PUBLISHERS;
-    let dir = tempfile::tempdir().unwrap();
-    let broker = BrokerProcess::start_dev(
-        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        &[],
-    )
-    .unwrap();
+    let (_dir, broker) = dev_broker();
     let quinn = felix_client::quic_client_config_from_file(&broker.ca_file(), false).unwrap();
     let mut config = felix_client::ClientConfig::from_env_or_yaml(quinn, None).unwrap();
     config.auth_tenant_id = Some("dev".to_string());
