@@ -2178,7 +2178,9 @@ async fn publish_n(c: &TestCluster, stream: &str, tag: &str, n: usize) -> BTreeM
     for i in 0..n {
         let payload = format!("{tag}-{i}").into_bytes();
         // A stream just created (again) may be unknown to a busy broker for longer than
-        // the client's retries: `not_found` (retry after) means nothing was written.
+        // the client's retries: `not_found` (retry after) means nothing was written. So
+        // does `shard_unavailable`: a leader just elected, or resumed from a pause,
+        // refuses ("stale") until it holds a valid lease again.
         let deadline = Instant::now() + Duration::from_secs(15);
         let o = loop {
             let published = client
@@ -2194,7 +2196,8 @@ async fn publish_n(c: &TestCluster, stream: &str, tag: &str, n: usize) -> BTreeM
                 Err(felix_client::ClientError::GaveUp { last, .. })
                     if Instant::now() < deadline
                         && matches!(&*last, felix_client::ClientError::Broker(b)
-                            if b.code == Some(felix_wire::ErrorCode::NotFound)) =>
+                            if matches!(b.code, Some(felix_wire::ErrorCode::NotFound
+                                | felix_wire::ErrorCode::ShardUnavailable))) =>
                 {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
