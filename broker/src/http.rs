@@ -453,7 +453,7 @@ impl prometheus_client::collector::Collector for Collector {
             u64::from(unready_reasons(shared).is_empty()),
         )?;
         one(
-            "felix_broker_quic_missed_wakeups_total",
+            "felix_broker_quic_missed_wakeups",
             "Socket reads forced by the QUIC driver's periodic check that found datagrams its readiness probe had not reported (each one a stall of up to 50 ms while datagrams flow, 250 ms or 1 s on an endpoint quiet for 200 ms).",
             MetricType::Counter,
             felix_core_runtime::quic::missed_wakeups_total(),
