@@ -203,7 +203,8 @@ struct GroupArgs {
 
 #[derive(Subcommand)]
 enum GroupCmd {
-    /// Claim records and print them (offset and attempt with --json).
+    /// Claim records and print them (offset, attempt and the offsets without a record
+    /// just before it, `skipped_before`, with --json).
     Poll {
         #[command(flatten)]
         at: GroupArgs,
@@ -840,7 +841,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                             cli.json,
                             &mut out,
                             &r.payload,
-                            serde_json::json!({"offset": r.offset.0, "attempts": r.attempts}),
+                            serde_json::json!({
+                                "offset": r.offset.0,
+                                "attempts": r.attempts,
+                                "skipped_before": r.skipped_before,
+                            }),
                         );
                         let _ = out.flush();
                         if *ack {

@@ -48,6 +48,8 @@ fn client_features() -> Features {
         | Features::GROUP_DEAD_LETTERS
         | Features::GROUP_ADMIN
         | Features::GROUP_CLAIM_CONTROL
+        | Features::GROUP_CONSUMER
+        | Features::GROUP_SKIPPED
         | Features::SUBSCRIPTION_LAGGED
         | Features::SHARD_MOVED
 }

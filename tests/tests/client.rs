@@ -523,6 +523,33 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
         // Past the records and the group's own events after them.
         assert_eq!(info.committed, Some(info.tail), "{info:?}");
         assert!(info.tail > claimed[63].offset.0, "{info:?}");
+
+        // A named member's poll; the record it gets counts the group's 64 ack events
+        // below it, the offsets between it and the last record holding none.
+        let next = c
+            .publish_batch(
+                "dev",
+                "default",
+                "burst",
+                vec![b"next".to_vec()],
+                AckMode::PerBatch,
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        let mine = c.group_poll_as(&g, quick, "worker-a", false).await.unwrap();
+        assert_eq!(mine.len(), 1, "{mine:?}");
+        assert_eq!(mine[0].offset.0, next);
+        assert_eq!(mine[0].skipped_before, next - claimed[63].offset.0 - 1);
+        assert!(mine[0].skipped_before >= 64, "{mine:?}");
+        // Its claim is its own: a reclaim hands it back on the same attempt.
+        let back = c.group_poll_as(&g, quick, "worker-a", true).await.unwrap();
+        assert_eq!(
+            back.iter()
+                .map(|r| (r.offset.0, r.attempts))
+                .collect::<Vec<_>>(),
+            vec![(next, 1)]
+        );
     });
     // The command line: poll with --ack, then describe.
     let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
@@ -548,6 +575,23 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
         "group", "poll", "tasks", "cli", "--max", "10", "--wait", "0.2", "--ack",
     ]);
     assert_eq!(polled, "t0\nt1\nt2\nt3\nt4\nt5\n");
+    // A named member, with what --json shows of each record.
+    run(&["pub", "tasks", "t6"]);
+    let polled = run(&[
+        "--json",
+        "group",
+        "poll",
+        "tasks",
+        "cli",
+        "--consumer",
+        "worker-a",
+        "--wait",
+        "0.2",
+        "--ack",
+    ]);
+    let polled: serde_json::Value = serde_json::from_str(polled.trim()).unwrap();
+    assert_eq!(polled["attempts"], 1, "{polled}");
+    assert!(polled["skipped_before"].as_u64().unwrap() > 0, "{polled}");
     let described = run(&["group", "describe", "tasks", "cli"]);
     // Everything is finished: the cursor passed the records and the group events after
     // them, so the lag is 0.

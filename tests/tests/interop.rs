@@ -70,6 +70,13 @@ fn sdk_named_group_members_reclaim_their_own_claims_after_a_restart() {
 }
 
 #[test]
+fn sdk_group_records_count_the_offsets_without_a_record_before_them() {
+    let (b, _dir) = broker(&[]);
+    let out = run_python(&b, "group_skipped.py", &[]).unwrap();
+    eprintln!("{}", expect_success("group_skipped.py", &out).unwrap());
+}
+
+#[test]
 fn a_group_neither_redelivers_acked_records_nor_loses_unacked_ones_across_sigkill() {
     let (mut b, dir) = group_broker();
     let acked = dir.path().join("acked.txt");

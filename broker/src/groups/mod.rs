@@ -912,7 +912,7 @@ impl GroupShard {
         handed: &[(u64, u32)],
         reclaimed: usize,
     ) -> Result<(Vec<GroupRecord>, usize), BrokerError> {
-        let mut found: BTreeMap<u64, (Bytes, u64)> = BTreeMap::new();
+        let mut found: BTreeMap<u64, (Bytes, u64, Before)> = BTreeMap::new();
         let mut wanted: Vec<u64> = handed.iter().map(|(o, _)| *o).collect();
         wanted.sort_unstable();
         let until = wanted.last().map_or(0, |o| o + 1);
@@ -927,20 +927,34 @@ impl GroupShard {
                 .read_to(o, until, POLL_BYTES_MAX.min(1 << 20))
                 .await?;
             covered_end = batches.last().map_or(o + 1, |b| b.end_offset()).max(o + 1);
+            // The offsets holding no record just passed, and where the read saw none
+            // but them: what precedes that point is not in this read.
+            let (mut empty, mut unseen_from, mut next) = (0u64, Some(o), o);
             for b in batches.into_iter().map(crate::state::readable) {
+                if b.base_offset != next {
+                    (empty, unseen_from) = (0, Some(b.base_offset));
+                }
+                next = b.end_offset();
                 if b.kind != BatchKind::Data {
+                    empty += b.records.len() as u64;
                     continue;
                 }
                 for (i, r) in b.records.into_iter().enumerate() {
                     let at = b.base_offset + i as u64;
                     if wanted.binary_search(&at).is_ok() {
                         bytes += r.len();
-                        found.insert(at, (r, b.timestamp_micros));
+                        let before = Before {
+                            empty,
+                            look_from: unseen_from,
+                        };
+                        found.insert(at, (r, b.timestamp_micros, before));
                     }
+                    (empty, unseen_from) = (0, None);
                 }
             }
         }
         let mut out = Vec::with_capacity(handed.len());
+        let mut look_back = Vec::new();
         let (mut bytes, mut passed) = (0usize, 0usize);
         self.tracker(group, |t| {
             for (i, &(o, attempts)) in handed.iter().enumerate() {
@@ -949,15 +963,18 @@ impl GroupShard {
                         t.skip(o);
                         passed += 1;
                     }
-                    Some((payload, at))
+                    Some((payload, at, before))
                         if out.is_empty() || bytes + payload.len() <= POLL_BYTES_MAX =>
                     {
                         bytes += payload.len();
+                        if let Some(from) = before.look_from {
+                            look_back.push((out.len(), from));
+                        }
                         out.push(GroupRecord {
                             offset: Offset(o),
                             payload,
                             attempts,
-                            skipped_before: 0,
+                            skipped_before: before.empty,
                             publisher: None,
                             timestamp_micros: Some(at),
                         });
@@ -967,7 +984,54 @@ impl GroupShard {
                 }
             }
         });
+        for (i, from) in look_back {
+            out[i].skipped_before += empty_run_before(stream, from).await?;
+        }
         Ok((out, passed))
+    }
+}
+
+/// What a poll's read saw before a record: `empty` offsets holding no record right
+/// before it, and, when the read began inside that run, the offset it began at (the run
+/// may go on below it).
+#[derive(Debug, Clone, Copy)]
+struct Before {
+    empty: u64,
+    look_from: Option<u64>,
+}
+
+/// How many offsets immediately below `at` hold no record for consumers (group events,
+/// generation-start markers, state copies), down to the log's base: a group record's
+/// `skipped_before` (records trimmed by retention are not among them: their loss shows).
+/// Reads backward a window at a time, the window growing while it finds no record.
+async fn empty_run_before(stream: &StreamShard, at: u64) -> Result<u64, BrokerError> {
+    let (mut end, mut empty, mut window) = (at, 0u64, 16u64);
+    loop {
+        let from = end.saturating_sub(window).max(stream.log.base_offset());
+        if from >= end {
+            return Ok(empty);
+        }
+        let mut records_end = None;
+        let walked = walk(stream, from, end, |b| {
+            let b = crate::state::readable(b);
+            if b.kind == BatchKind::Data && !b.records.is_empty() {
+                records_end = Some(b.end_offset().min(end));
+            }
+            Ok(())
+        })
+        .await;
+        match walked {
+            Ok(_) => {}
+            // Retention removed the rest while we read: the run ends at the base.
+            Err(BrokerError::Cursor { .. }) => return Ok(empty),
+            Err(e) => return Err(e),
+        }
+        if let Some(records_end) = records_end {
+            return Ok(empty + (end - records_end));
+        }
+        empty += end - from;
+        end = from;
+        window = (window * 4).min(4096);
     }
 }
 
@@ -1206,6 +1270,106 @@ mod tests {
             let g = build().await.unwrap();
             assert_eq!(g.built.from_snapshot, None, "no snapshot was used");
             assert_eq!(*g.groups.borrow(), whole, "the whole log was folded");
+        });
+    }
+
+    /// A record's `skipped_before` counts the offsets right below it that hold no record
+    /// (group events, a generation marker, state copies), down to the base, the same on
+    /// a redelivery (the poll's read then starts at the record and looks back) and over
+    /// a run longer than any one backward window.
+    #[test]
+    fn group_records_count_the_offsets_without_a_record_just_before_them() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let backend = felix_storage_uring::DmaBackend::open_dir(dir.path())
+                .await
+                .unwrap();
+            let (log, _) = felix_storage_uring::SegmentLog::open(backend, Default::default())
+                .await
+                .unwrap();
+            let key = std::sync::Arc::new(felix_core_runtime::placement::ShardKey {
+                kind: felix_core_runtime::placement::ShardKind::Stream,
+                tenant: "t".into(),
+                namespace: "ns".into(),
+                name: "s".into(),
+                shard: 0,
+            });
+            let stream = Rc::new(StreamShard::new(key, log));
+            let commit = |pending| {
+                let stream = stream.clone();
+                async move {
+                    let appended = stream.log.commit(pending).await.unwrap();
+                    stream.advance_fanout(appended);
+                    appended
+                }
+            };
+            let publish = |payload: &'static [u8]| {
+                commit(stream.log.begin_append(&[payload], 0, None).unwrap())
+            };
+            let s = stream.clone();
+            let writer: GroupWriter = Box::new(move |records| {
+                let s = s.clone();
+                Box::pin(async move {
+                    let appended = s.log.commit(s.log.begin_group(&records, 0)?).await?;
+                    s.advance_fanout(appended);
+                    Ok(appended)
+                })
+            });
+            let groups = GroupShard::build(&stream, Limits::default(), writer)
+                .await
+                .unwrap();
+            let poll = || {
+                let op = GroupOp::Poll {
+                    group: "g".into(),
+                    max: 10,
+                    wait_ms: 0,
+                    visibility_ms: 0,
+                    member: None,
+                };
+                let (groups, stream) = (&groups, &stream);
+                async move {
+                    match groups.serve(stream, op).await.unwrap() {
+                        GroupAnswer::Records(r) => r
+                            .iter()
+                            .map(|r| (r.offset.0, r.skipped_before, r.attempts))
+                            .collect::<Vec<_>>(),
+                        other => panic!("{other:?}"),
+                    }
+                }
+            };
+            for p in [&b"a"[..], b"b", b"c"] {
+                publish(p).await;
+            }
+            // The group's creation writes an event at 3.
+            assert_eq!(poll().await, vec![(0, 0, 1), (1, 0, 1), (2, 0, 1)]);
+            for o in 0..3 {
+                let op = GroupOp::Ack("g".into(), o);
+                groups.serve(&stream, op).await.unwrap();
+            }
+            // 4-6 acks, 7 a generation marker, 8-9 state copies, 10 a record.
+            commit(stream.log.begin_generation_start(2, 0).unwrap()).await;
+            commit(stream.log.begin_state(&[b"x", b"y"], 0).unwrap()).await;
+            assert_eq!(publish(b"d").await.first, 10);
+            assert_eq!(poll().await, vec![(10, 7, 1)]);
+            // Handed back and delivered again: the read starts at the record.
+            let op = GroupOp::Nack("g".into(), 10, 0);
+            groups.serve(&stream, op).await.unwrap();
+            assert_eq!(poll().await, vec![(10, 7, 2)]);
+            assert_eq!(empty_run_before(&stream, 0).await.unwrap(), 0);
+            assert_eq!(empty_run_before(&stream, 3).await.unwrap(), 0);
+            assert_eq!(empty_run_before(&stream, 10).await.unwrap(), 7);
+            // A run of 6,000 group events (past 16 + 64 + 256 + 1,024 + 4,096 offsets of
+            // backward windows), then a record.
+            for _ in 0..60 {
+                let events = vec![encode("other", Some(Event::Ack(0))); 100];
+                commit(stream.log.begin_group(&events, 0).unwrap()).await;
+            }
+            let end = stream.log.next_offset();
+            assert_eq!(empty_run_before(&stream, end).await.unwrap(), end - 11);
+            let last = publish(b"e").await.first;
+            let op = GroupOp::Ack("g".into(), 10);
+            groups.serve(&stream, op).await.unwrap();
+            assert_eq!(poll().await, vec![(last, last - 11, 1)]);
         });
     }
 

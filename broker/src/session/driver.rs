@@ -846,10 +846,16 @@ fn group_answer(
     use felix_wire::Offset;
     match result {
         Err(e) => e.to_message(session.coded()),
-        Ok(A::Records(records)) => Message::GroupRecords {
-            records,
-            request_id,
-        },
+        Ok(A::Records(mut records)) => {
+            // Counts of offsets without a record go only to clients that read them.
+            if !session.features.contains(Features::GROUP_SKIPPED) {
+                records.iter_mut().for_each(|r| r.skipped_before = 0);
+            }
+            Message::GroupRecords {
+                records,
+                request_id,
+            }
+        }
         Ok(A::Done) => Message::CacheOk { request_id },
         Ok(A::Extended(visible_ms)) => Message::GroupExtended {
             visible_ms,

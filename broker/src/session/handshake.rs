@@ -319,17 +319,17 @@ mod tests {
     #[test]
     fn a_valid_token_yields_a_session_with_the_features_both_sides_have() {
         let (keys, token) = keys_and_token(1000, 5000);
-        // Skipped-offset counts on group records are a feature this broker does not
-        // serve; named group members it does.
+        // Publisher names on group records are a feature this broker does not serve;
+        // named group members it does.
         let offered = Features::ERROR_CODES
-            .union(Features::GROUP_SKIPPED)
+            .union(Features::GROUP_PUBLISHER)
             .union(Features::GROUP_CONSUMER);
         let (session, reply) =
             handshake(&auth_frame("t1", &token, offered), &env(&keys), now(1000)).unwrap();
         assert_eq!(session.tenant(), "t1");
         assert!(session.coded());
         assert!(
-            !session.features.contains(Features::GROUP_SKIPPED),
+            !session.features.contains(Features::GROUP_PUBLISHER),
             "a feature we do not serve is not granted"
         );
         assert!(session.features.contains(Features::GROUP_CONSUMER));

@@ -69,6 +69,7 @@ pub const SERVER_FEATURES: Features = Features(
         | Features::GROUP_ADMIN.0
         | Features::GROUP_CLAIM_CONTROL.0
         | Features::GROUP_CONSUMER.0
+        | Features::GROUP_SKIPPED.0
         | Features::SUBSCRIPTION_LAGGED.0,
 );
 
