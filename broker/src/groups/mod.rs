@@ -50,6 +50,9 @@ pub const POLL_WAIT_MAX: Duration = Duration::from_secs(30);
 const POLL_RECHECK: Duration = Duration::from_millis(100);
 /// Payload bytes one poll answer carries at most (it always carries one record).
 const POLL_BYTES_MAX: usize = 4 << 20;
+/// Offsets below the first claimed one a poll's read starts at, to see what lies just
+/// below its first record without a read of its own.
+const LOOK_BEHIND: u64 = 16;
 
 /// A group request, for the core that owns the shard.
 #[derive(Debug, Clone)]
@@ -376,6 +379,38 @@ pub struct GroupShard {
     retired: Cell<bool>,
     /// How the groups were built, for metrics.
     built: Built,
+    /// Offsets just above a record known to hold none, from the reads and writes the
+    /// groups make anyway: a poll's first record's `skipped_before` without a read.
+    known_empty: Cell<KnownEmpty>,
+}
+
+/// A stretch of the shard's log known to hold no record for consumers, right above an
+/// offset holding one (or above nothing: the log's start).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct KnownEmpty {
+    /// One past an offset holding a record.
+    from: u64,
+    /// Every offset in `from..to` holds none.
+    to: u64,
+}
+
+impl KnownEmpty {
+    /// A batch over `base..end` was seen, holding records or not.
+    fn saw(self, base: u64, end: u64, records: bool) -> KnownEmpty {
+        match records {
+            true if end > self.from => KnownEmpty { from: end, to: end },
+            false if base >= self.from && base <= self.to && end > self.to => KnownEmpty {
+                from: self.from,
+                to: end,
+            },
+            _ => self,
+        }
+    }
+
+    /// How many offsets right below `at` hold no record, when that is known.
+    fn below(self, at: u64) -> Option<u64> {
+        (self.from <= at && at <= self.to).then(|| at - self.from)
+    }
 }
 
 /// One group event write awaiting its answer (counted in [`GroupShard::pending`]). A
@@ -508,6 +543,7 @@ impl GroupShard {
             started: Cell::new(0),
             retired: Cell::new(false),
             built: Built::default(),
+            known_empty: Cell::default(),
         }
     }
 
@@ -556,6 +592,9 @@ impl GroupShard {
         let written = (self.writer)(records).await;
         waiting.ok = written.is_ok();
         drop(waiting);
+        if let Ok(a) = &written {
+            self.note_batch(a.first, a.end, false);
+        }
         if written.is_ok()
             && self.pending.get() == 0
             && let Some(size) = self.deferred.take()
@@ -612,6 +651,11 @@ impl GroupShard {
             }
         })
         .detach();
+    }
+
+    fn note_batch(&self, base: u64, end: u64, records: bool) {
+        let known = self.known_empty.get();
+        self.known_empty.set(known.saw(base, end, records));
     }
 
     fn tracker<T>(&self, group: &str, f: impl FnOnce(&mut Tracker) -> T) -> Option<T> {
@@ -775,6 +819,10 @@ impl GroupShard {
                 return Ok(());
             };
             let batches = stream.log.read(at, 64 << 10).await?;
+            for b in &batches {
+                let records = b.kind == BatchKind::Data || b.kind == BatchKind::Commit;
+                self.note_batch(b.base_offset, b.end_offset(), records);
+            }
             let mut moved = false;
             for b in batches.iter().take_while(|b| {
                 matches!(
@@ -922,26 +970,31 @@ impl GroupShard {
             if o < covered_end || bytes >= POLL_BYTES_MAX {
                 continue;
             }
+            // From a few offsets below, in the same device read: what lies just below
+            // the first record (its `skipped_before`) is then most often known.
+            let start = o.saturating_sub(LOOK_BEHIND).max(stream.log.base_offset());
             let batches = stream
                 .log
-                .read_to(o, until, POLL_BYTES_MAX.min(1 << 20))
+                .read_to(start, until, POLL_BYTES_MAX.min(1 << 20))
                 .await?;
             covered_end = batches.last().map_or(o + 1, |b| b.end_offset()).max(o + 1);
             // The offsets holding no record just passed, and where the read saw none
             // but them: what precedes that point is not in this read.
-            let (mut empty, mut unseen_from, mut next) = (0u64, Some(o), o);
+            let (mut empty, mut unseen_from, mut next) = (0u64, Some(start), start);
             for b in batches.into_iter().map(crate::state::readable) {
                 if b.base_offset != next {
                     (empty, unseen_from) = (0, Some(b.base_offset));
                 }
                 next = b.end_offset();
+                let records = b.kind == BatchKind::Data && !b.records.is_empty();
+                self.note_batch(b.base_offset, next, records);
                 if b.kind != BatchKind::Data {
                     empty += b.records.len() as u64;
                     continue;
                 }
                 for (i, r) in b.records.into_iter().enumerate() {
                     let at = b.base_offset + i as u64;
-                    if wanted.binary_search(&at).is_ok() {
+                    if at >= o && wanted.binary_search(&at).is_ok() {
                         bytes += r.len();
                         let before = Before {
                             empty,
@@ -985,7 +1038,10 @@ impl GroupShard {
             }
         });
         for (i, from) in look_back {
-            out[i].skipped_before += empty_run_before(stream, from).await?;
+            out[i].skipped_before += match self.known_empty.get().below(from) {
+                Some(n) => n,
+                None => empty_run_before(stream, from).await?,
+            };
         }
         Ok((out, passed))
     }
@@ -1271,6 +1327,34 @@ mod tests {
             assert_eq!(g.built.from_snapshot, None, "no snapshot was used");
             assert_eq!(*g.groups.borrow(), whole, "the whole log was folded");
         });
+    }
+
+    /// What the groups learn of the log as they read and write it: a stretch without
+    /// records grows only upward from a record, without a gap; a record restarts it.
+    #[test]
+    fn known_empty_offsets_grow_from_a_record_upward_without_a_gap() {
+        let k = KnownEmpty::default();
+        assert_eq!(k.below(0), Some(0), "nothing lies below the log's start");
+        let k = k.saw(0, 3, true);
+        assert_eq!((k.below(3), k.below(2)), (Some(0), None));
+        let k = k.saw(3, 5, false);
+        assert_eq!(
+            (k.below(4), k.below(5), k.below(6)),
+            (Some(1), Some(2), None)
+        );
+        assert_eq!(k.saw(6, 8, false), k, "a batch past a gap teaches nothing");
+        assert_eq!(
+            k.saw(1, 2, true),
+            k,
+            "an older record forgets nothing newer"
+        );
+        assert_eq!(k.saw(4, 5, false), k, "nor does a stretch already known");
+        let k = k.saw(4, 9, false);
+        assert_eq!((k.below(9), k.below(10)), (Some(6), None));
+        let k = k.saw(9, 10, true);
+        assert_eq!((k.below(10), k.below(9)), (Some(0), None));
+        let k = KnownEmpty::default().saw(5, 7, false);
+        assert_eq!(k.below(7), None, "offsets 0..5 were never seen");
     }
 
     /// A record's `skipped_before` counts the offsets right below it that hold no record
