@@ -50,9 +50,8 @@ pub const POLL_WAIT_MAX: Duration = Duration::from_secs(30);
 const POLL_RECHECK: Duration = Duration::from_millis(100);
 /// Payload bytes one poll answer carries at most (it always carries one record).
 const POLL_BYTES_MAX: usize = 4 << 20;
-/// Offsets below the first claimed one a poll's read starts at, to see what lies just
-/// below its first record without a read of its own.
-const LOOK_BEHIND: u64 = 16;
+/// Offsets one backward read for a record's `skipped_before` covers at most.
+const LOOK_BACK_WINDOW_MAX: u64 = 256;
 
 /// A group request, for the core that owns the shard.
 #[derive(Debug, Clone)]
@@ -381,16 +380,19 @@ pub struct GroupShard {
     built: Built,
     /// Offsets just above a record known to hold none, from the reads and writes the
     /// groups make anyway: a poll's first record's `skipped_before` without a read.
-    known_empty: Cell<KnownEmpty>,
+    known_empty: Rc<Cell<KnownEmpty>>,
 }
 
-/// A stretch of the shard's log known to hold no record for consumers, right above an
-/// offset holding one (or above nothing: the log's start).
+/// Two stretches of the shard's log, one right above the other: offsets known to hold
+/// records, then offsets known to hold none for consumers (either may be empty; both
+/// empty at 0 say that nothing lies below the log's start).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 struct KnownEmpty {
-    /// One past an offset holding a record.
-    from: u64,
+    /// Every offset in `records..from` holds a record.
+    records: u64,
     /// Every offset in `from..to` holds none.
+    from: u64,
+    /// One past the known stretch without records.
     to: u64,
 }
 
@@ -398,18 +400,31 @@ impl KnownEmpty {
     /// A batch over `base..end` was seen, holding records or not.
     fn saw(self, base: u64, end: u64, records: bool) -> KnownEmpty {
         match records {
-            true if end > self.from => KnownEmpty { from: end, to: end },
-            false if base >= self.from && base <= self.to && end > self.to => KnownEmpty {
-                from: self.from,
+            // Joined to the records known when it reaches them (a batch holds records
+            // or none, so it cannot overlap the stretch without).
+            true if end > self.from => KnownEmpty {
+                records: if base <= self.from {
+                    base.min(self.records)
+                } else {
+                    base
+                },
+                from: end,
                 to: end,
             },
+            false if base >= self.from && base <= self.to && end > self.to => {
+                KnownEmpty { to: end, ..self }
+            }
             _ => self,
         }
     }
 
     /// How many offsets right below `at` hold no record, when that is known.
     fn below(self, at: u64) -> Option<u64> {
-        (self.from <= at && at <= self.to).then(|| at - self.from)
+        if self.records < at && at <= self.from {
+            Some(0)
+        } else {
+            (self.from <= at && at <= self.to).then(|| at - self.from)
+        }
     }
 }
 
@@ -543,7 +558,7 @@ impl GroupShard {
             started: Cell::new(0),
             retired: Cell::new(false),
             built: Built::default(),
-            known_empty: Cell::default(),
+            known_empty: Rc::default(),
         }
     }
 
@@ -644,10 +659,11 @@ impl GroupShard {
         };
         let written = (self.writer)(vec![record]);
         self.started.set(self.started.get() + 1);
-        let folded = self.folded.clone();
+        let (folded, known) = (self.folded.clone(), self.known_empty.clone());
         task::spawn(async move {
-            if written.await.is_err() {
-                *folded.borrow_mut() = None;
+            match written.await {
+                Ok(a) => known.set(known.get().saw(a.first, a.end, false)),
+                Err(_) => *folded.borrow_mut() = None,
             }
         })
         .detach();
@@ -970,17 +986,14 @@ impl GroupShard {
             if o < covered_end || bytes >= POLL_BYTES_MAX {
                 continue;
             }
-            // From a few offsets below, in the same device read: what lies just below
-            // the first record (its `skipped_before`) is then most often known.
-            let start = o.saturating_sub(LOOK_BEHIND).max(stream.log.base_offset());
             let batches = stream
                 .log
-                .read_to(start, until, POLL_BYTES_MAX.min(1 << 20))
+                .read_to(o, until, POLL_BYTES_MAX.min(1 << 20))
                 .await?;
             covered_end = batches.last().map_or(o + 1, |b| b.end_offset()).max(o + 1);
             // The offsets holding no record just passed, and where the read saw none
             // but them: what precedes that point is not in this read.
-            let (mut empty, mut unseen_from, mut next) = (0u64, Some(start), start);
+            let (mut empty, mut unseen_from, mut next) = (0u64, Some(o), o);
             for b in batches.into_iter().map(crate::state::readable) {
                 if b.base_offset != next {
                     (empty, unseen_from) = (0, Some(b.base_offset));
@@ -994,7 +1007,7 @@ impl GroupShard {
                 }
                 for (i, r) in b.records.into_iter().enumerate() {
                     let at = b.base_offset + i as u64;
-                    if at >= o && wanted.binary_search(&at).is_ok() {
+                    if wanted.binary_search(&at).is_ok() {
                         bytes += r.len();
                         let before = Before {
                             empty,
@@ -1038,9 +1051,12 @@ impl GroupShard {
             }
         });
         for (i, from) in look_back {
+            // Counted down to the base either way, so a record's count does not change
+            // between deliveries when retention passed the stretch known here.
+            let base = stream.log.base_offset().min(from);
             out[i].skipped_before += match self.known_empty.get().below(from) {
-                Some(n) => n,
-                None => empty_run_before(stream, from).await?,
+                Some(n) => n.min(from - base),
+                None => empty_run_before(stream, from).await,
             };
         }
         Ok((out, passed))
@@ -1059,13 +1075,16 @@ struct Before {
 /// How many offsets immediately below `at` hold no record for consumers (group events,
 /// generation-start markers, state copies), down to the log's base: a group record's
 /// `skipped_before` (records trimmed by retention are not among them: their loss shows).
-/// Reads backward a window at a time, the window growing while it finds no record.
-async fn empty_run_before(stream: &StreamShard, at: u64) -> Result<u64, BrokerError> {
+/// Reads backward a window at a time, the window growing while it finds no record, up
+/// to [`LOOK_BACK_WINDOW_MAX`] offsets (a window read holds the records below the run
+/// too). The count is advisory: a read that fails ends it with what it found (logged),
+/// rather than failing a poll whose claims are already made.
+async fn empty_run_before(stream: &StreamShard, at: u64) -> u64 {
     let (mut end, mut empty, mut window) = (at, 0u64, 16u64);
     loop {
         let from = end.saturating_sub(window).max(stream.log.base_offset());
         if from >= end {
-            return Ok(empty);
+            return empty;
         }
         let mut records_end = None;
         let walked = walk(stream, from, end, |b| {
@@ -1079,15 +1098,18 @@ async fn empty_run_before(stream: &StreamShard, at: u64) -> Result<u64, BrokerEr
         match walked {
             Ok(_) => {}
             // Retention removed the rest while we read: the run ends at the base.
-            Err(BrokerError::Cursor { .. }) => return Ok(empty),
-            Err(e) => return Err(e),
+            Err(BrokerError::Cursor { .. }) => return empty,
+            Err(e) => {
+                tracing::warn!(shard = %stream.key, at, error = %e, "counting the offsets without a record below a group record: stopped");
+                return empty;
+            }
         }
         if let Some(records_end) = records_end {
-            return Ok(empty + (end - records_end));
+            return empty + (end - records_end);
         }
         empty += end - from;
         end = from;
-        window = (window * 4).min(4096);
+        window = (window * 4).min(LOOK_BACK_WINDOW_MAX);
     }
 }
 
@@ -1336,7 +1358,10 @@ mod tests {
         let k = KnownEmpty::default();
         assert_eq!(k.below(0), Some(0), "nothing lies below the log's start");
         let k = k.saw(0, 3, true);
-        assert_eq!((k.below(3), k.below(2)), (Some(0), None));
+        assert_eq!(
+            (k.below(3), k.below(1), k.below(0)),
+            (Some(0), Some(0), None)
+        );
         let k = k.saw(3, 5, false);
         assert_eq!(
             (k.below(4), k.below(5), k.below(6)),
@@ -1353,6 +1378,19 @@ mod tests {
         assert_eq!((k.below(9), k.below(10)), (Some(6), None));
         let k = k.saw(9, 10, true);
         assert_eq!((k.below(10), k.below(9)), (Some(0), None));
+        // Batches of records read from inside: a claim starting in them lies above a
+        // record; one starting at the first known record does not know what is below.
+        let k = k.saw(10, 20, true).saw(12, 30, true);
+        let at = |o| k.below(o);
+        assert_eq!(
+            (at(25), at(11), at(10), at(9)),
+            (Some(0), Some(0), Some(0), None)
+        );
+        let k = k.saw(40, 50, true);
+        assert_eq!(
+            (k.below(45), k.below(35), k.below(40)),
+            (Some(0), None, None)
+        );
         let k = KnownEmpty::default().saw(5, 7, false);
         assert_eq!(k.below(7), None, "offsets 0..5 were never seen");
     }
@@ -1439,17 +1477,17 @@ mod tests {
             let op = GroupOp::Nack("g".into(), 10, 0);
             groups.serve(&stream, op).await.unwrap();
             assert_eq!(poll().await, vec![(10, 7, 2)]);
-            assert_eq!(empty_run_before(&stream, 0).await.unwrap(), 0);
-            assert_eq!(empty_run_before(&stream, 3).await.unwrap(), 0);
-            assert_eq!(empty_run_before(&stream, 10).await.unwrap(), 7);
-            // A run of 6,000 group events (past 16 + 64 + 256 + 1,024 + 4,096 offsets of
-            // backward windows), then a record.
+            assert_eq!(empty_run_before(&stream, 0).await, 0);
+            assert_eq!(empty_run_before(&stream, 3).await, 0);
+            assert_eq!(empty_run_before(&stream, 10).await, 7);
+            // A run of 6,000 group events (backward windows of at most 256 offsets),
+            // then a record.
             for _ in 0..60 {
                 let events = vec![encode("other", Some(Event::Ack(0))); 100];
                 commit(stream.log.begin_group(&events, 0).unwrap()).await;
             }
             let end = stream.log.next_offset();
-            assert_eq!(empty_run_before(&stream, end).await.unwrap(), end - 11);
+            assert_eq!(empty_run_before(&stream, end).await, end - 11);
             let last = publish(b"e").await.first;
             let op = GroupOp::Ack("g".into(), 10);
             groups.serve(&stream, op).await.unwrap();

@@ -1269,3 +1269,40 @@ impl Subscription {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::testing::{parse_frame, session, session_with};
+    use felix_wire::message::GroupRecord;
+
+    /// `skipped_before` goes only to clients that negotiated `GROUP_SKIPPED`; the others
+    /// get records as before.
+    #[test]
+    fn group_records_count_skipped_offsets_only_for_clients_that_read_them() {
+        let answer = || {
+            Ok(crate::groups::GroupAnswer::Records(vec![GroupRecord {
+                offset: Offset(9),
+                payload: Bytes::from_static(b"r"),
+                attempts: 1,
+                skipped_before: 4,
+                publisher: None,
+                timestamp_micros: Some(1),
+            }]))
+        };
+        let skipped = |s: &Session| match Message::decode(
+            &parse_frame(&group_answer(s, felix_wire::RequestId(1), answer())).payload,
+        )
+        .unwrap()
+        {
+            Message::GroupRecords { records, .. } => records[0].skipped_before,
+            other => panic!("{other:?}"),
+        };
+        let reads = session_with(
+            crate::auth::all_data_perms(crate::session::testing::TENANT),
+            Features::ERROR_CODES | Features::GROUP_SKIPPED,
+        );
+        assert_eq!(skipped(&reads), 4);
+        assert_eq!(skipped(&session()), 0);
+    }
+}
