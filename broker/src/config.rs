@@ -101,6 +101,8 @@ pub struct FileConfig {
     pub spin_us: Option<u64>,
     /// Without fsync on commit: microseconds a log lets appends gather before writing.
     pub write_linger_us: Option<u64>,
+    /// Bytes of zeros a log keeps written past its newest segment's data (0: none).
+    pub zero_ahead_bytes: Option<u64>,
     /// Move an unpinned shard to the core its requests arrive on (default true).
     pub follow_load: Option<bool>,
     /// A connection with no authenticated stream is closed after this (0: never).
@@ -199,6 +201,8 @@ impl ClusterSettings {
 
 /// Default [`BrokerConfig::write_linger`], in µs (`docs/configuration.md`).
 pub const DEFAULT_WRITE_LINGER_US: u64 = 250;
+/// Default [`BrokerConfig::zero_ahead_bytes`] (`docs/configuration.md`).
+pub const DEFAULT_ZERO_AHEAD_BYTES: u64 = 1 << 20;
 
 /// Fully resolved configuration.
 #[derive(Debug, Clone)]
@@ -241,6 +245,9 @@ pub struct BrokerConfig {
     pub spin: Option<std::time::Duration>,
     /// Without fsync on commit: how long a log lets appends gather before writing.
     pub write_linger: std::time::Duration,
+    /// Zeros a log keeps written past its newest segment's data, so appends overwrite
+    /// blocks instead of growing the file (`LogConfig::zero_ahead_bytes`).
+    pub zero_ahead_bytes: u64,
     /// Move an unpinned shard to the core its requests arrive on (`core/follow.rs`).
     pub follow_load: bool,
     /// Control-plane following, when configured.
@@ -792,6 +799,26 @@ impl BrokerConfig {
                     });
                 }
                 std::time::Duration::from_micros(us)
+            },
+            zero_ahead_bytes: {
+                let l = layer(
+                    "zero_ahead_bytes",
+                    "FELIX_ZERO_AHEAD_BYTES",
+                    file.zero_ahead_bytes.map(|n| n.to_string()),
+                    None,
+                );
+                let bytes = match l.value {
+                    Some(v) => parse::<u64>("zero_ahead_bytes", l.source, &v)?,
+                    None => DEFAULT_ZERO_AHEAD_BYTES,
+                };
+                if bytes > 64 << 20 {
+                    return Err(ConfigError {
+                        key: "zero_ahead_bytes",
+                        source_name: l.source,
+                        message: format!("{bytes}: at most 67108864 (64 MiB)"),
+                    });
+                }
+                bytes
             },
             follow_load: {
                 let l = layer(

@@ -273,6 +273,7 @@ pub fn start(
             fsync: config.fsync,
             segment_bytes_max: config.segment_bytes,
             write_linger: config.write_linger,
+            zero_ahead_bytes: config.zero_ahead_bytes,
             ..LogConfig::default()
         },
         catalog,

@@ -221,6 +221,15 @@ pub struct LogConfig {
     pub write_linger: Duration,
     /// Reserve each segment's space up front (fallocate KEEP_SIZE).
     pub preallocate: bool,
+    /// Keep zeros written past the newest segment's data: whenever less than half of
+    /// this many bytes is left, up to 64 KiB more (0: off). Appends then overwrite blocks the file already holds
+    /// instead of growing it: on ext4 an O_DIRECT write that grows a file cannot
+    /// complete without blocking, so io_uring hands it to a kernel worker thread, and
+    /// its fdatasync must commit the new size through the journal. The flusher writes
+    /// the zeros after a round (its acks are out), 64 KiB at a time and only when
+    /// nothing is staged; a sealed segment is cut back to its data when the log rolls,
+    /// and recovery reads zeros past the data as the end.
+    pub zero_ahead_bytes: u64,
     /// Delete whole sealed segments from the head while the log is larger than this.
     pub retention_bytes: Option<u64>,
     /// Delete whole sealed segments whose newest record is older than this.
@@ -248,6 +257,7 @@ impl Default for LogConfig {
             fsync: FsyncMode::OnCommit,
             write_linger: Duration::ZERO,
             preallocate: true,
+            zero_ahead_bytes: 0,
             retention_bytes: None,
             retention_age: None,
             verify_on_open: VerifyOnOpen::All,
@@ -356,6 +366,11 @@ pub struct LogStats {
     pub no_space_rollbacks: u64,
     /// Truncations and resets (step 6).
     pub cuts: u64,
+    /// Zeros written ahead of the newest segment's data
+    /// ([`LogConfig::zero_ahead_bytes`]).
+    pub zero_ahead_bytes: u64,
+    /// Writes of those zeros that failed (no more are written to that segment).
+    pub zero_ahead_failures: u64,
 }
 
 /// Upper bounds (µs) of the latency buckets the log keeps for its device calls; one more,
@@ -1741,7 +1756,61 @@ async fn flush_round<B: Backend>(
         let mut st = shared.state.borrow_mut();
         wake_acked(&mut st, cfg.fsync);
     }
+    zero_ahead(shared).await;
     Ok(())
+}
+
+/// Zeros one call writes at most: an append staged meanwhile waits for them.
+const ZERO_AHEAD_CHUNK: u64 = 64 * 1024;
+
+/// Writes zeros past the newest segment's data, [`ZERO_AHEAD_CHUNK`] at most, when less
+/// than half of [`LogConfig::zero_ahead_bytes`] is left (see there), and only when
+/// nothing is staged: a write of data never waits for zeros it does not need yet. Only
+/// the flusher writes the file, and only from here or at or past its data: zeros never
+/// land on data. A failed write is not the log's failure (the zeros carry nothing): the
+/// segment grows as it would without them, and no more are written to it.
+async fn zero_ahead<B: Backend>(shared: &Rc<Shared<B>>) {
+    let step = shared.config.zero_ahead_bytes;
+    if step == 0 {
+        return;
+    }
+    let (file, from, to) = {
+        let st = shared.state.borrow();
+        if st.closing || st.exclusive || st.poisoned.is_some() || !st.staged.is_empty() {
+            return;
+        }
+        let seg = st.segments.back().expect("at least one segment");
+        let data_end = format::align_up(seg.data_len);
+        let from = seg.zeroed_to.max(data_end);
+        let cap = format::align_up(shared.config.segment_bytes_max);
+        if from - data_end >= step / 2 || from >= cap {
+            return;
+        }
+        let to = format::align_down(from + step.min(ZERO_AHEAD_CHUNK))
+            .min(cap)
+            .max(from + BLOCK_BYTES as u64);
+        (seg.file.clone(), from, to)
+    };
+    let zeros = vec![0u8; (to - from) as usize];
+    let written = file.write_at(&zeros, from).await;
+    let mut st = shared.state.borrow_mut();
+    let Some(seg) = st
+        .segments
+        .back_mut()
+        .filter(|s| Rc::ptr_eq(&s.file, &file))
+    else {
+        return;
+    };
+    match written {
+        Ok(()) => {
+            seg.zeroed_to = seg.zeroed_to.max(to);
+            st.stats.zero_ahead_bytes += to - from;
+        }
+        Err(_) => {
+            seg.zeroed_to = u64::MAX;
+            st.stats.zero_ahead_failures += 1;
+        }
+    }
 }
 
 /// Step 2: takes the chunks of one round from the front of `staged`, the first always and
@@ -1940,11 +2009,27 @@ fn end_era<F>(st: &mut State<F>, point: u64, cause: RollbackCause) {
 /// durable header and directory entry before anything is written into it. Out of space
 /// while creating it, the half-made file is removed (step 5a).
 async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), Failure> {
-    let (old_file, old_base, old_index, old_end) = {
+    let (old_file, old_base, old_index, old_end, zeroed_past) = {
         let st = shared.state.borrow();
         let s = st.segments.back().expect("at least one segment");
-        (s.file.clone(), s.base, s.index.encode(s.base), s.end_offset)
+        let data_end = format::align_up(s.data_len);
+        let zeroed_past = (s.zeroed_to > data_end).then_some(data_end);
+        (
+            s.file.clone(),
+            s.base,
+            s.index.encode(s.base),
+            s.end_offset,
+            zeroed_past,
+        )
     };
+    // A sealed segment ends with its data, zeros written ahead of it cut off (before the
+    // fdatasync below, which makes the cut durable with the data).
+    if let Some(data_end) = zeroed_past {
+        old_file
+            .truncate(data_end)
+            .await
+            .map_err(|e| Failure::Poison("truncate the zeros after a sealed segment", e))?;
+    }
     // It covers written data: a failure poisons, whatever the errno.
     old_file
         .sync_data()
@@ -2033,6 +2118,7 @@ async fn create_segment<B: Backend>(
         tail_block: Vec::new(),
         last_batch: None,
         kinds: KindSet::default(),
+        zeroed_to: 0,
     })
 }
 

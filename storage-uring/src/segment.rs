@@ -55,6 +55,9 @@ pub(crate) struct Segment<F> {
     pub last_batch: Option<(u64, BatchKind)>,
     /// The kinds of batch the file may hold (all of them when it was not read in full).
     pub kinds: KindSet,
+    /// The file holds zeros written past its data up to here (0: nothing known past
+    /// the block holding `data_len`). See [`crate::LogConfig::zero_ahead_bytes`].
+    pub zeroed_to: u64,
 }
 
 /// How a scan ended.

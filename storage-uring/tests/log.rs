@@ -725,3 +725,46 @@ fn roll_next_cuts_a_segment_and_removal_below_it_keeps_the_rest() {
         log.close().await.unwrap();
     });
 }
+
+/// Zeros written ahead of the data: the newest segment's file is longer than its data
+/// (appends overwrite blocks it holds), a roll cuts the sealed segment back to its data,
+/// and a reopen reads every record and nothing else.
+#[test]
+fn zeros_written_ahead_of_the_data_are_read_as_the_end_and_cut_from_sealed_segments() {
+    run(|| async {
+        let config = LogConfig {
+            zero_ahead_bytes: 16 * 1024,
+            ..small_segments()
+        };
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        fill(&log, 10, 100).await;
+        let stats = log.stats();
+        assert!(stats.zero_ahead_bytes >= 8 * 1024, "{stats:?}");
+        let newest = |mem: &MemBackend| {
+            let name = format!("{:020}.seg", 0);
+            mem.contents(&name).unwrap().len()
+        };
+        assert!(newest(&mem) >= 4096 + 8 * 1024, "{}", newest(&mem));
+        // A roll long before the segment is full: it is sealed with its data only.
+        log.roll_next();
+        fill(&log, 700, 100).await;
+        assert!(log.stats().rolls >= 2);
+        let sealed = mem.contents(&format!("{:020}.seg", 0)).unwrap();
+        let last_nonzero = sealed.iter().rposition(|b| *b != 0).unwrap();
+        assert!(
+            sealed.len() - last_nonzero <= 4096,
+            "a sealed segment ends within a block of its data: {} bytes, data to {last_nonzero}",
+            sealed.len()
+        );
+        let before = read_all(&log).await;
+        assert_eq!(before.len(), 710);
+        log.close().await.unwrap();
+        let (log, report) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        assert_eq!(report.torn_tail, None, "zeros past the data are no damage");
+        assert_eq!(read_all(&log).await, before);
+        fill(&log, 5, 100).await;
+        assert_eq!(read_all(&log).await.len(), 715);
+        log.close().await.unwrap();
+    });
+}

@@ -280,6 +280,7 @@ fn apply_cut<F>(seg: &mut Segment<F>, offset: u64, point: CutPoint) {
     seg.end_offset = offset;
     seg.data_len = point.pos;
     seg.tail_block = point.tail;
+    seg.zeroed_to = 0;
     seg.index.retain_below(offset);
     seg.last_batch = point.prev;
 }

@@ -198,6 +198,7 @@ pub(super) async fn recover<B: Backend>(
             } else {
                 KindSet::ALL
             },
+            zeroed_to: 0,
         });
     }
     if segments.is_empty() {
