@@ -39,7 +39,7 @@
 //!    fdatasync, directory fsync), fails with ENOSPC or EDQUOT, it rolls back:
 //!    - (5a) Cleanup first: a half-made segment file is removed and the directory
 //!      fsynced; a file whose write failed is cut back to `align_up(data_len)` if the
-//!      write grew it, the block holding `data_len` is written back as it was (a short
+//!      write grew it (or zeros were written ahead of the data: they go too), the block holding `data_len` is written back as it was (a short
 //!      write may have landed whole batches of the failing chunk in it, and those are
 //!      refused) and the file is fdatasynced. If cleanup fails, the log is poisoned
 //!      instead.
@@ -1702,6 +1702,7 @@ async fn flush_round<B: Backend>(
         (chunks, sync_requested)
     };
     let mut batches_written = 0u64;
+    let mut rolled_back = false;
     let writing = std::time::Instant::now();
     let mut chunks = chunks.into_iter();
     while let Some(chunk) = chunks.next() {
@@ -1721,6 +1722,7 @@ async fn flush_round<B: Backend>(
                     recycle(&mut st, rest);
                 }
                 roll_back(&mut st, op, &e);
+                rolled_back = true;
             }
         }
     }
@@ -1756,7 +1758,10 @@ async fn flush_round<B: Backend>(
         let mut st = shared.state.borrow_mut();
         wake_acked(&mut st, cfg.fsync);
     }
-    zero_ahead(shared).await;
+    // Not after a rollback: the space just freed is for the data retried next.
+    if !rolled_back {
+        zero_ahead(shared).await?;
+    }
     Ok(())
 }
 
@@ -1765,26 +1770,29 @@ const ZERO_AHEAD_CHUNK: u64 = 64 * 1024;
 
 /// Writes zeros past the newest segment's data, [`ZERO_AHEAD_CHUNK`] at most, when less
 /// than half of [`LogConfig::zero_ahead_bytes`] is left (see there), and only when
-/// nothing is staged: a write of data never waits for zeros it does not need yet. Only
-/// the flusher writes the file, and only from here or at or past its data: zeros never
-/// land on data. A failed write is not the log's failure (the zeros carry nothing): the
-/// segment grows as it would without them, and no more are written to it.
-async fn zero_ahead<B: Backend>(shared: &Rc<Shared<B>>) {
+/// nothing is staged: a write of data never waits for zeros it does not need yet. They
+/// are written inside a flush round (`flushing` set), which a truncation or reset waits
+/// out, and at or past the block after the data, which only the flusher extends: zeros
+/// never land on data. A full disk is not the log's failure here (the zeros carry
+/// nothing): the segment grows as it would without them, and no more are written to it
+/// (counted). Any other failed write poisons, as a failed write of data does: the
+/// device is failing, and a fault injected for a write must not be spent silently.
+async fn zero_ahead<B: Backend>(shared: &Rc<Shared<B>>) -> Result<(), (&'static str, io::Error)> {
     let step = shared.config.zero_ahead_bytes;
     if step == 0 {
-        return;
+        return Ok(());
     }
     let (file, from, to) = {
         let st = shared.state.borrow();
         if st.closing || st.exclusive || st.poisoned.is_some() || !st.staged.is_empty() {
-            return;
+            return Ok(());
         }
         let seg = st.segments.back().expect("at least one segment");
         let data_end = format::align_up(seg.data_len);
         let from = seg.zeroed_to.max(data_end);
         let cap = format::align_up(shared.config.segment_bytes_max);
         if from - data_end >= step / 2 || from >= cap {
-            return;
+            return Ok(());
         }
         let to = format::align_down(from + step.min(ZERO_AHEAD_CHUNK))
             .min(cap)
@@ -1799,17 +1807,20 @@ async fn zero_ahead<B: Backend>(shared: &Rc<Shared<B>>) {
         .back_mut()
         .filter(|s| Rc::ptr_eq(&s.file, &file))
     else {
-        return;
+        return Ok(());
     };
     match written {
         Ok(()) => {
             seg.zeroed_to = seg.zeroed_to.max(to);
             st.stats.zero_ahead_bytes += to - from;
+            Ok(())
         }
-        Err(_) => {
+        Err(e) if is_no_space(&e) => {
             seg.zeroed_to = u64::MAX;
             st.stats.zero_ahead_failures += 1;
+            Ok(())
         }
+        Err(e) => Err(("write zeros ahead", e)),
     }
 }
 
@@ -1869,6 +1880,10 @@ async fn write_chunk<B: Backend>(
         cut_back(&*file, valid_len)
             .await
             .map_err(|e| Failure::Poison("truncate after a no-space write", e))?;
+        // Zeros written ahead went with the cut.
+        if let Some(seg) = shared.state.borrow_mut().segments.back_mut() {
+            seg.zeroed_to = 0;
+        }
         // A short write (the kernel wrote the first blocks, the retry of the rest found
         // no space) may have landed the block holding the valid end with whole batches
         // of this chunk in it: they are refused, so they must not come back after a
@@ -2009,26 +2024,27 @@ fn end_era<F>(st: &mut State<F>, point: u64, cause: RollbackCause) {
 /// durable header and directory entry before anything is written into it. Out of space
 /// while creating it, the half-made file is removed (step 5a).
 async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), Failure> {
-    let (old_file, old_base, old_index, old_end, zeroed_past) = {
+    let (old_file, old_base, old_index, old_end, data_end) = {
         let st = shared.state.borrow();
         let s = st.segments.back().expect("at least one segment");
         let data_end = format::align_up(s.data_len);
-        let zeroed_past = (s.zeroed_to > data_end).then_some(data_end);
         (
             s.file.clone(),
             s.base,
             s.index.encode(s.base),
             s.end_offset,
-            zeroed_past,
+            data_end,
         )
     };
-    // A sealed segment ends with its data, zeros written ahead of it cut off (before the
-    // fdatasync below, which makes the cut durable with the data).
-    if let Some(data_end) = zeroed_past {
-        old_file
-            .truncate(data_end)
-            .await
-            .map_err(|e| Failure::Poison("truncate the zeros after a sealed segment", e))?;
+    // A sealed segment ends with its data: zeros written ahead of it (this life or one
+    // before a restart) are cut off, before the fdatasync below. Best effort: a segment
+    // with zeros after its data is valid (recovery reads them as its end), only longer.
+    if shared.config.zero_ahead_bytes > 0
+        && old_file.size().await.is_ok_and(|size| size > data_end)
+        && old_file.truncate(data_end).await.is_ok()
+        && let Some(seg) = shared.state.borrow_mut().segments.back_mut()
+    {
+        seg.zeroed_to = 0;
     }
     // It covers written data: a failure poisons, whatever the errno.
     old_file

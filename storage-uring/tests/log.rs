@@ -768,3 +768,93 @@ fn zeros_written_ahead_of_the_data_are_read_as_the_end_and_cut_from_sealed_segme
         log.close().await.unwrap();
     });
 }
+
+/// A write of zeros ahead that finds the disk full is no failure of the log: that
+/// segment goes on growing as it is written (counted, no more zeros for it), and every
+/// record stays. Any other failed write of zeros poisons, as a failed write of data
+/// does: the device is failing, and an injected write fault must not be spent silently.
+#[test]
+fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poisons() {
+    run(|| async {
+        let config = LogConfig {
+            zero_ahead_bytes: 16 * 1024,
+            ..small_segments()
+        };
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        // The round's write of data passes; the zeros after it find no space.
+        mem.fail_with(
+            felix_storage_uring::MemOp::Write,
+            libc::ENOSPC,
+            1,
+            felix_storage_uring::FaultTimes::Once,
+        );
+        fill(&log, 3, 100).await;
+        fill(&log, 3, 100).await;
+        let stats = log.stats();
+        assert_eq!(
+            (stats.zero_ahead_failures, stats.zero_ahead_bytes),
+            (1, 0),
+            "{stats:?}"
+        );
+        assert_eq!(read_all(&log).await.len(), 6);
+        log.close().await.unwrap();
+
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        mem.fail_with(
+            felix_storage_uring::MemOp::Write,
+            libc::EIO,
+            1,
+            felix_storage_uring::FaultTimes::Once,
+        );
+        fill(&log, 1, 100).await;
+        for _ in 0..20 {
+            futures_lite::future::yield_now().await;
+        }
+        let refused = match log.begin_append(&[b"x"], 0, None) {
+            Err(e) => e,
+            Ok(p) => log.commit(p).await.unwrap_err(),
+        };
+        assert!(
+            matches!(
+                refused,
+                StorageError::Poisoned {
+                    op: "write zeros ahead",
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+    });
+}
+
+/// A segment sealed after a restart is cut back to its data too: the zeros the last
+/// life wrote ahead are in the file, not in what this life knows.
+#[test]
+fn a_segment_sealed_after_a_restart_loses_the_zeros_the_last_life_wrote() {
+    run(|| async {
+        let config = LogConfig {
+            zero_ahead_bytes: 16 * 1024,
+            ..small_segments()
+        };
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        fill(&log, 10, 100).await;
+        log.close().await.unwrap();
+        let first = format!("{:020}.seg", 0);
+        let long = mem.contents(&first).unwrap().len();
+        assert!(long >= 4096 + 8 * 1024, "{long}");
+        let (log, _) = SegmentLog::open(mem.clone(), config).await.unwrap();
+        log.roll_next();
+        fill(&log, 1, 100).await;
+        let sealed = mem.contents(&first).unwrap();
+        let last_nonzero = sealed.iter().rposition(|b| *b != 0).unwrap();
+        assert!(
+            sealed.len() - last_nonzero <= 4096,
+            "{} bytes, data to {last_nonzero}",
+            sealed.len()
+        );
+        assert_eq!(read_all(&log).await.len(), 11);
+    });
+}
