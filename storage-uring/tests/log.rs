@@ -726,16 +726,32 @@ fn roll_next_cuts_a_segment_and_removal_below_it_keeps_the_rest() {
     });
 }
 
+/// Small segments with 16 KiB of zeros written ahead of the data.
+fn zeros_ahead() -> LogConfig {
+    LogConfig {
+        zero_ahead_bytes: 16 * 1024,
+        ..small_segments()
+    }
+}
+
+/// The segment file `name` ends within a block of its last non-zero byte.
+fn assert_ends_with_its_data(mem: &MemBackend, name: &str) {
+    let file = mem.contents(name).unwrap();
+    let last_nonzero = file.iter().rposition(|b| *b != 0).unwrap();
+    assert!(
+        file.len() - last_nonzero <= 4096,
+        "a sealed segment ends within a block of its data: {} bytes, data to {last_nonzero}",
+        file.len()
+    );
+}
+
 /// Zeros written ahead of the data: the newest segment's file is longer than its data
 /// (appends overwrite blocks it holds), a roll cuts the sealed segment back to its data,
 /// and a reopen reads every record and nothing else.
 #[test]
 fn zeros_written_ahead_of_the_data_are_read_as_the_end_and_cut_from_sealed_segments() {
     run(|| async {
-        let config = LogConfig {
-            zero_ahead_bytes: 16 * 1024,
-            ..small_segments()
-        };
+        let config = zeros_ahead();
         let mem = MemBackend::new();
         let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
         fill(&log, 10, 100).await;
@@ -750,13 +766,7 @@ fn zeros_written_ahead_of_the_data_are_read_as_the_end_and_cut_from_sealed_segme
         log.roll_next();
         fill(&log, 700, 100).await;
         assert!(log.stats().rolls >= 2);
-        let sealed = mem.contents(&format!("{:020}.seg", 0)).unwrap();
-        let last_nonzero = sealed.iter().rposition(|b| *b != 0).unwrap();
-        assert!(
-            sealed.len() - last_nonzero <= 4096,
-            "a sealed segment ends within a block of its data: {} bytes, data to {last_nonzero}",
-            sealed.len()
-        );
+        assert_ends_with_its_data(&mem, &format!("{:020}.seg", 0));
         let before = read_all(&log).await;
         assert_eq!(before.len(), 710);
         log.close().await.unwrap();
@@ -776,10 +786,7 @@ fn zeros_written_ahead_of_the_data_are_read_as_the_end_and_cut_from_sealed_segme
 #[test]
 fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poisons() {
     run(|| async {
-        let config = LogConfig {
-            zero_ahead_bytes: 16 * 1024,
-            ..small_segments()
-        };
+        let config = zeros_ahead();
         let mem = MemBackend::new();
         let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
         // The round's write of data passes; the zeros after it find no space.
@@ -834,10 +841,7 @@ fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poiso
 #[test]
 fn a_segment_sealed_after_a_restart_loses_the_zeros_the_last_life_wrote() {
     run(|| async {
-        let config = LogConfig {
-            zero_ahead_bytes: 16 * 1024,
-            ..small_segments()
-        };
+        let config = zeros_ahead();
         let mem = MemBackend::new();
         let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
         fill(&log, 10, 100).await;
@@ -848,13 +852,7 @@ fn a_segment_sealed_after_a_restart_loses_the_zeros_the_last_life_wrote() {
         let (log, _) = SegmentLog::open(mem.clone(), config).await.unwrap();
         log.roll_next();
         fill(&log, 1, 100).await;
-        let sealed = mem.contents(&first).unwrap();
-        let last_nonzero = sealed.iter().rposition(|b| *b != 0).unwrap();
-        assert!(
-            sealed.len() - last_nonzero <= 4096,
-            "{} bytes, data to {last_nonzero}",
-            sealed.len()
-        );
+        assert_ends_with_its_data(&mem, &first);
         assert_eq!(read_all(&log).await.len(), 11);
     });
 }

@@ -1292,6 +1292,24 @@ mod tests {
         }
     }
 
+    /// A stream shard over a new log in `dir`.
+    async fn stream_in(dir: &std::path::Path) -> StreamShard {
+        let backend = felix_storage_uring::DmaBackend::open_dir(dir)
+            .await
+            .unwrap();
+        let (log, _) = felix_storage_uring::SegmentLog::open(backend, Default::default())
+            .await
+            .unwrap();
+        let key = std::sync::Arc::new(felix_core_runtime::placement::ShardKey {
+            kind: felix_core_runtime::placement::ShardKind::Stream,
+            tenant: "t".into(),
+            namespace: "ns".into(),
+            name: "s".into(),
+            shard: 0,
+        });
+        StreamShard::new(key, log)
+    }
+
     /// A snapshot this build cannot read (a later layout, say) is passed over: the fold
     /// reads the whole log and builds what the events fold to, instead of failing every
     /// group request of the shard.
@@ -1299,20 +1317,7 @@ mod tests {
     fn a_snapshot_it_cannot_read_leaves_a_fold_of_the_whole_log() {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
-            let backend = felix_storage_uring::DmaBackend::open_dir(dir.path())
-                .await
-                .unwrap();
-            let (log, _) = felix_storage_uring::SegmentLog::open(backend, Default::default())
-                .await
-                .unwrap();
-            let key = std::sync::Arc::new(felix_core_runtime::placement::ShardKey {
-                kind: felix_core_runtime::placement::ShardKind::Stream,
-                tenant: "t".into(),
-                namespace: "ns".into(),
-                name: "s".into(),
-                shard: 0,
-            });
-            let stream = StreamShard::new(key, log);
+            let stream = stream_in(dir.path()).await;
             let limits = Limits::default();
             let write = |records: Vec<Bytes>| {
                 let pending = stream.log.begin_group(&records, 0).unwrap();
@@ -1403,20 +1408,7 @@ mod tests {
     fn group_records_count_the_offsets_without_a_record_just_before_them() {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
-            let backend = felix_storage_uring::DmaBackend::open_dir(dir.path())
-                .await
-                .unwrap();
-            let (log, _) = felix_storage_uring::SegmentLog::open(backend, Default::default())
-                .await
-                .unwrap();
-            let key = std::sync::Arc::new(felix_core_runtime::placement::ShardKey {
-                kind: felix_core_runtime::placement::ShardKind::Stream,
-                tenant: "t".into(),
-                namespace: "ns".into(),
-                name: "s".into(),
-                shard: 0,
-            });
-            let stream = Rc::new(StreamShard::new(key, log));
+            let stream = Rc::new(stream_in(dir.path()).await);
             let commit = |pending| {
                 let stream = stream.clone();
                 async move {
