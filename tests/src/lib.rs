@@ -72,6 +72,17 @@ impl BrokerProcess {
         Ok(p)
     }
 
+    /// As [`BrokerProcess::start_dev`], its data in `data` under a new temporary
+    /// directory, which is returned too: keep it while the broker runs.
+    pub fn start_dev_in_temp_dir(
+        binary: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<(BrokerProcess, tempfile::TempDir)> {
+        let dir = tempfile::tempdir()?;
+        let b = Self::start_dev(binary, &dir.path().join("data"), extra)?;
+        Ok((b, dir))
+    }
+
     /// As [`BrokerProcess::start_dev`], with `yaml` written to `dir/broker.yaml` as the
     /// configuration file, the data in `dir/data`, and `extra` arguments after it.
     pub fn start_dev_with_config(

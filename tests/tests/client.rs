@@ -13,14 +13,8 @@ use felix_client::{
 use felix_cluster::BrokerProcess;
 
 fn broker(extra: &[&str]) -> (BrokerProcess, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let b = BrokerProcess::start_dev(
-        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        extra,
-    )
-    .unwrap();
-    (b, dir)
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test"));
+    BrokerProcess::start_dev_in_temp_dir(bin, extra).unwrap()
 }
 
 /// `felix-broker dev` with `yaml` as its configuration file.

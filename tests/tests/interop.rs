@@ -4,14 +4,8 @@
 use felix_cluster::{BrokerProcess, expect_success, run_python};
 
 fn broker(extra: &[&str]) -> (BrokerProcess, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let b = BrokerProcess::start_dev(
-        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        extra,
-    )
-    .unwrap();
-    (b, dir)
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test"));
+    BrokerProcess::start_dev_in_temp_dir(bin, extra).unwrap()
 }
 
 fn run(script: &str, extra: &[&str]) {

@@ -8,14 +8,8 @@ use felix_cluster::{BrokerProcess, raw_connect, read_messages};
 use felix_wire::{ErrorCode, Features, Message};
 
 fn broker() -> (BrokerProcess, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let b = BrokerProcess::start_dev(
-        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        &[],
-    )
-    .unwrap();
-    (b, dir)
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test"));
+    BrokerProcess::start_dev_in_temp_dir(bin, &[]).unwrap()
 }
 
 fn auth(b: &BrokerProcess, features: Features) -> bytes::Bytes {

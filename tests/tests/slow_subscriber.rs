@@ -23,13 +23,8 @@ fn records() -> usize {
 /// `felix-broker dev` on a data directory of its own; bind as `(_dir, broker)` so the
 /// broker stops before its directory goes.
 fn dev_broker() -> (tempfile::TempDir, BrokerProcess) {
-    let dir = tempfile::tempdir().unwrap();
-    let broker = BrokerProcess::start_dev(
-        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        &dir.path().join("data"),
-        &[],
-    )
-    .unwrap();
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test"));
+    let (broker, dir) = BrokerProcess::start_dev_in_temp_dir(bin, &[]).unwrap();
     (dir, broker)
 }
 

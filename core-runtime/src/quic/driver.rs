@@ -1399,7 +1399,7 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
             let dr = d.borrow();
             check.counters(now, dr.stats.datagrams_in, dr.stats.sends);
             let cap = check.deadline(now, !dr.conns.is_empty());
-            Some(deadline.map_or(cap, |at| at.min(cap)))
+            deadline.map_or(cap, |at| at.min(cap))
         };
         if again {
             futures_lite::future::yield_now().await;
@@ -1410,9 +1410,7 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
         // later on every packet, and re-arming each time costs the reactor a timeout
         // submission and a cancellation per loop. One that fires early finds nothing
         // expired and is armed again for the real deadline.
-        if let Some(deadline) = deadline
-            && timer.as_ref().is_none_or(|(at, _)| *at > deadline)
-        {
+        if timer.as_ref().is_none_or(|(at, _)| *at > deadline) {
             let wait = deadline.saturating_duration_since(Instant::now());
             timer = Some((deadline, glommio::timer::Timer::new(wait)));
         }
