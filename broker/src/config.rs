@@ -200,7 +200,7 @@ impl ClusterSettings {
 }
 
 /// Default [`BrokerConfig::write_linger`], in µs (`docs/configuration.md`).
-pub const DEFAULT_WRITE_LINGER_US: u64 = 250;
+pub const DEFAULT_WRITE_LINGER_US: u64 = 2000;
 /// Default [`BrokerConfig::zero_ahead_bytes`] (`docs/configuration.md`).
 pub const DEFAULT_ZERO_AHEAD_BYTES: u64 = 1 << 20;
 

@@ -1122,6 +1122,8 @@ impl<B: Backend> SegmentLog<B> {
             if let Some(e) = stopped(&st) {
                 return Poll::Ready(Err(e));
             }
+            // A reader waits for a write: a write linger ends now (see `flusher`).
+            wake_flusher_now(&mut st);
             // Woken by the write that passes it (every write wakes the waiters at or
             // below the acknowledged end, which is past `offset`).
             st.ack_waiters
@@ -1619,6 +1621,13 @@ async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
                 && !st.sync_requested
                 && !st.exclusive
                 && st.staged.iter().map(|c| c.bytes.len()).sum::<usize>() < LINGER_BYTES_MAX
+                // Nobody waits for a write of what is appended (a reader of a record
+                // not written yet): the linger saves device writes, it never delays
+                // a reader. One who starts waiting during the linger ends it.
+                && st
+                    .ack_waiters
+                    .first_key_value()
+                    .is_none_or(|(&end, _)| end > st.next_offset)
         } {
             // The appends are acknowledged already (step 4): let more gather so one
             // write carries them. An append made after half the linger ends it, so a
