@@ -227,8 +227,9 @@ pub struct LogConfig {
     /// complete without blocking, so io_uring hands it to a kernel worker thread, and
     /// its fdatasync must commit the new size through the journal. The flusher writes
     /// the zeros after a round (its acks are out), 64 KiB at a time and only when
-    /// nothing is staged; a sealed segment is cut back to its data when the log rolls,
-    /// and recovery reads zeros past the data as the end.
+    /// nothing is staged, and behind the data of a round that would grow the file
+    /// anyway; a sealed segment is cut back to its data when the log rolls, and
+    /// recovery reads zeros past the data as the end.
     pub zero_ahead_bytes: u64,
     /// Delete whole sealed segments from the head while the log is larger than this.
     pub retention_bytes: Option<u64>,
@@ -1860,7 +1861,7 @@ async fn write_chunk<B: Backend>(
         roll(shared, chunk.segment_base).await?;
     }
     // Rewrite the last partial block with the new bytes behind it.
-    let (file, write_pos, valid_len) = {
+    let (file, write_pos, valid_len, zeroed_to) = {
         let st = shared.state.borrow();
         let seg = st.segments.back().expect("at least one segment");
         debug_assert_eq!(seg.base, chunk.segment_base);
@@ -1870,12 +1871,41 @@ async fn write_chunk<B: Backend>(
             seg.file.clone(),
             format::align_down(seg.data_len),
             seg.data_len,
+            seg.zeroed_to,
         )
     };
     buf.extend_from_slice(&chunk.bytes);
     let data_end = buf.len();
     buf.resize(format::align_up(data_end as u64) as usize, 0);
-    if let Err(e) = file.write_at(buf, write_pos).await {
+    let data_blocks = buf.len();
+    // A write that grows the file past the zeros written ahead takes the next zeros
+    // with it: under a load that always has appends staged, `zero_ahead` never gets a
+    // turn, and every round would grow the file. The zeros follow the data in the same
+    // write, at the block after it, where `zero_ahead` would put them.
+    let step = shared.config.zero_ahead_bytes.min(ZERO_AHEAD_CHUNK);
+    let data_to = write_pos + data_blocks as u64;
+    if step > 0 && zeroed_to != u64::MAX && data_to > zeroed_to {
+        let cap = format::align_up(shared.config.segment_bytes_max);
+        let to = format::align_down(data_to + step).min(cap);
+        if to > data_to {
+            buf.resize((to - write_pos) as usize, 0);
+        }
+    }
+    let mut written = file.write_at(buf, write_pos).await;
+    if buf.len() > data_blocks && written.as_ref().is_err_and(is_no_space) {
+        // No room for the zeros: none more for this segment, and the data is written
+        // alone (whatever of the longer write landed was these same bytes and zeros).
+        buf.truncate(data_blocks);
+        {
+            let mut st = shared.state.borrow_mut();
+            st.stats.zero_ahead_failures += 1;
+            if let Some(seg) = st.segments.back_mut() {
+                seg.zeroed_to = u64::MAX;
+            }
+        }
+        written = file.write_at(buf, write_pos).await;
+    }
+    if let Err(e) = written {
         if !is_no_space(&e) {
             return Err(Failure::Poison("write", e));
         }
@@ -1924,8 +1954,13 @@ async fn write_chunk<B: Backend>(
     let tail_start = format::align_down(data_end as u64) as usize;
     seg.tail_block.clear();
     seg.tail_block.extend_from_slice(&buf[tail_start..data_end]);
+    let zeros = (buf.len() - data_blocks) as u64;
+    if zeros > 0 {
+        seg.zeroed_to = seg.zeroed_to.max(write_pos + buf.len() as u64);
+    }
     st.written_end = chunk.end_offset;
-    st.stats.bytes_written += buf.len() as u64;
+    st.stats.bytes_written += data_blocks as u64;
+    st.stats.zero_ahead_bytes += zeros;
     wake_acked(&mut st, shared.config.fsync);
     Ok(chunk.batches)
 }

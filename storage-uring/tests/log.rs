@@ -779,7 +779,7 @@ fn zeros_written_ahead_of_the_data_are_read_as_the_end_and_cut_from_sealed_segme
     });
 }
 
-/// A write of zeros ahead that finds the disk full is no failure of the log: that
+/// Zeros written ahead that find the disk full are no failure of the log: that
 /// segment goes on growing as it is written (counted, no more zeros for it), and every
 /// record stays. Any other failed write of zeros poisons, as a failed write of data
 /// does: the device is failing, and an injected write fault must not be spent silently.
@@ -787,13 +787,14 @@ fn zeros_written_ahead_of_the_data_are_read_as_the_end_and_cut_from_sealed_segme
 fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poisons() {
     run(|| async {
         let config = zeros_ahead();
+        // Zeros behind a round's data (the first round grows the file): the data is
+        // written again alone.
         let mem = MemBackend::new();
         let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
-        // The round's write of data passes; the zeros after it find no space.
         mem.fail_with(
             felix_storage_uring::MemOp::Write,
             libc::ENOSPC,
-            1,
+            0,
             felix_storage_uring::FaultTimes::Once,
         );
         fill(&log, 3, 100).await;
@@ -807,15 +808,52 @@ fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poiso
         assert_eq!(read_all(&log).await.len(), 6);
         log.close().await.unwrap();
 
+        // Zeros written on their own after a round, once less than half is left: a run
+        // without faults finds which write that is.
+        let (records, skip) = {
+            let mem = MemBackend::new();
+            let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+            let (opened, _) = mem.op_counts();
+            fill(&log, 1, 100).await;
+            let behind_data = log.stats().zero_ahead_bytes;
+            assert!(behind_data > 0, "the first round grows the file");
+            let mut records = 1;
+            loop {
+                fill(&log, 1, 100).await;
+                records += 1;
+                // The zeros follow the round that acknowledged the record.
+                for _ in 0..20 {
+                    futures_lite::future::yield_now().await;
+                }
+                if log.stats().zero_ahead_bytes > behind_data {
+                    break (records, mem.op_counts().0 - 1 - opened);
+                }
+                assert!(records < 1000, "no zeros written on their own");
+            }
+        };
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        mem.fail_with(
+            felix_storage_uring::MemOp::Write,
+            libc::ENOSPC,
+            skip,
+            felix_storage_uring::FaultTimes::Once,
+        );
+        fill(&log, records + 200, 100).await;
+        let stats = log.stats();
+        assert_eq!(stats.zero_ahead_failures, 1, "{stats:?}");
+        assert_eq!(read_all(&log).await.len() as u64, records + 200);
+        log.close().await.unwrap();
+
         let mem = MemBackend::new();
         let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
         mem.fail_with(
             felix_storage_uring::MemOp::Write,
             libc::EIO,
-            1,
+            skip,
             felix_storage_uring::FaultTimes::Once,
         );
-        fill(&log, 1, 100).await;
+        fill(&log, records, 100).await;
         for _ in 0..20 {
             futures_lite::future::yield_now().await;
         }
@@ -833,6 +871,29 @@ fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poiso
             ),
             "{refused:?}"
         );
+    });
+}
+
+/// A round that grows the file carries the zeros ahead in its own write: under a load
+/// that always has appends staged, the zeros written after a round never get a turn.
+#[test]
+fn a_round_that_grows_the_file_writes_zeros_behind_its_data() {
+    run(|| async {
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), zeros_ahead()).await.unwrap();
+        let (opened, _) = mem.op_counts();
+        fill(&log, 1, 100).await;
+        for _ in 0..20 {
+            futures_lite::future::yield_now().await;
+        }
+        let (writes, _) = mem.op_counts();
+        assert_eq!(writes - opened, 1, "one write for the data and the zeros");
+        let zeros = log.stats().zero_ahead_bytes;
+        assert!(zeros >= 8 * 1024, "{zeros} bytes of zeros");
+        log.close().await.unwrap();
+        let (log, report) = SegmentLog::open(mem.clone(), zeros_ahead()).await.unwrap();
+        assert_eq!(report.torn_tail, None, "zeros past the data are no damage");
+        assert_eq!(read_all(&log).await.len(), 1);
     });
 }
 
