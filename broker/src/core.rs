@@ -396,6 +396,8 @@ pub struct CoreMetrics {
     pub log_syncs: AtomicU64,
     /// Batches those syncs made durable: `/ log_syncs` is appends per flush.
     pub log_synced_batches: AtomicU64,
+    /// Zeros those logs wrote ahead of their data (`zero_ahead_bytes`).
+    pub log_zero_ahead_bytes: AtomicU64,
     /// Live batches a subscriber refused because they belonged to another shard (a bug
     /// caught, never a record sent to the wrong subscriber).
     pub foreign_batches: AtomicU64,
@@ -453,6 +455,31 @@ pub struct CoreMetrics {
 }
 
 /// One open shard as last sampled by its core.
+/// Counters summed over a core's stream logs (see [`CoreMetrics::log_syncs`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct LogTotals {
+    syncs: u64,
+    synced_batches: u64,
+    zero_ahead_bytes: u64,
+}
+
+impl LogTotals {
+    /// These totals and what a log counted since `before`.
+    fn plus(
+        self,
+        now: &felix_storage_uring::LogStats,
+        before: &felix_storage_uring::LogStats,
+    ) -> Self {
+        Self {
+            syncs: self.syncs + now.syncs.saturating_sub(before.syncs),
+            synced_batches: self.synced_batches
+                + now.synced_batches.saturating_sub(before.synced_batches),
+            zero_ahead_bytes: self.zero_ahead_bytes
+                + now.zero_ahead_bytes.saturating_sub(before.zero_ahead_bytes),
+        }
+    }
+}
+
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ShardSample {
     /// `stream:tenant/namespace/name/shard` or `cache:…`.
@@ -690,9 +717,9 @@ pub struct CoreBroker {
     /// Writes held while this broker takes their replicated shard over, per shard in
     /// arrival order (`core/takeover.rs`).
     takeover_held: RefCell<HashMap<Arc<ShardKey>, Vec<takeover::Held>>>,
-    /// Syncs and synced batches of the stream logs closed on this core (a shard moved
-    /// away): the sampled counters stay monotonic.
-    closed_log_stats: Cell<(u64, u64)>,
+    /// Counters of the stream logs closed on this core (a shard moved away): the
+    /// sampled counters stay monotonic.
+    closed_log_stats: Cell<LogTotals>,
     /// Shards just handed over by another core, to open without re-checking every batch.
     handed_over: RefCell<std::collections::HashSet<Arc<ShardKey>>>,
     /// Requests accepted here for a shard this core has not handed them yet (waiting for
@@ -795,7 +822,7 @@ impl CoreBroker {
             replicas,
             keys_changed: crate::groups::Wakers::default(),
             moving: RefCell::default(),
-            closed_log_stats: Cell::new((0, 0)),
+            closed_log_stats: Cell::new(LogTotals::default()),
             takeover_held: RefCell::default(),
             left_copies: RefCell::default(),
             handed_over: RefCell::default(),
@@ -2660,14 +2687,12 @@ impl CoreBroker {
                 if core.draining() {
                     return;
                 }
-                let (mut syncs, mut batches) = core.closed_log_stats.get();
+                let mut totals = core.closed_log_stats.get();
                 let mut poisoned = 0;
                 for slot in core.streams.borrow().values() {
                     if let Slot::Ready(shard) = slot {
                         core.add_device_latency(shard.log.take_device_latency());
-                        let st = shard.log.stats();
-                        syncs += st.syncs;
-                        batches += st.synced_batches;
+                        totals = totals.plus(&shard.log.stats(), &Default::default());
                         poisoned += u64::from(shard.log.poisoned().is_some());
                     }
                 }
@@ -2681,10 +2706,15 @@ impl CoreBroker {
                     .poisoned_logs
                     .store(poisoned, Ordering::Relaxed);
                 core.sample_shards();
-                core.metrics.log_syncs.store(syncs, Ordering::Relaxed);
+                core.metrics
+                    .log_syncs
+                    .store(totals.syncs, Ordering::Relaxed);
                 core.metrics
                     .log_synced_batches
-                    .store(batches, Ordering::Relaxed);
+                    .store(totals.synced_batches, Ordering::Relaxed);
+                core.metrics
+                    .log_zero_ahead_bytes
+                    .store(totals.zero_ahead_bytes, Ordering::Relaxed);
             }
         })
         .detach();
@@ -2882,9 +2912,9 @@ impl CoreBroker {
         let counted = match &stream {
             Some(Slot::Ready(s)) => {
                 let st = s.log.stats();
-                let (syncs, batches) = self.closed_log_stats.get();
+                let totals = self.closed_log_stats.get();
                 self.closed_log_stats
-                    .set((syncs + st.syncs, batches + st.synced_batches));
+                    .set(totals.plus(&st, &Default::default()));
                 Some(st)
             }
             _ => None,
@@ -2912,12 +2942,9 @@ impl CoreBroker {
             }
         }
         if let (Some(Slot::Ready(s)), Some(before)) = (&stream, counted) {
-            let st = s.log.stats();
-            let (syncs, batches) = self.closed_log_stats.get();
-            self.closed_log_stats.set((
-                syncs + st.syncs.saturating_sub(before.syncs),
-                batches + st.synced_batches.saturating_sub(before.synced_batches),
-            ));
+            let totals = self.closed_log_stats.get();
+            self.closed_log_stats
+                .set(totals.plus(&s.log.stats(), &before));
         }
         clean
     }

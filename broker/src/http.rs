@@ -222,6 +222,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.log_synced_batches.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_log_zero_ahead_bytes",
+        "gauge",
+        "Zeros this core's stream logs wrote past their data so appends overwrite blocks instead of growing the file (zero_ahead_bytes).",
+        |m| m.log_zero_ahead_bytes.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_foreign_batches_total",
         "counter",
         "Live batches a subscriber refused as another shard's.",

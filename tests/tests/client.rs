@@ -1353,3 +1353,33 @@ fn felix_top_in_a_terminal_shows_per_core_rows_that_move_with_load() {
     wait_screen(&|s| rows(s).len() == 2 && rows(s).iter().all(|r| r.1 == 0.0));
     tmux(&["kill-server"]);
 }
+
+/// The broker hands its log settings to the logs it opens: by default a stream's log
+/// writes zeros ahead of its data (`zero_ahead_bytes`, 1 MiB), and with the setting at
+/// 0 it writes none (`felix_broker_log_zero_ahead_bytes`, sampled every 250 ms).
+#[test]
+fn a_brokers_stream_logs_write_zeros_ahead_unless_told_not_to() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (yaml, zeros) in [
+        ("fsync: on-commit\n", true),
+        ("zero_ahead_bytes: 0\n", false),
+    ] {
+        let (b, _dir) = broker_with_config(yaml);
+        rt.block_on(async {
+            let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+                .await
+                .unwrap();
+            publish_jobs(&c, 3, b'z').await;
+        });
+        felix_cluster::wait_for("the logs' syncs sampled", Duration::from_secs(10), || {
+            (b.metric("felix_broker_log_syncs").ok()? > 0).then_some(())
+        })
+        .unwrap();
+        let written = b.metric("felix_broker_log_zero_ahead_bytes").unwrap();
+        assert_eq!(
+            written > 0,
+            zeros,
+            "{yaml:?}: {written} bytes of zeros written ahead"
+        );
+    }
+}
