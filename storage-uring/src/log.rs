@@ -1919,8 +1919,11 @@ async fn write_chunk<B: Backend>(
         cut_back(&*file, valid_len)
             .await
             .map_err(|e| Failure::Poison("truncate after a no-space write", e))?;
-        // Zeros written ahead went with the cut.
-        if let Some(seg) = shared.state.borrow_mut().segments.back_mut() {
+        // Zeros written ahead went with the cut; a segment that found no room for
+        // zeros gets none again.
+        if let Some(seg) = shared.state.borrow_mut().segments.back_mut()
+            && seg.zeroed_to != u64::MAX
+        {
             seg.zeroed_to = 0;
         }
         // A short write (the kernel wrote the first blocks, the retry of the rest found

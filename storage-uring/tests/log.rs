@@ -808,6 +808,46 @@ fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poiso
         assert_eq!(read_all(&log).await.len(), 6);
         log.close().await.unwrap();
 
+        // A longer write the full disk cut short (its data and some of its zeros landed),
+        // then the data alone: every record is there after a reopen, no damage.
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        mem.tear_next_write_with(4096 + 1024, libc::ENOSPC);
+        fill(&log, 3, 100).await;
+        assert_eq!(log.stats().zero_ahead_failures, 1);
+        log.close().await.unwrap();
+        let (log, report) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        assert_eq!(report.torn_tail, None);
+        assert_eq!(read_all(&log).await.len(), 3);
+        log.close().await.unwrap();
+
+        // A disk that stays full refuses the data too: the append is refused, and once
+        // space is back the segment still gets no zeros (none tried and refused again
+        // each round while the disk is full).
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        mem.fail_with(
+            felix_storage_uring::MemOp::Write,
+            libc::ENOSPC,
+            0,
+            felix_storage_uring::FaultTimes::Always,
+        );
+        let p = log.begin_append(&[b"x"], 0, None).unwrap();
+        assert!(matches!(
+            log.commit(p).await,
+            Err(StorageError::NoSpace { .. })
+        ));
+        mem.clear_faults();
+        fill(&log, 3, 100).await;
+        let stats = log.stats();
+        assert_eq!(
+            (stats.zero_ahead_failures, stats.zero_ahead_bytes),
+            (1, 0),
+            "{stats:?}"
+        );
+        assert_eq!(read_all(&log).await.len(), 3);
+        log.close().await.unwrap();
+
         // Zeros written on their own after a round, once less than half is left: a run
         // without faults finds which write that is.
         let (records, skip) = {
