@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use common::{Disk, Fixture, Mem, payload, run};
 use felix_storage_uring::{
-    BatchKind, CorruptionKind, FsyncMode, LogConfig, MemBackend, ProducerTag, SegmentLog,
-    StorageError, VerifyOnOpen,
+    BatchKind, CorruptionKind, FaultTimes, FsyncMode, LogConfig, MemBackend, ProducerTag,
+    SegmentLog, StorageError, VerifyOnOpen,
 };
 
 fn small_segments() -> LogConfig {
@@ -779,6 +779,27 @@ fn zeros_written_ahead_of_the_data_are_read_as_the_end_and_cut_from_sealed_segme
     });
 }
 
+/// A fresh log in memory with `config` whose writes fail with `errno` once `skip` more
+/// have passed (`times`), and its backend.
+async fn failing_writes(
+    config: &LogConfig,
+    errno: i32,
+    skip: u64,
+    times: FaultTimes,
+) -> (SegmentLog<MemBackend>, MemBackend) {
+    let mem = MemBackend::new();
+    let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+    mem.fail_with(felix_storage_uring::MemOp::Write, errno, skip, times);
+    (log, mem)
+}
+
+/// Lets the flusher finish what follows a round (zeros written after it).
+async fn settle() {
+    for _ in 0..20 {
+        futures_lite::future::yield_now().await;
+    }
+}
+
 /// Zeros written ahead that find the disk full are no failure of the log: that
 /// segment goes on growing as it is written (counted, no more zeros for it), and every
 /// record stays. Any other failed write of zeros poisons, as a failed write of data
@@ -789,14 +810,7 @@ fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poiso
         let config = zeros_ahead();
         // Zeros behind a round's data (the first round grows the file): the data is
         // written again alone.
-        let mem = MemBackend::new();
-        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
-        mem.fail_with(
-            felix_storage_uring::MemOp::Write,
-            libc::ENOSPC,
-            0,
-            felix_storage_uring::FaultTimes::Once,
-        );
+        let (log, _) = failing_writes(&config, libc::ENOSPC, 0, FaultTimes::Once).await;
         fill(&log, 3, 100).await;
         fill(&log, 3, 100).await;
         let stats = log.stats();
@@ -824,14 +838,7 @@ fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poiso
         // A disk that stays full refuses the data too: the append is refused, and once
         // space is back the segment still gets no zeros (none tried and refused again
         // each round while the disk is full).
-        let mem = MemBackend::new();
-        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
-        mem.fail_with(
-            felix_storage_uring::MemOp::Write,
-            libc::ENOSPC,
-            0,
-            felix_storage_uring::FaultTimes::Always,
-        );
+        let (log, mem) = failing_writes(&config, libc::ENOSPC, 0, FaultTimes::Always).await;
         let p = log.begin_append(&[b"x"], 0, None).unwrap();
         assert!(matches!(
             log.commit(p).await,
@@ -862,41 +869,23 @@ fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poiso
                 fill(&log, 1, 100).await;
                 records += 1;
                 // The zeros follow the round that acknowledged the record.
-                for _ in 0..20 {
-                    futures_lite::future::yield_now().await;
-                }
+                settle().await;
                 if log.stats().zero_ahead_bytes > behind_data {
                     break (records, mem.op_counts().0 - 1 - opened);
                 }
                 assert!(records < 1000, "no zeros written on their own");
             }
         };
-        let mem = MemBackend::new();
-        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
-        mem.fail_with(
-            felix_storage_uring::MemOp::Write,
-            libc::ENOSPC,
-            skip,
-            felix_storage_uring::FaultTimes::Once,
-        );
+        let (log, _) = failing_writes(&config, libc::ENOSPC, skip, FaultTimes::Once).await;
         fill(&log, records + 200, 100).await;
         let stats = log.stats();
         assert_eq!(stats.zero_ahead_failures, 1, "{stats:?}");
         assert_eq!(read_all(&log).await.len() as u64, records + 200);
         log.close().await.unwrap();
 
-        let mem = MemBackend::new();
-        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
-        mem.fail_with(
-            felix_storage_uring::MemOp::Write,
-            libc::EIO,
-            skip,
-            felix_storage_uring::FaultTimes::Once,
-        );
+        let (log, _) = failing_writes(&config, libc::EIO, skip, FaultTimes::Once).await;
         fill(&log, records, 100).await;
-        for _ in 0..20 {
-            futures_lite::future::yield_now().await;
-        }
+        settle().await;
         let refused = match log.begin_append(&[b"x"], 0, None) {
             Err(e) => e,
             Ok(p) => log.commit(p).await.unwrap_err(),
@@ -923,9 +912,7 @@ fn a_round_that_grows_the_file_writes_zeros_behind_its_data() {
         let (log, _) = SegmentLog::open(mem.clone(), zeros_ahead()).await.unwrap();
         let (opened, _) = mem.op_counts();
         fill(&log, 1, 100).await;
-        for _ in 0..20 {
-            futures_lite::future::yield_now().await;
-        }
+        settle().await;
         let (writes, _) = mem.op_counts();
         assert_eq!(writes - opened, 1, "one write for the data and the zeros");
         let zeros = log.stats().zero_ahead_bytes;
