@@ -1048,22 +1048,31 @@ fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Valu
 
 /// S11: the raw QUIC transport ceiling — one connection, 64 KiB writes, client to server
 /// (counted by an echo-free sink) and server to client, on our driver (1 core) and on
-/// quinn/tokio (1 worker), same client.
+/// quinn/tokio (1 worker), same client; and the 64 B echo RTT the S1 latency targets
+/// are judged against. With `--load-cores`, our driver runs on the first of `--cores`
+/// and the client on the load cores, as the broker and the load generator do in S1.
 fn transport(opts: &Options) -> anyhow::Result<Value> {
-    use crate::quic::{Certs, Client, Direction, start_ours, start_quinn};
+    use crate::quic::{Certs, Client, Direction, start_ours, start_ours_on, start_quinn};
     let bytes: u64 = match opts.scale {
         Scale::Tiny => 8 << 20,
         Scale::Small => 256 << 20,
         Scale::Full => 1 << 30,
     };
     let certs = Certs::new()?;
-    let client = Client::new(&certs, 1)?;
+    let placed = match opts.load_cores.as_deref() {
+        Some(load) => Some((parse_cpus(&opts.cores)?, parse_cpus(load)?)),
+        None => None,
+    };
+    let client = Client::new_on(&certs, 1, placed.as_ref().map(|(_, load)| load.clone()))?;
     let down = |addr| -> anyhow::Result<f64> {
         Ok(client
             .transfer(addr, Direction::Download, 1, bytes, "")?
             .mb_per_sec)
     };
-    let ours = start_ours(&certs, 1)?;
+    let ours = match &placed {
+        Some((cores, _)) => start_ours_on(&certs, cores[..1].to_vec(), None)?,
+        None => start_ours(&certs, 1)?,
+    };
     let ours_mb = client.throughput(ours.addr(), 1, bytes)?;
     let ours_down = down(ours.addr())?;
     let mut rtt = client.rtt(ours.addr(), 500)?;
@@ -1080,6 +1089,7 @@ fn transport(opts: &Options) -> anyhow::Result<Value> {
         "quinn_download_mb_per_sec": quinn_down,
         "download_ratio": ours_down / quinn_down,
         "felix_rtt_p50_us": percentile(&mut rtt, 0.5),
+        "felix_rtt_p99_us": percentile(&mut rtt, 0.99),
     }))
 }
 

@@ -158,11 +158,21 @@ pub fn start_ours_spinning(
     spin: Option<Duration>,
 ) -> anyhow::Result<Box<dyn Server>> {
     let cpus = felix_core_runtime::cores::available_cpus();
-    let set = CoreSet::new(cpus.into_iter().take(cores).collect())?;
     anyhow::ensure!(
-        set.len() == cores,
+        cpus.len() >= cores,
         "this machine has fewer than {cores} CPUs"
     );
+    start_ours_on(certs, cpus.into_iter().take(cores).collect(), spin)
+}
+
+/// Our driver on exactly these CPUs, one core each.
+pub fn start_ours_on(
+    certs: &Certs,
+    cpus: Vec<usize>,
+    spin: Option<Duration>,
+) -> anyhow::Result<Box<dyn Server>> {
+    let cores = cpus.len();
+    let set = CoreSet::new(cpus)?;
     let addr = free_port()?;
     let certs = certs.clone();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -402,11 +412,26 @@ pub struct Client {
 impl Client {
     /// A quinn/tokio client with `threads` workers trusting `certs`.
     pub fn new(certs: &Certs, threads: usize) -> anyhow::Result<Client> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
+        Self::new_on(certs, threads, None)
+    }
+
+    /// As [`Client::new`], its workers confined to `cpus` when given.
+    pub fn new_on(
+        certs: &Certs,
+        threads: usize,
+        cpus: Option<Vec<usize>>,
+    ) -> anyhow::Result<Client> {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        builder
             .worker_threads(threads)
             .thread_name(CLIENT_THREADS)
-            .enable_all()
-            .build()?;
+            .enable_all();
+        if let Some(cpus) = cpus {
+            builder.on_thread_start(move || {
+                let _ = crate::compare::confine(0, &cpus);
+            });
+        }
+        let rt = builder.build()?;
         let mut endpoint =
             rt.block_on(async { quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()) })?;
         endpoint.set_default_client_config(quic::client_config(

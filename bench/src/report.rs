@@ -346,7 +346,7 @@ impl Report {
                 v["mb_per_sec"].as_f64().unwrap_or(0.0)
             );
         }
-        let _ = writeln!(s, "\n## Targets (issue 8)\n");
+        let _ = writeln!(s, "\n## Targets (issues 8 and 18)\n");
         for line in self.targets() {
             let _ = writeln!(s, "- {line}");
         }
@@ -405,6 +405,52 @@ impl Report {
             ours("S1", |m| m.ack[1]),
             200.0,
             false,
+        );
+        // Issue 18: S1 against the same run's raw QUIC echo (S11), and its broker CPU.
+        let rtt = |key: &str| self.extra.get("S11").and_then(|v| v[key].as_f64());
+        let s1 = |i: usize| match self.get("S1", OURS) {
+            Some(Ok(m)) => Some(m.ack[i]),
+            _ => None,
+        };
+        check(
+            "S1 ack p50 ≤ 1.5x the S11 64 B echo RTT p50 (issue 18)".into(),
+            s1(0).zip(rtt("felix_rtt_p50_us")).map(|(a, r)| a / r),
+            1.5,
+            false,
+        );
+        check(
+            "S1 ack p99 ≤ 2x the S11 64 B echo RTT p99 (issue 18)".into(),
+            s1(1).zip(rtt("felix_rtt_p99_us")).map(|(a, r)| a / r),
+            2.0,
+            false,
+        );
+        let cpu = |peer: &str| match self.get("S1", peer) {
+            Some(Ok(m)) => m.server_cpu_us,
+            _ => None,
+        };
+        check(
+            "S1 broker CPU per ack ≤ 100 µs (issue 18)".into(),
+            cpu(OURS),
+            100.0,
+            false,
+        );
+        for peer in ["nats-jetstream", "redis-streams"] {
+            check(
+                format!("S1 broker CPU per ack, ours ÷ {peer}'s ≤ 1 (issue 18)"),
+                cpu(OURS).zip(cpu(peer)).map(|(o, p)| o / p),
+                1.0,
+                false,
+            );
+        }
+        let s8 = match (self.get("S8", OURS), self.get("S8", "redis-streams")) {
+            (Some(Ok(o)), Some(Ok(p))) => Some(o.acked_per_sec / p.acked_per_sec),
+            _ => None,
+        };
+        check(
+            "S8 vs redis-streams ≥ 1.5x (issue 18)".into(),
+            s8,
+            1.5,
+            true,
         );
         let s13 = self.extra.get("S13").and_then(|v| v["ratio"].as_f64());
         check("S13 2 cores ≥ 1.8x 1 core".into(), s13, 1.8, true);
