@@ -1049,10 +1049,11 @@ fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Valu
 /// S11: the raw QUIC transport ceiling — one connection, 64 KiB writes, client to server
 /// (counted by an echo-free sink) and server to client, on our driver (1 core) and on
 /// quinn/tokio (1 worker), same client; and the 64 B echo RTT the S1 latency targets
-/// are judged against. With `--load-cores`, our driver runs on the first of `--cores`
-/// and the client on the load cores, as the broker and the load generator do in S1.
+/// are judged against. With `--load-cores`, each server (ours, quinn/tokio) runs on the
+/// first of `--cores` and the client on the load cores, as the broker and the load
+/// generator do in S1.
 fn transport(opts: &Options) -> anyhow::Result<Value> {
-    use crate::quic::{Certs, Client, Direction, start_ours, start_ours_on, start_quinn};
+    use crate::quic::{Certs, Client, Direction, start_ours, start_ours_on, start_quinn_on};
     let bytes: u64 = match opts.scale {
         Scale::Tiny => 8 << 20,
         Scale::Small => 256 << 20,
@@ -1075,9 +1076,14 @@ fn transport(opts: &Options) -> anyhow::Result<Value> {
     };
     let ours_mb = client.throughput(ours.addr(), 1, bytes)?;
     let ours_down = down(ours.addr())?;
-    let mut rtt = client.rtt(ours.addr(), 500)?;
+    // Enough samples for a p99 the S1 target can be judged against (S1 has thousands).
+    let mut rtt = client.rtt(ours.addr(), 5000)?;
     ours.stop();
-    let quinn = start_quinn(&certs, 1)?;
+    let quinn = start_quinn_on(
+        &certs,
+        1,
+        placed.as_ref().map(|(cores, _)| cores[..1].to_vec()),
+    )?;
     let quinn_mb = client.throughput(quinn.addr(), 1, bytes)?;
     let quinn_down = down(quinn.addr())?;
     quinn.stop();

@@ -241,11 +241,26 @@ impl Server for Quinn {
 
 /// A plain quinn server on a tokio runtime with `threads` workers.
 pub fn start_quinn(certs: &Certs, threads: usize) -> anyhow::Result<Box<dyn Server>> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    start_quinn_on(certs, threads, None)
+}
+
+/// As [`start_quinn`], its workers confined to `cpus` when given.
+pub fn start_quinn_on(
+    certs: &Certs,
+    threads: usize,
+    cpus: Option<Vec<usize>>,
+) -> anyhow::Result<Box<dyn Server>> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder
         .worker_threads(threads)
         .thread_name(QUINN_THREADS)
-        .enable_all()
-        .build()?;
+        .enable_all();
+    if let Some(cpus) = cpus {
+        builder.on_thread_start(move || {
+            let _ = crate::compare::confine(0, &cpus);
+        });
+    }
+    let rt = builder.build()?;
     let config = quic::server_config(
         vec![certs.0.cert_der.clone()],
         certs.0.key(),

@@ -454,7 +454,6 @@ pub struct CoreMetrics {
     pub shards: std::sync::Mutex<Vec<ShardSample>>,
 }
 
-/// One open shard as last sampled by its core.
 /// Counters summed over a core's stream logs (see [`CoreMetrics::log_syncs`]).
 #[derive(Debug, Clone, Copy, Default)]
 struct LogTotals {
@@ -480,6 +479,7 @@ impl LogTotals {
     }
 }
 
+/// One open shard as last sampled by its core.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ShardSample {
     /// `stream:tenant/namespace/name/shard` or `cache:…`.
