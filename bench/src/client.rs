@@ -98,6 +98,8 @@ pub struct Publisher {
     acks: tokio::task::JoinHandle<anyhow::Result<Vec<f64>>>,
     next_id: u64,
     buf: BytesMut,
+    /// A window slot taken by [`Publisher::reserve`] for the next publish.
+    reserved: bool,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -159,7 +161,25 @@ impl Publisher {
             acks,
             next_id: 0,
             buf: BytesMut::with_capacity(1 << 20),
+            reserved: false,
         })
+    }
+
+    /// Waits for window room and keeps it for the next publish, so a closed-loop load
+    /// can stamp a batch when it can go rather than before waiting for the previous ack.
+    pub async fn reserve(&mut self) -> anyhow::Result<()> {
+        if !self.reserved {
+            self.take_room().await?;
+            self.reserved = true;
+        }
+        Ok(())
+    }
+
+    async fn take_room(&self) -> anyhow::Result<()> {
+        if self.window.acquire().await.map(|p| p.forget()).is_err() {
+            bail!("no more acks: a publish was refused or the stream closed (finish says which)");
+        }
+        Ok(())
     }
 
     /// Sends one acked batch, waiting for window room first.
@@ -184,8 +204,8 @@ impl Publisher {
         payloads: &[Bytes],
         intended: Option<Instant>,
     ) -> anyhow::Result<()> {
-        if self.window.acquire().await.map(|p| p.forget()).is_err() {
-            bail!("no more acks: a publish was refused or the stream closed (finish says which)");
+        if !std::mem::take(&mut self.reserved) {
+            self.take_room().await?;
         }
         self.next_id += 1;
         self.buf.clear();

@@ -483,7 +483,11 @@ async fn run_cell_on(
                         tokio::time::sleep_until(due.into()).await;
                         due
                     }
-                    None => Instant::now(),
+                    // Closed loop: stamped once the window lets the batch go.
+                    None => {
+                        p.room().await?;
+                        Instant::now()
+                    }
                 };
                 if collect_e2e {
                     let s = stamp_now();
@@ -945,6 +949,7 @@ async fn live_repin(opts: &Options) -> anyhow::Result<Value> {
             let batch: Vec<Bytes> = (0..64).map(|_| stamped(1024, 0)).collect();
             let mut sent = Vec::new();
             while Instant::now() < end {
+                p.room().await?;
                 let t = Instant::now();
                 p.send(&batch, t).await?;
                 sent.push(t);

@@ -130,6 +130,10 @@ pub fn threads_cpu_ns(pid: &str, keep: impl Fn(&str) -> bool) -> Option<u64> {
 
 /// Sends batches.
 pub trait Producer: Send {
+    /// Waits for window room and keeps it for the next `send`: a closed-loop load then
+    /// stamps each batch when it can go. (Stamped before, a batch's latency would also
+    /// count the wait for the previous ack: twice the round trip one at a time.)
+    fn room(&mut self) -> BoxFut<'_, ()>;
     /// Sends one batch once window room frees; `intended` is when the load meant to.
     fn send<'a>(&'a mut self, payloads: &'a [Bytes], intended: Instant) -> BoxFut<'a, ()>;
     /// Waits for every ack; per-batch ack latencies in µs.
@@ -247,6 +251,10 @@ impl Driver for FelixDriver {
 }
 
 impl Producer for FelixProducer {
+    fn room(&mut self) -> BoxFut<'_, ()> {
+        Box::pin(async move { self.publisher.reserve().await })
+    }
+
     fn send<'a>(&'a mut self, payloads: &'a [Bytes], intended: Instant) -> BoxFut<'a, ()> {
         Box::pin(async move {
             self.publisher
@@ -329,15 +337,29 @@ struct TcpProducer {
     buf: BytesMut,
     encode: fn(&mut BytesMut, &str, &Bytes),
     stream: String,
+    /// A window slot taken by `room` for the next send.
+    reserved: bool,
 }
 
 /// Longest a producer waits for its last acks before calling the run lost.
 const ACK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Producer for TcpProducer {
+    fn room(&mut self) -> BoxFut<'_, ()> {
+        Box::pin(async move {
+            if !self.reserved {
+                self.window.acquire().await?.forget();
+                self.reserved = true;
+            }
+            Ok(())
+        })
+    }
+
     fn send<'a>(&'a mut self, payloads: &'a [Bytes], intended: Instant) -> BoxFut<'a, ()> {
         Box::pin(async move {
-            self.window.acquire().await?.forget();
+            if !std::mem::take(&mut self.reserved) {
+                self.window.acquire().await?.forget();
+            }
             self.buf.clear();
             for p in payloads {
                 (self.encode)(&mut self.buf, &self.stream, p);
@@ -565,6 +587,7 @@ impl Driver for NatsDriver {
                 buf: BytesMut::with_capacity(1 << 20),
                 encode: nats_pub,
                 stream,
+                reserved: false,
             }) as Box<dyn Producer>)
         })
     }
@@ -744,6 +767,7 @@ impl Driver for RedisDriver {
                 buf: BytesMut::with_capacity(1 << 20),
                 encode: redis_xadd,
                 stream,
+                reserved: false,
             }) as Box<dyn Producer>)
         })
     }
