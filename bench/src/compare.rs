@@ -157,6 +157,18 @@ const SPECS: &[Spec] = &[
         open_of: None,
     },
     Spec {
+        id: "S1d",
+        what: "1 KiB, batch 1, fanout 1, one at a time, fsync before ack (latency)",
+        size: 1024,
+        batch: 1,
+        fanout: 1,
+        producers: 1,
+        durable: true,
+        window: 1,
+        share: 0.0,
+        open_of: None,
+    },
+    Spec {
         id: "S2",
         what: "1 KiB, batch 1, fanout 10",
         size: 1024,

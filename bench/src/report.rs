@@ -25,7 +25,7 @@ const COLORS: &[&str] = &["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
 
 /// Whether a scenario is judged by latency (lower is better) rather than throughput.
 fn latency_judged(id: &str) -> bool {
-    id == "S1" || id.starts_with("S12")
+    id == "S1" || id == "S1d" || id.starts_with("S12")
 }
 
 /// Whether a scenario's headline is deliveries rather than acks.
@@ -422,6 +422,20 @@ impl Report {
             "S1 ack p99 ≤ 2x the S11 64 B echo RTT p99 (issue 18)".into(),
             s1(1).zip(rtt("felix_rtt_p99_us")).map(|(a, r)| a / r),
             2.0,
+            false,
+        );
+        // The durable one at a time: one round trip plus one device write and sync.
+        let bound = rtt("felix_rtt_p50_us")
+            .zip(self.machine["fsync_4k_p50_us"].as_f64())
+            .map(|(r, f)| r + f + 50.0);
+        let s1d = match self.get("S1d", OURS) {
+            Some(Ok(m)) => Some(m.ack[0]),
+            _ => None,
+        };
+        check(
+            "S1d (fsync before ack) ack p50 ≤ the S11 echo RTT p50 + the run's 4 KiB write+fdatasync p50 + 50 µs (issue 18)".into(),
+            bound.and(s1d),
+            bound.unwrap_or(0.0),
             false,
         );
         let cpu = |peer: &str| match self.get("S1", peer) {
