@@ -800,6 +800,18 @@ async fn settle() {
     }
 }
 
+/// After one write of zeros refused for space: every record is there, and no zeros
+/// were written.
+async fn assert_zeros_refused_once(log: &SegmentLog<MemBackend>, records: usize) {
+    let stats = log.stats();
+    assert_eq!(
+        (stats.zero_ahead_failures, stats.zero_ahead_bytes),
+        (1, 0),
+        "{stats:?}"
+    );
+    assert_eq!(read_all(log).await.len(), records);
+}
+
 /// Zeros written ahead that find the disk full are no failure of the log: that
 /// segment goes on growing as it is written (counted, no more zeros for it), and every
 /// record stays. Any other failed write of zeros poisons, as a failed write of data
@@ -813,13 +825,7 @@ fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poiso
         let (log, _) = failing_writes(&config, libc::ENOSPC, 0, FaultTimes::Once).await;
         fill(&log, 3, 100).await;
         fill(&log, 3, 100).await;
-        let stats = log.stats();
-        assert_eq!(
-            (stats.zero_ahead_failures, stats.zero_ahead_bytes),
-            (1, 0),
-            "{stats:?}"
-        );
-        assert_eq!(read_all(&log).await.len(), 6);
+        assert_zeros_refused_once(&log, 6).await;
         log.close().await.unwrap();
 
         // A longer write the full disk cut short (its data and some of its zeros landed),
@@ -846,13 +852,7 @@ fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poiso
         ));
         mem.clear_faults();
         fill(&log, 3, 100).await;
-        let stats = log.stats();
-        assert_eq!(
-            (stats.zero_ahead_failures, stats.zero_ahead_bytes),
-            (1, 0),
-            "{stats:?}"
-        );
-        assert_eq!(read_all(&log).await.len(), 3);
+        assert_zeros_refused_once(&log, 3).await;
         log.close().await.unwrap();
 
         // Zeros written on their own after a round, once less than half is left: a run
