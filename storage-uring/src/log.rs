@@ -1778,6 +1778,13 @@ async fn flush_round<B: Backend>(
 /// Zeros one call writes at most: an append staged meanwhile waits for them.
 const ZERO_AHEAD_CHUNK: u64 = 64 * 1024;
 
+/// Where one step of zeros ahead that starts at `from` ends: [`ZERO_AHEAD_CHUNK`] at
+/// most (less when the setting is smaller), block-aligned, within the segment's size.
+fn zeros_to<B: Backend>(shared: &Shared<B>, from: u64) -> u64 {
+    let step = shared.config.zero_ahead_bytes.min(ZERO_AHEAD_CHUNK);
+    format::align_down(from + step).min(format::align_up(shared.config.segment_bytes_max))
+}
+
 /// Writes zeros past the newest segment's data, [`ZERO_AHEAD_CHUNK`] at most, when less
 /// than half of [`LogConfig::zero_ahead_bytes`] is left (see there), and only when
 /// nothing is staged: a write of data never waits for zeros it does not need yet. They
@@ -1804,9 +1811,7 @@ async fn zero_ahead<B: Backend>(shared: &Rc<Shared<B>>) -> Result<(), (&'static 
         if from - data_end >= step / 2 || from >= cap {
             return Ok(());
         }
-        let to = format::align_down(from + step.min(ZERO_AHEAD_CHUNK))
-            .min(cap)
-            .max(from + BLOCK_BYTES as u64);
+        let to = zeros_to(shared, from).max(from + BLOCK_BYTES as u64);
         (seg.file.clone(), from, to)
     };
     let zeros = vec![0u8; (to - from) as usize];
@@ -1882,11 +1887,9 @@ async fn write_chunk<B: Backend>(
     // with it: under a load that always has appends staged, `zero_ahead` never gets a
     // turn, and every round would grow the file. The zeros follow the data in the same
     // write, at the block after it, where `zero_ahead` would put them.
-    let step = shared.config.zero_ahead_bytes.min(ZERO_AHEAD_CHUNK);
     let data_to = write_pos + data_blocks as u64;
-    if step > 0 && zeroed_to != u64::MAX && data_to > zeroed_to {
-        let cap = format::align_up(shared.config.segment_bytes_max);
-        let to = format::align_down(data_to + step).min(cap);
+    if shared.config.zero_ahead_bytes > 0 && zeroed_to != u64::MAX && data_to > zeroed_to {
+        let to = zeros_to(shared, data_to);
         if to > data_to {
             buf.resize((to - write_pos) as usize, 0);
         }
