@@ -103,6 +103,8 @@ pub struct FileConfig {
     pub write_linger_us: Option<u64>,
     /// Bytes of zeros a log keeps written past its newest segment's data (0: none).
     pub zero_ahead_bytes: Option<u64>,
+    /// Under fsync on commit: write rounds durably (O_DSYNC) instead of write + fdatasync.
+    pub dsync_writes: Option<bool>,
     /// Move an unpinned shard to the core its requests arrive on (default true).
     pub follow_load: Option<bool>,
     /// A connection with no authenticated stream is closed after this (0: never).
@@ -248,6 +250,9 @@ pub struct BrokerConfig {
     /// Zeros a log keeps written past its newest segment's data, so appends overwrite
     /// blocks instead of growing the file (`LogConfig::zero_ahead_bytes`).
     pub zero_ahead_bytes: u64,
+    /// Under fsync on commit, each round's data is one durable (O_DSYNC) write instead
+    /// of a write and an fdatasync (`LogConfig::dsync_writes`).
+    pub dsync_writes: bool,
     /// Move an unpinned shard to the core its requests arrive on (`core/follow.rs`).
     pub follow_load: bool,
     /// Control-plane following, when configured.
@@ -819,6 +824,18 @@ impl BrokerConfig {
                     });
                 }
                 bytes
+            },
+            dsync_writes: {
+                let l = layer(
+                    "dsync_writes",
+                    "FELIX_DSYNC_WRITES",
+                    file.dsync_writes.map(|b| b.to_string()),
+                    None,
+                );
+                match l.value {
+                    Some(v) => parse::<bool>("dsync_writes", l.source, &v)?,
+                    None => true,
+                }
             },
             follow_load: {
                 let l = layer(

@@ -398,6 +398,8 @@ pub struct CoreMetrics {
     pub log_synced_batches: AtomicU64,
     /// Zeros those logs wrote ahead of their data (`zero_ahead_bytes`).
     pub log_zero_ahead_bytes: AtomicU64,
+    /// Of `log_syncs`, the durable (O_DSYNC) writes of data (`dsync_writes`).
+    pub log_dsync_writes: AtomicU64,
     /// Live batches a subscriber refused because they belonged to another shard (a bug
     /// caught, never a record sent to the wrong subscriber).
     pub foreign_batches: AtomicU64,
@@ -460,6 +462,7 @@ struct LogTotals {
     syncs: u64,
     synced_batches: u64,
     zero_ahead_bytes: u64,
+    dsync_writes: u64,
 }
 
 impl LogTotals {
@@ -475,6 +478,7 @@ impl LogTotals {
                 + now.synced_batches.saturating_sub(before.synced_batches),
             zero_ahead_bytes: self.zero_ahead_bytes
                 + now.zero_ahead_bytes.saturating_sub(before.zero_ahead_bytes),
+            dsync_writes: self.dsync_writes + now.dsync_writes.saturating_sub(before.dsync_writes),
         }
     }
 }
@@ -2715,6 +2719,9 @@ impl CoreBroker {
                 core.metrics
                     .log_zero_ahead_bytes
                     .store(totals.zero_ahead_bytes, Ordering::Relaxed);
+                core.metrics
+                    .log_dsync_writes
+                    .store(totals.dsync_writes, Ordering::Relaxed);
             }
         })
         .detach();

@@ -212,7 +212,7 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
     (
         "felix_broker_log_syncs",
         "gauge",
-        "fdatasync calls by this core's stream logs (open ones, and those closed here since the start).",
+        "Device syncs of data by this core's stream logs (open ones, and those closed here since the start): fdatasync calls and durable O_DSYNC writes.",
         |m| m.log_syncs.load(Ordering::Relaxed),
     ),
     (
@@ -226,6 +226,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         "gauge",
         "Zeros this core's stream logs wrote past their data so appends overwrite blocks instead of growing the file (zero_ahead_bytes).",
         |m| m.log_zero_ahead_bytes.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_log_dsync_writes",
+        "gauge",
+        "Of felix_broker_log_syncs, the rounds written with one durable O_DSYNC write instead of a write and an fdatasync (dsync_writes).",
+        |m| m.log_dsync_writes.load(Ordering::Relaxed),
     ),
     (
         "felix_broker_foreign_batches_total",

@@ -274,6 +274,7 @@ pub fn start(
             segment_bytes_max: config.segment_bytes,
             write_linger: config.write_linger,
             zero_ahead_bytes: config.zero_ahead_bytes,
+            dsync_writes: config.dsync_writes,
             ..LogConfig::default()
         },
         catalog,

@@ -50,6 +50,11 @@ pub trait Backend: Clone + 'static {
 pub trait SegmentFile: 'static {
     /// Writes all of `data` at `pos`. Both are block-aligned.
     async fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()>;
+    /// Writes all of `data` at `pos` and returns once those bytes are durable, as a
+    /// write followed by [`SegmentFile::sync_data`] would, in one device request
+    /// (O_DSYNC): the range written and the size needed to read it, nothing else.
+    /// Writes this one did not make are not promised durable by it. Block-aligned.
+    async fn write_durable_at(&self, data: &[u8], pos: u64) -> io::Result<()>;
     /// Writes all of `data` at `pos` over blocks the file already holds: nothing is
     /// allocated, so a full disk cannot refuse it, and fault seams that model a full
     /// disk let it through. Both are block-aligned.

@@ -23,7 +23,11 @@
 //!    segment unsynced; recovery relies on that to cut a torn last round
 //!    (`docs/storage-format.md`, "Recovery").
 //!    (`LogConfig::unsafe_skip_fdatasync` leaves this call out: a mutant the power-loss
-//!    tests must catch.)
+//!    tests must catch.) With `LogConfig::dsync_writes`, the round's write is itself
+//!    durable (O_DSYNC: the kernel ends it with that same sync), its batches are durable
+//!    when it completes and no fdatasync follows; the first round after open still
+//!    fdatasyncs, because a durable write vouches only for its own bytes and what the
+//!    last life wrote unsynced must be durable before anything behind it is acked.
 //! 4. `commit` resolves once its batch is acknowledged *and* every earlier turn has
 //!    resolved: success, failure and cancellation (dropping a `PendingAppend`) all
 //!    release the next turn, so commits complete in offset order. Work the caller does
@@ -248,6 +252,12 @@ pub struct LogConfig {
     /// still fdatasyncs the segment it seals. For tests that must show a missing fsync
     /// is caught; never set it otherwise.
     pub unsafe_skip_fdatasync: bool,
+    /// Under `OnCommit`: write each round's data with one durable write (O_DSYNC,
+    /// [`SegmentFile::write_durable_at`]) instead of a write and then an fdatasync
+    /// (step 3). Durability is the same (the kernel makes that sync at the end of the
+    /// write); saved are the second device request and the second wake-up of the core
+    /// per round. Zeros, headers and cuts are written and synced as without it.
+    pub dsync_writes: bool,
 }
 
 impl Default for LogConfig {
@@ -265,6 +275,7 @@ impl Default for LogConfig {
             read_window_bytes: 1024 * 1024,
             read_only: false,
             unsafe_skip_fdatasync: false,
+            dsync_writes: false,
         }
     }
 }
@@ -352,10 +363,13 @@ pub struct LogStats {
     pub appends: u64,
     /// Flush rounds (one write per touched segment each).
     pub flush_rounds: u64,
-    /// fdatasync calls on segment data.
+    /// Device syncs of segment data: fdatasync calls, and durable writes of a round's
+    /// data ([`LogConfig::dsync_writes`]).
     pub syncs: u64,
     /// Batches made durable by those syncs.
     pub synced_batches: u64,
+    /// Of [`LogStats::syncs`], the durable writes.
+    pub dsync_writes: u64,
     /// Bytes written, padding included.
     pub bytes_written: u64,
     /// Most bytes of batches one flush round took: at most [`format::ROUND_BYTES_MAX`],
@@ -527,6 +541,9 @@ struct State<F> {
     poisoned: Option<(&'static str, String)>,
     closing: bool,
     closed: bool,
+    /// Data is written with durable writes ([`LogConfig::dsync_writes`]): set once an
+    /// fdatasync has covered what the log held when it opened.
+    dsync_ready: bool,
     stats: LogStats,
     /// Base offset and kind of the last batch claimed.
     last_batch: Option<(u64, BatchKind)>,
@@ -694,6 +711,7 @@ impl<B: Backend> SegmentLog<B> {
             poisoned: None,
             closing: false,
             closed: false,
+            dsync_ready: false,
             stats: LogStats::default(),
             last_batch,
             exclusive: false,
@@ -1759,6 +1777,8 @@ async fn flush_round<B: Backend>(
         let mut st = shared.state.borrow_mut();
         if !skip {
             st.device_latency.sync.observe(syncing.elapsed());
+            st.dsync_ready =
+                cfg.dsync_writes && cfg.fsync == FsyncMode::OnCommit && !cfg.unsafe_skip_fdatasync;
         }
         st.durable_end = target;
         st.stats.syncs += u64::from(!skip);
@@ -1866,7 +1886,7 @@ async fn write_chunk<B: Backend>(
         roll(shared, chunk.segment_base).await?;
     }
     // Rewrite the last partial block with the new bytes behind it.
-    let (file, write_pos, valid_len, zeroed_to) = {
+    let (file, write_pos, valid_len, zeroed_to, durable) = {
         let st = shared.state.borrow();
         let seg = st.segments.back().expect("at least one segment");
         debug_assert_eq!(seg.base, chunk.segment_base);
@@ -1877,6 +1897,7 @@ async fn write_chunk<B: Backend>(
             format::align_down(seg.data_len),
             seg.data_len,
             seg.zeroed_to,
+            st.dsync_ready,
         )
     };
     buf.extend_from_slice(&chunk.bytes);
@@ -1894,7 +1915,7 @@ async fn write_chunk<B: Backend>(
             buf.resize((to - write_pos) as usize, 0);
         }
     }
-    let mut written = file.write_at(buf, write_pos).await;
+    let mut written = write_data(&*file, buf, write_pos, durable).await;
     if buf.len() > data_blocks && written.as_ref().is_err_and(is_no_space) {
         // No room for the zeros: none more for this segment, and the data is written
         // alone (whatever of the longer write landed was these same bytes and zeros).
@@ -1906,11 +1927,18 @@ async fn write_chunk<B: Backend>(
                 seg.zeroed_to = u64::MAX;
             }
         }
-        written = file.write_at(buf, write_pos).await;
+        written = write_data(&*file, buf, write_pos, durable).await;
     }
     if let Err(e) = written {
+        // A durable write that fails is classified as a write: out of space, an
+        // O_DIRECT write fails at allocation, before any of it is written, and the
+        // rollback below syncs its own cut; any other errno poisons, as a failed
+        // fdatasync does.
         if !is_no_space(&e) {
-            return Err(Failure::Poison("write", e));
+            return Err(Failure::Poison(
+                if durable { "durable write" } else { "write" },
+                e,
+            ));
         }
         if shared.config.fsync.acks_before_write() {
             // The log poisons (step 5 does not apply): what landed was acknowledged, and
@@ -1964,11 +1992,32 @@ async fn write_chunk<B: Backend>(
     if zeros > 0 {
         seg.zeroed_to = seg.zeroed_to.max(write_pos + buf.len() as u64);
     }
+    if durable && st.durable_end == st.written_end {
+        // Everything below was durable, and the write made its own bytes so (step 3).
+        st.durable_end = chunk.end_offset;
+        st.stats.syncs += 1;
+        st.stats.dsync_writes += 1;
+        st.stats.synced_batches += chunk.batches;
+    }
     st.written_end = chunk.end_offset;
     st.stats.bytes_written += data_blocks as u64;
     st.stats.zero_ahead_bytes += zeros;
     wake_acked(&mut st, shared.config.fsync);
     Ok(chunk.batches)
+}
+
+/// Writes a round's data: durably (step 3, [`LogConfig::dsync_writes`]) or not.
+async fn write_data<F: SegmentFile>(
+    file: &F,
+    data: &[u8],
+    pos: u64,
+    durable: bool,
+) -> io::Result<()> {
+    if durable {
+        file.write_durable_at(data, pos).await
+    } else {
+        file.write_at(data, pos).await
+    }
 }
 
 /// Keeps a chunk's buffer for reuse by `begin_append`.

@@ -466,6 +466,40 @@ async fn every_fsync_mode_acknowledges_and_recovers<F: Fixture>(fx: F) {
     }
 }
 
+/// With `dsync_writes`, every round after the first is one durable write, no
+/// fdatasync follows it, and what it wrote reads back, across rolls and a reopen (on
+/// the disk backend through the file's second, O_DSYNC, descriptor).
+async fn durable_writes_read_back_across_rolls_and_reopen<F: Fixture>(fx: F) {
+    let cfg = LogConfig {
+        dsync_writes: true,
+        zero_ahead_bytes: 8 * 1024,
+        ..small_segments()
+    };
+    let (log, _) = SegmentLog::open(fx.backend().await, cfg.clone())
+        .await
+        .unwrap();
+    fill(&log, 300, 1000).await;
+    assert!(log.segment_count() > 3, "rolled: {}", log.segment_count());
+    let stats = log.stats();
+    assert!(
+        stats.dsync_writes >= 290,
+        "durable writes: {}",
+        stats.dsync_writes
+    );
+    // The first round's fdatasync and the rolls' are all that remain.
+    assert_eq!(
+        stats.syncs - stats.dsync_writes,
+        1 + stats.rolls,
+        "fdatasyncs: {stats:?}"
+    );
+    assert_eq!(log.durable_end(), 300);
+    check_contents(&read_all(&log).await, 0, 300, 1000);
+    log.close().await.unwrap();
+    let (log, _) = SegmentLog::open(fx.backend().await, cfg).await.unwrap();
+    check_contents(&read_all(&log).await, 0, 300, 1000);
+    log.close().await.unwrap();
+}
+
 async fn oversized_and_empty_batches_are_refused<F: Fixture>(fx: F) {
     let (log, _) = SegmentLog::open(fx.backend().await, small_segments())
         .await
@@ -551,6 +585,7 @@ both_backends!(
     retention_bounds_can_be_passed_in,
     tailing_wait_resolves_when_a_record_is_committed,
     every_fsync_mode_acknowledges_and_recovers,
+    durable_writes_read_back_across_rolls_and_reopen,
     oversized_and_empty_batches_are_refused,
     a_foreign_file_is_refused_and_unrelated_files_ignored,
 );

@@ -1355,14 +1355,16 @@ fn felix_top_in_a_terminal_shows_per_core_rows_that_move_with_load() {
 }
 
 /// The broker hands its log settings to the logs it opens: by default a stream's log
-/// writes zeros ahead of its data (`zero_ahead_bytes`, 1 MiB), and with the setting at
-/// 0 it writes none (`felix_broker_log_zero_ahead_bytes`, sampled every 250 ms).
+/// writes zeros ahead of its data (`zero_ahead_bytes`, 1 MiB) and, under on-commit
+/// fsync, writes each round after the first durably (`dsync_writes`); told otherwise it
+/// does neither (`felix_broker_log_zero_ahead_bytes`, `felix_broker_log_dsync_writes`,
+/// sampled every 250 ms).
 #[test]
-fn a_brokers_stream_logs_write_zeros_ahead_unless_told_not_to() {
+fn a_brokers_stream_logs_take_its_write_settings() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    for (yaml, zeros) in [
+    for (yaml, on) in [
         ("fsync: on-commit\n", true),
-        ("zero_ahead_bytes: 0\n", false),
+        ("zero_ahead_bytes: 0\ndsync_writes: false\n", false),
     ] {
         let (b, _dir) = broker_with_config(yaml);
         rt.block_on(async {
@@ -1372,14 +1374,16 @@ fn a_brokers_stream_logs_write_zeros_ahead_unless_told_not_to() {
             publish_jobs(&c, 3, b'z').await;
         });
         felix_cluster::wait_for("the logs' syncs sampled", Duration::from_secs(10), || {
-            (b.metric("felix_broker_log_syncs").ok()? > 0).then_some(())
+            (b.metric("felix_broker_log_synced_batches").ok()? >= 3).then_some(())
         })
         .unwrap();
-        let written = b.metric("felix_broker_log_zero_ahead_bytes").unwrap();
+        let zeros = b.metric("felix_broker_log_zero_ahead_bytes").unwrap();
         assert_eq!(
-            written > 0,
-            zeros,
-            "{yaml:?}: {written} bytes of zeros written ahead"
+            zeros > 0,
+            on,
+            "{yaml:?}: {zeros} bytes of zeros written ahead"
         );
+        let dsync = b.metric("felix_broker_log_dsync_writes").unwrap();
+        assert_eq!(dsync > 0, on, "{yaml:?}: {dsync} durable writes");
     }
 }

@@ -25,7 +25,8 @@
 //!   size is one field), and past the new length holds its synced bytes.
 //!
 //! So a power loss never invents bytes nobody wrote, but may leave holes before data that
-//! did land. An fsync makes every sector of the file durable at once.
+//! did land. An fsync makes every sector of the file durable at once; a durable write
+//! (`write_durable_at`, O_DSYNC) only the sectors it wrote.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -60,7 +61,7 @@ fn inode(data: &[u8], durable: &[u8]) -> Inode {
 pub enum MemOp {
     /// `SegmentFile::write_at`.
     Write,
-    /// `SegmentFile::sync_data`.
+    /// `SegmentFile::sync_data`, and the sync that ends `SegmentFile::write_durable_at`.
     Sync,
     /// `SegmentFile::allocate`.
     Allocate,
@@ -478,6 +479,28 @@ impl SegmentFile for MemFileHandle {
             None => {}
         }
         Ok(())
+    }
+
+    async fn write_durable_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
+        self.write_at(data, pos).await?;
+        // The sync the write ends with: a fault aimed at syncs fails it, the bytes
+        // written but not durable, as after a failed fdatasync.
+        {
+            let mut fs = self.fs.borrow_mut();
+            fs.faults.syncs += 1;
+            if std::mem::take(&mut fs.faults.fail_next_sync) {
+                return Err(injected("O_DSYNC write"));
+            }
+            fs.faults.check(MemOp::Sync)?;
+        }
+        // Only this range (and the length reaching it) becomes durable.
+        let (pos, end) = (pos as usize, pos as usize + data.len());
+        self.with(|f| {
+            if f.durable.len() < end {
+                f.durable.resize(end, 0);
+            }
+            f.durable[pos..end].copy_from_slice(data);
+        })
     }
 
     async fn overwrite_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
