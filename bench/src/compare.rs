@@ -329,7 +329,8 @@ pub struct Measured {
     pub e2e: Option<[f64; 3]>,
     /// Ack latency curve (percentile, µs) for plots.
     pub curve: Vec<(f64, f64)>,
-    /// Batches made durable per fdatasync during the cell (ours, durable cells).
+    /// Batches made durable per device sync (fdatasync or O_DSYNC write) during the
+    /// cell (ours, durable cells).
     pub appends_per_flush: Option<f64>,
     /// The broker's CPU time per acknowledged message (µs), deliveries included: its
     /// threads' schedstat over the cell (ours: the core threads; peers: the process).

@@ -217,7 +217,7 @@ impl Report {
         if !staged.is_empty() {
             let _ = writeln!(
                 s,
-                "\n## Where an acknowledgement's time goes (ours)\n\nPer-stage p50 / p99 over each cell from the broker's per-core histograms (µs, upper bound of the bucket: 25, 50, 100, 200, 300, 500, 1000, …). Device write and fdatasync are per flush round; the mesh hop counts cross-core publishes only; written to sent is an answer's (or a delivery's) last step, from its write to the connection's stream to the next datagram that connection sends.\n"
+                "\n## Where an acknowledgement's time goes (ours)\n\nPer-stage p50 / p99 over each cell from the broker's per-core histograms (µs, upper bound of the bucket: 25, 50, 100, 200, 300, 500, 1000, …). Device write and fdatasync are per flush round (with durable O_DSYNC writes, the broker's default under fsync, the write includes the sync and the fdatasync column is empty); the mesh hop counts cross-core publishes only; written to sent is an answer's (or a delivery's) last step, from its write to the connection's stream to the next datagram that connection sends.\n"
             );
             // In path order, those any cell saw.
             let names: Vec<&str> = crate::drivers::STAGES
@@ -247,7 +247,7 @@ impl Report {
         let _ = writeln!(s, "\n## Every cell\n");
         let _ = writeln!(
             s,
-            "| scenario | broker | acked msgs/s | MB/s | delivered msgs/s | ack p50 / p99 / p999 µs | e2e p50 / p99 / p999 µs | batches per fdatasync | broker CPU µs/msg |"
+            "| scenario | broker | acked msgs/s | MB/s | delivered msgs/s | ack p50 / p99 / p999 µs | e2e p50 / p99 / p999 µs | batches per sync | broker CPU µs/msg |"
         );
         let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
         for (id, b, r) in &self.results {
