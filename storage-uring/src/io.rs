@@ -51,8 +51,8 @@ pub trait SegmentFile: 'static {
     /// Writes all of `data` at `pos`. Both are block-aligned.
     async fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()>;
     /// Writes all of `data` at `pos` and returns once those bytes are durable, as a
-    /// write followed by [`SegmentFile::sync_data`] would, in one device request
-    /// (O_DSYNC): the range written and the size needed to read it, nothing else.
+    /// write followed by [`SegmentFile::sync_data`] would, in one request (O_DSYNC):
+    /// the range written and the size needed to read it, nothing else.
     /// Writes this one did not make are not promised durable by it. Block-aligned.
     async fn write_durable_at(&self, data: &[u8], pos: u64) -> io::Result<()>;
     /// Writes all of `data` at `pos` over blocks the file already holds: nothing is
@@ -63,6 +63,9 @@ pub trait SegmentFile: 'static {
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes>;
     /// Makes every completed write durable (fdatasync).
     async fn sync_data(&self) -> io::Result<()>;
+    /// The log sealed this file: it is not written again unless that roll fails, so a
+    /// backend may let go of what it keeps for writes (and take it again if needed).
+    fn sealed(&self) {}
     /// Current size.
     async fn size(&self) -> io::Result<u64>;
     /// Reserves space up to `len` without changing the size (fallocate KEEP_SIZE).

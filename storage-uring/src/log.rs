@@ -255,8 +255,10 @@ pub struct LogConfig {
     /// Under `OnCommit`: write each round's data with one durable write (O_DSYNC,
     /// [`SegmentFile::write_durable_at`]) instead of a write and then an fdatasync
     /// (step 3). Durability is the same (the kernel makes that sync at the end of the
-    /// write); saved are the second device request and the second wake-up of the core
-    /// per round. Zeros, headers and cuts are written and synced as without it.
+    /// write); saved are the second io_uring request, its completion and the second
+    /// wake-up of the core per round. Headers, rolls and cuts are synced as without it;
+    /// zeros written ahead on their own are never made durable (they need not be: a
+    /// lost sector of zeros reads as zeros).
     pub dsync_writes: bool,
 }
 
@@ -1154,7 +1156,8 @@ impl<B: Backend> SegmentLog<B> {
         .await
     }
 
-    /// Forces an fdatasync of everything written so far and waits for it. Batches a
+    /// Makes everything written so far durable and waits for it: an fdatasync, unless
+    /// durable writes ([`LogConfig::dsync_writes`]) already made it so. Batches a
     /// no-space rollback gave back are not waited for: they were never written.
     pub async fn sync(&self) -> Result<(), StorageError> {
         let (claimed, era, cuts) = {
@@ -1930,10 +1933,11 @@ async fn write_chunk<B: Backend>(
         written = write_data(&*file, buf, write_pos, durable).await;
     }
     if let Err(e) = written {
-        // A durable write that fails is classified as a write: out of space, an
-        // O_DIRECT write fails at allocation, before any of it is written, and the
-        // rollback below syncs its own cut; any other errno poisons, as a failed
-        // fdatasync does.
+        // A durable write that fails is classified as a write: out of space (whether
+        // the allocation or the sync at its end refused, and whatever of it landed),
+        // the rollback below cuts the file back, restores the block holding the valid
+        // end and fdatasyncs that, so nothing refused stays; any other errno poisons,
+        // as a failed fdatasync does.
         if !is_no_space(&e) {
             return Err(Failure::Poison(
                 if durable { "durable write" } else { "write" },
@@ -2150,6 +2154,7 @@ async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), F
         .sync_data()
         .await
         .map_err(|e| Failure::Poison("fsync", e))?;
+    old_file.sealed();
     {
         let mut st = shared.state.borrow_mut();
         st.durable_end = st.durable_end.max(old_end);

@@ -938,6 +938,37 @@ fn a_zero_write_that_finds_the_disk_full_stops_zeros_and_any_other_failure_poiso
     });
 }
 
+/// With durable writes, the retry of a growing round whose zeros found the disk full
+/// (its data written again alone) is durable too: the record it acknowledges survives
+/// a crash that keeps only what was synced.
+#[test]
+fn a_durable_round_written_again_without_its_zeros_is_still_durable() {
+    run(|| async {
+        let config = LogConfig {
+            dsync_writes: true,
+            ..zeros_ahead()
+        };
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        fill(&log, 1, 100).await;
+        settle().await;
+        // Past the zeros ahead: this round grows the file, with zeros behind it.
+        mem.fail_next_write_with(libc::ENOSPC);
+        fill(&log, 1, 20 * 1024).await;
+        let stats = log.stats();
+        assert_eq!(
+            (stats.zero_ahead_failures, stats.dsync_writes),
+            (1, 1),
+            "{stats:?}"
+        );
+        drop(log);
+        let (log, _) = SegmentLog::open(mem.crash(), config).await.unwrap();
+        let records = read_all(&log).await;
+        assert_eq!(records.len(), 2, "both acknowledged records");
+        assert_eq!(records[1].1, payload(1, 20 * 1024));
+    });
+}
+
 /// A round that grows the file carries the zeros ahead in its own write: under a load
 /// that always has appends staged, the zeros written after a round never get a turn.
 #[test]

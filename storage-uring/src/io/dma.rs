@@ -280,6 +280,11 @@ impl SegmentFile for DmaSegmentFile {
         self.file.fdatasync().await.map_err(to_io)
     }
 
+    fn sealed(&self) {
+        // Not one descriptor more per sealed segment for the rest of the process.
+        self.dsync.borrow_mut().take();
+    }
+
     async fn size(&self) -> io::Result<u64> {
         self.file.file_size().await.map_err(to_io)
     }
@@ -315,5 +320,38 @@ mod tests {
         let plain =
             glommio::GlommioError::<()>::IoError(io::Error::from_raw_os_error(libc::EDQUOT));
         assert_eq!(to_io(plain).raw_os_error(), Some(libc::EDQUOT));
+    }
+
+    /// Durable writes go through a descriptor opened with O_DSYNC on first use, land
+    /// where the plain descriptor reads them, and the descriptor goes at seal.
+    #[test]
+    fn durable_writes_go_through_an_o_dsync_descriptor_let_go_at_seal() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_path_buf();
+        glommio::LocalExecutorBuilder::default()
+            .make()
+            .unwrap()
+            .run(async move {
+                let backend = DmaBackend::open_dir(&path).await.unwrap();
+                let f = backend.open("a.seg", true).await.unwrap();
+                let (a, b) = (vec![7u8; BLOCK_BYTES], vec![9u8; BLOCK_BYTES]);
+                f.write_at(&a, 0).await.unwrap();
+                assert!(f.dsync.borrow().is_none(), "a plain write opens nothing");
+                f.write_durable_at(&b, BLOCK_BYTES as u64).await.unwrap();
+                let fd = f
+                    .dsync
+                    .borrow()
+                    .as_ref()
+                    .expect("opened for the durable write")
+                    .as_raw_fd();
+                // SAFETY: F_GETFL on a descriptor the file holds open.
+                let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+                assert_ne!(flags & libc::O_DSYNC, 0, "flags {flags:#o}");
+                let read = f.read_at(0, 2 * BLOCK_BYTES).await.unwrap();
+                assert_eq!(read.to_vec(), [a, b].concat());
+                f.sealed();
+                assert!(f.dsync.borrow().is_none(), "let go at seal");
+            });
     }
 }
