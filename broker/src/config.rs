@@ -359,6 +359,19 @@ where
     })
 }
 
+/// A yes/no setting from the environment or the file (it has no flag), `default` when
+/// neither names it.
+fn bool_setting(
+    key: &'static str,
+    env: &str,
+    file: Option<bool>,
+    default: bool,
+) -> Result<bool, ConfigError> {
+    let l = layer(key, env, file.map(|b| b.to_string()), None);
+    l.value
+        .map_or(Ok(default), |v| parse::<bool>(key, l.source, &v))
+}
+
 /// A value with where it came from.
 struct Layered {
     value: Option<String>,
@@ -825,30 +838,13 @@ impl BrokerConfig {
                 }
                 bytes
             },
-            dsync_writes: {
-                let l = layer(
-                    "dsync_writes",
-                    "FELIX_DSYNC_WRITES",
-                    file.dsync_writes.map(|b| b.to_string()),
-                    None,
-                );
-                match l.value {
-                    Some(v) => parse::<bool>("dsync_writes", l.source, &v)?,
-                    None => true,
-                }
-            },
-            follow_load: {
-                let l = layer(
-                    "follow_load",
-                    "FELIX_FOLLOW_LOAD",
-                    file.follow_load.map(|b| b.to_string()),
-                    None,
-                );
-                match l.value {
-                    Some(v) => parse::<bool>("follow_load", l.source, &v)?,
-                    None => true,
-                }
-            },
+            dsync_writes: bool_setting(
+                "dsync_writes",
+                "FELIX_DSYNC_WRITES",
+                file.dsync_writes,
+                true,
+            )?,
+            follow_load: bool_setting("follow_load", "FELIX_FOLLOW_LOAD", file.follow_load, true)?,
             cluster,
         })
     }
