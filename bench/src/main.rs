@@ -92,8 +92,10 @@ enum Command {
         /// Consumer counts.
         #[arg(long, value_delimiter = ',', default_value = "1,8")]
         consumers: Vec<usize>,
-        /// Records per cell (1 KiB each).
-        #[arg(long, default_value_t = 20_000)]
+        /// Records per cell (1 KiB each). 200,000 by default: over a few hundred rounds
+        /// (20,000 records) every broker is slower than at steady state, and the ratio
+        /// between them is not the steady one (docs/benchmarks.md, "Queues").
+        #[arg(long, default_value_t = 200_000)]
         records: usize,
         /// Records one claim takes at most.
         #[arg(long, default_value_t = 64)]

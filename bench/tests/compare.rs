@@ -1,5 +1,6 @@
-//! Every compare scenario, against our broker and both peers, at a tiny size: the tool
-//! cannot rot. (Numbers at this size mean nothing; `felix-bench compare` is the run.)
+//! Every compare scenario, against our broker and both peers, at a tiny size, and the
+//! cache and queue cells: the tool cannot rot. (Numbers at this size mean nothing;
+//! `felix-bench compare`, `cache` and `queue` are the runs.)
 
 use felix_bench::compare::{Options, Peer, Scale, run};
 
@@ -97,4 +98,20 @@ fn the_cache_cells_run_against_ours_and_redis_and_check_their_answers() {
         }
     }
     assert!(md.contains("| Put | 1 |"), "our stage table:\n{md}");
+}
+
+#[test]
+fn the_queue_cells_run_against_every_broker_and_consume_every_record() {
+    // Each cell fails unless its consumers acknowledged every record published.
+    let md = felix_bench::queue::run(&[Peer::Felix, Peer::Nats, Peer::Redis], &[1, 2], 300, 16, 1)
+        .unwrap_or_else(|e| panic!("the queue cells failed: {e:#}"));
+    for broker in ["Felix", "Nats", "Redis"] {
+        for consumers in [1, 2] {
+            assert!(
+                md.contains(&format!("| {broker} | {consumers} |")),
+                "{broker} with {consumers} consumer(s):\n{md}"
+            );
+        }
+    }
+    assert!(md.contains("2 consumer(s): ours / better peer = "), "{md}");
 }

@@ -272,9 +272,28 @@ impl ClusterClient {
         })
     }
 
-    /// Subscribes to one shard, following `not_leader` redirects up to
-    /// [`MAX_REDIRECTS`] hops and never revisiting a broker within one attempt.
+    /// Subscribes to one shard from `start`: follows `not_leader` redirects and retries
+    /// refusals of the retry classes (`not_ready` while a promoted leader fences, a
+    /// shard moving or not yet assigned) under the policy, as the protocol asks of
+    /// opening a shard; a fatal refusal returns at once.
     pub async fn subscribe_shard(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: u32,
+        start: Option<StartPosition>,
+    ) -> Result<Subscription, ClientError> {
+        self.with_retry(false, |_| {
+            self.subscribe_shard_once(tenant, namespace, stream, shard, start)
+        })
+        .await
+    }
+
+    /// One attempt at [`ClusterClient::subscribe_shard`]: follows `not_leader`
+    /// redirects up to [`MAX_REDIRECTS`] hops, never revisiting a broker, and retries
+    /// nothing else.
+    pub(crate) async fn subscribe_shard_once(
         &self,
         tenant: &str,
         namespace: &str,
@@ -319,10 +338,8 @@ impl ClusterClient {
         stream: &str,
         start: Option<StartPosition>,
     ) -> Result<Subscription, ClientError> {
-        self.with_retry(false, |_| {
-            self.subscribe_shard(tenant, namespace, stream, 0, start)
-        })
-        .await
+        self.subscribe_shard(tenant, namespace, stream, 0, start)
+            .await
     }
 
     /// Shard count of a stream, with retries.

@@ -148,11 +148,7 @@ impl ClusterClient {
             let cc = self.clone();
             let (t, n, s) = (tenant.to_owned(), namespace.to_owned(), stream.to_owned());
             async move {
-                let r = cc
-                    .with_retry(false, |_| {
-                        cc.subscribe_shard(&t, &n, &s, shard, start_of(shard))
-                    })
-                    .await;
+                let r = cc.subscribe_shard(&t, &n, &s, shard, start_of(shard)).await;
                 (shard, r)
             }
         }))
@@ -246,7 +242,7 @@ async fn forward(
                 }
                 // Follow it at once: the new owner serves already.
                 match cc
-                    .subscribe_shard(&t, &n, &s, shard, resume_at(&positions, shard, start))
+                    .subscribe_shard_once(&t, &n, &s, shard, resume_at(&positions, shard, start))
                     .await
                 {
                     Ok(next) => {
@@ -284,7 +280,7 @@ async fn forward(
             pause = RECOVER_PAUSE;
             let resume = resume_at(&positions, shard, start);
             let client = cc.client();
-            match cc.subscribe_shard(&t, &n, &s, shard, resume).await {
+            match cc.subscribe_shard_once(&t, &n, &s, shard, resume).await {
                 Ok(sub) => break sub,
                 Err(e) => {
                     if crate::retry::classify(&e, Duration::ZERO) == crate::retry::Decision::Fail {

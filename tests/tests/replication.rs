@@ -467,6 +467,55 @@ fn a_restarted_leader_serves_its_history_to_new_subscribers_without_new_writes()
     check_nothing_lost(&acked, &read);
 }
 
+/// A subscribe opened the moment its stream is created, before the brokers have heard
+/// of it and its new shard's leader serves, waits for it — the protocol has a
+/// `ClusterClient` retry retryable refusals (a stream not found yet, within a grace;
+/// `not_assigned`; `not_ready`) when it opens a shard — instead of failing; then it
+/// delivers. (Our `subscribe_shard` made one attempt: with it this fails "stream
+/// acme/payments/early not found", and the chaos harness's `delete-recreate` read-back
+/// once failed on it in CI, "subscribe: shard unavailable: not_ready".)
+#[test]
+fn a_subscribe_opened_before_its_new_shard_serves_waits_for_it() {
+    let c = cluster();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = felix_client::ClusterClient::connect_with_policy(
+            &c.seeds(),
+            "localhost",
+            c.client_config().unwrap(),
+            felix_client::ReconnectPolicy {
+                attempts: 40,
+                backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_millis(500),
+                deadline: Some(Duration::from_secs(20)),
+            },
+        )
+        .await
+        .unwrap();
+        c.create_stream("early", 1, 3, "Quorum").unwrap();
+        let mut sub = client
+            .subscribe_shard(TENANT, NAMESPACE, "early", 0, Some(StartPosition::Earliest))
+            .await
+            .unwrap_or_else(|e| panic!("a subscribe before the shard serves: {e}"));
+        let offset = client
+            .publish_at_least_once(
+                TENANT,
+                NAMESPACE,
+                "early",
+                b"first".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+            .await
+            .expect("delivered within 10 s")
+            .unwrap()
+            .expect("an event");
+        assert_eq!((e.offset, &e.payload[..]), (offset, &b"first"[..]));
+    });
+}
+
 /// The first of `futs` to finish, and the rest.
 async fn futures_select<T>(
     futs: Vec<tokio::task::JoinHandle<T>>,
