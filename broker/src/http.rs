@@ -415,12 +415,12 @@ impl prometheus_client::collector::Collector for Collector {
             ),
             (
                 "felix_broker_log_write_seconds",
-                "One flush round's device writes on this core's logs (sampled every 250 ms).",
+                "One flush round's device writes on this core's logs, the sync included when the round is one durable O_DSYNC write (dsync_writes; sampled every 250 ms).",
                 |m: &CoreMetrics| &m.log_write,
             ),
             (
                 "felix_broker_log_fsync_seconds",
-                "One fdatasync on this core's logs; a group commit covers a whole round (sampled every 250 ms).",
+                "One fdatasync on this core's logs; a group commit covers a whole round. With dsync_writes only rolls and each log's first round after it opens fdatasync (sampled every 250 ms).",
                 |m: &CoreMetrics| &m.log_fsync,
             ),
             (
