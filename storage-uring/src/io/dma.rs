@@ -217,8 +217,12 @@ impl DmaSegmentFile {
         Ok(self.dsync.borrow_mut().get_or_insert(f).clone())
     }
 
-    /// Writes all of `data` at `pos` through `file`, resuming after short writes.
+    /// Writes all of `data` at `pos` through `file`, resuming after short writes. Both
+    /// are block-aligned, as O_DIRECT needs.
     async fn write_all_at(file: &DmaFile, data: &[u8], pos: u64) -> io::Result<()> {
+        debug_assert!(
+            (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES)
+        );
         let mut done = 0usize;
         while done < data.len() {
             let mut buf = file.alloc_dma_buffer(data.len() - done);
@@ -242,17 +246,11 @@ impl DmaSegmentFile {
 
 impl SegmentFile for DmaSegmentFile {
     async fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
-        debug_assert!(
-            (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES)
-        );
         self.check_write()?;
         Self::write_all_at(&self.file, data, pos).await
     }
 
     async fn write_durable_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
-        debug_assert!(
-            (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES)
-        );
         // A fault aimed at writes or at syncs fails it: it is both.
         self.check_write()?;
         self.check_sync()?;
@@ -261,9 +259,6 @@ impl SegmentFile for DmaSegmentFile {
     }
 
     async fn overwrite_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
-        debug_assert!(
-            (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES)
-        );
         Self::write_all_at(&self.file, data, pos).await
     }
 

@@ -112,6 +112,16 @@ impl Faults {
         }
         Err(io::Error::from_raw_os_error(errno))
     }
+
+    /// Counts a sync (an fdatasync, or the one ending a durable write) and fails it,
+    /// as `what`, if a fault is aimed at it.
+    fn sync(&mut self, what: &str) -> io::Result<()> {
+        self.syncs += 1;
+        if std::mem::take(&mut self.fail_next_sync) {
+            return Err(injected(what));
+        }
+        self.check(MemOp::Sync)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -485,14 +495,7 @@ impl SegmentFile for MemFileHandle {
         self.write_at(data, pos).await?;
         // The sync the write ends with: a fault aimed at syncs fails it, the bytes
         // written but not durable, as after a failed fdatasync.
-        {
-            let mut fs = self.fs.borrow_mut();
-            fs.faults.syncs += 1;
-            if std::mem::take(&mut fs.faults.fail_next_sync) {
-                return Err(injected("O_DSYNC write"));
-            }
-            fs.faults.check(MemOp::Sync)?;
-        }
+        self.fs.borrow_mut().faults.sync("O_DSYNC write")?;
         // Only this range (and the length reaching it) becomes durable.
         let (pos, end) = (pos as usize, pos as usize + data.len());
         self.with(|f| {
@@ -531,20 +534,9 @@ impl SegmentFile for MemFileHandle {
     }
 
     async fn sync_data(&self) -> io::Result<()> {
-        let fail = {
-            let mut fs = self.fs.borrow_mut();
-            fs.faults.syncs += 1;
-            let fail = std::mem::take(&mut fs.faults.fail_next_sync);
-            if !fail {
-                fs.faults.check(MemOp::Sync)?;
-            }
-            fail
-        };
-        if fail {
-            // As on Linux after a failed fsync: the dirty data may be dropped, so what
-            // survives a crash is unknowable. Keep the old durable contents.
-            return Err(injected("fsync"));
-        }
+        // As on Linux after a failed fsync: the dirty data may be dropped, so what
+        // survives a crash is unknowable. Keep the old durable contents.
+        self.fs.borrow_mut().faults.sync("fsync")?;
         self.with(|f| f.durable = f.data.clone())
     }
 
