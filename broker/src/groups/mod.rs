@@ -52,6 +52,9 @@ const POLL_RECHECK: Duration = Duration::from_millis(100);
 const POLL_BYTES_MAX: usize = 4 << 20;
 /// Offsets one backward read for a record's `skipped_before` covers at most.
 const LOOK_BACK_WINDOW_MAX: u64 = 256;
+/// Group records a build keeps in memory while it looks back for a snapshot (bytes,
+/// with their bookkeeping); past it the fold reads the log forward again instead.
+const FOLD_KEPT_BYTES_MAX: usize = 64 << 20;
 
 /// A group request, for the core that owns the shard.
 #[derive(Debug, Clone)]
@@ -481,26 +484,89 @@ impl GroupShard {
     /// Folds the `Group` batches of `stream`'s log into trackers, from the newest group
     /// snapshot on (or from the base when there is none); later events go through
     /// `writer`.
+    ///
+    /// One pass: segments are read from the newest back until one holds a snapshot this
+    /// build can read, and the group records met on the way are kept (copied out of the
+    /// read: a few dozen bytes each), so the fold after the snapshot reads nothing
+    /// again. Only past [`FOLD_KEPT_BYTES_MAX`] of kept records does it read forward
+    /// from the snapshot a second time.
     pub async fn build(
         stream: &StreamShard,
         limits: Limits,
         writer: GroupWriter,
     ) -> Result<Self, BrokerError> {
+        Self::build_keeping(stream, limits, writer, FOLD_KEPT_BYTES_MAX).await
+    }
+
+    /// [`GroupShard::build`], keeping at most `keep_max` bytes of group records.
+    async fn build_keeping(
+        stream: &StreamShard,
+        limits: Limits,
+        writer: GroupWriter,
+        keep_max: usize,
+    ) -> Result<Self, BrokerError> {
         let base = stream.log.base_offset();
         let end = stream.log.committed_end();
-        let mut start = (base, HashMap::new(), None);
+        let (mut groups, mut from_snapshot) = (HashMap::new(), None);
+        // Each segment's group records, newest segment first; `None` once over the cap.
+        let mut kept: Option<Vec<Vec<(u64, Bytes)>>> = Some(Vec::new());
+        let mut kept_bytes = 0usize;
+        let mut snapshots_readable = true;
         let mut until = end;
-        let mut read_bytes = 0u64;
+        // Bytes read, and of them the bytes of records after where the fold starts.
+        let (mut read_bytes, mut after) = (0u64, 0u64);
         for segment in stream.log.segment_bases().into_iter().rev() {
             let from = segment.max(base);
             if from < until {
-                let found = newest_snapshot(stream, from, until, limits).await;
-                let Some((newest, read)) = or_full_fold(stream, found)? else {
-                    break;
-                };
+                let mut records = Vec::new();
+                let keep_all = kept.is_some();
+                // Bytes of this segment's records after its newest snapshot.
+                let mut since = 0u64;
+                let read = walk(stream, from, until, |b| {
+                    if b.kind != BatchKind::Group {
+                        since += b.records.iter().map(|r| r.len() as u64).sum::<u64>();
+                        return Ok(());
+                    }
+                    for (i, r) in b.records.into_iter().enumerate() {
+                        let at = b.base_offset + i as u64;
+                        let snapshot = is_snapshot(&r);
+                        since = if snapshot { 0 } else { since + r.len() as u64 };
+                        if at < until && (keep_all || snapshot) {
+                            records.push((at, Bytes::copy_from_slice(&r)));
+                        }
+                    }
+                    Ok(())
+                })
+                .await?;
                 read_bytes += read;
-                if let Some((at, groups)) = newest {
-                    start = (at + 1, groups, Some(at));
+                let newest = records
+                    .iter()
+                    .rposition(|(_, r)| snapshots_readable && is_snapshot(r));
+                if let Some(i) = newest {
+                    match decode_snapshot(records[i].1.clone(), limits) {
+                        Some(state) => {
+                            groups = state;
+                            from_snapshot = Some(records[i].0);
+                            records.drain(..=i);
+                            after += since;
+                        }
+                        None => {
+                            tracing::warn!(shard = %stream.key, offset = records[i].0, "a group snapshot it cannot read: folding the whole log");
+                            snapshots_readable = false;
+                        }
+                    }
+                }
+                if from_snapshot.is_none() {
+                    after += read;
+                }
+                if let Some(k) = kept.as_mut() {
+                    kept_bytes += records.iter().map(|(_, r)| r.len() + 48).sum::<usize>();
+                    k.push(records);
+                    if kept_bytes > keep_max {
+                        kept = None;
+                    }
+                }
+                if from_snapshot.is_some() {
                     break;
                 }
             }
@@ -509,35 +575,45 @@ impl GroupShard {
                 break;
             }
         }
-        let (at, mut groups, from_snapshot) = start;
-        let folded_bytes = walk(stream, at, end, |b| {
-            if b.kind != BatchKind::Group {
+        let mut fold = |at: u64, r: Bytes| -> Result<(), BrokerError> {
+            if is_snapshot(&r) {
                 return Ok(());
             }
-            for r in b.records {
-                if is_snapshot(&r) {
-                    continue;
-                }
-                let Some((group, event)) = decode(r) else {
-                    return Err(unreadable(stream, b.base_offset));
-                };
-                fold_event(&mut groups, &group, event, limits);
-            }
+            let (group, event) = decode(r).ok_or_else(|| unreadable(stream, at))?;
+            fold_event(&mut groups, &group, event, limits);
             Ok(())
-        })
-        .await?;
+        };
+        match kept {
+            Some(segments) => {
+                for (at, r) in segments.into_iter().rev().flatten() {
+                    fold(at, r)?;
+                }
+            }
+            None => {
+                let start = from_snapshot.map_or(base, |at| at + 1);
+                read_bytes += walk(stream, start, end, |b| {
+                    if b.kind == BatchKind::Group {
+                        for (i, r) in b.records.into_iter().enumerate() {
+                            fold(b.base_offset + i as u64, r)?;
+                        }
+                    }
+                    Ok(())
+                })
+                .await?;
+            }
+        }
         let mut shard = Self::from_state(
             GroupState {
                 folded: Some(groups.clone()),
                 trackers: groups,
-                snapshot_mark: stream.log.size_bytes().saturating_sub(folded_bytes),
+                snapshot_mark: stream.log.size_bytes().saturating_sub(after),
             },
             limits,
             writer,
         );
         shard.built = Built {
             from_snapshot,
-            read_bytes: read_bytes + folded_bytes,
+            read_bytes,
         };
         Ok(shard)
     }
@@ -1113,35 +1189,6 @@ async fn empty_run_before(stream: &StreamShard, at: u64) -> u64 {
     }
 }
 
-/// The newest group snapshot in `[from, until)` of `stream`'s log (its offset and the
-/// groups it holds), and the bytes of records read looking.
-async fn newest_snapshot(
-    stream: &StreamShard,
-    from: u64,
-    until: u64,
-    limits: Limits,
-) -> Result<(Option<(u64, HashMap<String, Tracker>)>, u64), BrokerError> {
-    let mut newest = None;
-    let read = walk(stream, from, until, |b| {
-        if b.kind == BatchKind::Group {
-            for (i, r) in b.records.into_iter().enumerate() {
-                if is_snapshot(&r) && b.base_offset + (i as u64) < until {
-                    newest = Some((b.base_offset + i as u64, r));
-                }
-            }
-        }
-        Ok(())
-    })
-    .await?;
-    let Some((offset, record)) = newest else {
-        return Ok((None, read));
-    };
-    match decode_snapshot(record, limits) {
-        Some(groups) => Ok((Some((offset, groups)), read)),
-        None => Err(unreadable(stream, offset)),
-    }
-}
-
 /// Reads `stream`'s log over `[from, until)`, 4 MiB at a time, handing each batch to
 /// `f`; returns the bytes of records read.
 async fn walk(
@@ -1161,22 +1208,6 @@ async fn walk(
         }
     }
     Ok(read)
-}
-
-/// What [`newest_snapshot`] found, or nothing when it could not read one (a layout of a
-/// later version, say): the fold then starts at the base and passes snapshots over.
-fn or_full_fold<T>(
-    stream: &StreamShard,
-    found: Result<T, BrokerError>,
-) -> Result<Option<T>, BrokerError> {
-    match found {
-        Ok(t) => Ok(Some(t)),
-        Err(BrokerError::Storage(why)) => {
-            tracing::warn!(shard = %stream.key, %why, "a group snapshot it cannot read: folding the whole log");
-            Ok(None)
-        }
-        Err(e) => Err(e),
-    }
 }
 
 fn unreadable(stream: &StreamShard, offset: u64) -> BrokerError {
@@ -1353,6 +1384,113 @@ mod tests {
             let g = build().await.unwrap();
             assert_eq!(g.built.from_snapshot, None, "no snapshot was used");
             assert_eq!(*g.groups.borrow(), whole, "the whole log was folded");
+        });
+    }
+
+    /// A build reads the log once: back from the newest segment to the one holding the
+    /// newest snapshot, keeping the group events it passes, and folds those without
+    /// reading them again; with no snapshot it reads the whole log once. Either way it
+    /// builds what folding every event builds.
+    #[test]
+    fn a_build_reads_each_segment_since_the_newest_snapshot_once() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let backend = felix_storage_uring::DmaBackend::open_dir(dir.path())
+                .await
+                .unwrap();
+            let config = felix_storage_uring::LogConfig {
+                segment_bytes_max: 64 << 10,
+                ..Default::default()
+            };
+            let (log, _) = felix_storage_uring::SegmentLog::open(backend, config)
+                .await
+                .unwrap();
+            let key = std::sync::Arc::new(felix_core_runtime::placement::ShardKey {
+                kind: felix_core_runtime::placement::ShardKind::Stream,
+                tenant: "t".into(),
+                namespace: "ns".into(),
+                name: "s".into(),
+                shard: 0,
+            });
+            let stream = StreamShard::new(key, log);
+            let limits = Limits::default();
+            let build = |keep_max| {
+                let writer: GroupWriter =
+                    Box::new(|_| Box::pin(async { Err(BrokerError::Draining) }));
+                GroupShard::build_keeping(&stream, limits, writer, keep_max)
+            };
+            // A 1000-byte record and a group event, `n` times: the events' bytes.
+            async fn publish_and_events(
+                stream: &StreamShard,
+                whole: &mut HashMap<String, Tracker>,
+                seed: u64,
+                n: usize,
+            ) -> u64 {
+                let (data, mut event_bytes) = (Bytes::from(vec![b'd'; 1000]), 0);
+                for (group, event) in random_events(seed, n) {
+                    let pending = stream
+                        .log
+                        .begin_append(std::slice::from_ref(&data), 0, None)
+                        .unwrap();
+                    stream.log.commit(pending).await.unwrap();
+                    fold_event(whole, &group, event, Limits::default());
+                    let record = encode(&group, event);
+                    event_bytes += record.len() as u64;
+                    let pending = stream.log.begin_group(&[record], 0).unwrap();
+                    stream.log.commit(pending).await.unwrap();
+                }
+                event_bytes
+            }
+            let mut whole = HashMap::new();
+            // No snapshot: the whole log, read once.
+            let event_bytes = publish_and_events(&stream, &mut whole, 21, 300).await;
+            let log_bytes = 300 * 1000 + event_bytes;
+            let g = build(FOLD_KEPT_BYTES_MAX).await.unwrap();
+            assert!(stream.log.segment_bases().len() > 3);
+            assert_eq!(g.built.from_snapshot, None);
+            assert_eq!(g.built.read_bytes, log_bytes, "every record read once");
+            assert_eq!(*g.groups.borrow(), whole);
+            // A snapshot, then several segments more: read back to the snapshot's
+            // segment, nothing twice.
+            let snapshot = encode_snapshot(&whole).unwrap();
+            let pending = stream
+                .log
+                .begin_group(std::slice::from_ref(&snapshot), 0)
+                .unwrap();
+            let at = stream.log.commit(pending).await.unwrap().first;
+            let snapshot_segment = *stream.log.segment_bases().last().unwrap();
+            let event_bytes = publish_and_events(&stream, &mut whole, 22, 300).await;
+            let g = build(FOLD_KEPT_BYTES_MAX).await.unwrap();
+            assert_eq!(g.built.from_snapshot, Some(at));
+            assert_eq!(*g.groups.borrow(), whole);
+            let after = 300 * 1000 + event_bytes;
+            let mut since_segment = 0u64;
+            for b in stream
+                .log
+                .read_to(snapshot_segment, at, u64::MAX as usize)
+                .await
+                .unwrap()
+            {
+                since_segment += b.records.iter().map(|r| r.len() as u64).sum::<u64>();
+            }
+            assert!(stream.log.segment_bases().last() > Some(&snapshot_segment));
+            assert_eq!(
+                g.built.read_bytes,
+                since_segment + snapshot.len() as u64 + after,
+                "the snapshot's segment and every later one, read once"
+            );
+            assert_eq!(
+                g.snapshot_mark.get(),
+                stream.log.size_bytes() - after,
+                "the next snapshot is due counting from this one"
+            );
+            // Past the cap on what it keeps, the fold reads forward from the snapshot
+            // again, and builds the same.
+            let again = build(0).await.unwrap();
+            assert_eq!(again.built.from_snapshot, Some(at));
+            assert_eq!(*again.groups.borrow(), whole);
+            assert_eq!(again.built.read_bytes, g.built.read_bytes + after);
+            assert_eq!(again.snapshot_mark.get(), g.snapshot_mark.get());
         });
     }
 
