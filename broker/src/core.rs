@@ -2245,6 +2245,7 @@ impl CoreBroker {
         }
         let stream = self.stream_shard(key).await?;
         let groups = self.group_shard(key, &stream).await?;
+        stream.group_batches_seen.set(true);
         groups.snapshot_if_due(stream.log.size_bytes());
         let answer = groups.serve(&stream, op).await;
         self.metrics
@@ -2288,6 +2289,9 @@ impl CoreBroker {
         .await;
         stream.building_groups.set(false);
         let g = Rc::new(built?);
+        if !g.is_empty() {
+            stream.group_batches_seen.set(true);
+        }
         let built = g.built();
         let m = &self.metrics;
         m.group_folds.fetch_add(1, Ordering::Relaxed);
@@ -2808,17 +2812,51 @@ impl CoreBroker {
 
     /// Group snapshots that came due without a group request (records keep arriving
     /// while the consumers are away): otherwise the next leader would fold everything
-    /// written since the last request.
-    fn snapshot_idle_groups(&self) {
-        for slot in self.streams.borrow().values() {
+    /// written since the last request. A leadership that has served no group request
+    /// has no groups built: when its log holds group batches (seen on this core) and
+    /// has grown by a snapshot's worth since its groups were last snapshotted, they are
+    /// built here, in the background, and snapshotted.
+    fn snapshot_idle_groups(self: &Rc<Self>) {
+        let every = self.shared.group_limits.snapshot_every_bytes;
+        let mut unbuilt = Vec::new();
+        for (key, slot) in self.streams.borrow().iter() {
             let Slot::Ready(s) = slot else { continue };
+            let size = s.log.size_bytes();
             let Some(groups) = s.groups.borrow().clone() else {
+                let grown = size.saturating_sub(s.groups_snapshot_mark.get().min(size));
+                if s.group_batches_seen.get() && !s.building_groups.get() && grown >= every {
+                    unbuilt.push((key.clone(), s.clone()));
+                }
                 continue;
             };
-            groups.snapshot_if_due(s.log.size_bytes());
+            groups.snapshot_if_due(size);
             self.metrics
                 .group_snapshots
                 .fetch_add(groups.take_snapshots(), Ordering::Relaxed);
+        }
+        for (key, stream) in unbuilt {
+            match self.replica_of(&key) {
+                Ok(Some(rs)) if !rs.serving() => continue,
+                Err(_) => continue,
+                _ => {}
+            }
+            let core = self.clone();
+            task::spawn(async move {
+                match core.group_shard(&key, &stream).await {
+                    Ok(groups) => {
+                        groups.snapshot_if_due(stream.log.size_bytes());
+                        core.metrics
+                            .group_snapshots
+                            .fetch_add(groups.take_snapshots(), Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        // Tried again after another snapshot's worth of log.
+                        stream.groups_snapshot_mark.set(stream.log.size_bytes());
+                        tracing::warn!(shard = %key, error = %e, "building idle groups for a snapshot")
+                    }
+                }
+            })
+            .detach();
         }
     }
 

@@ -180,6 +180,13 @@ pub struct StreamShard {
     pub groups: RefCell<Option<std::rc::Rc<crate::groups::GroupShard>>>,
     /// Whether a task is building the groups.
     pub building_groups: std::cell::Cell<bool>,
+    /// Whether a `Group` batch of this log passed through this core since it opened the
+    /// shard (stored from a leader, or written or folded here): its groups then need
+    /// snapshots even while no group request comes (`CoreBroker::snapshot_idle_groups`).
+    pub group_batches_seen: Cell<bool>,
+    /// The log's size when its groups were last snapshotted or let go, as far as this
+    /// core knows (at open: the size then).
+    pub groups_snapshot_mark: Cell<u64>,
     /// Set when the shard is moving to another core: long polls answer at once.
     pub closing: std::cell::Cell<bool>,
     /// One past the newest atomic commit claimed here, or the log's end when this core
@@ -199,6 +206,7 @@ impl std::fmt::Debug for StreamShard {
 impl StreamShard {
     /// Wraps an opened log.
     pub fn new(key: Arc<ShardKey>, log: SegmentLog<DmaBackend>) -> StreamShard {
+        let size = log.size_bytes();
         StreamShard {
             commits_claimed: Cell::new(log.next_offset()),
             fanout_end: Cell::new(log.committed_end()),
@@ -212,6 +220,8 @@ impl StreamShard {
             building_producers: std::cell::Cell::new(false),
             groups: RefCell::default(),
             building_groups: std::cell::Cell::new(false),
+            group_batches_seen: Cell::new(false),
+            groups_snapshot_mark: Cell::new(size),
             closing: std::cell::Cell::new(false),
         }
     }
@@ -279,6 +289,7 @@ impl StreamShard {
         *self.producers.borrow_mut() = None;
         if let Some(groups) = self.groups.borrow_mut().take() {
             groups.retire();
+            self.groups_snapshot_mark.set(groups.snapshot_mark());
         }
         self.appended.wake_all();
     }

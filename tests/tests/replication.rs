@@ -1510,6 +1510,112 @@ fn a_groups_cursor_and_dead_letters_survive_a_leader_kill() {
     });
 }
 
+/// A leadership that serves no group request still snapshots the shard's groups: the
+/// successor of a killed leader, taking only publishes, builds the groups it saw shipped
+/// and writes a snapshot once a snapshot's worth of log has been written, so the fold of
+/// whoever leads next does not read everything written since the old leader's last one.
+#[test]
+fn a_new_leader_snapshots_its_groups_without_a_group_request() {
+    use felix_client::{GroupRef, PollOptions};
+    let mut c = cluster_with("group_snapshot_bytes: 65536\n");
+    c.create_stream("jobs", 1, 3, "Quorum").unwrap();
+    let (leader, generation) = c
+        .wait_leader("jobs", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let g = GroupRef::new(TENANT, NAMESPACE, "jobs", 0, "workers");
+    let addrs: Vec<_> = c.brokers.iter().map(|b| b.listen).collect();
+    let config = c.client_config().unwrap();
+    let at = |i: usize| {
+        let (addr, config) = (addrs[i], config.clone());
+        async move {
+            felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap()
+        }
+    };
+    let publish = async |client: &felix_client::Client, n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut done = 0;
+        while done < n {
+            match client
+                .publish(
+                    TENANT,
+                    NAMESPACE,
+                    "jobs",
+                    vec![b'j'; 1000],
+                    AckMode::PerMessage,
+                )
+                .await
+            {
+                Ok(_) => done += 1,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "the leader never served: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    };
+    rt.block_on(async {
+        let client = at(leader).await;
+        publish(&client, 10).await;
+        let poll = PollOptions {
+            max_records: 5,
+            wait: Duration::from_millis(300),
+            visibility: Some(Duration::from_secs(60)),
+        };
+        for r in client.group_poll(&g, poll).await.unwrap() {
+            client.group_ack(&g, r.offset.0).await.unwrap();
+        }
+    });
+    c.brokers[leader].kill();
+    let (successor, _) = c
+        .wait_leader("jobs", 0, Some(leader), generation, Duration::from_secs(30))
+        .unwrap();
+    let snapshots = |i: usize| {
+        c.brokers[i]
+            .metric("felix_broker_group_snapshots_total")
+            .unwrap()
+    };
+    assert_eq!(snapshots(successor), 0, "it never led the shard before");
+    rt.block_on(async {
+        let client = at(successor).await;
+        publish(&client, 200).await;
+    });
+    felix_cluster::wait_for(
+        "a group snapshot on the successor, which served no group request",
+        Duration::from_secs(15),
+        || (snapshots(successor) > 0).then_some(()),
+    )
+    .unwrap();
+    assert_eq!(
+        c.brokers[successor]
+            .metric("felix_broker_group_folds_total")
+            .unwrap(),
+        1,
+        "its groups were built once, for the snapshot"
+    );
+    // The groups it built are the ones the old leader left: the 5 acked records do not
+    // come back, the other 205 do.
+    rt.block_on(async {
+        let client = at(successor).await;
+        let poll = PollOptions {
+            max_records: 100,
+            wait: Duration::from_millis(300),
+            visibility: Some(Duration::from_secs(60)),
+        };
+        let mut seen = 0;
+        loop {
+            let got = client.group_poll(&g, poll).await.unwrap();
+            if got.is_empty() {
+                break;
+            }
+            seen += got.len();
+        }
+        assert_eq!(seen, 205);
+    });
+}
+
 fn dir_bytes(p: &Path) -> u64 {
     let mut total = 0;
     if let Ok(rd) = std::fs::read_dir(p) {

@@ -114,6 +114,9 @@ pub struct Handover {
     /// The shard's consumer groups as the old core left them, claims in flight included
     /// (`None`: not built there; the new core folds them from the log on first use).
     pub groups: Option<crate::groups::GroupState>,
+    /// What the old core knew of the groups while they were not built: whether a
+    /// `Group` batch passed through it, and the log's size at their last snapshot.
+    pub group_batches: (bool, u64),
 }
 
 /// The answer to a [`MoveStep`].
@@ -633,6 +636,9 @@ impl CoreBroker {
                     let stream = self.ready_stream(&key);
                     let interested = stream.as_ref().map(|s| s.interest()).unwrap_or_default();
                     // Nothing runs on the shard now: its groups' state is complete.
+                    let group_batches = stream.as_ref().map_or((false, 0), |s| {
+                        (s.group_batches_seen.get(), s.groups_snapshot_mark.get())
+                    });
                     let groups = stream.and_then(|s| s.groups.borrow().as_ref().map(|g| g.state()));
                     let sealed = self.close_shard(&key, true).await;
                     out.push(Handover {
@@ -640,6 +646,7 @@ impl CoreBroker {
                         interested,
                         sealed,
                         groups,
+                        group_batches,
                     });
                 }
                 return out;
@@ -673,6 +680,11 @@ impl CoreBroker {
                 Ok(s) => {
                     for (core, n) in &h.interested {
                         s.register_many(*core, *n);
+                    }
+                    let (seen, mark) = h.group_batches;
+                    if seen {
+                        s.group_batches_seen.set(true);
+                        s.groups_snapshot_mark.set(mark);
                     }
                     // Held requests run at End, after this: none has built the groups.
                     if let Some(groups) = h.groups {

@@ -658,6 +658,17 @@ impl GroupShard {
         self.retired.set(true);
     }
 
+    /// The log's size at the last snapshot (or, built from the log, at the snapshot the
+    /// build started from).
+    pub fn snapshot_mark(&self) -> u64 {
+        self.snapshot_mark.get()
+    }
+
+    /// Whether any group exists.
+    pub fn is_empty(&self) -> bool {
+        self.groups.borrow().is_empty()
+    }
+
     /// Snapshots started since the last call.
     pub fn take_snapshots(&self) -> u64 {
         self.started.replace(0)

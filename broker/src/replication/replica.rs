@@ -1436,6 +1436,11 @@ impl Replicas {
                 }
             }
             Output::Store(batches) => {
+                if let Held::Stream(s) = &rs.held
+                    && batches.iter().any(|b| b.kind == BatchKind::Group)
+                {
+                    s.group_batches_seen.set(true);
+                }
                 if batches
                     .iter()
                     .any(|b| matches!(b.kind, BatchKind::GenerationStart(_)))
