@@ -2281,6 +2281,11 @@ impl CoreBroker {
             }
             task::sleep(std::time::Duration::from_millis(1)).await;
         }
+        // A build that outlived the leadership it began in is stale: another leader
+        // may have written group events meanwhile, and taking the shard over again
+        // found no groups to drop.
+        let term = || self.replica_of(key).ok().flatten().map(|rs| rs.term());
+        let began = term();
         let built = crate::groups::GroupShard::build(
             stream,
             self.shared.group_limits,
@@ -2288,6 +2293,9 @@ impl CoreBroker {
         )
         .await;
         stream.building_groups.set(false);
+        if term() != began {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
         let g = Rc::new(built?);
         if !g.is_empty() {
             stream.group_batches_seen.set(true);
@@ -2835,6 +2843,9 @@ impl CoreBroker {
                 .fetch_add(groups.take_snapshots(), Ordering::Relaxed);
         }
         for (key, stream) in unbuilt {
+            if stream.closing.get() || !self.serves(&key) || self.draining() {
+                continue;
+            }
             match self.replica_of(&key) {
                 Ok(Some(rs)) if !rs.serving() => continue,
                 Err(_) => continue,

@@ -1595,25 +1595,57 @@ fn a_new_leader_snapshots_its_groups_without_a_group_request() {
         1,
         "its groups were built once, for the snapshot"
     );
-    // The groups it built are the ones the old leader left: the 5 acked records do not
-    // come back, the other 205 do.
+    // The next leader folds from that snapshot (the old leader wrote none: its group
+    // requests wrote far less than a snapshot's worth), and the groups are the ones the
+    // first leader left: the 5 acked records do not come back, the other 205 do.
+    c.brokers[leader].restart().unwrap();
+    let (_, successors_generation) = c
+        .wait_leader("jobs", 0, Some(leader), generation, Duration::from_secs(5))
+        .unwrap();
     rt.block_on(async {
+        // The restarted broker catches up before the successor goes.
         let client = at(successor).await;
+        publish(&client, 1).await;
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    c.brokers[successor].kill();
+    let (third, _) = c
+        .wait_leader(
+            "jobs",
+            0,
+            Some(successor),
+            successors_generation,
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    rt.block_on(async {
+        let client = at(third).await;
         let poll = PollOptions {
             max_records: 100,
             wait: Duration::from_millis(300),
             visibility: Some(Duration::from_secs(60)),
         };
+        let deadline = Instant::now() + Duration::from_secs(30);
         let mut seen = 0;
         loop {
-            let got = client.group_poll(&g, poll).await.unwrap();
-            if got.is_empty() {
-                break;
+            match client.group_poll(&g, poll).await {
+                Ok(got) if got.is_empty() => break,
+                Ok(got) => seen += got.len(),
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "the group never came back: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
             }
-            seen += got.len();
         }
-        assert_eq!(seen, 205);
+        assert_eq!(seen, 206);
     });
+    assert_eq!(
+        c.brokers[third]
+            .metric("felix_broker_group_folds_from_snapshot_total")
+            .unwrap(),
+        1,
+        "the third leader folded from the successor's snapshot"
+    );
 }
 
 fn dir_bytes(p: &Path) -> u64 {

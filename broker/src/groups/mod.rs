@@ -519,7 +519,8 @@ impl GroupShard {
             let from = segment.max(base);
             if from < until {
                 let mut records = Vec::new();
-                let keep_all = kept.is_some();
+                let mut keep_all = kept.is_some();
+                let mut kept_here = kept_bytes;
                 // Bytes of this segment's records after its newest snapshot.
                 let mut since = 0u64;
                 let read = walk(stream, from, until, |b| {
@@ -532,7 +533,13 @@ impl GroupShard {
                         let snapshot = is_snapshot(&r);
                         since = if snapshot { 0 } else { since + r.len() as u64 };
                         if at < until && (keep_all || snapshot) {
+                            kept_here += r.len() + 48;
                             records.push((at, Bytes::copy_from_slice(&r)));
+                            if keep_all && kept_here > keep_max {
+                                // Over the cap: only snapshots from here on.
+                                keep_all = false;
+                                records.retain(|(_, r)| is_snapshot(r));
+                            }
                         }
                     }
                     Ok(())
@@ -559,12 +566,12 @@ impl GroupShard {
                 if from_snapshot.is_none() {
                     after += read;
                 }
-                if let Some(k) = kept.as_mut() {
-                    kept_bytes += records.iter().map(|(_, r)| r.len() + 48).sum::<usize>();
-                    k.push(records);
-                    if kept_bytes > keep_max {
-                        kept = None;
+                match kept.as_mut() {
+                    Some(k) if keep_all => {
+                        kept_bytes = kept_here;
+                        k.push(records);
                     }
+                    _ => kept = None,
                 }
                 if from_snapshot.is_some() {
                     break;
@@ -1497,11 +1504,13 @@ mod tests {
             );
             // Past the cap on what it keeps, the fold reads forward from the snapshot
             // again, and builds the same.
-            let again = build(0).await.unwrap();
-            assert_eq!(again.built.from_snapshot, Some(at));
-            assert_eq!(*again.groups.borrow(), whole);
-            assert_eq!(again.built.read_bytes, g.built.read_bytes + after);
-            assert_eq!(again.snapshot_mark.get(), g.snapshot_mark.get());
+            for keep_max in [0, 2_000, 6_000] {
+                let again = build(keep_max).await.unwrap();
+                assert_eq!(again.built.from_snapshot, Some(at), "{keep_max}");
+                assert_eq!(*again.groups.borrow(), whole, "{keep_max}");
+                assert_eq!(again.built.read_bytes, g.built.read_bytes + after);
+                assert_eq!(again.snapshot_mark.get(), g.snapshot_mark.get());
+            }
         });
     }
 
