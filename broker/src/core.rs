@@ -139,6 +139,16 @@ pub enum WatchAnswer {
     Changes(Vec<crate::shard::WatchChange>, u64),
 }
 
+/// The condition a publish is written under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteIf {
+    /// An idempotent producer's batch `(producer_id, sequence)`: written once.
+    Idempotent(u64, u64),
+    /// Only if the shard's next offset is this (`publish_if`); else refused
+    /// `offset_mismatch` with the tail, nothing written.
+    Tail(u64),
+}
+
 /// A write that is not a plain publish.
 #[derive(Debug)]
 pub enum Special {
@@ -150,6 +160,8 @@ pub enum Special {
     /// Copies of state entries carried past retention (a `State` batch: replicated with
     /// the shard, never fanned out to readers).
     State,
+    /// A publish written only if the shard's next offset is this (a plain data batch).
+    Tail(u64),
 }
 
 /// A state request, for the core that owns the stream shard.
@@ -185,8 +197,8 @@ pub enum CoreMsg {
         key: Arc<ShardKey>,
         /// Records (shared buffers from the client's frame).
         records: Vec<Bytes>,
-        /// An idempotent producer's `(producer_id, sequence)`.
-        idempotent: Option<(u64, u64)>,
+        /// What it is written under, if anything.
+        condition: Option<WriteIf>,
         /// When the connection's core sent it (the mesh-hop stage).
         sent: std::time::Instant,
         /// Where to answer.
@@ -1218,24 +1230,21 @@ impl CoreBroker {
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
-        idempotent: Option<(u64, u64)>,
+        condition: Option<WriteIf>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         self.note_load(&key, self.core, records.len());
         let owner = self.owner(&key);
         if owner == self.core && self.held(&key) {
             let k = key.clone();
-            return self.after_arrival(&k, move |c| c.append(key, records, idempotent));
+            return self.after_arrival(&k, move |c| c.append(key, records, condition));
         }
         if owner == self.core {
-            match idempotent {
-                None => self.append_local(key, records),
-                Some(tag) => self.append_idempotent(key, records, tag),
-            }
+            self.append_under(key, records, condition)
         } else {
             let answer = self.ask(owner, |reply| CoreMsg::Append {
                 key,
                 records,
-                idempotent,
+                condition,
                 sent: std::time::Instant::now(),
                 reply,
             });
@@ -1302,6 +1311,27 @@ impl CoreBroker {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         let k = key.clone();
         self.through_takeover(&k, move |c| c.write_local(key, records, None))
+    }
+
+    /// [`CoreBroker::append_local`] under `condition`.
+    fn append_under(
+        self: &Rc<Self>,
+        key: Arc<ShardKey>,
+        records: Vec<Bytes>,
+        condition: Option<WriteIf>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
+        match condition {
+            None => self.append_local(key, records),
+            Some(WriteIf::Idempotent(producer, sequence)) => {
+                self.append_idempotent(key, records, (producer, sequence))
+            }
+            Some(WriteIf::Tail(expected)) => {
+                let k = key.clone();
+                self.through_takeover(&k, move |c| {
+                    c.write_tagged(key, records, Some(Special::Tail(expected)), None)
+                })
+            }
+        }
     }
 
     /// As [`CoreBroker::append_local`]; with `commit`, the batch is that atomic commit
@@ -1396,6 +1426,12 @@ impl CoreBroker {
         let admitted = if self.may_acknowledge(&rs) {
             match &commit {
                 None => rs.admit(&records, clock::wall_micros(), tag),
+                Some(Special::Tail(e)) if *e != rs.log().next_offset() => {
+                    Err(BrokerError::OffsetMismatch {
+                        tail: rs.log().next_offset(),
+                    })
+                }
+                Some(Special::Tail(_)) => rs.admit(&records, clock::wall_micros(), None),
                 Some(Special::Group) => rs.admit_group(&records, clock::wall_micros()),
                 Some(Special::State) => rs.admit_state(&records, clock::wall_micros()),
                 Some(Special::Commit(c)) => match c.expected {
@@ -1516,6 +1552,16 @@ impl CoreBroker {
                         sequence,
                     }),
                 )?),
+                Some(Special::Tail(e)) if *e != shard.log.next_offset() => {
+                    Err(BrokerError::OffsetMismatch {
+                        tail: shard.log.next_offset(),
+                    })
+                }
+                Some(Special::Tail(_)) => {
+                    Ok(shard
+                        .log
+                        .begin_append(records, clock::wall_micros(), None)?)
+                }
                 Some(Special::Group) => Ok(shard.log.begin_group(records, clock::wall_micros())?),
                 Some(Special::State) => Ok(shard.log.begin_state(records, clock::wall_micros())?),
                 Some(Special::Commit(c)) => match c.expected {
@@ -2587,15 +2633,12 @@ impl CoreBroker {
             CoreMsg::Append {
                 key,
                 records,
-                idempotent,
+                condition,
                 sent,
                 reply,
             } => {
                 self.metrics.mesh_hop.observe(sent.elapsed());
-                let fut = match idempotent {
-                    None => self.append_local(key, records),
-                    Some(tag) => self.append_idempotent(key, records, tag),
-                };
+                let fut = self.append_under(key, records, condition);
                 let this = self.clone();
                 task::spawn(async move {
                     let _guard = guard;

@@ -88,6 +88,13 @@ enum Command {
         /// Acknowledgement.
         #[arg(long, value_enum, default_value = "per-message")]
         ack: Ack,
+        /// Write the messages as one batch, only if the shard's next offset is this
+        /// (refused with the shard's tail otherwise, nothing written).
+        #[arg(long, conflicts_with = "key")]
+        if_tail: Option<u64>,
+        /// The shard a conditional publish (`--if-tail`) writes.
+        #[arg(long, requires = "if_tail")]
+        shard: Option<u32>,
     },
     /// Print messages from a stream shard.
     Sub {
@@ -673,7 +680,30 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             messages,
             key,
             ack,
+            if_tail,
+            shard,
         } => {
+            if let Some(expected) = if_tail.as_ref() {
+                let payloads: Vec<Bytes> = if messages.is_empty() {
+                    let mut lines = Vec::new();
+                    for line in std::io::stdin().lock().lines() {
+                        let line = line.map_err(|e| Failure::Usage(format!("stdin: {e}")))?;
+                        lines.push(Bytes::from(line));
+                    }
+                    lines
+                } else {
+                    messages.iter().map(|m| Bytes::from(m.clone())).collect()
+                };
+                // Any broker takes it: a non-leader forwards a publish to the leader.
+                let o = client
+                    .client()
+                    .publish_if(&tenant, ns, stream, *shard, payloads, *expected)
+                    .await?;
+                if cli.json {
+                    let _ = writeln!(out, "{}", serde_json::json!({"offset": o}));
+                }
+                return Ok(());
+            }
             let ack = match ack {
                 Ack::None => AckMode::None,
                 Ack::PerMessage => AckMode::PerMessage,

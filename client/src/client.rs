@@ -44,6 +44,7 @@ fn client_features() -> Features {
         | Features::CACHE_CONDITIONAL
         | Features::IDEMPOTENT_PRODUCER
         | Features::ATOMIC_COMMIT
+        | Features::PUBLISH_CONDITIONAL
         | Features::CONSUMER_GROUP
         | Features::GROUP_DEAD_LETTERS
         | Features::GROUP_ADMIN
@@ -739,6 +740,37 @@ impl Client {
         }
     }
 
+    /// Publishes `payloads` as one batch to `shard` (0 when `None`) only if the shard's
+    /// next offset is `expected_offset`: returns the batch's first offset (that one), or
+    /// [`ClientError::Refused`] with `offset_mismatch` naming the tail, nothing written.
+    pub async fn publish_if(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        shard: Option<u32>,
+        payloads: Vec<Bytes>,
+        expected_offset: u64,
+    ) -> Result<u64, ClientError> {
+        self.require(Features::PUBLISH_CONDITIONAL, "publish_if")?;
+        let m = Message::PublishIf {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            stream: stream.into(),
+            payloads,
+            key: None,
+            shard: shard.map(felix_wire::ShardId),
+            expected_offset: felix_wire::Offset(expected_offset),
+            request_id: RequestId(self.next_id()),
+        };
+        match self.request(m, "publish_if").await? {
+            Message::PublishOk { offset, .. } => offset.map(|o| o.0).ok_or_else(|| {
+                ClientError::Protocol("publish_ok without the batch's offset".into())
+            }),
+            other => Err(broker_error("publish_if", other)),
+        }
+    }
+
     /// Commits `event` and `changes` as one record on the shard of `stream` that
     /// `entity_key` routes to: every reader sees all of it or none. Returns the event's
     /// offset, the version of every key written. With `expected_offset`, only if the
@@ -755,6 +787,12 @@ impl Client {
         expected_offset: Option<u64>,
     ) -> Result<u64, ClientError> {
         self.require(Features::ATOMIC_COMMIT, "commit")?;
+        if expected_offset.is_some() {
+            self.require(
+                Features::PUBLISH_CONDITIONAL,
+                "commit with an expected offset",
+            )?;
+        }
         let m = Message::Commit {
             tenant_id: tenant.into(),
             namespace: namespace.into(),

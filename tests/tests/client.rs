@@ -916,6 +916,160 @@ fn conditional_cache_writes_apply_once_under_a_race() {
     });
 }
 
+/// `publish_if` writes a batch only where the caller expects the shard's tail: the
+/// right tail appends at it, a stale one is refused with the tail and writes nothing,
+/// eight racers at one tail land exactly one batch, and `felix pub --if-tail` does the
+/// same from the command line. A commit's `expected_offset` works alongside.
+#[test]
+fn a_conditional_publish_lands_only_at_the_tail_it_expects() {
+    use felix_wire::message::PublishRefusalReason;
+    let (b, _dir) = broker(&["--shards", "2"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let tail_refused = |r: Result<u64, felix_client::ClientError>| match r {
+        Err(felix_client::ClientError::Refused {
+            reason: PublishRefusalReason::OffsetMismatch { tail },
+            ..
+        }) => tail.0,
+        other => panic!("expected an offset_mismatch refusal, got {other:?}"),
+    };
+    rt.block_on(async {
+        let connect = || async {
+            felix_client::Client::connect(b.listen, "localhost", config(&b))
+                .await
+                .unwrap()
+        };
+        let clients: Vec<_> = futures_join(8, connect).await;
+        let c = &clients[0];
+        let batch = |tag: &str, n: usize| -> Vec<bytes::Bytes> {
+            (0..n)
+                .map(|i| bytes::Bytes::from(format!("{tag}-{i}")))
+                .collect()
+        };
+        // An empty shard's tail is 0; shard 1 is another log.
+        assert_eq!(
+            c.publish_if("dev", "default", "ledger", None, batch("a", 3), 0)
+                .await
+                .unwrap(),
+            0
+        );
+        assert_eq!(
+            c.publish_if("dev", "default", "ledger", Some(1), batch("z", 1), 0)
+                .await
+                .unwrap(),
+            0
+        );
+        // A stale tail: refused with the tail, nothing written.
+        assert_eq!(
+            tail_refused(
+                c.publish_if("dev", "default", "ledger", None, batch("b", 2), 0)
+                    .await
+            ),
+            3
+        );
+        assert_eq!(
+            tail_refused(
+                c.publish_if("dev", "default", "ledger", None, batch("b", 2), 7)
+                    .await
+            ),
+            3
+        );
+        assert_eq!(
+            c.publish_if("dev", "default", "ledger", None, batch("b", 2), 3)
+                .await
+                .unwrap(),
+            3
+        );
+        // Eight racers at tail 5: exactly one batch lands, the rest learn the new tail.
+        let racers = clients.iter().enumerate().map(|(i, c)| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let payloads = vec![
+                    bytes::Bytes::from(format!("r{i}-0")),
+                    bytes::Bytes::from(format!("r{i}-1")),
+                ];
+                (
+                    i,
+                    c.publish_if("dev", "default", "ledger", None, payloads, 5)
+                        .await,
+                )
+            })
+        });
+        let mut won = Vec::new();
+        for r in racers.collect::<Vec<_>>() {
+            let (i, outcome) = r.await.unwrap();
+            match outcome {
+                Ok(offset) => won.push((i, offset)),
+                refused => assert_eq!(tail_refused(refused), 7),
+            }
+        }
+        assert_eq!(won.len(), 1, "exactly one racer lands: {won:?}");
+        let winner = won[0].0;
+        // A commit expecting a stale tail is refused the same way; at the tail it lands
+        // (entity key "" routes to shard 1, which holds one record).
+        let commit = |expected| {
+            c.commit(
+                "dev",
+                "default",
+                "ledger",
+                "",
+                bytes::Bytes::from("event"),
+                vec![],
+                Some(expected),
+            )
+        };
+        assert_eq!(tail_refused(commit(0).await), 1);
+        assert_eq!(commit(1).await.unwrap(), 1);
+        // The shard holds exactly what was accepted, in order.
+        let (records, _) = c
+            .stream_read("dev", "default", "ledger", 0, 0, None, Some(100))
+            .await
+            .unwrap();
+        let got: Vec<String> = records
+            .iter()
+            .map(|r| String::from_utf8_lossy(&r.payload).into_owned())
+            .collect();
+        let expected: Vec<String> = ["a-0", "a-1", "a-2", "b-0", "b-1"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([format!("r{winner}-0"), format!("r{winner}-1")])
+            .collect();
+        assert_eq!(got, expected);
+    });
+    // The command line: the right tail prints the offset; a stale one fails and says
+    // the tail.
+    let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
+    let run = |args: &[&str]| {
+        std::process::Command::new(felix)
+            .arg("--broker")
+            .arg(b.listen.to_string())
+            .arg("--token-file")
+            .arg(b.data_dir.join("dev/token"))
+            .arg("--ca")
+            .arg(b.ca_file())
+            .arg("--json")
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let ok = run(&["pub", "ledger", "--if-tail", "0", "--shard", "1", "x"]);
+    assert!(!ok.status.success(), "shard 1's tail is 2");
+    assert!(
+        String::from_utf8_lossy(&ok.stderr).contains("OffsetMismatch"),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let ok = run(&["pub", "ledger", "--if-tail", "2", "--shard", "1", "x", "y"]);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&ok.stdout).trim(),
+        r#"{"offset":2}"#
+    );
+}
+
 async fn futures_join<F, Fut>(n: usize, f: F) -> Vec<felix_client::Client>
 where
     F: Fn() -> Fut,

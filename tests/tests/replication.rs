@@ -1648,6 +1648,169 @@ fn a_new_leader_snapshots_its_groups_without_a_group_request() {
     );
 }
 
+/// `publish_if` on a replicated Quorum shard: through any broker (a follower forwards
+/// it), of racers at one tail exactly one batch lands; it survives a leader kill at its
+/// offset, and the new leader's tail (past its generation-start record) is what a
+/// stale writer is told.
+#[test]
+fn a_conditional_publish_on_a_quorum_stream_lands_once_through_any_broker() {
+    use felix_wire::message::PublishRefusalReason;
+    let mut c = cluster();
+    c.create_stream("ledger", 1, 3, "Quorum").unwrap();
+    let (leader, generation) = c
+        .wait_leader("ledger", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let addrs: Vec<_> = c.brokers.iter().map(|b| b.listen).collect();
+    let config = c.client_config().unwrap();
+    let at = |i: usize| {
+        let (addr, config) = (addrs[i], config.clone());
+        async move {
+            felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap()
+        }
+    };
+    let refused_tail = |r: Result<u64, felix_client::ClientError>| match r {
+        Err(felix_client::ClientError::Refused {
+            reason: PublishRefusalReason::OffsetMismatch { tail },
+            ..
+        }) => Some(tail.0),
+        _ => None,
+    };
+    let batch = |tag: String| {
+        vec![
+            bytes::Bytes::from(format!("{tag}-0")),
+            bytes::Bytes::from(format!("{tag}-1")),
+        ]
+    };
+    let (landed, tail) = rt.block_on(async {
+        let clients = [at(0).await, at(1).await, at(2).await];
+        // Learn the tail the way a writer does: a refusal names it (the leader's
+        // generation start holds an offset).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let tail = loop {
+            match refused_tail(
+                clients[leader]
+                    .publish_if(
+                        TENANT,
+                        NAMESPACE,
+                        "ledger",
+                        None,
+                        batch("probe".into()),
+                        u64::MAX,
+                    )
+                    .await,
+            ) {
+                Some(t) => break t,
+                None => {
+                    assert!(Instant::now() < deadline, "the leader never served");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        assert!(tail >= 1, "the generation start holds offset 0");
+        // Nine racers, three through each broker, at that tail.
+        let racers = (0..9).map(|i| {
+            let client = clients[i % 3].clone();
+            tokio::spawn(async move {
+                let outcome = client
+                    .publish_if(
+                        TENANT,
+                        NAMESPACE,
+                        "ledger",
+                        None,
+                        batch(format!("r{i}")),
+                        tail,
+                    )
+                    .await;
+                (i, outcome)
+            })
+        });
+        let mut won = Vec::new();
+        for r in racers.collect::<Vec<_>>() {
+            let (i, outcome) = r.await.unwrap();
+            match outcome {
+                Ok(offset) => won.push((i, offset)),
+                other => assert_eq!(refused_tail(other), Some(tail + 2), "racer {i}"),
+            }
+        }
+        assert_eq!(won.len(), 1, "exactly one racer lands: {won:?}");
+        assert_eq!(won[0].1, tail);
+        (won[0].0, tail)
+    });
+    c.brokers[leader].kill();
+    let (successor, _) = c
+        .wait_leader(
+            "ledger",
+            0,
+            Some(leader),
+            generation,
+            Duration::from_secs(30),
+        )
+        .unwrap();
+    rt.block_on(async {
+        let client = at(successor).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // The old tail is stale now: the new leader's generation start came after it.
+        let new_tail = loop {
+            match refused_tail(
+                client
+                    .publish_if(
+                        TENANT,
+                        NAMESPACE,
+                        "ledger",
+                        None,
+                        batch("late".into()),
+                        tail + 2,
+                    )
+                    .await,
+            ) {
+                Some(t) => break t,
+                None => {
+                    assert!(Instant::now() < deadline, "the successor never served");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        assert!(
+            new_tail > tail + 2,
+            "{new_tail}: the successor's generation start"
+        );
+        assert_eq!(
+            client
+                .publish_if(
+                    TENANT,
+                    NAMESPACE,
+                    "ledger",
+                    None,
+                    batch("after".into()),
+                    new_tail
+                )
+                .await
+                .unwrap(),
+            new_tail
+        );
+        let (records, _) = client
+            .stream_read(TENANT, NAMESPACE, "ledger", 0, 0, None, Some(100))
+            .await
+            .unwrap();
+        let got: Vec<(u64, String)> = records
+            .iter()
+            .map(|r| (r.offset.0, String::from_utf8_lossy(&r.payload).into_owned()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (tail, format!("r{landed}-0")),
+                (tail + 1, format!("r{landed}-1")),
+                (new_tail, "after-0".to_string()),
+                (new_tail + 1, "after-1".to_string()),
+            ]
+        );
+    });
+}
+
 fn dir_bytes(p: &Path) -> u64 {
     let mut total = 0;
     if let Ok(rd) = std::fs::read_dir(p) {

@@ -60,6 +60,13 @@ pub fn publish(
                     message: format!("{reason:?}"),
                     reason,
                 },
+                Err(BrokerError::OffsetMismatch { tail }) => Message::PublishRefused {
+                    request_id: rid,
+                    reason: felix_wire::message::PublishRefusalReason::OffsetMismatch {
+                        tail: Offset(tail),
+                    },
+                    message: format!("the shard's tail is {tail}"),
+                },
                 Ok(first) => Message::PublishOk {
                     request_id: rid,
                     offset: session

@@ -21,7 +21,7 @@ use felix_wire::{Features, Frame, Generation, Message, PublishBatch, RequestId, 
 use crate::auth::Action as Perm;
 use crate::catalog::Entry;
 use crate::cluster::{Resolved, Route};
-use crate::core::CacheOp;
+use crate::core::{CacheOp, WriteIf};
 use crate::error::{BrokerError, cut};
 use crate::groups::GroupOp;
 use crate::session::Session;
@@ -61,8 +61,8 @@ pub struct Publish {
     pub answer: AnswerTo,
     /// The request as received, framed again for a leader if it must be forwarded.
     pub wire: Bytes,
-    /// An idempotent producer's `(producer_id, sequence)`.
-    pub idempotent: Option<(u64, u64)>,
+    /// What it is written under (an idempotent producer's batch, a `publish_if`).
+    pub condition: Option<WriteIf>,
 }
 
 impl Publish {
@@ -287,8 +287,8 @@ pub enum Action {
         records: Vec<Bytes>,
         /// Who is owed the answer.
         answer: AnswerTo,
-        /// An idempotent producer's `(producer_id, sequence)`.
-        idempotent: Option<(u64, u64)>,
+        /// What it is written under, if anything.
+        condition: Option<WriteIf>,
     },
     /// Send the request on to the shard's leader and relay its answer.
     Forward {
@@ -400,7 +400,9 @@ pub fn decode(frame: &Frame, answered: bool) -> Request {
                         AnswerTo::Binary(a.request_id)
                     }
                 })),
-                idempotent: b.idempotent.map(|i| (i.producer_id.0, i.sequence.0)),
+                condition: b
+                    .idempotent
+                    .map(|i| WriteIf::Idempotent(i.producer_id.0, i.sequence.0)),
                 tenant: b.tenant,
                 namespace: b.namespace,
                 stream: b.stream,
@@ -467,7 +469,7 @@ fn json_publish(
         records,
         answer: owed(answer),
         wire: crate::forward::json_frame(raw),
-        idempotent: None,
+        condition: None,
     })
 }
 
@@ -533,7 +535,32 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
             Some(message::AckMode::PerBatch),
         ) {
             Request::Publish(mut p) => {
-                p.idempotent = Some((producer_id.0, sequence.0));
+                p.condition = Some(WriteIf::Idempotent(producer_id.0, sequence.0));
+                Request::Publish(p)
+            }
+            other => other,
+        },
+        Message::PublishIf {
+            tenant_id,
+            namespace,
+            stream,
+            payloads,
+            key,
+            shard,
+            expected_offset,
+            request_id,
+        } => match json_publish(
+            raw,
+            owed,
+            (tenant_id, namespace, stream),
+            payloads,
+            key,
+            shard,
+            Some(request_id),
+            Some(message::AckMode::PerBatch),
+        ) {
+            Request::Publish(mut p) => {
+                p.condition = Some(WriteIf::Tail(expected_offset.0));
                 Request::Publish(p)
             }
             other => other,
@@ -1437,9 +1464,9 @@ fn publish(
         Ok(k) => k,
         Err(e) => return refuse(e),
     };
-    if p.idempotent.is_some() && !answer.owed() {
+    if p.condition.is_some() && !answer.owed() {
         return refuse(BrokerError::InvalidRequest(
-            "an idempotent publish must be acknowledged".into(),
+            "an idempotent or conditional publish must be acknowledged".into(),
         ));
     }
     match dir.resolve(&key) {
@@ -1447,7 +1474,7 @@ fn publish(
             key,
             records: p.records,
             answer,
-            idempotent: p.idempotent,
+            condition: p.condition,
         },
         Resolved::Remote(route) => Action::Forward {
             route,
@@ -1724,6 +1751,64 @@ mod tests {
         assert_eq!(r1, r2);
         assert_eq!(a1, AnswerTo::Binary(RequestId(9)));
         assert_eq!(a2, AnswerTo::Json(RequestId(9)));
+    }
+
+    /// A `publish_if` is an acknowledged append to the shard it names, carrying the tail
+    /// it expects; a `publish_batch` to the same place carries none.
+    #[test]
+    fn a_conditional_publish_appends_under_the_tail_it_expects() {
+        let dir = MemDirectory::new(4);
+        let s = session();
+        let conditional = decide_frame(
+            &s,
+            &dir,
+            &json(Message::PublishIf {
+                tenant_id: TENANT.into(),
+                namespace: "ns".into(),
+                stream: "orders".into(),
+                payloads: vec![Bytes::from_static(b"one"), Bytes::from_static(b"two")],
+                key: None,
+                shard: Some(felix_wire::ShardId(2)),
+                expected_offset: felix_wire::Offset(17),
+                request_id: RequestId(5),
+            }),
+            true,
+        );
+        let Action::Append {
+            key,
+            records,
+            answer,
+            condition,
+        } = conditional
+        else {
+            panic!("a conditional publish appends: {conditional:?}");
+        };
+        assert_eq!(key.shard, 2);
+        assert_eq!(records.len(), 2);
+        assert_eq!(answer, AnswerTo::Json(RequestId(5)));
+        assert_eq!(condition, Some(WriteIf::Tail(17)));
+        let plain = decide_frame(
+            &s,
+            &dir,
+            &json(Message::PublishBatch {
+                tenant_id: TENANT.into(),
+                namespace: "ns".into(),
+                stream: "orders".into(),
+                payloads: vec![Bytes::from_static(b"one")],
+                key: None,
+                shard: Some(felix_wire::ShardId(2)),
+                request_id: Some(RequestId(6)),
+                ack: Some(message::AckMode::PerBatch),
+            }),
+            true,
+        );
+        assert!(matches!(
+            plain,
+            Action::Append {
+                condition: None,
+                ..
+            }
+        ));
     }
 
     #[test]

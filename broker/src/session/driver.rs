@@ -490,7 +490,7 @@ async fn execute(
             key,
             records,
             answer,
-            idempotent,
+            condition,
         } => {
             // Publishes to streams already on disk do not wait for (or fail with)
             // writing someone else's new stream.
@@ -503,7 +503,7 @@ async fn execute(
                 .publish_bytes
                 .fetch_add(bytes as u64, Ordering::Relaxed);
             let read_at = clock::now().instant;
-            let appended = core.append(key, records, idempotent);
+            let appended = core.append(key, records, condition);
             if answer.owed() {
                 let session = session.clone();
                 // One clone of this core's handle (an Rc, core-local): no shared

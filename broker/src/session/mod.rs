@@ -64,6 +64,7 @@ pub const SERVER_FEATURES: Features = Features(
         | Features::RECORD_TIMESTAMPS.0
         | Features::COUNTERS.0
         | Features::ATOMIC_COMMIT.0
+        | Features::PUBLISH_CONDITIONAL.0
         | Features::CONSUMER_GROUP.0
         | Features::GROUP_DEAD_LETTERS.0
         | Features::GROUP_ADMIN.0
