@@ -83,6 +83,16 @@ pub struct Event {
     pub skipped_before: u64,
 }
 
+/// The first offset a `publish_ok` names, or why the publish failed.
+fn published_at(answer: Message, what: &'static str) -> Result<u64, ClientError> {
+    match answer {
+        Message::PublishOk { offset, .. } => offset
+            .map(|o| o.0)
+            .ok_or_else(|| ClientError::Protocol("publish_ok without the batch's offset".into())),
+        other => Err(broker_error(what, other)),
+    }
+}
+
 pub(crate) fn broker_error(context: &'static str, m: Message) -> ClientError {
     match m {
         Message::Error {
@@ -732,12 +742,10 @@ impl Client {
             producer_id: felix_wire::ProducerId(producer_id),
             sequence: felix_wire::Sequence(sequence),
         };
-        match self.request(m, "publish_idempotent").await? {
-            Message::PublishOk { offset, .. } => offset.map(|o| o.0).ok_or_else(|| {
-                ClientError::Protocol("publish_ok without the batch's offset".into())
-            }),
-            other => Err(broker_error("publish_idempotent", other)),
-        }
+        published_at(
+            self.request(m, "publish_idempotent").await?,
+            "publish_idempotent",
+        )
     }
 
     /// Publishes `payloads` as one batch to `shard` (0 when `None`) only if the shard's
@@ -763,12 +771,7 @@ impl Client {
             expected_offset: felix_wire::Offset(expected_offset),
             request_id: RequestId(self.next_id()),
         };
-        match self.request(m, "publish_if").await? {
-            Message::PublishOk { offset, .. } => offset.map(|o| o.0).ok_or_else(|| {
-                ClientError::Protocol("publish_ok without the batch's offset".into())
-            }),
-            other => Err(broker_error("publish_if", other)),
-        }
+        published_at(self.request(m, "publish_if").await?, "publish_if")
     }
 
     /// Commits `event` and `changes` as one record on the shard of `stream` that

@@ -1417,16 +1417,7 @@ fn a_groups_cursor_and_dead_letters_survive_a_leader_kill() {
         wait: Duration::from_millis(300),
         visibility: Some(Duration::from_secs(60)),
     };
-    let addrs: Vec<_> = c.brokers.iter().map(|b| b.listen).collect();
-    let config = c.client_config().unwrap();
-    let at = |i: usize| {
-        let (addr, config) = (addrs[i], config.clone());
-        async move {
-            felix_client::Client::connect(addr, "localhost", config)
-                .await
-                .unwrap()
-        }
-    };
+    let at = connector(&c);
     let (handled, dead, rest) = rt.block_on(async {
         let client = at(leader).await;
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -1524,16 +1515,7 @@ fn a_new_leader_snapshots_its_groups_without_a_group_request() {
         .unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let g = GroupRef::new(TENANT, NAMESPACE, "jobs", 0, "workers");
-    let addrs: Vec<_> = c.brokers.iter().map(|b| b.listen).collect();
-    let config = c.client_config().unwrap();
-    let at = |i: usize| {
-        let (addr, config) = (addrs[i], config.clone());
-        async move {
-            felix_client::Client::connect(addr, "localhost", config)
-                .await
-                .unwrap()
-        }
-    };
+    let at = connector(&c);
     let publish = async |client: &felix_client::Client, n: usize| {
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut done = 0;
@@ -1661,16 +1643,7 @@ fn a_conditional_publish_on_a_quorum_stream_lands_once_through_any_broker() {
         .wait_leader("ledger", 0, None, 0, Duration::from_secs(20))
         .unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let addrs: Vec<_> = c.brokers.iter().map(|b| b.listen).collect();
-    let config = c.client_config().unwrap();
-    let at = |i: usize| {
-        let (addr, config) = (addrs[i], config.clone());
-        async move {
-            felix_client::Client::connect(addr, "localhost", config)
-                .await
-                .unwrap()
-        }
-    };
+    let at = connector(&c);
     let refused_tail = |r: Result<u64, felix_client::ClientError>| match r {
         Err(felix_client::ClientError::Refused {
             reason: PublishRefusalReason::OffsetMismatch { tail },
@@ -1809,6 +1782,24 @@ fn a_conditional_publish_on_a_quorum_stream_lands_once_through_any_broker() {
             ]
         );
     });
+}
+
+/// Connects a client to broker `i` of `c` (addresses and credentials copied out, so
+/// the cluster stays free to kill and restart its brokers, which keep their address).
+fn connector(
+    c: &TestCluster,
+) -> impl Fn(usize) -> std::pin::Pin<Box<dyn std::future::Future<Output = felix_client::Client>>> + use<>
+{
+    let addrs: Vec<_> = c.brokers.iter().map(|b| b.listen).collect();
+    let config = c.client_config().unwrap();
+    move |i| {
+        let (addr, config) = (addrs[i], config.clone());
+        Box::pin(async move {
+            felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap()
+        })
+    }
 }
 
 fn dir_bytes(p: &Path) -> u64 {

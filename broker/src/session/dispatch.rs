@@ -473,6 +473,17 @@ fn json_publish(
     })
 }
 
+/// A decoded publish written under `condition` (a refusal stays one).
+fn conditional_publish(request: Request, condition: WriteIf) -> Request {
+    match request {
+        Request::Publish(mut p) => {
+            p.condition = Some(condition);
+            Request::Publish(p)
+        }
+        other => other,
+    }
+}
+
 fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) -> Request {
     match m {
         Message::Publish {
@@ -524,22 +535,19 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
             request_id,
             producer_id,
             sequence,
-        } => match json_publish(
-            raw,
-            owed,
-            (tenant_id, namespace, stream),
-            payloads,
-            key,
-            shard,
-            Some(request_id),
-            Some(message::AckMode::PerBatch),
-        ) {
-            Request::Publish(mut p) => {
-                p.condition = Some(WriteIf::Idempotent(producer_id.0, sequence.0));
-                Request::Publish(p)
-            }
-            other => other,
-        },
+        } => conditional_publish(
+            json_publish(
+                raw,
+                owed,
+                (tenant_id, namespace, stream),
+                payloads,
+                key,
+                shard,
+                Some(request_id),
+                Some(message::AckMode::PerBatch),
+            ),
+            WriteIf::Idempotent(producer_id.0, sequence.0),
+        ),
         Message::PublishIf {
             tenant_id,
             namespace,
@@ -549,22 +557,19 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
             shard,
             expected_offset,
             request_id,
-        } => match json_publish(
-            raw,
-            owed,
-            (tenant_id, namespace, stream),
-            payloads,
-            key,
-            shard,
-            Some(request_id),
-            Some(message::AckMode::PerBatch),
-        ) {
-            Request::Publish(mut p) => {
-                p.condition = Some(WriteIf::Tail(expected_offset.0));
-                Request::Publish(p)
-            }
-            other => other,
-        },
+        } => conditional_publish(
+            json_publish(
+                raw,
+                owed,
+                (tenant_id, namespace, stream),
+                payloads,
+                key,
+                shard,
+                Some(request_id),
+                Some(message::AckMode::PerBatch),
+            ),
+            WriteIf::Tail(expected_offset.0),
+        ),
         Message::StreamShards {
             tenant_id,
             namespace,
