@@ -287,6 +287,9 @@ pub struct Mutants {
     /// `forget-rebuilding`: a damaged replica copy starts over empty without the mark
     /// that keeps it out of elections.
     pub forget_rebuilding: bool,
+    /// `unwritten-group-acks`: a consumer group's ack is answered without its event
+    /// being written (the ack lives in memory only).
+    pub unwritten_group_acks: bool,
 }
 
 impl Mutants {
@@ -298,9 +301,10 @@ impl Mutants {
                 "skip-fence" => m.skip_fence = true,
                 "reuse-offsets" => m.reuse_offsets = true,
                 "forget-rebuilding" => m.forget_rebuilding = true,
+                "unwritten-group-acks" => m.unwritten_group_acks = true,
                 other => {
                     return Err(format!(
-                        "unknown mutant {other:?} (ack-after-lease, skip-fence, reuse-offsets, forget-rebuilding)"
+                        "unknown mutant {other:?} (ack-after-lease, skip-fence, reuse-offsets, forget-rebuilding, unwritten-group-acks)"
                     ));
                 }
             }
@@ -777,6 +781,7 @@ impl BrokerConfig {
                         .unwrap_or(d.snapshot_every_bytes)
                         .max(4096),
                     max_claim: d.max_claim,
+                    unwritten_acks: mutants.unwritten_group_acks,
                 }
             },
             max_connections: file.max_connections.unwrap_or(10_000),

@@ -2480,6 +2480,198 @@ async fn reader(
     }
 }
 
+/// What a run's consumer group saw: the group `chaos` over a durable stream's shard 0.
+#[derive(Debug, Default)]
+pub struct GroupLog {
+    /// Each record handed out: its offset, payload, and when the poll that brought it
+    /// was sent (the history's clock, µs).
+    pub deliveries: Vec<(u64, Vec<u8>, u64)>,
+    /// Acks answered OK: the offset and when the answer came (µs).
+    pub acked: Vec<(u64, u64)>,
+    /// Polls answered, and requests that failed.
+    pub polls: u64,
+    /// Requests that failed (any error or timeout).
+    pub failures: u64,
+    /// Whether it ended on polls that found nothing for [`GROUP_DRAIN_QUIET`] after the
+    /// workload stopped: every record of the log has gone out by then.
+    pub drained: bool,
+}
+
+/// A claim's visibility timeout in chaos runs: a claim whose answer was lost comes back.
+const GROUP_VISIBILITY: Duration = Duration::from_secs(3);
+/// Empty polls for this long after the producers are done end the drain: past a
+/// visibility timeout, so claims whose answers were lost have come back.
+const GROUP_DRAIN_QUIET: Duration = Duration::from_secs(4);
+/// The drain's bound, from when the workload is told to stop.
+const GROUP_DRAIN_MAX: Duration = Duration::from_secs(30);
+
+/// One consumer of group `chaos` on `stream`'s shard 0: polls, acks every record, and
+/// after `stop` drains what is left once `producers_done`. Follows the leader (a
+/// `not_leader` names it; any other failure tries the next broker).
+async fn group_consumer(
+    stream: &'static str,
+    seeds: Vec<std::net::SocketAddr>,
+    config: felix_client::ClientConfig,
+    history: Arc<History>,
+    stop: Arc<AtomicBool>,
+    producers_done: Arc<AtomicBool>,
+) -> GroupLog {
+    use felix_client::{GroupRef, PollOptions};
+    let g = GroupRef::new(TENANT, NAMESPACE, stream, 0, "chaos");
+    let opts = PollOptions {
+        max_records: 64,
+        wait: Duration::from_millis(300),
+        visibility: Some(GROUP_VISIBILITY),
+    };
+    let mut log = GroupLog::default();
+    let (mut client, mut target, mut turn) = (None::<felix_client::Client>, None, 0usize);
+    let (mut drain_until, mut quiet_since) = (None::<Instant>, None::<Instant>);
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            let until = *drain_until.get_or_insert_with(|| Instant::now() + GROUP_DRAIN_MAX);
+            if Instant::now() > until {
+                break;
+            }
+        }
+        let c = match &client {
+            Some(c) => c.clone(),
+            None => {
+                let addr = target.take().unwrap_or_else(|| {
+                    turn += 1;
+                    seeds[turn % seeds.len()]
+                });
+                let connected = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    felix_client::Client::connect(addr, "localhost", config.clone()),
+                )
+                .await;
+                match connected {
+                    Ok(Ok(c)) => {
+                        client = Some(c.clone());
+                        c
+                    }
+                    _ => {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                }
+            }
+        };
+        let sent = history.now_us();
+        let failed = match tokio::time::timeout(Duration::from_secs(6), c.group_poll(&g, opts))
+            .await
+        {
+            Ok(Ok(records)) => {
+                log.polls += 1;
+                if records.is_empty() {
+                    if producers_done.load(Ordering::SeqCst) {
+                        let since = *quiet_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() >= GROUP_DRAIN_QUIET {
+                            log.drained = true;
+                            break;
+                        }
+                    }
+                    continue;
+                }
+                quiet_since = None;
+                for r in &records {
+                    log.deliveries.push((r.offset.0, r.payload.to_vec(), sent));
+                }
+                // Every ack of the poll in flight at once (they group-commit).
+                let acks: Vec<_> = records
+                    .iter()
+                    .map(|r| {
+                        let (c, g, history, o) =
+                            (c.clone(), g.clone(), history.clone(), r.offset.0);
+                        tokio::spawn(async move {
+                            let acked =
+                                tokio::time::timeout(Duration::from_secs(6), c.group_ack(&g, o))
+                                    .await;
+                            (o, acked, history.now_us())
+                        })
+                    })
+                    .collect();
+                let mut failed = None;
+                for a in acks {
+                    match a.await {
+                        Ok((o, Ok(Ok(())), at)) => log.acked.push((o, at)),
+                        Ok((_, Ok(Err(e)), _)) => failed = Some(Some(e)),
+                        _ => failed = Some(None),
+                    }
+                }
+                failed
+            }
+            Ok(Err(e)) => Some(Some(e)),
+            Err(_) => Some(None),
+        };
+        if let Some(error) = failed {
+            log.failures += 1;
+            client = None;
+            match error {
+                Some(ClientError::NotLeader(nl)) => {
+                    target = nl.addr.and_then(|a| a.parse().ok());
+                }
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+    log
+}
+
+/// What a group's log says against the stream's final log: records handed out that the
+/// log does not hold at their offset, records handed out again by a poll sent after
+/// their ack was answered, and (when the consumer drained) records never handed out.
+pub fn check_group(log: &GroupLog, final_log: &BTreeMap<u64, Vec<u8>>) -> Value {
+    let acked: HashMap<u64, u64> = log.acked.iter().fold(HashMap::new(), |mut m, &(o, at)| {
+        let e = m.entry(o).or_insert(at);
+        *e = (*e).min(at);
+        m
+    });
+    let (mut wrong, mut again) = (Vec::new(), Vec::new());
+    let mut delivered = std::collections::BTreeSet::new();
+    for (o, payload, sent) in &log.deliveries {
+        delivered.insert(*o);
+        if final_log.get(o) != Some(payload) {
+            wrong.push(*o);
+        }
+        if acked.get(o).is_some_and(|at| at < sent) {
+            again.push(*o);
+        }
+    }
+    let skipped: Vec<u64> = if log.drained {
+        final_log
+            .keys()
+            .filter(|o| !delivered.contains(o))
+            .copied()
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut anomalies = Vec::new();
+    if !wrong.is_empty() {
+        anomalies.push("group_wrong_record");
+    }
+    if !again.is_empty() {
+        anomalies.push("group_acked_handed_out_again");
+    }
+    if !skipped.is_empty() {
+        anomalies.push("group_skipped");
+    }
+    let first = |v: &Vec<u64>| v.iter().take(10).copied().collect::<Vec<_>>();
+    json!({
+        "polls": log.polls,
+        "failures": log.failures,
+        "delivered": log.deliveries.len(),
+        "distinct": delivered.len(),
+        "acked": log.acked.len(),
+        "drained": log.drained,
+        "anomalies": anomalies,
+        "wrong": {"count": wrong.len(), "first": first(&wrong)},
+        "acked_handed_out_again": {"count": again.len(), "first": first(&again)},
+        "skipped": {"count": skipped.len(), "first": first(&skipped)},
+    })
+}
+
 /// Every record of every stream's shard 0, read from its leader until a read goes
 /// quiet past the highest acknowledged offset (or 60 s pass).
 pub async fn final_logs(
@@ -2669,6 +2861,8 @@ pub fn run_with(
         .enable_all()
         .build()?;
     let mut tasks = Vec::new();
+    let mut groups = Vec::new();
+    let producers_done = Arc::new(AtomicBool::new(false));
     let mut id = 0u32;
     for s in scenario.streams {
         for _ in 0..scenario.producers {
@@ -2684,6 +2878,17 @@ pub fn run_with(
             id += 1;
         }
         if promise[s.name] == Promise::Durable {
+            groups.push((
+                s.name,
+                rt.spawn(group_consumer(
+                    s.name,
+                    cluster.seeds(),
+                    cluster.client_config()?,
+                    history.clone(),
+                    stop.clone(),
+                    producers_done.clone(),
+                )),
+            ));
             tasks.push(rt.spawn(reader(
                 id,
                 s.name,
@@ -2722,6 +2927,19 @@ pub fn run_with(
         for t in tasks {
             let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
         }
+    });
+    producers_done.store(true, Ordering::SeqCst);
+    // The group consumers drain what is left (bounded by GROUP_DRAIN_MAX).
+    let group_logs: Vec<(&str, Option<GroupLog>)> = rt.block_on(async {
+        let mut out = Vec::new();
+        for (name, t) in groups {
+            let log = tokio::time::timeout(GROUP_DRAIN_MAX + Duration::from_secs(10), t)
+                .await
+                .ok()
+                .and_then(Result::ok);
+            out.push((name, log));
+        }
+        out
     });
     let ops = history.ops();
     let changes = watcher.join().unwrap_or_default();
@@ -2792,6 +3010,26 @@ pub fn run_with(
         }
     };
     let report = check(&ops, &finals, &promise, &changes);
+    let mut group_reports = serde_json::Map::new();
+    let mut group_anomalies = Vec::new();
+    for (name, log) in &group_logs {
+        let checked = match log {
+            Some(log) => {
+                let empty = BTreeMap::new();
+                let final_log = finals.get(&(name.to_string(), 0)).unwrap_or(&empty);
+                check_group(log, final_log)
+            }
+            None => json!({"anomalies": ["group_consumer_hung"]}),
+        };
+        for a in checked["anomalies"].as_array().into_iter().flatten() {
+            if let Some(a) = a.as_str()
+                && !group_anomalies.iter().any(|g| g == a)
+            {
+                group_anomalies.push(a.to_owned());
+            }
+        }
+        group_reports.insert(name.to_string(), checked);
+    }
     // What failed publishes were answered, most frequent first (digits elided, so
     // offsets and ids do not split one kind of answer into many).
     let mut errors: BTreeMap<(String, String), u64> = BTreeMap::new();
@@ -2822,10 +3060,11 @@ pub fn run_with(
         .filter_map(|b| b.metric("felix_broker_replicas_left_total").ok())
         .sum();
     let moved = scenario.stable && !changes.is_empty();
-    let mut anomalies = report.classes();
+    let mut anomalies: Vec<String> = report.classes().into_iter().map(str::to_owned).collect();
     if moved {
-        anomalies.push("leadership_moved");
+        anomalies.push("leadership_moved".into());
     }
+    anomalies.extend(group_anomalies.iter().cloned());
     Ok(json!({
         "scenario": scenario.name,
         "seed": seed,
@@ -2835,11 +3074,12 @@ pub fn run_with(
         "wall_s": began.elapsed().as_secs_f64(),
         "nodes": scenario.nodes,
         "timeline": timeline,
-        "valid": report.valid() && !moved,
+        "valid": report.valid() && !moved && group_anomalies.is_empty(),
         "anomalies": anomalies,
         "streams": per_stream,
         "copies_removed": copies_removed,
         "errors": errors,
         "report": report.json(),
+        "groups": group_reports,
     }))
 }

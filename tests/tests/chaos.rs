@@ -242,6 +242,14 @@ fn the_checker_catches_acks_after_the_lease() {
     assert_caught("leader-pause", "ack-after-lease");
 }
 
+/// The run's consumer group (group `chaos` on every durable stream) is checked too: a
+/// broker that answers acks without writing them hands acked records out again after
+/// a restart.
+#[test]
+fn the_checker_catches_group_acks_never_written() {
+    assert_caught("kill-restart", "unwritten-group-acks");
+}
+
 // `skip-fence` (a new leader serving on its own log without fencing a majority): a
 // planned move hands leadership to a member that may still lack the newest committed
 // records; fencing makes it fetch them before it serves, the mutant serves without

@@ -819,6 +819,9 @@ impl GroupShard {
                     .tracker(&group, |t| t.ack(o))
                     .unwrap_or_else(|| Err(no_group(&group)))
                     .map_err(refused)?;
+                if self.limits.unwritten_acks {
+                    return Ok(GroupAnswer::Done);
+                }
                 if let Some(e) = event
                     && let Err(err) = self.write(&group, &[Some(e)]).await
                 {
@@ -1343,10 +1346,18 @@ mod tests {
 
     /// A stream shard over a new log in `dir`.
     async fn stream_in(dir: &std::path::Path) -> StreamShard {
+        stream_with(dir, Default::default()).await
+    }
+
+    /// A stream shard over a new log in `dir` with `config`.
+    async fn stream_with(
+        dir: &std::path::Path,
+        config: felix_storage_uring::LogConfig,
+    ) -> StreamShard {
         let backend = felix_storage_uring::DmaBackend::open_dir(dir)
             .await
             .unwrap();
-        let (log, _) = felix_storage_uring::SegmentLog::open(backend, Default::default())
+        let (log, _) = felix_storage_uring::SegmentLog::open(backend, config)
             .await
             .unwrap();
         let key = std::sync::Arc::new(felix_core_runtime::placement::ShardKey {
@@ -1413,24 +1424,11 @@ mod tests {
     fn a_build_reads_each_segment_since_the_newest_snapshot_once() {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
-            let backend = felix_storage_uring::DmaBackend::open_dir(dir.path())
-                .await
-                .unwrap();
             let config = felix_storage_uring::LogConfig {
                 segment_bytes_max: 64 << 10,
                 ..Default::default()
             };
-            let (log, _) = felix_storage_uring::SegmentLog::open(backend, config)
-                .await
-                .unwrap();
-            let key = std::sync::Arc::new(felix_core_runtime::placement::ShardKey {
-                kind: felix_core_runtime::placement::ShardKind::Stream,
-                tenant: "t".into(),
-                namespace: "ns".into(),
-                name: "s".into(),
-                shard: 0,
-            });
-            let stream = StreamShard::new(key, log);
+            let stream = stream_with(dir.path(), config).await;
             let limits = Limits::default();
             let build = |keep_max| {
                 let writer: GroupWriter =

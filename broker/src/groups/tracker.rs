@@ -24,6 +24,9 @@ pub struct Limits {
     /// Log bytes written after a shard's last group snapshot before its leader writes
     /// another (`mod.rs`): bounds how much of the log a new leader folds.
     pub snapshot_every_bytes: u64,
+    /// A deliberate bug (the `unwritten-group-acks` mutant, debug builds with fault
+    /// injection only): acks are answered without their event being written.
+    pub unwritten_acks: bool,
 }
 
 impl Default for Limits {
@@ -34,6 +37,7 @@ impl Default for Limits {
             max_in_flight: 10_000,
             max_claim: 1000,
             snapshot_every_bytes: 64 << 20,
+            unwritten_acks: false,
         }
     }
 }
@@ -575,6 +579,7 @@ mod tests {
             max_in_flight: 100,
             max_claim: 1000,
             snapshot_every_bytes: 1 << 20,
+            unwritten_acks: false,
         }
     }
 
