@@ -2289,6 +2289,14 @@ impl CoreBroker {
         {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
+        if let Some(c) = &self.shared.cluster
+            && !c.lease_valid(clock::now().instant)
+        {
+            // Cut off past its lease, a leader may have been replaced: its groups'
+            // claims and cursors may be behind the successor's (an ack taken there).
+            self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
+            return Err(BrokerError::ShardUnavailable("stale".into()));
+        }
         let stream = self.stream_shard(key).await?;
         let groups = self.group_shard(key, &stream).await?;
         stream.group_batches_seen.set(true);
