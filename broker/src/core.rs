@@ -1269,6 +1269,18 @@ impl CoreBroker {
         }
     }
 
+    /// Refuses (`stale`, counted) when this broker is in a cluster and cut off from the
+    /// control plane past its lease: another broker may lead its shards by now.
+    fn within_lease(&self) -> Result<(), BrokerError> {
+        match &self.shared.cluster {
+            Some(c) if !c.lease_valid(clock::now().instant) => {
+                self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
+                Err(BrokerError::ShardUnavailable("stale".into()))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The replica of `key` on this core. A shard the catalog says is replicated but
     /// whose replica is not attached yet (just after a restart, before the first sync
     /// with the control plane's assignments) is unavailable: served as a plain shard it
@@ -1394,15 +1406,8 @@ impl CoreBroker {
         commit: Option<Special>,
         tag: Option<(u64, u64)>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
-        if let Some(c) = &self.shared.cluster
-            && !c.lease_valid(clock::now().instant)
-        {
-            // Cut off from the control plane past our lease: another broker may lead
-            // this shard by now.
-            self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
-            return Box::pin(std::future::ready(Err(BrokerError::ShardUnavailable(
-                "stale".into(),
-            ))));
+        if let Err(e) = self.within_lease() {
+            return Box::pin(std::future::ready(Err(e)));
         }
         match self.replica_of(&key) {
             Ok(Some(rs)) => return Box::pin(self.append_replicated(rs, records, commit, tag)),
@@ -2289,14 +2294,8 @@ impl CoreBroker {
         {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
-        if let Some(c) = &self.shared.cluster
-            && !c.lease_valid(clock::now().instant)
-        {
-            // Cut off past its lease, a leader may have been replaced: its groups'
-            // claims and cursors may be behind the successor's (an ack taken there).
-            self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
-            return Err(BrokerError::ShardUnavailable("stale".into()));
-        }
+        // A replaced leader's groups may be behind its successor's (an ack taken there).
+        self.within_lease()?;
         let stream = self.stream_shard(key).await?;
         let groups = self.group_shard(key, &stream).await?;
         stream.group_batches_seen.set(true);
