@@ -21,7 +21,10 @@
 //!   added later also wins over an automatic one, being newer);
 //! - a shard spread over cores (no core has [`SHARE`] of its traffic), a quiet one
 //!   (under [`MIN_REQUESTS`] in a window), or one whose requests come from a core that is
-//!   busy already ([`MAX_BUSY`]): moving it there would trade parallelism for hops;
+//!   busy already ([`MAX_BUSY`]) — unless that core and the shard's own together use
+//!   less than one core: moving it there would trade parallelism for hops, where a core
+//!   with room to take all the shard's owner does cannot be overloaded by it (the lone
+//!   one-at-a-time producer, whose core is kept busy mostly by the hops themselves);
 //! - a shard moved less than [`COOLDOWN`] ago, and any once [`MAX_AUTO_RULES`] shards were
 //!   moved (every rule is checked on each lookup);
 //! - replicated shards in a cluster (they move only with a restart).
@@ -50,7 +53,8 @@ pub const WINDOW: Duration = Duration::from_secs(1);
 pub const MIN_REQUESTS: u32 = 100;
 /// The share of a shard's requests one core must send for the shard to move there.
 pub const SHARE: f64 = 0.8;
-/// A destination core busier than this (share of its thread's time) takes no shard.
+/// A destination core busier than this (share of its thread's time) takes no shard,
+/// unless it and the cores holding the shard now are busy less than one core together.
 pub const MAX_BUSY: f64 = 0.6;
 /// A shard moved automatically stays put at least this long.
 pub const COOLDOWN: Duration = Duration::from_secs(10);
@@ -71,18 +75,29 @@ pub struct LoadReport {
     pub counts: HashMap<Arc<ShardKey>, Vec<u32>>,
 }
 
-/// Where `counts` (traffic per core in one window) say a shard owned by `owner` (if
-/// known) should go, given each core's `busy` share: the core with at least [`SHARE`] of
-/// at least [`MIN_REQUESTS`], when that is not the owner and has room.
-pub fn destination(counts: &[u32], owner: Option<CoreId>, busy: &[f64]) -> Option<CoreId> {
+/// Where `counts` (traffic per core in one window) say a shard held by the cores
+/// `holders` (a stream's and a cache's shard of one name may sit on two) should go,
+/// given each core's `busy` share: the core with at least [`SHARE`] of at least
+/// [`MIN_REQUESTS`], when it does not hold them all already and has room — under
+/// [`MAX_BUSY`], or busy less than one core together with the other holders (all the
+/// work they do, the shard's included, would fit there).
+pub fn destination(counts: &[u32], holders: &[CoreId], busy: &[f64]) -> Option<CoreId> {
     let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
     if total < u64::from(MIN_REQUESTS) {
         return None;
     }
     let (best, &n) = counts.iter().enumerate().max_by_key(|(_, n)| **n)?;
-    let room = busy.get(best).is_none_or(|&b| b < MAX_BUSY);
-    (owner != Some(CoreId(best)) && n as f64 >= SHARE * total as f64 && room)
-        .then_some(CoreId(best))
+    let load = |c: usize| busy.get(c).copied().unwrap_or(0.0);
+    let mut others: Vec<usize> = holders
+        .iter()
+        .map(|h| h.index())
+        .filter(|&h| h != best)
+        .collect();
+    others.sort_unstable();
+    others.dedup();
+    let fits = load(best) + others.iter().map(|&h| load(h)).sum::<f64>() < 1.0;
+    let room = load(best) < MAX_BUSY || fits;
+    (!others.is_empty() && n as f64 >= SHARE * total as f64 && room).then_some(CoreId(best))
 }
 
 /// Whether a rule that is not one of `autos` matches the shards `rule` names: an
@@ -248,13 +263,11 @@ impl CoreBroker {
                     if moved.contains_key(&key) {
                         continue;
                     }
-                    let Some(to) = destination(&c, None, &busy) else {
+                    let placed = |kind| table.core_for(&ShardKey { kind, ..key.clone() });
+                    let holders: Vec<CoreId> = kinds.iter().map(|&k| placed(k)).collect();
+                    let Some(to) = destination(&c, &holders, &busy) else {
                         continue;
                     };
-                    let placed = |kind| table.core_for(&ShardKey { kind, ..key.clone() });
-                    if kinds.iter().all(|&k| placed(k) == to) {
-                        continue;
-                    }
                     let rule = rule_for(&key, to);
                     if operator_pinned(&table, &autos, &rule) {
                         continue;
@@ -295,30 +308,40 @@ mod tests {
     #[test]
     fn a_shard_moves_to_the_core_that_sends_most_of_its_requests_when_it_has_room() {
         let idle = [0.1, 0.1];
+        let on = |c: usize| [CoreId(c)];
         // One connection on core 1, the shard on core 0.
-        assert_eq!(
-            destination(&[0, 500], Some(CoreId(0)), &idle),
-            Some(CoreId(1))
-        );
+        assert_eq!(destination(&[0, 500], &on(0), &idle), Some(CoreId(1)));
         // Already there.
-        assert_eq!(destination(&[0, 500], Some(CoreId(1)), &idle), None);
+        assert_eq!(destination(&[0, 500], &on(1), &idle), None);
         // Quiet: not worth a move.
+        assert_eq!(destination(&[0, MIN_REQUESTS - 1], &on(0), &idle), None);
         assert_eq!(
-            destination(&[0, MIN_REQUESTS - 1], Some(CoreId(0)), &idle),
-            None
-        );
-        assert_eq!(
-            destination(&[0, MIN_REQUESTS], Some(CoreId(0)), &idle),
+            destination(&[0, MIN_REQUESTS], &on(0), &idle),
             Some(CoreId(1))
         );
         // Spread over both cores: it stays.
-        assert_eq!(destination(&[300, 700], Some(CoreId(0)), &idle), None);
+        assert_eq!(destination(&[300, 700], &on(0), &idle), None);
+        assert_eq!(destination(&[150, 850], &on(0), &idle), Some(CoreId(1)));
+        // The destination is busy and so is the owner: moving would trade parallelism
+        // for hops.
+        assert_eq!(destination(&[0, 500], &on(0), &[0.5, 0.7]), None);
+        // Busy, but with room for everything the owner does: a lone producer whose
+        // core is kept busy by the hops themselves (measured: 0.63 and 0.33).
         assert_eq!(
-            destination(&[150, 850], Some(CoreId(0)), &idle),
+            destination(&[0, 500], &on(0), &[0.33, 0.63]),
             Some(CoreId(1))
         );
-        // The destination is busy: moving would trade parallelism for hops.
-        assert_eq!(destination(&[0, 500], Some(CoreId(0)), &[0.1, 0.7]), None);
+        assert_eq!(destination(&[0, 500], &on(0), &[0.1, 0.7]), Some(CoreId(1)));
+        // A stream's and a cache's shard of one name on two cores: moved unless both
+        // are there already; the other holder's load counts.
+        assert_eq!(
+            destination(&[0, 0, 500], &[CoreId(0), CoreId(2)], &[0.1, 0.1, 0.1]),
+            Some(CoreId(2))
+        );
+        assert_eq!(
+            destination(&[0, 0, 500], &[CoreId(0), CoreId(1)], &[0.3, 0.3, 0.65]),
+            None
+        );
     }
 
     #[test]
