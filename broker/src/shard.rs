@@ -180,9 +180,10 @@ pub struct StreamShard {
     pub groups: RefCell<Option<std::rc::Rc<crate::groups::GroupShard>>>,
     /// Whether a task is building the groups.
     pub building_groups: std::cell::Cell<bool>,
-    /// Whether a `Group` batch of this log passed through this core since it opened the
-    /// shard (stored from a leader, or written or folded here): its groups then need
-    /// snapshots even while no group request comes (`CoreBroker::snapshot_idle_groups`).
+    /// Whether this log may hold a `Group` batch: one was there when the shard opened
+    /// (its segments say), or passed through this core since (stored from a leader, or
+    /// written or folded here). Its groups then need snapshots even while no group
+    /// request comes (`CoreBroker::snapshot_idle_groups`), after a restart too.
     pub group_batches_seen: Cell<bool>,
     /// The log's size when its groups were last snapshotted or let go, as far as this
     /// core knows (at open: the size then).
@@ -207,6 +208,7 @@ impl StreamShard {
     /// Wraps an opened log.
     pub fn new(key: Arc<ShardKey>, log: SegmentLog<DmaBackend>) -> StreamShard {
         let size = log.size_bytes();
+        let groups_in_log = log.may_hold(felix_storage_uring::BatchKind::Group);
         StreamShard {
             commits_claimed: Cell::new(log.next_offset()),
             fanout_end: Cell::new(log.committed_end()),
@@ -220,7 +222,7 @@ impl StreamShard {
             building_producers: std::cell::Cell::new(false),
             groups: RefCell::default(),
             building_groups: std::cell::Cell::new(false),
-            group_batches_seen: Cell::new(false),
+            group_batches_seen: Cell::new(groups_in_log),
             groups_snapshot_mark: Cell::new(size),
             closing: std::cell::Cell::new(false),
         }

@@ -102,6 +102,17 @@ impl KindSet {
     pub fn has(self, kind: BatchKind) -> bool {
         self.0 & (1 << kind.byte()) != 0
     }
+
+    /// The set as stored (an index file's header): one bit per kind.
+    pub fn bits(self) -> u8 {
+        self.0
+    }
+
+    /// A stored set; bits of kinds this version does not know are kept (a newer
+    /// writer's kinds stay "may hold").
+    pub fn from_bits(bits: u8) -> KindSet {
+        KindSet(bits)
+    }
 }
 
 /// An idempotent producer's tag on a batch.

@@ -4,12 +4,22 @@
 //!
 //! The index is derived, never trusted: it is rebuilt from the segment whenever the file
 //! is missing, short, garbled or stale, so it is never fsynced. File layout (BE):
-//! `FXIX` u32, version u16, reserved u16, base_offset u64, count u32, reserved u32, then
+//! `FXIX` u32, version u16, kinds u16, base_offset u64, count u32, reserved u32, then
 //! count x (offset u64, position u64).
+//!
+//! `kinds` says which kinds of batch the sealed segment holds (a superset: a cut may
+//! have removed some since): bit 15 set when known, bits 0-7 the
+//! [`KindSet`]. Files written before it hold 0 there: unknown, so a reader takes every
+//! kind as possible, as it does for any segment it did not read in full. It spares the
+//! broker a read of the whole log after a restart to learn, say, that a stream holds no
+//! consumer-group batches.
 
 use bytes::BufMut;
 
-use crate::format::SEGMENT_HEADER_BYTES;
+use crate::format::{KindSet, SEGMENT_HEADER_BYTES};
+
+/// Bit 15 of the header's kinds field: the low byte is a [`KindSet`].
+const KINDS_KNOWN: u16 = 0x8000;
 
 const INDEX_MAGIC: u32 = 0x4658_4958;
 const INDEX_VERSION: u16 = 1;
@@ -71,12 +81,12 @@ impl SparseIndex {
         self.entries.is_empty()
     }
 
-    /// The index file's bytes.
-    pub fn encode(&self, base_offset: u64) -> Vec<u8> {
+    /// The index file's bytes, for a segment that holds at most `kinds`.
+    pub fn encode(&self, base_offset: u64, kinds: KindSet) -> Vec<u8> {
         let mut b = Vec::with_capacity(INDEX_HEADER_BYTES + self.entries.len() * 16);
         b.put_u32(INDEX_MAGIC);
         b.put_u16(INDEX_VERSION);
-        b.put_u16(0);
+        b.put_u16(KINDS_KNOWN | u16::from(kinds.bits()));
         b.put_u64(base_offset);
         b.put_u32(self.entries.len() as u32);
         b.put_u32(0);
@@ -85,6 +95,13 @@ impl SparseIndex {
             b.put_u64(p);
         }
         b
+    }
+
+    /// The kinds of batch an index file says its segment holds; `None` when it does not
+    /// say (written before it could) or is too short to.
+    pub fn decode_kinds(bytes: &[u8]) -> Option<KindSet> {
+        let field = u16::from_be_bytes([*bytes.get(6)?, *bytes.get(7)?]);
+        (field & KINDS_KNOWN != 0).then(|| KindSet::from_bits(field as u8))
     }
 
     /// Reads an index file, checking everything that can be checked without the segment:
@@ -127,6 +144,7 @@ impl SparseIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::BatchKind;
 
     #[test]
     fn seek_finds_the_greatest_entry_at_or_below() {
@@ -147,7 +165,7 @@ mod tests {
         let mut idx = SparseIndex::default();
         idx.observe(10, 4096, 1);
         idx.observe(20, 5000, 1);
-        let bytes = idx.encode(10);
+        let bytes = idx.encode(10, KindSet::default());
         assert_eq!(SparseIndex::decode(&bytes, 10, 6000), Some(idx.clone()));
         assert_eq!(SparseIndex::decode(&bytes, 11, 6000), None, "wrong base");
         assert_eq!(
@@ -168,5 +186,28 @@ mod tests {
             "not ascending"
         );
         assert_eq!(SparseIndex::decode(b"junk", 10, 6000), None);
+    }
+
+    #[test]
+    fn an_index_says_which_kinds_its_segment_holds_and_an_old_one_says_nothing() {
+        let mut idx = SparseIndex::default();
+        idx.observe(10, 4096, 1);
+        let mut kinds = KindSet::default();
+        kinds.add(BatchKind::Data);
+        kinds.add(BatchKind::Group);
+        let bytes = idx.encode(10, kinds);
+        assert_eq!(SparseIndex::decode(&bytes, 10, 6000), Some(idx.clone()));
+        let read = SparseIndex::decode_kinds(&bytes).unwrap();
+        assert!(read.has(BatchKind::Group) && read.has(BatchKind::Data));
+        assert!(!read.has(BatchKind::State) && !read.has(BatchKind::Commit));
+        // Nothing but data is not "unknown".
+        let plain = SparseIndex::decode_kinds(&idx.encode(10, KindSet::default())).unwrap();
+        assert!(!plain.has(BatchKind::Data));
+        // A file from before the field: still a valid index, its kinds unknown.
+        let mut old = bytes.clone();
+        old[6..8].copy_from_slice(&[0, 0]);
+        assert_eq!(SparseIndex::decode(&old, 10, 6000), Some(idx));
+        assert_eq!(SparseIndex::decode_kinds(&old), None);
+        assert_eq!(SparseIndex::decode_kinds(&bytes[..7]), None);
     }
 }

@@ -1100,6 +1100,17 @@ impl<B: Backend> SegmentLog<B> {
             .collect()
     }
 
+    /// Whether the log may hold a batch of `kind`: false only when every segment is
+    /// known not to (read in full this life, or sealed with an index that says so).
+    pub fn may_hold(&self, kind: BatchKind) -> bool {
+        self.shared
+            .state
+            .borrow()
+            .segments
+            .iter()
+            .any(|s| s.kinds.has(kind))
+    }
+
     /// Bytes of data across all segments.
     pub fn size_bytes(&self) -> u64 {
         self.shared
@@ -1476,7 +1487,7 @@ impl<B: Backend> SegmentLog<B> {
         let (base, bytes) = {
             let st = self.shared.state.borrow();
             let last = st.segments.back().expect("at least one segment");
-            (last.base, last.index.encode(last.base))
+            (last.base, last.index.encode(last.base, last.kinds))
         };
         let _ = self
             .shared
@@ -2134,7 +2145,7 @@ async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), F
         (
             s.file.clone(),
             s.base,
-            s.index.encode(s.base),
+            s.index.encode(s.base, s.kinds),
             s.end_offset,
             data_end,
         )

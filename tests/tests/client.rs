@@ -616,7 +616,8 @@ async fn publish_jobs(
 /// A shard's groups are rebuilt after a restart from the newest group snapshot, reading
 /// a bounded stretch of the log instead of all of it, and come back exactly: acked
 /// records are not handed out again, unacked ones are, once each, and the dead letters
-/// are listed. (3 MiB of records in 256 KiB segments, a snapshot every 128 KiB.)
+/// are listed; a restarted broker that sees no group request still snapshots them as
+/// records arrive. (4 MiB of records in 256 KiB segments, a snapshot every 128 KiB.)
 #[test]
 fn a_restart_builds_a_groups_state_from_its_newest_snapshot() {
     use felix_client::{GroupRef, PollOptions};
@@ -676,10 +677,24 @@ fn a_restart_builds_a_groups_state_from_its_newest_snapshot() {
         || (b.metric("felix_broker_group_snapshots_total").ok()? > snapshots).then_some(()),
     )
     .unwrap();
-    let log_bytes = 3_600 * 1_000;
+    let log_bytes = 4_200 * 1_000;
     let snapshots = b.metric("felix_broker_group_snapshots_total").unwrap();
     b.kill();
     b.restart().unwrap();
+    // Restarted, with records arriving and no group request: the broker knows from its
+    // log that the stream has groups, and snapshots them as before.
+    rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        left.extend(publish_jobs(&c, 20, b'j').await);
+    });
+    felix_cluster::wait_for(
+        "a snapshot after the restart with no group request",
+        Duration::from_secs(10),
+        || (b.metric("felix_broker_group_snapshots_total").ok()? > 0).then_some(()),
+    )
+    .unwrap();
     rt.block_on(async {
         let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
             .await

@@ -125,10 +125,12 @@ pub(super) async fn recover<B: Backend>(
         }
         let mut index = SparseIndex::default();
         let mut start = (SEGMENT_HEADER_BYTES as u64, base);
-        let loaded = if newest {
-            None
+        let (loaded, loaded_kinds) = if newest {
+            (None, None)
         } else {
-            load_index(backend, &file, base, len).await
+            load_index(backend, &file, base, len)
+                .await
+                .map_or((None, None), |(i, k)| (Some(i), k))
         };
         if let (Some(loaded), VerifyOnOpen::Tail) = (&loaded, config.verify_on_open) {
             let (o, p) = loaded.last().expect("decoded indexes are non-empty");
@@ -166,10 +168,17 @@ pub(super) async fn recover<B: Backend>(
                 cause: torn.cause,
             });
         }
+        // A scan from the last index entry saw only the segment's last batches: the
+        // index file says what the rest holds, or nothing (then it may hold anything).
+        let kinds = if start.0 == SEGMENT_HEADER_BYTES as u64 {
+            end.kinds
+        } else {
+            loaded_kinds.map_or(KindSet::ALL, |k| k.union(end.kinds))
+        };
         if !newest && loaded.as_ref() != Some(&index) {
             report.rebuilt_indexes += 1;
             let _ = backend
-                .write_small(&index_name(base), &index.encode(base))
+                .write_small(&index_name(base), &index.encode(base, kinds))
                 .await;
         }
         let tail_start = format::align_down(end.data_len);
@@ -192,12 +201,7 @@ pub(super) async fn recover<B: Backend>(
             max_timestamp_micros: end.max_timestamp_micros,
             tail_block,
             last_batch: end.last_batch,
-            // A scan from the last index entry saw only the segment's last batches.
-            kinds: if start.0 == SEGMENT_HEADER_BYTES as u64 {
-                end.kinds
-            } else {
-                KindSet::ALL
-            },
+            kinds,
             zeroed_to: 0,
         });
     }
@@ -220,19 +224,22 @@ pub(super) async fn recover<B: Backend>(
 }
 
 /// Loads and spot-checks a sealed segment's index: its last entry must point at a batch
-/// header that verifies and starts at that entry's offset. `None` means rebuild.
+/// header that verifies and starts at that entry's offset. `None` means rebuild. With it,
+/// the kinds of batch the file says the segment holds, if it says.
 async fn load_index<B: Backend>(
     backend: &B,
     file: &B::File,
     base: u64,
     len: u64,
-) -> Option<SparseIndex> {
+) -> Option<(SparseIndex, Option<KindSet>)> {
     let bytes = backend.read_small(&index_name(base)).await.ok()??;
     let index = SparseIndex::decode(&bytes, base, len)?;
     let (offset, pos) = index.last()?;
     let head = file.read_at(pos, BATCH_HEADER_BYTES).await.ok()?;
     match format::decode_batch_header(&head) {
-        Ok(HeaderRead::Batch(h)) if h.base_offset == offset => Some(index),
+        Ok(HeaderRead::Batch(h)) if h.base_offset == offset => {
+            Some((index, SparseIndex::decode_kinds(&bytes)))
+        }
         _ => None,
     }
 }
