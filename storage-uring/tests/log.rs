@@ -174,12 +174,26 @@ async fn a_log_reopened_from_its_indexes_knows_which_kinds_it_holds<F: Fixture>(
     for name in indexes {
         fx.corrupt(&name, 6, &[0, 0]);
     }
-    let (log, _) = SegmentLog::open(fx.backend().await, config).await.unwrap();
+    let (log, _) = SegmentLog::open(fx.backend().await, config.clone())
+        .await
+        .unwrap();
     assert!(
         log.may_hold(BatchKind::Commit),
         "an old index: unknown kinds"
     );
     check_contents(&read_all(&log).await[..200], 0, 200, 1000);
+    log.close().await.unwrap();
+    // An open that reads every segment in full writes the kinds into the old files.
+    let all = LogConfig {
+        verify_on_open: VerifyOnOpen::All,
+        ..config.clone()
+    };
+    let (log, report) = SegmentLog::open(fx.backend().await, all).await.unwrap();
+    assert_eq!(report.rebuilt_indexes, 0, "the entries were right");
+    log.close().await.unwrap();
+    let (log, _) = SegmentLog::open(fx.backend().await, config).await.unwrap();
+    assert!(!log.may_hold(BatchKind::Commit), "upgraded in place");
+    assert!(log.may_hold(BatchKind::Group));
     log.close().await.unwrap();
 }
 

@@ -856,7 +856,6 @@ fn a_subscriber_behind_retention_ends_with_subscription_lagged_at_its_first_miss
     });
 }
 
-/// A per-core value of a metric (`name{core="i"} v`).
 /// Each core's thread CPU seconds (`felix_broker_core_cpu_seconds_total`).
 fn core_cpu(b: &BrokerProcess) -> Vec<f64> {
     let (_, body) = b.http_get("/metrics").unwrap();
@@ -879,6 +878,7 @@ fn core_cpu(b: &BrokerProcess) -> Vec<f64> {
     v
 }
 
+/// A per-core value of a metric (`name{core="i"} v`).
 fn per_core(b: &BrokerProcess, name: &str) -> Vec<u64> {
     let (_, body) = b.http_get("/metrics").unwrap();
     let mut v = vec![0; 2];

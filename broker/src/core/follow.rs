@@ -54,8 +54,13 @@ pub const MIN_REQUESTS: u32 = 100;
 /// The share of a shard's requests one core must send for the shard to move there.
 pub const SHARE: f64 = 0.8;
 /// A destination core busier than this (share of its thread's time) takes no shard,
-/// unless it and the cores holding the shard now are busy less than one core together.
+/// unless it and the cores holding the shard now are busy less than one core together
+/// and it is under [`MAX_BUSY_FITTING`].
 pub const MAX_BUSY: f64 = 0.6;
+/// However little the shard's cores do, a destination this busy takes nothing more: the
+/// readings are sampled (every 250 ms, so a second's share is ±25%), and nothing moves a
+/// shard away again once its core fills up.
+pub const MAX_BUSY_FITTING: f64 = 0.8;
 /// A shard moved automatically stays put at least this long.
 pub const COOLDOWN: Duration = Duration::from_secs(10);
 /// Shards moved automatically, at most (each adds a rule every lookup checks).
@@ -79,8 +84,8 @@ pub struct LoadReport {
 /// `holders` (a stream's and a cache's shard of one name may sit on two) should go,
 /// given each core's `busy` share: the core with at least [`SHARE`] of at least
 /// [`MIN_REQUESTS`], when it does not hold them all already and has room — under
-/// [`MAX_BUSY`], or busy less than one core together with the other holders (all the
-/// work they do, the shard's included, would fit there).
+/// [`MAX_BUSY`], or under [`MAX_BUSY_FITTING`] and busy less than one core together with
+/// the other holders (all the work they do, the shard's included, would fit there).
 pub fn destination(counts: &[u32], holders: &[CoreId], busy: &[f64]) -> Option<CoreId> {
     let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
     if total < u64::from(MIN_REQUESTS) {
@@ -95,7 +100,8 @@ pub fn destination(counts: &[u32], holders: &[CoreId], busy: &[f64]) -> Option<C
         .collect();
     others.sort_unstable();
     others.dedup();
-    let fits = load(best) + others.iter().map(|&h| load(h)).sum::<f64>() < 1.0;
+    let fits = load(best) < MAX_BUSY_FITTING
+        && load(best) + others.iter().map(|&h| load(h)).sum::<f64>() < 1.0;
     let room = load(best) < MAX_BUSY || fits;
     (!others.is_empty() && n as f64 >= SHARE * total as f64 && room).then_some(CoreId(best))
 }
@@ -190,6 +196,9 @@ impl CoreBroker {
         task::spawn(async move {
             let cores = this.upgrade().map_or(0, |c| c.shared.metrics.len());
             let mut moved: HashMap<ShardKey, Instant> = HashMap::new();
+            // The window after a move still shows the load from before it: no decision
+            // on it (another shard could be sent to a core that just took one).
+            let mut settling = false;
             let mut warned_full = false;
             let cpu = |c: &CoreBroker| -> Vec<u64> {
                 c.shared
@@ -219,6 +228,9 @@ impl CoreBroker {
                 let reports = std::mem::take(
                     &mut *core.shared.load_reports.lock().expect("load reports lock"),
                 );
+                if std::mem::take(&mut settling) {
+                    continue;
+                }
                 // A rule moves a stream's shard and a cache's shard of the same name and
                 // number together: their counts add up, under the stream's key, with the
                 // kinds that had traffic (each is placed by its own hash).
@@ -283,6 +295,7 @@ impl CoreBroker {
                         continue;
                     }
                     moved.insert(key.clone(), now);
+                    settling = true;
                     let (answer, outcome) = futures_channel::oneshot::channel();
                     let job = RepinJob {
                         rule,
@@ -332,6 +345,8 @@ mod tests {
             Some(CoreId(1))
         );
         assert_eq!(destination(&[0, 500], &on(0), &[0.1, 0.7]), Some(CoreId(1)));
+        // Never past MAX_BUSY_FITTING, however idle the owner.
+        assert_eq!(destination(&[0, 500], &on(0), &[0.0, 0.85]), None);
         // A stream's and a cache's shard of one name on two cores: moved unless both
         // are there already; the other holder's load counts.
         assert_eq!(

@@ -114,9 +114,10 @@ pub struct Handover {
     /// The shard's consumer groups as the old core left them, claims in flight included
     /// (`None`: not built there; the new core folds them from the log on first use).
     pub groups: Option<crate::groups::GroupState>,
-    /// What the old core knew of the groups while they were not built: whether a
-    /// `Group` batch passed through it, and the log's size at their last snapshot.
-    pub group_batches: (bool, u64),
+    /// What the old core knew of the groups while they were not built: whether its log
+    /// may hold a `Group` batch, and the log's size at their last snapshot (`None`: the
+    /// shard was not open there).
+    pub group_batches: Option<(bool, u64)>,
 }
 
 /// The answer to a [`MoveStep`].
@@ -636,9 +637,9 @@ impl CoreBroker {
                     let stream = self.ready_stream(&key);
                     let interested = stream.as_ref().map(|s| s.interest()).unwrap_or_default();
                     // Nothing runs on the shard now: its groups' state is complete.
-                    let group_batches = stream.as_ref().map_or((false, 0), |s| {
-                        (s.group_batches_seen.get(), s.groups_snapshot_mark.get())
-                    });
+                    let group_batches = stream
+                        .as_ref()
+                        .map(|s| (s.group_batches_seen.get(), s.groups_snapshot_mark.get()));
                     let groups = stream.and_then(|s| s.groups.borrow().as_ref().map(|g| g.state()));
                     let sealed = self.close_shard(&key, true).await;
                     out.push(Handover {
@@ -681,10 +682,13 @@ impl CoreBroker {
                     for (core, n) in &h.interested {
                         s.register_many(*core, *n);
                     }
-                    let (seen, mark) = h.group_batches;
-                    if seen {
-                        s.group_batches_seen.set(true);
-                        s.groups_snapshot_mark.set(mark);
+                    // The old core knew better than this open from the indexes (which
+                    // may predate their kinds field and then say "maybe").
+                    if let Some((seen, mark)) = h.group_batches {
+                        s.group_batches_seen.set(seen);
+                        if seen {
+                            s.groups_snapshot_mark.set(mark);
+                        }
                     }
                     // Held requests run at End, after this: none has built the groups.
                     if let Some(groups) = h.groups {

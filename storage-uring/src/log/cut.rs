@@ -148,6 +148,9 @@ pub(super) async fn finish_at_open<B: Backend>(
             }
             let start = seek_before(seg, o);
             let point = locate(&*seg.file, &seg.name, seg.base, seg.data_len, start, o).await?;
+            // As at a live cut: its index (one `close` wrote) would be stale, and say
+            // nothing of the batches written at the offsets cut.
+            let _ = backend.remove(&index_name(seg.base)).await;
             cut_file(&*seg.file, &point)
                 .await
                 .map_err(|(op, e)| StorageError::io(op, &seg.name, e))?;

@@ -175,8 +175,12 @@ pub(super) async fn recover<B: Backend>(
         } else {
             loaded_kinds.map_or(KindSet::ALL, |k| k.union(end.kinds))
         };
-        if !newest && loaded.as_ref() != Some(&index) {
-            report.rebuilt_indexes += 1;
+        let stale = loaded.as_ref() != Some(&index);
+        // Read in full: an index file that says other kinds (or none: written before
+        // the field) is written again, so a later open from it knows them.
+        let kinds_stale = start.0 == SEGMENT_HEADER_BYTES as u64 && loaded_kinds != Some(kinds);
+        if !newest && (stale || kinds_stale) {
+            report.rebuilt_indexes += usize::from(stale);
             let _ = backend
                 .write_small(&index_name(base), &index.encode(base, kinds))
                 .await;
