@@ -254,8 +254,18 @@ impl SegmentFile for DmaSegmentFile {
         // A fault aimed at writes or at syncs fails it: it is both.
         self.check_write()?;
         self.check_sync()?;
-        let file = self.dsync_file().await?;
-        Self::write_all_at(&file, data, pos).await
+        match self.dsync_file().await {
+            Ok(file) => Self::write_all_at(&file, data, pos).await,
+            // Out of descriptors (the process's or the system's), the O_DSYNC one cannot
+            // be opened, which says nothing about the write: make it durable the other
+            // way, through the descriptor the segment has, with one device round trip
+            // more. Failing it would poison the log for a shortage that passes.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                Self::write_all_at(&self.file, data, pos).await?;
+                self.file.fdatasync().await.map_err(to_io)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     async fn overwrite_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
