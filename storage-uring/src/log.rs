@@ -379,6 +379,9 @@ pub struct LogStats {
     pub largest_round_bytes: u64,
     /// Segment rolls.
     pub rolls: u64,
+    /// Tries of a roll that found no file descriptor to create its segment with, and
+    /// waited for one.
+    pub roll_descriptor_waits: u64,
     /// Times the disk was full and unwritten batches were rolled back (step 5).
     pub no_space_rollbacks: u64,
     /// Truncations and resets (step 6).
@@ -1727,6 +1730,17 @@ fn is_no_space(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
 }
 
+/// EMFILE or ENFILE: the process or the system is out of file descriptors.
+fn is_out_of_descriptors(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
+/// How long a roll waits, in all, for a descriptor to create its next segment with,
+/// before it poisons the log as any other failed step does.
+const ROLL_DESCRIPTOR_WAIT: Duration = Duration::from_secs(10);
+/// How often it tries again meanwhile.
+const ROLL_DESCRIPTOR_RETRY: Duration = Duration::from_millis(10);
+
 /// One round of steps 2 and 3. `Err` poisons the log; a full disk is handled here.
 async fn flush_round<B: Backend>(
     shared: &Rc<Shared<B>>,
@@ -2176,7 +2190,21 @@ async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), F
         .backend
         .write_small(&index_name(old_base), &old_index)
         .await;
-    let segment = match create_segment(&shared.backend, &shared.config, new_base).await {
+    let mut waited = Duration::ZERO;
+    let segment = match loop {
+        match create_segment(&shared.backend, &shared.config, new_base).await {
+            // Out of descriptors: a shortage that passes (another shard closing, a
+            // client going away). The log's writes wait for one, up to a bound, rather
+            // than poison it; creating the segment again starts it over (the file is
+            // opened with create and truncated).
+            Err((_, e)) if is_out_of_descriptors(&e) && waited < ROLL_DESCRIPTOR_WAIT => {
+                glommio::timer::sleep(ROLL_DESCRIPTOR_RETRY).await;
+                waited += ROLL_DESCRIPTOR_RETRY;
+                shared.state.borrow_mut().stats.roll_descriptor_waits += 1;
+            }
+            other => break other,
+        }
+    } {
         Ok(segment) => segment,
         Err((op, e)) => {
             let failure = Failure::of(op, e);
