@@ -858,30 +858,18 @@ fn a_subscriber_behind_retention_ends_with_subscription_lagged_at_its_first_miss
 
 /// Each core's thread CPU seconds (`felix_broker_core_cpu_seconds_total`).
 fn core_cpu(b: &BrokerProcess) -> Vec<f64> {
-    let (_, body) = b.http_get("/metrics").unwrap();
-    let mut v = vec![0.0; 2];
-    for l in body
-        .lines()
-        .filter(|l| l.starts_with("felix_broker_core_cpu_seconds_total{"))
-    {
-        let core = l
-            .split("core=\"")
-            .nth(1)
-            .and_then(|r| r.split('"').next())
-            .and_then(|c| c.parse::<usize>().ok());
-        if let (Some(c), Some(n)) = (core, l.rsplit(' ').next().and_then(|n| n.parse().ok()))
-            && c < v.len()
-        {
-            v[c] = n;
-        }
-    }
-    v
+    per_core_as(b, "felix_broker_core_cpu_seconds_total")
 }
 
 /// A per-core value of a metric (`name{core="i"} v`).
 fn per_core(b: &BrokerProcess, name: &str) -> Vec<u64> {
+    per_core_as(b, name)
+}
+
+/// A per-core value of a metric, of the type its values parse as.
+fn per_core_as<T: std::str::FromStr + Default + Clone>(b: &BrokerProcess, name: &str) -> Vec<T> {
     let (_, body) = b.http_get("/metrics").unwrap();
-    let mut v = vec![0; 2];
+    let mut v = vec![T::default(); 2];
     for l in body.lines().filter(|l| l.starts_with(&format!("{name}{{"))) {
         let core = l
             .split("core=\"")
