@@ -2184,22 +2184,24 @@ async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), F
         let mut st = shared.state.borrow_mut();
         st.durable_end = st.durable_end.max(old_end);
         st.stats.syncs += 1;
+        // What the sealed segment holds is acknowledged now, not after the new segment
+        // exists (which may wait for a descriptor, below).
+        wake_acked(&mut st, shared.config.fsync);
     }
     // Derived: a lost or torn index is rebuilt at open, so it is not fsynced.
     let _ = shared
         .backend
         .write_small(&index_name(old_base), &old_index)
         .await;
-    let mut waited = Duration::ZERO;
+    let give_up = Instant::now() + ROLL_DESCRIPTOR_WAIT;
     let segment = match loop {
         match create_segment(&shared.backend, &shared.config, new_base).await {
             // Out of descriptors: a shortage that passes (another shard closing, a
             // client going away). The log's writes wait for one, up to a bound, rather
             // than poison it; creating the segment again starts it over (the file is
             // opened with create and truncated).
-            Err((_, e)) if is_out_of_descriptors(&e) && waited < ROLL_DESCRIPTOR_WAIT => {
+            Err((_, e)) if is_out_of_descriptors(&e) && Instant::now() < give_up => {
                 glommio::timer::sleep(ROLL_DESCRIPTOR_RETRY).await;
-                waited += ROLL_DESCRIPTOR_RETRY;
                 shared.state.borrow_mut().stats.roll_descriptor_waits += 1;
             }
             other => break other,

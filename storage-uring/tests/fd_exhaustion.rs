@@ -110,7 +110,8 @@ fn durable_writes_go_on_when_no_descriptor_is_left() {
 
 /// A roll that finds no descriptor to create its next segment with waits for one (the
 /// log's writes wait meanwhile) instead of poisoning the log; once one frees up, every
-/// write waiting lands.
+/// write waiting lands. (Without the wait the log poisons at the roll and the appends
+/// fail; the freer, which waits for the roll's tries, is never reached.)
 #[test]
 fn a_roll_waits_for_a_descriptor_instead_of_poisoning_the_log() {
     let _one = EXCLUSIVE.lock().unwrap_or_else(|e| e.into_inner());
@@ -126,20 +127,27 @@ fn a_roll_waits_for_a_descriptor_instead_of_poisoning_the_log() {
     run(move || async move {
         let backend = DmaBackend::open_dir(&dir2).await.unwrap();
         let (log, _) = SegmentLog::open(backend, config2).await.unwrap();
+        let log = std::rc::Rc::new(log);
         log.append(&[b"before".as_slice()], 0).await.unwrap();
         let hog = every_descriptor();
-        // Freed a moment later, from elsewhere: the process's other work.
-        let freer = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(300));
-            drop(hog);
-        });
+        // Freed once the roll has waited a while (the process's other work letting go),
+        // however long the appends before it took.
+        let freer = {
+            let log = log.clone();
+            glommio::spawn_local(async move {
+                while log.stats().roll_descriptor_waits < 5 {
+                    glommio::timer::sleep(Duration::from_millis(5)).await;
+                }
+                drop(hog);
+            })
+        };
         let record = vec![7u8; 1000];
         for _ in 0..100 {
             log.append(&[record.as_slice()], 0)
                 .await
                 .expect("acknowledged once a descriptor frees up");
         }
-        freer.join().unwrap();
+        freer.await;
         let stats = log.stats();
         assert!(stats.rolls >= 1, "{stats:?}");
         assert!(stats.roll_descriptor_waits > 0, "{stats:?}");
