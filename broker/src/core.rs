@@ -693,11 +693,10 @@ struct Outbound {
 /// (out of file descriptors or memory), or `None`. A shard that failed to open for one
 /// of these is not remembered as failed: the next request opens it again.
 pub fn out_of_resources(e: &std::io::Error) -> Option<&'static str> {
-    match e.raw_os_error() {
-        Some(libc::EMFILE | libc::ENFILE) => Some("out_of_file_descriptors"),
-        Some(libc::ENOMEM) => Some("out_of_memory"),
-        _ => None,
+    if felix_storage_uring::is_out_of_descriptors(e) {
+        return Some("out_of_file_descriptors");
     }
+    (e.raw_os_error() == Some(libc::ENOMEM)).then_some("out_of_memory")
 }
 
 /// One core's broker.

@@ -17,6 +17,12 @@ pub mod dma;
 pub mod faults;
 pub mod memory;
 
+/// EMFILE or ENFILE: the process or the system is out of file descriptors — a shortage
+/// that passes, which says nothing about the disk.
+pub fn is_out_of_descriptors(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
 /// A directory holding one log's files.
 #[allow(async_fn_in_trait)]
 pub trait Backend: Clone + 'static {

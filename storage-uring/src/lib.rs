@@ -24,6 +24,7 @@ pub use error::{Corruption, CorruptionKind, StorageError};
 pub use format::{BatchKind, KindSet, ProducerTag};
 pub use io::dma::DmaBackend;
 pub use io::faults::{FaultTimes, StorageFaults};
+pub use io::is_out_of_descriptors;
 pub use io::memory::{MemBackend, MemOp};
 pub use log::{
     Appended, DeviceLatency, EARLY_ACK_STAGED_MAX, FsyncMode, LATENCY_BOUNDS_US, LatencyBuckets,

@@ -135,7 +135,7 @@ use crate::format::{
     ProducerTag, SEGMENT_HEADER_BYTES, SegmentHeader,
 };
 use crate::index::SparseIndex;
-use crate::io::{Backend, SegmentFile};
+use crate::io::{Backend, SegmentFile, is_out_of_descriptors};
 use crate::segment::{Segment, index_name, segment_name};
 
 pub mod cut;
@@ -1728,11 +1728,6 @@ impl Failure {
 /// ENOSPC or EDQUOT: the device or the quota is full, and freeing space will cure it.
 fn is_no_space(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
-}
-
-/// EMFILE or ENFILE: the process or the system is out of file descriptors.
-fn is_out_of_descriptors(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
 /// How long a roll waits, in all, for a descriptor to create its next segment with,

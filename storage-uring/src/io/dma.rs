@@ -260,7 +260,7 @@ impl SegmentFile for DmaSegmentFile {
             // be opened, which says nothing about the write: make it durable the other
             // way, through the descriptor the segment has, with one device round trip
             // more. Failing it would poison the log for a shortage that passes.
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+            Err(e) if super::is_out_of_descriptors(&e) => {
                 Self::write_all_at(&self.file, data, pos).await?;
                 self.file.fdatasync().await.map_err(to_io)
             }

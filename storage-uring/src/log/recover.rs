@@ -170,7 +170,8 @@ pub(super) async fn recover<B: Backend>(
         }
         // A scan from the last index entry saw only the segment's last batches: the
         // index file says what the rest holds, or nothing (then it may hold anything).
-        let kinds = if start.0 == SEGMENT_HEADER_BYTES as u64 {
+        let read_whole = start.0 == SEGMENT_HEADER_BYTES as u64;
+        let kinds = if read_whole {
             end.kinds
         } else {
             loaded_kinds.map_or(KindSet::ALL, |k| k.union(end.kinds))
@@ -178,7 +179,7 @@ pub(super) async fn recover<B: Backend>(
         let stale = loaded.as_ref() != Some(&index);
         // Read in full: an index file that says other kinds (or none: written before
         // the field) is written again, so a later open from it knows them.
-        let kinds_stale = start.0 == SEGMENT_HEADER_BYTES as u64 && loaded_kinds != Some(kinds);
+        let kinds_stale = read_whole && loaded_kinds != Some(kinds);
         if !newest && (stale || kinds_stale) {
             report.rebuilt_indexes += usize::from(stale);
             let _ = backend
