@@ -238,17 +238,20 @@ impl Cluster {
     /// A heartbeat sent after the lease ran out renews nothing yet: while this broker
     /// was cut off (or paused) the control plane may have moved its shards, and until
     /// it has read the assignments again it would take writes for shards it no longer
-    /// leads. The renewal waits for a sync that started after it ([`Cluster::synced_at`]).
-    pub fn renew_lease(&self, sent: Instant, expiry: Duration) {
+    /// leads. The renewal waits for a sync that started after it ([`Cluster::synced_at`]);
+    /// `true` says so, and the caller starts one at once rather than leaving writes
+    /// refused until the assignment feed's next poll ends.
+    pub fn renew_lease(&self, sent: Instant, expiry: Duration) -> bool {
         let sent_ns = sent.saturating_duration_since(self.clock_base).as_nanos() as u64;
         let until = (sent.saturating_duration_since(self.clock_base) + expiry - expiry / 4)
             .as_nanos() as u64;
         if sent_ns >= self.lease_until.load(Ordering::Acquire) {
             self.pending_lease.fetch_max(until, Ordering::AcqRel);
             self.resync_after.fetch_max(sent_ns, Ordering::AcqRel);
-            return;
+            return true;
         }
         self.lease_until.fetch_max(until, Ordering::AcqRel);
+        false
     }
 
     /// A sync from the control plane that started at `started` completed: a lease
@@ -435,6 +438,32 @@ struct Targets {
     catalog: Arc<Catalog>,
     keys: Arc<ArcSwap<TenantKeys>>,
     base_keys: TenantKeys,
+    /// Held through a whole sync: the feed and the heartbeat (after a lapsed lease is
+    /// renewed) both sync, and a snapshot read earlier must not be installed later.
+    syncing: std::sync::Mutex<()>,
+}
+
+/// Reads everything from the control plane and installs it ([`sync`]), one sync at a
+/// time; a lease renewed while lapsed counts once this has read the assignments.
+fn sync_now(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
+    let _one = t.syncing.lock().unwrap_or_else(|e| e.into_inner());
+    let started = Instant::now();
+    match sync(cp, t) {
+        Ok(next) => {
+            t.cluster.synced_at(started);
+            if let Ok(mut status) = t.cluster.sync_status.lock() {
+                status.last_error = None;
+            }
+            Ok(next)
+        }
+        Err(e) => {
+            t.cluster.sync_failures.fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut status) = t.cluster.sync_status.lock() {
+                status.last_error = Some(e.to_string());
+            }
+            Err(e)
+        }
+    }
 }
 
 /// The most keys one tenant's JWKS may list: more is refused as malformed.
@@ -765,8 +794,9 @@ pub fn join(
     let (incarnation, interval) = loop {
         match register(&cp, node_id, instance, addrs) {
             Ok((incarnation, interval, sent, expiry)) => {
+                // A first lease always waits for the first sync, just below.
                 if let Some(expiry) = expiry {
-                    cluster.renew_lease(sent, expiry);
+                    let _ = cluster.renew_lease(sent, expiry);
                 }
                 break (incarnation, interval);
             }
@@ -789,24 +819,23 @@ pub fn join(
         *slot = Some(cp.clone());
     }
     let base_keys = (**keys.load()).clone();
-    let targets = Targets {
+    let targets = Arc::new(Targets {
         cluster: cluster.clone(),
         catalog,
         keys,
         base_keys,
-    };
-    let started = Instant::now();
-    let mut seq = sync(&cp, &targets)?;
-    cluster.synced_at(started);
+        syncing: std::sync::Mutex::default(),
+    });
+    let mut seq = sync_now(&cp, &targets)?;
     cluster.synced.store(true, Ordering::SeqCst);
     tracing::info!(node_id, incarnation, url = %settings.url, "joined the cluster");
 
     {
-        let (cp, cluster) = (cp.clone(), cluster.clone());
+        let (cp, targets) = (cp.clone(), targets.clone());
         let who = (node_id.to_owned(), instance.to_owned());
         std::thread::Builder::new()
             .name("felix-heartbeat".into())
-            .spawn(move || heartbeat_loop(&cp, &cluster, &who, addrs, incarnation, interval))?;
+            .spawn(move || heartbeat_loop(&cp, &targets, &who, addrs, incarnation, interval))?;
     }
     std::thread::Builder::new().name("felix-follow".into()).spawn(move || {
         let mut cp = cp;
@@ -823,21 +852,10 @@ pub fn join(
                 std::thread::sleep(Duration::from_millis(500));
                 continue;
             }
-            let started = Instant::now();
-            match sync(&cp, &targets) {
-                Ok(next) => {
-                    seq = next;
-                    targets.cluster.synced_at(started);
-                    if let Ok(mut status) = targets.cluster.sync_status.lock() {
-                        status.last_error = None;
-                    }
-                }
+            match sync_now(&cp, &targets) {
+                Ok(next) => seq = next,
                 Err(e) => {
                     tracing::warn!(error = %e, "syncing from the control plane; keeping the last snapshot");
-                    targets.cluster.sync_failures.fetch_add(1, Ordering::Relaxed);
-                    if let Ok(mut status) = targets.cluster.sync_status.lock() {
-                        status.last_error = Some(e.to_string());
-                    }
                 }
             }
         }
@@ -846,15 +864,25 @@ pub fn join(
 }
 
 /// Heartbeats every `interval`, renewing the lease from each accepted one (anchored at
-/// when it was sent), and reports the replicated shards this broker leads.
+/// when it was sent), and reports the replicated shards this broker leads. A lease
+/// renewed after it lapsed (cut off from the control plane, or paused) holds only once
+/// the assignments are read again: this thread reads them then and there, so writes
+/// resume within a heartbeat of the control plane answering again instead of when the
+/// assignment feed's long poll next ends (up to 2 s later).
 fn heartbeat_loop(
     cp: &ControlPlaneClient,
-    cluster: &Cluster,
+    targets: &Targets,
     (node_id, instance): &(String, String),
     addrs: Addrs,
     mut incarnation: u64,
     interval: Duration,
 ) {
+    let cluster = &targets.cluster;
+    let resync = || {
+        if let Err(e) = sync_now(cp, targets) {
+            tracing::warn!(error = %e, "syncing after the lease was renewed");
+        }
+    };
     let path = format!("/v1/nodes/{node_id}/heartbeat");
     let report_path = format!("/v1/nodes/{node_id}/replica-status");
     while !cluster.stop.load(Ordering::SeqCst) {
@@ -863,8 +891,10 @@ fn heartbeat_loop(
         match cp.post(&path, &json!({"incarnation": incarnation})) {
             Ok(answer) => {
                 cluster.heartbeats.fetch_add(1, Ordering::Relaxed);
-                if let Some(expiry) = expiry_of(&answer) {
-                    cluster.renew_lease(sent, expiry);
+                if let Some(expiry) = expiry_of(&answer)
+                    && cluster.renew_lease(sent, expiry)
+                {
+                    resync();
                 }
                 let shards: Vec<ShardReport> = cluster
                     .reports
@@ -884,8 +914,10 @@ fn heartbeat_loop(
                 status: 409 | 404, ..
             }) => match register(cp, node_id, instance, addrs) {
                 Ok((i, _, sent, expiry)) => {
-                    if let Some(expiry) = expiry {
-                        cluster.renew_lease(sent, expiry);
+                    if let Some(expiry) = expiry
+                        && cluster.renew_lease(sent, expiry)
+                    {
+                        resync();
                     }
                     tracing::warn!(
                         incarnation = i,

@@ -426,6 +426,95 @@ fn a_leader_paused_past_its_lease_acknowledges_nothing_after_it_wakes() {
     check_nothing_lost(&all, &read);
 }
 
+/// A broker cut off from the control plane past its lease refuses writes; once the
+/// control plane answers again it must take them within about a heartbeat, not when
+/// its assignment feed's long poll next ends (up to 2 s later: it did wait for that).
+/// The lease here is long enough (3 s, so 2.25 s held and the broker declared down only
+/// after 3.75 s) that the cut heals well before the control plane gives up on the node.
+#[test]
+fn a_broker_whose_lease_lapsed_takes_writes_again_within_a_heartbeat_of_reaching_the_control_plane()
+{
+    use felix_cluster::proxy::{Link, Party};
+    let c = TestCluster::start_with_proxies(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        1,
+        &[
+            "--heartbeat-interval-ms",
+            "200",
+            "--expiry-timeout-ms",
+            "3000",
+            "--placement-interval-ms",
+            "200",
+        ],
+        "",
+    )
+    .unwrap();
+    c.create_stream("lapse", 1, 1, "Quorum").unwrap();
+    c.wait_leader("lapse", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rules = c.net.as_ref().expect("proxies").rules.clone();
+    let incarnation = || c.admin.get("/v1/nodes/node-0").unwrap()["incarnation"].clone();
+    let before = incarnation();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (addr, config) = (c.brokers[0].listen, c.client_config().unwrap());
+    let client = rt
+        .block_on(felix_client::Client::connect(addr, "localhost", config))
+        .unwrap();
+    // One publish, answered within 300 ms or counted as not taken.
+    let publish = |i: usize| {
+        rt.block_on(async {
+            let sent = client.publish(
+                TENANT,
+                NAMESPACE,
+                "lapse",
+                format!("r-{i}").into_bytes(),
+                AckMode::PerMessage,
+            );
+            matches!(
+                tokio::time::timeout(Duration::from_millis(300), sent).await,
+                Ok(Ok(Some(_)))
+            )
+        })
+    };
+    let mut i = 0;
+    wait_for("a first write", Duration::from_secs(20), || {
+        i += 1;
+        publish(i).then_some(())
+    })
+    .unwrap();
+    rules.set_both(Party::Node(0), Party::ControlPlane, Link::cut());
+    let cut = Instant::now();
+    wait_for("the lease to lapse", Duration::from_secs(5), || {
+        i += 1;
+        let taken = publish(i);
+        std::thread::sleep(Duration::from_millis(20));
+        (!taken).then_some(())
+    })
+    .unwrap();
+    let lapsed = cut.elapsed();
+    rules.heal();
+    let healed = Instant::now();
+    wait_for("writes again", Duration::from_secs(10), || {
+        i += 1;
+        let taken = publish(i);
+        std::thread::sleep(Duration::from_millis(20));
+        taken.then_some(())
+    })
+    .unwrap();
+    let resumed = healed.elapsed();
+    eprintln!("lease lapsed {lapsed:?} after the cut; writes again {resumed:?} after it healed");
+    assert_eq!(
+        incarnation(),
+        before,
+        "the control plane declared the node down: the cut lasted too long to test a lapse"
+    );
+    assert!(
+        resumed < Duration::from_millis(1200),
+        "writes resumed only {resumed:?} after the control plane was reachable again"
+    );
+}
+
 /// A leader killed and restarted at once comes back in its own generation (or a
 /// successor takes over): either way its history must reach a new subscriber with no
 /// new write to carry it. (It did not: the fanout frontier stayed at the commit mark
