@@ -246,8 +246,11 @@ impl Cluster {
         let until = (sent.saturating_duration_since(self.clock_base) + expiry - expiry / 4)
             .as_nanos() as u64;
         if sent_ns >= self.lease_until.load(Ordering::Acquire) {
-            self.pending_lease.fetch_max(until, Ordering::AcqRel);
+            // `resync_after` first: a sync that sees this pending lease (read first in
+            // `synced_at`) then sees this renewal's time too, so one that started before
+            // the renewal never makes it valid.
             self.resync_after.fetch_max(sent_ns, Ordering::AcqRel);
+            self.pending_lease.fetch_max(until, Ordering::AcqRel);
             return true;
         }
         self.lease_until.fetch_max(until, Ordering::AcqRel);
@@ -262,10 +265,11 @@ impl Cluster {
         let started_ns = started
             .saturating_duration_since(self.clock_base)
             .as_nanos() as u64;
+        // The pending lease before the time it waits for (see `renew_lease`).
+        let pending = self.pending_lease.load(Ordering::Acquire);
         let after = self.resync_after.load(Ordering::Acquire);
         if started_ns > after {
-            self.lease_until
-                .fetch_max(self.pending_lease.load(Ordering::Acquire), Ordering::AcqRel);
+            self.lease_until.fetch_max(pending, Ordering::AcqRel);
         }
     }
 
@@ -438,9 +442,20 @@ struct Targets {
     catalog: Arc<Catalog>,
     keys: Arc<ArcSwap<TenantKeys>>,
     base_keys: TenantKeys,
-    /// Held through a whole sync: the feed and the heartbeat (after a lapsed lease is
-    /// renewed) both sync, and a snapshot read earlier must not be installed later.
+    /// Held through a whole sync: the feed and the resync thread (after a lapsed lease
+    /// was renewed) both sync, and a snapshot read earlier must not be installed later.
     syncing: std::sync::Mutex<()>,
+    /// Set by the heartbeat when it renewed a lapsed lease; the resync thread syncs.
+    resync: (std::sync::Mutex<bool>, std::sync::Condvar),
+}
+
+impl Targets {
+    /// Asks the resync thread for a sync; never waits (heartbeats must keep going
+    /// whatever a sync costs).
+    fn want_sync(&self) {
+        *self.resync.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.resync.1.notify_one();
+    }
 }
 
 /// Reads everything from the control plane and installs it ([`sync`]), one sync at a
@@ -825,6 +840,7 @@ pub fn join(
         keys,
         base_keys,
         syncing: std::sync::Mutex::default(),
+        resync: Default::default(),
     });
     let mut seq = sync_now(&cp, &targets)?;
     cluster.synced.store(true, Ordering::SeqCst);
@@ -836,6 +852,12 @@ pub fn join(
         std::thread::Builder::new()
             .name("felix-heartbeat".into())
             .spawn(move || heartbeat_loop(&cp, &targets, &who, addrs, incarnation, interval))?;
+    }
+    {
+        let (cp, targets) = (cp.clone(), targets.clone());
+        std::thread::Builder::new()
+            .name("felix-resync".into())
+            .spawn(move || resync_loop(&cp, &targets))?;
     }
     std::thread::Builder::new().name("felix-follow".into()).spawn(move || {
         let mut cp = cp;
@@ -863,12 +885,40 @@ pub fn join(
     Ok(())
 }
 
+/// Syncs whenever the heartbeat asks ([`Targets::want_sync`]): a lease renewed after it
+/// lapsed (cut off from the control plane, or paused) holds only once the assignments
+/// are read again, and the feed reads them only when its long poll ends (up to 2 s
+/// later, 2.5 s after a failed poll). A sync here makes writes resume about a
+/// heartbeat after the control plane answers again. Skipped when a sync of the feed
+/// already made the lease valid.
+fn resync_loop(cp: &ControlPlaneClient, t: &Targets) {
+    let (flag, wake) = &t.resync;
+    while !t.cluster.stop.load(Ordering::SeqCst) {
+        {
+            let mut wanted = flag.lock().unwrap_or_else(|e| e.into_inner());
+            if !*wanted {
+                wanted = wake
+                    .wait_timeout(wanted, Duration::from_secs(1))
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+            if !std::mem::take(&mut *wanted) {
+                continue;
+            }
+        }
+        if t.cluster.lease_valid(Instant::now()) {
+            continue;
+        }
+        if let Err(e) = sync_now(cp, t) {
+            tracing::warn!(error = %e, "syncing after a lapsed lease was renewed");
+        }
+    }
+}
+
 /// Heartbeats every `interval`, renewing the lease from each accepted one (anchored at
-/// when it was sent), and reports the replicated shards this broker leads. A lease
-/// renewed after it lapsed (cut off from the control plane, or paused) holds only once
-/// the assignments are read again: this thread reads them then and there, so writes
-/// resume within a heartbeat of the control plane answering again instead of when the
-/// assignment feed's long poll next ends (up to 2 s later).
+/// when it was sent), and reports the replicated shards this broker leads. A renewal
+/// after a lapse asks the resync thread for a sync (see [`resync_loop`]); this thread
+/// never waits for one.
 fn heartbeat_loop(
     cp: &ControlPlaneClient,
     targets: &Targets,
@@ -878,11 +928,6 @@ fn heartbeat_loop(
     interval: Duration,
 ) {
     let cluster = &targets.cluster;
-    let resync = || {
-        if let Err(e) = sync_now(cp, targets) {
-            tracing::warn!(error = %e, "syncing after the lease was renewed");
-        }
-    };
     let path = format!("/v1/nodes/{node_id}/heartbeat");
     let report_path = format!("/v1/nodes/{node_id}/replica-status");
     while !cluster.stop.load(Ordering::SeqCst) {
@@ -894,7 +939,7 @@ fn heartbeat_loop(
                 if let Some(expiry) = expiry_of(&answer)
                     && cluster.renew_lease(sent, expiry)
                 {
-                    resync();
+                    targets.want_sync();
                 }
                 let shards: Vec<ShardReport> = cluster
                     .reports
@@ -917,7 +962,7 @@ fn heartbeat_loop(
                     if let Some(expiry) = expiry
                         && cluster.renew_lease(sent, expiry)
                     {
-                        resync();
+                        targets.want_sync();
                     }
                     tracing::warn!(
                         incarnation = i,
