@@ -2460,10 +2460,13 @@ impl CoreBroker {
             CacheOp::DeleteIf(k, version) => {
                 shard.key_settled(&k).await;
                 let condition = felix_wire::message::CacheCondition::Version(version);
-                if let Err(current) = shard.condition_holds(&k, &condition, clock::now()) {
+                // One instant for the check and the delete: a value expiring between
+                // two would be answered deleted with nothing written.
+                let now = clock::now();
+                if let Err(current) = shard.condition_holds(&k, &condition, now) {
                     return Ok(CacheAnswer::Condition(false, current));
                 }
-                shard.delete(&k, clock::now()).await?;
+                shard.delete(&k, now).await?;
                 Ok(CacheAnswer::Condition(true, None))
             }
             CacheOp::Expire(k, version) => {
@@ -2550,7 +2553,7 @@ impl CoreBroker {
                 ));
             }
             CacheOp::Put(k, v, ttl) => {
-                let expires = ttl.map_or(0, |t| now.wall_ms() + t.max(1));
+                let expires = ttl.map_or(0, |t| now.wall_ms().saturating_add(t.max(1)));
                 (
                     crate::shard::encode_cache_record(true, expires, &k, &v),
                     None,
@@ -2571,8 +2574,7 @@ impl CoreBroker {
                 unreachable!("conditional writes were turned into plain ones above")
             }
             CacheOp::CounterAdd(k, d) => {
-                cache.check_add(&k, d)?;
-                counter = Some(k.clone());
+                counter = Some((k.clone(), d));
                 (crate::shard::encode_counter_record(&k, d), None)
             }
         };
@@ -2584,8 +2586,12 @@ impl CoreBroker {
         // wait for it.
         let _writing = written_key.as_deref().map(|k| cache.key_write(k));
         // An add is in flight from its claim until applied: a compaction does not
-        // checkpoint the counter below it meanwhile.
-        let _adding = counter.as_deref().map(|k| cache.counter_write(k));
+        // checkpoint the counter below it meanwhile, and later adds count it against
+        // overflow (checked and claimed here, no wait since).
+        let _adding = match &counter {
+            Some((k, d)) => Some(cache.begin_add(k, *d)?),
+            None => None,
+        };
         let (pending, term) = rs.admit(std::slice::from_ref(&record), now.wall_micros, None)?;
         let appended = rs.log().commit(pending).await?;
         rs.durable(appended.end);
@@ -2612,7 +2618,7 @@ impl CoreBroker {
             ));
         }
         cache.apply_stored(appended.first, &[record]);
-        if let Some(k) = counter {
+        if let Some((k, _)) = counter {
             return Ok(CacheAnswer::Counter(cache.counter(&k)));
         }
         if conditional {
@@ -3109,7 +3115,9 @@ impl CoreBroker {
                     }
                 }
             } else {
-                floor
+                // Nothing below the cut holds state: remove no further than that (it
+                // was computed with no await since), so the state index may skip it.
+                floor.min(cut)
             };
             match s
                 .log
@@ -3121,6 +3129,12 @@ impl CoreBroker {
                     self.metrics
                         .retention_segments_removed
                         .fetch_add(n as u64, Ordering::Relaxed);
+                    if !holds_state && let Some(index) = s.state.borrow_mut().as_mut() {
+                        // An index built before these segments went would otherwise
+                        // read on from where it stopped, below the new base, and fail
+                        // every `state_get` (and every later carry) as trimmed.
+                        index.skip_to(s.log.base_offset());
+                    }
                     if let Ok(Some(rs)) = self.replica_of(k) {
                         rs.rebased();
                     }

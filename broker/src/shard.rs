@@ -498,6 +498,10 @@ pub struct CacheShard {
     /// Writes claimed but not yet applied, per key: a conditional write waits for them,
     /// so its condition is checked against every write before it.
     in_flight: RefCell<HashMap<String, u32>>,
+    /// Adds claimed but not yet applied, per counter: the sum of their positive and of
+    /// their negative deltas. A new add is checked against the applied sum plus each,
+    /// so whichever of them land the counter stays within i64.
+    adding: RefCell<HashMap<String, (i128, i128)>>,
     /// Writes since the last compaction.
     writes: std::cell::Cell<u64>,
     /// A compaction is running.
@@ -553,6 +557,29 @@ impl Drop for KeyWrite<'_> {
     }
 }
 
+/// An add to a counter in flight ([`CacheShard::begin_add`]): also a write of the
+/// counter, so a compaction checkpoints it only once none is.
+#[derive(Debug)]
+pub struct AddInFlight<'a> {
+    _write: KeyWrite<'a>,
+    shard: &'a CacheShard,
+    key: String,
+    delta: i128,
+}
+
+impl Drop for AddInFlight<'_> {
+    fn drop(&mut self) {
+        let mut adding = self.shard.adding.borrow_mut();
+        if let Some((up, down)) = adding.get_mut(&self.key) {
+            *up -= self.delta.max(0);
+            *down -= self.delta.min(0);
+            if (*up, *down) == (0, 0) {
+                adding.remove(&self.key);
+            }
+        }
+    }
+}
+
 impl std::fmt::Debug for CacheShard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CacheShard")
@@ -574,6 +601,7 @@ impl CacheShard {
             state: RefCell::new(state),
             changed: crate::groups::Wakers::default(),
             in_flight: RefCell::default(),
+            adding: RefCell::default(),
             writes: std::cell::Cell::new(0),
             compacting: std::cell::Cell::new(false),
         })
@@ -644,7 +672,9 @@ impl CacheShard {
         ttl_ms: Option<u64>,
         now: Now,
     ) -> Result<u64, BrokerError> {
-        let expires = ttl_ms.map_or(0, |t| now.wall_ms() + t.max(1));
+        // Saturating: a client's TTL near u64::MAX means "as long as can be", not a
+        // value stored already expired (or, with overflow checks, a panic).
+        let expires = ttl_ms.map_or(0, |t| now.wall_ms().saturating_add(t.max(1)));
         let rec = encode_cache_record(true, expires, key, &value);
         let _writing = self.key_write(key);
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
@@ -1008,23 +1038,35 @@ impl CacheShard {
         self.state.borrow().counters.get(key).copied()
     }
 
-    /// Refuses a delta that would take the counter `key` past i64.
-    pub fn check_add(&self, key: &str, delta: i64) -> Result<(), BrokerError> {
-        match self.counter(key).unwrap_or(0).checked_add(delta) {
-            Some(_) => Ok(()),
-            None => Err(BrokerError::InvalidRequest(format!(
+    /// Claims an add of `delta` to the counter `key` until the returned guard drops
+    /// (applied or failed): refused when it could take the counter past i64 with any of
+    /// the adds already in flight landing or not. Check and claim in one step, so two
+    /// adds racing to the edge cannot both pass.
+    pub fn begin_add(&self, key: &str, delta: i64) -> Result<AddInFlight<'_>, BrokerError> {
+        let sum = i128::from(self.counter(key).unwrap_or(0));
+        let (up, down) = self.adding.borrow().get(key).copied().unwrap_or((0, 0));
+        let d = i128::from(delta);
+        let (up, down) = (up + d.max(0), down + d.min(0));
+        if sum + up > i128::from(i64::MAX) || sum + down < i128::from(i64::MIN) {
+            return Err(BrokerError::InvalidRequest(format!(
                 "adding {delta} would overflow the counter {}",
                 crate::error::cut(key)
-            ))),
+            )));
         }
+        self.adding.borrow_mut().insert(key.to_owned(), (up, down));
+        Ok(AddInFlight {
+            _write: self.counter_write(key),
+            shard: self,
+            key: key.to_owned(),
+            delta: d,
+        })
     }
 
     /// Adds `delta` to the counter `key`; resolves when durable per the fsync mode with
     /// the sum including it.
     pub async fn counter_add(&self, key: &str, delta: i64, now: Now) -> Result<i64, BrokerError> {
-        self.check_add(key, delta)?;
+        let _adding = self.begin_add(key, delta)?;
         let rec = encode_counter_record(key, delta);
-        let _writing = self.key_write(&counter_guard_key(key));
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
         self.writes.set(self.writes.get() + 1);
         let appended = self.log.commit(pending).await?;
@@ -1161,6 +1203,51 @@ fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two adds racing to the edge of i64 cannot both pass: each is checked against the
+    /// applied sum and every add in flight (they were checked against the applied sum
+    /// alone, and the sum wrapped to a large negative value).
+    #[test]
+    fn adds_in_flight_count_against_a_counters_overflow() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let backend = DmaBackend::open_dir(dir.path()).await.unwrap();
+            let (log, _) = SegmentLog::open(backend, felix_storage_uring::LogConfig::default())
+                .await
+                .unwrap();
+            let key = Arc::new(ShardKey {
+                kind: felix_core_runtime::placement::ShardKind::Cache,
+                tenant: "t".into(),
+                namespace: "ns".into(),
+                name: "c".into(),
+                shard: 0,
+            });
+            let shard = CacheShard::open(key, log).await.unwrap();
+            let now = felix_core_runtime::clock::now();
+            shard.counter_add("n", i64::MAX - 10, now).await.unwrap();
+            let first = shard.begin_add("n", 6).expect("room for one");
+            assert!(
+                shard.begin_add("n", 6).is_err(),
+                "two adds of 6 in flight would pass i64::MAX - 10"
+            );
+            let down = shard.begin_add("n", -7).expect("a negative add has room");
+            drop(first);
+            drop(down);
+            assert_eq!(shard.counter_add("n", 6, now).await.unwrap(), i64::MAX - 4);
+            assert!(shard.counter_add("n", 6, now).await.is_err());
+            // The other edge: the negative adds in flight are what count there.
+            shard.counter_add("m", i64::MIN + 10, now).await.unwrap();
+            let _low = shard.begin_add("m", -6).unwrap();
+            assert!(shard.begin_add("m", -6).is_err());
+            assert!(shard.begin_add("m", 100).is_ok());
+            // A TTL near u64::MAX is "as long as can be": stored live, never wrapped.
+            shard
+                .put("forever", Bytes::from_static(b"v"), Some(u64::MAX), now)
+                .await
+                .unwrap();
+            assert!(shard.get("forever", now).is_some());
+        });
+    }
 
     /// Under `fsync: none` a commit answers at sequencing; a compaction must still have
     /// its copies on disk before it removes the segments they replace.

@@ -251,6 +251,12 @@ impl StateIndex {
         self.end
     }
 
+    /// Moves the applied end up to `base`, the log's new first offset after retention
+    /// removed segments holding no commit and no copy (nothing below it changes state).
+    pub fn skip_to(&mut self, base: u64) {
+        self.end = self.end.max(base);
+    }
+
     /// Applies a commit at `offset`.
     fn apply(&mut self, offset: u64, changes: &[Change]) {
         for c in changes {

@@ -179,6 +179,93 @@ fn state_outlives_the_streams_retention_and_a_restart() {
     });
 }
 
+/// A state index built before the stream's first commit (a `state_get` on a fresh
+/// shard) must follow retention that removes only records: it did not, and every later
+/// `state_get` failed as trimmed, and once a commit sat in a segment due to go,
+/// retention stopped for the shard (its log grew without bound).
+#[test]
+fn a_state_read_before_any_commit_survives_retention_of_plain_records() {
+    use felix_wire::message::StateChange;
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "segment_bytes: 262144\nhousekeeping_ms: 100\n",
+        &["--fsync", "none"],
+    );
+    b.admin()
+        .unwrap()
+        .post(
+            "/v1/tenants/dev/namespaces/default/streams",
+            &json!({"stream": "early", "kind": "Stream", "shards": 1,
+                    "retention": {"max_size_bytes": 524288}}),
+        )
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        let get = |key: &'static str| {
+            let c = c.clone();
+            async move { c.state_get("dev", "default", "early", "acct", key).await }
+        };
+        let filler = || {
+            let c = c.clone();
+            async move {
+                for _ in 0..160 {
+                    c.publish(
+                        "dev",
+                        "default",
+                        "early",
+                        vec![b'x'; 16 * 1024],
+                        AckMode::PerMessage,
+                    )
+                    .await
+                    .unwrap();
+                }
+            }
+        };
+        // The index is built here, at offset 0.
+        assert_eq!(get("k").await.unwrap().0, None);
+        filler().await;
+        wait_for("retention by size", Duration::from_secs(10), || {
+            (segments(&b, "early") <= 4).then_some(())
+        })
+        .unwrap();
+        let (start, _) = earliest(&c, "early").await;
+        assert!(start > 0, "the head was trimmed: oldest offset {start}");
+        assert_eq!(get("k").await.expect("state_get after retention").0, None);
+        let at = c
+            .commit(
+                "dev",
+                "default",
+                "early",
+                "acct",
+                bytes::Bytes::from_static(b"event"),
+                vec![StateChange::Put {
+                    key: "k".into(),
+                    value: bytes::Bytes::from_static(b"v"),
+                }],
+                None,
+            )
+            .await
+            .unwrap();
+        // The commit's segment goes too: its entry is carried, and retention goes on.
+        filler().await;
+        wait_for("retention past the commit", Duration::from_secs(10), || {
+            (segments(&b, "early") <= 4).then_some(())
+        })
+        .unwrap();
+        let (start, _) = earliest(&c, "early").await;
+        assert!(
+            start > at,
+            "the commit's segment is gone: oldest offset {start}"
+        );
+        let (got, _) = get("k")
+            .await
+            .expect("state_get after the commit's segment went");
+        assert_eq!(got.map(|(v, o)| (v.to_vec(), o)), Some((b"v".to_vec(), at)));
+    });
+}
+
 #[test]
 fn retention_set_on_a_stream_is_enforced_and_deleting_it_removes_its_data() {
     let dir = tempfile::tempdir().unwrap();
