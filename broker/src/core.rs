@@ -2540,10 +2540,6 @@ impl CoreBroker {
             }
             other => other,
         };
-        let written_key = match &op {
-            CacheOp::Put(k, ..) | CacheOp::Delete(k) => Some(k.clone()),
-            _ => None,
-        };
         let (record, old) = match op {
             CacheOp::Get(k) => {
                 let e = cache.get(&k, now);
@@ -2582,17 +2578,15 @@ impl CoreBroker {
             self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
             return Err(BrokerError::ShardUnavailable("stale".into()));
         }
-        // From the claim until the index has the write: conditional writes of the key
-        // wait for it.
-        let _writing = written_key.as_deref().map(|k| cache.key_write(k));
-        // An add is in flight from its claim until applied: a compaction does not
-        // checkpoint the counter below it meanwhile, and later adds count it against
-        // overflow (checked and claimed here, no wait since).
-        let _adding = match &counter {
-            Some((k, d)) => Some(cache.begin_add(k, *d)?),
-            None => None,
-        };
+        if let Some((k, d)) = &counter {
+            cache.add_room(k, *d)?;
+        }
         let (pending, term) = rs.admit(std::slice::from_ref(&record), now.wall_micros, None)?;
+        // From the claim until the index has it, in log order, the write holds its key
+        // (conditional writes wait for it) or its counter (a compaction does not
+        // checkpoint below it; later adds count it against overflow), whether or not
+        // this request is still there when it commits (no wait since the checks).
+        let sum = cache.stage(pending.first(), &record);
         let appended = rs.log().commit(pending).await?;
         rs.durable(appended.end);
         if rs.consistency.get() == crate::catalog::Consistency::Quorum {
@@ -2617,9 +2611,12 @@ impl CoreBroker {
                     .into(),
             ));
         }
-        cache.apply_stored(appended.first, &[record]);
+        cache.apply_through(rs.visible_end().min(rs.log().committed_end()));
         if let Some((k, _)) = counter {
-            return Ok(CacheAnswer::Counter(cache.counter(&k)));
+            // The sum right after this add (the index was rebuilt meanwhile: as it is).
+            return Ok(CacheAnswer::Counter(
+                sum.get().or_else(|| cache.counter(&k)),
+            ));
         }
         if conditional {
             return Ok(CacheAnswer::Condition(
@@ -3203,6 +3200,11 @@ impl CoreBroker {
             let crate::replication::replica::Held::Cache(cache) = &rs.held else {
                 continue;
             };
+            if rs.serving() {
+                // A write whose request stopped waiting (outcome unknown) and that
+                // committed since, with no later write to apply it.
+                cache.apply_through(rs.visible_end().min(rs.log().committed_end()));
+            }
             let Some((marker, cut)) = cache.cut_marker() else {
                 continue;
             };

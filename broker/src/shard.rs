@@ -502,6 +502,14 @@ pub struct CacheShard {
     /// their negative deltas. A new add is checked against the applied sum plus each,
     /// so whichever of them land the counter stays within i64.
     adding: RefCell<HashMap<String, (i128, i128)>>,
+    /// Records this broker claimed while leading the replicated cache and has not
+    /// applied yet, by offset ([`CacheShard::stage`]). They reach the index in log order
+    /// once committed ([`CacheShard::apply_through`]), whether or not the request that
+    /// wrote one still waits for it: a write whose wait gave up (answered outcome-unknown)
+    /// may commit later, and the index must follow the log. Each holds its key (or
+    /// counter) in flight until applied, so conditional writes and compactions wait for
+    /// it, and the applied end stops below the first (watchers read no further).
+    staged: RefCell<std::collections::BTreeMap<u64, (Bytes, AppliedSum)>>,
     /// Writes since the last compaction.
     writes: std::cell::Cell<u64>,
     /// A compaction is running.
@@ -557,6 +565,9 @@ impl Drop for KeyWrite<'_> {
     }
 }
 
+/// A staged add's counter sum right after it was applied ([`CacheShard::stage`]).
+pub type AppliedSum = std::rc::Rc<std::cell::Cell<Option<i64>>>;
+
 /// An add to a counter in flight ([`CacheShard::begin_add`]): also a write of the
 /// counter, so a compaction checkpoints it only once none is.
 #[derive(Debug)]
@@ -602,6 +613,7 @@ impl CacheShard {
             changed: crate::groups::Wakers::default(),
             in_flight: RefCell::default(),
             adding: RefCell::default(),
+            staged: RefCell::default(),
             writes: std::cell::Cell::new(0),
             compacting: std::cell::Cell::new(false),
         })
@@ -612,8 +624,100 @@ impl CacheShard {
     pub async fn rebuild(&self) -> Result<(), BrokerError> {
         let state = replay(&self.key, &self.log).await?;
         *self.state.borrow_mut() = state;
+        // What an earlier leadership staged is in the replayed log or was cut from it.
+        let staged = std::mem::take(&mut *self.staged.borrow_mut());
+        for (record, _) in staged.values() {
+            self.hold(record, false);
+        }
         self.changed.wake_all();
         Ok(())
+    }
+
+    /// A record this broker, leading the replicated cache, claimed at `offset`: held in
+    /// flight until [`CacheShard::apply_through`] applies it (see the `staged` field).
+    /// Called right after the claim, with no wait in between. For a counter's add, the
+    /// answer is the sum right after it, which the application fills in (a later add may
+    /// be applied with it, and must not show in this one's answer).
+    pub fn stage(&self, offset: u64, record: &Bytes) -> AppliedSum {
+        let sum = AppliedSum::default();
+        let replaced = self
+            .staged
+            .borrow_mut()
+            .insert(offset, (record.clone(), sum.clone()));
+        if let Some((old, _)) = replaced {
+            // Offsets given back by a rollback and claimed again: the old record is not
+            // in the log.
+            self.hold(&old, false);
+        }
+        self.hold(record, true);
+        sum
+    }
+
+    /// Applies, in log order, every staged record below `bound` (what is committed and
+    /// may be read), and lets go of what each held.
+    pub fn apply_through(&self, bound: u64) {
+        loop {
+            let next = {
+                let mut staged = self.staged.borrow_mut();
+                match staged.first_key_value() {
+                    Some((&offset, _)) if offset < bound => staged.pop_first(),
+                    _ => None,
+                }
+            };
+            let Some((offset, (record, sum))) = next else {
+                return;
+            };
+            self.apply_stored(offset, std::slice::from_ref(&record));
+            if let Some(CacheRecord {
+                op: RecordOp::Add(_),
+                key,
+                ..
+            }) = decode_cache_record(&record)
+            {
+                sum.set(self.counter(&key));
+            }
+            self.hold(&record, false);
+        }
+    }
+
+    /// Marks (`on`) or unmarks the key, or counter and its delta, a staged record writes
+    /// as in flight, as [`CacheShard::key_write`] and [`CacheShard::begin_add`] do.
+    fn hold(&self, record: &Bytes, on: bool) {
+        let Some(rec) = decode_cache_record(record) else {
+            return;
+        };
+        let key = match rec.op {
+            RecordOp::Put | RecordOp::Delete => rec.key,
+            RecordOp::Add(delta) => {
+                let d = i128::from(delta);
+                let (up, down) = (d.max(0), d.min(0));
+                let mut adding = self.adding.borrow_mut();
+                let e = adding.entry(rec.key.clone()).or_insert((0, 0));
+                if on {
+                    *e = (e.0 + up, e.1 + down);
+                } else {
+                    *e = (e.0 - up, e.1 - down);
+                }
+                if *e == (0, 0) {
+                    adding.remove(&rec.key);
+                }
+                counter_guard_key(&rec.key)
+            }
+            RecordOp::Set(_) | RecordOp::Cut(_) => return,
+        };
+        let mut m = self.in_flight.borrow_mut();
+        if on {
+            *m.entry(key).or_default() += 1;
+        } else {
+            if let Some(n) = m.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&key);
+                }
+            }
+            drop(m);
+            self.changed.wake_all();
+        }
     }
 
     /// Applies records stored at `base..` (by a follower, or a leader's replicated
@@ -959,7 +1063,12 @@ impl CacheShard {
 
     /// Every record below this offset is applied to the index.
     pub fn applied_end(&self) -> u64 {
-        self.state.borrow().end
+        let end = self.state.borrow().end;
+        // A compaction's copies may be applied past a staged record: not contiguous.
+        self.staged
+            .borrow()
+            .first_key_value()
+            .map_or(end, |(&first, _)| end.min(first))
     }
 
     /// The live values the filter follows, oldest version first, and the offset the
@@ -978,7 +1087,8 @@ impl CacheShard {
             })
             .collect();
         values.sort_by_key(|c| c.offset);
-        (values, state.end)
+        drop(state);
+        (values, self.applied_end())
     }
 
     /// The puts and deletes the filter follows in `[from, applied end)`, at most about
@@ -1043,6 +1153,19 @@ impl CacheShard {
     /// the adds already in flight landing or not. Check and claim in one step, so two
     /// adds racing to the edge cannot both pass.
     pub fn begin_add(&self, key: &str, delta: i64) -> Result<AddInFlight<'_>, BrokerError> {
+        let (up, down) = self.add_room(key, delta)?;
+        self.adding.borrow_mut().insert(key.to_owned(), (up, down));
+        Ok(AddInFlight {
+            _write: self.counter_write(key),
+            shard: self,
+            key: key.to_owned(),
+            delta: i128::from(delta),
+        })
+    }
+
+    /// Whether an add of `delta` to the counter `key` keeps it within i64 whichever of
+    /// the adds in flight land: the positive and negative sums in flight with it.
+    pub fn add_room(&self, key: &str, delta: i64) -> Result<(i128, i128), BrokerError> {
         let sum = i128::from(self.counter(key).unwrap_or(0));
         let (up, down) = self.adding.borrow().get(key).copied().unwrap_or((0, 0));
         let d = i128::from(delta);
@@ -1053,13 +1176,7 @@ impl CacheShard {
                 crate::error::cut(key)
             )));
         }
-        self.adding.borrow_mut().insert(key.to_owned(), (up, down));
-        Ok(AddInFlight {
-            _write: self.counter_write(key),
-            shard: self,
-            key: key.to_owned(),
-            delta: d,
-        })
+        Ok((up, down))
     }
 
     /// Adds `delta` to the counter `key`; resolves when durable per the fsync mode with

@@ -347,32 +347,46 @@ impl Client {
 
     async fn request(&self, m: Message, context: &'static str) -> Result<Message, ClientError> {
         let mut guard = self.inner.requests.lock().await;
-        if guard.is_none() {
-            *guard = Some(
+        // Taken out while in use and put back only once its answer is read: a request
+        // dropped part way (a caller's timeout, a cancelled task) would otherwise leave
+        // its answer on the stream for the next request to take as its own.
+        let mut s = match guard.take() {
+            Some(s) => s,
+            None => {
                 open_stream(&self.inner.conn, &self.inner.config, self.inner.addr)
                     .await?
-                    .0,
-            );
-        }
-        let s = guard.as_mut().expect("just opened");
+                    .0
+            }
+        };
+        let sent = m.request_id();
         let result = async {
             s.send
                 .write_all(&m.to_frame())
                 .await
                 .map_err(|e| ClientError::connection(self.inner.addr, e))?;
-            tokio::time::timeout(self.inner.config.request_timeout, read_message(s, context))
-                .await
-                .map_err(|_| ClientError::Timeout(context))?
+            let answer = tokio::time::timeout(
+                self.inner.config.request_timeout,
+                read_message(&mut s, context),
+            )
+            .await
+            .map_err(|_| ClientError::Timeout(context))??;
+            match (sent, answer.request_id()) {
+                (Some(asked), Some(got)) if asked != got => Err(ClientError::Protocol(format!(
+                    "{context}: an answer to request {} came for request {}",
+                    got.0, asked.0
+                ))),
+                _ => Ok(answer),
+            }
         }
         .await;
-        if matches!(
+        if !matches!(
             result,
             Err(ClientError::Connection { .. }
                 | ClientError::Timeout(_)
                 | ClientError::Protocol(_))
         ) {
-            // The stream's state is unknown: the next request opens a fresh one.
-            *guard = None;
+            // Otherwise the stream's state is unknown: the next request opens a fresh one.
+            *guard = Some(s);
         }
         result
     }

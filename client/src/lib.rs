@@ -5,6 +5,12 @@
 //! retries by the broker's retry class with full-jitter backoff, and reads whole
 //! multi-shard streams ([`ClusterClient::subscribe_sharded`]).
 //!
+//! A call may be dropped part way (a timeout around it, a cancelled task): its answer is
+//! never taken by the next call on the same client. (Calls share one request stream; a
+//! dropped call's stream is dropped with it and the next call opens a fresh one, and an
+//! answer carrying another call's request id is refused as a protocol error.) Whether a
+//! dropped write was applied is unknown, as with any lost answer.
+//!
 //! Connecting to a cluster (the multi-node client guide's example, as written):
 //!
 //! ```no_run

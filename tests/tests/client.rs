@@ -833,6 +833,43 @@ fn an_idempotent_resend_lands_once_even_after_a_broker_restart() {
     });
 }
 
+/// Requests on one client share a stream, one at a time. A request dropped part way
+/// (a caller's timeout, a cancelled task) left its answer on that stream, and every
+/// later request took the answer before its own: a `cache_get` answered with a
+/// counter's sum, for good. Requests are cancelled here at random points around the
+/// round trip; every request after each must get its own answer.
+#[test]
+fn a_request_dropped_part_way_leaves_no_answer_for_the_next_one() {
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        let v = bytes::Bytes::from_static(b"value");
+        client
+            .cache_put("dev", "default", "c", "k", v.clone(), None)
+            .await
+            .unwrap();
+        let mut cancelled = 0;
+        for i in 0..400u64 {
+            // 0-600 µs: before the request is sent, while the broker answers, after.
+            let after = Duration::from_micros((i * 7_919) % 600);
+            let add = client.counter_add("dev", "default", "c", "n", 1);
+            if tokio::time::timeout(after, add).await.is_err() {
+                cancelled += 1;
+            }
+            let got = client.cache_get("dev", "default", "c", "k").await;
+            assert_eq!(got.unwrap(), Some(v.clone()), "after request {i}");
+        }
+        eprintln!("{cancelled} of 400 adds cancelled part way");
+        assert!(
+            cancelled > 0,
+            "no request was cancelled: the test tests nothing"
+        );
+    });
+}
+
 #[test]
 fn conditional_cache_writes_apply_once_under_a_race() {
     use felix_wire::message::CacheCondition;

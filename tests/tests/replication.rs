@@ -519,6 +519,112 @@ fn a_broker_whose_lease_lapsed_takes_writes_again_within_a_heartbeat_of_reaching
     );
 }
 
+/// A Quorum cache write whose majority did not answer in time is answered
+/// outcome-unknown, but it is in the leader's log and commits once the followers are
+/// back: the leader's index must then have it, as every replica's log does. It did
+/// not (the index applied a write only when its own request saw it commit): `get`
+/// kept answering the old value and counters their old sum, while watchers, reading
+/// the log, saw the new one.
+#[test]
+fn a_quorum_cache_write_answered_outcome_unknown_reaches_the_index_when_it_commits() {
+    use felix_cluster::proxy::{Link, Party};
+    let c = TestCluster::start_with_proxies(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        3,
+        CP_ARGS,
+        "",
+    )
+    .unwrap();
+    c.admin
+        .post(
+            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
+            &serde_json::json!({"cache": "cut", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
+        )
+        .unwrap();
+    let (leader, _) = wait_for("a cache leader", Duration::from_secs(20), || {
+        leader_and_generation(&c, "cache", None)
+    })
+    .unwrap();
+    let rules = c.net.as_ref().expect("proxies").rules.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (addr, config) = (c.brokers[leader].listen, c.client_config().unwrap());
+    let client = rt.block_on(async {
+        let client = felix_client::Client::connect(addr, "localhost", config)
+            .await
+            .unwrap();
+        // Written until the cache serves (its first generation starts).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while let Err(e) = client
+            .cache_put(
+                TENANT,
+                NAMESPACE,
+                "cut",
+                "k",
+                bytes::Bytes::from_static(b"one"),
+                None,
+            )
+            .await
+        {
+            assert!(Instant::now() < deadline, "the cache never served: {e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(
+            client
+                .counter_add(TENANT, NAMESPACE, "cut", "n", 5)
+                .await
+                .unwrap(),
+            5
+        );
+        client
+    });
+    for f in (0..3).filter(|&i| i != leader) {
+        rules.set_both(Party::Node(leader), Party::Node(f), Link::cut());
+    }
+    let (put, add) = rt.block_on(async {
+        let in_time = Duration::from_secs(10);
+        tokio::join!(
+            tokio::time::timeout(
+                in_time,
+                client.cache_put(
+                    TENANT,
+                    NAMESPACE,
+                    "cut",
+                    "k",
+                    bytes::Bytes::from_static(b"two"),
+                    None
+                )
+            ),
+            tokio::time::timeout(
+                in_time,
+                client.counter_add(TENANT, NAMESPACE, "cut", "n", 7)
+            ),
+        )
+    });
+    assert!(
+        !matches!(put, Ok(Ok(()))) && !matches!(add, Ok(Ok(_))),
+        "with no follower reachable the writes cannot be acknowledged: {put:?} {add:?}"
+    );
+    rules.heal();
+    let got = rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let value = client.cache_get(TENANT, NAMESPACE, "cut", "k").await;
+            let sum = client.counter_get(TENANT, NAMESPACE, "cut", "n").await;
+            if let (Ok(Some(v)), Ok(Some(12))) = (&value, &sum)
+                && v.as_ref() == b"two"
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("after the heal: value {value:?}, sum {sum:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    got.unwrap();
+}
+
 /// A leader killed and restarted at once comes back in its own generation (or a
 /// successor takes over): either way its history must reach a new subscriber with no
 /// new write to carry it. (It did not: the fanout frontier stayed at the commit mark
