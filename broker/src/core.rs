@@ -2511,7 +2511,7 @@ impl CoreBroker {
         let mut expiring = false;
         let op = match op {
             CacheOp::PutIf(k, v, ttl, condition) => {
-                cache.key_settled(&k).await;
+                settled(&cache, &k).await?;
                 now = clock::now();
                 if let Err(current) = cache.condition_holds(&k, &condition, now) {
                     return Ok(CacheAnswer::Condition(false, current));
@@ -2520,7 +2520,7 @@ impl CoreBroker {
                 CacheOp::Put(k, v, ttl)
             }
             CacheOp::DeleteIf(k, version) => {
-                cache.key_settled(&k).await;
+                settled(&cache, &k).await?;
                 now = clock::now();
                 let condition = felix_wire::message::CacheCondition::Version(version);
                 if let Err(current) = cache.condition_holds(&k, &condition, now) {
@@ -2530,8 +2530,10 @@ impl CoreBroker {
                 CacheOp::Delete(k)
             }
             CacheOp::Expire(k, version) => {
-                cache.key_settled(&k).await;
-                if !cache.expired_at(&k, version, now) {
+                // Housekeeping's own round: never wait for a write of the key (a staged
+                // write may wait for the very round that applies it); the next round
+                // looks again.
+                if cache.write_in_flight(&k) || !cache.expired_at(&k, version, now) {
                     return Ok(CacheAnswer::Condition(false, None));
                 }
                 conditional = true;
@@ -2586,8 +2588,17 @@ impl CoreBroker {
         // (conditional writes wait for it) or its counter (a compaction does not
         // checkpoint below it; later adds count it against overflow), whether or not
         // this request is still there when it commits (no wait since the checks).
-        let sum = cache.stage(pending.first(), &record);
-        let appended = rs.log().commit(pending).await?;
+        let first = pending.first();
+        let sum = cache.stage(first, &record);
+        let appended = match rs.log().commit(pending).await {
+            Ok(a) => a,
+            Err(e) => {
+                // Not in the log (its offset may be given back): nothing to apply.
+                rs.append_failed(term);
+                cache.unstage(first, &sum);
+                return Err(e.into());
+            }
+        };
         rs.durable(appended.end);
         if rs.consistency.get() == crate::catalog::Consistency::Quorum {
             match task::timeout(
@@ -3289,27 +3300,79 @@ impl CoreBroker {
     }
 }
 
+/// Waits until no write of `key` is in flight on a replicated cache, for at most a
+/// Quorum wait (a staged write may wait for a majority that is away).
+async fn settled(cache: &crate::shard::CacheShard, key: &str) -> Result<(), BrokerError> {
+    task::timeout(
+        crate::replication::replica::QUORUM_WAIT,
+        cache.key_settled(key),
+    )
+    .await
+    .ok_or_else(|| BrokerError::ShardUnavailable("not_ready".into()))
+}
+
 /// A compaction of a replicated cache this broker leads: copies go through the replica
 /// (fenced by its generation, shipped like any write), and the cut is a marker record;
 /// [`CoreBroker::cut_replicated_caches`] removes the segments below once it commits.
 struct ReplicatedWrites(Rc<crate::replication::replica::ReplicaShard>);
 
 impl crate::shard::CompactionWrites for ReplicatedWrites {
+    /// Staged like client writes and applied with them, in log order, once committed
+    /// (applied at once, a copy could land over a newer put claimed after it and
+    /// applied first). Waits for the commit here (at most a Quorum wait), so the
+    /// compaction goes on with its copies in the index.
     async fn append(&self, records: &[Bytes], now_micros: u64) -> Result<u64, BrokerError> {
-        let (pending, _term) = self.0.admit(records, now_micros, None)?;
-        let appended = self.0.log().commit(pending).await?;
-        self.0.durable(appended.end);
+        let rs = &self.0;
+        let crate::replication::replica::Held::Cache(cache) = &rs.held else {
+            return Err(BrokerError::Internal(
+                "a stream replica compacted as a cache".into(),
+            ));
+        };
+        let (pending, term) = rs.admit(records, now_micros, None)?;
+        let first = pending.first();
+        let staged: Vec<_> = records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| cache.stage(first + i as u64, r))
+            .collect();
+        let appended = match rs.log().commit(pending).await {
+            Ok(a) => a,
+            Err(e) => {
+                rs.append_failed(term);
+                for (i, sum) in staged.iter().enumerate() {
+                    cache.unstage(first + i as u64, sum);
+                }
+                return Err(e.into());
+            }
+        };
+        rs.durable(appended.end);
+        let bound = || rs.visible_end().min(rs.log().committed_end());
+        if bound() < appended.end {
+            match task::timeout(
+                crate::replication::replica::QUORUM_WAIT,
+                rs.committed(appended.end, term),
+            )
+            .await
+            {
+                Some(Ok(())) => {}
+                Some(Err(e)) => return Err(e),
+                None => {
+                    return Err(BrokerError::Overloaded(
+                        "compaction: a majority did not confirm the copies in time".into(),
+                    ));
+                }
+            }
+        }
+        cache.apply_through(bound());
         Ok(appended.first)
     }
 
+    fn apply(&self, _: &crate::shard::CacheShard, _: u64, _: &[Bytes]) {}
+
     async fn finish(&self, cut: u64, now_micros: u64) -> Result<usize, BrokerError> {
         let marker = crate::shard::encode_cut_marker(cut);
-        let first = self
-            .append(std::slice::from_ref(&marker), now_micros)
+        self.append(std::slice::from_ref(&marker), now_micros)
             .await?;
-        if let crate::replication::replica::Held::Cache(c) = &self.0.held {
-            c.apply_stored(first, std::slice::from_ref(&marker));
-        }
         Ok(0)
     }
 }

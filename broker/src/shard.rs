@@ -625,10 +625,7 @@ impl CacheShard {
         let state = replay(&self.key, &self.log).await?;
         *self.state.borrow_mut() = state;
         // What an earlier leadership staged is in the replayed log or was cut from it.
-        let staged = std::mem::take(&mut *self.staged.borrow_mut());
-        for (record, _) in staged.values() {
-            self.hold(record, false);
-        }
+        self.drop_staged();
         self.changed.wake_all();
         Ok(())
     }
@@ -651,6 +648,36 @@ impl CacheShard {
         }
         self.hold(record, true);
         sum
+    }
+
+    /// A staged record whose write failed before it reached the log (the log may give
+    /// its offset back): no longer staged, its key let go. Only if still the one
+    /// staged there (`sum` tells).
+    pub fn unstage(&self, offset: u64, sum: &AppliedSum) {
+        let removed = {
+            let mut staged = self.staged.borrow_mut();
+            match staged.get(&offset) {
+                Some((_, s)) if std::rc::Rc::ptr_eq(s, sum) => staged.remove(&offset),
+                _ => None,
+            }
+        };
+        if let Some((record, _)) = removed {
+            self.hold(&record, false);
+        }
+    }
+
+    /// Drops everything staged (this replica stopped leading: what it staged is in its
+    /// log or will be cut from it, and the index is rebuilt before it serves again).
+    pub fn drop_staged(&self) {
+        let staged = std::mem::take(&mut *self.staged.borrow_mut());
+        for (record, _) in staged.values() {
+            self.hold(record, false);
+        }
+    }
+
+    /// Whether a write of `key` is claimed and not yet applied.
+    pub fn write_in_flight(&self, key: &str) -> bool {
+        self.in_flight.borrow().contains_key(key)
     }
 
     /// Applies, in log order, every staged record below `bound` (what is committed and
@@ -937,7 +964,7 @@ impl CacheShard {
             let guards: Vec<_> = batch.iter().map(|(k, _)| self.key_write(k)).collect();
             // `append` claims its offsets before its first wait.
             let first = writes.append(&records, now.wall_micros).await?;
-            self.apply_copies(first, &records);
+            writes.apply(self, first, &records);
             values += records.len();
             drop(guards);
         }
@@ -975,7 +1002,7 @@ impl CacheShard {
                 (guards, records)
             };
             let first = writes.append(&records, now.wall_micros).await?;
-            self.apply_copies(first, &records);
+            writes.apply(self, first, &records);
             counters += records.len();
             drop(guards);
         }
@@ -1224,6 +1251,10 @@ pub trait CompactionWrites {
         now_micros: u64,
     ) -> impl std::future::Future<Output = Result<u64, BrokerError>>;
 
+    /// Puts copies `append` wrote at `first` into the index (a replicated leader's
+    /// `append` applied them already, in log order with the writes around them).
+    fn apply(&self, shard: &CacheShard, first: u64, records: &[Bytes]);
+
     /// Every copy is written: make the records below `cut` go. Returns the segments
     /// removed now.
     fn finish(
@@ -1242,6 +1273,10 @@ impl CompactionWrites for LocalWrites<'_> {
     async fn append(&self, records: &[Bytes], now_micros: u64) -> Result<u64, BrokerError> {
         let pending = self.0.begin_append(records, now_micros, None)?;
         Ok(self.0.commit(pending).await?.first)
+    }
+
+    fn apply(&self, shard: &CacheShard, first: u64, records: &[Bytes]) {
+        shard.apply_copies(first, records);
     }
 
     async fn finish(&self, cut: u64, now_micros: u64) -> Result<usize, BrokerError> {

@@ -578,6 +578,10 @@ impl ReplicaShard {
                 }
             }
             self.ready.set(true);
+        } else if let Held::Cache(c) = &self.held {
+            // What it staged as leader is in its log or will be cut from it; the index is
+            // rebuilt before it serves again. Their keys are let go now.
+            c.drop_staged();
         }
     }
 
