@@ -2600,21 +2600,12 @@ impl CoreBroker {
             }
         };
         rs.durable(appended.end);
-        if rs.consistency.get() == crate::catalog::Consistency::Quorum {
-            match task::timeout(
-                crate::replication::replica::QUORUM_WAIT,
-                rs.committed(appended.end, term),
-            )
-            .await
-            {
-                Some(Ok(())) => {}
-                Some(Err(e)) => return Err(e),
-                None => {
-                    return Err(BrokerError::Unacknowledged(
-                        "a majority of replicas did not confirm the write in time".into(),
-                    ));
-                }
-            }
+        if rs.consistency.get() == crate::catalog::Consistency::Quorum
+            && !majority_within(&rs, appended.end, term).await?
+        {
+            return Err(BrokerError::Unacknowledged(
+                "a majority of replicas did not confirm the write in time".into(),
+            ));
         }
         if !self.may_acknowledge(&rs) {
             return Err(BrokerError::Unacknowledged(
@@ -3300,6 +3291,25 @@ impl CoreBroker {
     }
 }
 
+/// Whether a majority holds everything below `end` in `term` within a Quorum wait
+/// (an error when the term ended).
+async fn majority_within(
+    rs: &crate::replication::replica::ReplicaShard,
+    end: u64,
+    term: u64,
+) -> Result<bool, BrokerError> {
+    match task::timeout(
+        crate::replication::replica::QUORUM_WAIT,
+        rs.committed(end, term),
+    )
+    .await
+    {
+        Some(Ok(())) => Ok(true),
+        Some(Err(e)) => Err(e),
+        None => Ok(false),
+    }
+}
+
 /// Waits until no write of `key` is in flight on a replicated cache, for at most a
 /// Quorum wait (a staged write may wait for a majority that is away).
 async fn settled(cache: &crate::shard::CacheShard, key: &str) -> Result<(), BrokerError> {
@@ -3347,21 +3357,10 @@ impl crate::shard::CompactionWrites for ReplicatedWrites {
         };
         rs.durable(appended.end);
         let bound = || rs.visible_end().min(rs.log().committed_end());
-        if bound() < appended.end {
-            match task::timeout(
-                crate::replication::replica::QUORUM_WAIT,
-                rs.committed(appended.end, term),
-            )
-            .await
-            {
-                Some(Ok(())) => {}
-                Some(Err(e)) => return Err(e),
-                None => {
-                    return Err(BrokerError::Overloaded(
-                        "compaction: a majority did not confirm the copies in time".into(),
-                    ));
-                }
-            }
+        if bound() < appended.end && !majority_within(rs, appended.end, term).await? {
+            return Err(BrokerError::Overloaded(
+                "compaction: a majority did not confirm the copies in time".into(),
+            ));
         }
         cache.apply_through(bound());
         Ok(appended.first)
