@@ -2225,7 +2225,22 @@ impl CoreBroker {
             if from >= to {
                 return Ok(());
             }
-            let batches = shard.log.read(from, 4 << 20).await?;
+            // Retention removed what lies below the log's base only once the index held
+            // every commit and copy in it (`state_floor` catches up first) or when it
+            // held none: either way nothing there is left to apply. (A read racing a
+            // removal finds it trimmed, and looks again.)
+            let base = shard.log.base_offset();
+            if from < base {
+                if let Some(index) = shard.state.borrow_mut().as_mut() {
+                    index.skip_to(base);
+                }
+                continue;
+            }
+            let batches = match shard.log.read(from, 4 << 20).await {
+                Ok(b) => b,
+                Err(felix_storage_uring::StorageError::Trimmed { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            };
             if batches.is_empty() {
                 return Ok(());
             }
