@@ -3106,7 +3106,14 @@ fn wait_set_aside(c: &TestCluster, b: usize, name: &std::ffi::OsStr, bytes: &[u8
         },
     )
     .unwrap();
-    assert!(kept == bytes, "the damaged segment was kept as it was");
+    // (Failed once in CI, 2026-12-03, undiagnosed: the message says how they differ.)
+    let first_diff = kept.iter().zip(bytes).position(|(a, b)| a != b);
+    assert!(
+        kept == bytes,
+        "the damaged segment was kept as it was: {} bytes kept, {} written, first difference at {first_diff:?}",
+        kept.len(),
+        bytes.len()
+    );
     // ... and counted where an operator looks.
     let b = &c.brokers[b];
     let counted = wait_for("the damaged copy counted", Duration::from_secs(10), || {
