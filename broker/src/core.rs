@@ -3130,7 +3130,8 @@ impl CoreBroker {
                 }
             } else {
                 // Nothing below the cut holds state: remove no further than that (it
-                // was computed with no await since), so the state index may skip it.
+                // was computed with no await since), so a state index behind it may
+                // skip what went (`catch_up_state`).
                 floor.min(cut)
             };
             match s
@@ -3143,12 +3144,6 @@ impl CoreBroker {
                     self.metrics
                         .retention_segments_removed
                         .fetch_add(n as u64, Ordering::Relaxed);
-                    if !holds_state && let Some(index) = s.state.borrow_mut().as_mut() {
-                        // An index built before these segments went would otherwise
-                        // read on from where it stopped, below the new base, and fail
-                        // every `state_get` (and every later carry) as trimmed.
-                        index.skip_to(s.log.base_offset());
-                    }
                     if let Ok(Some(rs)) = self.replica_of(k) {
                         rs.rebased();
                     }

@@ -553,15 +553,7 @@ pub struct KeyWrite<'a> {
 
 impl Drop for KeyWrite<'_> {
     fn drop(&mut self) {
-        let mut m = self.shard.in_flight.borrow_mut();
-        if let Some(n) = m.get_mut(&self.key) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.key);
-            }
-        }
-        drop(m);
-        self.shard.changed.wake_all();
+        self.shard.mark_key(&self.key, false);
     }
 }
 
@@ -580,14 +572,7 @@ pub struct AddInFlight<'a> {
 
 impl Drop for AddInFlight<'_> {
     fn drop(&mut self) {
-        let mut adding = self.shard.adding.borrow_mut();
-        if let Some((up, down)) = adding.get_mut(&self.key) {
-            *up -= self.delta.max(0);
-            *down -= self.delta.min(0);
-            if (*up, *down) == (0, 0) {
-                adding.remove(&self.key);
-            }
-        }
+        self.shard.mark_add(&self.key, self.delta, false);
     }
 }
 
@@ -713,37 +698,46 @@ impl CacheShard {
         let Some(rec) = decode_cache_record(record) else {
             return;
         };
-        let key = match rec.op {
-            RecordOp::Put | RecordOp::Delete => rec.key,
+        match rec.op {
+            RecordOp::Put | RecordOp::Delete => self.mark_key(&rec.key, on),
             RecordOp::Add(delta) => {
-                let d = i128::from(delta);
-                let (up, down) = (d.max(0), d.min(0));
-                let mut adding = self.adding.borrow_mut();
-                let e = adding.entry(rec.key.clone()).or_insert((0, 0));
-                if on {
-                    *e = (e.0 + up, e.1 + down);
-                } else {
-                    *e = (e.0 - up, e.1 - down);
-                }
-                if *e == (0, 0) {
-                    adding.remove(&rec.key);
-                }
-                counter_guard_key(&rec.key)
+                self.mark_add(&rec.key, i128::from(delta), on);
+                self.mark_key(&counter_guard_key(&rec.key), on);
             }
-            RecordOp::Set(_) | RecordOp::Cut(_) => return,
-        };
+            RecordOp::Set(_) | RecordOp::Cut(_) => {}
+        }
+    }
+
+    /// Counts a write of `key` in flight (`on`) or done (waking whoever waits for it).
+    fn mark_key(&self, key: &str, on: bool) {
         let mut m = self.in_flight.borrow_mut();
         if on {
-            *m.entry(key).or_default() += 1;
-        } else {
-            if let Some(n) = m.get_mut(&key) {
-                *n -= 1;
-                if *n == 0 {
-                    m.remove(&key);
-                }
+            *m.entry(key.to_owned()).or_default() += 1;
+            return;
+        }
+        if let Some(n) = m.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(key);
             }
-            drop(m);
-            self.changed.wake_all();
+        }
+        drop(m);
+        self.changed.wake_all();
+    }
+
+    /// Counts an add of `delta` to counter `key` in flight (`on`) or done: the sums of
+    /// the positive and of the negative deltas in flight, checked by `add_room`.
+    fn mark_add(&self, key: &str, delta: i128, on: bool) {
+        let (up, down) = (delta.max(0), delta.min(0));
+        let mut adding = self.adding.borrow_mut();
+        let e = adding.entry(key.to_owned()).or_insert((0, 0));
+        *e = if on {
+            (e.0 + up, e.1 + down)
+        } else {
+            (e.0 - up, e.1 - down)
+        };
+        if *e == (0, 0) {
+            adding.remove(key);
         }
     }
 
@@ -1059,11 +1053,7 @@ impl CacheShard {
 
     /// Marks a write of `key` in flight until the returned guard drops.
     pub fn key_write(&self, key: &str) -> KeyWrite<'_> {
-        *self
-            .in_flight
-            .borrow_mut()
-            .entry(key.to_owned())
-            .or_default() += 1;
+        self.mark_key(key, true);
         KeyWrite {
             shard: self,
             key: key.to_owned(),
@@ -1186,8 +1176,8 @@ impl CacheShard {
     /// the adds already in flight landing or not. Check and claim in one step, so two
     /// adds racing to the edge cannot both pass.
     pub fn begin_add(&self, key: &str, delta: i64) -> Result<AddInFlight<'_>, BrokerError> {
-        let (up, down) = self.add_room(key, delta)?;
-        self.adding.borrow_mut().insert(key.to_owned(), (up, down));
+        self.add_room(key, delta)?;
+        self.mark_add(key, i128::from(delta), true);
         Ok(AddInFlight {
             _write: self.counter_write(key),
             shard: self,
@@ -1197,8 +1187,8 @@ impl CacheShard {
     }
 
     /// Whether an add of `delta` to the counter `key` keeps it within i64 whichever of
-    /// the adds in flight land: the positive and negative sums in flight with it.
-    pub fn add_room(&self, key: &str, delta: i64) -> Result<(i128, i128), BrokerError> {
+    /// the adds in flight land.
+    pub fn add_room(&self, key: &str, delta: i64) -> Result<(), BrokerError> {
         let sum = i128::from(self.counter(key).unwrap_or(0));
         let (up, down) = self.adding.borrow().get(key).copied().unwrap_or((0, 0));
         let d = i128::from(delta);
@@ -1209,7 +1199,7 @@ impl CacheShard {
                 crate::error::cut(key)
             )));
         }
-        Ok((up, down))
+        Ok(())
     }
 
     /// Adds `delta` to the counter `key`; resolves when durable per the fsync mode with
