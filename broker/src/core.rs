@@ -2061,6 +2061,7 @@ impl CoreBroker {
                 if !rs.serving() {
                     return Err(BrokerError::ShardUnavailable("not_ready".into()));
                 }
+                rs.reads_settled().await?;
                 match &rs.held {
                     crate::replication::replica::Held::Cache(c) => c.clone(),
                     _ => {
@@ -2080,7 +2081,11 @@ impl CoreBroker {
             } => {
                 let now = clock::now();
                 match from {
-                    Some(o) if o < cache.log().base_offset() => {
+                    // Below the base, compaction or retention removed what lay between;
+                    // past the end, a failover cut what the watcher saw (a Leader
+                    // shard's acknowledged writes may be, and new ones take their
+                    // offsets): either way it starts over from the current values.
+                    Some(o) if o < cache.log().base_offset() || o > cache.applied_end() => {
                         let (values, resume) = cache.snapshot(&filter, now);
                         Ok(WatchAnswer::Started {
                             values,
@@ -2109,6 +2114,11 @@ impl CoreBroker {
                 }
             }
             WatchReq::Next { filter, from, wait } => {
+                if from > cache.applied_end() {
+                    // A cut (above) since the watch started here: it ends lagged and
+                    // the client's next start resnapshots.
+                    return Err(BrokerError::ShardUnavailable("watch_past_end".into()));
+                }
                 if cache.applied_end() <= from {
                     task::timeout(wait, cache.changed.changed()).await;
                 }
@@ -2506,6 +2516,15 @@ impl CoreBroker {
         };
         if !rs.serving() {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        // Reads, conditions and deletes' answers come from the index it rebuilt.
+        // (Housekeeping's expiry never waits: it looks again next round.)
+        if matches!(op, CacheOp::Expire(..)) {
+            if !rs.reads_ready() {
+                return Ok(CacheAnswer::Condition(false, None));
+            }
+        } else {
+            rs.reads_settled().await?;
         }
         if cache.compaction_due(self.shared.cache_compact_after) {
             let (rs, cache, metrics) = (rs.clone(), cache.clone(), self.metrics.clone());

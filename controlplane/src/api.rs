@@ -1669,6 +1669,7 @@ async fn replication_view(State(st): State<AppState>, h: HeaderMap) -> ApiResult
                 "generation": r.report.generation,
                 "log_end": r.report.log_end,
                 "commit": r.report.commit,
+                "generation_committed": r.report.generation_committed,
                 "age_ms": now.saturating_sub(r.received_ms),
             })
         });

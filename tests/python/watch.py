@@ -62,4 +62,15 @@ check([(x.key, x.value) for x in got] == [("session:a", b"short"), ("session:b",
       % [(x.key, x.value) for x in got])
 check(e.recv(timeout=1.5) is None, "and nothing else")
 check(c.cache_get(T, NS, C, "session:b") == b"refreshed", "the refreshed value is still there")
+# A watch from past the log's end (after a failover of a Leader cache cut writes a
+# watcher saw; new writes take their offsets) starts over from the current values, or
+# it would skip the writes that land below where it asked to start.
+far = c.watch_cache(T, NS, C, felix.CacheWatchFilter.key("session:b"), start=first_offset + 10**6)
+check(far.resnapshot, "a watch from past the end resnapshots")
+got = changes(far, 1)
+check([(x.key, x.value) for x in got] == [("session:b", b"refreshed")],
+      "from the current values: %r" % [(x.key, x.value) for x in got])
+c.cache_put(T, NS, C, "session:b", b"again")
+got = changes(far, 1)
+check([(x.key, x.value) for x in got] == [("session:b", b"again")], "then live")
 print("done")

@@ -23,7 +23,9 @@ use felix_wire::{AckMode, RetryClass};
 use serde_json::{Value, json};
 
 use crate::cluster::{CP_ARGS, NAMESPACE, TENANT, TestCluster};
-use crate::history::{FinalLogs, History, Op, OpKind, Outcome, Promise, check};
+use crate::history::{
+    FinalLogs, History, Op, OpKind, Outcome, Promise, RegisterOp, check, check_register,
+};
 use crate::proxy::{Link, Party};
 use crate::wait_for;
 
@@ -2420,6 +2422,116 @@ async fn producer(
     }
 }
 
+/// The chaos register: key `k` of this Quorum cache of three copies, in every
+/// scenario of three or more brokers with a Quorum stream of three copies. The
+/// checker reads no cache otherwise: this one checks that a cache's reads are
+/// linearizable through the scenario's faults ([`check_register`]).
+const REGISTER: &str = "reg";
+
+/// The register's operations, in the order they ended.
+type RegisterLog = Arc<std::sync::Mutex<Vec<RegisterOp>>>;
+
+/// Sets the register to 1, 2, 3, ... one write at a time until `stop` (`reader`
+/// false), or reads it every 10 ms (`reader` true).
+async fn register_worker(
+    reader: bool,
+    seeds: Vec<std::net::SocketAddr>,
+    config: felix_client::ClientConfig,
+    history: Arc<History>,
+    log: RegisterLog,
+    stop: Arc<AtomicBool>,
+) {
+    let mut client: Option<Arc<ClusterClient>> = None;
+    let mut value = 0u64;
+    while !stop.load(Ordering::SeqCst) {
+        let c = match &client {
+            Some(c) => c.clone(),
+            None => match connect(&seeds, &config).await {
+                Some(c) => {
+                    let c = Arc::new(c);
+                    client = Some(c.clone());
+                    c
+                }
+                None => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            },
+        };
+        let start_us = history.now_us();
+        // Longer than the broker's quorum wait (5 s), as for publishes.
+        let within = Duration::from_secs(6);
+        let (outcome, read) = if reader {
+            match tokio::time::timeout(within, c.cache_get(TENANT, NAMESPACE, REGISTER, "k")).await
+            {
+                Ok(Ok(v)) => (
+                    Outcome::Ok,
+                    // Anything but a number this writer wrote reads as from the future.
+                    v.map_or(Some(0), |b| std::str::from_utf8(&b).ok()?.parse().ok())
+                        .unwrap_or(u64::MAX),
+                ),
+                Ok(Err(_)) => (Outcome::Refused, 0),
+                Err(_) => (Outcome::Unknown, 0),
+            }
+        } else {
+            value += 1;
+            let v = bytes::Bytes::from(value.to_string());
+            let r = tokio::time::timeout(
+                within,
+                c.cache_put(TENANT, NAMESPACE, REGISTER, "k", v, None),
+            )
+            .await;
+            // The client retries a put: a refusal may follow an attempt that applied,
+            // so any failure counts as maybe applied.
+            let outcome = if matches!(r, Ok(Ok(()))) {
+                Outcome::Ok
+            } else {
+                Outcome::Unknown
+            };
+            (outcome, value)
+        };
+        log.lock().expect("register log").push(RegisterOp {
+            write: !reader,
+            value: read,
+            start_us,
+            end_us: history.now_us(),
+            outcome,
+        });
+        match outcome {
+            // A connection to a dead broker hangs until its idle timeout: start over.
+            Outcome::Unknown => client = None,
+            Outcome::Refused => tokio::time::sleep(Duration::from_millis(50)).await,
+            Outcome::Ok if reader => tokio::time::sleep(Duration::from_millis(10)).await,
+            Outcome::Ok => {}
+        }
+    }
+}
+
+/// The register's value after the run, read from its leader (none if no read
+/// succeeded within 30 s).
+async fn register_final(
+    seeds: Vec<std::net::SocketAddr>,
+    config: felix_client::ClientConfig,
+) -> Option<u64> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if let Some(c) = connect(&seeds, &config).await
+            && let Ok(Ok(v)) = tokio::time::timeout(
+                Duration::from_secs(6),
+                c.cache_get(TENANT, NAMESPACE, REGISTER, "k"),
+            )
+            .await
+        {
+            return Some(
+                v.map_or(Some(0), |b| std::str::from_utf8(&b).ok()?.parse().ok())
+                    .unwrap_or(u64::MAX),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    None
+}
+
 /// One reader of `stream`'s shard 0: records every record it is delivered.
 async fn reader(
     id: u32,
@@ -2865,6 +2977,23 @@ pub fn run_with(
     for s in scenario.streams {
         cluster.wait_leader(s.name, 0, None, 0, Duration::from_secs(30))?;
     }
+    let register = scenario.nodes >= 3
+        && scenario
+            .streams
+            .iter()
+            .any(|s| s.replication_factor == 3 && s.consistency == "Quorum");
+    if register {
+        cluster.admin.post(
+            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
+            &json!({"cache": REGISTER, "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
+        )?;
+        // Led before leadership is watched (its first election is no change).
+        wait_for("the register's leader", Duration::from_secs(30), || {
+            cluster.assignments().ok()?.into_iter().find(|a| {
+                a["kind"] == "cache" && a["name"] == REGISTER && a["generation"].as_u64() > Some(0)
+            })
+        })?;
+    }
     let history = Arc::new(History::default());
     let stop = Arc::new(AtomicBool::new(false));
     let watcher = watch_leadership(cluster.admin.clone(), history.clone(), stop.clone());
@@ -2910,6 +3039,19 @@ pub fn run_with(
                 stop.clone(),
             )));
             id += 1;
+        }
+    }
+    let register_log: RegisterLog = Arc::default();
+    if register {
+        for reader in [false, true] {
+            tasks.push(rt.spawn(register_worker(
+                reader,
+                cluster.seeds(),
+                cluster.client_config()?,
+                history.clone(),
+                register_log.clone(),
+                stop.clone(),
+            )));
         }
     }
     let mut nemesis = Nemesis {
@@ -3022,6 +3164,19 @@ pub fn run_with(
         }
     };
     let report = check(&ops, &finals, &promise, &changes);
+    let register_report = if register {
+        let final_value = rt.block_on(register_final(cluster.seeds(), cluster.client_config()?));
+        let ops = std::mem::take(&mut *register_log.lock().expect("register log"));
+        check_register(&ops, final_value)
+    } else {
+        Value::Null
+    };
+    let register_anomalies: Vec<String> = register_report["anomalies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|a| Some(format!("register_{}", a.as_str()?)))
+        .collect();
     let mut group_reports = serde_json::Map::new();
     let mut group_anomalies = Vec::new();
     for (name, log) in &group_logs {
@@ -3077,6 +3232,7 @@ pub fn run_with(
         anomalies.push("leadership_moved".into());
     }
     anomalies.extend(group_anomalies.iter().cloned());
+    anomalies.extend(register_anomalies.iter().cloned());
     Ok(json!({
         "scenario": scenario.name,
         "seed": seed,
@@ -3086,12 +3242,13 @@ pub fn run_with(
         "wall_s": began.elapsed().as_secs_f64(),
         "nodes": scenario.nodes,
         "timeline": timeline,
-        "valid": report.valid() && !moved && group_anomalies.is_empty(),
+        "valid": report.valid() && !moved && group_anomalies.is_empty() && register_anomalies.is_empty(),
         "anomalies": anomalies,
         "streams": per_stream,
         "copies_removed": copies_removed,
         "errors": errors,
         "report": report.json(),
         "groups": group_reports,
+        "register": register_report,
     }))
 }

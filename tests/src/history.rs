@@ -423,6 +423,102 @@ pub fn check(
     r
 }
 
+/// One operation on the chaos register: a cache key one writer sets to 1, 2, 3, ...
+/// one write at a time, and a reader reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegisterOp {
+    /// A write (else a read).
+    pub write: bool,
+    /// What was written, or what the read returned (0: absent).
+    pub value: u64,
+    /// Microseconds since the history began.
+    pub start_us: u64,
+    /// Microseconds since the history began.
+    pub end_us: u64,
+    /// How it ended (a failed read is not checked).
+    pub outcome: Outcome,
+}
+
+/// The largest `value` of the entries (sorted by their time) at or before `at`.
+fn max_through(sorted: &[(u64, u64)], at: u64) -> u64 {
+    let n = sorted.partition_point(|&(t, _)| t <= at);
+    sorted[..n].iter().map(|&(_, v)| v).max().unwrap_or(0)
+}
+
+/// Checks the register as a linearizable single-writer register. A read must return
+/// at least the last write acknowledged before it began (`stale_read`) and at least
+/// what a read that ended before it began returned (`non_monotonic_read`: a value seen
+/// and then gone, a write read before it was committed and cut by a failover), and
+/// never a value not yet written when it ended (`future_read`). The value read back
+/// after the run (`final_value`, none when it could not be read) must be at least the
+/// last acknowledged write (`lost_write`). Writes that failed count as maybe applied.
+pub fn check_register(ops: &[RegisterOp], final_value: Option<u64>) -> Value {
+    let mut acked: Vec<(u64, u64)> = Vec::new();
+    let mut begun: Vec<(u64, u64)> = Vec::new();
+    let mut seen: Vec<(u64, u64)> = Vec::new();
+    for op in ops {
+        match (op.write, op.outcome) {
+            (true, outcome) => {
+                begun.push((op.start_us, op.value));
+                if outcome == Outcome::Ok {
+                    acked.push((op.end_us, op.value));
+                }
+            }
+            (false, Outcome::Ok) => seen.push((op.end_us, op.value)),
+            (false, _) => {}
+        }
+    }
+    for v in [&mut acked, &mut begun, &mut seen] {
+        v.sort_unstable();
+    }
+    let mut counts: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut first: BTreeMap<&str, Value> = BTreeMap::new();
+    let mut found = |class: &'static str, detail: Value| {
+        *counts.entry(class).or_default() += 1;
+        first.entry(class).or_insert(detail);
+    };
+    let reads = ops.iter().filter(|o| !o.write && o.outcome == Outcome::Ok);
+    for r in reads.clone() {
+        let before = r.start_us.saturating_sub(1);
+        let (written, read) = (max_through(&acked, before), max_through(&seen, before));
+        let latest = max_through(&begun, r.end_us);
+        let detail = json!({"read": r.value, "at_us": [r.start_us, r.end_us],
+            "acked_before": written, "read_before": read, "written_by_end": latest});
+        if r.value < written {
+            found("stale_read", detail.clone());
+        }
+        if r.value < read {
+            found("non_monotonic_read", detail.clone());
+        }
+        if r.value > latest {
+            found("future_read", detail);
+        }
+    }
+    let last_acked = acked.iter().map(|&(_, v)| v).max().unwrap_or(0);
+    let last_written = begun.iter().map(|&(_, v)| v).max().unwrap_or(0);
+    match final_value {
+        None => found("final_unread", Value::Null),
+        Some(v) if v < last_acked => {
+            found("lost_write", json!({"final": v, "last_acked": last_acked}))
+        }
+        Some(v) if v > last_written => found(
+            "future_read",
+            json!({"final": v, "last_written": last_written}),
+        ),
+        Some(_) => {}
+    }
+    json!({
+        "writes": begun.len(),
+        "acked": acked.len(),
+        "reads": reads.count(),
+        "final": final_value,
+        "last_acked": last_acked,
+        "anomalies": counts.keys().collect::<Vec<_>>(),
+        "counts": counts,
+        "first": first,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -550,6 +646,65 @@ mod tests {
         assert_eq!(r.classes(), ["uncommitted_reads"]);
         let r = run(&[read(0, "ghost")], &["a"]);
         assert_eq!(r.classes(), ["two_values", "uncommitted_reads"]);
+    }
+
+    fn reg(write: bool, value: u64, start_us: u64, end_us: u64, outcome: Outcome) -> RegisterOp {
+        RegisterOp {
+            write,
+            value,
+            start_us,
+            end_us,
+            outcome,
+        }
+    }
+
+    fn register_anomalies(ops: &[RegisterOp], final_value: Option<u64>) -> Vec<String> {
+        check_register(ops, final_value)["anomalies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn the_register_checker_finds_stale_lost_non_monotonic_and_future_reads() {
+        let w1 = reg(true, 1, 0, 10, Outcome::Ok);
+        let w2 = reg(true, 2, 20, 30, Outcome::Unknown);
+        // Linearizable: a read overlapping the unknown write may see either value.
+        let fine = [
+            w1,
+            w2,
+            reg(false, 2, 25, 26, Outcome::Ok),
+            reg(false, 2, 40, 41, Outcome::Ok),
+        ];
+        assert!(register_anomalies(&fine, Some(2)).is_empty());
+        assert!(
+            register_anomalies(&[w1, w2], Some(1)).is_empty(),
+            "w2 may be lost"
+        );
+        assert_eq!(
+            register_anomalies(&[w1, reg(false, 0, 11, 12, Outcome::Ok)], Some(1)),
+            ["stale_read"]
+        );
+        assert_eq!(register_anomalies(&[w1], Some(0)), ["lost_write"]);
+        assert_eq!(register_anomalies(&[w1], None), ["final_unread"]);
+        assert_eq!(
+            register_anomalies(&[w1, reg(false, 2, 11, 12, Outcome::Ok)], Some(1)),
+            ["future_read"]
+        );
+        // Seen, then gone: the unknown write was read, then a failover cut it.
+        let gone = [
+            w1,
+            w2,
+            reg(false, 2, 25, 26, Outcome::Ok),
+            reg(false, 1, 40, 41, Outcome::Ok),
+        ];
+        assert_eq!(register_anomalies(&gone, Some(1)), ["non_monotonic_read"]);
+        // A failed read is not checked.
+        assert!(
+            register_anomalies(&[w1, reg(false, 0, 11, 12, Outcome::Unknown)], Some(1)).is_empty()
+        );
     }
 
     #[test]

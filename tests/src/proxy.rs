@@ -5,7 +5,8 @@
 //! leave from their internal listener's IP, `127.0.0.{10+i}` for `node-i`, and
 //! everything else on loopback is a client. A [`Link`] from one party to another can
 //! drop, delay (with jitter, which reorders), duplicate, or cut packets; cutting one
-//! direction only is a one-way partition. Rules change while traffic flows.
+//! direction only is a one-way partition, and a cut also drops the packets a delay
+//! still holds on that link. Rules change while traffic flows.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -139,16 +140,27 @@ impl Rules {
     }
 }
 
-/// Sends `buf` to `to` on `socket` after each delay in `fate`.
-async fn deliver(socket: &Arc<UdpSocket>, buf: &[u8], to: SocketAddr, fate: Vec<Duration>) {
+/// Sends `buf` to `to` on `socket` after each delay in `fate`. A packet held back is
+/// lost if the link `link` is cut by the time it is due (a partition drops what is in
+/// flight).
+async fn deliver(
+    socket: &Arc<UdpSocket>,
+    buf: &[u8],
+    to: SocketAddr,
+    fate: Vec<Duration>,
+    rules: &Arc<Rules>,
+    link: (Party, Party),
+) {
     for delay in fate {
         if delay.is_zero() {
             let _ = socket.send_to(buf, to).await;
         } else {
-            let (socket, buf) = (socket.clone(), buf.to_vec());
+            let (socket, buf, rules) = (socket.clone(), buf.to_vec(), rules.clone());
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
-                let _ = socket.send_to(&buf, to).await;
+                if !rules.get(link.0, link.1).cut {
+                    let _ = socket.send_to(&buf, to).await;
+                }
             });
         }
     }
@@ -189,7 +201,8 @@ pub async fn udp(
                         loop {
                             match u2.recv(&mut buf).await {
                                 Ok(n) => {
-                                    deliver(&front2, &buf[..n], src, rules2.fate(owner, from))
+                                    let fate = rules2.fate(owner, from);
+                                    deliver(&front2, &buf[..n], src, fate, &rules2, (owner, from))
                                         .await;
                                 }
                                 // A connected UDP socket reports the ICMP "port
@@ -206,10 +219,12 @@ pub async fn udp(
                 if delay.is_zero() {
                     let _ = up.send(&buf[..n]).await;
                 } else {
-                    let (up, b) = (up.clone(), buf[..n].to_vec());
+                    let (up, b, rules) = (up.clone(), buf[..n].to_vec(), rules.clone());
                     tokio::spawn(async move {
                         tokio::time::sleep(delay).await;
-                        let _ = up.send(&b).await;
+                        if !rules.get(from, owner).cut {
+                            let _ = up.send(&b).await;
+                        }
                     });
                 }
             }

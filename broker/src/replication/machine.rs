@@ -659,6 +659,14 @@ impl Replica {
         matches!(&self.role, Role::Leader(l) if self.commit > l.start)
     }
 
+    /// Leading: the offset of this generation's start record.
+    pub fn generation_start(&self) -> Option<u64> {
+        match &self.role {
+            Role::Leader(l) => Some(l.start),
+            _ => None,
+        }
+    }
+
     /// Followers' positions (leader only).
     pub fn followers(&self) -> Vec<Follower> {
         match &self.role {

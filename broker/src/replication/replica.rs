@@ -513,6 +513,31 @@ impl ReplicaShard {
         }
     }
 
+    /// Waits, up to [`QUORUM_WAIT`], until a serving Quorum leader may answer reads
+    /// from what it rebuilt at takeover: its log holds the furthest copy's records,
+    /// some maybe not committed, and they are once its generation start is (log
+    /// matching). Until then a reader could see a write that a failover of this leader
+    /// would cut. `not_ready` when it is not committed in time; at once on a Leader
+    /// shard (which promises no more) and once per generation otherwise.
+    pub async fn reads_settled(&self) -> Result<(), BrokerError> {
+        if self.reads_ready() {
+            return Ok(());
+        }
+        let Some(start) = self.machine.borrow().generation_start() else {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        };
+        match task::timeout(QUORUM_WAIT, self.committed(start + 1, self.term())).await {
+            Some(Ok(())) => Ok(()),
+            Some(Err(_)) | None => Err(BrokerError::ShardUnavailable("not_ready".into())),
+        }
+    }
+
+    /// Whether [`Self::reads_settled`] would answer at once.
+    pub fn reads_ready(&self) -> bool {
+        self.consistency.get() != Consistency::Quorum
+            || self.machine.borrow().committed_in_generation()
+    }
+
     /// The leader's own append is durable up to `end`.
     pub fn durable(&self, end: u64) {
         self.machine
