@@ -504,6 +504,8 @@ pub struct Nemesis<'a> {
     /// What must outlive the brokers (a filesystem their data sits on): dropped after
     /// the cluster.
     held: Vec<Box<dyn std::any::Any>>,
+    /// The run has the chaos register ([`REGISTER`]).
+    register: bool,
 }
 
 impl Nemesis<'_> {
@@ -533,6 +535,24 @@ impl Nemesis<'_> {
             self.cluster
                 .wait_leader(spec.name, 0, None, 0, Duration::from_secs(30))?;
         Ok((leader, spec.name))
+    }
+
+    /// The broker a leader fault hits: some stream's leader, or one time in three
+    /// the register's when the run has it (so its cache fails over too).
+    pub fn target_leader(&mut self) -> anyhow::Result<usize> {
+        if self.register && self.rng.between(0, 2) == 0 {
+            let leader = wait_for("the register's leader", Duration::from_secs(30), || {
+                let a = self
+                    .cluster
+                    .assignments()
+                    .ok()?
+                    .into_iter()
+                    .find(|a| a["kind"] == "cache" && a["name"] == REGISTER)?;
+                Some(self.cluster.index(a["leader"].as_str()?))
+            })?;
+            return Ok(leader);
+        }
+        Ok(self.some_leader()?.0)
     }
 
     /// SIGKILL broker `i`.
@@ -608,7 +628,7 @@ fn kill_restart(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
 fn leader_kill(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     while n.running() {
         n.sleep_ms(1500, 3000);
-        let (leader, _) = n.some_leader()?;
+        let leader = n.target_leader()?;
         n.kill(leader);
         n.sleep_ms(2000, 4000);
         n.restart(leader)?;
@@ -619,7 +639,7 @@ fn leader_kill(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
 fn leader_bounce(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     while n.running() {
         n.sleep_ms(1500, 3000);
-        let (leader, _) = n.some_leader()?;
+        let leader = n.target_leader()?;
         n.kill(leader);
         n.restart(leader)?;
     }
@@ -638,7 +658,7 @@ fn leader_pause(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
                     .0,
                 s.name,
             ),
-            None => n.some_leader()?,
+            None => (n.target_leader()?, ""),
         };
         n.pause(leader);
         // The harness's lease is 1.125 s; the control plane moves leadership ~1.9 s on.
@@ -655,7 +675,7 @@ fn others(n: &Nemesis<'_>, i: usize) -> Vec<usize> {
 fn leader_isolated(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     while n.running() {
         n.sleep_ms(1500, 3000);
-        let (leader, _) = n.some_leader()?;
+        let leader = n.target_leader()?;
         for j in others(n, leader) {
             n.link(Party::Node(leader), Party::Node(j), Link::cut());
             n.link(Party::Node(j), Party::Node(leader), Link::cut());
@@ -669,7 +689,7 @@ fn leader_isolated(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
 fn leader_one_way(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     while n.running() {
         n.sleep_ms(1500, 3000);
-        let (leader, _) = n.some_leader()?;
+        let leader = n.target_leader()?;
         for j in others(n, leader) {
             n.link(Party::Node(leader), Party::Node(j), Link::cut());
         }
@@ -682,7 +702,7 @@ fn leader_one_way(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
 fn controlplane_partition(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
     while n.running() {
         n.sleep_ms(1500, 3000);
-        let (leader, _) = n.some_leader()?;
+        let leader = n.target_leader()?;
         n.link(Party::Node(leader), Party::ControlPlane, Link::cut());
         std::thread::sleep(Duration::from_millis(n.rng.between(3000, 5000)));
         n.heal_links();
@@ -710,7 +730,7 @@ fn flaky_links(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
         if !n.running() {
             break;
         }
-        let (leader, _) = n.some_leader()?;
+        let leader = n.target_leader()?;
         n.kill(leader);
         n.sleep_ms(1000, 3000);
         n.restart(leader)?;
@@ -3064,6 +3084,7 @@ pub fn run_with(
         paused: Vec::new(),
         killed: Vec::new(),
         held: Vec::new(),
+        register,
     };
     let acted = (scenario.nemesis)(&mut nemesis);
     let healed = nemesis.heal_all();
