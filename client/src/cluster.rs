@@ -389,6 +389,38 @@ impl ClusterClient {
         .await
     }
 
+    /// Adds a signed delta to a counter beside the cache and returns the sum including
+    /// it. Not resent when the outcome is unknown; resent after a lost connection, so,
+    /// as [`Client::counter_add`], at-least-once: an add whose answer was lost with its
+    /// connection may count twice.
+    pub async fn counter_add(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+        delta: i64,
+    ) -> Result<i64, ClientError> {
+        self.with_retry(false, |c| async move {
+            c.counter_add(tenant, namespace, cache, key, delta).await
+        })
+        .await
+    }
+
+    /// Reads a counter: `None` when never written (which is not zero).
+    pub async fn counter_get(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+    ) -> Result<Option<i64>, ClientError> {
+        self.with_retry(true, |c| async move {
+            c.counter_get(tenant, namespace, cache, key).await
+        })
+        .await
+    }
+
     /// Removes a cache key; returns the value it had.
     pub async fn cache_delete(
         &self,

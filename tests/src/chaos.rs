@@ -2451,6 +2451,50 @@ const REGISTER: &str = "reg";
 /// The register's operations, in the order they ended.
 type RegisterLog = Arc<std::sync::Mutex<Vec<RegisterOp>>>;
 
+/// Adds to the register cache's counter `n`: adds begun and acknowledged.
+type CounterTally = Arc<(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64)>;
+
+/// Adds 1 to counter `n` of the register's cache, one add at a time, until `stop`.
+async fn counter_adder(
+    seeds: Vec<std::net::SocketAddr>,
+    config: felix_client::ClientConfig,
+    tally: CounterTally,
+    stop: Arc<AtomicBool>,
+) {
+    let mut client: Option<Arc<ClusterClient>> = None;
+    while !stop.load(Ordering::SeqCst) {
+        let c = match &client {
+            Some(c) => c.clone(),
+            None => match connect(&seeds, &config).await {
+                Some(c) => {
+                    let c = Arc::new(c);
+                    client = Some(c.clone());
+                    c
+                }
+                None => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            },
+        };
+        tally.0.fetch_add(1, Ordering::SeqCst);
+        let r = tokio::time::timeout(
+            Duration::from_secs(6),
+            c.counter_add(TENANT, NAMESPACE, REGISTER, "n", 1),
+        )
+        .await;
+        match r {
+            Ok(Ok(_)) => {
+                tally.1.fetch_add(1, Ordering::SeqCst);
+            }
+            Ok(Err(e)) if outcome_of(&e) == Outcome::Refused => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            _ => client = None,
+        }
+    }
+}
+
 /// Sets the register to 1, 2, 3, ... one write at a time until `stop` (`reader`
 /// false), or reads it every 10 ms (`reader` true).
 async fn register_worker(
@@ -2527,29 +2571,43 @@ async fn register_worker(
     }
 }
 
-/// The register's value after the run, read from its leader (none if no read
-/// succeeded within 30 s).
+/// The register's value and its counter's sum after the run, read from its leader
+/// (none where no read succeeded within 30 s).
 async fn register_final(
     seeds: Vec<std::net::SocketAddr>,
     config: felix_client::ClientConfig,
-) -> Option<u64> {
+) -> (Option<u64>, Option<i64>) {
     let deadline = Instant::now() + Duration::from_secs(30);
+    let mut sum = None;
     while Instant::now() < deadline {
-        if let Some(c) = connect(&seeds, &config).await
+        let Some(c) = connect(&seeds, &config).await else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        if sum.is_none()
+            && let Ok(Ok(s)) = tokio::time::timeout(
+                Duration::from_secs(6),
+                c.counter_get(TENANT, NAMESPACE, REGISTER, "n"),
+            )
+            .await
+        {
+            sum = Some(s.unwrap_or(0));
+        }
+        if sum.is_some()
             && let Ok(Ok(v)) = tokio::time::timeout(
                 Duration::from_secs(6),
                 c.cache_get(TENANT, NAMESPACE, REGISTER, "k"),
             )
             .await
         {
-            return Some(
-                v.map_or(Some(0), |b| std::str::from_utf8(&b).ok()?.parse().ok())
-                    .unwrap_or(u64::MAX),
-            );
+            let value = v
+                .map_or(Some(0), |b| std::str::from_utf8(&b).ok()?.parse().ok())
+                .unwrap_or(u64::MAX);
+            return (Some(value), sum);
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    None
+    (None, sum)
 }
 
 /// One reader of `stream`'s shard 0: records every record it is delivered.
@@ -3062,7 +3120,14 @@ pub fn run_with(
         }
     }
     let register_log: RegisterLog = Arc::default();
+    let tally: CounterTally = Arc::default();
     if register {
+        tasks.push(rt.spawn(counter_adder(
+            cluster.seeds(),
+            cluster.client_config()?,
+            tally.clone(),
+            stop.clone(),
+        )));
         for reader in [false, true] {
             tasks.push(rt.spawn(register_worker(
                 reader,
@@ -3186,9 +3251,26 @@ pub fn run_with(
     };
     let report = check(&ops, &finals, &promise, &changes);
     let register_report = if register {
-        let final_value = rt.block_on(register_final(cluster.seeds(), cluster.client_config()?));
+        let (final_value, sum) =
+            rt.block_on(register_final(cluster.seeds(), cluster.client_config()?));
         let ops = std::mem::take(&mut *register_log.lock().expect("register log"));
-        check_register(&ops, final_value)
+        let mut report = check_register(&ops, final_value);
+        // No acknowledged add may be lost. (No upper bound: an add whose answer was lost
+        // with its connection is sent again and may count twice.)
+        let (begun, acked) = (
+            tally.0.load(Ordering::SeqCst),
+            tally.1.load(Ordering::SeqCst),
+        );
+        report["counter"] = json!({"adds": begun, "acked": acked, "final": sum});
+        let counter_anomaly = match sum {
+            None => Some("counter_unread"),
+            Some(s) if s < acked as i64 => Some("counter_lost_add"),
+            Some(_) => None,
+        };
+        if let (Some(a), Some(list)) = (counter_anomaly, report["anomalies"].as_array_mut()) {
+            list.push(json!(a));
+        }
+        report
     } else {
         Value::Null
     };
