@@ -1268,6 +1268,21 @@ impl CoreBroker {
         }
     }
 
+    /// A read answered by a replicated shard's leader: refused (`stale`, counted) unless
+    /// it may still acknowledge, as a write's answer is. A leader paused or cut off past
+    /// its lease may still think it leads while a successor takes writes; the control
+    /// plane names one only after the lease ran out, so a read within it is current.
+    fn lease_read(
+        &self,
+        rs: &crate::replication::replica::ReplicaShard,
+    ) -> Result<(), BrokerError> {
+        if self.may_acknowledge(rs) {
+            return Ok(());
+        }
+        self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
+        Err(BrokerError::ShardUnavailable("stale".into()))
+    }
+
     /// Refuses (`stale`, counted) when this broker is in a cluster and cut off from the
     /// control plane past its lease: another broker may lead its shards by now.
     fn within_lease(&self) -> Result<(), BrokerError> {
@@ -2062,6 +2077,7 @@ impl CoreBroker {
                     return Err(BrokerError::ShardUnavailable("not_ready".into()));
                 }
                 rs.reads_settled().await?;
+                self.lease_read(&rs)?;
                 match &rs.held {
                     crate::replication::replica::Held::Cache(c) => c.clone(),
                     _ => {
@@ -2210,6 +2226,7 @@ impl CoreBroker {
                                 }
                             }
                         }
+                        self.lease_read(&rs)?;
                         rs.visible_end().min(rs.log().committed_end())
                     }
                 };
@@ -2517,14 +2534,21 @@ impl CoreBroker {
         if !rs.serving() {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
-        // Reads, conditions and deletes' answers come from the index it rebuilt.
-        // (Housekeeping's expiry never waits: it looks again next round.)
-        if matches!(op, CacheOp::Expire(..)) {
-            if !rs.reads_ready() {
-                return Ok(CacheAnswer::Condition(false, None));
+        // Reads, conditions, deletes' and adds' answers come from the index it rebuilt
+        // and must be current. Housekeeping's expiry never waits (it looks again next
+        // round); a put answers nothing from the index, and its own majority wait and
+        // lease check cover it.
+        match &op {
+            CacheOp::Expire(..) => {
+                if !rs.reads_ready() {
+                    return Ok(CacheAnswer::Condition(false, None));
+                }
             }
-        } else {
-            rs.reads_settled().await?;
+            CacheOp::Put(..) => {}
+            _ => {
+                rs.reads_settled().await?;
+                self.lease_read(&rs)?;
+            }
         }
         if cache.compaction_due(self.shared.cache_compact_after) {
             let (rs, cache, metrics) = (rs.clone(), cache.clone(), self.metrics.clone());

@@ -740,6 +740,101 @@ fn a_new_quorum_cache_leader_answers_reads_only_once_its_generation_is_committed
     let _ = &mut c;
 }
 
+/// A Quorum cache's leader paused past its lease, its successor taking a put meanwhile:
+/// woken, it still thinks it leads until it reads the assignments again, and must not
+/// answer a read from before the put (it did: reads checked no lease). Reads sent to it
+/// while it is paused are answered as it wakes, racing its first look at the
+/// assignments.
+#[test]
+fn a_cache_leader_paused_past_its_lease_answers_no_read_from_before_its_successor() {
+    let c = cluster();
+    c.admin
+        .post(
+            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
+            &serde_json::json!({"cache": "lp", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
+        )
+        .unwrap();
+    let (old, generation) = wait_for("a cache leader", Duration::from_secs(20), || {
+        leader_and_generation(&c, "cache", Some("lp"))
+    })
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let config = c.client_config().unwrap();
+    let direct = rt.block_on(async {
+        let client =
+            felix_client::Client::connect(c.brokers[old].listen, "localhost", config.clone())
+                .await
+                .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while let Err(e) = client
+            .cache_put(
+                TENANT,
+                NAMESPACE,
+                "lp",
+                "k",
+                bytes::Bytes::from_static(b"one"),
+                None,
+            )
+            .await
+        {
+            assert!(Instant::now() < deadline, "the cache never served: {e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Arc::new(client)
+    });
+    c.brokers[old].signal(libc::SIGSTOP);
+    let (successor, _) = wait_for("a successor", Duration::from_secs(20), || {
+        leader_and_generation(&c, "cache", Some("lp")).filter(|&(l, g)| l != old && g > generation)
+    })
+    .unwrap();
+    rt.block_on(async {
+        let client =
+            felix_client::Client::connect(c.brokers[successor].listen, "localhost", config)
+                .await
+                .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while let Err(e) = client
+            .cache_put(
+                TENANT,
+                NAMESPACE,
+                "lp",
+                "k",
+                bytes::Bytes::from_static(b"two"),
+                None,
+            )
+            .await
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the successor never took the put: {e}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    // Reads queued at the paused broker, then it wakes.
+    let reads: Vec<_> = (0..8)
+        .map(|_| {
+            let client = direct.clone();
+            rt.spawn(async move {
+                tokio::time::timeout(
+                    Duration::from_secs(10),
+                    client.cache_get(TENANT, NAMESPACE, "lp", "k"),
+                )
+                .await
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    c.brokers[old].signal(libc::SIGCONT);
+    for read in reads {
+        let got = rt.block_on(read).unwrap();
+        assert!(
+            !matches!(&got, Ok(Ok(Some(v))) if v.as_ref() == b"one"),
+            "the woken leader answered the value from before its successor's put: {got:?}"
+        );
+    }
+}
+
 /// A leader killed and restarted at once comes back in its own generation (or a
 /// successor takes over): either way its history must reach a new subscriber with no
 /// new write to carry it. (It did not: the fanout frontier stayed at the commit mark
