@@ -421,6 +421,56 @@ impl ClusterClient {
         .await
     }
 
+    /// Appends `event` and applies `changes` to the entity's state, all or nothing;
+    /// returns the offset (every key's new version). Not resent when the outcome is
+    /// unknown; resent after a lost connection (with `expected_offset`, a resend of one
+    /// that applied is refused, not applied twice).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn commit(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        entity_key: &str,
+        event: Bytes,
+        changes: Vec<felix_wire::message::StateChange>,
+        expected_offset: Option<u64>,
+    ) -> Result<u64, ClientError> {
+        self.with_retry(false, |c| {
+            let (event, changes) = (event.clone(), changes.clone());
+            async move {
+                c.commit(
+                    tenant,
+                    namespace,
+                    stream,
+                    entity_key,
+                    event,
+                    changes,
+                    expected_offset,
+                )
+                .await
+            }
+        })
+        .await
+    }
+
+    /// Reads a state key of an entity: its value and version, and the offset the read
+    /// is as of.
+    pub async fn state_get(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        stream: &str,
+        entity_key: &str,
+        key: &str,
+    ) -> Result<(Option<(Bytes, u64)>, Option<u64>), ClientError> {
+        self.with_retry(true, |c| async move {
+            c.state_get(tenant, namespace, stream, entity_key, key)
+                .await
+        })
+        .await
+    }
+
     /// Removes a cache key; returns the value it had.
     pub async fn cache_delete(
         &self,

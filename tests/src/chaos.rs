@@ -538,9 +538,19 @@ impl Nemesis<'_> {
     }
 
     /// The broker a leader fault hits: some stream's leader, or one time in three
-    /// the register's when the run has it (so its cache fails over too).
+    /// one of the registers' when the run has them (so they fail over too).
     pub fn target_leader(&mut self) -> anyhow::Result<usize> {
         if self.register && self.rng.between(0, 2) == 0 {
+            if self.rng.between(0, 1) == 0 {
+                let (leader, _) = self.cluster.wait_leader(
+                    STATE_REGISTER,
+                    0,
+                    None,
+                    0,
+                    Duration::from_secs(30),
+                )?;
+                return Ok(leader);
+            }
             let leader = wait_for("the register's leader", Duration::from_secs(30), || {
                 let a = self
                     .cluster
@@ -2451,6 +2461,48 @@ const REGISTER: &str = "reg";
 /// The register's operations, in the order they ended.
 type RegisterLog = Arc<std::sync::Mutex<Vec<RegisterOp>>>;
 
+/// The stream of the state register: its entity `e`'s key `k`, set by commits.
+const STATE_REGISTER: &str = "st";
+
+/// Where a register lives.
+#[derive(Debug, Clone, Copy)]
+enum RegisterKind {
+    /// Key `k` of the cache [`REGISTER`].
+    Cache,
+    /// State key `k` of entity `e` on the stream [`STATE_REGISTER`], written by commits
+    /// (the event is the value too).
+    State,
+}
+
+impl RegisterKind {
+    async fn read(self, c: &ClusterClient) -> Result<Option<bytes::Bytes>, ClientError> {
+        match self {
+            RegisterKind::Cache => c.cache_get(TENANT, NAMESPACE, REGISTER, "k").await,
+            RegisterKind::State => Ok(c
+                .state_get(TENANT, NAMESPACE, STATE_REGISTER, "e", "k")
+                .await?
+                .0
+                .map(|(v, _)| v)),
+        }
+    }
+
+    async fn write(self, c: &ClusterClient, value: u64) -> Result<(), ClientError> {
+        let v = bytes::Bytes::from(value.to_string());
+        match self {
+            RegisterKind::Cache => c.cache_put(TENANT, NAMESPACE, REGISTER, "k", v, None).await,
+            RegisterKind::State => {
+                let put = felix_wire::message::StateChange::Put {
+                    key: "k".into(),
+                    value: v.clone(),
+                };
+                c.commit(TENANT, NAMESPACE, STATE_REGISTER, "e", v, vec![put], None)
+                    .await
+                    .map(|_| ())
+            }
+        }
+    }
+}
+
 /// Adds to the register cache's counter `n`: adds begun and acknowledged.
 type CounterTally = Arc<(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64)>;
 
@@ -2498,6 +2550,7 @@ async fn counter_adder(
 /// Sets the register to 1, 2, 3, ... one write at a time until `stop` (`reader`
 /// false), or reads it every 10 ms (`reader` true).
 async fn register_worker(
+    kind: RegisterKind,
     reader: bool,
     seeds: Vec<std::net::SocketAddr>,
     config: felix_client::ClientConfig,
@@ -2526,8 +2579,7 @@ async fn register_worker(
         // Longer than the broker's quorum wait (5 s), as for publishes.
         let within = Duration::from_secs(6);
         let (outcome, read) = if reader {
-            match tokio::time::timeout(within, c.cache_get(TENANT, NAMESPACE, REGISTER, "k")).await
-            {
+            match tokio::time::timeout(within, kind.read(&c)).await {
                 Ok(Ok(v)) => (
                     Outcome::Ok,
                     // Anything but a number this writer wrote reads as from the future.
@@ -2539,14 +2591,10 @@ async fn register_worker(
             }
         } else {
             value += 1;
-            let v = bytes::Bytes::from(value.to_string());
-            let r = tokio::time::timeout(
-                within,
-                c.cache_put(TENANT, NAMESPACE, REGISTER, "k", v, None),
-            )
-            .await;
-            // The client retries a put: a refusal may follow an attempt that applied,
-            // so any failure counts as maybe applied.
+            let r = tokio::time::timeout(within, kind.write(&c, value)).await;
+            // The client retries a put (and a commit after a lost connection): a
+            // refusal may follow an attempt that applied, so any failure counts as
+            // maybe applied.
             let outcome = if matches!(r, Ok(Ok(()))) {
                 Outcome::Ok
             } else {
@@ -2571,43 +2619,48 @@ async fn register_worker(
     }
 }
 
-/// The register's value and its counter's sum after the run, read from its leader
-/// (none where no read succeeded within 30 s).
+/// A register's value after the run, read from its leader (none if no read
+/// succeeded within 30 s).
 async fn register_final(
+    kind: RegisterKind,
     seeds: Vec<std::net::SocketAddr>,
     config: felix_client::ClientConfig,
-) -> (Option<u64>, Option<i64>) {
+) -> Option<u64> {
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut sum = None;
     while Instant::now() < deadline {
-        let Some(c) = connect(&seeds, &config).await else {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            continue;
-        };
-        if sum.is_none()
+        if let Some(c) = connect(&seeds, &config).await
+            && let Ok(Ok(v)) = tokio::time::timeout(Duration::from_secs(6), kind.read(&c)).await
+        {
+            return Some(
+                v.map_or(Some(0), |b| std::str::from_utf8(&b).ok()?.parse().ok())
+                    .unwrap_or(u64::MAX),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    None
+}
+
+/// The register cache's counter's sum after the run (none if no read succeeded
+/// within 30 s).
+async fn counter_final(
+    seeds: Vec<std::net::SocketAddr>,
+    config: felix_client::ClientConfig,
+) -> Option<i64> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if let Some(c) = connect(&seeds, &config).await
             && let Ok(Ok(s)) = tokio::time::timeout(
                 Duration::from_secs(6),
                 c.counter_get(TENANT, NAMESPACE, REGISTER, "n"),
             )
             .await
         {
-            sum = Some(s.unwrap_or(0));
-        }
-        if sum.is_some()
-            && let Ok(Ok(v)) = tokio::time::timeout(
-                Duration::from_secs(6),
-                c.cache_get(TENANT, NAMESPACE, REGISTER, "k"),
-            )
-            .await
-        {
-            let value = v
-                .map_or(Some(0), |b| std::str::from_utf8(&b).ok()?.parse().ok())
-                .unwrap_or(u64::MAX);
-            return (Some(value), sum);
+            return Some(s.unwrap_or(0));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    (None, sum)
+    None
 }
 
 /// One reader of `stream`'s shard 0: records every record it is delivered.
@@ -3065,6 +3118,8 @@ pub fn run_with(
             &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
             &json!({"cache": REGISTER, "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
         )?;
+        cluster.create_stream(STATE_REGISTER, 1, 3, "Quorum")?;
+        cluster.wait_leader(STATE_REGISTER, 0, None, 0, Duration::from_secs(30))?;
         // Led before leadership is watched (its first election is no change).
         wait_for("the register's leader", Duration::from_secs(30), || {
             cluster.assignments().ok()?.into_iter().find(|a| {
@@ -3120,6 +3175,7 @@ pub fn run_with(
         }
     }
     let register_log: RegisterLog = Arc::default();
+    let state_log: RegisterLog = Arc::default();
     let tally: CounterTally = Arc::default();
     if register {
         tasks.push(rt.spawn(counter_adder(
@@ -3128,15 +3184,21 @@ pub fn run_with(
             tally.clone(),
             stop.clone(),
         )));
-        for reader in [false, true] {
-            tasks.push(rt.spawn(register_worker(
-                reader,
-                cluster.seeds(),
-                cluster.client_config()?,
-                history.clone(),
-                register_log.clone(),
-                stop.clone(),
-            )));
+        for (kind, log) in [
+            (RegisterKind::Cache, &register_log),
+            (RegisterKind::State, &state_log),
+        ] {
+            for reader in [false, true] {
+                tasks.push(rt.spawn(register_worker(
+                    kind,
+                    reader,
+                    cluster.seeds(),
+                    cluster.client_config()?,
+                    history.clone(),
+                    log.clone(),
+                    stop.clone(),
+                )));
+            }
         }
     }
     let mut nemesis = Nemesis {
@@ -3251,8 +3313,13 @@ pub fn run_with(
     };
     let report = check(&ops, &finals, &promise, &changes);
     let register_report = if register {
-        let (final_value, sum) =
-            rt.block_on(register_final(cluster.seeds(), cluster.client_config()?));
+        let (seeds, config) = (cluster.seeds(), cluster.client_config()?);
+        let final_value = rt.block_on(register_final(
+            RegisterKind::Cache,
+            seeds.clone(),
+            config.clone(),
+        ));
+        let sum = rt.block_on(counter_final(seeds, config));
         let ops = std::mem::take(&mut *register_log.lock().expect("register log"));
         let mut report = check_register(&ops, final_value);
         // No acknowledged add may be lost. (No upper bound: an add whose answer was lost
@@ -3274,12 +3341,30 @@ pub fn run_with(
     } else {
         Value::Null
     };
-    let register_anomalies: Vec<String> = register_report["anomalies"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|a| Some(format!("register_{}", a.as_str()?)))
-        .collect();
+    let state_report = if register {
+        let final_value = rt.block_on(register_final(
+            RegisterKind::State,
+            cluster.seeds(),
+            cluster.client_config()?,
+        ));
+        let ops = std::mem::take(&mut *state_log.lock().expect("register log"));
+        check_register(&ops, final_value)
+    } else {
+        Value::Null
+    };
+    let register_anomalies: Vec<String> = [
+        ("register", &register_report),
+        ("state_register", &state_report),
+    ]
+    .into_iter()
+    .flat_map(|(prefix, report)| {
+        report["anomalies"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(move |a| Some(format!("{prefix}_{}", a.as_str()?)))
+    })
+    .collect();
     let mut group_reports = serde_json::Map::new();
     let mut group_anomalies = Vec::new();
     for (name, log) in &group_logs {
@@ -3353,5 +3438,6 @@ pub fn run_with(
         "report": report.json(),
         "groups": group_reports,
         "register": register_report,
+        "state_register": state_report,
     }))
 }
