@@ -1283,6 +1283,17 @@ impl CoreBroker {
         Err(BrokerError::ShardUnavailable("stale".into()))
     }
 
+    /// After a wait: the replica still serves and [`Self::lease_read`] holds.
+    fn still_reading(
+        &self,
+        rs: &crate::replication::replica::ReplicaShard,
+    ) -> Result<(), BrokerError> {
+        if !rs.serving() {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        self.lease_read(rs)
+    }
+
     /// Refuses (`stale`, counted) when this broker is in a cluster and cut off from the
     /// control plane past its lease: another broker may lead its shards by now.
     fn within_lease(&self) -> Result<(), BrokerError> {
@@ -1826,6 +1837,11 @@ impl CoreBroker {
             // Still fencing or catching up (or deposed): nothing to read here yet.
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
+        if let Some(rs) = &replica {
+            // Past its lease a successor may hold records beyond this commit mark: a
+            // cursor there would be refused as in the future, for good (retryable here).
+            self.lease_read(rs)?;
+        }
         let visible = replica.map_or(u64::MAX, |rs| rs.visible_end());
         let tail = shard.log.committed_end().min(visible);
         let start = match start {
@@ -2330,13 +2346,14 @@ impl CoreBroker {
         key: &Arc<ShardKey>,
         op: crate::groups::GroupOp,
     ) -> Result<crate::groups::GroupAnswer, BrokerError> {
-        if let Some(rs) = self.replica_of(key)?
-            && !rs.serving()
-        {
-            return Err(BrokerError::ShardUnavailable("not_ready".into()));
-        }
         // A replaced leader's groups may be behind its successor's (an ack taken there).
-        self.within_lease()?;
+        match self.replica_of(key)? {
+            Some(rs) if !rs.serving() => {
+                return Err(BrokerError::ShardUnavailable("not_ready".into()));
+            }
+            Some(rs) => self.lease_read(&rs)?,
+            None => self.within_lease()?,
+        }
         let stream = self.stream_shard(key).await?;
         let groups = self.group_shard(key, &stream).await?;
         stream.group_batches_seen.set(true);
@@ -2570,6 +2587,8 @@ impl CoreBroker {
         let op = match op {
             CacheOp::PutIf(k, v, ttl, condition) => {
                 settled(&cache, &k).await?;
+                // Answered from the index after a wait: still leading, within the lease.
+                self.still_reading(&rs)?;
                 now = clock::now();
                 if let Err(current) = cache.condition_holds(&k, &condition, now) {
                     return Ok(CacheAnswer::Condition(false, current));
@@ -2579,6 +2598,7 @@ impl CoreBroker {
             }
             CacheOp::DeleteIf(k, version) => {
                 settled(&cache, &k).await?;
+                self.still_reading(&rs)?;
                 now = clock::now();
                 let condition = felix_wire::message::CacheCondition::Version(version);
                 if let Err(current) = cache.condition_holds(&k, &condition, now) {

@@ -390,9 +390,9 @@ impl ClusterClient {
     }
 
     /// Adds a signed delta to a counter beside the cache and returns the sum including
-    /// it. Not resent when the outcome is unknown; resent after a lost connection, so,
-    /// as [`Client::counter_add`], at-least-once: an add whose answer was lost with its
-    /// connection may count twice.
+    /// it. Not resent when the broker says the outcome is unknown; resent after a lost
+    /// connection, a timeout or a protocol error, so, as [`Client::counter_add`],
+    /// at-least-once: an add whose answer was lost that way may count twice.
     pub async fn counter_add(
         &self,
         tenant: &str,
@@ -422,9 +422,11 @@ impl ClusterClient {
     }
 
     /// Appends `event` and applies `changes` to the entity's state, all or nothing;
-    /// returns the offset (every key's new version). Not resent when the outcome is
-    /// unknown; resent after a lost connection (with `expected_offset`, a resend of one
-    /// that applied is refused, not applied twice).
+    /// returns the offset (every key's new version). Not resent when the broker says the
+    /// outcome is unknown; resent after a lost connection, a timeout or a protocol
+    /// error. With `expected_offset` a resend of one that applied is refused
+    /// (`offset_mismatch`) rather than applied twice, so that refusal does not say the
+    /// commit did not apply.
     #[allow(clippy::too_many_arguments)]
     pub async fn commit(
         &self,

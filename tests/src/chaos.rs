@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use felix_client::{ClientError, ClusterClient};
+use felix_client::{ClientError, ClusterClient, ReconnectPolicy};
 use felix_wire::Offset;
 use felix_wire::message::StartPosition;
 use felix_wire::{AckMode, RetryClass};
@@ -2359,13 +2359,38 @@ async fn connect(
     seeds: &[std::net::SocketAddr],
     config: &felix_client::ClientConfig,
 ) -> Option<ClusterClient> {
+    connect_with(seeds, config, ReconnectPolicy::default()).await
+}
+
+async fn connect_with(
+    seeds: &[std::net::SocketAddr],
+    config: &felix_client::ClientConfig,
+    policy: ReconnectPolicy,
+) -> Option<ClusterClient> {
     tokio::time::timeout(
         Duration::from_secs(5),
-        ClusterClient::connect(seeds, "localhost", config.clone()),
+        ClusterClient::connect_with_policy(seeds, "localhost", config.clone(), policy),
     )
     .await
     .ok()?
     .ok()
+}
+
+/// The worker's client, connecting a new one under `policy` if it has none (none,
+/// after a pause, when no broker answered).
+async fn connected(
+    client: &mut Option<Arc<ClusterClient>>,
+    seeds: &[std::net::SocketAddr],
+    config: &felix_client::ClientConfig,
+    policy: &ReconnectPolicy,
+) -> Option<Arc<ClusterClient>> {
+    if client.is_none() {
+        match connect_with(seeds, config, *policy).await {
+            Some(c) => *client = Some(Arc::new(c)),
+            None => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    client.clone()
 }
 
 /// One producer: publishes `stream/p<id>/<seq>` until `stop`, `depth` at a time.
@@ -2379,21 +2404,11 @@ async fn producer(
     stop: Arc<AtomicBool>,
 ) {
     let mut client: Option<Arc<ClusterClient>> = None;
+    let policy = ReconnectPolicy::default();
     let mut seq = 0u64;
     while !stop.load(Ordering::SeqCst) {
-        let c = match &client {
-            Some(c) => c.clone(),
-            None => match connect(&seeds, &config).await {
-                Some(c) => {
-                    let c = Arc::new(c);
-                    client = Some(c.clone());
-                    c
-                }
-                None => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
-                }
-            },
+        let Some(c) = connected(&mut client, &seeds, &config, &policy).await else {
+            continue;
         };
         let mut batch = Vec::with_capacity(depth);
         for _ in 0..depth {
@@ -2514,20 +2529,10 @@ async fn counter_adder(
     stop: Arc<AtomicBool>,
 ) {
     let mut client: Option<Arc<ClusterClient>> = None;
+    let policy = ReconnectPolicy::default();
     while !stop.load(Ordering::SeqCst) {
-        let c = match &client {
-            Some(c) => c.clone(),
-            None => match connect(&seeds, &config).await {
-                Some(c) => {
-                    let c = Arc::new(c);
-                    client = Some(c.clone());
-                    c
-                }
-                None => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
-                }
-            },
+        let Some(c) = connected(&mut client, &seeds, &config, &policy).await else {
+            continue;
         };
         tally.0.fetch_add(1, Ordering::SeqCst);
         let r = tokio::time::timeout(
@@ -2559,21 +2564,21 @@ async fn register_worker(
     stop: Arc<AtomicBool>,
 ) {
     let mut client: Option<Arc<ClusterClient>> = None;
+    // A writer makes one attempt per call: a resend the client made on its own could
+    // land after the next write while the call was answered OK (every failed attempt
+    // is then one the checker counts as maybe applied, at any time).
+    let policy = if reader {
+        ReconnectPolicy::default()
+    } else {
+        ReconnectPolicy {
+            attempts: 1,
+            ..ReconnectPolicy::default()
+        }
+    };
     let mut value = 0u64;
     while !stop.load(Ordering::SeqCst) {
-        let c = match &client {
-            Some(c) => c.clone(),
-            None => match connect(&seeds, &config).await {
-                Some(c) => {
-                    let c = Arc::new(c);
-                    client = Some(c.clone());
-                    c
-                }
-                None => {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
-                }
-            },
+        let Some(c) = connected(&mut client, &seeds, &config, &policy).await else {
+            continue;
         };
         let start_us = history.now_us();
         // Longer than the broker's quorum wait (5 s), as for publishes.

@@ -423,8 +423,8 @@ pub fn check(
     r
 }
 
-/// One operation on the chaos register: a cache key one writer sets to 1, 2, 3, ...
-/// one write at a time, and a reader reads.
+/// One operation on a chaos register: a key (a cache's, or an entity's state) one
+/// writer sets to 1, 2, 3, ... one write at a time, and a reader reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RegisterOp {
     /// A write (else a read).
@@ -719,6 +719,9 @@ mod tests {
             reg(false, 2, 70, 71, Outcome::Ok),
         ];
         assert!(register_anomalies(&late, Some(2)).is_empty());
+        // ... that value only: an acknowledged one read after a later one still is not.
+        let stale = [w1, w2, w3, reg(false, 1, 61, 62, Outcome::Ok)];
+        assert_eq!(register_anomalies(&stale, Some(3)), ["stale_read"]);
         // A failed read is not checked.
         assert!(
             register_anomalies(&[w1, reg(false, 0, 11, 12, Outcome::Unknown)], Some(1)).is_empty()
