@@ -536,12 +536,7 @@ fn a_quorum_cache_write_answered_outcome_unknown_reaches_the_index_when_it_commi
         "",
     )
     .unwrap();
-    c.admin
-        .post(
-            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
-            &serde_json::json!({"cache": "cut", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
-        )
-        .unwrap();
+    create_quorum_cache(&c, "cut");
     let (leader, _) = wait_for("a cache leader", Duration::from_secs(20), || {
         leader_and_generation(&c, "cache", None)
     })
@@ -611,6 +606,16 @@ fn a_quorum_cache_write_answered_outcome_unknown_reaches_the_index_when_it_commi
     got.unwrap();
 }
 
+/// Creates `name`, a one-shard Quorum cache of three copies.
+fn create_quorum_cache(c: &TestCluster, name: &str) {
+    c.admin
+        .post(
+            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
+            &serde_json::json!({"cache": name, "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
+        )
+        .unwrap();
+}
+
 /// Puts `value` at key `k` of `cache` through `client` until it is taken (a new cache
 /// serves once its first generation starts; a successor once it took over), for 20 s.
 async fn put_until_taken(client: &felix_client::Client, cache: &str, value: &'static [u8]) {
@@ -653,12 +658,7 @@ fn a_new_quorum_cache_leader_answers_reads_only_once_its_generation_is_committed
         "",
     )
     .unwrap();
-    c.admin
-        .post(
-            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
-            &serde_json::json!({"cache": "ri", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
-        )
-        .unwrap();
+    create_quorum_cache(&c, "ri");
     let (old, old_generation) = wait_for("a cache leader", Duration::from_secs(20), || {
         leader_and_generation(&c, "cache", Some("ri"))
     })
@@ -743,12 +743,7 @@ fn a_new_quorum_cache_leader_answers_reads_only_once_its_generation_is_committed
 #[test]
 fn a_cache_leader_paused_past_its_lease_answers_no_read_from_before_its_successor() {
     let c = cluster();
-    c.admin
-        .post(
-            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
-            &serde_json::json!({"cache": "lp", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
-        )
-        .unwrap();
+    create_quorum_cache(&c, "lp");
     let (old, generation) = wait_for("a cache leader", Duration::from_secs(20), || {
         leader_and_generation(&c, "cache", Some("lp"))
     })
@@ -987,12 +982,7 @@ async fn wait_for_async(mut f: impl FnMut() -> bool) {
 #[test]
 fn a_quorum_cache_keeps_every_acknowledged_value_and_counter_across_a_leader_kill() {
     let mut c = cluster();
-    c.admin
-        .post(
-            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
-            &serde_json::json!({"cache": "sessions", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
-        )
-        .unwrap();
+    create_quorum_cache(&c, "sessions");
     let leader_of = |c: &TestCluster| leader_and_generation(c, "cache", None);
     let (leader, generation) =
         wait_for("a cache leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
@@ -2215,12 +2205,7 @@ fn a_replicated_cache_is_compacted_on_every_replica_and_keeps_its_values_across_
         "segment_bytes: 65536\ncache_compact_after: 500\nhousekeeping_ms: 200\n",
     )
     .unwrap();
-    c.admin
-        .post(
-            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
-            &serde_json::json!({"cache": "hot", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
-        )
-        .unwrap();
+    create_quorum_cache(&c, "hot");
     let leader_of = |c: &TestCluster| leader_and_generation(c, "cache", None);
     let (leader, generation) =
         wait_for("a cache leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
@@ -2384,12 +2369,7 @@ fn a_replicated_cache_is_compacted_on_every_replica_and_keeps_its_values_across_
 #[test]
 fn cache_writes_are_held_through_planned_moves() {
     let c = cluster();
-    c.admin
-        .post(
-            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
-            &serde_json::json!({"cache": "moving", "shards": 1, "replication_factor": 3, "consistency": "Quorum"}),
-        )
-        .unwrap();
+    create_quorum_cache(&c, "moving");
     let leader_of = |c: &TestCluster| leader_and_generation(c, "cache", Some("moving"));
     let (mut leader, mut generation) =
         wait_for("a cache leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
