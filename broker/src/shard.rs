@@ -1415,7 +1415,11 @@ mod tests {
             shard.counter_add("a", 1, now).await.unwrap();
             shard.counter_add("b", 2, now).await.unwrap();
             let a = shard.begin_add("a", 10).unwrap();
-            let writes = LocalWrites(shard.log());
+            let writes = Checkpoints {
+                inner: LocalWrites(shard.log()),
+                shard: &shard,
+                taken_busy: std::cell::Cell::new(0),
+            };
             let turns = async {
                 let settle = || async {
                     for _ in 0..5 {
@@ -1434,8 +1438,43 @@ mod tests {
             let (compacted, ()) = futures_lite::future::zip(shard.compact(&writes), turns).await;
             let c = compacted.expect("the compaction finishes");
             assert_eq!(c.counters, 2, "{c:?}");
+            assert_eq!(
+                writes.taken_busy.get(),
+                0,
+                "a checkpoint was taken while its counter had an add in flight"
+            );
             assert_eq!((shard.counter("a"), shard.counter("b")), (Some(1), Some(2)));
         });
+    }
+
+    /// A compaction's writes that count the checkpoints appended while their counter
+    /// had an add in flight (replayed, such a checkpoint would drop the add).
+    struct Checkpoints<'a> {
+        inner: LocalWrites<'a>,
+        shard: &'a CacheShard,
+        taken_busy: std::cell::Cell<u32>,
+    }
+
+    impl CompactionWrites for Checkpoints<'_> {
+        async fn append(&self, records: &[Bytes], now_micros: u64) -> Result<u64, BrokerError> {
+            for r in records {
+                if let Some(rec) = decode_cache_record(r)
+                    && matches!(rec.op, RecordOp::Set(_))
+                    && self.shard.adding.borrow().contains_key(&rec.key)
+                {
+                    self.taken_busy.set(self.taken_busy.get() + 1);
+                }
+            }
+            self.inner.append(records, now_micros).await
+        }
+
+        fn apply(&self, shard: &CacheShard, first: u64, records: &[Bytes]) {
+            self.inner.apply(shard, first, records);
+        }
+
+        async fn finish(&self, cut: u64, now_micros: u64) -> Result<usize, BrokerError> {
+            self.inner.finish(cut, now_micros).await
+        }
     }
 
     /// Under `fsync: none` a commit answers at sequencing; a compaction must still have
