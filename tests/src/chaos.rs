@@ -2585,12 +2585,7 @@ async fn register_worker(
         let within = Duration::from_secs(6);
         let (outcome, read) = if reader {
             match tokio::time::timeout(within, kind.read(&c)).await {
-                Ok(Ok(v)) => (
-                    Outcome::Ok,
-                    // Anything but a number this writer wrote reads as from the future.
-                    v.map_or(Some(0), |b| std::str::from_utf8(&b).ok()?.parse().ok())
-                        .unwrap_or(u64::MAX),
-                ),
+                Ok(Ok(v)) => (Outcome::Ok, register_value(v)),
                 Ok(Err(_)) => (Outcome::Refused, 0),
                 Err(_) => (Outcome::Unknown, 0),
             }
@@ -2624,48 +2619,57 @@ async fn register_worker(
     }
 }
 
-/// A register's value after the run, read from its leader (none if no read
-/// succeeded within 30 s).
-async fn register_final(
-    kind: RegisterKind,
+/// What a read of a register returned: 0 when absent, and anything but a number its
+/// writer wrote as from the future.
+fn register_value(v: Option<bytes::Bytes>) -> u64 {
+    v.map_or(Some(0), |b| std::str::from_utf8(&b).ok()?.parse().ok())
+        .unwrap_or(u64::MAX)
+}
+
+/// `read` after the run, through any broker, until it answers (none if it did not
+/// within 30 s).
+async fn read_back<T, F, Fut>(
     seeds: Vec<std::net::SocketAddr>,
     config: felix_client::ClientConfig,
-) -> Option<u64> {
+    read: F,
+) -> Option<T>
+where
+    F: Fn(ClusterClient) -> Fut,
+    Fut: std::future::Future<Output = Result<T, ClientError>>,
+{
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
         if let Some(c) = connect(&seeds, &config).await
-            && let Ok(Ok(v)) = tokio::time::timeout(Duration::from_secs(6), kind.read(&c)).await
+            && let Ok(Ok(v)) = tokio::time::timeout(Duration::from_secs(6), read(c)).await
         {
-            return Some(
-                v.map_or(Some(0), |b| std::str::from_utf8(&b).ok()?.parse().ok())
-                    .unwrap_or(u64::MAX),
-            );
+            return Some(v);
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     None
 }
 
-/// The register cache's counter's sum after the run (none if no read succeeded
-/// within 30 s).
+/// A register's value after the run.
+async fn register_final(
+    kind: RegisterKind,
+    seeds: Vec<std::net::SocketAddr>,
+    config: felix_client::ClientConfig,
+) -> Option<u64> {
+    read_back(seeds, config, |c| async move { kind.read(&c).await })
+        .await
+        .map(register_value)
+}
+
+/// The register cache's counter's sum after the run.
 async fn counter_final(
     seeds: Vec<std::net::SocketAddr>,
     config: felix_client::ClientConfig,
 ) -> Option<i64> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if let Some(c) = connect(&seeds, &config).await
-            && let Ok(Ok(s)) = tokio::time::timeout(
-                Duration::from_secs(6),
-                c.counter_get(TENANT, NAMESPACE, REGISTER, "n"),
-            )
-            .await
-        {
-            return Some(s.unwrap_or(0));
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    None
+    read_back(seeds, config, |c| async move {
+        c.counter_get(TENANT, NAMESPACE, REGISTER, "n").await
+    })
+    .await
+    .map(|s| s.unwrap_or(0))
 }
 
 /// One reader of `stream`'s shard 0: records every record it is delivered.
