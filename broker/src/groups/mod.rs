@@ -74,8 +74,9 @@ pub enum GroupOp {
     },
     /// Finish a record.
     Ack(String, u64),
-    /// Hand a record back, owed again after `delay_ms`.
-    Nack(String, u64, u64),
+    /// Hand a record back: group, offset, `delay_ms` before it is owed again, and the
+    /// attempt nacked (0: whichever).
+    Nack(String, u64, u64, u32),
     /// Extend a claim: group, offset, attempts, extension.
     Extend(String, u64, u32, u64),
     /// Give up on a claimed record.
@@ -107,7 +108,7 @@ impl GroupOp {
         match self {
             GroupOp::Poll { group, .. } | GroupOp::Seek { group, .. } => group,
             GroupOp::Ack(g, _)
-            | GroupOp::Nack(g, _, _)
+            | GroupOp::Nack(g, _, _, _)
             | GroupOp::Extend(g, _, _, _)
             | GroupOp::DeadLetter(g, _)
             | GroupOp::DeadLetters(g)
@@ -165,34 +166,104 @@ pub fn check_name(group: &str) -> Result<(), BrokerError> {
 }
 
 /// Wakes the tasks waiting for a change.
+///
+/// A waiter that gives up (a poll's or a watch's timeout dropped its future) takes its
+/// waker out again: a list only [`Wakers::wake_all`] emptied grew by one waker, and the
+/// finished task it holds, with every timed-out long poll on a stream or group that
+/// changed no more.
 #[derive(Debug, Default)]
 pub struct Wakers {
-    waiting: RefCell<Vec<Waker>>,
+    slots: RefCell<Slots>,
     changes: Cell<u64>,
+}
+
+/// The waiting wakers, each in the slot its future remembers.
+#[derive(Debug, Default)]
+struct Slots {
+    wakers: Vec<Option<Waker>>,
+    free: Vec<usize>,
 }
 
 impl Wakers {
     /// Wakes every waiter.
     pub fn wake_all(&self) {
         self.changes.set(self.changes.get() + 1);
-        if self.waiting.borrow().is_empty() {
+        let mut slots = self.slots.borrow_mut();
+        if slots.wakers.is_empty() {
             return;
         }
-        for w in self.waiting.borrow_mut().drain(..) {
+        slots.free.clear();
+        for w in slots.wakers.drain(..).flatten() {
             w.wake();
         }
     }
 
     /// Resolves at the next [`Wakers::wake_all`].
-    pub fn changed(&self) -> impl Future<Output = ()> + '_ {
-        let seen = self.changes.get();
-        std::future::poll_fn(move |cx| {
-            if self.changes.get() != seen {
-                return Poll::Ready(());
+    pub fn changed(&self) -> Changed<'_> {
+        Changed {
+            wakers: self,
+            seen: self.changes.get(),
+            slot: None,
+        }
+    }
+
+    /// How many waiters are registered.
+    #[cfg(test)]
+    fn waiting(&self) -> usize {
+        self.slots.borrow().wakers.iter().flatten().count()
+    }
+}
+
+/// The future of [`Wakers::changed`]; dropped before it resolves, it unregisters.
+#[derive(Debug)]
+pub struct Changed<'a> {
+    wakers: &'a Wakers,
+    seen: u64,
+    /// Its slot, valid while no `wake_all` has run since (which empties every slot).
+    slot: Option<usize>,
+}
+
+impl Future for Changed<'_> {
+    type Output = ();
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<()> {
+        let this = &mut *self;
+        if this.wakers.changes.get() != this.seen {
+            this.slot = None;
+            return Poll::Ready(());
+        }
+        let mut slots = this.wakers.slots.borrow_mut();
+        let waker = Some(cx.waker().clone());
+        match this.slot {
+            Some(i) => slots.wakers[i] = waker,
+            None => {
+                let i = match slots.free.pop() {
+                    Some(i) => {
+                        slots.wakers[i] = waker;
+                        i
+                    }
+                    None => {
+                        slots.wakers.push(waker);
+                        slots.wakers.len() - 1
+                    }
+                };
+                this.slot = Some(i);
             }
-            self.waiting.borrow_mut().push(cx.waker().clone());
-            Poll::Pending
-        })
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for Changed<'_> {
+    fn drop(&mut self) {
+        // After a `wake_all` the slots were emptied and may hold other waiters now.
+        if let Some(i) = self.slot
+            && self.wakers.changes.get() == self.seen
+        {
+            let mut slots = self.wakers.slots.borrow_mut();
+            slots.wakers[i] = None;
+            slots.free.push(i);
+        }
     }
 }
 
@@ -809,7 +880,9 @@ impl GroupShard {
             } => {
                 self.ensure(&group, stream.log.base_offset()).await?;
                 let wait = Duration::from_millis(wait_ms).min(POLL_WAIT_MAX);
-                let max = max.max(1) as usize;
+                // One answer: at most `max_claim` records (each pass of a claim is
+                // bounded so, not their sum) and `POLL_BYTES_MAX` bytes of payload.
+                let max = (max as usize).clamp(1, self.limits.max_claim.max(1));
                 self.poll(stream, &group, max, wait, visibility_ms, member)
                     .await
                     .map(GroupAnswer::Records)
@@ -830,8 +903,8 @@ impl GroupShard {
                 }
                 Ok(GroupAnswer::Done)
             }
-            GroupOp::Nack(group, o, delay_ms) => {
-                self.tracker(&group, |t| t.nack(o, now_ms(), delay_ms))
+            GroupOp::Nack(group, o, delay_ms, attempts) => {
+                self.tracker(&group, |t| t.nack(o, attempts, now_ms(), delay_ms))
                     .unwrap_or_else(|| Err(no_group(&group)))
                     .map_err(refused)?;
                 self.settled.wake_all();
@@ -859,6 +932,13 @@ impl GroupShard {
             )),
             GroupOp::Discard(group, o) => self.settle_dead_letter(&group, Event::Discard(o)).await,
             GroupOp::Redrive(group, o) => {
+                let base = stream.log.base_offset();
+                if o < base {
+                    return Err(BrokerError::InvalidRequest(format!(
+                        "group_redrive: offset {o} was removed by retention (the shard begins \
+                         at {base}); discard it instead"
+                    )));
+                }
                 let answer = self.settle_dead_letter(&group, Event::Redrive(o)).await;
                 self.settled.wake_all();
                 answer
@@ -1019,7 +1099,8 @@ impl GroupShard {
         visibility_ms: u64,
         member: Option<&Member>,
     ) -> Result<Vec<GroupRecord>, BrokerError> {
-        let mut out = Vec::new();
+        let mut out: Vec<GroupRecord> = Vec::new();
+        let mut bytes = 0usize;
         // A member reclaims once per claim: after that its live claims include what
         // this claim just handed it.
         let mut member = member.cloned();
@@ -1049,10 +1130,19 @@ impl GroupShard {
                 task::yield_now().await;
                 continue;
             }
+            let budget = POLL_BYTES_MAX.saturating_sub(bytes);
             let (records, passed) = self
-                .read_claimed(stream, group, &claimed.handed, claimed.reclaimed)
+                .read_claimed(
+                    stream,
+                    group,
+                    &claimed.handed,
+                    claimed.reclaimed,
+                    budget,
+                    out.is_empty(),
+                )
                 .await?;
             let full = records.len() + passed < handed;
+            bytes += records.iter().map(|r| r.payload.len()).sum::<usize>();
             out.extend(records);
             // Stop when full (by count, or the answer's byte bound handed claims back),
             // when nothing more could be claimed, or when nothing was passed over.
@@ -1066,12 +1156,16 @@ impl GroupShard {
     /// consumers (a replication marker) is finished without a delivery; claims past the
     /// answer's byte bound are handed back, their attempt not counted, except the first
     /// `reclaimed` (a member's own claims: they stay its own, for its next reclaim).
+    /// `budget` is what is left of the answer's byte bound; the answer's `first` read
+    /// hands out its first record whatever its size.
     async fn read_claimed(
         &self,
         stream: &StreamShard,
         group: &str,
         handed: &[(u64, u32)],
         reclaimed: usize,
+        budget: usize,
+        first: bool,
     ) -> Result<(Vec<GroupRecord>, usize), BrokerError> {
         let mut found: BTreeMap<u64, (Bytes, u64, Before)> = BTreeMap::new();
         let mut wanted: Vec<u64> = handed.iter().map(|(o, _)| *o).collect();
@@ -1080,7 +1174,7 @@ impl GroupShard {
         let mut covered_end = 0u64;
         let mut bytes = 0usize;
         for &o in &wanted {
-            if o < covered_end || bytes >= POLL_BYTES_MAX {
+            if o < covered_end || bytes >= budget {
                 continue;
             }
             let batches = stream
@@ -1127,7 +1221,7 @@ impl GroupShard {
                         passed += 1;
                     }
                     Some((payload, at, before))
-                        if out.is_empty() || bytes + payload.len() <= POLL_BYTES_MAX =>
+                        if (first && out.is_empty()) || bytes + payload.len() <= budget =>
                     {
                         bytes += payload.len();
                         if let Some(from) = before.look_from {
@@ -1264,6 +1358,56 @@ fn refused(r: Refusal) -> BrokerError {
 mod tests {
     use super::*;
     use futures_channel::oneshot;
+
+    #[test]
+    fn a_waiter_that_gives_up_leaves_no_waker_behind() {
+        // A long poll on a stream nobody writes times out again and again: each time
+        // its waker must go, or the list (and every finished task its wakers hold)
+        // grows until the next change.
+        let w = Wakers::default();
+        task::block_on(async {
+            for _ in 0..200 {
+                let waited = task::timeout(Duration::from_micros(50), w.changed()).await;
+                assert!(waited.is_none());
+            }
+            assert_eq!(w.waiting(), 0, "timed-out waiters left their wakers");
+            // Waiters still waiting are woken, and a slot freed by one that gave up
+            // serves the next.
+            let a = w.changed();
+            let b = w.changed();
+            let mut a = std::pin::pin!(a);
+            let mut b = std::pin::pin!(b);
+            assert!(futures_lite::future::poll_once(a.as_mut()).await.is_none());
+            {
+                let c = w.changed();
+                let mut c = std::pin::pin!(c);
+                assert!(futures_lite::future::poll_once(c.as_mut()).await.is_none());
+                assert_eq!(w.waiting(), 2);
+            }
+            assert_eq!(w.waiting(), 1);
+            assert!(futures_lite::future::poll_once(b.as_mut()).await.is_none());
+            assert_eq!(w.waiting(), 2);
+            w.wake_all();
+            assert_eq!(w.waiting(), 0);
+            assert!(futures_lite::future::poll_once(a.as_mut()).await.is_some());
+            assert!(futures_lite::future::poll_once(b.as_mut()).await.is_some());
+            // A future from before a wake, dropped after others took the emptied
+            // slots, does not unregister them.
+            let stale = w.changed();
+            let mut stale = Box::pin(stale);
+            assert!(
+                futures_lite::future::poll_once(stale.as_mut())
+                    .await
+                    .is_none()
+            );
+            w.wake_all();
+            let d = w.changed();
+            let mut d = std::pin::pin!(d);
+            assert!(futures_lite::future::poll_once(d.as_mut()).await.is_none());
+            drop(stale);
+            assert_eq!(w.waiting(), 1, "a stale future unregistered a live waiter");
+        });
+    }
 
     #[test]
     fn group_log_records_round_trip_and_garbage_is_refused() {
@@ -1622,7 +1766,7 @@ mod tests {
             assert_eq!(publish(b"d").await.first, 10);
             assert_eq!(poll().await, vec![(10, 7, 1)]);
             // Handed back and delivered again: the read starts at the record.
-            let op = GroupOp::Nack("g".into(), 10, 0);
+            let op = GroupOp::Nack("g".into(), 10, 0, 0);
             groups.serve(&stream, op).await.unwrap();
             assert_eq!(poll().await, vec![(10, 7, 2)]);
             assert_eq!(empty_run_before(&stream, 0).await, 0);
