@@ -263,6 +263,19 @@ impl Tracker {
     /// Offsets below `base` are gone from the log (retention): they are finished,
     /// unread. Returns how many were skipped. Not durable: recovery skips them again.
     pub fn skip_below(&mut self, base: u64) -> u64 {
+        // Records owed again below the cursor (a redrive, a seek back) that retention
+        // has removed since: none can be delivered, and handed out they would fail
+        // every poll that claims them until they reached the dead letters.
+        while let Some((&o, _)) = self.owed.first_key_value()
+            && o < base
+        {
+            self.owed.remove(&o);
+        }
+        while let Some((&o, _)) = self.in_flight.first_key_value()
+            && o < base
+        {
+            self.in_flight.remove(&o);
+        }
         if self.committed >= base {
             return 0;
         }
@@ -305,7 +318,7 @@ impl Tracker {
         let visibility = if visibility_ms == 0 {
             self.limits.visibility_ms
         } else {
-            visibility_ms
+            visibility_ms.min(self.longest_ms())
         };
         let max = max.min(self.limits.max_claim);
         let mut out = Claimed::default();
@@ -346,7 +359,13 @@ impl Tracker {
                 out.dead.push(o);
                 continue;
             }
-            self.hand(o, w.attempts + 1, now_ms + visibility, &owner, &mut out);
+            self.hand(
+                o,
+                w.attempts + 1,
+                now_ms.saturating_add(visibility),
+                &owner,
+                &mut out,
+            );
         }
         let mut passed = 0;
         while self.high_water < tail && room(self, &out) {
@@ -363,7 +382,7 @@ impl Tracker {
             if self.owed.contains_key(&o) {
                 continue; // delayed: it goes out when its time comes
             }
-            self.hand(o, 1, now_ms + visibility, &owner, &mut out);
+            self.hand(o, 1, now_ms.saturating_add(visibility), &owner, &mut out);
         }
         out
     }
@@ -470,23 +489,44 @@ impl Tracker {
 
     /// A nack: the claimed record is owed again after `delay_ms`. Refused once the claim
     /// has lapsed (or the record went out again).
-    pub fn nack(&mut self, o: u64, now_ms: u64, delay_ms: u64) -> Result<(), Refusal> {
+    /// With `attempts` (not 0) it must be the claim's: a consumer whose claim lapsed
+    /// does not take the record from the one it went to next.
+    pub fn nack(
+        &mut self,
+        o: u64,
+        attempts: u32,
+        now_ms: u64,
+        delay_ms: u64,
+    ) -> Result<(), Refusal> {
         self.expire(now_ms);
-        match self.in_flight.remove(&o) {
-            Some(c) => {
+        match self.in_flight.get(&o) {
+            Some(c) if attempts == 0 || c.attempts == attempts => {
+                let attempts = c.attempts;
+                self.in_flight.remove(&o);
                 self.owed.insert(
                     o,
                     Owed {
-                        attempts: c.attempts,
-                        not_before_ms: now_ms + delay_ms,
+                        attempts,
+                        not_before_ms: now_ms.saturating_add(delay_ms.min(self.longest_ms())),
                     },
                 );
                 Ok(())
             }
+            Some(c) => Err(Refusal::StaleClaim(format!(
+                "offset {o} is claimed on attempt {}, not {attempts}",
+                c.attempts
+            ))),
             None => Err(Refusal::StaleClaim(format!(
                 "offset {o} is not claimed by this group (its claim lapsed or was settled)"
             ))),
         }
+    }
+
+    /// The longest visibility, extension or nack delay granted: ten times the
+    /// group's default visibility. A client's larger value (up to `u64::MAX`) would
+    /// hold a record past any consumer's crash, or wrap its deadline to the past.
+    pub fn longest_ms(&self) -> u64 {
+        self.limits.visibility_ms.max(1).saturating_mul(10)
     }
 
     /// Extends a claim on its `attempts`-th delivery by `extend_ms` from now; returns the
@@ -499,10 +539,11 @@ impl Tracker {
         extend_ms: u64,
     ) -> Result<u64, Refusal> {
         self.expire(now_ms);
+        let longest = self.longest_ms();
         match self.in_flight.get_mut(&o) {
             Some(c) if c.attempts == attempts || attempts == 0 => {
-                let granted = extend_ms.clamp(1, self.limits.visibility_ms.max(1) * 10);
-                c.deadline_ms = now_ms + granted;
+                let granted = extend_ms.clamp(1, longest);
+                c.deadline_ms = now_ms.saturating_add(granted);
                 Ok(granted)
             }
             _ => Err(Refusal::StaleClaim(format!(
@@ -665,7 +706,7 @@ mod tests {
         let mut t = Tracker::new(0, limits());
         for attempt in 1..=3 {
             assert_eq!(t.claim(1, 1, 0, 0, None).handed, vec![(0, attempt)]);
-            t.nack(0, 0, 0).unwrap();
+            t.nack(0, 0, 0, 0).unwrap();
         }
         let c = t.claim(1, 1, 0, 0, None);
         assert!(c.handed.is_empty());
@@ -674,7 +715,7 @@ mod tests {
         assert_eq!(t.committed(), 1, "a dead letter is finished for the cursor");
         // A nack after the claim lapsed is refused.
         t.claim(2, 1, 0, 0, None);
-        assert!(t.nack(1, 5000, 0).is_err());
+        assert!(t.nack(1, 0, 5000, 0).is_err());
     }
 
     #[test]
@@ -701,7 +742,7 @@ mod tests {
     fn a_delayed_nack_waits_and_a_poll_learns_when_to_look_again() {
         let mut t = Tracker::new(0, limits());
         t.claim(1, 1, 0, 0, None);
-        t.nack(0, 10, 500).unwrap();
+        t.nack(0, 0, 10, 500).unwrap();
         assert!(t.claim(1, 1, 100, 0, None).handed.is_empty());
         assert_eq!(t.next_due_ms(), Some(510));
         assert_eq!(t.claim(1, 1, 510, 0, None).handed, vec![(0, 2)]);
@@ -744,6 +785,56 @@ mod tests {
         assert_eq!(offsets(&t.claim(10, 5, 0, 0, None)), vec![8, 9]);
         assert_eq!(t.skip_below(9), 1);
         assert_eq!(t.committed(), 9);
+    }
+
+    #[test]
+    fn a_clients_visibility_and_nack_delay_are_bounded_and_never_wrap() {
+        // limits(): default visibility 1,000 ms, so the longest grant is 10,000 ms.
+        let mut t = Tracker::new(0, limits());
+        assert_eq!(offsets(&t.claim(10, 1, 5, u64::MAX, None)), vec![0]);
+        // The claim holds (a deadline wrapped to the past would hand 0 out again at
+        // once), and lapses at the bound, not never.
+        assert_eq!(offsets(&t.claim(10, 1, 6, 0, None)), vec![1]);
+        assert!(!offsets(&t.claim(10, 10, 10_004, 0, None)).contains(&0));
+        assert_eq!(offsets(&t.claim(10, 10, 10_005, 0, None)), vec![0]);
+        // A nack's delay the same.
+        t.nack(0, 0, 10_005, u64::MAX).unwrap();
+        assert!(!offsets(&t.claim(10, 10, 20_004, 0, None)).contains(&0));
+        assert_eq!(offsets(&t.claim(10, 10, 20_005, 0, None)), vec![0]);
+        assert_eq!(t.extend(0, 0, 20_006, u64::MAX), Ok(10_000));
+    }
+
+    #[test]
+    fn a_nack_on_a_lapsed_attempt_leaves_the_next_holders_claim() {
+        let mut t = Tracker::new(0, limits());
+        assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
+        // A's claim lapses; B gets offset 0 on attempt 2.
+        assert_eq!(t.claim(10, 1, 1_000, 0, None).handed, vec![(0, 2)]);
+        // A nacks its attempt: refused, B still holds it.
+        assert!(matches!(
+            t.nack(0, 1, 1_001, 0),
+            Err(Refusal::StaleClaim(_))
+        ));
+        assert_eq!(offsets(&t.claim(10, 1, 1_002, 0, None)), vec![1]);
+        // B's own nack, by attempt or without one, hands it back.
+        t.nack(0, 2, 1_003, 0).unwrap();
+        assert_eq!(t.claim(10, 1, 1_004, 0, None).handed, vec![(0, 3)]);
+        t.nack(0, 0, 1_005, 0).unwrap();
+    }
+
+    #[test]
+    fn a_redriven_record_that_retention_removed_is_not_handed_out() {
+        let mut t = Tracker::new(0, limits());
+        for o in 0..3 {
+            t.apply(Event::Ack(o));
+        }
+        t.apply(Event::Dead(3));
+        t.apply(Event::Redrive(3));
+        t.apply(Event::Ack(4));
+        assert_eq!(t.committed(), 5, "3 is owed again below nothing unsettled");
+        // Retention removed offsets below 4 meanwhile.
+        t.skip_below(4);
+        assert_eq!(offsets(&t.claim(10, 5, 0, 0, None)), vec![5, 6, 7, 8, 9]);
     }
 
     fn member(name: &str, reclaim: bool) -> Member {

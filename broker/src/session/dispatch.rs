@@ -932,14 +932,19 @@ fn group_request(m: Message) -> Option<Request> {
             offset,
             request_id,
             delay_ms,
-            ..
+            attempts,
         } => req(
             tenant_id,
             namespace,
             stream,
             shard,
             request_id,
-            GroupOp::Nack(group, offset.0, delay_ms.unwrap_or(0)),
+            GroupOp::Nack(
+                group,
+                offset.0,
+                delay_ms.unwrap_or(0),
+                attempts.unwrap_or(0),
+            ),
         ),
         Message::GroupExtend {
             tenant_id,
