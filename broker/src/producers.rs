@@ -128,6 +128,37 @@ impl ProducerTable {
         }
     }
 
+    /// As [`Self::decide`], for a log whose committed end is `committed_end`: a re-send
+    /// of a batch still marked pending whose offsets the log has committed is a
+    /// duplicate of a written batch. Its write was answered where nobody looked (the
+    /// bookkeeping runs where the original's answer is awaited, and a connection that
+    /// closed before its answers were sent never awaited them), so without this every
+    /// re-send would be told to wait, for good.
+    pub fn decide_committed(
+        &mut self,
+        producer: u64,
+        sequence: u64,
+        records: u32,
+        reuse_offered: bool,
+        committed_end: u64,
+    ) -> Decision {
+        match self.decide(producer, sequence, records, reuse_offered) {
+            Decision::Duplicate {
+                pending: true,
+                first,
+                end,
+            } if end <= committed_end => {
+                self.written(producer, sequence);
+                Decision::Duplicate {
+                    first,
+                    end,
+                    pending: false,
+                }
+            }
+            d => d,
+        }
+    }
+
     fn record(&mut self, producer: u64, e: Entry) {
         if !self.producers.contains_key(&producer) && self.producers.len() >= PRODUCERS_MAX {
             // Forget the producer whose newest batch is oldest.
@@ -283,6 +314,39 @@ mod tests {
         assert_eq!(
             t.decide(7, 0, 5, true),
             Decision::Refuse(PublishRefusalReason::SequenceReused)
+        );
+    }
+
+    #[test]
+    fn a_pending_batch_the_log_committed_is_a_written_one() {
+        let mut t = ProducerTable::at(0);
+        t.admitted(3, 0, 0, 2);
+        // Not yet committed: a re-send waits.
+        assert_eq!(
+            t.decide_committed(3, 0, 2, false, 1),
+            Decision::Duplicate {
+                first: 0,
+                end: 2,
+                pending: true
+            }
+        );
+        // Committed, though nobody marked it written: answered from the log, and
+        // marked so.
+        assert_eq!(
+            t.decide_committed(3, 0, 2, false, 2),
+            Decision::Duplicate {
+                first: 0,
+                end: 2,
+                pending: false
+            }
+        );
+        assert_eq!(
+            t.decide(3, 0, 2, false),
+            Decision::Duplicate {
+                first: 0,
+                end: 2,
+                pending: false
+            }
         );
     }
 

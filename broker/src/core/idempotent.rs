@@ -101,8 +101,11 @@ impl CoreBroker {
         records: Vec<Bytes>,
         (producer, sequence): (u64, u64),
     ) -> Outcome {
-        let decision = match shard.producers.borrow().as_ref() {
-            Some(t) => t.decide(producer, sequence, records.len() as u32, false),
+        let committed = shard.log.committed_end();
+        let decision = match shard.producers.borrow_mut().as_mut() {
+            Some(t) => {
+                t.decide_committed(producer, sequence, records.len() as u32, false, committed)
+            }
             None => {
                 return Box::pin(std::future::ready(Err(BrokerError::ShardUnavailable(
                     "not_ready".into(),
