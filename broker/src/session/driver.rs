@@ -24,7 +24,9 @@ use felix_core_runtime::quic::{ConnId, Connection, RecvStream, SendStream};
 use felix_core_runtime::task;
 use felix_wire::frame::FrameError;
 use felix_wire::message::StartPosition;
-use felix_wire::{Features, Frame, FrameReader, Generation, Message, Offset, SubscriptionId};
+use felix_wire::{
+    Features, Flags, Frame, FrameReader, Generation, Message, Offset, SubscriptionId,
+};
 
 use crate::cluster::Resolved;
 use rustc_hash::FxHashMap;
@@ -738,6 +740,7 @@ async fn execute(
                 conn: conn.clone(),
                 key,
                 format: EventFormat::for_flags(session.flags),
+                skipped_before: session.flags.contains(Flags::EVENT_BATCH_SKIPPED),
                 id: scope.next_subscription.get(),
                 shard_moved: session.features.contains(Features::SHARD_MOVED),
                 lagged_ends: session.features.contains(Features::SUBSCRIPTION_LAGGED),
@@ -1042,6 +1045,8 @@ struct Subscription {
     shard_moved: bool,
     /// The client takes `subscription_lagged`: end at the first drop.
     lagged_ends: bool,
+    /// The client reads `skipped_before` in event batches.
+    skipped_before: bool,
 }
 
 impl Subscription {
@@ -1066,6 +1071,9 @@ impl Subscription {
                 let mut pump = Pump::new(self.key.clone(), start, self.format);
                 if self.lagged_ends {
                     pump = pump.ending_at_drop();
+                }
+                if self.skipped_before {
+                    pump = pump.counting_skipped();
                 }
                 futures_lite::future::or(
                     async {

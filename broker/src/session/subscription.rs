@@ -25,6 +25,9 @@ pub struct Pump {
     next: u64,
     /// Offsets of generation-start records passed since the last event sent.
     skipped: u64,
+    /// The client reads `skipped_before` (it offered `EVENT_BATCH_SKIPPED`): a frame
+    /// with that layout to a client that did not would be misread.
+    skipped_ok: bool,
     /// The client takes `subscription_lagged`: the subscription ends at its first drop
     /// instead of jumping over it.
     end_at_drop: bool,
@@ -62,9 +65,17 @@ impl Pump {
             format,
             next: start,
             skipped: 0,
+            skipped_ok: false,
             end_at_drop: false,
             lagged: None,
         }
+    }
+
+    /// Says in each event how many offsets before it held no record (the client
+    /// negotiated `EVENT_BATCH_SKIPPED`).
+    pub fn counting_skipped(mut self) -> Pump {
+        self.skipped_ok = true;
+        self
     }
 
     /// Ends the subscription at its first drop (the client negotiated
@@ -93,7 +104,11 @@ impl Pump {
     fn encode(&mut self, first: u64, records: &[Bytes]) -> Bytes {
         let skipped = std::mem::take(&mut self.skipped);
         match self.format {
-            EventFormat::Binary => encode_events(first, records, (skipped > 0).then_some(skipped)),
+            EventFormat::Binary => encode_events(
+                first,
+                records,
+                (self.skipped_ok && skipped > 0).then_some(skipped),
+            ),
             EventFormat::Json => encode_json_events(&self.names, first, records),
         }
     }
@@ -290,7 +305,7 @@ mod tests {
     #[test]
     fn generation_start_records_are_skipped_and_counted() {
         let k = key(0);
-        let mut p = Pump::new(k.clone(), 0, EventFormat::Binary);
+        let mut p = Pump::new(k.clone(), 0, EventFormat::Binary).counting_skipped();
         let mut out = Vec::new();
         p.on_history(
             &[
@@ -313,6 +328,20 @@ mod tests {
             panic!()
         };
         assert_eq!(events(&f), (6, 1, Some(1)));
+
+        // A client that did not offer the layout gets the events without the count.
+        let mut plain = Pump::new(k.clone(), 0, EventFormat::Binary);
+        let mut out = Vec::new();
+        plain.on_history(
+            &[
+                batch(0, 2, BatchKind::Data),
+                batch(2, 1, BatchKind::GenerationStart),
+                batch(3, 2, BatchKind::Data),
+            ],
+            5,
+            &mut out,
+        );
+        assert_eq!(events(&out[1]), (3, 2, None));
     }
 
     #[test]
