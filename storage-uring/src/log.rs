@@ -1239,7 +1239,8 @@ impl<B: Backend> SegmentLog<B> {
             // Locate under the borrow; await with none held.
             let located = {
                 let st = self.shared.state.borrow();
-                let end = ack_end(&st, self.shared.config.fsync).min(until.max(from + 1));
+                let end =
+                    ack_end(&st, self.shared.config.fsync).min(until.max(from.saturating_add(1)));
                 let base = st.segments.front().map_or(0, |s| s.base);
                 if offset < base {
                     return Err(StorageError::Trimmed {

@@ -167,6 +167,12 @@ pub(super) async fn recover<B: Backend>(
                 data_after: torn.data_after,
                 cause: torn.cause,
             });
+        } else if newest && !config.read_only {
+            // What the last life wrote and never synced (a kill between a round's write
+            // and its fdatasync, or `fsync: none`) is read, shipped and counted durable
+            // from the moment the log opens: make it so, or a power cut before this
+            // life's first fdatasync takes records readers saw and copies counted.
+            file.sync_data().await.map_err(io("fsync at open"))?;
         }
         // A scan from the last index entry saw only the segment's last batches: the
         // index file says what the rest holds, or nothing (then it may hold anything).
