@@ -308,6 +308,37 @@ fn records_a_reopened_log_serves_survive_a_power_cut_before_it_writes() {
     });
 }
 
+/// Under `fsync: none` nothing but close asked for an fdatasync, so a busy newest segment
+/// could hold far more than a round unsynced: a power cut that lost a sector far from
+/// its end left damage recovery must refuse as interior, and the log did not open. A
+/// round now fdatasyncs once `ROUND_BYTES_MAX` was written since the last.
+#[test]
+fn a_log_written_without_fsync_opens_after_a_power_cut() {
+    run(|| async {
+        let mut refused = Vec::new();
+        for seed in 0..2 {
+            let mem = MemBackend::new();
+            let config = LogConfig {
+                fsync: felix_storage_uring::FsyncMode::None,
+                segment_bytes_max: 256 << 20,
+                ..cfg(false)
+            };
+            let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+            // 80 MiB: past recovery's reach of one round (72 MiB and a block).
+            let big = vec![seed as u8 | 1; 1 << 20];
+            for _ in 0..80 {
+                log.append(&[big.clone()], 0).await.unwrap();
+            }
+            assert_eq!(log.read(79, 1).await.unwrap().len(), 1);
+            drop(log); // the kill: no close, no sync; then the power cut
+            if let Err(e) = SegmentLog::open(mem.power_loss(seed), config).await {
+                refused.push(format!("seed {seed}: {e}"));
+            }
+        }
+        assert!(refused.is_empty(), "logs that did not open: {refused:?}");
+    });
+}
+
 /// A cut during a round's fdatasync (here: the fdatasync fails, then power goes) leaves
 /// the round's unacknowledged sectors in any subset: holes with data after them. Recovery
 /// cuts such damage when it lies within one bounded round of the end of the newest
