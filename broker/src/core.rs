@@ -741,6 +741,11 @@ pub struct CoreBroker {
     /// its log to open, or about to ask for it), per shard: a re-pin's release waits for
     /// them as it waits for work holding the shard (`core/moves.rs`).
     awaiting_shard: Rc<RefCell<HashMap<Arc<ShardKey>, usize>>>,
+    /// Idempotent publishes that arrived while their shard was not open here, in
+    /// arrival order: one task per shard hands them to the shard's queue once it
+    /// opens, and later publishes queue behind them (`core/idempotent.rs`).
+    idempotent_opening:
+        RefCell<HashMap<Arc<ShardKey>, std::collections::VecDeque<crate::producers::Queued>>>,
     /// Per shard since the last load report: small requests this core received for it
     /// and, for shards it owns, small deliveries it sent to each core (index = core).
     load: RefCell<HashMap<Arc<ShardKey>, Vec<u32>>>,
@@ -842,6 +847,7 @@ impl CoreBroker {
             left_copies: RefCell::default(),
             handed_over: RefCell::default(),
             awaiting_shard: Rc::default(),
+            idempotent_opening: RefCell::default(),
             load: RefCell::default(),
         })
     }

@@ -196,3 +196,70 @@ fn a_connection_that_never_authenticates_is_closed_after_ten_seconds() {
         }
     });
 }
+
+/// Pipelined idempotent publishes that arrive while their shard is still opening (the
+/// first requests after a restart) reach the producer table in the order they arrived:
+/// queued out of order, a producer's later batch was decided before its first and
+/// refused (unknown producer, or a gap), which ends that producer.
+#[test]
+fn pipelined_idempotent_publishes_right_after_a_restart_are_decided_in_order() {
+    use felix_wire::{ProducerId, RequestId, Sequence};
+    let (mut b, _dir) = broker();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let features = Features::ERROR_CODES
+        .union(Features::IDEMPOTENT_PRODUCER)
+        .union(Features::PUBLISH_PIPELINE);
+    let publish = |producer: u64, seq: u64| {
+        Message::PublishIdempotent {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            stream: "idem".into(),
+            payloads: vec![bytes::Bytes::from(format!("{producer}-{seq}"))],
+            key: None,
+            shard: None,
+            request_id: RequestId(seq + 1),
+            producer_id: ProducerId(producer),
+            sequence: Sequence(seq),
+        }
+        .to_frame()
+    };
+    let send = |b: &BrokerProcess, producer: u64, batches: u64| {
+        let frames: Vec<_> = (0..batches).map(|seq| publish(producer, seq)).collect();
+        let auth = auth(b, features);
+        let listen = b.listen;
+        let ca = b.ca_file();
+        async move {
+            let (_ep, conn) = felix_cluster::raw_connect_to(listen, &ca).await.unwrap();
+            let (mut s, mut r) = conn.open_bi().await.unwrap();
+            s.write_all(&auth).await.unwrap();
+            // One datagram at a time, spread over the shard's open: some arrive while
+            // it opens, some just as it is ready, some after.
+            for f in &frames {
+                s.write_all(f).await.unwrap();
+                let until = Instant::now() + Duration::from_micros(150);
+                while Instant::now() < until {
+                    tokio::task::yield_now().await;
+                }
+            }
+            s.finish().unwrap();
+            let answers = read_messages(&mut r, batches as usize + 1).await.unwrap();
+            assert_eq!(answers.len() as u64, batches + 1, "{answers:?}");
+            answers[1..]
+                .iter()
+                .filter(|a| !matches!(a, Some(Message::PublishOk { .. })))
+                .cloned()
+                .collect::<Vec<_>>()
+        }
+    };
+    // The stream's shard gets a log, then every restart closes it.
+    assert_eq!(rt.block_on(send(&b, 1, 1)), Vec::new());
+    for round in 0..6 {
+        b.kill();
+        b.restart().unwrap();
+        let refused = rt.block_on(send(&b, 100 + round, 200));
+        assert!(
+            refused.is_empty(),
+            "round {round}: refused after the restart: {refused:?}"
+        );
+    }
+}

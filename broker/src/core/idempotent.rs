@@ -39,8 +39,12 @@ impl CoreBroker {
             let k = key.clone();
             return self.through_takeover(&k, move |c| c.append_idempotent(key, records, tag));
         }
+        // Publishes that came while the shard was opening go first, whatever the
+        // shard's state now: the table must see each producer's batches in the order
+        // they arrived, or a pipelined producer's next batch is refused as a gap.
+        let opening = self.idempotent_opening.borrow().contains_key(&key);
         let shard = match self.streams.borrow().get(&key) {
-            Some(Slot::Ready(s)) => Some(s.clone()),
+            Some(Slot::Ready(s)) if !opening => Some(s.clone()),
             _ => None,
         };
         if let Some(shard) = &shard {
@@ -65,22 +69,37 @@ impl CoreBroker {
                 self.build_producers(shard, key);
             }
             None => {
-                let this = self.clone();
-                let awaiting = self.awaiting(&key);
-                task::spawn(async move {
-                    let shard = this.stream_shard(&key).await;
-                    drop(awaiting);
-                    match shard {
-                        Ok(shard) => {
-                            shard.idempotent_queue.borrow_mut().push_back(queued);
-                            this.build_producers(shard, key);
+                let first = {
+                    let mut opening = self.idempotent_opening.borrow_mut();
+                    let waiting = opening.entry(key.clone()).or_default();
+                    waiting.push_back(queued);
+                    waiting.len() == 1
+                };
+                if first {
+                    let this = self.clone();
+                    let awaiting = self.awaiting(&key);
+                    task::spawn(async move {
+                        let shard = this.stream_shard(&key).await;
+                        drop(awaiting);
+                        let waiting = this
+                            .idempotent_opening
+                            .borrow_mut()
+                            .remove(&key)
+                            .unwrap_or_default();
+                        match shard {
+                            Ok(shard) => {
+                                shard.idempotent_queue.borrow_mut().extend(waiting);
+                                this.build_producers(shard, key);
+                            }
+                            Err(e) => {
+                                for queued in waiting {
+                                    let _ = queued.answer.send(Err(e.clone()));
+                                }
+                            }
                         }
-                        Err(e) => {
-                            let _ = queued.answer.send(Err(e));
-                        }
-                    }
-                })
-                .detach();
+                    })
+                    .detach();
+                }
             }
         }
         Box::pin(async move {
