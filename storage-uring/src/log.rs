@@ -18,11 +18,9 @@
 //! 3. Under `FsyncMode::OnCommit` the flusher then issues one fdatasync for the round:
 //!    every batch written in the round becomes durable together (group commit). Under
 //!    `Periodic` a timer asks for that fdatasync; under `None` only close does (every
-//!    round once the log is closing), and under both a round that leaves
-//!    `ROUND_BYTES_MAX` or more written since the last fdatasync. Because a round is
-//!    bounded and the next one starts only after this fdatasync, a power cut finds at
-//!    most one round of the newest segment unsynced (under `None`/`Periodic`, less than
-//!    `ROUND_BYTES_MAX` more); recovery relies on that to cut a torn last round
+//!    round once the log is closing). Because a round is bounded and the next one starts
+//!    only after this fdatasync, a power cut finds at most one round of the newest
+//!    segment unsynced; recovery relies on that to cut a torn last round
 //!    (`docs/storage-format.md`, "Recovery").
 //!    (`LogConfig::unsafe_skip_fdatasync` leaves this call out: a mutant the power-loss
 //!    tests must catch.) With `LogConfig::dsync_writes`, the round's write is itself
@@ -551,10 +549,6 @@ struct State<F> {
     /// Data is written with durable writes ([`LogConfig::dsync_writes`]): set once an
     /// fdatasync has covered what the log held when it opened.
     dsync_ready: bool,
-    /// Bytes written to segments since the last fdatasync of a round: under `none` and
-    /// `periodic` a round fdatasyncs once they reach [`format::ROUND_BYTES_MAX`], so no mode
-    /// leaves more of the newest segment unsynced than recovery's reach (step 3).
-    unsynced_bytes: u64,
     stats: LogStats,
     /// Base offset and kind of the last batch claimed.
     last_batch: Option<(u64, BatchKind)>,
@@ -723,7 +717,6 @@ impl<B: Backend> SegmentLog<B> {
             closing: false,
             closed: false,
             dsync_ready: false,
-            unsynced_bytes: 0,
             stats: LogStats::default(),
             last_batch,
             exclusive: false,
@@ -1790,9 +1783,7 @@ async fn flush_round<B: Backend>(
         if batches_written > 0 {
             st.device_latency.write.observe(writing.elapsed());
         }
-        let want = cfg.fsync == FsyncMode::OnCommit
-            || sync_requested
-            || st.unsynced_bytes >= format::ROUND_BYTES_MAX as u64;
+        let want = cfg.fsync == FsyncMode::OnCommit || sync_requested;
         let last = st.segments.back().expect("at least one segment");
         (
             want && st.written_end > st.durable_end,
@@ -1809,7 +1800,6 @@ async fn flush_round<B: Backend>(
         }
         let mut st = shared.state.borrow_mut();
         if !skip {
-            st.unsynced_bytes = 0;
             st.device_latency.sync.observe(syncing.elapsed());
             st.dsync_ready =
                 cfg.dsync_writes && cfg.fsync == FsyncMode::OnCommit && !cfg.unsafe_skip_fdatasync;
@@ -2035,7 +2025,6 @@ async fn write_chunk<B: Backend>(
         st.stats.synced_batches += chunk.batches;
     }
     st.written_end = chunk.end_offset;
-    st.unsynced_bytes += data_blocks as u64;
     st.stats.bytes_written += data_blocks as u64;
     st.stats.zero_ahead_bytes += zeros;
     wake_acked(&mut st, shared.config.fsync);

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use crate::error::{Corruption, CorruptionKind, StorageError};
 use crate::format::{
     self, BATCH_HEADER_BYTES, BATCH_MAGIC, BatchHeader, BatchKind, FormatError, HeaderRead,
-    KindSet, LAST_ROUND_REACH_BYTES, MAX_BATCH_BODY_BYTES, RECORD_PREFIX_BYTES,
+    KindSet, MAX_BATCH_BODY_BYTES, RECORD_PREFIX_BYTES,
 };
 use crate::index::SparseIndex;
 use crate::io::SegmentFile;
@@ -168,12 +168,14 @@ pub(crate) async fn data_end<F: SegmentFile>(
 /// verifying every header and body CRC and offset contiguity, and feeding the index.
 ///
 /// The end of data is an all-zero header or end of file. Damage is repaired (reported in
-/// `torn_at`) only when `allow_tail_repair` (the newest segment) and either every byte
-/// after the damaged batch's extent is zero (a torn tail), or the last non-zero byte
-/// lies within [`LAST_ROUND_REACH_BYTES`] of the damage (a torn last round: a power cut
-/// while the round's fdatasync ran kept only some of its sectors). Neither was
-/// acknowledged. Anything else is a [`Corruption`]: damage farther back lies in data
-/// that was synced.
+/// `torn_at`) only with a `tail_reach` (the newest segment) and either every byte after
+/// the damaged batch's extent is zero (a torn tail), or the last non-zero byte lies
+/// within `tail_reach` of the damage and the batch shows a lost sector (a torn last
+/// round: a power cut while the round's fdatasync ran kept only some of its sectors).
+/// The reach is [`format::LAST_ROUND_REACH_BYTES`] for a log whose every round is synced before
+/// the next (`on-commit`), and the whole segment under `none` and `periodic`, where
+/// any part of the newest segment may be unsynced. Anything else is a [`Corruption`]:
+/// damage farther back lies in data that was synced.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn scan<F: SegmentFile>(
     file: &F,
@@ -181,7 +183,7 @@ pub(crate) async fn scan<F: SegmentFile>(
     file_len: u64,
     mut pos: u64,
     mut expected_offset: u64,
-    allow_tail_repair: bool,
+    tail_reach: Option<u64>,
     index: &mut SparseIndex,
     index_interval: u64,
 ) -> Result<ScanEnd, StorageError> {
@@ -264,12 +266,12 @@ pub(crate) async fn scan<F: SegmentFile>(
             };
             Err(corrupt(pos, expected_offset, kind))
         };
-        if !allow_tail_repair {
+        let Some(reach) = tail_reach else {
             return refuse(after);
-        }
+        };
         let end = data_end(file, pos, file_len).await.map_err(io)?;
         if after.is_some()
-            && (end - pos > LAST_ROUND_REACH_BYTES
+            && (end - pos > reach
                 || !lost_sector(&mut window, pos, extent_end)
                     .await
                     .map_err(io)?)

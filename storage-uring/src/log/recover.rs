@@ -6,10 +6,11 @@
 use std::collections::VecDeque;
 use std::rc::Rc;
 
-use super::{LogConfig, RecoveryReport, TornTail, VerifyOnOpen, create_segment, cut};
+use super::{FsyncMode, LogConfig, RecoveryReport, TornTail, VerifyOnOpen, create_segment, cut};
 use crate::error::{Corruption, CorruptionKind, StorageError};
 use crate::format::{
-    self, BATCH_HEADER_BYTES, HeaderRead, KindSet, SEGMENT_HEADER_BYTES, SegmentHeader,
+    self, BATCH_HEADER_BYTES, HeaderRead, KindSet, LAST_ROUND_REACH_BYTES, SEGMENT_HEADER_BYTES,
+    SegmentHeader,
 };
 use crate::index::SparseIndex;
 use crate::io::{Backend, SegmentFile};
@@ -139,13 +140,21 @@ pub(super) async fn recover<B: Backend>(
             // The scan below re-observes the entry it starts from.
             index.truncate_last();
         }
+        // Under on-commit every round is synced before the next one is written, so damage
+        // farther than a round from the end lies in synced data. Under none and
+        // periodic any part of the newest segment may be unsynced (only a roll, a close
+        // or the timer syncs), and a power cut can leave a lost sector anywhere in it.
+        let tail_reach = newest.then_some(match config.fsync {
+            FsyncMode::OnCommit => LAST_ROUND_REACH_BYTES,
+            FsyncMode::None | FsyncMode::Periodic(_) => u64::MAX,
+        });
         let end = segment::scan(
             &file,
             &name,
             len,
             start.0,
             start.1,
-            newest,
+            tail_reach,
             &mut index,
             config.index_interval_bytes,
         )
