@@ -201,6 +201,18 @@ async fn auth_watchdog(conn: Connection, scope: Rc<ConnScope>) {
     }
 }
 
+/// Keeps `grant` for [`revocation_watch`] unless one that a key set revokes alike (same
+/// tenant, signing key and token id) is kept already: an SDK authenticates every stream
+/// it opens, so a list that kept each grew for the connection's whole life.
+fn remember_grant(grants: &mut Vec<Rc<crate::auth::Grant>>, grant: &Rc<crate::auth::Grant>) {
+    let alike = |g: &Rc<crate::auth::Grant>| {
+        g.tenant == grant.tenant && g.kid == grant.kid && g.jti == grant.jti
+    };
+    if !grants.iter().any(alike) {
+        grants.push(grant.clone());
+    }
+}
+
 /// Closes the connection once a key set arrives under which one of its grants no longer
 /// holds (its signing key retired, its token revoked by id).
 async fn revocation_watch(core: Rc<CoreBroker>, conn: Connection, scope: Rc<ConnScope>) {
@@ -402,7 +414,7 @@ async fn authenticate(
     match handshake(&frame, &env, clock::now()) {
         Ok((session, reply)) => {
             scope.auth.borrow_mut().authenticated();
-            scope.grants.borrow_mut().push(session.grant().clone());
+            remember_grant(&mut scope.grants.borrow_mut(), session.grant());
             if answered {
                 answers.push(Answer::Ready(Some(reply)));
             }
@@ -1283,6 +1295,20 @@ mod tests {
     use super::*;
     use crate::session::testing::{parse_frame, session, session_with};
     use felix_wire::message::GroupRecord;
+
+    #[test]
+    fn a_connection_keeps_one_grant_per_token_however_many_streams_authenticate() {
+        let mut grants = Vec::new();
+        let one = Rc::new(crate::session::testing::grant(vec![]));
+        for _ in 0..1000 {
+            remember_grant(&mut grants, &Rc::new((*one).clone()));
+        }
+        assert_eq!(grants.len(), 1);
+        let mut other = (*one).clone();
+        other.jti = Some("t-2".into());
+        remember_grant(&mut grants, &Rc::new(other));
+        assert_eq!(grants.len(), 2, "a token revoked apart is kept apart");
+    }
 
     /// `skipped_before` goes only to clients that negotiated `GROUP_SKIPPED`; the others
     /// get records as before.
