@@ -734,6 +734,18 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
                     };
                 }
             };
+            let (crate::shard::WatchFilter::Key(k) | crate::shard::WatchFilter::Prefix(k)) =
+                &filter;
+            if k.len() > CACHE_KEY_MAX_BYTES {
+                // Kept for the watch's life and compared with every write: bounded as
+                // keys are.
+                return Request::Refused {
+                    error: BrokerError::InvalidRequest(format!(
+                        "a watched key or prefix is at most {CACHE_KEY_MAX_BYTES} bytes"
+                    )),
+                    ends_stream: false,
+                };
+            }
             if retained && from_offset.is_some() {
                 return Request::Refused {
                     error: BrokerError::InvalidRequest(
@@ -1819,6 +1831,35 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn a_watched_key_or_prefix_is_bounded_as_keys_are() {
+        let dir = MemDirectory::new(1);
+        let s = session();
+        for (key, prefix) in [
+            (Some("k".repeat(CACHE_KEY_MAX_BYTES + 1)), None),
+            (None, Some("p".repeat(CACHE_KEY_MAX_BYTES + 1))),
+        ] {
+            let a = decide_frame(
+                &s,
+                &dir,
+                &json(Message::CacheWatch {
+                    tenant_id: TENANT.into(),
+                    namespace: "ns".into(),
+                    cache: "c".into(),
+                    key,
+                    prefix,
+                    shard: None,
+                    from_offset: None,
+                    retained: false,
+                    subscription_id: None,
+                }),
+                true,
+            );
+            assert_eq!(refusal_code(&a), ErrorCode::InvalidRequest);
+            assert!(matches!(a, Action::Answer(_)), "the stream goes on: {a:?}");
+        }
     }
 
     #[test]
