@@ -46,6 +46,10 @@ use crate::shard::EventFormat;
 const GAP_CHECK: Duration = Duration::from_millis(100);
 /// Queued batches a subscriber's pump writes in one go.
 const LIVE_WRITE_BATCHES: usize = 64;
+/// Reads of a subscription's history that a transient refusal (`overloaded`,
+/// `shard_unavailable`) may fail in a row before the subscription ends with an error
+/// (about 2 s of backoff).
+const HISTORY_READ_RETRIES: u32 = 10;
 /// Bytes of history read from the log per read.
 const HISTORY_READ_BYTES: usize = 1 << 20;
 /// Answers a stream's writer hands to QUIC in one write.
@@ -1265,6 +1269,7 @@ impl Subscription {
     /// the subscription: see [`Pump::lagged`].
     async fn read_back(&self, uni: &mut SendStream, pump: &mut Pump, to: u64) -> Result<(), ()> {
         let mut frames = Vec::new();
+        let mut retries = 0u32;
         while pump.next() < to && pump.lagged().is_none() {
             let batches = match self
                 .core
@@ -1277,8 +1282,24 @@ impl Subscription {
                     pump.skip_to(available);
                     continue;
                 }
-                Err(_) => return Err(()),
+                Err(BrokerError::Overloaded(_) | BrokerError::ShardUnavailable(_))
+                    if retries < HISTORY_READ_RETRIES =>
+                {
+                    // A full cross-core queue, a shard between cores: it passes.
+                    retries += 1;
+                    task::sleep(Duration::from_millis(5 << retries.min(6))).await;
+                    continue;
+                }
+                Err(e) => {
+                    // Not the client's leaving: end the stream with an error, not
+                    // finished, or the client takes the end for a normal one and
+                    // never resumes what it missed.
+                    tracing::warn!(shard = %self.key, error = %e, "a subscription's read failed: ended");
+                    uni.reset(u32::from(e.code().number().unwrap_or(0)));
+                    return Err(());
+                }
             };
+            retries = 0;
             let done = pump.on_history(&batches, to, &mut frames);
             uni.write_chunks(&mut frames).await.map_err(|_| ())?;
             frames.clear();
