@@ -65,10 +65,20 @@ pub struct Publish {
     pub condition: Option<WriteIf>,
 }
 
+/// What a record costs in memory beyond its payload until it is written (its `Bytes`
+/// handle in the batch, its length prefix in the log's buffer): charged to the
+/// connection's publish budget with the payload, so a frame of millions of empty records
+/// is not free.
+const RECORD_OVERHEAD_BYTES: usize = 48;
+
 impl Publish {
-    /// Payload bytes.
+    /// What the publish holds until it is written: payload bytes and each record's
+    /// overhead.
     pub fn bytes(&self) -> usize {
-        self.records.iter().map(Bytes::len).sum()
+        self.records
+            .iter()
+            .map(|r| r.len() + RECORD_OVERHEAD_BYTES)
+            .sum()
     }
 }
 
@@ -1831,6 +1841,22 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn a_publish_of_empty_records_is_charged_for_each() {
+        let p = Publish {
+            tenant: TENANT.into(),
+            namespace: "ns".into(),
+            stream: "orders".into(),
+            key: None,
+            shard: None,
+            records: vec![Bytes::new(); 100_000],
+            answer: AnswerTo::Nothing,
+            wire: Bytes::new(),
+            condition: None,
+        };
+        assert!(p.bytes() >= 100_000 * 32, "charged {} bytes", p.bytes());
     }
 
     #[test]
