@@ -1396,3 +1396,71 @@ fn a_cache_created_by_its_first_write_is_in_the_catalog_before_the_ack() {
         "{catalog}"
     );
 }
+
+/// A shard whose log was found damaged at open stays closed until a restart, on
+/// whichever core: re-pinned, it was handed over as closed cleanly, and the new core
+/// opened it checking only its sealed segments' tails (as after a live move), so the
+/// damage went unseen and the shard took writes after it.
+#[test]
+fn a_shard_whose_log_is_damaged_stays_closed_across_a_re_pin() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start(
+        dir.path(),
+        "segment_bytes: 65536\npins: [\"dev/*/*/*=0\"]\n",
+        &["--cores", "0-1", "--shards", "1"],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        let pad = "r".repeat(1000);
+        for _ in 0..300 {
+            c.publish(
+                "dev",
+                "default",
+                "rotten",
+                pad.clone().into_bytes(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        }
+    });
+    assert!(segments(&b, "rotten") >= 3);
+    b.kill();
+    // A flipped bit in the middle of the first (sealed) segment.
+    let seg = b
+        .data_dir
+        .join("streams/dev/default/rotten/0/00000000000000000000.seg");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&seg, &bytes).unwrap();
+    b.restart().unwrap();
+    let publish = |b: &BrokerProcess| {
+        rt.block_on(async {
+            let c = client(b).await;
+            c.publish(
+                "dev",
+                "default",
+                "rotten",
+                b"after".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+        })
+    };
+    assert!(publish(&b).is_err(), "the damaged shard is closed");
+    let (status, body) = felix_client::ops::http(
+        &b.http.to_string(),
+        "POST",
+        "/pins",
+        Some(&json!({ "rule": "dev/default/rotten/0=1" }).to_string()),
+    )
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let after = publish(&b);
+    assert!(
+        after.is_err(),
+        "re-pinned, the damaged shard took a write: {after:?}"
+    );
+}

@@ -118,6 +118,11 @@ pub struct Handover {
     /// may hold a `Group` batch, and the log's size at their last snapshot (`None`: the
     /// shard was not open there).
     pub group_batches: Option<(bool, u64)>,
+    /// The shard could not be served on the old core and must not be here: its log was
+    /// found damaged at open (`Slot::Failed`), or it was poisoned under a mode that
+    /// acknowledges before writing (what it acknowledged unwritten is gone, and a reopen
+    /// would give those offsets to other records).
+    pub failed: Option<BrokerError>,
 }
 
 /// The answer to a [`MoveStep`].
@@ -242,6 +247,28 @@ pub(super) enum Admit {
 }
 
 impl CoreBroker {
+    /// The failure a shard's slot remembers (its log found damaged at open).
+    fn failed_slot(&self, key: &ShardKey) -> Option<BrokerError> {
+        if let Some(Slot::Failed(e)) = self.streams.borrow().get(key) {
+            return Some(e.clone());
+        }
+        match self.caches.borrow().get(key) {
+            Some(Slot::Failed(e)) => Some(e.clone()),
+            _ => None,
+        }
+    }
+
+    /// Why the shard's open log is poisoned, if it is.
+    fn poisoned_log(&self, key: &ShardKey) -> Option<String> {
+        if let Some(Slot::Ready(s)) = self.streams.borrow().get(key) {
+            return s.log.poisoned();
+        }
+        match self.caches.borrow().get(key) {
+            Some(Slot::Ready(c)) => c.log().poisoned(),
+            _ => None,
+        }
+    }
+
     /// Counts a request accepted for `key` until the guard drops: one waiting for the
     /// shard's log to open holds no reference to the shard, yet a release must not close
     /// the shard (and refuse it) before it ran.
@@ -640,14 +667,24 @@ impl CoreBroker {
                     let group_batches = stream
                         .as_ref()
                         .map(|s| (s.group_batches_seen.get(), s.groups_snapshot_mark.get()));
+                    let failed = self.failed_slot(&key).or_else(|| {
+                        let poisoned = self.poisoned_log(&key)?;
+                        self.shared.log_config.fsync.acks_before_write().then(|| {
+                            BrokerError::Storage(format!(
+                                "the shard's log failed on the core it left ({poisoned}); \
+                                 closed until a restart"
+                            ))
+                        })
+                    });
                     let groups = stream.and_then(|s| s.groups.borrow().as_ref().map(|g| g.state()));
-                    let sealed = self.close_shard(&key, true).await;
+                    let sealed = self.close_shard(&key, true).await && failed.is_none();
                     out.push(Handover {
                         key,
                         interested,
                         sealed,
                         groups,
                         group_batches,
+                        failed,
                     });
                 }
                 return out;
@@ -669,6 +706,19 @@ impl CoreBroker {
     /// Takes `h` over: opens the shard and registers its subscriber cores (the requests
     /// held for it are served at [`MoveStep::End`]).
     async fn take(self: &Rc<Self>, h: Handover) {
+        if let Some(e) = h.failed {
+            // Closed there, closed here: as the old core's slot said, until a restart.
+            self.handed_over.borrow_mut().remove(&h.key);
+            match h.key.kind {
+                ShardKind::Stream => {
+                    self.streams.borrow_mut().insert(h.key, Slot::Failed(e));
+                }
+                ShardKind::Cache => {
+                    self.caches.borrow_mut().insert(h.key, Slot::Failed(e));
+                }
+            }
+            return;
+        }
         if h.sealed {
             self.handed_over.borrow_mut().insert(h.key.clone());
         } else {
