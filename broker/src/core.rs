@@ -3218,6 +3218,8 @@ impl CoreBroker {
                     }
                     tracing::debug!(shard = %k, segments = n, "retention");
                 }
+                // Closed meanwhile (moved to another core, deleted): nothing to do.
+                Err(felix_storage_uring::StorageError::Closed) => {}
                 Err(e) => tracing::warn!(shard = %k, error = %e, "enforcing retention"),
             }
         }

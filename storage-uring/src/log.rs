@@ -1420,6 +1420,11 @@ impl<B: Backend> SegmentLog<B> {
         let mut doomed = Vec::new();
         {
             let mut st = self.shared.state.borrow_mut();
+            if st.closing || st.closed {
+                // Its files may be another owner's now (a shard re-pinned to another
+                // core opens them once this log closed).
+                return Err(StorageError::Closed);
+            }
             if st.exclusive {
                 return Err(StorageError::Busy);
             }
