@@ -88,6 +88,12 @@ impl ProducerTable {
         self.end
     }
 
+    /// Retention removed the log below `base` before the table read it: reading resumes
+    /// there.
+    pub fn skip_to(&mut self, base: u64) {
+        self.end = self.end.max(base);
+    }
+
     /// Decides batch `sequence` of `producer`, holding `records` records.
     /// `reuse_offered`: the client takes `sequence_reused` (otherwise a re-send whose
     /// record count differs is still answered from the log: the client promised the

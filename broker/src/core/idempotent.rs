@@ -232,7 +232,17 @@ impl CoreBroker {
                 break;
             }
             if table.end() < durable {
-                let batches = shard.log.read(table.end(), 4 << 20).await?;
+                let batches = match shard.log.read(table.end(), 4 << 20).await {
+                    Ok(b) => b,
+                    Err(felix_storage_uring::StorageError::Trimmed { oldest, .. }) => {
+                        // Retention removed segments while this read: what they held
+                        // is forgotten, as retention forgets it anyway. (Failing here
+                        // failed every publish queued behind the rebuild, fatally.)
+                        table.skip_to(oldest);
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 table.apply_batches(&batches, durable);
                 idle = 0;
                 continue;
