@@ -50,6 +50,9 @@ pub const POLL_WAIT_MAX: Duration = Duration::from_secs(30);
 const POLL_RECHECK: Duration = Duration::from_millis(100);
 /// Payload bytes one poll answer carries at most (it always carries one record).
 const POLL_BYTES_MAX: usize = 4 << 20;
+/// The longest a repeated ack waits for the first ack's write before it is answered
+/// `not_ready` (retryable).
+const ACK_RETRY_WAIT_MAX: Duration = Duration::from_secs(30);
 /// Offsets one backward read for a record's `skipped_before` covers at most.
 const LOOK_BACK_WINDOW_MAX: u64 = 256;
 /// Group records a build keeps in memory while it looks back for a snapshot (bytes,
@@ -428,6 +431,8 @@ pub struct GroupShard {
     limits: Limits,
     /// Woken when records become owed (a nack, a redrive): waiting polls look again.
     settled: Wakers,
+    /// Woken when an ack's write ends (repeated acks wait for it).
+    acks_written: Wakers,
     /// What folding the log up to the last event written builds: events are applied
     /// here as they are handed to the writer, which claims their offsets in that same
     /// order, so a snapshot taken from it holds exactly the events before its own
@@ -505,6 +510,36 @@ impl KnownEmpty {
 /// One group event write awaiting its answer (counted in [`GroupShard::pending`]). A
 /// write whose request was dropped before the answer came may have failed unseen: it
 /// ends snapshots like a failure.
+/// An ack's write in flight: marked in its tracker until it ends (answered, failed, or
+/// the request dropped), then repeated acks of the offset are woken.
+struct AckWriting<'a> {
+    shard: &'a GroupShard,
+    group: &'a str,
+    o: u64,
+}
+
+impl<'a> AckWriting<'a> {
+    fn start(shard: &'a GroupShard, group: &'a str, o: u64) -> Self {
+        shard.tracker(group, |t| t.ack_writing(o, true));
+        AckWriting { shard, group, o }
+    }
+
+    /// The write ended: `ok`, or it failed and the record is owed again.
+    fn end(self, ok: bool) {
+        if !ok {
+            self.shard.tracker(self.group, |t| t.undo_settle(self.o, 1));
+        }
+    }
+}
+
+impl Drop for AckWriting<'_> {
+    fn drop(&mut self) {
+        self.shard
+            .tracker(self.group, |t| t.ack_writing(self.o, false));
+        self.shard.acks_written.wake_all();
+    }
+}
+
 struct Waiting<'a> {
     shard: &'a GroupShard,
     ok: bool,
@@ -705,6 +740,7 @@ impl GroupShard {
             groups: RefCell::new(state.trackers),
             limits,
             settled: Wakers::default(),
+            acks_written: Wakers::default(),
             folded: Rc::new(RefCell::new(state.folded)),
             snapshot_mark: Cell::new(state.snapshot_mark),
             pending: Cell::new(0),
@@ -887,22 +923,7 @@ impl GroupShard {
                     .await
                     .map(GroupAnswer::Records)
             }
-            GroupOp::Ack(group, o) => {
-                let event = self
-                    .tracker(&group, |t| t.ack(o))
-                    .unwrap_or_else(|| Err(no_group(&group)))
-                    .map_err(refused)?;
-                if self.limits.unwritten_acks {
-                    return Ok(GroupAnswer::Done);
-                }
-                if let Some(e) = event
-                    && let Err(err) = self.write(&group, &[Some(e)]).await
-                {
-                    self.tracker(&group, |t| t.undo_settle(o, 1));
-                    return Err(err);
-                }
-                Ok(GroupAnswer::Done)
-            }
+            GroupOp::Ack(group, o) => self.ack(&group, o).await,
             GroupOp::Nack(group, o, delay_ms, attempts) => {
                 self.tracker(&group, |t| t.nack(o, attempts, now_ms(), delay_ms))
                     .unwrap_or_else(|| Err(no_group(&group)))
@@ -1036,6 +1057,37 @@ impl GroupShard {
             if !moved {
                 return Ok(());
             }
+        }
+    }
+
+    /// An ack, answered once its event is durable. A repeated ack (a client's retry)
+    /// finds the record settled already, perhaps by a write still in flight: it waits
+    /// for that write, and writes the ack itself if that one failed. Answered at once,
+    /// it told the client "acked" of a record a failed write then handed out again.
+    async fn ack(&self, group: &str, o: u64) -> Result<GroupAnswer, BrokerError> {
+        let started = std::time::Instant::now();
+        loop {
+            let event = self
+                .tracker(group, |t| t.ack(o))
+                .unwrap_or_else(|| Err(no_group(group)))
+                .map_err(refused)?;
+            if self.limits.unwritten_acks {
+                return Ok(GroupAnswer::Done);
+            }
+            let Some(e) = event else {
+                if self.tracker(group, |t| t.is_ack_writing(o)) != Some(true) {
+                    return Ok(GroupAnswer::Done);
+                }
+                if started.elapsed() > ACK_RETRY_WAIT_MAX {
+                    return Err(BrokerError::ShardUnavailable("not_ready".into()));
+                }
+                task::timeout(Duration::from_millis(100), self.acks_written.changed()).await;
+                continue;
+            };
+            let writing = AckWriting::start(self, group, o);
+            let written = self.write(group, &[Some(e)]).await;
+            writing.end(written.is_ok());
+            return written.map(|()| GroupAnswer::Done);
         }
     }
 
@@ -1813,6 +1865,48 @@ mod tests {
 
     fn appended() -> Result<Appended, BrokerError> {
         Ok(Appended { first: 0, end: 1 })
+    }
+
+    #[test]
+    fn a_repeated_ack_is_answered_only_once_the_first_acks_write_is() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            for first_fails in [false, true] {
+                let (g, writes) = shard_with_held_writes();
+                let mut t = Tracker::new(0, g.limits);
+                assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
+                g.groups.borrow_mut().insert("w".into(), t);
+                let mut first = std::pin::pin!(g.ack("w", 0));
+                assert!(poll_once(&mut first).await.is_none());
+                assert_eq!(writes.borrow().len(), 1, "the first ack's write");
+                // The client's retry: the record is settled, its write not answered.
+                let mut again = std::pin::pin!(g.ack("w", 0));
+                assert!(
+                    poll_once(&mut again).await.is_none(),
+                    "a repeated ack answered before the first ack's write"
+                );
+                let (_, answer) = writes.borrow_mut().remove(0);
+                if first_fails {
+                    answer
+                        .send(Err(BrokerError::Unacknowledged("lost".into())))
+                        .unwrap();
+                    assert!(first.await.is_err());
+                    // The retry writes the ack itself.
+                    while writes.borrow().is_empty() {
+                        assert!(poll_once(&mut again).await.is_none());
+                        felix_core_runtime::task::yield_now().await;
+                    }
+                    let (_, answer) = writes.borrow_mut().remove(0);
+                    answer.send(appended()).unwrap();
+                } else {
+                    answer.send(appended()).unwrap();
+                    assert!(matches!(first.await, Ok(GroupAnswer::Done)));
+                }
+                assert!(matches!(again.await, Ok(GroupAnswer::Done)));
+                assert!(writes.borrow().is_empty());
+                assert_eq!(g.tracker("w", |t| t.committed()), Some(1));
+            }
+        });
     }
 
     #[test]

@@ -163,6 +163,9 @@ pub struct Tracker {
     /// Finished offsets at or past `committed`, waiting for the run below them.
     settled_ahead: BTreeSet<u64>,
     dead: BTreeSet<u64>,
+    /// Offsets whose ack is settled here and still being written: a repeated ack of one
+    /// is answered only once that write is (not durable state).
+    acks_writing: BTreeSet<u64>,
 }
 
 impl Tracker {
@@ -176,6 +179,7 @@ impl Tracker {
             owed: BTreeMap::new(),
             settled_ahead: BTreeSet::new(),
             dead: BTreeSet::new(),
+            acks_writing: BTreeSet::new(),
         }
     }
 
@@ -450,6 +454,20 @@ impl Tracker {
         )))
     }
 
+    /// The ack of `o` is being written (`true`) or no longer is (`false`).
+    pub fn ack_writing(&mut self, o: u64, writing: bool) {
+        if writing {
+            self.acks_writing.insert(o);
+        } else {
+            self.acks_writing.remove(&o);
+        }
+    }
+
+    /// Whether an ack of `o` is being written.
+    pub fn is_ack_writing(&self, o: u64) -> bool {
+        self.acks_writing.contains(&o)
+    }
+
     /// Hands a claim back that never reached the consumer: owed again, its attempt not
     /// counted.
     pub fn release(&mut self, o: u64, attempts: u32) {
@@ -596,6 +614,7 @@ impl Tracker {
             owed: d.owed.into_iter().map(|o| (o, redriven)).collect(),
             settled_ahead: d.settled_ahead.into_iter().collect(),
             dead: d.dead.into_iter().collect(),
+            acks_writing: BTreeSet::new(),
         }
     }
 
