@@ -1867,6 +1867,55 @@ mod tests {
         Ok(Appended { first: 0, end: 1 })
     }
 
+    /// One poll's answer holds at most `max_claim` records and about `POLL_BYTES_MAX`
+    /// bytes, however many passes over group events its claim takes (each pass was
+    /// bounded so, not their sum), and whatever `max_records` the client asked for.
+    #[test]
+    fn a_poll_over_records_and_group_events_is_bounded_as_a_whole() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = Rc::new(stream_in(dir.path()).await);
+            // 6,000 records of 1 KiB, each followed by another group's event.
+            let record = vec![7u8; 1024];
+            let event = encode("other", Some(Event::Ack(0)));
+            let mut pending = Vec::new();
+            for _ in 0..6_000 {
+                pending.push(stream.log.begin_append(&[&record[..]], 0, None).unwrap());
+                pending.push(
+                    stream
+                        .log
+                        .begin_group(std::slice::from_ref(&event), 0)
+                        .unwrap(),
+                );
+            }
+            for p in pending {
+                let appended = stream.log.commit(p).await.unwrap();
+                stream.advance_fanout(appended);
+            }
+            let writer: GroupWriter =
+                Box::new(|_| Box::pin(async { Ok(Appended { first: 0, end: 1 }) }));
+            let limits = Limits {
+                max_claim: 1000,
+                ..Limits::default()
+            };
+            let groups = GroupShard::build(&stream, limits, writer).await.unwrap();
+            let op = GroupOp::Poll {
+                group: "g".into(),
+                max: u32::MAX,
+                wait_ms: 0,
+                visibility_ms: 0,
+                member: None,
+            };
+            let GroupAnswer::Records(r) = groups.serve(&stream, op).await.unwrap() else {
+                panic!("records");
+            };
+            assert!(!r.is_empty());
+            assert!(r.len() <= 1000, "{} records in one answer", r.len());
+            let bytes: usize = r.iter().map(|r| r.payload.len()).sum();
+            assert!(bytes <= POLL_BYTES_MAX, "{bytes} bytes in one answer");
+        });
+    }
+
     #[test]
     fn a_repeated_ack_is_answered_only_once_the_first_acks_write_is() {
         use futures_lite::future::poll_once;
