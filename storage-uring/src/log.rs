@@ -659,6 +659,32 @@ impl Drop for PendingAppend {
     }
 }
 
+/// Present while a life under `none` or `periodic` runs (written durably at its open,
+/// removed once its close synced): recovery then reads damage anywhere in the newest
+/// segment that shows a lost sector as a power cut's, not only within one round of the
+/// end (`docs/storage-format.md`, "Recovery").
+pub(crate) const UNSYNCED_LIFE: &str = "unsynced-life";
+
+/// Writes ([`UNSYNCED_LIFE`] for a life that may leave more than a round unsynced) or
+/// removes the mark, durably, before this life writes.
+async fn mark_life<B: Backend>(backend: &B, unsynced: bool) -> Result<(), StorageError> {
+    let io = |op: &'static str| move |e| StorageError::io(op, UNSYNCED_LIFE, e);
+    let marked = backend
+        .read_small(UNSYNCED_LIFE)
+        .await
+        .map_err(io("read"))?
+        .is_some();
+    match (unsynced, marked) {
+        (true, false) => backend
+            .write_synced(UNSYNCED_LIFE, b"")
+            .await
+            .map_err(io("write"))?,
+        (false, true) => backend.remove(UNSYNCED_LIFE).await.map_err(io("remove"))?,
+        _ => return Ok(()),
+    }
+    backend.sync_dir().await.map_err(io("sync_dir"))
+}
+
 fn now_micros() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -682,6 +708,11 @@ impl<B: Backend> SegmentLog<B> {
         }
         let started = Instant::now();
         let (segments, mut report) = recover(&backend, &config).await?;
+        if !config.read_only {
+            // Best effort: a log that cannot write its mark (a full disk) still opens;
+            // after a power cut its recovery is then only the stricter.
+            let _ = mark_life(&backend, config.fsync != FsyncMode::OnCommit).await;
+        }
         let last = segments
             .back()
             .expect("recovery leaves at least one segment");
@@ -1492,6 +1523,11 @@ impl<B: Backend> SegmentLog<B> {
         let poisoned = self.shared.state.borrow().poisoned.clone();
         if let Some((op, detail)) = poisoned {
             return Err(StorageError::Poisoned { op, detail });
+        }
+        if self.shared.config.fsync != FsyncMode::OnCommit {
+            // Closing synced everything: the next open's recovery is strict again.
+            // Best effort (a mark left behind only makes that recovery lenient).
+            let _ = mark_life(&self.shared.backend, false).await;
         }
         let (base, bytes) = {
             let st = self.shared.state.borrow();

@@ -231,19 +231,9 @@ fn durable_writes_ack_nothing_behind_what_the_last_life_left_unsynced() {
         let mut lost = 0;
         for seed in 0..32 {
             let mem = MemBackend::new();
-            let unsynced = LogConfig {
-                fsync: felix_storage_uring::FsyncMode::None,
-                ..cfg(false)
-            };
-            let (log, _) = SegmentLog::open(mem.clone(), unsynced).await.unwrap();
             // More than a block of records, so the next life's first write (which
             // rewrites the last partial block) does not cover them all.
-            for o in 0..40 {
-                log.append(&[record(o)], 0).await.unwrap();
-            }
-            // A read of the last record waits until it is written.
-            assert_eq!(log.read(39, 1 << 20).await.unwrap().len(), 1);
-            drop(log); // the kill: written, never synced
+            a_life_that_never_synced(&mem, 40).await;
             let config = LogConfig {
                 dsync_writes: true,
                 ..cfg(false)
@@ -266,6 +256,22 @@ fn durable_writes_ack_nothing_behind_what_the_last_life_left_unsynced() {
     });
 }
 
+/// A life under `fsync: none` that appends records `0..n`, sees them written, and is
+/// killed: written, never synced.
+async fn a_life_that_never_synced(mem: &MemBackend, n: u64) {
+    let unsynced = LogConfig {
+        fsync: felix_storage_uring::FsyncMode::None,
+        ..cfg(false)
+    };
+    let (log, _) = SegmentLog::open(mem.clone(), unsynced).await.unwrap();
+    for o in 0..n {
+        log.append(&[record(o)], 0).await.unwrap();
+    }
+    // A read of the last record waits until it is written.
+    assert_eq!(log.read(n - 1, 1 << 20).await.unwrap().len(), 1);
+    drop(log);
+}
+
 /// What the last life wrote and never synced is read and counted durable as soon as the
 /// log opens again (a replica reports it to its leader as held): the open must make it
 /// so, not leave it to this life's first fdatasync, which an idle log may never run.
@@ -275,16 +281,7 @@ fn records_a_reopened_log_serves_survive_a_power_cut_before_it_writes() {
         let mut lost = Vec::new();
         for seed in 0..32 {
             let mem = MemBackend::new();
-            let unsynced = LogConfig {
-                fsync: felix_storage_uring::FsyncMode::None,
-                ..cfg(false)
-            };
-            let (log, _) = SegmentLog::open(mem.clone(), unsynced).await.unwrap();
-            for o in 0..40 {
-                log.append(&[record(o)], 0).await.unwrap();
-            }
-            assert_eq!(log.read(39, 1 << 20).await.unwrap().len(), 1);
-            drop(log); // the kill: written, never synced
+            a_life_that_never_synced(&mem, 40).await;
             let config = cfg(false);
             let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
             assert_eq!(
@@ -340,6 +337,46 @@ fn a_log_written_without_fsync_opens_after_a_power_cut() {
             }
         }
         assert!(refused.is_empty(), "logs that did not open: {refused:?}");
+    });
+}
+
+/// The lenient reach follows the life that wrote the log, not the open: a log written
+/// under `on-commit` and closed, then opened under `none`, still refuses a lost sector
+/// far from its end (synced data, damaged since), as a sealed segment would; a log left
+/// by a `none` life that closed cleanly (all synced) is strict again too.
+#[test]
+fn only_a_life_that_left_data_unsynced_makes_recovery_lenient() {
+    run(|| async {
+        for writer in [
+            felix_storage_uring::FsyncMode::OnCommit,
+            felix_storage_uring::FsyncMode::None,
+        ] {
+            let mem = MemBackend::new();
+            let written = LogConfig {
+                fsync: writer,
+                segment_bytes_max: 256 << 20,
+                ..cfg(false)
+            };
+            let (log, _) = SegmentLog::open(mem.clone(), written).await.unwrap();
+            for o in 0..80u64 {
+                log.append(&[vec![o as u8 | 1; 1 << 20]], 0).await.unwrap();
+            }
+            log.close().await.unwrap();
+            // Damage 78 MiB before the end (past one round's reach): a sector of zeros
+            // in a synced batch.
+            mem.corrupt("00000000000000000000.seg", (2 << 20) + 8192, &[0u8; 512]);
+            let lenient = LogConfig {
+                fsync: felix_storage_uring::FsyncMode::None,
+                segment_bytes_max: 256 << 20,
+                ..cfg(false)
+            };
+            let opened = SegmentLog::open(mem.clone(), lenient).await;
+            assert!(
+                matches!(opened, Err(felix_storage_uring::StorageError::Corrupt(_))),
+                "written under {writer:?}, closed: {:?}",
+                opened.map(|(_, report)| report)
+            );
+        }
     });
 }
 

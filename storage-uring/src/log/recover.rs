@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::rc::Rc;
 
-use super::{FsyncMode, LogConfig, RecoveryReport, TornTail, VerifyOnOpen, create_segment, cut};
+use super::{LogConfig, RecoveryReport, TornTail, VerifyOnOpen, create_segment, cut};
 use crate::error::{Corruption, CorruptionKind, StorageError};
 use crate::format::{
     self, BATCH_HEADER_BYTES, HeaderRead, KindSet, LAST_ROUND_REACH_BYTES, SEGMENT_HEADER_BYTES,
@@ -36,6 +36,13 @@ pub(super) async fn recover<B: Backend>(
         }
     }
     bases.sort_unstable();
+    // A life under `none` or `periodic` that did not close cleanly may have left any
+    // part of the newest segment unsynced (step 5); one under `on-commit`, one round.
+    let unsynced_life = backend
+        .read_small(super::UNSYNCED_LIFE)
+        .await
+        .map_err(|e| StorageError::io("read", super::UNSYNCED_LIFE, e))?
+        .is_some();
     let intent = cut::read_intent(backend, config.read_only).await?;
     let mut fresh_base = 0;
     if let Some(intent) = intent {
@@ -141,12 +148,16 @@ pub(super) async fn recover<B: Backend>(
             index.truncate_last();
         }
         // Under on-commit every round is synced before the next one is written, so damage
-        // farther than a round from the end lies in synced data. Under none and
-        // periodic any part of the newest segment may be unsynced (only a roll, a close
-        // or the timer syncs), and a power cut can leave a lost sector anywhere in it.
-        let tail_reach = newest.then_some(match config.fsync {
-            FsyncMode::OnCommit => LAST_ROUND_REACH_BYTES,
-            FsyncMode::None | FsyncMode::Periodic(_) => u64::MAX,
+        // farther than a round from the end lies in synced data. After a life under
+        // none or periodic (its mark still there: it did not close cleanly) any part of
+        // the newest segment may be unsynced (only a roll, a close or the timer synced),
+        // and a power cut can leave a lost sector anywhere in it. The mode of the life
+        // that wrote, not of this open: a log written under on-commit keeps the strict
+        // reach whatever it is opened under.
+        let tail_reach = newest.then_some(if unsynced_life {
+            u64::MAX
+        } else {
+            LAST_ROUND_REACH_BYTES
         });
         let end = segment::scan(
             &file,
