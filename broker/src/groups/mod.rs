@@ -507,25 +507,30 @@ impl KnownEmpty {
     }
 }
 
-/// One group event write awaiting its answer (counted in [`GroupShard::pending`]). A
-/// write whose request was dropped before the answer came may have failed unseen: it
-/// ends snapshots like a failure.
 /// An ack's write in flight: marked in its tracker until it ends (answered, failed, or
 /// the request dropped), then repeated acks of the offset are woken.
 struct AckWriting<'a> {
     shard: &'a GroupShard,
     group: &'a str,
     o: u64,
+    /// The write's outcome was seen ([`AckWriting::end`]).
+    seen: bool,
 }
 
 impl<'a> AckWriting<'a> {
     fn start(shard: &'a GroupShard, group: &'a str, o: u64) -> Self {
         shard.tracker(group, |t| t.ack_writing(o, true));
-        AckWriting { shard, group, o }
+        AckWriting {
+            shard,
+            group,
+            o,
+            seen: false,
+        }
     }
 
     /// The write ended: `ok`, or it failed and the record is owed again.
-    fn end(self, ok: bool) {
+    fn end(mut self, ok: bool) {
+        self.seen = true;
         if !ok {
             self.shard.tracker(self.group, |t| t.undo_settle(self.o, 1));
         }
@@ -534,12 +539,22 @@ impl<'a> AckWriting<'a> {
 
 impl Drop for AckWriting<'_> {
     fn drop(&mut self) {
-        self.shard
-            .tracker(self.group, |t| t.ack_writing(self.o, false));
+        self.shard.tracker(self.group, |t| {
+            t.ack_writing(self.o, false);
+            if !self.seen {
+                // The request went away mid-write: the write may have failed unseen.
+                // Owed again (at-least-once), so a retry writes the ack itself rather
+                // than being told "acked" on the strength of an unknown write.
+                t.undo_settle(self.o, 1);
+            }
+        });
         self.shard.acks_written.wake_all();
     }
 }
 
+/// One group event write awaiting its answer (counted in [`GroupShard::pending`]). A
+/// write whose request was dropped before the answer came may have failed unseen: it
+/// ends snapshots like a failure.
 struct Waiting<'a> {
     shard: &'a GroupShard,
     ok: bool,
@@ -1873,46 +1888,51 @@ mod tests {
     #[test]
     fn a_poll_over_records_and_group_events_is_bounded_as_a_whole() {
         felix_core_runtime::task::block_on(async {
-            let dir = tempfile::tempdir().unwrap();
-            let stream = Rc::new(stream_in(dir.path()).await);
-            // 6,000 records of 1 KiB, each followed by another group's event.
-            let record = vec![7u8; 1024];
-            let event = encode("other", Some(Event::Ack(0)));
-            let mut pending = Vec::new();
-            for _ in 0..6_000 {
-                pending.push(stream.log.begin_append(&[&record[..]], 0, None).unwrap());
-                pending.push(
-                    stream
-                        .log
-                        .begin_group(std::slice::from_ref(&event), 0)
-                        .unwrap(),
-                );
+            // Records each followed by another group's event. 6,000 of 1 KiB: more
+            // than one answer's count in little bytes. 3,000 of 6 KiB: a claim pass of
+            // 1,000 offsets reads 3 MB, under the byte bound, so only a bound kept
+            // across passes stops the answer near 4 MiB.
+            for (size, n) in [(1usize << 10, 6_000), (6 << 10, 3_000)] {
+                let dir = tempfile::tempdir().unwrap();
+                let stream = Rc::new(stream_in(dir.path()).await);
+                let record = vec![7u8; size];
+                let event = encode("other", Some(Event::Ack(0)));
+                let mut pending = Vec::new();
+                for _ in 0..n {
+                    pending.push(stream.log.begin_append(&[&record[..]], 0, None).unwrap());
+                    pending.push(
+                        stream
+                            .log
+                            .begin_group(std::slice::from_ref(&event), 0)
+                            .unwrap(),
+                    );
+                }
+                for p in pending {
+                    let appended = stream.log.commit(p).await.unwrap();
+                    stream.advance_fanout(appended);
+                }
+                let writer: GroupWriter =
+                    Box::new(|_| Box::pin(async { Ok(Appended { first: 0, end: 1 }) }));
+                let limits = Limits {
+                    max_claim: 1000,
+                    ..Limits::default()
+                };
+                let groups = GroupShard::build(&stream, limits, writer).await.unwrap();
+                let op = GroupOp::Poll {
+                    group: "g".into(),
+                    max: u32::MAX,
+                    wait_ms: 0,
+                    visibility_ms: 0,
+                    member: None,
+                };
+                let GroupAnswer::Records(r) = groups.serve(&stream, op).await.unwrap() else {
+                    panic!("records");
+                };
+                assert!(!r.is_empty());
+                assert!(r.len() <= 1000, "{} records in one answer", r.len());
+                let bytes: usize = r.iter().map(|r| r.payload.len()).sum();
+                assert!(bytes <= POLL_BYTES_MAX, "{bytes} bytes in one answer");
             }
-            for p in pending {
-                let appended = stream.log.commit(p).await.unwrap();
-                stream.advance_fanout(appended);
-            }
-            let writer: GroupWriter =
-                Box::new(|_| Box::pin(async { Ok(Appended { first: 0, end: 1 }) }));
-            let limits = Limits {
-                max_claim: 1000,
-                ..Limits::default()
-            };
-            let groups = GroupShard::build(&stream, limits, writer).await.unwrap();
-            let op = GroupOp::Poll {
-                group: "g".into(),
-                max: u32::MAX,
-                wait_ms: 0,
-                visibility_ms: 0,
-                member: None,
-            };
-            let GroupAnswer::Records(r) = groups.serve(&stream, op).await.unwrap() else {
-                panic!("records");
-            };
-            assert!(!r.is_empty());
-            assert!(r.len() <= 1000, "{} records in one answer", r.len());
-            let bytes: usize = r.iter().map(|r| r.payload.len()).sum();
-            assert!(bytes <= POLL_BYTES_MAX, "{bytes} bytes in one answer");
         });
     }
 
@@ -1955,6 +1975,22 @@ mod tests {
                 assert!(writes.borrow().is_empty());
                 assert_eq!(g.tracker("w", |t| t.committed()), Some(1));
             }
+            // A first ack whose request went away mid-write: its write's fate is
+            // unknown, so the record is owed again and the retry writes the ack itself.
+            let (g, writes) = shard_with_held_writes();
+            let mut t = Tracker::new(0, g.limits);
+            assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
+            g.groups.borrow_mut().insert("w".into(), t);
+            {
+                let mut first = std::pin::pin!(g.ack("w", 0));
+                assert!(poll_once(&mut first).await.is_none());
+            }
+            let mut again = std::pin::pin!(g.ack("w", 0));
+            assert!(poll_once(&mut again).await.is_none());
+            assert_eq!(writes.borrow().len(), 2, "the retry writes its own ack");
+            let (_, answer) = writes.borrow_mut().remove(1);
+            answer.send(appended()).unwrap();
+            assert!(matches!(again.await, Ok(GroupAnswer::Done)));
         });
     }
 
