@@ -42,7 +42,10 @@ impl CoreBroker {
         // Publishes that came while the shard was opening go first, whatever the
         // shard's state now: the table must see each producer's batches in the order
         // they arrived, or a pipelined producer's next batch is refused as a gap.
-        let opening = self.idempotent_opening.borrow().contains_key(&key);
+        let opening = {
+            let waiting = self.idempotent_opening.borrow();
+            !waiting.is_empty() && waiting.contains_key(&key)
+        };
         let shard = match self.streams.borrow().get(&key) {
             Some(Slot::Ready(s)) if !opening => Some(s.clone()),
             _ => None,

@@ -1192,7 +1192,7 @@ impl Subscription {
         .await
         .map_err(|_| ())?;
         // History: never dropped; a slow reader slows the replay.
-        self.read_back(&mut uni, &mut pump, live).await?;
+        self.read_back(&mut uni, &mut pump, live, sub_id).await?;
         if let Some(at) = pump.lagged() {
             return self.lagged(&mut uni, sub_id, at).await;
         }
@@ -1209,7 +1209,8 @@ impl Subscription {
             if queue.dropped.get() != dropped_seen || lost_inbound() != lost_seen {
                 (dropped_seen, lost_seen) = (queue.dropped.get(), lost_inbound());
                 metrics.subscriber_catchups.fetch_add(1, Ordering::Relaxed);
-                self.read_back(&mut uni, &mut pump, u64::MAX).await?;
+                self.read_back(&mut uni, &mut pump, u64::MAX, sub_id)
+                    .await?;
                 if let Some(at) = pump.lagged() {
                     return self.lagged(&mut uni, sub_id, at).await;
                 }
@@ -1245,7 +1246,7 @@ impl Subscription {
                             uni.write_chunks(&mut frames).await.map_err(|_| ())?;
                             frames.clear();
                             metrics.subscriber_catchups.fetch_add(1, Ordering::Relaxed);
-                            self.read_back(&mut uni, &mut pump, to).await?;
+                            self.read_back(&mut uni, &mut pump, to, sub_id).await?;
                             // What the log no longer holds (retention) is skipped, or
                             // ends the subscription.
                             pump.skip_to(to);
@@ -1267,7 +1268,13 @@ impl Subscription {
     /// Writes the committed records `[pump.next(), to)` from the log. What the log no
     /// longer holds is skipped, or (for a client that takes `subscription_lagged`) ends
     /// the subscription: see [`Pump::lagged`].
-    async fn read_back(&self, uni: &mut SendStream, pump: &mut Pump, to: u64) -> Result<(), ()> {
+    async fn read_back(
+        &self,
+        uni: &mut SendStream,
+        pump: &mut Pump,
+        to: u64,
+        sub_id: SubscriptionId,
+    ) -> Result<(), ()> {
         let mut frames = Vec::new();
         let mut retries = 0u32;
         while pump.next() < to && pump.lagged().is_none() {
@@ -1285,6 +1292,11 @@ impl Subscription {
                 Err(BrokerError::Overloaded(_) | BrokerError::ShardUnavailable(_))
                     if retries < HISTORY_READ_RETRIES =>
                 {
+                    if let Resolved::Remote(route) = self.core.resolve(&self.key) {
+                        // Moved to another broker: say where, as an idle pump does.
+                        self.moved(uni, sub_id, pump.next(), &route).await;
+                        return Err(());
+                    }
                     // A full cross-core queue, a shard between cores: it passes.
                     retries += 1;
                     task::sleep(Duration::from_millis(5 << retries.min(6))).await;
