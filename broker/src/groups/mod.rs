@@ -513,41 +513,35 @@ struct AckWriting<'a> {
     shard: &'a GroupShard,
     group: &'a str,
     o: u64,
-    /// The write's outcome was seen ([`AckWriting::end`]).
-    seen: bool,
+    /// The write was answered and succeeded ([`AckWriting::end`]).
+    ok: bool,
 }
 
 impl<'a> AckWriting<'a> {
+    /// The ack of `o` was just settled by [`Tracker::ack`] (which marked it written).
     fn start(shard: &'a GroupShard, group: &'a str, o: u64) -> Self {
-        shard.tracker(group, |t| t.ack_writing(o, true));
         AckWriting {
             shard,
             group,
             o,
-            seen: false,
+            ok: false,
         }
     }
 
     /// The write ended: `ok`, or it failed and the record is owed again.
     fn end(mut self, ok: bool) {
-        self.seen = true;
-        if !ok {
-            self.shard.tracker(self.group, |t| t.undo_settle(self.o, 1));
-        }
+        self.ok = ok;
     }
 }
 
 impl Drop for AckWriting<'_> {
     fn drop(&mut self) {
-        self.shard.tracker(self.group, |t| {
-            t.ack_writing(self.o, false);
-            if !self.seen {
-                // The request went away mid-write: the write may have failed unseen.
-                // Owed again (at-least-once), so a retry writes the ack itself rather
-                // than being told "acked" on the strength of an unknown write.
-                t.undo_settle(self.o, 1);
-            }
-        });
+        // Not ok: failed, or the request went away mid-write and the write's fate is
+        // unseen. Owed again (at least once), so a retry writes the ack itself rather
+        // than being told "acked" on the strength of an unknown write.
+        let ok = self.ok;
+        self.shard
+            .tracker(self.group, |t| t.ack_written(self.o, ok));
         self.shard.acks_written.wake_all();
     }
 }
@@ -1087,6 +1081,9 @@ impl GroupShard {
                 .unwrap_or_else(|| Err(no_group(group)))
                 .map_err(refused)?;
             if self.limits.unwritten_acks {
+                if event.is_some() {
+                    self.tracker(group, |t| t.ack_written(o, true));
+                }
                 return Ok(GroupAnswer::Done);
             }
             let Some(e) = event else {

@@ -163,9 +163,10 @@ pub struct Tracker {
     /// Finished offsets at or past `committed`, waiting for the run below them.
     settled_ahead: BTreeSet<u64>,
     dead: BTreeSet<u64>,
-    /// Offsets whose ack is settled here and still being written: a repeated ack of one
-    /// is answered only once that write is (not durable state).
-    acks_writing: BTreeSet<u64>,
+    /// Offsets whose ack is settled here and still being written, with the attempt the
+    /// ack finished: a repeated ack of one is answered only once that write is, and a
+    /// failed write owes the record again on that attempt (not durable state).
+    acks_writing: BTreeMap<u64, u32>,
 }
 
 impl Tracker {
@@ -179,7 +180,7 @@ impl Tracker {
             owed: BTreeMap::new(),
             settled_ahead: BTreeSet::new(),
             dead: BTreeSet::new(),
-            acks_writing: BTreeSet::new(),
+            acks_writing: BTreeMap::new(),
         }
     }
 
@@ -441,9 +442,15 @@ impl Tracker {
     /// An ack. `Ok(Some(event))` when it must be written; `Ok(None)` for a record
     /// already finished (a repeated ack). Acks after a lapsed claim are accepted while
     /// the record has not gone out again.
+    /// The caller writes the event, then calls [`Tracker::ack_written`].
     pub fn ack(&mut self, o: u64) -> Result<Option<Event>, Refusal> {
-        if self.in_flight.remove(&o).is_some() || self.owed.remove(&o).is_some() {
+        let attempts = match self.in_flight.remove(&o) {
+            Some(c) => Some(c.attempts),
+            None => self.owed.remove(&o).map(|w| w.attempts),
+        };
+        if let Some(attempts) = attempts {
             self.apply(Event::Ack(o));
+            self.acks_writing.insert(o, attempts);
             return Ok(Some(Event::Ack(o)));
         }
         if o < self.committed || self.settled_ahead.contains(&o) {
@@ -454,18 +461,18 @@ impl Tracker {
         )))
     }
 
-    /// The ack of `o` is being written (`true`) or no longer is (`false`).
-    pub fn ack_writing(&mut self, o: u64, writing: bool) {
-        if writing {
-            self.acks_writing.insert(o);
-        } else {
-            self.acks_writing.remove(&o);
+    /// The write of `o`'s ack ended: `ok`, or not (failed, or its fate unseen), and
+    /// the record is owed again on the attempt the ack finished.
+    pub fn ack_written(&mut self, o: u64, ok: bool) {
+        let attempts = self.acks_writing.remove(&o);
+        if !ok {
+            self.undo_settle(o, attempts.unwrap_or(1));
         }
     }
 
     /// Whether an ack of `o` is being written.
     pub fn is_ack_writing(&self, o: u64) -> bool {
-        self.acks_writing.contains(&o)
+        self.acks_writing.contains_key(&o)
     }
 
     /// Hands a claim back that never reached the consumer: owed again, its attempt not
@@ -614,7 +621,7 @@ impl Tracker {
             owed: d.owed.into_iter().map(|o| (o, redriven)).collect(),
             settled_ahead: d.settled_ahead.into_iter().collect(),
             dead: d.dead.into_iter().collect(),
-            acks_writing: BTreeSet::new(),
+            acks_writing: BTreeMap::new(),
         }
     }
 
@@ -821,6 +828,21 @@ mod tests {
         assert!(!offsets(&t.claim(10, 10, 20_004, 0, None)).contains(&0));
         assert_eq!(offsets(&t.claim(10, 10, 20_005, 0, None)), vec![0]);
         assert_eq!(t.extend(0, 0, 20_006, u64::MAX), Ok(10_000));
+    }
+
+    #[test]
+    fn a_failed_ack_write_owes_the_record_on_the_attempt_it_was_on() {
+        let mut t = Tracker::new(0, limits());
+        assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
+        // The claim lapses; the second delivery is acked, and its write fails.
+        assert_eq!(t.claim(10, 1, 1_000, 0, None).handed, vec![(0, 2)]);
+        assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
+        assert!(t.is_ack_writing(0));
+        t.ack_written(0, false);
+        assert!(!t.is_ack_writing(0));
+        // Owed on its second attempt: the next delivery is its third (counted toward
+        // the dead letters as it was), not a second again.
+        assert_eq!(t.claim(10, 1, 1_001, 0, None).handed, vec![(0, 3)]);
     }
 
     #[test]
