@@ -213,8 +213,8 @@ fn filesystem_full() {
 /// first). A Leader-stream loss is allowed when a leadership change follows the
 /// publish's start (the old leader may have decided the ack before it), so the
 /// ack-after-lease mutant shows only through publishes that start after the change and
-/// reach the deposed leader before it syncs: an 8 s run does not always have one (two
-/// seeds missed it once in about ten CI runs).
+/// reach the deposed leader before it syncs: an 8 s run does not always have one (see
+/// [`the_checker_catches_acks_after_the_lease`]).
 fn assert_caught(name: &str, mutant: &str) {
     assert_caught_within(name, mutant, 4, 8);
 }
@@ -237,9 +237,14 @@ fn the_checker_catches_offsets_handed_out_twice() {
     assert_caught("kill-restart", "reuse-offsets");
 }
 
+/// The deposed leader's window is the few milliseconds between waking and reading
+/// its demotion, and only a run's last pause counts (a later change excuses earlier
+/// losses), so this mutant is caught by about two runs in three (7 of seeds 1-10 on
+/// this machine; one CI run missed seeds 1-4): ten seeds make a miss rarer than one
+/// in ten thousand.
 #[test]
 fn the_checker_catches_acks_after_the_lease() {
-    assert_caught("leader-pause", "ack-after-lease");
+    assert_caught_within("leader-pause", "ack-after-lease", 10, 8);
 }
 
 /// The run's consumer group (group `chaos` on every durable stream) is checked too: a
