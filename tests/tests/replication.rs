@@ -3480,3 +3480,115 @@ fn a_copy_reopened_after_retention_removed_its_generations_start_still_wins_with
     check_nothing_lost(&kept, &read);
     let _ = &mut c;
 }
+
+/// An idempotent producer's re-send of a batch the leader acknowledged is answered
+/// from the producer table, without a write; past the lease that answer is an
+/// acknowledgement like any other and must not be given: it would confirm on a
+/// `Leader` stream a record a successor may not hold. The broker is cut from the
+/// control plane, so it still believes it leads when the re-send comes (a paused one
+/// would read its demotion within milliseconds of waking). The session's check of
+/// the lease as an ack goes out refuses it (outcome unknown); without that check the
+/// table's answer went out.
+#[test]
+fn a_leader_past_its_lease_does_not_answer_a_duplicate() {
+    use felix_cluster::proxy::{Link, Party};
+    use felix_wire::{Features, Message, ProducerId, RequestId, Sequence};
+    let c = TestCluster::start_with_proxies(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        1,
+        &[
+            "--heartbeat-interval-ms",
+            "200",
+            "--expiry-timeout-ms",
+            "3000",
+            "--placement-interval-ms",
+            "200",
+        ],
+        "",
+    )
+    .unwrap();
+    c.create_stream("dup", 1, 1, "Leader").unwrap();
+    c.wait_leader("dup", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let (lo, hi) = Features::ERROR_CODES
+        .union(Features::IDEMPOTENT_PRODUCER)
+        .offer();
+    let auth = Message::Auth {
+        tenant_id: TENANT.into(),
+        token: c.client_token.clone(),
+        client_flags: Some(0x1FFF),
+        client_features: lo,
+        client_features_hi: hi,
+    }
+    .to_frame();
+    let batch = |producer: u64, seq: u64| {
+        Message::PublishIdempotent {
+            tenant_id: TENANT.into(),
+            namespace: NAMESPACE.into(),
+            stream: "dup".into(),
+            payloads: vec![bytes::Bytes::from(format!("{producer}-{seq}"))],
+            key: None,
+            shard: None,
+            request_id: RequestId(1),
+            producer_id: ProducerId(producer),
+            sequence: Sequence(seq),
+        }
+        .to_frame()
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (_ep, conn) = rt
+        .block_on(felix_cluster::raw_connect_to(
+            c.brokers[0].listen,
+            &c.certs.ca,
+        ))
+        .unwrap();
+    // The answer to `frame`, sent on a stream of its own after `auth`.
+    let ask = |frame: bytes::Bytes| {
+        rt.block_on(async {
+            let (mut s, mut r) = conn.open_bi().await.unwrap();
+            s.write_all(&auth).await.unwrap();
+            s.write_all(&frame).await.unwrap();
+            s.finish().unwrap();
+            let answers = tokio::time::timeout(
+                Duration::from_secs(10),
+                felix_cluster::read_messages(&mut r, 2),
+            )
+            .await
+            .expect("an answer")
+            .unwrap();
+            answers.get(1).cloned().flatten()
+        })
+    };
+    let acked = |m: &Option<Message>| matches!(m, Some(Message::PublishOk { .. }));
+    let stale = |m: &Option<Message>| matches!(m, Some(Message::PublishError { message, .. }) if message.contains("stale"));
+    let first = wait_for(
+        "the first batch acknowledged",
+        Duration::from_secs(20),
+        || {
+            let answer = ask(batch(7, 0));
+            acked(&answer).then_some(answer)
+        },
+    )
+    .unwrap();
+    let rules = c.net.as_ref().expect("proxies").rules.clone();
+    rules.set_both(Party::Node(0), Party::ControlPlane, Link::cut());
+    let mut seq = 0;
+    wait_for("the lease to lapse", Duration::from_secs(5), || {
+        seq += 1;
+        // A new producer each time: a refused batch is not a sequence's next.
+        let answer = ask(batch(100 + seq, 0));
+        let refused = stale(&answer);
+        if !refused {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        refused.then_some(())
+    })
+    .unwrap();
+    let again = ask(batch(7, 0));
+    rules.heal();
+    assert!(
+        matches!(&again, Some(Message::PublishError { .. })),
+        "a re-send of {first:?} answered past the lease: {again:?}"
+    );
+}

@@ -163,10 +163,11 @@ impl CoreBroker {
                     .idempotent_duplicates
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let replica = self.replica_of(&key);
+                let this = self.clone();
                 Box::pin(async move {
                     // On a Quorum shard the original may not be committed yet (it came
                     // from a previous leader): answer once a majority holds it.
-                    if let Ok(Some(rs)) = replica
+                    if let Ok(Some(rs)) = &replica
                         && rs.consistency.get() == crate::catalog::Consistency::Quorum
                     {
                         let term = rs.term();
@@ -184,6 +185,17 @@ impl CoreBroker {
                                 ));
                             }
                         }
+                    }
+                    // An answer from the table is an acknowledgement like a write's: a
+                    // leader past its lease (a successor may be taking writes, and on
+                    // a `Leader` shard may not hold the original) must not give it.
+                    if let Ok(Some(rs)) = &replica
+                        && !this.may_acknowledge(rs)
+                    {
+                        this.metrics
+                            .lease_refusals
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        return Err(BrokerError::ShardUnavailable("stale".into()));
                     }
                     Ok(Appended { first, end })
                 })
