@@ -162,12 +162,17 @@ impl CoreBroker {
                 self.metrics
                     .idempotent_duplicates
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let replica = self.replica_of(&key);
+                // A replicated shard whose replica is not attached yet: no answer
+                // from a table its log may not have committed (a write fails too).
+                let replica = match self.replica_of(&key) {
+                    Ok(r) => r,
+                    Err(e) => return Box::pin(std::future::ready(Err(e))),
+                };
                 let this = self.clone();
                 Box::pin(async move {
                     // On a Quorum shard the original may not be committed yet (it came
                     // from a previous leader): answer once a majority holds it.
-                    if let Ok(Some(rs)) = &replica
+                    if let Some(rs) = &replica
                         && rs.consistency.get() == crate::catalog::Consistency::Quorum
                     {
                         let term = rs.term();
@@ -189,7 +194,7 @@ impl CoreBroker {
                     // An answer from the table is an acknowledgement like a write's: a
                     // leader past its lease (a successor may be taking writes, and on
                     // a `Leader` shard may not hold the original) must not give it.
-                    if let Ok(Some(rs)) = &replica
+                    if let Some(rs) = &replica
                         && !this.may_acknowledge(rs)
                     {
                         this.metrics

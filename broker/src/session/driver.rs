@@ -4,12 +4,10 @@
 //! core, answers through the [`Outbox`], live batches through the subscription [`Pump`].
 //!
 //! Per connection ([`ConnScope`]): the authentication deadline, the publish bytes in
-//! flight, the unfinished frames' bytes ([`PartialFrames`]), the subscription count,
-//! and the end of the connection, which ends every subscription made on it whether or
-//! not it was sending anything.
+//! flight, the subscription count, and the end of the connection, which ends every
+//! subscription made on it whether or not it was sending anything.
 //! Per stream: one reader (this task) and one writer task; the reader stops reading
-//! while the outbox is at its window, the connection's byte budget is spent, or its
-//! streams' unfinished frames are at their bound and another stream is finishing one.
+//! while the outbox is at its window or the connection's byte budget is spent.
 
 use std::cell::{Cell, RefCell};
 use std::future::poll_fn;
@@ -37,7 +35,6 @@ use super::answer::{self, AnswerTo};
 use super::dispatch::{self, Action, CacheReply, Forwarded, Request};
 use super::handshake::{AuthDeadline, AuthTimer, HandshakeEnv, handshake};
 use super::outbox::{Answer, ByteBudget, Flush, Outbox};
-use super::partial::PartialFrames;
 use super::subscription::{Live, Pump};
 use super::{Limits, Session, served_features};
 use crate::core::{CacheAnswer, CoreBroker, SubQueue};
@@ -74,10 +71,6 @@ pub struct ConnScope {
     auth: RefCell<AuthDeadline>,
     budget: RefCell<ByteBudget>,
     budget_waiters: RefCell<Vec<Waker>>,
-    partial: RefCell<PartialFrames>,
-    /// Streams waiting to read while the unfinished frames are at their bound.
-    partial_waiters: RefCell<Vec<Waker>>,
-    next_reader: Cell<u64>,
     subscriptions: Cell<usize>,
     next_subscription: Cell<u64>,
     closed: Cell<bool>,
@@ -88,23 +81,13 @@ pub struct ConnScope {
 }
 
 impl ConnScope {
-    /// `partial_budget`: the bytes of unfinished frames its streams may hold together
-    /// (one more frame past it, at one stream at a time).
-    fn new(
-        id: ConnId,
-        limits: Limits,
-        partial_budget: usize,
-        accepted: std::time::Instant,
-    ) -> ConnScope {
+    fn new(id: ConnId, limits: Limits, accepted: std::time::Instant) -> ConnScope {
         ConnScope {
             id,
             limits,
             auth: RefCell::new(AuthDeadline::new(accepted, limits.auth_timeout)),
             budget: RefCell::new(ByteBudget::new(limits.inflight_publish_bytes)),
             budget_waiters: RefCell::default(),
-            partial: RefCell::new(PartialFrames::new(partial_budget)),
-            partial_waiters: RefCell::default(),
-            next_reader: Cell::new(0),
             subscriptions: Cell::new(0),
             next_subscription: Cell::new(1),
             closed: Cell::new(false),
@@ -119,7 +102,6 @@ impl ConnScope {
         let wakers: Vec<Waker> = self.on_close.borrow_mut().drain().map(|(_, w)| w).collect();
         wakers.into_iter().for_each(Waker::wake);
         self.wake_budget();
-        self.wake_partial();
     }
 
     /// Resolves once the connection has ended (`id`: the waiting subscription).
@@ -162,94 +144,6 @@ impl ConnScope {
         let waiters = std::mem::take(&mut *self.budget_waiters.borrow_mut());
         waiters.into_iter().for_each(Waker::wake);
     }
-
-    fn wake_partial(&self) {
-        let waiters = std::mem::take(&mut *self.partial_waiters.borrow_mut());
-        waiters.into_iter().for_each(Waker::wake);
-    }
-}
-
-/// A stream's frame reader, its unfinished bytes counted against the connection's
-/// [`PartialFrames`] until dropped.
-struct StreamInput {
-    reader: FrameReader,
-    scope: Rc<ConnScope>,
-    id: u64,
-    counted: usize,
-}
-
-impl StreamInput {
-    fn new(scope: Rc<ConnScope>) -> StreamInput {
-        let id = scope.next_reader.get();
-        scope.next_reader.set(id + 1);
-        StreamInput {
-            reader: FrameReader::preauth(),
-            scope,
-            id,
-            counted: 0,
-        }
-    }
-
-    /// Reads the next whole frame. `Ok(None)` at a clean end of stream (or a lost one).
-    async fn next_frame(&mut self, recv: &mut RecvStream) -> Result<Option<Frame>, FrameError> {
-        loop {
-            let next = self.reader.next_frame();
-            self.count();
-            if let Some(f) = next? {
-                if self.scope.partial.borrow_mut().frame_done(self.id) {
-                    self.scope.wake_partial();
-                }
-                return Ok(Some(f));
-            }
-            self.may_read().await;
-            match recv.read_chunk(256 * 1024).await {
-                Ok(Some(chunk)) => self.reader.push(chunk),
-                Ok(None) | Err(_) => return Ok(None),
-            }
-        }
-    }
-
-    /// Counts what the reader holds now.
-    fn count(&mut self) {
-        let now = self.reader.buffered();
-        if now != self.counted {
-            let freed = self.scope.partial.borrow_mut().counted(self.counted, now);
-            self.counted = now;
-            if freed {
-                self.scope.wake_partial();
-            }
-        }
-    }
-
-    /// Waits until this stream may read more (see [`PartialFrames::may_read`]), or the
-    /// connection ends (the read then fails).
-    async fn may_read(&self) {
-        poll_fn(|cx| {
-            let mut partial = self.scope.partial.borrow_mut();
-            if self.scope.closed.get() || partial.may_read(self.id, self.counted) {
-                return Poll::Ready(());
-            }
-            drop(partial);
-            self.scope
-                .partial_waiters
-                .borrow_mut()
-                .push(cx.waker().clone());
-            Poll::Pending
-        })
-        .await
-    }
-}
-
-impl Drop for StreamInput {
-    fn drop(&mut self) {
-        let mut partial = self.scope.partial.borrow_mut();
-        let freed = partial.counted(self.counted, 0);
-        let handed_over = partial.frame_done(self.id);
-        drop(partial);
-        if freed || handed_over {
-            self.scope.wake_partial();
-        }
-    }
 }
 
 /// Publish bytes held against a connection's budget until dropped.
@@ -270,7 +164,6 @@ pub async fn serve_connection(core: Rc<CoreBroker>, conn: Connection) {
     let scope = Rc::new(ConnScope::new(
         conn.id(),
         core.shared.limits,
-        core.shared.max_frame_bytes as usize,
         clock::now().instant,
     ));
     let watchdog = task::spawn(auth_watchdog(conn.clone(), scope.clone()));
@@ -360,6 +253,22 @@ pub async fn watch_keys(core: Rc<CoreBroker>) {
 /// Closes a connection because the broker is shutting down.
 pub fn close_for_shutdown(conn: &Connection) {
     conn.close(CLOSE_SHUTDOWN, b"broker shutting down");
+}
+
+/// Reads the next whole frame. `Ok(None)` at a clean end of stream (or a lost one).
+async fn next_frame(
+    recv: &mut RecvStream,
+    reader: &mut FrameReader,
+) -> Result<Option<Frame>, FrameError> {
+    loop {
+        if let Some(f) = reader.next_frame()? {
+            return Ok(Some(f));
+        }
+        match recv.read_chunk(256 * 1024).await {
+            Ok(Some(chunk)) => reader.push(chunk),
+            Ok(None) | Err(_) => return Ok(None),
+        }
+    }
 }
 
 /// A stream's outbox and the two tasks that share it.
@@ -455,15 +364,20 @@ async fn serve_stream(
         failed: Cell::new(false),
     });
     let writer = send.map(|s| task::spawn(write_answers(answers.clone(), s)));
-    let mut input = StreamInput::new(scope.clone());
+    let mut reader = FrameReader::preauth();
     if let Some(session) =
-        authenticate(&core, &scope, &answers, answered, &mut recv, &mut input).await
+        authenticate(&core, &scope, &answers, answered, &mut recv, &mut reader).await
     {
-        input
-            .reader
-            .set_max_payload_bytes(core.shared.max_frame_bytes);
+        reader.set_max_payload_bytes(core.shared.max_frame_bytes);
         serve_requests(
-            &core, &scope, &conn, &answers, &session, answered, &mut recv, &mut input,
+            &core,
+            &scope,
+            &conn,
+            &answers,
+            &session,
+            answered,
+            &mut recv,
+            &mut reader,
         )
         .await;
     }
@@ -480,9 +394,9 @@ async fn authenticate(
     answers: &Answers,
     answered: bool,
     recv: &mut RecvStream,
-    input: &mut StreamInput,
+    reader: &mut FrameReader,
 ) -> Option<Session> {
-    let frame = match input.next_frame(recv).await {
+    let frame = match next_frame(recv, reader).await {
         Ok(Some(f)) => f,
         Ok(None) => return None,
         Err(e) => {
@@ -529,14 +443,14 @@ async fn serve_requests(
     session: &Session,
     answered: bool,
     recv: &mut RecvStream,
-    input: &mut StreamInput,
+    reader: &mut FrameReader,
 ) {
     loop {
         answers.room().await;
         if answers.failed.get() || core.draining() || scope.closed.get() {
             return;
         }
-        let request = match input.next_frame(recv).await {
+        let request = match next_frame(recv, reader).await {
             Ok(Some(frame)) => dispatch::decode(&frame, answered),
             Ok(None) => return,
             Err(e) => dispatch::undecodable(&e),

@@ -8,8 +8,6 @@
 //! - [`answer`]: the one encoder of publish outcomes and errors; every string bounded.
 //! - [`outbox`]: answers in request order, bounded by the window; publish bytes in
 //!   flight bounded per connection.
-//! - [`partial`]: the bytes of unfinished frames a connection's streams hold,
-//!   bounded, with one stream at a time let past the bound to finish its frame.
 //! - [`subscription`]: a subscription's position: history, live batches, gaps.
 //! - [`driver`]: the only part that touches QUIC streams, tasks and the clock.
 //!
@@ -21,7 +19,6 @@ pub mod dispatch;
 pub mod driver;
 pub mod handshake;
 pub mod outbox;
-pub mod partial;
 pub mod subscription;
 
 #[cfg(any(test, feature = "fuzzing"))]
