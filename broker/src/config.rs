@@ -113,6 +113,8 @@ pub struct FileConfig {
     pub idle_timeout_ms: Option<u64>,
     /// Subscriptions one connection may hold.
     pub max_subscriptions_per_connection: Option<usize>,
+    /// Group polls one connection may have waiting for records; more answer at once.
+    pub max_waiting_polls_per_connection: Option<usize>,
     /// Publish payload bytes in flight per connection before reading pauses.
     pub max_inflight_publish_bytes: Option<usize>,
     /// Concurrent streams a client may open per connection, per direction.
@@ -707,6 +709,11 @@ impl BrokerConfig {
                 "max_subscriptions_per_connection",
                 file.max_subscriptions_per_connection,
                 defaults.subscriptions_per_connection,
+            )?,
+            waiting_polls_per_connection: positive(
+                "max_waiting_polls_per_connection",
+                file.max_waiting_polls_per_connection,
+                defaults.waiting_polls_per_connection,
             )?,
             inflight_publish_bytes: positive(
                 "max_inflight_publish_bytes",

@@ -44,6 +44,11 @@ const OUTBOUND_MAX: usize = 4096;
 /// before anything is sent, so nothing is appended and the client may retry. Answers
 /// are bounded by the requests that asked for them.
 pub const CROSS_CORE_REQUESTS_MAX: usize = 8192;
+
+/// Group polls one core may have waiting for records at another, within
+/// `CROSS_CORE_REQUESTS_MAX`: a quarter, so long polls (of any number of clients) always
+/// leave the other requests most of the slots. Past it a poll answers at once.
+pub const CROSS_CORE_POLLS_WAITING_MAX: usize = CROSS_CORE_REQUESTS_MAX / 4;
 /// Expired values one cache shard deletes per housekeeping round.
 const EXPIRE_BATCH: usize = 256;
 
@@ -312,6 +317,14 @@ pub struct ReplyTo {
     pub id: u64,
 }
 
+/// A request this core sent and awaits the answer to.
+struct Pending {
+    owner: CoreId,
+    /// A group poll counted among `owner`'s waiting polls.
+    waits: bool,
+    answer: oneshot::Sender<ReplyBody>,
+}
+
 /// A cross-core answer.
 #[derive(Debug)]
 pub enum ReplyBody {
@@ -420,6 +433,9 @@ pub struct CoreMetrics {
     pub cross_core_refused: AtomicU64,
     /// Cross-core requests outstanding from this core (all destinations).
     pub cross_core_outstanding: AtomicU64,
+    /// Group polls answered at once instead of waiting, past their connection's
+    /// allowance or the waiting polls one core may hold at another.
+    pub poll_waits_cut: AtomicU64,
     /// Open logs poisoned by a failed write or fsync (sampled).
     pub poisoned_logs: AtomicU64,
     /// 1 while the last append on this core failed for lack of disk space.
@@ -714,9 +730,11 @@ pub struct CoreBroker {
     caches: RefCell<HashMap<Arc<ShardKey>, Slot<Rc<CacheShard>>>>,
     subscribers: RefCell<HashMap<Arc<ShardKey>, Vec<Rc<SubQueue>>>>,
     outbound: Vec<RefCell<Outbound>>,
-    pending: RefCell<HashMap<u64, (CoreId, oneshot::Sender<ReplyBody>)>>,
+    pending: RefCell<HashMap<u64, Pending>>,
     /// Requests outstanding at each core, by core index.
     outstanding: Vec<Cell<usize>>,
+    /// Of those, group polls waiting for records, by core index.
+    waiting_polls: Vec<Cell<usize>>,
     next_request: Cell<u64>,
     draining: Cell<bool>,
     /// Sends requests on to other brokers (cluster mode).
@@ -836,6 +854,7 @@ impl CoreBroker {
             outbound: (0..cores).map(|_| RefCell::default()).collect(),
             pending: RefCell::default(),
             outstanding: (0..cores).map(|_| Cell::new(0)).collect(),
+            waiting_polls: (0..cores).map(|_| Cell::new(0)).collect(),
             next_request: Cell::new(1),
             draining: Cell::new(false),
             forwarder,
@@ -1151,7 +1170,7 @@ impl CoreBroker {
         owner: CoreId,
         make: impl FnOnce(ReplyTo) -> CoreMsg,
     ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
-        self.ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, make)
+        self.ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, false, make)
     }
 
     /// As [`CoreBroker::ask`] for control messages (a re-pin's steps): never refused
@@ -1161,13 +1180,17 @@ impl CoreBroker {
         owner: CoreId,
         make: impl FnOnce(ReplyTo) -> CoreMsg,
     ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
-        self.ask_bounded(owner, usize::MAX, make)
+        self.ask_bounded(owner, usize::MAX, false, make)
     }
 
+    /// `waits`: the request is a group poll that may wait for records; it is counted
+    /// among `owner`'s waiting polls until its answer comes back (not until its asker
+    /// goes away: the owner holds it for its wait either way).
     fn ask_bounded(
         self: &Rc<Self>,
         owner: CoreId,
         bound: usize,
+        waits: bool,
         make: impl FnOnce(ReplyTo) -> CoreMsg,
     ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
         let outstanding = &self.outstanding[owner.index()];
@@ -1184,7 +1207,18 @@ impl CoreBroker {
             let id = self.next_request.get();
             self.next_request.set(id + 1);
             let (tx, rx) = oneshot::channel();
-            self.pending.borrow_mut().insert(id, (owner, tx));
+            if waits {
+                let w = &self.waiting_polls[owner.index()];
+                w.set(w.get() + 1);
+            }
+            self.pending.borrow_mut().insert(
+                id,
+                Pending {
+                    owner,
+                    waits,
+                    answer: tx,
+                },
+            );
             self.send_ordered(
                 owner,
                 make(ReplyTo {
@@ -1207,11 +1241,20 @@ impl CoreBroker {
 
     /// Completes the request `id` this core sent.
     fn complete(&self, id: u64, body: ReplyBody) {
-        let Some((owner, tx)) = self.pending.borrow_mut().remove(&id) else {
+        let Some(Pending {
+            owner,
+            waits,
+            answer: tx,
+        }) = self.pending.borrow_mut().remove(&id)
+        else {
             return;
         };
         let n = &self.outstanding[owner.index()];
         n.set(n.get().saturating_sub(1));
+        if waits {
+            let w = &self.waiting_polls[owner.index()];
+            w.set(w.get().saturating_sub(1));
+        }
         self.metrics
             .cross_core_outstanding
             .fetch_sub(1, Ordering::Relaxed);
@@ -2319,8 +2362,12 @@ impl CoreBroker {
         if owner == self.core {
             self.group_local(&key, op).await
         } else {
+            let mut op = op;
+            let waits = self.admit_poll_wait(owner, &mut op);
             match self
-                .ask(owner, |reply| CoreMsg::Group { key, op, reply })
+                .ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, waits, |reply| {
+                    CoreMsg::Group { key, op, reply }
+                })
                 .await?
             {
                 ReplyBody::Group(r) => r,
@@ -2329,6 +2376,25 @@ impl CoreBroker {
                 ))),
             }
         }
+    }
+
+    /// Whether a group request for `owner` is a poll that may wait there. Waiting polls
+    /// hold their request slot for up to their wait; past `CROSS_CORE_POLLS_WAITING_MAX`
+    /// a poll's wait is cut to 0 (it answers with what is there now), so polls can
+    /// never hold more than their share of the slots every other request needs.
+    fn admit_poll_wait(&self, owner: CoreId, op: &mut crate::groups::GroupOp) -> bool {
+        let crate::groups::GroupOp::Poll { wait_ms, .. } = op else {
+            return false;
+        };
+        if *wait_ms == 0 {
+            return false;
+        }
+        if self.waiting_polls[owner.index()].get() >= CROSS_CORE_POLLS_WAITING_MAX {
+            *wait_ms = 0;
+            self.metrics.poll_waits_cut.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        true
     }
 
     /// A group request on the owning core; held while this broker's replica takes the

@@ -252,6 +252,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.cross_core_outstanding.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_poll_waits_cut_total",
+        "counter",
+        "Group polls answered at once instead of waiting: past their connection's max_waiting_polls_per_connection or the waiting polls one core may hold at another.",
+        |m| m.poll_waits_cut.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_poisoned_logs",
         "gauge",
         "Open logs poisoned by a failed write or fsync.",

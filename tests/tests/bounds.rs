@@ -293,3 +293,171 @@ fn large_frames_interleaved_on_many_streams_of_one_connection_all_complete() {
         .expect("16 x 4 MiB publishes written interleaved on one connection are all acknowledged");
     });
 }
+
+/// A group poll of `stream`'s `shard` that waits up to `wait_ms` for records.
+fn poll(stream: &str, shard: u32, wait_ms: u64, request_id: u64) -> bytes::Bytes {
+    Message::GroupPoll {
+        tenant_id: "dev".into(),
+        namespace: "default".into(),
+        stream: stream.into(),
+        shard: felix_wire::ShardId(shard),
+        group: "g".into(),
+        max_records: 1000,
+        wait_ms,
+        request_id: felix_wire::RequestId(request_id),
+        consumer: None,
+        reclaim: false,
+        visibility_ms: Some(120_000),
+    }
+    .to_frame()
+}
+
+/// Creates `stream` (2 shards) with one record and claims it for group `g` for two
+/// minutes, so that polls of either shard find nothing and wait.
+async fn an_empty_group(b: &BrokerProcess, stream: &str) {
+    let (_ep, conn) = raw_connect(b).await.unwrap();
+    acked(&conn, auth(b), publish(stream, b"k", b"only", Some(1))).await;
+    for shard in 0..2 {
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(b)).await.unwrap();
+        s.write_all(&poll(stream, shard, 0, 1)).await.unwrap();
+        let answers = read_answers(&mut r, 2).await;
+        assert!(
+            matches!(answers[1], Message::GroupRecords { .. }),
+            "{answers:?}"
+        );
+    }
+}
+
+/// Reads `n` answers from `r`.
+async fn read_answers(r: &mut quinn::RecvStream, n: usize) -> Vec<Message> {
+    let mut reader = FrameReader::new(1 << 20);
+    let mut answers = Vec::new();
+    while answers.len() < n {
+        let c = tokio::time::timeout(Duration::from_secs(20), r.read_chunk(1 << 16, true))
+            .await
+            .expect("answered")
+            .unwrap()
+            .unwrap();
+        reader.push(c.bytes);
+        while let Some(f) = reader.next_frame().unwrap() {
+            answers.push(Message::decode(&f.payload).unwrap());
+        }
+    }
+    answers
+}
+
+/// Writes `polls` long polls (each waiting up to 60 s) on `streams` streams of one
+/// connection; returns the streams, which must stay open for the polls to wait.
+async fn long_polls(
+    b: &BrokerProcess,
+    conn: &quinn::Connection,
+    stream: &str,
+    shards: &[u32],
+    polls: usize,
+    streams: usize,
+) -> Vec<(quinn::SendStream, quinn::RecvStream)> {
+    let mut open = Vec::new();
+    for i in 0..streams {
+        let (mut s, r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(b)).await.unwrap();
+        for n in (i..polls).step_by(streams) {
+            let shard = shards[n % shards.len()];
+            s.write_all(&poll(stream, shard, 60_000, n as u64))
+                .await
+                .unwrap();
+        }
+        open.push((s, r));
+    }
+    open
+}
+
+/// Waits until the broker has cut `expected` polls' waits, and checks it cuts no more.
+async fn assert_waits_cut(b: &BrokerProcess, expected: u64, what: &str) {
+    let cut = || b.metric("felix_broker_poll_waits_cut_total").unwrap();
+    let until = Instant::now() + Duration::from_secs(20);
+    while cut() < expected && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(cut(), expected, "{what}");
+}
+
+/// One connection's long polls wait only up to its allowance; past it they answer at
+/// once (empty), and another connection's polls still wait.
+#[test]
+fn a_connections_waiting_polls_are_bounded_and_the_rest_answer_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(&dir, "max_waiting_polls_per_connection: 8\n");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        an_empty_group(&b, "q").await;
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        // One poll per stream: a stream's answers go out in order.
+        let mut open = long_polls(&b, &conn, "q", &[0, 1], 40, 40).await;
+        assert_waits_cut(&b, 32, "40 polls past an allowance of 8").await;
+        let mut empty = 0;
+        for (_, r) in &mut open {
+            let answered = tokio::time::timeout(Duration::from_millis(200), read_answers(r, 2));
+            if let Ok(answers) = answered.await {
+                assert!(
+                    matches!(&answers[1], Message::GroupRecords { records, .. } if records.is_empty()),
+                    "{answers:?}"
+                );
+                empty += 1;
+            }
+        }
+        assert_eq!(empty, 32, "the polls past the allowance answer at once, empty");
+        // Another connection has an allowance of its own: its poll waits.
+        let (_ep2, other) = raw_connect(&b).await.unwrap();
+        let (mut s, mut r) = other.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        let asked = Instant::now();
+        s.write_all(&poll("q", 0, 1_500, 1)).await.unwrap();
+        read_answers(&mut r, 2).await;
+        assert!(
+            asked.elapsed() >= Duration::from_millis(1_000),
+            "another connection's poll waited {:?}",
+            asked.elapsed()
+        );
+        drop(open);
+    });
+}
+
+/// Long polls one core holds waiting at another are bounded below the pair's request
+/// slots (a quarter of them), however many connections send them: past the bound a poll
+/// answers at once, and the slots every other cross-core request needs stay free.
+#[test]
+fn long_polls_across_cores_hold_at_most_a_quarter_of_the_request_slots() {
+    const WAITING_MAX: u64 = 2048;
+    const PER_SHARD: usize = WAITING_MAX as usize + 100;
+    let dir = tempfile::tempdir().unwrap();
+    // Shards stay on their cores (no load following), so one of the two is remote.
+    let b = broker(
+        &dir,
+        "follow_load: false\nmax_waiting_polls_per_connection: 100000\n",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        an_empty_group(&b, "q").await;
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        // Every stream of the connection lands on one core: polls of both shards send
+        // one shard's across. Streams hold at most 256 answers each.
+        let open = long_polls(&b, &conn, "q", &[0, 1], 2 * PER_SHARD, 40).await;
+        assert_waits_cut(
+            &b,
+            PER_SHARD as u64 - WAITING_MAX,
+            "the remote shard's polls past the bound",
+        )
+        .await;
+        // The other cross-core requests go on: a publish to each shard is acknowledged.
+        for key in 0u64..8 {
+            let (_ep, c) = raw_connect(&b).await.unwrap();
+            let p = publish("q", &key.to_be_bytes(), b"after", Some(1));
+            tokio::time::timeout(Duration::from_secs(10), acked(&c, auth(&b), p))
+                .await
+                .expect("a publish is answered while polls wait");
+        }
+        drop(open);
+    });
+}

@@ -72,12 +72,24 @@ pub struct ConnScope {
     budget: RefCell<ByteBudget>,
     budget_waiters: RefCell<Vec<Waker>>,
     subscriptions: Cell<usize>,
+    /// Group polls of this connection waiting for records.
+    waiting_polls: Rc<Cell<usize>>,
     next_subscription: Cell<u64>,
     closed: Cell<bool>,
     /// One waker per live subscription, woken when the connection ends.
     on_close: RefCell<FxHashMap<u64, Waker>>,
     /// The grants its streams authenticated with (checked again when keys change).
     grants: RefCell<Vec<Rc<crate::auth::Grant>>>,
+}
+
+/// A group poll's place among its connection's waiting polls, given back when the poll
+/// ends or is cancelled with its connection.
+struct PollWait(Rc<Cell<usize>>);
+
+impl Drop for PollWait {
+    fn drop(&mut self) {
+        self.0.set(self.0.get().saturating_sub(1));
+    }
 }
 
 impl ConnScope {
@@ -89,11 +101,27 @@ impl ConnScope {
             budget: RefCell::new(ByteBudget::new(limits.inflight_publish_bytes)),
             budget_waiters: RefCell::default(),
             subscriptions: Cell::new(0),
+            waiting_polls: Rc::default(),
             next_subscription: Cell::new(1),
             closed: Cell::new(false),
             on_close: RefCell::default(),
             grants: RefCell::default(),
         }
+    }
+
+    /// Admits a group poll's wait: within the connection's allowance the poll may wait
+    /// (the returned guard holds its place until the poll ends); past it the wait is
+    /// taken as 0, so the poll answers with what is there now.
+    fn hold_poll_wait(&self, wait_ms: &mut u64) -> Option<PollWait> {
+        if *wait_ms == 0 {
+            return None;
+        }
+        if self.waiting_polls.get() >= self.limits.waiting_polls_per_connection {
+            *wait_ms = 0;
+            return None;
+        }
+        self.waiting_polls.set(self.waiting_polls.get() + 1);
+        Some(PollWait(self.waiting_polls.clone()))
     }
 
     /// Marks the connection ended and wakes everything waiting on it.
@@ -711,14 +739,22 @@ async fn execute(
         }
         Action::Group {
             key,
-            op,
+            mut op,
             request_id,
         } => {
             let (core, session) = (core.clone(), session.clone());
             // A poll is cancelled with its connection (records claimed for a consumer
             // that went away would wait out their visibility); settles run to completion.
-            if matches!(op, crate::groups::GroupOp::Poll { .. }) {
-                let started = task::spawn(async move { core.group(key, op).await });
+            if let crate::groups::GroupOp::Poll { wait_ms, .. } = &mut op {
+                let asked = *wait_ms;
+                let held = scope.hold_poll_wait(wait_ms);
+                if asked > 0 && *wait_ms == 0 {
+                    core.metrics.poll_waits_cut.fetch_add(1, Ordering::Relaxed);
+                }
+                let started = task::spawn(async move {
+                    let _held = held;
+                    core.group(key, op).await
+                });
                 answers.push(Answer::Pending(Box::pin(async move {
                     Some(group_answer(&session, request_id, started.await))
                 })));

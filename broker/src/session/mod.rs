@@ -95,6 +95,10 @@ pub struct Limits {
     pub auth_timeout: Option<Duration>,
     /// Subscriptions one connection may hold; more are refused `limit_exceeded`.
     pub subscriptions_per_connection: usize,
+    /// Group polls one connection may have waiting for records; a poll past it is
+    /// answered at once (its wait taken as 0), so one client's long polls cannot hold
+    /// the waiting room every client shares.
+    pub waiting_polls_per_connection: usize,
     /// Publish payload bytes in flight per connection; past it the broker stops
     /// reading publishes until earlier ones complete.
     pub inflight_publish_bytes: usize,
@@ -105,6 +109,7 @@ impl Default for Limits {
         Limits {
             auth_timeout: Some(Duration::from_secs(10)),
             subscriptions_per_connection: 1024,
+            waiting_polls_per_connection: 256,
             inflight_publish_bytes: 64 << 20,
         }
     }
