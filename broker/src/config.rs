@@ -115,6 +115,10 @@ pub struct FileConfig {
     pub max_subscriptions_per_connection: Option<usize>,
     /// Group polls one connection may have waiting for records; more answer at once.
     pub max_waiting_polls_per_connection: Option<usize>,
+    /// Bytes of unfinished frames one connection may hold before it is closed.
+    pub max_unfinished_frame_bytes_per_connection: Option<usize>,
+    /// Bytes of unfinished frames a core's connections may hold together.
+    pub max_unfinished_frame_bytes_per_core: Option<usize>,
     /// Publish payload bytes in flight per connection before reading pauses.
     pub max_inflight_publish_bytes: Option<usize>,
     /// Concurrent streams a client may open per connection, per direction.
@@ -715,12 +719,40 @@ impl BrokerConfig {
                 file.max_waiting_polls_per_connection,
                 defaults.waiting_polls_per_connection,
             )?,
+            unfinished_frame_bytes_per_connection: positive(
+                "max_unfinished_frame_bytes_per_connection",
+                file.max_unfinished_frame_bytes_per_connection,
+                defaults.unfinished_frame_bytes_per_connection,
+            )?,
+            unfinished_frame_bytes_per_core: positive(
+                "max_unfinished_frame_bytes_per_core",
+                file.max_unfinished_frame_bytes_per_core,
+                defaults.unfinished_frame_bytes_per_core,
+            )?,
             inflight_publish_bytes: positive(
                 "max_inflight_publish_bytes",
                 file.max_inflight_publish_bytes,
                 defaults.inflight_publish_bytes,
             )?,
         };
+        // One whole frame of the largest size must fit, or a client sending one could
+        // never be served.
+        let one_frame =
+            felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES as usize + felix_wire::frame::HEADER_LEN;
+        if limits.unfinished_frame_bytes_per_connection < one_frame {
+            return Err(ConfigError {
+                key: "max_unfinished_frame_bytes_per_connection",
+                source_name: "config file",
+                message: format!("must be at least one whole frame, {one_frame} bytes"),
+            });
+        }
+        if limits.unfinished_frame_bytes_per_core < limits.unfinished_frame_bytes_per_connection {
+            return Err(ConfigError {
+                key: "max_unfinished_frame_bytes_per_core",
+                source_name: "config file",
+                message: "must be at least max_unfinished_frame_bytes_per_connection".into(),
+            });
+        }
         let max_streams = positive(
             "max_streams_per_connection",
             file.max_streams_per_connection.map(|n| n as usize),

@@ -433,6 +433,8 @@ pub struct CoreMetrics {
     pub cross_core_refused: AtomicU64,
     /// Cross-core requests outstanding from this core (all destinations).
     pub cross_core_outstanding: AtomicU64,
+    /// Connections closed for holding too many bytes of unfinished frames.
+    pub unfinished_closed: AtomicU64,
     /// Group polls answered at once instead of waiting, past their connection's
     /// allowance or the waiting polls one core may hold at another.
     pub poll_waits_cut: AtomicU64,
@@ -735,6 +737,13 @@ pub struct CoreBroker {
     outstanding: Vec<Cell<usize>>,
     /// Of those, group polls waiting for records, by core index.
     waiting_polls: Vec<Cell<usize>>,
+    /// What this core's connections hold in begun, unfinished frames.
+    pub(crate) unfinished: RefCell<
+        crate::session::unfinished::UnfinishedFrames<
+            felix_core_runtime::quic::ConnId,
+            felix_core_runtime::quic::Connection,
+        >,
+    >,
     next_request: Cell<u64>,
     draining: Cell<bool>,
     /// Sends requests on to other brokers (cluster mode).
@@ -842,6 +851,10 @@ impl CoreBroker {
         replicas: Option<Rc<crate::replication::replica::Replicas>>,
     ) -> Rc<CoreBroker> {
         let cores = mesh.cores();
+        let unfinished = crate::session::unfinished::UnfinishedFrames::new(
+            shared.limits.unfinished_frame_bytes_per_connection,
+            shared.limits.unfinished_frame_bytes_per_core,
+        );
         Rc::new(CoreBroker {
             core,
             catalog: CoreCatalog::new(shared.catalog.clone()),
@@ -855,6 +868,7 @@ impl CoreBroker {
             pending: RefCell::default(),
             outstanding: (0..cores).map(|_| Cell::new(0)).collect(),
             waiting_polls: (0..cores).map(|_| Cell::new(0)).collect(),
+            unfinished: RefCell::new(unfinished),
             next_request: Cell::new(1),
             draining: Cell::new(false),
             forwarder,

@@ -252,6 +252,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.cross_core_outstanding.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_unfinished_frames_closed_total",
+        "counter",
+        "Connections closed (QUIC error 3) for holding more bytes of begun, unfinished frames than their own bound or, as the largest, the core's.",
+        |m| m.unfinished_closed.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_poll_waits_cut_total",
         "counter",
         "Group polls answered at once instead of waiting: past their connection's max_waiting_polls_per_connection or the waiting polls one core may hold at another.",

@@ -461,3 +461,132 @@ fn long_polls_across_cores_hold_at_most_a_quarter_of_the_request_slots() {
         drop(open);
     });
 }
+
+/// Opens a connection and writes on each of `streams` streams the first `written` bytes
+/// of a publish of `frame_payload` bytes, never the rest. Returns the connection once
+/// the broker has read them all or closed it.
+async fn unfinished_frames(
+    b: &BrokerProcess,
+    streams: usize,
+    frame_payload: usize,
+    written: usize,
+) -> (quinn::Endpoint, quinn::Connection) {
+    let (ep, conn) = raw_connect(b).await.unwrap();
+    let frame = publish("unfinished", b"k", &vec![3u8; frame_payload], Some(1));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for _ in 0..streams {
+        let (mut s, r) = conn.open_bi().await.unwrap();
+        let (auth, part, done) = (auth(b), frame.slice(..written), done.clone());
+        tokio::spawn(async move {
+            let _r = r;
+            // Fails once the broker closes the connection.
+            if s.write_all(&auth).await.is_ok() && s.write_all(&part).await.is_ok() {
+                done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // Keep the stream open, its frame unfinished.
+                std::future::pending::<()>().await;
+            }
+        });
+    }
+    // A write completes once the broker has read most of it (it grants the window
+    // back only then); the last bytes it reads soon after.
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while conn.close_reason().is_none()
+            && done.load(std::sync::atomic::Ordering::SeqCst) < streams
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("every part is written or the connection closed");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    (ep, conn)
+}
+
+/// Whether the broker closed `conn` for the unfinished frames it held (error 3).
+fn closed_for_unfinished_frames(conn: &quinn::Connection) -> bool {
+    match conn.close_reason() {
+        Some(quinn::ConnectionError::ApplicationClosed(c)) => {
+            assert_eq!(u64::from(c.error_code), 3, "{c:?}");
+            true
+        }
+        None => false,
+        Some(other) => panic!("closed otherwise: {other:?}"),
+    }
+}
+
+/// A connection whose streams hold more bytes of begun, unfinished frames than its
+/// bound is closed with error 3 (the broker no longer holds them); other clients go on.
+#[test]
+fn a_connection_holding_too_many_unfinished_frames_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(
+        &dir,
+        "max_unfinished_frame_bytes_per_connection: 33554432\n",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // 3 x 10 MiB of 12 MiB frames: within 32 MiB, held.
+        let (_ep, within) = unfinished_frames(&b, 3, 12 << 20, 10 << 20).await;
+        assert!(!closed_for_unfinished_frames(&within), "within the bound");
+        // 4 x 10 MiB: past it.
+        let (_ep2, past) = unfinished_frames(&b, 4, 12 << 20, 10 << 20).await;
+        tokio::time::timeout(Duration::from_secs(10), past.closed())
+            .await
+            .expect("the connection past its bound is closed");
+        assert!(closed_for_unfinished_frames(&past));
+        assert!(
+            !closed_for_unfinished_frames(&within),
+            "another connection stays"
+        );
+        assert_eq!(
+            b.metric("felix_broker_unfinished_frames_closed_total")
+                .unwrap(),
+            1
+        );
+        another_client_publishes(&b).await;
+    });
+}
+
+/// When a core's connections together hold more unfinished frames than the core's
+/// bound, the one holding the most is closed, not the small one whose bytes crossed it.
+#[test]
+fn past_a_cores_bound_on_unfinished_frames_the_largest_holder_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(
+        &dir,
+        "max_unfinished_frame_bytes_per_connection: 67108864\n\
+         max_unfinished_frame_bytes_per_core: 104857600\n",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // Four connections of 44 MiB each on two cores (100 MiB each): a core with
+        // three closes one of them as the third crosses; a core with two holds 88 MiB.
+        let mut large = Vec::new();
+        for _ in 0..4 {
+            large.push(unfinished_frames(&b, 4, 12 << 20, 11 << 20).await);
+        }
+        // Then six of 11 MiB: on a core with a large holder left, one of them crosses
+        // the bound, and a large holder is closed for it. Six together (66 MiB) fit.
+        let mut small = Vec::new();
+        for _ in 0..6 {
+            small.push(unfinished_frames(&b, 1, 12 << 20, 11 << 20).await);
+        }
+        let closed = large
+            .iter()
+            .filter(|(_, c)| closed_for_unfinished_frames(c))
+            .count();
+        assert!(closed >= 1, "{closed} of 4 large holders closed");
+        for (_, c) in &small {
+            assert!(
+                !closed_for_unfinished_frames(c),
+                "a small holder was closed"
+            );
+        }
+        assert_eq!(
+            b.metric("felix_broker_unfinished_frames_closed_total")
+                .unwrap(),
+            closed as u64
+        );
+        another_client_publishes(&b).await;
+    });
+}

@@ -59,6 +59,9 @@ const CLOSE_SHUTDOWN: u32 = 0;
 const CLOSE_AUTH_TIMEOUT: u32 = 1;
 /// A token this connection authenticated with was revoked, or its key retired.
 const CLOSE_REVOKED: u32 = 2;
+/// The connection's streams held more bytes of unfinished frames than it (or, as the
+/// largest, the core's connections) may (`unfinished`).
+const CLOSE_UNFINISHED: u32 = 3;
 /// How often each core looks for a new key set (the bound on top of the control-plane
 /// sync for closing a revoked connection).
 const KEY_CHECK: Duration = Duration::from_millis(250);
@@ -194,6 +197,7 @@ pub async fn serve_connection(core: Rc<CoreBroker>, conn: Connection) {
         core.shared.limits,
         clock::now().instant,
     ));
+    core.unfinished.borrow_mut().open(conn.id(), conn.clone());
     let watchdog = task::spawn(auth_watchdog(conn.clone(), scope.clone()));
     let revocation = task::spawn(revocation_watch(core.clone(), conn.clone(), scope.clone()));
     loop {
@@ -212,6 +216,7 @@ pub async fn serve_connection(core: Rc<CoreBroker>, conn: Connection) {
     // The connection is gone, closed or silent past its idle timeout: every
     // subscription made on it ends now, whether or not it had anything to send.
     scope.close();
+    core.unfinished.borrow_mut().forget(conn.id());
     drop(watchdog);
     drop(revocation);
     tracing::debug!(conn = ?scope.id, "connection ended");
@@ -283,19 +288,73 @@ pub fn close_for_shutdown(conn: &Connection) {
     conn.close(CLOSE_SHUTDOWN, b"broker shutting down");
 }
 
-/// Reads the next whole frame. `Ok(None)` at a clean end of stream (or a lost one).
-async fn next_frame(
-    recv: &mut RecvStream,
-    reader: &mut FrameReader,
-) -> Result<Option<Frame>, FrameError> {
-    loop {
-        if let Some(f) = reader.next_frame()? {
-            return Ok(Some(f));
+/// A stream's frame reader; what it holds of unfinished frames is counted in its core's
+/// [`UnfinishedFrames`](super::unfinished::UnfinishedFrames) until it is dropped.
+struct StreamInput {
+    reader: FrameReader,
+    core: Rc<CoreBroker>,
+    conn: ConnId,
+    counted: usize,
+}
+
+impl StreamInput {
+    fn new(core: Rc<CoreBroker>, conn: ConnId) -> StreamInput {
+        StreamInput {
+            reader: FrameReader::preauth(),
+            core,
+            conn,
+            counted: 0,
         }
-        match recv.read_chunk(256 * 1024).await {
-            Ok(Some(chunk)) => reader.push(chunk),
-            Ok(None) | Err(_) => return Ok(None),
+    }
+
+    /// Reads the next whole frame. `Ok(None)` at a clean end of stream (or a lost one,
+    /// or once the connection was closed for what its streams hold).
+    async fn next_frame(&mut self, recv: &mut RecvStream) -> Result<Option<Frame>, FrameError> {
+        loop {
+            let next = self.reader.next_frame();
+            self.count();
+            if let Some(f) = next? {
+                return Ok(Some(f));
+            }
+            match recv.read_chunk(256 * 1024).await {
+                Ok(Some(chunk)) => self.reader.push(chunk),
+                Ok(None) | Err(_) => return Ok(None),
+            }
         }
+    }
+
+    /// Counts what the reader holds now; closes the connection a bound names.
+    fn count(&mut self) {
+        let now = self.reader.buffered();
+        if now == self.counted {
+            return;
+        }
+        let closed = self
+            .core
+            .unfinished
+            .borrow_mut()
+            .counted(self.conn, self.counted, now);
+        self.counted = now;
+        if let Some((id, conn)) = closed {
+            tracing::warn!(conn = ?id, "closing a connection holding too many bytes of unfinished frames");
+            self.core
+                .metrics
+                .unfinished_closed
+                .fetch_add(1, Ordering::Relaxed);
+            conn.close(
+                CLOSE_UNFINISHED,
+                b"overloaded: too many bytes of unfinished frames",
+            );
+        }
+    }
+}
+
+impl Drop for StreamInput {
+    fn drop(&mut self) {
+        self.core
+            .unfinished
+            .borrow_mut()
+            .counted(self.conn, self.counted, 0);
     }
 }
 
@@ -392,23 +451,19 @@ async fn serve_stream(
         failed: Cell::new(false),
     });
     let writer = send.map(|s| task::spawn(write_answers(answers.clone(), s)));
-    let mut reader = FrameReader::preauth();
+    let mut input = StreamInput::new(core.clone(), conn.id());
     if let Some(session) =
-        authenticate(&core, &scope, &answers, answered, &mut recv, &mut reader).await
+        authenticate(&core, &scope, &answers, answered, &mut recv, &mut input).await
     {
-        reader.set_max_payload_bytes(core.shared.max_frame_bytes);
+        input
+            .reader
+            .set_max_payload_bytes(core.shared.max_frame_bytes);
         serve_requests(
-            &core,
-            &scope,
-            &conn,
-            &answers,
-            &session,
-            answered,
-            &mut recv,
-            &mut reader,
+            &core, &scope, &conn, &answers, &session, answered, &mut recv, &mut input,
         )
         .await;
     }
+    drop(input);
     answers.close();
     if let Some(w) = writer {
         w.await;
@@ -422,9 +477,9 @@ async fn authenticate(
     answers: &Answers,
     answered: bool,
     recv: &mut RecvStream,
-    reader: &mut FrameReader,
+    input: &mut StreamInput,
 ) -> Option<Session> {
-    let frame = match next_frame(recv, reader).await {
+    let frame = match input.next_frame(recv).await {
         Ok(Some(f)) => f,
         Ok(None) => return None,
         Err(e) => {
@@ -471,14 +526,14 @@ async fn serve_requests(
     session: &Session,
     answered: bool,
     recv: &mut RecvStream,
-    reader: &mut FrameReader,
+    input: &mut StreamInput,
 ) {
     loop {
         answers.room().await;
         if answers.failed.get() || core.draining() || scope.closed.get() {
             return;
         }
-        let request = match next_frame(recv, reader).await {
+        let request = match input.next_frame(recv).await {
             Ok(Some(frame)) => dispatch::decode(&frame, answered),
             Ok(None) => return,
             Err(e) => dispatch::undecodable(&e),

@@ -20,6 +20,7 @@ pub mod driver;
 pub mod handshake;
 pub mod outbox;
 pub mod subscription;
+pub mod unfinished;
 
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod testing;
@@ -99,6 +100,12 @@ pub struct Limits {
     /// answered at once (its wait taken as 0), so one client's long polls cannot hold
     /// the waiting room every client shares.
     pub waiting_polls_per_connection: usize,
+    /// Bytes of begun, unfinished frames one connection's streams may hold together;
+    /// past it the connection is closed (`unfinished`).
+    pub unfinished_frame_bytes_per_connection: usize,
+    /// The same for all of a core's connections; past it the one holding the most is
+    /// closed.
+    pub unfinished_frame_bytes_per_core: usize,
     /// Publish payload bytes in flight per connection; past it the broker stops
     /// reading publishes until earlier ones complete.
     pub inflight_publish_bytes: usize,
@@ -110,6 +117,8 @@ impl Default for Limits {
             auth_timeout: Some(Duration::from_secs(10)),
             subscriptions_per_connection: 1024,
             waiting_polls_per_connection: 256,
+            unfinished_frame_bytes_per_connection: 128 << 20,
+            unfinished_frame_bytes_per_core: 1 << 30,
             inflight_publish_bytes: 64 << 20,
         }
     }
