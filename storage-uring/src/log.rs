@@ -1340,25 +1340,46 @@ impl<B: Backend> SegmentLog<B> {
                     Err(e) => return Err(corrupt(e.into(), pos + at as u64)),
                 };
                 if at + h.total_len() > bytes.len() {
-                    if at == 0 {
-                        // One batch larger than the window: fetch it whole.
-                        let read = file.read_at(pos, h.total_len()).await;
-                        if self.shared.state.borrow().cuts != cuts {
-                            continue 'locate;
-                        }
-                        bytes = read.map_err(|e| StorageError::io("read", &name, e))?;
-                        if bytes.len() < h.total_len() {
-                            return Err(corrupt(
-                                CorruptionKind::Format(format::FormatError::Truncated {
-                                    needed: h.total_len(),
-                                    available: bytes.len(),
-                                }),
-                                pos,
-                            ));
-                        }
-                        continue;
+                    // The window ends inside this batch. Read on from here, not from the
+                    // index again: the index may point before this batch, and a window
+                    // from there would end inside it once more, for ever. The batch
+                    // holding `offset` is fetched whole (it may be larger than a
+                    // window); one before it is stepped over by its header's length.
+                    let start = pos + at as u64;
+                    let wanted = h.end_offset() > offset;
+                    let (from, len) = if wanted {
+                        (start, h.total_len())
+                    } else {
+                        let next = start + h.total_len() as u64;
+                        (next, (data_len.saturating_sub(next) as usize).min(window))
+                    };
+                    if len == 0 {
+                        // Nothing past it in this segment, though `offset` lies in it: a
+                        // gap, which recovery rules out.
+                        return Err(corrupt(
+                            CorruptionKind::OffsetGap {
+                                expected: offset,
+                                found: h.end_offset(),
+                            },
+                            start,
+                        ));
                     }
-                    break;
+                    let read = file.read_at(from, len).await;
+                    if self.shared.state.borrow().cuts != cuts {
+                        continue 'locate;
+                    }
+                    bytes = read.map_err(|e| StorageError::io("read", &name, e))?;
+                    (pos, at) = (from, 0);
+                    if wanted && bytes.len() < h.total_len() {
+                        return Err(corrupt(
+                            CorruptionKind::Format(format::FormatError::Truncated {
+                                needed: h.total_len(),
+                                available: bytes.len(),
+                            }),
+                            pos,
+                        ));
+                    }
+                    continue;
                 }
                 let body = bytes.slice(at + BATCH_HEADER_BYTES..at + h.total_len());
                 at += h.total_len();

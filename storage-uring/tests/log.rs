@@ -637,6 +637,45 @@ async fn a_foreign_file_is_refused_and_unrelated_files_ignored<F: Fixture>(fx: F
     ));
 }
 
+/// A batch larger than the read window (and than a read's byte budget) behind a small
+/// one is read: the small one first, then the large one whole.
+async fn a_batch_larger_than_the_read_window_is_read_whole<F: Fixture>(fx: F) {
+    let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    fill(&log, 1, 10).await;
+    fill(&log, 1, 4 << 20).await;
+    fill(&log, 1, 10).await;
+    let read = |from: u64, budget: usize| {
+        let log = &log;
+        async move {
+            glommio::timer::timeout(Duration::from_secs(10), async {
+                Ok(log.read(from, budget).await)
+            })
+            .await
+            .expect("the read answers")
+            .unwrap()
+        }
+    };
+    for budget in [1 << 20, 4 << 20, 16 << 20] {
+        let first = read(0, budget).await;
+        assert!(!first.is_empty());
+        assert_eq!(first[0].records[0].len(), 10);
+        let mut at = first.last().unwrap().end_offset();
+        let mut lens: Vec<usize> = first.iter().map(|b| b.records[0].len()).collect();
+        while at < 3 {
+            let next = read(at, budget).await;
+            assert!(
+                !next.is_empty(),
+                "a read from {at} with {budget} returned nothing"
+            );
+            lens.extend(next.iter().map(|b| b.records[0].len()));
+            at = next.last().unwrap().end_offset();
+        }
+        assert_eq!(lens, [10, 4 << 20, 10], "budget {budget}");
+    }
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -668,6 +707,7 @@ both_backends!(
     durable_writes_read_back_across_rolls_and_reopen,
     oversized_and_empty_batches_are_refused,
     a_foreign_file_is_refused_and_unrelated_files_ignored,
+    a_batch_larger_than_the_read_window_is_read_whole,
 );
 
 /// A reader that knows where it stops (a consumer group's claim) gets the batches below

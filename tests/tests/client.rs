@@ -1618,3 +1618,62 @@ fn a_brokers_stream_logs_take_its_write_settings() {
         assert_eq!(dsync > 0, on, "{yaml:?}: {dsync} durable writes");
     }
 }
+
+/// Records larger than the log's 1 MiB read window, behind a small one, are read back by
+/// a subscriber from the start and by `stream_read` (such a read re-located from the
+/// sparse index to before the large batch, read a window ending inside it, and started
+/// over for ever: `a_batch_larger_than_the_read_window_is_read_whole`).
+#[test]
+fn records_larger_than_the_read_window_are_read_back() {
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        let key = bytes::Bytes::from_static(b"k");
+        let publish = |payload: Vec<u8>| {
+            let (c, key) = (c.clone(), key.clone());
+            async move {
+                c.publish_keyed("dev", "default", "large", key, payload, AckMode::PerMessage)
+                    .await
+                    .unwrap()
+            }
+        };
+        publish(b"small".to_vec()).await;
+        for i in 0..3u8 {
+            publish(vec![i; 4 << 20]).await;
+        }
+        let shards = c.stream_shards("dev", "default", "large").await.unwrap();
+        let shard = felix_wire::shard_for_key(Some(b"k"), shards, Default::default()).0;
+        let (records, next) = tokio::time::timeout(
+            Duration::from_secs(10),
+            c.stream_read("dev", "default", "large", shard, 1, None, None),
+        )
+        .await
+        .expect("a stream read of a 4 MiB record is answered")
+        .unwrap();
+        assert_eq!((records.len(), next), (1, 2));
+        assert_eq!(records[0].payload.len(), 4 << 20);
+        let mut sub = c
+            .subscribe_shard(
+                "dev",
+                "default",
+                "large",
+                shard,
+                Some(felix_client::StartPosition::Earliest),
+            )
+            .await
+            .unwrap();
+        let mut lens = Vec::new();
+        for _ in 0..4 {
+            let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                .await
+                .expect("the subscriber reads the history")
+                .unwrap()
+                .unwrap();
+            lens.push(e.payload.len());
+        }
+        assert_eq!(lens, [5, 4 << 20, 4 << 20, 4 << 20]);
+    });
+}
