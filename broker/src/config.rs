@@ -119,6 +119,10 @@ pub struct FileConfig {
     pub max_unfinished_frame_bytes_per_connection: Option<usize>,
     /// Bytes of unfinished frames a core's connections may hold together.
     pub max_unfinished_frame_bytes_per_core: Option<usize>,
+    /// Bytes of answers one connection may leave unread before it is closed.
+    pub max_unwritten_answer_bytes_per_connection: Option<usize>,
+    /// Bytes of answers a core's connections may leave unread together.
+    pub max_unwritten_answer_bytes_per_core: Option<usize>,
     /// Publish payload bytes in flight per connection before reading pauses.
     pub max_inflight_publish_bytes: Option<usize>,
     /// Concurrent streams a client may open per connection, per direction.
@@ -729,6 +733,16 @@ impl BrokerConfig {
                 file.max_unfinished_frame_bytes_per_core,
                 defaults.unfinished_frame_bytes_per_core,
             )?,
+            unwritten_answer_bytes_per_connection: positive(
+                "max_unwritten_answer_bytes_per_connection",
+                file.max_unwritten_answer_bytes_per_connection,
+                defaults.unwritten_answer_bytes_per_connection,
+            )?,
+            unwritten_answer_bytes_per_core: positive(
+                "max_unwritten_answer_bytes_per_core",
+                file.max_unwritten_answer_bytes_per_core,
+                defaults.unwritten_answer_bytes_per_core,
+            )?,
             inflight_publish_bytes: positive(
                 "max_inflight_publish_bytes",
                 file.max_inflight_publish_bytes,
@@ -751,6 +765,21 @@ impl BrokerConfig {
                 key: "max_unfinished_frame_bytes_per_core",
                 source_name: "config file",
                 message: "must be at least max_unfinished_frame_bytes_per_connection".into(),
+            });
+        }
+        // One answer of the largest size must fit.
+        if limits.unwritten_answer_bytes_per_connection < one_frame {
+            return Err(ConfigError {
+                key: "max_unwritten_answer_bytes_per_connection",
+                source_name: "config file",
+                message: format!("must be at least one whole frame, {one_frame} bytes"),
+            });
+        }
+        if limits.unwritten_answer_bytes_per_core < limits.unwritten_answer_bytes_per_connection {
+            return Err(ConfigError {
+                key: "max_unwritten_answer_bytes_per_core",
+                source_name: "config file",
+                message: "must be at least max_unwritten_answer_bytes_per_connection".into(),
             });
         }
         let max_streams = positive(

@@ -317,6 +317,29 @@ pub struct ReplyTo {
     pub id: u64,
 }
 
+/// Bytes a core's connections make it hold, with the handle that closes one.
+pub(crate) type HeldByConnections = crate::session::held::HeldBytes<
+    felix_core_runtime::quic::ConnId,
+    felix_core_runtime::quic::Connection,
+>;
+
+/// How long a poll whose wait was cut (`CROSS_CORE_POLLS_WAITING_MAX`, a connection's
+/// `waiting_polls_per_connection`) and found nothing pauses before it answers, holding
+/// no request slot: its consumer polls again a few times a second, not in a busy loop.
+pub const CUT_POLL_PAUSE: Duration = Duration::from_millis(250);
+
+/// Pauses an empty answer to a poll that asked to wait `asked_ms` and was cut to 0.
+pub async fn pause_cut_poll(
+    asked_ms: u64,
+    answer: &Result<crate::groups::GroupAnswer, BrokerError>,
+) {
+    if let Ok(crate::groups::GroupAnswer::Records(r)) = answer
+        && r.is_empty()
+    {
+        task::sleep(Duration::from_millis(asked_ms).min(CUT_POLL_PAUSE)).await;
+    }
+}
+
 /// A request this core sent and awaits the answer to.
 struct Pending {
     owner: CoreId,
@@ -435,6 +458,8 @@ pub struct CoreMetrics {
     pub cross_core_outstanding: AtomicU64,
     /// Connections closed for holding too many bytes of unfinished frames.
     pub unfinished_closed: AtomicU64,
+    /// Connections closed for leaving too many bytes of answers unread.
+    pub unwritten_closed: AtomicU64,
     /// Group polls answered at once instead of waiting, past their connection's
     /// allowance or the waiting polls one core may hold at another.
     pub poll_waits_cut: AtomicU64,
@@ -738,12 +763,9 @@ pub struct CoreBroker {
     /// Of those, group polls waiting for records, by core index.
     waiting_polls: Vec<Cell<usize>>,
     /// What this core's connections hold in begun, unfinished frames.
-    pub(crate) unfinished: RefCell<
-        crate::session::unfinished::UnfinishedFrames<
-            felix_core_runtime::quic::ConnId,
-            felix_core_runtime::quic::Connection,
-        >,
-    >,
+    pub(crate) unfinished: RefCell<HeldByConnections>,
+    /// What this core's connections hold in answers QUIC has not taken yet.
+    pub(crate) unwritten: RefCell<HeldByConnections>,
     next_request: Cell<u64>,
     draining: Cell<bool>,
     /// Sends requests on to other brokers (cluster mode).
@@ -851,9 +873,13 @@ impl CoreBroker {
         replicas: Option<Rc<crate::replication::replica::Replicas>>,
     ) -> Rc<CoreBroker> {
         let cores = mesh.cores();
-        let unfinished = crate::session::unfinished::UnfinishedFrames::new(
+        let unfinished = crate::session::held::HeldBytes::new(
             shared.limits.unfinished_frame_bytes_per_connection,
             shared.limits.unfinished_frame_bytes_per_core,
+        );
+        let unwritten = crate::session::held::HeldBytes::new(
+            shared.limits.unwritten_answer_bytes_per_connection,
+            shared.limits.unwritten_answer_bytes_per_core,
         );
         Rc::new(CoreBroker {
             core,
@@ -869,6 +895,7 @@ impl CoreBroker {
             outstanding: (0..cores).map(|_| Cell::new(0)).collect(),
             waiting_polls: (0..cores).map(|_| Cell::new(0)).collect(),
             unfinished: RefCell::new(unfinished),
+            unwritten: RefCell::new(unwritten),
             next_request: Cell::new(1),
             draining: Cell::new(false),
             forwarder,
@@ -2377,8 +2404,12 @@ impl CoreBroker {
             self.group_local(&key, op).await
         } else {
             let mut op = op;
+            let asked = match &op {
+                crate::groups::GroupOp::Poll { wait_ms, .. } => *wait_ms,
+                _ => 0,
+            };
             let waits = self.admit_poll_wait(owner, &mut op);
-            match self
+            let answer = match self
                 .ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, waits, |reply| {
                     CoreMsg::Group { key, op, reply }
                 })
@@ -2388,7 +2419,11 @@ impl CoreBroker {
                 other => Err(BrokerError::Internal(format!(
                     "mismatched answer {other:?}"
                 ))),
+            };
+            if asked > 0 && !waits {
+                pause_cut_poll(asked, &answer).await;
             }
+            answer
         }
     }
 

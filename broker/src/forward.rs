@@ -50,7 +50,19 @@ pub struct Forwarder {
     config: ClientConfig,
     server_name: String,
     peers: RefCell<HashMap<SocketAddr, Connection>>,
+    /// Bytes of requests this core has sent its peers and not had answered.
+    sent: RefCell<crate::session::outbox::ByteBudget>,
+    sent_waiters: RefCell<Vec<std::task::Waker>>,
 }
+
+/// Bytes of requests one core has sent its peers and not had answered. A leader closes a
+/// connection whose streams hold more than `max_unfinished_frame_bytes_per_connection`
+/// (128 MiB by default) of unfinished frames, and a forwarding core sends all its
+/// clients' requests for one peer on one connection: past this, the next forward waits
+/// for earlier ones to be answered (a request the leader answered, it has read whole).
+/// One request larger than this still goes alone. Requests owed no answer hold their
+/// bytes until they are written.
+const SENT_MAX: usize = 32 << 20;
 
 impl std::fmt::Debug for Forwarder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -127,6 +139,8 @@ impl Forwarder {
             config,
             server_name,
             peers: RefCell::default(),
+            sent: RefCell::new(crate::session::outbox::ByteBudget::new(SENT_MAX)),
+            sent_waiters: RefCell::default(),
         })
     }
 
@@ -148,6 +162,23 @@ impl Forwarder {
             })?;
         self.peers.borrow_mut().insert(addr, c.clone());
         Ok(c)
+    }
+
+    /// Waits until `bytes` more may be sent to the peers (see [`SENT_MAX`]); they count
+    /// until the returned guard is dropped.
+    async fn take_sent(&self, bytes: usize) -> SentBytes<'_> {
+        std::future::poll_fn(|cx| {
+            if self.sent.borrow_mut().try_take(bytes) {
+                return std::task::Poll::Ready(());
+            }
+            self.sent_waiters.borrow_mut().push(cx.waker().clone());
+            std::task::Poll::Pending
+        })
+        .await;
+        SentBytes {
+            forwarder: self,
+            bytes,
+        }
     }
 
     /// Sends `auth` and `request` to the leader at `addr` on a fresh stream. With
@@ -179,6 +210,7 @@ impl Forwarder {
         .to_frame();
         let lost =
             || BrokerError::Unacknowledged("the shard leader went away before answering".into());
+        let sent = self.take_sent(auth.len() + request.len()).await;
         send.write_chunks(&mut [auth, request])
             .await
             .map_err(|_| lost())?;
@@ -201,6 +233,22 @@ impl Forwarder {
         .ok_or_else(|| {
             BrokerError::Unacknowledged("the shard leader did not answer in time".into())
         })??;
+        drop(sent);
         Ok(Some(answer))
+    }
+}
+
+/// Bytes a forward holds against [`SENT_MAX`] until dropped.
+struct SentBytes<'a> {
+    forwarder: &'a Forwarder,
+    bytes: usize,
+}
+
+impl Drop for SentBytes<'_> {
+    fn drop(&mut self) {
+        self.forwarder.sent.borrow_mut().release(self.bytes);
+        std::mem::take(&mut *self.forwarder.sent_waiters.borrow_mut())
+            .into_iter()
+            .for_each(std::task::Waker::wake);
     }
 }

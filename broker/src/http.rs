@@ -258,6 +258,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.unfinished_closed.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_unread_answers_closed_total",
+        "counter",
+        "Connections closed (QUIC error 4) for leaving more bytes of answers unread (waiting for QUIC to take them) than their own bound or, as the largest, the core's.",
+        |m| m.unwritten_closed.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_poll_waits_cut_total",
         "counter",
         "Group polls answered at once instead of waiting: past their connection's max_waiting_polls_per_connection or the waiting polls one core may hold at another.",

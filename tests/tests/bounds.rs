@@ -347,8 +347,8 @@ async fn read_answers(r: &mut quinn::RecvStream, n: usize) -> Vec<Message> {
     answers
 }
 
-/// Writes `polls` long polls (each waiting up to 60 s) on `streams` streams of one
-/// connection; returns the streams, which must stay open for the polls to wait.
+/// Writes `polls` long polls (each waiting up to `wait_ms`) on `streams` streams of
+/// one connection; returns the streams, which must stay open for the polls to wait.
 async fn long_polls(
     b: &BrokerProcess,
     conn: &quinn::Connection,
@@ -356,6 +356,7 @@ async fn long_polls(
     shards: &[u32],
     polls: usize,
     streams: usize,
+    wait_ms: u64,
 ) -> Vec<(quinn::SendStream, quinn::RecvStream)> {
     let mut open = Vec::new();
     for i in 0..streams {
@@ -363,7 +364,7 @@ async fn long_polls(
         s.write_all(&auth(b)).await.unwrap();
         for n in (i..polls).step_by(streams) {
             let shard = shards[n % shards.len()];
-            s.write_all(&poll(stream, shard, 60_000, n as u64))
+            s.write_all(&poll(stream, shard, wait_ms, n as u64 + 1))
                 .await
                 .unwrap();
         }
@@ -383,31 +384,41 @@ async fn assert_waits_cut(b: &BrokerProcess, expected: u64, what: &str) {
     assert_eq!(cut(), expected, "{what}");
 }
 
-/// One connection's long polls wait only up to its allowance; past it they answer at
-/// once (empty), and another connection's polls still wait.
+/// One connection's long polls wait only up to its allowance; past it they answer
+/// without waiting (empty, after a short pause), another connection's polls still
+/// wait, and the allowance comes back as polls end.
 #[test]
 fn a_connections_waiting_polls_are_bounded_and_the_rest_answer_at_once() {
     let dir = tempfile::tempdir().unwrap();
-    let b = broker(&dir, "max_waiting_polls_per_connection: 8\n");
+    let b = broker(
+        &dir,
+        "follow_load: false\nmax_waiting_polls_per_connection: 8\n",
+    );
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         an_empty_group(&b, "q").await;
         let (_ep, conn) = raw_connect(&b).await.unwrap();
         // One poll per stream: a stream's answers go out in order.
-        let mut open = long_polls(&b, &conn, "q", &[0, 1], 40, 40).await;
+        let sent = Instant::now();
+        let open = long_polls(&b, &conn, "q", &[0, 1], 40, 40, 4_000).await;
         assert_waits_cut(&b, 32, "40 polls past an allowance of 8").await;
-        let mut empty = 0;
-        for (_, r) in &mut open {
-            let answered = tokio::time::timeout(Duration::from_millis(200), read_answers(r, 2));
-            if let Ok(answers) = answered.await {
-                assert!(
+        let mut waiting = Vec::new();
+        let mut answered_streams = Vec::new();
+        for (s, mut r) in open {
+            // auth_ok and the poll's answer; a waiting poll's stream times out having read
+            // its auth_ok.
+            let answered = tokio::time::timeout(Duration::from_millis(200), read_answers(&mut r, 2));
+            match answered.await {
+                Ok(answers) => assert!(
                     matches!(&answers[1], Message::GroupRecords { records, .. } if records.is_empty()),
                     "{answers:?}"
-                );
-                empty += 1;
+                ),
+                Err(_) => waiting.push(r),
             }
+            answered_streams.push(s);
         }
-        assert_eq!(empty, 32, "the polls past the allowance answer at once, empty");
+        assert_eq!(waiting.len(), 8, "the polls past the allowance answer, empty");
+        assert!(sent.elapsed() < Duration::from_secs(4), "before the others' wait ends");
         // Another connection has an allowance of its own: its poll waits.
         let (_ep2, other) = raw_connect(&b).await.unwrap();
         let (mut s, mut r) = other.open_bi().await.unwrap();
@@ -420,7 +431,28 @@ fn a_connections_waiting_polls_are_bounded_and_the_rest_answer_at_once() {
             "another connection's poll waited {:?}",
             asked.elapsed()
         );
-        drop(open);
+        // Once the 8 waiting polls end, the connection may wait again.
+        for r in &mut waiting {
+            let answers = read_answers(r, 1).await;
+            assert!(matches!(&answers[0], Message::GroupRecords { .. }));
+        }
+        assert!(sent.elapsed() >= Duration::from_secs(3), "they waited");
+        let asked = Instant::now();
+        let mut again = long_polls(&b, &conn, "q", &[0, 1], 8, 8, 1_500).await;
+        for (_, r) in &mut again {
+            read_answers(r, 2).await;
+        }
+        drop(answered_streams);
+        assert!(
+            asked.elapsed() >= Duration::from_millis(1_000),
+            "polls within the allowance waited again: {:?}",
+            asked.elapsed()
+        );
+        assert_eq!(
+            b.metric("felix_broker_poll_waits_cut_total").unwrap(),
+            32,
+            "none of them was cut"
+        );
     });
 }
 
@@ -443,7 +475,7 @@ fn long_polls_across_cores_hold_at_most_a_quarter_of_the_request_slots() {
         let (_ep, conn) = raw_connect(&b).await.unwrap();
         // Every stream of the connection lands on one core: polls of both shards send
         // one shard's across. Streams hold at most 256 answers each.
-        let open = long_polls(&b, &conn, "q", &[0, 1], 2 * PER_SHARD, 40).await;
+        let open = long_polls(&b, &conn, "q", &[0, 1], 2 * PER_SHARD, 40, 60_000).await;
         assert_waits_cut(
             &b,
             PER_SHARD as u64 - WAITING_MAX,
@@ -525,11 +557,12 @@ fn a_connection_holding_too_many_unfinished_frames_is_closed() {
     );
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        // 3 x 10 MiB of 12 MiB frames: within 32 MiB, held.
-        let (_ep, within) = unfinished_frames(&b, 3, 12 << 20, 10 << 20).await;
+        // 2 x 10 MiB of 12 MiB frames (charged what they announce, 24 MiB): within
+        // 32 MiB, held.
+        let (_ep, within) = unfinished_frames(&b, 2, 12 << 20, 10 << 20).await;
         assert!(!closed_for_unfinished_frames(&within), "within the bound");
-        // 4 x 10 MiB: past it.
-        let (_ep2, past) = unfinished_frames(&b, 4, 12 << 20, 10 << 20).await;
+        // 3 x 10 MiB (36 MiB announced): past it.
+        let (_ep2, past) = unfinished_frames(&b, 3, 12 << 20, 10 << 20).await;
         tokio::time::timeout(Duration::from_secs(10), past.closed())
             .await
             .expect("the connection past its bound is closed");
@@ -586,6 +619,88 @@ fn past_a_cores_bound_on_unfinished_frames_the_largest_holder_is_closed() {
             b.metric("felix_broker_unfinished_frames_closed_total")
                 .unwrap(),
             closed as u64
+        );
+        another_client_publishes(&b).await;
+    });
+}
+
+/// A connection with small receive windows whose `streams` streams each ask for a
+/// 4 MiB stream read of `stream` and never read the answer. Returns once the broker has
+/// had time to answer them all.
+async fn unread_reads(
+    b: &BrokerProcess,
+    stream: &str,
+    streams: usize,
+) -> (quinn::Endpoint, quinn::Connection) {
+    let (ep, conn) = felix_cluster::raw_connect_with(
+        b.listen,
+        &b.ca_file(),
+        felix_core_runtime::quic::TransportLimits {
+            stream_window_bytes: 16 * 1024,
+            connection_window_bytes: 1 << 20,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    for i in 0..streams {
+        let (mut s, r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(b)).await.unwrap();
+        let read = Message::StreamRead {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            stream: stream.into(),
+            shard: felix_wire::ShardId(i as u32 % 2),
+            from: felix_wire::Offset(0),
+            end: None,
+            max_records: None,
+            max_bytes: Some(4 << 20),
+            request_id: felix_wire::RequestId(1),
+        };
+        s.write_all(&read.to_frame()).await.unwrap();
+        // Neither stream half is closed or read: the answer waits in the broker.
+        std::mem::forget((s, r));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    (ep, conn)
+}
+
+/// A connection that leaves more bytes of answers unread than its bound is closed
+/// with error 4 (the broker no longer holds them); one within it is not.
+#[test]
+fn a_connection_leaving_too_many_answers_unread_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(
+        &dir,
+        "max_unwritten_answer_bytes_per_connection: 33554432\n",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // About 8 MiB on each shard of a 2-shard stream.
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        for key in 0u64..32 {
+            let p = publish("reads", &key.to_be_bytes(), &vec![9u8; 512 << 10], Some(1));
+            acked(&conn, auth(&b), p).await;
+        }
+        // 4 unread 4 MiB answers (JSON: their payloads in base64, 5.3 MiB each):
+        // within 32 MiB.
+        let (_ep1, within) = unread_reads(&b, "reads", 4).await;
+        // 12: 64 MiB, past it.
+        let (_ep2, past) = unread_reads(&b, "reads", 12).await;
+        tokio::time::timeout(Duration::from_secs(10), past.closed())
+            .await
+            .expect("the connection past its bound is closed");
+        match past.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => {
+                assert_eq!(u64::from(c.error_code), 4, "{c:?}")
+            }
+            other => panic!("closed otherwise: {other:?}"),
+        }
+        assert!(within.close_reason().is_none(), "within the bound");
+        assert_eq!(
+            b.metric("felix_broker_unread_answers_closed_total")
+                .unwrap(),
+            1
         );
         another_client_publishes(&b).await;
     });

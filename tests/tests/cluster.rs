@@ -49,7 +49,7 @@ fn broker_config(
     std::fs::write(
         &path,
         format!(
-            "node_id: {node}\ncores: \"0\"\nfsync: none\ntls_cert: {}\ntls_key: {}\npeer_ca: {}\ncontrolplane_url: {url}\nnode_token: {node_token}\n",
+            "node_id: {node}\ncores: \"0\"\nfsync: none\ntls_cert: {}\ntls_key: {}\npeer_ca: {}\ncontrolplane_url: {url}\nnode_token: {node_token}\nmax_unfinished_frame_bytes_per_connection: 67108864\n",
             certs.cert.display(),
             certs.key.display(),
             certs.ca.display()
@@ -198,7 +198,8 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
         .unwrap();
     let before = brokers[0].metric("felix_broker_forwarded_total")?;
     rt.block_on(async {
-        let c = felix_client::Client::connect(brokers[0].listen, "localhost", config).await?;
+        let c =
+            felix_client::Client::connect(brokers[0].listen, "localhost", config.clone()).await?;
         for i in 0..40 {
             let key = bytes::Bytes::from(format!("direct-{i}"));
             let off = c
@@ -250,7 +251,8 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
         config.auth_tenant_id = Some("acme".into());
         config.auth_token = Some(std::fs::read_to_string(&client_token)?);
         let cc =
-            felix_client::ClusterClient::connect(&[brokers[0].listen], "localhost", config).await?;
+            felix_client::ClusterClient::connect(&[brokers[0].listen], "localhost", config.clone())
+                .await?;
         let mut sub = cc
             .subscribe_shard(
                 "acme",
@@ -264,6 +266,55 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
         assert!(
             first.is_some(),
             "the redirected subscription delivers node-b's records"
+        );
+        // Large publishes forwarded at once by several clients' connections: node-a
+        // sends them to node-b over one connection, and node-b closes a connection whose
+        // unfinished frames pass 64 MiB (here). node-a's forwarder has at most 32 MiB of
+        // requests unanswered at its peers, so none is refused (48 x 4 MiB).
+        let keys: Vec<bytes::Bytes> = (0..)
+            .map(|i| format!("big-{i}"))
+            .filter(|k| {
+                felix_wire::shard_for_key(Some(k.as_bytes()), 4, Default::default()).0
+                    == b_stream_shard
+            })
+            .take(48)
+            .map(bytes::Bytes::from)
+            .collect();
+        let forwarded_before = brokers[0].metric("felix_broker_forwarded_total")?;
+        let mut tasks = Vec::new();
+        for keys in keys.chunks(12) {
+            let c = felix_client::Client::connect(brokers[0].listen, "localhost", config.clone())
+                .await?;
+            for key in keys {
+                let (c, key) = (c.clone(), key.clone());
+                tasks.push(tokio::spawn(async move {
+                    c.publish_keyed(
+                        "acme",
+                        "payments",
+                        "orders",
+                        key,
+                        vec![4u8; 4 << 20],
+                        felix_client::AckMode::PerMessage,
+                    )
+                    .await
+                }));
+            }
+        }
+        for t in tasks {
+            let acked = t.await?;
+            assert!(
+                matches!(acked, Ok(Some(_))),
+                "a large forwarded publish is acked: {acked:?}"
+            );
+        }
+        assert_eq!(
+            brokers[0].metric("felix_broker_forwarded_total")? - forwarded_before,
+            48,
+            "node-a forwarded them all to node-b"
+        );
+        assert_eq!(
+            brokers[1].metric("felix_broker_unfinished_frames_closed_total")?,
+            0
         );
         anyhow::Ok(())
     })?;

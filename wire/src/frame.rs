@@ -268,6 +268,14 @@ impl FrameReader {
         self.partial.len() + self.chunk.len()
     }
 
+    /// Memory the reader holds for a frame not yet whole: its buffer's capacity, which
+    /// is reserved for a split frame's announced length once its header is in (so a
+    /// client that sends only headers is charged for what they announce). Whole frames
+    /// still in the last pushed chunk are not counted.
+    pub fn reserved(&self) -> usize {
+        self.partial.capacity()
+    }
+
     /// Adds received bytes. Call [`FrameReader::next_frame`] until it returns `Ok(None)`
     /// before pushing again, or the chunk is copied.
     pub fn push(&mut self, data: Bytes) {
@@ -356,6 +364,26 @@ impl FrameReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_split_frame_reserves_its_announced_length_once_its_header_is_in() {
+        let mut r = FrameReader::new(1 << 20);
+        let f = frame(0, &vec![7u8; 100_000]);
+        r.push(Bytes::copy_from_slice(&f[..8]));
+        assert_eq!(r.next_frame().unwrap(), None);
+        assert!(r.reserved() < 1024, "no header yet: {}", r.reserved());
+        r.push(Bytes::copy_from_slice(&f[8..20]));
+        assert_eq!(r.next_frame().unwrap(), None);
+        assert!(r.reserved() >= f.len(), "{} of {}", r.reserved(), f.len());
+        r.push(Bytes::copy_from_slice(&f[20..]));
+        assert!(r.next_frame().unwrap().is_some());
+        // Small whole frames served from a chunk reserve nothing.
+        let mut r = FrameReader::new(1 << 20);
+        let two = [frame(0, b"a"), frame(0, b"b")].concat();
+        r.push(Bytes::from(two));
+        assert!(r.next_frame().unwrap().is_some());
+        assert_eq!(r.reserved(), 0);
+    }
 
     fn frame(flags: u16, payload: &[u8]) -> Vec<u8> {
         let mut buf = BytesMut::new();

@@ -18,9 +18,9 @@ pub mod answer;
 pub mod dispatch;
 pub mod driver;
 pub mod handshake;
+pub mod held;
 pub mod outbox;
 pub mod subscription;
-pub mod unfinished;
 
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod testing;
@@ -106,6 +106,12 @@ pub struct Limits {
     /// The same for all of a core's connections; past it the one holding the most is
     /// closed.
     pub unfinished_frame_bytes_per_core: usize,
+    /// Bytes of answers one connection's streams have waiting for QUIC to take them (a
+    /// client not reading); past it the connection is closed (`held`).
+    pub unwritten_answer_bytes_per_connection: usize,
+    /// The same for all of a core's connections; past it the one holding the most is
+    /// closed.
+    pub unwritten_answer_bytes_per_core: usize,
     /// Publish payload bytes in flight per connection; past it the broker stops
     /// reading publishes until earlier ones complete.
     pub inflight_publish_bytes: usize,
@@ -119,6 +125,8 @@ impl Default for Limits {
             waiting_polls_per_connection: 256,
             unfinished_frame_bytes_per_connection: 128 << 20,
             unfinished_frame_bytes_per_core: 1 << 30,
+            unwritten_answer_bytes_per_connection: 256 << 20,
+            unwritten_answer_bytes_per_core: 2 << 30,
             inflight_publish_bytes: 64 << 20,
         }
     }
