@@ -1320,7 +1320,27 @@ impl<B: Backend> SegmentLog<B> {
             let mut bytes = read.map_err(|e| StorageError::io("read", &name, e))?;
             let mut progressed = false;
             let mut at = 0usize;
-            while at + BATCH_HEADER_BYTES <= bytes.len() && offset < end {
+            while offset < end {
+                if at + BATCH_HEADER_BYTES > bytes.len() {
+                    // The window ends at or inside a batch's header: read on from
+                    // there, not from the index, which may point back to where this
+                    // window began (a window ending there again, for ever).
+                    let next = pos + at as u64;
+                    if next >= data_len {
+                        break;
+                    }
+                    let len = ((data_len - next) as usize).min(window);
+                    let read = file.read_at(next, len).await;
+                    if self.shared.state.borrow().cuts != cuts {
+                        continue 'locate;
+                    }
+                    bytes = read.map_err(|e| StorageError::io("read", &name, e))?;
+                    (pos, at) = (next, 0);
+                    if bytes.len() < BATCH_HEADER_BYTES {
+                        break;
+                    }
+                    continue;
+                }
                 let corrupt = |kind: CorruptionKind, position: u64| {
                     StorageError::Corrupt(Corruption {
                         segment: name.clone(),

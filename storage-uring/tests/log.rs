@@ -710,6 +710,46 @@ both_backends!(
     a_batch_larger_than_the_read_window_is_read_whole,
 );
 
+/// With an index sparser than the read window, a read far past the index entry steps
+/// window by window to its batch, whatever the windows end in: inside a batch, or inside
+/// its header (which once sent the read back to the index, to the same window, for
+/// ever). On disk only: the in-memory backend's reads never yield, so a loop there would
+/// hang the test instead of failing it.
+#[test]
+fn a_read_far_from_its_index_entry_steps_through_windows_to_its_batch() {
+    run(|| async {
+        let fx = Disk::new();
+        let config = LogConfig {
+            read_window_bytes: 4096,
+            index_interval_bytes: 1 << 20,
+            ..LogConfig::default()
+        };
+        let (log, _) = SegmentLog::open(fx.backend().await, config).await.unwrap();
+        // Batches of odd sizes, so that windows end at every kind of place.
+        for i in 0..200u64 {
+            let offset = log.next_offset();
+            let p = log
+                .begin_append(
+                    &[payload(offset, 700 + (i as usize * 37) % 900)],
+                    offset,
+                    None,
+                )
+                .unwrap();
+            log.commit(p).await.unwrap();
+        }
+        for k in 0..200u64 {
+            let got = glommio::timer::timeout(Duration::from_secs(10), async {
+                Ok(log.read(k, 1).await)
+            })
+            .await
+            .unwrap_or_else(|_| panic!("the read from {k} answers"))
+            .unwrap();
+            assert_eq!(got[0].base_offset, k);
+            assert_eq!(got[0].records[0], payload(k, 700 + (k as usize * 37) % 900));
+        }
+    });
+}
+
 /// A reader that knows where it stops (a consumer group's claim) gets the batches below
 /// that offset and reads from the device about what they hold, not a whole read window.
 #[test]

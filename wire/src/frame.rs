@@ -268,12 +268,19 @@ impl FrameReader {
         self.partial.len() + self.chunk.len()
     }
 
-    /// Memory the reader holds for a frame not yet whole: its buffer's capacity, which
-    /// is reserved for a split frame's announced length once its header is in (so a
-    /// client that sends only headers is charged for what they announce). Whole frames
-    /// still in the last pushed chunk are not counted.
+    /// What the reader holds for a frame split across chunks: the frame's announced
+    /// length once its header is in (the buffer is reserved for it then, so a client that
+    /// sends only headers is charged what they announce), else the bytes it has. 0 when
+    /// no split frame is pending; whole frames still in the last pushed chunk are not
+    /// counted.
     pub fn reserved(&self) -> usize {
-        self.partial.capacity()
+        if self.partial.is_empty() {
+            return 0;
+        }
+        match FrameHeader::parse(&self.partial) {
+            Ok(Some(h)) => (HEADER_LEN + h.length as usize).max(self.partial.len()),
+            _ => self.partial.len(),
+        }
     }
 
     /// Adds received bytes. Call [`FrameReader::next_frame`] until it returns `Ok(None)`
@@ -377,6 +384,7 @@ mod tests {
         assert!(r.reserved() >= f.len(), "{} of {}", r.reserved(), f.len());
         r.push(Bytes::copy_from_slice(&f[20..]));
         assert!(r.next_frame().unwrap().is_some());
+        assert_eq!(r.reserved(), 0, "a finished frame is not charged");
         // Small whole frames served from a chunk reserve nothing.
         let mut r = FrameReader::new(1 << 20);
         let two = [frame(0, b"a"), frame(0, b"b")].concat();

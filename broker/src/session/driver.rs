@@ -477,9 +477,14 @@ async fn write_answers(
     let _ = send.finish();
 }
 
-/// Hands `batch` to QUIC; returns whether the stream failed. A batch QUIC does not take
-/// at once (the client is not reading) counts against the connection's bound on unread
-/// answers until it does.
+/// How long QUIC may leave a batch of answers untaken before it counts as unread: a
+/// client reading at its own pace (a full window, a busy peer) takes it well within
+/// this; one that stopped reading does not.
+const UNREAD_AFTER: Duration = Duration::from_secs(1);
+
+/// Hands `batch` to QUIC; returns whether the stream failed. A batch QUIC has not taken
+/// after [`UNREAD_AFTER`] counts against the connection's bound on unread answers until
+/// it is taken.
 async fn write_counted(
     core: &CoreBroker,
     conn: ConnId,
@@ -489,6 +494,9 @@ async fn write_counted(
     let bytes: usize = batch.iter().map(Bytes::len).sum();
     let mut write = std::pin::pin!(send.write_chunks(batch));
     if let Some(written) = futures_lite::future::poll_once(write.as_mut()).await {
+        return written.is_err();
+    }
+    if let Some(written) = task::timeout(UNREAD_AFTER, write.as_mut()).await {
         return written.is_err();
     }
     count_held(core, Holding::Unwritten, conn, 0, bytes);

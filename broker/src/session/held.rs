@@ -82,8 +82,8 @@ impl<I: Copy + Eq + Hash, H: Clone> HeldBytes<I, H> {
 
     /// One of `id`'s streams holds `now` bytes where it held `before`. Returns the
     /// connection to close, if a growth crosses a bound; it is forgotten at once. Past
-    /// the core's bound, connections with no authenticated stream go first, then the
-    /// one holding the most.
+    /// the core's bound, of the connections holding anything, one with no authenticated
+    /// stream goes first, then the one holding the most.
     pub fn counted(&mut self, id: I, before: usize, now: usize) -> Option<(I, H)> {
         let c = self.conns.get_mut(&id)?;
         c.bytes = c.bytes + now - before;
@@ -103,6 +103,7 @@ impl<I: Copy + Eq + Hash, H: Clone> HeldBytes<I, H> {
             let first = self
                 .conns
                 .iter()
+                .filter(|(_, c)| c.bytes > 0)
                 .max_by_key(|(_, c)| (!c.trusted, c.bytes))
                 .map(|(id, _)| *id)?;
             return self.close(first);
@@ -158,6 +159,12 @@ mod tests {
         assert_eq!(
             u.counted(4, 0, 2 * UNTRUSTED_MAX),
             Some((2, "small, unauthenticated"))
+        );
+        // One holding nothing is no candidate: closing it would free nothing.
+        u.open(5, "new, holding nothing");
+        assert_eq!(
+            u.counted(4, 2 * UNTRUSTED_MAX, 3 * UNTRUSTED_MAX),
+            Some((3, "large"))
         );
     }
 
