@@ -383,10 +383,14 @@ fn count_held(core: &CoreBroker, what: Holding, conn: ConnId, before: usize, now
     };
     tracing::warn!(conn = ?id, reason = %String::from_utf8_lossy(reason), "closing a connection");
     metric.fetch_add(1, Ordering::Relaxed);
-    // Closed from a task of its own a moment later, not from the stream task that
-    // counted: closed at once from a writer, the client saw a stateless reset rather
-    // than the close and its code (`bounds::a_connection_leaving_too_many_answers_…`;
-    // why is not understood). What it held is forgotten above either way.
+    // Closed from a task of its own a moment later, not at once from the stream task
+    // that counted: quinn-proto 0.11.19 never sends CONNECTION_CLOSE if close() finds
+    // the congestion window full with stream data queued (quinn-rs/quinn#2785, fixed
+    // upstream by #2787, in no release here yet); the connection drains silently and the
+    // client, seeing a stateless reset, loses the code. A writer whose answers are not
+    // taken is that case; a moment later its queued data has usually gone out. Only
+    // usually: under a saturated window the code can still be lost (the connection ends
+    // either way). What the connection held is forgotten above at once.
     let reason = reason.to_vec();
     task::spawn(async move {
         task::sleep(Duration::from_millis(1)).await;
