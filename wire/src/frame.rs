@@ -278,7 +278,10 @@ impl FrameReader {
             return 0;
         }
         match FrameHeader::parse(&self.partial) {
-            Ok(Some(h)) => (HEADER_LEN + h.length as usize).max(self.partial.len()),
+            // A header past the limit reserves nothing: the frame is refused.
+            Ok(Some(h)) if h.length <= self.max_payload_bytes => {
+                (HEADER_LEN + h.length as usize).max(self.partial.len())
+            }
             _ => self.partial.len(),
         }
     }
@@ -385,6 +388,14 @@ mod tests {
         r.push(Bytes::copy_from_slice(&f[20..]));
         assert!(r.next_frame().unwrap().is_some());
         assert_eq!(r.reserved(), 0, "a finished frame is not charged");
+        // A header announcing more than the limit is refused, and charged only its bytes
+        // (it was charged 4 GiB, and a hostile client's connection closed).
+        let mut r = FrameReader::new(1 << 20);
+        let mut huge = frame(0, b"x");
+        huge[8..12].copy_from_slice(&u32::MAX.to_be_bytes());
+        r.push(Bytes::copy_from_slice(&huge[..12]));
+        assert!(r.next_frame().is_err());
+        assert!(r.reserved() <= 12, "{}", r.reserved());
         // Small whole frames served from a chunk reserve nothing.
         let mut r = FrameReader::new(1 << 20);
         let two = [frame(0, b"a"), frame(0, b"b")].concat();
