@@ -51,7 +51,7 @@ pub struct Forwarder {
     server_name: String,
     peers: RefCell<HashMap<SocketAddr, Connection>>,
     /// Bytes of requests this core has sent its peers and not had answered.
-    sent: RefCell<crate::session::outbox::ByteBudget>,
+    sent: RefCell<FifoBudget>,
     sent_waiters: RefCell<Vec<std::task::Waker>>,
 }
 
@@ -139,7 +139,7 @@ impl Forwarder {
             config,
             server_name,
             peers: RefCell::default(),
-            sent: RefCell::new(crate::session::outbox::ByteBudget::new(SENT_MAX)),
+            sent: RefCell::new(FifoBudget::new(SENT_MAX)),
             sent_waiters: RefCell::default(),
         })
     }
@@ -164,21 +164,35 @@ impl Forwarder {
         Ok(c)
     }
 
-    /// Waits until `bytes` more may be sent to the peers (see [`SENT_MAX`]); they count
-    /// until the returned guard is dropped.
+    /// Waits until `bytes` more may be sent to the peers (see [`SENT_MAX`]), behind every
+    /// request that began waiting earlier; they count until the returned guard is dropped.
     async fn take_sent(&self, bytes: usize) -> SentBytes<'_> {
+        let ticket = self.sent.borrow_mut().arrive();
+        // Dropped unserved (the forward was cancelled), it gives its turn up.
+        let mut waiting = Waiting {
+            forwarder: self,
+            ticket: Some(ticket),
+        };
         std::future::poll_fn(|cx| {
-            if self.sent.borrow_mut().try_take(bytes) {
+            if self.sent.borrow_mut().try_take(ticket, bytes) {
+                self.wake_sent();
                 return std::task::Poll::Ready(());
             }
             self.sent_waiters.borrow_mut().push(cx.waker().clone());
             std::task::Poll::Pending
         })
         .await;
+        waiting.ticket = None;
         SentBytes {
             forwarder: self,
             bytes,
         }
+    }
+
+    fn wake_sent(&self) {
+        std::mem::take(&mut *self.sent_waiters.borrow_mut())
+            .into_iter()
+            .for_each(std::task::Waker::wake);
     }
 
     /// Sends `auth` and `request` to the leader at `addr` on a fresh stream. With
@@ -247,8 +261,112 @@ struct SentBytes<'a> {
 impl Drop for SentBytes<'_> {
     fn drop(&mut self) {
         self.forwarder.sent.borrow_mut().release(self.bytes);
-        std::mem::take(&mut *self.forwarder.sent_waiters.borrow_mut())
-            .into_iter()
-            .for_each(std::task::Waker::wake);
+        self.forwarder.wake_sent();
+    }
+}
+
+/// A forward's place in line for [`SENT_MAX`], given up if it is dropped unserved.
+struct Waiting<'a> {
+    forwarder: &'a Forwarder,
+    ticket: Option<u64>,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticket {
+            self.forwarder.sent.borrow_mut().leave(t);
+            self.forwarder.wake_sent();
+        }
+    }
+}
+
+/// A byte budget handed out in arrival order: a large request waiting for room is not
+/// passed by small ones that would fit (they would keep it waiting for ever). Sans-IO:
+/// the caller waits and wakes.
+#[derive(Debug)]
+struct FifoBudget {
+    budget: crate::session::outbox::ByteBudget,
+    next: u64,
+    /// The ticket whose turn it is.
+    serving: u64,
+    /// Tickets given up before their turn came.
+    left: std::collections::BTreeSet<u64>,
+}
+
+impl FifoBudget {
+    fn new(max: usize) -> FifoBudget {
+        FifoBudget {
+            budget: crate::session::outbox::ByteBudget::new(max),
+            next: 0,
+            serving: 0,
+            left: Default::default(),
+        }
+    }
+
+    /// A place in line.
+    fn arrive(&mut self) -> u64 {
+        self.next += 1;
+        self.next - 1
+    }
+
+    /// Takes `bytes` for `ticket` if it is its turn and they fit (an empty budget admits
+    /// anything); its turn then passes to the next.
+    fn try_take(&mut self, ticket: u64, bytes: usize) -> bool {
+        if ticket != self.serving || !self.budget.try_take(bytes) {
+            return false;
+        }
+        self.advance();
+        true
+    }
+
+    /// `ticket` gives its place up unserved.
+    fn leave(&mut self, ticket: u64) {
+        if ticket == self.serving {
+            self.advance();
+        } else {
+            self.left.insert(ticket);
+        }
+    }
+
+    fn release(&mut self, bytes: usize) {
+        self.budget.release(bytes);
+    }
+
+    fn advance(&mut self) {
+        self.serving += 1;
+        while self.left.remove(&self.serving) {
+            self.serving += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_large_request_is_not_passed_by_small_ones_and_a_place_given_up_passes_on() {
+        let mut b = FifoBudget::new(10);
+        let first = b.arrive();
+        assert!(b.try_take(first, 8));
+        let large = b.arrive();
+        let small = b.arrive();
+        assert!(!b.try_take(large, 6), "2 bytes left");
+        assert!(
+            !b.try_take(small, 1),
+            "it would fit, but the large one waits first"
+        );
+        b.release(8);
+        assert!(b.try_take(large, 6));
+        assert!(b.try_take(small, 1));
+        // A waiter that goes away, before or at its turn, does not hold the line.
+        let (gone, gone_too, next) = (b.arrive(), b.arrive(), b.arrive());
+        b.leave(gone_too);
+        b.leave(gone);
+        assert!(b.try_take(next, 1));
+        // An empty budget admits one request larger than all of it.
+        b.release(8);
+        let huge = b.arrive();
+        assert!(b.try_take(huge, 100));
     }
 }
