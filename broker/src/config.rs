@@ -749,39 +749,32 @@ impl BrokerConfig {
                 defaults.inflight_publish_bytes,
             )?,
         };
-        // One whole frame of the largest size must fit, or a client sending one could
-        // never be served.
+        // One whole frame of the largest size must fit, or a client sending (or asking for)
+        // one could never be served; a core holds at least what one connection may.
         let one_frame =
             felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES as usize + felix_wire::frame::HEADER_LEN;
-        if limits.unfinished_frame_bytes_per_connection < one_frame {
-            return Err(ConfigError {
-                key: "max_unfinished_frame_bytes_per_connection",
-                source_name: "config file",
-                message: format!("must be at least one whole frame, {one_frame} bytes"),
-            });
-        }
-        if limits.unfinished_frame_bytes_per_core < limits.unfinished_frame_bytes_per_connection {
-            return Err(ConfigError {
-                key: "max_unfinished_frame_bytes_per_core",
-                source_name: "config file",
-                message: "must be at least max_unfinished_frame_bytes_per_connection".into(),
-            });
-        }
-        // One answer of the largest size must fit.
-        if limits.unwritten_answer_bytes_per_connection < one_frame {
-            return Err(ConfigError {
-                key: "max_unwritten_answer_bytes_per_connection",
-                source_name: "config file",
-                message: format!("must be at least one whole frame, {one_frame} bytes"),
-            });
-        }
-        if limits.unwritten_answer_bytes_per_core < limits.unwritten_answer_bytes_per_connection {
-            return Err(ConfigError {
-                key: "max_unwritten_answer_bytes_per_core",
-                source_name: "config file",
-                message: "must be at least max_unwritten_answer_bytes_per_connection".into(),
-            });
-        }
+        byte_bounds(
+            (
+                "max_unfinished_frame_bytes_per_connection",
+                limits.unfinished_frame_bytes_per_connection,
+            ),
+            (
+                "max_unfinished_frame_bytes_per_core",
+                limits.unfinished_frame_bytes_per_core,
+            ),
+            one_frame,
+        )?;
+        byte_bounds(
+            (
+                "max_unwritten_answer_bytes_per_connection",
+                limits.unwritten_answer_bytes_per_connection,
+            ),
+            (
+                "max_unwritten_answer_bytes_per_core",
+                limits.unwritten_answer_bytes_per_core,
+            ),
+            one_frame,
+        )?;
         let max_streams = positive(
             "max_streams_per_connection",
             file.max_streams_per_connection.map(|n| n as usize),
@@ -930,6 +923,30 @@ impl BrokerConfig {
     }
 }
 
+/// Checks a per-connection byte bound against one whole frame and a per-core one against
+/// the per-connection one.
+fn byte_bounds(
+    (conn_key, per_conn): (&'static str, usize),
+    (core_key, per_core): (&'static str, usize),
+    one_frame: usize,
+) -> Result<(), ConfigError> {
+    if per_conn < one_frame {
+        return Err(ConfigError {
+            key: conn_key,
+            source_name: "config file",
+            message: format!("must be at least one whole frame, {one_frame} bytes"),
+        });
+    }
+    if per_core < per_conn {
+        return Err(ConfigError {
+            key: core_key,
+            source_name: "config file",
+            message: format!("must be at least {conn_key}"),
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -957,5 +974,27 @@ mod tests {
         let e =
             BrokerConfig::resolve(FileConfig::default(), Overrides::default(), false).unwrap_err();
         assert_eq!(e.key, "tls_cert");
+    }
+
+    #[test]
+    fn byte_bounds_hold_one_whole_frame_and_a_core_holds_what_a_connection_may() {
+        let refused = |yaml: &str| {
+            let file: FileConfig = serde_yaml::from_str(yaml).unwrap();
+            BrokerConfig::resolve(file, Overrides::default(), true)
+                .unwrap_err()
+                .key
+        };
+        assert_eq!(
+            refused("max_unfinished_frame_bytes_per_connection: 16777216\n"),
+            "max_unfinished_frame_bytes_per_connection",
+            "a 16 MiB frame and its header would not fit"
+        );
+        assert_eq!(
+            refused("max_unwritten_answer_bytes_per_core: 1048576\n"),
+            "max_unwritten_answer_bytes_per_core"
+        );
+        let file: FileConfig =
+            serde_yaml::from_str("max_unfinished_frame_bytes_per_connection: 16777228\n").unwrap();
+        BrokerConfig::resolve(file, Overrides::default(), true).unwrap();
     }
 }
