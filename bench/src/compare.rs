@@ -118,7 +118,7 @@ pub fn confine_process(pid: u32, cpus: &[usize]) -> std::io::Result<()> {
     Ok(())
 }
 
-fn parse_cpus(list: &str) -> anyhow::Result<Vec<usize>> {
+pub(crate) fn parse_cpus(list: &str) -> anyhow::Result<Vec<usize>> {
     let set: felix_core_runtime::cores::CoreSet = list
         .parse()
         .map_err(|e| anyhow::anyhow!("CPU list {list:?}: {e}"))?;
@@ -1128,4 +1128,123 @@ fn dir_bytes(p: &std::path::Path) -> u64 {
             Err(_) => 0,
         })
         .sum()
+}
+
+/// Per-core scaling, ours alone: S3's load (1 KiB records, batches of 64, 64 batches in
+/// flight) from `per_core` producers per broker core, each on its own stream pinned to
+/// that core, for each core count in `counts`. The broker runs on CPUs `0..n`, the load
+/// generator on `load_cores` (which must not overlap them). Reports the median round's
+/// msgs/s per count, per core, against `n` times one core's, and how busy the broker's
+/// cores were (their threads' CPU time over the cell's wall time).
+pub fn scaling_curve(
+    counts: &[usize],
+    load_cores: &str,
+    per_core: usize,
+    records: u64,
+    rounds: usize,
+    fsync: &str,
+) -> anyhow::Result<String> {
+    let load = parse_cpus(load_cores)?;
+    anyhow::ensure!(
+        counts
+            .iter()
+            .all(|&n| n >= 1 && !load.iter().any(|&c| c < n)),
+        "the load's CPUs ({load_cores}) overlap the broker's (0..{})",
+        counts.iter().max().copied().unwrap_or(1)
+    );
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(load.len()).enable_all();
+    let confined = load.clone();
+    builder.on_thread_start(move || {
+        let _ = confine(0, &confined);
+    });
+    let rt = builder.build()?;
+    let spec = Spec {
+        id: "scale",
+        what: "",
+        size: 1024,
+        batch: 64,
+        fanout: 0,
+        producers: 1,
+        durable: fsync != "none",
+        window: 64,
+        share: records as f64 / Scale::Full.records() as f64,
+        open_of: None,
+    };
+    let mut rows = Vec::new();
+    for &n in counts {
+        let cores = if n == 1 {
+            "0".to_owned()
+        } else {
+            format!("0-{}", n - 1)
+        };
+        let mut runs: Vec<(f64, f64)> = Vec::new();
+        for round in 0..rounds.max(1) {
+            let name = |core: usize, p: usize| format!("scale{n}r{round}c{core}p{p}");
+            let pins: Vec<String> = (0..n)
+                .flat_map(|core| (0..per_core).map(move |p| (core, p)))
+                .map(|(core, p)| format!("dev/*/{}/*={core}", name(core, p)))
+                .collect();
+            let b = LocalBroker::start_with(Some(&cores), fsync, &pins, None)?;
+            let d = FelixDriver {
+                target: b.target.clone(),
+                shared: b.shared(),
+            };
+            let cpu_before = d.server_cpu_ns();
+            let started = Instant::now();
+            let total = rt.block_on(async {
+                let cells: Vec<_> = (0..n)
+                    .flat_map(|core| (0..per_core).map(move |p| (core, p)))
+                    .map(|(core, p)| {
+                        let (d, stream) = (d.clone(), name(core, p));
+                        tokio::spawn(async move {
+                            run_cell_on(&d, &spec, Scale::Full, None, false, stream).await
+                        })
+                    })
+                    .collect();
+                let mut total = 0.0;
+                for c in cells {
+                    total += c.await??.acked_per_sec;
+                }
+                Ok::<_, anyhow::Error>(total)
+            })?;
+            let wall = started.elapsed().as_nanos() as f64;
+            let busy = match (cpu_before, d.server_cpu_ns()) {
+                (Some(a), Some(z)) => (z - a) as f64 / wall / n as f64,
+                _ => f64::NAN,
+            };
+            eprintln!(
+                "cores {n} round {round}: {total:.0} msgs/s, broker cores {:.0}% busy",
+                busy * 100.0
+            );
+            runs.push((total, busy));
+            b.stop()?;
+        }
+        runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+        rows.push((n, runs[runs.len() / 2]));
+    }
+    let one = rows
+        .iter()
+        .find(|(n, _)| *n == 1)
+        .map(|(_, (r, _))| *r)
+        .filter(|r| *r > 0.0);
+    let mut md = String::from(
+        "| broker cores | msgs/s | per core | vs n x one core | broker cores busy |\n|---|---|---|---|---|\n",
+    );
+    for (n, (rate, busy)) in &rows {
+        let vs = one.map_or("-".to_owned(), |o| {
+            format!("{:.2}x", rate / (o * *n as f64))
+        });
+        md.push_str(&format!(
+            "| {n} | {rate:.0} | {:.0} | {vs} | {:.0}% |\n",
+            rate / *n as f64,
+            busy * 100.0
+        ));
+    }
+    md.push_str(&format!(
+        "(median of {} rounds; {per_core} producer(s) per core, each on a stream pinned to it; \
+         {records} records per producer; fsync {fsync}; load on CPUs {load_cores})",
+        rounds.max(1)
+    ));
+    Ok(md)
 }

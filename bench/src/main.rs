@@ -77,6 +77,35 @@ enum Command {
         /// One-at-a-time latency samples.
         #[arg(long, default_value_t = 1000)]
         samples: usize,
+        /// The three brokers' cores, one CPU each (e.g. `0,1,2` on a machine with cores
+        /// to spare); cores 0, 1, 0 when not given.
+        #[arg(long, value_delimiter = ',')]
+        broker_cores: Vec<String>,
+        /// Confine the load generator's threads to these CPUs (e.g. `3-15`).
+        #[arg(long)]
+        load_cores: Option<String>,
+    },
+    /// Per-core scaling, ours alone: S3's load from producers pinned one stream per core,
+    /// for each broker core count (broker on CPUs 0..n, the load on `--load-cores`).
+    Scaling {
+        /// Broker core counts.
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        counts: Vec<usize>,
+        /// CPUs for the load generator, apart from the broker's.
+        #[arg(long)]
+        load_cores: String,
+        /// Producers per broker core.
+        #[arg(long, default_value_t = 1)]
+        per_core: usize,
+        /// Records per producer.
+        #[arg(long, default_value_t = 1_000_000)]
+        records: u64,
+        /// Repetitions (medians are reported).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// `on-commit`, `periodic:<ms>` or `none`.
+        #[arg(long, default_value = "none")]
+        fsync: String,
     },
     /// Queues: consumer groups, durable, against NATS JetStream pull consumers and Redis
     /// Streams consumer groups: claim + ack throughput and round latency.
@@ -178,10 +207,39 @@ fn main() -> anyhow::Result<()> {
             rounds,
             batches,
             samples,
+            broker_cores,
+            load_cores,
         } => {
             println!(
                 "{}",
-                felix_bench::replication::run(rounds, batches, samples)?
+                felix_bench::replication::run(
+                    rounds,
+                    batches,
+                    samples,
+                    &broker_cores,
+                    load_cores.as_deref()
+                )?
+            );
+            Ok(())
+        }
+        Command::Scaling {
+            counts,
+            load_cores,
+            per_core,
+            records,
+            rounds,
+            fsync,
+        } => {
+            println!(
+                "{}",
+                felix_bench::compare::scaling_curve(
+                    &counts,
+                    &load_cores,
+                    per_core,
+                    records,
+                    rounds,
+                    &fsync
+                )?
             );
             Ok(())
         }

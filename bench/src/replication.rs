@@ -71,7 +71,8 @@ fn start_controlplane() -> anyhow::Result<String> {
 }
 
 impl Cluster {
-    fn start() -> anyhow::Result<Cluster> {
+    /// `broker_cores[i]`: broker `i`'s cores (a CPU list); cores 0, 1, 0 when empty.
+    fn start(broker_cores: &[String]) -> anyhow::Result<Cluster> {
         let dir = tempfile::Builder::new()
             .prefix("felix-bench-repl")
             .tempdir_in("/var/tmp")?;
@@ -125,7 +126,12 @@ impl Cluster {
                     listen: Some(listen.to_string()),
                     http: Some("off".into()),
                     data_dir: Some(dir.path().join(&node)),
-                    cores: Some((i % 2).to_string()),
+                    cores: Some(
+                        broker_cores
+                            .get(i)
+                            .cloned()
+                            .unwrap_or_else(|| (i % 2).to_string()),
+                    ),
                     fsync: Some("on-commit".into()),
                     ..Overrides::default()
                 },
@@ -218,11 +224,32 @@ async fn ready(c: &Cluster, stream: &str) -> anyhow::Result<Target> {
 }
 
 /// Runs the comparison; returns the report.
-pub fn run(rounds: usize, batches: usize, samples: usize) -> anyhow::Result<String> {
-    let c = Cluster::start()?;
+/// `broker_cores`: each broker's CPU list (cores 0, 1, 0 when empty, as on a two-core
+/// machine); `load_cores`: the CPUs the load generator's threads are confined to.
+pub fn run(
+    rounds: usize,
+    batches: usize,
+    samples: usize,
+    broker_cores: &[String],
+    load_cores: Option<&str>,
+) -> anyhow::Result<String> {
+    anyhow::ensure!(
+        broker_cores.is_empty() || broker_cores.len() == 3,
+        "--broker-cores names the three brokers' cores (e.g. 0,1,2)"
+    );
+    let c = Cluster::start(broker_cores)?;
     c.create("one", 1, "Leader")?;
     c.create("quorum3", 3, "Quorum")?;
-    let rt = tokio::runtime::Runtime::new()?;
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    if let Some(list) = load_cores {
+        let cpus = crate::compare::parse_cpus(list)?;
+        builder.worker_threads(cpus.len().max(1));
+        builder.on_thread_start(move || {
+            let _ = crate::compare::confine(0, &cpus);
+        });
+    }
+    let rt = builder.build()?;
     let (one, q3) = rt.block_on(async {
         Ok::<_, anyhow::Error>((ready(&c, "one").await?, ready(&c, "quorum3").await?))
     })?;
@@ -255,12 +282,18 @@ pub fn run(rounds: usize, batches: usize, samples: usize) -> anyhow::Result<Stri
     for b in c.brokers {
         let _ = b.shutdown();
     }
+    let placed = if broker_cores.is_empty() {
+        "0, 1, 0".to_owned()
+    } else {
+        broker_cores.join(", ")
+    };
     Ok(format!(
         "| cell | one copy | Quorum, 3 copies | ratio |\n|---|---|---|---|\n\
          | durable throughput, S7 shape (msgs/s) | {t1:.0} | {t3:.0} | {:.2}x |\n\
          | one at a time, ack p50 (µs) | {a1:.0} | {a3:.0} | {:.2}x |\n\
          | one at a time, ack p99 (µs) | {b1:.0} | {b3:.0} | {:.2}x |\n\
-         (medians of {rounds} rounds; 3 brokers and a control plane in one process on this machine, fsync on-commit)",
+         (medians of {rounds} rounds; 3 brokers and a control plane in one process on this machine, fsync on-commit; \
+         broker cores {placed})",
         t3 / t1,
         a3 / a1,
         b3 / b1
