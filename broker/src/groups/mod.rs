@@ -433,6 +433,16 @@ pub struct GroupShard {
     settled: Wakers,
     /// Woken when an ack's write ends (repeated acks wait for it).
     acks_written: Wakers,
+    /// Groups with a seek, create or delete handed to the writer and not yet applied
+    /// to their trackers, and how many. Those changes apply once durable; an ack,
+    /// claim or dead letter applies at once and writes after. Were one to run in
+    /// between, the trackers would take the two in the opposite order to the log, and
+    /// the next build would differ from them: an ack written after a delete brought
+    /// the deleted group back, at offset 0. So every request of the group waits for
+    /// such a change first ([`GroupShard::after_changes`]).
+    changing: RefCell<HashMap<String, usize>>,
+    /// Woken when a change in `changing` ends.
+    changes_applied: Wakers,
     /// What folding the log up to the last event written builds: events are applied
     /// here as they are handed to the writer, which claims their offsets in that same
     /// order, so a snapshot taken from it holds exactly the events before its own
@@ -543,6 +553,41 @@ impl Drop for AckWriting<'_> {
         self.shard
             .tracker(self.group, |t| t.ack_written(self.o, ok));
         self.shard.acks_written.wake_all();
+    }
+}
+
+/// A seek, create or delete of a group, from before its event is handed to the writer
+/// until it is applied to the trackers or abandoned ([`GroupShard::changing`]).
+struct Changing<'a> {
+    shard: &'a GroupShard,
+    group: String,
+}
+
+impl<'a> Changing<'a> {
+    fn start(shard: &'a GroupShard, group: &str) -> Self {
+        *shard
+            .changing
+            .borrow_mut()
+            .entry(group.to_owned())
+            .or_default() += 1;
+        Changing {
+            shard,
+            group: group.to_owned(),
+        }
+    }
+}
+
+impl Drop for Changing<'_> {
+    fn drop(&mut self) {
+        let mut changing = self.shard.changing.borrow_mut();
+        if let Some(n) = changing.get_mut(&self.group) {
+            *n -= 1;
+            if *n == 0 {
+                changing.remove(&self.group);
+            }
+        }
+        drop(changing);
+        self.shard.changes_applied.wake_all();
     }
 }
 
@@ -750,6 +795,8 @@ impl GroupShard {
             limits,
             settled: Wakers::default(),
             acks_written: Wakers::default(),
+            changing: RefCell::default(),
+            changes_applied: Wakers::default(),
             folded: Rc::new(RefCell::new(state.folded)),
             snapshot_mark: Cell::new(state.snapshot_mark),
             pending: Cell::new(0),
@@ -899,12 +946,26 @@ impl GroupShard {
                 "a stream shard holds at most {GROUPS_PER_SHARD_MAX} groups"
             )));
         }
+        let _changing = Changing::start(self, group);
         self.write(group, &[Some(Event::Seek(start))]).await?;
         self.groups
             .borrow_mut()
             .entry(group.to_owned())
             .or_insert_with(|| Tracker::new(start, self.limits));
         Ok(())
+    }
+
+    /// Waits until no seek, create or delete of `group` is written and not yet applied
+    /// ([`GroupShard::changing`]). Call it before changing a tracker: no await may
+    /// come between its end and the change's write.
+    async fn after_changes(&self, group: &str) {
+        // Mostly none is in flight: no hashing then.
+        while {
+            let changing = self.changing.borrow();
+            !changing.is_empty() && changing.contains_key(group)
+        } {
+            self.changes_applied.changed().await;
+        }
     }
 
     /// Serves one request against `stream`, the shard the groups read.
@@ -914,6 +975,7 @@ impl GroupShard {
         op: GroupOp,
     ) -> Result<GroupAnswer, BrokerError> {
         check_name(op.group())?;
+        self.after_changes(op.group()).await;
         let now_ms = mono_ms;
         match op {
             GroupOp::Poll {
@@ -996,6 +1058,7 @@ impl GroupShard {
                     )));
                 }
                 let before = self.tracker(&group, |t| t.committed());
+                let _changing = Changing::start(self, &group);
                 self.write(&group, &[Some(Event::Seek(target))]).await?;
                 self.groups
                     .borrow_mut()
@@ -1022,6 +1085,7 @@ impl GroupShard {
                 if !self.groups.borrow().contains_key(&group) {
                     return Ok(GroupAnswer::Deleted(false));
                 }
+                let _changing = Changing::start(self, &group);
                 self.write(&group, &[None]).await?;
                 self.groups.borrow_mut().remove(&group);
                 Ok(GroupAnswer::Deleted(true))
@@ -1076,6 +1140,7 @@ impl GroupShard {
     async fn ack(&self, group: &str, o: u64) -> Result<GroupAnswer, BrokerError> {
         let started = std::time::Instant::now();
         loop {
+            self.after_changes(group).await;
             let event = self
                 .tracker(group, |t| t.ack(o))
                 .unwrap_or_else(|| Err(no_group(group)))
@@ -1169,6 +1234,7 @@ impl GroupShard {
         // this claim just handed it.
         let mut member = member.cloned();
         loop {
+            self.after_changes(group).await;
             let base = stream.log.base_offset();
             let tail = stream.fanout_end();
             let Some(claimed) = self.tracker(group, |t| {
@@ -2095,5 +2161,108 @@ mod tests {
             fold_event(&mut big, "c", Some(Event::Dead(o * 2)), limits);
         }
         assert_eq!(encode_snapshot(&big), None);
+    }
+
+    /// Drives `a` and `b` together, answering each write the shard hands out in the
+    /// order it was handed out, until both end; then checks that the trackers are what
+    /// folding the log builds (the `folded` copy takes events in the log's order).
+    async fn race_and_compare(
+        g: &GroupShard,
+        writes: &Answers,
+        a: impl Future<Output = Result<GroupAnswer, BrokerError>>,
+        b: impl Future<Output = Result<GroupAnswer, BrokerError>>,
+    ) {
+        use futures_lite::future::poll_once;
+        let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
+        assert!(
+            poll_once(&mut a).await.is_none(),
+            "the first request writes"
+        );
+        let (mut a_done, mut b_done) = (false, false);
+        for _ in 0..1000 {
+            if !b_done && poll_once(&mut b).await.is_some() {
+                b_done = true;
+            }
+            if !a_done && poll_once(&mut a).await.is_some() {
+                a_done = true;
+            }
+            if a_done && b_done {
+                break;
+            }
+            let held = !writes.borrow().is_empty();
+            if held {
+                let (_, answer) = writes.borrow_mut().remove(0);
+                answer.send(appended()).unwrap();
+            }
+            felix_core_runtime::task::yield_now().await;
+        }
+        assert!(a_done && b_done, "both requests end");
+        let folded = g.folded.borrow();
+        let folded = folded.as_ref().expect("no write failed");
+        let groups = g.groups.borrow();
+        let view = |m: &HashMap<String, Tracker>| {
+            let mut v: Vec<(String, u64)> =
+                m.iter().map(|(k, t)| (k.clone(), t.committed())).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            view(&groups),
+            view(folded),
+            "the trackers differ from what a fold of the log builds"
+        );
+    }
+
+    /// A seek, create or delete applies once durable, an ack or a claim at once: a
+    /// request of the group arriving while such a change is written waits for it, or
+    /// the trackers would take the two in the opposite order to the log. Without the
+    /// wait, an ack written after a delete brought the deleted group back (at 0) in
+    /// the next build, and a poll's create written after a seek's put the group back at
+    /// the stream's start.
+    #[test]
+    fn a_request_waits_for_a_seek_create_or_delete_of_its_group_being_written() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            for _ in 0..3 {
+                let p = stream.log.begin_append(&[&b"r"[..]], 0, None).unwrap();
+                let appended = stream.log.commit(p).await.unwrap();
+                stream.advance_fanout(appended);
+            }
+            // A delete, and an ack of a claimed record of the group.
+            let (g, writes) = shard_with_held_writes();
+            let mut t = Tracker::new(0, g.limits);
+            assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
+            g.groups.borrow_mut().insert("w".into(), t.clone());
+            g.folded
+                .borrow_mut()
+                .as_mut()
+                .unwrap()
+                .insert("w".into(), t);
+            race_and_compare(
+                &g,
+                &writes,
+                g.serve(&stream, GroupOp::Delete("w".into())),
+                g.serve(&stream, GroupOp::Ack("w".into(), 0)),
+            )
+            .await;
+            assert!(!g.groups.borrow().contains_key("w"));
+            // A seek creating a group at the stream's end, and a poll of it.
+            let (g, writes) = shard_with_held_writes();
+            let seek = GroupOp::Seek {
+                group: "n".into(),
+                start: StartPosition::Latest,
+                if_new: false,
+            };
+            let poll = GroupOp::Poll {
+                group: "n".into(),
+                max: 10,
+                wait_ms: 0,
+                visibility_ms: 0,
+                member: None,
+            };
+            race_and_compare(&g, &writes, g.serve(&stream, seek), g.serve(&stream, poll)).await;
+            assert_eq!(g.tracker("n", |t| t.committed()), Some(3));
+        });
     }
 }
