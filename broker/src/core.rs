@@ -2479,7 +2479,19 @@ impl CoreBroker {
         let groups = self.group_shard(key, &stream).await?;
         stream.group_batches_seen.set(true);
         groups.snapshot_if_due(stream.log.size_bytes());
-        let answer = groups.serve(&stream, op).await;
+        let answer = if op.applies_after_write() {
+            // On a task of its own: a request dropped mid-write (its client gone) would
+            // leave the event in the log and the trackers without it.
+            let (tx, rx) = futures_channel::oneshot::channel();
+            let (g, s) = (groups.clone(), stream.clone());
+            task::spawn(async move {
+                let _ = tx.send(g.serve(&s, op).await);
+            })
+            .detach();
+            rx.await.unwrap_or(Err(BrokerError::Draining))
+        } else {
+            groups.serve(&stream, op).await
+        };
         self.metrics
             .group_snapshots
             .fetch_add(groups.take_snapshots(), Ordering::Relaxed);

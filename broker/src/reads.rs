@@ -157,10 +157,12 @@ where
             }
         }
     }
-    // Walk from `lo`: the first data batch at or after the instant.
+    // Walk from `lo`: the first data batch at or after the instant, mostly within the
+    // first read (the reads grow from 64 KiB).
     let mut next = lo;
+    let mut window = 64 << 10;
     loop {
-        let batches = match read(next, READ_BYTES_MAX as usize).await {
+        let batches = match read(next, window).await {
             Ok(b) => b,
             Err(BrokerError::Cursor { available, .. }) if next < available => {
                 next = available;
@@ -183,6 +185,7 @@ where
             return Ok(None);
         }
         next = last_end;
+        window = (window * 2).min(READ_BYTES_MAX as usize);
     }
 }
 
@@ -196,21 +199,29 @@ mod tests {
     use super::*;
 
     /// A log in memory: `(base, records, timestamp, kind)` per batch, offsets below
-    /// `oldest` trimmed, each record 1 KiB for the read window.
+    /// `oldest` trimmed (raised to `trim_to` at the `trim_at`th read, as retention
+    /// does mid-search), each record 1 KiB for the read window. A read's first batch
+    /// starts at `from`, as the log's does.
     struct FakeLog {
         batches: Vec<(u64, u64, u64, BatchKind)>,
-        oldest: u64,
+        oldest: Cell<u64>,
+        trim: Option<(usize, u64)>,
         reads: Cell<usize>,
     }
 
     impl FakeLog {
         fn read(&self, from: u64, max_bytes: usize) -> Result<Vec<ReadBatch>, BrokerError> {
             self.reads.set(self.reads.get() + 1);
-            if from < self.oldest {
+            if let Some((at, to)) = self.trim
+                && self.reads.get() == at
+            {
+                self.oldest.set(to);
+            }
+            if from < self.oldest.get() {
                 return Err(BrokerError::Cursor {
                     reason: felix_wire::message::CursorErrorReason::TooOld,
                     requested: from,
-                    available: self.oldest,
+                    available: self.oldest.get(),
                 });
             }
             let i = self.batches.partition_point(|b| b.0 + b.1 <= from);
@@ -220,13 +231,14 @@ mod tests {
                 if !out.is_empty() && bytes >= max_bytes {
                     break;
                 }
-                bytes += n as usize * 1024;
+                let skip = from.saturating_sub(base);
+                bytes += (n - skip) as usize * 1024;
                 out.push(ReadBatch {
-                    base_offset: base,
+                    base_offset: base + skip,
                     timestamp_micros: ts,
                     kind,
                     producer: None,
-                    records: vec![Bytes::new(); n as usize],
+                    records: vec![Bytes::new(); (n - skip) as usize],
                 });
             }
             Ok(out)
@@ -237,11 +249,11 @@ mod tests {
             self.batches
                 .iter()
                 .find(|b| {
-                    b.0 + b.1 > self.oldest
+                    b.0 + b.1 > self.oldest.get()
                         && matches!(b.3, BatchKind::Data | BatchKind::Commit)
                         && b.2 >= at
                 })
-                .map(|b| b.0)
+                .map(|b| b.0.max(self.oldest.get()))
         }
 
         fn search(&self, at: u64) -> Option<u64> {
@@ -280,7 +292,8 @@ mod tests {
             .collect();
         FakeLog {
             batches,
-            oldest: 0,
+            oldest: Cell::new(0),
+            trim: None,
             reads: Cell::new(0),
         }
     }
@@ -290,8 +303,8 @@ mod tests {
     #[test]
     fn the_search_finds_the_first_batch_at_or_after_the_instant_in_few_reads() {
         for (seed, oldest) in [(7u64, 0u64), (11, 0), (13, 400_000)] {
-            let mut l = log(200_000, seed);
-            l.oldest = oldest;
+            let l = log(200_000, seed);
+            l.oldest.set(oldest);
             let (first, last) = (l.batches[0].2, l.batches.last().unwrap().2);
             let mut most = 0;
             for k in 0..=40u64 {
@@ -305,13 +318,24 @@ mod tests {
         // Empty, and an instant past every batch.
         let empty = FakeLog {
             batches: Vec::new(),
-            oldest: 0,
+            oldest: Cell::new(0),
+            trim: None,
             reads: Cell::new(0),
         };
         assert_eq!(empty.search(0), None);
         let l = log(1_000, 3);
         assert_eq!(l.search(u64::MAX), None);
-        assert_eq!(l.search(0), Some(0));
+        assert_eq!(l.search(0), l.reference(0));
+        // Retention cuts the log under the search (at its 2nd to 12th read): the
+        // answer is what the log holds once the search ends.
+        for at_read in 2..=12 {
+            let mut l = log(200_000, 17);
+            let mid = l.batches[100_000].0 + 1;
+            l.trim = Some((at_read, mid));
+            let at = l.batches[50_000].2;
+            let got = l.search(at);
+            assert_eq!(got, l.reference(at), "trimmed at read {at_read}");
+        }
     }
 
     /// Times out of order (a clock stepped back) still end the search with a data batch

@@ -121,6 +121,16 @@ impl GroupOp {
             | GroupOp::Delete(g) => g,
         }
     }
+
+    /// Whether it changes its group only once its event is durable (a seek, a delete,
+    /// a redrive, a discard): such a request must run to its end once written, even if
+    /// the client goes away, or the trackers would lack an event the log holds.
+    pub fn applies_after_write(&self) -> bool {
+        matches!(
+            self,
+            GroupOp::Seek { .. } | GroupOp::Delete(_) | GroupOp::Discard(..) | GroupOp::Redrive(..)
+        )
+    }
 }
 
 /// The answer to a group request.
@@ -1179,7 +1189,9 @@ impl GroupShard {
         self.tracker(group, |t| t.is_dead(o))
             .unwrap_or_else(|| Err(no_group(group)))
             .map_err(refused)?;
-        // Durable before it is applied and answered: a redrive must not be lost.
+        // Durable before it is applied and answered: a redrive must not be lost. Applied
+        // after, so the group's other requests wait for it ([`GroupShard::changing`]).
+        let _changing = Changing::start(self, group);
         self.write(group, &[Some(event)]).await?;
         self.tracker(group, |t| t.apply(event));
         Ok(GroupAnswer::Done)
@@ -2211,6 +2223,49 @@ mod tests {
             view(folded),
             "the trackers differ from what a fold of the log builds"
         );
+    }
+
+    /// An ack retried while the first ack's write is out, whose first write then fails,
+    /// writes again only after a delete of its group being written meanwhile is
+    /// applied: then it finds no group. Written before (as it was), it answered "acked"
+    /// and its event, after the delete in the log, brought the group back at 0.
+    #[test]
+    fn a_retried_ack_waits_for_a_delete_of_its_group_being_written() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            let (g, writes) = shard_with_held_writes();
+            let mut t = Tracker::new(0, g.limits);
+            assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
+            g.groups.borrow_mut().insert("w".into(), t);
+            let mut first = std::pin::pin!(g.ack("w", 0));
+            assert!(poll_once(&mut first).await.is_none());
+            let mut again = std::pin::pin!(g.ack("w", 0));
+            assert!(poll_once(&mut again).await.is_none());
+            let mut delete = std::pin::pin!(g.serve(&stream, GroupOp::Delete("w".into())));
+            assert!(poll_once(&mut delete).await.is_none());
+            assert_eq!(writes.borrow().len(), 2, "the first ack's and the delete's");
+            let (_, answer) = writes.borrow_mut().remove(0);
+            answer
+                .send(Err(BrokerError::Unacknowledged("lost".into())))
+                .unwrap();
+            assert!(first.await.is_err());
+            for _ in 0..10 {
+                assert!(poll_once(&mut again).await.is_none());
+                felix_core_runtime::task::yield_now().await;
+            }
+            assert_eq!(
+                writes.borrow().len(),
+                1,
+                "the retried ack wrote while the delete was being written"
+            );
+            let (_, answer) = writes.borrow_mut().remove(0);
+            answer.send(appended()).unwrap();
+            assert!(matches!(delete.await, Ok(GroupAnswer::Deleted(true))));
+            assert!(again.await.is_err(), "an ack of a deleted group");
+            assert!(writes.borrow().is_empty());
+        });
     }
 
     /// A seek, create or delete applies once durable, an ack or a claim at once: a
