@@ -2729,6 +2729,15 @@ impl CoreBroker {
                 conditional = true;
                 CacheOp::Put(k, v, ttl)
             }
+            CacheOp::Delete(k) => {
+                // A write of the key still in flight (staged, or answered outcome-unknown
+                // and committing later) is not in the index: looking first, the delete
+                // found nothing, wrote nothing, and the write landed after it.
+                settled(&cache, &k).await?;
+                self.still_reading(&rs)?;
+                now = clock::now();
+                CacheOp::Delete(k)
+            }
             CacheOp::DeleteIf(k, version) => {
                 settled(&cache, &k).await?;
                 self.still_reading(&rs)?;

@@ -830,6 +830,10 @@ impl CacheShard {
     /// Removes `key` at `now`; returns the value it had (nothing is written when it had
     /// none).
     pub async fn delete(&self, key: &str, now: Now) -> Result<Option<Bytes>, BrokerError> {
+        // A write of the key claimed before this delete (pipelined on one stream, say) is
+        // not in the index until it is durable: looking first, the delete found nothing,
+        // wrote nothing, and the write landed after the acknowledged delete.
+        self.key_settled(key).await;
         let Some(old) = self.get(key, now) else {
             return Ok(None);
         };
@@ -1537,6 +1541,31 @@ mod tests {
             shard: 0,
         });
         CacheShard::open(key, log).await.unwrap()
+    }
+
+    /// A delete of a key whose put is still being written waits for the put and
+    /// removes its value; it used to find nothing, write nothing, and let the put land
+    /// after the acknowledged delete.
+    #[test]
+    fn a_delete_waits_for_a_put_of_its_key_being_written() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = cache_in(dir.path()).await;
+            let now = felix_core_runtime::clock::now();
+            let mut put = std::pin::pin!(shard.put("k", Bytes::from_static(b"v"), None, now));
+            assert!(
+                poll_once(&mut put).await.is_none(),
+                "the put waits for its write"
+            );
+            let (deleted, put) = futures_lite::future::zip(shard.delete("k", now), put).await;
+            put.unwrap();
+            assert_eq!(deleted.unwrap(), Some(Bytes::from_static(b"v")));
+            assert!(
+                shard.get("k", now).is_none(),
+                "the put landed after the delete"
+            );
+        });
     }
 
     /// Expiry writes a delete for the version that expired only: a key written again

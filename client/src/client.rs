@@ -977,6 +977,43 @@ impl Client {
         }
     }
 
+    /// Reads a cache key with its version (the offset of the put that wrote it), for a
+    /// read-modify-write with [`Client::cache_put_if`]; `None` when missing or expired.
+    pub async fn cache_get_versioned(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+    ) -> Result<Option<(Bytes, u64)>, ClientError> {
+        self.require(Features::CACHE_CONDITIONAL, "cache_get_versioned")?;
+        let request_id = Some(RequestId(self.next_id()));
+        match self
+            .request(
+                Message::CacheGet {
+                    tenant_id: tenant.into(),
+                    namespace: namespace.into(),
+                    cache: cache.into(),
+                    key: key.into(),
+                    request_id,
+                },
+                "cache_get_versioned",
+            )
+            .await?
+        {
+            Message::CacheValue {
+                value: Some(value),
+                version: Some(version),
+                ..
+            } => Ok(Some((value, version))),
+            Message::CacheValue { value: None, .. } => Ok(None),
+            Message::CacheValue { .. } => Err(ClientError::Protocol(
+                "cache_get_versioned: the broker sent a value without its version".into(),
+            )),
+            other => Err(broker_error("cache_get_versioned", other)),
+        }
+    }
+
     /// Removes a cache key; returns the value it had.
     pub async fn cache_delete(
         &self,

@@ -916,6 +916,19 @@ fn conditional_cache_writes_apply_once_under_a_race() {
                 .as_deref(),
             Some(format!("c{winner}").as_bytes())
         );
+        // A read gives the version a read-modify-write conditions on.
+        assert_eq!(
+            c.cache_get_versioned("dev", "default", "locks", "leader")
+                .await
+                .unwrap(),
+            Some((format!("c{winner}").into(), version))
+        );
+        assert_eq!(
+            c.cache_get_versioned("dev", "default", "locks", "absent")
+                .await
+                .unwrap(),
+            None
+        );
         // Eight race to replace it at the version they read: one wins again.
         let racers = clients.iter().enumerate().map(|(i, c)| {
             let c = c.clone();

@@ -969,14 +969,16 @@ fn cache_answer(
             value,
             request_id: reply.request_id.unwrap_or_default(),
         },
-        Ok(CacheAnswer::Value(value, _)) if !reply.put => Message::CacheValue {
+        Ok(CacheAnswer::Value(value, version)) if !reply.put => Message::CacheValue {
             tenant_id: reply.tenant,
             namespace: reply.namespace,
             cache: reply.cache,
             key: reply.key,
             value,
             request_id: reply.request_id,
-            version: None,
+            // A get's version, for a read-modify-write with `cache_put_if` (the feature
+            // says so); none to clients that did not ask for it.
+            version: version.filter(|_| session.features.contains(Features::CACHE_CONDITIONAL)),
         },
         Ok(_) => Message::CacheOk {
             request_id: reply.request_id.unwrap_or_default(),
