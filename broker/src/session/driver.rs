@@ -1176,8 +1176,17 @@ impl CacheWatch {
         )
         .await
         .map_err(|_| ())?;
-        let mut frames: Vec<Bytes> = first.into_iter().map(watch_event).collect();
-        uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+        // A retained watch's snapshot may hold every value of the shard: encoded a page
+        // at a time, each page written before the next is encoded, so a watcher that
+        // does not read holds one page here, not the whole snapshot encoded.
+        let mut first = first.into_iter();
+        loop {
+            let mut page = watch_page(&mut first, WATCH_PAGE_BYTES);
+            if page.is_empty() {
+                break;
+            }
+            uni.write_chunks(&mut page).await.map_err(|_| ())?;
+        }
         loop {
             let next = self
                 .core
@@ -1211,6 +1220,25 @@ impl CacheWatch {
             }
         }
     }
+}
+
+/// About how many bytes of a watch's snapshot are encoded at once.
+const WATCH_PAGE_BYTES: usize = 1 << 20;
+
+/// The next events of `changes`, encoded, until about `max_bytes` (at least one).
+fn watch_page(
+    changes: &mut impl Iterator<Item = crate::shard::WatchChange>,
+    max_bytes: usize,
+) -> Vec<Bytes> {
+    let mut page = Vec::new();
+    let mut bytes = 0;
+    while bytes < max_bytes {
+        let Some(c) = changes.next() else { break };
+        let frame = watch_event(c);
+        bytes += frame.len();
+        page.push(frame);
+    }
+    page
 }
 
 fn watch_event(c: crate::shard::WatchChange) -> Bytes {
@@ -1546,5 +1574,42 @@ mod tests {
         );
         assert_eq!(skipped(&reads), 4);
         assert_eq!(skipped(&session()), 0);
+    }
+
+    /// A snapshot is encoded a page at a time: each page about the bound (over it by
+    /// one event at most), every event once, in order.
+    #[test]
+    fn a_watch_snapshot_is_encoded_a_page_at_a_time() {
+        let changes: Vec<crate::shard::WatchChange> = (0..1000u64)
+            .map(|i| crate::shard::WatchChange {
+                key: format!("k{i}"),
+                value: Some(Bytes::from(vec![b'v'; 3000])),
+                offset: i,
+                expires_at_ms: 0,
+            })
+            .collect();
+        let one = watch_event(changes[0].clone()).len();
+        let mut it = changes.into_iter();
+        let (mut pages, mut events) = (0, 0);
+        loop {
+            let page = watch_page(&mut it, 64 << 10);
+            if page.is_empty() {
+                break;
+            }
+            let bytes: usize = page.iter().map(Bytes::len).sum();
+            assert!(bytes < (64 << 10) + 2 * one, "a page of {bytes} bytes");
+            for f in &page {
+                let Message::CacheEvent { offset, .. } =
+                    Message::decode(&parse_frame(f).payload).unwrap()
+                else {
+                    panic!("a cache event");
+                };
+                assert_eq!(offset.0, events);
+                events += 1;
+            }
+            pages += 1;
+        }
+        assert_eq!(events, 1000);
+        assert!(pages > 40, "{pages} pages");
     }
 }
