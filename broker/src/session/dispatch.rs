@@ -1155,7 +1155,7 @@ pub fn decide(
         } => {
             let create = session.may_create(true, &namespace, &stream);
             match session
-                .check_tenant(&tenant)
+                .check_visible(false, &tenant, &namespace, &stream, now)
                 .and_then(|()| dir.stream(&tenant, &namespace, &stream, create))
             {
                 Ok(e) => Action::Answer(
@@ -1188,7 +1188,7 @@ pub fn decide(
         } => {
             let create = session.may_create(false, &namespace, &cache);
             match session
-                .check_tenant(&tenant)
+                .check_visible(true, &tenant, &namespace, &cache, now)
                 .and_then(|()| dir.cache(&tenant, &namespace, &cache, create))
             {
                 Ok(e) => Action::Answer(
@@ -1253,7 +1253,13 @@ pub fn decide(
             name,
             kind,
             request_id,
-        } => match session.check_tenant(&tenant) {
+        } => match session.check_visible(
+            kind == message::ShardKind::Cache,
+            &tenant,
+            &namespace,
+            &name,
+            now,
+        ) {
             Ok(()) => {
                 let kind = match kind {
                     message::ShardKind::Stream => ShardKind::Stream,
@@ -1949,6 +1955,88 @@ mod tests {
         );
         let a = decide_frame(&s, &dir, &json(Message::Topology), false);
         assert!(matches!(a, Action::Close(None)), "{a:?}");
+    }
+
+    /// Which shards a name has and who leads them is the name's to tell: a token with
+    /// no permission on it, or expired, is refused, as a read would be; any permission
+    /// on it will do.
+    #[test]
+    fn shard_questions_need_a_permission_on_the_name() {
+        let dir = MemDirectory::new(2);
+        let cache_reader = session_with(
+            vec![format!("cache.read:cache:{TENANT}/ns1/c")],
+            Features::ERROR_CODES,
+        );
+        let publisher = session_with(
+            vec![format!("stream.publish:stream:{TENANT}/ns1/s")],
+            Features::ERROR_CODES,
+        );
+        let stream_shards = |ns: &str| {
+            json(Message::StreamShards {
+                tenant_id: TENANT.into(),
+                namespace: ns.into(),
+                stream: "s".into(),
+                request_id: RequestId(1),
+            })
+        };
+        let cache_shards = |ns: &str| {
+            json(Message::CacheShards {
+                tenant_id: TENANT.into(),
+                namespace: ns.into(),
+                cache: "c".into(),
+                request_id: RequestId(2),
+            })
+        };
+        let owners = |ns: &str, kind| {
+            json(Message::ShardOwners {
+                tenant_id: TENANT.into(),
+                namespace: ns.into(),
+                name: if kind == message::ShardKind::Cache {
+                    "c"
+                } else {
+                    "s"
+                }
+                .into(),
+                kind,
+                request_id: RequestId(3),
+            })
+        };
+        let refused = |s: &Session, f: &Frame| {
+            refusal_code(&decide_frame(s, &dir, f, true)) == ErrorCode::Forbidden
+        };
+        // Answered, or refused for another reason (a cache a reader may not create is
+        // not found).
+        let answered = |s: &Session, f: &Frame| {
+            let a = decide_frame(s, &dir, f, true);
+            let Action::Answer(b) = &a else { return false };
+            match Message::decode(&parse_frame(b).payload) {
+                Ok(Message::Error { .. }) => refusal_code(&a) != ErrorCode::Forbidden,
+                other => other.is_ok(),
+            }
+        };
+        // Another namespace, or the other kind: nothing to tell.
+        assert!(refused(&cache_reader, &stream_shards("ns1")));
+        assert!(refused(&cache_reader, &cache_shards("secret")));
+        assert!(refused(
+            &cache_reader,
+            &owners("secret", message::ShardKind::Cache)
+        ));
+        assert!(refused(
+            &cache_reader,
+            &owners("ns1", message::ShardKind::Stream)
+        ));
+        assert!(refused(&publisher, &stream_shards("secret")));
+        // Its own names: answered.
+        assert!(answered(&cache_reader, &cache_shards("ns1")));
+        assert!(answered(
+            &cache_reader,
+            &owners("ns1", message::ShardKind::Cache)
+        ));
+        assert!(answered(&publisher, &stream_shards("ns1")));
+        assert!(answered(
+            &publisher,
+            &owners("ns1", message::ShardKind::Stream)
+        ));
     }
 
     #[test]

@@ -72,6 +72,33 @@ impl Session {
         Ok(())
     }
 
+    /// Refuses a question about `tenant/ns/name` (whether it exists, how it is split,
+    /// who leads it) from a token that may do nothing with it, or that expired: the
+    /// answer is the name's, as a read's is. Any permission on the name will do (a
+    /// publisher asks for its stream's shards too).
+    pub fn check_visible(
+        &self,
+        cache: bool,
+        tenant: &str,
+        ns: &str,
+        name: &str,
+        now: Now,
+    ) -> Result<(), BrokerError> {
+        let actions = if cache {
+            [Action::CacheRead, Action::CacheWrite]
+        } else {
+            [Action::StreamSubscribe, Action::StreamPublish]
+        };
+        let mut refused = None;
+        for a in actions {
+            match self.authorize(a, tenant, ns, name, now) {
+                Ok(()) => return Ok(()),
+                Err(e) => refused = refused.or(Some(e)),
+            }
+        }
+        Err(refused.expect("two actions were checked"))
+    }
+
     /// Checks `action` on `tenant/ns/name` at `now`: the tenant, the token's expiry, the
     /// names' syntax, then the permission.
     pub fn authorize(
