@@ -4,12 +4,13 @@
 //! are sent on to the leader over the ordinary client protocol, authenticated with the
 //! client's own token (so the leader re-checks the permission), and the leader's answer
 //! is relayed. Forwarding never chains: the leader answers for itself. Each core keeps
-//! its own client endpoint and one connection per peer; a request uses a fresh stream.
+//! its own client endpoint and one connection per peer and tenant; a request uses a
+//! fresh stream.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use felix_core_runtime::quic::{
@@ -49,7 +50,7 @@ pub struct Forwarder {
     endpoint: Endpoint,
     config: ClientConfig,
     server_name: String,
-    peers: RefCell<HashMap<SocketAddr, Connection>>,
+    peers: RefCell<PeerTable<Connection>>,
     /// Bytes of requests this core has sent its peers and not had answered.
     sent: RefCell<FifoBudget>,
     sent_waiters: RefCell<Vec<std::task::Waker>>,
@@ -69,6 +70,71 @@ impl std::fmt::Debug for Forwarder {
         f.debug_struct("Forwarder")
             .field("peers", &self.peers.borrow().len())
             .finish()
+    }
+}
+
+/// A connection to a peer no forward used for this long is closed (the next opens
+/// another).
+const PEER_UNUSED: Duration = Duration::from_secs(60);
+
+/// This core's connections to its peers, one per leader and tenant. A leader closes a
+/// connection when a token that authenticated one of its streams is revoked (a
+/// subscription it authorized must end), so one connection for every tenant's requests
+/// let one tenant's revoked token fail the others' requests in flight; the leader's
+/// per-connection bounds were shared by every tenant alike. A connection unused for
+/// [`PEER_UNUSED`] is handed back to be closed. Sans-IO: the caller passes the time.
+#[derive(Debug)]
+struct PeerTable<C> {
+    conns: HashMap<(SocketAddr, String), (C, Instant)>,
+    swept: Option<Instant>,
+}
+
+impl<C: Clone> PeerTable<C> {
+    fn new() -> Self {
+        PeerTable {
+            conns: HashMap::new(),
+            swept: None,
+        }
+    }
+
+    /// The connection to `addr` for `tenant`, marked used at `now`.
+    fn get(&mut self, addr: SocketAddr, tenant: &str, now: Instant) -> Option<C> {
+        let (c, used) = self.conns.get_mut(&(addr, tenant.to_owned()))?;
+        *used = now;
+        Some(c.clone())
+    }
+
+    fn insert(&mut self, addr: SocketAddr, tenant: &str, c: C, now: Instant) {
+        self.conns.insert((addr, tenant.to_owned()), (c, now));
+    }
+
+    fn remove(&mut self, addr: SocketAddr, tenant: &str) {
+        self.conns.remove(&(addr, tenant.to_owned()));
+    }
+
+    /// The connections unused for [`PEER_UNUSED`] at `now`, taken out (looked for at
+    /// most once every half of it).
+    fn unused(&mut self, now: Instant) -> Vec<C> {
+        if self
+            .swept
+            .is_some_and(|t| now.saturating_duration_since(t) < PEER_UNUSED / 2)
+        {
+            return Vec::new();
+        }
+        self.swept = Some(now);
+        let mut out = Vec::new();
+        self.conns.retain(|_, (c, used)| {
+            let keep = now.saturating_duration_since(*used) < PEER_UNUSED;
+            if !keep {
+                out.push(c.clone());
+            }
+            keep
+        });
+        out
+    }
+
+    fn len(&self) -> usize {
+        self.conns.len()
     }
 }
 
@@ -138,19 +204,24 @@ impl Forwarder {
             endpoint,
             config,
             server_name,
-            peers: RefCell::default(),
+            peers: RefCell::new(PeerTable::new()),
             sent: RefCell::new(FifoBudget::new(SENT_MAX)),
             sent_waiters: RefCell::default(),
         })
     }
 
-    async fn connection(&self, addr: SocketAddr) -> Result<Connection, BrokerError> {
-        let existing = self.peers.borrow().get(&addr).cloned();
+    async fn connection(&self, addr: SocketAddr, tenant: &str) -> Result<Connection, BrokerError> {
+        let now = Instant::now();
+        let unused = self.peers.borrow_mut().unused(now);
+        for c in unused {
+            c.close(0, b"unused");
+        }
+        let existing = self.peers.borrow_mut().get(addr, tenant, now);
         if let Some(c) = existing {
             if c.close_reason().is_none() {
                 return Ok(c);
             }
-            self.peers.borrow_mut().remove(&addr);
+            self.peers.borrow_mut().remove(addr, tenant);
         }
         let c = self
             .endpoint
@@ -160,7 +231,9 @@ impl Forwarder {
                 tracing::warn!(%addr, error = %e, "connecting to the shard leader");
                 BrokerError::ShardUnavailable("owner_unavailable".into())
             })?;
-        self.peers.borrow_mut().insert(addr, c.clone());
+        self.peers
+            .borrow_mut()
+            .insert(addr, tenant, c.clone(), Instant::now());
         Ok(c)
     }
 
@@ -208,9 +281,9 @@ impl Forwarder {
         request: Bytes,
         answered: bool,
     ) -> Result<Option<Frame>, BrokerError> {
-        let conn = self.connection(addr).await?;
+        let conn = self.connection(addr, tenant).await?;
         let (mut send, mut recv) = conn.open_bi().await.map_err(|_| {
-            self.peers.borrow_mut().remove(&addr);
+            self.peers.borrow_mut().remove(addr, tenant);
             BrokerError::ShardUnavailable("owner_unavailable".into())
         })?;
         let (lo, hi) = Features::ERROR_CODES.offer();
@@ -368,5 +441,43 @@ mod tests {
         b.release(8);
         let huge = b.arrive();
         assert!(b.try_take(huge, 100));
+    }
+
+    /// One connection per leader and tenant: another tenant's requests, or another
+    /// leader's, never share it (a leader closes a connection when one of its tokens is
+    /// revoked). A connection unused for a minute is handed back to be closed, looked
+    /// for at most every half minute.
+    #[test]
+    fn peers_are_kept_per_leader_and_tenant_and_unused_ones_are_let_go() {
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+        );
+        let t0 = Instant::now();
+        let mut peers = PeerTable::new();
+        assert!(peers.unused(t0).is_empty());
+        peers.insert(a, "acme", 1, t0);
+        assert_eq!(
+            peers.get(a, "beta", t0),
+            None,
+            "another tenant's is not shared"
+        );
+        assert_eq!(peers.get(b, "acme", t0), None, "nor another leader's");
+        peers.insert(a, "beta", 2, t0);
+        peers.insert(b, "acme", 3, t0);
+        assert_eq!(peers.len(), 3);
+        assert_eq!(peers.get(a, "acme", t0 + Duration::from_secs(50)), Some(1));
+        // Past a minute, the two unused since t0 go; the one used at 50 s stays.
+        let at = t0 + Duration::from_secs(70);
+        let mut gone = peers.unused(at);
+        gone.sort();
+        assert_eq!(gone, vec![2, 3]);
+        assert_eq!(peers.get(a, "acme", at), Some(1));
+        // Looked for again only half a minute later.
+        assert!(peers.unused(at + Duration::from_secs(29)).is_empty());
+        assert_eq!(peers.unused(at + Duration::from_secs(200)), vec![1]);
+        peers.insert(a, "acme", 4, at);
+        peers.remove(a, "acme");
+        assert_eq!(peers.len(), 0);
     }
 }
