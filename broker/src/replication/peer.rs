@@ -25,7 +25,7 @@ use felix_wire::internal::{self, Hello, InternalMessage, InternalReader};
 use felix_wire::token::CONTROLPLANE_AUDIENCE;
 
 use super::machine::NodeId;
-use crate::auth::TenantKeys;
+use crate::auth::{Grant, TenantKeys};
 
 /// Bytes queued for one peer before frames are dropped.
 const QUEUE_BYTES_MAX: usize = 64 << 20;
@@ -203,8 +203,13 @@ pub struct PeerAuth {
 impl PeerAuth {
     /// The node a `Hello` proves it is: a control-plane token for that node id.
     pub fn check(&self, hello: &Hello) -> Result<NodeId, String> {
+        self.check_grant(hello).map(|(node, _)| node)
+    }
+
+    /// [`PeerAuth::check`], with the grant the token carries (none when unchecked).
+    fn check_grant(&self, hello: &Hello) -> Result<(NodeId, Option<Grant>), String> {
         if self.allow_unauthenticated {
-            return Ok(hello.node_id.as_str().into());
+            return Ok((hello.node_id.as_str().into(), None));
         }
         let grant = self
             .keys
@@ -222,7 +227,50 @@ impl PeerAuth {
                 crate::error::cut(&hello.node_id)
             ));
         }
-        Ok(hello.node_id.as_str().into())
+        Ok((hello.node_id.as_str().into(), Some(grant)))
+    }
+}
+
+/// One inbound peer stream's authentication: its `Hello`'s node token, looked at again
+/// whenever the verification keys change. A node token revoked by id, or signed by an
+/// operator key since retired, ends the peer's streams at their next frame, as a
+/// client's connection is closed; it was checked once, at the `Hello`.
+struct PeerGate {
+    auth: PeerAuth,
+    grant: Option<Grant>,
+    /// The key set the grant was last found holding under (held, so that no later set
+    /// can take its address).
+    seen: Option<Arc<TenantKeys>>,
+}
+
+impl PeerGate {
+    fn new(auth: PeerAuth) -> Self {
+        PeerGate {
+            auth,
+            grant: None,
+            seen: None,
+        }
+    }
+
+    fn hello(&mut self, hello: &Hello) -> Result<NodeId, String> {
+        self.seen = Some(self.auth.keys.load_full());
+        let (node, grant) = self.auth.check_grant(hello)?;
+        self.grant = grant;
+        Ok(node)
+    }
+
+    /// `Err` with why once the key set changed and the grant no longer holds under it.
+    fn still_holds(&mut self) -> Result<(), String> {
+        let Some(grant) = &self.grant else {
+            return Ok(());
+        };
+        let keys = self.auth.keys.load_full();
+        if self.seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &keys)) {
+            return Ok(());
+        }
+        let why = keys.revoked(grant);
+        self.seen = Some(keys);
+        why.map_or(Ok(()), Err)
     }
 }
 
@@ -249,9 +297,10 @@ async fn serve_connection(
         task::spawn(async move {
             let mut reader = InternalReader::new(internal::PREHELLO_MAX_PAYLOAD_BYTES);
             let mut from: Option<NodeId> = None;
+            let mut gate = PeerGate::new(auth);
             loop {
                 match reader.next() {
-                    Ok(Some(InternalMessage::Hello(h))) if from.is_none() => match auth.check(&h) {
+                    Ok(Some(InternalMessage::Hello(h))) if from.is_none() => match gate.hello(&h) {
                         Ok(node) => {
                             from = Some(node);
                             reader.set_max_payload_bytes(internal::DEFAULT_MAX_PAYLOAD_BYTES);
@@ -270,7 +319,14 @@ async fn serve_connection(
                         }
                     },
                     Ok(None) => match recv.read_chunk(1 << 20).await {
-                        Ok(Some(chunk)) => reader.push(chunk),
+                        Ok(Some(chunk)) => {
+                            if let Err(why) = gate.still_holds() {
+                                tracing::warn!(node = ?from, reason = %why, "closing a peer whose node token no longer holds");
+                                conn.close(2, b"peer token revoked");
+                                return;
+                            }
+                            reader.push(chunk);
+                        }
                         _ => return,
                     },
                     Err(e) if e.is_fatal() => {
@@ -282,5 +338,67 @@ async fn serve_connection(
             }
         })
         .detach();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::{Claims, SigningKey};
+
+    fn node_token(key: &SigningKey, node: &str, jti: &str) -> String {
+        key.sign(&Claims {
+            iss: crate::auth::ISSUER.into(),
+            aud: CONTROLPLANE_AUDIENCE.into(),
+            sub: node.into(),
+            tid: OPERATOR_TENANT.into(),
+            iat: 0,
+            exp: u64::MAX / 2,
+            nbf: None,
+            perms: vec![format!("node.manage:node:{node}")],
+            jti: Some(jti.into()),
+        })
+    }
+
+    /// A peer's node token is looked at again when the keys change: denied by id, or
+    /// its key retired, the gate says so at the next frame; a change that leaves it
+    /// holding, or no change, lets it on.
+    #[test]
+    fn a_peers_token_revoked_after_its_hello_stops_holding() {
+        let key = SigningKey::generate("op1").unwrap();
+        let mut keys = TenantKeys::default();
+        keys.add(OPERATOR_TENANT, "op1", key.public_key());
+        let shared = Arc::new(ArcSwap::from_pointee(keys.clone()));
+        let auth = PeerAuth {
+            keys: shared.clone(),
+            allow_unauthenticated: false,
+        };
+        let hello = |node: &str, jti: &str| Hello {
+            correlation_id: 1,
+            node_id: node.into(),
+            token: node_token(&key, node, jti),
+            capabilities: 0,
+        };
+        let mut gate = PeerGate::new(auth.clone());
+        assert_eq!(
+            gate.hello(&hello("node-b", "n-1")).unwrap(),
+            "node-b".into()
+        );
+        assert!(gate.still_holds().is_ok(), "nothing changed");
+        // Another token denied: still holds.
+        let mut other = keys.clone();
+        other.deny(OPERATOR_TENANT, "n-9");
+        shared.store(Arc::new(other.clone()));
+        assert!(gate.still_holds().is_ok());
+        // This one denied: it stops holding.
+        other.deny(OPERATOR_TENANT, "n-1");
+        shared.store(Arc::new(other));
+        assert!(gate.still_holds().unwrap_err().contains("n-1"));
+        // Its key retired: a fresh gate's grant stops holding too.
+        shared.store(Arc::new(keys.clone()));
+        let mut gate = PeerGate::new(auth);
+        gate.hello(&hello("node-c", "n-2")).unwrap();
+        shared.store(Arc::new(TenantKeys::default()));
+        assert!(gate.still_holds().unwrap_err().contains("op1"));
     }
 }
