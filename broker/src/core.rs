@@ -986,13 +986,19 @@ impl CoreBroker {
     > {
         let core = self.clone();
         let (tenant, token) = (session.tenant().to_owned(), session.token.clone());
+        // The leader's answer is relayed as it comes: it must carry what this client
+        // negotiated (a get's version).
+        let features = session
+            .features
+            .intersection(crate::forward::RELAYED_FEATURES);
         let addr = route.addr;
         self.metrics.forwarded.fetch_add(1, Ordering::Relaxed);
         Box::pin(async move {
             let (Some(f), Some(addr)) = (core.forwarder.as_ref(), addr) else {
                 return Err(BrokerError::ShardUnavailable("owner_unavailable".into()));
             };
-            f.call(addr, &tenant, &token, request, answered).await
+            f.call(addr, &tenant, &token, features, request, answered)
+                .await
         })
     }
 

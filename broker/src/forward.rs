@@ -26,6 +26,11 @@ use crate::error::BrokerError;
 /// nothing is lost before the answer is re-encoded for the client.
 const FORWARD_FLAGS: Flags = Flags(0x0001 | 0x0008 | 0x0010 | 0x0040 | 0x0200 | 0x0400 | 0x1000);
 
+/// Features of the client's that shape a relayed answer, offered to the leader for it
+/// (besides `ERROR_CODES`, always asked for): without `CACHE_CONDITIONAL` the leader
+/// leaves a get's version out, and a client that asked for it got a value without it.
+pub const RELAYED_FEATURES: Features = Features::CACHE_CONDITIONAL;
+
 /// How long a forwarded request may wait for its answer.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -82,7 +87,7 @@ const PEER_UNUSED: Duration = Duration::from_secs(60);
 /// subscription it authorized must end), so one connection for every tenant's requests
 /// let one tenant's revoked token fail the others' requests in flight; the leader's
 /// per-connection bounds were shared by every tenant alike. A connection unused for
-/// [`PEER_UNUSED`] is handed back to be closed. Sans-IO: the caller passes the time.
+/// [`PEER_UNUSED`] is let go (it closes once no request holds it). Sans-IO: the caller passes the time.
 #[derive(Debug)]
 struct PeerTable<C> {
     conns: HashMap<(SocketAddr, String), (C, Instant)>,
@@ -212,10 +217,10 @@ impl Forwarder {
 
     async fn connection(&self, addr: SocketAddr, tenant: &str) -> Result<Connection, BrokerError> {
         let now = Instant::now();
+        // Dropped, not closed: a request still running on one holds it open, and the
+        // connection closes with its last handle.
         let unused = self.peers.borrow_mut().unused(now);
-        for c in unused {
-            c.close(0, b"unused");
-        }
+        drop(unused);
         let existing = self.peers.borrow_mut().get(addr, tenant, now);
         if let Some(c) = existing {
             if c.close_reason().is_none() {
@@ -268,7 +273,8 @@ impl Forwarder {
             .for_each(std::task::Waker::wake);
     }
 
-    /// Sends `auth` and `request` to the leader at `addr` on a fresh stream. With
+    /// Sends `auth` (offering `features` of the client's, see [`RELAYED_FEATURES`]) and
+    /// `request` to the leader at `addr` on a fresh stream. With
     /// `answered`, waits for and returns the answer frame; without, returns once sent.
     ///
     /// Failing before anything was sent is `shard_unavailable` (safe to retry); failing
@@ -278,6 +284,7 @@ impl Forwarder {
         addr: SocketAddr,
         tenant: &str,
         token: &str,
+        features: Features,
         request: Bytes,
         answered: bool,
     ) -> Result<Option<Frame>, BrokerError> {
@@ -286,7 +293,9 @@ impl Forwarder {
             self.peers.borrow_mut().remove(addr, tenant);
             BrokerError::ShardUnavailable("owner_unavailable".into())
         })?;
-        let (lo, hi) = Features::ERROR_CODES.offer();
+        let (lo, hi) = Features::ERROR_CODES
+            .union(features.intersection(RELAYED_FEATURES))
+            .offer();
         let auth = Message::Auth {
             tenant_id: tenant.to_owned(),
             token: token.to_owned(),
@@ -445,7 +454,7 @@ mod tests {
 
     /// One connection per leader and tenant: another tenant's requests, or another
     /// leader's, never share it (a leader closes a connection when one of its tokens is
-    /// revoked). A connection unused for a minute is handed back to be closed, looked
+    /// revoked). A connection unused for a minute is let go, looked
     /// for at most every half minute.
     #[test]
     fn peers_are_kept_per_leader_and_tenant_and_unused_ones_are_let_go() {

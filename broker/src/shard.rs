@@ -827,18 +827,19 @@ impl CacheShard {
         Ok(appended.first)
     }
 
-    /// Removes `key` at `now`; returns the value it had (nothing is written when it had
-    /// none).
+    /// Removes `key` at `now`; returns the value it removed (nothing is written when it
+    /// had none and no write of it is in flight).
     pub async fn delete(&self, key: &str, now: Now) -> Result<Option<Bytes>, BrokerError> {
         // A write of the key claimed before this delete (pipelined on one stream, say) is
-        // not in the index until it is durable: looking first, the delete found nothing,
-        // wrote nothing, and the write landed after the acknowledged delete.
-        self.key_settled(key).await;
-        let Some(old) = self.get(key, now) else {
+        // not in the index until it is durable: looking only there, the delete found
+        // nothing, wrote nothing, and the write landed after the acknowledged delete.
+        // With one in flight the delete is written anyway, after it in the log, and
+        // answers what it removed as it is applied (waiting for the key to settle could
+        // wait for ever under a stream of writes).
+        if !self.write_in_flight(key) && self.get(key, now).is_none() {
             return Ok(None);
-        };
-        self.write_delete(key, now).await?;
-        Ok(Some(old.value))
+        }
+        self.write_delete(key, now).await
     }
 
     /// Up to `max` keys whose value expired by `now`, each with the version that expired.
@@ -877,12 +878,15 @@ impl CacheShard {
         Ok(true)
     }
 
-    async fn write_delete(&self, key: &str, now: Now) -> Result<(), BrokerError> {
+    /// Writes a delete of `key`; returns the value live at `now` it removed, read as it
+    /// is applied (in commit order: every write of the key before it is applied then).
+    async fn write_delete(&self, key: &str, now: Now) -> Result<Option<Bytes>, BrokerError> {
         let rec = encode_cache_record(false, 0, key, &[]);
         let _writing = self.key_write(key);
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
         self.writes.set(self.writes.get() + 1);
         let appended = self.log.commit(pending).await?;
+        let old = self.get(key, now).map(|e| e.value);
         apply(
             &mut self.state.borrow_mut(),
             CacheRecord {
@@ -895,7 +899,7 @@ impl CacheShard {
             appended.first,
         );
         self.changed.wake_all();
-        Ok(())
+        Ok(old)
     }
 
     /// Whether the log holds enough overwritten records to compact: more writes since
@@ -1543,11 +1547,11 @@ mod tests {
         CacheShard::open(key, log).await.unwrap()
     }
 
-    /// A delete of a key whose put is still being written waits for the put and
+    /// A delete of a key whose put is still being written is written after it and
     /// removes its value; it used to find nothing, write nothing, and let the put land
     /// after the acknowledged delete.
     #[test]
-    fn a_delete_waits_for_a_put_of_its_key_being_written() {
+    fn a_delete_of_a_key_being_written_removes_what_lands_before_it() {
         use futures_lite::future::poll_once;
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();

@@ -230,6 +230,15 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
             .await?;
             let got = c.cache_get("acme", "payments", "sessions", &k).await?;
             assert_eq!(got.as_deref(), Some(&b"v"[..]));
+            // Forwarded too, a get answers the value's version (the leader is asked
+            // for it with the client's features).
+            let versioned = c
+                .cache_get_versioned("acme", "payments", "sessions", &k)
+                .await?;
+            assert!(
+                matches!(&versioned, Some((v, _)) if v.as_ref() == b"v"),
+                "{k}: {versioned:?}"
+            );
         }
         match c
             .subscribe_shard("acme", "payments", "orders", b_stream_shard, None)
