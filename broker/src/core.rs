@@ -2647,8 +2647,10 @@ impl CoreBroker {
             CacheOp::CounterGet(k) => Ok(CacheAnswer::Counter(shard.counter(&k))),
             CacheOp::PutIf(k, v, ttl, condition) => {
                 // Checked once every earlier write of the key is applied, and claimed
-                // with no wait after the check (put claims before its first await).
-                shard.key_settled(&k).await;
+                // with no wait after the check (put claims before its first await). A
+                // stream of writes of the key may keep it from settling: refused
+                // `not_ready` after a while, as on a replicated cache.
+                settled(&shard, &k).await?;
                 if let Err(current) = shard.condition_holds(&k, &condition, clock::now()) {
                     return Ok(CacheAnswer::Condition(false, current));
                 }
@@ -2656,7 +2658,7 @@ impl CoreBroker {
                 Ok(CacheAnswer::Condition(true, Some(version)))
             }
             CacheOp::DeleteIf(k, version) => {
-                shard.key_settled(&k).await;
+                settled(&shard, &k).await?;
                 let condition = felix_wire::message::CacheCondition::Version(version);
                 // One instant for the check and the delete: a value expiring between
                 // two would be answered deleted with nothing written.
@@ -3533,8 +3535,9 @@ async fn majority_within(
     }
 }
 
-/// Waits until no write of `key` is in flight on a replicated cache, for at most a
-/// Quorum wait (a staged write may wait for a majority that is away).
+/// Waits until no write of `key` is in flight, for at most a Quorum wait (on a
+/// replicated cache a staged write may wait for a majority that is away; on any cache a
+/// stream of writes of the key may keep it from ever settling).
 async fn settled(cache: &crate::shard::CacheShard, key: &str) -> Result<(), BrokerError> {
     task::timeout(
         crate::replication::replica::QUORUM_WAIT,
