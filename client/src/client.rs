@@ -958,23 +958,10 @@ impl Client {
         cache: &str,
         key: &str,
     ) -> Result<Option<Bytes>, ClientError> {
-        let request_id = Some(RequestId(self.next_id()));
-        match self
-            .request(
-                Message::CacheGet {
-                    tenant_id: tenant.into(),
-                    namespace: namespace.into(),
-                    cache: cache.into(),
-                    key: key.into(),
-                    request_id,
-                },
-                "cache_get",
-            )
-            .await?
-        {
-            Message::CacheValue { value, .. } => Ok(value),
-            other => Err(broker_error("cache_get", other)),
-        }
+        let (value, _) = self
+            .cache_value(tenant, namespace, cache, key, "cache_get")
+            .await?;
+        Ok(value)
     }
 
     /// Reads a cache key with its version (the offset of the put that wrote it), for a
@@ -987,6 +974,28 @@ impl Client {
         key: &str,
     ) -> Result<Option<(Bytes, u64)>, ClientError> {
         self.require(Features::CACHE_CONDITIONAL, "cache_get_versioned")?;
+        match self
+            .cache_value(tenant, namespace, cache, key, "cache_get_versioned")
+            .await?
+        {
+            (Some(value), Some(version)) => Ok(Some((value, version))),
+            (None, _) => Ok(None),
+            (Some(_), None) => Err(ClientError::Protocol(
+                "cache_get_versioned: the broker sent a value without its version".into(),
+            )),
+        }
+    }
+
+    /// A `cache_get`'s answer: the value and, to a client that negotiated
+    /// `CACHE_CONDITIONAL`, its version.
+    async fn cache_value(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        key: &str,
+        what: &'static str,
+    ) -> Result<(Option<Bytes>, Option<u64>), ClientError> {
         let request_id = Some(RequestId(self.next_id()));
         match self
             .request(
@@ -997,20 +1006,12 @@ impl Client {
                     key: key.into(),
                     request_id,
                 },
-                "cache_get_versioned",
+                what,
             )
             .await?
         {
-            Message::CacheValue {
-                value: Some(value),
-                version: Some(version),
-                ..
-            } => Ok(Some((value, version))),
-            Message::CacheValue { value: None, .. } => Ok(None),
-            Message::CacheValue { .. } => Err(ClientError::Protocol(
-                "cache_get_versioned: the broker sent a value without its version".into(),
-            )),
-            other => Err(broker_error("cache_get_versioned", other)),
+            Message::CacheValue { value, version, .. } => Ok((value, version)),
+            other => Err(broker_error(what, other)),
         }
     }
 

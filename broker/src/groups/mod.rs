@@ -1953,6 +1953,21 @@ mod tests {
         (GroupShard::from_state(state, limits, writer), writes)
     }
 
+    /// [`shard_with_held_writes`] holding group "w" with offset 0 claimed (attempt 1),
+    /// in its trackers and in the log-order fold alike.
+    fn shard_with_a_claim() -> (GroupShard, Answers) {
+        let (g, writes) = shard_with_held_writes();
+        let mut t = Tracker::new(0, g.limits);
+        assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
+        g.groups.borrow_mut().insert("w".into(), t.clone());
+        g.folded
+            .borrow_mut()
+            .as_mut()
+            .unwrap()
+            .insert("w".into(), t);
+        (g, writes)
+    }
+
     fn appended() -> Result<Appended, BrokerError> {
         Ok(Appended { first: 0, end: 1 })
     }
@@ -2016,10 +2031,7 @@ mod tests {
         use futures_lite::future::poll_once;
         felix_core_runtime::task::block_on(async {
             for first_fails in [false, true] {
-                let (g, writes) = shard_with_held_writes();
-                let mut t = Tracker::new(0, g.limits);
-                assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
-                g.groups.borrow_mut().insert("w".into(), t);
+                let (g, writes) = shard_with_a_claim();
                 let mut first = std::pin::pin!(g.ack("w", 0));
                 assert!(poll_once(&mut first).await.is_none());
                 assert_eq!(writes.borrow().len(), 1, "the first ack's write");
@@ -2052,10 +2064,7 @@ mod tests {
             }
             // A first ack whose request went away mid-write: its write's fate is
             // unknown, so the record is owed again and the retry writes the ack itself.
-            let (g, writes) = shard_with_held_writes();
-            let mut t = Tracker::new(0, g.limits);
-            assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
-            g.groups.borrow_mut().insert("w".into(), t);
+            let (g, writes) = shard_with_a_claim();
             {
                 let mut first = std::pin::pin!(g.ack("w", 0));
                 assert!(poll_once(&mut first).await.is_none());
@@ -2235,10 +2244,7 @@ mod tests {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
             let stream = stream_in(dir.path()).await;
-            let (g, writes) = shard_with_held_writes();
-            let mut t = Tracker::new(0, g.limits);
-            assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
-            g.groups.borrow_mut().insert("w".into(), t);
+            let (g, writes) = shard_with_a_claim();
             let mut first = std::pin::pin!(g.ack("w", 0));
             assert!(poll_once(&mut first).await.is_none());
             let mut again = std::pin::pin!(g.ack("w", 0));
@@ -2285,15 +2291,7 @@ mod tests {
                 stream.advance_fanout(appended);
             }
             // A delete, and an ack of a claimed record of the group.
-            let (g, writes) = shard_with_held_writes();
-            let mut t = Tracker::new(0, g.limits);
-            assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
-            g.groups.borrow_mut().insert("w".into(), t.clone());
-            g.folded
-                .borrow_mut()
-                .as_mut()
-                .unwrap()
-                .insert("w".into(), t);
+            let (g, writes) = shard_with_a_claim();
             race_and_compare(
                 &g,
                 &writes,

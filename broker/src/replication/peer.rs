@@ -201,13 +201,9 @@ pub struct PeerAuth {
 }
 
 impl PeerAuth {
-    /// The node a `Hello` proves it is: a control-plane token for that node id.
-    pub fn check(&self, hello: &Hello) -> Result<NodeId, String> {
-        self.check_grant(hello).map(|(node, _)| node)
-    }
-
-    /// [`PeerAuth::check`], with the grant the token carries (none when unchecked).
-    fn check_grant(&self, hello: &Hello) -> Result<(NodeId, Option<Grant>), String> {
+    /// The node a `Hello` proves it is (a control-plane token for that node id), and
+    /// the grant the token carries (none when unchecked).
+    fn check(&self, hello: &Hello) -> Result<(NodeId, Option<Grant>), String> {
         if self.allow_unauthenticated {
             return Ok((hello.node_id.as_str().into(), None));
         }
@@ -254,7 +250,7 @@ impl PeerGate {
 
     fn hello(&mut self, hello: &Hello) -> Result<NodeId, String> {
         self.seen = Some(self.auth.keys.load_full());
-        let (node, grant) = self.auth.check_grant(hello)?;
+        let (node, grant) = self.auth.check(hello)?;
         self.grant = grant;
         Ok(node)
     }
@@ -264,12 +260,13 @@ impl PeerGate {
         let Some(grant) = &self.grant else {
             return Ok(());
         };
-        let keys = self.auth.keys.load_full();
+        // Per chunk read: no reference count taken unless the set changed.
+        let keys = self.auth.keys.load();
         if self.seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &keys)) {
             return Ok(());
         }
         let why = keys.revoked(grant);
-        self.seen = Some(keys);
+        self.seen = Some(arc_swap::Guard::into_inner(keys));
         why.map_or(Ok(()), Err)
     }
 }
