@@ -32,10 +32,18 @@ pub struct Cell {
     pub lost: u64,
 }
 
-/// A running in-process broker.
+/// Our broker in a process of its own, as each peer runs and as it runs in production.
+///
+/// It is this executable again (`felix-bench serve-broker`, see [`serve_child`]), not a
+/// thread of the load's process: glommio's park issues a private expedited
+/// `membarrier()`, which interrupts every CPU running a thread of the process, so a
+/// broker sharing the load generator's process would interrupt the load's CPUs on every
+/// park and be charged for waiting on them. The parent asks it for its metrics over the
+/// child's stdin and stdout ([`BrokerLink`]); closing its stdin stops it.
 pub struct LocalBroker {
-    broker: Option<felix_broker::server::Broker>,
-    _dir: tempfile::TempDir,
+    child: Option<std::process::Child>,
+    link: std::sync::Arc<BrokerLink>,
+    dir: Option<tempfile::TempDir>,
     /// How to reach it.
     pub target: Target,
     /// Its operator HTTP endpoint (`/pins`, `/cores`).
@@ -46,7 +54,77 @@ impl std::fmt::Debug for LocalBroker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LocalBroker")
             .field("addr", &self.target.addr)
+            .field("pid", &self.link.pid)
             .finish()
+    }
+}
+
+/// What the bench asks a [`LocalBroker`]'s process: its metrics and placement.
+pub struct BrokerLink {
+    pid: u32,
+    io: std::sync::Mutex<(
+        Option<std::process::ChildStdin>,
+        std::io::BufReader<std::process::ChildStdout>,
+    )>,
+}
+
+impl std::fmt::Debug for BrokerLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokerLink")
+            .field("pid", &self.pid)
+            .finish()
+    }
+}
+
+impl BrokerLink {
+    /// Sends one question line; the answer is one JSON line.
+    fn ask(&self, question: &str) -> anyhow::Result<serde_json::Value> {
+        use std::io::{BufRead, Write};
+        let mut io = self
+            .io
+            .lock()
+            .map_err(|_| anyhow::anyhow!("a panicked asker"))?;
+        let (stdin, stdout) = &mut *io;
+        let stdin = stdin
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("the broker is stopping"))?;
+        writeln!(stdin, "{question}")?;
+        stdin.flush()?;
+        let mut line = String::new();
+        if stdout.read_line(&mut line)? == 0 {
+            anyhow::bail!("the broker process exited");
+        }
+        Ok(serde_json::from_str(&line)?)
+    }
+
+    /// CPU time (ns) of the broker's cores and the io_uring workers they start.
+    pub fn cpu_ns(&self) -> Option<u64> {
+        crate::drivers::threads_cpu_ns(&self.pid.to_string(), |n| {
+            n.starts_with("felix-core") || n.starts_with("iou-wrk")
+        })
+    }
+
+    /// Per-stage latency histograms, all cores summed, in [`crate::drivers::STAGES`]'s
+    /// order.
+    pub fn stage_buckets(&self) -> Option<Vec<Vec<u64>>> {
+        serde_json::from_value(self.ask("stages").ok()?).ok()
+    }
+
+    /// Durable flushes so far and the batches they covered.
+    pub fn flush_counts(&self) -> Option<(u64, u64)> {
+        serde_json::from_value(self.ask("flushes").ok()?).ok()
+    }
+
+    /// Connections accepted so far, per core.
+    pub fn connections(&self) -> anyhow::Result<Vec<u64>> {
+        Ok(serde_json::from_value(self.ask("connections")?)?)
+    }
+
+    /// The core that owns shard 0 of cache `name` in namespace `default`.
+    pub fn cache_core(&self, name: &str) -> anyhow::Result<usize> {
+        Ok(serde_json::from_value(
+            self.ask(&format!("cache-core {name}"))?,
+        )?)
     }
 }
 
@@ -64,74 +142,234 @@ impl LocalBroker {
         pins: &[String],
         dir: Option<tempfile::TempDir>,
     ) -> anyhow::Result<LocalBroker> {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
         let dir = match dir {
             Some(d) => d,
             None => tempfile::Builder::new()
                 .prefix("felix-bench")
                 .tempdir_in("/var/tmp")?,
         };
-        let config = BrokerConfig::resolve(
-            FileConfig {
-                pins: pins.to_vec(),
-                ..FileConfig::default()
-            },
-            Overrides {
-                listen: Some("127.0.0.1:0".into()),
-                http: Some("127.0.0.1:0".into()),
-                data_dir: Some(dir.path().join("data")),
-                cores: cores.map(str::to_owned),
-                fsync: Some(fsync.into()),
-                default_shards: Some(1),
-                ..Overrides::default()
-            },
-            true,
-        )?;
-        let setup = felix_broker::dev::prepare(&config.data_dir, "dev")?;
-        let broker = felix_broker::server::start(
-            &config,
-            &setup.cert_pem,
-            &setup.key_pem,
-            setup.keys.clone(),
-        )?;
-        let target = Target {
-            addr: broker.started.listen,
-            ca_pem: std::fs::read_to_string(&setup.ca_path)?,
-            tenant: "dev".into(),
-            token: setup.token.clone(),
+        let exe = match EXECUTABLE.get() {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()?,
         };
-        let http = broker.started.http;
+        let mut cmd = Command::new(exe);
+        cmd.arg("serve-broker")
+            .arg("--fsync")
+            .arg(fsync)
+            .arg("--dir")
+            .arg(dir.path());
+        if let Some(c) = cores {
+            cmd.arg("--cores").arg(c);
+        }
+        for p in pins {
+            cmd.arg("--pin").arg(p);
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let stdin = child.stdin.take();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped"));
+        let mut line = String::new();
+        if stdout.read_line(&mut line)? == 0 {
+            let status = child.wait()?;
+            anyhow::bail!("the broker process exited before listening: {status}");
+        }
+        let started: Started = serde_json::from_str(&line)?;
+        let link = std::sync::Arc::new(BrokerLink {
+            pid: child.id(),
+            io: std::sync::Mutex::new((stdin, stdout)),
+        });
         Ok(LocalBroker {
-            http,
-            broker: Some(broker),
-            _dir: dir,
-            target,
+            child: Some(child),
+            link,
+            dir: Some(dir),
+            target: Target {
+                addr: started.addr,
+                ca_pem: started.ca_pem,
+                tenant: "dev".into(),
+                token: started.token,
+            },
+            http: started.http,
         })
     }
 
     /// Stops it.
     pub fn stop(mut self) -> anyhow::Result<()> {
-        if let Some(b) = self.broker.take() {
-            b.shutdown()?;
-        }
-        Ok(())
+        self.shut()
     }
 
     /// Stops it and keeps its data directory (for a restart over it).
     pub fn stop_keep(mut self) -> anyhow::Result<tempfile::TempDir> {
-        if let Some(b) = self.broker.take() {
-            b.shutdown()?;
-        }
-        Ok(std::mem::replace(&mut self._dir, tempfile::tempdir()?))
+        self.shut()?;
+        self.dir
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no data directory"))
     }
 
-    /// The broker's shared state (its metrics).
-    pub fn shared(&self) -> Option<std::sync::Arc<felix_broker::core::Shared>> {
-        self.broker.as_ref().map(|b| b.shared.clone())
+    /// Closes the child's stdin (its signal to shut down) and waits for it.
+    fn shut(&mut self) -> anyhow::Result<()> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(());
+        };
+        if let Ok(mut io) = self.link.io.lock() {
+            io.0 = None;
+        }
+        let status = child.wait()?;
+        anyhow::ensure!(status.success(), "the broker process ended with {status}");
+        Ok(())
+    }
+
+    /// What the bench asks its process.
+    pub fn link(&self) -> std::sync::Arc<BrokerLink> {
+        self.link.clone()
     }
 
     /// Its address.
     pub fn addr(&self) -> SocketAddr {
         self.target.addr
+    }
+}
+
+impl Drop for LocalBroker {
+    fn drop(&mut self) {
+        let _ = self.shut();
+    }
+}
+
+/// The executable that serves `serve-broker`, when this one does not (a test binary).
+static EXECUTABLE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+/// Runs each [`LocalBroker`] from `exe` (`felix-bench`) instead of this executable: for
+/// tests, whose binary is the test harness (`env!("CARGO_BIN_EXE_felix-bench")`).
+pub fn use_executable(exe: impl Into<std::path::PathBuf>) {
+    let _ = EXECUTABLE.set(exe.into());
+}
+
+/// The line a broker process prints once it listens.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Started {
+    addr: SocketAddr,
+    http: Option<SocketAddr>,
+    ca_pem: String,
+    token: String,
+}
+
+/// The broker process's side (`felix-bench serve-broker`): starts `felix-broker dev` on
+/// `dir` with `cores`, `fsync` and `pins`, prints where it listens as one JSON line, then
+/// answers each question line on stdin (`stages`, `flushes`, `connections`,
+/// `cache-core <name>`) with one JSON line until stdin closes, and stops.
+pub fn serve_child(
+    cores: Option<&str>,
+    fsync: &str,
+    pins: &[String],
+    dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    use std::io::{BufRead, Write};
+    use std::sync::atomic::Ordering;
+    // The parent may run on the load's CPUs: this process's threads other than the
+    // cores (which pin themselves) may use any.
+    unpin_self();
+    let config = BrokerConfig::resolve(
+        FileConfig {
+            pins: pins.to_vec(),
+            ..FileConfig::default()
+        },
+        Overrides {
+            listen: Some("127.0.0.1:0".into()),
+            http: Some("127.0.0.1:0".into()),
+            data_dir: Some(dir.join("data")),
+            cores: cores.map(str::to_owned),
+            fsync: Some(fsync.into()),
+            default_shards: Some(1),
+            ..Overrides::default()
+        },
+        true,
+    )?;
+    let setup = felix_broker::dev::prepare(&config.data_dir, "dev")?;
+    let broker =
+        felix_broker::server::start(&config, &setup.cert_pem, &setup.key_pem, setup.keys.clone())?;
+    let shared = broker.shared.clone();
+    let mut out = std::io::stdout().lock();
+    let started = Started {
+        addr: broker.started.listen,
+        http: broker.started.http,
+        ca_pem: std::fs::read_to_string(&setup.ca_path)?,
+        token: setup.token.clone(),
+    };
+    writeln!(out, "{}", serde_json::to_string(&started)?)?;
+    out.flush()?;
+    type Pick = fn(&felix_broker::core::CoreMetrics) -> &felix_broker::histogram::Histogram;
+    let picks: [Pick; 6] = [
+        |m| &m.mesh_hop,
+        |m| &m.append_commit,
+        |m| &m.log_write,
+        |m| &m.log_fsync,
+        |m| &m.publish_ack,
+        |m| &m.answer_send,
+    ];
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let answer = match line.split_once(' ').unwrap_or((&line, "")) {
+            ("stages", _) => serde_json::json!(
+                picks
+                    .iter()
+                    .map(|pick| {
+                        let mut sum = vec![0u64; felix_broker::histogram::BOUNDS_US.len() + 1];
+                        for m in &shared.metrics {
+                            for (s, c) in sum.iter_mut().zip(pick(m).buckets()) {
+                                *s += c;
+                            }
+                        }
+                        sum
+                    })
+                    .collect::<Vec<_>>()
+            ),
+            ("flushes", _) => serde_json::json!(shared.metrics.iter().fold((0, 0), |(s, b), m| {
+                (
+                    s + m.log_syncs.load(Ordering::Relaxed),
+                    b + m.log_synced_batches.load(Ordering::Relaxed),
+                )
+            })),
+            ("connections", _) => serde_json::json!(
+                shared
+                    .metrics
+                    .iter()
+                    .map(|m| m.connections.load(Ordering::Relaxed))
+                    .collect::<Vec<_>>()
+            ),
+            ("cache-core", name) => {
+                let key = felix_core_runtime::placement::ShardKey {
+                    kind: felix_core_runtime::placement::ShardKind::Cache,
+                    tenant: "dev".into(),
+                    namespace: "default".into(),
+                    name: name.into(),
+                    shard: 0,
+                };
+                serde_json::json!(shared.placement.core_for(&key).index())
+            }
+            (other, _) => anyhow::bail!("an unknown question: {other}"),
+        };
+        writeln!(out, "{answer}")?;
+        out.flush()?;
+    }
+    broker.shutdown()?;
+    Ok(())
+}
+
+/// Lets this thread (and the threads it starts) run on every online CPU.
+fn unpin_self() {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls only read it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let cpus = libc::sysconf(libc::_SC_NPROCESSORS_ONLN).max(1) as usize;
+        for c in 0..cpus.min(libc::CPU_SETSIZE as usize) {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
 

@@ -212,29 +212,16 @@ async fn one_server(
     match peer {
         Peer::Felix => {
             let b = LocalBroker::start(Some(cores), "on-commit")?;
-            let shared = b.shared().context("an in-process broker")?;
-            let key = felix_core_runtime::placement::ShardKey {
-                kind: felix_core_runtime::placement::ShardKind::Cache,
-                tenant: b.target.tenant.clone(),
-                namespace: "default".into(),
-                name: "bench".into(),
-                shard: 0,
-            };
-            let shard_core = shared.placement.core_for(&key).index();
-            let connections = || -> Vec<u64> {
-                shared
-                    .metrics
-                    .iter()
-                    .map(|m| m.connections.load(std::sync::atomic::Ordering::Relaxed))
-                    .collect()
-            };
+            let link = b.link();
+            let shard_core = link.cache_core("bench")?;
+            let connections = || link.connections();
             // Earlier connections stay open while trying again, so the core whose count
             // grew is the new one's.
             let mut tried = Vec::new();
             let (mut conn, mut conn_core) = loop {
-                let before = connections();
+                let before = connections()?;
                 let conn = FelixConn::open(&b.target).await?;
-                let core = connections()
+                let core = connections()?
                     .iter()
                     .zip(&before)
                     .position(|(a, b)| a > b)
@@ -253,13 +240,9 @@ async fn one_server(
             );
             let metrics = FelixDriver {
                 target: b.target.clone(),
-                shared: b.shared(),
+                broker: Some(b.link()),
             };
-            let cpu = || {
-                threads_cpu_ns("self", |n| {
-                    n.starts_with("felix-core") || n.starts_with("iou-wrk")
-                })
-            };
+            let cpu = || link.cpu_ns();
             for op in [Op::Put, Op::Get, Op::Incr] {
                 for &w in windows {
                     let cell = run_cell(&mut conn, op, w, ops, cpu, Some(&metrics)).await?;

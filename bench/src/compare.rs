@@ -651,7 +651,7 @@ fn drivers_for(
             (
                 Box::new(FelixDriver {
                     target: b.target.clone(),
-                    shared: b.shared(),
+                    broker: Some(b.link()),
                 }),
                 Box::new(b),
             )
@@ -878,7 +878,7 @@ async fn scaling(opts: &Options) -> anyhow::Result<Value> {
         let b = LocalBroker::start(Some(cores), "none")?;
         let d = FelixDriver {
             target: b.target.clone(),
-            shared: b.shared(),
+            broker: Some(b.link()),
         };
         let (a, c) = tokio::join!(
             run_cell(&d, &spec, opts.scale, None, false),
@@ -921,7 +921,7 @@ async fn pinning(opts: &Options) -> anyhow::Result<Value> {
         let b = LocalBroker::start_with(Some(&opts.cores), "none", &pins, None)?;
         let d = FelixDriver {
             target: b.target.clone(),
-            shared: b.shared(),
+            broker: Some(b.link()),
         };
         let (a, c) = tokio::join!(
             run_cell(&d, &spec, opts.scale, None, false),
@@ -950,7 +950,7 @@ async fn live_repin(opts: &Options) -> anyhow::Result<Value> {
     let http = b.http.context("the bench broker serves HTTP")?;
     let d = FelixDriver {
         target: b.target.clone(),
-        shared: b.shared(),
+        broker: Some(b.link()),
     };
     let start = Instant::now();
     let end = start + half * 2;
@@ -1036,7 +1036,7 @@ fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Valu
     let b = LocalBroker::start(Some(&opts.cores), "on-commit")?;
     let d = FelixDriver {
         target: b.target.clone(),
-        shared: b.shared(),
+        broker: Some(b.link()),
     };
     rt.block_on(run_cell_on(
         &d,
@@ -1053,7 +1053,7 @@ fn recovery(opts: &Options, rt: &tokio::runtime::Runtime) -> anyhow::Result<Valu
     // The shard's log is opened (and recovered) on first use: a consumer attach.
     let d = FelixDriver {
         target: b.target.clone(),
-        shared: b.shared(),
+        broker: Some(b.link()),
     };
     rt.block_on(async {
         d.consumer("benchrecovery".into()).await?;
@@ -1188,7 +1188,7 @@ pub fn scaling_curve(
             let b = LocalBroker::start_with(Some(&cores), fsync, &pins, None)?;
             let d = FelixDriver {
                 target: b.target.clone(),
-                shared: b.shared(),
+                broker: Some(b.link()),
             };
             let cpu_before = d.server_cpu_ns();
             let started = Instant::now();

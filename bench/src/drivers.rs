@@ -153,8 +153,8 @@ pub trait Consumer: Send {
 pub struct FelixDriver {
     /// How to reach it.
     pub target: Target,
-    /// Its metrics, when it runs in this process.
-    pub shared: Option<Arc<felix_broker::core::Shared>>,
+    /// What its process reports, when the bench started it.
+    pub broker: Option<Arc<crate::broker::BrokerLink>>,
 }
 
 struct FelixProducer {
@@ -180,49 +180,16 @@ impl Driver for FelixDriver {
     }
 
     fn server_cpu_ns(&self) -> Option<u64> {
-        // In this process: the broker's cores and the io_uring workers they start (the
-        // load generator is tokio and starts none).
-        self.shared.as_ref()?;
-        threads_cpu_ns("self", |n| {
-            n.starts_with("felix-core") || n.starts_with("iou-wrk")
-        })
+        self.broker.as_ref()?.cpu_ns()
     }
 
     fn stage_buckets(&self) -> Option<Vec<(&'static str, Vec<u64>)>> {
-        let shared = self.shared.as_ref()?;
-        type Pick = fn(&felix_broker::core::CoreMetrics) -> &felix_broker::histogram::Histogram;
-        let picks: [Pick; 6] = [
-            |m| &m.mesh_hop,
-            |m| &m.append_commit,
-            |m| &m.log_write,
-            |m| &m.log_fsync,
-            |m| &m.publish_ack,
-            |m| &m.answer_send,
-        ];
-        let stages = STAGES.iter().zip(picks);
-        Some(
-            stages
-                .map(|(name, pick)| {
-                    let mut sum = vec![0u64; felix_broker::histogram::BOUNDS_US.len() + 1];
-                    for m in &shared.metrics {
-                        for (s, c) in sum.iter_mut().zip(pick(m).buckets()) {
-                            *s += c;
-                        }
-                    }
-                    (*name, sum)
-                })
-                .collect(),
-        )
+        let stages = self.broker.as_ref()?.stage_buckets()?;
+        Some(STAGES.iter().copied().zip(stages).collect())
     }
 
     fn flush_counts(&self) -> Option<(u64, u64)> {
-        let shared = self.shared.as_ref()?;
-        Some(shared.metrics.iter().fold((0, 0), |(s, b), m| {
-            (
-                s + m.log_syncs.load(Ordering::Relaxed),
-                b + m.log_synced_batches.load(Ordering::Relaxed),
-            )
-        }))
+        self.broker.as_ref()?.flush_counts()
     }
 
     fn producer(&self, stream: String, window: usize) -> BoxFut<'_, Box<dyn Producer>> {

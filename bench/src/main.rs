@@ -156,6 +156,22 @@ enum Command {
         #[arg(long)]
         cross_core: bool,
     },
+    /// Runs our broker for the other commands, in a process of its own (internal).
+    #[command(hide = true)]
+    ServeBroker {
+        /// Cores.
+        #[arg(long)]
+        cores: Option<String>,
+        /// `on-commit`, `periodic:<ms>` or `none`.
+        #[arg(long)]
+        fsync: String,
+        /// Pin rules.
+        #[arg(long = "pin")]
+        pins: Vec<String>,
+        /// Data directory.
+        #[arg(long)]
+        dir: std::path::PathBuf,
+    },
     /// Broker: 1 KiB records, batch 1 and 64, fanout 1 and 10; ack and delivery latency.
     Broker {
         /// `on-commit`, `periodic:<ms>` or `none`.
@@ -270,6 +286,12 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Command::ServeBroker {
+            cores,
+            fsync,
+            pins,
+            dir,
+        } => felix_bench::broker::serve_child(cores.as_deref(), &fsync, &pins, &dir),
         Command::Broker {
             fsync,
             records,

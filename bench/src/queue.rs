@@ -144,7 +144,7 @@ async fn one_cell(
             let b = LocalBroker::start(Some("0-1"), "on-commit")?;
             let driver = FelixDriver {
                 target: b.target.clone(),
-                shared: b.shared(),
+                broker: Some(b.link()),
             };
             fill(&driver, &stream, records).await?;
             let target = b.target.clone();

@@ -6,6 +6,7 @@ use felix_bench::compare::{Options, Peer, Scale, run};
 
 #[test]
 fn every_scenario_runs_against_every_broker() {
+    ours_in_its_own_process();
     let out = tempfile::tempdir().unwrap();
     let md = run(&Options {
         scale: Scale::Tiny,
@@ -59,6 +60,7 @@ fn every_scenario_runs_against_every_broker() {
 /// The per-core cell: load on CPU 1, every broker (peers included) confined to CPU 0.
 #[test]
 fn the_confined_cell_runs_with_the_load_on_its_own_cpu() {
+    ours_in_its_own_process();
     if felix_core_runtime::cores::available_cpus().len() < 2 {
         eprintln!("skipped: needs two CPUs");
         return;
@@ -81,10 +83,18 @@ fn the_confined_cell_runs_with_the_load_on_its_own_cpu() {
     assert_eq!(json["machine"]["load_cores"], "1");
     let md = std::fs::read_to_string(out.path().join("results.md")).unwrap();
     assert!(md.contains("load generator confined to CPUs `1`"), "{md}");
+    // Our broker runs in a process of its own: its CPU and stages are still read.
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| S3 | felix |"))
+        .unwrap_or_else(|| panic!("no S3 row for ours:\n{md}"));
+    assert!(!row.trim_end().ends_with("| - |"), "our CPU per message: {row}");
+    assert!(md.contains("| S3 | ≤"), "our stages:\n{md}");
 }
 
 #[test]
 fn the_cache_cells_run_against_ours_and_redis_and_check_their_answers() {
+    ours_in_its_own_process();
     // Each cell checks every answer (a get returns the value put) and ends by reading
     // the counters back: they must hold exactly the increments sent.
     let md = felix_bench::cache::run(&[Peer::Felix, Peer::Redis], &[1, 8], 300, 1, "0-1", true)
@@ -102,6 +112,7 @@ fn the_cache_cells_run_against_ours_and_redis_and_check_their_answers() {
 
 #[test]
 fn the_queue_cells_run_against_every_broker_and_consume_every_record() {
+    ours_in_its_own_process();
     // Each cell fails unless its consumers acknowledged every record published.
     let md = felix_bench::queue::run(&[Peer::Felix, Peer::Nats, Peer::Redis], &[1, 2], 300, 16, 1)
         .unwrap_or_else(|e| panic!("the queue cells failed: {e:#}"));
@@ -114,4 +125,9 @@ fn the_queue_cells_run_against_every_broker_and_consume_every_record() {
         }
     }
     assert!(md.contains("2 consumer(s): ours / better peer = "), "{md}");
+}
+
+/// Our broker runs as `felix-bench serve-broker`; this binary is the test harness.
+fn ours_in_its_own_process() {
+    felix_bench::broker::use_executable(env!("CARGO_BIN_EXE_felix-bench"));
 }
