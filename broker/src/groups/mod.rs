@@ -1934,6 +1934,14 @@ mod tests {
     type Answers = Rc<RefCell<Vec<(Vec<Bytes>, oneshot::Sender<Result<Appended, BrokerError>>)>>>;
 
     fn shard_with_held_writes() -> (GroupShard, Answers) {
+        shard_with_held_writes_and(Limits {
+            snapshot_every_bytes: 100,
+            ..Limits::default()
+        })
+    }
+
+    /// [`shard_with_held_writes`] with `limits`.
+    fn shard_with_held_writes_and(limits: Limits) -> (GroupShard, Answers) {
         let writes: Answers = Rc::default();
         let w = writes.clone();
         let writer: GroupWriter = Box::new(move |records| {
@@ -1941,10 +1949,6 @@ mod tests {
             w.borrow_mut().push((records, tx));
             Box::pin(async move { rx.await.unwrap_or(Err(BrokerError::Draining)) })
         });
-        let limits = Limits {
-            snapshot_every_bytes: 100,
-            ..Limits::default()
-        };
         let state = GroupState {
             trackers: HashMap::new(),
             folded: Some(HashMap::new()),
@@ -2316,6 +2320,64 @@ mod tests {
             };
             race_and_compare(&g, &writes, g.serve(&stream, seek), g.serve(&stream, poll)).await;
             assert_eq!(g.tracker("n", |t| t.committed()), Some(3));
+        });
+    }
+
+    /// A poll that passed its group's check on arrival and then waited for a claim to
+    /// come due claims again only after a delete of the group written meanwhile is
+    /// applied (the wait at the top of the claim loop). Claiming at once, it
+    /// dead-lettered the due record (its last attempt spent) in the trackers and wrote
+    /// that event after the delete in the log: the next build brought the group back.
+    #[test]
+    fn a_waiting_poll_claims_again_only_after_a_delete_being_written_applies() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            let p = stream.log.begin_append(&[&b"r"[..]], 0, None).unwrap();
+            let record = stream.log.commit(p).await.unwrap();
+            stream.advance_fanout(record);
+            let (g, writes) = shard_with_held_writes_and(Limits {
+                max_attempts: 1,
+                ..Limits::default()
+            });
+            // Offset 0 claimed once (its one attempt), the claim due in 50 ms.
+            let mut t = Tracker::new(0, g.limits);
+            assert_eq!(t.claim(1, 1, mono_ms(), 50, None).handed, vec![(0, 1)]);
+            g.groups.borrow_mut().insert("w".into(), t.clone());
+            g.folded.borrow_mut().as_mut().unwrap().insert("w".into(), t);
+            let mut poll = std::pin::pin!(g.serve(
+                &stream,
+                GroupOp::Poll {
+                    group: "w".into(),
+                    max: 10,
+                    wait_ms: 5_000,
+                    visibility_ms: 0,
+                    member: None,
+                }
+            ));
+            assert!(poll_once(&mut poll).await.is_none(), "nothing to claim yet");
+            let mut delete = std::pin::pin!(g.serve(&stream, GroupOp::Delete("w".into())));
+            assert!(poll_once(&mut delete).await.is_none());
+            assert_eq!(writes.borrow().len(), 1, "the delete's write");
+            // The claim comes due while the delete is being written.
+            let started = std::time::Instant::now();
+            while started.elapsed() < Duration::from_millis(200) {
+                assert!(poll_once(&mut poll).await.is_none());
+                felix_core_runtime::task::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(
+                writes.borrow().len(),
+                1,
+                "the poll claimed (and dead-lettered) while the delete was being written"
+            );
+            let (_, answer) = writes.borrow_mut().remove(0);
+            answer.send(appended()).unwrap();
+            assert!(matches!(delete.await, Ok(GroupAnswer::Deleted(true))));
+            assert!(poll.await.is_err(), "a poll of a deleted group");
+            assert!(writes.borrow().is_empty());
+            assert!(!g.groups.borrow().contains_key("w"));
+            assert!(!g.folded.borrow().as_ref().unwrap().contains_key("w"));
         });
     }
 }
