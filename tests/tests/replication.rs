@@ -606,6 +606,82 @@ fn a_quorum_cache_write_answered_outcome_unknown_reaches_the_index_when_it_commi
     got.unwrap();
 }
 
+/// A delete that arrives while a put of its key is still replicating must remove
+/// what the put writes: the put is first in the log. The index holds a Quorum write
+/// only once it commits, so a delete that looked there first found nothing, wrote
+/// nothing, was answered, and the put committed after it. Here both followers' links
+/// are slowed (100 ms each way) so the put is in flight for a few hundred
+/// milliseconds, and the delete is sent on another connection 50 ms after it.
+#[test]
+fn a_quorum_cache_delete_removes_a_put_of_its_key_still_replicating() {
+    use felix_cluster::proxy::{Link, Party};
+    let c = TestCluster::start_with_proxies(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        3,
+        CP_ARGS,
+        "",
+    )
+    .unwrap();
+    create_quorum_cache(&c, "del");
+    let (leader, _) = wait_for("a cache leader", Duration::from_secs(20), || {
+        leader_and_generation(&c, "cache", Some("del"))
+    })
+    .unwrap();
+    let rules = c.net.as_ref().expect("proxies").rules.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (addr, config) = (c.brokers[leader].listen, c.client_config().unwrap());
+    rt.block_on(async {
+        let client = felix_client::Client::connect(addr, "localhost", config.clone())
+            .await
+            .unwrap();
+        // A second connection: one connection's requests are served in turn.
+        let other = felix_client::Client::connect(addr, "localhost", config)
+            .await
+            .unwrap();
+        put_until_taken(&client, "del", b"first").await;
+        client
+            .cache_delete(TENANT, NAMESPACE, "del", "k")
+            .await
+            .unwrap();
+        let slow = Link {
+            delay: Duration::from_millis(100),
+            ..Link::default()
+        };
+        for f in (0..3).filter(|&i| i != leader) {
+            rules.set_both(Party::Node(leader), Party::Node(f), slow);
+        }
+        let put = client.cache_put(
+            TENANT,
+            NAMESPACE,
+            "del",
+            "k",
+            bytes::Bytes::from_static(b"second"),
+            None,
+        );
+        let delete = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            other.cache_delete(TENANT, NAMESPACE, "del", "k").await
+        };
+        let (put, deleted) = tokio::join!(put, delete);
+        put.unwrap();
+        assert_eq!(
+            deleted.unwrap().as_deref(),
+            Some(&b"second"[..]),
+            "the delete answers the value it removed"
+        );
+        assert_eq!(
+            client
+                .cache_get(TENANT, NAMESPACE, "del", "k")
+                .await
+                .unwrap(),
+            None,
+            "a put acknowledged before its delete outlived it"
+        );
+    });
+    rules.heal();
+}
+
 /// Creates `name`, a one-shard Quorum cache of three copies.
 fn create_quorum_cache(c: &TestCluster, name: &str) {
     c.admin

@@ -2345,7 +2345,11 @@ mod tests {
             let mut t = Tracker::new(0, g.limits);
             assert_eq!(t.claim(1, 1, mono_ms(), 50, None).handed, vec![(0, 1)]);
             g.groups.borrow_mut().insert("w".into(), t.clone());
-            g.folded.borrow_mut().as_mut().unwrap().insert("w".into(), t);
+            g.folded
+                .borrow_mut()
+                .as_mut()
+                .unwrap()
+                .insert("w".into(), t);
             let mut poll = std::pin::pin!(g.serve(
                 &stream,
                 GroupOp::Poll {
