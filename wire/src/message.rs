@@ -1335,6 +1335,116 @@ pub fn peek_request(payload: &[u8]) -> Option<RequestSummary> {
     serde_json::from_slice(payload).ok()
 }
 
+/// Writes the answers that carry record payloads (`group_records`, `cache_value`)
+/// straight into `out`, byte for byte as serde writes them; `false` for any other
+/// message. serde_json writes a byte field by building its base64 string and then
+/// scanning every character of it for escapes, which base64 never needs: for a poll's
+/// answer of 1 KiB records that scan and copy were about a sixth of the broker's CPU.
+/// Here base64 is written in place and only the other strings are escaped (by serde).
+fn encode_payload_answer(m: &Message, out: &mut BytesMut) -> bool {
+    match m {
+        Message::GroupRecords {
+            records,
+            request_id,
+        } => {
+            let payloads: usize = records.iter().map(|r| r.payload.len()).sum();
+            out.reserve(64 + payloads.div_ceil(3) * 4 + records.len() * 64);
+            out.put_slice(br#"{"type":"group_records","records":["#);
+            for (i, r) in records.iter().enumerate() {
+                if i > 0 {
+                    out.put_u8(b',');
+                }
+                put_number(out, br#"{"offset":"#, r.offset.0);
+                out.put_slice(br#","payload":"#);
+                put_base64(out, &r.payload);
+                put_number(out, br#","attempts":"#, u64::from(r.attempts));
+                if r.skipped_before != 0 {
+                    put_number(out, br#","skipped_before":"#, r.skipped_before);
+                }
+                if let Some(p) = &r.publisher {
+                    out.put_slice(br#","publisher":"#);
+                    put_string(out, p);
+                }
+                if let Some(t) = r.timestamp_micros {
+                    put_number(out, br#","timestamp_micros":"#, t);
+                }
+                out.put_u8(b'}');
+            }
+            put_number(out, br#"],"request_id":"#, request_id.0);
+            out.put_u8(b'}');
+            true
+        }
+        Message::CacheValue {
+            tenant_id,
+            namespace,
+            cache,
+            key,
+            value,
+            request_id,
+            version,
+        } => {
+            out.put_slice(br#"{"type":"cache_value","tenant_id":"#);
+            put_string(out, tenant_id);
+            out.put_slice(br#","namespace":"#);
+            put_string(out, namespace);
+            out.put_slice(br#","cache":"#);
+            put_string(out, cache);
+            out.put_slice(br#","key":"#);
+            put_string(out, key);
+            out.put_slice(br#","value":"#);
+            match value {
+                Some(v) => put_base64(out, v),
+                None => out.put_slice(b"null"),
+            }
+            if let Some(r) = request_id {
+                put_number(out, br#","request_id":"#, r.0);
+            }
+            if let Some(v) = version {
+                put_number(out, br#","version":"#, *v);
+            }
+            out.put_u8(b'}');
+            true
+        }
+        _ => false,
+    }
+}
+
+/// `name` (a field's opening, up to its colon) then `n` in decimal.
+fn put_number(out: &mut BytesMut, name: &[u8], n: u64) {
+    out.put_slice(name);
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    let mut n = n;
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.put_slice(&digits[i..]);
+}
+
+/// A JSON string, escaped as serde_json escapes it.
+fn put_string(out: &mut BytesMut, s: &str) {
+    serde_json::to_writer(out.writer(), s).expect("a string serializes");
+}
+
+/// `bytes` as a quoted standard base64 string, encoded in place.
+fn put_base64(out: &mut BytesMut, bytes: &[u8]) {
+    use base64::Engine;
+    let len = bytes.len().div_ceil(3) * 4;
+    out.put_u8(b'"');
+    let at = out.len();
+    out.resize(at + len, 0);
+    let written = base64::engine::general_purpose::STANDARD
+        .encode_slice(bytes, &mut out[at..])
+        .expect("sized for padded base64");
+    debug_assert_eq!(written, len);
+    out.put_u8(b'"');
+}
+
 impl Message {
     /// Decodes a JSON payload (a frame with flags 0).
     pub fn decode(payload: &[u8]) -> Result<Message, MessageError> {
@@ -1361,8 +1471,10 @@ impl Message {
     /// Appends this message as a whole frame (flags 0) to `buf`.
     pub fn encode_frame(&self, buf: &mut BytesMut) -> Result<(), MessageError> {
         let start = frame::begin_frame(buf, Flags::JSON);
-        serde_json::to_writer(buf.writer(), self)
-            .expect("every Message variant but Unknown serializes");
+        if !encode_payload_answer(self, buf) {
+            serde_json::to_writer(buf.writer(), self)
+                .expect("every Message variant but Unknown serializes");
+        }
         let written = frame::finish_frame(buf, start);
         if written.is_err() {
             buf.truncate(start);
@@ -1493,6 +1605,77 @@ impl Message {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The payload answers written in place are byte for byte what serde writes,
+    /// whatever their optional fields and whatever their strings need escaped.
+    #[test]
+    fn payload_answers_written_in_place_match_serde_byte_for_byte() {
+        let record =
+            |offset: u64, size: usize, attempts, skipped, publisher: Option<&str>, t| GroupRecord {
+                offset: Offset(offset),
+                payload: Bytes::from((0..size).map(|i| i as u8).collect::<Vec<u8>>()),
+                attempts,
+                skipped_before: skipped,
+                publisher: publisher.map(str::to_owned),
+                timestamp_micros: t,
+            };
+        let messages = [
+            Message::GroupRecords {
+                records: vec![],
+                request_id: RequestId(0),
+            },
+            Message::GroupRecords {
+                records: vec![
+                    record(0, 0, 0, 0, None, None),
+                    record(1, 1, 1, 0, None, None),
+                    record(2, 2, 2, 3, Some("svc \"a\"\n\u{1}\u{e9}/\\"), Some(0)),
+                    record(u64::MAX, 1024, u32::MAX, u64::MAX, Some(""), Some(u64::MAX)),
+                    record(10, 1025, 7, 1, None, Some(17)),
+                ],
+                request_id: RequestId(u64::MAX),
+            },
+            Message::CacheValue {
+                tenant_id: "t".into(),
+                namespace: "n\ts".into(),
+                cache: "c\"".into(),
+                key: "k\u{7f}\u{2028}\u{1f600}".into(),
+                value: Some(Bytes::from_static(b"\x00\xff\xfe value")),
+                request_id: Some(RequestId(12345678901)),
+                version: Some(0),
+            },
+            Message::CacheValue {
+                tenant_id: String::new(),
+                namespace: "ns".into(),
+                cache: "c".into(),
+                key: "k".into(),
+                value: None,
+                request_id: None,
+                version: None,
+            },
+            Message::CacheValue {
+                tenant_id: "t".into(),
+                namespace: "ns".into(),
+                cache: "c".into(),
+                key: "k".into(),
+                value: Some(Bytes::new()),
+                request_id: Some(RequestId(1)),
+                version: None,
+            },
+        ];
+        for m in messages {
+            let mut direct = BytesMut::new();
+            assert!(encode_payload_answer(&m, &mut direct), "{m:?}");
+            let serde = serde_json::to_vec(&m).unwrap();
+            assert_eq!(
+                std::str::from_utf8(&direct).unwrap(),
+                std::str::from_utf8(&serde).unwrap()
+            );
+            // And through the frame encoder, decoding back to the message.
+            let frame = m.to_frame();
+            assert_eq!(&frame[frame.len() - serde.len()..], &serde[..]);
+            assert_eq!(Message::decode(&serde), Ok(m));
+        }
+    }
 
     #[test]
     fn unknown_type_is_not_an_error() {
