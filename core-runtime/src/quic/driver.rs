@@ -1303,9 +1303,6 @@ fn process(
                 for piece in recv_buf[..r.len].chunks(seg) {
                     dr.handle_datagram(now, r.from, r.ecn, BytesMut::from(piece));
                 }
-                if r.last {
-                    *readable = false;
-                }
             }
             Ok(None) => *readable = false,
             Err(e) => {
@@ -1551,7 +1548,6 @@ mod sans_io {
                 from,
                 segment: None,
                 ecn: None,
-                last: !q.iter().any(|(_, to, _)| *to == self.addr),
             }))
         }
 

@@ -2,11 +2,8 @@
 //!
 //! - Receive: a pending `peek_from` on glommio's socket signals readability (peeking
 //!   consumes nothing, so dropping or keeping that future never loses a datagram), then
-//!   non-blocking `recvmmsg` drains the queue, with GRO so one call can return many
-//!   coalesced datagrams and their segment size. It asks for two: when one comes, the
-//!   queue was empty behind it, and the loop sleeps on the probe without the receive
-//!   that would only have failed (one syscall in five for a lone request); the second,
-//!   when there is one, is held for the next call.
+//!   non-blocking `recvmsg` drains the queue, with GRO so one call can return many
+//!   coalesced datagrams and their segment size.
 //! - Send: non-blocking `sendmsg` with `UDP_SEGMENT` (GSO) so one call sends a burst of
 //!   equal-size datagrams; if the kernel refuses GSO we fall back to one datagram per
 //!   call for the rest of the socket's life.
@@ -18,7 +15,7 @@
 //!   quinn-proto can validate ECN on a path and react to congestion marks before loss.
 //!   Sends that had to wait for socket room go without a mark.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::io;
 use std::mem::{size_of, zeroed};
 use std::net::SocketAddr;
@@ -39,9 +36,6 @@ pub(crate) struct Received {
     pub segment: Option<usize>,
     /// The ECN bits it arrived with.
     pub ecn: Option<quinn_proto::EcnCodepoint>,
-    /// The socket held nothing more when this was read: until its readiness probe
-    /// fires again, another receive would find nothing.
-    pub last: bool,
 }
 
 #[derive(Debug)]
@@ -50,12 +44,7 @@ pub(crate) struct UdpIo {
     fd: RawFd,
     gso: Cell<bool>,
     local: SocketAddr,
-    /// Where a receive's second datagram lands, and that datagram until the next call.
-    spare: RefCell<(Vec<u8>, Option<Received>)>,
 }
-
-/// The most a spare receive takes (a whole GRO run).
-const SPARE_BYTES: usize = 64 * 1024;
 
 fn setsockopt_int(
     fd: RawFd,
@@ -130,7 +119,6 @@ impl UdpIo {
             fd: raw,
             gso: Cell::new(true),
             local,
-            spare: RefCell::new((vec![0; SPARE_BYTES], None)),
         })
     }
 
@@ -152,50 +140,24 @@ impl UdpIo {
     }
 
     /// Receives one datagram (or GRO run) without blocking; `Ok(None)` when none waits.
-    /// One `recvmmsg` asks for two: a lone one comes back marked [`Received::last`], a
-    /// second is kept and returned by the next call (copied into `buf`).
     pub(crate) fn try_recv(&self, buf: &mut [u8]) -> io::Result<Option<Received>> {
-        let mut spare = self.spare.borrow_mut();
-        let (spare_buf, held) = &mut *spare;
-        if let Some(r) = held.take() {
-            buf[..r.len].copy_from_slice(&spare_buf[..r.len]);
-            return Ok(Some(r));
-        }
-        let spare_len = spare_buf.len().min(buf.len());
         // SAFETY: plain-old-data structs, zero is a valid initial value.
-        let mut addrs: [libc::sockaddr_storage; 2] = unsafe { zeroed() };
-        let mut iovs = [
-            libc::iovec {
-                iov_base: buf.as_mut_ptr().cast(),
-                iov_len: buf.len(),
-            },
-            libc::iovec {
-                iov_base: spare_buf.as_mut_ptr().cast(),
-                iov_len: spare_len,
-            },
-        ];
-        let mut controls = [[0u64; 8]; 2];
-        // SAFETY: as above.
-        let mut msgs: [libc::mmsghdr; 2] = unsafe { zeroed() };
-        for (i, m) in msgs.iter_mut().enumerate() {
-            let h = &mut m.msg_hdr;
-            h.msg_name = (&mut addrs[i] as *mut libc::sockaddr_storage).cast();
-            h.msg_namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-            h.msg_iov = &mut iovs[i];
-            h.msg_iovlen = 1;
-            h.msg_control = controls[i].as_mut_ptr().cast();
-            h.msg_controllen = size_of::<[u64; 8]>();
-        }
-        // SAFETY: every header points at live buffers sized as declared.
-        let n = unsafe {
-            libc::recvmmsg(
-                self.fd,
-                msgs.as_mut_ptr(),
-                2,
-                libc::MSG_DONTWAIT,
-                std::ptr::null_mut(),
-            )
+        let mut addr: libc::sockaddr_storage = unsafe { zeroed() };
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
         };
+        let mut control = [0u64; 8];
+        // SAFETY: as above.
+        let mut msg: libc::msghdr = unsafe { zeroed() };
+        msg.msg_name = (&mut addr as *mut libc::sockaddr_storage).cast();
+        msg.msg_namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = size_of::<[u64; 8]>();
+        // SAFETY: msg points at live buffers sized as declared.
+        let n = unsafe { libc::recvmsg(self.fd, &mut msg, libc::MSG_DONTWAIT) };
         if n < 0 {
             let e = io::Error::last_os_error();
             return match e.kind() {
@@ -204,14 +166,37 @@ impl UdpIo {
                 _ => Err(e),
             };
         }
-        if n >= 2 {
-            // A second from a non-IP address is dropped, as the first would be refused.
-            *held = parse(&msgs[1], addrs[1]).ok();
+        let mut segment = None;
+        let mut tos: Option<u8> = None;
+        // SAFETY: walking the control messages the kernel wrote into `control`.
+        unsafe {
+            let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+            while !cmsg.is_null() {
+                let c = &*cmsg;
+                if c.cmsg_level == libc::SOL_UDP && c.cmsg_type == libc::UDP_GRO {
+                    let size =
+                        std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>());
+                    if size > 0 && (size as usize) < n as usize {
+                        segment = Some(size as usize);
+                    }
+                } else if c.cmsg_level == libc::IPPROTO_IP && c.cmsg_type == libc::IP_TOS {
+                    tos = Some(std::ptr::read_unaligned(libc::CMSG_DATA(cmsg)));
+                } else if c.cmsg_level == libc::IPPROTO_IPV6 && c.cmsg_type == libc::IPV6_TCLASS {
+                    let v = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>());
+                    tos = Some(v as u8);
+                }
+                cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            }
         }
-        let first = parse(&msgs[0], addrs[0])?;
+        // SAFETY: the kernel filled `addr` with `msg_namelen` bytes of a socket address.
+        let from = unsafe { SockAddr::new(addr, msg.msg_namelen) }
+            .as_socket()
+            .ok_or_else(|| io::Error::other("datagram from a non-IP address"))?;
         Ok(Some(Received {
-            last: n < 2,
-            ..first
+            len: n as usize,
+            from,
+            segment,
+            ecn: tos.and_then(|t| quinn_proto::EcnCodepoint::from_bits(t & 0b11)),
         }))
     }
 
@@ -348,82 +333,10 @@ impl UdpIo {
     }
 }
 
-/// What the kernel wrote about one received message: its length, sender, GRO segment
-/// size and ECN bits.
-fn parse(m: &libc::mmsghdr, addr: libc::sockaddr_storage) -> io::Result<Received> {
-    let msg = &m.msg_hdr;
-    let n = m.msg_len as usize;
-    let mut segment = None;
-    let mut tos: Option<u8> = None;
-    // SAFETY: walking the control messages the kernel wrote into the message's buffer.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(msg);
-        while !cmsg.is_null() {
-            let c = &*cmsg;
-            if c.cmsg_level == libc::SOL_UDP && c.cmsg_type == libc::UDP_GRO {
-                let size = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>());
-                if size > 0 && (size as usize) < n {
-                    segment = Some(size as usize);
-                }
-            } else if c.cmsg_level == libc::IPPROTO_IP && c.cmsg_type == libc::IP_TOS {
-                tos = Some(std::ptr::read_unaligned(libc::CMSG_DATA(cmsg)));
-            } else if c.cmsg_level == libc::IPPROTO_IPV6 && c.cmsg_type == libc::IPV6_TCLASS {
-                let v = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>());
-                tos = Some(v as u8);
-            }
-            cmsg = libc::CMSG_NXTHDR(msg, cmsg);
-        }
-    }
-    // SAFETY: the kernel filled `addr` with `msg_namelen` bytes of a socket address.
-    let from = unsafe { SockAddr::new(addr, msg.msg_namelen) }
-        .as_socket()
-        .ok_or_else(|| io::Error::other("datagram from a non-IP address"))?;
-    Ok(Received {
-        len: n,
-        from,
-        segment,
-        ecn: tos.and_then(|t| quinn_proto::EcnCodepoint::from_bits(t & 0b11)),
-        last: false,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use quinn_proto::EcnCodepoint;
-
-    #[test]
-    fn a_lone_datagram_is_marked_last_and_a_second_is_held_for_the_next_call() {
-        crate::task::block_on(async {
-            let a = UdpIo::bind("127.0.0.1:0".parse().unwrap(), false).unwrap();
-            let b = UdpIo::bind("127.0.0.1:0".parse().unwrap(), false).unwrap();
-            let mut buf = vec![0u8; 65536];
-            assert!(a.try_send(b"one", b.local_addr(), None, None).unwrap());
-            b.readable().await.unwrap();
-            let r = b.try_recv(&mut buf).unwrap().expect("a datagram");
-            assert_eq!((&buf[..r.len], r.last), (&b"one"[..], true));
-            assert!(b.try_recv(&mut buf).unwrap().is_none());
-            // Three waiting (growing sizes, which GRO never joins): two come in one
-            // call, in order, then the third alone.
-            for d in [&b"1"[..], b"22", b"333"] {
-                assert!(a.try_send(d, b.local_addr(), None, None).unwrap());
-            }
-            b.readable().await.unwrap();
-            let mut got = Vec::new();
-            while let Some(r) = b.try_recv(&mut buf).unwrap() {
-                got.push((buf[..r.len].to_vec(), r.last, r.from));
-            }
-            let want = [
-                (b"1".to_vec(), false),
-                (b"22".to_vec(), false),
-                (b"333".to_vec(), true),
-            ];
-            assert_eq!(got.len(), 3, "{got:?}");
-            for ((data, last, from), (w, wl)) in got.iter().zip(want) {
-                assert_eq!((data, *last, *from), (&w, wl, a.local_addr()));
-            }
-        });
-    }
 
     #[test]
     fn ecn_marks_travel_through_the_kernel_both_ways() {
