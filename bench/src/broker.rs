@@ -97,11 +97,10 @@ impl BrokerLink {
         Ok(serde_json::from_str(&line)?)
     }
 
-    /// CPU time (ns) of the broker's cores and the io_uring workers they start.
+    /// CPU time (ns) of every thread of the broker's process (as each peer's is
+    /// counted): its cores, the io_uring workers they start, its control threads.
     pub fn cpu_ns(&self) -> Option<u64> {
-        crate::drivers::threads_cpu_ns(&self.pid.to_string(), |n| {
-            n.starts_with("felix-core") || n.starts_with("iou-wrk")
-        })
+        crate::drivers::threads_cpu_ns(&self.pid.to_string(), |_| true)
     }
 
     /// Per-stage latency histograms, all cores summed, in [`crate::drivers::STAGES`]'s
@@ -174,11 +173,22 @@ impl LocalBroker {
         let stdin = child.stdin.take();
         let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped"));
         let mut line = String::new();
-        if stdout.read_line(&mut line)? == 0 {
-            let status = child.wait()?;
-            anyhow::bail!("the broker process exited before listening: {status}");
-        }
-        let started: Started = serde_json::from_str(&line)?;
+        let started = match stdout.read_line(&mut line) {
+            Ok(0) => Err(anyhow::anyhow!(
+                "the broker process exited before listening"
+            )),
+            Ok(_) => serde_json::from_str::<Started>(&line).map_err(anyhow::Error::from),
+            Err(e) => Err(e.into()),
+        };
+        let started = match started {
+            Ok(s) => s,
+            Err(e) => {
+                // Not left running (or unreaped) over a directory about to go.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e);
+            }
+        };
         let link = std::sync::Arc::new(BrokerLink {
             pid: child.id(),
             io: std::sync::Mutex::new((stdin, stdout)),
@@ -210,15 +220,29 @@ impl LocalBroker {
             .ok_or_else(|| anyhow::anyhow!("no data directory"))
     }
 
-    /// Closes the child's stdin (its signal to shut down) and waits for it.
+    /// Closes the child's stdin (its signal to shut down) and waits for it, at most
+    /// [`STOP_WAIT`]; then kills it.
     fn shut(&mut self) -> anyhow::Result<()> {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
-        if let Ok(mut io) = self.link.io.lock() {
-            io.0 = None;
-        }
-        let status = child.wait()?;
+        self.link
+            .io
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0 = None;
+        let deadline = std::time::Instant::now() + STOP_WAIT;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let status = child.wait()?;
+                anyhow::bail!("the broker process did not stop within {STOP_WAIT:?}: {status}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
         anyhow::ensure!(status.success(), "the broker process ended with {status}");
         Ok(())
     }
@@ -239,6 +263,9 @@ impl Drop for LocalBroker {
         let _ = self.shut();
     }
 }
+
+/// How long a stopping broker process may take before it is killed.
+const STOP_WAIT: Duration = Duration::from_secs(30);
 
 /// The executable that serves `serve-broker`, when this one does not (a test binary).
 static EXECUTABLE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
@@ -293,15 +320,21 @@ pub fn serve_child(
     let broker =
         felix_broker::server::start(&config, &setup.cert_pem, &setup.key_pem, setup.keys.clone())?;
     let shared = broker.shared.clone();
-    let mut out = std::io::stdout().lock();
+    // Locked per line, never across the wait for a question: a thread of the broker
+    // printing meanwhile would otherwise block on it.
+    let answer_line = |line: String| -> anyhow::Result<()> {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}")?;
+        out.flush()?;
+        Ok(())
+    };
     let started = Started {
         addr: broker.started.listen,
         http: broker.started.http,
         ca_pem: std::fs::read_to_string(&setup.ca_path)?,
         token: setup.token.clone(),
     };
-    writeln!(out, "{}", serde_json::to_string(&started)?)?;
-    out.flush()?;
+    answer_line(serde_json::to_string(&started)?)?;
     type Pick = fn(&felix_broker::core::CoreMetrics) -> &felix_broker::histogram::Histogram;
     let picks: [Pick; 6] = [
         |m| &m.mesh_hop,
@@ -353,20 +386,19 @@ pub fn serve_child(
             }
             (other, _) => anyhow::bail!("an unknown question: {other}"),
         };
-        writeln!(out, "{answer}")?;
-        out.flush()?;
+        answer_line(answer.to_string())?;
     }
     broker.shutdown()?;
     Ok(())
 }
 
-/// Lets this thread (and the threads it starts) run on every online CPU.
+/// Lets this thread (and the threads it starts) run on every CPU.
 fn unpin_self() {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls only read it.
     unsafe {
+        // Every bit: the kernel keeps the CPUs that exist (numbering may have gaps).
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        let cpus = libc::sysconf(libc::_SC_NPROCESSORS_ONLN).max(1) as usize;
-        for c in 0..cpus.min(libc::CPU_SETSIZE as usize) {
+        for c in 0..libc::CPU_SETSIZE as usize {
             libc::CPU_SET(c, &mut set);
         }
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);

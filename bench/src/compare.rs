@@ -333,7 +333,7 @@ pub struct Measured {
     /// cell (ours, durable cells).
     pub appends_per_flush: Option<f64>,
     /// The broker's CPU time per acknowledged message (µs), deliveries included: its
-    /// threads' schedstat over the cell (ours: the core threads; peers: the process).
+    /// threads' schedstat over the cell (every thread of the broker's process).
     pub server_cpu_us: Option<f64>,
     /// Ours: each stage's p50 and p99 (µs, bucket bounds) over the cell, from the
     /// broker's per-core histograms.

@@ -88,7 +88,10 @@ fn the_confined_cell_runs_with_the_load_on_its_own_cpu() {
         .lines()
         .find(|l| l.starts_with("| S3 | felix |"))
         .unwrap_or_else(|| panic!("no S3 row for ours:\n{md}"));
-    assert!(!row.trim_end().ends_with("| - |"), "our CPU per message: {row}");
+    assert!(
+        !row.trim_end().ends_with("| - |"),
+        "our CPU per message: {row}"
+    );
     assert!(md.contains("| S3 | ≤"), "our stages:\n{md}");
 }
 

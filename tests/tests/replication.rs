@@ -610,8 +610,9 @@ fn a_quorum_cache_write_answered_outcome_unknown_reaches_the_index_when_it_commi
 /// what the put writes: the put is first in the log. The index holds a Quorum write
 /// only once it commits, so a delete that looked there first found nothing, wrote
 /// nothing, was answered, and the put committed after it. Here both followers' links
-/// are slowed (100 ms each way) so the put is in flight for a few hundred
-/// milliseconds, and the delete is sent on another connection 50 ms after it.
+/// are slowed (250 ms each way) so the put is in flight for at least half a second,
+/// and the delete is sent on another connection 200 ms after it (the put reaches the
+/// leader directly, in well under that).
 #[test]
 fn a_quorum_cache_delete_removes_a_put_of_its_key_still_replicating() {
     use felix_cluster::proxy::{Link, Party};
@@ -645,7 +646,7 @@ fn a_quorum_cache_delete_removes_a_put_of_its_key_still_replicating() {
             .await
             .unwrap();
         let slow = Link {
-            delay: Duration::from_millis(100),
+            delay: Duration::from_millis(250),
             ..Link::default()
         };
         for f in (0..3).filter(|&i| i != leader) {
@@ -660,7 +661,7 @@ fn a_quorum_cache_delete_removes_a_put_of_its_key_still_replicating() {
             None,
         );
         let delete = async {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
             other.cache_delete(TENANT, NAMESPACE, "del", "k").await
         };
         let (put, deleted) = tokio::join!(put, delete);

@@ -1351,22 +1351,31 @@ fn encode_payload_answer(m: &Message, out: &mut BytesMut) -> bool {
             out.reserve(64 + payloads.div_ceil(3) * 4 + records.len() * 64);
             out.put_slice(br#"{"type":"group_records","records":["#);
             for (i, r) in records.iter().enumerate() {
+                // Every field named: one added later does not compile until written here.
+                let GroupRecord {
+                    offset,
+                    payload,
+                    attempts,
+                    skipped_before,
+                    publisher,
+                    timestamp_micros,
+                } = r;
                 if i > 0 {
                     out.put_u8(b',');
                 }
-                put_number(out, br#"{"offset":"#, r.offset.0);
+                put_number(out, br#"{"offset":"#, offset.0);
                 out.put_slice(br#","payload":"#);
-                put_base64(out, &r.payload);
-                put_number(out, br#","attempts":"#, u64::from(r.attempts));
-                if r.skipped_before != 0 {
-                    put_number(out, br#","skipped_before":"#, r.skipped_before);
+                put_base64(out, payload);
+                put_number(out, br#","attempts":"#, u64::from(*attempts));
+                if *skipped_before != 0 {
+                    put_number(out, br#","skipped_before":"#, *skipped_before);
                 }
-                if let Some(p) = &r.publisher {
+                if let Some(p) = publisher {
                     out.put_slice(br#","publisher":"#);
                     put_string(out, p);
                 }
-                if let Some(t) = r.timestamp_micros {
-                    put_number(out, br#","timestamp_micros":"#, t);
+                if let Some(t) = timestamp_micros {
+                    put_number(out, br#","timestamp_micros":"#, *t);
                 }
                 out.put_u8(b'}');
             }
@@ -1414,17 +1423,23 @@ fn encode_payload_answer(m: &Message, out: &mut BytesMut) -> bool {
             out.reserve(64 + payloads.div_ceil(3) * 4 + records.len() * 64);
             out.put_slice(br#"{"type":"stream_records","records":["#);
             for (i, r) in records.iter().enumerate() {
+                let StreamRecord {
+                    offset,
+                    payload,
+                    publisher,
+                    timestamp_micros,
+                } = r;
                 if i > 0 {
                     out.put_u8(b',');
                 }
-                put_number(out, br#"{"offset":"#, r.offset.0);
+                put_number(out, br#"{"offset":"#, offset.0);
                 out.put_slice(br#","payload":"#);
-                put_base64(out, &r.payload);
-                if let Some(p) = &r.publisher {
+                put_base64(out, payload);
+                if let Some(p) = publisher {
                     out.put_slice(br#","publisher":"#);
                     put_string(out, p);
                 }
-                put_number(out, br#","timestamp_micros":"#, r.timestamp_micros);
+                put_number(out, br#","timestamp_micros":"#, *timestamp_micros);
                 out.put_u8(b'}');
             }
             put_number(out, br#"],"next_offset":"#, next_offset.0);

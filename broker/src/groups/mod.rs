@@ -2341,9 +2341,9 @@ mod tests {
                 max_attempts: 1,
                 ..Limits::default()
             });
-            // Offset 0 claimed once (its one attempt), the claim due in 50 ms.
+            // Offset 0 claimed once (its one attempt), the claim due in 200 ms.
             let mut t = Tracker::new(0, g.limits);
-            assert_eq!(t.claim(1, 1, mono_ms(), 50, None).handed, vec![(0, 1)]);
+            assert_eq!(t.claim(1, 1, mono_ms(), 200, None).handed, vec![(0, 1)]);
             g.groups.borrow_mut().insert("w".into(), t.clone());
             g.folded
                 .borrow_mut()
@@ -2366,7 +2366,7 @@ mod tests {
             assert_eq!(writes.borrow().len(), 1, "the delete's write");
             // The claim comes due while the delete is being written.
             let started = std::time::Instant::now();
-            while started.elapsed() < Duration::from_millis(200) {
+            while started.elapsed() < Duration::from_millis(400) {
                 assert!(poll_once(&mut poll).await.is_none());
                 felix_core_runtime::task::sleep(Duration::from_millis(10)).await;
             }
