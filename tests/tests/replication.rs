@@ -18,6 +18,18 @@ fn cluster() -> TestCluster {
     cluster_with("")
 }
 
+/// Three brokers behind proxies (`c.net` sets each link between them).
+fn proxied_cluster() -> TestCluster {
+    TestCluster::start_with_proxies(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        3,
+        CP_ARGS,
+        "",
+    )
+    .unwrap()
+}
+
 /// Three brokers with `yaml` appended to each one's config.
 fn cluster_with(yaml: &str) -> TestCluster {
     TestCluster::start(
@@ -528,14 +540,7 @@ fn a_broker_whose_lease_lapsed_takes_writes_again_within_a_heartbeat_of_reaching
 #[test]
 fn a_quorum_cache_write_answered_outcome_unknown_reaches_the_index_when_it_commits() {
     use felix_cluster::proxy::{Link, Party};
-    let c = TestCluster::start_with_proxies(
-        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
-        3,
-        CP_ARGS,
-        "",
-    )
-    .unwrap();
+    let c = proxied_cluster();
     create_quorum_cache(&c, "cut");
     let (leader, _) = wait_for("a cache leader", Duration::from_secs(20), || {
         leader_and_generation(&c, "cache", None)
@@ -616,14 +621,7 @@ fn a_quorum_cache_write_answered_outcome_unknown_reaches_the_index_when_it_commi
 #[test]
 fn a_quorum_cache_delete_removes_a_put_of_its_key_still_replicating() {
     use felix_cluster::proxy::{Link, Party};
-    let c = TestCluster::start_with_proxies(
-        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
-        3,
-        CP_ARGS,
-        "",
-    )
-    .unwrap();
+    let c = proxied_cluster();
     create_quorum_cache(&c, "del");
     let (leader, _) = wait_for("a cache leader", Duration::from_secs(20), || {
         leader_and_generation(&c, "cache", Some("del"))
@@ -727,14 +725,7 @@ async fn put_until_taken(client: &felix_client::Client, cache: &str, value: &'st
 #[test]
 fn a_new_quorum_cache_leader_answers_reads_only_once_its_generation_is_committed() {
     use felix_cluster::proxy::{Link, Party};
-    let mut c = TestCluster::start_with_proxies(
-        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
-        3,
-        CP_ARGS,
-        "",
-    )
-    .unwrap();
+    let mut c = proxied_cluster();
     create_quorum_cache(&c, "ri");
     let (old, old_generation) = wait_for("a cache leader", Duration::from_secs(20), || {
         leader_and_generation(&c, "cache", Some("ri"))

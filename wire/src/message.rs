@@ -1336,52 +1336,51 @@ pub fn peek_request(payload: &[u8]) -> Option<RequestSummary> {
 }
 
 /// Writes the messages that carry record payloads (`group_records`, `cache_value`,
-/// `stream_records`, `event_batch`) straight into `out`, byte for byte as serde writes them; `false` for any other
-/// message. serde_json writes a byte field by building its base64 string and then
-/// scanning every character of it for escapes, which base64 never needs: for a poll's
-/// answer of 1 KiB records that scan and copy were about a sixth of the broker's CPU.
-/// Here base64 is written in place and only the other strings are escaped (by serde).
+/// `stream_records`, `event_batch`) straight into `out`, byte for byte as serde writes
+/// them; `false` for any other message. serde_json writes a byte field by building its
+/// base64 string and then scanning every character of it for escapes, which base64
+/// never needs: for a poll's answer of 1 KiB records that scan and copy were about a
+/// sixth of the broker's CPU. Here base64 is written in place and only the other
+/// strings are escaped (by serde). Each field is written as its opening (`,"name":`)
+/// then its value; every struct is taken apart whole, so a field added later does not
+/// compile until it is written here.
 fn encode_payload_answer(m: &Message, out: &mut BytesMut) -> bool {
     match m {
         Message::GroupRecords {
             records,
             request_id,
         } => {
-            let payloads: usize = records.iter().map(|r| r.payload.len()).sum();
-            out.reserve(64 + payloads.div_ceil(3) * 4 + records.len() * 64);
-            out.put_slice(br#"{"type":"group_records","records":["#);
-            for (i, r) in records.iter().enumerate() {
-                // Every field named: one added later does not compile until written here.
-                let GroupRecord {
-                    offset,
-                    payload,
-                    attempts,
-                    skipped_before,
-                    publisher,
-                    timestamp_micros,
-                } = r;
-                if i > 0 {
-                    out.put_u8(b',');
-                }
-                put_number(out, br#"{"offset":"#, offset.0);
-                out.put_slice(br#","payload":"#);
-                put_base64(out, payload);
-                put_number(out, br#","attempts":"#, u64::from(*attempts));
-                if *skipped_before != 0 {
-                    put_number(out, br#","skipped_before":"#, *skipped_before);
-                }
-                if let Some(p) = publisher {
-                    out.put_slice(br#","publisher":"#);
-                    put_string(out, p);
-                }
-                if let Some(t) = timestamp_micros {
-                    put_number(out, br#","timestamp_micros":"#, *t);
-                }
-                out.put_u8(b'}');
-            }
-            put_number(out, br#"],"request_id":"#, request_id.0);
-            out.put_u8(b'}');
-            true
+            out.put_slice(br#"{"type":"group_records""#);
+            put_list(
+                out,
+                br#","records":"#,
+                records,
+                |r| &r.payload,
+                |out, r| {
+                    let GroupRecord {
+                        offset,
+                        payload,
+                        attempts,
+                        skipped_before,
+                        publisher,
+                        timestamp_micros,
+                    } = r;
+                    put_number(out, br#"{"offset":"#, offset.0);
+                    put_base64(out, br#","payload":"#, payload);
+                    put_number(out, br#","attempts":"#, u64::from(*attempts));
+                    if *skipped_before != 0 {
+                        put_number(out, br#","skipped_before":"#, *skipped_before);
+                    }
+                    if let Some(p) = publisher {
+                        put_string(out, br#","publisher":"#, p);
+                    }
+                    if let Some(t) = timestamp_micros {
+                        put_number(out, br#","timestamp_micros":"#, *t);
+                    }
+                    out.put_u8(b'}');
+                },
+            );
+            put_number(out, br#","request_id":"#, request_id.0);
         }
         Message::CacheValue {
             tenant_id,
@@ -1392,18 +1391,13 @@ fn encode_payload_answer(m: &Message, out: &mut BytesMut) -> bool {
             request_id,
             version,
         } => {
-            out.put_slice(br#"{"type":"cache_value","tenant_id":"#);
-            put_string(out, tenant_id);
-            out.put_slice(br#","namespace":"#);
-            put_string(out, namespace);
-            out.put_slice(br#","cache":"#);
-            put_string(out, cache);
-            out.put_slice(br#","key":"#);
-            put_string(out, key);
-            out.put_slice(br#","value":"#);
+            put_string(out, br#"{"type":"cache_value","tenant_id":"#, tenant_id);
+            put_string(out, br#","namespace":"#, namespace);
+            put_string(out, br#","cache":"#, cache);
+            put_string(out, br#","key":"#, key);
             match value {
-                Some(v) => put_base64(out, v),
-                None => out.put_slice(b"null"),
+                Some(v) => put_base64(out, br#","value":"#, v),
+                None => out.put_slice(br#","value":null"#),
             }
             if let Some(r) = request_id {
                 put_number(out, br#","request_id":"#, r.0);
@@ -1411,41 +1405,36 @@ fn encode_payload_answer(m: &Message, out: &mut BytesMut) -> bool {
             if let Some(v) = version {
                 put_number(out, br#","version":"#, *v);
             }
-            out.put_u8(b'}');
-            true
         }
         Message::StreamRecords {
             records,
             next_offset,
             request_id,
         } => {
-            let payloads: usize = records.iter().map(|r| r.payload.len()).sum();
-            out.reserve(64 + payloads.div_ceil(3) * 4 + records.len() * 64);
-            out.put_slice(br#"{"type":"stream_records","records":["#);
-            for (i, r) in records.iter().enumerate() {
-                let StreamRecord {
-                    offset,
-                    payload,
-                    publisher,
-                    timestamp_micros,
-                } = r;
-                if i > 0 {
-                    out.put_u8(b',');
-                }
-                put_number(out, br#"{"offset":"#, offset.0);
-                out.put_slice(br#","payload":"#);
-                put_base64(out, payload);
-                if let Some(p) = publisher {
-                    out.put_slice(br#","publisher":"#);
-                    put_string(out, p);
-                }
-                put_number(out, br#","timestamp_micros":"#, *timestamp_micros);
-                out.put_u8(b'}');
-            }
-            put_number(out, br#"],"next_offset":"#, next_offset.0);
+            out.put_slice(br#"{"type":"stream_records""#);
+            put_list(
+                out,
+                br#","records":"#,
+                records,
+                |r| &r.payload,
+                |out, r| {
+                    let StreamRecord {
+                        offset,
+                        payload,
+                        publisher,
+                        timestamp_micros,
+                    } = r;
+                    put_number(out, br#"{"offset":"#, offset.0);
+                    put_base64(out, br#","payload":"#, payload);
+                    if let Some(p) = publisher {
+                        put_string(out, br#","publisher":"#, p);
+                    }
+                    put_number(out, br#","timestamp_micros":"#, *timestamp_micros);
+                    out.put_u8(b'}');
+                },
+            );
+            put_number(out, br#","next_offset":"#, next_offset.0);
             put_number(out, br#","request_id":"#, request_id.0);
-            out.put_u8(b'}');
-            true
         }
         Message::EventBatch {
             tenant_id,
@@ -1454,30 +1443,46 @@ fn encode_payload_answer(m: &Message, out: &mut BytesMut) -> bool {
             payloads,
             base_offset,
         } => {
-            let bytes: usize = payloads.iter().map(Bytes::len).sum();
-            out.reserve(128 + bytes.div_ceil(3) * 4 + payloads.len() * 8);
-            out.put_slice(br#"{"type":"event_batch","tenant_id":"#);
-            put_string(out, tenant_id);
-            out.put_slice(br#","namespace":"#);
-            put_string(out, namespace);
-            out.put_slice(br#","stream":"#);
-            put_string(out, stream);
-            out.put_slice(br#","payloads":["#);
-            for (i, p) in payloads.iter().enumerate() {
-                if i > 0 {
-                    out.put_u8(b',');
-                }
-                put_base64(out, p);
-            }
-            out.put_u8(b']');
+            put_string(out, br#"{"type":"event_batch","tenant_id":"#, tenant_id);
+            put_string(out, br#","namespace":"#, namespace);
+            put_string(out, br#","stream":"#, stream);
+            put_list(
+                out,
+                br#","payloads":"#,
+                payloads,
+                |p| p,
+                |out, p| put_base64(out, b"", p),
+            );
             if let Some(o) = base_offset {
                 put_number(out, br#","base_offset":"#, o.0);
             }
-            out.put_u8(b'}');
-            true
         }
-        _ => false,
+        _ => return false,
     }
+    out.put_u8(b'}');
+    true
+}
+
+/// `name`, then `items` as a JSON array, each written by `put`; room is reserved first
+/// for every item's `payload` as base64 and some bytes more for its other fields.
+fn put_list<T>(
+    out: &mut BytesMut,
+    name: &[u8],
+    items: &[T],
+    payload: impl Fn(&T) -> &[u8],
+    put: impl Fn(&mut BytesMut, &T),
+) {
+    let bytes: usize = items.iter().map(|i| payload(i).len()).sum();
+    out.reserve(name.len() + 2 + bytes.div_ceil(3) * 4 + items.len() * 64);
+    out.put_slice(name);
+    out.put_u8(b'[');
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.put_u8(b',');
+        }
+        put(out, item);
+    }
+    out.put_u8(b']');
 }
 
 /// `name` (a field's opening, up to its colon) then `n` in decimal.
@@ -1497,14 +1502,16 @@ fn put_number(out: &mut BytesMut, name: &[u8], n: u64) {
     out.put_slice(&digits[i..]);
 }
 
-/// A JSON string, escaped as serde_json escapes it.
-fn put_string(out: &mut BytesMut, s: &str) {
+/// `name` then `s` as a JSON string, escaped as serde_json escapes it.
+fn put_string(out: &mut BytesMut, name: &[u8], s: &str) {
+    out.put_slice(name);
     serde_json::to_writer(out.writer(), s).expect("a string serializes");
 }
 
-/// `bytes` as a quoted standard base64 string, encoded in place.
-fn put_base64(out: &mut BytesMut, bytes: &[u8]) {
+/// `name` then `bytes` as a quoted standard base64 string, encoded in place.
+fn put_base64(out: &mut BytesMut, name: &[u8], bytes: &[u8]) {
     use base64::Engine;
+    out.put_slice(name);
     let len = bytes.len().div_ceil(3) * 4;
     out.put_u8(b'"');
     let at = out.len();

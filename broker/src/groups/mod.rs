@@ -1972,6 +1972,11 @@ mod tests {
         (g, writes)
     }
 
+    /// The oldest held write, taken out: its answer's sender.
+    fn first_write(writes: &Answers) -> oneshot::Sender<Result<Appended, BrokerError>> {
+        writes.borrow_mut().remove(0).1
+    }
+
     fn appended() -> Result<Appended, BrokerError> {
         Ok(Appended { first: 0, end: 1 })
     }
@@ -2045,7 +2050,7 @@ mod tests {
                     poll_once(&mut again).await.is_none(),
                     "a repeated ack answered before the first ack's write"
                 );
-                let (_, answer) = writes.borrow_mut().remove(0);
+                let answer = first_write(&writes);
                 if first_fails {
                     answer
                         .send(Err(BrokerError::Unacknowledged("lost".into())))
@@ -2056,7 +2061,7 @@ mod tests {
                         assert!(poll_once(&mut again).await.is_none());
                         felix_core_runtime::task::yield_now().await;
                     }
-                    let (_, answer) = writes.borrow_mut().remove(0);
+                    let answer = first_write(&writes);
                     answer.send(appended()).unwrap();
                 } else {
                     answer.send(appended()).unwrap();
@@ -2095,8 +2100,7 @@ mod tests {
                 1,
                 "no snapshot while a write is pending"
             );
-            let (_, answer) = writes.borrow_mut().remove(0);
-            answer.send(appended()).unwrap();
+            first_write(&writes).send(appended()).unwrap();
             ack.await.unwrap();
             let snapshot = writes.borrow_mut().remove(0).0;
             let state = decode_snapshot(snapshot[0].clone(), g.limits).unwrap();
@@ -2113,7 +2117,7 @@ mod tests {
             let mut ack = std::pin::pin!(g.write("w", &[Some(Event::Ack(3))]));
             assert!(futures_lite::future::poll_once(&mut ack).await.is_none());
             g.snapshot_if_due(1_000);
-            let (_, answer) = writes.borrow_mut().remove(0);
+            let answer = first_write(&writes);
             answer
                 .send(Err(BrokerError::Unacknowledged("lost".into())))
                 .unwrap();
@@ -2216,8 +2220,7 @@ mod tests {
             }
             let held = !writes.borrow().is_empty();
             if held {
-                let (_, answer) = writes.borrow_mut().remove(0);
-                answer.send(appended()).unwrap();
+                first_write(writes).send(appended()).unwrap();
             }
             felix_core_runtime::task::yield_now().await;
         }
@@ -2256,7 +2259,7 @@ mod tests {
             let mut delete = std::pin::pin!(g.serve(&stream, GroupOp::Delete("w".into())));
             assert!(poll_once(&mut delete).await.is_none());
             assert_eq!(writes.borrow().len(), 2, "the first ack's and the delete's");
-            let (_, answer) = writes.borrow_mut().remove(0);
+            let answer = first_write(&writes);
             answer
                 .send(Err(BrokerError::Unacknowledged("lost".into())))
                 .unwrap();
@@ -2270,8 +2273,7 @@ mod tests {
                 1,
                 "the retried ack wrote while the delete was being written"
             );
-            let (_, answer) = writes.borrow_mut().remove(0);
-            answer.send(appended()).unwrap();
+            first_write(&writes).send(appended()).unwrap();
             assert!(matches!(delete.await, Ok(GroupAnswer::Deleted(true))));
             assert!(again.await.is_err(), "an ack of a deleted group");
             assert!(writes.borrow().is_empty());
@@ -2375,8 +2377,7 @@ mod tests {
                 1,
                 "the poll claimed (and dead-lettered) while the delete was being written"
             );
-            let (_, answer) = writes.borrow_mut().remove(0);
-            answer.send(appended()).unwrap();
+            first_write(&writes).send(appended()).unwrap();
             assert!(matches!(delete.await, Ok(GroupAnswer::Deleted(true))));
             assert!(poll.await.is_err(), "a poll of a deleted group");
             assert!(writes.borrow().is_empty());
