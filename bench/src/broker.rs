@@ -1,9 +1,9 @@
 //! Broker throughput and latency, with our wire-level load client (see [`crate::client`]).
 //!
-//! Starts `felix-broker dev` in this process on a temporary data directory, then for
-//! each cell: opens `fanout` subscribers, publishes 1 KiB records in batches of `batch`
-//! for a fixed time from one pipelined stream per publisher, and counts acknowledged and
-//! delivered records. Latency: one publisher, one record per batch, one at a time
+//! Starts `felix-broker dev` in a process of its own ([`LocalBroker`]) on a temporary
+//! data directory, then for each cell: opens `fanout` subscribers, publishes 1 KiB
+//! records in batches of `batch` for a fixed time from one pipelined stream per
+//! publisher, and counts acknowledged and delivered records. Latency: one publisher, one record per batch, one at a time
 //! (ack latency), with a subscriber measuring publish-to-delivery.
 
 use std::net::SocketAddr;

@@ -3,7 +3,8 @@
 //!
 //! Method (docs/benchmarks.md has the long form):
 //! - Every broker runs on loopback on this machine, sharing its cores with the load
-//!   generator (a tokio runtime in this process). Ours runs in process on `--cores`.
+//!   generator (a tokio runtime in this process). Ours runs in a process of its own
+//!   (`felix-bench serve-broker`) on `--cores`, as each peer runs in its own.
 //! - Closed loop: each producer keeps a window of batches in flight and sends the next as
 //!   soon as there is room; throughput = records acknowledged / time to the last ack.
 //! - Open loop (S12): batches are due at fixed intervals; ack latency is measured from the
