@@ -141,57 +141,29 @@ impl LocalBroker {
         pins: &[String],
         dir: Option<tempfile::TempDir>,
     ) -> anyhow::Result<LocalBroker> {
-        use std::io::BufRead;
-        use std::process::{Command, Stdio};
         let dir = match dir {
             Some(d) => d,
             None => tempfile::Builder::new()
                 .prefix("felix-bench")
                 .tempdir_in("/var/tmp")?,
         };
-        let exe = match EXECUTABLE.get() {
-            Some(p) => p.clone(),
-            None => std::env::current_exe()?,
-        };
-        let mut cmd = Command::new(exe);
-        cmd.arg("serve-broker")
-            .arg("--fsync")
-            .arg(fsync)
-            .arg("--dir")
-            .arg(dir.path());
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "serve-broker".into(),
+            "--fsync".into(),
+            fsync.into(),
+            "--dir".into(),
+            dir.path().into(),
+        ];
         if let Some(c) = cores {
-            cmd.arg("--cores").arg(c);
+            args.extend(["--cores".into(), c.into()]);
         }
         for p in pins {
-            cmd.arg("--pin").arg(p);
+            args.extend(["--pin".into(), p.into()]);
         }
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()?;
-        let stdin = child.stdin.take();
-        let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped"));
-        let mut line = String::new();
-        let started = match stdout.read_line(&mut line) {
-            Ok(0) => Err(anyhow::anyhow!(
-                "the broker process exited before listening"
-            )),
-            Ok(_) => serde_json::from_str::<Started>(&line).map_err(anyhow::Error::from),
-            Err(e) => Err(e.into()),
-        };
-        let started = match started {
-            Ok(s) => s,
-            Err(e) => {
-                // Not left running (or unreaped) over a directory about to go.
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(e);
-            }
-        };
+        let (child, stdin, stdout, started) = spawn_self::<Started>(&args)?;
         let link = std::sync::Arc::new(BrokerLink {
             pid: child.id(),
-            io: std::sync::Mutex::new((stdin, stdout)),
+            io: std::sync::Mutex::new((Some(stdin), stdout)),
         });
         Ok(LocalBroker {
             child: Some(child),
@@ -220,8 +192,7 @@ impl LocalBroker {
             .ok_or_else(|| anyhow::anyhow!("no data directory"))
     }
 
-    /// Closes the child's stdin (its signal to shut down) and waits for it, at most
-    /// [`STOP_WAIT`]; then kills it.
+    /// Closes the child's stdin (its signal to shut down) and waits for it ([`reap`]).
     fn shut(&mut self) -> anyhow::Result<()> {
         let Some(mut child) = self.child.take() else {
             return Ok(());
@@ -231,20 +202,7 @@ impl LocalBroker {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .0 = None;
-        let deadline = std::time::Instant::now() + STOP_WAIT;
-        let status = loop {
-            if let Some(status) = child.try_wait()? {
-                break status;
-            }
-            if std::time::Instant::now() > deadline {
-                let _ = child.kill();
-                let status = child.wait()?;
-                anyhow::bail!("the broker process did not stop within {STOP_WAIT:?}: {status}");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        anyhow::ensure!(status.success(), "the broker process ended with {status}");
-        Ok(())
+        reap(&mut child, "the broker process")
     }
 
     /// What the bench asks its process.
@@ -264,14 +222,77 @@ impl Drop for LocalBroker {
     }
 }
 
-/// How long a stopping broker process may take before it is killed.
+/// How long a stopping child process may take before it is killed.
 const STOP_WAIT: Duration = Duration::from_secs(30);
+
+/// A child of this executable (or the one [`use_executable`] named) serving a hidden
+/// subcommand: `args`, stdin and stdout piped, stderr shared. Returns it once it has
+/// printed its first line, the JSON `T` saying where it serves; a child that exits or
+/// prints something else first is killed and reaped.
+pub(crate) fn spawn_self<T: serde::de::DeserializeOwned>(
+    args: &[std::ffi::OsString],
+) -> anyhow::Result<(
+    std::process::Child,
+    std::process::ChildStdin,
+    std::io::BufReader<std::process::ChildStdout>,
+    T,
+)> {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let exe = match EXECUTABLE.get() {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?,
+    };
+    let mut child = Command::new(exe)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let stdin = child.stdin.take().expect("piped");
+    let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped"));
+    let mut line = String::new();
+    let started = match stdout.read_line(&mut line) {
+        Ok(0) => Err(anyhow::anyhow!("the child process exited before serving")),
+        Ok(_) => serde_json::from_str::<T>(&line).map_err(anyhow::Error::from),
+        Err(e) => Err(e.into()),
+    };
+    match started {
+        Ok(s) => Ok((child, stdin, stdout, s)),
+        Err(e) => {
+            // Not left running (or unreaped), over a directory about to go perhaps.
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        }
+    }
+}
+
+/// Waits for `child`, whose stdin was closed (its signal to stop), at most
+/// [`STOP_WAIT`]; then kills it. An unclean exit is an error naming `what`.
+pub(crate) fn reap(child: &mut std::process::Child, what: &str) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + STOP_WAIT;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let status = child.wait()?;
+            anyhow::bail!("{what} did not stop within {STOP_WAIT:?}: {status}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    anyhow::ensure!(status.success(), "{what} ended with {status}");
+    Ok(())
+}
 
 /// The executable that serves `serve-broker`, when this one does not (a test binary).
 static EXECUTABLE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
 
-/// Runs each [`LocalBroker`] from `exe` (`felix-bench`) instead of this executable: for
-/// tests, whose binary is the test harness (`env!("CARGO_BIN_EXE_felix-bench")`).
+/// Runs each [`LocalBroker`] and our QUIC echo server ([`crate::quic::start_ours`]) from
+/// `exe` (`felix-bench`) instead of this executable: for tests, whose binary is the test
+/// harness (`env!("CARGO_BIN_EXE_felix-bench")`).
 pub fn use_executable(exe: impl Into<std::path::PathBuf>) {
     let _ = EXECUTABLE.set(exe.into());
 }
@@ -393,7 +414,7 @@ pub fn serve_child(
 }
 
 /// Lets this thread (and the threads it starts) run on every CPU.
-fn unpin_self() {
+pub(crate) fn unpin_self() {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls only read it.
     unsafe {
         // Every bit: the kernel keeps the CPUs that exist (numbering may have gaps).

@@ -1084,17 +1084,17 @@ fn transport(opts: &Options) -> anyhow::Result<Value> {
         None => None,
     };
     let client = Client::new_on(&certs, 1, placed.as_ref().map(|(_, load)| load.clone()))?;
-    let down = |addr| -> anyhow::Result<f64> {
+    let down = |server: &dyn crate::quic::Server| -> anyhow::Result<f64> {
         Ok(client
-            .transfer(addr, Direction::Download, 1, bytes, "")?
+            .transfer(server, Direction::Download, 1, bytes)?
             .mb_per_sec)
     };
     let ours = match &placed {
         Some((cores, _)) => start_ours_on(&certs, cores[..1].to_vec(), None)?,
         None => start_ours(&certs, 1)?,
     };
-    let ours_mb = client.throughput(ours.addr(), 1, bytes)?;
-    let ours_down = down(ours.addr())?;
+    let ours_mb = client.throughput(&*ours, 1, bytes)?;
+    let ours_down = down(&*ours)?;
     // Enough samples for a p99 the S1 target can be judged against (S1 has thousands).
     let mut rtt = client.rtt(ours.addr(), 5000)?;
     ours.stop();
@@ -1103,8 +1103,8 @@ fn transport(opts: &Options) -> anyhow::Result<Value> {
         1,
         placed.as_ref().map(|(cores, _)| cores[..1].to_vec()),
     )?;
-    let quinn_mb = client.throughput(quinn.addr(), 1, bytes)?;
-    let quinn_down = down(quinn.addr())?;
+    let quinn_mb = client.throughput(&*quinn, 1, bytes)?;
+    let quinn_down = down(&*quinn)?;
     quinn.stop();
     Ok(json!({
         "felix_mb_per_sec": ours_mb,

@@ -172,6 +172,20 @@ enum Command {
         #[arg(long)]
         dir: std::path::PathBuf,
     },
+    /// Runs our QUIC echo server for the other commands, in a process of its own
+    /// (internal).
+    #[command(hide = true)]
+    ServeEcho {
+        /// CPUs, one core each (`0,1`).
+        #[arg(long, value_delimiter = ',')]
+        cpus: Vec<usize>,
+        /// Busy-poll this long before parking.
+        #[arg(long)]
+        spin_us: Option<u64>,
+        /// Directory holding the DER files `cert` and `key`.
+        #[arg(long)]
+        certs: std::path::PathBuf,
+    },
     /// Broker: 1 KiB records, batch 1 and 64, fanout 1 and 10; ack and delivery latency.
     Broker {
         /// `on-commit`, `periodic:<ms>` or `none`.
@@ -292,6 +306,15 @@ fn main() -> anyhow::Result<()> {
             pins,
             dir,
         } => felix_bench::broker::serve_child(cores.as_deref(), &fsync, &pins, &dir),
+        Command::ServeEcho {
+            cpus,
+            spin_us,
+            certs,
+        } => felix_bench::quic::serve_echo_child(
+            cpus,
+            spin_us.map(std::time::Duration::from_micros),
+            &certs,
+        ),
         Command::Broker {
             fsync,
             records,

@@ -12,10 +12,12 @@
 //! - Scaling: our driver on 1 core and on 2 cores (SO_REUSEPORT), 2 connections.
 //!
 //! Every transfer also reports the CPU time the server's threads and the client's threads
-//! spent on it (from `/proc/self/task/*/schedstat`), so the cost per byte of each server
+//! spent on it (from `/proc/<pid>/task/*/schedstat`), so the cost per byte of each server
 //! is measured even when the client, sharing a small machine, is what limits the rate.
+//! Our server runs in a process of its own (`felix-bench serve-echo`, see
+//! [`serve_echo_child`]), as our broker does; the quinn/tokio server on a runtime of the
+//! bench's process.
 
-use std::collections::HashMap;
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,7 +27,7 @@ use bytes::Bytes;
 use felix_core_runtime::CoreSet;
 use felix_core_runtime::quic::{self, Connection, Endpoint, EndpointOptions, TransportLimits};
 use felix_core_runtime::runtime::{Runtime, RuntimeConfig};
-use rustls::pki_types::CertificateDer;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use crate::stats::{median, percentile};
 
@@ -36,8 +38,8 @@ const CHUNK: usize = 64 * 1024;
 const UPLOAD: u8 = b'U';
 const DOWNLOAD: u8 = b'D';
 
-/// Thread-name prefixes the CPU accounting groups by.
-const OURS_THREADS: &str = "felix-core";
+/// Thread-name prefixes the CPU accounting groups by (our server's threads are those of
+/// its process).
 const QUINN_THREADS: &str = "quinn-server";
 const CLIENT_THREADS: &str = "bench-client";
 
@@ -67,6 +69,8 @@ impl Certs {
 pub trait Server {
     /// Where it listens.
     fn addr(&self) -> SocketAddr;
+    /// CPU time (ns) its threads have used so far.
+    fn cpu_ns(&self) -> u64;
     /// Stops it.
     fn stop(self: Box<Self>);
 }
@@ -126,18 +130,49 @@ async fn serve_ours(conn: Connection) {
     }
 }
 
+/// Our driver in a process of its own (`felix-bench serve-echo`, see
+/// [`serve_echo_child`]), as our broker runs in the broker cells and in production:
+/// glommio's park issues a private expedited `membarrier()`, which interrupts every CPU
+/// running a thread of the process, so an echo server sharing the client's process would
+/// interrupt the client on every park (and the RTT that issue 18's latency targets are
+/// judged against would count it). Closing its stdin stops it.
 struct Ours {
     addr: SocketAddr,
-    runtime: Runtime,
+    pid: u32,
+    child: Option<std::process::Child>,
+    stdin: Option<std::process::ChildStdin>,
+    _stdout: std::io::BufReader<std::process::ChildStdout>,
+    /// Its certificate and key, as files it read at start.
+    _certs: tempfile::TempDir,
+}
+
+impl Ours {
+    fn shut(&mut self) -> anyhow::Result<()> {
+        self.stdin = None;
+        match self.child.take() {
+            Some(mut child) => crate::broker::reap(&mut child, "the echo server process"),
+            None => Ok(()),
+        }
+    }
 }
 
 impl Server for Ours {
     fn addr(&self) -> SocketAddr {
         self.addr
     }
-    fn stop(self: Box<Self>) {
-        self.runtime.shutdown();
-        let _ = self.runtime.join();
+    fn cpu_ns(&self) -> u64 {
+        crate::drivers::threads_cpu_ns(&self.pid.to_string(), |_| true).unwrap_or(0)
+    }
+    fn stop(mut self: Box<Self>) {
+        if let Err(e) = self.shut() {
+            eprintln!("stopping our echo server: {e:#}");
+        }
+    }
+}
+
+impl Drop for Ours {
+    fn drop(&mut self) {
+        let _ = self.shut();
     }
 }
 
@@ -165,26 +200,73 @@ pub fn start_ours_spinning(
     start_ours_on(certs, cpus.into_iter().take(cores).collect(), spin)
 }
 
-/// Our driver on exactly these CPUs, one core each.
+/// Our driver on exactly these CPUs, one core each, in a process of its own.
 pub fn start_ours_on(
     certs: &Certs,
     cpus: Vec<usize>,
     spin: Option<Duration>,
 ) -> anyhow::Result<Box<dyn Server>> {
+    let dir = tempfile::tempdir()?;
+    std::fs::write(dir.path().join("cert"), &certs.0.cert_der)?;
+    std::fs::write(dir.path().join("key"), &certs.0.key_der)?;
+    let cpu_list = cpus
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "serve-echo".into(),
+        "--cpus".into(),
+        cpu_list.into(),
+        "--certs".into(),
+        dir.path().into(),
+    ];
+    if let Some(spin) = spin {
+        args.extend(["--spin-us".into(), spin.as_micros().to_string().into()]);
+    }
+    let (child, stdin, stdout, listening) = crate::broker::spawn_self::<Listening>(&args)?;
+    Ok(Box::new(Ours {
+        addr: listening.addr,
+        pid: child.id(),
+        child: Some(child),
+        stdin: Some(stdin),
+        _stdout: stdout,
+        _certs: dir,
+    }))
+}
+
+/// The line an echo server process prints once it listens.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Listening {
+    addr: SocketAddr,
+}
+
+/// The echo server process's side (`felix-bench serve-echo`): our driver on `cpus`, one
+/// core each, with the certificate and PKCS#8 key (DER) in the files `cert` and `key` of
+/// `certs`; prints where it listens as one JSON line, then serves until stdin closes.
+pub fn serve_echo_child(
+    cpus: Vec<usize>,
+    spin: Option<Duration>,
+    certs: &std::path::Path,
+) -> anyhow::Result<()> {
+    use std::io::Write;
+    // The parent may run on the load's CPUs: the cores pin themselves, the rest may use any.
+    crate::broker::unpin_self();
+    let cert = CertificateDer::from(std::fs::read(certs.join("cert"))?);
+    let key = std::fs::read(certs.join("key"))?;
     let cores = cpus.len();
     let set = CoreSet::new(cpus)?;
     let addr = free_port()?;
-    let certs = certs.clone();
     let (tx, rx) = std::sync::mpsc::channel();
     let mut config = RuntimeConfig::new(set);
     config.spin_before_park = spin;
     let runtime = Runtime::start(config, move |ctx| {
-        let certs = certs.clone();
+        let (cert, key) = (cert.clone(), key.clone());
         let tx = tx.clone();
         async move {
             let config = quic::server_config(
-                vec![certs.0.cert_der.clone()],
-                certs.0.key(),
+                vec![cert],
+                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key)),
                 TransportLimits::default(),
             )
             .expect("server TLS config");
@@ -220,7 +302,16 @@ pub fn start_ours_on(
         rx.recv_timeout(Duration::from_secs(10))
             .context("server core did not start")?;
     }
-    Ok(Box::new(Ours { addr, runtime }))
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{}", serde_json::to_string(&Listening { addr })?)?;
+        out.flush()?;
+    }
+    // Until the parent closes our stdin (or goes away).
+    std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink())?;
+    runtime.shutdown();
+    let _ = runtime.join();
+    Ok(())
 }
 
 struct Quinn {
@@ -232,6 +323,9 @@ struct Quinn {
 impl Server for Quinn {
     fn addr(&self) -> SocketAddr {
         self.addr
+    }
+    fn cpu_ns(&self) -> u64 {
+        crate::drivers::threads_cpu_ns("self", |name| name.starts_with(QUINN_THREADS)).unwrap_or(0)
     }
     fn stop(self: Box<Self>) {
         self.endpoint.close(0u32.into(), b"bench over");
@@ -322,33 +416,6 @@ pub fn start_quinn_on(
     Ok(Box::new(Quinn { addr, rt, endpoint }))
 }
 
-/// CPU time (ns) every live thread of this process has used, by thread id, with its name.
-fn thread_cpu() -> HashMap<u32, (String, u64)> {
-    let mut out = HashMap::new();
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return out;
-    };
-    for task in tasks.flatten() {
-        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
-            continue;
-        };
-        let dir = task.path();
-        let (Ok(name), Ok(stat)) = (
-            std::fs::read_to_string(dir.join("comm")),
-            std::fs::read_to_string(dir.join("schedstat")),
-        ) else {
-            continue;
-        };
-        let ns = stat
-            .split_whitespace()
-            .next()
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0);
-        out.insert(tid, (name.trim().to_string(), ns));
-    }
-    out
-}
-
 /// What one transfer cost.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Transfer {
@@ -364,27 +431,21 @@ pub struct Transfer {
     pub wall: f64,
 }
 
-/// Runs `f` (which moves `bytes` of payload) and charges the CPU time threads named
-/// `server` and the client's threads spent meanwhile.
+/// Runs `f` (which moves `bytes` of payload) and charges the CPU time `server`'s threads
+/// and the client's threads spent meanwhile.
 fn measured(
-    server: &str,
+    server: &dyn Server,
     bytes: u64,
     f: impl FnOnce() -> anyhow::Result<()>,
 ) -> anyhow::Result<Transfer> {
-    let before = thread_cpu();
+    let client_ns =
+        || crate::drivers::threads_cpu_ns("self", |name| name.starts_with(CLIENT_THREADS));
+    let (server_before, client_before) = (server.cpu_ns(), client_ns().unwrap_or(0));
     let started = Instant::now();
     f()?;
     let wall = started.elapsed().as_secs_f64();
-    let after = thread_cpu();
-    let spent = |prefix: &str| -> f64 {
-        after
-            .iter()
-            .filter(|(_, (name, _))| name.starts_with(prefix))
-            .map(|(tid, (_, ns))| ns - before.get(tid).map_or(0, |b| b.1.min(*ns)))
-            .sum::<u64>() as f64
-            / 1e9
-    };
-    let (server_s, client_s) = (spent(server), spent(CLIENT_THREADS));
+    let server_s = server.cpu_ns().saturating_sub(server_before) as f64 / 1e9;
+    let client_s = client_ns().unwrap_or(0).saturating_sub(client_before) as f64 / 1e9;
     Ok(Transfer {
         mb_per_sec: bytes as f64 / wall / 1e6,
         server_cpu_per_gb: server_s / (bytes as f64 / 1e9),
@@ -495,16 +556,15 @@ impl Client {
 
     /// 64 B echoes kept in flight on `streams` bidirectional streams spread over
     /// `connections` connections, `per_stream` each: the small-request load a broker
-    /// sees, where the executor rarely parks. Charges threads named `server`.
+    /// sees, where the executor rarely parks, to `server`, charged with its CPU.
     pub fn echoes(
         &self,
-        addr: SocketAddr,
+        server: &dyn Server,
         connections: usize,
         streams: usize,
         per_stream: usize,
-        server: &str,
     ) -> anyhow::Result<Echoes> {
-        let conns = self.connect(addr, connections)?;
+        let conns = self.connect(server.addr(), connections)?;
         let total = streams * per_stream;
         let t = measured(server, 0, || {
             self.rt.block_on(async {
@@ -540,30 +600,30 @@ impl Client {
         })
     }
 
-    /// MB/s of `bytes` uploaded over `connections` connections at once, 64 KiB writes.
+    /// MB/s of `bytes` uploaded to `server` over `connections` connections at once,
+    /// 64 KiB writes.
     pub fn throughput(
         &self,
-        addr: SocketAddr,
+        server: &dyn Server,
         connections: usize,
         bytes: u64,
     ) -> anyhow::Result<f64> {
         Ok(self
-            .transfer(addr, Direction::Upload, connections, bytes, OURS_THREADS)?
+            .transfer(server, Direction::Upload, connections, bytes)?
             .mb_per_sec)
     }
 
-    /// Moves `bytes` (split over `connections` connections at once) in `direction`,
-    /// charging threads named `server` as the server.
+    /// Moves `bytes` (split over `connections` connections at once) to or from `server`
+    /// in `direction`, charged with its CPU.
     pub fn transfer(
         &self,
-        addr: SocketAddr,
+        server: &dyn Server,
         direction: Direction,
         connections: usize,
         bytes: u64,
-        server: &str,
     ) -> anyhow::Result<Transfer> {
         let per = (bytes / connections as u64).div_ceil(CHUNK as u64) * CHUNK as u64;
-        let conns = self.connect(addr, connections)?;
+        let conns = self.connect(server.addr(), connections)?;
         measured(server, per * connections as u64, || {
             self.rt.block_on(async move {
                 let mut tasks = Vec::new();
@@ -645,25 +705,24 @@ pub fn run(
         // Alternate the order so neither server always runs first.
         let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
         for which in order {
-            let (server, threads) = if which == 0 {
-                (start_ours(&certs, 1)?, OURS_THREADS)
+            let server = if which == 0 {
+                start_ours(&certs, 1)?
             } else {
-                (start_quinn(&certs, 1)?, QUINN_THREADS)
+                start_quinn(&certs, 1)?
             };
-            let t = measured(threads, 0, || {
+            let t = measured(&*server, 0, || {
                 rtts[which].extend(client.rtt(server.addr(), rtt_samples)?);
                 Ok(())
             })?;
             echo_cpu[which].push(t.server_cores * t.wall / rtt_samples as f64 * 1e6);
             loaded[which].push(client.echoes(
-                server.addr(),
+                &*server,
                 LOADED_CONNECTIONS,
                 LOADED_STREAMS,
                 rtt_samples / 10,
-                threads,
             )?);
             for &dir in directions {
-                let t = client.transfer(server.addr(), dir, 1, bytes, threads)?;
+                let t = client.transfer(&*server, dir, 1, bytes)?;
                 match dir {
                     Direction::Upload => up[which].push(t),
                     Direction::Download => down[which].push(t),
@@ -673,7 +732,7 @@ pub fn run(
             eprint!(".");
         }
         let spinning = start_ours_spinning(&certs, 1, Some(SPIN))?;
-        let t = measured(OURS_THREADS, 0, || {
+        let t = measured(&*spinning, 0, || {
             rtts[2].extend(client.rtt(spinning.addr(), rtt_samples)?);
             Ok(())
         })?;
@@ -683,13 +742,7 @@ pub fn run(
             let client2 = Client::new(&certs, 2)?;
             for (i, cores) in [1usize, 2].into_iter().enumerate() {
                 let server = start_ours(&certs, cores)?;
-                scale[i].push(client2.transfer(
-                    server.addr(),
-                    Direction::Download,
-                    2,
-                    bytes,
-                    OURS_THREADS,
-                )?);
+                scale[i].push(client2.transfer(&*server, Direction::Download, 2, bytes)?);
                 server.stop();
                 eprint!(".");
             }
