@@ -985,7 +985,7 @@ impl CoreBroker {
         Box<dyn std::future::Future<Output = Result<Option<felix_wire::Frame>, BrokerError>>>,
     > {
         let core = self.clone();
-        let (tenant, token) = (session.tenant().to_owned(), session.token.clone());
+        let (grant, token) = (session.grant().clone(), session.token.clone());
         // The leader's answer is relayed as it comes: it must carry what this client
         // negotiated (a get's version).
         let features = session
@@ -997,7 +997,7 @@ impl CoreBroker {
             let (Some(f), Some(addr)) = (core.forwarder.as_ref(), addr) else {
                 return Err(BrokerError::ShardUnavailable("owner_unavailable".into()));
             };
-            f.call(addr, &tenant, &token, features, request, answered)
+            f.call(addr, &grant, &token, features, request, answered)
                 .await
         })
     }

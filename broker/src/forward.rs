@@ -4,8 +4,8 @@
 //! are sent on to the leader over the ordinary client protocol, authenticated with the
 //! client's own token (so the leader re-checks the permission), and the leader's answer
 //! is relayed. Forwarding never chains: the leader answers for itself. Each core keeps
-//! its own client endpoint and one connection per peer and tenant; a request uses a
-//! fresh stream.
+//! its own client endpoint and one connection per peer and revocable token identity
+//! ([`Holder`]); a request uses a fresh stream.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -20,6 +20,7 @@ use felix_core_runtime::task;
 use felix_wire::frame::{FrameHeader, FrameReader};
 use felix_wire::{ErrorCode, Features, Flags, Frame, Message};
 
+use crate::auth::Grant;
 use crate::error::BrokerError;
 
 /// Layouts a forwarding broker asks the leader to answer in: every ack detail, so
@@ -82,15 +83,38 @@ impl std::fmt::Debug for Forwarder {
 /// another).
 const PEER_UNUSED: Duration = Duration::from_secs(60);
 
-/// This core's connections to its peers, one per leader and tenant. A leader closes a
-/// connection when a token that authenticated one of its streams is revoked (a
-/// subscription it authorized must end), so one connection for every tenant's requests
-/// let one tenant's revoked token fail the others' requests in flight; the leader's
-/// per-connection bounds were shared by every tenant alike. A connection unused for
-/// [`PEER_UNUSED`] is let go (it closes once no request holds it). Sans-IO: the caller passes the time.
+/// Whose forwarded requests may share a connection to a leader: tokens a leader revokes
+/// together. A leader closes a connection when a token that authenticated one of its
+/// streams is denied by id or its signing key retired (`session::driver`), which fails
+/// every request in flight on it; tokens of one tenant, one key and one id (`jti`; those
+/// without one are revoked only with their key) fall alike, so nothing another token
+/// sent is lost with them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Holder {
+    tenant: String,
+    kid: String,
+    jti: Option<String>,
+}
+
+impl Holder {
+    fn of(grant: &Grant) -> Holder {
+        Holder {
+            tenant: grant.tenant.clone(),
+            kid: grant.kid.clone(),
+            jti: grant.jti.clone(),
+        }
+    }
+}
+
+/// This core's connections to its peers, one per leader and [`Holder`]. One connection
+/// per leader for every tenant let one tenant's revoked token fail the others' requests
+/// in flight (until 2026-12-04, first per tenant: one token's revocation then failed its
+/// tenant's other tokens' requests), and the leader's per-connection bounds were shared
+/// alike. A connection unused for [`PEER_UNUSED`] is let go (it closes once no request
+/// holds it). Sans-IO: the caller passes the time.
 #[derive(Debug)]
 struct PeerTable<C> {
-    conns: HashMap<(SocketAddr, String), (C, Instant)>,
+    conns: HashMap<(SocketAddr, Holder), (C, Instant)>,
     swept: Option<Instant>,
 }
 
@@ -102,19 +126,19 @@ impl<C: Clone> PeerTable<C> {
         }
     }
 
-    /// The connection to `addr` for `tenant`, marked used at `now`.
-    fn get(&mut self, addr: SocketAddr, tenant: &str, now: Instant) -> Option<C> {
-        let (c, used) = self.conns.get_mut(&(addr, tenant.to_owned()))?;
+    /// The connection to `addr` for `holder`, marked used at `now`.
+    fn get(&mut self, addr: SocketAddr, holder: &Holder, now: Instant) -> Option<C> {
+        let (c, used) = self.conns.get_mut(&(addr, holder.clone()))?;
         *used = now;
         Some(c.clone())
     }
 
-    fn insert(&mut self, addr: SocketAddr, tenant: &str, c: C, now: Instant) {
-        self.conns.insert((addr, tenant.to_owned()), (c, now));
+    fn insert(&mut self, addr: SocketAddr, holder: &Holder, c: C, now: Instant) {
+        self.conns.insert((addr, holder.clone()), (c, now));
     }
 
-    fn remove(&mut self, addr: SocketAddr, tenant: &str) {
-        self.conns.remove(&(addr, tenant.to_owned()));
+    fn remove(&mut self, addr: SocketAddr, holder: &Holder) {
+        self.conns.remove(&(addr, holder.clone()));
     }
 
     /// The connections unused for [`PEER_UNUSED`] at `now`, taken out (looked for at
@@ -215,18 +239,22 @@ impl Forwarder {
         })
     }
 
-    async fn connection(&self, addr: SocketAddr, tenant: &str) -> Result<Connection, BrokerError> {
+    async fn connection(
+        &self,
+        addr: SocketAddr,
+        holder: &Holder,
+    ) -> Result<Connection, BrokerError> {
         let now = Instant::now();
         // Dropped, not closed: a request still running on one holds it open, and the
         // connection closes with its last handle.
         let unused = self.peers.borrow_mut().unused(now);
         drop(unused);
-        let existing = self.peers.borrow_mut().get(addr, tenant, now);
+        let existing = self.peers.borrow_mut().get(addr, holder, now);
         if let Some(c) = existing {
             if c.close_reason().is_none() {
                 return Ok(c);
             }
-            self.peers.borrow_mut().remove(addr, tenant);
+            self.peers.borrow_mut().remove(addr, holder);
         }
         let c = self
             .endpoint
@@ -238,7 +266,7 @@ impl Forwarder {
             })?;
         self.peers
             .borrow_mut()
-            .insert(addr, tenant, c.clone(), Instant::now());
+            .insert(addr, holder, c.clone(), Instant::now());
         Ok(c)
     }
 
@@ -273,8 +301,9 @@ impl Forwarder {
             .for_each(std::task::Waker::wake);
     }
 
-    /// Sends `auth` (offering `features` of the client's, see [`RELAYED_FEATURES`]) and
-    /// `request` to the leader at `addr` on a fresh stream. With
+    /// Sends `auth` with `token` (which `grant` verified; offering `features` of the
+    /// client's, see [`RELAYED_FEATURES`]) and `request` to the leader at `addr` on a
+    /// fresh stream of the connection kept for the token's [`Holder`]. With
     /// `answered`, waits for and returns the answer frame; without, returns once sent.
     ///
     /// Failing before anything was sent is `shard_unavailable` (safe to retry); failing
@@ -282,22 +311,23 @@ impl Forwarder {
     pub async fn call(
         &self,
         addr: SocketAddr,
-        tenant: &str,
+        grant: &Grant,
         token: &str,
         features: Features,
         request: Bytes,
         answered: bool,
     ) -> Result<Option<Frame>, BrokerError> {
-        let conn = self.connection(addr, tenant).await?;
+        let holder = Holder::of(grant);
+        let conn = self.connection(addr, &holder).await?;
         let (mut send, mut recv) = conn.open_bi().await.map_err(|_| {
-            self.peers.borrow_mut().remove(addr, tenant);
+            self.peers.borrow_mut().remove(addr, &holder);
             BrokerError::ShardUnavailable("owner_unavailable".into())
         })?;
         let (lo, hi) = Features::ERROR_CODES
             .union(features.intersection(RELAYED_FEATURES))
             .offer();
         let auth = Message::Auth {
-            tenant_id: tenant.to_owned(),
+            tenant_id: grant.tenant.clone(),
             token: token.to_owned(),
             client_flags: Some(FORWARD_FLAGS.bits()),
             client_features: lo,
@@ -452,12 +482,21 @@ mod tests {
         assert!(b.try_take(huge, 100));
     }
 
-    /// One connection per leader and tenant: another tenant's requests, or another
-    /// leader's, never share it (a leader closes a connection when one of its tokens is
-    /// revoked). A connection unused for a minute is let go, looked
-    /// for at most every half minute.
+    fn holder(tenant: &str, kid: &str, jti: Option<&str>) -> Holder {
+        Holder {
+            tenant: tenant.into(),
+            kid: kid.into(),
+            jti: jti.map(Into::into),
+        }
+    }
+
+    /// One connection per leader and revocable token identity: requests of another
+    /// token (another id, another signing key, another tenant), or to another leader,
+    /// never share it, since a leader closes a connection when one of its tokens is
+    /// revoked; tokens revoked together do. A connection unused for a minute is let go,
+    /// looked for at most every half minute.
     #[test]
-    fn peers_are_kept_per_leader_and_tenant_and_unused_ones_are_let_go() {
+    fn peers_are_kept_per_leader_and_token_and_unused_ones_are_let_go() {
         let (a, b): (SocketAddr, SocketAddr) = (
             "127.0.0.1:1".parse().unwrap(),
             "127.0.0.1:2".parse().unwrap(),
@@ -465,28 +504,41 @@ mod tests {
         let t0 = Instant::now();
         let mut peers = PeerTable::new();
         assert!(peers.unused(t0).is_empty());
-        peers.insert(a, "acme", 1, t0);
+        let acme = holder("acme", "k1", Some("t1"));
+        peers.insert(a, &acme, 1, t0);
+        for (other, what) in [
+            (
+                holder("acme", "k1", Some("t2")),
+                "another token of the tenant",
+            ),
+            (holder("acme", "k1", None), "a token without an id"),
+            (holder("acme", "k2", Some("t1")), "another key's token"),
+            (holder("beta", "k1", Some("t1")), "another tenant's token"),
+        ] {
+            assert_eq!(peers.get(a, &other, t0), None, "{what} does not share it");
+        }
+        assert_eq!(peers.get(b, &acme, t0), None, "nor another leader's");
         assert_eq!(
-            peers.get(a, "beta", t0),
-            None,
-            "another tenant's is not shared"
+            peers.get(a, &holder("acme", "k1", Some("t1")), t0),
+            Some(1),
+            "a token revoked with it does"
         );
-        assert_eq!(peers.get(b, "acme", t0), None, "nor another leader's");
-        peers.insert(a, "beta", 2, t0);
-        peers.insert(b, "acme", 3, t0);
+        let beta = holder("beta", "k1", Some("t1"));
+        peers.insert(a, &beta, 2, t0);
+        peers.insert(b, &acme, 3, t0);
         assert_eq!(peers.len(), 3);
-        assert_eq!(peers.get(a, "acme", t0 + Duration::from_secs(50)), Some(1));
+        assert_eq!(peers.get(a, &acme, t0 + Duration::from_secs(50)), Some(1));
         // Past a minute, the two unused since t0 go; the one used at 50 s stays.
         let at = t0 + Duration::from_secs(70);
         let mut gone = peers.unused(at);
         gone.sort();
         assert_eq!(gone, vec![2, 3]);
-        assert_eq!(peers.get(a, "acme", at), Some(1));
+        assert_eq!(peers.get(a, &acme, at), Some(1));
         // Looked for again only half a minute later.
         assert!(peers.unused(at + Duration::from_secs(29)).is_empty());
         assert_eq!(peers.unused(at + Duration::from_secs(200)), vec![1]);
-        peers.insert(a, "acme", 4, at);
-        peers.remove(a, "acme");
+        peers.insert(a, &acme, 4, at);
+        peers.remove(a, &acme);
         assert_eq!(peers.len(), 0);
     }
 }

@@ -826,3 +826,127 @@ fn a_broker_still_joining_tells_clients_to_retry_rather_than_refusing_their_toke
     );
     Ok(())
 }
+
+/// A broker forwarding requests for a shard another broker leads keeps one connection to
+/// the leader per token identity: when one token is denied, the leader closes the
+/// connection its forwarded streams were authenticated on, and another token of the same
+/// tenant, forwarding through the same broker meanwhile, loses nothing in flight. (With
+/// one connection per tenant, the denial failed the other token's forwarded requests.)
+#[test]
+fn a_denied_token_fails_no_request_another_token_has_forwarded() -> anyhow::Result<()> {
+    use felix_cluster::cluster::{CP_ARGS, NAMESPACE, TENANT, TestCluster};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    let c = TestCluster::start(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        2,
+        CP_ARGS,
+        "",
+    )?;
+    c.create_stream("orders", 1, 1, "Quorum")?;
+    let (leader, _) = c.wait_leader("orders", 0, None, 0, Duration::from_secs(20))?;
+    let via = c.brokers[1 - leader].listen;
+    let issue = |sub: &str| -> anyhow::Result<Value> {
+        Ok(c.admin.post(
+            &format!("/v1/tenants/{TENANT}/tokens"),
+            &json!({"sub": sub, "audience": "felix-broker", "perms": felix_wire::token::all_data_perms(TENANT)}),
+        )?)
+    };
+    let (denied, kept) = (issue("denied")?, issue("kept")?);
+    assert_ne!(denied["jti"], kept["jti"]);
+    let connect = |token: &Value| {
+        let mut config = c.client_config()?;
+        config.auth_token = Some(token["token"].as_str().unwrap_or_default().to_owned());
+        anyhow::Ok(felix_client::Client::connect(via, "localhost", config))
+    };
+    let publish = |client: Arc<felix_client::Client>| async move {
+        client
+            .publish(
+                TENANT,
+                NAMESPACE,
+                "orders",
+                b"x".to_vec(),
+                felix_client::AckMode::PerMessage,
+            )
+            .await
+    };
+    let revoked = || c.brokers[leader].metric("felix_broker_revoked_connections_total");
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        // The forwarding broker learns the keys and the route with its syncs.
+        let started = std::time::Instant::now();
+        let denied_client = loop {
+            if let Ok(client) = connect(&denied)?.await {
+                let client = Arc::new(client);
+                if publish(client.clone()).await.is_ok() {
+                    break client;
+                }
+            }
+            anyhow::ensure!(
+                started.elapsed() < Duration::from_secs(20),
+                "no publish was forwarded"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        // Each core of the forwarding broker has its own forwarder, and a connection
+        // lands on either core: four connections of each token leave both tokens' requests
+        // on one core's forwarder but with a chance of 1 in 128.
+        let mut denied_clients = vec![denied_client];
+        let mut kept_clients = Vec::new();
+        for _ in 0..3 {
+            denied_clients.push(Arc::new(connect(&denied)?.await?));
+        }
+        for _ in 0..4 {
+            kept_clients.push(Arc::new(connect(&kept)?.await?));
+        }
+        for client in denied_clients.iter().chain(&kept_clients) {
+            publish(client.clone()).await?;
+        }
+
+        // The kept token's load: eight publishes in flight through the forwarder.
+        let stop = Arc::new(AtomicBool::new(false));
+        let acked = Arc::new(AtomicU64::new(0));
+        let mut load = Vec::new();
+        for i in 0..8 {
+            let (client, stop, acked) = (kept_clients[i % 4].clone(), stop.clone(), acked.clone());
+            load.push(tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    publish(client.clone()).await?;
+                    acked.fetch_add(1, Ordering::Relaxed);
+                }
+                anyhow::Ok(())
+            }));
+        }
+        let before = revoked()?;
+        c.admin.post(
+            &format!("/v1/tenants/{TENANT}/token-denials"),
+            &json!({"jti": denied["jti"], "reason": "test"}),
+        )?;
+        let started = std::time::Instant::now();
+        while revoked()? == before {
+            anyhow::ensure!(
+                started.elapsed() < Duration::from_secs(10),
+                "the leader never closed the denied token's forwarding connection"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let at_close = acked.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.store(true, Ordering::Relaxed);
+        for task in load {
+            task.await?
+                .map_err(|e| e.context("a publish of the kept token failed"))?;
+        }
+        assert!(
+            acked.load(Ordering::Relaxed) > at_close,
+            "the kept token went on publishing after the denial"
+        );
+        assert!(
+            publish(denied_clients[0].clone()).await.is_err(),
+            "the denied token publishes no more"
+        );
+        anyhow::Ok(())
+    })
+}
