@@ -97,6 +97,11 @@ impl BrokerLink {
         Ok(serde_json::from_str(&line)?)
     }
 
+    /// The broker process's id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
     /// CPU time (ns) of every thread of the broker's process (as each peer's is
     /// counted): its cores, the io_uring workers they start, its control threads.
     pub fn cpu_ns(&self) -> Option<u64> {

@@ -111,12 +111,40 @@ pub fn confine(tid: i32, cpus: &[usize]) -> std::io::Result<()> {
 
 /// Confines every thread of process `pid` to `cpus` (threads it starts later inherit).
 pub fn confine_process(pid: u32, cpus: &[usize]) -> std::io::Result<()> {
+    confine_threads(pid, cpus, |_| true)
+}
+
+/// Confines the threads of process `pid` that `pick` accepts (by thread id) to `cpus`.
+fn confine_threads(pid: u32, cpus: &[usize], pick: impl Fn(i32) -> bool) -> std::io::Result<()> {
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
-        if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) {
+        if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok())
+            && pick(tid)
+        {
             confine(tid, cpus)?;
         }
     }
     Ok(())
+}
+
+/// Whether thread `tid` may run only on CPUs of `cpus`.
+fn within(tid: i32, cpus: &[usize]) -> bool {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set for the kernel to fill; CPU_ISSET
+    // reads within it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return false;
+        }
+        (0..libc::CPU_SETSIZE as usize).all(|c| !libc::CPU_ISSET(c, &set) || cpus.contains(&c))
+    }
+}
+
+/// Confines our broker's threads to `cpus`, as a peer's whole process is, leaving those
+/// already within them: its cores keep their own pins (one CPU each, within `cpus`, with
+/// their io_uring workers), and its other threads (control, HTTP, blocking pools) share
+/// the broker's CPUs instead of the load's.
+pub fn confine_ours(pid: u32, cpus: &[usize]) -> std::io::Result<()> {
+    confine_threads(pid, cpus, |tid| !within(tid, cpus))
 }
 
 pub(crate) fn parse_cpus(list: &str) -> anyhow::Result<Vec<usize>> {
@@ -649,6 +677,9 @@ fn drivers_for(
     Ok(match peer {
         Peer::Felix => {
             let b = LocalBroker::start(Some(cores), if durable { "on-commit" } else { "none" })?;
+            if let Some(cpus) = confine_peers_to {
+                confine_ours(b.link().pid(), cpus)?;
+            }
             (
                 Box::new(FelixDriver {
                     target: b.target.clone(),

@@ -95,6 +95,62 @@ fn the_confined_cell_runs_with_the_load_on_its_own_cpu() {
     assert!(md.contains("| S3 | ≤"), "our stages:\n{md}");
 }
 
+/// In the confined cell our broker's threads stay on the broker's CPUs, as a peer's
+/// whole process does: its cores by their own pins, every other thread confined.
+#[test]
+fn our_confined_broker_keeps_every_thread_on_its_cpus() {
+    ours_in_its_own_process();
+    let cpus = felix_core_runtime::cores::available_cpus();
+    if cpus.len() < 2 {
+        eprintln!("skipped: needs two CPUs");
+        return;
+    }
+    let b = felix_bench::broker::LocalBroker::start(Some("0"), "none").unwrap();
+    let pid = b.link().pid();
+    let allowed = |pid: u32| -> Vec<(String, String)> {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+            .map(|t| {
+                let name = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+                let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+                let list = status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                    .unwrap_or_default();
+                (name.trim().to_owned(), list.trim().to_owned())
+            })
+            .collect()
+    };
+    let before = allowed(pid);
+    assert!(
+        before.iter().any(|(_, list)| list != "0"),
+        "unconfined, some thread may run on any CPU: {before:?}"
+    );
+    felix_bench::compare::confine_ours(pid, &[0]).unwrap();
+    let after = allowed(pid);
+    assert!(after.iter().any(|(name, _)| name.starts_with("felix-core")));
+    assert!(
+        after.iter().all(|(_, list)| list == "0"),
+        "every thread on CPU 0: {after:?}"
+    );
+    b.stop().unwrap();
+    // With two cores, each keeps its own CPU.
+    let b = felix_bench::broker::LocalBroker::start(Some("0-1"), "none").unwrap();
+    let pid = b.link().pid();
+    felix_bench::compare::confine_ours(pid, &[0, 1]).unwrap();
+    let after = allowed(pid);
+    for cpu in ["0", "1"] {
+        assert!(
+            after
+                .iter()
+                .any(|(name, list)| name.starts_with("felix-core") && list == cpu),
+            "a core still pinned to CPU {cpu}: {after:?}"
+        );
+    }
+    b.stop().unwrap();
+}
+
 #[test]
 fn the_cache_cells_run_against_ours_and_redis_and_check_their_answers() {
     ours_in_its_own_process();
