@@ -890,27 +890,52 @@ fn a_denied_token_fails_no_request_another_token_has_forwarded() -> anyhow::Resu
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
-        // Each core of the forwarding broker has its own forwarder, and a connection
-        // lands on either core: four connections of each token leave both tokens' requests
-        // on one core's forwarder but with a chance of 1 in 128.
-        let mut denied_clients = vec![denied_client];
-        let mut kept_clients = Vec::new();
-        for _ in 0..3 {
-            denied_clients.push(Arc::new(connect(&denied)?.await?));
+        // Each core of the forwarding broker has a forwarder of its own, and a client's
+        // connection lands on either core: connect until each token has a client on
+        // every core (read off the broker's per-core connection gauge), so that both
+        // tokens' requests go through each core's forwarder.
+        let forwarding = &c.brokers[1 - leader];
+        let per_core = || -> Vec<u64> {
+            let (_, body) = forwarding.http_get("/metrics").unwrap_or_default();
+            (0..2)
+                .map(|core| {
+                    let prefix = format!("felix_broker_connections{{core=\"{core}\"}} ");
+                    body.lines()
+                        .find_map(|l| l.strip_prefix(prefix.as_str())?.trim().parse().ok())
+                        .unwrap_or(0)
+                })
+                .collect()
+        };
+        let mut clients: [Vec<Arc<felix_client::Client>>; 2] = [vec![denied_client], Vec::new()];
+        for (i, token) in [&denied, &kept].into_iter().enumerate() {
+            let mut cores = [false; 2];
+            for _ in 0..32 {
+                if cores == [true, true] {
+                    break;
+                }
+                let before = per_core();
+                let client = Arc::new(connect(token)?.await?);
+                publish(client.clone()).await?;
+                let after = per_core();
+                if let Some(core) = (0..2).find(|&c| after[c] > before[c]) {
+                    cores[core] = true;
+                }
+                clients[i].push(client);
+            }
+            anyhow::ensure!(
+                cores == [true, true],
+                "token {i}'s connections did not reach both cores: {cores:?}"
+            );
         }
-        for _ in 0..4 {
-            kept_clients.push(Arc::new(connect(&kept)?.await?));
-        }
-        for client in denied_clients.iter().chain(&kept_clients) {
-            publish(client.clone()).await?;
-        }
+        let [denied_clients, kept_clients] = clients;
 
         // The kept token's load: eight publishes in flight through the forwarder.
         let stop = Arc::new(AtomicBool::new(false));
         let acked = Arc::new(AtomicU64::new(0));
         let mut load = Vec::new();
         for i in 0..8 {
-            let (client, stop, acked) = (kept_clients[i % 4].clone(), stop.clone(), acked.clone());
+            let client = kept_clients[i % kept_clients.len()].clone();
+            let (stop, acked) = (stop.clone(), acked.clone());
             load.push(tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
                     publish(client.clone()).await?;

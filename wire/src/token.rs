@@ -414,6 +414,14 @@ pub struct Grant {
 }
 
 impl Grant {
+    /// Whether every revocation that hits `other` hits this grant too, and the other way
+    /// round ([`TenantKeys::revoked`]: its tenant's signing key retired, or its token id
+    /// denied): the same tenant, key and token id. Grants alike share what a revocation
+    /// ends (a connection they authenticated).
+    pub fn revoked_with(&self, other: &Grant) -> bool {
+        self.tenant == other.tenant && self.kid == other.kid && self.jti == other.jti
+    }
+
     fn compile(claims: &Claims) -> Result<Grant, AuthError> {
         let mut perms = Vec::with_capacity(claims.perms.len());
         for p in &claims.perms {

@@ -247,10 +247,7 @@ async fn auth_watchdog(conn: Connection, scope: Rc<ConnScope>) {
 /// tenant, signing key and token id) is kept already: an SDK authenticates every stream
 /// it opens, so a list that kept each grew for the connection's whole life.
 fn remember_grant(grants: &mut Vec<Rc<crate::auth::Grant>>, grant: &Rc<crate::auth::Grant>) {
-    let alike = |g: &Rc<crate::auth::Grant>| {
-        g.tenant == grant.tenant && g.kid == grant.kid && g.jti == grant.jti
-    };
-    if !grants.iter().any(alike) {
+    if !grants.iter().any(|g| g.revoked_with(grant)) {
         grants.push(grant.clone());
     }
 }
