@@ -258,7 +258,10 @@ pub(crate) fn spawn_self<T: serde::de::DeserializeOwned>(
     let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped"));
     let mut line = String::new();
     let started = match stdout.read_line(&mut line) {
-        Ok(0) => Err(anyhow::anyhow!("the child process exited before serving")),
+        Ok(0) => Err(anyhow::anyhow!(
+            "`felix-bench {}` exited before serving",
+            args.first().map_or("".into(), |a| a.to_string_lossy())
+        )),
         Ok(_) => serde_json::from_str::<T>(&line).map_err(anyhow::Error::from),
         Err(e) => Err(e.into()),
     };

@@ -88,8 +88,8 @@ pub struct Options {
     /// `pinning`, `S14`, `S11`).
     pub only: Vec<String>,
     /// Run the load generator only on these CPUs, and confine every broker (ours by
-    /// `cores`, each peer's process by affinity) to `cores`: the per-core cell a machine
-    /// whose other cores run the load can measure honestly.
+    /// `cores` and [`confine_ours`], each peer's process by affinity) to `cores`: the
+    /// per-core cell a machine whose other cores run the load can measure honestly.
     pub load_cores: Option<String>,
 }
 
@@ -111,15 +111,8 @@ pub fn confine(tid: i32, cpus: &[usize]) -> std::io::Result<()> {
 
 /// Confines every thread of process `pid` to `cpus` (threads it starts later inherit).
 pub fn confine_process(pid: u32, cpus: &[usize]) -> std::io::Result<()> {
-    confine_threads(pid, cpus, |_| true)
-}
-
-/// Confines the threads of process `pid` that `pick` accepts (by thread id) to `cpus`.
-fn confine_threads(pid: u32, cpus: &[usize], pick: impl Fn(i32) -> bool) -> std::io::Result<()> {
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
-        if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok())
-            && pick(tid)
-        {
+        if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) {
             confine(tid, cpus)?;
         }
     }
@@ -140,11 +133,25 @@ fn within(tid: i32, cpus: &[usize]) -> bool {
 }
 
 /// Confines our broker's threads to `cpus`, as a peer's whole process is, leaving those
-/// already within them: its cores keep their own pins (one CPU each, within `cpus`, with
-/// their io_uring workers), and its other threads (control, HTTP, blocking pools) share
-/// the broker's CPUs instead of the load's.
+/// already within them: its cores keep their own pins (one CPU each, within `cpus`), and
+/// its other threads (control, HTTP, blocking pools) share the broker's CPUs instead of
+/// the load's. A thread that exits meanwhile is passed over, as is one whose affinity
+/// the kernel does not let us set (an io_uring worker on some kernels: those follow the
+/// ring's owner, a core, and may run outside `cpus` there).
 pub fn confine_ours(pid: u32, cpus: &[usize]) -> std::io::Result<()> {
-    confine_threads(pid, cpus, |tid| !within(tid, cpus))
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+            continue;
+        };
+        if within(tid, cpus) {
+            continue;
+        }
+        match confine(tid, cpus) {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ESRCH | libc::EINVAL)) => {}
+            other => other?,
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn parse_cpus(list: &str) -> anyhow::Result<Vec<usize>> {

@@ -108,24 +108,80 @@ pub fn bucket_quantile(counts: &[u64], q: f64) -> Option<f64> {
 }
 
 /// CPU time (ns) used by the threads of process `pid` (`self` for this one) whose name
-/// passes `keep`, from each thread's schedstat.
+/// passes `keep`, from each thread's schedstat, counting threads that have exited since
+/// an earlier call with what they had used when last seen (see [`ThreadLedger`]): a sum
+/// over the live threads alone falls when one exits (an io_uring worker idles out after
+/// a few seconds), and a cell's CPU, taken as the difference of two readings, would then
+/// lose everything that thread had used before the cell.
 pub fn threads_cpu_ns(pid: &str, keep: impl Fn(&str) -> bool) -> Option<u64> {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
-    let mut total = 0u64;
+    let mut live = Vec::new();
     for task in tasks.flatten() {
+        let Some(tid) = task
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse::<u32>().ok())
+        else {
+            continue;
+        };
         let dir = task.path();
         let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        if !keep(name.trim()) {
-            continue;
-        }
         let stat = std::fs::read_to_string(dir.join("schedstat")).unwrap_or_default();
-        total += stat
+        let ns = stat
             .split_whitespace()
             .next()
             .and_then(|n| n.parse::<u64>().ok())
             .unwrap_or(0);
+        live.push((tid, name.trim().to_owned(), ns));
     }
-    Some(total)
+    let mut ledgers = LEDGERS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let ledger = ledgers.entry(pid.to_owned()).or_default();
+    ledger.observe(&live);
+    Some(ledger.total(&keep))
+}
+
+/// Every process's [`ThreadLedger`], by the `pid` argument of [`threads_cpu_ns`].
+static LEDGERS: std::sync::Mutex<std::collections::BTreeMap<String, ThreadLedger>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// One process's threads as last seen, and those gone since, so that its CPU readings
+/// never fall. A thread that exits loses only what it used after it was last seen.
+#[derive(Debug, Default)]
+pub struct ThreadLedger {
+    /// Live at the last reading: tid -> (name, CPU ns).
+    seen: std::collections::HashMap<u32, (String, u64)>,
+    /// Exited (or whose id was reused by a new thread): name and CPU ns when last seen.
+    gone: Vec<(String, u64)>,
+}
+
+impl ThreadLedger {
+    /// Takes a reading of the live threads: (tid, name, CPU ns).
+    pub fn observe(&mut self, live: &[(u32, String, u64)]) {
+        let mut next = std::collections::HashMap::with_capacity(live.len());
+        for (tid, name, ns) in live {
+            if let Some((old_name, old_ns)) = self.seen.remove(tid)
+                && (old_name != *name || old_ns > *ns)
+            {
+                // The id now names another thread.
+                self.gone.push((old_name, old_ns));
+            }
+            next.insert(*tid, (name.clone(), *ns));
+        }
+        self.gone.extend(self.seen.drain().map(|(_, v)| v));
+        self.seen = next;
+    }
+
+    /// CPU ns of the threads, live and gone, whose name passes `keep`.
+    pub fn total(&self, keep: impl Fn(&str) -> bool) -> u64 {
+        self.seen
+            .values()
+            .chain(&self.gone)
+            .filter(|(name, _)| keep(name))
+            .map(|(_, ns)| ns)
+            .sum()
+    }
 }
 
 /// Sends batches.
@@ -813,5 +869,35 @@ impl Consumer for RedisConsumer {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ThreadLedger;
+
+    fn live(threads: &[(u32, &str, u64)]) -> Vec<(u32, String, u64)> {
+        threads
+            .iter()
+            .map(|(tid, name, ns)| (*tid, (*name).to_owned(), *ns))
+            .collect()
+    }
+
+    /// Readings never fall: a thread that exits (an idle io_uring worker) keeps what it
+    /// used, and a thread id reused by a new thread starts the new one from zero.
+    #[test]
+    fn a_processs_cpu_readings_keep_the_threads_that_exited() {
+        let mut l = ThreadLedger::default();
+        l.observe(&live(&[(1, "felix-core-0-1", 100), (2, "iou-wrk-1", 50)]));
+        assert_eq!(l.total(|_| true), 150);
+        // The worker exits; the core goes on.
+        l.observe(&live(&[(1, "felix-core-0-1", 130)]));
+        assert_eq!(l.total(|_| true), 180, "the worker's 50 ns still count");
+        assert_eq!(l.total(|n| n.starts_with("felix-core")), 130);
+        // Its id comes back as another thread.
+        l.observe(&live(&[(1, "felix-core-0-1", 140), (2, "iou-wrk-1", 5)]));
+        assert_eq!(l.total(|_| true), 195);
+        l.observe(&live(&[(1, "felix-core-0-1", 140), (2, "felix-http", 7)]));
+        assert_eq!(l.total(|_| true), 202);
     }
 }
