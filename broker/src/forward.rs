@@ -109,6 +109,9 @@ impl Holder {
     }
 }
 
+/// A leader's address and the [`Holder`] whose requests a connection to it carries.
+type PeerKey = (SocketAddr, Holder);
+
 /// This core's connections to its peers, one per leader and [`Holder`]. One connection
 /// per leader for every tenant let one tenant's revoked token fail the others' requests
 /// in flight (until 2026-12-04, first per tenant: one token's revocation then failed its
@@ -117,7 +120,7 @@ impl Holder {
 /// holds it). Sans-IO: the caller passes the time.
 #[derive(Debug)]
 struct PeerTable<C> {
-    conns: HashMap<(SocketAddr, Holder), (C, Instant)>,
+    conns: HashMap<PeerKey, (C, Instant)>,
     swept: Option<Instant>,
 }
 
@@ -129,19 +132,19 @@ impl<C: Clone> PeerTable<C> {
         }
     }
 
-    /// The connection to `addr` for `holder`, marked used at `now`.
-    fn get(&mut self, addr: SocketAddr, holder: &Holder, now: Instant) -> Option<C> {
-        let (c, used) = self.conns.get_mut(&(addr, holder.clone()))?;
+    /// The connection for `key`, marked used at `now`.
+    fn get(&mut self, key: &PeerKey, now: Instant) -> Option<C> {
+        let (c, used) = self.conns.get_mut(key)?;
         *used = now;
         Some(c.clone())
     }
 
-    fn insert(&mut self, addr: SocketAddr, holder: &Holder, c: C, now: Instant) {
-        self.conns.insert((addr, holder.clone()), (c, now));
+    fn insert(&mut self, key: PeerKey, c: C, now: Instant) {
+        self.conns.insert(key, (c, now));
     }
 
-    fn remove(&mut self, addr: SocketAddr, holder: &Holder) {
-        self.conns.remove(&(addr, holder.clone()));
+    fn remove(&mut self, key: &PeerKey) {
+        self.conns.remove(key);
     }
 
     /// The connections unused for [`PEER_UNUSED`] at `now`, taken out (looked for at
@@ -242,23 +245,20 @@ impl Forwarder {
         })
     }
 
-    async fn connection(
-        &self,
-        addr: SocketAddr,
-        holder: &Holder,
-    ) -> Result<Connection, BrokerError> {
+    async fn connection(&self, key: &PeerKey) -> Result<Connection, BrokerError> {
         let now = Instant::now();
         // Dropped, not closed: a request still running on one holds it open, and the
         // connection closes with its last handle.
         let unused = self.peers.borrow_mut().unused(now);
         drop(unused);
-        let existing = self.peers.borrow_mut().get(addr, holder, now);
+        let existing = self.peers.borrow_mut().get(key, now);
         if let Some(c) = existing {
             if c.close_reason().is_none() {
                 return Ok(c);
             }
-            self.peers.borrow_mut().remove(addr, holder);
+            self.peers.borrow_mut().remove(key);
         }
+        let addr = key.0;
         let c = self
             .endpoint
             .connect(self.config.clone(), addr, &self.server_name)
@@ -269,7 +269,7 @@ impl Forwarder {
             })?;
         self.peers
             .borrow_mut()
-            .insert(addr, holder, c.clone(), Instant::now());
+            .insert(key.clone(), c.clone(), Instant::now());
         Ok(c)
     }
 
@@ -320,10 +320,10 @@ impl Forwarder {
         request: Bytes,
         answered: bool,
     ) -> Result<Option<Frame>, BrokerError> {
-        let holder = Holder::of(grant);
-        let conn = self.connection(addr, &holder).await?;
+        let key = (addr, Holder::of(grant));
+        let conn = self.connection(&key).await?;
         let (mut send, mut recv) = conn.open_bi().await.map_err(|_| {
-            self.peers.borrow_mut().remove(addr, &holder);
+            self.peers.borrow_mut().remove(&key);
             BrokerError::ShardUnavailable("owner_unavailable".into())
         })?;
         let (lo, hi) = Features::ERROR_CODES
@@ -535,7 +535,7 @@ mod tests {
         let mut peers = PeerTable::new();
         assert!(peers.unused(t0).is_empty());
         let acme = holder("acme", "k1", Some("t1"));
-        peers.insert(a, &acme, 1, t0);
+        peers.insert((a, acme.clone()), 1, t0);
         for (other, what) in [
             (
                 holder("acme", "k1", Some("t2")),
@@ -545,25 +545,32 @@ mod tests {
             (holder("acme", "k2", Some("t1")), "another key's token"),
             (holder("beta", "k1", Some("t1")), "another tenant's token"),
         ] {
-            assert_eq!(peers.get(a, &other, t0), None, "{what} does not share it");
+            assert_eq!(peers.get(&(a, other), t0), None, "{what} does not share it");
         }
-        assert_eq!(peers.get(b, &acme, t0), None, "nor another leader's");
+        assert_eq!(
+            peers.get(&(b, acme.clone()), t0),
+            None,
+            "nor another leader's"
+        );
         let beta = holder("beta", "k1", Some("t1"));
-        peers.insert(a, &beta, 2, t0);
-        peers.insert(b, &acme, 3, t0);
+        peers.insert((a, beta.clone()), 2, t0);
+        peers.insert((b, acme.clone()), 3, t0);
         assert_eq!(peers.len(), 3);
-        assert_eq!(peers.get(a, &acme, t0 + Duration::from_secs(50)), Some(1));
+        assert_eq!(
+            peers.get(&(a, acme.clone()), t0 + Duration::from_secs(50)),
+            Some(1)
+        );
         // Past a minute, the two unused since t0 go; the one used at 50 s stays.
         let at = t0 + Duration::from_secs(70);
         let mut gone = peers.unused(at);
         gone.sort();
         assert_eq!(gone, vec![2, 3]);
-        assert_eq!(peers.get(a, &acme, at), Some(1));
+        assert_eq!(peers.get(&(a, acme.clone()), at), Some(1));
         // Looked for again only half a minute later.
         assert!(peers.unused(at + Duration::from_secs(29)).is_empty());
         assert_eq!(peers.unused(at + Duration::from_secs(200)), vec![1]);
-        peers.insert(a, &acme, 4, at);
-        peers.remove(a, &acme);
+        peers.insert((a, acme.clone()), 4, at);
+        peers.remove(&(a, acme.clone()));
         assert_eq!(peers.len(), 0);
     }
 }

@@ -1488,18 +1488,7 @@ fn put_list<T>(
 /// `name` (a field's opening, up to its colon) then `n` in decimal.
 fn put_number(out: &mut BytesMut, name: &[u8], n: u64) {
     out.put_slice(name);
-    let mut digits = [0u8; 20];
-    let mut i = digits.len();
-    let mut n = n;
-    loop {
-        i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.put_slice(&digits[i..]);
+    out.put_slice(itoa::Buffer::new().format(n).as_bytes());
 }
 
 /// `name` then `s` as a JSON string, escaped as serde_json escapes it.
