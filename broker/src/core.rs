@@ -786,6 +786,11 @@ pub struct CoreBroker {
     closed_log_stats: Cell<LogTotals>,
     /// Shards just handed over by another core, to open without re-checking every batch.
     handed_over: RefCell<std::collections::HashSet<Arc<ShardKey>>>,
+    /// Stream shards a live re-pin handed to this core whose logs would not open here
+    /// for want of resources (out of descriptors or memory): what the old core handed
+    /// over (subscriber cores, groups) waits here for the next open, or is handed on by
+    /// the next re-pin (`core/moves.rs`).
+    pending_takes: RefCell<HashMap<Arc<ShardKey>, moves::Handover>>,
     /// Requests accepted here for a shard this core has not handed them yet (waiting for
     /// its log to open, or about to ask for it), per shard: a re-pin's release waits for
     /// them as it waits for work holding the shard (`core/moves.rs`).
@@ -906,6 +911,7 @@ impl CoreBroker {
             takeover_held: RefCell::default(),
             left_copies: RefCell::default(),
             handed_over: RefCell::default(),
+            pending_takes: RefCell::default(),
             awaiting_shard: Rc::default(),
             idempotent_opening: RefCell::default(),
             load: RefCell::default(),
@@ -1101,9 +1107,14 @@ impl CoreBroker {
             &self.streams,
             key,
             || async {
-                self.open_log(key)
-                    .await
-                    .map(|log| Rc::new(StreamShard::new(key.clone(), log)))
+                let s = Rc::new(StreamShard::new(key.clone(), self.open_log(key).await?));
+                // A re-pin's take that could not open the log left its handover here:
+                // nothing has served the shard since, so it is still what the old core
+                // left, and nothing serves the shard before it is applied.
+                if let Some(h) = self.pending_takes.borrow_mut().remove(key) {
+                    moves::adopt(&s, h);
+                }
+                Ok(s)
             },
             |s| async move {
                 let _ = s.log.close().await;
@@ -2534,6 +2545,16 @@ impl CoreBroker {
         // A build that outlived the leadership it began in is stale: another leader
         // may have written group events meanwhile, and taking the shard over again
         // found no groups to drop.
+        if let Some(state) = stream.handed_groups.borrow_mut().take() {
+            stream.building_groups.set(false);
+            let g = Rc::new(crate::groups::GroupShard::from_state(
+                state,
+                self.shared.group_limits,
+                self.group_writer(key),
+            ));
+            *stream.groups.borrow_mut() = Some(g.clone());
+            return Ok(g);
+        }
         let term = || self.replica_of(key).ok().flatten().map(|rs| rs.term());
         let began = term();
         let built = crate::groups::GroupShard::build(
@@ -3233,6 +3254,8 @@ impl CoreBroker {
     /// segment is sealed too, so the core taking the shard over loads its index instead
     /// of scanning it. True when everything went cleanly.
     pub(crate) async fn close_shard(&self, key: &ShardKey, seal: bool) -> bool {
+        // A handover waiting for an open here (a deleted stream's) dies with the shard.
+        self.pending_takes.borrow_mut().remove(key);
         // An open under way finishes first, and the close takes what it opened. Removing
         // its slot instead left the opener to put the log back as ready after the close
         // (a deleted stream's log, its files unlinked, served to a stream re-created

@@ -755,9 +755,9 @@ async fn placement(State(shared): State<Arc<Shared>>) -> Response {
 
 #[derive(serde::Deserialize)]
 struct FaultQuery {
-    /// `write` or `sync`; absent with `clear`.
+    /// `write`, `sync` or `open` (a log's directory); absent with `clear`.
     op: Option<String>,
-    /// `eio` or `enospc`.
+    /// `eio` (default), `enospc` or `emfile`.
     errno: Option<String>,
     /// `once` (default) or `always`.
     times: Option<String>,
@@ -781,6 +781,7 @@ async fn storage_faults(
     let errno = match q.errno.as_deref() {
         Some("eio") | None => libc::EIO,
         Some("enospc") => libc::ENOSPC,
+        Some("emfile") => libc::EMFILE,
         Some(other) => {
             return (
                 StatusCode::BAD_REQUEST,
@@ -803,10 +804,11 @@ async fn storage_faults(
     match q.op.as_deref() {
         Some("write") => faults.fail_writes(errno, times),
         Some("sync") => faults.fail_syncs(errno, times),
+        Some("open") => faults.fail_opens(errno, times),
         other => {
             return (
                 StatusCode::BAD_REQUEST,
-                format!("op must be write or sync, not {other:?}\n"),
+                format!("op must be write, sync or open, not {other:?}\n"),
             )
                 .into_response();
         }

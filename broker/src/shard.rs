@@ -180,6 +180,10 @@ pub struct StreamShard {
     pub groups: RefCell<Option<std::rc::Rc<crate::groups::GroupShard>>>,
     /// Whether a task is building the groups.
     pub building_groups: std::cell::Cell<bool>,
+    /// The groups' state as another core handed it over in a live re-pin whose open of
+    /// this log here failed for want of resources, until the groups are built from it
+    /// (not from the log: its claims in flight are only here).
+    pub handed_groups: RefCell<Option<crate::groups::GroupState>>,
     /// Whether this log may hold a `Group` batch: one was there when the shard opened
     /// (its segments say), or passed through this core since (stored from a leader, or
     /// written or folded here). Its groups then need snapshots even while no group
@@ -222,6 +226,7 @@ impl StreamShard {
             building_producers: std::cell::Cell::new(false),
             groups: RefCell::default(),
             building_groups: std::cell::Cell::new(false),
+            handed_groups: RefCell::default(),
             group_batches_seen: Cell::new(groups_in_log),
             groups_snapshot_mark: Cell::new(size),
             closing: std::cell::Cell::new(false),
@@ -293,6 +298,7 @@ impl StreamShard {
             groups.retire();
             self.groups_snapshot_mark.set(groups.snapshot_mark());
         }
+        *self.handed_groups.borrow_mut() = None;
         self.appended.wake_all();
     }
 

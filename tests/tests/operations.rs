@@ -598,6 +598,116 @@ fn publishes_waiting_for_a_shards_first_open_are_acknowledged_across_a_re_pin() 
     });
 }
 
+/// A re-pin whose new core cannot open the shard's log (out of file descriptors at that
+/// moment) must not lose what the old core handed over: the next open there applies it,
+/// or, when another re-pin moves the shard on before any request opened it, the next
+/// core gets it. Before, the take logged a warning and dropped it, so a subscriber's core
+/// was no longer registered (it never got another record) and the consumer groups were
+/// folded from the log without their claims in flight (a claimed record went to another
+/// consumer).
+#[test]
+fn a_re_pin_whose_open_fails_for_want_of_descriptors_keeps_subscribers_and_claims() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
+        &["--cores", "0-1", "--shards", "1"],
+    );
+    let pin = |rule: String| {
+        let body = json!({ "rule": rule }).to_string();
+        let (status, body) =
+            felix_client::ops::http(&b.http.to_string(), "POST", "/pins", Some(&body)).unwrap();
+        assert_eq!(status, 200, "{body}");
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        // Then: the next request opens it where it went; or first a second re-pin moves
+        // it back, and the next request opens it there.
+        for moved_on in [false, true] {
+            let stream = format!("jobs{moved_on}");
+            for i in 0..3 {
+                let payload = format!("job{i}").into_bytes();
+                c.publish("dev", "default", &stream, payload, AckMode::PerMessage)
+                    .await
+                    .unwrap();
+            }
+            assert_eq!(owner_core(&b, &stream).0, 0);
+            let mut sub = c
+                .subscribe_from("dev", "default", &stream, Some(StartPosition::Earliest))
+                .await
+                .unwrap();
+            for i in 0..3 {
+                let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                    .await
+                    .expect("history read")
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(e.payload.as_ref(), format!("job{i}").as_bytes());
+            }
+            let g = felix_client::GroupRef::new("dev", "default", &stream, 0, "workers");
+            let one = felix_client::PollOptions {
+                max_records: 1,
+                wait: Duration::from_millis(100),
+                visibility: Some(Duration::from_secs(120)),
+            };
+            let claimed = c.group_poll(&g, one).await.unwrap();
+            assert_eq!(claimed.len(), 1);
+            assert_eq!(claimed[0].payload.as_ref(), b"job0");
+
+            let open_before = b.metric("felix_broker_shards_open").unwrap();
+            let armed = b.http_post("/debug/storage-faults?op=open&errno=emfile&times=once");
+            assert_eq!(armed.unwrap().0, 200);
+            pin(format!("dev/default/{stream}/0=1"));
+            assert_eq!(owner_core(&b, &stream).0, 1);
+            assert_eq!(
+                b.metric("felix_broker_shards_open").unwrap(),
+                open_before - 1,
+                "the new core's open failed, as injected"
+            );
+            if moved_on {
+                pin(format!("dev/default/{stream}/0=0"));
+                assert_eq!(owner_core(&b, &stream).0, 0);
+            }
+
+            // The next request opens the log, and with it what was handed over.
+            c.publish(
+                "dev",
+                "default",
+                &stream,
+                b"after".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+            let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                .await
+                .expect("the subscriber gets the record published after the move")
+                .unwrap()
+                .unwrap();
+            assert_eq!(e.payload.as_ref(), b"after");
+            let next = c
+                .group_poll(
+                    &g,
+                    felix_client::PollOptions {
+                        max_records: 100,
+                        ..one
+                    },
+                )
+                .await
+                .unwrap();
+            let offsets: Vec<u64> = next.iter().map(|r| r.offset.0).collect();
+            assert!(
+                !next.is_empty() && next.iter().all(|r| r.offset != claimed[0].offset),
+                "the record claimed before the move went out again: {offsets:?}"
+            );
+            c.group_ack(&g, claimed[0].offset.0)
+                .await
+                .expect("the claim still holds");
+        }
+    });
+}
+
 #[test]
 fn a_shard_re_pinned_100_times_under_load_loses_and_doubles_nothing() {
     use std::collections::{BTreeMap, HashSet};

@@ -17,7 +17,10 @@
 //!    shard's log to open, and the shards' in-flight appends (commit and fanout) to finish, answer long polls and watches now, stop
 //!    serving the moving shards, close (and seal) their logs, hand over the cores with
 //!    subscribers and the consumer groups' state (claims included).
-//! 5. **Take** (at each B): open the logs, register those subscriber cores.
+//! 5. **Take** (at each B): open the logs, register those subscriber cores. A log that
+//!    will not open for want of resources (descriptors, memory) keeps what it was handed
+//!    (subscriber cores, groups) for its next open at B, or for the next re-pin to hand
+//!    on.
 //! 6. **End** (at every core): serve the held requests in the order they came; the
 //!    re-pin is over. A re-pin that fails before the swap ends the same way.
 //!
@@ -625,6 +628,12 @@ impl CoreBroker {
                 keys.push(k.clone());
             }
         }
+        // Taken by an earlier re-pin but never opened here: what it was handed goes on.
+        for k in self.pending_takes.borrow().keys() {
+            if leaving(k) && !self.streams.borrow().contains_key(k) {
+                keys.push(k.clone());
+            }
+        }
         (keys, opening)
     }
 
@@ -661,6 +670,12 @@ impl CoreBroker {
                 }
                 let mut out = Vec::with_capacity(keys.len());
                 for key in keys {
+                    if let Some(h) = self.pending_takes.borrow_mut().remove(&key) {
+                        // Never opened here since it was handed over: hand it on as is.
+                        self.handed_over.borrow_mut().remove(&key);
+                        out.push(h);
+                        continue;
+                    }
                     let stream = self.ready_stream(&key);
                     let interested = stream.as_ref().map(|s| s.interest()).unwrap_or_default();
                     // Nothing runs on the shard now: its groups' state is complete.
@@ -676,7 +691,10 @@ impl CoreBroker {
                             ))
                         })
                     });
-                    let groups = stream.and_then(|s| s.groups.borrow().as_ref().map(|g| g.state()));
+                    let groups = stream.and_then(|s| {
+                        let built = s.groups.borrow().as_ref().map(|g| g.state());
+                        built.or_else(|| s.handed_groups.borrow_mut().take())
+                    });
                     let sealed = self.close_shard(&key, true).await && failed.is_none();
                     out.push(Handover {
                         key,
@@ -727,31 +745,27 @@ impl CoreBroker {
         // It was open on the old core: open it here at once, so its subscribers' cores
         // get the next batches.
         match h.key.kind {
-            ShardKind::Stream => match self.stream_shard(&h.key).await {
-                Ok(s) => {
-                    for (core, n) in &h.interested {
-                        s.register_many(*core, *n);
-                    }
-                    // The old core knew better than this open from the indexes (which
-                    // may predate their kinds field and then say "maybe").
-                    if let Some((seen, mark)) = h.group_batches {
-                        s.group_batches_seen.set(seen);
-                        if seen {
-                            s.groups_snapshot_mark.set(mark);
+            ShardKind::Stream => {
+                // The open applies the handover (`CoreBroker::stream_shard`), so one
+                // that fails for want of resources leaves it for the next open.
+                let key = h.key.clone();
+                self.pending_takes.borrow_mut().insert(key.clone(), h);
+                match self.stream_shard(&key).await {
+                    Ok(s) => {
+                        // Already open here (not through that open): apply it now.
+                        if let Some(h) = self.pending_takes.borrow_mut().remove(&key) {
+                            adopt(&s, h);
                         }
                     }
-                    // Held requests run at End, after this: none has built the groups.
-                    if let Some(groups) = h.groups {
-                        *s.groups.borrow_mut() =
-                            Some(Rc::new(crate::groups::GroupShard::from_state(
-                                groups,
-                                self.shared.group_limits,
-                                self.group_writer(&h.key),
-                            )));
+                    Err(e) => {
+                        tracing::warn!(shard = %key, error = %e, "opening a moved shard");
+                        if !matches!(e, BrokerError::Overloaded(_)) {
+                            // Closed here until a restart (`Slot::Failed`): nothing to keep.
+                            self.pending_takes.borrow_mut().remove(&key);
+                        }
                     }
                 }
-                Err(e) => tracing::warn!(shard = %h.key, error = %e, "opening a moved shard"),
-            },
+            }
             ShardKind::Cache => {
                 if let Err(e) = self.cache_shard(&h.key).await {
                     tracing::warn!(shard = %h.key, error = %e, "opening a moved cache shard");
@@ -760,6 +774,25 @@ impl CoreBroker {
         }
         self.metrics.shards_moved_in.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// Applies what the old core handed over to the shard `s` just opened here: its
+/// subscribers' cores, what it knew of the groups' batches, and the groups' state (built
+/// from that, not from the log, on first use: the claims in flight are only there).
+pub(super) fn adopt(s: &crate::shard::StreamShard, h: Handover) {
+    for (core, n) in &h.interested {
+        s.register_many(*core, *n);
+    }
+    // The old core knew better than this open from the indexes (which may predate their
+    // kinds field and then say "maybe").
+    if let Some((seen, mark)) = h.group_batches {
+        s.group_batches_seen.set(seen);
+        if seen {
+            s.groups_snapshot_mark.set(mark);
+        }
+    }
+    // Held requests run at End, after this: none has built the groups.
+    *s.handed_groups.borrow_mut() = h.groups;
 }
 
 /// Where live pins are kept.

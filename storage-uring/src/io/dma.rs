@@ -69,12 +69,16 @@ impl DmaBackend {
         Self::open_dir_with_faults(dir, None).await
     }
 
-    /// [`DmaBackend::open_dir`], with `faults` consulted before every data write,
-    /// fallocate and fdatasync of a segment file (`None`: no faults, as `open_dir`).
+    /// [`DmaBackend::open_dir`], with `faults` consulted before this open and every data
+    /// write, fallocate and fdatasync of a segment file (`None`: no faults, as
+    /// `open_dir`).
     pub async fn open_dir_with_faults(
         dir: impl AsRef<Path>,
         faults: Option<Arc<StorageFaults>>,
     ) -> io::Result<DmaBackend> {
+        if let Some(f) = &faults {
+            f.check_open()?;
+        }
         // glommio opens directories by absolute path only (a relative one fails with
         // EBADF when the directory is synced).
         let dir = std::path::absolute(dir.as_ref())?;

@@ -76,6 +76,8 @@ pub struct StorageFaults {
     writes: Slot,
     /// fdatasync.
     syncs: Slot,
+    /// Opening a log's directory.
+    opens: Slot,
     injected: AtomicU64,
 }
 
@@ -97,10 +99,18 @@ impl StorageFaults {
         self.syncs.arm(errno, times);
     }
 
+    /// Opening a log's directory ([`super::dma::DmaBackend::open_dir_with_faults`]) fails
+    /// with `errno` (e.g. `libc::EMFILE`, as when the process is out of descriptors).
+    /// Replaces any open fault already armed.
+    pub fn fail_opens(&self, errno: i32, times: FaultTimes) {
+        self.opens.arm(errno, times);
+    }
+
     /// Disarms every fault.
     pub fn clear(&self) {
         self.writes.0.store(0, Ordering::Release);
         self.syncs.0.store(0, Ordering::Release);
+        self.opens.0.store(0, Ordering::Release);
     }
 
     /// Operations failed by injection so far.
@@ -116,6 +126,11 @@ impl StorageFaults {
     /// Before an fdatasync.
     pub(crate) fn check_sync(&self) -> io::Result<()> {
         self.check(&self.syncs)
+    }
+
+    /// Before opening a log's directory.
+    pub(crate) fn check_open(&self) -> io::Result<()> {
+        self.check(&self.opens)
     }
 
     fn check(&self, slot: &Slot) -> io::Result<()> {
@@ -139,6 +154,7 @@ mod tests {
         for _ in 0..3 {
             f.check_write().unwrap();
             f.check_sync().unwrap();
+            f.check_open().unwrap();
         }
         assert_eq!(f.injected(), 0);
     }
@@ -162,9 +178,15 @@ mod tests {
             assert_eq!(f.check_sync().unwrap_err().raw_os_error(), Some(libc::EIO));
         }
         f.check_write().unwrap();
+        f.fail_opens(libc::EMFILE, FaultTimes::Always);
+        assert_eq!(
+            f.check_open().unwrap_err().raw_os_error(),
+            Some(libc::EMFILE)
+        );
         f.clear();
         f.check_sync().unwrap();
-        assert_eq!(f.injected(), 3);
+        f.check_open().unwrap();
+        assert_eq!(f.injected(), 4);
     }
 
     #[test]
