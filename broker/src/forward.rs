@@ -83,6 +83,11 @@ impl std::fmt::Debug for Forwarder {
 /// another).
 const PEER_UNUSED: Duration = Duration::from_secs(60);
 
+/// Connections a core keeps to its peers. One is kept per leader and token identity, so
+/// clients presenting many tokens would otherwise make as many, each held a minute past
+/// its last use: at this many, the one used longest ago is let go for the next.
+const PEERS_MAX: usize = 128;
+
 /// Whose forwarded requests may share a connection to a leader: tokens a leader revokes
 /// together. A leader closes a connection when a token that authenticated one of its
 /// streams is denied by id or its signing key retired (`session::driver`), which fails
@@ -139,8 +144,20 @@ impl<C: Clone> PeerTable<C> {
         Some(c.clone())
     }
 
-    fn insert(&mut self, key: PeerKey, c: C, now: Instant) {
+    /// Keeps `c` for `key`, letting go of the connection used longest ago when
+    /// [`PEERS_MAX`] are kept already (returned; it closes once no request holds it).
+    fn insert(&mut self, key: PeerKey, c: C, now: Instant) -> Option<C> {
+        let mut evicted = None;
+        if self.conns.len() >= PEERS_MAX && !self.conns.contains_key(&key) {
+            let oldest = self
+                .conns
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone());
+            evicted = oldest.and_then(|k| self.conns.remove(&k)).map(|(c, _)| c);
+        }
         self.conns.insert(key, (c, now));
+        evicted
     }
 
     fn remove(&mut self, key: &PeerKey) {
@@ -267,9 +284,11 @@ impl Forwarder {
                 tracing::warn!(%addr, error = %e, "connecting to the shard leader");
                 BrokerError::ShardUnavailable("owner_unavailable".into())
             })?;
-        self.peers
+        let evicted = self
+            .peers
             .borrow_mut()
             .insert(key.clone(), c.clone(), Instant::now());
+        drop(evicted);
         Ok(c)
     }
 
@@ -572,5 +591,29 @@ mod tests {
         peers.insert((a, acme.clone()), 4, at);
         peers.remove(&(a, acme.clone()));
         assert_eq!(peers.len(), 0);
+    }
+
+    /// However many tokens the clients present, a core keeps at most `PEERS_MAX`
+    /// connections: the next one lets go of the one used longest ago, not of a busy one.
+    #[test]
+    fn a_core_keeps_at_most_peers_max_connections_and_lets_the_least_used_go() {
+        let leader: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let token = |i: usize| (leader, holder("acme", "k1", Some(&format!("t{i}"))));
+        let t0 = Instant::now();
+        let mut peers = PeerTable::new();
+        for i in 0..PEERS_MAX {
+            let at = t0 + Duration::from_millis(i as u64);
+            assert_eq!(peers.insert(token(i), i, at), None);
+        }
+        // The first is used again: the second is now the one used longest ago.
+        let later = t0 + Duration::from_secs(1);
+        assert_eq!(peers.get(&token(0), later), Some(0));
+        assert_eq!(peers.insert(token(PEERS_MAX), PEERS_MAX, later), Some(1));
+        assert_eq!(peers.len(), PEERS_MAX);
+        assert_eq!(peers.get(&token(1), later), None);
+        assert_eq!(peers.get(&token(0), later), Some(0));
+        // Replacing a kept one (its connection closed) lets nothing else go.
+        assert_eq!(peers.insert(token(0), 1000, later), None);
+        assert_eq!(peers.len(), PEERS_MAX);
     }
 }
