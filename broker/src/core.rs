@@ -1107,7 +1107,18 @@ impl CoreBroker {
             &self.streams,
             key,
             || async {
-                let s = Rc::new(StreamShard::new(key.clone(), self.open_log(key).await?));
+                let log = match self.open_log(key).await {
+                    Ok(log) => log,
+                    Err(e) => {
+                        if !matches!(e, BrokerError::Overloaded(_)) {
+                            // Closed here until a restart (`Slot::Failed`): a handover
+                            // passed on would let the next core serve it.
+                            self.pending_takes.borrow_mut().remove(key);
+                        }
+                        return Err(e);
+                    }
+                };
+                let s = Rc::new(StreamShard::new(key.clone(), log));
                 // A re-pin's take that could not open the log left its handover here:
                 // nothing has served the shard since, so it is still what the old core
                 // left, and nothing serves the shard before it is applied.
@@ -2000,12 +2011,20 @@ impl CoreBroker {
             let (this, k) = (self.clone(), key.clone());
             self.hold(&k, Box::new(move || this.unregister(key)));
         } else if owner == self.core {
-            if let Some(Slot::Ready(s)) = self.streams.borrow().get(&key) {
-                s.unregister(self.core);
-            }
+            self.unregister_at_owner(&key, self.core);
         } else {
             let core = self.core;
             self.send_ordered(owner, CoreMsg::Unsubscribe { key, core }, false);
+        }
+    }
+
+    /// Drops a subscriber on `core` from the shard `key` this core owns: from the open
+    /// shard, or from the handover a re-pin left waiting for its open here.
+    fn unregister_at_owner(&self, key: &ShardKey, core: CoreId) {
+        if let Some(Slot::Ready(s)) = self.streams.borrow().get(key) {
+            s.unregister(core);
+        } else if let Some(h) = self.pending_takes.borrow_mut().get_mut(key) {
+            h.unregister(core);
         }
     }
 
@@ -2937,9 +2956,7 @@ impl CoreBroker {
             }
             CoreMsg::Unsubscribe { key, core } => {
                 drop(guard);
-                if let Some(Slot::Ready(s)) = self.streams.borrow().get(&key) {
-                    s.unregister(core);
-                }
+                self.unregister_at_owner(&key, core);
             }
             CoreMsg::Read {
                 key,

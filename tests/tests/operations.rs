@@ -708,6 +708,58 @@ fn a_re_pin_whose_open_fails_for_want_of_descriptors_keeps_subscribers_and_claim
     });
 }
 
+/// A handover waiting at a core for its shard's open (the take's open ran out of
+/// descriptors) must not outlive an open there that fails for good: the shard is then
+/// closed until a restart, and a later re-pin must carry that to the next core, not the
+/// waiting handover (which would let that core open the log and serve it).
+#[test]
+fn a_waiting_handover_does_not_reopen_a_shard_whose_next_open_failed_for_good() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
+        &["--cores", "0-1", "--shards", "1"],
+    );
+    let pin = |rule: &str| {
+        let body = json!({ "rule": rule }).to_string();
+        let (status, body) =
+            felix_client::ops::http(&b.http.to_string(), "POST", "/pins", Some(&body)).unwrap();
+        assert_eq!(status, 200, "{body}");
+    };
+    let fault = |errno: &str| {
+        let path = format!("/debug/storage-faults?op=open&errno={errno}&times=once");
+        assert_eq!(b.http_post(&path).unwrap().0, 200);
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        let publish = |payload: &'static [u8]| {
+            c.publish(
+                "dev",
+                "default",
+                "broken",
+                payload.to_vec(),
+                AckMode::PerMessage,
+            )
+        };
+        publish(b"first").await.unwrap();
+        fault("emfile");
+        pin("dev/default/broken/0=1");
+        // The open at core 1 fails for good (an I/O error), with the handover waiting.
+        fault("eio");
+        publish(b"second")
+            .await
+            .expect_err("the shard's open failed");
+        pin("dev/default/broken/0=0");
+        assert_eq!(owner_core(&b, "broken").0, 0);
+        let refused = publish(b"third").await;
+        assert!(
+            refused.is_err(),
+            "the shard core 1 closed until a restart was opened and served at core 0: {refused:?}"
+        );
+    });
+}
+
 #[test]
 fn a_shard_re_pinned_100_times_under_load_loses_and_doubles_nothing() {
     use std::collections::{BTreeMap, HashSet};

@@ -128,6 +128,18 @@ pub struct Handover {
     pub failed: Option<BrokerError>,
 }
 
+impl Handover {
+    /// Drops one subscriber on `core` (it left while the handover waited for an open).
+    pub fn unregister(&mut self, core: CoreId) {
+        if let Some(i) = self.interested.iter().position(|(c, _)| *c == core) {
+            self.interested[i].1 -= 1;
+            if self.interested[i].1 == 0 {
+                self.interested.swap_remove(i);
+            }
+        }
+    }
+}
+
 /// The answer to a [`MoveStep`].
 #[derive(Debug)]
 pub enum MoveAnswer {
