@@ -343,8 +343,8 @@ pub async fn pause_cut_poll(
 /// A request this core sent and awaits the answer to.
 struct Pending {
     owner: CoreId,
-    /// A group poll counted among `owner`'s waiting polls.
-    waits: bool,
+    /// A group poll counted among `owner`'s waiting polls: its tenant.
+    waits: Option<String>,
     answer: oneshot::Sender<ReplyBody>,
 }
 
@@ -631,6 +631,7 @@ pub mod follow;
 mod idempotent;
 #[path = "core/left.rs"]
 mod left;
+mod polls;
 pub use left::empty_trash as empty_left_copies_trash;
 #[path = "core/moves.rs"]
 pub mod moves;
@@ -760,8 +761,8 @@ pub struct CoreBroker {
     pending: RefCell<HashMap<u64, Pending>>,
     /// Requests outstanding at each core, by core index.
     outstanding: Vec<Cell<usize>>,
-    /// Of those, group polls waiting for records, by core index.
-    waiting_polls: Vec<Cell<usize>>,
+    /// Of those, group polls waiting for records, by core index, shared by tenant.
+    waiting_polls: Vec<RefCell<polls::PollShares>>,
     /// What this core's connections hold in begun, unfinished frames.
     pub(crate) unfinished: RefCell<HeldByConnections>,
     /// What this core's connections hold in answers QUIC has not taken yet.
@@ -898,7 +899,7 @@ impl CoreBroker {
             outbound: (0..cores).map(|_| RefCell::default()).collect(),
             pending: RefCell::default(),
             outstanding: (0..cores).map(|_| Cell::new(0)).collect(),
-            waiting_polls: (0..cores).map(|_| Cell::new(0)).collect(),
+            waiting_polls: (0..cores).map(|_| RefCell::default()).collect(),
             unfinished: RefCell::new(unfinished),
             unwritten: RefCell::new(unwritten),
             next_request: Cell::new(1),
@@ -1239,7 +1240,7 @@ impl CoreBroker {
         owner: CoreId,
         make: impl FnOnce(ReplyTo) -> CoreMsg,
     ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
-        self.ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, false, make)
+        self.ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, None, make)
     }
 
     /// As [`CoreBroker::ask`] for control messages (a re-pin's steps): never refused
@@ -1249,17 +1250,17 @@ impl CoreBroker {
         owner: CoreId,
         make: impl FnOnce(ReplyTo) -> CoreMsg,
     ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
-        self.ask_bounded(owner, usize::MAX, false, make)
+        self.ask_bounded(owner, usize::MAX, None, make)
     }
 
-    /// `waits`: the request is a group poll that may wait for records; it is counted
-    /// among `owner`'s waiting polls until its answer comes back (not until its asker
-    /// goes away: the owner holds it for its wait either way).
+    /// `waits`: the request is a group poll of this tenant that may wait for records; it
+    /// is counted among `owner`'s waiting polls until its answer comes back (not until
+    /// its asker goes away: the owner holds it for its wait either way).
     fn ask_bounded(
         self: &Rc<Self>,
         owner: CoreId,
         bound: usize,
-        waits: bool,
+        waits: Option<String>,
         make: impl FnOnce(ReplyTo) -> CoreMsg,
     ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
         let outstanding = &self.outstanding[owner.index()];
@@ -1276,9 +1277,10 @@ impl CoreBroker {
             let id = self.next_request.get();
             self.next_request.set(id + 1);
             let (tx, rx) = oneshot::channel();
-            if waits {
-                let w = &self.waiting_polls[owner.index()];
-                w.set(w.get() + 1);
+            if let Some(tenant) = &waits {
+                self.waiting_polls[owner.index()]
+                    .borrow_mut()
+                    .started(tenant);
             }
             self.pending.borrow_mut().insert(
                 id,
@@ -1320,9 +1322,10 @@ impl CoreBroker {
         };
         let n = &self.outstanding[owner.index()];
         n.set(n.get().saturating_sub(1));
-        if waits {
-            let w = &self.waiting_polls[owner.index()];
-            w.set(w.get().saturating_sub(1));
+        if let Some(tenant) = waits {
+            self.waiting_polls[owner.index()]
+                .borrow_mut()
+                .ended(&tenant);
         }
         self.metrics
             .cross_core_outstanding
@@ -2444,7 +2447,10 @@ impl CoreBroker {
                 crate::groups::GroupOp::Poll { wait_ms, .. } => *wait_ms,
                 _ => 0,
             };
-            let waits = self.admit_poll_wait(owner, &mut op);
+            let waits = self
+                .admit_poll_wait(owner, &key.tenant, &mut op)
+                .then(|| key.tenant.clone());
+            let cut = asked > 0 && waits.is_none();
             let answer = match self
                 .ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, waits, |reply| {
                     CoreMsg::Group { key, op, reply }
@@ -2456,7 +2462,7 @@ impl CoreBroker {
                     "mismatched answer {other:?}"
                 ))),
             };
-            if asked > 0 && !waits {
+            if cut {
                 pause_cut_poll(asked, &answer).await;
             }
             answer
@@ -2464,17 +2470,27 @@ impl CoreBroker {
     }
 
     /// Whether a group request for `owner` is a poll that may wait there. Waiting polls
-    /// hold their request slot for up to their wait; past `CROSS_CORE_POLLS_WAITING_MAX`
-    /// a poll's wait is cut to 0 (it answers with what is there now), so polls can
-    /// never hold more than their share of the slots every other request needs.
-    fn admit_poll_wait(&self, owner: CoreId, op: &mut crate::groups::GroupOp) -> bool {
+    /// hold their request slot for up to their wait; past `CROSS_CORE_POLLS_WAITING_MAX`,
+    /// or past `tenant`'s share of it (`core/polls.rs`), a poll's wait is cut to 0 (it
+    /// answers with what is there now), so polls can never hold more than their share of
+    /// the slots every other request needs, nor one tenant's polls all of theirs.
+    fn admit_poll_wait(
+        &self,
+        owner: CoreId,
+        tenant: &str,
+        op: &mut crate::groups::GroupOp,
+    ) -> bool {
         let crate::groups::GroupOp::Poll { wait_ms, .. } = op else {
             return false;
         };
         if *wait_ms == 0 {
             return false;
         }
-        if self.waiting_polls[owner.index()].get() >= CROSS_CORE_POLLS_WAITING_MAX {
+        let now = std::time::Instant::now();
+        if !self.waiting_polls[owner.index()]
+            .borrow_mut()
+            .admit(tenant, now)
+        {
             *wait_ms = 0;
             self.metrics.poll_waits_cut.fetch_add(1, Ordering::Relaxed);
             return false;
