@@ -73,4 +73,24 @@ check([(x.key, x.value) for x in got] == [("session:b", b"refreshed")],
 c.cache_put(T, NS, C, "session:b", b"again")
 got = changes(far, 1)
 check([(x.key, x.value) for x in got] == [("session:b", b"again")], "then live")
+# A retained watch over more values than one page (the broker encodes and writes its
+# snapshot 1 MiB at a time): every current value once, the overwritten ones as they are
+# now, then live.
+N = 2500
+for i in range(N):
+    c.cache_put(T, NS, C, "big:%04d" % i, b"%04d" % i + b"." * 1020)
+for i in range(0, N, 7):
+    c.cache_put(T, NS, C, "big:%04d" % i, b"new %04d" % i + b"." * 1016)
+big = c.watch_cache(T, NS, C, felix.CacheWatchFilter.prefix("big:"), retained=True)
+got = changes(big, N, timeout=10.0)
+check(big.retained_count == N, "the snapshot says %d values (%r)" % (N, big.retained_count))
+seen = {x.key: x.value for x in got}
+check(len(got) == N and len(seen) == N, "each value once, over several pages (%d, %d)"
+      % (len(got), len(seen)))
+want = {"big:%04d" % i: (b"new %04d" % i + b"." * 1016 if i % 7 == 0 else b"%04d" % i + b"." * 1020)
+        for i in range(N)}
+check(seen == want, "as they are now (%d differ)" % sum(seen.get(k) != v for k, v in want.items()))
+c.cache_put(T, NS, C, "big:live", b"after")
+got = changes(big, 1)
+check([(x.key, x.value) for x in got] == [("big:live", b"after")], "then live")
 print("done")
