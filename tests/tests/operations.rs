@@ -482,6 +482,14 @@ fn the_harness_restarts_a_broker_whose_port_was_briefly_taken() {
     assert!(started.elapsed() < Duration::from_secs(20));
 }
 
+/// Applies the pin `rule` (`POST /pins`), which must succeed.
+fn pin(b: &BrokerProcess, rule: &str) {
+    let body = json!({ "rule": rule }).to_string();
+    let (status, body) =
+        felix_client::ops::http(&b.http.to_string(), "POST", "/pins", Some(&body)).unwrap();
+    assert_eq!(status, 200, "{body}");
+}
+
 /// The core `/placement` says owns `dev/default/{stream}/0`, and the first rule.
 fn owner_core(b: &BrokerProcess, stream: &str) -> (u64, String) {
     let (_, body) = b.http_get("/placement").unwrap();
@@ -613,12 +621,6 @@ fn a_re_pin_whose_open_fails_for_want_of_descriptors_keeps_subscribers_and_claim
         "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
         &["--cores", "0-1", "--shards", "1"],
     );
-    let pin = |rule: String| {
-        let body = json!({ "rule": rule }).to_string();
-        let (status, body) =
-            felix_client::ops::http(&b.http.to_string(), "POST", "/pins", Some(&body)).unwrap();
-        assert_eq!(status, 200, "{body}");
-    };
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = client(&b).await;
@@ -658,7 +660,7 @@ fn a_re_pin_whose_open_fails_for_want_of_descriptors_keeps_subscribers_and_claim
             let open_before = b.metric("felix_broker_shards_open").unwrap();
             let armed = b.http_post("/debug/storage-faults?op=open&errno=emfile&times=once");
             assert_eq!(armed.unwrap().0, 200);
-            pin(format!("dev/default/{stream}/0=1"));
+            pin(&b, &format!("dev/default/{stream}/0=1"));
             assert_eq!(owner_core(&b, &stream).0, 1);
             assert_eq!(
                 b.metric("felix_broker_shards_open").unwrap(),
@@ -666,7 +668,7 @@ fn a_re_pin_whose_open_fails_for_want_of_descriptors_keeps_subscribers_and_claim
                 "the new core's open failed, as injected"
             );
             if moved_on {
-                pin(format!("dev/default/{stream}/0=0"));
+                pin(&b, &format!("dev/default/{stream}/0=0"));
                 assert_eq!(owner_core(&b, &stream).0, 0);
             }
 
@@ -720,12 +722,6 @@ fn a_waiting_handover_does_not_reopen_a_shard_whose_next_open_failed_for_good() 
         "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
         &["--cores", "0-1", "--shards", "1"],
     );
-    let pin = |rule: &str| {
-        let body = json!({ "rule": rule }).to_string();
-        let (status, body) =
-            felix_client::ops::http(&b.http.to_string(), "POST", "/pins", Some(&body)).unwrap();
-        assert_eq!(status, 200, "{body}");
-    };
     let fault = |errno: &str| {
         let path = format!("/debug/storage-faults?op=open&errno={errno}&times=once");
         assert_eq!(b.http_post(&path).unwrap().0, 200);
@@ -744,13 +740,13 @@ fn a_waiting_handover_does_not_reopen_a_shard_whose_next_open_failed_for_good() 
         };
         publish(b"first").await.unwrap();
         fault("emfile");
-        pin("dev/default/broken/0=1");
+        pin(&b, "dev/default/broken/0=1");
         // The open at core 1 fails for good (an I/O error), with the handover waiting.
         fault("eio");
         publish(b"second")
             .await
             .expect_err("the shard's open failed");
-        pin("dev/default/broken/0=0");
+        pin(&b, "dev/default/broken/0=0");
         assert_eq!(owner_core(&b, "broken").0, 0);
         let refused = publish(b"third").await;
         assert!(
