@@ -343,8 +343,8 @@ pub async fn pause_cut_poll(
 /// A request this core sent and awaits the answer to.
 struct Pending {
     owner: CoreId,
-    /// A group poll counted among `owner`'s waiting polls: its tenant.
-    waits: Option<String>,
+    /// A group poll counted among `owner`'s waiting polls: its shard (for the tenant).
+    waits: Option<Arc<ShardKey>>,
     answer: oneshot::Sender<ReplyBody>,
 }
 
@@ -1253,14 +1253,14 @@ impl CoreBroker {
         self.ask_bounded(owner, usize::MAX, None, make)
     }
 
-    /// `waits`: the request is a group poll of this tenant that may wait for records; it
+    /// `waits`: the request is a group poll of this shard that may wait for records; it
     /// is counted among `owner`'s waiting polls until its answer comes back (not until
     /// its asker goes away: the owner holds it for its wait either way).
     fn ask_bounded(
         self: &Rc<Self>,
         owner: CoreId,
         bound: usize,
-        waits: Option<String>,
+        waits: Option<Arc<ShardKey>>,
         make: impl FnOnce(ReplyTo) -> CoreMsg,
     ) -> impl std::future::Future<Output = Result<ReplyBody, BrokerError>> + 'static {
         let outstanding = &self.outstanding[owner.index()];
@@ -1277,10 +1277,10 @@ impl CoreBroker {
             let id = self.next_request.get();
             self.next_request.set(id + 1);
             let (tx, rx) = oneshot::channel();
-            if let Some(tenant) = &waits {
+            if let Some(key) = &waits {
                 self.waiting_polls[owner.index()]
                     .borrow_mut()
-                    .started(tenant);
+                    .started(&key.tenant);
             }
             self.pending.borrow_mut().insert(
                 id,
@@ -1322,10 +1322,10 @@ impl CoreBroker {
         };
         let n = &self.outstanding[owner.index()];
         n.set(n.get().saturating_sub(1));
-        if let Some(tenant) = waits {
+        if let Some(key) = waits {
             self.waiting_polls[owner.index()]
                 .borrow_mut()
-                .ended(&tenant);
+                .ended(&key.tenant);
         }
         self.metrics
             .cross_core_outstanding
@@ -2449,7 +2449,7 @@ impl CoreBroker {
             };
             let waits = self
                 .admit_poll_wait(owner, &key.tenant, &mut op)
-                .then(|| key.tenant.clone());
+                .then(|| key.clone());
             let cut = asked > 0 && waits.is_none();
             let answer = match self
                 .ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, waits, |reply| {

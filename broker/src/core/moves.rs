@@ -803,7 +803,8 @@ pub(super) fn adopt(s: &crate::shard::StreamShard, h: Handover) {
             s.groups_snapshot_mark.set(mark);
         }
     }
-    // Held requests run at End, after this: none has built the groups.
+    // Nothing has built the groups: the shard was not served here before this open
+    // (at a take, the requests held for it run at End, after this).
     *s.handed_groups.borrow_mut() = h.groups;
 }
 
