@@ -111,12 +111,18 @@ pub fn confine(tid: i32, cpus: &[usize]) -> std::io::Result<()> {
 
 /// Confines every thread of process `pid` to `cpus` (threads it starts later inherit).
 pub fn confine_process(pid: u32, cpus: &[usize]) -> std::io::Result<()> {
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
-        if let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) {
-            confine(tid, cpus)?;
-        }
+    for tid in threads(pid)? {
+        confine(tid, cpus)?;
     }
     Ok(())
+}
+
+/// The ids of process `pid`'s threads now.
+fn threads(pid: u32) -> std::io::Result<impl Iterator<Item = i32>> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))?;
+    Ok(tasks
+        .flatten()
+        .filter_map(|t| t.file_name().to_str().and_then(|t| t.parse().ok())))
 }
 
 /// Whether thread `tid` may run only on CPUs of `cpus`.
@@ -139,10 +145,7 @@ fn within(tid: i32, cpus: &[usize]) -> bool {
 /// the kernel does not let us set (an io_uring worker on some kernels: those follow the
 /// ring's owner, a core, and may run outside `cpus` there).
 pub fn confine_ours(pid: u32, cpus: &[usize]) -> std::io::Result<()> {
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
-        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
-            continue;
-        };
+    for tid in threads(pid)? {
         if within(tid, cpus) {
             continue;
         }

@@ -2577,9 +2577,7 @@ impl CoreBroker {
             }
             task::sleep(std::time::Duration::from_millis(1)).await;
         }
-        // A build that outlived the leadership it began in is stale: another leader
-        // may have written group events meanwhile, and taking the shard over again
-        // found no groups to drop.
+        // Handed over by another core (a re-pin): built from that, claims included.
         if let Some(state) = stream.handed_groups.borrow_mut().take() {
             stream.building_groups.set(false);
             let g = Rc::new(crate::groups::GroupShard::from_state(
@@ -2590,6 +2588,9 @@ impl CoreBroker {
             *stream.groups.borrow_mut() = Some(g.clone());
             return Ok(g);
         }
+        // A build that outlived the leadership it began in is stale: another leader
+        // may have written group events meanwhile, and taking the shard over again
+        // found no groups to drop.
         let term = || self.replica_of(key).ok().flatten().map(|rs| rs.term());
         let began = term();
         let built = crate::groups::GroupShard::build(

@@ -827,3 +827,37 @@ pub fn read_pins(path: &std::path::Path) -> Result<Vec<PinRule>, String> {
         .map(|r| r.parse().map_err(|e| format!("{}: {e}", path.display())))
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A subscriber that leaves while a handover waits for its shard's open is taken off
+    /// it: its core stays registered only while it has subscribers left.
+    #[test]
+    fn a_waiting_handover_loses_the_subscribers_that_leave() {
+        let key = Arc::new(ShardKey {
+            kind: ShardKind::Stream,
+            tenant: "dev".into(),
+            namespace: "default".into(),
+            name: "jobs".into(),
+            shard: 0,
+        });
+        let mut h = Handover {
+            key,
+            interested: vec![(CoreId(0), 2), (CoreId(1), 1)],
+            sealed: true,
+            groups: None,
+            group_batches: None,
+            failed: None,
+        };
+        h.unregister(CoreId(1));
+        assert_eq!(h.interested, vec![(CoreId(0), 2)], "core 1 had one");
+        h.unregister(CoreId(0));
+        assert_eq!(h.interested, vec![(CoreId(0), 1)]);
+        h.unregister(CoreId(1));
+        assert_eq!(h.interested, vec![(CoreId(0), 1)], "none left on core 1");
+        h.unregister(CoreId(0));
+        assert!(h.interested.is_empty());
+    }
+}
