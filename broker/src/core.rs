@@ -1516,18 +1516,19 @@ impl CoreBroker {
     }
 
     /// As [`CoreBroker::write_local`], the batch tagged with an idempotent producer's
-    /// `(producer_id, sequence)`. Every claim made here is noted in the shard's producer
-    /// table, so the table stays current without reading the log back.
+    /// `(producer_id, sequence)` (and noted with its contents). Every claim made here is
+    /// noted in the shard's producer table, so the table stays current without reading
+    /// the log back.
     fn write_tagged(
         self: &Rc<Self>,
         key: Arc<ShardKey>,
         records: Vec<Bytes>,
         commit: Option<Special>,
-        tag: Option<(u64, u64)>,
+        tag: Option<crate::producers::Tagged>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>> {
         let shard = self.ready_stream(&key);
         let before = shard.as_ref().map(|s| s.log.next_offset());
-        let fut = self.write_claimed(key, records, commit, tag);
+        let fut = self.write_claimed(key, records, commit, tag.map(|(t, _)| t));
         if let (Some(shard), Some(before)) = (shard, before) {
             let after = shard.log.next_offset();
             if after > before {

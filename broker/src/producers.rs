@@ -6,7 +6,10 @@
 //! derived from the log on any replica: built on first use by reading the shard's log,
 //! caught up before each decision, and told of this leader's own admissions (which are
 //! past the log's durable end until they commit). A batch re-sent under a sequence the
-//! table holds is answered from the log (its original offsets) and not appended again.
+//! table holds is answered from the log (its original offsets) and not appended again;
+//! another batch under that sequence (other records: told apart by their count and a
+//! digest of their bytes, [`Contents`]) is refused `sequence_reused`, as a re-send
+//! answered from the log would lose it while acknowledging it.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -19,12 +22,44 @@ pub const WINDOW: usize = 64;
 /// Producers remembered per shard; past it the one whose newest batch is oldest goes.
 pub const PRODUCERS_MAX: usize = 4096;
 
+/// What tells a re-sent batch from another one under the same sequence: its record
+/// count, its bytes, and a CRC-32C over every record's length (u64, big-endian) and
+/// bytes in turn. Computed from the records the client sent and, at a rebuild, from the
+/// same records read back from the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Contents {
+    /// Records in the batch.
+    pub records: u32,
+    /// Their bytes, all together.
+    pub bytes: u64,
+    /// The CRC-32C of the lengths and bytes.
+    pub crc: u32,
+}
+
+impl Contents {
+    /// The contents of a batch of `records`.
+    pub fn of(records: &[bytes::Bytes]) -> Contents {
+        let mut crc = 0;
+        let mut bytes = 0u64;
+        for r in records {
+            crc = crc32c::crc32c_append(crc, &(r.len() as u64).to_be_bytes());
+            crc = crc32c::crc32c_append(crc, r);
+            bytes += r.len() as u64;
+        }
+        Contents {
+            records: records.len() as u32,
+            bytes,
+            crc,
+        }
+    }
+}
+
 /// One remembered batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
     sequence: u64,
     first: u64,
-    records: u32,
+    contents: Contents,
     /// Admitted by this leader, not yet durable.
     pending: bool,
 }
@@ -47,6 +82,9 @@ pub enum Decision {
     /// Refused; nothing is written.
     Refuse(PublishRefusalReason),
 }
+
+/// An idempotent batch's `(producer_id, sequence)` and contents.
+pub type Tagged = ((u64, u64), Contents);
 
 /// An idempotent publish waiting for its shard's producer table to be built.
 pub struct Queued {
@@ -94,17 +132,10 @@ impl ProducerTable {
         self.end = self.end.max(base);
     }
 
-    /// Decides batch `sequence` of `producer`, holding `records` records.
-    /// `reuse_offered`: the client takes `sequence_reused` (otherwise a re-send whose
-    /// record count differs is still answered from the log: the client promised the
-    /// same batch).
-    pub fn decide(
-        &self,
-        producer: u64,
-        sequence: u64,
-        records: u32,
-        reuse_offered: bool,
-    ) -> Decision {
+    /// Decides batch `sequence` of `producer`, holding `contents`. A sequence the table
+    /// holds for other contents is refused `sequence_reused` (a client that does not
+    /// read that reason is told `invalid_request`: the session words it).
+    pub fn decide(&self, producer: u64, sequence: u64, contents: Contents) -> Decision {
         let Some(batches) = self.producers.get(&producer) else {
             return if sequence == 0 {
                 Decision::Append
@@ -122,12 +153,12 @@ impl ProducerTable {
             });
         }
         match batches.iter().find(|e| e.sequence == sequence) {
-            Some(e) if e.records != records && reuse_offered => {
+            Some(e) if e.contents != contents => {
                 Decision::Refuse(PublishRefusalReason::SequenceReused)
             }
             Some(e) => Decision::Duplicate {
                 first: e.first,
-                end: e.first + u64::from(e.records),
+                end: e.first + u64::from(e.contents.records),
                 pending: e.pending,
             },
             None => Decision::Refuse(PublishRefusalReason::SequenceExpired),
@@ -144,11 +175,10 @@ impl ProducerTable {
         &mut self,
         producer: u64,
         sequence: u64,
-        records: u32,
-        reuse_offered: bool,
+        contents: Contents,
         committed_end: u64,
     ) -> Decision {
-        match self.decide(producer, sequence, records, reuse_offered) {
+        match self.decide(producer, sequence, contents) {
             Decision::Duplicate {
                 pending: true,
                 first,
@@ -194,28 +224,29 @@ impl ProducerTable {
         }
     }
 
-    /// A claim of `first..end` was made on the leader (tagged when idempotent): the table
-    /// covers it without reading it back. False when the claim is not where the table
-    /// ends (the table missed something and must be rebuilt).
-    pub fn claimed(&mut self, first: u64, end: u64, tag: Option<(u64, u64)>) -> bool {
+    /// A claim of `first..end` was made on the leader (tagged with `(producer_id,
+    /// sequence)` and the batch's contents when idempotent): the table covers it without
+    /// reading it back. False when the claim is not where the table ends (the table
+    /// missed something and must be rebuilt).
+    pub fn claimed(&mut self, first: u64, end: u64, tag: Option<Tagged>) -> bool {
         if first != self.end {
             return false;
         }
-        if let Some((producer, sequence)) = tag {
-            self.admitted(producer, sequence, first, (end - first) as u32);
+        if let Some(((producer, sequence), contents)) = tag {
+            self.admitted(producer, sequence, first, contents);
         }
         self.end = end;
         true
     }
 
     /// This leader admitted `sequence` at `first`: pending until [`Self::written`].
-    pub fn admitted(&mut self, producer: u64, sequence: u64, first: u64, records: u32) {
+    pub fn admitted(&mut self, producer: u64, sequence: u64, first: u64, contents: Contents) {
         self.record(
             producer,
             Entry {
                 sequence,
                 first,
-                records,
+                contents,
                 pending: true,
             },
         );
@@ -255,7 +286,7 @@ impl ProducerTable {
                     Entry {
                         sequence: tag.sequence,
                         first: b.base_offset,
-                        records: b.records.len() as u32,
+                        contents: Contents::of(&b.records),
                         pending: false,
                     },
                 );
@@ -270,6 +301,11 @@ mod tests {
     use super::*;
     use bytes::Bytes;
     use felix_storage_uring::ProducerTag;
+
+    /// `k` records of `r`, as [`tagged`] writes them.
+    fn n(k: usize) -> Contents {
+        Contents::of(&vec![Bytes::from_static(b"r"); k])
+    }
 
     fn tagged(base: u64, producer: u64, sequence: u64, n: usize) -> ReadBatch {
         ReadBatch {
@@ -287,10 +323,10 @@ mod tests {
     #[test]
     fn the_next_sequence_appends_a_resend_is_answered_from_the_log() {
         let mut t = ProducerTable::at(0);
-        assert_eq!(t.decide(7, 0, 2, false), Decision::Append);
-        t.admitted(7, 0, 10, 2);
+        assert_eq!(t.decide(7, 0, n(2)), Decision::Append);
+        t.admitted(7, 0, 10, n(2));
         assert_eq!(
-            t.decide(7, 0, 2, false),
+            t.decide(7, 0, n(2)),
             Decision::Duplicate {
                 first: 10,
                 end: 12,
@@ -299,26 +335,26 @@ mod tests {
         );
         t.written(7, 0);
         assert_eq!(
-            t.decide(7, 0, 2, false),
+            t.decide(7, 0, n(2)),
             Decision::Duplicate {
                 first: 10,
                 end: 12,
                 pending: false
             }
         );
-        assert_eq!(t.decide(7, 1, 1, false), Decision::Append);
+        assert_eq!(t.decide(7, 1, n(1)), Decision::Append);
         assert_eq!(
-            t.decide(7, 3, 1, false),
+            t.decide(7, 3, n(1)),
             Decision::Refuse(PublishRefusalReason::SequenceGap {
                 expected: Sequence(1)
             })
         );
         assert_eq!(
-            t.decide(8, 4, 1, false),
+            t.decide(8, 4, n(1)),
             Decision::Refuse(PublishRefusalReason::UnknownProducer)
         );
         assert_eq!(
-            t.decide(7, 0, 5, true),
+            t.decide(7, 0, n(5)),
             Decision::Refuse(PublishRefusalReason::SequenceReused)
         );
     }
@@ -326,10 +362,10 @@ mod tests {
     #[test]
     fn a_pending_batch_the_log_committed_is_a_written_one() {
         let mut t = ProducerTable::at(0);
-        t.admitted(3, 0, 0, 2);
+        t.admitted(3, 0, 0, n(2));
         // Not yet committed: a re-send waits.
         assert_eq!(
-            t.decide_committed(3, 0, 2, false, 1),
+            t.decide_committed(3, 0, n(2), 1),
             Decision::Duplicate {
                 first: 0,
                 end: 2,
@@ -339,7 +375,7 @@ mod tests {
         // Committed, though nobody marked it written: answered from the log, and
         // marked so.
         assert_eq!(
-            t.decide_committed(3, 0, 2, false, 2),
+            t.decide_committed(3, 0, n(2), 2),
             Decision::Duplicate {
                 first: 0,
                 end: 2,
@@ -347,7 +383,7 @@ mod tests {
             }
         );
         assert_eq!(
-            t.decide(3, 0, 2, false),
+            t.decide(3, 0, n(2)),
             Decision::Duplicate {
                 first: 0,
                 end: 2,
@@ -359,14 +395,14 @@ mod tests {
     #[test]
     fn a_failed_append_is_forgotten_with_everything_after_it() {
         let mut t = ProducerTable::at(0);
-        t.admitted(1, 0, 0, 1);
+        t.admitted(1, 0, 0, n(1));
         t.written(1, 0);
-        t.admitted(1, 1, 1, 1);
-        t.admitted(1, 2, 2, 1);
+        t.admitted(1, 1, 1, n(1));
+        t.admitted(1, 2, 2, n(1));
         t.failed(1, 1);
-        assert_eq!(t.decide(1, 1, 1, false), Decision::Append);
+        assert_eq!(t.decide(1, 1, n(1)), Decision::Append);
         t.failed(1, 0);
-        assert_eq!(t.decide(1, 0, 1, false), Decision::Append);
+        assert_eq!(t.decide(1, 0, n(1)), Decision::Append);
     }
 
     #[test]
@@ -375,9 +411,9 @@ mod tests {
         let batches: Vec<_> = (0..70u64).map(|s| tagged(5 + s, 9, s, 1)).collect();
         t.apply_batches(&batches, 5 + 70);
         assert_eq!(t.end(), 75);
-        assert_eq!(t.decide(9, 70, 1, false), Decision::Append);
+        assert_eq!(t.decide(9, 70, n(1)), Decision::Append);
         assert_eq!(
-            t.decide(9, 69, 1, false),
+            t.decide(9, 69, n(1)),
             Decision::Duplicate {
                 first: 74,
                 end: 75,
@@ -385,21 +421,59 @@ mod tests {
             }
         );
         assert_eq!(
-            t.decide(9, 2, 1, false),
+            t.decide(9, 2, n(1)),
             Decision::Refuse(PublishRefusalReason::SequenceExpired),
             "only the last {WINDOW} batches are remembered"
         );
         // Reading the same batches again changes nothing; a pending admission that the
         // log then shows is no longer pending.
-        t.admitted(9, 70, 75, 1);
+        t.admitted(9, 70, 75, n(1));
         t.apply_batches(&[tagged(75, 9, 70, 1)], 76);
         assert_eq!(
-            t.decide(9, 70, 1, false),
+            t.decide(9, 70, n(1)),
             Decision::Duplicate {
                 first: 75,
                 end: 76,
                 pending: false
             }
+        );
+    }
+
+    #[test]
+    fn another_batch_under_a_known_sequence_is_refused_not_answered_from_the_log() {
+        let mut t = ProducerTable::at(0);
+        let batch = |bodies: &[&'static [u8]]| -> Vec<Bytes> {
+            bodies.iter().map(|b| Bytes::from_static(b)).collect()
+        };
+        let original = batch(&[b"ab", b"c"]);
+        t.admitted(4, 0, 0, Contents::of(&original));
+        let reused = Decision::Refuse(PublishRefusalReason::SequenceReused);
+        // Same count and bytes, other contents; the same bytes split otherwise; one
+        // record fewer.
+        for other in [
+            batch(&[b"ab", b"d"]),
+            batch(&[b"a", b"bc"]),
+            batch(&[b"ab"]),
+        ] {
+            assert_eq!(t.decide(4, 0, Contents::of(&other)), reused, "{other:?}");
+        }
+        // Read back from the log (a rebuild): the same batch is still a re-send, another
+        // one still refused.
+        let mut rebuilt = ProducerTable::at(0);
+        let mut b = tagged(0, 4, 0, 0);
+        b.records = original.clone();
+        rebuilt.apply_batches(&[b], 2);
+        assert_eq!(
+            rebuilt.decide(4, 0, Contents::of(&original)),
+            Decision::Duplicate {
+                first: 0,
+                end: 2,
+                pending: false
+            }
+        );
+        assert_eq!(
+            rebuilt.decide(4, 0, Contents::of(&batch(&[b"ab", b"d"]))),
+            reused
         );
     }
 }

@@ -305,7 +305,7 @@ impl StreamShard {
     /// Notes a claim of `first..end` made on this core (tagged when idempotent), so the
     /// producer table stays current without reading the log back. A table that missed a
     /// claim (one made elsewhere, a generation start) is dropped and built again.
-    pub fn note_claimed(&self, first: u64, end: u64, tag: Option<(u64, u64)>) {
+    pub fn note_claimed(&self, first: u64, end: u64, tag: Option<crate::producers::Tagged>) {
         let mut slot = self.producers.borrow_mut();
         let Some(table) = slot.as_mut() else {
             return;

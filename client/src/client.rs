@@ -43,6 +43,7 @@ fn client_features() -> Features {
         | Features::RECORD_TIMESTAMPS
         | Features::CACHE_CONDITIONAL
         | Features::IDEMPOTENT_PRODUCER
+        | Features::SEQUENCE_REUSED
         | Features::ATOMIC_COMMIT
         | Features::PUBLISH_CONDITIONAL
         | Features::CONSUMER_GROUP

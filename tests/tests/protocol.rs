@@ -263,3 +263,111 @@ fn pipelined_idempotent_publishes_right_after_a_restart_are_decided_in_order() {
         );
     }
 }
+
+/// A batch sent again under a sequence the broker holds, but with other records (a
+/// producer that reuses sequences, or reset them), is refused, typed, and nothing is
+/// written: answered from the log as a re-send, as it was before 2026-12-05 when only
+/// the record count was compared, its records were acknowledged and lost. The broker
+/// tells batches apart by a digest of their records, also once it rebuilt what it knows
+/// of the producer from the log after a restart. A client that does not read
+/// `sequence_reused` is told `invalid_request`.
+#[test]
+fn another_batch_under_a_used_sequence_is_refused_and_nothing_is_written() {
+    use felix_wire::{Offset, ProducerId, RequestId, Sequence};
+    let (mut b, _dir) = broker();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let reads_reused = Features::ERROR_CODES
+        .union(Features::IDEMPOTENT_PRODUCER)
+        .union(Features::SEQUENCE_REUSED);
+    let publish = |seq: u64, bodies: &[&str]| {
+        Message::PublishIdempotent {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            stream: "reuse".into(),
+            payloads: bodies
+                .iter()
+                .map(|s| bytes::Bytes::from(s.to_string()))
+                .collect(),
+            key: None,
+            shard: None,
+            request_id: RequestId(seq + 1),
+            producer_id: ProducerId(7),
+            sequence: Sequence(seq),
+        }
+        .to_frame()
+    };
+    // One stream per request, so every answer is read before the next request goes.
+    let ask = |b: &BrokerProcess, features: Features, frame: bytes::Bytes| {
+        let auth = auth(b, features);
+        let (listen, ca) = (b.listen, b.ca_file());
+        async move {
+            let (_ep, conn) = felix_cluster::raw_connect_to(listen, &ca).await.unwrap();
+            let (mut s, mut r) = conn.open_bi().await.unwrap();
+            s.write_all(&auth).await.unwrap();
+            s.write_all(&frame).await.unwrap();
+            s.finish().unwrap();
+            let answers = read_messages(&mut r, 2).await.unwrap();
+            answers.into_iter().nth(1).flatten()
+        }
+    };
+    let offset = |m: Option<Message>| match m {
+        Some(Message::PublishOk {
+            offset: Some(Offset(o)),
+            ..
+        }) => o,
+        other => panic!("expected publish_ok with an offset, got {other:?}"),
+    };
+    let reused = |m: Option<Message>, when: &str| match m {
+        Some(Message::PublishRefused {
+            reason: felix_wire::message::PublishRefusalReason::SequenceReused,
+            ..
+        }) => {}
+        other => panic!("{when}: expected sequence_reused, got {other:?}"),
+    };
+    rt.block_on(async {
+        assert_eq!(
+            offset(ask(&b, reads_reused, publish(0, &["ab", "c"])).await),
+            0
+        );
+        assert_eq!(
+            offset(ask(&b, reads_reused, publish(0, &["ab", "c"])).await),
+            0,
+            "the same batch again is a re-send"
+        );
+        // Same count and bytes, other records; the same bytes split otherwise.
+        for other in [&["ab", "d"][..], &["a", "bc"]] {
+            reused(
+                ask(&b, reads_reused, publish(0, other)).await,
+                &format!("{other:?}"),
+            );
+        }
+        match ask(&b, Features::ERROR_CODES, publish(0, &["ab", "d"])).await {
+            Some(Message::PublishError {
+                code: Some(ErrorCode::InvalidRequest),
+                message,
+                ..
+            }) => assert!(message.contains("sequence_reused"), "{message}"),
+            other => panic!("a client that does not read sequence_reused: {other:?}"),
+        }
+        assert_eq!(
+            offset(ask(&b, reads_reused, publish(1, &["e"])).await),
+            2,
+            "the refused batches wrote nothing"
+        );
+    });
+    // After a restart the broker knows the producer's batches from the log only.
+    b.kill();
+    b.restart().unwrap();
+    rt.block_on(async {
+        assert_eq!(
+            offset(ask(&b, reads_reused, publish(0, &["ab", "c"])).await),
+            0,
+            "the same batch is still a re-send after the restart"
+        );
+        reused(
+            ask(&b, reads_reused, publish(0, &["ab", "d"])).await,
+            "after the restart",
+        );
+        assert_eq!(offset(ask(&b, reads_reused, publish(2, &["f"])).await), 3);
+    });
+}

@@ -15,7 +15,7 @@ use futures_channel::oneshot;
 
 use super::{CoreBroker, Slot};
 use crate::error::BrokerError;
-use crate::producers::{Decision, ProducerTable, Queued};
+use crate::producers::{Contents, Decision, ProducerTable, Queued};
 use crate::shard::StreamShard;
 
 type Outcome = Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerError>>>>;
@@ -124,10 +124,9 @@ impl CoreBroker {
         (producer, sequence): (u64, u64),
     ) -> Outcome {
         let committed = shard.log.committed_end();
+        let contents = Contents::of(&records);
         let decision = match shard.producers.borrow_mut().as_mut() {
-            Some(t) => {
-                t.decide_committed(producer, sequence, records.len() as u32, false, committed)
-            }
+            Some(t) => t.decide_committed(producer, sequence, contents, committed),
             None => {
                 return Box::pin(std::future::ready(Err(BrokerError::ShardUnavailable(
                     "not_ready".into(),
@@ -137,7 +136,8 @@ impl CoreBroker {
         match decision {
             Decision::Append => {
                 let first = shard.log.next_offset();
-                let written = self.write_tagged(key, records, None, Some((producer, sequence)));
+                let tag = ((producer, sequence), contents);
+                let written = self.write_tagged(key, records, None, Some(tag));
                 let shard = shard.clone();
                 Box::pin(async move {
                     let result = written.await;

@@ -5,7 +5,10 @@
 use bytes::{Bytes, BytesMut};
 use felix_wire::binary::OwnerHint;
 use felix_wire::flags::FrameKind;
-use felix_wire::{ErrorCode, Flags, Frame, Generation, Message, Offset, PublishAck, RequestId};
+use felix_wire::message::PublishRefusalReason;
+use felix_wire::{
+    ErrorCode, Features, Flags, Frame, Generation, Message, Offset, PublishAck, RequestId,
+};
 
 use crate::cluster::Route;
 use crate::error::{BrokerError, ERROR_TEXT_MAX_BYTES, cut_to};
@@ -43,6 +46,7 @@ pub fn publish(
     result: Result<u64, BrokerError>,
     owner: Option<&Route>,
 ) -> Option<Bytes> {
+    let result = reused_for(session, result);
     match to {
         AnswerTo::Nothing => None,
         AnswerTo::Binary(rid) => {
@@ -87,6 +91,22 @@ pub fn publish(
             }
             .to_frame(),
         ),
+    }
+}
+
+/// A client that does not read `sequence_reused` (it did not offer
+/// `FEATURE_SEQUENCE_REUSED`) is told `invalid_request` instead: a refusal reason it
+/// cannot decode, or an answer from the log that drops its batch, are both worse.
+fn reused_for(session: &Session, result: Result<u64, BrokerError>) -> Result<u64, BrokerError> {
+    match result {
+        Err(BrokerError::Refused(PublishRefusalReason::SequenceReused))
+            if !session.features.contains(Features::SEQUENCE_REUSED) =>
+        {
+            Err(BrokerError::InvalidRequest(
+                "sequence_reused: this producer's sequence was used for another batch".into(),
+            ))
+        }
+        other => other,
     }
 }
 

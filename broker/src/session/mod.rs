@@ -60,6 +60,7 @@ pub const SERVER_FEATURES: Features = Features(
         | Features::CACHE_WATCH.0
         | Features::CACHE_WATCH_RETAINED.0
         | Features::IDEMPOTENT_PRODUCER.0
+        | Features::SEQUENCE_REUSED.0
         | Features::CACHE_CONDITIONAL.0
         | Features::STREAM_READ.0
         | Features::RECORD_TIMESTAMPS.0
