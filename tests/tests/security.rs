@@ -356,6 +356,118 @@ fn retired_keys_and_denied_tokens_close_live_connections_within_the_bound() {
     assert_eq!(revoked, 2, "{metrics}");
 }
 
+/// A peer (the replication listener's other side) whose node token is denied by id after
+/// its `Hello` is cut off at its next frame, within the revocation bound, as a client's
+/// connection is; until then its frames are taken. The gate that looks at the token
+/// again (`PeerGate`) had only a unit test; this one fails if the listener stops
+/// calling it (the connection then stays open).
+#[test]
+fn a_peer_whose_node_token_is_denied_after_its_hello_is_cut_off() {
+    use felix_wire::internal::{Hello, InternalMessage, Ping};
+    let dir = tempfile::Builder::new()
+        .prefix("felix-security")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let (cp, real, admin) = https_control_plane(dir.path());
+    let internal = free_udp_addr().unwrap();
+    let config = broker_config(
+        dir.path(),
+        &real,
+        &cp.url,
+        &real.ca,
+        "node-p",
+        &node_token(&admin, "node-p"),
+    );
+    let mut yaml = std::fs::read_to_string(&config).unwrap();
+    yaml.push_str(&format!("internal_listen: {internal}\n"));
+    std::fs::write(&config, yaml).unwrap();
+    let _broker = BrokerProcess::start_serve(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        &dir.path().join("node-p"),
+        &config,
+        free_udp_addr().unwrap(),
+    )
+    .unwrap();
+    // A second node's token, as the control plane issues them.
+    let peer = admin
+        .post(
+            "/v1/tenants/operator/tokens",
+            &json!({"sub": "node-z", "audience": "felix-controlplane", "perms": ["node.manage:node:node-z"]}),
+        )
+        .unwrap();
+    let frame = |m: InternalMessage| {
+        let mut b = bytes::BytesMut::new();
+        m.encode(&mut b).unwrap();
+        b.freeze()
+    };
+    let hello = frame(InternalMessage::Hello(Hello {
+        correlation_id: 0,
+        node_id: "node-z".into(),
+        token: peer["token"].as_str().unwrap().to_owned(),
+        capabilities: 0,
+    }));
+    let ping = frame(InternalMessage::Ping(Ping { correlation_id: 1 }));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let pem = std::fs::read_to_string(&real.ca).unwrap();
+        let roots = felix_core_runtime::quic::certs_from_pem(&pem).unwrap();
+        let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        ep.set_default_client_config(
+            felix_core_runtime::quic::internal_client_config(&roots, Default::default()).unwrap(),
+        );
+        // The operator's keys reach the broker with its first sync: until then a Hello
+        // is refused and the connection closed. Connect until one holds for a second
+        // of frames.
+        let started = Instant::now();
+        let (conn, mut stream) = loop {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "no peer connection held"
+            );
+            let conn = ep.connect(internal, "localhost").unwrap().await.unwrap();
+            let mut stream = conn.open_uni().await.unwrap();
+            stream.write_all(&hello).await.unwrap();
+            let mut held = true;
+            for _ in 0..10 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if stream.write_all(&ping).await.is_err() || conn.close_reason().is_some() {
+                    held = false;
+                    break;
+                }
+            }
+            if held {
+                break (conn, stream);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        admin
+            .post(
+                "/v1/tenants/operator/token-denials",
+                &json!({"jti": peer["jti"], "reason": "test"}),
+            )
+            .unwrap();
+        let denied = Instant::now();
+        let reason = loop {
+            if let Some(reason) = conn.close_reason() {
+                break reason;
+            }
+            assert!(
+                denied.elapsed() < REVOCATION_BOUND,
+                "the denied peer's connection still open after {REVOCATION_BOUND:?}"
+            );
+            let _ = stream.write_all(&ping).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        eprintln!("denied peer cut off after {:?}: {reason}", denied.elapsed());
+        match reason {
+            quinn::ConnectionError::ApplicationClosed(c) => {
+                assert_eq!(&c.reason[..], b"peer token revoked", "{c:?}")
+            }
+            other => panic!("closed otherwise: {other}"),
+        }
+    });
+}
+
 /// A TCP forwarder whose upstream can be switched while it runs: what a machine in the
 /// middle does to the broker's route to the control plane.
 struct Switch {
