@@ -29,8 +29,11 @@ const FORWARD_FLAGS: Flags = Flags(0x0001 | 0x0008 | 0x0010 | 0x0040 | 0x0200 | 
 
 /// Features of the client's that shape a relayed answer, offered to the leader for it
 /// (besides `ERROR_CODES`, always asked for): without `CACHE_CONDITIONAL` the leader
-/// leaves a get's version out, and a client that asked for it got a value without it.
-pub const RELAYED_FEATURES: Features = Features::CACHE_CONDITIONAL;
+/// leaves a get's version out, and a client that asked for it got a value without it;
+/// without `SEQUENCE_REUSED` the leader words that refusal as `invalid_request`, and a
+/// client that reads it was told something its idempotent producer takes as in doubt.
+pub const RELAYED_FEATURES: Features =
+    Features(Features::CACHE_CONDITIONAL.0 | Features::SEQUENCE_REUSED.0);
 
 /// How long a forwarded request may wait for its answer.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(30);

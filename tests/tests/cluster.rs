@@ -240,6 +240,36 @@ fn two_brokers_follow_the_control_plane() -> anyhow::Result<()> {
                 "{k}: {versioned:?}"
             );
         }
+        // An idempotent batch forwarded to its leader: a re-send is answered from the
+        // log, another batch under its sequence is refused typed, `sequence_reused`
+        // (this client reads it), as at the leader itself. The forwarder did not ask
+        // the leader for that reason before 2026-12-05: the client got `invalid_request`,
+        // which our producer takes as an outcome in doubt and sends again, for good.
+        let producer = c.producer_init().await?;
+        let idempotent = |body: &'static str| {
+            let c = c.clone();
+            async move {
+                c.publish_idempotent(
+                    "acme",
+                    "payments",
+                    "orders",
+                    Some(b_stream_shard),
+                    vec![bytes::Bytes::from_static(body.as_bytes())],
+                    producer,
+                    0,
+                )
+                .await
+            }
+        };
+        let first = idempotent("i-0").await?;
+        assert_eq!(idempotent("i-0").await?, first, "a forwarded re-send");
+        match idempotent("i-1").await {
+            Err(felix_client::ClientError::Refused {
+                reason: felix_wire::message::PublishRefusalReason::SequenceReused,
+                ..
+            }) => {}
+            other => panic!("a forwarded batch under a used sequence: {other:?}"),
+        }
         match c
             .subscribe_shard("acme", "payments", "orders", b_stream_shard, None)
             .await
