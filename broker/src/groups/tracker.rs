@@ -476,9 +476,12 @@ impl Tracker {
     }
 
     /// Hands a claim back that never reached the consumer: owed again, its attempt not
-    /// counted.
+    /// counted. Only the claim on `attempts`: the poll that hands it back has awaited a
+    /// read or a write since it claimed, and the claim may have lapsed and gone to
+    /// another consumer meanwhile, whose claim is not this poll's to give back.
     pub fn release(&mut self, o: u64, attempts: u32) {
-        if self.in_flight.remove(&o).is_some() {
+        if self.in_flight.get(&o).is_some_and(|c| c.attempts == attempts) {
+            self.in_flight.remove(&o);
             self.owed.insert(
                 o,
                 Owed {
@@ -861,6 +864,22 @@ mod tests {
         t.nack(0, 2, 1_003, 0).unwrap();
         assert_eq!(t.claim(10, 1, 1_004, 0, None).handed, vec![(0, 3)]);
         t.nack(0, 0, 1_005, 0).unwrap();
+    }
+
+    #[test]
+    fn a_claim_handed_back_late_leaves_the_next_holders_claim() {
+        let mut t = Tracker::new(0, limits());
+        // Poll A claims offset 0 on attempt 1 and, while it reads the record, the claim
+        // lapses and poll B gets it on attempt 2.
+        assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
+        assert_eq!(t.claim(10, 1, 1_000, 0, None).handed, vec![(0, 2)]);
+        // A's read found the record over its answer's byte budget: it hands its claim
+        // back. B's stands: a third poll gets the next record, not B's.
+        t.release(0, 1);
+        assert_eq!(t.claim(10, 1, 1_001, 0, None).handed, vec![(1, 1)]);
+        // B's own hand-back owes it again, its attempt not counted.
+        t.release(0, 2);
+        assert_eq!(t.claim(10, 1, 1_002, 0, None).handed, vec![(0, 2)]);
     }
 
     #[test]
