@@ -2562,6 +2562,21 @@ impl CoreBroker {
         })
     }
 
+    /// What a waiting group poll of `key` looks at before each pass: as at the
+    /// request's start ([`Self::group_now`]), a replica must still serve and hold its
+    /// lease, a plain shard's broker its lease.
+    fn group_lead_check(self: &Rc<Self>, key: &Arc<ShardKey>) -> crate::groups::LeadCheck {
+        let weak = Rc::downgrade(self);
+        let k = key.clone();
+        Box::new(move || {
+            let core = weak.upgrade().ok_or(BrokerError::Draining)?;
+            match core.replica_of(&k)? {
+                Some(rs) => core.still_reading(&rs),
+                None => core.within_lease(),
+            }
+        })
+    }
+
     /// The groups of stream shard `key` while this core leads it, built from the
     /// shard's log on first use (one build at a time; others wait for it).
     async fn group_shard(
@@ -2586,6 +2601,7 @@ impl CoreBroker {
                 self.shared.group_limits,
                 self.group_writer(key),
             ));
+            g.set_lead_check(self.group_lead_check(key));
             *stream.groups.borrow_mut() = Some(g.clone());
             return Ok(g);
         }
@@ -2605,6 +2621,7 @@ impl CoreBroker {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
         let g = Rc::new(built?);
+        g.set_lead_check(self.group_lead_check(key));
         if !g.is_empty() {
             stream.group_batches_seen.set(true);
         }

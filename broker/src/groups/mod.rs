@@ -434,6 +434,10 @@ pub type GroupWriter = Box<
     dyn Fn(Vec<Bytes>) -> std::pin::Pin<Box<dyn Future<Output = Result<Appended, BrokerError>>>>,
 >;
 
+/// Whether this core may still hand out claims from the groups (it leads the shard and
+/// holds its lease): `Err` with the refusal once it may not.
+pub type LeadCheck = Box<dyn Fn() -> Result<(), BrokerError>>;
+
 /// The groups of one stream shard, on its owning core while it leads.
 pub struct GroupShard {
     writer: GroupWriter,
@@ -475,6 +479,11 @@ pub struct GroupShard {
     /// running on this state (a waiting poll) must write nothing more, or the groups
     /// built next would miss its events.
     retired: Cell<bool>,
+    /// Looked at before every pass of a waiting poll (set by the core): a poll that
+    /// began on the leader must not go on claiming, for up to its whole wait, on a
+    /// broker that was deposed or lost its lease meanwhile, while the new leader hands
+    /// the same records to other consumers.
+    lead_check: RefCell<Option<LeadCheck>>,
     /// How the groups were built, for metrics.
     built: Built,
     /// Offsets just above a record known to hold none, from the reads and writes the
@@ -813,6 +822,7 @@ impl GroupShard {
             deferred: Cell::new(None),
             started: Cell::new(0),
             retired: Cell::new(false),
+            lead_check: RefCell::new(None),
             built: Built::default(),
             known_empty: Rc::default(),
         }
@@ -831,6 +841,22 @@ impl GroupShard {
     /// How the build went (a hand-over's: nothing read).
     pub fn built(&self) -> Built {
         self.built
+    }
+
+    /// Sets what a waiting poll looks at before each pass (see [`LeadCheck`]).
+    pub fn set_lead_check(&self, check: LeadCheck) {
+        *self.lead_check.borrow_mut() = Some(check);
+    }
+
+    /// `Err` once these groups were dropped or this core no longer leads the shard.
+    fn may_claim(&self) -> Result<(), BrokerError> {
+        if self.retired.get() {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        match &*self.lead_check.borrow() {
+            Some(check) => check(),
+            None => Ok(()),
+        }
     }
 
     /// Marks these groups dropped: later writes are refused.
@@ -1209,6 +1235,9 @@ impl GroupShard {
         let started = mono_ms();
         let deadline = started + wait.as_millis() as u64;
         loop {
+            // Every pass, the first included: the request's own check ran before it
+            // waited for the group's changes.
+            self.may_claim()?;
             let now = mono_ms();
             let records = self
                 .claim_once(stream, group, max, now, visibility_ms, member.as_ref())
@@ -2383,6 +2412,80 @@ mod tests {
             assert!(writes.borrow().is_empty());
             assert!(!g.groups.borrow().contains_key("w"));
             assert!(!g.folded.borrow().as_ref().unwrap().contains_key("w"));
+        });
+    }
+
+    /// A waiting poll looks again before each pass whether this core still leads the
+    /// shard. It looked only when the request came: a poll that began on the leader went
+    /// on claiming for its whole wait (up to 30 s) after the broker was deposed or lost
+    /// its lease, handing out a lapsed claim the new leader was handing out too.
+    #[test]
+    fn a_waiting_poll_stops_claiming_once_this_core_no_longer_leads() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            let p = stream.log.begin_append(&[&b"r"[..]], 0, None).unwrap();
+            let record = stream.log.commit(p).await.unwrap();
+            stream.advance_fanout(record);
+            let (g, _writes) = shard_with_held_writes();
+            let leads = Rc::new(Cell::new(true));
+            let l = leads.clone();
+            g.set_lead_check(Box::new(move || {
+                if l.get() {
+                    Ok(())
+                } else {
+                    Err(BrokerError::ShardUnavailable("stale".into()))
+                }
+            }));
+            // Offset 0 claimed, the claim due in 200 ms.
+            let mut t = Tracker::new(0, g.limits);
+            assert_eq!(t.claim(1, 1, mono_ms(), 200, None).handed, vec![(0, 1)]);
+            g.groups.borrow_mut().insert("w".into(), t.clone());
+            g.folded
+                .borrow_mut()
+                .as_mut()
+                .unwrap()
+                .insert("w".into(), t);
+            let mut poll = std::pin::pin!(g.serve(
+                &stream,
+                GroupOp::Poll {
+                    group: "w".into(),
+                    max: 10,
+                    wait_ms: 5_000,
+                    visibility_ms: 0,
+                    member: None,
+                }
+            ));
+            assert!(poll_once(&mut poll).await.is_none(), "nothing to claim yet");
+            // Deposed while the poll waits; the claim then lapses.
+            leads.set(false);
+            let started = std::time::Instant::now();
+            let answer = loop {
+                if let Some(a) = poll_once(&mut poll).await {
+                    break a;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(2),
+                    "the poll still waits"
+                );
+                felix_core_runtime::task::sleep(Duration::from_millis(10)).await;
+            };
+            match answer {
+                Err(BrokerError::ShardUnavailable(why)) => assert_eq!(why, "stale"),
+                Ok(GroupAnswer::Records(r)) => {
+                    panic!(
+                        "a deposed core handed out {:?}",
+                        r.iter().map(|r| r.offset).collect::<Vec<_>>()
+                    )
+                }
+                other => panic!("{other:?}"),
+            }
+            // Once the claim lapsed, it is owed on its first attempt: nothing here took
+            // it again.
+            felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
+            let mut left = g.groups.borrow()["w"].clone();
+            assert_eq!(left.claim(1, 1, mono_ms(), 0, None).handed, vec![(0, 2)]);
         });
     }
 }

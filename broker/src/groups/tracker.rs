@@ -480,7 +480,11 @@ impl Tracker {
     /// read or a write since it claimed, and the claim may have lapsed and gone to
     /// another consumer meanwhile, whose claim is not this poll's to give back.
     pub fn release(&mut self, o: u64, attempts: u32) {
-        if self.in_flight.get(&o).is_some_and(|c| c.attempts == attempts) {
+        if self
+            .in_flight
+            .get(&o)
+            .is_some_and(|c| c.attempts == attempts)
+        {
             self.in_flight.remove(&o);
             self.owed.insert(
                 o,
