@@ -788,6 +788,10 @@ impl GroupShard {
                 .await?;
             }
         }
+        // Claims are not logged: what the log held may have been handed out already.
+        for t in groups.values_mut() {
+            t.inherit_below(end);
+        }
         let mut shard = Self::from_state(
             GroupState {
                 folded: Some(groups.clone()),
@@ -1716,7 +1720,7 @@ mod tests {
             }
             let g = build().await.unwrap();
             assert_eq!(g.built.from_snapshot, Some(41));
-            assert_eq!(*g.groups.borrow(), whole);
+            assert_eq!(*g.groups.borrow(), built_from(&whole, &stream));
             // Then a snapshot of a layout this build does not know, and more events.
             let mut unknown = encode_snapshot(&whole).unwrap().to_vec();
             unknown[1] = SNAPSHOT_VERSION + 1;
@@ -1727,7 +1731,11 @@ mod tests {
             }
             let g = build().await.unwrap();
             assert_eq!(g.built.from_snapshot, None, "no snapshot was used");
-            assert_eq!(*g.groups.borrow(), whole, "the whole log was folded");
+            assert_eq!(
+                *g.groups.borrow(),
+                built_from(&whole, &stream),
+                "the whole log was folded"
+            );
         });
     }
 
@@ -1780,7 +1788,7 @@ mod tests {
             assert!(stream.log.segment_bases().len() > 3);
             assert_eq!(g.built.from_snapshot, None);
             assert_eq!(g.built.read_bytes, log_bytes, "every record read once");
-            assert_eq!(*g.groups.borrow(), whole);
+            assert_eq!(*g.groups.borrow(), built_from(&whole, &stream));
             // A snapshot, then several segments more: read back to the snapshot's
             // segment, nothing twice.
             let snapshot = encode_snapshot(&whole).unwrap();
@@ -1793,7 +1801,7 @@ mod tests {
             let event_bytes = publish_and_events(&stream, &mut whole, 22, 300).await;
             let g = build(FOLD_KEPT_BYTES_MAX).await.unwrap();
             assert_eq!(g.built.from_snapshot, Some(at));
-            assert_eq!(*g.groups.borrow(), whole);
+            assert_eq!(*g.groups.borrow(), built_from(&whole, &stream));
             let after = 300 * 1000 + event_bytes;
             let mut since_segment = 0u64;
             for b in stream
@@ -1820,7 +1828,11 @@ mod tests {
             for keep_max in [0, 2_000, 6_000] {
                 let again = build(keep_max).await.unwrap();
                 assert_eq!(again.built.from_snapshot, Some(at), "{keep_max}");
-                assert_eq!(*again.groups.borrow(), whole, "{keep_max}");
+                assert_eq!(
+                    *again.groups.borrow(),
+                    built_from(&whole, &stream),
+                    "{keep_max}"
+                );
                 assert_eq!(again.built.read_bytes, g.built.read_bytes + after);
                 assert_eq!(again.snapshot_mark.get(), g.snapshot_mark.get());
             }
@@ -1956,6 +1968,19 @@ mod tests {
             groups.serve(&stream, op).await.unwrap();
             assert_eq!(poll().await, vec![(last, last - 11, 1)]);
         });
+    }
+
+    /// What a build of `stream` makes of the trackers `whole` folds to: each inherits
+    /// the log's end.
+    fn built_from(
+        whole: &HashMap<String, Tracker>,
+        stream: &StreamShard,
+    ) -> HashMap<String, Tracker> {
+        let mut built = whole.clone();
+        for t in built.values_mut() {
+            t.inherit_below(stream.log.committed_end());
+        }
+        built
     }
 
     /// Group shard whose writer hands each write's records to the test and waits for the

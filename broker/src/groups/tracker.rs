@@ -167,6 +167,12 @@ pub struct Tracker {
     /// ack finished: a repeated ack of one is answered only once that write is, and a
     /// failed write owes the record again on that attempt (not durable state).
     acks_writing: BTreeMap<u64, u32>,
+    /// Built from the log: the log's end then. Records below it may have been handed out
+    /// by an earlier leadership (claims are not logged), and a consumer still holding
+    /// one acks it: accepted though no claim here knows it, as the reference's
+    /// `inherited_below` does (before 2026-12-05 refused `stale_claim` until the record
+    /// was handed out again).
+    inherited_below: u64,
 }
 
 impl Tracker {
@@ -181,7 +187,14 @@ impl Tracker {
             settled_ahead: BTreeSet::new(),
             dead: BTreeSet::new(),
             acks_writing: BTreeMap::new(),
+            inherited_below: 0,
         }
+    }
+
+    /// This tracker was built from the log, whose end was `end`: acks below it are
+    /// accepted without a claim (see `inherited_below`).
+    pub fn inherit_below(&mut self, end: u64) {
+        self.inherited_below = self.inherited_below.max(end);
     }
 
     /// The cursor: every offset below it is finished.
@@ -246,6 +259,8 @@ impl Tracker {
                 self.in_flight.clear();
                 self.owed.clear();
                 self.settled_ahead.clear();
+                // Claims are forgotten, those of an earlier leadership too.
+                self.inherited_below = 0;
             }
         }
     }
@@ -456,6 +471,13 @@ impl Tracker {
         if o < self.committed || self.settled_ahead.contains(&o) {
             return Ok(None);
         }
+        if o < self.inherited_below && !self.dead.contains(&o) {
+            // Handed out, it may be, before this tracker was built: its holder's ack
+            // settles it. Owed on attempt 0 again should the write fail.
+            self.apply(Event::Ack(o));
+            self.acks_writing.insert(o, 0);
+            return Ok(Some(Event::Ack(o)));
+        }
         Err(Refusal::StaleClaim(format!(
             "offset {o} is not claimed by this group"
         )))
@@ -629,6 +651,7 @@ impl Tracker {
             settled_ahead: d.settled_ahead.into_iter().collect(),
             dead: d.dead.into_iter().collect(),
             acks_writing: BTreeMap::new(),
+            inherited_below: 0,
         }
     }
 
@@ -868,6 +891,37 @@ mod tests {
         t.nack(0, 2, 1_003, 0).unwrap();
         assert_eq!(t.claim(10, 1, 1_004, 0, None).handed, vec![(0, 3)]);
         t.nack(0, 0, 1_005, 0).unwrap();
+    }
+
+    #[test]
+    fn a_rebuilt_tracker_takes_acks_of_records_an_earlier_leadership_handed_out() {
+        // What a fold after a failover builds: 0 acked; 1-3 were handed out by the old
+        // leader (claims are not logged) and 4 was published after; the log ended at 5.
+        let mut t = Tracker::new(0, limits());
+        t.apply(Event::Ack(0));
+        t.inherit_below(5);
+        // A consumer still holding 2 acks it: settled, written, not handed out again.
+        assert_eq!(t.ack(2), Ok(Some(Event::Ack(2))));
+        t.ack_written(2, true);
+        assert_eq!(t.ack(2), Ok(None), "a repeated ack");
+        assert_eq!(
+            offsets(&t.claim(10, 10, 0, 0, None)),
+            vec![1, 3, 4, 5, 6, 7, 8, 9]
+        );
+        // Past the end the build saw nothing was handed out before: no claim, refused.
+        assert!(matches!(t.ack(12), Err(Refusal::StaleClaim(_))));
+        // A failed write of such an ack owes the record again.
+        let mut t = Tracker::new(0, limits());
+        t.inherit_below(5);
+        assert_eq!(t.ack(3), Ok(Some(Event::Ack(3))));
+        t.ack_written(3, false);
+        assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(3, 1)]);
+        // A fresh group's tracker (nothing inherited) refuses an unclaimed ack, and so
+        // does one after a seek (claims forgotten, earlier ones too).
+        let mut fresh = Tracker::new(0, limits());
+        assert!(matches!(fresh.ack(2), Err(Refusal::StaleClaim(_))));
+        t.apply(Event::Seek(1));
+        assert!(matches!(t.ack(2), Err(Refusal::StaleClaim(_))));
     }
 
     #[test]
