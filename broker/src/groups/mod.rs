@@ -1251,11 +1251,7 @@ impl GroupShard {
                 return Ok(records);
             }
             let next_due = self.tracker(group, |t| t.next_due_ms()).flatten();
-            let until = next_due
-                .unwrap_or(u64::MAX)
-                .min(deadline)
-                .min(now + POLL_RECHECK.as_millis() as u64);
-            let nap = Duration::from_millis(until.saturating_sub(now).max(1));
+            let nap = poll_nap(now, next_due, deadline);
             let woken = futures_lite::future::or(stream.appended.changed(), self.settled.changed());
             task::timeout(nap, woken).await;
         }
@@ -1427,6 +1423,22 @@ impl GroupShard {
         }
         Ok((out, passed))
     }
+}
+
+/// How long a waiting poll that claimed nothing at `now` sleeps (unless woken by a
+/// publish or a record owed again): until the next claim lapses or delayed record comes
+/// due (`next_due`), its own `deadline`, or [`POLL_RECHECK`], whichever is first. A time
+/// already past is not waited for: records owed now that the claim did not take were
+/// held back by the group's in-flight cap, and only an ack or nack frees room; taking
+/// it as the next time, the poll woke every millisecond for its whole wait, each time
+/// scanning every claim in flight.
+fn poll_nap(now: u64, next_due: Option<u64>, deadline: u64) -> Duration {
+    let until = next_due
+        .filter(|at| *at > now)
+        .unwrap_or(u64::MAX)
+        .min(deadline)
+        .min(now + POLL_RECHECK.as_millis() as u64);
+    Duration::from_millis(until.saturating_sub(now).max(1))
 }
 
 /// What a poll's read saw before a record: `empty` offsets holding no record right
@@ -2512,5 +2524,19 @@ mod tests {
             let mut left = g.groups.borrow()["w"].clone();
             assert_eq!(left.claim(1, 1, mono_ms(), 0, None).handed, vec![(0, 2)]);
         });
+    }
+
+    #[test]
+    fn a_poll_held_back_by_the_in_flight_cap_does_not_wake_every_millisecond() {
+        let ms = Duration::from_millis;
+        // A claim lapsing in 30 ms, a deadline in 5 s: wake for the lapse.
+        assert_eq!(poll_nap(1_000, Some(1_030), 6_000), ms(30));
+        // Nothing due: the recheck bound, or the deadline when sooner.
+        assert_eq!(poll_nap(1_000, None, 6_000), POLL_RECHECK);
+        assert_eq!(poll_nap(1_000, None, 1_020), ms(20));
+        // Records owed already (due in the past) that the claim did not take: the cap
+        // held them back; look again at the recheck, not in a millisecond.
+        assert_eq!(poll_nap(1_000, Some(900), 6_000), POLL_RECHECK);
+        assert_eq!(poll_nap(1_000, Some(1_000), 6_000), POLL_RECHECK);
     }
 }
