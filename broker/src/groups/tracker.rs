@@ -259,8 +259,10 @@ impl Tracker {
                 self.in_flight.clear();
                 self.owed.clear();
                 self.settled_ahead.clear();
-                // Claims are forgotten, those of an earlier leadership too.
+                // Claims are forgotten, those of an earlier leadership too, and acks
+                // being written: one that fails owes nothing in the new position.
                 self.inherited_below = 0;
+                self.acks_writing.clear();
             }
         }
     }
@@ -485,10 +487,15 @@ impl Tracker {
 
     /// The write of `o`'s ack ended: `ok`, or not (failed, or its fate unseen), and
     /// the record is owed again on the attempt the ack finished.
+    /// An ack no longer known here (a seek since, or the group deleted and created
+    /// again) is not undone: owed again, a record below a cursor a seek moved past went
+    /// out once more.
     pub fn ack_written(&mut self, o: u64, ok: bool) {
-        let attempts = self.acks_writing.remove(&o);
+        let Some(attempts) = self.acks_writing.remove(&o) else {
+            return;
+        };
         if !ok {
-            self.undo_settle(o, attempts.unwrap_or(1));
+            self.undo_settle(o, attempts);
         }
     }
 
@@ -922,6 +929,22 @@ mod tests {
         assert!(matches!(fresh.ack(2), Err(Refusal::StaleClaim(_))));
         t.apply(Event::Seek(1));
         assert!(matches!(t.ack(2), Err(Refusal::StaleClaim(_))));
+    }
+
+    #[test]
+    fn an_ack_write_that_fails_after_a_seek_owes_nothing_below_the_new_cursor() {
+        let mut t = Tracker::new(0, limits());
+        assert_eq!(offsets(&t.claim(10, 3, 0, 0, None)), vec![0, 1, 2]);
+        assert_eq!(t.ack(1), Ok(Some(Event::Ack(1))));
+        // A seek past it is written and applied while the ack's write runs; then the
+        // ack's write fails.
+        t.apply(Event::Seek(5));
+        t.ack_written(1, false);
+        assert_eq!(
+            offsets(&t.claim(10, 10, 0, 0, None)),
+            vec![5, 6, 7, 8, 9],
+            "offset 1 went out again below the cursor"
+        );
     }
 
     #[test]
