@@ -644,6 +644,19 @@ enum Slot<T> {
     Failed(BrokerError),
 }
 
+/// Why a subscription's queue was closed: what its pump tells the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// The client unsubscribed: the stream is finished.
+    Unsubscribed,
+    /// The broker is shutting down: the stream is reset (`draining`), not finished, so
+    /// the client takes it for a lost subscription and resumes elsewhere. Finished, it
+    /// read as the broker ending the subscription for good.
+    Draining,
+    /// The stream was deleted: `stream_deleted`, then finished.
+    Deleted,
+}
+
 /// A local subscriber's bounded queue of committed batches (overflow policy DropNew;
 /// the pump reads dropped batches back from the log).
 #[derive(Debug)]
@@ -653,7 +666,7 @@ pub struct SubQueue {
     waker: RefCell<Option<Waker>>,
     /// Batches dropped because the queue was full.
     pub dropped: Cell<u64>,
-    closed: Cell<bool>,
+    closed: Cell<Option<Ending>>,
 }
 
 impl SubQueue {
@@ -663,7 +676,7 @@ impl SubQueue {
             capacity,
             waker: RefCell::default(),
             dropped: Cell::new(0),
-            closed: Cell::new(false),
+            closed: Cell::new(None),
         }
     }
 
@@ -690,7 +703,7 @@ impl SubQueue {
             if let Some(e) = self.queue.borrow_mut().pop_front() {
                 return Poll::Ready(Some(e));
             }
-            if self.closed.get() {
+            if self.closed.get().is_some() {
                 return Poll::Ready(None);
             }
             *self.waker.borrow_mut() = Some(cx.waker().clone());
@@ -716,12 +729,19 @@ impl SubQueue {
         out.extend(q.drain(..n));
     }
 
-    /// Ends the subscription.
-    pub fn close(&self) {
-        self.closed.set(true);
+    /// Ends the subscription, for `why`. The first reason given stands.
+    pub fn close(&self, why: Ending) {
+        if self.closed.get().is_none() {
+            self.closed.set(Some(why));
+        }
         if let Some(w) = self.waker.borrow_mut().take() {
             w.wake();
         }
+    }
+
+    /// Why it was closed, once it was.
+    pub fn ending(&self) -> Option<Ending> {
+        self.closed.get()
     }
 }
 
@@ -2001,7 +2021,7 @@ impl CoreBroker {
 
     /// Ends a subscription made with [`CoreBroker::subscribe`].
     pub fn unsubscribe(self: &Rc<Self>, key: Arc<ShardKey>, queue: &Rc<SubQueue>) {
-        queue.close();
+        queue.close(Ending::Unsubscribed);
         self.forget_local(&key, queue);
         self.metrics.subscriptions.fetch_sub(1, Ordering::Relaxed);
         self.unregister(key);
@@ -2377,8 +2397,18 @@ impl CoreBroker {
                     }
                 };
                 self.catch_up_state(&shard, to).await?;
-                let value = shard.state.borrow().as_ref().and_then(|i| i.get(&k));
-                Ok(StateAnswer::Value(value, to))
+                // As of what the index covers: another read may have caught it up past
+                // `to` while this one waited for the log, and the value is then from
+                // that later frontier (answered as of `to`, its version could exceed it).
+                let (value, as_of) = {
+                    let index = shard.state.borrow();
+                    let index = index.as_ref();
+                    (
+                        index.and_then(|i| i.get(&k)),
+                        index.map_or(to, |i| i.end().max(to)),
+                    )
+                };
+                Ok(StateAnswer::Value(value, as_of))
             }
         }
     }
@@ -3247,7 +3277,7 @@ impl CoreBroker {
                     shard,
                 };
                 if let Some(subs) = self.subscribers.borrow_mut().remove(&key) {
-                    subs.iter().for_each(|q| q.close());
+                    subs.iter().for_each(|q| q.close(Ending::Deleted));
                 }
                 if self.owner(&key) != self.core {
                     continue;
@@ -3556,7 +3586,7 @@ impl CoreBroker {
         self.draining.set(true);
         for subs in self.subscribers.borrow().values() {
             for s in subs {
-                s.close();
+                s.close(Ending::Draining);
             }
         }
         let streams: Vec<_> = self

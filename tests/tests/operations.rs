@@ -266,6 +266,74 @@ fn a_state_read_before_any_commit_survives_retention_of_plain_records() {
     });
 }
 
+/// How a subscription ends tells the client what to do next. A deleted stream's
+/// subscribers are told `stream_deleted`; a broker shutting down resets its
+/// subscriptions' streams (`draining`), so the client takes each for a lost
+/// subscription and resumes it elsewhere. Before 2026-12-05 both were simply finished:
+/// the client read the end as the broker ending the subscription for good (with no
+/// reason given, a sharded subscription retried a deleted stream at its last offset).
+/// The deletion half fails without the fix. The shutdown half passed without it here
+/// too: the broker closes its connections right after the logs' last flush, and with a
+/// flush this quick the close reached the client before it read the finish; with a
+/// slow last flush the finish came first.
+#[test]
+fn subscriptions_end_with_stream_deleted_or_as_lost_when_the_broker_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(dir.path(), "housekeeping_ms: 100\n", &["--fsync", "none"]);
+    let admin = b.admin().unwrap();
+    let streams = "/v1/tenants/dev/namespaces/default/streams";
+    for stream in ["doomed", "kept"] {
+        admin
+            .post(
+                streams,
+                &json!({"stream": stream, "kind": "Stream", "shards": 1}),
+            )
+            .unwrap();
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        let mut subs = Vec::new();
+        for stream in ["doomed", "kept"] {
+            c.publish("dev", "default", stream, b"r".to_vec(), AckMode::PerMessage)
+                .await
+                .unwrap();
+            let mut sub = c
+                .subscribe_from("dev", "default", stream, Some(StartPosition::Earliest))
+                .await
+                .unwrap();
+            let first = tokio::time::timeout(Duration::from_secs(5), sub.next_event())
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(first.is_some(), "{stream}: the record");
+            subs.push(sub);
+        }
+        let (mut kept, mut doomed) = (subs.pop().unwrap(), subs.pop().unwrap());
+        admin.delete(&format!("{streams}/doomed")).unwrap();
+        // The deletion runs at each core's next housekeeping tick.
+        let end = tokio::time::timeout(Duration::from_secs(20), doomed.next_event())
+            .await
+            .expect("the deleted stream's subscription ended");
+        assert!(matches!(end, Ok(None)), "{end:?}");
+        assert_eq!(
+            doomed.end(),
+            Some(felix_client::SubscriptionEnd::StreamDeleted),
+            "the end says why"
+        );
+        // SIGTERM: the broker drains and exits; the other subscription is lost, not
+        // ended.
+        b.signal(libc::SIGTERM);
+        let end = tokio::time::timeout(Duration::from_secs(20), kept.next_event())
+            .await
+            .expect("the subscription ended with its broker");
+        assert!(
+            matches!(end, Err(felix_client::ClientError::SubscriptionLost(_))),
+            "a subscription on a broker that stops must read as lost: {end:?}"
+        );
+    });
+}
+
 #[test]
 fn retention_set_on_a_stream_is_enforced_and_deleting_it_removes_its_data() {
     let dir = tempfile::tempdir().unwrap();

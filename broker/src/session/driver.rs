@@ -25,7 +25,7 @@ use felix_core_runtime::task;
 use felix_wire::frame::FrameError;
 use felix_wire::message::StartPosition;
 use felix_wire::{
-    Features, Flags, Frame, FrameReader, Generation, Message, Offset, SubscriptionId,
+    ErrorCode, Features, Flags, Frame, FrameReader, Generation, Message, Offset, SubscriptionId,
 };
 
 use crate::cluster::Resolved;
@@ -37,7 +37,7 @@ use super::handshake::{AuthDeadline, AuthTimer, HandshakeEnv, handshake};
 use super::outbox::{Answer, ByteBudget, Flush, Outbox};
 use super::subscription::{Live, Pump};
 use super::{Limits, Session, served_features};
-use crate::core::{CacheAnswer, CoreBroker, SubQueue};
+use crate::core::{CacheAnswer, CoreBroker, Ending, SubQueue};
 use crate::error::BrokerError;
 use crate::shard::EventFormat;
 
@@ -1417,7 +1417,21 @@ impl Subscription {
             }
             let env = match task::timeout(GAP_CHECK, queue.next()).await {
                 Some(Some(env)) => env,
-                Some(None) => break,
+                Some(None) => match queue.ending() {
+                    Some(Ending::Draining) => {
+                        uni.reset(u32::from(ErrorCode::Draining.number().unwrap_or(0)));
+                        return Ok(());
+                    }
+                    Some(Ending::Deleted) => {
+                        let last = Message::StreamDeleted {
+                            subscription_id: sub_id,
+                        }
+                        .to_frame();
+                        let _ = uni.write_chunk(last).await;
+                        break;
+                    }
+                    Some(Ending::Unsubscribed) | None => break,
+                },
                 None => {
                     // Idle: if the shard has moved to another broker, say where and end,
                     // rather than stall silently.
