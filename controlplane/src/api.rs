@@ -536,7 +536,7 @@ async fn bootstrap(
     let given = headers
         .get("x-felix-bootstrap-token")
         .and_then(|v| v.to_str().ok());
-    if given != Some(expected.as_str()) {
+    if !given.is_some_and(|g| same_secret(g.as_bytes(), expected.as_bytes())) {
         return Err(ApiError::unauthenticated(
             "wrong or missing X-Felix-Bootstrap-Token",
         ));
@@ -2002,6 +2002,21 @@ async fn all_denials(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json
     Ok(Json(json!({"items": items})))
 }
 
+/// Whether `given` is the secret `expected`, in a time that does not depend on where
+/// they first differ (only on their lengths).
+fn same_secret(given: &[u8], expected: &[u8]) -> bool {
+    given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+/// Where the bootstrap token is taken (`--bootstrap-token`): the route below names it
+/// literally, as the OpenAPI test reads routes from this source.
+const BOOTSTRAP_PATH: &str = "/internal/bootstrap";
+
 /// One control-plane write, as the audit log keeps it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct AuditEntry {
@@ -2017,9 +2032,12 @@ struct AuditEntry {
 }
 
 /// What a bearer token claims (`tid`, `sub`), read without verifying it: the handler
-/// verifies; the audit log only labels the request.
-fn claimed_caller(headers: &HeaderMap) -> (String, String) {
-    if headers.contains_key("x-felix-bootstrap-token") {
+/// verifies; the audit log only labels the request. The bootstrap token's header labels
+/// only the bootstrap call, the one handler that reads it: on any other write it is
+/// ignored by the handler, and it labelled the write `bootstrap` (any caller could hide
+/// who made a write that way, until 2026-12-05).
+fn claimed_caller(headers: &HeaderMap, path: &str) -> (String, String) {
+    if path == BOOTSTRAP_PATH && headers.contains_key("x-felix-bootstrap-token") {
         return ("bootstrap".into(), OPERATOR_TENANT.into());
     }
     let claims = headers
@@ -2058,7 +2076,7 @@ async fn audit(
     if !write || routine(&path) {
         return next.run(req).await;
     }
-    let (principal, tenant) = claimed_caller(req.headers());
+    let (principal, tenant) = claimed_caller(req.headers(), &path);
     let answer = next.run(req).await;
     let entry = AuditEntry {
         at_ms: now_ms(),

@@ -1668,6 +1668,14 @@ fn key_lifecycle_scenario(svc: &Service) {
         1
     );
 
+    // A write carrying a bootstrap header it has no use for is still alice's.
+    acme2
+        .post_with(
+            "/v1/tenants/acme/namespaces",
+            &json!({"namespace": "spoofed"}),
+            &[("X-Felix-Bootstrap-Token", "anything")],
+        )
+        .unwrap();
     // The audit log: every write, who and with what outcome, none of the reads.
     let log = admin.get("/v1/audit").unwrap();
     let entries = log["items"].as_array().unwrap();
@@ -1683,6 +1691,10 @@ fn key_lifecycle_scenario(svc: &Service) {
     let lines: Vec<String> = entries.iter().map(line).collect();
     let has = |want: &str| lines.iter().any(|l| l == want);
     assert!(has("bootstrap POST /internal/bootstrap 200"), "{lines:#?}");
+    assert!(
+        has("alice POST /v1/tenants/acme/namespaces 201"),
+        "a bootstrap header relabelled the write: {lines:#?}"
+    );
     assert!(has("operator-admin POST /v1/tenants 201"), "{lines:#?}");
     assert!(
         has("alice POST /v1/tenants/acme/signing-keys 201"),
