@@ -31,6 +31,8 @@ use crate::auth::{Grant, TenantKeys};
 const QUEUE_BYTES_MAX: usize = 64 << 20;
 /// The tenant whose keys sign node tokens.
 const OPERATOR_TENANT: &str = "operator";
+/// Skew allowed past a node token's expiry, as at its verification.
+const TOKEN_SKEW_SECS: u64 = 60;
 
 /// Frames waiting for one peer's stream.
 #[derive(Debug, Default)]
@@ -255,11 +257,17 @@ impl PeerGate {
         Ok(node)
     }
 
-    /// `Err` with why once the key set changed and the grant no longer holds under it.
-    fn still_holds(&mut self) -> Result<(), String> {
+    /// `Err` with why once the key set changed and the grant no longer holds under it,
+    /// or once the node token expired (at `now_secs`, wall clock; with the minute of
+    /// skew a `Hello` is allowed). An expired token was looked at only at the `Hello`,
+    /// so a link it opened outlived it.
+    fn still_holds(&mut self, now_secs: u64) -> Result<(), String> {
         let Some(grant) = &self.grant else {
             return Ok(());
         };
+        if grant.expires_at.saturating_add(TOKEN_SKEW_SECS) < now_secs {
+            return Err(format!("node token expired at {}", grant.expires_at));
+        }
         // Per chunk read: no reference count taken unless the set changed.
         let keys = self.auth.keys.load();
         if self.seen.as_ref().is_some_and(|s| Arc::ptr_eq(s, &keys)) {
@@ -317,7 +325,7 @@ async fn serve_connection(
                     },
                     Ok(None) => match recv.read_chunk(1 << 20).await {
                         Ok(Some(chunk)) => {
-                            if let Err(why) = gate.still_holds() {
+                            if let Err(why) = gate.still_holds(clock::now().wall_secs()) {
                                 tracing::warn!(node = ?from, reason = %why, "closing a peer whose node token no longer holds");
                                 conn.close(2, b"peer token revoked");
                                 return;
@@ -381,21 +389,62 @@ mod tests {
             gate.hello(&hello("node-b", "n-1")).unwrap(),
             "node-b".into()
         );
-        assert!(gate.still_holds().is_ok(), "nothing changed");
+        assert!(gate.still_holds(0).is_ok(), "nothing changed");
         // Another token denied: still holds.
         let mut other = keys.clone();
         other.deny(OPERATOR_TENANT, "n-9");
         shared.store(Arc::new(other.clone()));
-        assert!(gate.still_holds().is_ok());
+        assert!(gate.still_holds(0).is_ok());
         // This one denied: it stops holding.
         other.deny(OPERATOR_TENANT, "n-1");
         shared.store(Arc::new(other));
-        assert!(gate.still_holds().unwrap_err().contains("n-1"));
+        assert!(gate.still_holds(0).unwrap_err().contains("n-1"));
         // Its key retired: a fresh gate's grant stops holding too.
         shared.store(Arc::new(keys.clone()));
         let mut gate = PeerGate::new(auth);
         gate.hello(&hello("node-c", "n-2")).unwrap();
         shared.store(Arc::new(TenantKeys::default()));
-        assert!(gate.still_holds().unwrap_err().contains("op1"));
+        assert!(gate.still_holds(0).unwrap_err().contains("op1"));
+    }
+
+    /// A node token that expires after its `Hello` stops holding at the next frame
+    /// past its expiry (and the minute of skew).
+    #[test]
+    fn a_peers_token_stops_holding_once_it_expires() {
+        let key = SigningKey::generate("op1").unwrap();
+        let mut keys = TenantKeys::default();
+        keys.add(OPERATOR_TENANT, "op1", key.public_key());
+        let auth = PeerAuth {
+            keys: Arc::new(ArcSwap::from_pointee(keys)),
+            allow_unauthenticated: false,
+        };
+        let now = clock::now().wall_secs();
+        let exp = now + 30;
+        let token = key.sign(&Claims {
+            iss: crate::auth::ISSUER.into(),
+            aud: CONTROLPLANE_AUDIENCE.into(),
+            sub: "node-b".into(),
+            tid: OPERATOR_TENANT.into(),
+            iat: 0,
+            exp,
+            nbf: None,
+            perms: vec!["node.manage:node:node-b".into()],
+            jti: Some("n-1".into()),
+        });
+        let mut gate = PeerGate::new(auth);
+        gate.hello(&Hello {
+            correlation_id: 1,
+            node_id: "node-b".into(),
+            token,
+            capabilities: 0,
+        })
+        .unwrap();
+        assert!(gate.still_holds(exp).is_ok());
+        assert!(gate.still_holds(exp + TOKEN_SKEW_SECS).is_ok());
+        assert!(
+            gate.still_holds(exp + TOKEN_SKEW_SECS + 1)
+                .unwrap_err()
+                .contains("expired")
+        );
     }
 }
