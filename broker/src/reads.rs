@@ -21,6 +21,13 @@ pub const READ_RECORDS_MAX: u32 = 10_000;
 /// Most payload bytes one `stream_read` answers (it always carries one record).
 pub const READ_BYTES_MAX: u32 = 4 << 20;
 
+/// Bytes each read of a `stream_read` asks the log for at least, whatever the answer's
+/// byte bound: a run of batches that hold no data (group events, one batch per ack on
+/// a queue's shard) is passed over many batches a read. Reading at the answer's bound,
+/// a `max_bytes` of 1 read one batch at a time through such a run, a round trip to the
+/// shard's core each.
+const SCAN_BYTES_MIN: usize = 256 << 10;
+
 /// Records of `key` from `from` (inclusive) to `end` (exclusive, or as far as the log
 /// goes), at most `max_records` and about `max_bytes`; and the offset the next read
 /// starts at.
@@ -32,12 +39,35 @@ pub async fn stream_read(
     max_records: Option<u32>,
     max_bytes: Option<u32>,
 ) -> Result<(Vec<StreamRecord>, u64), BrokerError> {
+    read_range(
+        |from, max| core.read(key.clone(), from, max),
+        from,
+        end,
+        max_records,
+        max_bytes,
+    )
+    .await
+}
+
+/// [`stream_read`] over `read` (a shard's log read: the batches from the one holding
+/// `from` on, about `max_bytes`; empty at the end).
+async fn read_range<F, Fut>(
+    mut read: F,
+    from: u64,
+    end: Option<u64>,
+    max_records: Option<u32>,
+    max_bytes: Option<u32>,
+) -> Result<(Vec<StreamRecord>, u64), BrokerError>
+where
+    F: FnMut(u64, usize) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<felix_storage_uring::ReadBatch>, BrokerError>>,
+{
     let max_records = max_records.unwrap_or(1000).clamp(1, READ_RECORDS_MAX) as usize;
     let max_bytes = max_bytes.unwrap_or(READ_BYTES_MAX).clamp(1, READ_BYTES_MAX) as usize;
     let end = end.unwrap_or(u64::MAX);
     let (mut out, mut bytes, mut next) = (Vec::new(), 0usize, from);
     while next < end && out.len() < max_records {
-        let batches = core.read(key.clone(), next, max_bytes).await?;
+        let batches = read(next, max_bytes.max(SCAN_BYTES_MIN)).await?;
         if batches.is_empty() {
             break;
         }
@@ -359,5 +389,39 @@ mod tests {
                 None => assert_eq!(l.reference(at), None),
             }
         }
+    }
+
+    /// A read with a small byte bound over a long run of group events (a queue's
+    /// shard: a batch per ack) passes over the run many batches a read.
+    #[test]
+    fn a_read_passes_over_a_run_of_group_events_in_few_reads() {
+        let mut batches: Vec<_> = (0..10_000u64)
+            .map(|o| (o, 1, 1_000, BatchKind::Group))
+            .collect();
+        batches.push((10_000, 3, 2_000, BatchKind::Data));
+        let log = FakeLog {
+            batches,
+            oldest: Cell::new(0),
+            trim: None,
+            reads: Cell::new(0),
+        };
+        let (records, next) = felix_core_runtime::task::block_on(read_range(
+            |from, max| std::future::ready(log.read(from, max)),
+            0,
+            None,
+            None,
+            Some(1),
+        ))
+        .unwrap();
+        assert_eq!(
+            records.iter().map(|r| r.offset.0).collect::<Vec<_>>(),
+            vec![10_000, 10_001, 10_002]
+        );
+        assert_eq!(next, 10_003);
+        assert!(
+            log.reads.get() <= 50,
+            "{} reads for 10,000 group events",
+            log.reads.get()
+        );
     }
 }
