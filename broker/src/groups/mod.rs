@@ -2038,6 +2038,30 @@ mod tests {
         (g, writes)
     }
 
+    /// Group "w" of `g` with offset 0 claimed on attempt 1, due in 200 ms, in its
+    /// trackers and in the log-order fold alike.
+    fn claim_due_in_200_ms(g: &GroupShard) {
+        let mut t = Tracker::new(0, g.limits);
+        assert_eq!(t.claim(1, 1, mono_ms(), 200, None).handed, vec![(0, 1)]);
+        g.groups.borrow_mut().insert("w".into(), t.clone());
+        g.folded
+            .borrow_mut()
+            .as_mut()
+            .unwrap()
+            .insert("w".into(), t);
+    }
+
+    /// A poll of "w" for up to 10 records that waits up to 5 s.
+    fn long_poll() -> GroupOp {
+        GroupOp::Poll {
+            group: "w".into(),
+            max: 10,
+            wait_ms: 5_000,
+            visibility_ms: 0,
+            member: None,
+        }
+    }
+
     /// The oldest held write, taken out: its answer's sender.
     fn first_write(writes: &Answers) -> oneshot::Sender<Result<Appended, BrokerError>> {
         writes.borrow_mut().remove(0).1
@@ -2410,24 +2434,8 @@ mod tests {
                 ..Limits::default()
             });
             // Offset 0 claimed once (its one attempt), the claim due in 200 ms.
-            let mut t = Tracker::new(0, g.limits);
-            assert_eq!(t.claim(1, 1, mono_ms(), 200, None).handed, vec![(0, 1)]);
-            g.groups.borrow_mut().insert("w".into(), t.clone());
-            g.folded
-                .borrow_mut()
-                .as_mut()
-                .unwrap()
-                .insert("w".into(), t);
-            let mut poll = std::pin::pin!(g.serve(
-                &stream,
-                GroupOp::Poll {
-                    group: "w".into(),
-                    max: 10,
-                    wait_ms: 5_000,
-                    visibility_ms: 0,
-                    member: None,
-                }
-            ));
+            claim_due_in_200_ms(&g);
+            let mut poll = std::pin::pin!(g.serve(&stream, long_poll()));
             assert!(poll_once(&mut poll).await.is_none(), "nothing to claim yet");
             let mut delete = std::pin::pin!(g.serve(&stream, GroupOp::Delete("w".into())));
             assert!(poll_once(&mut delete).await.is_none());
@@ -2476,24 +2484,8 @@ mod tests {
                 }
             }));
             // Offset 0 claimed, the claim due in 200 ms.
-            let mut t = Tracker::new(0, g.limits);
-            assert_eq!(t.claim(1, 1, mono_ms(), 200, None).handed, vec![(0, 1)]);
-            g.groups.borrow_mut().insert("w".into(), t.clone());
-            g.folded
-                .borrow_mut()
-                .as_mut()
-                .unwrap()
-                .insert("w".into(), t);
-            let mut poll = std::pin::pin!(g.serve(
-                &stream,
-                GroupOp::Poll {
-                    group: "w".into(),
-                    max: 10,
-                    wait_ms: 5_000,
-                    visibility_ms: 0,
-                    member: None,
-                }
-            ));
+            claim_due_in_200_ms(&g);
+            let mut poll = std::pin::pin!(g.serve(&stream, long_poll()));
             assert!(poll_once(&mut poll).await.is_none(), "nothing to claim yet");
             // Deposed while the poll waits; the claim then lapses.
             leads.set(false);
