@@ -1250,7 +1250,7 @@ impl GroupShard {
             if !records.is_empty() || now >= deadline || stream.closing.get() {
                 return Ok(records);
             }
-            let next_due = self.tracker(group, |t| t.next_due_ms()).flatten();
+            let next_due = self.tracker(group, |t| t.next_due_ms(now)).flatten();
             let nap = poll_nap(now, next_due, deadline);
             let woken = futures_lite::future::or(stream.appended.changed(), self.settled.changed());
             task::timeout(nap, woken).await;
@@ -1429,9 +1429,11 @@ impl GroupShard {
 /// publish or a record owed again): until the next claim lapses or delayed record comes
 /// due (`next_due`), its own `deadline`, or [`POLL_RECHECK`], whichever is first. A time
 /// already past is not waited for: records owed now that the claim did not take were
-/// held back by the group's in-flight cap, and only an ack or nack frees room; taking
+/// held back by the group's in-flight cap, and only an ack or nack frees room (a nack
+/// wakes the poll; an ack does not, and the poll notices within the recheck); taking
 /// it as the next time, the poll woke every millisecond for its whole wait, each time
-/// scanning every claim in flight.
+/// scanning every claim in flight. ([`Tracker::next_due_ms`] leaves past times out
+/// already; this holds whatever it is given.)
 fn poll_nap(now: u64, next_due: Option<u64>, deadline: u64) -> Duration {
     let until = next_due
         .filter(|at| *at > now)

@@ -448,12 +448,14 @@ impl Tracker {
         }
     }
 
-    /// When the next claim lapses or the next delayed record comes due, if any: a
-    /// waiting poll re-checks then.
-    pub fn next_due_ms(&self) -> Option<u64> {
-        let claim = self.in_flight.values().map(|c| c.deadline_ms).min();
-        let owed = self.owed.values().map(|w| w.not_before_ms).min();
-        claim.into_iter().chain(owed).min()
+    /// When, after `now_ms`, the next claim lapses or the next delayed record comes
+    /// due, if any: a waiting poll re-checks then. Times already past are left out:
+    /// records due now that a claim did not take were held back by the in-flight cap,
+    /// and taking the earliest of all, one in the past hid a claim lapsing soon after.
+    pub fn next_due_ms(&self, now_ms: u64) -> Option<u64> {
+        let claims = self.in_flight.values().map(|c| c.deadline_ms);
+        let owed = self.owed.values().map(|w| w.not_before_ms);
+        claims.chain(owed).filter(|at| *at > now_ms).min()
     }
 
     /// An ack. `Ok(Some(event))` when it must be written; `Ok(None)` for a record
@@ -807,7 +809,17 @@ mod tests {
         t.claim(1, 1, 0, 0, None);
         t.nack(0, 0, 10, 500).unwrap();
         assert!(t.claim(1, 1, 100, 0, None).handed.is_empty());
-        assert_eq!(t.next_due_ms(), Some(510));
+        assert_eq!(t.next_due_ms(100), Some(510));
+        // A record owed now (held back by the cap, say) does not hide a later time.
+        t.owed.insert(
+            7,
+            Owed {
+                attempts: 1,
+                not_before_ms: 0,
+            },
+        );
+        assert_eq!(t.next_due_ms(100), Some(510));
+        t.owed.remove(&7);
         assert_eq!(t.claim(1, 1, 510, 0, None).handed, vec![(0, 2)]);
     }
 
