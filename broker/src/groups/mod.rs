@@ -1682,6 +1682,15 @@ mod tests {
         stream_with(dir, Default::default()).await
     }
 
+    /// Appends `n` one-record batches to `stream` and makes them visible to polls.
+    async fn publish_visible(stream: &StreamShard, n: usize) {
+        for _ in 0..n {
+            let p = stream.log.begin_append(&[&b"r"[..]], 0, None).unwrap();
+            let appended = stream.log.commit(p).await.unwrap();
+            stream.advance_fanout(appended);
+        }
+    }
+
     /// A stream shard over a new log in `dir` with `config`.
     async fn stream_with(
         dir: &std::path::Path,
@@ -2383,11 +2392,7 @@ mod tests {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
             let stream = stream_in(dir.path()).await;
-            for _ in 0..3 {
-                let p = stream.log.begin_append(&[&b"r"[..]], 0, None).unwrap();
-                let appended = stream.log.commit(p).await.unwrap();
-                stream.advance_fanout(appended);
-            }
+            publish_visible(&stream, 3).await;
             // A delete, and an ack of a claimed record of the group.
             let (g, writes) = shard_with_a_claim();
             race_and_compare(
@@ -2428,9 +2433,7 @@ mod tests {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
             let stream = stream_in(dir.path()).await;
-            let p = stream.log.begin_append(&[&b"r"[..]], 0, None).unwrap();
-            let record = stream.log.commit(p).await.unwrap();
-            stream.advance_fanout(record);
+            publish_visible(&stream, 1).await;
             let (g, writes) = shard_with_held_writes_and(Limits {
                 max_attempts: 1,
                 ..Limits::default()
@@ -2472,9 +2475,7 @@ mod tests {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
             let stream = stream_in(dir.path()).await;
-            let p = stream.log.begin_append(&[&b"r"[..]], 0, None).unwrap();
-            let record = stream.log.commit(p).await.unwrap();
-            stream.advance_fanout(record);
+            publish_visible(&stream, 1).await;
             let (g, _writes) = shard_with_held_writes();
             let leads = Rc::new(Cell::new(true));
             let l = leads.clone();
