@@ -405,15 +405,41 @@ fn harness_child(binary: &Path) -> Command {
     cmd
 }
 
-/// A free UDP port on `ip` (any of 127.0.0.0/8 is loopback).
+/// A UDP address on `ip` (any of 127.0.0.0/8 is loopback) for a broker that keeps its
+/// port across restarts: free now, never handed out before by this process, and below
+/// the kernel's ephemeral range, so no client socket opened while the broker is down
+/// can take it (an ephemeral port once did, and the restart failed).
 pub fn free_udp_addr_on(ip: std::net::IpAddr) -> anyhow::Result<SocketAddr> {
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    const LOWEST: u16 = 10_000;
+    let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let span = u32::from(ephemeral_from.saturating_sub(LOWEST));
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|p| p.into_inner());
+    // Start somewhere different in each process, so two test binaries rarely probe
+    // the same ports in the same order.
+    let start = std::process::id().wrapping_mul(7_919)
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+    for i in 0..span {
+        let port = LOWEST + ((start.wrapping_add(i)) % span) as u16;
+        if handed_out.contains(&port) {
+            continue;
+        }
+        if let Ok(s) = std::net::UdpSocket::bind(SocketAddr::new(ip, port)) {
+            handed_out.push(port);
+            return Ok(s.local_addr()?);
+        }
+    }
     Ok(std::net::UdpSocket::bind(SocketAddr::new(ip, 0))?.local_addr()?)
 }
 
-/// A free UDP port on loopback (bound and released: another process could take it,
-/// which on a test machine it does not).
+/// As [`free_udp_addr_on`], on 127.0.0.1.
 pub fn free_udp_addr() -> anyhow::Result<SocketAddr> {
-    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?)
+    free_udp_addr_on(std::net::Ipv4Addr::LOCALHOST.into())
 }
 
 /// TLS files for brokers that must trust each other and be trusted by clients: one CA,
@@ -934,5 +960,27 @@ impl Drop for LoopFs {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(&self.mount).status();
         let _ = std::fs::remove_file(&self.image);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restartable_ports_are_distinct_and_outside_the_ephemeral_range() {
+        let ephemeral_from: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let ports: Vec<u16> = (0..50).map(|_| free_udp_addr().unwrap().port()).collect();
+        assert!(ports.iter().all(|p| *p < ephemeral_from), "{ports:?}");
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
     }
 }
