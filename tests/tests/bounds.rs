@@ -665,6 +665,89 @@ async fn unread_reads(
     (ep, conn)
 }
 
+/// A connection with small receive windows holding `subscriptions` subscriptions to
+/// `stream` from its earliest record, whose event streams it never reads. Returns once
+/// the broker has had time to begin them all.
+async fn unread_subscriptions(
+    b: &BrokerProcess,
+    stream: &str,
+    subscriptions: usize,
+) -> (quinn::Endpoint, quinn::Connection) {
+    let (ep, conn) = felix_cluster::raw_connect_with(
+        b.listen,
+        &b.ca_file(),
+        felix_core_runtime::quic::TransportLimits {
+            stream_window_bytes: 16 * 1024,
+            connection_window_bytes: 1 << 20,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (mut s, r) = conn.open_bi().await.unwrap();
+    s.write_all(&auth(b)).await.unwrap();
+    for i in 0..subscriptions {
+        let sub = Message::Subscribe {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            stream: stream.into(),
+            subscription_id: None,
+            start: Some(felix_wire::message::StartPosition::Earliest),
+            shard: Some(felix_wire::ShardId(i as u32 % 2)),
+            queue_capacity: None,
+        };
+        s.write_all(&sub.to_frame()).await.unwrap();
+    }
+    std::mem::forget((s, r));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    (ep, conn)
+}
+
+/// Subscribers that stop reading count against the same bound: each holds a history
+/// read (about 1 MiB) the broker cannot hand to QUIC.
+#[test]
+fn a_connection_leaving_too_many_events_unread_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(
+        &dir,
+        "max_unwritten_answer_bytes_per_connection: 33554432\n",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // About 8 MiB on each shard of a 2-shard stream.
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        for key in 0u64..32 {
+            let p = publish(
+                "history",
+                &key.to_be_bytes(),
+                &vec![7u8; 512 << 10],
+                Some(1),
+            );
+            acked(&conn, auth(&b), p).await;
+        }
+        // 8 stalled subscriptions hold about 8 MiB: within 32 MiB.
+        let (_ep1, within) = unread_subscriptions(&b, "history", 8).await;
+        // 48 hold about 48 MiB: past it.
+        let (_ep2, past) = unread_subscriptions(&b, "history", 48).await;
+        tokio::time::timeout(Duration::from_secs(10), past.closed())
+            .await
+            .expect("the connection past its bound is closed");
+        match past.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => {
+                assert_eq!(u64::from(c.error_code), 4, "{c:?}")
+            }
+            other => panic!("closed otherwise: {other:?}"),
+        }
+        assert!(within.close_reason().is_none(), "within the bound");
+        assert_eq!(
+            b.metric("felix_broker_unread_answers_closed_total")
+                .unwrap(),
+            1
+        );
+        another_client_publishes(&b).await;
+    });
+}
+
 /// A connection that leaves more bytes of answers unread than its bound is closed
 /// with error 4 (the broker no longer holds them); one within it is not.
 #[test]

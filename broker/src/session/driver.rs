@@ -1182,7 +1182,9 @@ impl CacheWatch {
             if page.is_empty() {
                 break;
             }
-            uni.write_chunks(&mut page).await.map_err(|_| ())?;
+            if write_counted(&self.core, self.scope.id, &mut uni, &mut page).await {
+                return Err(());
+            }
         }
         loop {
             let next = self
@@ -1200,7 +1202,9 @@ impl CacheWatch {
                 Ok(WatchAnswer::Changes(changes, next)) => {
                     from = next;
                     let mut frames: Vec<Bytes> = changes.into_iter().map(watch_event).collect();
-                    uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+                    if write_counted(&self.core, self.scope.id, &mut uni, &mut frames).await {
+                        return Err(());
+                    }
                 }
                 Ok(_) => return Err(()),
                 Err(_) => {
@@ -1457,7 +1461,7 @@ impl Subscription {
                             break;
                         }
                         Live::Gap { to } => {
-                            uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+                            self.write(&mut uni, &mut frames).await?;
                             frames.clear();
                             metrics.subscriber_catchups.fetch_add(1, Ordering::Relaxed);
                             self.read_back(&mut uni, &mut pump, to, sub_id).await?;
@@ -1465,17 +1469,27 @@ impl Subscription {
                             // ends the subscription.
                             pump.skip_to(to);
                             if let Some(at) = pump.lagged() {
-                                uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+                                self.write(&mut uni, &mut frames).await?;
                                 return self.lagged(&mut uni, sub_id, at).await;
                             }
                         }
                     }
                 }
             }
-            uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+            self.write(&mut uni, &mut frames).await?;
             frames.clear();
         }
         let _ = uni.finish();
+        Ok(())
+    }
+
+    /// Hands `frames` to QUIC, counted against the connection's bound on unread
+    /// answers while QUIC leaves them untaken (a subscriber that stopped reading).
+    /// Err when the stream failed.
+    async fn write(&self, uni: &mut SendStream, frames: &mut [Bytes]) -> Result<(), ()> {
+        if write_counted(&self.core, self.scope.id, uni, frames).await {
+            return Err(());
+        }
         Ok(())
     }
 
@@ -1527,7 +1541,7 @@ impl Subscription {
             };
             retries = 0;
             let done = pump.on_history(&batches, to, &mut frames);
-            uni.write_chunks(&mut frames).await.map_err(|_| ())?;
+            self.write(uni, &mut frames).await?;
             frames.clear();
             if done {
                 break;

@@ -1,6 +1,7 @@
 //! Bytes a core's connections make it hold, bounded per connection and per core: the
 //! frames their streams have begun and not finished, and the answers written to a
-//! stream QUIC has not yet taken (a client that does not read them).
+//! stream QUIC has not yet taken (a client that does not read them), subscription
+//! and cache-watch events among them.
 //!
 //! A stream's reader holds a frame's bytes until the frame is whole (up to 16 MiB), and
 //! a connection has up to 1,024 streams: without a bound, one client could make the
