@@ -443,7 +443,8 @@ pub struct GroupShard {
     writer: GroupWriter,
     groups: RefCell<HashMap<String, Tracker>>,
     limits: Limits,
-    /// Woken when records become owed (a nack, a redrive): waiting polls look again.
+    /// Woken when records become owed (a nack, a redrive, a failed ack write) or room
+    /// frees under the in-flight cap: waiting polls look again.
     settled: Wakers,
     /// Woken when an ack's write ends (repeated acks wait for it).
     acks_written: Wakers,
@@ -572,6 +573,10 @@ impl Drop for AckWriting<'_> {
         self.shard
             .tracker(self.group, |t| t.ack_written(self.o, ok));
         self.shard.acks_written.wake_all();
+        if !ok {
+            // Owed again: waiting polls may take it.
+            self.shard.settled.wake_all();
+        }
     }
 }
 
@@ -1048,12 +1053,16 @@ impl GroupShard {
                 .map(GroupAnswer::Extended)
                 .map_err(refused),
             GroupOp::DeadLetter(group, o) => {
-                let e = self
-                    .tracker(&group, |t| t.dead_letter(o, now_ms()))
-                    .unwrap_or_else(|| Err(no_group(&group)))
-                    .map_err(refused)?;
+                let (was_full, e) = self
+                    .tracker(&group, |t| (t.is_full(), t.dead_letter(o, now_ms())))
+                    .map_or_else(|| (false, Err(no_group(&group))), |(f, e)| (f, e));
+                let e = e.map_err(refused)?;
+                if was_full {
+                    self.settled.wake_all();
+                }
                 if let Err(err) = self.write(&group, &[Some(e)]).await {
                     self.tracker(&group, |t| t.undo_dead(o));
+                    self.settled.wake_all();
                     return Err(err);
                 }
                 Ok(GroupAnswer::Done)
@@ -1181,10 +1190,14 @@ impl GroupShard {
         let started = std::time::Instant::now();
         loop {
             self.after_changes(group).await;
-            let event = self
-                .tracker(group, |t| t.ack(o))
-                .unwrap_or_else(|| Err(no_group(group)))
-                .map_err(refused)?;
+            let (was_full, event) = self
+                .tracker(group, |t| (t.is_full(), t.ack(o)))
+                .map_or_else(|| (false, Err(no_group(group))), |(f, e)| (f, e));
+            let event = event.map_err(refused)?;
+            if was_full && event.is_some() {
+                // Room under the in-flight cap: polls held back by it look again now.
+                self.settled.wake_all();
+            }
             if self.limits.unwritten_acks {
                 if event.is_some() {
                     self.tracker(group, |t| t.ack_written(o, true));
@@ -1429,8 +1442,8 @@ impl GroupShard {
 /// publish or a record owed again): until the next claim lapses or delayed record comes
 /// due (`next_due`), its own `deadline`, or [`POLL_RECHECK`], whichever is first. A time
 /// already past is not waited for: records owed now that the claim did not take were
-/// held back by the group's in-flight cap, and only an ack or nack frees room (a nack
-/// wakes the poll; an ack does not, and the poll notices within the recheck); taking
+/// held back by the group's in-flight cap, and only an ack, nack or dead letter frees
+/// room (each wakes the poll); taking
 /// it as the next time, the poll woke every millisecond for its whole wait, each time
 /// scanning every claim in flight. ([`Tracker::next_due_ms`] leaves past times out
 /// already; this holds whatever it is given.)
@@ -2518,6 +2531,66 @@ mod tests {
             felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
             let mut left = g.groups.borrow()["w"].clone();
             assert_eq!(left.claim(1, 1, mono_ms(), 0, None).handed, vec![(0, 2)]);
+        });
+    }
+
+    /// An ack that frees room under the in-flight cap wakes the polls the cap held back
+    /// (they looked again only at the recheck, up to 100 ms later), and a failed ack
+    /// write wakes them for the record owed again.
+    #[test]
+    fn an_ack_freeing_room_under_the_in_flight_cap_wakes_waiting_polls() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::task::{Context, Wake, Waker};
+        struct Wakes(AtomicUsize);
+        impl Wake for Wakes {
+            fn wake(self: std::sync::Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            publish_visible(&stream, 2).await;
+            let (g, writes) = shard_with_held_writes_and(Limits {
+                max_in_flight: 1,
+                snapshot_every_bytes: 100,
+                ..Limits::default()
+            });
+            // Offset 0 claimed for a minute: the cap is full, offset 1 waits.
+            let mut t = Tracker::new(0, g.limits);
+            assert_eq!(t.claim(2, 1, mono_ms(), 60_000, None).handed, vec![(0, 1)]);
+            g.groups.borrow_mut().insert("w".into(), t.clone());
+            g.folded
+                .borrow_mut()
+                .as_mut()
+                .unwrap()
+                .insert("w".into(), t);
+            let wakes = std::sync::Arc::new(Wakes(AtomicUsize::new(0)));
+            let waker = Waker::from(wakes.clone());
+            let mut poll = std::pin::pin!(g.serve(&stream, long_poll()));
+            assert!(
+                poll.as_mut()
+                    .poll(&mut Context::from_waker(&waker))
+                    .is_pending(),
+                "held back by the cap"
+            );
+            let mut ack = std::pin::pin!(g.serve(&stream, GroupOp::Ack("w".into(), 0)));
+            assert!(
+                futures_lite::future::poll_once(&mut ack).await.is_none(),
+                "the ack's write is held"
+            );
+            assert_eq!(
+                wakes.0.load(Ordering::SeqCst),
+                1,
+                "the ack freed room: the waiting poll is woken"
+            );
+            let before = g.settled.changes.get();
+            let _ = first_write(&writes).send(Err(BrokerError::Draining));
+            assert!(ack.await.is_err());
+            assert!(
+                g.settled.changes.get() > before,
+                "the failed ack's record is owed again: polls are woken"
+            );
         });
     }
 

@@ -458,6 +458,12 @@ impl Tracker {
         claims.chain(owed).filter(|at| *at > now_ms).min()
     }
 
+    /// Whether the in-flight cap holds claims back: polls find nothing to claim until
+    /// an ack, nack or dead letter frees room.
+    pub fn is_full(&self) -> bool {
+        self.in_flight.len() >= self.limits.max_in_flight
+    }
+
     /// An ack. `Ok(Some(event))` when it must be written; `Ok(None)` for a record
     /// already finished (a repeated ack). Acks after a lapsed claim are accepted while
     /// the record has not gone out again.
