@@ -38,7 +38,7 @@ use felix_wire::message::{GroupRecord, StartPosition};
 use crate::error::BrokerError;
 use crate::shard::StreamShard;
 pub use tracker::Member;
-use tracker::{Durable, Event, Limits, Refusal, Tracker};
+use tracker::{Claimed, Durable, Event, Limits, Refusal, Tracker};
 
 /// Longest group name.
 pub const GROUP_NAME_MAX_BYTES: usize = 128;
@@ -1305,7 +1305,11 @@ impl GroupShard {
                 let events: Vec<_> = claimed.dead.iter().map(|o| Some(Event::Dead(*o))).collect();
                 if let Err(e) = self.write(group, &events).await {
                     self.tracker(group, |t| claimed.dead.iter().for_each(|o| t.undo_dead(*o)));
-                    self.tracker(group, |t| fresh.iter().for_each(|(o, a)| t.release(*o, *a)));
+                    self.tracker(group, |t| {
+                        fresh
+                            .iter()
+                            .for_each(|(o, _)| t.release(*o, claimed.serial))
+                    });
                     return Err(e);
                 }
             }
@@ -1316,14 +1320,7 @@ impl GroupShard {
             }
             let budget = POLL_BYTES_MAX.saturating_sub(bytes);
             let (records, passed) = self
-                .read_claimed(
-                    stream,
-                    group,
-                    &claimed.handed,
-                    claimed.reclaimed,
-                    budget,
-                    out.is_empty(),
-                )
+                .read_claimed(stream, group, &claimed, budget, out.is_empty())
                 .await?;
             let full = records.len() + passed < handed;
             bytes += records.iter().map(|r| r.payload.len()).sum::<usize>();
@@ -1346,11 +1343,11 @@ impl GroupShard {
         &self,
         stream: &StreamShard,
         group: &str,
-        handed: &[(u64, u32)],
-        reclaimed: usize,
+        claimed: &Claimed,
         budget: usize,
         first: bool,
     ) -> Result<(Vec<GroupRecord>, usize), BrokerError> {
+        let (handed, reclaimed) = (&claimed.handed, claimed.reclaimed);
         let mut found: BTreeMap<u64, (Bytes, u64, Before)> = BTreeMap::new();
         let mut wanted: Vec<u64> = handed.iter().map(|(o, _)| *o).collect();
         wanted.sort_unstable();
@@ -1421,7 +1418,7 @@ impl GroupShard {
                         });
                     }
                     _ if i < reclaimed => {}
-                    _ => t.release(o, attempts),
+                    _ => t.release(o, claimed.serial),
                 }
             }
         });

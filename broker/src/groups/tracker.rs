@@ -72,6 +72,8 @@ pub enum Refusal {
 struct Claim {
     deadline_ms: u64,
     attempts: u32,
+    /// The claim pass that handed it out ([`Claimed::serial`]).
+    serial: u64,
     /// The named member it was handed to, if the poll named one.
     member: Option<Arc<str>>,
 }
@@ -113,6 +115,10 @@ pub struct Claimed {
     /// The walk over finished offsets stopped at [`CLAIM_PASS_MAX`]: claim again (after
     /// letting the core run something else) to go on.
     pub cut_short: bool,
+    /// Names this pass's claims apart from any later claim of the same offsets, on the
+    /// same attempt too (after a seek back, or the group deleted and made again): what
+    /// [`Tracker::release`] hands back.
+    pub serial: u64,
 }
 
 /// Finished offsets one claim passes over at most. After a fold every finished offset
@@ -173,6 +179,32 @@ pub struct Tracker {
     /// `inherited_below` does (before 2026-12-05 refused `stale_claim` until the record
     /// was handed out again).
     inherited_below: u64,
+    /// The last claim pass's [`Claimed::serial`].
+    serial: Serial,
+}
+
+/// A tracker's claim-pass numbering: not part of its state, so two trackers holding
+/// the same state compare equal whatever their numbering.
+#[derive(Debug, Clone, Copy)]
+struct Serial(u64);
+
+impl PartialEq for Serial {
+    fn eq(&self, _: &Serial) -> bool {
+        true
+    }
+}
+
+thread_local! {
+    /// Trackers made on this thread: each numbers its claim passes in a range of its own.
+    static TRACKERS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Where a new tracker's claim serials begin.
+fn first_serial() -> u64 {
+    TRACKERS_MADE.with(|n| {
+        n.set(n.get() + 1);
+        n.get() << 32
+    })
 }
 
 impl Tracker {
@@ -188,6 +220,7 @@ impl Tracker {
             dead: BTreeSet::new(),
             acks_writing: BTreeMap::new(),
             inherited_below: 0,
+            serial: Serial(first_serial()),
         }
     }
 
@@ -343,7 +376,11 @@ impl Tracker {
             visibility_ms.min(self.longest_ms())
         };
         let max = max.min(self.limits.max_claim);
-        let mut out = Claimed::default();
+        self.serial.0 += 1;
+        let mut out = Claimed {
+            serial: self.serial.0,
+            ..Claimed::default()
+        };
         if let Some(m) = member.filter(|m| m.reclaim) {
             // The same claims handed back, deadlines untouched: a consumer that crashes
             // on a record and reclaims it again and again still sees it lapse at its
@@ -422,6 +459,7 @@ impl Tracker {
             Claim {
                 deadline_ms,
                 attempts,
+                serial: out.serial,
                 member: member.clone(),
             },
         );
@@ -513,15 +551,14 @@ impl Tracker {
     }
 
     /// Hands a claim back that never reached the consumer: owed again, its attempt not
-    /// counted. Only the claim on `attempts`: the poll that hands it back has awaited a
-    /// read or a write since it claimed, and the claim may have lapsed and gone to
-    /// another consumer meanwhile, whose claim is not this poll's to give back.
-    pub fn release(&mut self, o: u64, attempts: u32) {
-        if self
-            .in_flight
-            .get(&o)
-            .is_some_and(|c| c.attempts == attempts)
-        {
+    /// counted. Only the claim the pass `serial` made: the poll that hands it back has
+    /// awaited a read or a write since it claimed, and the claim may have lapsed and
+    /// gone to another consumer meanwhile, whose claim is not this poll's to give back
+    /// (matched by attempt before, a seek back let a later claim on the same attempt be
+    /// taken for it).
+    pub fn release(&mut self, o: u64, serial: u64) {
+        if let Some(c) = self.in_flight.get(&o).filter(|c| c.serial == serial) {
+            let attempts = c.attempts;
             self.in_flight.remove(&o);
             self.owed.insert(
                 o,
@@ -667,6 +704,7 @@ impl Tracker {
             dead: d.dead.into_iter().collect(),
             acks_writing: BTreeMap::new(),
             inherited_below: 0,
+            serial: Serial(first_serial()),
         }
     }
 
@@ -970,15 +1008,41 @@ mod tests {
         let mut t = Tracker::new(0, limits());
         // Poll A claims offset 0 on attempt 1 and, while it reads the record, the claim
         // lapses and poll B gets it on attempt 2.
-        assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
-        assert_eq!(t.claim(10, 1, 1_000, 0, None).handed, vec![(0, 2)]);
+        let a = t.claim(10, 1, 0, 0, None);
+        assert_eq!(a.handed, vec![(0, 1)]);
+        let b = t.claim(10, 1, 1_000, 0, None);
+        assert_eq!(b.handed, vec![(0, 2)]);
         // A's read found the record over its answer's byte budget: it hands its claim
         // back. B's stands: a third poll gets the next record, not B's.
-        t.release(0, 1);
+        t.release(0, a.serial);
         assert_eq!(t.claim(10, 1, 1_001, 0, None).handed, vec![(1, 1)]);
         // B's own hand-back owes it again, its attempt not counted.
-        t.release(0, 2);
+        t.release(0, b.serial);
         assert_eq!(t.claim(10, 1, 1_002, 0, None).handed, vec![(0, 2)]);
+    }
+
+    #[test]
+    fn a_claim_handed_back_late_after_a_seek_back_leaves_the_new_claim() {
+        let mut t = Tracker::new(0, limits());
+        // Poll A claims offset 0 on attempt 1; while it reads, the group seeks back to
+        // 0 and poll B claims offset 0 on attempt 1 again.
+        let a = t.claim(10, 1, 0, 60_000, None);
+        assert_eq!(a.handed, vec![(0, 1)]);
+        t.apply(Event::Seek(0));
+        let b = t.claim(10, 1, 1, 60_000, None);
+        assert_eq!(b.handed, vec![(0, 1)]);
+        // A hands its claim back late: B's, on the same attempt, stands.
+        t.release(0, a.serial);
+        assert_eq!(
+            t.claim(10, 1, 2, 60_000, None).handed,
+            vec![(1, 1)],
+            "offset 0 went to a second consumer while B held it"
+        );
+        // A group deleted and made again numbers its claims apart too.
+        let mut again = Tracker::new(0, limits());
+        let c = again.claim(10, 1, 3, 60_000, None);
+        assert_ne!(c.serial, a.serial);
+        assert_ne!(c.serial, b.serial);
     }
 
     #[test]
