@@ -123,7 +123,8 @@ pub struct FileConfig {
     pub max_unwritten_answer_bytes_per_connection: Option<usize>,
     /// Bytes of answers a core's connections may leave unread together.
     pub max_unwritten_answer_bytes_per_core: Option<usize>,
-    /// Publish payload bytes in flight per connection before reading pauses.
+    /// Request bytes in flight per connection (publish records, other requests by frame)
+    /// before reading pauses.
     pub max_inflight_publish_bytes: Option<usize>,
     /// Concurrent streams a client may open per connection, per direction.
     pub max_streams_per_connection: Option<u32>,

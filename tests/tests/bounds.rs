@@ -259,6 +259,76 @@ fn unacknowledged_publishes_to_both_cores_are_held_by_the_byte_budget() {
     });
 }
 
+/// Requests other than publishes are held by the same byte budget: cache puts of 1 MiB
+/// pipelined on 16 streams while their cache cannot open (about 512 MiB of frames) are
+/// read only up to the budget, not all held in memory; once the cache opens, every put
+/// is answered.
+#[test]
+fn pipelined_cache_puts_are_held_by_the_byte_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(
+        &dir,
+        "fault_injection: true\nmax_inflight_publish_bytes: 8388608\n",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        another_client_publishes(&b).await;
+        let idle = b.rss_kib();
+        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        const STREAMS: usize = 16;
+        const PUTS: usize = 24;
+        let value = bytes::Bytes::from(vec![3u8; 1 << 20]);
+        let mut writers = Vec::new();
+        for stream in 0..STREAMS {
+            let (mut s, r) = conn.open_bi().await.unwrap();
+            let (auth, value) = (auth(&b), value.clone());
+            // Encoded once: the client writes as fast as the broker reads.
+            let put = Message::CachePut {
+                tenant_id: "dev".into(),
+                namespace: "default".into(),
+                cache: "held".into(),
+                key: format!("k{stream}"),
+                value: value.clone(),
+                request_id: None,
+                ttl_ms: None,
+            }
+            .to_frame();
+            writers.push(tokio::spawn(async move {
+                s.write_all(&auth).await.unwrap();
+                for _ in 0..PUTS {
+                    s.write_all(&put).await.unwrap();
+                }
+                (s, r)
+            }));
+        }
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert_rss_within_budget(
+            &b,
+            idle,
+            "cache puts pipelined while their cache cannot open",
+        );
+        assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+        for w in writers {
+            let (_s, mut r) = tokio::time::timeout(Duration::from_secs(60), w)
+                .await
+                .expect("every put is read once the cache opens")
+                .unwrap();
+            let answers = read_answers(&mut r, PUTS + 1).await;
+            assert!(
+                answers[1..]
+                    .iter()
+                    .all(|a| matches!(a, Message::CacheOk { .. })),
+                "{:?}",
+                answers
+                    .iter()
+                    .find(|a| !matches!(a, Message::CacheOk { .. }))
+            );
+        }
+        another_client_publishes(&b).await;
+    });
+}
+
 /// Large whole frames written on many streams of one connection at once, 64 KiB of
 /// each in turn (64 MiB, twice the connection's QUIC receive window), are all read and
 /// answered. A bound on what the broker reads that leaves some streams unread lets

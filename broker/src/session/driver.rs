@@ -180,7 +180,7 @@ impl ConnScope {
     }
 }
 
-/// Publish bytes held against a connection's budget until dropped.
+/// A request's bytes held against its connection's budget until dropped.
 struct Held {
     scope: Rc<ConnScope>,
     bytes: usize,
@@ -607,24 +607,26 @@ async fn serve_requests(
         if answers.failed.get() || core.draining() || scope.closed.get() {
             return;
         }
-        let request = match input.next_frame(recv).await {
-            Ok(Some(frame)) => dispatch::decode(&frame, answered),
+        let (request, size) = match input.next_frame(recv).await {
+            Ok(Some(frame)) => (dispatch::decode(&frame, answered), frame.payload.len()),
             Ok(None) => return,
-            Err(e) => dispatch::undecodable(&e),
+            Err(e) => (dispatch::undecodable(&e), 0),
         };
-        let held = match &request {
-            Request::Publish(p) => {
-                let bytes = p.bytes();
-                if !scope.take_budget(bytes).await {
-                    return;
-                }
-                Some(Held {
-                    scope: scope.clone(),
-                    bytes,
-                })
-            }
-            _ => None,
+        // Every request is held against the connection's budget while it is worked on:
+        // a publish by its records, any other by its frame (cache puts and commits carry
+        // values up to the frame limit, and pipelined on many streams they were held
+        // without bound).
+        let bytes = match &request {
+            Request::Publish(p) => p.bytes(),
+            _ => size,
         };
+        if !scope.take_budget(bytes).await {
+            return;
+        }
+        let held = Some(Held {
+            scope: scope.clone(),
+            bytes,
+        });
         let action = dispatch::decide(session, core.as_ref(), request, answered, clock::now());
         let go_on = execute(core, scope, conn, answers, session, answered, action, held).await;
         if !go_on {
@@ -754,6 +756,7 @@ async fn execute(
             // Started now, not when its answer's turn comes: pipelined requests are in
             // flight together (and share a group commit).
             let started = run_to_completion(async move {
+                let _held = held;
                 core.catalog_written_for(&key).await?;
                 core.cache(key, op).await
             });
@@ -850,6 +853,7 @@ async fn execute(
         } => {
             let (core, session) = (core.clone(), session.clone());
             let started = run_to_completion(async move {
+                let _held = held;
                 core.catalog_written_for(&key).await?;
                 core.state(key, op).await
             });
@@ -876,13 +880,13 @@ async fn execute(
             // that went away would wait out their visibility); settles run to completion.
             if let crate::groups::GroupOp::Poll { wait_ms, .. } = &mut op {
                 let asked = *wait_ms;
-                let held = scope.hold_poll_wait(wait_ms);
+                let waiting = scope.hold_poll_wait(wait_ms);
                 let cut = asked > 0 && *wait_ms == 0;
                 if cut {
                     core.metrics.poll_waits_cut.fetch_add(1, Ordering::Relaxed);
                 }
                 let started = task::spawn(async move {
-                    let _held = held;
+                    let _waiting = waiting;
                     let answer = core.group(key, op).await;
                     if cut {
                         crate::core::pause_cut_poll(asked, &answer).await;
@@ -893,7 +897,10 @@ async fn execute(
                     Some(group_answer(&session, request_id, started.await))
                 })));
             } else {
-                let started = run_to_completion(async move { core.group(key, op).await });
+                let started = run_to_completion(async move {
+                    let _held = held;
+                    core.group(key, op).await
+                });
                 answers.push(Answer::Pending(Box::pin(async move {
                     Some(group_answer(
                         &session,

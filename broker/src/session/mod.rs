@@ -113,8 +113,9 @@ pub struct Limits {
     /// The same for all of a core's connections; past it the one holding the most is
     /// closed.
     pub unwritten_answer_bytes_per_core: usize,
-    /// Publish payload bytes in flight per connection; past it the broker stops
-    /// reading publishes until earlier ones complete.
+    /// Request bytes in flight per connection (a publish's records, any other
+    /// request's frame); past it the broker stops reading requests until earlier ones
+    /// complete.
     pub inflight_publish_bytes: usize,
 }
 
