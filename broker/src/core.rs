@@ -3438,7 +3438,8 @@ impl CoreBroker {
                 .retention_cut(now, spec.retention.max_size_bytes, age, floor);
             let holds_state = kinds.has(felix_storage_uring::BatchKind::Commit)
                 || kinds.has(felix_storage_uring::BatchKind::State);
-            let floor = if cut > s.log.base_offset() && holds_state {
+            let superseding = cut > s.log.base_offset() && holds_state;
+            let floor = if superseding {
                 match self.state_floor(&s, cut).await {
                     Ok(f) => floor.min(f),
                     Err(e) => {
@@ -3452,11 +3453,16 @@ impl CoreBroker {
                 // skip what went (`catch_up_state`).
                 floor.min(cut)
             };
-            match s
-                .log
-                .enforce_retention_below(now, spec.retention.max_size_bytes, age, floor)
-                .await
-            {
+            let (bytes, log) = (spec.retention.max_size_bytes, &s.log);
+            // What goes may hold a key's older version, superseded by a newer one not
+            // yet on disk under `fsync: none` or `periodic`: synced first, so a crash
+            // reverts the key rather than dropping it.
+            let removed = if superseding {
+                log.remove_superseded_below(now, bytes, age, floor).await
+            } else {
+                log.enforce_retention_below(now, bytes, age, floor).await
+            };
+            match removed {
                 Ok(0) => {}
                 Ok(n) => {
                     self.metrics
@@ -3547,9 +3553,13 @@ impl CoreBroker {
                 tracing::warn!(shard = %rs.key, error = %e, "keeping generation starts");
                 continue;
             }
+            // The copies are on this disk before what they replace goes: under
+            // `fsync: none` and `periodic` the marker committed before any copy holding
+            // it had synced (before 2026-12-05 a power cut after the cut took every
+            // value written before the compaction).
             match rs
                 .log()
-                .enforce_retention_below(now, Some(0), None, cut)
+                .remove_superseded_below(now, Some(0), None, cut)
                 .await
             {
                 Ok(0) => {}

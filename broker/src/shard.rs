@@ -1308,15 +1308,11 @@ impl CompactionWrites for LocalWrites<'_> {
     }
 
     async fn finish(&self, cut: u64, now_micros: u64) -> Result<usize, BrokerError> {
-        // The copies must be on disk before the segments below the cut go: under
-        // `fsync: none` and `periodic` a commit answers at sequencing, before the write,
-        // and a crash (or a failed write) then would take back values written long ago,
-        // outside the loss window those modes promise. Sync waits for the write and the
-        // fdatasync of everything claimed so far.
-        self.0.sync().await?;
+        // The copies are on disk before the segments below the cut go (see
+        // `remove_superseded_below`).
         Ok(self
             .0
-            .enforce_retention_below(now_micros, Some(0), None, cut)
+            .remove_superseded_below(now_micros, Some(0), None, cut)
             .await?)
     }
 }

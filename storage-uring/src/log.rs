@@ -1525,6 +1525,24 @@ impl<B: Backend> SegmentLog<B> {
         Ok(doomed.len())
     }
 
+    /// [`SegmentLog::enforce_retention_below`] for a log whose newer records supersede
+    /// older ones (cache values, stream state, a compaction's copies): everything
+    /// appended is made durable first. Under `fsync: none` and `periodic` an append is
+    /// answered before its write, and removing superseded records while what supersedes
+    /// them is not on disk lets a crash take back both: a value written long ago would
+    /// vanish instead of reverting to it. A sync that fails removes nothing.
+    pub async fn remove_superseded_below(
+        &self,
+        now_micros: u64,
+        max_bytes: Option<u64>,
+        max_age: Option<Duration>,
+        floor: u64,
+    ) -> Result<usize, StorageError> {
+        self.sync().await?;
+        self.enforce_retention_below(now_micros, max_bytes, max_age, floor)
+            .await
+    }
+
     /// What [`SegmentLog::enforce_retention_below`] would remove now: the base the log
     /// would have after it, and the kinds of batch the removed segments may hold.
     pub fn retention_cut(

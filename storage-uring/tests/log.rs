@@ -922,6 +922,43 @@ fn roll_next_cuts_a_segment_and_removal_below_it_keeps_the_rest() {
     });
 }
 
+/// Under `fsync: none`, removing the segments below a compaction's cut syncs the log
+/// first: a crash right after the removal keeps the records past the cut that replace
+/// what went (without the sync, both were gone: the log reopened empty at the cut).
+#[test]
+fn removing_superseded_segments_makes_what_supersedes_them_durable_first() {
+    run(|| async {
+        let mem = MemBackend::new();
+        let config = LogConfig {
+            fsync: FsyncMode::None,
+            ..LogConfig::default()
+        };
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        fill(&log, 10, 100).await;
+        log.roll_next();
+        let cut = log.next_offset();
+        // The copies past the cut: answered at sequencing, then written, not synced.
+        fill(&log, 3, 100).await;
+        for _ in 0..1000 {
+            if log.segment_count() == 2 {
+                break;
+            }
+            glommio::timer::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(log.segment_count(), 2, "the copies were written");
+        let removed = log
+            .remove_superseded_below(0, Some(0), None, cut)
+            .await
+            .unwrap();
+        assert_eq!(removed, 1);
+        let (after, _) = SegmentLog::open(mem.crash(), config).await.unwrap();
+        assert_eq!(after.base_offset(), cut);
+        check_contents(&read_all(&after).await, cut, cut + 3, 100);
+        after.close().await.unwrap();
+        log.close().await.unwrap();
+    });
+}
+
 /// Small segments with 16 KiB of zeros written ahead of the data.
 fn zeros_ahead() -> LogConfig {
     LogConfig {
