@@ -3475,7 +3475,13 @@ impl CoreBroker {
                 }
                 // Closed meanwhile (moved to another core, deleted): nothing to do.
                 Err(felix_storage_uring::StorageError::Closed) => {}
-                Err(e) => tracing::warn!(shard = %k, error = %e, "enforcing retention"),
+                Err(e) => {
+                    // Some segments may have gone before the failure.
+                    if let Ok(Some(rs)) = self.replica_of(k) {
+                        rs.rebased();
+                    }
+                    tracing::warn!(shard = %k, error = %e, "enforcing retention");
+                }
             }
         }
     }
@@ -3570,7 +3576,11 @@ impl CoreBroker {
                     rs.rebased();
                     tracing::debug!(shard = %rs.key, segments = n, cut, "replicated cache cut");
                 }
-                Err(e) => tracing::warn!(shard = %rs.key, error = %e, "cutting a replicated cache"),
+                Err(e) => {
+                    // Some segments may have gone before the failure.
+                    rs.rebased();
+                    tracing::warn!(shard = %rs.key, error = %e, "cutting a replicated cache");
+                }
             }
         }
     }

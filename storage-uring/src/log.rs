@@ -1502,27 +1502,39 @@ impl<B: Backend> SegmentLog<B> {
             }
             let n = retention_doomed(&st, now_micros, max_bytes, max_age, floor);
             for _ in 0..n {
-                let s = st.segments.pop_front().expect("doomed segments exist");
-                doomed.push(s.base);
+                doomed.push(st.segments.pop_front().expect("doomed segments exist"));
             }
         }
-        for base in &doomed {
-            let name = segment_name(*base);
-            self.shared
-                .backend
-                .remove(&name)
-                .await
-                .map_err(|e| StorageError::io("retention remove", &name, e))?;
-            let _ = self.shared.backend.remove(&index_name(*base)).await;
+        let mut removed = 0;
+        let mut failed = None;
+        for s in &doomed {
+            let name = segment_name(s.base);
+            if let Err(e) = self.shared.backend.remove(&name).await {
+                failed = Some(StorageError::io("retention remove", &name, e));
+                break;
+            }
+            let _ = self.shared.backend.remove(&index_name(s.base)).await;
+            removed += 1;
         }
-        if !doomed.is_empty() {
+        if removed < doomed.len() {
+            // The segments not removed are still this log's, at its head: memory keeps
+            // matching the files (the base moved back at the next open before).
+            let mut st = self.shared.state.borrow_mut();
+            for s in doomed.drain(removed..).rev() {
+                st.segments.push_front(s);
+            }
+        }
+        if removed > 0 {
             self.shared
                 .backend
                 .sync_dir()
                 .await
                 .map_err(|e| StorageError::io("retention sync_dir", "log directory", e))?;
         }
-        Ok(doomed.len())
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(removed),
+        }
     }
 
     /// [`SegmentLog::enforce_retention_below`] for a log whose newer records supersede

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{Disk, Fixture, Mem, payload, run};
 use felix_storage_uring::{
-    BatchKind, CorruptionKind, FaultTimes, FsyncMode, LogConfig, MemBackend, ProducerTag,
+    BatchKind, CorruptionKind, FaultTimes, FsyncMode, LogConfig, MemBackend, MemOp, ProducerTag,
     SegmentLog, StorageError, VerifyOnOpen,
 };
 
@@ -956,6 +956,45 @@ fn removing_superseded_segments_makes_what_supersedes_them_durable_first() {
         check_contents(&read_all(&after).await, cut, cut + 3, 100);
         after.close().await.unwrap();
         log.close().await.unwrap();
+    });
+}
+
+/// A segment retention cannot remove stays the log's: memory keeps matching the files
+/// (before, every doomed segment left memory first, so one failed unlink left the
+/// rest on disk unknown to the log, and the base moved back at the next open).
+#[test]
+fn a_segment_retention_fails_to_remove_stays_in_the_log() {
+    run(|| async {
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), small_segments())
+            .await
+            .unwrap();
+        fill(&log, 400, 1000).await;
+        let bases = log.segment_bases();
+        assert!(bases.len() >= 4, "{bases:?}");
+        // The first segment and its index go; the second segment's unlink fails.
+        mem.fail_with(MemOp::Remove, libc::EIO, 2, FaultTimes::Once);
+        assert!(
+            log.enforce_retention_below(0, Some(0), None, u64::MAX)
+                .await
+                .is_err()
+        );
+        assert_eq!(log.segment_bases(), bases[1..].to_vec());
+        assert_eq!(log.base_offset(), bases[1]);
+        check_contents(&read_all(&log).await, bases[1], 400, 1000);
+        // Retention goes on from there, and a reopen finds what memory knew.
+        assert_eq!(
+            log.enforce_retention_below(0, Some(0), None, bases[2])
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(log.base_offset(), bases[2]);
+        log.close().await.unwrap();
+        let (again, _) = SegmentLog::open(mem, small_segments()).await.unwrap();
+        assert_eq!(again.segment_bases(), bases[2..].to_vec());
+        check_contents(&read_all(&again).await, bases[2], 400, 1000);
+        again.close().await.unwrap();
     });
 }
 

@@ -71,9 +71,11 @@ pub enum MemOp {
     SyncDir,
     /// `Backend::rename`.
     Rename,
+    /// `Backend::remove`.
+    Remove,
 }
 
-const MEM_OPS: usize = 6;
+const MEM_OPS: usize = 7;
 
 #[derive(Debug, Clone, Copy)]
 struct Armed {
@@ -391,9 +393,9 @@ impl Backend for MemBackend {
     }
 
     async fn remove(&self, name: &str) -> io::Result<()> {
-        self.fs
-            .borrow_mut()
-            .files
+        let mut fs = self.fs.borrow_mut();
+        fs.faults.check(MemOp::Remove)?;
+        fs.files
             .remove(name)
             .map(|_| ())
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
