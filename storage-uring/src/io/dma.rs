@@ -82,7 +82,7 @@ impl DmaBackend {
         // glommio opens directories by absolute path only (a relative one fails with
         // EBADF when the directory is synced).
         let dir = std::path::absolute(dir.as_ref())?;
-        std::fs::create_dir_all(&dir)?;
+        create_dir_durably(&dir)?;
         // Make sure glommio's first DMA open on this device sees a non-empty file.
         let probe = dir.join(PROBE_FILE);
         let needs_probe = std::fs::metadata(&probe).map(|m| m.len() < BLOCK_BYTES as u64);
@@ -106,6 +106,20 @@ impl DmaBackend {
     pub fn path(&self) -> &Path {
         &self.dir
     }
+}
+
+/// Creates `dir` and any missing parents, fsyncing the parent of each directory it
+/// creates: the log fsyncs only its own directory, so without this a power cut could
+/// lose the new directory's name, with every fdatasynced record inside it.
+fn create_dir_durably(dir: &Path) -> io::Result<()> {
+    let missing: Vec<&Path> = dir.ancestors().take_while(|d| !d.exists()).collect();
+    std::fs::create_dir_all(dir)?;
+    for created in missing.iter().rev() {
+        if let Some(parent) = created.parent() {
+            std::fs::File::open(parent)?.sync_all()?;
+        }
+    }
+    Ok(())
 }
 
 impl Backend for DmaBackend {
