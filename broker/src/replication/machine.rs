@@ -1750,6 +1750,10 @@ impl Replica {
         let Some(cur) = l.cursors.get_mut(&from) else {
             return;
         };
+        // A follower holds nothing this leader has not made durable and shipped: an
+        // answer claiming more (a reply to a request of another shard or another life
+        // of this process, its correlation id reused) counts no further than that.
+        let end = end.min(self.log.durable);
         let progressed = end > cur.matched || cur.in_flight.front().is_some_and(|(e, _)| *e <= end);
         cur.matched = cur.matched.max(end);
         cur.next = cur.next.max(end);
@@ -2202,6 +2206,43 @@ mod tests {
             .iter()
             .find(|b| b.base <= offset && offset < b.end() && b.end() <= n.durable)?;
         b.records.get((offset - b.base) as usize)
+    }
+
+    /// An `Ok` claiming more than the leader holds (a reply meant for another shard's
+    /// request, or for one of this process's previous life, its correlation id reused)
+    /// counts no further than the leader's own durable end: records the leader appends
+    /// afterwards still wait for the follower's real answer.
+    #[test]
+    fn an_ok_claiming_more_than_the_leader_holds_counts_only_what_it_holds() {
+        let mut p = Pair::new();
+        p.assign(1, "a");
+        p.settle();
+        p.nodes.get_mut(&id("b")).expect("b").auto_sync = false;
+        p.append(2);
+        let held = p.nodes[&id("a")].durable;
+        let now = p.now;
+        p.nodes
+            .get_mut(&id("a"))
+            .expect("a")
+            .replica
+            .handle_message(
+                id("b"),
+                Msg::Ok {
+                    generation: 1,
+                    end: 1_000,
+                },
+                now,
+            );
+        p.drive(&id("a"));
+        // Three more records b never stored durably.
+        p.wire.clear();
+        p.append(3);
+        p.settle();
+        assert!(
+            p.nodes[&id("a")].replica.commit() <= held,
+            "commit {} past what the stray Ok could claim ({held})",
+            p.nodes[&id("a")].replica.commit()
+        );
     }
 
     /// Why a copy that lost its log never leads the generation it lost it at. The

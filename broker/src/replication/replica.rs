@@ -821,7 +821,10 @@ impl Replicas {
             cluster,
             out,
             shards: RefCell::default(),
-            next_correlation: Cell::new(1),
+            // A random start per process and core: a follower's late answer to a
+            // request of this broker's previous life carries an id from that life, which
+            // counted from 1 too, and could name another shard's request in this one.
+            next_correlation: Cell::new(rand::random::<u64>() & ((1 << 56) - 1)),
             next_instance: Cell::new(1),
             open_failed: RefCell::default(),
             pending: RefCell::default(),
