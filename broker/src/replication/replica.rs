@@ -1548,8 +1548,7 @@ impl Replicas {
                 rs.store_era.set(rs.store_era.get() + 1);
                 let reset = async {
                     rs.after_stores().await;
-                    log.truncate_from(log.base_offset()).await?;
-                    log.reset_empty_at(base).await
+                    start_over_at(log, base).await
                 };
                 match reset.await {
                     Ok(()) => {
@@ -1721,8 +1720,24 @@ pub async fn list_generation_starts<B: felix_storage_uring::io::Backend>(
     Ok(())
 }
 
-async fn write_epochs(
-    log: &SegmentLog<DmaBackend>,
+/// Empties `log` and starts it over at `base` (a bootstrap), with no generation starts
+/// kept: those below the old base describe another life of the log, and kept, they
+/// came back at the next open and hid the generation the leader names for the new
+/// base (a follower then refused every message, or reported too low a generation in
+/// an election). Cleared once the log is empty and before its base moves: a crash
+/// between leaves an empty log claiming no generation, which wins no election.
+async fn start_over_at<B: felix_storage_uring::io::Backend>(
+    log: &SegmentLog<B>,
+    base: u64,
+) -> Result<(), BrokerError> {
+    log.truncate_from(log.base_offset()).await?;
+    write_epochs(log, &[]).await?;
+    log.reset_empty_at(base).await?;
+    Ok(())
+}
+
+async fn write_epochs<B: felix_storage_uring::io::Backend>(
+    log: &SegmentLog<B>,
     epochs: &[(u64, u64)],
 ) -> Result<(), BrokerError> {
     let bytes = serde_json::to_vec(epochs).expect("pairs serialize");
@@ -1737,7 +1752,10 @@ mod tests {
 
     use felix_storage_uring::{BatchKind as LogBatchKind, LogConfig, MemBackend, SegmentLog};
 
-    use super::{find_generation_starts, left_out_of, list_generation_starts};
+    use super::{
+        EPOCHS_FILE, find_generation_starts, left_out_of, list_generation_starts, start_over_at,
+        write_epochs,
+    };
 
     async fn append(log: &SegmentLog<MemBackend>, kind: LogBatchKind, record: &[u8]) {
         let p = log
@@ -1779,6 +1797,24 @@ mod tests {
             assert_eq!(find_generation_starts(&log).await.unwrap(), want);
             let read = mem.bytes_read() - before;
             assert!(read < 64 << 10, "checking 4 entries read {read} bytes");
+        });
+    }
+
+    /// A bootstrap starts the log over with no generation starts kept from its old life
+    /// (kept, they came back at the next open below the new base).
+    #[test]
+    fn a_log_started_over_keeps_no_generation_starts_of_its_old_life() {
+        felix_core_runtime::task::block_on(async {
+            let mem = MemBackend::new();
+            let log = log_with_two_generations(&mem).await;
+            write_epochs(&log, &[(50, 3)]).await.unwrap();
+            start_over_at(&log, 5_000).await.unwrap();
+            assert_eq!(log.base_offset(), 5_000);
+            let kept: Vec<(u64, u64)> =
+                serde_json::from_slice(&log.read_meta(EPOCHS_FILE).await.unwrap().unwrap())
+                    .unwrap();
+            assert_eq!(kept, vec![]);
+            assert_eq!(find_generation_starts(&log).await.unwrap(), BTreeMap::new());
         });
     }
 
