@@ -1657,8 +1657,11 @@ impl CoreBroker {
                 }
                 // The lease and the assignments are read again at the ack: a broker
                 // paused past its lease must not acknowledge what a successor may not
-                // hold.
-                if !this.may_acknowledge(&rs) {
+                // hold. Nor one whose replica stopped leading since admission: a
+                // follower fenced by a successor refused it (a planned move writes the
+                // successor's generation at once, with no lease to wait out, and a
+                // Leader-mode write waits for no follower that would refuse it).
+                if rs.term() != term || !rs.serving() || !this.may_acknowledge(&rs) {
                     this.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
                     return Err(BrokerError::Unacknowledged(
                         "the lease lapsed or the shard was reassigned before the write was acknowledged"

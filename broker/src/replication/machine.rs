@@ -2245,6 +2245,38 @@ mod tests {
         );
     }
 
+    /// A leader told by a follower that a newer generation was accepted there stops
+    /// serving at once, before its own assignments say so: the broker's acknowledgement
+    /// of a Leader-mode write (which waits for no follower) checks `serving` for this,
+    /// since a planned move names the successor with no lease to wait out.
+    #[test]
+    fn a_leader_refused_as_fenced_by_a_newer_generation_stops_serving_at_once() {
+        let mut p = Pair::new();
+        p.assign(1, "a");
+        p.settle();
+        assert!(p.nodes[&id("a")].replica.serving());
+        let now = p.now;
+        p.nodes
+            .get_mut(&id("a"))
+            .expect("a")
+            .replica
+            .handle_message(
+                id("b"),
+                Msg::Refused {
+                    generation: 2,
+                    code: Refusal::Fenced,
+                    expected: 0,
+                },
+                now,
+            );
+        assert!(!p.nodes[&id("a")].replica.serving());
+        assert_eq!(
+            p.nodes[&id("a")].replica.generation(),
+            1,
+            "its accepted generation is unchanged: only `serving` tells"
+        );
+    }
+
     /// Why a copy that lost its log never leads the generation it lost it at. The
     /// leader `a` of generation 1 fenced everyone but shipped its records to `e` only,
     /// then lost its disk. Leading generation 1 again on the empty logs of b, c and d,
