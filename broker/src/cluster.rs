@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use base64::Engine as _;
 use felix_controlplane::client::{ClientError, ControlPlaneClient};
+use felix_core_runtime::clock::BootTime;
 use felix_core_runtime::placement::{ShardKey, ShardKind};
 use felix_wire::routing::ShardRouting;
 use serde::Deserialize;
@@ -130,14 +131,14 @@ pub struct Cluster {
     /// Heartbeats the control plane accepted.
     pub heartbeats: AtomicU64,
     stop: AtomicBool,
-    /// The lease: writes are taken only before this instant (nanoseconds after
-    /// `clock_base`), anchored at when the last accepted heartbeat was sent.
+    /// The lease: writes are taken only before this moment ([`BootTime`] nanoseconds,
+    /// which count a suspended host's time), anchored at when the last accepted
+    /// heartbeat was sent.
     lease_until: AtomicU64,
     /// A renewal made after the lease ran out, waiting for a sync.
     pending_lease: AtomicU64,
-    /// When the latest such renewal's heartbeat was sent (ns after `clock_base`).
+    /// When the latest such renewal's heartbeat was sent ([`BootTime`] nanoseconds).
     resync_after: AtomicU64,
-    clock_base: Instant,
     /// Replicated shards this broker leads, by the core that leads each.
     pub reports: std::sync::Mutex<HashMap<ShardKey, ShardReport>>,
     /// Deliberate bugs (checker mutant runs only).
@@ -151,7 +152,7 @@ pub struct Cluster {
     pub sync_status: std::sync::Mutex<SyncStatus>,
     /// Syncs that failed (the last snapshot kept).
     pub sync_failures: AtomicU64,
-    /// When the last good sync completed (ns after `clock_base`; 0: none yet).
+    /// When the last good sync completed ([`BootTime`] nanoseconds; 0: none yet).
     good_sync_ns: AtomicU64,
 }
 
@@ -178,7 +179,6 @@ impl Cluster {
             lease_until: AtomicU64::new(0),
             pending_lease: AtomicU64::new(0),
             resync_after: AtomicU64::new(0),
-            clock_base: Instant::now(),
             reports: std::sync::Mutex::default(),
             mutants: crate::config::Mutants::default(),
             control_plane: std::sync::Mutex::default(),
@@ -220,13 +220,14 @@ impl Cluster {
         }
     }
 
-    /// Whether this broker holds its lease at `now` (its own monotonic clock).
-    pub fn lease_valid(&self, now: Instant) -> bool {
+    /// Whether this broker holds its lease at `now` (its own boot-time clock: the
+    /// monotonic one stands still while the host is suspended, the control plane's
+    /// does not).
+    pub fn lease_valid(&self, now: BootTime) -> bool {
         if self.mutants.ack_after_lease {
             return true;
         }
-        let at = now.saturating_duration_since(self.clock_base).as_nanos() as u64;
-        at < self.lease_until.load(Ordering::Acquire)
+        now.nanos() < self.lease_until.load(Ordering::Acquire)
     }
 
     /// A heartbeat sent at `sent` was accepted with an expiry timeout of `expiry`: the
@@ -241,10 +242,9 @@ impl Cluster {
     /// leads. The renewal waits for a sync that started after it ([`Cluster::synced_at`]);
     /// `true` says so, and the caller starts one at once rather than leaving writes
     /// refused until the assignment feed's next poll ends.
-    pub fn renew_lease(&self, sent: Instant, expiry: Duration) -> bool {
-        let sent_ns = sent.saturating_duration_since(self.clock_base).as_nanos() as u64;
-        let until = (sent.saturating_duration_since(self.clock_base) + expiry - expiry / 4)
-            .as_nanos() as u64;
+    pub fn renew_lease(&self, sent: BootTime, expiry: Duration) -> bool {
+        let sent_ns = sent.nanos();
+        let until = sent.after(expiry - expiry / 4).nanos();
         if sent_ns >= self.lease_until.load(Ordering::Acquire) {
             // `resync_after` first: a sync that sees this pending lease (read first in
             // `synced_at`) then sees this renewal's time too, so one that started before
@@ -259,12 +259,10 @@ impl Cluster {
 
     /// A sync from the control plane that started at `started` completed: a lease
     /// renewed while lapsed counts from now on if the sync began after that renewal.
-    pub fn synced_at(&self, started: Instant) {
-        let now_ns = self.clock_base.elapsed().as_nanos() as u64;
-        self.good_sync_ns.store(now_ns.max(1), Ordering::Release);
-        let started_ns = started
-            .saturating_duration_since(self.clock_base)
-            .as_nanos() as u64;
+    pub fn synced_at(&self, started: BootTime, now: BootTime) {
+        self.good_sync_ns
+            .store(now.nanos().max(1), Ordering::Release);
+        let started_ns = started.nanos();
         // The pending lease before the time it waits for (see `renew_lease`).
         let pending = self.pending_lease.load(Ordering::Acquire);
         let after = self.resync_after.load(Ordering::Acquire);
@@ -276,9 +274,7 @@ impl Cluster {
     /// Whether the assignments were read from the control plane within `within`.
     pub fn view_fresh(&self, within: Duration) -> bool {
         let at = self.good_sync_ns.load(Ordering::Acquire);
-        at != 0
-            && (self.clock_base.elapsed().as_nanos() as u64).saturating_sub(at)
-                <= within.as_nanos() as u64
+        at != 0 && BootTime::now().nanos().saturating_sub(at) <= within.as_nanos() as u64
     }
 
     /// Whether the latest assignments this broker has read name it leader of `key` at
@@ -462,10 +458,10 @@ impl Targets {
 /// time; a lease renewed while lapsed counts once this has read the assignments.
 fn sync_now(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
     let _one = t.syncing.lock().unwrap_or_else(|e| e.into_inner());
-    let started = Instant::now();
+    let started = BootTime::now();
     match sync(cp, t) {
         Ok(next) => {
-            t.cluster.synced_at(started);
+            t.cluster.synced_at(started, BootTime::now());
             if let Ok(mut status) = t.cluster.sync_status.lock() {
                 status.last_error = None;
             }
@@ -746,7 +742,7 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
 
 /// What a registration answered: incarnation, heartbeat interval, when it was sent,
 /// and the lease length.
-type Registered = (u64, Duration, Instant, Option<Duration>);
+type Registered = (u64, Duration, BootTime, Option<Duration>);
 
 fn register(
     cp: &ControlPlaneClient,
@@ -759,7 +755,7 @@ fn register(
     if let Some(peer) = addrs.peer {
         body["advertise_addr"] = json!(peer.to_string());
     }
-    let sent = Instant::now();
+    let sent = BootTime::now();
     let answer = cp.post("/v1/nodes", &body)?;
     let incarnation = answer["incarnation"].as_u64().unwrap_or(1);
     let interval = Duration::from_millis(
@@ -906,7 +902,7 @@ fn resync_loop(cp: &ControlPlaneClient, t: &Targets) {
                 continue;
             }
         }
-        if t.cluster.lease_valid(Instant::now()) {
+        if t.cluster.lease_valid(BootTime::now()) {
             continue;
         }
         if let Err(e) = sync_now(cp, t) {
@@ -932,7 +928,7 @@ fn heartbeat_loop(
     let report_path = format!("/v1/nodes/{node_id}/replica-status");
     while !cluster.stop.load(Ordering::SeqCst) {
         std::thread::sleep(interval);
-        let sent = Instant::now();
+        let sent = BootTime::now();
         match cp.post(&path, &json!({"incarnation": incarnation})) {
             Ok(answer) => {
                 cluster.heartbeats.fetch_add(1, Ordering::Relaxed);
@@ -984,6 +980,43 @@ mod tests {
     fn jwk(kid: &str, x: &[u8]) -> Value {
         json!({"kty": "OKP", "crv": "Ed25519", "alg": "EdDSA", "use": "sig", "kid": kid,
                "x": base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(x)})
+    }
+
+    /// The lease on virtual boot time: it runs 3/4 of the expiry from when the renewing
+    /// heartbeat was sent, and one renewed after it lapsed (a pause, a cut-off, a host
+    /// suspended: boot time runs on through a suspend where the monotonic clock stood
+    /// still and hid the lapse) counts only once a sync begun after it has read the
+    /// assignments again.
+    #[test]
+    fn a_lease_renewed_after_a_lapse_counts_once_a_later_sync_read_the_assignments() {
+        let c = Cluster::new("n".into());
+        let expiry = Duration::from_secs(4);
+        let t = |ms: u64| BootTime::from_nanos(ms * 1_000_000);
+        // The first lease waits for the first sync.
+        assert!(c.renew_lease(t(100_000), expiry));
+        assert!(!c.lease_valid(t(100_100)));
+        c.synced_at(t(100_050), t(100_200));
+        assert!(c.lease_valid(t(100_300)));
+        assert!(c.lease_valid(t(102_999)));
+        assert!(
+            !c.lease_valid(t(103_000)),
+            "3/4 of the expiry after sending"
+        );
+        // Renewed within the lease: extended at once.
+        assert!(!c.renew_lease(t(102_000), expiry));
+        assert!(c.lease_valid(t(104_999)));
+        // The host sleeps a minute; the first heartbeat after waking renews nothing
+        // until a sync that began after it completes.
+        assert!(!c.lease_valid(t(165_000)));
+        assert!(c.renew_lease(t(165_000), expiry));
+        assert!(!c.lease_valid(t(165_100)));
+        c.synced_at(t(164_900), t(165_200));
+        assert!(
+            !c.lease_valid(t(165_300)),
+            "a sync begun before the renewal"
+        );
+        c.synced_at(t(165_100), t(165_400));
+        assert!(c.lease_valid(t(165_500)));
     }
 
     #[test]

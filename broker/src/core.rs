@@ -1405,7 +1405,7 @@ impl CoreBroker {
     fn may_acknowledge(&self, rs: &crate::replication::replica::ReplicaShard) -> bool {
         match &self.shared.cluster {
             None => true,
-            Some(c) => c.lease_valid(clock::now().instant) && c.leads(&rs.key, rs.generation()),
+            Some(c) => c.lease_valid(clock::BootTime::now()) && c.leads(&rs.key, rs.generation()),
         }
     }
 
@@ -1439,7 +1439,7 @@ impl CoreBroker {
     /// control plane past its lease: another broker may lead its shards by now.
     fn within_lease(&self) -> Result<(), BrokerError> {
         match &self.shared.cluster {
-            Some(c) if !c.lease_valid(clock::now().instant) => {
+            Some(c) if !c.lease_valid(clock::BootTime::now()) => {
                 self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
                 Err(BrokerError::ShardUnavailable("stale".into()))
             }

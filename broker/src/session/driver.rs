@@ -696,7 +696,7 @@ async fn execute(
                             .shared
                             .cluster
                             .as_ref()
-                            .is_some_and(|c| !c.lease_valid(clock::now().instant))
+                            .is_some_and(|c| !c.lease_valid(clock::BootTime::now()))
                     {
                         outcome = Err(BrokerError::Unacknowledged(
                             "the lease lapsed before the acknowledgement was sent".into(),
