@@ -471,16 +471,22 @@ impl Grant {
     /// `stream:acme/default/orders`), with `*` matching one segment, and the
     /// implications: `tenant.manage:tenant:T` covers every `*.manage`, read and write
     /// action inside `T`; `ns.manage:namespace:T/N` those inside `T/N`; a `cluster:*`
-    /// grant covers the same action on every object.
+    /// grant covers the same action on every object. Objects inside a tenant are
+    /// allowed only inside the grant's own tenant, whatever a permission's path says,
+    /// except through `cluster` permissions (the operator's).
     pub fn allows_object(&self, action: &str, kind: &str, path: &[&str]) -> bool {
         let seg = |pat: &str, v: &str| pat == "*" || pat == v;
         let inside_tenant = matches!(kind, "tenant" | "namespace" | "stream" | "cache" | "group");
+        let own_tenant = path.first() == Some(&self.tenant.as_str());
         self.perms.iter().any(|p| {
             if p.kind == "cluster" && p.action == action {
                 return true;
             }
             if p.kind == "cluster" && p.action == "tenant.manage" && inside_tenant {
                 return true;
+            }
+            if inside_tenant && !own_tenant {
+                return false;
             }
             match (p.action.as_str(), p.kind.as_str()) {
                 ("tenant.manage", "tenant") if inside_tenant => {
@@ -579,6 +585,30 @@ mod tests {
         let g2 = rotated.verify(&other.sign(&c), "acme", 1500).unwrap();
         assert_eq!(rotated.revoked(&g2), None);
         assert!(rotated.verify(&key.sign(&c), "acme", 1500).is_err());
+    }
+
+    /// A permission naming another tenant (or every tenant) allows nothing outside the
+    /// grant's own tenant: the control plane mints none, and this holds should one
+    /// ever be signed.
+    #[test]
+    fn object_permissions_reach_no_further_than_the_grants_tenant() {
+        let (key, keys) = setup();
+        let t = key.sign(&claims(
+            "acme",
+            vec![
+                "tenant.manage:tenant:*".into(),
+                "stream.manage:stream:globex/default/orders".into(),
+            ],
+        ));
+        let g = keys.verify(&t, "acme", 1500).unwrap();
+        assert!(g.allows_object("tenant.manage", "tenant", &["acme"]));
+        assert!(g.allows_object("stream.manage", "stream", &["acme", "default", "x"]));
+        assert!(!g.allows_object("tenant.manage", "tenant", &["globex"]));
+        assert!(!g.allows_object("stream.manage", "stream", &["globex", "default", "orders"]));
+        // The operator's cluster permissions still reach every tenant.
+        let op = key.sign(&claims("acme", vec!["tenant.manage:cluster:*".into()]));
+        let g = keys.verify(&op, "acme", 1500).unwrap();
+        assert!(g.allows_object("tenant.manage", "tenant", &["globex"]));
     }
 
     #[test]
