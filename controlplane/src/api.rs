@@ -1278,37 +1278,54 @@ async fn heartbeat(
     let g = authenticate(&st, &h).await?;
     require(&g, "node.manage", "node", &[&id])?;
     let hb: Heartbeat = body(b).await?;
-    let d = st
-        .store
-        .get(Kind::Node, &id)
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("node {id} not registered")))?;
-    let mut node: Node = to(&d)?;
-    if hb.incarnation < node.incarnation {
-        return Err(ApiError::conflict(format!(
-            "incarnation {} is older than {}",
-            hb.incarnation, node.incarnation
-        )));
-    }
-    if node.lifecycle == Lifecycle::Down || node.lifecycle == Lifecycle::Left {
-        return Err(ApiError::conflict(format!(
-            "node {id} is {:?}: register again",
-            node.lifecycle
-        )));
-    }
-    node.last_heartbeat_ms = liveness_ms();
-    st.store
-        .batch(vec![Op::Put {
-            kind: Kind::Node,
-            key: id.clone(),
-            value: val(&node),
-            expect: Expect::Version(d.version),
-        }])
-        .await?;
+    // A write racing this one (a drain, a pass marking the node down) moves the node's
+    // version: read it again and judge again. Answered 409, a broker takes it as
+    // declared down and registers again, as live: a drain racing its heartbeat was
+    // undone that way, and the drained node given new shards.
+    let mut raced = 0;
+    let node = loop {
+        let d = st
+            .store
+            .get(Kind::Node, &id)
+            .await?
+            .ok_or_else(|| ApiError::not_found(format!("node {id} not registered")))?;
+        let mut node: Node = to(&d)?;
+        if hb.incarnation < node.incarnation {
+            return Err(ApiError::conflict(format!(
+                "incarnation {} is older than {}",
+                hb.incarnation, node.incarnation
+            )));
+        }
+        if node.lifecycle == Lifecycle::Down || node.lifecycle == Lifecycle::Left {
+            return Err(ApiError::conflict(format!(
+                "node {id} is {:?}: register again",
+                node.lifecycle
+            )));
+        }
+        node.last_heartbeat_ms = liveness_ms();
+        let written = st
+            .store
+            .batch(vec![Op::Put {
+                kind: Kind::Node,
+                key: id.clone(),
+                value: val(&node),
+                expect: Expect::Version(d.version),
+            }])
+            .await;
+        match written {
+            Ok(_) => break node,
+            Err(StoreError::Conflict { .. }) if raced < RACED_WRITES_MAX => raced += 1,
+            Err(e) => return Err(e.into()),
+        }
+    };
     let mut answer = json!({"node_id": id, "lifecycle": node.lifecycle});
     add_timing(&mut answer, &st.config);
     Ok(Json(answer))
 }
+
+/// How many times a handler reads a document again after a concurrent write moved its
+/// version under it, before it answers 409.
+const RACED_WRITES_MAX: u32 = 8;
 
 /// The timing a broker's lease follows: it heartbeats every `heartbeat_interval_ms`,
 /// keeps its lease for `expiry_timeout_ms - expiry_timeout_ms/4` from each heartbeat it
@@ -1494,23 +1511,35 @@ async fn drain_node(
 ) -> ApiResult<Json<Value>> {
     let g = authenticate(&st, &h).await?;
     require(&g, "node.manage", "node", &[&id])?;
-    let d = must_exist(&st, Kind::Node, &id).await?;
-    let mut node: Node = to(&d)?;
-    match node.lifecycle {
-        Lifecycle::Live => {
-            node.lifecycle = Lifecycle::Draining;
-            st.store
-                .batch(vec![Op::Put {
-                    kind: Kind::Node,
-                    key: id.clone(),
-                    value: val(&node),
-                    expect: Expect::Version(d.version),
-                }])
-                .await?;
-        }
-        Lifecycle::Draining => {}
-        other => {
-            return Err(ApiError::conflict(format!("node {id} is {other:?}")));
+    // The node's own heartbeats write its document every interval: read again when one
+    // lands between this read and this write (answered 409, a broker's own drain at
+    // SIGTERM gave up and stopped without handing its shards over).
+    let mut raced = 0;
+    loop {
+        let d = must_exist(&st, Kind::Node, &id).await?;
+        let mut node: Node = to(&d)?;
+        match node.lifecycle {
+            Lifecycle::Live => {
+                node.lifecycle = Lifecycle::Draining;
+                let written = st
+                    .store
+                    .batch(vec![Op::Put {
+                        kind: Kind::Node,
+                        key: id.clone(),
+                        value: val(&node),
+                        expect: Expect::Version(d.version),
+                    }])
+                    .await;
+                match written {
+                    Ok(_) => break,
+                    Err(StoreError::Conflict { .. }) if raced < RACED_WRITES_MAX => raced += 1,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Lifecycle::Draining => break,
+            other => {
+                return Err(ApiError::conflict(format!("node {id} is {other:?}")));
+            }
         }
     }
     let ready: Vec<String> = ready_nodes(st.store.as_ref(), &st.config)
@@ -1520,37 +1549,59 @@ async fn drain_node(
         .collect();
     let (mut moved, mut kept) = (Vec::new(), Vec::new());
     for doc in st.store.list(Kind::Assignment, "").await? {
-        let mut a: Assignment = to(&doc)?;
-        if a.leader != id {
-            continue;
+        // A placement pass may write the same assignment meanwhile: read it again and
+        // decide again, rather than fail the drain with some shards moved and the
+        // answer lost.
+        let mut doc = doc;
+        let mut raced = 0;
+        loop {
+            let mut a: Assignment = to(&doc)?;
+            if a.leader != id {
+                break;
+            }
+            let key = a.key.store_key();
+            // A member that is not on its way out first; a move or restore under way is
+            // abandoned (its copy was to replace this leader, or is shipped to by it).
+            let candidates = || a.replicas.iter().filter(|r| **r != id && ready.contains(r));
+            let Some(to_node) = candidates()
+                .find(|r| Some(*r) != a.retiring.as_ref())
+                .or_else(|| candidates().next())
+                .cloned()
+            else {
+                kept.push(key);
+                break;
+            };
+            (a.staging, a.replaces) = (None, None);
+            if a.retiring.as_ref() == Some(&to_node) {
+                a.retiring = None;
+            }
+            a.leader = to_node.clone();
+            a.generation += 1;
+            let written = st
+                .store
+                .batch(vec![Op::Put {
+                    kind: Kind::Assignment,
+                    key: key.clone(),
+                    value: val(&a),
+                    expect: Expect::Version(doc.version),
+                }])
+                .await;
+            match written {
+                Ok(_) => {
+                    moved
+                        .push(json!({"shard": key, "leader": to_node, "generation": a.generation}));
+                    break;
+                }
+                Err(StoreError::Conflict { .. }) if raced < RACED_WRITES_MAX => {
+                    raced += 1;
+                    match st.store.get(Kind::Assignment, &key).await? {
+                        Some(d) => doc = d,
+                        None => break,
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
-        let key = a.key.store_key();
-        // A member that is not on its way out first; a move or restore under way is
-        // abandoned (its copy was to replace this leader, or is shipped to by it).
-        let candidates = || a.replicas.iter().filter(|r| **r != id && ready.contains(r));
-        let Some(to_node) = candidates()
-            .find(|r| Some(*r) != a.retiring.as_ref())
-            .or_else(|| candidates().next())
-            .cloned()
-        else {
-            kept.push(key);
-            continue;
-        };
-        (a.staging, a.replaces) = (None, None);
-        if a.retiring.as_ref() == Some(&to_node) {
-            a.retiring = None;
-        }
-        a.leader = to_node.clone();
-        a.generation += 1;
-        st.store
-            .batch(vec![Op::Put {
-                kind: Kind::Assignment,
-                key: key.clone(),
-                value: val(&a),
-                expect: Expect::Version(doc.version),
-            }])
-            .await?;
-        moved.push(json!({"shard": key, "leader": to_node, "generation": a.generation}));
     }
     Ok(Json(json!({"node_id": id, "moved": moved, "kept": kept})))
 }

@@ -10,7 +10,7 @@ use felix_controlplane::model::Assignment;
 use felix_controlplane::placement;
 use felix_controlplane::replication::ReplicaReports;
 use felix_controlplane::server::{self, KeySource, ServerConfig};
-use felix_controlplane::store::{Expect, Kind, MemoryStore, Op, Store};
+use felix_controlplane::store::{BoxFut, Change, Doc, Expect, Kind, MemoryStore, Op, Store};
 use serde_json::{Value, json};
 
 const BOOTSTRAP: &str = "bootstrap-secret-0123456789";
@@ -1818,4 +1818,144 @@ fn keys_stored_in_clear_or_under_an_old_kek_are_sealed_again_at_start() {
         .block_on(felix_controlplane::api::reseal_keys(store.as_ref(), &lost))
         .unwrap_err();
     assert!(e.to_string().contains(new.current_id()), "{e}");
+}
+
+/// A store that runs a write of its own just before the next batch putting a node: a
+/// write racing a handler between its read and its write, made deterministic.
+#[derive(Debug, Default)]
+struct RacingStore {
+    inner: MemoryStore,
+    race: std::sync::Mutex<Option<Vec<Op>>>,
+}
+
+impl Store for RacingStore {
+    fn get<'a>(&'a self, kind: Kind, key: &'a str) -> BoxFut<'a, Option<Doc>> {
+        self.inner.get(kind, key)
+    }
+
+    fn list<'a>(&'a self, kind: Kind, prefix: &'a str) -> BoxFut<'a, Vec<Doc>> {
+        self.inner.list(kind, prefix)
+    }
+
+    fn batch(&self, ops: Vec<Op>) -> BoxFut<'_, Vec<Doc>> {
+        let puts_node = ops.iter().any(|o| {
+            matches!(
+                o,
+                Op::Put {
+                    kind: Kind::Node,
+                    ..
+                }
+            )
+        });
+        let race = if puts_node {
+            self.race.lock().unwrap().take()
+        } else {
+            None
+        };
+        Box::pin(async move {
+            if let Some(race) = race {
+                self.inner.batch(race).await?;
+            }
+            self.inner.batch(ops).await
+        })
+    }
+
+    fn changes(
+        &self,
+        kind: Kind,
+        since: u64,
+        limit: usize,
+        wait: Duration,
+    ) -> BoxFut<'_, (Vec<Change>, u64)> {
+        self.inner.changes(kind, since, limit, wait)
+    }
+
+    fn head(&self) -> BoxFut<'_, u64> {
+        self.inner.head()
+    }
+
+    fn ping(&self) -> BoxFut<'_, ()> {
+        self.inner.ping()
+    }
+}
+
+/// A node's heartbeat and a drain of it race (the broker drains itself at SIGTERM while
+/// it heartbeats): whichever writes second reads again, and neither is refused. A
+/// heartbeat answered 409 made the broker register again, as live, undoing the drain;
+/// a drain answered 409 made the broker stop without handing its shards over.
+#[test]
+fn a_drain_and_the_nodes_heartbeat_racing_both_hold() {
+    use felix_controlplane::model::{Lifecycle, Node};
+    let store = Arc::new(RacingStore::default());
+    let svc = start(store.clone(), runtime());
+    let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
+    let boot = anon
+        .post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+        )
+        .unwrap();
+    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    let token = admin
+        .post(
+            "/v1/tenants/operator/tokens",
+            &json!({"sub": "node-a", "audience": "felix-controlplane",
+                    "perms": ["node.manage:node:node-a", "node.view:cluster:*"]}),
+        )
+        .unwrap()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let node = anon.clone().with_token(&token);
+    node.post(
+        "/v1/nodes",
+        &json!({"node_id": "node-a", "client_addr": "127.0.0.1:5100"}),
+    )
+    .unwrap();
+    let read = || {
+        svc.rt.block_on(async {
+            let d = store.get(Kind::Node, "node-a").await.unwrap().unwrap();
+            let n: Node = serde_json::from_value(d.value.clone()).unwrap();
+            (d, n)
+        })
+    };
+    // What the other party writes, on the version the handler is about to read.
+    let arm = |lifecycle: Lifecycle| {
+        let (d, mut n) = read();
+        n.lifecycle = lifecycle;
+        n.last_heartbeat_ms += 1;
+        *store.race.lock().unwrap() = Some(vec![Op::Put {
+            kind: Kind::Node,
+            key: "node-a".into(),
+            value: serde_json::to_value(&n).unwrap(),
+            expect: Expect::Version(d.version),
+        }]);
+    };
+    // A heartbeat lands while the drain writes.
+    arm(Lifecycle::Live);
+    node.post("/v1/nodes/node-a/drain", &json!({}))
+        .expect("the drain reads again past the heartbeat");
+    assert_eq!(read().1.lifecycle, Lifecycle::Draining);
+    // A drain (of an operator, say: here written as it writes) lands while a heartbeat
+    // writes. The node was live again for this half.
+    let (d, mut n) = read();
+    n.lifecycle = Lifecycle::Live;
+    svc.rt.block_on(async {
+        store
+            .batch(vec![Op::Put {
+                kind: Kind::Node,
+                key: "node-a".into(),
+                value: serde_json::to_value(&n).unwrap(),
+                expect: Expect::Version(d.version),
+            }])
+            .await
+            .unwrap();
+    });
+    arm(Lifecycle::Draining);
+    let beat = node
+        .post("/v1/nodes/node-a/heartbeat", &json!({"incarnation": 1}))
+        .expect("the heartbeat reads again past the drain");
+    assert_eq!(beat["lifecycle"], "draining", "{beat}");
+    assert_eq!(read().1.lifecycle, Lifecycle::Draining, "the drain stands");
 }
