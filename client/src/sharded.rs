@@ -75,7 +75,11 @@ pub enum ShardEvent {
 #[derive(Debug)]
 pub struct ShardedSubscription {
     rx: mpsc::Receiver<ShardEvent>,
-    positions: Arc<Mutex<ShardOffsets>>,
+    /// The last offset handed to the application per shard, by [`Self::next`]: what
+    /// [`Self::positions`] answers. (The shard tasks' own positions run ahead of it by
+    /// what waits in the channel: a resume from those skipped what the application
+    /// never got.)
+    delivered: ShardOffsets,
     shards: u32,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -91,12 +95,20 @@ impl Drop for ShardedSubscription {
 impl ShardedSubscription {
     /// The next item.
     pub async fn next(&mut self) -> Option<ShardEvent> {
-        self.rx.recv().await
+        let item = self.rx.recv().await;
+        if let Some(ShardEvent::Record { shard, event }) = &item
+            && let Some(o) = event.offset
+        {
+            self.delivered.insert(*shard, o);
+        }
+        item
     }
 
-    /// The last offset handed out per shard (only shards that delivered).
+    /// The last offset handed out by [`Self::next`] per shard (only shards that
+    /// delivered, and those the subscription resumed): pass it to
+    /// [`ClusterClient::resubscribe_sharded`] to carry on after the last record taken.
     pub fn positions(&self) -> ShardOffsets {
-        self.positions.lock().expect("positions lock").clone()
+        self.delivered.clone()
     }
 
     /// Shard count.
@@ -164,6 +176,7 @@ impl ClusterClient {
             )));
         }
         let (tx, rx) = mpsc::channel(64 * shards as usize);
+        let delivered = offsets.clone();
         let positions = Arc::new(Mutex::new(offsets));
         let mut tasks = Vec::new();
         for (shard, sub) in opened {
@@ -176,7 +189,7 @@ impl ClusterClient {
         }
         Ok(ShardedSubscription {
             rx,
-            positions,
+            delivered,
             shards,
             tasks,
         })
@@ -282,6 +295,25 @@ async fn forward(
             let client = cc.client();
             match cc.subscribe_shard_once(&t, &n, &s, shard, resume).await {
                 Ok(sub) => break sub,
+                Err(ClientError::Cursor(c))
+                    if c.reason == felix_wire::message::CursorErrorReason::TooOld
+                        && c.available > 0 =>
+                {
+                    // Retention removed where it would resume (a lagged subscription
+                    // lands here): those records are gone, and asking for them again
+                    // failed forever. Go on from the oldest retained.
+                    tracing::warn!(
+                        shard,
+                        from = c.requested,
+                        to = c.available,
+                        "records removed by retention before they were delivered: skipped"
+                    );
+                    positions
+                        .lock()
+                        .expect("positions lock")
+                        .insert(shard, c.available - 1);
+                    pause = Duration::ZERO;
+                }
                 Err(e) => {
                     if crate::retry::classify(&e, Duration::ZERO) == crate::retry::Decision::Fail {
                         tracing::warn!(shard, error = %e, "re-establishing a shard failed");

@@ -1169,6 +1169,102 @@ fn a_subscriber_behind_retention_ends_with_subscription_lagged_at_its_first_miss
     });
 }
 
+/// The same hole met by a sharded subscription: the shard is lost (lagged), then
+/// recovered from the oldest record the stream still holds, and delivers again. It
+/// asked for the lagged offset again and again, was refused `too_old` each time, and
+/// stayed silent for good.
+#[test]
+fn a_sharded_subscription_behind_retention_recovers_from_the_oldest_retained_record() {
+    use felix_client::{ClusterClient, ShardEvent};
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "segment_bytes: 65536\nhousekeeping_ms: 100\n",
+        &["--fsync", "none"],
+    );
+    b.admin()
+        .unwrap()
+        .post(
+            "/v1/tenants/dev/namespaces/default/streams",
+            &json!({"stream": "tail", "kind": "Stream", "shards": 1,
+                    "retention": {"max_size_bytes": 262144}}),
+        )
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let quinn = felix_client::quic_client_config_from_file(&b.ca_file(), false).unwrap();
+        let mut config = ClientConfig::from_env_or_yaml(quinn, None).unwrap();
+        config.auth_tenant_id = Some("dev".to_string());
+        config.auth_token = Some(b.token());
+        let reader = std::sync::Arc::new(
+            ClusterClient::connect(&[b.listen], "localhost", config)
+                .await
+                .unwrap(),
+        );
+        let writer = client(&b).await;
+        let payload = vec![b'x'; 32 * 1024];
+        writer
+            .publish("dev", "default", "tail", payload.clone(), AckMode::PerMessage)
+            .await
+            .unwrap();
+        let mut sub = reader
+            .subscribe_sharded("dev", "default", "tail", Some(StartPosition::Earliest))
+            .await
+            .unwrap();
+        match sub.next().await {
+            Some(ShardEvent::Record { event, .. }) => assert_eq!(event.offset, Some(0)),
+            other => panic!("{other:?}"),
+        }
+        for _ in 0..3200 {
+            writer
+                .publish("dev", "default", "tail", payload.clone(), AckMode::None)
+                .await
+                .unwrap();
+        }
+        let last = writer
+            .publish("dev", "default", "tail", payload.clone(), AckMode::PerMessage)
+            .await
+            .unwrap()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let oldest = loop {
+            let (oldest, _) = earliest(&writer, "tail").await;
+            if oldest > 3000 {
+                break oldest;
+            }
+            assert!(Instant::now() < deadline, "retention never ran: {oldest}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        // The reader resumes: records up to the hole, lost, recovered, then records
+        // from what the stream holds, up to the last one published.
+        let (mut lost, mut recovered, mut after) = (false, false, None);
+        loop {
+            match tokio::time::timeout(Duration::from_secs(15), sub.next()).await {
+                Ok(Some(ShardEvent::Record { event, .. })) => {
+                    let o = event.offset.unwrap();
+                    if recovered {
+                        after.get_or_insert(o);
+                        if o == last {
+                            break;
+                        }
+                    }
+                }
+                Ok(Some(ShardEvent::ShardLost { .. })) => lost = true,
+                Ok(Some(ShardEvent::ShardRecovered { .. })) => {
+                    assert!(lost);
+                    recovered = true;
+                }
+                other => panic!(
+                    "lost {lost}, recovered {recovered}: expected the shard to deliver again, got {other:?}"
+                ),
+            }
+        }
+        let after = after.unwrap();
+        eprintln!("the stream starts at {oldest}; delivering again from {after}");
+        assert!(after >= oldest, "from what the stream holds");
+    });
+}
+
 /// Each core's thread CPU seconds (`felix_broker_core_cpu_seconds_total`).
 fn core_cpu(b: &BrokerProcess) -> Vec<f64> {
     per_core_as(b, "felix_broker_core_cpu_seconds_total")
