@@ -738,6 +738,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     emit(o, &mut out);
                 }
             }
+            if ack == AckMode::None {
+                // Unacknowledged publishes return once written to the send buffer:
+                // exiting then lost them (and said 0).
+                client.client().flush_publishes().await?;
+            }
         }
         Command::Sub {
             stream,

@@ -190,6 +190,55 @@ async fn read_message(s: &mut Stream, context: &'static str) -> Result<Message, 
 type PendingAcks =
     Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<Result<Option<u64>, ClientError>>>>>;
 
+/// The connection's long-lived publish stream, the task reading its acks, and the
+/// publishes waiting for one.
+struct PublishStream {
+    send: quinn::SendStream,
+    acks: tokio::task::JoinHandle<()>,
+    pending: PendingAcks,
+}
+
+/// A publish's place in [`PendingAcks`], given up when the call ends, answered or not
+/// (timed out, cancelled, failed to send): left behind, every abandoned publish kept
+/// its entry for the connection's life.
+struct AckSlot {
+    acks: PendingAcks,
+    id: u64,
+}
+
+impl Drop for AckSlot {
+    fn drop(&mut self) {
+        if let Ok(mut acks) = self.acks.lock() {
+            acks.remove(&self.id);
+        }
+    }
+}
+
+/// Holds the publish stream while a frame is written to it. Dropped before the write
+/// completes (the caller's future cancelled part way), the stream holds part of a
+/// frame that the next publish's would follow, and the broker would read the two as
+/// one garbled frame: the stream is reset and forgotten, and the next publish opens
+/// another.
+struct Writing<'a> {
+    stream: Option<&'a mut Option<PublishStream>>,
+}
+
+impl Writing<'_> {
+    fn done(mut self) {
+        self.stream = None;
+    }
+}
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.stream.take()
+            && let Some(mut p) = slot.take()
+        {
+            let _ = p.send.reset(quinn::VarInt::from_u32(0));
+        }
+    }
+}
+
 #[derive(Default)]
 struct Router {
     waiting: HashMap<u64, oneshot::Sender<(quinn::RecvStream, FrameReader)>>,
@@ -202,8 +251,7 @@ struct Inner {
     conn: quinn::Connection,
     config: ClientConfig,
     negotiated: Negotiated,
-    publish: Mutex<Option<quinn::SendStream>>,
-    pending_acks: PendingAcks,
+    publish: Mutex<Option<PublishStream>>,
     requests: Mutex<Option<Stream>>,
     router: Arc<std::sync::Mutex<Router>>,
     /// The task handing the broker's event streams to subscriptions. It holds the
@@ -275,7 +323,6 @@ impl Client {
                 config,
                 negotiated,
                 publish: Mutex::new(None),
-                pending_acks: Arc::default(),
                 requests: Mutex::new(Some(requests)),
                 router,
                 routing,
@@ -520,49 +567,84 @@ impl Client {
             m.encode_frame(&mut frame)
                 .map_err(|e| ClientError::Config(e.to_string()))?;
         }
-        let rx = (ack != AckMode::None).then(|| {
-            let (tx, rx) = oneshot::channel();
-            self.inner
-                .pending_acks
-                .lock()
-                .expect("acks lock")
-                .insert(id, tx);
-            rx
-        });
-        {
+        let rx = {
             let mut publish = self.inner.publish.lock().await;
-            if publish.is_none() {
+            if publish.as_ref().is_none_or(|p| p.acks.is_finished()) {
+                // None yet, or its acks reader ended (the broker finished or reset the
+                // stream): a publish written there would wait out its timeout unread.
                 let (s, _) =
                     open_stream(&self.inner.conn, &self.inner.config, self.inner.addr).await?;
-                tokio::spawn(read_acks(
+                let pending = PendingAcks::default();
+                let acks = tokio::spawn(read_acks(
                     s.recv,
                     s.reader,
-                    self.inner.pending_acks.clone(),
+                    pending.clone(),
                     self.inner.addr,
                 ));
-                *publish = Some(s.send);
+                *publish = Some(PublishStream {
+                    send: s.send,
+                    acks,
+                    pending,
+                });
             }
-            let send = publish.as_mut().expect("just opened");
-            if let Err(e) = send.write_all(&frame).await {
-                *publish = None;
-                self.inner
-                    .pending_acks
-                    .lock()
-                    .expect("acks lock")
-                    .remove(&id);
-                return Err(ClientError::connection(self.inner.addr, e));
+            // Registered with this stream's reader: one that ends fails only what was
+            // sent on it.
+            let rx = (ack != AckMode::None).then(|| {
+                let pending = &publish.as_ref().expect("just opened").pending;
+                let (tx, rx) = oneshot::channel();
+                pending.lock().expect("acks lock").insert(id, tx);
+                let slot = AckSlot {
+                    acks: pending.clone(),
+                    id,
+                };
+                (rx, slot)
+            });
+            let mut writing = Writing {
+                stream: Some(&mut *publish),
+            };
+            let send = writing
+                .stream
+                .as_mut()
+                .and_then(|s| s.as_mut())
+                .map(|p| &mut p.send)
+                .expect("just opened");
+            match send.write_all(&frame).await {
+                Ok(()) => writing.done(),
+                // Dropping `writing` resets the stream and forgets it.
+                Err(e) => return Err(ClientError::connection(self.inner.addr, e)),
             }
-        }
+            rx
+        };
         match rx {
             None => Ok(None),
-            Some(rx) => match tokio::time::timeout(self.inner.config.request_timeout, rx).await {
-                Ok(Ok(r)) => r,
-                Ok(Err(_)) => Err(ClientError::connection(
-                    self.inner.addr,
-                    "publish stream closed before the ack",
-                )),
-                Err(_) => Err(ClientError::Timeout("publish ack")),
-            },
+            Some((rx, _slot)) => {
+                match tokio::time::timeout(self.inner.config.request_timeout, rx).await {
+                    Ok(Ok(r)) => r,
+                    Ok(Err(_)) => Err(ClientError::connection(
+                        self.inner.addr,
+                        "publish stream closed before the ack",
+                    )),
+                    Err(_) => Err(ClientError::Timeout("publish ack")),
+                }
+            }
+        }
+    }
+
+    /// Waits until the broker has read every publish sent so far on this connection's
+    /// publish stream, those sent without an ack included: the stream is finished and
+    /// its acks reader runs to the broker's end of it (the next publish opens another).
+    /// A publish without an ack returns once its bytes are in the send buffer; a
+    /// process that exits then (the `felix` command) loses them without this.
+    pub async fn flush_publishes(&self) -> Result<(), ClientError> {
+        let Some(mut p) = self.inner.publish.lock().await.take() else {
+            return Ok(());
+        };
+        p.send
+            .finish()
+            .map_err(|e| ClientError::connection(self.inner.addr, e))?;
+        match tokio::time::timeout(self.inner.config.request_timeout, p.acks).await {
+            Ok(_) => Ok(()),
+            Err(_) => Err(ClientError::Timeout("flushing publishes")),
         }
     }
 

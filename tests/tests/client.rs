@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use felix_client::{
     AckMode, ClientConfig, ClusterClient, ReconnectPolicy, ShardEvent, StartPosition,
@@ -349,6 +349,169 @@ fn felix_pub_piped_into_felix_sub() {
     let out = sub.wait_with_output().unwrap();
     assert!(out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stdout), "one\ntwo\nthree\n");
+}
+
+/// `felix pub --ack none` delivers every message before it exits: a publish without an
+/// ack returns once written to the send buffer, and the command exited (0) with its
+/// messages still there.
+#[test]
+fn felix_pub_without_acks_delivers_every_message_before_it_exits() {
+    let (b, _dir) = broker(&[]);
+    let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
+    let common = |cmd: &mut std::process::Command| {
+        cmd.arg("--broker")
+            .arg(b.listen.to_string())
+            .arg("--token-file")
+            .arg(b.data_dir.join("dev/token"))
+            .arg("--ca")
+            .arg(b.ca_file());
+    };
+    let mut publ = std::process::Command::new(felix);
+    common(&mut publ);
+    let messages: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
+    let status = publ
+        .args(["pub", "fire", "--ack", "none"])
+        .args(&messages)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut sub = std::process::Command::new(felix);
+    common(&mut sub);
+    let mut sub = sub
+        .args(["sub", "fire", "--from", "earliest", "--count", "200"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sub.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = sub.kill();
+            panic!("`felix sub --count 200` still waits: messages were lost");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = sub.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(got, messages);
+}
+
+/// A publish cancelled part way through writing its frame (a timeout around it) leaves
+/// the connection's publish stream usable: the next publish is not read as the rest of
+/// the cut frame, and every record read back is one that was published whole.
+#[test]
+fn a_publish_cancelled_part_way_leaves_the_publish_stream_whole() {
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        // Past the broker's 8 MiB stream window: the write waits for the broker to read.
+        let big = vec![b'x'; 12 << 20];
+        // How long one takes whole: the cuts below spread over it.
+        let started = Instant::now();
+        client
+            .publish("dev", "default", "cut", big.clone(), AckMode::PerMessage)
+            .await
+            .unwrap();
+        let whole = started.elapsed().as_micros() as u64;
+        eprintln!("a 12 MiB publish takes {whole} µs");
+        let mut cut = 0;
+        for i in 0..20u64 {
+            // Before, during and after the frame's write.
+            let after = Duration::from_micros((i * 7_919) % whole.max(1));
+            let publish = client.publish("dev", "default", "cut", big.clone(), AckMode::PerMessage);
+            if tokio::time::timeout(after, publish).await.is_err() {
+                cut += 1;
+            }
+            let small = format!("small-{i}").into_bytes();
+            client
+                .publish("dev", "default", "cut", small, AckMode::PerMessage)
+                .await
+                .unwrap_or_else(|e| panic!("the publish after {i}: {e}"));
+        }
+        eprintln!("{cut} of 20 large publishes cancelled part way");
+        assert!(cut > 0, "no publish was cancelled: the test tests nothing");
+        let mut sub = client
+            .subscribe_from("dev", "default", "cut", Some(StartPosition::Earliest))
+            .await
+            .unwrap();
+        let mut smalls = 0;
+        let first = sub.next_event().await.unwrap().unwrap();
+        assert_eq!(first.payload.len(), big.len(), "the whole one first");
+        while smalls < 20 {
+            let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                .await
+                .expect("every record is read back")
+                .unwrap()
+                .unwrap();
+            if e.payload.starts_with(b"small-") {
+                assert_eq!(e.payload, format!("small-{smalls}").as_bytes());
+                smalls += 1;
+            } else {
+                assert_eq!(e.payload.len(), big.len(), "a record of a cut frame");
+                assert!(e.payload.iter().all(|c| *c == b'x'));
+            }
+        }
+    });
+}
+
+/// `positions()` names the last record the application took, not the last one the
+/// shard tasks read ahead into the channel: resuming from it skips nothing.
+#[test]
+fn a_sharded_subscriptions_positions_are_what_the_application_took() {
+    let (b, _dir) = broker(&["--shards", "1"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = Arc::new(
+            ClusterClient::connect(&[b.listen], "localhost", config(&b))
+                .await
+                .unwrap(),
+        );
+        for i in 0..100u32 {
+            c.publish(
+                "dev",
+                "default",
+                "ahead",
+                format!("r{i}").into_bytes(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        }
+        let mut sub = c
+            .subscribe_sharded("dev", "default", "ahead", Some(StartPosition::Earliest))
+            .await
+            .unwrap();
+        for want in 0..3u64 {
+            match sub.next().await {
+                Some(ShardEvent::Record { event, .. }) => assert_eq!(event.offset, Some(want)),
+                other => panic!("{other:?}"),
+            }
+        }
+        // Time for the shard task to read ahead into the channel.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(sub.positions(), BTreeMap::from([(0, 2)]));
+        drop(sub);
+        let mut again = c
+            .resubscribe_sharded(
+                "dev",
+                "default",
+                "ahead",
+                BTreeMap::from([(0, 2)]),
+                Some(StartPosition::Earliest),
+            )
+            .await
+            .unwrap();
+        match again.next().await {
+            Some(ShardEvent::Record { event, .. }) => assert_eq!(event.offset, Some(3)),
+            other => panic!("{other:?}"),
+        }
+    });
 }
 
 #[test]
