@@ -205,9 +205,14 @@ async fn forward(
     tx: mpsc::Sender<ShardEvent>,
     positions: Arc<Mutex<ShardOffsets>>,
 ) {
-    // Where a shard that delivered nothing yet resumes: `start`, or where the broker
-    // said it stopped when the shard moved.
-    let mut start = start;
+    // Where a shard that delivered nothing yet resumes: where its first subscription
+    // began (a start at the latest record resumed at the latest again, and skipped
+    // what was written while the shard was lost), or where the broker said it stopped
+    // when the shard moved.
+    let mut start = match sub.start_offset() {
+        Some(o) => Some(StartPosition::Offset(Offset(o))),
+        None => start,
+    };
     loop {
         let error = loop {
             match sub.next_event().await {

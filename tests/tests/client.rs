@@ -514,6 +514,68 @@ fn a_sharded_subscriptions_positions_are_what_the_application_took() {
     });
 }
 
+/// A shard lost before it delivered anything resumes where its subscription began,
+/// not at the latest record again: what was written while it was lost is delivered.
+#[test]
+fn a_sharded_subscription_from_the_latest_record_lost_before_its_first_misses_nothing() {
+    let (mut b, _dir) = broker(&["--shards", "1"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let policy = ReconnectPolicy {
+            attempts: 40,
+            backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(250),
+            deadline: None,
+        };
+        let c = Arc::new(
+            ClusterClient::connect_with_policy(&[b.listen], "localhost", config(&b), policy)
+                .await
+                .unwrap(),
+        );
+        c.publish(
+            "dev",
+            "default",
+            "quiet",
+            b"before".to_vec(),
+            AckMode::PerMessage,
+        )
+        .await
+        .unwrap();
+        let mut sub = c
+            .subscribe_sharded("dev", "default", "quiet", None)
+            .await
+            .unwrap();
+        b.restart().unwrap();
+        // Written at once, while the shard is being re-established.
+        let writer = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        for i in 0..50 {
+            writer
+                .publish(
+                    "dev",
+                    "default",
+                    "quiet",
+                    format!("r{i}").into_bytes(),
+                    AckMode::PerMessage,
+                )
+                .await
+                .unwrap();
+        }
+        let mut got = Vec::new();
+        while got.len() < 50 {
+            match tokio::time::timeout(Duration::from_secs(20), sub.next()).await {
+                Ok(Some(ShardEvent::Record { event, .. })) => {
+                    got.push(String::from_utf8_lossy(&event.payload).to_string())
+                }
+                Ok(Some(ShardEvent::ShardLost { .. } | ShardEvent::ShardRecovered { .. })) => {}
+                other => panic!("{} of 50 delivered, then {other:?}", got.len()),
+            }
+        }
+        assert_eq!(got, (0..50).map(|i| format!("r{i}")).collect::<Vec<_>>());
+    });
+}
+
 #[test]
 fn dev_mode_embeds_a_control_plane() {
     let (b, _dir) = broker(&[]);
