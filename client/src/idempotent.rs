@@ -27,7 +27,8 @@ struct ShardSeq {
 /// shard from 0 and advancing only on `publish_ok`. A failure that leaves the outcome
 /// unknown is retried under the same sequence by the cluster client's policy; if it
 /// still fails, the batch is *in doubt* and the next call on that shard must be the same
-/// batch (anything else is refused locally, unsent). A typed refusal (`Refused`: a gap,
+/// batch (anything else is refused locally, unsent); so is a batch whose call was
+/// dropped before its answer (it may have landed). A typed refusal (`Refused`: a gap,
 /// an unknown or expired producer) ends the producer on that shard. Batches go one at a
 /// time per producer (no pipelining).
 #[derive(Debug)]
@@ -98,6 +99,11 @@ impl IdempotentProducer<'_> {
             ));
         }
         let sequence = seq.next;
+        // In doubt from before it is sent until it is answered: a call dropped part way
+        // (a timeout around it) may have landed, and the next batch must not go out
+        // under its sequence (the broker would refuse it `sequence_reused` and end the
+        // producer on this shard).
+        seq.in_doubt = Some(payloads.clone());
         let result = self
             .cluster
             .with_retry(true, |c| {

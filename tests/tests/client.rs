@@ -576,6 +576,72 @@ fn a_sharded_subscription_from_the_latest_record_lost_before_its_first_misses_no
     });
 }
 
+/// An idempotent producer's call dropped part way (a timeout around it) leaves its
+/// batch in doubt: the next batch is refused locally until that one is re-sent, and
+/// the producer never ends. (Its sequence went to the next batch: where the dropped
+/// one had landed, the broker refused that `sequence_reused` and ended the producer.)
+#[test]
+fn an_idempotent_call_dropped_part_way_leaves_its_batch_in_doubt_not_its_sequence_reused() {
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let cluster = ClusterClient::connect(&[b.listen], "localhost", config(&b))
+            .await
+            .unwrap();
+        let p = cluster.idempotent_producer().await.unwrap();
+        let mut in_doubt = 0;
+        for i in 0..40u64 {
+            let a = format!("a{i}").into_bytes();
+            let after = Duration::from_micros((i * 7_919) % 3_000);
+            let _ =
+                tokio::time::timeout(after, p.publish("dev", "default", "doubt", a.clone())).await;
+            let b_i = format!("b{i}").into_bytes();
+            loop {
+                match p.publish("dev", "default", "doubt", b_i.clone()).await {
+                    Ok(_) => break,
+                    Err(felix_client::ClientError::Config(why)) if why.contains("re-send") => {
+                        in_doubt += 1;
+                        p.publish("dev", "default", "doubt", a.clone())
+                            .await
+                            .unwrap_or_else(|e| panic!("re-sending a{i}: {e}"));
+                    }
+                    Err(e) => panic!("b{i}: {e}"),
+                }
+            }
+        }
+        eprintln!("{in_doubt} of 40 batches were in doubt after their call was dropped");
+        assert!(
+            in_doubt > 0,
+            "no call was dropped part way: the test tests nothing"
+        );
+        // Every b once, in order; every a at most once, before its b.
+        let c = cluster.client();
+        let mut sub = c
+            .subscribe_from("dev", "default", "doubt", Some(StartPosition::Earliest))
+            .await
+            .unwrap();
+        let mut seen = Vec::new();
+        while seen.last().map(String::as_str) != Some("b39") {
+            let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                .await
+                .expect("every record is read back")
+                .unwrap()
+                .unwrap();
+            seen.push(String::from_utf8_lossy(&e.payload).to_string());
+        }
+        let mut want_b = 0;
+        for r in &seen {
+            if let Some(n) = r.strip_prefix('b') {
+                assert_eq!(n.parse::<u64>().unwrap(), want_b, "{seen:?}");
+                want_b += 1;
+            }
+        }
+        let a_seen: Vec<_> = seen.iter().filter(|r| r.starts_with('a')).collect();
+        let distinct: std::collections::BTreeSet<_> = a_seen.iter().collect();
+        assert_eq!(distinct.len(), a_seen.len(), "an a landed twice: {seen:?}");
+    });
+}
+
 #[test]
 fn dev_mode_embeds_a_control_plane() {
     let (b, _dir) = broker(&[]);
