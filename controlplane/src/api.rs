@@ -229,7 +229,7 @@ async fn body<T: DeserializeOwned>(b: Body) -> ApiResult<T> {
             format!("request body over {MAX_BODY_BYTES} bytes"),
         )
     })?;
-    serde_json::from_slice(&bytes).map_err(|e| {
+    let invalid = |e: serde_json::Error| {
         let msg = e.to_string();
         let field = msg
             .split('`')
@@ -238,7 +238,29 @@ async fn body<T: DeserializeOwned>(b: Body) -> ApiResult<T> {
             .unwrap_or("body")
             .to_owned();
         ApiError::invalid(&field, msg)
-    })
+    };
+    let value: Value = serde_json::from_slice(&bytes).map_err(invalid)?;
+    // Postgres stores documents as JSONB, which refuses U+0000: a NUL in a token's
+    // subject, a display name or a reason made the write (or its audit entry, which
+    // then went missing) fail as `unavailable`, and the memory store took it. Refused
+    // here, the same on every store.
+    if holds_nul(&value) {
+        return Err(ApiError::invalid(
+            "body",
+            "strings may not contain U+0000 (NUL)",
+        ));
+    }
+    serde_json::from_value(value).map_err(invalid)
+}
+
+/// Whether any string of `v`, or any key, contains U+0000.
+fn holds_nul(v: &Value) -> bool {
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(a) => a.iter().any(holds_nul),
+        Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
+        _ => false,
+    }
 }
 
 fn name(field: &str, v: &str) -> ApiResult<()> {

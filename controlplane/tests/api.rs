@@ -1959,3 +1959,40 @@ fn a_drain_and_the_nodes_heartbeat_racing_both_hold() {
     assert_eq!(beat["lifecycle"], "draining", "{beat}");
     assert_eq!(read().1.lifecycle, Lifecycle::Draining, "the drain stands");
 }
+
+/// A NUL in any string of a request body is refused 400, on every store: Postgres's
+/// JSONB refuses U+0000, so such a token subject, display name or reason failed there
+/// as `unavailable` (and an audit entry naming that subject went missing), while the
+/// memory store took it.
+#[test]
+fn a_nul_in_a_request_body_is_refused_on_every_store() {
+    let svc = memory_service();
+    let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
+    let boot = anon
+        .post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+        )
+        .unwrap();
+    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    let (code, field) = expect_err(
+        admin.post(
+            "/v1/tenants",
+            &json!({"tenant_id": "acme", "display_name": "a\u{0}b"}),
+        ),
+        400,
+    );
+    assert_eq!(code.as_deref(), Some("invalid"));
+    assert_eq!(field.as_deref(), Some("body"));
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    expect_err(
+        admin.post(
+            "/v1/tenants/acme/tokens",
+            &json!({"sub": "x\u{0}", "audience": "felix-broker", "perms": []}),
+        ),
+        400,
+    );
+}
