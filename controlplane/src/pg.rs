@@ -208,12 +208,14 @@ impl Store for PgStore {
                                 _ => unavailable(e),
                             });
                         }
-                        tx.execute(
-                            "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'put', $3)",
-                            &[&kind.name(), &key, &value],
-                        )
-                        .await
-                        .map_err(unavailable)?;
+                        if kind.followed() {
+                            tx.execute(
+                                "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'put', $3)",
+                                &[&kind.name(), &key, &value],
+                            )
+                            .await
+                            .map_err(unavailable)?;
+                        }
                         written.push(Doc {
                             key,
                             version: version as u64,
@@ -227,12 +229,14 @@ impl Store for PgStore {
                         )
                         .await
                         .map_err(unavailable)?;
-                        tx.execute(
-                            "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'delete', NULL)",
-                            &[&kind.name(), &key],
-                        )
-                        .await
-                        .map_err(unavailable)?;
+                        if kind.followed() {
+                            tx.execute(
+                                "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'delete', NULL)",
+                                &[&kind.name(), &key],
+                            )
+                            .await
+                            .map_err(unavailable)?;
+                        }
                     }
                 }
             }

@@ -42,6 +42,14 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// Whether writes of this kind are kept in the change log ([`Store::changes`]):
+    /// not a node's document, which its heartbeat writes every second (logged, each
+    /// node added an entry per second for good, to a memory store's memory or a
+    /// Postgres table), nor the audit log (a log already, one entry per write).
+    pub fn followed(self) -> bool {
+        !matches!(self, Kind::Node | Kind::Audit)
+    }
+
     /// The stored name.
     pub fn name(self) -> &'static str {
         match self {
@@ -288,6 +296,9 @@ impl Store for MemoryStore {
                         };
                         m.insert(key.clone(), doc.clone());
                         written.push(doc);
+                        if !kind.followed() {
+                            continue;
+                        }
                         st.changes.push((
                             kind,
                             Change {
@@ -301,6 +312,9 @@ impl Store for MemoryStore {
                     Op::Delete { kind, key, .. } => {
                         if let Some(m) = st.docs.get_mut(&kind) {
                             m.remove(&key);
+                        }
+                        if !kind.followed() {
+                            continue;
                         }
                         st.changes.push((
                             kind,

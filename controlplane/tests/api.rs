@@ -1996,3 +1996,40 @@ fn a_nul_in_a_request_body_is_refused_on_every_store() {
         400,
     );
 }
+
+/// A node's heartbeats (a write per node per second) do not go to the change log: they
+/// grew it for good, in the memory store's memory and in a Postgres table.
+#[test]
+fn heartbeats_do_not_grow_the_change_log() {
+    let rt = runtime();
+    rt.block_on(async {
+        let store = MemoryStore::new();
+        let put = |kind: Kind, key: &str, version: Option<u64>| Op::Put {
+            kind,
+            key: key.into(),
+            value: json!({"n": version}),
+            expect: version.map_or(Expect::Absent, Expect::Version),
+        };
+        store
+            .batch(vec![put(Kind::Assignment, "a/0", None)])
+            .await
+            .unwrap();
+        store.batch(vec![put(Kind::Node, "n", None)]).await.unwrap();
+        for v in 1..=10_000 {
+            store
+                .batch(vec![put(Kind::Node, "n", Some(v))])
+                .await
+                .unwrap();
+        }
+        let (nodes, _) = store
+            .changes(Kind::Node, 0, usize::MAX, Duration::ZERO)
+            .await
+            .unwrap();
+        assert!(nodes.is_empty(), "{} node changes logged", nodes.len());
+        let (assignments, _) = store
+            .changes(Kind::Assignment, 0, usize::MAX, Duration::ZERO)
+            .await
+            .unwrap();
+        assert_eq!(assignments.len(), 1, "assignment changes are still logged");
+    });
+}
