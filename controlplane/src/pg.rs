@@ -257,18 +257,24 @@ impl Store for PgStore {
             loop {
                 let (page, head) = {
                     let c = self.client.lock().await;
-                    let rows = c
-                        .query(
-                            "SELECT seq, key, op, value FROM felix_changes WHERE kind = $1 AND seq > $2 ORDER BY seq LIMIT $3",
-                            &[&kind.name(), &(since as i64), &(limit as i64)],
-                        )
-                        .await
-                        .map_err(unavailable)?;
+                    // The head first, then the page up to it: writers commit one at a
+                    // time (the advisory lock), in sequence order, so every change up
+                    // to the head is visible to the page's later read. Read the other
+                    // way round, a change committed between the two was past the page
+                    // and below the head answered as the next place to ask from: the
+                    // follower never saw it.
                     let head: i64 = c
                         .query_one("SELECT COALESCE(MAX(seq), 0) FROM felix_changes", &[])
                         .await
                         .map_err(unavailable)?
                         .get(0);
+                    let rows = c
+                        .query(
+                            "SELECT seq, key, op, value FROM felix_changes WHERE kind = $1 AND seq > $2 AND seq <= $4 ORDER BY seq LIMIT $3",
+                            &[&kind.name(), &(since as i64), &(limit as i64), &head],
+                        )
+                        .await
+                        .map_err(unavailable)?;
                     let page: Vec<Change> = rows
                         .into_iter()
                         .map(|r| Change {
