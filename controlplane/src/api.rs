@@ -624,6 +624,9 @@ async fn list_tenants(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Jso
 async fn tenants_snapshot(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
     let g = authenticate(&st, &h).await?;
     require(&g, "node.view", "cluster", &["*"])?;
+    // The head before the list, as the assignments' snapshot: a tenant written between
+    // the two is then in the list or after the head, never in neither.
+    let next_seq = st.store.head().await?;
     let items: Vec<Tenant> = st
         .store
         .list(Kind::Tenant, "")
@@ -631,9 +634,7 @@ async fn tenants_snapshot(State(st): State<AppState>, h: HeaderMap) -> ApiResult
         .iter()
         .map(to)
         .collect::<ApiResult<_>>()?;
-    Ok(Json(
-        json!({"items": items, "next_seq": st.store.head().await?}),
-    ))
+    Ok(Json(json!({"items": items, "next_seq": next_seq})))
 }
 
 async fn create_tenant(
