@@ -795,7 +795,24 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                                 .subscribe_shard(&tenant, ns, stream, *shard, start)
                                 .await?;
                         }
-                        _ => break,
+                        // Ended short of `--count`: not a success (it exited 0).
+                        Some(crate::SubscriptionEnd::StreamDeleted) => {
+                            return Err(Failure::Client(ClientError::Broker(crate::BrokerError {
+                                code: Some(ErrorCode::NotFound),
+                                retry: None,
+                                detail: None,
+                                message: format!(
+                                    "stream {stream} was deleted after {seen} records"
+                                ),
+                                context: "sub",
+                            })));
+                        }
+                        None if count.is_some() => {
+                            return Err(Failure::Client(ClientError::SubscriptionLost(format!(
+                                "the broker ended the subscription after {seen} records"
+                            ))));
+                        }
+                        None => break,
                     },
                 }
             }

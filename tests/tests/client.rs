@@ -642,6 +642,49 @@ fn an_idempotent_call_dropped_part_way_leaves_its_batch_in_doubt_not_its_sequenc
     });
 }
 
+/// `felix sub --count N` whose stream is deleted before N records fails, saying so: it
+/// exited 0, as if it had read them.
+#[test]
+fn felix_sub_cut_short_by_a_deleted_stream_fails() {
+    let (b, _dir) = broker(&[]);
+    let admin = b.admin().unwrap();
+    let streams = "/v1/tenants/dev/namespaces/default/streams";
+    admin
+        .post(
+            streams,
+            &serde_json::json!({"stream": "doomed", "kind": "Stream", "shards": 1}),
+        )
+        .unwrap();
+    let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
+    let mut sub = std::process::Command::new(felix);
+    sub.arg("--broker")
+        .arg(b.listen.to_string())
+        .arg("--token-file")
+        .arg(b.data_dir.join("dev/token"))
+        .arg("--ca")
+        .arg(b.ca_file());
+    let mut sub = sub
+        .args(["sub", "doomed", "--from", "earliest", "--count", "5"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    admin.delete(&format!("{streams}/doomed")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sub.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = sub.kill();
+            panic!("`felix sub` still waits on a deleted stream");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = sub.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "exited 0 with 0 of 5 records: {err}");
+    assert!(err.contains("deleted"), "{err}");
+}
+
 #[test]
 fn dev_mode_embeds_a_control_plane() {
     let (b, _dir) = broker(&[]);
