@@ -1513,15 +1513,7 @@ fn manifest_dir() -> std::path::PathBuf {
 
 /// Rotation, retirement, revocation by token id, the audit log, and keys sealed at rest.
 fn key_lifecycle_scenario(svc: &Service) {
-    let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
-    let boot = anon
-        .post_with(
-            "/internal/bootstrap",
-            &json!({}),
-            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
-        )
-        .unwrap();
-    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    let (anon, admin) = bootstrapped(svc);
     admin
         .post("/v1/tenants", &json!({"tenant_id": "acme"}))
         .unwrap();
@@ -1820,6 +1812,20 @@ fn keys_stored_in_clear_or_under_an_old_kek_are_sealed_again_at_start() {
     assert!(e.to_string().contains(new.current_id()), "{e}");
 }
 
+/// An anonymous client of `svc` and one holding the bootstrap admin token.
+fn bootstrapped(svc: &Service) -> (ControlPlaneClient, ControlPlaneClient) {
+    let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
+    let boot = anon
+        .post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+        )
+        .unwrap();
+    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    (anon, admin)
+}
+
 /// A store that runs a write of its own just before the next batch putting a node: a
 /// write racing a handler between its read and its write, made deterministic.
 #[derive(Debug, Default)]
@@ -1888,15 +1894,7 @@ fn a_drain_and_the_nodes_heartbeat_racing_both_hold() {
     use felix_controlplane::model::{Lifecycle, Node};
     let store = Arc::new(RacingStore::default());
     let svc = start(store.clone(), runtime());
-    let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
-    let boot = anon
-        .post_with(
-            "/internal/bootstrap",
-            &json!({}),
-            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
-        )
-        .unwrap();
-    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    let (anon, admin) = bootstrapped(&svc);
     let token = admin
         .post(
             "/v1/tenants/operator/tokens",
@@ -1967,15 +1965,7 @@ fn a_drain_and_the_nodes_heartbeat_racing_both_hold() {
 #[test]
 fn a_nul_in_a_request_body_is_refused_on_every_store() {
     let svc = memory_service();
-    let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
-    let boot = anon
-        .post_with(
-            "/internal/bootstrap",
-            &json!({}),
-            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
-        )
-        .unwrap();
-    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
+    let (_, admin) = bootstrapped(&svc);
     let (code, field) = expect_err(
         admin.post(
             "/v1/tenants",

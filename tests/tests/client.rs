@@ -38,6 +38,18 @@ fn config(b: &BrokerProcess) -> ClientConfig {
     config
 }
 
+/// The `felix` command, pointed at `b` with its dev token and CA.
+fn felix(b: &BrokerProcess) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_felix-under-test"));
+    cmd.arg("--broker")
+        .arg(b.listen.to_string())
+        .arg("--token-file")
+        .arg(b.data_dir.join("dev/token"))
+        .arg("--ca")
+        .arg(b.ca_file());
+    cmd
+}
+
 #[test]
 fn the_guides_connect_with_policy_example_runs() {
     let (b, _dir) = broker(&[]);
@@ -316,25 +328,12 @@ fn a_sharded_subscription_survives_a_broker_restart_without_a_gap() {
 #[test]
 fn felix_pub_piped_into_felix_sub() {
     let (b, _dir) = broker(&[]);
-    let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
-    let common = |cmd: &mut std::process::Command| {
-        cmd.arg("--broker")
-            .arg(b.listen.to_string())
-            .arg("--token-file")
-            .arg(b.data_dir.join("dev/token"))
-            .arg("--ca")
-            .arg(b.ca_file());
-    };
-    let mut sub = std::process::Command::new(felix);
-    common(&mut sub);
-    let sub = sub
+    let sub = felix(&b)
         .args(["sub", "orders", "--from", "earliest", "--count", "3"])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut publ = std::process::Command::new(felix);
-    common(&mut publ);
-    let mut publ = publ
+    let mut publ = felix(&b)
         .args(["pub", "orders"])
         .stdin(std::process::Stdio::piped())
         .spawn()
@@ -357,27 +356,14 @@ fn felix_pub_piped_into_felix_sub() {
 #[test]
 fn felix_pub_without_acks_delivers_every_message_before_it_exits() {
     let (b, _dir) = broker(&[]);
-    let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
-    let common = |cmd: &mut std::process::Command| {
-        cmd.arg("--broker")
-            .arg(b.listen.to_string())
-            .arg("--token-file")
-            .arg(b.data_dir.join("dev/token"))
-            .arg("--ca")
-            .arg(b.ca_file());
-    };
-    let mut publ = std::process::Command::new(felix);
-    common(&mut publ);
     let messages: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
-    let status = publ
+    let status = felix(&b)
         .args(["pub", "fire", "--ack", "none"])
         .args(&messages)
         .status()
         .unwrap();
     assert!(status.success());
-    let mut sub = std::process::Command::new(felix);
-    common(&mut sub);
-    let mut sub = sub
+    let mut sub = felix(&b)
         .args(["sub", "fire", "--from", "earliest", "--count", "200"])
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -655,15 +641,7 @@ fn felix_sub_cut_short_by_a_deleted_stream_fails() {
             &serde_json::json!({"stream": "doomed", "kind": "Stream", "shards": 1}),
         )
         .unwrap();
-    let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
-    let mut sub = std::process::Command::new(felix);
-    sub.arg("--broker")
-        .arg(b.listen.to_string())
-        .arg("--token-file")
-        .arg(b.data_dir.join("dev/token"))
-        .arg("--ca")
-        .arg(b.ca_file());
-    let mut sub = sub
+    let mut sub = felix(&b)
         .args(["sub", "doomed", "--from", "earliest", "--count", "5"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -693,15 +671,9 @@ fn dev_mode_embeds_a_control_plane() {
         .clone()
         .expect("dev mode reports its control plane");
     let felix = |args: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_felix-under-test"))
+        felix(&b)
             .args(["--controlplane", &url, "--controlplane-token-file"])
             .arg(b.data_dir.join("dev/controlplane.token"))
-            .arg("--broker")
-            .arg(b.listen.to_string())
-            .arg("--token-file")
-            .arg(b.data_dir.join("dev/token"))
-            .arg("--ca")
-            .arg(b.ca_file())
             .args(args)
             .output()
             .unwrap()
@@ -880,18 +852,8 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
         );
     });
     // The command line: poll with --ack, then describe.
-    let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
     let run = |args: &[&str]| {
-        let out = std::process::Command::new(felix)
-            .arg("--broker")
-            .arg(b.listen.to_string())
-            .arg("--token-file")
-            .arg(b.data_dir.join("dev/token"))
-            .arg("--ca")
-            .arg(b.ca_file())
-            .args(args)
-            .output()
-            .unwrap();
+        let out = felix(&b).args(args).output().unwrap();
         assert!(
             out.status.success(),
             "{args:?}: {}",
@@ -1436,20 +1398,7 @@ fn a_conditional_publish_lands_only_at_the_tail_it_expects() {
     });
     // The command line: the right tail prints the offset; a stale one fails and says
     // the tail.
-    let felix = std::path::Path::new(env!("CARGO_BIN_EXE_felix-under-test"));
-    let run = |args: &[&str]| {
-        std::process::Command::new(felix)
-            .arg("--broker")
-            .arg(b.listen.to_string())
-            .arg("--token-file")
-            .arg(b.data_dir.join("dev/token"))
-            .arg("--ca")
-            .arg(b.ca_file())
-            .arg("--json")
-            .args(args)
-            .output()
-            .unwrap()
-    };
+    let run = |args: &[&str]| felix(&b).arg("--json").args(args).output().unwrap();
     let ok = run(&["pub", "ledger", "--if-tail", "0", "--shard", "1", "x"]);
     assert!(!ok.status.success(), "shard 1's tail is 2");
     assert!(
@@ -1823,16 +1772,7 @@ fn a_dropped_client_closes_its_connection_once_its_subscriptions_are_gone() {
 #[test]
 fn a_standalone_broker_answers_topology_with_itself() {
     let (b, _dir) = broker(&[]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_felix-under-test"))
-        .arg("--broker")
-        .arg(b.listen.to_string())
-        .arg("--token-file")
-        .arg(b.data_dir.join("dev/token"))
-        .arg("--ca")
-        .arg(b.ca_file())
-        .arg("topology")
-        .output()
-        .unwrap();
+    let out = felix(&b).arg("topology").output().unwrap();
     assert!(
         out.status.success(),
         "{}",

@@ -2048,22 +2048,24 @@ mod tests {
     /// in its trackers and in the log-order fold alike.
     fn shard_with_a_claim() -> (GroupShard, Answers) {
         let (g, writes) = shard_with_held_writes();
-        let mut t = Tracker::new(0, g.limits);
-        assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
-        g.groups.borrow_mut().insert("w".into(), t.clone());
-        g.folded
-            .borrow_mut()
-            .as_mut()
-            .unwrap()
-            .insert("w".into(), t);
+        claim_offset_0(&g, 0, 0);
         (g, writes)
     }
 
     /// Group "w" of `g` with offset 0 claimed on attempt 1, due in 200 ms, in its
     /// trackers and in the log-order fold alike.
     fn claim_due_in_200_ms(g: &GroupShard) {
+        claim_offset_0(g, mono_ms(), 200);
+    }
+
+    /// Group "w" of `g` with offset 0 claimed at `now` on attempt 1 for `visibility_ms`,
+    /// in its trackers and in the log-order fold alike.
+    fn claim_offset_0(g: &GroupShard, now: u64, visibility_ms: u64) {
         let mut t = Tracker::new(0, g.limits);
-        assert_eq!(t.claim(1, 1, mono_ms(), 200, None).handed, vec![(0, 1)]);
+        assert_eq!(
+            t.claim(10, 1, now, visibility_ms, None).handed,
+            vec![(0, 1)]
+        );
         g.groups.borrow_mut().insert("w".into(), t.clone());
         g.folded
             .borrow_mut()
@@ -2554,14 +2556,7 @@ mod tests {
                 ..Limits::default()
             });
             // Offset 0 claimed for a minute: the cap is full, offset 1 waits.
-            let mut t = Tracker::new(0, g.limits);
-            assert_eq!(t.claim(2, 1, mono_ms(), 60_000, None).handed, vec![(0, 1)]);
-            g.groups.borrow_mut().insert("w".into(), t.clone());
-            g.folded
-                .borrow_mut()
-                .as_mut()
-                .unwrap()
-                .insert("w".into(), t);
+            claim_offset_0(&g, mono_ms(), 60_000);
             let wakes = std::sync::Arc::new(Wakes(AtomicUsize::new(0)));
             let waker = Waker::from(wakes.clone());
             let mut poll = std::pin::pin!(g.serve(&stream, long_poll()));
