@@ -866,7 +866,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             }
         },
         Command::Group { op } => {
-            let c = client.client();
+            // Only the shard's owner serves its groups: each request goes to the broker
+            // a `not_leader` answer names (it failed "owned by ..." on any other).
             let at =
                 |a: &GroupArgs| crate::GroupRef::new(&tenant, ns, &a.stream, a.shard, &a.group);
             match op {
@@ -884,10 +885,19 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         wait: std::time::Duration::from_secs_f64(wait.clamp(0.0, 30.0)),
                         visibility: None,
                     };
-                    let records = match consumer {
-                        Some(name) => c.group_poll_as(&g, options, name, *reclaim).await?,
-                        None => c.group_poll(&g, options).await?,
-                    };
+                    let (c, records) = client
+                        .on_owner(|c| {
+                            let (g, consumer) = (g.clone(), consumer.clone());
+                            async move {
+                                match consumer {
+                                    Some(name) => {
+                                        c.group_poll_as(&g, options, &name, *reclaim).await
+                                    }
+                                    None => c.group_poll(&g, options).await,
+                                }
+                            }
+                        })
+                        .await?;
                     for r in records {
                         let _ = show(
                             cli.json,
@@ -906,24 +916,35 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     }
                 }
                 GroupCmd::Ack { at: a, offsets } => {
-                    let g = at(a);
+                    let g = &at(a);
                     for o in offsets {
-                        c.group_ack(&g, *o).await?;
+                        client
+                            .on_owner(|c| async move { c.group_ack(g, *o).await })
+                            .await?;
                     }
                 }
                 GroupCmd::DeadLetters { at: a } => {
-                    for o in c.group_dead_letters(&at(a)).await? {
+                    let g = &at(a);
+                    let (_, dead) = client
+                        .on_owner(|c| async move { c.group_dead_letters(g).await })
+                        .await?;
+                    for o in dead {
                         let _ = writeln!(out, "{o}");
                     }
                 }
                 GroupCmd::Redrive { at: a, offsets } => {
-                    let g = at(a);
+                    let g = &at(a);
                     for o in offsets {
-                        c.group_redrive(&g, *o).await?;
+                        client
+                            .on_owner(|c| async move { c.group_redrive(g, *o).await })
+                            .await?;
                     }
                 }
                 GroupCmd::Describe { at: a } => {
-                    let i = c.group_describe(&at(a)).await?;
+                    let g = &at(a);
+                    let (_, i) = client
+                        .on_owner(|c| async move { c.group_describe(g).await })
+                        .await?;
                     let committed = i.committed.map_or("none".to_string(), |c| c.to_string());
                     if cli.json {
                         let _ = writeln!(

@@ -34,6 +34,8 @@ pub struct ClusterClient {
     discovered: RwLock<Vec<SocketAddr>>,
     rebuild: tokio::sync::Mutex<()>,
     rng: Mutex<rand::rngs::StdRng>,
+    /// Clients of the brokers `not_leader` answers named, kept for the next call.
+    owners: tokio::sync::Mutex<std::collections::HashMap<SocketAddr, Arc<Client>>>,
 }
 
 impl std::fmt::Debug for ClusterClient {
@@ -83,6 +85,7 @@ impl ClusterClient {
             discovered: RwLock::new(Vec::new()),
             rebuild: tokio::sync::Mutex::new(()),
             rng,
+            owners: tokio::sync::Mutex::default(),
         };
         let _ = cc.refresh_topology().await;
         Ok(cc)
@@ -301,13 +304,28 @@ impl ClusterClient {
         shard: u32,
         start: Option<StartPosition>,
     ) -> Result<Subscription, ClientError> {
+        self.on_owner(|c| async move {
+            c.subscribe_shard(tenant, namespace, stream, shard, start)
+                .await
+        })
+        .await
+        .map(|(_, sub)| sub)
+    }
+
+    /// Runs `op` on the broker that owns what it names: the client in use first, then
+    /// each broker a `not_leader` answer names, up to [`MAX_REDIRECTS`] hops, never
+    /// revisiting one. Answers the client that answered, with the answer: a group's
+    /// requests, which only the shard's owner serves, go on there. Clients of the
+    /// brokers named are kept for the next call. Retries nothing else.
+    pub async fn on_owner<T, F, Fut>(&self, op: F) -> Result<(Arc<Client>, T), ClientError>
+    where
+        F: Fn(Arc<Client>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, ClientError>>,
+    {
         let mut client = self.client();
         let mut visited = vec![client.addr()];
         for _ in 0..=MAX_REDIRECTS {
-            match client
-                .subscribe_shard(tenant, namespace, stream, shard, start)
-                .await
-            {
+            match op(client.clone()).await {
                 Err(ClientError::NotLeader(nl)) => {
                     let addr: SocketAddr = nl
                         .addr
@@ -318,16 +336,27 @@ impl ClusterClient {
                         return Err(ClientError::Protocol(format!("redirected back to {addr}")));
                     }
                     visited.push(addr);
-                    client = Arc::new(
-                        Client::connect(addr, &self.server_name, self.config.clone()).await?,
-                    );
+                    client = self.owner_at(addr).await?;
                 }
-                other => return other,
+                Ok(v) => return Ok((client, v)),
+                Err(e) => return Err(e),
             }
         }
         Err(ClientError::Protocol(format!(
             "more than {MAX_REDIRECTS} redirects"
         )))
+    }
+
+    /// A client of the broker at `addr`: the one kept from an earlier redirect while
+    /// its connection lives, or a new one.
+    async fn owner_at(&self, addr: SocketAddr) -> Result<Arc<Client>, ClientError> {
+        let mut owners = self.owners.lock().await;
+        if let Some(c) = owners.get(&addr).filter(|c| !c.is_closed()) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(Client::connect(addr, &self.server_name, self.config.clone()).await?);
+        owners.insert(addr, c.clone());
+        Ok(c)
     }
 
     /// Subscribes to shard 0 from `start`, with retries.
