@@ -1490,6 +1490,7 @@ impl<B: Backend> SegmentLog<B> {
         floor: u64,
     ) -> Result<usize, StorageError> {
         let mut doomed = Vec::new();
+        let cuts;
         {
             let mut st = self.shared.state.borrow_mut();
             if st.closing || st.closed {
@@ -1504,24 +1505,36 @@ impl<B: Backend> SegmentLog<B> {
             for _ in 0..n {
                 doomed.push(st.segments.pop_front().expect("doomed segments exist"));
             }
+            cuts = st.cuts;
         }
         let mut removed = 0;
         let mut failed = None;
         for s in &doomed {
             let name = segment_name(s.base);
-            if let Err(e) = self.shared.backend.remove(&name).await {
-                failed = Some(StorageError::io("retention remove", &name, e));
-                break;
+            match self.shared.backend.remove(&name).await {
+                // Gone already: removed all the same (put back, it would stop
+                // retention on this log for good).
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    failed = Some(StorageError::io("retention remove", &name, e));
+                    break;
+                }
             }
             let _ = self.shared.backend.remove(&index_name(s.base)).await;
             removed += 1;
         }
         if removed < doomed.len() {
             // The segments not removed are still this log's, at its head: memory keeps
-            // matching the files (the base moved back at the next open before).
+            // matching the files (the base moved back at the next open before). Unless
+            // a cut or reset took the log meanwhile: its plan was made without them,
+            // and putting them back under it would cut or keep the wrong segments
+            // (left, the files are found again at the next open, as before).
             let mut st = self.shared.state.borrow_mut();
-            for s in doomed.drain(removed..).rev() {
-                st.segments.push_front(s);
+            if st.cuts == cuts && !st.exclusive && !st.closing && !st.closed {
+                for s in doomed.drain(removed..).rev() {
+                    st.segments.push_front(s);
+                }
             }
         }
         if removed > 0 {

@@ -990,10 +990,23 @@ fn a_segment_retention_fails_to_remove_stays_in_the_log() {
             1
         );
         assert_eq!(log.base_offset(), bases[2]);
+        // A segment file gone already (removed behind the log's back) counts as
+        // removed: put back, it would hold retention on this log for good.
+        let gone = format!("{:020}.seg", bases[2]);
+        felix_storage_uring::io::Backend::remove(&mem, &gone)
+            .await
+            .unwrap();
+        assert_eq!(
+            log.enforce_retention_below(0, Some(0), None, bases[3])
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(log.base_offset(), bases[3]);
         log.close().await.unwrap();
         let (again, _) = SegmentLog::open(mem, small_segments()).await.unwrap();
-        assert_eq!(again.segment_bases(), bases[2..].to_vec());
-        check_contents(&read_all(&again).await, bases[2], 400, 1000);
+        assert_eq!(again.segment_bases(), bases[3..].to_vec());
+        check_contents(&read_all(&again).await, bases[3], 400, 1000);
         again.close().await.unwrap();
     });
 }
