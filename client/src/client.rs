@@ -194,7 +194,8 @@ type PendingAcks =
 /// publishes waiting for one.
 struct PublishStream {
     send: quinn::SendStream,
-    acks: tokio::task::JoinHandle<()>,
+    /// Whether the broker ended the stream cleanly (it read it to its end).
+    acks: tokio::task::JoinHandle<bool>,
     pending: PendingAcks,
 }
 
@@ -643,7 +644,13 @@ impl Client {
             .finish()
             .map_err(|e| ClientError::connection(self.inner.addr, e))?;
         match tokio::time::timeout(self.inner.config.request_timeout, p.acks).await {
-            Ok(_) => Ok(()),
+            Ok(Ok(true)) => Ok(()),
+            // The connection failed or the broker reset the stream: what it had not
+            // read is lost.
+            Ok(_) => Err(ClientError::connection(
+                self.inner.addr,
+                "the publish stream failed before the broker read it to its end",
+            )),
             Err(_) => Err(ClientError::Timeout("flushing publishes")),
         }
     }
@@ -1436,11 +1443,15 @@ async fn read_acks(
     mut reader: FrameReader,
     pending: PendingAcks,
     addr: SocketAddr,
-) {
+) -> bool {
+    let mut clean = false;
     let end = loop {
         let frame = match read_frame(&mut recv, &mut reader).await {
             Ok(Some(f)) => f,
-            Ok(None) => break ClientError::connection(addr, "publish stream ended"),
+            Ok(None) => {
+                clean = true;
+                break ClientError::connection(addr, "publish stream ended");
+            }
             Err(e) => break e,
         };
         let (id, result) = match frame.kind {
@@ -1485,6 +1496,7 @@ async fn read_acks(
     for (_, tx) in pending.lock().expect("acks lock").drain() {
         let _ = tx.send(Err(end.clone()));
     }
+    clean
 }
 
 async fn route_event_streams(

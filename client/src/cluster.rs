@@ -35,7 +35,7 @@ pub struct ClusterClient {
     rebuild: tokio::sync::Mutex<()>,
     rng: Mutex<rand::rngs::StdRng>,
     /// Clients of the brokers `not_leader` answers named, kept for the next call.
-    owners: tokio::sync::Mutex<std::collections::HashMap<SocketAddr, Arc<Client>>>,
+    owners: Mutex<std::collections::HashMap<SocketAddr, Arc<Client>>>,
 }
 
 impl std::fmt::Debug for ClusterClient {
@@ -85,7 +85,7 @@ impl ClusterClient {
             discovered: RwLock::new(Vec::new()),
             rebuild: tokio::sync::Mutex::new(()),
             rng,
-            owners: tokio::sync::Mutex::default(),
+            owners: Mutex::default(),
         };
         let _ = cc.refresh_topology().await;
         Ok(cc)
@@ -350,12 +350,22 @@ impl ClusterClient {
     /// A client of the broker at `addr`: the one kept from an earlier redirect while
     /// its connection lives, or a new one.
     async fn owner_at(&self, addr: SocketAddr) -> Result<Arc<Client>, ClientError> {
-        let mut owners = self.owners.lock().await;
-        if let Some(c) = owners.get(&addr).filter(|c| !c.is_closed()) {
+        if let Some(c) = self
+            .owners
+            .lock()
+            .expect("owners lock")
+            .get(&addr)
+            .filter(|c| !c.is_closed())
+        {
             return Ok(c.clone());
         }
+        // Connected without the lock: a broker that does not answer (a stale redirect
+        // during a failover) holds up only the calls sent to it.
         let c = Arc::new(Client::connect(addr, &self.server_name, self.config.clone()).await?);
-        owners.insert(addr, c.clone());
+        self.owners
+            .lock()
+            .expect("owners lock")
+            .insert(addr, c.clone());
         Ok(c)
     }
 

@@ -160,7 +160,23 @@ impl ClusterClient {
             let cc = self.clone();
             let (t, n, s) = (tenant.to_owned(), namespace.to_owned(), stream.to_owned());
             async move {
-                let r = cc.subscribe_shard(&t, &n, &s, shard, start_of(shard)).await;
+                let r = match cc.subscribe_shard(&t, &n, &s, shard, start_of(shard)).await {
+                    // Resumed where retention removed records since (positions taken
+                    // before a lag): from the oldest retained, as a lost shard does.
+                    Err(ClientError::Cursor(c))
+                        if c.reason == felix_wire::message::CursorErrorReason::TooOld =>
+                    {
+                        tracing::warn!(
+                            shard,
+                            from = c.requested,
+                            to = c.available,
+                            "records removed by retention before they were delivered: skipped"
+                        );
+                        let oldest = Some(StartPosition::Offset(Offset(c.available)));
+                        cc.subscribe_shard(&t, &n, &s, shard, oldest).await
+                    }
+                    other => other,
+                };
                 (shard, r)
             }
         }))
