@@ -289,7 +289,8 @@ pub struct BrokerConfig {
 /// release build refuses to start with one.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Mutants {
-    /// `ack-after-lease`: write and acknowledge with the lease lapsed.
+    /// `ack-after-lease`: write and acknowledge with the lease lapsed, on shards this
+    /// broker no longer leads (the replica's own view of its deposition included).
     pub ack_after_lease: bool,
     /// `skip-fence`: lead without fencing a majority; take deposed leaders' records.
     pub skip_fence: bool,

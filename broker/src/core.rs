@@ -1661,7 +1661,15 @@ impl CoreBroker {
                 // follower fenced by a successor refused it (a planned move writes the
                 // successor's generation at once, with no lease to wait out, and a
                 // Leader-mode write waits for no follower that would refuse it).
-                if rs.term() != term || !rs.serving() || !this.may_acknowledge(&rs) {
+                // (The `ack-after-lease` mutant breaks this guard whole, so that the
+                // chaos checker's test of it still sees what a broken guard lets by.)
+                let deposed = !this
+                    .shared
+                    .cluster
+                    .as_ref()
+                    .is_some_and(|c| c.mutants.ack_after_lease)
+                    && (rs.term() != term || !rs.serving());
+                if deposed || !this.may_acknowledge(&rs) {
                     this.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
                     return Err(BrokerError::Unacknowledged(
                         "the lease lapsed or the shard was reassigned before the write was acknowledged"
