@@ -163,19 +163,14 @@ impl ClusterClient {
                 let r = match cc.subscribe_shard(&t, &n, &s, shard, start_of(shard)).await {
                     // Resumed where retention removed records since (positions taken
                     // before a lag): from the oldest retained, as a lost shard does.
-                    Err(ClientError::Cursor(c))
-                        if c.reason == felix_wire::message::CursorErrorReason::TooOld =>
-                    {
-                        tracing::warn!(
-                            shard,
-                            from = c.requested,
-                            to = c.available,
-                            "records removed by retention before they were delivered: skipped"
-                        );
-                        let oldest = Some(StartPosition::Offset(Offset(c.available)));
-                        cc.subscribe_shard(&t, &n, &s, shard, oldest).await
-                    }
-                    other => other,
+                    Err(e) => match oldest_retained(&e, shard) {
+                        Some(o) => {
+                            let oldest = Some(StartPosition::Offset(Offset(o)));
+                            cc.subscribe_shard(&t, &n, &s, shard, oldest).await
+                        }
+                        None => Err(e),
+                    },
+                    ok => ok,
                 };
                 (shard, r)
             }
@@ -316,41 +311,58 @@ async fn forward(
             let client = cc.client();
             match cc.subscribe_shard_once(&t, &n, &s, shard, resume).await {
                 Ok(sub) => break sub,
-                Err(ClientError::Cursor(c))
-                    if c.reason == felix_wire::message::CursorErrorReason::TooOld
-                        && c.available > 0 =>
-                {
-                    // Retention removed where it would resume (a lagged subscription
-                    // lands here): those records are gone, and asking for them again
-                    // failed forever. Go on from the oldest retained.
-                    tracing::warn!(
-                        shard,
-                        from = c.requested,
-                        to = c.available,
-                        "records removed by retention before they were delivered: skipped"
-                    );
-                    positions
-                        .lock()
-                        .expect("positions lock")
-                        .insert(shard, c.available - 1);
-                    pause = Duration::ZERO;
-                }
-                Err(e) => {
-                    if crate::retry::classify(&e, Duration::ZERO) == crate::retry::Decision::Fail {
-                        tracing::warn!(shard, error = %e, "re-establishing a shard failed");
+                // Retention removed where it would resume (a lagged subscription lands
+                // here): asking for it again failed forever. Go on from the oldest
+                // retained.
+                Err(e) => match oldest_retained(&e, shard) {
+                    Some(o) if o > 0 => {
+                        positions
+                            .lock()
+                            .expect("positions lock")
+                            .insert(shard, o - 1);
+                        pause = Duration::ZERO;
                     }
-                    if client.is_closed() {
-                        let _ = cc
-                            .with_retry(false, |c| async move { c.topology().await.map(|_| ()) })
-                            .await;
+                    _ => {
+                        if crate::retry::classify(&e, Duration::ZERO)
+                            == crate::retry::Decision::Fail
+                        {
+                            tracing::warn!(shard, error = %e, "re-establishing a shard failed");
+                        }
+                        if client.is_closed() {
+                            let _ = cc
+                                .with_retry(
+                                    false,
+                                    |c| async move { c.topology().await.map(|_| ()) },
+                                )
+                                .await;
+                        }
                     }
-                }
+                },
             }
         };
         if tx.send(ShardEvent::ShardRecovered { shard }).await.is_err() {
             return;
         }
     }
+}
+
+/// The oldest record `shard` still holds when `e` refused a resume below it (retention
+/// removed the records between, which are logged as skipped); `None` for any other
+/// error.
+fn oldest_retained(e: &ClientError, shard: u32) -> Option<u64> {
+    let ClientError::Cursor(c) = e else {
+        return None;
+    };
+    if c.reason != felix_wire::message::CursorErrorReason::TooOld {
+        return None;
+    }
+    tracing::warn!(
+        shard,
+        from = c.requested,
+        to = c.available,
+        "records removed by retention before they were delivered: skipped"
+    );
+    Some(c.available)
 }
 
 /// After the last offset delivered, or at `start` when none was.
