@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use felix_wire::flags::FrameKind;
-use felix_wire::message::{BrokerEndpoint, StartPosition};
+use felix_wire::message::{BrokerEndpoint, PublishRefusalReason, StartPosition};
 use felix_wire::{
     AckMode, AckPrefix, EventBatch, Features, Flags, FrameReader, Message, PublishAck,
     PublishAckStatus, PublishBatchHeader, RequestId, ShardId,
@@ -114,6 +114,16 @@ pub(crate) fn broker_error(context: &'static str, m: Message) -> ClientError {
             detail,
             message,
             context,
+        }),
+        // A `not_leader` refusal is followed like a `not_leader` answer, never
+        // surfaced as a refusal: a refusal ends an idempotent producer on the shard.
+        Message::PublishRefused {
+            reason: PublishRefusalReason::NotLeader { node_id, addr },
+            ..
+        } => ClientError::NotLeader(NotLeaderError {
+            node_id,
+            addr,
+            generation: 0,
         }),
         Message::PublishRefused {
             reason, message, ..
@@ -1581,4 +1591,36 @@ async fn open_stream(
         other => return Err(broker_error("auth rejected", other)),
     };
     Ok((s, negotiated))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_not_leader_refusal_is_a_redirect_not_a_refusal() {
+        let refusal = |reason| Message::PublishRefused {
+            request_id: RequestId(1),
+            reason,
+            message: "m".into(),
+        };
+        let e = broker_error(
+            "publish",
+            refusal(PublishRefusalReason::NotLeader {
+                node_id: "b".into(),
+                addr: Some("127.0.0.1:5000".into()),
+            }),
+        );
+        let ClientError::NotLeader(nl) = e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(
+            (nl.node_id.as_str(), nl.addr.as_deref()),
+            ("b", Some("127.0.0.1:5000"))
+        );
+        assert!(matches!(
+            broker_error("publish", refusal(PublishRefusalReason::UnknownProducer)),
+            ClientError::Refused { .. }
+        ));
+    }
 }

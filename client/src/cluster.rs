@@ -7,6 +7,7 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -229,50 +230,20 @@ impl ClusterClient {
         F: Fn(Arc<Client>) -> Fut,
         Fut: std::future::Future<Output = Result<T, ClientError>>,
     {
-        let started = Instant::now();
-        let mut first_not_found: Option<Instant> = None;
-        let mut last = None;
-        for attempt in 0..self.policy.attempts.max(1) {
-            let seen = self.generation();
-            let e = match op(self.client()).await {
-                Ok(v) => return Ok(v),
-                Err(e) => e,
-            };
-            if matches!(&e, ClientError::Broker(b) if b.code == Some(felix_wire::ErrorCode::NotFound))
-            {
-                first_not_found.get_or_insert_with(Instant::now);
-            }
-            let since_nf = first_not_found.map_or(Duration::ZERO, |t| t.elapsed());
-            let mut wait = self.jitter(attempt);
-            match classify(&e, since_nf) {
-                Decision::Fail => return Err(e),
-                Decision::OutcomeUnknown if !resend_unknown => return Err(e),
-                Decision::OutcomeUnknown => {}
-                Decision::Retry { at_least } => wait = wait.max(at_least),
-                Decision::Reconnect => {
-                    if let Err(re) = self.reconnect(seen).await
-                        && re.is_credential_failure()
-                    {
-                        return Err(re);
-                    }
-                }
-            }
-            last = Some(e);
-            if attempt + 1 == self.policy.attempts {
-                break;
-            }
-            if let Some(deadline) = self.policy.deadline
-                && started.elapsed() + wait >= deadline
-            {
-                break;
-            }
-            tokio::time::sleep(wait).await;
-        }
-        Err(ClientError::GaveUp {
-            attempts: self.policy.attempts,
-            endpoints: self.endpoints().len(),
-            last: Box::new(last.unwrap_or(ClientError::Timeout("no attempt made"))),
-        })
+        // The generation the failing attempt ran on: a reconnect replaces only that.
+        let seen = AtomicU64::new(0);
+        retry_under(
+            &self.policy,
+            resend_unknown,
+            self.endpoints().len(),
+            |attempt| self.jitter(attempt),
+            || {
+                seen.store(self.generation(), Ordering::Relaxed);
+                op(self.client())
+            },
+            || self.reconnect(seen.load(Ordering::Relaxed)),
+        )
+        .await
     }
 
     /// Subscribes to one shard from `start`: follows `not_leader` redirects and retries
@@ -543,6 +514,74 @@ async fn establish(
     .await
 }
 
+/// The retry loop of [`ClusterClient::with_retry`], with the attempt, the reconnect
+/// and the jitter passed in so it can be tested on a virtual clock. Giving up says
+/// whether any attempt ended without knowing if it applied (`in_doubt`): the last
+/// error alone (say, a connection refused) would read as nothing written.
+pub(crate) async fn retry_under<T, Op, OpFut, Re, ReFut>(
+    policy: &ReconnectPolicy,
+    resend_unknown: bool,
+    endpoints: usize,
+    mut jitter: impl FnMut(usize) -> Duration,
+    mut op: Op,
+    mut reconnect: Re,
+) -> Result<T, ClientError>
+where
+    Op: FnMut() -> OpFut,
+    OpFut: std::future::Future<Output = Result<T, ClientError>>,
+    Re: FnMut() -> ReFut,
+    ReFut: std::future::Future<Output = Result<(), ClientError>>,
+{
+    let started = Instant::now();
+    let mut first_not_found: Option<Instant> = None;
+    let mut last = None;
+    let mut in_doubt = false;
+    for attempt in 0..policy.attempts.max(1) {
+        let e = match op().await {
+            Ok(v) => return Ok(v),
+            Err(e) => e,
+        };
+        if matches!(&e, ClientError::Broker(b) if b.code == Some(felix_wire::ErrorCode::NotFound)) {
+            first_not_found.get_or_insert_with(Instant::now);
+        }
+        let since_nf = first_not_found.map_or(Duration::ZERO, |t| t.elapsed());
+        let mut wait = jitter(attempt);
+        let decision = classify(&e, since_nf);
+        // A lost connection or a timeout may have come after the request was sent.
+        in_doubt |= decision == Decision::OutcomeUnknown
+            || matches!(e, ClientError::Connection { .. } | ClientError::Timeout(_));
+        match decision {
+            Decision::Fail => return Err(e),
+            Decision::OutcomeUnknown if !resend_unknown => return Err(e),
+            Decision::OutcomeUnknown => {}
+            Decision::Retry { at_least } => wait = wait.max(at_least),
+            Decision::Reconnect => {
+                if let Err(re) = reconnect().await
+                    && re.is_credential_failure()
+                {
+                    return Err(re);
+                }
+            }
+        }
+        last = Some(e);
+        if attempt + 1 == policy.attempts {
+            break;
+        }
+        if let Some(deadline) = policy.deadline
+            && started.elapsed() + wait >= deadline
+        {
+            break;
+        }
+        tokio::time::sleep(wait).await;
+    }
+    Err(ClientError::GaveUp {
+        attempts: policy.attempts,
+        endpoints,
+        in_doubt,
+        last: Box::new(last.unwrap_or(ClientError::Timeout("no attempt made"))),
+    })
+}
+
 /// The reconnect loop, with the connection step and the jitter source passed in so it
 /// can be tested on a virtual clock: every attempt tries every endpoint in order;
 /// between attempts it sleeps a full-jitter backoff; a deadline (checked before each
@@ -563,6 +602,7 @@ where
     let gave_up = |attempts: usize, last: Option<ClientError>| ClientError::GaveUp {
         attempts,
         endpoints: endpoints.len(),
+        in_doubt: false,
         last: Box::new(last.unwrap_or(ClientError::Config("no endpoints".into()))),
     };
     for attempt in 0..attempts {
@@ -631,6 +671,84 @@ mod tests {
                 Err(err)
             })
         }
+    }
+
+    fn coded(code: felix_wire::ErrorCode) -> ClientError {
+        ClientError::Broker(BrokerError {
+            retry: Some(code.default_retry()),
+            code: Some(code),
+            detail: None,
+            message: "x".into(),
+            context: "test",
+        })
+    }
+
+    /// Runs the retry loop over `errors`, one per attempt, reconnecting for free.
+    async fn give_up_over(errors: Vec<ClientError>) -> ClientError {
+        let policy = ReconnectPolicy {
+            attempts: errors.len(),
+            backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(10),
+            deadline: None,
+        };
+        let errors = RefCell::new(errors.into_iter());
+        let r: Result<(), _> = retry_under(
+            &policy,
+            true,
+            2,
+            |_| Duration::from_millis(1),
+            || {
+                let e = errors.borrow_mut().next().expect("one error an attempt");
+                async move { Err(e) }
+            },
+            || async { Ok(()) },
+        )
+        .await;
+        r.unwrap_err()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn giving_up_says_an_earlier_attempt_may_have_applied() {
+        use felix_wire::ErrorCode;
+        // The write may have landed in the first attempt; the last only says the
+        // broker could not be reached.
+        let e = give_up_over(vec![
+            coded(ErrorCode::Unacknowledged),
+            coded(ErrorCode::ShardUnavailable),
+            coded(ErrorCode::ShardUnavailable),
+        ])
+        .await;
+        assert!(
+            matches!(&e, ClientError::GaveUp { in_doubt: true, attempts: 3, last, .. }
+                if matches!(**last, ClientError::Broker(_))),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("outcome is unknown"), "{e}");
+        let e = give_up_over(vec![
+            ClientError::Timeout("publish ack"),
+            ClientError::connection("x", "refused"),
+        ])
+        .await;
+        assert!(
+            matches!(e, ClientError::GaveUp { in_doubt: true, .. }),
+            "{e:?}"
+        );
+        // Refused every time before anything was written: not in doubt.
+        let e = give_up_over(vec![
+            coded(ErrorCode::ShardUnavailable),
+            coded(ErrorCode::ShardUnavailable),
+        ])
+        .await;
+        assert!(
+            matches!(
+                e,
+                ClientError::GaveUp {
+                    in_doubt: false,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

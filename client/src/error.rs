@@ -95,12 +95,20 @@ pub enum ClientError {
     #[error("configuration: {0}")]
     Config(String),
     /// Every endpoint failed for every attempt.
-    #[error("gave up after {attempts} attempts across {endpoints} endpoints: {last}")]
+    #[error(
+        "gave up after {attempts} attempts across {endpoints} endpoints{}: {last}",
+        if *in_doubt { " (an attempt's outcome is unknown)" } else { "" }
+    )]
     GaveUp {
         /// Attempts made.
         attempts: usize,
         /// Endpoints tried.
         endpoints: usize,
+        /// Some attempt ended without knowing whether it applied (the broker said the
+        /// outcome is unknown, or the connection was lost or timed out after the
+        /// request may have been sent): a write may have happened even though `last`
+        /// says otherwise.
+        in_doubt: bool,
         /// The last error.
         last: Box<ClientError>,
     },

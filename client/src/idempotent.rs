@@ -29,7 +29,8 @@ struct ShardSeq {
 /// still fails, the batch is *in doubt* and the next call on that shard must be the same
 /// batch (anything else is refused locally, unsent); so is a batch whose call was
 /// dropped before its answer (it may have landed). A typed refusal (`Refused`: a gap,
-/// an unknown or expired producer) ends the producer on that shard. Batches go one at a
+/// an unknown or expired producer) ends the producer on that shard; a `not_leader`
+/// refusal is followed to the owner it names, as the protocol asks, never surfaced. Batches go one at a
 /// time per producer (no pipelining).
 #[derive(Debug)]
 pub struct IdempotentProducer<'a> {
@@ -106,19 +107,25 @@ impl IdempotentProducer<'_> {
         seq.in_doubt = Some(payloads.clone());
         let result = self
             .cluster
-            .with_retry(true, |c| {
-                let payloads = payloads.clone();
+            .with_retry(true, |_| {
+                // A `not_leader` refusal is followed to the owner it names.
+                let payloads = &payloads;
                 async move {
-                    c.publish_idempotent(
-                        tenant,
-                        namespace,
-                        stream,
-                        Some(shard),
-                        payloads,
-                        self.id,
-                        sequence,
-                    )
-                    .await
+                    self.cluster
+                        .on_owner(|c| async move {
+                            c.publish_idempotent(
+                                tenant,
+                                namespace,
+                                stream,
+                                Some(shard),
+                                payloads.clone(),
+                                self.id,
+                                sequence,
+                            )
+                            .await
+                        })
+                        .await
+                        .map(|(_, offset)| offset)
                 }
             })
             .await;
