@@ -1622,6 +1622,8 @@ async fn drain_node(
                         None => break,
                     }
                 }
+                // Its stream was deleted since the list: nothing left to hand over.
+                Err(StoreError::NotFound { .. }) => break,
                 Err(e) => return Err(e.into()),
             }
         }

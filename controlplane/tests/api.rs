@@ -1826,12 +1826,13 @@ fn bootstrapped(svc: &Service) -> (ControlPlaneClient, ControlPlaneClient) {
     (anon, admin)
 }
 
-/// A store that runs a write of its own just before the next batch putting a node: a
-/// write racing a handler between its read and its write, made deterministic.
+/// A store that runs a write of its own just before the next batch putting a document
+/// of the armed kind: a write racing a handler between its read and its write, made
+/// deterministic.
 #[derive(Debug, Default)]
 struct RacingStore {
     inner: MemoryStore,
-    race: std::sync::Mutex<Option<Vec<Op>>>,
+    race: std::sync::Mutex<Option<(Kind, Vec<Op>)>>,
 }
 
 impl Store for RacingStore {
@@ -1844,20 +1845,18 @@ impl Store for RacingStore {
     }
 
     fn batch(&self, ops: Vec<Op>) -> BoxFut<'_, Vec<Doc>> {
-        let puts_node = ops.iter().any(|o| {
-            matches!(
-                o,
-                Op::Put {
-                    kind: Kind::Node,
-                    ..
-                }
-            )
-        });
-        let race = if puts_node {
-            self.race.lock().unwrap().take()
-        } else {
-            None
+        let mut armed = self.race.lock().unwrap();
+        let race = match armed.as_ref() {
+            Some((kind, _))
+                if ops
+                    .iter()
+                    .any(|o| matches!(o, Op::Put { kind: k, .. } if k == kind)) =>
+            {
+                armed.take().map(|(_, race)| race)
+            }
+            _ => None,
         };
+        drop(armed);
         Box::pin(async move {
             if let Some(race) = race {
                 self.inner.batch(race).await?;
@@ -1923,12 +1922,15 @@ fn a_drain_and_the_nodes_heartbeat_racing_both_hold() {
         let (d, mut n) = read();
         n.lifecycle = lifecycle;
         n.last_heartbeat_ms += 1;
-        *store.race.lock().unwrap() = Some(vec![Op::Put {
-            kind: Kind::Node,
-            key: "node-a".into(),
-            value: serde_json::to_value(&n).unwrap(),
-            expect: Expect::Version(d.version),
-        }]);
+        *store.race.lock().unwrap() = Some((
+            Kind::Node,
+            vec![Op::Put {
+                kind: Kind::Node,
+                key: "node-a".into(),
+                value: serde_json::to_value(&n).unwrap(),
+                expect: Expect::Version(d.version),
+            }],
+        ));
     };
     // A heartbeat lands while the drain writes.
     arm(Lifecycle::Live);
@@ -1956,6 +1958,87 @@ fn a_drain_and_the_nodes_heartbeat_racing_both_hold() {
         .expect("the heartbeat reads again past the drain");
     assert_eq!(beat["lifecycle"], "draining", "{beat}");
     assert_eq!(read().1.lifecycle, Lifecycle::Draining, "the drain stands");
+}
+
+/// A stream deleted while a drain hands its node's shards over: the drain passes over
+/// the shard that is gone and moves the rest. It answered 404 part way (some shards
+/// moved, the answer lost), and a broker draining itself at SIGTERM gave up there.
+#[test]
+fn a_drain_passes_over_a_shard_deleted_under_it() {
+    use felix_controlplane::model::AssignmentKey;
+    let store = Arc::new(RacingStore::default());
+    let svc = start(store.clone(), runtime());
+    let (anon, admin) = bootstrapped(&svc);
+    let mut drainer = None;
+    for (i, id) in ["node-a", "node-b"].into_iter().enumerate() {
+        let token = admin
+            .post(
+                "/v1/tenants/operator/tokens",
+                &json!({"sub": id, "audience": "felix-controlplane",
+                        "perms": [format!("node.manage:node:{id}"), "node.view:cluster:*"]}),
+            )
+            .unwrap()["token"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let node = anon.clone().with_token(&token);
+        node.post(
+            "/v1/nodes",
+            &json!({"node_id": id, "client_addr": format!("127.0.0.1:{}", 5100 + i)}),
+        )
+        .unwrap();
+        drainer.get_or_insert(node);
+    }
+    let led_by_a = |name: &str| Assignment {
+        key: AssignmentKey {
+            tenant_id: "acme".into(),
+            namespace: "ns".into(),
+            kind: "stream".into(),
+            name: name.into(),
+            shard: 0,
+        },
+        leader: "node-a".into(),
+        replicas: vec!["node-a".into(), "node-b".into()],
+        generation: 1,
+        state: "active".into(),
+        routing: None,
+        staging: None,
+        replaces: None,
+        retiring: None,
+        abandoned: None,
+    };
+    let (gone, kept) = (led_by_a("gone"), led_by_a("kept"));
+    svc.rt.block_on(async {
+        for a in [&gone, &kept] {
+            store
+                .batch(vec![Op::Put {
+                    kind: Kind::Assignment,
+                    key: a.key.store_key(),
+                    value: serde_json::to_value(a).unwrap(),
+                    expect: Expect::Absent,
+                }])
+                .await
+                .unwrap();
+        }
+    });
+    // "gone"'s stream is deleted as the drain writes it (listed first, by key).
+    *store.race.lock().unwrap() = Some((
+        Kind::Assignment,
+        vec![Op::Delete {
+            kind: Kind::Assignment,
+            key: gone.key.store_key(),
+            expect: Expect::Present,
+        }],
+    ));
+    let answer = drainer
+        .unwrap()
+        .post("/v1/nodes/node-a/drain", &json!({}))
+        .expect("a shard deleted under the drain is passed over");
+    assert_eq!(
+        answer["moved"],
+        json!([{"shard": kept.key.store_key(), "leader": "node-b", "generation": 2}]),
+        "{answer}"
+    );
 }
 
 /// A NUL in any string of a request body is refused 400, on every store: Postgres's
