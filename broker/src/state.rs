@@ -151,13 +151,13 @@ pub fn decode(r: &Bytes) -> Option<(Bytes, Vec<Change>)> {
 /// record at the commit's offset. Other batches are unchanged.
 pub fn readable(mut b: ReadBatch) -> ReadBatch {
     if b.kind == BatchKind::Commit {
-        let event = b
+        // One record a commit; should a batch hold more, each keeps its offset (a
+        // reader slices by offset).
+        b.records = b
             .records
-            .first()
-            .and_then(decode)
-            .map(|(e, _)| e)
-            .unwrap_or_default();
-        b.records = vec![event];
+            .iter()
+            .map(|r| decode(r).map(|(e, _)| e).unwrap_or_default())
+            .collect();
         b.kind = BatchKind::Data;
     }
     b

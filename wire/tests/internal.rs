@@ -401,6 +401,33 @@ fn non_contiguous_batches_are_refused_both_ways() {
     decode_one(&fine).unwrap();
 }
 
+/// A commit is one record; a peer shipping a commit batch of more made a subscriber's
+/// history read slice past the one event it shows (a core panic, again after every
+/// restart: the batch was durable).
+#[test]
+fn a_commit_batch_of_other_than_one_record_is_refused_both_ways() {
+    let mut m = records();
+    m.batches.truncate(1);
+    m.batches[0].kind = BatchKind::Commit;
+    m.batches[0].records = vec![Bytes::from_static(b"a"), Bytes::from_static(b"b")];
+    assert!(matches!(
+        m.encode(&mut BytesMut::new()),
+        Err(EncodeError::Invalid {
+            problem: BodyError::CommitNotOneRecord { index: 0, count: 2 },
+            ..
+        })
+    ));
+    let (_, problem) = malformed(decode_one(&raw_records(
+        &section(&[(100, 0, &[b"a"]), (101, 2, &[b"b", b"c", b"d"])]),
+        None,
+    )));
+    assert_eq!(
+        problem,
+        BodyError::CommitNotOneRecord { index: 1, count: 3 }
+    );
+    decode_one(&raw_records(&section(&[(100, 2, &[b"a"])]), None)).unwrap();
+}
+
 #[test]
 fn empty_batches_overflowing_offsets_and_a_wrong_prev_are_refused() {
     let mut m = records();

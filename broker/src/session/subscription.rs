@@ -262,6 +262,18 @@ mod tests {
         assert_eq!(p.next(), 12);
     }
 
+    /// A commit batch of several records (the wire now refuses one from a peer; this is
+    /// what reached a subscriber before) sends what it holds, each at its offset: the
+    /// read sliced the one event it kept by the batch's count and took the core down.
+    #[test]
+    fn a_commit_batch_of_several_records_reads_without_a_panic() {
+        let mut p = Pump::new(key(0), 1, EventFormat::Binary);
+        let mut out = Vec::new();
+        assert!(p.on_history(&[batch(0, 3, BatchKind::Commit)], 3, &mut out));
+        assert_eq!(events(&out[0]), (1, 2, None));
+        assert_eq!(p.next(), 3);
+    }
+
     #[test]
     fn a_dropped_batch_is_a_gap_read_back_before_the_next() {
         let k = key(0);

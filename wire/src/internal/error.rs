@@ -114,6 +114,15 @@ pub enum BodyError {
         /// Where this one starts.
         found: Offset,
     },
+    /// A commit batch of other than one record (a commit is one record: its event and
+    /// its state changes).
+    #[error("batch {index} is a commit of {count} records; a commit is one record")]
+    CommitNotOneRecord {
+        /// The batch's index in the message.
+        index: usize,
+        /// Its records.
+        count: usize,
+    },
     /// A batch whose offsets run past `u64::MAX`.
     #[error("batch {index} runs past the largest offset")]
     OffsetOverflow {

@@ -124,10 +124,21 @@ impl Tally {
         }
     }
 
-    fn batch(&mut self, base_offset: Offset, record_count: usize) -> Result<(), BodyError> {
+    fn batch(
+        &mut self,
+        base_offset: Offset,
+        kind: BatchKind,
+        record_count: usize,
+    ) -> Result<(), BodyError> {
         let index = self.index;
         if record_count == 0 {
             return Err(BodyError::EmptyBatch { index });
+        }
+        if kind == BatchKind::Commit && record_count != 1 {
+            return Err(BodyError::CommitNotOneRecord {
+                index,
+                count: record_count,
+            });
         }
         self.records = self.records.saturating_add(record_count);
         if self.records > MAX_RECORDS_PER_MESSAGE {
@@ -174,7 +185,7 @@ impl Records {
     fn check(&self) -> Result<(), BodyError> {
         let mut tally = Tally::new();
         for batch in &self.batches {
-            tally.batch(batch.base_offset, batch.records.len())?;
+            tally.batch(batch.base_offset, batch.kind, batch.records.len())?;
         }
         self.check_prev()
     }
@@ -204,7 +215,7 @@ impl Records {
                 None
             };
             let record_count = s.count(4, "record count")?;
-            tally.batch(base_offset, record_count)?;
+            tally.batch(base_offset, kind, record_count)?;
             let mut records = Vec::with_capacity(record_count);
             for _ in 0..record_count {
                 let len = s.u32("record length")? as usize;
