@@ -291,7 +291,11 @@ impl TenantKeys {
                 expected: audience,
             });
         }
-        if now > claims.exp + SKEW_SECS || claims.nbf.is_some_and(|nbf| now + SKEW_SECS < nbf) {
+        if now > claims.exp.saturating_add(SKEW_SECS)
+            || claims
+                .nbf
+                .is_some_and(|nbf| now.saturating_add(SKEW_SECS) < nbf)
+        {
             return Err(AuthError::Expired);
         }
         if claims.tid != tenant {
@@ -625,6 +629,18 @@ mod tests {
         let admin = key.sign(&claims("acme", vec!["tenant.manage:tenant:acme".into()]));
         let g = keys.verify(&admin, "acme", 1500).unwrap();
         assert!(g.allows(Action::CacheWrite, "x", "y"));
+    }
+
+    /// A token that never expires (`exp` at the largest time) verifies: the skew added
+    /// to it overflowed (a panic in a debug build, "expired" in a release one).
+    #[test]
+    fn a_token_expiring_at_the_end_of_time_verifies() {
+        let (key, keys) = setup();
+        let mut c = claims("acme", vec![]);
+        c.exp = u64::MAX;
+        c.nbf = Some(u64::MAX);
+        keys.verify(&key.sign(&c), "acme", u64::MAX)
+            .expect("it holds until the end of time");
     }
 
     #[test]

@@ -1074,7 +1074,7 @@ impl Replicas {
                 let from_offset = match r.batches.first() {
                     Some(b) => b.base_offset.0,
                     None if r.prev_offset.0 == 0 && r.prev_generation.0 == 0 => 0,
-                    None => r.prev_offset.0 + 1,
+                    None => r.prev_offset.0.saturating_add(1),
                 };
                 (
                     key,

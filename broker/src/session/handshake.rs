@@ -110,7 +110,7 @@ impl Session {
         now: Now,
     ) -> Result<(), BrokerError> {
         self.check_tenant(tenant)?;
-        if self.grant.expires_at + EXPIRY_LEEWAY_SECS < now.wall_secs() {
+        if self.grant.expires_at.saturating_add(EXPIRY_LEEWAY_SECS) < now.wall_secs() {
             return Err(BrokerError::Unauthenticated("token expired".into()));
         }
         validate_name("namespace", ns)?;
@@ -430,6 +430,19 @@ mod tests {
             handshake(&bin, &e, now(1000)).unwrap_err().error,
             BrokerError::Unauthenticated(_)
         ));
+    }
+
+    /// A session on a token that never expires serves requests (adding the leeway to
+    /// its expiry overflowed: a panic in a debug build, refused in a release one).
+    #[test]
+    fn a_token_expiring_at_the_end_of_time_serves() {
+        let (keys, token) = keys_and_token(1000, u64::MAX);
+        let e = env(&keys);
+        let (session, _) =
+            handshake(&auth_frame("t1", &token, Features(0)), &e, now(1500)).unwrap();
+        session
+            .authorize(Action::StreamPublish, "t1", "default", "s", now(1999))
+            .expect("it holds");
     }
 
     #[test]
