@@ -292,6 +292,10 @@ impl Tracker {
                 self.in_flight.clear();
                 self.owed.clear();
                 self.settled_ahead.clear();
+                // Dead letters at or past the new cursor are records to deliver again,
+                // no longer given up on: listed, a redrive took one from the consumer
+                // holding it and handed it to another.
+                self.dead.retain(|&d| d < o);
                 // Claims are forgotten, those of an earlier leadership too, and acks
                 // being written: one that fails owes nothing in the new position.
                 self.inherited_below = 0;
@@ -1043,6 +1047,24 @@ mod tests {
         let c = again.claim(10, 1, 3, 60_000, None);
         assert_ne!(c.serial, a.serial);
         assert_ne!(c.serial, b.serial);
+    }
+
+    #[test]
+    fn a_seek_back_takes_the_dead_letters_it_delivers_again_off_the_list() {
+        let mut t = Tracker::new(0, limits());
+        for o in 0..2 {
+            t.claim(10, 1, 0, 60_000, None);
+            t.dead_letter(o, 0).unwrap();
+        }
+        assert_eq!(t.dead_letters().collect::<Vec<_>>(), vec![0, 1]);
+        // Back to 1: record 1 goes out again; 0 stays given up on.
+        t.apply(Event::Seek(1));
+        assert_eq!(t.dead_letters().collect::<Vec<_>>(), vec![0]);
+        assert_eq!(offsets(&t.claim(10, 1, 1, 60_000, None)), vec![1]);
+        assert!(
+            t.is_dead(1).is_err(),
+            "a redrive would take record 1 from its holder for another consumer"
+        );
     }
 
     #[test]
