@@ -2459,7 +2459,19 @@ impl CoreBroker {
                 return Ok(());
             }
             if let Some(index) = shard.state.borrow_mut().as_mut() {
+                if index.end() != from {
+                    // Another reader moved it, or it was dropped and rebuilt from the
+                    // base while this read was out: the read is not for it.
+                    continue;
+                }
                 index.apply_batches(&batches, to)?;
+                if index.end() == from {
+                    // A read that does not begin at `from` would make this loop spin.
+                    return Err(BrokerError::Storage(format!(
+                        "state catch-up: a read from {from} began at {}",
+                        batches[0].base_offset
+                    )));
+                }
             }
         }
     }

@@ -273,11 +273,16 @@ impl StateIndex {
 
     /// Applies the batches read from the log below `to`, skipping any already applied
     /// (two readers catching up at once read the same batches; the second applies
-    /// nothing).
+    /// nothing), and stopping at a batch that does not begin where the index ends: a
+    /// read made for an index since dropped and rebuilt from the base (a replica that
+    /// began leading) would otherwise move this one past every commit in between.
     pub fn apply_batches(&mut self, batches: &[ReadBatch], to: u64) -> Result<(), BrokerError> {
         for b in batches {
-            if b.base_offset < self.end || b.base_offset >= to {
+            if b.base_offset < self.end {
                 continue;
+            }
+            if b.base_offset > self.end || b.base_offset >= to {
+                break;
             }
             if b.kind == BatchKind::Commit {
                 let (_, changes) = b.records.first().and_then(decode).ok_or_else(|| {
@@ -404,6 +409,34 @@ mod tests {
         );
     }
 
+    /// A catch-up read made for an index that was dropped meanwhile (the replica began
+    /// leading) lands on the one rebuilt from the base: it applies nothing rather than
+    /// move the new index past the commits below the read, which `state_get` then did
+    /// not see and retention removed without copying.
+    #[test]
+    fn batches_past_the_index_end_are_not_applied() {
+        let put = |k: &str, v: &'static [u8]| Change::Put(k.into(), Bytes::from_static(v));
+        let mut rebuilt = StateIndex::at(0);
+        rebuilt
+            .apply_batches(&[commit_batch(10, &[put("late", b"1")])], 20)
+            .unwrap();
+        assert_eq!(rebuilt.end(), 0, "the index still lacks offsets 0..10");
+        assert_eq!(rebuilt.get("late"), None);
+        // Its own read from the base then applies everything in order.
+        let mut from_base = vec![commit_batch(0, &[put("early", b"0")])];
+        from_base.push(ReadBatch {
+            base_offset: 1,
+            timestamp_micros: 0,
+            kind: BatchKind::Data,
+            producer: None,
+            records: vec![Bytes::from_static(b"plain"); 9],
+        });
+        from_base.push(commit_batch(10, &[put("late", b"1")]));
+        rebuilt.apply_batches(&from_base, 20).unwrap();
+        assert_eq!(rebuilt.end(), 11);
+        assert_eq!(rebuilt.get("early"), Some((Bytes::from_static(b"0"), 0)));
+    }
+
     #[test]
     fn copies_carry_values_with_their_versions_and_move_the_floor_past_the_cut() {
         let put = |k: &str, v: &'static [u8]| Change::Put(k.into(), Bytes::from_static(v));
@@ -412,6 +445,13 @@ mod tests {
             &[
                 commit_batch(0, &[put("a", b"1"), put("b", b"2")]),
                 commit_batch(1, &[put("c", b"3")]),
+                ReadBatch {
+                    base_offset: 2,
+                    timestamp_micros: 0,
+                    kind: BatchKind::Data,
+                    producer: None,
+                    records: vec![Bytes::from_static(b"plain"); 3],
+                },
                 commit_batch(5, &[put("b", b"4"), Change::Delete("c".into())]),
             ],
             6,
@@ -425,7 +465,7 @@ mod tests {
         assert_eq!(decode_copies(&records[0]), Some(below.clone()));
         i.apply_batches(
             &[ReadBatch {
-                base_offset: 9,
+                base_offset: 6,
                 timestamp_micros: 0,
                 kind: BatchKind::State,
                 producer: None,
@@ -446,9 +486,16 @@ mod tests {
         after
             .apply_batches(
                 &[
+                    ReadBatch {
+                        base_offset: 4,
+                        timestamp_micros: 0,
+                        kind: BatchKind::Data,
+                        producer: None,
+                        records: vec![Bytes::from_static(b"plain")],
+                    },
                     commit_batch(5, &[put("b", b"4"), Change::Delete("c".into())]),
                     ReadBatch {
-                        base_offset: 9,
+                        base_offset: 6,
                         timestamp_micros: 0,
                         kind: BatchKind::State,
                         producer: None,
