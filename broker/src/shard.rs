@@ -444,12 +444,6 @@ pub fn decode_cache_record(r: &Bytes) -> Option<CacheRecord> {
     })
 }
 
-/// The in-flight key a counter's adds are tracked under (a cache key that happened to
-/// equal it would only make writes of it wait for those adds).
-fn counter_guard_key(name: &str) -> String {
-    format!("\u{0}counter\u{0}{name}")
-}
-
 /// What a cache log describes: the live values and the counters, up to `end`.
 #[derive(Debug, Default)]
 struct Projection {
@@ -504,6 +498,10 @@ pub struct CacheShard {
     /// Writes claimed but not yet applied, per key: a conditional write waits for them,
     /// so its condition is checked against every write before it.
     in_flight: RefCell<HashMap<String, u32>>,
+    /// Adds claimed but not yet applied, per counter (a compaction checkpoints a counter
+    /// only while it has none). Apart from `in_flight`: counters and keys are named
+    /// apart, and a key named like a counter's guard stalled every compaction.
+    counters_in_flight: RefCell<HashMap<String, u32>>,
     /// Adds claimed but not yet applied, per counter: the sum of their positive and of
     /// their negative deltas. A new add is checked against the applied sum plus each,
     /// so whichever of them land the counter stays within i64.
@@ -555,11 +553,18 @@ const COMPACT_APPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(1
 pub struct KeyWrite<'a> {
     shard: &'a CacheShard,
     key: String,
+    /// A counter's add, not a key's write.
+    counter: bool,
 }
 
 impl Drop for KeyWrite<'_> {
     fn drop(&mut self) {
-        self.shard.mark_key(&self.key, false);
+        let map = if self.counter {
+            &self.shard.counters_in_flight
+        } else {
+            &self.shard.in_flight
+        };
+        self.shard.mark(map, &self.key, false);
     }
 }
 
@@ -603,6 +608,7 @@ impl CacheShard {
             state: RefCell::new(state),
             changed: crate::groups::Wakers::default(),
             in_flight: RefCell::default(),
+            counters_in_flight: RefCell::default(),
             adding: RefCell::default(),
             staged: RefCell::default(),
             writes: std::cell::Cell::new(0),
@@ -708,7 +714,7 @@ impl CacheShard {
             RecordOp::Put | RecordOp::Delete => self.mark_key(&rec.key, on),
             RecordOp::Add(delta) => {
                 self.mark_add(&rec.key, i128::from(delta), on);
-                self.mark_key(&counter_guard_key(&rec.key), on);
+                self.mark(&self.counters_in_flight, &rec.key, on);
             }
             RecordOp::Set(_) | RecordOp::Cut(_) => {}
         }
@@ -716,7 +722,12 @@ impl CacheShard {
 
     /// Counts a write of `key` in flight (`on`) or done (waking whoever waits for it).
     fn mark_key(&self, key: &str, on: bool) {
-        let mut m = self.in_flight.borrow_mut();
+        self.mark(&self.in_flight, key, on);
+    }
+
+    /// Counts a write of `name` in flight in `map` (`on`) or done (waking whoever waits).
+    fn mark(&self, map: &RefCell<HashMap<String, u32>>, key: &str, on: bool) {
+        let mut m = map.borrow_mut();
         if on {
             *m.entry(key.to_owned()).or_default() += 1;
             return;
@@ -959,6 +970,7 @@ impl CacheShard {
         }
         let now = felix_core_runtime::clock::now();
         let mut values = 0;
+        let give_up = std::time::Instant::now() + COMPACT_APPLY_WAIT;
         loop {
             // Pick, claim and mark in one go (no wait in between): live values below
             // the cut whose key has no write in flight.
@@ -967,8 +979,17 @@ impl CacheShard {
                 Picked::Done => break,
                 Picked::Wait => {
                     // Left below the cut: values whose key has a write in flight. Wait
-                    // for it (applied: the value is past the cut; failed: copy it).
-                    self.changed.changed().await;
+                    // for it (applied: the value is past the cut; failed: copy it),
+                    // not for ever: nothing below the cut is removed on giving up.
+                    let wait = give_up.saturating_duration_since(std::time::Instant::now());
+                    if felix_core_runtime::task::timeout(wait, self.changed.changed())
+                        .await
+                        .is_none()
+                    {
+                        return Err(BrokerError::Overloaded(
+                            "compaction: a value's write stayed in flight".into(),
+                        ));
+                    }
                     continue;
                 }
                 Picked::Copy(batch) => batch,
@@ -996,10 +1017,10 @@ impl CacheShard {
         while !left.is_empty() {
             let (chunk, records) = {
                 let st = self.state.borrow();
-                let inflight = self.in_flight.borrow();
+                let inflight = self.counters_in_flight.borrow();
                 let chunk: Vec<String> = left
                     .iter()
-                    .filter(|n| !inflight.contains_key(&counter_guard_key(n)))
+                    .filter(|n| !inflight.contains_key(*n))
                     .take(COMPACT_BATCH)
                     .cloned()
                     .collect();
@@ -1028,10 +1049,7 @@ impl CacheShard {
             if records.is_empty() {
                 continue;
             }
-            let guards: Vec<_> = chunk
-                .iter()
-                .map(|n| self.key_write(&counter_guard_key(n)))
-                .collect();
+            let guards: Vec<_> = chunk.iter().map(|n| self.counter_write(n)).collect();
             // `append` claims its offsets before its first wait.
             let first = writes.append(&records, now.wall_micros).await?;
             writes.apply(self, first, &records);
@@ -1080,7 +1098,12 @@ impl CacheShard {
     /// Marks an add to counter `name` in flight until the returned guard drops (a
     /// compaction checkpoints a counter only while none is).
     pub fn counter_write(&self, name: &str) -> KeyWrite<'_> {
-        self.key_write(&counter_guard_key(name))
+        self.mark(&self.counters_in_flight, name, true);
+        KeyWrite {
+            shard: self,
+            key: name.to_owned(),
+            counter: true,
+        }
     }
 
     /// Marks a write of `key` in flight until the returned guard drops.
@@ -1089,6 +1112,7 @@ impl CacheShard {
         KeyWrite {
             shard: self,
             key: key.to_owned(),
+            counter: false,
         }
     }
 
@@ -1456,6 +1480,39 @@ mod tests {
                 "a checkpoint was taken while its counter had an add in flight"
             );
             assert_eq!((shard.counter("a"), shard.counter("b")), (Some(1), Some(2)));
+        });
+    }
+
+    /// A cache key named like the guard a counter's adds were once tracked under
+    /// (`"\0counter\0c"`) is a key like any other: a compaction copies it while an
+    /// add of counter `c` is in flight. It waited for that add, and adds always in
+    /// flight kept every compaction waiting for good.
+    #[test]
+    fn a_key_named_like_a_counter_does_not_wait_for_its_adds() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = cache_in(dir.path()).await;
+            let now = felix_core_runtime::clock::now();
+            shard
+                .put("\u{0}counter\u{0}c", Bytes::from_static(b"v"), None, now)
+                .await
+                .unwrap();
+            shard.counter_add("c", 1, now).await.unwrap();
+            let adding = shard.begin_add("c", 1).unwrap();
+            let before = shard.log.next_offset();
+            let turns = async {
+                for _ in 0..20 {
+                    felix_core_runtime::task::yield_now().await;
+                }
+                let copied = shard.log.next_offset() > before;
+                drop(adding);
+                copied
+            };
+            let (c, copied) =
+                futures_lite::future::zip(shard.compact(&LocalWrites(shard.log())), turns).await;
+            assert!(copied, "the key's copy waited for the counter's add");
+            let c = c.expect("the compaction finishes");
+            assert_eq!((c.values, c.counters), (1, 1), "{c:?}");
         });
     }
 
