@@ -1,7 +1,7 @@
 //! Broker errors, each mapped to a protocol error code and retry class.
 
 use felix_storage_uring::StorageError;
-use felix_wire::{ErrorCode, ErrorDetail, Message};
+use felix_wire::{ErrorCode, ErrorDetail, Message, RetryClass};
 
 /// The most of a peer's own text (a name, a key) an answer echoes back.
 pub const ECHO_MAX_BYTES: usize = 128;
@@ -76,6 +76,11 @@ pub enum BrokerError {
     /// or its claim lapsed and it went out again).
     #[error("stale claim: {0}")]
     StaleClaim(String),
+    /// An extend, or a nack naming its attempt, of a claim this consumer no longer
+    /// holds: `stale_claim`, and fatal (the reference's table), since no retry can
+    /// make the claim its again.
+    #[error("stale claim: {0}")]
+    ClaimGone(String),
     /// An idempotent (or conditional) publish refused before anything was written.
     #[error("publish refused: {0:?}")]
     Refused(felix_wire::message::PublishRefusalReason),
@@ -115,7 +120,7 @@ impl BrokerError {
             BrokerError::Internal(_) => ErrorCode::Internal,
             BrokerError::Unacknowledged(_) => ErrorCode::Unacknowledged,
             BrokerError::NotLeader { .. } => ErrorCode::NotLeader,
-            BrokerError::StaleClaim(_) => ErrorCode::StaleClaim,
+            BrokerError::StaleClaim(_) | BrokerError::ClaimGone(_) => ErrorCode::StaleClaim,
             BrokerError::OffsetMismatch { .. } | BrokerError::Refused(_) => {
                 ErrorCode::InvalidRequest
             }
@@ -163,9 +168,24 @@ impl BrokerError {
         text
     }
 
+    /// What the client should do about it: the code's class, but for a claim gone
+    /// for good.
+    pub fn retry_class(&self) -> RetryClass {
+        match self {
+            BrokerError::ClaimGone(_) => RetryClass::Fatal,
+            e => e.code().default_retry(),
+        }
+    }
+
     /// The `error` message for a client (`coded` when it offered ERROR_CODES).
     pub fn to_message(&self, coded: bool) -> Message {
-        Message::error(self.wire_text(), self.code(), self.detail(), coded)
+        Message::error(
+            self.wire_text(),
+            self.code(),
+            self.retry_class(),
+            self.detail(),
+            coded,
+        )
     }
 }
 
@@ -187,5 +207,29 @@ impl From<StorageError> for BrokerError {
             },
             other => BrokerError::Storage(other.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `stale_claim` retries by default (an ack the rebuilt claims do not know may be
+    /// taken later), but an extend or a nack naming its attempt of a claim gone is
+    /// fatal, as the reference's table has it: a client retried it for nothing.
+    #[test]
+    fn a_claim_gone_is_a_fatal_stale_claim() {
+        let class = |e: BrokerError| match e.to_message(true) {
+            Message::Error { code, retry, .. } => (code, retry),
+            m => panic!("{m:?}"),
+        };
+        assert_eq!(
+            class(BrokerError::ClaimGone("x".into())),
+            (Some(ErrorCode::StaleClaim), Some(RetryClass::Fatal))
+        );
+        assert_eq!(
+            class(BrokerError::StaleClaim("x".into())),
+            (Some(ErrorCode::StaleClaim), Some(RetryClass::Retry))
+        );
     }
 }

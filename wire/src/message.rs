@@ -1642,16 +1642,17 @@ impl Message {
         }
     }
 
-    /// A coded `error` message. The code and class are included only when the peer
-    /// offered ERROR_CODES (`coded`).
+    /// A coded `error` message of class `retry` (usually the code's
+    /// [`ErrorCode::default_retry`]). The code and class are included only when the
+    /// peer offered ERROR_CODES (`coded`).
     pub fn error(
         message: impl Into<String>,
         code: ErrorCode,
+        retry: RetryClass,
         detail: Option<ErrorDetail>,
         coded: bool,
     ) -> Message {
         if coded {
-            let retry = code.default_retry();
             Message::Error {
                 message: message.into(),
                 code: Some(code),

@@ -1093,8 +1093,10 @@ impl GroupShard {
                 let target = match start {
                     StartPosition::Earliest => stream.log.base_offset(),
                     StartPosition::Latest => stream.fanout_end(),
+                    // Not `clamp`: it panics should retention ever pass the readers'
+                    // end (a base above it).
                     StartPosition::Offset(Offset(o)) => {
-                        o.clamp(stream.log.base_offset(), stream.fanout_end())
+                        o.min(stream.fanout_end()).max(stream.log.base_offset())
                     }
                 };
                 if exists && if_new {
@@ -1547,6 +1549,7 @@ fn no_group(group: &str) -> Refusal {
 fn refused(r: Refusal) -> BrokerError {
     match r {
         Refusal::StaleClaim(why) => BrokerError::StaleClaim(why),
+        Refusal::ClaimGone(why) => BrokerError::ClaimGone(why),
         Refusal::NotDeadLetter(o) => {
             BrokerError::InvalidRequest(format!("offset {o} is not a dead letter of this group"))
         }

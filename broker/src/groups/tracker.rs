@@ -63,6 +63,10 @@ pub enum Refusal {
     /// The offset is not held by a claim of this group (never handed out, lapsed and
     /// handed out again, or settled differently).
     StaleClaim(String),
+    /// An extend, or a nack naming its attempt, of a claim the consumer no longer
+    /// holds: a retry cannot make it the consumer's again (the reference makes this
+    /// `stale_claim` fatal).
+    ClaimGone(String),
     /// The offset is not a dead letter of this group.
     NotDeadLetter(u64),
 }
@@ -622,9 +626,12 @@ impl Tracker {
                 );
                 Ok(())
             }
-            Some(c) => Err(Refusal::StaleClaim(format!(
+            Some(c) => Err(Refusal::ClaimGone(format!(
                 "offset {o} is claimed on attempt {}, not {attempts}",
                 c.attempts
+            ))),
+            None if attempts != 0 => Err(Refusal::ClaimGone(format!(
+                "offset {o} is not claimed by this group on attempt {attempts}"
             ))),
             None => Err(Refusal::StaleClaim(format!(
                 "offset {o} is not claimed by this group (its claim lapsed or was settled)"
@@ -656,7 +663,7 @@ impl Tracker {
                 c.deadline_ms = now_ms.saturating_add(granted);
                 Ok(granted)
             }
-            _ => Err(Refusal::StaleClaim(format!(
+            _ => Err(Refusal::ClaimGone(format!(
                 "offset {o} is not claimed by this group on attempt {attempts}"
             ))),
         }
@@ -948,10 +955,12 @@ mod tests {
         assert_eq!(t.claim(10, 1, 0, 0, None).handed, vec![(0, 1)]);
         // A's claim lapses; B gets offset 0 on attempt 2.
         assert_eq!(t.claim(10, 1, 1_000, 0, None).handed, vec![(0, 2)]);
-        // A nacks its attempt: refused, B still holds it.
+        // A nacks its attempt: refused for good (no retry makes the claim A's again),
+        // B still holds it. So is an extend of it.
+        assert!(matches!(t.nack(0, 1, 1_001, 0), Err(Refusal::ClaimGone(_))));
         assert!(matches!(
-            t.nack(0, 1, 1_001, 0),
-            Err(Refusal::StaleClaim(_))
+            t.extend(0, 1, 1_001, 10),
+            Err(Refusal::ClaimGone(_))
         ));
         assert_eq!(offsets(&t.claim(10, 1, 1_002, 0, None)), vec![1]);
         // B's own nack, by attempt or without one, hands it back.

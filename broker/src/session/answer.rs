@@ -84,7 +84,7 @@ pub fn publish(
                         request_id: rid,
                         message: e.wire_text(),
                         code: coded.then(|| e.code()),
-                        retry: coded.then(|| e.code().default_retry()),
+                        retry: coded.then(|| e.retry_class()),
                         detail: if coded { e.detail() } else { None },
                     }
                 }
