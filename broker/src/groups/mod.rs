@@ -1119,6 +1119,9 @@ impl GroupShard {
                 Ok(GroupAnswer::Position(target, before != Some(target)))
             }
             GroupOp::Describe(group) => {
+                // Retention outranks a group: what it removed is skipped, not read (a
+                // read at a cursor it passed failed every describe of an idle group).
+                self.tracker(&group, |t| t.skip_below(stream.log.base_offset()));
                 self.pass_markers(stream, &group).await?;
                 let counts = self.tracker(&group, |t| {
                     t.skip_below(stream.log.base_offset());
@@ -1156,7 +1159,15 @@ impl GroupShard {
             else {
                 return Ok(());
             };
-            let batches = stream.log.read(at, 64 << 10).await?;
+            let batches = match stream.log.read(at, 64 << 10).await {
+                Ok(b) => b,
+                // Removed by retention since: skipped, and looked at again from there.
+                Err(felix_storage_uring::StorageError::Trimmed { oldest, .. }) => {
+                    self.tracker(group, |t| t.skip_below(oldest));
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
             for b in &batches {
                 let records = b.kind == BatchKind::Data || b.kind == BatchKind::Commit;
                 self.note_batch(b.base_offset, b.end_offset(), records);
@@ -1360,10 +1371,21 @@ impl GroupShard {
             if o < covered_end || bytes >= budget {
                 continue;
             }
-            let batches = stream
+            let batches = match stream
                 .log
                 .read_to(o, until, POLL_BYTES_MAX.min(1 << 20))
-                .await?;
+                .await
+            {
+                Ok(b) => b,
+                // Retention removed it since it was claimed: passed over, as the next
+                // poll's `skip_below` would, rather than fail a poll whose claims are
+                // made.
+                Err(felix_storage_uring::StorageError::Trimmed { oldest, .. }) => {
+                    covered_end = covered_end.max(oldest.min(until));
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
             covered_end = batches.last().map_or(o + 1, |b| b.end_offset()).max(o + 1);
             // The offsets holding no record just passed, and where the read saw none
             // but them: what precedes that point is not in this read.
@@ -2148,6 +2170,53 @@ mod tests {
                 let bytes: usize = r.iter().map(|r| r.payload.len()).sum();
                 assert!(bytes <= POLL_BYTES_MAX, "{bytes} bytes in one answer");
             }
+        });
+    }
+
+    /// An idle group whose cursor retention passed is described, its cursor at the
+    /// log's base: it was refused `invalid_request` (a read at the removed cursor) until
+    /// a poll moved it, just when an operator looks at the lag.
+    #[test]
+    fn a_group_whose_cursor_retention_passed_is_described() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let config = felix_storage_uring::LogConfig {
+                segment_bytes_max: 64 << 10,
+                ..Default::default()
+            };
+            let stream = stream_with(dir.path(), config).await;
+            let writer: GroupWriter =
+                Box::new(|_| Box::pin(async { Ok(Appended { first: 0, end: 1 }) }));
+            let groups = GroupShard::build(&stream, Limits::default(), writer)
+                .await
+                .unwrap();
+            let seek = GroupOp::Seek {
+                group: "g".into(),
+                start: StartPosition::Earliest,
+                if_new: false,
+            };
+            groups.serve(&stream, seek).await.unwrap();
+            let record = vec![7u8; 4 << 10];
+            for _ in 0..64 {
+                let p = stream.log.begin_append(&[&record[..]], 0, None).unwrap();
+                let appended = stream.log.commit(p).await.unwrap();
+                stream.advance_fanout(appended);
+            }
+            stream
+                .log
+                .enforce_retention_with(u64::MAX, Some(1), None)
+                .await
+                .unwrap();
+            let base = stream.log.base_offset();
+            assert!(base > 0, "retention removed segments");
+            let answer = groups
+                .serve(&stream, GroupOp::Describe("g".into()))
+                .await
+                .expect("described");
+            let GroupAnswer::Info { committed, .. } = answer else {
+                panic!("{answer:?}")
+            };
+            assert_eq!(committed, Some(base));
         });
     }
 
