@@ -409,6 +409,13 @@ impl Tracker {
         let room = |t: &Tracker, out: &Claimed| {
             out.handed.len() < max && t.in_flight.len() < t.limits.max_in_flight
         };
+        // A new offset is claimed only while the records held or owed stay under the
+        // cap: a nack with a delay frees a claim but owes the record, and nacking every
+        // record it was handed let a consumer grow the owed map without bound (each
+        // poll scanning all of it).
+        let room_new = |t: &Tracker, out: &Claimed| {
+            room(t, out) && t.in_flight.len() + t.owed.len() < t.limits.max_in_flight
+        };
         let ready: Vec<(u64, Owed)> = self
             .owed
             .iter()
@@ -435,7 +442,7 @@ impl Tracker {
             );
         }
         let mut passed = 0;
-        while self.high_water < tail && room(self, &out) {
+        while self.high_water < tail && room_new(self, &out) {
             let o = self.high_water;
             self.high_water += 1;
             if self.settled_ahead.contains(&o) || self.in_flight.contains_key(&o) {
@@ -507,7 +514,7 @@ impl Tracker {
     /// Whether the in-flight cap holds claims back: polls find nothing to claim until
     /// an ack, nack or dead letter frees room.
     pub fn is_full(&self) -> bool {
-        self.in_flight.len() >= self.limits.max_in_flight
+        self.in_flight.len() + self.owed.len() >= self.limits.max_in_flight
     }
 
     /// An ack. `Ok(Some(event))` when it must be written; `Ok(None)` for a record
@@ -1074,6 +1081,34 @@ mod tests {
             t.is_dead(1).is_err(),
             "a redrive would take record 1 from its holder for another consumer"
         );
+    }
+
+    /// Records nacked with a delay count against the in-flight cap until they go out
+    /// again: a consumer nacking everything for later stopped claiming new records at
+    /// the cap, instead of growing the owed map by the backlog.
+    #[test]
+    fn records_nacked_for_later_count_against_the_in_flight_cap() {
+        let mut t = Tracker::new(
+            0,
+            Limits {
+                max_in_flight: 100,
+                ..limits()
+            },
+        );
+        let mut now = 0;
+        for _ in 0..20 {
+            for (o, attempts) in t.claim(1_000_000, 100, now, 60_000, None).handed {
+                t.nack(o, attempts, now, 10_000).unwrap();
+            }
+            now += 1;
+        }
+        let c = t.counts();
+        assert!(c.in_flight + c.owed <= 100, "{c:?}");
+        assert!(t.is_full());
+        // Once due they go out again, first.
+        let again = t.claim(1_000_000, 100, now + 10_000, 60_000, None);
+        assert_eq!(offsets(&again), (0..100).collect::<Vec<_>>());
+        assert!(again.handed.iter().all(|(_, a)| *a == 2));
     }
 
     #[test]
