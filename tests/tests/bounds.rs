@@ -329,6 +329,67 @@ fn pipelined_cache_puts_are_held_by_the_byte_budget() {
     });
 }
 
+/// Whole requests waiting for the byte budget count against the bound on unfinished
+/// frames: 48 streams each sending one 4 MiB cache put while the cache cannot open
+/// (about 250 MiB of frames read whole and waiting) close the connection (error 3).
+/// Read whole, a request was no longer an unfinished frame and not yet the budget's,
+/// and held outside every bound: the connection was never closed.
+#[test]
+fn whole_requests_waiting_for_the_budget_count_as_unfinished() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(
+        &dir,
+        "fault_injection: true\nmax_inflight_publish_bytes: 8388608\n",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        another_client_publishes(&b).await;
+        let idle = b.rss_kib();
+        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        let value = bytes::Bytes::from(vec![3u8; 4 << 20]);
+        for stream in 0..48 {
+            // Opening fails once the broker has closed the connection.
+            let Ok((mut s, r)) = conn.open_bi().await else {
+                break;
+            };
+            let put = Message::CachePut {
+                tenant_id: "dev".into(),
+                namespace: "default".into(),
+                cache: "held".into(),
+                key: format!("k{stream}"),
+                value: value.clone(),
+                request_id: None,
+                ttl_ms: None,
+            }
+            .to_frame();
+            let auth = auth(&b);
+            tokio::spawn(async move {
+                let _r = r;
+                let _ = s.write_all(&auth).await;
+                let _ = s.write_all(&put).await;
+                std::future::pending::<()>().await;
+            });
+        }
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while conn.close_reason().is_none() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("the connection is closed");
+        assert!(closed_for_unfinished_frames(&conn));
+        // Not asserted: what the allocator keeps of freed frames stays in the RSS.
+        eprintln!(
+            "broker RSS {} MiB after the close (idle {} MiB)",
+            b.rss_kib() >> 10,
+            idle >> 10
+        );
+        assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+        another_client_publishes(&b).await;
+    });
+}
+
 /// Large whole frames written on many streams of one connection at once, 64 KiB of
 /// each in turn (64 MiB, twice the connection's QUIC receive window), are all read and
 /// answered. A bound on what the broker reads that leaves some streams unread lets

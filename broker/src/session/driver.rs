@@ -297,6 +297,9 @@ struct StreamInput {
     core: Rc<CoreBroker>,
     conn: ConnId,
     counted: usize,
+    /// A request read whole and waiting for the connection's budget, by what the budget
+    /// will charge it: held with the frames begun (it was held outside every bound).
+    waiting: usize,
 }
 
 impl StreamInput {
@@ -306,7 +309,14 @@ impl StreamInput {
             core,
             conn,
             counted: 0,
+            waiting: 0,
         }
+    }
+
+    /// Counts `bytes` of a whole request waiting for the budget (0: no longer).
+    fn hold_waiting(&mut self, bytes: usize) {
+        self.waiting = bytes;
+        self.count();
     }
 
     /// Reads the next whole frame. `Ok(None)` at a clean end of stream (or a lost one,
@@ -327,7 +337,7 @@ impl StreamInput {
 
     /// Counts what the reader holds now; closes the connection a bound names.
     fn count(&mut self) {
-        let now = self.reader.reserved();
+        let now = self.reader.reserved() + self.waiting;
         if now != self.counted {
             count_held(
                 &self.core,
@@ -620,8 +630,16 @@ async fn serve_requests(
             Request::Publish(p) => p.bytes(),
             _ => size,
         };
-        if !scope.take_budget(bytes).await {
-            return;
+        if !scope.budget.borrow_mut().try_take(bytes) {
+            // Waiting, the request (decoded: a publish's records can be many times its
+            // frame) counts against the bound on unfinished frames; a connection
+            // waiting with more than that on its streams is closed.
+            input.hold_waiting(bytes);
+            let taken = scope.take_budget(bytes).await;
+            input.hold_waiting(0);
+            if !taken {
+                return;
+            }
         }
         let held = Some(Held {
             scope: scope.clone(),
