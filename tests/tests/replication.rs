@@ -3711,3 +3711,80 @@ fn a_leader_past_its_lease_does_not_answer_a_duplicate() {
         "a re-send of {first:?} answered past the lease: {again:?}"
     );
 }
+
+/// The replication port closes a connection none of whose streams says a good `Hello`
+/// within 10 s, and one whose streams send more than 1 MiB before any `Hello`, with
+/// error 1. Anyone reaching the port, no token needed, held up to 64 KiB on each of a
+/// connection's streams there for as long as it kept the connection alive.
+#[test]
+fn the_replication_port_closes_connections_that_say_no_hello() {
+    let c = cluster();
+    let yaml = std::fs::read_to_string(c.dir.path().join("node-0.yaml")).unwrap();
+    let internal: std::net::SocketAddr = yaml
+        .lines()
+        .find_map(|l| l.strip_prefix("internal_listen: "))
+        .expect("an internal listener")
+        .trim()
+        .parse()
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let pem = std::fs::read_to_string(&c.certs.ca).unwrap();
+        let roots = felix_core_runtime::quic::certs_from_pem(&pem).unwrap();
+        let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        ep.set_default_client_config(
+            felix_core_runtime::quic::internal_client_config(&roots, Default::default()).unwrap(),
+        );
+        let closed_with_1 = |conn: &quinn::Connection| match conn.close_reason() {
+            None => false,
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => {
+                assert_eq!(u64::from(c.error_code), 1, "{c:?}");
+                true
+            }
+            Some(other) => panic!("closed otherwise: {other:?}"),
+        };
+        // A frame begun and never finished: a header announcing 65,000 bytes, 60,000
+        // of them sent.
+        let mut begun = felix_wire::internal::InternalHeader {
+            kind: felix_wire::internal::kind::HELLO,
+            length: 65_000,
+        }
+        .to_bytes()
+        .to_vec();
+        begun.resize(12 + 60_000, 7);
+        let started = Instant::now();
+        let idle = ep.connect(internal, "localhost").unwrap().await.unwrap();
+        let mut s = idle.open_uni().await.unwrap();
+        s.write_all(&begun[..100]).await.unwrap();
+        let flood = ep.connect(internal, "localhost").unwrap().await.unwrap();
+        let mut streams = Vec::new();
+        for _ in 0..40 {
+            let Ok(mut s) = flood.open_uni().await else {
+                break;
+            };
+            if s.write_all(&begun).await.is_err() {
+                break;
+            }
+            streams.push(s);
+        }
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !closed_with_1(&flood) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("2.4 MB before any hello closes the connection");
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while !closed_with_1(&idle) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("a connection that says no hello is closed");
+        assert!(
+            started.elapsed() >= Duration::from_secs(9),
+            "closed at the deadline, not before: {:?}",
+            started.elapsed()
+        );
+    });
+}

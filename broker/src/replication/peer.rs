@@ -292,13 +292,38 @@ pub async fn serve(
     }
 }
 
+/// A connection none of whose streams said a good `Hello` within this is closed: a
+/// peer opens its stream with one as soon as it connects.
+const HELLO_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What a connection's streams may send, together, before any of them said a good
+/// `Hello` (each stream's own frame before it is bounded apart).
+const BEFORE_HELLO_BYTES_MAX: usize = 1 << 20;
+
 async fn serve_connection(
     conn: Connection,
     auth: PeerAuth,
     deliver: Rc<dyn Fn(NodeId, InternalMessage)>,
 ) {
+    // Without these, anyone reaching the port held up to 64 KiB on each of a
+    // connection's 1,024 streams for as long as it kept the connection alive: no
+    // token needed (the client port has had both bounds).
+    let heard = Rc::new(Cell::new(false));
+    let unheard_bytes = Rc::new(Cell::new(0usize));
+    {
+        let (conn, heard) = (conn.clone(), heard.clone());
+        task::spawn(async move {
+            task::sleep(HELLO_DEADLINE).await;
+            if !heard.get() {
+                tracing::warn!("closing a peer connection that sent no hello in time");
+                conn.close(1, b"no hello in time");
+            }
+        })
+        .detach();
+    }
     while let Ok(mut recv) = conn.accept_uni().await {
         let (auth, deliver, conn) = (auth.clone(), deliver.clone(), conn.clone());
+        let (heard, unheard_bytes) = (heard.clone(), unheard_bytes.clone());
         task::spawn(async move {
             let mut reader = InternalReader::new(internal::PREHELLO_MAX_PAYLOAD_BYTES);
             let mut from: Option<NodeId> = None;
@@ -308,6 +333,7 @@ async fn serve_connection(
                     Ok(Some(InternalMessage::Hello(h))) if from.is_none() => match gate.hello(&h) {
                         Ok(node) => {
                             from = Some(node);
+                            heard.set(true);
                             reader.set_max_payload_bytes(internal::DEFAULT_MAX_PAYLOAD_BYTES);
                         }
                         Err(e) => {
@@ -325,6 +351,15 @@ async fn serve_connection(
                     },
                     Ok(None) => match recv.read_chunk(1 << 20).await {
                         Ok(Some(chunk)) => {
+                            if !heard.get() {
+                                let n = unheard_bytes.get() + chunk.len();
+                                unheard_bytes.set(n);
+                                if n > BEFORE_HELLO_BYTES_MAX {
+                                    tracing::warn!("closing a peer connection that sent too much before a hello");
+                                    conn.close(1, b"too much before hello");
+                                    return;
+                                }
+                            }
                             if let Err(why) = gate.still_holds(clock::now().wall_secs()) {
                                 tracing::warn!(node = ?from, reason = %why, "closing a peer whose node token no longer holds");
                                 conn.close(2, b"peer token revoked");
