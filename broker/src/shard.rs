@@ -1154,9 +1154,12 @@ impl CacheShard {
     /// snapshot is as of (a watch continues from there).
     pub fn snapshot(&self, filter: &WatchFilter, now: Now) -> (Vec<WatchChange>, u64) {
         let state = self.state.borrow();
-        let mut values: Vec<WatchChange> = state
-            .index
-            .iter()
+        // One key is looked up, not found by a scan of every key on the core.
+        let entries: Box<dyn Iterator<Item = (&String, &CacheEntry)>> = match filter {
+            WatchFilter::Key(k) => Box::new(state.index.get_key_value(k).into_iter()),
+            WatchFilter::Prefix(_) => Box::new(state.index.iter()),
+        };
+        let mut values: Vec<WatchChange> = entries
             .filter(|(k, e)| filter.matches(k) && e.live(now.wall_ms()))
             .map(|(k, e)| WatchChange {
                 key: k.clone(),

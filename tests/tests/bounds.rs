@@ -875,6 +875,74 @@ fn a_connection_leaving_too_many_events_unread_is_closed() {
     });
 }
 
+/// A retained cache watch's snapshot counts, with the page being written, against the
+/// bound on unread answers: two watches of a cache holding 48 MiB that stop reading
+/// close their connection (error 4). The snapshot was held whole for the watch's life
+/// and only its 1 MiB page counted.
+#[test]
+fn a_watchers_unread_snapshot_counts_against_the_unread_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(
+        &dir,
+        "max_unwritten_answer_bytes_per_connection: 33554432\n",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        const VALUES: usize = 48;
+        for i in 0..VALUES {
+            let put = Message::CachePut {
+                tenant_id: "dev".into(),
+                namespace: "default".into(),
+                cache: "watched".into(),
+                key: format!("k{i}"),
+                value: bytes::Bytes::from(vec![5u8; 1 << 20]),
+                request_id: None,
+                ttl_ms: None,
+            };
+            s.write_all(&put.to_frame()).await.unwrap();
+        }
+        let answers = read_answers(&mut r, VALUES + 1).await;
+        assert!(
+            answers[1..]
+                .iter()
+                .all(|a| matches!(a, Message::CacheOk { .. })),
+            "{answers:?}"
+        );
+        // Retained watches of both shards, never read.
+        let (_ep2, watcher) = small_windows(&b).await;
+        let (mut s, r) = watcher.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        for shard in 0..2 {
+            let watch = Message::CacheWatch {
+                tenant_id: "dev".into(),
+                namespace: "default".into(),
+                cache: "watched".into(),
+                key: None,
+                prefix: Some(String::new()),
+                shard: Some(felix_wire::ShardId(shard)),
+                from_offset: None,
+                retained: true,
+                subscription_id: None,
+            };
+            s.write_all(&watch.to_frame()).await.unwrap();
+        }
+        std::mem::forget((s, r));
+        tokio::time::timeout(Duration::from_secs(15), watcher.closed())
+            .await
+            .expect("the watcher's connection is closed");
+        match watcher.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => {
+                assert_eq!(u64::from(c.error_code), 4, "{c:?}")
+            }
+            other => panic!("closed otherwise: {other:?}"),
+        }
+        another_client_publishes(&b).await;
+    });
+}
+
 /// A connection that leaves more bytes of answers unread than its bound is closed
 /// with error 4 (the broker no longer holds them); one within it is not.
 #[test]

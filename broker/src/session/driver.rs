@@ -502,7 +502,19 @@ async fn write_counted(
     send: &mut SendStream,
     batch: &mut [Bytes],
 ) -> bool {
-    let bytes: usize = batch.iter().map(Bytes::len).sum();
+    write_counted_behind(core, conn, send, batch, 0).await
+}
+
+/// [`write_counted`], with `behind` bytes held for the stream to send after `batch`
+/// (the rest of a watch's snapshot) counted with it.
+async fn write_counted_behind(
+    core: &CoreBroker,
+    conn: ConnId,
+    send: &mut SendStream,
+    batch: &mut [Bytes],
+    behind: usize,
+) -> bool {
+    let bytes: usize = batch.iter().map(Bytes::len).sum::<usize>() + behind;
     let mut write = std::pin::pin!(send.write_chunks(batch));
     if let Some(written) = futures_lite::future::poll_once(write.as_mut()).await {
         return written.is_err();
@@ -1200,14 +1212,23 @@ impl CacheWatch {
         .map_err(|_| ())?;
         // A retained watch's snapshot may hold every value of the shard: encoded a page
         // at a time, each page written before the next is encoded, so a watcher that
-        // does not read holds one page here, not the whole snapshot encoded.
+        // does not read holds one page here, not the whole snapshot encoded. What the
+        // snapshot still holds counts with the page against the bound on unread answers
+        // (a watcher not reading kept it all, uncounted, for the watch's life).
+        let sizes: Vec<usize> = first.iter().map(watch_change_bytes).collect();
+        let mut left: usize = sizes.iter().sum();
+        let mut sent = 0;
         let mut first = first.into_iter();
         loop {
+            let before = first.len();
             let mut page = watch_page(&mut first, WATCH_PAGE_BYTES);
             if page.is_empty() {
                 break;
             }
-            if write_counted(&self.core, self.scope.id, &mut uni, &mut page).await {
+            let taken = before - first.len();
+            left -= sizes[sent..sent + taken].iter().sum::<usize>();
+            sent += taken;
+            if write_counted_behind(&self.core, self.scope.id, &mut uni, &mut page, left).await {
                 return Err(());
             }
         }
@@ -1265,6 +1286,13 @@ fn watch_page(
         page.push(frame);
     }
     page
+}
+
+/// What a change held in memory takes: its key, its value and itself.
+fn watch_change_bytes(c: &crate::shard::WatchChange) -> usize {
+    std::mem::size_of::<crate::shard::WatchChange>()
+        + c.key.len()
+        + c.value.as_ref().map_or(0, Bytes::len)
 }
 
 fn watch_event(c: crate::shard::WatchChange) -> Bytes {
