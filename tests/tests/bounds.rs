@@ -390,6 +390,96 @@ fn whole_requests_waiting_for_the_budget_count_as_unfinished() {
     });
 }
 
+/// Answers done ahead of their turn are counted until the writer takes them: 4 streams
+/// each holding a waiting group poll and 120 reads of a 512 KiB cache value behind it
+/// read requests only up to 8 MiB of such answers a stream (RSS stays within bounds;
+/// 370-580 MiB over idle without it) and every read is answered once the polls end, or,
+/// when the reads were taken in before their answers were known, the connection is
+/// closed past its bound on unwritten answers. Done, those answers were held outside
+/// every bound: a window of them per stream.
+#[test]
+fn answers_done_behind_a_waiting_one_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(&dir, "max_inflight_publish_bytes: 8388608\n");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        an_empty_group(&b, "q").await;
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        let put = Message::CachePut {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            cache: "gets".into(),
+            key: "big".into(),
+            value: bytes::Bytes::from(vec![4u8; 512 << 10]),
+            request_id: None,
+            ttl_ms: None,
+        };
+        s.write_all(&put.to_frame()).await.unwrap();
+        read_answers(&mut r, 2).await;
+        another_client_publishes(&b).await;
+        let idle = b.rss_kib();
+        const GETS: usize = 120;
+        let get = Message::CacheGet {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            cache: "gets".into(),
+            key: "big".into(),
+            request_id: None,
+        }
+        .to_frame();
+        let mut streams = Vec::new();
+        for _ in 0..4 {
+            let (mut s, r) = conn.open_bi().await.unwrap();
+            let (auth, get) = (auth(&b), get.clone());
+            let writer = tokio::spawn(async move {
+                s.write_all(&auth).await.unwrap();
+                s.write_all(&poll("q", 0, 8_000, 1)).await.unwrap();
+                for _ in 0..GETS {
+                    s.write_all(&get).await.unwrap();
+                }
+                s
+            });
+            streams.push((writer, r));
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        // Reads already taken in when their answers are known (the reader can run ahead
+        // of the reads' tasks) count against the connection's bound at once: past it
+        // (320 MiB of them here, over 256) the connection is closed, as for answers
+        // left unread. Either way nothing is held outside a bound.
+        if let Some(reason) = conn.close_reason() {
+            match reason {
+                quinn::ConnectionError::ApplicationClosed(c) => {
+                    assert_eq!(u64::from(c.error_code), 4, "{c:?}")
+                }
+                other => panic!("closed otherwise: {other:?}"),
+            }
+            return;
+        }
+        assert_rss_within_budget(&b, idle, "reads done behind waiting polls");
+        // Every read of one stream is answered once its poll ends (read whole: the
+        // others would only take time).
+        for (i, (writer, mut r)) in streams.into_iter().enumerate() {
+            let answers = read_answers(&mut r, if i == 0 { GETS + 2 } else { 3 }).await;
+            assert!(
+                matches!(&answers[1], Message::GroupRecords { records, .. } if records.is_empty()),
+                "{:?}",
+                answers[1]
+            );
+            assert!(
+                answers[2..]
+                    .iter()
+                    .all(|a| matches!(a, Message::CacheValue { value: Some(v), .. } if v.len() == 512 << 10)),
+                "every read is answered"
+            );
+            if i == 0 {
+                drop(writer.await.unwrap());
+            }
+        }
+    });
+}
+
 /// Large whole frames written on many streams of one connection at once, 64 KiB of
 /// each in turn (64 MiB, twice the connection's QUIC receive window), are all read and
 /// answered. A bound on what the broker reads that leaves some streams unread lets

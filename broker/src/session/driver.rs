@@ -192,6 +192,71 @@ impl Drop for Held {
     }
 }
 
+/// Bytes of answers a stream may hold done ahead of their turn (behind a waiting poll,
+/// or a client not reading) before it stops reading requests.
+const STREAM_PLACED_BYTES_MAX: usize = 8 << 20;
+
+/// Where a stream's answers done ahead of their turn are counted: the stream's own
+/// total (past [`STREAM_PLACED_BYTES_MAX`] it stops reading) and its connection's
+/// answers unwritten (past that bound the connection is closed). Done, such answers
+/// were held outside every bound: a window of them per stream, each up to a frame.
+#[derive(Clone)]
+struct Places {
+    core: Rc<CoreBroker>,
+    conn: ConnId,
+    placed: Rc<Cell<usize>>,
+}
+
+impl std::fmt::Debug for Places {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Places")
+            .field("placed", &self.placed.get())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Places {
+    /// Counts `frame` until the returned place is dropped (the writer took it).
+    fn place(&self, frame: Bytes) -> (Bytes, Place) {
+        let bytes = frame.len();
+        self.placed.set(self.placed.get() + bytes);
+        count_held(&self.core, Holding::Unwritten, self.conn, 0, bytes);
+        let place = Place {
+            places: self.clone(),
+            bytes,
+        };
+        (frame, place)
+    }
+}
+
+/// An answer's count in [`Places`], until dropped.
+struct Place {
+    places: Places,
+    bytes: usize,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let p = &self.places;
+        p.placed.set(p.placed.get() - self.bytes);
+        count_held(&p.core, Holding::Unwritten, p.conn, self.bytes, 0);
+    }
+}
+
+/// The frame of an answer worked out ahead (see [`Places`]), its place let go.
+fn taken(
+    session: &Session,
+    started: Result<(Bytes, Place), futures_channel::oneshot::Canceled>,
+) -> Bytes {
+    match started {
+        Ok((frame, _place)) => frame,
+        Err(_) => answer::error(
+            session,
+            &BrokerError::Internal("the request's task ended unanswered".into()),
+        ),
+    }
+}
+
 /// Serves one accepted connection until it closes.
 pub async fn serve_connection(core: Rc<CoreBroker>, conn: Connection) {
     core.metrics.connections.fetch_add(1, Ordering::Relaxed);
@@ -414,6 +479,8 @@ struct Answers {
     reader: RefCell<Option<Waker>>,
     /// The writer could not write (the peer stopped reading or went away).
     failed: Cell<bool>,
+    /// Answers done ahead of their turn.
+    places: Places,
 }
 
 impl Answers {
@@ -434,7 +501,10 @@ impl Answers {
     /// Waits until another request's answer fits (or the writer failed).
     async fn room(&self) {
         poll_fn(|cx| {
-            if self.failed.get() || self.outbox.borrow().has_room() {
+            if self.failed.get()
+                || (self.outbox.borrow().has_room()
+                    && self.places.placed.get() < STREAM_PLACED_BYTES_MAX)
+            {
                 Poll::Ready(())
             } else {
                 *self.reader.borrow_mut() = Some(cx.waker().clone());
@@ -542,6 +612,11 @@ async fn serve_stream(
         writer: RefCell::default(),
         reader: RefCell::default(),
         failed: Cell::new(false),
+        places: Places {
+            core: core.clone(),
+            conn: conn.id(),
+            placed: Rc::default(),
+        },
     });
     let writer =
         send.map(|s| task::spawn(write_answers(core.clone(), conn.id(), answers.clone(), s)));
@@ -679,7 +754,19 @@ async fn execute(
 ) -> bool {
     match action {
         Action::Answer(frame) => {
-            answers.push(Answer::Ready(Some(frame)));
+            if answers.outbox.borrow().unanswered() == 0 {
+                // Taken by the writer at once.
+                answers.push(Answer::Ready(Some(frame)));
+            } else {
+                // Behind answers not yet taken (a waiting poll, a client not reading):
+                // it is counted until it is (see `Places`).
+                drop(held);
+                let (frame, place) = answers.places.place(frame);
+                answers.push(Answer::Pending(Box::pin(async move {
+                    let _place = place;
+                    Some(frame)
+                })));
+            }
             true
         }
         Action::Refused(e) => {
@@ -785,21 +872,18 @@ async fn execute(
             let (core, session) = (core.clone(), session.clone());
             // Started now, not when its answer's turn comes: pipelined requests are in
             // flight together (and share a group commit).
+            let (encoding, places) = (session.clone(), answers.places.clone());
             let started = run_to_completion(async move {
                 let _held = held;
-                core.catalog_written_for(&key).await?;
-                core.cache(key, op).await
+                let result = async {
+                    core.catalog_written_for(&key).await?;
+                    core.cache(key, op).await
+                }
+                .await;
+                places.place(cache_answer(&encoding, reply, result))
             });
             answers.push(Answer::Pending(Box::pin(async move {
-                Some(cache_answer(
-                    &session,
-                    reply,
-                    started.await.unwrap_or_else(|_| {
-                        Err(BrokerError::Internal(
-                            "the request's task ended unanswered".into(),
-                        ))
-                    }),
-                ))
+                Some(taken(&session, started.await))
             })));
             true
         }
@@ -882,21 +966,18 @@ async fn execute(
             request_id,
         } => {
             let (core, session) = (core.clone(), session.clone());
+            let (encoding, places) = (session.clone(), answers.places.clone());
             let started = run_to_completion(async move {
                 let _held = held;
-                core.catalog_written_for(&key).await?;
-                core.state(key, op).await
+                let result = async {
+                    core.catalog_written_for(&key).await?;
+                    core.state(key, op).await
+                }
+                .await;
+                places.place(state_answer(&encoding, request_id, result))
             });
             answers.push(Answer::Pending(Box::pin(async move {
-                Some(state_answer(
-                    &session,
-                    request_id,
-                    started.await.unwrap_or_else(|_| {
-                        Err(BrokerError::Internal(
-                            "the request's task ended unanswered".into(),
-                        ))
-                    }),
-                ))
+                Some(taken(&session, started.await))
             })));
             true
         }
@@ -915,32 +996,29 @@ async fn execute(
                 if cut {
                     core.metrics.poll_waits_cut.fetch_add(1, Ordering::Relaxed);
                 }
+                let (encoding, places) = (session.clone(), answers.places.clone());
+                drop(held);
                 let started = task::spawn(async move {
                     let _waiting = waiting;
                     let answer = core.group(key, op).await;
                     if cut {
                         crate::core::pause_cut_poll(asked, &answer).await;
                     }
-                    answer
+                    places.place(group_answer(&encoding, request_id, answer))
                 });
                 answers.push(Answer::Pending(Box::pin(async move {
-                    Some(group_answer(&session, request_id, started.await))
+                    let (frame, _place) = started.await;
+                    Some(frame)
                 })));
             } else {
+                let (encoding, places) = (session.clone(), answers.places.clone());
                 let started = run_to_completion(async move {
                     let _held = held;
-                    core.group(key, op).await
+                    let answer = core.group(key, op).await;
+                    places.place(group_answer(&encoding, request_id, answer))
                 });
                 answers.push(Answer::Pending(Box::pin(async move {
-                    Some(group_answer(
-                        &session,
-                        request_id,
-                        started.await.unwrap_or_else(|_| {
-                            Err(BrokerError::Internal(
-                                "the request's task ended unanswered".into(),
-                            ))
-                        }),
-                    ))
+                    Some(taken(&session, started.await))
                 })));
             }
             true
