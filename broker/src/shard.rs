@@ -938,7 +938,8 @@ impl CacheShard {
     /// below the cut at once; a replicated one writes a cut marker, and every replica
     /// removes its own segments below the cut once the marker is committed. Writes go on
     /// meanwhile; a key written again after the cut is not copied (its newer record is
-    /// past the cut). Deletes and expired values are simply not copied.
+    /// past the cut). Deleted values are simply not copied; an expired value whose delete
+    /// is not written yet gets that delete past the cut instead of a copy.
     pub async fn compact(&self, writes: &impl CompactionWrites) -> Result<Compacted, BrokerError> {
         if self.compacting.replace(true) {
             return Err(BrokerError::Overloaded("compacting".into()));
@@ -996,7 +997,13 @@ impl CacheShard {
             };
             let records: Vec<Bytes> = batch
                 .iter()
-                .map(|(k, e)| encode_carried_put(k, e.expires_at_ms, e.version, &e.value))
+                .map(|(k, e)| {
+                    if e.live(now.wall_ms()) {
+                        encode_carried_put(k, e.expires_at_ms, e.version, &e.value)
+                    } else {
+                        encode_cache_record(false, 0, k, &[])
+                    }
+                })
                 .collect();
             let guards: Vec<_> = batch.iter().map(|(k, _)| self.key_write(k)).collect();
             // `append` claims its offsets before its first wait.
@@ -1074,21 +1081,25 @@ impl CacheShard {
         }
     }
 
-    /// The next batch of live values a compaction copies past `cut`.
+    /// The next batch of values a compaction copies past `cut` (or deletes there,
+    /// expired).
     fn pick_copies(&self, cut: u64, now_ms: u64) -> Picked {
         let st = self.state.borrow();
         let inflight = self.in_flight.borrow();
+        // An expired value whose delete is not written yet is carried as that delete:
+        // dropped, it left the index only at the next open, and a watcher resuming
+        // past the cut never saw it go.
         let batch: Vec<(String, CacheEntry)> = st
             .index
             .iter()
-            .filter(|(k, e)| e.at < cut && e.live(now_ms) && !inflight.contains_key(*k))
+            .filter(|(k, e)| e.at < cut && !inflight.contains_key(*k))
             .take(COMPACT_BATCH)
             .map(|(k, e)| (k.clone(), e.clone()))
             .collect();
         if !batch.is_empty() {
             return Picked::Copy(batch);
         }
-        if st.index.values().any(|e| e.at < cut && e.live(now_ms)) {
+        if st.index.values().any(|e| e.at < cut) {
             Picked::Wait
         } else {
             Picked::Done
@@ -1516,6 +1527,44 @@ mod tests {
             assert!(copied, "the key's copy waited for the counter's add");
             let c = c.expect("the compaction finishes");
             assert_eq!((c.values, c.counters), (1, 1), "{c:?}");
+        });
+    }
+
+    /// Values expired before a compaction and not yet deleted (expiry writes 256 a
+    /// shard a round) get their delete past the cut: after a restart a watcher resuming
+    /// from before the compaction still sees every one go. Dropped by the compaction,
+    /// they left the rebuilt index with no delete ever written.
+    #[test]
+    fn a_compaction_deletes_the_expired_values_it_does_not_copy() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = cache_in(dir.path()).await;
+            let now = felix_core_runtime::clock::now();
+            for i in 0..300 {
+                shard
+                    .put(&format!("k{i}"), Bytes::from_static(b"v"), Some(1), now)
+                    .await
+                    .unwrap();
+            }
+            shard
+                .put("kept", Bytes::from_static(b"v"), None, now)
+                .await
+                .unwrap();
+            let watched_from = shard.applied_end();
+            felix_core_runtime::task::sleep(std::time::Duration::from_millis(5)).await;
+            let c = shard.compact(&LocalWrites(shard.log())).await.unwrap();
+            assert_eq!(c.values, 301, "{c:?}");
+            drop(shard);
+            let shard = cache_in(dir.path()).await;
+            let later = felix_core_runtime::clock::now();
+            let (changes, _) = shard
+                .changes(watched_from, &WatchFilter::Prefix(String::new()), 64 << 20)
+                .await
+                .unwrap();
+            let deleted = changes.iter().filter(|c| c.value.is_none()).count();
+            assert_eq!(deleted, 300, "a delete for each expired value");
+            assert!(shard.get("kept", later).is_some());
+            assert!(shard.expired(later, 1000).is_empty());
         });
     }
 
