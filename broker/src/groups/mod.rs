@@ -1203,6 +1203,12 @@ impl GroupShard {
         let started = std::time::Instant::now();
         loop {
             self.after_changes(group).await;
+            if self.tracker(group, |t| t.is_dead(o).is_ok()) == Some(true) {
+                // Acked late by the consumer whose claim lapsed on its last attempt:
+                // taken off the dead letters, as a discard, durably. Answered done and
+                // left listed, a redrive delivered it again.
+                return self.settle_dead_letter(group, Event::Discard(o)).await;
+            }
             let (was_full, event) = self
                 .tracker(group, |t| (t.is_full(), t.ack(o)))
                 .map_or_else(|| (false, Err(no_group(group))), |(f, e)| (f, e));
@@ -2217,6 +2223,37 @@ mod tests {
                 panic!("{answer:?}")
             };
             assert_eq!(committed, Some(base));
+        });
+    }
+
+    /// A record dead-lettered because its last claim lapsed, acked late by that claim's
+    /// consumer, leaves the dead letters by a durable discard: it was answered done,
+    /// nothing written, and left listed for a redrive to deliver again.
+    #[test]
+    fn a_late_ack_of_a_dead_letter_takes_it_off_the_list() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let (g, writes) = shard_with_held_writes();
+            let mut t = Tracker::new(0, g.limits);
+            t.claim(10, 1, 0, 0, None);
+            t.dead_letter(0, 0).unwrap();
+            g.groups.borrow_mut().insert("w".into(), t.clone());
+            g.folded
+                .borrow_mut()
+                .as_mut()
+                .unwrap()
+                .insert("w".into(), t);
+            let mut ack = std::pin::pin!(g.ack("w", 0));
+            assert!(poll_once(&mut ack).await.is_none(), "answered once written");
+            let (records, answer) = writes.borrow_mut().remove(0);
+            assert_eq!(records, vec![encode("w", Some(Event::Discard(0)))]);
+            answer.send(appended()).unwrap();
+            assert!(matches!(ack.await, Ok(GroupAnswer::Done)));
+            assert_eq!(
+                g.tracker("w", |t| t.dead_letters().count()),
+                Some(0),
+                "no longer a dead letter"
+            );
         });
     }
 
