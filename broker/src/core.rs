@@ -2585,16 +2585,31 @@ impl CoreBroker {
         let groups = self.group_shard(key, &stream).await?;
         stream.group_batches_seen.set(true);
         groups.snapshot_if_due(stream.log.size_bytes());
-        let answer = if op.applies_after_write() {
-            // On a task of its own: a request dropped mid-write (its client gone) would
-            // leave the event in the log and the trackers without it.
+        // On a task of its own: a request dropped mid-write (its client gone) would
+        // leave the event in the log and the trackers without it.
+        let to_its_end = |op: crate::groups::GroupOp| {
             let (tx, rx) = futures_channel::oneshot::channel();
             let (g, s) = (groups.clone(), stream.clone());
             task::spawn(async move {
                 let _ = tx.send(g.serve(&s, op).await);
             })
             .detach();
-            rx.await.unwrap_or(Err(BrokerError::Draining))
+            async move { rx.await.unwrap_or(Err(BrokerError::Draining)) }
+        };
+        if let crate::groups::GroupOp::Poll { group, .. } = &op
+            && !groups.has(group)
+        {
+            // A poll creates its group at the oldest retained record: that creation,
+            // too, runs to its end once written.
+            to_its_end(crate::groups::GroupOp::Seek {
+                group: group.clone(),
+                start: felix_wire::message::StartPosition::Earliest,
+                if_new: true,
+            })
+            .await?;
+        }
+        let answer = if op.applies_after_write() {
+            to_its_end(op).await
         } else {
             groups.serve(&stream, op).await
         };

@@ -975,7 +975,7 @@ impl CacheShard {
         loop {
             // Pick, claim and mark in one go (no wait in between): live values below
             // the cut whose key has no write in flight.
-            let picked = self.pick_copies(cut, now.wall_ms());
+            let picked = self.pick_copies(cut);
             let batch = match picked {
                 Picked::Done => break,
                 Picked::Wait => {
@@ -1083,7 +1083,7 @@ impl CacheShard {
 
     /// The next batch of values a compaction copies past `cut` (or deletes there,
     /// expired).
-    fn pick_copies(&self, cut: u64, now_ms: u64) -> Picked {
+    fn pick_copies(&self, cut: u64) -> Picked {
         let st = self.state.borrow();
         let inflight = self.in_flight.borrow();
         // An expired value whose delete is not written yet is carried as that delete:

@@ -982,6 +982,11 @@ impl GroupShard {
 
     /// The group, created (durably, its cursor at the shard's oldest retained record)
     /// when it does not exist.
+    /// Whether `group` exists here.
+    pub fn has(&self, group: &str) -> bool {
+        self.groups.borrow().contains_key(group)
+    }
+
     async fn ensure(&self, group: &str, start: u64) -> Result<(), BrokerError> {
         if self.groups.borrow().contains_key(group) {
             return Ok(());
