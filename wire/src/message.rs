@@ -1298,6 +1298,12 @@ pub enum MessageError {
         /// Which field and why.
         detail: String,
     },
+    /// More values than a message may hold ([`JSON_VALUES_MAX`]).
+    #[error("message holds more than {max} values")]
+    TooManyValues {
+        /// The bound.
+        max: usize,
+    },
     /// Encoding failed (a frame longer than u32::MAX).
     #[error(transparent)]
     Frame(#[from] FrameError),
@@ -1512,9 +1518,51 @@ fn put_base64(out: &mut BytesMut, name: &[u8], bytes: &[u8]) {
     out.put_u8(b'"');
 }
 
+/// Most values (array elements and object fields, counted by the commas between them)
+/// a JSON message may hold. Decoding an internally tagged message buffers every field
+/// as a generic value first, about 32 bytes an element: a 16 MiB frame of `[0,0,...]`
+/// took over 256 MiB to decode. A million is far past any message's need (a publish
+/// batch's payloads are one value each).
+pub const JSON_VALUES_MAX: usize = 1 << 20;
+
+/// Whether `payload` holds at most `max` commas outside strings.
+fn json_values_within(payload: &[u8], max: usize) -> bool {
+    let mut commas = 0usize;
+    let mut i = 0;
+    while i < payload.len() {
+        match payload[i] {
+            b'"' => {
+                // To the closing quote, past escapes.
+                i += 1;
+                while i < payload.len() {
+                    match payload[i] {
+                        b'\\' => i += 2,
+                        b'"' => break,
+                        _ => i += 1,
+                    }
+                }
+            }
+            b',' => {
+                commas += 1;
+                if commas > max {
+                    return false;
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    true
+}
+
 impl Message {
     /// Decodes a JSON payload (a frame with flags 0).
     pub fn decode(payload: &[u8]) -> Result<Message, MessageError> {
+        if !json_values_within(payload, JSON_VALUES_MAX) {
+            return Err(MessageError::TooManyValues {
+                max: JSON_VALUES_MAX,
+            });
+        }
         match serde_json::from_slice::<Message>(payload) {
             Ok(m) => Ok(m),
             Err(e) if e.is_data() => match peek_request(payload) {
@@ -1673,6 +1721,30 @@ impl Message {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A message of more values than any needs is refused before it is decoded: a
+    /// 16 MiB frame of `[0,0,...]` took over 256 MiB to decode (every field buffered
+    /// as a generic value first). Commas inside strings, escaped quotes included, are
+    /// not values.
+    #[test]
+    fn a_message_of_too_many_values_is_refused_before_decoding() {
+        let mut padded = br#"{"type":"topology","x":["#.to_vec();
+        padded.extend(std::iter::repeat_n(&b"0,"[..], JSON_VALUES_MAX + 1).flatten());
+        padded.extend_from_slice(b"0]}");
+        assert_eq!(
+            Message::decode(&padded).unwrap_err(),
+            MessageError::TooManyValues {
+                max: JSON_VALUES_MAX
+            }
+        );
+        let text = format!(
+            r#"{{"type":"topology","note":"a \",{}"}}"#,
+            ",".repeat(JSON_VALUES_MAX + 1)
+        );
+        assert!(json_values_within(text.as_bytes(), JSON_VALUES_MAX));
+        assert!(!json_values_within(b"[1,2,3]", 1));
+        assert!(json_values_within(b"[1,2,3]", 2));
+    }
 
     /// The payload answers written in place are byte for byte what serde writes,
     /// whatever their optional fields and whatever their strings need escaped.
