@@ -987,11 +987,25 @@ impl GroupShard {
         self.groups.borrow().contains_key(group)
     }
 
+    /// Whether the shard holds as many groups as it may, those being created counted:
+    /// a creation checks before its write and adds after it, and creations of distinct
+    /// names in flight together passed the cap.
+    fn at_group_cap(&self) -> bool {
+        let groups = self.groups.borrow();
+        let creating = self
+            .changing
+            .borrow()
+            .keys()
+            .filter(|g| !groups.contains_key(*g))
+            .count();
+        groups.len() + creating >= GROUPS_PER_SHARD_MAX
+    }
+
     async fn ensure(&self, group: &str, start: u64) -> Result<(), BrokerError> {
         if self.groups.borrow().contains_key(group) {
             return Ok(());
         }
-        if self.groups.borrow().len() >= GROUPS_PER_SHARD_MAX {
+        if self.at_group_cap() {
             return Err(BrokerError::LimitExceeded(format!(
                 "a stream shard holds at most {GROUPS_PER_SHARD_MAX} groups"
             )));
@@ -1108,7 +1122,7 @@ impl GroupShard {
                     let at = self.tracker(&group, |t| t.committed()).unwrap_or(target);
                     return Ok(GroupAnswer::Position(at, false));
                 }
-                if !exists && self.groups.borrow().len() >= GROUPS_PER_SHARD_MAX {
+                if !exists && self.at_group_cap() {
                     return Err(BrokerError::LimitExceeded(format!(
                         "a stream shard holds at most {GROUPS_PER_SHARD_MAX} groups"
                     )));
@@ -2259,6 +2273,42 @@ mod tests {
                 Some(0),
                 "no longer a dead letter"
             );
+        });
+    }
+
+    /// Groups being created count against the cap: two creations of distinct names in
+    /// flight with one place left both passed the check made before their writes.
+    #[test]
+    fn groups_being_created_count_against_the_cap() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let (g, writes) = shard_with_held_writes();
+            for i in 0..GROUPS_PER_SHARD_MAX - 1 {
+                g.groups
+                    .borrow_mut()
+                    .insert(format!("g{i}"), Tracker::new(0, g.limits));
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            let seek = |group: &str| GroupOp::Seek {
+                group: group.into(),
+                start: StartPosition::Earliest,
+                if_new: false,
+            };
+            let mut first = std::pin::pin!(g.serve(&stream, seek("a")));
+            assert!(poll_once(&mut first).await.is_none(), "its write is held");
+            let mut second = std::pin::pin!(g.serve(&stream, seek("b")));
+            assert!(
+                matches!(
+                    poll_once(&mut second).await,
+                    Some(Err(BrokerError::LimitExceeded(_)))
+                ),
+                "a second creation passed the cap"
+            );
+            assert_eq!(writes.borrow().len(), 1);
+            first_write(&writes).send(appended()).unwrap();
+            assert!(first.await.is_ok());
+            assert_eq!(g.groups.borrow().len(), GROUPS_PER_SHARD_MAX);
         });
     }
 
