@@ -104,12 +104,27 @@ impl std::fmt::Debug for Queued {
     }
 }
 
+/// Which table, and how many cuts it has taken ([`ProducerTable::cut_to`]): a claim's
+/// outcome is noted only in the table that admitted it, uncut since. Noted elsewhere it
+/// could hit another claim of the same `(producer, sequence)`: a re-send appended at
+/// the offsets a full disk gave back, or the same batch read from the log by a table
+/// built since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    table: u64,
+    cuts: u64,
+}
+
+/// Tables made so far (each gets its own [`Stamp`]).
+static TABLES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// The producers of one shard.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ProducerTable {
     producers: HashMap<u64, VecDeque<Entry>>,
     /// Every batch of the log below it has been read into the table.
     end: u64,
+    stamp: Stamp,
 }
 
 impl ProducerTable {
@@ -118,7 +133,32 @@ impl ProducerTable {
         ProducerTable {
             producers: HashMap::new(),
             end: base,
+            stamp: Stamp {
+                table: TABLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                cuts: 0,
+            },
         }
+    }
+
+    /// This table as it is now: pass it back with a claim's outcome.
+    pub fn stamp(&self) -> Stamp {
+        self.stamp
+    }
+
+    /// The log ends at `end`, before this table does (a full disk gave offsets back):
+    /// the batches the table holds at or past it never reached the log, and are
+    /// forgotten, so their re-sends append and later sequences are refused as gaps.
+    /// (Kept, the table let a producer's next batch append ahead of the one lost.)
+    pub fn cut_to(&mut self, end: u64) {
+        if self.end <= end {
+            return;
+        }
+        self.producers.retain(|_, batches| {
+            batches.retain(|e| e.first < end);
+            !batches.is_empty()
+        });
+        self.end = end;
+        self.stamp.cuts += 1;
     }
 
     /// Where reading the log resumes.
@@ -184,7 +224,7 @@ impl ProducerTable {
                 first,
                 end,
             } if end <= committed_end => {
-                self.written(producer, sequence);
+                self.written(self.stamp, producer, sequence);
                 Decision::Duplicate {
                     first,
                     end,
@@ -253,7 +293,11 @@ impl ProducerTable {
     }
 
     /// The batch is in the log (durable), whatever the fate of its acknowledgement.
-    pub fn written(&mut self, producer: u64, sequence: u64) {
+    /// Noted only where `stamp` (taken when it was admitted) still holds.
+    pub fn written(&mut self, stamp: Stamp, producer: u64, sequence: u64) {
+        if stamp != self.stamp {
+            return;
+        }
         if let Some(e) = self
             .producers
             .get_mut(&producer)
@@ -264,8 +308,12 @@ impl ProducerTable {
     }
 
     /// The batch never reached the log: it and every later batch of the producer are
-    /// forgotten (their appends fail too), so the re-send appends.
-    pub fn failed(&mut self, producer: u64, sequence: u64) {
+    /// forgotten (their appends fail too), so the re-send appends. Noted only where
+    /// `stamp` (taken when it was admitted) still holds.
+    pub fn failed(&mut self, stamp: Stamp, producer: u64, sequence: u64) {
+        if stamp != self.stamp {
+            return;
+        }
         if let Some(b) = self.producers.get_mut(&producer) {
             b.retain(|e| e.sequence < sequence);
             if b.is_empty() {
@@ -333,7 +381,7 @@ mod tests {
                 pending: true
             }
         );
-        t.written(7, 0);
+        t.written(t.stamp(), 7, 0);
         assert_eq!(
             t.decide(7, 0, n(2)),
             Decision::Duplicate {
@@ -396,12 +444,12 @@ mod tests {
     fn a_failed_append_is_forgotten_with_everything_after_it() {
         let mut t = ProducerTable::at(0);
         t.admitted(1, 0, 0, n(1));
-        t.written(1, 0);
+        t.written(t.stamp(), 1, 0);
         t.admitted(1, 1, 1, n(1));
         t.admitted(1, 2, 2, n(1));
-        t.failed(1, 1);
+        t.failed(t.stamp(), 1, 1);
         assert_eq!(t.decide(1, 1, n(1)), Decision::Append);
-        t.failed(1, 0);
+        t.failed(t.stamp(), 1, 0);
         assert_eq!(t.decide(1, 0, n(1)), Decision::Append);
     }
 
@@ -475,5 +523,45 @@ mod tests {
             rebuilt.decide(4, 0, Contents::of(&batch(&[b"ab", b"d"]))),
             reused
         );
+    }
+
+    /// A full disk gave offsets back: the table's batches at or past the log's new end
+    /// never reached it. Cut there, a producer's next batch is refused as a gap (it was
+    /// appended ahead of the one lost), the lost one's re-send appends, and the lost
+    /// one's late outcome is not noted in the table cut since (it could hit the
+    /// re-send's entry at the same offsets).
+    #[test]
+    fn a_table_cut_where_a_full_disk_gave_offsets_back_forgets_what_was_lost() {
+        let mut t = ProducerTable::at(0);
+        assert!(t.claimed(0, 1, Some(((5, 0), n(1)))));
+        t.written(t.stamp(), 5, 0);
+        assert!(t.claimed(1, 2, Some(((5, 1), n(1)))));
+        let admitted = t.stamp();
+        t.cut_to(1);
+        assert_eq!(t.end(), 1);
+        assert_eq!(
+            t.decide(5, 2, n(1)),
+            Decision::Refuse(PublishRefusalReason::SequenceGap {
+                expected: Sequence(1)
+            })
+        );
+        assert_eq!(t.decide(5, 1, n(1)), Decision::Append);
+        // The re-send appended at the same offsets; the original's failure comes late.
+        assert!(t.claimed(1, 2, Some(((5, 1), n(1)))));
+        t.failed(admitted, 5, 1);
+        assert_eq!(
+            t.decide(5, 1, n(1)),
+            Decision::Duplicate {
+                first: 1,
+                end: 2,
+                pending: true
+            },
+            "the re-send's entry stands"
+        );
+        // Another table (built since) takes no outcome of this one's claims.
+        let mut rebuilt = ProducerTable::at(0);
+        rebuilt.apply_batches(&[tagged(0, 5, 0, 1), tagged(1, 5, 1, 1)], 2);
+        rebuilt.failed(t.stamp(), 5, 1);
+        assert_eq!(rebuilt.decide(5, 2, n(1)), Decision::Append);
     }
 }

@@ -176,6 +176,14 @@ pub struct StreamShard {
     pub idempotent_queue: RefCell<std::collections::VecDeque<crate::producers::Queued>>,
     /// Whether a task is building the producer table.
     pub building_producers: std::cell::Cell<bool>,
+    /// The first offset claimed while the shard had no producer table: every claim
+    /// from there on holds no producer's batch (an idempotent publish waits for a
+    /// table), so a build that has read up to it covers the rest without reading it.
+    /// (Reading it, a build chased the end of a log taking other writes, for good.)
+    pub untagged_from: Cell<Option<u64>>,
+    /// Moved by every [`StreamShard::reset_fanout`]: a producer table built across one
+    /// read a log since cut, and is built again.
+    pub producers_epoch: Cell<u64>,
     /// The shard's consumer groups while this core leads it (built on first use).
     pub groups: RefCell<Option<std::rc::Rc<crate::groups::GroupShard>>>,
     /// Whether a task is building the groups.
@@ -224,6 +232,8 @@ impl StreamShard {
             producers: RefCell::default(),
             idempotent_queue: RefCell::default(),
             building_producers: std::cell::Cell::new(false),
+            untagged_from: Cell::new(None),
+            producers_epoch: Cell::new(0),
             groups: RefCell::default(),
             building_groups: std::cell::Cell::new(false),
             handed_groups: RefCell::default(),
@@ -294,6 +304,8 @@ impl StreamShard {
         *self.state.borrow_mut() = None;
         self.commits_claimed.set(self.log.next_offset());
         *self.producers.borrow_mut() = None;
+        self.untagged_from.set(None);
+        self.producers_epoch.set(self.producers_epoch.get() + 1);
         if let Some(groups) = self.groups.borrow_mut().take() {
             groups.retire();
             self.groups_snapshot_mark.set(groups.snapshot_mark());
@@ -308,10 +320,16 @@ impl StreamShard {
     pub fn note_claimed(&self, first: u64, end: u64, tag: Option<crate::producers::Tagged>) {
         let mut slot = self.producers.borrow_mut();
         let Some(table) = slot.as_mut() else {
+            if self.untagged_from.get().is_none() {
+                self.untagged_from.set(Some(first));
+            }
             return;
         };
         if !table.claimed(first, end, tag) {
+            // This claim (tagged, maybe) is read back from the log; those after it,
+            // with no table, hold none.
             *slot = None;
+            self.untagged_from.set(None);
         }
     }
 

@@ -231,3 +231,200 @@ fn a_really_full_filesystem_refuses_appends_until_space_is_freed() {
     });
     drop(b);
 }
+
+/// A full disk gives back the offsets of an idempotent batch whose answer waits behind
+/// another (a group poll on its stream): the producer's next batch, sent meanwhile on
+/// another connection, is refused `sequence_gap` (expected the lost one), not appended
+/// ahead of it, and the lost one's re-send then lands before it. The producer table
+/// kept the lost batch until its answer was sent.
+#[test]
+fn a_batch_lost_to_a_full_disk_is_not_overtaken_by_the_next() {
+    use felix_wire::message::PublishRefusalReason;
+    use felix_wire::{Message, ProducerId, RequestId, Sequence, ShardId};
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(&dir.path().join("data"), "fault_injection: true\n", &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let auth = felix_cluster::raw_auth("dev", &b.token());
+        let idempotent = |sequence: u64, request: u64| {
+            Message::PublishIdempotent {
+                tenant_id: "dev".into(),
+                namespace: "default".into(),
+                stream: "s".into(),
+                payloads: vec![bytes::Bytes::from(format!("p{sequence}"))],
+                key: None,
+                shard: Some(ShardId(0)),
+                request_id: RequestId(request),
+                producer_id: ProducerId(42),
+                sequence: Sequence(sequence),
+            }
+            .to_frame()
+        };
+        let poll = |shard: u32, wait_ms: u64| {
+            Message::GroupPoll {
+                tenant_id: "dev".into(),
+                namespace: "default".into(),
+                stream: "q".into(),
+                shard: ShardId(shard),
+                group: "g".into(),
+                max_records: 1000,
+                wait_ms,
+                request_id: RequestId(9),
+                consumer: None,
+                reclaim: false,
+                visibility_ms: Some(120_000),
+            }
+            .to_frame()
+        };
+        let answers = |r: quinn::RecvStream, n: usize| async move {
+            let mut r = r;
+            tokio::time::timeout(
+                Duration::from_secs(20),
+                felix_cluster::read_messages(&mut r, n),
+            )
+            .await
+            .expect("answered")
+            .unwrap()
+        };
+        let (_ep, conn) = felix_cluster::raw_connect(&b).await.unwrap();
+        // A group with nothing to hand out: one record on each shard of `q`, claimed.
+        for shard in 0..2u32 {
+            let (mut s, r) = conn.open_bi().await.unwrap();
+            s.write_all(&auth).await.unwrap();
+            let record = felix_cluster::raw_publish(
+                ("dev", "default", "q"),
+                format!("k{shard}").as_bytes(),
+                b"only",
+                Some(1),
+            );
+            s.write_all(&record).await.unwrap();
+            answers(r, 2).await;
+        }
+        for shard in 0..2u32 {
+            let (mut s, r) = conn.open_bi().await.unwrap();
+            s.write_all(&auth).await.unwrap();
+            s.write_all(&poll(shard, 0)).await.unwrap();
+            answers(r, 2).await;
+        }
+        // Batch 0 lands.
+        let (mut s, r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth).await.unwrap();
+        s.write_all(&idempotent(0, 1)).await.unwrap();
+        let got = answers(r, 2).await;
+        assert!(matches!(got[1], Some(Message::PublishOk { .. })), "{got:?}");
+        // Batch 1's write meets a full disk; its answer waits behind a poll.
+        arm(&b, "op=write&errno=enospc&times=once");
+        let (mut s1, r1) = conn.open_bi().await.unwrap();
+        s1.write_all(&auth).await.unwrap();
+        s1.write_all(&poll(0, 3_000)).await.unwrap();
+        s1.write_all(&idempotent(1, 2)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Batch 2 from elsewhere: refused, the gap named.
+        let (_ep2, other) = felix_cluster::raw_connect(&b).await.unwrap();
+        let (mut s2, r2) = other.open_bi().await.unwrap();
+        s2.write_all(&auth).await.unwrap();
+        s2.write_all(&idempotent(2, 3)).await.unwrap();
+        let got = answers(r2, 2).await;
+        assert!(
+            matches!(
+                &got[1],
+                Some(Message::PublishRefused {
+                    reason: PublishRefusalReason::SequenceGap {
+                        expected: Sequence(1)
+                    },
+                    ..
+                })
+            ),
+            "batch 2 went ahead of the lost batch 1: {got:?}"
+        );
+        let got = answers(r1, 3).await;
+        assert!(
+            !matches!(got[2], Some(Message::PublishOk { .. })),
+            "batch 1 met the full disk: {got:?}"
+        );
+        // Re-sent, batch 1 lands, then batch 2, in order.
+        let mut offsets = Vec::new();
+        for (sequence, request) in [(1, 4), (2, 5)] {
+            let (mut s, r) = conn.open_bi().await.unwrap();
+            s.write_all(&auth).await.unwrap();
+            s.write_all(&idempotent(sequence, request)).await.unwrap();
+            let got = answers(r, 2).await;
+            match &got[1] {
+                Some(Message::PublishOk {
+                    offset: Some(o), ..
+                }) => offsets.push(o.0),
+                other => panic!("batch {sequence}: {other:?}"),
+            }
+        }
+        assert!(offsets[0] < offsets[1], "{offsets:?}");
+    });
+}
+
+/// After a restart the first idempotent batch of a shard taking a steady stream of
+/// other writes is answered at once: the producer table is built up to the claims made
+/// while it had none (they hold no producer's batch) and covers the rest. It read on
+/// until the log's end stood still with nothing in flight, which under load it never
+/// did: the batch waited (and then failed `not_ready`).
+#[test]
+fn an_idempotent_batch_is_answered_after_a_restart_under_other_writes() {
+    use felix_wire::{Message, ProducerId, RequestId, Sequence, ShardId};
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start(&dir.path().join("data"), "", &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        for i in 0..200u32 {
+            publish(&c, format!("before {i}").as_bytes()).await.unwrap();
+        }
+    });
+    b.restart().unwrap();
+    rt.block_on(async {
+        let auth = felix_cluster::raw_auth("dev", &b.token());
+        let (_ep, conn) = felix_cluster::raw_connect(&b).await.unwrap();
+        // Pipelined plain publishes to every shard, for as long as the test runs.
+        let (mut load, mut acks) = conn.open_bi().await.unwrap();
+        load.write_all(&auth).await.unwrap();
+        let writer = tokio::spawn(async move {
+            for i in 0u64.. {
+                let p = felix_cluster::raw_publish(
+                    ("dev", "default", "s"),
+                    format!("k{}", i % 64).as_bytes(),
+                    b"load",
+                    Some(i),
+                );
+                if load.write_all(&p).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let reader = tokio::spawn(async move {
+            let mut buf = vec![0u8; 1 << 16];
+            while let Ok(Some(_)) = acks.read(&mut buf).await {}
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth).await.unwrap();
+        let batch = Message::PublishIdempotent {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            stream: "s".into(),
+            payloads: vec![bytes::Bytes::from_static(b"once")],
+            key: None,
+            shard: Some(ShardId(0)),
+            request_id: RequestId(1),
+            producer_id: ProducerId(7),
+            sequence: Sequence(0),
+        };
+        s.write_all(&batch.to_frame()).await.unwrap();
+        let got = tokio::time::timeout(
+            Duration::from_secs(4),
+            felix_cluster::read_messages(&mut r, 2),
+        )
+        .await
+        .expect("the batch is answered while the other writes go on")
+        .unwrap();
+        assert!(matches!(got[1], Some(Message::PublishOk { .. })), "{got:?}");
+        writer.abort();
+        reader.abort();
+    });
+}

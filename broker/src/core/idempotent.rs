@@ -125,8 +125,11 @@ impl CoreBroker {
     ) -> Outcome {
         let committed = shard.log.committed_end();
         let contents = Contents::of(&records);
-        let decision = match shard.producers.borrow_mut().as_mut() {
-            Some(t) => t.decide_committed(producer, sequence, contents, committed),
+        let (stamp, decision) = match shard.producers.borrow_mut().as_mut() {
+            Some(t) => (
+                t.stamp(),
+                t.decide_committed(producer, sequence, contents, committed),
+            ),
             None => {
                 return Box::pin(std::future::ready(Err(BrokerError::ShardUnavailable(
                     "not_ready".into(),
@@ -145,11 +148,12 @@ impl CoreBroker {
                     if let Some(t) = table.as_mut() {
                         // In the log (durable) whatever the fate of the ack: a re-send is
                         // answered from there. Otherwise it never got there: forgotten,
-                        // so the re-send appends.
+                        // so the re-send appends. Only in the table that admitted it,
+                        // uncut since (see `Stamp`).
                         if result.is_ok() || shard.log.committed_end() > first {
-                            t.written(producer, sequence);
+                            t.written(stamp, producer, sequence);
                         } else {
-                            t.failed(producer, sequence);
+                            t.failed(stamp, producer, sequence);
                         }
                     }
                     result
@@ -238,16 +242,34 @@ impl CoreBroker {
     }
 
     /// Reads the log into the producer table until the table covers every claim: the
-    /// log's end, once the appends in flight are durable.
+    /// log's end, once the appends in flight are durable, or, once it has read up to
+    /// them, the claims made while the shard had no table (they hold no producer's
+    /// batch). Built again from the base should the shard's frontier be reset meanwhile
+    /// (a cut: what was read may be gone), and cut back should a full disk give offsets
+    /// back (the batches past the log's new end never reached it).
     async fn read_producers(&self, shard: &StreamShard) -> Result<(), BrokerError> {
-        let mut table = shard
-            .producers
-            .borrow_mut()
-            .take()
-            .unwrap_or_else(|| ProducerTable::at(shard.log.base_offset()));
+        let fresh = || ProducerTable::at(shard.log.base_offset());
+        let mut epoch = shard.producers_epoch.get();
+        let mut table = shard.producers.borrow_mut().take().unwrap_or_else(fresh);
         let mut idle = 0u32;
         loop {
+            if shard.producers_epoch.get() != epoch {
+                epoch = shard.producers_epoch.get();
+                table = fresh();
+            }
             let (durable, end) = (shard.log.committed_end(), shard.log.next_offset());
+            table.cut_to(end);
+            if shard.untagged_from.get().is_some_and(|from| from >= end) {
+                // Those claims were given back.
+                shard.untagged_from.set(None);
+            }
+            if shard
+                .untagged_from
+                .get()
+                .is_some_and(|from| table.end() >= from)
+            {
+                table.skip_to(end);
+            }
             if table.end() >= end {
                 break;
             }
@@ -263,7 +285,9 @@ impl CoreBroker {
                     }
                     Err(e) => return Err(e.into()),
                 };
-                table.apply_batches(&batches, durable);
+                if shard.producers_epoch.get() == epoch {
+                    table.apply_batches(&batches, durable);
+                }
                 idle = 0;
                 continue;
             }
@@ -274,7 +298,9 @@ impl CoreBroker {
             }
             task::sleep(std::time::Duration::from_millis(1)).await;
         }
+        // No wait since the checks above: the table covers every claim.
         *shard.producers.borrow_mut() = Some(table);
+        shard.untagged_from.set(None);
         Ok(())
     }
 }
