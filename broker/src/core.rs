@@ -889,6 +889,40 @@ impl Directory for CoreBroker {
     }
 }
 
+/// Clears a shard's `Opening` slot, waking its waiters (one of them opens it again),
+/// unless disarmed once the open's answer is in the slot.
+struct OpenCleared<'a, T> {
+    slots: &'a RefCell<HashMap<Arc<ShardKey>, Slot<Rc<T>>>>,
+    key: &'a Arc<ShardKey>,
+    armed: bool,
+}
+
+impl<T> Drop for OpenCleared<'_, T> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let mut slots = self.slots.borrow_mut();
+        if matches!(slots.get(self.key), Some(Slot::Opening(_)))
+            && let Some(Slot::Opening(waiters)) = slots.remove(self.key)
+        {
+            drop(slots);
+            waiters.into_iter().for_each(Waker::wake);
+        }
+    }
+}
+
+/// Lets the next group build of a shard go ahead, unless disarmed: a build dropped
+/// part way (its poll's client gone) left every later group request of the shard
+/// waiting for good.
+struct BuildingGroups<'a>(&'a StreamShard);
+
+impl Drop for BuildingGroups<'_> {
+    fn drop(&mut self) {
+        self.0.building_groups.set(false);
+    }
+}
+
 impl CoreBroker {
     /// A core's broker over its connected mesh.
     pub fn new(
@@ -1216,6 +1250,14 @@ impl CoreBroker {
             };
             awaiting.get_or_insert_with(|| self.awaiting(key));
             if first {
+                // Should this request be dropped before the open ends (its client gone),
+                // the slot is cleared and its waiters try again: left opening, every
+                // later request of the shard on this core waited for good.
+                let mut cleared = OpenCleared {
+                    slots,
+                    key,
+                    armed: true,
+                };
                 let opened = open().await;
                 if !self.serves(key) {
                     // The table changed while it opened (a live re-pin): another core
@@ -1224,9 +1266,11 @@ impl CoreBroker {
                         close(s).await;
                         self.metrics.shards_open.fetch_sub(1, Ordering::Relaxed);
                     }
+                    cleared.armed = false;
                     wake(slots.borrow_mut().remove(key));
                     return Err(moved());
                 }
+                cleared.armed = false;
                 let mut map = slots.borrow_mut();
                 match &opened {
                     Ok(s) => wake(map.insert(key.clone(), Slot::Ready(s.clone()))),
@@ -2661,9 +2705,10 @@ impl CoreBroker {
             }
             task::sleep(std::time::Duration::from_millis(1)).await;
         }
+        let building = BuildingGroups(stream);
         // Handed over by another core (a re-pin): built from that, claims included.
         if let Some(state) = stream.handed_groups.borrow_mut().take() {
-            stream.building_groups.set(false);
+            drop(building);
             let g = Rc::new(crate::groups::GroupShard::from_state(
                 state,
                 self.shared.group_limits,
@@ -2684,7 +2729,7 @@ impl CoreBroker {
             self.group_writer(key),
         )
         .await;
-        stream.building_groups.set(false);
+        drop(building);
         if term() != began {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }

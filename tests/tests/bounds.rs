@@ -480,6 +480,68 @@ fn answers_done_behind_a_waiting_one_are_bounded() {
     });
 }
 
+/// A request that began a shard's first open after a restart and was dropped before
+/// it ended (its connection went away) leaves the shard to be opened again: the slot
+/// stayed `opening`, and every later request of the shard on that core waited for
+/// good. One core, so the group poll that begins the open runs on the shard's core;
+/// it is dropped when the answer ahead of it on its stream fails to go out.
+#[test]
+fn an_open_begun_by_a_request_whose_client_left_does_not_hold_the_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = BrokerProcess::start_dev_with_config(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        dir.path(),
+        "fault_injection: true\n",
+        &["--shards", "1", "--fsync", "none", "--cores", "0"],
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        acked(
+            &conn,
+            auth(&b),
+            publish("never-opened", b"k", b"v", Some(1)),
+        )
+        .await;
+    });
+    // Restarted, the stream exists and its shard is not open yet.
+    b.restart().unwrap();
+    rt.block_on(async {
+        // A group of `q` with nothing to hand out: its one record claimed.
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        acked(&conn, auth(&b), publish("q", b"k", b"only", Some(1))).await;
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        s.write_all(&poll("q", 0, 0, 1)).await.unwrap();
+        read_answers(&mut r, 2).await;
+        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+        let (ep, conn) = raw_connect(&b).await.unwrap();
+        let (mut s, _r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        // A waiting poll, then one that opens the shard (held).
+        s.write_all(&poll("q", 0, 1_500, 2)).await.unwrap();
+        s.write_all(&poll("never-opened", 0, 0, 3)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        conn.close(0u32.into(), b"gone");
+        drop(ep);
+        // The waiting poll's answer fails to go out: the stream's answers are dropped.
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
+        assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            acked(
+                &conn,
+                auth(&b),
+                publish("never-opened", b"k", b"v", Some(1)),
+            ),
+        )
+        .await
+        .expect("the shard opens for the next request");
+    });
+}
+
 /// Large whole frames written on many streams of one connection at once, 64 KiB of
 /// each in turn (64 MiB, twice the connection's QUIC receive window), are all read and
 /// answered. A bound on what the broker reads that leaves some streams unread lets
