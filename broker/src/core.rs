@@ -3023,7 +3023,11 @@ impl CoreBroker {
                 "a majority of replicas did not confirm the write in time".into(),
             ));
         }
-        if !self.may_acknowledge(&rs) {
+        // As a stream write's ack: nor one whose replica stopped leading since admission
+        // (a follower fenced by a successor refused it; a Leader-mode write waits for
+        // no follower that would). It was only the lease and the assignments here.
+        if rs.term() != term || !rs.serving() || !self.may_acknowledge(&rs) {
+            self.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
             return Err(BrokerError::Unacknowledged(
                 "the lease lapsed or the shard was reassigned before the write was acknowledged"
                     .into(),
