@@ -1806,3 +1806,140 @@ fn a_shard_whose_log_is_damaged_stays_closed_across_a_re_pin() {
         "re-pinned, the damaged shard took a write: {after:?}"
     );
 }
+
+/// Pipelined cache puts keep their order across live re-pins: read back in log order,
+/// each key's values rise as they were sent. (An audit found that a put held while its
+/// cache moved here ran behind requests whose tasks were spawned just before the move
+/// ended, so a writer's later put could land first; held calls now claim on a first
+/// poll made in order. This test did not catch that interleaving in 5 runs without the
+/// change: the window is one scheduler turn. It guards the order as a whole.)
+#[test]
+fn pipelined_cache_puts_keep_their_order_across_re_pins() {
+    use felix_wire::Message;
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "",
+        &["--fsync", "none", "--cores", "0-1", "--shards", "1"],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        const PUTS: u64 = 5_000;
+        let auth = felix_cluster::raw_auth("dev", &b.token());
+        let put = |key: String, i: u64| {
+            Message::CachePut {
+                tenant_id: "dev".into(),
+                namespace: "default".into(),
+                cache: "ordered".into(),
+                key,
+                value: bytes::Bytes::from(i.to_string()),
+                request_id: None,
+                ttl_ms: None,
+            }
+            .to_frame()
+        };
+        // The cache exists before the moves begin.
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth).await.unwrap();
+        s.write_all(&put("first".into(), 0)).await.unwrap();
+        felix_cluster::read_messages(&mut r, 2).await.unwrap();
+        // Two connections (either core), each pipelining puts of 8 keys of its own.
+        let mut writers = Vec::new();
+        let mut keep = Vec::new();
+        for w in 0..2 {
+            let (ep, conn) = raw_connect(&b).await.unwrap();
+            let (mut s, mut r) = conn.open_bi().await.unwrap();
+            s.write_all(&auth).await.unwrap();
+            let frames: Vec<bytes::Bytes> = (0..PUTS)
+                .map(|i| put(format!("w{w}k{}", i % 8), i))
+                .collect();
+            let sending = tokio::spawn(async move {
+                for f in frames {
+                    s.write_all(&f).await.unwrap();
+                }
+                s
+            });
+            writers.push(tokio::spawn(async move {
+                let answers = felix_cluster::read_messages(&mut r, PUTS as usize + 1)
+                    .await
+                    .unwrap();
+                assert!(
+                    answers[1..]
+                        .iter()
+                        .all(|a| matches!(a, Some(Message::CacheOk { .. }))),
+                    "every put is acknowledged: {:?}",
+                    answers
+                        .iter()
+                        .find(|a| !matches!(a, Some(Message::CacheOk { .. })))
+                );
+                // The send side lives until the answers are read.
+                drop(sending.await.unwrap());
+            }));
+            keep.push((ep, conn));
+        }
+        let bh = b.http;
+        let repins = tokio::task::spawn_blocking(move || {
+            for i in 0..30 {
+                let rule = format!("dev/default/ordered/0={}", (i + 1) % 2);
+                let (status, body) = felix_client::ops::http(
+                    &bh.to_string(),
+                    "POST",
+                    "/pins",
+                    Some(&json!({ "rule": rule }).to_string()),
+                )
+                .unwrap();
+                assert_eq!(status, 200, "re-pin {i}: {body}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        repins.await.unwrap();
+        for w in writers {
+            tokio::time::timeout(Duration::from_secs(60), w)
+                .await
+                .expect("the puts are answered")
+                .unwrap();
+        }
+        // The whole log, in order, through a watch from its first offset.
+        let (mut s, _r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth).await.unwrap();
+        let watch = Message::CacheWatch {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            cache: "ordered".into(),
+            key: None,
+            prefix: Some(String::new()),
+            shard: Some(felix_wire::ShardId(0)),
+            from_offset: Some(felix_wire::Offset(0)),
+            retained: false,
+            subscription_id: None,
+        };
+        s.write_all(&watch.to_frame()).await.unwrap();
+        let mut events = conn.accept_uni().await.unwrap();
+        let got = tokio::time::timeout(
+            Duration::from_secs(30),
+            felix_cluster::read_messages(&mut events, 2 * PUTS as usize + 2),
+        )
+        .await
+        .expect("the log is read back")
+        .unwrap();
+        let mut last: std::collections::HashMap<String, u64> = Default::default();
+        let mut seen = 0;
+        for m in got.into_iter().flatten() {
+            if let Message::CacheEvent {
+                key,
+                value: Some(v),
+                ..
+            } = m
+                && key != "first"
+            {
+                let i: u64 = std::str::from_utf8(&v).unwrap().parse().unwrap();
+                if let Some(before) = last.insert(key.clone(), i) {
+                    assert!(before < i, "{key}: {i} landed after {before}");
+                }
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, 2 * PUTS, "every put is in the log");
+    });
+}

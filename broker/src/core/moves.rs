@@ -73,9 +73,19 @@ pub type Answer<T> = Pin<Box<dyn std::future::Future<Output = Result<T, BrokerEr
 /// Runs a held call's answer to the end in a task of its own and sends it to `tx` (the
 /// waiting request), so the next held call starts without waiting for this one.
 pub(super) fn answer_when_done<T: 'static>(
-    answer: Answer<T>,
+    mut answer: Answer<T>,
     tx: oneshot::Sender<Result<T, BrokerError>>,
 ) {
+    // Polled once here, before the caller's next held call: a call claims its place
+    // (its offsets) on its first poll, so held calls claim in the order they came and
+    // ahead of every request whose task was spawned meanwhile. Only spawned, each ran
+    // behind those tasks, and a pipelined writer's later put landed before its earlier
+    // one. (The task's first poll registers its own waker.)
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    if let std::task::Poll::Ready(answered) = answer.as_mut().poll(&mut cx) {
+        let _ = tx.send(answered);
+        return;
+    }
     task::spawn(async move {
         let _ = tx.send(answer.await);
     })
