@@ -21,6 +21,10 @@ use felix_wire::message::PublishRefusalReason;
 pub const WINDOW: usize = 64;
 /// Producers remembered per shard; past it the one whose newest batch is oldest goes.
 pub const PRODUCERS_MAX: usize = 4096;
+/// Producers forgotten that way whose ids are kept, so that their next batch is
+/// refused `unknown_producer` even at sequence 0 (taken for a new producer's first
+/// batch, a forgotten one's re-send of its first batch was appended again).
+pub const FORGOTTEN_MAX: usize = 4 * PRODUCERS_MAX;
 
 /// What tells a re-sent batch from another one under the same sequence: its record
 /// count, its bytes, and a CRC-32C over every record's length (u64, big-endian) and
@@ -122,6 +126,9 @@ static TABLES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(
 #[derive(Debug)]
 pub struct ProducerTable {
     producers: HashMap<u64, VecDeque<Entry>>,
+    /// Ids of producers forgotten for room, oldest first (at most [`FORGOTTEN_MAX`]).
+    forgotten: VecDeque<u64>,
+    forgotten_set: std::collections::HashSet<u64>,
     /// Every batch of the log below it has been read into the table.
     end: u64,
     stamp: Stamp,
@@ -132,6 +139,8 @@ impl ProducerTable {
     pub fn at(base: u64) -> ProducerTable {
         ProducerTable {
             producers: HashMap::new(),
+            forgotten: VecDeque::new(),
+            forgotten_set: std::collections::HashSet::new(),
             end: base,
             stamp: Stamp {
                 table: TABLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -177,7 +186,7 @@ impl ProducerTable {
     /// read that reason is told `invalid_request`: the session words it).
     pub fn decide(&self, producer: u64, sequence: u64, contents: Contents) -> Decision {
         let Some(batches) = self.producers.get(&producer) else {
-            return if sequence == 0 {
+            return if sequence == 0 && !self.forgotten_set.contains(&producer) {
                 Decision::Append
             } else {
                 Decision::Refuse(PublishRefusalReason::UnknownProducer)
@@ -245,6 +254,14 @@ impl ProducerTable {
                 .map(|(p, _)| *p)
             {
                 self.producers.remove(&oldest);
+                if self.forgotten_set.insert(oldest) {
+                    self.forgotten.push_back(oldest);
+                }
+                while self.forgotten.len() > FORGOTTEN_MAX {
+                    if let Some(id) = self.forgotten.pop_front() {
+                        self.forgotten_set.remove(&id);
+                    }
+                }
             }
         }
         let batches = self.producers.entry(producer).or_default();
@@ -563,5 +580,23 @@ mod tests {
         rebuilt.apply_batches(&[tagged(0, 5, 0, 1), tagged(1, 5, 1, 1)], 2);
         rebuilt.failed(t.stamp(), 5, 1);
         assert_eq!(rebuilt.decide(5, 2, n(1)), Decision::Append);
+    }
+
+    /// A producer forgotten for room (4,096 others published since) is refused
+    /// `unknown_producer` at sequence 0 too: its re-send of a first batch whose answer
+    /// was lost was taken for a new producer's and appended again.
+    #[test]
+    fn a_producer_forgotten_for_room_is_unknown_even_at_sequence_zero() {
+        let mut t = ProducerTable::at(0);
+        assert!(t.claimed(0, 1, Some(((1, 0), n(1)))));
+        t.written(t.stamp(), 1, 0);
+        for i in 0..PRODUCERS_MAX as u64 {
+            assert!(t.claimed(1 + i, 2 + i, Some(((1000 + i, 0), n(1)))));
+        }
+        assert_eq!(
+            t.decide(1, 0, n(1)),
+            Decision::Refuse(PublishRefusalReason::UnknownProducer)
+        );
+        assert_eq!(t.decide(99_999, 0, n(1)), Decision::Append, "a new one");
     }
 }
