@@ -481,6 +481,8 @@ struct Answers {
     failed: Cell<bool>,
     /// Answers done ahead of their turn.
     places: Places,
+    /// Forwards pushed whose turn has not come (they are sent at it).
+    unsent_forwards: Rc<Cell<usize>>,
 }
 
 impl Answers {
@@ -617,6 +619,7 @@ async fn serve_stream(
             conn: conn.id(),
             placed: Rc::default(),
         },
+        unsent_forwards: Rc::default(),
     });
     let writer =
         send.map(|s| task::spawn(write_answers(core.clone(), conn.id(), answers.clone(), s)));
@@ -797,6 +800,24 @@ async fn execute(
                 .publish_bytes
                 .fetch_add(bytes as u64, Ordering::Relaxed);
             let read_at = clock::now().instant;
+            if answers.unsent_forwards.get() > 0 {
+                // Behind a forward of this stream not yet sent (it goes when its turn
+                // comes: a stream's forwards reach the leader in order): this append
+                // waits its turn too, or it would land ahead of a publish sent before
+                // it once the shard's leadership came here.
+                let (core, session) = (core.clone(), session.clone());
+                answers.push(Answer::Pending(Box::pin(async move {
+                    let appended = core.append(key, records, condition).await;
+                    let outcome = acknowledged(&core, appended, read_at);
+                    drop(held);
+                    if answer.owed() {
+                        answer::publish(&session, answer, outcome, None)
+                    } else {
+                        None
+                    }
+                })));
+                return true;
+            }
             let appended = core.append(key, records, condition);
             if answer.owed() {
                 let session = session.clone();
@@ -804,24 +825,7 @@ async fn execute(
                 // reference count is touched per publish.
                 let core = core.clone();
                 answers.push(Answer::Pending(Box::pin(async move {
-                    let mut outcome = appended.await.map(|a| a.first);
-                    // The lease is read once more as the ack goes out: a broker frozen
-                    // between deciding an ack and sending it must not hand a client,
-                    // seconds later, an ack from a leadership it no longer holds.
-                    if outcome.is_ok()
-                        && core
-                            .shared
-                            .cluster
-                            .as_ref()
-                            .is_some_and(|c| !c.lease_valid(clock::BootTime::now()))
-                    {
-                        outcome = Err(BrokerError::Unacknowledged(
-                            "the lease lapsed before the acknowledgement was sent".into(),
-                        ));
-                    }
-                    if outcome.is_ok() {
-                        core.metrics.publish_ack.observe(read_at.elapsed());
-                    }
+                    let outcome = acknowledged(&core, appended.await, read_at);
                     drop(held);
                     answer::publish(&session, answer, outcome, None)
                 })));
@@ -846,7 +850,11 @@ async fn execute(
             let call = core.forward(session, &route, frame, owed);
             if owed {
                 let session = session.clone();
+                let unsent = answers.unsent_forwards.clone();
+                unsent.set(unsent.get() + 1);
                 answers.push(Answer::Pending(Box::pin(async move {
+                    // Sent now, at its turn.
+                    unsent.set(unsent.get() - 1);
                     let reply = call.await;
                     drop(held);
                     match forwarded {
@@ -1097,6 +1105,29 @@ fn cache_answer(
         },
     }
     .to_frame()
+}
+
+/// An append's outcome as its ack goes out. The lease is read once more: a broker
+/// frozen between deciding an ack and sending it must not hand a client, seconds later,
+/// an ack from a leadership it no longer holds.
+fn acknowledged(
+    core: &CoreBroker,
+    appended: Result<felix_storage_uring::Appended, BrokerError>,
+    read_at: std::time::Instant,
+) -> Result<u64, BrokerError> {
+    let outcome = appended.map(|a| a.first)?;
+    if core
+        .shared
+        .cluster
+        .as_ref()
+        .is_some_and(|c| !c.lease_valid(clock::BootTime::now()))
+    {
+        return Err(BrokerError::Unacknowledged(
+            "the lease lapsed before the acknowledgement was sent".into(),
+        ));
+    }
+    core.metrics.publish_ack.observe(read_at.elapsed());
+    Ok(outcome)
 }
 
 /// Starts `f` now as a task of its own that runs to completion even if the connection
