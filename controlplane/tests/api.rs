@@ -1826,6 +1826,32 @@ fn bootstrapped(svc: &Service) -> (ControlPlaneClient, ControlPlaneClient) {
     (anon, admin)
 }
 
+/// Node `id` registered live with client port `port`: a client holding its node token.
+fn registered_node(
+    anon: &ControlPlaneClient,
+    admin: &ControlPlaneClient,
+    id: &str,
+    port: u16,
+) -> ControlPlaneClient {
+    let token = admin
+        .post(
+            "/v1/tenants/operator/tokens",
+            &json!({"sub": id, "audience": "felix-controlplane",
+                    "perms": [format!("node.manage:node:{id}"), "node.view:cluster:*"]}),
+        )
+        .unwrap()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let node = anon.clone().with_token(&token);
+    node.post(
+        "/v1/nodes",
+        &json!({"node_id": id, "client_addr": format!("127.0.0.1:{port}")}),
+    )
+    .unwrap();
+    node
+}
+
 /// A store that runs a write of its own just before the next batch putting a document
 /// of the armed kind: a write racing a handler between its read and its write, made
 /// deterministic.
@@ -1894,22 +1920,7 @@ fn a_drain_and_the_nodes_heartbeat_racing_both_hold() {
     let store = Arc::new(RacingStore::default());
     let svc = start(store.clone(), runtime());
     let (anon, admin) = bootstrapped(&svc);
-    let token = admin
-        .post(
-            "/v1/tenants/operator/tokens",
-            &json!({"sub": "node-a", "audience": "felix-controlplane",
-                    "perms": ["node.manage:node:node-a", "node.view:cluster:*"]}),
-        )
-        .unwrap()["token"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let node = anon.clone().with_token(&token);
-    node.post(
-        "/v1/nodes",
-        &json!({"node_id": "node-a", "client_addr": "127.0.0.1:5100"}),
-    )
-    .unwrap();
+    let node = registered_node(&anon, &admin, "node-a", 5100);
     let read = || {
         svc.rt.block_on(async {
             let d = store.get(Kind::Node, "node-a").await.unwrap().unwrap();
@@ -1969,26 +1980,8 @@ fn a_drain_passes_over_a_shard_deleted_under_it() {
     let store = Arc::new(RacingStore::default());
     let svc = start(store.clone(), runtime());
     let (anon, admin) = bootstrapped(&svc);
-    let mut drainer = None;
-    for (i, id) in ["node-a", "node-b"].into_iter().enumerate() {
-        let token = admin
-            .post(
-                "/v1/tenants/operator/tokens",
-                &json!({"sub": id, "audience": "felix-controlplane",
-                        "perms": [format!("node.manage:node:{id}"), "node.view:cluster:*"]}),
-            )
-            .unwrap()["token"]
-            .as_str()
-            .unwrap()
-            .to_owned();
-        let node = anon.clone().with_token(&token);
-        node.post(
-            "/v1/nodes",
-            &json!({"node_id": id, "client_addr": format!("127.0.0.1:{}", 5100 + i)}),
-        )
-        .unwrap();
-        drainer.get_or_insert(node);
-    }
+    let drainer = registered_node(&anon, &admin, "node-a", 5100);
+    registered_node(&anon, &admin, "node-b", 5101);
     let led_by_a = |name: &str| Assignment {
         key: AssignmentKey {
             tenant_id: "acme".into(),
@@ -2031,7 +2024,6 @@ fn a_drain_passes_over_a_shard_deleted_under_it() {
         }],
     ));
     let answer = drainer
-        .unwrap()
         .post("/v1/nodes/node-a/drain", &json!({}))
         .expect("a shard deleted under the drain is passed over");
     assert_eq!(

@@ -31,6 +31,20 @@ fn publish(stream: &str, key: &[u8], payload: &[u8], ack: Option<u64>) -> bytes:
     felix_cluster::raw_publish(("dev", "default", stream), key, payload, ack)
 }
 
+/// An unanswered-id cache put of `value` at `cache`'s `key`.
+fn cache_put(cache: &str, key: &str, value: bytes::Bytes) -> bytes::Bytes {
+    Message::CachePut {
+        tenant_id: "dev".into(),
+        namespace: "default".into(),
+        cache: cache.into(),
+        key: key.into(),
+        value,
+        request_id: None,
+        ttl_ms: None,
+    }
+    .to_frame()
+}
+
 /// Another client publishes one acked record and gets its ack within 10 s.
 async fn another_client_publishes(b: &BrokerProcess) {
     let (_ep, conn) = raw_connect(b).await.unwrap();
@@ -284,16 +298,7 @@ fn pipelined_cache_puts_are_held_by_the_byte_budget() {
             let (mut s, r) = conn.open_bi().await.unwrap();
             let (auth, value) = (auth(&b), value.clone());
             // Encoded once: the client writes as fast as the broker reads.
-            let put = Message::CachePut {
-                tenant_id: "dev".into(),
-                namespace: "default".into(),
-                cache: "held".into(),
-                key: format!("k{stream}"),
-                value: value.clone(),
-                request_id: None,
-                ttl_ms: None,
-            }
-            .to_frame();
+            let put = cache_put("held", &format!("k{stream}"), value.clone());
             writers.push(tokio::spawn(async move {
                 s.write_all(&auth).await.unwrap();
                 for _ in 0..PUTS {
@@ -353,16 +358,7 @@ fn whole_requests_waiting_for_the_budget_count_as_unfinished() {
             let Ok((mut s, r)) = conn.open_bi().await else {
                 break;
             };
-            let put = Message::CachePut {
-                tenant_id: "dev".into(),
-                namespace: "default".into(),
-                cache: "held".into(),
-                key: format!("k{stream}"),
-                value: value.clone(),
-                request_id: None,
-                ttl_ms: None,
-            }
-            .to_frame();
+            let put = cache_put("held", &format!("k{stream}"), value.clone());
             let auth = auth(&b);
             tokio::spawn(async move {
                 let _r = r;
@@ -407,16 +403,8 @@ fn answers_done_behind_a_waiting_one_are_bounded() {
         let (_ep, conn) = raw_connect(&b).await.unwrap();
         let (mut s, mut r) = conn.open_bi().await.unwrap();
         s.write_all(&auth(&b)).await.unwrap();
-        let put = Message::CachePut {
-            tenant_id: "dev".into(),
-            namespace: "default".into(),
-            cache: "gets".into(),
-            key: "big".into(),
-            value: bytes::Bytes::from(vec![4u8; 512 << 10]),
-            request_id: None,
-            ttl_ms: None,
-        };
-        s.write_all(&put.to_frame()).await.unwrap();
+        let put = cache_put("gets", "big", bytes::Bytes::from(vec![4u8; 512 << 10]));
+        s.write_all(&put).await.unwrap();
         read_answers(&mut r, 2).await;
         another_client_publishes(&b).await;
         let idle = b.rss_kib();
@@ -1045,16 +1033,12 @@ fn a_watchers_unread_snapshot_counts_against_the_unread_bound() {
         s.write_all(&auth(&b)).await.unwrap();
         const VALUES: usize = 48;
         for i in 0..VALUES {
-            let put = Message::CachePut {
-                tenant_id: "dev".into(),
-                namespace: "default".into(),
-                cache: "watched".into(),
-                key: format!("k{i}"),
-                value: bytes::Bytes::from(vec![5u8; 1 << 20]),
-                request_id: None,
-                ttl_ms: None,
-            };
-            s.write_all(&put.to_frame()).await.unwrap();
+            let put = cache_put(
+                "watched",
+                &format!("k{i}"),
+                bytes::Bytes::from(vec![5u8; 1 << 20]),
+            );
+            s.write_all(&put).await.unwrap();
         }
         let answers = read_answers(&mut r, VALUES + 1).await;
         assert!(
