@@ -3355,6 +3355,7 @@ impl CoreBroker {
                 ShardKind::Cache
             };
             let mut dirs = Vec::new();
+            let mut moving = false;
             for shard in 0..d.shards {
                 let key = ShardKey {
                     kind,
@@ -3366,6 +3367,14 @@ impl CoreBroker {
                 if let Some(subs) = self.subscribers.borrow_mut().remove(&key) {
                     subs.iter().for_each(|q| q.close(Ending::Deleted));
                 }
+                if self.leaving(&key) || self.held(&key) {
+                    // Moving between cores (a live re-pin): the core it leaves may still
+                    // hold its log open. Looked at again at the next round, once moved:
+                    // the new owner removed the directory under the old one, which then
+                    // wrote its close into it (or into a stream re-created there).
+                    moving = true;
+                    break;
+                }
                 if self.owner(&key) != self.core {
                     continue;
                 }
@@ -3376,6 +3385,9 @@ impl CoreBroker {
                 }
                 self.close_shard(&key, false).await;
                 dirs.push(shard_dir(&self.shared.data_dir, &key));
+            }
+            if moving {
+                continue;
             }
             // The stream's directory goes with the last core to finish, which may own none
             // of its shards (then `dirs` is empty): name it from the stream, not from them.
