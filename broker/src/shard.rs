@@ -989,7 +989,7 @@ impl CacheShard {
         }
         let now = felix_core_runtime::clock::now();
         let mut values = 0;
-        let give_up = std::time::Instant::now() + COMPACT_APPLY_WAIT;
+        let mut give_up = std::time::Instant::now() + COMPACT_APPLY_WAIT;
         loop {
             // Pick, claim and mark in one go (no wait in between): live values below
             // the cut whose key has no write in flight.
@@ -1011,7 +1011,11 @@ impl CacheShard {
                     }
                     continue;
                 }
-                Picked::Copy(batch) => batch,
+                Picked::Copy(batch) => {
+                    // The limit is each wait's, not the whole copy's.
+                    give_up = std::time::Instant::now() + COMPACT_APPLY_WAIT;
+                    batch
+                }
             };
             let records: Vec<Bytes> = batch
                 .iter()

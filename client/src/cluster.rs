@@ -551,6 +551,15 @@ where
         in_doubt |= decision == Decision::OutcomeUnknown
             || matches!(e, ClientError::Connection { .. } | ClientError::Timeout(_));
         match decision {
+            // Failing now, it may still have applied before: say so.
+            Decision::Fail if in_doubt => {
+                return Err(ClientError::GaveUp {
+                    attempts: attempt + 1,
+                    endpoints,
+                    in_doubt,
+                    last: Box::new(e),
+                });
+            }
             Decision::Fail => return Err(e),
             Decision::OutcomeUnknown if !resend_unknown => return Err(e),
             Decision::OutcomeUnknown => {}
@@ -731,6 +740,24 @@ mod tests {
         .await;
         assert!(
             matches!(e, ClientError::GaveUp { in_doubt: true, .. }),
+            "{e:?}"
+        );
+        // A fatal answer after an attempt that may have applied keeps the doubt.
+        let e = give_up_over(vec![
+            ClientError::Timeout("publish ack"),
+            coded(ErrorCode::Forbidden),
+            coded(ErrorCode::Forbidden),
+        ])
+        .await;
+        assert!(
+            matches!(
+                &e,
+                ClientError::GaveUp {
+                    in_doubt: true,
+                    attempts: 2,
+                    ..
+                }
+            ),
             "{e:?}"
         );
         // Refused every time before anything was written: not in doubt.

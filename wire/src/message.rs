@@ -1519,7 +1519,7 @@ fn put_base64(out: &mut BytesMut, name: &[u8], bytes: &[u8]) {
 }
 
 /// Most values (array elements and object fields, counted by the commas between them)
-/// a JSON message may hold. Decoding an internally tagged message buffers every field
+/// a client's JSON request may hold. Decoding an internally tagged message buffers every field
 /// as a generic value first, about 32 bytes an element: a 16 MiB frame of `[0,0,...]`
 /// took over 256 MiB to decode. A million is far past any message's need (a publish
 /// batch's payloads are one value each).
@@ -1556,13 +1556,20 @@ fn json_values_within(payload: &[u8], max: usize) -> bool {
 }
 
 impl Message {
-    /// Decodes a JSON payload (a frame with flags 0).
-    pub fn decode(payload: &[u8]) -> Result<Message, MessageError> {
+    /// Decodes a client's request: as [`Message::decode`], refusing first a payload of
+    /// more than [`JSON_VALUES_MAX`] values. (Only requests: a broker's answers, such
+    /// as a long dead-letter list, may hold more.)
+    pub fn decode_request(payload: &[u8]) -> Result<Message, MessageError> {
         if !json_values_within(payload, JSON_VALUES_MAX) {
             return Err(MessageError::TooManyValues {
                 max: JSON_VALUES_MAX,
             });
         }
+        Message::decode(payload)
+    }
+
+    /// Decodes a JSON payload (a frame with flags 0).
+    pub fn decode(payload: &[u8]) -> Result<Message, MessageError> {
         match serde_json::from_slice::<Message>(payload) {
             Ok(m) => Ok(m),
             Err(e) if e.is_data() => match peek_request(payload) {
@@ -1732,7 +1739,7 @@ mod tests {
         padded.extend(std::iter::repeat_n(&b"0,"[..], JSON_VALUES_MAX + 1).flatten());
         padded.extend_from_slice(b"0]}");
         assert_eq!(
-            Message::decode(&padded).unwrap_err(),
+            Message::decode_request(&padded).unwrap_err(),
             MessageError::TooManyValues {
                 max: JSON_VALUES_MAX
             }

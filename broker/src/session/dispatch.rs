@@ -426,7 +426,7 @@ pub fn decode(frame: &Frame, answered: bool) -> Request {
                 ends_stream: false,
             },
         },
-        FrameKind::Json => match Message::decode(&frame.payload) {
+        FrameKind::Json => match Message::decode_request(&frame.payload) {
             Ok(m) => from_message(m, &frame.payload, owed),
             Err(e) => Request::Refused {
                 error: BrokerError::InvalidRequest(e.to_string()),

@@ -481,8 +481,9 @@ struct Answers {
     failed: Cell<bool>,
     /// Answers done ahead of their turn.
     places: Places,
-    /// Forwards pushed whose turn has not come (they are sent at it).
-    unsent_forwards: Rc<Cell<usize>>,
+    /// Forwards, and appends behind them, pushed whose turn has not come (they start
+    /// at it): an append read meanwhile waits its turn too.
+    deferred: Rc<Cell<usize>>,
 }
 
 impl Answers {
@@ -619,7 +620,7 @@ async fn serve_stream(
             conn: conn.id(),
             placed: Rc::default(),
         },
-        unsent_forwards: Rc::default(),
+        deferred: Rc::default(),
     });
     let writer =
         send.map(|s| task::spawn(write_answers(core.clone(), conn.id(), answers.clone(), s)));
@@ -800,13 +801,16 @@ async fn execute(
                 .publish_bytes
                 .fetch_add(bytes as u64, Ordering::Relaxed);
             let read_at = clock::now().instant;
-            if answers.unsent_forwards.get() > 0 {
+            if answers.deferred.get() > 0 {
                 // Behind a forward of this stream not yet sent (it goes when its turn
-                // comes: a stream's forwards reach the leader in order): this append
-                // waits its turn too, or it would land ahead of a publish sent before
-                // it once the shard's leadership came here.
+                // comes: a stream's forwards reach the leader in order), or an append
+                // deferred so: this append waits its turn too, or it would land ahead
+                // of a publish sent before it once the shard's leadership came here.
                 let (core, session) = (core.clone(), session.clone());
+                let deferred = answers.deferred.clone();
+                deferred.set(deferred.get() + 1);
                 answers.push(Answer::Pending(Box::pin(async move {
+                    deferred.set(deferred.get() - 1);
                     let appended = core.append(key, records, condition).await;
                     let outcome = acknowledged(&core, appended, read_at);
                     drop(held);
@@ -850,11 +854,11 @@ async fn execute(
             let call = core.forward(session, &route, frame, owed);
             if owed {
                 let session = session.clone();
-                let unsent = answers.unsent_forwards.clone();
-                unsent.set(unsent.get() + 1);
+                let deferred = answers.deferred.clone();
+                deferred.set(deferred.get() + 1);
                 answers.push(Answer::Pending(Box::pin(async move {
                     // Sent now, at its turn.
-                    unsent.set(unsent.get() - 1);
+                    deferred.set(deferred.get() - 1);
                     let reply = call.await;
                     drop(held);
                     match forwarded {
