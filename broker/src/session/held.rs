@@ -9,7 +9,8 @@
 //! bytes in the connection's QUIC window, and a stream let through then waits for the
 //! rest of its frame for ever (`bounds::large_frames_interleaved_…`). Answers are the
 //! same the other way: a stream read answer is up to 4 MiB, and a client that never
-//! reads leaves one waiting on each of its streams. So past a bound a connection is
+//! reads leaves one waiting on each of its streams, with the answers worked out ahead
+//! of their turn behind it (counted at once). So past a bound a connection is
 //! closed, as Redis closes a client past its output buffer limit: the one that crossed
 //! its own bound, or, when the core's connections together cross the core's bound, the
 //! one holding the most. Closing loses nothing acknowledged.
