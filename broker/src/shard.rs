@@ -570,19 +570,14 @@ const COMPACT_APPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(1
 #[derive(Debug)]
 pub struct KeyWrite<'a> {
     shard: &'a CacheShard,
+    /// Where it is counted: the keys' writes or the counters' adds.
+    map: &'a RefCell<HashMap<String, u32>>,
     key: String,
-    /// A counter's add, not a key's write.
-    counter: bool,
 }
 
 impl Drop for KeyWrite<'_> {
     fn drop(&mut self) {
-        let map = if self.counter {
-            &self.shard.counters_in_flight
-        } else {
-            &self.shard.in_flight
-        };
-        self.shard.mark(map, &self.key, false);
+        self.shard.mark(self.map, &self.key, false);
     }
 }
 
@@ -1134,8 +1129,8 @@ impl CacheShard {
         self.mark(&self.counters_in_flight, name, true);
         KeyWrite {
             shard: self,
+            map: &self.counters_in_flight,
             key: name.to_owned(),
-            counter: true,
         }
     }
 
@@ -1144,8 +1139,8 @@ impl CacheShard {
         self.mark_key(key, true);
         KeyWrite {
             shard: self,
+            map: &self.in_flight,
             key: key.to_owned(),
-            counter: false,
         }
     }
 
