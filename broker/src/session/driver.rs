@@ -801,29 +801,23 @@ async fn execute(
                 .publish_bytes
                 .fetch_add(bytes as u64, Ordering::Relaxed);
             let read_at = clock::now().instant;
-            if answers.deferred.get() > 0 {
+            let defer = answers.deferred.get() > 0;
+            let appended = if defer {
                 // Behind a forward of this stream not yet sent (it goes when its turn
                 // comes: a stream's forwards reach the leader in order), or an append
                 // deferred so: this append waits its turn too, or it would land ahead
                 // of a publish sent before it once the shard's leadership came here.
-                let (core, session) = (core.clone(), session.clone());
-                let deferred = answers.deferred.clone();
+                let (core, deferred) = (core.clone(), answers.deferred.clone());
                 deferred.set(deferred.get() + 1);
-                answers.push(Answer::Pending(Box::pin(async move {
+                Box::pin(async move {
                     deferred.set(deferred.get() - 1);
-                    let appended = core.append(key, records, condition).await;
-                    let outcome = acknowledged(&core, appended, read_at);
-                    drop(held);
-                    if answer.owed() {
-                        answer::publish(&session, answer, outcome, None)
-                    } else {
-                        None
-                    }
-                })));
-                return true;
-            }
-            let appended = core.append(key, records, condition);
-            if answer.owed() {
+                    core.append(key, records, condition).await
+                })
+            } else {
+                core.append(key, records, condition)
+            };
+            // A deferred append takes its turn in the answers even when none is owed.
+            if answer.owed() || defer {
                 let session = session.clone();
                 // One clone of this core's handle (an Rc, core-local): no shared
                 // reference count is touched per publish.
