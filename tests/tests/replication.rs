@@ -3714,11 +3714,33 @@ fn a_leader_past_its_lease_does_not_answer_a_duplicate() {
 
 /// The replication port closes a connection none of whose streams says a good `Hello`
 /// within 10 s, and one whose streams send more than 1 MiB before any `Hello`, with
-/// error 1. Anyone reaching the port, no token needed, held up to 64 KiB on each of a
-/// connection's streams there for as long as it kept the connection alive.
+/// error 1; a peer that said one stays connected past the deadline. Anyone reaching
+/// the port, no token needed, held up to 64 KiB on each of a connection's streams there
+/// for as long as it kept the connection alive.
 #[test]
 fn the_replication_port_closes_connections_that_say_no_hello() {
+    use felix_wire::internal::{Hello, InternalMessage};
     let c = cluster();
+    let token = c
+        .admin
+        .post(
+            "/v1/tenants/operator/tokens",
+            &serde_json::json!({"sub": "node-z", "audience": "felix-controlplane",
+                                "perms": ["node.manage:node:node-z"]}),
+        )
+        .unwrap()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut hello = bytes::BytesMut::new();
+    InternalMessage::Hello(Hello {
+        correlation_id: 0,
+        node_id: "node-z".into(),
+        token,
+        capabilities: 0,
+    })
+    .encode(&mut hello)
+    .unwrap();
     let yaml = std::fs::read_to_string(c.dir.path().join("node-0.yaml")).unwrap();
     let internal: std::net::SocketAddr = yaml
         .lines()
@@ -3753,6 +3775,10 @@ fn the_replication_port_closes_connections_that_say_no_hello() {
         .to_vec();
         begun.resize(12 + 60_000, 7);
         let started = Instant::now();
+        // A peer: its Hello, then nothing (keep-alives hold the connection).
+        let good = ep.connect(internal, "localhost").unwrap().await.unwrap();
+        let mut s = good.open_uni().await.unwrap();
+        s.write_all(&hello).await.unwrap();
         let idle = ep.connect(internal, "localhost").unwrap().await.unwrap();
         let mut s = idle.open_uni().await.unwrap();
         s.write_all(&begun[..100]).await.unwrap();
@@ -3786,5 +3812,12 @@ fn the_replication_port_closes_connections_that_say_no_hello() {
             "closed at the deadline, not before: {:?}",
             started.elapsed()
         );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            good.close_reason().is_none(),
+            "a peer that said hello is closed: {:?}",
+            good.close_reason()
+        );
+        drop(s);
     });
 }
