@@ -12,7 +12,11 @@
 //! - A replica accepts a generation only by a `Fence` from its leader, and persists the
 //!   ballot `(generation, leader)` before answering; from then on it refuses older
 //!   generations and other leaders at that generation. So a deposed leader cannot collect
-//!   a majority once its successor has fenced one.
+//!   a majority once its successor has fenced one. The leader is the one the control
+//!   plane's assignment names at that generation: a fence at a generation no assignment
+//!   handed to this replica names its sender leader at waits for that assignment (a
+//!   peer's node token proves only who it is, and a ballot taken at a made-up
+//!   generation would be persisted, refusing every real leader after it).
 //! - A candidate serves only after a majority (itself counted) has fenced, after taking
 //!   the furthest-ahead log among them by `(generation of the last record, end)`, and
 //!   after appending its generation-start record. Any majority intersects the one that
@@ -542,6 +546,10 @@ pub struct Replica {
     /// the one before), or by a stale resend ending below it, is not lost: the leader,
     /// having sent it, does not send it again.
     heard_commit: (u64, u64),
+    /// `(sender, generation)`: a fence at a generation newer than every assignment this
+    /// replica was handed, answered once an assignment names its sender leader at it
+    /// (the newest one only; an assignment past it drops it).
+    early_fence: Option<(NodeId, u64)>,
 }
 
 impl Replica {
@@ -572,6 +580,7 @@ impl Replica {
             skip_fence: false,
             leader_base: None,
             heard_commit: (0, 0),
+            early_fence: None,
         }
     }
 
@@ -750,6 +759,20 @@ impl Replica {
 
     /// The control plane's assignment for this shard. Older generations are ignored.
     pub fn handle_assignment(&mut self, a: Assignment, now: Instant) {
+        let (generation, leader) = (a.generation, a.leader.clone());
+        self.take_assignment(a, now);
+        // A fence that came ahead of this assignment: answered now if it names its
+        // sender; dropped once an assignment reaches its generation either way.
+        if let Some((from, g)) = self.early_fence.take() {
+            if g == generation && from == leader {
+                self.on_fence(from, g);
+            } else if g > generation {
+                self.early_fence = Some((from, g));
+            }
+        }
+    }
+
+    fn take_assignment(&mut self, a: Assignment, now: Instant) {
         if let Some(old) = &self.assigned {
             if old.generation > a.generation {
                 return;
@@ -967,6 +990,26 @@ impl Replica {
                 self.answer_fence(&from);
             }
             return;
+        }
+        // A newer generation, taken only from the leader the control plane named at it:
+        // anyone holding a node token could otherwise fence every replica at a made-up
+        // generation, and the persisted ballot would refuse every real leader after it.
+        match &self.assigned {
+            Some(a) if a.generation == generation && a.leader == from => {}
+            // Named another leader, or passed already: a stale or forged fence.
+            Some(a) if a.generation >= generation => return,
+            // Not handed that assignment yet (the control plane's feed reaches brokers
+            // a few milliseconds apart): kept until it is.
+            _ => {
+                if self
+                    .early_fence
+                    .as_ref()
+                    .is_none_or(|(_, g)| *g <= generation)
+                {
+                    self.early_fence = Some((from, generation));
+                }
+                return;
+            }
         }
         // A newer generation: stop leading or following the old one now; answer once
         // the ballot is durable.
@@ -2638,6 +2681,15 @@ mod tests {
         let mut r = Replica::new(id("b"), Meta::default(), 5, 5, BTreeMap::from([(0, 1)]));
         let now = Instant::now();
         r.handle_message(id("a"), Msg::Fence { generation: 2 }, now);
+        r.handle_assignment(
+            Assignment {
+                generation: 2,
+                leader: id("a"),
+                replicas: vec![id("a"), id("b")],
+                learners: Vec::new(),
+            },
+            now,
+        );
         while let Some(out) = r.poll_output() {
             match out {
                 Output::Persist(meta) => r.handle_persisted(meta.generation, now),
@@ -2672,5 +2724,90 @@ mod tests {
         r.log.cut(6);
         r.handle_durable(10, Instant::now());
         assert_eq!(r.log_end(), (6, 6), "durable up to the cut, not past it");
+    }
+
+    /// A node token proves only who its holder is: a fence at a generation no
+    /// assignment names its sender leader at is not taken. Taken, its ballot (persisted)
+    /// refused every real leader after it, and a bootstrap under it could erase the log.
+    #[test]
+    fn a_fence_from_a_node_no_assignment_names_leader_is_not_taken() {
+        let mut p = Pair::of(&["a", "b", "c"]);
+        p.assign(1, "a");
+        p.settle();
+        p.append(3);
+        p.settle();
+        assert!(p.nodes[&id("a")].replica.serving(), "a leads");
+        let end = p.nodes[&id("a")].end();
+        // Answers to the forger go nowhere.
+        p.cut_off = Some(id("x"));
+        for n in ["a", "b", "c"] {
+            let now = p.now;
+            let r = &mut p.nodes.get_mut(&id(n)).expect("node").replica;
+            r.handle_message(
+                id("x"),
+                Msg::Fence {
+                    generation: u64::MAX,
+                },
+                now,
+            );
+            r.handle_message(id("b"), Msg::Fence { generation: 7 }, now);
+            r.handle_message(
+                id("x"),
+                Msg::Bootstrap {
+                    generation: u64::MAX,
+                    base: 1 << 40,
+                },
+                now,
+            );
+        }
+        p.settle();
+        assert!(p.nodes[&id("a")].replica.serving(), "a still leads");
+        for n in ["a", "b", "c"] {
+            assert_eq!(
+                p.nodes[&id(n)].replica.generation(),
+                1,
+                "{n} kept its ballot"
+            );
+            assert_eq!(p.nodes[&id(n)].end(), end, "{n} kept its records");
+        }
+        // The next real leader is taken as before.
+        p.assign(2, "b");
+        p.settle();
+        assert!(p.nodes[&id("b")].replica.serving(), "b leads generation 2");
+        assert_eq!(p.nodes[&id("c")].replica.generation(), 2);
+    }
+
+    /// A fence that reaches a replica before the assignment naming its sender (the
+    /// control plane's feed reaches brokers apart) is answered when the assignment
+    /// comes, not dropped for a resend.
+    #[test]
+    fn a_fence_ahead_of_its_assignment_is_answered_when_the_assignment_comes() {
+        let mut r = Replica::new(id("b"), Meta::default(), 0, 0, BTreeMap::new());
+        let now = Instant::now();
+        r.handle_message(id("a"), Msg::Fence { generation: 3 }, now);
+        assert!(r.poll_output().is_none(), "nothing before the assignment");
+        assert_eq!(r.generation(), 0);
+        r.handle_assignment(
+            Assignment {
+                generation: 3,
+                leader: id("a"),
+                replicas: vec![id("a"), id("b")],
+                learners: Vec::new(),
+            },
+            now,
+        );
+        let mut answered = false;
+        while let Some(out) = r.poll_output() {
+            match out {
+                Output::Persist(meta) => r.handle_persisted(meta.generation, now),
+                Output::Send {
+                    msg: Msg::FenceOk { generation: 3, .. },
+                    ..
+                } => answered = true,
+                _ => {}
+            }
+        }
+        assert!(answered, "the early fence is answered");
+        assert_eq!(r.generation(), 3);
     }
 }
