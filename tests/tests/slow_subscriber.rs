@@ -9,7 +9,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use felix_cluster::{BrokerProcess, expect_success, run_python};
+use felix_cluster::{
+    BrokerProcess, expect_success, raw_auth, raw_connect, raw_connect_with, raw_publish,
+    read_messages, run_python,
+};
 use felix_wire::{FrameReader, Message};
 
 /// Records of 4 KiB each test publishes.
@@ -262,6 +265,83 @@ fn a_long_replay_to_a_slower_reader_is_not_cut_off() {
         assert!(
             got.iter().all(|(_, p)| seen.insert(p.clone())),
             "no record twice"
+        );
+    });
+}
+
+/// Publishes `n` records of `size` bytes to `dev/default/h`, request ids from `from + 1`,
+/// and waits for their acks.
+async fn publish(broker: &BrokerProcess, conn: &quinn::Connection, from: u64, n: u64, size: usize) {
+    let (mut s, mut r) = conn.open_bi().await.unwrap();
+    s.write_all(&raw_auth("dev", &broker.token()))
+        .await
+        .unwrap();
+    for i in from..from + n {
+        let p = raw_publish(("dev", "default", "h"), b"k", &vec![7u8; size], Some(i + 1));
+        s.write_all(&p).await.unwrap();
+    }
+    let answers = read_messages(&mut r, 1 + n as usize).await.unwrap();
+    assert_eq!(answers.len(), 1 + n as usize, "every publish answered");
+}
+
+/// Batches published while a subscription's history is still on its way, past the
+/// subscriber's queue, reach it once the history is read: they were dropped before the
+/// live loop began counting drops, so on a quiet stream nothing ever read them back.
+/// The history (32 x 64 KiB) waits on a reader with 16 KiB stream windows, and the
+/// queue holds one batch.
+#[test]
+fn batches_dropped_while_the_history_is_sent_are_read_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = BrokerProcess::start_dev_with_config(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        dir.path(),
+        "subscriber_queue: 1\n",
+        &["--shards", "1"],
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_ep, conn) = raw_connect(&broker).await.unwrap();
+        publish(&broker, &conn, 0, 32, 64 << 10).await;
+        let (_sub_ep, sub) = raw_connect_with(
+            broker.listen,
+            &broker.ca_file(),
+            felix_core_runtime::quic::TransportLimits {
+                stream_window_bytes: 16 * 1024,
+                connection_window_bytes: 1 << 20,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        let (mut s, mut r) = sub.open_bi().await.unwrap();
+        s.write_all(&raw_auth("dev", &broker.token()))
+            .await
+            .unwrap();
+        let subscribe = Message::Subscribe {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            stream: "h".into(),
+            subscription_id: None,
+            start: Some(felix_wire::StartPosition::Earliest),
+            shard: None,
+            queue_capacity: None,
+        };
+        s.write_all(&subscribe.to_frame()).await.unwrap();
+        let answers = read_messages(&mut r, 2).await.unwrap();
+        assert!(
+            matches!(answers[1], Some(Message::Subscribed { .. })),
+            "{answers:?}"
+        );
+        let mut events = sub.accept_uni().await.unwrap();
+        // The history waits on the reader: five more batches, past the queue of one.
+        publish(&broker, &conn, 32, 5, 16).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let offsets = read_offsets(&mut events, 37).await;
+        assert_eq!(
+            offsets,
+            (0..37).collect::<Vec<u64>>(),
+            "every record, in order"
         );
     });
 }

@@ -1437,6 +1437,12 @@ impl Subscription {
         answer: futures_channel::oneshot::Sender<Bytes>,
     ) {
         let sub_id = SubscriptionId(((self.core.core.index() as u64) << 48) | self.id);
+        // Deliveries another core dropped from here on may be this subscription's.
+        let lost_before = self
+            .core
+            .metrics
+            .deliveries_lost_inbound
+            .load(Ordering::Relaxed);
         match self.core.subscribe(self.key.clone(), start).await {
             Ok((queue, start, live)) => {
                 let _ = answer.send(
@@ -1457,7 +1463,7 @@ impl Subscription {
                 }
                 futures_lite::future::or(
                     async {
-                        let _ = self.pump(&queue, pump, live, sub_id).await;
+                        let _ = self.pump(&queue, pump, (live, lost_before), sub_id).await;
                     },
                     self.scope.closed(self.id),
                 )
@@ -1538,12 +1544,13 @@ impl Subscription {
     }
 
     /// History from the log up to `live`, then live batches, on a broker-opened
-    /// unidirectional stream. Err when the client went away.
+    /// unidirectional stream. `lost_before` is the core's count of deliveries lost
+    /// inbound from before the subscription registered. Err when the client went away.
     async fn pump(
         &self,
         queue: &Rc<SubQueue>,
         mut pump: Pump,
-        live: u64,
+        (live, lost_before): (u64, u64),
         sub_id: SubscriptionId,
     ) -> Result<(), ()> {
         let mut uni = self.conn.open_uni().await.map_err(|_| ())?;
@@ -1562,7 +1569,10 @@ impl Subscription {
         }
         let metrics = &self.core.metrics;
         let lost_inbound = || metrics.deliveries_lost_inbound.load(Ordering::Relaxed);
-        let (mut dropped_seen, mut lost_seen) = (queue.dropped.get(), lost_inbound());
+        // Counted from the queue's start: batches dropped while the history was sent
+        // (nothing takes from the queue then) are read back like any later drop; the
+        // stream may stay quiet after them, with no later batch to show the gap.
+        let (mut dropped_seen, mut lost_seen) = (0, lost_before);
         let mut ready = Vec::with_capacity(LIVE_WRITE_BATCHES);
         let mut frames = Vec::with_capacity(LIVE_WRITE_BATCHES);
         loop {
