@@ -1689,10 +1689,12 @@ impl CoreBroker {
                         Some(Ok(())) => {}
                         Some(Err(e)) => {
                             this.metrics.quorum_unknown.fetch_add(1, Ordering::Relaxed);
+                            rs.fan_out_later(appended.end);
                             return Err(e);
                         }
                         None => {
                             this.metrics.quorum_unknown.fetch_add(1, Ordering::Relaxed);
+                            rs.fan_out_later(appended.end);
                             return Err(BrokerError::Unacknowledged(
                                 "a majority of replicas did not confirm the write in time".into(),
                             ));
@@ -1715,6 +1717,7 @@ impl CoreBroker {
                     && (rs.term() != term || !rs.serving());
                 if deposed || !this.may_acknowledge(&rs) {
                     this.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
+                    rs.fan_out_later(appended.end);
                     return Err(BrokerError::Unacknowledged(
                         "the lease lapsed or the shard was reassigned before the write was acknowledged"
                             .into(),

@@ -611,6 +611,93 @@ fn a_quorum_cache_write_answered_outcome_unknown_reaches_the_index_when_it_commi
     got.unwrap();
 }
 
+/// A publish to a Quorum stream answered outcome-unknown (no follower reachable) that
+/// commits once the links heal reaches a subscriber, though nothing is written after
+/// it: only an acknowledged write was fanned out, so it sat in the log unseen by
+/// subscribers and group polls (`stream_read` returned it) until a later write showed
+/// the gap.
+#[test]
+fn a_quorum_publish_answered_outcome_unknown_reaches_subscribers_when_it_commits() {
+    use felix_cluster::proxy::{Link, Party};
+    let c = proxied_cluster();
+    c.create_stream("unk", 1, 3, "Quorum").unwrap();
+    let (leader, _) = c
+        .wait_leader("unk", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rules = c.net.as_ref().expect("proxies").rules.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (addr, config) = (c.brokers[leader].listen, c.client_config().unwrap());
+    let (client, mut sub) = rt.block_on(async {
+        let client = felix_client::Client::connect(addr, "localhost", config)
+            .await
+            .unwrap();
+        // Written until the stream serves (its first generation starts).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let first = loop {
+            match client
+                .publish(
+                    TENANT,
+                    NAMESPACE,
+                    "unk",
+                    b"one".to_vec(),
+                    AckMode::PerMessage,
+                )
+                .await
+            {
+                Ok(Some(o)) => break o,
+                r if Instant::now() < deadline => {
+                    eprintln!("not taken yet: {r:?}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                r => panic!("the stream never took a write: {r:?}"),
+            }
+        };
+        let mut sub = client
+            .subscribe_from(
+                TENANT,
+                NAMESPACE,
+                "unk",
+                Some(StartPosition::Offset(felix_wire::Offset(first))),
+            )
+            .await
+            .unwrap();
+        let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+            .await
+            .expect("the first record")
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.payload.as_ref(), b"one");
+        (client, sub)
+    });
+    for f in (0..3).filter(|&i| i != leader) {
+        rules.set_both(Party::Node(leader), Party::Node(f), Link::cut());
+    }
+    let unknown = rt.block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            client.publish(
+                TENANT,
+                NAMESPACE,
+                "unk",
+                b"two".to_vec(),
+                AckMode::PerMessage,
+            ),
+        )
+        .await
+    });
+    assert!(
+        !matches!(unknown, Ok(Ok(Some(_)))),
+        "with no follower reachable the write cannot be acknowledged: {unknown:?}"
+    );
+    rules.heal();
+    let e = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(15), sub.next_event()).await })
+        .expect("the write reaches the subscriber once it commits")
+        .unwrap()
+        .unwrap();
+    assert_eq!(e.payload.as_ref(), b"two");
+}
+
 /// A delete that arrives while a put of its key is still replicating must remove
 /// what the put writes: the put is first in the log. The index holds a Quorum write
 /// only once it commits, so a delete that looked there first found nothing, wrote

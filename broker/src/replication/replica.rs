@@ -382,6 +382,15 @@ impl ReplicaShard {
         (to > s.fanout_end()).then_some(to)
     }
 
+    /// A write that reached the log and was answered without an ack (outcome unknown:
+    /// no majority in time, or the lease or the term lost meanwhile) is fanned out by no
+    /// append: the marker does it once it is visible (it may yet commit), as for records
+    /// from before the term. Without this, on a stream quiet after it, subscribers and
+    /// group polls (which stop at the fanout frontier) never saw it.
+    pub fn fan_out_later(&self, end: u64) {
+        self.unfanned_until.set(self.unfanned_until.get().max(end));
+    }
+
     /// What readers may see: the commit mark on a Quorum shard, everything otherwise.
     pub fn visible_end(&self) -> u64 {
         match self.consistency.get() {
