@@ -3408,18 +3408,29 @@ impl CoreBroker {
             .map(PathBuf::from);
             let (catalog, d2) = (catalog.clone(), d.clone());
             let removed = task::spawn_blocking(move || {
+                // Each removal is made durable (its parent directory synced) before the
+                // catalog records the deletion done: after a power cut a shard
+                // directory that came back would be taken up, records and all, by a
+                // stream of the same name created again (nothing in it names the
+                // stream's life).
+                let durably = |dir: &std::path::Path| match dir.parent() {
+                    Some(up) => crate::core::damaged::sync_dir(up)
+                        .map_err(|e| format!("syncing {}: {e}", up.display())),
+                    None => Ok(()),
+                };
                 for dir in &dirs {
                     match std::fs::remove_dir_all(dir) {
-                        Ok(()) => {}
+                        Ok(()) => durably(dir)?,
                         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                         Err(e) => return Err(format!("{}: {e}", dir.display())),
                     }
                 }
                 if catalog.deletion_done(&d2, me, cores)
                     && let Some(parent) = parent
-                {
                     // Empty once every core removed its shards.
-                    let _ = std::fs::remove_dir(&parent);
+                    && std::fs::remove_dir(&parent).is_ok()
+                {
+                    durably(&parent)?;
                 }
                 catalog.persist().map_err(|e| e.to_string())
             })

@@ -184,7 +184,8 @@ fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     }
 }
 
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
+/// Makes `dir`'s entries durable (a file or directory made or removed in it).
+pub(crate) fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 

@@ -44,6 +44,11 @@ pub fn check_meta_name(name: &str) -> Result<(), StorageError> {
     if name.ends_with(TEMP_SUFFIX) {
         return refuse("collides with temporary file names");
     }
+    if name == super::UNSYNCED_LIFE {
+        // The log's own mark: written by a caller, recovery would cut damage it must
+        // refuse (it reads the mark as "more than a round may be unsynced").
+        return refuse("the log's own recovery mark");
+    }
     Ok(())
 }
 
@@ -157,6 +162,7 @@ mod tests {
             "00000000000000000000.idx",
             "x.seg",
             "state.tmp",
+            "unsynced-life",
         ] {
             assert!(
                 matches!(check_meta_name(bad), Err(StorageError::BadMetaName { .. })),
