@@ -343,7 +343,7 @@ pub async fn pause_cut_poll(
 /// A request this core sent and awaits the answer to.
 struct Pending {
     owner: CoreId,
-    /// A group poll counted among `owner`'s waiting polls: its shard (for the tenant).
+    /// A long poll counted among `owner`'s waiting polls: its shard (for the tenant).
     waits: Option<Arc<ShardKey>>,
     answer: oneshot::Sender<ReplyBody>,
 }
@@ -1317,9 +1317,10 @@ impl CoreBroker {
         self.ask_bounded(owner, usize::MAX, None, make)
     }
 
-    /// `waits`: the request is a group poll of this shard that may wait for records; it
-    /// is counted among `owner`'s waiting polls until its answer comes back (not until
-    /// its asker goes away: the owner holds it for its wait either way).
+    /// `waits`: the request is a long poll of this shard (a group poll, a cache watch's
+    /// next look) that may wait; it is counted among `owner`'s waiting polls until its
+    /// answer comes back (not until its asker goes away: the owner holds it for its wait
+    /// either way).
     fn ask_bounded(
         self: &Rc<Self>,
         owner: CoreId,
@@ -2278,15 +2279,39 @@ impl CoreBroker {
         if owner == self.core {
             self.watch_local(&key, req).await
         } else {
-            match self
-                .ask(owner, |reply| CoreMsg::Watch { key, req, reply })
+            // A watch's long poll holds a request slot for its wait, as a group poll
+            // does, and shares the group polls' bound (and each tenant's share of it):
+            // uncapped, a few connections' watches of an idle cache held every slot to
+            // the cache's core, and every tenant's requests there were refused
+            // `core_queue_full`.
+            let mut req = req;
+            let asked = match &req {
+                WatchReq::Next { wait, .. } => *wait,
+                WatchReq::Start { .. } => Duration::ZERO,
+            };
+            let waits =
+                (!asked.is_zero() && self.admit_wait(owner, &key.tenant)).then(|| key.clone());
+            let cut = !asked.is_zero() && waits.is_none();
+            if cut && let WatchReq::Next { wait, .. } = &mut req {
+                *wait = Duration::ZERO;
+            }
+            let answer = match self
+                .ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, waits, |reply| {
+                    CoreMsg::Watch { key, req, reply }
+                })
                 .await?
             {
                 ReplyBody::Watch(r) => r,
                 other => Err(BrokerError::Internal(format!(
                     "mismatched answer {other:?}"
                 ))),
+            };
+            if cut && matches!(&answer, Ok(WatchAnswer::Changes(c, _)) if c.is_empty()) {
+                // Holding no slot: the watch asks again a few times a second, not in a
+                // busy loop.
+                task::sleep(asked.min(CUT_POLL_PAUSE)).await;
             }
+            answer
         }
     }
 
@@ -2587,16 +2612,25 @@ impl CoreBroker {
         if *wait_ms == 0 {
             return false;
         }
-        let now = std::time::Instant::now();
-        if !self.waiting_polls[owner.index()]
-            .borrow_mut()
-            .admit(tenant, now)
-        {
+        if !self.admit_wait(owner, tenant) {
             *wait_ms = 0;
-            self.metrics.poll_waits_cut.fetch_add(1, Ordering::Relaxed);
             return false;
         }
         true
+    }
+
+    /// Whether a long poll of `tenant` (a group poll, a cache watch's) may wait at
+    /// `owner`: within the pair's bound on waiting polls and `tenant`'s share of it
+    /// (`core/polls.rs`). Counted as cut when not.
+    fn admit_wait(&self, owner: CoreId, tenant: &str) -> bool {
+        let now = std::time::Instant::now();
+        let admitted = self.waiting_polls[owner.index()]
+            .borrow_mut()
+            .admit(tenant, now);
+        if !admitted {
+            self.metrics.poll_waits_cut.fetch_add(1, Ordering::Relaxed);
+        }
+        admitted
     }
 
     /// A group request on the owning core; held while this broker's replica takes the

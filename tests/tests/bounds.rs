@@ -765,6 +765,97 @@ fn long_polls_across_cores_hold_at_most_a_quarter_of_the_request_slots() {
     });
 }
 
+/// A prefix watch of `cache`'s `shard` for keys under `prefix`, from now.
+fn watch(cache: &str, prefix: &str, shard: u32) -> bytes::Bytes {
+    Message::CacheWatch {
+        tenant_id: "dev".into(),
+        namespace: "default".into(),
+        cache: cache.into(),
+        key: None,
+        prefix: Some(prefix.into()),
+        shard: Some(felix_wire::ShardId(shard)),
+        from_offset: None,
+        retained: false,
+        subscription_id: None,
+    }
+    .to_frame()
+}
+
+/// Cache watches' long polls one core holds waiting at another share the group polls'
+/// bound (a quarter of the pair's request slots): past it a watch's wait is cut, and
+/// the slots every other cross-core request needs stay free. Uncapped, a few
+/// connections' watches of an idle cache held every slot to the cache's core.
+#[test]
+fn cache_watches_across_cores_share_the_long_polls_bound() {
+    const WAITING_MAX: usize = 2048;
+    const PER_SHARD: usize = WAITING_MAX + 100;
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(
+        &dir,
+        "follow_load: false\nmax_subscriptions_per_connection: 100000\n",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        let put = Message::CachePut {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            cache: "w".into(),
+            key: "k".into(),
+            value: bytes::Bytes::from_static(b"v"),
+            request_id: Some(felix_wire::RequestId(1)),
+            ttl_ms: None,
+        };
+        s.write_all(&put.to_frame()).await.unwrap();
+        read_answers(&mut r, 2).await;
+        // Every stream of the connection lands on one core: watches of both shards send
+        // one shard's across. Each watch is a stream from the broker: the client lets it
+        // open enough.
+        let (_wep, watcher) = felix_cluster::raw_connect_with(
+            b.listen,
+            &b.ca_file(),
+            felix_core_runtime::quic::TransportLimits {
+                max_streams: 10_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        let mut open = Vec::new();
+        for i in 0..40 {
+            let (mut s, r) = watcher.open_bi().await.unwrap();
+            s.write_all(&auth(&b)).await.unwrap();
+            for n in (i..2 * PER_SHARD).step_by(40) {
+                s.write_all(&watch("w", "idle-", (n % 2) as u32))
+                    .await
+                    .unwrap();
+            }
+            open.push((s, r));
+        }
+        let cut = || b.metric("felix_broker_poll_waits_cut_total").unwrap();
+        let until = Instant::now() + Duration::from_secs(30);
+        while cut() < 100 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            cut() >= 100,
+            "the remote shard's watches past the bound are cut: {}",
+            cut()
+        );
+        // The other cross-core requests go on: a publish to each shard is acknowledged.
+        for key in 0u64..8 {
+            let (_ep, c) = raw_connect(&b).await.unwrap();
+            let p = publish("q", &key.to_be_bytes(), b"after", Some(1));
+            tokio::time::timeout(Duration::from_secs(10), acked(&c, auth(&b), p))
+                .await
+                .expect("a publish is answered while watches wait");
+        }
+        drop(open);
+    });
+}
+
 /// Opens a connection and writes on each of `streams` streams the first `written` bytes
 /// of a publish of `frame_payload` bytes, never the rest. Returns the connection once
 /// the broker has read them all or closed it.

@@ -1,4 +1,5 @@
-//! Group polls one core holds waiting at another, shared between tenants.
+//! Long polls (group polls, cache watches) one core holds waiting at another, shared
+//! between tenants.
 //!
 //! A poll that waits for records holds one of the pair's cross-core request slots for
 //! its wait, so a core lets at most [`CROSS_CORE_POLLS_WAITING_MAX`] of them wait at any
