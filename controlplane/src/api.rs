@@ -399,8 +399,19 @@ fn random_hex(bytes: usize) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// The most signing keys a tenant holds: brokers refuse a key set of more
+/// (`felix_broker::cluster::JWKS_MAX_KEYS`) and keep the tenant's last one, so past it
+/// a retirement would never reach them.
+pub const SIGNING_KEYS_MAX: usize = 64;
+
+/// The longest tenant-id prefix a key id carries: brokers refuse key ids over 128
+/// bytes, and the rest of the id takes 21.
+const KID_TENANT_PREFIX_MAX: usize = 64;
+
 fn new_key_op(keyring: &Keyring, tenant: &str, active: bool) -> ApiResult<(Op, SigningKey)> {
-    let kid = format!("{tenant}-{}-{}", now_ms(), random_hex(3));
+    // Tenant ids are ASCII: any byte boundary is a character boundary.
+    let prefix = &tenant[..tenant.len().min(KID_TENANT_PREFIX_MAX)];
+    let kid = format!("{prefix}-{}-{}", now_ms(), random_hex(3));
     let key = SigningKey::generate(&kid).map_err(internal)?;
     Ok((
         Op::Put {
@@ -1885,8 +1896,20 @@ async fn stage_signing_key(
     let g = authenticate(&st, &h).await?;
     require(&g, "tenant.manage", "tenant", &[&t])?;
     let tenant = must_exist(&st, Kind::Tenant, &t).await?;
+    let held = st
+        .store
+        .list(Kind::SigningKey, &format!("{t}/"))
+        .await?
+        .len();
+    if held >= SIGNING_KEYS_MAX {
+        return Err(ApiError::conflict(format!(
+            "tenant {t} holds {held} signing keys, the most it may: retire one first \
+             (brokers refuse a larger key set, so no retirement would reach them)"
+        )));
+    }
     let (op, key) = new_key_op(&st.keyring, &t, false)?;
-    // Written at the tenant's version: a tenant deleted meanwhile keeps no stray key.
+    // Written at the tenant's version: a tenant deleted meanwhile keeps no stray key
+    // (and two stagings at once cannot both pass the count above).
     st.store
         .batch(vec![
             Op::Put {

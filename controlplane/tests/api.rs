@@ -1743,6 +1743,62 @@ fn signing_keys_rotate_retire_and_revoke_against_postgres() {
     key_lifecycle_scenario(&postgres_service());
 }
 
+/// A tenant's key set stays one brokers take: at most 64 keys (brokers refuse a larger
+/// set and keep the tenant's last one, so a tenant admin staging 64 keys froze the
+/// brokers' copy and no retirement reached them), and key ids of at most 128 bytes
+/// whatever the tenant id's length (a 128-character tenant's ids were refused by every
+/// broker from its creation).
+#[test]
+fn a_tenants_key_set_stays_one_brokers_accept() {
+    let svc = memory_service();
+    let (anon, admin) = bootstrapped(&svc);
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    for _ in 1..64 {
+        admin
+            .post("/v1/tenants/acme/signing-keys", &json!({}))
+            .unwrap();
+    }
+    expect_err(admin.post("/v1/tenants/acme/signing-keys", &json!({})), 409);
+    let jwks = anon.get("/v1/tenants/acme/.well-known/jwks.json").unwrap();
+    assert_eq!(jwks["keys"].as_array().unwrap().len(), 64);
+    // Retiring one makes room again.
+    let kid = jwks["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["kid"].as_str().unwrap().to_owned())
+        .find(|kid| {
+            admin
+                .delete(&format!("/v1/tenants/acme/signing-keys/{kid}"))
+                .is_ok()
+        });
+    assert!(kid.is_some(), "an inactive key retires");
+    admin
+        .post("/v1/tenants/acme/signing-keys", &json!({}))
+        .unwrap();
+
+    let long = "t".repeat(128);
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": long}))
+        .unwrap();
+    admin
+        .post(&format!("/v1/tenants/{long}/signing-keys"), &json!({}))
+        .unwrap();
+    let jwks = anon
+        .get(&format!("/v1/tenants/{long}/.well-known/jwks.json"))
+        .unwrap();
+    let kids: Vec<&str> = jwks["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["kid"].as_str().unwrap())
+        .collect();
+    assert_eq!(kids.len(), 2);
+    assert!(kids.iter().all(|k| k.len() <= 128), "{kids:?}");
+}
+
 #[test]
 fn keys_stored_in_clear_or_under_an_old_kek_are_sealed_again_at_start() {
     let rt = runtime();
