@@ -1185,13 +1185,15 @@ async fn register_node(
     let reg: NodeRegistration = body(b).await?;
     name("node_id", &reg.node_id)?;
     require(&g, "node.manage", "node", &[&reg.node_id])?;
-    if let Some(a) = &reg.client_addr
-        && a.parse::<std::net::SocketAddr>().is_err()
-    {
-        return Err(ApiError::invalid(
-            "client_addr",
-            format!("{a:?} is not host:port"),
-        ));
+    for (field, addr) in [
+        ("client_addr", &reg.client_addr),
+        ("advertise_addr", &reg.advertise_addr),
+    ] {
+        if let Some(a) = addr
+            && a.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(ApiError::invalid(field, format!("{a:?} is not host:port")));
+        }
     }
     let existing = st.store.get(Kind::Node, &reg.node_id).await?;
     let previous = existing.as_ref().map(to::<Node>).transpose()?;
@@ -1223,18 +1225,20 @@ async fn register_node(
 /// brokers under one id would both believe they lead that node's shards. The same
 /// process registering again (a restart over the same data directory) is a new
 /// incarnation as before; so is anyone once the old one has been silent long enough to
-/// be declared down. Registrations without an instance id are not checked.
+/// be declared down. A node registered without an instance id is not checked; a
+/// registration without one over a node that has one is another process (it skipped
+/// the check: anyone holding the node's token moved a live node's addresses).
 fn in_use_by_another(
     old: &Node,
     reg: &NodeRegistration,
     now_ms: u64,
     down_after: Duration,
 ) -> ApiResult<()> {
-    let (Some(theirs), Some(ours)) = (&old.registration.instance_id, &reg.instance_id) else {
+    let Some(theirs) = &old.registration.instance_id else {
         return Ok(());
     };
     let silent_ms = now_ms.saturating_sub(old.last_heartbeat_ms);
-    if theirs == ours
+    if reg.instance_id.as_ref() == Some(theirs)
         || !matches!(old.lifecycle, Lifecycle::Live | Lifecycle::Draining)
         || silent_ms >= down_after.as_millis() as u64
     {

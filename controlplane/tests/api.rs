@@ -656,6 +656,22 @@ fn scenario(svc: &Service) {
     let first = reg("i-1").unwrap()["incarnation"].as_u64().unwrap();
     let (code, _) = expect_err(reg("i-2"), 409);
     assert_eq!(code.as_deref(), Some("node_id_in_use"));
+    // Leaving the instance id out skips nothing.
+    let (code, _) = expect_err(
+        admin.post(
+            "/v1/nodes",
+            &json!({"node_id": "node-c", "client_addr": "127.0.0.1:9"}),
+        ),
+        409,
+    );
+    assert_eq!(code.as_deref(), Some("node_id_in_use"));
+    expect_err(
+        admin.post(
+            "/v1/nodes",
+            &json!({"node_id": "node-c", "instance_id": "i-1", "advertise_addr": "nowhere"}),
+        ),
+        400,
+    );
     assert_eq!(reg("i-1").unwrap()["incarnation"].as_u64(), Some(first + 1));
     assert_eq!(admin.get("/v1/nodes/node-c").unwrap()["instance_id"], "i-1");
     let heard = admin.get("/v1/nodes/node-c").unwrap()["last_heartbeat_ms"]
