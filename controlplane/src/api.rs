@@ -2175,7 +2175,9 @@ async fn audit(
         method,
         axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
     );
-    let path = req.uri().path().to_owned();
+    // Decoded as the router decodes the names in it: the tenant filter of the audit
+    // log compares names, and `/v1/tenants/%61cme/…` acts on acme.
+    let path = decoded_path(req.uri().path());
     if !write || routine(&path) {
         return next.run(req).await;
     }
@@ -2212,6 +2214,31 @@ struct AuditQuery {
     since_ms: u64,
     #[serde(default = "audit_page")]
     limit: usize,
+}
+
+/// `path` with its `%XX` escapes decoded (an escape that is not one stays as written).
+fn decoded_path(path: &str) -> String {
+    let b = path.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = (b[i] == b'%')
+            .then(|| b.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match hex {
+            Some(v) => {
+                out.push(v);
+                i += 3;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn audit_page() -> usize {

@@ -1815,6 +1815,33 @@ fn a_tenants_key_set_stays_one_brokers_accept() {
     assert!(kids.iter().all(|k| k.len() <= 128), "{kids:?}");
 }
 
+/// A write to a tenant's path written with escapes (`%61cme` for acme) is in that
+/// tenant's audit log: the filter compared the raw path with the decoded name.
+#[test]
+fn a_write_to_an_escaped_tenant_path_is_in_the_tenants_audit_log() {
+    let svc = memory_service();
+    let (_anon, admin) = bootstrapped(&svc);
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    let staged = admin
+        .post("/v1/tenants/%61cme/signing-keys", &json!({}))
+        .unwrap();
+    let kid = staged["kid"].as_str().unwrap();
+    assert!(kid.starts_with("acme-"), "{kid}");
+    let audit = admin.get("/v1/tenants/acme/audit").unwrap();
+    let paths: Vec<&str> = audit["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    assert!(
+        paths.contains(&"/v1/tenants/acme/signing-keys"),
+        "{paths:?}"
+    );
+}
+
 #[test]
 fn keys_stored_in_clear_or_under_an_old_kek_are_sealed_again_at_start() {
     let rt = runtime();
