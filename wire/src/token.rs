@@ -471,6 +471,28 @@ impl Grant {
 }
 
 impl Grant {
+    /// Whether the grant may manage group `group` of `namespace/stream` (redrive and
+    /// discard its dead letters), as the reference has it: `group.manage` on
+    /// `group:T/N/S/G` (`*` matching one segment), or `stream.manage` on the stream,
+    /// which implies it; `tenant.manage` and `ns.manage` as for every action inside them.
+    pub fn allows_group_manage(&self, namespace: &str, stream: &str, group: &str) -> bool {
+        let seg = |pat: &str, v: &str| pat == "*" || pat == v;
+        let within = |p: &Perm, names: &[&str]| {
+            p.path.len() == names.len() + 1
+                && p.path[0] == self.tenant
+                && p.path[1..].iter().zip(names).all(|(pat, v)| seg(pat, v))
+        };
+        self.perms
+            .iter()
+            .any(|p| match (p.action.as_str(), p.kind.as_str()) {
+                ("tenant.manage", "tenant") => within(p, &[]),
+                ("ns.manage", "namespace") => within(p, &[namespace]),
+                ("stream.manage", "stream") => within(p, &[namespace, stream]),
+                ("group.manage", "group") => within(p, &[namespace, stream, group]),
+                _ => false,
+            })
+    }
+
     /// Whether the grant holds `action` on `kind:path` (e.g. `stream.manage` on
     /// `stream:acme/default/orders`), with `*` matching one segment, and the
     /// implications: `tenant.manage:tenant:T` covers every `*.manage`, read and write
@@ -629,6 +651,35 @@ mod tests {
         let admin = key.sign(&claims("acme", vec!["tenant.manage:tenant:acme".into()]));
         let g = keys.verify(&admin, "acme", 1500).unwrap();
         assert!(g.allows(Action::CacheWrite, "x", "y"));
+    }
+
+    /// Managing a group (redrive, discard) takes `group.manage` on it, or `stream.manage`
+    /// on its stream; reading the stream does not reach it.
+    #[test]
+    fn managing_a_group_takes_group_or_stream_manage() {
+        let (key, keys) = setup();
+        let grant = |perms: &[&str]| {
+            let t = key.sign(&claims(
+                "acme",
+                perms.iter().map(|p| p.to_string()).collect(),
+            ));
+            keys.verify(&t, "acme", 1500).unwrap()
+        };
+        let reader = grant(&["stream.subscribe:stream:acme/default/orders"]);
+        assert!(!reader.allows_group_manage("default", "orders", "g"));
+        let group = grant(&["group.manage:group:acme/default/orders/g"]);
+        assert!(group.allows_group_manage("default", "orders", "g"));
+        assert!(!group.allows_group_manage("default", "orders", "h"));
+        let groups = grant(&["group.manage:group:acme/default/orders/*"]);
+        assert!(groups.allows_group_manage("default", "orders", "h"));
+        assert!(!groups.allows_group_manage("default", "payments", "h"));
+        let stream = grant(&["stream.manage:stream:acme/*/orders"]);
+        assert!(stream.allows_group_manage("x", "orders", "g"));
+        assert!(grant(&["tenant.manage:tenant:acme"]).allows_group_manage("x", "y", "z"));
+        assert!(
+            !grant(&["group.manage:group:globex/default/orders/g"])
+                .allows_group_manage("default", "orders", "g")
+        );
     }
 
     /// A token that never expires (`exp` at the largest time) verifies: the skew added

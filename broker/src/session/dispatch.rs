@@ -1423,8 +1423,15 @@ pub fn decide(
             op,
         } => {
             // Consuming through a group is reading the stream: `stream.subscribe`.
-            let key = session
-                .authorize(Perm::StreamSubscribe, &tenant, &namespace, &stream, now)
+            // Redriving or discarding its dead letters manages the group, as the
+            // reference has it: `group.manage` (or `stream.manage`).
+            let authorized = match &op {
+                crate::groups::GroupOp::Redrive(g, _) | crate::groups::GroupOp::Discard(g, _) => {
+                    session.authorize_group_manage(&tenant, &namespace, &stream, g, now)
+                }
+                _ => session.authorize(Perm::StreamSubscribe, &tenant, &namespace, &stream, now),
+            };
+            let key = authorized
                 .and_then(|()| crate::groups::check_name(op.group()))
                 .and_then(|()| {
                     let entry = dir.stream(&tenant, &namespace, &stream, false)?;
@@ -1960,6 +1967,59 @@ mod tests {
     /// Which shards a name has and who leads them is the name's to tell: a token with
     /// no permission on it, or expired, is refused, as a read would be; any permission
     /// on it will do.
+    /// Redriving or discarding a group's dead letters manages the group: a token that
+    /// may only read the stream is refused (it passed before), one with `group.manage`
+    /// on the group or `stream.manage` on the stream goes through.
+    #[test]
+    fn redrive_and_discard_need_group_manage() {
+        let dir = MemDirectory::new(2);
+        let reader = session_with(
+            vec![format!("stream.subscribe:stream:{TENANT}/ns1/s")],
+            Features::ERROR_CODES,
+        );
+        let manager = session_with(
+            vec![
+                format!("stream.subscribe:stream:{TENANT}/ns1/s"),
+                format!("group.manage:group:{TENANT}/ns1/s/g"),
+            ],
+            Features::ERROR_CODES,
+        );
+        let owner = session_with(
+            vec![format!("stream.manage:stream:{TENANT}/ns1/s")],
+            Features::ERROR_CODES,
+        );
+        let redrive = |group: &str| {
+            json(Message::GroupRedrive {
+                tenant_id: TENANT.into(),
+                namespace: "ns1".into(),
+                stream: "s".into(),
+                shard: ShardId(0),
+                group: group.into(),
+                offset: felix_wire::Offset(0),
+                request_id: RequestId(1),
+            })
+        };
+        let discard = json(Message::GroupDiscard {
+            tenant_id: TENANT.into(),
+            namespace: "ns1".into(),
+            stream: "s".into(),
+            shard: ShardId(0),
+            group: "g".into(),
+            offset: felix_wire::Offset(0),
+            request_id: RequestId(2),
+        });
+        let forbidden = |s: &Session, f: &Frame| match decide_frame(s, &dir, f, true) {
+            a @ Action::Answer(_) => refusal_code(&a) == ErrorCode::Forbidden,
+            _ => false,
+        };
+        assert!(forbidden(&reader, &redrive("g")));
+        assert!(forbidden(&reader, &discard));
+        assert!(!forbidden(&manager, &redrive("g")));
+        assert!(!forbidden(&manager, &discard));
+        assert!(forbidden(&manager, &redrive("h")), "another group");
+        assert!(!forbidden(&owner, &redrive("h")));
+    }
+
     #[test]
     fn shard_questions_need_a_permission_on_the_name() {
         let dir = MemDirectory::new(2);

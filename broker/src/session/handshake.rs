@@ -109,22 +109,53 @@ impl Session {
         name: &str,
         now: Now,
     ) -> Result<(), BrokerError> {
+        let kind = if matches!(action, Action::CacheRead | Action::CacheWrite) {
+            "cache"
+        } else {
+            "stream"
+        };
+        self.check_names(tenant, ns, (kind, name), now)?;
+        if !self.grant.allows(action, ns, name) {
+            return Err(BrokerError::Forbidden(format!(
+                "token lacks {action:?} on {tenant}/{ns}/{name}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The checks every request takes before its permission: the tenant, the token's
+    /// expiry, the names' syntax (`name` of `kind`).
+    fn check_names(
+        &self,
+        tenant: &str,
+        ns: &str,
+        (kind, name): (&'static str, &str),
+        now: Now,
+    ) -> Result<(), BrokerError> {
         self.check_tenant(tenant)?;
         if self.grant.expires_at.saturating_add(EXPIRY_LEEWAY_SECS) < now.wall_secs() {
             return Err(BrokerError::Unauthenticated("token expired".into()));
         }
         validate_name("namespace", ns)?;
-        validate_name(
-            if matches!(action, Action::CacheRead | Action::CacheWrite) {
-                "cache"
-            } else {
-                "stream"
-            },
-            name,
-        )?;
-        if !self.grant.allows(action, ns, name) {
+        validate_name(kind, name)
+    }
+
+    /// Checks that this token may manage group `group` of `tenant/ns/stream` (redrive,
+    /// discard): as [`Session::authorize`], with `group.manage` on the group or
+    /// `stream.manage` on the stream for the permission.
+    pub fn authorize_group_manage(
+        &self,
+        tenant: &str,
+        ns: &str,
+        stream: &str,
+        group: &str,
+        now: Now,
+    ) -> Result<(), BrokerError> {
+        self.check_names(tenant, ns, ("stream", stream), now)?;
+        if !self.grant.allows_group_manage(ns, stream, group) {
             return Err(BrokerError::Forbidden(format!(
-                "token lacks {action:?} on {tenant}/{ns}/{name}"
+                "token lacks group.manage on {tenant}/{ns}/{stream}/{group} \
+                 (or stream.manage on the stream)"
             )));
         }
         Ok(())
