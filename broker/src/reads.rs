@@ -133,7 +133,10 @@ const WALK_SPAN: u64 = 256;
 /// doubling of the log instead of reading all of it. Where a clock stepped back (a
 /// leader's wall clock, or a new leader's behind the old one's) the times are not in
 /// order, and the answer is then a batch at or after the instant that follows one
-/// before it, not necessarily the first such batch in the log.
+/// before it, not necessarily the first such batch in the log; and none when the
+/// search passed over the only such batches (a stretch stamped ahead of the clock that
+/// followed it, within that clock's step: finding it would take a walk of the whole
+/// log for every instant past the end).
 pub async fn first_at_or_after<F, Fut>(
     mut read: F,
     at_micros: u64,
