@@ -126,6 +126,8 @@ pub struct FileConfig {
     /// Request bytes in flight per connection (publish records, other requests by frame)
     /// before reading pauses.
     pub max_inflight_publish_bytes: Option<usize>,
+    /// Request bytes in flight on one core, all its connections together.
+    pub max_inflight_request_bytes_per_core: Option<usize>,
     /// Concurrent streams a client may open per connection, per direction.
     pub max_streams_per_connection: Option<u32>,
     /// How often each core enforces retention and finishes deletions (ms).
@@ -750,7 +752,19 @@ impl BrokerConfig {
                 file.max_inflight_publish_bytes,
                 defaults.inflight_publish_bytes,
             )?,
+            inflight_request_bytes_per_core: positive(
+                "max_inflight_request_bytes_per_core",
+                file.max_inflight_request_bytes_per_core,
+                defaults.inflight_request_bytes_per_core,
+            )?,
         };
+        if limits.inflight_request_bytes_per_core < limits.inflight_publish_bytes {
+            return Err(ConfigError {
+                key: "max_inflight_request_bytes_per_core",
+                source_name: "config file",
+                message: "must be at least max_inflight_publish_bytes".into(),
+            });
+        }
         // One whole frame of the largest size must fit, or a client sending (or asking for)
         // one could never be served; a core holds at least what one connection may.
         let one_frame =

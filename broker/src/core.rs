@@ -463,6 +463,8 @@ pub struct CoreMetrics {
     /// Group polls answered at once instead of waiting, past their connection's
     /// allowance or the waiting polls one core may hold at another.
     pub poll_waits_cut: AtomicU64,
+    /// Request bytes in flight on this core, all connections together.
+    pub request_bytes_in_flight: AtomicU64,
     /// Open logs poisoned by a failed write or fsync (sampled).
     pub poisoned_logs: AtomicU64,
     /// 1 while the last append on this core failed for lack of disk space.
@@ -787,6 +789,10 @@ pub struct CoreBroker {
     pub(crate) unfinished: RefCell<HeldByConnections>,
     /// What this core's connections hold in answers QUIC has not taken yet.
     pub(crate) unwritten: RefCell<HeldByConnections>,
+    /// Request bytes in flight on this core, every connection's together (each takes
+    /// its connection's budget first), and the requests waiting for room.
+    request_bytes: RefCell<crate::session::outbox::ByteBudget>,
+    request_waiters: RefCell<Vec<Waker>>,
     next_request: Cell<u64>,
     draining: Cell<bool>,
     /// Sends requests on to other brokers (cluster mode).
@@ -924,6 +930,43 @@ impl Drop for BuildingGroups<'_> {
 }
 
 impl CoreBroker {
+    /// Takes `n` request bytes from the core's budget if they fit (see
+    /// [`crate::session::outbox::ByteBudget::try_take`]); else `waker` (if any) is woken
+    /// when some are given back.
+    pub(crate) fn take_request_bytes(&self, n: usize, waker: Option<&Waker>) -> bool {
+        let mut budget = self.request_bytes.borrow_mut();
+        if budget.try_take(n) {
+            self.metrics
+                .request_bytes_in_flight
+                .store(budget.used() as u64, Ordering::Relaxed);
+            return true;
+        }
+        if let Some(waker) = waker {
+            let mut waiters = self.request_waiters.borrow_mut();
+            if !waiters.iter().any(|w| w.will_wake(waker)) {
+                waiters.push(waker.clone());
+            }
+        }
+        false
+    }
+
+    /// Gives back `n` request bytes taken by [`CoreBroker::take_request_bytes`].
+    pub(crate) fn release_request_bytes(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let used = {
+            let mut budget = self.request_bytes.borrow_mut();
+            budget.release(n);
+            budget.used()
+        };
+        self.metrics
+            .request_bytes_in_flight
+            .store(used as u64, Ordering::Relaxed);
+        let waiters = std::mem::take(&mut *self.request_waiters.borrow_mut());
+        waiters.into_iter().for_each(Waker::wake);
+    }
+
     /// A core's broker over its connected mesh.
     pub fn new(
         core: CoreId,
@@ -941,6 +984,8 @@ impl CoreBroker {
             shared.limits.unwritten_answer_bytes_per_connection,
             shared.limits.unwritten_answer_bytes_per_core,
         );
+        let request_bytes =
+            crate::session::outbox::ByteBudget::new(shared.limits.inflight_request_bytes_per_core);
         Rc::new(CoreBroker {
             core,
             catalog: CoreCatalog::new(shared.catalog.clone()),
@@ -956,6 +1001,8 @@ impl CoreBroker {
             waiting_polls: (0..cores).map(|_| RefCell::default()).collect(),
             unfinished: RefCell::new(unfinished),
             unwritten: RefCell::new(unwritten),
+            request_bytes: RefCell::new(request_bytes),
+            request_waiters: RefCell::default(),
             next_request: Cell::new(1),
             draining: Cell::new(false),
             forwarder,

@@ -264,6 +264,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.unwritten_closed.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_request_bytes_in_flight",
+        "gauge",
+        "Request bytes in flight on the core, all connections together (a publish's records, any other request's frame), bounded by max_inflight_request_bytes_per_core.",
+        |m| m.request_bytes_in_flight.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_poll_waits_cut_total",
         "counter",
         "Group polls answered at once instead of waiting: past their connection's max_waiting_polls_per_connection or the waiting polls one core may hold at another.",

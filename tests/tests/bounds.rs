@@ -530,6 +530,69 @@ fn an_open_begun_by_a_request_whose_client_left_does_not_hold_the_shard() {
     });
 }
 
+/// Request bytes in flight on a core are bounded for all its connections together, not
+/// only each connection's own: with appends held (the shard's open held back), four
+/// connections of 8 MiB each took 32 MiB into a core whose bound is 16 MiB, and a
+/// core's 10,000 connections could each have held their 64 MiB. Once the appends go,
+/// every publish is acknowledged (the ones that waited for room too).
+#[test]
+fn request_bytes_in_flight_are_bounded_for_a_core_as_a_whole() {
+    const MIB: usize = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let b = BrokerProcess::start_dev_with_config(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        dir.path(),
+        "fault_injection: true\nmax_inflight_publish_bytes: 8388608\n\
+         max_inflight_request_bytes_per_core: 16777216\n",
+        &["--shards", "1", "--fsync", "none", "--cores", "0"],
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+        let mut writers = Vec::new();
+        for c in 0..4 {
+            let (ep, conn) = raw_connect(&b).await.unwrap();
+            let (mut s, r) = conn.open_bi().await.unwrap();
+            s.write_all(&auth(&b)).await.unwrap();
+            // Each on a stream of its own: one stream's publishes wait their turn there.
+            let auth = auth(&b);
+            let stream_writes = tokio::spawn(async move {
+                let mut streams = Vec::new();
+                for i in 0..8u64 {
+                    let (mut s, r) = conn.open_bi().await.unwrap();
+                    s.write_all(&auth).await.unwrap();
+                    let p = publish("held", &[c, i as u8], &vec![1u8; MIB - 4096], Some(1));
+                    s.write_all(&p).await.unwrap();
+                    streams.push((s, r));
+                }
+                (ep, conn, streams)
+            });
+            writers.push((s, r, stream_writes));
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let in_flight = b.metric("felix_broker_request_bytes_in_flight").unwrap();
+        assert!(
+            in_flight as usize <= 16 * MIB,
+            "{in_flight} request bytes in flight on a core bounded at 16 MiB"
+        );
+        assert!(
+            in_flight as usize >= 8 * MIB,
+            "{in_flight}: the bound was used"
+        );
+        assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+        for (_s, _r, stream_writes) in writers {
+            let (_ep, _conn, streams) = stream_writes.await.unwrap();
+            for (_s, mut r) in streams {
+                tokio::time::timeout(Duration::from_secs(20), read_ack(&mut r))
+                    .await
+                    .expect("every publish is acknowledged once appends go");
+            }
+        }
+        assert_eq!(b.metric("felix_broker_request_bytes_in_flight").unwrap(), 0);
+    });
+}
+
 /// Large whole frames written on many streams of one connection at once, 64 KiB of
 /// each in turn (64 MiB, twice the connection's QUIC receive window), are all read and
 /// answered. A bound on what the broker reads that leaves some streams unread lets

@@ -151,6 +151,26 @@ impl ConnScope {
         .await
     }
 
+    /// Waits until `n` request bytes fit the core's budget (all its connections'
+    /// together), then takes them. False when the connection ended first.
+    async fn take_core_budget(&self, core: &CoreBroker, n: usize) -> bool {
+        poll_fn(|cx| {
+            if self.closed.get() {
+                return Poll::Ready(false);
+            }
+            if core.take_request_bytes(n, Some(cx.waker())) {
+                return Poll::Ready(true);
+            }
+            // Woken by the connection's end too.
+            let mut own = self.budget_waiters.borrow_mut();
+            if !own.iter().any(|w| w.will_wake(cx.waker())) {
+                own.push(cx.waker().clone());
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
     /// Waits until `n` publish bytes fit the connection's budget, then takes them.
     /// False when the connection ended first.
     async fn take_budget(&self, n: usize) -> bool {
@@ -180,15 +200,18 @@ impl ConnScope {
     }
 }
 
-/// A request's bytes held against its connection's budget until dropped.
+/// A request's bytes held against its connection's budget and its core's until
+/// dropped.
 struct Held {
     scope: Rc<ConnScope>,
+    core: Rc<CoreBroker>,
     bytes: usize,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
         self.scope.release_budget(self.bytes);
+        self.core.release_request_bytes(self.bytes);
     }
 }
 
@@ -732,8 +755,19 @@ async fn serve_requests(
                 return;
             }
         }
+        // Then the core's: every connection's requests together.
+        if !core.take_request_bytes(bytes, None) {
+            input.hold_waiting(bytes);
+            let taken = scope.take_core_budget(core, bytes).await;
+            input.hold_waiting(0);
+            if !taken {
+                scope.release_budget(bytes);
+                return;
+            }
+        }
         let held = Some(Held {
             scope: scope.clone(),
+            core: core.clone(),
             bytes,
         });
         let action = dispatch::decide(session, core.as_ref(), request, answered, clock::now());

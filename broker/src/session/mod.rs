@@ -117,6 +117,10 @@ pub struct Limits {
     /// request's frame); past it the broker stops reading requests until earlier ones
     /// complete.
     pub inflight_publish_bytes: usize,
+    /// The same for all of a core's connections together (taken after the
+    /// connection's own): without it, a core's 10,000 connections could each hold their
+    /// 64 MiB in requests waiting for a slow disk.
+    pub inflight_request_bytes_per_core: usize,
 }
 
 impl Default for Limits {
@@ -130,6 +134,7 @@ impl Default for Limits {
             unwritten_answer_bytes_per_connection: 256 << 20,
             unwritten_answer_bytes_per_core: 2 << 30,
             inflight_publish_bytes: 64 << 20,
+            inflight_request_bytes_per_core: 1 << 30,
         }
     }
 }
