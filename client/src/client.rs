@@ -324,6 +324,7 @@ impl Client {
             conn.clone(),
             router.clone(),
             config.max_frame_bytes,
+            config.request_timeout,
         ))
         .abort_handle();
         Ok(Client {
@@ -1239,7 +1240,16 @@ impl Client {
             Ok(found) => found,
             Err(rx) => tokio::time::timeout(self.inner.config.request_timeout, rx)
                 .await
-                .map_err(|_| ClientError::Timeout("event stream"))?
+                .map_err(|_| {
+                    // The stream may still come: with no waiter it is dropped then.
+                    self.inner
+                        .router
+                        .lock()
+                        .expect("router lock")
+                        .waiting
+                        .remove(&id);
+                    ClientError::Timeout("event stream")
+                })?
                 .map_err(|_| {
                     ClientError::connection(
                         self.inner.addr,
@@ -1509,10 +1519,16 @@ async fn read_acks(
     clean
 }
 
+/// Hands each event stream the broker opens to the subscribe that asked for it. One
+/// that comes before its subscribe waits for it up to `unclaimed_for`, then is dropped
+/// (the broker then ends the subscription): its subscribe was given up (cancelled,
+/// timed out), and kept, the stream held the subscription on the broker and the
+/// connection's receive window for as long as the connection lived.
 async fn route_event_streams(
     conn: quinn::Connection,
     router: Arc<std::sync::Mutex<Router>>,
     max_frame: usize,
+    unclaimed_for: Duration,
 ) {
     while let Ok(mut recv) = conn.accept_uni().await {
         let router = router.clone();
@@ -1525,15 +1541,27 @@ async fn route_event_streams(
             else {
                 return;
             };
-            let mut r = router.lock().expect("router lock");
-            match r.waiting.remove(&subscription_id.0) {
-                Some(tx) => {
-                    let _ = tx.send((recv, reader));
-                }
-                None => {
-                    r.early.insert(subscription_id.0, (recv, reader));
+            {
+                let mut r = router.lock().expect("router lock");
+                match r.waiting.remove(&subscription_id.0) {
+                    // A waiter gone (its subscribe given up) gets nothing: the stream is
+                    // dropped here.
+                    Some(tx) => {
+                        let _ = tx.send((recv, reader));
+                        return;
+                    }
+                    None => {
+                        r.early.insert(subscription_id.0, (recv, reader));
+                    }
                 }
             }
+            tokio::time::sleep(unclaimed_for).await;
+            let unclaimed = router
+                .lock()
+                .expect("router lock")
+                .early
+                .remove(&subscription_id.0);
+            drop(unclaimed);
         });
     }
 }

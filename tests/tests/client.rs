@@ -1964,3 +1964,57 @@ fn records_larger_than_the_read_window_are_read_back() {
         assert_eq!(lens, [5, 4 << 20, 4 << 20, 4 << 20]);
     });
 }
+
+/// A subscribe given up before it was answered (its future dropped) leaves nothing on
+/// the broker once its event stream goes unclaimed for the request timeout: the stream
+/// was parked for the connection's life, its subscription live on the broker and its
+/// events filling the connection's receive window (past the broker's bound on unread
+/// answers, the whole connection was closed).
+#[test]
+fn a_subscribe_given_up_leaves_no_subscription_behind() {
+    let (b, _dir) = broker(&[]);
+    let mut config = config(&b);
+    config.request_timeout = Duration::from_secs(1);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = felix_client::Client::connect(b.listen, "localhost", config)
+            .await
+            .unwrap();
+        client
+            .publish(
+                "dev",
+                "default",
+                "gone",
+                b"one".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        let mut given_up = 0;
+        for i in 0..40u64 {
+            let sub = tokio::time::timeout(
+                Duration::from_micros(100 * i),
+                client.subscribe_from("dev", "default", "gone", Some(StartPosition::Earliest)),
+            )
+            .await;
+            given_up += usize::from(sub.is_err());
+        }
+        assert!(given_up > 0, "some subscribes were given up part way");
+        let live = || b.metric("felix_broker_subscriptions").unwrap();
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while live() > 0 && std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(live(), 0, "no subscription is left behind");
+        client
+            .publish(
+                "dev",
+                "default",
+                "gone",
+                b"two".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+    });
+}

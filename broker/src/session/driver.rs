@@ -1385,6 +1385,11 @@ impl CacheWatch {
                     },
                 )
                 .await;
+            if uni.stopped().is_some() {
+                // The client dropped the watch: with no change to write, nothing else
+                // would notice.
+                return Ok(());
+            }
             match next {
                 Ok(WatchAnswer::Changes(changes, next)) => {
                     from = next;
@@ -1641,6 +1646,12 @@ impl Subscription {
                     Some(Ending::Unsubscribed) | None => break,
                 },
                 None => {
+                    // Idle, a client that stopped reading the stream (dropped its
+                    // subscription) is noticed by no write: the subscription ends here,
+                    // or it stayed live on a quiet stream until the connection closed.
+                    if uni.stopped().is_some() {
+                        return Ok(());
+                    }
                     // Idle: if the shard has moved to another broker, say where and end,
                     // rather than stall silently.
                     if let Resolved::Remote(route) = self.core.resolve(&self.key) {
