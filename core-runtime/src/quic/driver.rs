@@ -1743,6 +1743,70 @@ mod sans_io {
         }
     }
 
+    /// Connects a client at `port` to the fixture's server.
+    fn connect(f: &mut Fixture, port: u16) -> Driver {
+        let mut c = client(f, port);
+        let cfg = f.client_config.clone();
+        c.start_connect(f.now, cfg, f.server_addr, "localhost")
+            .unwrap();
+        run(
+            f,
+            std::slice::from_mut(&mut c),
+            20,
+            Duration::from_millis(1),
+        );
+        assert_eq!(connected(&c), 1);
+        c
+    }
+
+    /// A connection's packet arriving from a forged address is answered there with no
+    /// more than three times its size (QUIC's bound on an unvalidated address): with
+    /// migration allowed the server sent a 1,200-byte padded path challenge, ~30x.
+    #[test]
+    fn a_packet_from_a_forged_address_gets_at_most_three_times_its_size_back() {
+        let mut f = fixture(16, TransportLimits::default());
+        let mut c = connect(&mut f, 5200);
+        f.net.queue.borrow_mut().clear();
+        let ids: Vec<_> = c.conns.keys().copied().collect();
+        for id in ids {
+            c.conns.get_mut(&id).unwrap().q.ping();
+            c.mark(id);
+        }
+        step(&mut c, f.now);
+        let forged = addr(6666);
+        let mut received = 0;
+        for (from, to, data) in f.net.queue.borrow_mut().iter_mut() {
+            if *to == f.server_addr {
+                *from = forged;
+                received += data.len();
+            }
+        }
+        assert!(received > 0, "the client pinged");
+        step(&mut f.server, f.now);
+        let sent: usize = f
+            .net
+            .queue
+            .borrow()
+            .iter()
+            .filter(|(_, to, _)| *to == forged)
+            .map(|(_, _, d)| d.len())
+            .sum();
+        assert!(
+            sent <= 3 * received,
+            "{sent} bytes sent to a forged address that sent {received}"
+        );
+    }
+
+    /// The server advertises no unreliable datagrams (it reads none): a peer's were
+    /// buffered, each holding its whole packet, and never read.
+    #[test]
+    fn the_server_takes_no_unreliable_datagrams() {
+        let mut f = fixture(16, TransportLimits::default());
+        let mut c = connect(&mut f, 5300);
+        let id = *c.conns.keys().next().unwrap();
+        assert_eq!(c.conns.get_mut(&id).unwrap().q.datagrams().max_size(), None);
+    }
+
     #[test]
     fn garbage_datagrams_leave_no_state() {
         let mut f = fixture(16, TransportLimits::default());

@@ -86,7 +86,10 @@ impl TransportLimits {
             .receive_window(VarInt::from_u32(self.connection_window_bytes))
             .send_window(self.send_window_bytes)
             .max_idle_timeout(IdleTimeout::try_from(self.idle_timeout).ok())
-            .keep_alive_interval(Some(self.idle_timeout / 3));
+            .keep_alive_interval(Some(self.idle_timeout / 3))
+            // Felix reads no unreliable datagrams: advertised, a peer's were buffered
+            // (each holding its whole received packet) and never read.
+            .datagram_receive_buffer_size(None);
         t
     }
 }
@@ -119,6 +122,11 @@ pub fn server_config(
     };
     let mut config = ServerConfig::with_crypto(Arc::new(either));
     config.transport_config(Arc::new(limits.transport()));
+    // A connection stays on the 4-tuple it began on (another one's packets land on
+    // another core anyway): with migration allowed, a packet from a forged address
+    // was answered there with a 1,200-byte padded path challenge (and a probing one
+    // with a path response), ~30 times its size, past QUIC's 3x bound.
+    config.migration(false);
     Ok(config)
 }
 
@@ -136,7 +144,12 @@ pub fn internal_server_config(
     tls.alpn_protocols = vec![felix_wire::internal::INTERNAL_ALPN.to_vec()];
     let quic = QuicServerConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
     let mut config = ServerConfig::with_crypto(Arc::new(quic));
-    config.transport_config(Arc::new(limits.transport()));
+    // Peers speak on streams they open one way (`accept_uni`): no bidirectional
+    // streams, whose windows anyone reaching the port could fill before a hello.
+    let mut transport = limits.transport();
+    transport.max_concurrent_bidi_streams(VarInt::from_u32(0));
+    config.transport_config(Arc::new(transport));
+    config.migration(false);
     Ok(config)
 }
 
