@@ -57,6 +57,11 @@ const RECV_BUFFER_BYTES: usize = 64 * 1024;
 const RECV_BUDGET: usize = 64;
 /// Transmits per connection per loop iteration.
 const TRANSMIT_BUDGET: usize = 64;
+/// How long an accepted connection may take to finish its handshake. Its idle timer
+/// alone did not bound it: every packet of the peer's resets it, so a peer that kept
+/// a handshake going and never finished it held its place (at the connection limit,
+/// every new client was refused) for as long as it liked.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 /// The longest the loop trusts the readiness probe while datagrams flow: a loop that
 /// runs this long after its last read reads anyway, and none sleeps past it. The probe
 /// (a peek submitted to the executor's ring) was seen to stay pending for seconds with
@@ -195,6 +200,8 @@ pub struct EndpointStats {
     /// Reads forced by [`READ_CHECK`] that found datagrams the readiness probe had not
     /// reported.
     pub missed_wakeups: u64,
+    /// Connections closed for not finishing their handshake in time.
+    pub handshakes_timed_out: u64,
 }
 
 /// Why a stream or connection operation failed.
@@ -323,6 +330,8 @@ struct Driver {
     dirty: FxHashSet<ConnId>,
     timers: BTreeSet<(Instant, ConnId)>,
     accept_queue: VecDeque<ConnId>,
+    /// Accepted connections by when their handshake must be done, oldest first.
+    handshakes: VecDeque<(Instant, ConnId)>,
     accept_waker: Option<Waker>,
     waker: Option<Waker>,
     woken: bool,
@@ -372,6 +381,7 @@ impl Driver {
             dirty: FxHashSet::default(),
             timers: BTreeSet::new(),
             accept_queue: VecDeque::new(),
+            handshakes: VecDeque::new(),
             accept_waker: None,
             waker: None,
             woken: false,
@@ -504,6 +514,7 @@ impl Driver {
                 match self.endpoint.accept(incoming, now, &mut response, None) {
                     Ok((h, q)) => {
                         let id = self.insert_conn(h, q, 0);
+                        self.handshakes.push_back((now + HANDSHAKE_DEADLINE, id));
                         self.dirty.insert(id);
                     }
                     Err(e) => {
@@ -1326,6 +1337,25 @@ fn process(
             dr.dirty.insert(h);
         }
     }
+    // Handshakes past their deadline are closed.
+    while let Some(&(at, h)) = dr.handshakes.front() {
+        if at > now {
+            break;
+        }
+        dr.handshakes.pop_front();
+        if let Some(c) = dr.conns.get_mut(&h)
+            && !c.s.connected
+            && !c.q.is_closed()
+        {
+            dr.stats.handshakes_timed_out += 1;
+            c.q.close(
+                now,
+                VarInt::from_u32(0),
+                Bytes::from_static(b"handshake too slow"),
+            );
+            dr.dirty.insert(h);
+        }
+    }
     // 4. Dirty connections.
     let dirty: Vec<_> = dr.dirty.drain().collect();
     for h in dirty {
@@ -1336,7 +1366,9 @@ fn process(
     }
     let again = !dr.dirty.is_empty() || !dr.blocked_sends.is_empty() || *readable;
     dr.woken = false;
-    Some((again, dr.timers.first().map(|(at, _)| *at)))
+    let next = dr.timers.first().map(|(at, _)| *at);
+    let deadline = dr.handshakes.front().map(|(at, _)| *at);
+    Some((again, next.into_iter().chain(deadline).min()))
 }
 
 /// The driver task: see the module docs for the loop.
@@ -1805,6 +1837,45 @@ mod sans_io {
         let mut c = connect(&mut f, 5300);
         let id = *c.conns.keys().next().unwrap();
         assert_eq!(c.conns.get_mut(&id).unwrap().q.datagrams().max_size(), None);
+    }
+
+    /// Handshakes never finished are closed at the handshake deadline, whatever the
+    /// idle timeout: each packet of the peer's reset that timer, so a peer that kept a
+    /// handshake going held its place (at the connection limit, every new client was
+    /// refused) for as long as it liked. Here the idle timeout is two minutes.
+    #[test]
+    fn handshakes_never_finished_are_closed_at_a_deadline() {
+        let limits = TransportLimits {
+            idle_timeout: Duration::from_secs(120),
+            ..TransportLimits::default()
+        };
+        let mut f = fixture(2, limits);
+        let mut stalled: Vec<Driver> = (0..2).map(|i| client(&f, 7000 + i)).collect();
+        for (i, c) in stalled.iter_mut().enumerate() {
+            f.net.black_holes.borrow_mut().insert(addr(7000 + i as u16));
+            let cfg = f.client_config.clone();
+            c.start_connect(f.now, cfg, f.server_addr, "localhost")
+                .unwrap();
+        }
+        run(&mut f, &mut stalled, 15, Duration::from_secs(1));
+        assert_eq!(f.server.stats.handshakes_timed_out, 2);
+        let mut honest = client(&f, 7100);
+        let cfg = f.client_config.clone();
+        honest
+            .start_connect(f.now, cfg, f.server_addr, "localhost")
+            .unwrap();
+        run(
+            &mut f,
+            std::slice::from_mut(&mut honest),
+            20,
+            Duration::from_millis(1),
+        );
+        assert_eq!(
+            connected(&honest),
+            1,
+            "a new client connects ({} refused)",
+            f.server.stats.refused
+        );
     }
 
     #[test]
