@@ -365,6 +365,13 @@ fn decide(
         if !(view.ready(&a.leader) && serving) {
             return Decision::Keep;
         }
+        // A record of this generation is on a majority of the set: everything before it
+        // is too. The set changes by one member only from there (as Raft's one change
+        // at a time, committed before the next): two changes before the first
+        // committed (say `[a]` grown to `[a,b]` while b still copied the backlog, then
+        // to `[a,b,c]`) let a majority of the newest set (b, c) elect a leader without
+        // records only a held.
+        let committed = report.is_some_and(|r| r.report.generation_committed);
         if let Some(d) = &a.staging {
             let copy = report.and_then(|r| r.report.followers.iter().find(|f| f.node_id == *d));
             if !view.ready(d) || copy.is_some_and(|f| f.halted) {
@@ -381,17 +388,31 @@ fn decide(
             let up = a.replicas.iter().filter(|m| view.ready(m)).count() + 1;
             // A majority of the len + 1 members: (len + 1) / 2 + 1.
             let majority = a.replicas.len().div_ceil(2) + 1;
-            return if caught_up && up >= majority {
+            return if caught_up && up >= majority && committed {
                 Decision::CutOver(d.clone())
             } else {
                 Decision::Keep
             };
         }
         if a.retiring.is_none() && report.is_some_and(StoredReport::any_rebuilding) {
-            return Decision::Renew;
+            // A new generation lets a rebuilding copy become whole, but its election
+            // counts no rebuilding member: without a majority of ready, whole members
+            // (the leader with them) the leader never serves it again, and the copy
+            // waits for a leader of a later generation that never comes. Serving this
+            // generation on meanwhile (its followers' copies count for the commit) is
+            // better; it is renewed once enough are back.
+            let whole = a
+                .replicas
+                .iter()
+                .filter(|m| view.ready(m) && !report.is_some_and(|r| r.rebuilding(m)))
+                .count();
+            return if whole > a.replicas.len() / 2 {
+                Decision::Renew
+            } else {
+                Decision::Keep
+            };
         }
         if a.retiring.is_some() {
-            let committed = report.is_some_and(|r| r.report.generation_committed);
             return if committed {
                 Decision::Retire
             } else {
@@ -400,9 +421,10 @@ fn decide(
         }
         return match restore_step(store_key, a, target.replication, view) {
             Some((Some(gone), spare)) => Decision::Stage(spare, gone),
-            // Growing a set by one keeps every old majority meeting every new one.
-            Some((None, spare)) => Decision::Grow(spare),
-            None => Decision::Keep,
+            // Growing a set by one keeps every old majority meeting every new one, once
+            // the last change committed.
+            Some((None, spare)) if committed => Decision::Grow(spare),
+            Some((None, _)) | None => Decision::Keep,
         };
     }
     if a.replicas.iter().all(|m| *m == a.leader) {
@@ -1046,6 +1068,43 @@ mod tests {
             assert_eq!(f.pass(now + 2).await, PassReport::default());
         }
 
+        /// A renewal for a rebuilding member needs a majority of ready, whole members
+        /// (its election counts no rebuilding one): with two members, or three with one
+        /// down, the leader never served the new generation and the copy was never
+        /// whole again; the current one serves on instead until enough are back.
+        #[tokio::test]
+        async fn a_rebuilding_member_is_renewed_for_only_with_a_whole_majority_up() {
+            let f = fixture();
+            let now = T0 + 60_000;
+            for n in ["a", "b"] {
+                f.node(n, now).await;
+            }
+            f.node("c", T0).await;
+            f.rebuilding.set(Some("b"));
+            f.stream("two", &["a", "b"], true, 4).await;
+            f.report("a", "two", 4, 100, &[("b", 0, false)], now).await;
+            f.stream("three", &["a", "b", "c"], true, 4).await;
+            f.report(
+                "a",
+                "three",
+                4,
+                100,
+                &[("b", 0, false), ("c", 100, false)],
+                now,
+            )
+            .await;
+            let r = f.pass(now).await;
+            assert_eq!(r.renewed, 0, "{r:?}");
+            assert_eq!(f.get("two").await.generation, 4);
+            assert_eq!(f.get("three").await.generation, 4);
+            // c is back: a and c are a whole majority of three.
+            f.node("c", now).await;
+            let r = f.pass(now).await;
+            assert_eq!(r.renewed, 1, "{r:?}");
+            assert_eq!(f.get("three").await.generation, 5);
+            assert_eq!(f.get("two").await.generation, 4);
+        }
+
         /// A member rebuilding a lost copy counts as behind every reported one when a
         /// successor is chosen (its reported position is what it held before).
         #[tokio::test]
@@ -1207,8 +1266,22 @@ mod tests {
                 (a.staging.as_deref(), a.replaces.as_deref()),
                 (Some(spare), Some("c"))
             );
-            // The copy holds the log: it joins, c stays until the leader's generation
-            // commits over the enlarged set.
+            // The copy holds the log, but generation 2 has not committed yet: no
+            // change of members before the last one committed.
+            f.report(
+                "a",
+                "s",
+                2,
+                10,
+                &[("b", 10, false), (spare, 10, false)],
+                now,
+            )
+            .await;
+            f.pass(now).await;
+            assert_eq!(f.get("s").await.generation, 2, "not before it committed");
+            // Committed: the copy joins, c stays until the leader's generation commits
+            // over the enlarged set.
+            f.committed.set(true);
             f.report(
                 "a",
                 "s",
@@ -1301,7 +1374,9 @@ mod tests {
                 4,
                 "no cut-over while far behind"
             );
-            // Within the bound: c leads, and a is still a member while c fences.
+            // Within the bound (and generation 4 committed): c leads, and a is still a
+            // member while c fences.
+            f.committed.set(true);
             f.report(
                 "a",
                 "s",
@@ -1312,6 +1387,7 @@ mod tests {
             )
             .await;
             f.pass(now).await;
+            f.committed.set(false);
             let a = f.get("s").await;
             assert_eq!((a.leader.as_str(), a.generation), ("c", 5));
             assert_eq!(a.replicas, ["a", "b", "c"]);
@@ -1384,6 +1460,7 @@ mod tests {
         async fn a_staged_copy_joins_only_with_a_majority_of_the_enlarged_set_up_and_a_halted_one_is_dropped()
          {
             let f = fixture();
+            f.committed.set(true);
             let now = T0 + 60_000;
             f.node("b", T0).await;
             f.node("c", T0).await;
@@ -1445,6 +1522,13 @@ mod tests {
             let mut a = f.get("s").await;
             a.replicas.truncate(1);
             f.put(Kind::Assignment, key("s"), encode(&a)).await;
+            f.report("a", "s", 1, 10, &[], now).await;
+            assert_eq!(
+                f.pass(now).await.restored,
+                0,
+                "not before its generation committed on the set it has"
+            );
+            f.committed.set(true);
             f.report("a", "s", 1, 10, &[], now).await;
             assert_eq!(f.pass(now).await.restored, 1);
             let a = f.get("s").await;
