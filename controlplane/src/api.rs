@@ -1840,6 +1840,10 @@ async fn abandon(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiResult
         .ok_or_else(|| ApiError::conflict("no_ready_node: nobody can take the shard"))?;
     let previous = std::mem::replace(&mut a.leader, leader);
     a.replicas = replicas;
+    // A move or restore under way was of the old set: a copy staged for it could be in
+    // the new one (named twice, counted twice by brokers), or a retirement name no
+    // member, and the set would stay one too large.
+    (a.staging, a.replaces, a.retiring) = (None, None, None);
     a.generation += 1;
     a.abandoned = Some(a.generation);
     st.store

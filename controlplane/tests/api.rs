@@ -1282,16 +1282,20 @@ fn replication_scenario(svc: &Service) {
             2
         )
     );
-    let (code, _) = report(
-        &ahead,
-        vec![shard(
-            "orders",
-            2,
-            100,
-            json!([{"node_id": behind, "durable_end": 100},
-                   {"node_id": outsider, "durable_end": 100, "staged": true}]),
-        )],
+    // The copy joins once generation 2 committed on the set it has.
+    let mut caught_up = shard(
+        "orders",
+        2,
+        100,
+        json!([{"node_id": behind, "durable_end": 100},
+               {"node_id": outsider, "durable_end": 100, "staged": true}]),
     );
+    let (code, _) = report(&ahead, vec![caught_up.clone()]);
+    assert_eq!(code, 200);
+    pass();
+    assert_eq!(get("orders").generation, 2, "not before it committed");
+    caught_up["generation_committed"] = json!(true);
+    let (code, _) = report(&ahead, vec![caught_up]);
     assert_eq!(code, 200);
     pass();
     let joined = get("orders");
@@ -1368,7 +1372,25 @@ fn replication_scenario(svc: &Service) {
     );
 
     // Abandoning the waiting ledger moves it to a ready node and says data was lost;
-    // orders has a serving leader and cannot be abandoned.
+    // orders has a serving leader and cannot be abandoned. A copy it was staging (a
+    // restore the leader died before) goes with the old set.
+    svc.rt.block_on(async {
+        let key = "stream/acme/payments/ledger/0";
+        let d = svc.store.get(Kind::Assignment, key).await.unwrap().unwrap();
+        let mut a: Assignment = serde_json::from_value(d.value).unwrap();
+        a.staging = Some(outsider.to_owned());
+        a.replaces = Some(leader.clone());
+        a.retiring = Some(leader.clone());
+        svc.store
+            .batch(vec![Op::Put {
+                kind: Kind::Assignment,
+                key: key.into(),
+                value: serde_json::to_value(&a).unwrap(),
+                expect: Expect::Version(d.version),
+            }])
+            .await
+            .unwrap();
+    });
     let answer = admin.post("/v1/placement/abandon", &ledger_key).unwrap();
     assert_eq!(answer["lost_data"], true);
     assert_eq!(answer["previous_leader"], leader.as_str());
@@ -1378,6 +1400,10 @@ fn replication_scenario(svc: &Service) {
     assert_eq!(moved.generation, 2);
     // Marked, so brokers keep what the old owner left for a manual recovery.
     assert_eq!(moved.abandoned, Some(2));
+    assert_eq!(
+        (&moved.staging, &moved.replaces, &moved.retiring),
+        (&None, &None, &None)
+    );
     assert_eq!(get("ledger"), moved);
     let mut orders_key = ledger_key.clone();
     orders_key["name"] = json!("orders");
