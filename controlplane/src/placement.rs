@@ -463,6 +463,9 @@ pub async fn pass_at(
     let mut nodes: BTreeMap<String, Standing> = BTreeMap::new();
     let mut leading: BTreeMap<String, u32> = BTreeMap::new();
     let mut caps: BTreeMap<String, Option<u32>> = BTreeMap::new();
+    // Nodes this pass writes nothing to, as read: a promotion away from one is written
+    // only if its record did not change meanwhile (see `guard_node`).
+    let mut unwritten_nodes: BTreeMap<String, Doc> = BTreeMap::new();
     for d in store.list(Kind::Node, "").await? {
         let mut n: Node = decode(&d)?;
         let s = standing(&n, config, now_ms);
@@ -475,6 +478,8 @@ pub async fn pass_at(
                 value: encode(&n),
                 expect: Expect::Version(d.version),
             });
+        } else {
+            unwritten_nodes.insert(n.registration.node_id.clone(), d);
         }
         if s.ready {
             caps.insert(
@@ -594,6 +599,7 @@ pub async fn pass_at(
                 continue;
             }
             Decision::Promote(leader) => {
+                guard_node(&mut ops, &mut unwritten_nodes, &a.leader);
                 *leading.entry(leader.clone()).or_default() += 1;
                 // A failover abandons a staged move; a retiring member that now leads
                 // stays.
@@ -643,6 +649,7 @@ pub async fn pass_at(
             }
             Decision::Renew => report.renewed += 1,
             Decision::Replace(leader, replicas) => {
+                guard_node(&mut ops, &mut unwritten_nodes, &a.leader);
                 *leading.entry(leader.clone()).or_default() += 1;
                 a.leader = leader;
                 a.replicas = replicas;
@@ -665,6 +672,22 @@ pub async fn pass_at(
         store.batch(ops).await?;
     }
     Ok(report)
+}
+
+/// Makes the pass's writes conditional on `node`'s record being as the pass read it
+/// (written back unchanged, at its version), once: a leader marked down in the same
+/// batch is already guarded so, but one draining, or down since an earlier pass, could
+/// register or renew between this pass's read and its write, and the promotion would
+/// be written over a lease it had just renewed (two leaders acknowledging at once).
+fn guard_node(ops: &mut Vec<Op>, unwritten: &mut BTreeMap<String, Doc>, node: &str) {
+    if let Some(d) = unwritten.remove(node) {
+        ops.push(Op::Put {
+            kind: Kind::Node,
+            key: d.key,
+            value: d.value,
+            expect: Expect::Version(d.version),
+        });
+    }
 }
 
 /// Runs one placement pass now.
@@ -1030,6 +1053,83 @@ mod tests {
             assert_ne!(a.leader, "a");
             assert_eq!(a.generation, 5);
             assert_eq!(a.replicas, ["a", "b", "c"], "the set is kept");
+        }
+
+        use crate::store::{BoxFut, Change};
+
+        /// A store whose node `node` registers again between a pass's reads and its
+        /// write (the write lands just after).
+        #[derive(Debug)]
+        struct Registers<'a> {
+            inner: &'a MemoryStore,
+            node: &'static str,
+        }
+
+        impl Store for Registers<'_> {
+            fn get<'b>(&'b self, kind: Kind, key: &'b str) -> BoxFut<'b, Option<Doc>> {
+                self.inner.get(kind, key)
+            }
+            fn list<'b>(&'b self, kind: Kind, prefix: &'b str) -> BoxFut<'b, Vec<Doc>> {
+                self.inner.list(kind, prefix)
+            }
+            fn batch(&self, ops: Vec<Op>) -> BoxFut<'_, Vec<Doc>> {
+                Box::pin(async move {
+                    let d = self.inner.get(Kind::Node, self.node).await?.expect("node");
+                    let mut n: Node = decode(&d)?;
+                    n.lifecycle = Lifecycle::Live;
+                    n.incarnation += 1;
+                    self.inner
+                        .batch(vec![Op::Put {
+                            kind: Kind::Node,
+                            key: d.key,
+                            value: encode(&n),
+                            expect: Expect::Version(d.version),
+                        }])
+                        .await?;
+                    self.inner.batch(ops).await
+                })
+            }
+            fn changes(
+                &self,
+                kind: Kind,
+                since: u64,
+                limit: usize,
+                wait: Duration,
+            ) -> BoxFut<'_, (Vec<Change>, u64)> {
+                self.inner.changes(kind, since, limit, wait)
+            }
+            fn head(&self) -> BoxFut<'_, u64> {
+                self.inner.head()
+            }
+            fn ping(&self) -> BoxFut<'_, ()> {
+                self.inner.ping()
+            }
+        }
+
+        /// A promotion away from a leader down since an earlier pass is written only if
+        /// the leader's record is as the pass read it: one that registered again in
+        /// between (its lease renewed, its view still naming it leader) would lead beside
+        /// its successor.
+        #[tokio::test]
+        async fn a_promotion_is_not_written_over_a_registration_that_landed_meanwhile() {
+            let f = fixture();
+            let now = T0 + 60_000;
+            f.node("a", T0).await;
+            f.node("b", T0).await;
+            f.stream("s", &["a", "b"], false, 4).await;
+            // a goes down with nobody to take over.
+            let r = f.pass(now).await;
+            assert_eq!(r.nodes_down.len(), 2, "{r:?}");
+            assert_eq!(f.get("s").await.leader, "a");
+            // b is back: a pass promotes it, while a registers again.
+            f.node("b", now).await;
+            let racing = Registers {
+                inner: &f.store,
+                node: "a",
+            };
+            let written = pass_at(&racing, &f.config, &f.reports, now).await;
+            assert!(written.is_err(), "{written:?}");
+            assert_eq!(f.get("s").await.leader, "a", "not promoted over it");
         }
 
         /// A member rebuilding a lost copy gets a new generation under the same leader
