@@ -1585,6 +1585,9 @@ async fn drain_node(
         .into_iter()
         .map(|n| n.registration.node_id)
         .collect();
+    let reports = st
+        .reports
+        .snapshot(liveness_ms(), st.config.report_ttl().as_millis() as u64);
     let (mut moved, mut kept) = (Vec::new(), Vec::new());
     for doc in st.store.list(Kind::Assignment, "").await? {
         // A placement pass may write the same assignment meanwhile: read it again and
@@ -1600,7 +1603,16 @@ async fn drain_node(
             let key = a.key.store_key();
             // A member that is not on its way out first; a move or restore under way is
             // abandoned (its copy was to replace this leader, or is shipped to by it).
-            let candidates = || a.replicas.iter().filter(|r| **r != id && ready.contains(r));
+            // Never one its leader reports halted (its log disagrees below the commit
+            // mark: as candidate it could never take the log) or rebuilding its copy
+            // (its election would count it for nothing): the shard stays then.
+            let report = reports.get(&key);
+            let unfit = |r: &str| report.is_some_and(|p| p.halted(r) || p.rebuilding(r));
+            let candidates = || {
+                a.replicas
+                    .iter()
+                    .filter(|r| **r != id && ready.contains(r) && !unfit(r))
+            };
             let Some(to_node) = candidates()
                 .find(|r| Some(*r) != a.retiring.as_ref())
                 .or_else(|| candidates().next())

@@ -2158,6 +2158,72 @@ fn a_drain_passes_over_a_shard_deleted_under_it() {
     );
 }
 
+/// A drain hands a shard to a member its leader does not report halted or rebuilding:
+/// the first ready member in set order was taken, and a halted one (its log disagrees
+/// below the commit mark) could never finish taking the shard over, nor a rebuilding
+/// one win an election.
+#[test]
+fn a_drain_passes_over_a_halted_or_rebuilding_member() {
+    use felix_controlplane::model::AssignmentKey;
+    let svc = memory_service();
+    let (anon, admin) = bootstrapped(&svc);
+    let drainer = registered_node(&anon, &admin, "node-a", 5200);
+    registered_node(&anon, &admin, "node-b", 5201);
+    registered_node(&anon, &admin, "node-c", 5202);
+    registered_node(&anon, &admin, "node-d", 5203);
+    let a = Assignment {
+        key: AssignmentKey {
+            tenant_id: "acme".into(),
+            namespace: "ns".into(),
+            kind: "stream".into(),
+            name: "s".into(),
+            shard: 0,
+        },
+        leader: "node-a".into(),
+        replicas: vec![
+            "node-a".into(),
+            "node-b".into(),
+            "node-c".into(),
+            "node-d".into(),
+        ],
+        generation: 1,
+        state: "active".into(),
+        routing: None,
+        staging: None,
+        replaces: None,
+        retiring: None,
+        abandoned: None,
+    };
+    svc.rt.block_on(async {
+        svc.store
+            .batch(vec![Op::Put {
+                kind: Kind::Assignment,
+                key: a.key.store_key(),
+                value: serde_json::to_value(&a).unwrap(),
+                expect: Expect::Absent,
+            }])
+            .await
+            .unwrap();
+    });
+    drainer
+        .post(
+            "/v1/nodes/node-a/replica-status",
+            &json!({"shards": [{"kind": "stream", "tenant_id": "acme", "namespace": "ns",
+                    "name": "s", "shard": 0, "generation": 1, "log_end": 100, "commit": 100,
+                    "followers": [
+                        {"node_id": "node-b", "durable_end": 100, "halted": true},
+                        {"node_id": "node-c", "durable_end": 0, "rebuilding": true},
+                        {"node_id": "node-d", "durable_end": 100}]}]}),
+        )
+        .unwrap();
+    let answer = drainer.post("/v1/nodes/node-a/drain", &json!({})).unwrap();
+    assert_eq!(
+        answer["moved"],
+        json!([{"shard": a.key.store_key(), "leader": "node-d", "generation": 2}]),
+        "{answer}"
+    );
+}
+
 /// A NUL in any string of a request body is refused 400, on every store: Postgres's
 /// JSONB refuses U+0000, so such a token subject, display name or reason failed there
 /// as `unavailable` (and an audit entry naming that subject went missing), while the
