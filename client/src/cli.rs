@@ -328,6 +328,21 @@ struct Context {
 enum Failure {
     Usage(String),
     Client(ClientError),
+    /// What was read could not be written out (a closed pipe, a full disk).
+    Output(std::io::Error),
+}
+
+/// Writes one record out, flushed: an error ends the command (a consumer acking what
+/// it showed must not ack what it could not show).
+fn shown(
+    json: bool,
+    out: &mut impl Write,
+    payload: &[u8],
+    extra: serde_json::Value,
+) -> Result<(), Failure> {
+    show(json, out, payload, extra)
+        .and_then(|()| out.flush())
+        .map_err(Failure::Output)
 }
 
 impl From<ClientError> for Failure {
@@ -493,6 +508,7 @@ fn run_controlplane(cli: &Cli) -> Result<(), i32> {
     let ctx = load_context(cli).map_err(|f| match f {
         Failure::Usage(m) => usage(m),
         Failure::Client(e) => usage(e.to_string()),
+        Failure::Output(e) => usage(e.to_string()),
     })?;
     let url = cli
         .controlplane
@@ -517,6 +533,7 @@ fn run_controlplane(cli: &Cli) -> Result<(), i32> {
             read_token(&f).map_err(|f| match f {
                 Failure::Usage(m) => usage(m),
                 Failure::Client(e) => usage(e.to_string()),
+                Failure::Output(e) => usage(e.to_string()),
             })?
         }
     };
@@ -766,13 +783,12 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             while count.is_none_or(|c| seen < c) {
                 match sub.next_event().await? {
                     Some(e) => {
-                        let _ = show(
+                        shown(
                             cli.json,
                             &mut out,
                             &e.payload,
                             serde_json::json!({"offset": e.offset, "shard": shard}),
-                        );
-                        let _ = out.flush();
+                        )?;
                         seen += 1;
                         last = e.offset.or(last);
                     }
@@ -821,7 +837,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             CacheCmd::Get { cache, key } => {
                 match client.cache_get(&tenant, ns, cache, key).await? {
                     Some(v) => {
-                        let _ = show(cli.json, &mut out, &v, serde_json::json!({"key": key}));
+                        shown(cli.json, &mut out, &v, serde_json::json!({"key": key}))?;
                     }
                     None => {
                         if cli.json {
@@ -861,7 +877,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             }
             CacheCmd::Delete { cache, key } => {
                 if let Some(v) = client.cache_delete(&tenant, ns, cache, key).await? {
-                    let _ = show(cli.json, &mut out, &v, serde_json::json!({"key": key}));
+                    shown(cli.json, &mut out, &v, serde_json::json!({"key": key}))?;
                 }
             }
         },
@@ -899,7 +915,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         })
                         .await?;
                     for r in records {
-                        let _ = show(
+                        // Acked only once shown: a record that could not be written
+                        // out stays claimed, and is delivered again once its claim
+                        // lapses.
+                        shown(
                             cli.json,
                             &mut out,
                             &r.payload,
@@ -908,8 +927,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                                 "attempts": r.attempts,
                                 "skipped_before": r.skipped_before,
                             }),
-                        );
-                        let _ = out.flush();
+                        )?;
                         if *ack {
                             c.group_ack(&g, r.offset.0).await?;
                         }
@@ -1061,6 +1079,10 @@ pub fn main() {
         Err(Failure::Client(e)) => {
             eprintln!("felix: {e}");
             exit_code(&e)
+        }
+        Err(Failure::Output(e)) => {
+            eprintln!("felix: writing out: {e}");
+            8
         }
     };
     std::process::exit(code);

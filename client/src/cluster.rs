@@ -483,7 +483,10 @@ impl ClusterClient {
         .await
     }
 
-    /// Removes a cache key; returns the value it had.
+    /// Removes a cache key; returns the value it had. The removal is resent after a
+    /// lost connection (removing twice leaves the key as removing once), but the value
+    /// returned is then the resend's: none, if the first attempt removed it and its
+    /// answer was lost.
     pub async fn cache_delete(
         &self,
         tenant: &str,
@@ -547,9 +550,13 @@ where
         let since_nf = first_not_found.map_or(Duration::ZERO, |t| t.elapsed());
         let mut wait = jitter(attempt);
         let decision = classify(&e, since_nf);
-        // A lost connection or a timeout may have come after the request was sent.
+        // A lost connection, a timeout or an answer that could not be read may have
+        // come after the request was sent (and applied).
         in_doubt |= decision == Decision::OutcomeUnknown
-            || matches!(e, ClientError::Connection { .. } | ClientError::Timeout(_));
+            || matches!(
+                e,
+                ClientError::Connection { .. } | ClientError::Timeout(_) | ClientError::Protocol(_)
+            );
         match decision {
             // Failing now, it may still have applied before: say so.
             Decision::Fail if in_doubt => {
@@ -758,6 +765,17 @@ mod tests {
                     ..
                 }
             ),
+            "{e:?}"
+        );
+        // An answer that could not be read (an ack that did not decode, one over the
+        // frame limit) may follow a write that applied.
+        let e = give_up_over(vec![
+            ClientError::Protocol("an ack that does not decode".into()),
+            coded(ErrorCode::ShardUnavailable),
+        ])
+        .await;
+        assert!(
+            matches!(e, ClientError::GaveUp { in_doubt: true, .. }),
             "{e:?}"
         );
         // Refused every time before anything was written: not in doubt.

@@ -2018,3 +2018,44 @@ fn a_subscribe_given_up_leaves_no_subscription_behind() {
             .unwrap();
     });
 }
+
+/// `felix group poll --ack` whose output cannot be written (a reader gone: `| head`, a
+/// full disk) stops and fails without acking what it could not show: it acked every
+/// record it polled and exited 0, records finished for the group that reached nobody.
+#[test]
+fn felix_group_poll_acks_nothing_it_could_not_write_out() {
+    let (b, _dir) = broker(&[]);
+    let run = |args: &[&str]| {
+        let out = felix(&b).args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    for i in 0..3 {
+        run(&["pub", "jobs", &format!("j{i}")]);
+    }
+    // Its output a pipe whose reader is gone.
+    let mut child = felix(&b)
+        .args([
+            "group", "poll", "jobs", "cli", "--max", "10", "--wait", "0.2", "--ack",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        !out.status.success(),
+        "it fails: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let described = run(&["group", "describe", "jobs", "cli"]);
+    assert!(
+        !described.contains("\nlag 0\n"),
+        "nothing acked: {described}"
+    );
+}
