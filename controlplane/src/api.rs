@@ -199,9 +199,20 @@ pub fn now_ms() -> u64 {
 /// are on it too; after a restart they compare against a new reading of the wall
 /// clock, which only a step between the two runs can skew.
 pub fn liveness_ms() -> u64 {
-    static BASE: std::sync::OnceLock<(u64, std::time::Instant)> = std::sync::OnceLock::new();
-    let (wall, at) = BASE.get_or_init(|| (system_ms(), std::time::Instant::now()));
+    let (wall, at) = liveness_base();
     wall + at.elapsed().as_millis() as u64
+}
+
+/// When this process's liveness clock began, on that clock: stamps older than it were
+/// written by an earlier process, on a clock that may have run behind (see
+/// [`crate::placement::standing`]).
+pub fn liveness_started_ms() -> u64 {
+    liveness_base().0
+}
+
+fn liveness_base() -> (u64, std::time::Instant) {
+    static BASE: std::sync::OnceLock<(u64, std::time::Instant)> = std::sync::OnceLock::new();
+    *BASE.get_or_init(|| (system_ms(), std::time::Instant::now()))
 }
 
 /// `POST /debug/clock {"step_ms": n}`: steps the wall clock of this process by `n` ms
@@ -1412,7 +1423,7 @@ async fn ready_ids(st: &AppState, now: u64) -> ApiResult<std::collections::HashS
     let mut out = std::collections::HashSet::new();
     for d in st.store.list(Kind::Node, "").await? {
         let n: Node = to(&d)?;
-        if placement::standing(&n, &st.config, now).ready {
+        if placement::standing(&n, &st.config, now, 0).ready {
             out.insert(n.registration.node_id);
         }
     }
@@ -1667,7 +1678,7 @@ pub async fn ready_nodes(store: &dyn Store, config: &ApiConfig) -> Result<Vec<No
         let Ok(n) = serde_json::from_value::<Node>(d.value.clone()) else {
             continue;
         };
-        if placement::standing(&n, config, now).ready {
+        if placement::standing(&n, config, now, 0).ready {
             out.push(n);
         }
     }
@@ -1821,7 +1832,7 @@ async fn abandon(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiResult
     let mut leader_holds = false;
     for nd in st.store.list(Kind::Node, "").await? {
         let n: Node = to(&nd)?;
-        let s = placement::standing(&n, &st.config, now);
+        let s = placement::standing(&n, &st.config, now, liveness_started_ms());
         if n.registration.node_id == a.leader {
             leader_holds = s.holds;
         }

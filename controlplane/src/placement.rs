@@ -110,20 +110,29 @@ pub struct Standing {
     /// May still hold its lease: live or draining, and silent for less than
     /// `expiry + regrant_margin`. Its shards stay with it.
     pub holds: bool,
-    /// Time since its last heartbeat.
+    /// Time since its last heartbeat, counted from no earlier than the floor given to
+    /// [`standing`].
     pub silent_ms: u64,
 }
 
-/// How `n` stands at `now_ms`.
-pub fn standing(n: &Node, config: &ApiConfig, now_ms: u64) -> Standing {
+/// How `n` stands at `now_ms`. Whether it may still hold its lease counts its silence
+/// from no earlier than `heard_floor_ms`: this process's start on the liveness clock
+/// ([`crate::api::liveness_started_ms`]) where the stamps may come from an earlier
+/// process. Its clock, the wall clock read once plus a monotonic clock, may have run
+/// behind ours (a suspended host: the monotonic clock stands still meanwhile), and its
+/// stamps then read older than they are: a broker heartbeating until the restart would
+/// be declared down while its lease still runs, and its shards given to a second
+/// leader. Every live broker heartbeats this process within its interval.
+pub fn standing(n: &Node, config: &ApiConfig, now_ms: u64, heard_floor_ms: u64) -> Standing {
     let silent_ms = now_ms.saturating_sub(n.last_heartbeat_ms);
     let heartbeating = matches!(n.lifecycle, Lifecycle::Live | Lifecycle::Draining);
+    let silent_here_ms = now_ms.saturating_sub(n.last_heartbeat_ms.max(heard_floor_ms));
     Standing {
         ready: n.lifecycle == Lifecycle::Live
             && silent_ms < config.expiry_timeout.as_millis() as u64
             && n.registration.client_addr.is_some(),
-        holds: heartbeating && silent_ms < config.down_after().as_millis() as u64,
-        silent_ms,
+        holds: heartbeating && silent_here_ms < config.down_after().as_millis() as u64,
+        silent_ms: silent_here_ms,
     }
 }
 
@@ -447,12 +456,13 @@ fn decide(
 }
 
 /// Runs one placement pass at `now_ms` (on the liveness clock, [`liveness_ms`]),
-/// judging reports in `reports`.
+/// judging reports in `reports`, counting silence from no earlier than
+/// `heard_floor_ms` (see [`standing`]).
 pub async fn pass_at(
     store: &dyn Store,
     config: &ApiConfig,
     reports: &ReplicaReports,
-    now_ms: u64,
+    (now_ms, heard_floor_ms): (u64, u64),
 ) -> Result<PassReport, StoreError> {
     let down_after = config.down_after().as_millis() as u64;
     let mut report = PassReport::default();
@@ -468,7 +478,7 @@ pub async fn pass_at(
     let mut unwritten_nodes: BTreeMap<String, Doc> = BTreeMap::new();
     for d in store.list(Kind::Node, "").await? {
         let mut n: Node = decode(&d)?;
-        let s = standing(&n, config, now_ms);
+        let s = standing(&n, config, now_ms, heard_floor_ms);
         if n.lifecycle == Lifecycle::Live && s.silent_ms >= down_after {
             n.lifecycle = Lifecycle::Down;
             report.nodes_down.push(n.registration.node_id.clone());
@@ -696,7 +706,14 @@ pub async fn pass(
     config: &ApiConfig,
     reports: &ReplicaReports,
 ) -> Result<PassReport, StoreError> {
-    pass_at(store, config, reports, liveness_ms()).await
+    let now = liveness_ms();
+    pass_at(
+        store,
+        config,
+        reports,
+        (now, crate::api::liveness_started_ms()),
+    )
+    .await
 }
 
 /// Leaders per node, for balance checks and the docs.
@@ -937,7 +954,7 @@ mod tests {
             }
 
             async fn pass(&self, now: u64) -> PassReport {
-                pass_at(&self.store, &self.config, &self.reports, now)
+                pass_at(&self.store, &self.config, &self.reports, (now, 0))
                     .await
                     .unwrap()
             }
@@ -1127,9 +1144,37 @@ mod tests {
                 inner: &f.store,
                 node: "a",
             };
-            let written = pass_at(&racing, &f.config, &f.reports, now).await;
+            let written = pass_at(&racing, &f.config, &f.reports, (now, 0)).await;
             assert!(written.is_err(), "{written:?}");
             assert_eq!(f.get("s").await.leader, "a", "not promoted over it");
+        }
+
+        /// A control plane just started counts a broker's silence from no earlier than
+        /// its own start: the stamps were written by an earlier process, whose clock
+        /// may have run behind (a suspended host), and read older than they are. A
+        /// broker that heartbeated until the restart was declared down at once, its
+        /// lease still running, and its shard given to a second leader.
+        #[tokio::test]
+        async fn silence_is_counted_from_no_earlier_than_this_process_start() {
+            let f = fixture();
+            let now = T0 + 60_000;
+            f.node("a", T0).await;
+            f.node("b", now).await;
+            f.stream("s", &["a", "b"], true, 4).await;
+            // Started a second ago: a has not been silent for the down timeout here.
+            let started = now - 1_000;
+            let r = pass_at(&f.store, &f.config, &f.reports, (now, started))
+                .await
+                .unwrap();
+            assert!(r.nodes_down.is_empty(), "{r:?}");
+            assert_eq!(f.get("s").await.leader, "a");
+            // Still silent past the down timeout on this process's own clock: down.
+            let later = started + 1_300;
+            let r = pass_at(&f.store, &f.config, &f.reports, (later, started))
+                .await
+                .unwrap();
+            assert_eq!(r.nodes_down, ["a"], "{r:?}");
+            assert_eq!(f.get("s").await.leader, "b");
         }
 
         /// A member rebuilding a lost copy gets a new generation under the same leader
@@ -1327,6 +1372,7 @@ mod tests {
                 &decode(&f.store.get(Kind::Node, "a").await.unwrap().unwrap()).unwrap(),
                 &f.config,
                 T0 + 1100,
+                0,
             );
             assert_eq!((s.ready, s.holds), (false, true));
         }

@@ -808,7 +808,7 @@ fn scenario(svc: &Service) {
             svc.store.as_ref(),
             &svc.config,
             &svc.reports,
-            heard("node-b") + 1100,
+            (heard("node-b") + 1100, 0),
         ))
         .unwrap();
     assert_eq!(report, placement::PassReport::default());
@@ -822,7 +822,7 @@ fn scenario(svc: &Service) {
             svc.store.as_ref(),
             &svc.config,
             &svc.reports,
-            judge,
+            (judge, 0),
         ))
         .unwrap();
     assert!(
@@ -1214,7 +1214,7 @@ fn replication_scenario(svc: &Service) {
                 svc.store.as_ref(),
                 &svc.config,
                 &svc.reports,
-                at,
+                (at, 0),
             ))
             .unwrap()
     };
