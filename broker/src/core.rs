@@ -573,6 +573,9 @@ pub struct Shared {
     pub client_addr: Option<std::net::SocketAddr>,
     /// Acked publishes a stream may have unanswered.
     pub publish_window: u32,
+    /// The receive window a client connection gets once it authenticated (until then
+    /// `felix_core_runtime::quic::UNTRUSTED_WINDOW_BYTES`).
+    pub connection_window_bytes: u32,
     /// Consumer-group bounds.
     pub group_limits: crate::groups::tracker::Limits,
     /// Cache compaction threshold (writes).

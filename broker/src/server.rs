@@ -284,6 +284,7 @@ pub fn start(
         node_id: config.node_id.clone(),
         client_addr: (!listen.ip().is_unspecified()).then_some(listen),
         publish_window: config.publish_window,
+        connection_window_bytes: transport.connection_window_bytes,
         group_limits: config.group_limits,
         cache_compact_after: config.cache_compact_after,
         subscriber_queue: config.subscriber_queue,

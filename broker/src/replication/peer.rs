@@ -333,7 +333,13 @@ async fn serve_connection(
                     Ok(Some(InternalMessage::Hello(h))) if from.is_none() => match gate.hello(&h) {
                         Ok(node) => {
                             from = Some(node);
-                            heard.set(true);
+                            if !heard.replace(true) {
+                                // Trusted now: the receive window it was held to opens.
+                                conn.set_receive_window(
+                                    felix_core_runtime::quic::TransportLimits::default()
+                                        .connection_window_bytes,
+                                );
+                            }
                             reader.set_max_payload_bytes(internal::DEFAULT_MAX_PAYLOAD_BYTES);
                         }
                         Err(e) => {

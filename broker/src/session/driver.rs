@@ -86,6 +86,8 @@ pub struct ConnScope {
     on_close: RefCell<FxHashMap<u64, Waker>>,
     /// The grants its streams authenticated with (checked again when keys change).
     grants: RefCell<Vec<Rc<crate::auth::Grant>>>,
+    /// A stream authenticated: the connection's receive window was opened.
+    trusted: Cell<bool>,
 }
 
 /// A group poll's place among its connection's waiting polls, given back when the poll
@@ -112,6 +114,7 @@ impl ConnScope {
             closed: Cell::new(false),
             on_close: RefCell::default(),
             grants: RefCell::default(),
+            trusted: Cell::new(false),
         }
     }
 
@@ -651,6 +654,10 @@ async fn serve_stream(
     if let Some(session) =
         authenticate(&core, &scope, &answers, answered, &mut recv, &mut input).await
     {
+        if !scope.trusted.replace(true) {
+            // Trusted now: the receive window it was held to opens.
+            conn.set_receive_window(core.shared.connection_window_bytes);
+        }
         input
             .reader
             .set_max_payload_bytes(core.shared.max_frame_bytes);

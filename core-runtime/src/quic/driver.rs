@@ -882,6 +882,16 @@ impl Connection {
             .unwrap_or_else(|e| Some(e.to_string()))
     }
 
+    /// Sets how many bytes the peer may have in flight on all streams together: a
+    /// server widens a connection it trusts from [`super::UNTRUSTED_WINDOW_BYTES`].
+    pub fn set_receive_window(&self, bytes: u32) {
+        let mut d = self.d.borrow_mut();
+        if let Some(c) = d.conns.get_mut(&self.h) {
+            c.q.set_receive_window(VarInt::from_u32(bytes));
+        }
+        d.mark(self.h);
+    }
+
     /// Closes the connection with an application error code.
     pub fn close(&self, code: u32, reason: &[u8]) {
         let mut d = self.d.borrow_mut();
@@ -1827,6 +1837,40 @@ mod sans_io {
             sent <= 3 * received,
             "{sent} bytes sent to a forged address that sent {received}"
         );
+    }
+
+    /// Until the application trusts a connection, its peer may have no more than
+    /// [`UNTRUSTED_WINDOW_BYTES`] in flight on all streams together (before, 32 MiB,
+    /// out-of-order data included, before proving who it was); widened, it may send on.
+    #[test]
+    fn an_untrusted_connection_may_send_a_small_window_until_widened() {
+        use crate::quic::UNTRUSTED_WINDOW_BYTES;
+        let mut f = fixture(16, TransportLimits::default());
+        let mut c = connect(&mut f, 5400);
+        let id = *c.conns.keys().next().unwrap();
+        let data = bytes::Bytes::from(vec![7u8; 4 << 20]);
+        let q = &mut c.conns.get_mut(&id).unwrap().q;
+        let s = q.streams().open(quinn_proto::Dir::Uni).unwrap();
+        let sent = q.send_stream(s).write(&data).unwrap();
+        assert_eq!(sent, UNTRUSTED_WINDOW_BYTES as usize);
+        // The server trusts it: the window opens.
+        let server_id = *f.server.conns.keys().next().unwrap();
+        f.server
+            .conns
+            .get_mut(&server_id)
+            .unwrap()
+            .q
+            .set_receive_window(quinn_proto::VarInt::from_u32(32 << 20));
+        f.server.mark(server_id);
+        run(
+            &mut f,
+            std::slice::from_mut(&mut c),
+            20,
+            Duration::from_millis(1),
+        );
+        let q = &mut c.conns.get_mut(&id).unwrap().q;
+        let more = q.send_stream(s).write(&data[sent..]).unwrap();
+        assert!(more > 0, "widened, it sends on");
     }
 
     /// The server advertises no unreliable datagrams (it reads none): a peer's were

@@ -94,6 +94,23 @@ impl TransportLimits {
     }
 }
 
+/// The receive window (all streams together) a server gives a connection until the
+/// application trusts it and widens it ([`Connection::set_receive_window`]): before its
+/// peer proves who it is, this is all it can make us buffer, out-of-order data
+/// included (a hole at a stream's start holds everything after it, unseen by the
+/// application's bounds).
+pub const UNTRUSTED_WINDOW_BYTES: u32 = 1 << 20;
+
+/// `limits`' transport config for a server: the connection's receive window starts at
+/// [`UNTRUSTED_WINDOW_BYTES`].
+fn server_transport(limits: &TransportLimits) -> TransportConfig {
+    let mut t = limits.transport();
+    t.receive_window(VarInt::from_u32(
+        limits.connection_window_bytes.min(UNTRUSTED_WINDOW_BYTES),
+    ));
+    t
+}
+
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
@@ -121,7 +138,7 @@ pub fn server_config(
         without_alpn: quic(without)?,
     };
     let mut config = ServerConfig::with_crypto(Arc::new(either));
-    config.transport_config(Arc::new(limits.transport()));
+    config.transport_config(Arc::new(server_transport(&limits)));
     // A connection stays on the 4-tuple it began on (another one's packets land on
     // another core anyway): with migration allowed, a packet from a forged address
     // was answered there with a 1,200-byte padded path challenge (and a probing one
@@ -146,7 +163,7 @@ pub fn internal_server_config(
     let mut config = ServerConfig::with_crypto(Arc::new(quic));
     // Peers speak on streams they open one way (`accept_uni`): no bidirectional
     // streams, whose windows anyone reaching the port could fill before a hello.
-    let mut transport = limits.transport();
+    let mut transport = server_transport(&limits);
     transport.max_concurrent_bidi_streams(VarInt::from_u32(0));
     config.transport_config(Arc::new(transport));
     config.migration(false);
