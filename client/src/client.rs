@@ -1500,11 +1500,19 @@ async fn read_acks(
                 Ok(Message::PublishOk { request_id, offset }) => {
                     (request_id.0, Ok(offset.map(|o| o.0)))
                 }
-                Ok(m @ Message::PublishError { .. }) => {
-                    let Some(id) = m.request_id() else { continue };
-                    (id.0, Err(broker_error("publish failed", m)))
+                Ok(m @ (Message::PublishError { .. } | Message::Error { .. }))
+                    if m.request_id().is_some() =>
+                {
+                    let id = m.request_id().expect("checked").0;
+                    (id, Err(broker_error("publish failed", m)))
                 }
-                Ok(m) => break broker_error("publish stream", m),
+                // One naming no publish answers none of them.
+                Ok(Message::PublishError { .. }) => continue,
+                // Not an answer to one of them: what the broker did with the publishes
+                // still waiting is unknown (it may have appended them), not refused.
+                Ok(m) => {
+                    break ClientError::Protocol(broker_error("publish stream", m).to_string());
+                }
                 Err(e) => break ClientError::Protocol(e.to_string()),
             },
             _ => break ClientError::Protocol("unexpected frame on a publish stream".into()),
