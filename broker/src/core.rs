@@ -794,8 +794,7 @@ pub struct CoreBroker {
     pub(crate) unwritten: RefCell<HeldByConnections>,
     /// Request bytes in flight on this core, every connection's together (each takes
     /// its connection's budget first), and the requests waiting for room.
-    request_bytes: RefCell<crate::session::outbox::ByteBudget>,
-    request_waiters: RefCell<Vec<Waker>>,
+    pub(crate) request_bytes: RefCell<crate::session::outbox::FifoBytes>,
     next_request: Cell<u64>,
     draining: Cell<bool>,
     /// Sends requests on to other brokers (cluster mode).
@@ -933,41 +932,21 @@ impl Drop for BuildingGroups<'_> {
 }
 
 impl CoreBroker {
-    /// Takes `n` request bytes from the core's budget if they fit (see
-    /// [`crate::session::outbox::ByteBudget::try_take`]); else `waker` (if any) is woken
-    /// when some are given back.
-    pub(crate) fn take_request_bytes(&self, n: usize, waker: Option<&Waker>) -> bool {
-        let mut budget = self.request_bytes.borrow_mut();
-        if budget.try_take(n) {
-            self.metrics
-                .request_bytes_in_flight
-                .store(budget.used() as u64, Ordering::Relaxed);
-            return true;
-        }
-        if let Some(waker) = waker {
-            let mut waiters = self.request_waiters.borrow_mut();
-            if !waiters.iter().any(|w| w.will_wake(waker)) {
-                waiters.push(waker.clone());
-            }
-        }
-        false
+    /// Notes the core's request bytes in flight on its gauge.
+    pub(crate) fn note_request_bytes(&self) {
+        let used = self.request_bytes.borrow().used();
+        self.metrics
+            .request_bytes_in_flight
+            .store(used as u64, Ordering::Relaxed);
     }
 
-    /// Gives back `n` request bytes taken by [`CoreBroker::take_request_bytes`].
+    /// Gives back `n` request bytes taken from the core's budget.
     pub(crate) fn release_request_bytes(&self, n: usize) {
         if n == 0 {
             return;
         }
-        let used = {
-            let mut budget = self.request_bytes.borrow_mut();
-            budget.release(n);
-            budget.used()
-        };
-        self.metrics
-            .request_bytes_in_flight
-            .store(used as u64, Ordering::Relaxed);
-        let waiters = std::mem::take(&mut *self.request_waiters.borrow_mut());
-        waiters.into_iter().for_each(Waker::wake);
+        self.request_bytes.borrow_mut().release(n);
+        self.note_request_bytes();
     }
 
     /// A core's broker over its connected mesh.
@@ -988,7 +967,7 @@ impl CoreBroker {
             shared.limits.unwritten_answer_bytes_per_core,
         );
         let request_bytes =
-            crate::session::outbox::ByteBudget::new(shared.limits.inflight_request_bytes_per_core);
+            crate::session::outbox::FifoBytes::new(shared.limits.inflight_request_bytes_per_core);
         Rc::new(CoreBroker {
             core,
             catalog: CoreCatalog::new(shared.catalog.clone()),
@@ -1005,7 +984,6 @@ impl CoreBroker {
             unfinished: RefCell::new(unfinished),
             unwritten: RefCell::new(unwritten),
             request_bytes: RefCell::new(request_bytes),
-            request_waiters: RefCell::default(),
             next_request: Cell::new(1),
             draining: Cell::new(false),
             forwarder,

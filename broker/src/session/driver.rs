@@ -154,24 +154,46 @@ impl ConnScope {
         .await
     }
 
-    /// Waits until `n` request bytes fit the core's budget (all its connections'
-    /// together), then takes them. False when the connection ended first.
+    /// Takes `n` request bytes from the core's budget (all its connections' together),
+    /// waiting in line behind every request that began waiting earlier. False when the
+    /// connection ended first.
     async fn take_core_budget(&self, core: &CoreBroker, n: usize) -> bool {
-        poll_fn(|cx| {
+        if core.request_bytes.borrow_mut().try_take(n) {
+            core.note_request_bytes();
+            return true;
+        }
+        let ticket = core.request_bytes.borrow_mut().queue(n);
+        // Dropped (its connection gone) before its turn, it gives its place up.
+        struct InLine<'a>(&'a CoreBroker, Option<u64>);
+        impl Drop for InLine<'_> {
+            fn drop(&mut self) {
+                if let Some(t) = self.1 {
+                    self.0.request_bytes.borrow_mut().leave(t);
+                }
+            }
+        }
+        let mut line = InLine(core, Some(ticket));
+        let taken = poll_fn(|cx| {
             if self.closed.get() {
                 return Poll::Ready(false);
             }
-            if core.take_request_bytes(n, Some(cx.waker())) {
+            if core
+                .request_bytes
+                .borrow_mut()
+                .poll_take(ticket, cx.waker())
+            {
                 return Poll::Ready(true);
             }
             // Woken by the connection's end too.
-            let mut own = self.budget_waiters.borrow_mut();
-            if !own.iter().any(|w| w.will_wake(cx.waker())) {
-                own.push(cx.waker().clone());
-            }
+            self.budget_waiters.borrow_mut().push(cx.waker().clone());
             Poll::Pending
         })
-        .await
+        .await;
+        if taken {
+            line.1 = None;
+            core.note_request_bytes();
+        }
+        taken
     }
 
     /// Waits until `n` publish bytes fit the connection's budget, then takes them.
@@ -209,12 +231,26 @@ struct Held {
     scope: Rc<ConnScope>,
     core: Rc<CoreBroker>,
     bytes: usize,
+    /// Still counted in the core's budget.
+    in_core: bool,
+}
+
+impl Held {
+    /// Gives the core's share back now: a request forwarded to another broker waits
+    /// there, and that broker's core budget holds it. Kept here too, two brokers
+    /// forwarding to each other could each fill its budget with requests waiting on
+    /// the other's, whose forwards wait for room (the forwarder bounds what is sent).
+    fn leave_core(&mut self) {
+        if std::mem::take(&mut self.in_core) {
+            self.core.release_request_bytes(self.bytes);
+        }
+    }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
         self.scope.release_budget(self.bytes);
-        self.core.release_request_bytes(self.bytes);
+        self.leave_core();
     }
 }
 
@@ -763,7 +799,10 @@ async fn serve_requests(
             }
         }
         // Then the core's: every connection's requests together.
-        if !core.take_request_bytes(bytes, None) {
+        let in_core = core.request_bytes.borrow_mut().try_take(bytes);
+        if in_core {
+            core.note_request_bytes();
+        } else {
             input.hold_waiting(bytes);
             let taken = scope.take_core_budget(core, bytes).await;
             input.hold_waiting(0);
@@ -776,6 +815,7 @@ async fn serve_requests(
             scope: scope.clone(),
             core: core.clone(),
             bytes,
+            in_core: true,
         });
         let action = dispatch::decide(session, core.as_ref(), request, answered, clock::now());
         let go_on = execute(core, scope, conn, answers, session, answered, action, held).await;
@@ -882,6 +922,10 @@ async fn execute(
             frame,
             answer: forwarded,
         } => {
+            let mut held = held;
+            if let Some(h) = held.as_mut() {
+                h.leave_core();
+            }
             let owed = match forwarded {
                 Forwarded::Publish(a) => a.owed(),
                 Forwarded::Json => true,

@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 
@@ -162,6 +162,91 @@ impl ByteBudget {
     }
 }
 
+/// Bytes in flight shared by many takers, handed out in arrival order: once one waits,
+/// later ones queue behind it (small requests do not overtake a large one for good),
+/// and a release wakes only the first in line, who wakes the next once it took its
+/// share (a release costs a wake-up, not one per waiter).
+#[derive(Debug)]
+pub struct FifoBytes {
+    budget: ByteBudget,
+    /// Waiting takers by arrival: their bytes and whom to wake.
+    waiting: std::collections::BTreeMap<u64, (usize, Option<Waker>)>,
+    next: u64,
+}
+
+impl FifoBytes {
+    /// `max` bytes.
+    pub fn new(max: usize) -> FifoBytes {
+        FifoBytes {
+            budget: ByteBudget::new(max),
+            waiting: Default::default(),
+            next: 0,
+        }
+    }
+
+    /// Takes `n` bytes now if nobody waits and they fit.
+    pub fn try_take(&mut self, n: usize) -> bool {
+        self.waiting.is_empty() && self.budget.try_take(n)
+    }
+
+    /// Queues a taker of `n` bytes; returns its place.
+    pub fn queue(&mut self, n: usize) -> u64 {
+        let ticket = self.next;
+        self.next += 1;
+        self.waiting.insert(ticket, (n, None));
+        ticket
+    }
+
+    /// Takes the bytes of `ticket` if it is first in line and they fit, waking the next
+    /// in line; else `waker` is woken when its turn may have come.
+    pub fn poll_take(&mut self, ticket: u64, waker: &Waker) -> bool {
+        let first = self.waiting.first_key_value().map(|(t, (n, _))| (*t, *n));
+        if let Some((t, n)) = first
+            && t == ticket
+            && self.budget.try_take(n)
+        {
+            self.waiting.remove(&ticket);
+            self.wake_first();
+            return true;
+        }
+        if let Some((_, w)) = self.waiting.get_mut(&ticket) {
+            *w = Some(waker.clone());
+        }
+        false
+    }
+
+    /// `ticket` leaves the line unserved.
+    pub fn leave(&mut self, ticket: u64) {
+        let was_first = self
+            .waiting
+            .first_key_value()
+            .is_some_and(|(t, _)| *t == ticket);
+        self.waiting.remove(&ticket);
+        if was_first {
+            self.wake_first();
+        }
+    }
+
+    /// Gives back `n` bytes.
+    pub fn release(&mut self, n: usize) {
+        self.budget.release(n);
+        self.wake_first();
+    }
+
+    /// Bytes in flight.
+    pub fn used(&self) -> usize {
+        self.budget.used()
+    }
+
+    fn wake_first(&mut self) {
+        if let Some((_, (_, w))) = self.waiting.iter_mut().next()
+            && let Some(w) = w.take()
+        {
+            w.wake();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
@@ -181,6 +266,47 @@ mod tests {
             Some(s) => Poll::Ready(Some(Bytes::from_static(s.as_bytes()))),
             None => Poll::Pending,
         })))
+    }
+
+    /// A waiting taker is served before later ones, whatever their size, and a release
+    /// wakes the first in line only.
+    #[test]
+    fn shared_bytes_go_in_arrival_order() {
+        let mut b = FifoBytes::new(10);
+        assert!(b.try_take(8));
+        let large = b.queue(6);
+        assert!(
+            !b.try_take(1),
+            "a small one does not pass the large one waiting"
+        );
+        let small = b.queue(1);
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicU32, Ordering};
+        struct Count(Arc<AtomicU32>);
+        impl std::task::Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let woken = Arc::new(AtomicU32::new(0));
+        let waker = |c: &Arc<AtomicU32>| Waker::from(Arc::new(Count(c.clone())));
+        let (wl, ws) = (waker(&woken), waker(&Arc::new(AtomicU32::new(0))));
+        assert!(!b.poll_take(large, &wl));
+        assert!(!b.poll_take(small, &ws), "not its turn");
+        b.release(8);
+        assert_eq!(
+            woken.load(Ordering::Relaxed),
+            1,
+            "the first in line is woken"
+        );
+        assert!(b.poll_take(large, &wl));
+        assert!(b.poll_take(small, &ws), "its turn now, and it fits");
+        assert_eq!(b.used(), 7);
+        // One that leaves first in line hands its turn on.
+        let first = b.queue(5);
+        let second = b.queue(1);
+        b.leave(first);
+        assert!(b.poll_take(second, &ws));
     }
 
     #[test]
