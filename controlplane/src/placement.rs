@@ -391,13 +391,21 @@ fn decide(
                 (f.durable_end > 0 || r.report.log_end == 0)
                     && f.durable_end.saturating_add(STAGED_MAX_LAG) >= r.report.log_end
             });
+            // Holding the leader's whole log, the copy may join an uncommitted set: every
+            // acknowledged record is in that log (nothing is acknowledged past it while
+            // the set cannot commit), so every majority of the enlarged set meets a
+            // whole copy. Without this a two-member set whose second member died part
+            // way through copying the backlog could never commit, nor be restored.
+            let whole = report
+                .zip(copy)
+                .is_some_and(|(r, f)| f.durable_end >= r.report.log_end);
             // The enlarged set's next election needs a majority of it up: joining while
             // members are down could leave its leader unable to fence (say 2 of 3
             // followers down); the copy keeps up meanwhile, and joins when one returns.
             let up = a.replicas.iter().filter(|m| view.ready(m)).count() + 1;
             // A majority of the len + 1 members: (len + 1) / 2 + 1.
             let majority = a.replicas.len().div_ceil(2) + 1;
-            return if caught_up && up >= majority && committed {
+            return if caught_up && up >= majority && (committed || whole) {
                 Decision::CutOver(d.clone())
             } else {
                 Decision::Keep
@@ -409,7 +417,8 @@ fn decide(
             // (the leader with them) the leader never serves it again, and the copy
             // waits for a leader of a later generation that never comes. Serving this
             // generation on meanwhile (its followers' copies count for the commit) is
-            // better; it is renewed once enough are back.
+            // better; it is renewed once enough are back. (A member that never comes
+            // back is not replaced meanwhile: that waits for the renewal too.)
             let whole = a
                 .replicas
                 .iter()
@@ -609,7 +618,12 @@ pub async fn pass_at(
                 continue;
             }
             Decision::Promote(leader) => {
-                guard_node(&mut ops, &mut unwritten_nodes, &a.leader);
+                // (A leader that may still hold its lease, one that cannot lead its
+                // copy, is promoted away from at once: it writes no more at this
+                // generation, and its heartbeats would fail every pass's batch.)
+                if !view.holds(&a.leader) {
+                    guard_node(&mut ops, &mut unwritten_nodes, &a.leader);
+                }
                 *leading.entry(leader.clone()).or_default() += 1;
                 // A failover abandons a staged move; a retiring member that now leads
                 // stays.
@@ -659,7 +673,9 @@ pub async fn pass_at(
             }
             Decision::Renew => report.renewed += 1,
             Decision::Replace(leader, replicas) => {
-                guard_node(&mut ops, &mut unwritten_nodes, &a.leader);
+                if !view.holds(&a.leader) {
+                    guard_node(&mut ops, &mut unwritten_nodes, &a.leader);
+                }
                 *leading.entry(leader.clone()).or_default() += 1;
                 a.leader = leader;
                 a.replicas = replicas;
@@ -1412,17 +1428,10 @@ mod tests {
                 (a.staging.as_deref(), a.replaces.as_deref()),
                 (Some(spare), Some("c"))
             );
-            // The copy holds the log, but generation 2 has not committed yet: no
-            // change of members before the last one committed.
-            f.report(
-                "a",
-                "s",
-                2,
-                10,
-                &[("b", 10, false), (spare, 10, false)],
-                now,
-            )
-            .await;
+            // The copy is near the end (not at it), and generation 2 has not
+            // committed yet: no change of members before the last one committed.
+            f.report("a", "s", 2, 10, &[("b", 10, false), (spare, 9, false)], now)
+                .await;
             f.pass(now).await;
             assert_eq!(f.get("s").await.generation, 2, "not before it committed");
             // Committed: the copy joins, c stays until the leader's generation commits
@@ -1644,6 +1653,53 @@ mod tests {
             f.pass(now).await;
             let a = f.get("h").await;
             assert_eq!((a.generation, a.staging, a.replaces), (7, None, None));
+        }
+
+        /// A two-member set whose generation cannot commit (its second member died
+        /// part way through copying) takes a staged copy that holds the leader's whole
+        /// log, and only such a one: gating every cut-over on the commit left it
+        /// unrestorable for good.
+        #[tokio::test]
+        async fn an_uncommitted_set_takes_a_staged_copy_holding_the_whole_log() {
+            let f = fixture();
+            let now = T0 + 60_000;
+            f.node("b", T0).await;
+            for n in ["a", "d"] {
+                f.node(n, now).await;
+            }
+            f.stream("s", &["a", "b"], true, 4).await;
+            let mut a = f.get("s").await;
+            a.staging = Some("d".into());
+            a.replaces = Some("b".into());
+            f.put(Kind::Assignment, key("s"), encode(&a)).await;
+            // Near the end but short of it, generation 4 uncommitted: it waits.
+            f.report(
+                "a",
+                "s",
+                4,
+                500,
+                &[("b", 100, false), ("d", 450, false)],
+                now,
+            )
+            .await;
+            f.pass(now).await;
+            assert_eq!(f.get("s").await.generation, 4);
+            // The whole log: it joins.
+            f.report(
+                "a",
+                "s",
+                4,
+                500,
+                &[("b", 100, false), ("d", 500, false)],
+                now,
+            )
+            .await;
+            f.pass(now).await;
+            let a = f.get("s").await;
+            assert_eq!(
+                (a.generation, a.replicas.as_slice()),
+                (5, ["a", "b", "d"].map(String::from).as_slice())
+            );
         }
 
         #[tokio::test]
