@@ -1424,11 +1424,19 @@ pub fn decide(
         } => {
             // Consuming through a group is reading the stream: `stream.subscribe`.
             // Redriving or discarding its dead letters manages the group, as the
-            // reference has it: `group.manage` (or `stream.manage`).
+            // reference has it: `group.manage` (or `stream.manage`); so do deleting it
+            // (its cursor, claims and dead letters) and moving its cursor (a seek that
+            // only creates a group where there is none is a consumer's).
+            use crate::groups::GroupOp;
             let authorized = match &op {
-                crate::groups::GroupOp::Redrive(g, _) | crate::groups::GroupOp::Discard(g, _) => {
-                    session.authorize_group_manage(&tenant, &namespace, &stream, g, now)
-                }
+                GroupOp::Redrive(g, _)
+                | GroupOp::Discard(g, _)
+                | GroupOp::Delete(g)
+                | GroupOp::Seek {
+                    group: g,
+                    if_new: false,
+                    ..
+                } => session.authorize_group_manage(&tenant, &namespace, &stream, g, now),
                 _ => session.authorize(Perm::StreamSubscribe, &tenant, &namespace, &stream, now),
             };
             let key = authorized
@@ -1967,11 +1975,12 @@ mod tests {
     /// Which shards a name has and who leads them is the name's to tell: a token with
     /// no permission on it, or expired, is refused, as a read would be; any permission
     /// on it will do.
-    /// Redriving or discarding a group's dead letters manages the group: a token that
-    /// may only read the stream is refused (it passed before), one with `group.manage`
-    /// on the group or `stream.manage` on the stream goes through.
+    /// Redriving or discarding a group's dead letters, deleting the group or moving its
+    /// cursor manages the group: a token that may only read the stream is refused (it
+    /// passed before), one with `group.manage` on the group or `stream.manage` on the
+    /// stream goes through.
     #[test]
-    fn redrive_and_discard_need_group_manage() {
+    fn managing_a_group_needs_group_manage() {
         let dir = MemDirectory::new(2);
         let reader = session_with(
             vec![format!("stream.subscribe:stream:{TENANT}/ns1/s")],
@@ -2018,6 +2027,33 @@ mod tests {
         assert!(!forbidden(&manager, &discard));
         assert!(forbidden(&manager, &redrive("h")), "another group");
         assert!(!forbidden(&owner, &redrive("h")));
+        // Deleting the group, or moving its cursor, manages it too; a seek that only
+        // creates the group is a consumer's.
+        let delete = json(Message::GroupDelete {
+            tenant_id: TENANT.into(),
+            namespace: "ns1".into(),
+            stream: "s".into(),
+            shard: ShardId(0),
+            group: "g".into(),
+            request_id: RequestId(3),
+        });
+        let seek = |if_new: bool| {
+            json(Message::GroupSeek {
+                tenant_id: TENANT.into(),
+                namespace: "ns1".into(),
+                stream: "s".into(),
+                shard: ShardId(0),
+                group: "g".into(),
+                start: message::StartPosition::Latest,
+                if_new,
+                request_id: RequestId(4),
+            })
+        };
+        assert!(forbidden(&reader, &delete));
+        assert!(forbidden(&reader, &seek(false)));
+        assert!(!forbidden(&reader, &seek(true)));
+        assert!(!forbidden(&manager, &delete));
+        assert!(!forbidden(&manager, &seek(false)));
     }
 
     #[test]
