@@ -546,10 +546,12 @@ pub struct Replica {
     /// the one before), or by a stale resend ending below it, is not lost: the leader,
     /// having sent it, does not send it again.
     heard_commit: (u64, u64),
-    /// `(sender, generation)`: a fence at a generation newer than every assignment this
-    /// replica was handed, answered once an assignment names its sender leader at it
-    /// (the newest one only; an assignment past it drops it).
-    early_fence: Option<(NodeId, u64)>,
+    /// Fences at generations newer than every assignment this replica was handed, by
+    /// sender (a member of the assignment it holds; the newest of each): answered once
+    /// an assignment names that sender leader at that generation, dropped once one
+    /// passes it. Kept per sender, a forged fence at a generation no assignment reaches
+    /// cannot push a real one out.
+    early_fences: BTreeMap<NodeId, u64>,
 }
 
 impl Replica {
@@ -580,7 +582,7 @@ impl Replica {
             skip_fence: false,
             leader_base: None,
             heard_commit: (0, 0),
-            early_fence: None,
+            early_fences: BTreeMap::new(),
         }
     }
 
@@ -763,12 +765,12 @@ impl Replica {
         self.take_assignment(a, now);
         // A fence that came ahead of this assignment: answered now if it names its
         // sender; dropped once an assignment reaches its generation either way.
-        if let Some((from, g)) = self.early_fence.take() {
-            if g == generation && from == leader {
-                self.on_fence(from, g);
-            } else if g > generation {
-                self.early_fence = Some((from, g));
-            }
+        let early = self.early_fences.remove(&leader);
+        self.early_fences.retain(|_, g| *g > generation);
+        if early == Some(generation) {
+            self.on_fence(leader, generation);
+        } else if let Some(g) = early.filter(|g| *g > generation) {
+            self.early_fences.insert(leader, g);
         }
     }
 
@@ -999,14 +1001,19 @@ impl Replica {
             // Named another leader, or passed already: a stale or forged fence.
             Some(a) if a.generation >= generation => return,
             // Not handed that assignment yet (the control plane's feed reaches brokers
-            // a few milliseconds apart): kept until it is.
-            _ => {
-                if self
-                    .early_fence
-                    .as_ref()
-                    .is_none_or(|(_, g)| *g <= generation)
-                {
-                    self.early_fence = Some((from, generation));
+            // a few milliseconds apart): kept until it is, from a member of the
+            // assignment held (a new leader is one), or from anyone while none is held
+            // (one sender then).
+            assigned => {
+                let member = assigned.as_ref().is_none_or(|a| {
+                    a.leader == from || a.replicas.contains(&from) || a.learners.contains(&from)
+                });
+                if assigned.is_none() && !self.early_fences.contains_key(&from) {
+                    self.early_fences.clear();
+                }
+                if member {
+                    let g = self.early_fences.entry(from).or_insert(generation);
+                    *g = (*g).max(generation);
                 }
                 return;
             }
@@ -2775,6 +2782,47 @@ mod tests {
         p.settle();
         assert!(p.nodes[&id("b")].replica.serving(), "b leads generation 2");
         assert_eq!(p.nodes[&id("c")].replica.generation(), 2);
+    }
+
+    /// A forged fence at a generation no assignment reaches does not push out a real
+    /// early one: they are kept per sender, from members only.
+    #[test]
+    fn a_forged_early_fence_does_not_push_out_the_real_one() {
+        let mut r = Replica::new(id("b"), Meta::default(), 0, 0, BTreeMap::new());
+        let now = Instant::now();
+        let assignment = |generation| Assignment {
+            generation,
+            leader: id("a"),
+            replicas: vec![id("a"), id("b"), id("c")],
+            learners: Vec::new(),
+        };
+        r.handle_assignment(assignment(1), now);
+        while r.poll_output().is_some() {}
+        r.handle_message(id("a"), Msg::Fence { generation: 2 }, now);
+        for forger in ["x", "c"] {
+            r.handle_message(
+                id(forger),
+                Msg::Fence {
+                    generation: u64::MAX,
+                },
+                now,
+            );
+        }
+        assert!(r.poll_output().is_none(), "nothing before the assignment");
+        r.handle_assignment(assignment(2), now);
+        let mut answered = false;
+        while let Some(out) = r.poll_output() {
+            match out {
+                Output::Persist(meta) => r.handle_persisted(meta.generation, now),
+                Output::Send {
+                    msg: Msg::FenceOk { generation: 2, .. },
+                    ..
+                } => answered = true,
+                _ => {}
+            }
+        }
+        assert!(answered, "the real early fence is answered");
+        assert_eq!(r.generation(), 2);
     }
 
     /// A fence that reaches a replica before the assignment naming its sender (the
