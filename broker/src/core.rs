@@ -3482,8 +3482,10 @@ impl CoreBroker {
                 };
                 for dir in &dirs {
                     match std::fs::remove_dir_all(dir) {
+                        // Gone already (an earlier try removed it, then failed or
+                        // stopped before its sync): synced here too.
                         Ok(()) => durably(dir)?,
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => durably(dir)?,
                         Err(e) => return Err(format!("{}: {e}", dir.display())),
                     }
                 }
