@@ -915,7 +915,7 @@ impl Client {
             tenant_id: tenant.into(),
             namespace: namespace.into(),
             stream: stream.into(),
-            entity_key: entity_key.into(),
+            entity_key: Bytes::copy_from_slice(entity_key.as_bytes()),
             event,
             changes,
             request_id: RequestId(self.next_id()),
@@ -945,7 +945,7 @@ impl Client {
             tenant_id: tenant.into(),
             namespace: namespace.into(),
             stream: stream.into(),
-            entity_key: entity_key.into(),
+            entity_key: Bytes::copy_from_slice(entity_key.as_bytes()),
             key: key.into(),
             request_id: RequestId(self.next_id()),
         };

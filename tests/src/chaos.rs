@@ -1982,13 +1982,13 @@ fn hostile_templates(n: &Nemesis<'_>) -> anyhow::Result<Vec<bytes::Bytes>> {
         with(
             &target,
             "commit",
-            json!({"entity_key": "e", "event": b, "request_id": 18,
+            json!({"entity_key": b, "event": b, "request_id": 18,
             "changes": [{"op": "put", "key": "k", "value": b}, {"op": "delete", "key": "j"}]}),
         ),
         with(
             &target,
             "state_get",
-            json!({"entity_key": "e", "key": "k", "request_id": 19}),
+            json!({"entity_key": b, "key": "k", "request_id": 19}),
         ),
         with(
             &group,

@@ -111,6 +111,15 @@ fn sdk_commit_and_state_get_agree_on_versions_and_survive_sigkill() {
     eprintln!("{}", expect_success("commit.py check", &out).unwrap());
 }
 
+/// Commits route by their entity key as keyed publishes do, and a prefix watch of a
+/// cache of several shards names its shard: the broker read the SDK's base64 entity
+/// key as text (an entity's events landed on another shard than its records), and
+/// watched shard 0 of a prefix watch naming none (missing the others' keys).
+#[test]
+fn sdk_commits_route_by_entity_key_and_prefix_watches_name_a_shard() {
+    run("commit_routing.py", &["--shards", "4"]);
+}
+
 #[test]
 fn sdk_cache_watches_by_key_prefix_retained_and_from_an_offset() {
     run("watch.py", &[]);

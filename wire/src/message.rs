@@ -89,7 +89,7 @@ pub struct BrokerEndpoint {
 pub struct ShardOwner {
     /// The shard.
     pub shard: ShardId,
-    /// The owner's node id, when one is assigned.
+    /// The owner's node id, when one can serve it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_id: Option<String>,
     /// The owner's client address, when it advertised one.
@@ -97,9 +97,10 @@ pub struct ShardOwner {
     pub addr: Option<String>,
     /// The assignment generation.
     pub generation: Generation,
-    /// True when no replica can serve the shard now.
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub unavailable: bool,
+    /// Why no broker can serve the shard now (`owner_unavailable`, `not_assigned`), as
+    /// the standard SDK reads it (a string: a flag failed its whole answer's decoding).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
 }
 
 /// Why an idempotent or conditional publish was refused before anything was written.
@@ -912,8 +913,9 @@ pub enum Message {
         namespace: String,
         /// Stream.
         stream: String,
-        /// The entity (routing key).
-        entity_key: String,
+        /// The entity (routing key, base64 on the wire as every byte field).
+        #[serde(with = "crate::b64")]
+        entity_key: Bytes,
         /// The event.
         #[serde(with = "crate::b64")]
         event: Bytes,
@@ -940,8 +942,9 @@ pub enum Message {
         namespace: String,
         /// Stream.
         stream: String,
-        /// Entity.
-        entity_key: String,
+        /// Entity (base64 on the wire as every byte field).
+        #[serde(with = "crate::b64")]
+        entity_key: Bytes,
         /// Key.
         key: String,
         /// Correlation id.
@@ -1728,6 +1731,30 @@ impl Message {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The byte fields the reference names (a commit's and a state read's entity key
+    /// among them) are base64 on the wire, and a shard owner's `unavailable` is a
+    /// reason string: as the standard SDK writes and reads them (the entity key was
+    /// read as text, so commits routed by the base64 of the SDK's key; the flag failed
+    /// the SDK's decoding of a whole owners answer).
+    #[test]
+    fn entity_keys_are_base64_and_an_owners_unavailability_a_reason() {
+        let commit = Message::decode(
+            br#"{"type":"state_get","tenant_id":"t","namespace":"n","stream":"s","entity_key":"aw==","key":"x","request_id":1}"#,
+        )
+        .unwrap();
+        assert!(
+            matches!(&commit, Message::StateGet { entity_key, .. } if entity_key.as_ref() == b"k"),
+            "{commit:?}"
+        );
+        let view = br#"{"type":"shard_owners_view","owners":[{"shard":0,"generation":3,"unavailable":"owner_unavailable"}],"request_id":2}"#;
+        let m = Message::decode(view).unwrap();
+        let Message::ShardOwnersView { owners, .. } = &m else {
+            panic!("{m:?}")
+        };
+        assert_eq!(owners[0].unavailable.as_deref(), Some("owner_unavailable"));
+        assert_eq!(m.to_payload().as_slice(), view.as_slice());
+    }
 
     /// A message of more values than any needs is refused before it is decoded: a
     /// 16 MiB frame of `[0,0,...]` took over 256 MiB to decode (every field buffered

@@ -36,7 +36,7 @@ fn templates() -> Vec<Value> {
         json!({"type":"cache_shards","tenant_id":"t","namespace":"n","cache":"c","request_id":1}),
         json!({"type":"cache_shards_view","shards":4,"request_id":1}),
         json!({"type":"shard_owners","tenant_id":"t","namespace":"n","name":"s","kind":"cache","request_id":1}),
-        json!({"type":"shard_owners_view","owners":[{"shard":0,"node_id":"a","addr":"h:1","generation":2,"unavailable":true}],"request_id":1}),
+        json!({"type":"shard_owners_view","owners":[{"shard":0,"node_id":"a","addr":"h:1","generation":2,"unavailable":"owner_unavailable"}],"request_id":1}),
         json!({"type":"publish","tenant_id":"t","namespace":"n","stream":"s","payload":"aGk=","key":"aw==","shard":2,"request_id":1,"ack":"per_message"}),
         json!({"type":"publish_batch","tenant_id":"t","namespace":"n","stream":"s","payloads":["aGk=",""],"key":"","shard":2,"request_id":1,"ack":"per_batch"}),
         json!({"type":"publish_ok","request_id":1,"offset":9}),
@@ -79,9 +79,9 @@ fn templates() -> Vec<Value> {
         json!({"type":"counter_add","tenant_id":"t","namespace":"n","cache":"c","key":"k","delta":-5,"request_id":1}),
         json!({"type":"counter_get","tenant_id":"t","namespace":"n","cache":"c","key":"k","request_id":1}),
         json!({"type":"counter_value","value":-5,"request_id":1}),
-        json!({"type":"commit","tenant_id":"t","namespace":"n","stream":"s","entity_key":"e","event":"aGk=","changes":[{"op":"put","key":"k","value":"aGk="},{"op":"delete","key":"j"}],"request_id":1,"expected_offset":2}),
+        json!({"type":"commit","tenant_id":"t","namespace":"n","stream":"s","entity_key":"ZQ==","event":"aGk=","changes":[{"op":"put","key":"k","value":"aGk="},{"op":"delete","key":"j"}],"request_id":1,"expected_offset":2}),
         json!({"type":"commit_ok","request_id":1,"offset":3}),
-        json!({"type":"state_get","tenant_id":"t","namespace":"n","stream":"s","entity_key":"e","key":"k","request_id":1}),
+        json!({"type":"state_get","tenant_id":"t","namespace":"n","stream":"s","entity_key":"ZQ==","key":"k","request_id":1}),
         json!({"type":"state_value","value":"aGk=","version":2,"as_of":3,"request_id":1}),
         json!({"type":"group_records","records":[{"offset":1,"payload":"aGk=","attempts":1,"skipped_before":2,"publisher":"p","timestamp_micros":9}],"request_id":1}),
         json!({"type":"group_extended","visible_ms":5,"request_id":1}),
@@ -139,13 +139,12 @@ const FREE_TEXT: &[&str] = &[
     "token",
     "consumer",
     "prefix",
-    "entity_key",
     "request_type",
     "extension",
     "cursor",
     "publisher",
 ];
-const BASE64: &[&str] = &["payload", "value", "event", "payloads"];
+const BASE64: &[&str] = &["payload", "value", "event", "payloads", "entity_key"];
 
 /// Replaces free-text and byte leaves of a template with arbitrary values drawn from
 /// `seed`, keeping numbers and enum names valid.
