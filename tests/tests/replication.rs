@@ -1759,6 +1759,49 @@ fn a_subscriber_follows_its_shard_across_planned_moves() {
     assert!(moved >= 1, "a subscription ended with shard_moved");
 }
 
+/// A cache watch follows its cache across planned moves: the watch ended
+/// `cache_watch_lagged` when its shard moved, which ends the SDK's watch; it ends with
+/// `shard_moved` now, and the SDK follows the shard and carries on where it was.
+#[test]
+fn a_cache_watch_follows_its_shard_across_planned_moves() {
+    let c = cluster();
+    create_quorum_cache(&c, "moving-cache");
+    let (mut leader, mut generation) = wait_for("a cache leader", Duration::from_secs(20), || {
+        leader_and_generation(&c, "cache", Some("moving-cache"))
+    })
+    .unwrap();
+    let token = c.dir.path().join("client.token");
+    std::fs::write(&token, &c.client_token).unwrap();
+    let seeds = c
+        .seeds()
+        .iter()
+        .map(|a| a.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let script = {
+        let (token, ca) = (
+            token.display().to_string(),
+            c.certs.ca.display().to_string(),
+        );
+        std::thread::spawn(move || {
+            felix_cluster::run_python_args("watch_follow.py", &[&seeds, &token, &ca, "300"])
+        })
+    };
+    for _ in 0..2 {
+        std::thread::sleep(Duration::from_millis(2000));
+        let to = (leader + 1) % 3;
+        move_shard(&c, "cache", "moving-cache", to);
+        (leader, generation) = wait_for("the move", Duration::from_secs(20), || {
+            leader_and_generation(&c, "cache", Some("moving-cache"))
+                .filter(|(l, g)| *l != leader && *g > generation)
+        })
+        .unwrap();
+    }
+    let out = script.join().unwrap().unwrap();
+    let text = felix_cluster::expect_success("watch_follow.py", &out).unwrap();
+    eprintln!("{text}");
+}
+
 #[test]
 fn twenty_planned_moves_under_load_lose_and_double_nothing() {
     let c = cluster();

@@ -1045,6 +1045,7 @@ async fn execute(
                 key,
                 filter,
                 id: scope.next_subscription.get(),
+                shard_moved: session.features.contains(Features::SHARD_MOVED),
             };
             scope.next_subscription.set(watch.id + 1);
             let session = session.clone();
@@ -1323,6 +1324,8 @@ struct CacheWatch {
     key: Arc<ShardKey>,
     filter: crate::shard::WatchFilter,
     id: u64,
+    /// The client takes `shard_moved`.
+    shard_moved: bool,
 }
 
 /// How long one read of a watch waits for a change before it asks again.
@@ -1451,8 +1454,31 @@ impl CacheWatch {
                 }
                 Ok(_) => return Err(()),
                 Err(_) => {
-                    // The shard cannot be read here now (it moved, or this broker lost
-                    // it): the watch ends and the client re-watches from `from`.
+                    // Moved to another broker: a last `shard_moved` naming it and where
+                    // to resume, as the protocol ends a watch of a shard that moved (the
+                    // SDK follows it there; a `cache_watch_lagged` ended its watch).
+                    if let Resolved::Remote(route) = self.core.resolve(&self.key)
+                        && self.shard_moved
+                    {
+                        self.core
+                            .metrics
+                            .subscriptions_moved
+                            .fetch_add(1, Ordering::Relaxed);
+                        let last = Message::ShardMoved {
+                            subscription_id: sub_id,
+                            resume_from: Some(Offset(from)),
+                            node_id: Some(route.leader.to_string()),
+                            addr: route.addr.map(|a| a.to_string()),
+                            generation: Generation(route.generation),
+                        }
+                        .to_frame();
+                        let _ = uni.write_chunk(last).await;
+                        let _ = uni.finish();
+                        return Ok(());
+                    }
+                    // The shard cannot be read here now (this broker lost it, or is
+                    // taking it over): the watch ends and the client re-watches from
+                    // `from`.
                     let lagged = Message::CacheWatchLagged {
                         resume_from: Offset(from),
                     }
