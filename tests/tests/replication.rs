@@ -1703,13 +1703,13 @@ fn sigterm_hands_a_leaders_shards_to_replicas_before_it_exits() {
     check_nothing_lost(&acked, &read);
 }
 
-#[test]
-fn a_subscriber_follows_its_shard_across_planned_moves() {
-    let c = cluster();
-    c.create_stream("moving", 1, 3, "Quorum").unwrap();
-    let (mut leader, mut generation) = c
-        .wait_leader("moving", 0, None, 0, Duration::from_secs(20))
-        .unwrap();
+/// Runs the SDK script `name` against `c` (its seeds, a client token, the CA, then
+/// `count`) on a thread of its own, while the caller moves shards.
+fn sdk_script(
+    c: &TestCluster,
+    name: &'static str,
+    count: &'static str,
+) -> std::thread::JoinHandle<anyhow::Result<std::process::Output>> {
     let token = c.dir.path().join("client.token");
     std::fs::write(&token, &c.client_token).unwrap();
     let seeds = c
@@ -1718,15 +1718,21 @@ fn a_subscriber_follows_its_shard_across_planned_moves() {
         .map(|a| a.to_string())
         .collect::<Vec<_>>()
         .join(",");
-    let script = {
-        let (token, ca) = (
-            token.display().to_string(),
-            c.certs.ca.display().to_string(),
-        );
-        std::thread::spawn(move || {
-            felix_cluster::run_python_args("follow_move.py", &[&seeds, &token, &ca, "300"])
-        })
-    };
+    let (token, ca) = (
+        token.display().to_string(),
+        c.certs.ca.display().to_string(),
+    );
+    std::thread::spawn(move || felix_cluster::run_python_args(name, &[&seeds, &token, &ca, count]))
+}
+
+#[test]
+fn a_subscriber_follows_its_shard_across_planned_moves() {
+    let c = cluster();
+    c.create_stream("moving", 1, 3, "Quorum").unwrap();
+    let (mut leader, mut generation) = c
+        .wait_leader("moving", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let script = sdk_script(&c, "follow_move.py", "300");
     // Three moves while it publishes and reads, each to the next replica.
     let mut cutovers = Vec::new();
     for _ in 0..3 {
@@ -1770,23 +1776,7 @@ fn a_cache_watch_follows_its_shard_across_planned_moves() {
         leader_and_generation(&c, "cache", Some("moving-cache"))
     })
     .unwrap();
-    let token = c.dir.path().join("client.token");
-    std::fs::write(&token, &c.client_token).unwrap();
-    let seeds = c
-        .seeds()
-        .iter()
-        .map(|a| a.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
-    let script = {
-        let (token, ca) = (
-            token.display().to_string(),
-            c.certs.ca.display().to_string(),
-        );
-        std::thread::spawn(move || {
-            felix_cluster::run_python_args("watch_follow.py", &[&seeds, &token, &ca, "300"])
-        })
-    };
+    let script = sdk_script(&c, "watch_follow.py", "300");
     for _ in 0..2 {
         std::thread::sleep(Duration::from_millis(2000));
         let to = (leader + 1) % 3;

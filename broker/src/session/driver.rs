@@ -1464,15 +1464,7 @@ impl CacheWatch {
                             .metrics
                             .subscriptions_moved
                             .fetch_add(1, Ordering::Relaxed);
-                        let last = Message::ShardMoved {
-                            subscription_id: sub_id,
-                            resume_from: Some(Offset(from)),
-                            node_id: Some(route.leader.to_string()),
-                            addr: route.addr.map(|a| a.to_string()),
-                            generation: Generation(route.generation),
-                        }
-                        .to_frame();
-                        let _ = uni.write_chunk(last).await;
+                        let _ = uni.write_chunk(shard_moved(sub_id, from, &route)).await;
                         let _ = uni.finish();
                         return Ok(());
                     }
@@ -1490,6 +1482,19 @@ impl CacheWatch {
             }
         }
     }
+}
+
+/// The last frame of a subscription or watch whose shard moved to `route`: where it
+/// went and the offset to resume from.
+fn shard_moved(sub_id: SubscriptionId, resume_from: u64, route: &crate::cluster::Route) -> Bytes {
+    Message::ShardMoved {
+        subscription_id: sub_id,
+        resume_from: Some(Offset(resume_from)),
+        node_id: Some(route.leader.to_string()),
+        addr: route.addr.map(|a| a.to_string()),
+        generation: Generation(route.generation),
+    }
+    .to_frame()
 }
 
 /// About how many bytes of a watch's snapshot are encoded at once.
@@ -1624,15 +1629,9 @@ impl Subscription {
             .subscriptions_moved
             .fetch_add(1, Ordering::Relaxed);
         if self.shard_moved {
-            let last = Message::ShardMoved {
-                subscription_id: sub_id,
-                resume_from: Some(Offset(resume_from)),
-                node_id: Some(route.leader.to_string()),
-                addr: route.addr.map(|a| a.to_string()),
-                generation: Generation(route.generation),
-            }
-            .to_frame();
-            let _ = uni.write_chunk(last).await;
+            let _ = uni
+                .write_chunk(shard_moved(sub_id, resume_from, route))
+                .await;
         }
         let _ = uni.finish();
     }
