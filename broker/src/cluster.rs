@@ -677,19 +677,14 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
     }
 
     let nodes: Vec<NodeDoc> = items(&cp.get("/v1/nodes")?, "items")?;
-    // A draining node still serves what it leads (a shard it could not hand over stays
-    // with it) and still follows: it is reached as a live one is, as the protocol's
-    // redirects name a draining owner's address too (without it, a kept shard was
-    // `owner_unavailable` through every other broker).
-    let up = |n: &&NodeDoc| n.lifecycle == "live" || n.lifecycle == "draining";
     let addr_of: HashMap<&str, SocketAddr> = nodes
         .iter()
-        .filter(up)
+        .filter(|n| n.lifecycle == "live")
         .filter_map(|n| Some((n.node_id.as_str(), n.client_addr.as_deref()?.parse().ok()?)))
         .collect();
     let peers: HashMap<String, SocketAddr> = nodes
         .iter()
-        .filter(up)
+        .filter(|n| n.lifecycle == "live")
         .filter_map(|n| {
             Some((
                 n.node_id.clone(),
