@@ -199,7 +199,7 @@ impl TenantKeys {
     }
 
     /// Why a grant verified earlier no longer holds: its key was retired, or its token
-    /// revoked. `None` while it holds (expiry is checked per request, not here).
+    /// revoked. `None` while it holds (expiry is checked when a stream opens, not here).
     pub fn revoked(&self, grant: &Grant) -> Option<String> {
         if !self.has_key(&grant.tenant, &grant.kid) {
             return Some(format!("signing key {} retired", grant.kid));

@@ -1985,8 +1985,8 @@ mod tests {
     }
 
     /// Which shards a name has and who leads them is the name's to tell: a token with
-    /// no permission on it, or expired, is refused, as a read would be; any permission
-    /// on it will do.
+    /// no permission on it is refused, as a read would be; any permission on it will
+    /// do.
     /// Redriving or discarding a group's dead letters, deleting the group or moving its
     /// cursor manages the group: a token that may only read the stream is refused (it
     /// passed before), one with `group.manage` on the group or `stream.manage` on the

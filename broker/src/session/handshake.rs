@@ -69,8 +69,8 @@ impl Session {
     }
 
     /// Refuses a question about `tenant/ns/name` (whether it exists, how it is split,
-    /// who leads it) from a token that may do nothing with it, or that expired: the
-    /// answer is the name's, as a read's is. Any permission on the name will do (a
+    /// who leads it) from a token that may do nothing with it: the answer is the
+    /// name's, as a read's is. Any permission on the name will do (a
     /// publisher asks for its stream's shards too).
     pub fn check_visible(
         &self,
@@ -95,8 +95,8 @@ impl Session {
         Err(refused.expect("two actions were checked"))
     }
 
-    /// Checks `action` on `tenant/ns/name` at `now`: the tenant, the token's expiry, the
-    /// names' syntax, then the permission.
+    /// Checks `action` on `tenant/ns/name`: the tenant, the names' syntax, then the
+    /// permission (the token's expiry was checked when the stream opened).
     pub fn authorize(
         &self,
         action: Action,
@@ -462,7 +462,7 @@ mod tests {
     }
 
     /// A session on a token that never expires serves requests (adding the leeway to
-    /// its expiry overflowed: a panic in a debug build, refused in a release one).
+    /// its expiry overflowed once: a panic in a debug build, refused in a release one).
     #[test]
     fn a_token_expiring_at_the_end_of_time_serves() {
         let (keys, token) = keys_and_token(1000, u64::MAX);
