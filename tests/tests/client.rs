@@ -50,6 +50,17 @@ fn felix(b: &BrokerProcess) -> std::process::Command {
     cmd
 }
 
+/// Runs `felix args` against `b`, asserts it succeeded and returns what it wrote out.
+fn felix_ok(b: &BrokerProcess, args: &[&str]) -> String {
+    let out = felix(b).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 #[test]
 fn the_guides_connect_with_policy_example_runs() {
     let (b, _dir) = broker(&[]);
@@ -852,15 +863,7 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
         );
     });
     // The command line: poll with --ack, then describe.
-    let run = |args: &[&str]| {
-        let out = felix(&b).args(args).output().unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let run = |args: &[&str]| felix_ok(&b, args);
     let polled = run(&[
         "group", "poll", "tasks", "cli", "--max", "10", "--wait", "0.2", "--ack",
     ]);
@@ -2025,15 +2028,7 @@ fn a_subscribe_given_up_leaves_no_subscription_behind() {
 #[test]
 fn felix_group_poll_acks_nothing_it_could_not_write_out() {
     let (b, _dir) = broker(&[]);
-    let run = |args: &[&str]| {
-        let out = felix(&b).args(args).output().unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let run = |args: &[&str]| felix_ok(&b, args);
     for i in 0..3 {
         run(&["pub", "jobs", &format!("j{i}")]);
     }
