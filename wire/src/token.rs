@@ -476,21 +476,37 @@ impl Grant {
     /// `group:T/N/S/G` (`*` matching one segment), or `stream.manage` on the stream,
     /// which implies it; `tenant.manage` and `ns.manage` as for every action inside them.
     pub fn allows_group_manage(&self, namespace: &str, stream: &str, group: &str) -> bool {
-        let seg = |pat: &str, v: &str| pat == "*" || pat == v;
-        let within = |p: &Perm, names: &[&str]| {
-            p.path.len() == names.len() + 1
-                && p.path[0] == self.tenant
-                && p.path[1..].iter().zip(names).all(|(pat, v)| seg(pat, v))
-        };
         self.perms
             .iter()
             .any(|p| match (p.action.as_str(), p.kind.as_str()) {
-                ("tenant.manage", "tenant") => within(p, &[]),
-                ("ns.manage", "namespace") => within(p, &[namespace]),
-                ("stream.manage", "stream") => within(p, &[namespace, stream]),
-                ("group.manage", "group") => within(p, &[namespace, stream, group]),
+                ("tenant.manage", "tenant") => self.within(p, &[]),
+                ("ns.manage", "namespace") => self.within(p, &[namespace]),
+                ("stream.manage", "stream") => self.within(p, &[namespace, stream]),
+                ("group.manage", "group") => self.within(p, &[namespace, stream, group]),
                 _ => false,
             })
+    }
+
+    /// Whether the grant may consume through group `group` of `namespace/stream` (poll,
+    /// ack, nack, extend, dead-letter, list its dead letters, describe it), as the
+    /// reference has it: `group.consume` on `group:T/N/S/G`, or `stream.subscribe` on
+    /// the stream, which implies it (and what implies that).
+    pub fn allows_group_consume(&self, namespace: &str, stream: &str, group: &str) -> bool {
+        self.allows(Action::StreamSubscribe, namespace, stream)
+            || self.perms.iter().any(|p| {
+                (p.action.as_str(), p.kind.as_str()) == ("group.consume", "group")
+                    && self.within(p, &[namespace, stream, group])
+            })
+    }
+
+    /// Whether `p`'s path is this grant's tenant then `names`, `*` matching one segment.
+    fn within(&self, p: &Perm, names: &[&str]) -> bool {
+        p.path.len() == names.len() + 1
+            && p.path[0] == self.tenant
+            && p.path[1..]
+                .iter()
+                .zip(names)
+                .all(|(pat, v)| pat == "*" || pat == v)
     }
 
     /// Whether the grant holds `action` on `kind:path` (e.g. `stream.manage` on
@@ -679,6 +695,39 @@ mod tests {
         assert!(
             !grant(&["group.manage:group:globex/default/orders/g"])
                 .allows_group_manage("default", "orders", "g")
+        );
+    }
+
+    /// Consuming through a group takes `group.consume` on it, or `stream.subscribe` on
+    /// its stream, which implies it: a token granted only `group.consume` was refused.
+    #[test]
+    fn consuming_through_a_group_takes_group_consume_or_stream_subscribe() {
+        let (key, keys) = setup();
+        let grant = |perms: &[&str]| {
+            let t = key.sign(&claims(
+                "acme",
+                perms.iter().map(|p| p.to_string()).collect(),
+            ));
+            keys.verify(&t, "acme", 1500).unwrap()
+        };
+        let reader = grant(&["stream.subscribe:stream:acme/default/orders"]);
+        assert!(reader.allows_group_consume("default", "orders", "g"));
+        assert!(!reader.allows_group_consume("default", "payments", "g"));
+        let consumer = grant(&["group.consume:group:acme/default/orders/g"]);
+        assert!(consumer.allows_group_consume("default", "orders", "g"));
+        assert!(!consumer.allows_group_consume("default", "orders", "h"));
+        assert!(!consumer.allows(Action::StreamSubscribe, "default", "orders"));
+        assert!(!consumer.allows_group_manage("default", "orders", "g"));
+        let any = grant(&["group.consume:group:acme/*/orders/*"]);
+        assert!(any.allows_group_consume("x", "orders", "h"));
+        assert!(
+            !grant(&["group.consume:group:globex/default/orders/g"])
+                .allows_group_consume("default", "orders", "g")
+        );
+        assert!(
+            !grant(&["group.consume:stream:acme/default/orders"])
+                .allows_group_consume("default", "orders", "g"),
+            "a group grant names a group"
         );
     }
 

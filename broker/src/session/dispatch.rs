@@ -1434,7 +1434,8 @@ pub fn decide(
             request_id,
             op,
         } => {
-            // Consuming through a group is reading the stream: `stream.subscribe`.
+            // Consuming through a group takes `group.consume` on it, or reading the
+            // stream (`stream.subscribe`), which implies it, as the reference has it.
             // Redriving or discarding its dead letters manages the group, as the
             // reference has it: `group.manage` (or `stream.manage`); so do deleting it
             // (its cursor, claims and dead letters) and moving its cursor (a seek that
@@ -1449,7 +1450,7 @@ pub fn decide(
                     if_new: false,
                     ..
                 } => session.authorize_group_manage(&tenant, &namespace, &stream, g, now),
-                _ => session.authorize(Perm::StreamSubscribe, &tenant, &namespace, &stream, now),
+                _ => session.authorize_group_consume(&tenant, &namespace, &stream, op.group(), now),
             };
             let key = authorized
                 .and_then(|()| crate::groups::check_name(op.group()))
@@ -2066,6 +2067,49 @@ mod tests {
         assert!(!forbidden(&reader, &seek(true)));
         assert!(!forbidden(&manager, &delete));
         assert!(!forbidden(&manager, &seek(false)));
+    }
+
+    /// Consuming through a group takes `group.consume` on it or `stream.subscribe` on
+    /// its stream: a token granted only `group.consume` (as the control plane hands
+    /// out to a queue's workers) was refused every poll.
+    #[test]
+    fn consuming_through_a_group_takes_group_consume() {
+        let dir = MemDirectory::new(2);
+        let consumer = session_with(
+            vec![format!("group.consume:group:{TENANT}/ns1/s/g")],
+            Features::ERROR_CODES,
+        );
+        let poll = |group: &str| {
+            json(Message::GroupPoll {
+                tenant_id: TENANT.into(),
+                namespace: "ns1".into(),
+                stream: "s".into(),
+                shard: ShardId(0),
+                group: group.into(),
+                max_records: 1,
+                wait_ms: 0,
+                request_id: RequestId(1),
+                consumer: None,
+                reclaim: false,
+                visibility_ms: None,
+            })
+        };
+        let ack = json(Message::GroupAck {
+            tenant_id: TENANT.into(),
+            namespace: "ns1".into(),
+            stream: "s".into(),
+            shard: ShardId(0),
+            group: "g".into(),
+            offset: felix_wire::Offset(0),
+            request_id: RequestId(2),
+        });
+        let forbidden = |f: &Frame| match decide_frame(&consumer, &dir, f, true) {
+            a @ Action::Answer(_) => refusal_code(&a) == ErrorCode::Forbidden,
+            _ => false,
+        };
+        assert!(!forbidden(&poll("g")));
+        assert!(!forbidden(&ack));
+        assert!(forbidden(&poll("h")), "another group");
     }
 
     #[test]

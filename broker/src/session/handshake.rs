@@ -159,6 +159,28 @@ impl Session {
         Ok(())
     }
 
+    /// Checks that this token may consume through group `group` of `tenant/ns/stream`
+    /// (poll, ack, nack, extend, dead-letter, list, describe): as
+    /// [`Session::authorize`], with `group.consume` on the group or `stream.subscribe`
+    /// on the stream for the permission.
+    pub fn authorize_group_consume(
+        &self,
+        tenant: &str,
+        ns: &str,
+        stream: &str,
+        group: &str,
+        now: Now,
+    ) -> Result<(), BrokerError> {
+        self.check_names(tenant, ns, ("stream", stream), now)?;
+        if !self.grant.allows_group_consume(ns, stream, group) {
+            return Err(BrokerError::Forbidden(format!(
+                "token lacks group.consume on {tenant}/{ns}/{stream}/{group} \
+                 (or stream.subscribe on the stream)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Whether this token may write `ns/name`, which is what creating it on first use
     /// (dev mode) requires: a stream needs publish, a cache needs write.
     pub fn may_create(&self, stream: bool, ns: &str, name: &str) -> bool {
