@@ -580,6 +580,38 @@ impl Drop for AckWriting<'_> {
     }
 }
 
+/// The claims a poll made and has not yet answered with, handed back (owed again, their
+/// attempt not counted) if it goes away first: its request cancelled with the
+/// connection, or a read failing part way. Left claimed, each lapsed only at its
+/// visibility with an attempt counted for a delivery nobody got (five such and a record
+/// never delivered was a dead letter).
+struct Unanswered<'a> {
+    shard: &'a GroupShard,
+    group: &'a str,
+    /// `(offset, claim pass)` of each.
+    claims: Vec<(u64, u64)>,
+}
+
+impl Unanswered<'_> {
+    /// The poll answers with them (or handed back those it could not deliver itself).
+    fn answered(mut self) {
+        self.claims.clear();
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if self.claims.is_empty() {
+            return;
+        }
+        let claims = std::mem::take(&mut self.claims);
+        self.shard.tracker(self.group, |t| {
+            claims.iter().for_each(|&(o, serial)| t.release(o, serial))
+        });
+        self.shard.settled.wake_all();
+    }
+}
+
 /// A seek, create or delete of a group, from before its event is handed to the writer
 /// until it is applied to the trackers or abandoned ([`GroupShard::changing`]).
 struct Changing<'a> {
@@ -1061,21 +1093,23 @@ impl GroupShard {
             GroupOp::Ack(group, o) => self.ack(&group, o).await,
             GroupOp::Nack(group, o, delay_ms, attempts) => {
                 self.tracker(&group, |t| t.nack(o, attempts, now_ms(), delay_ms))
-                    .unwrap_or_else(|| Err(no_group(&group)))
+                    .unwrap_or_else(|| Err(no_group(&group, attempts != 0)))
                     .map_err(refused)?;
                 self.settled.wake_all();
                 Ok(GroupAnswer::Done)
             }
             GroupOp::Extend(group, o, attempts, extend_ms) => self
                 .tracker(&group, |t| t.extend(o, attempts, now_ms(), extend_ms))
-                .unwrap_or_else(|| Err(no_group(&group)))
+                .unwrap_or_else(|| Err(no_group(&group, true)))
                 .map(GroupAnswer::Extended)
                 .map_err(refused),
             GroupOp::DeadLetter(group, o) => {
                 let (was_full, e) = self
                     .tracker(&group, |t| (t.is_full(), t.dead_letter(o, now_ms())))
-                    .map_or_else(|| (false, Err(no_group(&group))), |(f, e)| (f, e));
-                let e = e.map_err(refused)?;
+                    .map_or_else(|| (false, Err(no_group(&group, false))), |(f, e)| (f, e));
+                let Some(e) = e.map_err(refused)? else {
+                    return Ok(GroupAnswer::Done);
+                };
                 if was_full {
                     self.settled.wake_all();
                 }
@@ -1230,7 +1264,7 @@ impl GroupShard {
             }
             let (was_full, event) = self
                 .tracker(group, |t| (t.is_full(), t.ack(o)))
-                .map_or_else(|| (false, Err(no_group(group))), |(f, e)| (f, e));
+                .map_or_else(|| (false, Err(no_group(group, false))), |(f, e)| (f, e));
             let event = event.map_err(refused)?;
             if was_full && event.is_some() {
                 // Room under the in-flight cap: polls held back by it look again now.
@@ -1267,8 +1301,10 @@ impl GroupShard {
         let (Event::Discard(o) | Event::Redrive(o)) = event else {
             return Err(BrokerError::Internal("not a dead-letter settle".into()));
         };
+        // No group, no dead letters: not one of them (`invalid_request`), not a
+        // claim to retry.
         self.tracker(group, |t| t.is_dead(o))
-            .unwrap_or_else(|| Err(no_group(group)))
+            .unwrap_or(Err(Refusal::NotDeadLetter(o)))
             .map_err(refused)?;
         // Durable before it is applied and answered: a redrive must not be lost. Applied
         // after, so the group's other requests wait for it ([`GroupShard::changing`]).
@@ -1325,6 +1361,11 @@ impl GroupShard {
         // A member reclaims once per claim: after that its live claims include what
         // this claim just handed it.
         let mut member = member.cloned();
+        let mut unanswered = Unanswered {
+            shard: self,
+            group,
+            claims: Vec::new(),
+        };
         loop {
             self.after_changes(group).await;
             let base = stream.log.base_offset();
@@ -1339,6 +1380,9 @@ impl GroupShard {
                 m.reclaim = false;
             }
             let fresh = &claimed.handed[claimed.reclaimed..];
+            unanswered
+                .claims
+                .extend(fresh.iter().map(|&(o, _)| (o, claimed.serial)));
             if !claimed.dead.is_empty() {
                 let events: Vec<_> = claimed.dead.iter().map(|o| Some(Event::Dead(*o))).collect();
                 if let Err(e) = self.write(group, &events).await {
@@ -1358,7 +1402,14 @@ impl GroupShard {
             }
             let budget = POLL_BYTES_MAX.saturating_sub(bytes);
             let (records, passed) = self
-                .read_claimed(stream, group, &claimed, budget, out.is_empty())
+                .read_claimed(
+                    stream,
+                    group,
+                    &claimed,
+                    member.as_ref(),
+                    budget,
+                    out.is_empty(),
+                )
                 .await?;
             let full = records.len() + passed < handed;
             bytes += records.iter().map(|r| r.payload.len()).sum::<usize>();
@@ -1366,6 +1417,7 @@ impl GroupShard {
             // Stop when full (by count, or the answer's byte bound handed claims back),
             // when nothing more could be claimed, or when nothing was passed over.
             if out.len() >= max || handed == 0 || passed == 0 || full {
+                unanswered.answered();
                 return Ok(out);
             }
         }
@@ -1376,12 +1428,15 @@ impl GroupShard {
     /// answer's byte bound are handed back, their attempt not counted, except the first
     /// `reclaimed` (a member's own claims: they stay its own, for its next reclaim).
     /// `budget` is what is left of the answer's byte bound; the answer's `first` read
-    /// hands out its first record whatever its size.
+    /// hands out its first record whatever its size. A claim no longer held when the
+    /// reads are done (a seek, a delete, another consumer's claim since) is not handed
+    /// out: its record is another claim's now.
     async fn read_claimed(
         &self,
         stream: &StreamShard,
         group: &str,
         claimed: &Claimed,
+        member: Option<&Member>,
         budget: usize,
         first: bool,
     ) -> Result<(Vec<GroupRecord>, usize), BrokerError> {
@@ -1445,13 +1500,16 @@ impl GroupShard {
         let (mut bytes, mut passed) = (0usize, 0usize);
         self.tracker(group, |t| {
             for (i, &(o, attempts)) in handed.iter().enumerate() {
+                let owner = member.filter(|_| i < reclaimed).map(|m| &*m.name);
+                let held = t.holds(o, claimed.serial, owner);
                 match found.remove(&o) {
-                    None if o < covered_end => {
+                    None if held && o < covered_end => {
                         t.skip(o);
                         passed += 1;
                     }
                     Some((payload, at, before))
-                        if (first && out.is_empty()) || bytes + payload.len() <= budget =>
+                        if held
+                            && ((first && out.is_empty()) || bytes + payload.len() <= budget) =>
                     {
                         bytes += payload.len();
                         if let Some(from) = before.look_from {
@@ -1589,8 +1647,16 @@ fn mono_ms() -> u64 {
         .as_millis() as u64
 }
 
-fn no_group(group: &str) -> Refusal {
-    Refusal::StaleClaim(format!("group {group} does not exist on this shard"))
+/// A settle of a claim in a group that does not exist: `stale_claim`, retryable, as for
+/// an offset the group does not know; for an extend or a nack naming its attempt,
+/// which a retry cannot make succeed, the fatal kind (as the reference has it).
+fn no_group(group: &str, named: bool) -> Refusal {
+    let why = format!("group {group} does not exist on this shard");
+    if named {
+        Refusal::ClaimGone(why)
+    } else {
+        Refusal::StaleClaim(why)
+    }
 }
 
 fn refused(r: Refusal) -> BrokerError {
@@ -2638,6 +2704,122 @@ mod tests {
             assert!(writes.borrow().is_empty());
             assert!(!g.groups.borrow().contains_key("w"));
             assert!(!g.folded.borrow().as_ref().unwrap().contains_key("w"));
+        });
+    }
+
+    /// A poll hands out only the claims it still holds once its reads are done: a seek
+    /// applied while it waited on its dead letter's write cleared its claims, and a
+    /// second poll claimed the same record; both answers carried it (two consumers
+    /// holding one record at once).
+    #[test]
+    fn a_poll_hands_out_no_record_a_seek_gave_to_another_claim_meanwhile() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            publish_visible(&stream, 2).await;
+            let (g, writes) = shard_with_held_writes_and(Limits {
+                max_attempts: 1,
+                ..Limits::default()
+            });
+            // Offset 0 claimed once (its one attempt), the claim due in 200 ms.
+            claim_due_in_200_ms(&g);
+            felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
+            let poll = |max| GroupOp::Poll {
+                group: "w".into(),
+                max,
+                wait_ms: 0,
+                visibility_ms: 0,
+                member: None,
+            };
+            // The first poll dead-letters 0, claims 1 and waits on the dead letter's write.
+            let mut first = std::pin::pin!(g.serve(&stream, poll(10)));
+            assert!(poll_once(&mut first).await.is_none());
+            assert_eq!(writes.borrow().len(), 1, "the dead letter's write");
+            let dead = first_write(&writes);
+            // A seek back to the start is written and applied meanwhile.
+            let seek = GroupOp::Seek {
+                group: "w".into(),
+                start: StartPosition::Offset(Offset(1)),
+                if_new: false,
+            };
+            let mut seek = std::pin::pin!(g.serve(&stream, seek));
+            assert!(poll_once(&mut seek).await.is_none());
+            first_write(&writes).send(appended()).unwrap();
+            assert!(matches!(seek.await, Ok(GroupAnswer::Position(1, _))));
+            // A second poll claims 1.
+            let second = match g.serve(&stream, poll(1)).await {
+                Ok(GroupAnswer::Records(r)) => r,
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(second.iter().map(|r| r.offset.0).collect::<Vec<_>>(), [1]);
+            // The first poll goes on once its write is done: 1 is not its to hand out.
+            dead.send(appended()).unwrap();
+            match first.await {
+                Ok(GroupAnswer::Records(r)) => assert!(
+                    r.iter().all(|r| r.offset.0 != 1),
+                    "handed out beside the second poll's claim: {r:?}"
+                ),
+                other => panic!("{other:?}"),
+            }
+        });
+    }
+
+    /// A poll dropped before it answers (its connection gone while it waited on a
+    /// write) hands its claims back, their attempt not counted: they lapsed only at
+    /// their visibility, an attempt counted for a delivery nobody got.
+    #[test]
+    fn a_poll_dropped_before_it_answers_hands_its_claims_back_uncounted() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            publish_visible(&stream, 2).await;
+            let (g, writes) = shard_with_held_writes_and(Limits {
+                max_attempts: 1,
+                ..Limits::default()
+            });
+            claim_due_in_200_ms(&g);
+            felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
+            {
+                // Dead-letters 0, claims 1, waits on the dead letter's write: dropped.
+                let mut poll = std::pin::pin!(g.serve(&stream, long_poll()));
+                assert!(poll_once(&mut poll).await.is_none());
+                assert_eq!(writes.borrow().len(), 1);
+            }
+            let next = g.tracker("w", |t| t.claim(2, 10, mono_ms(), 0, None));
+            assert_eq!(
+                next.map(|c| c.handed),
+                Some(vec![(1, 1)]),
+                "owed again at once, on its first attempt"
+            );
+        });
+    }
+
+    /// Settles in a group that does not exist: an extend or a named nack is refused as
+    /// fatal (a retry cannot make the claim the consumer's), a discard or redrive as
+    /// not a dead letter; they were `stale_claim`, which the SDK retries until its
+    /// deadline.
+    #[test]
+    fn settles_in_a_group_that_does_not_exist_are_not_for_retrying() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            let (g, _writes) = shard_with_held_writes();
+            let gone = || "nope".to_owned();
+            let extend = g.serve(&stream, GroupOp::Extend(gone(), 0, 1, 1_000)).await;
+            assert!(
+                matches!(extend, Err(BrokerError::ClaimGone(_))),
+                "{extend:?}"
+            );
+            let nack = g.serve(&stream, GroupOp::Nack(gone(), 0, 0, 1)).await;
+            assert!(matches!(nack, Err(BrokerError::ClaimGone(_))), "{nack:?}");
+            let nack = g.serve(&stream, GroupOp::Nack(gone(), 0, 0, 0)).await;
+            assert!(matches!(nack, Err(BrokerError::StaleClaim(_))), "{nack:?}");
+            for op in [GroupOp::Discard(gone(), 0), GroupOp::Redrive(gone(), 0)] {
+                let r = g.serve(&stream, op).await;
+                assert!(matches!(r, Err(BrokerError::InvalidRequest(_))), "{r:?}");
+            }
         });
     }
 

@@ -565,6 +565,17 @@ impl Tracker {
         self.acks_writing.contains_key(&o)
     }
 
+    /// Whether the claim on `o` is still the one a poll made: made by the claim pass
+    /// `serial`, or, for a claim `member` reclaimed, that member's. A seek, a delete
+    /// (and a group made again) or a lapse while the poll read its records gives the
+    /// record to another claim, and the poll must not hand it out beside it.
+    pub fn holds(&self, o: u64, serial: u64, member: Option<&str>) -> bool {
+        self.in_flight.get(&o).is_some_and(|c| match member {
+            Some(m) => c.member.as_deref() == Some(m),
+            None => c.serial == serial,
+        })
+    }
+
     /// Hands a claim back that never reached the consumer: owed again, its attempt not
     /// counted. Only the claim the pass `serial` made: the poll that hands it back has
     /// awaited a read or a write since it claimed, and the claim may have lapsed and
@@ -677,12 +688,17 @@ impl Tracker {
     }
 
     /// Dead-letters a claimed record at the consumer's request; the caller writes the
-    /// returned event before answering.
-    pub fn dead_letter(&mut self, o: u64, now_ms: u64) -> Result<Event, Refusal> {
+    /// returned event before answering. `Ok(None)` for a dead letter already: a retry
+    /// whose first answer was lost (refused `stale_claim`, retryable, it was resent
+    /// until its deadline and failed, though it had applied).
+    pub fn dead_letter(&mut self, o: u64, now_ms: u64) -> Result<Option<Event>, Refusal> {
         self.expire(now_ms);
         if self.in_flight.remove(&o).is_some() || self.owed.remove(&o).is_some() {
             self.apply(Event::Dead(o));
-            return Ok(Event::Dead(o));
+            return Ok(Some(Event::Dead(o)));
+        }
+        if self.dead.contains(&o) {
+            return Ok(None);
         }
         Err(Refusal::StaleClaim(format!(
             "offset {o} is not claimed by this group"
@@ -845,11 +861,26 @@ mod tests {
         assert!(t.nack(1, 0, 5000, 0).is_err());
     }
 
+    /// A consumer's dead letter resent (its first answer lost) is done, nothing written
+    /// again: refused `stale_claim`, retryable, it was resent until its deadline and
+    /// failed though it had applied.
+    #[test]
+    fn a_dead_letter_resent_is_done_already() {
+        let mut t = Tracker::new(0, limits());
+        t.claim(2, 1, 0, 0, None);
+        assert_eq!(t.dead_letter(0, 0), Ok(Some(Event::Dead(0))));
+        assert_eq!(t.dead_letter(0, 0), Ok(None));
+        assert!(
+            matches!(t.dead_letter(1, 0), Err(Refusal::StaleClaim(_))),
+            "never handed out"
+        );
+    }
+
     #[test]
     fn redrive_owes_a_dead_letter_again_without_moving_the_cursor_back() {
         let mut t = Tracker::new(0, limits());
         t.claim(2, 2, 0, 0, None);
-        assert_eq!(t.dead_letter(0, 0), Ok(Event::Dead(0)));
+        assert_eq!(t.dead_letter(0, 0), Ok(Some(Event::Dead(0))));
         t.ack(1).unwrap();
         assert_eq!(t.committed(), 2);
         t.is_dead(0).unwrap();
@@ -893,7 +924,7 @@ mod tests {
         for o in [0, 1, 3] {
             events.extend(live.ack(o).unwrap());
         }
-        events.push(live.dead_letter(2, 0).unwrap());
+        events.extend(live.dead_letter(2, 0).unwrap());
         live.claim(5, 5, 0, 0, None);
         events.push(Event::Redrive(2));
         live.apply(Event::Redrive(2));
