@@ -49,8 +49,9 @@ pub const CROSS_CORE_REQUESTS_MAX: usize = 8192;
 /// `CROSS_CORE_REQUESTS_MAX`: a quarter, so long polls (of any number of clients) always
 /// leave the other requests most of the slots. Past it a poll answers at once.
 pub const CROSS_CORE_POLLS_WAITING_MAX: usize = CROSS_CORE_REQUESTS_MAX / 4;
-/// Expired values one cache shard deletes per housekeeping round.
-const EXPIRE_BATCH: usize = 256;
+/// Expired values one cache shard deletes per housekeeping round (the reference's
+/// bound: 1,024 a shard a pass).
+const EXPIRE_BATCH: usize = 1024;
 
 /// A cache operation.
 #[derive(Debug)]

@@ -563,6 +563,10 @@ enum Picked {
 
 /// Live values or counters one compaction batch copies.
 const COMPACT_BATCH: usize = 64;
+/// Bytes of values one compaction batch copies at most (one value over it goes alone):
+/// 64 values of a megabyte passed the log's batch bound and every compaction of the
+/// cache failed, its log growing for good.
+const COMPACT_BATCH_BYTES: usize = 4 << 20;
 /// How long a compaction waits for the writes below its cut to reach the index.
 const COMPACT_APPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -1106,11 +1110,17 @@ impl CacheShard {
         // An expired value whose delete is not written yet is carried as that delete:
         // dropped, it left the index only at the next open, and a watcher resuming
         // past the cut never saw it go.
+        let mut bytes = 0usize;
         let batch: Vec<(String, CacheEntry)> = st
             .index
             .iter()
             .filter(|(k, e)| e.at < cut && !inflight.contains_key(*k))
             .take(COMPACT_BATCH)
+            .take_while(|(k, e)| {
+                let first = bytes == 0;
+                bytes += k.len() + e.value.len() + 64;
+                first || bytes <= COMPACT_BATCH_BYTES
+            })
             .map(|(k, e)| (k.clone(), e.clone()))
             .collect();
         if !batch.is_empty() {
@@ -1384,13 +1394,16 @@ async fn replay(key: &ShardKey, log: &SegmentLog<DmaBackend>) -> Result<Projecti
         for b in batches {
             if b.kind == BatchKind::Data {
                 for (i, r) in b.records.iter().enumerate() {
-                    let rec = decode_cache_record(r).ok_or_else(|| {
+                    let mut rec = decode_cache_record(r).ok_or_else(|| {
                         BrokerError::Storage(format!(
                             "cache {} offset {}: malformed cache record",
                             key,
                             b.base_offset + i as u64
                         ))
                     })?;
+                    // Its own copy: a slice held the read's whole buffer (4 MiB) for
+                    // as long as the key lived.
+                    rec.value = Bytes::copy_from_slice(&rec.value);
                     apply(&mut index, rec, b.base_offset + i as u64);
                 }
             }
@@ -1582,6 +1595,55 @@ mod tests {
             assert_eq!(deleted, 300, "a delete for each expired value");
             assert!(shard.get("kept", later).is_some());
             assert!(shard.expired(later, 1000).is_empty());
+        });
+    }
+
+    /// A compaction copies large values in batches the log takes: 64 values of a
+    /// megabyte made one batch over its 64 MiB bound, refused, and every compaction of
+    /// the cache failed so, its log growing for good.
+    #[test]
+    fn a_compaction_of_large_values_batches_them_within_the_logs_bound() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = cache_in(dir.path()).await;
+            let now = felix_core_runtime::clock::now();
+            for i in 0..70u8 {
+                let v = Bytes::from(vec![i; 1 << 20]);
+                shard.put(&format!("k{i}"), v, None, now).await.unwrap();
+            }
+            let c = shard.compact(&LocalWrites(shard.log())).await.unwrap();
+            assert_eq!(c.values, 70, "{c:?}");
+            drop(shard);
+            let shard = cache_in(dir.path()).await;
+            for i in 0..70u8 {
+                let v = shard.get(&format!("k{i}"), now).unwrap().value;
+                assert!(v.len() == 1 << 20 && v.iter().all(|b| *b == i), "k{i}");
+            }
+        });
+    }
+
+    /// Values replayed at an open are the index's own, not slices of the buffer the log
+    /// was read in (4 MiB a read): a small value held all of it alive.
+    #[test]
+    fn values_replayed_hold_no_slice_of_the_read_buffer() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = cache_in(dir.path()).await;
+            let now = felix_core_runtime::clock::now();
+            for k in ["a", "b"] {
+                shard
+                    .put(k, Bytes::from_static(b"small"), None, now)
+                    .await
+                    .unwrap();
+            }
+            drop(shard);
+            let shard = cache_in(dir.path()).await;
+            let st = shard.state.borrow();
+            for k in ["a", "b"] {
+                let v = &st.index.get(k).unwrap().value;
+                assert_eq!(v, &Bytes::from_static(b"small"));
+                assert!(v.is_unique(), "{k}: shares its buffer");
+            }
         });
     }
 

@@ -257,12 +257,15 @@ impl StateIndex {
         self.end = self.end.max(base);
     }
 
-    /// Applies a commit at `offset`.
+    /// Applies a commit at `offset`. Values are copied out of the batches read: each a
+    /// slice of the read's whole buffer (4 MiB), a small value held it all for as long
+    /// as its key lived.
     fn apply(&mut self, offset: u64, changes: &[Change]) {
         for c in changes {
             match c {
                 Change::Put(k, v) => {
-                    self.values.insert(k.clone(), (v.clone(), offset, offset));
+                    let v = Bytes::copy_from_slice(v);
+                    self.values.insert(k.clone(), (v, offset, offset));
                 }
                 Change::Delete(k) => {
                     self.values.remove(k);
@@ -302,6 +305,7 @@ impl StateIndex {
                         ))
                     })?;
                     for (k, v, version) in copies {
+                        let v = Bytes::copy_from_slice(&v);
                         self.values
                             .insert(k, (v, version, b.base_offset + i as u64));
                     }
@@ -376,6 +380,27 @@ mod tests {
             producer: None,
             records: vec![encode(b"e", changes)],
         }
+    }
+
+    /// The index holds its values, not the read buffers they were read in: a value
+    /// sliced from its read's 4 MiB buffer kept all of it alive for as long as its key.
+    #[test]
+    fn the_index_holds_no_slice_of_the_buffer_its_values_were_read_in() {
+        let record = encode(
+            b"e",
+            &[Change::Put("a".into(), Bytes::from_static(b"small"))],
+        );
+        let mut buffer = record.to_vec();
+        buffer.resize(4 << 20, 0);
+        let buffer = Bytes::from(buffer);
+        let mut batch = commit_batch(0, &[]);
+        batch.records = vec![buffer.slice(..record.len())];
+        let mut i = StateIndex::at(0);
+        i.apply_batches(&[batch], 1).unwrap();
+        let (v, _) = i.get("a").unwrap();
+        assert_eq!(v, Bytes::from_static(b"small"));
+        let held = buffer.as_ptr_range();
+        assert!(!held.contains(&v.as_ptr()), "a slice of the read's buffer");
     }
 
     #[test]

@@ -61,8 +61,11 @@ impl CoreBroker {
             Some(i) => (i.below(cut), i.end()),
             None => return Ok(0),
         };
-        if end < shard.commits_claimed.get() {
-            // A commit is on its way to the log: copy next round.
+        if end < shard.commits_claimed.get() || entries.is_empty() {
+            // A commit is on its way to the log: copy next round. Or nothing below the
+            // cut to copy, the floor held down by what is visible (a roll's new
+            // segment before its records are): nothing to do this round (taking one
+            // of none panicked the core).
             return Ok(floor());
         }
         let mut size = 0;
