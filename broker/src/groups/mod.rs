@@ -288,6 +288,12 @@ const KIND_SEEK: u8 = 5;
 const KIND_DELETE: u8 = 6;
 const KIND_SNAPSHOT: u8 = 7;
 
+/// Dead letters one `group_dead_letters` answer lists, lowest first (about 1 MiB of
+/// JSON): the rest show as those are discarded or redriven. All of them made an answer
+/// past the SDK's 16 MiB frame once a group held some 1.5 million, and the list could
+/// never be read.
+const DEAD_LETTERS_LISTED_MAX: usize = 100_000;
+
 /// Version of the snapshot record's layout.
 const SNAPSHOT_VERSION: u8 = 1;
 /// The largest snapshot a leader writes: a larger state is not snapshotted (the next
@@ -1121,8 +1127,10 @@ impl GroupShard {
                 Ok(GroupAnswer::Done)
             }
             GroupOp::DeadLetters(group) => Ok(GroupAnswer::DeadLetters(
-                self.tracker(&group, |t| t.dead_letters().collect())
-                    .unwrap_or_default(),
+                self.tracker(&group, |t| {
+                    t.dead_letters().take(DEAD_LETTERS_LISTED_MAX).collect()
+                })
+                .unwrap_or_default(),
             )),
             GroupOp::Discard(group, o) => self.settle_dead_letter(&group, Event::Discard(o)).await,
             GroupOp::Redrive(group, o) => {
@@ -1178,7 +1186,7 @@ impl GroupShard {
                 self.pass_markers(stream, &group).await?;
                 let counts = self.tracker(&group, |t| {
                     t.skip_below(stream.log.base_offset());
-                    t.counts()
+                    t.counts(now_ms())
                 });
                 Ok(GroupAnswer::Info {
                     committed: counts.map(|c| c.committed),
@@ -2793,6 +2801,28 @@ mod tests {
                 Some(vec![(1, 1)]),
                 "owed again at once, on its first attempt"
             );
+        });
+    }
+
+    /// A dead-letter list answers with the lowest [`DEAD_LETTERS_LISTED_MAX`]: all of
+    /// them passed the SDK's frame once a group held some 1.5 million.
+    #[test]
+    fn a_dead_letter_list_is_bounded() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            let (g, _writes) = shard_with_held_writes();
+            let mut t = Tracker::new(0, g.limits);
+            let n = DEAD_LETTERS_LISTED_MAX as u64 + 5;
+            (0..n).for_each(|o| t.apply(Event::Dead(o)));
+            g.groups.borrow_mut().insert("w".into(), t);
+            match g.serve(&stream, GroupOp::DeadLetters("w".into())).await {
+                Ok(GroupAnswer::DeadLetters(listed)) => {
+                    assert_eq!(listed.len(), DEAD_LETTERS_LISTED_MAX);
+                    assert_eq!(listed.first(), Some(&0));
+                }
+                other => panic!("{other:?}"),
+            }
         });
     }
 

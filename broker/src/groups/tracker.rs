@@ -245,8 +245,11 @@ impl Tracker {
         self.high_water == self.committed && self.owed.is_empty()
     }
 
-    /// Counts for `group_describe`.
-    pub fn counts(&self) -> Counts {
+    /// Counts for `group_describe` at `now_ms`: claims lapsed by then are owed, not in
+    /// flight (counted as claims until the next poll, a crashed consumer's records
+    /// showed as held).
+    pub fn counts(&mut self, now_ms: u64) -> Counts {
+        self.expire(now_ms);
         Counts {
             committed: self.committed,
             in_flight: self.in_flight.len() as u64,
@@ -1133,7 +1136,7 @@ mod tests {
             }
             now += 1;
         }
-        let c = t.counts();
+        let c = t.counts(now);
         assert!(c.in_flight + c.owed <= 100, "{c:?}");
         assert!(t.is_full());
         // Once due they go out again, first.
@@ -1235,6 +1238,17 @@ mod tests {
         assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
         assert_eq!(t.ack(1), Ok(Some(Event::Ack(1))));
         assert_eq!(t.committed(), 2);
-        assert_eq!(t.counts().in_flight, 0);
+        assert_eq!(t.counts(10).in_flight, 0);
+    }
+
+    /// A describe counts lapsed claims as owed, not held.
+    #[test]
+    fn counts_take_lapsed_claims_as_owed() {
+        let mut t = Tracker::new(0, limits());
+        t.claim(5, 2, 0, 1000, None);
+        let c = t.counts(999);
+        assert_eq!((c.in_flight, c.owed), (2, 0));
+        let c = t.counts(1000);
+        assert_eq!((c.in_flight, c.owed), (0, 2));
     }
 }
