@@ -2,6 +2,7 @@
 //! (`migrations/`). Batches run in one transaction with the touched rows locked, so a
 //! precondition failure rolls everything back and concurrent writers serialise per key.
 
+use std::future::Future;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -9,11 +10,42 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::store::{BoxFut, Change, Doc, Expect, Kind, Op, Store, StoreError};
 
-const MIGRATIONS: &[(i32, &str)] = &[(1, include_str!("../migrations/0001_documents.sql"))];
+const MIGRATIONS: &[(i32, &str)] = &[
+    (1, include_str!("../migrations/0001_documents.sql")),
+    (
+        2,
+        include_str!("../migrations/0002_assignment_feed_and_versions.sql"),
+    ),
+];
+
+/// The longest a store operation may take, the wait for the connection included: past
+/// it the operation fails `Unavailable` and the connection is opened again for the
+/// next (a connection that hung, its server gone without a reset, held every request
+/// of the control plane behind its one lock for as long as TCP took to notice).
+const OP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Set on every session: a batch waiting on another instance's transaction gives up
+/// (rather than holding this instance's only connection), and a transaction its client
+/// left open (an instance cut off mid-batch) is ended by the server, releasing the
+/// lock every writer takes.
+const SESSION_LIMITS: &str = "SET lock_timeout = '5s'; \
+     SET statement_timeout = '15s'; \
+     SET idle_in_transaction_session_timeout = '15s'";
 
 /// A Postgres-backed store.
 pub struct PgStore {
-    client: tokio::sync::Mutex<Client>,
+    conn: tokio::sync::Mutex<Conn>,
+    /// Where to connect again: the URL tokio-postgres parses, and its TLS.
+    url: String,
+    tls: crate::pg_tls::PgTls,
+}
+
+/// The store's one connection.
+struct Conn {
+    client: Client,
+    /// An operation on it timed out: its state is unknown, and it is replaced before
+    /// the next.
+    broken: bool,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -26,66 +58,136 @@ fn unavailable(e: tokio_postgres::Error) -> StoreError {
     StoreError::Unavailable(e.to_string())
 }
 
+/// Opens a connection to `url` with `tls`, its session limits set.
+async fn open(url: &str, tls: &crate::pg_tls::PgTls) -> anyhow::Result<Client> {
+    let failed = |e: tokio_postgres::Error| {
+        // The cause (a certificate that does not verify, say) sits in the sources.
+        let mut message = format!("connecting to postgres: {e}");
+        let mut source = std::error::Error::source(&e);
+        while let Some(s) = source {
+            message.push_str(&format!(": {s}"));
+            source = s.source();
+        }
+        anyhow::anyhow!(message)
+    };
+    let mut config: tokio_postgres::Config = url.parse().map_err(failed)?;
+    // A server gone silent is noticed in seconds, not after the kernel's two hours.
+    config
+        .connect_timeout(Duration::from_secs(5))
+        .keepalives(true)
+        .keepalives_idle(Duration::from_secs(10))
+        .keepalives_interval(Duration::from_secs(5))
+        .keepalives_retries(3);
+    let client = match tls {
+        crate::pg_tls::PgTls::Off => {
+            let (client, conn) = config.connect(NoTls).await.map_err(failed)?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::error!(error = %e, "postgres connection ended");
+                }
+            });
+            client
+        }
+        crate::pg_tls::PgTls::VerifyFull { ca } => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Require);
+            let tls = crate::pg_tls::MakeRustls::from_ca_file(ca)?;
+            let (client, conn) = config.connect(tls).await.map_err(failed)?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::error!(error = %e, "postgres connection ended");
+                }
+            });
+            client
+        }
+    };
+    client.batch_execute(SESSION_LIMITS).await?;
+    Ok(client)
+}
+
 impl PgStore {
     /// Connects (over TLS with `sslmode=verify-full`, see [`crate::pg_tls`]) and applies
     /// the migrations that have not run yet.
     pub async fn connect(url: &str) -> anyhow::Result<PgStore> {
         let (url, tls) =
             crate::pg_tls::split(url).map_err(|e| anyhow::anyhow!("store URL: {e}"))?;
-        let failed = |e: tokio_postgres::Error| {
-            // The cause (a certificate that does not verify, say) sits in the sources.
-            let mut message = format!("connecting to postgres: {e}");
-            let mut source = std::error::Error::source(&e);
-            while let Some(s) = source {
-                message.push_str(&format!(": {s}"));
-                source = s.source();
-            }
-            anyhow::anyhow!(message)
-        };
-        let client = match tls {
-            crate::pg_tls::PgTls::Off => {
-                let (client, conn) = tokio_postgres::connect(&url, NoTls).await.map_err(failed)?;
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::error!(error = %e, "postgres connection ended");
-                    }
-                });
-                client
-            }
-            crate::pg_tls::PgTls::VerifyFull { ca } => {
-                let mut config: tokio_postgres::Config = url.parse().map_err(failed)?;
-                config.ssl_mode(tokio_postgres::config::SslMode::Require);
-                let tls = crate::pg_tls::MakeRustls::from_ca_file(&ca)?;
-                let (client, conn) = config.connect(tls).await.map_err(failed)?;
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::error!(error = %e, "postgres connection ended");
-                    }
-                });
-                client
-            }
-        };
+        let mut client = open(&url, &tls).await?;
         client
             .batch_execute("CREATE TABLE IF NOT EXISTS felix_migrations (id INT PRIMARY KEY)")
             .await?;
         for (id, sql) in MIGRATIONS {
-            let done = client
+            // One instance at a time, each migration with its mark in one transaction:
+            // instances starting together ran a migration twice.
+            let tx = client.transaction().await?;
+            tx.batch_execute("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0")
+                .await?;
+            tx.execute("SELECT pg_advisory_xact_lock(7464)", &[])
+                .await?;
+            let done = tx
                 .query_opt("SELECT id FROM felix_migrations WHERE id = $1", &[id])
                 .await?
                 .is_some();
             if !done {
-                client.batch_execute(sql).await?;
-                client
-                    .execute(
-                        "INSERT INTO felix_migrations (id) VALUES ($1) ON CONFLICT DO NOTHING",
-                        &[id],
-                    )
+                tx.batch_execute(sql).await?;
+                tx.execute("INSERT INTO felix_migrations (id) VALUES ($1)", &[id])
                     .await?;
             }
+            tx.commit().await?;
         }
         Ok(PgStore {
-            client: tokio::sync::Mutex::new(client),
+            conn: tokio::sync::Mutex::new(Conn {
+                client,
+                broken: false,
+            }),
+            url,
+            tls,
         })
+    }
+
+    /// The connection, opened again first if it was lost (a Postgres restart or
+    /// failover, a reset: the store failed every operation for good after one) or an
+    /// operation on it timed out.
+    async fn client(&self) -> Result<tokio::sync::MutexGuard<'_, Conn>, StoreError> {
+        let mut conn = self.conn.lock().await;
+        if conn.broken || conn.client.is_closed() {
+            let client = open(&self.url, &self.tls)
+                .await
+                .map_err(|e| StoreError::Unavailable(format!("{e:#}")))?;
+            *conn = Conn {
+                client,
+                broken: false,
+            };
+        }
+        Ok(conn)
+    }
+
+    /// Runs one store operation for at most [`OP_TIMEOUT`]; one that takes longer
+    /// leaves its connection to be replaced.
+    async fn bounded<T>(
+        &self,
+        op: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(OP_TIMEOUT, op).await {
+            Ok(r) => r,
+            Err(_) => {
+                self.conn.lock().await.broken = true;
+                Err(StoreError::Unavailable(format!(
+                    "the store did not answer in {OP_TIMEOUT:?}"
+                )))
+            }
+        }
+    }
+}
+
+impl std::ops::Deref for Conn {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl std::ops::DerefMut for Conn {
+    fn deref_mut(&mut self) -> &mut Client {
+        &mut self.client
     }
 }
 
@@ -110,8 +212,8 @@ fn check(kind: Kind, key: &str, found: Option<i64>, expect: Expect) -> Result<()
 
 impl Store for PgStore {
     fn get<'a>(&'a self, kind: Kind, key: &'a str) -> BoxFut<'a, Option<Doc>> {
-        Box::pin(async move {
-            let c = self.client.lock().await;
+        Box::pin(self.bounded(async move {
+            let c = self.client().await?;
             let row = c
                 .query_opt(
                     "SELECT version, value FROM felix_docs WHERE kind = $1 AND key = $2",
@@ -124,12 +226,12 @@ impl Store for PgStore {
                 version: r.get::<_, i64>(0) as u64,
                 value: r.get::<_, Value>(1),
             }))
-        })
+        }))
     }
 
     fn list<'a>(&'a self, kind: Kind, prefix: &'a str) -> BoxFut<'a, Vec<Doc>> {
-        Box::pin(async move {
-            let c = self.client.lock().await;
+        Box::pin(self.bounded(async move {
+            let c = self.client().await?;
             let pattern = format!(
                 "{}%",
                 prefix
@@ -152,12 +254,12 @@ impl Store for PgStore {
                     value: r.get(2),
                 })
                 .collect())
-        })
+        }))
     }
 
     fn batch(&self, ops: Vec<Op>) -> BoxFut<'_, Vec<Doc>> {
-        Box::pin(async move {
-            let mut c = self.client.lock().await;
+        Box::pin(self.bounded(async move {
+            let mut c = self.client().await?;
             let tx = c.transaction().await.map_err(unavailable)?;
             // One writer at a time across every control-plane instance: change
             // sequence numbers then become visible in order, so a feed reader that has
@@ -185,15 +287,21 @@ impl Store for PgStore {
                 check(kind, &key, found, expect)?;
                 match op {
                     Op::Put { value, .. } => {
-                        let version = found.unwrap_or(0) + 1;
+                        // Versions come from one sequence: never repeated for a key, a
+                        // delete and a create again included (a write conditional on a
+                        // version read before the delete landed on the new document).
                         let r = tx
-                            .execute(
-                                "INSERT INTO felix_docs (kind, key, version, value) VALUES ($1, $2, $3, $4) \
-                                 ON CONFLICT (kind, key) DO UPDATE SET version = EXCLUDED.version, value = EXCLUDED.value",
-                                &[&kind.name(), &key, &version, &value],
+                            .query_one(
+                                "INSERT INTO felix_docs (kind, key, version, value) \
+                                 VALUES ($1, $2, nextval('felix_doc_versions'), $3) \
+                                 ON CONFLICT (kind, key) DO UPDATE SET version = EXCLUDED.version, value = EXCLUDED.value \
+                                 RETURNING version",
+                                &[&kind.name(), &key, &value],
                             )
                             .await;
-                        if let Err(e) = r {
+                        let version: i64 = match r {
+                            Ok(row) => row.get(0),
+                            Err(e) => {
                             // A concurrent create of the same key lost the race.
                             return Err(match e.code() {
                                 Some(c)
@@ -207,7 +315,8 @@ impl Store for PgStore {
                                 }
                                 _ => unavailable(e),
                             });
-                        }
+                            }
+                        };
                         if kind.followed() {
                             tx.execute(
                                 "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'put', $3)",
@@ -242,7 +351,7 @@ impl Store for PgStore {
             }
             tx.commit().await.map_err(unavailable)?;
             Ok(written)
-        })
+        }))
     }
 
     fn changes(
@@ -255,8 +364,8 @@ impl Store for PgStore {
         Box::pin(async move {
             let deadline = tokio::time::Instant::now() + wait;
             loop {
-                let (page, head) = {
-                    let c = self.client.lock().await;
+                let (page, head) = self.bounded(async {
+                    let c = self.client().await?;
                     // The head first, then the page up to it: writers commit one at a
                     // time (the advisory lock), in sequence order, so every change up
                     // to the head is visible to the page's later read. Read the other
@@ -284,8 +393,9 @@ impl Store for PgStore {
                             value: r.get(3),
                         })
                         .collect();
-                    (page, head as u64)
-                };
+                    Ok((page, head as u64))
+                })
+                .await?;
                 if !page.is_empty() {
                     let next = page.last().map_or(head, |c| c.seq);
                     return Ok((page, next));
@@ -299,22 +409,22 @@ impl Store for PgStore {
     }
 
     fn head(&self) -> BoxFut<'_, u64> {
-        Box::pin(async move {
-            let c = self.client.lock().await;
+        Box::pin(self.bounded(async move {
+            let c = self.client().await?;
             let head: i64 = c
                 .query_one("SELECT COALESCE(MAX(seq), 0) FROM felix_changes", &[])
                 .await
                 .map_err(unavailable)?
                 .get(0);
             Ok(head as u64)
-        })
+        }))
     }
 
     fn ping(&self) -> BoxFut<'_, ()> {
-        Box::pin(async move {
-            let c = self.client.lock().await;
+        Box::pin(self.bounded(async move {
+            let c = self.client().await?;
             c.simple_query("SELECT 1").await.map_err(unavailable)?;
             Ok(())
-        })
+        }))
     }
 }

@@ -43,11 +43,12 @@ pub enum Kind {
 
 impl Kind {
     /// Whether writes of this kind are kept in the change log ([`Store::changes`]):
-    /// not a node's document, which its heartbeat writes every second (logged, each
-    /// node added an entry per second for good, to a memory store's memory or a
-    /// Postgres table), nor the audit log (a log already, one entry per write).
+    /// assignments only, the feed brokers follow. Every kind was logged once, and the
+    /// log kept for good what nobody read: a node's heartbeat every second, the audit
+    /// log, and tenants' signing keys (in clear for keys stored before sealing, under
+    /// retired key-encryption keys after a rotation).
     pub fn followed(self) -> bool {
-        !matches!(self, Kind::Node | Kind::Audit)
+        matches!(self, Kind::Assignment)
     }
 
     /// The stored name.
@@ -259,7 +260,7 @@ impl Store for MemoryStore {
             // Check every precondition against the state as each op would see it,
             // on a scratch copy of the touched documents, before changing anything.
             let mut scratch: HashMap<(Kind, String), Option<u64>> = HashMap::new();
-            for op in &ops {
+            for (i, op) in ops.iter().enumerate() {
                 let (kind, key, expect) = match op {
                     Op::Put {
                         kind, key, expect, ..
@@ -274,7 +275,8 @@ impl Store for MemoryStore {
                 });
                 check(kind, key, found, expect)?;
                 let next = match op {
-                    Op::Put { .. } => Some(found.unwrap_or(0) + 1),
+                    // The version it will be written at: its sequence number.
+                    Op::Put { .. } => Some(st.seq + i as u64 + 1),
                     Op::Delete { .. } => None,
                 };
                 scratch.insert((kind, key.clone()), next);
@@ -288,7 +290,11 @@ impl Store for MemoryStore {
                         kind, key, value, ..
                     } => {
                         let m = st.docs.entry(kind).or_default();
-                        let version = m.get(&key).map_or(0, |d| d.version) + 1;
+                        // The write's sequence number: never repeated for a key, a
+                        // delete and a create again included (per-key counters began
+                        // at 1 again, and a write conditional on a version read before
+                        // the delete landed on the new document).
+                        let version = seq;
                         let doc = Doc {
                             key: key.clone(),
                             version,

@@ -55,7 +55,7 @@ fn the_documented_curl_walkthrough_works() {
     );
     assert!(stdout.contains(r#""tenant_id":"acme""#), "{stdout}");
     assert!(
-        stdout.contains(r#""version": 2"#),
+        stdout.contains(r#""moved_on": true"#),
         "the PATCH applied: {stdout}"
     );
     let placed = stdout
