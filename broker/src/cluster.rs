@@ -858,6 +858,7 @@ pub fn join(
     std::thread::Builder::new().name("felix-follow".into()).spawn(move || {
         let mut cp = cp;
         cp.request_timeout = Duration::from_secs(5);
+        let mut synced = std::time::Instant::now();
         while !targets.cluster.stop.load(Ordering::SeqCst) {
             // Long-poll for assignment changes; any change, or the poll ending, brings a
             // full resync (streams, keys and nodes change without an assignment event).
@@ -868,8 +869,15 @@ pub fn join(
             if let Err(e) = &polled {
                 tracing::warn!(error = %e, "following the assignment feed");
                 std::thread::sleep(Duration::from_millis(500));
-                continue;
+                // A feed failing every poll (answering late, say) while the rest of
+                // the control plane answers still syncs every few seconds: skipped
+                // each time, the routes went stale for as long as heartbeats held the
+                // lease.
+                if synced.elapsed() < Duration::from_secs(3) {
+                    continue;
+                }
             }
+            synced = std::time::Instant::now();
             match sync_now(&cp, &targets) {
                 Ok(next) => seq = next,
                 Err(e) => {

@@ -2191,7 +2191,17 @@ fn routine(path: &str) -> bool {
     path.ends_with("/heartbeat") || path.ends_with("/replica-status") || path.starts_with("/debug/")
 }
 
-/// Records every write (POST, PUT, PATCH, DELETE) with its outcome once answered.
+/// Marks the answer to a request no route took: not audited.
+#[derive(Debug, Clone, Copy)]
+struct NoRoute;
+
+/// The longest path an audit entry keeps (characters); a longer one is cut.
+const AUDIT_PATH_MAX: usize = 1024;
+
+/// Records every write (POST, PUT, PATCH, DELETE) with its outcome once answered: every
+/// write a caller could make, that is. A request no route takes, or one refused 401
+/// (no token that verifies), is not recorded: anyone could add entries without end,
+/// each a store write taking every writer's lock.
 async fn audit(
     State(st): State<AppState>,
     req: axum::extract::Request,
@@ -2210,6 +2220,14 @@ async fn audit(
     }
     let (principal, tenant) = claimed_caller(req.headers(), &path);
     let answer = next.run(req).await;
+    if answer.status() == StatusCode::UNAUTHORIZED || answer.extensions().get::<NoRoute>().is_some()
+    {
+        return answer;
+    }
+    let path = match path.char_indices().nth(AUDIT_PATH_MAX) {
+        Some((cut, _)) => format!("{}…", &path[..cut]),
+        None => path,
+    };
     let entry = AuditEntry {
         at_ms: now_ms(),
         principal,
@@ -2393,7 +2411,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/nodes/{id}/replica-status", post(replica_status))
         .route("/v1/placement/replication", get(replication_view))
         .route("/v1/placement/abandon", post(abandon))
-        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .fallback(|| async {
+            let mut answer = ApiError::not_found("no such endpoint").into_response();
+            answer.extensions_mut().insert(NoRoute);
+            answer
+        })
         .layer(axum::middleware::from_fn_with_state(state.clone(), audit))
         .with_state(state)
 }

@@ -1872,6 +1872,32 @@ fn a_write_to_an_escaped_tenant_path_is_in_the_tenants_audit_log() {
     );
 }
 
+/// Writes nobody could make are not audited: a request no route takes, or one refused
+/// 401. Anyone could add entries without end (each a store write taking every writer's
+/// lock); a forbidden write by a caller with a token still is.
+#[test]
+fn anonymous_writes_do_not_fill_the_audit_log() {
+    let svc = memory_service();
+    let (anon, admin) = bootstrapped(&svc);
+    let before = admin.get("/v1/audit").unwrap()["items"]
+        .as_array()
+        .unwrap()
+        .len();
+    for _ in 0..50 {
+        expect_err(anon.post("/v1/nope", &json!({})), 404);
+        expect_err(anon.post("/v1/tenants", &json!({"tenant_id": "x"})), 401);
+    }
+    let long = format!("/v1/tenants/{}", "a".repeat(5_000));
+    let _ = admin.delete(&long);
+    let entries = admin.get("/v1/audit").unwrap()["items"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(entries.len(), before + 1, "{entries:#?}");
+    let path = entries.last().unwrap()["path"].as_str().unwrap();
+    assert!(path.chars().count() <= 1025, "{} characters", path.len());
+}
+
 #[test]
 fn keys_stored_in_clear_or_under_an_old_kek_are_sealed_again_at_start() {
     let rt = runtime();
