@@ -22,7 +22,7 @@ use bytes::{Bytes, BytesMut};
 use felix_core_runtime::placement::{ShardKey, ShardKind};
 use felix_core_runtime::{CoreId, clock, task};
 use felix_storage_uring::{BatchKind as LogBatchKind, PendingAppend};
-use felix_wire::internal::{self, InternalMessage, RefusalCode, ShardRef};
+use felix_wire::internal::{self, InternalMessage, MAX_RECORDS_PER_MESSAGE, RefusalCode, ShardRef};
 use felix_wire::{Generation, Offset, ShardId, message};
 
 use super::machine::{
@@ -220,16 +220,37 @@ impl ShipBuffer {
         }
         let i = self.batches.partition_point(|b| b.end() <= from);
         let mut out = Vec::new();
-        let mut bytes = 0;
+        let (mut bytes, mut records) = (0, 0);
         for b in self.batches.range(i..) {
-            if b.end() > durable || (!out.is_empty() && bytes >= max_bytes) {
+            let full = bytes >= max_bytes || records + b.records.len() > MAX_RECORDS_PER_MESSAGE;
+            if b.end() > durable || (!out.is_empty() && full) {
                 break;
             }
             bytes += b.records.iter().map(Bytes::len).sum::<usize>();
+            records += b.records.len();
             out.push(b.clone());
         }
         Some(out)
     }
+}
+
+/// The batches from the front of `batches` one message carries: at most
+/// [`MAX_RECORDS_PER_MESSAGE`] records in all (the first batch whatever its count; a
+/// client's batch holds no more). Bounded by bytes alone, a backlog of small records
+/// made messages the encoder refused, dropped every time: the follower never caught
+/// up, and Quorum writes never committed.
+fn within_one_message(mut batches: Vec<Batch>) -> Vec<Batch> {
+    let mut records = 0;
+    let keep = batches
+        .iter()
+        .take_while(|b| {
+            records += b.records.len();
+            records <= MAX_RECORDS_PER_MESSAGE
+        })
+        .count()
+        .max(1);
+    batches.truncate(keep);
+    batches
 }
 
 impl std::fmt::Debug for ReplicaShard {
@@ -1613,6 +1634,7 @@ impl Replicas {
                         }
                     })
                     .collect();
+                let batches = within_one_message(batches);
                 rs.machine
                     .borrow_mut()
                     .handle_read(to, from, batches, fetch, now());
@@ -1905,5 +1927,34 @@ mod tests {
         buffer.push(batch(9, 1));
         assert_eq!(ends(buffer.read(0, 1 << 20, 10)), None);
         assert_eq!(ends(buffer.read(9, 1 << 20, 10)), Some(vec![10]));
+    }
+
+    /// A read to ship holds at most the records one message carries: bounded by bytes
+    /// alone, a backlog of small records made messages the encoder refused, dropped
+    /// every time, and the follower never caught up.
+    #[test]
+    fn a_ship_read_fits_one_message_in_records() {
+        use super::super::machine::{Batch, BatchKind};
+        use felix_wire::internal::MAX_RECORDS_PER_MESSAGE;
+        let batch = |base: u64, n: usize| Batch {
+            base,
+            kind: BatchKind::Data,
+            timestamp_micros: 0,
+            producer: None,
+            records: vec![bytes::Bytes::new(); n],
+        };
+        let half = MAX_RECORDS_PER_MESSAGE / 2;
+        let mut buffer = super::ShipBuffer::default();
+        for i in 0..3 {
+            buffer.push(batch((i * half) as u64, half));
+        }
+        let end = 3 * half as u64;
+        let read = buffer.read(0, 1 << 20, end).unwrap();
+        assert_eq!(read.len(), 2, "two halves fit, the third waits");
+        let read =
+            super::within_one_message((0..3).map(|i| batch((i * half) as u64, half)).collect());
+        assert_eq!(read.len(), 2);
+        let one = super::within_one_message(vec![batch(0, MAX_RECORDS_PER_MESSAGE + 1)]);
+        assert_eq!(one.len(), 1, "a first batch goes whatever its count");
     }
 }

@@ -1518,6 +1518,15 @@ fn publish(
             "a publish batch needs at least one record".into(),
         ));
     }
+    // One batch ships to followers in one replication message, which carries at most
+    // this many records (as the reference's does): a larger batch could never be
+    // shipped, and its shard's followers never caught up.
+    if p.records.len() > felix_wire::internal::MAX_RECORDS_PER_MESSAGE {
+        return refuse(BrokerError::InvalidRequest(format!(
+            "a publish batch holds at most {} records",
+            felix_wire::internal::MAX_RECORDS_PER_MESSAGE
+        )));
+    }
     let entry = match dir.stream(t, ns, s, session.may_create(true, ns, s)) {
         Ok(e) => e,
         Err(e) => return refuse(e),
@@ -2313,6 +2322,28 @@ mod tests {
             refusal_code(&decide_frame(&s, &dir, &empty, true)),
             ErrorCode::InvalidRequest
         );
+        // More records than one replication message carries: never shippable.
+        let batch = |n: usize| {
+            json(Message::PublishBatch {
+                tenant_id: TENANT.into(),
+                namespace: "ns".into(),
+                stream: "s".into(),
+                payloads: vec![Bytes::new(); n],
+                key: None,
+                shard: None,
+                request_id: Some(RequestId(6)),
+                ack: Some(message::AckMode::PerBatch),
+            })
+        };
+        let max = felix_wire::internal::MAX_RECORDS_PER_MESSAGE;
+        assert_eq!(
+            refusal_code(&decide_frame(&s, &dir, &batch(max + 1), true)),
+            ErrorCode::InvalidRequest
+        );
+        assert!(matches!(
+            decide_frame(&s, &dir, &batch(max), true),
+            Action::Append { .. }
+        ));
     }
 
     #[test]
