@@ -172,6 +172,21 @@ impl CoreBroker {
                     Ok(r) => r,
                     Err(e) => return Box::pin(std::future::ready(Err(e))),
                 };
+                // Answered only by a serving leader, in the term it was decided in, as a
+                // write is (see `append_replicated`): a leader fenced by a successor (a
+                // planned move names it at once, with no lease to wait out) answered a
+                // re-send from its table though the successor, on a Leader shard, may
+                // not hold the original; the producer's next batch then found a gap,
+                // and the acknowledged batch was lost.
+                let decided = match &replica {
+                    Some(rs) if !rs.serving() => {
+                        return Box::pin(std::future::ready(Err(BrokerError::ShardUnavailable(
+                            "not_ready".into(),
+                        ))));
+                    }
+                    Some(rs) => Some(rs.term()),
+                    None => None,
+                };
                 let this = self.clone();
                 Box::pin(async move {
                     // On a Quorum shard the original may not be committed yet (it came
@@ -199,7 +214,9 @@ impl CoreBroker {
                     // leader past its lease (a successor may be taking writes, and on
                     // a `Leader` shard may not hold the original) must not give it.
                     if let Some(rs) = &replica
-                        && !this.may_acknowledge(rs)
+                        && (Some(rs.term()) != decided
+                            || !rs.serving()
+                            || !this.may_acknowledge(rs))
                     {
                         this.metrics
                             .lease_refusals
