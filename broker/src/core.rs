@@ -3649,6 +3649,9 @@ impl CoreBroker {
                     if let Ok(Some(rs)) = self.replica_of(k) {
                         rs.rebased();
                     }
+                    if let Some(t) = s.producers.borrow_mut().as_mut() {
+                        t.trim_below(s.log.base_offset());
+                    }
                     tracing::debug!(shard = %k, segments = n, "retention");
                 }
                 // Closed meanwhile (moved to another core, deleted): nothing to do.
@@ -3657,6 +3660,9 @@ impl CoreBroker {
                     // Some segments may have gone before the failure.
                     if let Ok(Some(rs)) = self.replica_of(k) {
                         rs.rebased();
+                    }
+                    if let Some(t) = s.producers.borrow_mut().as_mut() {
+                        t.trim_below(s.log.base_offset());
                     }
                     tracing::warn!(shard = %k, error = %e, "enforcing retention");
                 }

@@ -170,6 +170,19 @@ impl ProducerTable {
         self.stamp.cuts += 1;
     }
 
+    /// Retention removed the log below `base`: the batches there are forgotten, and a
+    /// producer left with none is unknown (`unknown_producer` past sequence 0), as a
+    /// table built from the log after a restart has it. Kept, a live broker answered
+    /// such a producer's re-send and appended its next batch, and the same requests
+    /// after a restart were refused, fatally.
+    pub fn trim_below(&mut self, base: u64) {
+        self.producers.retain(|_, batches| {
+            batches.retain(|e| e.first >= base);
+            !batches.is_empty()
+        });
+        self.skip_to(base);
+    }
+
     /// Where reading the log resumes.
     pub fn end(&self) -> u64 {
         self.end
@@ -383,6 +396,25 @@ mod tests {
             }),
             records: vec![Bytes::from_static(b"r"); n],
         }
+    }
+
+    /// Retention forgets what it removed: a producer whose every batch went is unknown,
+    /// as after a restart; one with a batch left keeps its place.
+    #[test]
+    fn retention_forgets_the_producers_it_removed() {
+        let mut t = ProducerTable::at(0);
+        for (producer, first) in [(7, 0), (8, 5), (8, 20)] {
+            let sequence = u64::from(first == 20);
+            t.admitted(producer, sequence, first, n(1));
+            t.written(t.stamp(), producer, sequence);
+        }
+        t.trim_below(10);
+        assert_eq!(
+            t.decide(7, 1, n(1)),
+            Decision::Refuse(PublishRefusalReason::UnknownProducer)
+        );
+        assert_eq!(t.decide(8, 2, n(1)), Decision::Append);
+        assert_eq!(t.end(), 10);
     }
 
     #[test]
