@@ -117,9 +117,33 @@ pub struct Deletion {
     pub name: String,
     /// Its shard count.
     pub shards: u32,
-    /// Cores that finished (bit per core index).
+    /// Cores 0-63 that finished (bit per core index).
     #[serde(default)]
     pub done_by: u64,
+    /// Cores from 64 up that finished: a bit of `done_by` each, shifted past 63, was
+    /// core 0's bit again (a release build: a deletion finished while those cores still
+    /// held the stream's shards, and the name was free again) or a panic (debug).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub done_by_high: Vec<usize>,
+}
+
+impl Deletion {
+    /// Whether core `core` finished its part.
+    fn done(&self, core: usize) -> bool {
+        match core {
+            0..64 => self.done_by & (1 << core) != 0,
+            _ => self.done_by_high.contains(&core),
+        }
+    }
+
+    /// Core `core` finished its part.
+    fn mark_done(&mut self, core: usize) {
+        match core {
+            0..64 => self.done_by |= 1 << core,
+            _ if !self.done(core) => self.done_by_high.push(core),
+            _ => {}
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
@@ -431,6 +455,7 @@ impl Catalog {
             name: n.to_owned(),
             shards: spec.shards,
             done_by: 0,
+            done_by_high: Vec::new(),
         });
         drop(st);
         self.changed(true);
@@ -442,7 +467,7 @@ impl Catalog {
         self.read()
             .deleting
             .iter()
-            .filter(|d| d.done_by & (1 << core) == 0)
+            .filter(|d| !d.done(core))
             .cloned()
             .collect()
     }
@@ -451,11 +476,6 @@ impl Catalog {
     /// forgotten and the name may be created again. Returns whether it was the last.
     pub fn deletion_done(&self, deletion: &Deletion, core: usize, cores: usize) -> bool {
         let mut st = self.write();
-        let all = if cores >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << cores) - 1
-        };
         let mut finished = false;
         st.deleting.retain_mut(|d| {
             if d.stream == deletion.stream
@@ -463,8 +483,8 @@ impl Catalog {
                 && d.namespace == deletion.namespace
                 && d.name == deletion.name
             {
-                d.done_by |= 1 << core;
-                finished = d.done_by & all == all;
+                d.mark_done(core);
+                finished = (0..cores).all(|c| d.done(c));
                 !finished
             } else {
                 true
@@ -750,6 +770,19 @@ mod tests {
         assert_eq!(c.pending_deletions(1).len(), 1);
         assert!(c.deletion_done(&owed[0], 1, 2));
         assert!(!c.is_deleting(true, "t", "ns", "s"));
+        // Past 64 cores each still counts apart: core 64 was core 0's bit again.
+        c.lookup(true, "t", "ns", "wide", true).unwrap();
+        assert!(c.delete(true, "t", "ns", "wide"));
+        let owed = c.pending_deletions(0);
+        for core in 0..65 {
+            assert_eq!(c.pending_deletions(core).len(), 1, "core {core}");
+        }
+        for core in (1..66).rev() {
+            assert!(!c.deletion_done(&owed[0], core, 66), "core {core}");
+        }
+        assert!(c.pending_deletions(64).is_empty());
+        assert_eq!(c.pending_deletions(0).len(), 1, "core 0 has not finished");
+        assert!(c.deletion_done(&owed[0], 0, 66));
         assert!(
             c.lookup(true, "t", "ns", "s", true).is_ok(),
             "the name is free again"
