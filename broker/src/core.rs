@@ -2893,8 +2893,21 @@ impl CoreBroker {
                     e.map(|e| e.version),
                 ))
             }
-            CacheOp::Put(k, v, ttl) => Ok(CacheAnswer::Written(shard.put(&k, v, ttl, now).await?)),
-            CacheOp::Delete(k) => Ok(CacheAnswer::Value(shard.delete(&k, now).await?, None)),
+            // Behind the writes of the key waiting to claim (conditional ones): writes
+            // of one key land in the order they came (see `CacheShard::turns`).
+            CacheOp::Put(k, v, ttl) => {
+                shard.after_waiting_writes(&k).await;
+                Ok(CacheAnswer::Written(
+                    shard.put(&k, v, ttl, clock::now()).await?,
+                ))
+            }
+            CacheOp::Delete(k) => {
+                shard.after_waiting_writes(&k).await;
+                Ok(CacheAnswer::Value(
+                    shard.delete(&k, clock::now()).await?,
+                    None,
+                ))
+            }
             CacheOp::CounterAdd(k, d) => Ok(CacheAnswer::Counter(Some(
                 shard.counter_add(&k, d, now).await?,
             ))),
@@ -2904,6 +2917,7 @@ impl CoreBroker {
                 // with no wait after the check (put claims before its first await). A
                 // stream of writes of the key may keep it from settling: refused
                 // `not_ready` after a while, as on a replicated cache.
+                let _turn = shard.awaiting_turn(&k);
                 settled(&shard, &k).await?;
                 if let Err(current) = shard.condition_holds(&k, &condition, clock::now()) {
                     return Ok(CacheAnswer::Condition(false, current));
@@ -2912,6 +2926,7 @@ impl CoreBroker {
                 Ok(CacheAnswer::Condition(true, Some(version)))
             }
             CacheOp::DeleteIf(k, version) => {
+                let _turn = shard.awaiting_turn(&k);
                 settled(&shard, &k).await?;
                 let condition = felix_wire::message::CacheCondition::Version(version);
                 // One instant for the check and the delete: a value expiring between
@@ -2950,13 +2965,22 @@ impl CoreBroker {
         // and must be current. Housekeeping's expiry never waits (it looks again next
         // round); a put answers nothing from the index, and its own majority wait and
         // lease check cover it.
+        // Writes that wait before they claim (deletes, conditional writes) hold their
+        // key's turn until they claim, and a put of the key waits behind them: writes of
+        // one key land in the order they came (see `CacheShard::turns`).
+        let mut turn = match &op {
+            CacheOp::Delete(k) | CacheOp::PutIf(k, ..) | CacheOp::DeleteIf(k, _) => {
+                Some(cache.awaiting_turn(k))
+            }
+            _ => None,
+        };
         match &op {
             CacheOp::Expire(..) => {
                 if !rs.reads_ready() {
                     return Ok(CacheAnswer::Condition(false, None));
                 }
             }
-            CacheOp::Put(..) => {}
+            CacheOp::Put(k, ..) => cache.after_waiting_writes(k).await,
             _ => {
                 rs.reads_settled().await?;
                 self.lease_read(&rs)?;
@@ -3072,6 +3096,7 @@ impl CoreBroker {
         // this request is still there when it commits (no wait since the checks).
         let first = pending.first();
         let sum = cache.stage(first, &record);
+        turn.take();
         let appended = match rs.log().commit(pending).await {
             Ok(a) => a,
             Err(e) => {

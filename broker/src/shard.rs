@@ -516,6 +516,12 @@ pub struct CacheShard {
     /// Writes claimed but not yet applied, per key: a conditional write waits for them,
     /// so its condition is checked against every write before it.
     in_flight: RefCell<HashMap<String, u32>>,
+    /// Writes of a key waiting to claim their place in the log (a delete or a
+    /// conditional write waits for the key's earlier writes first), per key: a put or
+    /// delete of the key that comes meanwhile waits behind them, so writes of one key
+    /// pipelined on a stream land in the order sent (a put sent after a waiting delete
+    /// claimed first, and the delete then removed the acknowledged put).
+    turns: RefCell<HashMap<String, u32>>,
     /// Adds claimed but not yet applied, per counter (a compaction checkpoints a counter
     /// only while it has none). Apart from `in_flight`: counters and keys are named
     /// apart, and a key named like a counter's guard stalled every compaction.
@@ -625,6 +631,7 @@ impl CacheShard {
             state: RefCell::new(state),
             changed: crate::groups::Wakers::default(),
             in_flight: RefCell::default(),
+            turns: RefCell::default(),
             counters_in_flight: RefCell::default(),
             adding: RefCell::default(),
             staged: RefCell::default(),
@@ -1151,6 +1158,24 @@ impl CacheShard {
             shard: self,
             map: &self.in_flight,
             key: key.to_owned(),
+        }
+    }
+
+    /// Marks a write of `key` waiting to claim its place until the returned guard drops
+    /// (see `turns`).
+    pub fn awaiting_turn(&self, key: &str) -> KeyWrite<'_> {
+        self.mark(&self.turns, key, true);
+        KeyWrite {
+            shard: self,
+            map: &self.turns,
+            key: key.to_owned(),
+        }
+    }
+
+    /// Waits until no earlier write of `key` waits to claim its place.
+    pub async fn after_waiting_writes(&self, key: &str) {
+        while self.turns.borrow().contains_key(key) {
+            self.changed.changed().await;
         }
     }
 

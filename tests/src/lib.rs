@@ -963,6 +963,89 @@ impl Drop for LoopFs {
     }
 }
 
+/// Sends, pipelined on one stream after `auth` to the broker at `addr`, writes of key
+/// `k` of `(tenant, namespace, cache)`: put v1, delete, put-if-absent v2, put v3; then,
+/// once they are answered, a get. Returns whether the put-if applied and what the get
+/// read. In the order sent the put-if applies (the delete removed v1) and v3 is the
+/// last value: `(Some(true), Some(Some("v3")))`.
+pub async fn writes_of_one_key_in_order(
+    addr: SocketAddr,
+    ca: &Path,
+    auth: bytes::Bytes,
+    (tenant, namespace, cache): (&str, &str, &str),
+) -> (Option<bool>, Option<Option<bytes::Bytes>>) {
+    use felix_wire::message::CacheCondition;
+    use felix_wire::{Message, RequestId};
+    let (t, ns, c) = (tenant.to_owned(), namespace.to_owned(), cache.to_owned());
+    let put = |v: &'static str, id: u64| Message::CachePut {
+        tenant_id: t.clone(),
+        namespace: ns.clone(),
+        cache: c.clone(),
+        key: "k".into(),
+        value: bytes::Bytes::from_static(v.as_bytes()),
+        request_id: Some(RequestId(id)),
+        ttl_ms: None,
+    };
+    let writes = [
+        put("v1", 1),
+        Message::CacheDelete {
+            tenant_id: t.clone(),
+            namespace: ns.clone(),
+            cache: c.clone(),
+            key: "k".into(),
+            request_id: Some(RequestId(2)),
+        },
+        Message::CachePutIf {
+            tenant_id: t.clone(),
+            namespace: ns.clone(),
+            cache: c.clone(),
+            key: "k".into(),
+            value: bytes::Bytes::from_static(b"v2"),
+            ttl_ms: None,
+            condition: CacheCondition::Absent,
+            request_id: RequestId(3),
+        },
+        put("v3", 4),
+    ];
+    let get = Message::CacheGet {
+        tenant_id: t.clone(),
+        namespace: ns.clone(),
+        cache: c.clone(),
+        key: "k".into(),
+        request_id: Some(RequestId(5)),
+    };
+    let (_ep, conn) = raw_connect_to(addr, ca).await.unwrap();
+    let (mut s, mut r) = conn.open_bi().await.unwrap();
+    let mut all = auth.to_vec();
+    for w in &writes {
+        all.extend_from_slice(&w.to_frame());
+    }
+    s.write_all(&all).await.unwrap();
+    let mut answers = read_messages(&mut r, writes.len() + 1).await.unwrap();
+    // Only once the writes are answered: sent with them, it could be read before they
+    // apply.
+    s.write_all(&get.to_frame()).await.unwrap();
+    s.finish().unwrap();
+    answers.extend(read_messages(&mut r, 1).await.unwrap());
+    let applied = answers.iter().flatten().find_map(|m| match m {
+        Message::CacheConditionResult {
+            applied,
+            request_id: RequestId(3),
+            ..
+        } => Some(*applied),
+        _ => None,
+    });
+    let read = answers.iter().flatten().find_map(|m| match m {
+        Message::CacheValue {
+            value,
+            request_id: Some(RequestId(5)),
+            ..
+        } => Some(value.clone()),
+        _ => None,
+    });
+    (applied, read)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -371,3 +371,28 @@ fn another_batch_under_a_used_sequence_is_refused_and_nothing_is_written() {
         assert_eq!(offset(ask(&b, reads_reused, publish(2, &["f"])).await), 3);
     });
 }
+
+/// Writes of one key pipelined on a stream land in the order sent: a conditional write
+/// waits for the key's earlier writes before it claims its place, and a put sent after
+/// it claimed first, so the condition was checked against a write sent after it (and a
+/// delete waiting so removed a later, acknowledged put). See
+/// [`felix_cluster::writes_of_one_key_in_order`].
+#[test]
+fn pipelined_writes_of_one_key_land_in_the_order_sent() {
+    let (b, _dir) = broker();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let auth = auth(&b, Features::ERROR_CODES.union(Features::CACHE_CONDITIONAL));
+    for round in 0..5 {
+        let outcome = rt.block_on(felix_cluster::writes_of_one_key_in_order(
+            b.listen,
+            &b.ca_file(),
+            auth.clone(),
+            ("dev", "default", "ordered"),
+        ));
+        assert_eq!(
+            outcome,
+            (Some(true), Some(Some(bytes::Bytes::from_static(b"v3")))),
+            "round {round}"
+        );
+    }
+}

@@ -778,6 +778,53 @@ fn create_quorum_cache(c: &TestCluster, name: &str) {
         .unwrap();
 }
 
+/// Writes of one key pipelined on a stream land in the order sent on a replicated
+/// cache too: there a delete waits for the key's earlier writes as conditional writes
+/// do, and a put sent after it claimed first; the delete then removed the acknowledged
+/// put. See [`felix_cluster::writes_of_one_key_in_order`].
+#[test]
+fn pipelined_writes_of_one_key_land_in_order_on_a_quorum_cache() {
+    let c = cluster();
+    create_quorum_cache(&c, "ordered");
+    let (leader, _) = wait_for("a cache leader", Duration::from_secs(20), || {
+        leader_and_generation(&c, "cache", Some("ordered"))
+    })
+    .unwrap();
+    let config = c.client_config().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Serving once its first generation starts.
+    rt.block_on(async {
+        let client = felix_client::Client::connect(c.brokers[leader].listen, "localhost", config)
+            .await
+            .unwrap();
+        put_until_taken(&client, "ordered", b"v0").await;
+    });
+    let (lo, hi) = felix_wire::Features::ERROR_CODES
+        .union(felix_wire::Features::CACHE_CONDITIONAL)
+        .offer();
+    let auth = felix_wire::Message::Auth {
+        tenant_id: TENANT.into(),
+        token: c.client_token.clone(),
+        client_flags: Some(0x1FFF),
+        client_features: lo,
+        client_features_hi: hi,
+    }
+    .to_frame();
+    for round in 0..5 {
+        let outcome = rt.block_on(felix_cluster::writes_of_one_key_in_order(
+            c.brokers[leader].listen,
+            &c.certs.ca,
+            auth.clone(),
+            (TENANT, NAMESPACE, "ordered"),
+        ));
+        assert_eq!(
+            outcome,
+            (Some(true), Some(Some(bytes::Bytes::from_static(b"v3")))),
+            "round {round}"
+        );
+    }
+}
+
 /// Puts `value` at key `k` of `cache` through `client` until it is taken (a new cache
 /// serves once its first generation starts; a successor once it took over), for 20 s.
 async fn put_until_taken(client: &felix_client::Client, cache: &str, value: &'static [u8]) {
