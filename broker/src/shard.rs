@@ -1413,7 +1413,18 @@ async fn replay(key: &ShardKey, log: &SegmentLog<DmaBackend>) -> Result<Projecti
     let mut index = Projection::default();
     let mut at = log.base_offset();
     loop {
-        let batches: Vec<ReadBatch> = log.read(at, 4 << 20).await?;
+        let batches: Vec<ReadBatch> = match log.read(at, 4 << 20).await {
+            Ok(b) => b,
+            // A cut removed what was being read (a replica's compaction cut while it
+            // began leading): everything live below the new base was copied past it, so
+            // the replay starts over there. It failed, and the new leader never served.
+            Err(felix_storage_uring::StorageError::Trimmed { .. }) => {
+                index = Projection::default();
+                at = log.base_offset();
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         if batches.is_empty() {
             break;
         }
@@ -1669,6 +1680,55 @@ mod tests {
                 let v = &st.index.get(k).unwrap().value;
                 assert_eq!(v, &Bytes::from_static(b"small"));
                 assert!(v.is_unique(), "{k}: shares its buffer");
+            }
+        });
+    }
+
+    /// A replay whose reads a compaction's cut overtakes (a replica that begins leading
+    /// while its copy compacts) starts over at the new base: it failed, and the new
+    /// leader never served.
+    #[test]
+    fn a_replay_overtaken_by_a_cut_starts_over_at_the_new_base() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let backend = DmaBackend::open_dir(dir.path()).await.unwrap();
+            let config = felix_storage_uring::LogConfig {
+                segment_bytes_max: 1 << 20,
+                ..felix_storage_uring::LogConfig::default()
+            };
+            let (log, _) = SegmentLog::open(backend, config).await.unwrap();
+            let key = Arc::new(ShardKey {
+                kind: felix_core_runtime::placement::ShardKind::Cache,
+                tenant: "t".into(),
+                namespace: "ns".into(),
+                name: "c".into(),
+                shard: 0,
+            });
+            let shard = CacheShard::open(key.clone(), log).await.unwrap();
+            let now = felix_core_runtime::clock::now();
+            // 12 MiB of overwrites of a few keys: more than one replay read.
+            for i in 0..3_000u32 {
+                let v = Bytes::from(vec![(i % 251) as u8; 4096]);
+                shard
+                    .put(&format!("k{}", i % 4), v, None, now)
+                    .await
+                    .unwrap();
+            }
+            let mut replay = std::pin::pin!(replay(&key, shard.log()));
+            assert!(poll_once(&mut replay).await.is_none(), "reading");
+            let c = shard.compact(&LocalWrites(shard.log())).await.unwrap();
+            assert!(c.segments > 0, "{c:?}");
+            let replayed = replay.await.expect("started over at the new base");
+            for k in 0..4u32 {
+                assert_eq!(
+                    replayed
+                        .index
+                        .get(&format!("k{k}"))
+                        .map(|e| e.value.clone()),
+                    shard.get(&format!("k{k}"), now).map(|e| e.value),
+                    "k{k}"
+                );
             }
         });
     }

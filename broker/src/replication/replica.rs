@@ -610,7 +610,7 @@ impl ReplicaShard {
         }
     }
 
-    async fn on_serving(&self, serving: bool) {
+    async fn on_serving(self: &Rc<Self>, serving: bool) {
         self.term.set(self.term.get() + 1);
         self.ready.set(false);
         self.shipping.borrow_mut().clear();
@@ -628,6 +628,35 @@ impl ReplicaShard {
                 Held::Cache(c) => {
                     if let Err(e) = c.rebuild().await {
                         tracing::error!(shard = %self.key, error = %e, "rebuilding a cache index");
+                        // Tried again, on a task of its own (the driver goes on), while
+                        // this term lasts: given up, the replica went on reporting itself
+                        // leader and never served (`ready` never set).
+                        let (this, c, term) = (self.clone(), c.clone(), self.term.get());
+                        task::spawn(async move {
+                            let mut wait = Duration::from_millis(50);
+                            loop {
+                                task::sleep(wait).await;
+                                wait = (wait * 2).min(Duration::from_secs(2));
+                                let current = || {
+                                    this.term.get() == term
+                                        && this.machine.borrow().serving()
+                                        && !this.stopped.get()
+                                };
+                                if !current() {
+                                    return;
+                                }
+                                match c.rebuild().await {
+                                    Ok(()) if current() => {
+                                        this.ready.set(true);
+                                        this.kick();
+                                        return;
+                                    }
+                                    Ok(()) => return,
+                                    Err(e) => tracing::error!(shard = %this.key, error = %e, "rebuilding a cache index"),
+                                }
+                            }
+                        })
+                        .detach();
                         return;
                     }
                 }
