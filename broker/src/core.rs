@@ -2060,9 +2060,11 @@ impl CoreBroker {
         start: Option<StartPosition>,
         core: CoreId,
     ) -> Result<(u64, u64), BrokerError> {
+        // The replica first: a copy this broker no longer holds (retired, its directory
+        // moved away) is not opened again, empty, for a reader that lagged behind.
+        let replica = self.replica_of(key)?;
         let shard = self.stream_shard(key).await?;
         let base = shard.log.base_offset();
-        let replica = self.replica_of(key)?;
         if replica.as_ref().is_some_and(|rs| !rs.serving()) {
             // Still fencing or catching up (or deposed): nothing to read here yet.
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
@@ -2184,8 +2186,9 @@ impl CoreBroker {
         from: u64,
         max_bytes: usize,
     ) -> Result<Vec<ReadBatch>, BrokerError> {
-        let shard = self.stream_shard(key).await?;
+        // The replica first, as at a subscription's registration.
         let replica = self.replica_of(key)?;
+        let shard = self.stream_shard(key).await?;
         let mut batches = shard.log.read(from, max_bytes).await?;
         if let Some(rs) = replica {
             let visible = rs.visible_end();
