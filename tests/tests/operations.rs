@@ -1943,3 +1943,25 @@ fn pipelined_cache_puts_keep_their_order_across_re_pins() {
         assert_eq!(seen, 2 * PUTS, "every put is in the log");
     });
 }
+
+/// A broker holds at most `PIN_RULES_MAX` (1,024) pin rules: every owner lookup checks
+/// every rule, once a request, and each new pattern added one for good. A rule for the
+/// same shards as one held replaces it, past the bound too.
+#[test]
+fn pin_rules_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(dir.path(), "", &["--cores", "0-1"]);
+    let post = |rule: &str| {
+        let body = json!({ "rule": rule }).to_string();
+        felix_client::ops::http(&b.http.to_string(), "POST", "/pins", Some(&body)).unwrap()
+    };
+    for i in 0..1024 {
+        let (status, body) = post(&format!("dev/default/s{i}/0=0"));
+        assert_eq!(status, 200, "rule {i}: {body}");
+    }
+    let (status, body) = post("dev/default/one-more/0=0");
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("at most 1024"), "{body}");
+    let (status, body) = post("dev/default/s7/0=0");
+    assert_eq!(status, 200, "the same shards again: {body}");
+}

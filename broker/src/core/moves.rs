@@ -193,6 +193,9 @@ pub struct RepinReport {
     pub persisted: bool,
 }
 
+/// Pin rules a broker holds at most, operators' and automatic ones together.
+pub const PIN_RULES_MAX: usize = 1024;
+
 /// A re-pin in progress, as one core sees it.
 pub(super) struct MoveState {
     old: Arc<PlacementTable>,
@@ -432,6 +435,14 @@ impl CoreBroker {
         let new = old
             .with_rule(rule.clone())
             .map_err(|e| BrokerError::InvalidRequest(e.to_string()))?;
+        if new.rules().len() > PIN_RULES_MAX && new.rules().len() > old.rules().len() {
+            // Every owner lookup checks every rule, once a request: rules kept coming
+            // (one per new pattern, for good) and each made every request dearer.
+            return Err(BrokerError::InvalidRequest(format!(
+                "{rule}: a broker holds at most {PIN_RULES_MAX} pin rules (a rule for the \
+                 same shards replaces the old one)"
+            )));
+        }
         let mut moves: Vec<(Arc<ShardKey>, CoreId, CoreId)> = Vec::new();
         for (stream, kind) in [(true, ShardKind::Stream), (false, ShardKind::Cache)] {
             for (name, spec) in self.shared.catalog.list(stream) {
