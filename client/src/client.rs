@@ -1574,7 +1574,20 @@ async fn route_event_streams(
     }
 }
 
+/// Opens a stream and authenticates it, within the request timeout: a broker that took
+/// the stream but never answered its `auth` (or granted no stream) held the caller for
+/// good (the connection stayed alive, so its idle timeout never fired).
 async fn open_stream(
+    conn: &quinn::Connection,
+    config: &ClientConfig,
+    addr: SocketAddr,
+) -> Result<(Stream, Negotiated), ClientError> {
+    tokio::time::timeout(config.request_timeout, open_stream_now(conn, config, addr))
+        .await
+        .map_err(|_| ClientError::Timeout("opening a stream"))?
+}
+
+async fn open_stream_now(
     conn: &quinn::Connection,
     config: &ClientConfig,
     addr: SocketAddr,

@@ -2054,3 +2054,60 @@ fn felix_group_poll_acks_nothing_it_could_not_write_out() {
         "nothing acked: {described}"
     );
 }
+
+/// A broker that takes the client's streams but never answers their `auth` (alive: the
+/// connection does not time out) fails the call after the request timeout: opening and
+/// authenticating a stream waited for good.
+#[test]
+fn a_broker_that_never_answers_auth_fails_the_call_after_the_request_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, cert.pem()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let server_config = felix_core_runtime::quic::server_config(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            felix_core_runtime::quic::TransportLimits::default(),
+        )
+        .unwrap();
+        let server =
+            quinn::Endpoint::server(server_config, "127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = server.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Some(incoming) = server.accept().await {
+                tokio::spawn(async move {
+                    let Ok(conn) = incoming.await else { return };
+                    // Taken, read from, never answered.
+                    let mut held = Vec::new();
+                    while let Ok(stream) = conn.accept_bi().await {
+                        held.push(stream);
+                    }
+                });
+            }
+        });
+        let quinn = felix_client::quic_client_config_from_file(&ca, false).unwrap();
+        let mut config = ClientConfig::from_env_or_yaml(quinn, None).unwrap();
+        config.auth_tenant_id = Some("dev".to_string());
+        config.auth_token = Some("token".to_string());
+        config.request_timeout = Duration::from_millis(500);
+        let started = Instant::now();
+        let connected = tokio::time::timeout(
+            Duration::from_secs(10),
+            felix_client::Client::connect(addr, "localhost", config),
+        )
+        .await
+        .expect("the call gave up by itself");
+        assert!(
+            matches!(connected, Err(felix_client::ClientError::Timeout(_))),
+            "{:?}",
+            connected.err()
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+    });
+}
