@@ -454,6 +454,10 @@ pub struct GroupShard {
     settled: Wakers,
     /// Woken when an ack's write ends (repeated acks wait for it).
     acks_written: Wakers,
+    /// Dead letters whose write is in flight (group, offset): a consumer's dead letter
+    /// sent again meanwhile waits for it (woken through `acks_written`) rather than
+    /// being answered done on the strength of a write that may yet fail.
+    dead_writing: RefCell<std::collections::HashSet<(String, u64)>>,
     /// Groups with a seek, create or delete handed to the writer and not yet applied
     /// to their trackers, and how many. Those changes apply once durable; an ack,
     /// claim or dead letter applies at once and writes after. Were one to run in
@@ -615,6 +619,32 @@ impl Drop for Unanswered<'_> {
             claims.iter().for_each(|&(o, serial)| t.release(o, serial))
         });
         self.shard.settled.wake_all();
+    }
+}
+
+/// Dead letters being written, marked in [`GroupShard::dead_writing`] until the write
+/// ends however it ends (answered, or the request dropped); then those waiting are woken.
+struct DeadWriting<'a> {
+    shard: &'a GroupShard,
+    keys: Vec<(String, u64)>,
+}
+
+impl<'a> DeadWriting<'a> {
+    fn start(shard: &'a GroupShard, group: &str, offsets: &[u64]) -> Self {
+        let keys: Vec<(String, u64)> = offsets.iter().map(|o| (group.to_owned(), *o)).collect();
+        shard.dead_writing.borrow_mut().extend(keys.iter().cloned());
+        DeadWriting { shard, keys }
+    }
+}
+
+impl Drop for DeadWriting<'_> {
+    fn drop(&mut self) {
+        let mut writing = self.shard.dead_writing.borrow_mut();
+        self.keys.iter().for_each(|k| {
+            writing.remove(k);
+        });
+        drop(writing);
+        self.shard.acks_written.wake_all();
     }
 }
 
@@ -861,6 +891,7 @@ impl GroupShard {
             limits,
             settled: Wakers::default(),
             acks_written: Wakers::default(),
+            dead_writing: RefCell::default(),
             changing: RefCell::default(),
             changes_applied: Wakers::default(),
             folded: Rc::new(RefCell::new(state.folded)),
@@ -1110,6 +1141,15 @@ impl GroupShard {
                 .map(GroupAnswer::Extended)
                 .map_err(refused),
             GroupOp::DeadLetter(group, o) => {
+                // A dead letter of `o` being written (this one's first sending, its
+                // answer lost, or a poll's at the attempt limit): its outcome first.
+                let started = std::time::Instant::now();
+                while self.dead_writing.borrow().contains(&(group.clone(), o)) {
+                    if started.elapsed() > ACK_RETRY_WAIT_MAX {
+                        return Err(BrokerError::ShardUnavailable("not_ready".into()));
+                    }
+                    task::timeout(Duration::from_millis(100), self.acks_written.changed()).await;
+                }
                 let (was_full, e) = self
                     .tracker(&group, |t| (t.is_full(), t.dead_letter(o, now_ms())))
                     .map_or_else(|| (false, Err(no_group(&group, false))), |(f, e)| (f, e));
@@ -1119,6 +1159,7 @@ impl GroupShard {
                 if was_full {
                     self.settled.wake_all();
                 }
+                let _writing = DeadWriting::start(self, &group, &[o]);
                 if let Err(err) = self.write(&group, &[Some(e)]).await {
                     self.tracker(&group, |t| t.undo_dead(o));
                     self.settled.wake_all();
@@ -1374,6 +1415,9 @@ impl GroupShard {
             group,
             claims: Vec::new(),
         };
+        // Each record of `out`: the claim pass that made it, and whether it is the
+        // member's own claim handed back.
+        let mut claims: Vec<(u64, bool)> = Vec::new();
         loop {
             self.after_changes(group).await;
             let base = stream.log.base_offset();
@@ -1393,6 +1437,7 @@ impl GroupShard {
                 .extend(fresh.iter().map(|&(o, _)| (o, claimed.serial)));
             if !claimed.dead.is_empty() {
                 let events: Vec<_> = claimed.dead.iter().map(|o| Some(Event::Dead(*o))).collect();
+                let _writing = DeadWriting::start(self, group, &claimed.dead);
                 if let Err(e) = self.write(group, &events).await {
                     self.tracker(group, |t| claimed.dead.iter().for_each(|o| t.undo_dead(*o)));
                     self.tracker(group, |t| {
@@ -1421,10 +1466,28 @@ impl GroupShard {
                 .await?;
             let full = records.len() + passed < handed;
             bytes += records.iter().map(|r| r.payload.len()).sum::<usize>();
+            let reclaimed = &claimed.handed[..claimed.reclaimed];
+            claims.extend(records.iter().map(|r| {
+                let own = reclaimed.iter().any(|(o, _)| *o == r.offset.0);
+                (claimed.serial, own)
+            }));
             out.extend(records);
             // Stop when full (by count, or the answer's byte bound handed claims back),
             // when nothing more could be claimed, or when nothing was passed over.
             if out.len() >= max || handed == 0 || passed == 0 || full {
+                // The records of earlier passes too are handed out only if still held: a
+                // seek or a delete applied while a later pass waited took them.
+                let name = member.as_ref().map(|m| m.name.clone());
+                let held = self.tracker(group, |t| {
+                    out.iter()
+                        .zip(&claims)
+                        .map(|(r, &(serial, own))| {
+                            t.holds(r.offset.0, serial, own.then_some(name.as_deref()).flatten())
+                        })
+                        .collect::<Vec<bool>>()
+                });
+                let mut held = held.unwrap_or_default().into_iter();
+                out.retain(|_| held.next().unwrap_or(false));
                 unanswered.answered();
                 return Ok(out);
             }
@@ -2215,7 +2278,15 @@ mod tests {
     }
 
     fn appended() -> Result<Appended, BrokerError> {
-        Ok(Appended { first: 0, end: 1 })
+        appended_at(0)
+    }
+
+    /// A write answered as appended at `first`, one record.
+    fn appended_at(first: u64) -> Result<Appended, BrokerError> {
+        Ok(Appended {
+            first,
+            end: first + 1,
+        })
     }
 
     /// One poll's answer holds at most `max_claim` records and about `POLL_BYTES_MAX`
@@ -2770,6 +2841,102 @@ mod tests {
                 ),
                 other => panic!("{other:?}"),
             }
+        });
+    }
+
+    /// A poll of several passes (the first passed over another group's event) hands out
+    /// the records of its earlier passes only if they are still its own: a seek applied
+    /// between two passes cleared them, the next pass claimed them again, and the answer
+    /// carried each twice (only the last pass's were checked).
+    #[test]
+    fn a_poll_hands_out_no_record_of_an_earlier_pass_a_seek_took_back() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            // 0: a record (due to be dead-lettered), 1: another group's event, 2: a record.
+            publish_visible(&stream, 1).await;
+            let event = encode("other", Some(Event::Ack(0)));
+            let p = stream
+                .log
+                .begin_group(std::slice::from_ref(&event), 0)
+                .unwrap();
+            let appended = stream.log.commit(p).await.unwrap();
+            stream.advance_fanout(appended);
+            publish_visible(&stream, 1).await;
+            let (g, writes) = shard_with_held_writes_and(Limits {
+                max_attempts: 1,
+                ..Limits::default()
+            });
+            claim_due_in_200_ms(&g);
+            felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
+            let poll = GroupOp::Poll {
+                group: "w".into(),
+                max: 10,
+                wait_ms: 0,
+                visibility_ms: 0,
+                member: None,
+            };
+            // Pass 1 dead-letters 0, claims 1 and 2, and waits on the dead letter's write.
+            let mut first = std::pin::pin!(g.serve(&stream, poll));
+            assert!(poll_once(&mut first).await.is_none());
+            let dead = first_write(&writes);
+            // A seek back to 1 starts; its write is held.
+            let seek = GroupOp::Seek {
+                group: "w".into(),
+                start: StartPosition::Offset(Offset(1)),
+                if_new: false,
+            };
+            let mut seek = std::pin::pin!(g.serve(&stream, seek));
+            assert!(poll_once(&mut seek).await.is_none());
+            // Pass 1 reads 1 (passed over) and 2, then pass 2 waits for the seek.
+            dead.send(appended_at(0)).unwrap();
+            for _ in 0..20 {
+                assert!(poll_once(&mut first).await.is_none(), "waits for the seek");
+                felix_core_runtime::task::sleep(Duration::from_millis(5)).await;
+            }
+            first_write(&writes).send(appended_at(3)).unwrap();
+            assert!(matches!(seek.await, Ok(GroupAnswer::Position(1, _))));
+            let Ok(GroupAnswer::Records(r)) = first.await else {
+                panic!("records");
+            };
+            let offsets: Vec<u64> = r.iter().map(|r| r.offset.0).collect();
+            assert_eq!(offsets, [2], "each record once, as claimed after the seek");
+        });
+    }
+
+    /// A dead letter sent again while the first sending's write is in flight waits for
+    /// that write: answered done at once, it told the consumer "dead-lettered" of a
+    /// write that then failed, and the record went out again.
+    #[test]
+    fn a_dead_letter_resent_waits_for_the_first_ones_write() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            publish_visible(&stream, 1).await;
+            let (g, writes) = shard_with_a_claim();
+            let dead = || GroupOp::DeadLetter("w".into(), 0);
+            let mut first = std::pin::pin!(g.serve(&stream, dead()));
+            assert!(poll_once(&mut first).await.is_none(), "its write is held");
+            let mut again = std::pin::pin!(g.serve(&stream, dead()));
+            assert!(
+                poll_once(&mut again).await.is_none(),
+                "waits for the first one's write"
+            );
+            first_write(&writes)
+                .send(Err(BrokerError::Storage("full".into())))
+                .unwrap();
+            assert!(first.await.is_err());
+            // Owed again after the failure: the resend writes the dead letter itself.
+            assert!(poll_once(&mut again).await.is_none());
+            assert_eq!(writes.borrow().len(), 1, "the resend's own write");
+            first_write(&writes).send(appended()).unwrap();
+            assert!(matches!(again.await, Ok(GroupAnswer::Done)));
+            assert_eq!(
+                g.tracker("w", |t| t.dead_letters().collect::<Vec<_>>()),
+                Some(vec![0])
+            );
         });
     }
 
