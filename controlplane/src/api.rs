@@ -646,8 +646,8 @@ async fn list_tenants(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Jso
 async fn tenants_snapshot(State(st): State<AppState>, h: HeaderMap) -> ApiResult<Json<Value>> {
     let g = authenticate(&st, &h).await?;
     require(&g, "node.view", "cluster", &["*"])?;
-    // The head before the list, as the assignments' snapshot: a tenant written between
-    // the two is then in the list or after the head, never in neither.
+    // The change log's position, as the assignments' snapshot answers it (tenants are
+    // not in the log: nothing follows them from here; brokers read the whole list).
     let next_seq = st.store.head().await?;
     let items: Vec<Tenant> = st
         .store
@@ -2199,9 +2199,9 @@ struct NoRoute;
 const AUDIT_PATH_MAX: usize = 1024;
 
 /// Records every write (POST, PUT, PATCH, DELETE) with its outcome once answered: every
-/// write a caller could make, that is. A request no route takes, or one refused 401
-/// (no token that verifies), is not recorded: anyone could add entries without end,
-/// each a store write taking every writer's lock.
+/// write a caller could make, that is. A request no route takes, or one refused whose
+/// token does not verify, is not recorded: anyone could add entries without end, each
+/// a store write taking every writer's lock.
 async fn audit(
     State(st): State<AppState>,
     req: axum::extract::Request,
@@ -2219,8 +2219,17 @@ async fn audit(
         return next.run(req).await;
     }
     let (principal, tenant) = claimed_caller(req.headers(), &path);
+    let headers = req.headers().clone();
     let answer = next.run(req).await;
-    if answer.status() == StatusCode::UNAUTHORIZED || answer.extensions().get::<NoRoute>().is_some()
+    if answer.extensions().get::<NoRoute>().is_some() {
+        return answer;
+    }
+    // A refused write is recorded only for a caller whose token verifies: refused
+    // before it was looked at (405, a body that does not parse) or for want of one
+    // (401), anyone could add entries without end.
+    if !answer.status().is_success()
+        && principal != "bootstrap"
+        && authenticate(&st, &headers).await.is_err()
     {
         return answer;
     }

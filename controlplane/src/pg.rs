@@ -43,8 +43,8 @@ pub struct PgStore {
 /// The store's one connection.
 struct Conn {
     client: Client,
-    /// An operation on it timed out: its state is unknown, and it is replaced before
-    /// the next.
+    /// An operation on it was left part way (timed out) or failed there: its state is
+    /// unknown, and it is replaced before the next.
     broken: bool,
 }
 
@@ -145,8 +145,8 @@ impl PgStore {
 
     /// The connection, opened again first if it was lost (a Postgres restart or
     /// failover, a reset: the store failed every operation for good after one) or an
-    /// operation on it timed out.
-    async fn client(&self) -> Result<tokio::sync::MutexGuard<'_, Conn>, StoreError> {
+    /// operation on it was left part way.
+    async fn client(&self) -> Result<ConnGuard<'_>, StoreError> {
         let mut conn = self.conn.lock().await;
         if conn.broken || conn.client.is_closed() {
             let client = open(&self.url, &self.tls)
@@ -157,37 +157,66 @@ impl PgStore {
                 broken: false,
             };
         }
-        Ok(conn)
+        Ok(ConnGuard {
+            conn,
+            finished: false,
+        })
     }
 
-    /// Runs one store operation for at most [`OP_TIMEOUT`]; one that takes longer
-    /// leaves its connection to be replaced.
+    /// Runs one store operation for at most [`OP_TIMEOUT`], its wait for the connection
+    /// included. One cut short on the connection leaves it to be replaced
+    /// ([`ConnGuard`]); one cut short waiting for it leaves it be.
     async fn bounded<T>(
         &self,
         op: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(OP_TIMEOUT, op).await {
-            Ok(r) => r,
-            Err(_) => {
-                self.conn.lock().await.broken = true;
+        tokio::time::timeout(OP_TIMEOUT, op)
+            .await
+            .unwrap_or_else(|_| {
                 Err(StoreError::Unavailable(format!(
                     "the store did not answer in {OP_TIMEOUT:?}"
                 )))
-            }
-        }
+            })
     }
 }
 
-impl std::ops::Deref for Conn {
+/// The connection lent to one operation. Dropped before the operation ends (cut short
+/// by [`OP_TIMEOUT`] mid-exchange, or failed on the connection), it marks the
+/// connection broken, to be opened again before the next.
+struct ConnGuard<'a> {
+    conn: tokio::sync::MutexGuard<'a, Conn>,
+    finished: bool,
+}
+
+impl ConnGuard<'_> {
+    /// The operation ended with `r`: the connection is sound unless `r` says it failed
+    /// there.
+    fn finish<T>(&mut self, r: Result<T, StoreError>) -> Result<T, StoreError> {
+        if !matches!(r, Err(StoreError::Unavailable(_))) {
+            self.finished = true;
+        }
+        r
+    }
+}
+
+impl std::ops::Deref for ConnGuard<'_> {
     type Target = Client;
     fn deref(&self) -> &Client {
-        &self.client
+        &self.conn.client
     }
 }
 
-impl std::ops::DerefMut for Conn {
+impl std::ops::DerefMut for ConnGuard<'_> {
     fn deref_mut(&mut self) -> &mut Client {
-        &mut self.client
+        &mut self.conn.client
+    }
+}
+
+impl Drop for ConnGuard<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.conn.broken = true;
+        }
     }
 }
 
@@ -213,25 +242,27 @@ fn check(kind: Kind, key: &str, found: Option<i64>, expect: Expect) -> Result<()
 impl Store for PgStore {
     fn get<'a>(&'a self, kind: Kind, key: &'a str) -> BoxFut<'a, Option<Doc>> {
         Box::pin(self.bounded(async move {
-            let c = self.client().await?;
+            let mut c = self.client().await?;
             let row = c
                 .query_opt(
                     "SELECT version, value FROM felix_docs WHERE kind = $1 AND key = $2",
                     &[&kind.name(), &key],
                 )
                 .await
-                .map_err(unavailable)?;
-            Ok(row.map(|r| Doc {
-                key: key.to_owned(),
-                version: r.get::<_, i64>(0) as u64,
-                value: r.get::<_, Value>(1),
-            }))
+                .map_err(unavailable);
+            c.finish(row).map(|row| {
+                row.map(|r| Doc {
+                    key: key.to_owned(),
+                    version: r.get::<_, i64>(0) as u64,
+                    value: r.get::<_, Value>(1),
+                })
+            })
         }))
     }
 
     fn list<'a>(&'a self, kind: Kind, prefix: &'a str) -> BoxFut<'a, Vec<Doc>> {
         Box::pin(self.bounded(async move {
-            let c = self.client().await?;
+            let mut c = self.client().await?;
             let pattern = format!(
                 "{}%",
                 prefix
@@ -245,21 +276,23 @@ impl Store for PgStore {
                     &[&kind.name(), &pattern],
                 )
                 .await
-                .map_err(unavailable)?;
-            Ok(rows
-                .into_iter()
-                .map(|r| Doc {
-                    key: r.get(0),
-                    version: r.get::<_, i64>(1) as u64,
-                    value: r.get(2),
-                })
-                .collect())
+                .map_err(unavailable);
+            c.finish(rows).map(|rows| {
+                rows.into_iter()
+                    .map(|r| Doc {
+                        key: r.get(0),
+                        version: r.get::<_, i64>(1) as u64,
+                        value: r.get(2),
+                    })
+                    .collect()
+            })
         }))
     }
 
     fn batch(&self, ops: Vec<Op>) -> BoxFut<'_, Vec<Doc>> {
         Box::pin(self.bounded(async move {
             let mut c = self.client().await?;
+            let written = async {
             let tx = c.transaction().await.map_err(unavailable)?;
             // One writer at a time across every control-plane instance: change
             // sequence numbers then become visible in order, so a feed reader that has
@@ -351,6 +384,10 @@ impl Store for PgStore {
             }
             tx.commit().await.map_err(unavailable)?;
             Ok(written)
+            }
+            .await;
+            // A refused precondition ends the operation as cleanly as a commit does.
+            c.finish(written)
         }))
     }
 
@@ -365,7 +402,8 @@ impl Store for PgStore {
             let deadline = tokio::time::Instant::now() + wait;
             loop {
                 let (page, head) = self.bounded(async {
-                    let c = self.client().await?;
+                    let mut c = self.client().await?;
+                    let read = async {
                     // The head first, then the page up to it: writers commit one at a
                     // time (the advisory lock), in sequence order, so every change up
                     // to the head is visible to the page's later read. Read the other
@@ -394,6 +432,9 @@ impl Store for PgStore {
                         })
                         .collect();
                     Ok((page, head as u64))
+                    }
+                    .await;
+                    c.finish(read)
                 })
                 .await?;
                 if !page.is_empty() {
@@ -410,21 +451,20 @@ impl Store for PgStore {
 
     fn head(&self) -> BoxFut<'_, u64> {
         Box::pin(self.bounded(async move {
-            let c = self.client().await?;
-            let head: i64 = c
+            let mut c = self.client().await?;
+            let head = c
                 .query_one("SELECT COALESCE(MAX(seq), 0) FROM felix_changes", &[])
                 .await
-                .map_err(unavailable)?
-                .get(0);
-            Ok(head as u64)
+                .map_err(unavailable);
+            c.finish(head).map(|r| r.get::<_, i64>(0) as u64)
         }))
     }
 
     fn ping(&self) -> BoxFut<'_, ()> {
         Box::pin(self.bounded(async move {
-            let c = self.client().await?;
-            c.simple_query("SELECT 1").await.map_err(unavailable)?;
-            Ok(())
+            let mut c = self.client().await?;
+            let answered = c.simple_query("SELECT 1").await.map_err(unavailable);
+            c.finish(answered).map(|_| ())
         }))
     }
 }

@@ -1883,9 +1883,12 @@ fn anonymous_writes_do_not_fill_the_audit_log() {
         .as_array()
         .unwrap()
         .len();
+    let forged = anon.clone().with_token("e30.e30.e30");
     for _ in 0..50 {
         expect_err(anon.post("/v1/nope", &json!({})), 404);
         expect_err(anon.post("/v1/tenants", &json!({"tenant_id": "x"})), 401);
+        expect_err(anon.delete("/v1/tenants"), 405);
+        expect_err(forged.post("/v1/tenants", &json!({"tenant_id": 7})), 401);
     }
     let long = format!("/v1/tenants/{}", "a".repeat(5_000));
     let _ = admin.delete(&long);
