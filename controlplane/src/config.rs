@@ -178,12 +178,17 @@ pub fn resolve(file: FileConfig, flags: Overrides) -> Result<ServerConfig, Confi
         flags.expiry_timeout_ms,
         5000,
     )?;
-    if expiry_timeout <= heartbeat_interval {
+    // A broker's lease runs three quarters of the expiry from the heartbeat that
+    // renewed it, and the next heartbeat goes an interval later: with an interval past
+    // half the expiry every lease lapsed before its renewal (writes refused each cycle),
+    // with no room for one lost heartbeat.
+    if expiry_timeout < heartbeat_interval * 2 {
         return Err(ConfigError {
             key: "expiry_timeout_ms",
             source_name: "any",
             message: format!(
-                "{expiry_timeout:?} must exceed heartbeat_interval_ms ({heartbeat_interval:?})"
+                "{expiry_timeout:?} must be at least twice heartbeat_interval_ms \
+                 ({heartbeat_interval:?}): a broker's lease runs 3/4 of it from each heartbeat"
             ),
         });
     }
@@ -288,9 +293,23 @@ pub fn resolve(file: FileConfig, flags: Overrides) -> Result<ServerConfig, Confi
             });
         }
     };
+    // The flag, else the environment, else the file: ORed, the environment's `false`
+    // could not turn off the file's `true`.
     let insecure_http = flags.insecure_http
-        || std::env::var("FELIX_CONTROLPLANE_INSECURE_HTTP").is_ok_and(|v| v == "1" || v == "true")
-        || file.insecure_http.unwrap_or(false);
+        || match std::env::var("FELIX_CONTROLPLANE_INSECURE_HTTP") {
+            Ok(v) if !v.is_empty() => match v.to_ascii_lowercase().as_str() {
+                "1" | "true" | "yes" | "on" => true,
+                "0" | "false" | "no" | "off" => false,
+                _ => {
+                    return Err(ConfigError {
+                        key: "insecure_http",
+                        source_name: "environment",
+                        message: format!("{v:?} is not a switch: true or false (1 or 0)"),
+                    });
+                }
+            },
+            _ => file.insecure_http.unwrap_or(false),
+        };
     Ok(ServerConfig {
         tls,
         insecure_http,
@@ -341,12 +360,21 @@ mod tests {
             resolve(file, Overrides::default()).unwrap_err().key,
             "store"
         );
-        let file: FileConfig =
-            serde_yaml::from_str("heartbeat_interval_ms: 5000\nexpiry_timeout_ms: 4000\n").unwrap();
-        assert_eq!(
-            resolve(file, Overrides::default()).unwrap_err().key,
-            "expiry_timeout_ms"
-        );
+        // The expiry is at least twice the interval: a broker's lease runs 3/4 of it from
+        // each heartbeat, and 4 s beats against a 5 s expiry lapsed every cycle.
+        for (beat, expiry, ok) in [(5000, 4000, false), (4000, 5000, false), (2500, 5000, true)] {
+            let file: FileConfig = serde_yaml::from_str(&format!(
+                "heartbeat_interval_ms: {beat}\nexpiry_timeout_ms: {expiry}\n"
+            ))
+            .unwrap();
+            match resolve(file, Overrides::default()) {
+                Ok(_) => assert!(ok, "{beat} / {expiry} taken"),
+                Err(e) => assert!(
+                    !ok && e.key == "expiry_timeout_ms",
+                    "{beat} / {expiry}: {e:?}"
+                ),
+            }
+        }
         assert!(
             serde_yaml::from_str::<FileConfig>("lisen: x\n").is_err(),
             "unknown keys are refused"
