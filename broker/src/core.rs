@@ -2896,20 +2896,24 @@ impl CoreBroker {
                     e.map(|e| e.version),
                 ))
             }
-            // Behind the writes of the key waiting to claim (conditional ones): writes
-            // of one key land in the order they came (see `CacheShard::turns`).
+            // Behind the writes of the key waiting to claim (conditional ones), in
+            // arrival order: writes of one key land in the order they came (see
+            // `CacheShard::queued`).
             CacheOp::Put(k, v, ttl) => {
-                shard.after_waiting_writes(&k).await;
-                Ok(CacheAnswer::Written(
-                    shard.put(&k, v, ttl, clock::now()).await?,
-                ))
+                let ticket = shard.ticket_if_queued(&k);
+                if let Some(t) = &ticket {
+                    t.turn().await;
+                }
+                let version = shard.put_in_turn(ticket, &k, v, ttl, clock::now()).await?;
+                Ok(CacheAnswer::Written(version))
             }
             CacheOp::Delete(k) => {
-                shard.after_waiting_writes(&k).await;
-                Ok(CacheAnswer::Value(
-                    shard.delete(&k, clock::now()).await?,
-                    None,
-                ))
+                let ticket = shard.ticket_if_queued(&k);
+                if let Some(t) = &ticket {
+                    t.turn().await;
+                }
+                let removed = shard.delete_in_turn(ticket, &k, clock::now()).await?;
+                Ok(CacheAnswer::Value(removed, None))
             }
             CacheOp::CounterAdd(k, d) => Ok(CacheAnswer::Counter(Some(
                 shard.counter_add(&k, d, now).await?,
@@ -2920,16 +2924,20 @@ impl CoreBroker {
                 // with no wait after the check (put claims before its first await). A
                 // stream of writes of the key may keep it from settling: refused
                 // `not_ready` after a while, as on a replicated cache.
-                let _turn = shard.awaiting_turn(&k);
+                let ticket = shard.ticket(&k);
+                ticket.turn().await;
                 settled(&shard, &k).await?;
                 if let Err(current) = shard.condition_holds(&k, &condition, clock::now()) {
                     return Ok(CacheAnswer::Condition(false, current));
                 }
-                let version = shard.put(&k, v, ttl, clock::now()).await?;
+                let version = shard
+                    .put_in_turn(Some(ticket), &k, v, ttl, clock::now())
+                    .await?;
                 Ok(CacheAnswer::Condition(true, Some(version)))
             }
             CacheOp::DeleteIf(k, version) => {
-                let _turn = shard.awaiting_turn(&k);
+                let ticket = shard.ticket(&k);
+                ticket.turn().await;
                 settled(&shard, &k).await?;
                 let condition = felix_wire::message::CacheCondition::Version(version);
                 // One instant for the check and the delete: a value expiring between
@@ -2938,7 +2946,7 @@ impl CoreBroker {
                 if let Err(current) = shard.condition_holds(&k, &condition, now) {
                     return Ok(CacheAnswer::Condition(false, current));
                 }
-                shard.delete(&k, now).await?;
+                shard.delete_in_turn(Some(ticket), &k, now).await?;
                 Ok(CacheAnswer::Condition(true, None))
             }
             CacheOp::Expire(k, version) => {
@@ -2968,22 +2976,27 @@ impl CoreBroker {
         // and must be current. Housekeeping's expiry never waits (it looks again next
         // round); a put answers nothing from the index, and its own majority wait and
         // lease check cover it.
-        // Writes that wait before they claim (deletes, conditional writes) hold their
-        // key's turn until they claim, and a put of the key waits behind them: writes of
-        // one key land in the order they came (see `CacheShard::turns`).
-        let mut turn = match &op {
+        // Writes that wait before they claim (deletes, conditional writes) take a place
+        // in their key's queue, and so does a put of the key while any waits; each
+        // claims in its turn: writes of one key land in the order they came (see
+        // `CacheShard::queued`).
+        let mut ticket = match &op {
             CacheOp::Delete(k) | CacheOp::PutIf(k, ..) | CacheOp::DeleteIf(k, _) => {
-                Some(cache.awaiting_turn(k))
+                Some(cache.ticket(k))
             }
+            CacheOp::Put(k, ..) => cache.ticket_if_queued(k),
             _ => None,
         };
+        if let Some(t) = &ticket {
+            t.turn().await;
+        }
         match &op {
             CacheOp::Expire(..) => {
                 if !rs.reads_ready() {
                     return Ok(CacheAnswer::Condition(false, None));
                 }
             }
-            CacheOp::Put(k, ..) => cache.after_waiting_writes(k).await,
+            CacheOp::Put(..) => {}
             _ => {
                 rs.reads_settled().await?;
                 self.lease_read(&rs)?;
@@ -3099,7 +3112,7 @@ impl CoreBroker {
         // this request is still there when it commits (no wait since the checks).
         let first = pending.first();
         let sum = cache.stage(first, &record);
-        turn.take();
+        ticket.take();
         let appended = match rs.log().commit(pending).await {
             Ok(a) => a,
             Err(e) => {

@@ -516,12 +516,16 @@ pub struct CacheShard {
     /// Writes claimed but not yet applied, per key: a conditional write waits for them,
     /// so its condition is checked against every write before it.
     in_flight: RefCell<HashMap<String, u32>>,
-    /// Writes of a key waiting to claim their place in the log (a delete or a
-    /// conditional write waits for the key's earlier writes first), per key: a put or
-    /// delete of the key that comes meanwhile waits behind them, so writes of one key
-    /// pipelined on a stream land in the order sent (a put sent after a waiting delete
-    /// claimed first, and the delete then removed the acknowledged put).
-    turns: RefCell<HashMap<String, u32>>,
+    /// Writes of a key waiting to claim their place in the log, per key, in arrival
+    /// order ([`Ticket`] numbers). A write that waits before it claims (a conditional
+    /// write, a replicated delete: for the key's earlier writes to apply) takes a ticket,
+    /// and so does every write of the key that comes while one is held; each claims only
+    /// at the front. Writes of one key pipelined on a stream so land in the order sent:
+    /// a put sent after a waiting delete claimed first, and the delete then removed the
+    /// acknowledged put.
+    queued: RefCell<HashMap<String, std::collections::VecDeque<u64>>>,
+    /// The last ticket number handed out.
+    tickets: Cell<u64>,
     /// Adds claimed but not yet applied, per counter (a compaction checkpoints a counter
     /// only while it has none). Apart from `in_flight`: counters and keys are named
     /// apart, and a key named like a counter's guard stalled every compaction.
@@ -591,6 +595,48 @@ impl Drop for KeyWrite<'_> {
     }
 }
 
+/// A write's place in its key's queue of writes waiting to claim
+/// ([`CacheShard::ticket`]): it claims at the front, and lets the next go when dropped.
+#[derive(Debug)]
+pub struct Ticket<'a> {
+    shard: &'a CacheShard,
+    key: String,
+    id: u64,
+}
+
+impl Ticket<'_> {
+    /// Waits until every write of the key that took a ticket before this one claimed
+    /// its place or gave up.
+    pub async fn turn(&self) {
+        loop {
+            let front = self
+                .shard
+                .queued
+                .borrow()
+                .get(&self.key)
+                .and_then(|q| q.front().copied());
+            if front == Some(self.id) {
+                return;
+            }
+            self.shard.changed.changed().await;
+        }
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        let mut queued = self.shard.queued.borrow_mut();
+        if let Some(q) = queued.get_mut(&self.key) {
+            q.retain(|id| *id != self.id);
+            if q.is_empty() {
+                queued.remove(&self.key);
+            }
+        }
+        drop(queued);
+        self.shard.changed.wake_all();
+    }
+}
+
 /// A staged add's counter sum right after it was applied ([`CacheShard::stage`]).
 pub type AppliedSum = std::rc::Rc<std::cell::Cell<Option<i64>>>;
 
@@ -631,7 +677,8 @@ impl CacheShard {
             state: RefCell::new(state),
             changed: crate::groups::Wakers::default(),
             in_flight: RefCell::default(),
-            turns: RefCell::default(),
+            queued: RefCell::default(),
+            tickets: Cell::new(0),
             counters_in_flight: RefCell::default(),
             adding: RefCell::default(),
             staged: RefCell::default(),
@@ -643,12 +690,22 @@ impl CacheShard {
     /// Rebuilds the index from the log (a replica whose suffix was cut, or that starts
     /// leading).
     pub async fn rebuild(&self) -> Result<(), BrokerError> {
+        self.rebuild_if(|| true).await.map(|_| ())
+    }
+
+    /// [`CacheShard::rebuild`], the index installed only if `still` holds once the log
+    /// is read (a leadership that began meanwhile rebuilt and staged writes of its own,
+    /// which an older rebuild finishing later would drop). Returns whether installed.
+    pub async fn rebuild_if(&self, still: impl Fn() -> bool) -> Result<bool, BrokerError> {
         let state = replay(&self.key, &self.log).await?;
+        if !still() {
+            return Ok(false);
+        }
         *self.state.borrow_mut() = state;
         // What an earlier leadership staged is in the replayed log or was cut from it.
         self.drop_staged();
         self.changed.wake_all();
-        Ok(())
+        Ok(true)
     }
 
     /// A record this broker, leading the replicated cache, claimed at `offset`: held in
@@ -844,12 +901,25 @@ impl CacheShard {
         ttl_ms: Option<u64>,
         now: Now,
     ) -> Result<u64, BrokerError> {
+        self.put_in_turn(None, key, value, ttl_ms, now).await
+    }
+
+    /// [`CacheShard::put`] by a write whose turn came (`ticket`: let go once claimed).
+    pub async fn put_in_turn(
+        &self,
+        ticket: Option<Ticket<'_>>,
+        key: &str,
+        value: Bytes,
+        ttl_ms: Option<u64>,
+        now: Now,
+    ) -> Result<u64, BrokerError> {
         // Saturating: a client's TTL near u64::MAX means "as long as can be", not a
         // value stored already expired (or, with overflow checks, a panic).
         let expires = ttl_ms.map_or(0, |t| now.wall_ms().saturating_add(t.max(1)));
         let rec = encode_cache_record(true, expires, key, &value);
         let _writing = self.key_write(key);
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
+        drop(ticket);
         self.writes.set(self.writes.get() + 1);
         let appended = self.log.commit(pending).await?;
         // In commit order (no await since the commit returned): the index follows the log.
@@ -871,6 +941,17 @@ impl CacheShard {
     /// Removes `key` at `now`; returns the value it removed (nothing is written when it
     /// had none and no write of it is in flight).
     pub async fn delete(&self, key: &str, now: Now) -> Result<Option<Bytes>, BrokerError> {
+        self.delete_in_turn(None, key, now).await
+    }
+
+    /// [`CacheShard::delete`] by a write whose turn came (`ticket`: let go once claimed,
+    /// or at once when there is nothing to delete).
+    pub async fn delete_in_turn(
+        &self,
+        ticket: Option<Ticket<'_>>,
+        key: &str,
+        now: Now,
+    ) -> Result<Option<Bytes>, BrokerError> {
         // A write of the key claimed before this delete (pipelined on one stream, say) is
         // not in the index until it is durable: looking only there, the delete found
         // nothing, wrote nothing, and the write landed after the acknowledged delete.
@@ -880,7 +961,7 @@ impl CacheShard {
         if !self.write_in_flight(key) && self.get(key, now).is_none() {
             return Ok(None);
         }
-        self.write_delete(key, now).await
+        self.write_delete(ticket, key, now).await
     }
 
     /// Up to `max` keys whose value expired by `now`, each with the version that expired.
@@ -917,16 +998,22 @@ impl CacheShard {
         if self.write_in_flight(key) || !self.expired_at(key, version, now) {
             return Ok(false);
         }
-        self.write_delete(key, now).await?;
+        self.write_delete(None, key, now).await?;
         Ok(true)
     }
 
     /// Writes a delete of `key`; returns the value live at `now` it removed, read as it
     /// is applied (in commit order: every write of the key before it is applied then).
-    async fn write_delete(&self, key: &str, now: Now) -> Result<Option<Bytes>, BrokerError> {
+    async fn write_delete(
+        &self,
+        ticket: Option<Ticket<'_>>,
+        key: &str,
+        now: Now,
+    ) -> Result<Option<Bytes>, BrokerError> {
         let rec = encode_cache_record(false, 0, key, &[]);
         let _writing = self.key_write(key);
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
+        drop(ticket);
         self.writes.set(self.writes.get() + 1);
         let appended = self.log.commit(pending).await?;
         let old = self.get(key, now).map(|e| e.value);
@@ -1161,23 +1248,31 @@ impl CacheShard {
         }
     }
 
-    /// Marks a write of `key` waiting to claim its place until the returned guard drops
-    /// (see `turns`).
-    pub fn awaiting_turn(&self, key: &str) -> KeyWrite<'_> {
-        self.mark(&self.turns, key, true);
-        KeyWrite {
+    /// A place in `key`'s queue of writes waiting to claim (see `queued`), held until
+    /// the write claims or gives up.
+    pub fn ticket(&self, key: &str) -> Ticket<'_> {
+        let id = self.tickets.get() + 1;
+        self.tickets.set(id);
+        self.queued
+            .borrow_mut()
+            .entry(key.to_owned())
+            .or_default()
+            .push_back(id);
+        Ticket {
             shard: self,
-            map: &self.turns,
             key: key.to_owned(),
+            id,
         }
     }
 
-    /// Waits until no earlier write of `key` waits to claim its place.
-    pub async fn after_waiting_writes(&self, key: &str) {
-        // No key hashed in the common case: nothing waits.
-        while !self.turns.borrow().is_empty() && self.turns.borrow().contains_key(key) {
-            self.changed.changed().await;
-        }
+    /// A ticket for a write that would claim at once: only while some write of `key`
+    /// waits (none hashed in the common case, nothing waiting).
+    pub fn ticket_if_queued(&self, key: &str) -> Option<Ticket<'_>> {
+        let queued = {
+            let q = self.queued.borrow();
+            !q.is_empty() && q.contains_key(key)
+        };
+        queued.then(|| self.ticket(key))
     }
 
     /// Waits until no write of `key` is in flight.

@@ -964,16 +964,17 @@ impl Drop for LoopFs {
 }
 
 /// Sends, pipelined on one stream after `auth` to the broker at `addr`, writes of key
-/// `k` of `(tenant, namespace, cache)`: put v1, delete, put-if-absent v2, put v3; then,
-/// once they are answered, a get. Returns whether the put-if applied and what the get
-/// read. In the order sent the put-if applies (the delete removed v1) and v3 is the
-/// last value: `(Some(true), Some(Some("v3")))`.
+/// `k` of `(tenant, namespace, cache)`: put v1, delete, put-if-absent v2, put v3,
+/// put-if-absent v4, delete, put v5; then, once they are answered, a get. Returns
+/// whether each put-if applied and what the get read. In the order sent the first
+/// put-if applies (the delete removed v1), the second does not (v3 is there), and v5
+/// is the last value: `(Some(true), Some(false), Some(Some("v5")))`.
 pub async fn writes_of_one_key_in_order(
     addr: SocketAddr,
     ca: &Path,
     auth: bytes::Bytes,
     (tenant, namespace, cache): (&str, &str, &str),
-) -> (Option<bool>, Option<Option<bytes::Bytes>>) {
+) -> (Option<bool>, Option<bool>, Option<Option<bytes::Bytes>>) {
     use felix_wire::message::CacheCondition;
     use felix_wire::{Message, RequestId};
     let (t, ns, c) = (tenant.to_owned(), namespace.to_owned(), cache.to_owned());
@@ -986,33 +987,38 @@ pub async fn writes_of_one_key_in_order(
         request_id: Some(RequestId(id)),
         ttl_ms: None,
     };
+    let delete = |id: u64| Message::CacheDelete {
+        tenant_id: t.clone(),
+        namespace: ns.clone(),
+        cache: c.clone(),
+        key: "k".into(),
+        request_id: Some(RequestId(id)),
+    };
+    let put_if_absent = |v: &'static str, id: u64| Message::CachePutIf {
+        tenant_id: t.clone(),
+        namespace: ns.clone(),
+        cache: c.clone(),
+        key: "k".into(),
+        value: bytes::Bytes::from_static(v.as_bytes()),
+        ttl_ms: None,
+        condition: CacheCondition::Absent,
+        request_id: RequestId(id),
+    };
     let writes = [
         put("v1", 1),
-        Message::CacheDelete {
-            tenant_id: t.clone(),
-            namespace: ns.clone(),
-            cache: c.clone(),
-            key: "k".into(),
-            request_id: Some(RequestId(2)),
-        },
-        Message::CachePutIf {
-            tenant_id: t.clone(),
-            namespace: ns.clone(),
-            cache: c.clone(),
-            key: "k".into(),
-            value: bytes::Bytes::from_static(b"v2"),
-            ttl_ms: None,
-            condition: CacheCondition::Absent,
-            request_id: RequestId(3),
-        },
+        delete(2),
+        put_if_absent("v2", 3),
         put("v3", 4),
+        put_if_absent("v4", 5),
+        delete(6),
+        put("v5", 7),
     ];
     let get = Message::CacheGet {
         tenant_id: t.clone(),
         namespace: ns.clone(),
         cache: c.clone(),
         key: "k".into(),
-        request_id: Some(RequestId(5)),
+        request_id: Some(RequestId(8)),
     };
     let (_ep, conn) = raw_connect_to(addr, ca).await.unwrap();
     let (mut s, mut r) = conn.open_bi().await.unwrap();
@@ -1027,23 +1033,25 @@ pub async fn writes_of_one_key_in_order(
     s.write_all(&get.to_frame()).await.unwrap();
     s.finish().unwrap();
     answers.extend(read_messages(&mut r, 1).await.unwrap());
-    let applied = answers.iter().flatten().find_map(|m| match m {
-        Message::CacheConditionResult {
-            applied,
-            request_id: RequestId(3),
-            ..
-        } => Some(*applied),
-        _ => None,
-    });
+    let applied = |id: u64| {
+        answers.iter().flatten().find_map(|m| match m {
+            Message::CacheConditionResult {
+                applied,
+                request_id,
+                ..
+            } if *request_id == RequestId(id) => Some(*applied),
+            _ => None,
+        })
+    };
     let read = answers.iter().flatten().find_map(|m| match m {
         Message::CacheValue {
             value,
-            request_id: Some(RequestId(5)),
+            request_id: Some(RequestId(8)),
             ..
         } => Some(value.clone()),
         _ => None,
     });
-    (applied, read)
+    (applied(3), applied(5), read)
 }
 
 #[cfg(test)]

@@ -391,7 +391,11 @@ fn pipelined_writes_of_one_key_land_in_the_order_sent() {
         ));
         assert_eq!(
             outcome,
-            (Some(true), Some(Some(bytes::Bytes::from_static(b"v3")))),
+            (
+                Some(true),
+                Some(false),
+                Some(Some(bytes::Bytes::from_static(b"v5")))
+            ),
             "round {round}"
         );
     }

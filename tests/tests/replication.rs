@@ -819,7 +819,11 @@ fn pipelined_writes_of_one_key_land_in_order_on_a_quorum_cache() {
         ));
         assert_eq!(
             outcome,
-            (Some(true), Some(Some(bytes::Bytes::from_static(b"v3")))),
+            (
+                Some(true),
+                Some(false),
+                Some(Some(bytes::Bytes::from_static(b"v5")))
+            ),
             "round {round}"
         );
     }

@@ -645,13 +645,13 @@ impl ReplicaShard {
                                 if !current() {
                                     return;
                                 }
-                                match c.rebuild().await {
-                                    Ok(()) if current() => {
+                                match c.rebuild_if(current).await {
+                                    Ok(true) => {
                                         this.ready.set(true);
                                         this.kick();
                                         return;
                                     }
-                                    Ok(()) => return,
+                                    Ok(false) => return,
                                     Err(e) => tracing::error!(shard = %this.key, error = %e, "rebuilding a cache index"),
                                 }
                             }
