@@ -386,8 +386,20 @@ fn bool_setting(
     default: bool,
 ) -> Result<bool, ConfigError> {
     let l = layer(key, env, file.map(|b| b.to_string()), None);
-    l.value
-        .map_or(Ok(default), |v| parse::<bool>(key, l.source, &v))
+    let Some(v) = l.value else {
+        return Ok(default);
+    };
+    // One spelling for every switch: `FELIX_FAULT_INJECTION=yes` meant off, and
+    // `FELIX_DSYNC_WRITES=1` failed the start.
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(ConfigError {
+            key,
+            source_name: l.source,
+            message: format!("{v:?} is not a switch: true or false (1 or 0)"),
+        }),
+    }
 }
 
 /// A value with where it came from.
@@ -404,7 +416,11 @@ fn layer(key: &'static str, env: &str, file: Option<String>, flag: Option<String
             source: "flag",
         };
     }
-    if let Ok(v) = std::env::var(env) {
+    // Set but empty (an unset compose variable) is unset: `FELIX_HTTP=""` turned off
+    // `/metrics` and `/readyz` in silence.
+    if let Ok(v) = std::env::var(env)
+        && !v.is_empty()
+    {
         return Layered {
             value: Some(v),
             source: "environment",
@@ -524,9 +540,14 @@ impl BrokerConfig {
                         .map(|p| p.display().to_string()),
                     None,
                 );
-                let insecure = file.controlplane_insecure.unwrap_or(false)
-                    || std::env::var("FELIX_CONTROLPLANE_INSECURE")
-                        .is_ok_and(|v| v == "1" || v == "true");
+                // Layered like every setting: ORed, `FELIX_CONTROLPLANE_INSECURE=false`
+                // could not turn off the file's `true`.
+                let insecure = bool_setting(
+                    "controlplane_insecure",
+                    "FELIX_CONTROLPLANE_INSECURE",
+                    file.controlplane_insecure,
+                    false,
+                )?;
                 let probe = ClusterSettings {
                     url: url.clone(),
                     token: String::new(),
@@ -571,7 +592,20 @@ impl BrokerConfig {
                         .map(|p| p.display().to_string()),
                     None,
                 );
-                let token = match (t.value, tf.value) {
+                // The two are one setting: whichever comes from the higher layer wins
+                // (a file named in the environment beat a token in the config file
+                // nowhere: any token won, and a secret rotated through the environment
+                // was ignored).
+                let rank = |source: &str| match source {
+                    "flag" => 2,
+                    "environment" => 1,
+                    _ => 0,
+                };
+                let (t_value, tf_value) = match (&t.value, &tf.value) {
+                    (Some(_), Some(_)) if rank(tf.source) > rank(t.source) => (None, tf.value),
+                    _ => (t.value, tf.value),
+                };
+                let token = match (t_value, tf_value) {
                     (Some(t), _) => t,
                     (None, Some(path)) => std::fs::read_to_string(&path)
                         .map_err(|e| ConfigError {
@@ -803,10 +837,55 @@ impl BrokerConfig {
             1000,
         )? as u64;
         let damaged_copies_kept = positive("damaged_copies_kept", file.damaged_copies_kept, 4)?;
-        let fault_injection = match std::env::var("FELIX_FAULT_INJECTION") {
-            Ok(v) => v == "1" || v == "true",
-            Err(_) => file.fault_injection.unwrap_or(false),
+        // Values that parse but would misbehave later were taken as they came (or
+        // clamped in silence): a segment of 100 bytes failed every shard's open while
+        // `/readyz` said ready, `max_connections: 0` refused every client, a zero
+        // visibility made every claim lapse at once.
+        let at_least = |key: &'static str, v: Option<u64>, min: u64, max: u64| match v {
+            Some(n) if n < min || n > max => Err(ConfigError {
+                key,
+                source_name: "config file",
+                message: format!("{n} is out of range {min}..={max}"),
+            }),
+            _ => Ok(()),
         };
+        at_least("segment_bytes", file.segment_bytes, 4096, 64 << 30)?;
+        at_least(
+            "max_connections",
+            file.max_connections.map(|n| n as u64),
+            1,
+            u64::MAX,
+        )?;
+        at_least(
+            "group_visibility_ms",
+            file.group_visibility_ms,
+            100,
+            u64::MAX,
+        )?;
+        at_least(
+            "group_max_attempts",
+            file.group_max_attempts.map(u64::from),
+            1,
+            u64::MAX,
+        )?;
+        at_least(
+            "group_max_in_flight",
+            file.group_max_in_flight.map(|n| n as u64),
+            1,
+            u64::MAX,
+        )?;
+        at_least(
+            "group_snapshot_bytes",
+            file.group_snapshot_bytes,
+            4096,
+            u64::MAX,
+        )?;
+        let fault_injection = bool_setting(
+            "fault_injection",
+            "FELIX_FAULT_INJECTION",
+            file.fault_injection,
+            false,
+        )?;
         let mutants = match file.mutant.as_deref() {
             None => Mutants::default(),
             Some(list) => {
@@ -1012,5 +1091,51 @@ mod tests {
         let file: FileConfig =
             serde_yaml::from_str("max_unfinished_frame_bytes_per_connection: 16777228\n").unwrap();
         BrokerConfig::resolve(file, Overrides::default(), true).unwrap();
+    }
+
+    /// Values that parse but would misbehave later are refused at start, naming the
+    /// key: a 100-byte segment failed every shard's open while `/readyz` said ready,
+    /// `max_connections: 0` refused every client, and a zero group visibility (clamped
+    /// to 1 ms in silence) made every claim lapse at once.
+    #[test]
+    fn values_that_would_misbehave_later_are_refused_at_start() {
+        let resolved = |yaml: &str| {
+            let file: FileConfig = serde_yaml::from_str(yaml).unwrap();
+            BrokerConfig::resolve(file, Overrides::default(), true).map_err(|e| e.key)
+        };
+        for (yaml, key) in [
+            ("segment_bytes: 100\n", "segment_bytes"),
+            ("segment_bytes: 100000000000000\n", "segment_bytes"),
+            ("max_connections: 0\n", "max_connections"),
+            ("group_visibility_ms: 0\n", "group_visibility_ms"),
+            ("group_max_attempts: 0\n", "group_max_attempts"),
+            ("group_max_in_flight: 0\n", "group_max_in_flight"),
+            ("group_snapshot_bytes: 100\n", "group_snapshot_bytes"),
+        ] {
+            assert_eq!(resolved(yaml).err(), Some(key), "{yaml}");
+        }
+        assert!(resolved("segment_bytes: 16384\ngroup_visibility_ms: 100\n").is_ok());
+    }
+
+    /// A switch from the environment overrides the file either way, in one spelling
+    /// for every switch, and an empty variable is unset: ORed, `false` could not turn
+    /// off the file's `true`; `yes` meant off for one switch and failed another.
+    #[test]
+    fn switches_layer_like_every_setting() {
+        // A variable of this test's own (the environment is the process's).
+        const VAR: &str = "FELIX_TEST_SWITCHES_LAYER";
+        let with = |v: &str, file: Option<bool>| {
+            // SAFETY: no other thread reads this test's own variable.
+            unsafe { std::env::set_var(VAR, v) };
+            bool_setting("switch", VAR, file, false)
+        };
+        assert_eq!(with("false", Some(true)).ok(), Some(false));
+        assert_eq!(with("0", Some(true)).ok(), Some(false));
+        assert_eq!(with("yes", Some(false)).ok(), Some(true));
+        assert_eq!(with("1", None).ok(), Some(true));
+        assert_eq!(with("", Some(true)).ok(), Some(true), "empty is unset");
+        assert_eq!(with("maybe", None).err().map(|e| e.key), Some("switch"));
+        // SAFETY: as above.
+        unsafe { std::env::remove_var(VAR) };
     }
 }

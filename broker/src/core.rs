@@ -600,6 +600,9 @@ pub struct Shared {
     pub metrics: Vec<Arc<CoreMetrics>>,
     /// Set once every core is serving.
     pub ready: std::sync::atomic::AtomicBool,
+    /// Set when the broker begins to stop (its cores take no new work): `/readyz` says
+    /// so, as it does while a cluster broker drains.
+    pub stopping: std::sync::atomic::AtomicBool,
     /// Storage faults armed over HTTP, when fault injection is on.
     pub faults: Option<Arc<felix_storage_uring::StorageFaults>>,
     /// With fault injection on: the core (index) whose next housekeeping tick panics,
@@ -3828,6 +3831,7 @@ impl CoreBroker {
 
     /// Stops taking new work, ends subscriptions and flushes every shard's log.
     pub async fn shutdown(&self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
         self.draining.set(true);
         for subs in self.subscribers.borrow().values() {
             for s in subs {

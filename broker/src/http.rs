@@ -568,6 +568,18 @@ pub fn unready_reasons(shared: &Shared) -> Vec<String> {
     if !shared.ready.load(Ordering::Relaxed) {
         reasons.push("starting".to_owned());
     }
+    // Both turn new connections away: a load balancer must stop sending clients here
+    // (it kept doing so for the drain's up to 15 s and the stop after it).
+    if shared
+        .cluster
+        .as_ref()
+        .is_some_and(|c| c.draining.load(Ordering::Relaxed))
+    {
+        reasons.push("draining: handing the shards it leads to replicas".to_owned());
+    }
+    if shared.stopping.load(Ordering::Relaxed) {
+        reasons.push("stopping".to_owned());
+    }
     for (core, m) in shared.metrics.iter().enumerate() {
         if shared.ready.load(Ordering::Relaxed) && m.alive.load(Ordering::Relaxed) == 0 {
             reasons.push(format!("core {core} is not running"));
@@ -734,25 +746,39 @@ async fn placement(State(shared): State<Arc<Shared>>) -> Response {
         .map(ToString::to_string)
         .collect();
     let mut owners = Vec::new();
-    for (name, spec) in shared.catalog.streams() {
-        let mut parts = name.splitn(3, '/');
-        let (t, ns, s) = (
-            parts.next().unwrap_or(""),
-            parts.next().unwrap_or(""),
-            parts.next().unwrap_or(""),
-        );
-        for shard in 0..spec.shards {
-            let key = felix_core_runtime::placement::ShardKey {
-                kind: felix_core_runtime::placement::ShardKind::Stream,
-                tenant: t.into(),
-                namespace: ns.into(),
-                name: s.into(),
-                shard,
-            };
-            let rule = crate::core::follow::rule_for(&key, table.core_for(&key));
-            let pinned = crate::core::follow::operator_pinned(&table, &autos, &rule);
-            let followed = !pinned && autos.contains(&rule);
-            owners.push(serde_json::json!({"stream": name, "shard": shard, "core": table.core_for(&key).index(), "pinned": pinned, "followed": followed}));
+    // Streams' shards and caches' (placed by a hash of their own: caches were left out).
+    for (stream, kind, field) in [
+        (
+            true,
+            felix_core_runtime::placement::ShardKind::Stream,
+            "stream",
+        ),
+        (
+            false,
+            felix_core_runtime::placement::ShardKind::Cache,
+            "cache",
+        ),
+    ] {
+        for (name, spec) in shared.catalog.list(stream) {
+            let mut parts = name.splitn(3, '/');
+            let (t, ns, s) = (
+                parts.next().unwrap_or(""),
+                parts.next().unwrap_or(""),
+                parts.next().unwrap_or(""),
+            );
+            for shard in 0..spec.shards {
+                let key = felix_core_runtime::placement::ShardKey {
+                    kind,
+                    tenant: t.into(),
+                    namespace: ns.into(),
+                    name: s.into(),
+                    shard,
+                };
+                let rule = crate::core::follow::rule_for(&key, table.core_for(&key));
+                let pinned = crate::core::follow::operator_pinned(&table, &autos, &rule);
+                let followed = !pinned && autos.contains(&rule);
+                owners.push(serde_json::json!({field: name, "kind": field, "shard": shard, "core": table.core_for(&key).index(), "pinned": pinned, "followed": followed}));
+            }
         }
     }
     axum::Json(serde_json::json!({"cores": table.cores(), "version": table.version(), "rules": rules, "automatic_rules": automatic, "shards": owners}))

@@ -161,9 +161,43 @@ pub fn start(
         config.auto_create_shards,
     )?);
     for s in &config.streams {
-        catalog
+        let held = catalog
             .create_stream(&s.tenant, &s.namespace, &s.name, StreamSpec::new(s.shards))
             .map_err(|e| anyhow::anyhow!("streams: {e}"))?;
+        // A stream's shard count cannot change: an edited `shards` was ignored in
+        // silence, the broker serving the count its data has.
+        if held.shards != s.shards {
+            anyhow::bail!(
+                "streams: {}/{}/{} has {} shards here; the configuration says {} (a \
+                 stream's shard count cannot change: make a new stream)",
+                s.tenant,
+                s.namespace,
+                s.name,
+                held.shards,
+                s.shards
+            );
+        }
+    }
+    // Tenants' keys as a verifier needs them: 32-byte Ed25519 keys, one per key id (a
+    // pasted SPKI or a duplicate id was taken, and every token of the tenant failed).
+    for t in &config.tenants {
+        let mut kids = std::collections::HashSet::new();
+        for k in &t.keys {
+            if !kids.insert(k.kid.as_str()) {
+                anyhow::bail!("tenants.{}.keys: key id {} is listed twice", t.id, k.kid);
+            }
+            let pk = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(k.public_key.trim_end_matches('='))
+                .map_err(|e| anyhow::anyhow!("tenants.{}.keys.{}: {e}", t.id, k.kid))?;
+            if pk.len() != 32 {
+                anyhow::bail!(
+                    "tenants.{}.keys.{}: an Ed25519 public key is 32 bytes, this one {}",
+                    t.id,
+                    k.kid,
+                    pk.len()
+                );
+            }
+        }
     }
     catalog
         .persist()
@@ -295,6 +329,7 @@ pub fn start(
         damaged_in_flight: Default::default(),
         metrics: (0..cores).map(|_| Arc::default()).collect(),
         ready: AtomicBool::new(false),
+        stopping: AtomicBool::new(false),
         faults: config.fault_injection.then(StorageFaults::new),
         mutants: config.mutants,
         panic_core: std::sync::atomic::AtomicI64::new(-1),

@@ -1965,3 +1965,90 @@ fn pin_rules_are_bounded() {
     let (status, body) = post("dev/default/s7/0=0");
     assert_eq!(status, 200, "the same shards again: {body}");
 }
+
+/// `/placement` lists caches' shards too (placed by a hash of their own, they were left
+/// out), each entry saying its kind.
+#[test]
+fn placement_lists_cache_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(dir.path(), "", &["--cores", "0-1", "--shards", "2"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        c.cache_put(
+            "dev",
+            "default",
+            "listed",
+            "k",
+            bytes::Bytes::from_static(b"v"),
+            None,
+        )
+        .await
+        .unwrap();
+    });
+    let (_, body) = b.http_get("/placement").unwrap();
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let caches: Vec<u64> = v["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["cache"] == "dev/default/listed" && s["kind"] == "cache")
+        .map(|s| s["shard"].as_u64().unwrap())
+        .collect();
+    assert_eq!(caches, [0, 1], "{body}");
+}
+
+/// A declared stream whose shard count differs from the one its data has, or a tenant
+/// key a verifier cannot use, fails the start, saying which: the first was ignored in
+/// silence (the broker served the old count), the second failed every token of the
+/// tenant at run time.
+#[test]
+fn a_start_refuses_a_changed_shard_count_and_an_unusable_tenant_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let declared = |shards: u32| {
+        format!(
+            "streams:\n  - {{ tenant: dev, namespace: default, name: fixed, shards: {shards} }}\n"
+        )
+    };
+    let b = start(dir.path(), &declared(2), &[]);
+    drop(b);
+    // The broker's own words, from a start that must fail.
+    let refusal = |yaml: &str| {
+        let config = dir.path().join("refused.yaml");
+        std::fs::write(&config, yaml).unwrap();
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_felix-broker-under-test"))
+            .args(["dev", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args(["--listen", "127.0.0.1:0", "--http", "off"])
+            .args(["--controlplane-listen", "127.0.0.1:0", "--config"])
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("it started: still running after 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(!status.success(), "started");
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+        stderr
+    };
+    let e = refusal(&declared(4));
+    assert!(e.contains("has 2 shards here"), "{e}");
+    let key = format!(
+        "tenants:\n  - id: acme\n    keys:\n      - {{ kid: a1, public_key: {} }}\n",
+        "A".repeat(44)
+    );
+    let e = refusal(&key);
+    assert!(e.contains("32 bytes"), "{e}");
+}

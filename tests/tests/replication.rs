@@ -829,6 +829,42 @@ fn pipelined_writes_of_one_key_land_in_order_on_a_quorum_cache() {
     }
 }
 
+/// A broker told to stop (SIGTERM) is not ready from the moment it drains: it turns new
+/// connections away from then on, and `/readyz` said ready until it exited (up to the
+/// drain's 15 s and the stop after it), so a load balancer kept sending clients there.
+#[test]
+fn a_draining_broker_is_not_ready() {
+    let mut c = cluster();
+    c.create_stream("drained", 1, 3, "Quorum").unwrap();
+    let (leader, _) = c
+        .wait_leader("drained", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let http = c.brokers[leader].http.to_string();
+    let readyz = || felix_client::ops::http(&http, "GET", "/readyz", None);
+    assert_eq!(readyz().unwrap().0, 200);
+    let seen = std::thread::scope(|s| {
+        let stopping = s.spawn(|| c.brokers[leader].terminate(Duration::from_secs(30)));
+        let mut seen = None;
+        while !stopping.is_finished() {
+            match readyz() {
+                Ok((503, body)) => {
+                    seen = Some(body);
+                    break;
+                }
+                Ok(_) => std::thread::sleep(Duration::from_millis(2)),
+                Err(_) => break,
+            }
+        }
+        assert!(stopping.join().unwrap(), "it stopped cleanly");
+        seen
+    });
+    let body = seen.expect("not ready before it exited");
+    assert!(
+        body.contains("draining") || body.contains("stopping"),
+        "{body}"
+    );
+}
+
 /// Puts `value` at key `k` of `cache` through `client` until it is taken (a new cache
 /// serves once its first generation starts; a successor once it took over), for 20 s.
 async fn put_until_taken(client: &felix_client::Client, cache: &str, value: &'static [u8]) {
