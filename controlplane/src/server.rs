@@ -106,12 +106,27 @@ pub struct Running {
 impl Running {
     /// Stops serving and placing.
     pub async fn stop(self) {
+        self.stop_within(STOP_GRACE).await;
+    }
+
+    /// [`Running::stop`], waiting `grace` for connections to finish.
+    pub async fn stop_within(self, grace: std::time::Duration) {
         let _ = self.stop.send(true);
-        let _ = self.server.await;
+        // Connections finish what they are answering; one that never sends a whole
+        // request (or a long poll) does not hold the stop for good: hyper counts a
+        // connection busy until its request is read, and no header timeout is set.
+        let mut server = self.server;
+        if tokio::time::timeout(grace, &mut server).await.is_err() {
+            tracing::warn!("connections still open {grace:?} into the stop: closed");
+            server.abort();
+        }
         self.placement.abort();
         let _ = self.placement.await;
     }
 }
+
+/// How long a stop waits for connections to finish before it closes them.
+pub const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Opens the configured store.
 pub async fn open_store(config: &StoreConfig) -> anyhow::Result<Arc<dyn Store>> {

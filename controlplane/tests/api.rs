@@ -2460,3 +2460,30 @@ fn heartbeats_do_not_grow_the_change_log() {
         assert_eq!(assignments.len(), 1, "assignment changes are still logged");
     });
 }
+
+/// A stop finishes though a client never sends a whole request: hyper counts the
+/// connection busy until its request is read (no header timeout is set), and the stop
+/// waited for it for good. Connections left past the grace are closed.
+#[test]
+fn a_stop_does_not_wait_for_good_on_a_half_sent_request() {
+    use std::io::Write as _;
+    let mut svc = memory_service();
+    let addr = svc.url.trim_start_matches("http://").to_owned();
+    let mut half = std::net::TcpStream::connect(&addr).unwrap();
+    half.write_all(b"POST /v1/tenants HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    // Taken and read in part by the server.
+    std::thread::sleep(Duration::from_millis(300));
+    let running = svc.running.take().unwrap();
+    let started = std::time::Instant::now();
+    let stopped = svc.rt.block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            running.stop_within(Duration::from_millis(300)),
+        )
+        .await
+    });
+    assert!(stopped.is_ok(), "the stop still waited after 10 s");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    drop(half);
+}
