@@ -358,9 +358,19 @@ pub fn start(
         Err(e) => tracing::warn!(error = %e, "pruning damaged copies"),
     }
     let http = match config.http {
-        Some(addr) => Some(crate::http::spawn(addr, shared.clone())?),
+        Some(addr) => {
+            if !addr.ip().is_loopback() {
+                tracing::warn!(%addr, "the admin HTTP endpoint listens off loopback: it takes no token, and POST /pins moves shards; keep it on a management network");
+            }
+            Some(crate::http::spawn(addr, shared.clone())?)
+        }
         None => None,
     };
+    if config.fault_injection {
+        tracing::warn!(
+            "fault injection is on (/debug endpoints can fail storage and panic cores): tests and chaos runs only, never in production"
+        );
+    }
     let mesh = Arc::new(Mutex::new(MeshBuilder::<CoreMsg>::new(
         cores,
         MESH_CAPACITY,
