@@ -12,6 +12,7 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -20,7 +21,7 @@ use felix_core_runtime::task;
 
 use super::{CoreBroker, shard_dir};
 use crate::replication::machine::Meta;
-use crate::replication::replica::{LEFT_OUT_GRACE, META_FILE, Replicas};
+use crate::replication::replica::{LEFT_OUT_GRACE, META_FILE, ReplicaShard, Replicas};
 
 /// Where a removed copy's directory is renamed before it is deleted, under the data
 /// directory: the rename takes it out of its shard's path at once (a copy opened again
@@ -93,7 +94,7 @@ impl CoreBroker {
     /// `Replicas::sync`): the replica stops, its driver and stores finish, the shard
     /// closes, and its directory goes unless an assignment named this broker again
     /// meanwhile.
-    pub(super) async fn leave_replica(&self, key: &ShardKey) {
+    pub(super) async fn leave_replica(self: &Rc<Self>, key: &ShardKey) {
         let Some(replicas) = &self.replicas else {
             return;
         };
@@ -101,12 +102,34 @@ impl CoreBroker {
             return;
         };
         if !Replicas::wait_stopped(&rs, STOP_WAIT).await {
-            // Left on disk: the look for copies no replica drives removes it later.
-            tracing::warn!(shard = %key, "a left replica did not stop in time; its copy stays for now");
+            // Finished once it stops, on a task of its own (the caller goes on to the
+            // other replicas): left as it was, the shard stayed open and its copy on
+            // disk until a restart, as the look for copies no replica drives passes
+            // over open shards.
+            tracing::warn!(shard = %key, "a left replica did not stop in time; its copy goes once it does");
+            let (this, key) = (self.clone(), key.clone());
+            task::spawn(async move {
+                while !Replicas::wait_stopped(&rs, STOP_WAIT).await {}
+                this.finish_leaving(&key, &rs).await;
+            })
+            .detach();
+            return;
+        }
+        self.finish_leaving(key, &rs).await;
+    }
+
+    /// Closes the shard of the stopped replica `rs` and removes its copy, unless a
+    /// replica for `key` was made again meanwhile (an assignment named this broker
+    /// again: the shard is its).
+    async fn finish_leaving(&self, key: &ShardKey, rs: &ReplicaShard) {
+        let Some(replicas) = &self.replicas else {
+            return;
+        };
+        if replicas.get(key).is_some() {
             return;
         }
         self.close_shard(key, false).await;
-        if replicas.left_out(key, rs.known_generation()) {
+        if replicas.get(key).is_none() && replicas.left_out(key, rs.known_generation()) {
             self.remove_copy(key);
         }
     }
