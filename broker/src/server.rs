@@ -165,8 +165,16 @@ pub fn start(
             .create_stream(&s.tenant, &s.namespace, &s.name, StreamSpec::new(s.shards))
             .map_err(|e| anyhow::anyhow!("streams: {e}"))?;
         // A stream's shard count cannot change: an edited `shards` was ignored in
-        // silence, the broker serving the count its data has.
-        if held.shards != s.shards {
+        // silence, the broker serving the count its data has. Following a control
+        // plane, its count is the control plane's: said, not refused.
+        if held.shards != s.shards && config.cluster.is_some() {
+            tracing::warn!(
+                stream = %format!("{}/{}/{}", s.tenant, s.namespace, s.name),
+                held = held.shards,
+                declared = s.shards,
+                "a declared stream's shard count differs from the one it has; it keeps that"
+            );
+        } else if held.shards != s.shards {
             anyhow::bail!(
                 "streams: {}/{}/{} has {} shards here; the configuration says {} (a \
                  stream's shard count cannot change: make a new stream)",

@@ -2227,9 +2227,9 @@ async fn audit(
     // A refused write is recorded only for a caller whose token verifies: refused
     // before it was looked at (405, a body that does not parse) or for want of one
     // (401), anyone could add entries without end.
-    if !answer.status().is_success()
-        && principal != "bootstrap"
-        && authenticate(&st, &headers).await.is_err()
+    let status = answer.status();
+    if !status.is_success()
+        && (status == StatusCode::UNAUTHORIZED || authenticate(&st, &headers).await.is_err())
     {
         return answer;
     }

@@ -43,8 +43,8 @@ pub struct PgStore {
 /// The store's one connection.
 struct Conn {
     client: Client,
-    /// An operation on it was left part way (timed out) or failed there: its state is
-    /// unknown, and it is replaced before the next.
+    /// An operation on it was left part way (timed out): its state is unknown, and it
+    /// is replaced before the next.
     broken: bool,
 }
 
@@ -181,20 +181,19 @@ impl PgStore {
 }
 
 /// The connection lent to one operation. Dropped before the operation ends (cut short
-/// by [`OP_TIMEOUT`] mid-exchange, or failed on the connection), it marks the
-/// connection broken, to be opened again before the next.
+/// by [`OP_TIMEOUT`] mid-exchange), it marks the connection broken, to be opened again
+/// before the next.
 struct ConnGuard<'a> {
     conn: tokio::sync::MutexGuard<'a, Conn>,
     finished: bool,
 }
 
 impl ConnGuard<'_> {
-    /// The operation ended with `r`: the connection is sound unless `r` says it failed
-    /// there.
+    /// The operation ended with `r`, its exchange with the server complete whatever
+    /// `r` is (a server-side error leaves the connection usable; a lost one is seen
+    /// closed at the next operation).
     fn finish<T>(&mut self, r: Result<T, StoreError>) -> Result<T, StoreError> {
-        if !matches!(r, Err(StoreError::Unavailable(_))) {
-            self.finished = true;
-        }
+        self.finished = true;
         r
     }
 }

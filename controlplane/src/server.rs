@@ -155,9 +155,11 @@ pub async fn start_with_store(
     config: ServerConfig,
     store: Arc<dyn Store>,
 ) -> anyhow::Result<Running> {
-    if config.api.expiry_timeout <= config.api.heartbeat_interval {
+    // As the configuration checks it (a broker's lease runs 3/4 of the expiry from each
+    // heartbeat), for services built in code too.
+    if config.api.expiry_timeout < config.api.heartbeat_interval * 2 {
         anyhow::bail!(
-            "expiry timeout ({:?}) must exceed the heartbeat interval ({:?})",
+            "expiry timeout ({:?}) must be at least twice the heartbeat interval ({:?})",
             config.api.expiry_timeout,
             config.api.heartbeat_interval
         );

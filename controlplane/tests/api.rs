@@ -1889,6 +1889,15 @@ fn anonymous_writes_do_not_fill_the_audit_log() {
         expect_err(anon.post("/v1/tenants", &json!({"tenant_id": "x"})), 401);
         expect_err(anon.delete("/v1/tenants"), 405);
         expect_err(forged.post("/v1/tenants", &json!({"tenant_id": 7})), 401);
+        // A bootstrap call with a wrong secret is labelled the bootstrap's by its header.
+        expect_err(
+            anon.post_with(
+                "/internal/bootstrap",
+                &json!({}),
+                &[("X-Felix-Bootstrap-Token", "wrong")],
+            ),
+            401,
+        );
     }
     let long = format!("/v1/tenants/{}", "a".repeat(5_000));
     let _ = admin.delete(&long);

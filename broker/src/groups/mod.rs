@@ -23,7 +23,7 @@
 pub mod tracker;
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
@@ -1466,11 +1466,15 @@ impl GroupShard {
                 .await?;
             let full = records.len() + passed < handed;
             bytes += records.iter().map(|r| r.payload.len()).sum::<usize>();
-            let reclaimed = &claimed.handed[..claimed.reclaimed];
-            claims.extend(records.iter().map(|r| {
-                let own = reclaimed.iter().any(|(o, _)| *o == r.offset.0);
-                (claimed.serial, own)
-            }));
+            let reclaimed: HashSet<u64> = claimed.handed[..claimed.reclaimed]
+                .iter()
+                .map(|(o, _)| *o)
+                .collect();
+            claims.extend(
+                records
+                    .iter()
+                    .map(|r| (claimed.serial, reclaimed.contains(&r.offset.0))),
+            );
             out.extend(records);
             // Stop when full (by count, or the answer's byte bound handed claims back),
             // when nothing more could be claimed, or when nothing was passed over.
@@ -1488,6 +1492,14 @@ impl GroupShard {
                 });
                 let mut held = held.unwrap_or_default().into_iter();
                 out.retain(|_| held.next().unwrap_or(false));
+                // A member's reclaimed record passes by its name alone, and a pass after a
+                // seek may have claimed it again for the same member: once, the later.
+                let mut seen = HashSet::new();
+                let mut keep: Vec<bool> =
+                    out.iter().rev().map(|r| seen.insert(r.offset.0)).collect();
+                keep.reverse();
+                let mut keep = keep.into_iter();
+                out.retain(|_| keep.next().unwrap_or(false));
                 unanswered.answered();
                 return Ok(out);
             }
@@ -2902,6 +2914,78 @@ mod tests {
             };
             let offsets: Vec<u64> = r.iter().map(|r| r.offset.0).collect();
             assert_eq!(offsets, [2], "each record once, as claimed after the seek");
+        });
+    }
+
+    /// A member's record reclaimed in one pass and claimed again for the same member in
+    /// a later pass (a seek applied between them) goes out once: the reclaimed one passed
+    /// the recheck by the member's name alone, and the answer carried it twice.
+    #[test]
+    fn a_reclaimed_record_claimed_again_after_a_seek_goes_out_once() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            publish_visible(&stream, 1).await;
+            let (g, writes) = shard_with_held_writes();
+            let member = |reclaim| {
+                Some(Member {
+                    name: "m".into(),
+                    reclaim,
+                })
+            };
+            let poll = |max, reclaim| GroupOp::Poll {
+                group: "w".into(),
+                max,
+                wait_ms: 0,
+                visibility_ms: 0,
+                member: member(reclaim),
+            };
+            // The group is made (its write answered), then m holds 0.
+            let mut made = std::pin::pin!(g.serve(&stream, poll(1, false)));
+            loop {
+                if let Some(r) = poll_once(&mut made).await {
+                    let Ok(GroupAnswer::Records(r)) = r else {
+                        panic!("{r:?}")
+                    };
+                    assert_eq!(r.len(), 1);
+                    break;
+                }
+                if !writes.borrow().is_empty() {
+                    first_write(&writes).send(appended()).unwrap();
+                }
+                felix_core_runtime::task::sleep(Duration::from_millis(1)).await;
+            }
+            // 1: another group's event, 2: a record.
+            let event = encode("other", Some(Event::Ack(0)));
+            let p = stream
+                .log
+                .begin_group(std::slice::from_ref(&event), 0)
+                .unwrap();
+            let appended_event = stream.log.commit(p).await.unwrap();
+            stream.advance_fanout(appended_event);
+            publish_visible(&stream, 1).await;
+            // Pass 1 reclaims 0, claims 1 and 2 and reads them; a seek to 0 starts.
+            let mut again = std::pin::pin!(g.serve(&stream, poll(10, true)));
+            assert!(poll_once(&mut again).await.is_none(), "reading");
+            let seek = GroupOp::Seek {
+                group: "w".into(),
+                start: StartPosition::Offset(Offset(0)),
+                if_new: false,
+            };
+            let mut seek = std::pin::pin!(g.serve(&stream, seek));
+            assert!(poll_once(&mut seek).await.is_none());
+            for _ in 0..20 {
+                assert!(poll_once(&mut again).await.is_none(), "waits for the seek");
+                felix_core_runtime::task::sleep(Duration::from_millis(5)).await;
+            }
+            first_write(&writes).send(appended_at(3)).unwrap();
+            assert!(matches!(seek.await, Ok(GroupAnswer::Position(0, _))));
+            let Ok(GroupAnswer::Records(r)) = again.await else {
+                panic!("records");
+            };
+            let offsets: Vec<u64> = r.iter().map(|r| r.offset.0).collect();
+            assert_eq!(offsets, [0, 2], "each record once");
         });
     }
 
