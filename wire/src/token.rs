@@ -597,6 +597,16 @@ mod tests {
         (key, keys)
     }
 
+    /// A grant of tenant `acme` holding `perms`, as a verified token gives it.
+    fn grant(perms: &[&str]) -> Grant {
+        let (key, keys) = setup();
+        let t = key.sign(&claims(
+            "acme",
+            perms.iter().map(|p| p.to_string()).collect(),
+        ));
+        keys.verify(&t, "acme", 1500).unwrap()
+    }
+
     #[test]
     fn a_grant_stops_holding_when_its_key_is_retired_or_its_token_denied() {
         let (key, mut keys) = setup();
@@ -673,14 +683,6 @@ mod tests {
     /// on its stream; reading the stream does not reach it.
     #[test]
     fn managing_a_group_takes_group_or_stream_manage() {
-        let (key, keys) = setup();
-        let grant = |perms: &[&str]| {
-            let t = key.sign(&claims(
-                "acme",
-                perms.iter().map(|p| p.to_string()).collect(),
-            ));
-            keys.verify(&t, "acme", 1500).unwrap()
-        };
         let reader = grant(&["stream.subscribe:stream:acme/default/orders"]);
         assert!(!reader.allows_group_manage("default", "orders", "g"));
         let group = grant(&["group.manage:group:acme/default/orders/g"]);
@@ -702,14 +704,6 @@ mod tests {
     /// its stream, which implies it: a token granted only `group.consume` was refused.
     #[test]
     fn consuming_through_a_group_takes_group_consume_or_stream_subscribe() {
-        let (key, keys) = setup();
-        let grant = |perms: &[&str]| {
-            let t = key.sign(&claims(
-                "acme",
-                perms.iter().map(|p| p.to_string()).collect(),
-            ));
-            keys.verify(&t, "acme", 1500).unwrap()
-        };
         let reader = grant(&["stream.subscribe:stream:acme/default/orders"]);
         assert!(reader.allows_group_consume("default", "orders", "g"));
         assert!(!reader.allows_group_consume("default", "payments", "g"));

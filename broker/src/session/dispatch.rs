@@ -1449,8 +1449,10 @@ pub fn decide(
                     group: g,
                     if_new: false,
                     ..
-                } => session.authorize_group_manage(&tenant, &namespace, &stream, g, now),
-                _ => session.authorize_group_consume(&tenant, &namespace, &stream, op.group(), now),
+                } => session.authorize_group(true, (&tenant, &namespace, &stream, g), now),
+                _ => {
+                    session.authorize_group(false, (&tenant, &namespace, &stream, op.group()), now)
+                }
             };
             let key = authorized
                 .and_then(|()| crate::groups::check_name(op.group()))

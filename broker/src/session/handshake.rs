@@ -138,44 +138,30 @@ impl Session {
         validate_name(kind, name)
     }
 
-    /// Checks that this token may manage group `group` of `tenant/ns/stream` (redrive,
-    /// discard): as [`Session::authorize`], with `group.manage` on the group or
-    /// `stream.manage` on the stream for the permission.
-    pub fn authorize_group_manage(
+    /// Checks that this token may act on group `group` of `tenant/ns/stream`: as
+    /// [`Session::authorize`], the permission being, to `manage` it (redrive, discard,
+    /// delete, move its cursor), `group.manage` on the group or `stream.manage` on the
+    /// stream, and otherwise, to consume through it (poll, ack, nack, extend,
+    /// dead-letter, list, describe), `group.consume` on it or `stream.subscribe` on the
+    /// stream.
+    pub fn authorize_group(
         &self,
-        tenant: &str,
-        ns: &str,
-        stream: &str,
-        group: &str,
+        manage: bool,
+        (tenant, ns, stream, group): (&str, &str, &str, &str),
         now: Now,
     ) -> Result<(), BrokerError> {
         self.check_names(tenant, ns, ("stream", stream), now)?;
-        if !self.grant.allows_group_manage(ns, stream, group) {
+        let (allowed, wanted, implied_by) = if manage {
+            let allowed = self.grant.allows_group_manage(ns, stream, group);
+            (allowed, "group.manage", "stream.manage")
+        } else {
+            let allowed = self.grant.allows_group_consume(ns, stream, group);
+            (allowed, "group.consume", "stream.subscribe")
+        };
+        if !allowed {
             return Err(BrokerError::Forbidden(format!(
-                "token lacks group.manage on {tenant}/{ns}/{stream}/{group} \
-                 (or stream.manage on the stream)"
-            )));
-        }
-        Ok(())
-    }
-
-    /// Checks that this token may consume through group `group` of `tenant/ns/stream`
-    /// (poll, ack, nack, extend, dead-letter, list, describe): as
-    /// [`Session::authorize`], with `group.consume` on the group or `stream.subscribe`
-    /// on the stream for the permission.
-    pub fn authorize_group_consume(
-        &self,
-        tenant: &str,
-        ns: &str,
-        stream: &str,
-        group: &str,
-        now: Now,
-    ) -> Result<(), BrokerError> {
-        self.check_names(tenant, ns, ("stream", stream), now)?;
-        if !self.grant.allows_group_consume(ns, stream, group) {
-            return Err(BrokerError::Forbidden(format!(
-                "token lacks group.consume on {tenant}/{ns}/{stream}/{group} \
-                 (or stream.subscribe on the stream)"
+                "token lacks {wanted} on {tenant}/{ns}/{stream}/{group} \
+                 (or {implied_by} on the stream)"
             )));
         }
         Ok(())
