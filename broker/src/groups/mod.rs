@@ -1475,35 +1475,48 @@ impl GroupShard {
                     .iter()
                     .map(|r| (claimed.serial, reclaimed.contains(&r.offset.0))),
             );
+            let records_now = records.len();
             out.extend(records);
             // Stop when full (by count, or the answer's byte bound handed claims back),
             // when nothing more could be claimed, or when nothing was passed over.
             if out.len() >= max || handed == 0 || passed == 0 || full {
-                // The records of earlier passes too are handed out only if still held: a
-                // seek or a delete applied while a later pass waited took them.
-                let name = member.as_ref().map(|m| m.name.clone());
-                let held = self.tracker(group, |t| {
-                    out.iter()
-                        .zip(&claims)
-                        .map(|(r, &(serial, own))| {
-                            t.holds(r.offset.0, serial, own.then_some(name.as_deref()).flatten())
-                        })
-                        .collect::<Vec<bool>>()
-                });
-                let mut held = held.unwrap_or_default().into_iter();
-                out.retain(|_| held.next().unwrap_or(false));
-                // A member's reclaimed record passes by its name alone, and a pass after a
-                // seek may have claimed it again for the same member: once, the later.
-                let mut seen = HashSet::new();
-                let mut keep: Vec<bool> =
-                    out.iter().rev().map(|r| seen.insert(r.offset.0)).collect();
-                keep.reverse();
-                let mut keep = keep.into_iter();
-                out.retain(|_| keep.next().unwrap_or(false));
+                // The last pass's records were checked as it read them, with no wait
+                // since; an earlier pass's may have been taken meanwhile.
+                if out.len() > records_now {
+                    self.keep_held(group, &mut out, &claims, member.as_ref());
+                }
                 unanswered.answered();
                 return Ok(out);
             }
         }
+    }
+
+    /// Keeps of `out` (made by claim passes, `claims` saying each record's pass and
+    /// whether it was `member`'s own claim handed back) only what is still held: a seek
+    /// or a delete applied while a later pass waited took the earlier passes' records,
+    /// and a later pass may have claimed one again. Each offset once, the later.
+    fn keep_held(
+        &self,
+        group: &str,
+        out: &mut Vec<GroupRecord>,
+        claims: &[(u64, bool)],
+        member: Option<&Member>,
+    ) {
+        let name = member.map(|m| &*m.name);
+        let held = self.tracker(group, |t| {
+            out.iter()
+                .zip(claims)
+                .map(|(r, &(serial, own))| t.holds(r.offset.0, serial, name.filter(|_| own)))
+                .collect::<Vec<bool>>()
+        });
+        let mut held = held.unwrap_or_default().into_iter();
+        out.retain(|_| held.next().unwrap_or(false));
+        // A member's reclaimed record passes by its name alone.
+        let mut seen = HashSet::new();
+        let mut later: Vec<bool> = out.iter().rev().map(|r| seen.insert(r.offset.0)).collect();
+        later.reverse();
+        let mut later = later.into_iter();
+        out.retain(|_| later.next().unwrap_or(false));
     }
 
     /// Reads the records of the claimed offsets. An offset that holds no record for
