@@ -1787,20 +1787,12 @@ mod tests {
         use futures_lite::future::poll_once;
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
-            let backend = DmaBackend::open_dir(dir.path()).await.unwrap();
             let config = felix_storage_uring::LogConfig {
                 segment_bytes_max: 1 << 20,
                 ..felix_storage_uring::LogConfig::default()
             };
-            let (log, _) = SegmentLog::open(backend, config).await.unwrap();
-            let key = Arc::new(ShardKey {
-                kind: felix_core_runtime::placement::ShardKind::Cache,
-                tenant: "t".into(),
-                namespace: "ns".into(),
-                name: "c".into(),
-                shard: 0,
-            });
-            let shard = CacheShard::open(key.clone(), log).await.unwrap();
+            let shard = cache_with(dir.path(), config).await;
+            let key = shard.key.clone();
             let now = felix_core_runtime::clock::now();
             // 12 MiB of overwrites of a few keys: more than one replay read.
             for i in 0..3_000u32 {
@@ -1864,7 +1856,6 @@ mod tests {
     fn a_compaction_without_fsync_syncs_its_copies_before_removing_old_segments() {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
-            let backend = DmaBackend::open_dir(dir.path()).await.unwrap();
             let config = felix_storage_uring::LogConfig {
                 fsync: felix_storage_uring::FsyncMode::None,
                 segment_bytes_max: 64 * 1024,
@@ -1873,15 +1864,7 @@ mod tests {
                 write_linger: std::time::Duration::from_millis(200),
                 ..felix_storage_uring::LogConfig::default()
             };
-            let (log, _) = SegmentLog::open(backend, config).await.unwrap();
-            let key = Arc::new(ShardKey {
-                kind: felix_core_runtime::placement::ShardKind::Cache,
-                tenant: "t".into(),
-                namespace: "ns".into(),
-                name: "c".into(),
-                shard: 0,
-            });
-            let shard = CacheShard::open(key, log).await.unwrap();
+            let shard = cache_with(dir.path(), config).await;
             let now = felix_core_runtime::clock::now();
             shard
                 .put("kept", Bytes::from_static(b"written long ago"), None, now)
@@ -1906,10 +1889,16 @@ mod tests {
     }
 
     async fn cache_in(dir: &std::path::Path) -> CacheShard {
+        cache_with(dir, felix_storage_uring::LogConfig::default()).await
+    }
+
+    /// A cache shard `t/ns/c/0` over a log in `dir` with `config`.
+    async fn cache_with(
+        dir: &std::path::Path,
+        config: felix_storage_uring::LogConfig,
+    ) -> CacheShard {
         let backend = DmaBackend::open_dir(dir).await.unwrap();
-        let (log, _) = SegmentLog::open(backend, felix_storage_uring::LogConfig::default())
-            .await
-            .unwrap();
+        let (log, _) = SegmentLog::open(backend, config).await.unwrap();
         let key = Arc::new(ShardKey {
             kind: felix_core_runtime::placement::ShardKind::Cache,
             tenant: "t".into(),

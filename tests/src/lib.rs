@@ -963,6 +963,13 @@ impl Drop for LoopFs {
     }
 }
 
+/// What [`writes_of_one_key_in_order`] answers when the writes land in the order sent.
+pub const WRITES_OF_ONE_KEY_IN_ORDER: (Option<bool>, Option<bool>, Option<Option<bytes::Bytes>>) = (
+    Some(true),
+    Some(false),
+    Some(Some(bytes::Bytes::from_static(b"v5"))),
+);
+
 /// Sends, pipelined on one stream after `auth` to the broker at `addr`, writes of key
 /// `k` of `(tenant, namespace, cache)`: put v1, delete, put-if-absent v2, put v3,
 /// put-if-absent v4, delete, put v5; then, once they are answered, a get. Returns

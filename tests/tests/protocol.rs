@@ -391,11 +391,7 @@ fn pipelined_writes_of_one_key_land_in_the_order_sent() {
         ));
         assert_eq!(
             outcome,
-            (
-                Some(true),
-                Some(false),
-                Some(Some(bytes::Bytes::from_static(b"v5")))
-            ),
+            felix_cluster::WRITES_OF_ONE_KEY_IN_ORDER,
             "round {round}"
         );
     }

@@ -819,11 +819,7 @@ fn pipelined_writes_of_one_key_land_in_order_on_a_quorum_cache() {
         ));
         assert_eq!(
             outcome,
-            (
-                Some(true),
-                Some(false),
-                Some(Some(bytes::Bytes::from_static(b"v5")))
-            ),
+            felix_cluster::WRITES_OF_ONE_KEY_IN_ORDER,
             "round {round}"
         );
     }

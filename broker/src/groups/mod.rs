@@ -2297,6 +2297,29 @@ mod tests {
         }
     }
 
+    /// A poll of "w" for up to `max` records that answers at once.
+    fn poll_now(max: u32) -> GroupOp {
+        GroupOp::Poll {
+            group: "w".into(),
+            max,
+            wait_ms: 0,
+            visibility_ms: 0,
+            member: None,
+        }
+    }
+
+    /// Appends another group's event to `stream` (an offset holding no record for
+    /// consumers) and makes it visible.
+    async fn append_other_groups_event(stream: &StreamShard) {
+        let event = encode("other", Some(Event::Ack(0)));
+        let p = stream
+            .log
+            .begin_group(std::slice::from_ref(&event), 0)
+            .unwrap();
+        let appended = stream.log.commit(p).await.unwrap();
+        stream.advance_fanout(appended);
+    }
+
     /// The oldest held write, taken out: its answer's sender.
     fn first_write(writes: &Answers) -> oneshot::Sender<Result<Appended, BrokerError>> {
         writes.borrow_mut().remove(0).1
@@ -2829,15 +2852,8 @@ mod tests {
             // Offset 0 claimed once (its one attempt), the claim due in 200 ms.
             claim_due_in_200_ms(&g);
             felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
-            let poll = |max| GroupOp::Poll {
-                group: "w".into(),
-                max,
-                wait_ms: 0,
-                visibility_ms: 0,
-                member: None,
-            };
             // The first poll dead-letters 0, claims 1 and waits on the dead letter's write.
-            let mut first = std::pin::pin!(g.serve(&stream, poll(10)));
+            let mut first = std::pin::pin!(g.serve(&stream, poll_now(10)));
             assert!(poll_once(&mut first).await.is_none());
             assert_eq!(writes.borrow().len(), 1, "the dead letter's write");
             let dead = first_write(&writes);
@@ -2852,7 +2868,7 @@ mod tests {
             first_write(&writes).send(appended()).unwrap();
             assert!(matches!(seek.await, Ok(GroupAnswer::Position(1, _))));
             // A second poll claims 1.
-            let second = match g.serve(&stream, poll(1)).await {
+            let second = match g.serve(&stream, poll_now(1)).await {
                 Ok(GroupAnswer::Records(r)) => r,
                 other => panic!("{other:?}"),
             };
@@ -2881,13 +2897,7 @@ mod tests {
             let stream = stream_in(dir.path()).await;
             // 0: a record (due to be dead-lettered), 1: another group's event, 2: a record.
             publish_visible(&stream, 1).await;
-            let event = encode("other", Some(Event::Ack(0)));
-            let p = stream
-                .log
-                .begin_group(std::slice::from_ref(&event), 0)
-                .unwrap();
-            let appended = stream.log.commit(p).await.unwrap();
-            stream.advance_fanout(appended);
+            append_other_groups_event(&stream).await;
             publish_visible(&stream, 1).await;
             let (g, writes) = shard_with_held_writes_and(Limits {
                 max_attempts: 1,
@@ -2895,15 +2905,8 @@ mod tests {
             });
             claim_due_in_200_ms(&g);
             felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
-            let poll = GroupOp::Poll {
-                group: "w".into(),
-                max: 10,
-                wait_ms: 0,
-                visibility_ms: 0,
-                member: None,
-            };
             // Pass 1 dead-letters 0, claims 1 and 2, and waits on the dead letter's write.
-            let mut first = std::pin::pin!(g.serve(&stream, poll));
+            let mut first = std::pin::pin!(g.serve(&stream, poll_now(10)));
             assert!(poll_once(&mut first).await.is_none());
             let dead = first_write(&writes);
             // A seek back to 1 starts; its write is held.
@@ -2970,13 +2973,7 @@ mod tests {
                 felix_core_runtime::task::sleep(Duration::from_millis(1)).await;
             }
             // 1: another group's event, 2: a record.
-            let event = encode("other", Some(Event::Ack(0)));
-            let p = stream
-                .log
-                .begin_group(std::slice::from_ref(&event), 0)
-                .unwrap();
-            let appended_event = stream.log.commit(p).await.unwrap();
-            stream.advance_fanout(appended_event);
+            append_other_groups_event(&stream).await;
             publish_visible(&stream, 1).await;
             // Pass 1 reclaims 0, claims 1 and 2 and reads them; a seek to 0 starts.
             let mut again = std::pin::pin!(g.serve(&stream, poll(10, true)));
