@@ -960,17 +960,21 @@ async fn execute(
             true
         }
         Action::Cache { key, op, reply } => {
+            // The catalog first, here, in arrival order, as a publish does: awaited in
+            // each request's own task, the first writes to a cache made on first use
+            // went on in whatever order their catalog writes finished, and writes of one
+            // key took their places in the log out of the order sent.
+            let written = core.catalog_written_for(&key).await;
             let (core, session) = (core.clone(), session.clone());
             // Started now, not when its answer's turn comes: pipelined requests are in
             // flight together (and share a group commit).
             let (encoding, places) = (session.clone(), answers.places.clone());
             let started = run_to_completion(async move {
                 let _held = held;
-                let result = async {
-                    core.catalog_written_for(&key).await?;
-                    core.cache(key, op).await
-                }
-                .await;
+                let result = match written {
+                    Ok(()) => core.cache(key, op).await,
+                    Err(e) => Err(e),
+                };
                 places.place(cache_answer(&encoding, reply, result))
             });
             answers.push(Answer::Pending(Box::pin(async move {
@@ -1057,15 +1061,16 @@ async fn execute(
             op,
             request_id,
         } => {
+            // The catalog first, in arrival order (see the cache's).
+            let written = core.catalog_written_for(&key).await;
             let (core, session) = (core.clone(), session.clone());
             let (encoding, places) = (session.clone(), answers.places.clone());
             let started = run_to_completion(async move {
                 let _held = held;
-                let result = async {
-                    core.catalog_written_for(&key).await?;
-                    core.state(key, op).await
-                }
-                .await;
+                let result = match written {
+                    Ok(()) => core.state(key, op).await,
+                    Err(e) => Err(e),
+                };
                 places.place(state_answer(&encoding, request_id, result))
             });
             answers.push(Answer::Pending(Box::pin(async move {
