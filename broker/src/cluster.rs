@@ -40,6 +40,9 @@ pub struct Route {
     /// A copy being staged for a move: shipped to, not a member (see
     /// `replication::machine::Assignment::learners`).
     pub learners: Arc<[Arc<str>]>,
+    /// A planned handoff's old leader, at this generation (see
+    /// `replication::machine::Assignment::handoff_from`).
+    pub handoff_from: Option<Arc<str>>,
     /// The generation an operator's abandon wrote: copies that accepted an older one
     /// are kept for manual recovery (`core/left.rs`).
     pub abandoned: Option<u64>,
@@ -389,6 +392,15 @@ struct AssignmentDoc {
     /// The generation an operator's abandon wrote.
     #[serde(default)]
     abandoned: Option<u64>,
+    /// A planned handoff: the old leader, and the generation it hands over at.
+    #[serde(default)]
+    handoff: Option<HandoffDoc>,
+}
+
+#[derive(Deserialize)]
+struct HandoffDoc {
+    from: String,
+    generation: u64,
 }
 
 #[derive(Deserialize)]
@@ -717,6 +729,12 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
                     a.replicas.iter().map(|r| Arc::from(r.as_str())).collect()
                 },
                 learners: a.staging.iter().map(|n| Arc::from(n.as_str())).collect(),
+                // Only at the generation it was written for: a later write that kept
+                // the field (a failover) must not wait for a leader that is gone.
+                handoff_from: a
+                    .handoff
+                    .filter(|h| h.generation == a.generation)
+                    .map(|h| Arc::from(h.from.as_str())),
                 abandoned: a.abandoned,
                 leader: a.leader.into(),
                 addr,

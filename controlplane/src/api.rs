@@ -1533,8 +1533,12 @@ async fn shard_move(State(st): State<AppState>, h: HeaderMap, b: Body) -> ApiRes
         a.staging = Some(m.destination.clone());
         a.replaces = Some(a.leader.clone());
     } else {
-        a.leader = m.destination.clone();
+        let from = std::mem::replace(&mut a.leader, m.destination.clone());
         a.generation += 1;
+        a.handoff = Some(Handoff {
+            from,
+            generation: a.generation,
+        });
     }
     st.store
         .batch(vec![Op::Put {
@@ -1638,6 +1642,10 @@ async fn drain_node(
             }
             a.leader = to_node.clone();
             a.generation += 1;
+            a.handoff = Some(Handoff {
+                from: id.clone(),
+                generation: a.generation,
+            });
             let written = st
                 .store
                 .batch(vec![Op::Put {

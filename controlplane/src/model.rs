@@ -300,6 +300,21 @@ pub struct Assignment {
     /// never remove them on their own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub abandoned: Option<u64>,
+    /// A planned handoff (a move or a drain, not a failover) wrote this generation:
+    /// the new leader waits a while for the old one's fence, since the old leader's log
+    /// holds records it acknowledged without waiting for followers (`Leader` mode).
+    /// Brokers read it only at the generation it names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoff: Option<Handoff>,
+}
+
+/// The old leader of a planned handoff, and the generation that handed over.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Handoff {
+    /// The old leader.
+    pub from: String,
+    /// The generation written by the handoff.
+    pub generation: u64,
 }
 
 /// Validates a resource name: 1-128 of `[A-Za-z0-9-_.]`, starting alphanumeric.

@@ -60,7 +60,7 @@ use std::collections::{BTreeMap, HashSet};
 use felix_wire::routing::ShardRouting;
 
 use crate::api::{ApiConfig, liveness_ms};
-use crate::model::{Assignment, AssignmentKey, Cache, Lifecycle, Node, Stream};
+use crate::model::{Assignment, AssignmentKey, Cache, Handoff, Lifecycle, Node, Stream};
 use crate::replication::{ReplicaReports, StoredReport};
 use crate::store::{Doc, Expect, Kind, Op, Store, StoreError};
 
@@ -589,6 +589,7 @@ pub async fn pass_at(
                     replaces: None,
                     retiring: None,
                     abandoned: None,
+                    handoff: None,
                 }),
                 expect: Expect::Absent,
             });
@@ -642,6 +643,10 @@ pub async fn pass_at(
                     Some(r) if r == a.leader => {
                         *leading.entry(to.clone()).or_default() += 1;
                         a.retiring = Some(std::mem::replace(&mut a.leader, to));
+                        a.handoff = Some(Handoff {
+                            from: r,
+                            generation: a.generation + 1,
+                        });
                         report.moved += 1;
                     }
                     Some(r) => {
@@ -912,6 +917,7 @@ mod tests {
                     replaces: None,
                     retiring: None,
                     abandoned: None,
+                    handoff: None,
                 };
                 self.put(Kind::Assignment, key(name), encode(&a)).await;
             }
@@ -1547,6 +1553,11 @@ mod tests {
             assert_eq!((a.leader.as_str(), a.generation), ("c", 5));
             assert_eq!(a.replicas, ["a", "b", "c"]);
             assert_eq!((a.staging, a.retiring.as_deref()), (None, Some("a")));
+            let from_a = Handoff {
+                from: "a".into(),
+                generation: 5,
+            };
+            assert_eq!(a.handoff, Some(from_a), "a planned handoff");
             // Not before c reports generation 5 committed (serving is not enough).
             f.pass(now).await;
             assert_eq!(f.get("s").await.replicas, ["a", "b", "c"]);

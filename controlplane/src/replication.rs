@@ -300,6 +300,7 @@ mod tests {
             replaces: None,
             retiring: None,
             abandoned: None,
+            handoff: None,
         }
     }
 

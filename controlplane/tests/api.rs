@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use felix_controlplane::api::ApiConfig;
 use felix_controlplane::client::{ClientError, ControlPlaneClient};
-use felix_controlplane::model::Assignment;
+use felix_controlplane::model::{Assignment, Handoff};
 use felix_controlplane::placement;
 use felix_controlplane::replication::ReplicaReports;
 use felix_controlplane::server::{self, KeySource, ServerConfig};
@@ -781,6 +781,11 @@ fn scenario(svc: &Service) {
         ),
         (Some(other), Some(2))
     );
+    // A planned handoff: the new leader waits a while for the old one's fence.
+    assert_eq!(
+        moved["assignment"]["handoff"],
+        json!({"from": orders0.leader, "generation": 2})
+    );
 
     // A node that stops heartbeating goes down after the expiry plus the margin; its
     // replicated shards are promoted to the other member, its unreplicated (RF 1,
@@ -1373,6 +1378,13 @@ fn replication_scenario(svc: &Service) {
         ),
         (outsider, Some(behind.as_str()), None, None),
         "{body}"
+    );
+    assert_eq!(
+        drained.handoff,
+        Some(Handoff {
+            from: ahead.clone(),
+            generation: drained.generation
+        })
     );
 
     // Abandoning the waiting ledger moves it to a ready node and says data was lost;
@@ -2166,6 +2178,7 @@ fn a_drain_passes_over_a_shard_deleted_under_it() {
         replaces: None,
         retiring: None,
         abandoned: None,
+        handoff: None,
     };
     let (gone, kept) = (led_by_a("gone"), led_by_a("kept"));
     svc.rt.block_on(async {
@@ -2235,6 +2248,7 @@ fn a_drain_passes_over_a_halted_or_rebuilding_member() {
         replaces: None,
         retiring: None,
         abandoned: None,
+        handoff: None,
     };
     svc.rt.block_on(async {
         svc.store

@@ -64,6 +64,11 @@ pub const SHIP_BYTES: usize = 1 << 20;
 /// leader read its log; with several, the follower stores each contiguous message as it
 /// arrives, and one fsync covers what arrived meanwhile.
 pub const MAX_IN_FLIGHT: usize = 4;
+/// How long a candidate of a planned handoff waits for the old leader's fence before it
+/// goes on as after a failover, with any majority. The old leader, being up, answers
+/// in milliseconds; the bound is for one that died meanwhile (writes held at the new
+/// leader wait out 1 s before they are refused).
+pub const HANDOFF_WAIT: Duration = Duration::from_millis(800);
 /// `prev_generation` of a message starting at the sender's base: the record before is
 /// gone there, committed, and equal everywhere.
 pub const BELOW_BASE: u64 = u64::MAX;
@@ -232,6 +237,12 @@ pub struct Assignment {
     /// Copies being staged for a move (not in `replicas`): shipped to like followers,
     /// never counted toward a majority (fence or commit), never leaders.
     pub learners: Vec<NodeId>,
+    /// The leader this generation takes over from in a planned handoff (a move or a
+    /// drain, not a failover): it is up, and its log holds every record it
+    /// acknowledged, `Leader`-mode ones no follower holds yet among them. The new
+    /// leader waits up to [`HANDOFF_WAIT`] for its fence before it picks the log to
+    /// take; a majority without it could lack that tail.
+    pub handoff_from: Option<NodeId>,
 }
 
 /// The durable part of a replica's state, written before it is relied on.
@@ -462,6 +473,9 @@ struct Candidate {
     verified: u64,
     fetch_sent: Option<Instant>,
     start_requested: bool,
+    /// A planned handoff's old leader and how long its fence is waited for (see
+    /// [`Assignment::handoff_from`]); None once it answered or could not.
+    handoff: Option<(NodeId, Instant)>,
 }
 
 #[derive(Debug)]
@@ -846,6 +860,11 @@ impl Replica {
             verified: self.commit,
             fetch_sent: None,
             start_requested: false,
+            handoff: a
+                .handoff_from
+                .clone()
+                .filter(|from| *from != self.me && a.replicas.contains(from))
+                .map(|from| (from, now + HANDOFF_WAIT)),
         });
         if a.generation > self.meta.generation {
             self.accept(a.generation, self.me.clone());
@@ -1699,6 +1718,15 @@ impl Replica {
         let Role::Candidate(c) = &mut self.role else {
             return;
         };
+        if let Some((from, until)) = &c.handoff
+            && !c.fenced.contains_key(from)
+            && now < *until
+            && c.source.is_none()
+        {
+            // A planned handoff: the old leader's log is the one sure to hold what it
+            // acknowledged without waiting for followers.
+            return;
+        }
         if c.source.is_none() {
             // The furthest-ahead log: by the generation of its last record, then its
             // length; ours on a tie (nothing to fetch).
@@ -1857,6 +1885,12 @@ impl Replica {
                 // it was stops being one (we fetch again from the commit mark). (Without
                 // this a candidate whose source lost its copy waited for it forever.)
                 let was_source = c.source.as_ref().is_some_and(|(s, _)| *s == from);
+                if code != Refusal::NotFenced
+                    && c.handoff.as_ref().is_some_and(|(old, _)| *old == from)
+                {
+                    // The old leader lost its copy: nothing of it to wait for.
+                    c.handoff = None;
+                }
                 if c.fenced.remove(&from).is_some() && was_source && !c.start_requested {
                     c.source = None;
                     c.fetch_sent = None;
@@ -2211,6 +2245,7 @@ mod tests {
                 leader: id(leader),
                 replicas: all.clone(),
                 learners: Vec::new(),
+                handoff_from: None,
             };
             for n in &all {
                 let now = self.now;
@@ -2292,6 +2327,100 @@ mod tests {
             p.nodes[&id("a")].replica.commit() <= held,
             "commit {} past what the stray Ok could claim ({held})",
             p.nodes[&id("a")].replica.commit()
+        );
+    }
+
+    /// `a` leads generation 1 of a, b and c and acknowledged, `Leader`-mode, three
+    /// records no follower holds (its ships lost). Generation 2 hands the shard to b in
+    /// a planned move, and a's fence answer is late: b and c alone are a majority.
+    fn leader_tail_then_handoff_to_b(p: &mut Pair, handoff_from: Option<&str>) {
+        p.assign(1, "a");
+        p.settle();
+        p.append(2);
+        p.settle();
+        p.append(3);
+        p.wire.clear();
+        assert_eq!(p.nodes[&id("b")].end(), 3, "start record and two");
+        let a = Assignment {
+            generation: 2,
+            leader: id("b"),
+            replicas: vec![id("a"), id("b"), id("c")],
+            learners: Vec::new(),
+            handoff_from: handoff_from.map(id),
+        };
+        p.cut_off = Some(id("a"));
+        for n in ["a", "b", "c"] {
+            let now = p.now;
+            let node = p.nodes.get_mut(&id(n)).expect("node");
+            node.replica.handle_assignment(a.clone(), now);
+        }
+        p.settle();
+    }
+
+    /// Records `n` holds, generation starts left out.
+    fn data_records(p: &Pair, n: &str) -> Vec<Bytes> {
+        p.nodes[&id(n)]
+            .batches
+            .iter()
+            .filter(|b| b.kind == BatchKind::Data)
+            .flat_map(|b| b.records.iter().cloned())
+            .collect()
+    }
+
+    /// A planned handoff's new leader waits for the old leader's fence before it picks
+    /// the log to take: the old leader is up, and its log alone holds what it
+    /// acknowledged without waiting for followers. Taking the first majority's best
+    /// log (b and c) lost those records while both brokers acknowledged writes.
+    #[test]
+    fn a_planned_handoff_takes_the_old_leaders_tail() {
+        let mut p = Pair::of(&["a", "b", "c"]);
+        leader_tail_then_handoff_to_b(&mut p, Some("a"));
+        assert!(
+            !p.nodes[&id("b")].replica.serving(),
+            "b and c are a majority, but a has not answered"
+        );
+        // a answers the fence sent again.
+        p.cut_off = None;
+        p.now += RESEND_AFTER;
+        let now = p.now;
+        p.nodes
+            .get_mut(&id("b"))
+            .expect("b")
+            .replica
+            .handle_timeout(now);
+        p.settle();
+        assert!(p.nodes[&id("b")].replica.serving());
+        let held: Vec<Bytes> = (0..5).map(|i| Bytes::from(format!("r{}", i + 1))).collect();
+        assert_eq!(
+            data_records(&p, "b"),
+            held,
+            "a's whole log, its tail included"
+        );
+    }
+
+    /// An old leader that does not answer (it died after the move was written) is
+    /// waited for no longer than `HANDOFF_WAIT`: then any majority, as a failover.
+    /// Without a handoff there is no wait, and its tail is lost as in a failover.
+    #[test]
+    fn a_planned_handoff_waits_for_the_old_leader_only_so_long() {
+        let mut p = Pair::of(&["a", "b", "c"]);
+        leader_tail_then_handoff_to_b(&mut p, Some("a"));
+        p.now += HANDOFF_WAIT;
+        let now = p.now;
+        p.nodes
+            .get_mut(&id("b"))
+            .expect("b")
+            .replica
+            .handle_timeout(now);
+        p.settle();
+        assert!(p.nodes[&id("b")].replica.serving());
+        assert_eq!(data_records(&p, "b").len(), 2, "without a's tail");
+
+        let mut p = Pair::of(&["a", "b", "c"]);
+        leader_tail_then_handoff_to_b(&mut p, None);
+        assert!(
+            p.nodes[&id("b")].replica.serving(),
+            "a failover does not wait"
         );
     }
 
@@ -2479,6 +2608,7 @@ mod tests {
                 leader: id("a"),
                 replicas: vec![id("a"), id("b")],
                 learners,
+                handoff_from: None,
             };
             for n in [id("a"), id("b"), id("c")] {
                 let now = p.now;
@@ -2549,6 +2679,7 @@ mod tests {
             leader: id("a"),
             replicas: vec![id("a"), id("b")],
             learners: Vec::new(),
+            handoff_from: None,
         };
         for n in [id("a"), id("b")] {
             let now = p.now;
@@ -2694,6 +2825,7 @@ mod tests {
                 leader: id("a"),
                 replicas: vec![id("a"), id("b")],
                 learners: Vec::new(),
+                handoff_from: None,
             },
             now,
         );
@@ -2795,6 +2927,7 @@ mod tests {
             leader: id("a"),
             replicas: vec![id("a"), id("b"), id("c")],
             learners: Vec::new(),
+            handoff_from: None,
         };
         r.handle_assignment(assignment(1), now);
         while r.poll_output().is_some() {}
@@ -2841,6 +2974,7 @@ mod tests {
                 leader: id("a"),
                 replicas: vec![id("a"), id("b")],
                 learners: Vec::new(),
+                handoff_from: None,
             },
             now,
         );

@@ -1323,6 +1323,7 @@ impl Replicas {
                         leader: route.leader.clone(),
                         replicas: route.replicas.to_vec(),
                         learners: route.learners.to_vec(),
+                        handoff_from: route.handoff_from.clone(),
                     },
                     clock::now().instant,
                 );
@@ -1909,6 +1910,7 @@ mod tests {
                 generation,
                 replicas: replicas.iter().map(|r| Arc::from(*r)).collect(),
                 learners: learners.iter().map(|r| Arc::from(*r)).collect(),
+                handoff_from: None,
                 abandoned,
             }
         };

@@ -216,6 +216,8 @@ struct Sim {
     /// The member the staged copy replaces (the leader: a move).
     replaces: Option<usize>,
     retiring: Option<usize>,
+    /// The old leader of a planned handoff, for the next generation written.
+    handoff: Option<usize>,
     /// Staged moves cut over and retired, for the test's report.
     moves: (u64, u64),
     /// Control-plane writes so far.
@@ -301,6 +303,7 @@ impl Sim {
             staging: None,
             replaces: None,
             retiring: None,
+            handoff: None,
             moves: (0, 0),
             assignment_seq: 0,
             acked: BTreeMap::new(),
@@ -339,7 +342,13 @@ impl Sim {
     /// A new assignment: the next generation, led by a random member (a failover or a
     /// move within the set; it abandons a staged copy, as the control plane does).
     fn reassign(&mut self) {
+        let old = self.leader;
         self.leader = self.members[self.rng.random_range(0..self.members.len())];
+        // Sometimes a planned one: the new leader waits a while for the old one's fence,
+        // which may be down or cut off all the same.
+        if self.leader != old && self.rng.random_bool(0.5) {
+            self.handoff = Some(old);
+        }
         (self.staging, self.replaces) = (None, None);
         if self.retiring == Some(self.leader) {
             self.retiring = None;
@@ -376,6 +385,7 @@ impl Sim {
                 self.staging = None;
                 let replaces = self.replaces.take();
                 if replaces == Some(self.leader) {
+                    self.handoff = Some(self.leader);
                     self.retiring = Some(self.leader);
                     self.leader = d;
                 } else {
@@ -448,6 +458,7 @@ impl Sim {
     fn publish_assignment(&mut self) {
         self.generation += 1;
         self.publish_view();
+        self.handoff = None;
     }
 
     /// Writes a staged copy taken on or dropped: the same generation (no member
@@ -472,6 +483,7 @@ impl Sim {
                 .iter()
                 .map(|d| self.nodes[*d].id.clone())
                 .collect(),
+            handoff_from: self.handoff.map(|n| self.nodes[n].id.clone()),
         };
         if trace() {
             eprintln!(

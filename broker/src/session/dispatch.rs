@@ -2266,6 +2266,7 @@ mod tests {
                 generation: 4,
                 replicas: vec!["node-b".into()].into(),
                 learners: Vec::new().into(),
+                handoff_from: None,
                 abandoned: None,
             },
         );

@@ -139,6 +139,7 @@ impl Directory for MemDirectory {
                     generation: 3,
                     replicas: vec!["node-x".into()].into(),
                     learners: Vec::new().into(),
+                    handoff_from: None,
                     abandoned: None,
                 });
             }
