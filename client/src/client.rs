@@ -204,8 +204,8 @@ type PendingAcks =
 /// publishes waiting for one.
 struct PublishStream {
     send: quinn::SendStream,
-    /// Whether the broker ended the stream cleanly (it read it to its end).
-    acks: tokio::task::JoinHandle<bool>,
+    /// How the stream ended (see [`AcksEnd`]).
+    acks: tokio::task::JoinHandle<AcksEnd>,
     pending: PendingAcks,
 }
 
@@ -263,6 +263,8 @@ struct Inner {
     config: ClientConfig,
     negotiated: Negotiated,
     publish: Mutex<Option<PublishStream>>,
+    /// Acked publishes in flight: `publish_window`, or the broker's when smaller.
+    publish_window: tokio::sync::Semaphore,
     requests: Mutex<Option<Stream>>,
     router: Arc<std::sync::Mutex<Router>>,
     /// The task handing the broker's event streams to subscriptions. It holds the
@@ -327,6 +329,11 @@ impl Client {
             config.request_timeout,
         ))
         .abort_handle();
+        let window = negotiated
+            .publish_window
+            .map_or(usize::MAX, |w| w as usize)
+            .min(config.publish_window)
+            .clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
         Ok(Client {
             inner: Arc::new(Inner {
                 addr,
@@ -335,6 +342,7 @@ impl Client {
                 config,
                 negotiated,
                 publish: Mutex::new(None),
+                publish_window: tokio::sync::Semaphore::new(window),
                 requests: Mutex::new(Some(requests)),
                 router,
                 routing,
@@ -380,7 +388,6 @@ impl Client {
         Ok(())
     }
 
-    /// One request, one answer, on the shared request stream.
     /// Sends `m` on a stream of its own and reads its one answer, allowing `wait` beyond
     /// the request timeout (a long poll). Group requests go this way, so a waiting poll
     /// holds up nothing else.
@@ -390,9 +397,11 @@ impl Client {
         context: &'static str,
         wait: Duration,
     ) -> Result<Message, ClientError> {
+        let frame = m.to_frame();
+        self.check_frame_len(&frame)?;
         let (mut s, _) = open_stream(&self.inner.conn, &self.inner.config, self.inner.addr).await?;
         s.send
-            .write_all(&m.to_frame())
+            .write_all(&frame)
             .await
             .map_err(|e| ClientError::connection(self.inner.addr, e))?;
         let answer = tokio::time::timeout(
@@ -405,7 +414,26 @@ impl Client {
         answer
     }
 
+    /// Refuses, before anything is sent, a frame larger than a broker takes (the
+    /// protocol's 16 MiB, or `max_frame_bytes`): the broker would end the stream on its
+    /// header, and the caller would learn only that the connection failed, the write's
+    /// outcome unknown though nothing was written.
+    fn check_frame_len(&self, frame: &[u8]) -> Result<(), ClientError> {
+        let payload = frame.len().saturating_sub(felix_wire::frame::HEADER_LEN);
+        let max = self.inner.config.max_frame_bytes;
+        if payload > max {
+            return Err(ClientError::Config(format!(
+                "a request of {payload} bytes is larger than a frame may be ({max} bytes, \
+                 max_frame_bytes); nothing was sent"
+            )));
+        }
+        Ok(())
+    }
+
+    /// One request, one answer, on the shared request stream.
     async fn request(&self, m: Message, context: &'static str) -> Result<Message, ClientError> {
+        let frame = m.to_frame();
+        self.check_frame_len(&frame)?;
         let mut guard = self.inner.requests.lock().await;
         // Taken out while in use and put back only once its answer is read: a request
         // dropped part way (a caller's timeout, a cancelled task) would otherwise leave
@@ -421,7 +449,7 @@ impl Client {
         let sent = m.request_id();
         let result = async {
             s.send
-                .write_all(&m.to_frame())
+                .write_all(&frame)
                 .await
                 .map_err(|e| ClientError::connection(self.inner.addr, e))?;
             let answer = tokio::time::timeout(
@@ -439,12 +467,17 @@ impl Client {
             }
         }
         .await;
-        if !matches!(
-            result,
-            Err(ClientError::Connection { .. }
-                | ClientError::Timeout(_)
-                | ClientError::Protocol(_))
-        ) {
+        // An `error` naming no request answers one the broker could not read, and it
+        // may have ended the stream after it (a frame it could not stay aligned on).
+        let unread = matches!(&result, Ok(m @ Message::Error { .. }) if m.request_id().is_none());
+        if !unread
+            && !matches!(
+                result,
+                Err(ClientError::Connection { .. }
+                    | ClientError::Timeout(_)
+                    | ClientError::Protocol(_))
+            )
+        {
             // Otherwise the stream's state is unknown: the next request opens a fresh one.
             *guard = Some(s);
         }
@@ -526,6 +559,7 @@ impl Client {
                 "a publish needs at least one record".into(),
             ));
         }
+        check_batch_len(payloads.len())?;
         let flags = self.inner.negotiated.flags;
         let binary = flags.contains(Flags::BINARY_PUBLISH_BATCH)
             && (ack == AckMode::None || flags.contains(Flags::BINARY_PUBLISH_ACKED))
@@ -579,6 +613,18 @@ impl Client {
             m.encode_frame(&mut frame)
                 .map_err(|e| ClientError::Config(e.to_string()))?;
         }
+        self.check_frame_len(&frame)?;
+        // Held until the ack (or the call's end): past the window, a publish waits here.
+        let _in_flight = match ack {
+            AckMode::None => None,
+            _ => Some(
+                self.inner
+                    .publish_window
+                    .acquire()
+                    .await
+                    .expect("never closed"),
+            ),
+        };
         let rx = {
             let mut publish = self.inner.publish.lock().await;
             if publish.as_ref().is_none_or(|p| p.acks.is_finished()) {
@@ -646,7 +692,9 @@ impl Client {
     /// publish stream, those sent without an ack included: the stream is finished and
     /// its acks reader runs to the broker's end of it (the next publish opens another).
     /// A publish without an ack returns once its bytes are in the send buffer; a
-    /// process that exits then (the `felix` command) loses them without this.
+    /// process that exits then (the `felix` command) loses them without this. The
+    /// first such publish the broker refused since the stream opened (it could not
+    /// read it) is the error.
     pub async fn flush_publishes(&self) -> Result<(), ClientError> {
         let Some(mut p) = self.inner.publish.lock().await.take() else {
             return Ok(());
@@ -655,7 +703,11 @@ impl Client {
             .finish()
             .map_err(|e| ClientError::connection(self.inner.addr, e))?;
         match tokio::time::timeout(self.inner.config.request_timeout, p.acks).await {
-            Ok(Ok(true)) => Ok(()),
+            Ok(Ok(AcksEnd {
+                unacked_refused: Some(e),
+                ..
+            })) => Err(e),
+            Ok(Ok(AcksEnd { clean: true, .. })) => Ok(()),
             // The connection failed or the broker reset the stream: what it had not
             // read is lost.
             Ok(_) => Err(ClientError::connection(
@@ -846,6 +898,7 @@ impl Client {
         sequence: u64,
     ) -> Result<u64, ClientError> {
         self.require(Features::IDEMPOTENT_PRODUCER, "publish_idempotent")?;
+        check_batch_len(payloads.len())?;
         let m = Message::PublishIdempotent {
             tenant_id: tenant.into(),
             namespace: namespace.into(),
@@ -876,6 +929,7 @@ impl Client {
         expected_offset: u64,
     ) -> Result<u64, ClientError> {
         self.require(Features::PUBLISH_CONDITIONAL, "publish_if")?;
+        check_batch_len(payloads.len())?;
         let m = Message::PublishIf {
             tenant_id: tenant.into(),
             namespace: namespace.into(),
@@ -1458,73 +1512,123 @@ async fn read_events(
     }
 }
 
+/// Refuses a batch of more records than a broker takes in one publish (the protocol's
+/// bound, which replication ships in one message).
+pub(crate) fn check_batch_len(records: usize) -> Result<(), ClientError> {
+    let max = felix_wire::internal::MAX_RECORDS_PER_MESSAGE;
+    if records > max {
+        return Err(ClientError::Config(format!(
+            "a batch of {records} records is more than a publish may hold ({max}); nothing \
+             was sent"
+        )));
+    }
+    Ok(())
+}
+
+/// How a publish stream's acks reader ended.
+#[derive(Debug, Default)]
+struct AcksEnd {
+    /// The broker ended the stream cleanly: it read it to its end.
+    clean: bool,
+    /// The first refusal of a publish sent without an ack (a bare `error`; the broker
+    /// keeps the stream open and goes on with the next publish).
+    unacked_refused: Option<ClientError>,
+}
+
 async fn read_acks(
     mut recv: quinn::RecvStream,
     mut reader: FrameReader,
     pending: PendingAcks,
     addr: SocketAddr,
-) -> bool {
-    let mut clean = false;
+) -> AcksEnd {
+    let mut ended = AcksEnd::default();
     let end = loop {
         let frame = match read_frame(&mut recv, &mut reader).await {
             Ok(Some(f)) => f,
             Ok(None) => {
-                clean = true;
+                ended.clean = true;
                 break ClientError::connection(addr, "publish stream ended");
             }
             Err(e) => break e,
         };
-        let (id, result) = match frame.kind {
-            FrameKind::PublishAck => match PublishAck::decode(frame.flags, &frame.payload) {
-                Ok(ack) => {
-                    let r = match ack.status {
-                        PublishAckStatus::Ok => Ok(ack.first_offset.map(|o| o.0)),
-                        PublishAckStatus::Error => Err(ClientError::Broker(BrokerError {
-                            code: ack.code.as_ref().map(|c| c.code.clone()),
-                            retry: ack.code.as_ref().map(|c| c.retry),
-                            detail: ack.code.as_ref().and_then(|c| c.detail.clone()).map(
-                                |(reason, ms)| felix_wire::ErrorDetail {
-                                    reason: Some(reason),
-                                    retry_after_ms: (ms > 0).then_some(ms),
-                                },
-                            ),
-                            message: ack.message,
-                            context: "publish failed",
-                        })),
-                    };
-                    (ack.request_id.0, r)
-                }
-                Err(e) => break ClientError::Protocol(e.to_string()),
-            },
-            FrameKind::Json => match Message::decode(&frame.payload) {
-                Ok(Message::PublishOk { request_id, offset }) => {
-                    (request_id.0, Ok(offset.map(|o| o.0)))
-                }
-                Ok(m @ (Message::PublishError { .. } | Message::Error { .. }))
-                    if m.request_id().is_some() =>
-                {
-                    let id = m.request_id().expect("checked").0;
-                    (id, Err(broker_error("publish failed", m)))
-                }
-                // One naming no publish answers none of them.
-                Ok(Message::PublishError { .. }) => continue,
-                // Not an answer to one of them: what the broker did with the publishes
-                // still waiting is unknown (it may have appended them), not refused.
-                Ok(m) => {
-                    break ClientError::Protocol(broker_error("publish stream", m).to_string());
-                }
-                Err(e) => break ClientError::Protocol(e.to_string()),
-            },
-            _ => break ClientError::Protocol("unexpected frame on a publish stream".into()),
-        };
-        if let Some(tx) = pending.lock().expect("acks lock").remove(&id) {
-            let _ = tx.send(result);
+        if let Err(e) = answer_ack(frame, &pending, addr, &mut ended) {
+            break e;
         }
     };
     for (_, tx) in pending.lock().expect("acks lock").drain() {
         let _ = tx.send(Err(end.clone()));
     }
-    clean
+    ended
+}
+
+/// Hands one ack (or refusal) read from a publish stream to the publish waiting for
+/// it. An error ends the stream's reading (every publish still waiting gets it).
+fn answer_ack(
+    frame: felix_wire::Frame,
+    pending: &PendingAcks,
+    addr: SocketAddr,
+    ended: &mut AcksEnd,
+) -> Result<(), ClientError> {
+    let (id, result) = match frame.kind {
+        FrameKind::PublishAck => match PublishAck::decode(frame.flags, &frame.payload) {
+            Ok(ack) => {
+                let r = match ack.status {
+                    PublishAckStatus::Ok => Ok(ack.first_offset.map(|o| o.0)),
+                    PublishAckStatus::Error => Err(ClientError::Broker(BrokerError {
+                        code: ack.code.as_ref().map(|c| c.code.clone()),
+                        retry: ack.code.as_ref().map(|c| c.retry),
+                        detail: ack.code.as_ref().and_then(|c| c.detail.clone()).map(
+                            |(reason, ms)| felix_wire::ErrorDetail {
+                                reason: Some(reason),
+                                retry_after_ms: (ms > 0).then_some(ms),
+                            },
+                        ),
+                        message: ack.message,
+                        context: "publish failed",
+                    })),
+                };
+                (ack.request_id.0, r)
+            }
+            Err(e) => return Err(ClientError::Protocol(e.to_string())),
+        },
+        FrameKind::Json => match Message::decode(&frame.payload) {
+            Ok(Message::PublishOk { request_id, offset }) => {
+                (request_id.0, Ok(offset.map(|o| o.0)))
+            }
+            Ok(m @ Message::PublishError { .. }) => match m.request_id() {
+                Some(id) => (id.0, Err(broker_error("publish failed", m))),
+                // One naming no publish answers none of them.
+                None => return Ok(()),
+            },
+            // A publish sent without an ack was refused (it could not be read: the
+            // broker goes on with the next one; should it end the stream, the end
+            // follows). The publishes waiting for acks are unaffected: failing them
+            // reported writes that landed as failed. Told by `flush_publishes`.
+            Ok(m @ Message::Error { .. }) => {
+                let e = broker_error("publish without an ack", m);
+                tracing::warn!(broker = %addr, error = %e, "a publish sent without an ack was refused");
+                ended.unacked_refused.get_or_insert(e);
+                return Ok(());
+            }
+            // Not an answer to one of them: what the broker did with the publishes
+            // still waiting is unknown (it may have appended them), not refused.
+            Ok(m) => {
+                return Err(ClientError::Protocol(
+                    broker_error("publish stream", m).to_string(),
+                ));
+            }
+            Err(e) => return Err(ClientError::Protocol(e.to_string())),
+        },
+        _ => {
+            return Err(ClientError::Protocol(
+                "unexpected frame on a publish stream".into(),
+            ));
+        }
+    };
+    if let Some(tx) = pending.lock().expect("acks lock").remove(&id) {
+        let _ = tx.send(result);
+    }
+    Ok(())
 }
 
 /// Hands each event stream the broker opens to the subscribe that asked for it. One
@@ -1645,6 +1749,47 @@ async fn open_stream_now(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A publish without an ack that the broker could not read is refused with an
+    /// `error` naming no request, and the broker goes on. The publishes waiting for
+    /// acks on the same stream got that error as a protocol failure (`ClusterClient`
+    /// then reconnected, and `publish_at_least_once` sent them again: duplicates of
+    /// writes that had landed); they take their own acks now, and the refusal is kept
+    /// for `flush_publishes`.
+    #[tokio::test]
+    async fn an_unacked_publishs_refusal_fails_no_acked_publish() {
+        let frame = |m: Message| {
+            let mut r = FrameReader::new(1 << 20);
+            r.push(m.to_frame());
+            r.next_frame().unwrap().unwrap()
+        };
+        let frames = [
+            frame(Message::Error {
+                message: "a publish batch holds at most 65536 records".into(),
+                code: Some(felix_wire::ErrorCode::InvalidRequest),
+                retry: None,
+                detail: None,
+            }),
+            frame(Message::PublishOk {
+                request_id: RequestId(7),
+                offset: Some(felix_wire::Offset(41)),
+            }),
+        ];
+        let pending = PendingAcks::default();
+        let (tx, rx) = oneshot::channel();
+        pending.lock().unwrap().insert(7, tx);
+        let addr: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let mut ended = AcksEnd::default();
+        for f in frames {
+            answer_ack(f, &pending, addr, &mut ended).expect("the stream reads on");
+        }
+        assert_eq!(rx.await.unwrap().unwrap(), Some(41), "its own ack");
+        assert!(
+            matches!(ended.unacked_refused, Some(ClientError::Broker(_))),
+            "{:?}",
+            ended.unacked_refused
+        );
+    }
 
     #[test]
     fn a_not_leader_refusal_is_a_redirect_not_a_refusal() {

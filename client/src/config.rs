@@ -26,7 +26,8 @@ pub struct ClientConfig {
     pub token_provider: Option<Arc<dyn TokenProvider>>,
     /// Largest frame payload accepted.
     pub max_frame_bytes: usize,
-    /// Acked publishes in flight per publish stream.
+    /// Acked publishes in flight per connection (its one publish stream); one past it
+    /// waits for an ack. The broker's advertised window applies when smaller.
     pub publish_window: usize,
     /// How long a request may wait for its answer before the connection is suspect.
     pub request_timeout: Duration,

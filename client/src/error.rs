@@ -127,6 +127,16 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// The broker's refusal of an idempotent or conditional publish, also when it
+    /// came after an attempt whose outcome was unknown (wrapped in `GaveUp`).
+    pub fn refusal(&self) -> Option<&felix_wire::message::PublishRefusalReason> {
+        match self {
+            ClientError::Refused { reason, .. } => Some(reason),
+            ClientError::GaveUp { last, .. } => last.refusal(),
+            _ => None,
+        }
+    }
+
     pub(crate) fn connection(addr: impl ToString, reason: impl ToString) -> ClientError {
         ClientError::Connection {
             addr: addr.to_string(),

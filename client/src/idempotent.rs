@@ -134,10 +134,14 @@ impl IdempotentProducer<'_> {
                 seq.next += 1;
                 seq.in_doubt = None;
             }
-            Err(ClientError::Refused { reason, .. }) => {
-                seq.ended = Some(format!("{reason:?}"));
+            // (After an attempt whose outcome was unknown the refusal comes wrapped in
+            // `GaveUp`: the broker's answer about the sequence decides all the same.)
+            Err(e) if e.refusal().is_some() => {
+                seq.ended = e.refusal().map(|reason| format!("{reason:?}"));
                 seq.in_doubt = None;
             }
+            // Refused before it was sent (too large): nothing of it can have landed.
+            Err(ClientError::Config(_)) => seq.in_doubt = None,
             Err(_) => seq.in_doubt = Some(payloads),
         }
         result

@@ -639,6 +639,46 @@ fn an_idempotent_call_dropped_part_way_leaves_its_batch_in_doubt_not_its_sequenc
     });
 }
 
+/// A request larger than a frame may be, or a batch of more records than a publish
+/// may hold, is refused before anything is sent. The broker ended the stream on the
+/// frame's header, so the call failed as a lost connection, outcome unknown:
+/// `publish_at_least_once` reconnected and sent it five times, and an idempotent
+/// producer kept the batch in doubt for good (every later batch refused locally until
+/// that one was sent again, which could never succeed).
+#[test]
+fn requests_too_large_for_a_frame_are_refused_before_they_are_sent() {
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let cluster = ClusterClient::connect(&[b.listen], "localhost", config(&b))
+            .await
+            .unwrap();
+        let too_large = |r: Result<_, felix_client::ClientError>| {
+            matches!(r, Err(felix_client::ClientError::Config(why)) if why.contains("nothing was sent"))
+        };
+        let before = cluster.client();
+        let big = vec![b'x'; 17 << 20];
+        let sent = cluster
+            .publish_at_least_once("dev", "default", "big", big.clone(), AckMode::PerMessage)
+            .await;
+        assert!(too_large(sent.map(|_| ())), "refused locally, not given up on");
+        assert!(Arc::ptr_eq(&before, &cluster.client()), "no reconnect");
+        let c = cluster.client();
+        let many = vec![b"r".to_vec(); 65_537];
+        assert!(too_large(c.publish_batch("dev", "default", "big", many, AckMode::PerBatch).await.map(|_| ())));
+        let o = c.publish("dev", "default", "big", b"small".to_vec(), AckMode::PerMessage).await;
+        assert_eq!(o.unwrap(), Some(0), "nothing of the refused ones was written");
+        // An idempotent producer's batch goes as JSON, its payloads in base64: 13 MiB
+        // is past the frame.
+        let p = cluster.idempotent_producer().await.unwrap();
+        let r = p.publish("dev", "default", "big", vec![b'x'; 13 << 20]).await;
+        assert!(too_large(r.map(|_| ())));
+        p.publish("dev", "default", "big", b"next".to_vec())
+            .await
+            .expect("the refused batch is not in doubt");
+    });
+}
+
 /// `felix sub --count N` whose stream is deleted before N records fails, saying so: it
 /// exited 0, as if it had read them.
 #[test]
