@@ -849,7 +849,11 @@ impl BrokerConfig {
             }),
             _ => Ok(()),
         };
-        at_least("segment_bytes", file.segment_bytes, 4096, 64 << 30)?;
+        // (A segment must hold its header and one batch's: the log refuses less, and
+        // every durable shard's open failed while the broker ran on.)
+        let segment_min = (felix_storage_uring::format::SEGMENT_HEADER_BYTES
+            + felix_storage_uring::format::BATCH_HEADER_BYTES) as u64;
+        at_least("segment_bytes", file.segment_bytes, segment_min, 64 << 30)?;
         at_least(
             "max_connections",
             file.max_connections.map(|n| n as u64),
@@ -1105,6 +1109,7 @@ mod tests {
         };
         for (yaml, key) in [
             ("segment_bytes: 100\n", "segment_bytes"),
+            ("segment_bytes: 4096\n", "segment_bytes"),
             ("segment_bytes: 100000000000000\n", "segment_bytes"),
             ("max_connections: 0\n", "max_connections"),
             ("group_visibility_ms: 0\n", "group_visibility_ms"),

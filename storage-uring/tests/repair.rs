@@ -227,3 +227,51 @@ fn a_refused_repair_does_not_even_tidy_up_what_recovery_would() {
     );
     assert_eq!(snapshot(&dir), before, "a refused repair changes nothing");
 }
+
+/// A refused repair writes no index either: recovery wrote a sealed segment's missing
+/// (or stale) index file again on a read-only open too, into a directory a running
+/// broker may own, though the repair said it changed nothing.
+#[test]
+fn a_refused_repair_writes_no_sealed_segments_index() {
+    let disk = Disk::new();
+    let dir = disk.0.clone();
+    // Three records of 1,500 bytes a batch, three batches a segment: two segments.
+    let big = |k: u64| -> Vec<Vec<u8>> { (k * 3..k * 3 + 3).map(|o| payload(o, 1_500)).collect() };
+    run(move || async move {
+        let backend = DmaBackend::open_dir(&dir).await.unwrap();
+        let config = LogConfig {
+            segment_bytes_max: 20_000,
+            ..LogConfig::default()
+        };
+        let (log, _) = SegmentLog::open(backend, config).await.unwrap();
+        for k in 0..6 {
+            log.append(&big(k), 0).await.unwrap();
+        }
+        log.close().await.unwrap();
+    });
+    let dir = disk.0.clone();
+    let mut segments: Vec<String> = disk
+        .names()
+        .into_iter()
+        .filter(|n| n.ends_with(".seg"))
+        .collect();
+    segments.sort();
+    assert_eq!(segments.len(), 2, "{segments:?}");
+    disk.remove("00000000000000000000.idx");
+    // Interior damage in the newest segment: its first batch, a whole one after it.
+    disk.corrupt(&segments[1], SEGMENT_HEADER_BYTES as u64 + 80, &[0xFF]);
+    let before = snapshot(&dir);
+    let (code, v) = repair_json(&dir, &[]);
+    assert_eq!(
+        (code, &v["repairable"]),
+        (2, &serde_json::Value::Bool(false)),
+        "{v}"
+    );
+    let after = snapshot(&dir);
+    let changed: Vec<&String> = after
+        .keys()
+        .chain(before.keys())
+        .filter(|n| after.get(*n) != before.get(*n))
+        .collect();
+    assert!(changed.is_empty(), "a refused repair changed {changed:?}");
+}

@@ -208,9 +208,13 @@ pub(super) async fn recover<B: Backend>(
         let kinds_stale = read_whole && loaded_kinds != Some(kinds);
         if !newest && (stale || kinds_stale) {
             report.rebuilt_indexes += usize::from(stale);
-            let _ = backend
-                .write_small(&index_name(base), &index.encode(base, kinds))
-                .await;
+            // (A read-only open reports it, and writes nothing: `felix-log verify` and a
+            // refused repair change nothing, in a directory a broker may own.)
+            if !config.read_only {
+                let _ = backend
+                    .write_small(&index_name(base), &index.encode(base, kinds))
+                    .await;
+            }
         }
         let tail_start = format::align_down(end.data_len);
         let tail_block = if newest {
