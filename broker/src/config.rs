@@ -377,6 +377,24 @@ where
     })
 }
 
+/// Whether unknown streams and caches are made on first use: by default in dev only.
+/// Never beside a control plane, the catalog's authority: a stream made on one broker
+/// is not listed there, and the next sync deleted it, acknowledged records and all.
+fn auto_create(set: Option<bool>, dev: bool, cluster: bool) -> Result<bool, ConfigError> {
+    match set {
+        Some(true) if cluster => Err(ConfigError {
+            key: "auto_create",
+            source_name: "config file",
+            message: "streams and caches are created through the control plane when \
+                      controlplane_url is set (one made here would be deleted at the next \
+                      sync, its records with it)"
+                .into(),
+        }),
+        Some(on) => Ok(on),
+        None => Ok(dev && !cluster),
+    }
+}
+
 /// A yes/no setting from the environment or the file (it has no flag), `default` when
 /// neither names it.
 fn bool_setting(
@@ -499,7 +517,6 @@ impl BrokerConfig {
                 message: format!("{shards} is out of range 1..=4096"),
             });
         }
-        let auto_create = file.auto_create.unwrap_or(dev);
         let mut pins = Vec::new();
         for p in &file.pins {
             pins.push(parse::<PinRule>("pins", "config file", p)?);
@@ -920,7 +937,8 @@ impl BrokerConfig {
             data_dir,
             cores,
             fsync,
-            auto_create_shards: auto_create.then_some(shards),
+            auto_create_shards: auto_create(file.auto_create, dev, cluster.is_some())?
+                .then_some(shards),
             node_id: layer("node_id", "FELIX_NODE_ID", file.node_id, flags.node_id)
                 .value
                 .unwrap_or_else(|| "node-1".into()),
@@ -1120,6 +1138,30 @@ mod tests {
             assert_eq!(resolved(yaml).err(), Some(key), "{yaml}");
         }
         assert!(resolved("segment_bytes: 16384\ngroup_visibility_ms: 100\n").is_ok());
+    }
+
+    /// Beside a control plane no stream is made on first use: the next sync deleted a
+    /// stream the control plane does not list, with the records acknowledged in it.
+    #[test]
+    fn auto_create_is_off_beside_a_control_plane_and_refused_there() {
+        let resolved = |yaml: &str| {
+            let file: FileConfig = serde_yaml::from_str(yaml).unwrap();
+            BrokerConfig::resolve(file, Overrides::default(), true)
+        };
+        let cp = "controlplane_url: http://127.0.0.1:7070\nnode_token: t\n";
+        let refused = resolved(&format!("{cp}auto_create: true\n")).map(|_| ());
+        assert_eq!(refused.err().map(|e| e.key), Some("auto_create"));
+        let c = resolved(cp).unwrap();
+        assert_eq!(
+            c.auto_create_shards, None,
+            "off by default there, dev or not"
+        );
+        assert!(
+            resolved("auto_create: true\n")
+                .unwrap()
+                .auto_create_shards
+                .is_some()
+        );
     }
 
     /// A switch from the environment overrides the file either way, in one spelling
