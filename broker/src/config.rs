@@ -546,7 +546,60 @@ impl BrokerConfig {
             flags.controlplane_url.clone(),
         );
         let cluster = match l.value {
-            None => None,
+            None => {
+                // Without a control plane the broker runs standalone: a cluster setting
+                // there is most likely a forgotten `controlplane_url`, and the broker
+                // would take writes that no other broker ever copies.
+                let env = |name: &str| std::env::var(name).is_ok_and(|v| !v.is_empty());
+                let set = [
+                    (
+                        "controlplane_ca",
+                        file.controlplane_ca.is_some() || env("FELIX_CONTROLPLANE_CA"),
+                    ),
+                    (
+                        "controlplane_insecure",
+                        file.controlplane_insecure.is_some() || env("FELIX_CONTROLPLANE_INSECURE"),
+                    ),
+                    (
+                        "node_token",
+                        file.node_token.is_some() || env("FELIX_NODE_TOKEN"),
+                    ),
+                    (
+                        "node_token_file",
+                        file.node_token_file.is_some() || env("FELIX_NODE_TOKEN_FILE"),
+                    ),
+                    (
+                        "client_advertise_addr",
+                        file.client_advertise_addr.is_some() || env("FELIX_CLIENT_ADVERTISE_ADDR"),
+                    ),
+                    ("peer_ca", file.peer_ca.is_some()),
+                    ("peer_server_name", file.peer_server_name.is_some()),
+                    (
+                        "internal_listen",
+                        file.internal_listen.is_some() || env("FELIX_INTERNAL_LISTEN"),
+                    ),
+                    (
+                        "internal_advertise_addr",
+                        file.internal_advertise_addr.is_some()
+                            || env("FELIX_INTERNAL_ADVERTISE_ADDR"),
+                    ),
+                    (
+                        "internal_allow_unauthenticated",
+                        file.internal_allow_unauthenticated.is_some(),
+                    ),
+                ];
+                if let Some((key, _)) = set.iter().find(|(_, on)| *on) {
+                    return Err(ConfigError {
+                        key,
+                        source_name: l.source,
+                        message: "a cluster setting, and no controlplane_url is set: set it \
+                                  (FELIX_CONTROLPLANE_URL) to join the cluster, or remove this \
+                                  one to run standalone"
+                            .into(),
+                    });
+                }
+                None
+            }
             Some(url) => {
                 let src = l.source;
                 let ca = layer(
@@ -1143,7 +1196,7 @@ mod tests {
     /// Beside a control plane no stream is made on first use: the next sync deleted a
     /// stream the control plane does not list, with the records acknowledged in it.
     #[test]
-    fn auto_create_is_off_beside_a_control_plane_and_refused_there() {
+    fn auto_create_is_off_beside_a_control_plane_and_cluster_keys_need_one() {
         let resolved = |yaml: &str| {
             let file: FileConfig = serde_yaml::from_str(yaml).unwrap();
             BrokerConfig::resolve(file, Overrides::default(), true)
@@ -1156,6 +1209,11 @@ mod tests {
             c.auto_create_shards, None,
             "off by default there, dev or not"
         );
+        // A cluster setting without the control plane: a forgotten URL, refused.
+        let standalone = resolved("node_token: t\n").map(|_| ());
+        assert_eq!(standalone.err().map(|e| e.key), Some("node_token"));
+        let standalone = resolved("internal_listen: 127.0.0.1:5001\n").map(|_| ());
+        assert_eq!(standalone.err().map(|e| e.key), Some("internal_listen"));
         assert!(
             resolved("auto_create: true\n")
                 .unwrap()
