@@ -3114,7 +3114,7 @@ impl CoreBroker {
         // checkpoint below it; later adds count it against overflow), whether or not
         // this request is still there when it commits (no wait since the checks).
         let first = pending.first();
-        let sum = cache.stage(first, &record);
+        let sum = cache.stage(first, &record, now.instant);
         ticket.take();
         let appended = match rs.log().commit(pending).await {
             Ok(a) => a,
@@ -3893,12 +3893,18 @@ async fn majority_within(
 /// replicated cache a staged write may wait for a majority that is away; on any cache a
 /// stream of writes of the key may keep it from ever settling).
 async fn settled(cache: &crate::shard::CacheShard, key: &str) -> Result<(), BrokerError> {
-    task::timeout(
-        crate::replication::replica::QUORUM_WAIT,
-        cache.key_settled(key),
-    )
-    .await
-    .ok_or_else(|| BrokerError::ShardUnavailable("not_ready".into()))
+    let Some(by) = cache.settle_by(key) else {
+        return Ok(());
+    };
+    // No longer than the writes it waits for wait for their majority: once they gave up
+    // (outcome unknown), so does every write queued behind them, at once, instead of
+    // each after a full wait of its own in turn.
+    let wait = by
+        .saturating_duration_since(clock::now().instant)
+        .min(crate::replication::replica::QUORUM_WAIT);
+    task::timeout(wait, cache.key_settled(key))
+        .await
+        .ok_or_else(|| BrokerError::ShardUnavailable("not_ready".into()))
 }
 
 /// A compaction of a replicated cache this broker leads: copies go through the replica
@@ -3919,11 +3925,12 @@ impl crate::shard::CompactionWrites for ReplicatedWrites {
             ));
         };
         let (pending, term) = rs.admit(records, now_micros, None)?;
+        let claimed_at = clock::now().instant;
         let first = pending.first();
         let staged: Vec<_> = records
             .iter()
             .enumerate()
-            .map(|(i, r)| cache.stage(first + i as u64, r))
+            .map(|(i, r)| cache.stage(first + i as u64, r, claimed_at))
             .collect();
         let appended = match rs.log().commit(pending).await {
             Ok(a) => a,

@@ -505,6 +505,10 @@ pub struct WatchChange {
     pub expires_at_ms: u64,
 }
 
+/// Past a write's `QUORUM_WAIT`, how long its log write is allowed before the writes
+/// waiting for it stop waiting (see `CacheShard::settle_by`).
+const SETTLE_MARGIN: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A cache shard on its owning core: the log plus the key index derived from it.
 pub struct CacheShard {
     /// Which shard.
@@ -516,6 +520,12 @@ pub struct CacheShard {
     /// Writes claimed but not yet applied, per key: a conditional write waits for them,
     /// so its condition is checked against every write before it.
     in_flight: RefCell<HashMap<String, u32>>,
+    /// When every write of the key in flight has given up waiting for a majority (each
+    /// waits at most `QUORUM_WAIT` once in the log, then answers outcome-unknown and
+    /// stays in flight until it commits or leadership changes): a write waiting for
+    /// them waits no longer. Writes queued behind one that never settled each waited a
+    /// full `QUORUM_WAIT` of their own, in turn.
+    settle_by: RefCell<HashMap<String, std::time::Instant>>,
     /// Writes of a key waiting to claim their place in the log, per key, in arrival
     /// order ([`Ticket`] numbers). A write that waits before it claims (a conditional
     /// write, a replicated delete: for the key's earlier writes to apply) takes a ticket,
@@ -677,6 +687,7 @@ impl CacheShard {
             state: RefCell::new(state),
             changed: crate::groups::Wakers::default(),
             in_flight: RefCell::default(),
+            settle_by: RefCell::default(),
             queued: RefCell::default(),
             tickets: Cell::new(0),
             counters_in_flight: RefCell::default(),
@@ -713,7 +724,7 @@ impl CacheShard {
     /// Called right after the claim, with no wait in between. For a counter's add, the
     /// answer is the sum right after it, which the application fills in (a later add may
     /// be applied with it, and must not show in this one's answer).
-    pub fn stage(&self, offset: u64, record: &Bytes) -> AppliedSum {
+    pub fn stage(&self, offset: u64, record: &Bytes, claimed_at: std::time::Instant) -> AppliedSum {
         let sum = AppliedSum::default();
         let replaced = self
             .staged
@@ -725,7 +736,22 @@ impl CacheShard {
             self.hold(&old, false);
         }
         self.hold(record, true);
+        if let Some(rec) = decode_cache_record(record)
+            && matches!(rec.op, RecordOp::Put | RecordOp::Delete)
+        {
+            // Its log write first (a second is ample), then its majority wait.
+            let by = claimed_at + crate::replication::replica::QUORUM_WAIT + SETTLE_MARGIN;
+            let mut settle_by = self.settle_by.borrow_mut();
+            let at = settle_by.entry(rec.key.to_owned()).or_insert(by);
+            *at = (*at).max(by);
+        }
         sum
+    }
+
+    /// When the writes of `key` in flight have all given up waiting for a majority
+    /// (None: none in flight).
+    pub fn settle_by(&self, key: &str) -> Option<std::time::Instant> {
+        self.settle_by.borrow().get(key).copied()
     }
 
     /// A staged record whose write failed before it reached the log (the log may give
@@ -804,6 +830,9 @@ impl CacheShard {
     /// Counts a write of `key` in flight (`on`) or done (waking whoever waits for it).
     fn mark_key(&self, key: &str, on: bool) {
         self.mark(&self.in_flight, key, on);
+        if !on && !self.in_flight.borrow().contains_key(key) {
+            self.settle_by.borrow_mut().remove(key);
+        }
     }
 
     /// Counts a write of `name` in flight in `map` (`on`) or done (waking whoever waits).

@@ -611,6 +611,82 @@ fn a_quorum_cache_write_answered_outcome_unknown_reaches_the_index_when_it_commi
     got.unwrap();
 }
 
+/// Writes of a key queued behind one that never settles (no follower reachable, so
+/// its majority never comes) give up when it does, not each after a wait of its own:
+/// three deletes, one per connection, waited for the put in turn, 5 s each (the last
+/// answered 15 s after the put, or timed out first); they are now all answered about
+/// when the put gives up.
+#[test]
+fn writes_queued_behind_an_unsettled_one_give_up_with_it() {
+    use felix_cluster::proxy::{Link, Party};
+    let c = proxied_cluster();
+    create_quorum_cache(&c, "queue");
+    let (leader, _) = wait_for("a cache leader", Duration::from_secs(20), || {
+        leader_and_generation(&c, "cache", None)
+    })
+    .unwrap();
+    let rules = c.net.as_ref().expect("proxies").rules.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let addr = c.brokers[leader].listen;
+    let mut config = c.client_config().unwrap();
+    config.request_timeout = Duration::from_secs(30);
+    let connect = || felix_client::Client::connect(addr, "localhost", config.clone());
+    let answered = rt.block_on(async {
+        let first = connect().await.unwrap();
+        put_until_taken(&first, "queue", b"one").await;
+        let mut deleters = Vec::new();
+        for _ in 0..3 {
+            deleters.push(connect().await.unwrap());
+        }
+        for f in (0..3).filter(|&i| i != leader) {
+            rules.set_both(Party::Node(leader), Party::Node(f), Link::cut());
+        }
+        let started = Instant::now();
+        let put = first.cache_put(
+            TENANT,
+            NAMESPACE,
+            "queue",
+            "k",
+            bytes::Bytes::from_static(b"two"),
+            None,
+        );
+        let deletes = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let tasks: Vec<_> = deleters
+                .into_iter()
+                .map(|d| {
+                    tokio::spawn(async move {
+                        let r = d.cache_delete(TENANT, NAMESPACE, "queue", "k").await;
+                        (started.elapsed(), r.map(|_| ()))
+                    })
+                })
+                .collect();
+            let mut answered = Vec::new();
+            for t in tasks {
+                answered.push(t.await.unwrap());
+            }
+            answered
+        };
+        let (put, deletes) = tokio::join!(put, deletes);
+        assert!(put.is_err(), "no follower reachable: {put:?}");
+        deletes
+    });
+    rules.heal();
+    for (after, r) in &answered {
+        eprintln!("a queued delete answered {after:?} after the put: {r:?}");
+    }
+    for (after, r) in answered {
+        assert!(
+            matches!(&r, Err(felix_client::ClientError::Broker(_))),
+            "refused as the put is unsettled: {r:?}"
+        );
+        assert!(
+            after < Duration::from_secs(9),
+            "a delete waited {after:?}: queued writes waited a full wait each"
+        );
+    }
+}
+
 /// A publish to a Quorum stream answered outcome-unknown (no follower reachable) that
 /// commits once the links heal reaches a subscriber, though nothing is written after
 /// it: only an acknowledged write was fanned out, so it sat in the log unseen by
