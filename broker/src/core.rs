@@ -2114,10 +2114,18 @@ impl CoreBroker {
 
     /// Ends a subscription made with [`CoreBroker::subscribe`].
     pub fn unsubscribe(self: &Rc<Self>, key: Arc<ShardKey>, queue: &Rc<SubQueue>) {
+        // Ended by the stream's deletion, its registration went with the deleted
+        // shard. Dropped at the owner now, it would be taken off a stream made again
+        // under the name since: the count of this core's subscribers there, which
+        // another subscription of this core made (fan-out then skipped this core, and
+        // that subscription waited for good).
+        let deleted = queue.ending() == Some(Ending::Deleted);
         queue.close(Ending::Unsubscribed);
         self.forget_local(&key, queue);
         self.metrics.subscriptions.fetch_sub(1, Ordering::Relaxed);
-        self.unregister(key);
+        if !deleted {
+            self.unregister(key);
+        }
     }
 
     /// Drops this core's subscriber to `key` at the shard's owner (in order behind

@@ -2052,3 +2052,147 @@ fn a_start_refuses_a_changed_shard_count_and_an_unusable_tenant_key() {
     let e = refusal(&key);
     assert!(e.contains("32 bytes"), "{e}");
 }
+
+/// A subscription that stopped reading while its stream was deleted and made again
+/// under the same name gets none of the new stream's records, and takes nothing from a
+/// subscription of the new one. Reads go by name: resumed, it read the new stream's
+/// records from its old offset on (the old one's subscriber got records it never
+/// subscribed to); and ending, it took its registration off the new stream's shard,
+/// where another subscription on its core had made it, so fan-out skipped that core
+/// and the other subscription waited for good. One core, so both are on it.
+#[test]
+fn a_subscription_held_across_its_stream_made_again_sees_none_of_it_and_takes_nothing_from_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "housekeeping_ms: 100\ncores: \"0\"\n",
+        &["--fsync", "none"],
+    );
+    let admin = b.admin().unwrap();
+    let streams = "/v1/tenants/dev/namespaces/default/streams";
+    let create = || {
+        admin.post(
+            streams,
+            &json!({"stream": "again", "kind": "Stream", "shards": 1}),
+        )
+    };
+    create().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        // 24 MiB: past what the broker buffers for an unread stream, so its pump waits
+        // part way through the history.
+        for i in 0..96 {
+            let old = format!("old-{i}-").into_bytes().repeat(40_000);
+            c.publish("dev", "default", "again", old, AckMode::PerMessage)
+                .await
+                .unwrap();
+        }
+        // The held subscription: from the start, its stream window 16 KiB, unread.
+        let (_ep, held) = felix_cluster::raw_connect_with(
+            b.listen,
+            &b.ca_file(),
+            felix_core_runtime::quic::TransportLimits {
+                stream_window_bytes: 16 * 1024,
+                connection_window_bytes: 1 << 20,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        let (mut s, mut r) = held.open_bi().await.unwrap();
+        s.write_all(&felix_cluster::raw_auth("dev", &b.token()))
+            .await
+            .unwrap();
+        let subscribe = felix_wire::Message::Subscribe {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            stream: "again".into(),
+            subscription_id: None,
+            start: Some(StartPosition::Earliest),
+            shard: None,
+            queue_capacity: None,
+        };
+        s.write_all(&subscribe.to_frame()).await.unwrap();
+        let answers = felix_cluster::read_messages(&mut r, 2).await.unwrap();
+        assert!(
+            matches!(answers[1], Some(felix_wire::Message::Subscribed { .. })),
+            "{answers:?}"
+        );
+        let mut events = held.accept_uni().await.unwrap();
+        // Deleted, then made again once the deletion is done everywhere.
+        admin.delete(&format!("{streams}/again")).unwrap();
+        wait_for("the stream made again", Duration::from_secs(20), || {
+            create().ok()
+        })
+        .unwrap();
+        for i in 0..40 {
+            c.publish(
+                "dev",
+                "default",
+                "again",
+                format!("new-{i}").into_bytes(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        }
+        let mut fresh = c
+            .subscribe_from("dev", "default", "again", Some(StartPosition::Latest))
+            .await
+            .unwrap();
+        // The held one reads again: to its end.
+        let mut reader = felix_wire::FrameReader::new(16 << 20);
+        let (mut payloads, mut ended) = (Vec::new(), None);
+        while ended.is_none() {
+            let chunk =
+                tokio::time::timeout(Duration::from_secs(10), events.read_chunk(1 << 20, true))
+                    .await
+                    .expect("the held subscription goes on");
+            let Ok(Some(chunk)) = chunk else { break };
+            reader.push(chunk.bytes);
+            while let Some(f) = reader.next_frame().unwrap() {
+                if f.kind == felix_wire::flags::FrameKind::EventBatch {
+                    let batch = felix_wire::EventBatch::decode(f.flags, &f.payload).unwrap();
+                    payloads.extend(batch.events.into_iter().map(|e| e.payload));
+                } else {
+                    match felix_wire::Message::decode(&f.payload).unwrap() {
+                        felix_wire::Message::EventStreamHello { .. } => {}
+                        m => ended = Some(m),
+                    }
+                }
+            }
+        }
+        eprintln!(
+            "the held subscription read {} records, then {ended:?}",
+            payloads.len()
+        );
+        assert!(
+            payloads.iter().all(|p| p.starts_with(b"old-")),
+            "the held subscription got the new stream's records ({} of {})",
+            payloads.iter().filter(|p| !p.starts_with(b"old-")).count(),
+            payloads.len()
+        );
+        assert!(
+            matches!(ended, Some(felix_wire::Message::StreamDeleted { .. })),
+            "{ended:?}"
+        );
+        drop(events);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        c.publish(
+            "dev",
+            "default",
+            "again",
+            b"last".to_vec(),
+            AckMode::PerMessage,
+        )
+        .await
+        .unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(5), fresh.next_event())
+            .await
+            .expect("the new stream's subscriber gets what is published")
+            .unwrap()
+            .unwrap();
+        assert_eq!(&got.payload[..], b"last");
+    });
+}

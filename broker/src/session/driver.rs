@@ -1683,7 +1683,8 @@ impl Subscription {
         .await
         .map_err(|_| ())?;
         // History: never dropped; a slow reader slows the replay.
-        self.read_back(&mut uni, &mut pump, live, sub_id).await?;
+        self.read_back(&mut uni, queue, &mut pump, live, sub_id)
+            .await?;
         if let Some(at) = pump.lagged() {
             return self.lagged(&mut uni, sub_id, at).await;
         }
@@ -1703,7 +1704,7 @@ impl Subscription {
             if queue.dropped.get() != dropped_seen || lost_inbound() != lost_seen {
                 (dropped_seen, lost_seen) = (queue.dropped.get(), lost_inbound());
                 metrics.subscriber_catchups.fetch_add(1, Ordering::Relaxed);
-                self.read_back(&mut uni, &mut pump, u64::MAX, sub_id)
+                self.read_back(&mut uni, queue, &mut pump, u64::MAX, sub_id)
                     .await?;
                 if let Some(at) = pump.lagged() {
                     return self.lagged(&mut uni, sub_id, at).await;
@@ -1760,7 +1761,8 @@ impl Subscription {
                             self.write(&mut uni, &mut frames).await?;
                             frames.clear();
                             metrics.subscriber_catchups.fetch_add(1, Ordering::Relaxed);
-                            self.read_back(&mut uni, &mut pump, to, sub_id).await?;
+                            self.read_back(&mut uni, queue, &mut pump, to, sub_id)
+                                .await?;
                             // What the log no longer holds (retention) is skipped, or
                             // ends the subscription.
                             pump.skip_to(to);
@@ -1795,6 +1797,7 @@ impl Subscription {
     async fn read_back(
         &self,
         uni: &mut SendStream,
+        queue: &SubQueue,
         pump: &mut Pump,
         to: u64,
         sub_id: SubscriptionId,
@@ -1836,6 +1839,13 @@ impl Subscription {
                 }
             };
             retries = 0;
+            if queue.ending() == Some(Ending::Deleted) {
+                // The stream was deleted while this was read: reads go by name, and a
+                // stream made again under it meanwhile would have answered with its
+                // records. (Such records exist only once this core closed the queue:
+                // the deletion ends here first.) `stream_deleted` follows.
+                break;
+            }
             let done = pump.on_history(&batches, to, &mut frames);
             self.write(uni, &mut frames).await?;
             frames.clear();
