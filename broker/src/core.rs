@@ -140,9 +140,11 @@ pub enum WatchAnswer {
         resume: u64,
         /// The offset asked for is gone: the values restate the state.
         resnapshot: bool,
+        /// The cache shard's opening it was read from (`CacheShard::opening`).
+        opening: u64,
     },
-    /// Changes, and where the next read starts.
-    Changes(Vec<crate::shard::WatchChange>, u64),
+    /// Changes, where the next read starts, and the opening they were read from.
+    Changes(Vec<crate::shard::WatchChange>, u64, u64),
 }
 
 /// The condition a publish is written under.
@@ -2349,7 +2351,7 @@ impl CoreBroker {
                     "mismatched answer {other:?}"
                 ))),
             };
-            if cut && matches!(&answer, Ok(WatchAnswer::Changes(c, _)) if c.is_empty()) {
+            if cut && matches!(&answer, Ok(WatchAnswer::Changes(c, ..)) if c.is_empty()) {
                 // Holding no slot: the watch asks again a few times a second, not in a
                 // busy loop.
                 task::sleep(asked.min(CUT_POLL_PAUSE)).await;
@@ -2399,12 +2401,14 @@ impl CoreBroker {
                             values,
                             resume,
                             resnapshot: true,
+                            opening: cache.opening,
                         })
                     }
                     Some(o) => Ok(WatchAnswer::Started {
                         values: Vec::new(),
                         resume: o,
                         resnapshot: false,
+                        opening: cache.opening,
                     }),
                     None if retained => {
                         let (values, resume) = cache.snapshot(&filter, now);
@@ -2412,12 +2416,14 @@ impl CoreBroker {
                             values,
                             resume,
                             resnapshot: false,
+                            opening: cache.opening,
                         })
                     }
                     None => Ok(WatchAnswer::Started {
                         values: Vec::new(),
                         resume: cache.applied_end(),
                         resnapshot: false,
+                        opening: cache.opening,
                     }),
                 }
             }
@@ -2431,7 +2437,7 @@ impl CoreBroker {
                     task::timeout(wait, cache.changed.changed()).await;
                 }
                 let (changes, next) = cache.changes(from, &filter, 1 << 20).await?;
-                Ok(WatchAnswer::Changes(changes, next))
+                Ok(WatchAnswer::Changes(changes, next, cache.opening))
             }
         }
     }

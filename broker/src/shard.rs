@@ -513,6 +513,10 @@ const SETTLE_MARGIN: std::time::Duration = std::time::Duration::from_secs(1);
 pub struct CacheShard {
     /// Which shard.
     pub key: Arc<ShardKey>,
+    /// This opening of it, unique in the process: a watch that finds another than the
+    /// one it started on ends (the cache may have been deleted and made again under
+    /// the name; reads go by name).
+    pub opening: u64,
     log: SegmentLog<DmaBackend>,
     state: RefCell<Projection>,
     /// Woken whenever records are applied: waiting watches look again.
@@ -681,8 +685,10 @@ impl CacheShard {
         log: SegmentLog<DmaBackend>,
     ) -> Result<CacheShard, BrokerError> {
         let state = replay(&key, &log).await?;
+        static OPENINGS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(CacheShard {
             key,
+            opening: OPENINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             log,
             state: RefCell::new(state),
             changed: crate::groups::Wakers::default(),

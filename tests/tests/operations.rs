@@ -2196,3 +2196,107 @@ fn a_subscription_held_across_its_stream_made_again_sees_none_of_it_and_takes_no
         assert_eq!(&got.payload[..], b"last");
     });
 }
+
+/// The same for a cache watch: one whose reader stopped while its cache was deleted
+/// and made again read on in the new cache from its old offset, as if its changes were
+/// the old one's (reads go by name). It ends `cache_watch_lagged` now, having delivered
+/// none of them.
+#[test]
+fn a_cache_watch_held_across_its_cache_made_again_ends_instead_of_reading_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "housekeeping_ms: 100\ncores: \"0\"\n",
+        &["--fsync", "none"],
+    );
+    let admin = b.admin().unwrap();
+    let caches = "/v1/tenants/dev/namespaces/default/caches";
+    let create = || admin.post(caches, &json!({"cache": "again", "shards": 1}));
+    create().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        // 24 MiB of values: the retained snapshot waits on the unread watch part way.
+        for i in 0..48 {
+            let v = bytes::Bytes::from(vec![b'o'; 512 << 10]);
+            c.cache_put("dev", "default", "again", &format!("old-{i}"), v, None)
+                .await
+                .unwrap();
+        }
+        let (_ep, held) = felix_cluster::raw_connect_with(
+            b.listen,
+            &b.ca_file(),
+            felix_core_runtime::quic::TransportLimits {
+                stream_window_bytes: 16 * 1024,
+                connection_window_bytes: 1 << 20,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        let (mut s, mut r) = held.open_bi().await.unwrap();
+        s.write_all(&felix_cluster::raw_auth("dev", &b.token()))
+            .await
+            .unwrap();
+        let watch = felix_wire::Message::CacheWatch {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            cache: "again".into(),
+            key: None,
+            prefix: Some(String::new()),
+            shard: Some(felix_wire::ShardId(0)),
+            from_offset: None,
+            retained: true,
+            subscription_id: None,
+        };
+        s.write_all(&watch.to_frame()).await.unwrap();
+        let answers = felix_cluster::read_messages(&mut r, 2).await.unwrap();
+        assert!(
+            matches!(
+                answers[1],
+                Some(felix_wire::Message::CacheWatchStarted { .. })
+            ),
+            "{answers:?}"
+        );
+        let mut events = held.accept_uni().await.unwrap();
+        admin.delete(&format!("{caches}/again")).unwrap();
+        wait_for("the cache made again", Duration::from_secs(20), || {
+            create().ok()
+        })
+        .unwrap();
+        for i in 0..60 {
+            let v = bytes::Bytes::from(format!("new-{i}"));
+            c.cache_put("dev", "default", "again", &format!("new-{i}"), v, None)
+                .await
+                .unwrap();
+        }
+        let mut reader = felix_wire::FrameReader::new(16 << 20);
+        let (mut keys, mut ended) = (Vec::new(), None);
+        while ended.is_none() {
+            let chunk =
+                tokio::time::timeout(Duration::from_secs(10), events.read_chunk(1 << 20, true))
+                    .await
+                    .expect("the held watch goes on");
+            let Ok(Some(chunk)) = chunk else { break };
+            reader.push(chunk.bytes);
+            while let Some(f) = reader.next_frame().unwrap() {
+                match felix_wire::Message::decode(&f.payload).unwrap() {
+                    felix_wire::Message::EventStreamHello { .. } => {}
+                    felix_wire::Message::CacheEvent { key, .. } => keys.push(key),
+                    m => ended = Some(m),
+                }
+            }
+        }
+        eprintln!("the held watch read {} changes, then {ended:?}", keys.len());
+        assert!(
+            keys.iter().all(|k| k.starts_with("old-")),
+            "the held watch got the new cache's changes ({} of {})",
+            keys.iter().filter(|k| !k.starts_with("old-")).count(),
+            keys.len()
+        );
+        assert!(
+            matches!(ended, Some(felix_wire::Message::CacheWatchLagged { .. })),
+            "{ended:?}"
+        );
+    });
+}

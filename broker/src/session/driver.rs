@@ -1362,6 +1362,7 @@ impl CacheWatch {
                 values,
                 resume,
                 resnapshot,
+                opening,
             }) => {
                 let _ = answer.send(
                     Message::CacheWatchStarted {
@@ -1374,7 +1375,7 @@ impl CacheWatch {
                 );
                 futures_lite::future::or(
                     async {
-                        let _ = self.pump(sub_id, values, resume).await;
+                        let _ = self.pump(sub_id, values, resume, opening).await;
                     },
                     self.scope.closed(self.id),
                 )
@@ -1399,6 +1400,7 @@ impl CacheWatch {
         sub_id: SubscriptionId,
         first: Vec<crate::shard::WatchChange>,
         mut from: u64,
+        opening: u64,
     ) -> Result<(), ()> {
         use crate::core::{WatchAnswer, WatchReq};
         let mut uni = self.conn.open_uni().await.map_err(|_| ())?;
@@ -1450,7 +1452,21 @@ impl CacheWatch {
                 return Ok(());
             }
             match next {
-                Ok(WatchAnswer::Changes(changes, next)) => {
+                Ok(WatchAnswer::Changes(_, _, read_from)) if read_from != opening => {
+                    // Another opening of the cache shard than the one the watch started
+                    // on: moved between cores, or deleted and made again under the name
+                    // (reads go by name), whose changes would have continued this watch
+                    // as if they were the old cache's. Ended lagged: the client watches
+                    // again from `from`, and a cache made again restates its values.
+                    let lagged = Message::CacheWatchLagged {
+                        resume_from: Offset(from),
+                    }
+                    .to_frame();
+                    let _ = uni.write_chunk(lagged).await;
+                    let _ = uni.finish();
+                    return Ok(());
+                }
+                Ok(WatchAnswer::Changes(changes, next, _)) => {
                     from = next;
                     let mut frames: Vec<Bytes> = changes.into_iter().map(watch_event).collect();
                     if write_counted(&self.core, self.scope.id, &mut uni, &mut frames).await {
