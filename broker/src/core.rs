@@ -3907,15 +3907,16 @@ async fn majority_within(
 /// replicated cache a staged write may wait for a majority that is away; on any cache a
 /// stream of writes of the key may keep it from ever settling).
 async fn settled(cache: &crate::shard::CacheShard, key: &str) -> Result<(), BrokerError> {
-    let Some(by) = cache.settle_by(key) else {
-        return Ok(());
-    };
-    // No longer than the writes it waits for wait for their majority: once they gave up
-    // (outcome unknown), so does every write queued behind them, at once, instead of
-    // each after a full wait of its own in turn.
-    let wait = by
-        .saturating_duration_since(clock::now().instant)
-        .min(crate::replication::replica::QUORUM_WAIT);
+    // On a replicated cache, no longer than the staged writes it waits for wait for
+    // their majority: once they gave up (outcome unknown), so does every write queued
+    // behind them, at once, instead of each after a full wait of its own in turn.
+    // (Writes of an unreplicated one are marked in flight without a stage.)
+    let wait = cache
+        .settle_by(key)
+        .map_or(crate::replication::replica::QUORUM_WAIT, |by| {
+            by.saturating_duration_since(clock::now().instant)
+                .min(crate::replication::replica::QUORUM_WAIT)
+        });
     task::timeout(wait, cache.key_settled(key))
         .await
         .ok_or_else(|| BrokerError::ShardUnavailable("not_ready".into()))
