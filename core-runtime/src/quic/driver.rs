@@ -57,6 +57,13 @@ const RECV_BUFFER_BYTES: usize = 64 * 1024;
 const RECV_BUDGET: usize = 64;
 /// Transmits per connection per loop iteration.
 const TRANSMIT_BUDGET: usize = 64;
+/// Once this share of `max_connections` (a quarter) began its handshake within the
+/// last `HANDSHAKE_DEADLINE`, a new connection from an address it has not shown to
+/// receive our packets is first sent a Retry, which holds no state here: Initials from
+/// forged addresses, each holding a slot until its deadline, filled the connection
+/// table (some 900 a second at the default limit), and every real client on the core
+/// was refused. A real client pays one round trip more, only then.
+const RETRY_ABOVE_SHARE: usize = 4;
 /// How long an accepted connection may take to finish its handshake. Its idle timer
 /// alone did not bound it: every packet of the peer's resets it, so a peer that kept
 /// a handshake going and never finished it held its place (at the connection limit,
@@ -191,6 +198,9 @@ pub struct EndpointStats {
     pub accepted: u64,
     /// Connections refused (over the limit).
     pub refused: u64,
+    /// New connections sent a Retry first (many handshakes begun lately; see
+    /// `RETRY_ABOVE_SHARE`).
+    pub retried: u64,
     /// Connections open now.
     pub open: u64,
     /// Loop iterations.
@@ -337,6 +347,8 @@ struct Driver {
     woken: bool,
     closing: bool,
     max_connections: usize,
+    /// Handshakes begun lately past which new connections are sent a Retry first.
+    retry_above: usize,
     blocked_sends: VecDeque<(Vec<u8>, SocketAddr, Option<usize>)>,
     send_buf: Vec<u8>,
     stats: EndpointStats,
@@ -387,6 +399,7 @@ impl Driver {
             woken: false,
             closing: false,
             max_connections,
+            retry_above: max_connections.div_ceil(RETRY_ABOVE_SHARE),
             blocked_sends: VecDeque::new(),
             send_buf: Vec::with_capacity(MAX_GSO_SEGMENTS * 1500),
             stats: EndpointStats::default(),
@@ -511,6 +524,21 @@ impl Driver {
                     self.send(t.size, t.destination, t.segment_size, t.ecn);
                     return;
                 }
+                if incoming.may_retry()
+                    && !incoming.remote_address_validated()
+                    && self.handshakes.len() >= self.retry_above
+                {
+                    self.stats.retried += 1;
+                    match self.endpoint.retry(incoming, &mut response) {
+                        Ok(t) => {
+                            self.send_buf.clear();
+                            self.send_buf.extend_from_slice(&response[..t.size]);
+                            self.send(t.size, t.destination, t.segment_size, t.ecn);
+                        }
+                        Err(e) => self.endpoint.ignore(e.into_incoming()),
+                    }
+                    return;
+                }
                 match self.endpoint.accept(incoming, now, &mut response, None) {
                     Ok((h, q)) => {
                         let id = self.insert_conn(h, q, 0);
@@ -606,18 +634,25 @@ impl Driver {
             }
         }
         let mut sent = false;
+        let mut spent = true;
         for _ in 0..TRANSMIT_BUDGET {
             self.send_buf.clear();
             let Some(t) = c.q.poll_transmit(now, MAX_GSO_SEGMENTS, &mut self.send_buf) else {
+                spent = false;
                 break;
             };
             self.send(t.size, t.destination, t.segment_size, t.ecn);
             sent = true;
         }
+        if spent {
+            // Stopped by the budget, not for want of anything to send: driven again in
+            // the next iteration (nothing else would bring it back before its next ACK
+            // or timer).
+            self.dirty.insert(h);
+        }
         if sent && let (Some(hook), Some(written)) = (&self.on_sent, c.s.unsent_since.take()) {
             hook(Instant::now().saturating_duration_since(written));
         }
-        // Anything left to send waits for the next iteration, which comes at once.
         let timeout = c.q.poll_timeout();
         if timeout != c.s.timer {
             if let Some(old) = c.s.timer {
@@ -1801,6 +1836,46 @@ mod sans_io {
         c
     }
 
+    /// Initials from forged addresses (their answers go nowhere) no longer fill the
+    /// connection table: past a quarter of it begun lately, a new connection is sent a
+    /// Retry first, holding nothing here, and a real client answers it and connects.
+    /// Without it every forged Initial took a slot until its handshake deadline, and
+    /// the real client was refused.
+    #[test]
+    fn initials_from_forged_addresses_cannot_fill_the_connection_table() {
+        let mut f = fixture(16, TransportLimits::default());
+        let mut forged: Vec<Driver> = (0..16).map(|i| client(&f, 7400 + i)).collect();
+        for (i, c) in forged.iter_mut().enumerate() {
+            f.net.black_holes.borrow_mut().insert(addr(7400 + i as u16));
+            let cfg = f.client_config.clone();
+            c.start_connect(f.now, cfg, f.server_addr, "localhost")
+                .unwrap();
+        }
+        run(&mut f, &mut forged, 2, Duration::from_millis(1));
+        assert_eq!(
+            f.server.conns.len(),
+            4,
+            "a quarter of the table, then Retries"
+        );
+        assert_eq!(f.server.stats.retried, 12);
+        let mut real = client(&f, 7500);
+        let cfg = f.client_config.clone();
+        real.start_connect(f.now, cfg, f.server_addr, "localhost")
+            .unwrap();
+        run(
+            &mut f,
+            std::slice::from_mut(&mut real),
+            20,
+            Duration::from_millis(1),
+        );
+        assert_eq!(
+            connected(&real),
+            1,
+            "the real client connected after its Retry"
+        );
+        assert_eq!(f.server.stats.refused, 0);
+    }
+
     /// A connection's packet arriving from a forged address is answered there with no
     /// more than three times its size (QUIC's bound on an unvalidated address): with
     /// migration allowed the server sent a 1,200-byte padded path challenge, ~30x.
@@ -1894,6 +1969,8 @@ mod sans_io {
             ..TransportLimits::default()
         };
         let mut f = fixture(2, limits);
+        // (No Retries: here the table is filled to see the deadline empty it.)
+        f.server.retry_above = usize::MAX;
         let mut stalled: Vec<Driver> = (0..2).map(|i| client(&f, 7000 + i)).collect();
         for (i, c) in stalled.iter_mut().enumerate() {
             f.net.black_holes.borrow_mut().insert(addr(7000 + i as u16));
