@@ -218,8 +218,42 @@ impl Cluster {
         let left = self.shards_led();
         if left > kept {
             tracing::warn!(left, kept, "draining: gave up waiting for every move");
+            return;
+        }
+        // Then until each successor serves, which it does only once it took the log it
+        // chose: this broker's, when it held records no follower had yet (a `Leader`
+        // stream's acknowledged tail: a planned handoff's new leader waits for this
+        // broker's fence for that). Stopped at once, this broker answered the fence, or
+        // a fetch, too late or never: the tail was lost, or the successor waited for
+        // a source that had gone.
+        let moved: Vec<(String, String, u64)> = answer["moved"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|m| {
+                Some((
+                    m["shard"].as_str()?.to_owned(),
+                    m["leader"].as_str()?.to_owned(),
+                    m["generation"].as_u64()?,
+                ))
+            })
+            .collect();
+        let mut waiting = moved.len();
+        while waiting > 0 && Instant::now() < deadline {
+            if let Ok(view) = cp.get("/v1/placement/replication") {
+                waiting = moved.iter().filter(|m| !successor_serves(&view, m)).count();
+            }
+            if waiting > 0 {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        if waiting > 0 {
+            tracing::warn!(
+                waiting,
+                "draining: gave up waiting for every successor to serve"
+            );
         } else {
-            tracing::info!(kept, "draining: every movable shard moved");
+            tracing::info!(kept, "draining: every movable shard moved and served");
         }
     }
 
@@ -364,6 +398,27 @@ impl Cluster {
     pub fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
     }
+}
+
+/// Whether the control plane's replication view (`GET /v1/placement/replication`) has a
+/// report from `leader` serving shard `key` (`kind/tenant/namespace/name/shard`) at
+/// `generation` or later.
+fn successor_serves(view: &Value, (key, leader, generation): &(String, String, u64)) -> bool {
+    view["items"].as_array().into_iter().flatten().any(|it| {
+        let named = format!(
+            "{}/{}/{}/{}/{}",
+            it["kind"].as_str().unwrap_or_default(),
+            it["tenant_id"].as_str().unwrap_or_default(),
+            it["namespace"].as_str().unwrap_or_default(),
+            it["name"].as_str().unwrap_or_default(),
+            it["shard"].as_u64().unwrap_or(u64::MAX),
+        );
+        named == *key
+            && it["report"]["from"].as_str() == Some(leader)
+            && it["report"]["generation"]
+                .as_u64()
+                .is_some_and(|g| g >= *generation)
+    })
 }
 
 #[derive(Deserialize)]
@@ -694,9 +749,13 @@ fn sync(cp: &ControlPlaneClient, t: &Targets) -> anyhow::Result<u64> {
         .filter(|n| n.lifecycle == "live")
         .filter_map(|n| Some((n.node_id.as_str(), n.client_addr.as_deref()?.parse().ok()?)))
         .collect();
+    // A draining broker is still a peer: its successors fence it (a planned handoff's
+    // new leader waits for its answer, its log holding what only it may have) and fetch
+    // its tail before it stops. Left out, its fence answer never came, and a `Leader`
+    // stream lost what it had acknowledged last.
     let peers: HashMap<String, SocketAddr> = nodes
         .iter()
-        .filter(|n| n.lifecycle == "live")
+        .filter(|n| matches!(n.lifecycle.as_str(), "live" | "draining"))
         .filter_map(|n| {
             Some((
                 n.node_id.clone(),
