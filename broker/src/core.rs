@@ -140,10 +140,11 @@ pub enum WatchAnswer {
         resume: u64,
         /// The offset asked for is gone: the values restate the state.
         resnapshot: bool,
-        /// The cache shard's opening it was read from (`CacheShard::opening`).
-        opening: u64,
+        /// The life of the cache log it was read from (`CacheShard::life`).
+        life: u64,
     },
-    /// Changes, where the next read starts, and the opening they were read from.
+    /// Changes, where the next read starts, and the life of the log they were read
+    /// from.
     Changes(Vec<crate::shard::WatchChange>, u64, u64),
 }
 
@@ -668,12 +669,20 @@ pub enum Ending {
     Deleted,
 }
 
+/// Bytes of records a subscriber's queue holds (past it, as past its count of batches,
+/// new batches are dropped and read back from the log): the batches are shared with the
+/// publishes they came from, and one subscriber that stopped reading held up to
+/// `subscriber_queue` of them (512 batches of up to 16 MiB, 8 GiB) in memory.
+pub const SUB_QUEUE_BYTES: usize = 32 << 20;
+
 /// A local subscriber's bounded queue of committed batches (overflow policy DropNew;
 /// the pump reads dropped batches back from the log).
 #[derive(Debug)]
 pub struct SubQueue {
     queue: RefCell<VecDeque<Arc<Envelope>>>,
     capacity: usize,
+    /// Bytes of records queued, bounded by [`SUB_QUEUE_BYTES`].
+    bytes: Cell<usize>,
     waker: RefCell<Option<Waker>>,
     /// Batches dropped because the queue was full.
     pub dropped: Cell<u64>,
@@ -685,6 +694,7 @@ impl SubQueue {
         SubQueue {
             queue: RefCell::default(),
             capacity,
+            bytes: Cell::new(0),
             waker: RefCell::default(),
             dropped: Cell::new(0),
             closed: Cell::new(None),
@@ -694,10 +704,12 @@ impl SubQueue {
     fn push(&self, env: Arc<Envelope>) -> bool {
         let accepted = {
             let mut q = self.queue.borrow_mut();
-            if q.len() >= self.capacity {
+            let bytes = self.bytes.get() + env.bytes();
+            if q.len() >= self.capacity || (bytes > SUB_QUEUE_BYTES && !q.is_empty()) {
                 self.dropped.set(self.dropped.get() + 1);
                 false
             } else {
+                self.bytes.set(bytes);
                 q.push_back(env);
                 true
             }
@@ -712,6 +724,7 @@ impl SubQueue {
     pub async fn next(&self) -> Option<Arc<Envelope>> {
         poll_fn(|cx| {
             if let Some(e) = self.queue.borrow_mut().pop_front() {
+                self.bytes.set(self.bytes.get() - e.bytes());
                 return Poll::Ready(Some(e));
             }
             if self.closed.get().is_some() {
@@ -737,7 +750,10 @@ impl SubQueue {
     pub fn take_ready(&self, max: usize, out: &mut Vec<Arc<Envelope>>) {
         let mut q = self.queue.borrow_mut();
         let n = q.len().min(max);
-        out.extend(q.drain(..n));
+        for e in q.drain(..n) {
+            self.bytes.set(self.bytes.get() - e.bytes());
+            out.push(e);
+        }
     }
 
     /// Ends the subscription, for `why`. The first reason given stands.
@@ -2401,14 +2417,14 @@ impl CoreBroker {
                             values,
                             resume,
                             resnapshot: true,
-                            opening: cache.opening,
+                            life: cache.life,
                         })
                     }
                     Some(o) => Ok(WatchAnswer::Started {
                         values: Vec::new(),
                         resume: o,
                         resnapshot: false,
-                        opening: cache.opening,
+                        life: cache.life,
                     }),
                     None if retained => {
                         let (values, resume) = cache.snapshot(&filter, now);
@@ -2416,14 +2432,14 @@ impl CoreBroker {
                             values,
                             resume,
                             resnapshot: false,
-                            opening: cache.opening,
+                            life: cache.life,
                         })
                     }
                     None => Ok(WatchAnswer::Started {
                         values: Vec::new(),
                         resume: cache.applied_end(),
                         resnapshot: false,
-                        opening: cache.opening,
+                        life: cache.life,
                     }),
                 }
             }
@@ -2437,7 +2453,7 @@ impl CoreBroker {
                     task::timeout(wait, cache.changed.changed()).await;
                 }
                 let (changes, next) = cache.changes(from, &filter, 1 << 20).await?;
-                Ok(WatchAnswer::Changes(changes, next, cache.opening))
+                Ok(WatchAnswer::Changes(changes, next, cache.life))
             }
         }
     }
@@ -3975,5 +3991,46 @@ impl crate::shard::CompactionWrites for ReplicatedWrites {
         self.append(std::slice::from_ref(&marker), now_micros)
             .await?;
         Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A subscriber's queue holds at most `SUB_QUEUE_BYTES` of records, however few
+    /// batches it counts: past that, new batches are dropped (the pump reads them back
+    /// from the log). Bounded in batches alone, one subscriber that stopped reading
+    /// held 512 of them, up to 8 GiB of large batches, in memory.
+    #[test]
+    fn a_subscribers_queue_is_bounded_in_bytes_too() {
+        let key = Arc::new(ShardKey {
+            kind: ShardKind::Stream,
+            tenant: "t".into(),
+            namespace: "ns".into(),
+            name: "s".into(),
+            shard: 0,
+        });
+        let batch = |base: u64, bytes: usize| {
+            Arc::new(Envelope::new(
+                key.clone(),
+                base,
+                vec![Bytes::from(vec![0u8; bytes])],
+            ))
+        };
+        let q = SubQueue::new(512);
+        let four_mib = 4 << 20;
+        for i in 0..20 {
+            q.push(batch(i, four_mib));
+        }
+        assert_eq!(q.len(), SUB_QUEUE_BYTES / four_mib);
+        assert_eq!(q.dropped.get(), 20 - (SUB_QUEUE_BYTES / four_mib) as u64);
+        let mut taken = Vec::new();
+        q.take_ready(2, &mut taken);
+        assert!(q.push(batch(20, four_mib)), "room again once taken");
+        // A batch larger than the bound still goes to an empty queue.
+        let q = SubQueue::new(512);
+        assert!(q.push(batch(0, SUB_QUEUE_BYTES + 1)));
+        assert!(!q.push(batch(1, 1)));
     }
 }

@@ -67,6 +67,8 @@ pub struct Envelope {
     pub base_offset: u64,
     /// The records.
     pub records: Vec<Bytes>,
+    /// Their bytes.
+    bytes: usize,
     binary: OnceLock<Bytes>,
     json: OnceLock<Bytes>,
 }
@@ -77,10 +79,16 @@ impl Envelope {
         Envelope {
             key,
             base_offset,
+            bytes: records.iter().map(Bytes::len).sum(),
             records,
             binary: OnceLock::new(),
             json: OnceLock::new(),
         }
+    }
+
+    /// Bytes of its records.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
     fn names(&self) -> StreamNames {
@@ -505,6 +513,26 @@ pub struct WatchChange {
     pub expires_at_ms: u64,
 }
 
+/// The metadata file holding a cache log's life (see [`life_of`]).
+const LIFE_META: &str = "cache-life";
+
+/// The life of a cache's log: a number kept with the log from its first open, the same
+/// however often it is opened (a re-pin opens it on another core, a restart again),
+/// another once the cache is deleted and made again (a new directory). Should it not
+/// be kept, each opening has a number of its own (watches then end at a re-pin too).
+async fn life_of(key: &ShardKey, log: &SegmentLog<DmaBackend>) -> u64 {
+    if let Ok(Some(b)) = log.read_meta(LIFE_META).await
+        && let Ok(b) = <[u8; 8]>::try_from(&b[..])
+    {
+        return u64::from_be_bytes(b);
+    }
+    let life = rand::random::<u64>();
+    if let Err(e) = log.write_meta(LIFE_META, &life.to_be_bytes()).await {
+        tracing::warn!(shard = %key, error = %e, "keeping a cache log's life number");
+    }
+    life
+}
+
 /// Past a write's `QUORUM_WAIT`, how long its log write is allowed before the writes
 /// waiting for it stop waiting (see `CacheShard::settle_by`).
 const SETTLE_MARGIN: std::time::Duration = std::time::Duration::from_secs(1);
@@ -513,10 +541,10 @@ const SETTLE_MARGIN: std::time::Duration = std::time::Duration::from_secs(1);
 pub struct CacheShard {
     /// Which shard.
     pub key: Arc<ShardKey>,
-    /// This opening of it, unique in the process: a watch that finds another than the
-    /// one it started on ends (the cache may have been deleted and made again under
-    /// the name; reads go by name).
-    pub opening: u64,
+    /// The life of its log (see [`life_of`]): a watch that finds another than the one
+    /// it started on ends (the cache was deleted and made again under the name, or its
+    /// copy started over; reads go by name).
+    pub life: u64,
     log: SegmentLog<DmaBackend>,
     state: RefCell<Projection>,
     /// Woken whenever records are applied: waiting watches look again.
@@ -605,7 +633,12 @@ pub struct KeyWrite<'a> {
 
 impl Drop for KeyWrite<'_> {
     fn drop(&mut self) {
-        self.shard.mark(self.map, &self.key, false);
+        if std::ptr::eq(self.map, &self.shard.in_flight) {
+            // (Its deadline goes with the key's last write in flight.)
+            self.shard.mark_key(&self.key, false);
+        } else {
+            self.shard.mark(self.map, &self.key, false);
+        }
     }
 }
 
@@ -685,10 +718,10 @@ impl CacheShard {
         log: SegmentLog<DmaBackend>,
     ) -> Result<CacheShard, BrokerError> {
         let state = replay(&key, &log).await?;
-        static OPENINGS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let life = life_of(&key, &log).await;
         Ok(CacheShard {
             key,
-            opening: OPENINGS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            life,
             log,
             state: RefCell::new(state),
             changed: crate::groups::Wakers::default(),

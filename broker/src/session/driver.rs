@@ -1362,7 +1362,7 @@ impl CacheWatch {
                 values,
                 resume,
                 resnapshot,
-                opening,
+                life,
             }) => {
                 let _ = answer.send(
                     Message::CacheWatchStarted {
@@ -1375,7 +1375,7 @@ impl CacheWatch {
                 );
                 futures_lite::future::or(
                     async {
-                        let _ = self.pump(sub_id, values, resume, opening).await;
+                        let _ = self.pump(sub_id, values, resume, life).await;
                     },
                     self.scope.closed(self.id),
                 )
@@ -1400,7 +1400,7 @@ impl CacheWatch {
         sub_id: SubscriptionId,
         first: Vec<crate::shard::WatchChange>,
         mut from: u64,
-        opening: u64,
+        life: u64,
     ) -> Result<(), ()> {
         use crate::core::{WatchAnswer, WatchReq};
         let mut uni = self.conn.open_uni().await.map_err(|_| ())?;
@@ -1452,19 +1452,12 @@ impl CacheWatch {
                 return Ok(());
             }
             match next {
-                Ok(WatchAnswer::Changes(_, _, read_from)) if read_from != opening => {
-                    // Another opening of the cache shard than the one the watch started
-                    // on: moved between cores, or deleted and made again under the name
-                    // (reads go by name), whose changes would have continued this watch
-                    // as if they were the old cache's. Ended lagged: the client watches
-                    // again from `from`, and a cache made again restates its values.
-                    let lagged = Message::CacheWatchLagged {
-                        resume_from: Offset(from),
-                    }
-                    .to_frame();
-                    let _ = uni.write_chunk(lagged).await;
-                    let _ = uni.finish();
-                    return Ok(());
+                Ok(WatchAnswer::Changes(_, _, read_from)) if read_from != life => {
+                    // Another life of the cache's log than the one the watch started on:
+                    // deleted and made again under the name (reads go by name), its
+                    // changes would have continued this watch as if they were the old
+                    // cache's. Ended lagged: the client watches again from `from`.
+                    return end_lagged(&mut uni, from).await;
                 }
                 Ok(WatchAnswer::Changes(changes, next, _)) => {
                     from = next;
@@ -1492,17 +1485,22 @@ impl CacheWatch {
                     // The shard cannot be read here now (this broker lost it, or is
                     // taking it over): the watch ends and the client re-watches from
                     // `from`.
-                    let lagged = Message::CacheWatchLagged {
-                        resume_from: Offset(from),
-                    }
-                    .to_frame();
-                    let _ = uni.write_chunk(lagged).await;
-                    let _ = uni.finish();
-                    return Ok(());
+                    return end_lagged(&mut uni, from).await;
                 }
             }
         }
     }
+}
+
+/// Ends a watch with `cache_watch_lagged`: the client watches again from `from`.
+async fn end_lagged(uni: &mut SendStream, from: u64) -> Result<(), ()> {
+    let lagged = Message::CacheWatchLagged {
+        resume_from: Offset(from),
+    }
+    .to_frame();
+    let _ = uni.write_chunk(lagged).await;
+    let _ = uni.finish();
+    Ok(())
 }
 
 /// The last frame of a subscription or watch whose shard moved to `route`: where it
