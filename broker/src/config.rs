@@ -551,6 +551,12 @@ impl BrokerConfig {
                 // there is most likely a forgotten `controlplane_url`, and the broker
                 // would take writes that no other broker ever copies.
                 let env = |name: &str| std::env::var(name).is_ok_and(|v| !v.is_empty());
+                // (A switch set off asks for nothing a standalone broker lacks.)
+                let env_on = |name: &str| {
+                    std::env::var(name).is_ok_and(|v| {
+                        matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on")
+                    })
+                };
                 let set = [
                     (
                         "controlplane_ca",
@@ -558,7 +564,8 @@ impl BrokerConfig {
                     ),
                     (
                         "controlplane_insecure",
-                        file.controlplane_insecure.is_some() || env("FELIX_CONTROLPLANE_INSECURE"),
+                        file.controlplane_insecure == Some(true)
+                            || env_on("FELIX_CONTROLPLANE_INSECURE"),
                     ),
                     (
                         "node_token",
@@ -585,7 +592,7 @@ impl BrokerConfig {
                     ),
                     (
                         "internal_allow_unauthenticated",
-                        file.internal_allow_unauthenticated.is_some(),
+                        file.internal_allow_unauthenticated == Some(true),
                     ),
                 ];
                 if let Some((key, _)) = set.iter().find(|(_, on)| *on) {
@@ -1214,6 +1221,9 @@ mod tests {
         assert_eq!(standalone.err().map(|e| e.key), Some("node_token"));
         let standalone = resolved("internal_listen: 127.0.0.1:5001\n").map(|_| ());
         assert_eq!(standalone.err().map(|e| e.key), Some("internal_listen"));
+        // A switch set off asks for nothing: fine standalone.
+        assert!(resolved("controlplane_insecure: false\n").is_ok());
+        assert!(resolved("internal_allow_unauthenticated: false\n").is_ok());
         assert!(
             resolved("auto_create: true\n")
                 .unwrap()

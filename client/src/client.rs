@@ -415,12 +415,16 @@ impl Client {
     }
 
     /// Refuses, before anything is sent, a frame larger than a broker takes (the
-    /// protocol's 16 MiB, or `max_frame_bytes`): the broker would end the stream on its
+    /// protocol's 16 MiB, or `max_frame_bytes` when smaller): the broker would end the stream on its
     /// header, and the caller would learn only that the connection failed, the write's
     /// outcome unknown though nothing was written.
     fn check_frame_len(&self, frame: &[u8]) -> Result<(), ClientError> {
         let payload = frame.len().saturating_sub(felix_wire::frame::HEADER_LEN);
-        let max = self.inner.config.max_frame_bytes;
+        let max = self
+            .inner
+            .config
+            .max_frame_bytes
+            .min(felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES as usize);
         if payload > max {
             return Err(ClientError::Config(format!(
                 "a request of {payload} bytes is larger than a frame may be ({max} bytes, \

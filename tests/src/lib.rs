@@ -752,6 +752,23 @@ pub async fn raw_connect_to(
     raw_connect_with(addr, ca, Default::default()).await
 }
 
+/// A raw connection to `b` with small receive windows (16 KiB a stream, 1 MiB in all):
+/// what it does not read soon stays with the broker.
+pub async fn raw_connect_small_windows(
+    b: &BrokerProcess,
+) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
+    raw_connect_with(
+        b.listen,
+        &b.ca_file(),
+        felix_core_runtime::quic::TransportLimits {
+            stream_window_bytes: 16 * 1024,
+            connection_window_bytes: 1 << 20,
+            ..Default::default()
+        },
+    )
+    .await
+}
+
 /// As [`raw_connect_to`], with the client's transport `limits` (its receive windows).
 pub async fn raw_connect_with(
     addr: SocketAddr,

@@ -1049,22 +1049,6 @@ fn past_a_cores_bound_on_unfinished_frames_the_largest_holder_is_closed() {
     });
 }
 
-/// A connection with small receive windows (16 KiB a stream, 1 MiB in all): what it
-/// does not read soon stays with the broker.
-async fn small_windows(b: &BrokerProcess) -> (quinn::Endpoint, quinn::Connection) {
-    felix_cluster::raw_connect_with(
-        b.listen,
-        &b.ca_file(),
-        felix_core_runtime::quic::TransportLimits {
-            stream_window_bytes: 16 * 1024,
-            connection_window_bytes: 1 << 20,
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap()
-}
-
 /// A connection with small receive windows whose `streams` streams each ask for a
 /// 4 MiB stream read of `stream` and never read the answer. Returns once the broker has
 /// had time to answer them all.
@@ -1073,7 +1057,7 @@ async fn unread_reads(
     stream: &str,
     streams: usize,
 ) -> (quinn::Endpoint, quinn::Connection) {
-    let (ep, conn) = small_windows(b).await;
+    let (ep, conn) = felix_cluster::raw_connect_small_windows(b).await.unwrap();
     for i in 0..streams {
         let (mut s, r) = conn.open_bi().await.unwrap();
         s.write_all(&auth(b)).await.unwrap();
@@ -1104,7 +1088,7 @@ async fn unread_subscriptions(
     stream: &str,
     subscriptions: usize,
 ) -> (quinn::Endpoint, quinn::Connection) {
-    let (ep, conn) = small_windows(b).await;
+    let (ep, conn) = felix_cluster::raw_connect_small_windows(b).await.unwrap();
     let (mut s, r) = conn.open_bi().await.unwrap();
     s.write_all(&auth(b)).await.unwrap();
     for i in 0..subscriptions {
@@ -1202,7 +1186,7 @@ fn a_watchers_unread_snapshot_counts_against_the_unread_bound() {
             "{answers:?}"
         );
         // Retained watches of both shards, never read.
-        let (_ep2, watcher) = small_windows(&b).await;
+        let (_ep2, watcher) = felix_cluster::raw_connect_small_windows(&b).await.unwrap();
         let (mut s, r) = watcher.open_bi().await.unwrap();
         s.write_all(&auth(&b)).await.unwrap();
         for shard in 0..2 {

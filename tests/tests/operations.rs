@@ -2053,6 +2053,74 @@ fn a_start_refuses_a_changed_shard_count_and_an_unusable_tenant_key() {
     assert!(e.contains("32 bytes"), "{e}");
 }
 
+/// A raw connection with small windows that sends `m` (a subscribe or a watch) on an
+/// authenticated stream, checks its answer, and holds the event stream the broker opens
+/// unread: the broker's pump for it waits once a little is sent.
+async fn held_events(
+    b: &BrokerProcess,
+    m: felix_wire::Message,
+) -> (quinn::Endpoint, quinn::Connection, quinn::RecvStream) {
+    let (ep, conn) = felix_cluster::raw_connect_small_windows(b).await.unwrap();
+    let (mut s, mut r) = conn.open_bi().await.unwrap();
+    s.write_all(&felix_cluster::raw_auth("dev", &b.token()))
+        .await
+        .unwrap();
+    s.write_all(&m.to_frame()).await.unwrap();
+    let answers = felix_cluster::read_messages(&mut r, 2).await.unwrap();
+    assert!(
+        matches!(
+            answers[1],
+            Some(
+                felix_wire::Message::Subscribed { .. }
+                    | felix_wire::Message::CacheWatchStarted { .. }
+            )
+        ),
+        "{answers:?}"
+    );
+    let events = conn.accept_uni().await.unwrap();
+    (ep, conn, events)
+}
+
+/// Deletes what `path` names and makes it again with `create` once the deletion is done
+/// everywhere.
+fn delete_and_make_again<T, E>(
+    admin: &felix_controlplane::client::ControlPlaneClient,
+    path: &str,
+    create: impl Fn() -> Result<T, E>,
+) {
+    admin.delete(path).unwrap();
+    wait_for("made again", Duration::from_secs(20), || create().ok()).unwrap();
+}
+
+/// Reads `events` to the message that ends it: the frames before it, and it.
+async fn read_to_end(
+    events: &mut quinn::RecvStream,
+) -> (Vec<felix_wire::Frame>, Option<felix_wire::Message>) {
+    let mut reader = felix_wire::FrameReader::new(16 << 20);
+    let (mut frames, mut ended) = (Vec::new(), None);
+    while ended.is_none() {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), events.read_chunk(1 << 20, true))
+            .await
+            .expect("the held events go on");
+        let Ok(Some(chunk)) = chunk else { break };
+        reader.push(chunk.bytes);
+        while let Some(f) = reader.next_frame().unwrap() {
+            if f.kind == felix_wire::flags::FrameKind::Json {
+                match felix_wire::Message::decode(&f.payload).unwrap() {
+                    felix_wire::Message::EventStreamHello { .. } => continue,
+                    felix_wire::Message::CacheEvent { .. } => {}
+                    m => {
+                        ended = Some(m);
+                        continue;
+                    }
+                }
+            }
+            frames.push(f);
+        }
+    }
+    (frames, ended)
+}
+
 /// A subscription that stopped reading while its stream was deleted and made again
 /// under the same name gets none of the new stream's records, and takes nothing from a
 /// subscription of the new one. Reads go by name: resumed, it read the new stream's
@@ -2088,22 +2156,6 @@ fn a_subscription_held_across_its_stream_made_again_sees_none_of_it_and_takes_no
                 .await
                 .unwrap();
         }
-        // The held subscription: from the start, its stream window 16 KiB, unread.
-        let (_ep, held) = felix_cluster::raw_connect_with(
-            b.listen,
-            &b.ca_file(),
-            felix_core_runtime::quic::TransportLimits {
-                stream_window_bytes: 16 * 1024,
-                connection_window_bytes: 1 << 20,
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-        let (mut s, mut r) = held.open_bi().await.unwrap();
-        s.write_all(&felix_cluster::raw_auth("dev", &b.token()))
-            .await
-            .unwrap();
         let subscribe = felix_wire::Message::Subscribe {
             tenant_id: "dev".into(),
             namespace: "default".into(),
@@ -2113,56 +2165,31 @@ fn a_subscription_held_across_its_stream_made_again_sees_none_of_it_and_takes_no
             shard: None,
             queue_capacity: None,
         };
-        s.write_all(&subscribe.to_frame()).await.unwrap();
-        let answers = felix_cluster::read_messages(&mut r, 2).await.unwrap();
-        assert!(
-            matches!(answers[1], Some(felix_wire::Message::Subscribed { .. })),
-            "{answers:?}"
-        );
-        let mut events = held.accept_uni().await.unwrap();
-        // Deleted, then made again once the deletion is done everywhere.
-        admin.delete(&format!("{streams}/again")).unwrap();
-        wait_for("the stream made again", Duration::from_secs(20), || {
-            create().ok()
-        })
-        .unwrap();
-        for i in 0..40 {
-            c.publish(
-                "dev",
-                "default",
-                "again",
-                format!("new-{i}").into_bytes(),
-                AckMode::PerMessage,
-            )
-            .await
-            .unwrap();
+        let (_ep, _held, mut events) = held_events(&b, subscribe).await;
+        delete_and_make_again(&admin, &format!("{streams}/again"), create);
+        // As many as the old stream held: wherever the held one stopped, the new stream
+        // has records there.
+        for i in 0..100 {
+            let new = format!("new-{i}").into_bytes();
+            c.publish("dev", "default", "again", new, AckMode::PerMessage)
+                .await
+                .unwrap();
         }
         let mut fresh = c
             .subscribe_from("dev", "default", "again", Some(StartPosition::Latest))
             .await
             .unwrap();
         // The held one reads again: to its end.
-        let mut reader = felix_wire::FrameReader::new(16 << 20);
-        let (mut payloads, mut ended) = (Vec::new(), None);
-        while ended.is_none() {
-            let chunk =
-                tokio::time::timeout(Duration::from_secs(10), events.read_chunk(1 << 20, true))
-                    .await
-                    .expect("the held subscription goes on");
-            let Ok(Some(chunk)) = chunk else { break };
-            reader.push(chunk.bytes);
-            while let Some(f) = reader.next_frame().unwrap() {
-                if f.kind == felix_wire::flags::FrameKind::EventBatch {
-                    let batch = felix_wire::EventBatch::decode(f.flags, &f.payload).unwrap();
-                    payloads.extend(batch.events.into_iter().map(|e| e.payload));
-                } else {
-                    match felix_wire::Message::decode(&f.payload).unwrap() {
-                        felix_wire::Message::EventStreamHello { .. } => {}
-                        m => ended = Some(m),
-                    }
-                }
-            }
-        }
+        let (frames, ended) = read_to_end(&mut events).await;
+        let payloads: Vec<_> = frames
+            .iter()
+            .flat_map(|f| {
+                felix_wire::EventBatch::decode(f.flags, &f.payload)
+                    .unwrap()
+                    .events
+            })
+            .map(|e| e.payload)
+            .collect();
         eprintln!(
             "the held subscription read {} records, then {ended:?}",
             payloads.len()
@@ -2223,21 +2250,6 @@ fn a_cache_watch_held_across_its_cache_made_again_ends_instead_of_reading_on() {
                 .await
                 .unwrap();
         }
-        let (_ep, held) = felix_cluster::raw_connect_with(
-            b.listen,
-            &b.ca_file(),
-            felix_core_runtime::quic::TransportLimits {
-                stream_window_bytes: 16 * 1024,
-                connection_window_bytes: 1 << 20,
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-        let (mut s, mut r) = held.open_bi().await.unwrap();
-        s.write_all(&felix_cluster::raw_auth("dev", &b.token()))
-            .await
-            .unwrap();
         let watch = felix_wire::Message::CacheWatch {
             tenant_id: "dev".into(),
             namespace: "default".into(),
@@ -2249,44 +2261,22 @@ fn a_cache_watch_held_across_its_cache_made_again_ends_instead_of_reading_on() {
             retained: true,
             subscription_id: None,
         };
-        s.write_all(&watch.to_frame()).await.unwrap();
-        let answers = felix_cluster::read_messages(&mut r, 2).await.unwrap();
-        assert!(
-            matches!(
-                answers[1],
-                Some(felix_wire::Message::CacheWatchStarted { .. })
-            ),
-            "{answers:?}"
-        );
-        let mut events = held.accept_uni().await.unwrap();
-        admin.delete(&format!("{caches}/again")).unwrap();
-        wait_for("the cache made again", Duration::from_secs(20), || {
-            create().ok()
-        })
-        .unwrap();
+        let (_ep, _held, mut events) = held_events(&b, watch).await;
+        delete_and_make_again(&admin, &format!("{caches}/again"), create);
         for i in 0..60 {
             let v = bytes::Bytes::from(format!("new-{i}"));
             c.cache_put("dev", "default", "again", &format!("new-{i}"), v, None)
                 .await
                 .unwrap();
         }
-        let mut reader = felix_wire::FrameReader::new(16 << 20);
-        let (mut keys, mut ended) = (Vec::new(), None);
-        while ended.is_none() {
-            let chunk =
-                tokio::time::timeout(Duration::from_secs(10), events.read_chunk(1 << 20, true))
-                    .await
-                    .expect("the held watch goes on");
-            let Ok(Some(chunk)) = chunk else { break };
-            reader.push(chunk.bytes);
-            while let Some(f) = reader.next_frame().unwrap() {
-                match felix_wire::Message::decode(&f.payload).unwrap() {
-                    felix_wire::Message::EventStreamHello { .. } => {}
-                    felix_wire::Message::CacheEvent { key, .. } => keys.push(key),
-                    m => ended = Some(m),
-                }
-            }
-        }
+        let (frames, ended) = read_to_end(&mut events).await;
+        let keys: Vec<String> = frames
+            .iter()
+            .filter_map(|f| match felix_wire::Message::decode(&f.payload) {
+                Ok(felix_wire::Message::CacheEvent { key, .. }) => Some(key),
+                _ => None,
+            })
+            .collect();
         eprintln!("the held watch read {} changes, then {ended:?}", keys.len());
         assert!(
             keys.iter().all(|k| k.starts_with("old-")),

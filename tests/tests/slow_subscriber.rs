@@ -10,8 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use felix_cluster::{
-    BrokerProcess, expect_success, raw_auth, raw_connect, raw_connect_with, raw_publish,
-    read_messages, run_python,
+    BrokerProcess, expect_success, raw_auth, raw_connect, raw_publish, read_messages, run_python,
 };
 use felix_wire::{FrameReader, Message};
 
@@ -303,17 +302,9 @@ fn batches_dropped_while_the_history_is_sent_are_read_back() {
     rt.block_on(async {
         let (_ep, conn) = raw_connect(&broker).await.unwrap();
         publish(&broker, &conn, 0, 32, 64 << 10).await;
-        let (_sub_ep, sub) = raw_connect_with(
-            broker.listen,
-            &broker.ca_file(),
-            felix_core_runtime::quic::TransportLimits {
-                stream_window_bytes: 16 * 1024,
-                connection_window_bytes: 1 << 20,
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
+        let (_sub_ep, sub) = felix_cluster::raw_connect_small_windows(&broker)
+            .await
+            .unwrap();
         let (mut s, mut r) = sub.open_bi().await.unwrap();
         s.write_all(&raw_auth("dev", &broker.token()))
             .await

@@ -2357,6 +2357,15 @@ mod tests {
         p.settle();
     }
 
+    /// `after` passes and b's timers run; then every message is delivered.
+    fn b_times_out_after(p: &mut Pair, after: Duration) {
+        p.now += after;
+        let now = p.now;
+        let b = p.nodes.get_mut(&id("b")).expect("b");
+        b.replica.handle_timeout(now);
+        p.settle();
+    }
+
     /// Records `n` holds, generation starts left out.
     fn data_records(p: &Pair, n: &str) -> Vec<Bytes> {
         p.nodes[&id(n)]
@@ -2381,14 +2390,7 @@ mod tests {
         );
         // a answers the fence sent again.
         p.cut_off = None;
-        p.now += RESEND_AFTER;
-        let now = p.now;
-        p.nodes
-            .get_mut(&id("b"))
-            .expect("b")
-            .replica
-            .handle_timeout(now);
-        p.settle();
+        b_times_out_after(&mut p, RESEND_AFTER);
         assert!(p.nodes[&id("b")].replica.serving());
         let held: Vec<Bytes> = (0..5).map(|i| Bytes::from(format!("r{}", i + 1))).collect();
         assert_eq!(
@@ -2405,14 +2407,7 @@ mod tests {
     fn a_planned_handoff_waits_for_the_old_leader_only_so_long() {
         let mut p = Pair::of(&["a", "b", "c"]);
         leader_tail_then_handoff_to_b(&mut p, Some("a"));
-        p.now += HANDOFF_WAIT;
-        let now = p.now;
-        p.nodes
-            .get_mut(&id("b"))
-            .expect("b")
-            .replica
-            .handle_timeout(now);
-        p.settle();
+        b_times_out_after(&mut p, HANDOFF_WAIT);
         assert!(p.nodes[&id("b")].replica.serving());
         assert_eq!(data_records(&p, "b").len(), 2, "without a's tail");
 
