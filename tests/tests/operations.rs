@@ -2290,3 +2290,71 @@ fn a_cache_watch_held_across_its_cache_made_again_ends_instead_of_reading_on() {
         );
     });
 }
+
+/// A cache watch goes on across a re-pin of its cache (load following moves caches by
+/// itself): it compares the life of the cache's log, which a re-pin keeps. Compared by
+/// each opening of the log, every re-pin ended it `cache_watch_lagged`.
+#[test]
+fn a_cache_watch_goes_on_across_a_re_pin() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "pins: [\"dev/default/moving/0=0\"]\n",
+        &["--fsync", "none", "--cores", "0-1", "--shards", "1"],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        let put = async |key: &str| {
+            let v = bytes::Bytes::from(key.to_owned());
+            c.cache_put("dev", "default", "moving", key, v, None)
+                .await
+                .unwrap();
+        };
+        put("before").await;
+        let watch = felix_wire::Message::CacheWatch {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            cache: "moving".into(),
+            key: None,
+            prefix: Some(String::new()),
+            shard: Some(felix_wire::ShardId(0)),
+            from_offset: None,
+            retained: false,
+            subscription_id: None,
+        };
+        let (_ep, _conn, mut events) = held_events(&b, watch).await;
+        let bh = b.http;
+        tokio::task::spawn_blocking(move || {
+            let body = json!({ "rule": "dev/default/moving/0=1" }).to_string();
+            let (status, body) =
+                felix_client::ops::http(&bh.to_string(), "POST", "/pins", Some(&body)).unwrap();
+            assert_eq!(status, 200, "{body}");
+        })
+        .await
+        .unwrap();
+        put("after").await;
+        let mut reader = felix_wire::FrameReader::new(1 << 20);
+        loop {
+            let chunk =
+                tokio::time::timeout(Duration::from_secs(10), events.read_chunk(1 << 16, true))
+                    .await
+                    .expect("the watch goes on")
+                    .unwrap()
+                    .expect("the watch stays open");
+            reader.push(chunk.bytes);
+            match reader
+                .next_frame()
+                .unwrap()
+                .map(|f| felix_wire::Message::decode(&f.payload))
+            {
+                Some(Ok(felix_wire::Message::CacheEvent { key, .. })) => {
+                    assert_eq!(key, "after");
+                    return;
+                }
+                Some(Ok(felix_wire::Message::EventStreamHello { .. })) | None => {}
+                other => panic!("the watch ended across the re-pin: {other:?}"),
+            }
+        }
+    });
+}
