@@ -274,6 +274,7 @@ pub fn serve_echo_child(
                 addr,
                 EndpointOptions {
                     server: Some(Arc::new(config)),
+                    crowded_server: None,
                     max_connections: 10_000,
                     reuse_port: true,
                     reset_secret: None,

@@ -251,6 +251,7 @@ impl Forwarder {
             "0.0.0.0:0".parse().expect("valid address"),
             EndpointOptions {
                 server: None,
+                crowded_server: None,
                 max_connections: 1024,
                 reuse_port: false,
                 reset_secret: None,

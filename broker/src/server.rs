@@ -308,6 +308,7 @@ pub fn start(
         ..TransportLimits::default()
     };
     let server_config = Arc::new(quic::server_config(chain, key, transport)?);
+    let crowded_config = Arc::new(quic::crowded_server_config(&server_config, &transport));
     let listen = free_port(config.listen)?;
     let shared = Arc::new(Shared {
         data_dir: config.data_dir.clone(),
@@ -397,9 +398,10 @@ pub fn start(
         },
         move |ctx| {
             let ends = mesh.lock().expect("mesh builder lock").take(ctx.core);
-            let (shared, server_config, bound, failed, peer_config) = (
+            let (shared, server_config, crowded_config, bound, failed, peer_config) = (
                 shared2.clone(),
                 server_config.clone(),
+                crowded_config.clone(),
                 bound2.clone(),
                 failed2.clone(),
                 peer_config.clone(),
@@ -473,6 +475,7 @@ pub fn start(
                         i.listen,
                         EndpointOptions {
                             server: Some(i.server.clone()),
+                            crowded_server: None,
                             max_connections: 1024,
                             reuse_port: true,
                             reset_secret: Some(reset_secret),
@@ -504,6 +507,7 @@ pub fn start(
                     listen,
                     EndpointOptions {
                         server: Some(server_config),
+                        crowded_server: Some(crowded_config),
                         max_connections,
                         reuse_port: true,
                         reset_secret: Some(reset_secret),

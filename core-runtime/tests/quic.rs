@@ -93,6 +93,7 @@ fn start_server_with(max_connections: usize, limits: TransportLimits) -> Server 
                     "127.0.0.1:0".parse().unwrap(),
                     EndpointOptions {
                         server: Some(Arc::new(config)),
+                        crowded_server: None,
                         max_connections,
                         reuse_port: false,
                         reset_secret: None,

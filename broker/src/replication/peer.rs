@@ -105,6 +105,7 @@ impl Outbound {
             std::net::SocketAddr::new(local, 0),
             EndpointOptions {
                 server: None,
+                crowded_server: None,
                 max_connections: 1024,
                 reuse_port: false,
                 reset_secret: None,

@@ -27,7 +27,7 @@
 //! direction, per-stream and per-connection receive windows, a send window, and an idle
 //! timeout that also ends stalled handshakes.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, VecDeque};
 use std::future::{Future, poll_fn};
 use std::io;
@@ -64,6 +64,10 @@ const TRANSMIT_BUDGET: usize = 64;
 /// table (some 900 a second at the default limit), and every real client on the core
 /// was refused. A real client pays one round trip more, only then.
 const RETRY_ABOVE_SHARE: usize = 4;
+/// Connections not trusted yet (their receive window not widened since accept) that
+/// may have the full untrusted window; the ones accepted past them get the crowded
+/// server config's small one (`EndpointOptions::crowded_server`).
+pub const UNTRUSTED_FULL_WINDOWS: usize = 256;
 /// How long an accepted connection may take to finish its handshake. Its idle timer
 /// alone did not bound it: every packet of the peer's resets it, so a peer that kept
 /// a handshake going and never finished it held its place (at the connection limit,
@@ -157,6 +161,9 @@ pub fn missed_wakeups_total() -> u64 {
 pub struct EndpointOptions {
     /// Accept connections with this TLS/transport config (None: client only).
     pub server: Option<Arc<ServerConfig>>,
+    /// Accept with this one instead while [`UNTRUSTED_FULL_WINDOWS`] connections are
+    /// not trusted yet (see [`super::crowded_server_config`]).
+    pub crowded_server: Option<Arc<ServerConfig>>,
     /// Connections beyond this are refused during the handshake.
     pub max_connections: usize,
     /// Bind with `SO_REUSEPORT` so every core can share the port.
@@ -179,6 +186,7 @@ impl std::fmt::Debug for EndpointOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EndpointOptions")
             .field("server", &self.server.is_some())
+            .field("crowded_server", &self.crowded_server.is_some())
             .field("max_connections", &self.max_connections)
             .field("reuse_port", &self.reuse_port)
             .field("reset_secret", &self.reset_secret.is_some())
@@ -295,6 +303,24 @@ struct ConnState {
     /// When stream data was first written since this connection last sent (only with
     /// an `on_sent` hook).
     unsent_since: Option<Instant>,
+    /// Counted as not trusted yet until its window is widened or it goes.
+    untrusted: Option<Untrusted>,
+}
+
+/// A connection's place in its driver's count of connections not trusted yet.
+struct Untrusted(Rc<Cell<usize>>);
+
+impl Untrusted {
+    fn new(count: &Rc<Cell<usize>>) -> Untrusted {
+        count.set(count.get() + 1);
+        Untrusted(count.clone())
+    }
+}
+
+impl Drop for Untrusted {
+    fn drop(&mut self) {
+        self.0.set(self.0.get() - 1);
+    }
 }
 
 struct Conn {
@@ -349,6 +375,12 @@ struct Driver {
     max_connections: usize,
     /// Handshakes begun lately past which new connections are sent a Retry first.
     retry_above: usize,
+    /// See [`EndpointOptions::crowded_server`].
+    crowded_server: Option<Arc<ServerConfig>>,
+    /// Connections accepted and not trusted yet.
+    untrusted: Rc<Cell<usize>>,
+    /// How many of them may have the full untrusted window.
+    untrusted_full: usize,
     blocked_sends: VecDeque<(Vec<u8>, SocketAddr, Option<usize>)>,
     send_buf: Vec<u8>,
     stats: EndpointStats,
@@ -400,6 +432,9 @@ impl Driver {
             closing: false,
             max_connections,
             retry_above: max_connections.div_ceil(RETRY_ABOVE_SHARE),
+            crowded_server: None,
+            untrusted: Rc::new(Cell::new(0)),
+            untrusted_full: UNTRUSTED_FULL_WINDOWS,
             blocked_sends: VecDeque::new(),
             send_buf: Vec::with_capacity(MAX_GSO_SEGMENTS * 1500),
             stats: EndpointStats::default(),
@@ -428,6 +463,16 @@ impl Driver {
     }
 
     /// Tracks a connection quinn-proto just created under a fresh id.
+    /// See [`Connection::set_receive_window`].
+    fn set_receive_window(&mut self, h: ConnId, bytes: u32) {
+        if let Some(c) = self.conns.get_mut(&h) {
+            c.q.set_receive_window(VarInt::from_u32(bytes));
+            // Trusted now: it no longer counts against the untrusted windows.
+            c.s.untrusted = None;
+        }
+        self.mark(h);
+    }
+
     fn insert_conn(
         &mut self,
         h: ConnectionHandle,
@@ -539,9 +584,15 @@ impl Driver {
                     }
                     return;
                 }
-                match self.endpoint.accept(incoming, now, &mut response, None) {
+                let crowded = (self.untrusted.get() >= self.untrusted_full)
+                    .then(|| self.crowded_server.clone())
+                    .flatten();
+                match self.endpoint.accept(incoming, now, &mut response, crowded) {
                     Ok((h, q)) => {
                         let id = self.insert_conn(h, q, 0);
+                        if let Some(c) = self.conns.get_mut(&id) {
+                            c.s.untrusted = Some(Untrusted::new(&self.untrusted));
+                        }
                         self.handshakes.push_back((now + HANDSHAKE_DEADLINE, id));
                         self.dirty.insert(id);
                     }
@@ -707,6 +758,7 @@ impl Endpoint {
             options.reset_secret,
         )?;
         driver.on_sent = options.on_sent;
+        driver.crowded_server = options.crowded_server;
         let d = Rc::new(RefCell::new(driver));
         let task = glommio::spawn_local(run(d.clone(), udp));
         Ok(Endpoint {
@@ -920,11 +972,7 @@ impl Connection {
     /// Sets how many bytes the peer may have in flight on all streams together: a
     /// server widens a connection it trusts from [`super::UNTRUSTED_WINDOW_BYTES`].
     pub fn set_receive_window(&self, bytes: u32) {
-        let mut d = self.d.borrow_mut();
-        if let Some(c) = d.conns.get_mut(&self.h) {
-            c.q.set_receive_window(VarInt::from_u32(bytes));
-        }
-        d.mark(self.h);
+        self.d.borrow_mut().set_receive_window(self.h, bytes);
     }
 
     /// Closes the connection with an application error code.
@@ -1946,6 +1994,42 @@ mod sans_io {
         let q = &mut c.conns.get_mut(&id).unwrap().q;
         let more = q.send_stream(s).write(&data[sent..]).unwrap();
         assert!(more > 0, "widened, it sends on");
+    }
+
+    /// Past `untrusted_full` connections not trusted yet, new ones are accepted with the
+    /// crowded config's small window, until one is trusted: ten thousand untrusted
+    /// connections a core could each make the server buffer a megabyte (out-of-order
+    /// data behind a hole), with no credentials, some 10 GiB.
+    #[test]
+    fn connections_past_the_untrusted_ones_get_a_small_window() {
+        use crate::quic::{CROWDED_WINDOW_BYTES, UNTRUSTED_WINDOW_BYTES, crowded_server_config};
+        let limits = TransportLimits::default();
+        let mut f = fixture(16, limits);
+        let base = f.server.server.clone().expect("a server");
+        f.server.crowded_server = Some(Arc::new(crowded_server_config(&base, &limits)));
+        f.server.untrusted_full = 2;
+        // How much a new client may send before the server reads anything.
+        let window = |f: &mut Fixture, port: u16| {
+            let mut c = connect(f, port);
+            let id = *c.conns.keys().next().unwrap();
+            let q = &mut c.conns.get_mut(&id).unwrap().q;
+            let s = q.streams().open(quinn_proto::Dir::Uni).unwrap();
+            q.send_stream(s).write(&vec![7u8; 4 << 20]).unwrap()
+        };
+        let full = UNTRUSTED_WINDOW_BYTES as usize;
+        assert_eq!(window(&mut f, 5500), full);
+        assert_eq!(window(&mut f, 5501), full);
+        assert_eq!(window(&mut f, 5502), CROWDED_WINDOW_BYTES as usize);
+        assert_eq!(f.server.untrusted.get(), 3);
+        // Two are trusted (their windows widened): one untrusted is left, and the next
+        // gets the full window again.
+        let mut ids: Vec<_> = f.server.conns.keys().copied().collect();
+        ids.sort();
+        for id in &ids[..2] {
+            f.server.set_receive_window(*id, 32 << 20);
+        }
+        assert_eq!(f.server.untrusted.get(), 1);
+        assert_eq!(window(&mut f, 5503), full);
     }
 
     /// The server advertises no unreliable datagrams (it reads none): a peer's were

@@ -101,6 +101,26 @@ impl TransportLimits {
 /// application's bounds).
 pub const UNTRUSTED_WINDOW_BYTES: u32 = 1 << 20;
 
+/// The receive window a server gives a connection it accepts while many others are
+/// not trusted yet (see [`crowded_server_config`]): room for the largest frame a
+/// stream may send before it authenticates (64 KiB), twice.
+pub const CROWDED_WINDOW_BYTES: u32 = 128 << 10;
+
+/// `config` for connections accepted while many others are untrusted: their receive
+/// window starts at [`CROWDED_WINDOW_BYTES`]. Each untrusted connection could make us
+/// buffer [`UNTRUSTED_WINDOW_BYTES`] without credentials (out-of-order data behind a
+/// hole is unseen by the application's bounds), so ten thousand of them a core held
+/// some 10 GiB.
+pub fn crowded_server_config(config: &ServerConfig, limits: &TransportLimits) -> ServerConfig {
+    let mut crowded = config.clone();
+    let mut t = limits.transport();
+    t.receive_window(VarInt::from_u32(
+        limits.connection_window_bytes.min(CROWDED_WINDOW_BYTES),
+    ));
+    crowded.transport_config(Arc::new(t));
+    crowded
+}
+
 /// `limits`' transport config for a server: the connection's receive window starts at
 /// [`UNTRUSTED_WINDOW_BYTES`].
 fn server_transport(limits: &TransportLimits) -> TransportConfig {
