@@ -241,10 +241,14 @@ impl Cluster {
         let mut waiting = moved.len();
         while waiting > 0 && Instant::now() < deadline {
             if let Ok(view) = cp.get("/v1/placement/replication") {
-                waiting = moved.iter().filter(|m| !successor_serves(&view, m)).count();
+                waiting = moved
+                    .iter()
+                    .filter(|m| !successor_serves(&view, m, &self.node_id))
+                    .count();
             }
             if waiting > 0 {
-                std::thread::sleep(Duration::from_millis(50));
+                // (Each look lists every assignment: a few a second.)
+                std::thread::sleep(Duration::from_millis(250));
             }
         }
         if waiting > 0 {
@@ -400,11 +404,18 @@ impl Cluster {
     }
 }
 
-/// Whether the control plane's replication view (`GET /v1/placement/replication`) has a
-/// report from `leader` serving shard `key` (`kind/tenant/namespace/name/shard`) at
-/// `generation` or later.
-fn successor_serves(view: &Value, (key, leader, generation): &(String, String, u64)) -> bool {
-    view["items"].as_array().into_iter().flatten().any(|it| {
+/// Whether the control plane's replication view (`GET /v1/placement/replication`) says
+/// shard `key` (`kind/tenant/namespace/name/shard`), moved to `leader` at `generation`,
+/// is served by its successor: a report from its leader (not `me`) at the current
+/// generation, at least `generation`. A shard no longer listed (deleted) counts as
+/// served; so does one whose leader was replaced since (it could not lead, or died):
+/// its new leader's report is the one waited for.
+fn successor_serves(
+    view: &Value,
+    (key, leader, generation): &(String, String, u64),
+    me: &str,
+) -> bool {
+    let item = view["items"].as_array().into_iter().flatten().find(|it| {
         let named = format!(
             "{}/{}/{}/{}/{}",
             it["kind"].as_str().unwrap_or_default(),
@@ -414,11 +425,17 @@ fn successor_serves(view: &Value, (key, leader, generation): &(String, String, u
             it["shard"].as_u64().unwrap_or(u64::MAX),
         );
         named == *key
-            && it["report"]["from"].as_str() == Some(leader)
-            && it["report"]["generation"]
-                .as_u64()
-                .is_some_and(|g| g >= *generation)
-    })
+    });
+    let Some(it) = item else {
+        return true;
+    };
+    let current = it["generation"].as_u64().unwrap_or(*generation);
+    let now_leader = it["leader"].as_str().unwrap_or(leader);
+    now_leader != me
+        && it["report"]["from"].as_str() == Some(now_leader)
+        && it["report"]["generation"]
+            .as_u64()
+            .is_some_and(|g| g >= current.max(*generation))
 }
 
 #[derive(Deserialize)]

@@ -551,12 +551,8 @@ impl BrokerConfig {
                 // there is most likely a forgotten `controlplane_url`, and the broker
                 // would take writes that no other broker ever copies.
                 let env = |name: &str| std::env::var(name).is_ok_and(|v| !v.is_empty());
-                // (A switch set off asks for nothing a standalone broker lacks.)
-                let env_on = |name: &str| {
-                    std::env::var(name).is_ok_and(|v| {
-                        matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on")
-                    })
-                };
+                // (A switch set off asks for nothing a standalone broker lacks; layered
+                // as everywhere.)
                 let set = [
                     (
                         "controlplane_ca",
@@ -564,8 +560,12 @@ impl BrokerConfig {
                     ),
                     (
                         "controlplane_insecure",
-                        file.controlplane_insecure == Some(true)
-                            || env_on("FELIX_CONTROLPLANE_INSECURE"),
+                        bool_setting(
+                            "controlplane_insecure",
+                            "FELIX_CONTROLPLANE_INSECURE",
+                            file.controlplane_insecure,
+                            false,
+                        )?,
                     ),
                     (
                         "node_token",

@@ -521,7 +521,15 @@ const LIFE_META: &str = "cache-life";
 /// another once the cache is deleted and made again (a new directory). Should it not
 /// be kept, each opening has a number of its own (watches then end at a re-pin too).
 async fn life_of(key: &ShardKey, log: &SegmentLog<DmaBackend>) -> u64 {
-    if let Ok(Some(b)) = log.read_meta(LIFE_META).await
+    let kept = match log.read_meta(LIFE_META).await {
+        Ok(kept) => kept,
+        Err(e) => {
+            // Not read (out of descriptors, say): this opening's own, the kept one left.
+            tracing::warn!(shard = %key, error = %e, "reading a cache log's life number");
+            return rand::random();
+        }
+    };
+    if let Some(b) = kept
         && let Ok(b) = <[u8; 8]>::try_from(&b[..])
     {
         return u64::from_be_bytes(b);
@@ -543,7 +551,7 @@ pub struct CacheShard {
     pub key: Arc<ShardKey>,
     /// The life of its log (see [`life_of`]): a watch that finds another than the one
     /// it started on ends (the cache was deleted and made again under the name, or its
-    /// copy started over; reads go by name).
+    /// damaged copy was set aside and started over; reads go by name).
     pub life: u64,
     log: SegmentLog<DmaBackend>,
     state: RefCell<Projection>,

@@ -2343,17 +2343,15 @@ fn a_cache_watch_goes_on_across_a_re_pin() {
                     .unwrap()
                     .expect("the watch stays open");
             reader.push(chunk.bytes);
-            match reader
-                .next_frame()
-                .unwrap()
-                .map(|f| felix_wire::Message::decode(&f.payload))
-            {
-                Some(Ok(felix_wire::Message::CacheEvent { key, .. })) => {
-                    assert_eq!(key, "after");
-                    return;
+            while let Some(f) = reader.next_frame().unwrap() {
+                match felix_wire::Message::decode(&f.payload) {
+                    Ok(felix_wire::Message::CacheEvent { key, .. }) => {
+                        assert_eq!(key, "after");
+                        return;
+                    }
+                    Ok(felix_wire::Message::EventStreamHello { .. }) => {}
+                    other => panic!("the watch ended across the re-pin: {other:?}"),
                 }
-                Some(Ok(felix_wire::Message::EventStreamHello { .. })) | None => {}
-                other => panic!("the watch ended across the re-pin: {other:?}"),
             }
         }
     });
