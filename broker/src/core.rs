@@ -2381,13 +2381,15 @@ impl CoreBroker {
         key: &Arc<ShardKey>,
         req: WatchReq,
     ) -> Result<WatchAnswer, BrokerError> {
-        let cache = match self.replica_of(key)? {
+        let replica = self.replica_of(key)?;
+        let term = replica.as_ref().map(|rs| rs.term());
+        let cache = match &replica {
             Some(rs) => {
                 if !rs.serving() {
                     return Err(BrokerError::ShardUnavailable("not_ready".into()));
                 }
                 rs.reads_settled().await?;
-                self.lease_read(&rs)?;
+                self.lease_read(rs)?;
                 match &rs.held {
                     crate::replication::replica::Held::Cache(c) => c.clone(),
                     _ => {
@@ -2451,6 +2453,18 @@ impl CoreBroker {
                 }
                 if cache.applied_end() <= from {
                     task::timeout(wait, cache.changed.changed()).await;
+                    // Looked at again after the wait: leadership lost and won back
+                    // meanwhile (a `Leader` cache's takeover may have cut what the
+                    // watcher saw), or the lease run out, is not read through.
+                    if let Some(rs) = &replica {
+                        if !rs.serving() || Some(rs.term()) != term {
+                            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+                        }
+                        self.lease_read(rs)?;
+                    }
+                    if from > cache.applied_end() {
+                        return Err(BrokerError::ShardUnavailable("watch_past_end".into()));
+                    }
                 }
                 let (changes, next) = cache.changes(from, &filter, 1 << 20).await?;
                 Ok(WatchAnswer::Changes(changes, next, cache.life))
