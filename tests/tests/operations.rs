@@ -2324,15 +2324,7 @@ fn a_cache_watch_goes_on_across_a_re_pin() {
             subscription_id: None,
         };
         let (_ep, _conn, mut events) = held_events(&b, watch).await;
-        let bh = b.http;
-        tokio::task::spawn_blocking(move || {
-            let body = json!({ "rule": "dev/default/moving/0=1" }).to_string();
-            let (status, body) =
-                felix_client::ops::http(&bh.to_string(), "POST", "/pins", Some(&body)).unwrap();
-            assert_eq!(status, 200, "{body}");
-        })
-        .await
-        .unwrap();
+        pin(&b, "dev/default/moving/0=1");
         put("after").await;
         let mut reader = felix_wire::FrameReader::new(1 << 20);
         loop {
