@@ -466,13 +466,7 @@ struct AssignmentDoc {
     abandoned: Option<u64>,
     /// A planned handoff: the old leader, and the generation it hands over at.
     #[serde(default)]
-    handoff: Option<HandoffDoc>,
-}
-
-#[derive(Deserialize)]
-struct HandoffDoc {
-    from: String,
-    generation: u64,
+    handoff: Option<felix_controlplane::model::Handoff>,
 }
 
 #[derive(Deserialize)]

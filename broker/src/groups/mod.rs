@@ -2270,6 +2270,26 @@ mod tests {
         claim_offset_0(g, mono_ms(), 200);
     }
 
+    /// A shard whose records may be tried once, its writes held, with offset 0 claimed
+    /// (its one attempt) and the claim due in 200 ms.
+    fn one_attempt_claimed_due_in_200_ms() -> (GroupShard, Answers) {
+        let (g, writes) = shard_with_held_writes_and(Limits {
+            max_attempts: 1,
+            ..Limits::default()
+        });
+        claim_due_in_200_ms(&g);
+        (g, writes)
+    }
+
+    /// A seek of group "w" to `start`.
+    fn seek_w(start: StartPosition) -> GroupOp {
+        GroupOp::Seek {
+            group: "w".into(),
+            start,
+            if_new: false,
+        }
+    }
+
     /// Group "w" of `g` with offset 0 claimed at `now` on attempt 1 for `visibility_ms`,
     /// in its trackers and in the log-order fold alike.
     fn claim_offset_0(g: &GroupShard, now: u64, visibility_ms: u64) {
@@ -2803,12 +2823,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let stream = stream_in(dir.path()).await;
             publish_visible(&stream, 1).await;
-            let (g, writes) = shard_with_held_writes_and(Limits {
-                max_attempts: 1,
-                ..Limits::default()
-            });
-            // Offset 0 claimed once (its one attempt), the claim due in 200 ms.
-            claim_due_in_200_ms(&g);
+            let (g, writes) = one_attempt_claimed_due_in_200_ms();
             let mut poll = std::pin::pin!(g.serve(&stream, long_poll()));
             assert!(poll_once(&mut poll).await.is_none(), "nothing to claim yet");
             let mut delete = std::pin::pin!(g.serve(&stream, GroupOp::Delete("w".into())));
@@ -2845,12 +2860,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let stream = stream_in(dir.path()).await;
             publish_visible(&stream, 2).await;
-            let (g, writes) = shard_with_held_writes_and(Limits {
-                max_attempts: 1,
-                ..Limits::default()
-            });
-            // Offset 0 claimed once (its one attempt), the claim due in 200 ms.
-            claim_due_in_200_ms(&g);
+            let (g, writes) = one_attempt_claimed_due_in_200_ms();
             felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
             // The first poll dead-letters 0, claims 1 and waits on the dead letter's write.
             let mut first = std::pin::pin!(g.serve(&stream, poll_now(10)));
@@ -2858,12 +2868,8 @@ mod tests {
             assert_eq!(writes.borrow().len(), 1, "the dead letter's write");
             let dead = first_write(&writes);
             // A seek back to the start is written and applied meanwhile.
-            let seek = GroupOp::Seek {
-                group: "w".into(),
-                start: StartPosition::Offset(Offset(1)),
-                if_new: false,
-            };
-            let mut seek = std::pin::pin!(g.serve(&stream, seek));
+            let mut seek =
+                std::pin::pin!(g.serve(&stream, seek_w(StartPosition::Offset(Offset(1)))));
             assert!(poll_once(&mut seek).await.is_none());
             first_write(&writes).send(appended()).unwrap();
             assert!(matches!(seek.await, Ok(GroupAnswer::Position(1, _))));
@@ -2899,23 +2905,15 @@ mod tests {
             publish_visible(&stream, 1).await;
             append_other_groups_event(&stream).await;
             publish_visible(&stream, 1).await;
-            let (g, writes) = shard_with_held_writes_and(Limits {
-                max_attempts: 1,
-                ..Limits::default()
-            });
-            claim_due_in_200_ms(&g);
+            let (g, writes) = one_attempt_claimed_due_in_200_ms();
             felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
             // Pass 1 dead-letters 0, claims 1 and 2, and waits on the dead letter's write.
             let mut first = std::pin::pin!(g.serve(&stream, poll_now(10)));
             assert!(poll_once(&mut first).await.is_none());
             let dead = first_write(&writes);
             // A seek back to 1 starts; its write is held.
-            let seek = GroupOp::Seek {
-                group: "w".into(),
-                start: StartPosition::Offset(Offset(1)),
-                if_new: false,
-            };
-            let mut seek = std::pin::pin!(g.serve(&stream, seek));
+            let mut seek =
+                std::pin::pin!(g.serve(&stream, seek_w(StartPosition::Offset(Offset(1)))));
             assert!(poll_once(&mut seek).await.is_none());
             // Pass 1 reads 1 (passed over) and 2, then pass 2 waits for the seek.
             dead.send(appended_at(0)).unwrap();
@@ -2978,12 +2976,8 @@ mod tests {
             // Pass 1 reclaims 0, claims 1 and 2 and reads them; a seek to 0 starts.
             let mut again = std::pin::pin!(g.serve(&stream, poll(10, true)));
             assert!(poll_once(&mut again).await.is_none(), "reading");
-            let seek = GroupOp::Seek {
-                group: "w".into(),
-                start: StartPosition::Offset(Offset(0)),
-                if_new: false,
-            };
-            let mut seek = std::pin::pin!(g.serve(&stream, seek));
+            let mut seek =
+                std::pin::pin!(g.serve(&stream, seek_w(StartPosition::Offset(Offset(0)))));
             assert!(poll_once(&mut seek).await.is_none());
             for _ in 0..20 {
                 assert!(poll_once(&mut again).await.is_none(), "waits for the seek");
@@ -3044,11 +3038,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let stream = stream_in(dir.path()).await;
             publish_visible(&stream, 2).await;
-            let (g, writes) = shard_with_held_writes_and(Limits {
-                max_attempts: 1,
-                ..Limits::default()
-            });
-            claim_due_in_200_ms(&g);
+            let (g, writes) = one_attempt_claimed_due_in_200_ms();
             felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
             {
                 // Dead-letters 0, claims 1, waits on the dead letter's write: dropped.
