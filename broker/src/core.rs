@@ -2208,7 +2208,8 @@ impl CoreBroker {
     }
 
     /// Reads on the owning core: committed records only (a replicated Quorum shard's
-    /// readers stop at its commit mark).
+    /// readers stop at its commit mark), and only where this copy serves within its
+    /// lease, as a subscription's registration checks.
     async fn read_local(
         &self,
         key: &Arc<ShardKey>,
@@ -2217,9 +2218,18 @@ impl CoreBroker {
     ) -> Result<Vec<ReadBatch>, BrokerError> {
         // The replica first, as at a subscription's registration.
         let replica = self.replica_of(key)?;
+        if let Some(rs) = &replica {
+            // A copy still fencing holds a suffix its takeover may cut, and a deposed or
+            // lapsed one lacks its successor's records (on a `Leader` shard, which reads
+            // to the log's end, it may even hold records at offsets the successor
+            // reuses).
+            self.still_reading(rs)?;
+        }
         let shard = self.stream_shard(key).await?;
         let mut batches = shard.log.read(from, max_bytes).await?;
         if let Some(rs) = replica {
+            // The read may have waited for the device meanwhile.
+            self.still_reading(&rs)?;
             let visible = rs.visible_end();
             batches.retain(|b| b.end_offset() <= visible);
         }

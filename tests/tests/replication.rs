@@ -1119,6 +1119,100 @@ fn a_cache_leader_paused_past_its_lease_answers_no_read_from_before_its_successo
     assert!(answered > 0, "no read reached the woken broker");
 }
 
+/// The same for `stream_read` on a `Leader` stream, which reads to the log's end: a
+/// leader paused past its lease while its successor takes a publish must not answer,
+/// once woken, a read that passes over the successor's record (it did: reads checked
+/// neither the lease nor whether the copy served).
+#[test]
+fn a_stream_leader_paused_past_its_lease_answers_no_read_without_its_successors_records() {
+    let c = cluster();
+    c.create_stream("lr", 1, 3, "Leader").unwrap();
+    let (old, generation) = wait_for("a stream leader", Duration::from_secs(20), || {
+        leader_and_generation(&c, "stream", Some("lr"))
+    })
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let config = c.client_config().unwrap();
+    let connect = |i: usize| {
+        let (addr, config) = (c.brokers[i].listen, config.clone());
+        async move {
+            felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap()
+        }
+    };
+    let direct = rt.block_on(async {
+        let client = connect(old).await;
+        publish_until_taken(&client, "lr", "one").await;
+        Arc::new(client)
+    });
+    c.brokers[old].signal(libc::SIGSTOP);
+    let (successor, _) = wait_for("a successor", Duration::from_secs(20), || {
+        leader_and_generation(&c, "stream", Some("lr")).filter(|&(l, g)| l != old && g > generation)
+    })
+    .unwrap();
+    let two =
+        rt.block_on(async { publish_until_taken(&connect(successor).await, "lr", "two").await });
+    // Reads sent to the paused broker, answered as it wakes.
+    let reads: Vec<_> = (0..8)
+        .map(|_| {
+            let client = direct.clone();
+            rt.spawn(async move {
+                tokio::time::timeout(
+                    Duration::from_secs(10),
+                    client.stream_read(TENANT, NAMESPACE, "lr", 0, 0, None, Some(100)),
+                )
+                .await
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    c.brokers[old].signal(libc::SIGCONT);
+    let mut answered = 0;
+    for read in reads {
+        let got = rt.block_on(read).unwrap();
+        if let Ok(Ok((records, _))) = &got {
+            assert!(
+                records
+                    .iter()
+                    .any(|r| r.offset.0 == two && r.payload.as_ref() == b"two"),
+                "the woken leader answered a read without its successor's record at {two}: {records:?}"
+            );
+        }
+        answered += usize::from(matches!(
+            &got,
+            Ok(Ok(_))
+                | Ok(Err(felix_client::ClientError::Broker(_)))
+                | Ok(Err(felix_client::ClientError::NotLeader(_)))
+        ));
+    }
+    assert!(answered > 0, "no read reached the woken broker");
+}
+
+/// Publishes `payload` through `client` until a broker acknowledges it; its offset.
+async fn publish_until_taken(client: &felix_client::Client, stream: &str, payload: &str) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match client
+            .publish(
+                TENANT,
+                NAMESPACE,
+                stream,
+                payload.into(),
+                AckMode::PerMessage,
+            )
+            .await
+        {
+            Ok(Some(offset)) => return offset,
+            other => assert!(
+                Instant::now() < deadline,
+                "the publish to {stream} was never taken: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A leader killed and restarted at once comes back in its own generation (or a
 /// successor takes over): either way its history must reach a new subscriber with no
 /// new write to carry it. (It did not: the fanout frontier stayed at the commit mark
