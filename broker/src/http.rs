@@ -962,9 +962,13 @@ pub fn spawn(addr: SocketAddr, shared: Arc<Shared>) -> anyhow::Result<SocketAddr
                         return;
                     }
                 };
-                if let Err(e) = axum::serve(listener, app).await {
-                    tracing::error!(error = %e, "the HTTP endpoint stopped");
-                }
+                felix_controlplane::bounded::serve(
+                    listener,
+                    app,
+                    felix_controlplane::bounded::ADMIN,
+                    std::future::pending(),
+                )
+                .await;
             });
         })?;
     Ok(bound)

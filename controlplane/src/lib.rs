@@ -6,7 +6,8 @@
 //! - [`api`]: the REST API with token authentication and RBAC on every endpoint.
 //! - [`placement`]: the timed pass that assigns shards to ready nodes and promotes
 //!   successors; [`replication`]: the replica reports it judges them by.
-//! - [`server`]: wiring it together; [`config`]: the binary's settings.
+//! - [`server`]: wiring it together; [`config`]: the binary's settings; [`bounded`]:
+//!   serving HTTP with bounds on connections and request heads.
 //! - [`client`]: a blocking client brokers and the `felix` tool use; with default
 //!   features off, the crate is only this and [`model`].
 
@@ -15,6 +16,8 @@ pub mod model;
 
 #[cfg(feature = "server")]
 pub mod api;
+#[cfg(feature = "server")]
+pub mod bounded;
 #[cfg(feature = "server")]
 pub mod cli;
 #[cfg(feature = "server")]

@@ -99,7 +99,7 @@ pub struct Running {
     /// The replica reports its API keeps and its placement pass reads.
     pub reports: ReplicaReports,
     stop: tokio::sync::watch::Sender<bool>,
-    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    server: tokio::task::JoinHandle<()>,
     placement: tokio::task::JoinHandle<()>,
 }
 
@@ -112,9 +112,8 @@ impl Running {
     /// [`Running::stop`], waiting `grace` for connections to finish.
     pub async fn stop_within(self, grace: std::time::Duration) {
         let _ = self.stop.send(true);
-        // Connections finish what they are answering; one that never sends a whole
-        // request (or a long poll) does not hold the stop for good: hyper counts a
-        // connection busy until its request is read, and no header timeout is set.
+        // Connections finish what they are answering; a long poll does not hold the
+        // stop for good (aborting the server closes every connection).
         let mut server = self.server;
         if tokio::time::timeout(grace, &mut server).await.is_err() {
             tracing::warn!("connections still open {grace:?} into the stop: closed");
@@ -208,21 +207,23 @@ pub async fn start_with_store(
     let server = match tls {
         Some(tls) => {
             let listener = TlsListener::new(listener, tls)?;
-            tokio::spawn(async move {
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(async move {
-                        let _ = stopped.wait_for(|s| *s).await;
-                    })
-                    .await
-            })
-        }
-        None => tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
+            tokio::spawn(crate::bounded::serve(
+                listener,
+                app,
+                crate::bounded::API,
+                async move {
                     let _ = stopped.wait_for(|s| *s).await;
-                })
-                .await
-        }),
+                },
+            ))
+        }
+        None => tokio::spawn(crate::bounded::serve(
+            listener,
+            app,
+            crate::bounded::API,
+            async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            },
+        )),
     };
     let placement = {
         let (store, api, every) = (store.clone(), config.api.clone(), config.placement_interval);

@@ -2,7 +2,10 @@
 //!
 //! TLS handshakes run in tasks of their own (bounded by [`HANDSHAKE_TIMEOUT`]), so a
 //! client that stalls mid-handshake never holds up the next one; finished connections
-//! reach axum through a channel that looks to it like any listener.
+//! reach axum through a channel that looks to it like any listener. At most
+//! [`HANDSHAKES_MAX`] connections are between their accept and the server taking them
+//! (handshaking, or handshaken and waiting while the server has no room: see
+//! [`crate::bounded`]); past it the acceptor waits.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,6 +19,9 @@ use tokio_rustls::server::TlsStream;
 
 /// Longest a client may take to finish its handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connections accepted and not yet taken by the server, at most.
+pub const HANDSHAKES_MAX: usize = 256;
 
 /// A certificate chain and its key, PEM.
 #[derive(Clone)]
@@ -86,8 +92,14 @@ impl TlsListener {
         let addr = tcp.local_addr()?;
         let (tx, ready) = tokio::sync::mpsc::channel(64);
         let tls = TlsAcceptor::from(config);
+        let slots = Arc::new(tokio::sync::Semaphore::new(HANDSHAKES_MAX));
         let acceptor = tokio::spawn(async move {
             loop {
+                let slot = slots
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the semaphore is never closed");
                 let (stream, peer) = match tcp.accept().await {
                     Ok(s) => s,
                     Err(e) => {
@@ -98,6 +110,7 @@ impl TlsListener {
                 };
                 let (tls, tx) = (tls.clone(), tx.clone());
                 tokio::spawn(async move {
+                    let _slot = slot;
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
                         Ok(Ok(s)) => {
                             let _ = tx.send((s, peer)).await;
