@@ -3,6 +3,7 @@
 //! precondition failure rolls everything back and concurrent writers serialise per key.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -38,6 +39,52 @@ pub struct PgStore {
     /// Where to connect again: the URL tokio-postgres parses, and its TLS.
     url: String,
     tls: crate::pg_tls::PgTls,
+    feed: Feed,
+    /// Operations run on the connection (each takes it once), for tests and metrics.
+    operations: AtomicU64,
+}
+
+/// How often a waiting feed read looks for another instance's writes.
+const FEED_POLL: Duration = Duration::from_millis(50);
+
+/// What waiting feed reads ([`Store::changes`] with a wait) share: the highest change
+/// sequence this instance has seen (its own commits, and the log's head as read), and
+/// whether one of them is polling the head for all. Each waiter polled on its own
+/// before: two queries every 50 ms per waiting broker, on the store's one connection,
+/// so a few hundred brokers' long polls held the heartbeats (their leases) behind them.
+/// Now one query every 50 ms whatever the number waiting, plus a page read by each
+/// waiter when the head moves.
+#[derive(Debug)]
+struct Feed {
+    head: tokio::sync::watch::Sender<u64>,
+    polling: AtomicBool,
+}
+
+impl Feed {
+    /// Records a head seen; waiters behind it wake.
+    fn saw(&self, head: u64) {
+        self.head.send_if_modified(|h| {
+            let moved = head > *h;
+            *h = (*h).max(head);
+            moved
+        });
+    }
+}
+
+/// The polling turn of one waiter, given back when it ends (or its read is dropped).
+struct PollTurn<'a>(&'a AtomicBool);
+
+impl<'a> PollTurn<'a> {
+    fn take(polling: &'a AtomicBool) -> Option<Self> {
+        // Lazily: a turn made and dropped for nothing would give back another's.
+        (!polling.swap(true, Ordering::AcqRel)).then(|| PollTurn(polling))
+    }
+}
+
+impl Drop for PollTurn<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 /// The store's one connection.
@@ -140,7 +187,61 @@ impl PgStore {
             }),
             url,
             tls,
+            feed: Feed {
+                head: tokio::sync::watch::Sender::new(0),
+                polling: AtomicBool::new(false),
+            },
+            operations: AtomicU64::new(0),
         })
+    }
+
+    /// Operations run on the connection so far.
+    pub fn operations(&self) -> u64 {
+        self.operations.load(Ordering::Relaxed)
+    }
+
+    /// The change log's head: the highest sequence committed.
+    async fn read_head(&self) -> Result<u64, StoreError> {
+        self.bounded(async {
+            let mut c = self.client().await?;
+            let head = c
+                .query_one("SELECT COALESCE(MAX(seq), 0) FROM felix_changes", &[])
+                .await
+                .map_err(unavailable)
+                .map(|r| r.get::<_, i64>(0) as u64);
+            c.finish(head)
+        })
+        .await
+    }
+
+    /// Waits until a change past `head` is seen, or `deadline`: one waiter at a time
+    /// polls the log's head for every waiter ([`Feed`]); the others wait for what it
+    /// sees (or, should it stop, take its turn within two polls).
+    async fn wait_past(&self, head: u64, deadline: tokio::time::Instant) -> Result<(), StoreError> {
+        let mut seen = self.feed.head.subscribe();
+        loop {
+            if *seen.borrow_and_update() > head {
+                return Ok(());
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(());
+            }
+            match PollTurn::take(&self.feed.polling) {
+                Some(_turn) => {
+                    tokio::time::sleep_until((now + FEED_POLL).min(deadline)).await;
+                    let head = self.read_head().await?;
+                    self.feed.saw(head);
+                }
+                None => {
+                    let _ = tokio::time::timeout_at(
+                        (now + FEED_POLL * 2).min(deadline),
+                        seen.changed(),
+                    )
+                    .await;
+                }
+            }
+        }
     }
 
     /// The connection, opened again first if it was lost (a Postgres restart or
@@ -148,6 +249,7 @@ impl PgStore {
     /// operation on it was left part way.
     async fn client(&self) -> Result<ConnGuard<'_>, StoreError> {
         let mut conn = self.conn.lock().await;
+        self.operations.fetch_add(1, Ordering::Relaxed);
         if conn.broken || conn.client.is_closed() {
             let client = open(&self.url, &self.tls)
                 .await
@@ -299,7 +401,7 @@ impl Store for PgStore {
             tx.execute("SELECT pg_advisory_xact_lock(7463)", &[])
                 .await
                 .map_err(unavailable)?;
-            let mut written = Vec::new();
+            let (mut written, mut logged) = (Vec::new(), 0u64);
             for op in ops {
                 let (kind, key, expect) = match &op {
                     Op::Put {
@@ -350,12 +452,15 @@ impl Store for PgStore {
                             }
                         };
                         if kind.followed() {
-                            tx.execute(
-                                "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'put', $3)",
-                                &[&kind.name(), &key, &value],
-                            )
-                            .await
-                            .map_err(unavailable)?;
+                            let seq: i64 = tx
+                                .query_one(
+                                    "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'put', $3) RETURNING seq",
+                                    &[&kind.name(), &key, &value],
+                                )
+                                .await
+                                .map_err(unavailable)?
+                                .get(0);
+                            logged = logged.max(seq as u64);
                         }
                         written.push(Doc {
                             key,
@@ -371,17 +476,22 @@ impl Store for PgStore {
                         .await
                         .map_err(unavailable)?;
                         if kind.followed() {
-                            tx.execute(
-                                "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'delete', NULL)",
-                                &[&kind.name(), &key],
-                            )
-                            .await
-                            .map_err(unavailable)?;
+                            let seq: i64 = tx
+                                .query_one(
+                                    "INSERT INTO felix_changes (kind, key, op, value) VALUES ($1, $2, 'delete', NULL) RETURNING seq",
+                                    &[&kind.name(), &key],
+                                )
+                                .await
+                                .map_err(unavailable)?
+                                .get(0);
+                            logged = logged.max(seq as u64);
                         }
                     }
                 }
             }
             tx.commit().await.map_err(unavailable)?;
+            // This instance's own writes wake its waiting feed reads at once.
+            self.feed.saw(logged);
             Ok(written)
             }
             .await;
@@ -436,6 +546,7 @@ impl Store for PgStore {
                     c.finish(read)
                 })
                 .await?;
+                self.feed.saw(head);
                 if !page.is_empty() {
                     let next = page.last().map_or(head, |c| c.seq);
                     return Ok((page, next));
@@ -443,7 +554,7 @@ impl Store for PgStore {
                 if tokio::time::Instant::now() >= deadline {
                     return Ok((Vec::new(), head.max(since)));
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                self.wait_past(head, deadline).await?;
             }
         })
     }

@@ -142,6 +142,70 @@ fn fresh_database() -> (String, tokio::runtime::Runtime) {
     (url, rt)
 }
 
+/// The Postgres store on the database at `url`, over TLS (`sslmode=verify-full`).
+fn postgres_store_at(url: &str, rt: &tokio::runtime::Runtime) -> felix_controlplane::pg::PgStore {
+    let (_, ca) = test_postgres();
+    rt.block_on(felix_controlplane::pg::PgStore::connect(&format!(
+        "{url}?sslmode=verify-full&sslrootcert={ca}"
+    )))
+    .expect("opening the postgres store over TLS")
+}
+
+/// Feed reads waiting on the Postgres store (every broker's long poll) share one poll
+/// of the change log's head: each polled on its own every 50 ms before, two queries a
+/// time on the store's one connection, which every heartbeat waits for too. A write,
+/// by this instance or another, still ends the waits.
+#[test]
+fn waiting_feed_reads_share_one_poll_of_the_postgres_store() {
+    let (url, rt) = fresh_database();
+    let (a, b) = (
+        Arc::new(postgres_store_at(&url, &rt)),
+        Arc::new(postgres_store_at(&url, &rt)),
+    );
+    let wait = |store: &Arc<felix_controlplane::pg::PgStore>, wait: Duration| {
+        let store = store.clone();
+        rt.spawn(async move {
+            let started = std::time::Instant::now();
+            let (page, _) = store
+                .changes(Kind::Assignment, 0, 1000, wait)
+                .await
+                .unwrap();
+            (page, started.elapsed())
+        })
+    };
+    let before = a.operations();
+    let reads: Vec<_> = (0..16).map(|_| wait(&a, Duration::from_secs(1))).collect();
+    for r in reads {
+        assert!(rt.block_on(r).unwrap().0.is_empty());
+    }
+    // A read at each waiter's start and end, and about 20 polls for all of them (it
+    // was 16 x 21).
+    let ops = a.operations() - before;
+    assert!(ops <= 80, "{ops} store operations for 16 reads waiting 1 s");
+    let put = |store: &Arc<felix_controlplane::pg::PgStore>, key: &str| {
+        rt.block_on(store.batch(vec![Op::Put {
+            kind: Kind::Assignment,
+            key: key.into(),
+            value: json!({"k": key}),
+            expect: Expect::Any,
+        }]))
+        .unwrap();
+    };
+    for (writer, key) in [(&a, "mine"), (&b, "another-instances")] {
+        let reads: Vec<_> = (0..4).map(|_| wait(&a, Duration::from_secs(10))).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        put(writer, key);
+        for r in reads {
+            let (page, took) = rt.block_on(r).unwrap();
+            assert_eq!(page.first().map(|c| c.key.as_str()), Some("mine"));
+            assert!(
+                took < Duration::from_secs(2),
+                "a wait outlived a write ({key}) by {took:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn the_postgres_store_speaks_tls_and_refuses_a_server_it_cannot_verify() {
     let (url, rt) = fresh_database();
@@ -2316,12 +2380,7 @@ fn postgres_store() -> (
     String,
 ) {
     let (url, rt) = fresh_database();
-    let (_, ca) = test_postgres();
-    let store = rt
-        .block_on(felix_controlplane::pg::PgStore::connect(&format!(
-            "{url}?sslmode=verify-full&sslrootcert={ca}"
-        )))
-        .expect("opening the postgres store over TLS");
+    let store = postgres_store_at(&url, &rt);
     (store, rt, url)
 }
 
