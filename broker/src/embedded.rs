@@ -260,6 +260,10 @@ impl Store for CatalogStore {
         self.inner.head()
     }
 
+    fn trimmed(&self) -> BoxFut<'_, u64> {
+        self.inner.trimmed()
+    }
+
     fn ping(&self) -> BoxFut<'_, ()> {
         self.inner.ping()
     }

@@ -1459,7 +1459,12 @@ async fn assignment_changes(
         .store
         .changes(Kind::Assignment, q.since, 1000, wait)
         .await?;
-    Ok(Json(json!({"items": items, "next_seq": next})))
+    // Read after the page: a cut between the two can only ask for a resync the page
+    // did not need, never hide one it did.
+    let resync = q.since < st.store.trimmed().await?;
+    Ok(Json(
+        json!({"items": items, "next_seq": next, "resync": resync}),
+    ))
 }
 
 #[derive(Deserialize)]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio_postgres::{Client, NoTls};
 
-use crate::store::{BoxFut, Change, Doc, Expect, Kind, Op, Store, StoreError};
+use crate::store::{BoxFut, CHANGES_KEPT, Change, Doc, Expect, Kind, Op, Store, StoreError};
 
 const MIGRATIONS: &[(i32, &str)] = &[
     (1, include_str!("../migrations/0001_documents.sql")),
@@ -489,6 +489,17 @@ impl Store for PgStore {
                     }
                 }
             }
+            if logged > CHANGES_KEPT as u64 {
+                // The log keeps its newest changes: everything at or below
+                // `head - CHANGES_KEPT` is gone after every commit that logs one, which
+                // is what `trimmed` reports.
+                tx.execute(
+                    "DELETE FROM felix_changes WHERE seq <= $1",
+                    &[&((logged - CHANGES_KEPT as u64) as i64)],
+                )
+                .await
+                .map_err(unavailable)?;
+            }
             tx.commit().await.map_err(unavailable)?;
             // This instance's own writes wake its waiting feed reads at once.
             self.feed.saw(logged);
@@ -559,15 +570,15 @@ impl Store for PgStore {
         })
     }
 
+    fn trimmed(&self) -> BoxFut<'_, u64> {
+        Box::pin(async move {
+            let head = self.read_head().await?;
+            Ok(head.saturating_sub(CHANGES_KEPT as u64))
+        })
+    }
+
     fn head(&self) -> BoxFut<'_, u64> {
-        Box::pin(self.bounded(async move {
-            let mut c = self.client().await?;
-            let head = c
-                .query_one("SELECT COALESCE(MAX(seq), 0) FROM felix_changes", &[])
-                .await
-                .map_err(unavailable);
-            c.finish(head).map(|r| r.get::<_, i64>(0) as u64)
-        }))
+        Box::pin(self.read_head())
     }
 
     fn ping(&self) -> BoxFut<'_, ()> {

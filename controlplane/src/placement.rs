@@ -1140,6 +1140,9 @@ mod tests {
             fn head(&self) -> BoxFut<'_, u64> {
                 self.inner.head()
             }
+            fn trimmed(&self) -> BoxFut<'_, u64> {
+                self.inner.trimmed()
+            }
             fn ping(&self) -> BoxFut<'_, ()> {
                 self.inner.ping()
             }

@@ -178,15 +178,26 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     ) -> BoxFut<'_, (Vec<Change>, u64)>;
     /// The current end of the change log.
     fn head(&self) -> BoxFut<'_, u64>;
+    /// Up to where the change log may have been cut ([`CHANGES_KEPT`]; 0: nothing
+    /// cut): a reader asking for changes after a sequence below this may have missed
+    /// some, and reads the snapshot again.
+    fn trimmed(&self) -> BoxFut<'_, u64>;
     /// Whether the backend answers.
     fn ping(&self) -> BoxFut<'_, ()>;
 }
+
+/// Changes the log keeps, the newest: older ones are cut as new ones are logged (every
+/// placement change was kept for good, in memory or in the database). Readers follow
+/// the head; one that falls this far behind is told to read the snapshot again.
+pub const CHANGES_KEPT: usize = 10_000;
 
 #[derive(Debug, Default)]
 struct MemState {
     docs: HashMap<Kind, BTreeMap<String, Doc>>,
     changes: Vec<(Kind, Change)>,
     seq: u64,
+    /// The highest sequence cut from `changes`.
+    trimmed: u64,
 }
 
 /// The in-memory store (dev and tests).
@@ -334,6 +345,12 @@ impl Store for MemoryStore {
                     }
                 }
             }
+            // A quarter over before cutting: one cut per 2,500 changes, not one each.
+            if st.changes.len() > CHANGES_KEPT + CHANGES_KEPT / 4 {
+                let cut = st.changes.len() - CHANGES_KEPT;
+                st.trimmed = st.changes[cut - 1].1.seq;
+                st.changes.drain(..cut);
+            }
             let _ = self.notify.send(st.seq);
             Ok(written)
         })();
@@ -379,6 +396,11 @@ impl Store for MemoryStore {
     fn head(&self) -> BoxFut<'_, u64> {
         let seq = self.state.lock().expect("store lock").seq;
         Box::pin(async move { Ok(seq) })
+    }
+
+    fn trimmed(&self) -> BoxFut<'_, u64> {
+        let trimmed = self.state.lock().expect("store lock").trimmed;
+        Box::pin(async move { Ok(trimmed) })
     }
 
     fn ping(&self) -> BoxFut<'_, ()> {

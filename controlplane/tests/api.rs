@@ -10,7 +10,9 @@ use felix_controlplane::model::{Assignment, Handoff};
 use felix_controlplane::placement;
 use felix_controlplane::replication::ReplicaReports;
 use felix_controlplane::server::{self, KeySource, ServerConfig};
-use felix_controlplane::store::{BoxFut, Change, Doc, Expect, Kind, MemoryStore, Op, Store};
+use felix_controlplane::store::{
+    BoxFut, CHANGES_KEPT, Change, Doc, Expect, Kind, MemoryStore, Op, Store,
+};
 use serde_json::{Value, json};
 
 const BOOTSTRAP: &str = "bootstrap-secret-0123456789";
@@ -2148,6 +2150,10 @@ impl Store for RacingStore {
         self.inner.head()
     }
 
+    fn trimmed(&self) -> BoxFut<'_, u64> {
+        self.inner.trimmed()
+    }
+
     fn ping(&self) -> BoxFut<'_, ()> {
         self.inner.ping()
     }
@@ -2445,6 +2451,112 @@ async fn versions_and_the_change_log(store: &dyn Store) {
         .await
         .unwrap();
     assert_eq!(assignments.len(), 1);
+}
+
+/// Changes logged past what the log keeps: a quarter over and some.
+const LOGGED: usize = CHANGES_KEPT + CHANGES_KEPT / 4 + 100;
+
+/// Logs changes `k{from}` to `k{to - 1}` through `store`.
+async fn log_changes(store: &dyn Store, from: usize, to: usize) {
+    let ops = (from..to)
+        .map(|i| Op::Put {
+            kind: Kind::Assignment,
+            key: format!("k{i}"),
+            value: json!({"i": i}),
+            expect: Expect::Any,
+        })
+        .collect();
+    store.batch(ops).await.unwrap();
+}
+
+/// After [`LOGGED`] changes the log keeps its newest [`CHANGES_KEPT`] at most (every
+/// placement change was kept for good), and says up to where it cut.
+async fn the_change_log_kept_its_newest(store: &dyn Store) {
+    let (kept, head) = store
+        .changes(Kind::Assignment, 0, 100_000, Duration::ZERO)
+        .await
+        .unwrap();
+    let trimmed = store.trimmed().await.unwrap();
+    assert!(
+        (CHANGES_KEPT / 2..=CHANGES_KEPT).contains(&kept.len()),
+        "{} changes kept",
+        kept.len()
+    );
+    assert!(
+        trimmed > 0 && kept[0].seq > trimmed,
+        "cut up to {trimmed}, kept from {}",
+        kept[0].seq
+    );
+    assert_eq!(kept.last().unwrap().key, format!("k{}", LOGGED - 1));
+    // A reader near the head misses nothing.
+    let (recent, _) = store
+        .changes(
+            Kind::Assignment,
+            kept[kept.len() - 6].seq,
+            1000,
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    assert_eq!(recent.len(), 5);
+    assert!(head >= trimmed);
+}
+
+#[test]
+fn the_change_log_keeps_its_newest_changes_in_memory() {
+    let store = MemoryStore::new();
+    runtime().block_on(async {
+        for from in (0..LOGGED).step_by(600) {
+            log_changes(&store, from, (from + 600).min(LOGGED)).await;
+        }
+        the_change_log_kept_its_newest(&store).await;
+    });
+}
+
+#[test]
+fn the_change_log_keeps_its_newest_changes_in_postgres() {
+    let (store, rt, url) = postgres_store();
+    // All but the last change written straight into the table (through the store, four
+    // statements each, this took 16 s here); the store's own write then cuts.
+    rt.block_on(async {
+        let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        c.execute(
+            "INSERT INTO felix_changes (kind, key, op, value) \
+             SELECT 'assignment', 'k' || g, 'put', '{}'::jsonb FROM generate_series(0, $1::int - 2) g",
+            &[&(LOGGED as i32)],
+        )
+        .await
+        .unwrap();
+        log_changes(&store, LOGGED - 1, LOGGED).await;
+        the_change_log_kept_its_newest(&store).await;
+    });
+}
+
+/// A feed reader asking from before what the log keeps is told to read the snapshot
+/// again (`resync`); one at the head is not.
+#[test]
+fn the_feed_tells_a_reader_behind_what_it_keeps_to_resync() {
+    let svc = memory_service();
+    let (_, admin) = bootstrapped(&svc);
+    let ops: Vec<Op> = (0..CHANGES_KEPT + CHANGES_KEPT / 4 + 1)
+        .map(|i| Op::Put {
+            kind: Kind::Assignment,
+            key: format!("k{i}"),
+            value: json!({"i": i}),
+            expect: Expect::Any,
+        })
+        .collect();
+    svc.rt.block_on(svc.store.batch(ops)).unwrap();
+    let behind = admin.get("/v1/shard-assignments/changes?since=0").unwrap();
+    assert_eq!(behind["resync"], true, "{}", behind["next_seq"]);
+    let head = svc.rt.block_on(svc.store.head()).unwrap();
+    let current = admin
+        .get(&format!("/v1/shard-assignments/changes?since={head}"))
+        .unwrap();
+    assert_eq!(current["resync"], false);
 }
 
 #[test]
