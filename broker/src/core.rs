@@ -302,6 +302,13 @@ pub enum CoreMsg {
         /// Where to answer.
         reply: ReplyTo,
     },
+    /// The shard `key` was closed until a restart at its owner with this core's
+    /// subscribers registered (a re-pin's open there failed for good): they end with
+    /// an error. Never dropped.
+    SubscribersEnd {
+        /// Shard.
+        key: Arc<ShardKey>,
+    },
     /// The answer to a request this core sent. Dropped: the request's wait fails.
     Reply {
         /// The request.
@@ -667,6 +674,10 @@ pub enum Ending {
     Draining,
     /// The stream was deleted: `stream_deleted`, then finished.
     Deleted,
+    /// The shard was closed until a restart where it moved (its open failed for good):
+    /// the stream is reset `shard_unavailable`, and a new subscription is refused with
+    /// the open's error.
+    Failed,
 }
 
 /// Bytes of records a subscriber's queue holds (past it, as past its count of batches,
@@ -792,6 +803,8 @@ pub fn out_of_resources(e: &std::io::Error) -> Option<&'static str> {
 
 /// One core's broker.
 pub struct CoreBroker {
+    /// This core's broker, for work begun where only a reference is at hand.
+    me: std::rc::Weak<CoreBroker>,
     /// This core.
     pub core: CoreId,
     /// Shared state.
@@ -990,7 +1003,8 @@ impl CoreBroker {
         );
         let request_bytes =
             crate::session::outbox::FifoBytes::new(shared.limits.inflight_request_bytes_per_core);
-        Rc::new(CoreBroker {
+        Rc::new_cyclic(|me| CoreBroker {
+            me: me.clone(),
             core,
             catalog: CoreCatalog::new(shared.catalog.clone()),
             metrics: shared.metrics[core.index()].clone(),
@@ -1218,7 +1232,10 @@ impl CoreBroker {
                         if !matches!(e, BrokerError::Overloaded(_)) {
                             // Closed here until a restart (`Slot::Failed`): a handover
                             // passed on would let the next core serve it.
-                            self.pending_takes.borrow_mut().remove(key);
+                            let h = self.pending_takes.borrow_mut().remove(key);
+                            if let Some(h) = h {
+                                self.end_subscribers(key, &h.interested);
+                            }
                         }
                         return Err(e);
                     }
@@ -1944,6 +1961,29 @@ impl CoreBroker {
         }
     }
 
+    /// Ends this core's subscriptions to `key`, closed for good at its owner.
+    fn end_local_subscribers(&self, key: &ShardKey) {
+        if let Some(subs) = self.subscribers.borrow_mut().remove(key) {
+            subs.iter().for_each(|q| q.close(Ending::Failed));
+        }
+    }
+
+    /// Tells the cores in `interested` (a handover's subscriber cores) that `key` will
+    /// not be served here until a restart: their subscriptions end with an error
+    /// instead of waiting, as a quiet stream, for records that never come.
+    pub(super) fn end_subscribers(&self, key: &Arc<ShardKey>, interested: &[(CoreId, usize)]) {
+        let Some(this) = self.me.upgrade() else {
+            return;
+        };
+        for &(core, _) in interested {
+            if core == self.core {
+                self.end_local_subscribers(key);
+            } else {
+                this.send_ordered(core, CoreMsg::SubscribersEnd { key: key.clone() }, false);
+            }
+        }
+    }
+
     fn deliver_local(&self, key: &ShardKey, env: &Arc<Envelope>) {
         if let Some(subs) = self.subscribers.borrow().get(key) {
             for s in subs {
@@ -2137,7 +2177,7 @@ impl CoreBroker {
         // under the name since: the count of this core's subscribers there, which
         // another subscription of this core made (fan-out then skipped this core, and
         // that subscription waited for good).
-        let deleted = queue.ending() == Some(Ending::Deleted);
+        let deleted = matches!(queue.ending(), Some(Ending::Deleted | Ending::Failed));
         queue.close(Ending::Unsubscribed);
         self.forget_local(&key, queue);
         self.metrics.subscriptions.fetch_sub(1, Ordering::Relaxed);
@@ -3225,6 +3265,7 @@ impl CoreBroker {
         };
         match msg {
             CoreMsg::Deliver { key, envelope } => self.deliver_local(&key, &envelope),
+            CoreMsg::SubscribersEnd { key } => self.end_local_subscribers(&key),
             CoreMsg::Append {
                 key,
                 records,

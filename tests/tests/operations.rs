@@ -778,6 +778,81 @@ fn a_re_pin_whose_open_fails_for_want_of_descriptors_keeps_subscribers_and_claim
     });
 }
 
+/// A re-pin whose open fails for good (an I/O error: the shard is closed until a
+/// restart) ends the shard's subscriptions with an error, on every core, whether the
+/// take's own open failed or a later one did after the take had run out of
+/// descriptors. Before, their cores were never told: each subscription waited, as on a
+/// quiet stream, for records that could never come.
+#[test]
+fn a_re_pin_whose_open_fails_for_good_ends_its_subscriptions() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
+        &["--cores", "0-1", "--shards", "1"],
+    );
+    let fault = |errno: &str| {
+        let path = format!("/debug/storage-faults?op=open&errno={errno}&times=once");
+        assert_eq!(b.http_post(&path).unwrap().0, 200);
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        for later in [false, true] {
+            let stream = format!("doomed{later}");
+            // Subscribers on both cores (connections land where the kernel puts them).
+            let clients = [client(&b).await, client(&b).await, client(&b).await];
+            clients[0]
+                .publish(
+                    "dev",
+                    "default",
+                    &stream,
+                    b"first".to_vec(),
+                    AckMode::PerMessage,
+                )
+                .await
+                .unwrap();
+            let mut subs = Vec::new();
+            for c in &clients {
+                let mut sub = c
+                    .subscribe_from("dev", "default", &stream, Some(StartPosition::Earliest))
+                    .await
+                    .unwrap();
+                let e = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                    .await
+                    .expect("history read")
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(e.payload.as_ref(), b"first");
+                subs.push(sub);
+            }
+            if later {
+                fault("emfile");
+                pin(&b, &format!("dev/default/{stream}/0=1"));
+                fault("eio");
+                clients[0]
+                    .publish(
+                        "dev",
+                        "default",
+                        &stream,
+                        b"x".to_vec(),
+                        AckMode::PerMessage,
+                    )
+                    .await
+                    .expect_err("the shard's open failed");
+            } else {
+                fault("eio");
+                pin(&b, &format!("dev/default/{stream}/0=1"));
+            }
+            for sub in &mut subs {
+                let ended = tokio::time::timeout(Duration::from_secs(10), sub.next_event())
+                    .await
+                    .expect("a subscription to a shard closed until a restart still waits");
+                assert!(ended.is_err(), "ended without an error: {ended:?}");
+            }
+        }
+    });
+}
+
 /// A handover waiting at a core for its shard's open (the take's open ran out of
 /// descriptors) must not outlive an open there that fails for good: the shard is then
 /// closed until a restart, and a later re-pin must carry that to the next core, not the

@@ -240,6 +240,7 @@ impl CoreMsg {
             | CoreMsg::Watch { key, .. }
             | CoreMsg::Cache { key, .. } => Some(key),
             CoreMsg::Deliver { .. }
+            | CoreMsg::SubscribersEnd { .. }
             | CoreMsg::Peer { .. }
             | CoreMsg::Reply { .. }
             | CoreMsg::Move { .. } => None,
@@ -760,6 +761,7 @@ impl CoreBroker {
         if let Some(e) = h.failed {
             // Closed there, closed here: as the old core's slot said, until a restart.
             self.handed_over.borrow_mut().remove(&h.key);
+            self.end_subscribers(&h.key, &h.interested);
             match h.key.kind {
                 ShardKind::Stream => {
                     self.streams.borrow_mut().insert(h.key, Slot::Failed(e));
@@ -793,8 +795,13 @@ impl CoreBroker {
                     Err(e) => {
                         tracing::warn!(shard = %key, error = %e, "opening a moved shard");
                         if !matches!(e, BrokerError::Overloaded(_)) {
-                            // Closed here until a restart (`Slot::Failed`): nothing to keep.
-                            self.pending_takes.borrow_mut().remove(&key);
+                            // Closed here until a restart (`Slot::Failed`): nothing to
+                            // keep, and its subscribers end (the failed open above has
+                            // usually told them already, taking the handover with it).
+                            let h = self.pending_takes.borrow_mut().remove(&key);
+                            if let Some(h) = h {
+                                self.end_subscribers(&key, &h.interested);
+                            }
                         }
                     }
                 }

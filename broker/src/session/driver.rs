@@ -1739,6 +1739,10 @@ impl Subscription {
                         let _ = uni.write_chunk(last).await;
                         break;
                     }
+                    Some(Ending::Failed) => {
+                        uni.reset(u32::from(ErrorCode::ShardUnavailable.number().unwrap_or(0)));
+                        return Ok(());
+                    }
                     Some(Ending::Unsubscribed) | None => break,
                 },
                 None => {
