@@ -409,7 +409,9 @@ impl Cluster {
 /// is served by its successor: a report from its leader (not `me`) at the current
 /// generation, at least `generation`. A shard no longer listed (deleted) counts as
 /// served; so does one whose leader was replaced since (it could not lead, or died):
-/// its new leader's report is the one waited for.
+/// its new leader's report is the one waited for. A report that its leader cannot
+/// lead (its copy lost, being rebuilt) is not serving: the drain counted it so, and
+/// left while the control plane had yet to name another leader.
 fn successor_serves(
     view: &Value,
     (key, leader, generation): &(String, String, u64),
@@ -433,6 +435,7 @@ fn successor_serves(
     let now_leader = it["leader"].as_str().unwrap_or(leader);
     now_leader != me
         && it["report"]["from"].as_str() == Some(now_leader)
+        && it["report"]["cannot_lead"].as_bool() != Some(true)
         && it["report"]["generation"]
             .as_u64()
             .is_some_and(|g| g >= current.max(*generation))
@@ -1072,6 +1075,49 @@ fn heartbeat_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a drain waits for: the moved shard's current leader reporting at the
+    /// current generation, and able to lead.
+    #[test]
+    fn a_successor_serves_once_its_leader_reports_able_to_lead() {
+        let moved = ("stream/t/ns/s/0".to_string(), "b".to_string(), 4);
+        let view = |leader: &str, generation: u64, report: Value| {
+            json!({"items": [{"kind": "stream", "tenant_id": "t", "namespace": "ns",
+                "name": "s", "shard": 0, "leader": leader, "generation": generation,
+                "report": report}]})
+        };
+        let report = |from: &str, generation: u64, cannot_lead: bool| json!({"from": from, "generation": generation, "cannot_lead": cannot_lead});
+        assert!(successor_serves(
+            &view("b", 4, report("b", 4, false)),
+            &moved,
+            "a"
+        ));
+        assert!(!successor_serves(&view("b", 4, Value::Null), &moved, "a"));
+        assert!(!successor_serves(
+            &view("b", 4, report("b", 3, false)),
+            &moved,
+            "a"
+        ));
+        assert!(!successor_serves(
+            &view("a", 5, report("a", 5, false)),
+            &moved,
+            "a"
+        ));
+        assert!(
+            !successor_serves(&view("b", 4, report("b", 4, true)), &moved, "a"),
+            "a leader that cannot lead does not serve"
+        );
+        // Replaced since: the new leader's report is the one that counts.
+        assert!(successor_serves(
+            &view("c", 5, report("c", 5, false)),
+            &moved,
+            "a"
+        ));
+        assert!(
+            successor_serves(&json!({"items": []}), &moved, "a"),
+            "deleted"
+        );
+    }
 
     fn jwk(kid: &str, x: &[u8]) -> Value {
         json!({"kty": "OKP", "crv": "Ed25519", "alg": "EdDSA", "use": "sig", "kid": kid,

@@ -1797,6 +1797,7 @@ async fn replication_view(State(st): State<AppState>, h: HeaderMap) -> ApiResult
                 "log_end": r.report.log_end,
                 "commit": r.report.commit,
                 "generation_committed": r.report.generation_committed,
+                "cannot_lead": r.report.cannot_lead,
                 "age_ms": now.saturating_sub(r.received_ms),
             })
         });
