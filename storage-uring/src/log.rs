@@ -117,7 +117,8 @@
 //!    (the temporary is ignored and rewritten next time); between the rename and the
 //!    directory fsync, the old or the new one; after it, the new one. Rename replaces
 //!    the name atomically, so a reader never sees a mix. Recovery ignores these files:
-//!    their names cannot end in `.seg` or `.idx`.
+//!    their names cannot end in `.seg` or `.idx`. `close` waits for one in progress, and
+//!    a log closing or closed refuses the next (another core may own the files by then).
 
 use std::cell::{OnceCell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
@@ -1600,6 +1601,9 @@ impl<B: Backend> SegmentLog<B> {
             st.sync_requested = true;
             wake_flusher_now(&mut st);
         }
+        // A metadata write in progress lands before the close returns (the next owner
+        // reads it); later ones are refused (`write_meta`).
+        drop(self.meta_turn().await);
         let tasks: Vec<_> = self.tasks.borrow_mut().drain(..).collect();
         for t in tasks {
             t.await;

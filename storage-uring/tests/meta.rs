@@ -102,6 +102,46 @@ async fn bad_meta_names_are_refused<F: Fixture>(fx: F) {
     log.close().await.unwrap();
 }
 
+/// A write in progress when the log starts closing lands before the close returns;
+/// one after is refused. Before, a late write (a task of a shard's old owner, after
+/// another core had opened the log) replaced what the new owner wrote, unseen by it.
+async fn a_closing_log_finishes_a_meta_write_in_progress_and_refuses_later_ones<F: Fixture>(fx: F) {
+    let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    let log = std::rc::Rc::new(log);
+    let landed = std::rc::Rc::new(std::cell::Cell::new(false));
+    let writing = {
+        let (log, landed) = (log.clone(), landed.clone());
+        glommio::spawn_local(async move {
+            let r = log.write_meta("vote", b"in progress").await;
+            landed.set(r.is_ok());
+            r
+        })
+    };
+    glommio::yield_if_needed().await;
+    futures_lite::future::yield_now().await;
+    log.close().await.unwrap();
+    assert!(
+        landed.get(),
+        "the close returned before the write in progress landed"
+    );
+    writing.await.unwrap();
+    assert!(matches!(
+        log.write_meta("vote", b"late").await,
+        Err(StorageError::Closed)
+    ));
+    drop(log);
+    let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        log.read_meta("vote").await.unwrap().as_deref(),
+        Some(b"in progress".as_slice())
+    );
+    log.close().await.unwrap();
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -119,6 +159,7 @@ both_backends!(
     meta_round_trips_and_survives_reopen,
     recovery_ignores_meta_files_and_leftover_temporaries,
     bad_meta_names_are_refused,
+    a_closing_log_finishes_a_meta_write_in_progress_and_refuses_later_ones,
 );
 
 /// A fault at each step of a replacement, then a crash: the reopened file is the old or

@@ -80,7 +80,7 @@ pub(super) async fn install<B: Backend>(
 }
 
 /// One `write_meta` at a time: two would share a temporary.
-struct MetaTurn<'a, B: Backend>(&'a SegmentLog<B>);
+pub(super) struct MetaTurn<'a, B: Backend>(&'a SegmentLog<B>);
 
 impl<B: Backend> Drop for MetaTurn<'_, B> {
     fn drop(&mut self) {
@@ -95,13 +95,22 @@ impl<B: Backend> Drop for MetaTurn<'_, B> {
 impl<B: Backend> SegmentLog<B> {
     /// Replaces the metadata file `name` with `bytes`, durably (step 7): after it
     /// returns, a reopen reads `bytes`; after a crash during it, the old contents or
-    /// `bytes`, never a mix. Calls are served one at a time. Refused on a read-only log.
+    /// `bytes`, never a mix. Calls are served one at a time. Refused on a read-only log
+    /// and on one closing or closed: [`SegmentLog::close`] waits for a write in
+    /// progress, and one that comes later (a task of a shard's old owner, after another
+    /// core opened the log) would replace what the new owner wrote, unseen by it.
     pub async fn write_meta(&self, name: &str, bytes: &[u8]) -> Result<(), StorageError> {
         check_meta_name(name)?;
         if self.shared.config.read_only {
             return Err(StorageError::Closed);
         }
         let _turn = self.meta_turn().await;
+        {
+            let st = self.shared.state.borrow();
+            if st.closing || st.closed {
+                return Err(StorageError::Closed);
+            }
+        }
         let backend = &self.shared.backend;
         write_temp(backend, name, bytes)
             .await
@@ -121,7 +130,8 @@ impl<B: Backend> SegmentLog<B> {
             .map_err(|e| StorageError::io("read metadata", name, e))
     }
 
-    async fn meta_turn(&self) -> MetaTurn<'_, B> {
+    /// Waits for the turn to write metadata (see [`SegmentLog::close`]).
+    pub(super) async fn meta_turn(&self) -> MetaTurn<'_, B> {
         poll_fn(|cx| {
             let mut st = self.shared.state.borrow_mut();
             if st.meta_writing {
