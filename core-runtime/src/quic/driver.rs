@@ -31,7 +31,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeSet, VecDeque};
 use std::future::{Future, poll_fn};
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -68,6 +68,14 @@ const RETRY_ABOVE_SHARE: usize = 4;
 /// may have the full untrusted window; the ones accepted past them get the crowded
 /// server config's small one (`EndpointOptions::crowded_server`).
 pub const UNTRUSTED_FULL_WINDOWS: usize = 256;
+/// Connections one source address (IP) may have accepted and not trusted yet on a
+/// core. Past it a new one from there is sent a Retry if its address is not validated
+/// (so a forger cannot spend another host's share) and refused if it is: one host that
+/// completed handshakes and never authenticated held up to the whole connection table
+/// until each one's 10 s deadline, and every other client was refused. A real client
+/// is trusted within a round trip of its handshake, so only a burst of this many
+/// connects from one address at once meets the bound.
+pub const UNTRUSTED_PER_SOURCE: usize = 256;
 /// How long an accepted connection may take to finish its handshake. Its idle timer
 /// alone did not bound it: every packet of the peer's resets it, so a peer that kept
 /// a handshake going and never finished it held its place (at the connection limit,
@@ -307,19 +315,45 @@ struct ConnState {
     untrusted: Option<Untrusted>,
 }
 
+/// A driver's connections not trusted yet, in all and by source address.
+#[derive(Default)]
+struct UntrustedCount {
+    all: Cell<usize>,
+    by_source: RefCell<FxHashMap<IpAddr, usize>>,
+}
+
+impl UntrustedCount {
+    fn all(&self) -> usize {
+        self.all.get()
+    }
+
+    fn from(&self, source: IpAddr) -> usize {
+        self.by_source.borrow().get(&source).copied().unwrap_or(0)
+    }
+}
+
 /// A connection's place in its driver's count of connections not trusted yet.
-struct Untrusted(Rc<Cell<usize>>);
+struct Untrusted(Rc<UntrustedCount>, IpAddr);
 
 impl Untrusted {
-    fn new(count: &Rc<Cell<usize>>) -> Untrusted {
-        count.set(count.get() + 1);
-        Untrusted(count.clone())
+    fn new(count: &Rc<UntrustedCount>, source: IpAddr) -> Untrusted {
+        count.all.set(count.all.get() + 1);
+        *count.by_source.borrow_mut().entry(source).or_default() += 1;
+        Untrusted(count.clone(), source)
     }
 }
 
 impl Drop for Untrusted {
     fn drop(&mut self) {
-        self.0.set(self.0.get() - 1);
+        let Untrusted(count, source) = self;
+        count.all.set(count.all.get() - 1);
+        let mut by_source = count.by_source.borrow_mut();
+        if let Some(n) = by_source.get_mut(source) {
+            *n -= 1;
+            if *n == 0 {
+                by_source.remove(source);
+            }
+        }
     }
 }
 
@@ -377,10 +411,12 @@ struct Driver {
     retry_above: usize,
     /// See [`EndpointOptions::crowded_server`].
     crowded_server: Option<Arc<ServerConfig>>,
-    /// Connections accepted and not trusted yet.
-    untrusted: Rc<Cell<usize>>,
+    /// Connections accepted and not trusted yet, in all and by source address.
+    untrusted: Rc<UntrustedCount>,
     /// How many of them may have the full untrusted window.
     untrusted_full: usize,
+    /// How many of them one source address may have.
+    untrusted_per_source: usize,
     blocked_sends: VecDeque<(Vec<u8>, SocketAddr, Option<usize>)>,
     send_buf: Vec<u8>,
     stats: EndpointStats,
@@ -433,8 +469,9 @@ impl Driver {
             max_connections,
             retry_above: max_connections.div_ceil(RETRY_ABOVE_SHARE),
             crowded_server: None,
-            untrusted: Rc::new(Cell::new(0)),
+            untrusted: Rc::default(),
             untrusted_full: UNTRUSTED_FULL_WINDOWS,
+            untrusted_per_source: UNTRUSTED_PER_SOURCE,
             blocked_sends: VecDeque::new(),
             send_buf: Vec::with_capacity(MAX_GSO_SEGMENTS * 1500),
             stats: EndpointStats::default(),
@@ -569,9 +606,20 @@ impl Driver {
                     self.send(t.size, t.destination, t.segment_size, t.ecn);
                     return;
                 }
+                let source = incoming.remote_address().ip();
+                let crowded_source = self.untrusted.from(source) >= self.untrusted_per_source;
+                if crowded_source && (incoming.remote_address_validated() || !incoming.may_retry())
+                {
+                    self.stats.refused += 1;
+                    let t = self.endpoint.refuse(incoming, &mut response);
+                    self.send_buf.clear();
+                    self.send_buf.extend_from_slice(&response[..t.size]);
+                    self.send(t.size, t.destination, t.segment_size, t.ecn);
+                    return;
+                }
                 if incoming.may_retry()
                     && !incoming.remote_address_validated()
-                    && self.handshakes.len() >= self.retry_above
+                    && (self.handshakes.len() >= self.retry_above || crowded_source)
                 {
                     self.stats.retried += 1;
                     match self.endpoint.retry(incoming, &mut response) {
@@ -584,14 +632,14 @@ impl Driver {
                     }
                     return;
                 }
-                let crowded = (self.untrusted.get() >= self.untrusted_full)
+                let crowded = (self.untrusted.all() >= self.untrusted_full)
                     .then(|| self.crowded_server.clone())
                     .flatten();
                 match self.endpoint.accept(incoming, now, &mut response, crowded) {
                     Ok((h, q)) => {
                         let id = self.insert_conn(h, q, 0);
                         if let Some(c) = self.conns.get_mut(&id) {
-                            c.s.untrusted = Some(Untrusted::new(&self.untrusted));
+                            c.s.untrusted = Some(Untrusted::new(&self.untrusted, source));
                         }
                         self.handshakes.push_back((now + HANDSHAKE_DEADLINE, id));
                         self.dirty.insert(id);
@@ -645,6 +693,8 @@ impl Driver {
                 Event::ConnectionLost { reason } => {
                     tracing::debug!(remote = %c.q.remote_address(), %reason, "quic connection lost");
                     c.s.lost = Some(reason);
+                    // Over: it holds no window, nor its source's share, while it drains.
+                    c.s.untrusted = None;
                     c.wake_all();
                 }
                 Event::Stream(StreamEvent::Opened { dir }) => {
@@ -985,6 +1035,7 @@ impl Connection {
                 VarInt::from_u32(code),
                 Bytes::copy_from_slice(reason),
             );
+            c.s.untrusted = None;
         }
         d.mark(self.h);
     }
@@ -2020,7 +2071,7 @@ mod sans_io {
         assert_eq!(window(&mut f, 5500), full);
         assert_eq!(window(&mut f, 5501), full);
         assert_eq!(window(&mut f, 5502), CROWDED_WINDOW_BYTES as usize);
-        assert_eq!(f.server.untrusted.get(), 3);
+        assert_eq!(f.server.untrusted.all(), 3);
         // Two are trusted (their windows widened): one untrusted is left, and the next
         // gets the full window again.
         let mut ids: Vec<_> = f.server.conns.keys().copied().collect();
@@ -2028,8 +2079,61 @@ mod sans_io {
         for id in &ids[..2] {
             f.server.set_receive_window(*id, 32 << 20);
         }
-        assert_eq!(f.server.untrusted.get(), 1);
+        assert_eq!(f.server.untrusted.all(), 1);
         assert_eq!(window(&mut f, 5503), full);
+    }
+
+    /// Past `untrusted_per_source` connections from one address that are not trusted
+    /// yet, a new one from there is sent a Retry and, its address validated, refused;
+    /// other addresses connect as before, and so does that one once one of its
+    /// connections is trusted. Without it one host that finished handshakes and never
+    /// authenticated could hold the whole table until each one's deadline.
+    #[test]
+    fn one_address_holds_at_most_its_share_of_connections_not_trusted_yet() {
+        let mut f = fixture(16, TransportLimits::default());
+        f.server.untrusted_per_source = 2;
+        f.server.retry_above = usize::MAX;
+        let first = [connect(&mut f, 5600), connect(&mut f, 5601)];
+        let try_from = |f: &mut Fixture, from: SocketAddr| {
+            let mut c = Driver::new(
+                Rc::new(MemIo {
+                    addr: from,
+                    net: f.net.clone(),
+                }),
+                None,
+                16,
+                None,
+            )
+            .unwrap();
+            let cfg = f.client_config.clone();
+            c.start_connect(f.now, cfg, f.server_addr, "localhost")
+                .unwrap();
+            run(
+                f,
+                std::slice::from_mut(&mut c),
+                20,
+                Duration::from_millis(1),
+            );
+            connected(&c)
+        };
+        let (retried, refused) = (f.server.stats.retried, f.server.stats.refused);
+        assert_eq!(
+            try_from(&mut f, addr(5602)),
+            0,
+            "a third from the same address"
+        );
+        assert_eq!(f.server.stats.retried, retried + 1, "sent a Retry first");
+        assert_eq!(f.server.stats.refused, refused + 1, "then refused");
+        assert_eq!(
+            try_from(&mut f, ([127, 0, 0, 2], 5602).into()),
+            1,
+            "another address"
+        );
+        let mut ids: Vec<_> = f.server.conns.keys().copied().collect();
+        ids.sort();
+        f.server.set_receive_window(ids[0], 32 << 20);
+        assert_eq!(try_from(&mut f, addr(5603)), 1, "one of the first trusted");
+        drop(first);
     }
 
     /// The server advertises no unreliable datagrams (it reads none): a peer's were
