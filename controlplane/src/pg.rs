@@ -44,30 +44,43 @@ pub struct PgStore {
     operations: AtomicU64,
 }
 
+/// Old changes one write cuts at most (see `batch`).
+const TRIM_BATCH: usize = 10_000;
+
 /// How often a waiting feed read looks for another instance's writes.
 const FEED_POLL: Duration = Duration::from_millis(50);
 
-/// What waiting feed reads ([`Store::changes`] with a wait) share: the highest change
-/// sequence this instance has seen (its own commits, and the log's head as read), and
+/// What waiting feed reads ([`Store::changes`] with a wait) share: the change log's
+/// head as this instance last saw it (raised by its own commits, set by a poll), and
 /// whether one of them is polling the head for all. Each waiter polled on its own
 /// before: two queries every 50 ms per waiting broker, on the store's one connection,
 /// so a few hundred brokers' long polls held the heartbeats (their leases) behind them.
 /// Now one query every 50 ms whatever the number waiting, plus a page read by each
-/// waiter when the head moves.
+/// waiter when the head moves. A waiter reads again on any change of the value after
+/// its page read, not on a value above it: a head that went back (a restored database)
+/// would have ended every wait at once, each waiter reading in a loop.
 #[derive(Debug)]
 struct Feed {
     head: tokio::sync::watch::Sender<u64>,
     polling: AtomicBool,
+    /// Up to where the log was cut, as the last page read found its oldest change.
+    trimmed: AtomicU64,
 }
 
 impl Feed {
-    /// Records a head seen; waiters behind it wake.
-    fn saw(&self, head: u64) {
+    /// This instance committed changes up to `seq`: waiters wake.
+    fn committed(&self, seq: u64) {
         self.head.send_if_modified(|h| {
-            let moved = head > *h;
-            *h = (*h).max(head);
+            let moved = seq > *h;
+            *h = (*h).max(seq);
             moved
         });
+    }
+
+    /// A poll read the head: waiters wake if it is not what was seen before.
+    fn polled(&self, head: u64) {
+        self.head
+            .send_if_modified(|h| std::mem::replace(h, head) != head);
     }
 }
 
@@ -190,6 +203,7 @@ impl PgStore {
             feed: Feed {
                 head: tokio::sync::watch::Sender::new(0),
                 polling: AtomicBool::new(false),
+                trimmed: AtomicU64::new(0),
             },
             operations: AtomicU64::new(0),
         })
@@ -214,13 +228,17 @@ impl PgStore {
         .await
     }
 
-    /// Waits until a change past `head` is seen, or `deadline`: one waiter at a time
-    /// polls the log's head for every waiter ([`Feed`]); the others wait for what it
-    /// sees (or, should it stop, take its turn within two polls).
-    async fn wait_past(&self, head: u64, deadline: tokio::time::Instant) -> Result<(), StoreError> {
-        let mut seen = self.feed.head.subscribe();
+    /// Waits until `news` (subscribed before the caller's page read) changes, or
+    /// `deadline`: one waiter at a time polls the log's head for every waiter
+    /// ([`Feed`]), and wakes at once for this instance's own commits; the others wait
+    /// for what it sees (or, should it stop, take its turn within two polls).
+    async fn wait_for_news(
+        &self,
+        news: &mut tokio::sync::watch::Receiver<u64>,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), StoreError> {
         loop {
-            if *seen.borrow_and_update() > head {
+            if news.has_changed().unwrap_or(true) {
                 return Ok(());
             }
             let now = tokio::time::Instant::now();
@@ -229,16 +247,26 @@ impl PgStore {
             }
             match PollTurn::take(&self.feed.polling) {
                 Some(_turn) => {
-                    tokio::time::sleep_until((now + FEED_POLL).min(deadline)).await;
+                    let poll_at = (now + FEED_POLL).min(deadline);
+                    tokio::select! {
+                        () = tokio::time::sleep_until(poll_at) => {}
+                        _ = news.changed() => return Ok(()),
+                    }
+                    if poll_at >= deadline {
+                        // The caller reads its last page now: no poll needed first.
+                        return Ok(());
+                    }
                     let head = self.read_head().await?;
-                    self.feed.saw(head);
+                    self.feed.polled(head);
                 }
                 None => {
-                    let _ = tokio::time::timeout_at(
-                        (now + FEED_POLL * 2).min(deadline),
-                        seen.changed(),
-                    )
-                    .await;
+                    // (`changed` marks what it returns as seen: news, not a look again.)
+                    if tokio::time::timeout_at((now + FEED_POLL * 2).min(deadline), news.changed())
+                        .await
+                        .is_ok()
+                    {
+                        return Ok(());
+                    }
                 }
             }
         }
@@ -490,19 +518,24 @@ impl Store for PgStore {
                 }
             }
             if logged > CHANGES_KEPT as u64 {
-                // The log keeps its newest changes: everything at or below
-                // `head - CHANGES_KEPT` is gone after every commit that logs one, which
-                // is what `trimmed` reports.
+                // The log keeps its newest changes (at most `CHANGES_KEPT`: sequence
+                // numbers of rolled-back writes are never used), cut a bounded number
+                // at a time: the backlog a log kept for good before is cut over the
+                // next writes, not in one that outlives its deadline.
                 tx.execute(
-                    "DELETE FROM felix_changes WHERE seq <= $1",
-                    &[&((logged - CHANGES_KEPT as u64) as i64)],
+                    "DELETE FROM felix_changes WHERE seq IN \
+                     (SELECT seq FROM felix_changes WHERE seq <= $1 ORDER BY seq LIMIT $2)",
+                    &[
+                        &((logged - CHANGES_KEPT as u64) as i64),
+                        &(TRIM_BATCH as i64),
+                    ],
                 )
                 .await
                 .map_err(unavailable)?;
             }
             tx.commit().await.map_err(unavailable)?;
             // This instance's own writes wake its waiting feed reads at once.
-            self.feed.saw(logged);
+            self.feed.committed(logged);
             Ok(written)
             }
             .await;
@@ -520,8 +553,11 @@ impl Store for PgStore {
     ) -> BoxFut<'_, (Vec<Change>, u64)> {
         Box::pin(async move {
             let deadline = tokio::time::Instant::now() + wait;
+            let mut news = self.feed.head.subscribe();
             loop {
-                let (page, head) = self.bounded(async {
+                // What is seen from here on is news to this read.
+                news.borrow_and_update();
+                let (page, head, oldest) = self.bounded(async {
                     let mut c = self.client().await?;
                     let read = async {
                     // The head first, then the page up to it: writers commit one at a
@@ -551,13 +587,22 @@ impl Store for PgStore {
                             value: r.get(3),
                         })
                         .collect();
-                    Ok((page, head as u64))
+                    // After the page: a cut the page may have missed changes to is
+                    // below the oldest change left now (see `trimmed`).
+                    let oldest: i64 = c
+                        .query_one("SELECT COALESCE(MIN(seq), 0) FROM felix_changes", &[])
+                        .await
+                        .map_err(unavailable)?
+                        .get(0);
+                    Ok((page, head as u64, oldest as u64))
                     }
                     .await;
                     c.finish(read)
                 })
                 .await?;
-                self.feed.saw(head);
+                self.feed
+                    .trimmed
+                    .fetch_max(oldest.saturating_sub(1), Ordering::Relaxed);
                 if !page.is_empty() {
                     let next = page.last().map_or(head, |c| c.seq);
                     return Ok((page, next));
@@ -565,16 +610,18 @@ impl Store for PgStore {
                 if tokio::time::Instant::now() >= deadline {
                     return Ok((Vec::new(), head.max(since)));
                 }
-                self.wait_past(head, deadline).await?;
+                self.wait_for_news(&mut news, deadline).await?;
             }
         })
     }
 
+    /// From this instance's last page read: below its oldest change (a sequence a
+    /// rolled-back write took may count as cut too, asking for a resync not needed),
+    /// never decreasing. Read after a `changes`, it covers every cut that page missed,
+    /// at no query of its own.
     fn trimmed(&self) -> BoxFut<'_, u64> {
-        Box::pin(async move {
-            let head = self.read_head().await?;
-            Ok(head.saturating_sub(CHANGES_KEPT as u64))
-        })
+        let trimmed = self.feed.trimmed.load(Ordering::Relaxed);
+        Box::pin(async move { Ok(trimmed) })
     }
 
     fn head(&self) -> BoxFut<'_, u64> {

@@ -206,6 +206,26 @@ fn waiting_feed_reads_share_one_poll_of_the_postgres_store() {
             );
         }
     }
+    // The log's head goes back (a database restored from before those writes): the
+    // waits still wait. (They ended at once while the head stood below the highest
+    // seen, each waiter reading again in a loop.)
+    rt.block_on(async {
+        let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        c.execute("DELETE FROM felix_changes", &[]).await.unwrap();
+    });
+    let before = a.operations();
+    let reads: Vec<_> = (0..16).map(|_| wait(&a, Duration::from_secs(1))).collect();
+    for r in reads {
+        assert!(rt.block_on(r).unwrap().0.is_empty());
+    }
+    let ops = a.operations() - before;
+    assert!(
+        ops <= 100,
+        "{ops} store operations for 16 reads waiting 1 s behind a head that went back"
+    );
 }
 
 #[test]
