@@ -32,6 +32,10 @@ use base64 as b64;
 
 /// Largest request body.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Longest a request's body may take to arrive, once its head has: a caller that
+/// stopped sending (or a connection half-open mid-body) held its connection, one of
+/// `bounded::API`'s, for as long as TCP took to notice.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Service settings.
 #[derive(Debug, Clone)]
@@ -233,13 +237,27 @@ async fn debug_clock(body: axum::body::Bytes) -> ApiResult<Json<Value>> {
 
 /// Reads and parses a JSON body with the size limit, naming the bad field.
 async fn body<T: DeserializeOwned>(b: Body) -> ApiResult<T> {
-    let bytes: Bytes = axum::body::to_bytes(b, MAX_BODY_BYTES).await.map_err(|_| {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too_large",
-            format!("request body over {MAX_BODY_BYTES} bytes"),
-        )
-    })?;
+    body_within(b, BODY_TIMEOUT).await
+}
+
+/// [`body`], with the time it may take to arrive.
+async fn body_within<T: DeserializeOwned>(b: Body, within: Duration) -> ApiResult<T> {
+    let bytes: Bytes = tokio::time::timeout(within, axum::body::to_bytes(b, MAX_BODY_BYTES))
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "timeout",
+                format!("request body not received within {within:?}"),
+            )
+        })?
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!("request body over {MAX_BODY_BYTES} bytes"),
+            )
+        })?;
     let invalid = |e: serde_json::Error| {
         let msg = e.to_string();
         let field = msg
@@ -2441,4 +2459,27 @@ pub fn router(state: AppState) -> Router {
         })
         .layer(axum::middleware::from_fn_with_state(state.clone(), audit))
         .with_state(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_lite::StreamExt as _;
+
+    /// A body that stops arriving is answered 408 once its time is up, not waited for
+    /// as long as the connection lasts.
+    #[tokio::test]
+    async fn a_body_that_stops_arriving_is_refused_in_time() {
+        let stalled =
+            futures_lite::stream::once(Ok::<_, std::io::Error>(Bytes::from_static(b"{\"a\":")))
+                .chain(futures_lite::stream::pending());
+        let got = tokio::time::timeout(
+            Duration::from_secs(5),
+            body_within::<Value>(Body::from_stream(stalled), Duration::from_millis(100)),
+        )
+        .await
+        .expect("the body read waited on");
+        let e = got.expect_err("a half body");
+        assert_eq!(e.status, StatusCode::REQUEST_TIMEOUT);
+    }
 }

@@ -3,9 +3,9 @@
 //! TLS handshakes run in tasks of their own (bounded by [`HANDSHAKE_TIMEOUT`]), so a
 //! client that stalls mid-handshake never holds up the next one; finished connections
 //! reach axum through a channel that looks to it like any listener. At most
-//! [`HANDSHAKES_MAX`] connections are between their accept and the server taking them
-//! (handshaking, or handshaken and waiting while the server has no room: see
-//! [`crate::bounded`]); past it the acceptor waits.
+//! [`HANDSHAKES_MAX`] connections are handshaking or handshaken and waiting for room in
+//! that channel (64) while the server has none (see [`crate::bounded`]); past it the
+//! acceptor waits.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
