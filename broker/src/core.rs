@@ -1233,7 +1233,7 @@ impl CoreBroker {
                             // Closed here until a restart (`Slot::Failed`): a handover
                             // passed on would let the next core serve it.
                             let h = self.pending_takes.borrow_mut().remove(key);
-                            if let Some(h) = h {
+                            if let Some(h) = h.filter(|_| !matches!(e, BrokerError::NotFound(_))) {
                                 self.end_subscribers(key, &h.interested);
                             }
                         }
@@ -1970,7 +1970,8 @@ impl CoreBroker {
 
     /// Tells the cores in `interested` (a handover's subscriber cores) that `key` will
     /// not be served here until a restart: their subscriptions end with an error
-    /// instead of waiting, as a quiet stream, for records that never come.
+    /// instead of waiting, as a quiet stream, for records that never come. (Not for a
+    /// shard whose stream was deleted meanwhile: its deletion ends them, as deleted.)
     pub(super) fn end_subscribers(&self, key: &Arc<ShardKey>, interested: &[(CoreId, usize)]) {
         let Some(this) = self.me.upgrade() else {
             return;
@@ -2248,8 +2249,8 @@ impl CoreBroker {
     }
 
     /// Reads on the owning core: committed records only (a replicated Quorum shard's
-    /// readers stop at its commit mark), and only where this copy serves within its
-    /// lease, as a subscription's registration checks.
+    /// readers stop at its commit mark); on a replicated `Leader` shard, which reads to
+    /// the log's end, only where this copy serves within its lease.
     async fn read_local(
         &self,
         key: &Arc<ShardKey>,
@@ -2258,18 +2259,23 @@ impl CoreBroker {
     ) -> Result<Vec<ReadBatch>, BrokerError> {
         // The replica first, as at a subscription's registration.
         let replica = self.replica_of(key)?;
-        if let Some(rs) = &replica {
-            // A copy still fencing holds a suffix its takeover may cut, and a deposed or
-            // lapsed one lacks its successor's records (on a `Leader` shard, which reads
-            // to the log's end, it may even hold records at offsets the successor
-            // reuses).
+        // A `Leader` copy still fencing holds a suffix its takeover may cut, and a
+        // deposed or lapsed one may hold records at offsets its successor gave to
+        // others. (A Quorum copy's reads stop at its commit mark: stale there, never
+        // wrong, so a subscription catching up is not ended for a lapsed lease.)
+        let checked = replica
+            .as_ref()
+            .filter(|rs| rs.consistency.get() == crate::catalog::Consistency::Leader);
+        if let Some(rs) = checked {
             self.still_reading(rs)?;
         }
         let shard = self.stream_shard(key).await?;
         let mut batches = shard.log.read(from, max_bytes).await?;
-        if let Some(rs) = replica {
+        if let Some(rs) = checked {
             // The read may have waited for the device meanwhile.
-            self.still_reading(&rs)?;
+            self.still_reading(rs)?;
+        }
+        if let Some(rs) = replica {
             let visible = rs.visible_end();
             batches.retain(|b| b.end_offset() <= visible);
         }

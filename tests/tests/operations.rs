@@ -799,8 +799,7 @@ fn a_re_pin_whose_open_fails_for_good_ends_its_subscriptions() {
     rt.block_on(async {
         for later in [false, true] {
             let stream = format!("doomed{later}");
-            // Subscribers on both cores (connections land where the kernel puts them).
-            let clients = [client(&b).await, client(&b).await, client(&b).await];
+            let mut clients = vec![client(&b).await];
             clients[0]
                 .publish(
                     "dev",
@@ -811,9 +810,15 @@ fn a_re_pin_whose_open_fails_for_good_ends_its_subscriptions() {
                 )
                 .await
                 .unwrap();
+            // Subscribers on both cores, the shard's and the other (connections land
+            // where the kernel puts them: more until each core has one).
             let mut subs = Vec::new();
-            for c in &clients {
-                let mut sub = c
+            while subscriptions_per_core(&b).contains(&0) {
+                assert!(subs.len() < 16, "no subscriber landed on one of the cores");
+                if subs.len() == clients.len() {
+                    clients.push(client(&b).await);
+                }
+                let mut sub = clients[subs.len()]
                     .subscribe_from("dev", "default", &stream, Some(StartPosition::Earliest))
                     .await
                     .unwrap();
@@ -849,8 +854,26 @@ fn a_re_pin_whose_open_fails_for_good_ends_its_subscriptions() {
                     .expect("a subscription to a shard closed until a restart still waits");
                 assert!(ended.is_err(), "ended without an error: {ended:?}");
             }
+            drop(subs);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while subscriptions_per_core(&b).iter().any(|&n| n > 0) {
+                assert!(Instant::now() < deadline, "subscriptions left counted");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
     });
+}
+
+/// Live subscriptions on each core of `b` (`GET /cores`).
+fn subscriptions_per_core(b: &BrokerProcess) -> Vec<u64> {
+    let (_, body) = b.http_get("/cores").unwrap();
+    let cores: serde_json::Value = serde_json::from_str(&body).unwrap();
+    cores["cores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["subscriptions"].as_u64().unwrap())
+        .collect()
 }
 
 /// A handover waiting at a core for its shard's open (the take's open ran out of

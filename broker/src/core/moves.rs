@@ -799,7 +799,7 @@ impl CoreBroker {
                             // keep, and its subscribers end (the failed open above has
                             // usually told them already, taking the handover with it).
                             let h = self.pending_takes.borrow_mut().remove(&key);
-                            if let Some(h) = h {
+                            if let Some(h) = h.filter(|_| !matches!(e, BrokerError::NotFound(_))) {
                                 self.end_subscribers(&key, &h.interested);
                             }
                         }
