@@ -68,14 +68,25 @@ const RETRY_ABOVE_SHARE: usize = 4;
 /// may have the full untrusted window; the ones accepted past them get the crowded
 /// server config's small one (`EndpointOptions::crowded_server`).
 pub const UNTRUSTED_FULL_WINDOWS: usize = 256;
-/// Connections one source address (IP) may have accepted and not trusted yet on a
-/// core. Past it a new one from there is sent a Retry if its address is not validated
-/// (so a forger cannot spend another host's share) and refused if it is: one host that
-/// completed handshakes and never authenticated held up to the whole connection table
-/// until each one's 10 s deadline, and every other client was refused. A real client
-/// is trusted within a round trip of its handshake, so only a burst of this many
-/// connects from one address at once meets the bound.
+/// Connections one source (an IPv4 address, an IPv6 /64) may have not trusted yet on a
+/// core, counting only those whose address is proven (validated by a Retry, or their
+/// handshake finished), so forged Initials cannot spend another host's share. Past it
+/// a new one from there is sent a Retry if its address is not validated, and refused if
+/// it is: one host that completed handshakes and never authenticated held up to the
+/// whole connection table until each one's 10 s deadline, and every other client was
+/// refused. A real client is trusted within a round trip of its handshake, so only a
+/// burst of this many connects from one source at once meets the bound (clients behind
+/// one NAT address share it: past it they are refused and connect again).
 pub const UNTRUSTED_PER_SOURCE: usize = 256;
+
+/// The source a connection from `addr` counts against: the IPv4 address (an
+/// IPv4-mapped IPv6 one as IPv4), or the IPv6 /64, which one host may hold whole.
+fn source_of(addr: SocketAddr) -> IpAddr {
+    match addr.ip().to_canonical() {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+    }
+}
 /// How long an accepted connection may take to finish its handshake. Its idle timer
 /// alone did not bound it: every packet of the peer's resets it, so a peer that kept
 /// a handshake going and never finished it held its place (at the connection limit,
@@ -212,7 +223,8 @@ pub struct EndpointStats {
     pub sends: u64,
     /// Connections accepted.
     pub accepted: u64,
-    /// Connections refused (over the limit).
+    /// Connections refused (over the limit, or from a source past its share of
+    /// connections not trusted yet: `UNTRUSTED_PER_SOURCE`).
     pub refused: u64,
     /// New connections sent a Retry first (many handshakes begun lately; see
     /// `RETRY_ABOVE_SHARE`).
@@ -332,26 +344,53 @@ impl UntrustedCount {
     }
 }
 
-/// A connection's place in its driver's count of connections not trusted yet.
-struct Untrusted(Rc<UntrustedCount>, IpAddr);
+/// A connection's place in its driver's count of connections not trusted yet, and in
+/// its source's once its address is proven.
+struct Untrusted {
+    count: Rc<UntrustedCount>,
+    source: IpAddr,
+    proven: bool,
+}
 
 impl Untrusted {
-    fn new(count: &Rc<UntrustedCount>, source: IpAddr) -> Untrusted {
+    fn new(count: &Rc<UntrustedCount>, source: IpAddr, proven: bool) -> Untrusted {
         count.all.set(count.all.get() + 1);
-        *count.by_source.borrow_mut().entry(source).or_default() += 1;
-        Untrusted(count.clone(), source)
+        let mut u = Untrusted {
+            count: count.clone(),
+            source,
+            proven: false,
+        };
+        if proven {
+            u.prove();
+        }
+        u
+    }
+
+    /// Its address is proven (its handshake finished): it counts against its source.
+    fn prove(&mut self) {
+        if !self.proven {
+            self.proven = true;
+            *self
+                .count
+                .by_source
+                .borrow_mut()
+                .entry(self.source)
+                .or_default() += 1;
+        }
     }
 }
 
 impl Drop for Untrusted {
     fn drop(&mut self) {
-        let Untrusted(count, source) = self;
-        count.all.set(count.all.get() - 1);
-        let mut by_source = count.by_source.borrow_mut();
-        if let Some(n) = by_source.get_mut(source) {
+        self.count.all.set(self.count.all.get() - 1);
+        if !self.proven {
+            return;
+        }
+        let mut by_source = self.count.by_source.borrow_mut();
+        if let Some(n) = by_source.get_mut(&self.source) {
             *n -= 1;
             if *n == 0 {
-                by_source.remove(source);
+                by_source.remove(&self.source);
             }
         }
     }
@@ -606,10 +645,10 @@ impl Driver {
                     self.send(t.size, t.destination, t.segment_size, t.ecn);
                     return;
                 }
-                let source = incoming.remote_address().ip();
+                let source = source_of(incoming.remote_address());
                 let crowded_source = self.untrusted.from(source) >= self.untrusted_per_source;
-                if crowded_source && (incoming.remote_address_validated() || !incoming.may_retry())
-                {
+                let validated = incoming.remote_address_validated();
+                if crowded_source && (validated || !incoming.may_retry()) {
                     self.stats.refused += 1;
                     let t = self.endpoint.refuse(incoming, &mut response);
                     self.send_buf.clear();
@@ -639,7 +678,8 @@ impl Driver {
                     Ok((h, q)) => {
                         let id = self.insert_conn(h, q, 0);
                         if let Some(c) = self.conns.get_mut(&id) {
-                            c.s.untrusted = Some(Untrusted::new(&self.untrusted, source));
+                            c.s.untrusted =
+                                Some(Untrusted::new(&self.untrusted, source, validated));
                         }
                         self.handshakes.push_back((now + HANDSHAKE_DEADLINE, id));
                         self.dirty.insert(id);
@@ -677,6 +717,10 @@ impl Driver {
                 Event::HandshakeDataReady => {}
                 Event::Connected => {
                     c.s.connected = true;
+                    // Its peer answered at its address: it counts against its source.
+                    if let Some(u) = &mut c.s.untrusted {
+                        u.prove();
+                    }
                     if self.server.is_some() && c.s.handles == 0 && c.q.side().is_server() {
                         // Handed to accept(): the queue holds the first handle.
                         c.s.handles = 1;
@@ -973,6 +1017,7 @@ fn release(d: &Rc<RefCell<Driver>>, h: ConnId) {
         } else {
             tracing::debug!(remote = %c.q.remote_address(), "closing a quic connection nothing holds");
             c.q.close(Instant::now(), VarInt::from_u32(0), Bytes::new());
+            c.s.untrusted = None;
             d.mark(h);
         }
     }
@@ -1492,6 +1537,7 @@ fn process(
             && !c.q.is_closed()
         {
             dr.stats.handshakes_timed_out += 1;
+            c.s.untrusted = None;
             c.q.close(
                 now,
                 VarInt::from_u32(0),
@@ -2133,6 +2179,35 @@ mod sans_io {
         ids.sort();
         f.server.set_receive_window(ids[0], 32 << 20);
         assert_eq!(try_from(&mut f, addr(5603)), 1, "one of the first trusted");
+        // Initials forged from an address (their answers go nowhere) do not spend its
+        // share: only a connection whose handshake finished counts.
+        let victim = |port: u16| SocketAddr::from(([127, 0, 0, 3], port));
+        let mut forged: Vec<Driver> = (0..4)
+            .map(|i| {
+                f.net.black_holes.borrow_mut().insert(victim(7500 + i));
+                Driver::new(
+                    Rc::new(MemIo {
+                        addr: victim(7500 + i),
+                        net: f.net.clone(),
+                    }),
+                    None,
+                    16,
+                    None,
+                )
+                .unwrap()
+            })
+            .collect();
+        for c in forged.iter_mut() {
+            let cfg = f.client_config.clone();
+            c.start_connect(f.now, cfg, f.server_addr, "localhost")
+                .unwrap();
+        }
+        run(&mut f, &mut forged, 5, Duration::from_millis(1));
+        assert_eq!(
+            try_from(&mut f, victim(7600)),
+            1,
+            "the real host at the address"
+        );
         drop(first);
     }
 
