@@ -370,13 +370,30 @@ async fn auth_watchdog(conn: Connection, scope: Rc<ConnScope>) {
     }
 }
 
+/// Distinct tokens (as a key set revokes them) one connection's streams may
+/// authenticate with: past it a stream with another is refused `limit_exceeded`, and
+/// the client opens a new connection. Each is kept for the connection's life (dropping
+/// one whose streams ended could miss a revocation of a stream opened with it later),
+/// so a client that authenticated every stream with a fresh token grew the list, and
+/// the check at every key change, without bound.
+pub const GRANTS_PER_CONNECTION: usize = 1024;
+
 /// Keeps `grant` for [`revocation_watch`] unless one that a key set revokes alike (same
 /// tenant, signing key and token id) is kept already: an SDK authenticates every stream
-/// it opens, so a list that kept each grew for the connection's whole life.
-fn remember_grant(grants: &mut Vec<Rc<crate::auth::Grant>>, grant: &Rc<crate::auth::Grant>) {
-    if !grants.iter().any(|g| g.revoked_with(grant)) {
-        grants.push(grant.clone());
+/// it opens, so a list that kept each grew for the connection's whole life. `false`
+/// when it is new and the list holds [`GRANTS_PER_CONNECTION`] already.
+fn remember_grant(
+    grants: &mut Vec<Rc<crate::auth::Grant>>,
+    grant: &Rc<crate::auth::Grant>,
+) -> bool {
+    if grants.iter().any(|g| g.revoked_with(grant)) {
+        return true;
     }
+    if grants.len() >= GRANTS_PER_CONNECTION {
+        return false;
+    }
+    grants.push(grant.clone());
+    true
 }
 
 /// Closes the connection once a key set arrives under which one of its grants no longer
@@ -739,10 +756,20 @@ async fn authenticate(
     };
     match handshake(&frame, &env, clock::now()) {
         Ok((session, reply)) => {
+            if !remember_grant(&mut scope.grants.borrow_mut(), session.grant()) {
+                tracing::debug!("stream refused at auth: too many tokens on one connection");
+                if answered {
+                    let e = BrokerError::LimitExceeded(format!(
+                        "this connection's streams authenticated with {GRANTS_PER_CONNECTION} \
+                         distinct tokens: open a new connection for another"
+                    ));
+                    answers.push(Answer::Ready(Some(e.to_message(false).to_frame())));
+                }
+                return None;
+            }
             scope.auth.borrow_mut().authenticated();
             core.unfinished.borrow_mut().trust(scope.id);
             core.unwritten.borrow_mut().trust(scope.id);
-            remember_grant(&mut scope.grants.borrow_mut(), session.grant());
             if answered {
                 answers.push(Answer::Ready(Some(reply)));
             }
@@ -1886,13 +1913,36 @@ mod tests {
         let mut grants = Vec::new();
         let one = Rc::new(crate::session::testing::grant(vec![]));
         for _ in 0..1000 {
-            remember_grant(&mut grants, &Rc::new((*one).clone()));
+            assert!(remember_grant(&mut grants, &Rc::new((*one).clone())));
         }
         assert_eq!(grants.len(), 1);
         let mut other = (*one).clone();
         other.jti = Some("t-2".into());
-        remember_grant(&mut grants, &Rc::new(other));
+        assert!(remember_grant(&mut grants, &Rc::new(other)));
         assert_eq!(grants.len(), 2, "a token revoked apart is kept apart");
+    }
+
+    /// Past `GRANTS_PER_CONNECTION` distinct tokens a new one is refused (a client
+    /// minting a token per stream grew the list for the connection's life); the ones
+    /// kept still authenticate.
+    #[test]
+    fn a_connection_keeps_a_bounded_number_of_distinct_tokens() {
+        let mut grants = Vec::new();
+        let base = crate::session::testing::grant(vec![]);
+        let with_jti = |i: usize| {
+            let mut g = base.clone();
+            g.jti = Some(format!("t-{i}"));
+            Rc::new(g)
+        };
+        for i in 0..GRANTS_PER_CONNECTION {
+            assert!(remember_grant(&mut grants, &with_jti(i)));
+        }
+        assert!(!remember_grant(
+            &mut grants,
+            &with_jti(GRANTS_PER_CONNECTION)
+        ));
+        assert_eq!(grants.len(), GRANTS_PER_CONNECTION);
+        assert!(remember_grant(&mut grants, &with_jti(7)), "a kept token");
     }
 
     /// `skipped_before` goes only to clients that negotiated `GROUP_SKIPPED`; the others
