@@ -32,7 +32,8 @@ use base64 as b64;
 
 /// Largest request body.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
-/// Longest a request's body may take to arrive, once its head has: a caller that
+/// Longest a request's body may take to arrive once its handler reads it (after the
+/// token is checked): a caller that
 /// stopped sending (or a connection half-open mid-body) held its connection, one of
 /// `bounded::API`'s, for as long as TCP took to notice.
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);

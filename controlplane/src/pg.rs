@@ -45,7 +45,7 @@ pub struct PgStore {
 }
 
 /// Old changes one write cuts at most (see `batch`).
-const TRIM_BATCH: usize = 10_000;
+pub const TRIM_BATCH: usize = 10_000;
 
 /// How often a waiting feed read looks for another instance's writes.
 const FEED_POLL: Duration = Duration::from_millis(50);
@@ -615,10 +615,12 @@ impl Store for PgStore {
         })
     }
 
-    /// From this instance's last page read: below its oldest change (a sequence a
-    /// rolled-back write took may count as cut too, asking for a resync not needed),
-    /// never decreasing. Read after a `changes`, it covers every cut that page missed,
-    /// at no query of its own.
+    /// From this instance's page reads: below the oldest change the latest found (a
+    /// sequence a rolled-back write took may count as cut too, asking for a resync not
+    /// needed), never decreasing, so concurrent reads cannot lower it under one
+    /// another; after a restore of an older database it stays high until a restart,
+    /// asking readers below it for resyncs they do not need. Read after a `changes`, it
+    /// covers every cut that page missed, at no query of its own.
     fn trimmed(&self) -> BoxFut<'_, u64> {
         let trimmed = self.feed.trimmed.load(Ordering::Relaxed);
         Box::pin(async move { Ok(trimmed) })

@@ -180,7 +180,9 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     fn head(&self) -> BoxFut<'_, u64>;
     /// Up to where the change log may have been cut ([`CHANGES_KEPT`]; 0: nothing
     /// cut): a reader asking for changes after a sequence below this may have missed
-    /// some, and reads the snapshot again.
+    /// some, and reads the snapshot again. Asked after a [`Store::changes`], it covers
+    /// every cut that read could have missed (the Postgres store answers from its reads,
+    /// not with a query of its own).
     fn trimmed(&self) -> BoxFut<'_, u64>;
     /// Whether the backend answers.
     fn ping(&self) -> BoxFut<'_, ()>;

@@ -164,17 +164,19 @@ fn waiting_feed_reads_share_one_poll_of_the_postgres_store() {
         Arc::new(postgres_store_at(&url, &rt)),
         Arc::new(postgres_store_at(&url, &rt)),
     );
-    let wait = |store: &Arc<felix_controlplane::pg::PgStore>, wait: Duration| {
+    let wait_from = |store: &Arc<felix_controlplane::pg::PgStore>, since: u64, wait: Duration| {
         let store = store.clone();
         rt.spawn(async move {
             let started = std::time::Instant::now();
             let (page, _) = store
-                .changes(Kind::Assignment, 0, 1000, wait)
+                .changes(Kind::Assignment, since, 1000, wait)
                 .await
                 .unwrap();
             (page, started.elapsed())
         })
     };
+    let wait =
+        |store: &Arc<felix_controlplane::pg::PgStore>, wait: Duration| wait_from(store, 0, wait);
     let before = a.operations();
     let reads: Vec<_> = (0..16).map(|_| wait(&a, Duration::from_secs(1))).collect();
     for r in reads {
@@ -194,12 +196,16 @@ fn waiting_feed_reads_share_one_poll_of_the_postgres_store() {
         .unwrap();
     };
     for (writer, key) in [(&a, "mine"), (&b, "another-instances")] {
-        let reads: Vec<_> = (0..4).map(|_| wait(&a, Duration::from_secs(10))).collect();
+        // From the head: each read must wait for this write.
+        let head = rt.block_on(a.head()).unwrap();
+        let reads: Vec<_> = (0..4)
+            .map(|_| wait_from(&a, head, Duration::from_secs(10)))
+            .collect();
         std::thread::sleep(Duration::from_millis(200));
         put(writer, key);
         for r in reads {
             let (page, took) = rt.block_on(r).unwrap();
-            assert_eq!(page.first().map(|c| c.key.as_str()), Some("mine"));
+            assert_eq!(page.first().map(|c| c.key.as_str()), Some(key));
             assert!(
                 took < Duration::from_secs(2),
                 "a wait outlived a write ({key}) by {took:?}"
@@ -2533,11 +2539,16 @@ fn the_change_log_keeps_its_newest_changes_in_memory() {
     });
 }
 
+/// On Postgres a write cuts at most `TRIM_BATCH` old changes: a backlog kept before
+/// (every placement change was) is cut over the next writes, not in one that could
+/// outlive its deadline, and `trimmed` says how far each got.
 #[test]
 fn the_change_log_keeps_its_newest_changes_in_postgres() {
+    use felix_controlplane::pg::TRIM_BATCH;
     let (store, rt, url) = postgres_store();
+    let backlog = CHANGES_KEPT + TRIM_BATCH + 2_600;
     // All but the last change written straight into the table (through the store, four
-    // statements each, this took 16 s here); the store's own write then cuts.
+    // statements each, 12,600 of them took 16 s here); the store's own writes then cut.
     rt.block_on(async {
         let (c, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
             .await
@@ -2546,12 +2557,22 @@ fn the_change_log_keeps_its_newest_changes_in_postgres() {
         c.execute(
             "INSERT INTO felix_changes (kind, key, op, value) \
              SELECT 'assignment', 'k' || g, 'put', '{}'::jsonb FROM generate_series(0, $1::int - 2) g",
-            &[&(LOGGED as i32)],
+            &[&(backlog as i32)],
         )
         .await
         .unwrap();
-        log_changes(&store, LOGGED - 1, LOGGED).await;
-        the_change_log_kept_its_newest(&store).await;
+        let kept = || async {
+            let (kept, _) = store
+                .changes(Kind::Assignment, 0, 100_000, Duration::ZERO)
+                .await
+                .unwrap();
+            (kept.len(), store.trimmed().await.unwrap())
+        };
+        log_changes(&store, backlog - 1, backlog).await;
+        // One batch cut: 10,000 of the 12,600 past the bound.
+        assert_eq!(kept().await, (backlog - TRIM_BATCH, TRIM_BATCH as u64));
+        log_changes(&store, backlog, backlog + 1).await;
+        assert_eq!(kept().await, (CHANGES_KEPT, (backlog + 1 - CHANGES_KEPT) as u64));
     });
 }
 
