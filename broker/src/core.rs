@@ -508,6 +508,8 @@ pub struct CoreMetrics {
     pub lease_refusals: AtomicU64,
     /// Requests held while their shard moved to this core (a live re-pin).
     pub requests_held: AtomicU64,
+    /// Requests refused rather than held: this core held `HELD_MAX` already.
+    pub requests_held_refused: AtomicU64,
     /// Publishes held while this broker took their replicated shard over.
     pub takeover_held: AtomicU64,
     /// Requests sent here under an older placement, passed on to the owning core.

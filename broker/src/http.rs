@@ -159,6 +159,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.requests_held.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_requests_held_refused_total",
+        "counter",
+        "Requests refused overloaded rather than held: the core held HELD_MAX for moving shards.",
+        |m| m.requests_held_refused.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_takeover_held_total",
         "counter",
         "Publishes held while this broker took their replicated shard over (a move's or failover's cut-over).",

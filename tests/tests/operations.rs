@@ -876,6 +876,138 @@ fn subscriptions_per_core(b: &BrokerProcess) -> Vec<u64> {
         .collect()
 }
 
+/// A re-pin whose release waits (here on a publish waiting for the shard's first
+/// open, opens held) holds the requests for the moving shard at its new core; past
+/// `HELD_MAX` the next ones are refused `overloaded` instead of held, and the held ones
+/// are served once the re-pin ends. Before, every request was held for as long as the
+/// release waited, payloads included.
+#[test]
+fn requests_held_for_a_moving_shard_are_bounded() {
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
+        &["--fsync", "none", "--cores", "0-1", "--shards", "1"],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // A connection on core 1, where the shard moves: its requests are held there
+        // (another core's are bounded by the core pair's 8,192 cross-core requests).
+        let connections = |core: usize| {
+            let (_, body) = b.http_get("/cores").unwrap();
+            let cores: serde_json::Value = serde_json::from_str(&body).unwrap();
+            cores["cores"][core]["connections"].as_u64().unwrap()
+        };
+        let mut others = Vec::new();
+        let c = loop {
+            let before = connections(1);
+            let c = client(&b).await;
+            if connections(1) > before {
+                break Arc::new(c);
+            }
+            assert!(others.len() < 16, "no connection landed on core 1");
+            others.push(c);
+        };
+        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+        let first = {
+            let c = c.clone();
+            tokio::spawn(async move {
+                c.publish(
+                    "dev",
+                    "default",
+                    "stuck",
+                    b"first".to_vec(),
+                    AckMode::PerMessage,
+                )
+                .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let http = b.http;
+        let pin = tokio::task::spawn_blocking(move || {
+            felix_client::ops::http(
+                &http.to_string(),
+                "POST",
+                "/pins",
+                Some(&json!({ "rule": "dev/default/stuck/0=1" }).to_string()),
+            )
+            .unwrap()
+        });
+        // The release waits for the first publish's open: what follows is held.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let held_before = b.metric("felix_broker_requests_held_total").unwrap();
+        for i in 0..17_000u32 {
+            c.publish(
+                "dev",
+                "default",
+                "stuck",
+                i.to_be_bytes().to_vec(),
+                AckMode::None,
+            )
+            .await
+            .unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while b
+            .metric("felix_broker_requests_held_refused_total")
+            .unwrap()
+            == 0
+        {
+            assert!(
+                Instant::now() < deadline,
+                "no request refused past the bound: {} held",
+                b.metric("felix_broker_requests_held_total").unwrap() - held_before,
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let held = b.metric("felix_broker_requests_held_total").unwrap() - held_before;
+        assert!(held <= 16_384, "{held} requests held");
+        // An acknowledged one past the bound is refused, retryably.
+        let refused = c
+            .publish(
+                "dev",
+                "default",
+                "stuck",
+                b"late".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await;
+        assert!(refused.is_err(), "held past the bound: {refused:?}");
+        assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+        // (It may have answered 202, still moving, meanwhile: the re-pin goes on.)
+        let (status, answer) = pin.await.unwrap();
+        assert!(matches!(status, 200 | 202 | 503), "{status} {answer}");
+        // (The first publish's client may have given up on it meanwhile.)
+        let _ = first.await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while owner_core(&b, "stuck").0 != 1 {
+            assert!(Instant::now() < deadline, "the re-pin never ended");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The held ones were served once the shard arrived (reads are refused like any
+        // request while the bound is reached).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            // (At most 10,000 records a read: the last held one's offset is enough.)
+            let read = c
+                .stream_read("dev", "default", "stuck", 0, held - 1, None, Some(10))
+                .await;
+            if let Ok((records, _)) = &read
+                && !records.is_empty()
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the held records were not written: {:?}",
+                read.map(|(r, _)| r.len())
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
+
 /// A handover waiting at a core for its shard's open (the take's open ran out of
 /// descriptors) must not outlive an open there that fails for good: the shard is then
 /// closed until a restart, and a later re-pin must carry that to the next core, not the

@@ -54,7 +54,7 @@ use felix_core_runtime::task;
 use futures_channel::oneshot;
 use futures_lite::StreamExt;
 
-use super::{CoreBroker, CoreMsg, ReplyBody, Slot};
+use super::{CoreBroker, CoreMsg, ReplyBody, ReplyTo, Slot};
 use crate::error::BrokerError;
 
 /// How often a release still waiting for work on the shards says so.
@@ -275,7 +275,56 @@ pub(super) enum Admit {
     Done,
 }
 
+/// Requests one core holds at most for shards moving to it; past it a request that
+/// has an answer is refused `overloaded` (retryable, nothing done) instead of held. A
+/// re-pin whose release waits on work that does not end (it warns every 10 s) held
+/// every request for the moving shards, payloads included, for as long, and clients
+/// retrying after their timeouts added more. (An unsubscribe, which has no answer, is
+/// always held: dropped, its core's count at the owner would stay.)
+pub const HELD_MAX: usize = 16_384;
+
+fn held_full() -> BrokerError {
+    BrokerError::Overloaded(format!(
+        "moving: {HELD_MAX} requests held for shards moving between cores"
+    ))
+}
+
+/// Where a cross-core request is answered, and how it is refused.
+type Refusal = (ReplyTo, fn(BrokerError) -> ReplyBody);
+
+/// How to answer a cross-core request, if it has an answer.
+fn msg_reply(msg: &CoreMsg) -> Option<Refusal> {
+    Some(match msg {
+        CoreMsg::Append { reply, .. } => (*reply, |e| ReplyBody::Append(Err(e))),
+        CoreMsg::Subscribe { reply, .. } => (*reply, |e| ReplyBody::Subscribe(Err(e))),
+        CoreMsg::Read { reply, .. } => (*reply, |e| ReplyBody::Read(Err(e))),
+        CoreMsg::Group { reply, .. } => (*reply, |e| ReplyBody::Group(Err(e))),
+        CoreMsg::State { reply, .. } => (*reply, |e| ReplyBody::State(Err(e))),
+        CoreMsg::Watch { reply, .. } => (*reply, |e| ReplyBody::Watch(Err(e))),
+        CoreMsg::Cache { reply, .. } => (*reply, |e| ReplyBody::Cache(Err(e))),
+        CoreMsg::Move { reply, .. } => (*reply, |e| ReplyBody::Move(Err(e))),
+        CoreMsg::Unsubscribe { .. }
+        | CoreMsg::Deliver { .. }
+        | CoreMsg::SubscribersEnd { .. }
+        | CoreMsg::Peer { .. }
+        | CoreMsg::Reply { .. } => return None,
+    })
+}
+
 impl CoreBroker {
+    /// Answers a held request `overloaded` instead of holding it; `false` when it has
+    /// no answer (it is held then).
+    fn refuse(self: &Rc<Self>, reply: Option<Refusal>) -> bool {
+        let Some((to, body)) = reply else {
+            return false;
+        };
+        self.metrics
+            .requests_held_refused
+            .fetch_add(1, Ordering::Relaxed);
+        self.respond(to, body(held_full()));
+        true
+    }
+
     /// The failure a shard's slot remembers (its log found damaged at open).
     fn failed_slot(&self, key: &ShardKey) -> Option<BrokerError> {
         if let Some(Slot::Failed(e)) = self.streams.borrow().get(key) {
@@ -330,12 +379,19 @@ impl CoreBroker {
     }
 
     /// Runs `call` once `key` has arrived here, in the order held calls came; answers
-    /// what it answers.
+    /// what it answers. Refused `overloaded` (nothing done) when this core holds
+    /// [`HELD_MAX`] requests already.
     pub(super) fn after_arrival<T: 'static>(
         self: &Rc<Self>,
         key: &Arc<ShardKey>,
         call: impl FnOnce(Rc<CoreBroker>) -> Answer<T> + 'static,
     ) -> Answer<T> {
+        if self.holding() >= HELD_MAX {
+            self.metrics
+                .requests_held_refused
+                .fetch_add(1, Ordering::Relaxed);
+            return Box::pin(async { Err(held_full()) });
+        }
         let (tx, rx) = oneshot::channel();
         let this = self.clone();
         self.hold(key, Box::new(move || answer_when_done(call(this), tx)));
@@ -345,6 +401,16 @@ impl CoreBroker {
         })
     }
 
+    /// Requests held here for shards moving to this core.
+    fn holding(&self) -> usize {
+        self.moving
+            .borrow()
+            .as_ref()
+            .map_or(0, |m| m.held.values().map(Vec::len).sum())
+    }
+
+    /// Holds `f` until `key` arrives (whatever [`HELD_MAX`] says: callers that may be
+    /// refused check [`Self::holding`] first).
     pub(super) fn hold(&self, key: &Arc<ShardKey>, f: Held) {
         self.metrics.requests_held.fetch_add(1, Ordering::Relaxed);
         match self.moving.borrow_mut().as_mut() {
@@ -362,6 +428,9 @@ impl CoreBroker {
             return (Admit::Serve(None), Some(msg));
         };
         if self.held(key) {
+            if self.holding() >= HELD_MAX && self.refuse(msg_reply(&msg)) {
+                return (Admit::Done, None);
+            }
             let (this, key) = (self.clone(), key.clone());
             self.hold(&key, Box::new(move || this.handle(from, msg)));
             return (Admit::Done, None);
