@@ -2582,15 +2582,11 @@ fn the_change_log_keeps_its_newest_changes_in_postgres() {
 fn the_feed_tells_a_reader_behind_what_it_keeps_to_resync() {
     let svc = memory_service();
     let (_, admin) = bootstrapped(&svc);
-    let ops: Vec<Op> = (0..CHANGES_KEPT + CHANGES_KEPT / 4 + 1)
-        .map(|i| Op::Put {
-            kind: Kind::Assignment,
-            key: format!("k{i}"),
-            value: json!({"i": i}),
-            expect: Expect::Any,
-        })
-        .collect();
-    svc.rt.block_on(svc.store.batch(ops)).unwrap();
+    svc.rt.block_on(log_changes(
+        svc.store.as_ref(),
+        0,
+        CHANGES_KEPT + CHANGES_KEPT / 4 + 1,
+    ));
     let behind = admin.get("/v1/shard-assignments/changes?since=0").unwrap();
     assert_eq!(behind["resync"], true, "{}", behind["next_seq"]);
     let head = svc.rt.block_on(svc.store.head()).unwrap();

@@ -791,10 +791,7 @@ fn a_re_pin_whose_open_fails_for_good_ends_its_subscriptions() {
         "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
         &["--cores", "0-1", "--shards", "1"],
     );
-    let fault = |errno: &str| {
-        let path = format!("/debug/storage-faults?op=open&errno={errno}&times=once");
-        assert_eq!(b.http_post(&path).unwrap().0, 200);
-    };
+    let fault = |errno: &str| fail_next_open(&b, errno);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         for later in [false, true] {
@@ -862,6 +859,12 @@ fn a_re_pin_whose_open_fails_for_good_ends_its_subscriptions() {
             }
         }
     });
+}
+
+/// Makes `b`'s next log open fail with `errno` (`/debug/storage-faults`).
+fn fail_next_open(b: &BrokerProcess, errno: &str) {
+    let path = format!("/debug/storage-faults?op=open&errno={errno}&times=once");
+    assert_eq!(b.http_post(&path).unwrap().0, 200);
 }
 
 /// Live subscriptions on each core of `b` (`GET /cores`).
@@ -1020,10 +1023,7 @@ fn a_waiting_handover_does_not_reopen_a_shard_whose_next_open_failed_for_good() 
         "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
         &["--cores", "0-1", "--shards", "1"],
     );
-    let fault = |errno: &str| {
-        let path = format!("/debug/storage-faults?op=open&errno={errno}&times=once");
-        assert_eq!(b.http_post(&path).unwrap().0, 200);
-    };
+    let fault = |errno: &str| fail_next_open(&b, errno);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = client(&b).await;

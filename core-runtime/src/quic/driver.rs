@@ -1829,9 +1829,13 @@ mod sans_io {
     }
 
     fn client(f: &Fixture, port: u16) -> Driver {
+        client_at(f, addr(port))
+    }
+
+    fn client_at(f: &Fixture, at: SocketAddr) -> Driver {
         Driver::new(
             Rc::new(MemIo {
-                addr: addr(port),
+                addr: at,
                 net: f.net.clone(),
             }),
             None,
@@ -1967,7 +1971,14 @@ mod sans_io {
 
     /// Connects a client at `port` to the fixture's server.
     fn connect(f: &mut Fixture, port: u16) -> Driver {
-        let mut c = client(f, port);
+        let c = try_connect(f, addr(port));
+        assert_eq!(connected(&c), 1);
+        c
+    }
+
+    /// A client at `from` that tried to connect to the fixture's server for 20 steps.
+    fn try_connect(f: &mut Fixture, from: SocketAddr) -> Driver {
+        let mut c = client_at(f, from);
         let cfg = f.client_config.clone();
         c.start_connect(f.now, cfg, f.server_addr, "localhost")
             .unwrap();
@@ -1977,7 +1988,6 @@ mod sans_io {
             20,
             Duration::from_millis(1),
         );
-        assert_eq!(connected(&c), 1);
         c
     }
 
@@ -2140,28 +2150,7 @@ mod sans_io {
         f.server.untrusted_per_source = 2;
         f.server.retry_above = usize::MAX;
         let first = [connect(&mut f, 5600), connect(&mut f, 5601)];
-        let try_from = |f: &mut Fixture, from: SocketAddr| {
-            let mut c = Driver::new(
-                Rc::new(MemIo {
-                    addr: from,
-                    net: f.net.clone(),
-                }),
-                None,
-                16,
-                None,
-            )
-            .unwrap();
-            let cfg = f.client_config.clone();
-            c.start_connect(f.now, cfg, f.server_addr, "localhost")
-                .unwrap();
-            run(
-                f,
-                std::slice::from_mut(&mut c),
-                20,
-                Duration::from_millis(1),
-            );
-            connected(&c)
-        };
+        let try_from = |f: &mut Fixture, from: SocketAddr| connected(&try_connect(f, from));
         let (retried, refused) = (f.server.stats.retried, f.server.stats.refused);
         assert_eq!(
             try_from(&mut f, addr(5602)),
@@ -2185,16 +2174,7 @@ mod sans_io {
         let mut forged: Vec<Driver> = (0..4)
             .map(|i| {
                 f.net.black_holes.borrow_mut().insert(victim(7500 + i));
-                Driver::new(
-                    Rc::new(MemIo {
-                        addr: victim(7500 + i),
-                        net: f.net.clone(),
-                    }),
-                    None,
-                    16,
-                    None,
-                )
-                .unwrap()
+                client_at(&f, victim(7500 + i))
             })
             .collect();
         for c in forged.iter_mut() {
