@@ -69,14 +69,16 @@ const RETRY_ABOVE_SHARE: usize = 4;
 /// server config's small one (`EndpointOptions::crowded_server`).
 pub const UNTRUSTED_FULL_WINDOWS: usize = 256;
 /// Connections one source (an IPv4 address, an IPv6 /64) may have not trusted yet on a
-/// core, counting only those whose address is proven (validated by a Retry, or their
-/// handshake finished), so forged Initials cannot spend another host's share. Past it
-/// a new one from there is sent a Retry if its address is not validated, and refused if
-/// it is: one host that completed handshakes and never authenticated held up to the
-/// whole connection table until each one's 10 s deadline, and every other client was
-/// refused. A real client is trusted within a round trip of its handshake, so only a
-/// burst of this many connects from one source at once meets the bound (clients behind
-/// one NAT address share it: past it they are refused and connect again).
+/// core. Past it counting handshakes not finished, a new one from there whose address
+/// is not validated is sent a Retry; past it counting only those whose address is
+/// proven (validated by a Retry, or their handshake finished), one is refused: so
+/// forged Initials cost a real host at that address a round trip, never its share, and
+/// a burst of connects holds at most about twice this many. One host that completed
+/// handshakes and never authenticated held up to the whole connection table until each
+/// one's 10 s deadline, and every other client was refused. A real client is trusted
+/// within a round trip of its handshake, so only a burst of this many connects from one
+/// source at once meets the bound (clients behind one NAT address share it: past it
+/// they are refused and connect again).
 pub const UNTRUSTED_PER_SOURCE: usize = 256;
 
 /// The source a connection from `addr` counts against: the IPv4 address (an
@@ -327,11 +329,12 @@ struct ConnState {
     untrusted: Option<Untrusted>,
 }
 
-/// A driver's connections not trusted yet, in all and by source address.
+/// A driver's connections not trusted yet, in all and by source: those whose address
+/// is proven and those whose handshake has yet to show it.
 #[derive(Default)]
 struct UntrustedCount {
     all: Cell<usize>,
-    by_source: RefCell<FxHashMap<IpAddr, usize>>,
+    by_source: RefCell<FxHashMap<IpAddr, (usize, usize)>>,
 }
 
 impl UntrustedCount {
@@ -339,13 +342,27 @@ impl UntrustedCount {
         self.all.get()
     }
 
-    fn from(&self, source: IpAddr) -> usize {
-        self.by_source.borrow().get(&source).copied().unwrap_or(0)
+    /// `(proven, not yet)` from `source`.
+    fn from(&self, source: IpAddr) -> (usize, usize) {
+        self.by_source
+            .borrow()
+            .get(&source)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    fn change(&self, source: IpAddr, f: impl FnOnce(&mut (usize, usize))) {
+        let mut by_source = self.by_source.borrow_mut();
+        let n = by_source.entry(source).or_default();
+        f(n);
+        if *n == (0, 0) {
+            by_source.remove(&source);
+        }
     }
 }
 
 /// A connection's place in its driver's count of connections not trusted yet, and in
-/// its source's once its address is proven.
+/// its source's.
 struct Untrusted {
     count: Rc<UntrustedCount>,
     source: IpAddr,
@@ -355,27 +372,28 @@ struct Untrusted {
 impl Untrusted {
     fn new(count: &Rc<UntrustedCount>, source: IpAddr, proven: bool) -> Untrusted {
         count.all.set(count.all.get() + 1);
-        let mut u = Untrusted {
+        count.change(source, |n| {
+            if proven {
+                n.0 += 1;
+            } else {
+                n.1 += 1;
+            }
+        });
+        Untrusted {
             count: count.clone(),
             source,
-            proven: false,
-        };
-        if proven {
-            u.prove();
+            proven,
         }
-        u
     }
 
-    /// Its address is proven (its handshake finished): it counts against its source.
+    /// Its address is proven (its handshake finished).
     fn prove(&mut self) {
         if !self.proven {
             self.proven = true;
-            *self
-                .count
-                .by_source
-                .borrow_mut()
-                .entry(self.source)
-                .or_default() += 1;
+            self.count.change(self.source, |n| {
+                n.1 -= 1;
+                n.0 += 1;
+            });
         }
     }
 }
@@ -383,16 +401,14 @@ impl Untrusted {
 impl Drop for Untrusted {
     fn drop(&mut self) {
         self.count.all.set(self.count.all.get() - 1);
-        if !self.proven {
-            return;
-        }
-        let mut by_source = self.count.by_source.borrow_mut();
-        if let Some(n) = by_source.get_mut(&self.source) {
-            *n -= 1;
-            if *n == 0 {
-                by_source.remove(&self.source);
+        let proven = self.proven;
+        self.count.change(self.source, |n| {
+            if proven {
+                n.0 -= 1;
+            } else {
+                n.1 -= 1;
             }
-        }
+        });
     }
 }
 
@@ -646,9 +662,13 @@ impl Driver {
                     return;
                 }
                 let source = source_of(incoming.remote_address());
-                let crowded_source = self.untrusted.from(source) >= self.untrusted_per_source;
+                // Refused past the share proven from there; sent a Retry first past it
+                // counting handshakes not finished (forged Initials count only there, so
+                // they cost a real host at that address a round trip, never its share).
+                let (proven, unproven) = self.untrusted.from(source);
+                let crowded_source = proven + unproven >= self.untrusted_per_source;
                 let validated = incoming.remote_address_validated();
-                if crowded_source && (validated || !incoming.may_retry()) {
+                if proven >= self.untrusted_per_source && (validated || !incoming.may_retry()) {
                     self.stats.refused += 1;
                     let t = self.endpoint.refuse(incoming, &mut response);
                     self.send_buf.clear();
@@ -2187,6 +2207,22 @@ mod sans_io {
             try_from(&mut f, victim(7600)),
             1,
             "the real host at the address"
+        );
+        // A burst from one address, every Initial in before any handshake finished:
+        // at most about twice the share gets in (it all did: the share counted only
+        // finished handshakes, and nothing sent a Retry before them).
+        let burst = |port: u16| SocketAddr::from(([127, 0, 0, 4], port));
+        let mut clients: Vec<Driver> = (0..8).map(|i| client_at(&f, burst(7700 + i))).collect();
+        for c in clients.iter_mut() {
+            let cfg = f.client_config.clone();
+            c.start_connect(f.now, cfg, f.server_addr, "localhost")
+                .unwrap();
+        }
+        run(&mut f, &mut clients, 30, Duration::from_millis(1));
+        let connected: usize = clients.iter().map(connected).sum();
+        assert!(
+            (2..=4).contains(&connected),
+            "{connected} of a burst of 8 connected"
         );
         drop(first);
     }
