@@ -370,30 +370,37 @@ async fn auth_watchdog(conn: Connection, scope: Rc<ConnScope>) {
     }
 }
 
-/// Distinct tokens (as a key set revokes them) one connection's streams may
-/// authenticate with: past it a stream with another is refused `limit_exceeded`, and
-/// the client opens a new connection. Each is kept for the connection's life (dropping
-/// one whose streams ended could miss a revocation of a stream opened with it later),
-/// so a client that authenticated every stream with a fresh token grew the list, and
-/// the check at every key change, without bound.
+/// Distinct tokens (as a key set revokes them) a connection keeps for revocation. A
+/// grant is kept for the connection's life (dropping one whose streams ended closed no
+/// idle connection a revocation should: a version holding weak references was tried),
+/// so a client that authenticated each stream with a fresh token (a token provider
+/// refreshing every few minutes) grew the list, and the check at every key change,
+/// without bound. At this many, the grants no stream holds any more are dropped; past
+/// it with every one held by a live stream, a stream with another token is refused
+/// `limit_exceeded`.
 pub const GRANTS_PER_CONNECTION: usize = 1024;
 
 /// Keeps `grant` for [`revocation_watch`] unless one that a key set revokes alike (same
 /// tenant, signing key and token id) is kept already: an SDK authenticates every stream
-/// it opens, so a list that kept each grew for the connection's whole life. `false`
-/// when it is new and the list holds [`GRANTS_PER_CONNECTION`] already.
+/// it opens, so a list that kept each grew for the connection's whole life. Answers the
+/// grant the stream is to hold (the kept one, so a kept grant's count of holders tells
+/// whether a stream still uses it); `None` when the list is full of grants streams hold.
 fn remember_grant(
     grants: &mut Vec<Rc<crate::auth::Grant>>,
     grant: &Rc<crate::auth::Grant>,
-) -> bool {
-    if grants.iter().any(|g| g.revoked_with(grant)) {
-        return true;
+) -> Option<Rc<crate::auth::Grant>> {
+    if let Some(kept) = grants.iter().find(|g| g.revoked_with(grant)) {
+        return Some(kept.clone());
     }
     if grants.len() >= GRANTS_PER_CONNECTION {
-        return false;
+        // Held by this list alone: no stream left to close for a revocation of it.
+        grants.retain(|g| Rc::strong_count(g) > 1);
+        if grants.len() >= GRANTS_PER_CONNECTION {
+            return None;
+        }
     }
     grants.push(grant.clone());
-    true
+    Some(grant.clone())
 }
 
 /// Closes the connection once a key set arrives under which one of its grants no longer
@@ -755,18 +762,23 @@ async fn authenticate(
         publish_window: core.shared.publish_window,
     };
     match handshake(&frame, &env, clock::now()) {
-        Ok((session, reply)) => {
-            if !remember_grant(&mut scope.grants.borrow_mut(), session.grant()) {
+        Ok((mut session, reply)) => {
+            let kept = remember_grant(&mut scope.grants.borrow_mut(), session.grant());
+            let Some(kept) = kept else {
                 tracing::debug!("stream refused at auth: too many tokens on one connection");
                 if answered {
                     let e = BrokerError::LimitExceeded(format!(
-                        "this connection's streams authenticated with {GRANTS_PER_CONNECTION} \
-                         distinct tokens: open a new connection for another"
+                        "this connection's live streams authenticated with \
+                         {GRANTS_PER_CONNECTION} distinct tokens: open a new connection \
+                         for another"
                     ));
-                    answers.push(Answer::Ready(Some(e.to_message(false).to_frame())));
+                    answers.push(Answer::Ready(Some(
+                        e.to_message(session.coded()).to_frame(),
+                    )));
                 }
                 return None;
-            }
+            };
+            session.hold_grant(kept);
             scope.auth.borrow_mut().authenticated();
             core.unfinished.borrow_mut().trust(scope.id);
             core.unwritten.borrow_mut().trust(scope.id);
@@ -1913,12 +1925,12 @@ mod tests {
         let mut grants = Vec::new();
         let one = Rc::new(crate::session::testing::grant(vec![]));
         for _ in 0..1000 {
-            assert!(remember_grant(&mut grants, &Rc::new((*one).clone())));
+            assert!(remember_grant(&mut grants, &Rc::new((*one).clone())).is_some());
         }
         assert_eq!(grants.len(), 1);
         let mut other = (*one).clone();
         other.jti = Some("t-2".into());
-        assert!(remember_grant(&mut grants, &Rc::new(other)));
+        assert!(remember_grant(&mut grants, &Rc::new(other)).is_some());
         assert_eq!(grants.len(), 2, "a token revoked apart is kept apart");
     }
 
@@ -1934,15 +1946,24 @@ mod tests {
             g.jti = Some(format!("t-{i}"));
             Rc::new(g)
         };
-        for i in 0..GRANTS_PER_CONNECTION {
-            assert!(remember_grant(&mut grants, &with_jti(i)));
-        }
-        assert!(!remember_grant(
-            &mut grants,
-            &with_jti(GRANTS_PER_CONNECTION)
-        ));
+        // Each held by a live stream.
+        let live: Vec<_> = (0..GRANTS_PER_CONNECTION)
+            .map(|i| remember_grant(&mut grants, &with_jti(i)).unwrap())
+            .collect();
+        assert!(remember_grant(&mut grants, &with_jti(GRANTS_PER_CONNECTION)).is_none());
         assert_eq!(grants.len(), GRANTS_PER_CONNECTION);
-        assert!(remember_grant(&mut grants, &with_jti(7)), "a kept token");
+        let again = remember_grant(&mut grants, &with_jti(7)).expect("a kept token");
+        assert!(
+            Rc::ptr_eq(&again, &live[7]),
+            "the stream holds the kept grant"
+        );
+        // Once the streams of some tokens ended, theirs make room (a token provider
+        // refreshing every few minutes reached the bound in days).
+        drop(again);
+        drop(live);
+        let fresh = remember_grant(&mut grants, &with_jti(GRANTS_PER_CONNECTION));
+        assert!(fresh.is_some());
+        assert_eq!(grants.len(), 1);
     }
 
     /// `skipped_before` goes only to clients that negotiated `GROUP_SKIPPED`; the others

@@ -51,6 +51,13 @@ impl Session {
         &self.grant
     }
 
+    /// Holds `kept`, the connection's grant for the same token, instead of its own: the
+    /// connection counts a grant's holders to tell a token no stream uses any more.
+    pub fn hold_grant(&mut self, kept: Rc<Grant>) {
+        debug_assert!(kept.revoked_with(&self.grant));
+        self.grant = kept;
+    }
+
     /// Whether the client reads coded errors.
     pub fn coded(&self) -> bool {
         self.features.contains(Features::ERROR_CODES)
