@@ -202,6 +202,8 @@ pub(super) struct MoveState {
     new: Arc<PlacementTable>,
     /// Requests held for shards moving here, per shard in arrival order.
     held: HashMap<Arc<ShardKey>, Vec<Held>>,
+    /// How many `held` holds, all keys together.
+    held_count: usize,
     /// Requests accepted for shards moving away and not finished.
     pending: Rc<Cell<usize>>,
     /// The shards moving away are closed: no longer served here.
@@ -276,7 +278,8 @@ pub(super) enum Admit {
 }
 
 /// Requests one core holds at most for shards moving to it; past it a request that
-/// has an answer is refused `overloaded` (retryable, nothing done) instead of held. A
+/// has an answer is refused `overloaded` (retryable, nothing done) instead of held, and
+/// a publish sent without an ack is dropped (counted, as refused). A
 /// re-pin whose release waits on work that does not end (it warns every 10 s) held
 /// every request for the moving shards, payloads included, for as long, and clients
 /// retrying after their timeouts added more. (An unsubscribe, which has no answer, is
@@ -302,8 +305,9 @@ fn msg_reply(msg: &CoreMsg) -> Option<Refusal> {
         CoreMsg::State { reply, .. } => (*reply, |e| ReplyBody::State(Err(e))),
         CoreMsg::Watch { reply, .. } => (*reply, |e| ReplyBody::Watch(Err(e))),
         CoreMsg::Cache { reply, .. } => (*reply, |e| ReplyBody::Cache(Err(e))),
-        CoreMsg::Move { reply, .. } => (*reply, |e| ReplyBody::Move(Err(e))),
-        CoreMsg::Unsubscribe { .. }
+        // A re-pin's own steps name no shard: never held, never refused here.
+        CoreMsg::Move { .. }
+        | CoreMsg::Unsubscribe { .. }
         | CoreMsg::Deliver { .. }
         | CoreMsg::SubscribersEnd { .. }
         | CoreMsg::Peer { .. }
@@ -403,10 +407,7 @@ impl CoreBroker {
 
     /// Requests held here for shards moving to this core.
     fn holding(&self) -> usize {
-        self.moving
-            .borrow()
-            .as_ref()
-            .map_or(0, |m| m.held.values().map(Vec::len).sum())
+        self.moving.borrow().as_ref().map_or(0, |m| m.held_count)
     }
 
     /// Holds `f` until `key` arrives (whatever [`HELD_MAX`] says: callers that may be
@@ -414,7 +415,10 @@ impl CoreBroker {
     pub(super) fn hold(&self, key: &Arc<ShardKey>, f: Held) {
         self.metrics.requests_held.fetch_add(1, Ordering::Relaxed);
         match self.moving.borrow_mut().as_mut() {
-            Some(m) => m.held.entry(key.clone()).or_default().push(f),
+            Some(m) => {
+                m.held.entry(key.clone()).or_default().push(f);
+                m.held_count += 1;
+            }
             // Only called while `held` says so, on this core's thread: unreachable.
             None => tracing::error!(shard = %key, "a request held with no re-pin running"),
         }
@@ -678,6 +682,7 @@ impl CoreBroker {
                     old,
                     new,
                     held: HashMap::new(),
+                    held_count: 0,
                     pending: Rc::new(Cell::new(0)),
                     released: false,
                 });
