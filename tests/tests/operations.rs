@@ -902,16 +902,23 @@ fn requests_held_for_a_moving_shard_are_bounded() {
             let cores: serde_json::Value = serde_json::from_str(&body).unwrap();
             cores["cores"][core]["connections"].as_u64().unwrap()
         };
-        let mut others = Vec::new();
-        let c = loop {
-            let before = connections(1);
-            let c = client(&b).await;
-            if connections(1) > before {
-                break Arc::new(c);
+        let on_core = |core: usize| {
+            let connections = &connections;
+            let b = &b;
+            async move {
+                for _ in 0..16 {
+                    let before = connections(core);
+                    let c = client(b).await;
+                    if connections(core) > before {
+                        return c;
+                    }
+                }
+                panic!("no connection landed on core {core}");
             }
-            assert!(others.len() < 16, "no connection landed on core 1");
-            others.push(c);
         };
+        let c = Arc::new(on_core(1).await);
+        // And one on core 0 for later: its requests cross to core 1 and are held there.
+        let crossing = on_core(0).await;
         assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
         let first = {
             let c = c.clone();
@@ -966,28 +973,30 @@ fn requests_held_for_a_moving_shard_are_bounded() {
         }
         let held = b.metric("felix_broker_requests_held_total").unwrap() - held_before;
         assert!(held <= 16_384, "{held} requests held");
-        // An acknowledged one past the bound is refused at once, retryably (on a
-        // connection of its own: `c`'s answers queue behind its first publish's).
-        let started = Instant::now();
-        let refused = client(&b)
-            .await
-            .publish(
-                "dev",
-                "default",
-                "stuck",
-                b"late".to_vec(),
-                AckMode::PerMessage,
-            )
-            .await;
-        assert!(
-            format!("{refused:?}").contains("Overloaded"),
-            "held past the bound: {refused:?}"
-        );
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "{:?}",
-            started.elapsed()
-        );
+        // An acknowledged one past the bound is refused at once, retryably, whether it
+        // arrives at core 1 itself or crosses from core 0 (on connections of their own:
+        // `c`'s answers queue behind its first publish's).
+        for late in [on_core(1).await, crossing] {
+            let started = Instant::now();
+            let refused = late
+                .publish(
+                    "dev",
+                    "default",
+                    "stuck",
+                    b"late".to_vec(),
+                    AckMode::PerMessage,
+                )
+                .await;
+            assert!(
+                format!("{refused:?}").contains("Overloaded"),
+                "held past the bound: {refused:?}"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{:?}",
+                started.elapsed()
+            );
+        }
         assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
         // (It may have answered 202, still moving, meanwhile: the re-pin goes on.)
         let (status, answer) = pin.await.unwrap();
