@@ -580,11 +580,7 @@ fn owner_core(b: &BrokerProcess, stream: &str) -> (u64, String) {
 fn publishes_waiting_for_a_shards_first_open_are_acknowledged_across_a_re_pin() {
     use std::sync::Arc;
     let dir = tempfile::tempdir().unwrap();
-    let b = start(
-        dir.path(),
-        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
-        &["--fsync", "none", "--cores", "0-1", "--shards", "1"],
-    );
+    let b = start_on_core_0(dir.path(), &["--fsync", "none"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = Arc::new(client(&b).await);
@@ -684,11 +680,7 @@ fn publishes_waiting_for_a_shards_first_open_are_acknowledged_across_a_re_pin() 
 #[test]
 fn a_re_pin_whose_open_fails_for_want_of_descriptors_keeps_subscribers_and_claims() {
     let dir = tempfile::tempdir().unwrap();
-    let b = start(
-        dir.path(),
-        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
-        &["--cores", "0-1", "--shards", "1"],
-    );
+    let b = start_on_core_0(dir.path(), &[]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = client(&b).await;
@@ -786,11 +778,7 @@ fn a_re_pin_whose_open_fails_for_want_of_descriptors_keeps_subscribers_and_claim
 #[test]
 fn a_re_pin_whose_open_fails_for_good_ends_its_subscriptions() {
     let dir = tempfile::tempdir().unwrap();
-    let b = start(
-        dir.path(),
-        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
-        &["--cores", "0-1", "--shards", "1"],
-    );
+    let b = start_on_core_0(dir.path(), &[]);
     let fault = |errno: &str| fail_next_open(&b, errno);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -861,6 +849,18 @@ fn a_re_pin_whose_open_fails_for_good_ends_its_subscriptions() {
     });
 }
 
+/// A two-core broker with fault injection, one shard a stream, every `dev` shard pinned
+/// to core 0 (so a re-pin to core 1 moves it); `extra` arguments after those.
+fn start_on_core_0(dir: &Path, extra: &[&str]) -> BrokerProcess {
+    let mut args = vec!["--cores", "0-1", "--shards", "1"];
+    args.extend_from_slice(extra);
+    start(
+        dir,
+        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
+        &args,
+    )
+}
+
 /// Makes `b`'s next log open fail with `errno` (`/debug/storage-faults`).
 fn fail_next_open(b: &BrokerProcess, errno: &str) {
     let path = format!("/debug/storage-faults?op=open&errno={errno}&times=once");
@@ -888,11 +888,7 @@ fn subscriptions_per_core(b: &BrokerProcess) -> Vec<u64> {
 fn requests_held_for_a_moving_shard_are_bounded() {
     use std::sync::Arc;
     let dir = tempfile::tempdir().unwrap();
-    let b = start(
-        dir.path(),
-        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
-        &["--fsync", "none", "--cores", "0-1", "--shards", "1"],
-    );
+    let b = start_on_core_0(dir.path(), &["--fsync", "none"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         // A connection on core 1, where the shard moves: its requests are held there
@@ -1039,11 +1035,7 @@ fn requests_held_for_a_moving_shard_are_bounded() {
 #[test]
 fn a_waiting_handover_does_not_reopen_a_shard_whose_next_open_failed_for_good() {
     let dir = tempfile::tempdir().unwrap();
-    let b = start(
-        dir.path(),
-        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\n",
-        &["--cores", "0-1", "--shards", "1"],
-    );
+    let b = start_on_core_0(dir.path(), &[]);
     let fault = |errno: &str| fail_next_open(&b, errno);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {

@@ -1107,14 +1107,7 @@ fn a_cache_leader_paused_past_its_lease_answers_no_read_from_before_its_successo
             !matches!(&got, Ok(Ok(Some(v))) if v.as_ref() == b"one"),
             "the woken leader answered the value from before its successor's put: {got:?}"
         );
-        // Answered by the broker (a value, or a refusal such as `stale`), not lost with
-        // a connection that timed out while it was paused.
-        answered += usize::from(matches!(
-            &got,
-            Ok(Ok(_))
-                | Ok(Err(felix_client::ClientError::Broker(_)))
-                | Ok(Err(felix_client::ClientError::NotLeader(_)))
-        ));
+        answered += usize::from(answered_by_the_broker(&got));
     }
     assert!(answered > 0, "no read reached the woken broker");
 }
@@ -1179,14 +1172,22 @@ fn a_stream_leader_paused_past_its_lease_answers_no_read_without_its_successors_
                 "the woken leader answered a read without its successor's record at {two}: {records:?}"
             );
         }
-        answered += usize::from(matches!(
-            &got,
-            Ok(Ok(_))
-                | Ok(Err(felix_client::ClientError::Broker(_)))
-                | Ok(Err(felix_client::ClientError::NotLeader(_)))
-        ));
+        answered += usize::from(answered_by_the_broker(&got));
     }
     assert!(answered > 0, "no read reached the woken broker");
+}
+
+/// Whether a read sent to a paused broker was answered by it (a value, or a refusal
+/// such as `stale`), not lost with a connection that timed out while it was paused.
+fn answered_by_the_broker<T>(
+    got: &Result<Result<T, felix_client::ClientError>, tokio::time::error::Elapsed>,
+) -> bool {
+    matches!(
+        got,
+        Ok(Ok(_))
+            | Ok(Err(felix_client::ClientError::Broker(_)))
+            | Ok(Err(felix_client::ClientError::NotLeader(_)))
+    )
 }
 
 /// Publishes `payload` through `client` until a broker acknowledges it; its offset.

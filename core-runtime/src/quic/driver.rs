@@ -652,7 +652,17 @@ impl Driver {
                 self.send(t.size, t.destination, t.segment_size, t.ecn);
             }
             Some(DatagramEvent::NewConnection(incoming)) => {
-                if self.closing || self.conns.len() >= self.max_connections || self.server.is_none()
+                let source = source_of(incoming.remote_address());
+                // Refused past the share proven from there; sent a Retry first past it
+                // counting handshakes not finished (forged Initials count only there, so
+                // they cost a real host at that address a round trip, never its share).
+                let (proven, unproven) = self.untrusted.from(source);
+                let crowded_source = proven + unproven >= self.untrusted_per_source;
+                let validated = incoming.remote_address_validated();
+                if self.closing
+                    || self.conns.len() >= self.max_connections
+                    || self.server.is_none()
+                    || (proven >= self.untrusted_per_source && (validated || !incoming.may_retry()))
                 {
                     self.stats.refused += 1;
                     let t = self.endpoint.refuse(incoming, &mut response);
@@ -661,23 +671,8 @@ impl Driver {
                     self.send(t.size, t.destination, t.segment_size, t.ecn);
                     return;
                 }
-                let source = source_of(incoming.remote_address());
-                // Refused past the share proven from there; sent a Retry first past it
-                // counting handshakes not finished (forged Initials count only there, so
-                // they cost a real host at that address a round trip, never its share).
-                let (proven, unproven) = self.untrusted.from(source);
-                let crowded_source = proven + unproven >= self.untrusted_per_source;
-                let validated = incoming.remote_address_validated();
-                if proven >= self.untrusted_per_source && (validated || !incoming.may_retry()) {
-                    self.stats.refused += 1;
-                    let t = self.endpoint.refuse(incoming, &mut response);
-                    self.send_buf.clear();
-                    self.send_buf.extend_from_slice(&response[..t.size]);
-                    self.send(t.size, t.destination, t.segment_size, t.ecn);
-                    return;
-                }
                 if incoming.may_retry()
-                    && !incoming.remote_address_validated()
+                    && !validated
                     && (self.handshakes.len() >= self.retry_above || crowded_source)
                 {
                     self.stats.retried += 1;
