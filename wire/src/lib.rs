@@ -29,6 +29,7 @@ pub mod token;
 
 mod b64;
 mod cursor;
+mod hot;
 
 pub use binary::{
     AckCode, AckPrefix, BinaryError, EventBatch, EventItem, IdempotentPrefix, OwnerHint,
