@@ -1028,6 +1028,129 @@ fn requests_held_for_a_moving_shard_are_bounded() {
     });
 }
 
+/// Requests one core sends to a shard moving to another, held there while the re-pin's
+/// release waits, hold at most half the sender's cross-core slots to that core: the
+/// sender's requests for the other shards there are still served. Before, the held ones
+/// kept all 8,192 slots, and every request from that core to that one was refused
+/// `overloaded` until the re-pin ended.
+#[test]
+fn requests_held_for_a_moving_shard_leave_their_senders_other_requests_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start_on_core_0(dir.path(), &["--fsync", "none"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let on_core = |core: usize| {
+            let b = &b;
+            async move {
+                let connections = || {
+                    let (_, body) = b.http_get("/cores").unwrap();
+                    let cores: serde_json::Value = serde_json::from_str(&body).unwrap();
+                    cores["cores"][core]["connections"].as_u64().unwrap()
+                };
+                for _ in 0..16 {
+                    let before = connections();
+                    let c = client(b).await;
+                    if connections() > before {
+                        return c;
+                    }
+                }
+                panic!("no connection landed on core {core}");
+            }
+        };
+        let pin = |rule: &'static str| {
+            let http = b.http;
+            tokio::task::spawn_blocking(move || {
+                felix_client::ops::http(
+                    &http.to_string(),
+                    "POST",
+                    "/pins",
+                    Some(&json!({ "rule": rule }).to_string()),
+                )
+                .unwrap()
+            })
+        };
+        // A shard on core 1 that core 0's connections write to.
+        let (status, answer) = pin("dev/default/other/0=1").await.unwrap();
+        assert_eq!(status, 200, "{answer}");
+        let sender = on_core(0).await;
+        async fn publish_other(c: &Client) -> Result<Option<u64>, felix_client::ClientError> {
+            c.publish(
+                "dev",
+                "default",
+                "other",
+                b"other".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+        }
+        publish_other(&sender).await.unwrap();
+        assert_eq!(owner_core(&b, "other").0, 1);
+        // A shard moving from core 0 to core 1 whose release waits (its open held).
+        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+        let opener = on_core(1).await;
+        let first = tokio::spawn(async move {
+            opener
+                .publish(
+                    "dev",
+                    "default",
+                    "stuck",
+                    b"first".to_vec(),
+                    AckMode::PerMessage,
+                )
+                .await
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let repin = pin("dev/default/stuck/0=1");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Core 0 sends it more than its 8,192 slots' worth; core 1 holds half of them.
+        let flood = on_core(0).await;
+        let held_before = b.metric("felix_broker_requests_held_total").unwrap();
+        for i in 0..9_000u32 {
+            flood
+                .publish(
+                    "dev",
+                    "default",
+                    "stuck",
+                    i.to_be_bytes().to_vec(),
+                    AckMode::None,
+                )
+                .await
+                .unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while b.metric("felix_broker_requests_held_total").unwrap() - held_before < 4_096 {
+            assert!(
+                Instant::now() < deadline,
+                "core 1 never held 4,096 requests"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Core 0's requests for core 1's other shard are served meanwhile.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match publish_other(&sender).await {
+                Ok(_) => break,
+                Err(e) => assert!(
+                    Instant::now() < deadline,
+                    "core 0's request for another shard of core 1 refused: {e:?}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let held = b.metric("felix_broker_requests_held_total").unwrap() - held_before;
+        assert!(held <= 4_096, "{held} requests from core 0 held");
+        assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+        let (status, answer) = repin.await.unwrap();
+        assert!(matches!(status, 200 | 202 | 503), "{status} {answer}");
+        let _ = first.await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while owner_core(&b, "stuck").0 != 1 {
+            assert!(Instant::now() < deadline, "the re-pin never ended");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}
+
 /// A handover waiting at a core for its shard's open (the take's open ran out of
 /// descriptors) must not outlive an open there that fails for good: the shard is then
 /// closed until a restart, and a later re-pin must carry that to the next core, not the

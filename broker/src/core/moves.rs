@@ -54,7 +54,7 @@ use felix_core_runtime::task;
 use futures_channel::oneshot;
 use futures_lite::StreamExt;
 
-use super::{CoreBroker, CoreMsg, ReplyBody, ReplyTo, Slot};
+use super::{CROSS_CORE_REQUESTS_MAX, CoreBroker, CoreMsg, ReplyBody, ReplyTo, Slot};
 use crate::error::BrokerError;
 
 /// How often a release still waiting for work on the shards says so.
@@ -204,6 +204,8 @@ pub(super) struct MoveState {
     held: HashMap<Arc<ShardKey>, Vec<Held>>,
     /// How many `held` holds, all keys together.
     held_count: usize,
+    /// Of which: requests from each other core.
+    held_from: HashMap<CoreId, usize>,
     /// Requests accepted for shards moving away and not finished.
     pending: Rc<Cell<usize>>,
     /// The shards moving away are closed: no longer served here.
@@ -292,6 +294,21 @@ fn held_full() -> BrokerError {
     ))
 }
 
+/// Requests from one other core held at most (within [`HELD_MAX`]): half of that core's
+/// cross-core requests to this one ([`CROSS_CORE_REQUESTS_MAX`]). A held request keeps
+/// its sender's slot until it is answered, so a re-pin whose release waits took every
+/// slot of a core sending to the moving shard, and that core's requests for every other
+/// shard here were refused `overloaded` with it. Past it, the sender's requests for the
+/// moving shard are refused (retryable, nothing done) as past [`HELD_MAX`].
+pub const HELD_PER_SENDER_MAX: usize = CROSS_CORE_REQUESTS_MAX / 2;
+
+fn held_from_full(from: CoreId) -> BrokerError {
+    BrokerError::Overloaded(format!(
+        "moving: {HELD_PER_SENDER_MAX} requests from core {} held for shards moving between cores",
+        from.0
+    ))
+}
+
 /// Where a cross-core request is answered, and how it is refused.
 type Refusal = (ReplyTo, fn(BrokerError) -> ReplyBody);
 
@@ -318,14 +335,14 @@ fn msg_reply(msg: &CoreMsg) -> Option<Refusal> {
 impl CoreBroker {
     /// Answers a held request `overloaded` instead of holding it; `false` when it has
     /// no answer (it is held then).
-    fn refuse(self: &Rc<Self>, reply: Option<Refusal>) -> bool {
+    fn refuse(self: &Rc<Self>, reply: Option<Refusal>, why: BrokerError) -> bool {
         let Some((to, body)) = reply else {
             return false;
         };
         self.metrics
             .requests_held_refused
             .fetch_add(1, Ordering::Relaxed);
-        self.respond(to, body(held_full()));
+        self.respond(to, body(why));
         true
     }
 
@@ -410,6 +427,15 @@ impl CoreBroker {
         self.moving.borrow().as_ref().map_or(0, |m| m.held_count)
     }
 
+    /// Of which: requests from core `from`.
+    fn holding_from(&self, from: CoreId) -> usize {
+        self.moving
+            .borrow()
+            .as_ref()
+            .and_then(|m| m.held_from.get(&from).copied())
+            .unwrap_or(0)
+    }
+
     /// Holds `f` until `key` arrives (whatever [`HELD_MAX`] says: callers that may be
     /// refused check [`Self::holding`] first).
     pub(super) fn hold(&self, key: &Arc<ShardKey>, f: Held) {
@@ -432,11 +458,23 @@ impl CoreBroker {
             return (Admit::Serve(None), Some(msg));
         };
         if self.held(key) {
-            if self.holding() >= HELD_MAX && self.refuse(msg_reply(&msg)) {
+            let why = if self.holding() >= HELD_MAX {
+                Some(held_full())
+            } else if self.holding_from(from) >= HELD_PER_SENDER_MAX {
+                Some(held_from_full(from))
+            } else {
+                None
+            };
+            if let Some(why) = why
+                && self.refuse(msg_reply(&msg), why)
+            {
                 return (Admit::Done, None);
             }
             let (this, key) = (self.clone(), key.clone());
             self.hold(&key, Box::new(move || this.handle(from, msg)));
+            if let Some(m) = self.moving.borrow_mut().as_mut() {
+                *m.held_from.entry(from).or_default() += 1;
+            }
             return (Admit::Done, None);
         }
         let pending = self
@@ -683,6 +721,7 @@ impl CoreBroker {
                     new,
                     held: HashMap::new(),
                     held_count: 0,
+                    held_from: HashMap::new(),
                     pending: Rc::new(Cell::new(0)),
                     released: false,
                 });
