@@ -474,6 +474,9 @@ pub fn decode_cache_record(r: &Bytes) -> Option<CacheRecord> {
 #[derive(Debug, Default)]
 struct Projection {
     index: HashMap<String, CacheEntry>,
+    /// The keys of `index` whose value has a time to live, by when it ends: expiry
+    /// looks at the expired ones only (it scanned the whole index every second).
+    expiring: std::collections::BTreeSet<(u64, String)>,
     counters: HashMap<String, i64>,
     /// Every record below it is applied.
     end: u64,
@@ -596,6 +599,11 @@ pub struct CacheShard {
     writes: std::cell::Cell<u64>,
     /// A compaction is running.
     compacting: std::cell::Cell<bool>,
+    /// Keys compactions looked at while picking what to copy (work bound: each is
+    /// looked at a bounded number of times).
+    compact_examined: std::cell::Cell<u64>,
+    /// Values expiry looked at (work bound: the expired ones).
+    expiry_examined: std::cell::Cell<u64>,
 }
 
 /// What one compaction did.
@@ -612,6 +620,15 @@ pub struct Compacted {
 }
 
 /// What a compaction copies next.
+/// The keys a compaction has still to copy past its cut: those holding a value below it
+/// when it began, in turn, then the ones it found with a write in flight.
+#[derive(Debug, Default)]
+struct ToCopy {
+    keys: Vec<String>,
+    next: usize,
+    deferred: Vec<String>,
+}
+
 enum Picked {
     /// These values.
     Copy(Vec<(String, CacheEntry)>),
@@ -742,6 +759,8 @@ impl CacheShard {
             staged: RefCell::default(),
             writes: std::cell::Cell::new(0),
             compacting: std::cell::Cell::new(false),
+            compact_examined: std::cell::Cell::new(0),
+            expiry_examined: std::cell::Cell::new(0),
         })
     }
 
@@ -1043,14 +1062,18 @@ impl CacheShard {
     /// Up to `max` keys whose value expired by `now`, each with the version that expired.
     pub fn expired(&self, now: Now, max: usize) -> Vec<(String, u64)> {
         let now_ms = now.wall_ms();
-        self.state
-            .borrow()
-            .index
+        let st = self.state.borrow();
+        let expired: Vec<(String, u64)> = st
+            .expiring
             .iter()
-            .filter(|(_, e)| !e.live(now_ms))
+            .take_while(|(at, _)| *at <= now_ms)
             .take(max)
-            .map(|(k, e)| (k.clone(), e.version))
-            .collect()
+            .filter_map(|(_, k)| {
+                self.expiry_examined.set(self.expiry_examined.get() + 1);
+                st.index.get(k).map(|e| (k.clone(), e.version))
+            })
+            .collect();
+        expired
     }
 
     /// Whether `key` still holds the value written at `version` and it expired by `now`
@@ -1159,10 +1182,19 @@ impl CacheShard {
         let now = felix_core_runtime::clock::now();
         let mut values = 0;
         let mut give_up = std::time::Instant::now() + COMPACT_APPLY_WAIT;
+        let mut todo = ToCopy {
+            keys: (self.state.borrow().index.iter())
+                .filter(|(_, e)| e.at < cut)
+                .map(|(k, _)| k.clone())
+                .collect(),
+            ..ToCopy::default()
+        };
+        self.compact_examined
+            .set(self.compact_examined.get() + todo.keys.len() as u64);
         loop {
             // Pick, claim and mark in one go (no wait in between): live values below
             // the cut whose key has no write in flight.
-            let picked = self.pick_copies(cut);
+            let picked = self.pick_copies(cut, &mut todo);
             let batch = match picked {
                 Picked::Done => break,
                 Picked::Wait => {
@@ -1273,34 +1305,62 @@ impl CacheShard {
     }
 
     /// The next batch of values a compaction copies past `cut` (or deletes there,
-    /// expired).
-    fn pick_copies(&self, cut: u64) -> Picked {
+    /// expired), from `todo`: each key is looked at once on its way through, and again
+    /// only while a write of it is in flight.
+    fn pick_copies(&self, cut: u64, todo: &mut ToCopy) -> Picked {
         let st = self.state.borrow();
         let inflight = self.in_flight.borrow();
+        let looked = std::cell::Cell::new(0u64);
+        let below_cut = |k: &String| {
+            looked.set(looked.get() + 1);
+            st.index.get(k).filter(|e| e.at < cut)
+        };
         // An expired value whose delete is not written yet is carried as that delete:
         // dropped, it left the index only at the next open, and a watcher resuming
         // past the cut never saw it go.
         let mut bytes = 0usize;
-        let batch: Vec<(String, CacheEntry)> = st
-            .index
-            .iter()
-            .filter(|(k, e)| e.at < cut && !inflight.contains_key(*k))
-            .take(COMPACT_BATCH)
-            .take_while(|(k, e)| {
-                let first = bytes == 0;
-                bytes += k.len() + e.value.len() + 64;
-                first || bytes <= COMPACT_BATCH_BYTES
-            })
-            .map(|(k, e)| (k.clone(), e.clone()))
-            .collect();
-        if !batch.is_empty() {
-            return Picked::Copy(batch);
-        }
-        if st.index.values().any(|e| e.at < cut) {
-            Picked::Wait
-        } else {
-            Picked::Done
-        }
+        let mut batch: Vec<(String, CacheEntry)> = Vec::new();
+        let picked = loop {
+            let Some(k) = todo.keys.get(todo.next) else {
+                // Through the keys: those found in flight go round again.
+                todo.keys = std::mem::take(&mut todo.deferred);
+                todo.next = 0;
+                todo.keys.retain(|k| below_cut(k).is_some());
+                if !batch.is_empty() {
+                    break Picked::Copy(batch);
+                }
+                if todo.keys.is_empty() {
+                    break Picked::Done;
+                }
+                if todo.keys.iter().all(|k| inflight.contains_key(k)) {
+                    break Picked::Wait;
+                }
+                continue;
+            };
+            let Some(e) = below_cut(k) else {
+                // Written again past the cut, or deleted, since the keys were taken.
+                todo.next += 1;
+                continue;
+            };
+            if inflight.contains_key(k) {
+                todo.deferred.push(k.clone());
+                todo.next += 1;
+                continue;
+            }
+            bytes += k.len() + e.value.len() + 64;
+            if !batch.is_empty() && bytes > COMPACT_BATCH_BYTES {
+                // The next batch's first.
+                break Picked::Copy(batch);
+            }
+            batch.push((k.clone(), e.clone()));
+            todo.next += 1;
+            if batch.len() == COMPACT_BATCH {
+                break Picked::Copy(batch);
+            }
+        };
+        self.compact_examined
+            .set(self.compact_examined.get() + looked.get());
+        picked
     }
 
     /// Marks an add to counter `name` in flight until the returned guard drops (a
@@ -1626,18 +1686,29 @@ fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
     state.end = state.end.max(offset + 1);
     match rec.op {
         RecordOp::Put => {
-            state.index.insert(
-                rec.key,
-                CacheEntry {
-                    value: rec.value,
-                    version: rec.carried.unwrap_or(offset),
-                    expires_at_ms: rec.expires_at_ms,
-                    at: offset,
-                },
-            );
+            let entry = CacheEntry {
+                value: rec.value,
+                version: rec.carried.unwrap_or(offset),
+                expires_at_ms: rec.expires_at_ms,
+                at: offset,
+            };
+            let before = state.index.get(&rec.key).map_or(0, |e| e.expires_at_ms);
+            if before != rec.expires_at_ms {
+                if before != 0 {
+                    state.expiring.remove(&(before, rec.key.clone()));
+                }
+                if rec.expires_at_ms != 0 {
+                    state.expiring.insert((rec.expires_at_ms, rec.key.clone()));
+                }
+            }
+            state.index.insert(rec.key, entry);
         }
         RecordOp::Delete => {
-            state.index.remove(&rec.key);
+            if let Some(e) = state.index.remove(&rec.key)
+                && e.expires_at_ms != 0
+            {
+                state.expiring.remove(&(e.expires_at_ms, rec.key));
+            }
         }
         RecordOp::Add(delta) => {
             // Wrapping, so every replica folds the same sum; adds are checked against
@@ -1830,6 +1901,75 @@ mod tests {
         });
     }
 
+    /// A compaction looks at each key a bounded number of times while it picks what to
+    /// copy: it scanned the index from its start for every batch of 64, some N²/128
+    /// looks (10⁹ and more for a cache of a few million keys: tens of seconds of its
+    /// core's time, in slices of one whole scan each).
+    #[test]
+    fn a_compaction_looks_at_each_key_a_bounded_number_of_times() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let config = felix_storage_uring::LogConfig {
+                fsync: felix_storage_uring::FsyncMode::None,
+                ..Default::default()
+            };
+            let shard = cache_with(dir.path(), config.clone()).await;
+            let now = felix_core_runtime::clock::now();
+            let keys = 20_000;
+            for i in 0..keys {
+                shard
+                    .put(&format!("k{i}"), Bytes::from_static(b"v"), None, now)
+                    .await
+                    .unwrap();
+            }
+            shard.delete("k7", now).await.unwrap();
+            let c = shard.compact(&LocalWrites(shard.log())).await.unwrap();
+            assert_eq!(c.values, keys - 1, "{c:?}");
+            let examined = shard.compact_examined.get();
+            assert!(
+                examined <= 3 * keys as u64,
+                "{examined} looks at keys to copy {keys}"
+            );
+            drop(shard);
+            let shard = cache_with(dir.path(), config).await;
+            for i in [0, 6, 8, keys - 1] {
+                assert!(shard.get(&format!("k{i}"), now).is_some(), "k{i}");
+            }
+            assert!(shard.get("k7", now).is_none());
+        });
+    }
+
+    /// A value whose key has a write in flight when the compaction picks is looked at
+    /// again once that write is done, and copied: the cut removes what it leaves below.
+    #[test]
+    fn a_compaction_copies_a_value_once_the_write_in_flight_of_its_key_is_done() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = cache_in(dir.path()).await;
+            let now = felix_core_runtime::clock::now();
+            for i in 0..200 {
+                shard
+                    .put(&format!("k{i}"), Bytes::from_static(b"v"), None, now)
+                    .await
+                    .unwrap();
+            }
+            let writing = shard.key_write("k5");
+            let done = async {
+                felix_core_runtime::task::sleep(std::time::Duration::from_millis(50)).await;
+                drop(writing);
+            };
+            let (c, ()) =
+                futures_lite::future::zip(shard.compact(&LocalWrites(shard.log())), done).await;
+            let c = c.unwrap();
+            assert_eq!(c.values, 200, "{c:?}");
+            drop(shard);
+            let shard = cache_in(dir.path()).await;
+            for i in 0..200 {
+                assert!(shard.get(&format!("k{i}"), now).is_some(), "k{i}");
+            }
+        });
+    }
+
     /// Values replayed at an open are the index's own, not slices of the buffer the log
     /// was read in (4 MiB a read): a small value held all of it alive.
     #[test]
@@ -2007,6 +2147,60 @@ mod tests {
                 shard.get("k", now).is_none(),
                 "the put landed after the delete"
             );
+        });
+    }
+
+    /// Expiry looks at the values whose time ran out, not at every value each round:
+    /// it scanned the whole index every second, milliseconds of its core's time for a
+    /// shard of millions of keys. A value written again without a time to live, or
+    /// deleted, is no longer among them, after a restart too.
+    #[test]
+    fn expiry_looks_at_the_expired_values_only() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let config = felix_storage_uring::LogConfig {
+                fsync: felix_storage_uring::FsyncMode::None,
+                ..Default::default()
+            };
+            let shard = cache_with(dir.path(), config.clone()).await;
+            let now = felix_core_runtime::clock::now();
+            let later = Now::at(now.instant, now.wall_micros + 2_000_000);
+            for i in 0..5_000 {
+                shard
+                    .put(&format!("k{i}"), Bytes::from_static(b"v"), None, now)
+                    .await
+                    .unwrap();
+            }
+            for (k, ttl) in [("t1", 1000), ("t2", 500), ("t3", 1500), ("t4", 60_000)] {
+                shard
+                    .put(k, Bytes::from_static(b"v"), Some(ttl), now)
+                    .await
+                    .unwrap();
+            }
+            // Written again without a time to live, deleted, given a shorter one.
+            shard
+                .put("t1", Bytes::from_static(b"w"), None, now)
+                .await
+                .unwrap();
+            shard.delete("t2", now).await.unwrap();
+            let t3 = shard
+                .put("t3", Bytes::from_static(b"w"), Some(1200), now)
+                .await
+                .unwrap();
+            let check = |shard: &CacheShard, reopened: bool| {
+                let before = shard.expiry_examined.get();
+                assert_eq!(shard.expired(later, 10), vec![("t3".to_owned(), t3)]);
+                assert!(shard.expired(now, 10).is_empty());
+                let looked = shard.expiry_examined.get() - before;
+                assert!(
+                    looked <= 1,
+                    "{looked} values looked at (reopened: {reopened})"
+                );
+            };
+            check(&shard, false);
+            shard.log().close().await.unwrap();
+            drop(shard);
+            check(&cache_with(dir.path(), config).await, true);
         });
     }
 
