@@ -8,7 +8,7 @@ use felix_bench::compare::{Options, Peer, Scale, run};
 fn every_scenario_runs_against_every_broker() {
     ours_in_its_own_process();
     let out = tempfile::tempdir().unwrap();
-    let md = run(&Options {
+    let ran = run(&Options {
         scale: Scale::Tiny,
         peers: vec![Peer::Felix, Peer::Nats, Peer::Redis],
         cores: "0-1".into(),
@@ -17,11 +17,8 @@ fn every_scenario_runs_against_every_broker() {
         rounds: 1,
         only: Vec::new(),
         load_cores: None,
-    })
-    .unwrap_or_else(|e| {
-        let md = std::fs::read_to_string(out.path().join("results.md")).unwrap_or_default();
-        panic!("the matrix failed: {e:#}\n{md}")
     });
+    let md = std::fs::read_to_string(out.path().join("results.md")).unwrap_or_default();
     for f in [
         "results.json",
         "results.md",
@@ -35,7 +32,28 @@ fn every_scenario_runs_against_every_broker() {
     let scenarios = json["scenarios"].as_array().unwrap().len();
     let cells = json["cells"].as_array().unwrap();
     assert_eq!(cells.len(), scenarios * 3, "every scenario on every broker");
+    // A peer's cell may fail one way only: a subscriber of the peer's missed deliveries
+    // (NATS JetStream's push consumer without acks did, once, in a CI run on a starved
+    // machine: 1 of 640). That is the peer's, not the tool's; every other failure, and
+    // any of ours, fails the test.
+    let peer_lost = |c: &serde_json::Value| {
+        c["broker"] != "felix"
+            && c["error"]
+                .as_str()
+                .is_some_and(|e| e.starts_with("lost ") && e.ends_with(" deliveries"))
+    };
+    if let Err(e) = &ran {
+        let failed: Vec<_> = cells.iter().filter(|c| c.get("error").is_some()).collect();
+        assert!(
+            failed.iter().all(|c| peer_lost(c)),
+            "the matrix failed: {e:#}\n{md}"
+        );
+        eprintln!("a peer lost deliveries (not ours): {failed:?}");
+    }
     for c in cells {
+        if peer_lost(c) {
+            continue;
+        }
         assert!(c.get("error").is_none(), "{c}");
         assert!(c["acked_per_sec"].as_f64().unwrap() > 0.0, "{c}");
     }

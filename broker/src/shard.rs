@@ -619,7 +619,6 @@ pub struct Compacted {
     pub segments: usize,
 }
 
-/// What a compaction copies next.
 /// The keys a compaction has still to copy past its cut: those holding a value below it
 /// when it began, in turn, then the ones it found with a write in flight.
 #[derive(Debug, Default)]
@@ -629,6 +628,7 @@ struct ToCopy {
     deferred: Vec<String>,
 }
 
+/// What a compaction copies next.
 enum Picked {
     /// These values.
     Copy(Vec<(String, CacheEntry)>),
@@ -2187,13 +2187,27 @@ mod tests {
                 .put("t3", Bytes::from_static(b"w"), Some(1200), now)
                 .await
                 .unwrap();
+            // A value without one written again with one, and one written again with
+            // the same.
+            let k0 = shard
+                .put("k0", Bytes::from_static(b"w"), Some(900), now)
+                .await
+                .unwrap();
+            shard
+                .put("t4", Bytes::from_static(b"w"), Some(60_000), now)
+                .await
+                .unwrap();
             let check = |shard: &CacheShard, reopened: bool| {
                 let before = shard.expiry_examined.get();
-                assert_eq!(shard.expired(later, 10), vec![("t3".to_owned(), t3)]);
+                assert_eq!(
+                    shard.expired(later, 10),
+                    vec![("k0".to_owned(), k0), ("t3".to_owned(), t3)],
+                    "earliest first"
+                );
                 assert!(shard.expired(now, 10).is_empty());
                 let looked = shard.expiry_examined.get() - before;
                 assert!(
-                    looked <= 1,
+                    looked <= 2,
                     "{looked} values looked at (reopened: {reopened})"
                 );
             };
