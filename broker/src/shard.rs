@@ -1909,19 +1909,11 @@ mod tests {
     fn a_compaction_looks_at_each_key_a_bounded_number_of_times() {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
-            let config = felix_storage_uring::LogConfig {
-                fsync: felix_storage_uring::FsyncMode::None,
-                ..Default::default()
-            };
+            let config = unsynced();
             let shard = cache_with(dir.path(), config.clone()).await;
             let now = felix_core_runtime::clock::now();
             let keys = 20_000;
-            for i in 0..keys {
-                shard
-                    .put(&format!("k{i}"), Bytes::from_static(b"v"), None, now)
-                    .await
-                    .unwrap();
-            }
+            put_keys(&shard, keys, now).await;
             shard.delete("k7", now).await.unwrap();
             let c = shard.compact(&LocalWrites(shard.log())).await.unwrap();
             assert_eq!(c.values, keys - 1, "{c:?}");
@@ -1947,12 +1939,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let shard = cache_in(dir.path()).await;
             let now = felix_core_runtime::clock::now();
-            for i in 0..200 {
-                shard
-                    .put(&format!("k{i}"), Bytes::from_static(b"v"), None, now)
-                    .await
-                    .unwrap();
-            }
+            put_keys(&shard, 200, now).await;
             let writing = shard.key_write("k5");
             let done = async {
                 felix_core_runtime::task::sleep(std::time::Duration::from_millis(50)).await;
@@ -2104,6 +2091,24 @@ mod tests {
         });
     }
 
+    /// Puts `k0`..`k{n-1}`, each without a time to live.
+    async fn put_keys(shard: &CacheShard, n: usize, now: Now) {
+        for i in 0..n {
+            shard
+                .put(&format!("k{i}"), Bytes::from_static(b"v"), None, now)
+                .await
+                .unwrap();
+        }
+    }
+
+    /// A log that acknowledges at sequencing (fast to fill; close it before a reopen).
+    fn unsynced() -> felix_storage_uring::LogConfig {
+        felix_storage_uring::LogConfig {
+            fsync: felix_storage_uring::FsyncMode::None,
+            ..Default::default()
+        }
+    }
+
     async fn cache_in(dir: &std::path::Path) -> CacheShard {
         cache_with(dir, felix_storage_uring::LogConfig::default()).await
     }
@@ -2158,19 +2163,11 @@ mod tests {
     fn expiry_looks_at_the_expired_values_only() {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
-            let config = felix_storage_uring::LogConfig {
-                fsync: felix_storage_uring::FsyncMode::None,
-                ..Default::default()
-            };
+            let config = unsynced();
             let shard = cache_with(dir.path(), config.clone()).await;
             let now = felix_core_runtime::clock::now();
             let later = Now::at(now.instant, now.wall_micros + 2_000_000);
-            for i in 0..5_000 {
-                shard
-                    .put(&format!("k{i}"), Bytes::from_static(b"v"), None, now)
-                    .await
-                    .unwrap();
-            }
+            put_keys(&shard, 5_000, now).await;
             for (k, ttl) in [("t1", 1000), ("t2", 500), ("t3", 1500), ("t4", 60_000)] {
                 shard
                     .put(k, Bytes::from_static(b"v"), Some(ttl), now)

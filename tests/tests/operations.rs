@@ -851,6 +851,24 @@ fn a_re_pin_whose_open_fails_for_good_ends_its_subscriptions() {
 
 /// A two-core broker with fault injection, one shard a stream, every `dev` shard pinned
 /// to core 0 (so a re-pin to core 1 moves it); `extra` arguments after those.
+/// A client whose connection the kernel handed to broker core `core` (connections are
+/// made until one lands there).
+async fn client_on_core(b: &BrokerProcess, core: usize) -> Client {
+    let connections = || {
+        let (_, body) = b.http_get("/cores").unwrap();
+        let cores: serde_json::Value = serde_json::from_str(&body).unwrap();
+        cores["cores"][core]["connections"].as_u64().unwrap()
+    };
+    for _ in 0..16 {
+        let before = connections();
+        let c = client(b).await;
+        if connections() > before {
+            return c;
+        }
+    }
+    panic!("no connection landed on core {core}");
+}
+
 fn start_on_core_0(dir: &Path, extra: &[&str]) -> BrokerProcess {
     let mut args = vec!["--cores", "0-1", "--shards", "1"];
     args.extend_from_slice(extra);
@@ -893,28 +911,9 @@ fn requests_held_for_a_moving_shard_are_bounded() {
     rt.block_on(async {
         // A connection on core 1, where the shard moves: its requests are held there
         // (another core's are bounded by the core pair's 8,192 cross-core requests).
-        let connections = |core: usize| {
-            let (_, body) = b.http_get("/cores").unwrap();
-            let cores: serde_json::Value = serde_json::from_str(&body).unwrap();
-            cores["cores"][core]["connections"].as_u64().unwrap()
-        };
-        let on_core = |core: usize| {
-            let connections = &connections;
-            let b = &b;
-            async move {
-                for _ in 0..16 {
-                    let before = connections(core);
-                    let c = client(b).await;
-                    if connections(core) > before {
-                        return c;
-                    }
-                }
-                panic!("no connection landed on core {core}");
-            }
-        };
-        let c = Arc::new(on_core(1).await);
+        let c = Arc::new(client_on_core(&b, 1).await);
         // And one on core 0 for later: its requests cross to core 1 and are held there.
-        let crossing = on_core(0).await;
+        let crossing = client_on_core(&b, 0).await;
         assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
         let first = {
             let c = c.clone();
@@ -972,7 +971,7 @@ fn requests_held_for_a_moving_shard_are_bounded() {
         // An acknowledged one past the bound is refused at once, retryably, whether it
         // arrives at core 1 itself or crosses from core 0 (on connections of their own:
         // `c`'s answers queue behind its first publish's).
-        for late in [on_core(1).await, crossing] {
+        for late in [client_on_core(&b, 1).await, crossing] {
             let started = Instant::now();
             let refused = late
                 .publish(
@@ -1039,24 +1038,6 @@ fn requests_held_for_a_moving_shard_leave_their_senders_other_requests_room() {
     let b = start_on_core_0(dir.path(), &["--fsync", "none"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let on_core = |core: usize| {
-            let b = &b;
-            async move {
-                let connections = || {
-                    let (_, body) = b.http_get("/cores").unwrap();
-                    let cores: serde_json::Value = serde_json::from_str(&body).unwrap();
-                    cores["cores"][core]["connections"].as_u64().unwrap()
-                };
-                for _ in 0..16 {
-                    let before = connections();
-                    let c = client(b).await;
-                    if connections() > before {
-                        return c;
-                    }
-                }
-                panic!("no connection landed on core {core}");
-            }
-        };
         let pin = |rule: &'static str| {
             let http = b.http;
             tokio::task::spawn_blocking(move || {
@@ -1072,7 +1053,7 @@ fn requests_held_for_a_moving_shard_leave_their_senders_other_requests_room() {
         // A shard on core 1 that core 0's connections write to.
         let (status, answer) = pin("dev/default/other/0=1").await.unwrap();
         assert_eq!(status, 200, "{answer}");
-        let sender = on_core(0).await;
+        let sender = client_on_core(&b, 0).await;
         async fn publish_other(c: &Client) -> Result<Option<u64>, felix_client::ClientError> {
             c.publish(
                 "dev",
@@ -1087,7 +1068,7 @@ fn requests_held_for_a_moving_shard_leave_their_senders_other_requests_room() {
         assert_eq!(owner_core(&b, "other").0, 1);
         // A shard moving from core 0 to core 1 whose release waits (its open held).
         assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
-        let opener = on_core(1).await;
+        let opener = client_on_core(&b, 1).await;
         let first = tokio::spawn(async move {
             opener
                 .publish(
@@ -1103,7 +1084,7 @@ fn requests_held_for_a_moving_shard_leave_their_senders_other_requests_room() {
         let repin = pin("dev/default/stuck/0=1");
         tokio::time::sleep(Duration::from_millis(200)).await;
         // Core 0 sends it more than its 8,192 slots' worth; core 1 holds half of them.
-        let flood = on_core(0).await;
+        let flood = client_on_core(&b, 0).await;
         let held_before = b.metric("felix_broker_requests_held_total").unwrap();
         for i in 0..9_000u32 {
             flood
