@@ -119,6 +119,16 @@
 //!    the name atomically, so a reader never sees a mix. Recovery ignores these files:
 //!    their names cannot end in `.seg` or `.idx`. `close` waits for one in progress, and
 //!    a log closing or closed refuses the next (another core may own the files by then).
+//!
+//! 8. `save_snapshot(name, as_of, body)` stores state the caller derived from the records
+//!    below `as_of` ([`snapshot`]; `name.snap`, written as in 7, with its offset and a
+//!    CRC), so that rebuilding it reads the log from `as_of` only. The log keeps a
+//!    snapshot true to the records below its offset: a truncation removes those past
+//!    its cut, and a reset every one, durably and before appends resume (6d, under
+//!    the metadata turn, so a save in progress is installed first and removed then; a
+//!    save whose state was derived before a cut is refused `Busy`); an open removes
+//!    those past the end recovery found, and damaged ones, before the first append.
+//!    `load_snapshot` hands back none past `next_offset()`.
 
 use std::cell::{OnceCell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
@@ -142,6 +152,7 @@ use crate::segment::{Segment, index_name, segment_name};
 pub mod cut;
 pub mod meta;
 mod recover;
+pub mod snapshot;
 
 use recover::recover;
 
@@ -709,6 +720,14 @@ impl<B: Backend> SegmentLog<B> {
         }
         let started = Instant::now();
         let (segments, mut report) = recover(&backend, &config).await?;
+        if !config.read_only {
+            // Before the first append: a snapshot past the end describes a tail a crash
+            // took (or a truncation it interrupted).
+            let end = segments.back().map(|s| s.end_offset);
+            snapshot::remove_past(&backend, end)
+                .await
+                .map_err(|(op, e)| StorageError::io(op, "log directory", e))?;
+        }
         if !config.read_only {
             // Best effort: a log that cannot write its mark (a full disk) still opens;
             // after a power cut its recovery is then only the stricter.

@@ -410,7 +410,7 @@ impl<B: Backend> Drop for Hold<'_, B> {
     }
 }
 
-fn check_open<F>(st: &State<F>) -> Result<(), StorageError> {
+pub(super) fn check_open<F>(st: &State<F>) -> Result<(), StorageError> {
     if let Some(e) = poison_error(st) {
         return Err(e);
     }
@@ -442,7 +442,11 @@ impl<B: Backend> SegmentLog<B> {
         let plan = self.plan_cut(offset).await?;
         hold.commit(Intent::TruncateFrom(offset)).await?;
         self.cut_memory(offset, &plan);
-        let disk = self.cut_disk(&plan).await;
+        let disk = match self.cut_disk(&plan).await {
+            // Before appends resume: a snapshot past the cut describes records gone.
+            Ok(()) => self.remove_snapshots_past(Some(offset)).await,
+            failed => failed,
+        };
         hold.finish(disk).await
     }
 
@@ -478,7 +482,14 @@ impl<B: Backend> SegmentLog<B> {
             Ok(()) => super::create_segment(backend, &self.shared.config, base).await,
             Err(e) => Err(e),
         };
-        let disk = created.map(|segment| self.reset_memory(segment));
+        let disk = match created {
+            Ok(segment) => {
+                self.reset_memory(segment);
+                // Whatever they describe is not this log's.
+                self.remove_snapshots_past(None).await
+            }
+            Err(e) => Err(e),
+        };
         hold.finish(disk).await
     }
 

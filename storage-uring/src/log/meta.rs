@@ -41,6 +41,9 @@ pub fn check_meta_name(name: &str) -> Result<(), StorageError> {
     if [".seg", ".idx"].iter().any(|s| name.ends_with(s)) {
         return refuse("collides with segment and index file names");
     }
+    if name.ends_with(super::snapshot::SNAPSHOT_SUFFIX) {
+        return refuse("collides with snapshot file names");
+    }
     if name.ends_with(TEMP_SUFFIX) {
         return refuse("collides with temporary file names");
     }
@@ -171,6 +174,7 @@ mod tests {
             "00000000000000000000.seg",
             "00000000000000000000.idx",
             "x.seg",
+            "producers.snap",
             "state.tmp",
             "unsynced-life",
         ] {
