@@ -91,6 +91,8 @@ pub struct FileConfig {
     pub group_max_in_flight: Option<usize>,
     /// Log bytes between a shard's group snapshots.
     pub group_snapshot_bytes: Option<u64>,
+    /// Log bytes between saves of a shard's idempotent-producer table.
+    pub producer_snapshot_bytes: Option<u64>,
     /// Connections per core beyond which handshakes are refused.
     pub max_connections: Option<usize>,
     /// Per-subscriber queue, in batches.
@@ -250,6 +252,8 @@ pub struct BrokerConfig {
     pub group_limits: crate::groups::tracker::Limits,
     /// Cache compaction threshold (writes).
     pub cache_compact_after: u64,
+    /// Log bytes between saves of a shard's idempotent-producer table.
+    pub producer_snapshot_bytes: u64,
     /// Connection limit per core.
     pub max_connections: usize,
     /// Subscriber queue capacity.
@@ -961,6 +965,12 @@ impl BrokerConfig {
             4096,
             u64::MAX,
         )?;
+        at_least(
+            "producer_snapshot_bytes",
+            file.producer_snapshot_bytes,
+            4096,
+            u64::MAX,
+        )?;
         let fault_injection = bool_setting(
             "fault_injection",
             "FELIX_FAULT_INJECTION",
@@ -1008,6 +1018,10 @@ impl BrokerConfig {
             pins,
             publish_window,
             cache_compact_after: file.cache_compact_after.unwrap_or(10_000).max(1),
+            producer_snapshot_bytes: file
+                .producer_snapshot_bytes
+                .unwrap_or(crate::producers::SNAPSHOT_EVERY_BYTES)
+                .max(4096),
             group_limits: {
                 let d = crate::groups::tracker::Limits::default();
                 crate::groups::tracker::Limits {
@@ -1194,6 +1208,7 @@ mod tests {
             ("group_max_attempts: 0\n", "group_max_attempts"),
             ("group_max_in_flight: 0\n", "group_max_in_flight"),
             ("group_snapshot_bytes: 100\n", "group_snapshot_bytes"),
+            ("producer_snapshot_bytes: 100\n", "producer_snapshot_bytes"),
         ] {
             assert_eq!(resolved(yaml).err(), Some(key), "{yaml}");
         }

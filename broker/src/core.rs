@@ -440,6 +440,13 @@ pub struct CoreMetrics {
     pub subscriptions_moved: AtomicU64,
     /// Idempotent re-sends answered from the log instead of appended again.
     pub idempotent_duplicates: AtomicU64,
+    /// Producer tables saved as snapshots beside their shard's log.
+    pub producer_snapshots_saved: AtomicU64,
+    /// Producer tables built from a snapshot (then the log after it) rather than from
+    /// the log's base.
+    pub producer_tables_from_snapshot: AtomicU64,
+    /// Record bytes read from logs to build producer tables.
+    pub producer_table_read_bytes: AtomicU64,
     /// Cross-core messages sent.
     pub mesh_sent: AtomicU64,
     /// Shards open on this core.
@@ -593,6 +600,8 @@ pub struct Shared {
     pub group_limits: crate::groups::tracker::Limits,
     /// Cache compaction threshold (writes).
     pub cache_compact_after: u64,
+    /// Log bytes between saves of a shard's idempotent-producer table.
+    pub producer_snapshot_bytes: u64,
     /// Subscriber queue capacity (batches).
     pub subscriber_queue: usize,
     /// Max frame payload after auth.
@@ -3498,6 +3507,7 @@ impl CoreBroker {
                 core.expire_cache_values().await;
                 core.cut_replicated_caches().await;
                 core.snapshot_idle_groups();
+                core.snapshot_producers().await;
             }
         })
         .detach();
@@ -3677,6 +3687,10 @@ impl CoreBroker {
         let cache = self.caches.borrow_mut().remove(key);
         // Its sync counts move to this core's closed-log total at once (a sample taken
         // while it closes must not fall short), and what closing adds after.
+        if let Some(Slot::Ready(s)) = &stream {
+            // The core that opens it next builds the table from here on.
+            self.save_producers(s).await;
+        }
         let counted = match &stream {
             Some(Slot::Ready(s)) => {
                 let st = s.log.stats();
@@ -3951,6 +3965,8 @@ impl CoreBroker {
             })
             .collect();
         for s in streams {
+            // The next open reads the log from here on to build the table.
+            self.save_producers(&s).await;
             if let Err(e) = s.log.close().await {
                 tracing::warn!(shard = %s.key, error = %e, "closing a log");
             }

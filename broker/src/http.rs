@@ -123,6 +123,24 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.idempotent_duplicates.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_producer_snapshots_saved_total",
+        "counter",
+        "Idempotent-producer tables saved as snapshots beside their shard's log.",
+        |m| m.producer_snapshots_saved.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_producer_tables_from_snapshot_total",
+        "counter",
+        "Idempotent-producer tables built from a snapshot and the log after it.",
+        |m| m.producer_tables_from_snapshot.load(Ordering::Relaxed),
+    ),
+    (
+        "felix_broker_producer_table_read_bytes_total",
+        "counter",
+        "Record bytes read from logs to build idempotent-producer tables.",
+        |m| m.producer_table_read_bytes.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_group_ops_total",
         "counter",
         "Consumer-group requests.",

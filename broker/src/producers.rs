@@ -374,6 +374,133 @@ impl ProducerTable {
     }
 }
 
+/// Log bytes written between two saves of a shard's producer table, by default.
+pub const SNAPSHOT_EVERY_BYTES: u64 = 64 << 20;
+/// Version of [`ProducerTable::snapshot`]'s layout.
+const SNAPSHOT_VERSION: u16 = 1;
+/// Bytes of one batch in a snapshot: sequence, first offset, records, bytes, CRC.
+const SNAPSHOT_ENTRY_BYTES: usize = 8 + 8 + 4 + 8 + 4;
+
+impl ProducerTable {
+    /// The table as of `as_of` (every batch it holds below `as_of`, which must be
+    /// durable, and the producers it forgot), for [`ProducerTable::from_snapshot`]:
+    /// `u16 version (1), u32 producers`, then per producer `u64 id, u16 batches` and per
+    /// batch `u64 sequence, u64 first, u32 records, u64 bytes, u32 crc`, then `u32
+    /// forgotten` and their ids, oldest first (all big-endian). Batches at or past
+    /// `as_of` (claims not durable yet) are left out: a build from the snapshot reads
+    /// them from the log.
+    pub fn snapshot(&self, as_of: u64) -> Vec<u8> {
+        let mut b = Vec::with_capacity(
+            10 + self.producers.len() * (10 + 4 * SNAPSHOT_ENTRY_BYTES) + self.forgotten.len() * 8,
+        );
+        b.extend_from_slice(&SNAPSHOT_VERSION.to_be_bytes());
+        let count_at = b.len();
+        b.extend_from_slice(&0u32.to_be_bytes());
+        let mut producers = 0u32;
+        for (id, batches) in &self.producers {
+            let below = batches.iter().take_while(|e| e.first < as_of).count();
+            if below == 0 {
+                continue;
+            }
+            producers += 1;
+            b.extend_from_slice(&id.to_be_bytes());
+            b.extend_from_slice(&(below as u16).to_be_bytes());
+            for e in batches.iter().take(below) {
+                b.extend_from_slice(&e.sequence.to_be_bytes());
+                b.extend_from_slice(&e.first.to_be_bytes());
+                b.extend_from_slice(&e.contents.records.to_be_bytes());
+                b.extend_from_slice(&e.contents.bytes.to_be_bytes());
+                b.extend_from_slice(&e.contents.crc.to_be_bytes());
+            }
+        }
+        b[count_at..count_at + 4].copy_from_slice(&producers.to_be_bytes());
+        b.extend_from_slice(&(self.forgotten.len() as u32).to_be_bytes());
+        for id in &self.forgotten {
+            b.extend_from_slice(&id.to_be_bytes());
+        }
+        b
+    }
+
+    /// The table [`ProducerTable::snapshot`] described as of `as_of`, reading the log on
+    /// from there; `None` for anything that is not such a description (a layout of
+    /// another version, a count past the table's bounds, batches out of order or at
+    /// `as_of` and past, bytes left over).
+    pub fn from_snapshot(as_of: u64, bytes: &[u8]) -> Option<ProducerTable> {
+        let mut r = Reader(bytes);
+        if r.u16()? != SNAPSHOT_VERSION {
+            return None;
+        }
+        let mut table = ProducerTable::at(as_of);
+        let producers = r.u32()? as usize;
+        if producers > PRODUCERS_MAX {
+            return None;
+        }
+        for _ in 0..producers {
+            let id = r.u64()?;
+            let count = r.u16()? as usize;
+            if count == 0 || count > WINDOW || table.producers.contains_key(&id) {
+                return None;
+            }
+            let mut batches: VecDeque<Entry> = VecDeque::with_capacity(count);
+            for _ in 0..count {
+                let entry = Entry {
+                    sequence: r.u64()?,
+                    first: r.u64()?,
+                    contents: Contents {
+                        records: r.u32()?,
+                        bytes: r.u64()?,
+                        crc: r.u32()?,
+                    },
+                    pending: false,
+                };
+                let ordered = batches
+                    .back()
+                    .is_none_or(|b| b.sequence < entry.sequence && b.first < entry.first);
+                if !ordered || entry.first >= as_of {
+                    return None;
+                }
+                batches.push_back(entry);
+            }
+            table.producers.insert(id, batches);
+        }
+        let forgotten = r.u32()? as usize;
+        if forgotten > FORGOTTEN_MAX {
+            return None;
+        }
+        for _ in 0..forgotten {
+            let id = r.u64()?;
+            if !table.forgotten_set.insert(id) {
+                return None;
+            }
+            table.forgotten.push_back(id);
+        }
+        r.0.is_empty().then_some(table)
+    }
+}
+
+/// Big-endian integers off the front of a snapshot.
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
+        let (head, rest) = self.0.split_first_chunk::<N>()?;
+        self.0 = rest;
+        Some(*head)
+    }
+
+    fn u16(&mut self) -> Option<u16> {
+        self.take().map(u16::from_be_bytes)
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        self.take().map(u32::from_be_bytes)
+    }
+
+    fn u64(&mut self) -> Option<u64> {
+        self.take().map(u64::from_be_bytes)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -617,6 +744,102 @@ mod tests {
     /// A producer forgotten for room (4,096 others published since) is refused
     /// `unknown_producer` at sequence 0 too: its re-send of a first batch whose answer
     /// was lost was taken for a new producer's and appended again.
+    /// A log of tagged batches from more producers than the table keeps, some past
+    /// the window, of 1 to 3 records of varied bytes: `(batches, end)`.
+    fn busy_log() -> (Vec<ReadBatch>, u64) {
+        let (mut batches, mut next, mut at) = (Vec::new(), HashMap::new(), 0u64);
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for i in 0..12_000u64 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // A few busy producers throughout, new ones arriving all along.
+            let producer = if x.is_multiple_of(3) {
+                x % 7
+            } else {
+                100 + i / 2
+            };
+            let sequence = next.entry(producer).or_insert(0u64);
+            let records: Vec<Bytes> = (0..1 + x % 3)
+                .map(|r| Bytes::from(vec![(x >> r) as u8; 1 + (x % 5) as usize]))
+                .collect();
+            let len = records.len() as u64;
+            batches.push(ReadBatch {
+                base_offset: at,
+                timestamp_micros: 0,
+                kind: BatchKind::Data,
+                producer: Some(ProducerTag {
+                    producer_id: producer,
+                    sequence: *sequence,
+                }),
+                records,
+            });
+            *sequence += 1;
+            at += len;
+        }
+        (batches, at)
+    }
+
+    /// A table saved as of a batch boundary and the log read on from there is the table
+    /// the whole log builds: the same batches of the same producers, the same producers
+    /// forgotten for room, in the same order.
+    #[test]
+    fn a_snapshot_and_the_log_after_it_build_the_table_the_whole_log_builds() {
+        let (batches, end) = busy_log();
+        let mut whole = ProducerTable::at(0);
+        whole.apply_batches(&batches, end);
+        assert!(
+            !whole.forgotten.is_empty(),
+            "producers were forgotten for room"
+        );
+        assert!(whole.producers.values().any(|b| b.len() == WINDOW));
+        for split in [0, 1, 500, 4_000, 9_000, 11_999, 12_000] {
+            let as_of = batches.get(split).map_or(end, |b| b.base_offset);
+            let mut before = ProducerTable::at(0);
+            before.apply_batches(&batches[..split], as_of);
+            let saved = before.snapshot(as_of);
+            let mut t = ProducerTable::from_snapshot(as_of, &saved).expect("readable");
+            assert_eq!(t.end(), as_of);
+            t.apply_batches(&batches[split..], end);
+            assert_eq!(t.producers, whole.producers, "split at {split}");
+            assert_eq!(t.forgotten, whole.forgotten, "split at {split}");
+            assert_eq!(t.end(), whole.end());
+            // A live table holds claims past the offset too: left out, for the build
+            // to read from the log.
+            let live = ProducerTable::from_snapshot(as_of, &whole.snapshot(as_of)).unwrap();
+            assert!(live.producers.values().flatten().all(|e| e.first < as_of));
+            if split > 0 {
+                // Described as of an earlier offset, it holds a batch at it: refused.
+                let earlier = batches[split - 1].base_offset;
+                assert!(ProducerTable::from_snapshot(earlier, &saved).is_none());
+            }
+        }
+    }
+
+    #[test]
+    fn a_snapshot_cut_short_or_run_long_is_not_read() {
+        let (batches, end) = busy_log();
+        let mut t = ProducerTable::at(0);
+        t.apply_batches(&batches[..300], end);
+        let saved = t.snapshot(end);
+        assert!(ProducerTable::from_snapshot(end, &saved).is_some());
+        for cut in 0..saved.len() {
+            assert!(
+                ProducerTable::from_snapshot(end, &saved[..cut]).is_none(),
+                "{cut}"
+            );
+        }
+        let mut longer = saved.clone();
+        longer.push(0);
+        assert!(ProducerTable::from_snapshot(end, &longer).is_none());
+        let mut other = saved;
+        other[1] = 2;
+        assert!(
+            ProducerTable::from_snapshot(end, &other).is_none(),
+            "another version"
+        );
+    }
+
     #[test]
     fn a_producer_forgotten_for_room_is_unknown_even_at_sequence_zero() {
         let mut t = ProducerTable::at(0);

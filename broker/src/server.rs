@@ -330,6 +330,7 @@ pub fn start(
         connection_window_bytes: transport.connection_window_bytes,
         group_limits: config.group_limits,
         cache_compact_after: config.cache_compact_after,
+        producer_snapshot_bytes: config.producer_snapshot_bytes,
         subscriber_queue: config.subscriber_queue,
         max_frame_bytes: felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES,
         limits: config.limits,

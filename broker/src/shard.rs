@@ -192,6 +192,9 @@ pub struct StreamShard {
     /// Moved by every [`StreamShard::reset_fanout`]: a producer table built across one
     /// read a log since cut, and is built again.
     pub producers_epoch: Cell<u64>,
+    /// The log's size when its producer table was last saved as a snapshot (or what the
+    /// build of the table left unread).
+    pub producers_snapshot_mark: Cell<u64>,
     /// The shard's consumer groups while this core leads it (built on first use).
     pub groups: RefCell<Option<std::rc::Rc<crate::groups::GroupShard>>>,
     /// Whether a task is building the groups.
@@ -242,6 +245,7 @@ impl StreamShard {
             building_producers: std::cell::Cell::new(false),
             untagged_from: Cell::new(None),
             producers_epoch: Cell::new(0),
+            producers_snapshot_mark: Cell::new(size),
             groups: RefCell::default(),
             building_groups: std::cell::Cell::new(false),
             handed_groups: RefCell::default(),

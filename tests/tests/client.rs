@@ -1172,6 +1172,129 @@ fn an_idempotent_resend_lands_once_even_after_a_broker_restart() {
     });
 }
 
+/// The first idempotent publish after a restart builds the shard's producer table from
+/// the snapshot housekeeping saved (or a clean stop saved) and the log after it, not
+/// from the whole log, and decides as the whole log would: a batch from before the
+/// snapshot and one after it are both answered from the log, the next appends, a gap is
+/// refused with the sequence expected.
+#[test]
+fn an_idempotent_producers_table_is_built_from_its_snapshot_after_a_restart() {
+    use felix_client::ClientError;
+    use felix_wire::message::PublishRefusalReason;
+    let (mut b, _dir) = broker_with_config(
+        "segment_bytes: 65536\nproducer_snapshot_bytes: 65536\nhousekeeping_ms: 50\n",
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let publish = |c: &felix_client::Client, producer: u64, seq: u64, body: Vec<u8>| {
+        let c = c.clone();
+        async move {
+            c.publish_idempotent(
+                "dev",
+                "default",
+                "snap",
+                None,
+                vec![bytes::Bytes::from(body)],
+                producer,
+                seq,
+            )
+            .await
+        }
+    };
+    let body = |producer: u64, seq: u64| {
+        let mut v = format!("{producer}-{seq}-").into_bytes();
+        v.resize(1000, b'x');
+        v
+    };
+    let connect = |b: &BrokerProcess| {
+        let config = config(b);
+        let listen = b.listen;
+        async move {
+            felix_client::Client::connect(listen, "localhost", config)
+                .await
+                .unwrap()
+        }
+    };
+    // Producer 7 writes early (only the snapshot knows it after the restart); producer
+    // 8 goes on writing ~400 KB, past several snapshots' worth.
+    let log_bytes = 400_000u64;
+    rt.block_on(async {
+        let c = connect(&b).await;
+        for seq in 0..3 {
+            assert_eq!(publish(&c, 7, seq, body(7, seq)).await.unwrap(), seq);
+        }
+        for seq in 0..400 {
+            assert_eq!(publish(&c, 8, seq, body(8, seq)).await.unwrap(), 3 + seq);
+        }
+    });
+    felix_cluster::wait_for("a producer snapshot", Duration::from_secs(10), || {
+        (b.metric("felix_broker_producer_snapshots_saved_total")
+            .ok()?
+            >= 2)
+            .then_some(())
+    })
+    .unwrap();
+    rt.block_on(async {
+        let c = connect(&b).await;
+        for seq in 400..410 {
+            assert_eq!(publish(&c, 8, seq, body(8, seq)).await.unwrap(), 3 + seq);
+        }
+    });
+    let decide_as_the_whole_log = |b: &BrokerProcess, next: u64| {
+        rt.block_on(async {
+            let c = connect(b).await;
+            assert_eq!(
+                publish(&c, 7, 1, body(7, 1)).await.unwrap(),
+                1,
+                "before the snapshot"
+            );
+            assert_eq!(
+                publish(&c, 8, next - 1, body(8, next - 1)).await.unwrap(),
+                2 + next,
+                "the newest batch"
+            );
+            assert_eq!(publish(&c, 8, next, body(8, next)).await.unwrap(), 3 + next);
+            match publish(&c, 7, 5, body(7, 5)).await {
+                Err(ClientError::Refused {
+                    reason: PublishRefusalReason::SequenceGap { expected },
+                    ..
+                }) => assert_eq!(expected.0, 3),
+                other => panic!("expected a sequence gap, got {other:?}"),
+            }
+            match publish(&c, 8, 3, body(8, 4)).await {
+                Err(ClientError::Refused {
+                    reason: PublishRefusalReason::SequenceExpired,
+                    ..
+                }) => {}
+                other => panic!("expected sequence_expired, got {other:?}"),
+            }
+        });
+        (
+            b.metric("felix_broker_producer_tables_from_snapshot_total")
+                .unwrap(),
+            b.metric("felix_broker_producer_table_read_bytes_total")
+                .unwrap(),
+        )
+    };
+    // A crash: the snapshot housekeeping saved last, then the log after it.
+    b.kill();
+    b.restart().unwrap();
+    let (from_snapshot, read) = decide_as_the_whole_log(&b, 410);
+    eprintln!(
+        "after a crash: {from_snapshot} table(s) from a snapshot, {read} bytes read of ~{log_bytes}"
+    );
+    assert_eq!(from_snapshot, 1);
+    assert!(
+        read < log_bytes / 3,
+        "read {read} bytes of a ~{log_bytes}-byte log"
+    );
+    // A clean stop saves the table as of the end: nothing is read after it.
+    assert!(b.terminate(Duration::from_secs(30)), "stopped cleanly");
+    b.restart().unwrap();
+    let (from_snapshot, read) = decide_as_the_whole_log(&b, 411);
+    eprintln!("after a clean stop: {from_snapshot} table(s) from a snapshot, {read} bytes read");
+    assert_eq!((from_snapshot, read), (1, 0));
+}
+
 /// Requests on one client share a stream, one at a time. A request dropped part way
 /// (a caller's timeout, a cancelled task) left its answer on that stream, and every
 /// later request took the answer before its own: a `cache_get` answered with a

@@ -22,6 +22,8 @@ type Outcome = Pin<Box<dyn std::future::Future<Output = Result<Appended, BrokerE
 
 /// How long a re-send of a batch still being written is told to wait.
 const IN_FLIGHT_RETRY: &str = "in_flight";
+/// The name of the snapshot of a stream shard's producer table beside its log.
+const PRODUCERS_SNAPSHOT: &str = "producers";
 
 impl CoreBroker {
     /// An idempotent publish of batch `tag = (producer_id, sequence)` on this (the
@@ -267,7 +269,13 @@ impl CoreBroker {
     async fn read_producers(&self, shard: &StreamShard) -> Result<(), BrokerError> {
         let fresh = || ProducerTable::at(shard.log.base_offset());
         let mut epoch = shard.producers_epoch.get();
-        let mut table = shard.producers.borrow_mut().take().unwrap_or_else(fresh);
+        let taken = shard.producers.borrow_mut().take();
+        let mut table = match taken {
+            Some(t) => t,
+            // A cut while it loads makes the loop below start from the base.
+            None => self.load_producers(shard).await,
+        };
+        let mut read = 0u64;
         let mut idle = 0u32;
         loop {
             if shard.producers_epoch.get() != epoch {
@@ -302,6 +310,11 @@ impl CoreBroker {
                     }
                     Err(e) => return Err(e.into()),
                 };
+                read += batches
+                    .iter()
+                    .flat_map(|b| &b.records)
+                    .map(|r| r.len() as u64)
+                    .sum::<u64>();
                 if shard.producers_epoch.get() == epoch {
                     table.apply_batches(&batches, durable);
                 }
@@ -318,6 +331,96 @@ impl CoreBroker {
         // No wait since the checks above: the table covers every claim.
         *shard.producers.borrow_mut() = Some(table);
         shard.untagged_from.set(None);
+        self.metrics
+            .producer_table_read_bytes
+            .fetch_add(read, std::sync::atomic::Ordering::Relaxed);
+        // What this build read, the next one after a crash need not: due once it was
+        // a snapshot's worth.
+        let size = shard.log.size_bytes();
+        shard
+            .producers_snapshot_mark
+            .set((shard.producers_snapshot_mark.get().min(size)).min(size.saturating_sub(read)));
         Ok(())
+    }
+
+    /// The table `shard`'s producer snapshot describes, trimmed to the log's base (the
+    /// log is read on from the snapshot's offset); an empty one at the base when there
+    /// is none or it cannot be read.
+    async fn load_producers(&self, shard: &StreamShard) -> ProducerTable {
+        let base = shard.log.base_offset();
+        match shard.log.load_snapshot(PRODUCERS_SNAPSHOT).await {
+            Ok(Some((as_of, body))) => match ProducerTable::from_snapshot(as_of, &body) {
+                Some(mut t) => {
+                    t.trim_below(shard.log.base_offset());
+                    self.metrics
+                        .producer_tables_from_snapshot
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    t
+                }
+                None => {
+                    tracing::warn!(shard = %shard.key, as_of, "a producer snapshot it cannot read: reading the whole log");
+                    ProducerTable::at(base)
+                }
+            },
+            Ok(None) => ProducerTable::at(base),
+            Err(e) => {
+                tracing::warn!(shard = %shard.key, error = %e, "reading the producer snapshot: reading the whole log");
+                ProducerTable::at(base)
+            }
+        }
+    }
+
+    /// Saves the producer table of every shard whose log grew by
+    /// `producer_snapshot_bytes` since its last save (a build after a crash reads about
+    /// that much of the log, where it read the whole log before; a clean close, or a
+    /// shard handed to another core, saves it too).
+    pub(super) async fn snapshot_producers(&self) {
+        let every = self.shared.producer_snapshot_bytes;
+        let due: Vec<Rc<StreamShard>> = self
+            .streams
+            .borrow()
+            .values()
+            .filter_map(|slot| match slot {
+                Slot::Ready(s) => {
+                    let size = s.log.size_bytes();
+                    let grown = size.saturating_sub(s.producers_snapshot_mark.get().min(size));
+                    (grown >= every && s.producers.borrow().is_some()).then(|| s.clone())
+                }
+                _ => None,
+            })
+            .collect();
+        for s in due {
+            self.save_producers(&s).await;
+        }
+    }
+
+    /// Saves `shard`'s producer table (when it has one) as of the end of what its log
+    /// acknowledged: a later build starts from it and reads only the log after it.
+    pub(super) async fn save_producers(&self, shard: &StreamShard) {
+        let (as_of, body) = {
+            let table = shard.producers.borrow();
+            let Some(t) = table.as_ref() else { return };
+            let as_of = shard.log.committed_end().min(t.end());
+            (as_of, t.snapshot(as_of))
+        };
+        let size = shard.log.size_bytes();
+        // No wait since the table was read: the log refuses a save across a cut.
+        match shard
+            .log
+            .save_snapshot(PRODUCERS_SNAPSHOT, as_of, &body)
+            .await
+        {
+            Ok(()) => {
+                shard.producers_snapshot_mark.set(size);
+                self.metrics
+                    .producer_snapshots_saved
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            // Closed meanwhile (moved, deleted), or cut: the next round tries again.
+            Err(
+                felix_storage_uring::StorageError::Closed | felix_storage_uring::StorageError::Busy,
+            ) => {}
+            Err(e) => tracing::warn!(shard = %shard.key, error = %e, "saving the producer table"),
+        }
     }
 }
