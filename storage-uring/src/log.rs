@@ -127,8 +127,8 @@
 //!    its cut, and a reset every one, durably and before appends resume (6d, under
 //!    the metadata turn, so a save in progress is installed first and removed then; a
 //!    save whose state was derived before a cut is refused `Busy`); an open removes
-//!    those past the end recovery found, and damaged ones, before the first append.
-//!    `load_snapshot` hands back none past `next_offset()`.
+//!    those outside `[base, end]` recovery found, and damaged ones, before the first
+//!    append. `load_snapshot` hands back none outside `[base_offset(), next_offset()]`.
 
 use std::cell::{OnceCell, RefCell};
 use std::collections::{BTreeMap, VecDeque};
@@ -722,9 +722,13 @@ impl<B: Backend> SegmentLog<B> {
         let (segments, mut report) = recover(&backend, &config).await?;
         if !config.read_only {
             // Before the first append: a snapshot past the end describes a tail a crash
-            // took (or a truncation it interrupted).
-            let end = segments.back().map(|s| s.end_offset);
-            snapshot::remove_past(&backend, end)
+            // took (or a truncation it interrupted), one below the base the old life of
+            // a reset it interrupted.
+            let keep = match (segments.front(), segments.back()) {
+                (Some(first), Some(last)) => Some(first.base..=last.end_offset),
+                _ => None,
+            };
+            snapshot::remove_outside(&backend, keep)
                 .await
                 .map_err(|(op, e)| StorageError::io(op, "log directory", e))?;
         }

@@ -66,6 +66,27 @@ fn a_snapshot_is_handed_back_as_saved_across_a_reopen_and_only_within_the_log() 
 }
 
 #[test]
+fn a_snapshot_retention_left_below_the_base_is_not_handed_back() {
+    run(|| async {
+        let (log, _) = SegmentLog::open(MemBackend::new(), small_segments())
+            .await
+            .unwrap();
+        let starts = fill(&log, 0, 40).await;
+        log.save_snapshot("state", starts[20], b"early")
+            .await
+            .unwrap();
+        fill(&log, 0, 160).await;
+        let removed = log
+            .enforce_retention_below(0, Some(100_000), None, u64::MAX)
+            .await
+            .unwrap();
+        assert!(removed > 0 && log.base_offset() > starts[20], "{removed}");
+        assert_eq!(snapshot(&log).await, None);
+        log.close().await.unwrap();
+    });
+}
+
+#[test]
 fn a_truncation_below_a_snapshot_removes_it_durably_before_appends_resume() {
     run(|| async {
         let mem = MemBackend::new();
@@ -198,6 +219,47 @@ fn a_reset_removes_every_snapshot_and_an_open_a_damaged_one() {
         assert_eq!(snapshot(&log).await, None);
         assert_eq!(mem.contents("state.snap"), None);
         log.close().await.unwrap();
+    });
+}
+
+#[test]
+fn a_fault_and_crash_in_a_reset_never_leave_a_snapshot_of_the_old_life() {
+    run(|| async {
+        let mut outcomes = [0usize; 2];
+        for op in [
+            MemOp::Write,
+            MemOp::Sync,
+            MemOp::SyncDir,
+            MemOp::Rename,
+            MemOp::Truncate,
+        ] {
+            for skip in 0..4 {
+                let mem = MemBackend::new();
+                let cfg = LogConfig::default();
+                let (log, _) = SegmentLog::open(mem.clone(), cfg.clone()).await.unwrap();
+                log.reset_empty_at(10).await.unwrap();
+                log.save_snapshot("state", 10, b"old life").await.unwrap();
+                mem.fail_with(op, libc::EIO, skip, FaultTimes::Once);
+                let result = log.reset_empty_at(77).await;
+                mem.clear_faults();
+                let case = format!("{op:?} after {skip}: {result:?}");
+                let mem2 = mem.crash();
+                let (log2, _) = SegmentLog::open(mem2.clone(), cfg.clone())
+                    .await
+                    .expect("recovery succeeds");
+                let reset = log2.base_offset() == 77;
+                // Not handed back, and not left on disk either.
+                assert_eq!(mem2.contents("state.snap").is_some(), !reset, "{case}");
+                outcomes[usize::from(reset)] += 1;
+                let want = (!reset).then(|| (10, b"old life".to_vec()));
+                assert_eq!(snapshot(&log2).await, want, "{case}");
+                log2.close().await.unwrap();
+            }
+        }
+        assert!(
+            outcomes[0] > 0 && outcomes[1] > 0,
+            "faults landed both before and after the commit point: {outcomes:?}"
+        );
     });
 }
 

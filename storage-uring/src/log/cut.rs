@@ -444,7 +444,10 @@ impl<B: Backend> SegmentLog<B> {
         self.cut_memory(offset, &plan);
         let disk = match self.cut_disk(&plan).await {
             // Before appends resume: a snapshot past the cut describes records gone.
-            Ok(()) => self.remove_snapshots_past(Some(offset)).await,
+            Ok(()) => {
+                self.remove_snapshots_outside(Some(self.base_offset()..=offset))
+                    .await
+            }
             failed => failed,
         };
         hold.finish(disk).await
@@ -486,7 +489,7 @@ impl<B: Backend> SegmentLog<B> {
             Ok(segment) => {
                 self.reset_memory(segment);
                 // Whatever they describe is not this log's.
-                self.remove_snapshots_past(None).await
+                self.remove_snapshots_outside(None).await
             }
             Err(e) => Err(e),
         };

@@ -5,11 +5,14 @@
 //! What must stay true: a snapshot the log hands back describes the records below its
 //! offset that the log holds now. Records below it are never replaced without the
 //! snapshot going first: a truncation below it removes it before appends resume, a
-//! reset removes every one, and an open removes one past the end recovery found (a crash
-//! took the tail it described) before the first append. A damaged file is never handed
-//! back; a missing one means "read the log".
+//! reset removes every one, and an open removes, before the first append, one past the
+//! end recovery found (a crash took the tail it described) or below the base (a reset
+//! the crash interrupted and recovery finished: a snapshot of the old life). Only one
+//! within `[base, next_offset]` is handed back; a damaged one never is; a missing one
+//! means "read the log".
 
 use std::io;
+use std::ops::RangeInclusive;
 
 use super::SegmentLog;
 use super::meta::{check_meta_name, install, write_temp};
@@ -117,9 +120,10 @@ impl<B: Backend> SegmentLog<B> {
             .map_err(|(op, e)| StorageError::io(op, &file, e))
     }
 
-    /// Snapshot `name` as `(as_of, body)`: `None` when there is none, or it is damaged.
-    /// `as_of` is at most `next_offset()`, and may lie below `base_offset()` (retention
-    /// removed records it describes since it was saved).
+    /// Snapshot `name` as `(as_of, body)`: `None` when there is none, it is damaged, or
+    /// `as_of` lies outside `[base_offset(), next_offset()]` (below: retention removed
+    /// what follows it, and the log holds nothing to read on from it; the records below
+    /// `as_of` it describes may be gone too, which the caller must forget).
     pub async fn load_snapshot(&self, name: &str) -> Result<Option<(u64, Vec<u8>)>, StorageError> {
         let file = file_name(name)?;
         let Some(bytes) = self
@@ -131,27 +135,28 @@ impl<B: Backend> SegmentLog<B> {
         else {
             return Ok(None);
         };
+        let within = self.base_offset()..=self.next_offset();
         Ok(decode(&bytes)
-            .filter(|(as_of, _)| *as_of <= self.next_offset())
+            .filter(|(as_of, _)| within.contains(as_of))
             .map(|(as_of, body)| (as_of, body.to_vec())))
     }
 
-    /// Removes every snapshot saved as of an offset past `end` (every one: `None`), and
-    /// every damaged one, durably (the directory fsynced when one went), under the
+    /// Removes every snapshot saved as of an offset outside `keep` (every one: `None`),
+    /// and every damaged one, durably (the directory fsynced when one went), under the
     /// metadata turn.
-    pub(super) async fn remove_snapshots_past(
+    pub(super) async fn remove_snapshots_outside(
         &self,
-        end: Option<u64>,
+        keep: Option<RangeInclusive<u64>>,
     ) -> Result<(), (&'static str, io::Error)> {
         let _turn = self.meta_turn().await;
-        remove_past(&self.shared.backend, end).await
+        remove_outside(&self.shared.backend, keep).await
     }
 }
 
-/// [`SegmentLog::remove_snapshots_past`], at open (before the log exists) as well.
-pub(super) async fn remove_past<B: Backend>(
+/// [`SegmentLog::remove_snapshots_outside`], at open (before the log exists) as well.
+pub(super) async fn remove_outside<B: Backend>(
     backend: &B,
-    end: Option<u64>,
+    keep: Option<RangeInclusive<u64>>,
 ) -> Result<(), (&'static str, io::Error)> {
     let mut removed = false;
     for name in backend.list().await.map_err(|e| ("list", e))? {
@@ -159,9 +164,8 @@ pub(super) async fn remove_past<B: Backend>(
             continue;
         }
         let stale = match backend.read_small(&name).await {
-            Ok(Some(bytes)) => {
-                decode(&bytes).is_none_or(|(as_of, _)| end.is_none_or(|end| as_of > end))
-            }
+            Ok(Some(bytes)) => decode(&bytes)
+                .is_none_or(|(as_of, _)| keep.as_ref().is_none_or(|k| !k.contains(&as_of))),
             Ok(None) => false,
             Err(e) => return Err(("read snapshot", e)),
         };
