@@ -3683,14 +3683,20 @@ impl CoreBroker {
         {
             task::sleep(std::time::Duration::from_millis(1)).await;
         }
+        let ready = match self.streams.borrow().get(key) {
+            Some(Slot::Ready(s)) => Some(s.clone()),
+            _ => None,
+        };
+        if let Some(s) = ready {
+            // The core that opens it next builds the table from here on. Saved while
+            // the slot still holds the log: a request coming meanwhile finds it, not an
+            // empty slot from which it would open the same log a second time.
+            self.save_producers(&s).await;
+        }
         let stream = self.streams.borrow_mut().remove(key);
         let cache = self.caches.borrow_mut().remove(key);
         // Its sync counts move to this core's closed-log total at once (a sample taken
         // while it closes must not fall short), and what closing adds after.
-        if let Some(Slot::Ready(s)) = &stream {
-            // The core that opens it next builds the table from here on.
-            self.save_producers(s).await;
-        }
         let counted = match &stream {
             Some(Slot::Ready(s)) => {
                 let st = s.log.stats();

@@ -394,16 +394,20 @@ impl CoreBroker {
         }
     }
 
-    /// Saves `shard`'s producer table (when it has one) as of the end of what its log
-    /// acknowledged: a later build starts from it and reads only the log after it.
+    /// Saves `shard`'s producer table (when it has one, and the log grew since the last
+    /// save) as of the end of what its log acknowledged: a later build starts from it and
+    /// reads only the log after it.
     pub(super) async fn save_producers(&self, shard: &StreamShard) {
+        let size = shard.log.size_bytes();
+        if shard.producers_snapshot_mark.get() == size {
+            return;
+        }
         let (as_of, body) = {
             let table = shard.producers.borrow();
             let Some(t) = table.as_ref() else { return };
             let as_of = shard.log.committed_end().min(t.end());
             (as_of, t.snapshot(as_of))
         };
-        let size = shard.log.size_bytes();
         // No wait since the table was read: the log refuses a save across a cut.
         match shard
             .log
