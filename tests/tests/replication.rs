@@ -2135,6 +2135,11 @@ fn a_cache_watch_follows_its_shard_across_planned_moves() {
     })
     .unwrap();
     let script = sdk_script(&c, "watch_follow.py", "300");
+    let started = c.dir.path().join("watch_follow.started");
+    wait_for("the script's watch", Duration::from_secs(60), || {
+        started.exists().then_some(())
+    })
+    .unwrap();
     for _ in 0..2 {
         std::thread::sleep(Duration::from_millis(2000));
         let to = (leader + 1) % 3;
