@@ -195,6 +195,11 @@ pub struct StreamShard {
     /// The log's size when its producer table was last saved as a snapshot (or what the
     /// build of the table left unread).
     pub producers_snapshot_mark: Cell<u64>,
+    /// A follower stored a batch of an idempotent producer here this life: its table is
+    /// saved now and then though this core keeps none (a failover reads little).
+    pub producer_batches_stored: Cell<bool>,
+    /// Whether a task is reading the table to save it (a follower's copy).
+    pub saving_producers: Cell<bool>,
     /// The shard's consumer groups while this core leads it (built on first use).
     pub groups: RefCell<Option<std::rc::Rc<crate::groups::GroupShard>>>,
     /// Whether a task is building the groups.
@@ -246,6 +251,8 @@ impl StreamShard {
             untagged_from: Cell::new(None),
             producers_epoch: Cell::new(0),
             producers_snapshot_mark: Cell::new(size),
+            producer_batches_stored: Cell::new(false),
+            saving_producers: Cell::new(false),
             groups: RefCell::default(),
             building_groups: std::cell::Cell::new(false),
             handed_groups: RefCell::default(),

@@ -1831,6 +1831,129 @@ fn replicated_state_outlives_retention_on_every_replica_and_a_leader_kill() {
     let _ = &mut c;
 }
 
+/// A follower saves the producer table of a stream it copies (read from its last save
+/// and the log after it), so the successor of a killed leader builds its table from
+/// that save and reads little of its log, and decides re-sends as the whole log would.
+#[test]
+fn a_successor_builds_its_producer_table_from_its_own_snapshot() {
+    let mut c = cluster_with("producer_snapshot_bytes: 65536\nhousekeeping_ms: 50\n");
+    c.create_stream("idem-snap", 1, 3, "Quorum").unwrap();
+    let leader_of = |c: &TestCluster| leader_and_generation(c, "stream", Some("idem-snap"));
+    let (leader, generation) =
+        wait_for("a leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
+    let via = (leader + 1) % 3;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let connect = |c: &TestCluster| {
+        let (addr, config) = (c.brokers[via].listen, c.client_config().unwrap());
+        async move {
+            felix_client::Client::connect(addr, "localhost", config)
+                .await
+                .unwrap()
+        }
+    };
+    let body = |producer: u64, seq: u64| {
+        let mut v = format!("{producer}-{seq}-").into_bytes();
+        v.resize(1000, b'x');
+        bytes::Bytes::from(v)
+    };
+    // Retried through the leader's first generation and the failover.
+    let publish = |client: &felix_client::Client, producer: u64, seq: u64, b: bytes::Bytes| {
+        let client = client.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let r = client
+                    .publish_idempotent(
+                        TENANT,
+                        NAMESPACE,
+                        "idem-snap",
+                        None,
+                        vec![b.clone()],
+                        producer,
+                        seq,
+                    )
+                    .await;
+                match r {
+                    Ok(o) => return Ok(o),
+                    Err(felix_client::ClientError::Refused { reason, .. }) => return Err(reason),
+                    Err(e) => {
+                        assert!(Instant::now() < deadline, "never went through: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }
+    };
+    let mut offsets = BTreeMap::new();
+    rt.block_on(async {
+        let client = connect(&c).await;
+        for seq in 0..3 {
+            offsets.insert(
+                (7, seq),
+                publish(&client, 7, seq, body(7, seq)).await.unwrap(),
+            );
+        }
+        for seq in 0..400 {
+            offsets.insert(
+                (8, seq),
+                publish(&client, 8, seq, body(8, seq)).await.unwrap(),
+            );
+        }
+    });
+    let followers: Vec<usize> = (0..3).filter(|n| *n != leader).collect();
+    let saved = |n: usize| {
+        c.brokers[n]
+            .metric("felix_broker_producer_snapshots_saved_total")
+            .unwrap_or(0)
+    };
+    wait_for("each follower's save", Duration::from_secs(30), || {
+        followers.iter().all(|n| saved(*n) >= 1).then_some(())
+    })
+    .unwrap();
+    let read_before: Vec<u64> = (0..3)
+        .map(|n| {
+            c.brokers[n]
+                .metric("felix_broker_producer_table_read_bytes_total")
+                .unwrap_or(0)
+        })
+        .collect();
+    c.brokers[leader].kill();
+    let (successor, _) = wait_for("a new leader", Duration::from_secs(30), || {
+        leader_of(&c).filter(|(l, g)| *l != leader && *g > generation)
+    })
+    .unwrap();
+    rt.block_on(async {
+        let client = connect(&c).await;
+        // Before the follower's save and after it: each answered from the log.
+        assert_eq!(
+            publish(&client, 7, 1, body(7, 1)).await.unwrap(),
+            offsets[&(7, 1)]
+        );
+        assert_eq!(
+            publish(&client, 8, 399, body(8, 399)).await.unwrap(),
+            offsets[&(8, 399)]
+        );
+        let next = publish(&client, 8, 400, body(8, 400)).await.unwrap();
+        assert!(next > offsets[&(8, 399)]);
+        assert_eq!(
+            publish(&client, 7, 5, body(7, 5)).await,
+            Err(felix_wire::message::PublishRefusalReason::SequenceGap {
+                expected: felix_wire::Sequence(3)
+            })
+        );
+    });
+    let from_snapshot = c.brokers[successor]
+        .metric("felix_broker_producer_tables_from_snapshot_total")
+        .unwrap();
+    let read = c.brokers[successor]
+        .metric("felix_broker_producer_table_read_bytes_total")
+        .unwrap()
+        - read_before[successor];
+    eprintln!("the successor built {from_snapshot} table(s) from a snapshot, reading {read} bytes");
+    assert_eq!(from_snapshot, 1);
+    assert!(read < 400_000 / 2, "read {read} bytes of a ~400 KB log");
+}
+
 #[test]
 fn an_idempotent_resend_after_a_leader_kill_is_answered_from_the_successors_log() {
     let mut c = cluster();

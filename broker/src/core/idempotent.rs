@@ -273,7 +273,15 @@ impl CoreBroker {
         let mut table = match taken {
             Some(t) => t,
             // A cut while it loads makes the loop below start from the base.
-            None => self.load_producers(shard).await,
+            None => {
+                let (t, from_snapshot) = self.load_producers(shard).await;
+                if from_snapshot {
+                    self.metrics
+                        .producer_tables_from_snapshot
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                t
+            }
         };
         let mut read = 0u64;
         let mut idle = 0u32;
@@ -344,37 +352,106 @@ impl CoreBroker {
     }
 
     /// The table `shard`'s producer snapshot describes, trimmed to the log's base (the
-    /// log is read on from the snapshot's offset); an empty one at the base when there
-    /// is none or it cannot be read.
-    async fn load_producers(&self, shard: &StreamShard) -> ProducerTable {
+    /// log is read on from the snapshot's offset), and true; an empty one at the base
+    /// and false when there is none or it cannot be read.
+    async fn load_producers(&self, shard: &StreamShard) -> (ProducerTable, bool) {
         let base = shard.log.base_offset();
         match shard.log.load_snapshot(PRODUCERS_SNAPSHOT).await {
             Ok(Some((as_of, body))) => match ProducerTable::from_snapshot(as_of, &body) {
                 Some(mut t) => {
                     t.trim_below(shard.log.base_offset());
-                    self.metrics
-                        .producer_tables_from_snapshot
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    t
+                    (t, true)
                 }
                 None => {
                     tracing::warn!(shard = %shard.key, as_of, "a producer snapshot it cannot read: reading the whole log");
-                    ProducerTable::at(base)
+                    (ProducerTable::at(base), false)
                 }
             },
-            Ok(None) => ProducerTable::at(base),
+            Ok(None) => (ProducerTable::at(base), false),
             Err(e) => {
                 tracing::warn!(shard = %shard.key, error = %e, "reading the producer snapshot: reading the whole log");
-                ProducerTable::at(base)
+                (ProducerTable::at(base), false)
             }
+        }
+    }
+
+    /// Saves the table of a shard this core keeps none of (a follower's copy that
+    /// stored idempotent batches): read from its last snapshot and the log after it,
+    /// saved, dropped. So a failover to this copy reads the log after that save only.
+    fn save_stored_producers(self: &Rc<Self>, shard: Rc<StreamShard>) {
+        if shard.saving_producers.replace(true) {
+            return;
+        }
+        let this = self.clone();
+        task::spawn(async move {
+            this.read_and_save_producers(&shard).await;
+            shard.saving_producers.set(false);
+        })
+        .detach();
+    }
+
+    async fn read_and_save_producers(&self, shard: &StreamShard) {
+        // A cut while it reads (a follower's suffix replaced) leaves what was read
+        // describing records gone: nothing is saved then.
+        let (epoch, cuts) = (shard.producers_epoch.get(), shard.log.stats().cuts);
+        let cut = || shard.producers_epoch.get() != epoch || shard.log.stats().cuts != cuts;
+        let size = shard.log.size_bytes();
+        let (mut table, _) = self.load_producers(shard).await;
+        let end = shard.log.committed_end();
+        let mut read = 0u64;
+        while table.end() < end && !cut() {
+            match shard.log.read(table.end(), 4 << 20).await {
+                Ok(batches) if batches.is_empty() => break,
+                Ok(batches) => {
+                    read += batches
+                        .iter()
+                        .flat_map(|b| &b.records)
+                        .map(|r| r.len() as u64)
+                        .sum::<u64>();
+                    table.apply_batches(&batches, end);
+                }
+                Err(felix_storage_uring::StorageError::Trimmed { oldest, .. }) => {
+                    table.trim_below(oldest);
+                }
+                Err(e) => {
+                    tracing::debug!(shard = %shard.key, error = %e, "reading the producer table");
+                    return;
+                }
+            }
+        }
+        self.metrics
+            .producer_table_read_bytes
+            .fetch_add(read, std::sync::atomic::Ordering::Relaxed);
+        // Leading since (its own table saves itself), or cut: nothing to save.
+        if cut() || table.end() < end || shard.producers.borrow().is_some() {
+            return;
+        }
+        let as_of = table.end().min(shard.log.committed_end());
+        // No wait since the checks above.
+        match shard
+            .log
+            .save_snapshot(PRODUCERS_SNAPSHOT, as_of, &table.snapshot(as_of))
+            .await
+        {
+            Ok(()) => {
+                shard.producers_snapshot_mark.set(size);
+                self.metrics
+                    .producer_snapshots_saved
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(
+                felix_storage_uring::StorageError::Closed | felix_storage_uring::StorageError::Busy,
+            ) => {}
+            Err(e) => tracing::warn!(shard = %shard.key, error = %e, "saving the producer table"),
         }
     }
 
     /// Saves the producer table of every shard whose log grew by
     /// `producer_snapshot_bytes` since its last save (a build after a crash reads about
     /// that much of the log, where it read the whole log before; a clean close, or a
-    /// shard handed to another core, saves it too).
-    pub(super) async fn snapshot_producers(&self) {
+    /// shard handed to another core, saves it too). A follower's copy that stored
+    /// idempotent batches has its table read and saved in the background.
+    pub(super) async fn snapshot_producers(self: &Rc<Self>) {
         let every = self.shared.producer_snapshot_bytes;
         let due: Vec<Rc<StreamShard>> = self
             .streams
@@ -384,13 +461,18 @@ impl CoreBroker {
                 Slot::Ready(s) => {
                     let size = s.log.size_bytes();
                     let grown = size.saturating_sub(s.producers_snapshot_mark.get().min(size));
-                    (grown >= every && s.producers.borrow().is_some()).then(|| s.clone())
+                    let kept = s.producers.borrow().is_some() || s.producer_batches_stored.get();
+                    (grown >= every && kept).then(|| s.clone())
                 }
                 _ => None,
             })
             .collect();
         for s in due {
-            self.save_producers(&s).await;
+            if s.producers.borrow().is_some() {
+                self.save_producers(&s).await;
+            } else if !s.building_producers.get() {
+                self.save_stored_producers(s);
+            }
         }
     }
 

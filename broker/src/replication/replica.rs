@@ -302,6 +302,14 @@ impl ReplicaShard {
                 if let Some(end) = end {
                     self.machine.borrow_mut().handle_durable(end, now());
                 }
+                if let Held::Stream(s) = &self.held
+                    && batches
+                        .iter()
+                        .any(|b| b.kind == BatchKind::Data && b.producer.is_some())
+                {
+                    // Its producer table is saved now and then (housekeeping).
+                    s.producer_batches_stored.set(true);
+                }
                 if let Held::Cache(c) = &self.held {
                     // A compaction's cut marker: the prefix goes once it commits.
                     c.note_stored(
