@@ -137,7 +137,7 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
     (
         "felix_broker_producer_table_read_bytes_total",
         "counter",
-        "Record bytes read from logs to build idempotent-producer tables.",
+        "Record bytes read from logs to build idempotent-producer tables (a leader's, and a follower's to save).",
         |m| m.producer_table_read_bytes.load(Ordering::Relaxed),
     ),
     (

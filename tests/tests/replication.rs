@@ -1839,11 +1839,10 @@ fn a_successor_builds_its_producer_table_from_its_own_snapshot() {
     let mut c = cluster_with("producer_snapshot_bytes: 65536\nhousekeeping_ms: 50\n");
     c.create_stream("idem-snap", 1, 3, "Quorum").unwrap();
     let leader_of = |c: &TestCluster| leader_and_generation(c, "stream", Some("idem-snap"));
-    let (leader, generation) =
-        wait_for("a leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
+    let (leader, _) = wait_for("a leader", Duration::from_secs(20), || leader_of(&c)).unwrap();
     let via = (leader + 1) % 3;
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let connect = |c: &TestCluster| {
+    let connect = |c: &TestCluster, via: usize| {
         let (addr, config) = (c.brokers[via].listen, c.client_config().unwrap());
         async move {
             felix_client::Client::connect(addr, "localhost", config)
@@ -1886,7 +1885,7 @@ fn a_successor_builds_its_producer_table_from_its_own_snapshot() {
     };
     let mut offsets = BTreeMap::new();
     rt.block_on(async {
-        let client = connect(&c).await;
+        let client = connect(&c, via).await;
         for seq in 0..3 {
             offsets.insert(
                 (7, seq),
@@ -1900,16 +1899,32 @@ fn a_successor_builds_its_producer_table_from_its_own_snapshot() {
             );
         }
     });
+    // The leader now (an election during the publishes may have moved it).
+    let (leader, generation) = leader_of(&c).unwrap();
     let followers: Vec<usize> = (0..3).filter(|n| *n != leader).collect();
     let saved = |n: usize| {
         c.brokers[n]
             .metric("felix_broker_producer_snapshots_saved_total")
             .unwrap_or(0)
     };
-    wait_for("each follower's save", Duration::from_secs(30), || {
-        followers.iter().all(|n| saved(*n) >= 1).then_some(())
+    // Saves settle once the log stopped growing: each follower's last one is then
+    // within a save's worth (64 KB) of the end, and none is running.
+    let mut counts = Vec::new();
+    let mut stable_since = Instant::now();
+    wait_for("each follower's saves", Duration::from_secs(60), || {
+        let now: Vec<u64> = followers.iter().map(|n| saved(*n)).collect();
+        if now != counts {
+            (counts, stable_since) = (now, Instant::now());
+        }
+        (counts.iter().all(|s| *s >= 1) && stable_since.elapsed() > Duration::from_secs(1))
+            .then_some(())
     })
     .unwrap();
+    assert_eq!(
+        leader_of(&c),
+        Some((leader, generation)),
+        "the leader stayed while the followers saved"
+    );
     let read_before: Vec<u64> = (0..3)
         .map(|n| {
             c.brokers[n]
@@ -1923,7 +1938,7 @@ fn a_successor_builds_its_producer_table_from_its_own_snapshot() {
     })
     .unwrap();
     rt.block_on(async {
-        let client = connect(&c).await;
+        let client = connect(&c, successor).await;
         // Before the follower's save and after it: each answered from the log.
         assert_eq!(
             publish(&client, 7, 1, body(7, 1)).await.unwrap(),
@@ -1950,7 +1965,7 @@ fn a_successor_builds_its_producer_table_from_its_own_snapshot() {
         .unwrap()
         - read_before[successor];
     eprintln!("the successor built {from_snapshot} table(s) from a snapshot, reading {read} bytes");
-    assert_eq!(from_snapshot, 1);
+    assert!(from_snapshot >= 1);
     assert!(read < 400_000 / 2, "read {read} bytes of a ~400 KB log");
 }
 

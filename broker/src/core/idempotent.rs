@@ -396,11 +396,13 @@ impl CoreBroker {
         let (epoch, cuts) = (shard.producers_epoch.get(), shard.log.stats().cuts);
         let cut = || shard.producers_epoch.get() != epoch || shard.log.stats().cuts != cuts;
         let size = shard.log.size_bytes();
+        // Whatever comes of it, the next try waits for the log to grow as much again.
+        shard.producers_snapshot_mark.set(size);
         let (mut table, _) = self.load_producers(shard).await;
         let end = shard.log.committed_end();
         let mut read = 0u64;
         while table.end() < end && !cut() {
-            match shard.log.read(table.end(), 4 << 20).await {
+            match shard.log.read_to(table.end(), end, 4 << 20).await {
                 Ok(batches) if batches.is_empty() => break,
                 Ok(batches) => {
                     read += batches
@@ -428,22 +430,8 @@ impl CoreBroker {
         }
         let as_of = table.end().min(shard.log.committed_end());
         // No wait since the checks above.
-        match shard
-            .log
-            .save_snapshot(PRODUCERS_SNAPSHOT, as_of, &table.snapshot(as_of))
-            .await
-        {
-            Ok(()) => {
-                shard.producers_snapshot_mark.set(size);
-                self.metrics
-                    .producer_snapshots_saved
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            Err(
-                felix_storage_uring::StorageError::Closed | felix_storage_uring::StorageError::Busy,
-            ) => {}
-            Err(e) => tracing::warn!(shard = %shard.key, error = %e, "saving the producer table"),
-        }
+        self.write_producers(shard, as_of, &table.snapshot(as_of), size)
+            .await;
     }
 
     /// Saves the producer table of every shard whose log grew by
@@ -490,19 +478,28 @@ impl CoreBroker {
             let as_of = shard.log.committed_end().min(t.end());
             (as_of, t.snapshot(as_of))
         };
-        // No wait since the table was read: the log refuses a save across a cut.
+        // No wait since the table was read.
+        self.write_producers(shard, as_of, &body, size).await;
+    }
+
+    /// Saves `body`, `shard`'s table as of `as_of` (derived with no wait since: the log
+    /// refuses a save across a cut), noting the log's `size` then: saved or not, the
+    /// next try comes once the log grew by another `producer_snapshot_bytes` (a save
+    /// failing for good, a full disk say, would otherwise read a follower's log back
+    /// every round).
+    async fn write_producers(&self, shard: &StreamShard, as_of: u64, body: &[u8], size: u64) {
+        shard.producers_snapshot_mark.set(size);
         match shard
             .log
-            .save_snapshot(PRODUCERS_SNAPSHOT, as_of, &body)
+            .save_snapshot(PRODUCERS_SNAPSHOT, as_of, body)
             .await
         {
             Ok(()) => {
-                shard.producers_snapshot_mark.set(size);
                 self.metrics
                     .producer_snapshots_saved
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-            // Closed meanwhile (moved, deleted), or cut: the next round tries again.
+            // Closed meanwhile (moved, deleted), or cut.
             Err(
                 felix_storage_uring::StorageError::Closed | felix_storage_uring::StorageError::Busy,
             ) => {}
