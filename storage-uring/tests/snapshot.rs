@@ -110,55 +110,81 @@ fn a_truncation_below_a_snapshot_removes_it_durably_before_appends_resume() {
     });
 }
 
+/// For each I/O step and each of the first `skips` calls of it: opens a fresh log,
+/// runs `setup` on it, fails that call once during `act`, crashes, reopens and hands the
+/// reopened log (and its backend) to `check`, which says whether `act` took effect.
+/// Asserts the faults landed on both sides of `act`'s commit point.
+async fn after_each_fault_and_crash<T>(
+    cfg: LogConfig,
+    skips: u64,
+    setup: impl AsyncFn(&SegmentLog<MemBackend>) -> T,
+    act: impl AsyncFn(&SegmentLog<MemBackend>, &T) -> Result<(), StorageError>,
+    check: impl AsyncFn(MemBackend, SegmentLog<MemBackend>, &T, &str) -> bool,
+) {
+    let mut outcomes = [0usize; 2];
+    for op in [
+        MemOp::Write,
+        MemOp::Sync,
+        MemOp::Truncate,
+        MemOp::SyncDir,
+        MemOp::Rename,
+    ] {
+        for skip in 0..skips {
+            let mem = MemBackend::new();
+            let (log, _) = SegmentLog::open(mem.clone(), cfg.clone()).await.unwrap();
+            let state = setup(&log).await;
+            mem.fail_with(op, libc::EIO, skip, FaultTimes::Once);
+            let result = act(&log, &state).await;
+            mem.clear_faults();
+            let case = format!("{op:?} after {skip}: {result:?}");
+            let mem2 = mem.crash();
+            let (log2, _) = SegmentLog::open(mem2.clone(), cfg.clone())
+                .await
+                .expect("recovery succeeds");
+            let took_effect = check(mem2, log2, &state, &case).await;
+            outcomes[usize::from(took_effect)] += 1;
+        }
+    }
+    assert!(
+        outcomes[0] > 0 && outcomes[1] > 0,
+        "faults landed both before and after the commit point: {outcomes:?}"
+    );
+}
+
 #[test]
 fn a_fault_and_crash_in_a_truncation_never_leave_a_stale_snapshot() {
     run(|| async {
-        let mut outcomes = [0usize; 2];
-        for op in [
-            MemOp::Write,
-            MemOp::Sync,
-            MemOp::Truncate,
-            MemOp::SyncDir,
-            MemOp::Rename,
-        ] {
-            for skip in 0..5 {
-                let mem = MemBackend::new();
-                let cfg = small_segments();
-                let (log, _) = SegmentLog::open(mem.clone(), cfg.clone()).await.unwrap();
-                let starts = fill(&log, 0, 100).await;
+        let cfg = small_segments();
+        after_each_fault_and_crash(
+            cfg.clone(),
+            5,
+            async |log| {
+                let starts = fill(log, 0, 100).await;
                 let end = log.committed_end();
                 log.save_snapshot("state", end, b"old").await.unwrap();
-                mem.fail_with(op, libc::EIO, skip, FaultTimes::Once);
-                let result = log.truncate_from(starts[50]).await;
-                mem.clear_faults();
-                let case = format!("{op:?} after {skip}: {result:?}");
-                let mem2 = mem.crash();
-                let (log2, _) = SegmentLog::open(mem2.clone(), cfg.clone())
-                    .await
-                    .expect("recovery succeeds");
-                let cut = log2.next_offset() == starts[50];
-                outcomes[usize::from(cut)] += 1;
-                if !cut {
-                    assert_eq!(log2.next_offset(), end, "{case}");
+                (starts, end)
+            },
+            async |log, (starts, _)| log.truncate_from(starts[50]).await,
+            async |mem, log, (starts, end), case| {
+                if log.next_offset() != starts[50] {
+                    assert_eq!(log.next_offset(), *end, "{case}");
                     assert_eq!(
-                        snapshot(&log2).await,
-                        Some((end, b"old".to_vec())),
+                        snapshot(&log).await,
+                        Some((*end, b"old".to_vec())),
                         "{case}"
                     );
-                    log2.close().await.unwrap();
-                    continue;
+                    log.close().await.unwrap();
+                    return false;
                 }
                 // The cut log takes other records at the snapshot's offsets.
-                fill(&log2, 1, 60).await;
-                let (log3, _) = SegmentLog::open(mem2.crash(), cfg.clone()).await.unwrap();
-                assert_eq!(snapshot(&log3).await, None, "{case}: stale snapshot kept");
-                log3.close().await.unwrap();
-            }
-        }
-        assert!(
-            outcomes[0] > 0 && outcomes[1] > 0,
-            "faults landed both before and after the commit point: {outcomes:?}"
-        );
+                fill(&log, 1, 60).await;
+                let (log2, _) = SegmentLog::open(mem.crash(), cfg.clone()).await.unwrap();
+                assert_eq!(snapshot(&log2).await, None, "{case}: stale snapshot kept");
+                log2.close().await.unwrap();
+                true
+            },
+        )
+        .await;
     });
 }
 
@@ -225,41 +251,25 @@ fn a_reset_removes_every_snapshot_and_an_open_a_damaged_one() {
 #[test]
 fn a_fault_and_crash_in_a_reset_never_leave_a_snapshot_of_the_old_life() {
     run(|| async {
-        let mut outcomes = [0usize; 2];
-        for op in [
-            MemOp::Write,
-            MemOp::Sync,
-            MemOp::SyncDir,
-            MemOp::Rename,
-            MemOp::Truncate,
-        ] {
-            for skip in 0..4 {
-                let mem = MemBackend::new();
-                let cfg = LogConfig::default();
-                let (log, _) = SegmentLog::open(mem.clone(), cfg.clone()).await.unwrap();
+        after_each_fault_and_crash(
+            LogConfig::default(),
+            4,
+            async |log| {
                 log.reset_empty_at(10).await.unwrap();
                 log.save_snapshot("state", 10, b"old life").await.unwrap();
-                mem.fail_with(op, libc::EIO, skip, FaultTimes::Once);
-                let result = log.reset_empty_at(77).await;
-                mem.clear_faults();
-                let case = format!("{op:?} after {skip}: {result:?}");
-                let mem2 = mem.crash();
-                let (log2, _) = SegmentLog::open(mem2.clone(), cfg.clone())
-                    .await
-                    .expect("recovery succeeds");
-                let reset = log2.base_offset() == 77;
+            },
+            async |log, _| log.reset_empty_at(77).await,
+            async |mem, log, _, case| {
+                let reset = log.base_offset() == 77;
                 // Not handed back, and not left on disk either.
-                assert_eq!(mem2.contents("state.snap").is_some(), !reset, "{case}");
-                outcomes[usize::from(reset)] += 1;
+                assert_eq!(mem.contents("state.snap").is_some(), !reset, "{case}");
                 let want = (!reset).then(|| (10, b"old life".to_vec()));
-                assert_eq!(snapshot(&log2).await, want, "{case}");
-                log2.close().await.unwrap();
-            }
-        }
-        assert!(
-            outcomes[0] > 0 && outcomes[1] > 0,
-            "faults landed both before and after the commit point: {outcomes:?}"
-        );
+                assert_eq!(snapshot(&log).await, want, "{case}");
+                log.close().await.unwrap();
+                reset
+            },
+        )
+        .await;
     });
 }
 

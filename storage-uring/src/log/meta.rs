@@ -104,6 +104,20 @@ impl<B: Backend> SegmentLog<B> {
     /// core opened the log) would replace what the new owner wrote, unseen by it.
     pub async fn write_meta(&self, name: &str, bytes: &[u8]) -> Result<(), StorageError> {
         check_meta_name(name)?;
+        self.replace_small_file(name, bytes, "write metadata", || Ok(()))
+            .await
+    }
+
+    /// Replaces the small file `file` with `bytes` under the metadata turn: refused on a
+    /// read-only log, on one closing or closed, and when `still_valid`, checked once the
+    /// turn is held, says no; written to a temporary, synced and renamed into place.
+    pub(super) async fn replace_small_file(
+        &self,
+        file: &str,
+        bytes: &[u8],
+        what: &'static str,
+        still_valid: impl FnOnce() -> Result<(), StorageError>,
+    ) -> Result<(), StorageError> {
         if self.shared.config.read_only {
             return Err(StorageError::Closed);
         }
@@ -114,13 +128,14 @@ impl<B: Backend> SegmentLog<B> {
                 return Err(StorageError::Closed);
             }
         }
+        still_valid()?;
         let backend = &self.shared.backend;
-        write_temp(backend, name, bytes)
+        write_temp(backend, file, bytes)
             .await
-            .map_err(|e| StorageError::io("write metadata", name, e))?;
-        install(backend, name)
+            .map_err(|e| StorageError::io(what, file, e))?;
+        install(backend, file)
             .await
-            .map_err(|(op, e)| StorageError::io(op, name, e))
+            .map_err(|(op, e)| StorageError::io(op, file, e))
     }
 
     /// The contents of the metadata file `name`; `None` if it was never written.

@@ -15,7 +15,7 @@ use std::io;
 use std::ops::RangeInclusive;
 
 use super::SegmentLog;
-use super::meta::{check_meta_name, install, write_temp};
+use super::meta::check_meta_name;
 use crate::error::StorageError;
 use crate::io::Backend;
 
@@ -96,28 +96,15 @@ impl<B: Backend> SegmentLog<B> {
                 high,
             });
         }
-        if self.shared.config.read_only {
-            return Err(StorageError::Closed);
-        }
-        // A truncation removes the snapshots it makes stale under this turn, so it sees
-        // this one installed or never written.
-        let _turn = self.meta_turn().await;
-        {
-            let st = self.shared.state.borrow();
-            if st.closing || st.closed {
-                return Err(StorageError::Closed);
-            }
-            if st.cuts != cuts {
+        // A truncation removes the snapshots it makes stale under the metadata turn, so
+        // it sees this one installed or never written.
+        self.replace_small_file(&file, &encode(as_of, body), "write snapshot", || {
+            if self.shared.state.borrow().cuts != cuts {
                 return Err(StorageError::Busy);
             }
-        }
-        let backend = &self.shared.backend;
-        write_temp(backend, &file, &encode(as_of, body))
-            .await
-            .map_err(|e| StorageError::io("write snapshot", &file, e))?;
-        install(backend, &file)
-            .await
-            .map_err(|(op, e)| StorageError::io(op, &file, e))
+            Ok(())
+        })
+        .await
     }
 
     /// Snapshot `name` as `(as_of, body)`: `None` when there is none, it is damaged, or
