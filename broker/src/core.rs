@@ -24,7 +24,7 @@ use felix_core_runtime::task;
 use felix_storage_uring::{Appended, DmaBackend, LogConfig, ReadBatch, SegmentLog};
 use felix_wire::message::{CursorErrorReason, StartPosition};
 use futures_channel::oneshot;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::auth::TenantKeys;
 use crate::catalog::{Catalog, CoreCatalog, Entry};
@@ -445,7 +445,11 @@ pub struct CoreMetrics {
     /// Producer tables built from a snapshot (then the log after it) rather than from
     /// the log's base.
     pub producer_tables_from_snapshot: AtomicU64,
-    /// Record bytes read from logs to build producer tables.
+    /// Cache watch reads answered from the log rather than the cache's recent changes
+    /// (a watcher catching up from behind them).
+    pub cache_watch_log_reads: AtomicU64,
+    /// Record bytes read from logs to build producer tables: a leader's before its first
+    /// idempotent publish, a follower's to save its table.
     pub producer_table_read_bytes: AtomicU64,
     /// Cross-core messages sent.
     pub mesh_sent: AtomicU64,
@@ -2474,6 +2478,7 @@ impl CoreBroker {
                 from,
                 retained,
             } => {
+                cache.watch_started();
                 let now = clock::now();
                 match from {
                     // Below the base, compaction or retention removed what lay between;
@@ -2513,28 +2518,45 @@ impl CoreBroker {
                 }
             }
             WatchReq::Next { filter, from, wait } => {
-                if from > cache.applied_end() {
-                    // A cut (above) since the watch started here: it ends lagged and
-                    // the client's next start resnapshots.
-                    return Err(BrokerError::ShardUnavailable("watch_past_end".into()));
-                }
-                if cache.applied_end() <= from {
-                    task::timeout(wait, cache.changed.changed()).await;
-                    // Looked at again after the wait: leadership lost and won back
-                    // meanwhile (a `Leader` cache's takeover may have cut what the
-                    // watcher saw), or the lease run out, is not read through.
-                    if let Some(rs) = &replica {
-                        if !rs.serving() || Some(rs.term()) != term {
-                            return Err(BrokerError::ShardUnavailable("not_ready".into()));
-                        }
-                        self.lease_read(rs)?;
-                    }
+                // Waits until a change the filter follows is applied, or `wait` ends:
+                // a watcher of a few keys of a busy cache is not answered nothing, and
+                // asked again, at every write of another key.
+                let deadline = Instant::now() + wait;
+                let mut from = from;
+                loop {
                     if from > cache.applied_end() {
+                        // A cut (above) since the watch started here: it ends lagged
+                        // and the client's next start resnapshots.
                         return Err(BrokerError::ShardUnavailable("watch_past_end".into()));
                     }
+                    if cache.applied_end() <= from {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        task::timeout(left, cache.changed.changed()).await;
+                        // Looked at again after the wait: leadership lost and won back
+                        // meanwhile (a `Leader` cache's takeover may have cut what the
+                        // watcher saw), or the lease run out, is not read through.
+                        if let Some(rs) = &replica {
+                            if !rs.serving() || Some(rs.term()) != term {
+                                return Err(BrokerError::ShardUnavailable("not_ready".into()));
+                            }
+                            self.lease_read(rs)?;
+                        }
+                        if from > cache.applied_end() {
+                            return Err(BrokerError::ShardUnavailable("watch_past_end".into()));
+                        }
+                    }
+                    let found = cache.changes(from, &filter, 1 << 20).await?;
+                    if found.from_log {
+                        self.metrics
+                            .cache_watch_log_reads
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    if !found.changes.is_empty() || found.next == from || Instant::now() >= deadline
+                    {
+                        return Ok(WatchAnswer::Changes(found.changes, found.next, cache.life));
+                    }
+                    from = found.next;
                 }
-                let (changes, next) = cache.changes(from, &filter, 1 << 20).await?;
-                Ok(WatchAnswer::Changes(changes, next, cache.life))
             }
         }
     }

@@ -135,6 +135,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         |m| m.producer_tables_from_snapshot.load(Ordering::Relaxed),
     ),
     (
+        "felix_broker_cache_watch_log_reads_total",
+        "counter",
+        "Cache watch reads answered from the log: watchers catching up from behind the cache's recent changes kept in memory.",
+        |m| m.cache_watch_log_reads.load(Ordering::Relaxed),
+    ),
+    (
         "felix_broker_producer_table_read_bytes_total",
         "counter",
         "Record bytes read from logs to build idempotent-producer tables (a leader's, and a follower's to save).",

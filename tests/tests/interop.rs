@@ -125,6 +125,22 @@ fn sdk_cache_watches_by_key_prefix_retained_and_from_an_offset() {
     run("watch.py", &[]);
 }
 
+/// Sixteen watchers of one cache taking 300 writes each see their changes in order,
+/// answered from the changes the broker keeps in memory: each watcher read the log once
+/// per write of any key of the cache (16 × 300 reads), every watcher woken by every
+/// write.
+#[test]
+fn sdk_many_watchers_of_a_busy_cache_are_answered_without_reading_the_log() {
+    let (b, _dir) = broker(&[]);
+    let out = run_python(&b, "watch_many.py", &[]).unwrap();
+    eprintln!("{}", expect_success("watch_many.py", &out).unwrap());
+    let reads = b
+        .metric("felix_broker_cache_watch_log_reads_total")
+        .unwrap();
+    eprintln!("{reads} watch reads from the log");
+    assert!(reads <= 16, "{reads} watch reads from the log");
+}
+
 #[test]
 fn health_and_metrics_endpoints_answer() {
     let (b, _dir) = broker(&[]);

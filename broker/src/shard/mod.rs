@@ -2,6 +2,8 @@
 //! shard (its log and the key index derived from it). Only the owning core touches
 //! them.
 
+mod recent;
+
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -14,6 +16,7 @@ use felix_storage_uring::{Appended, BatchKind, DmaBackend, ReadBatch, SegmentLog
 use felix_wire::{EventBatch, EventItem, Flags, Message, Offset};
 
 use crate::error::BrokerError;
+use recent::{Kept, Recent};
 
 /// The names a JSON event carries.
 #[derive(Debug)]
@@ -493,6 +496,9 @@ struct Projection {
     end: u64,
     /// The newest cut marker held: (its offset, the cut).
     cut_marker: Option<(u64, u64)>,
+    /// The changes applied recently, while the shard is watched: watchers that keep up
+    /// are answered from it, not the log. A rebuilt index starts without one.
+    recent: Option<Recent>,
 }
 
 /// Which keys a cache watch follows.
@@ -525,6 +531,17 @@ pub struct WatchChange {
     pub offset: u64,
     /// Absolute expiry in ms, 0 = never.
     pub expires_at_ms: u64,
+}
+
+/// What [`CacheShard::changes`] found.
+#[derive(Debug)]
+pub struct Changes {
+    /// The changes, in offset order.
+    pub changes: Vec<WatchChange>,
+    /// Where the next read starts.
+    pub next: u64,
+    /// Read from the log (the recent changes did not reach back far enough).
+    pub from_log: bool,
 }
 
 /// The metadata file holding a cache log's life (see [`life_of`]).
@@ -1479,17 +1496,45 @@ impl CacheShard {
         (values, self.applied_end())
     }
 
+    /// A watch begins on this shard: the recent changes are kept from now on (see
+    /// [`recent`]).
+    pub fn watch_started(&self) {
+        let mut state = self.state.borrow_mut();
+        let end = state.end;
+        state
+            .recent
+            .get_or_insert_with(|| Recent::new(end))
+            .watched();
+    }
+
     /// The puts and deletes the filter follows in `[from, applied end)`, at most about
-    /// `max_bytes` of log, and where the next read starts.
+    /// `max_bytes` of them (of log, when read from it), and where the next read starts:
+    /// from the recent changes when they reach back to `from`, else from the log.
     pub async fn changes(
         &self,
         from: u64,
         filter: &WatchFilter,
         max_bytes: usize,
-    ) -> Result<(Vec<WatchChange>, u64), BrokerError> {
+    ) -> Result<Changes, BrokerError> {
         let end = self.applied_end();
         if from >= end {
-            return Ok((Vec::new(), from));
+            return Ok(Changes {
+                changes: Vec::new(),
+                next: from,
+                from_log: false,
+            });
+        }
+        {
+            let mut state = self.state.borrow_mut();
+            let applied = state.end;
+            let recent = state.recent.get_or_insert_with(|| Recent::new(applied));
+            if let Some((changes, next)) = recent.read(from, end, filter, max_bytes) {
+                return Ok(Changes {
+                    changes,
+                    next,
+                    from_log: false,
+                });
+            }
         }
         let mut out = Vec::new();
         let mut next = from;
@@ -1528,7 +1573,11 @@ impl CacheShard {
             }
             next = b.end_offset().min(end);
         }
-        Ok((out, next.max(from)))
+        Ok(Changes {
+            changes: out,
+            next: next.max(from),
+            from_log: true,
+        })
     }
 
     /// The counter `key`: `None` when never written (which is not zero).
@@ -1695,6 +1744,11 @@ async fn replay(key: &ShardKey, log: &SegmentLog<DmaBackend>) -> Result<Projecti
 
 fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
     state.end = state.end.max(offset + 1);
+    if let Some(recent) = &mut state.recent
+        && recent.note(&rec, offset, state.end) == Kept::Unwatched
+    {
+        state.recent = None;
+    }
     match rec.op {
         RecordOp::Put => {
             let entry = CacheEntry {
@@ -1877,14 +1931,117 @@ mod tests {
             drop(shard);
             let shard = cache_in(dir.path()).await;
             let later = felix_core_runtime::clock::now();
-            let (changes, _) = shard
+            let changes = shard
                 .changes(watched_from, &WatchFilter::Prefix(String::new()), 64 << 20)
                 .await
-                .unwrap();
+                .unwrap()
+                .changes;
             let deleted = changes.iter().filter(|c| c.value.is_none()).count();
             assert_eq!(deleted, 300, "a delete for each expired value");
             assert!(shard.get("kept", later).is_some());
             assert!(shard.expired(later, 1000).is_empty());
+        });
+    }
+
+    /// Watchers answered from the recent changes get what the log holds: each put and
+    /// delete (an expiry's too) by filter, in order, from every position inside the
+    /// window, in pages, none of the counters' writes or a compaction's copies; and
+    /// nothing is read from the log for them.
+    #[test]
+    fn watchers_get_from_the_recent_changes_what_the_log_holds() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = cache_in(dir.path()).await;
+            let now = felix_core_runtime::clock::now();
+            shard
+                .put("early", Bytes::from_static(b"0"), None, now)
+                .await
+                .unwrap();
+            shard.watch_started();
+            let began = shard.applied_end();
+            for i in 0..40u64 {
+                let key = format!("{}:{}", ["a", "b"][i as usize % 2], i % 5);
+                match i % 4 {
+                    0 | 1 => {
+                        let v = Bytes::from(vec![i as u8; 300]);
+                        shard.put(&key, v, None, now).await.unwrap();
+                    }
+                    2 => {
+                        shard.delete(&key, now).await.unwrap();
+                    }
+                    _ => {
+                        shard.counter_add(&key, 1, now).await.unwrap();
+                    }
+                }
+            }
+            shard
+                .put("short", Bytes::from_static(b"s"), Some(1), now)
+                .await
+                .unwrap();
+            felix_core_runtime::task::sleep(std::time::Duration::from_millis(5)).await;
+            let later = felix_core_runtime::clock::now();
+            for (k, version) in shard.expired(later, 10) {
+                assert!(shard.expire(&k, version, later).await.unwrap());
+            }
+            let end = shard.applied_end();
+            let filters = [
+                WatchFilter::Prefix(String::new()),
+                WatchFilter::Prefix("a:".into()),
+                WatchFilter::Key("b:1".into()),
+                WatchFilter::Key("short".into()),
+            ];
+            // Pages of at most 1000 bytes, so bounded answers are compared too.
+            async fn all(
+                shard: &CacheShard,
+                mut from: u64,
+                f: &WatchFilter,
+            ) -> (Vec<WatchChange>, bool) {
+                let (mut out, mut logged) = (Vec::new(), false);
+                while from < shard.applied_end() {
+                    let got = shard.changes(from, f, 1000).await.unwrap();
+                    logged |= got.from_log;
+                    out.extend(got.changes);
+                    from = got.next;
+                }
+                (out, logged)
+            }
+            let mut recent = Vec::new();
+            for from in began..end {
+                for f in &filters {
+                    let (changes, logged) = all(&shard, from, f).await;
+                    assert!(!logged, "from {from}, {f:?}: read from the log");
+                    recent.push(changes);
+                }
+            }
+            assert!(
+                recent
+                    .iter()
+                    .any(|c| c.iter().any(|c| c.value.is_none() && c.key == "short")),
+                "the expiry's delete is a change"
+            );
+            drop(shard);
+            // The same positions read from the log of the reopened shard.
+            let shard = cache_in(dir.path()).await;
+            let mut logged = Vec::new();
+            for from in began..end {
+                for f in &filters {
+                    let (changes, read_log) = all(&shard, from, f).await;
+                    assert!(read_log || changes.is_empty());
+                    logged.push(changes);
+                }
+            }
+            assert_eq!(recent, logged);
+            // A compaction's copies are not changes.
+            shard.watch_started();
+            shard.compact(&LocalWrites(shard.log())).await.unwrap();
+            shard
+                .put("a:last", Bytes::from_static(b"z"), None, now)
+                .await
+                .unwrap();
+            let (after, read_log) = all(&shard, end, &filters[0]).await;
+            assert!(!read_log);
+            let keys: Vec<_> = after.iter().map(|c| c.key.as_str()).collect();
+            assert_eq!(keys, ["a:last"]);
         });
     }
 
