@@ -2478,7 +2478,7 @@ impl CoreBroker {
                 from,
                 retained,
             } => {
-                cache.watch_started();
+                cache.watch_waiting(Instant::now());
                 let now = clock::now();
                 match from {
                     // Below the base, compaction or retention removed what lay between;
@@ -2518,12 +2518,22 @@ impl CoreBroker {
                 }
             }
             WatchReq::Next { filter, from, wait } => {
-                // Waits until a change the filter follows is applied, or `wait` ends:
-                // a watcher of a few keys of a busy cache is not answered nothing, and
+                // Waits until a change the watch follows is applied, or `wait` ends: a
+                // watcher of a few keys of a busy cache is not answered nothing, and
                 // asked again, at every write of another key.
+                cache.watch_waiting(Instant::now());
                 let deadline = Instant::now() + wait;
                 let mut from = from;
                 loop {
+                    // Looked at before every read: leadership lost and won back
+                    // meanwhile (a `Leader` cache's takeover may have cut what the
+                    // watcher saw), or the lease run out, is not read through.
+                    if let Some(rs) = &replica {
+                        if !rs.serving() || Some(rs.term()) != term {
+                            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+                        }
+                        self.lease_read(rs)?;
+                    }
                     if from > cache.applied_end() {
                         // A cut (above) since the watch started here: it ends lagged
                         // and the client's next start resnapshots.
@@ -2531,19 +2541,13 @@ impl CoreBroker {
                     }
                     if cache.applied_end() <= from {
                         let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            return Ok(WatchAnswer::Changes(Vec::new(), from, cache.life));
+                        }
+                        // Woken by more than applied writes (a write claiming its turn,
+                        // one failing): looked at again.
                         task::timeout(left, cache.changed.changed()).await;
-                        // Looked at again after the wait: leadership lost and won back
-                        // meanwhile (a `Leader` cache's takeover may have cut what the
-                        // watcher saw), or the lease run out, is not read through.
-                        if let Some(rs) = &replica {
-                            if !rs.serving() || Some(rs.term()) != term {
-                                return Err(BrokerError::ShardUnavailable("not_ready".into()));
-                            }
-                            self.lease_read(rs)?;
-                        }
-                        if from > cache.applied_end() {
-                            return Err(BrokerError::ShardUnavailable("watch_past_end".into()));
-                        }
+                        continue;
                     }
                     let found = cache.changes(from, &filter, 1 << 20).await?;
                     if found.from_log {
@@ -3527,6 +3531,7 @@ impl CoreBroker {
                 core.enforce_retention().await;
                 core.remove_copies_left_while_down().await;
                 core.expire_cache_values().await;
+                core.forget_unwatched_changes();
                 core.cut_replicated_caches().await;
                 core.snapshot_idle_groups();
                 core.snapshot_producers().await;
@@ -3900,6 +3905,24 @@ impl CoreBroker {
                     Err(e) => {
                         tracing::debug!(shard = %cache.key, error = %e, "expiring a cache value");
                     }
+                }
+            }
+        }
+    }
+
+    /// Drops the recent changes kept for watchers of each cache no watch asked about for
+    /// [`crate::shard::RECENT_IDLE`] (see `shard/recent.rs`).
+    fn forget_unwatched_changes(&self) {
+        let now = Instant::now();
+        for slot in self.caches.borrow().values() {
+            if let Slot::Ready(c) = slot {
+                c.forget_recent_if_idle(now, crate::shard::RECENT_IDLE);
+            }
+        }
+        if let Some(replicas) = &self.replicas {
+            for rs in replicas.all() {
+                if let crate::replication::replica::Held::Cache(c) = &rs.held {
+                    c.forget_recent_if_idle(now, crate::shard::RECENT_IDLE);
                 }
             }
         }

@@ -16,7 +16,8 @@ use felix_storage_uring::{Appended, BatchKind, DmaBackend, ReadBatch, SegmentLog
 use felix_wire::{EventBatch, EventItem, Flags, Message, Offset};
 
 use crate::error::BrokerError;
-use recent::{Kept, Recent};
+pub use recent::RECENT_IDLE;
+use recent::Recent;
 
 /// The names a JSON event carries.
 #[derive(Debug)]
@@ -1496,15 +1497,29 @@ impl CacheShard {
         (values, self.applied_end())
     }
 
-    /// A watch begins on this shard: the recent changes are kept from now on (see
-    /// [`recent`]).
-    pub fn watch_started(&self) {
+    /// A watch begins on this shard, or asks for changes, at `now`: the recent changes
+    /// are kept from now on (see [`recent`]).
+    pub fn watch_waiting(&self, now: std::time::Instant) {
         let mut state = self.state.borrow_mut();
         let end = state.end;
         state
             .recent
-            .get_or_insert_with(|| Recent::new(end))
-            .watched();
+            .get_or_insert_with(|| Recent::new(end, now))
+            .watched(now);
+    }
+
+    /// Drops the recent changes when no watch asked for `idle` before `now`.
+    pub fn forget_recent_if_idle(&self, now: std::time::Instant, idle: std::time::Duration) {
+        let mut state = self.state.borrow_mut();
+        if state.recent.as_ref().is_some_and(|r| r.idle(now, idle)) {
+            state.recent = None;
+        }
+    }
+
+    /// Whether recent changes are kept (see [`recent`]).
+    #[cfg(test)]
+    fn keeps_recent(&self) -> bool {
+        self.state.borrow().recent.is_some()
     }
 
     /// The puts and deletes the filter follows in `[from, applied end)`, at most about
@@ -1527,7 +1542,9 @@ impl CacheShard {
         {
             let mut state = self.state.borrow_mut();
             let applied = state.end;
-            let recent = state.recent.get_or_insert_with(|| Recent::new(applied));
+            let recent = state
+                .recent
+                .get_or_insert_with(|| Recent::new(applied, std::time::Instant::now()));
             if let Some((changes, next)) = recent.read(from, end, filter, max_bytes) {
                 return Ok(Changes {
                     changes,
@@ -1743,11 +1760,10 @@ async fn replay(key: &ShardKey, log: &SegmentLog<DmaBackend>) -> Result<Projecti
 }
 
 fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
+    let before = state.end;
     state.end = state.end.max(offset + 1);
-    if let Some(recent) = &mut state.recent
-        && recent.note(&rec, offset, state.end) == Kept::Unwatched
-    {
-        state.recent = None;
+    if let Some(recent) = &mut state.recent {
+        recent.note(&rec, offset, before, state.end);
     }
     match rec.op {
         RecordOp::Put => {
@@ -1957,7 +1973,7 @@ mod tests {
                 .put("early", Bytes::from_static(b"0"), None, now)
                 .await
                 .unwrap();
-            shard.watch_started();
+            shard.watch_waiting(std::time::Instant::now());
             let began = shard.applied_end();
             for i in 0..40u64 {
                 let key = format!("{}:{}", ["a", "b"][i as usize % 2], i % 5);
@@ -2032,7 +2048,7 @@ mod tests {
             }
             assert_eq!(recent, logged);
             // A compaction's copies are not changes.
-            shard.watch_started();
+            shard.watch_waiting(std::time::Instant::now());
             shard.compact(&LocalWrites(shard.log())).await.unwrap();
             shard
                 .put("a:last", Bytes::from_static(b"z"), None, now)
@@ -2042,6 +2058,25 @@ mod tests {
             assert!(!read_log);
             let keys: Vec<_> = after.iter().map(|c| c.key.as_str()).collect();
             assert_eq!(keys, ["a:last"]);
+            // Unwatched for the idle time, the window goes, and a watcher reads the log
+            // (the changes applied meanwhile are not missed).
+            let t = std::time::Instant::now();
+            shard.forget_recent_if_idle(t, RECENT_IDLE);
+            assert!(shard.keeps_recent(), "watched just now");
+            shard.forget_recent_if_idle(t + RECENT_IDLE, RECENT_IDLE);
+            assert!(!shard.keeps_recent());
+            shard
+                .put("a:gone", Bytes::from_static(b"g"), None, now)
+                .await
+                .unwrap();
+            let (after, read_log) = all(&shard, end, &filters[0]).await;
+            assert!(read_log);
+            let keys: Vec<_> = after.iter().map(|c| c.key.as_str()).collect();
+            assert_eq!(keys, ["a:last", "a:gone"]);
+            // A rebuilt index starts without one.
+            shard.watch_waiting(std::time::Instant::now());
+            shard.rebuild().await.unwrap();
+            assert!(!shard.keeps_recent());
         });
     }
 

@@ -8,12 +8,15 @@
 //! watcher whose position lies inside it is answered from it, one behind it (resuming
 //! from an old offset, or fallen back past the bound) from the log, as before.
 //!
-//! The window exists only while the shard is watched: a watch's start or read makes it,
-//! and once [`RECENT_MAX_CHANGES`] changes were held with no watcher reading it goes
-//! (nobody watches). Values are copied in, so what the window holds is what it counts
-//! (a value sliced from a larger buffer would keep the whole buffer alive).
+//! The window exists only while the shard is watched: a watch's start makes it, each of
+//! a watch's requests marks it watched, and housekeeping drops it once no watch asked
+//! for [`RECENT_IDLE`]. A rebuilt index starts without one. Values are copied in, so
+//! what the window holds is what it counts (a value sliced from a larger buffer would
+//! keep the whole buffer alive). Each watched cache shard holds up to its own bound:
+//! there is no budget per core.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -23,6 +26,8 @@ use super::{CacheRecord, RecordOp, WatchChange, WatchFilter};
 pub const RECENT_MAX_CHANGES: usize = 65_536;
 /// Most bytes (keys, values and [`ENTRY_OVERHEAD`] each) the window holds.
 pub const RECENT_MAX_BYTES: usize = 8 << 20;
+/// How long a window is kept with no watch asking.
+pub const RECENT_IDLE: Duration = Duration::from_secs(10);
 /// What one change costs the window beyond its key and value.
 const ENTRY_OVERHEAD: usize = 64;
 
@@ -34,52 +39,52 @@ pub struct Recent {
     from: u64,
     changes: VecDeque<WatchChange>,
     bytes: usize,
-    /// Changes held since a watcher last read the window.
-    unread: usize,
-}
-
-/// What [`Recent::note`] asks of its owner.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Kept {
-    /// Keep the window.
-    Yes,
-    /// Nobody read it for [`RECENT_MAX_CHANGES`] changes: drop it.
-    Unwatched,
+    /// When a watch last asked.
+    watched_at: Instant,
 }
 
 impl Recent {
     /// An empty window whose changes begin at `end`, the applied end of the index it
-    /// follows (everything below it was applied before the window began).
-    pub fn new(end: u64) -> Recent {
+    /// follows (everything below it was applied before the window began), watched at
+    /// `now`.
+    pub fn new(end: u64, now: Instant) -> Recent {
         Recent {
             from: end,
             changes: VecDeque::new(),
             bytes: 0,
-            unread: 0,
+            watched_at: now,
         }
     }
 
-    /// Notes `rec`, applied at `offset`; `end` is the index's applied end after it.
-    pub fn note(&mut self, rec: &CacheRecord, offset: u64, end: u64) -> Kept {
-        let value = match rec.op {
-            // A compaction's copy restates a value; it is not a change.
-            RecordOp::Put if rec.carried.is_some() => return Kept::Yes,
-            RecordOp::Put => Some(Bytes::copy_from_slice(&rec.value)),
-            RecordOp::Delete => None,
-            RecordOp::Add(_) | RecordOp::Set(_) | RecordOp::Cut(_) => return Kept::Yes,
-        };
-        if offset < self.from || self.changes.back().is_some_and(|c| c.offset >= offset) {
+    /// Notes `rec`, applied at `offset` to an index whose applied end was `before` (and
+    /// is `after` now).
+    pub fn note(&mut self, rec: &CacheRecord, offset: u64, before: u64, after: u64) {
+        if offset < before {
             // Applied out of offset order, which the index does not do: start over past
             // it rather than hand a watcher changes out of order (behind, it reads the
             // log).
-            *self = Recent::new(end);
-            return Kept::Yes;
+            *self = Recent::new(after, self.watched_at);
+            return;
         }
-        self.unread += 1;
-        if self.unread > RECENT_MAX_CHANGES {
-            return Kept::Unwatched;
+        let value = match rec.op {
+            // A compaction's copy restates a value; it is not a change.
+            RecordOp::Put if rec.carried.is_some() => return,
+            RecordOp::Put => Some(Bytes::copy_from_slice(&rec.value)),
+            RecordOp::Delete => None,
+            RecordOp::Add(_) | RecordOp::Set(_) | RecordOp::Cut(_) => return,
+        };
+        let size = cost(&rec.key, value.as_ref());
+        // Room first, so the queue never grows past its bound.
+        while !self.changes.is_empty()
+            && (self.bytes + size > RECENT_MAX_BYTES || self.changes.len() >= RECENT_MAX_CHANGES)
+        {
+            let Some(c) = self.changes.pop_front() else {
+                break;
+            };
+            self.bytes -= cost(&c.key, c.value.as_ref());
+            self.from = c.offset + 1;
         }
-        self.bytes += cost(&rec.key, value.as_ref());
+        self.bytes += size;
         self.changes.push_back(WatchChange {
             key: rec.key.clone(),
             value,
@@ -90,14 +95,6 @@ impl Recent {
                 0
             },
         });
-        while self.bytes > RECENT_MAX_BYTES || self.changes.len() > RECENT_MAX_CHANGES {
-            let Some(c) = self.changes.pop_front() else {
-                break;
-            };
-            self.bytes -= cost(&c.key, c.value.as_ref());
-            self.from = c.offset + 1;
-        }
-        Kept::Yes
     }
 
     /// The changes `filter` follows in `[from, end)`, about `max_bytes` of them at
@@ -114,7 +111,6 @@ impl Recent {
         if from < self.from {
             return None;
         }
-        self.unread = 0;
         let start = self.changes.partition_point(|c| c.offset < from);
         let mut out = Vec::new();
         let mut bytes = 0;
@@ -134,9 +130,14 @@ impl Recent {
         Some((out, end.max(from)))
     }
 
-    /// Marks the window read (a watch began on it).
-    pub fn watched(&mut self) {
-        self.unread = 0;
+    /// A watch asked at `now`.
+    pub fn watched(&mut self, now: Instant) {
+        self.watched_at = self.watched_at.max(now);
+    }
+
+    /// Whether no watch asked for `idle` before `now`.
+    pub fn idle(&self, now: Instant, idle: Duration) -> bool {
+        now.saturating_duration_since(self.watched_at) >= idle
     }
 }
 
@@ -162,11 +163,16 @@ mod tests {
         WatchFilter::Prefix(String::new())
     }
 
+    /// Notes `rec` applied at `at`, the next offset.
+    fn next(r: &mut Recent, rec: &CacheRecord, at: u64) {
+        r.note(rec, at, at, at + 1);
+    }
+
     /// Puts and deletes are held in order and handed back by filter; counters and a
     /// compaction's copies are not changes; a position before the window is refused.
     #[test]
     fn the_window_holds_puts_and_deletes_from_where_it_began() {
-        let mut r = Recent::new(10);
+        let mut r = Recent::new(10, Instant::now());
         let del = CacheRecord {
             op: RecordOp::Delete,
             value: Bytes::new(),
@@ -180,22 +186,22 @@ mod tests {
             carried: Some(4),
             ..put("b", b"old")
         };
-        for (rec, at) in [(put("a", b"1"), 10), (add, 11), (put("b", b"2"), 12)] {
-            assert_eq!(r.note(&rec, at, at + 1), Kept::Yes);
-        }
-        r.note(&copy, 13, 14);
-        r.note(&del, 14, 15);
-        let (all, next) = r.read(10, 15, &every(), 1 << 20).unwrap();
+        next(&mut r, &put("a", b"1"), 10);
+        next(&mut r, &add, 11);
+        next(&mut r, &put("b", b"2"), 12);
+        next(&mut r, &copy, 13);
+        next(&mut r, &del, 14);
+        let (all, end) = r.read(10, 15, &every(), 1 << 20).unwrap();
         let seen: Vec<_> = all.iter().map(|c| (c.offset, c.value.is_some())).collect();
         assert_eq!(seen, [(10, true), (12, true), (14, false)]);
-        assert_eq!(next, 15);
+        assert_eq!(end, 15);
         let (a, _) = r
             .read(11, 15, &WatchFilter::Key("a".into()), 1 << 20)
             .unwrap();
         assert_eq!(a.iter().map(|c| c.offset).collect::<Vec<_>>(), [14]);
         // Nothing at or past the applied end is handed out.
-        let (upto, next) = r.read(10, 13, &every(), 1 << 20).unwrap();
-        assert_eq!((upto.len(), next), (2, 13));
+        let (upto, end) = r.read(10, 13, &every(), 1 << 20).unwrap();
+        assert_eq!((upto.len(), end), (2, 13));
         assert!(
             r.read(9, 15, &every(), 1 << 20).is_none(),
             "before the window"
@@ -205,9 +211,9 @@ mod tests {
     /// A bounded answer says where to go on from, and going on from there loses none.
     #[test]
     fn an_answer_over_its_bound_goes_on_where_it_stopped() {
-        let mut r = Recent::new(0);
+        let mut r = Recent::new(0, Instant::now());
         for i in 0..100u64 {
-            r.note(&put(&format!("k{i}"), &[7; 100]), i, i + 1);
+            next(&mut r, &put(&format!("k{i}"), &[7; 100]), i);
         }
         let (mut from, mut got) = (0, Vec::new());
         while from < 100 {
@@ -219,46 +225,61 @@ mod tests {
         assert_eq!(got, (0..100).collect::<Vec<_>>());
     }
 
-    /// Past its bounds the window lets its oldest changes go and refuses positions
-    /// before what it still holds; unread for a window's worth of changes, it asks to be
-    /// dropped.
+    /// Past its bounds the window lets its oldest changes go, never holding more than
+    /// them, and refuses positions before what it still holds.
     #[test]
-    fn the_window_is_bounded_and_dropped_when_nobody_reads_it() {
-        let mut r = Recent::new(0);
+    fn the_window_is_bounded_in_bytes_and_changes() {
+        let mut r = Recent::new(0, Instant::now());
         let big = vec![1u8; 1 << 20];
         for i in 0..10u64 {
-            assert_eq!(r.note(&put("k", &big), i, i + 1), Kept::Yes);
+            next(&mut r, &put("k", &big), i);
+            assert!(r.bytes <= RECENT_MAX_BYTES);
         }
-        assert!(r.bytes <= RECENT_MAX_BYTES);
         assert!(r.read(0, 10, &every(), usize::MAX).is_none());
         let (held, _) = r.read(r.from, 10, &every(), usize::MAX).unwrap();
         assert_eq!(held.first().map(|c| c.offset), Some(r.from));
         assert_eq!(held.len() as u64, 10 - r.from);
 
-        let mut r = Recent::new(0);
-        let mut at = 0;
-        for _ in 0..RECENT_MAX_CHANGES {
-            assert_eq!(r.note(&put("k", b"v"), at, at + 1), Kept::Yes);
-            at += 1;
+        let mut r = Recent::new(0, Instant::now());
+        let n = RECENT_MAX_CHANGES as u64 + 100;
+        for i in 0..n {
+            next(&mut r, &put("k", b"v"), i);
         }
-        // A read keeps it.
-        r.read(at, at, &every(), 1).unwrap();
-        for _ in 0..RECENT_MAX_CHANGES {
-            assert_eq!(r.note(&put("k", b"v"), at, at + 1), Kept::Yes);
-            at += 1;
-        }
-        assert_eq!(r.note(&put("k", b"v"), at, at + 1), Kept::Unwatched);
+        assert_eq!(r.changes.len(), RECENT_MAX_CHANGES);
+        assert!(
+            r.changes.capacity() < 2 * RECENT_MAX_CHANGES,
+            "the queue grew past its bound"
+        );
+        assert_eq!(r.from, n - RECENT_MAX_CHANGES as u64);
+        assert!(r.read(r.from - 1, n, &every(), 1).is_none());
     }
 
-    /// A change noted out of offset order starts the window over past it, so no
-    /// watcher is handed changes out of order or missing.
+    /// A change noted below the applied end (out of offset order: after a counter's
+    /// add at a later offset, say) starts the window over past it, so no watcher is
+    /// handed changes out of order or missing.
     #[test]
     fn a_change_out_of_order_starts_the_window_over() {
-        let mut r = Recent::new(0);
-        r.note(&put("a", b"1"), 5, 6);
-        r.note(&put("a", b"2"), 3, 6);
+        let mut r = Recent::new(0, Instant::now());
+        next(&mut r, &put("a", b"1"), 3);
+        let add = CacheRecord {
+            op: RecordOp::Add(1),
+            ..put("n", b"")
+        };
+        next(&mut r, &add, 5);
+        r.note(&put("a", b"2"), 4, 6, 6);
         assert!(r.read(0, 6, &every(), 1 << 20).is_none());
-        assert!(r.read(5, 6, &every(), 1 << 20).is_none());
+        assert!(r.read(3, 6, &every(), 1 << 20).is_none());
         assert_eq!(r.read(6, 6, &every(), 1 << 20).unwrap().0.len(), 0);
+    }
+
+    /// Idle once no watch asked for the idle time.
+    #[test]
+    fn a_window_is_idle_once_no_watch_asks() {
+        let t0 = Instant::now();
+        let mut r = Recent::new(0, t0);
+        assert!(!r.idle(t0 + RECENT_IDLE / 2, RECENT_IDLE));
+        r.watched(t0 + RECENT_IDLE / 2);
+        assert!(!r.idle(t0 + RECENT_IDLE, RECENT_IDLE));
+        assert!(r.idle(t0 + RECENT_IDLE * 2, RECENT_IDLE));
     }
 }
