@@ -2539,27 +2539,38 @@ impl CoreBroker {
                         // and the client's next start resnapshots.
                         return Err(BrokerError::ShardUnavailable("watch_past_end".into()));
                     }
-                    if cache.applied_end() <= from {
-                        let left = deadline.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            return Ok(WatchAnswer::Changes(Vec::new(), from, cache.life));
+                    if cache.applied_end() > from {
+                        let found = cache.changes(from, &filter, 1 << 20).await?;
+                        if found.from_log {
+                            self.metrics
+                                .cache_watch_log_reads
+                                .fetch_add(1, Ordering::Relaxed);
                         }
-                        // Woken by more than applied writes (a write claiming its turn,
-                        // one failing): looked at again.
-                        task::timeout(left, cache.changed.changed()).await;
+                        if !found.changes.is_empty()
+                            || found.next == from
+                            || Instant::now() >= deadline
+                        {
+                            return Ok(WatchAnswer::Changes(found.changes, found.next, cache.life));
+                        }
+                        from = found.next;
+                        // More applied while it read (from the log): read on.
                         continue;
                     }
-                    let found = cache.changes(from, &filter, 1 << 20).await?;
-                    if found.from_log {
-                        self.metrics
-                            .cache_watch_log_reads
-                            .fetch_add(1, Ordering::Relaxed);
+                    // At the applied end, no wait since it was looked at: woken by the
+                    // next change the watch follows (not by other keys' writes), by
+                    // anything that may move the applied end otherwise, or the wait's
+                    // end.
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(WatchAnswer::Changes(Vec::new(), from, cache.life));
                     }
-                    if !found.changes.is_empty() || found.next == from || Instant::now() >= deadline
+                    if task::timeout(left, cache.change_followed(&filter)).await
+                        == Some(crate::shard::Wake::All)
                     {
-                        return Ok(WatchAnswer::Changes(found.changes, found.next, cache.life));
+                        // Answered now: the shard may be leaving this core (a move waits
+                        // for its watches to let go), or the index was rebuilt.
+                        return Ok(WatchAnswer::Changes(Vec::new(), from, cache.life));
                     }
-                    from = found.next;
                 }
             }
         }

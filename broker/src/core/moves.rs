@@ -806,6 +806,8 @@ impl CoreBroker {
                 };
                 if let Some(c) = cache {
                     c.changed.wake_all();
+                    // Long watch polls answer now; watchers ask again at the new core.
+                    c.release_watches();
                     busy |= Rc::strong_count(&c) > 2;
                 }
             }

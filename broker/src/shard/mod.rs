@@ -17,7 +17,8 @@ use felix_wire::{EventBatch, EventItem, Flags, Message, Offset};
 
 use crate::error::BrokerError;
 pub use recent::RECENT_IDLE;
-use recent::Recent;
+pub use recent::Wake;
+use recent::{Recent, Waiting, Woken, is_change};
 
 /// The names a JSON event carries.
 #[derive(Debug)]
@@ -587,8 +588,12 @@ pub struct CacheShard {
     pub life: u64,
     log: SegmentLog<DmaBackend>,
     state: RefCell<Projection>,
-    /// Woken whenever records are applied: waiting watches look again.
+    /// Woken whenever records are applied, and when writes claim or give up their
+    /// place: conditional writes and compactions waiting for a key look again.
     pub changed: crate::groups::Wakers,
+    /// Watches waiting for a change, woken by the changes they follow (see
+    /// [`CacheShard::change_followed`]).
+    watching: RefCell<Waiting>,
     /// Writes claimed but not yet applied, per key: a conditional write waits for them,
     /// so its condition is checked against every write before it.
     in_flight: RefCell<HashMap<String, u32>>,
@@ -779,6 +784,7 @@ impl CacheShard {
             log,
             state: RefCell::new(state),
             changed: crate::groups::Wakers::default(),
+            watching: RefCell::default(),
             in_flight: RefCell::default(),
             settle_by: RefCell::default(),
             queued: RefCell::default(),
@@ -811,6 +817,7 @@ impl CacheShard {
         // What an earlier leadership staged is in the replayed log or was cut from it.
         self.drop_staged();
         self.changed.wake_all();
+        self.watching.borrow_mut().wake_all();
         Ok(true)
     }
 
@@ -862,6 +869,8 @@ impl CacheShard {
         };
         if let Some((record, _)) = removed {
             self.hold(&record, false);
+            // The applied end may have moved past changes applied behind it.
+            self.watching.borrow_mut().wake_all();
         }
     }
 
@@ -871,6 +880,10 @@ impl CacheShard {
         let staged = std::mem::take(&mut *self.staged.borrow_mut());
         for (record, _) in staged.values() {
             self.hold(record, false);
+        }
+        if !staged.is_empty() {
+            // The applied end may have moved past changes applied behind it.
+            self.watching.borrow_mut().wake_all();
         }
     }
 
@@ -976,6 +989,10 @@ impl CacheShard {
                 if !own {
                     self.writes.set(self.writes.get() + 1);
                 }
+                if is_change(&rec) {
+                    // Woken tasks run after this: the change is applied by then.
+                    self.watching.borrow_mut().wake_following(&rec.key);
+                }
                 apply(&mut state, rec, base + i as u64);
             }
         }
@@ -1059,6 +1076,7 @@ impl CacheShard {
             appended.first,
         );
         self.changed.wake_all();
+        self.watching.borrow_mut().wake_following(key);
         Ok(appended.first)
     }
 
@@ -1157,6 +1175,7 @@ impl CacheShard {
             appended.first,
         );
         self.changed.wake_all();
+        self.watching.borrow_mut().wake_following(key);
         Ok(old)
     }
 
@@ -1328,6 +1347,10 @@ impl CacheShard {
         let mut st = self.state.borrow_mut();
         for (i, r) in records.iter().enumerate() {
             if let Some(rec) = decode_cache_record(r) {
+                // The deletes of expired values it does not copy are changes.
+                if is_change(&rec) {
+                    self.watching.borrow_mut().wake_following(&rec.key);
+                }
                 apply(&mut st, rec, first + i as u64);
             }
         }
@@ -1506,6 +1529,20 @@ impl CacheShard {
             .recent
             .get_or_insert_with(|| Recent::new(end, now))
             .watched(now);
+    }
+
+    /// Resolves once a change `filter` follows is applied after this is first polled
+    /// ([`Wake::Change`]), or every watch is woken ([`Wake::All`]: the applied end may
+    /// have moved otherwise, the index rebuilt or a staged write given up, or the shard
+    /// is leaving this core): a watch waits on it with its position at the applied end.
+    pub fn change_followed<'a>(&'a self, filter: &'a WatchFilter) -> Woken<'a> {
+        Woken::new(&self.watching, filter)
+    }
+
+    /// Wakes every waiting watch to answer now (the shard is leaving this core: each
+    /// lets it go, and its next request goes where the shard went).
+    pub fn release_watches(&self) {
+        self.watching.borrow_mut().wake_all();
     }
 
     /// Drops the recent changes when no watch asked for `idle` before `now`.
@@ -2077,6 +2114,101 @@ mod tests {
             shard.watch_waiting(std::time::Instant::now());
             shard.rebuild().await.unwrap();
             assert!(!shard.keeps_recent());
+        });
+    }
+
+    /// A waiting watch is woken by a change it follows, not by writes of other keys,
+    /// a counter's add, or a compaction's copies; a rebuild wakes every one; one given
+    /// up leaves nothing behind.
+    #[test]
+    fn a_waiting_watch_is_woken_by_the_changes_it_follows_only() {
+        use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+        use std::task::{Context, Poll, Wake as Wakeable, Waker};
+        struct Count(AtomicUsize);
+        impl Wakeable for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Relaxed);
+            }
+        }
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = cache_in(dir.path()).await;
+            let now = felix_core_runtime::clock::now();
+            let (key, prefix) = (
+                WatchFilter::Key("x".into()),
+                WatchFilter::Prefix("p:".into()),
+            );
+            let counts: Vec<_> = (0..2)
+                .map(|_| Arc::new(Count(AtomicUsize::new(0))))
+                .collect();
+            let wakers: Vec<Waker> = counts.iter().map(|c| Waker::from(c.clone())).collect();
+            let mut waits = [
+                Box::pin(shard.change_followed(&key)),
+                Box::pin(shard.change_followed(&prefix)),
+            ];
+            for (w, waker) in waits.iter_mut().zip(&wakers) {
+                assert!(
+                    w.as_mut()
+                        .poll(&mut Context::from_waker(waker))
+                        .is_pending()
+                );
+            }
+            let woken = || counts.iter().map(|c| c.0.load(Relaxed)).collect::<Vec<_>>();
+            shard
+                .put("y", Bytes::from_static(b"1"), None, now)
+                .await
+                .unwrap();
+            shard
+                .put("x:not", Bytes::from_static(b"1"), None, now)
+                .await
+                .unwrap();
+            shard.counter_add("x", 1, now).await.unwrap();
+            shard.compact(&LocalWrites(shard.log())).await.unwrap();
+            assert_eq!(woken(), [0, 0], "woken by writes they do not follow");
+            shard
+                .put("x", Bytes::from_static(b"2"), None, now)
+                .await
+                .unwrap();
+            assert_eq!(woken(), [1, 0]);
+            shard.delete("p:gone", now).await.unwrap();
+            assert_eq!(woken(), [1, 0], "nothing deleted, nothing written");
+            shard
+                .put("p:1", Bytes::from_static(b"3"), None, now)
+                .await
+                .unwrap();
+            assert_eq!(woken(), [1, 1]);
+            for (w, waker) in waits.iter_mut().zip(&wakers) {
+                let got = w.as_mut().poll(&mut Context::from_waker(waker));
+                assert_eq!(got, Poll::Ready(Wake::Change));
+            }
+            // Waiting again: a rebuild wakes both; a watch given up is forgotten.
+            let mut waits = [
+                Box::pin(shard.change_followed(&key)),
+                Box::pin(shard.change_followed(&prefix)),
+            ];
+            for (w, waker) in waits.iter_mut().zip(&wakers) {
+                assert!(
+                    w.as_mut()
+                        .poll(&mut Context::from_waker(waker))
+                        .is_pending()
+                );
+            }
+            shard.rebuild().await.unwrap();
+            assert_eq!(woken(), [2, 2]);
+            for (w, waker) in waits.iter_mut().zip(&wakers) {
+                let got = w.as_mut().poll(&mut Context::from_waker(waker));
+                assert_eq!(got, Poll::Ready(Wake::All));
+            }
+            drop(waits);
+            let mut given_up = Box::pin(shard.change_followed(&key));
+            assert!(
+                given_up
+                    .as_mut()
+                    .poll(&mut Context::from_waker(&wakers[0]))
+                    .is_pending()
+            );
+            drop(given_up);
+            assert_eq!(shard.watching.borrow().len(), 0);
         });
     }
 

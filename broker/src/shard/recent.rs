@@ -15,7 +15,8 @@
 //! keep the whole buffer alive). Each watched cache shard holds up to its own bound:
 //! there is no budget per core.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -66,13 +67,10 @@ impl Recent {
             *self = Recent::new(after, self.watched_at);
             return;
         }
-        let value = match rec.op {
-            // A compaction's copy restates a value; it is not a change.
-            RecordOp::Put if rec.carried.is_some() => return,
-            RecordOp::Put => Some(Bytes::copy_from_slice(&rec.value)),
-            RecordOp::Delete => None,
-            RecordOp::Add(_) | RecordOp::Set(_) | RecordOp::Cut(_) => return,
-        };
+        if !is_change(rec) {
+            return;
+        }
+        let value = (rec.op == RecordOp::Put).then(|| Bytes::copy_from_slice(&rec.value));
         let size = cost(&rec.key, value.as_ref());
         // Room first, so the queue never grows past its bound.
         while !self.changes.is_empty()
@@ -138,6 +136,132 @@ impl Recent {
     /// Whether no watch asked for `idle` before `now`.
     pub fn idle(&self, now: Instant, idle: Duration) -> bool {
         now.saturating_duration_since(self.watched_at) >= idle
+    }
+}
+
+/// Whether `rec` is a change a watch delivers: a put or a delete (a compaction's copy
+/// restates a value; counters are not cache changes).
+pub fn is_change(rec: &CacheRecord) -> bool {
+    match rec.op {
+        RecordOp::Put => rec.carried.is_none(),
+        RecordOp::Delete => true,
+        RecordOp::Add(_) | RecordOp::Set(_) | RecordOp::Cut(_) => false,
+    }
+}
+
+/// The watches of a cache shard waiting for a change, each with its filter: a change
+/// wakes only the watches that follow its key (woken by every applied write, W watchers
+/// of a cache taking R writes a second were woken W×R times a second, most for keys
+/// they do not follow).
+#[derive(Debug, Default)]
+pub struct Waiting {
+    next: u64,
+    /// How many times every watch was woken.
+    all_woken: u64,
+    waiting: HashMap<u64, (WatchFilter, Waker)>,
+}
+
+/// Why a waiting watch was woken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wake {
+    /// A change it follows was applied.
+    Change,
+    /// Every watch was: the applied end may have moved otherwise, or the shard is
+    /// leaving this core (answer now, and let it go).
+    All,
+}
+
+impl Waiting {
+    /// Wakes (and forgets) the watches that follow `key`.
+    pub fn wake_following(&mut self, key: &str) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        self.waiting.retain(|_, (filter, waker)| {
+            let follows = filter.matches(key);
+            if follows {
+                waker.wake_by_ref();
+            }
+            !follows
+        });
+    }
+
+    /// Wakes (and forgets) every watch: what they wait on may have changed in another
+    /// way than a change applied (the index rebuilt, the applied end moved).
+    pub fn wake_all(&mut self) {
+        self.all_woken += 1;
+        for (_, (_, waker)) in self.waiting.drain() {
+            waker.wake();
+        }
+    }
+
+    /// How many watches wait.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.waiting.len()
+    }
+}
+
+/// Resolves once [`Waiting`] wakes it: a change its filter follows was applied, or
+/// every watch was woken.
+#[derive(Debug)]
+pub struct Woken<'a> {
+    waiting: &'a std::cell::RefCell<Waiting>,
+    filter: &'a WatchFilter,
+    /// Its place, and `all_woken` when it took it.
+    id: Option<(u64, u64)>,
+}
+
+impl<'a> Woken<'a> {
+    /// Waits in `waiting` for a change `filter` follows.
+    pub fn new(waiting: &'a std::cell::RefCell<Waiting>, filter: &'a WatchFilter) -> Self {
+        Woken {
+            waiting,
+            filter,
+            id: None,
+        }
+    }
+}
+
+impl std::future::Future for Woken<'_> {
+    type Output = Wake;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Wake> {
+        let this = &mut *self;
+        let mut w = this.waiting.borrow_mut();
+        match this.id {
+            Some((id, all)) => match w.waiting.get_mut(&id) {
+                Some((_, waker)) => waker.clone_from(cx.waker()),
+                None => {
+                    this.id = None;
+                    let why = if w.all_woken == all {
+                        Wake::Change
+                    } else {
+                        Wake::All
+                    };
+                    return std::task::Poll::Ready(why);
+                }
+            },
+            None => {
+                let id = w.next;
+                w.next += 1;
+                w.waiting
+                    .insert(id, (this.filter.clone(), cx.waker().clone()));
+                this.id = Some((id, w.all_woken));
+            }
+        }
+        std::task::Poll::Pending
+    }
+}
+
+impl Drop for Woken<'_> {
+    fn drop(&mut self) {
+        if let Some((id, _)) = self.id {
+            self.waiting.borrow_mut().waiting.remove(&id);
+        }
     }
 }
 
