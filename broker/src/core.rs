@@ -2565,10 +2565,10 @@ impl CoreBroker {
                         return Ok(WatchAnswer::Changes(Vec::new(), from, cache.life));
                     }
                     if task::timeout(left, cache.change_followed(&filter)).await
-                        == Some(crate::shard::Wake::All)
+                        == Some(crate::shard::Wake::Released)
                     {
-                        // Answered now: the shard may be leaving this core (a move waits
-                        // for its watches to let go), or the index was rebuilt.
+                        // Answered now: the shard is leaving this core (a move waits for
+                        // its watches to let go) or closing.
                         return Ok(WatchAnswer::Changes(Vec::new(), from, cache.life));
                     }
                 }
@@ -3733,6 +3733,9 @@ impl CoreBroker {
         }
         let stream = self.streams.borrow_mut().remove(key);
         let cache = self.caches.borrow_mut().remove(key);
+        if let Some(Slot::Ready(c)) = &cache {
+            c.release_watches();
+        }
         // Its sync counts move to this core's closed-log total at once (a sample taken
         // while it closes must not fall short), and what closing adds after.
         let counted = match &stream {

@@ -672,8 +672,10 @@ impl ReplicaShard {
             self.ready.set(true);
         } else if let Held::Cache(c) = &self.held {
             // What it staged as leader is in its log or will be cut from it; the index is
-            // rebuilt before it serves again. Their keys are let go now.
+            // rebuilt before it serves again. Their keys are let go now, and its watches
+            // look again (and find it no longer serves).
             c.drop_staged();
+            c.recheck_watches();
         }
     }
 

@@ -1531,10 +1531,11 @@ impl CacheShard {
             .watched(now);
     }
 
-    /// Resolves once a change `filter` follows is applied after this is first polled
-    /// ([`Wake::Change`]), or every watch is woken ([`Wake::All`]: the applied end may
-    /// have moved otherwise, the index rebuilt or a staged write given up, or the shard
-    /// is leaving this core): a watch waits on it with its position at the applied end.
+    /// Resolves once a change `filter` follows is applied after this is first polled,
+    /// or every watch is woken to look again (the index rebuilt, a staged write given
+    /// up, leadership lost): [`Wake::LookAgain`]; or to answer now because the shard is
+    /// leaving this core or closing: [`Wake::Released`]. A watch waits on it with its
+    /// position at the applied end.
     pub fn change_followed<'a>(&'a self, filter: &'a WatchFilter) -> Woken<'a> {
         Woken::new(&self.watching, filter)
     }
@@ -1542,6 +1543,12 @@ impl CacheShard {
     /// Wakes every waiting watch to answer now (the shard is leaving this core: each
     /// lets it go, and its next request goes where the shard went).
     pub fn release_watches(&self) {
+        self.watching.borrow_mut().release_all();
+    }
+
+    /// Wakes every waiting watch to look again (this replica stopped leading: each
+    /// finds it no longer serves).
+    pub fn recheck_watches(&self) {
         self.watching.borrow_mut().wake_all();
     }
 
@@ -2117,9 +2124,10 @@ mod tests {
         });
     }
 
-    /// A waiting watch is woken by a change it follows, not by writes of other keys,
-    /// a counter's add, or a compaction's copies; a rebuild wakes every one; one given
-    /// up leaves nothing behind.
+    /// A waiting watch is woken by a change it follows (a replicated one once applied),
+    /// not by writes of other keys, a counter's add, or a compaction's copies; a rebuild
+    /// and a staged write given up wake every one to look again, a release to answer
+    /// now; one given up leaves nothing behind.
     #[test]
     fn a_waiting_watch_is_woken_by_the_changes_it_follows_only() {
         use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -2179,7 +2187,7 @@ mod tests {
             assert_eq!(woken(), [1, 1]);
             for (w, waker) in waits.iter_mut().zip(&wakers) {
                 let got = w.as_mut().poll(&mut Context::from_waker(waker));
-                assert_eq!(got, Poll::Ready(Wake::Change));
+                assert_eq!(got, Poll::Ready(Wake::LookAgain));
             }
             // Waiting again: a rebuild wakes both; a watch given up is forgotten.
             let mut waits = [
@@ -2197,9 +2205,35 @@ mod tests {
             assert_eq!(woken(), [2, 2]);
             for (w, waker) in waits.iter_mut().zip(&wakers) {
                 let got = w.as_mut().poll(&mut Context::from_waker(waker));
-                assert_eq!(got, Poll::Ready(Wake::All));
+                assert_eq!(got, Poll::Ready(Wake::LookAgain));
             }
             drop(waits);
+            // A replicated leader's write: woken as it is applied, once committed, not
+            // when staged; a staged write given up wakes every watch to look again; a
+            // move's release tells them to answer now.
+            let mut wait = Box::pin(shard.change_followed(&key));
+            let poll = |w: &mut std::pin::Pin<Box<Woken<'_>>>| {
+                w.as_mut().poll(&mut Context::from_waker(&wakers[0]))
+            };
+            assert!(poll(&mut wait).is_pending());
+            let at = shard.applied_end();
+            let rec = encode_cache_record(true, 0, "x", b"staged");
+            shard.stage(at, &rec, std::time::Instant::now());
+            assert_eq!(woken()[0], 2, "staged, not applied");
+            shard.apply_through(at + 1);
+            assert_eq!(woken()[0], 3);
+            assert_eq!(poll(&mut wait), Poll::Ready(Wake::LookAgain));
+            let mut wait = Box::pin(shard.change_followed(&key));
+            assert!(poll(&mut wait).is_pending());
+            let sum = shard.stage(at + 1, &rec, std::time::Instant::now());
+            shard.unstage(at + 1, &sum);
+            assert_eq!(woken()[0], 4);
+            assert_eq!(poll(&mut wait), Poll::Ready(Wake::LookAgain));
+            let mut wait = Box::pin(shard.change_followed(&key));
+            assert!(poll(&mut wait).is_pending());
+            shard.release_watches();
+            assert_eq!(poll(&mut wait), Poll::Ready(Wake::Released));
+            drop(wait);
             let mut given_up = Box::pin(shard.change_followed(&key));
             assert!(
                 given_up

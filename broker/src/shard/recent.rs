@@ -1,8 +1,8 @@
 //! The recent changes of a watched cache shard, held in memory so that watchers that
 //! keep up are answered without reading the log.
 //!
-//! Every watcher of a cache waits on the shard's applied end and, once it moves, asks
-//! for the changes its filter follows since its position. Read from the log, W watchers
+//! Every watcher of a cache asks its shard's owner for the changes its filter follows
+//! since its position, and waits for one when there is none. Read from the log, W watchers
 //! of a cache taking R writes a second cost W×R log reads a second. The window holds
 //! each put and delete applied since it began, in offset order, up to a bound; a
 //! watcher whose position lies inside it is answered from it, one behind it (resuming
@@ -156,19 +156,19 @@ pub fn is_change(rec: &CacheRecord) -> bool {
 #[derive(Debug, Default)]
 pub struct Waiting {
     next: u64,
-    /// How many times every watch was woken.
-    all_woken: u64,
+    /// How many times every watch was told to answer now.
+    released: u64,
     waiting: HashMap<u64, (WatchFilter, Waker)>,
 }
 
 /// Why a waiting watch was woken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Wake {
-    /// A change it follows was applied.
-    Change,
-    /// Every watch was: the applied end may have moved otherwise, or the shard is
-    /// leaving this core (answer now, and let it go).
-    All,
+    /// Look again: a change it follows was applied, or the applied end, the index or
+    /// the shard's leadership may have changed otherwise.
+    LookAgain,
+    /// Answer now, and let the shard go: it is leaving this core or closing.
+    Released,
 }
 
 impl Waiting {
@@ -186,13 +186,19 @@ impl Waiting {
         });
     }
 
-    /// Wakes (and forgets) every watch: what they wait on may have changed in another
-    /// way than a change applied (the index rebuilt, the applied end moved).
+    /// Wakes (and forgets) every watch to look again: what they wait on may have
+    /// changed in another way than a change applied (the index rebuilt, the applied end
+    /// moved, leadership lost).
     pub fn wake_all(&mut self) {
-        self.all_woken += 1;
         for (_, (_, waker)) in self.waiting.drain() {
             waker.wake();
         }
+    }
+
+    /// Wakes (and forgets) every watch to answer now ([`Wake::Released`]).
+    pub fn release_all(&mut self) {
+        self.released += 1;
+        self.wake_all();
     }
 
     /// How many watches wait.
@@ -208,7 +214,7 @@ impl Waiting {
 pub struct Woken<'a> {
     waiting: &'a std::cell::RefCell<Waiting>,
     filter: &'a WatchFilter,
-    /// Its place, and `all_woken` when it took it.
+    /// Its place, and `released` when it took it.
     id: Option<(u64, u64)>,
 }
 
@@ -237,10 +243,10 @@ impl std::future::Future for Woken<'_> {
                 Some((_, waker)) => waker.clone_from(cx.waker()),
                 None => {
                     this.id = None;
-                    let why = if w.all_woken == all {
-                        Wake::Change
+                    let why = if w.released == all {
+                        Wake::LookAgain
                     } else {
-                        Wake::All
+                        Wake::Released
                     };
                     return std::task::Poll::Ready(why);
                 }
@@ -250,7 +256,7 @@ impl std::future::Future for Woken<'_> {
                 w.next += 1;
                 w.waiting
                     .insert(id, (this.filter.clone(), cx.waker().clone()));
-                this.id = Some((id, w.all_woken));
+                this.id = Some((id, w.released));
             }
         }
         std::task::Poll::Pending
