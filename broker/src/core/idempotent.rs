@@ -318,11 +318,7 @@ impl CoreBroker {
                     }
                     Err(e) => return Err(e.into()),
                 };
-                read += batches
-                    .iter()
-                    .flat_map(|b| &b.records)
-                    .map(|r| r.len() as u64)
-                    .sum::<u64>();
+                read += record_bytes(&batches);
                 if shard.producers_epoch.get() == epoch {
                     table.apply_batches(&batches, durable);
                 }
@@ -405,11 +401,7 @@ impl CoreBroker {
             match shard.log.read_to(table.end(), end, 4 << 20).await {
                 Ok(batches) if batches.is_empty() => break,
                 Ok(batches) => {
-                    read += batches
-                        .iter()
-                        .flat_map(|b| &b.records)
-                        .map(|r| r.len() as u64)
-                        .sum::<u64>();
+                    read += record_bytes(&batches);
                     table.apply_batches(&batches, end);
                 }
                 Err(felix_storage_uring::StorageError::Trimmed { oldest, .. }) => {
@@ -506,4 +498,13 @@ impl CoreBroker {
             Err(e) => tracing::warn!(shard = %shard.key, error = %e, "saving the producer table"),
         }
     }
+}
+
+/// The bytes of the records in `batches` (what a table build read).
+fn record_bytes(batches: &[felix_storage_uring::ReadBatch]) -> u64 {
+    batches
+        .iter()
+        .flat_map(|b| &b.records)
+        .map(|r| r.len() as u64)
+        .sum()
 }

@@ -876,14 +876,11 @@ impl CacheShard {
 
     /// Drops everything staged (this replica stopped leading: what it staged is in its
     /// log or will be cut from it, and the index is rebuilt before it serves again).
+    /// Its callers wake the waiting watches (a rebuild, a step-down).
     pub fn drop_staged(&self) {
         let staged = std::mem::take(&mut *self.staged.borrow_mut());
         for (record, _) in staged.values() {
             self.hold(record, false);
-        }
-        if !staged.is_empty() {
-            // The applied end may have moved past changes applied behind it.
-            self.watching.borrow_mut().wake_all();
         }
     }
 
@@ -1583,19 +1580,14 @@ impl CacheShard {
                 from_log: false,
             });
         }
+        if let Some(recent) = &mut self.state.borrow_mut().recent
+            && let Some((changes, next)) = recent.read(from, end, filter, max_bytes)
         {
-            let mut state = self.state.borrow_mut();
-            let applied = state.end;
-            let recent = state
-                .recent
-                .get_or_insert_with(|| Recent::new(applied, std::time::Instant::now()));
-            if let Some((changes, next)) = recent.read(from, end, filter, max_bytes) {
-                return Ok(Changes {
-                    changes,
-                    next,
-                    from_log: false,
-                });
-            }
+            return Ok(Changes {
+                changes,
+                next,
+                from_log: false,
+            });
         }
         let mut out = Vec::new();
         let mut next = from;
