@@ -12,7 +12,9 @@
 //!    round takes whole chunks, so only a batch larger than the bound makes a round
 //!    larger, and then it is the round's only batch). What is left waits for the next
 //!    round, which starts at once. It writes the round with one block-aligned O_DIRECT
-//!    write per segment (rewriting the last partial block with the new bytes behind it).
+//!    write per segment (rewriting the last partial block with the new bytes behind it;
+//!    the io_uring backend issues a large non-durable write as several in order, which
+//!    is what it does after a short write anyway).
 //!    Rolling to a new segment first fdatasyncs the old one, then creates the new file,
 //!    writes and fdatasyncs its header, and fsyncs the directory.
 //! 3. Under `FsyncMode::OnCommit` the flusher then issues one fdatasync for the round:
@@ -164,6 +166,19 @@ pub const EARLY_ACK_STAGED_MAX: usize = 16 << 20;
 
 /// The flusher lingers only while less than this is staged.
 const LINGER_BYTES_MAX: usize = 1 << 20;
+
+/// Emptied chunk buffers kept for reuse, in bytes of capacity: one round's worth. A
+/// flood fills chunks to a round's size, and keeping four of them (as a count alone
+/// allowed) held 32 MiB per log after it ended.
+const SPARE_BYTES_MAX: usize = format::ROUND_BYTES_MAX;
+
+/// A log holding more than this in buffers it is not using (the flusher's write buffer
+/// and the spare chunks) gives them back once it has written nothing for
+/// [`IDLE_BUFFERS_RELEASE`]: a burst's buffers are not held for the log's whole life, so
+/// a core's memory follows its busy logs, not every log that was ever busy.
+const IDLE_BUFFERS_KEEP: usize = 1 << 20;
+/// See [`IDLE_BUFFERS_KEEP`].
+const IDLE_BUFFERS_RELEASE: Duration = Duration::from_secs(1);
 
 /// When an acknowledged append is on stable storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -530,7 +545,10 @@ impl Rollback {
 struct State<F> {
     segments: VecDeque<Segment<F>>,
     staged: VecDeque<Chunk>,
+    /// Emptied chunk buffers for reuse, at most [`SPARE_BYTES_MAX`] of capacity.
     spare: Vec<Vec<u8>>,
+    /// Capacity of the flusher's write buffer (the buffer is the flusher's own).
+    write_buf_bytes: usize,
     /// Next offset to assign.
     next_offset: u64,
     /// Where the next batch goes in the segment appends are filling.
@@ -751,6 +769,7 @@ impl<B: Backend> SegmentLog<B> {
             segments,
             staged: VecDeque::new(),
             spare: Vec::new(),
+            write_buf_bytes: 0,
             next_offset,
             append_base,
             append_pos,
@@ -1123,6 +1142,13 @@ impl<B: Backend> SegmentLog<B> {
     /// Counters.
     pub fn stats(&self) -> LogStats {
         self.shared.state.borrow().stats
+    }
+
+    /// Bytes of buffer capacity the log holds: staged chunks, spare chunk buffers and
+    /// the flusher's write buffer.
+    pub fn buffer_bytes(&self) -> usize {
+        let st = self.shared.state.borrow();
+        st.staged.iter().map(|c| c.bytes.capacity()).sum::<usize>() + idle_buffer_bytes(&st)
     }
 
     /// Times the disk was full and unwritten batches were rolled back; also in
@@ -1780,23 +1806,28 @@ fn wake_flusher_now<F>(st: &mut State<F>) {
 async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
     let mut buf: Vec<u8> = Vec::new();
     loop {
-        let go = poll_fn(|cx| {
-            let mut st = shared.state.borrow_mut();
-            if st.poisoned.is_some() {
-                // Poisoned by a truncation (step 6b): nothing more is written.
-                return Poll::Ready(false);
+        let holds_much = idle_buffer_bytes(&shared.state.borrow()) > IDLE_BUFFERS_KEEP;
+        let go = if holds_much {
+            let work = async { Some(next_work(&shared).await) };
+            let idle = async {
+                glommio::timer::sleep(IDLE_BUFFERS_RELEASE).await;
+                None
+            };
+            match futures_lite::future::or(work, idle).await {
+                Some(go) => go,
+                None => {
+                    buf = Vec::new();
+                    {
+                        let mut st = shared.state.borrow_mut();
+                        st.spare = Vec::new();
+                        st.write_buf_bytes = 0;
+                    }
+                    next_work(&shared).await
+                }
             }
-            // A truncation or reset parks the flusher once what it staged is written.
-            let parked = st.exclusive && st.staged.is_empty();
-            if !parked && (!st.staged.is_empty() || st.sync_requested || st.closing) {
-                st.flushing = true;
-                Poll::Ready(true)
-            } else {
-                st.flusher = Some(cx.waker().clone());
-                Poll::Pending
-            }
-        })
-        .await;
+        } else {
+            next_work(&shared).await
+        };
         if !go {
             let mut st = shared.state.borrow_mut();
             st.closed = st.closing;
@@ -1843,6 +1874,7 @@ async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
         let result = flush_round(&shared, &mut buf).await;
         let mut st = shared.state.borrow_mut();
         st.flushing = false;
+        st.write_buf_bytes = buf.capacity();
         if let Some(w) = st.idle_waiter.take() {
             w.wake();
         }
@@ -1858,6 +1890,27 @@ async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
             return;
         }
     }
+}
+
+/// Waits until the flusher has a round to write (`true`), or must stop (`false`).
+async fn next_work<B: Backend>(shared: &Shared<B>) -> bool {
+    poll_fn(|cx| {
+        let mut st = shared.state.borrow_mut();
+        if st.poisoned.is_some() {
+            // Poisoned by a truncation (step 6b): nothing more is written.
+            return Poll::Ready(false);
+        }
+        // A truncation or reset parks the flusher once what it staged is written.
+        let parked = st.exclusive && st.staged.is_empty();
+        if !parked && (!st.staged.is_empty() || st.sync_requested || st.closing) {
+            st.flushing = true;
+            Poll::Ready(true)
+        } else {
+            st.flusher = Some(cx.waker().clone());
+            Poll::Pending
+        }
+    })
+    .await
 }
 
 /// Why a flusher step failed, which decides what the log does about it.
@@ -2067,6 +2120,9 @@ async fn write_chunk<B: Backend>(
         let seg = st.segments.back().expect("at least one segment");
         debug_assert_eq!(seg.base, chunk.segment_base);
         buf.clear();
+        // Grown to what this write needs, not doubled past it (the buffer stays).
+        let need = format::align_up((seg.tail_block.len() + chunk.bytes.len()) as u64) as usize;
+        buf.reserve_exact(need);
         buf.extend_from_slice(&seg.tail_block);
         (
             seg.file.clone(),
@@ -2088,6 +2144,7 @@ async fn write_chunk<B: Backend>(
     if shared.config.zero_ahead_bytes > 0 && zeroed_to != u64::MAX && data_to > zeroed_to {
         let to = zeros_to(shared, data_to);
         if to > data_to {
+            buf.reserve_exact((to - write_pos) as usize - buf.len());
             buf.resize((to - write_pos) as usize, 0);
         }
     }
@@ -2197,12 +2254,18 @@ async fn write_data<F: SegmentFile>(
     }
 }
 
-/// Keeps a chunk's buffer for reuse by `begin_append`.
+/// Keeps a chunk's buffer for reuse by `begin_append`, within [`SPARE_BYTES_MAX`].
 fn recycle<F>(st: &mut State<F>, mut chunk: Chunk) {
-    if st.spare.len() < 4 {
+    let kept = st.spare.iter().map(Vec::capacity).sum::<usize>();
+    if st.spare.len() < 4 && kept + chunk.bytes.capacity() <= SPARE_BYTES_MAX {
         chunk.bytes.clear();
         st.spare.push(chunk.bytes);
     }
+}
+
+/// Buffer capacity held for the next appends and writes, not in use.
+fn idle_buffer_bytes<F>(st: &State<F>) -> usize {
+    st.spare.iter().map(Vec::capacity).sum::<usize>() + st.write_buf_bytes
 }
 
 /// Cuts a file whose write failed back to the block holding its valid end, if the write

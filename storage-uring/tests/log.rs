@@ -884,6 +884,92 @@ fn a_backlog_is_flushed_in_bounded_rounds() {
     });
 }
 
+/// A round larger than one O_DIRECT write (1 MiB) goes as several writes, in order,
+/// starting inside the block the last round ended in: every byte reads back after a
+/// reopen, in batches of sizes that put the write boundaries anywhere.
+#[test]
+fn a_round_written_in_several_pieces_reads_back_after_reopen() {
+    run(|| async {
+        let fx = Disk::new();
+        let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
+            .await
+            .unwrap();
+        fill(&log, 1, 10).await;
+        let lens: Vec<usize> = (0..40).map(|i| 70_000 + i * 9_973).collect();
+        let pending: Vec<_> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let offset = 1 + i as u64;
+                log.begin_append(&[payload(offset, len)], offset, None)
+                    .unwrap()
+            })
+            .collect();
+        for p in pending {
+            log.commit(p).await.unwrap();
+        }
+        assert!(
+            log.stats().largest_round_bytes > 2 << 20,
+            "{:?}",
+            log.stats()
+        );
+        log.close().await.unwrap();
+        let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
+            .await
+            .unwrap();
+        let records = read_all(&log).await;
+        assert_eq!(records.len(), 41);
+        for (offset, record) in &records[1..] {
+            assert_eq!(record, &payload(*offset, lens[*offset as usize - 1]));
+        }
+        log.close().await.unwrap();
+    });
+}
+
+/// A burst's buffers are not held for the log's life: after it, the emptied chunks kept
+/// for reuse stay within one round's worth (four were kept whatever their size: 32 MiB
+/// after a flood), and once the log has written nothing for a second it gives back the
+/// spares and its write buffer; the next appends grow them again.
+#[test]
+fn a_burst_leaves_one_round_of_buffers_and_an_idle_log_gives_them_back() {
+    run(|| async {
+        let (log, _) = SegmentLog::open(MemBackend::new(), LogConfig::default())
+            .await
+            .unwrap();
+        let round = format_round_max();
+        assert_eq!(log.buffer_bytes(), 0);
+        let batch = vec![7u8; 1024 * 1024];
+        for burst in 0..3u64 {
+            let pending: Vec<_> = (0..40)
+                .map(|i| {
+                    log.begin_append(&[&batch[..]], burst * 40 + i, None)
+                        .unwrap()
+                })
+                .collect();
+            assert!(log.buffer_bytes() >= 40 * batch.len(), "all of it staged");
+            for p in pending {
+                log.commit(p).await.unwrap();
+            }
+        }
+        let after_burst = log.buffer_bytes();
+        eprintln!("held after the bursts: {after_burst} bytes");
+        // One round's worth of spare chunks, plus the write buffer (a round, its tail
+        // block and alignment, grown once).
+        assert!(
+            after_burst <= 3 * round,
+            "{after_burst} bytes held after the bursts, over 3 rounds' worth"
+        );
+        glommio::timer::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(log.buffer_bytes(), 0, "an idle log gives its buffers back");
+        let o = log.append(&[&batch[..]], 1000).await.unwrap().first;
+        assert_eq!(o, 120);
+        let records = read_all(&log).await;
+        assert_eq!(records.len(), 121);
+        assert!(records.iter().all(|(_, r)| r == &batch));
+        log.close().await.unwrap();
+    });
+}
+
 fn format_round_max() -> usize {
     felix_storage_uring::format::ROUND_BYTES_MAX
 }

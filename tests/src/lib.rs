@@ -384,6 +384,19 @@ impl BrokerProcess {
             })
             .unwrap_or(0)
     }
+
+    /// The resident set by kind (`RssAnon`, `RssFile`, `RssShmem`), for messages: a
+    /// mapped file counts in the RSS as much as the heap does.
+    pub fn rss_kinds(&self) -> String {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        status
+            .lines()
+            .filter(|l| l.starts_with("Rss"))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 impl Drop for BrokerProcess {
