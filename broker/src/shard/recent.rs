@@ -152,13 +152,20 @@ pub fn is_change(rec: &CacheRecord) -> bool {
 /// The watches of a cache shard waiting for a change, each with its filter: a change
 /// wakes only the watches that follow its key (woken by every applied write, W watchers
 /// of a cache taking R writes a second were woken W×R times a second, most for keys
-/// they do not follow).
+/// they do not follow). Watches of one key are found by the key, so a change costs a
+/// lookup and a look at each prefix watch, not a look at every watch.
 #[derive(Debug, Default)]
 pub struct Waiting {
     next: u64,
     /// How many times every watch was told to answer now.
     released: u64,
-    waiting: HashMap<u64, (WatchFilter, Waker)>,
+    /// Watches of exactly one key, by key, then by place.
+    by_key: HashMap<String, HashMap<u64, Waker>>,
+    /// Watches of a prefix, by place.
+    prefixes: HashMap<u64, (String, Waker)>,
+    /// Watches looked at by wake-ups, for tests of what a change costs.
+    #[cfg(test)]
+    examined: u64,
 }
 
 /// Why a waiting watch was woken.
@@ -174,11 +181,24 @@ pub enum Wake {
 impl Waiting {
     /// Wakes (and forgets) the watches that follow `key`.
     pub fn wake_following(&mut self, key: &str) {
-        if self.waiting.is_empty() {
+        if let Some(watches) = self.by_key.remove(key) {
+            #[cfg(test)]
+            {
+                self.examined += watches.len() as u64;
+            }
+            for (_, waker) in watches {
+                waker.wake();
+            }
+        }
+        if self.prefixes.is_empty() {
             return;
         }
-        self.waiting.retain(|_, (filter, waker)| {
-            let follows = filter.matches(key);
+        #[cfg(test)]
+        {
+            self.examined += self.prefixes.len() as u64;
+        }
+        self.prefixes.retain(|_, (prefix, waker)| {
+            let follows = key.starts_with(prefix.as_str());
             if follows {
                 waker.wake_by_ref();
             }
@@ -188,9 +208,16 @@ impl Waiting {
 
     /// Wakes (and forgets) every watch to look again: what they wait on may have
     /// changed in another way than a change applied (the index rebuilt, the applied end
-    /// moved, leadership lost).
+    /// moved, leadership lost). The tables' room goes with them.
     pub fn wake_all(&mut self) {
-        for (_, (_, waker)) in self.waiting.drain() {
+        let (by_key, prefixes) = (
+            std::mem::take(&mut self.by_key),
+            std::mem::take(&mut self.prefixes),
+        );
+        for waker in by_key.into_values().flat_map(HashMap::into_values) {
+            waker.wake();
+        }
+        for (_, waker) in prefixes.into_values() {
             waker.wake();
         }
     }
@@ -204,7 +231,50 @@ impl Waiting {
     /// How many watches wait.
     #[cfg(test)]
     pub fn len(&self) -> usize {
-        self.waiting.len()
+        self.by_key.values().map(HashMap::len).sum::<usize>() + self.prefixes.len()
+    }
+
+    /// Takes a place for a watch of `filter`.
+    fn insert(&mut self, filter: &WatchFilter, waker: &Waker) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        match filter {
+            WatchFilter::Key(k) => {
+                self.by_key
+                    .entry(k.clone())
+                    .or_default()
+                    .insert(id, waker.clone());
+            }
+            WatchFilter::Prefix(p) => {
+                self.prefixes.insert(id, (p.clone(), waker.clone()));
+            }
+        }
+        id
+    }
+
+    /// The waker of the watch at `id`, if it still waits (not woken since).
+    fn waker_mut(&mut self, filter: &WatchFilter, id: u64) -> Option<&mut Waker> {
+        match filter {
+            WatchFilter::Key(k) => self.by_key.get_mut(k)?.get_mut(&id),
+            WatchFilter::Prefix(_) => self.prefixes.get_mut(&id).map(|(_, w)| w),
+        }
+    }
+
+    /// Gives up the place at `id`.
+    fn remove(&mut self, filter: &WatchFilter, id: u64) {
+        match filter {
+            WatchFilter::Key(k) => {
+                if let Some(watches) = self.by_key.get_mut(k) {
+                    watches.remove(&id);
+                    if watches.is_empty() {
+                        self.by_key.remove(k);
+                    }
+                }
+            }
+            WatchFilter::Prefix(_) => {
+                self.prefixes.remove(&id);
+            }
+        }
     }
 }
 
@@ -239,8 +309,8 @@ impl std::future::Future for Woken<'_> {
         let this = &mut *self;
         let mut w = this.waiting.borrow_mut();
         match this.id {
-            Some((id, all)) => match w.waiting.get_mut(&id) {
-                Some((_, waker)) => waker.clone_from(cx.waker()),
+            Some((id, all)) => match w.waker_mut(this.filter, id) {
+                Some(waker) => waker.clone_from(cx.waker()),
                 None => {
                     this.id = None;
                     let why = if w.released == all {
@@ -252,10 +322,7 @@ impl std::future::Future for Woken<'_> {
                 }
             },
             None => {
-                let id = w.next;
-                w.next += 1;
-                w.waiting
-                    .insert(id, (this.filter.clone(), cx.waker().clone()));
+                let id = w.insert(this.filter, cx.waker());
                 this.id = Some((id, w.released));
             }
         }
@@ -266,7 +333,7 @@ impl std::future::Future for Woken<'_> {
 impl Drop for Woken<'_> {
     fn drop(&mut self) {
         if let Some((id, _)) = self.id {
-            self.waiting.borrow_mut().waiting.remove(&id);
+            self.waiting.borrow_mut().remove(self.filter, id);
         }
     }
 }
@@ -411,5 +478,85 @@ mod tests {
         r.watched(t0 + RECENT_IDLE / 2);
         assert!(!r.idle(t0 + RECENT_IDLE, RECENT_IDLE));
         assert!(r.idle(t0 + RECENT_IDLE * 2, RECENT_IDLE));
+    }
+
+    /// A waker that counts its wake-ups.
+    struct Count(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Count {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// A change looks at the watches of its key and the prefix watches, not at every
+    /// watch: with 1,000 watches of other keys waiting, a put wakes its key's two
+    /// watches and the prefix watch it matches, looking at those and the 2 prefix
+    /// watches only; a dropped watch leaves nothing behind; a release wakes the rest to
+    /// answer now.
+    #[test]
+    fn a_change_looks_only_at_its_keys_watches_and_the_prefix_watches() {
+        use std::future::Future;
+        use std::sync::Arc;
+        use std::sync::atomic::Ordering::Relaxed;
+        let waiting = std::cell::RefCell::new(Waiting::default());
+        let mut filters: Vec<WatchFilter> = (0..1000)
+            .map(|i| WatchFilter::Key(format!("other-{i}")))
+            .collect();
+        filters.extend([
+            WatchFilter::Key("k".into()),
+            WatchFilter::Key("k".into()),
+            WatchFilter::Prefix("k".into()),
+            WatchFilter::Prefix("z".into()),
+        ]);
+        let counts: Vec<Arc<Count>> = filters
+            .iter()
+            .map(|_| Arc::new(Count(Default::default())))
+            .collect();
+        let wakers: Vec<Waker> = counts.iter().map(|c| Waker::from(c.clone())).collect();
+        let mut woken: Vec<_> = filters
+            .iter()
+            .map(|f| Box::pin(Woken::new(&waiting, f)))
+            .collect();
+        for (w, waker) in woken.iter_mut().zip(&wakers) {
+            let mut cx = std::task::Context::from_waker(waker);
+            assert!(w.as_mut().poll(&mut cx).is_pending());
+        }
+        assert_eq!(waiting.borrow().len(), 1004);
+        waiting.borrow_mut().wake_following("k");
+        let woken_ones: Vec<usize> = counts
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.0.load(Relaxed) > 0)
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(
+            woken_ones,
+            [1000, 1001, 1002],
+            "its key's watches and its prefix's"
+        );
+        assert_eq!(
+            waiting.borrow().examined,
+            4,
+            "two of the key, two prefix watches"
+        );
+        for i in [1000, 1001, 1002] {
+            let mut cx = std::task::Context::from_waker(&wakers[i]);
+            assert_eq!(
+                woken[i].as_mut().poll(&mut cx),
+                std::task::Poll::Ready(Wake::LookAgain)
+            );
+        }
+        // A watch given up takes its place with it, and its key's entry when the last.
+        woken.remove(7);
+        assert_eq!(waiting.borrow().len(), 1000);
+        assert!(!waiting.borrow().by_key.contains_key("other-7"));
+        waiting.borrow_mut().release_all();
+        assert_eq!(waiting.borrow().len(), 0);
+        let mut cx = std::task::Context::from_waker(&wakers[0]);
+        assert_eq!(
+            woken[0].as_mut().poll(&mut cx),
+            std::task::Poll::Ready(Wake::Released)
+        );
     }
 }
