@@ -101,9 +101,10 @@ enum Command {
 /// frames stranded the space: after one 4-second flood of 60 KiB publishes the broker's
 /// RSS was 123-193 MiB over five runs, against 105-116 MiB with these settings, and the
 /// throughput cells did not move (S3, S5, S7 side by side; docs/configuration.md).
-/// Blocks of 4 MiB and more get mappings of their own, returned when freed; the trim
-/// threshold is raised with it so a freed top of a heap is not handed back (and faulted
-/// in again) at every round.
+/// With the threshold fixed, a block of 4 MiB or more is mapped on its own (unmapped
+/// when freed) unless free space in an arena fits it; the trim threshold is raised with
+/// it so a freed top of a heap is not handed back (and faulted in again) at every round.
+/// This overrides an operator's `MALLOC_*` or `GLIBC_TUNABLES` for the two.
 fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets allocator parameters; it is called before the broker

@@ -984,6 +984,14 @@ impl<B: Backend> SegmentLog<B> {
             });
         }
         let chunk = st.staged.back_mut().expect("a chunk was just ensured");
+        // Grown by doubling, but never past a round (unless this batch alone is larger):
+        // a full chunk then fits the spares' bound and is kept for reuse, where doubling
+        // gave it up to twice a round's capacity and recycling dropped it.
+        let need = chunk.bytes.len() + len;
+        if need > chunk.bytes.capacity() {
+            let grown = (chunk.bytes.capacity() * 2).clamp(need, format::ROUND_BYTES_MAX.max(need));
+            chunk.bytes.reserve_exact(grown - chunk.bytes.len());
+        }
         format::encode_batch(
             &mut chunk.bytes,
             first,
@@ -1817,11 +1825,7 @@ async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
                 Some(go) => go,
                 None => {
                     buf = Vec::new();
-                    {
-                        let mut st = shared.state.borrow_mut();
-                        st.spare = Vec::new();
-                        st.write_buf_bytes = 0;
-                    }
+                    let_go_buffers(&mut shared.state.borrow_mut());
                     next_work(&shared).await
                 }
             }
@@ -1830,6 +1834,7 @@ async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
         };
         if !go {
             let mut st = shared.state.borrow_mut();
+            let_go_buffers(&mut st);
             st.closed = st.closing;
             wake_all(&mut st);
             return;
@@ -1879,17 +1884,26 @@ async fn flusher<B: Backend>(shared: Rc<Shared<B>>) {
             w.wake();
         }
         if let Err((op, e)) = result {
+            let_go_buffers(&mut st);
             st.poisoned = Some((op, e.to_string()));
             wake_all(&mut st);
             st.closed = st.closing;
             return;
         }
         if st.closing && st.staged.is_empty() && !st.sync_requested {
+            let_go_buffers(&mut st);
             st.closed = true;
             wake_all(&mut st);
             return;
         }
     }
+}
+
+/// The spare chunk buffers go, and the write buffer is counted gone (the flusher drops
+/// its own): the log is idle, closed or poisoned.
+fn let_go_buffers<F>(st: &mut State<F>) {
+    st.spare = Vec::new();
+    st.write_buf_bytes = 0;
 }
 
 /// Waits until the flusher has a round to write (`true`), or must stop (`false`).
