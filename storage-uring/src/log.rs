@@ -12,9 +12,7 @@
 //!    round takes whole chunks, so only a batch larger than the bound makes a round
 //!    larger, and then it is the round's only batch). What is left waits for the next
 //!    round, which starts at once. It writes the round with one block-aligned O_DIRECT
-//!    write per segment (rewriting the last partial block with the new bytes behind it;
-//!    the io_uring backend issues a large non-durable write as several in order, which
-//!    is what it does after a short write anyway).
+//!    write per segment (rewriting the last partial block with the new bytes behind it).
 //!    Rolling to a new segment first fdatasyncs the old one, then creates the new file,
 //!    writes and fdatasyncs its header, and fsyncs the directory.
 //! 3. Under `FsyncMode::OnCommit` the flusher then issues one fdatasync for the round:

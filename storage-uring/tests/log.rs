@@ -884,11 +884,10 @@ fn a_backlog_is_flushed_in_bounded_rounds() {
     });
 }
 
-/// A round larger than one O_DIRECT write (1 MiB) goes as several writes, in order,
-/// starting inside the block the last round ended in: every byte reads back after a
-/// reopen, in batches of sizes that put the write boundaries anywhere.
+/// A round of several mebibytes, starting inside the block the last round ended in and
+/// made of batches of uneven sizes, reads back byte for byte after a reopen.
 #[test]
-fn a_round_written_in_several_pieces_reads_back_after_reopen() {
+fn a_round_of_several_mebibytes_reads_back_after_reopen() {
     run(|| async {
         let fx = Disk::new();
         let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())

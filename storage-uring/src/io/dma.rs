@@ -36,14 +36,6 @@ use crate::format::BLOCK_BYTES;
 
 const PROBE_FILE: &str = ".felix-dma-probe";
 
-/// The most bytes one O_DIRECT write takes: a larger write goes as several, in order,
-/// each through a buffer the executor's registered I/O memory can usually hold. One
-/// buffer the size of a whole flush round (8 MiB) came from the heap, once per round,
-/// and under a flood the allocator kept what those buffers left.
-const WRITE_PIECE_BYTES: usize = 1 << 20;
-/// A piece no write reaches: the write goes whole.
-const ONE_WRITE: usize = usize::MAX - (BLOCK_BYTES - 1);
-
 /// A directory on a real file system, accessed with O_DIRECT through io_uring.
 #[derive(Debug, Clone)]
 pub struct DmaBackend {
@@ -273,19 +265,16 @@ impl DmaSegmentFile {
         Ok(self.dsync.borrow_mut().get_or_insert(f).clone())
     }
 
-    /// Writes all of `data` at `pos` through `file`, in order, at most `piece` bytes
-    /// per write, resuming after short writes. Both are block-aligned, as O_DIRECT
-    /// needs.
-    async fn write_all_at(file: &DmaFile, data: &[u8], pos: u64, piece: usize) -> io::Result<()> {
+    /// Writes all of `data` at `pos` through `file`, resuming after short writes. Both
+    /// are block-aligned, as O_DIRECT needs.
+    async fn write_all_at(file: &DmaFile, data: &[u8], pos: u64) -> io::Result<()> {
         debug_assert!(
             (pos as usize).is_multiple_of(BLOCK_BYTES) && data.len().is_multiple_of(BLOCK_BYTES)
         );
-        debug_assert!(piece.is_multiple_of(BLOCK_BYTES));
         let mut done = 0usize;
         while done < data.len() {
-            let len = (data.len() - done).min(piece);
-            let mut buf = file.alloc_dma_buffer(len);
-            buf.as_bytes_mut().copy_from_slice(&data[done..done + len]);
+            let mut buf = file.alloc_dma_buffer(data.len() - done);
+            buf.as_bytes_mut().copy_from_slice(&data[done..]);
             let n = file.write_at(buf, pos + done as u64).await.map_err(to_io)?;
             if n == 0 {
                 return Err(io::Error::new(
@@ -306,7 +295,7 @@ impl DmaSegmentFile {
 impl SegmentFile for DmaSegmentFile {
     async fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
         self.check_write()?;
-        Self::write_all_at(&self.file, data, pos, WRITE_PIECE_BYTES).await
+        Self::write_all_at(&self.file, data, pos).await
     }
 
     async fn write_durable_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
@@ -314,14 +303,13 @@ impl SegmentFile for DmaSegmentFile {
         self.check_write()?;
         self.check_sync()?;
         match self.dsync_file().await {
-            // One write: each O_DSYNC write costs a device flush.
-            Ok(file) => Self::write_all_at(&file, data, pos, ONE_WRITE).await,
+            Ok(file) => Self::write_all_at(&file, data, pos).await,
             // Out of descriptors (the process's or the system's), the O_DSYNC one cannot
             // be opened, which says nothing about the write: make it durable the other
             // way, through the descriptor the segment has, with one device round trip
             // more. Failing it would poison the log for a shortage that passes.
             Err(e) if super::is_out_of_descriptors(&e) => {
-                Self::write_all_at(&self.file, data, pos, WRITE_PIECE_BYTES).await?;
+                Self::write_all_at(&self.file, data, pos).await?;
                 self.file.fdatasync().await.map_err(to_io)
             }
             Err(e) => Err(e),
@@ -329,7 +317,7 @@ impl SegmentFile for DmaSegmentFile {
     }
 
     async fn overwrite_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
-        Self::write_all_at(&self.file, data, pos, WRITE_PIECE_BYTES).await
+        Self::write_all_at(&self.file, data, pos).await
     }
 
     async fn read_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
