@@ -107,12 +107,16 @@ impl<B: Backend> SegmentLog<B> {
         .await
     }
 
-    /// Snapshot `name` as `(as_of, body)`: `None` when there is none, it is damaged, or
-    /// `as_of` lies outside `[base_offset(), next_offset()]` (below: retention removed
+    /// Snapshot `name` as `(as_of, body)`: `None` when there is none, it is damaged, a
+    /// cut or reset came while it was read, or `as_of` lies outside
+    /// `[base_offset(), next_offset()]` (below: retention removed
     /// what follows it, and the log holds nothing to read on from it; the records below
     /// `as_of` it describes may be gone too, which the caller must forget).
     pub async fn load_snapshot(&self, name: &str) -> Result<Option<(u64, Vec<u8>)>, StorageError> {
         let file = file_name(name)?;
+        // The read waits on the ring: a cut meanwhile may have made it describe records
+        // that are gone (and the range check below pass on offsets written since).
+        let cuts = self.shared.state.borrow().cuts;
         let Some(bytes) = self
             .shared
             .backend
@@ -122,6 +126,9 @@ impl<B: Backend> SegmentLog<B> {
         else {
             return Ok(None);
         };
+        if self.shared.state.borrow().cuts != cuts {
+            return Ok(None);
+        }
         let within = self.base_offset()..=self.next_offset();
         Ok(decode(&bytes)
             .filter(|(as_of, _)| within.contains(as_of))
