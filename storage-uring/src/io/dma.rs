@@ -380,6 +380,34 @@ mod tests {
     /// exactly, and rewriting a file with less leaves only the new bytes.
     #[test]
     fn small_files_read_back_whole_through_the_ring() {
+        in_a_directory(|path, backend| async move {
+            assert_eq!(backend.read_small("absent").await.unwrap(), None);
+            let big: Vec<u8> = (0..(3 << 20) + 1234).map(|i| (i % 251) as u8).collect();
+            backend.write_small("big", &big).await.unwrap();
+            assert_eq!(
+                backend.read_small("big").await.unwrap().as_ref(),
+                Some(&big)
+            );
+            backend.write_synced("big", b"short").await.unwrap();
+            assert_eq!(
+                backend.read_small("big").await.unwrap().as_deref(),
+                Some(&b"short"[..])
+            );
+            backend.write_small("empty", b"").await.unwrap();
+            assert_eq!(
+                backend.read_small("empty").await.unwrap().as_deref(),
+                Some(&b""[..])
+            );
+            assert_eq!(std::fs::read(path.join("big")).unwrap(), b"short");
+        });
+    }
+
+    /// Runs `test` on a glommio executor with a backend over a fresh directory.
+    fn in_a_directory<F, Fut>(test: F)
+    where
+        F: FnOnce(PathBuf, DmaBackend) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().to_path_buf();
         glommio::LocalExecutorBuilder::default()
@@ -387,24 +415,7 @@ mod tests {
             .unwrap()
             .run(async move {
                 let backend = DmaBackend::open_dir(&path).await.unwrap();
-                assert_eq!(backend.read_small("absent").await.unwrap(), None);
-                let big: Vec<u8> = (0..(3 << 20) + 1234).map(|i| (i % 251) as u8).collect();
-                backend.write_small("big", &big).await.unwrap();
-                assert_eq!(
-                    backend.read_small("big").await.unwrap().as_ref(),
-                    Some(&big)
-                );
-                backend.write_synced("big", b"short").await.unwrap();
-                assert_eq!(
-                    backend.read_small("big").await.unwrap().as_deref(),
-                    Some(&b"short"[..])
-                );
-                backend.write_small("empty", b"").await.unwrap();
-                assert_eq!(
-                    backend.read_small("empty").await.unwrap().as_deref(),
-                    Some(&b""[..])
-                );
-                assert_eq!(std::fs::read(path.join("big")).unwrap(), b"short");
+                test(path, backend).await;
             });
     }
 
@@ -413,31 +424,25 @@ mod tests {
     #[test]
     fn durable_writes_go_through_an_o_dsync_descriptor_let_go_at_seal() {
         use std::os::fd::AsRawFd;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().to_path_buf();
-        glommio::LocalExecutorBuilder::default()
-            .make()
-            .unwrap()
-            .run(async move {
-                let backend = DmaBackend::open_dir(&path).await.unwrap();
-                let f = backend.open("a.seg", true).await.unwrap();
-                let (a, b) = (vec![7u8; BLOCK_BYTES], vec![9u8; BLOCK_BYTES]);
-                f.write_at(&a, 0).await.unwrap();
-                assert!(f.dsync.borrow().is_none(), "a plain write opens nothing");
-                f.write_durable_at(&b, BLOCK_BYTES as u64).await.unwrap();
-                let fd = f
-                    .dsync
-                    .borrow()
-                    .as_ref()
-                    .expect("opened for the durable write")
-                    .as_raw_fd();
-                // SAFETY: F_GETFL on a descriptor the file holds open.
-                let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-                assert_ne!(flags & libc::O_DSYNC, 0, "flags {flags:#o}");
-                let read = f.read_at(0, 2 * BLOCK_BYTES).await.unwrap();
-                assert_eq!(read.to_vec(), [a, b].concat());
-                f.sealed();
-                assert!(f.dsync.borrow().is_none(), "let go at seal");
-            });
+        in_a_directory(|_, backend| async move {
+            let f = backend.open("a.seg", true).await.unwrap();
+            let (a, b) = (vec![7u8; BLOCK_BYTES], vec![9u8; BLOCK_BYTES]);
+            f.write_at(&a, 0).await.unwrap();
+            assert!(f.dsync.borrow().is_none(), "a plain write opens nothing");
+            f.write_durable_at(&b, BLOCK_BYTES as u64).await.unwrap();
+            let fd = f
+                .dsync
+                .borrow()
+                .as_ref()
+                .expect("opened for the durable write")
+                .as_raw_fd();
+            // SAFETY: F_GETFL on a descriptor the file holds open.
+            let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+            assert_ne!(flags & libc::O_DSYNC, 0, "flags {flags:#o}");
+            let read = f.read_at(0, 2 * BLOCK_BYTES).await.unwrap();
+            assert_eq!(read.to_vec(), [a, b].concat());
+            f.sealed();
+            assert!(f.dsync.borrow().is_none(), "let go at seal");
+        });
     }
 }
