@@ -28,3 +28,5 @@ pub mod server;
 pub mod session;
 pub mod shard;
 pub mod state;
+#[cfg(test)]
+mod wakes;

@@ -3165,14 +3165,6 @@ mod tests {
     /// write wakes them for the record owed again.
     #[test]
     fn an_ack_freeing_room_under_the_in_flight_cap_wakes_waiting_polls() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        use std::task::{Context, Wake, Waker};
-        struct Wakes(AtomicUsize);
-        impl Wake for Wakes {
-            fn wake(self: std::sync::Arc<Self>) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
             let stream = stream_in(dir.path()).await;
@@ -3184,13 +3176,10 @@ mod tests {
             });
             // Offset 0 claimed for a minute: the cap is full, offset 1 waits.
             claim_offset_0(&g, mono_ms(), 60_000);
-            let wakes = std::sync::Arc::new(Wakes(AtomicUsize::new(0)));
-            let waker = Waker::from(wakes.clone());
+            let wakes = crate::wakes::Wakes::new();
             let mut poll = std::pin::pin!(g.serve(&stream, long_poll()));
             assert!(
-                poll.as_mut()
-                    .poll(&mut Context::from_waker(&waker))
-                    .is_pending(),
+                poll.as_mut().poll(&mut wakes.cx()).is_pending(),
                 "held back by the cap"
             );
             let mut ack = std::pin::pin!(g.serve(&stream, GroupOp::Ack("w".into(), 0)));
@@ -3199,7 +3188,7 @@ mod tests {
                 "the ack's write is held"
             );
             assert_eq!(
-                wakes.0.load(Ordering::SeqCst),
+                wakes.count(),
                 1,
                 "the ack freed room: the waiting poll is woken"
             );

@@ -280,33 +280,20 @@ mod tests {
             "a small one does not pass the large one waiting"
         );
         let small = b.queue(1);
-        use std::sync::Arc;
-        use std::sync::atomic::{AtomicU32, Ordering};
-        struct Count(Arc<AtomicU32>);
-        impl std::task::Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        let woken = Arc::new(AtomicU32::new(0));
-        let waker = |c: &Arc<AtomicU32>| Waker::from(Arc::new(Count(c.clone())));
-        let (wl, ws) = (waker(&woken), waker(&Arc::new(AtomicU32::new(0))));
-        assert!(!b.poll_take(large, &wl));
-        assert!(!b.poll_take(small, &ws), "not its turn");
+        let (large_wakes, small_wakes) = (crate::wakes::Wakes::new(), crate::wakes::Wakes::new());
+        let (wl, ws) = (large_wakes.waker(), small_wakes.waker());
+        assert!(!b.poll_take(large, wl));
+        assert!(!b.poll_take(small, ws), "not its turn");
         b.release(8);
-        assert_eq!(
-            woken.load(Ordering::Relaxed),
-            1,
-            "the first in line is woken"
-        );
-        assert!(b.poll_take(large, &wl));
-        assert!(b.poll_take(small, &ws), "its turn now, and it fits");
+        assert_eq!(large_wakes.count(), 1, "the first in line is woken");
+        assert!(b.poll_take(large, wl));
+        assert!(b.poll_take(small, ws), "its turn now, and it fits");
         assert_eq!(b.used(), 7);
         // One that leaves first in line hands its turn on.
         let first = b.queue(5);
         let second = b.queue(1);
         b.leave(first);
-        assert!(b.poll_take(second, &ws));
+        assert!(b.poll_take(second, ws));
     }
 
     #[test]

@@ -2122,14 +2122,7 @@ mod tests {
     /// now; one given up leaves nothing behind.
     #[test]
     fn a_waiting_watch_is_woken_by_the_changes_it_follows_only() {
-        use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-        use std::task::{Context, Poll, Wake as Wakeable, Waker};
-        struct Count(AtomicUsize);
-        impl Wakeable for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Relaxed);
-            }
-        }
+        use std::task::Poll;
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
             let shard = cache_in(dir.path()).await;
@@ -2138,22 +2131,33 @@ mod tests {
                 WatchFilter::Key("x".into()),
                 WatchFilter::Prefix("p:".into()),
             );
-            let counts: Vec<_> = (0..2)
-                .map(|_| Arc::new(Count(AtomicUsize::new(0))))
-                .collect();
-            let wakers: Vec<Waker> = counts.iter().map(|c| Waker::from(c.clone())).collect();
-            let mut waits = [
-                Box::pin(shard.change_followed(&key)),
-                Box::pin(shard.change_followed(&prefix)),
-            ];
-            for (w, waker) in waits.iter_mut().zip(&wakers) {
-                assert!(
-                    w.as_mut()
-                        .poll(&mut Context::from_waker(waker))
-                        .is_pending()
-                );
-            }
-            let woken = || counts.iter().map(|c| c.0.load(Relaxed)).collect::<Vec<_>>();
+            let wakes = [crate::wakes::Wakes::new(), crate::wakes::Wakes::new()];
+            // Both filters waiting, each polled once with its own waker.
+            let wait_both = || {
+                let mut waits = [
+                    Box::pin(shard.change_followed(&key)),
+                    Box::pin(shard.change_followed(&prefix)),
+                ];
+                for (w, wakes) in waits.iter_mut().zip(&wakes) {
+                    assert!(w.as_mut().poll(&mut wakes.cx()).is_pending());
+                }
+                waits
+            };
+            let looks_again = |waits: &mut [std::pin::Pin<Box<Woken<'_>>>; 2]| {
+                for (w, wakes) in waits.iter_mut().zip(&wakes) {
+                    assert_eq!(
+                        w.as_mut().poll(&mut wakes.cx()),
+                        Poll::Ready(Wake::LookAgain)
+                    );
+                }
+            };
+            let woken = || {
+                wakes
+                    .iter()
+                    .map(crate::wakes::Wakes::count)
+                    .collect::<Vec<_>>()
+            };
+            let mut waits = wait_both();
             shard
                 .put("y", Bytes::from_static(b"1"), None, now)
                 .await
@@ -2177,36 +2181,18 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(woken(), [1, 1]);
-            for (w, waker) in waits.iter_mut().zip(&wakers) {
-                let got = w.as_mut().poll(&mut Context::from_waker(waker));
-                assert_eq!(got, Poll::Ready(Wake::LookAgain));
-            }
+            looks_again(&mut waits);
             // Waiting again: a rebuild wakes both; a watch given up is forgotten.
-            let mut waits = [
-                Box::pin(shard.change_followed(&key)),
-                Box::pin(shard.change_followed(&prefix)),
-            ];
-            for (w, waker) in waits.iter_mut().zip(&wakers) {
-                assert!(
-                    w.as_mut()
-                        .poll(&mut Context::from_waker(waker))
-                        .is_pending()
-                );
-            }
+            let mut waits = wait_both();
             shard.rebuild().await.unwrap();
             assert_eq!(woken(), [2, 2]);
-            for (w, waker) in waits.iter_mut().zip(&wakers) {
-                let got = w.as_mut().poll(&mut Context::from_waker(waker));
-                assert_eq!(got, Poll::Ready(Wake::LookAgain));
-            }
+            looks_again(&mut waits);
             drop(waits);
             // A replicated leader's write: woken as it is applied, once committed, not
             // when staged; a staged write given up wakes every watch to look again; a
             // move's release tells them to answer now.
             let mut wait = Box::pin(shard.change_followed(&key));
-            let poll = |w: &mut std::pin::Pin<Box<Woken<'_>>>| {
-                w.as_mut().poll(&mut Context::from_waker(&wakers[0]))
-            };
+            let poll = |w: &mut std::pin::Pin<Box<Woken<'_>>>| w.as_mut().poll(&mut wakes[0].cx());
             assert!(poll(&mut wait).is_pending());
             let at = shard.applied_end();
             let rec = encode_cache_record(true, 0, "x", b"staged");
@@ -2227,12 +2213,7 @@ mod tests {
             assert_eq!(poll(&mut wait), Poll::Ready(Wake::Released));
             drop(wait);
             let mut given_up = Box::pin(shard.change_followed(&key));
-            assert!(
-                given_up
-                    .as_mut()
-                    .poll(&mut Context::from_waker(&wakers[0]))
-                    .is_pending()
-            );
+            assert!(poll(&mut given_up).is_pending());
             drop(given_up);
             assert_eq!(shard.watching.borrow().len(), 0);
         });

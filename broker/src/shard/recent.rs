@@ -483,15 +483,6 @@ mod tests {
         assert!(r.idle(t0 + RECENT_IDLE * 2, RECENT_IDLE));
     }
 
-    /// A waker that counts its wake-ups.
-    struct Count(std::sync::atomic::AtomicUsize);
-
-    impl std::task::Wake for Count {
-        fn wake(self: std::sync::Arc<Self>) {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
     /// A change looks at the watches of its key and the prefix watches, not at every
     /// watch: with 1,000 watches of other keys waiting, a put wakes its key's two
     /// watches and the prefix watch it matches, looking at those and the 2 prefix
@@ -500,8 +491,6 @@ mod tests {
     #[test]
     fn a_change_looks_only_at_its_keys_watches_and_the_prefix_watches() {
         use std::future::Future;
-        use std::sync::Arc;
-        use std::sync::atomic::Ordering::Relaxed;
         let waiting = std::cell::RefCell::new(Waiting::default());
         let mut filters: Vec<WatchFilter> = (0..1000)
             .map(|i| WatchFilter::Key(format!("other-{i}")))
@@ -512,25 +501,20 @@ mod tests {
             WatchFilter::Prefix("k".into()),
             WatchFilter::Prefix("z".into()),
         ]);
-        let counts: Vec<Arc<Count>> = filters
-            .iter()
-            .map(|_| Arc::new(Count(Default::default())))
-            .collect();
-        let wakers: Vec<Waker> = counts.iter().map(|c| Waker::from(c.clone())).collect();
+        let wakes: Vec<_> = filters.iter().map(|_| crate::wakes::Wakes::new()).collect();
         let mut woken: Vec<_> = filters
             .iter()
             .map(|f| Box::pin(Woken::new(&waiting, f)))
             .collect();
-        for (w, waker) in woken.iter_mut().zip(&wakers) {
-            let mut cx = std::task::Context::from_waker(waker);
-            assert!(w.as_mut().poll(&mut cx).is_pending());
+        for (w, wakes) in woken.iter_mut().zip(&wakes) {
+            assert!(w.as_mut().poll(&mut wakes.cx()).is_pending());
         }
         assert_eq!(waiting.borrow().len(), 1004);
         waiting.borrow_mut().wake_following("k");
-        let woken_ones: Vec<usize> = counts
+        let woken_ones: Vec<usize> = wakes
             .iter()
             .enumerate()
-            .filter(|(_, c)| c.0.load(Relaxed) > 0)
+            .filter(|(_, w)| w.count() > 0)
             .map(|(i, _)| i)
             .collect();
         assert_eq!(
@@ -544,9 +528,8 @@ mod tests {
             "two of the key, two prefix watches"
         );
         for i in [1000, 1001, 1002] {
-            let mut cx = std::task::Context::from_waker(&wakers[i]);
             assert_eq!(
-                woken[i].as_mut().poll(&mut cx),
+                woken[i].as_mut().poll(&mut wakes[i].cx()),
                 std::task::Poll::Ready(Wake::LookAgain)
             );
         }
@@ -556,9 +539,8 @@ mod tests {
         assert!(!waiting.borrow().by_key.contains_key("other-7"));
         waiting.borrow_mut().release_all();
         assert_eq!(waiting.borrow().len(), 0);
-        let mut cx = std::task::Context::from_waker(&wakers[0]);
         assert_eq!(
-            woken[0].as_mut().poll(&mut cx),
+            woken[0].as_mut().poll(&mut wakes[0].cx()),
             std::task::Poll::Ready(Wake::Released)
         );
     }
