@@ -375,19 +375,38 @@ mod tests {
         assert_eq!(to_io(plain).raw_os_error(), Some(libc::EDQUOT));
     }
 
-    /// Whole small files (indexes, metadata, snapshots) go through the ring: a missing
-    /// one reads as `None`, one of several megabytes and an odd length reads back
-    /// exactly, and rewriting a file with less leaves only the new bytes.
+    /// Whole small files (indexes, metadata, snapshots) go through the ring: the core's
+    /// other tasks run while one is read or written (a blocking call on the core's
+    /// thread lets none run); a missing one reads as `None`, one of several megabytes
+    /// and an odd length reads back exactly, and rewriting a file with less leaves only
+    /// the new bytes.
     #[test]
     fn small_files_read_back_whole_through_the_ring() {
         in_a_directory(|path, backend| async move {
+            let ticks = std::rc::Rc::new(std::cell::Cell::new(0u64));
+            let ticker = glommio::spawn_local({
+                let ticks = ticks.clone();
+                async move {
+                    loop {
+                        ticks.set(ticks.get() + 1);
+                        futures_lite::future::yield_now().await;
+                    }
+                }
+            })
+            .detach();
             assert_eq!(backend.read_small("absent").await.unwrap(), None);
             let big: Vec<u8> = (0..(3 << 20) + 1234).map(|i| (i % 251) as u8).collect();
+            let before = ticks.get();
             backend.write_small("big", &big).await.unwrap();
-            assert_eq!(
-                backend.read_small("big").await.unwrap().as_ref(),
-                Some(&big)
+            assert!(
+                ticks.get() > before,
+                "the core ran nothing during the write"
             );
+            let before = ticks.get();
+            let read = backend.read_small("big").await.unwrap();
+            assert!(ticks.get() > before, "the core ran nothing during the read");
+            ticker.cancel();
+            assert_eq!(read.as_ref(), Some(&big));
             backend.write_synced("big", b"short").await.unwrap();
             assert_eq!(
                 backend.read_small("big").await.unwrap().as_deref(),
