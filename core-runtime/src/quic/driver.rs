@@ -2118,6 +2118,72 @@ mod sans_io {
         assert!(more > 0, "widened, it sends on");
     }
 
+    /// An answer of two or three packets is acknowledged by the client's next request,
+    /// not by an ACK of its own: the server asks for it (the ACK frequency extension),
+    /// and without the ask a quinn client acknowledged every second packet, one more
+    /// datagram and wake-up of the server per request. A longer answer is still
+    /// acknowledged while it arrives.
+    #[test]
+    fn a_client_acknowledges_a_short_answer_with_its_next_request() {
+        use quinn_proto::Dir;
+        let mut f = fixture(16, TransportLimits::default());
+        let mut c = connect(&mut f, 5300);
+        let id = *c.conns.keys().next().unwrap();
+        let server_id = *f.server.conns.keys().next().unwrap();
+        let s = c
+            .conns
+            .get_mut(&id)
+            .unwrap()
+            .q
+            .streams()
+            .open(Dir::Bi)
+            .unwrap();
+        // One request and its answer of `answer` bytes; what the client sent meanwhile.
+        let exchange = |f: &mut Fixture, c: &mut Driver, answer: usize| -> u64 {
+            let q = &mut c.conns.get_mut(&id).unwrap().q;
+            q.send_stream(s).write(&[1u8; 100]).unwrap();
+            c.mark(id);
+            step(c, f.now);
+            step(&mut f.server, f.now);
+            let q = &mut f.server.conns.get_mut(&server_id).unwrap().q;
+            let theirs = q.streams().accept(Dir::Bi).unwrap_or(s);
+            let mut recv = q.recv_stream(theirs);
+            let mut chunks = recv.read(true).unwrap();
+            while let Ok(Some(_)) = chunks.next(usize::MAX) {}
+            let _ = chunks.finalize();
+            let n = q.send_stream(theirs).write(&vec![2u8; answer]).unwrap();
+            assert_eq!(n, answer);
+            f.server.mark(server_id);
+            step(&mut f.server, f.now);
+            let sent = c.stats.sends;
+            // 10 ms: under the client's ACK delay (25 ms), far over a round trip here.
+            for _ in 0..10 {
+                f.now += Duration::from_millis(1);
+                step(c, f.now);
+                step(&mut f.server, f.now);
+            }
+            c.stats.sends - sent
+        };
+        // The server's ACK_FREQUENCY frame reaches the client with its first answer.
+        exchange(&mut f, &mut c, 10);
+        // Two- and three-packet answers. The sender skips a packet number now and then
+        // (quinn-proto's guard against forged ACKs, ever rarer: the first in 0..64, the
+        // next in 64..128, then 128..256), which looks like a loss to the receiver and
+        // is acknowledged at once: a few of those, not one ACK per answer.
+        let own: u64 = (0..20)
+            .map(|_| exchange(&mut f, &mut c, 2500) + exchange(&mut f, &mut c, 3600))
+            .sum();
+        assert!(
+            own <= 3,
+            "{own} datagrams of the client's own for 40 short answers: short answers wait \
+             for the next request to be acknowledged"
+        );
+        assert!(
+            exchange(&mut f, &mut c, 20_000) >= 1,
+            "a longer answer is acknowledged as it arrives"
+        );
+    }
+
     /// Past `untrusted_full` connections not trusted yet, new ones are accepted with the
     /// crowded config's small window, until one is trusted: ten thousand untrusted
     /// connections a core could each make the server buffer a megabyte (out-of-order
