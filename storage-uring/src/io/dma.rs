@@ -82,13 +82,24 @@ impl DmaBackend {
         // glommio opens directories by absolute path only (a relative one fails with
         // EBADF when the directory is synced).
         let dir = std::path::absolute(dir.as_ref())?;
-        create_dir_durably(&dir)?;
-        // Make sure glommio's first DMA open on this device sees a non-empty file.
+        // Blocking calls (directories made and their parents fsynced): on the
+        // executor's blocking thread, so a shard created at run time stalls no other.
         let probe = dir.join(PROBE_FILE);
-        let needs_probe = std::fs::metadata(&probe).map(|m| m.len() < BLOCK_BYTES as u64);
-        if needs_probe.unwrap_or(true) {
-            std::fs::write(&probe, vec![0xA5u8; BLOCK_BYTES])?;
-        }
+        let made = dir.clone();
+        let made_probe = probe.clone();
+        glommio::executor()
+            .spawn_blocking(move || -> io::Result<()> {
+                create_dir_durably(&made)?;
+                // Make sure glommio's first DMA open on this device sees a non-empty
+                // file.
+                let needs_probe =
+                    std::fs::metadata(&made_probe).map(|m| m.len() < BLOCK_BYTES as u64);
+                if needs_probe.unwrap_or(true) {
+                    std::fs::write(&made_probe, vec![0xA5u8; BLOCK_BYTES])?;
+                }
+                Ok(())
+            })
+            .await?;
         let f = OpenOptions::new()
             .read(true)
             .dma_open(&probe)
@@ -142,22 +153,32 @@ impl Backend for DmaBackend {
         })
     }
 
+    // Listing and unlinking are blocking calls with no io_uring op in glommio 0.9: they
+    // run on the executor's blocking thread, so the core's other shards are served
+    // meanwhile (an unlink of a large segment frees all its extents, milliseconds).
     async fn list(&self) -> io::Result<Vec<String>> {
-        let mut names = Vec::new();
-        for entry in std::fs::read_dir(&*self.dir)? {
-            let entry = entry?;
-            if entry.file_type()?.is_file()
-                && let Some(name) = entry.file_name().to_str()
-                && name != PROBE_FILE
-            {
-                names.push(name.to_owned());
-            }
-        }
-        Ok(names)
+        let dir = (*self.dir).clone();
+        glommio::executor()
+            .spawn_blocking(move || {
+                let mut names = Vec::new();
+                for entry in std::fs::read_dir(&dir)? {
+                    let entry = entry?;
+                    if entry.file_type()?.is_file()
+                        && let Some(name) = entry.file_name().to_str()
+                        && name != PROBE_FILE
+                    {
+                        names.push(name.to_owned());
+                    }
+                }
+                Ok(names)
+            })
+            .await
     }
 
     async fn remove(&self, name: &str) -> io::Result<()> {
-        std::fs::remove_file(self.dir.join(name))
+        glommio::io::remove(self.dir.join(name))
+            .await
+            .map_err(to_io)
     }
 
     async fn sync_dir(&self) -> io::Result<()> {
@@ -418,6 +439,48 @@ mod tests {
                 Some(&b""[..])
             );
             assert_eq!(std::fs::read(path.join("big")).unwrap(), b"short");
+        });
+    }
+
+    /// Listing the directory and removing a file run off the core's thread (its other
+    /// tasks run meanwhile), list only segment-directory files (not the probe), and a
+    /// missing file's removal still reads as not found (retention and cuts take that
+    /// for done).
+    #[test]
+    fn listing_and_removing_let_the_core_run_other_tasks() {
+        in_a_directory(|path, backend| async move {
+            let ticks = std::rc::Rc::new(std::cell::Cell::new(0u64));
+            let ticker = glommio::spawn_local({
+                let ticks = ticks.clone();
+                async move {
+                    loop {
+                        ticks.set(ticks.get() + 1);
+                        futures_lite::future::yield_now().await;
+                    }
+                }
+            })
+            .detach();
+            backend.write_small("a", b"1").await.unwrap();
+            backend.write_small("b", b"2").await.unwrap();
+            std::fs::create_dir(path.join("sub")).unwrap();
+            let before = ticks.get();
+            let mut names = backend.list().await.unwrap();
+            assert!(
+                ticks.get() > before,
+                "the core ran nothing during the listing"
+            );
+            names.sort();
+            assert_eq!(names, ["a", "b"]);
+            let before = ticks.get();
+            backend.remove("a").await.unwrap();
+            assert!(
+                ticks.get() > before,
+                "the core ran nothing during the removal"
+            );
+            ticker.cancel();
+            assert!(!path.join("a").exists());
+            let missing = backend.remove("a").await.unwrap_err();
+            assert_eq!(missing.kind(), io::ErrorKind::NotFound, "{missing}");
         });
     }
 
