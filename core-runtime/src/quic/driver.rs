@@ -1759,11 +1759,13 @@ mod sans_io {
     use crate::quic::udp::Received;
     use crate::quic::{TransportLimits, client_config, generate_certs, server_config};
 
-    /// Datagrams in flight, and destinations whose traffic is lost.
+    /// Datagrams in flight, destinations whose traffic is lost, and destinations whose
+    /// next datagram is.
     #[derive(Default)]
     struct Net {
         queue: RefCell<VecDeque<(SocketAddr, SocketAddr, Vec<u8>)>>,
         black_holes: RefCell<HashSet<SocketAddr>>,
+        lose_next: RefCell<HashSet<SocketAddr>>,
     }
 
     struct MemIo {
@@ -1802,6 +1804,9 @@ mod sans_io {
                 return Ok(true);
             }
             for piece in data.chunks(segment.unwrap_or(data.len()).max(1)) {
+                if self.net.lose_next.borrow_mut().remove(&dest) {
+                    continue;
+                }
                 self.net
                     .queue
                     .borrow_mut()
@@ -2122,9 +2127,11 @@ mod sans_io {
     /// not by an ACK of its own: the server asks for it (the ACK frequency extension),
     /// and without the ask a quinn client acknowledged every second packet, one more
     /// datagram and wake-up of the server per request. A longer answer is still
-    /// acknowledged while it arrives.
+    /// acknowledged while it arrives, and a client quiet for longer than the ACK delay
+    /// asked for acknowledges on its own.
     #[test]
     fn a_client_acknowledges_a_short_answer_with_its_next_request() {
+        use crate::quic::PEER_MAX_ACK_DELAY;
         use quinn_proto::Dir;
         let mut f = fixture(16, TransportLimits::default());
         let mut c = connect(&mut f, 5300);
@@ -2139,7 +2146,8 @@ mod sans_io {
             .open(Dir::Bi)
             .unwrap();
         // One request and its answer of `answer` bytes; what the client sent meanwhile.
-        let exchange = |f: &mut Fixture, c: &mut Driver, answer: usize| -> u64 {
+        // What the client sent in the `quiet` ms after the answer.
+        let exchange = |f: &mut Fixture, c: &mut Driver, answer: usize, quiet: u32| -> u64 {
             let q = &mut c.conns.get_mut(&id).unwrap().q;
             q.send_stream(s).write(&[1u8; 100]).unwrap();
             c.mark(id);
@@ -2156,8 +2164,7 @@ mod sans_io {
             f.server.mark(server_id);
             step(&mut f.server, f.now);
             let sent = c.stats.sends;
-            // 10 ms: under the client's ACK delay (25 ms), far over a round trip here.
-            for _ in 0..10 {
+            for _ in 0..quiet {
                 f.now += Duration::from_millis(1);
                 step(c, f.now);
                 step(&mut f.server, f.now);
@@ -2165,13 +2172,15 @@ mod sans_io {
             c.stats.sends - sent
         };
         // The server's ACK_FREQUENCY frame reaches the client with its first answer.
-        exchange(&mut f, &mut c, 10);
+        exchange(&mut f, &mut c, 10, 10);
         // Two- and three-packet answers. The sender skips a packet number now and then
         // (quinn-proto's guard against forged ACKs, ever rarer: the first in 0..64, the
         // next in 64..128, then 128..256), which looks like a loss to the receiver and
         // is acknowledged at once: a few of those, not one ACK per answer.
+        // 4 ms after each: under the ACK delay asked for (5 ms), far over a round trip.
+        let quiet = (PEER_MAX_ACK_DELAY.as_millis() - 1) as u32;
         let own: u64 = (0..20)
-            .map(|_| exchange(&mut f, &mut c, 2500) + exchange(&mut f, &mut c, 3600))
+            .map(|_| exchange(&mut f, &mut c, 2500, quiet) + exchange(&mut f, &mut c, 3600, quiet))
             .sum();
         assert!(
             own <= 3,
@@ -2179,8 +2188,21 @@ mod sans_io {
              for the next request to be acknowledged"
         );
         assert!(
-            exchange(&mut f, &mut c, 20_000) >= 1,
+            exchange(&mut f, &mut c, 20_000, quiet) >= 1,
             "a longer answer is acknowledged as it arrives"
+        );
+        // An answer whose first packet is lost: the gap is acknowledged at once, so the
+        // loss is found within a round trip, not after the ACK delay.
+        f.net.lose_next.borrow_mut().insert(addr(5300));
+        assert!(
+            exchange(&mut f, &mut c, 2500, 1) >= 1,
+            "a gap in the answer is acknowledged at once"
+        );
+        let quiet = (PEER_MAX_ACK_DELAY.as_millis() + 2) as u32;
+        exchange(&mut f, &mut c, 10, quiet);
+        assert!(
+            exchange(&mut f, &mut c, 2500, quiet) >= 1,
+            "a client quiet past the ACK delay acknowledges on its own"
         );
     }
 

@@ -111,16 +111,29 @@ pub const CROWDED_WINDOW_BYTES: u32 = 128 << 10;
 /// a client acknowledges every second packet). An answer of two packets (a cache value
 /// or a record of a kibibyte or more) made the client send an ACK of its own, one more
 /// datagram for us to receive and one more wake-up of the core per request; at three,
-/// the ACK rides on the client's next request. Four packets (about 6 KB) stay well
-/// inside quinn's initial congestion window (about 14.7 KB): a sender whose window
-/// were smaller than what the peer waits for would stall until the peer's ACK delay.
+/// the ACK rides on the client's next request. A sender whose congestion window holds
+/// fewer packets than the peer waits for gets no ACK until the peer's ACK delay
+/// ([`PEER_MAX_ACK_DELAY`]): four packets (about 6 KB) fit quinn's initial window
+/// (12,000 bytes), but not the window left after several losses (down to two
+/// packets), which a sender with little to send does not grow back.
 pub const PEER_ACK_ELICITING_THRESHOLD: u32 = 3;
 
+/// The longest a client may hold an ACK back (it would take 25 ms of its own). It bounds
+/// the stall a sender whose window shrank below four packets waits for each ACK, and
+/// our loss timer (which allows for the peer's ACK delay) shrinks with it. A client
+/// idle for longer between requests acknowledges an answer on its own, as it did
+/// before after 25 ms.
+pub const PEER_MAX_ACK_DELAY: Duration = Duration::from_millis(5);
+
 /// Asks the peer to acknowledge every [`PEER_ACK_ELICITING_THRESHOLD`]` + 1`-th
-/// ack-eliciting packet (or after its own ACK delay), instead of every second one.
+/// ack-eliciting packet or after [`PEER_MAX_ACK_DELAY`], instead of every second one,
+/// and still at once on a gap in our packet numbers, as without the extension (its
+/// default, 2, let the loss of an answer's first packet wait for the ACK delay).
 fn ask_fewer_acks(t: &mut TransportConfig) {
     let mut f = quinn_proto::AckFrequencyConfig::default();
-    f.ack_eliciting_threshold(VarInt::from_u32(PEER_ACK_ELICITING_THRESHOLD));
+    f.ack_eliciting_threshold(VarInt::from_u32(PEER_ACK_ELICITING_THRESHOLD))
+        .max_ack_delay(Some(PEER_MAX_ACK_DELAY))
+        .reordering_threshold(VarInt::from_u32(1));
     t.ack_frequency_config(Some(f));
 }
 
