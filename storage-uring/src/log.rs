@@ -1545,6 +1545,11 @@ impl<B: Backend> SegmentLog<B> {
         max_age: Option<Duration>,
         floor: u64,
     ) -> Result<usize, StorageError> {
+        // Held until its files are gone: a close waits for the turn, so the next owner
+        // of the shard (a move opens the files once this log closed) never lists a
+        // segment this loop is still removing. Removals yield (they run on the core's
+        // blocking thread).
+        let _turn = self.meta_turn().await;
         let mut doomed = Vec::new();
         let cuts;
         {

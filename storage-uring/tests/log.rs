@@ -676,6 +676,43 @@ async fn a_batch_larger_than_the_read_window_is_read_whole<F: Fixture>(fx: F) {
     }
 }
 
+/// A close waits for a retention pass that is removing files: its removals yield (they
+/// run on the core's blocking thread), and a shard moved to another core opens the same
+/// files once this log closed, so a segment still being removed then was listed by the
+/// new owner and gone when it opened it. Disk only: the memory backend's removals never
+/// yield.
+#[test]
+fn a_close_waits_for_a_retention_pass_removing_files() {
+    run(|| async {
+        let fx = Disk::new();
+        let cfg = LogConfig {
+            segment_bytes_max: 8 * 1024,
+            index_interval_bytes: 1024,
+            retention_bytes: Some(16 * 1024),
+            ..LogConfig::default()
+        };
+        let (log, _) = SegmentLog::open(fx.backend().await, cfg).await.unwrap();
+        fill(&log, 700, 1000).await;
+        assert!(log.segment_count() > 80, "{} segments", log.segment_count());
+        let log = std::rc::Rc::new(log);
+        let retention = glommio::spawn_local({
+            let log = log.clone();
+            async move { log.enforce_retention(u64::MAX / 2).await }
+        });
+        // The pass starts and is inside its first removal.
+        futures_lite::future::yield_now().await;
+        log.close().await.unwrap();
+        let at_close = fx.names();
+        let removed = retention.await.unwrap();
+        assert!(removed > 50, "removed {removed}");
+        assert_eq!(
+            fx.names().len(),
+            at_close.len(),
+            "files were removed after the close returned"
+        );
+    });
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod memory {
