@@ -404,17 +404,7 @@ mod tests {
     #[test]
     fn small_files_read_back_whole_through_the_ring() {
         in_a_directory(|path, backend| async move {
-            let ticks = std::rc::Rc::new(std::cell::Cell::new(0u64));
-            let ticker = glommio::spawn_local({
-                let ticks = ticks.clone();
-                async move {
-                    loop {
-                        ticks.set(ticks.get() + 1);
-                        futures_lite::future::yield_now().await;
-                    }
-                }
-            })
-            .detach();
+            let (ticks, ticker) = counting_turns();
             assert_eq!(backend.read_small("absent").await.unwrap(), None);
             let big: Vec<u8> = (0..(3 << 20) + 1234).map(|i| (i % 251) as u8).collect();
             let before = ticks.get();
@@ -449,17 +439,7 @@ mod tests {
     #[test]
     fn listing_and_removing_let_the_core_run_other_tasks() {
         in_a_directory(|path, backend| async move {
-            let ticks = std::rc::Rc::new(std::cell::Cell::new(0u64));
-            let ticker = glommio::spawn_local({
-                let ticks = ticks.clone();
-                async move {
-                    loop {
-                        ticks.set(ticks.get() + 1);
-                        futures_lite::future::yield_now().await;
-                    }
-                }
-            })
-            .detach();
+            let (ticks, ticker) = counting_turns();
             backend.write_small("a", b"1").await.unwrap();
             backend.write_small("b", b"2").await.unwrap();
             std::fs::create_dir(path.join("sub")).unwrap();
@@ -482,6 +462,26 @@ mod tests {
             let missing = backend.remove("a").await.unwrap_err();
             assert_eq!(missing.kind(), io::ErrorKind::NotFound, "{missing}");
         });
+    }
+
+    /// A task on the current executor that only counts its turns: a call during which
+    /// the count moves let the core run its other tasks (a blocking call lets none).
+    fn counting_turns() -> (
+        std::rc::Rc<std::cell::Cell<u64>>,
+        glommio::task::JoinHandle<()>,
+    ) {
+        let ticks = std::rc::Rc::new(std::cell::Cell::new(0u64));
+        let ticker = glommio::spawn_local({
+            let ticks = ticks.clone();
+            async move {
+                loop {
+                    ticks.set(ticks.get() + 1);
+                    futures_lite::future::yield_now().await;
+                }
+            }
+        })
+        .detach();
+        (ticks, ticker)
     }
 
     /// Runs `test` on a glommio executor with a backend over a fresh directory.
