@@ -593,6 +593,30 @@ struct State<F> {
     /// A `write_meta` is in progress; the others wait here.
     meta_writing: bool,
     meta_waiters: Vec<Waker>,
+    /// Retention passes removing files; a close waits here for them to stop.
+    removing: usize,
+    removing_waiters: Vec<Waker>,
+}
+
+/// A retention pass removing files (see [`SegmentLog::enforce_retention_below`]);
+/// dropped, it lets a waiting close go on.
+struct Removing<'a, B: Backend>(&'a SegmentLog<B>);
+
+impl<'a, B: Backend> Removing<'a, B> {
+    fn start(log: &'a SegmentLog<B>) -> Self {
+        log.shared.state.borrow_mut().removing += 1;
+        Removing(log)
+    }
+}
+
+impl<B: Backend> Drop for Removing<'_, B> {
+    fn drop(&mut self) {
+        let mut st = self.0.shared.state.borrow_mut();
+        st.removing -= 1;
+        for w in std::mem::take(&mut st.removing_waiters) {
+            w.wake();
+        }
+    }
 }
 
 struct Shared<B: Backend> {
@@ -798,6 +822,8 @@ impl<B: Backend> SegmentLog<B> {
             cuts: 0,
             meta_writing: false,
             meta_waiters: Vec::new(),
+            removing: 0,
+            removing_waiters: Vec::new(),
         };
         let log = SegmentLog {
             shared: Rc::new(Shared {
@@ -1545,11 +1571,6 @@ impl<B: Backend> SegmentLog<B> {
         max_age: Option<Duration>,
         floor: u64,
     ) -> Result<usize, StorageError> {
-        // Held until its files are gone: a close waits for the turn, so the next owner
-        // of the shard (a move opens the files once this log closed) never lists a
-        // segment this loop is still removing. Removals yield (they run on the core's
-        // blocking thread).
-        let _turn = self.meta_turn().await;
         let mut doomed = Vec::new();
         let cuts;
         {
@@ -1568,9 +1589,18 @@ impl<B: Backend> SegmentLog<B> {
             }
             cuts = st.cuts;
         }
+        // Removals yield (they run on the core's blocking thread), and a shard moved to
+        // another core opens these files once this log closed: a close waits until the
+        // pass stops, and the pass stops at the next segment once a close began (the
+        // next owner finds the rest and removes them itself). Otherwise the next owner
+        // could list a segment this loop was still removing, and fail to open it.
+        let _removing = Removing::start(self);
         let mut removed = 0;
         let mut failed = None;
         for s in &doomed {
+            if self.shared.state.borrow().closing {
+                break;
+            }
             let name = segment_name(s.base);
             match self.shared.backend.remove(&name).await {
                 // Gone already: removed all the same (put back, it would stop
@@ -1664,6 +1694,16 @@ impl<B: Backend> SegmentLog<B> {
         // A metadata write in progress lands before the close returns (the next owner
         // reads it); later ones are refused (`write_meta`).
         drop(self.meta_turn().await);
+        // A retention pass removing files stops at its next segment.
+        poll_fn(|cx| {
+            let mut st = self.shared.state.borrow_mut();
+            if st.removing > 0 {
+                st.removing_waiters.push(cx.waker().clone());
+                return Poll::Pending;
+            }
+            Poll::Ready(())
+        })
+        .await;
         let tasks: Vec<_> = self.tasks.borrow_mut().drain(..).collect();
         for t in tasks {
             t.await;

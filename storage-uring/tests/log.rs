@@ -676,11 +676,11 @@ async fn a_batch_larger_than_the_read_window_is_read_whole<F: Fixture>(fx: F) {
     }
 }
 
-/// A close waits for a retention pass that is removing files: its removals yield (they
-/// run on the core's blocking thread), and a shard moved to another core opens the same
-/// files once this log closed, so a segment still being removed then was listed by the
-/// new owner and gone when it opened it. Disk only: the memory backend's removals never
-/// yield.
+/// A close waits for a retention pass that is removing files, which stops at its next
+/// segment: its removals yield (they run on the core's blocking thread), and a shard
+/// moved to another core opens the same files once this log closed, so a segment still
+/// being removed then was listed by the new owner and gone when it opened it. Disk
+/// only: the memory backend's removals never yield.
 #[test]
 fn a_close_waits_for_a_retention_pass_removing_files() {
     run(|| async {
@@ -695,16 +695,27 @@ fn a_close_waits_for_a_retention_pass_removing_files() {
         fill(&log, 700, 1000).await;
         assert!(log.segment_count() > 80, "{} segments", log.segment_count());
         let log = std::rc::Rc::new(log);
+        let done = std::rc::Rc::new(std::cell::Cell::new(false));
         let retention = glommio::spawn_local({
-            let log = log.clone();
-            async move { log.enforce_retention(u64::MAX / 2).await }
+            let (log, done) = (log.clone(), done.clone());
+            async move {
+                let removed = log.enforce_retention(u64::MAX / 2).await;
+                done.set(true);
+                removed
+            }
         });
-        // The pass starts and is inside its first removal.
-        futures_lite::future::yield_now().await;
+        // The pass has chosen its segments and is inside its first removal.
+        while log.base_offset() == 0 {
+            futures_lite::future::yield_now().await;
+        }
         log.close().await.unwrap();
+        assert!(done.get(), "the close returned with the pass still going");
         let at_close = fx.names();
         let removed = retention.await.unwrap();
-        assert!(removed > 50, "removed {removed}");
+        assert!(
+            (1..10).contains(&removed),
+            "the pass stops at its next segment once the close began: removed {removed}"
+        );
         assert_eq!(
             fx.names().len(),
             at_close.len(),

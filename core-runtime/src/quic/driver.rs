@@ -2145,8 +2145,8 @@ mod sans_io {
             .streams()
             .open(Dir::Bi)
             .unwrap();
-        // One request and its answer of `answer` bytes; what the client sent meanwhile.
-        // What the client sent in the `quiet` ms after the answer.
+        // One request and its answer of `answer` bytes; what the client sent in the
+        // `quiet` ms after the answer.
         let exchange = |f: &mut Fixture, c: &mut Driver, answer: usize, quiet: u32| -> u64 {
             let q = &mut c.conns.get_mut(&id).unwrap().q;
             q.send_stream(s).write(&[1u8; 100]).unwrap();
