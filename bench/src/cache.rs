@@ -62,6 +62,9 @@ pub struct CacheCell {
     pub cpu_us: Option<f64>,
     /// Ours: each stage's p50 and p99 (µs, bucket bounds) over the cell.
     pub stages: Vec<(&'static str, f64, f64)>,
+    /// Ours: UDP datagrams per operation the client sent and received (its QUIC
+    /// connection's counts): a standalone ACK shows up here as more than one a request.
+    pub datagrams: Option<(f64, f64)>,
 }
 
 /// Runs every cell for `peers` with each window; prints a table and, per cell, ours
@@ -110,6 +113,11 @@ pub fn run(
                     cell.p99_us,
                     cell.cpu_us.map_or("?".into(), |c| format!("{c:.1}"))
                 );
+                if let Some((sent, received)) = cell.datagrams {
+                    eprintln!(
+                        "    client datagrams per op: sent {sent:.2}, received {received:.2}"
+                    );
+                }
                 for (name, p50, p99) in &cell.stages {
                     eprintln!("    {name}: p50 ≤{p50:.0} µs, p99 ≤{p99:.0} µs");
                 }
@@ -284,6 +292,10 @@ trait Conn {
     fn queue(&mut self, op: Op, i: usize);
     /// Sends what was queued.
     async fn flush(&mut self) -> anyhow::Result<()>;
+    /// UDP datagrams sent and received so far, where the connection counts them.
+    fn datagrams(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// The next answer: the index of the request it answers, checked for `op`.
     async fn answer(&mut self, op: Op) -> anyhow::Result<usize>;
 }
@@ -298,6 +310,7 @@ async fn run_cell(
     metrics: Option<&FelixDriver>,
 ) -> anyhow::Result<CacheCell> {
     let stages_before = metrics.and_then(|d| d.stage_buckets());
+    let datagrams_before = conn.datagrams();
     let mut sent_at: Vec<Option<Instant>> = vec![None; ops];
     let mut lat = Vec::with_capacity(ops);
     let cpu0 = cpu();
@@ -319,6 +332,12 @@ async fn run_cell(
         done += 1;
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let datagrams = match (datagrams_before, conn.datagrams()) {
+        (Some((s0, r0)), Some((s1, r1))) => {
+            Some(((s1 - s0) as f64 / ops as f64, (r1 - r0) as f64 / ops as f64))
+        }
+        _ => None,
+    };
     let cpu_us = match (cpu0, cpu()) {
         // An io_uring worker that exited took its time along: never negative.
         (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / 1e3 / ops as f64),
@@ -337,6 +356,7 @@ async fn run_cell(
         }
     }
     Ok(CacheCell {
+        datagrams,
         rate: ops as f64 / elapsed,
         p50_us: percentile(&mut lat, 0.5),
         p99_us: percentile(&mut lat, 0.99),
@@ -354,7 +374,8 @@ struct FelixConn {
     reader: FrameReader,
     out: BytesMut,
     values: Vec<Bytes>,
-    _conn: (quinn::Endpoint, quinn::Connection),
+    /// The endpoint is kept so the connection stays up.
+    quic: (quinn::Endpoint, quinn::Connection),
 }
 
 impl FelixConn {
@@ -369,7 +390,7 @@ impl FelixConn {
             reader: FrameReader::new(16 << 20),
             out: BytesMut::new(),
             values: (0..KEYS).map(value).collect(),
-            _conn: (ep, conn),
+            quic: (ep, conn),
         };
         match c.next().await? {
             Message::AuthOk { .. } => Ok(c),
@@ -458,6 +479,11 @@ impl Conn for FelixConn {
             self.send.write_chunk(buf).await?;
         }
         Ok(())
+    }
+
+    fn datagrams(&self) -> Option<(u64, u64)> {
+        let s = self.quic.1.stats();
+        Some((s.udp_tx.datagrams, s.udp_rx.datagrams))
     }
 
     async fn answer(&mut self, op: Op) -> anyhow::Result<usize> {
