@@ -2154,6 +2154,7 @@ mod sans_io {
             step(c, f.now);
             step(&mut f.server, f.now);
             let q = &mut f.server.conns.get_mut(&server_id).unwrap().q;
+            // Accepted by the first exchange; the same stream id on both sides.
             let theirs = q.streams().accept(Dir::Bi).unwrap_or(s);
             let mut recv = q.recv_stream(theirs);
             let mut chunks = recv.read(true).unwrap();
@@ -2198,6 +2199,8 @@ mod sans_io {
             exchange(&mut f, &mut c, 2500, 1) >= 1,
             "a gap in the answer is acknowledged at once"
         );
+        // Settle the lost packet's recovery first, so what follows counts only the
+        // client's own ACK of a quiet answer.
         let quiet = (PEER_MAX_ACK_DELAY.as_millis() + 2) as u32;
         exchange(&mut f, &mut c, 10, quiet);
         assert!(
