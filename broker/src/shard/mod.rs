@@ -7,6 +7,7 @@ mod recent;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
+use std::task::{Poll, Waker};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use felix_core_runtime::CoreId;
@@ -610,7 +611,11 @@ pub struct CacheShard {
     /// at the front. Writes of one key pipelined on a stream so land in the order sent:
     /// a put sent after a waiting delete claimed first, and the delete then removed the
     /// acknowledged put.
-    queued: RefCell<HashMap<String, std::collections::VecDeque<u64>>>,
+    /// Each waits with its waker there, woken alone when it comes to the front.
+    queued: RefCell<HashMap<String, std::collections::VecDeque<(u64, Option<Waker>)>>>,
+    /// Writes waiting for a key's writes in flight to be done ([`CacheShard::key_settled`]),
+    /// per key: woken when the key's last one is, not at every change of the shard.
+    settling: RefCell<HashMap<String, std::rc::Rc<crate::groups::Wakers>>>,
     /// The last ticket number handed out.
     tickets: Cell<u64>,
     /// Adds claimed but not yet applied, per counter (a compaction checkpoints a counter
@@ -638,6 +643,9 @@ pub struct CacheShard {
     compact_examined: std::cell::Cell<u64>,
     /// Values expiry looked at (work bound: the expired ones).
     expiry_examined: std::cell::Cell<u64>,
+    /// Looks waiting writes took at their key's queue or writes in flight (work bound:
+    /// about one each time their key's state changed).
+    waits_looked: std::cell::Cell<u64>,
 }
 
 /// What one compaction did.
@@ -714,32 +722,46 @@ impl Ticket<'_> {
     /// Waits until every write of the key that took a ticket before this one claimed
     /// its place or gave up.
     pub async fn turn(&self) {
-        loop {
-            let front = self
-                .shard
-                .queued
-                .borrow()
-                .get(&self.key)
-                .and_then(|q| q.front().copied());
-            if front == Some(self.id) {
-                return;
+        std::future::poll_fn(|cx| {
+            let looked = &self.shard.waits_looked;
+            looked.set(looked.get() + 1);
+            let mut queued = self.shard.queued.borrow_mut();
+            let Some(q) = queued.get_mut(&self.key) else {
+                return Poll::Ready(());
+            };
+            if q.front().is_some_and(|(id, _)| *id == self.id) {
+                return Poll::Ready(());
             }
-            self.shard.changed.changed().await;
-        }
+            match q.iter_mut().find(|(id, _)| *id == self.id) {
+                Some((_, waker)) => {
+                    *waker = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+                None => Poll::Ready(()),
+            }
+        })
+        .await;
     }
 }
 
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
         let mut queued = self.shard.queued.borrow_mut();
+        let mut next = None;
         if let Some(q) = queued.get_mut(&self.key) {
-            q.retain(|id| *id != self.id);
-            if q.is_empty() {
-                queued.remove(&self.key);
+            q.retain(|(id, _)| *id != self.id);
+            match q.front_mut() {
+                // The key's next write in line, whose turn it may now be.
+                Some((_, waker)) => next = waker.take(),
+                None => {
+                    queued.remove(&self.key);
+                }
             }
         }
         drop(queued);
-        self.shard.changed.wake_all();
+        if let Some(w) = next {
+            w.wake();
+        }
     }
 }
 
@@ -788,6 +810,7 @@ impl CacheShard {
             in_flight: RefCell::default(),
             settle_by: RefCell::default(),
             queued: RefCell::default(),
+            settling: RefCell::default(),
             tickets: Cell::new(0),
             counters_in_flight: RefCell::default(),
             adding: RefCell::default(),
@@ -796,6 +819,7 @@ impl CacheShard {
             compacting: std::cell::Cell::new(false),
             compact_examined: std::cell::Cell::new(0),
             expiry_examined: std::cell::Cell::new(0),
+            waits_looked: std::cell::Cell::new(0),
         })
     }
 
@@ -937,6 +961,10 @@ impl CacheShard {
         self.mark(&self.in_flight, key, on);
         if !on && !self.in_flight.borrow().contains_key(key) {
             self.settle_by.borrow_mut().remove(key);
+            let settled = self.settling.borrow_mut().remove(key);
+            if let Some(waiting) = settled {
+                waiting.wake_all();
+            }
         }
     }
 
@@ -1442,7 +1470,7 @@ impl CacheShard {
             .borrow_mut()
             .entry(key.to_owned())
             .or_default()
-            .push_back(id);
+            .push_back((id, None));
         Ticket {
             shard: self,
             key: key.to_owned(),
@@ -1462,8 +1490,17 @@ impl CacheShard {
 
     /// Waits until no write of `key` is in flight.
     pub async fn key_settled(&self, key: &str) {
-        while self.in_flight.borrow().contains_key(key) {
-            self.changed.changed().await;
+        while {
+            self.waits_looked.set(self.waits_looked.get() + 1);
+            self.in_flight.borrow().contains_key(key)
+        } {
+            let settled = self
+                .settling
+                .borrow_mut()
+                .entry(key.to_owned())
+                .or_default()
+                .clone();
+            settled.changed().await;
         }
     }
 
@@ -2270,6 +2307,79 @@ mod tests {
                 assert!(shard.get(&format!("k{i}"), now).is_some(), "k{i}");
             }
             assert!(shard.get("k7", now).is_none());
+        });
+    }
+
+    /// Writes queued on one key (conditional writes racing on a hot key) each look at
+    /// the queue about once more when their turn comes, and writes waiting for a key's
+    /// writes in flight once more when those are done; neither wakes for writes of
+    /// other keys. Woken by every change of the shard, N writes queued on one key took
+    /// N² looks, and every waiting write looked again at every write of any key.
+    #[test]
+    fn waiting_writes_wake_for_their_own_key_only() {
+        use std::rc::Rc;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = Rc::new(cache_in(dir.path()).await);
+            const QUEUED: usize = 200;
+            const SETTLING: usize = 50;
+            let done = Rc::new(std::cell::Cell::new(0usize));
+            let order = Rc::new(RefCell::new(Vec::new()));
+            // Writes of "hot" queued behind a first that holds the front.
+            let first = shard.ticket("hot");
+            let mut tasks = Vec::new();
+            for i in 0..QUEUED {
+                let (s, done, order) = (shard.clone(), done.clone(), order.clone());
+                // Tasks start in the order spawned: their tickets are taken in it.
+                tasks.push(felix_core_runtime::task::spawn(async move {
+                    let ticket = s.ticket("hot");
+                    ticket.turn().await;
+                    order.borrow_mut().push(i);
+                    felix_core_runtime::task::yield_now().await;
+                    drop(ticket);
+                    done.set(done.get() + 1);
+                }));
+            }
+            // Writes waiting for a write in flight of a key of their own.
+            let writing: Vec<_> = (0..SETTLING)
+                .map(|i| shard.key_write(&format!("settling-{i}")))
+                .collect();
+            for i in 0..SETTLING {
+                let (s, done) = (shard.clone(), done.clone());
+                tasks.push(felix_core_runtime::task::spawn(async move {
+                    s.key_settled(&format!("settling-{i}")).await;
+                    done.set(done.get() + 1);
+                }));
+            }
+            felix_core_runtime::task::yield_now().await;
+            let looked = shard.waits_looked.get();
+            assert!(
+                looked <= (QUEUED + SETTLING) as u64,
+                "{looked} looks while all wait"
+            );
+            // Writes of other keys, each taking and letting go of a place and being in
+            // flight a while: no waiting write looks again.
+            for i in 0..500 {
+                let key = format!("other-{i}");
+                let t = shard.ticket(&key);
+                drop(shard.key_write(&key));
+                drop(t);
+                felix_core_runtime::task::yield_now().await;
+            }
+            let idle = shard.waits_looked.get() - looked;
+            assert!(idle <= 5, "{idle} looks for writes of other keys");
+            drop(first);
+            drop(writing);
+            for t in tasks {
+                t.await;
+            }
+            assert_eq!(done.get(), QUEUED + SETTLING);
+            assert_eq!(*order.borrow(), (0..QUEUED).collect::<Vec<_>>(), "in turn");
+            let total = shard.waits_looked.get();
+            assert!(
+                total <= 3 * (QUEUED + SETTLING) as u64,
+                "{total} looks for {QUEUED} queued and {SETTLING} settling writes"
+            );
         });
     }
 
