@@ -589,8 +589,9 @@ pub struct CacheShard {
     pub life: u64,
     log: SegmentLog<DmaBackend>,
     state: RefCell<Projection>,
-    /// Woken whenever records are applied, and when writes claim or give up their
-    /// place: conditional writes and compactions waiting for a key look again.
+    /// Woken whenever records are applied and whenever a write in flight is done:
+    /// compactions waiting for the applied end or for a key look again. (Writes waiting
+    /// for their key wait apart: `queued`, `settling`.)
     pub changed: crate::groups::Wakers,
     /// Watches waiting for a change, woken by the changes they follow (see
     /// [`CacheShard::change_followed`]).
@@ -2371,7 +2372,10 @@ mod tests {
             drop(first);
             drop(writing);
             for t in tasks {
-                t.await;
+                // A lost wake-up fails here rather than hanging the suite.
+                felix_core_runtime::task::timeout(std::time::Duration::from_secs(10), t)
+                    .await
+                    .expect("a waiting write was never woken");
             }
             assert_eq!(done.get(), QUEUED + SETTLING);
             assert_eq!(*order.borrow(), (0..QUEUED).collect::<Vec<_>>(), "in turn");
@@ -2380,6 +2384,72 @@ mod tests {
                 total <= 3 * (QUEUED + SETTLING) as u64,
                 "{total} looks for {QUEUED} queued and {SETTLING} settling writes"
             );
+        });
+    }
+
+    /// What the looks test leaves out: a write giving up its place in the middle of the
+    /// queue lets the ones behind it through in order; a key with two writes in flight
+    /// settles only once both are done; a write going in flight between a waiter's
+    /// wake-up and its look keeps it waiting, and its end wakes it.
+    #[test]
+    fn waiting_writes_go_on_once_their_key_lets_them() {
+        use felix_core_runtime::task::{spawn, timeout, yield_now};
+        use std::rc::Rc;
+        use std::time::Duration;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = Rc::new(cache_in(dir.path()).await);
+            let order = Rc::new(RefCell::new(Vec::new()));
+            let first = shard.ticket("k");
+            let queued = |i: usize| {
+                let (s, order) = (shard.clone(), order.clone());
+                spawn(async move {
+                    let ticket = s.ticket("k");
+                    ticket.turn().await;
+                    order.borrow_mut().push(i);
+                })
+            };
+            let (a, b, c) = (queued(0), queued(1), queued(2));
+            yield_now().await;
+            // The middle one gives up (its client went away): its place goes with it.
+            drop(b);
+            yield_now().await;
+            drop(first);
+            for t in [a, c] {
+                timeout(Duration::from_secs(10), t)
+                    .await
+                    .expect("a queued write was never let through");
+            }
+            assert_eq!(*order.borrow(), [0, 2]);
+
+            let settled = Rc::new(Cell::new(false));
+            let (one, two) = (shard.key_write("s"), shard.key_write("s"));
+            let waiter = {
+                let (s, settled) = (shard.clone(), settled.clone());
+                spawn(async move {
+                    s.key_settled("s").await;
+                    settled.set(true);
+                })
+            };
+            yield_now().await;
+            drop(one);
+            yield_now().await;
+            yield_now().await;
+            assert!(!settled.get(), "settled with a write of the key in flight");
+            // The last one done and another in flight before the waiter looks again.
+            drop(two);
+            let three = shard.key_write("s");
+            yield_now().await;
+            yield_now().await;
+            assert!(
+                !settled.get(),
+                "settled with a newer write of the key in flight"
+            );
+            drop(three);
+            timeout(Duration::from_secs(10), waiter)
+                .await
+                .expect("a settling write was never woken");
+            assert!(settled.get());
         });
     }
 
