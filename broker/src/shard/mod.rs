@@ -613,7 +613,7 @@ pub struct CacheShard {
     /// a put sent after a waiting delete claimed first, and the delete then removed the
     /// acknowledged put.
     /// Each waits with its waker there, woken alone when it comes to the front.
-    queued: RefCell<HashMap<String, std::collections::VecDeque<(u64, Option<Waker>)>>>,
+    queued: RefCell<HashMap<String, TicketQueue>>,
     /// Writes waiting for a key's writes in flight to be done ([`CacheShard::key_settled`]),
     /// per key: woken when the key's last one is, not at every change of the shard.
     settling: RefCell<HashMap<String, std::rc::Rc<crate::groups::Wakers>>>,
@@ -709,6 +709,10 @@ impl Drop for KeyWrite<'_> {
         }
     }
 }
+
+/// A key's writes waiting to claim, in arrival order: each ticket's number, and its
+/// waker while it waits for its turn.
+type TicketQueue = std::collections::VecDeque<(u64, Option<Waker>)>;
 
 /// A write's place in its key's queue of writes waiting to claim
 /// ([`CacheShard::ticket`]): it claims at the front, and lets the next go when dropped.
