@@ -152,8 +152,10 @@ pub fn is_change(rec: &CacheRecord) -> bool {
 /// The watches of a cache shard waiting for a change, each with its filter: a change
 /// wakes only the watches that follow its key (woken by every applied write, W watchers
 /// of a cache taking R writes a second were woken W×R times a second, most for keys
-/// they do not follow). Watches of one key are found by the key, so a change costs a
-/// lookup and a look at each prefix watch, not a look at every watch.
+/// they do not follow). Watches are found by their key or prefix: a change costs a
+/// lookup of its key and one of its key's prefix of each length some prefix watch has,
+/// not a look at every watch (prefix watches were scanned, each at every change, until
+/// 2026-12-06).
 #[derive(Debug, Default)]
 pub struct Waiting {
     next: u64,
@@ -161,8 +163,10 @@ pub struct Waiting {
     released: u64,
     /// Watches of exactly one key, by key, then by place.
     by_key: HashMap<String, HashMap<u64, Waker>>,
-    /// Watches of a prefix, by place.
-    prefixes: HashMap<u64, (String, Waker)>,
+    /// Watches of a prefix, by prefix, then by place.
+    by_prefix: HashMap<String, HashMap<u64, Waker>>,
+    /// How many of `by_prefix`'s prefixes have each length (bytes).
+    prefix_lengths: std::collections::BTreeMap<usize, usize>,
     /// Watches looked at by wake-ups, for tests of what a change costs.
     #[cfg(test)]
     examined: u64,
@@ -193,34 +197,52 @@ impl Waiting {
                 waker.wake();
             }
         }
-        if self.prefixes.is_empty() {
-            return;
-        }
-        #[cfg(test)]
+        // Each length some prefix watch has, from the shortest: a key's prefix of that
+        // length, where one ends on a character boundary, is the only one to look up.
+        let mut from = 0;
+        while from <= key.len()
+            && let Some((&len, _)) = self.prefix_lengths.range(from..=key.len()).next()
         {
-            self.examined += self.prefixes.len() as u64;
-        }
-        self.prefixes.retain(|_, (prefix, waker)| {
-            let follows = key.starts_with(prefix.as_str());
-            if follows {
-                waker.wake_by_ref();
+            from = len + 1;
+            if !key.is_char_boundary(len) {
+                continue;
             }
-            !follows
-        });
+            let Some(watches) = self.by_prefix.remove(&key[..len]) else {
+                continue;
+            };
+            self.forget_prefix_length(len);
+            #[cfg(test)]
+            {
+                self.examined += watches.len() as u64;
+            }
+            for (_, waker) in watches {
+                waker.wake();
+            }
+        }
+    }
+
+    /// One prefix of `len` bytes is no longer watched.
+    fn forget_prefix_length(&mut self, len: usize) {
+        if let Some(n) = self.prefix_lengths.get_mut(&len) {
+            *n -= 1;
+            if *n == 0 {
+                self.prefix_lengths.remove(&len);
+            }
+        }
     }
 
     /// Wakes (and forgets) every watch to look again: what they wait on may have
     /// changed in another way than a change applied (the index rebuilt, the applied end
     /// moved, leadership lost). The tables' room goes with them.
     pub fn wake_all(&mut self) {
-        let (by_key, prefixes) = (
+        let (by_key, by_prefix) = (
             std::mem::take(&mut self.by_key),
-            std::mem::take(&mut self.prefixes),
+            std::mem::take(&mut self.by_prefix),
         );
-        for waker in by_key.into_values().flat_map(HashMap::into_values) {
-            waker.wake();
-        }
-        for (_, waker) in prefixes.into_values() {
+        self.prefix_lengths.clear();
+        for waker in
+            (by_key.into_values().chain(by_prefix.into_values())).flat_map(HashMap::into_values)
+        {
             waker.wake();
         }
     }
@@ -234,7 +256,9 @@ impl Waiting {
     /// How many watches wait.
     #[cfg(test)]
     pub fn len(&self) -> usize {
-        self.by_key.values().map(HashMap::len).sum::<usize>() + self.prefixes.len()
+        (self.by_key.values().chain(self.by_prefix.values()))
+            .map(HashMap::len)
+            .sum()
     }
 
     /// Takes a place for a watch of `filter`.
@@ -249,7 +273,11 @@ impl Waiting {
                     .insert(id, waker.clone());
             }
             WatchFilter::Prefix(p) => {
-                self.prefixes.insert(id, (p.clone(), waker.clone()));
+                let watches = self.by_prefix.entry(p.clone()).or_default();
+                if watches.is_empty() {
+                    *self.prefix_lengths.entry(p.len()).or_default() += 1;
+                }
+                watches.insert(id, waker.clone());
             }
         }
         id
@@ -259,7 +287,7 @@ impl Waiting {
     fn waker_mut(&mut self, filter: &WatchFilter, id: u64) -> Option<&mut Waker> {
         match filter {
             WatchFilter::Key(k) => self.by_key.get_mut(k)?.get_mut(&id),
-            WatchFilter::Prefix(_) => self.prefixes.get_mut(&id).map(|(_, w)| w),
+            WatchFilter::Prefix(p) => self.by_prefix.get_mut(p)?.get_mut(&id),
         }
     }
 
@@ -274,8 +302,14 @@ impl Waiting {
                     }
                 }
             }
-            WatchFilter::Prefix(_) => {
-                self.prefixes.remove(&id);
+            WatchFilter::Prefix(p) => {
+                if let Some(watches) = self.by_prefix.get_mut(p) {
+                    watches.remove(&id);
+                    if watches.is_empty() {
+                        self.by_prefix.remove(p);
+                        self.forget_prefix_length(p.len());
+                    }
+                }
             }
         }
     }
@@ -483,11 +517,10 @@ mod tests {
         assert!(r.idle(t0 + RECENT_IDLE * 2, RECENT_IDLE));
     }
 
-    /// A change looks at the watches of its key and the prefix watches, not at every
+    /// A change looks at the watches of its key and of its prefixes, not at every
     /// watch: with 1,000 watches of other keys waiting, a put wakes its key's two
-    /// watches and the prefix watch it matches, looking at those and the 2 prefix
-    /// watches only; a dropped watch leaves nothing behind; a release wakes the rest to
-    /// answer now.
+    /// watches and the prefix watch it matches, looking at those three only; a dropped
+    /// watch leaves nothing behind; a release wakes the rest to answer now.
     #[test]
     fn a_change_looks_only_at_its_keys_watches_and_the_prefix_watches() {
         use std::future::Future;
@@ -524,8 +557,8 @@ mod tests {
         );
         assert_eq!(
             waiting.borrow().examined,
-            4,
-            "two of the key, two prefix watches"
+            3,
+            "two of the key, one of its prefix"
         );
         for i in [1000, 1001, 1002] {
             assert_eq!(
@@ -543,5 +576,55 @@ mod tests {
             woken[0].as_mut().poll(&mut wakes[0].cx()),
             std::task::Poll::Ready(Wake::Released)
         );
+    }
+
+    /// Prefix watches are found by prefix: with 1,000 watches of other prefixes (of
+    /// three lengths) waiting, a change wakes exactly the watches of its key's prefixes
+    /// (the empty one, one of two bytes with two watches, one ending mid-character is
+    /// never a match) and looks at nothing else; a prefix whose last watch was dropped
+    /// or woken takes its length with it.
+    #[test]
+    fn a_change_looks_only_at_the_prefix_watches_it_matches() {
+        use std::future::Future;
+        let waiting = std::cell::RefCell::new(Waiting::default());
+        let mut filters: Vec<WatchFilter> = (0..1000)
+            .map(|i| WatchFilter::Prefix(format!("user/{i}/")))
+            .collect();
+        filters.extend([
+            WatchFilter::Prefix(String::new()),
+            WatchFilter::Prefix("us".into()),
+            WatchFilter::Prefix("us".into()),
+            WatchFilter::Prefix("usé".into()),
+            WatchFilter::Prefix("user/7".into()),
+        ]);
+        let wakes: Vec<_> = filters.iter().map(|_| crate::wakes::Wakes::new()).collect();
+        let mut woken: Vec<_> = filters
+            .iter()
+            .map(|f| Box::pin(Woken::new(&waiting, f)))
+            .collect();
+        for (w, wakes) in woken.iter_mut().zip(&wakes) {
+            assert!(w.as_mut().poll(&mut wakes.cx()).is_pending());
+        }
+        waiting.borrow_mut().wake_following("user/42/name");
+        let woken_ones: Vec<usize> = wakes
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.count() > 0)
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(woken_ones, [42, 1000, 1001, 1002]);
+        assert_eq!(waiting.borrow().examined, 4, "the four that follow it");
+        assert_eq!(waiting.borrow().len(), 1001);
+        // "us" woke both its watches and went, and "" its one: two lengths fewer.
+        let lengths: Vec<usize> = waiting.borrow().prefix_lengths.keys().copied().collect();
+        assert_eq!(lengths, [4, 6, 7, 8, 9]);
+        // A prefix ending inside the key's "é" is never its prefix.
+        waiting.borrow_mut().wake_following("us\u{e8}");
+        assert_eq!(wakes[1003].count(), 0, "usé does not prefix usè");
+        waiting.borrow_mut().wake_following("usé!");
+        assert_eq!(wakes[1003].count(), 1);
+        drop(woken);
+        assert_eq!(waiting.borrow().len(), 0);
+        assert!(waiting.borrow().prefix_lengths.is_empty());
     }
 }
