@@ -580,9 +580,10 @@ mod tests {
 
     /// Prefix watches are found by prefix: with 1,000 watches of other prefixes (of
     /// three lengths) waiting, a change wakes exactly the watches of its key's prefixes
-    /// (the empty one, one of two bytes with two watches, one ending mid-character is
-    /// never a match) and looks at nothing else; a prefix whose last watch was dropped
-    /// or woken takes its length with it.
+    /// (the empty one, one of two bytes with two watches) and looks at nothing else; a
+    /// length falling inside a character of the key is passed over (slicing there
+    /// would panic), as are keys shorter than every prefix; a prefix whose last watch
+    /// was dropped or woken takes its length with it.
     #[test]
     fn a_change_looks_only_at_the_prefix_watches_it_matches() {
         use std::future::Future;
@@ -618,9 +619,12 @@ mod tests {
         // "us" woke both its watches and went, and "" its one: two lengths fewer.
         let lengths: Vec<usize> = waiting.borrow().prefix_lengths.keys().copied().collect();
         assert_eq!(lengths, [4, 6, 7, 8, 9]);
-        // A prefix ending inside the key's "é" is never its prefix.
-        waiting.borrow_mut().wake_following("us\u{e8}");
-        assert_eq!(wakes[1003].count(), 0, "usé does not prefix usè");
+        // Length 4 falls inside the second "é" of "aéé" (5 bytes); "usè" is another
+        // 4-byte key; "u" and "" are shorter than every prefix left.
+        for key in ["a\u{e9}\u{e9}", "us\u{e8}", "u", ""] {
+            waiting.borrow_mut().wake_following(key);
+            assert_eq!(waiting.borrow().len(), 1001, "{key:?} woke a watch");
+        }
         waiting.borrow_mut().wake_following("usé!");
         assert_eq!(wakes[1003].count(), 1);
         drop(woken);
