@@ -14,9 +14,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::{AckMode, ClientConfig, ClientError, ClusterClient, ErrorCode, StartPosition};
+use crate::{
+    AckMode, CacheWatchFilter, ClientConfig, ClientError, ClusterClient, ErrorCode, StartPosition,
+};
 use bytes::Bytes;
 use clap::{Parser, Subcommand, ValueEnum};
+use felix_wire::message::{CacheCondition, StateChange};
 use serde::Deserialize;
 
 #[derive(Parser)]
@@ -110,10 +113,45 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         shard: u32,
     },
+    /// Read a bounded range of a stream shard (`stream_read`): its records from
+    /// `--from`, up to `--end` or `--max`, then (with --json) the offset the next read
+    /// starts at.
+    Read {
+        /// Stream.
+        stream: String,
+        /// First offset.
+        #[arg(long, default_value_t = 0)]
+        from: u64,
+        /// Stop before this offset (default: as far as the log goes).
+        #[arg(long)]
+        end: Option<u64>,
+        /// At most this many records.
+        #[arg(long)]
+        max: Option<u32>,
+        /// Shard.
+        #[arg(long, default_value_t = 0)]
+        shard: u32,
+    },
+    /// The first offset of a stream shard appended at or after a time
+    /// (`offset_for_time`).
+    OffsetAt {
+        /// Stream.
+        stream: String,
+        /// Microseconds since the Unix epoch.
+        micros: u64,
+        /// Shard.
+        #[arg(long, default_value_t = 0)]
+        shard: u32,
+    },
     /// Cache operations.
     Cache {
         #[command(subcommand)]
         op: CacheCmd,
+    },
+    /// An entity's state on a stream: atomic commits and reads.
+    State {
+        #[command(subcommand)]
+        op: StateCmd,
     },
     /// Consumer groups (queues) on a stream shard.
     Group {
@@ -290,7 +328,8 @@ enum CacheCmd {
         /// Key.
         key: String,
     },
-    /// Set a key.
+    /// Set a key (with --if-absent or --if-version, only if that holds: prints the
+    /// new version, or fails with the current one).
     Put {
         /// Cache.
         cache: String,
@@ -301,11 +340,94 @@ enum CacheCmd {
         /// Time to live, seconds.
         #[arg(long)]
         ttl: Option<f64>,
+        /// Only if the key has no live value.
+        #[arg(long, conflicts_with = "if_version")]
+        if_absent: bool,
+        /// Only if the key's version (the offset of the put that wrote it) is this.
+        #[arg(long)]
+        if_version: Option<u64>,
     },
-    /// Remove a key (prints the value it had).
+    /// Remove a key (prints the value it had; with --if-version, only at that version).
     Delete {
         /// Cache.
         cache: String,
+        /// Key.
+        key: String,
+        /// Only if the key's version is this.
+        #[arg(long)]
+        if_version: Option<u64>,
+    },
+    /// Print a key's changes as they are applied: each put as `key=value`, each delete
+    /// (an expiry is one) as `key deleted`; with --json, objects with the offset.
+    Watch {
+        /// Cache.
+        cache: String,
+        /// The key to follow.
+        #[arg(long, conflicts_with = "prefix", required_unless_present = "prefix")]
+        key: Option<String>,
+        /// Follow every key starting with this (`""`: all) on one cache shard.
+        #[arg(long)]
+        prefix: Option<String>,
+        /// The cache shard a prefix watch follows.
+        #[arg(long, default_value_t = 0, requires = "prefix")]
+        shard: u32,
+        /// Replay from this offset (default: from now).
+        #[arg(long)]
+        from: Option<u64>,
+        /// Start with the current values.
+        #[arg(long)]
+        retained: bool,
+        /// Stop after this many changes.
+        #[arg(long)]
+        count: Option<u64>,
+    },
+    /// Add a signed delta to a counter beside the cache; prints the sum.
+    Add {
+        /// Cache.
+        cache: String,
+        /// Counter.
+        key: String,
+        /// Delta.
+        #[arg(allow_negative_numbers = true)]
+        delta: i64,
+    },
+    /// Print a counter's sum (fails as not found when never written).
+    Counter {
+        /// Cache.
+        cache: String,
+        /// Counter.
+        key: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum StateCmd {
+    /// Append an event and apply state changes to an entity, all or nothing; prints the
+    /// offset (every key's new version).
+    Commit {
+        /// Stream.
+        stream: String,
+        /// Entity key (routes to the shard).
+        entity: String,
+        /// The event appended.
+        #[arg(long, default_value = "")]
+        event: String,
+        /// Set a key: `KEY=VALUE` (repeatable).
+        #[arg(long = "put", value_name = "KEY=VALUE")]
+        puts: Vec<String>,
+        /// Remove a key (repeatable).
+        #[arg(long = "delete", value_name = "KEY")]
+        deletes: Vec<String>,
+        /// Only if the shard's next offset is this (optimistic concurrency).
+        #[arg(long)]
+        expect_offset: Option<u64>,
+    },
+    /// Print one key of an entity's state (fails as not found when it has none).
+    Get {
+        /// Stream.
+        stream: String,
+        /// Entity key.
+        entity: String,
         /// Key.
         key: String,
     },
@@ -328,6 +450,8 @@ struct Context {
 enum Failure {
     Usage(String),
     Client(ClientError),
+    /// A conditional write's condition did not hold (exit code 9).
+    NotApplied(String),
     /// What was read could not be written out (a closed pipe, a full disk).
     Output(std::io::Error),
 }
@@ -487,6 +611,41 @@ fn show(
     }
 }
 
+/// A cache watch's change: `key=value` for a put, `key deleted` for a delete; with
+/// `json`, an object with its offset and expiry (`payload` null for a delete).
+fn show_change(json: bool, out: &mut impl Write, c: &crate::CacheChange) -> std::io::Result<()> {
+    if json {
+        let v = serde_json::json!({
+            "key": c.key,
+            "payload": c.value.as_ref().map(|v| String::from_utf8_lossy(v).into_owned()),
+            "offset": c.offset,
+            "expires_at_millis": c.expires_at_millis,
+        });
+        writeln!(out, "{v}")?;
+    } else {
+        match &c.value {
+            Some(v) => {
+                write!(out, "{}=", c.key)?;
+                out.write_all(v)?;
+                out.write_all(b"\n")?;
+            }
+            None => writeln!(out, "{} deleted", c.key)?,
+        }
+    }
+    out.flush()
+}
+
+/// A read that found nothing, failing as the broker's `not_found` does (exit code 5).
+fn not_found(context: &'static str, message: String) -> Failure {
+    Failure::Client(ClientError::Broker(crate::BrokerError {
+        code: Some(ErrorCode::NotFound),
+        retry: None,
+        detail: None,
+        message,
+        context,
+    }))
+}
+
 /// Exit code for a control-plane failure, on the same scale as broker failures.
 fn controlplane_exit_code(e: &felix_controlplane::client::ClientError) -> i32 {
     match e.status() {
@@ -509,6 +668,7 @@ fn run_controlplane(cli: &Cli) -> Result<(), i32> {
         Failure::Usage(m) => usage(m),
         Failure::Client(e) => usage(e.to_string()),
         Failure::Output(e) => usage(e.to_string()),
+        Failure::NotApplied(m) => usage(m),
     })?;
     let url = cli
         .controlplane
@@ -534,6 +694,7 @@ fn run_controlplane(cli: &Cli) -> Result<(), i32> {
                 Failure::Usage(m) => usage(m),
                 Failure::Client(e) => usage(e.to_string()),
                 Failure::Output(e) => usage(e.to_string()),
+                Failure::NotApplied(m) => usage(m),
             })?
         }
     };
@@ -813,15 +974,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         }
                         // Ended short of `--count`: not a success (it exited 0).
                         Some(crate::SubscriptionEnd::StreamDeleted) => {
-                            return Err(Failure::Client(ClientError::Broker(crate::BrokerError {
-                                code: Some(ErrorCode::NotFound),
-                                retry: None,
-                                detail: None,
-                                message: format!(
-                                    "stream {stream} was deleted after {seen} records"
-                                ),
-                                context: "sub",
-                            })));
+                            return Err(not_found(
+                                "sub",
+                                format!("stream {stream} was deleted after {seen} records"),
+                            ));
                         }
                         None if count.is_some() => {
                             return Err(Failure::Client(ClientError::SubscriptionLost(format!(
@@ -847,13 +1003,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                                 serde_json::json!({"key": key, "payload": null})
                             );
                         }
-                        return Err(Failure::Client(ClientError::Broker(crate::BrokerError {
-                            code: Some(ErrorCode::NotFound),
-                            retry: None,
-                            detail: None,
-                            message: format!("key {key:?} not found"),
-                            context: "cache get",
-                        })));
+                        return Err(not_found("cache get", format!("key {key:?} not found")));
                     }
                 }
             }
@@ -862,25 +1012,265 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 key,
                 value,
                 ttl,
+                if_absent,
+                if_version,
             } => {
                 let ttl_ms = ttl.map(|s| (s * 1000.0).round().max(1.0) as u64);
-                client
-                    .cache_put(
-                        &tenant,
-                        ns,
-                        cache,
-                        key,
-                        Bytes::from(value.clone().into_bytes()),
-                        ttl_ms,
-                    )
+                let value = Bytes::from(value.clone().into_bytes());
+                let condition = match (if_absent, if_version) {
+                    (true, _) => Some(CacheCondition::Absent),
+                    (false, Some(v)) => Some(CacheCondition::Version(*v)),
+                    (false, None) => None,
+                };
+                let Some(condition) = condition else {
+                    client
+                        .cache_put(&tenant, ns, cache, key, value, ttl_ms)
+                        .await?;
+                    return Ok(());
+                };
+                let tenant = tenant.as_str();
+                let (_, (applied, version)) = client
+                    .on_owner(|c| {
+                        let value = value.clone();
+                        async move {
+                            c.cache_put_if(tenant, ns, cache, key, value, ttl_ms, condition)
+                                .await
+                        }
+                    })
                     .await?;
+                if cli.json {
+                    let _ = writeln!(
+                        out,
+                        "{}",
+                        serde_json::json!({"key": key, "applied": applied, "version": version})
+                    );
+                } else if applied {
+                    let _ = writeln!(out, "{}", version.unwrap_or_default());
+                }
+                if !applied {
+                    return Err(Failure::NotApplied(match version {
+                        Some(v) => format!("cache put {key:?}: not applied, its version is {v}"),
+                        None => format!("cache put {key:?}: not applied, it has no value"),
+                    }));
+                }
             }
-            CacheCmd::Delete { cache, key } => {
+            CacheCmd::Delete {
+                cache,
+                key,
+                if_version: Some(version),
+            } => {
+                let tenant = tenant.as_str();
+                let (_, applied) = client
+                    .on_owner(|c| async move {
+                        c.cache_delete_if(tenant, ns, cache, key, *version).await
+                    })
+                    .await?;
+                if cli.json {
+                    let _ = writeln!(
+                        out,
+                        "{}",
+                        serde_json::json!({"key": key, "applied": applied})
+                    );
+                }
+                if !applied {
+                    return Err(Failure::NotApplied(format!(
+                        "cache delete {key:?}: not applied, its version is not {version}"
+                    )));
+                }
+            }
+            CacheCmd::Delete {
+                cache,
+                key,
+                if_version: None,
+            } => {
                 if let Some(v) = client.cache_delete(&tenant, ns, cache, key).await? {
                     shown(cli.json, &mut out, &v, serde_json::json!({"key": key}))?;
                 }
             }
+            CacheCmd::Watch {
+                cache,
+                key,
+                prefix,
+                shard,
+                from,
+                retained,
+                count,
+            } => {
+                let filter = match (key, prefix) {
+                    (Some(k), _) => CacheWatchFilter::Key(k.clone()),
+                    (None, Some(p)) => CacheWatchFilter::Prefix {
+                        prefix: p.clone(),
+                        shard: *shard,
+                    },
+                    (None, None) => unreachable!("clap requires --key or --prefix"),
+                };
+                let tenant = tenant.as_str();
+                let filter = &filter;
+                let (_, mut watch) = client
+                    .on_owner(|c| async move {
+                        c.watch_cache(tenant, ns, cache, filter, *from, *retained)
+                            .await
+                    })
+                    .await?;
+                let mut seen = 0u64;
+                while count.is_none_or(|c| seen < c) {
+                    let Some(change) = watch.next_change().await? else {
+                        return Err(Failure::Client(ClientError::SubscriptionLost(
+                            match watch.end() {
+                                Some(crate::SubscriptionEnd::Moved { resume_from, .. }) => {
+                                    format!(
+                                        "the cache shard moved: watch again from {}",
+                                        resume_from.map_or("now".into(), |o| o.to_string())
+                                    )
+                                }
+                                _ => "the broker ended the watch".into(),
+                            },
+                        )));
+                    };
+                    show_change(cli.json, &mut out, &change).map_err(Failure::Output)?;
+                    seen += 1;
+                }
+            }
+            CacheCmd::Add { cache, key, delta } => {
+                let sum = client.counter_add(&tenant, ns, cache, key, *delta).await?;
+                if cli.json {
+                    let _ = writeln!(out, "{}", serde_json::json!({"key": key, "value": sum}));
+                } else {
+                    let _ = writeln!(out, "{sum}");
+                }
+            }
+            CacheCmd::Counter { cache, key } => {
+                let sum = client.counter_get(&tenant, ns, cache, key).await?;
+                if cli.json {
+                    let _ = writeln!(out, "{}", serde_json::json!({"key": key, "value": sum}));
+                } else if let Some(sum) = sum {
+                    let _ = writeln!(out, "{sum}");
+                }
+                if sum.is_none() {
+                    return Err(not_found(
+                        "cache counter",
+                        format!("counter {key:?} never written"),
+                    ));
+                }
+            }
         },
+        Command::State { op } => match op {
+            StateCmd::Commit {
+                stream,
+                entity,
+                event,
+                puts,
+                deletes,
+                expect_offset,
+            } => {
+                let mut changes = Vec::new();
+                for p in puts {
+                    let (key, value) = p
+                        .split_once('=')
+                        .ok_or_else(|| Failure::Usage(format!("--put {p:?}: KEY=VALUE")))?;
+                    changes.push(StateChange::Put {
+                        key: key.to_owned(),
+                        value: Bytes::from(value.to_owned()),
+                    });
+                }
+                changes.extend(
+                    deletes
+                        .iter()
+                        .map(|k| StateChange::Delete { key: k.clone() }),
+                );
+                let offset = client
+                    .commit(
+                        &tenant,
+                        ns,
+                        stream,
+                        entity,
+                        Bytes::from(event.clone()),
+                        changes,
+                        *expect_offset,
+                    )
+                    .await?;
+                if cli.json {
+                    let _ = writeln!(out, "{}", serde_json::json!({"offset": offset}));
+                } else {
+                    let _ = writeln!(out, "{offset}");
+                }
+            }
+            StateCmd::Get {
+                stream,
+                entity,
+                key,
+            } => {
+                let (value, as_of) = client.state_get(&tenant, ns, stream, entity, key).await?;
+                match value {
+                    Some((v, version)) => shown(
+                        cli.json,
+                        &mut out,
+                        &v,
+                        serde_json::json!({"key": key, "version": version, "as_of": as_of}),
+                    )?,
+                    None => {
+                        if cli.json {
+                            let _ = writeln!(
+                                out,
+                                "{}",
+                                serde_json::json!({"key": key, "payload": null, "as_of": as_of})
+                            );
+                        }
+                        return Err(not_found("state get", format!("key {key:?} not found")));
+                    }
+                }
+            }
+        },
+        Command::Read {
+            stream,
+            from,
+            end,
+            max,
+            shard,
+        } => {
+            let tenant = tenant.as_str();
+            let (_, (records, next)) = client
+                .on_owner(|c| async move {
+                    c.stream_read(tenant, ns, stream, *shard, *from, *end, *max)
+                        .await
+                })
+                .await?;
+            for r in records {
+                shown(
+                    cli.json,
+                    &mut out,
+                    &r.payload,
+                    serde_json::json!({"offset": r.offset.0, "shard": shard,
+                        "timestamp_micros": r.timestamp_micros}),
+                )?;
+            }
+            if cli.json {
+                let _ = writeln!(out, "{}", serde_json::json!({"next_offset": next}));
+            }
+        }
+        Command::OffsetAt {
+            stream,
+            micros,
+            shard,
+        } => {
+            let tenant = tenant.as_str();
+            let (_, offset) = client
+                .on_owner(|c| async move {
+                    c.offset_for_time(tenant, ns, stream, *shard, *micros).await
+                })
+                .await?;
+            if cli.json {
+                let _ = writeln!(out, "{}", serde_json::json!({"offset": offset}));
+            } else if let Some(o) = offset {
+                let _ = writeln!(out, "{o}");
+            }
+            if offset.is_none() {
+                return Err(not_found(
+                    "offset at",
+                    format!("nothing appended to shard {shard} at or after {micros}"),
+                ));
+            }
+        }
         Command::Group { op } => {
             // Only the shard's owner serves its groups: each request goes to the broker
             // a `not_leader` answer names (it failed "owned by ..." on any other).
@@ -1083,6 +1473,10 @@ pub fn main() {
         Err(Failure::Output(e)) => {
             eprintln!("felix: writing out: {e}");
             8
+        }
+        Err(Failure::NotApplied(m)) => {
+            eprintln!("felix: {m}");
+            9
         }
     };
     std::process::exit(code);

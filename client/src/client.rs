@@ -54,6 +54,8 @@ fn client_features() -> Features {
         | Features::GROUP_SKIPPED
         | Features::SUBSCRIPTION_LAGGED
         | Features::SHARD_MOVED
+        | Features::CACHE_WATCH
+        | Features::CACHE_WATCH_RETAINED
 }
 
 /// What the broker agreed to.
@@ -153,13 +155,13 @@ pub(crate) fn broker_error(context: &'static str, m: Message) -> ClientError {
     }
 }
 
-struct Stream {
-    send: quinn::SendStream,
-    recv: quinn::RecvStream,
+pub(crate) struct Stream {
+    pub(crate) send: quinn::SendStream,
+    pub(crate) recv: quinn::RecvStream,
     reader: FrameReader,
 }
 
-async fn read_frame(
+pub(crate) async fn read_frame(
     recv: &mut quinn::RecvStream,
     reader: &mut FrameReader,
 ) -> Result<Option<felix_wire::Frame>, ClientError> {
@@ -184,7 +186,10 @@ async fn read_frame(
     }
 }
 
-async fn read_message(s: &mut Stream, context: &'static str) -> Result<Message, ClientError> {
+pub(crate) async fn read_message(
+    s: &mut Stream,
+    context: &'static str,
+) -> Result<Message, ClientError> {
     let f = read_frame(&mut s.recv, &mut s.reader)
         .await?
         .ok_or_else(|| {
@@ -378,7 +383,7 @@ impl Client {
         }
     }
 
-    fn check_tenant(&self, tenant: &str) -> Result<(), ClientError> {
+    pub(crate) fn check_tenant(&self, tenant: &str) -> Result<(), ClientError> {
         let mine = self.inner.config.tenant()?;
         if tenant != mine {
             return Err(ClientError::Config(format!(
@@ -1283,6 +1288,49 @@ impl Client {
             ),
             other => return Err(broker_error("subscribe", other)),
         };
+        let (recv, reader) = self.event_stream(id).await?;
+        let (tx, rx) = mpsc::channel(self.inner.config.client_sub_queue_capacity.max(1));
+        let end = Arc::new(std::sync::Mutex::new(None));
+        let names = (
+            Arc::<str>::from(tenant),
+            Arc::<str>::from(namespace),
+            Arc::<str>::from(stream),
+        );
+        tokio::spawn(read_events(recv, reader, tx, names, end.clone()));
+        Ok(Subscription {
+            rx,
+            end,
+            start_offset,
+            live_offset,
+            _control: s.recv,
+        })
+    }
+}
+
+impl Client {
+    /// Opens a stream for one request and authenticates it.
+    pub(crate) async fn open_request_stream(&self) -> Result<Stream, ClientError> {
+        open_stream(&self.inner.conn, &self.inner.config, self.inner.addr)
+            .await
+            .map(|(s, _)| s)
+    }
+
+    /// The request timeout this client was configured with.
+    pub(crate) fn request_timeout(&self) -> Duration {
+        self.inner.config.request_timeout
+    }
+
+    /// Events a subscription or watch holds in memory before the broker is held back.
+    pub(crate) fn sub_queue_capacity(&self) -> usize {
+        self.inner.config.client_sub_queue_capacity.max(1)
+    }
+
+    /// The event stream the broker opened (or will open, within the request timeout)
+    /// for subscription or watch `id`.
+    pub(crate) async fn event_stream(
+        &self,
+        id: u64,
+    ) -> Result<(quinn::RecvStream, FrameReader), ClientError> {
         let events = {
             let mut r = self.inner.router.lock().expect("router lock");
             match r.early.remove(&id) {
@@ -1294,8 +1342,8 @@ impl Client {
                 }
             }
         };
-        let (recv, reader) = match events {
-            Ok(found) => found,
+        match events {
+            Ok(found) => Ok(found),
             Err(rx) => tokio::time::timeout(self.inner.config.request_timeout, rx)
                 .await
                 .map_err(|_| {
@@ -1313,23 +1361,8 @@ impl Client {
                         self.inner.addr,
                         "connection closed before the event stream opened",
                     )
-                })?,
-        };
-        let (tx, rx) = mpsc::channel(self.inner.config.client_sub_queue_capacity.max(1));
-        let end = Arc::new(std::sync::Mutex::new(None));
-        let names = (
-            Arc::<str>::from(tenant),
-            Arc::<str>::from(namespace),
-            Arc::<str>::from(stream),
-        );
-        tokio::spawn(read_events(recv, reader, tx, names, end.clone()));
-        Ok(Subscription {
-            rx,
-            end,
-            start_offset,
-            live_offset,
-            _control: s.recv,
-        })
+                }),
+        }
     }
 }
 

@@ -88,6 +88,7 @@ pub mod idempotent;
 pub mod ops;
 pub mod retry;
 pub mod sharded;
+pub mod watch;
 
 pub use client::{Client, Event, Negotiated, Subscription, SubscriptionEnd};
 pub use cluster::ClusterClient;
@@ -100,3 +101,4 @@ pub use groups::{GroupInfo, GroupRef, PollOptions};
 pub use idempotent::IdempotentProducer;
 pub use retry::ReconnectPolicy;
 pub use sharded::{ShardEvent, ShardOffsets, ShardedSubscription};
+pub use watch::{CacheChange, CacheWatch, CacheWatchFilter};

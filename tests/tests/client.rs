@@ -2285,3 +2285,252 @@ fn a_broker_that_never_answers_auth_fails_the_call_after_the_request_timeout() {
         assert!(started.elapsed() < Duration::from_secs(5));
     });
 }
+
+/// Our SDK's cache watch, as the standard SDK's: a key watch sees each put and delete of
+/// its key in order (not other keys, not counters); a prefix watch its prefix only; a
+/// retained one the current values first, then live; one from an offset replays from
+/// there.
+#[test]
+fn a_cache_watch_sees_its_keys_changes_in_order() {
+    use felix_client::{CacheChange, CacheWatchFilter};
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = felix_client::Client::connect(b.listen, "localhost", config(&b))
+            .await
+            .unwrap();
+        let seen = |c: &CacheChange| {
+            (
+                c.key.clone(),
+                c.value
+                    .as_ref()
+                    .map(|v| String::from_utf8_lossy(v).into_owned()),
+            )
+        };
+        let key = CacheWatchFilter::Key("room-1".into());
+        let mut w = c
+            .watch_cache("dev", "default", "rooms", &key, None, false)
+            .await
+            .unwrap();
+        let put = |k: &'static str, v: &'static str| {
+            c.cache_put("dev", "default", "rooms", k, bytes::Bytes::from(v), None)
+        };
+        put("room-1", "ada").await.unwrap();
+        put("room-2", "not watched").await.unwrap();
+        c.counter_add("dev", "default", "rooms", "room-1", 5)
+            .await
+            .unwrap();
+        put("room-1", "grace").await.unwrap();
+        c.cache_delete("dev", "default", "rooms", "room-1")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            got.push(next_change(&mut w).await);
+        }
+        assert_eq!(
+            got.iter().map(seen).collect::<Vec<_>>(),
+            [
+                ("room-1".into(), Some("ada".into())),
+                ("room-1".into(), Some("grace".into())),
+                ("room-1".into(), None)
+            ]
+        );
+        assert!(got[0].offset < got[1].offset && got[1].offset < got[2].offset);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), w.next_change())
+                .await
+                .is_err(),
+            "nothing else: not the counter, not another key"
+        );
+        let prefix = CacheWatchFilter::Prefix {
+            prefix: "user:".into(),
+            shard: 0,
+        };
+        let mut p = c
+            .watch_cache("dev", "default", "rooms", &prefix, None, false)
+            .await
+            .unwrap();
+        put("user:1", "a").await.unwrap();
+        put("other", "x").await.unwrap();
+        put("user:2", "b").await.unwrap();
+        assert_eq!(next_change(&mut p).await.key, "user:1");
+        assert_eq!(next_change(&mut p).await.key, "user:2");
+        let mut r = c
+            .watch_cache("dev", "default", "rooms", &prefix, None, true)
+            .await
+            .unwrap();
+        assert_eq!(r.retained_count(), Some(2));
+        let mut current = vec![
+            seen(&next_change(&mut r).await),
+            seen(&next_change(&mut r).await),
+        ];
+        current.sort();
+        assert_eq!(
+            current,
+            [
+                ("user:1".into(), Some("a".into())),
+                ("user:2".into(), Some("b".into()))
+            ]
+        );
+        put("user:3", "c").await.unwrap();
+        assert_eq!(next_change(&mut r).await.key, "user:3", "then live");
+        let mut h = c
+            .watch_cache("dev", "default", "rooms", &key, Some(got[0].offset), false)
+            .await
+            .unwrap();
+        for want in &got {
+            assert_eq!(&next_change(&mut h).await, want, "replayed from the offset");
+        }
+    });
+}
+
+/// The `felix` command's cache, counter, state and read operations: a watch prints
+/// each change of its key; conditional puts and deletes apply once and exit 9 when
+/// their condition does not hold; counters add up and one never written is not found
+/// (exit 5); a commit's changes are read back; `read` and `offset-at` find records by
+/// position and time.
+#[test]
+fn the_felix_command_watches_writes_conditionally_counts_commits_and_reads() {
+    let (b, _dir) = broker(&[]);
+    let run = |args: &[&str]| felix_ok(&b, args);
+    let fails = |args: &[&str]| {
+        let out = felix(&b).args(args).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    run(&["cache", "put", "rooms", "room-1", "ada"]);
+    run(&["cache", "put", "rooms", "room-2", "other"]);
+    run(&["cache", "put", "rooms", "room-1", "grace"]);
+    run(&["cache", "delete", "rooms", "room-1"]);
+    // From the cache's first offset (live watches: the SDK's test above).
+    let watch = [
+        "cache", "watch", "rooms", "--key", "room-1", "--from", "0", "--count", "3",
+    ];
+    assert_eq!(run(&watch), "room-1=ada\nroom-1=grace\nroom-1 deleted\n");
+    let replay = run(&[&["--json"][..], &watch].concat());
+    let offsets: Vec<u64> = replay
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["offset"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(offsets, [0, 2, 3], "{replay}");
+
+    let created: serde_json::Value = serde_json::from_str(
+        run(&[
+            "--json",
+            "cache",
+            "put",
+            "rooms",
+            "lock",
+            "me",
+            "--if-absent",
+        ])
+        .trim(),
+    )
+    .unwrap();
+    assert_eq!(created["applied"], true, "{created}");
+    let version = created["version"].as_u64().unwrap().to_string();
+    let (code, why) = fails(&["cache", "put", "rooms", "lock", "you", "--if-absent"]);
+    assert_eq!(code, Some(9), "{why}");
+    assert!(why.contains(&format!("its version is {version}")), "{why}");
+    run(&[
+        "cache",
+        "put",
+        "rooms",
+        "lock",
+        "me again",
+        "--if-version",
+        &version,
+    ]);
+    let (code, why) = fails(&[
+        "cache",
+        "put",
+        "rooms",
+        "lock",
+        "stale",
+        "--if-version",
+        &version,
+    ]);
+    assert_eq!(code, Some(9), "{why}");
+    assert_eq!(run(&["cache", "get", "rooms", "lock"]), "me again\n");
+    let (code, _) = fails(&["cache", "delete", "rooms", "lock", "--if-version", &version]);
+    assert_eq!(code, Some(9), "a delete at an old version");
+    assert_eq!(run(&["cache", "get", "rooms", "lock"]), "me again\n");
+
+    let (code, why) = fails(&["cache", "counter", "rooms", "hits"]);
+    assert_eq!(code, Some(5), "{why}");
+    assert_eq!(run(&["cache", "add", "rooms", "hits", "5"]), "5\n");
+    assert_eq!(run(&["cache", "add", "rooms", "hits", "-2"]), "3\n");
+    assert_eq!(run(&["cache", "counter", "rooms", "hits"]), "3\n");
+
+    let first = run(&[
+        "state",
+        "commit",
+        "accounts",
+        "acct-1",
+        "--event",
+        "opened",
+        "--put",
+        "balance=10",
+        "--put",
+        "owner=ann",
+    ]);
+    let first: u64 = first.trim().parse().unwrap();
+    let got: serde_json::Value = serde_json::from_str(
+        run(&["--json", "state", "get", "accounts", "acct-1", "balance"]).trim(),
+    )
+    .unwrap();
+    assert_eq!(got["payload"], "10", "{got}");
+    assert_eq!(got["version"], first, "{got}");
+    run(&["state", "commit", "accounts", "acct-1", "--delete", "owner"]);
+    let (code, _) = fails(&["state", "get", "accounts", "acct-1", "owner"]);
+    assert_eq!(code, Some(5), "a deleted key is not found");
+    let (code, why) = fails(&[
+        "state",
+        "commit",
+        "accounts",
+        "acct-1",
+        "--put",
+        "x=1",
+        "--expect-offset",
+        &first.to_string(),
+    ]);
+    assert_ne!(
+        code,
+        Some(0),
+        "a commit expecting an old offset is refused: {why}"
+    );
+
+    run(&["pub", "orders", "a", "b", "c"]);
+    assert_eq!(run(&["read", "orders", "--from", "1", "--max", "1"]), "b\n");
+    let read = run(&["--json", "read", "orders", "--from", "1"]);
+    let lines: Vec<serde_json::Value> = read
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        lines.len(),
+        3,
+        "two records and where the next read starts: {read}"
+    );
+    assert_eq!(lines[2]["next_offset"], 3);
+    let at = lines[1]["timestamp_micros"].as_u64().unwrap();
+    assert_eq!(run(&["offset-at", "orders", &at.to_string()]), "2\n");
+    let (code, _) = fails(&["offset-at", "orders", &(at + 3_600_000_000).to_string()]);
+    assert_eq!(code, Some(5), "nothing appended after an hour from now");
+}
+
+/// A watch's next change, within 10 s.
+async fn next_change(w: &mut felix_client::CacheWatch) -> felix_client::CacheChange {
+    tokio::time::timeout(Duration::from_secs(10), w.next_change())
+        .await
+        .expect("a change within 10 s")
+        .unwrap()
+        .expect("the watch goes on")
+}

@@ -1,0 +1,227 @@
+//! Cache watches (`cache_watch`): the puts and deletes of one key, or of every key of a
+//! prefix on one cache shard, in log order, live from the tail, replayed from an
+//! offset, or starting with the current values (retained). The broker answers on the
+//! request's stream, then sends the changes on an event stream of their own, as for a
+//! subscription; counters are not cache changes and never appear.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use felix_wire::flags::FrameKind;
+use felix_wire::{Features, FrameReader, Message, Offset, ShardId};
+use tokio::sync::mpsc;
+
+use crate::client::{Client, SubscriptionEnd, broker_error, read_frame, read_message};
+use crate::error::ClientError;
+
+/// What a watch follows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheWatchFilter {
+    /// One key.
+    Key(String),
+    /// Every key starting with `prefix` on cache shard `shard`.
+    Prefix {
+        /// The prefix (`""`: every key of the shard).
+        prefix: String,
+        /// The cache shard.
+        shard: u32,
+    },
+}
+
+/// One put or delete a watch saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheChange {
+    /// The key.
+    pub key: String,
+    /// The value put; `None` for a delete (an expiry is one too).
+    pub value: Option<Bytes>,
+    /// The write's offset in the cache's log (a put's offset is its value's version).
+    pub offset: u64,
+    /// When the value expires (Unix milliseconds), 0 for never.
+    pub expires_at_millis: u64,
+}
+
+/// A cache watch: its changes, in log order, until the broker ends it.
+#[derive(Debug)]
+pub struct CacheWatch {
+    rx: mpsc::Receiver<Result<CacheChange, ClientError>>,
+    end: Arc<std::sync::Mutex<Option<SubscriptionEnd>>>,
+    resume_offset: u64,
+    resnapshot: bool,
+    retained_count: Option<u64>,
+    _control: quinn::RecvStream,
+}
+
+impl CacheWatch {
+    /// The next change; `Ok(None)` when the broker ended the watch cleanly (see
+    /// [`CacheWatch::end`]); [`ClientError::SubscriptionLagged`] when it ended it
+    /// because the watch fell behind what it keeps (watch again from `resume_from`); an
+    /// error when the connection was lost. Cancel-safe.
+    pub async fn next_change(&mut self) -> Result<Option<CacheChange>, ClientError> {
+        match self.rx.recv().await {
+            Some(Ok(c)) => Ok(Some(c)),
+            Some(Err(e)) => Err(e),
+            None => Ok(None),
+        }
+    }
+
+    /// Why the broker ended the watch, once [`CacheWatch::next_change`] returned
+    /// `Ok(None)`: the shard moved (watch again at the new owner from `resume_from`).
+    pub fn end(&self) -> Option<SubscriptionEnd> {
+        self.end.lock().expect("end lock").clone()
+    }
+
+    /// The offset the watch goes on from, after the current values if it is retained.
+    pub fn resume_offset(&self) -> u64 {
+        self.resume_offset
+    }
+
+    /// The offset asked for was no longer in the log (compacted, or past its end): the
+    /// watch starts with the current values instead, then goes on live.
+    pub fn resnapshot(&self) -> bool {
+        self.resnapshot
+    }
+
+    /// How many current values come first (a retained or resnapshotted watch).
+    pub fn retained_count(&self) -> Option<u64> {
+        self.retained_count
+    }
+}
+
+impl Client {
+    /// Watches the changes `filter` follows on `cache`: from `from_offset` (absent: from
+    /// now), with the current values first when `retained`.
+    pub async fn watch_cache(
+        &self,
+        tenant: &str,
+        namespace: &str,
+        cache: &str,
+        filter: &CacheWatchFilter,
+        from_offset: Option<u64>,
+        retained: bool,
+    ) -> Result<CacheWatch, ClientError> {
+        self.check_tenant(tenant)?;
+        self.require(Features::CACHE_WATCH, "watch_cache")?;
+        if retained {
+            self.require(Features::CACHE_WATCH_RETAINED, "a retained cache watch")?;
+        }
+        let (key, prefix, shard) = match filter {
+            CacheWatchFilter::Key(k) => (Some(k.clone()), None, None),
+            CacheWatchFilter::Prefix { prefix, shard } => {
+                (None, Some(prefix.clone()), Some(ShardId(*shard)))
+            }
+        };
+        let mut s = self.open_request_stream().await?;
+        let m = Message::CacheWatch {
+            tenant_id: tenant.into(),
+            namespace: namespace.into(),
+            cache: cache.into(),
+            key,
+            prefix,
+            shard,
+            from_offset: from_offset.map(Offset),
+            retained,
+            subscription_id: None,
+        };
+        s.send
+            .write_all(&m.to_frame())
+            .await
+            .map_err(|e| ClientError::connection(self.addr(), e))?;
+        let _ = s.send.finish();
+        let answer =
+            tokio::time::timeout(self.request_timeout(), read_message(&mut s, "cache_watch"))
+                .await
+                .map_err(|_| ClientError::Timeout("cache_watch"))??;
+        let (id, resume_offset, resnapshot, retained_count) = match answer {
+            Message::CacheWatchStarted {
+                subscription_id,
+                resume_offset,
+                resnapshot,
+                retained_count,
+            } => (
+                subscription_id.0,
+                resume_offset.0,
+                resnapshot,
+                retained_count,
+            ),
+            other => return Err(broker_error("cache_watch", other)),
+        };
+        let (recv, reader) = self.event_stream(id).await?;
+        let (tx, rx) = mpsc::channel(self.sub_queue_capacity());
+        let end = Arc::new(std::sync::Mutex::new(None));
+        tokio::spawn(read_changes(recv, reader, tx, end.clone()));
+        Ok(CacheWatch {
+            rx,
+            end,
+            resume_offset,
+            resnapshot,
+            retained_count,
+            _control: s.recv,
+        })
+    }
+}
+
+async fn read_changes(
+    mut recv: quinn::RecvStream,
+    mut reader: FrameReader,
+    tx: mpsc::Sender<Result<CacheChange, ClientError>>,
+    end: Arc<std::sync::Mutex<Option<SubscriptionEnd>>>,
+) {
+    loop {
+        // A dropped watch ends here at once: dropping the event stream tells the
+        // broker to stop.
+        let read = tokio::select! {
+            read = read_frame(&mut recv, &mut reader) => read,
+            () = tx.closed() => return,
+        };
+        let change = match read {
+            Ok(Some(f)) if f.kind == FrameKind::Json => match Message::decode(&f.payload) {
+                Ok(Message::CacheEvent {
+                    key,
+                    value,
+                    offset,
+                    expires_at_millis,
+                }) => Ok(CacheChange {
+                    key,
+                    value,
+                    offset: offset.0,
+                    expires_at_millis,
+                }),
+                Ok(Message::CacheWatchLagged { resume_from }) => {
+                    Err(ClientError::SubscriptionLagged {
+                        resume_from: resume_from.0,
+                    })
+                }
+                Ok(Message::ShardMoved {
+                    resume_from,
+                    node_id,
+                    addr,
+                    generation,
+                    ..
+                }) => {
+                    // Set before the channel closes, so a reader that saw the end also
+                    // sees why.
+                    *end.lock().expect("end lock") = Some(SubscriptionEnd::Moved {
+                        resume_from: resume_from.map(|o| o.0),
+                        node_id,
+                        addr,
+                        generation: generation.0,
+                    });
+                    return;
+                }
+                Ok(_) => continue,
+                Err(e) => Err(ClientError::Protocol(e.to_string())),
+            },
+            Ok(Some(_)) => Err(ClientError::Protocol(
+                "unexpected frame on a cache watch's event stream".into(),
+            )),
+            Ok(None) => return,
+            Err(e) => Err(ClientError::SubscriptionLost(e.to_string())),
+        };
+        let last = change.is_err();
+        // Waiting here pushes back on the broker through QUIC flow control.
+        if tx.send(change).await.is_err() || last {
+            return;
+        }
+    }
+}
