@@ -1289,21 +1289,85 @@ impl Client {
             other => return Err(broker_error("subscribe", other)),
         };
         let (recv, reader) = self.event_stream(id).await?;
-        let (tx, rx) = mpsc::channel(self.inner.config.client_sub_queue_capacity.max(1));
-        let end = Arc::new(std::sync::Mutex::new(None));
         let names = (
             Arc::<str>::from(tenant),
             Arc::<str>::from(namespace),
             Arc::<str>::from(stream),
         );
-        tokio::spawn(read_events(recv, reader, tx, names, end.clone()));
+        let feed = Feed::spawn(self.sub_queue_capacity(), s.recv, |tx, end| {
+            read_events(recv, reader, tx, names, end)
+        });
         Ok(Subscription {
-            rx,
-            end,
+            feed,
             start_offset,
             live_offset,
-            _control: s.recv,
         })
+    }
+}
+
+/// Where the reader of a broker-opened event stream says why the broker ended it.
+pub(crate) type EndSlot = Arc<std::sync::Mutex<Option<SubscriptionEnd>>>;
+
+/// What the reader task of a broker-opened event stream hands over, in order (a
+/// subscription's events, a cache watch's changes), and why the broker ended it.
+#[derive(Debug)]
+pub(crate) struct Feed<T> {
+    rx: mpsc::Receiver<Result<T, ClientError>>,
+    end: EndSlot,
+    /// The request's stream, held as long as the feed is.
+    _control: quinn::RecvStream,
+}
+
+impl<T: Send + 'static> Feed<T> {
+    /// Spawns the reader `read` makes from the feed's sender (`capacity` items ahead
+    /// of the caller at most: then the reader waits, and QUIC flow control holds the
+    /// broker back) and its end slot.
+    pub(crate) fn spawn<Fut>(
+        capacity: usize,
+        control: quinn::RecvStream,
+        read: impl FnOnce(mpsc::Sender<Result<T, ClientError>>, EndSlot) -> Fut,
+    ) -> Feed<T>
+    where
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel(capacity);
+        let end = EndSlot::default();
+        tokio::spawn(read(tx, end.clone()));
+        Feed {
+            rx,
+            end,
+            _control: control,
+        }
+    }
+
+    /// The next item; `Ok(None)` once the reader stopped cleanly. Cancel-safe.
+    pub(crate) async fn next(&mut self) -> Result<Option<T>, ClientError> {
+        self.rx.recv().await.transpose()
+    }
+
+    /// Why the broker ended the stream, once the reader recorded it.
+    pub(crate) fn end(&self) -> Option<SubscriptionEnd> {
+        self.end.lock().expect("end lock").clone()
+    }
+}
+
+/// The end a `shard_moved` message says, recorded in `end` before the reader returns
+/// (and with it the feed's sender), so a caller that saw the end also sees why.
+pub(crate) fn record_moved(end: &EndSlot, m: Message) {
+    if let Message::ShardMoved {
+        resume_from,
+        node_id,
+        addr,
+        generation,
+        ..
+    } = m
+    {
+        *end.lock().expect("end lock") = Some(SubscriptionEnd::Moved {
+            resume_from: resume_from.map(|o| o.0),
+            node_id,
+            addr,
+            generation: generation.0,
+        });
     }
 }
 
@@ -1387,29 +1451,23 @@ pub enum SubscriptionEnd {
 /// One shard's subscription.
 #[derive(Debug)]
 pub struct Subscription {
-    rx: mpsc::Receiver<Result<Event, ClientError>>,
-    end: Arc<std::sync::Mutex<Option<SubscriptionEnd>>>,
+    feed: Feed<Event>,
     start_offset: Option<u64>,
     live_offset: Option<u64>,
-    _control: quinn::RecvStream,
 }
 
 impl Subscription {
     /// The next event; `Ok(None)` when the broker ended the subscription cleanly, an
     /// error when the connection was lost. Cancel-safe.
     pub async fn next_event(&mut self) -> Result<Option<Event>, ClientError> {
-        match self.rx.recv().await {
-            Some(Ok(e)) => Ok(Some(e)),
-            Some(Err(e)) => Err(e),
-            None => Ok(None),
-        }
+        self.feed.next().await
     }
 
     /// Why the broker ended the subscription, once [`Subscription::next_event`] has
     /// returned `Ok(None)` after the broker's last message (`None` before that, or when
     /// it ended without saying why).
     pub fn end(&self) -> Option<SubscriptionEnd> {
-        self.end.lock().expect("end lock").clone()
+        self.feed.end()
     }
 
     /// The first offset delivered (when a start was given).
@@ -1428,7 +1486,7 @@ async fn read_events(
     mut reader: FrameReader,
     tx: mpsc::Sender<Result<Event, ClientError>>,
     (t, ns, s): (Arc<str>, Arc<str>, Arc<str>),
-    end: Arc<std::sync::Mutex<Option<SubscriptionEnd>>>,
+    end: EndSlot,
 ) {
     loop {
         // A dropped subscription ends here at once, not at its next event: dropping the
@@ -1504,21 +1562,8 @@ async fn read_events(
                         .await;
                     return;
                 }
-                Ok(Message::ShardMoved {
-                    resume_from,
-                    node_id,
-                    addr,
-                    generation,
-                    ..
-                }) => {
-                    // Set before the channel closes (this task returning drops `tx`), so
-                    // a reader that saw the end also sees why.
-                    *end.lock().expect("end lock") = Some(SubscriptionEnd::Moved {
-                        resume_from: resume_from.map(|o| o.0),
-                        node_id,
-                        addr,
-                        generation: generation.0,
-                    });
+                Ok(m @ Message::ShardMoved { .. }) => {
+                    record_moved(&end, m);
                     return;
                 }
                 Ok(Message::StreamDeleted { .. }) => {

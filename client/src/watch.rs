@@ -4,14 +4,14 @@
 //! request's stream, then sends the changes on an event stream of their own, as for a
 //! subscription; counters are not cache changes and never appear.
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 use felix_wire::flags::FrameKind;
 use felix_wire::{Features, FrameReader, Message, Offset, ShardId};
 use tokio::sync::mpsc;
 
-use crate::client::{Client, SubscriptionEnd, broker_error, read_frame, read_message};
+use crate::client::{
+    Client, EndSlot, Feed, SubscriptionEnd, broker_error, read_frame, read_message, record_moved,
+};
 use crate::error::ClientError;
 
 /// What a watch follows.
@@ -44,12 +44,10 @@ pub struct CacheChange {
 /// A cache watch: its changes, in log order, until the broker ends it.
 #[derive(Debug)]
 pub struct CacheWatch {
-    rx: mpsc::Receiver<Result<CacheChange, ClientError>>,
-    end: Arc<std::sync::Mutex<Option<SubscriptionEnd>>>,
+    feed: Feed<CacheChange>,
     resume_offset: u64,
     resnapshot: bool,
     retained_count: Option<u64>,
-    _control: quinn::RecvStream,
 }
 
 impl CacheWatch {
@@ -58,17 +56,13 @@ impl CacheWatch {
     /// because the watch fell behind what it keeps (watch again from `resume_from`); an
     /// error when the connection was lost. Cancel-safe.
     pub async fn next_change(&mut self) -> Result<Option<CacheChange>, ClientError> {
-        match self.rx.recv().await {
-            Some(Ok(c)) => Ok(Some(c)),
-            Some(Err(e)) => Err(e),
-            None => Ok(None),
-        }
+        self.feed.next().await
     }
 
     /// Why the broker ended the watch, once [`CacheWatch::next_change`] returned
     /// `Ok(None)`: the shard moved (watch again at the new owner from `resume_from`).
     pub fn end(&self) -> Option<SubscriptionEnd> {
-        self.end.lock().expect("end lock").clone()
+        self.feed.end()
     }
 
     /// The offset the watch goes on from, after the current values if it is retained.
@@ -147,16 +141,14 @@ impl Client {
             other => return Err(broker_error("cache_watch", other)),
         };
         let (recv, reader) = self.event_stream(id).await?;
-        let (tx, rx) = mpsc::channel(self.sub_queue_capacity());
-        let end = Arc::new(std::sync::Mutex::new(None));
-        tokio::spawn(read_changes(recv, reader, tx, end.clone()));
+        let feed = Feed::spawn(self.sub_queue_capacity(), s.recv, |tx, end| {
+            read_changes(recv, reader, tx, end)
+        });
         Ok(CacheWatch {
-            rx,
-            end,
+            feed,
             resume_offset,
             resnapshot,
             retained_count,
-            _control: s.recv,
         })
     }
 }
@@ -165,7 +157,7 @@ async fn read_changes(
     mut recv: quinn::RecvStream,
     mut reader: FrameReader,
     tx: mpsc::Sender<Result<CacheChange, ClientError>>,
-    end: Arc<std::sync::Mutex<Option<SubscriptionEnd>>>,
+    end: EndSlot,
 ) {
     loop {
         // A dropped watch ends here at once: dropping the event stream tells the
@@ -192,21 +184,8 @@ async fn read_changes(
                         resume_from: resume_from.0,
                     })
                 }
-                Ok(Message::ShardMoved {
-                    resume_from,
-                    node_id,
-                    addr,
-                    generation,
-                    ..
-                }) => {
-                    // Set before the channel closes, so a reader that saw the end also
-                    // sees why.
-                    *end.lock().expect("end lock") = Some(SubscriptionEnd::Moved {
-                        resume_from: resume_from.map(|o| o.0),
-                        node_id,
-                        addr,
-                        generation: generation.0,
-                    });
+                Ok(m @ Message::ShardMoved { .. }) => {
+                    record_moved(&end, m);
                     return;
                 }
                 Ok(_) => continue,
