@@ -7,7 +7,9 @@
 //!
 //! Exit codes: 0 ok, 2 usage or configuration, 3 broker unreachable or connection lost,
 //! 4 refused credentials (unauthenticated / forbidden), 5 not found, 6 other broker
-//! error, 7 timed out.
+//! error, 7 timed out, 8 output could not be written, 9 a condition did not hold (a
+//! conditional put or delete, a commit's `--expect-offset`, a publish's `--if-tail`:
+//! nothing was written; after a resent commit, see `ClusterClient::commit`).
 
 use std::io::{BufRead, Write};
 use std::net::SocketAddr;
@@ -368,20 +370,23 @@ enum CacheCmd {
         /// Follow every key starting with this (`""`: all) on one cache shard.
         #[arg(long)]
         prefix: Option<String>,
-        /// The cache shard a prefix watch follows.
-        #[arg(long, default_value_t = 0, requires = "prefix")]
-        shard: u32,
+        /// The cache shard a prefix watch follows (a cache of several shards needs
+        /// it).
+        #[arg(long, requires = "prefix")]
+        shard: Option<u32>,
         /// Replay from this offset (default: from now).
         #[arg(long)]
         from: Option<u64>,
         /// Start with the current values.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "from")]
         retained: bool,
         /// Stop after this many changes.
         #[arg(long)]
         count: Option<u64>,
     },
-    /// Add a signed delta to a counter beside the cache; prints the sum.
+    /// Add a signed delta to a counter beside the cache; prints the sum. Resent after
+    /// a lost connection, so at least once: an add whose answer was lost may count
+    /// twice.
     Add {
         /// Cache.
         cache: String,
@@ -485,6 +490,10 @@ fn exit_code(e: &ClientError) -> i32 {
         ClientError::Broker(b) if b.code == Some(ErrorCode::NotFound) => 5,
         ClientError::Config(_) => 2,
         ClientError::Timeout(_) => 7,
+        ClientError::Refused {
+            reason: felix_wire::message::PublishRefusalReason::OffsetMismatch { .. },
+            ..
+        } => 9,
         _ => 6,
     }
 }
@@ -610,6 +619,10 @@ fn show(
         out.write_all(b"\n")
     }
 }
+
+/// How many times in a row `felix cache watch` watches again after a move or a lag with
+/// no change between before it gives up.
+const WATCH_FOLLOWS_MAX: u32 = 20;
 
 /// A cache watch's change: `key=value` for a put, `key deleted` for a delete; with
 /// `json`, an object with its offset and expiry (`payload` null for a delete).
@@ -1104,31 +1117,64 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     },
                     (None, None) => unreachable!("clap requires --key or --prefix"),
                 };
-                let tenant = tenant.as_str();
-                let filter = &filter;
-                let (_, mut watch) = client
-                    .on_owner(|c| async move {
-                        c.watch_cache(tenant, ns, cache, filter, *from, *retained)
-                            .await
-                    })
-                    .await?;
-                let mut seen = 0u64;
-                while count.is_none_or(|c| seen < c) {
-                    let Some(change) = watch.next_change().await? else {
-                        return Err(Failure::Client(ClientError::SubscriptionLost(
-                            match watch.end() {
-                                Some(crate::SubscriptionEnd::Moved { resume_from, .. }) => {
-                                    format!(
-                                        "the cache shard moved: watch again from {}",
-                                        resume_from.map_or("now".into(), |o| o.to_string())
-                                    )
+                let (tenant, filter) = (tenant.as_str(), &filter);
+                let (mut from, mut retained) = (*from, *retained);
+                let (mut seen, mut follows) = (0u64, 0u32);
+                // Watched again where the last watch ended: at the shard's new owner
+                // after a move, from where the broker says after a lag.
+                'watch: while count.is_none_or(|c| seen < c) {
+                    let (_, mut watch) = client
+                        .on_owner(|c| async move {
+                            c.watch_cache(tenant, ns, cache, filter, from, retained)
+                                .await
+                        })
+                        .await?;
+                    while count.is_none_or(|c| seen < c) {
+                        let resume = match watch.next_change().await {
+                            Ok(Some(change)) => {
+                                show_change(cli.json, &mut out, &change)
+                                    .map_err(Failure::Output)?;
+                                seen += 1;
+                                follows = 0;
+                                continue;
+                            }
+                            Ok(None) => match watch.end() {
+                                Some(crate::SubscriptionEnd::Moved {
+                                    resume_from,
+                                    node_id,
+                                    ..
+                                }) => {
+                                    eprintln!(
+                                        "felix: cache shard moved to {}; watching there",
+                                        node_id.as_deref().unwrap_or("another broker")
+                                    );
+                                    resume_from
                                 }
-                                _ => "the broker ended the watch".into(),
+                                _ => {
+                                    return Err(Failure::Client(ClientError::SubscriptionLost(
+                                        format!("the broker ended the watch after {seen} changes"),
+                                    )));
+                                }
                             },
-                        )));
-                    };
-                    show_change(cli.json, &mut out, &change).map_err(Failure::Output)?;
-                    seen += 1;
+                            Err(ClientError::SubscriptionLagged { resume_from }) => {
+                                eprintln!("felix: the watch lagged; watching from {resume_from}");
+                                Some(resume_from)
+                            }
+                            Err(e) => return Err(e.into()),
+                        };
+                        follows += 1;
+                        if follows > WATCH_FOLLOWS_MAX {
+                            return Err(Failure::Client(ClientError::SubscriptionLost(format!(
+                                "the watch ended {follows} times in a row with nothing between"
+                            ))));
+                        }
+                        tokio::time::sleep(Duration::from_millis(50) * follows).await;
+                        // Where the broker said; with no offset, from where it began
+                        // (changes may come again). The current values came once.
+                        from = resume.or(from);
+                        retained = false;
+                        continue 'watch;
+                    }
                 }
             }
             CacheCmd::Add { cache, key, delta } => {
@@ -1167,6 +1213,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 for p in puts {
                     let (key, value) = p
                         .split_once('=')
+                        .filter(|(k, _)| !k.is_empty())
                         .ok_or_else(|| Failure::Usage(format!("--put {p:?}: KEY=VALUE")))?;
                     changes.push(StateChange::Put {
                         key: key.to_owned(),

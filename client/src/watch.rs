@@ -19,12 +19,13 @@ use crate::error::ClientError;
 pub enum CacheWatchFilter {
     /// One key.
     Key(String),
-    /// Every key starting with `prefix` on cache shard `shard`.
+    /// Every key starting with `prefix` on one cache shard.
     Prefix {
         /// The prefix (`""`: every key of the shard).
         prefix: String,
-        /// The cache shard.
-        shard: u32,
+        /// The cache shard; a cache of several shards refuses a prefix watch that
+        /// names none (`invalid_request`) rather than watch one of them.
+        shard: Option<u32>,
     },
 }
 
@@ -102,7 +103,7 @@ impl Client {
         let (key, prefix, shard) = match filter {
             CacheWatchFilter::Key(k) => (Some(k.clone()), None, None),
             CacheWatchFilter::Prefix { prefix, shard } => {
-                (None, Some(prefix.clone()), Some(ShardId(*shard)))
+                (None, Some(prefix.clone()), shard.map(ShardId))
             }
         };
         let mut s = self.open_request_stream().await?;

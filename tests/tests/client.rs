@@ -1566,7 +1566,11 @@ fn a_conditional_publish_lands_only_at_the_tail_it_expects() {
     // the tail.
     let run = |args: &[&str]| felix(&b).arg("--json").args(args).output().unwrap();
     let ok = run(&["pub", "ledger", "--if-tail", "0", "--shard", "1", "x"]);
-    assert!(!ok.status.success(), "shard 1's tail is 2");
+    assert_eq!(
+        ok.status.code(),
+        Some(9),
+        "shard 1's tail is 2: the condition fails"
+    );
     assert!(
         String::from_utf8_lossy(&ok.stderr).contains("the shard's tail is 2"),
         "{}",
@@ -2345,7 +2349,7 @@ fn a_cache_watch_sees_its_keys_changes_in_order() {
         );
         let prefix = CacheWatchFilter::Prefix {
             prefix: "user:".into(),
-            shard: 0,
+            shard: None,
         };
         let mut p = c
             .watch_cache("dev", "default", "rooms", &prefix, None, false)
@@ -2501,11 +2505,11 @@ fn the_felix_command_watches_writes_conditionally_counts_commits_and_reads() {
         "--expect-offset",
         &first.to_string(),
     ]);
-    assert_ne!(
-        code,
-        Some(0),
-        "a commit expecting an old offset is refused: {why}"
-    );
+    assert_eq!(code, Some(9), "a commit expecting an old offset: {why}");
+    let (code, _) = fails(&["state", "get", "accounts", "acct-1", "x"]);
+    assert_eq!(code, Some(5), "the refused commit wrote nothing");
+    let (code, why) = fails(&["state", "commit", "accounts", "acct-1", "--put", "=1"]);
+    assert_eq!(code, Some(2), "an empty key: {why}");
 
     run(&["pub", "orders", "a", "b", "c"]);
     assert_eq!(run(&["read", "orders", "--from", "1", "--max", "1"]), "b\n");

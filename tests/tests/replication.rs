@@ -2263,9 +2263,11 @@ fn a_subscriber_follows_its_shard_across_planned_moves() {
 
 /// A cache watch follows its cache across planned moves: the watch ended
 /// `cache_watch_lagged` when its shard moved, which ends the SDK's watch; it ends with
-/// `shard_moved` now, and the SDK follows the shard and carries on where it was.
+/// `shard_moved` now, and the SDK follows the shard and carries on where it was. So
+/// does `felix cache watch`, watching beside it from the cache's start.
 #[test]
 fn a_cache_watch_follows_its_shard_across_planned_moves() {
+    use std::io::BufRead;
     let c = cluster();
     create_quorum_cache(&c, "moving-cache");
     let (mut leader, mut generation) = wait_for("a cache leader", Duration::from_secs(20), || {
@@ -2278,6 +2280,33 @@ fn a_cache_watch_follows_its_shard_across_planned_moves() {
         started.exists().then_some(())
     })
     .unwrap();
+    let mut cli = std::process::Command::new(env!("CARGO_BIN_EXE_felix-under-test"));
+    for seed in c.seeds() {
+        cli.arg("--broker").arg(seed.to_string());
+    }
+    let mut cli = cli
+        .args(["--tenant", TENANT, "--namespace", NAMESPACE, "--token-file"])
+        .arg(c.dir.path().join("client.token"))
+        .arg("--ca")
+        .arg(&c.certs.ca)
+        .args(["--server-name", "localhost", "--json", "cache", "watch"])
+        .args(["moving-cache", "--key", "k", "--from", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The values it printed, as they come.
+    let printed = Arc::new(Mutex::new(Vec::<String>::new()));
+    let reader = {
+        let (printed, stdout) = (printed.clone(), cli.stdout.take().unwrap());
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+                let value = v["payload"].as_str().unwrap_or("(deleted)").to_owned();
+                printed.lock().unwrap().push(value);
+            }
+        })
+    };
     for _ in 0..2 {
         std::thread::sleep(Duration::from_millis(2000));
         let to = (leader + 1) % 3;
@@ -2291,6 +2320,37 @@ fn a_cache_watch_follows_its_shard_across_planned_moves() {
     let out = script.join().unwrap().unwrap();
     let text = felix_cluster::expect_success("watch_follow.py", &out).unwrap();
     eprintln!("{text}");
+    let last = wait_for(
+        "the command's watch to see the last put",
+        Duration::from_secs(30),
+        || {
+            printed
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|v| v == "v-299")
+                .then_some(())
+        },
+    );
+    let _ = cli.kill();
+    let stderr = cli.wait_with_output().unwrap().stderr;
+    let stderr = String::from_utf8_lossy(&stderr);
+    reader.join().unwrap();
+    last.unwrap_or_else(|e| panic!("{e}; the command said: {stderr}"));
+    let seen: Vec<u32> = (printed.lock().unwrap().iter())
+        .filter_map(|v| v.strip_prefix("v-")?.parse().ok())
+        .collect();
+    let mut distinct = seen.clone();
+    distinct.dedup();
+    assert_eq!(
+        distinct,
+        (0..300).collect::<Vec<_>>(),
+        "every put once, in order"
+    );
+    assert!(
+        stderr.matches("cache shard moved").count() >= 1,
+        "it followed the moves: {stderr}"
+    );
 }
 
 #[test]
