@@ -9,7 +9,8 @@
 //! 4 refused credentials (unauthenticated / forbidden), 5 not found, 6 other broker
 //! error, 7 timed out, 8 output could not be written, 9 a condition did not hold (a
 //! conditional put or delete, a commit's `--expect-offset`, a publish's `--if-tail`:
-//! nothing was written; after a resent commit, see `ClusterClient::commit`).
+//! nothing was written). A commit refused after a resend whose first try may have
+//! applied exits 3: its outcome is unknown.
 
 use std::io::{BufRead, Write};
 use std::net::SocketAddr;
@@ -485,6 +486,13 @@ fn exit_code(e: &ClientError) -> i32 {
         ClientError::Connection { .. }
         | ClientError::SubscriptionLost(_)
         | ClientError::SubscriptionLagged { .. } => 3,
+        // A write refused after a resend, whose first try may have applied: its
+        // outcome is unknown, not "nothing was written" (9).
+        ClientError::GaveUp {
+            in_doubt: true,
+            last,
+            ..
+        } if last.refusal().is_some() => 3,
         ClientError::GaveUp { last, .. } => exit_code(last),
         e if e.is_credential_failure() => 4,
         ClientError::Broker(b) if b.code == Some(ErrorCode::NotFound) => 5,
@@ -623,6 +631,19 @@ fn show(
 /// How many times in a row `felix cache watch` watches again after a move or a lag with
 /// no change between before it gives up.
 const WATCH_FOLLOWS_MAX: u32 = 20;
+
+/// Counts one more watch in a row with no change between: how long to wait before it,
+/// or the end of the command past [`WATCH_FOLLOWS_MAX`].
+fn watch_again(follows: &mut u32) -> Result<Duration, Failure> {
+    *follows += 1;
+    if *follows > WATCH_FOLLOWS_MAX {
+        return Err(Failure::Client(ClientError::SubscriptionLost(format!(
+            "the watch ended {} times in a row with nothing between",
+            *follows - 1
+        ))));
+    }
+    Ok(Duration::from_millis(50) * *follows)
+}
 
 /// A cache watch's change: `key=value` for a put, `key deleted` for a delete; with
 /// `json`, an object with its offset and expiry (`payload` null for a delete).
@@ -1123,12 +1144,37 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 // Watched again where the last watch ended: at the shard's new owner
                 // after a move, from where the broker says after a lag.
                 'watch: while count.is_none_or(|c| seen < c) {
-                    let (_, mut watch) = client
+                    let started = client
                         .on_owner(|c| async move {
                             c.watch_cache(tenant, ns, cache, filter, from, retained)
                                 .await
                         })
-                        .await?;
+                        .await;
+                    let mut watch = match started {
+                        Ok((_, w)) => w,
+                        // Watching again while the new owner takes the shard over, or
+                        // through a route not yet updated: tried again, within bounds.
+                        Err(e)
+                            if follows > 0
+                                && !e.is_credential_failure()
+                                && !matches!(e, ClientError::Config(_)) =>
+                        {
+                            eprintln!("felix: watching again: {e}");
+                            tokio::time::sleep(watch_again(&mut follows)?).await;
+                            continue 'watch;
+                        }
+                        Err(e) => return Err(e.into()),
+                    };
+                    if follows > 0 && watch.resnapshot() {
+                        eprintln!(
+                            "felix: the watch starts over from the current values ({})",
+                            watch.retained_count().unwrap_or(0)
+                        );
+                    }
+                    // Where a watch would go on from: past the current values, then
+                    // past each live change shown.
+                    let (mut next, mut current) =
+                        (watch.resume_offset(), watch.retained_count().unwrap_or(0));
                     while count.is_none_or(|c| seen < c) {
                         let resume = match watch.next_change().await {
                             Ok(Some(change)) => {
@@ -1136,6 +1182,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                                     .map_err(Failure::Output)?;
                                 seen += 1;
                                 follows = 0;
+                                match current.checked_sub(1) {
+                                    Some(left) => current = left,
+                                    None => next = change.offset + 1,
+                                }
                                 continue;
                             }
                             Ok(None) => match watch.end() {
@@ -1148,7 +1198,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                                         "felix: cache shard moved to {}; watching there",
                                         node_id.as_deref().unwrap_or("another broker")
                                     );
-                                    resume_from
+                                    resume_from.unwrap_or(next)
                                 }
                                 _ => {
                                     return Err(Failure::Client(ClientError::SubscriptionLost(
@@ -1158,21 +1208,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                             },
                             Err(ClientError::SubscriptionLagged { resume_from }) => {
                                 eprintln!("felix: the watch lagged; watching from {resume_from}");
-                                Some(resume_from)
+                                resume_from
                             }
                             Err(e) => return Err(e.into()),
                         };
-                        follows += 1;
-                        if follows > WATCH_FOLLOWS_MAX {
-                            return Err(Failure::Client(ClientError::SubscriptionLost(format!(
-                                "the watch ended {follows} times in a row with nothing between"
-                            ))));
-                        }
-                        tokio::time::sleep(Duration::from_millis(50) * follows).await;
-                        // Where the broker said; with no offset, from where it began
-                        // (changes may come again). The current values came once.
-                        from = resume.or(from);
-                        retained = false;
+                        tokio::time::sleep(watch_again(&mut follows)?).await;
+                        // The current values came once.
+                        (from, retained) = (Some(resume), false);
                         continue 'watch;
                     }
                 }

@@ -2284,7 +2284,7 @@ fn a_cache_watch_follows_its_shard_across_planned_moves() {
     for seed in c.seeds() {
         cli.arg("--broker").arg(seed.to_string());
     }
-    let mut cli = cli
+    let cli = cli
         .args(["--tenant", TENANT, "--namespace", NAMESPACE, "--token-file"])
         .arg(c.dir.path().join("client.token"))
         .arg("--ca")
@@ -2295,15 +2295,19 @@ fn a_cache_watch_follows_its_shard_across_planned_moves() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    // The values it printed, as they come.
-    let printed = Arc::new(Mutex::new(Vec::<String>::new()));
+    let mut cli = Killed(cli);
+    // The (offset, value) pairs it printed, as they come.
+    let printed = Arc::new(Mutex::new(Vec::<(u64, String)>::new()));
     let reader = {
-        let (printed, stdout) = (printed.clone(), cli.stdout.take().unwrap());
+        let (printed, stdout) = (printed.clone(), cli.0.stdout.take().unwrap());
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stdout).lines() {
                 let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
                 let value = v["payload"].as_str().unwrap_or("(deleted)").to_owned();
-                printed.lock().unwrap().push(value);
+                printed
+                    .lock()
+                    .unwrap()
+                    .push((v["offset"].as_u64().unwrap(), value));
             }
         })
     };
@@ -2324,33 +2328,43 @@ fn a_cache_watch_follows_its_shard_across_planned_moves() {
         "the command's watch to see the last put",
         Duration::from_secs(30),
         || {
-            printed
-                .lock()
-                .unwrap()
-                .iter()
-                .any(|v| v == "v-299")
+            (printed.lock().unwrap().iter())
+                .any(|(_, v)| v == "v-299")
                 .then_some(())
         },
     );
-    let _ = cli.kill();
-    let stderr = cli.wait_with_output().unwrap().stderr;
-    let stderr = String::from_utf8_lossy(&stderr);
+    let _ = cli.0.kill();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut cli.0.stderr.take().unwrap(), &mut stderr).unwrap();
     reader.join().unwrap();
     last.unwrap_or_else(|e| panic!("{e}; the command said: {stderr}"));
-    let seen: Vec<u32> = (printed.lock().unwrap().iter())
-        .filter_map(|v| v.strip_prefix("v-")?.parse().ok())
-        .collect();
-    let mut distinct = seen.clone();
-    distinct.dedup();
-    assert_eq!(
-        distinct,
-        (0..300).collect::<Vec<_>>(),
-        "every put once, in order"
+    let printed = printed.lock().unwrap();
+    // A change shown twice across a move (a resume offset off by one) repeats its
+    // offset; a put the script retried comes again at an offset of its own.
+    let offsets: Vec<u64> = printed.iter().map(|(o, _)| *o).collect();
+    assert!(
+        offsets.windows(2).all(|w| w[0] < w[1]),
+        "each change once, in log order: {offsets:?}"
     );
+    let mut values: Vec<u32> = (printed.iter())
+        .filter_map(|(_, v)| v.strip_prefix("v-")?.parse().ok())
+        .collect();
+    values.dedup();
+    assert_eq!(values, (0..300).collect::<Vec<_>>(), "every put, in order");
     assert!(
         stderr.matches("cache shard moved").count() >= 1,
         "it followed the moves: {stderr}"
     );
+}
+
+/// A child process killed and reaped however a test ends.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 #[test]
