@@ -669,6 +669,22 @@ fn show_change(json: bool, out: &mut impl Write, c: &crate::CacheChange) -> std:
     out.flush()
 }
 
+/// Prints a number a read found (with `json`, `fields` whatever it found) and fails
+/// with `missing` when it found none.
+fn found<T: std::fmt::Display>(
+    (json, out): (bool, &mut impl Write),
+    fields: serde_json::Value,
+    value: Option<T>,
+    missing: impl FnOnce() -> Failure,
+) -> Result<(), Failure> {
+    if json {
+        let _ = writeln!(out, "{fields}");
+    } else if let Some(v) = &value {
+        let _ = writeln!(out, "{v}");
+    }
+    value.map(|_| ()).ok_or_else(missing)
+}
+
 /// A read that found nothing, failing as the broker's `not_found` does (exit code 5).
 fn not_found(context: &'static str, message: String) -> Failure {
     Failure::Client(ClientError::Broker(crate::BrokerError {
@@ -1229,17 +1245,12 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             }
             CacheCmd::Counter { cache, key } => {
                 let sum = client.counter_get(&tenant, ns, cache, key).await?;
-                if cli.json {
-                    let _ = writeln!(out, "{}", serde_json::json!({"key": key, "value": sum}));
-                } else if let Some(sum) = sum {
-                    let _ = writeln!(out, "{sum}");
-                }
-                if sum.is_none() {
-                    return Err(not_found(
-                        "cache counter",
-                        format!("counter {key:?} never written"),
-                    ));
-                }
+                found(
+                    (cli.json, &mut out),
+                    serde_json::json!({"key": key, "value": sum}),
+                    sum,
+                    || not_found("cache counter", format!("counter {key:?} never written")),
+                )?;
             }
         },
         Command::State { op } => match op {
@@ -1348,17 +1359,17 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     c.offset_for_time(tenant, ns, stream, *shard, *micros).await
                 })
                 .await?;
-            if cli.json {
-                let _ = writeln!(out, "{}", serde_json::json!({"offset": offset}));
-            } else if let Some(o) = offset {
-                let _ = writeln!(out, "{o}");
-            }
-            if offset.is_none() {
-                return Err(not_found(
-                    "offset at",
-                    format!("nothing appended to shard {shard} at or after {micros}"),
-                ));
-            }
+            found(
+                (cli.json, &mut out),
+                serde_json::json!({"offset": offset}),
+                offset,
+                || {
+                    not_found(
+                        "offset at",
+                        format!("nothing appended to shard {shard} at or after {micros}"),
+                    )
+                },
+            )?;
         }
         Command::Group { op } => {
             // Only the shard's owner serves its groups: each request goes to the broker

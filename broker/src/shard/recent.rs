@@ -517,6 +517,32 @@ mod tests {
         assert!(r.idle(t0 + RECENT_IDLE * 2, RECENT_IDLE));
     }
 
+    /// A watch of each filter, each polled once (waiting), with what counts its wake-ups.
+    #[allow(clippy::type_complexity)]
+    fn all_waiting<'a>(
+        waiting: &'a std::cell::RefCell<Waiting>,
+        filters: &'a [WatchFilter],
+    ) -> (Vec<crate::wakes::Wakes>, Vec<std::pin::Pin<Box<Woken<'a>>>>) {
+        use std::future::Future;
+        let wakes: Vec<_> = filters.iter().map(|_| crate::wakes::Wakes::new()).collect();
+        let mut woken: Vec<_> = filters
+            .iter()
+            .map(|f| Box::pin(Woken::new(waiting, f)))
+            .collect();
+        for (w, wakes) in woken.iter_mut().zip(&wakes) {
+            assert!(w.as_mut().poll(&mut wakes.cx()).is_pending());
+        }
+        (wakes, woken)
+    }
+
+    /// Which of the watches were woken.
+    fn woken_since(wakes: &[crate::wakes::Wakes]) -> Vec<usize> {
+        (wakes.iter().enumerate())
+            .filter(|(_, w)| w.count() > 0)
+            .map(|(i, _)| i)
+            .collect()
+    }
+
     /// A change looks at the watches of its key and of its prefixes, not at every
     /// watch: with 1,000 watches of other keys waiting, a put wakes its key's two
     /// watches and the prefix watch it matches, looking at those three only; a dropped
@@ -534,22 +560,10 @@ mod tests {
             WatchFilter::Prefix("k".into()),
             WatchFilter::Prefix("z".into()),
         ]);
-        let wakes: Vec<_> = filters.iter().map(|_| crate::wakes::Wakes::new()).collect();
-        let mut woken: Vec<_> = filters
-            .iter()
-            .map(|f| Box::pin(Woken::new(&waiting, f)))
-            .collect();
-        for (w, wakes) in woken.iter_mut().zip(&wakes) {
-            assert!(w.as_mut().poll(&mut wakes.cx()).is_pending());
-        }
+        let (wakes, mut woken) = all_waiting(&waiting, &filters);
         assert_eq!(waiting.borrow().len(), 1004);
         waiting.borrow_mut().wake_following("k");
-        let woken_ones: Vec<usize> = wakes
-            .iter()
-            .enumerate()
-            .filter(|(_, w)| w.count() > 0)
-            .map(|(i, _)| i)
-            .collect();
+        let woken_ones = woken_since(&wakes);
         assert_eq!(
             woken_ones,
             [1000, 1001, 1002],
@@ -586,7 +600,6 @@ mod tests {
     /// was dropped or woken takes its length with it.
     #[test]
     fn a_change_looks_only_at_the_prefix_watches_it_matches() {
-        use std::future::Future;
         let waiting = std::cell::RefCell::new(Waiting::default());
         let mut filters: Vec<WatchFilter> = (0..1000)
             .map(|i| WatchFilter::Prefix(format!("user/{i}/")))
@@ -598,21 +611,9 @@ mod tests {
             WatchFilter::Prefix("usé".into()),
             WatchFilter::Prefix("user/7".into()),
         ]);
-        let wakes: Vec<_> = filters.iter().map(|_| crate::wakes::Wakes::new()).collect();
-        let mut woken: Vec<_> = filters
-            .iter()
-            .map(|f| Box::pin(Woken::new(&waiting, f)))
-            .collect();
-        for (w, wakes) in woken.iter_mut().zip(&wakes) {
-            assert!(w.as_mut().poll(&mut wakes.cx()).is_pending());
-        }
+        let (wakes, woken) = all_waiting(&waiting, &filters);
         waiting.borrow_mut().wake_following("user/42/name");
-        let woken_ones: Vec<usize> = wakes
-            .iter()
-            .enumerate()
-            .filter(|(_, w)| w.count() > 0)
-            .map(|(i, _)| i)
-            .collect();
+        let woken_ones = woken_since(&wakes);
         assert_eq!(woken_ones, [42, 1000, 1001, 1002]);
         assert_eq!(waiting.borrow().examined, 4, "the four that follow it");
         assert_eq!(waiting.borrow().len(), 1001);
