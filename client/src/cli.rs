@@ -1,4 +1,5 @@
-//! The `felix` command line: publish, subscribe, use caches and inspect a broker.
+//! The `felix` command line: publish, subscribe, read by position and time, use caches,
+//! counters and state, and inspect a broker.
 //!
 //! Connection settings come from flags, then `FELIX_*` environment, then a context file
 //! (`--context`, `FELIX_CONTEXT`, or `~/.config/felix/context.yaml`), then the dev
@@ -9,7 +10,7 @@
 //! 4 refused credentials (unauthenticated / forbidden), 5 not found, 6 other broker
 //! error, 7 timed out, 8 output could not be written, 9 a condition did not hold (a
 //! conditional put or delete, a commit's `--expect-offset`, a publish's `--if-tail`:
-//! nothing was written). A commit refused after a resend whose first try may have
+//! nothing was written). A write refused after a resend whose first try may have
 //! applied exits 3: its outcome is unknown.
 
 use std::io::{BufRead, Write};
@@ -18,7 +19,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::{
-    AckMode, CacheWatchFilter, ClientConfig, ClientError, ClusterClient, ErrorCode, StartPosition,
+    AckMode, CacheWatchFilter, CacheWatchStart, ClientConfig, ClientError, ClusterClient,
+    ErrorCode, StartPosition,
 };
 use bytes::Bytes;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -350,7 +352,8 @@ enum CacheCmd {
         #[arg(long)]
         if_version: Option<u64>,
     },
-    /// Remove a key (prints the value it had; with --if-version, only at that version).
+    /// Remove a key and print the value it had; with --if-version, only at that version
+    /// (and nothing printed but, with --json, whether it applied).
     Delete {
         /// Cache.
         cache: String,
@@ -360,8 +363,9 @@ enum CacheCmd {
         #[arg(long)]
         if_version: Option<u64>,
     },
-    /// Print a key's changes as they are applied: each put as `key=value`, each delete
-    /// (an expiry is one) as `key deleted`; with --json, objects with the offset.
+    /// Print the changes of a key, or of the keys of a prefix, as they are applied: each
+    /// put as `key=value`, each delete (an expiry is one) as `key deleted`; with --json,
+    /// objects with the offset. Follows the cache shard when it moves.
     Watch {
         /// Cache.
         cache: String,
@@ -1155,15 +1159,18 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     (None, None) => unreachable!("clap requires --key or --prefix"),
                 };
                 let (tenant, filter) = (tenant.as_str(), &filter);
-                let (mut from, mut retained) = (*from, *retained);
+                let mut start = match (from, retained) {
+                    (Some(o), _) => CacheWatchStart::Offset(*o),
+                    (None, true) => CacheWatchStart::Retained,
+                    (None, false) => CacheWatchStart::Now,
+                };
                 let (mut seen, mut follows) = (0u64, 0u32);
                 // Watched again where the last watch ended: at the shard's new owner
                 // after a move, from where the broker says after a lag.
                 'watch: while count.is_none_or(|c| seen < c) {
                     let started = client
                         .on_owner(|c| async move {
-                            c.watch_cache(tenant, ns, cache, filter, from, retained)
-                                .await
+                            c.watch_cache(tenant, ns, cache, filter, start).await
                         })
                         .await;
                     let mut watch = match started {
@@ -1181,7 +1188,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         }
                         Err(e) => return Err(e.into()),
                     };
-                    if follows > 0 && watch.resnapshot() {
+                    if follows > 0 && watch.resnapshotted() {
                         eprintln!(
                             "felix: the watch starts over from the current values ({})",
                             watch.retained_count().unwrap_or(0)
@@ -1190,7 +1197,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     // Where a watch would go on from: past the current values, then
                     // past each live change shown.
                     let (mut next, mut current) =
-                        (watch.resume_offset(), watch.retained_count().unwrap_or(0));
+                        (watch.live_offset(), watch.retained_count().unwrap_or(0));
                     while count.is_none_or(|c| seen < c) {
                         let resume = match watch.next_change().await {
                             Ok(Some(change)) => {
@@ -1230,7 +1237,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         };
                         tokio::time::sleep(watch_again(&mut follows)?).await;
                         // The current values came once.
-                        (from, retained) = (Some(resume), false);
+                        start = CacheWatchStart::Offset(resume);
                         continue 'watch;
                     }
                 }

@@ -31,7 +31,7 @@ pub struct ClientConfig {
     pub publish_window: usize,
     /// How long a request may wait for its answer before the connection is suspect.
     pub request_timeout: Duration,
-    /// Client-side subscription queue (events).
+    /// Client-side queue of a subscription (events) or a cache watch (changes).
     pub client_sub_queue_capacity: usize,
 }
 

@@ -78,7 +78,10 @@ pub enum ClientError {
     SubscriptionLost(String),
     /// The broker ended a durable subscription at its first drop: it could not send
     /// `resume_from` (retention removed it before it was read). Every event before it was
-    /// delivered; subscribing from `resume_from` says whether it is still there.
+    /// delivered; subscribing from `resume_from` says whether it is still there. Also
+    /// how a cache watch ends with `cache_watch_lagged` (it fell behind the changes its
+    /// broker keeps, the shard is being taken over, or the cache was made again): watch
+    /// again from `resume_from`.
     #[error("subscription lagged; resume from {resume_from}")]
     SubscriptionLagged {
         /// The first offset not delivered.

@@ -101,4 +101,4 @@ pub use groups::{GroupInfo, GroupRef, PollOptions};
 pub use idempotent::IdempotentProducer;
 pub use retry::ReconnectPolicy;
 pub use sharded::{ShardEvent, ShardOffsets, ShardedSubscription};
-pub use watch::{CacheChange, CacheWatch, CacheWatchFilter};
+pub use watch::{CacheChange, CacheWatch, CacheWatchFilter, CacheWatchStart};

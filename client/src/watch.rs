@@ -23,10 +23,23 @@ pub enum CacheWatchFilter {
     Prefix {
         /// The prefix (`""`: every key of the shard).
         prefix: String,
-        /// The cache shard; a cache of several shards refuses a prefix watch that
-        /// names none (`invalid_request`) rather than watch one of them.
+        /// The cache shard: `None` only for a cache of one shard (a cache of several
+        /// refuses a prefix watch that names none, `invalid_request`, rather than watch
+        /// one of them).
         shard: Option<u32>,
     },
+}
+
+/// Where a watch starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheWatchStart {
+    /// The changes from now on.
+    Now,
+    /// The changes from this offset on; one the log no longer holds (compacted, or past
+    /// its end) starts over from the current values ([`CacheWatch::resnapshotted`]).
+    Offset(u64),
+    /// The current values first, then the changes from then on.
+    Retained,
 }
 
 /// One put or delete a watch saw.
@@ -46,16 +59,16 @@ pub struct CacheChange {
 #[derive(Debug)]
 pub struct CacheWatch {
     feed: Feed<CacheChange>,
-    resume_offset: u64,
-    resnapshot: bool,
+    live_offset: u64,
+    resnapshotted: bool,
     retained_count: Option<u64>,
 }
 
 impl CacheWatch {
     /// The next change; `Ok(None)` when the broker ended the watch cleanly (see
-    /// [`CacheWatch::end`]); [`ClientError::SubscriptionLagged`] when it ended it
-    /// because the watch fell behind what it keeps (watch again from `resume_from`); an
-    /// error when the connection was lost. Cancel-safe.
+    /// [`CacheWatch::end`]); [`ClientError::SubscriptionLagged`] when it ended it with
+    /// `cache_watch_lagged` (watch again from `resume_from`); an error when the
+    /// connection was lost. Cancel-safe.
     pub async fn next_change(&mut self) -> Result<Option<CacheChange>, ClientError> {
         self.feed.next().await
     }
@@ -66,15 +79,15 @@ impl CacheWatch {
         self.feed.end()
     }
 
-    /// The offset the watch goes on from, after the current values if it is retained.
-    pub fn resume_offset(&self) -> u64 {
-        self.resume_offset
+    /// Where the changes after the current values (if any came first) begin.
+    pub fn live_offset(&self) -> u64 {
+        self.live_offset
     }
 
     /// The offset asked for was no longer in the log (compacted, or past its end): the
-    /// watch starts with the current values instead, then goes on live.
-    pub fn resnapshot(&self) -> bool {
-        self.resnapshot
+    /// watch started with the current values instead, then goes on live.
+    pub fn resnapshotted(&self) -> bool {
+        self.resnapshotted
     }
 
     /// How many current values come first (a retained or resnapshotted watch).
@@ -84,22 +97,25 @@ impl CacheWatch {
 }
 
 impl Client {
-    /// Watches the changes `filter` follows on `cache`: from `from_offset` (absent: from
-    /// now), with the current values first when `retained`.
+    /// Watches the changes `filter` follows on `cache`, from `start`.
     pub async fn watch_cache(
         &self,
         tenant: &str,
         namespace: &str,
         cache: &str,
         filter: &CacheWatchFilter,
-        from_offset: Option<u64>,
-        retained: bool,
+        start: CacheWatchStart,
     ) -> Result<CacheWatch, ClientError> {
         self.check_tenant(tenant)?;
         self.require(Features::CACHE_WATCH, "watch_cache")?;
-        if retained {
-            self.require(Features::CACHE_WATCH_RETAINED, "a retained cache watch")?;
-        }
+        let (from_offset, retained) = match start {
+            CacheWatchStart::Now => (None, false),
+            CacheWatchStart::Offset(o) => (Some(o), false),
+            CacheWatchStart::Retained => {
+                self.require(Features::CACHE_WATCH_RETAINED, "a retained cache watch")?;
+                (None, true)
+            }
+        };
         let (key, prefix, shard) = match filter {
             CacheWatchFilter::Key(k) => (Some(k.clone()), None, None),
             CacheWatchFilter::Prefix { prefix, shard } => {
@@ -127,7 +143,7 @@ impl Client {
             tokio::time::timeout(self.request_timeout(), read_message(&mut s, "cache_watch"))
                 .await
                 .map_err(|_| ClientError::Timeout("cache_watch"))??;
-        let (id, resume_offset, resnapshot, retained_count) = match answer {
+        let (id, live_offset, resnapshotted, retained_count) = match answer {
             Message::CacheWatchStarted {
                 subscription_id,
                 resume_offset,
@@ -147,8 +163,8 @@ impl Client {
         });
         Ok(CacheWatch {
             feed,
-            resume_offset,
-            resnapshot,
+            live_offset,
+            resnapshotted,
             retained_count,
         })
     }

@@ -2299,7 +2299,7 @@ fn a_broker_that_never_answers_auth_fails_the_call_after_the_request_timeout() {
 /// there.
 #[test]
 fn a_cache_watch_sees_its_keys_changes_in_order() {
-    use felix_client::{CacheChange, CacheWatchFilter};
+    use felix_client::{CacheChange, CacheWatchFilter, CacheWatchStart};
     let (b, _dir) = broker(&[]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -2316,7 +2316,7 @@ fn a_cache_watch_sees_its_keys_changes_in_order() {
         };
         let key = CacheWatchFilter::Key("room-1".into());
         let mut w = c
-            .watch_cache("dev", "default", "rooms", &key, None, false)
+            .watch_cache("dev", "default", "rooms", &key, CacheWatchStart::Now)
             .await
             .unwrap();
         let put = |k: &'static str, v: &'static str| {
@@ -2355,7 +2355,7 @@ fn a_cache_watch_sees_its_keys_changes_in_order() {
             shard: None,
         };
         let mut p = c
-            .watch_cache("dev", "default", "rooms", &prefix, None, false)
+            .watch_cache("dev", "default", "rooms", &prefix, CacheWatchStart::Now)
             .await
             .unwrap();
         put("user:1", "a").await.unwrap();
@@ -2364,7 +2364,13 @@ fn a_cache_watch_sees_its_keys_changes_in_order() {
         assert_eq!(next_change(&mut p).await.key, "user:1");
         assert_eq!(next_change(&mut p).await.key, "user:2");
         let mut r = c
-            .watch_cache("dev", "default", "rooms", &prefix, None, true)
+            .watch_cache(
+                "dev",
+                "default",
+                "rooms",
+                &prefix,
+                CacheWatchStart::Retained,
+            )
             .await
             .unwrap();
         assert_eq!(r.retained_count(), Some(2));
@@ -2383,7 +2389,13 @@ fn a_cache_watch_sees_its_keys_changes_in_order() {
         put("user:3", "c").await.unwrap();
         assert_eq!(next_change(&mut r).await.key, "user:3", "then live");
         let mut h = c
-            .watch_cache("dev", "default", "rooms", &key, Some(got[0].offset), false)
+            .watch_cache(
+                "dev",
+                "default",
+                "rooms",
+                &key,
+                CacheWatchStart::Offset(got[0].offset),
+            )
             .await
             .unwrap();
         for want in &got {

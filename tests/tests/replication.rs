@@ -2263,8 +2263,9 @@ fn a_subscriber_follows_its_shard_across_planned_moves() {
 
 /// A cache watch follows its cache across planned moves: the watch ended
 /// `cache_watch_lagged` when its shard moved, which ends the SDK's watch; it ends with
-/// `shard_moved` now, and the SDK follows the shard and carries on where it was. So
-/// does `felix cache watch`, watching beside it from the cache's start.
+/// `shard_moved` now, and the standard SDK follows the shard and carries on where it
+/// was. So does `felix cache watch` (our SDK's `CacheWatch` ends `Moved`, and the
+/// command watches again), watching beside it from the cache's start.
 #[test]
 fn a_cache_watch_follows_its_shard_across_planned_moves() {
     use std::io::BufRead;

@@ -10,14 +10,17 @@
 //! half the time for a small request (`cargo run --release -p felix-wire --example
 //! decode_speed`).
 //!
-//! Each struct here mirrors its variant field for field, with the same serde attributes.
+//! Each struct here mirrors its variant field for field, with the same serde attributes
+//! (but a poll answer's records, read by [`strict_records`]: see there).
 //! A payload the struct does not take (a field missing or mistyped, a key given twice,
 //! whitespace or an escape before the name) is left to the generic decoder, so its
 //! error is the generic decoder's. So is one with a field the variant does not know:
 //! the enum ignores such a field only after reading its value in full (a number out of
 //! range, a lone surrogate, bytes that are not UTF-8, nesting past 128 are refused),
 //! where a struct would skip it unchecked.
-//! `tests::the_fast_path_decodes_as_the_generic_one` holds the two to the same answer.
+//! `tests::the_fast_path_decodes_as_the_generic_one` and
+//! `tests::the_fast_path_decodes_a_polls_records_as_the_generic_one` hold the two to the
+//! same answer.
 
 use bytes::Bytes;
 use serde::Deserialize;
@@ -26,7 +29,7 @@ use serde::de::IgnoredAny;
 use crate::ids::{Offset, RequestId, ShardId};
 use crate::message::Message;
 
-/// Declares each hot request: its tag, variant and fields (with their serde
+/// Declares each hot message: its tag, variant and fields (with their serde
 /// attributes), a struct of those fields and the conversion to the variant.
 macro_rules! hot {
     ($($tag:literal => $variant:ident {
@@ -50,7 +53,7 @@ macro_rules! hot {
         )*
 
         /// `payload` decoded by the fast path: `None` when it is not one of the hot
-        /// requests written `{"type":"<name>"...`, or when the struct refuses it.
+        /// messages written `{"type":"<name>"...`, or when the struct refuses it.
         pub(crate) fn decode(payload: &[u8]) -> Option<Message> {
             let rest = payload.strip_prefix(br#"{"type":""#)?;
             let name = &rest[..rest.iter().position(|&b| b == b'"')?];

@@ -162,7 +162,9 @@ pub enum StateChange {
     },
 }
 
-/// A record handed out by a consumer group poll.
+/// A record handed out by a consumer group poll. (`hot::strict_records` mirrors its
+/// fields for the fast decode path: a field added here goes there too, or every poll
+/// answer falls back to the generic decoder.)
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GroupRecord {
     /// The record's offset.

@@ -170,6 +170,9 @@ pub struct Waiting {
     /// Watches looked at by wake-ups, for tests of what a change costs.
     #[cfg(test)]
     examined: u64,
+    /// Prefixes of changed keys looked up, for the same tests.
+    #[cfg(test)]
+    prefix_lookups: u64,
 }
 
 /// Why a waiting watch was woken.
@@ -206,6 +209,10 @@ impl Waiting {
             from = len + 1;
             if !key.is_char_boundary(len) {
                 continue;
+            }
+            #[cfg(test)]
+            {
+                self.prefix_lookups += 1;
             }
             let Some(watches) = self.by_prefix.remove(&key[..len]) else {
                 continue;
@@ -548,7 +555,7 @@ mod tests {
     /// watches and the prefix watch it matches, looking at those three only; a dropped
     /// watch leaves nothing behind; a release wakes the rest to answer now.
     #[test]
-    fn a_change_looks_only_at_its_keys_watches_and_the_prefix_watches() {
+    fn a_change_looks_only_at_its_keys_watches_and_its_prefixes() {
         use std::future::Future;
         let waiting = std::cell::RefCell::new(Waiting::default());
         let mut filters: Vec<WatchFilter> = (0..1000)
@@ -594,7 +601,8 @@ mod tests {
 
     /// Prefix watches are found by prefix: with 1,000 watches of other prefixes (of
     /// three lengths) waiting, a change wakes exactly the watches of its key's prefixes
-    /// (the empty one, one of two bytes with two watches) and looks at nothing else; a
+    /// (its own `user/42/`, the empty one, one of two bytes with two watches) and looks
+    /// up its prefix of each length watched, 7, and nothing else; a
     /// length falling inside a character of the key is passed over (slicing there
     /// would panic), as are keys shorter than every prefix; a prefix whose last watch
     /// was dropped or woken takes its length with it.
@@ -616,6 +624,11 @@ mod tests {
         let woken_ones = woken_since(&wakes);
         assert_eq!(woken_ones, [42, 1000, 1001, 1002]);
         assert_eq!(waiting.borrow().examined, 4, "the four that follow it");
+        assert_eq!(
+            waiting.borrow().prefix_lookups,
+            7,
+            "lengths 0, 2, 4, 6, 7, 8, 9"
+        );
         assert_eq!(waiting.borrow().len(), 1001);
         // "us" woke both its watches and went, and "" its one: two lengths fewer.
         let lengths: Vec<usize> = waiting.borrow().prefix_lengths.keys().copied().collect();
