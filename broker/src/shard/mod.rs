@@ -966,7 +966,14 @@ impl CacheShard {
         self.mark(&self.in_flight, key, on);
         if !on && !self.in_flight.borrow().contains_key(key) {
             self.settle_by.borrow_mut().remove(key);
-            let settled = self.settling.borrow_mut().remove(key);
+            // Emptiness first: a write nobody waits for (nearly every one) hashes its
+            // key no more for this.
+            let settled = {
+                let mut settling = self.settling.borrow_mut();
+                (!settling.is_empty())
+                    .then(|| settling.remove(key))
+                    .flatten()
+            };
             if let Some(waiting) = settled {
                 waiting.wake_all();
             }
