@@ -971,6 +971,13 @@ impl BrokerConfig {
             4096,
             u64::MAX,
         )?;
+        at_least("cache_compact_after", file.cache_compact_after, 1, u64::MAX)?;
+        at_least(
+            "subscriber_queue",
+            file.subscriber_queue.map(|n| n as u64),
+            1,
+            u64::MAX,
+        )?;
         let fault_injection = bool_setting(
             "fault_injection",
             "FELIX_FAULT_INJECTION",
@@ -1017,7 +1024,7 @@ impl BrokerConfig {
             streams: file.streams,
             pins,
             publish_window,
-            cache_compact_after: file.cache_compact_after.unwrap_or(10_000).max(1),
+            cache_compact_after: file.cache_compact_after.unwrap_or(10_000),
             producer_snapshot_bytes: file
                 .producer_snapshot_bytes
                 .unwrap_or(crate::producers::SNAPSHOT_EVERY_BYTES)
@@ -1037,7 +1044,7 @@ impl BrokerConfig {
                 }
             },
             max_connections: file.max_connections.unwrap_or(10_000),
-            subscriber_queue: file.subscriber_queue.unwrap_or(512).max(1),
+            subscriber_queue: file.subscriber_queue.unwrap_or(512),
             segment_bytes: file.segment_bytes.unwrap_or(256 << 20),
             spin: {
                 let l = layer(
@@ -1209,6 +1216,8 @@ mod tests {
             ("group_max_in_flight: 0\n", "group_max_in_flight"),
             ("group_snapshot_bytes: 100\n", "group_snapshot_bytes"),
             ("producer_snapshot_bytes: 100\n", "producer_snapshot_bytes"),
+            ("cache_compact_after: 0\n", "cache_compact_after"),
+            ("subscriber_queue: 0\n", "subscriber_queue"),
         ] {
             assert_eq!(resolved(yaml).err(), Some(key), "{yaml}");
         }

@@ -448,12 +448,14 @@ fn answers_done_behind_a_waiting_one_are_bounded() {
         if let Some(reason) = conn.close_reason() {
             match reason {
                 quinn::ConnectionError::ApplicationClosed(c) => {
-                    assert_eq!(u64::from(c.error_code), 4, "{c:?}")
+                    assert_eq!(u64::from(c.error_code), 4, "{c:?}");
+                    eprintln!("the connection was closed at its bound: {c:?}");
                 }
                 other => panic!("closed otherwise: {other:?}"),
             }
             return;
         }
+        eprintln!("the connection stayed within its bound; checking the broker's RSS");
         assert_rss_within_budget(&b, idle, "reads done behind waiting polls");
         // Every read of one stream is answered once its poll ends (read whole: the
         // others would only take time).
