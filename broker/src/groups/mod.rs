@@ -1592,6 +1592,8 @@ impl GroupShard {
             }
         }
         let mut out = Vec::with_capacity(handed.len());
+        // Per record of `out`, the member whose own claim it is (a reclaim), if any.
+        let mut owners = Vec::with_capacity(handed.len());
         let mut look_back = Vec::new();
         let (mut bytes, mut passed) = (0usize, 0usize);
         self.tracker(group, |t| {
@@ -1611,6 +1613,7 @@ impl GroupShard {
                         if let Some(from) = before.look_from {
                             look_back.push((out.len(), from));
                         }
+                        owners.push(owner);
                         out.push(GroupRecord {
                             offset: Offset(o),
                             payload,
@@ -1625,14 +1628,32 @@ impl GroupShard {
                 }
             }
         });
+        let mut waited = false;
         for (i, from) in look_back {
             // Counted down to the base either way, so a record's count does not change
             // between deliveries when retention passed the stretch known here.
             let base = stream.log.base_offset().min(from);
             out[i].skipped_before += match self.known_empty.get().below(from) {
                 Some(n) => n.min(from - base),
-                None => empty_run_before(stream, from).await,
+                None => {
+                    waited = true;
+                    empty_run_before(stream, from).await
+                }
             };
+        }
+        if waited {
+            // The look back read the log: a claim checked above may have lapsed and been
+            // taken by another poll, or been forgotten by a seek or a delete, meanwhile.
+            // Its record is that claim's now (handed out here too, two consumers held it
+            // at once).
+            let held = self.tracker(group, |t| {
+                out.iter()
+                    .zip(&owners)
+                    .map(|(r, owner)| t.holds(r.offset.0, claimed.serial, *owner))
+                    .collect::<Vec<bool>>()
+            });
+            let mut held = held.unwrap_or_default().into_iter();
+            out.retain(|_| held.next().unwrap_or(false));
         }
         Ok((out, passed))
     }
@@ -2408,6 +2429,72 @@ mod tests {
                 let bytes: usize = r.iter().map(|r| r.payload.len()).sum();
                 assert!(bytes <= POLL_BYTES_MAX, "{bytes} bytes in one answer");
             }
+        });
+    }
+
+    /// A poll that read its record and then looks back over the offsets before it
+    /// (counting those that hold no record) hands out only what it still holds once
+    /// that read is done: its claim lapsed meanwhile and another poll took the record,
+    /// which both handed out before (the claims were checked before the look back).
+    #[test]
+    fn a_poll_that_looks_back_hands_out_only_claims_it_still_holds() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = Rc::new(stream_in(dir.path()).await);
+            // 2,000 offsets without a record for consumers, then one record.
+            for _ in 0..2_000 {
+                append_other_groups_event(&stream).await;
+            }
+            publish_visible(&stream, 1).await;
+            let writer: GroupWriter =
+                Box::new(|_| Box::pin(async { Ok(Appended { first: 0, end: 1 }) }));
+            let limits = Limits::default();
+            let g = GroupShard::build(&stream, limits, writer).await.unwrap();
+            // Group "w" with its cursor at the record: a claim begins its read there,
+            // so the poll then looks back for the run before it.
+            let t = Tracker::new(2_000, limits);
+            g.groups.borrow_mut().insert("w".into(), t.clone());
+            if let Some(f) = g.folded.borrow_mut().as_mut() {
+                f.insert("w".into(), t);
+            }
+            let poll = |visibility_ms| GroupOp::Poll {
+                group: "w".into(),
+                max: 10,
+                wait_ms: 0,
+                visibility_ms,
+                member: None,
+            };
+            let known = g.known_empty.get();
+            let a = g.serve(&stream, poll(1));
+            let mut a = std::pin::pin!(a);
+            // Until its read of the record is done: it is looking back now.
+            let mut steps = 0;
+            while g.known_empty.get() == known {
+                assert!(poll_once(&mut a).await.is_none(), "it answered first");
+                felix_core_runtime::task::sleep(Duration::from_micros(100)).await;
+                steps += 1;
+                assert!(steps < 10_000, "the poll never read its record");
+            }
+            // Its claim lapses, and another poll takes the record.
+            felix_core_runtime::task::sleep(Duration::from_millis(5)).await;
+            let GroupAnswer::Records(b) = g.serve(&stream, poll(0)).await.unwrap() else {
+                panic!("records");
+            };
+            assert_eq!(
+                b.iter()
+                    .map(|r| (r.offset.0, r.attempts))
+                    .collect::<Vec<_>>(),
+                vec![(2_000, 2)],
+                "the second poll takes the lapsed claim"
+            );
+            let GroupAnswer::Records(a) = a.await.unwrap() else {
+                panic!("records");
+            };
+            assert!(
+                a.iter().all(|r| r.offset.0 != 2_000),
+                "both polls handed out the record: {a:?}"
+            );
         });
     }
 
