@@ -1107,10 +1107,7 @@ impl<B: Backend> SegmentLog<B> {
             if st.closed {
                 return Poll::Ready(Err(StorageError::Closed));
             }
-            st.ack_waiters
-                .entry(p.end)
-                .or_default()
-                .push(cx.waker().clone());
+            wait_ack(&mut st, p.end, cx.waker());
             return Poll::Pending;
         }
         if st.sequencer.next < p.first {
@@ -1249,10 +1246,7 @@ impl<B: Backend> SegmentLog<B> {
             if let Some(e) = stopped(&st) {
                 return Poll::Ready(Err(e));
             }
-            st.ack_waiters
-                .entry(offset + 1)
-                .or_default()
-                .push(cx.waker().clone());
+            wait_ack(&mut st, offset + 1, cx.waker());
             Poll::Pending
         })
         .await
@@ -1274,10 +1268,7 @@ impl<B: Backend> SegmentLog<B> {
             wake_flusher_now(&mut st);
             // Woken by the write that passes it (every write wakes the waiters at or
             // below the acknowledged end, which is past `offset`).
-            st.ack_waiters
-                .entry(offset + 1)
-                .or_default()
-                .push(cx.waker().clone());
+            wait_ack(&mut st, offset + 1, cx.waker());
             Poll::Pending
         })
         .await
@@ -1312,10 +1303,7 @@ impl<B: Backend> SegmentLog<B> {
             st.sync_requested = true;
             wake_flusher_now(&mut st);
             // Durable waiters share the ack waiter list: a sync always wakes them.
-            st.ack_waiters
-                .entry(target)
-                .or_default()
-                .push(cx.waker().clone());
+            wait_ack(&mut st, target, cx.waker());
             Poll::Pending
         })
         .await
@@ -1774,6 +1762,17 @@ fn ack_end<F>(st: &State<F>, mode: FsyncMode) -> u64 {
         FsyncMode::OnCommit => st.durable_end,
         // Sequenced is acknowledged (step 4), within the staging bound.
         FsyncMode::None | FsyncMode::Periodic(_) => st.early_end.max(st.written_end),
+    }
+}
+
+/// Has `waker` woken once the acknowledged end reaches `end`: once per task, however
+/// often its future is polled meanwhile. Each poll added a clone: a task polled often
+/// while a slow flush ran (a `zip` or `select` beside a busy branch) piled up clones
+/// until glommio's count of its waker overflowed, a panic of the core.
+fn wait_ack<F>(st: &mut State<F>, end: u64, waker: &Waker) {
+    let waiting = st.ack_waiters.entry(end).or_default();
+    if !waiting.iter().any(|w| w.will_wake(waker)) {
+        waiting.push(waker.clone());
     }
 }
 

@@ -724,6 +724,28 @@ fn a_close_waits_for_a_retention_pass_removing_files() {
     });
 }
 
+/// A commit polled again and again while its flush has not run (a task woken by
+/// something else meanwhile, a `zip` or `select` beside a busy branch) keeps one waker
+/// for its task. Each poll kept another clone of it: past 32,767 glommio's count of
+/// the task's wakers overflowed, and the core panicked.
+async fn a_commit_polled_again_and_again_while_it_waits_keeps_one_waker<F: Fixture>(fx: F) {
+    let (log, _) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    let p = log.begin_append(&[payload(0, 100)], 0, None).unwrap();
+    let commit = log.commit(p);
+    let mut commit = std::pin::pin!(commit);
+    // No yield between the polls: the flusher cannot run, so the commit waits.
+    for _ in 0..40_000 {
+        assert!(
+            futures_lite::future::poll_once(&mut commit).await.is_none(),
+            "committed before its flush ran"
+        );
+    }
+    assert_eq!(commit.await.unwrap().first, 0);
+    log.close().await.unwrap();
+}
+
 macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -756,6 +778,7 @@ both_backends!(
     oversized_and_empty_batches_are_refused,
     a_foreign_file_is_refused_and_unrelated_files_ignored,
     a_batch_larger_than_the_read_window_is_read_whole,
+    a_commit_polled_again_and_again_while_it_waits_keeps_one_waker,
 );
 
 /// With an index sparser than the read window, a read far past the index entry steps
