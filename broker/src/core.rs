@@ -3213,6 +3213,15 @@ impl CoreBroker {
                 expiring = true;
                 CacheOp::Delete(k)
             }
+            CacheOp::CounterAdd(k, d) => {
+                // Behind a compaction checkpointing the counter (its adds in flight
+                // drain first): waited, still leading within the lease.
+                if cache.add_turn(&k).await {
+                    self.still_reading(&rs)?;
+                    now = clock::now();
+                }
+                CacheOp::CounterAdd(k, d)
+            }
             other => other,
         };
         let (record, old) = match op {

@@ -623,6 +623,11 @@ pub struct CacheShard {
     /// only while it has none). Apart from `in_flight`: counters and keys are named
     /// apart, and a key named like a counter's guard stalled every compaction.
     counters_in_flight: RefCell<HashMap<String, u32>>,
+    /// Counters a compaction is checkpointing whose new adds wait ([`CacheShard::add_turn`])
+    /// until it lets go: the adds in flight drain, so a counter added to without a gap
+    /// (pipelined adds, each claimed before the one ahead of it applied) is checkpointed
+    /// too, where every compaction gave up on it and the log grew for good.
+    adds_held: RefCell<std::collections::HashSet<String>>,
     /// Adds claimed but not yet applied, per counter: the sum of their positive and of
     /// their negative deltas. A new add is checked against the applied sum plus each,
     /// so whichever of them land the counter stays within i64.
@@ -689,6 +694,31 @@ const COMPACT_BATCH: usize = 64;
 const COMPACT_BATCH_BYTES: usize = 4 << 20;
 /// How long a compaction waits for the writes below its cut to reach the index.
 const COMPACT_APPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a compaction holds back new adds of the counters it waits to checkpoint
+/// (the adds in flight need a flush round, or a replication round, to drain), before it
+/// gives up and lets them go.
+const COMPACT_HOLD_ADDS: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Counters whose new adds a compaction holds back ([`CacheShard::adds_held`]) while
+/// it lives: dropped, it lets them go, whatever way the compaction ended.
+struct HeldAdds<'a> {
+    shard: &'a CacheShard,
+    names: Vec<String>,
+}
+
+impl Drop for HeldAdds<'_> {
+    fn drop(&mut self) {
+        if self.names.is_empty() {
+            return;
+        }
+        let mut held = self.shard.adds_held.borrow_mut();
+        for n in &self.names {
+            held.remove(n);
+        }
+        drop(held);
+        self.shard.changed.wake_all();
+    }
+}
 
 /// A key's write in flight, from its claim until it is applied (or failed).
 #[derive(Debug)]
@@ -818,6 +848,7 @@ impl CacheShard {
             settling: RefCell::default(),
             tickets: Cell::new(0),
             counters_in_flight: RefCell::default(),
+            adds_held: RefCell::default(),
             adding: RefCell::default(),
             staged: RefCell::default(),
             writes: std::cell::Cell::new(0),
@@ -1328,7 +1359,11 @@ impl CacheShard {
         let mut left: std::collections::BTreeSet<String> =
             self.state.borrow().counters.keys().cloned().collect();
         let mut counters = 0;
-        let give_up = std::time::Instant::now() + COMPACT_APPLY_WAIT;
+        let mut give_up = std::time::Instant::now() + COMPACT_APPLY_WAIT;
+        let mut held = HeldAdds {
+            shard: self,
+            names: Vec::new(),
+        };
         while !left.is_empty() {
             let (chunk, records) = {
                 let st = self.state.borrow();
@@ -1346,9 +1381,19 @@ impl CacheShard {
                 (chunk, records)
             };
             if chunk.is_empty() {
-                // Each counter left has an add in flight: wait for one to land. Adds
-                // overlapping without a gap for this long: checkpoint them next time
+                // Each counter left has an add in flight: hold their new adds back and
+                // wait for those in flight to land. Still in flight after that long (a
+                // replicated add of unknown outcome): checkpoint them next time
                 // (nothing below the cut is removed).
+                if held.names.is_empty() {
+                    let mut adds_held = self.adds_held.borrow_mut();
+                    for n in &left {
+                        if adds_held.insert(n.clone()) {
+                            held.names.push(n.clone());
+                        }
+                    }
+                    give_up = give_up.min(std::time::Instant::now() + COMPACT_HOLD_ADDS);
+                }
                 let wait = give_up.saturating_duration_since(std::time::Instant::now());
                 if felix_core_runtime::task::timeout(wait, self.changed.changed())
                     .await
@@ -1371,6 +1416,7 @@ impl CacheShard {
             counters += records.len();
             drop(guards);
         }
+        drop(held);
         let segments = writes.finish(cut, now.wall_micros).await?;
         Ok(Compacted {
             cut,
@@ -1718,9 +1764,34 @@ impl CacheShard {
         Ok(())
     }
 
+    /// Waits while a compaction holds new adds of the counter `key` back (see
+    /// `adds_held`); whether it waited. Called before an add's checks and claim.
+    pub async fn add_turn(&self, key: &str) -> bool {
+        let mut waited = false;
+        loop {
+            let held = {
+                let h = self.adds_held.borrow();
+                !h.is_empty() && h.contains(key)
+            };
+            if !held {
+                return waited;
+            }
+            waited = true;
+            self.changed.changed().await;
+        }
+    }
+
     /// Adds `delta` to the counter `key`; resolves when durable per the fsync mode with
     /// the sum including it.
-    pub async fn counter_add(&self, key: &str, delta: i64, now: Now) -> Result<i64, BrokerError> {
+    pub async fn counter_add(
+        &self,
+        key: &str,
+        delta: i64,
+        mut now: Now,
+    ) -> Result<i64, BrokerError> {
+        if self.add_turn(key).await {
+            now = felix_core_runtime::clock::now();
+        }
         let _adding = self.begin_add(key, delta)?;
         let rec = encode_counter_record(key, delta);
         let pending = self.log.begin_append(&[rec], now.wall_micros, None)?;
@@ -1969,6 +2040,62 @@ mod tests {
                 "a checkpoint was taken while its counter had an add in flight"
             );
             assert_eq!((shard.counter("a"), shard.counter("b")), (Some(1), Some(2)));
+        });
+    }
+
+    /// A counter added to without a gap (each add claimed before the one ahead of it
+    /// applied, as a pipelining client's are) is checkpointed too: the compaction holds
+    /// its new adds back until those in flight land. It waited for a quiet moment that
+    /// never came, gave up after 10 s, and every compaction after it did the same: the
+    /// cache's log grew for good.
+    #[test]
+    fn a_compaction_checkpoints_a_counter_added_to_without_a_gap() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let shard = cache_in(dir.path()).await;
+            let added = std::cell::Cell::new(0i64);
+            let done = std::cell::Cell::new(false);
+            let add = || async {
+                shard
+                    .counter_add("c", 1, felix_core_runtime::clock::now())
+                    .await
+                    .unwrap();
+                added.set(added.get() + 1);
+            };
+            add().await;
+            let writes = Checkpoints {
+                inner: LocalWrites(shard.log()),
+                shard: &shard,
+                taken_busy: std::cell::Cell::new(0),
+            };
+            // One add after another with no wait between: the next is claimed as soon
+            // as the one ahead of it is applied, before the compaction looks again.
+            let adder = async {
+                while !done.get() {
+                    add().await;
+                }
+            };
+            let compaction = async {
+                while added.get() < 20 {
+                    felix_core_runtime::task::sleep(std::time::Duration::from_micros(200)).await;
+                }
+                let compacted = shard.compact(&writes).await;
+                done.set(true);
+                compacted
+            };
+            let (compacted, ()) = futures_lite::future::zip(compaction, adder).await;
+            let c = compacted.expect("the compaction finishes");
+            assert_eq!(c.counters, 1, "{c:?}");
+            assert_eq!(
+                writes.taken_busy.get(),
+                0,
+                "a checkpoint was taken while its counter had an add in flight"
+            );
+            assert_eq!(shard.counter("c"), Some(added.get()));
+            // And the log says so: the checkpoint, then the adds made after it.
+            shard.close().await.unwrap();
+            let reopened = cache_in(dir.path()).await;
+            assert_eq!(reopened.counter("c"), Some(added.get()));
         });
     }
 
