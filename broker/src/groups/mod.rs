@@ -1143,8 +1143,17 @@ impl GroupShard {
             GroupOp::DeadLetter(group, o) => {
                 // A dead letter of `o` being written (this one's first sending, its
                 // answer lost, or a poll's at the attempt limit): its outcome first.
+                // Then, as an ack retried, behind a seek or delete of its group that began
+                // meanwhile: written before it applied, a dead letter of a deleted group
+                // brought the group back at the next fold.
                 let started = std::time::Instant::now();
-                while self.dead_writing.borrow().contains(&(group.clone(), o)) {
+                loop {
+                    if !self.dead_writing.borrow().contains(&(group.clone(), o)) {
+                        self.after_changes(&group).await;
+                        if !self.dead_writing.borrow().contains(&(group.clone(), o)) {
+                            break;
+                        }
+                    }
                     if started.elapsed() > ACK_RETRY_WAIT_MAX {
                         return Err(BrokerError::ShardUnavailable("not_ready".into()));
                     }
@@ -2854,6 +2863,51 @@ mod tests {
             assert!(matches!(delete.await, Ok(GroupAnswer::Deleted(true))));
             assert!(again.await.is_err(), "an ack of a deleted group");
             assert!(writes.borrow().is_empty());
+        });
+    }
+
+    /// A dead letter sent again while the first sending's write is out, whose first
+    /// write then fails, writes only after a delete of its group being written
+    /// meanwhile is applied, as a retried ack does: then it finds no group. Written
+    /// before, its event followed the delete in the log and brought the group back,
+    /// with that dead letter, at the next fold.
+    #[test]
+    fn a_dead_letter_sent_again_waits_for_a_delete_of_its_group_being_written() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            let (g, writes) = shard_with_a_claim();
+            let dead = || g.serve(&stream, GroupOp::DeadLetter("w".into(), 0));
+            let mut first = std::pin::pin!(dead());
+            assert!(poll_once(&mut first).await.is_none());
+            let mut again = std::pin::pin!(dead());
+            assert!(poll_once(&mut again).await.is_none());
+            let mut delete = std::pin::pin!(g.serve(&stream, GroupOp::Delete("w".into())));
+            assert!(poll_once(&mut delete).await.is_none());
+            assert_eq!(
+                writes.borrow().len(),
+                2,
+                "the first dead letter's and the delete's"
+            );
+            first_write(&writes)
+                .send(Err(BrokerError::Unacknowledged("lost".into())))
+                .unwrap();
+            assert!(first.await.is_err());
+            for _ in 0..10 {
+                assert!(poll_once(&mut again).await.is_none());
+                felix_core_runtime::task::yield_now().await;
+            }
+            assert_eq!(
+                writes.borrow().len(),
+                1,
+                "the dead letter sent again wrote while the delete was being written"
+            );
+            first_write(&writes).send(appended()).unwrap();
+            assert!(matches!(delete.await, Ok(GroupAnswer::Deleted(true))));
+            assert!(again.await.is_err(), "a dead letter of a deleted group");
+            assert!(writes.borrow().is_empty());
+            assert!(!g.has("w"));
         });
     }
 

@@ -198,17 +198,15 @@ impl PartialEq for Serial {
     }
 }
 
-thread_local! {
-    /// Trackers made on this thread: each numbers its claim passes in a range of its own.
-    static TRACKERS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
+/// Trackers made in this process: each numbers its claim passes in a range of its own.
+/// Process-wide, not per thread: a tracker moves to another core's thread with its
+/// shard (a re-pin), where one made on that thread could have begun at its range (an
+/// atomic add per tracker made, not per claim).
+static TRACKERS_MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Where a new tracker's claim serials begin.
 fn first_serial() -> u64 {
-    TRACKERS_MADE.with(|n| {
-        n.set(n.get() + 1);
-        n.get() << 32
-    })
+    (TRACKERS_MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1) << 32
 }
 
 impl Tracker {
@@ -758,6 +756,19 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Trackers made on different threads number their claim passes apart: a tracker
+    /// moves to another core's thread with its shard, and a per-thread count began a
+    /// tracker made there at the moved one's range, so a stale pass of one could match
+    /// the other's claims.
+    #[test]
+    fn trackers_made_on_different_threads_number_their_claims_apart() {
+        let here = Tracker::new(0, Limits::default()).serial.0 >> 32;
+        let there = std::thread::spawn(|| Tracker::new(0, Limits::default()).serial.0 >> 32)
+            .join()
+            .unwrap();
+        assert_ne!(here, there);
+    }
 
     fn limits() -> Limits {
         Limits {
