@@ -811,7 +811,9 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
         c.group_ack(&g, 0).await.unwrap();
         c.group_ack(&g, 1).await.unwrap();
         c.group_dead_letter(&g, 2).await.unwrap();
-        c.group_nack(&g, 3, Duration::from_secs(30)).await.unwrap();
+        c.group_nack(&g, 3, got[3].attempts, Duration::from_secs(30))
+            .await
+            .unwrap();
         let info = c.group_describe(&g).await.unwrap();
         assert_eq!(info.committed, Some(3), "{info:?}");
         // The tail counts the group's own events too (they live in the shard's log).
@@ -835,6 +837,50 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
         assert!(c.group_delete(&g).await.unwrap());
         assert!(!c.group_delete(&g).await.unwrap());
         assert_eq!(c.group_describe(&g).await.unwrap().committed, None);
+        // A nack names its delivery's attempt: once that claim lapsed and went to
+        // another consumer, the nack is refused and the other's claim stands (sent
+        // without it, the nack took the record back from the other consumer).
+        let g = GroupRef::new("dev", "default", "tasks", 0, "lapsing");
+        let brief = PollOptions {
+            max_records: 1,
+            visibility: Some(Duration::from_millis(100)),
+            ..quick
+        };
+        let first = c.group_poll(&g, brief).await.unwrap();
+        assert_eq!((first[0].offset.0, first[0].attempts), (0, 1));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let second = c
+            .group_poll(
+                &g,
+                PollOptions {
+                    max_records: 1,
+                    ..quick
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!((second[0].offset.0, second[0].attempts), (0, 2));
+        let e = c
+            .group_nack(&g, 0, first[0].attempts, Duration::ZERO)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("claim"), "{e}");
+        let third = c
+            .group_poll(
+                &g,
+                PollOptions {
+                    max_records: 1,
+                    ..quick
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            third.iter().map(|r| r.offset.0).collect::<Vec<_>>(),
+            vec![1],
+            "the second consumer still holds offset 0"
+        );
+        assert!(c.group_delete(&g).await.unwrap());
         // An ack the group never handed out is a typed stale claim.
         let e = c
             .group_ack(&GroupRef::new("dev", "default", "tasks", 0, "other"), 1)
