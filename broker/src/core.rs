@@ -261,6 +261,17 @@ pub enum CoreMsg {
         /// Where the answer goes.
         reply: ReplyTo,
     },
+    /// The request `asked` (a waiting group poll of `key`) was dropped by its asker (its
+    /// client left): the poll ends and hands back what it claimed, its attempts not
+    /// counted. It travels the request's way, in order behind it (held with it during a
+    /// re-pin, passed on with it to a new owner). Dropped: the poll waits out its wait,
+    /// and its claims their visibility, as before.
+    GroupCancel {
+        /// The stream shard.
+        key: Arc<ShardKey>,
+        /// The request.
+        asked: ReplyTo,
+    },
     /// A state request for a stream shard this core owns.
     State {
         /// The stream shard.
@@ -352,6 +363,28 @@ pub async fn pause_cut_poll(
 }
 
 /// A request this core sent and awaits the answer to.
+/// A waiting group poll this core asked another for, cancelled there when dropped
+/// before its answer came (its client left): otherwise the owner went on waiting, claimed
+/// what came, counted an attempt and answered nobody, and the records waited out their
+/// visibility (after the attempt limit, dead letters never delivered).
+struct CancelPoll {
+    core: Rc<CoreBroker>,
+    owner: CoreId,
+    key: Arc<ShardKey>,
+    /// The request, while its answer has not come.
+    asked: Option<ReplyTo>,
+}
+
+impl Drop for CancelPoll {
+    fn drop(&mut self) {
+        if let Some(asked) = self.asked.take() {
+            let key = self.key.clone();
+            self.core
+                .send_ordered(self.owner, CoreMsg::GroupCancel { key, asked }, false);
+        }
+    }
+}
+
 struct Pending {
     owner: CoreId,
     /// A long poll counted among `owner`'s waiting polls: its shard (for the tenant).
@@ -834,6 +867,9 @@ pub struct CoreBroker {
     subscribers: RefCell<HashMap<Arc<ShardKey>, Vec<Rc<SubQueue>>>>,
     outbound: Vec<RefCell<Outbound>>,
     pending: RefCell<HashMap<u64, Pending>>,
+    /// Waiting group polls other cores asked this one for, by who asked (core, request
+    /// id): a [`CoreMsg::GroupCancel`] of one ends it early.
+    polls_asked: RefCell<HashMap<(CoreId, u64), oneshot::Sender<()>>>,
     /// Requests outstanding at each core, by core index.
     outstanding: Vec<Cell<usize>>,
     /// Of those, group polls waiting for records, by core index, shared by tenant.
@@ -1030,6 +1066,7 @@ impl CoreBroker {
             subscribers: RefCell::default(),
             outbound: (0..cores).map(|_| RefCell::default()).collect(),
             pending: RefCell::default(),
+            polls_asked: RefCell::default(),
             outstanding: (0..cores).map(|_| Cell::new(0)).collect(),
             waiting_polls: (0..cores).map(|_| RefCell::default()).collect(),
             unfinished: RefCell::new(unfinished),
@@ -2760,12 +2797,21 @@ impl CoreBroker {
                 .admit_poll_wait(owner, &key.tenant, &mut op)
                 .then(|| key.clone());
             let cut = asked > 0 && waits.is_none();
-            let answer = match self
-                .ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, waits, |reply| {
-                    CoreMsg::Group { key, op, reply }
-                })
-                .await?
-            {
+            let mut cancel = CancelPoll {
+                core: self.clone(),
+                owner,
+                key: key.clone(),
+                asked: None,
+            };
+            let answer = self.ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, waits, |reply| {
+                if asked > 0 && !cut {
+                    cancel.asked = Some(reply);
+                }
+                CoreMsg::Group { key, op, reply }
+            });
+            let answer = answer.await;
+            cancel.asked = None;
+            let answer = match answer? {
                 ReplyBody::Group(r) => r,
                 other => Err(BrokerError::Internal(format!(
                     "mismatched answer {other:?}"
@@ -3421,12 +3467,50 @@ impl CoreBroker {
             }
             CoreMsg::Group { key, op, reply } => {
                 let this = self.clone();
+                // A poll that may wait ends when its asker cancels it: dropped, it hands
+                // back what it claimed, uncounted (see `GroupCancel`).
+                let cancelled =
+                    matches!(&op, crate::groups::GroupOp::Poll { wait_ms, .. } if *wait_ms > 0)
+                        .then(|| {
+                            let (tx, rx) = oneshot::channel();
+                            self.polls_asked
+                                .borrow_mut()
+                                .insert((reply.core, reply.id), tx);
+                            rx
+                        });
                 task::spawn(async move {
                     let _guard = guard;
-                    let r = this.group_local(&key, op).await;
+                    let served = this.group_local(&key, op);
+                    let r = match cancelled {
+                        None => served.await,
+                        Some(rx) => {
+                            let gone = async {
+                                let _ = rx.await;
+                                Err(BrokerError::Unacknowledged(
+                                    "the asking request was dropped".into(),
+                                ))
+                            };
+                            futures_lite::future::or(served, gone).await
+                        }
+                    };
+                    {
+                        let mut asked = this.polls_asked.borrow_mut();
+                        if !asked.is_empty() {
+                            asked.remove(&(reply.core, reply.id));
+                        }
+                    }
                     this.respond(reply, ReplyBody::Group(r));
                 })
                 .detach();
+            }
+            CoreMsg::GroupCancel { key: _, asked } => {
+                if let Some(tx) = self
+                    .polls_asked
+                    .borrow_mut()
+                    .remove(&(asked.core, asked.id))
+                {
+                    let _ = tx.send(());
+                }
             }
         }
         let _ = from;

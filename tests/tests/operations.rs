@@ -849,6 +849,93 @@ fn a_re_pin_whose_open_fails_for_good_ends_its_subscriptions() {
     });
 }
 
+/// A waiting group poll ends when its connection goes, handing out nothing, whether
+/// the connection is on the shard's core or another. It waited on (at the shard's core),
+/// claimed the next record published, counted an attempt and answered nobody: the
+/// record waited out its visibility (30 s), and after the attempt limit it was a dead
+/// letter never delivered.
+#[test]
+fn a_waiting_poll_ends_with_its_connection_on_either_core() {
+    use felix_client::{GroupRef, PollOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let b = start_on_core_0(dir.path(), &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let g = GroupRef::new("dev", "default", "waits", 0, "w");
+        let poll = |wait| PollOptions {
+            max_records: 1,
+            wait,
+            visibility: None,
+        };
+        let connections_on = |core: usize| {
+            let (_, body) = b.http_get("/cores").unwrap();
+            let cores: serde_json::Value = serde_json::from_str(&body).unwrap();
+            cores["cores"][core]["connections"].as_u64().unwrap()
+        };
+        let near = client_on_core(&b, 0).await;
+        // The stream and the group, its cursor past a first record.
+        near.publish(
+            "dev",
+            "default",
+            "waits",
+            b"r".to_vec(),
+            AckMode::PerMessage,
+        )
+        .await
+        .unwrap();
+        let got = near
+            .group_poll(&g, poll(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        near.group_ack(&g, got[0].offset.0).await.unwrap();
+        // Core 1 asks core 0, the shard's; core 0 serves it where it arrived.
+        for core in [1, 0] {
+            let before = connections_on(core);
+            let gone = client_on_core(&b, core).await;
+            let waiting = {
+                let (gone, g) = (gone.clone(), g.clone());
+                tokio::spawn(
+                    async move { gone.group_poll(&g, poll(Duration::from_secs(20))).await },
+                )
+            };
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(!waiting.is_finished(), "the poll waits for a record");
+            waiting.abort();
+            let _ = waiting.await;
+            drop(gone);
+            wait_for(
+                "the poller's connection closed",
+                Duration::from_secs(10),
+                || (connections_on(core) <= before).then_some(()),
+            )
+            .unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let record = format!("after a poller on core {core} left").into_bytes();
+            near.publish(
+                "dev",
+                "default",
+                "waits",
+                record.clone(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+            let got = near
+                .group_poll(&g, poll(Duration::from_secs(3)))
+                .await
+                .unwrap();
+            assert_eq!(
+                got.iter()
+                    .map(|r| (r.payload.to_vec(), r.attempts))
+                    .collect::<Vec<_>>(),
+                vec![(record, 1)],
+                "the record the gone poll would have claimed comes out at once, first try"
+            );
+            near.group_ack(&g, got[0].offset.0).await.unwrap();
+        }
+    });
+}
+
 /// A two-core broker with fault injection, one shard a stream, every `dev` shard pinned
 /// to core 0 (so a re-pin to core 1 moves it); `extra` arguments after those.
 /// A client whose connection the kernel handed to broker core `core` (connections are

@@ -240,6 +240,7 @@ impl CoreMsg {
             | CoreMsg::Unsubscribe { key, .. }
             | CoreMsg::Read { key, .. }
             | CoreMsg::Group { key, .. }
+            | CoreMsg::GroupCancel { key, .. }
             | CoreMsg::State { key, .. }
             | CoreMsg::Watch { key, .. }
             | CoreMsg::Cache { key, .. } => Some(key),
@@ -325,6 +326,7 @@ fn msg_reply(msg: &CoreMsg) -> Option<Refusal> {
         // A re-pin's own steps name no shard: never held, never refused here.
         CoreMsg::Move { .. }
         | CoreMsg::Unsubscribe { .. }
+        | CoreMsg::GroupCancel { .. }
         | CoreMsg::Deliver { .. }
         | CoreMsg::SubscribersEnd { .. }
         | CoreMsg::Peer { .. }

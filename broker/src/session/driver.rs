@@ -141,7 +141,16 @@ impl ConnScope {
         self.wake_budget();
     }
 
-    /// Resolves once the connection has ended (`id`: the waiting subscription).
+    /// A number for a new waiter on the connection's end ([`ConnScope::closed`]).
+    fn next_waiter(&self) -> u64 {
+        let id = self.next_subscription.get();
+        self.next_subscription.set(id + 1);
+        id
+    }
+
+    /// Resolves once the connection has ended (`id`: the waiting subscription, or
+    /// stream). A waiter that stops waiting first leaves its waker behind until
+    /// [`ConnScope::stop_waiting`].
     async fn closed(&self, id: u64) {
         poll_fn(|cx| {
             if self.closed.get() {
@@ -152,6 +161,14 @@ impl ConnScope {
             Poll::Pending
         })
         .await
+    }
+
+    /// Forgets waiter `id`'s waker: it no longer waits for the connection's end.
+    fn stop_waiting(&self, id: u64) {
+        let mut on_close = self.on_close.borrow_mut();
+        if !on_close.is_empty() {
+            on_close.remove(&id);
+        }
     }
 
     /// Takes `n` request bytes from the core's budget (all its connections' together),
@@ -729,7 +746,14 @@ async fn serve_stream(
     drop(input);
     answers.close();
     if let Some(w) = writer {
-        w.await;
+        // The connection's end ends the answers still pending with it (dropped with the
+        // writer and `answers`): a waiting group poll then hands back what it claimed,
+        // uncounted, and one asked of another core is cancelled there. It waited on
+        // for an answer nobody would read, claimed what came and counted an attempt.
+        // Writes and settles run to completion whatever happens to their answers.
+        let waiter = scope.next_waiter();
+        futures_lite::future::or(w, scope.closed(waiter)).await;
+        scope.stop_waiting(waiter);
     }
 }
 
