@@ -294,8 +294,9 @@ const KIND_SNAPSHOT: u8 = 7;
 /// never be read.
 const DEAD_LETTERS_LISTED_MAX: usize = 100_000;
 
-/// Version of the snapshot record's layout.
-const SNAPSHOT_VERSION: u8 = 1;
+/// Version of the snapshot record's layout: 2 since the finished records ahead of the
+/// cursor are runs (version 1, read still, listed each offset).
+const SNAPSHOT_VERSION: u8 = 2;
 /// The largest snapshot a leader writes: a larger state is not snapshotted (the next
 /// fold starts from the snapshot before, or the log's base).
 const SNAPSHOT_MAX_BYTES: usize = 256 << 10;
@@ -319,10 +320,12 @@ fn encode(group: &str, event: Option<Event>) -> Bytes {
     b.freeze()
 }
 
-/// A group snapshot record: `u8 kind (7), u8 version (1), u32 groups`, then per group
-/// (by name) `u8 name length, name, u64 committed, u64 high water`, and three offset
-/// lists (owed by a redrive, settled ahead of the cursor, dead letters), each `u32
-/// count, count x u64` (big-endian). `None` past [`SNAPSHOT_MAX_BYTES`].
+/// A group snapshot record: `u8 kind (7), u8 version (2), u32 groups`, then per group
+/// (by name) `u8 name length, name, u64 committed, u64 high water`, the records owed by
+/// a redrive (`u32 count, count x u64`), the finished records ahead of the cursor as
+/// runs (`u32 count, count x (u64 start, u64 end)`, end exclusive), and the dead
+/// letters (`u32 count, count x u64`), big-endian. `None` past [`SNAPSHOT_MAX_BYTES`].
+/// (Version 1 listed the finished records ahead one offset each.)
 fn encode_snapshot(groups: &HashMap<String, Tracker>) -> Option<Bytes> {
     let mut names: Vec<&String> = groups.keys().collect();
     names.sort_unstable();
@@ -336,23 +339,44 @@ fn encode_snapshot(groups: &HashMap<String, Tracker>) -> Option<Bytes> {
         b.put_slice(name.as_bytes());
         b.put_u64(d.committed);
         b.put_u64(d.high_water);
-        for list in [&d.owed, &d.settled_ahead, &d.dead] {
-            b.put_u32(list.len() as u32);
-            list.iter().for_each(|o| b.put_u64(*o));
-            if b.len() > SNAPSHOT_MAX_BYTES {
-                return None;
-            }
+        b.put_u32(d.owed.len() as u32);
+        d.owed.iter().for_each(|o| b.put_u64(*o));
+        b.put_u32(d.settled_ahead.len() as u32);
+        for (start, end) in &d.settled_ahead {
+            b.put_u64(*start);
+            b.put_u64(*end);
+        }
+        b.put_u32(d.dead.len() as u32);
+        d.dead.iter().for_each(|o| b.put_u64(*o));
+        if b.len() > SNAPSHOT_MAX_BYTES {
+            return None;
         }
     }
     Some(b.freeze())
 }
 
 fn decode_snapshot(mut r: Bytes, limits: Limits) -> Option<HashMap<String, Tracker>> {
-    if r.len() < 6 || r.get_u8() != KIND_SNAPSHOT || r.get_u8() != SNAPSHOT_VERSION {
+    if r.len() < 6 || r.get_u8() != KIND_SNAPSHOT {
+        return None;
+    }
+    let version = r.get_u8();
+    if !(1..=SNAPSHOT_VERSION).contains(&version) {
         return None;
     }
     let n = r.get_u32();
     let mut groups = HashMap::new();
+    // `count` values of `width` u64s each.
+    let list = |r: &mut Bytes, width: usize| -> Option<Vec<u64>> {
+        if r.len() < 4 {
+            return None;
+        }
+        let count = r.get_u32() as usize;
+        let values = count.checked_mul(width)?;
+        if r.len() < values.checked_mul(8)? {
+            return None;
+        }
+        Some((0..values).map(|_| r.get_u64()).collect())
+    };
     for _ in 0..n {
         let len = usize::from(*r.first()?);
         r.advance(1);
@@ -361,18 +385,21 @@ fn decode_snapshot(mut r: Bytes, limits: Limits) -> Option<HashMap<String, Track
         }
         let name = String::from_utf8(r.split_to(len).to_vec()).ok()?;
         let (committed, high_water) = (r.get_u64(), r.get_u64());
-        let mut lists: [Vec<u64>; 3] = Default::default();
-        for list in &mut lists {
-            if r.len() < 4 {
+        let owed = list(&mut r, 1)?;
+        let settled_ahead = if version == 1 {
+            list(&mut r, 1)?
+                .into_iter()
+                .map(|o| o.checked_add(1).map(|end| (o, end)))
+                .collect::<Option<Vec<_>>>()?
+        } else {
+            let flat = list(&mut r, 2)?;
+            let runs: Vec<(u64, u64)> = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+            if runs.iter().any(|(start, end)| start >= end) {
                 return None;
             }
-            let count = r.get_u32() as usize;
-            if r.len() < count.checked_mul(8)? {
-                return None;
-            }
-            *list = (0..count).map(|_| r.get_u64()).collect();
-        }
-        let [owed, settled_ahead, dead] = lists;
+            runs
+        };
+        let dead = list(&mut r, 1)?;
         let d = Durable {
             committed,
             high_water,
@@ -2692,7 +2719,7 @@ mod tests {
             let state = decode_snapshot(snapshot[0].clone(), g.limits).unwrap();
             assert_eq!(
                 state["w"].durable().settled_ahead,
-                vec![3],
+                vec![(3, 4)],
                 "it holds the ack"
             );
             assert_eq!(g.take_snapshots(), 1);
@@ -2762,7 +2789,38 @@ mod tests {
             (11, &[10][..]),
             "a redrive leaves the cursor"
         );
-        assert_eq!((a.settled_ahead, a.dead), (vec![12, 14], vec![14]));
+        assert_eq!(
+            (a.settled_ahead, a.dead),
+            (vec![(12, 13), (14, 15)], vec![14])
+        );
+        // A version-1 record (written before runs: each finished offset listed) reads
+        // as the same state.
+        let mut v1 = BytesMut::new();
+        v1.put_u8(KIND_SNAPSHOT);
+        v1.put_u8(1);
+        v1.put_u32(2);
+        for (name, committed, high_water, owed, settled, dead) in [
+            ("a", 11u64, 11u64, &[10u64][..], &[12u64, 14][..], &[14u64][..]),
+            ("b", 1, 1, &[], &[], &[]),
+        ] {
+            v1.put_u8(1);
+            v1.put_slice(name.as_bytes());
+            v1.put_u64(committed);
+            v1.put_u64(high_water);
+            for list in [owed, settled, dead] {
+                v1.put_u32(list.len() as u32);
+                list.iter().for_each(|o| v1.put_u64(*o));
+            }
+        }
+        assert_eq!(decode_snapshot(v1.freeze(), limits), Some(groups.clone()));
+        // A run that ends where it starts, or before, is refused.
+        let mut empty_run = record.to_vec();
+        let at = empty_run
+            .windows(16)
+            .position(|w| w == [0, 0, 0, 0, 0, 0, 0, 12, 0, 0, 0, 0, 0, 0, 0, 13])
+            .expect("the run 12..13");
+        empty_run[at + 15] = 12;
+        assert_eq!(decode_snapshot(empty_run.into(), limits), None);
         // Cut anywhere, or with a byte more, it is refused.
         for cut in [0, 5, 7, record.len() - 1] {
             assert_eq!(decode_snapshot(record.slice(..cut), limits), None, "{cut}");

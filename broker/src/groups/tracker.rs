@@ -153,10 +153,110 @@ pub struct Durable {
     pub high_water: u64,
     /// Records owed again by a redrive.
     pub owed: Vec<u64>,
-    /// Finished offsets at or past the cursor.
-    pub settled_ahead: Vec<u64>,
+    /// Finished offsets at or past the cursor, as runs `(start, end)` (end exclusive).
+    pub settled_ahead: Vec<(u64, u64)>,
     /// Dead letters.
     pub dead: Vec<u64>,
+}
+
+/// A set of offsets kept as runs, `start -> end` (end exclusive), no two touching: the
+/// finished offsets ahead of a group's cursor. A record held back (claimed and extended
+/// for hours) while every record after it is acked is one run here, where a set of
+/// offsets held each one, without bound, and grew the group's snapshot past its limit
+/// (after which every build folded the shard's whole log). Gaps between runs are records
+/// not finished yet: claimed, owed, or not handed out, so there are at most as many
+/// runs as claims and owed records, plus one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Runs(BTreeMap<u64, u64>);
+
+impl Runs {
+    /// From runs in any order, overlapping or touching or not.
+    pub fn from_runs(runs: impl IntoIterator<Item = (u64, u64)>) -> Runs {
+        let mut r = Runs::default();
+        for (start, end) in runs {
+            r.insert_run(start, end);
+        }
+        r
+    }
+
+    /// Whether `o` is in a run.
+    pub fn contains(&self, o: u64) -> bool {
+        self.0
+            .range(..=o)
+            .next_back()
+            .is_some_and(|(_, &end)| o < end)
+    }
+
+    /// Adds `o`, joining the runs it touches.
+    pub fn insert(&mut self, o: u64) {
+        self.insert_run(o, o.saturating_add(1));
+    }
+
+    /// Adds `start..end`, joining every run it overlaps or touches.
+    fn insert_run(&mut self, mut start: u64, mut end: u64) {
+        if start >= end {
+            return;
+        }
+        if let Some((&s, &e)) = self.0.range(..=start).next_back()
+            && e >= start
+        {
+            start = s;
+            end = end.max(e);
+        }
+        let joined: Vec<u64> = self.0.range(start..=end).map(|(&s, _)| s).collect();
+        for s in joined {
+            if let Some(e) = self.0.remove(&s) {
+                end = end.max(e);
+            }
+        }
+        self.0.insert(start, end);
+    }
+
+    /// Removes `o`, splitting its run.
+    pub fn remove(&mut self, o: u64) {
+        let Some((&s, &e)) = self.0.range(..=o).next_back() else {
+            return;
+        };
+        if o >= e {
+            return;
+        }
+        self.0.remove(&s);
+        if s < o {
+            self.0.insert(s, o);
+        }
+        if o + 1 < e {
+            self.0.insert(o + 1, e);
+        }
+    }
+
+    /// Takes out the run that starts at `o`: where it ended.
+    pub fn take_run_at(&mut self, o: u64) -> Option<u64> {
+        self.0.remove(&o)
+    }
+
+    /// Forgets every offset below `base`.
+    pub fn forget_below(&mut self, base: u64) {
+        let kept = self.0.split_off(&base);
+        let straddling = self
+            .0
+            .last_key_value()
+            .map(|(_, &e)| e)
+            .filter(|&e| e > base);
+        self.0 = kept;
+        if let Some(end) = straddling {
+            self.insert_run(base, end);
+        }
+    }
+
+    /// Forgets every offset.
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    /// The runs, lowest first.
+    pub fn runs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.0.iter().map(|(&s, &e)| (s, e))
+    }
 }
 
 /// One group's state.
@@ -171,7 +271,7 @@ pub struct Tracker {
     in_flight: BTreeMap<u64, Claim>,
     owed: BTreeMap<u64, Owed>,
     /// Finished offsets at or past `committed`, waiting for the run below them.
-    settled_ahead: BTreeSet<u64>,
+    settled_ahead: Runs,
     dead: BTreeSet<u64>,
     /// Offsets whose ack is settled here and still being written, with the attempt the
     /// ack finished: a repeated ack of one is answered only once that write is, and a
@@ -218,7 +318,7 @@ impl Tracker {
             high_water: start,
             in_flight: BTreeMap::new(),
             owed: BTreeMap::new(),
-            settled_ahead: BTreeSet::new(),
+            settled_ahead: Runs::default(),
             dead: BTreeSet::new(),
             acks_writing: BTreeMap::new(),
             inherited_below: 0,
@@ -278,7 +378,7 @@ impl Tracker {
             }
             Event::Redrive(o) => {
                 self.dead.remove(&o);
-                self.settled_ahead.remove(&o);
+                self.settled_ahead.remove(o);
                 self.in_flight.remove(&o);
                 self.owed.insert(
                     o,
@@ -318,8 +418,8 @@ impl Tracker {
         if o >= self.committed {
             self.settled_ahead.insert(o);
         }
-        while self.settled_ahead.remove(&self.committed) {
-            self.committed += 1;
+        while let Some(end) = self.settled_ahead.take_run_at(self.committed) {
+            self.committed = end;
         }
         self.high_water = self.high_water.max(self.committed);
     }
@@ -346,11 +446,11 @@ impl Tracker {
         let skipped = base - self.committed;
         self.in_flight.retain(|o, _| *o >= base);
         self.owed.retain(|o, _| *o >= base);
-        self.settled_ahead.retain(|o| *o >= base);
+        self.settled_ahead.forget_below(base);
         self.committed = base;
         self.high_water = self.high_water.max(base);
-        while self.settled_ahead.remove(&self.committed) {
-            self.committed += 1;
+        while let Some(end) = self.settled_ahead.take_run_at(self.committed) {
+            self.committed = end;
         }
         skipped
     }
@@ -446,7 +546,7 @@ impl Tracker {
         while self.high_water < tail && room_new(self, &out) {
             let o = self.high_water;
             self.high_water += 1;
-            if self.settled_ahead.contains(&o) || self.in_flight.contains_key(&o) {
+            if self.settled_ahead.contains(o) || self.in_flight.contains_key(&o) {
                 passed += 1;
                 if passed >= CLAIM_PASS_MAX {
                     out.cut_short = true;
@@ -532,7 +632,7 @@ impl Tracker {
             self.acks_writing.insert(o, attempts);
             return Ok(Some(Event::Ack(o)));
         }
-        if o < self.committed || self.settled_ahead.contains(&o) {
+        if o < self.committed || self.settled_ahead.contains(o) {
             return Ok(None);
         }
         if o < self.inherited_below && !self.dead.contains(&o) {
@@ -599,7 +699,7 @@ impl Tracker {
 
     /// Reverts a settle whose write failed: the record is owed again.
     pub fn undo_settle(&mut self, o: u64, attempts: u32) {
-        self.settled_ahead.remove(&o);
+        self.settled_ahead.remove(o);
         if o < self.committed {
             // The cursor moved over it in memory only; owed below the cursor goes out
             // again all the same.
@@ -718,7 +818,7 @@ impl Tracker {
             committed: self.committed,
             high_water: self.high_water,
             owed: self.owed.keys().copied().collect(),
-            settled_ahead: self.settled_ahead.iter().copied().collect(),
+            settled_ahead: self.settled_ahead.runs().collect(),
             dead: self.dead.iter().copied().collect(),
         }
     }
@@ -735,7 +835,7 @@ impl Tracker {
             high_water: d.high_water,
             in_flight: BTreeMap::new(),
             owed: d.owed.into_iter().map(|o| (o, redriven)).collect(),
-            settled_ahead: d.settled_ahead.into_iter().collect(),
+            settled_ahead: Runs::from_runs(d.settled_ahead),
             dead: d.dead.into_iter().collect(),
             acks_writing: BTreeMap::new(),
             inherited_below: 0,
@@ -756,6 +856,91 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Runs answer as the set of offsets they stand for, through any mix of inserts,
+    /// removals, runs taken at the cursor and cuts below a base (seeded), and stay
+    /// canonical: no two runs touch, so equal sets are equal runs.
+    #[test]
+    fn runs_hold_what_a_set_of_offsets_holds() {
+        for seed in 1..300u64 {
+            let mut x = seed;
+            let mut next = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            let (mut runs, mut set) = (Runs::default(), BTreeSet::new());
+            for _ in 0..200 {
+                let o = next() % 48;
+                match next() % 8 {
+                    0..=3 => {
+                        runs.insert(o);
+                        set.insert(o);
+                    }
+                    4 | 5 => {
+                        runs.remove(o);
+                        set.remove(&o);
+                    }
+                    6 => {
+                        let end = runs.take_run_at(o);
+                        let mut expect = None;
+                        if !set.contains(&o.wrapping_sub(1)) || o == 0 {
+                            let mut e = o;
+                            while set.remove(&e) {
+                                e += 1;
+                                expect = Some(e);
+                            }
+                        }
+                        assert_eq!(end, expect, "seed {seed}: the run at {o}");
+                    }
+                    _ => {
+                        let base = next() % 48;
+                        runs.forget_below(base);
+                        set.retain(|&v| v >= base);
+                    }
+                }
+                for v in 0..50 {
+                    assert_eq!(runs.contains(v), set.contains(&v), "seed {seed}: {v}");
+                }
+                let listed: Vec<(u64, u64)> = runs.runs().collect();
+                assert!(
+                    listed.windows(2).all(|w| w[0].1 < w[1].0),
+                    "seed {seed}: runs touch: {listed:?}"
+                );
+                assert_eq!(Runs::from_runs(listed.iter().rev().copied()), runs);
+            }
+        }
+    }
+
+    /// One record held back (claimed and extended) while the 100,000 after it are
+    /// acked: the finished ones ahead of the cursor are one run, and the cursor passes
+    /// them all once the held one is acked. They were a set of 100,000 offsets, without
+    /// bound as acks went on, which also put the group's snapshot past its limit.
+    #[test]
+    fn a_record_held_back_keeps_the_finished_ones_after_it_in_one_run() {
+        let mut t = Tracker::new(0, limits());
+        let held = t.claim(100_001, 1, 0, 1_000, None).handed;
+        assert_eq!(held, vec![(0, 1)]);
+        let mut next = 1;
+        while next <= 100_000 {
+            let claimed = t.claim(100_001, 100, 0, 1_000, None).handed;
+            assert!(!claimed.is_empty());
+            for (o, _) in claimed {
+                assert_eq!(t.ack(o), Ok(Some(Event::Ack(o))));
+                t.ack_written(o, true);
+                next = next.max(o + 1);
+            }
+        }
+        assert_eq!(t.committed(), 0);
+        assert_eq!(
+            t.settled_ahead.runs().collect::<Vec<_>>(),
+            vec![(1, 100_001)]
+        );
+        assert_eq!(t.ack(0), Ok(Some(Event::Ack(0))));
+        assert_eq!(t.committed(), 100_001);
+        assert_eq!(t.settled_ahead.runs().count(), 0);
+    }
 
     /// Trackers made on different threads number their claim passes apart: a tracker
     /// moves to another core's thread with its shard, and a per-thread count began a

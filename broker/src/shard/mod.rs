@@ -2132,9 +2132,9 @@ mod tests {
         });
     }
 
-    /// Values expired before a compaction and not yet deleted (expiry writes 256 a
-    /// shard a round) get their delete past the cut: after a restart a watcher resuming
-    /// from before the compaction still sees every one go. Dropped by the compaction,
+    /// Values expired before a compaction and not yet deleted (expiry writes a bounded
+    /// batch a shard a round) get their delete past the cut: after a restart a watcher
+    /// resuming from the compaction's cut still sees every one go. Dropped by the compaction,
     /// they left the rebuilt index with no delete ever written.
     #[test]
     fn a_compaction_deletes_the_expired_values_it_does_not_copy() {
