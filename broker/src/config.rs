@@ -1039,6 +1039,7 @@ impl BrokerConfig {
                         .group_snapshot_bytes
                         .unwrap_or(d.snapshot_every_bytes)
                         .max(4096),
+                    max_in_flight_per_shard: d.max_in_flight_per_shard,
                     max_claim: d.max_claim,
                     unwritten_acks: mutants.unwritten_group_acks,
                 }

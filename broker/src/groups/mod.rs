@@ -1458,9 +1458,19 @@ impl GroupShard {
             self.after_changes(group).await;
             let base = stream.log.base_offset();
             let tail = stream.fanout_end();
+            // The room for new claims left under the shard's bound (every group's).
+            let held: usize = self.groups.borrow().values().map(Tracker::held).sum();
+            let max_new = self.limits.max_in_flight_per_shard.saturating_sub(held);
             let Some(claimed) = self.tracker(group, |t| {
                 t.skip_below(base);
-                t.claim(tail, max - out.len(), now, visibility_ms, member.as_ref())
+                t.claim_within(
+                    tail,
+                    max - out.len(),
+                    max_new,
+                    now,
+                    visibility_ms,
+                    member.as_ref(),
+                )
             }) else {
                 return Err(BrokerError::NotFound(format!("group {group} was deleted")));
             };
@@ -2534,6 +2544,58 @@ mod tests {
         });
     }
 
+    /// A shard's groups together hold at most `max_in_flight_per_shard` claims and owed
+    /// records: past it polls hand out no new record (owed ones still go out, or the
+    /// groups could not drain), and room comes back as claims settle. Only each group
+    /// was bounded, so one tenant's 1,024 groups could hold 10 million claims.
+    #[test]
+    fn a_shards_groups_together_hold_a_bounded_number_of_claims() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            publish_visible(&stream, 20).await;
+            let writer: GroupWriter =
+                Box::new(|_| Box::pin(async { Ok(Appended { first: 0, end: 1 }) }));
+            let limits = Limits {
+                max_in_flight_per_shard: 5,
+                ..Limits::default()
+            };
+            let g = GroupShard::build(&stream, limits, writer).await.unwrap();
+            let poll = |group: &str, max| {
+                let op = GroupOp::Poll {
+                    group: group.into(),
+                    max,
+                    wait_ms: 0,
+                    visibility_ms: 0,
+                    member: None,
+                };
+                let g = &g;
+                let stream = &stream;
+                async move {
+                    match g.serve(stream, op).await.unwrap() {
+                        GroupAnswer::Records(r) => r.iter().map(|r| r.offset.0).collect(),
+                        other => panic!("{other:?}"),
+                    }
+                }
+            };
+            let a: Vec<u64> = poll("a", 4).await;
+            assert_eq!(a, vec![0, 1, 2, 3]);
+            let b: Vec<u64> = poll("b", 4).await;
+            assert_eq!(b, vec![0], "one claim left under the shard's bound");
+            assert_eq!(poll("c", 4).await, Vec::<u64>::new());
+            // An owed record goes out at the bound.
+            g.serve(&stream, GroupOp::Nack("b".into(), 0, 0, 0))
+                .await
+                .unwrap();
+            assert_eq!(poll("b", 4).await, vec![0]);
+            // Settled claims give room back.
+            for o in [0, 1] {
+                g.serve(&stream, GroupOp::Ack("a".into(), o)).await.unwrap();
+            }
+            assert_eq!(poll("c", 4).await, vec![0, 1]);
+        });
+    }
+
     /// An idle group whose cursor retention passed is described, its cursor at the
     /// log's base: it was refused `invalid_request` (a read at the removed cursor) until
     /// a poll moved it, just when an operator looks at the lag.
@@ -2800,7 +2862,14 @@ mod tests {
         v1.put_u8(1);
         v1.put_u32(2);
         for (name, committed, high_water, owed, settled, dead) in [
-            ("a", 11u64, 11u64, &[10u64][..], &[12u64, 14][..], &[14u64][..]),
+            (
+                "a",
+                11u64,
+                11u64,
+                &[10u64][..],
+                &[12u64, 14][..],
+                &[14u64][..],
+            ),
             ("b", 1, 1, &[], &[], &[]),
         ] {
             v1.put_u8(1);

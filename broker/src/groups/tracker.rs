@@ -19,6 +19,10 @@ pub struct Limits {
     pub max_attempts: u32,
     /// Claims outstanding at once; polls at the cap answer empty.
     pub max_in_flight: usize,
+    /// Claims outstanding (and records owed) in all of a shard's groups together; past
+    /// it polls hand out no new record, only owed ones. Without it, 1,024 groups of
+    /// 10,000 claims each let one tenant hold about 10 million claims in a shard's memory.
+    pub max_in_flight_per_shard: usize,
     /// Records one poll hands out.
     pub max_claim: usize,
     /// Log bytes written after a shard's last group snapshot before its leader writes
@@ -35,6 +39,7 @@ impl Default for Limits {
             visibility_ms: 30_000,
             max_attempts: 5,
             max_in_flight: 10_000,
+            max_in_flight_per_shard: 1_000_000,
             max_claim: 1000,
             snapshot_every_bytes: 64 << 20,
             unwritten_acks: false,
@@ -478,6 +483,20 @@ impl Tracker {
         visibility_ms: u64,
         member: Option<&Member>,
     ) -> Claimed {
+        self.claim_within(tail, max, usize::MAX, now_ms, visibility_ms, member)
+    }
+
+    /// [`Tracker::claim`], handing out at most `max_new` records never handed out
+    /// before (the room left under the shard's bound on claims; owed records still go).
+    pub fn claim_within(
+        &mut self,
+        tail: u64,
+        max: usize,
+        max_new: usize,
+        now_ms: u64,
+        visibility_ms: u64,
+        member: Option<&Member>,
+    ) -> Claimed {
         self.expire(now_ms);
         let visibility = if visibility_ms == 0 {
             self.limits.visibility_ms
@@ -543,7 +562,8 @@ impl Tracker {
             );
         }
         let mut passed = 0;
-        while self.high_water < tail && room_new(self, &out) {
+        let mut new = 0;
+        while self.high_water < tail && room_new(self, &out) && new < max_new {
             let o = self.high_water;
             self.high_water += 1;
             if self.settled_ahead.contains(o) || self.in_flight.contains_key(&o) {
@@ -558,6 +578,7 @@ impl Tracker {
                 continue; // delayed: it goes out when its time comes
             }
             self.hand(o, 1, now_ms.saturating_add(visibility), &owner, &mut out);
+            new += 1;
         }
         out
     }
@@ -612,10 +633,15 @@ impl Tracker {
         claims.chain(owed).filter(|at| *at > now_ms).min()
     }
 
+    /// Claims outstanding and records owed: what counts against the caps.
+    pub fn held(&self) -> usize {
+        self.in_flight.len() + self.owed.len()
+    }
+
     /// Whether the in-flight cap holds claims back: polls find nothing to claim until
     /// an ack, nack or dead letter frees room.
     pub fn is_full(&self) -> bool {
-        self.in_flight.len() + self.owed.len() >= self.limits.max_in_flight
+        self.held() >= self.limits.max_in_flight
     }
 
     /// An ack. `Ok(Some(event))` when it must be written; `Ok(None)` for a record
@@ -960,6 +986,7 @@ mod tests {
             visibility_ms: 1000,
             max_attempts: 3,
             max_in_flight: 100,
+            max_in_flight_per_shard: 1_000_000,
             max_claim: 1000,
             snapshot_every_bytes: 1 << 20,
             unwritten_acks: false,
