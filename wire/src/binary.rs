@@ -294,7 +294,8 @@ pub struct PublishBatch {
     pub namespace: WireStr,
     /// Stream.
     pub stream: WireStr,
-    /// The records.
+    /// The records: past [`crate::internal::MAX_RECORDS_PER_MESSAGE`], only one more
+    /// than that (a batch no broker takes; the rest were read, not kept).
     pub payloads: Vec<Bytes>,
 }
 
@@ -353,10 +354,18 @@ impl PublishBatch {
         let namespace = r.str16("namespace")?;
         let stream = r.str16("stream")?;
         let count = r.count(4, "record count")?;
-        let mut payloads = Vec::with_capacity(count);
+        // Past the most one message carries, only one record more is kept (the frame is
+        // still read whole): a frame of empty records can claim millions (a 16 MiB frame
+        // about 4 million), a list of hundreds of MB for a batch the broker refuses by
+        // its count anyway, and the refusal still names the batch's request.
+        let keep = count.min(crate::internal::MAX_RECORDS_PER_MESSAGE + 1);
+        let mut payloads = Vec::with_capacity(keep);
         for _ in 0..count {
             let len = r.u32("payload length")? as usize;
-            payloads.push(r.bytes(len, "payload")?);
+            let payload = r.bytes(len, "payload")?;
+            if payloads.len() < keep {
+                payloads.push(payload);
+            }
         }
         r.finish()?;
         Ok(PublishBatch {
@@ -820,6 +829,33 @@ mod tests {
         payload.put_u32(u32::MAX);
         let err = PublishBatch::decode(Flags(0x0001), &payload.freeze()).unwrap_err();
         assert!(matches!(err, BinaryError::CountTooLarge { .. }), "{err:?}");
+    }
+
+    /// A batch of more records than one message carries keeps one record more than
+    /// that, however many it claims (the broker refuses it by its count, naming its
+    /// request); one at the limit decodes whole.
+    #[test]
+    fn a_batch_of_more_records_than_a_message_carries_keeps_one_more_than_that() {
+        let batch = |count: u32| {
+            let mut payload = BytesMut::new();
+            for s in ["t", "n", "s"] {
+                payload.put_u16(1);
+                payload.put_slice(s.as_bytes());
+            }
+            payload.put_u32(count);
+            for _ in 0..count {
+                payload.put_u32(0);
+            }
+            payload.freeze()
+        };
+        let max = crate::internal::MAX_RECORDS_PER_MESSAGE as u32;
+        let at = PublishBatch::decode(Flags(0x0001), &batch(max)).unwrap();
+        assert_eq!(at.payloads.len(), max as usize);
+        for over in [max + 1, max * 4] {
+            let kept = PublishBatch::decode(Flags(0x0001), &batch(over)).unwrap();
+            assert_eq!(kept.payloads.len(), max as usize + 1, "{over}");
+            assert!(kept.payloads.capacity() <= max as usize + 1, "{over}");
+        }
     }
 
     #[test]
