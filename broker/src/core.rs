@@ -362,7 +362,11 @@ pub async fn pause_cut_poll(
     }
 }
 
-/// A request this core sent and awaits the answer to.
+/// Whether `op` is a group poll that may wait (one its asker may cancel).
+fn waiting_poll(op: &crate::groups::GroupOp) -> bool {
+    matches!(op, crate::groups::GroupOp::Poll { wait_ms, .. } if *wait_ms > 0)
+}
+
 /// A waiting group poll this core asked another for, cancelled there when dropped
 /// before its answer came (its client left): otherwise the owner went on waiting, claimed
 /// what came, counted an attempt and answered nobody, and the records waited out their
@@ -385,6 +389,7 @@ impl Drop for CancelPoll {
     }
 }
 
+/// A request this core sent and awaits the answer to.
 struct Pending {
     owner: CoreId,
     /// A long poll counted among `owner`'s waiting polls: its shard (for the tenant).
@@ -2781,8 +2786,13 @@ impl CoreBroker {
         let owner = self.owner(&key);
         if owner == self.core && self.held(&key) {
             let k = key.clone();
+            let waits = waiting_poll(&op);
             return self
-                .after_arrival(&k, move |c| Box::pin(async move { c.group(key, op).await }))
+                .after_arrival_or_not(
+                    &k,
+                    move |c| Box::pin(async move { c.group(key, op).await }),
+                    waits,
+                )
                 .await;
         }
         if owner == self.core {
@@ -2797,20 +2807,23 @@ impl CoreBroker {
                 .admit_poll_wait(owner, &key.tenant, &mut op)
                 .then(|| key.clone());
             let cut = asked > 0 && waits.is_none();
-            let mut cancel = CancelPoll {
+            // A poll that waits there is cancelled there if this request is dropped.
+            let mut cancel = (asked > 0 && !cut).then(|| CancelPoll {
                 core: self.clone(),
                 owner,
                 key: key.clone(),
                 asked: None,
-            };
+            });
             let answer = self.ask_bounded(owner, CROSS_CORE_REQUESTS_MAX, waits, |reply| {
-                if asked > 0 && !cut {
-                    cancel.asked = Some(reply);
+                if let Some(c) = cancel.as_mut() {
+                    c.asked = Some(reply);
                 }
                 CoreMsg::Group { key, op, reply }
             });
             let answer = answer.await;
-            cancel.asked = None;
+            if let Some(c) = cancel.as_mut() {
+                c.asked = None;
+            }
             let answer = match answer? {
                 ReplyBody::Group(r) => r,
                 other => Err(BrokerError::Internal(format!(
@@ -2870,9 +2883,12 @@ impl CoreBroker {
         op: crate::groups::GroupOp,
     ) -> Result<crate::groups::GroupAnswer, BrokerError> {
         let k = key.clone();
-        self.through_takeover(key, move |c| {
-            Box::pin(async move { c.group_now(&k, op).await })
-        })
+        let waits = waiting_poll(&op);
+        self.through_takeover_or_not(
+            key,
+            move |c| Box::pin(async move { c.group_now(&k, op).await }),
+            waits,
+        )
         .await
     }
 
@@ -3469,15 +3485,13 @@ impl CoreBroker {
                 let this = self.clone();
                 // A poll that may wait ends when its asker cancels it: dropped, it hands
                 // back what it claimed, uncounted (see `GroupCancel`).
-                let cancelled =
-                    matches!(&op, crate::groups::GroupOp::Poll { wait_ms, .. } if *wait_ms > 0)
-                        .then(|| {
-                            let (tx, rx) = oneshot::channel();
-                            self.polls_asked
-                                .borrow_mut()
-                                .insert((reply.core, reply.id), tx);
-                            rx
-                        });
+                let cancelled = waiting_poll(&op).then(|| {
+                    let (tx, rx) = oneshot::channel();
+                    self.polls_asked
+                        .borrow_mut()
+                        .insert((reply.core, reply.id), tx);
+                    rx
+                });
                 task::spawn(async move {
                     let _guard = guard;
                     let served = this.group_local(&key, op);

@@ -189,9 +189,10 @@ impl Client {
     /// Hands a claimed record back, owed again after `delay` (zero: at once).
     /// `attempts` is the delivery's (its [`GroupRecord`]'s `attempts`): the broker then
     /// hands back only that delivery's claim, and answers `claim_gone` once it lapsed
-    /// and went to another consumer. Without it (0) the nack takes back whichever
-    /// claim holds the record now, another consumer's included, and spends one of its
-    /// attempts.
+    /// and went to another consumer. Without it (0), or to a broker that does not
+    /// serve `GROUP_CLAIM_CONTROL` (where it is not sent), the nack takes back
+    /// whichever claim holds the record now, another consumer's included, and spends
+    /// one of its attempts.
     pub async fn group_nack(
         &self,
         g: &GroupRef,
@@ -200,12 +201,10 @@ impl Client {
         delay: Duration,
     ) -> Result<(), ClientError> {
         self.require(Features::CONSUMER_GROUP, "group_nack")?;
-        if !delay.is_zero() || attempts != 0 {
-            self.require(
-                Features::GROUP_CLAIM_CONTROL,
-                "group_nack with a delay or an attempt",
-            )?;
+        if !delay.is_zero() {
+            self.require(Features::GROUP_CLAIM_CONTROL, "group_nack with a delay")?;
         }
+        let named = self.require(Features::GROUP_CLAIM_CONTROL, "").is_ok();
         let m = self.group_message(g, |tenant_id, namespace, stream, shard, group, rid| {
             Message::GroupNack {
                 tenant_id,
@@ -216,7 +215,7 @@ impl Client {
                 offset: Offset(offset),
                 request_id: rid,
                 delay_ms: (!delay.is_zero()).then_some(delay.as_millis() as u64),
-                attempts: (attempts != 0).then_some(attempts),
+                attempts: (named && attempts != 0).then_some(attempts),
             }
         });
         self.group_settle(m, "group_nack").await

@@ -74,7 +74,8 @@ pub type Answer<T> = Pin<Box<dyn std::future::Future<Output = Result<T, BrokerEr
 /// waiting request), so the next held call starts without waiting for this one.
 pub(super) fn answer_when_done<T: 'static>(
     mut answer: Answer<T>,
-    tx: oneshot::Sender<Result<T, BrokerError>>,
+    mut tx: oneshot::Sender<Result<T, BrokerError>>,
+    cancellable: bool,
 ) {
     // Polled once here, before the caller's next held call: a call claims its place
     // (its offsets) on its first poll, so held calls claim in the order they came and
@@ -87,7 +88,23 @@ pub(super) fn answer_when_done<T: 'static>(
         return;
     }
     task::spawn(async move {
-        let _ = tx.send(answer.await);
+        if !cancellable {
+            let _ = tx.send(answer.await);
+            return;
+        }
+        // Dropped with its asker (a waiting poll whose client left): it ends, handing
+        // back what it claimed, instead of waiting on for nobody.
+        let answered = {
+            let gone = tx.cancellation();
+            futures_lite::future::or(async { Some(answer.await) }, async {
+                gone.await;
+                None
+            })
+            .await
+        };
+        if let Some(a) = answered {
+            let _ = tx.send(a);
+        }
     })
     .detach();
 }
@@ -323,7 +340,8 @@ fn msg_reply(msg: &CoreMsg) -> Option<Refusal> {
         CoreMsg::State { reply, .. } => (*reply, |e| ReplyBody::State(Err(e))),
         CoreMsg::Watch { reply, .. } => (*reply, |e| ReplyBody::Watch(Err(e))),
         CoreMsg::Cache { reply, .. } => (*reply, |e| ReplyBody::Cache(Err(e))),
-        // A re-pin's own steps name no shard: never held, never refused here.
+        // No answer to give: a re-pin's own steps (they name no shard, never held), and
+        // messages nobody waits on (held, when they name a shard, but never refused).
         CoreMsg::Move { .. }
         | CoreMsg::Unsubscribe { .. }
         | CoreMsg::GroupCancel { .. }
@@ -409,6 +427,17 @@ impl CoreBroker {
         key: &Arc<ShardKey>,
         call: impl FnOnce(Rc<CoreBroker>) -> Answer<T> + 'static,
     ) -> Answer<T> {
+        self.after_arrival_or_not(key, call, false)
+    }
+
+    /// [`CoreBroker::after_arrival`] for a call dropped when its asker drops the answer
+    /// (a waiting group poll), where the others run to completion.
+    pub(super) fn after_arrival_or_not<T: 'static>(
+        self: &Rc<Self>,
+        key: &Arc<ShardKey>,
+        call: impl FnOnce(Rc<CoreBroker>) -> Answer<T> + 'static,
+        cancellable: bool,
+    ) -> Answer<T> {
         if self.holding() >= HELD_MAX {
             self.metrics
                 .requests_held_refused
@@ -417,7 +446,10 @@ impl CoreBroker {
         }
         let (tx, rx) = oneshot::channel();
         let this = self.clone();
-        self.hold(key, Box::new(move || answer_when_done(call(this), tx)));
+        self.hold(
+            key,
+            Box::new(move || answer_when_done(call(this), tx, cancellable)),
+        );
         Box::pin(async move {
             rx.await
                 .unwrap_or_else(|_| Err(BrokerError::ShardUnavailable("moving".into())))

@@ -87,8 +87,20 @@ impl CoreBroker {
         key: &Arc<ShardKey>,
         call: impl FnOnce(Rc<CoreBroker>) -> Answer<T> + 'static,
     ) -> Answer<T> {
+        self.through_takeover_or_not(key, call, false)
+    }
+
+    /// [`CoreBroker::through_takeover`]; a `cancellable` call held for the takeover is
+    /// dropped when its asker drops the answer (a waiting group poll), where the others
+    /// run to completion.
+    pub(super) fn through_takeover_or_not<T: 'static>(
+        self: &Rc<Self>,
+        key: &Arc<ShardKey>,
+        call: impl FnOnce(Rc<CoreBroker>) -> Answer<T> + 'static,
+        cancellable: bool,
+    ) -> Answer<T> {
         if self.taking_over(key) {
-            self.after_takeover(key, call)
+            self.after_takeover(key, call, cancellable)
         } else {
             call(self.clone())
         }
@@ -100,6 +112,7 @@ impl CoreBroker {
         self: &Rc<Self>,
         key: &Arc<ShardKey>,
         call: impl FnOnce(Rc<CoreBroker>) -> Answer<T> + 'static,
+        cancellable: bool,
     ) -> Answer<T> {
         let (tx, rx) = oneshot::channel();
         let this = self.clone();
@@ -110,7 +123,7 @@ impl CoreBroker {
             }
             // Called in arrival order with no await between calls: offsets are claimed
             // in that order.
-            answer_when_done(call(this), tx);
+            answer_when_done(call(this), tx, cancellable);
         });
         let first = {
             let mut map = self.takeover_held.borrow_mut();

@@ -170,7 +170,8 @@ pub struct Durable {
 /// offsets held each one, without bound, and grew the group's snapshot past its limit
 /// (after which every build folded the shard's whole log). Gaps between runs are records
 /// not finished yet: claimed, owed, or not handed out, so there are at most as many
-/// runs as claims and owed records, plus one.
+/// runs as claims and owed records, plus one. Offsets are below `u64::MAX` (a log's
+/// never reach it): that one cannot be held.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Runs(BTreeMap<u64, u64>);
 

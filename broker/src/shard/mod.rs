@@ -703,7 +703,29 @@ const COMPACT_HOLD_ADDS: std::time::Duration = std::time::Duration::from_secs(2)
 /// it lives: dropped, it lets them go, whatever way the compaction ended.
 struct HeldAdds<'a> {
     shard: &'a CacheShard,
-    names: Vec<String>,
+    names: std::collections::HashSet<String>,
+}
+
+impl HeldAdds<'_> {
+    /// Lets the adds of `done` go (their checkpoints are written: adds claimed from now
+    /// on land above them).
+    fn release(&mut self, done: &[String]) {
+        if self.names.is_empty() {
+            return;
+        }
+        let mut held = self.shard.adds_held.borrow_mut();
+        let mut released = false;
+        for n in done {
+            if self.names.remove(n) {
+                held.remove(n);
+                released = true;
+            }
+        }
+        drop(held);
+        if released {
+            self.shard.changed.wake_all();
+        }
+    }
 }
 
 impl Drop for HeldAdds<'_> {
@@ -1362,8 +1384,10 @@ impl CacheShard {
         let mut give_up = std::time::Instant::now() + COMPACT_APPLY_WAIT;
         let mut held = HeldAdds {
             shard: self,
-            names: Vec::new(),
+            names: Default::default(),
         };
+        // Whether new adds were held back once (they are once at most).
+        let mut holding = false;
         while !left.is_empty() {
             let (chunk, records) = {
                 let st = self.state.borrow();
@@ -1385,11 +1409,12 @@ impl CacheShard {
                 // wait for those in flight to land. Still in flight after that long (a
                 // replicated add of unknown outcome): checkpoint them next time
                 // (nothing below the cut is removed).
-                if held.names.is_empty() {
+                if !holding {
+                    holding = true;
                     let mut adds_held = self.adds_held.borrow_mut();
                     for n in &left {
                         if adds_held.insert(n.clone()) {
-                            held.names.push(n.clone());
+                            held.names.insert(n.clone());
                         }
                     }
                     give_up = give_up.min(std::time::Instant::now() + COMPACT_HOLD_ADDS);
@@ -1407,6 +1432,7 @@ impl CacheShard {
                 left.remove(n);
             }
             if records.is_empty() {
+                held.release(&chunk);
                 continue;
             }
             let guards: Vec<_> = chunk.iter().map(|n| self.counter_write(n)).collect();
@@ -1415,6 +1441,7 @@ impl CacheShard {
             writes.apply(self, first, &records);
             counters += records.len();
             drop(guards);
+            held.release(&chunk);
         }
         drop(held);
         let segments = writes.finish(cut, now.wall_micros).await?;
