@@ -195,28 +195,21 @@ impl<C: Clone> PeerTable<C> {
     }
 }
 
-/// Re-frames a received frame (header plus the zero-copy payload) for sending on.
-pub fn reframe(frame: &Frame) -> Bytes {
+/// A frame of `flags` around `payload`.
+pub fn reframe_parts(flags: Flags, payload: &[u8]) -> Bytes {
     let header = FrameHeader {
-        flags: frame.flags,
-        length: frame.payload.len() as u32,
+        flags,
+        length: payload.len() as u32,
     };
-    let mut out = BytesMut::with_capacity(12 + frame.payload.len());
+    let mut out = BytesMut::with_capacity(12 + payload.len());
     out.extend_from_slice(&header.to_bytes());
-    out.extend_from_slice(&frame.payload);
+    out.extend_from_slice(payload);
     out.freeze()
 }
 
 /// Frames a raw JSON message.
 pub fn json_frame(raw: &[u8]) -> Bytes {
-    let header = FrameHeader {
-        flags: Flags::JSON,
-        length: raw.len() as u32,
-    };
-    let mut out = BytesMut::with_capacity(12 + raw.len());
-    out.extend_from_slice(&header.to_bytes());
-    out.extend_from_slice(raw);
-    out.freeze()
+    reframe_parts(Flags::JSON, raw)
 }
 
 /// The leader's refusal of the forwarded `auth`, as our own error.

@@ -60,7 +60,7 @@ pub struct Publish {
     /// Who is owed the answer.
     pub answer: AnswerTo,
     /// The request as received, framed again for a leader if it must be forwarded.
-    pub wire: Bytes,
+    pub wire: Received,
     /// What it is written under (an idempotent producer's batch, a `publish_if`).
     pub condition: Option<WriteIf>,
 }
@@ -142,7 +142,7 @@ pub struct CacheRequest {
     /// What to do.
     pub op: CacheRequestOp,
     /// The request as received, for forwarding.
-    pub wire: Bytes,
+    pub wire: Received,
 }
 
 /// One request, decoded once.
@@ -251,7 +251,7 @@ pub enum Request {
         /// The commit (event, changes, expected tail) or the key to read.
         op: StateRequest,
         /// The request as received, for forwarding.
-        wire: Bytes,
+        wire: Received,
     },
     /// A consumer-group request.
     Group {
@@ -391,6 +391,31 @@ pub struct CacheReply {
     pub put: bool,
 }
 
+/// A request as it came (its frame's flags and payload, shared with the received
+/// buffer), framed again only if it is forwarded to the shard's leader: every request
+/// was copied into a new frame when decoded, whether or not it was forwarded (nearly
+/// none are), a copy of each publish and cache value on the request path.
+#[derive(Debug, Clone)]
+pub struct Received {
+    flags: felix_wire::Flags,
+    payload: Bytes,
+}
+
+impl Received {
+    /// A JSON request's payload.
+    fn json(raw: &Bytes) -> Received {
+        Received {
+            flags: felix_wire::Flags::JSON,
+            payload: raw.clone(),
+        }
+    }
+
+    /// The request framed as it came, for the leader.
+    pub fn framed(&self) -> Bytes {
+        crate::forward::reframe_parts(self.flags, &self.payload)
+    }
+}
+
 /// Longest cache key.
 pub const CACHE_KEY_MAX_BYTES: usize = 4096;
 
@@ -419,7 +444,10 @@ pub fn decode(frame: &Frame, answered: bool) -> Request {
                 key: b.key,
                 shard: None,
                 records: b.payloads,
-                wire: crate::forward::reframe(frame),
+                wire: Received {
+                    flags: frame.flags,
+                    payload: frame.payload.clone(),
+                },
             }),
             Err(e) => Request::Refused {
                 error: BrokerError::InvalidRequest(e.to_string()),
@@ -478,7 +506,7 @@ fn json_publish(
         shard: shard.map(|s| s.0),
         records,
         answer: owed(answer),
-        wire: crate::forward::json_frame(raw),
+        wire: Received::json(raw),
         condition: None,
     })
 }
@@ -835,7 +863,7 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
                     .collect(),
                 expected: expected_offset.map(|o| o.0),
             },
-            wire: crate::forward::json_frame(raw),
+            wire: Received::json(raw),
         },
         Message::StateGet {
             tenant_id,
@@ -851,7 +879,7 @@ fn from_message(m: Message, raw: &Bytes, owed: impl Fn(AnswerTo) -> AnswerTo) ->
             entity_key,
             request_id,
             op: StateRequest::Get(key),
-            wire: crate::forward::json_frame(raw),
+            wire: Received::json(raw),
         },
         Message::Auth { .. } => Request::Refused {
             error: BrokerError::InvalidRequest("second auth on an authenticated stream".into()),
@@ -1117,7 +1145,7 @@ fn cache_request(
         key,
         request_id,
         op,
-        wire: crate::forward::json_frame(raw),
+        wire: Received::json(raw),
     })
 }
 
@@ -1417,7 +1445,7 @@ pub fn decide(
                 }
                 Ok((Resolved::Remote(route), _)) => Action::Forward {
                     route,
-                    frame: wire,
+                    frame: wire.framed(),
                     answer: Forwarded::Json,
                 },
                 Ok((Resolved::Unavailable(reason), _)) => {
@@ -1555,7 +1583,7 @@ fn publish(
         },
         Resolved::Remote(route) => Action::Forward {
             route,
-            frame: p.wire,
+            frame: p.wire.framed(),
             answer: Forwarded::Publish(answer),
         },
         Resolved::Unavailable(reason) => refuse(BrokerError::ShardUnavailable(reason.into())),
@@ -1622,7 +1650,7 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
         }
         Resolved::Remote(route) => Action::Forward {
             route,
-            frame: c.wire,
+            frame: c.wire.framed(),
             answer: Forwarded::Json,
         },
         Resolved::Unavailable(reason) => error(BrokerError::ShardUnavailable(reason.into())),
@@ -1898,7 +1926,7 @@ mod tests {
             shard: None,
             records: vec![Bytes::new(); 100_000],
             answer: AnswerTo::Nothing,
-            wire: Bytes::new(),
+            wire: Received::json(&Bytes::new()),
             condition: None,
         };
         assert!(p.bytes() >= 100_000 * 32, "charged {} bytes", p.bytes());
