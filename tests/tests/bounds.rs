@@ -479,6 +479,78 @@ fn answers_done_behind_a_waiting_one_are_bounded() {
     });
 }
 
+/// Gets of a large value pipelined on several streams, no answer read: past the
+/// connection's bound on unwritten answers the connection is closed before the rest are
+/// encoded. Each get's answer (base64 of the value) was encoded in its own task before
+/// the bound counted any, so 4 streams of 64 gets of an 8 MiB value encoded about
+/// 2.7 GB, the close coming after all of them.
+#[test]
+fn pipelined_gets_of_a_large_value_are_bounded_before_they_are_encoded() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(
+        &dir,
+        "max_unwritten_answer_bytes_per_connection: 67108864\n",
+    );
+    // The broker's peak resident size so far (`VmHWM`), in KiB.
+    let peak_kib = || {
+        std::fs::read_to_string(format!("/proc/{}/status", b.pid()))
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap()
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        let value = bytes::Bytes::from(vec![7u8; 8 << 20]);
+        s.write_all(&cache_put("large", "v", value)).await.unwrap();
+        read_answers(&mut r, 2).await;
+        let before = peak_kib().max(b.rss_kib());
+        let get = Message::CacheGet {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            cache: "large".into(),
+            key: "v".into(),
+            request_id: None,
+        }
+        .to_frame();
+        let mut streams = Vec::new();
+        for _ in 0..4 {
+            let (mut s, r) = conn.open_bi().await.unwrap();
+            s.write_all(&auth(&b)).await.unwrap();
+            for _ in 0..64 {
+                s.write_all(&get).await.unwrap();
+            }
+            streams.push((s, r));
+        }
+        let reason = tokio::time::timeout(Duration::from_secs(60), conn.closed())
+            .await
+            .expect("the connection is closed past its bound");
+        // (Its code can be lost under a full congestion window, quinn-rs/quinn#2785:
+        // then the client learns of the close from a stateless reset.)
+        match reason {
+            quinn::ConnectionError::ApplicationClosed(c) => {
+                assert_eq!(u64::from(c.error_code), 4, "{c:?}")
+            }
+            quinn::ConnectionError::Reset => {}
+            other => panic!("closed otherwise: {other:?}"),
+        }
+        let peak = peak_kib();
+        eprintln!(
+            "gets of a large value: broker peak RSS {} MiB (before them {} MiB)",
+            peak / 1024,
+            before / 1024
+        );
+        assert!(
+            peak < before + RSS_BUDGET_KIB,
+            "peak RSS {peak} KiB over {before} KiB + budget {RSS_BUDGET_KIB} KiB"
+        );
+    });
+}
+
 /// A request that began a shard's first open after a restart and was dropped before
 /// it ended (its connection went away) leaves the shard to be opened again: the slot
 /// stayed `opening`, and every later request of the shard on that core waited for

@@ -296,6 +296,19 @@ impl std::fmt::Debug for Places {
 
 impl Places {
     /// Counts `frame` until the returned place is dropped (the writer took it).
+    /// Whether an answer of about `bytes` still fits the connection's bound on unwritten
+    /// answers: counted a moment first, so one past the bound closes the connection
+    /// before it is encoded, not after. A cache value's answer is encoded (base64 of
+    /// up to 16 MiB) in its own task once the value is read, and 256 gets of a large
+    /// value pipelined on a stream each encoded theirs before the bound counted any:
+    /// gigabytes for one stream, the bound's close coming after all of them.
+    fn fits(&self, bytes: usize) -> bool {
+        count_held(&self.core, Holding::Unwritten, self.conn, 0, bytes);
+        let open = self.core.unwritten.borrow().is_open(self.conn);
+        count_held(&self.core, Holding::Unwritten, self.conn, bytes, 0);
+        open
+    }
+
     fn place(&self, frame: Bytes) -> (Bytes, Place) {
         let bytes = frame.len();
         self.placed.set(self.placed.get() + bytes);
@@ -1034,10 +1047,16 @@ async fn execute(
             let (encoding, places) = (session.clone(), answers.places.clone());
             let started = run_to_completion(async move {
                 let _held = held;
-                let result = match written {
+                let mut result = match written {
                     Ok(()) => core.cache(key, op).await,
                     Err(e) => Err(e),
                 };
+                if let Ok(CacheAnswer::Value(Some(v), _)) = &result
+                    && !places.fits(v.len().div_ceil(3) * 4 + 512)
+                {
+                    // Its connection is closed for answers unread: nobody reads this.
+                    result = Err(BrokerError::Overloaded("answers unread".into()));
+                }
                 places.place(cache_answer(&encoding, reply, result))
             });
             answers.push(Answer::Pending(Box::pin(async move {

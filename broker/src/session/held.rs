@@ -113,6 +113,11 @@ impl<I: Copy + Eq + Hash, H: Clone> HeldBytes<I, H> {
         None
     }
 
+    /// Whether `id` is counted here: open, not closed for a bound nor ended.
+    pub fn is_open(&self, id: I) -> bool {
+        self.conns.contains_key(&id)
+    }
+
     /// Bytes held for `id` (0 once forgotten).
     pub fn held(&self, id: I) -> usize {
         self.conns.get(&id).map_or(0, |c| c.bytes)
