@@ -3504,7 +3504,8 @@ impl CoreBroker {
                                     "the asking request was dropped".into(),
                                 ))
                             };
-                            futures_lite::future::or(served, gone).await
+                            // The asker's leaving first (see `answer_when_done`).
+                            futures_lite::future::or(gone, served).await
                         }
                     };
                     {

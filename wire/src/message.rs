@@ -403,7 +403,7 @@ pub enum Message {
         /// Stream.
         stream: String,
         /// The records.
-        #[serde(with = "crate::b64::vec")]
+        #[serde(with = "crate::b64::vec_capped")]
         payloads: Vec<Bytes>,
         /// Routing key.
         #[serde(
@@ -467,7 +467,7 @@ pub enum Message {
         /// Stream.
         stream: String,
         /// The records.
-        #[serde(with = "crate::b64::vec")]
+        #[serde(with = "crate::b64::vec_capped")]
         payloads: Vec<Bytes>,
         /// Routing key.
         #[serde(
@@ -495,7 +495,7 @@ pub enum Message {
         /// Stream.
         stream: String,
         /// The records.
-        #[serde(with = "crate::b64::vec")]
+        #[serde(with = "crate::b64::vec_capped")]
         payloads: Vec<Bytes>,
         /// Routing key.
         #[serde(

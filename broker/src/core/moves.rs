@@ -82,6 +82,10 @@ pub(super) fn answer_when_done<T: 'static>(
     // ahead of every request whose task was spawned meanwhile. Only spawned, each ran
     // behind those tasks, and a pipelined writer's later put landed before its earlier
     // one. (The task's first poll registers its own waker.)
+    if cancellable && tx.is_canceled() {
+        // Its asker left while it was held: not begun, it claims nothing.
+        return;
+    }
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     if let std::task::Poll::Ready(answered) = answer.as_mut().poll(&mut cx) {
         let _ = tx.send(answered);
@@ -94,12 +98,17 @@ pub(super) fn answer_when_done<T: 'static>(
         }
         // Dropped with its asker (a waiting poll whose client left): it ends, handing
         // back what it claimed, instead of waiting on for nobody.
+        // The asker's leaving first: a poll whose answer and cancellation come at once
+        // is dropped, handing its claims back, rather than answering nobody.
         let answered = {
             let gone = tx.cancellation();
-            futures_lite::future::or(async { Some(answer.await) }, async {
-                gone.await;
-                None
-            })
+            futures_lite::future::or(
+                async {
+                    gone.await;
+                    None
+                },
+                async { Some(answer.await) },
+            )
             .await
         };
         if let Some(a) = answered {

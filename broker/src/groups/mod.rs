@@ -527,6 +527,9 @@ pub struct GroupShard {
     /// Offsets just above a record known to hold none, from the reads and writes the
     /// groups make anyway: a poll's first record's `skipped_before` without a read.
     known_empty: Rc<Cell<KnownEmpty>>,
+    /// A claim found no room under the shard's bound on claims (every group's): the
+    /// next settle wakes the waiting polls, as one of a full group does.
+    at_shard_bound: Cell<bool>,
 }
 
 /// Two stretches of the shard's log, one right above the other: offsets known to hold
@@ -930,6 +933,7 @@ impl GroupShard {
             lead_check: RefCell::new(None),
             built: Built::default(),
             known_empty: Rc::default(),
+            at_shard_bound: Cell::new(false),
         }
     }
 
@@ -1192,7 +1196,7 @@ impl GroupShard {
                 let Some(e) = e.map_err(refused)? else {
                     return Ok(GroupAnswer::Done);
                 };
-                if was_full {
+                if was_full || self.at_shard_bound.replace(false) {
                     self.settled.wake_all();
                 }
                 let _writing = DeadWriting::start(self, &group, &[o]);
@@ -1351,8 +1355,10 @@ impl GroupShard {
                 .tracker(group, |t| (t.is_full(), t.ack(o)))
                 .map_or_else(|| (false, Err(no_group(group, false))), |(f, e)| (f, e));
             let event = event.map_err(refused)?;
-            if was_full && event.is_some() {
-                // Room under the in-flight cap: polls held back by it look again now.
+            if (was_full || self.at_shard_bound.get()) && event.is_some() {
+                // Room under the in-flight cap (the group's or the shard's): polls held
+                // back by it look again now.
+                self.at_shard_bound.set(false);
                 self.settled.wake_all();
             }
             if self.limits.unwritten_acks {
@@ -1458,9 +1464,24 @@ impl GroupShard {
             self.after_changes(group).await;
             let base = stream.log.base_offset();
             let tail = stream.fanout_end();
-            // The room for new claims left under the shard's bound (every group's).
-            let held: usize = self.groups.borrow().values().map(Tracker::held).sum();
-            let max_new = self.limits.max_in_flight_per_shard.saturating_sub(held);
+            // The room for new claims left under the shard's bound (every group's); no
+            // need to count while the groups together cannot reach it.
+            let max_new = {
+                let groups = self.groups.borrow();
+                let limits = &self.limits;
+                if groups.len().saturating_mul(limits.max_in_flight)
+                    <= limits.max_in_flight_per_shard
+                {
+                    usize::MAX
+                } else {
+                    let held: usize = groups.values().map(Tracker::held).sum();
+                    let room = limits.max_in_flight_per_shard.saturating_sub(held);
+                    if room == 0 {
+                        self.at_shard_bound.set(true);
+                    }
+                    room
+                }
+            };
             let Some(claimed) = self.tracker(group, |t| {
                 t.skip_below(base);
                 t.claim_within(
@@ -2588,11 +2609,40 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(poll("b", 4).await, vec![0]);
-            // Settled claims give room back.
-            for o in [0, 1] {
-                g.serve(&stream, GroupOp::Ack("a".into(), o)).await.unwrap();
-            }
-            assert_eq!(poll("c", 4).await, vec![0, 1]);
+            // Settled claims give room back, and a poll waiting at the bound is woken
+            // for it (not left to its next look, 100 ms on).
+            let waiting = g.serve(
+                &stream,
+                GroupOp::Poll {
+                    group: "c".into(),
+                    max: 4,
+                    wait_ms: 5_000,
+                    visibility_ms: 0,
+                    member: None,
+                },
+            );
+            let mut waiting = std::pin::pin!(waiting);
+            use futures_lite::future::poll_once;
+            assert!(poll_once(&mut waiting).await.is_none(), "nothing to claim");
+            assert_eq!(g.settled.waiting(), 1, "the poll waits");
+            g.serve(&stream, GroupOp::Ack("a".into(), 0)).await.unwrap();
+            assert_eq!(
+                g.settled.waiting(),
+                0,
+                "the waiting poll was not woken when room came back"
+            );
+            let answer = loop {
+                if let Some(answer) = poll_once(&mut waiting).await {
+                    break answer;
+                }
+                felix_core_runtime::task::sleep(Duration::from_millis(1)).await;
+            };
+            let Ok(GroupAnswer::Records(r)) = answer else {
+                panic!("{answer:?}");
+            };
+            assert_eq!(r.iter().map(|r| r.offset.0).collect::<Vec<_>>(), vec![0]);
+            g.serve(&stream, GroupOp::Ack("a".into(), 1)).await.unwrap();
+            assert_eq!(poll("c", 4).await, vec![1]);
         });
     }
 

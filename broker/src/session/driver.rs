@@ -295,7 +295,6 @@ impl std::fmt::Debug for Places {
 }
 
 impl Places {
-    /// Counts `frame` until the returned place is dropped (the writer took it).
     /// Whether an answer of about `bytes` still fits the connection's bound on unwritten
     /// answers: counted a moment first, so one past the bound closes the connection
     /// before it is encoded, not after. A cache value's answer is encoded (base64 of
@@ -309,6 +308,7 @@ impl Places {
         open
     }
 
+    /// Counts `frame` until the returned place is dropped (the writer took it).
     fn place(&self, frame: Bytes) -> (Bytes, Place) {
         let bytes = frame.len();
         self.placed.set(self.placed.get() + bytes);
@@ -1052,7 +1052,8 @@ async fn execute(
                     Err(e) => Err(e),
                 };
                 if let Ok(CacheAnswer::Value(Some(v), _)) = &result
-                    && !places.fits(v.len().div_ceil(3) * 4 + 512)
+                    && !reply.put
+                    && !places.fits(encoded_len(v.len()))
                 {
                     // Its connection is closed for answers unread: nobody reads this.
                     result = Err(BrokerError::Overloaded("answers unread".into()));
@@ -1149,10 +1150,16 @@ async fn execute(
             let (encoding, places) = (session.clone(), answers.places.clone());
             let started = run_to_completion(async move {
                 let _held = held;
-                let result = match written {
+                let mut result = match written {
                     Ok(()) => core.state(key, op).await,
                     Err(e) => Err(e),
                 };
+                // As a cache value's (see `Places::fits`).
+                if let Ok(crate::core::StateAnswer::Value(Some((v, _)), _)) = &result
+                    && !places.fits(encoded_len(v.len()))
+                {
+                    result = Err(BrokerError::Overloaded("answers unread".into()));
+                }
                 places.place(state_answer(&encoding, request_id, result))
             });
             answers.push(Answer::Pending(Box::pin(async move {
@@ -1313,6 +1320,12 @@ fn run_to_completion<T: 'static>(
     })
     .detach();
     rx
+}
+
+/// About the bytes of an answer carrying a `len`-byte value (base64, and the rest of
+/// the message).
+fn encoded_len(len: usize) -> usize {
+    len.div_ceil(3) * 4 + 512
 }
 
 fn state_answer(
