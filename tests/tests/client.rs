@@ -849,32 +849,18 @@ fn our_sdk_and_the_felix_command_serve_consumer_groups() {
         let first = c.group_poll(&g, brief).await.unwrap();
         assert_eq!((first[0].offset.0, first[0].attempts), (0, 1));
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let second = c
-            .group_poll(
-                &g,
-                PollOptions {
-                    max_records: 1,
-                    ..quick
-                },
-            )
-            .await
-            .unwrap();
+        let one = PollOptions {
+            max_records: 1,
+            ..quick
+        };
+        let second = c.group_poll(&g, one).await.unwrap();
         assert_eq!((second[0].offset.0, second[0].attempts), (0, 2));
         let e = c
             .group_nack(&g, 0, first[0].attempts, Duration::ZERO)
             .await
             .unwrap_err();
         assert!(e.to_string().contains("claim"), "{e}");
-        let third = c
-            .group_poll(
-                &g,
-                PollOptions {
-                    max_records: 1,
-                    ..quick
-                },
-            )
-            .await
-            .unwrap();
+        let third = c.group_poll(&g, one).await.unwrap();
         assert_eq!(
             third.iter().map(|r| r.offset.0).collect::<Vec<_>>(),
             vec![1],

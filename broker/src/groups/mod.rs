@@ -3004,88 +3004,73 @@ mod tests {
         );
     }
 
+    /// Sends a settle of offset 0 of group "w" (`send`) twice, the first sending's write
+    /// held, then a delete of the group, and fails the first write: the second sending
+    /// writes only once the delete is applied, and then finds no group (`what` it is).
+    async fn a_resend_behind_a_delete<F, Fut>(send: F, what: &str)
+    where
+        F: Fn(Rc<GroupShard>, Rc<StreamShard>) -> Fut,
+        Fut: Future<Output = Result<GroupAnswer, BrokerError>>,
+    {
+        use futures_lite::future::poll_once;
+        let dir = tempfile::tempdir().unwrap();
+        let stream = Rc::new(stream_in(dir.path()).await);
+        let (g, writes) = shard_with_a_claim();
+        let g = Rc::new(g);
+        let mut first = std::pin::pin!(send(g.clone(), stream.clone()));
+        assert!(poll_once(&mut first).await.is_none());
+        let mut again = std::pin::pin!(send(g.clone(), stream.clone()));
+        assert!(poll_once(&mut again).await.is_none());
+        let mut delete = std::pin::pin!(g.serve(&stream, GroupOp::Delete("w".into())));
+        assert!(poll_once(&mut delete).await.is_none());
+        assert_eq!(
+            writes.borrow().len(),
+            2,
+            "the first {what}'s and the delete's"
+        );
+        first_write(&writes)
+            .send(Err(BrokerError::Unacknowledged("lost".into())))
+            .unwrap();
+        assert!(first.await.is_err());
+        for _ in 0..10 {
+            assert!(poll_once(&mut again).await.is_none());
+            felix_core_runtime::task::yield_now().await;
+        }
+        assert_eq!(
+            writes.borrow().len(),
+            1,
+            "the {what} sent again wrote while the delete was being written"
+        );
+        first_write(&writes).send(appended()).unwrap();
+        assert!(matches!(delete.await, Ok(GroupAnswer::Deleted(true))));
+        assert!(again.await.is_err(), "a {what} of a deleted group");
+        assert!(writes.borrow().is_empty());
+        assert!(!g.has("w"));
+    }
+
     /// An ack retried while the first ack's write is out, whose first write then fails,
     /// writes again only after a delete of its group being written meanwhile is
     /// applied: then it finds no group. Written before (as it was), it answered "acked"
     /// and its event, after the delete in the log, brought the group back at 0.
     #[test]
     fn a_retried_ack_waits_for_a_delete_of_its_group_being_written() {
-        use futures_lite::future::poll_once;
-        felix_core_runtime::task::block_on(async {
-            let dir = tempfile::tempdir().unwrap();
-            let stream = stream_in(dir.path()).await;
-            let (g, writes) = shard_with_a_claim();
-            let mut first = std::pin::pin!(g.ack("w", 0));
-            assert!(poll_once(&mut first).await.is_none());
-            let mut again = std::pin::pin!(g.ack("w", 0));
-            assert!(poll_once(&mut again).await.is_none());
-            let mut delete = std::pin::pin!(g.serve(&stream, GroupOp::Delete("w".into())));
-            assert!(poll_once(&mut delete).await.is_none());
-            assert_eq!(writes.borrow().len(), 2, "the first ack's and the delete's");
-            let answer = first_write(&writes);
-            answer
-                .send(Err(BrokerError::Unacknowledged("lost".into())))
-                .unwrap();
-            assert!(first.await.is_err());
-            for _ in 0..10 {
-                assert!(poll_once(&mut again).await.is_none());
-                felix_core_runtime::task::yield_now().await;
-            }
-            assert_eq!(
-                writes.borrow().len(),
-                1,
-                "the retried ack wrote while the delete was being written"
-            );
-            first_write(&writes).send(appended()).unwrap();
-            assert!(matches!(delete.await, Ok(GroupAnswer::Deleted(true))));
-            assert!(again.await.is_err(), "an ack of a deleted group");
-            assert!(writes.borrow().is_empty());
-        });
+        felix_core_runtime::task::block_on(a_resend_behind_a_delete(
+            |g, _| async move { g.ack("w", 0).await },
+            "ack",
+        ));
     }
 
     /// A dead letter sent again while the first sending's write is out, whose first
     /// write then fails, writes only after a delete of its group being written
-    /// meanwhile is applied, as a retried ack does: then it finds no group. Written
-    /// before, its event followed the delete in the log and brought the group back,
-    /// with that dead letter, at the next fold.
+    /// meanwhile is applied, as a retried ack does. Written before, its event followed
+    /// the delete in the log and brought the group back, with that dead letter, at the
+    /// next fold.
     #[test]
     fn a_dead_letter_sent_again_waits_for_a_delete_of_its_group_being_written() {
-        use futures_lite::future::poll_once;
-        felix_core_runtime::task::block_on(async {
-            let dir = tempfile::tempdir().unwrap();
-            let stream = stream_in(dir.path()).await;
-            let (g, writes) = shard_with_a_claim();
-            let dead = || g.serve(&stream, GroupOp::DeadLetter("w".into(), 0));
-            let mut first = std::pin::pin!(dead());
-            assert!(poll_once(&mut first).await.is_none());
-            let mut again = std::pin::pin!(dead());
-            assert!(poll_once(&mut again).await.is_none());
-            let mut delete = std::pin::pin!(g.serve(&stream, GroupOp::Delete("w".into())));
-            assert!(poll_once(&mut delete).await.is_none());
-            assert_eq!(
-                writes.borrow().len(),
-                2,
-                "the first dead letter's and the delete's"
-            );
-            first_write(&writes)
-                .send(Err(BrokerError::Unacknowledged("lost".into())))
-                .unwrap();
-            assert!(first.await.is_err());
-            for _ in 0..10 {
-                assert!(poll_once(&mut again).await.is_none());
-                felix_core_runtime::task::yield_now().await;
-            }
-            assert_eq!(
-                writes.borrow().len(),
-                1,
-                "the dead letter sent again wrote while the delete was being written"
-            );
-            first_write(&writes).send(appended()).unwrap();
-            assert!(matches!(delete.await, Ok(GroupAnswer::Deleted(true))));
-            assert!(again.await.is_err(), "a dead letter of a deleted group");
-            assert!(writes.borrow().is_empty());
-            assert!(!g.has("w"));
-        });
+        felix_core_runtime::task::block_on(a_resend_behind_a_delete(
+            |g, stream| async move { g.serve(&stream, GroupOp::DeadLetter("w".into(), 0)).await },
+            "dead letter",
+        ));
     }
 
     /// A seek, create or delete applies once durable, an ack or a claim at once: a
