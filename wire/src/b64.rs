@@ -96,9 +96,10 @@ pub(crate) mod vec {
 }
 
 /// [`vec`] for a request's records: past [`crate::internal::MAX_RECORDS_PER_MESSAGE`]
-/// only one more is kept (the rest are read and checked, not kept). A 16 MiB JSON batch
-/// of empty records names about 5.6 million, a list of about 180 MB, for a batch the
-/// broker refuses by its count anyway.
+/// only one more is kept (the rest are read and checked, not kept), for a batch the
+/// broker refuses by its count anyway. (The broker's decoder refuses a request of more
+/// than a million JSON values first; up to that, serde's tagged-enum buffering still
+/// holds each value once, and this saves the second list.)
 pub(crate) mod vec_capped {
     use super::*;
 

@@ -1258,6 +1258,8 @@ impl GroupShard {
                     .entry(group)
                     .or_insert_with(|| Tracker::new(target, self.limits))
                     .apply(Event::Seek(target));
+                // Its claims and owed records are gone: room under the shard's bound.
+                self.room_under_shard_bound();
                 Ok(GroupAnswer::Position(target, before != Some(target)))
             }
             GroupOp::Describe(group) => {
@@ -1284,8 +1286,17 @@ impl GroupShard {
                 let _changing = Changing::start(self, &group);
                 self.write(&group, &[None]).await?;
                 self.groups.borrow_mut().remove(&group);
+                self.room_under_shard_bound();
                 Ok(GroupAnswer::Deleted(true))
             }
+        }
+    }
+
+    /// Claims left the shard's groups (a seek, a delete): polls waiting at the shard's
+    /// bound look again now.
+    fn room_under_shard_bound(&self) {
+        if self.at_shard_bound.replace(false) {
+            self.settled.wake_all();
         }
     }
 
@@ -1464,23 +1475,16 @@ impl GroupShard {
             self.after_changes(group).await;
             let base = stream.log.base_offset();
             let tail = stream.fanout_end();
-            // The room for new claims left under the shard's bound (every group's); no
-            // need to count while the groups together cannot reach it.
+            // The room for new claims left under the shard's bound (every group's).
+            // Counted every pass: a redrive owes records past a group's own cap, so no
+            // product of groups and caps bounds what they hold.
             let max_new = {
-                let groups = self.groups.borrow();
-                let limits = &self.limits;
-                if groups.len().saturating_mul(limits.max_in_flight)
-                    <= limits.max_in_flight_per_shard
-                {
-                    usize::MAX
-                } else {
-                    let held: usize = groups.values().map(Tracker::held).sum();
-                    let room = limits.max_in_flight_per_shard.saturating_sub(held);
-                    if room == 0 {
-                        self.at_shard_bound.set(true);
-                    }
-                    room
+                let held: usize = self.groups.borrow().values().map(Tracker::held).sum();
+                let room = self.limits.max_in_flight_per_shard.saturating_sub(held);
+                if room == 0 {
+                    self.at_shard_bound.set(true);
                 }
+                room
             };
             let Some(claimed) = self.tracker(group, |t| {
                 t.skip_below(base);
@@ -2643,6 +2647,31 @@ mod tests {
             assert_eq!(r.iter().map(|r| r.offset.0).collect::<Vec<_>>(), vec![0]);
             g.serve(&stream, GroupOp::Ack("a".into(), 1)).await.unwrap();
             assert_eq!(poll("c", 4).await, vec![1]);
+            // At the bound again (a 2, b 1, c 2): a delete gives room back and wakes too.
+            let waiting = g.serve(
+                &stream,
+                GroupOp::Poll {
+                    group: "d".into(),
+                    max: 4,
+                    wait_ms: 5_000,
+                    visibility_ms: 0,
+                    member: None,
+                },
+            );
+            let mut waiting = std::pin::pin!(waiting);
+            assert!(poll_once(&mut waiting).await.is_none(), "nothing to claim");
+            g.serve(&stream, GroupOp::Delete("a".into())).await.unwrap();
+            assert_eq!(g.settled.waiting(), 0, "not woken by the delete");
+            let answer = loop {
+                if let Some(answer) = poll_once(&mut waiting).await {
+                    break answer;
+                }
+                felix_core_runtime::task::sleep(Duration::from_millis(1)).await;
+            };
+            let Ok(GroupAnswer::Records(r)) = answer else {
+                panic!("{answer:?}");
+            };
+            assert_eq!(r.iter().map(|r| r.offset.0).collect::<Vec<_>>(), vec![0, 1]);
         });
     }
 
