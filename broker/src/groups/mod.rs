@@ -2587,21 +2587,10 @@ mod tests {
             };
             let g = GroupShard::build(&stream, limits, writer).await.unwrap();
             let poll = |group: &str, max| {
-                let op = GroupOp::Poll {
-                    group: group.into(),
-                    max,
-                    wait_ms: 0,
-                    visibility_ms: 0,
-                    member: None,
-                };
+                let op = poll_of(group, max, 0);
                 let g = &g;
                 let stream = &stream;
-                async move {
-                    match g.serve(stream, op).await.unwrap() {
-                        GroupAnswer::Records(r) => r.iter().map(|r| r.offset.0).collect(),
-                        other => panic!("{other:?}"),
-                    }
-                }
+                async move { offsets(g.serve(stream, op).await) }
             };
             let a: Vec<u64> = poll("a", 4).await;
             assert_eq!(a, vec![0, 1, 2, 3]);
@@ -2615,64 +2604,60 @@ mod tests {
             assert_eq!(poll("b", 4).await, vec![0]);
             // Settled claims give room back, and a poll waiting at the bound is woken
             // for it (not left to its next look, 100 ms on).
-            let waiting = g.serve(
-                &stream,
-                GroupOp::Poll {
-                    group: "c".into(),
-                    max: 4,
-                    wait_ms: 5_000,
-                    visibility_ms: 0,
-                    member: None,
-                },
-            );
-            let mut waiting = std::pin::pin!(waiting);
-            use futures_lite::future::poll_once;
-            assert!(poll_once(&mut waiting).await.is_none(), "nothing to claim");
-            assert_eq!(g.settled.waiting(), 1, "the poll waits");
-            g.serve(&stream, GroupOp::Ack("a".into(), 0)).await.unwrap();
-            assert_eq!(
-                g.settled.waiting(),
-                0,
-                "the waiting poll was not woken when room came back"
-            );
-            let answer = loop {
-                if let Some(answer) = poll_once(&mut waiting).await {
-                    break answer;
-                }
-                felix_core_runtime::task::sleep(Duration::from_millis(1)).await;
-            };
-            let Ok(GroupAnswer::Records(r)) = answer else {
-                panic!("{answer:?}");
-            };
-            assert_eq!(r.iter().map(|r| r.offset.0).collect::<Vec<_>>(), vec![0]);
+            let ack = GroupOp::Ack("a".into(), 0);
+            assert_eq!(woken_by(&g, &stream, "c", ack, "an ack").await, vec![0]);
             g.serve(&stream, GroupOp::Ack("a".into(), 1)).await.unwrap();
             assert_eq!(poll("c", 4).await, vec![1]);
             // At the bound again (a 2, b 1, c 2): a delete gives room back and wakes too.
-            let waiting = g.serve(
-                &stream,
-                GroupOp::Poll {
-                    group: "d".into(),
-                    max: 4,
-                    wait_ms: 5_000,
-                    visibility_ms: 0,
-                    member: None,
-                },
+            let delete = GroupOp::Delete("a".into());
+            assert_eq!(
+                woken_by(&g, &stream, "d", delete, "the delete").await,
+                vec![0, 1]
             );
-            let mut waiting = std::pin::pin!(waiting);
-            assert!(poll_once(&mut waiting).await.is_none(), "nothing to claim");
-            g.serve(&stream, GroupOp::Delete("a".into())).await.unwrap();
-            assert_eq!(g.settled.waiting(), 0, "not woken by the delete");
-            let answer = loop {
-                if let Some(answer) = poll_once(&mut waiting).await {
-                    break answer;
-                }
-                felix_core_runtime::task::sleep(Duration::from_millis(1)).await;
-            };
-            let Ok(GroupAnswer::Records(r)) = answer else {
-                panic!("{answer:?}");
-            };
-            assert_eq!(r.iter().map(|r| r.offset.0).collect::<Vec<_>>(), vec![0, 1]);
         });
+    }
+
+    /// A poll of up to `max` records of `group` that waits up to `wait_ms`.
+    fn poll_of(group: &str, max: u32, wait_ms: u64) -> GroupOp {
+        GroupOp::Poll {
+            group: group.into(),
+            max,
+            wait_ms,
+            visibility_ms: 0,
+            member: None,
+        }
+    }
+
+    /// The offsets a poll's answer hands out.
+    fn offsets(answer: Result<GroupAnswer, BrokerError>) -> Vec<u64> {
+        match answer {
+            Ok(GroupAnswer::Records(r)) => r.iter().map(|r| r.offset.0).collect(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A poll of `group` that finds nothing to claim waits; `frees` (`what`) must wake
+    /// it before it looks again by itself. What the poll then hands out.
+    async fn woken_by(
+        g: &GroupShard,
+        stream: &StreamShard,
+        group: &str,
+        frees: GroupOp,
+        what: &str,
+    ) -> Vec<u64> {
+        use futures_lite::future::poll_once;
+        let waiting = g.serve(stream, poll_of(group, 4, 5_000));
+        let mut waiting = std::pin::pin!(waiting);
+        assert!(poll_once(&mut waiting).await.is_none(), "nothing to claim");
+        assert_eq!(g.settled.waiting(), 1, "the poll waits");
+        g.serve(stream, frees).await.unwrap();
+        assert_eq!(g.settled.waiting(), 0, "not woken by {what}");
+        loop {
+            if let Some(answer) = poll_once(&mut waiting).await {
+                return offsets(answer);
+            }
+            felix_core_runtime::task::sleep(Duration::from_millis(1)).await;
+        }
     }
 
     /// An idle group whose cursor retention passed is described, its cursor at the
