@@ -96,10 +96,9 @@ pub(super) fn answer_when_done<T: 'static>(
             let _ = tx.send(answer.await);
             return;
         }
-        // Dropped with its asker (a waiting poll whose client left): it ends, handing
-        // back what it claimed, instead of waiting on for nobody.
-        // The asker's leaving first: a poll whose answer and cancellation come at once
-        // is dropped, handing its claims back, rather than answering nobody.
+        // Dropped with its asker (a waiting poll whose client left), it hands back what
+        // it claimed instead of waiting on for nobody. The asker's leaving is looked at
+        // first: an answer and a cancellation that come at once drop the poll too.
         let answered = {
             let gone = tx.cancellation();
             futures_lite::future::or(

@@ -1484,7 +1484,7 @@ impl CacheWatch {
                 let _ = answer.send(answer::error(&session, &e));
             }
         }
-        self.scope.on_close.borrow_mut().remove(&self.id);
+        self.scope.stop_waiting(self.id);
         self.scope
             .subscriptions
             .set(self.scope.subscriptions.get() - 1);
@@ -1723,7 +1723,7 @@ impl Subscription {
                 let _ = answer.send(answer::error(&session, &e));
             }
         }
-        self.scope.on_close.borrow_mut().remove(&self.id);
+        self.scope.stop_waiting(self.id);
         self.scope
             .subscriptions
             .set(self.scope.subscriptions.get() - 1);
