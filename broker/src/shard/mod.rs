@@ -699,27 +699,21 @@ const COMPACT_APPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(1
 /// gives up and lets them go.
 const COMPACT_HOLD_ADDS: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Counters whose new adds a compaction holds back ([`CacheShard::adds_held`]) while
-/// it lives: dropped, it lets them go, whatever way the compaction ended.
+/// The compaction's hold on new adds ([`CacheShard::adds_held`], which only the one
+/// compaction a shard runs at a time fills): dropped, it lets every held counter go,
+/// whatever way the compaction ended.
 struct HeldAdds<'a> {
     shard: &'a CacheShard,
-    names: std::collections::HashSet<String>,
 }
 
 impl HeldAdds<'_> {
     /// Lets the adds of `done` go (their checkpoints are written: adds claimed from now
     /// on land above them).
-    fn release(&mut self, done: &[String]) {
-        if self.names.is_empty() {
-            return;
-        }
+    fn release(&self, done: &[String]) {
         let mut held = self.shard.adds_held.borrow_mut();
         let mut released = false;
         for n in done {
-            if self.names.remove(n) {
-                held.remove(n);
-                released = true;
-            }
+            released |= held.remove(n);
         }
         drop(held);
         if released {
@@ -730,15 +724,10 @@ impl HeldAdds<'_> {
 
 impl Drop for HeldAdds<'_> {
     fn drop(&mut self) {
-        if self.names.is_empty() {
-            return;
+        let held = std::mem::take(&mut *self.shard.adds_held.borrow_mut());
+        if !held.is_empty() {
+            self.shard.changed.wake_all();
         }
-        let mut held = self.shard.adds_held.borrow_mut();
-        for n in &self.names {
-            held.remove(n);
-        }
-        drop(held);
-        self.shard.changed.wake_all();
     }
 }
 
@@ -786,15 +775,13 @@ impl Ticket<'_> {
             let Some(q) = queued.get_mut(&self.key) else {
                 return Poll::Ready(());
             };
-            if q.front().is_some_and(|(id, _)| *id == self.id) {
-                return Poll::Ready(());
-            }
-            match q.iter_mut().find(|(id, _)| *id == self.id) {
-                Some((_, waker)) => {
-                    *waker = Some(cx.waker().clone());
+            // Tickets queue in the order they were taken, their numbers rising.
+            match q.binary_search_by_key(&self.id, |(id, _)| *id) {
+                Ok(0) | Err(_) => Poll::Ready(()),
+                Ok(at) => {
+                    q[at].1 = Some(cx.waker().clone());
                     Poll::Pending
                 }
-                None => Poll::Ready(()),
             }
         })
         .await;
@@ -1382,10 +1369,7 @@ impl CacheShard {
             self.state.borrow().counters.keys().cloned().collect();
         let mut counters = 0;
         let mut give_up = std::time::Instant::now() + COMPACT_APPLY_WAIT;
-        let mut held = HeldAdds {
-            shard: self,
-            names: Default::default(),
-        };
+        let held = HeldAdds { shard: self };
         // Whether new adds were held back once (they are once at most).
         let mut holding = false;
         while !left.is_empty() {
@@ -1411,12 +1395,7 @@ impl CacheShard {
                 // (nothing below the cut is removed).
                 if !holding {
                     holding = true;
-                    let mut adds_held = self.adds_held.borrow_mut();
-                    for n in &left {
-                        if adds_held.insert(n.clone()) {
-                            held.names.insert(n.clone());
-                        }
-                    }
+                    self.adds_held.borrow_mut().extend(left.iter().cloned());
                     give_up = give_up.min(std::time::Instant::now() + COMPACT_HOLD_ADDS);
                 }
                 let wait = give_up.saturating_duration_since(std::time::Instant::now());
