@@ -714,16 +714,16 @@ fn controlplane_exit_code(e: &felix_controlplane::client::ClientError) -> i32 {
 /// `felix stream ...`: talks to the control plane, not to a broker.
 fn run_controlplane(cli: &Cli) -> Result<(), i32> {
     use felix_controlplane::client::ControlPlaneClient;
-    let usage = |m: String| {
+    let usage = |f: Failure| {
+        let m = match f {
+            Failure::Usage(m) | Failure::NotApplied(m) => m,
+            Failure::Client(e) => e.to_string(),
+            Failure::Output(e) => e.to_string(),
+        };
         eprintln!("felix: {m}");
         2
     };
-    let ctx = load_context(cli).map_err(|f| match f {
-        Failure::Usage(m) => usage(m),
-        Failure::Client(e) => usage(e.to_string()),
-        Failure::Output(e) => usage(e.to_string()),
-        Failure::NotApplied(m) => usage(m),
-    })?;
+    let ctx = load_context(cli).map_err(usage)?;
     let url = cli
         .controlplane
         .clone()
@@ -744,12 +744,7 @@ fn run_controlplane(cli: &Cli) -> Result<(), i32> {
                 })
                 .or(ctx.controlplane_token_file.clone())
                 .unwrap_or_else(|| PathBuf::from("felix-data/dev/controlplane.token"));
-            read_token(&f).map_err(|f| match f {
-                Failure::Usage(m) => usage(m),
-                Failure::Client(e) => usage(e.to_string()),
-                Failure::Output(e) => usage(e.to_string()),
-                Failure::NotApplied(m) => usage(m),
-            })?
+            read_token(&f).map_err(usage)?
         }
     };
     let tenant = cli
@@ -771,14 +766,14 @@ fn run_controlplane(cli: &Cli) -> Result<(), i32> {
         .as_deref()
         .map(felix_controlplane::client::ClientTls::from_ca_file)
         .transpose()
-        .map_err(|e| usage(e.to_string()))?;
+        .map_err(|e| usage(Failure::Usage(e.to_string())))?;
     let cp = if cli.controlplane_insecure {
         eprintln!("felix: warning: plain HTTP to the control plane (--controlplane-insecure)");
         ControlPlaneClient::new_insecure(&url, Some(token), tls)
     } else {
         ControlPlaneClient::with_tls(&url, Some(token), tls)
     }
-    .map_err(|e| usage(e.to_string()))?;
+    .map_err(|e| usage(Failure::Usage(e.to_string())))?;
     let path = format!("/v1/tenants/{tenant}/namespaces/{}/streams", cli.namespace);
     let fail = |e: felix_controlplane::client::ClientError| {
         eprintln!("felix: {e}");
