@@ -130,6 +130,8 @@ pub struct FileConfig {
     pub max_inflight_publish_bytes: Option<usize>,
     /// Request bytes in flight on one core, all its connections together.
     pub max_inflight_request_bytes_per_core: Option<usize>,
+    /// Bytes of current values that starting cache watches hold together.
+    pub max_watch_snapshot_bytes: Option<usize>,
     /// Concurrent streams a client may open per connection, per direction.
     pub max_streams_per_connection: Option<u32>,
     /// How often each core enforces retention and finishes deletions (ms).
@@ -871,6 +873,11 @@ impl BrokerConfig {
                 "max_inflight_request_bytes_per_core",
                 file.max_inflight_request_bytes_per_core,
                 defaults.inflight_request_bytes_per_core,
+            )?,
+            watch_snapshot_bytes: positive(
+                "max_watch_snapshot_bytes",
+                file.max_watch_snapshot_bytes,
+                defaults.watch_snapshot_bytes,
             )?,
         };
         if limits.inflight_request_bytes_per_core < limits.inflight_publish_bytes {

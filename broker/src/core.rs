@@ -136,6 +136,9 @@ pub enum WatchAnswer {
     Started {
         /// Values.
         values: Vec<crate::shard::WatchChange>,
+        /// What the values are charged against the process's bound on copies held
+        /// (`shard::snapshots`), given back as the watcher takes them.
+        charge: crate::shard::snapshots::SnapshotCharge,
         /// Where the watch continues.
         resume: u64,
         /// The offset asked for is gone: the values restate the state.
@@ -690,6 +693,8 @@ pub struct Shared {
     pub load_reports: std::sync::Mutex<Vec<follow::LoadReport>>,
     /// The rules load following added (the others are operators'), newest first.
     pub auto_pins: std::sync::Mutex<Vec<felix_core_runtime::placement::PinRule>>,
+    /// The current values starting cache watches hold, bounded for the process.
+    pub watch_snapshots: Arc<crate::shard::snapshots::SnapshotBudget>,
 }
 
 #[path = "core/carry.rs"]
@@ -2528,9 +2533,10 @@ impl CoreBroker {
                     // shard's acknowledged writes may be, and new ones take their
                     // offsets): either way it starts over from the current values.
                     Some(o) if o < cache.log().base_offset() || o > cache.applied_end() => {
-                        let (values, resume) = cache.snapshot(&filter, now);
+                        let (values, resume, charge) = self.snapshot(&cache, &filter, now)?;
                         Ok(WatchAnswer::Started {
                             values,
+                            charge,
                             resume,
                             resnapshot: true,
                             life: cache.life,
@@ -2538,14 +2544,16 @@ impl CoreBroker {
                     }
                     Some(o) => Ok(WatchAnswer::Started {
                         values: Vec::new(),
+                        charge: Default::default(),
                         resume: o,
                         resnapshot: false,
                         life: cache.life,
                     }),
                     None if retained => {
-                        let (values, resume) = cache.snapshot(&filter, now);
+                        let (values, resume, charge) = self.snapshot(&cache, &filter, now)?;
                         Ok(WatchAnswer::Started {
                             values,
+                            charge,
                             resume,
                             resnapshot: false,
                             life: cache.life,
@@ -2553,6 +2561,7 @@ impl CoreBroker {
                     }
                     None => Ok(WatchAnswer::Started {
                         values: Vec::new(),
+                        charge: Default::default(),
                         resume: cache.applied_end(),
                         resnapshot: false,
                         life: cache.life,
@@ -2616,6 +2625,40 @@ impl CoreBroker {
                 }
             }
         }
+    }
+
+    /// A copy of the current values of `cache` that `filter` follows, and where changes
+    /// go on after it, charged against the process's bound on such copies held
+    /// (`shard::snapshots`): refused `overloaded` ([`SNAPSHOTS_FULL`]) while it would
+    /// not fit with the copies held.
+    ///
+    /// [`SNAPSHOTS_FULL`]: crate::shard::snapshots::SNAPSHOTS_FULL
+    fn snapshot(
+        &self,
+        cache: &CacheShard,
+        filter: &crate::shard::WatchFilter,
+        now: clock::Now,
+    ) -> Result<
+        (
+            Vec<crate::shard::WatchChange>,
+            u64,
+            crate::shard::snapshots::SnapshotCharge,
+        ),
+        BrokerError,
+    > {
+        use crate::shard::snapshots::{SNAPSHOTS_FULL, charged_bytes};
+        let full = || BrokerError::Overloaded(SNAPSHOTS_FULL.into());
+        let budget = &self.shared.watch_snapshots;
+        // No copy is built while none could be taken: a watcher asking again while the
+        // bound is full costs a load, not a scan of the cache.
+        if !budget.has_room() {
+            return Err(full());
+        }
+        let (values, resume) = cache.snapshot(filter, now);
+        let charge = budget
+            .take(values.iter().map(charged_bytes).sum())
+            .ok_or_else(full)?;
+        Ok((values, resume, charge))
     }
 
     /// A commit or state read, wherever the stream shard lives.

@@ -536,6 +536,12 @@ impl prometheus_client::collector::Collector for Collector {
             MetricType::Gauge,
             self.1.1,
         )?;
+        one(
+            "felix_broker_watch_snapshot_bytes",
+            "Bytes of current values starting cache watches hold (keys and entries; the values are the caches'), bounded by max_watch_snapshot_bytes.",
+            MetricType::Gauge,
+            shared.watch_snapshots.held() as u64,
+        )?;
         if let Some(c) = &shared.cluster {
             one(
                 "felix_broker_controlplane_syncs",

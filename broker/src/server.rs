@@ -351,6 +351,9 @@ pub fn start(
         follow_load: config.follow_load && config.cores.len() > 1,
         load_reports: Mutex::default(),
         auto_pins: Mutex::default(),
+        watch_snapshots: Arc::new(crate::shard::snapshots::SnapshotBudget::new(
+            config.limits.watch_snapshot_bytes,
+        )),
     });
     // Damaged replica copies beyond the bound (left by an earlier run, or by a lower
     // `damaged_copies_kept`) go before any core opens a shard.

@@ -1300,6 +1300,112 @@ fn a_watchers_unread_snapshot_counts_against_the_unread_bound() {
     });
 }
 
+/// A retained watch of shard 0 of the cache `copied`.
+fn retained_watch() -> bytes::Bytes {
+    Message::CacheWatch {
+        tenant_id: "dev".into(),
+        namespace: "default".into(),
+        cache: "copied".into(),
+        key: None,
+        prefix: Some(String::new()),
+        shard: Some(felix_wire::ShardId(0)),
+        from_offset: None,
+        retained: true,
+        subscription_id: None,
+    }
+    .to_frame()
+}
+
+/// The copies of current values that starting cache watches hold are bounded for the
+/// process (`max_watch_snapshot_bytes`), and given back as their watchers take them.
+/// While a watcher that does not read holds most of its copy, a second retained watch
+/// is refused `overloaded` (its start asked again for 3 s first). Once the first
+/// watcher has gone, the second starts. Without the bound the second copy was built and
+/// held too: a connection starting 1,024 watches of a large cache had the broker build
+/// a copy of its keys for each at once.
+#[test]
+fn copies_of_current_values_held_by_starting_watches_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(&dir, "max_watch_snapshot_bytes: 6291456\n");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // About 4,000 keys of 1,000 bytes on each shard: a copy of one shard's is
+        // charged about 4.3 MB, and written about 4.4 MB (5 pages).
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        const KEYS: usize = 8_000;
+        for i in 0..KEYS {
+            let put = cache_put(
+                "copied",
+                &format!("{i:0>1000}"),
+                bytes::Bytes::from_static(b"v"),
+            );
+            s.write_all(&put).await.unwrap();
+        }
+        let answers = read_answers(&mut r, KEYS + 1).await;
+        assert!(
+            answers[1..]
+                .iter()
+                .all(|a| matches!(a, Message::CacheOk { .. })),
+            "{:?}",
+            answers
+                .iter()
+                .find(|a| !matches!(a, Message::CacheOk { .. }))
+        );
+        // A watcher that does not read: it holds the copy past its first page.
+        let (_ep2, watcher) = felix_cluster::raw_connect_small_windows(&b).await.unwrap();
+        let (mut s, mut r) = watcher.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        s.write_all(&retained_watch()).await.unwrap();
+        let count = match &read_answers(&mut r, 2).await[1] {
+            Message::CacheWatchStarted {
+                retained_count: Some(n),
+                ..
+            } => *n,
+            other => panic!("not started: {other:?}"),
+        };
+        assert!(count > 3_000, "{count} values on shard 0");
+        let held = b.metric("felix_broker_watch_snapshot_bytes").unwrap();
+        assert!(held > 2 << 20, "held {held}");
+        // Another connection's watch: its copy does not fit with the one held.
+        let (_ep3, other) = raw_connect(&b).await.unwrap();
+        let (mut s2, mut r2) = other.open_bi().await.unwrap();
+        s2.write_all(&auth(&b)).await.unwrap();
+        let asked = Instant::now();
+        s2.write_all(&retained_watch()).await.unwrap();
+        match &read_answers(&mut r2, 2).await[1] {
+            Message::Error {
+                code: Some(ErrorCode::Overloaded),
+                ..
+            } => {}
+            other => panic!("not refused overloaded: {other:?}"),
+        }
+        assert!(
+            asked.elapsed() > Duration::from_secs(2),
+            "asked again first"
+        );
+        // The watcher goes: its copy is given back whole, and a watch starts.
+        watcher.close(0u32.into(), b"gone");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while b.metric("felix_broker_watch_snapshot_bytes").unwrap() > 0 {
+            assert!(Instant::now() < deadline, "the copy is given back");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let (mut s3, mut r3) = other.open_bi().await.unwrap();
+        s3.write_all(&auth(&b)).await.unwrap();
+        s3.write_all(&retained_watch()).await.unwrap();
+        match &read_answers(&mut r3, 2).await[1] {
+            Message::CacheWatchStarted {
+                retained_count: Some(n),
+                ..
+            } => assert_eq!(*n, count),
+            other => panic!("not started: {other:?}"),
+        }
+        std::mem::forget((s, r, s2, r2, s3, r3));
+    });
+}
+
 /// A connection that leaves more bytes of answers unread than its bound is closed
 /// with error 4 (the broker no longer holds them); one within it is not.
 #[test]

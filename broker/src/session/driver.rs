@@ -1430,6 +1430,11 @@ struct CacheWatch {
 
 /// How long one read of a watch waits for a change before it asks again.
 const WATCH_WAIT: Duration = Duration::from_secs(1);
+/// How long a watch's start is asked again while the process's copies of current
+/// values fill their bound, and the pauses between (doubling from the first).
+const SNAPSHOT_WAIT: Duration = Duration::from_secs(3);
+const SNAPSHOT_PAUSE_MIN: Duration = Duration::from_millis(10);
+const SNAPSHOT_PAUSE_MAX: Duration = Duration::from_millis(250);
 
 impl CacheWatch {
     async fn run(
@@ -1441,20 +1446,40 @@ impl CacheWatch {
     ) {
         use crate::core::{WatchAnswer, WatchReq};
         let sub_id = SubscriptionId(((self.core.core.index() as u64) << 48) | self.id);
-        let start = self
-            .core
-            .watch(
-                self.key.clone(),
-                WatchReq::Start {
-                    filter: self.filter.clone(),
-                    from,
-                    retained,
-                },
-            )
-            .await;
+        // While the copies other watches hold fill the process's bound, the start is
+        // asked again for a while (they are given back as their watchers read), then
+        // refused `overloaded`.
+        let (mut pause, given_up) = (
+            SNAPSHOT_PAUSE_MIN,
+            std::time::Instant::now() + SNAPSHOT_WAIT,
+        );
+        let start = loop {
+            let start = self
+                .core
+                .watch(
+                    self.key.clone(),
+                    WatchReq::Start {
+                        filter: self.filter.clone(),
+                        from,
+                        retained,
+                    },
+                )
+                .await;
+            match start {
+                Err(BrokerError::Overloaded(r))
+                    if r == crate::shard::snapshots::SNAPSHOTS_FULL
+                        && std::time::Instant::now() + pause < given_up =>
+                {
+                    task::sleep(pause).await;
+                    pause = (pause * 2).min(SNAPSHOT_PAUSE_MAX);
+                }
+                other => break other,
+            }
+        };
         match start {
             Ok(WatchAnswer::Started {
                 values,
+                charge,
                 resume,
                 resnapshot,
                 life,
@@ -1470,7 +1495,7 @@ impl CacheWatch {
                 );
                 futures_lite::future::or(
                     async {
-                        let _ = self.pump(sub_id, values, resume, life).await;
+                        let _ = self.pump(sub_id, values, charge, resume, life).await;
                     },
                     self.scope.closed(self.id),
                 )
@@ -1494,6 +1519,7 @@ impl CacheWatch {
         &self,
         sub_id: SubscriptionId,
         first: Vec<crate::shard::WatchChange>,
+        mut charge: crate::shard::snapshots::SnapshotCharge,
         mut from: u64,
         life: u64,
     ) -> Result<(), ()> {
@@ -1512,8 +1538,17 @@ impl CacheWatch {
         // does not read holds one page here, not the whole snapshot encoded. What the
         // snapshot still holds counts with the page against the bound on unread answers
         // (a watcher not reading kept it all, uncounted, for the watch's life).
-        let sizes: Vec<usize> = first.iter().map(watch_change_bytes).collect();
-        let mut left: usize = sizes.iter().sum();
+        // Each change's bytes held (value included) and charged (`shard::snapshots`).
+        let sizes: Vec<(usize, usize)> = first
+            .iter()
+            .map(|c| {
+                (
+                    watch_change_bytes(c),
+                    crate::shard::snapshots::charged_bytes(c),
+                )
+            })
+            .collect();
+        let mut left: usize = sizes.iter().map(|s| s.0).sum();
         let mut sent = 0;
         let mut first = first.into_iter();
         loop {
@@ -1523,7 +1558,8 @@ impl CacheWatch {
                 break;
             }
             let taken = before - first.len();
-            left -= sizes[sent..sent + taken].iter().sum::<usize>();
+            left -= sizes[sent..sent + taken].iter().map(|s| s.0).sum::<usize>();
+            charge.give_back(sizes[sent..sent + taken].iter().map(|s| s.1).sum());
             sent += taken;
             if write_counted_behind(&self.core, self.scope.id, &mut uni, &mut page, left).await {
                 return Err(());

@@ -121,6 +121,9 @@ pub struct Limits {
     /// connection's own): without it, a core's 10,000 connections could each hold their
     /// 64 MiB in requests waiting for a slow disk.
     pub inflight_request_bytes_per_core: usize,
+    /// Bytes of current values that starting cache watches (retained, or starting
+    /// over) hold together in this process (`shard::snapshots`).
+    pub watch_snapshot_bytes: usize,
 }
 
 impl Default for Limits {
@@ -135,6 +138,7 @@ impl Default for Limits {
             unwritten_answer_bytes_per_core: 2 << 30,
             inflight_publish_bytes: 64 << 20,
             inflight_request_bytes_per_core: 1 << 30,
+            watch_snapshot_bytes: 1 << 30,
         }
     }
 }

@@ -3,6 +3,7 @@
 //! them.
 
 mod recent;
+pub mod snapshots;
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
