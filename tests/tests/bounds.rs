@@ -676,6 +676,77 @@ fn request_bytes_in_flight_are_bounded_for_a_core_as_a_whole() {
     });
 }
 
+/// Unacknowledged publishes, each its own task until written, are held against the
+/// connection's budget at no less than a request's own cost
+/// (`dispatch::REQUEST_MIN_CHARGE`), not by their records alone: 40,000 publishes of
+/// one empty record each, pipelined while the shard's open is held, leave at most
+/// `max_inflight_publish_bytes / REQUEST_MIN_CHARGE` of them in flight, and the
+/// broker's memory grows by about that many. Charged 48 bytes each (a record's
+/// overhead), 21,845 waited in 1 MiB of budget, each holding its task and its append.
+#[test]
+fn unacknowledged_publishes_in_flight_are_charged_a_requests_cost() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = BrokerProcess::start_dev_with_config(
+        std::path::Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        dir.path(),
+        "fault_injection: true\nmax_inflight_publish_bytes: 1048576\n",
+        &["--shards", "1", "--fsync", "none", "--cores", "0"],
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_ep, conn) = raw_connect(&b).await.unwrap();
+        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+        let before = b.rss_kib();
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(&auth(&b)).await.unwrap();
+        const PUBLISHES: usize = 40_000;
+        let mut frames = Vec::new();
+        for i in 0..PUBLISHES {
+            frames.extend_from_slice(&publish("tiny", &(i as u64).to_be_bytes(), b"", None));
+        }
+        let sent = tokio::spawn(async move {
+            let _ = s.write_all(&frames).await;
+            s
+        });
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let grown = b.rss_kib().saturating_sub(before);
+        let in_flight = b.metric("felix_broker_request_bytes_in_flight").unwrap();
+        assert!(
+            in_flight > 512 << 10 && in_flight <= 1 << 20,
+            "{in_flight} bytes in flight, bounded at 1 MiB"
+        );
+        // 256 requests of 4 KiB; about 94 MiB when 21,845 were let in.
+        assert!(grown < 24 << 10, "the broker grew {grown} KiB");
+        assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+        let mut s = tokio::time::timeout(Duration::from_secs(60), sent)
+            .await
+            .expect("every publish is read once appends go")
+            .unwrap();
+        // Behind every one of them on the stream: it lands after all 40,000.
+        s.write_all(&publish("tiny", b"last", b"", Some(7)))
+            .await
+            .unwrap();
+        let mut reader = FrameReader::new(1 << 20);
+        let mut frames = Vec::new();
+        while frames.len() < 2 {
+            let c = tokio::time::timeout(Duration::from_secs(30), r.read_chunk(1 << 16, true))
+                .await
+                .expect("answered")
+                .unwrap()
+                .unwrap();
+            reader.push(c.bytes);
+            while let Some(f) = reader.next_frame().unwrap() {
+                frames.push(f);
+            }
+        }
+        let ack = felix_wire::PublishAck::decode(frames[1].flags, &frames[1].payload).unwrap();
+        assert_eq!(ack.status, felix_wire::binary::PublishAckStatus::Ok);
+        assert_eq!(ack.first_offset, Some(felix_wire::Offset(PUBLISHES as u64)));
+        assert_eq!(b.metric("felix_broker_request_bytes_in_flight").unwrap(), 0);
+    });
+}
+
 /// Large whole frames written on many streams of one connection at once, 64 KiB of
 /// each in turn (64 MiB, twice the connection's QUIC receive window), are all read and
 /// answered. A bound on what the broker reads that leaves some streams unread lets

@@ -71,6 +71,14 @@ pub struct Publish {
 /// is not free.
 const RECORD_OVERHEAD_BYTES: usize = 48;
 
+/// What any request is held against the request budgets at least: about what its own
+/// task and futures take while it is worked on. Charged by their records alone, a
+/// stream of unacknowledged publishes of one empty record each (48 bytes) held some
+/// 21,000 tasks per MiB of budget waiting for a slow disk or a held shard, 4 KiB each in
+/// a debug build (`bounds::unacknowledged_publishes_in_flight_are_charged_a_requests_cost`):
+/// the default 64 MiB let one connection hold about 6 GB.
+pub const REQUEST_MIN_CHARGE: usize = 4096;
+
 impl Publish {
     /// What the publish holds until it is written: payload bytes and each record's
     /// overhead.

@@ -858,11 +858,12 @@ async fn serve_requests(
         // Every request is held against the connection's budget while it is worked on:
         // a publish by its records, any other by its frame (cache puts and commits carry
         // values up to the frame limit, and pipelined on many streams they were held
-        // without bound).
+        // without bound), and each at least by what its task takes.
         let bytes = match &request {
             Request::Publish(p) => p.bytes(),
             _ => size,
-        };
+        }
+        .max(dispatch::REQUEST_MIN_CHARGE);
         if !scope.budget.borrow_mut().try_take(bytes) {
             // Waiting, the request (decoded: a publish's records can be many times its
             // frame) counts against the bound on unfinished frames; a connection
