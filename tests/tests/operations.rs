@@ -936,6 +936,113 @@ fn a_waiting_poll_ends_with_its_connection_on_either_core() {
     });
 }
 
+/// A group poll held while its shard moves between cores ends with its connection
+/// too, whether it arrived at the shard's new core or crossed from the old one: once
+/// the move is done it hands out nothing, and the next record goes to a consumer still
+/// there, at its first attempt. Served after the move, the poll of a client long gone
+/// waited on, claimed the record and answered nobody (its visibility, 30 s, then
+/// redelivered it).
+#[test]
+fn a_poll_held_through_a_move_ends_with_its_connection() {
+    use felix_client::{GroupRef, PollOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let b = start_on_core_0(dir.path(), &["--fsync", "none"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let g = GroupRef::new("dev", "default", "moving", 0, "w");
+        let poll = |wait| PollOptions {
+            max_records: 1,
+            wait,
+            visibility: None,
+        };
+        let near = client(&b).await;
+        near.publish(
+            "dev",
+            "default",
+            "moving",
+            b"r".to_vec(),
+            AckMode::PerMessage,
+        )
+        .await
+        .unwrap();
+        let got = near
+            .group_poll(&g, poll(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        near.group_ack(&g, got[0].offset.0).await.unwrap();
+        // The shard moves to core 1, whose open of it is held: requests for it there
+        // wait, from core 1's connections and from core 0's alike.
+        let (on_0, on_1) = (client_on_core(&b, 0).await, client_on_core(&b, 1).await);
+        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+        let held_before = b.metric("felix_broker_requests_held_total").unwrap();
+        let http = b.http;
+        let pin = tokio::task::spawn_blocking(move || {
+            felix_client::ops::http(
+                &http.to_string(),
+                "POST",
+                "/pins",
+                Some(&json!({ "rule": "dev/default/moving/0=1" }).to_string()),
+            )
+            .unwrap()
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut waiting = Vec::new();
+        for gone in [on_0, on_1] {
+            let g = g.clone();
+            waiting.push(tokio::spawn(async move {
+                gone.group_poll(&g, poll(Duration::from_secs(20))).await
+            }));
+        }
+        wait_for("both polls held", Duration::from_secs(10), || {
+            (b.metric("felix_broker_requests_held_total").unwrap() >= held_before + 2).then_some(())
+        })
+        .unwrap();
+        let connections = || {
+            let (_, body) = b.http_get("/cores").unwrap();
+            let cores: serde_json::Value = serde_json::from_str(&body).unwrap();
+            cores["cores"][0]["connections"].as_u64().unwrap()
+                + cores["cores"][1]["connections"].as_u64().unwrap()
+        };
+        let before = connections();
+        for w in waiting {
+            assert!(!w.is_finished(), "the poll is held");
+            // Aborted, the task drops its client: the connection goes.
+            w.abort();
+            let _ = w.await;
+        }
+        wait_for(
+            "the pollers' connections closed",
+            Duration::from_secs(10),
+            || (connections() + 2 <= before).then_some(()),
+        )
+        .unwrap();
+        assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+        pin.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let record = b"after the pollers left".to_vec();
+        near.publish(
+            "dev",
+            "default",
+            "moving",
+            record.clone(),
+            AckMode::PerMessage,
+        )
+        .await
+        .unwrap();
+        let got = near
+            .group_poll(&g, poll(Duration::from_secs(3)))
+            .await
+            .unwrap();
+        assert_eq!(
+            got.iter()
+                .map(|r| (r.payload.to_vec(), r.attempts))
+                .collect::<Vec<_>>(),
+            vec![(record, 1)],
+            "the record a gone poll would have claimed comes out at once, first try"
+        );
+    });
+}
+
 /// A two-core broker with fault injection, one shard a stream, every `dev` shard pinned
 /// to core 0 (so a re-pin to core 1 moves it); `extra` arguments after those.
 /// A client whose connection the kernel handed to broker core `core` (connections are
