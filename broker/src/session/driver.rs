@@ -201,8 +201,9 @@ impl ConnScope {
             {
                 return Poll::Ready(true);
             }
-            // Woken by the connection's end too.
-            self.budget_waiters.borrow_mut().push(cx.waker().clone());
+            // Woken by the connection's end too. Woken at every release the core's
+            // line makes while it is first in it, it registers once.
+            register(&mut self.budget_waiters.borrow_mut(), cx.waker());
             Poll::Pending
         })
         .await;
@@ -223,7 +224,7 @@ impl ConnScope {
             if self.budget.borrow_mut().try_take(n) {
                 return Poll::Ready(true);
             }
-            self.budget_waiters.borrow_mut().push(cx.waker().clone());
+            register(&mut self.budget_waiters.borrow_mut(), cx.waker());
             Poll::Pending
         })
         .await
@@ -239,6 +240,16 @@ impl ConnScope {
     fn wake_budget(&self) {
         let waiters = std::mem::take(&mut *self.budget_waiters.borrow_mut());
         waiters.into_iter().for_each(Waker::wake);
+    }
+}
+
+/// Keeps `waker` among `waiters` once however often its task polls: a future woken by
+/// another source than the list's (the core's line of requests waiting for its budget
+/// wakes the first in line at each release) pushed a clone each time, and glommio's
+/// task panics at 32,767 clones of its waker (as storage's commits did, f31631a).
+fn register(waiters: &mut Vec<Waker>, waker: &Waker) {
+    if !waiters.iter().any(|w| w.will_wake(waker)) {
+        waiters.push(waker.clone());
     }
 }
 
@@ -2012,6 +2023,19 @@ mod tests {
     use super::*;
     use crate::session::testing::{parse_frame, session, session_with};
     use felix_wire::message::GroupRecord;
+
+    #[test]
+    fn a_waiter_polled_again_and_again_keeps_one_waker_in_the_list() {
+        let (a, b) = (crate::wakes::Wakes::new(), crate::wakes::Wakes::new());
+        let mut waiters = Vec::new();
+        for _ in 0..40_000 {
+            register(&mut waiters, a.waker());
+            register(&mut waiters, b.waker());
+        }
+        assert_eq!(waiters.len(), 2, "one for each task waiting");
+        waiters.into_iter().for_each(Waker::wake);
+        assert_eq!((a.count(), b.count()), (1, 1));
+    }
 
     #[test]
     fn a_connection_keeps_one_grant_per_token_however_many_streams_authenticate() {
