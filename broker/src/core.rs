@@ -2947,7 +2947,14 @@ impl CoreBroker {
             Some(rs) if !rs.serving() => {
                 return Err(BrokerError::ShardUnavailable("not_ready".into()));
             }
-            Some(rs) => self.lease_read(&rs)?,
+            Some(rs) => {
+                // A new Quorum leader's log holds the furthest copy's records, group
+                // events among them, committed only once its generation start is:
+                // groups folded from them could answer a retried ack `done` that a
+                // failover of this leader would cut. As cache and state reads do.
+                rs.reads_settled().await?;
+                self.still_reading(&rs)?;
+            }
             None => self.within_lease()?,
         }
         let stream = self.stream_shard(key).await?;

@@ -1049,6 +1049,107 @@ fn a_new_quorum_cache_leader_answers_reads_only_once_its_generation_is_committed
     let _ = &mut c;
 }
 
+/// A new leader of a Quorum stream builds its consumer groups from its log, which may
+/// hold group events a majority does not (the furthest copy's, its predecessor's last
+/// acks): it answers group requests only once its generation start is committed, as
+/// reads of caches and state do. Before, it answered a retried ack `done` from such an
+/// event, and a second failure could then cut it: an acknowledged ack lost, its record
+/// delivered again. Set up as
+/// [`a_new_quorum_cache_leader_answers_reads_only_once_its_generation_is_committed`]: the
+/// followers' link slowed before the leader is killed, cut the moment a survivor first
+/// answers a group request; answered too early, the new generation never commits.
+#[test]
+fn a_new_quorum_stream_leader_serves_groups_only_once_its_generation_is_committed() {
+    use felix_client::{GroupRef, PollOptions};
+    use felix_cluster::proxy::{Link, Party};
+    let mut c = proxied_cluster();
+    c.create_stream("gq", 1, 3, "Quorum").unwrap();
+    let (old, old_generation) = wait_for("a stream leader", Duration::from_secs(20), || {
+        leader_and_generation(&c, "stream", Some("gq"))
+    })
+    .unwrap();
+    let rules = c.net.as_ref().expect("proxies").rules.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let config = c.client_config().unwrap();
+    let others: Vec<usize> = (0..3).filter(|&i| i != old).collect();
+    let g = GroupRef::new(TENANT, NAMESPACE, "gq", 0, "w");
+    let clients = rt.block_on(async {
+        let old_client =
+            felix_client::Client::connect(c.brokers[old].listen, "localhost", config.clone())
+                .await
+                .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while let Err(e) = old_client
+            .publish(TENANT, NAMESPACE, "gq", b"r".to_vec(), AckMode::PerMessage)
+            .await
+        {
+            assert!(Instant::now() < deadline, "no publish taken: {e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let poll = PollOptions {
+            max_records: 1,
+            wait: Duration::from_secs(5),
+            visibility: None,
+        };
+        let got = old_client.group_poll(&g, poll).await.unwrap();
+        old_client.group_ack(&g, got[0].offset.0).await.unwrap();
+        let mut clients = Vec::new();
+        for &b in &others {
+            let client =
+                felix_client::Client::connect(c.brokers[b].listen, "localhost", config.clone())
+                    .await
+                    .unwrap();
+            clients.push(client);
+        }
+        clients
+    });
+    let slow = Link {
+        delay: Duration::from_millis(150),
+        ..Link::default()
+    };
+    rules.set_both(Party::Node(others[0]), Party::Node(others[1]), slow);
+    c.brokers[old].kill();
+    async fn answered(client: &felix_client::Client, g: &GroupRef, deadline: Instant) {
+        while client.group_describe(g).await.is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "no survivor answered a group request"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        tokio::select! {
+            () = answered(&clients[0], &g, deadline) => {}
+            () = answered(&clients[1], &g, deadline) => {}
+        }
+    });
+    rules.set_both(Party::Node(others[0]), Party::Node(others[1]), Link::cut());
+    let committed = wait_for(
+        "the new leader's generation committed",
+        Duration::from_secs(5),
+        || {
+            let view = c.admin.get("/v1/placement/replication").ok()?;
+            let shard = view["items"]
+                .as_array()?
+                .iter()
+                .find(|i| i["name"] == "gq")?
+                .clone();
+            (shard["report"]["generation"].as_u64()? > old_generation
+                && shard["report"]["generation_committed"] == true)
+                .then_some(())
+        },
+    );
+    assert!(
+        committed.is_ok(),
+        "a group request was answered before the new leader's generation start was committed: {:?}",
+        c.admin.get("/v1/placement/replication").ok()
+    );
+    rules.heal();
+    let _ = &mut c;
+}
+
 /// A Quorum cache's leader paused past its lease, its successor taking a put meanwhile:
 /// woken, it still thinks it leads until it reads the assignments again, and must not
 /// answer a read from before the put (it did: reads checked no lease). Reads sent to it
