@@ -1404,7 +1404,11 @@ impl CoreBroker {
                 match &opened {
                     Ok(s) => wake(map.insert(key.clone(), Slot::Ready(s.clone()))),
                     // Out of file descriptors or memory: the next request tries again.
-                    Err(BrokerError::Overloaded(_)) => wake(map.remove(key)),
+                    // No such stream or cache (a request that raced its deletion): kept,
+                    // it refused the one made again under the name until a restart.
+                    Err(BrokerError::Overloaded(_) | BrokerError::NotFound(_)) => {
+                        wake(map.remove(key))
+                    }
                     Err(e) => wake(map.insert(key.clone(), Slot::Failed(e.clone()))),
                 }
                 return opened;

@@ -1136,8 +1136,12 @@ fn requests_held_for_a_moving_shard_are_bounded() {
         // The release waits for the first publish's open: what follows is held.
         tokio::time::sleep(Duration::from_millis(200)).await;
         let held_before = b.metric("felix_broker_requests_held_total").unwrap();
+        // On two connections: one holds at most 16,384 requests in flight (64 MiB of
+        // request budget, each charged at least 4 KiB), the bound held here too.
+        let other = client_on_core(&b, 1).await;
         for i in 0..17_000u32 {
-            c.publish(
+            let by = if i % 2 == 0 { &*c } else { &other };
+            by.publish(
                 "dev",
                 "default",
                 "stuck",
@@ -2762,6 +2766,82 @@ fn a_subscription_held_across_its_stream_made_again_sees_none_of_it_and_takes_no
             .unwrap()
             .unwrap();
         assert_eq!(&got.payload[..], b"last");
+    });
+}
+
+/// A subscription that stopped reading while its stream was deleted, and reads on once
+/// the deletion is done (the name not yet taken again), ends `stream_deleted`, and the
+/// stream made again under the name takes publishes on that shard. Its pump's next read
+/// of the closed shard found no such stream; the failed open stayed in the shard's slot
+/// on that core, so the new stream's shard answered `not_found` to every request until a
+/// restart, and the pump's error ended the subscription with a reset, which the SDK takes
+/// for a lost shard to resubscribe to (into the new stream).
+#[test]
+fn a_read_after_its_stream_was_deleted_leaves_the_name_free_and_ends_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "housekeeping_ms: 100\ncores: \"0\"\n",
+        &["--fsync", "none"],
+    );
+    let admin = b.admin().unwrap();
+    let streams = "/v1/tenants/dev/namespaces/default/streams";
+    let create = || {
+        admin.post(
+            streams,
+            &json!({"stream": "gone", "kind": "Stream", "shards": 1}),
+        )
+    };
+    create().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        // 24 MiB: its pump waits part way through the history.
+        for i in 0..96 {
+            let old = format!("old-{i}-").into_bytes().repeat(40_000);
+            c.publish("dev", "default", "gone", old, AckMode::PerMessage)
+                .await
+                .unwrap();
+        }
+        let subscribe = felix_wire::Message::Subscribe {
+            tenant_id: "dev".into(),
+            namespace: "default".into(),
+            stream: "gone".into(),
+            subscription_id: None,
+            start: Some(StartPosition::Earliest),
+            shard: None,
+            queue_capacity: None,
+        };
+        let (_ep, _held, mut events) = held_events(&b, subscribe).await;
+        admin.delete(&format!("{streams}/gone")).unwrap();
+        // The deletion done on the core (its housekeeping closes the shard), the name
+        // not taken again yet.
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        let (_, ended) = read_to_end(&mut events).await;
+        assert!(
+            matches!(ended, Some(felix_wire::Message::StreamDeleted { .. })),
+            "{ended:?}"
+        );
+        create().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match c
+                .publish(
+                    "dev",
+                    "default",
+                    "gone",
+                    b"new".to_vec(),
+                    AckMode::PerMessage,
+                )
+                .await
+            {
+                Ok(_) => break,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "the new stream refuses: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
     });
 }
 

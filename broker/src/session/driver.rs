@@ -1635,6 +1635,17 @@ impl CacheWatch {
     }
 }
 
+/// Ends a subscription whose stream was deleted: `stream_deleted`, then the stream's
+/// end.
+async fn deleted(uni: &mut SendStream, sub_id: SubscriptionId) {
+    let last = Message::StreamDeleted {
+        subscription_id: sub_id,
+    }
+    .to_frame();
+    let _ = uni.write_chunk(last).await;
+    let _ = uni.finish();
+}
+
 /// Ends a watch with `cache_watch_lagged`: the client watches again from `from`.
 async fn end_lagged(uni: &mut SendStream, from: u64) -> Result<(), ()> {
     let lagged = Message::CacheWatchLagged {
@@ -1875,12 +1886,8 @@ impl Subscription {
                         return Ok(());
                     }
                     Some(Ending::Deleted) => {
-                        let last = Message::StreamDeleted {
-                            subscription_id: sub_id,
-                        }
-                        .to_frame();
-                        let _ = uni.write_chunk(last).await;
-                        break;
+                        deleted(&mut uni, sub_id).await;
+                        return Ok(());
                     }
                     Some(Ending::Failed) => {
                         uni.reset(u32::from(ErrorCode::ShardUnavailable.number().unwrap_or(0)));
@@ -1924,6 +1931,13 @@ impl Subscription {
                             metrics.subscriber_catchups.fetch_add(1, Ordering::Relaxed);
                             self.read_back(&mut uni, queue, &mut pump, to, sub_id)
                                 .await?;
+                            if queue.ending() == Some(Ending::Deleted) {
+                                // It stopped at the deletion: not lagged over what it
+                                // did not read.
+                                self.write(&mut uni, &mut frames).await?;
+                                deleted(&mut uni, sub_id).await;
+                                return Ok(());
+                            }
                             // What the log no longer holds (retention) is skipped, or
                             // ends the subscription.
                             pump.skip_to(to);
@@ -1989,6 +2003,18 @@ impl Subscription {
                     retries += 1;
                     task::sleep(Duration::from_millis(5 << retries.min(6))).await;
                     continue;
+                }
+                Err(e)
+                    if queue.ending() == Some(Ending::Deleted)
+                        || matches!(e, BrokerError::NotFound(_)) =>
+                {
+                    // The stream was deleted: its shard closed before this core's part
+                    // of the deletion ended the queue (at another core, or in the same
+                    // pass). Ended as that would end it, not with a reset the SDK takes
+                    // for a lost shard to subscribe to again (under the name, perhaps
+                    // in a stream made again).
+                    deleted(uni, sub_id).await;
+                    return Err(());
                 }
                 Err(e) => {
                     // Not the client's leaving: end the stream with an error, not
