@@ -744,6 +744,14 @@ pub enum Ending {
 /// `subscriber_queue` of them (512 batches of up to 16 MiB, 8 GiB) in memory.
 pub const SUB_QUEUE_BYTES: usize = 32 << 20;
 
+/// Bytes of records the subscriber queues of one core hold together (past it, new
+/// batches are dropped from every queue of the core and read back from the log). Each
+/// queue's own bound let one connection's 1,024 subscriptions that stopped reading,
+/// each holding other batches, hold 32 GiB; the bound on unread answers counts only the
+/// batch a pump is writing. A batch queued for several subscribers counts once for
+/// each.
+pub const SUB_QUEUES_BYTES_PER_CORE: usize = 1 << 30;
+
 /// A local subscriber's bounded queue of committed batches (overflow policy DropNew;
 /// the pump reads dropped batches back from the log).
 #[derive(Debug)]
@@ -752,18 +760,44 @@ pub struct SubQueue {
     capacity: usize,
     /// Bytes of records queued, bounded by [`SUB_QUEUE_BYTES`].
     bytes: Cell<usize>,
+    /// Bytes the core's queues hold together, bounded by `SUB_QUEUES_BYTES_PER_CORE`
+    /// (or less, for tests).
+    core_bytes: Rc<QueuedBytes>,
     waker: RefCell<Option<Waker>>,
     /// Batches dropped because the queue was full.
     pub dropped: Cell<u64>,
     closed: Cell<Option<Ending>>,
 }
 
+/// What a core's subscriber queues hold together.
+#[derive(Debug)]
+pub struct QueuedBytes {
+    held: Cell<usize>,
+    max: usize,
+}
+
+impl QueuedBytes {
+    /// A bound of `max` bytes.
+    pub fn new(max: usize) -> Rc<QueuedBytes> {
+        Rc::new(QueuedBytes {
+            held: Cell::new(0),
+            max,
+        })
+    }
+
+    /// Bytes held now.
+    pub fn held(&self) -> usize {
+        self.held.get()
+    }
+}
+
 impl SubQueue {
-    fn new(capacity: usize) -> SubQueue {
+    fn new(capacity: usize, core_bytes: Rc<QueuedBytes>) -> SubQueue {
         SubQueue {
             queue: RefCell::default(),
             capacity,
             bytes: Cell::new(0),
+            core_bytes,
             waker: RefCell::default(),
             dropped: Cell::new(0),
             closed: Cell::new(None),
@@ -774,11 +808,18 @@ impl SubQueue {
         let accepted = {
             let mut q = self.queue.borrow_mut();
             let bytes = self.bytes.get() + env.bytes();
-            if q.len() >= self.capacity || (bytes > SUB_QUEUE_BYTES && !q.is_empty()) {
+            let core_bytes = self.core_bytes.held.get() + env.bytes();
+            // Past the core's bound even an empty queue drops: its pump reads the
+            // batch back from the log.
+            if q.len() >= self.capacity
+                || (bytes > SUB_QUEUE_BYTES && !q.is_empty())
+                || core_bytes > self.core_bytes.max
+            {
                 self.dropped.set(self.dropped.get() + 1);
                 false
             } else {
                 self.bytes.set(bytes);
+                self.core_bytes.held.set(core_bytes);
                 q.push_back(env);
                 true
             }
@@ -793,7 +834,7 @@ impl SubQueue {
     pub async fn next(&self) -> Option<Arc<Envelope>> {
         poll_fn(|cx| {
             if let Some(e) = self.queue.borrow_mut().pop_front() {
-                self.bytes.set(self.bytes.get() - e.bytes());
+                self.taken(e.bytes());
                 return Poll::Ready(Some(e));
             }
             if self.closed.get().is_some() {
@@ -820,9 +861,14 @@ impl SubQueue {
         let mut q = self.queue.borrow_mut();
         let n = q.len().min(max);
         for e in q.drain(..n) {
-            self.bytes.set(self.bytes.get() - e.bytes());
+            self.taken(e.bytes());
             out.push(e);
         }
+    }
+
+    fn taken(&self, bytes: usize) {
+        self.bytes.set(self.bytes.get() - bytes);
+        self.core_bytes.held.set(self.core_bytes.held.get() - bytes);
     }
 
     /// Ends the subscription, for `why`. The first reason given stands.
@@ -838,6 +884,14 @@ impl SubQueue {
     /// Why it was closed, once it was.
     pub fn ending(&self) -> Option<Ending> {
         self.closed.get()
+    }
+}
+
+impl Drop for SubQueue {
+    fn drop(&mut self) {
+        // A subscription ending with batches queued gives their share back.
+        let core = &self.core_bytes.held;
+        core.set(core.get() - self.bytes.get());
     }
 }
 
@@ -891,6 +945,8 @@ pub struct CoreBroker {
     /// Request bytes in flight on this core, every connection's together (each takes
     /// its connection's budget first), and the requests waiting for room.
     pub(crate) request_bytes: RefCell<crate::session::outbox::FifoBytes>,
+    /// Bytes this core's subscriber queues hold together.
+    pub(crate) sub_queued: Rc<QueuedBytes>,
     next_request: Cell<u64>,
     draining: Cell<bool>,
     /// Sends requests on to other brokers (cluster mode).
@@ -1082,6 +1138,7 @@ impl CoreBroker {
             unfinished: RefCell::new(unfinished),
             unwritten: RefCell::new(unwritten),
             request_bytes: RefCell::new(request_bytes),
+            sub_queued: QueuedBytes::new(SUB_QUEUES_BYTES_PER_CORE),
             next_request: Cell::new(1),
             draining: Cell::new(false),
             forwarder,
@@ -2132,7 +2189,10 @@ impl CoreBroker {
         key: Arc<ShardKey>,
         start: Option<StartPosition>,
     ) -> Result<(Rc<SubQueue>, u64, u64), BrokerError> {
-        let queue = Rc::new(SubQueue::new(self.shared.subscriber_queue));
+        let queue = Rc::new(SubQueue::new(
+            self.shared.subscriber_queue,
+            self.sub_queued.clone(),
+        ));
         self.subscribers
             .borrow_mut()
             .entry(key.clone())
@@ -4334,7 +4394,7 @@ mod tests {
                 vec![Bytes::from(vec![0u8; bytes])],
             ))
         };
-        let q = SubQueue::new(512);
+        let q = SubQueue::new(512, QueuedBytes::new(SUB_QUEUES_BYTES_PER_CORE));
         let four_mib = 4 << 20;
         for i in 0..20 {
             q.push(batch(i, four_mib));
@@ -4345,8 +4405,50 @@ mod tests {
         q.take_ready(2, &mut taken);
         assert!(q.push(batch(20, four_mib)), "room again once taken");
         // A batch larger than the bound still goes to an empty queue.
-        let q = SubQueue::new(512);
+        let q = SubQueue::new(512, QueuedBytes::new(SUB_QUEUES_BYTES_PER_CORE));
         assert!(q.push(batch(0, SUB_QUEUE_BYTES + 1)));
         assert!(!q.push(batch(1, 1)));
+    }
+
+    /// The queues of a core hold a bounded number of bytes together: many
+    /// subscriptions that stopped reading, each within its own bound, held one each
+    /// (1,024 of a connection: 32 GiB). Taken or ended, a queue gives its share back.
+    #[test]
+    fn a_cores_subscriber_queues_are_bounded_together() {
+        let key = Arc::new(ShardKey {
+            kind: felix_core_runtime::placement::ShardKind::Stream,
+            tenant: "t".into(),
+            namespace: "ns".into(),
+            name: "s".into(),
+            shard: 0,
+        });
+        let batch = |base: u64| {
+            Arc::new(Envelope::new(
+                key.clone(),
+                base,
+                vec![Bytes::from(vec![0u8; 1 << 20])],
+            ))
+        };
+        let core = QueuedBytes::new(10 << 20);
+        let queues: Vec<SubQueue> = (0..8).map(|_| SubQueue::new(512, core.clone())).collect();
+        for base in 0..4 {
+            for q in &queues {
+                q.push(batch(base));
+            }
+        }
+        assert_eq!(core.held(), 10 << 20);
+        let held: usize = queues.iter().map(SubQueue::len).sum();
+        assert_eq!(held, 10, "each queue's own bound (32 MiB) was far off");
+        assert!(queues.iter().all(|q| !q.is_empty() || q.dropped.get() > 0));
+        // Past the core's bound an empty queue drops too (its pump reads the log).
+        let empty = SubQueue::new(512, core.clone());
+        assert!(!empty.push(batch(9)));
+        let mut taken = Vec::new();
+        queues[0].take_ready(1, &mut taken);
+        assert!(empty.push(batch(9)), "room again once taken");
+        drop(queues);
+        assert_eq!(core.held(), 1 << 20, "ended queues gave their share back");
+        drop(empty);
+        assert_eq!(core.held(), 0);
     }
 }
