@@ -880,6 +880,18 @@ impl BrokerConfig {
                 defaults.watch_snapshot_bytes,
             )?,
         };
+        if limits.inflight_publish_bytes < crate::session::dispatch::REQUEST_MIN_CHARGE {
+            // Every request is charged at least that: below it, each connection would run
+            // one request at a time, silently.
+            return Err(ConfigError {
+                key: "max_inflight_publish_bytes",
+                source_name: "config file",
+                message: format!(
+                    "must be at least {} (what a request is charged at least)",
+                    crate::session::dispatch::REQUEST_MIN_CHARGE
+                ),
+            });
+        }
         if limits.inflight_request_bytes_per_core < limits.inflight_publish_bytes {
             return Err(ConfigError {
                 key: "max_inflight_request_bytes_per_core",
@@ -1226,6 +1238,7 @@ mod tests {
             ("producer_snapshot_bytes: 100\n", "producer_snapshot_bytes"),
             ("cache_compact_after: 0\n", "cache_compact_after"),
             ("subscriber_queue: 0\n", "subscriber_queue"),
+            ("max_inflight_publish_bytes: 4095\n", "max_inflight_publish_bytes"),
         ] {
             assert_eq!(resolved(yaml).err(), Some(key), "{yaml}");
         }

@@ -745,11 +745,12 @@ pub enum Ending {
 pub const SUB_QUEUE_BYTES: usize = 32 << 20;
 
 /// Bytes of records the subscriber queues of one core hold together (past it, new
-/// batches are dropped from every queue of the core and read back from the log). Each
-/// queue's own bound let one connection's 1,024 subscriptions that stopped reading,
-/// each holding other batches, hold 32 GiB; the bound on unread answers counts only the
-/// batch a pump is writing. A batch queued for several subscribers counts once for
-/// each.
+/// batches are dropped from every queue of the core holding any, and read back from the
+/// log). Each queue's own bound let one connection's 1,024 subscriptions that stopped
+/// reading, each holding other batches, hold 32 GiB; the bound on unread answers counts
+/// only the batch a pump is writing. A batch queued for several subscribers counts once
+/// for each (so lagging subscribers of one busy stream read from the log sooner than
+/// its memory needs); an empty queue always takes one.
 pub const SUB_QUEUES_BYTES_PER_CORE: usize = 1 << 30;
 
 /// A local subscriber's bounded queue of committed batches (overflow policy DropNew;
@@ -809,11 +810,12 @@ impl SubQueue {
             let mut q = self.queue.borrow_mut();
             let bytes = self.bytes.get() + env.bytes();
             let core_bytes = self.core_bytes.held.get() + env.bytes();
-            // Past the core's bound even an empty queue drops: its pump reads the
-            // batch back from the log.
+            // An empty queue takes a batch past either bound: a subscriber that keeps
+            // up reads from memory however many others lag, and its pump, woken by
+            // the batch, sees drops at once (an empty queue that dropped left it
+            // waiting up to `GAP_CHECK` to read the batch back).
             if q.len() >= self.capacity
-                || (bytes > SUB_QUEUE_BYTES && !q.is_empty())
-                || core_bytes > self.core_bytes.max
+                || (bytes > SUB_QUEUE_BYTES || core_bytes > self.core_bytes.max) && !q.is_empty()
             {
                 self.dropped.set(self.dropped.get() + 1);
                 false
@@ -1349,8 +1351,9 @@ impl CoreBroker {
                     Ok(log) => log,
                     Err(e) => {
                         if !matches!(e, BrokerError::Overloaded(_)) {
-                            // Closed here until a restart (`Slot::Failed`): a handover
-                            // passed on would let the next core serve it.
+                            // Closed here until a restart (`Slot::Failed`), or deleted
+                            // (`NotFound`, not kept in the slot): a handover passed on
+                            // would let the next core serve it.
                             let h = self.pending_takes.borrow_mut().remove(key);
                             if let Some(h) = h.filter(|_| !matches!(e, BrokerError::NotFound(_))) {
                                 self.end_subscribers(key, &h.interested);
@@ -2710,18 +2713,19 @@ impl CoreBroker {
         ),
         BrokerError,
     > {
-        use crate::shard::snapshots::{SNAPSHOTS_FULL, charged_bytes};
+        use crate::shard::snapshots::SNAPSHOTS_FULL;
         let full = || BrokerError::Overloaded(SNAPSHOTS_FULL.into());
         let budget = &self.shared.watch_snapshots;
-        // No copy is built while none could be taken: a watcher asking again while the
-        // bound is full costs a load, not a scan of the cache.
+        // A watcher asking again while the bound is full costs a load, not a scan of
+        // the cache; with some room, a scan that copies nothing; a copy is built only
+        // once charged (with no await in between, it is the one counted).
         if !budget.has_room() {
             return Err(full());
         }
-        let (values, resume) = cache.snapshot(filter, now);
         let charge = budget
-            .take(values.iter().map(charged_bytes).sum())
+            .take(cache.snapshot_bytes(filter, now))
             .ok_or_else(full)?;
+        let (values, resume) = cache.snapshot(filter, now);
         Ok((values, resume, charge))
     }
 
@@ -4439,15 +4443,16 @@ mod tests {
         assert_eq!(core.held(), 10 << 20);
         let held: usize = queues.iter().map(SubQueue::len).sum();
         assert_eq!(held, 10, "each queue's own bound (32 MiB) was far off");
-        assert!(queues.iter().all(|q| !q.is_empty() || q.dropped.get() > 0));
-        // Past the core's bound an empty queue drops too (its pump reads the log).
+        // Past the core's bound an empty queue still takes one (its pump is woken by
+        // it), and no more.
         let empty = SubQueue::new(512, core.clone());
-        assert!(!empty.push(batch(9)));
+        assert!(empty.push(batch(9)));
+        assert!(!empty.push(batch(10)));
         let mut taken = Vec::new();
-        queues[0].take_ready(1, &mut taken);
-        assert!(empty.push(batch(9)), "room again once taken");
+        queues[0].take_ready(2, &mut taken);
+        assert!(empty.push(batch(10)), "room again once taken");
         drop(queues);
-        assert_eq!(core.held(), 1 << 20, "ended queues gave their share back");
+        assert_eq!(core.held(), 2 << 20, "ended queues gave their share back");
         drop(empty);
         assert_eq!(core.held(), 0);
     }

@@ -296,7 +296,7 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
     (
         "felix_broker_request_bytes_in_flight",
         "gauge",
-        "Request bytes in flight on the core, all connections together (a publish's records, any other request's frame), bounded by max_inflight_request_bytes_per_core.",
+        "Request bytes in flight on the core, all connections together (a publish's records, any other request's frame, each at least 4 KiB), bounded by max_inflight_request_bytes_per_core.",
         |m| m.request_bytes_in_flight.load(Ordering::Relaxed),
     ),
     (

@@ -952,9 +952,10 @@ impl CoreBroker {
                     Err(e) => {
                         tracing::warn!(shard = %key, error = %e, "opening a moved shard");
                         if !matches!(e, BrokerError::Overloaded(_)) {
-                            // Closed here until a restart (`Slot::Failed`): nothing to
-                            // keep, and its subscribers end (the failed open above has
-                            // usually told them already, taking the handover with it).
+                            // Closed here until a restart (`Slot::Failed`), or deleted
+                            // (`NotFound`, not kept in the slot): nothing to keep, and
+                            // its subscribers end (the failed open above has usually told
+                            // them already, taking the handover with it).
                             let h = self.pending_takes.borrow_mut().remove(&key);
                             if let Some(h) = h.filter(|_| !matches!(e, BrokerError::NotFound(_))) {
                                 self.end_subscribers(&key, &h.interested);

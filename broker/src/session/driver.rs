@@ -1465,28 +1465,42 @@ impl CacheWatch {
             SNAPSHOT_PAUSE_MIN,
             std::time::Instant::now() + SNAPSHOT_WAIT,
         );
-        let start = loop {
-            let start = self
-                .core
-                .watch(
-                    self.key.clone(),
-                    WatchReq::Start {
-                        filter: self.filter.clone(),
-                        from,
-                        retained,
-                    },
-                )
-                .await;
-            match start {
-                Err(BrokerError::Overloaded(r))
-                    if r == crate::shard::snapshots::SNAPSHOTS_FULL
-                        && std::time::Instant::now() + pause < given_up =>
-                {
-                    task::sleep(pause).await;
-                    pause = (pause * 2).min(SNAPSHOT_PAUSE_MAX);
+        let asked = async {
+            loop {
+                let start = self
+                    .core
+                    .watch(
+                        self.key.clone(),
+                        WatchReq::Start {
+                            filter: self.filter.clone(),
+                            from,
+                            retained,
+                        },
+                    )
+                    .await;
+                match start {
+                    Err(BrokerError::Overloaded(r))
+                        if r == crate::shard::snapshots::SNAPSHOTS_FULL
+                            && std::time::Instant::now() + pause < given_up =>
+                    {
+                        task::sleep(pause).await;
+                        pause = (pause * 2).min(SNAPSHOT_PAUSE_MAX);
+                    }
+                    other => break Some(other),
                 }
-                other => break other,
             }
+        };
+        // Its client gone meanwhile, it asks no more.
+        let gone = async {
+            self.scope.closed(self.id).await;
+            None
+        };
+        let Some(start) = futures_lite::future::or(asked, gone).await else {
+            self.scope.stop_waiting(self.id);
+            self.scope
+                .subscriptions
+                .set(self.scope.subscriptions.get() - 1);
+            return;
         };
         match start {
             Ok(WatchAnswer::Started {
@@ -1549,34 +1563,27 @@ impl CacheWatch {
         // at a time, each page written before the next is encoded, so a watcher that
         // does not read holds one page here, not the whole snapshot encoded. What the
         // snapshot still holds counts with the page against the bound on unread answers
-        // (a watcher not reading kept it all, uncounted, for the watch's life).
-        // Each change's bytes held (value included) and charged (`shard::snapshots`).
-        let sizes: Vec<(usize, usize)> = first
-            .iter()
-            .map(|c| {
-                (
-                    watch_change_bytes(c),
-                    crate::shard::snapshots::charged_bytes(c),
-                )
-            })
-            .collect();
-        let mut left: usize = sizes.iter().map(|s| s.0).sum();
-        let mut sent = 0;
-        let mut first = first.into_iter();
-        loop {
-            let before = first.len();
-            let mut page = watch_page(&mut first, WATCH_PAGE_BYTES);
-            if page.is_empty() {
-                break;
-            }
-            let taken = before - first.len();
-            left -= sizes[sent..sent + taken].iter().map(|s| s.0).sum::<usize>();
-            charge.give_back(sizes[sent..sent + taken].iter().map(|s| s.1).sum());
-            sent += taken;
-            if write_counted_behind(&self.core, self.scope.id, &mut uni, &mut page, left).await {
-                return Err(());
+        // (a watcher not reading kept it all, uncounted, for the watch's life). Its
+        // charge against the process's bound on copies (`shard::snapshots`) is given
+        // back as the keys are freed, page by page, and the rest once the copy's own
+        // buffer is: at the end of this block, before the watch goes on live.
+        {
+            let mut left: usize = first.iter().map(watch_change_bytes).sum();
+            let mut first = first.into_iter();
+            loop {
+                let (mut page, held, keys) = watch_page(&mut first, WATCH_PAGE_BYTES);
+                if page.is_empty() {
+                    break;
+                }
+                left -= held;
+                charge.give_back(keys);
+                if write_counted_behind(&self.core, self.scope.id, &mut uni, &mut page, left).await
+                {
+                    return Err(());
+                }
             }
         }
+        drop(charge);
         loop {
             let next = self
                 .core
@@ -1673,20 +1680,23 @@ fn shard_moved(sub_id: SubscriptionId, resume_from: u64, route: &crate::cluster:
 /// About how many bytes of a watch's snapshot are encoded at once.
 const WATCH_PAGE_BYTES: usize = 1 << 20;
 
-/// The next events of `changes`, encoded, until about `max_bytes` (at least one).
+/// The next events of `changes`, encoded, until about `max_bytes` (at least one); with
+/// what the changes taken held ([`watch_change_bytes`]) and their keys' bytes.
 fn watch_page(
     changes: &mut impl Iterator<Item = crate::shard::WatchChange>,
     max_bytes: usize,
-) -> Vec<Bytes> {
+) -> (Vec<Bytes>, usize, usize) {
     let mut page = Vec::new();
-    let mut bytes = 0;
+    let (mut bytes, mut held, mut keys) = (0, 0, 0);
     while bytes < max_bytes {
         let Some(c) = changes.next() else { break };
+        held += watch_change_bytes(&c);
+        keys += c.key.len();
         let frame = watch_event(c);
         bytes += frame.len();
         page.push(frame);
     }
-    page
+    (page, held, keys)
 }
 
 /// What a change held in memory takes: its key, its value and itself.
@@ -2012,7 +2022,9 @@ impl Subscription {
                     // of the deletion ended the queue (at another core, or in the same
                     // pass). Ended as that would end it, not with a reset the SDK takes
                     // for a lost shard to subscribe to again (under the name, perhaps
-                    // in a stream made again).
+                    // in a stream made again). Ended Deleted, its end takes nothing
+                    // from a stream made again under the name (`CoreBroker::unsubscribe`).
+                    queue.close(Ending::Deleted);
                     deleted(uni, sub_id).await;
                     return Err(());
                 }
@@ -2155,7 +2167,7 @@ mod tests {
         let mut it = changes.into_iter();
         let (mut pages, mut events) = (0, 0);
         loop {
-            let page = watch_page(&mut it, 64 << 10);
+            let (page, _, _) = watch_page(&mut it, 64 << 10);
             if page.is_empty() {
                 break;
             }

@@ -505,6 +505,20 @@ struct Projection {
     recent: Option<Recent>,
 }
 
+/// The live entries of `state` that `filter` follows (one key is looked up, not found
+/// by a scan of every key on the core).
+fn followed<'a>(
+    state: &'a Projection,
+    filter: &'a WatchFilter,
+    now: Now,
+) -> impl Iterator<Item = (&'a String, &'a CacheEntry)> + 'a {
+    let entries: Box<dyn Iterator<Item = (&String, &CacheEntry)>> = match filter {
+        WatchFilter::Key(k) => Box::new(state.index.get_key_value(k).into_iter()),
+        WatchFilter::Prefix(_) => Box::new(state.index.iter()),
+    };
+    entries.filter(move |(k, e)| filter.matches(k) && e.live(now.wall_ms()))
+}
+
 /// Which keys a cache watch follows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WatchFilter {
@@ -1600,13 +1614,7 @@ impl CacheShard {
     /// snapshot is as of (a watch continues from there).
     pub fn snapshot(&self, filter: &WatchFilter, now: Now) -> (Vec<WatchChange>, u64) {
         let state = self.state.borrow();
-        // One key is looked up, not found by a scan of every key on the core.
-        let entries: Box<dyn Iterator<Item = (&String, &CacheEntry)>> = match filter {
-            WatchFilter::Key(k) => Box::new(state.index.get_key_value(k).into_iter()),
-            WatchFilter::Prefix(_) => Box::new(state.index.iter()),
-        };
-        let mut values: Vec<WatchChange> = entries
-            .filter(|(k, e)| filter.matches(k) && e.live(now.wall_ms()))
+        let mut values: Vec<WatchChange> = followed(&state, filter, now)
             .map(|(k, e)| WatchChange {
                 key: k.clone(),
                 value: Some(e.value.clone()),
@@ -1615,8 +1623,19 @@ impl CacheShard {
             })
             .collect();
         values.sort_by_key(|c| c.offset);
+        // Held for as long as the watcher takes to read it, and charged by its length.
+        values.shrink_to_fit();
         drop(state);
         (values, self.applied_end())
+    }
+
+    /// What [`CacheShard::snapshot`] would copy, in
+    /// [`snapshots::charged_bytes`](snapshots::charged_bytes), counted without copying.
+    pub fn snapshot_bytes(&self, filter: &WatchFilter, now: Now) -> usize {
+        let state = self.state.borrow();
+        followed(&state, filter, now)
+            .map(|(k, _)| std::mem::size_of::<WatchChange>() + k.len())
+            .sum()
     }
 
     /// A watch begins on this shard, or asks for changes, at `now`: the recent changes
