@@ -1238,7 +1238,10 @@ mod tests {
             ("producer_snapshot_bytes: 100\n", "producer_snapshot_bytes"),
             ("cache_compact_after: 0\n", "cache_compact_after"),
             ("subscriber_queue: 0\n", "subscriber_queue"),
-            ("max_inflight_publish_bytes: 4095\n", "max_inflight_publish_bytes"),
+            (
+                "max_inflight_publish_bytes: 4095\n",
+                "max_inflight_publish_bytes",
+            ),
         ] {
             assert_eq!(resolved(yaml).err(), Some(key), "{yaml}");
         }

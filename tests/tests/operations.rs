@@ -2626,6 +2626,32 @@ async fn held_events(
     (ep, conn, events)
 }
 
+/// 24 MiB published to `stream` (records `old-{i}-...`), and a subscription to it from
+/// its start whose reader does not read: past what the broker buffers for an unread
+/// stream, so its pump waits part way through the history.
+async fn history_held(
+    b: &BrokerProcess,
+    c: &Client,
+    stream: &str,
+) -> (quinn::Endpoint, quinn::Connection, quinn::RecvStream) {
+    for i in 0..96 {
+        let old = format!("old-{i}-").into_bytes().repeat(40_000);
+        c.publish("dev", "default", stream, old, AckMode::PerMessage)
+            .await
+            .unwrap();
+    }
+    let subscribe = felix_wire::Message::Subscribe {
+        tenant_id: "dev".into(),
+        namespace: "default".into(),
+        stream: stream.into(),
+        subscription_id: None,
+        start: Some(StartPosition::Earliest),
+        shard: None,
+        queue_capacity: None,
+    };
+    held_events(b, subscribe).await
+}
+
 /// Deletes what `path` names and makes it again with `create` once the deletion is done
 /// everywhere.
 fn delete_and_make_again<T, E>(
@@ -2693,24 +2719,7 @@ fn a_subscription_held_across_its_stream_made_again_sees_none_of_it_and_takes_no
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = client(&b).await;
-        // 24 MiB: past what the broker buffers for an unread stream, so its pump waits
-        // part way through the history.
-        for i in 0..96 {
-            let old = format!("old-{i}-").into_bytes().repeat(40_000);
-            c.publish("dev", "default", "again", old, AckMode::PerMessage)
-                .await
-                .unwrap();
-        }
-        let subscribe = felix_wire::Message::Subscribe {
-            tenant_id: "dev".into(),
-            namespace: "default".into(),
-            stream: "again".into(),
-            subscription_id: None,
-            start: Some(StartPosition::Earliest),
-            shard: None,
-            queue_capacity: None,
-        };
-        let (_ep, _held, mut events) = held_events(&b, subscribe).await;
+        let (_ep, _held, mut events) = history_held(&b, &c, "again").await;
         delete_and_make_again(&admin, &format!("{streams}/again"), create);
         // As many as the old stream held: wherever the held one stopped, the new stream
         // has records there.
@@ -2796,23 +2805,7 @@ fn a_read_after_its_stream_was_deleted_leaves_the_name_free_and_ends_deleted() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = client(&b).await;
-        // 24 MiB: its pump waits part way through the history.
-        for i in 0..96 {
-            let old = format!("old-{i}-").into_bytes().repeat(40_000);
-            c.publish("dev", "default", "gone", old, AckMode::PerMessage)
-                .await
-                .unwrap();
-        }
-        let subscribe = felix_wire::Message::Subscribe {
-            tenant_id: "dev".into(),
-            namespace: "default".into(),
-            stream: "gone".into(),
-            subscription_id: None,
-            start: Some(StartPosition::Earliest),
-            shard: None,
-            queue_capacity: None,
-        };
-        let (_ep, _held, mut events) = held_events(&b, subscribe).await;
+        let (_ep, _held, mut events) = history_held(&b, &c, "gone").await;
         admin.delete(&format!("{streams}/gone")).unwrap();
         // The deletion done on the core (its housekeeping closes the shard), the name
         // not taken again yet.

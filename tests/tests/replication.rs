@@ -960,6 +960,27 @@ async fn put_until_taken(client: &felix_client::Client, cache: &str, value: &'st
     }
 }
 
+/// Whether the shard named `name` has, within 5 s, a generation past `old` whose start
+/// is committed (`/v1/placement/replication`).
+fn generation_committed_past(c: &TestCluster, name: &str, old: u64) -> bool {
+    wait_for(
+        "the new leader's generation committed",
+        Duration::from_secs(5),
+        || {
+            let view = c.admin.get("/v1/placement/replication").ok()?;
+            let shard = view["items"]
+                .as_array()?
+                .iter()
+                .find(|i| i["name"] == name)?
+                .clone();
+            (shard["report"]["generation"].as_u64()? > old
+                && shard["report"]["generation_committed"] == true)
+                .then_some(())
+        },
+    )
+    .is_ok()
+}
+
 /// A new leader of a Quorum cache rebuilds its index from its whole log, which may hold
 /// records a majority does not (the furthest copy's, its predecessor's last writes):
 /// it answers reads from it only once its generation start is committed (a read
@@ -1025,23 +1046,8 @@ fn a_new_quorum_cache_leader_answers_reads_only_once_its_generation_is_committed
     // Whatever is still on its way between them (the generation start, its
     // acknowledgement) is lost from now on.
     rules.set_both(Party::Node(others[0]), Party::Node(others[1]), Link::cut());
-    let committed = wait_for(
-        "the new leader's generation committed",
-        Duration::from_secs(5),
-        || {
-            let view = c.admin.get("/v1/placement/replication").ok()?;
-            let shard = view["items"]
-                .as_array()?
-                .iter()
-                .find(|i| i["name"] == "ri")?
-                .clone();
-            (shard["report"]["generation"].as_u64()? > old_generation
-                && shard["report"]["generation_committed"] == true)
-                .then_some(())
-        },
-    );
     assert!(
-        committed.is_ok(),
+        generation_committed_past(&c, "ri", old_generation),
         "a read was answered before the new leader's generation start was committed: {:?}",
         c.admin.get("/v1/placement/replication").ok()
     );
@@ -1126,23 +1132,8 @@ fn a_new_quorum_stream_leader_serves_groups_only_once_its_generation_is_committe
         }
     });
     rules.set_both(Party::Node(others[0]), Party::Node(others[1]), Link::cut());
-    let committed = wait_for(
-        "the new leader's generation committed",
-        Duration::from_secs(5),
-        || {
-            let view = c.admin.get("/v1/placement/replication").ok()?;
-            let shard = view["items"]
-                .as_array()?
-                .iter()
-                .find(|i| i["name"] == "gq")?
-                .clone();
-            (shard["report"]["generation"].as_u64()? > old_generation
-                && shard["report"]["generation_committed"] == true)
-                .then_some(())
-        },
-    );
     assert!(
-        committed.is_ok(),
+        generation_committed_past(&c, "gq", old_generation),
         "a group request was answered before the new leader's generation start was committed: {:?}",
         c.admin.get("/v1/placement/replication").ok()
     );
