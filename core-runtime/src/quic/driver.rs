@@ -242,6 +242,8 @@ pub struct EndpointStats {
     pub missed_wakeups: u64,
     /// Connections closed for not finishing their handshake in time.
     pub handshakes_timed_out: u64,
+    /// Datagrams the socket refused for good (logged at the 1st, 2nd, 4th, 8th...).
+    pub send_errors: u64,
 }
 
 /// Why a stream or connection operation failed.
@@ -620,7 +622,18 @@ impl Driver {
         match self.io.try_send(data, dest, segment, ecn) {
             Ok(true) => {}
             Ok(false) => self.blocked_sends.push_back((data.to_vec(), dest, segment)),
-            Err(e) => tracing::warn!(%dest, error = %e, "udp send failed"),
+            Err(e) => self.send_failed(dest, &e),
+        }
+    }
+
+    /// Counts a datagram the socket refused, and logs it when the count reaches a power
+    /// of two: Initials from a forged address the kernel will not send to (port 0) made
+    /// one warning each.
+    fn send_failed(&mut self, dest: SocketAddr, e: &io::Error) {
+        self.stats.send_errors += 1;
+        let n = self.stats.send_errors;
+        if n.is_power_of_two() {
+            tracing::warn!(%dest, error = %e, failed = n, "udp send failed");
         }
     }
 
@@ -1595,7 +1608,7 @@ async fn run(d: Rc<RefCell<Driver>>, io: Rc<UdpIo>) {
                 break;
             };
             if let Err(e) = io.send_waiting(&data, dest, segment).await {
-                tracing::warn!(%dest, error = %e, "udp send failed");
+                d.borrow_mut().send_failed(dest, &e);
             }
         }
         let now = Instant::now();
@@ -1766,6 +1779,8 @@ mod sans_io {
         queue: RefCell<VecDeque<(SocketAddr, SocketAddr, Vec<u8>)>>,
         black_holes: RefCell<HashSet<SocketAddr>>,
         lose_next: RefCell<HashSet<SocketAddr>>,
+        /// Destinations the socket refuses to send to (as the kernel refuses port 0).
+        refused: RefCell<HashSet<SocketAddr>>,
     }
 
     struct MemIo {
@@ -1802,6 +1817,9 @@ mod sans_io {
         ) -> io::Result<bool> {
             if self.net.black_holes.borrow().contains(&dest) {
                 return Ok(true);
+            }
+            if self.net.refused.borrow().contains(&dest) {
+                return Err(io::Error::from_raw_os_error(libc::EINVAL));
             }
             for piece in data.chunks(segment.unwrap_or(data.len()).max(1)) {
                 if self.net.lose_next.borrow_mut().remove(&dest) {
@@ -1907,6 +1925,31 @@ mod sans_io {
             "the server queued it for accept()"
         );
         assert_eq!(f.server.stats.accepted, 1);
+    }
+
+    /// Sends the socket refuses for good are counted, and the broker carries on: a
+    /// flood of Initials from an address the kernel will not send to made one warning
+    /// each (now one at each power of two of the count).
+    #[test]
+    fn sends_the_socket_refuses_are_counted_and_the_rest_go_on() {
+        let mut f = fixture(1000, TransportLimits::default());
+        let mut clients: Vec<Driver> = (0..20).map(|i| client(&f, 6100 + i)).collect();
+        for (i, c) in clients.iter_mut().enumerate() {
+            if i % 2 == 0 {
+                f.net.refused.borrow_mut().insert(addr(6100 + i as u16));
+            }
+            let cfg = f.client_config.clone();
+            c.start_connect(f.now, cfg, f.server_addr, "localhost")
+                .unwrap();
+        }
+        run(&mut f, &mut clients, 20, Duration::from_millis(1));
+        assert!(
+            f.server.stats.send_errors >= 10,
+            "{} refused sends counted",
+            f.server.stats.send_errors
+        );
+        let reached: usize = clients.iter().map(connected).sum();
+        assert_eq!(reached, 10, "the others connected");
     }
 
     #[test]
