@@ -709,6 +709,13 @@ async fn delete_tenant(
 ) -> ApiResult<StatusCode> {
     let g = authenticate(&st, &h).await?;
     require(&g, "tenant.manage", "cluster", &["*"])?;
+    if t == OPERATOR_TENANT {
+        // Its keys sign every operator and node token: deleted, no broker could
+        // heartbeat, no operator act, and bootstrap answers "already initialized".
+        return Err(ApiError::conflict(format!(
+            "tenant {t} holds the cluster's keys and cannot be deleted"
+        )));
+    }
     // Creating a namespace rewrites its tenant: deleting at this version fails if one
     // was created after the emptiness check.
     let d = must_exist(&st, Kind::Tenant, &t).await?;
@@ -2084,7 +2091,7 @@ const DENIAL_MAX_SECS: u64 = 365 * 24 * 3600;
 async fn denied(store: &dyn Store, tenant: &str, jti: &str) -> ApiResult<bool> {
     Ok(
         match store.get(Kind::Denial, &format!("{tenant}/{jti}")).await? {
-            Some(d) => to::<Denial>(&d)?.until >= now_ms() / 1000,
+            Some(d) => in_force(&to::<Denial>(&d)?, now_ms() / 1000),
             None => false,
         },
     )
@@ -2142,8 +2149,15 @@ async fn live_denials(store: &dyn Store, prefix: &str) -> ApiResult<Vec<Denial>>
         .map(to::<Denial>)
         .collect::<ApiResult<Vec<_>>>()?
         .into_iter()
-        .filter(|d| d.until >= now)
+        .filter(|d| in_force(d, now))
         .collect())
+}
+
+/// Whether denial `d` still refuses its token at `now` (seconds): until its `until`
+/// and the clock skew a token is allowed past its expiry. A denial dropped at `until`
+/// let a token denied until its `exp` verify again for that minute.
+fn in_force(d: &Denial, now: u64) -> bool {
+    d.until.saturating_add(felix_wire::token::SKEW_SECS) >= now
 }
 
 async fn tenant_denials(
@@ -2219,9 +2233,20 @@ fn claimed_caller(headers: &HeaderMap, path: &str) -> (String, String) {
     }
 }
 
-/// Paths whose writes are routine broker traffic, not operator actions.
+/// Paths whose writes are routine broker traffic, not operator actions: a node's
+/// heartbeat and replica status, by the routes' whole shape (by their last segment
+/// alone, writes to a stream, cache, namespace or tenant named `heartbeat` went
+/// unaudited).
 fn routine(path: &str) -> bool {
-    path.ends_with("/heartbeat") || path.ends_with("/replica-status") || path.starts_with("/debug/")
+    if path.starts_with("/debug/") {
+        return true;
+    }
+    let mut parts = path.split('/');
+    matches!(
+        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next(), parts.next()),
+        (Some(""), Some("v1"), Some("nodes"), Some(id), Some("heartbeat" | "replica-status"), None)
+            if !id.is_empty()
+    )
 }
 
 /// Marks the answer to a request no route took: not audited.

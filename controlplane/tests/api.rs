@@ -1976,6 +1976,64 @@ fn a_write_to_an_escaped_tenant_path_is_in_the_tenants_audit_log() {
     );
 }
 
+/// Three holes an audit found: the operator tenant could be deleted (its keys sign
+/// every operator and node token: the cluster locked out for good); a write to a
+/// stream (or tenant, namespace, cache) named `heartbeat` was taken for a node's
+/// heartbeat and not audited; and a denial lapsed at its `until`, while a token is
+/// accepted up to a minute past its `exp`, so one denied until its expiry verified again
+/// for that minute.
+#[test]
+fn the_operator_tenant_stays_writes_named_like_heartbeats_are_audited_and_denials_cover_the_skew() {
+    let svc = memory_service();
+    let (anon, admin) = bootstrapped(&svc);
+    expect_err(admin.delete("/v1/tenants/operator"), 409);
+    // Its keys still sign: the operator's token works on.
+
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    admin
+        .post("/v1/tenants/acme/namespaces", &json!({"namespace": "ns"}))
+        .unwrap();
+    let streams = "/v1/tenants/acme/namespaces/ns/streams";
+    admin
+        .post(
+            streams,
+            &json!({"stream": "heartbeat", "kind": "Stream", "shards": 1, "replication_factor": 1}),
+        )
+        .unwrap();
+    admin.delete(&format!("{streams}/heartbeat")).unwrap();
+    let audit = admin.get("/v1/tenants/acme/audit").unwrap();
+    let deleted =
+        audit["items"].as_array().unwrap().iter().any(|e| {
+            e["method"] == "DELETE" && e["path"] == format!("{streams}/heartbeat").as_str()
+        });
+    assert!(deleted, "{audit:#}");
+
+    let token = admin
+        .post(
+            "/v1/tenants/acme/tokens",
+            &json!({"sub": "bob", "audience": "felix-controlplane", "perms": ["tenant.manage:tenant:acme"]}),
+        )
+        .unwrap();
+    let bob = anon.clone().with_token(token["token"].as_str().unwrap());
+    bob.get("/v1/tenants/acme/signing-keys").unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // Denied until 30 s ago: within the minute a token outlives its `exp`.
+    admin
+        .post(
+            "/v1/tenants/acme/token-denials",
+            &json!({"jti": token["jti"], "until": now - 30}),
+        )
+        .unwrap();
+    expect_err(bob.get("/v1/tenants/acme/signing-keys"), 401);
+    let live = admin.get("/v1/token-denials").unwrap();
+    assert_eq!(live["items"][0]["jti"], token["jti"], "{live:#}");
+}
+
 /// Writes nobody could make are not audited: a request no route takes, or one refused
 /// 401. Anyone could add entries without end (each a store write taking every writer's
 /// lock); a forbidden write by a caller with a token still is.

@@ -23,7 +23,9 @@ pub const BROKER_AUDIENCE: &str = "felix-broker";
 pub const CONTROLPLANE_AUDIENCE: &str = "felix-controlplane";
 /// The issuer of Felix tokens.
 pub const ISSUER: &str = "felix-auth";
-const SKEW_SECS: u64 = 60;
+/// Clock skew a token's times are allowed (seconds): it verifies up to this long past
+/// its `exp`.
+pub const SKEW_SECS: u64 = 60;
 
 /// Why a token is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
