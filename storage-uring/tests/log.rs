@@ -724,6 +724,58 @@ fn a_close_waits_for_a_retention_pass_removing_files() {
     });
 }
 
+/// A truncation and reset wait for a retention pass that is removing files. The pass
+/// takes its segments out of memory before it removes them, so a reset planned
+/// meanwhile (a follower starting over at its leader's base) knew nothing of them:
+/// when it returned, dozens of the pass's files were still there, and a crash then
+/// left them beside the new base, an offset gap every later open refused. Disk only:
+/// the memory backend's removals never yield.
+#[test]
+fn a_reset_waits_for_a_retention_pass_removing_files() {
+    run(|| async {
+        let fx = Disk::new();
+        let cfg = LogConfig {
+            segment_bytes_max: 8 * 1024,
+            index_interval_bytes: 1024,
+            retention_bytes: Some(16 * 1024),
+            ..LogConfig::default()
+        };
+        let (log, _) = SegmentLog::open(fx.backend().await, cfg.clone())
+            .await
+            .unwrap();
+        fill(&log, 700, 1000).await;
+        let end = log.next_offset();
+        assert!(log.segment_count() > 80, "{} segments", log.segment_count());
+        let log = std::rc::Rc::new(log);
+        let retention = glommio::spawn_local({
+            let log = log.clone();
+            async move { log.enforce_retention(u64::MAX / 2).await }
+        });
+        // The pass has chosen its segments and is inside its first removal.
+        while log.base_offset() == 0 {
+            futures_lite::future::yield_now().await;
+        }
+        log.truncate_from(log.base_offset()).await.unwrap();
+        log.reset_empty_at(end + 100).await.unwrap();
+        let left: Vec<String> = fx
+            .names()
+            .into_iter()
+            .filter(|n| {
+                n.ends_with(".seg") && *n != felix_storage_uring::segment::segment_name(end + 100)
+            })
+            .collect();
+        assert!(
+            left.is_empty(),
+            "the pass's files outlived the reset: {left:?}"
+        );
+        retention.await.unwrap();
+        log.close().await.unwrap();
+        let (log, _) = SegmentLog::open(fx.backend().await, cfg).await.unwrap();
+        assert_eq!(log.base_offset(), end + 100);
+        log.close().await.unwrap();
+    });
+}
+
 /// A commit polled again and again while its flush has not run (a task woken by
 /// something else meanwhile, a `zip` or `select` beside a busy branch) keeps one waker
 /// for its task. Each poll kept another clone of it: past 32,767 glommio's count of

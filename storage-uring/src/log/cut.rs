@@ -336,7 +336,21 @@ struct Hold<'a, B: Backend> {
 }
 
 impl<'a, B: Backend> Hold<'a, B> {
-    fn take(log: &'a SegmentLog<B>) -> Result<Self, StorageError> {
+    async fn take(log: &'a SegmentLog<B>) -> Result<Self, StorageError> {
+        // A retention pass takes its segments out of memory before it removes their
+        // files: a cut planned meanwhile does not see them, and a crash (or a removal
+        // that fails) before the pass ends left them on disk beside the cut's result,
+        // an offset gap every later open refused. It waits for the pass, as a close
+        // does (the pass's directory sync included).
+        poll_fn(|cx| {
+            let mut st = log.shared.state.borrow_mut();
+            if st.removing > 0 {
+                st.removing_waiters.push(cx.waker().clone());
+                return Poll::Pending;
+            }
+            Poll::Ready(())
+        })
+        .await;
         let mut st = log.shared.state.borrow_mut();
         check_open(&st)?;
         if st.exclusive {
@@ -431,7 +445,7 @@ impl<B: Backend> SegmentLog<B> {
     /// failure, or dropping the call, after the intent may be durable poisons the log:
     /// a restart finishes the truncation.
     pub async fn truncate_from(&self, offset: u64) -> Result<(), StorageError> {
-        let mut hold = Hold::take(self)?;
+        let mut hold = Hold::take(self).await?;
         if self.cut_is_noop(offset)? {
             return Ok(());
         }
@@ -464,7 +478,7 @@ impl<B: Backend> SegmentLog<B> {
                 high: MAX_RESET_BASE,
             });
         }
-        let mut hold = Hold::take(self)?;
+        let mut hold = Hold::take(self).await?;
         self.check_empty()?;
         self.wait_idle().await?;
         self.check_empty()?;
