@@ -732,7 +732,9 @@ async fn mark_life<B: Backend>(backend: &B, unsynced: bool) -> Result<(), Storag
             .await
             .map_err(io("write"))?,
         (false, true) => backend.remove(UNSYNCED_LIFE).await.map_err(io("remove"))?,
-        _ => return Ok(()),
+        // Already as wanted, perhaps by an open whose directory sync then failed: the
+        // sync below makes it durable all the same.
+        _ => {}
     }
     backend.sync_dir().await.map_err(io("sync_dir"))
 }
@@ -773,9 +775,13 @@ impl<B: Backend> SegmentLog<B> {
                 .map_err(|(op, e)| StorageError::io(op, "log directory", e))?;
         }
         if !config.read_only {
-            // Best effort: a log that cannot write its mark (a full disk) still opens;
-            // after a power cut its recovery is then only the stricter.
-            let _ = mark_life(&backend, config.fsync != FsyncMode::OnCommit).await;
+            // Not best effort: without its mark, a `none` or `periodic` life that a power
+            // cut ends is recovered with the strict reach, and damage further back than
+            // one round (such a life leaves a whole segment unsynced) is refused as
+            // interior; and a mark left from such a life makes an `on-commit` life's
+            // recovery cut acknowledged records it should refuse to. The open fails
+            // instead (out of descriptors: the next request opens it again).
+            mark_life(&backend, config.fsync != FsyncMode::OnCommit).await?;
         }
         let last = segments
             .back()

@@ -233,3 +233,60 @@ fn a_rename_is_durable_only_after_a_directory_sync() {
         assert_eq!(mem.crash().read_small("a").await.unwrap(), None);
     });
 }
+
+/// A `none` or `periodic` life opens only once its mark (`unsynced-life`) is durable,
+/// and an `on-commit` life only once a mark left by one is gone: without the mark, a
+/// power cut of such a life was recovered with the strict reach (damage more than a
+/// round from the end refused as interior, the shard out of service), and with a mark
+/// left over, an `on-commit` life's recovery would cut what it should refuse. The open
+/// made its mark best effort and went on.
+#[test]
+fn a_log_opens_only_once_its_life_is_marked_as_its_fsync_mode_needs() {
+    run(|| async {
+        use felix_storage_uring::FsyncMode;
+        use felix_storage_uring::io::Backend;
+        let mem = MemBackend::new();
+        let (log, _) = SegmentLog::open(mem.clone(), LogConfig::default())
+            .await
+            .unwrap();
+        log.close().await.unwrap();
+        let unsynced = LogConfig {
+            fsync: FsyncMode::None,
+            ..LogConfig::default()
+        };
+        for op in [MemOp::Write, MemOp::SyncDir] {
+            mem.fail_with(op, libc::EMFILE, 0, FaultTimes::Once);
+            let refused = SegmentLog::open(mem.clone(), unsynced.clone()).await;
+            assert!(refused.is_err(), "{op:?}: opened unmarked");
+            mem.clear_faults();
+        }
+        let (log, _) = SegmentLog::open(mem.clone(), unsynced).await.unwrap();
+        // The power cut ends that life with its mark in place.
+        let crashed = mem.crash();
+        assert!(
+            crashed.read_small("unsynced-life").await.unwrap().is_some(),
+            "marked durably"
+        );
+        drop(log);
+        crashed.fail_with(MemOp::Remove, libc::EMFILE, 0, FaultTimes::Once);
+        let refused = SegmentLog::open(crashed.clone(), LogConfig::default()).await;
+        assert!(
+            refused.is_err(),
+            "an on-commit life opened with the mark left"
+        );
+        crashed.clear_faults();
+        let (log, _) = SegmentLog::open(crashed.clone(), LogConfig::default())
+            .await
+            .unwrap();
+        assert!(
+            crashed
+                .crash()
+                .read_small("unsynced-life")
+                .await
+                .unwrap()
+                .is_none(),
+            "the mark is gone durably"
+        );
+        log.close().await.unwrap();
+    });
+}
