@@ -2273,7 +2273,9 @@ async fn audit(
     // Decoded as the router decodes the names in it: the tenant filter of the audit
     // log compares names, and `/v1/tenants/%61cme/…` acts on acme.
     let path = decoded_path(req.uri().path());
-    if !write || routine(&path) {
+    // Routine by the path the router matched (raw): decoded, `/v1/nodes/x%2Fheartbeat`
+    // (a node's deletion) looked like a heartbeat.
+    if !write || routine(req.uri().path()) {
         return next.run(req).await;
     }
     let (principal, tenant) = claimed_caller(req.headers(), &path);

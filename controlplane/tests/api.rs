@@ -2009,6 +2009,16 @@ fn the_operator_tenant_stays_writes_named_like_heartbeats_are_audited_and_denial
             e["method"] == "DELETE" && e["path"] == format!("{streams}/heartbeat").as_str()
         });
     assert!(deleted, "{audit:#}");
+    // A node's deletion whose encoded name decodes to a heartbeat's shape is audited
+    // too (the router matched the raw path).
+    let _ = admin.delete("/v1/nodes/x%2Fheartbeat");
+    let all = admin.get("/v1/audit").unwrap();
+    let audited = all["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["method"] == "DELETE" && e["path"] == "/v1/nodes/x/heartbeat");
+    assert!(audited, "{all:#}");
 
     let token = admin
         .post(

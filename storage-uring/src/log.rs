@@ -780,8 +780,14 @@ impl<B: Backend> SegmentLog<B> {
             // one round (such a life leaves a whole segment unsynced) is refused as
             // interior; and a mark left from such a life makes an `on-commit` life's
             // recovery cut acknowledged records it should refuse to. The open fails
-            // instead (out of descriptors: the next request opens it again).
-            mark_life(&backend, config.fsync != FsyncMode::OnCommit).await?;
+            // instead (out of descriptors: the next request opens it again). Except on
+            // a full device or quota: failed, the shard would stay closed until a
+            // restart, its own retention unable to free the space; it opens unmarked
+            // (its appends meet the full disk too, and are refused retryably).
+            match mark_life(&backend, config.fsync != FsyncMode::OnCommit).await {
+                Err(StorageError::Io { source, .. }) if is_no_space(&source) => {}
+                marked => marked?,
+            }
         }
         let last = segments
             .back()
@@ -1692,7 +1698,9 @@ impl<B: Backend> SegmentLog<B> {
         poll_fn(|cx| {
             let mut st = self.shared.state.borrow_mut();
             if st.removing > 0 {
-                st.removing_waiters.push(cx.waker().clone());
+                if !st.removing_waiters.iter().any(|w| w.will_wake(cx.waker())) {
+                    st.removing_waiters.push(cx.waker().clone());
+                }
                 return Poll::Pending;
             }
             Poll::Ready(())

@@ -254,6 +254,17 @@ fn a_log_opens_only_once_its_life_is_marked_as_its_fsync_mode_needs() {
             fsync: FsyncMode::None,
             ..LogConfig::default()
         };
+        // A full device or quota: it opens unmarked rather than stay closed.
+        mem.fail_with(MemOp::Write, libc::ENOSPC, 0, FaultTimes::Once);
+        let (log, _) = SegmentLog::open(mem.clone(), unsynced.clone())
+            .await
+            .expect("opens on a full disk");
+        assert!(
+            mem.read_small("unsynced-life").await.unwrap().is_none(),
+            "no room for the mark"
+        );
+        log.close().await.unwrap();
+        mem.clear_faults();
         for op in [MemOp::Write, MemOp::SyncDir] {
             mem.fail_with(op, libc::EMFILE, 0, FaultTimes::Once);
             let refused = SegmentLog::open(mem.clone(), unsynced.clone()).await;

@@ -345,7 +345,10 @@ impl<'a, B: Backend> Hold<'a, B> {
         poll_fn(|cx| {
             let mut st = log.shared.state.borrow_mut();
             if st.removing > 0 {
-                st.removing_waiters.push(cx.waker().clone());
+                // Once per task, however often it is polled meanwhile.
+                if !st.removing_waiters.iter().any(|w| w.will_wake(cx.waker())) {
+                    st.removing_waiters.push(cx.waker().clone());
+                }
                 return Poll::Pending;
             }
             Poll::Ready(())
