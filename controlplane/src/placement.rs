@@ -478,7 +478,9 @@ pub async fn pass_at(
     let mut ops = Vec::new();
 
     // 1. Nodes silent past the expiry plus the regrant margin go down; a heartbeat
-    //    never revives them.
+    //    never revives them. A draining one too: a broker drains itself at SIGTERM
+    //    and exits, and left draining it could never be deleted, stayed every broker's
+    //    peer, and its copies were never replaced.
     let mut nodes: BTreeMap<String, Standing> = BTreeMap::new();
     let mut leading: BTreeMap<String, u32> = BTreeMap::new();
     let mut caps: BTreeMap<String, Option<u32>> = BTreeMap::new();
@@ -488,7 +490,8 @@ pub async fn pass_at(
     for d in store.list(Kind::Node, "").await? {
         let mut n: Node = decode(&d)?;
         let s = standing(&n, config, now_ms, heard_floor_ms);
-        if n.lifecycle == Lifecycle::Live && s.silent_ms >= down_after {
+        if matches!(n.lifecycle, Lifecycle::Live | Lifecycle::Draining) && s.silent_ms >= down_after
+        {
             n.lifecycle = Lifecycle::Down;
             report.nodes_down.push(n.registration.node_id.clone());
             ops.push(Op::Put {

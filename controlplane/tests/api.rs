@@ -2377,6 +2377,38 @@ fn a_drain_passes_over_a_shard_deleted_under_it() {
     );
 }
 
+/// A node that drained and went silent goes down like a live one, and can then be
+/// deleted: a broker drains itself at SIGTERM and exits, and its record stayed
+/// `Draining` for good (a delete answered 409, brokers kept it as a peer, and its
+/// copies were never replaced).
+#[test]
+fn a_drained_node_that_went_silent_goes_down_and_can_be_deleted() {
+    let svc = memory_service();
+    let (anon, admin) = bootstrapped(&svc);
+    let drainer = registered_node(&anon, &admin, "node-a", 5200);
+    registered_node(&anon, &admin, "node-b", 5201);
+    drainer.post("/v1/nodes/node-a/drain", &json!({})).unwrap();
+    expect_err(admin.delete("/v1/nodes/node-a"), 409);
+    let pass = |now_ms: u64| {
+        svc.rt
+            .block_on(placement::pass_at(
+                svc.store.as_ref(),
+                &svc.config,
+                &svc.reports,
+                (now_ms, 0),
+            ))
+            .unwrap()
+    };
+    let now = felix_controlplane::api::liveness_ms();
+    silence(&svc, "node-a", now);
+    assert!(pass(now).nodes_down.is_empty(), "heard from just now");
+    let later = now + svc.config.down_after().as_millis() as u64 + 1;
+    silence(&svc, "node-b", later);
+    let report = pass(later);
+    assert_eq!(report.nodes_down, vec!["node-a".to_string()], "{report:?}");
+    admin.delete("/v1/nodes/node-a").unwrap();
+}
+
 /// A drain hands a shard to a member its leader does not report halted or rebuilding:
 /// the first ready member in set order was taken, and a halted one (its log disagrees
 /// below the commit mark) could never finish taking the shard over, nor a rebuilding
