@@ -1561,6 +1561,22 @@ impl<B: Backend> SegmentLog<B> {
             .await
     }
 
+    /// Resolves once no retention pass is removing files (its directory sync
+    /// included), registering its task's waker once however often it is polled.
+    pub(crate) async fn no_removals(&self) {
+        poll_fn(|cx| {
+            let mut st = self.shared.state.borrow_mut();
+            if st.removing > 0 {
+                if !st.removing_waiters.iter().any(|w| w.will_wake(cx.waker())) {
+                    st.removing_waiters.push(cx.waker().clone());
+                }
+                return Poll::Pending;
+            }
+            Poll::Ready(())
+        })
+        .await
+    }
+
     /// [`SegmentLog::enforce_retention_with`], never removing a segment holding a
     /// record at or after `floor` (a replicated shard's commit mark: records not yet
     /// committed everywhere must stay for followers and a successor).
@@ -1695,17 +1711,7 @@ impl<B: Backend> SegmentLog<B> {
         // reads it); later ones are refused (`write_meta`).
         drop(self.meta_turn().await);
         // A retention pass removing files stops at its next segment.
-        poll_fn(|cx| {
-            let mut st = self.shared.state.borrow_mut();
-            if st.removing > 0 {
-                if !st.removing_waiters.iter().any(|w| w.will_wake(cx.waker())) {
-                    st.removing_waiters.push(cx.waker().clone());
-                }
-                return Poll::Pending;
-            }
-            Poll::Ready(())
-        })
-        .await;
+        self.no_removals().await;
         let tasks: Vec<_> = self.tasks.borrow_mut().drain(..).collect();
         for t in tasks {
             t.await;

@@ -342,18 +342,7 @@ impl<'a, B: Backend> Hold<'a, B> {
         // that fails) before the pass ends left them on disk beside the cut's result,
         // an offset gap every later open refused. It waits for the pass, as a close
         // does (the pass's directory sync included).
-        poll_fn(|cx| {
-            let mut st = log.shared.state.borrow_mut();
-            if st.removing > 0 {
-                // Once per task, however often it is polled meanwhile.
-                if !st.removing_waiters.iter().any(|w| w.will_wake(cx.waker())) {
-                    st.removing_waiters.push(cx.waker().clone());
-                }
-                return Poll::Pending;
-            }
-            Poll::Ready(())
-        })
-        .await;
+        log.no_removals().await;
         let mut st = log.shared.state.borrow_mut();
         check_open(&st)?;
         if st.exclusive {
