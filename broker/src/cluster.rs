@@ -157,6 +157,17 @@ pub struct Cluster {
     pub sync_failures: AtomicU64,
     /// When the last good sync completed ([`BootTime`] nanoseconds; 0: none yet).
     good_sync_ns: AtomicU64,
+    /// Syncs asked of the resync thread (see `resync_loop`).
+    resync: (std::sync::Mutex<Resync>, std::sync::Condvar),
+}
+
+/// Why the resync thread was asked for a sync.
+#[derive(Debug, Default, Clone, Copy)]
+struct Resync {
+    /// The heartbeat renewed a lapsed lease (skipped if a sync made it valid already).
+    lapsed: bool,
+    /// A replica learned of a newer generation than the assignments it holds.
+    asked: bool,
 }
 
 /// What the broker could not take from the control plane at its last sync.
@@ -189,7 +200,20 @@ impl Cluster {
             sync_status: std::sync::Mutex::default(),
             sync_failures: AtomicU64::new(0),
             good_sync_ns: AtomicU64::new(0),
+            resync: Default::default(),
         }
+    }
+
+    /// Asks for the assignments to be read from the control plane now, not when the
+    /// feed next brings them (a replica was shown a newer generation than it holds);
+    /// never waits. Asks made while a sync is pending are one.
+    pub fn ask_sync(&self) {
+        self.want_sync(|r| r.asked = true);
+    }
+
+    fn want_sync(&self, why: impl FnOnce(&mut Resync)) {
+        why(&mut self.resync.0.lock().unwrap_or_else(|e| e.into_inner()));
+        self.resync.1.notify_one();
     }
 
     /// Hands the shards this broker leads to their replicas before it stops: asks the
@@ -520,18 +544,16 @@ struct Targets {
     keys: Arc<ArcSwap<TenantKeys>>,
     base_keys: TenantKeys,
     /// Held through a whole sync: the feed and the resync thread (after a lapsed lease
-    /// was renewed) both sync, and a snapshot read earlier must not be installed later.
+    /// was renewed, or when a replica asks) both sync, and a snapshot read earlier must
+    /// not be installed later.
     syncing: std::sync::Mutex<()>,
-    /// Set by the heartbeat when it renewed a lapsed lease; the resync thread syncs.
-    resync: (std::sync::Mutex<bool>, std::sync::Condvar),
 }
 
 impl Targets {
-    /// Asks the resync thread for a sync; never waits (heartbeats must keep going
-    /// whatever a sync costs).
+    /// Asks the resync thread for a sync after a lapsed lease was renewed; never waits
+    /// (heartbeats must keep going whatever a sync costs).
     fn want_sync(&self) {
-        *self.resync.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        self.resync.1.notify_one();
+        self.cluster.want_sync(|r| r.lapsed = true);
     }
 }
 
@@ -927,7 +949,6 @@ pub fn join(
         keys,
         base_keys,
         syncing: std::sync::Mutex::default(),
-        resync: Default::default(),
     });
     let mut seq = sync_now(&cp, &targets)?;
     cluster.synced.store(true, Ordering::SeqCst);
@@ -985,27 +1006,26 @@ pub fn join(
 /// are read again, and the feed reads them only when its long poll ends (up to 2 s
 /// later, 2.5 s after a failed poll). A sync here makes writes resume about a
 /// heartbeat after the control plane answers again. Skipped when a sync of the feed
-/// already made the lease valid.
+/// already made the lease valid. Also syncs at once when a replica asks
+/// ([`Cluster::ask_sync`]).
 fn resync_loop(cp: &ControlPlaneClient, t: &Targets) {
-    let (flag, wake) = &t.resync;
+    let (flag, wake) = &t.cluster.resync;
     while !t.cluster.stop.load(Ordering::SeqCst) {
-        {
+        let why = {
             let mut wanted = flag.lock().unwrap_or_else(|e| e.into_inner());
-            if !*wanted {
+            if !wanted.lapsed && !wanted.asked {
                 wanted = wake
                     .wait_timeout(wanted, Duration::from_secs(1))
                     .unwrap_or_else(|e| e.into_inner())
                     .0;
             }
-            if !std::mem::take(&mut *wanted) {
-                continue;
-            }
-        }
-        if t.cluster.lease_valid(BootTime::now()) {
+            std::mem::take(&mut *wanted)
+        };
+        if !why.asked && (!why.lapsed || t.cluster.lease_valid(BootTime::now())) {
             continue;
         }
         if let Err(e) = sync_now(cp, t) {
-            tracing::warn!(error = %e, "syncing after a lapsed lease was renewed");
+            tracing::warn!(error = %e, asked = why.asked, "syncing out of the feed's turn");
         }
     }
 }
@@ -1208,6 +1228,49 @@ mod tests {
     }
 
     /// A one-shot HTTP server answering each path with a canned JSON body.
+    /// A replica that learned of a newer generation asks for the assignments, and they
+    /// are read at once, the lease valid or not; without an ask, a valid lease makes
+    /// the resync thread sync nothing.
+    #[test]
+    fn a_replicas_ask_syncs_at_once_while_a_lapsed_lease_alone_does_not_when_valid() {
+        // Every path answers an empty document: a sync of nothing succeeds.
+        let cp = ControlPlaneClient::new(&canned(Vec::new()), None).unwrap();
+        let cluster = Arc::new(Cluster::new("a".into()));
+        assert!(cluster.renew_lease(BootTime::now(), Duration::from_secs(600)));
+        cluster.synced_at(BootTime::now(), BootTime::now());
+        assert!(cluster.lease_valid(BootTime::now()));
+        let targets = Arc::new(Targets {
+            cluster: cluster.clone(),
+            catalog: Arc::new(Catalog::open(None, None).unwrap()),
+            keys: Arc::new(ArcSwap::from_pointee(TenantKeys::default())),
+            base_keys: TenantKeys::default(),
+            syncing: std::sync::Mutex::default(),
+        });
+        let thread = {
+            let t = targets.clone();
+            std::thread::spawn(move || resync_loop(&cp, &t))
+        };
+        let syncs_within = |d: Duration| {
+            let until = std::time::Instant::now() + d;
+            while std::time::Instant::now() < until {
+                if cluster.syncs.load(Ordering::SeqCst) > 0 {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            false
+        };
+        targets.want_sync();
+        assert!(
+            !syncs_within(Duration::from_millis(1500)),
+            "a valid lease needs no sync"
+        );
+        cluster.ask_sync();
+        assert!(syncs_within(Duration::from_secs(10)), "the ask was synced");
+        cluster.stop.store(true, Ordering::SeqCst);
+        thread.join().unwrap();
+    }
+
     fn canned(answers: Vec<(&'static str, Value)>) -> String {
         use std::io::{Read, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

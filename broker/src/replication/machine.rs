@@ -318,6 +318,10 @@ pub enum Output {
         /// The follower.
         peer: NodeId,
     },
+    /// A member showed this replica a newer generation than every assignment it was
+    /// handed (it stopped leading): read the control plane's assignments now, not when
+    /// the feed next brings them, so the newer leader's fence is answered soon.
+    AssignmentWanted,
 }
 
 /// The local log as the machine sees it.
@@ -767,6 +771,14 @@ impl Replica {
         }
     }
 
+    /// Stops leading (or standing) at once: a newer generation exists. Idle until an
+    /// assignment says what this replica is in it, which is asked for now.
+    fn step_down(&mut self) {
+        self.set_serving(false);
+        self.role = Role::Idle;
+        self.out.push_back(Output::AssignmentWanted);
+    }
+
     fn majority(n: usize) -> usize {
         n / 2 + 1
     }
@@ -1033,6 +1045,15 @@ impl Replica {
                 if member {
                     let g = self.early_fences.entry(from).or_insert(generation);
                     *g = (*g).max(generation);
+                    if matches!(self.role, Role::Leader(_) | Role::Candidate(_)) {
+                        // A member fences only at a generation the control plane named
+                        // it leader of: ours is over, whether or not our feed said so
+                        // yet. Led on until it did (a planned handoff to a node whose
+                        // feed lags), this replica went on acknowledging `Leader`
+                        // writes and answering lease reads beside the new leader, which
+                        // takes a majority without it after `HANDOFF_WAIT`.
+                        self.step_down();
+                    }
                 }
                 return;
             }
@@ -1862,8 +1883,7 @@ impl Replica {
             if generation > self.meta.generation
                 && matches!(self.role, Role::Leader(_) | Role::Candidate(_))
             {
-                self.set_serving(false);
-                self.role = Role::Idle;
+                self.step_down();
             }
             return;
         }
@@ -2154,7 +2174,8 @@ mod tests {
                     Output::KeepEpochs(_)
                     | Output::Commit(_)
                     | Output::Serving(_)
-                    | Output::Halted { .. } => {}
+                    | Output::Halted { .. }
+                    | Output::AssignmentWanted => {}
                 }
             }
         }
@@ -2895,7 +2916,9 @@ mod tests {
             );
         }
         p.settle();
-        assert!(p.nodes[&id("a")].replica.serving(), "a still leads");
+        // (b is a member: a fence from it at a newer generation ends a's leadership
+        // until an assignment says more, as a `Fenced` refusal from it does; see
+        // `a_leader_fenced_by_a_member_at_a_newer_generation_stops_leading_at_once`.)
         for n in ["a", "b", "c"] {
             assert_eq!(
                 p.nodes[&id(n)].replica.generation(),
@@ -2909,6 +2932,71 @@ mod tests {
         p.settle();
         assert!(p.nodes[&id("b")].replica.serving(), "b leads generation 2");
         assert_eq!(p.nodes[&id("c")].replica.generation(), 2);
+    }
+
+    /// A planned handoff to b whose fence reaches the old leader before the control
+    /// plane's feed does: the old leader stops leading at once and asks for the
+    /// assignments, and answers the fence once they come. Led on until its feed said
+    /// so, it acknowledged `Leader` writes and answered lease reads beside b, which
+    /// takes a majority without it after `HANDOFF_WAIT`.
+    #[test]
+    fn a_leader_fenced_by_a_member_at_a_newer_generation_stops_leading_at_once() {
+        let mut p = Pair::of(&["a", "b", "c"]);
+        p.assign(1, "a");
+        p.settle();
+        p.append(3);
+        p.settle();
+        let now = p.now;
+        let a = &mut p.nodes.get_mut(&id("a")).expect("node").replica;
+        assert!(a.serving(), "a leads");
+        let end = a.log_end().1;
+        while a.poll_output().is_some() {}
+        a.handle_message(id("b"), Msg::Fence { generation: 2 }, now);
+        assert!(!a.serving(), "a stopped serving at the fence");
+        assert!(!a.is_leader(), "a stopped leading at the fence");
+        let mut asked = false;
+        while let Some(out) = a.poll_output() {
+            match out {
+                Output::AssignmentWanted => asked = true,
+                Output::Send {
+                    msg: Msg::FenceOk { .. },
+                    ..
+                } => panic!("answered a fence no assignment names yet"),
+                _ => {}
+            }
+        }
+        assert!(asked, "a asked for the assignments");
+        assert_eq!(a.generation(), 1, "no ballot taken before the assignment");
+        a.handle_assignment(
+            Assignment {
+                generation: 2,
+                leader: id("b"),
+                replicas: vec![id("a"), id("b"), id("c")],
+                learners: Vec::new(),
+                handoff_from: Some(id("a")),
+            },
+            now,
+        );
+        let mut answered = None;
+        while let Some(out) = a.poll_output() {
+            match out {
+                Output::Persist(meta) => a.handle_persisted(meta.generation, now),
+                Output::Send {
+                    to,
+                    msg:
+                        Msg::FenceOk {
+                            generation: 2, end, ..
+                        },
+                } if to == id("b") => answered = Some(end),
+                _ => {}
+            }
+        }
+        assert_eq!(
+            answered,
+            Some(end),
+            "the fence is answered with a's whole log"
+        );
+        assert!(!a.serving());
     }
 
     /// A forged fence at a generation no assignment reaches does not push out a real

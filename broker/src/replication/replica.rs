@@ -1719,6 +1719,7 @@ impl Replicas {
                 tracing::info!(shard = %rs.key, serving, generation = rs.machine.borrow().generation(), "replica leadership");
                 rs.on_serving(serving).await;
             }
+            Output::AssignmentWanted => self.cluster.ask_sync(),
             Output::Halted { peer } => {
                 tracing::error!(shard = %rs.key, peer = %peer, "a follower would have to cut committed records: halted");
             }

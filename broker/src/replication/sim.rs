@@ -615,7 +615,7 @@ impl Sim {
             }
             Output::Commit(c) => self.on_commit(node, c),
             Output::Serving(false) => self.nodes[node].pending.clear(),
-            Output::Serving(true) | Output::Halted { .. } => {}
+            Output::Serving(true) | Output::Halted { .. } | Output::AssignmentWanted => {}
         }
     }
 
