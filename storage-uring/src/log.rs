@@ -328,6 +328,10 @@ pub struct RecoveryReport {
     pub finished_intent: bool,
     /// The torn tail cut from the newest segment (read-only: that would be cut).
     pub torn_tail: Option<TornTail>,
+    /// The last life ran under `none` or `periodic` and did not close cleanly (its
+    /// [`UNSYNCED_LIFE`] mark was there): records it acknowledged may be gone, those it
+    /// counted durable at sequencing among them.
+    pub unsynced_life: bool,
     /// Wall time.
     pub duration: Duration,
 }
@@ -623,6 +627,8 @@ struct Shared<B: Backend> {
     backend: B,
     config: LogConfig,
     state: RefCell<State<B::File>>,
+    /// [`RecoveryReport::unsynced_life`] of this open.
+    unsynced_life: bool,
 }
 
 /// A segment log over backend `B`. Cloning shares the log.
@@ -842,6 +848,7 @@ impl<B: Backend> SegmentLog<B> {
                 backend,
                 config,
                 state: RefCell::new(state),
+                unsynced_life: report.unsynced_life,
             }),
             tasks: Rc::new(RefCell::new(Vec::new())),
         };
@@ -1137,6 +1144,12 @@ impl<B: Backend> SegmentLog<B> {
     ) -> Result<Appended, StorageError> {
         let pending = self.begin_append(records, timestamp_micros, None)?;
         self.commit(pending).await
+    }
+
+    /// Whether the life before this open ran under `none` or `periodic` and did not
+    /// close cleanly ([`RecoveryReport::unsynced_life`]).
+    pub fn opened_after_unsynced_life(&self) -> bool {
+        self.shared.unsynced_life
     }
 
     /// Oldest retained offset.

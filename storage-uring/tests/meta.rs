@@ -301,3 +301,41 @@ fn a_log_opens_only_once_its_life_is_marked_as_its_fsync_mode_needs() {
         log.close().await.unwrap();
     });
 }
+
+/// An open says whether the life before it ran under `none` or `periodic` and ended
+/// without its close: a replica then may have lost records it acknowledged, and must
+/// not lead its old generation again (`replication::machine`).
+#[test]
+fn an_open_says_whether_an_unsynced_life_ended_without_its_close() {
+    run(|| async {
+        use felix_storage_uring::FsyncMode;
+        let unsynced = LogConfig {
+            fsync: FsyncMode::None,
+            ..LogConfig::default()
+        };
+        let mem = MemBackend::new();
+        let (log, report) = SegmentLog::open(mem.clone(), unsynced.clone())
+            .await
+            .unwrap();
+        assert!(!report.unsynced_life && !log.opened_after_unsynced_life());
+        log.close().await.unwrap();
+        let (log, report) = SegmentLog::open(mem.clone(), unsynced.clone())
+            .await
+            .unwrap();
+        assert!(!report.unsynced_life, "the last life closed");
+        let crashed = mem.crash();
+        drop(log);
+        let (log, report) = SegmentLog::open(crashed.clone(), LogConfig::default())
+            .await
+            .unwrap();
+        assert!(report.unsynced_life && log.opened_after_unsynced_life());
+        // An on-commit life that ends the same way leaves nothing to say.
+        let crashed = crashed.crash();
+        drop(log);
+        let (log, report) = SegmentLog::open(crashed, LogConfig::default())
+            .await
+            .unwrap();
+        assert!(!report.unsynced_life && !log.opened_after_unsynced_life());
+        log.close().await.unwrap();
+    });
+}

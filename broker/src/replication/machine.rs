@@ -570,6 +570,10 @@ pub struct Replica {
     /// passes it. Kept per sender, a forged fence at a generation no assignment reaches
     /// cannot push a real one out.
     early_fences: BTreeMap<NodeId, u64>,
+    /// The last life of this copy ran under `fsync: none` or `periodic` and ended
+    /// without its close, when it had accepted this generation: see
+    /// [`Replica::after_unsynced_life`].
+    unsynced_life: Option<u64>,
 }
 
 impl Replica {
@@ -601,7 +605,27 @@ impl Replica {
             leader_base: None,
             heard_commit: (0, 0),
             early_fences: BTreeMap::new(),
+            unsynced_life: None,
         }
+    }
+
+    /// Says that the last life of this copy ran under `fsync: none` or `periodic` and
+    /// ended without its close (a crash): its log may lack records it acknowledged, a
+    /// leader's counted durable at sequencing among them. It leads no generation it
+    /// accepted before then: led again under the same label, it would write other
+    /// records at offsets its followers hold acknowledged ones at, and followers compare
+    /// logs by label. It reports that it cannot lead, and the control plane promotes
+    /// another member at a newer generation, which takes the furthest log. Called
+    /// before the first assignment.
+    pub fn after_unsynced_life(&mut self) {
+        self.unsynced_life = Some(self.meta.generation);
+    }
+
+    fn may_not_lead(&self, generation: u64) -> bool {
+        self.meta
+            .rebuilding
+            .is_some_and(|since| generation <= since)
+            || self.unsynced_life.is_some_and(|g| generation <= g)
     }
 
     /// The next thing to do.
@@ -659,16 +683,13 @@ impl Replica {
         self.meta.rebuilding.is_some()
     }
 
-    /// Named leader at a generation this replica may not lead because its copy was
-    /// lost at or after it: the control plane must name another leader.
+    /// Named leader at a generation this replica may not lead, because its copy was
+    /// lost at or after it or its last life may have lost records it acknowledged
+    /// ([`Replica::after_unsynced_life`]): the control plane must name another leader.
     pub fn cannot_lead(&self) -> bool {
-        self.assigned.as_ref().is_some_and(|a| {
-            a.leader == self.me
-                && self
-                    .meta
-                    .rebuilding
-                    .is_some_and(|since| a.generation <= since)
-        })
+        self.assigned
+            .as_ref()
+            .is_some_and(|a| a.leader == self.me && self.may_not_lead(a.generation))
     }
 
     /// Whether this replica leads (serving or not).
@@ -852,15 +873,12 @@ impl Replica {
             self.role = Role::Idle;
             return;
         }
-        if self
-            .meta
-            .rebuilding
-            .is_some_and(|since| a.generation <= since)
-        {
-            // Led (or followed) before the copy was lost: records written under this
-            // label again could differ from ones a follower holds from the lost copy,
-            // and followers compare by label. Wait for a newer generation (the broker
-            // reports it cannot lead, see `cannot_lead`).
+        if self.may_not_lead(a.generation) {
+            // Led (or followed) before the copy was lost, or before a crash of a life
+            // that acknowledged unsynced records: records written under this label
+            // again could differ from ones a follower holds from the lost copy or
+            // tail, and followers compare by label. Wait for a newer generation (the
+            // broker reports it cannot lead, see `cannot_lead`).
             self.role = Role::Idle;
             return;
         }
@@ -2997,6 +3015,57 @@ mod tests {
             "the fence is answered with a's whole log"
         );
         assert!(!a.serving());
+    }
+
+    /// A leader whose last life ran under `fsync: none` and crashed may have lost
+    /// records it counted durable at sequencing, which its followers hold: named leader
+    /// of that generation again (the control plane had not noticed the crash), it does
+    /// not carry on but reports that it cannot lead; at a newer generation it stands.
+    /// Carried on, it wrote other records at offsets its followers hold acknowledged
+    /// ones at, under the same label.
+    #[test]
+    fn a_leader_back_from_a_crash_of_an_unsynced_life_leads_only_a_newer_generation() {
+        let meta = Meta {
+            generation: 4,
+            leader: Some("a".into()),
+            commit: 10,
+            rebuilding: None,
+        };
+        let now = Instant::now();
+        let assignment = |generation| Assignment {
+            generation,
+            leader: id("a"),
+            replicas: vec![id("a"), id("b"), id("c")],
+            learners: Vec::new(),
+            handoff_from: None,
+        };
+        let fences = |r: &mut Replica| {
+            let mut fences = 0;
+            while let Some(out) = r.poll_output() {
+                match out {
+                    Output::Persist(meta) => r.handle_persisted(meta.generation, now),
+                    Output::Send {
+                        msg: Msg::Fence { .. },
+                        ..
+                    } => fences += 1,
+                    _ => {}
+                }
+            }
+            fences
+        };
+        // A clean life's restart carries on its own ballot.
+        let mut clean = Replica::new(id("a"), meta.clone(), 0, 10, BTreeMap::from([(0, 4)]));
+        clean.handle_assignment(assignment(4), now);
+        assert_eq!(fences(&mut clean), 2, "a clean restart stands again");
+        let mut r = Replica::new(id("a"), meta, 0, 10, BTreeMap::from([(0, 4)]));
+        r.after_unsynced_life();
+        r.handle_assignment(assignment(4), now);
+        assert_eq!(fences(&mut r), 0, "stood again at generation 4");
+        assert!(r.cannot_lead(), "says it cannot lead generation 4");
+        r.handle_assignment(assignment(5), now);
+        assert!(!r.cannot_lead());
+        assert_eq!(fences(&mut r), 2, "stands at generation 5");
+        assert_eq!(r.generation(), 5);
     }
 
     /// A forged fence at a generation no assignment reaches does not push out a real

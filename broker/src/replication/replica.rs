@@ -1449,6 +1449,10 @@ impl Replicas {
             }
         }
         let mut machine = Replica::new(self.me.clone(), meta, base, end, epochs);
+        if log.opened_after_unsynced_life() && machine.generation() > 0 {
+            tracing::warn!(shard = %key, generation = machine.generation(), "the last life of this copy ran under fsync none or periodic and crashed: it leads no generation it accepted before (another member is promoted)");
+            machine.after_unsynced_life();
+        }
         if self.cluster.mutants.skip_fence {
             machine.break_fencing_for_mutant_runs();
         }

@@ -43,6 +43,7 @@ pub(super) async fn recover<B: Backend>(
         .await
         .map_err(|e| StorageError::io("read", super::UNSYNCED_LIFE, e))?
         .is_some();
+    report.unsynced_life = unsynced_life;
     let intent = cut::read_intent(backend, config.read_only).await?;
     let mut fresh_base = 0;
     if let Some(intent) = intent {
