@@ -1227,7 +1227,6 @@ mod tests {
         );
     }
 
-    /// A one-shot HTTP server answering each path with a canned JSON body.
     /// A replica that learned of a newer generation asks for the assignments, and they
     /// are read at once, the lease valid or not; without an ask, a valid lease makes
     /// the resync thread sync nothing.
@@ -1271,6 +1270,7 @@ mod tests {
         thread.join().unwrap();
     }
 
+    /// A one-shot HTTP server answering each path with a canned JSON body.
     fn canned(answers: Vec<(&'static str, Value)>) -> String {
         use std::io::{Read, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

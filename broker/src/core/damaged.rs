@@ -334,6 +334,7 @@ mod tests {
             leader: Some("b".into()),
             commit: 120,
             rebuilding: None,
+            no_lead_through: None,
         };
         let m = starting_over(old);
         assert_eq!((m.generation, m.leader.as_deref()), (7, Some("b")));

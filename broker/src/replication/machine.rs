@@ -259,6 +259,18 @@ pub struct Meta {
     /// counts toward no election and leads no generation up to this one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebuilding: Option<u64>,
+    /// A life of this copy ran under `fsync: none` or `periodic` and crashed while this
+    /// was the highest generation accepted: its log may lack records it acknowledged, a
+    /// leader's counted durable at sequencing among them, so it leads no generation up
+    /// to this one (led again under the same label, it would write other records at
+    /// offsets its followers hold acknowledged ones at, and followers compare logs by
+    /// label). Named leader of one, it reports that it cannot lead, and the control
+    /// plane promotes another member at a newer generation, which takes the furthest
+    /// log. Not when it is the set's only member (no copy holds anything it lacks).
+    /// Kept durably: the log's mark that tells of such a crash is gone after the next
+    /// clean close.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_lead_through: Option<u64>,
 }
 
 /// What the machine asks its driver to do.
@@ -570,10 +582,9 @@ pub struct Replica {
     /// passes it. Kept per sender, a forged fence at a generation no assignment reaches
     /// cannot push a real one out.
     early_fences: BTreeMap<NodeId, u64>,
-    /// The last life of this copy ran under `fsync: none` or `periodic` and ended
-    /// without its close, when it had accepted this generation: see
-    /// [`Replica::after_unsynced_life`].
-    unsynced_life: Option<u64>,
+    /// Stepped down at this generation (a newer one exists: see `step_down`), and not
+    /// named anything since.
+    stepped_down: Option<u64>,
 }
 
 impl Replica {
@@ -605,27 +616,18 @@ impl Replica {
             leader_base: None,
             heard_commit: (0, 0),
             early_fences: BTreeMap::new(),
-            unsynced_life: None,
+            stepped_down: None,
         }
     }
 
-    /// Says that the last life of this copy ran under `fsync: none` or `periodic` and
-    /// ended without its close (a crash): its log may lack records it acknowledged, a
-    /// leader's counted durable at sequencing among them. It leads no generation it
-    /// accepted before then: led again under the same label, it would write other
-    /// records at offsets its followers hold acknowledged ones at, and followers compare
-    /// logs by label. It reports that it cannot lead, and the control plane promotes
-    /// another member at a newer generation, which takes the furthest log. Called
-    /// before the first assignment.
-    pub fn after_unsynced_life(&mut self) {
-        self.unsynced_life = Some(self.meta.generation);
-    }
-
-    fn may_not_lead(&self, generation: u64) -> bool {
+    /// Whether this replica may not lead `a` (see [`Meta::rebuilding`] and
+    /// [`Meta::no_lead_through`]).
+    fn may_not_lead(&self, a: &Assignment) -> bool {
+        let alone = a.replicas.iter().all(|r| *r == self.me) && a.learners.is_empty();
         self.meta
             .rebuilding
-            .is_some_and(|since| generation <= since)
-            || self.unsynced_life.is_some_and(|g| generation <= g)
+            .is_some_and(|since| a.generation <= since)
+            || (!alone && self.meta.no_lead_through.is_some_and(|g| a.generation <= g))
     }
 
     /// The next thing to do.
@@ -683,13 +685,18 @@ impl Replica {
         self.meta.rebuilding.is_some()
     }
 
-    /// Named leader at a generation this replica may not lead, because its copy was
-    /// lost at or after it or its last life may have lost records it acknowledged
-    /// ([`Replica::after_unsynced_life`]): the control plane must name another leader.
+    /// Named leader at a generation this replica may not lead (its copy was lost at or
+    /// after it, or a crashed unsynced life may have lost records it acknowledged), or
+    /// no longer leads (it stepped down at it: a member showed it a newer one): the
+    /// control plane must name another leader. In the second case it has, unless the
+    /// newer generation was never assigned (a forged fence); the report makes it
+    /// promote one then, where the shard would otherwise wait for an operator.
     pub fn cannot_lead(&self) -> bool {
-        self.assigned
-            .as_ref()
-            .is_some_and(|a| a.leader == self.me && self.may_not_lead(a.generation))
+        self.assigned.as_ref().is_some_and(|a| {
+            a.leader == self.me
+                && (self.may_not_lead(a)
+                    || (matches!(self.role, Role::Idle) && self.stepped_down == Some(a.generation)))
+        })
     }
 
     /// Whether this replica leads (serving or not).
@@ -797,6 +804,16 @@ impl Replica {
     fn step_down(&mut self) {
         self.set_serving(false);
         self.role = Role::Idle;
+        self.stepped_down = Some(self.meta.generation);
+        // A candidate's fetch in progress: its end must not count as verified should
+        // this replica stand again (its source may not be the next one's).
+        if self
+            .ingest
+            .as_ref()
+            .is_some_and(|i| i.fetched && !i.cutting)
+        {
+            self.ingest = None;
+        }
         self.out.push_back(Output::AssignmentWanted);
     }
 
@@ -873,7 +890,7 @@ impl Replica {
             self.role = Role::Idle;
             return;
         }
-        if self.may_not_lead(a.generation) {
+        if self.may_not_lead(&a) {
             // Led (or followed) before the copy was lost, or before a crash of a life
             // that acknowledged unsynced records: records written under this label
             // again could differ from ones a follower holds from the lost copy or
@@ -2207,6 +2224,7 @@ mod tests {
                 leader: Some(leader.into()),
                 commit: 0,
                 rebuilding: Some(generation),
+                no_lead_through: None,
             };
             let node = self.nodes.get_mut(&id(n)).expect("node");
             node.replica = Replica::new(id(n), meta, 0, 0, BTreeMap::new());
@@ -2985,6 +3003,12 @@ mod tests {
         }
         assert!(asked, "a asked for the assignments");
         assert_eq!(a.generation(), 1, "no ballot taken before the assignment");
+        // Should generation 2 never come (a forged fence), the control plane must still
+        // learn that generation 1 has no leader.
+        assert!(
+            a.cannot_lead(),
+            "reports that it no longer leads generation 1"
+        );
         a.handle_assignment(
             Assignment {
                 generation: 2,
@@ -3015,6 +3039,7 @@ mod tests {
             "the fence is answered with a's whole log"
         );
         assert!(!a.serving());
+        assert!(!a.cannot_lead(), "not named leader any more");
     }
 
     /// A leader whose last life ran under `fsync: none` and crashed may have lost
@@ -3030,6 +3055,7 @@ mod tests {
             leader: Some("a".into()),
             commit: 10,
             rebuilding: None,
+            no_lead_through: None,
         };
         let now = Instant::now();
         let assignment = |generation| Assignment {
@@ -3057,8 +3083,21 @@ mod tests {
         let mut clean = Replica::new(id("a"), meta.clone(), 0, 10, BTreeMap::from([(0, 4)]));
         clean.handle_assignment(assignment(4), now);
         assert_eq!(fences(&mut clean), 2, "a clean restart stands again");
+        let meta = Meta {
+            no_lead_through: Some(4),
+            ..meta
+        };
+        // Alone in its set, it holds all there is: it stands.
+        let mut alone = Replica::new(id("a"), meta.clone(), 0, 10, BTreeMap::from([(0, 4)]));
+        alone.handle_assignment(
+            Assignment {
+                replicas: vec![id("a")],
+                ..assignment(4)
+            },
+            now,
+        );
+        assert!(!alone.cannot_lead());
         let mut r = Replica::new(id("a"), meta, 0, 10, BTreeMap::from([(0, 4)]));
-        r.after_unsynced_life();
         r.handle_assignment(assignment(4), now);
         assert_eq!(fences(&mut r), 0, "stood again at generation 4");
         assert!(r.cannot_lead(), "says it cannot lead generation 4");

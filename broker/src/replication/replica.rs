@@ -1422,7 +1422,7 @@ impl Replicas {
         let held = open(key.clone()).await?;
         let log = held.log().clone();
         let log = &log;
-        let meta: Meta = match log.read_meta(META_FILE).await? {
+        let mut meta: Meta = match log.read_meta(META_FILE).await? {
             Some(bytes) => serde_json::from_slice(&bytes)
                 .map_err(|e| BrokerError::Storage(format!("{key}: replica metadata: {e}")))?,
             None => Meta::default(),
@@ -1448,11 +1448,18 @@ impl Replicas {
                 epochs.entry(offset).or_insert(generation);
             }
         }
-        let mut machine = Replica::new(self.me.clone(), meta, base, end, epochs);
-        if log.opened_after_unsynced_life() && machine.generation() > 0 {
-            tracing::warn!(shard = %key, generation = machine.generation(), "the last life of this copy ran under fsync none or periodic and crashed: it leads no generation it accepted before (another member is promoted)");
-            machine.after_unsynced_life();
+        if log.opened_after_unsynced_life()
+            && meta.generation > 0
+            && meta.no_lead_through < Some(meta.generation)
+        {
+            // Durably before the replica acts: the log's mark that tells of the crash
+            // is gone after the next clean close.
+            meta.no_lead_through = Some(meta.generation);
+            let bytes = serde_json::to_vec(&meta).expect("meta serializes");
+            log.write_meta(META_FILE, &bytes).await?;
+            tracing::warn!(shard = %key, generation = meta.generation, "a life of this copy under fsync none or periodic crashed: it leads no generation it accepted before (another member is promoted)");
         }
+        let mut machine = Replica::new(self.me.clone(), meta, base, end, epochs);
         if self.cluster.mutants.skip_fence {
             machine.break_fencing_for_mutant_runs();
         }
