@@ -685,7 +685,7 @@ async fn create_tenant(
 ) -> ApiResult<(StatusCode, Json<Tenant>)> {
     let g = authenticate(&st, &h).await?;
     require(&g, "tenant.manage", "cluster", &["*"])?;
-    let t: Tenant = body(b).await?;
+    let t: Tenant = body::<TenantCreate>(b).await?.into();
     name("tenant_id", &t.tenant_id)?;
     let (key_op, _) = new_key_op(&st.keyring, &t.tenant_id, true)?;
     st.store
@@ -846,7 +846,7 @@ async fn create_namespace(
     b: Body,
 ) -> ApiResult<(StatusCode, Json<Namespace>)> {
     let g = authenticate(&st, &h).await?;
-    let mut ns: Namespace = body(b).await?;
+    let mut ns: Namespace = body::<NamespaceCreate>(b).await?.into();
     name("namespace", &ns.namespace)?;
     require(&g, "ns.manage", "namespace", &[&t, &ns.namespace])?;
     ns.tenant_id = t.clone();

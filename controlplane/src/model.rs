@@ -29,6 +29,52 @@ pub struct Namespace {
     pub display_name: String,
 }
 
+/// A tenant, as created: a field it does not know is refused by name, not dropped
+/// (the stored [`Tenant`] stays lenient, for records a later version writes).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantCreate {
+    /// Id.
+    pub tenant_id: String,
+    /// Display name.
+    #[serde(default)]
+    pub display_name: String,
+}
+
+impl From<TenantCreate> for Tenant {
+    fn from(t: TenantCreate) -> Tenant {
+        Tenant {
+            tenant_id: t.tenant_id,
+            display_name: t.display_name,
+        }
+    }
+}
+
+/// A namespace, as created: unknown fields refused, as [`TenantCreate`]'s. The tenant
+/// is the path's (one given here is ignored).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceCreate {
+    /// Tenant (ignored: the path names it).
+    #[serde(default)]
+    pub tenant_id: String,
+    /// Name.
+    pub namespace: String,
+    /// Display name.
+    #[serde(default)]
+    pub display_name: String,
+}
+
+impl From<NamespaceCreate> for Namespace {
+    fn from(n: NamespaceCreate) -> Namespace {
+        Namespace {
+            tenant_id: n.tenant_id,
+            namespace: n.namespace,
+            display_name: n.display_name,
+        }
+    }
+}
+
 /// Consistency of acknowledgements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Consistency {

@@ -377,11 +377,20 @@ fn scenario(svc: &Service) {
         400,
     );
     assert_eq!(field.as_deref(), Some("tenant_id"));
-    let (_, field) = expect_err(admin.post("/v1/tenants", &json!({"tenant": "x"})), 400);
+    let (_, field) = expect_err(
+        admin.post("/v1/tenants", &json!({"display_name": "x"})),
+        400,
+    );
     assert_eq!(
         field.as_deref(),
         Some("tenant_id"),
         "a missing field is named"
+    );
+    let (_, field) = expect_err(admin.post("/v1/tenants", &json!({"tenant": "x"})), 400);
+    assert_eq!(
+        field.as_deref(),
+        Some("tenant"),
+        "a misspelt field is named, not dropped"
     );
     let names: Vec<String> = admin.get("/v1/tenants").unwrap()["items"]
         .as_array()
@@ -498,6 +507,23 @@ fn scenario(svc: &Service) {
         400,
     );
     assert_eq!(field.as_deref(), Some("namespace"));
+    // A field the body does not have is refused by name, not dropped.
+    let (_, field) = expect_err(
+        acme_admin.post(
+            "/v1/tenants/acme/namespaces",
+            &json!({"namespace": "ledger", "display_nmae": "Ledger"}),
+        ),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("display_nmae"));
+    let (_, field) = expect_err(
+        admin.post(
+            "/v1/tenants",
+            &json!({"tenant_id": "initech", "displayName": "Initech"}),
+        ),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("displayName"));
     assert_eq!(
         acme_admin.get("/v1/tenants/acme/namespaces").unwrap()["items"]
             .as_array()
