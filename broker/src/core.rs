@@ -553,6 +553,9 @@ pub struct CoreMetrics {
     pub replicas_left: AtomicU64,
     /// Copies this core's replicas are rebuilding (found damaged, started over).
     pub replicas_rebuilding: AtomicU64,
+    /// Bytes this core's subscriber queues hold together (sampled each housekeeping
+    /// round; bounded by [`SUB_QUEUES_BYTES_PER_CORE`]).
+    pub subscriber_queue_bytes: AtomicU64,
     /// Quorum publishes answered outcome-unknown (no majority in time, or leadership
     /// changed first).
     pub quorum_unknown: AtomicU64,
@@ -3764,6 +3767,9 @@ impl CoreBroker {
                 {
                     panic!("injected panic on core {}", core.core.index());
                 }
+                core.metrics
+                    .subscriber_queue_bytes
+                    .store(core.sub_queued.held() as u64, Ordering::Relaxed);
                 core.finish_deletions().await;
                 core.enforce_retention().await;
                 core.remove_copies_left_while_down().await;

@@ -389,6 +389,12 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
         "Copies of replicated shards found damaged, set aside and being rebuilt from the other copies (counted in no election until whole).",
         |m| m.replicas_rebuilding.load(Ordering::Relaxed),
     ),
+    (
+        "felix_broker_subscriber_queue_bytes",
+        "gauge",
+        "Bytes the cores' subscriber queues hold, sampled each housekeeping round (each core's are bounded together at 1 GiB; past it, batches for a queue holding anything are read back from the log).",
+        |m| m.subscriber_queue_bytes.load(Ordering::Relaxed),
+    ),
 ];
 
 /// Renders every metric in the OpenMetrics text format, through `prometheus-client`.
@@ -523,6 +529,12 @@ impl prometheus_client::collector::Collector for Collector {
             "Socket reads forced by the QUIC driver's periodic check that found datagrams its readiness probe had not reported (each one a stall of up to 50 ms while datagrams flow, 250 ms or 1 s on an endpoint quiet for 200 ms).",
             MetricType::Counter,
             felix_core_runtime::quic::missed_wakeups_total(),
+        )?;
+        one(
+            "felix_broker_quic_send_errors",
+            "Datagrams the socket refused for good (e.g. to an unreachable or forged address), every endpoint together; logged at the 1st, 2nd, 4th, 8th...",
+            MetricType::Counter,
+            felix_core_runtime::quic::send_errors_total(),
         )?;
         one(
             "felix_broker_damaged_copies",

@@ -177,6 +177,14 @@ pub fn missed_wakeups_total() -> u64 {
     MISSED_WAKEUPS.load(Ordering::Relaxed)
 }
 
+/// [`EndpointStats::send_errors`] over every endpoint of the process.
+static SEND_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// Datagrams the socket refused for good, every endpoint of the process together.
+pub fn send_errors_total() -> u64 {
+    SEND_ERRORS.load(Ordering::Relaxed)
+}
+
 /// Endpoint settings.
 #[derive(Clone)]
 pub struct EndpointOptions {
@@ -631,6 +639,7 @@ impl Driver {
     /// one warning each.
     fn send_failed(&mut self, dest: SocketAddr, e: &io::Error) {
         self.stats.send_errors += 1;
+        SEND_ERRORS.fetch_add(1, Ordering::Relaxed);
         let n = self.stats.send_errors;
         if n.is_power_of_two() {
             tracing::warn!(%dest, error = %e, failed = n, "udp send failed");
@@ -1947,6 +1956,10 @@ mod sans_io {
             f.server.stats.send_errors >= 10,
             "{} refused sends counted",
             f.server.stats.send_errors
+        );
+        assert!(
+            super::send_errors_total() >= 10,
+            "counted for the process too"
         );
         let reached: usize = clients.iter().map(connected).sum();
         assert_eq!(reached, 10, "the others connected");

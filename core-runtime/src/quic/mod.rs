@@ -24,7 +24,7 @@ pub use quinn_proto::{ClientConfig, ServerConfig};
 
 pub use driver::{
     ConnId, Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, RecvStream,
-    SendStream, missed_wakeups_total,
+    SendStream, missed_wakeups_total, send_errors_total,
 };
 
 /// The ALPN id Felix clients may offer; clients offering none are accepted too.
