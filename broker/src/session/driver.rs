@@ -76,7 +76,7 @@ pub struct ConnScope {
     limits: Limits,
     auth: RefCell<AuthDeadline>,
     budget: RefCell<ByteBudget>,
-    budget_waiters: RefCell<Vec<Waker>>,
+    budget_waiters: RefCell<Waiters>,
     subscriptions: Cell<usize>,
     /// Group polls of this connection waiting for records.
     waiting_polls: Rc<Cell<usize>>,
@@ -190,6 +190,7 @@ impl ConnScope {
             }
         }
         let mut line = InLine(core, Some(ticket));
+        let mut place = None;
         let taken = poll_fn(|cx| {
             if self.closed.get() {
                 return Poll::Ready(false);
@@ -203,7 +204,9 @@ impl ConnScope {
             }
             // Woken by the connection's end too. Woken at every release the core's
             // line makes while it is first in it, it registers once.
-            register(&mut self.budget_waiters.borrow_mut(), cx.waker());
+            self.budget_waiters
+                .borrow_mut()
+                .register(&mut place, cx.waker());
             Poll::Pending
         })
         .await;
@@ -217,6 +220,7 @@ impl ConnScope {
     /// Waits until `n` publish bytes fit the connection's budget, then takes them.
     /// False when the connection ended first.
     async fn take_budget(&self, n: usize) -> bool {
+        let mut place = None;
         poll_fn(|cx| {
             if self.closed.get() {
                 return Poll::Ready(false);
@@ -224,7 +228,9 @@ impl ConnScope {
             if self.budget.borrow_mut().try_take(n) {
                 return Poll::Ready(true);
             }
-            register(&mut self.budget_waiters.borrow_mut(), cx.waker());
+            self.budget_waiters
+                .borrow_mut()
+                .register(&mut place, cx.waker());
             Poll::Pending
         })
         .await
@@ -238,18 +244,46 @@ impl ConnScope {
     }
 
     fn wake_budget(&self) {
-        let waiters = std::mem::take(&mut *self.budget_waiters.borrow_mut());
+        let waiters = self.budget_waiters.borrow_mut().take();
         waiters.into_iter().for_each(Waker::wake);
     }
 }
 
-/// Keeps `waker` among `waiters` once however often its task polls: a future woken by
-/// another source than the list's (the core's line of requests waiting for its budget
-/// wakes the first in line at each release) pushed a clone each time, and glommio's
-/// task panics at 32,767 clones of its waker (as storage's commits did, f31631a).
-fn register(waiters: &mut Vec<Waker>, waker: &Waker) {
-    if !waiters.iter().any(|w| w.will_wake(waker)) {
-        waiters.push(waker.clone());
+/// A connection's requests waiting for its budgets, each in the list once however
+/// often its task polls: a future woken by another source than the list's (the core's
+/// line of requests waiting for its budget wakes the first in line at each release)
+/// pushed a clone each time, and glommio's task panics at 32,767 clones of its waker
+/// (as storage's commits did, f31631a). Each waiter keeps its place (the list's epoch
+/// and its index), so registering costs the same with 16,384 requests waiting as with
+/// one (a scan of the list made a wake of them all quadratic).
+#[derive(Debug, Default)]
+struct Waiters {
+    list: Vec<Waker>,
+    /// Bumped each time the list is emptied: a place from an older epoch is gone.
+    epoch: u64,
+}
+
+impl Waiters {
+    /// Puts `waker` in the list unless `place` says it is there already (replaced
+    /// there if its task's waker changed).
+    fn register(&mut self, place: &mut Option<(u64, usize)>, waker: &Waker) {
+        match *place {
+            Some((epoch, i)) if epoch == self.epoch => {
+                if !self.list[i].will_wake(waker) {
+                    self.list[i] = waker.clone();
+                }
+            }
+            _ => {
+                *place = Some((self.epoch, self.list.len()));
+                self.list.push(waker.clone());
+            }
+        }
+    }
+
+    /// Empties the list, for its wakers to be woken.
+    fn take(&mut self) -> Vec<Waker> {
+        self.epoch += 1;
+        std::mem::take(&mut self.list)
     }
 }
 
@@ -2065,14 +2099,42 @@ mod tests {
     #[test]
     fn a_waiter_polled_again_and_again_keeps_one_waker_in_the_list() {
         let (a, b) = (crate::wakes::Wakes::new(), crate::wakes::Wakes::new());
-        let mut waiters = Vec::new();
+        let mut waiters = Waiters::default();
+        let (mut at_a, mut at_b) = (None, None);
         for _ in 0..40_000 {
-            register(&mut waiters, a.waker());
-            register(&mut waiters, b.waker());
+            waiters.register(&mut at_a, a.waker());
+            waiters.register(&mut at_b, b.waker());
         }
-        assert_eq!(waiters.len(), 2, "one for each task waiting");
-        waiters.into_iter().for_each(Waker::wake);
+        assert_eq!(waiters.list.len(), 2, "one for each task waiting");
+        waiters.take().into_iter().for_each(Waker::wake);
         assert_eq!((a.count(), b.count()), (1, 1));
+        // Woken, each registers again in the emptied list, once.
+        for _ in 0..3 {
+            waiters.register(&mut at_b, b.waker());
+        }
+        waiters.register(&mut at_a, a.waker());
+        assert_eq!(waiters.list.len(), 2);
+        waiters.take().into_iter().for_each(Waker::wake);
+        assert_eq!((a.count(), b.count()), (2, 2));
+    }
+
+    /// Registering finds a waiter's place without scanning the list: 16,384 requests
+    /// of one connection, each polled once per wake of them all, made a wake quadratic.
+    #[test]
+    fn registering_does_not_scan_the_list() {
+        let tasks: Vec<_> = (0..4).map(|_| crate::wakes::Wakes::new()).collect();
+        let mut waiters = Waiters::default();
+        let mut places = vec![None; 20_000];
+        for (i, place) in places.iter_mut().enumerate() {
+            waiters.register(place, tasks[i % 4].waker());
+        }
+        // Twenty thousand waiters of four tasks: each keeps its own place (a scan by
+        // `will_wake` would have kept four).
+        assert_eq!(waiters.list.len(), 20_000);
+        for (i, place) in places.iter_mut().enumerate() {
+            waiters.register(place, tasks[i % 4].waker());
+        }
+        assert_eq!(waiters.list.len(), 20_000, "each is there once");
     }
 
     #[test]
