@@ -2035,8 +2035,17 @@ impl Subscription {
                     pump.skip_to(available);
                     continue;
                 }
-                Err(BrokerError::Overloaded(_) | BrokerError::ShardUnavailable(_))
-                    if retries < HISTORY_READ_RETRIES =>
+                // (`Draining` from a log closed under the read: by the stream's deletion,
+                // whose pass on this core then ends the queue `Deleted`, or the next
+                // read finds no such stream; or by a move. Only a broker that drains
+                // itself ends the subscription with it.)
+                Err(
+                    e @ (BrokerError::Overloaded(_)
+                    | BrokerError::ShardUnavailable(_)
+                    | BrokerError::Draining),
+                ) if retries < HISTORY_READ_RETRIES
+                    && queue.ending() != Some(Ending::Deleted)
+                    && !(matches!(e, BrokerError::Draining) && self.core.draining()) =>
                 {
                     if let Resolved::Remote(route) = self.core.resolve(&self.key) {
                         // Moved to another broker: say where, as an idle pump does.
