@@ -37,6 +37,26 @@ pub fn error(session: &Session, e: &BrokerError) -> Bytes {
     e.to_message(session.coded()).to_frame()
 }
 
+/// `frame`, or `limit_exceeded` in its place when its payload is more than a client's
+/// frames carry ([`felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES`], 16 MiB: one record
+/// over about 12 MiB, base64 in JSON, makes such an answer; answers carry at most 4 MiB
+/// of records but always one). Sent, the client's decoder refused it and its connection
+/// was lost, and asked again it came again: a reader that could never get past the
+/// record. `what` names what was asked (`records from offset 7`).
+pub fn fit(session: &Session, frame: Bytes, what: impl FnOnce() -> String) -> Bytes {
+    let payload = frame.len().saturating_sub(felix_wire::frame::HEADER_LEN);
+    let max = felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES as usize;
+    if payload <= max {
+        return frame;
+    }
+    let e = BrokerError::LimitExceeded(format!(
+        "{}: the answer is {payload} bytes, more than a frame carries ({max}); a record \
+         over about 12 MiB cannot be carried base64 in JSON",
+        what()
+    ));
+    error(session, &e)
+}
+
 /// The answer to a publish: `Ok(first offset)` or why it failed. `owner` names the
 /// leader when the publish was forwarded (binary acks carry it as a routing hint).
 /// `None` when nothing is owed.

@@ -1130,12 +1130,16 @@ async fn execute(
                         )
                         .await
                         {
-                            Ok((records, next)) => Message::StreamRecords {
-                                records,
-                                next_offset: Offset(next),
-                                request_id,
-                            }
-                            .to_frame(),
+                            Ok((records, next)) => answer::fit(
+                                &session,
+                                Message::StreamRecords {
+                                    records,
+                                    next_offset: Offset(next),
+                                    request_id,
+                                }
+                                .to_frame(),
+                                || format!("records from offset {from}"),
+                            ),
                             Err(e) => answer::error(&session, &e),
                         }
                     }
@@ -1411,7 +1415,11 @@ fn group_answer(
 ) -> Bytes {
     use crate::groups::GroupAnswer as A;
     use felix_wire::Offset;
-    match result {
+    let first = match &result {
+        Ok(A::Records(records)) => records.first().map(|r| r.offset.0),
+        _ => None,
+    };
+    let frame = match result {
         Err(e) => e.to_message(session.coded()),
         Ok(A::Records(mut records)) => {
             // Counts of offsets without a record go only to clients that read them.
@@ -1456,7 +1464,12 @@ fn group_answer(
             request_id,
         },
     }
-    .to_frame()
+    .to_frame();
+    // Claimed and not delivered, the records come again once their visibility ends,
+    // and a record that never fits is dead-lettered at the attempt limit.
+    answer::fit(session, frame, || {
+        format!("a group poll from offset {}", first.unwrap_or(0))
+    })
 }
 
 /// One cache watch: its start asked of the shard's owner, then changes read from the
@@ -2220,6 +2233,43 @@ mod tests {
         );
         assert_eq!(skipped(&reads), 4);
         assert_eq!(skipped(&session()), 0);
+    }
+
+    /// A poll answer whose record is too large for a client's 16 MiB frames, base64 in
+    /// JSON, is answered `limit_exceeded`: sent, the client's decoder refused it and
+    /// the connection was lost, each time the record came again.
+    #[test]
+    fn an_answer_too_large_for_a_frame_is_refused_by_name() {
+        let record = |len: usize| {
+            Ok(crate::groups::GroupAnswer::Records(vec![GroupRecord {
+                offset: Offset(9),
+                payload: Bytes::from(vec![7u8; len]),
+                attempts: 1,
+                skipped_before: 0,
+                publisher: None,
+                timestamp_micros: Some(1),
+            }]))
+        };
+        let s = session_with(
+            crate::auth::all_data_perms(crate::session::testing::TENANT),
+            Features::ERROR_CODES,
+        );
+        let max = felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES as usize;
+        let big = group_answer(&s, felix_wire::RequestId(1), record(13 << 20));
+        assert!(big.len() <= max, "{} bytes sent", big.len());
+        match Message::decode(&parse_frame(&big).payload).unwrap() {
+            Message::Error { code, message, .. } => {
+                assert_eq!(code, Some(felix_wire::ErrorCode::LimitExceeded));
+                assert!(message.contains("offset 9"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Up to the frame's bound it goes as it is.
+        let fits = group_answer(&s, felix_wire::RequestId(1), record(12 << 20 >> 1));
+        assert!(matches!(
+            Message::decode(&parse_frame(&fits).payload).unwrap(),
+            Message::GroupRecords { .. }
+        ));
     }
 
     /// A snapshot is encoded a page at a time: each page about the bound (over it by
