@@ -1105,8 +1105,14 @@ async fn patch_stream(
         }
         stream.spec.delivery = d;
     }
-    if let Some(durable) = patch.durable {
-        stream.spec.durable = durable;
+    if patch.durable.is_some_and(|d| d != stream.spec.durable) {
+        // Immutable while the stream exists (as the reference has it): flipped to
+        // false, a one-copy stream whose broker went down was reopened empty elsewhere,
+        // a tenant's PATCH doing what only the operator's abandon may.
+        return Err(ApiError::invalid(
+            "durable",
+            "a stream's durability is set when it is created",
+        ));
     }
     let written = st
         .store

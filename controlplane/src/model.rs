@@ -171,7 +171,7 @@ pub struct StreamPatch {
     /// New delivery declaration.
     #[serde(default)]
     pub delivery: Option<String>,
-    /// New durability.
+    /// Durability: only its current value is taken (it is set at creation).
     #[serde(default)]
     pub durable: Option<bool>,
     /// The version the caller read (409 when it moved on).

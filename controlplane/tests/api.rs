@@ -593,13 +593,24 @@ fn scenario(svc: &Service) {
         ),
         409,
     );
+    // Durability is set at creation: flipped to false, a one-copy stream whose broker
+    // went down would be reopened empty elsewhere (only the operator's abandon may).
+    let (_, field) = expect_err(
+        acme_admin.patch(
+            &format!("{streams}/orders"),
+            &json!({"durable": false, "version": v1}),
+        ),
+        400,
+    );
+    assert_eq!(field.as_deref(), Some("durable"));
     let patched = acme_admin
         .patch(
             &format!("{streams}/orders"),
-            &json!({"durable": false, "retention": {"max_age_seconds": 60}, "version": v1}),
+            &json!({"durable": true, "retention": {"max_age_seconds": 60}, "version": v1}),
         )
         .unwrap();
-    assert_eq!(patched["durable"].as_bool(), Some(false));
+    assert_eq!(patched["durable"].as_bool(), Some(true));
+    assert_eq!(patched["retention"]["max_age_seconds"].as_u64(), Some(60));
     assert!(patched["version"].as_u64() > Some(v1), "{patched}");
     let (_, field) = expect_err(
         acme_admin.patch(
