@@ -1330,6 +1330,47 @@ fn requests_held_for_a_moving_shard_leave_their_senders_other_requests_room() {
     });
 }
 
+/// Under `fsync: none` a publish is acknowledged at sequencing, and with a write linger
+/// it is still unwritten when a re-pin closes the log: the close writes it, and a write
+/// failing there loses it. The shard must stay closed until a restart (as a log that
+/// failed before the re-pin does): the handover judged the log before the close, went
+/// over as merely unsealed, and the new core gave the lost record's offset to the next.
+#[test]
+fn a_write_failing_at_a_re_pins_close_closes_the_shard_rather_than_reuse_its_offsets() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "fault_injection: true\npins: [\"dev/*/*/*=0\"]\nwrite_linger_us: 100000\n",
+        &["--cores", "0-1", "--shards", "1", "--fsync", "none"],
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        let publish = |payload: &'static [u8]| {
+            c.publish(
+                "dev",
+                "default",
+                "lost",
+                payload.to_vec(),
+                AckMode::PerMessage,
+            )
+        };
+        assert_eq!(publish(b"first").await.unwrap(), Some(0));
+        // Written (past the linger) before the fault is armed.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let armed = b.http_post("/debug/storage-faults?op=write&errno=eio&times=once");
+        assert_eq!(armed.unwrap().0, 200);
+        assert_eq!(publish(b"acked, unwritten").await.unwrap(), Some(1));
+        // At once, within the linger: the re-pin's close writes it, and fails.
+        pin(&b, "dev/default/lost/0=1");
+        let next = publish(b"next").await;
+        assert!(
+            next.is_err(),
+            "the shard was served on after its acknowledged record was lost: {next:?}"
+        );
+    });
+}
+
 /// A handover waiting at a core for its shard's open (the take's open ran out of
 /// descriptors) must not outlive an open there that fails for good: the shard is then
 /// closed until a restart, and a later re-pin must carry that to the next core, not the

@@ -51,6 +51,7 @@ use std::time::{Duration, Instant};
 use felix_core_runtime::CoreId;
 use felix_core_runtime::placement::{PinRule, PlacementTable, ShardKey, ShardKind};
 use felix_core_runtime::task;
+use felix_storage_uring::{DmaBackend, SegmentLog};
 use futures_channel::oneshot;
 use futures_lite::StreamExt;
 
@@ -385,15 +386,28 @@ impl CoreBroker {
         }
     }
 
-    /// Why the shard's open log is poisoned, if it is.
-    fn poisoned_log(&self, key: &ShardKey) -> Option<String> {
+    /// The shard's open log, if it is open here.
+    fn log_held(&self, key: &ShardKey) -> Option<SegmentLog<DmaBackend>> {
         if let Some(Slot::Ready(s)) = self.streams.borrow().get(key) {
-            return s.log.poisoned();
+            return Some(s.log.clone());
         }
         match self.caches.borrow().get(key) {
-            Some(Slot::Ready(c)) => c.log().poisoned(),
+            Some(Slot::Ready(c)) => Some(c.log().clone()),
             _ => None,
         }
+    }
+
+    /// Why the shard's log failed where acknowledgements come before writes (records
+    /// acknowledged then may never have been written: a reopen would give their
+    /// offsets to other records), if it did.
+    fn failed_with_acks_unwritten(&self, log: &SegmentLog<DmaBackend>) -> Option<BrokerError> {
+        let poisoned = log.poisoned()?;
+        self.shared.log_config.fsync.acks_before_write().then(|| {
+            BrokerError::Storage(format!(
+                "the shard's log failed on the core it left ({poisoned}); closed until a \
+                 restart"
+            ))
+        })
     }
 
     /// Counts a request accepted for `key` until the guard drops: one waiting for the
@@ -873,20 +887,20 @@ impl CoreBroker {
                     let group_batches = stream
                         .as_ref()
                         .map(|s| (s.group_batches_seen.get(), s.groups_snapshot_mark.get()));
-                    let failed = self.failed_slot(&key).or_else(|| {
-                        let poisoned = self.poisoned_log(&key)?;
-                        self.shared.log_config.fsync.acks_before_write().then(|| {
-                            BrokerError::Storage(format!(
-                                "the shard's log failed on the core it left ({poisoned}); \
-                                 closed until a restart"
-                            ))
-                        })
-                    });
+                    let (log, slot_failed) = (self.log_held(&key), self.failed_slot(&key));
                     let groups = stream.and_then(|s| {
                         let built = s.groups.borrow().as_ref().map(|g| g.state());
                         built.or_else(|| s.handed_groups.borrow_mut().take())
                     });
-                    let sealed = self.close_shard(&key, true).await && failed.is_none();
+                    let closed = self.close_shard(&key, true).await;
+                    // Looked at once the log is closed: the close writes what was staged
+                    // (acknowledged already under `none` with a linger), and a failure
+                    // there poisons it too. Judged before, such a failure went over as
+                    // an unsealed log, and the new core gave the lost records' offsets
+                    // to others.
+                    let failed =
+                        slot_failed.or_else(|| self.failed_with_acks_unwritten(log.as_ref()?));
+                    let sealed = closed && failed.is_none();
                     out.push(Handover {
                         key,
                         interested,
