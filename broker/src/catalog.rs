@@ -136,6 +136,16 @@ impl Deletion {
         }
     }
 
+    /// Core `core`'s part is to do again; whether it was done.
+    fn unmark_done(&mut self, core: usize) -> bool {
+        let was = self.done(core);
+        match core {
+            0..64 => self.done_by &= !(1 << core),
+            _ => self.done_by_high.retain(|c| *c != core),
+        }
+        was
+    }
+
     /// Core `core` finished its part.
     fn mark_done(&mut self, core: usize) {
         match core {
@@ -470,6 +480,29 @@ impl Catalog {
             .filter(|d| !d.done(core))
             .cloned()
             .collect()
+    }
+
+    /// Every deletion under way, whichever cores finished their parts.
+    pub fn deletions_under_way(&self) -> Vec<Deletion> {
+        self.read().deleting.clone()
+    }
+
+    /// `core`'s part of `deletion` is to do again (a shard of it moves to `core`: see
+    /// `CoreBroker::reopen_deletions_moving_here`). Returns whether it was done.
+    pub fn deletion_reopened_for(&self, deletion: &Deletion, core: usize) -> bool {
+        let mut st = self.write();
+        let reopened = st.deleting.iter_mut().any(|d| {
+            let named = d.stream == deletion.stream
+                && d.tenant == deletion.tenant
+                && d.namespace == deletion.namespace
+                && d.name == deletion.name;
+            named && d.unmark_done(core)
+        });
+        drop(st);
+        if reopened {
+            self.changed(false);
+        }
+        reopened
     }
 
     /// `core` removed its part of `deletion`. Once all `cores` have, the deletion is

@@ -1371,6 +1371,87 @@ fn a_write_failing_at_a_re_pins_close_closes_the_shard_rather_than_reuse_its_off
     });
 }
 
+/// A deletion is finished by each core's housekeeping pass for the shards it owns then.
+/// A re-pin between two cores' passes moved a shard from the core yet to look to the
+/// one that had: neither removed it, the deletion finished, and the stream made again
+/// under the name opened the old shard's log (its next publish got offset 1, not 0).
+/// Core 0's pass is held at an earlier deletion (a shard whose open is held) while core
+/// 1's goes by and the shard moves to core 1.
+#[test]
+fn a_shard_re_pinned_while_its_stream_is_deleted_does_not_come_back_with_the_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "fault_injection: true\nhousekeeping_ms: 100\npins: [\"dev/*/*/*=0\"]\n",
+        &["--cores", "0-1", "--shards", "1", "--fsync", "none"],
+    );
+    let admin = b.admin().unwrap();
+    let streams = "/v1/tenants/dev/namespaces/default/streams";
+    let create = |name: &str| {
+        admin
+            .post(
+                streams,
+                &json!({"stream": name, "kind": "Stream", "shards": 1}),
+            )
+            .unwrap()
+    };
+    create("blocker");
+    create("again");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = std::sync::Arc::new(client(&b).await);
+        let publish = |name: &'static str| {
+            let c = c.clone();
+            async move {
+                c.publish("dev", "default", name, b"r".to_vec(), AckMode::PerMessage)
+                    .await
+            }
+        };
+        assert_eq!(publish("again").await.unwrap(), Some(0));
+        // Core 0 opens the blocker's shard, held open-ended.
+        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+        let held = tokio::spawn(publish("blocker"));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Core 0's pass waits for that open at the first deletion; core 1's finishes
+        // both (it owns neither shard).
+        admin.delete(&format!("{streams}/blocker")).unwrap();
+        admin.delete(&format!("{streams}/again")).unwrap();
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let http = b.http;
+        let repin = tokio::task::spawn_blocking(move || {
+            let body = json!({ "rule": "dev/default/again/0=1" }).to_string();
+            felix_client::ops::http(&http.to_string(), "POST", "/pins", Some(&body)).unwrap()
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+        let (status, body) = repin.await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        let _ = held.await;
+        // Made again: a new stream, its first record at offset 0.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let _ = admin.post(
+                streams,
+                &json!({"stream": "again", "kind": "Stream", "shards": 1}),
+            );
+            match publish("again").await {
+                Ok(offset) => {
+                    assert_eq!(
+                        offset,
+                        Some(0),
+                        "the deleted stream's records came back with its name"
+                    );
+                    break;
+                }
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "{e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    });
+}
+
 /// A handover waiting at a core for its shard's open (the take's open ran out of
 /// descriptors) must not outlive an open there that fails for good: the shard is then
 /// closed until a restart, and a later re-pin must carry that to the next core, not the

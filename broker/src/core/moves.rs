@@ -772,6 +772,7 @@ impl CoreBroker {
     ) -> Result<MoveAnswer, BrokerError> {
         match step {
             MoveStep::Begin { old, new } => {
+                self.reopen_deletions_moving_here(&old, &new);
                 *self.moving.borrow_mut() = Some(MoveState {
                     old,
                     new,
@@ -806,6 +807,37 @@ impl CoreBroker {
             }
         }
         Ok(MoveAnswer::Done)
+    }
+
+    /// A shard of a stream or cache being deleted that moves here from another core:
+    /// this core's part of the deletion covers it now, done or not. Done already, the
+    /// shard was the other core's when this one looked; the other, looking after the
+    /// move, finds it this core's: neither removed it, the deletion finished, and a
+    /// stream made again under the name opened the old shard's log, records and all.
+    /// At the start, before the core it leaves can finish its own part.
+    fn reopen_deletions_moving_here(&self, old: &PlacementTable, new: &PlacementTable) {
+        let me = self.core;
+        let catalog = &self.shared.catalog;
+        for d in catalog.deletions_under_way() {
+            let kind = if d.stream {
+                ShardKind::Stream
+            } else {
+                ShardKind::Cache
+            };
+            let moves_here = (0..d.shards).any(|shard| {
+                let key = ShardKey {
+                    kind,
+                    tenant: d.tenant.clone(),
+                    namespace: d.namespace.clone(),
+                    name: d.name.clone(),
+                    shard,
+                };
+                old.core_for(&key) != me && new.core_for(&key) == me
+            });
+            if moves_here && catalog.deletion_reopened_for(&d, me.index()) {
+                tracing::info!(tenant = %d.tenant, namespace = %d.namespace, name = %d.name, "a shard being deleted moves here: this core removes it");
+            }
+        }
     }
 
     /// The shards open (or opening) here that move away, and whether one is still
