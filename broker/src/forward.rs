@@ -3,9 +3,11 @@
 //! Publishes and cache operations that reach a broker which does not lead the shard
 //! are sent on to the leader over the ordinary client protocol, authenticated with the
 //! client's own token (so the leader re-checks the permission), and the leader's answer
-//! is relayed. The leader answers for itself; while two brokers' views of a shard
-//! disagree, a forwarded request can be forwarded once more (nothing tells a forwarded
-//! session apart), until the views agree. Each core keeps
+//! is relayed. The leader answers for itself. Forwarding connections offer
+//! [`felix_wire::internal::FORWARD_ALPN`] first: a broker that finds a request came that
+//! way and does not lead its shard refuses it retryably (`shard_unavailable`) rather
+//! than forward it again (while two brokers' views of a shard disagreed, a request went
+//! to and fro between them until the views agreed). Each core keeps
 //! its own client endpoint and one connection per peer and revocable token identity
 //! ([`Holder`]); a request uses a fresh stream.
 

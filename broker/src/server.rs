@@ -258,7 +258,7 @@ pub fn start(
                     .collect(),
             };
             Some((
-                quic::client_config(&roots, true, crate::forward::transport_limits())?,
+                quic::forwarding_client_config(&roots, crate::forward::transport_limits())?,
                 c.peer_server_name.clone(),
             ))
         }

@@ -192,6 +192,44 @@ fn a_quinn_client_exchanges_data_on_bi_and_uni_streams() {
     });
 }
 
+/// A broker forwarding its clients' requests offers its own ALPN before `felix/1` and
+/// gets it, so the leader knows not to forward them again; a client offering `felix/1`
+/// gets that (the server lists the forwarding one first).
+#[test]
+fn a_forwarding_broker_is_told_apart_by_its_alpn() {
+    let server = start_server(100);
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let forwarding = quic::forwarding_client_config(
+            std::slice::from_ref(&server.ca),
+            TransportLimits::default(),
+        )
+        .unwrap();
+        for (config, want) in [
+            (forwarding, felix_wire::internal::FORWARD_ALPN),
+            (
+                quic::client_config(
+                    std::slice::from_ref(&server.ca),
+                    true,
+                    TransportLimits::default(),
+                )
+                .unwrap(),
+                &b"felix/1"[..],
+            ),
+        ] {
+            let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+            ep.set_default_client_config(config);
+            let conn = ep.connect(server.addr, "localhost").unwrap().await.unwrap();
+            let hd = conn.handshake_data().unwrap();
+            let hd = hd
+                .downcast::<quinn::crypto::rustls::HandshakeData>()
+                .unwrap();
+            assert_eq!(hd.protocol.as_deref(), Some(want));
+            conn.close(0u32.into(), b"done");
+            ep.wait_idle().await;
+        }
+    });
+}
+
 /// A client that stops reading each answer before the server finishes the answer's
 /// stream (it read what it wanted, then finishes its own side) gets its stream credit
 /// back: the server resets a stream the peer stopped instead of leaving it allocated.

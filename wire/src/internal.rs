@@ -46,6 +46,14 @@ pub use records::{BatchKind, Records, ShipBatch};
 
 /// The ALPN protocol id of the broker-to-broker connection.
 pub const INTERNAL_ALPN: &[u8] = b"felix-internal/1";
+
+/// The ALPN a broker offers (before `felix/1`) on the client connections it forwards
+/// requests to a shard's leader on: the leader then knows the requests were forwarded
+/// once already and does not forward them again (two brokers whose views of a shard
+/// disagree sent a request back and forth until the views agreed). A broker that does
+/// not serve it picks `felix/1`; a client offering it only makes its own requests
+/// unforwardable.
+pub const FORWARD_ALPN: &[u8] = b"felix-forward/1";
 /// `FLXI`.
 pub const MAGIC: u32 = 0x464C_5849;
 /// The only version of the internal protocol.

@@ -1451,10 +1451,13 @@ pub fn decide(
                         request_id,
                     }
                 }
-                Ok((Resolved::Remote(route), _)) => Action::Forward {
-                    route,
-                    frame: wire.framed(),
-                    answer: Forwarded::Json,
+                Ok((Resolved::Remote(route), _)) => match forwardable(session, &route) {
+                    Ok(()) => Action::Forward {
+                        route,
+                        frame: wire.framed(),
+                        answer: Forwarded::Json,
+                    },
+                    Err(e) => error(e),
                 },
                 Ok((Resolved::Unavailable(reason), _)) => {
                     error(BrokerError::ShardUnavailable(reason.into()))
@@ -1589,10 +1592,13 @@ fn publish(
             answer,
             condition: p.condition,
         },
-        Resolved::Remote(route) => Action::Forward {
-            route,
-            frame: p.wire.framed(),
-            answer: Forwarded::Publish(answer),
+        Resolved::Remote(route) => match forwardable(session, &route) {
+            Ok(()) => Action::Forward {
+                route,
+                frame: p.wire.framed(),
+                answer: Forwarded::Publish(answer),
+            },
+            Err(e) => refuse(e),
         },
         Resolved::Unavailable(reason) => refuse(BrokerError::ShardUnavailable(reason.into())),
     }
@@ -1656,13 +1662,32 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
                 },
             }
         }
-        Resolved::Remote(route) => Action::Forward {
-            route,
-            frame: c.wire.framed(),
-            answer: Forwarded::Json,
+        Resolved::Remote(route) => match forwardable(session, &route) {
+            Ok(()) => Action::Forward {
+                route,
+                frame: c.wire.framed(),
+                answer: Forwarded::Json,
+            },
+            Err(e) => error(e),
         },
         Resolved::Unavailable(reason) => error(BrokerError::ShardUnavailable(reason.into())),
     }
+}
+
+/// Whether a request for a shard `route`'s leader leads may be forwarded there: not one
+/// that was forwarded here already. This broker's view of the shard then differs from
+/// the forwarding broker's (one of them has not read the newest assignment), and sent
+/// back, it went to and fro until the views agreed, each hop holding a copy against
+/// the forwarders' budgets. Refused retryably, nothing written.
+fn forwardable(session: &Session, route: &Route) -> Result<(), BrokerError> {
+    if session.forwarded {
+        return Err(BrokerError::ShardUnavailable(format!(
+            "forwarded here, and this broker's view names another leader ({}): the \
+             brokers' views of the shard disagree for now",
+            route.leader
+        )));
+    }
+    Ok(())
 }
 
 /// A subscribe for a shard another broker leads: `not_leader` to clients that take
@@ -2321,6 +2346,14 @@ mod tests {
             parse_frame(&wire).payload,
             frame.payload,
             "forwarded as received"
+        );
+        // Forwarded here by another broker: refused, not sent on (two brokers whose
+        // views disagreed sent it to and fro).
+        let mut forwarded = s.clone();
+        forwarded.forwarded = true;
+        assert_eq!(
+            refusal_code(&decide_frame(&forwarded, &dir, &frame, true)),
+            ErrorCode::ShardUnavailable
         );
         dir.remote.borrow_mut().clear();
         dir.unavailable.borrow_mut().insert((*key).clone());

@@ -88,6 +88,9 @@ pub struct ConnScope {
     grants: RefCell<Vec<Rc<crate::auth::Grant>>>,
     /// A stream authenticated: the connection's receive window was opened.
     trusted: Cell<bool>,
+    /// A broker's connection, forwarding its clients' requests (see
+    /// [`Session::forwarded`]).
+    forwarded: bool,
 }
 
 /// A group poll's place among its connection's waiting polls, given back when the poll
@@ -101,7 +104,7 @@ impl Drop for PollWait {
 }
 
 impl ConnScope {
-    fn new(id: ConnId, limits: Limits, accepted: std::time::Instant) -> ConnScope {
+    fn new(id: ConnId, limits: Limits, accepted: std::time::Instant, forwarded: bool) -> ConnScope {
         ConnScope {
             id,
             limits,
@@ -115,6 +118,7 @@ impl ConnScope {
             on_close: RefCell::default(),
             grants: RefCell::default(),
             trusted: Cell::new(false),
+            forwarded,
         }
     }
 
@@ -397,10 +401,12 @@ fn taken(
 /// Serves one accepted connection until it closes.
 pub async fn serve_connection(core: Rc<CoreBroker>, conn: Connection) {
     core.metrics.connections.fetch_add(1, Ordering::Relaxed);
+    let forwarded = conn.alpn().as_deref() == Some(felix_wire::internal::FORWARD_ALPN);
     let scope = Rc::new(ConnScope::new(
         conn.id(),
         core.shared.limits,
         clock::now().instant,
+        forwarded,
     ));
     core.unfinished.borrow_mut().open(conn.id(), conn.clone());
     core.unwritten.borrow_mut().open(conn.id(), conn.clone());
@@ -861,6 +867,7 @@ async fn authenticate(
                 return None;
             };
             session.hold_grant(kept);
+            session.forwarded = scope.forwarded;
             scope.auth.borrow_mut().authenticated();
             core.unfinished.borrow_mut().trust(scope.id);
             core.unwritten.borrow_mut().trust(scope.id);

@@ -28,6 +28,10 @@ pub struct Session {
     pub flags: Flags,
     /// Features the client offered that we serve.
     pub features: Features,
+    /// Its connection is a broker's, forwarding its clients' requests here (see
+    /// [`felix_wire::internal::FORWARD_ALPN`]): what this broker does not lead is
+    /// refused, not forwarded again.
+    pub forwarded: bool,
 }
 
 impl Session {
@@ -38,6 +42,7 @@ impl Session {
             token: token.into(),
             flags: flags.intersection(SERVER_FLAGS),
             features,
+            forwarded: false,
         }
     }
 

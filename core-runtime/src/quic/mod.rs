@@ -180,7 +180,9 @@ pub fn server_config(
         .with_no_client_auth()
         .with_single_cert(chain, key)?;
     let mut with = without.clone();
-    with.alpn_protocols = vec![ALPN.to_vec()];
+    // Ours first: a forwarding broker offering both is known as one (rustls picks the
+    // server's first that the client offers); a client offering `felix/1` gets it.
+    with.alpn_protocols = vec![felix_wire::internal::FORWARD_ALPN.to_vec(), ALPN.to_vec()];
     let quic = |tls: rustls::ServerConfig| {
         QuicServerConfig::try_from(tls)
             .map(|q| Arc::new(q) as Arc<dyn quinn_proto::crypto::ServerConfig>)
@@ -250,6 +252,30 @@ pub fn client_config(
     offer_alpn: bool,
     limits: TransportLimits,
 ) -> Result<ClientConfig, TlsError> {
+    let alpn = if offer_alpn {
+        vec![ALPN.to_vec()]
+    } else {
+        Vec::new()
+    };
+    client_config_offering(roots, alpn, limits)
+}
+
+/// A client config for a broker forwarding requests to shard leaders: it offers
+/// [`felix_wire::internal::FORWARD_ALPN`], then `felix/1` (a leader that does not know
+/// the first picks the second).
+pub fn forwarding_client_config(
+    roots: &[CertificateDer<'static>],
+    limits: TransportLimits,
+) -> Result<ClientConfig, TlsError> {
+    let alpn = vec![felix_wire::internal::FORWARD_ALPN.to_vec(), ALPN.to_vec()];
+    client_config_offering(roots, alpn, limits)
+}
+
+fn client_config_offering(
+    roots: &[CertificateDer<'static>],
+    alpn: Vec<Vec<u8>>,
+    limits: TransportLimits,
+) -> Result<ClientConfig, TlsError> {
     let mut store = rustls::RootCertStore::empty();
     for r in roots {
         store.add(r.clone())?;
@@ -258,9 +284,7 @@ pub fn client_config(
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_root_certificates(store)
         .with_no_client_auth();
-    if offer_alpn {
-        tls.alpn_protocols = vec![ALPN.to_vec()];
-    }
+    tls.alpn_protocols = alpn;
     let quic = QuicClientConfig::try_from(tls).map_err(|e| TlsError::Quic(e.to_string()))?;
     let mut config = ClientConfig::new(Arc::new(quic));
     config.transport_config(Arc::new(limits.transport()));
