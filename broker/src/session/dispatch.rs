@@ -380,6 +380,9 @@ pub enum Forwarded {
     Publish(AnswerTo),
     /// A JSON answer passed through.
     Json,
+    /// A read's JSON answer passed through (a cache or counter get, a state get): one
+    /// lost on the way is `shard_unavailable`, safe to retry, not `unacknowledged`.
+    JsonRead,
 }
 
 /// The names a cache answer echoes.
@@ -1411,6 +1414,7 @@ pub fn decide(
                 StateRequest::Commit { .. } => Perm::StreamPublish,
                 StateRequest::Get(_) => Perm::StreamSubscribe,
             };
+            let read = matches!(op, StateRequest::Get(_));
             let key = session
                 .authorize(perm, &tenant, &namespace, &stream, now)
                 .and_then(|()| {
@@ -1455,7 +1459,11 @@ pub fn decide(
                     Ok(()) => Action::Forward {
                         route,
                         frame: wire.framed(),
-                        answer: Forwarded::Json,
+                        answer: if read {
+                            Forwarded::JsonRead
+                        } else {
+                            Forwarded::Json
+                        },
                     },
                     Err(e) => error(e),
                 },
@@ -1666,7 +1674,11 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
             Ok(()) => Action::Forward {
                 route,
                 frame: c.wire.framed(),
-                answer: Forwarded::Json,
+                answer: if matches!(c.op, CacheRequestOp::Get | CacheRequestOp::CounterGet) {
+                    Forwarded::JsonRead
+                } else {
+                    Forwarded::Json
+                },
             },
             Err(e) => error(e),
         },
@@ -2347,6 +2359,52 @@ mod tests {
             frame.payload,
             "forwarded as received"
         );
+        // A cache read forwarded is owed a retryable refusal should its answer be
+        // lost (nothing was written); a write an outcome-unknown one.
+        let cache_dir = MemDirectory::new(2);
+        cache_dir.odd_shards.set(Some(true));
+        let (mut reads, mut writes) = (0, 0);
+        for i in 0..64 {
+            let key = format!("k{i}");
+            let get = json(Message::CacheGet {
+                tenant_id: TENANT.into(),
+                namespace: "ns".into(),
+                cache: "c".into(),
+                key: key.clone(),
+                request_id: Some(RequestId(1)),
+            });
+            let put = json(Message::CachePut {
+                tenant_id: TENANT.into(),
+                namespace: "ns".into(),
+                cache: "c".into(),
+                key,
+                value: Bytes::from_static(b"v"),
+                request_id: Some(RequestId(2)),
+                ttl_ms: None,
+            });
+            if let Action::Forward { answer, .. } = decide_frame(&s, &cache_dir, &get, true) {
+                assert_eq!(answer, Forwarded::JsonRead);
+                reads += 1;
+            }
+            if let Action::Forward { answer, .. } = decide_frame(&s, &cache_dir, &put, true) {
+                assert_eq!(answer, Forwarded::Json);
+                writes += 1;
+            }
+        }
+        assert!(reads > 0 && reads == writes, "{reads} {writes}");
+        let lost = answer::relay_json(
+            &s,
+            Err(answer::read_lost_is_retryable(BrokerError::Unacknowledged(
+                "lost".into(),
+            ))),
+        );
+        assert!(matches!(
+            Message::decode(&parse_frame(&lost).payload).unwrap(),
+            Message::Error {
+                code: Some(ErrorCode::ShardUnavailable),
+                ..
+            }
+        ));
         // Forwarded here by another broker: refused, not sent on (two brokers whose
         // views disagreed sent it to and fro).
         let mut forwarded = s.clone();

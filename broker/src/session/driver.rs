@@ -1057,7 +1057,7 @@ async fn execute(
             }
             let owed = match forwarded {
                 Forwarded::Publish(a) => a.owed(),
-                Forwarded::Json => true,
+                Forwarded::Json | Forwarded::JsonRead => true,
             };
             let call = core.forward(session, &route, frame, owed);
             if owed {
@@ -1077,6 +1077,10 @@ async fn execute(
                             Some(&route),
                         ),
                         Forwarded::Json => Some(answer::relay_json(&session, reply)),
+                        Forwarded::JsonRead => Some(answer::relay_json(
+                            &session,
+                            reply.map_err(answer::read_lost_is_retryable),
+                        )),
                     }
                 })));
             } else {

@@ -280,7 +280,7 @@ impl Harness {
                     self.push(frame);
                 }
                 Forwarded::Publish(_) => {}
-                Forwarded::Json => {
+                Forwarded::Json | Forwarded::JsonRead => {
                     let f = answer::relay_json(&self.session, Ok(None));
                     self.push(Some(f));
                 }
