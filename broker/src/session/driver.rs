@@ -651,6 +651,9 @@ struct Answers {
     /// Forwards, and appends behind them, pushed whose turn has not come (they start
     /// at it): an append read meanwhile waits its turn too.
     deferred: Rc<Cell<usize>>,
+    /// A writer takes the answers (the stream is bidirectional): on a one-way stream
+    /// nothing pushed is ever run.
+    written: bool,
 }
 
 impl Answers {
@@ -788,6 +791,7 @@ async fn serve_stream(
             placed: Rc::default(),
         },
         deferred: Rc::default(),
+        written: send.is_some(),
     });
     let writer =
         send.map(|s| task::spawn(write_answers(core.clone(), conn.id(), answers.clone(), s)));
@@ -1082,6 +1086,19 @@ async fn execute(
                             reply.map_err(answer::read_lost_is_retryable),
                         )),
                     }
+                })));
+            } else if answers.written {
+                // Owed nothing, it still goes at its turn: spawned at once, a later
+                // publish of this stream appended here (its shard's leadership came
+                // here meanwhile) landed ahead of it, and two such forwards raced to
+                // the leader. (On a one-way stream, nothing pushed runs: below.)
+                let deferred = answers.deferred.clone();
+                deferred.set(deferred.get() + 1);
+                answers.push(Answer::Pending(Box::pin(async move {
+                    deferred.set(deferred.get() - 1);
+                    let _ = call.await;
+                    drop(held);
+                    None
                 })));
             } else {
                 task::spawn(async move {
