@@ -2466,7 +2466,10 @@ impl CoreBroker {
                 let catalog = core.shared.catalog.clone();
                 let left = replicas
                     .sync(
-                        |k| core.owner(k) == core.core,
+                        // Not while it moves between cores: attached at the core it
+                        // leaves, its replica held the release for good; at the core
+                        // it goes to, it opened the log beside the old one.
+                        |k| core.owner(k) == core.core && !core.leaving(k) && !core.held(k),
                         |k| {
                             let (spec, life) = catalog.spec_and_incarnation(
                                 k.kind == ShardKind::Stream,

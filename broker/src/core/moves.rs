@@ -611,37 +611,7 @@ impl CoreBroker {
                  same shards replaces the old one)"
             )));
         }
-        let mut moves: Vec<(Arc<ShardKey>, CoreId, CoreId)> = Vec::new();
-        for (stream, kind) in [(true, ShardKind::Stream), (false, ShardKind::Cache)] {
-            for (name, spec) in self.shared.catalog.list(stream) {
-                let mut parts = name.splitn(3, '/');
-                let (Some(t), Some(ns), Some(n)) = (parts.next(), parts.next(), parts.next())
-                else {
-                    continue;
-                };
-                for shard in 0..spec.shards {
-                    let key = ShardKey {
-                        kind,
-                        tenant: t.to_owned(),
-                        namespace: ns.to_owned(),
-                        name: n.to_owned(),
-                        shard,
-                    };
-                    let (from, to) = (old.core_for(&key), new.core_for(&key));
-                    if from == to {
-                        continue;
-                    }
-                    if self.shared.cluster.is_some() && spec.replicated() {
-                        // Its replica state machine lives on the owning core; it moves
-                        // with a restart (pins are read at start), not live.
-                        return Err(BrokerError::InvalidRequest(format!(
-                            "{key} is replicated: set the pin in the configuration and restart"
-                        )));
-                    }
-                    moves.push((Arc::new(key), from, to));
-                }
-            }
-        }
+        let moves = self.shards_moving(&old, &new, false)?;
         let cores: Vec<CoreId> = (0..self.shared.metrics.len()).map(CoreId).collect();
         let new = Arc::new(new);
         for &c in &cores {
@@ -772,6 +742,7 @@ impl CoreBroker {
     ) -> Result<MoveAnswer, BrokerError> {
         match step {
             MoveStep::Begin { old, new } => {
+                self.shards_moving(&old, &new, true)?;
                 self.reopen_deletions_moving_here(&old, &new);
                 *self.moving.borrow_mut() = Some(MoveState {
                     old,
@@ -807,6 +778,55 @@ impl CoreBroker {
             }
         }
         Ok(MoveAnswer::Done)
+    }
+
+    /// The shards of the catalog that `new` puts on another core than `old`, with their
+    /// cores. Refused when one is replicated (in a cluster): its replica state machine
+    /// lives on the owning core and moves with a restart, not live. Asked again at each
+    /// core's `Begin`: a replicated stream made after the first look, its replica
+    /// attached at the core it leaves, held the release for good (and the core it goes
+    /// to opened the same log beside it); then only the replicated ones are looked at.
+    fn shards_moving(
+        &self,
+        old: &PlacementTable,
+        new: &PlacementTable,
+        replicated_only: bool,
+    ) -> Result<Vec<(Arc<ShardKey>, CoreId, CoreId)>, BrokerError> {
+        let mut moves: Vec<(Arc<ShardKey>, CoreId, CoreId)> = Vec::new();
+        for (stream, kind) in [(true, ShardKind::Stream), (false, ShardKind::Cache)] {
+            for (name, spec) in self.shared.catalog.list(stream) {
+                if replicated_only && !(self.shared.cluster.is_some() && spec.replicated()) {
+                    continue;
+                }
+                let mut parts = name.splitn(3, '/');
+                let (Some(t), Some(ns), Some(n)) = (parts.next(), parts.next(), parts.next())
+                else {
+                    continue;
+                };
+                for shard in 0..spec.shards {
+                    let key = ShardKey {
+                        kind,
+                        tenant: t.to_owned(),
+                        namespace: ns.to_owned(),
+                        name: n.to_owned(),
+                        shard,
+                    };
+                    let (from, to) = (old.core_for(&key), new.core_for(&key));
+                    if from == to {
+                        continue;
+                    }
+                    if self.shared.cluster.is_some() && spec.replicated() {
+                        // Its replica state machine lives on the owning core; it moves
+                        // with a restart (pins are read at start), not live.
+                        return Err(BrokerError::InvalidRequest(format!(
+                            "{key} is replicated: set the pin in the configuration and restart"
+                        )));
+                    }
+                    moves.push((Arc::new(key), from, to));
+                }
+            }
+        }
+        Ok(moves)
     }
 
     /// A shard of a stream or cache being deleted that moves here from another core:
