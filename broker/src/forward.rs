@@ -64,18 +64,22 @@ pub struct Forwarder {
     config: ClientConfig,
     server_name: String,
     peers: RefCell<PeerTable<Connection>>,
-    /// Bytes of requests this core has sent its peers and not had answered.
-    sent: RefCell<FifoBudget>,
+    /// Bytes of requests this core has sent on each connection to a peer and not had
+    /// answered (see [`SENT_MAX`]); a budget goes once nothing holds or waits for it.
+    sent: RefCell<HashMap<PeerKey, FifoBudget>>,
     sent_waiters: RefCell<Vec<std::task::Waker>>,
 }
 
-/// Bytes of requests one core has sent its peers and not had answered. A leader closes a
-/// connection whose streams hold more than `max_unfinished_frame_bytes_per_connection`
-/// (128 MiB by default) of unfinished frames, and a forwarding core sends all its
-/// clients' requests for one peer on one connection: past this, the next forward waits
-/// for earlier ones to be answered (a request the leader answered, it has read whole).
-/// One request larger than this still goes alone. Requests owed no answer hold their
-/// bytes until they are written.
+/// Bytes of requests one core has sent on one connection to a peer and not had answered.
+/// A leader closes a connection whose streams hold more than
+/// `max_unfinished_frame_bytes_per_connection` (128 MiB by default) of unfinished frames,
+/// and a forwarding core sends its clients' requests for one peer (and token identity)
+/// on one connection: past this, the next forward on it waits for earlier ones to be
+/// answered (a request the leader answered, it has read whole). One request larger than
+/// this still goes alone. Requests owed no answer hold their bytes until they are
+/// written. Per connection, as the bound it keeps: one budget for the core let a leader
+/// slow to answer (a stalled disk, its pings still answered) hold every forward of the
+/// core to the healthy ones for up to the answer timeout (until 2026-12-07).
 const SENT_MAX: usize = 32 << 20;
 
 impl std::fmt::Debug for Forwarder {
@@ -258,7 +262,7 @@ impl Forwarder {
             config,
             server_name,
             peers: RefCell::new(PeerTable::new()),
-            sent: RefCell::new(FifoBudget::new(SENT_MAX)),
+            sent: RefCell::default(),
             sent_waiters: RefCell::default(),
         })
     }
@@ -293,17 +297,29 @@ impl Forwarder {
         Ok(c)
     }
 
-    /// Waits until `bytes` more may be sent to the peers (see [`SENT_MAX`]), behind every
-    /// request that began waiting earlier; they count until the returned guard is dropped.
-    async fn take_sent(&self, bytes: usize) -> SentBytes<'_> {
-        let ticket = self.sent.borrow_mut().arrive();
+    /// Waits until `bytes` more may be sent on the connection `key` (see [`SENT_MAX`]),
+    /// behind every request for it that began waiting earlier; they count until the
+    /// returned guard is dropped.
+    async fn take_sent<'a>(&'a self, key: &PeerKey, bytes: usize) -> SentBytes<'a> {
+        let ticket = self
+            .sent
+            .borrow_mut()
+            .entry(key.clone())
+            .or_insert_with(|| FifoBudget::new(SENT_MAX))
+            .arrive();
         // Dropped unserved (the forward was cancelled), it gives its turn up.
         let mut waiting = Waiting {
             forwarder: self,
+            key: key.clone(),
             ticket: Some(ticket),
         };
         std::future::poll_fn(|cx| {
-            if self.sent.borrow_mut().try_take(ticket, bytes) {
+            let taken = self
+                .sent
+                .borrow_mut()
+                .get_mut(key)
+                .is_some_and(|b| b.try_take(ticket, bytes));
+            if taken {
                 self.wake_sent();
                 return std::task::Poll::Ready(());
             }
@@ -314,7 +330,20 @@ impl Forwarder {
         waiting.ticket = None;
         SentBytes {
             forwarder: self,
+            key: key.clone(),
             bytes,
+        }
+    }
+
+    /// Applies `f` to `key`'s budget, and lets the budget go once nothing holds or
+    /// waits for it.
+    fn with_sent(&self, key: &PeerKey, f: impl FnOnce(&mut FifoBudget)) {
+        let mut sent = self.sent.borrow_mut();
+        if let Some(b) = sent.get_mut(key) {
+            f(b);
+            if b.idle() {
+                sent.remove(key);
+            }
         }
     }
 
@@ -359,7 +388,7 @@ impl Forwarder {
         .to_frame();
         let lost =
             || BrokerError::Unacknowledged("the shard leader went away before answering".into());
-        let sent = self.take_sent(auth.len() + request.len()).await;
+        let sent = self.take_sent(&key, auth.len() + request.len()).await;
         send.write_chunks(&mut [auth, request])
             .await
             .map_err(|_| lost())?;
@@ -387,15 +416,17 @@ impl Forwarder {
     }
 }
 
-/// Bytes a forward holds against [`SENT_MAX`] until dropped.
+/// Bytes a forward holds against its connection's [`SENT_MAX`] until dropped.
 struct SentBytes<'a> {
     forwarder: &'a Forwarder,
+    key: PeerKey,
     bytes: usize,
 }
 
 impl Drop for SentBytes<'_> {
     fn drop(&mut self) {
-        self.forwarder.sent.borrow_mut().release(self.bytes);
+        let bytes = self.bytes;
+        self.forwarder.with_sent(&self.key, |b| b.release(bytes));
         self.forwarder.wake_sent();
     }
 }
@@ -403,13 +434,14 @@ impl Drop for SentBytes<'_> {
 /// A forward's place in line for [`SENT_MAX`], given up if it is dropped unserved.
 struct Waiting<'a> {
     forwarder: &'a Forwarder,
+    key: PeerKey,
     ticket: Option<u64>,
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         if let Some(t) = self.ticket {
-            self.forwarder.sent.borrow_mut().leave(t);
+            self.forwarder.with_sent(&self.key, |b| b.leave(t));
             self.forwarder.wake_sent();
         }
     }
@@ -467,6 +499,11 @@ impl FifoBudget {
         self.budget.release(bytes);
     }
 
+    /// Nothing held, nobody in line: it may go (a new one is the same).
+    fn idle(&self) -> bool {
+        self.budget.used() == 0 && self.serving == self.next
+    }
+
     fn advance(&mut self) {
         self.serving += 1;
         while self.left.remove(&self.serving) {
@@ -478,6 +515,38 @@ impl FifoBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each connection to a leader has its own budget: a leader slow to answer (its
+    /// connection's budget spent) holds up only the forwards to it.
+    #[test]
+    fn a_leader_slow_to_answer_holds_up_only_its_own_forwards() {
+        task::block_on(async {
+            let certs = felix_core_runtime::quic::generate_certs(&["localhost"]).unwrap();
+            let config = felix_core_runtime::quic::forwarding_client_config(
+                std::slice::from_ref(&certs.ca_der),
+                transport_limits(),
+            )
+            .unwrap();
+            let f = Forwarder::bind(config, "localhost".into()).unwrap();
+            let holder = Holder {
+                tenant: "t".into(),
+                kid: "k".into(),
+                jti: None,
+            };
+            let slow: PeerKey = (([127, 0, 0, 1], 7001).into(), holder.clone());
+            let healthy: PeerKey = (([127, 0, 0, 1], 7002).into(), holder);
+            let spent = f.take_sent(&slow, SENT_MAX).await;
+            // The healthy leader's forward goes at once.
+            let other = task::timeout(Duration::from_secs(1), f.take_sent(&healthy, 1)).await;
+            assert!(other.is_some(), "held up behind another leader's budget");
+            drop(other);
+            // One more to the slow one waits for its answers.
+            let more = task::timeout(Duration::from_millis(50), f.take_sent(&slow, 1)).await;
+            assert!(more.is_none(), "past its connection's budget");
+            drop(spent);
+            assert!(f.sent.borrow().is_empty(), "idle budgets are let go");
+        });
+    }
 
     #[test]
     fn a_large_request_is_not_passed_by_small_ones_and_a_place_given_up_passes_on() {
