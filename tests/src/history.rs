@@ -176,6 +176,10 @@ pub struct Report {
     pub uncommitted_reads: Vec<Anomaly>,
     /// Refused writes that appear.
     pub refused_present: Vec<Anomaly>,
+    /// Records in a final log that no publish to that stream carried: garbage a
+    /// recovery took for records, bytes a rebuilt copy made up, a record written into
+    /// another stream too.
+    pub invented: Vec<Anomaly>,
 }
 
 impl Report {
@@ -187,6 +191,7 @@ impl Report {
             && self.order.is_empty()
             && self.uncommitted_reads.is_empty()
             && self.refused_present.is_empty()
+            && self.invented.is_empty()
     }
 
     /// The anomaly classes found, by name.
@@ -198,6 +203,7 @@ impl Report {
             ("order", self.order.len()),
             ("uncommitted_reads", self.uncommitted_reads.len()),
             ("refused_present", self.refused_present.len()),
+            ("invented", self.invented.len()),
         ]
         .into_iter()
         .filter(|(_, n)| *n > 0)
@@ -224,6 +230,7 @@ impl Report {
             "order": list(&self.order),
             "uncommitted_reads": list(&self.uncommitted_reads),
             "refused_present": list(&self.refused_present),
+            "invented": list(&self.invented),
         })
     }
 }
@@ -268,6 +275,26 @@ pub fn check(
                     shard: Some(*shard),
                     offset: Some(*offset),
                     what: format!("{:?} is also at shard {s0} offset {o0}", show(payload)),
+                });
+            }
+        }
+    }
+    // Every record must be one a publish to its stream carried, whatever its outcome.
+    let published: std::collections::HashSet<(&str, &[u8])> = ops
+        .iter()
+        .filter_map(|op| match &op.kind {
+            OpKind::Publish { payload, .. } => Some((op.stream.as_str(), payload.as_slice())),
+            OpKind::Read { .. } => None,
+        })
+        .collect();
+    for ((stream, shard), log) in finals {
+        for (offset, payload) in log {
+            if !published.contains(&(stream.as_str(), payload.as_slice())) {
+                r.invented.push(Anomaly {
+                    stream: stream.clone(),
+                    shard: Some(*shard),
+                    offset: Some(*offset),
+                    what: format!("{:?}: no publish to this stream carried it", show(payload)),
                 });
             }
         }
@@ -628,7 +655,11 @@ mod tests {
     fn an_offset_acknowledged_for_one_record_and_holding_another_has_two_values() {
         // "a" was acknowledged at 0, but the log moved it to 1 and put "x" at 0 (an
         // offset reused after a failover).
-        let r = run(&[publish(1, 0, "a", Outcome::Ok, Some(0))], &["x", "a"]);
+        let ops = [
+            publish(1, 0, "a", Outcome::Ok, Some(0)),
+            publish(2, 0, "x", Outcome::Unknown, None),
+        ];
+        let r = run(&ops, &["x", "a"]);
         assert_eq!(r.classes(), ["two_values"]);
     }
 
@@ -650,10 +681,29 @@ mod tests {
 
     #[test]
     fn reading_what_the_final_log_does_not_hold_is_an_uncommitted_read() {
-        let r = run(&[read(1, "ghost")], &["a"]);
+        let a = publish(1, 0, "a", Outcome::Ok, Some(0));
+        let r = run(&[a.clone(), read(1, "ghost")], &["a"]);
         assert_eq!(r.classes(), ["uncommitted_reads"]);
-        let r = run(&[read(0, "ghost")], &["a"]);
+        let r = run(&[a, read(0, "ghost")], &["a"]);
         assert_eq!(r.classes(), ["two_values", "uncommitted_reads"]);
+    }
+
+    /// A record no publish to its stream carried is invented: torn bytes a recovery
+    /// took for a record, a copy rebuilt with bytes nobody wrote, a record written into
+    /// a second stream. Nothing else in the checker looked at records nobody asked for.
+    #[test]
+    fn a_record_no_publish_carried_is_invented() {
+        let a = publish(1, 0, "a", Outcome::Ok, Some(0));
+        let r = run(std::slice::from_ref(&a), &["a", "garbage"]);
+        assert_eq!(r.classes(), ["invented"]);
+        // Another stream's record counts as invented here.
+        let mut other = publish(1, 1, "b", Outcome::Unknown, None);
+        other.stream = "other".into();
+        let r = run(&[a.clone(), other], &["a", "b"]);
+        assert_eq!(r.classes(), ["invented"]);
+        // Any outcome's record may be there, refused aside (reported apart).
+        let unknown = publish(1, 1, "u", Outcome::Unknown, None);
+        assert!(run(&[a, unknown], &["a", "u"]).valid());
     }
 
     fn reg(write: bool, value: u64, start_us: u64, end_us: u64, outcome: Outcome) -> RegisterOp {

@@ -286,18 +286,27 @@ impl BrokerProcess {
     /// SIGKILL, then wait.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
-            // A broker exits 70 when one of its cores panicked: a test that did not ask
-            // for that fails here, whatever else it checked (a harness that restarts
-            // brokers would otherwise hide it).
+            // A broker exits 70 when one of its cores panicked, and dies of a signal
+            // nobody here sent when it aborts, faults or is killed for memory: a test
+            // that did not ask for that fails here, whatever else it checked (a harness
+            // that restarts brokers would otherwise hide it).
             if let Ok(Some(status)) = c.try_wait()
-                && status.code() == Some(70)
                 && !self.exit_seen
                 && !std::thread::panicking()
             {
-                panic!(
-                    "the broker in {} exited 70 (a core panicked) before the test stopped it",
-                    self.data_dir.display()
-                );
+                use std::os::unix::process::ExitStatusExt as _;
+                if status.code() == Some(70) {
+                    panic!(
+                        "the broker in {} exited 70 (a core panicked) before the test stopped it",
+                        self.data_dir.display()
+                    );
+                }
+                if let Some(signal) = status.signal() {
+                    panic!(
+                        "the broker in {} died of signal {signal} before the test stopped it",
+                        self.data_dir.display()
+                    );
+                }
             }
             // SAFETY: signalling the child we spawned, by its pid.
             unsafe {

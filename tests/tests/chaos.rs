@@ -215,18 +215,26 @@ fn filesystem_full() {
 /// ack-after-lease mutant shows only through publishes that start after the change and
 /// reach the deposed leader before it syncs: an 8 s run does not always have one (see
 /// [`the_checker_catches_acks_after_the_lease`]).
-fn assert_caught(name: &str, mutant: &str) {
-    assert_caught_within(name, mutant, 4, 8);
+fn assert_caught(name: &str, mutant: &str, classes: &[&str]) {
+    assert_caught_within(name, mutant, classes, 4, 8);
 }
 
-/// As [`assert_caught`], trying seeds `1..=seeds` with runs of `secs` seconds.
-fn assert_caught_within(name: &str, mutant: &str, seeds: u64, secs: u64) {
+/// As [`assert_caught`], trying seeds `1..=seeds` with runs of `secs` seconds. Caught
+/// means found as one of `classes`: a run found invalid for another reason (a flaky
+/// anomaly of its own) is not the mutant caught, and fails the test.
+fn assert_caught_within(name: &str, mutant: &str, classes: &[&str], seeds: u64, secs: u64) {
     let mut reports = Vec::new();
     for seed in 1..=seeds {
         let line = run_seed(name, seed, secs, Some(mutant));
-        if line["valid"] == false {
+        let anomalies = line["anomalies"].to_string();
+        let found = line["anomalies"].as_array().cloned().unwrap_or_default();
+        if classes.iter().any(|c| found.iter().any(|a| a == c)) {
             return;
         }
+        assert_eq!(
+            line["valid"], true,
+            "{name} with {mutant}, seed {seed}: invalid, but not as {classes:?}: {anomalies}"
+        );
         reports.push(line["report"].to_string());
     }
     panic!("{name} with {mutant}: the checker found nothing in {seeds} runs: {reports:?}");
@@ -234,7 +242,20 @@ fn assert_caught_within(name: &str, mutant: &str, seeds: u64, secs: u64) {
 
 #[test]
 fn the_checker_catches_offsets_handed_out_twice() {
-    assert_caught("kill-restart", "reuse-offsets");
+    assert_caught(
+        "kill-restart",
+        "reuse-offsets",
+        // Offsets given twice show as a record read at an offset the final log holds
+        // another at, two values at one, a record lost, or a group's acks landing on
+        // the wrong records.
+        &[
+            "two_values",
+            "duplicates",
+            "lost",
+            "uncommitted_reads",
+            "group_acked_handed_out_again",
+        ],
+    );
 }
 
 /// The deposed leader's window is the few milliseconds between waking and reading
@@ -244,7 +265,7 @@ fn the_checker_catches_offsets_handed_out_twice() {
 /// in ten thousand.
 #[test]
 fn the_checker_catches_acks_after_the_lease() {
-    assert_caught_within("leader-pause", "ack-after-lease", 10, 8);
+    assert_caught_within("leader-pause", "ack-after-lease", &["lost"], 10, 8);
 }
 
 /// The run's consumer group (group `chaos` on every durable stream) is checked too: a
@@ -281,5 +302,5 @@ fn the_checker_catches_group_acks_never_written() {
 #[test]
 #[ignore = "timing-dependent: run by hand, see above"]
 fn the_checker_catches_leaders_that_skip_fencing() {
-    assert_caught_within("planned-move", "skip-fence", 10, 8);
+    assert_caught_within("planned-move", "skip-fence", &["lost", "two_values"], 10, 8);
 }
