@@ -964,6 +964,8 @@ pub struct CoreBroker {
     pub keys_changed: crate::groups::Wakers,
     /// A live re-pin in progress: what moves to and from this core, requests held.
     moving: RefCell<Option<moves::MoveState>>,
+    /// Re-pins begun on this core (see `finish_deletions`).
+    moves_begun: Cell<u64>,
     /// Writes held while this broker takes their replicated shard over, per shard in
     /// arrival order (`core/takeover.rs`).
     takeover_held: RefCell<HashMap<Arc<ShardKey>, Vec<takeover::Held>>>,
@@ -1150,6 +1152,7 @@ impl CoreBroker {
             replicas,
             keys_changed: crate::groups::Wakers::default(),
             moving: RefCell::default(),
+            moves_begun: Cell::new(0),
             closed_log_stats: Cell::new(LogTotals::default()),
             takeover_held: RefCell::default(),
             left_copies: RefCell::default(),
@@ -1241,12 +1244,14 @@ impl CoreBroker {
             .features
             .intersection(crate::forward::RELAYED_FEATURES);
         let addr = route.addr;
+        // Forwarded here already: sent on as such, and not again from there.
+        let again = session.forwarded >= 1;
         self.metrics.forwarded.fetch_add(1, Ordering::Relaxed);
         Box::pin(async move {
             let (Some(f), Some(addr)) = (core.forwarder.as_ref(), addr) else {
                 return Err(BrokerError::ShardUnavailable("owner_unavailable".into()));
             };
-            f.call(addr, &grant, &token, features, request, answered)
+            f.call(addr, &grant, &token, features, request, answered, again)
                 .await
         })
     }
@@ -3845,6 +3850,11 @@ impl CoreBroker {
         let catalog = self.shared.catalog.clone();
         let (me, cores) = (self.core.index(), self.shared.metrics.len());
         for d in catalog.pending_deletions(me) {
+            // Which shards are this core's is read from the table now, and the part is
+            // marked done after awaits: a re-pin begun meanwhile may move one here, and
+            // its reopening of this part would come before the mark (see
+            // `reopen_deletions_moving_here`). Then the part is looked at again.
+            let begun = self.moves_begun.get();
             let kind = if d.stream {
                 ShardKind::Stream
             } else {
@@ -3899,18 +3909,16 @@ impl CoreBroker {
             )
             .parent()
             .map(PathBuf::from);
-            let (catalog, d2) = (catalog.clone(), d.clone());
+            // Each removal is made durable (its parent directory synced) before the
+            // catalog records the deletion done: after a power cut a shard directory
+            // that came back would be taken up, records and all, by a stream of the
+            // same name created again (nothing in it names the stream's life).
+            let durably = |dir: &std::path::Path| match dir.parent() {
+                Some(up) => crate::core::damaged::sync_dir(up)
+                    .map_err(|e| format!("syncing {}: {e}", up.display())),
+                None => Ok(()),
+            };
             let removed = task::spawn_blocking(move || {
-                // Each removal is made durable (its parent directory synced) before the
-                // catalog records the deletion done: after a power cut a shard
-                // directory that came back would be taken up, records and all, by a
-                // stream of the same name created again (nothing in it names the
-                // stream's life).
-                let durably = |dir: &std::path::Path| match dir.parent() {
-                    Some(up) => crate::core::damaged::sync_dir(up)
-                        .map_err(|e| format!("syncing {}: {e}", up.display())),
-                    None => Ok(()),
-                };
                 for dir in &dirs {
                     match std::fs::remove_dir_all(dir) {
                         // Gone already (an earlier try removed it, then failed or
@@ -3920,16 +3928,31 @@ impl CoreBroker {
                         Err(e) => return Err(format!("{}: {e}", dir.display())),
                     }
                 }
-                if catalog.deletion_done(&d2, me, cores)
-                    && let Some(parent) = parent
-                    // Empty once every core removed its shards.
-                    && std::fs::remove_dir(&parent).is_ok()
-                {
-                    durably(&parent)?;
-                }
-                catalog.persist().map_err(|e| e.to_string())
+                Ok(())
             })
             .await;
+            if removed.is_ok() && self.moves_begun.get() != begun {
+                // A re-pin began since this core read which shards are its own.
+                continue;
+            }
+            let finished = removed.is_ok() && catalog.deletion_done(&d, me, cores);
+            let catalog2 = catalog.clone();
+            let removed = match removed {
+                Err(e) => Err(e),
+                Ok(()) => {
+                    task::spawn_blocking(move || {
+                        if finished
+                            && let Some(parent) = parent
+                            // Empty once every core removed its shards.
+                            && std::fs::remove_dir(&parent).is_ok()
+                        {
+                            durably(&parent)?;
+                        }
+                        catalog2.persist().map_err(|e| e.to_string())
+                    })
+                    .await
+                }
+            };
             match removed {
                 Ok(()) => tracing::info!(
                     tenant = %d.tenant, namespace = %d.namespace, name = %d.name,

@@ -743,6 +743,7 @@ impl CoreBroker {
         match step {
             MoveStep::Begin { old, new } => {
                 self.shards_moving(&old, &new, true)?;
+                self.moves_begun.set(self.moves_begun.get() + 1);
                 self.reopen_deletions_moving_here(&old, &new);
                 *self.moving.borrow_mut() = Some(MoveState {
                     old,
