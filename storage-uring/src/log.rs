@@ -627,8 +627,9 @@ struct Shared<B: Backend> {
     backend: B,
     config: LogConfig,
     state: RefCell<State<B::File>>,
-    /// [`RecoveryReport::unsynced_life`] of this open.
-    unsynced_life: bool,
+    /// [`RecoveryReport::unsynced_life`] of this open, until its owner says it has
+    /// recorded it ([`SegmentLog::unsynced_life_recorded`]).
+    unsynced_life: std::cell::Cell<bool>,
 }
 
 /// A segment log over backend `B`. Cloning shares the log.
@@ -848,7 +849,7 @@ impl<B: Backend> SegmentLog<B> {
                 backend,
                 config,
                 state: RefCell::new(state),
-                unsynced_life: report.unsynced_life,
+                unsynced_life: std::cell::Cell::new(report.unsynced_life),
             }),
             tasks: Rc::new(RefCell::new(Vec::new())),
         };
@@ -1147,9 +1148,17 @@ impl<B: Backend> SegmentLog<B> {
     }
 
     /// Whether the life before this open ran under `none` or `periodic` and did not
-    /// close cleanly ([`RecoveryReport::unsynced_life`]).
+    /// close cleanly ([`RecoveryReport::unsynced_life`]), and its owner has not said it
+    /// recorded that yet.
     pub fn opened_after_unsynced_life(&self) -> bool {
-        self.shared.unsynced_life
+        self.shared.unsynced_life.get()
+    }
+
+    /// The owner recorded [`SegmentLog::opened_after_unsynced_life`] where it needs it
+    /// (a replica, durably in its metadata): an owner made again over this open log
+    /// does not take it for a crash of its own life.
+    pub fn unsynced_life_recorded(&self) {
+        self.shared.unsynced_life.set(false);
     }
 
     /// Oldest retained offset.

@@ -329,6 +329,10 @@ fn an_open_says_whether_an_unsynced_life_ended_without_its_close() {
             .await
             .unwrap();
         assert!(report.unsynced_life && log.opened_after_unsynced_life());
+        // Once its owner recorded it, an owner made again over the open log does not
+        // take it for a crash of its own.
+        log.unsynced_life_recorded();
+        assert!(!log.opened_after_unsynced_life());
         // An on-commit life that ends the same way leaves nothing to say.
         let crashed = crashed.crash();
         drop(log);

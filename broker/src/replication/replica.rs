@@ -1427,6 +1427,18 @@ impl Replicas {
                 .map_err(|e| BrokerError::Storage(format!("{key}: replica metadata: {e}")))?,
             None => Meta::default(),
         };
+        if log.opened_after_unsynced_life() {
+            if meta.generation > 0 && meta.no_lead_through < Some(meta.generation) {
+                // Durably before the replica acts (first thing after reading the
+                // ballot): the log's mark that told of the crash is gone after the next
+                // clean close or `on-commit` open.
+                meta.no_lead_through = Some(meta.generation);
+                let bytes = serde_json::to_vec(&meta).expect("meta serializes");
+                log.write_meta(META_FILE, &bytes).await?;
+                tracing::warn!(shard = %key, generation = meta.generation, "a life of this copy under fsync none or periodic crashed: it leads no generation it accepted before (another member is promoted)");
+            }
+            log.unsynced_life_recorded();
+        }
         // Where each generation begins: the generation-start records in the log.
         let (base, end) = (log.base_offset(), log.committed_end());
         let mut epochs = find_generation_starts(log).await?;
@@ -1447,17 +1459,6 @@ impl Replicas {
             for (offset, generation) in kept {
                 epochs.entry(offset).or_insert(generation);
             }
-        }
-        if log.opened_after_unsynced_life()
-            && meta.generation > 0
-            && meta.no_lead_through < Some(meta.generation)
-        {
-            // Durably before the replica acts: the log's mark that tells of the crash
-            // is gone after the next clean close.
-            meta.no_lead_through = Some(meta.generation);
-            let bytes = serde_json::to_vec(&meta).expect("meta serializes");
-            log.write_meta(META_FILE, &bytes).await?;
-            tracing::warn!(shard = %key, generation = meta.generation, "a life of this copy under fsync none or periodic crashed: it leads no generation it accepted before (another member is promoted)");
         }
         let mut machine = Replica::new(self.me.clone(), meta, base, end, epochs);
         if self.cluster.mutants.skip_fence {
