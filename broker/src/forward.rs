@@ -4,10 +4,12 @@
 //! are sent on to the leader over the ordinary client protocol, authenticated with the
 //! client's own token (so the leader re-checks the permission), and the leader's answer
 //! is relayed. The leader answers for itself. Forwarding connections offer
-//! [`felix_wire::internal::FORWARD_ALPN`] first: a broker that finds a request came that
-//! way and does not lead its shard refuses it retryably (`shard_unavailable`) rather
-//! than forward it again (while two brokers' views of a shard disagreed, a request went
-//! to and fro between them until the views agreed). Each core keeps
+//! [`felix_wire::internal::FORWARD_ALPN`] first, or for requests forwarded here
+//! [`felix_wire::internal::FORWARD_AGAIN_ALPN`]: a request is forwarded at most twice (a
+//! view trailing by a move reaches the leader through a broker that has synced it), and
+//! a broker that does not lead the shard of one forwarded twice refuses it retryably
+//! (`shard_unavailable`): while two brokers' views of a shard disagreed, a request went
+//! to and fro between them until the views agreed. Each core keeps
 //! its own client endpoint and one connection per peer and revocable token identity
 //! ([`Holder`]); a request uses a fresh stream.
 
@@ -61,7 +63,9 @@ pub fn transport_limits() -> TransportLimits {
 /// One core's forwarding client.
 pub struct Forwarder {
     endpoint: Endpoint,
-    config: ClientConfig,
+    /// For requests of clients, then for requests forwarded here (see
+    /// [`felix_wire::internal::FORWARD_AGAIN_ALPN`]).
+    config: [ClientConfig; 2],
     server_name: String,
     peers: RefCell<PeerTable<Connection>>,
     /// Bytes of requests this core has sent on each connection to a peer and not had
@@ -125,8 +129,9 @@ impl Holder {
     }
 }
 
-/// A leader's address and the [`Holder`] whose requests a connection to it carries.
-type PeerKey = (SocketAddr, Holder);
+/// A leader's address, the [`Holder`] whose requests a connection to it carries, and
+/// whether they were forwarded here already.
+type PeerKey = (SocketAddr, Holder, bool);
 
 /// This core's connections to its peers, one per leader and [`Holder`]. One connection
 /// per leader for every tenant let one tenant's revoked token fail the others' requests
@@ -245,7 +250,7 @@ async fn read_frame(recv: &mut RecvStream, reader: &mut FrameReader) -> Option<F
 impl Forwarder {
     /// Binds this core's client endpoint (an ephemeral port: answers must come back to
     /// this core's socket, not the shared listening port).
-    pub fn bind(config: ClientConfig, server_name: String) -> std::io::Result<Forwarder> {
+    pub fn bind(config: [ClientConfig; 2], server_name: String) -> std::io::Result<Forwarder> {
         let endpoint = Endpoint::bind(
             "0.0.0.0:0".parse().expect("valid address"),
             EndpointOptions {
@@ -281,9 +286,10 @@ impl Forwarder {
             self.peers.borrow_mut().remove(key);
         }
         let addr = key.0;
+        let config = self.config[usize::from(key.2)].clone();
         let c = self
             .endpoint
-            .connect(self.config.clone(), addr, &self.server_name)
+            .connect(config, addr, &self.server_name)
             .await
             .map_err(|e| {
                 tracing::warn!(%addr, error = %e, "connecting to the shard leader");
@@ -360,6 +366,7 @@ impl Forwarder {
     ///
     /// Failing before anything was sent is `shard_unavailable` (safe to retry); failing
     /// after is `unacknowledged` (the leader may have applied it).
+    #[allow(clippy::too_many_arguments)]
     pub async fn call(
         &self,
         addr: SocketAddr,
@@ -368,8 +375,9 @@ impl Forwarder {
         features: Features,
         request: Bytes,
         answered: bool,
+        again: bool,
     ) -> Result<Option<Frame>, BrokerError> {
-        let key = (addr, Holder::of(grant));
+        let key = (addr, Holder::of(grant), again);
         let conn = self.connection(&key).await?;
         let (mut send, mut recv) = conn.open_bi().await.map_err(|_| {
             self.peers.borrow_mut().remove(&key);
@@ -522,19 +530,22 @@ mod tests {
     fn a_leader_slow_to_answer_holds_up_only_its_own_forwards() {
         task::block_on(async {
             let certs = felix_core_runtime::quic::generate_certs(&["localhost"]).unwrap();
-            let config = felix_core_runtime::quic::forwarding_client_config(
-                std::slice::from_ref(&certs.ca_der),
-                transport_limits(),
-            )
-            .unwrap();
-            let f = Forwarder::bind(config, "localhost".into()).unwrap();
+            let config = |again| {
+                felix_core_runtime::quic::forwarding_client_config(
+                    std::slice::from_ref(&certs.ca_der),
+                    transport_limits(),
+                    again,
+                )
+                .unwrap()
+            };
+            let f = Forwarder::bind([config(false), config(true)], "localhost".into()).unwrap();
             let holder = Holder {
                 tenant: "t".into(),
                 kid: "k".into(),
                 jti: None,
             };
-            let slow: PeerKey = (([127, 0, 0, 1], 7001).into(), holder.clone());
-            let healthy: PeerKey = (([127, 0, 0, 1], 7002).into(), holder);
+            let slow: PeerKey = (([127, 0, 0, 1], 7001).into(), holder.clone(), false);
+            let healthy: PeerKey = (([127, 0, 0, 1], 7002).into(), holder, false);
             let spent = f.take_sent(&slow, SENT_MAX).await;
             // The healthy leader's forward goes at once.
             let other = task::timeout(Duration::from_secs(1), f.take_sent(&healthy, 1)).await;
@@ -624,7 +635,7 @@ mod tests {
         let mut peers = PeerTable::new();
         assert!(peers.unused(t0).is_empty());
         let acme = holder("acme", "k1", Some("t1"));
-        peers.insert((a, acme.clone()), 1, t0);
+        peers.insert((a, acme.clone(), false), 1, t0);
         for (other, what) in [
             (
                 holder("acme", "k1", Some("t2")),
@@ -634,19 +645,23 @@ mod tests {
             (holder("acme", "k2", Some("t1")), "another key's token"),
             (holder("beta", "k1", Some("t1")), "another tenant's token"),
         ] {
-            assert_eq!(peers.get(&(a, other), t0), None, "{what} does not share it");
+            assert_eq!(
+                peers.get(&(a, other, false), t0),
+                None,
+                "{what} does not share it"
+            );
         }
         assert_eq!(
-            peers.get(&(b, acme.clone()), t0),
+            peers.get(&(b, acme.clone(), false), t0),
             None,
             "nor another leader's"
         );
         let beta = holder("beta", "k1", Some("t1"));
-        peers.insert((a, beta.clone()), 2, t0);
-        peers.insert((b, acme.clone()), 3, t0);
+        peers.insert((a, beta.clone(), false), 2, t0);
+        peers.insert((b, acme.clone(), false), 3, t0);
         assert_eq!(peers.len(), 3);
         assert_eq!(
-            peers.get(&(a, acme.clone()), t0 + Duration::from_secs(50)),
+            peers.get(&(a, acme.clone(), false), t0 + Duration::from_secs(50)),
             Some(1)
         );
         // Past a minute, the two unused since t0 go; the one used at 50 s stays.
@@ -654,12 +669,12 @@ mod tests {
         let mut gone = peers.unused(at);
         gone.sort();
         assert_eq!(gone, vec![2, 3]);
-        assert_eq!(peers.get(&(a, acme.clone()), at), Some(1));
+        assert_eq!(peers.get(&(a, acme.clone(), false), at), Some(1));
         // Looked for again only half a minute later.
         assert!(peers.unused(at + Duration::from_secs(29)).is_empty());
         assert_eq!(peers.unused(at + Duration::from_secs(200)), vec![1]);
-        peers.insert((a, acme.clone()), 4, at);
-        peers.remove(&(a, acme.clone()));
+        peers.insert((a, acme.clone(), false), 4, at);
+        peers.remove(&(a, acme.clone(), false));
         assert_eq!(peers.len(), 0);
     }
 
@@ -668,7 +683,7 @@ mod tests {
     #[test]
     fn a_core_keeps_at_most_peers_max_connections_and_lets_the_least_used_go() {
         let leader: SocketAddr = "127.0.0.1:1".parse().unwrap();
-        let token = |i: usize| (leader, holder("acme", "k1", Some(&format!("t{i}"))));
+        let token = |i: usize| (leader, holder("acme", "k1", Some(&format!("t{i}"))), false);
         let t0 = Instant::now();
         let mut peers = PeerTable::new();
         for i in 0..PEERS_MAX {

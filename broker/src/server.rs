@@ -258,7 +258,18 @@ pub fn start(
                     .collect(),
             };
             Some((
-                quic::forwarding_client_config(&roots, crate::forward::transport_limits())?,
+                [
+                    quic::forwarding_client_config(
+                        &roots,
+                        crate::forward::transport_limits(),
+                        false,
+                    )?,
+                    quic::forwarding_client_config(
+                        &roots,
+                        crate::forward::transport_limits(),
+                        true,
+                    )?,
+                ],
                 c.peer_server_name.clone(),
             ))
         }

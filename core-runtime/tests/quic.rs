@@ -193,19 +193,24 @@ fn a_quinn_client_exchanges_data_on_bi_and_uni_streams() {
 }
 
 /// A broker forwarding its clients' requests offers its own ALPN before `felix/1` and
-/// gets it, so the leader knows not to forward them again; a client offering `felix/1`
-/// gets that (the server lists the forwarding one first).
+/// gets it (and for requests forwarded to it, its second one), so the receiver knows
+/// how far to forward them; a client offering `felix/1` gets that (the server lists the
+/// forwarding ones first).
 #[test]
 fn a_forwarding_broker_is_told_apart_by_its_alpn() {
     let server = start_server(100);
     tokio::runtime::Runtime::new().unwrap().block_on(async {
-        let forwarding = quic::forwarding_client_config(
-            std::slice::from_ref(&server.ca),
-            TransportLimits::default(),
-        )
-        .unwrap();
+        let forwarding = |again| {
+            quic::forwarding_client_config(
+                std::slice::from_ref(&server.ca),
+                TransportLimits::default(),
+                again,
+            )
+            .unwrap()
+        };
         for (config, want) in [
-            (forwarding, felix_wire::internal::FORWARD_ALPN),
+            (forwarding(false), felix_wire::internal::FORWARD_ALPN),
+            (forwarding(true), felix_wire::internal::FORWARD_AGAIN_ALPN),
             (
                 quic::client_config(
                     std::slice::from_ref(&server.ca),

@@ -48,12 +48,16 @@ pub use records::{BatchKind, Records, ShipBatch};
 pub const INTERNAL_ALPN: &[u8] = b"felix-internal/1";
 
 /// The ALPN a broker offers (before `felix/1`) on the client connections it forwards
-/// requests to a shard's leader on: the leader then knows the requests were forwarded
-/// once already and does not forward them again (two brokers whose views of a shard
-/// disagree sent a request back and forth until the views agreed). A broker that does
-/// not serve it picks `felix/1`; a client offering it only makes its own requests
-/// unforwardable.
+/// its clients' requests to a shard's leader on: the receiver knows they were forwarded
+/// once, and forwards one on at most once more, with [`FORWARD_AGAIN_ALPN`] (a view
+/// that lags by one change: a move the forwarder has not synced, the receiver has).
+/// A broker that does not serve it picks `felix/1`.
 pub const FORWARD_ALPN: &[u8] = b"felix-forward/1";
+
+/// The ALPN of a connection carrying requests forwarded a second time: the receiver
+/// forwards none of them again. Without a bound, two brokers whose views of a shard
+/// disagreed sent a request back and forth until the views agreed.
+pub const FORWARD_AGAIN_ALPN: &[u8] = b"felix-forward-again/1";
 /// `FLXI`.
 pub const MAGIC: u32 = 0x464C_5849;
 /// The only version of the internal protocol.

@@ -259,8 +259,6 @@ fn relayed_error(
     }
 }
 
-/// The leader's answer to a forwarded JSON request (a cache operation), passed through
-/// as it came; our own error when there was none.
 /// A forwarded read whose answer was lost on the way: nothing was written, so it is
 /// safe to ask again (`shard_unavailable`), where a write's outcome is unknown.
 pub fn read_lost_is_retryable(e: BrokerError) -> BrokerError {
@@ -270,6 +268,8 @@ pub fn read_lost_is_retryable(e: BrokerError) -> BrokerError {
     }
 }
 
+/// The leader's answer to a forwarded JSON request (a cache operation), passed through
+/// as it came; our own error when there was none.
 pub fn relay_json(session: &Session, answer: Result<Option<Frame>, BrokerError>) -> Bytes {
     match answer {
         Ok(Some(f)) if f.kind == FrameKind::Json => crate::forward::json_frame(&f.payload),

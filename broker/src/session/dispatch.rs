@@ -1687,14 +1687,15 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
 }
 
 /// Whether a request for a shard `route`'s leader leads may be forwarded there: not one
-/// that was forwarded here already. This broker's view of the shard then differs from
-/// the forwarding broker's (one of them has not read the newest assignment), and sent
-/// back, it went to and fro until the views agreed, each hop holding a copy against
-/// the forwarders' budgets. Refused retryably, nothing written.
+/// forwarded twice already. A request forwarded once comes from a broker whose view of
+/// the shard trails this one's (a move it has not synced): sent on, it reaches the
+/// leader this broker knows. Forwarded again and again, it went to and fro between two
+/// brokers whose views disagreed until they agreed, each hop holding a copy against the
+/// forwarders' budgets. Refused retryably, nothing written.
 fn forwardable(session: &Session, route: &Route) -> Result<(), BrokerError> {
-    if session.forwarded {
+    if session.forwarded >= 2 {
         return Err(BrokerError::ShardUnavailable(format!(
-            "forwarded here, and this broker's view names another leader ({}): the \
+            "forwarded here twice, and this broker's view names another leader ({}): the \
              brokers' views of the shard disagree for now",
             route.leader
         )));
@@ -2405,10 +2406,17 @@ mod tests {
                 ..
             }
         ));
-        // Forwarded here by another broker: refused, not sent on (two brokers whose
-        // views disagreed sent it to and fro).
+        // Forwarded here once by another broker (its view trails this one's): sent on
+        // to the leader this broker knows.
         let mut forwarded = s.clone();
-        forwarded.forwarded = true;
+        forwarded.forwarded = 1;
+        assert!(matches!(
+            decide_frame(&forwarded, &dir, &frame, true),
+            Action::Forward { .. }
+        ));
+        // Forwarded twice: refused, not sent on (two brokers whose views disagreed sent
+        // it to and fro).
+        forwarded.forwarded = 2;
         assert_eq!(
             refusal_code(&decide_frame(&forwarded, &dir, &frame, true)),
             ErrorCode::ShardUnavailable

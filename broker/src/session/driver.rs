@@ -88,9 +88,9 @@ pub struct ConnScope {
     grants: RefCell<Vec<Rc<crate::auth::Grant>>>,
     /// A stream authenticated: the connection's receive window was opened.
     trusted: Cell<bool>,
-    /// A broker's connection, forwarding its clients' requests (see
-    /// [`Session::forwarded`]).
-    forwarded: bool,
+    /// A broker's connection forwarding requests: how many times they were forwarded
+    /// (see [`Session::forwarded`]).
+    forwarded: u8,
 }
 
 /// A group poll's place among its connection's waiting polls, given back when the poll
@@ -104,7 +104,7 @@ impl Drop for PollWait {
 }
 
 impl ConnScope {
-    fn new(id: ConnId, limits: Limits, accepted: std::time::Instant, forwarded: bool) -> ConnScope {
+    fn new(id: ConnId, limits: Limits, accepted: std::time::Instant, forwarded: u8) -> ConnScope {
         ConnScope {
             id,
             limits,
@@ -401,7 +401,11 @@ fn taken(
 /// Serves one accepted connection until it closes.
 pub async fn serve_connection(core: Rc<CoreBroker>, conn: Connection) {
     core.metrics.connections.fetch_add(1, Ordering::Relaxed);
-    let forwarded = conn.alpn().as_deref() == Some(felix_wire::internal::FORWARD_ALPN);
+    let forwarded = match conn.alpn().as_deref() {
+        Some(a) if a == felix_wire::internal::FORWARD_ALPN => 1,
+        Some(a) if a == felix_wire::internal::FORWARD_AGAIN_ALPN => 2,
+        _ => 0,
+    };
     let scope = Rc::new(ConnScope::new(
         conn.id(),
         core.shared.limits,

@@ -28,10 +28,11 @@ pub struct Session {
     pub flags: Flags,
     /// Features the client offered that we serve.
     pub features: Features,
-    /// Its connection is a broker's, forwarding its clients' requests here (see
-    /// [`felix_wire::internal::FORWARD_ALPN`]): what this broker does not lead is
-    /// refused, not forwarded again.
-    pub forwarded: bool,
+    /// How many times its requests were forwarded to get here: 1 on a broker's
+    /// connection forwarding its clients' requests ([`felix_wire::internal::FORWARD_ALPN`]),
+    /// 2 on one forwarding requests forwarded to that broker
+    /// ([`felix_wire::internal::FORWARD_AGAIN_ALPN`]), which are not forwarded again.
+    pub forwarded: u8,
 }
 
 impl Session {
@@ -42,7 +43,7 @@ impl Session {
             token: token.into(),
             flags: flags.intersection(SERVER_FLAGS),
             features,
-            forwarded: false,
+            forwarded: 0,
         }
     }
 

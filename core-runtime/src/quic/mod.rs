@@ -182,7 +182,11 @@ pub fn server_config(
     let mut with = without.clone();
     // Ours first: a forwarding broker offering both is known as one (rustls picks the
     // server's first that the client offers); a client offering `felix/1` gets it.
-    with.alpn_protocols = vec![felix_wire::internal::FORWARD_ALPN.to_vec(), ALPN.to_vec()];
+    with.alpn_protocols = vec![
+        felix_wire::internal::FORWARD_AGAIN_ALPN.to_vec(),
+        felix_wire::internal::FORWARD_ALPN.to_vec(),
+        ALPN.to_vec(),
+    ];
     let quic = |tls: rustls::ServerConfig| {
         QuicServerConfig::try_from(tls)
             .map(|q| Arc::new(q) as Arc<dyn quinn_proto::crypto::ServerConfig>)
@@ -261,14 +265,20 @@ pub fn client_config(
 }
 
 /// A client config for a broker forwarding requests to shard leaders: it offers
-/// [`felix_wire::internal::FORWARD_ALPN`], then `felix/1` (a leader that does not know
-/// the first picks the second).
+/// [`felix_wire::internal::FORWARD_ALPN`] (or, `again`, for requests forwarded to it,
+/// [`felix_wire::internal::FORWARD_AGAIN_ALPN`]), then `felix/1` (a leader that does
+/// not know the first picks the second).
 pub fn forwarding_client_config(
     roots: &[CertificateDer<'static>],
     limits: TransportLimits,
+    again: bool,
 ) -> Result<ClientConfig, TlsError> {
-    let alpn = vec![felix_wire::internal::FORWARD_ALPN.to_vec(), ALPN.to_vec()];
-    client_config_offering(roots, alpn, limits)
+    let ours = if again {
+        felix_wire::internal::FORWARD_AGAIN_ALPN
+    } else {
+        felix_wire::internal::FORWARD_ALPN
+    };
+    client_config_offering(roots, vec![ours.to_vec(), ALPN.to_vec()], limits)
 }
 
 fn client_config_offering(
