@@ -101,7 +101,7 @@ schemas = {
                     "delivery": {"type": "string", "enum": ["AtMostOnce", "AtLeastOnce"]}, "durable": BOOL,
                     "routing": {"type": "string", "enum": ["modulo", "jump_hash"]}}, ["stream", "kind", "shards"]),
  "Stream": {"allOf": [ref("StreamCreate"), s({"tenant_id": STR, "namespace": STR, "version": INT})]},
- "StreamPatch": s({"retention": ref("Retention"), "consistency": STR, "delivery": STR, "durable": BOOL, "version": INT}),
+ "StreamPatch": s({"retention": ref("Retention"), "consistency": STR, "delivery": STR, "durable": {"type": "boolean", "description": "fixed at creation: only the stream's current value is taken (400 otherwise)"}, "version": INT}),
  "CacheCreate": s({"cache": STR, "display_name": STR, "shards": INT, "replication_factor": INT,
                    "consistency": {"type": "string", "enum": ["Leader", "Quorum"]}}, ["cache"]),
  "Cache": {"allOf": [ref("CacheCreate"), s({"tenant_id": STR, "namespace": STR, "version": INT})]},

@@ -27,6 +27,8 @@ pub struct BrokerProcess {
     child: Option<Child>,
     /// The test looked at how the process ended (`exit_status`): an exit it expected.
     exit_seen: bool,
+    /// A signal that ends the process was sent to it ([`BrokerProcess::signal`]).
+    signalled: std::sync::atomic::AtomicBool,
     binary: PathBuf,
     args: Vec<String>,
     /// The data directory (kept across restarts).
@@ -61,6 +63,7 @@ impl BrokerProcess {
         let mut p = BrokerProcess {
             child: None,
             exit_seen: false,
+            signalled: std::sync::atomic::AtomicBool::new(false),
             binary: binary.to_path_buf(),
             args,
             data_dir: data_dir.to_path_buf(),
@@ -121,6 +124,7 @@ impl BrokerProcess {
         let mut p = BrokerProcess {
             child: None,
             exit_seen: false,
+            signalled: std::sync::atomic::AtomicBool::new(false),
             binary: binary.to_path_buf(),
             args,
             data_dir: data_dir.to_path_buf(),
@@ -134,6 +138,10 @@ impl BrokerProcess {
 
     /// Sends `signal` (e.g. `libc::SIGSTOP`) to the process.
     pub fn signal(&self, signal: libc::c_int) {
+        if !matches!(signal, libc::SIGSTOP | libc::SIGCONT) {
+            self.signalled
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
         // SAFETY: signalling the child we spawned, by its pid.
         unsafe {
             libc::kill(self.pid() as libc::pid_t, signal);
@@ -211,6 +219,7 @@ impl BrokerProcess {
         }
         self.child = Some(child);
         self.exit_seen = false;
+        *self.signalled.get_mut() = false;
         Ok(())
     }
 
@@ -301,7 +310,10 @@ impl BrokerProcess {
                         self.data_dir.display()
                     );
                 }
-                if let Some(signal) = status.signal() {
+                if let Some(signal) = status
+                    .signal()
+                    .filter(|_| !self.signalled.load(std::sync::atomic::Ordering::SeqCst))
+                {
                     panic!(
                         "the broker in {} died of signal {signal} before the test stopped it",
                         self.data_dir.display()

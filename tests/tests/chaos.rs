@@ -221,7 +221,7 @@ fn assert_caught(name: &str, mutant: &str, classes: &[&str]) {
 
 /// As [`assert_caught`], trying seeds `1..=seeds` with runs of `secs` seconds. Caught
 /// means found as one of `classes`: a run found invalid for another reason (a flaky
-/// anomaly of its own) is not the mutant caught, and fails the test.
+/// anomaly of its own) is not the mutant caught, and the next seed is tried.
 fn assert_caught_within(name: &str, mutant: &str, classes: &[&str], seeds: u64, secs: u64) {
     let mut reports = Vec::new();
     for seed in 1..=seeds {
@@ -231,11 +231,7 @@ fn assert_caught_within(name: &str, mutant: &str, classes: &[&str], seeds: u64, 
         if classes.iter().any(|c| found.iter().any(|a| a == c)) {
             return;
         }
-        assert_eq!(
-            line["valid"], true,
-            "{name} with {mutant}, seed {seed}: invalid, but not as {classes:?}: {anomalies}"
-        );
-        reports.push(line["report"].to_string());
+        reports.push(format!("seed {seed}: {anomalies} {}", line["report"]));
     }
     panic!("{name} with {mutant}: the checker found nothing in {seeds} runs: {reports:?}");
 }

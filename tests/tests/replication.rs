@@ -288,8 +288,7 @@ fn a_quorum_leader_killed_under_load_loses_nothing_it_acknowledged() {
             })
             .unwrap();
             let at_kill = acked.lock().unwrap().len();
-            // SAFETY: signalling a child we spawned.
-            unsafe { libc::kill(c.brokers[leader].pid() as i32, libc::SIGKILL) };
+            c.brokers[leader].signal(libc::SIGKILL);
             let killed = Instant::now();
             let (successor, _) = c
                 .wait_leader("q", 0, Some(leader), generation, Duration::from_secs(30))
@@ -2239,8 +2238,7 @@ fn sigterm_hands_a_leaders_shards_to_replicas_before_it_exits() {
             .unwrap();
             let at_term = acked.lock().unwrap().len();
             let t = Instant::now();
-            // SAFETY: signalling a child we spawned.
-            unsafe { libc::kill(view.brokers[leader].pid() as i32, libc::SIGTERM) };
+            view.brokers[leader].signal(libc::SIGTERM);
             let (successor, _) = view
                 .wait_leader(
                     "drained",

@@ -2931,6 +2931,19 @@ mod tests {
         let end = p.nodes[&id("a")].end();
         // Answers to the forger go nowhere.
         p.cut_off = Some(id("x"));
+        {
+            // A fence from a node outside the set changes nothing at the leader.
+            let now = p.now;
+            let a = &mut p.nodes.get_mut(&id("a")).expect("node").replica;
+            a.handle_message(
+                id("x"),
+                Msg::Fence {
+                    generation: u64::MAX,
+                },
+                now,
+            );
+            assert!(a.serving(), "a still leads after a non-member's fence");
+        }
         for n in ["a", "b", "c"] {
             let now = p.now;
             let r = &mut p.nodes.get_mut(&id(n)).expect("node").replica;
