@@ -128,6 +128,21 @@ pub struct Deletion {
 }
 
 impl Deletion {
+    /// Its shard `shard`.
+    pub fn shard_key(&self, shard: u32) -> ShardKey {
+        ShardKey {
+            kind: if self.stream {
+                ShardKind::Stream
+            } else {
+                ShardKind::Cache
+            },
+            tenant: self.tenant.clone(),
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            shard,
+        }
+    }
+
     /// Whether core `core` finished its part.
     fn done(&self, core: usize) -> bool {
         match core {

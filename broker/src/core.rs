@@ -3855,21 +3855,10 @@ impl CoreBroker {
             // its reopening of this part would come before the mark (see
             // `reopen_deletions_moving_here`). Then the part is looked at again.
             let begun = self.moves_begun.get();
-            let kind = if d.stream {
-                ShardKind::Stream
-            } else {
-                ShardKind::Cache
-            };
             let mut dirs = Vec::new();
             let mut moving = false;
             for shard in 0..d.shards {
-                let key = ShardKey {
-                    kind,
-                    tenant: d.tenant.clone(),
-                    namespace: d.namespace.clone(),
-                    name: d.name.clone(),
-                    shard,
-                };
+                let key = d.shard_key(shard);
                 if let Some(subs) = self.subscribers.borrow_mut().remove(&key) {
                     subs.iter().for_each(|q| q.close(Ending::Deleted));
                 }
@@ -3897,18 +3886,9 @@ impl CoreBroker {
             }
             // The stream's directory goes with the last core to finish, which may own none
             // of its shards (then `dirs` is empty): name it from the stream, not from them.
-            let parent = shard_dir(
-                &self.shared.data_dir,
-                &ShardKey {
-                    kind,
-                    tenant: d.tenant.clone(),
-                    namespace: d.namespace.clone(),
-                    name: d.name.clone(),
-                    shard: 0,
-                },
-            )
-            .parent()
-            .map(PathBuf::from);
+            let parent = shard_dir(&self.shared.data_dir, &d.shard_key(0))
+                .parent()
+                .map(PathBuf::from);
             // Each removal is made durable (its parent directory synced) before the
             // catalog records the deletion done: after a power cut a shard directory
             // that came back would be taken up, records and all, by a stream of the

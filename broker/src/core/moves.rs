@@ -840,19 +840,8 @@ impl CoreBroker {
         let me = self.core;
         let catalog = &self.shared.catalog;
         for d in catalog.deletions_under_way() {
-            let kind = if d.stream {
-                ShardKind::Stream
-            } else {
-                ShardKind::Cache
-            };
             let moves_here = (0..d.shards).any(|shard| {
-                let key = ShardKey {
-                    kind,
-                    tenant: d.tenant.clone(),
-                    namespace: d.namespace.clone(),
-                    name: d.name.clone(),
-                    shard,
-                };
+                let key = d.shard_key(shard);
                 old.core_for(&key) != me && new.core_for(&key) == me
             });
             if moves_here && catalog.deletion_reopened_for(&d, me.index()) {
