@@ -2683,7 +2683,9 @@ async fn reader(
 ) {
     let mut next = 0u64;
     let mut seq = 0u64;
+    let mut session = 0u64;
     while !stop.load(Ordering::SeqCst) {
+        session += 1;
         let Some(c) = connect(&seeds, &config).await else {
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
@@ -2716,6 +2718,7 @@ async fn reader(
                             shard: 0,
                             offset,
                             payload: e.payload.to_vec(),
+                            session,
                         },
                         start_us: at,
                         end_us: at,

@@ -54,6 +54,8 @@ pub enum OpKind {
         offset: u64,
         /// The payload.
         payload: Vec<u8>,
+        /// Which of its reader's subscriptions delivered it (each subscribe a new one).
+        session: u64,
     },
 }
 
@@ -180,6 +182,11 @@ pub struct Report {
     /// recovery took for records, bytes a rebuilt copy made up, a record written into
     /// another stream too.
     pub invented: Vec<Anomaly>,
+    /// A subscription that delivered an offset at or below one it had delivered.
+    pub subscription_order: Vec<Anomaly>,
+    /// A subscription that left out a record the final log holds between two it
+    /// delivered.
+    pub subscription_skipped: Vec<Anomaly>,
 }
 
 impl Report {
@@ -192,6 +199,8 @@ impl Report {
             && self.uncommitted_reads.is_empty()
             && self.refused_present.is_empty()
             && self.invented.is_empty()
+            && self.subscription_order.is_empty()
+            && self.subscription_skipped.is_empty()
     }
 
     /// The anomaly classes found, by name.
@@ -204,6 +213,8 @@ impl Report {
             ("uncommitted_reads", self.uncommitted_reads.len()),
             ("refused_present", self.refused_present.len()),
             ("invented", self.invented.len()),
+            ("subscription_order", self.subscription_order.len()),
+            ("subscription_skipped", self.subscription_skipped.len()),
         ]
         .into_iter()
         .filter(|(_, n)| *n > 0)
@@ -231,7 +242,72 @@ impl Report {
             "uncommitted_reads": list(&self.uncommitted_reads),
             "refused_present": list(&self.refused_present),
             "invented": list(&self.invented),
+            "subscription_order": list(&self.subscription_order),
+            "subscription_skipped": list(&self.subscription_skipped),
         })
+    }
+}
+
+/// Each subscription delivers in offset order, each offset once, and leaves out nothing
+/// the final log holds between the first and the last offset it delivered. (Reads were
+/// checked one by one against the final log only: a subscription that skipped a
+/// record, or delivered one twice or out of order, passed.)
+fn check_sessions(ops: &[Op], finals: &FinalLogs, r: &mut Report) {
+    type Session<'a> = (&'a str, u32, u32, u64);
+    let mut sessions: BTreeMap<Session<'_>, Vec<(u64, u64)>> = BTreeMap::new();
+    for op in ops {
+        if let OpKind::Read {
+            shard,
+            offset,
+            session,
+            ..
+        } = &op.kind
+        {
+            sessions
+                .entry((op.stream.as_str(), *shard, op.process, *session))
+                .or_default()
+                .push((op.seq, *offset));
+        }
+    }
+    for ((stream, shard, process, session), mut got) in sessions {
+        // In the order they were delivered.
+        got.sort_unstable();
+        let offsets: Vec<u64> = got.iter().map(|(_, o)| *o).collect();
+        if let Some(w) = offsets.windows(2).find(|w| w[1] <= w[0]) {
+            r.subscription_order.push(Anomaly {
+                stream: stream.to_owned(),
+                shard: Some(shard),
+                offset: Some(w[1]),
+                what: format!(
+                    "reader {process}'s subscription {session} delivered offset {} after {}",
+                    w[1], w[0]
+                ),
+            });
+            continue;
+        }
+        let (Some(&first), Some(&last)) = (offsets.first(), offsets.last()) else {
+            continue;
+        };
+        let delivered: BTreeSet<u64> = offsets.into_iter().collect();
+        let Some(log) = finals.get(&(stream.to_owned(), shard)) else {
+            continue;
+        };
+        let skipped: Vec<u64> = log
+            .range(first..=last)
+            .map(|(o, _)| *o)
+            .filter(|o| !delivered.contains(o))
+            .collect();
+        if let Some(&at) = skipped.first() {
+            r.subscription_skipped.push(Anomaly {
+                stream: stream.to_owned(),
+                shard: Some(shard),
+                offset: Some(at),
+                what: format!(
+                    "reader {process}'s subscription {session} delivered {first}..={last} without {} record(s) the final log holds there",
+                    skipped.len()
+                ),
+            });
+        }
     }
 }
 
@@ -390,6 +466,7 @@ pub fn check(
                 shard,
                 offset,
                 payload,
+                ..
             } => {
                 r.reads += 1;
                 let holds = finals
@@ -414,6 +491,7 @@ pub fn check(
             }
         }
     }
+    check_sessions(ops, finals, &mut r);
     for ((stream, shard, offset), values) in &seen {
         if values.len() > 1 {
             r.two_values.push(Anomaly {
@@ -585,6 +663,7 @@ mod tests {
                 shard: 0,
                 offset,
                 payload: payload.as_bytes().to_vec(),
+                session: 0,
             },
             start_us: 0,
             end_us: 0,
@@ -614,6 +693,7 @@ mod tests {
             publish(1, 2, "c", Outcome::Ok, Some(2)),
             publish(1, 3, "d", Outcome::Refused, None),
             read(0, "a"),
+            read(1, "b"),
             read(2, "c"),
         ];
         let r = run(&ops, &["a", "b", "c"]);
@@ -686,6 +766,60 @@ mod tests {
         assert_eq!(r.classes(), ["uncommitted_reads"]);
         let r = run(&[a, read(0, "ghost")], &["a"]);
         assert_eq!(r.classes(), ["two_values", "uncommitted_reads"]);
+    }
+
+    /// A subscription must deliver in offset order, each once, and leave out nothing the
+    /// final log holds between its first and last delivery; another subscription of the
+    /// same reader starts afresh.
+    #[test]
+    fn a_subscription_that_skips_repeats_or_reorders_is_caught() {
+        let ops = |reads: &[(u64, u64, &str)]| -> Vec<Op> {
+            let mut v: Vec<Op> = ["a", "b", "c", "d"]
+                .iter()
+                .enumerate()
+                .map(|(i, p)| publish(1, i as u64, p, Outcome::Ok, Some(i as u64)))
+                .collect();
+            for (seq, (session, offset, payload)) in reads.iter().enumerate() {
+                let mut r = read(*offset, payload);
+                r.seq = seq as u64;
+                if let OpKind::Read { session: s, .. } = &mut r.kind {
+                    *s = *session;
+                }
+                v.push(r);
+            }
+            v
+        };
+        let log = ["a", "b", "c", "d"];
+        assert!(
+            run(
+                &ops(&[
+                    (0, 0, "a"),
+                    (0, 1, "b"),
+                    (1, 1, "b"),
+                    (1, 3, "d"),
+                    (1, 2, "c")
+                ]),
+                &log
+            )
+            .classes()
+            .contains(&"subscription_order")
+        );
+        assert_eq!(
+            run(&ops(&[(0, 0, "a"), (0, 2, "c"), (0, 3, "d")]), &log).classes(),
+            ["subscription_skipped"]
+        );
+        assert_eq!(
+            run(&ops(&[(0, 1, "b"), (0, 1, "b")]), &log).classes(),
+            ["subscription_order"]
+        );
+        // A second subscription starting over from an earlier offset is fine.
+        assert!(
+            run(
+                &ops(&[(0, 0, "a"), (0, 1, "b"), (1, 1, "b"), (1, 2, "c")]),
+                &log
+            )
+            .valid()
+        );
     }
 
     /// A record no publish to its stream carried is invented: torn bytes a recovery
