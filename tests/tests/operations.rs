@@ -1428,27 +1428,19 @@ fn a_shard_re_pinned_while_its_stream_is_deleted_does_not_come_back_with_the_nam
         assert_eq!(status, 200, "{body}");
         let _ = held.await;
         // Made again: a new stream, its first record at offset 0.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
+        let offset = first_taken(Duration::from_secs(20), || {
             let _ = admin.post(
                 streams,
                 &json!({"stream": "again", "kind": "Stream", "shards": 1}),
             );
-            match publish("again").await {
-                Ok(offset) => {
-                    assert_eq!(
-                        offset,
-                        Some(0),
-                        "the deleted stream's records came back with its name"
-                    );
-                    break;
-                }
-                Err(e) => {
-                    assert!(Instant::now() < deadline, "{e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
+            publish("again")
+        })
+        .await;
+        assert_eq!(
+            offset,
+            Some(0),
+            "the deleted stream's records came back with its name"
+        );
     });
 }
 
@@ -2938,26 +2930,36 @@ fn a_read_after_its_stream_was_deleted_leaves_the_name_free_and_ends_deleted() {
             "{ended:?}"
         );
         create().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            match c
-                .publish(
-                    "dev",
-                    "default",
-                    "gone",
-                    b"new".to_vec(),
-                    AckMode::PerMessage,
-                )
-                .await
-            {
-                Ok(_) => break,
-                Err(e) => {
-                    assert!(Instant::now() < deadline, "the new stream refuses: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
+        first_taken(Duration::from_secs(10), || {
+            c.publish(
+                "dev",
+                "default",
+                "gone",
+                b"new".to_vec(),
+                AckMode::PerMessage,
+            )
+        })
+        .await;
+    });
+}
+
+/// Publishes with `publish` until a stream made again takes it (its name's deletion
+/// may still be finishing), failing past `within`; the offset it got.
+async fn first_taken<F, Fut>(within: Duration, mut publish: F) -> Option<u64>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<u64>, felix_client::ClientError>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        match publish().await {
+            Ok(offset) => return offset,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "the new stream refuses: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
-    });
+    }
 }
 
 /// The same for a cache watch: one whose reader stopped while its cache was deleted

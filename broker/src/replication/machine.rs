@@ -2128,6 +2128,36 @@ mod tests {
         cut_off: Option<NodeId>,
     }
 
+    /// Three replicas, a leading generation 1 with three records committed.
+    fn three_led_by_a() -> Pair {
+        let mut p = Pair::of(&["a", "b", "c"]);
+        p.assign(1, "a");
+        p.settle();
+        p.append(3);
+        p.settle();
+        p
+    }
+
+    /// Carries out `r`'s outputs (a ballot is durable at once) and returns the fence
+    /// answers it sent: `(to, generation, end)`.
+    fn fence_answers(r: &mut Replica, now: Instant) -> Vec<(NodeId, u64, u64)> {
+        let mut answers = Vec::new();
+        while let Some(out) = r.poll_output() {
+            match out {
+                Output::Persist(meta) => r.handle_persisted(meta.generation, now),
+                Output::Send {
+                    to,
+                    msg:
+                        Msg::FenceOk {
+                            generation, end, ..
+                        },
+                } => answers.push((to, generation, end)),
+                _ => {}
+            }
+        }
+        answers
+    }
+
     fn id(s: &str) -> NodeId {
         NodeId::from(s)
     }
@@ -2602,11 +2632,7 @@ mod tests {
     #[test]
     fn a_candidate_whose_source_lost_its_copy_takes_another_majority() {
         let all: Vec<NodeId> = ["a", "b", "c"].map(id).to_vec();
-        let mut p = Pair::of(&["a", "b", "c"]);
-        p.assign(1, "a");
-        p.settle();
-        p.append(3);
-        p.settle();
+        let mut p = three_led_by_a();
         // c misses two records: a and b are ahead of it.
         p.cut_off = Some(id("c"));
         p.append(2);
@@ -2922,11 +2948,7 @@ mod tests {
     /// refused every real leader after it, and a bootstrap under it could erase the log.
     #[test]
     fn a_fence_from_a_node_no_assignment_names_leader_is_not_taken() {
-        let mut p = Pair::of(&["a", "b", "c"]);
-        p.assign(1, "a");
-        p.settle();
-        p.append(3);
-        p.settle();
+        let mut p = three_led_by_a();
         assert!(p.nodes[&id("a")].replica.serving(), "a leads");
         let end = p.nodes[&id("a")].end();
         // Answers to the forger go nowhere.
@@ -2990,11 +3012,7 @@ mod tests {
     /// takes a majority without it after `HANDOFF_WAIT`.
     #[test]
     fn a_leader_fenced_by_a_member_at_a_newer_generation_stops_leading_at_once() {
-        let mut p = Pair::of(&["a", "b", "c"]);
-        p.assign(1, "a");
-        p.settle();
-        p.append(3);
-        p.settle();
+        let mut p = three_led_by_a();
         let now = p.now;
         let a = &mut p.nodes.get_mut(&id("a")).expect("node").replica;
         assert!(a.serving(), "a leads");
@@ -3032,20 +3050,10 @@ mod tests {
             },
             now,
         );
-        let mut answered = None;
-        while let Some(out) = a.poll_output() {
-            match out {
-                Output::Persist(meta) => a.handle_persisted(meta.generation, now),
-                Output::Send {
-                    to,
-                    msg:
-                        Msg::FenceOk {
-                            generation: 2, end, ..
-                        },
-                } if to == id("b") => answered = Some(end),
-                _ => {}
-            }
-        }
+        let answered = fence_answers(a, now)
+            .into_iter()
+            .find(|(to, generation, _)| *to == id("b") && *generation == 2)
+            .map(|(_, _, end)| end);
         assert_eq!(
             answered,
             Some(end),
@@ -3147,17 +3155,7 @@ mod tests {
         }
         assert!(r.poll_output().is_none(), "nothing before the assignment");
         r.handle_assignment(assignment(2), now);
-        let mut answered = false;
-        while let Some(out) = r.poll_output() {
-            match out {
-                Output::Persist(meta) => r.handle_persisted(meta.generation, now),
-                Output::Send {
-                    msg: Msg::FenceOk { generation: 2, .. },
-                    ..
-                } => answered = true,
-                _ => {}
-            }
-        }
+        let answered = fence_answers(&mut r, now).iter().any(|(_, g, _)| *g == 2);
         assert!(answered, "the real early fence is answered");
         assert_eq!(r.generation(), 2);
     }
@@ -3182,17 +3180,7 @@ mod tests {
             },
             now,
         );
-        let mut answered = false;
-        while let Some(out) = r.poll_output() {
-            match out {
-                Output::Persist(meta) => r.handle_persisted(meta.generation, now),
-                Output::Send {
-                    msg: Msg::FenceOk { generation: 3, .. },
-                    ..
-                } => answered = true,
-                _ => {}
-            }
-        }
+        let answered = fence_answers(&mut r, now).iter().any(|(_, g, _)| *g == 3);
         assert!(answered, "the early fence is answered");
         assert_eq!(r.generation(), 3);
     }
