@@ -62,7 +62,10 @@ pub fn transport_limits() -> TransportLimits {
 
 /// One core's forwarding client.
 pub struct Forwarder {
+    /// For peers at IPv4 addresses.
     endpoint: Endpoint,
+    /// For peers at IPv6 addresses, bound at the first (an IPv4 socket cannot reach them).
+    endpoint_v6: RefCell<Option<Endpoint>>,
     /// For requests of clients, then for requests forwarded here (see
     /// [`felix_wire::internal::FORWARD_AGAIN_ALPN`]).
     config: [ClientConfig; 2],
@@ -251,8 +254,22 @@ impl Forwarder {
     /// Binds this core's client endpoint (an ephemeral port: answers must come back to
     /// this core's socket, not the shared listening port).
     pub fn bind(config: [ClientConfig; 2], server_name: String) -> std::io::Result<Forwarder> {
-        let endpoint = Endpoint::bind(
-            "0.0.0.0:0".parse().expect("valid address"),
+        Ok(Forwarder {
+            endpoint: Self::client_endpoint(false)?,
+            endpoint_v6: RefCell::new(None),
+            config,
+            server_name,
+            peers: RefCell::new(PeerTable::new()),
+            sent: RefCell::default(),
+            sent_waiters: RefCell::default(),
+        })
+    }
+
+    /// A client endpoint on an ephemeral port of the unspecified address of either family.
+    fn client_endpoint(v6: bool) -> std::io::Result<Endpoint> {
+        let any = if v6 { "[::]:0" } else { "0.0.0.0:0" };
+        Endpoint::bind(
+            any.parse().expect("valid address"),
             EndpointOptions {
                 server: None,
                 crowded_server: None,
@@ -261,15 +278,21 @@ impl Forwarder {
                 reset_secret: None,
                 on_sent: None,
             },
-        )?;
-        Ok(Forwarder {
-            endpoint,
-            config,
-            server_name,
-            peers: RefCell::new(PeerTable::new()),
-            sent: RefCell::default(),
-            sent_waiters: RefCell::default(),
-        })
+        )
+    }
+
+    /// The endpoint that reaches `addr`'s family, binding the IPv6 one at its first use.
+    fn endpoint_for(&self, addr: SocketAddr) -> std::io::Result<Endpoint> {
+        if addr.is_ipv4() {
+            return Ok(self.endpoint.clone());
+        }
+        let mut v6 = self.endpoint_v6.borrow_mut();
+        if let Some(e) = v6.as_ref() {
+            return Ok(e.clone());
+        }
+        let e = Self::client_endpoint(true)?;
+        *v6 = Some(e.clone());
+        Ok(e)
     }
 
     async fn connection(&self, key: &PeerKey) -> Result<Connection, BrokerError> {
@@ -287,8 +310,11 @@ impl Forwarder {
         }
         let addr = key.0;
         let config = self.config[usize::from(key.2)].clone();
-        let c = self
-            .endpoint
+        let endpoint = self.endpoint_for(addr).map_err(|e| {
+            tracing::warn!(%addr, error = %e, "binding a socket to reach the shard leader");
+            BrokerError::ShardUnavailable("owner_unavailable".into())
+        })?;
+        let c = endpoint
             .connect(config, addr, &self.server_name)
             .await
             .map_err(|e| {
@@ -556,6 +582,71 @@ mod tests {
             assert!(more.is_none(), "past its connection's budget");
             drop(spent);
             assert!(f.sent.borrow().is_empty(), "idle budgets are let go");
+        });
+    }
+
+    /// A forwarder reaches a leader at an IPv6 address as well as one at an IPv4
+    /// address (its first endpoint, bound to `0.0.0.0`, could not send to the first).
+    #[test]
+    fn a_leader_at_an_ipv6_address_is_reached_as_one_at_an_ipv4_address() {
+        task::block_on(async {
+            let certs = felix_core_runtime::quic::generate_certs(&["localhost"]).unwrap();
+            let server = felix_core_runtime::quic::server_config(
+                vec![certs.cert_der.clone()],
+                certs.key(),
+                transport_limits(),
+            )
+            .unwrap();
+            let server = std::sync::Arc::new(server);
+            let mut leaders = Vec::new();
+            for at in ["127.0.0.1:0", "[::1]:0"] {
+                let bound = Endpoint::bind(
+                    at.parse().unwrap(),
+                    EndpointOptions {
+                        server: Some(server.clone()),
+                        crowded_server: None,
+                        max_connections: 8,
+                        reuse_port: false,
+                        reset_secret: None,
+                        on_sent: None,
+                    },
+                );
+                let ep = match bound {
+                    Ok(ep) => ep,
+                    // A host without IPv6 loopback cannot ask this.
+                    Err(e) if at.starts_with('[') => {
+                        eprintln!("no IPv6 loopback here ({e}): only IPv4 checked");
+                        continue;
+                    }
+                    Err(e) => panic!("binding {at}: {e}"),
+                };
+                let accepting = ep.clone();
+                let accepted = task::spawn(async move { accepting.accept().await.is_some() });
+                leaders.push((ep, accepted));
+            }
+            let config = |again| {
+                felix_core_runtime::quic::forwarding_client_config(
+                    std::slice::from_ref(&certs.ca_der),
+                    transport_limits(),
+                    again,
+                )
+                .unwrap()
+            };
+            let f = Forwarder::bind([config(false), config(true)], "localhost".into()).unwrap();
+            let holder = Holder {
+                tenant: "t".into(),
+                kid: "k".into(),
+                jti: None,
+            };
+            for (ep, accepted) in leaders {
+                let addr = ep.local_addr();
+                let key: PeerKey = (addr, holder.clone(), false);
+                let c = task::timeout(Duration::from_secs(5), f.connection(&key))
+                    .await
+                    .unwrap_or_else(|| panic!("connecting to {addr} timed out"));
+                assert!(c.is_ok(), "connecting to {addr}");
+                assert!(accepted.await, "the leader at {addr} took the connection");
+            }
         });
     }
 
