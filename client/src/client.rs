@@ -148,9 +148,9 @@ pub(crate) fn broker_error(context: &'static str, m: Message) -> ClientError {
             requested: requested.0,
             available: available.0,
         }),
-        Message::Unsupported { request_type, .. } => {
-            ClientError::Protocol(format!("broker does not serve {request_type}"))
-        }
+        // The broker ran nothing: not a protocol failure, which would be taken for a
+        // suspect connection and an outcome in doubt.
+        Message::Unsupported { .. } => ClientError::Unsupported(context),
         other => ClientError::Protocol(format!("{context}: unexpected answer {other:?}")),
     }
 }
@@ -1870,6 +1870,25 @@ mod tests {
             matches!(ended.unacked_refused, Some(ClientError::Broker(_))),
             "{:?}",
             ended.unacked_refused
+        );
+    }
+
+    /// A broker's `unsupported` answer is `Unsupported` (nothing ran; not retried), not
+    /// a protocol failure taken for a suspect connection and an outcome in doubt.
+    #[test]
+    fn a_brokers_unsupported_answer_is_unsupported() {
+        let e = broker_error(
+            "group poll",
+            Message::Unsupported {
+                request_type: "group_poll".into(),
+                extension: None,
+                request_id: None,
+            },
+        );
+        assert!(matches!(e, ClientError::Unsupported("group poll")), "{e:?}");
+        assert_eq!(
+            crate::retry::classify(&e, Duration::ZERO),
+            crate::retry::Decision::Fail
         );
     }
 

@@ -3,7 +3,9 @@
 //! It connects to the first endpoint that answers, asks that broker which others a
 //! client may use (discovery only ever adds: configured seeds are never removed), and
 //! when the broker in use fails, rebuilds its `Client` from the endpoints under the
-//! [`ReconnectPolicy`]. Only one rebuild runs at a time; concurrent callers wait for it.
+//! [`ReconnectPolicy`]: one pass over the endpoints per rebuild, the caller's own retry
+//! loop backing off between them. Only one rebuild runs at a time; concurrent callers
+//! wait for it, and take its failure if it failed.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -33,7 +35,7 @@ pub struct ClusterClient {
     policy: ReconnectPolicy,
     current: RwLock<(Arc<Client>, u64)>,
     discovered: RwLock<Vec<SocketAddr>>,
-    rebuild: tokio::sync::Mutex<()>,
+    rebuild: Rebuild,
     rng: Mutex<rand::rngs::StdRng>,
     /// Clients of the brokers `not_leader` answers named, kept for the next call.
     owners: Mutex<std::collections::HashMap<SocketAddr, Arc<Client>>>,
@@ -84,7 +86,7 @@ impl ClusterClient {
             policy,
             current: RwLock::new((Arc::new(client), 0)),
             discovered: RwLock::new(Vec::new()),
-            rebuild: tokio::sync::Mutex::new(()),
+            rebuild: Rebuild::default(),
             rng,
             owners: Mutex::default(),
         };
@@ -128,26 +130,51 @@ impl ClusterClient {
         self.current.read().expect("current lock").1
     }
 
-    /// Replaces the `Client` in use, unless someone already did since `seen`.
+    /// Replaces the `Client` in use, unless someone already did since `seen`, with one
+    /// pass over the endpoints: the caller's own retry loop does the backing off (a
+    /// whole policy of connects inside each of its attempts made a call wait its
+    /// attempts times over). A caller that waited while another's pass failed takes
+    /// that failure rather than trying again at once.
     async fn reconnect(&self, seen: u64) -> Result<(), ClientError> {
-        let _one = self.rebuild.lock().await;
-        if self.generation() != seen {
+        let one_pass = ReconnectPolicy {
+            attempts: 1,
+            ..self.policy
+        };
+        let client = self
+            .rebuild
+            .run(
+                || self.generation() == seen,
+                || async move {
+                    establish(
+                        &self.endpoints(),
+                        &self.server_name,
+                        &self.config,
+                        &one_pass,
+                        &self.rng,
+                    )
+                    .await
+                },
+            )
+            .await?;
+        let Some(client) = client else {
             return Ok(());
-        }
-        let client = establish(
-            &self.endpoints(),
-            &self.server_name,
-            &self.config,
-            &self.policy,
-            &self.rng,
-        )
-        .await?;
+        };
         {
             let mut cur = self.current.write().expect("current lock");
             *cur = (Arc::new(client), seen + 1);
         }
         let _ = self.refresh_topology().await;
         Ok(())
+    }
+
+    /// Replaces the `Client` in use if its connection has closed (whatever the broker
+    /// serves: a reconnect forced through a request fails before sending on a broker
+    /// that does not serve that request).
+    pub(crate) async fn replace_if_closed(&self) {
+        let seen = self.generation();
+        if self.client().is_closed() {
+            let _ = self.reconnect(seen).await;
+        }
     }
 
     fn jitter(&self, attempt: usize) -> Duration {
@@ -212,18 +239,18 @@ impl ClusterClient {
         payload: Vec<u8>,
         ack: AckMode,
     ) -> Result<Option<u64>, ClientError> {
-        self.with_retry(true, |c| {
+        self.with_retry(Resend::Always, |c| {
             let payload = payload.clone();
             async move { c.publish(tenant, namespace, stream, payload, ack).await }
         })
         .await
     }
 
-    /// Runs `op` on the client in use, retrying by the error's class under the policy.
-    /// `resend_unknown`: whether an outcome-unknown failure may be retried.
+    /// Runs `op` on the client in use, retrying by the error's class under the policy,
+    /// sending it again only after the failures `resend` allows.
     pub(crate) async fn with_retry<T, F, Fut>(
         &self,
-        resend_unknown: bool,
+        resend: Resend,
         op: F,
     ) -> Result<T, ClientError>
     where
@@ -234,7 +261,7 @@ impl ClusterClient {
         let seen = AtomicU64::new(0);
         retry_under(
             &self.policy,
-            resend_unknown,
+            resend,
             self.endpoints().len(),
             |attempt| self.jitter(attempt),
             || {
@@ -258,7 +285,7 @@ impl ClusterClient {
         shard: u32,
         start: Option<StartPosition>,
     ) -> Result<Subscription, ClientError> {
-        self.with_retry(false, |_| {
+        self.with_retry(Resend::NotUnknown, |_| {
             self.subscribe_shard_once(tenant, namespace, stream, shard, start)
         })
         .await
@@ -359,7 +386,7 @@ impl ClusterClient {
         namespace: &str,
         stream: &str,
     ) -> Result<u32, ClientError> {
-        self.with_retry(false, |c| async move {
+        self.with_retry(Resend::NotUnknown, |c| async move {
             c.stream_shards(tenant, namespace, stream).await
         })
         .await
@@ -375,7 +402,7 @@ impl ClusterClient {
         value: Bytes,
         ttl_ms: Option<u64>,
     ) -> Result<(), ClientError> {
-        self.with_retry(true, |c| {
+        self.with_retry(Resend::Always, |c| {
             let value = value.clone();
             async move {
                 c.cache_put(tenant, namespace, cache, key, value, ttl_ms)
@@ -393,7 +420,7 @@ impl ClusterClient {
         cache: &str,
         key: &str,
     ) -> Result<Option<Bytes>, ClientError> {
-        self.with_retry(true, |c| async move {
+        self.with_retry(Resend::Always, |c| async move {
             c.cache_get(tenant, namespace, cache, key).await
         })
         .await
@@ -411,7 +438,7 @@ impl ClusterClient {
         key: &str,
         delta: i64,
     ) -> Result<i64, ClientError> {
-        self.with_retry(false, |c| async move {
+        self.with_retry(Resend::NotUnknown, |c| async move {
             c.counter_add(tenant, namespace, cache, key, delta).await
         })
         .await
@@ -425,18 +452,20 @@ impl ClusterClient {
         cache: &str,
         key: &str,
     ) -> Result<Option<i64>, ClientError> {
-        self.with_retry(true, |c| async move {
+        self.with_retry(Resend::Always, |c| async move {
             c.counter_get(tenant, namespace, cache, key).await
         })
         .await
     }
 
     /// Appends `event` and applies `changes` to the entity's state, all or nothing;
-    /// returns the offset (every key's new version). Not resent when the broker says the
-    /// outcome is unknown; resent after a lost connection, a timeout or a protocol
-    /// error. With `expected_offset` a resend of one that applied is refused
-    /// (`offset_mismatch`) rather than applied twice, so that refusal does not say the
-    /// commit did not apply.
+    /// returns the offset (every key's new version). With `expected_offset` it is resent
+    /// after a lost connection, a timeout or a protocol error, since a resend of one
+    /// that applied is refused (`offset_mismatch`) rather than applied twice (so that
+    /// refusal does not say the commit did not apply). Without, a resend could append
+    /// the event twice: after any failure that may have followed the send it gives up
+    /// `in_doubt` instead (a connection already closed is replaced first, so only a
+    /// failure during the call leaves it in doubt).
     #[allow(clippy::too_many_arguments)]
     pub async fn commit(
         &self,
@@ -448,7 +477,13 @@ impl ClusterClient {
         changes: Vec<felix_wire::message::StateChange>,
         expected_offset: Option<u64>,
     ) -> Result<u64, ClientError> {
-        self.with_retry(false, |c| {
+        let resend = if expected_offset.is_some() {
+            Resend::NotUnknown
+        } else {
+            self.replace_if_closed().await;
+            Resend::Never
+        };
+        self.with_retry(resend, |c| {
             let (event, changes) = (event.clone(), changes.clone());
             async move {
                 c.commit(
@@ -476,7 +511,7 @@ impl ClusterClient {
         entity_key: &str,
         key: &str,
     ) -> Result<(Option<(Bytes, u64)>, Option<u64>), ClientError> {
-        self.with_retry(true, |c| async move {
+        self.with_retry(Resend::Always, |c| async move {
             c.state_get(tenant, namespace, stream, entity_key, key)
                 .await
         })
@@ -494,12 +529,75 @@ impl ClusterClient {
         cache: &str,
         key: &str,
     ) -> Result<Option<Bytes>, ClientError> {
-        self.with_retry(false, |c| async move {
+        self.with_retry(Resend::NotUnknown, |c| async move {
             c.cache_delete(tenant, namespace, cache, key).await
         })
         .await
     }
 }
+
+/// One rebuild of a connection at a time, and callers that waited for a failed one take
+/// its failure.
+#[derive(Debug, Default)]
+pub(crate) struct Rebuild {
+    one: tokio::sync::Mutex<()>,
+    /// Rebuilds that failed so far.
+    failed: AtomicU64,
+}
+
+impl Rebuild {
+    /// Runs `pass` alone, unless `wanted` says another caller's rebuild made it needless
+    /// meanwhile (`Ok(None)`), or another caller's rebuild failed while this one waited
+    /// (that failure, told again: the endpoints were tried a moment ago).
+    pub(crate) async fn run<T, F, Fut>(
+        &self,
+        wanted: impl Fn() -> bool,
+        pass: F,
+    ) -> Result<Option<T>, ClientError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<T, ClientError>>,
+    {
+        let failed = self.failed.load(Ordering::Relaxed);
+        let _one = self.one.lock().await;
+        if !wanted() {
+            return Ok(None);
+        }
+        if self.failed.load(Ordering::Relaxed) != failed {
+            return Err(ClientError::connection(
+                "every broker",
+                "a reconnect just tried every endpoint and none answered",
+            ));
+        }
+        match pass().await {
+            Ok(v) => Ok(Some(v)),
+            Err(e) => {
+                self.failed.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// After which failures an operation may be sent again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Resend {
+    /// After any retryable failure, the broker's `outcome_unknown` included: a second
+    /// application changes nothing (a put, a read).
+    Always,
+    /// Not after the broker says the outcome is unknown; after a lost connection, a
+    /// timeout or an answer that could not be read, which may have followed an
+    /// application (at-least-once).
+    NotUnknown,
+    /// After no failure that may have followed the send (the broker's
+    /// `outcome_unknown`, a lost connection, a timeout, an unreadable answer): it gives
+    /// up in doubt instead, for a write that would apply twice.
+    Never,
+}
+
+/// The longest a broker's `retry_after_ms` holds a retry back: a broker asking for an
+/// hour would otherwise hold the call that long (with no deadline set).
+pub(crate) const RETRY_AFTER_MAX: Duration = Duration::from_secs(30);
 
 /// Connects to the first endpoint that answers, under the policy. A credential failure
 /// returns at once: it would fail the same way on every broker.
@@ -523,7 +621,7 @@ async fn establish(
 /// error alone (say, a connection refused) would read as nothing written.
 pub(crate) async fn retry_under<T, Op, OpFut, Re, ReFut>(
     policy: &ReconnectPolicy,
-    resend_unknown: bool,
+    resend: Resend,
     endpoints: usize,
     mut jitter: impl FnMut(usize) -> Duration,
     mut op: Op,
@@ -552,11 +650,24 @@ where
         let decision = classify(&e, since_nf);
         // A lost connection, a timeout or an answer that could not be read may have
         // come after the request was sent (and applied).
-        in_doubt |= decision == Decision::OutcomeUnknown
+        let doubtful = decision == Decision::OutcomeUnknown
             || matches!(
                 e,
                 ClientError::Connection { .. } | ClientError::Timeout(_) | ClientError::Protocol(_)
             );
+        in_doubt |= doubtful;
+        if doubtful && resend == Resend::Never {
+            if decision == Decision::Reconnect {
+                // So the next call finds a live connection; this one is not sent again.
+                let _ = reconnect().await;
+            }
+            return Err(ClientError::GaveUp {
+                attempts: attempt + 1,
+                endpoints,
+                in_doubt,
+                last: Box::new(e),
+            });
+        }
         match decision {
             // Failing now, it may still have applied before: say so.
             Decision::Fail if in_doubt => {
@@ -568,9 +679,9 @@ where
                 });
             }
             Decision::Fail => return Err(e),
-            Decision::OutcomeUnknown if !resend_unknown => return Err(e),
+            Decision::OutcomeUnknown if resend != Resend::Always => return Err(e),
             Decision::OutcomeUnknown => {}
-            Decision::Retry { at_least } => wait = wait.max(at_least),
+            Decision::Retry { at_least } => wait = wait.max(at_least.min(RETRY_AFTER_MAX)),
             Decision::Reconnect => {
                 if let Err(re) = reconnect().await
                     && re.is_credential_failure()
@@ -710,7 +821,7 @@ mod tests {
         let errors = RefCell::new(errors.into_iter());
         let r: Result<(), _> = retry_under(
             &policy,
-            true,
+            Resend::Always,
             2,
             |_| Duration::from_millis(1),
             || {
@@ -721,6 +832,134 @@ mod tests {
         )
         .await;
         r.unwrap_err()
+    }
+
+    /// Runs the retry loop under `resend` over `answers`, one per attempt (reconnecting
+    /// for free); returns the outcome and how many attempts ran.
+    async fn attempts_over(
+        resend: Resend,
+        answers: Vec<Result<u64, ClientError>>,
+    ) -> (Result<u64, ClientError>, usize) {
+        let policy = ReconnectPolicy {
+            attempts: answers.len(),
+            backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(10),
+            deadline: None,
+        };
+        let answers = RefCell::new(answers.into_iter());
+        let ran = RefCell::new(0);
+        let r = retry_under(
+            &policy,
+            resend,
+            1,
+            |_| Duration::from_millis(1),
+            || {
+                *ran.borrow_mut() += 1;
+                let a = answers.borrow_mut().next().expect("one answer an attempt");
+                async move { a }
+            },
+            || async { Ok(()) },
+        )
+        .await;
+        (r, ran.into_inner())
+    }
+
+    /// A commit without an expected offset is not sent again after a failure that may
+    /// have followed its application (it would append its event twice); it gives up in
+    /// doubt. A refusal that says nothing was written is still retried.
+    #[tokio::test(start_paused = true)]
+    async fn a_write_that_must_not_apply_twice_is_not_resent_once_in_doubt() {
+        use felix_wire::ErrorCode;
+        for doubt in [
+            ClientError::Timeout("commit"),
+            ClientError::connection("x", "reset"),
+            ClientError::Protocol("an answer that does not decode".into()),
+            coded(ErrorCode::Unacknowledged),
+        ] {
+            let (r, ran) = attempts_over(Resend::Never, vec![Err(doubt), Ok(7)]).await;
+            assert_eq!(ran, 1, "sent again after {r:?}");
+            assert!(
+                matches!(
+                    r,
+                    Err(ClientError::GaveUp {
+                        in_doubt: true,
+                        attempts: 1,
+                        ..
+                    })
+                ),
+                "{r:?}"
+            );
+            // At-least-once writes are resent after the same failures, except the
+            // broker's own outcome_unknown.
+        }
+        let (r, ran) = attempts_over(
+            Resend::NotUnknown,
+            vec![Err(ClientError::Timeout("commit")), Ok(7)],
+        )
+        .await;
+        assert_eq!((r.ok(), ran), (Some(7), 2));
+        let (r, ran) = attempts_over(
+            Resend::Never,
+            vec![Err(coded(ErrorCode::ShardUnavailable)), Ok(7)],
+        )
+        .await;
+        assert_eq!((r.ok(), ran), (Some(7), 2), "nothing written: retried");
+    }
+
+    /// A broker's `retry_after_ms` holds a retry back at most [`RETRY_AFTER_MAX`].
+    #[tokio::test(start_paused = true)]
+    async fn a_brokers_retry_after_is_capped() {
+        let overloaded = ClientError::Broker(BrokerError {
+            retry: Some(felix_wire::RetryClass::RetryAfter),
+            code: Some(felix_wire::ErrorCode::Overloaded),
+            detail: Some(felix_wire::ErrorDetail {
+                reason: None,
+                retry_after_ms: Some(3_600_000),
+            }),
+            message: "x".into(),
+            context: "test",
+        });
+        let started = Instant::now();
+        let (r, ran) = attempts_over(Resend::Always, vec![Err(overloaded), Ok(1)]).await;
+        assert_eq!((r.ok(), ran), (Some(1), 2));
+        let waited = started.elapsed();
+        assert!(
+            waited >= RETRY_AFTER_MAX && waited < RETRY_AFTER_MAX + Duration::from_secs(1),
+            "waited {waited:?}"
+        );
+    }
+
+    /// Callers that waited for a rebuild that failed take its failure instead of each
+    /// trying every endpoint again in turn; the next call after it tries again.
+    #[tokio::test(start_paused = true)]
+    async fn callers_waiting_for_a_failed_rebuild_take_its_failure() {
+        let rebuild = Rebuild::default();
+        let passes = RefCell::new(0);
+        let pass = || {
+            *passes.borrow_mut() += 1;
+            async {
+                tokio::time::sleep(Duration::from_secs(6)).await;
+                Err::<(), _>(ClientError::connection("x", "refused"))
+            }
+        };
+        let started = Instant::now();
+        let (a, b, c) = tokio::join!(
+            rebuild.run(|| true, pass),
+            rebuild.run(|| true, pass),
+            rebuild.run(|| true, pass),
+        );
+        assert!(a.is_err() && b.is_err() && c.is_err());
+        assert_eq!(*passes.borrow(), 1, "one pass for the three");
+        assert!(
+            started.elapsed() < Duration::from_secs(7),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(rebuild.run(|| true, pass).await.is_err());
+        assert_eq!(*passes.borrow(), 2, "a later call tries again");
+        // One made needless meanwhile runs nothing.
+        assert!(matches!(rebuild.run(|| false, pass).await, Ok(None)));
+        assert_eq!(*passes.borrow(), 2);
     }
 
     #[tokio::test(start_paused = true)]

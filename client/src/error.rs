@@ -90,8 +90,9 @@ pub enum ClientError {
     /// The broker said something the protocol does not allow here.
     #[error("protocol violation: {0}")]
     Protocol(String),
-    /// The broker does not serve this request (its feature bit was not advertised);
-    /// refused locally, never sent.
+    /// The broker does not serve this request: its feature bit was not advertised
+    /// (refused locally, never sent), or the broker answered `unsupported` (it ran
+    /// nothing).
     #[error("this broker does not support {0}")]
     Unsupported(&'static str),
     /// Bad configuration or arguments.

@@ -43,7 +43,9 @@ impl ClusterClient {
     /// A new idempotent producer, its id chosen by a broker.
     pub async fn idempotent_producer(&self) -> Result<IdempotentProducer<'_>, ClientError> {
         let id = self
-            .with_retry(true, |c| async move { c.producer_init().await })
+            .with_retry(crate::cluster::Resend::Always, |c| async move {
+                c.producer_init().await
+            })
             .await?;
         Ok(IdempotentProducer {
             cluster: self,
@@ -107,7 +109,7 @@ impl IdempotentProducer<'_> {
         seq.in_doubt = Some(payloads.clone());
         let result = self
             .cluster
-            .with_retry(true, |_| {
+            .with_retry(crate::cluster::Resend::Always, |_| {
                 // A `not_leader` refusal is followed to the owner it names.
                 let payloads = &payloads;
                 async move {

@@ -329,12 +329,7 @@ async fn forward(
                             tracing::warn!(shard, error = %e, "re-establishing a shard failed");
                         }
                         if client.is_closed() {
-                            let _ = cc
-                                .with_retry(
-                                    false,
-                                    |c| async move { c.topology().await.map(|_| ()) },
-                                )
-                                .await;
+                            cc.replace_if_closed().await;
                         }
                     }
                 },
