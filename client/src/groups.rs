@@ -141,6 +141,13 @@ impl Client {
         reclaim: bool,
     ) -> Result<Vec<GroupRecord>, ClientError> {
         self.require(Features::CONSUMER_GROUP, "group_poll")?;
+        if options.visibility.is_some() {
+            // A broker without it would ignore the field and use its own visibility.
+            self.require(
+                Features::GROUP_CLAIM_CONTROL,
+                "group_poll with a visibility",
+            )?;
+        }
         let m = self.group_message(g, |tenant_id, namespace, stream, shard, group, rid| {
             Message::GroupPoll {
                 tenant_id,

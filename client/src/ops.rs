@@ -41,10 +41,11 @@ pub fn http(
     let mut text = Vec::new();
     s.read_to_end(&mut text)
         .map_err(|e| format!("{addr}: {e}"))?;
-    let text = String::from_utf8_lossy(&text);
-    let (head, rest) = text
-        .split_once("\r\n\r\n")
+    let split = text
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
         .ok_or_else(|| format!("{addr}: not an HTTP answer"))?;
+    let (head, rest) = (String::from_utf8_lossy(&text[..split]), &text[split + 4..]);
     let status = head
         .split_whitespace()
         .nth(1)
@@ -57,22 +58,31 @@ pub fn http(
     let body = if chunked {
         dechunk(rest)
     } else {
-        rest.to_owned()
+        rest.to_vec()
     };
-    Ok((status, body))
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+/// Joins a chunked body's chunks. On bytes, not text: a chunk may end inside a
+/// character.
+fn dechunk(mut s: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = s.windows(2).position(|w| w == b"\r\n") {
+        let size = String::from_utf8_lossy(&s[..eol]);
+        // A chunk size may carry extensions after a `;`.
+        let size = size.split(';').next().unwrap_or_default().trim();
+        let Ok(n) = usize::from_str_radix(size, 16) else {
             break;
         };
+        let rest = &s[eol + 2..];
         if n == 0 || rest.len() < n {
             break;
         }
-        out.push_str(&rest[..n]);
-        s = rest[n..].trim_start_matches("\r\n");
+        out.extend_from_slice(&rest[..n]);
+        s = &rest[n..];
+        if s.starts_with(b"\r\n") {
+            s = &s[2..];
+        }
     }
     out
 }
@@ -511,6 +521,12 @@ mod tests {
 
     #[test]
     fn chunked_bodies_are_joined() {
-        assert_eq!(dechunk("4\r\nabcd\r\n3\r\nefg\r\n0\r\n\r\n"), "abcdefg");
+        assert_eq!(dechunk(b"4\r\nabcd\r\n3\r\nefg\r\n0\r\n\r\n"), b"abcdefg");
+        // "\u{e9}" (two bytes) sent a byte a chunk: each chunk ends inside the
+        // character, which text slicing panicked on.
+        assert_eq!(
+            dechunk(b"1\r\n\xc3\r\n1;ext=1\r\n\xa9\r\n0\r\n\r\n"),
+            "\u{e9}".as_bytes()
+        );
     }
 }
