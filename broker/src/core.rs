@@ -3039,7 +3039,7 @@ impl CoreBroker {
         let stream = self.stream_shard(key).await?;
         let groups = self.group_shard(key, &stream).await?;
         stream.group_batches_seen.set(true);
-        groups.snapshot_if_due(stream.log.size_bytes());
+        groups.snapshot_if_due(stream.log.size_bytes(), stream.log.base_offset());
         // On a task of its own: a request dropped mid-write (its client gone) would
         // leave the event in the log and the trackers without it.
         let to_its_end = |op: crate::groups::GroupOp| {
@@ -3810,7 +3810,7 @@ impl CoreBroker {
                 }
                 continue;
             };
-            groups.snapshot_if_due(size);
+            groups.snapshot_if_due(size, s.log.base_offset());
             self.metrics
                 .group_snapshots
                 .fetch_add(groups.take_snapshots(), Ordering::Relaxed);
@@ -3828,7 +3828,7 @@ impl CoreBroker {
             task::spawn(async move {
                 match core.group_shard(&key, &stream).await {
                     Ok(groups) => {
-                        groups.snapshot_if_due(stream.log.size_bytes());
+                        groups.snapshot_if_due(stream.log.size_bytes(), stream.log.base_offset());
                         core.metrics
                             .group_snapshots
                             .fetch_add(groups.take_snapshots(), Ordering::Relaxed);

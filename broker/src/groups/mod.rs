@@ -503,6 +503,8 @@ pub struct GroupShard {
     folded: Rc<RefCell<Option<HashMap<String, Tracker>>>>,
     /// The log's size when the last snapshot was written (or what the build read).
     snapshot_mark: Cell<u64>,
+    /// The log's first offset when the last snapshot came due.
+    snapshot_base: Cell<u64>,
     /// Group event writes handed to the writer and not yet answered. A snapshot waits
     /// for none: a write that failed (its offset given back, or refused at admission)
     /// is only seen failed once its answer comes, and a snapshot taken before that
@@ -926,6 +928,7 @@ impl GroupShard {
             changes_applied: Wakers::default(),
             folded: Rc::new(RefCell::new(state.folded)),
             snapshot_mark: Cell::new(state.snapshot_mark),
+            snapshot_base: Cell::new(0),
             pending: Cell::new(0),
             deferred: Cell::new(None),
             started: Cell::new(0),
@@ -1036,14 +1039,17 @@ impl GroupShard {
     /// Writes a group snapshot when [`Limits::snapshot_every_bytes`] of log were written
     /// since the last: now, or once the group writes in flight are answered. In the
     /// background: no request waits for it; a failed one ends snapshots until the
-    /// groups are built again. `size`: the shard's log size now.
-    pub fn snapshot_if_due(&self, size: u64) {
+    /// groups are built again. `size`: the shard's log size now; `base`: its first
+    /// offset (what lies below is left out of the snapshot, see
+    /// [`Tracker::forget_gone_below`]).
+    pub fn snapshot_if_due(&self, size: u64, base: u64) {
         // Retention shrinks the log: count from what is left.
         let mark = self.snapshot_mark.get().min(size);
         self.snapshot_mark.set(mark);
         if size - mark < self.limits.snapshot_every_bytes || self.retired.get() {
             return;
         }
+        self.snapshot_base.set(base);
         if self.pending.get() > 0 {
             self.deferred.set(Some(size));
             return;
@@ -1056,6 +1062,10 @@ impl GroupShard {
             return;
         }
         self.snapshot_mark.set(size);
+        let base = self.snapshot_base.get();
+        if let Some(folded) = self.folded.borrow_mut().as_mut() {
+            folded.values_mut().for_each(|t| t.forget_gone_below(base));
+        }
         let Some(record) = self.folded.borrow().as_ref().and_then(encode_snapshot) else {
             return;
         };
@@ -2833,7 +2843,7 @@ mod tests {
             let (g, writes) = shard_with_held_writes();
             let mut ack = std::pin::pin!(g.write("w", &[Some(Event::Ack(3))]));
             assert!(futures_lite::future::poll_once(&mut ack).await.is_none());
-            g.snapshot_if_due(1_000);
+            g.snapshot_if_due(1_000, 0);
             assert_eq!(
                 writes.borrow().len(),
                 1,
@@ -2855,13 +2865,13 @@ mod tests {
             let (g, writes) = shard_with_held_writes();
             let mut ack = std::pin::pin!(g.write("w", &[Some(Event::Ack(3))]));
             assert!(futures_lite::future::poll_once(&mut ack).await.is_none());
-            g.snapshot_if_due(1_000);
+            g.snapshot_if_due(1_000, 0);
             let answer = first_write(&writes);
             answer
                 .send(Err(BrokerError::Unacknowledged("lost".into())))
                 .unwrap();
             assert!(ack.await.is_err());
-            g.snapshot_if_due(5_000);
+            g.snapshot_if_due(5_000, 0);
             assert!(
                 writes.borrow().is_empty(),
                 "no snapshot after a failed write"
@@ -2874,7 +2884,7 @@ mod tests {
                 assert!(futures_lite::future::poll_once(&mut ack).await.is_none());
             }
             writes.borrow_mut().clear();
-            g.snapshot_if_due(1_000);
+            g.snapshot_if_due(1_000, 0);
             assert!(
                 writes.borrow().is_empty(),
                 "no snapshot after an unseen outcome"
@@ -2884,8 +2894,31 @@ mod tests {
             let (g, writes) = shard_with_held_writes();
             g.retire();
             assert!(g.write("w", &[Some(Event::Ack(1))]).await.is_err());
-            g.snapshot_if_due(1_000);
+            g.snapshot_if_due(1_000, 0);
             assert!(writes.borrow().is_empty());
+        });
+    }
+
+    /// A snapshot leaves out the dead letters below the log's first offset: their
+    /// records are gone, and kept they grew every snapshot past its bound.
+    #[test]
+    fn a_snapshot_leaves_out_dead_letters_retention_removed() {
+        felix_core_runtime::task::block_on(async {
+            let (g, writes) = shard_with_held_writes();
+            let dead: Vec<_> = [1, 4, 9].map(|o| Some(Event::Dead(o))).to_vec();
+            let mut written = std::pin::pin!(g.write("w", &dead));
+            assert!(
+                futures_lite::future::poll_once(&mut written)
+                    .await
+                    .is_none()
+            );
+            first_write(&writes).send(appended()).unwrap();
+            written.await.unwrap();
+            writes.borrow_mut().clear();
+            g.snapshot_if_due(1_000, 5);
+            let snapshot = writes.borrow_mut().remove(0).0;
+            let state = decode_snapshot(snapshot[0].clone(), g.limits).unwrap();
+            assert_eq!(state["w"].durable().dead, vec![9]);
         });
     }
 

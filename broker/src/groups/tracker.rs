@@ -433,14 +433,7 @@ impl Tracker {
     /// Offsets below `base` are gone from the log (retention): they are finished,
     /// unread. Returns how many were skipped. Not durable: recovery skips them again.
     pub fn skip_below(&mut self, base: u64) -> u64 {
-        // Records owed again below the cursor (a redrive, a seek back) that retention
-        // has removed since: none can be delivered, and handed out they would fail
-        // every poll that claims them until they reached the dead letters.
-        while let Some((&o, _)) = self.owed.first_key_value()
-            && o < base
-        {
-            self.owed.remove(&o);
-        }
+        self.forget_gone_below(base);
         while let Some((&o, _)) = self.in_flight.first_key_value()
             && o < base
         {
@@ -459,6 +452,26 @@ impl Tracker {
             self.committed = end;
         }
         skipped
+    }
+
+    /// Forgets the owed records and dead letters below `base`, gone from the log
+    /// (retention). Owed ones (a redrive, a seek back) cannot be delivered, and handed
+    /// out they would fail every poll that claims them until they reached the dead
+    /// letters; dead letters can be neither redriven nor read, and kept they grew the
+    /// group's memory and its snapshots for as long as the stream lived (past
+    /// [`super::SNAPSHOT_MAX_BYTES`] no snapshot is written, and every build folds the
+    /// whole log).
+    pub fn forget_gone_below(&mut self, base: u64) {
+        while let Some((&o, _)) = self.owed.first_key_value()
+            && o < base
+        {
+            self.owed.remove(&o);
+        }
+        while let Some(&o) = self.dead.first()
+            && o < base
+        {
+            self.dead.remove(&o);
+        }
     }
 
     /// An offset handed out that holds no record for consumers (a replication marker):
@@ -1163,6 +1176,23 @@ mod tests {
         assert_eq!(back.committed(), 4);
         // Offset 2 is owed again, offset 4 was never finished: both go out; 0, 1, 3 never.
         assert_eq!(offsets(&back.claim(5, 10, 0, 0, None)), vec![2, 4]);
+    }
+
+    /// Dead letters and owed records whose records retention removed are forgotten
+    /// with them; those at or past the log's first offset stay.
+    #[test]
+    fn dead_letters_and_owed_records_below_the_logs_start_are_forgotten() {
+        let mut t = Tracker::new(0, limits());
+        t.claim(12, 12, 0, 0, None);
+        for o in 0..12 {
+            t.dead_letter(o, 0).unwrap();
+        }
+        t.apply(Event::Redrive(3));
+        t.apply(Event::Redrive(11));
+        assert_eq!(t.dead_letters().count(), 10);
+        t.skip_below(10);
+        assert_eq!(t.dead_letters().collect::<Vec<_>>(), vec![10]);
+        assert_eq!(t.durable().owed, vec![11], "owed 3 is gone, 11 stays");
     }
 
     #[test]
