@@ -3970,6 +3970,14 @@ impl CoreBroker {
             self.save_producers(&s).await;
         }
         let stream = self.streams.borrow_mut().remove(key);
+        if let Some(Slot::Ready(s)) = &stream
+            && let Some(groups) = s.groups.borrow().as_ref()
+        {
+            // Nothing of them is written after the close: a poll left waiting on them
+            // (a deleted stream's) would write into whatever opens under the name next,
+            // a stream made again. A re-pin took their state before the close.
+            groups.retire();
+        }
         let cache = self.caches.borrow_mut().remove(key);
         if let Some(Slot::Ready(c)) = &cache {
             c.release_watches();

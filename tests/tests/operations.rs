@@ -3086,3 +3086,105 @@ fn a_cache_watch_goes_on_across_a_re_pin() {
         }
     });
 }
+
+/// A group poll left waiting on a stream that is deleted and made again under the same
+/// name writes nothing into the new stream: a claim of the old stream lapsing on its
+/// last attempt while the poll waited was dead-lettered into the new stream's log (the
+/// groups' writer went by name), and the new stream's group of that name listed the
+/// new stream's first record as dead and passed over it.
+#[test]
+fn a_poll_waiting_on_a_deleted_stream_writes_nothing_into_the_one_made_again() {
+    use felix_client::{GroupRef, PollOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(
+        dir.path(),
+        "housekeeping_ms: 100\ncores: \"0\"\ngroup_max_attempts: 1\n",
+        &["--fsync", "none"],
+    );
+    let admin = b.admin().unwrap();
+    let streams = "/v1/tenants/dev/namespaces/default/streams";
+    let create = || {
+        admin.post(
+            streams,
+            &json!({"stream": "regrouped", "kind": "Stream", "shards": 1}),
+        )
+    };
+    create().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        let g = GroupRef::new("dev", "default", "regrouped", 0, "g");
+        c.publish(
+            "dev",
+            "default",
+            "regrouped",
+            b"old".to_vec(),
+            AckMode::PerMessage,
+        )
+        .await
+        .unwrap();
+        // Claimed on its last attempt, lapsing in 3 s.
+        let claimed = c
+            .group_poll(
+                &g,
+                PollOptions {
+                    max_records: 1,
+                    wait: Duration::from_secs(5),
+                    visibility: Some(Duration::from_secs(3)),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(claimed.len(), 1);
+        // A poll waiting past the lapse.
+        let waiting = {
+            let (c, g) = (c.clone(), g.clone());
+            tokio::spawn(async move {
+                c.group_poll(
+                    &g,
+                    PollOptions {
+                        max_records: 1,
+                        wait: Duration::from_secs(8),
+                        visibility: None,
+                    },
+                )
+                .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        delete_and_make_again(&admin, &format!("{streams}/regrouped"), create);
+        let first = first_taken(Duration::from_secs(10), || {
+            c.publish(
+                "dev",
+                "default",
+                "regrouped",
+                b"new".to_vec(),
+                AckMode::PerMessage,
+            )
+        })
+        .await;
+        // Past the old claim's lapse, with the old poll still waiting (or ended).
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let _ = waiting.await;
+        let dead = c.group_dead_letters(&g).await.unwrap_or_default();
+        assert!(dead.is_empty(), "dead letters in the new stream: {dead:?}");
+        let got = c
+            .group_poll(
+                &g,
+                PollOptions {
+                    max_records: 10,
+                    wait: Duration::from_secs(2),
+                    visibility: None,
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            got.iter()
+                .map(|r| (r.offset.0, r.payload.to_vec()))
+                .collect::<Vec<_>>(),
+            vec![(first.unwrap(), b"new".to_vec())],
+            "the new stream's record goes out"
+        );
+    });
+}
