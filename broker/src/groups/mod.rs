@@ -509,10 +509,10 @@ pub struct GroupShard {
     /// for none: a write that failed (its offset given back, or refused at admission)
     /// is only seen failed once its answer comes, and a snapshot taken before that
     /// would hold an event the log lacks.
-    pending: Cell<usize>,
+    pending: Rc<Cell<usize>>,
     /// A snapshot came due while writes were pending: the log's size then, taken when
     /// the last of them is answered.
-    deferred: Cell<Option<u64>>,
+    deferred: Rc<Cell<Option<u64>>>,
     /// Snapshots started since [`GroupShard::take_snapshots`] last asked.
     started: Cell<u64>,
     /// Set when the shard's groups were dropped (a leadership change): a request still
@@ -715,26 +715,27 @@ impl Drop for Changing<'_> {
     }
 }
 
-/// One group event write awaiting its answer (counted in [`GroupShard::pending`]). A
-/// write whose request was dropped before the answer came may have failed unseen: it
-/// ends snapshots like a failure.
-struct Waiting<'a> {
-    shard: &'a GroupShard,
+/// A group event write handed to the writer, counted in [`GroupShard::pending`] until
+/// answered. Failed (or dropped unanswered: its outcome unknown), it ends snapshots
+/// until the groups are built again: the events-only copy may hold an event the log
+/// lacks.
+struct Settle {
+    pending: Rc<Cell<usize>>,
+    deferred: Rc<Cell<Option<u64>>>,
+    folded: Rc<RefCell<Option<HashMap<String, Tracker>>>>,
     ok: bool,
 }
 
-impl<'a> Waiting<'a> {
-    fn start(shard: &'a GroupShard) -> Self {
-        shard.pending.set(shard.pending.get() + 1);
-        Waiting { shard, ok: false }
-    }
-}
-
-impl Drop for Waiting<'_> {
+impl Drop for Settle {
     fn drop(&mut self) {
-        self.shard.pending.set(self.shard.pending.get() - 1);
+        self.pending.set(self.pending.get() - 1);
         if !self.ok {
-            self.shard.stop_snapshots();
+            self.deferred.set(None);
+            if self.folded.borrow_mut().take().is_some() {
+                tracing::warn!(
+                    "a group event write failed: no more group snapshots on this shard until its groups are built again"
+                );
+            }
         }
     }
 }
@@ -929,8 +930,8 @@ impl GroupShard {
             folded: Rc::new(RefCell::new(state.folded)),
             snapshot_mark: Cell::new(state.snapshot_mark),
             snapshot_base: Cell::new(0),
-            pending: Cell::new(0),
-            deferred: Cell::new(None),
+            pending: Rc::default(),
+            deferred: Rc::default(),
             started: Cell::new(0),
             retired: Cell::new(false),
             lead_check: RefCell::new(None),
@@ -1000,6 +1001,49 @@ impl GroupShard {
         if self.retired.get() {
             return Err(BrokerError::ShardUnavailable("not_ready".into()));
         }
+        let written = self.start_write(group, events).await;
+        if written.is_ok()
+            && self.pending.get() == 0
+            && let Some(size) = self.deferred.take()
+        {
+            self.snapshot_now(size);
+        }
+        written
+    }
+
+    /// As [`GroupShard::write`], but the write runs to completion whatever becomes of
+    /// its caller: for a request that may be cancelled mid-write (a poll whose
+    /// connection closed while it dead-lettered). Cancelled, a write awaited in place
+    /// was counted failed and ended snapshots until the groups were built again,
+    /// though its event most likely reached the log.
+    async fn write_to_completion(
+        &self,
+        group: &str,
+        events: &[Option<Event>],
+    ) -> Result<(), BrokerError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        if self.retired.get() {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
+        let (answer, answered) = futures_channel::oneshot::channel();
+        let written = self.start_write(group, events);
+        task::spawn(async move {
+            let _ = answer.send(written.await);
+        })
+        .detach();
+        answered.await.unwrap_or(Err(BrokerError::Draining))
+    }
+
+    /// Hands `events` of `group` to the writer now; the returned future waits for them
+    /// to be durable and settles the write's count in [`GroupShard::pending`] (a
+    /// failed one ends snapshots, see [`Settle`]).
+    fn start_write(
+        &self,
+        group: &str,
+        events: &[Option<Event>],
+    ) -> impl Future<Output = Result<(), BrokerError>> + 'static {
         let records: Vec<Bytes> = events.iter().map(|e| encode(group, *e)).collect();
         // With no await in between: the writer claims the events' offsets in the order
         // the folded state takes them.
@@ -1008,31 +1052,22 @@ impl GroupShard {
                 fold_event(folded, group, *e, self.limits);
             }
         }
-        let mut waiting = Waiting::start(self);
-        let written = (self.writer)(records).await;
-        waiting.ok = written.is_ok();
-        drop(waiting);
-        if let Ok(a) = &written {
-            self.note_batch(a.first, a.end, false);
-        }
-        if written.is_ok()
-            && self.pending.get() == 0
-            && let Some(size) = self.deferred.take()
-        {
-            self.snapshot_now(size);
-        }
-        written?;
-        Ok(())
-    }
-
-    /// No more snapshots until the groups are built again: the events-only copy may
-    /// hold an event the log lacks.
-    fn stop_snapshots(&self) {
-        self.deferred.set(None);
-        if self.folded.borrow_mut().take().is_some() {
-            tracing::warn!(
-                "a group event write failed: no more group snapshots on this shard until its groups are built again"
-            );
+        self.pending.set(self.pending.get() + 1);
+        let written = (self.writer)(records);
+        let mut settle = Settle {
+            pending: self.pending.clone(),
+            deferred: self.deferred.clone(),
+            folded: self.folded.clone(),
+            ok: false,
+        };
+        let known = self.known_empty.clone();
+        async move {
+            let a = written.await;
+            settle.ok = a.is_ok();
+            drop(settle);
+            let a = a?;
+            known.set(known.get().saw(a.first, a.end, false));
+            Ok(())
         }
     }
 
@@ -1519,7 +1554,7 @@ impl GroupShard {
             if !claimed.dead.is_empty() {
                 let events: Vec<_> = claimed.dead.iter().map(|o| Some(Event::Dead(*o))).collect();
                 let _writing = DeadWriting::start(self, group, &claimed.dead);
-                if let Err(e) = self.write(group, &events).await {
+                if let Err(e) = self.write_to_completion(group, &events).await {
                     self.tracker(group, |t| claimed.dead.iter().for_each(|o| t.undo_dead(*o)));
                     self.tracker(group, |t| {
                         fresh
@@ -3196,6 +3231,45 @@ mod tests {
             assert!(writes.borrow().is_empty());
             assert!(!g.groups.borrow().contains_key("w"));
             assert!(!g.folded.borrow().as_ref().unwrap().contains_key("w"));
+        });
+    }
+
+    /// A poll dropped while its dead letter is being written (its connection closed)
+    /// leaves the write to finish: once it succeeds, snapshots go on. Awaited in place,
+    /// the dropped write counted as failed and ended snapshots on the shard until its
+    /// groups were built again (a restart: a fold of the whole log).
+    #[test]
+    fn a_poll_dropped_mid_dead_letter_keeps_snapshots_going() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            publish_visible(&stream, 1).await;
+            let (g, writes) = one_attempt_claimed_due_in_200_ms();
+            felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
+            {
+                let mut poll = std::pin::pin!(g.serve(&stream, poll_now(10)));
+                assert!(poll_once(&mut poll).await.is_none());
+                assert_eq!(writes.borrow().len(), 1, "the dead letter's write");
+            }
+            first_write(&writes).send(appended()).unwrap();
+            felix_core_runtime::task::yield_now().await;
+            assert!(g.folded.borrow().is_some(), "snapshots ended");
+            assert_eq!(g.pending.get(), 0);
+            g.snapshot_if_due(1 << 40, 0);
+            assert_eq!(writes.borrow().len(), 1, "a snapshot is written");
+            // Failed, the dropped write ends them.
+            let (g, writes) = one_attempt_claimed_due_in_200_ms();
+            felix_core_runtime::task::sleep(Duration::from_millis(250)).await;
+            {
+                let mut poll = std::pin::pin!(g.serve(&stream, poll_now(10)));
+                assert!(poll_once(&mut poll).await.is_none());
+            }
+            first_write(&writes)
+                .send(Err(BrokerError::Unacknowledged("lost".into())))
+                .unwrap();
+            felix_core_runtime::task::yield_now().await;
+            assert!(g.folded.borrow().is_none());
         });
     }
 
