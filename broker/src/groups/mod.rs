@@ -740,6 +740,10 @@ impl Drop for Settle {
     }
 }
 
+/// Folds of the log one [`GroupShard::build`] tries when retention removes a segment
+/// under it.
+const BUILD_TRIES: usize = 3;
+
 /// How [`GroupShard::build`] went.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Built {
@@ -784,12 +788,36 @@ impl GroupShard {
     }
 
     /// [`GroupShard::build`], keeping at most `keep_max` bytes of group records.
+    ///
+    /// Retention may remove a segment the build has listed but not read yet: it
+    /// carries the groups' state to the log's tail first (a snapshot past where the
+    /// build stopped looking), so a build that meets a removed segment starts again
+    /// from the log as it is now, a few times, rather than fail every group request.
     async fn build_keeping(
         stream: &StreamShard,
         limits: Limits,
         writer: GroupWriter,
         keep_max: usize,
     ) -> Result<Self, BrokerError> {
+        let mut tries = 0;
+        let (state, built) = loop {
+            tries += 1;
+            match Self::fold_log(stream, limits, keep_max).await {
+                Err(BrokerError::Cursor { .. }) if tries < BUILD_TRIES => continue,
+                other => break other?,
+            }
+        };
+        let mut shard = Self::from_state(state, limits, writer);
+        shard.built = built;
+        Ok(shard)
+    }
+
+    /// The groups folded from the log (see [`GroupShard::build`]).
+    async fn fold_log(
+        stream: &StreamShard,
+        limits: Limits,
+        keep_max: usize,
+    ) -> Result<(GroupState, Built), BrokerError> {
         let base = stream.log.base_offset();
         let end = stream.log.committed_end();
         let (mut groups, mut from_snapshot) = (HashMap::new(), None);
@@ -898,20 +926,17 @@ impl GroupShard {
         for t in groups.values_mut() {
             t.inherit_below(end);
         }
-        let mut shard = Self::from_state(
+        Ok((
             GroupState {
                 folded: Some(groups.clone()),
                 trackers: groups,
                 snapshot_mark: stream.log.size_bytes().saturating_sub(after),
             },
-            limits,
-            writer,
-        );
-        shard.built = Built {
-            from_snapshot,
-            read_bytes,
-        };
-        Ok(shard)
+            Built {
+                from_snapshot,
+                read_bytes,
+            },
+        ))
     }
 
     /// The groups as another core left them (a live re-pin hands them over with the
@@ -2118,6 +2143,49 @@ mod tests {
                 built_from(&whole, &stream),
                 "the whole log was folded"
             );
+        });
+    }
+
+    /// A build that meets a segment retention removed after the build listed the
+    /// segments folds the log again as it is now, instead of failing (every group
+    /// request on the shard failed with it while the race lasted).
+    #[test]
+    fn a_build_that_meets_a_segment_retention_removed_folds_again() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let config = felix_storage_uring::LogConfig {
+                segment_bytes_max: 64 << 10,
+                ..Default::default()
+            };
+            let stream = stream_with(dir.path(), config).await;
+            let data = Bytes::from(vec![b'd'; 1000]);
+            for (group, event) in random_events(23, 300) {
+                let pending = stream
+                    .log
+                    .begin_append(std::slice::from_ref(&data), 0, None)
+                    .unwrap();
+                stream.log.commit(pending).await.unwrap();
+                let pending = stream.log.begin_group(&[encode(&group, event)], 0).unwrap();
+                stream.log.commit(pending).await.unwrap();
+            }
+            let segments = stream.log.segment_bases().len();
+            assert!(segments > 3);
+            let writer: GroupWriter = Box::new(|_| Box::pin(async { Err(BrokerError::Draining) }));
+            let mut build = std::pin::pin!(GroupShard::build(&stream, Limits::default(), writer));
+            assert!(
+                poll_once(&mut build).await.is_none(),
+                "reading the newest segment"
+            );
+            let removed = stream
+                .log
+                .enforce_retention_with(0, Some(128 << 10), None)
+                .await
+                .unwrap();
+            assert!(removed > 0);
+            let g = build.await.expect("built from what retention left");
+            assert_eq!(g.built.from_snapshot, None);
+            assert!(stream.log.base_offset() > 0);
         });
     }
 
