@@ -1892,11 +1892,13 @@ impl CoreBroker {
                         Some(Err(e)) => {
                             this.metrics.quorum_unknown.fetch_add(1, Ordering::Relaxed);
                             rs.fan_out_later(appended.end);
+                            forget_groups_if_group_write(&rs, &commit);
                             return Err(e);
                         }
                         None => {
                             this.metrics.quorum_unknown.fetch_add(1, Ordering::Relaxed);
                             rs.fan_out_later(appended.end);
+                            forget_groups_if_group_write(&rs, &commit);
                             return Err(BrokerError::Unacknowledged(
                                 "a majority of replicas did not confirm the write in time".into(),
                             ));
@@ -1920,6 +1922,7 @@ impl CoreBroker {
                 if deposed || !this.may_acknowledge(&rs) {
                     this.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
                     rs.fan_out_later(appended.end);
+                    forget_groups_if_group_write(&rs, &commit);
                     return Err(BrokerError::Unacknowledged(
                         "the lease lapsed or the shard was reassigned before the write was acknowledged"
                             .into(),
@@ -4391,6 +4394,23 @@ impl crate::shard::CompactionWrites for ReplicatedWrites {
         self.append(std::slice::from_ref(&marker), now_micros)
             .await?;
         Ok(0)
+    }
+}
+
+/// After a group event written to a replicated shard whose outcome is unknown (its
+/// quorum not confirmed in time, or the lease or leadership lost before the ack): it
+/// stays in the log and may yet commit, but the request that wrote it sees a failure
+/// and applies nothing (a seek, a delete, a redrive, an ack), so the groups in memory
+/// no longer fold the log. They are dropped, and the next group request builds them
+/// from the log: a delete answered `unacknowledged` while the group served on at its
+/// old cursor came back at a rebuild and replayed what had been acked before it.
+fn forget_groups_if_group_write(
+    rs: &crate::replication::replica::ReplicaShard,
+    commit: &Option<Special>,
+) {
+    if let (Some(Special::Group), crate::replication::replica::Held::Stream(s)) = (commit, &rs.held)
+    {
+        s.forget_groups();
     }
 }
 

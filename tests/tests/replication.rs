@@ -773,6 +773,78 @@ fn a_quorum_publish_answered_outcome_unknown_reaches_subscribers_when_it_commits
     assert_eq!(e.payload.as_ref(), b"two");
 }
 
+/// A group delete answered `unacknowledged` (no follower reachable) stays in the log,
+/// and the leader's groups follow the log: the group is gone once the links heal, as a
+/// rebuild from the log has it. Before, the delete was applied nowhere in memory: the
+/// group served on at its cursor, and a rebuild (a restart, a failover) dropped it and
+/// made it again from the acks after the delete, from offset 0.
+#[test]
+fn a_quorum_group_delete_answered_outcome_unknown_is_applied_as_the_log_has_it() {
+    use felix_client::{GroupRef, PollOptions};
+    use felix_cluster::proxy::{Link, Party};
+    let c = proxied_cluster();
+    c.create_stream("gunk", 1, 3, "Quorum").unwrap();
+    let (leader, _) = c
+        .wait_leader("gunk", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rules = c.net.as_ref().expect("proxies").rules.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (addr, config) = (c.brokers[leader].listen, c.client_config().unwrap());
+    let g = GroupRef::new(TENANT, NAMESPACE, "gunk", 0, "g");
+    let client = rt.block_on(async {
+        let client = felix_client::Client::connect(addr, "localhost", config)
+            .await
+            .unwrap();
+        publish_until_taken(&client, "gunk", "one").await;
+        let got = client
+            .group_poll(
+                &g,
+                PollOptions {
+                    max_records: 10,
+                    wait: Duration::from_secs(5),
+                    visibility: None,
+                },
+            )
+            .await
+            .unwrap();
+        for r in &got {
+            client.group_ack(&g, r.offset.0).await.unwrap();
+        }
+        let info = client.group_describe(&g).await.unwrap();
+        assert!(info.committed.is_some_and(|c| c > 0), "{info:?}");
+        client
+    });
+    for f in (0..3).filter(|&i| i != leader) {
+        rules.set_both(Party::Node(leader), Party::Node(f), Link::cut());
+    }
+    let unknown = rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(10), client.group_delete(&g)).await
+    });
+    assert!(
+        !matches!(unknown, Ok(Ok(_))),
+        "with no follower reachable the delete cannot be acknowledged: {unknown:?}"
+    );
+    eprintln!("delete answered: {unknown:?}");
+    rules.heal();
+    let gone = rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match client.group_describe(&g).await {
+                Ok(info) => break info,
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("not served yet: {e}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => panic!("the group is never described: {e}"),
+            }
+        }
+    });
+    assert_eq!(
+        gone.committed, None,
+        "the deleted group serves on: {gone:?}"
+    );
+}
+
 /// A delete that arrives while a put of its key is still replicating must remove
 /// what the put writes: the put is first in the log. The index holds a Quorum write
 /// only once it commits, so a delete that looked there first found nothing, wrote

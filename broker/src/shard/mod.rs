@@ -332,12 +332,18 @@ impl StreamShard {
         *self.producers.borrow_mut() = None;
         self.untagged_from.set(None);
         self.producers_epoch.set(self.producers_epoch.get() + 1);
+        self.forget_groups();
+        self.appended.wake_all();
+    }
+
+    /// Drops the groups built from the log: retired, so requests still running on them
+    /// write nothing more; the next group request builds them again from the log.
+    pub fn forget_groups(&self) {
         if let Some(groups) = self.groups.borrow_mut().take() {
             groups.retire();
             self.groups_snapshot_mark.set(groups.snapshot_mark());
         }
         *self.handed_groups.borrow_mut() = None;
-        self.appended.wake_all();
     }
 
     /// Notes a claim of `first..end` made on this core (tagged when idempotent), so the
