@@ -202,8 +202,16 @@ pub(crate) async fn read_message(
 }
 
 /// Acked publishes waiting for their answer, by request id.
-type PendingAcks =
-    Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<Result<Option<u64>, ClientError>>>>>;
+type PendingAcks = Arc<std::sync::Mutex<AckWaiters>>;
+
+/// The publishes of one publish stream waiting for their ack.
+#[derive(Default)]
+struct AckWaiters {
+    waiting: HashMap<u64, oneshot::Sender<Result<Option<u64>, ClientError>>>,
+    /// The stream's acks reader stopped (and failed every publish waiting then): one
+    /// registering after would never be answered and wait out its timeout.
+    ended: bool,
+}
 
 /// The connection's long-lived publish stream, the task reading its acks, and the
 /// publishes waiting for one.
@@ -212,6 +220,16 @@ struct PublishStream {
     /// How the stream ended (see [`AcksEnd`]).
     acks: tokio::task::JoinHandle<AcksEnd>,
     pending: PendingAcks,
+    /// Whether a publish owed no ack was sent on it: lost unseen should the stream end
+    /// before the broker read it.
+    unacked_sent: bool,
+}
+
+impl PublishStream {
+    /// Its acks reader stopped: a publish sent on it would go unread or unanswered.
+    fn ended(&self) -> bool {
+        self.acks.is_finished() || self.pending.lock().expect("acks lock").ended
+    }
 }
 
 /// A publish's place in [`PendingAcks`], given up when the call ends, answered or not
@@ -225,7 +243,7 @@ struct AckSlot {
 impl Drop for AckSlot {
     fn drop(&mut self) {
         if let Ok(mut acks) = self.acks.lock() {
-            acks.remove(&self.id);
+            acks.waiting.remove(&self.id);
         }
     }
 }
@@ -268,6 +286,9 @@ struct Inner {
     config: ClientConfig,
     negotiated: Negotiated,
     publish: Mutex<Option<PublishStream>>,
+    /// The first loss of publishes owed no ack on a publish stream since replaced (see
+    /// [`Client::note_publish_stream_end`]), reported by the next flush.
+    unacked_lost: std::sync::Mutex<Option<ClientError>>,
     /// Acked publishes in flight: `publish_window`, or the broker's when smaller.
     publish_window: tokio::sync::Semaphore,
     requests: Mutex<Option<Stream>>,
@@ -347,6 +368,7 @@ impl Client {
                 config,
                 negotiated,
                 publish: Mutex::new(None),
+                unacked_lost: std::sync::Mutex::new(None),
                 publish_window: tokio::sync::Semaphore::new(window),
                 requests: Mutex::new(Some(requests)),
                 router,
@@ -636,36 +658,43 @@ impl Client {
         };
         let rx = {
             let mut publish = self.inner.publish.lock().await;
-            if publish.as_ref().is_none_or(|p| p.acks.is_finished()) {
-                // None yet, or its acks reader ended (the broker finished or reset the
-                // stream): a publish written there would wait out its timeout unread.
-                let (s, _) =
-                    open_stream(&self.inner.conn, &self.inner.config, self.inner.addr).await?;
-                let pending = PendingAcks::default();
-                let acks = tokio::spawn(read_acks(
-                    s.recv,
-                    s.reader,
-                    pending.clone(),
-                    self.inner.addr,
-                ));
-                *publish = Some(PublishStream {
-                    send: s.send,
-                    acks,
-                    pending,
-                });
-            }
             // Registered with this stream's reader: one that ends fails only what was
             // sent on it.
-            let rx = (ack != AckMode::None).then(|| {
-                let pending = &publish.as_ref().expect("just opened").pending;
-                let (tx, rx) = oneshot::channel();
-                pending.lock().expect("acks lock").insert(id, tx);
-                let slot = AckSlot {
-                    acks: pending.clone(),
-                    id,
-                };
-                (rx, slot)
-            });
+            let rx = loop {
+                if publish.as_ref().is_none_or(PublishStream::ended) {
+                    // None yet, or its acks reader ended (the broker finished or reset
+                    // the stream): a publish written there would wait out its timeout
+                    // unread.
+                    if let Some(old) = publish.take() {
+                        self.note_publish_stream_end(old).await;
+                    }
+                    let (s, _) =
+                        open_stream(&self.inner.conn, &self.inner.config, self.inner.addr).await?;
+                    let pending = PendingAcks::default();
+                    let acks = tokio::spawn(read_acks(
+                        s.recv,
+                        s.reader,
+                        pending.clone(),
+                        self.inner.addr,
+                    ));
+                    *publish = Some(PublishStream {
+                        send: s.send,
+                        acks,
+                        pending,
+                        unacked_sent: false,
+                    });
+                }
+                let p = publish.as_mut().expect("just opened");
+                if ack == AckMode::None {
+                    p.unacked_sent = true;
+                    break None;
+                }
+                match register_ack(&p.pending, id) {
+                    Some(waiting) => break Some(waiting),
+                    // It ended since the look above: another stream.
+                    None => continue,
+                }
+            };
             let mut writing = Writing {
                 stream: Some(&mut *publish),
             };
@@ -697,6 +726,41 @@ impl Client {
         }
     }
 
+    /// Looks at how a publish stream being replaced ended: a refusal of a publish owed
+    /// no ack, or an end before the broker read it all with such publishes sent on it,
+    /// is kept for [`Client::flush_publishes`] (the first one). Replaced in silence,
+    /// the `felix` command exited 0 after publishes refused or never read.
+    async fn note_publish_stream_end(&self, old: PublishStream) {
+        if !old.acks.is_finished() {
+            // Its reader stopped but the task has not returned yet: it is about to.
+            let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                while !old.acks.is_finished() {
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await;
+        }
+        let lost = match old.acks.await {
+            Ok(AcksEnd {
+                unacked_refused: Some(e),
+                ..
+            }) => Some(e),
+            Ok(AcksEnd { clean: true, .. }) => None,
+            _ if old.unacked_sent => Some(ClientError::connection(
+                self.inner.addr,
+                "a publish stream failed before the broker read it to its end",
+            )),
+            _ => None,
+        };
+        if let Some(e) = lost {
+            self.inner
+                .unacked_lost
+                .lock()
+                .expect("unacked lock")
+                .get_or_insert(e);
+        }
+    }
+
     /// Waits until the broker has read every publish sent so far on this connection's
     /// publish stream, those sent without an ack included: the stream is finished and
     /// its acks reader runs to the broker's end of it (the next publish opens another).
@@ -705,7 +769,12 @@ impl Client {
     /// first such publish the broker refused since the stream opened (it could not
     /// read it) is the error.
     pub async fn flush_publishes(&self) -> Result<(), ClientError> {
-        let Some(mut p) = self.inner.publish.lock().await.take() else {
+        let taken = self.inner.publish.lock().await.take();
+        let earlier = self.inner.unacked_lost.lock().expect("unacked lock").take();
+        if let Some(e) = earlier {
+            return Err(e);
+        }
+        let Some(mut p) = taken else {
             return Ok(());
         };
         p.send
@@ -1637,10 +1706,36 @@ async fn read_acks(
             break e;
         }
     };
-    for (_, tx) in pending.lock().expect("acks lock").drain() {
+    end_waiters(&pending, &end);
+    ended
+}
+
+/// A place for publish `id`'s ack among `pending`'s, or `None` once their stream's
+/// reader has ended (nothing would answer it).
+fn register_ack(
+    pending: &PendingAcks,
+    id: u64,
+) -> Option<(oneshot::Receiver<Result<Option<u64>, ClientError>>, AckSlot)> {
+    let mut waiters = pending.lock().expect("acks lock");
+    if waiters.ended {
+        return None;
+    }
+    let (tx, rx) = oneshot::channel();
+    waiters.waiting.insert(id, tx);
+    let slot = AckSlot {
+        acks: pending.clone(),
+        id,
+    };
+    Some((rx, slot))
+}
+
+/// Fails every publish waiting in `pending` with `end`, and refuses later ones.
+fn end_waiters(pending: &PendingAcks, end: &ClientError) {
+    let mut waiters = pending.lock().expect("acks lock");
+    waiters.ended = true;
+    for (_, tx) in waiters.waiting.drain() {
         let _ = tx.send(Err(end.clone()));
     }
-    ended
 }
 
 /// Hands one ack (or refusal) read from a publish stream to the publish waiting for
@@ -1707,7 +1802,7 @@ fn answer_ack(
             ));
         }
     };
-    if let Some(tx) = pending.lock().expect("acks lock").remove(&id) {
+    if let Some(tx) = pending.lock().expect("acks lock").waiting.remove(&id) {
         let _ = tx.send(result);
     }
     Ok(())
@@ -1859,7 +1954,7 @@ mod tests {
         ];
         let pending = PendingAcks::default();
         let (tx, rx) = oneshot::channel();
-        pending.lock().unwrap().insert(7, tx);
+        pending.lock().unwrap().waiting.insert(7, tx);
         let addr: SocketAddr = "127.0.0.1:5000".parse().unwrap();
         let mut ended = AcksEnd::default();
         for f in frames {
@@ -1871,6 +1966,22 @@ mod tests {
             "{:?}",
             ended.unacked_refused
         );
+    }
+
+    /// A publish registering for its ack after its stream's reader ended is refused (it
+    /// takes another stream), not left waiting: the reader fails only those waiting
+    /// when it ends, and one registered just after waited out its whole timeout.
+    #[tokio::test]
+    async fn an_ack_place_taken_after_its_streams_reader_ended_is_refused() {
+        let pending = PendingAcks::default();
+        let (before, _slot) = register_ack(&pending, 1).unwrap();
+        end_waiters(&pending, &ClientError::connection("x", "reset"));
+        assert!(
+            matches!(before.await, Ok(Err(ClientError::Connection { .. }))),
+            "the one waiting is failed"
+        );
+        assert!(register_ack(&pending, 2).is_none(), "one after is refused");
+        assert!(pending.lock().unwrap().waiting.is_empty());
     }
 
     /// A broker's `unsupported` answer is `Unsupported` (nothing ran; not retried), not
