@@ -204,10 +204,13 @@ pub(crate) async fn read_message(
 /// Acked publishes waiting for their answer, by request id.
 type PendingAcks = Arc<std::sync::Mutex<AckWaiters>>;
 
+/// A publish's ack: its offset when the broker sends one.
+type AckAnswer = Result<Option<u64>, ClientError>;
+
 /// The publishes of one publish stream waiting for their ack.
 #[derive(Default)]
 struct AckWaiters {
-    waiting: HashMap<u64, oneshot::Sender<Result<Option<u64>, ClientError>>>,
+    waiting: HashMap<u64, oneshot::Sender<AckAnswer>>,
     /// The stream's acks reader stopped (and failed every publish waiting then): one
     /// registering after would never be answered and wait out its timeout.
     ended: bool,
@@ -1715,7 +1718,7 @@ async fn read_acks(
 fn register_ack(
     pending: &PendingAcks,
     id: u64,
-) -> Option<(oneshot::Receiver<Result<Option<u64>, ClientError>>, AckSlot)> {
+) -> Option<(oneshot::Receiver<AckAnswer>, AckSlot)> {
     let mut waiters = pending.lock().expect("acks lock");
     if waiters.ended {
         return None;
