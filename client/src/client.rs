@@ -1715,10 +1715,7 @@ async fn read_acks(
 
 /// A place for publish `id`'s ack among `pending`'s, or `None` once their stream's
 /// reader has ended (nothing would answer it).
-fn register_ack(
-    pending: &PendingAcks,
-    id: u64,
-) -> Option<(oneshot::Receiver<AckAnswer>, AckSlot)> {
+fn register_ack(pending: &PendingAcks, id: u64) -> Option<(oneshot::Receiver<AckAnswer>, AckSlot)> {
     let mut waiters = pending.lock().expect("acks lock");
     if waiters.ended {
         return None;
