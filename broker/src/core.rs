@@ -2598,7 +2598,14 @@ impl CoreBroker {
                     }
                 }
             }
-            None => self.cache_shard(key).await?,
+            None => {
+                // A start, as a get (a watch going on sees nothing new from a copy
+                // whose writes are refused).
+                if matches!(req, WatchReq::Start { .. }) {
+                    self.within_lease()?;
+                }
+                self.cache_shard(key).await?
+            }
         };
         match req {
             WatchReq::Start {
@@ -2803,7 +2810,10 @@ impl CoreBroker {
                 }
                 let shard = self.stream_shard(&key).await?;
                 let to = match self.replica_of(&key)? {
-                    None => shard.fanout_end(),
+                    None => {
+                        self.within_lease()?;
+                        shard.fanout_end()
+                    }
                     Some(rs) => {
                         // A read index: everything in the log now (which holds every
                         // write a previous leader acknowledged) must be committed before
@@ -3218,6 +3228,11 @@ impl CoreBroker {
         if let Some(rs) = self.replica_of(key)? {
             return self.cache_replicated(rs, op).await;
         }
+        // As a publish to an unreplicated stream: a broker whose lease lapsed may have
+        // had the shard placed elsewhere (an operator's abandon), and must neither
+        // acknowledge writes the new owner will never hold nor answer from a copy
+        // that is no longer the cache's.
+        self.within_lease()?;
         let shard = self.cache_shard(key).await?;
         if shard.compaction_due(self.shared.cache_compact_after) {
             let (shard, metrics) = (shard.clone(), self.metrics.clone());

@@ -530,6 +530,82 @@ fn a_broker_whose_lease_lapsed_takes_writes_again_within_a_heartbeat_of_reaching
     );
 }
 
+/// A broker whose lease lapsed answers no request of an unreplicated cache, as it
+/// takes no publish: the control plane may have placed the cache elsewhere (an
+/// operator's abandon), and its puts and counter adds would be acknowledged where the
+/// new owner never sees them, its gets answered from a copy that is no longer the
+/// cache's. (Caches took no look at the lease, while streams and groups did.)
+#[test]
+fn a_broker_whose_lease_lapsed_answers_no_request_of_an_unreplicated_cache() {
+    use felix_cluster::proxy::{Link, Party};
+    let c = TestCluster::start_with_proxies(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        1,
+        &[
+            "--heartbeat-interval-ms",
+            "200",
+            "--expiry-timeout-ms",
+            "3000",
+            "--placement-interval-ms",
+            "200",
+        ],
+        "",
+    )
+    .unwrap();
+    c.admin
+        .post(
+            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
+            &serde_json::json!({"cache": "solo", "shards": 1, "replication_factor": 1}),
+        )
+        .unwrap();
+    let rules = c.net.as_ref().expect("proxies").rules.clone();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (addr, config) = (c.brokers[0].listen, c.client_config().unwrap());
+    let client = rt
+        .block_on(felix_client::Client::connect(addr, "localhost", config))
+        .unwrap();
+    let stale = |e: &felix_client::ClientError| matches!(e, felix_client::ClientError::Broker(b) if b.message.contains("stale"));
+    rt.block_on(put_until_taken(&client, "solo", b"one"));
+    rules.set_both(Party::Node(0), Party::ControlPlane, Link::cut());
+    // Puts until one is refused `stale`: the lease lapsed (taken every time, the wait
+    // gave up).
+    let lapsed = wait_for("the lease to lapse", Duration::from_secs(5), || {
+        let put = rt.block_on(async {
+            tokio::time::timeout(
+                Duration::from_millis(300),
+                client.cache_put(
+                    TENANT,
+                    NAMESPACE,
+                    "solo",
+                    "k",
+                    bytes::Bytes::from_static(b"two"),
+                    None,
+                ),
+            )
+            .await
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        match put {
+            Ok(Err(e)) if stale(&e) => Some(()),
+            _ => None,
+        }
+    });
+    let (get, add) = rt.block_on(async {
+        tokio::join!(
+            client.cache_get(TENANT, NAMESPACE, "solo", "k"),
+            client.counter_add(TENANT, NAMESPACE, "solo", "n", 1),
+        )
+    });
+    rules.heal();
+    assert!(lapsed.is_ok(), "puts were taken past the lease");
+    assert!(
+        matches!(&get, Err(e) if stale(e)),
+        "a get answered: {get:?}"
+    );
+    assert!(matches!(&add, Err(e) if stale(e)), "an add taken: {add:?}");
+}
+
 /// A Quorum cache write whose majority did not answer in time is answered
 /// outcome-unknown, but it is in the leader's log and commits once the followers are
 /// back: the leader's index must then have it, as every replica's log does. It did
