@@ -37,6 +37,11 @@ use crate::shard::{CacheShard, Envelope, StreamShard};
 use arc_swap::ArcSwap;
 use felix_core_runtime::clock;
 
+/// How long a group request waits for the log to be committed past a group write whose
+/// outcome was unknown before the groups are built again; past it, `not_ready`
+/// (retryable).
+const GROUPS_SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Deliveries queued for one peer core beyond the mesh channel; more are dropped (the
 /// subscribers on that core see an offset gap).
 const OUTBOUND_MAX: usize = 4096;
@@ -1841,6 +1846,9 @@ impl CoreBroker {
         tag: Option<(u64, u64)>,
     ) -> impl std::future::Future<Output = Result<Appended, BrokerError>> + 'static {
         let this = self.clone();
+        // Group events that change a group (a snapshot restates what the groups hold).
+        let changes_groups = matches!(commit, Some(Special::Group))
+            && !records.iter().all(|r| crate::groups::is_snapshot(r));
         let admitted = if self.may_acknowledge(&rs) {
             match &commit {
                 None => rs.admit(&records, clock::wall_micros(), tag),
@@ -1892,13 +1900,13 @@ impl CoreBroker {
                         Some(Err(e)) => {
                             this.metrics.quorum_unknown.fetch_add(1, Ordering::Relaxed);
                             rs.fan_out_later(appended.end);
-                            forget_groups_if_group_write(&rs, &commit);
+                            forget_groups_if_changed(&rs, changes_groups);
                             return Err(e);
                         }
                         None => {
                             this.metrics.quorum_unknown.fetch_add(1, Ordering::Relaxed);
                             rs.fan_out_later(appended.end);
-                            forget_groups_if_group_write(&rs, &commit);
+                            forget_groups_if_changed(&rs, changes_groups);
                             return Err(BrokerError::Unacknowledged(
                                 "a majority of replicas did not confirm the write in time".into(),
                             ));
@@ -1922,7 +1930,7 @@ impl CoreBroker {
                 if deposed || !this.may_acknowledge(&rs) {
                     this.metrics.lease_refusals.fetch_add(1, Ordering::Relaxed);
                     rs.fan_out_later(appended.end);
-                    forget_groups_if_group_write(&rs, &commit);
+                    forget_groups_if_changed(&rs, changes_groups);
                     return Err(BrokerError::Unacknowledged(
                         "the lease lapsed or the shard was reassigned before the write was acknowledged"
                             .into(),
@@ -3130,6 +3138,17 @@ impl CoreBroker {
             task::sleep(std::time::Duration::from_millis(1)).await;
         }
         let building = BuildingGroups(stream);
+        // Dropped after a write whose outcome is unknown: built only from a log
+        // holding every group write claimed then (see `forget_groups_if_changed`).
+        let settled = task::timeout(GROUPS_SETTLE_WAIT, async {
+            while stream.log.committed_end() < stream.groups_settle_at.get() {
+                task::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        if settled.is_none() {
+            return Err(BrokerError::ShardUnavailable("not_ready".into()));
+        }
         // Handed over by another core (a re-pin): built from that, claims included.
         if let Some(state) = stream.handed_groups.borrow_mut().take() {
             drop(building);
@@ -4157,10 +4176,21 @@ impl CoreBroker {
             })
             .collect();
         for cache in caches {
-            // A replica expires nothing unless it leads.
+            // A replica expires nothing unless it leads; a plain cache nothing while
+            // the lease has lapsed (its writes would be refused `stale`, each one
+            // counted a refusal).
             match self.replica_of(&cache.key) {
                 Ok(Some(rs)) if !rs.serving() => continue,
                 Err(_) => continue,
+                Ok(None)
+                    if !self
+                        .shared
+                        .cluster
+                        .as_ref()
+                        .is_none_or(|c| c.lease_valid(clock::BootTime::now())) =>
+                {
+                    continue;
+                }
                 _ => {}
             }
             // Concurrently: the deletes share flushes (group commit).
@@ -4416,16 +4446,14 @@ impl crate::shard::CompactionWrites for ReplicatedWrites {
 /// quorum not confirmed in time, or the lease or leadership lost before the ack): it
 /// stays in the log and may yet commit, but the request that wrote it sees a failure
 /// and applies nothing (a seek, a delete, a redrive, an ack), so the groups in memory
-/// no longer fold the log. They are dropped, and the next group request builds them
-/// from the log: a delete answered `unacknowledged` while the group served on at its
-/// old cursor came back at a rebuild and replayed what had been acked before it.
-fn forget_groups_if_group_write(
-    rs: &crate::replication::replica::ReplicaShard,
-    commit: &Option<Special>,
-) {
-    if let (Some(Special::Group), crate::replication::replica::Held::Stream(s)) = (commit, &rs.held)
-    {
-        s.forget_groups();
+/// no longer fold the log. They are dropped, and built again from the log once this
+/// core's copy holds everything claimed now (this event, and any other group write in
+/// flight on the dropped groups, answered from them): a delete answered
+/// `unacknowledged` while the group served on at its old cursor came back at a rebuild
+/// and replayed what had been acked before it. A snapshot changes no group: kept.
+fn forget_groups_if_changed(rs: &crate::replication::replica::ReplicaShard, changes_groups: bool) {
+    if let (true, crate::replication::replica::Held::Stream(s)) = (changes_groups, &rs.held) {
+        s.forget_groups_until(rs.log().next_offset());
     }
 }
 

@@ -550,26 +550,32 @@ impl FifoBudget {
 mod tests {
     use super::*;
 
+    /// A forwarder trusting `certs`' authority, and a token holder to key peers by.
+    fn forwarder_trusting(certs: &felix_core_runtime::quic::GeneratedCerts) -> (Forwarder, Holder) {
+        let config = |again| {
+            felix_core_runtime::quic::forwarding_client_config(
+                std::slice::from_ref(&certs.ca_der),
+                transport_limits(),
+                again,
+            )
+            .unwrap()
+        };
+        let f = Forwarder::bind([config(false), config(true)], "localhost".into()).unwrap();
+        let holder = Holder {
+            tenant: "t".into(),
+            kid: "k".into(),
+            jti: None,
+        };
+        (f, holder)
+    }
+
     /// Each connection to a leader has its own budget: a leader slow to answer (its
     /// connection's budget spent) holds up only the forwards to it.
     #[test]
     fn a_leader_slow_to_answer_holds_up_only_its_own_forwards() {
         task::block_on(async {
             let certs = felix_core_runtime::quic::generate_certs(&["localhost"]).unwrap();
-            let config = |again| {
-                felix_core_runtime::quic::forwarding_client_config(
-                    std::slice::from_ref(&certs.ca_der),
-                    transport_limits(),
-                    again,
-                )
-                .unwrap()
-            };
-            let f = Forwarder::bind([config(false), config(true)], "localhost".into()).unwrap();
-            let holder = Holder {
-                tenant: "t".into(),
-                kid: "k".into(),
-                jti: None,
-            };
+            let (f, holder) = forwarder_trusting(&certs);
             let slow: PeerKey = (([127, 0, 0, 1], 7001).into(), holder.clone(), false);
             let healthy: PeerKey = (([127, 0, 0, 1], 7002).into(), holder, false);
             let spent = f.take_sent(&slow, SENT_MAX).await;
@@ -624,20 +630,7 @@ mod tests {
                 let accepted = task::spawn(async move { accepting.accept().await.is_some() });
                 leaders.push((ep, accepted));
             }
-            let config = |again| {
-                felix_core_runtime::quic::forwarding_client_config(
-                    std::slice::from_ref(&certs.ca_der),
-                    transport_limits(),
-                    again,
-                )
-                .unwrap()
-            };
-            let f = Forwarder::bind([config(false), config(true)], "localhost".into()).unwrap();
-            let holder = Holder {
-                tenant: "t".into(),
-                kid: "k".into(),
-                jti: None,
-            };
+            let (f, holder) = forwarder_trusting(&certs);
             for (ep, accepted) in leaders {
                 let addr = ep.local_addr();
                 let key: PeerKey = (addr, holder.clone(), false);

@@ -3,13 +3,12 @@
 //! It connects to the first endpoint that answers, asks that broker which others a
 //! client may use (discovery only ever adds: configured seeds are never removed), and
 //! when the broker in use fails, rebuilds its `Client` from the endpoints under the
-//! [`ReconnectPolicy`]: one pass over the endpoints per rebuild, the caller's own retry
-//! loop backing off between them. Only one rebuild runs at a time; concurrent callers
-//! wait for it, and take its failure if it failed.
+//! [`ReconnectPolicy`]. Only one rebuild runs at a time; concurrent callers wait for it,
+//! and take its failure if it failed.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -130,17 +129,12 @@ impl ClusterClient {
         self.current.read().expect("current lock").1
     }
 
-    /// Replaces the `Client` in use, unless someone already did since `seen`, with one
-    /// pass over the endpoints: the caller's own retry loop does the backing off (a
-    /// whole policy of connects inside each of its attempts made a call wait its
-    /// attempts times over). A caller that waited while another's pass failed takes
-    /// that failure rather than trying again at once.
+    /// Replaces the `Client` in use, unless someone already did since `seen`, under the
+    /// policy. A caller that waited while another's rebuild failed takes that failure
+    /// rather than running the whole policy of connects again at once (callers queued
+    /// behind a failed rebuild each ran theirs in turn: minutes with the seeds down).
     async fn reconnect(&self, seen: u64) -> Result<(), ClientError> {
-        let one_pass = ReconnectPolicy {
-            attempts: 1,
-            ..self.policy
-        };
-        let client = self
+        let installed = self
             .rebuild
             .run(
                 || self.generation() == seen,
@@ -149,21 +143,22 @@ impl ClusterClient {
                         &self.endpoints(),
                         &self.server_name,
                         &self.config,
-                        &one_pass,
+                        &self.policy,
                         &self.rng,
                     )
                     .await
                 },
+                // Under the rebuild's lock: a caller waiting for it must see the new
+                // generation, or it would connect a second time.
+                |client| {
+                    let mut cur = self.current.write().expect("current lock");
+                    *cur = (Arc::new(client), seen + 1);
+                },
             )
             .await?;
-        let Some(client) = client else {
-            return Ok(());
-        };
-        {
-            let mut cur = self.current.write().expect("current lock");
-            *cur = (Arc::new(client), seen + 1);
+        if installed.is_some() {
+            let _ = self.refresh_topology().await;
         }
-        let _ = self.refresh_topology().await;
         Ok(())
     }
 
@@ -250,7 +245,7 @@ impl ClusterClient {
     /// sending it again only after the failures `resend` allows.
     pub(crate) async fn with_retry<T, F, Fut>(
         &self,
-        resend: Resend,
+        resend: Resend<'_>,
         op: F,
     ) -> Result<T, ClientError>
     where
@@ -464,8 +459,9 @@ impl ClusterClient {
     /// that applied is refused (`offset_mismatch`) rather than applied twice (so that
     /// refusal does not say the commit did not apply). Without, a resend could append
     /// the event twice: after any failure that may have followed the send it gives up
-    /// `in_doubt` instead (a connection already closed is replaced first, so only a
-    /// failure during the call leaves it in doubt).
+    /// `in_doubt` instead. An attempt on a connection closed already sends nothing: it
+    /// is retried after a reconnect, as any other (a connection lost while the commit
+    /// was sent leaves it in doubt, whether or not the broker read it).
     #[allow(clippy::too_many_arguments)]
     pub async fn commit(
         &self,
@@ -477,15 +473,25 @@ impl ClusterClient {
         changes: Vec<felix_wire::message::StateChange>,
         expected_offset: Option<u64>,
     ) -> Result<u64, ClientError> {
+        let sent = AtomicBool::new(false);
         let resend = if expected_offset.is_some() {
             Resend::NotUnknown
         } else {
-            self.replace_if_closed().await;
-            Resend::Never
+            Resend::Never { sent: &sent }
         };
+        let sent = &sent;
         self.with_retry(resend, |c| {
             let (event, changes) = (event.clone(), changes.clone());
             async move {
+                // A connection closed already sends nothing: retried, not in doubt.
+                let closed = c.is_closed();
+                sent.store(!closed, Ordering::Relaxed);
+                if closed {
+                    return Err(ClientError::connection(
+                        "the broker in use",
+                        "the connection closed before the commit was sent",
+                    ));
+                }
                 c.commit(
                     tenant,
                     namespace,
@@ -546,14 +552,16 @@ pub(crate) struct Rebuild {
 }
 
 impl Rebuild {
-    /// Runs `pass` alone, unless `wanted` says another caller's rebuild made it needless
-    /// meanwhile (`Ok(None)`), or another caller's rebuild failed while this one waited
-    /// (that failure, told again: the endpoints were tried a moment ago).
+    /// Runs `pass` alone and hands what it made to `install`, still alone, unless
+    /// `wanted` says another caller's rebuild made it needless meanwhile (`Ok(None)`),
+    /// or another caller's rebuild failed while this one waited (that failure, told
+    /// again: the endpoints were tried a moment ago).
     pub(crate) async fn run<T, F, Fut>(
         &self,
         wanted: impl Fn() -> bool,
         pass: F,
-    ) -> Result<Option<T>, ClientError>
+        install: impl FnOnce(T),
+    ) -> Result<Option<()>, ClientError>
     where
         F: FnOnce() -> Fut,
         Fut: std::future::Future<Output = Result<T, ClientError>>,
@@ -570,7 +578,10 @@ impl Rebuild {
             ));
         }
         match pass().await {
-            Ok(v) => Ok(Some(v)),
+            Ok(v) => {
+                install(v);
+                Ok(Some(()))
+            }
             Err(e) => {
                 self.failed.fetch_add(1, Ordering::Relaxed);
                 Err(e)
@@ -580,8 +591,8 @@ impl Rebuild {
 }
 
 /// After which failures an operation may be sent again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Resend {
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Resend<'a> {
     /// After any retryable failure, the broker's `outcome_unknown` included: a second
     /// application changes nothing (a put, a read).
     Always,
@@ -591,8 +602,13 @@ pub(crate) enum Resend {
     NotUnknown,
     /// After no failure that may have followed the send (the broker's
     /// `outcome_unknown`, a lost connection, a timeout, an unreadable answer): it gives
-    /// up in doubt instead, for a write that would apply twice.
-    Never,
+    /// up in doubt instead, for a write that would apply twice. `sent` says whether the
+    /// failed attempt got as far as sending: one that failed before (its connection
+    /// closed already) is retried as any other.
+    Never {
+        /// Set by the attempt once it sends.
+        sent: &'a AtomicBool,
+    },
 }
 
 /// The longest a broker's `retry_after_ms` holds a retry back: a broker asking for an
@@ -621,7 +637,7 @@ async fn establish(
 /// error alone (say, a connection refused) would read as nothing written.
 pub(crate) async fn retry_under<T, Op, OpFut, Re, ReFut>(
     policy: &ReconnectPolicy,
-    resend: Resend,
+    resend: Resend<'_>,
     endpoints: usize,
     mut jitter: impl FnMut(usize) -> Duration,
     mut op: Op,
@@ -655,8 +671,13 @@ where
                 e,
                 ClientError::Connection { .. } | ClientError::Timeout(_) | ClientError::Protocol(_)
             );
+        let doubtful = doubtful
+            && match resend {
+                Resend::Never { sent } => sent.load(Ordering::Relaxed),
+                _ => true,
+            };
         in_doubt |= doubtful;
-        if doubtful && resend == Resend::Never {
+        if doubtful && matches!(resend, Resend::Never { .. }) {
             if decision == Decision::Reconnect {
                 // So the next call finds a live connection; this one is not sent again.
                 let _ = reconnect().await;
@@ -679,7 +700,7 @@ where
                 });
             }
             Decision::Fail => return Err(e),
-            Decision::OutcomeUnknown if resend != Resend::Always => return Err(e),
+            Decision::OutcomeUnknown if !matches!(resend, Resend::Always) => return Err(e),
             Decision::OutcomeUnknown => {}
             Decision::Retry { at_least } => wait = wait.max(at_least.min(RETRY_AFTER_MAX)),
             Decision::Reconnect => {
@@ -837,7 +858,7 @@ mod tests {
     /// Runs the retry loop under `resend` over `answers`, one per attempt (reconnecting
     /// for free); returns the outcome and how many attempts ran.
     async fn attempts_over(
-        resend: Resend,
+        resend: Resend<'_>,
         answers: Vec<Result<u64, ClientError>>,
     ) -> (Result<u64, ClientError>, usize) {
         let policy = ReconnectPolicy {
@@ -876,7 +897,9 @@ mod tests {
             ClientError::Protocol("an answer that does not decode".into()),
             coded(ErrorCode::Unacknowledged),
         ] {
-            let (r, ran) = attempts_over(Resend::Never, vec![Err(doubt), Ok(7)]).await;
+            let sent = AtomicBool::new(true);
+            let (r, ran) =
+                attempts_over(Resend::Never { sent: &sent }, vec![Err(doubt), Ok(7)]).await;
             assert_eq!(ran, 1, "sent again after {r:?}");
             assert!(
                 matches!(
@@ -898,12 +921,21 @@ mod tests {
         )
         .await;
         assert_eq!((r.ok(), ran), (Some(7), 2));
+        let sent = AtomicBool::new(true);
         let (r, ran) = attempts_over(
-            Resend::Never,
+            Resend::Never { sent: &sent },
             vec![Err(coded(ErrorCode::ShardUnavailable)), Ok(7)],
         )
         .await;
         assert_eq!((r.ok(), ran), (Some(7), 2), "nothing written: retried");
+        // A lost connection before anything was sent (it had closed already): retried.
+        let sent = AtomicBool::new(false);
+        let (r, ran) = attempts_over(
+            Resend::Never { sent: &sent },
+            vec![Err(ClientError::connection("x", "closed")), Ok(7)],
+        )
+        .await;
+        assert_eq!((r.ok(), ran), (Some(7), 2), "not sent: retried");
     }
 
     /// A broker's `retry_after_ms` holds a retry back at most [`RETRY_AFTER_MAX`].
@@ -944,9 +976,9 @@ mod tests {
         };
         let started = Instant::now();
         let (a, b, c) = tokio::join!(
-            rebuild.run(|| true, pass),
-            rebuild.run(|| true, pass),
-            rebuild.run(|| true, pass),
+            rebuild.run(|| true, pass, |_| {}),
+            rebuild.run(|| true, pass, |_| {}),
+            rebuild.run(|| true, pass, |_| {}),
         );
         assert!(a.is_err() && b.is_err() && c.is_err());
         assert_eq!(*passes.borrow(), 1, "one pass for the three");
@@ -955,10 +987,13 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
-        assert!(rebuild.run(|| true, pass).await.is_err());
+        assert!(rebuild.run(|| true, pass, |_| {}).await.is_err());
         assert_eq!(*passes.borrow(), 2, "a later call tries again");
         // One made needless meanwhile runs nothing.
-        assert!(matches!(rebuild.run(|| false, pass).await, Ok(None)));
+        assert!(matches!(
+            rebuild.run(|| false, pass, |_| {}).await,
+            Ok(None)
+        ));
         assert_eq!(*passes.borrow(), 2);
     }
 

@@ -2585,3 +2585,58 @@ async fn next_change(w: &mut felix_client::CacheWatch) -> felix_client::CacheCha
         .unwrap()
         .expect("the watch goes on")
 }
+
+/// A commit without an expected offset is never sent again once it may have been
+/// applied, but one on a connection that had closed before it (its broker restarted)
+/// sent nothing: it goes once the client has reconnected, instead of giving up "in
+/// doubt" about a commit the broker never saw.
+#[test]
+fn a_commit_on_a_connection_closed_before_it_goes_once_reconnected() {
+    let (mut b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    async fn commit(
+        c: &ClusterClient,
+        event: &'static str,
+    ) -> Result<u64, felix_client::ClientError> {
+        c.commit(
+            "dev",
+            "default",
+            "entities",
+            "e",
+            bytes::Bytes::from(event),
+            vec![],
+            None,
+        )
+        .await
+    }
+    let c = rt.block_on(async {
+        let c = ClusterClient::connect(&[b.listen], "localhost", config(&b))
+            .await
+            .unwrap();
+        c.publish(
+            "dev",
+            "default",
+            "entities",
+            b"first".to_vec(),
+            AckMode::PerMessage,
+        )
+        .await
+        .unwrap();
+        commit(&c, "one").await.unwrap();
+        c
+    });
+    assert!(b.terminate(Duration::from_secs(20)), "a clean stop");
+    b.restart().unwrap();
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !c.client().is_closed() {
+            assert!(
+                Instant::now() < deadline,
+                "the client never saw its connection close"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let r = commit(&c, "two").await;
+        assert!(r.is_ok(), "{r:?}");
+    });
+}

@@ -30,6 +30,27 @@ fn proxied_cluster() -> TestCluster {
     .unwrap()
 }
 
+/// One broker behind proxies, its lease 3 s (held 2.25 s; the node declared down only
+/// after 3.75 s): a cut from the control plane lapses the lease well before the
+/// control plane gives up on the node.
+fn one_broker_with_a_short_lease() -> TestCluster {
+    TestCluster::start_with_proxies(
+        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
+        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
+        1,
+        &[
+            "--heartbeat-interval-ms",
+            "200",
+            "--expiry-timeout-ms",
+            "3000",
+            "--placement-interval-ms",
+            "200",
+        ],
+        "",
+    )
+    .unwrap()
+}
+
 /// Three brokers with `yaml` appended to each one's config.
 fn cluster_with(yaml: &str) -> TestCluster {
     TestCluster::start(
@@ -446,21 +467,7 @@ fn a_leader_paused_past_its_lease_acknowledges_nothing_after_it_wakes() {
 fn a_broker_whose_lease_lapsed_takes_writes_again_within_a_heartbeat_of_reaching_the_control_plane()
 {
     use felix_cluster::proxy::{Link, Party};
-    let c = TestCluster::start_with_proxies(
-        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
-        1,
-        &[
-            "--heartbeat-interval-ms",
-            "200",
-            "--expiry-timeout-ms",
-            "3000",
-            "--placement-interval-ms",
-            "200",
-        ],
-        "",
-    )
-    .unwrap();
+    let c = one_broker_with_a_short_lease();
     c.create_stream("lapse", 1, 1, "Quorum").unwrap();
     c.wait_leader("lapse", 0, None, 0, Duration::from_secs(20))
         .unwrap();
@@ -538,21 +545,7 @@ fn a_broker_whose_lease_lapsed_takes_writes_again_within_a_heartbeat_of_reaching
 #[test]
 fn a_broker_whose_lease_lapsed_answers_no_request_of_an_unreplicated_cache() {
     use felix_cluster::proxy::{Link, Party};
-    let c = TestCluster::start_with_proxies(
-        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
-        1,
-        &[
-            "--heartbeat-interval-ms",
-            "200",
-            "--expiry-timeout-ms",
-            "3000",
-            "--placement-interval-ms",
-            "200",
-        ],
-        "",
-    )
-    .unwrap();
+    let c = one_broker_with_a_short_lease();
     c.admin
         .post(
             &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/caches"),
@@ -4545,21 +4538,7 @@ fn a_copy_reopened_after_retention_removed_its_generations_start_still_wins_with
 fn a_leader_past_its_lease_does_not_answer_a_duplicate() {
     use felix_cluster::proxy::{Link, Party};
     use felix_wire::{Features, Message, ProducerId, RequestId, Sequence};
-    let c = TestCluster::start_with_proxies(
-        Path::new(env!("CARGO_BIN_EXE_felix-broker-under-test")),
-        Path::new(env!("CARGO_BIN_EXE_felix-controlplane-under-test")),
-        1,
-        &[
-            "--heartbeat-interval-ms",
-            "200",
-            "--expiry-timeout-ms",
-            "3000",
-            "--placement-interval-ms",
-            "200",
-        ],
-        "",
-    )
-    .unwrap();
+    let c = one_broker_with_a_short_lease();
     c.create_stream("dup", 1, 1, "Leader").unwrap();
     c.wait_leader("dup", 0, None, 0, Duration::from_secs(20))
         .unwrap();

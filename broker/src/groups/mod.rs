@@ -412,7 +412,7 @@ fn decode_snapshot(mut r: Bytes, limits: Limits) -> Option<HashMap<String, Track
     r.is_empty().then_some(groups)
 }
 
-fn is_snapshot(r: &[u8]) -> bool {
+pub(crate) fn is_snapshot(r: &[u8]) -> bool {
     r.first() == Some(&KIND_SNAPSHOT)
 }
 

@@ -223,6 +223,9 @@ pub struct StreamShard {
     /// The log's size when its groups were last snapshotted or let go, as far as this
     /// core knows (at open: the size then).
     pub groups_snapshot_mark: Cell<u64>,
+    /// The groups are built again only once the log holds this far acknowledged
+    /// (see [`StreamShard::forget_groups_until`]); 0 when nothing waits.
+    pub groups_settle_at: Cell<u64>,
     /// Set when the shard is moving to another core: long polls answer at once.
     pub closing: std::cell::Cell<bool>,
     /// One past the newest atomic commit claimed here, or the log's end when this core
@@ -265,6 +268,7 @@ impl StreamShard {
             handed_groups: RefCell::default(),
             group_batches_seen: Cell::new(groups_in_log),
             groups_snapshot_mark: Cell::new(size),
+            groups_settle_at: Cell::new(0),
             closing: std::cell::Cell::new(false),
         }
     }
@@ -332,8 +336,20 @@ impl StreamShard {
         *self.producers.borrow_mut() = None;
         self.untagged_from.set(None);
         self.producers_epoch.set(self.producers_epoch.get() + 1);
+        // A new generation: what it builds from waits for nothing of the last one's.
+        self.groups_settle_at.set(0);
         self.forget_groups();
         self.appended.wake_all();
+    }
+
+    /// [`StreamShard::forget_groups`], and the next build waits until the log holds
+    /// everything up to `end`: the groups were dropped after a write whose outcome is
+    /// unknown, and a fold of the log without it (or without a write still in flight on
+    /// the dropped groups, answered from them) would be other than the log.
+    pub fn forget_groups_until(&self, end: u64) {
+        self.groups_settle_at
+            .set(self.groups_settle_at.get().max(end));
+        self.forget_groups();
     }
 
     /// Drops the groups built from the log: retired, so requests still running on them
