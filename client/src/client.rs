@@ -734,21 +734,13 @@ impl Client {
     /// is kept for [`Client::flush_publishes`] (the first one). Replaced in silence,
     /// the `felix` command exited 0 after publishes refused or never read.
     async fn note_publish_stream_end(&self, old: PublishStream) {
-        if !old.acks.is_finished() {
-            // Its reader stopped but the task has not returned yet: it is about to.
-            let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                while !old.acks.is_finished() {
-                    tokio::task::yield_now().await;
-                }
-            })
-            .await;
-        }
-        let lost = match old.acks.await {
-            Ok(AcksEnd {
+        // Its reader stopped (or is about to): the task returns at once.
+        let lost = match tokio::time::timeout(Duration::from_secs(1), old.acks).await {
+            Ok(Ok(AcksEnd {
                 unacked_refused: Some(e),
                 ..
-            }) => Some(e),
-            Ok(AcksEnd { clean: true, .. }) => None,
+            })) => Some(e),
+            Ok(Ok(AcksEnd { clean: true, .. })) => None,
             _ if old.unacked_sent => Some(ClientError::connection(
                 self.inner.addr,
                 "a publish stream failed before the broker read it to its end",
