@@ -2075,6 +2075,39 @@ mod tests {
         }
     }
 
+    /// A stream shard over a new log in `dir` whose segments hold 64 KiB.
+    async fn stream_of_small_segments(dir: &std::path::Path) -> StreamShard {
+        let config = felix_storage_uring::LogConfig {
+            segment_bytes_max: 64 << 10,
+            ..Default::default()
+        };
+        stream_with(dir, config).await
+    }
+
+    /// A 1000-byte record and a group event (folded into `whole`), `n` times: the
+    /// events' bytes.
+    async fn publish_and_events(
+        stream: &StreamShard,
+        whole: &mut HashMap<String, Tracker>,
+        seed: u64,
+        n: usize,
+    ) -> u64 {
+        let (data, mut event_bytes) = (Bytes::from(vec![b'd'; 1000]), 0);
+        for (group, event) in random_events(seed, n) {
+            let pending = stream
+                .log
+                .begin_append(std::slice::from_ref(&data), 0, None)
+                .unwrap();
+            stream.log.commit(pending).await.unwrap();
+            fold_event(whole, &group, event, Limits::default());
+            let record = encode(&group, event);
+            event_bytes += record.len() as u64;
+            let pending = stream.log.begin_group(&[record], 0).unwrap();
+            stream.log.commit(pending).await.unwrap();
+        }
+        event_bytes
+    }
+
     /// A stream shard over a new log in `dir` with `config`.
     async fn stream_with(
         dir: &std::path::Path,
@@ -2154,21 +2187,8 @@ mod tests {
         use futures_lite::future::poll_once;
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
-            let config = felix_storage_uring::LogConfig {
-                segment_bytes_max: 64 << 10,
-                ..Default::default()
-            };
-            let stream = stream_with(dir.path(), config).await;
-            let data = Bytes::from(vec![b'd'; 1000]);
-            for (group, event) in random_events(23, 300) {
-                let pending = stream
-                    .log
-                    .begin_append(std::slice::from_ref(&data), 0, None)
-                    .unwrap();
-                stream.log.commit(pending).await.unwrap();
-                let pending = stream.log.begin_group(&[encode(&group, event)], 0).unwrap();
-                stream.log.commit(pending).await.unwrap();
-            }
+            let stream = stream_of_small_segments(dir.path()).await;
+            publish_and_events(&stream, &mut HashMap::new(), 23, 300).await;
             let segments = stream.log.segment_bases().len();
             assert!(segments > 3);
             let writer: GroupWriter = Box::new(|_| Box::pin(async { Err(BrokerError::Draining) }));
@@ -2197,39 +2217,13 @@ mod tests {
     fn a_build_reads_each_segment_since_the_newest_snapshot_once() {
         felix_core_runtime::task::block_on(async {
             let dir = tempfile::tempdir().unwrap();
-            let config = felix_storage_uring::LogConfig {
-                segment_bytes_max: 64 << 10,
-                ..Default::default()
-            };
-            let stream = stream_with(dir.path(), config).await;
+            let stream = stream_of_small_segments(dir.path()).await;
             let limits = Limits::default();
             let build = |keep_max| {
                 let writer: GroupWriter =
                     Box::new(|_| Box::pin(async { Err(BrokerError::Draining) }));
                 GroupShard::build_keeping(&stream, limits, writer, keep_max)
             };
-            // A 1000-byte record and a group event, `n` times: the events' bytes.
-            async fn publish_and_events(
-                stream: &StreamShard,
-                whole: &mut HashMap<String, Tracker>,
-                seed: u64,
-                n: usize,
-            ) -> u64 {
-                let (data, mut event_bytes) = (Bytes::from(vec![b'd'; 1000]), 0);
-                for (group, event) in random_events(seed, n) {
-                    let pending = stream
-                        .log
-                        .begin_append(std::slice::from_ref(&data), 0, None)
-                        .unwrap();
-                    stream.log.commit(pending).await.unwrap();
-                    fold_event(whole, &group, event, Limits::default());
-                    let record = encode(&group, event);
-                    event_bytes += record.len() as u64;
-                    let pending = stream.log.begin_group(&[record], 0).unwrap();
-                    stream.log.commit(pending).await.unwrap();
-                }
-                event_bytes
-            }
             let mut whole = HashMap::new();
             // No snapshot: the whole log, read once.
             let event_bytes = publish_and_events(&stream, &mut whole, 21, 300).await;
@@ -3320,7 +3314,9 @@ mod tests {
                 assert!(poll_once(&mut poll).await.is_none());
                 assert_eq!(writes.borrow().len(), 1, "the dead letter's write");
             }
-            first_write(&writes).send(appended()).unwrap();
+            // Not unwrapped: a write awaited in place was dropped with its poll, and
+            // the check below is what says so.
+            let _ = first_write(&writes).send(appended());
             felix_core_runtime::task::yield_now().await;
             assert!(g.folded.borrow().is_some(), "snapshots ended");
             assert_eq!(g.pending.get(), 0);
