@@ -2766,6 +2766,49 @@ async fn history_held(
     held_events(b, subscribe).await
 }
 
+/// A one-core broker (housekeeping every 100 ms, `--fsync none`, `yaml` added) and
+/// `name`, a stream of one shard made through its control plane.
+struct OneStream {
+    b: BrokerProcess,
+    admin: felix_controlplane::client::ControlPlaneClient,
+    name: &'static str,
+}
+
+impl OneStream {
+    const STREAMS: &str = "/v1/tenants/dev/namespaces/default/streams";
+
+    fn start(dir: &Path, yaml: &str, name: &'static str) -> OneStream {
+        let b = start(
+            dir,
+            &format!("housekeeping_ms: 100\ncores: \"0\"\n{yaml}"),
+            &["--fsync", "none"],
+        );
+        let admin = b.admin().unwrap();
+        let one = OneStream { b, admin, name };
+        one.create().unwrap();
+        one
+    }
+
+    fn create(&self) -> Result<serde_json::Value, felix_controlplane::client::ClientError> {
+        self.admin.post(
+            Self::STREAMS,
+            &json!({"stream": self.name, "kind": "Stream", "shards": 1}),
+        )
+    }
+
+    fn path(&self) -> String {
+        format!("{}/{}", Self::STREAMS, self.name)
+    }
+
+    fn delete(&self) {
+        self.admin.delete(&self.path()).unwrap();
+    }
+
+    fn delete_and_make_again(&self) {
+        delete_and_make_again(&self.admin, &self.path(), || self.create());
+    }
+}
+
 /// Deletes what `path` names and makes it again with `create` once the deletion is done
 /// everywhere.
 fn delete_and_make_again<T, E>(
@@ -2816,25 +2859,13 @@ async fn read_to_end(
 #[test]
 fn a_subscription_held_across_its_stream_made_again_sees_none_of_it_and_takes_nothing_from_it() {
     let dir = tempfile::tempdir().unwrap();
-    let b = start(
-        dir.path(),
-        "housekeeping_ms: 100\ncores: \"0\"\n",
-        &["--fsync", "none"],
-    );
-    let admin = b.admin().unwrap();
-    let streams = "/v1/tenants/dev/namespaces/default/streams";
-    let create = || {
-        admin.post(
-            streams,
-            &json!({"stream": "again", "kind": "Stream", "shards": 1}),
-        )
-    };
-    create().unwrap();
+    let one = OneStream::start(dir.path(), "", "again");
+    let b = &one.b;
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let c = client(&b).await;
-        let (_ep, _held, mut events) = history_held(&b, &c, "again").await;
-        delete_and_make_again(&admin, &format!("{streams}/again"), create);
+        let c = client(b).await;
+        let (_ep, _held, mut events) = history_held(b, &c, "again").await;
+        one.delete_and_make_again();
         // As many as the old stream held: wherever the held one stopped, the new stream
         // has records there.
         for i in 0..100 {
@@ -2902,25 +2933,13 @@ fn a_subscription_held_across_its_stream_made_again_sees_none_of_it_and_takes_no
 #[test]
 fn a_read_after_its_stream_was_deleted_leaves_the_name_free_and_ends_deleted() {
     let dir = tempfile::tempdir().unwrap();
-    let b = start(
-        dir.path(),
-        "housekeeping_ms: 100\ncores: \"0\"\n",
-        &["--fsync", "none"],
-    );
-    let admin = b.admin().unwrap();
-    let streams = "/v1/tenants/dev/namespaces/default/streams";
-    let create = || {
-        admin.post(
-            streams,
-            &json!({"stream": "gone", "kind": "Stream", "shards": 1}),
-        )
-    };
-    create().unwrap();
+    let one = OneStream::start(dir.path(), "", "gone");
+    let b = &one.b;
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let c = client(&b).await;
-        let (_ep, _held, mut events) = history_held(&b, &c, "gone").await;
-        admin.delete(&format!("{streams}/gone")).unwrap();
+        let c = client(b).await;
+        let (_ep, _held, mut events) = history_held(b, &c, "gone").await;
+        one.delete();
         // The deletion done on the core (its housekeeping closes the shard), the name
         // not taken again yet.
         tokio::time::sleep(Duration::from_millis(1_000)).await;
@@ -2929,7 +2948,7 @@ fn a_read_after_its_stream_was_deleted_leaves_the_name_free_and_ends_deleted() {
             matches!(ended, Some(felix_wire::Message::StreamDeleted { .. })),
             "{ended:?}"
         );
-        create().unwrap();
+        one.create().unwrap();
         first_taken(Duration::from_secs(10), || {
             c.publish(
                 "dev",
@@ -3096,23 +3115,11 @@ fn a_cache_watch_goes_on_across_a_re_pin() {
 fn a_poll_waiting_on_a_deleted_stream_writes_nothing_into_the_one_made_again() {
     use felix_client::{GroupRef, PollOptions};
     let dir = tempfile::tempdir().unwrap();
-    let b = start(
-        dir.path(),
-        "housekeeping_ms: 100\ncores: \"0\"\ngroup_max_attempts: 1\n",
-        &["--fsync", "none"],
-    );
-    let admin = b.admin().unwrap();
-    let streams = "/v1/tenants/dev/namespaces/default/streams";
-    let create = || {
-        admin.post(
-            streams,
-            &json!({"stream": "regrouped", "kind": "Stream", "shards": 1}),
-        )
-    };
-    create().unwrap();
+    let one = OneStream::start(dir.path(), "group_max_attempts: 1\n", "regrouped");
+    let b = &one.b;
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let c = client(&b).await;
+        let c = client(b).await;
         let g = GroupRef::new("dev", "default", "regrouped", 0, "g");
         c.publish(
             "dev",
@@ -3152,7 +3159,7 @@ fn a_poll_waiting_on_a_deleted_stream_writes_nothing_into_the_one_made_again() {
             })
         };
         tokio::time::sleep(Duration::from_millis(300)).await;
-        delete_and_make_again(&admin, &format!("{streams}/regrouped"), create);
+        one.delete_and_make_again();
         let first = first_taken(Duration::from_secs(10), || {
             c.publish(
                 "dev",
