@@ -157,9 +157,9 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "leader-pause",
-        about: "three brokers, a Quorum and a Leader stream: SIGSTOP the Leader stream's leader past its lease, SIGCONT it",
+        about: "three brokers behind proxies, a Quorum and a Leader stream: SIGSTOP the Leader stream's leader past its lease, SIGCONT it still cut from the control plane and the other brokers for 0.3-0.8 s (it wakes not knowing it was replaced)",
         nodes: 3,
-        proxies: false,
+        proxies: true,
         broker_yaml: "",
         streams: &[Q3, L3],
         producers: 2,
@@ -671,9 +671,22 @@ fn leader_pause(n: &mut Nemesis<'_>) -> anyhow::Result<()> {
             None => (n.target_leader()?, ""),
         };
         n.pause(leader);
+        // Cut from the control plane and the other brokers while it sleeps, so that
+        // neither the assignment naming its successor nor the successor's fence is
+        // waiting in its sockets when it wakes: it wakes past its lease believing it
+        // leads, with clients still connected, and until the links heal only the
+        // lease keeps it from acknowledging what its successor never gets.
+        let mut parties = vec![Party::ControlPlane];
+        parties.extend(others(n, leader).into_iter().map(Party::Node));
+        for p in parties {
+            n.link(Party::Node(leader), p, Link::cut());
+            n.link(p, Party::Node(leader), Link::cut());
+        }
         // The harness's lease is 1.125 s; the control plane moves leadership ~1.9 s on.
         std::thread::sleep(Duration::from_millis(n.rng.between(2500, 4000)));
         n.resume(leader);
+        std::thread::sleep(Duration::from_millis(n.rng.between(300, 800)));
+        n.heal_links();
     }
     Ok(())
 }
