@@ -465,16 +465,23 @@ async fn auth_watchdog(conn: Connection, scope: Rc<ConnScope>) {
 /// `limit_exceeded`.
 pub const GRANTS_PER_CONNECTION: usize = 1024;
 
-/// Keeps `grant` for [`revocation_watch`] unless one that a key set revokes alike (same
-/// tenant, signing key and token id) is kept already: an SDK authenticates every stream
-/// it opens, so a list that kept each grew for the connection's whole life. Answers the
-/// grant the stream is to hold (the kept one, so a kept grant's count of holders tells
-/// whether a stream still uses it); `None` when the list is full of grants streams hold.
+/// Keeps `grant` for [`revocation_watch`] unless the same grant is kept already (the
+/// same token: tenant, signing key, token id, principal, expiry and permissions): an
+/// SDK authenticates every stream it opens, so a list that kept each grew for the
+/// connection's whole life. Answers the grant the stream is to hold (the kept one, so a
+/// kept grant's count of holders tells whether a stream still uses it); `None` when the
+/// list is full of grants streams hold.
+///
+/// Only an equal grant is shared. Until 2026-12-07 one a key set revokes alike (same
+/// tenant, key and token id) was: two tokens without an id signed by one key matched,
+/// and a stream authenticated with the second ran with the first's permissions and
+/// expiry (wider, or narrower: a gateway multiplexing its users' tokens on one
+/// connection, or a forwarding broker's one connection per token identity).
 fn remember_grant(
     grants: &mut Vec<Rc<crate::auth::Grant>>,
     grant: &Rc<crate::auth::Grant>,
 ) -> Option<Rc<crate::auth::Grant>> {
-    if let Some(kept) = grants.iter().find(|g| g.revoked_with(grant)) {
+    if let Some(kept) = grants.iter().find(|g| ***g == **grant) {
         return Some(kept.clone());
     }
     if grants.len() >= GRANTS_PER_CONNECTION {
@@ -2235,6 +2242,38 @@ mod tests {
         let fresh = remember_grant(&mut grants, &with_jti(GRANTS_PER_CONNECTION));
         assert!(fresh.is_some());
         assert_eq!(grants.len(), 1);
+    }
+
+    /// A stream keeps its own token's permissions and expiry though another token of
+    /// the same tenant, key and (absent) id authenticated a stream of the connection
+    /// first: it took the first's, wider or narrower.
+    #[test]
+    fn a_stream_holds_its_own_tokens_grant_not_an_alike_ones() {
+        let mut grants = Vec::new();
+        let reader = Rc::new(crate::session::testing::grant(vec![
+            "stream.subscribe:stream:t1/*/*".into(),
+        ]));
+        let writer = Rc::new(crate::session::testing::grant(vec![
+            "stream.publish:stream:t1/*/*".into(),
+        ]));
+        assert!(reader.revoked_with(&writer), "alike to a key set");
+        let first = remember_grant(&mut grants, &reader).unwrap();
+        let second = remember_grant(&mut grants, &writer).unwrap();
+        assert!(Rc::ptr_eq(&first, &reader));
+        assert!(
+            Rc::ptr_eq(&second, &writer),
+            "the second stream holds its own grant"
+        );
+        assert_eq!(grants.len(), 2);
+        // The same token again shares the kept grant.
+        let again = Rc::new(crate::session::testing::grant(vec![
+            "stream.publish:stream:t1/*/*".into(),
+        ]));
+        assert!(Rc::ptr_eq(
+            &remember_grant(&mut grants, &again).unwrap(),
+            &writer
+        ));
+        assert_eq!(grants.len(), 2);
     }
 
     /// `skipped_before` goes only to clients that negotiated `GROUP_SKIPPED`; the others
