@@ -33,6 +33,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use felix_storage_uring::{BatchKind, ReadBatch};
 
 use crate::error::BrokerError;
+use crate::session::dispatch::VALUE_MAX_BYTES;
 
 /// Longest state key.
 pub const STATE_KEY_MAX_BYTES: usize = 4096;
@@ -67,6 +68,15 @@ pub fn check(changes: &[Change]) -> Result<(), BrokerError> {
         if c.key().is_empty() || c.key().len() > STATE_KEY_MAX_BYTES {
             return Err(BrokerError::InvalidRequest(format!(
                 "state keys are 1 to {STATE_KEY_MAX_BYTES} bytes"
+            )));
+        }
+        if let Change::Put(_, v) = c
+            && v.len() > VALUE_MAX_BYTES
+        {
+            return Err(BrokerError::InvalidRequest(format!(
+                "state values are at most {VALUE_MAX_BYTES} bytes (this one is {}), so \
+                 that every answer carrying one fits a frame",
+                v.len()
             )));
         }
     }

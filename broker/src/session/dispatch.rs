@@ -430,6 +430,14 @@ impl Received {
 /// Longest cache key.
 pub const CACHE_KEY_MAX_BYTES: usize = 4096;
 
+/// Longest cache or state value: its base64 and 64 KiB of names and fields fit one
+/// frame, so every answer and watch event that carries it can be sent. Until
+/// 2026-12-07 a put of a frame's full size was taken, and its `cache_value` (a longer
+/// type name, a version) came out a few bytes over: refused by the reader, the
+/// acknowledged value could never be read.
+pub const VALUE_MAX_BYTES: usize =
+    (felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES as usize - 64 * 1024) / 4 * 3;
+
 /// Decodes one frame read after the handshake. `answered` is false on a client's
 /// unidirectional stream: publishes there are never answered.
 pub fn decode(frame: &Frame, answered: bool) -> Request {
@@ -1631,6 +1639,15 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
                     "cache keys are at most {CACHE_KEY_MAX_BYTES} bytes"
                 )));
             }
+            if let CacheRequestOp::Put(v, _) | CacheRequestOp::PutIf(v, ..) = &c.op
+                && v.len() > VALUE_MAX_BYTES
+            {
+                return Err(BrokerError::InvalidRequest(format!(
+                    "cache values are at most {VALUE_MAX_BYTES} bytes (this one is {}), so \
+                     that every answer carrying one fits a frame",
+                    v.len()
+                )));
+            }
             let create = session.may_create(false, &c.namespace, &c.cache);
             let entry = dir.cache(&c.tenant, &c.namespace, &c.cache, create)?;
             let shard = routing::shard_for_key(
@@ -2004,6 +2021,64 @@ mod tests {
             );
             assert_eq!(refusal_code(&a), ErrorCode::InvalidRequest);
             assert!(matches!(a, Action::Answer(_)), "the stream goes on: {a:?}");
+        }
+    }
+
+    /// A cache value is refused past `VALUE_MAX_BYTES`, and one of that size fits every
+    /// answer and event carrying it, with the longest names and a key of the worst JSON
+    /// escaping (a put of a frame's full size used to be taken, its `cache_value` a few
+    /// bytes over a frame).
+    #[test]
+    fn a_cache_value_is_bounded_so_its_answers_fit_a_frame() {
+        let dir = MemDirectory::new(1);
+        let s = session();
+        let put = |value: Bytes| {
+            json(Message::CachePut {
+                tenant_id: TENANT.into(),
+                namespace: "ns".into(),
+                cache: "c".into(),
+                key: "k".into(),
+                value,
+                request_id: Some(RequestId(1)),
+                ttl_ms: None,
+            })
+        };
+        let a = decide_frame(
+            &s,
+            &dir,
+            &put(Bytes::from(vec![7u8; VALUE_MAX_BYTES + 1])),
+            true,
+        );
+        assert_eq!(refusal_code(&a), ErrorCode::InvalidRequest);
+        let a = decide_frame(
+            &s,
+            &dir,
+            &put(Bytes::from(vec![7u8; VALUE_MAX_BYTES])),
+            true,
+        );
+        assert!(matches!(a, Action::Cache { .. }), "taken: {a:?}");
+        let (name, key) = ("n".repeat(128), "\u{1}".repeat(CACHE_KEY_MAX_BYTES));
+        let value = Some(Bytes::from(vec![7u8; VALUE_MAX_BYTES]));
+        let max = felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES as usize;
+        for m in [
+            Message::CacheValue {
+                tenant_id: name.clone(),
+                namespace: name.clone(),
+                cache: name.clone(),
+                key: key.clone(),
+                value: value.clone(),
+                request_id: Some(RequestId(u64::MAX)),
+                version: Some(u64::MAX),
+            },
+            Message::CacheEvent {
+                key,
+                value,
+                offset: felix_wire::Offset(u64::MAX),
+                expires_at_millis: u64::MAX,
+            },
+        ] {
+            let payload = m.to_frame().len() - felix_wire::frame::HEADER_LEN;
+            assert!(payload <= max, "{payload} bytes");
         }
     }
 
