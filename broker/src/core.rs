@@ -4062,7 +4062,11 @@ impl CoreBroker {
     }
 
     /// Removes whole sealed segments each open stream's retention no longer keeps, once
-    /// the live state they hold is carried to the tail (`core/carry.rs`).
+    /// the live state they hold is carried to the tail (`core/carry.rs`). The shards go
+    /// at once, each in a task of its own: one that waits (a Leader stream's carry waits
+    /// up to 5 s for a majority that may be away) holds up no other, and a round lasts
+    /// as long as its slowest shard (until 2026-12-07, shard after shard: 5 s for each
+    /// such shard, every round, and every other housekeeping task of the core behind).
     pub async fn enforce_retention(self: &Rc<Self>) {
         let shards: Vec<Rc<StreamShard>> = self
             .streams
@@ -4074,89 +4078,107 @@ impl CoreBroker {
             })
             .collect();
         let now = clock::wall_micros();
-        for s in shards {
-            let k = &s.key;
-            let Some(spec) = self
-                .shared
-                .catalog
-                .spec(true, &k.tenant, &k.namespace, &k.name)
-            else {
-                continue;
-            };
-            if !spec.retention.is_set() {
-                continue;
-            }
-            let age = spec.retention.max_age_seconds.map(Duration::from_secs);
-            // A replicated shard keeps everything not yet committed, on every replica,
-            // and what a restart must know of the generations of what it removes.
-            let floor = match self.replica_of(k) {
-                Ok(Some(rs)) => {
-                    let floor = rs.commit();
-                    if let Err(e) = rs.keep_epochs(floor).await {
-                        tracing::warn!(shard = %k, error = %e, "keeping generation starts");
-                        continue;
-                    }
-                    floor
-                }
-                Ok(None) => u64::MAX,
-                // Not attached yet: nothing is known to be committed.
-                Err(_) => continue,
-            };
-            let (cut, kinds) = s
-                .log
-                .retention_cut(now, spec.retention.max_size_bytes, age, floor);
-            let holds_state = kinds.has(felix_storage_uring::BatchKind::Commit)
-                || kinds.has(felix_storage_uring::BatchKind::State);
-            let superseding = cut > s.log.base_offset() && holds_state;
-            let floor = if superseding {
-                match self.state_floor(&s, cut).await {
-                    Ok(f) => floor.min(f),
-                    Err(e) => {
-                        tracing::warn!(shard = %k, error = %e, "carrying state past retention");
-                        continue;
-                    }
-                }
-            } else {
-                // Nothing below the cut holds state: remove no further than that (it
-                // was computed with no await since), so a state index behind it may
-                // skip what went (`catch_up_state`).
-                floor.min(cut)
-            };
-            let (bytes, log) = (spec.retention.max_size_bytes, &s.log);
-            // What goes may hold a key's older version, superseded by a newer one not
-            // yet on disk under `fsync: none` or `periodic`: synced first, so a crash
-            // reverts the key rather than dropping it.
-            let removed = if superseding {
-                log.remove_superseded_below(now, bytes, age, floor).await
-            } else {
-                log.enforce_retention_below(now, bytes, age, floor).await
-            };
-            match removed {
-                Ok(0) => {}
-                Ok(n) => {
-                    self.metrics
-                        .retention_segments_removed
-                        .fetch_add(n as u64, Ordering::Relaxed);
-                    if let Ok(Some(rs)) = self.replica_of(k) {
-                        rs.rebased();
-                    }
-                    if let Some(t) = s.producers.borrow_mut().as_mut() {
-                        t.trim_below(s.log.base_offset());
-                    }
-                    tracing::debug!(shard = %k, segments = n, "retention");
-                }
-                // Closed meanwhile (moved to another core, deleted): nothing to do.
-                Err(felix_storage_uring::StorageError::Closed) => {}
+        let rounds: Vec<_> = shards
+            .into_iter()
+            .map(|s| {
+                let core = self.clone();
+                task::spawn(async move { core.retain_shard(&s, now).await })
+            })
+            .collect();
+        for r in rounds {
+            r.await;
+        }
+    }
+
+    /// One stream shard's retention round (see [`CoreBroker::enforce_retention`]).
+    async fn retain_shard(self: &Rc<Self>, s: &Rc<StreamShard>, now: u64) {
+        let k = &s.key;
+        let Some(spec) = self
+            .shared
+            .catalog
+            .spec(true, &k.tenant, &k.namespace, &k.name)
+        else {
+            return;
+        };
+        if !spec.retention.is_set() {
+            return;
+        }
+        let age = spec.retention.max_age_seconds.map(Duration::from_secs);
+        // A replicated shard keeps everything not yet committed, on every replica,
+        // and what a restart must know of the generations of what it removes.
+        let (floor, replica) = match self.replica_of(k) {
+            Ok(Some(rs)) => (rs.commit(), Some(rs)),
+            Ok(None) => (u64::MAX, None),
+            // Not attached yet: nothing is known to be committed.
+            Err(_) => return,
+        };
+        let (cut, kinds) = s
+            .log
+            .retention_cut(now, spec.retention.max_size_bytes, age, floor);
+        if cut <= s.log.base_offset() {
+            // Nothing to remove this round.
+            return;
+        }
+        // Written only when something goes (until 2026-12-07 every round: a file
+        // written and synced, renamed and its directory synced, each second for
+        // each replicated stream with retention, removing or not).
+        if let Some(rs) = replica
+            && let Err(e) = rs.keep_epochs(floor).await
+        {
+            tracing::warn!(shard = %k, error = %e, "keeping generation starts");
+            return;
+        }
+        let holds_state = kinds.has(felix_storage_uring::BatchKind::Commit)
+            || kinds.has(felix_storage_uring::BatchKind::State);
+        let superseding = cut > s.log.base_offset() && holds_state;
+        let floor = if superseding {
+            match self.state_floor(s, cut).await {
+                Ok(f) => floor.min(f),
                 Err(e) => {
-                    // Some segments may have gone before the failure.
-                    if let Ok(Some(rs)) = self.replica_of(k) {
-                        rs.rebased();
-                    }
-                    if let Some(t) = s.producers.borrow_mut().as_mut() {
-                        t.trim_below(s.log.base_offset());
-                    }
-                    tracing::warn!(shard = %k, error = %e, "enforcing retention");
+                    tracing::warn!(shard = %k, error = %e, "carrying state past retention");
+                    return;
                 }
+            }
+        } else {
+            // Nothing below the cut holds state: remove no further than that (it
+            // was computed with no await since), so a state index behind it may
+            // skip what went (`catch_up_state`).
+            floor.min(cut)
+        };
+        let (bytes, log) = (spec.retention.max_size_bytes, &s.log);
+        // What goes may hold a key's older version, superseded by a newer one not
+        // yet on disk under `fsync: none` or `periodic`: synced first, so a crash
+        // reverts the key rather than dropping it.
+        let removed = if superseding {
+            log.remove_superseded_below(now, bytes, age, floor).await
+        } else {
+            log.enforce_retention_below(now, bytes, age, floor).await
+        };
+        match removed {
+            Ok(0) => {}
+            Ok(n) => {
+                self.metrics
+                    .retention_segments_removed
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                if let Ok(Some(rs)) = self.replica_of(k) {
+                    rs.rebased();
+                }
+                if let Some(t) = s.producers.borrow_mut().as_mut() {
+                    t.trim_below(s.log.base_offset());
+                }
+                tracing::debug!(shard = %k, segments = n, "retention");
+            }
+            // Closed meanwhile (moved to another core, deleted): nothing to do.
+            Err(felix_storage_uring::StorageError::Closed) => {}
+            Err(e) => {
+                // Some segments may have gone before the failure.
+                if let Ok(Some(rs)) = self.replica_of(k) {
+                    rs.rebased();
+                }
+                if let Some(t) = s.producers.borrow_mut().as_mut() {
+                    t.trim_below(s.log.base_offset());
+                }
+                tracing::warn!(shard = %k, error = %e, "enforcing retention");
             }
         }
     }
