@@ -82,6 +82,7 @@ impl Held {
             Held::Stream(s) => s.reset_fanout(s.fanout_end().min(end)),
             Held::Cache(c) => {
                 if let Err(e) = c.rebuild().await {
+                    c.forget_cut_marker_from(end);
                     tracing::error!(shard = %c.key, error = %e, "rebuilding a cache index");
                 }
             }

@@ -1137,6 +1137,16 @@ impl CacheShard {
         self.state.borrow().cut_marker
     }
 
+    /// The log was cut to end at `end` and the index could not be rebuilt: a marker that
+    /// went with the cut must not let segments go (its copies went with it), though the
+    /// offset it sat at may commit again holding something else.
+    pub fn forget_cut_marker_from(&self, end: u64) {
+        let mut state = self.state.borrow_mut();
+        if state.cut_marker.is_some_and(|(at, _)| at >= end) {
+            state.cut_marker = None;
+        }
+    }
+
     /// The value of `key` live at `now`.
     pub fn get(&self, key: &str, now: Now) -> Option<CacheEntry> {
         self.state
