@@ -256,8 +256,13 @@ impl Drop for AckSlot {
 /// frame that the next publish's would follow, and the broker would read the two as
 /// one garbled frame: the stream is reset and forgotten, and the next publish opens
 /// another.
+///
+/// Publishes owed no ack sent on it before (or this one) may not have been read: the
+/// loss is kept for [`Client::flush_publishes`], as when a stream is replaced.
 struct Writing<'a> {
     stream: Option<&'a mut Option<PublishStream>>,
+    lost: &'a std::sync::Mutex<Option<ClientError>>,
+    addr: SocketAddr,
 }
 
 impl Writing<'_> {
@@ -272,6 +277,17 @@ impl Drop for Writing<'_> {
             && let Some(mut p) = slot.take()
         {
             let _ = p.send.reset(quinn::VarInt::from_u32(0));
+            if p.unacked_sent {
+                // A poisoned lock only means another thread panicked holding it.
+                let mut lost = self.lost.lock().unwrap_or_else(|e| e.into_inner());
+                lost.get_or_insert_with(|| {
+                    ClientError::connection(
+                        self.addr,
+                        "a publish stream was reset with publishes owed no ack on it, \
+                         which the broker may not have read",
+                    )
+                });
+            }
         }
     }
 }
@@ -700,6 +716,8 @@ impl Client {
             };
             let mut writing = Writing {
                 stream: Some(&mut *publish),
+                lost: &self.inner.unacked_lost,
+                addr: self.inner.addr,
             };
             let send = writing
                 .stream
@@ -763,15 +781,24 @@ impl Client {
     /// process that exits then (the `felix` command) loses them without this. The
     /// first such publish the broker refused since the stream opened (it could not
     /// read it) is the error.
+    ///
+    /// The stream in use is finished and waited for even when an earlier one's loss is
+    /// the answer: a caller that exits after the error must not lose what it sent since.
     pub async fn flush_publishes(&self) -> Result<(), ClientError> {
         let taken = self.inner.publish.lock().await.take();
-        let earlier = self.inner.unacked_lost.lock().expect("unacked lock").take();
-        if let Some(e) = earlier {
-            return Err(e);
-        }
-        let Some(mut p) = taken else {
-            return Ok(());
+        let now = match taken {
+            Some(p) => self.finish_publish_stream(p).await,
+            None => Ok(()),
         };
+        let earlier = self.inner.unacked_lost.lock().expect("unacked lock").take();
+        match earlier {
+            Some(e) => Err(e),
+            None => now,
+        }
+    }
+
+    /// Finishes a publish stream and waits until the broker has read it to its end.
+    async fn finish_publish_stream(&self, mut p: PublishStream) -> Result<(), ClientError> {
         p.send
             .finish()
             .map_err(|e| ClientError::connection(self.inner.addr, e))?;
