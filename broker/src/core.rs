@@ -3060,7 +3060,7 @@ impl CoreBroker {
         let stream = self.stream_shard(key).await?;
         let groups = self.group_shard(key, &stream).await?;
         stream.group_batches_seen.set(true);
-        groups.snapshot_if_due(stream.log.size_bytes(), stream.log.base_offset());
+        groups.snapshot_if_due(stream.log.written_bytes(), stream.log.base_offset());
         // On a task of its own: a request dropped mid-write (its client gone) would
         // leave the event in the log and the trackers without it.
         let to_its_end = |op: crate::groups::GroupOp| {
@@ -3839,7 +3839,7 @@ impl CoreBroker {
         let mut unbuilt = Vec::new();
         for (key, slot) in self.streams.borrow().iter() {
             let Slot::Ready(s) = slot else { continue };
-            let size = s.log.size_bytes();
+            let size = s.log.written_bytes();
             let Some(groups) = s.groups.borrow().clone() else {
                 let grown = size.saturating_sub(s.groups_snapshot_mark.get().min(size));
                 if s.group_batches_seen.get() && !s.building_groups.get() && grown >= every {
@@ -3865,14 +3865,14 @@ impl CoreBroker {
             task::spawn(async move {
                 match core.group_shard(&key, &stream).await {
                     Ok(groups) => {
-                        groups.snapshot_if_due(stream.log.size_bytes(), stream.log.base_offset());
+                        groups.snapshot_if_due(stream.log.written_bytes(), stream.log.base_offset());
                         core.metrics
                             .group_snapshots
                             .fetch_add(groups.take_snapshots(), Ordering::Relaxed);
                     }
                     Err(e) => {
                         // Tried again after another snapshot's worth of log.
-                        stream.groups_snapshot_mark.set(stream.log.size_bytes());
+                        stream.groups_snapshot_mark.set(stream.log.written_bytes());
                         tracing::warn!(shard = %key, error = %e, "building idle groups for a snapshot")
                     }
                 }

@@ -594,6 +594,9 @@ struct State<F> {
     idle_waiter: Option<Waker>,
     /// Truncations and resets begun: a read or sync spanning one starts over (step 6c).
     cuts: u64,
+    /// Bytes of the segments retention took from the head since the log opened
+    /// ([`SegmentLog::written_bytes`]).
+    retired_bytes: u64,
     /// A `write_meta` is in progress; the others wait here.
     meta_writing: bool,
     meta_waiters: Vec<Waker>,
@@ -839,6 +842,7 @@ impl<B: Backend> SegmentLog<B> {
             flushing: false,
             idle_waiter: None,
             cuts: 0,
+            retired_bytes: 0,
             meta_writing: false,
             meta_waiters: Vec::new(),
             removing: 0,
@@ -1269,6 +1273,13 @@ impl<B: Backend> SegmentLog<B> {
             .sum()
     }
 
+    /// The log's size and what retention removed since it opened: grows with every
+    /// append and stays as retention removes, so "written since" measures by it hold
+    /// under retention, where the size stops growing (a cut or reset shrinks it).
+    pub fn written_bytes(&self) -> u64 {
+        self.size_bytes() + self.shared.state.borrow().retired_bytes
+    }
+
     /// Resolves once the acknowledged end passes `offset` (a record at `offset` is
     /// readable), or the log is poisoned or closed: a tailing reader's wait.
     pub async fn wait_for(&self, offset: u64) -> Result<(), StorageError> {
@@ -1623,7 +1634,9 @@ impl<B: Backend> SegmentLog<B> {
             }
             let n = retention_doomed(&st, now_micros, max_bytes, max_age, floor);
             for _ in 0..n {
-                doomed.push(st.segments.pop_front().expect("doomed segments exist"));
+                let s = st.segments.pop_front().expect("doomed segments exist");
+                st.retired_bytes += s.data_len;
+                doomed.push(s);
             }
             cuts = st.cuts;
         }
@@ -1662,6 +1675,7 @@ impl<B: Backend> SegmentLog<B> {
             let mut st = self.shared.state.borrow_mut();
             if st.cuts == cuts && !st.exclusive && !st.closing && !st.closed {
                 for s in doomed.drain(removed..).rev() {
+                    st.retired_bytes -= s.data_len;
                     st.segments.push_front(s);
                 }
             }

@@ -465,6 +465,8 @@ async fn retention_bounds_can_be_passed_in<F: Fixture>(fx: F) {
         .unwrap();
     fill(&log, 400, 1000).await;
     let before = log.segment_count();
+    let written = log.written_bytes();
+    assert_eq!(written, log.size_bytes());
     assert_eq!(log.enforce_retention(u64::MAX / 2).await.unwrap(), 0);
     let removed = log
         .enforce_retention_with(0, Some(200 * 1024), None)
@@ -472,6 +474,9 @@ async fn retention_bounds_can_be_passed_in<F: Fixture>(fx: F) {
         .unwrap();
     assert!(removed > 0 && log.segment_count() == before - removed);
     assert!(log.size_bytes() <= 200 * 1024 + 64 * 1024);
+    // What was written stays written: "written since" measures (snapshots due every
+    // so many bytes) go on under retention.
+    assert_eq!(log.written_bytes(), written);
     let base = log.base_offset();
     check_contents(&read_all(&log).await, base, 400, 1000);
     // An age too large to add to a timestamp keeps everything rather than overflowing.

@@ -340,7 +340,7 @@ impl CoreBroker {
             .fetch_add(read, std::sync::atomic::Ordering::Relaxed);
         // What this build read, the next one after a crash need not: due once it was
         // a snapshot's worth.
-        let size = shard.log.size_bytes();
+        let size = shard.log.written_bytes();
         shard
             .producers_snapshot_mark
             .set((shard.producers_snapshot_mark.get().min(size)).min(size.saturating_sub(read)));
@@ -391,7 +391,7 @@ impl CoreBroker {
         // describing records gone: nothing is saved then.
         let (epoch, cuts) = (shard.producers_epoch.get(), shard.log.stats().cuts);
         let cut = || shard.producers_epoch.get() != epoch || shard.log.stats().cuts != cuts;
-        let size = shard.log.size_bytes();
+        let size = shard.log.written_bytes();
         // Whatever comes of it, the next try waits for the log to grow as much again.
         shard.producers_snapshot_mark.set(size);
         let (mut table, _) = self.load_producers(shard).await;
@@ -439,7 +439,7 @@ impl CoreBroker {
             .values()
             .filter_map(|slot| match slot {
                 Slot::Ready(s) => {
-                    let size = s.log.size_bytes();
+                    let size = s.log.written_bytes();
                     let grown = size.saturating_sub(s.producers_snapshot_mark.get().min(size));
                     let kept = s.producers.borrow().is_some() || s.producer_batches_stored.get();
                     (grown >= every && kept).then(|| s.clone())
@@ -460,7 +460,7 @@ impl CoreBroker {
     /// save) as of the end of what its log acknowledged: a later build starts from it and
     /// reads only the log after it.
     pub(super) async fn save_producers(&self, shard: &StreamShard) {
-        let size = shard.log.size_bytes();
+        let size = shard.log.written_bytes();
         if shard.producers_snapshot_mark.get() == size {
             return;
         }

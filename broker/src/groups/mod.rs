@@ -930,7 +930,7 @@ impl GroupShard {
             GroupState {
                 folded: Some(groups.clone()),
                 trackers: groups,
-                snapshot_mark: stream.log.size_bytes().saturating_sub(after),
+                snapshot_mark: stream.log.written_bytes().saturating_sub(after),
             },
             Built {
                 from_snapshot,
@@ -1099,11 +1099,15 @@ impl GroupShard {
     /// Writes a group snapshot when [`Limits::snapshot_every_bytes`] of log were written
     /// since the last: now, or once the group writes in flight are answered. In the
     /// background: no request waits for it; a failed one ends snapshots until the
-    /// groups are built again. `size`: the shard's log size now; `base`: its first
-    /// offset (what lies below is left out of the snapshot, see
+    /// groups are built again. `size`: the bytes written to the shard's log now
+    /// ([`SegmentLog::written_bytes`]: until 2026-12-07 its size, which retention keeps
+    /// from growing, so a stream at its retention bound stopped taking snapshots);
+    /// `base`: its first offset (what lies below is left out of the snapshot, see
     /// [`Tracker::forget_gone_below`]).
+    ///
+    /// [`SegmentLog::written_bytes`]: felix_storage_uring::SegmentLog::written_bytes
     pub fn snapshot_if_due(&self, size: u64, base: u64) {
-        // Retention shrinks the log: count from what is left.
+        // A cut suffix shrinks the log: count from what is left.
         let mark = self.snapshot_mark.get().min(size);
         self.snapshot_mark.set(mark);
         if size - mark < self.limits.snapshot_every_bytes || self.retired.get() {
@@ -2264,7 +2268,7 @@ mod tests {
             );
             assert_eq!(
                 g.snapshot_mark.get(),
-                stream.log.size_bytes() - after,
+                stream.log.written_bytes() - after,
                 "the next snapshot is due counting from this one"
             );
             // Past the cap on what it keeps, the fold reads forward from the snapshot

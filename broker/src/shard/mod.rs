@@ -245,7 +245,7 @@ impl std::fmt::Debug for StreamShard {
 impl StreamShard {
     /// Wraps an opened log.
     pub fn new(key: Arc<ShardKey>, log: SegmentLog<DmaBackend>) -> StreamShard {
-        let size = log.size_bytes();
+        let size = log.written_bytes();
         let groups_in_log = log.may_hold(felix_storage_uring::BatchKind::Group);
         StreamShard {
             commits_claimed: Cell::new(log.next_offset()),
