@@ -135,39 +135,96 @@ impl Envelope {
     }
 }
 
-/// Encodes records as one shared binary event batch.
-pub fn encode_events(base_offset: u64, records: &[Bytes], skipped_before: Option<u64>) -> Bytes {
-    let batch = EventBatch {
-        subscription_id: None,
-        base_offset: Some(Offset(base_offset)),
-        skipped_before,
-        publisher: None,
-        timestamps: false,
-        events: records
-            .iter()
-            .map(|r| EventItem {
-                timestamp_micros: None,
-                payload: r.clone(),
-            })
-            .collect(),
-    };
-    let mut buf = BytesMut::new();
-    batch
-        .encode_frame(&mut buf)
-        .expect("a committed batch fits an event frame");
-    buf.freeze()
+/// The most payload an event frame carries: a client's frame limit (16 MiB by default;
+/// the broker's own `max_frame_bytes` may take larger publishes).
+const EVENT_FRAME_MAX: usize = felix_wire::frame::DEFAULT_MAX_PAYLOAD_BYTES as usize;
+
+/// Splits `records` into runs whose frames stay within [`EVENT_FRAME_MAX`], given each
+/// record's `cost` in a frame and a frame's `fixed` cost: `(start, end)` of each run. A
+/// record too large for any frame goes alone (its frame is refused by the reader; see
+/// docs/state.md, reads).
+fn runs(records: &[Bytes], fixed: usize, cost: impl Fn(usize) -> usize) -> Vec<(usize, usize)> {
+    let mut runs = Vec::new();
+    let (mut start, mut size) = (0, fixed);
+    for (i, r) in records.iter().enumerate() {
+        let c = cost(r.len());
+        if i > start && size + c > EVENT_FRAME_MAX {
+            runs.push((start, i));
+            (start, size) = (i, fixed);
+        }
+        size += c;
+    }
+    runs.push((start, records.len()));
+    runs
 }
 
-/// Encodes records as a JSON `event_batch`.
-pub fn encode_json_events(names: &StreamNames, base_offset: u64, records: &[Bytes]) -> Bytes {
-    Message::EventBatch {
-        tenant_id: names.tenant.clone(),
-        namespace: names.namespace.clone(),
-        stream: names.stream.clone(),
-        payloads: records.to_vec(),
-        base_offset: Some(Offset(base_offset)),
+/// Encodes records as shared binary event batches: one frame, or, when that would be
+/// larger than a client reads, several back to back (a batch a publish of nearly a
+/// frame's size wrote came out a few bytes over with `skipped_before`, and one the
+/// broker's larger `max_frame_bytes` took, far over). `skipped_before` goes with the
+/// first.
+pub fn encode_events(base_offset: u64, records: &[Bytes], skipped_before: Option<u64>) -> Bytes {
+    let one = |first: usize, records: &[Bytes], skipped_before: Option<u64>| {
+        let batch = EventBatch {
+            subscription_id: None,
+            base_offset: Some(Offset(base_offset + first as u64)),
+            skipped_before,
+            publisher: None,
+            timestamps: false,
+            events: records
+                .iter()
+                .map(|r| EventItem {
+                    timestamp_micros: None,
+                    payload: r.clone(),
+                })
+                .collect(),
+        };
+        let mut buf = BytesMut::new();
+        batch
+            .encode_frame(&mut buf)
+            .expect("a committed batch fits an event frame");
+        buf.freeze()
+    };
+    let body: usize = records.iter().map(|r| 4 + r.len()).sum();
+    if 24 + body <= EVENT_FRAME_MAX {
+        return one(0, records, skipped_before);
     }
-    .to_frame()
+    let mut out = BytesMut::new();
+    for (i, (start, end)) in runs(records, 24, |n| 4 + n).into_iter().enumerate() {
+        let skipped = if i == 0 { skipped_before } else { None };
+        out.extend_from_slice(&one(start, &records[start..end], skipped));
+    }
+    out.freeze()
+}
+
+/// Encodes records as JSON `event_batch`es: one, or several back to back when one would
+/// be larger than a client reads (base64 takes a third more: a binary publish of more
+/// than about 12 MiB was sent to JSON subscribers as one frame over 16 MiB, refused by
+/// their readers at every retry).
+pub fn encode_json_events(names: &StreamNames, base_offset: u64, records: &[Bytes]) -> Bytes {
+    let one = |first: usize, records: &[Bytes]| {
+        Message::EventBatch {
+            tenant_id: names.tenant.clone(),
+            namespace: names.namespace.clone(),
+            stream: names.stream.clone(),
+            payloads: records.to_vec(),
+            base_offset: Some(Offset(base_offset + first as u64)),
+        }
+        .to_frame()
+    };
+    // Quotes and a comma around each record's base64; the type, names, offset and
+    // brackets once (names are plain: letters, digits, `-`, `_`, `.`).
+    let cost = |n: usize| n.div_ceil(3) * 4 + 3;
+    let fixed = 256 + names.tenant.len() + names.namespace.len() + names.stream.len();
+    let body: usize = records.iter().map(|r| cost(r.len())).sum();
+    if fixed + body <= EVENT_FRAME_MAX {
+        return one(0, records);
+    }
+    let mut out = BytesMut::new();
+    for (start, end) in runs(records, fixed, cost) {
+        out.extend_from_slice(&one(start, &records[start..end]));
+    }
+    out.freeze()
 }
 
 /// A stream shard on its owning core.
@@ -2021,6 +2078,58 @@ fn apply(state: &mut Projection, rec: CacheRecord, offset: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch larger than a client's frame goes as frames that each fit, back to back,
+    /// offsets running on and every record in order: binary (`skipped_before` with the
+    /// first only) and JSON (base64, a third larger).
+    #[test]
+    fn event_batches_larger_than_a_frame_go_as_frames_that_fit() {
+        use felix_wire::frame::{DEFAULT_MAX_PAYLOAD_BYTES, FrameReader};
+        let records: Vec<Bytes> = (0..5u8).map(|i| Bytes::from(vec![i; 5 << 20])).collect();
+        let names = StreamNames {
+            tenant: "t".into(),
+            namespace: "n".into(),
+            stream: "s".into(),
+        };
+        for json in [false, true] {
+            let bytes = if json {
+                encode_json_events(&names, 100, &records)
+            } else {
+                encode_events(100, &records, Some(3))
+            };
+            let mut reader = FrameReader::new(DEFAULT_MAX_PAYLOAD_BYTES);
+            reader.push(bytes);
+            let (mut got, mut frames) = (Vec::new(), 0);
+            while let Some(f) = reader.next_frame().expect("every frame fits") {
+                frames += 1;
+                let (base, payloads, skipped) = if json {
+                    match Message::decode(&f.payload).unwrap() {
+                        Message::EventBatch {
+                            base_offset,
+                            payloads,
+                            ..
+                        } => (base_offset.unwrap().0, payloads, None),
+                        other => panic!("{other:?}"),
+                    }
+                } else {
+                    let b = EventBatch::decode(f.flags, &f.payload).unwrap();
+                    let p = b.events.into_iter().map(|e| e.payload).collect();
+                    (b.base_offset.unwrap().0, p, b.skipped_before)
+                };
+                assert_eq!(base, 100 + got.len() as u64, "offsets run on");
+                assert_eq!(skipped.is_some(), !json && got.is_empty(), "skipped first");
+                got.extend(payloads);
+            }
+            assert!(frames > 1, "split (json {json})");
+            assert_eq!(got, records, "every record, in order (json {json})");
+        }
+        // One that fits stays one frame.
+        let small = encode_events(7, &records[..1], None);
+        let mut reader = FrameReader::new(DEFAULT_MAX_PAYLOAD_BYTES);
+        reader.push(small);
+        assert!(reader.next_frame().unwrap().is_some());
+        assert!(reader.next_frame().unwrap().is_none());
+    }
 
     /// Two adds racing to the edge of i64 cannot both pass: each is checked against the
     /// applied sum and every add in flight (they were checked against the applied sum
