@@ -3384,7 +3384,8 @@ impl CoreBroker {
         if cache.compaction_due(self.shared.cache_compact_after) {
             let (rs, cache, metrics) = (rs.clone(), cache.clone(), self.metrics.clone());
             task::spawn(async move {
-                match cache.compact(&ReplicatedWrites(rs)).await {
+                let term = rs.term();
+                match cache.compact(&ReplicatedWrites(rs, term)).await {
                     Ok(c) => {
                         metrics.cache_compactions.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!(shard = %cache.key, ?c, "replicated cache compacted");
@@ -4411,7 +4412,11 @@ async fn settled(cache: &crate::shard::CacheShard, key: &str) -> Result<(), Brok
 /// A compaction of a replicated cache this broker leads: copies go through the replica
 /// (fenced by its generation, shipped like any write), and the cut is a marker record;
 /// [`CoreBroker::cut_replicated_caches`] removes the segments below once it commits.
-struct ReplicatedWrites(Rc<crate::replication::replica::ReplicaShard>);
+/// A replicated cache's compaction copies, written by the leadership (term) that chose
+/// its cut and keys: one that lost leadership and won it back meanwhile may hold other
+/// records below the cut now (its uncommitted suffix cut, an interim leader's written
+/// there), which its list of keys never saw, and its marker would let them go.
+struct ReplicatedWrites(Rc<crate::replication::replica::ReplicaShard>, u64);
 
 impl crate::shard::CompactionWrites for ReplicatedWrites {
     /// Staged like client writes and applied with them, in log order, once committed
@@ -4425,6 +4430,11 @@ impl crate::shard::CompactionWrites for ReplicatedWrites {
                 "a stream replica compacted as a cache".into(),
             ));
         };
+        if rs.term() != self.1 || !rs.serving() {
+            return Err(BrokerError::ShardUnavailable(
+                "compaction: leadership changed since its cut was chosen".into(),
+            ));
+        }
         let (pending, term) = rs.admit(records, now_micros, None)?;
         let claimed_at = clock::now().instant;
         let first = pending.first();
