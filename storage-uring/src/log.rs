@@ -332,6 +332,8 @@ pub struct RecoveryReport {
     /// [`UNSYNCED_LIFE`] mark was there): records it acknowledged may be gone, those it
     /// counted durable at sequencing among them.
     pub unsynced_life: bool,
+    /// Index files whose segment was gone, removed.
+    pub orphan_indexes_removed: usize,
     /// Wall time.
     pub duration: Duration,
 }

@@ -36,6 +36,15 @@ pub fn parse_segment_name(name: &str) -> Option<Result<u64, &'static str>> {
     Some(stem.parse().map_err(|_| "base offset out of range"))
 }
 
+/// The base offset an index file's name (`{base:020}.idx`) gives, if it is one.
+pub fn parse_index_name(name: &str) -> Option<u64> {
+    let stem = name.strip_suffix(".idx")?;
+    if stem.len() != 20 || !stem.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    stem.parse().ok()
+}
+
 /// A segment that exists on disk.
 #[derive(Debug)]
 pub(crate) struct Segment<F> {

@@ -628,6 +628,24 @@ async fn a_foreign_file_is_refused_and_unrelated_files_ignored<F: Fixture>(fx: F
         .await
         .unwrap();
     log.close().await.unwrap();
+    // An index whose segment is gone (a crash between a retention pass's unlinks) is
+    // removed at the next open; the others stay.
+    let orphan = "00000000000000000999.idx";
+    fx.write(orphan, b"stale");
+    let indexes = |fx: &F| {
+        fx.names()
+            .into_iter()
+            .filter(|n| n.ends_with(".idx"))
+            .count()
+    };
+    let before = indexes(&fx);
+    let (log, report) = SegmentLog::open(fx.backend().await, LogConfig::default())
+        .await
+        .unwrap();
+    log.close().await.unwrap();
+    assert_eq!(report.orphan_indexes_removed, 1);
+    assert!(!fx.names().iter().any(|n| n == orphan), "removed");
+    assert_eq!(indexes(&fx), before - 1, "the others kept");
     fx.write("backup.seg", b"not ours");
     assert!(matches!(
         SegmentLog::open(fx.backend().await, LogConfig::default()).await,

@@ -23,6 +23,7 @@ pub(super) async fn recover<B: Backend>(
 ) -> Result<(VecDeque<Segment<B::File>>, RecoveryReport), StorageError> {
     let mut report = RecoveryReport::default();
     let mut bases = Vec::new();
+    let mut indexes = Vec::new();
     // Metadata files (step 7) and the intent file are not segments: they are skipped.
     for name in backend
         .list()
@@ -30,7 +31,7 @@ pub(super) async fn recover<B: Backend>(
         .map_err(|e| StorageError::io("list", "log directory", e))?
     {
         match parse_segment_name(&name) {
-            None => {}
+            None => indexes.extend(segment::parse_index_name(&name)),
             Some(Ok(base)) => bases.push(base),
             Some(Err(reason)) => return Err(StorageError::ForeignFile { name, reason }),
         }
@@ -255,6 +256,18 @@ pub(super) async fn recover<B: Backend>(
     if let Some(intent) = intent {
         cut::finish_at_open(backend, &mut segments, intent).await?;
         report.finished_intent = true;
+    }
+    // An index whose segment is gone (a crash between a removal's unlinks, or an index
+    // unlink that failed) is never read, and nothing else removes it: removed here
+    // (derived, so a failure is only left for the next open).
+    if !config.read_only {
+        for base in indexes {
+            if !segments.iter().any(|s| s.base == base)
+                && backend.remove(&index_name(base)).await.is_ok()
+            {
+                report.orphan_indexes_removed += 1;
+            }
+        }
     }
     Ok((segments, report))
 }
