@@ -50,6 +50,10 @@ const OUTBOUND_MAX: usize = 4096;
 /// are bounded by the requests that asked for them.
 pub const CROSS_CORE_REQUESTS_MAX: usize = 8192;
 
+/// Stream shards of a core whose retention runs at once (each in a task of its own, so
+/// one waiting for a majority holds up no other; bounded, since each may copy state).
+const RETENTION_SHARDS_AT_ONCE: usize = 16;
+
 /// Group polls one core may have waiting for records at another, within
 /// `CROSS_CORE_REQUESTS_MAX`: a quarter, so long polls (of any number of clients) always
 /// leave the other requests most of the slots. Past it a poll answers at once.
@@ -4064,10 +4068,10 @@ impl CoreBroker {
 
     /// Removes whole sealed segments each open stream's retention no longer keeps, once
     /// the live state they hold is carried to the tail (`core/carry.rs`). The shards go
-    /// at once, each in a task of its own: one that waits (a Leader stream's carry waits
-    /// up to 5 s for a majority that may be away) holds up no other, and a round lasts
-    /// as long as its slowest shard (until 2026-12-07, shard after shard: 5 s for each
-    /// such shard, every round, and every other housekeeping task of the core behind).
+    /// [`RETENTION_SHARDS_AT_ONCE`] at a time, each in a task of its own: one that waits
+    /// (a Leader stream's carry waits up to 5 s for a majority that may be away) holds up
+    /// no other (until 2026-12-07, shard after shard: 5 s for each such shard, every
+    /// round, and every other housekeeping task of the core behind).
     pub async fn enforce_retention(self: &Rc<Self>) {
         let shards: Vec<Rc<StreamShard>> = self
             .streams
@@ -4079,14 +4083,19 @@ impl CoreBroker {
             })
             .collect();
         let now = clock::wall_micros();
-        let rounds: Vec<_> = shards
-            .into_iter()
-            .map(|s| {
-                let core = self.clone();
-                task::spawn(async move { core.retain_shard(&s, now).await })
-            })
-            .collect();
-        for r in rounds {
+        // At most `RETENTION_SHARDS_AT_ONCE` at a time: each may copy up to 4 MiB of
+        // state and sync.
+        let mut running = std::collections::VecDeque::new();
+        for s in shards {
+            if running.len() >= RETENTION_SHARDS_AT_ONCE
+                && let Some(oldest) = running.pop_front()
+            {
+                oldest.await;
+            }
+            let core = self.clone();
+            running.push_back(task::spawn(async move { core.retain_shard(&s, now).await }));
+        }
+        for r in running {
             r.await;
         }
     }
@@ -4113,10 +4122,11 @@ impl CoreBroker {
             // Not attached yet: nothing is known to be committed.
             Err(_) => return,
         };
-        let (cut, kinds) = s
-            .log
-            .retention_cut(now, spec.retention.max_size_bytes, age, floor);
-        if cut <= s.log.base_offset() {
+        let cut_now = || {
+            s.log
+                .retention_cut(now, spec.retention.max_size_bytes, age, floor)
+        };
+        if cut_now().0 <= s.log.base_offset() {
             // Nothing to remove this round.
             return;
         }
@@ -4129,6 +4139,10 @@ impl CoreBroker {
             tracing::warn!(shard = %k, error = %e, "keeping generation starts");
             return;
         }
+        // Taken again after that wait (a reset meanwhile may have moved the base and
+        // sealed other segments below the first cut): what follows uses it with no
+        // wait since.
+        let (cut, kinds) = cut_now();
         let holds_state = kinds.has(felix_storage_uring::BatchKind::Commit)
             || kinds.has(felix_storage_uring::BatchKind::State);
         let superseding = cut > s.log.base_offset() && holds_state;

@@ -455,7 +455,7 @@ async fn auth_watchdog(conn: Connection, scope: Rc<ConnScope>) {
     }
 }
 
-/// Distinct tokens (as a key set revokes them) a connection keeps for revocation. A
+/// Distinct tokens (whole grants: see [`remember_grant`]) a connection keeps for revocation. A
 /// grant is kept for the connection's life (dropping one whose streams ended closed no
 /// idle connection a revocation should: a version holding weak references was tried),
 /// so a client that authenticated each stream with a fresh token (a token provider
@@ -1340,12 +1340,15 @@ fn reply_publish(
     }
 }
 
+/// A cache request's answer; one carrying a value too large for a frame (written
+/// before values were bounded, or by an older broker) is refused `limit_exceeded`, as an
+/// oversized read is, rather than sent for the reader to refuse at every retry.
 fn cache_answer(
     session: &Session,
     reply: CacheReply,
     result: Result<CacheAnswer, BrokerError>,
 ) -> Bytes {
-    match result {
+    let frame = match result {
         Err(e) => e.to_message(session.coded()),
         Ok(CacheAnswer::Condition(applied, version)) => Message::CacheConditionResult {
             applied,
@@ -1371,7 +1374,8 @@ fn cache_answer(
             request_id: reply.request_id.unwrap_or_default(),
         },
     }
-    .to_frame()
+    .to_frame();
+    answer::fit(session, frame, || "the cache value".into())
 }
 
 /// An append's outcome as its ack goes out. The lease is read once more: a broker
@@ -1424,7 +1428,7 @@ fn state_answer(
 ) -> Bytes {
     use crate::core::StateAnswer as A;
     use felix_wire::Offset;
-    match result {
+    let frame = match result {
         Err(BrokerError::OffsetMismatch { tail }) => Message::PublishRefused {
             request_id,
             reason: felix_wire::message::PublishRefusalReason::OffsetMismatch {
@@ -1444,7 +1448,9 @@ fn state_answer(
             request_id,
         },
     }
-    .to_frame()
+    .to_frame();
+    // As a cache answer (see `cache_answer`).
+    answer::fit(session, frame, || "the state value".into())
 }
 
 fn group_answer(
@@ -2341,6 +2347,53 @@ mod tests {
             Message::decode(&parse_frame(&fits).payload).unwrap(),
             Message::GroupRecords { .. }
         ));
+    }
+
+    /// A cache or state value too large for a frame (stored before values were
+    /// bounded) is answered `limit_exceeded`, not sent for the reader to refuse.
+    #[test]
+    fn a_stored_value_too_large_for_a_frame_is_refused_not_sent() {
+        let s = session_with(
+            crate::auth::all_data_perms(crate::session::testing::TENANT),
+            Features::ERROR_CODES,
+        );
+        let reply = || crate::session::dispatch::CacheReply {
+            tenant: "t1".into(),
+            namespace: "n".into(),
+            cache: "c".into(),
+            key: "k".into(),
+            request_id: Some(felix_wire::RequestId(1)),
+            put: false,
+        };
+        let value = |len: usize| Bytes::from(vec![7u8; len]);
+        let code = |frame: &Bytes| match Message::decode(&parse_frame(frame).payload).unwrap() {
+            Message::Error { code, .. } => code,
+            _ => None,
+        };
+        let big = cache_answer(
+            &s,
+            reply(),
+            Ok(CacheAnswer::Value(Some(value(13 << 20)), None)),
+        );
+        assert_eq!(code(&big), Some(felix_wire::ErrorCode::LimitExceeded));
+        let fits = cache_answer(
+            &s,
+            reply(),
+            Ok(CacheAnswer::Value(Some(value(1 << 20)), None)),
+        );
+        assert_eq!(code(&fits), None);
+        let state = |len: usize| {
+            state_answer(
+                &s,
+                felix_wire::RequestId(1),
+                Ok(crate::core::StateAnswer::Value(Some((value(len), 3)), 4)),
+            )
+        };
+        assert_eq!(
+            code(&state(13 << 20)),
+            Some(felix_wire::ErrorCode::LimitExceeded)
+        );
+        assert_eq!(code(&state(1 << 20)), None);
     }
 
     /// A snapshot is encoded a page at a time: each page about the bound (over it by
