@@ -230,9 +230,17 @@ impl Publisher {
     }
 
     /// Waits for every ack; returns ack latencies (µs).
+    ///
+    /// A stream the broker ended before acking every publish is an error: counted as
+    /// acked, its publishes would pass for delivered in cells that check no delivery.
     pub async fn finish(mut self) -> anyhow::Result<Vec<f64>> {
         self.send.finish()?;
-        self.acks.await?
+        let lat = self.acks.await??;
+        let owed = self.sent_at.lock().expect("ack times").len();
+        if owed > 0 {
+            bail!("{owed} publishes never acknowledged (the stream ended first)");
+        }
+        Ok(lat)
     }
 }
 

@@ -359,6 +359,7 @@ struct TcpProducer {
     acks: tokio::task::JoinHandle<anyhow::Result<()>>,
     buf: BytesMut,
     encode: fn(&mut BytesMut, &str, &Bytes),
+    /// What `encode` is given: the stream (NATS: its subject and the reply inbox).
     stream: String,
     /// A window slot taken by `room` for the next send.
     reserved: bool,
@@ -540,8 +541,9 @@ pub(crate) async fn nats_request(
     }
 }
 
-fn nats_pub(buf: &mut BytesMut, subject: &str, payload: &Bytes) {
-    buf.extend_from_slice(format!("PUB {subject} _INBOX.ack {}\r\n", payload.len()).as_bytes());
+/// `target` is the subject and the producer's own reply inbox (`"{subject} {inbox}"`).
+fn nats_pub(buf: &mut BytesMut, target: &str, payload: &Bytes) {
+    buf.extend_from_slice(format!("PUB {target} {}\r\n", payload.len()).as_bytes());
     buf.extend_from_slice(payload);
     buf.extend_from_slice(b"\r\n");
 }
@@ -553,6 +555,8 @@ struct NatsConsumer {
 }
 
 static NEXT_CONSUMER: AtomicU64 = AtomicU64::new(1);
+
+static NEXT_PRODUCER: AtomicU64 = AtomicU64::new(1);
 
 impl Driver for NatsDriver {
     fn name(&self) -> &'static str {
@@ -582,7 +586,14 @@ impl Driver for NatsDriver {
     fn producer(&self, stream: String, window: usize) -> BoxFut<'_, Box<dyn Producer>> {
         Box::pin(async move {
             let (mut r, mut w) = nats_connect(self.addr).await?;
-            w.write_all(b"SUB _INBOX.ack 1\r\n").await?;
+            // An inbox of its own: with one shared by every producer, each connection
+            // got every producer's PubAcks and counted them as its own (S8's 64
+            // producers finished ahead of their own acks).
+            let inbox = format!(
+                "_INBOX.ack.{}",
+                NEXT_PRODUCER.fetch_add(1, Ordering::Relaxed)
+            );
+            w.write_all(format!("SUB {inbox} 1\r\n").as_bytes()).await?;
             let state = Arc::new(AckState::default());
             let window = Arc::new(Semaphore::new(window));
             let (st, win) = (state.clone(), window.clone());
@@ -609,7 +620,7 @@ impl Driver for NatsDriver {
                 acks,
                 buf: BytesMut::with_capacity(1 << 20),
                 encode: nats_pub,
-                stream,
+                stream: format!("{stream} {inbox}"),
                 reserved: false,
             }) as Box<dyn Producer>)
         })
