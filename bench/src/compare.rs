@@ -516,13 +516,6 @@ async fn run_cell_on(
         .collect();
 
     let static_batch: Vec<Bytes> = (0..spec.batch).map(|_| stamped(spec.size, 0)).collect();
-    // Connected before the clock starts: a QUIC handshake (ours) or a TCP connect (the
-    // peers) for each producer was in the window, S8's 64 of them, and an open loop's
-    // schedule ran ahead of the connections.
-    let mut connected = Vec::with_capacity(spec.producers);
-    for _ in 0..spec.producers {
-        connected.push(driver.producer(stream.clone(), spec.window).await?);
-    }
     let flushes_before = driver.flush_counts();
     let stages_before = driver.stage_buckets();
     let cpu_before = driver.server_cpu_ns();
@@ -530,7 +523,8 @@ async fn run_cell_on(
     let interval =
         rate.map(|r| Duration::from_secs_f64(spec.batch as f64 * spec.producers as f64 / r));
     let mut producers = Vec::new();
-    for mut p in connected {
+    for _ in 0..spec.producers {
+        let mut p = driver.producer(stream.clone(), spec.window).await?;
         let (bar, static_batch) = (bar.clone(), static_batch.clone());
         let (size, batch) = (spec.size, spec.batch);
         producers.push(tokio::spawn(async move {
