@@ -4070,8 +4070,9 @@ impl CoreBroker {
     /// the live state they hold is carried to the tail (`core/carry.rs`). The shards go
     /// [`RETENTION_SHARDS_AT_ONCE`] at a time, each in a task of its own: one that waits
     /// (a Leader stream's carry waits up to 5 s for a majority that may be away) holds up
-    /// no other (until 2026-12-07, shard after shard: 5 s for each such shard, every
-    /// round, and every other housekeeping task of the core behind).
+    /// no other while fewer than that many wait (until 2026-12-07, shard after shard: 5
+    /// s for each such shard, every round, and every other housekeeping task of the core
+    /// behind).
     pub async fn enforce_retention(self: &Rc<Self>) {
         let shards: Vec<Rc<StreamShard>> = self
             .streams
@@ -4083,20 +4084,30 @@ impl CoreBroker {
             })
             .collect();
         let now = clock::wall_micros();
-        // At most `RETENTION_SHARDS_AT_ONCE` at a time: each may copy up to 4 MiB of
-        // state and sync.
-        let mut running = std::collections::VecDeque::new();
+        // At most `RETENTION_SHARDS_AT_ONCE` at a time (each may copy up to 4 MiB of
+        // state and sync), the next starting when any one ends: waiting for the oldest,
+        // a shard waiting 5 s held up every one after it.
+        let (done, mut ended) = futures_channel::mpsc::unbounded::<()>();
+        let mut running = 0;
         for s in shards {
-            if running.len() >= RETENTION_SHARDS_AT_ONCE
-                && let Some(oldest) = running.pop_front()
-            {
-                oldest.await;
+            if running >= RETENTION_SHARDS_AT_ONCE {
+                // `None` only if every task was dropped unfinished.
+                if futures_lite::StreamExt::next(&mut ended).await.is_none() {
+                    return;
+                }
+                running -= 1;
             }
-            let core = self.clone();
-            running.push_back(task::spawn(async move { core.retain_shard(&s, now).await }));
+            let (core, done) = (self.clone(), done.clone());
+            task::spawn(async move {
+                core.retain_shard(&s, now).await;
+                let _ = done.unbounded_send(());
+            })
+            .detach();
+            running += 1;
         }
-        for r in running {
-            r.await;
+        drop(done);
+        while running > 0 && futures_lite::StreamExt::next(&mut ended).await.is_some() {
+            running -= 1;
         }
     }
 

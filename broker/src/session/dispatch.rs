@@ -400,6 +400,8 @@ pub struct CacheReply {
     pub request_id: Option<RequestId>,
     /// Whether the request was a put (answered `cache_ok`).
     pub put: bool,
+    /// Whether the request was a delete (answered with the value it removed).
+    pub delete: bool,
 }
 
 /// A request as it came (its frame's flags and payload, shared with the received
@@ -1665,6 +1667,7 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
     match dir.resolve(&key) {
         Resolved::Local => {
             let put = matches!(c.op, CacheRequestOp::Put(..));
+            let delete = matches!(c.op, CacheRequestOp::Delete);
             let op = match c.op {
                 CacheRequestOp::Get => CacheOp::Get(c.key.clone()),
                 CacheRequestOp::Put(v, ttl) => CacheOp::Put(c.key.clone(), v, ttl),
@@ -1684,6 +1687,7 @@ fn cache(session: &Session, dir: &impl Directory, c: CacheRequest, now: Now) -> 
                     key: c.key,
                     request_id: c.request_id,
                     put,
+                    delete,
                 },
             }
         }

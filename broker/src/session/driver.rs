@@ -1364,7 +1364,15 @@ fn cache_answer(
             namespace: reply.namespace,
             cache: reply.cache,
             key: reply.key,
-            value,
+            // A delete of a value stored before values were bounded, too large to send
+            // back: the delete happened, so it is answered as one, without the value
+            // (refused `limit_exceeded` below, it would say the delete failed).
+            value: match value {
+                Some(v) if reply.delete && v.len() > crate::session::dispatch::VALUE_MAX_BYTES => {
+                    None
+                }
+                v => v,
+            },
             request_id: reply.request_id,
             // A get's version, for a read-modify-write with `cache_put_if` (the feature
             // says so); none to clients that did not ask for it.
@@ -2364,6 +2372,7 @@ mod tests {
             key: "k".into(),
             request_id: Some(felix_wire::RequestId(1)),
             put: false,
+            delete: false,
         };
         let value = |len: usize| Bytes::from(vec![7u8; len]);
         let code = |frame: &Bytes| match Message::decode(&parse_frame(frame).payload).unwrap() {
@@ -2382,6 +2391,19 @@ mod tests {
             Ok(CacheAnswer::Value(Some(value(1 << 20)), None)),
         );
         assert_eq!(code(&fits), None);
+        // A delete of such a value happened: answered as done, without the value.
+        let deleted = cache_answer(
+            &s,
+            crate::session::dispatch::CacheReply {
+                delete: true,
+                ..reply()
+            },
+            Ok(CacheAnswer::Value(Some(value(13 << 20)), None)),
+        );
+        match Message::decode(&parse_frame(&deleted).payload).unwrap() {
+            Message::CacheValue { value, .. } => assert_eq!(value, None),
+            other => panic!("{other:?}"),
+        }
         let state = |len: usize| {
             state_answer(
                 &s,
