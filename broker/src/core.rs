@@ -4091,7 +4091,7 @@ impl CoreBroker {
         let mut running = 0;
         for s in shards {
             if running >= RETENTION_SHARDS_AT_ONCE {
-                // `None` only if every task was dropped unfinished.
+                // Never `None` here: this loop still holds a sender.
                 if futures_lite::StreamExt::next(&mut ended).await.is_none() {
                     return;
                 }
@@ -4105,6 +4105,7 @@ impl CoreBroker {
             .detach();
             running += 1;
         }
+        // `None` once every task ended or was dropped unfinished (its sender with it).
         drop(done);
         while running > 0 && futures_lite::StreamExt::next(&mut ended).await.is_some() {
             running -= 1;
