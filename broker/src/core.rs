@@ -4134,11 +4134,11 @@ impl CoreBroker {
             // Not attached yet: nothing is known to be committed.
             Err(_) => return,
         };
-        let cut_now = || {
+        let cut_now = |floor| {
             s.log
                 .retention_cut(now, spec.retention.max_size_bytes, age, floor)
         };
-        if cut_now().0 <= s.log.base_offset() {
+        if cut_now(floor).0 <= s.log.base_offset() {
             // Nothing to remove this round.
             return;
         }
@@ -4151,10 +4151,26 @@ impl CoreBroker {
             tracing::warn!(shard = %k, error = %e, "keeping generation starts");
             return;
         }
-        // Taken again after that wait (a reset meanwhile may have moved the base and
+        // What a fold of the groups needs stays (`core/carry.rs`).
+        let floor = match cut_now(floor) {
+            (cut, kinds)
+                if cut > s.log.base_offset()
+                    && kinds.has(felix_storage_uring::BatchKind::Group) =>
+            {
+                match self.group_floor(s, cut).await {
+                    Ok(f) => floor.min(f),
+                    Err(e) => {
+                        tracing::warn!(shard = %k, error = %e, "keeping group snapshots past retention");
+                        return;
+                    }
+                }
+            }
+            _ => floor,
+        };
+        // Taken again after those waits (a reset meanwhile may have moved the base and
         // sealed other segments below the first cut): what follows uses it with no
         // wait since.
-        let (cut, kinds) = cut_now();
+        let (cut, kinds) = cut_now(floor);
         let holds_state = kinds.has(felix_storage_uring::BatchKind::Commit)
             || kinds.has(felix_storage_uring::BatchKind::State);
         let superseding = cut > s.log.base_offset() && holds_state;

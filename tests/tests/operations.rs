@@ -381,6 +381,86 @@ fn producer_tables_are_saved_as_written_though_retention_bounds_the_log() {
     assert!(saved >= 10, "{saved} producer table saves");
 }
 
+/// A group whose every event lies in segments retention removes outlives them: its
+/// newest snapshot is carried past the cut first. Retention took no notice of group
+/// snapshots, and with less than a snapshot's worth of log kept (here an age bound and
+/// the default 64 MiB between snapshots) the next fold found neither a snapshot nor an
+/// event of an idle group: after a restart it was gone.
+#[test]
+fn an_idle_group_outlives_retention_of_its_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start(
+        dir.path(),
+        "segment_bytes: 65536\nhousekeeping_ms: 50\n",
+        &["--fsync", "none"],
+    );
+    b.admin()
+        .unwrap()
+        .post(
+            "/v1/tenants/dev/namespaces/default/streams",
+            &json!({"stream": "work", "kind": "Stream", "shards": 1,
+                    "retention": {"max_age_seconds": 1}}),
+        )
+        .unwrap();
+    let g = felix_client::GroupRef::new("dev", "default", "work", 0, "idle");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let before = rt.block_on(async {
+        let c = client(&b).await;
+        for i in 0..3 {
+            c.publish(
+                "dev",
+                "default",
+                "work",
+                format!("task {i}").into_bytes(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap();
+        }
+        let options = felix_client::PollOptions {
+            max_records: 3,
+            wait: Duration::from_millis(200),
+            visibility: Some(Duration::from_secs(60)),
+        };
+        let got = c.group_poll(&g, options).await.unwrap();
+        assert_eq!(got.len(), 3);
+        for r in &got {
+            c.group_ack(&g, r.offset.0).await.unwrap();
+        }
+        // The group's events (offsets 3-6) lie in the first of several segments.
+        for _ in 0..100 {
+            let filler = vec![b'x'; 2048];
+            c.publish("dev", "default", "work", filler, AckMode::PerMessage)
+                .await
+                .unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let (start, _) = earliest(&c, "work").await;
+            if start > 7 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "retention kept offset {start}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        c.group_describe(&g).await.unwrap()
+    });
+    // Every record it finished is gone: its cursor is the oldest retained record.
+    assert!(before.committed.is_some_and(|c| c > 7), "{before:?}");
+    let snapshots = b.metric("felix_broker_group_snapshots_total").unwrap();
+    assert!(snapshots >= 1, "{snapshots} group snapshots");
+    b.kill();
+    b.restart().unwrap();
+    rt.block_on(async {
+        let c = client(&b).await;
+        let after = c.group_describe(&g).await.unwrap();
+        assert_eq!(
+            after.committed, before.committed,
+            "the group after a restart: {after:?}"
+        );
+    });
+}
+
 #[test]
 fn retention_set_on_a_stream_is_enforced_and_deleting_it_removes_its_data() {
     let dir = tempfile::tempdir().unwrap();

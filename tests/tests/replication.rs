@@ -2870,6 +2870,103 @@ fn a_groups_cursor_and_dead_letters_survive_a_leader_kill() {
     });
 }
 
+/// An idle group outlives retention on a Quorum stream and a leader kill: before the
+/// cut passes the newest group snapshot the leader writes one, and every replica keeps
+/// the segments from its newest committed snapshot on, so the successor folds its own
+/// trimmed log into the group. Without the floor the group's every event (three acks
+/// and its creation, in the first of ~12 segments) went with the log's head, and the
+/// successor knew no such group.
+#[test]
+fn an_idle_group_outlives_retention_on_every_replica_and_a_leader_kill() {
+    use felix_client::{GroupRef, PollOptions};
+    let mut c = cluster_with("segment_bytes: 65536\nhousekeeping_ms: 200\n");
+    c.admin
+        .post(
+            &format!("/v1/tenants/{TENANT}/namespaces/{NAMESPACE}/streams"),
+            &serde_json::json!({"stream": "idle", "kind": "Stream", "shards": 1,
+                "replication_factor": 3, "consistency": "Quorum",
+                "retention": {"max_size_bytes": 131072}}),
+        )
+        .unwrap();
+    let (leader, generation) = c
+        .wait_leader("idle", 0, None, 0, Duration::from_secs(20))
+        .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let g = GroupRef::new(TENANT, NAMESPACE, "idle", 0, "workers");
+    let at = connector(&c);
+    let before = rt.block_on(async {
+        let client = at(leader).await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut published = 0;
+        while published < 3 {
+            match client
+                .publish(
+                    TENANT,
+                    NAMESPACE,
+                    "idle",
+                    b"job".to_vec(),
+                    AckMode::PerMessage,
+                )
+                .await
+            {
+                Ok(_) => published += 1,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "the leader never served: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        let poll = PollOptions {
+            max_records: 3,
+            wait: Duration::from_millis(300),
+            visibility: Some(Duration::from_secs(60)),
+        };
+        let got = client.group_poll(&g, poll).await.unwrap();
+        assert_eq!(got.len(), 3);
+        for r in &got {
+            client.group_ack(&g, r.offset.0).await.unwrap();
+        }
+        // ~640 KiB after them in 64 KiB segments, kept to 128 KiB.
+        for _ in 0..160 {
+            client
+                .publish(
+                    TENANT,
+                    NAMESPACE,
+                    "idle",
+                    vec![b'x'; 4096],
+                    AckMode::PerMessage,
+                )
+                .await
+                .unwrap();
+        }
+        client.group_describe(&g).await.unwrap()
+    });
+    assert!(before.committed.is_some(), "{before:?}");
+    wait_retention_everywhere(&c, 5);
+    c.brokers[leader].kill();
+    let (successor, _) = c
+        .wait_leader("idle", 0, Some(leader), generation, Duration::from_secs(30))
+        .unwrap();
+    rt.block_on(async {
+        let client = at(successor).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let after = loop {
+            match client.group_describe(&g).await {
+                Ok(info) => break info,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "the group never came back: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        // Its cursor is the successor's oldest retained record.
+        assert!(
+            after.committed.is_some_and(|c| c > 3),
+            "the group on the successor: {after:?}"
+        );
+    });
+}
+
 /// A leadership that serves no group request still snapshots the shard's groups: the
 /// successor of a killed leader, taking only publishes, builds the groups it saw shipped
 /// and writes a snapshot once a snapshot's worth of log has been written, so the fold of

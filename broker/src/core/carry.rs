@@ -123,3 +123,95 @@ impl CoreBroker {
         end().is_some_and(|e| e <= rs.commit())
     }
 }
+
+impl CoreBroker {
+    /// The lowest offset retention may remove up to for `shard`'s consumer groups, when
+    /// it would cut the log at `cut` and the segments below hold `Group` batches. A fold
+    /// of the groups starts from the newest group snapshot (`groups/mod.rs`), so the
+    /// segments from the newest one on stay until a newer one lies at or past the cut,
+    /// committed (no failover takes it back) and on this disk. When none does, the core
+    /// that writes the shard asks its groups for one (built for it if no group request
+    /// built them); a follower waits for its leader's. Until 2026-12-08 retention took
+    /// no notice: when less than a snapshot's worth of log was kept (a small size bound,
+    /// an age bound on a slow stream), the next fold missed every group whose events all
+    /// lay below the cut (an idle group vanished) and the seeks whose events went.
+    pub(super) async fn group_floor(
+        self: &Rc<Self>,
+        shard: &Rc<StreamShard>,
+        cut: u64,
+    ) -> Result<u64, BrokerError> {
+        let replica = self.replica_of(&shard.key)?;
+        let writes = replica.as_ref().is_none_or(|rs| rs.serving());
+        let committed = shard.log.committed_end();
+        let visible = replica
+            .as_ref()
+            .map_or(committed, |rs| rs.commit().min(committed));
+        let base = shard.log.base_offset();
+        let mut scan = shard.group_snapshot_scan.get();
+        if scan.newest.is_some_and(|n| n < base) || scan.scanned_to > visible {
+            // The log was started over (a follower far behind): looked at from its base.
+            scan = crate::groups::SnapshotScan::default();
+        }
+        let from = scan.scanned_to.max(base);
+        if from < visible {
+            if let Some(n) = crate::groups::newest_snapshot(shard, from, visible).await? {
+                scan.newest = Some(n);
+            }
+            scan.scanned_to = visible;
+        }
+        shard.group_snapshot_scan.set(scan);
+        if let Some(n) = scan.newest
+            && n >= cut
+        {
+            if n >= shard.log.durable_end() {
+                // The snapshots below go: this one is on this disk first.
+                shard.log.sync().await?;
+            }
+            return Ok(cut);
+        }
+        if writes && visible >= scan.asked_at {
+            scan.asked_at = shard.log.next_offset();
+            shard.group_snapshot_scan.set(scan);
+            self.snapshot_groups_for_retention(shard);
+        }
+        Ok(scan.newest.unwrap_or(base))
+    }
+
+    /// Asks `shard`'s groups for a snapshot now, building them first if no group
+    /// request has (in the background: retention looks for it next round).
+    fn snapshot_groups_for_retention(self: &Rc<Self>, shard: &Rc<StreamShard>) {
+        let (core, stream) = (self.clone(), shard.clone());
+        task::spawn(async move {
+            let key = stream.key.clone();
+            if stream.closing.get() || !core.serves(&key) || core.draining() {
+                return;
+            }
+            let written = match core.group_shard(&key, &stream).await {
+                Ok(groups) => {
+                    let written = groups.snapshot_for_retention(
+                        stream.log.written_bytes(),
+                        stream.log.base_offset(),
+                    );
+                    core.metrics
+                        .group_snapshots
+                        .fetch_add(groups.take_snapshots(), Ordering::Relaxed);
+                    written.then_some(()).ok_or_else(|| {
+                        BrokerError::Storage(
+                            "no snapshot can be written (a failed group write, or past the snapshot bound)"
+                                .into(),
+                        )
+                    })
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = written {
+                let mut scan = stream.group_snapshot_scan.get();
+                if !std::mem::replace(&mut scan.warned, true) {
+                    stream.group_snapshot_scan.set(scan);
+                    tracing::warn!(shard = %key, error = %e, "retention holds the segments with the newest group snapshot until one can be written");
+                }
+            }
+        })
+        .detach();
+    }
+}

@@ -1121,9 +1121,27 @@ impl GroupShard {
         self.snapshot_now(size);
     }
 
-    fn snapshot_now(&self, size: u64) {
+    /// Writes a snapshot now, however little was written since the last (or once the
+    /// group writes in flight are answered): retention is about to remove the segments
+    /// that hold the newest one (`CoreBroker::group_floor`). `false` when none can be
+    /// written: the groups were dropped, a write failed (no snapshots until they are
+    /// built again), or their state is past [`SNAPSHOT_MAX_BYTES`].
+    pub fn snapshot_for_retention(&self, size: u64, base: u64) -> bool {
+        if self.retired.get() || self.folded.borrow().is_none() {
+            return false;
+        }
+        self.snapshot_base.set(base);
+        if self.pending.get() > 0 {
+            self.deferred.set(Some(size));
+            return true;
+        }
+        self.snapshot_now(size)
+    }
+
+    /// Whether a snapshot was handed to the writer.
+    fn snapshot_now(&self, size: u64) -> bool {
         if self.retired.get() {
-            return;
+            return false;
         }
         self.snapshot_mark.set(size);
         let base = self.snapshot_base.get();
@@ -1131,7 +1149,7 @@ impl GroupShard {
             folded.values_mut().for_each(|t| t.forget_gone_below(base));
         }
         let Some(record) = self.folded.borrow().as_ref().and_then(encode_snapshot) else {
-            return;
+            return false;
         };
         let written = (self.writer)(vec![record]);
         self.started.set(self.started.get() + 1);
@@ -1143,6 +1161,7 @@ impl GroupShard {
             }
         })
         .detach();
+        true
     }
 
     fn note_batch(&self, base: u64, end: u64, records: bool) {
@@ -1893,6 +1912,59 @@ async fn walk(
     Ok(read)
 }
 
+/// What retention knows of where a stream shard's group snapshots lie
+/// (`CoreBroker::group_floor`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SnapshotScan {
+    /// The log was looked through up to here (committed records only: no cut of a
+    /// suffix takes back what was seen).
+    pub scanned_to: u64,
+    /// The newest snapshot seen.
+    pub newest: Option<u64>,
+    /// The log's end when this core last asked its groups for a snapshot: not asked
+    /// again before everything claimed then is committed.
+    pub asked_at: u64,
+    /// Whether a refusal to snapshot was logged (once a life).
+    pub warned: bool,
+}
+
+/// The offset of the newest group snapshot of `stream`'s log in `[from, until)`, looked
+/// for from the newest segment back (retention keeps the segments from it on:
+/// `CoreBroker::group_floor`).
+pub async fn newest_snapshot(
+    stream: &StreamShard,
+    from: u64,
+    until: u64,
+) -> Result<Option<u64>, BrokerError> {
+    let mut end = until;
+    for segment in stream.log.segment_bases().into_iter().rev() {
+        let start = segment.max(from);
+        if start < end {
+            let mut newest = None;
+            walk(stream, start, end, |b| {
+                if b.kind == BatchKind::Group {
+                    for (i, r) in b.records.iter().enumerate() {
+                        let at = b.base_offset + i as u64;
+                        if (start..end).contains(&at) && is_snapshot(r) {
+                            newest = Some(at);
+                        }
+                    }
+                }
+                Ok(())
+            })
+            .await?;
+            if newest.is_some() {
+                return Ok(newest);
+            }
+            end = start;
+        }
+        if segment <= from {
+            break;
+        }
+    }
+    Ok(None)
+}
+
 fn unreadable(stream: &StreamShard, offset: u64) -> BrokerError {
     BrokerError::Storage(format!(
         "{}: a group event it cannot read at offset {offset}",
@@ -2131,6 +2203,42 @@ mod tests {
             shard: 0,
         });
         StreamShard::new(key, log)
+    }
+
+    /// Retention's look for the newest snapshot in a range of the log finds the newest
+    /// one inside it, across segments, and none where the range holds none.
+    #[test]
+    fn the_newest_snapshot_in_a_range_is_found_across_segments() {
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_of_small_segments(dir.path()).await;
+            let mut whole = HashMap::new();
+            let mut snapshots = Vec::new();
+            for round in 0..4 {
+                publish_and_events(&stream, &mut whole, 40 + round, 60).await;
+                if round < 3 {
+                    let record = encode_snapshot(&whole).unwrap();
+                    let pending = stream.log.begin_group(&[record], 0).unwrap();
+                    snapshots.push(stream.log.commit(pending).await.unwrap().first);
+                }
+            }
+            assert!(stream.log.segment_bases().len() > 3);
+            let end = stream.log.committed_end();
+            let newest = |from, until| newest_snapshot(&stream, from, until);
+            assert_eq!(newest(0, end).await.unwrap(), Some(snapshots[2]));
+            assert_eq!(
+                newest(0, snapshots[2]).await.unwrap(),
+                Some(snapshots[1]),
+                "the end is outside the range"
+            );
+            assert_eq!(
+                newest(snapshots[0], snapshots[1]).await.unwrap(),
+                Some(snapshots[0]),
+                "the start is inside it"
+            );
+            assert_eq!(newest(snapshots[0] + 1, snapshots[1]).await.unwrap(), None);
+            assert_eq!(newest(snapshots[2] + 1, end).await.unwrap(), None);
+        });
     }
 
     /// A snapshot this build cannot read (a later layout, say) is passed over: the fold

@@ -280,6 +280,8 @@ pub struct StreamShard {
     /// The log's size when its groups were last snapshotted or let go, as far as this
     /// core knows (at open: the size then).
     pub groups_snapshot_mark: Cell<u64>,
+    /// Where retention knows this log's group snapshots lie.
+    pub group_snapshot_scan: Cell<crate::groups::SnapshotScan>,
     /// The groups are built again only once the log holds this far acknowledged
     /// (see [`StreamShard::forget_groups_until`]); 0 when nothing waits.
     pub groups_settle_at: Cell<u64>,
@@ -325,6 +327,7 @@ impl StreamShard {
             handed_groups: RefCell::default(),
             group_batches_seen: Cell::new(groups_in_log),
             groups_snapshot_mark: Cell::new(size),
+            group_snapshot_scan: Cell::default(),
             groups_settle_at: Cell::new(0),
             closing: std::cell::Cell::new(false),
         }
