@@ -129,88 +129,122 @@ impl CoreBroker {
     /// it would cut the log at `cut` and the segments below hold `Group` batches. A fold
     /// of the groups starts from the newest group snapshot (`groups/mod.rs`), so the
     /// segments from the newest one on stay until a newer one lies at or past the cut,
-    /// committed (no failover takes it back) and on this disk. When none does, the core
-    /// that writes the shard asks its groups for one (built for it if no group request
-    /// built them); a follower waits for its leader's. Until 2026-12-08 retention took
-    /// no notice: when less than a snapshot's worth of log was kept (a small size bound,
-    /// an age bound on a slow stream), the next fold missed every group whose events all
-    /// lay below the cut (an idle group vanished) and the seeks whose events went.
+    /// committed (no failover takes it back) and on this disk (no rollback does). When
+    /// none does, the core that writes the shard asks its groups for one (built for it
+    /// if no group request built them); a follower waits for its leader's. Until
+    /// 2026-12-08 retention took no notice: when less than a snapshot's worth of log was
+    /// kept (a small size bound, an age bound on a slow stream), the next fold missed
+    /// every group whose events all lay below the cut (an idle group vanished) and the
+    /// seeks whose events went.
     pub(super) async fn group_floor(
         self: &Rc<Self>,
         shard: &Rc<StreamShard>,
         cut: u64,
     ) -> Result<u64, BrokerError> {
+        let base = shard.log.base_offset();
+        let known = shard.group_snapshot_scan.get().newest;
+        if known.is_some_and(|n| n >= cut && n >= base) {
+            return Ok(cut);
+        }
+        // Only what is on this disk counts: under `fsync: none` or `periodic` a full
+        // disk can take back records already acknowledged, a snapshot among them.
+        shard.log.sync().await?;
         let replica = self.replica_of(&shard.key)?;
         let writes = replica.as_ref().is_none_or(|rs| rs.serving());
-        let committed = shard.log.committed_end();
+        let durable = shard.log.durable_end().min(shard.log.committed_end());
         let visible = replica
             .as_ref()
-            .map_or(committed, |rs| rs.commit().min(committed));
+            .map_or(durable, |rs| rs.commit().min(durable));
         let base = shard.log.base_offset();
         let mut scan = shard.group_snapshot_scan.get();
         if scan.newest.is_some_and(|n| n < base) || scan.scanned_to > visible {
             // The log was started over (a follower far behind): looked at from its base.
-            scan = crate::groups::SnapshotScan::default();
+            scan.scanned_to = base;
+            scan.newest = None;
         }
         let from = scan.scanned_to.max(base);
-        if from < visible {
-            if let Some(n) = crate::groups::newest_snapshot(shard, from, visible).await? {
-                scan.newest = Some(n);
-            }
-            scan.scanned_to = visible;
+        let found = if from < visible {
+            crate::groups::newest_snapshot(shard, from, visible).await?
+        } else {
+            None
+        };
+        // Read again after the wait: the asking task may have changed other fields.
+        let mut scan = shard.group_snapshot_scan.get();
+        if scan.newest.is_some_and(|n| n < base) || scan.scanned_to > visible {
+            scan.newest = None;
         }
-        shard.group_snapshot_scan.set(scan);
-        if let Some(n) = scan.newest
-            && n >= cut
-        {
-            if n >= shard.log.durable_end() {
-                // The snapshots below go: this one is on this disk first.
-                shard.log.sync().await?;
-            }
-            return Ok(cut);
-        }
-        if writes && visible >= scan.asked_at {
+        scan.newest = found.or(scan.newest);
+        scan.scanned_to = visible;
+        let held = match scan.newest {
+            Some(n) if n >= cut => None,
+            other => Some(other.unwrap_or(base)),
+        };
+        let ask = held.is_some() && writes && !scan.asking && visible >= scan.asked_at;
+        if ask {
             scan.asked_at = shard.log.next_offset();
-            shard.group_snapshot_scan.set(scan);
+            scan.asking = true;
+        }
+        // Set before the task is spawned: set after it, this was seen to overwrite the
+        // task's end (`asking` stayed set, and no snapshot was asked for again).
+        shard.group_snapshot_scan.set(scan);
+        if ask {
             self.snapshot_groups_for_retention(shard);
         }
-        Ok(scan.newest.unwrap_or(base))
+        Ok(held.unwrap_or(cut))
     }
 
     /// Asks `shard`'s groups for a snapshot now, building them first if no group
     /// request has (in the background: retention looks for it next round).
     fn snapshot_groups_for_retention(self: &Rc<Self>, shard: &Rc<StreamShard>) {
+        use crate::groups::RetentionSnapshot as R;
         let (core, stream) = (self.clone(), shard.clone());
         task::spawn(async move {
             let key = stream.key.clone();
-            if stream.closing.get() || !core.serves(&key) || core.draining() {
-                return;
-            }
-            let written = match core.group_shard(&key, &stream).await {
-                Ok(groups) => {
-                    let written = groups.snapshot_for_retention(
-                        stream.log.written_bytes(),
-                        stream.log.base_offset(),
-                    );
-                    core.metrics
-                        .group_snapshots
-                        .fetch_add(groups.take_snapshots(), Ordering::Relaxed);
-                    written.then_some(()).ok_or_else(|| {
-                        BrokerError::Storage(
-                            "no snapshot can be written (a failed group write, or past the snapshot bound)"
-                                .into(),
-                        )
-                    })
-                }
-                Err(e) => Err(e),
+            let lease = || {
+                core.shared
+                    .cluster
+                    .as_ref()
+                    .is_none_or(|c| c.lease_valid(felix_core_runtime::clock::BootTime::now()))
             };
-            if let Err(e) = written {
-                let mut scan = stream.group_snapshot_scan.get();
-                if !std::mem::replace(&mut scan.warned, true) {
-                    stream.group_snapshot_scan.set(scan);
-                    tracing::warn!(shard = %key, error = %e, "retention holds the segments with the newest group snapshot until one can be written");
+            let outcome = if stream.closing.get() || !core.serves(&key) || core.draining() {
+                Ok(R::Retired)
+            } else if !lease() {
+                // Its write would be refused, and a refused write stops snapshots.
+                Ok(R::Busy)
+            } else {
+                match core.group_shard(&key, &stream).await {
+                    Ok(groups) => {
+                        let outcome = groups
+                            .snapshot_for_retention(
+                                stream.log.written_bytes(),
+                                stream.log.base_offset(),
+                            )
+                            .await;
+                        core.metrics
+                            .group_snapshots
+                            .fetch_add(groups.take_snapshots(), Ordering::Relaxed);
+                        Ok(outcome)
+                    }
+                    Err(e) => Err(e),
+                }
+            };
+            let mut scan = stream.group_snapshot_scan.get();
+            scan.asking = false;
+            match outcome {
+                Ok(R::Written | R::Retired | R::Busy) => {}
+                Ok(R::Stopped) => {
+                    // A failed group write stopped snapshots until the groups are built
+                    // again, which nothing else may bring about: built at the next ask.
+                    stream.forget_groups_until(stream.log.next_offset());
+                    tracing::info!(shard = %key, "groups built again for the snapshot retention needs");
+                }
+                Ok(R::TooLarge) | Err(_) if scan.warned => {}
+                Ok(R::TooLarge) | Err(_) => {
+                    scan.warned = true;
+                    tracing::warn!(shard = %key, outcome = ?outcome, "retention keeps the segments from the newest group snapshot on until a snapshot can be written");
                 }
             }
+            stream.group_snapshot_scan.set(scan);
         })
         .detach();
     }

@@ -416,6 +416,12 @@ pub(crate) fn is_snapshot(r: &[u8]) -> bool {
     r.first() == Some(&KIND_SNAPSHOT)
 }
 
+/// Whether `r` is a snapshot of a layout this build reads (a fold passes a later one
+/// over and folds the whole log).
+fn is_readable_snapshot(r: &[u8]) -> bool {
+    is_snapshot(r) && r.get(1).is_some_and(|v| (1..=SNAPSHOT_VERSION).contains(v))
+}
+
 /// Applies one group event record to folded state, as every fold does (a group first
 /// named by an event starts at offset 0; `None` deletes it).
 fn fold_event(
@@ -532,6 +538,12 @@ pub struct GroupShard {
     /// A claim found no room under the shard's bound on claims (every group's): the
     /// next settle wakes the waiting polls, as one of a full group does.
     at_shard_bound: Cell<bool>,
+    /// Set while a snapshot retention asked for waits for the group writes in flight
+    /// ([`GroupShard::snapshot_for_retention`]): requests arriving meanwhile wait
+    /// before they touch the groups.
+    quiet: Cell<bool>,
+    /// Woken when `quiet` ends.
+    quiet_ended: Wakers,
 }
 
 /// Two stretches of the shard's log, one right above the other: offsets known to hold
@@ -740,6 +752,41 @@ impl Drop for Settle {
     }
 }
 
+/// How [`GroupShard::snapshot_for_retention`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetentionSnapshot {
+    /// Handed to the writer.
+    Written,
+    /// The groups were dropped (a leadership change).
+    Retired,
+    /// A group write failed: no snapshot until the groups are built again.
+    Stopped,
+    /// The state is past [`SNAPSHOT_MAX_BYTES`].
+    TooLarge,
+    /// The group writes in flight did not end within [`QUIET_WAIT_MAX`].
+    Busy,
+}
+
+/// The longest group requests wait for a snapshot retention asked for.
+const QUIET_WAIT_MAX: Duration = Duration::from_millis(500);
+
+/// Holds new group requests back while it lives ([`GroupShard::snapshot_for_retention`]).
+struct Quiet<'a>(&'a GroupShard);
+
+impl<'a> Quiet<'a> {
+    fn start(groups: &'a GroupShard) -> Self {
+        groups.quiet.set(true);
+        Quiet(groups)
+    }
+}
+
+impl Drop for Quiet<'_> {
+    fn drop(&mut self) {
+        self.0.quiet.set(false);
+        self.0.quiet_ended.wake_all();
+    }
+}
+
 /// Folds of the log one [`GroupShard::build`] tries when retention removes a segment
 /// under it.
 const BUILD_TRIES: usize = 3;
@@ -789,10 +836,10 @@ impl GroupShard {
 
     /// [`GroupShard::build`], keeping at most `keep_max` bytes of group records.
     ///
-    /// Retention may remove a segment the build has listed but not read yet: it
-    /// carries the groups' state to the log's tail first (a snapshot past where the
-    /// build stopped looking), so a build that meets a removed segment starts again
-    /// from the log as it is now, a few times, rather than fail every group request.
+    /// Retention may remove a segment the build has listed but not read yet, only
+    /// once a newer snapshot lies past it (`CoreBroker::group_floor`), so a build that
+    /// meets a removed segment starts again from the log as it is now, a few times,
+    /// rather than fail every group request.
     async fn build_keeping(
         stream: &StreamShard,
         limits: Limits,
@@ -963,6 +1010,8 @@ impl GroupShard {
             built: Built::default(),
             known_empty: Rc::default(),
             at_shard_bound: Cell::new(false),
+            quiet: Cell::new(false),
+            quiet_ended: Wakers::default(),
         }
     }
 
@@ -1121,21 +1170,43 @@ impl GroupShard {
         self.snapshot_now(size);
     }
 
-    /// Writes a snapshot now, however little was written since the last (or once the
-    /// group writes in flight are answered): retention is about to remove the segments
-    /// that hold the newest one (`CoreBroker::group_floor`). `false` when none can be
-    /// written: the groups were dropped, a write failed (no snapshots until they are
-    /// built again), or their state is past [`SNAPSHOT_MAX_BYTES`].
-    pub fn snapshot_for_retention(&self, size: u64, base: u64) -> bool {
-        if self.retired.get() || self.folded.borrow().is_none() {
-            return false;
+    /// Writes a snapshot now, however little was written since the last: retention is
+    /// about to remove the segments that hold the newest one (`CoreBroker::group_floor`).
+    /// A snapshot waits for the group writes in flight (see [`GroupShard::pending`]),
+    /// and under steady acks one is nearly always in flight, so requests arriving
+    /// meanwhile wait (at most [`QUIET_WAIT_MAX`]) before they touch the groups.
+    pub async fn snapshot_for_retention(&self, size: u64, base: u64) -> RetentionSnapshot {
+        if self.retired.get() {
+            return RetentionSnapshot::Retired;
         }
-        self.snapshot_base.set(base);
+        if self.folded.borrow().is_none() {
+            return RetentionSnapshot::Stopped;
+        }
         if self.pending.get() > 0 {
-            self.deferred.set(Some(size));
-            return true;
+            let _quiet = Quiet::start(self);
+            let drained = task::timeout(QUIET_WAIT_MAX, async {
+                while self.pending.get() > 0 {
+                    task::sleep(Duration::from_millis(1)).await;
+                }
+            })
+            .await;
+            if drained.is_none() {
+                return RetentionSnapshot::Busy;
+            }
+            if self.retired.get() {
+                return RetentionSnapshot::Retired;
+            }
+            if self.folded.borrow().is_none() {
+                return RetentionSnapshot::Stopped;
+            }
         }
-        self.snapshot_now(size)
+        // With no await since the writes drained.
+        self.snapshot_base.set(base);
+        if self.snapshot_now(size) {
+            RetentionSnapshot::Written
+        } else {
+            RetentionSnapshot::TooLarge
+        }
     }
 
     /// Whether a snapshot was handed to the writer.
@@ -1232,6 +1303,9 @@ impl GroupShard {
         op: GroupOp,
     ) -> Result<GroupAnswer, BrokerError> {
         check_name(op.group())?;
+        while self.quiet.get() {
+            self.quiet_ended.changed().await;
+        }
         self.after_changes(op.group()).await;
         let now_ms = mono_ms;
         match op {
@@ -1922,8 +1996,10 @@ pub struct SnapshotScan {
     /// The newest snapshot seen.
     pub newest: Option<u64>,
     /// The log's end when this core last asked its groups for a snapshot: not asked
-    /// again before everything claimed then is committed.
+    /// again before everything claimed then is committed and looked through.
     pub asked_at: u64,
+    /// Whether a task asking for a snapshot runs.
+    pub asking: bool,
     /// Whether a refusal to snapshot was logged (once a life).
     pub warned: bool,
 }
@@ -1945,7 +2021,7 @@ pub async fn newest_snapshot(
                 if b.kind == BatchKind::Group {
                     for (i, r) in b.records.iter().enumerate() {
                         let at = b.base_offset + i as u64;
-                        if (start..end).contains(&at) && is_snapshot(r) {
+                        if (start..end).contains(&at) && is_readable_snapshot(r) {
                             newest = Some(at);
                         }
                     }
@@ -2206,7 +2282,8 @@ mod tests {
     }
 
     /// Retention's look for the newest snapshot in a range of the log finds the newest
-    /// one inside it, across segments, and none where the range holds none.
+    /// one inside it, across segments, and none where the range holds none (nor one of
+    /// a layout this build cannot read).
     #[test]
     fn the_newest_snapshot_in_a_range_is_found_across_segments() {
         felix_core_runtime::task::block_on(async {
@@ -2238,6 +2315,16 @@ mod tests {
             );
             assert_eq!(newest(snapshots[0] + 1, snapshots[1]).await.unwrap(), None);
             assert_eq!(newest(snapshots[2] + 1, end).await.unwrap(), None);
+            let mut later = encode_snapshot(&whole).unwrap().to_vec();
+            later[1] = SNAPSHOT_VERSION + 1;
+            let pending = stream.log.begin_group(&[Bytes::from(later)], 0).unwrap();
+            stream.log.commit(pending).await.unwrap();
+            let end = stream.log.committed_end();
+            assert_eq!(
+                newest(0, end).await.unwrap(),
+                Some(snapshots[2]),
+                "a layout this build cannot read is passed over"
+            );
         });
     }
 
@@ -3042,6 +3129,62 @@ mod tests {
             let (_, answer) = writes.borrow_mut().remove(1);
             answer.send(appended()).unwrap();
             assert!(matches!(again.await, Ok(GroupAnswer::Done)));
+        });
+    }
+
+    /// The snapshot retention asks for waits for the group writes in flight as any
+    /// does, and requests arriving meanwhile wait for it (under steady acks a write is
+    /// nearly always in flight, and a snapshot waiting for none never came); it gives
+    /// up after a while, letting them go on, and reports a failed write's stop.
+    #[test]
+    fn a_snapshot_for_retention_holds_new_requests_until_the_writes_in_flight_end() {
+        use futures_lite::future::poll_once;
+        felix_core_runtime::task::block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let stream = stream_in(dir.path()).await;
+            let (g, writes) = shard_with_held_writes();
+            let mut ack = std::pin::pin!(g.write("w", &[Some(Event::Ack(3))]));
+            assert!(poll_once(&mut ack).await.is_none());
+            let mut snapshot = std::pin::pin!(g.snapshot_for_retention(1_000, 0));
+            assert!(poll_once(&mut snapshot).await.is_none());
+            let mut describe = std::pin::pin!(g.serve(&stream, GroupOp::Describe("w".into())));
+            assert!(
+                poll_once(&mut describe).await.is_none(),
+                "a request arriving meanwhile waits"
+            );
+            assert_eq!(
+                writes.borrow().len(),
+                1,
+                "no snapshot while a write is pending"
+            );
+            first_write(&writes).send(appended()).unwrap();
+            ack.await.unwrap();
+            assert_eq!(snapshot.await, RetentionSnapshot::Written);
+            let record = writes.borrow_mut().remove(0).0;
+            let state = decode_snapshot(record[0].clone(), g.limits).unwrap();
+            assert_eq!(state["w"].durable().settled_ahead, vec![(3, 4)]);
+            assert!(describe.await.is_ok(), "and goes on after it");
+
+            // A write that never ends: it gives up, and requests go on.
+            let (g, writes) = shard_with_held_writes();
+            let mut ack = std::pin::pin!(g.write("w", &[Some(Event::Ack(3))]));
+            assert!(poll_once(&mut ack).await.is_none());
+            assert_eq!(
+                g.snapshot_for_retention(1_000, 0).await,
+                RetentionSnapshot::Busy
+            );
+            assert!(!g.quiet.get());
+            assert_eq!(writes.borrow().len(), 1);
+
+            // After a failed write: stopped, for the core to build the groups again.
+            first_write(&writes)
+                .send(Err(BrokerError::Unacknowledged("lost".into())))
+                .unwrap();
+            assert!(ack.await.is_err());
+            assert_eq!(
+                g.snapshot_for_retention(1_000, 0).await,
+                RetentionSnapshot::Stopped
+            );
         });
     }
 
