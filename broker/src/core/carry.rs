@@ -14,6 +14,11 @@ use crate::error::BrokerError;
 use crate::replication::replica::{QUORUM_WAIT, ReplicaShard};
 use crate::shard::StreamShard;
 
+/// How long retention waits before asking again for a group snapshot that could not
+/// be written (the writes in flight did not drain, the lease lapsed, the state is too
+/// large): each ask may hold group writes back for up to 500 ms.
+const ASK_AGAIN_AFTER_MS: u64 = 10_000;
+
 /// The most copied in one round (the rest waits for the next round, and holds
 /// retention back until then).
 const COPY_ROUND_BYTES: usize = 4 << 20;
@@ -179,7 +184,11 @@ impl CoreBroker {
             Some(n) if n >= cut => None,
             other => Some(other.unwrap_or(base)),
         };
-        let ask = held.is_some() && writes && !scan.asking && visible >= scan.asked_at;
+        let ask = held.is_some()
+            && writes
+            && !scan.asking
+            && visible >= scan.asked_at
+            && crate::groups::mono_ms() >= scan.not_before_ms;
         if ask {
             scan.asked_at = shard.log.next_offset();
             scan.asking = true;
@@ -230,16 +239,23 @@ impl CoreBroker {
             };
             let mut scan = stream.group_snapshot_scan.get();
             scan.asking = false;
+            let now = crate::groups::mono_ms();
             match outcome {
-                Ok(R::Written | R::Retired | R::Busy) => {}
+                // Not asked again before it is committed.
+                Ok(R::Written) => scan.asked_at = stream.log.next_offset(),
+                Ok(R::Retired) => {}
+                Ok(R::Busy) => scan.not_before_ms = now + ASK_AGAIN_AFTER_MS,
                 Ok(R::Stopped) => {
                     // A failed group write stopped snapshots until the groups are built
                     // again, which nothing else may bring about: built at the next ask.
                     stream.forget_groups_until(stream.log.next_offset());
                     tracing::info!(shard = %key, "groups built again for the snapshot retention needs");
                 }
-                Ok(R::TooLarge) | Err(_) if scan.warned => {}
+                Ok(R::TooLarge) | Err(_) if scan.warned => {
+                    scan.not_before_ms = now + ASK_AGAIN_AFTER_MS;
+                }
                 Ok(R::TooLarge) | Err(_) => {
+                    scan.not_before_ms = now + ASK_AGAIN_AFTER_MS;
                     scan.warned = true;
                     tracing::warn!(shard = %key, outcome = ?outcome, "retention keeps the segments from the newest group snapshot on until a snapshot can be written");
                 }
