@@ -50,6 +50,14 @@ const OUTBOUND_MAX: usize = 4096;
 /// are bounded by the requests that asked for them.
 pub const CROSS_CORE_REQUESTS_MAX: usize = 8192;
 
+/// A stream shard's retention bounds, the floor no removal passes, and its replica
+/// (see `CoreBroker::retention_due`).
+type RetentionDue = (
+    crate::catalog::Retention,
+    u64,
+    Option<Rc<crate::replication::replica::ReplicaShard>>,
+);
+
 /// Stream shards of a core whose retention runs at once (each in a task of its own, so
 /// one waiting for a majority holds up no other; bounded, since each may copy state).
 const RETENTION_SHARDS_AT_ONCE: usize = 16;
@@ -4090,6 +4098,9 @@ impl CoreBroker {
         let (done, mut ended) = futures_channel::mpsc::unbounded::<()>();
         let mut running = 0;
         for s in shards {
+            let Some(due) = self.retention_due(&s, now) else {
+                continue;
+            };
             if running >= RETENTION_SHARDS_AT_ONCE {
                 // Never `None` here: this loop still holds a sender.
                 if futures_lite::StreamExt::next(&mut ended).await.is_none() {
@@ -4099,7 +4110,7 @@ impl CoreBroker {
             }
             let (core, done) = (self.clone(), done.clone());
             task::spawn(async move {
-                core.retain_shard(&s, now).await;
+                core.retain_shard(&s, now, due).await;
                 let _ = done.unbounded_send(());
             })
             .detach();
@@ -4112,36 +4123,46 @@ impl CoreBroker {
         }
     }
 
-    /// One stream shard's retention round (see [`CoreBroker::enforce_retention`]).
-    async fn retain_shard(self: &Rc<Self>, s: &Rc<StreamShard>, now: u64) {
+    /// What `s`'s retention round needs when it has something to remove now: the
+    /// stream's bounds and the floor no removal passes (a replicated shard keeps
+    /// everything not yet committed, on every replica). Looked at before a round's task
+    /// is spawned (until 2026-12-08 one was spawned for every open shard every round).
+    fn retention_due(&self, s: &StreamShard, now: u64) -> Option<RetentionDue> {
         let k = &s.key;
-        let Some(spec) = self
+        let spec = self
             .shared
             .catalog
-            .spec(true, &k.tenant, &k.namespace, &k.name)
-        else {
-            return;
-        };
+            .spec(true, &k.tenant, &k.namespace, &k.name)?;
         if !spec.retention.is_set() {
-            return;
+            return None;
         }
-        let age = spec.retention.max_age_seconds.map(Duration::from_secs);
-        // A replicated shard keeps everything not yet committed, on every replica,
-        // and what a restart must know of the generations of what it removes.
         let (floor, replica) = match self.replica_of(k) {
             Ok(Some(rs)) => (rs.commit(), Some(rs)),
             Ok(None) => (u64::MAX, None),
             // Not attached yet: nothing is known to be committed.
-            Err(_) => return,
+            Err(_) => return None,
         };
+        let age = spec.retention.max_age_seconds.map(Duration::from_secs);
+        let (cut, _) = s
+            .log
+            .retention_cut(now, spec.retention.max_size_bytes, age, floor);
+        (cut > s.log.base_offset()).then_some((spec.retention, floor, replica))
+    }
+
+    /// One stream shard's retention round (see [`CoreBroker::enforce_retention`]), with
+    /// what [`CoreBroker::retention_due`] found.
+    async fn retain_shard(
+        self: &Rc<Self>,
+        s: &Rc<StreamShard>,
+        now: u64,
+        (retention, floor, replica): RetentionDue,
+    ) {
+        let k = &s.key;
+        let age = retention.max_age_seconds.map(Duration::from_secs);
         let cut_now = |floor| {
             s.log
-                .retention_cut(now, spec.retention.max_size_bytes, age, floor)
+                .retention_cut(now, retention.max_size_bytes, age, floor)
         };
-        if cut_now(floor).0 <= s.log.base_offset() {
-            // Nothing to remove this round.
-            return;
-        }
         // Written only when something goes (until 2026-12-07 every round: a file
         // written and synced, renamed and its directory synced, each second for
         // each replicated stream with retention, removing or not).
@@ -4188,7 +4209,7 @@ impl CoreBroker {
             // skip what went (`catch_up_state`).
             floor.min(cut)
         };
-        let (bytes, log) = (spec.retention.max_size_bytes, &s.log);
+        let (bytes, log) = (retention.max_size_bytes, &s.log);
         // What goes may hold a key's older version, superseded by a newer one not
         // yet on disk under `fsync: none` or `periodic`: synced first, so a crash
         // reverts the key rather than dropping it.
