@@ -4098,9 +4098,9 @@ impl CoreBroker {
         let (done, mut ended) = futures_channel::mpsc::unbounded::<()>();
         let mut running = 0;
         for s in shards {
-            let Some(due) = self.retention_due(&s, now) else {
+            if self.retention_due(&s, now).is_none() {
                 continue;
-            };
+            }
             if running >= RETENTION_SHARDS_AT_ONCE {
                 // Never `None` here: this loop still holds a sender.
                 if futures_lite::StreamExt::next(&mut ended).await.is_none() {
@@ -4110,7 +4110,7 @@ impl CoreBroker {
             }
             let (core, done) = (self.clone(), done.clone());
             task::spawn(async move {
-                core.retain_shard(&s, now, due).await;
+                core.retain_shard(&s, now).await;
                 let _ = done.unbounded_send(());
             })
             .detach();
@@ -4124,9 +4124,13 @@ impl CoreBroker {
     }
 
     /// What `s`'s retention round needs when it has something to remove now: the
-    /// stream's bounds and the floor no removal passes (a replicated shard keeps
-    /// everything not yet committed, on every replica). Looked at before a round's task
-    /// is spawned (until 2026-12-08 one was spawned for every open shard every round).
+    /// stream's bounds, the floor no removal passes (a replicated shard keeps
+    /// everything not yet committed, on every replica) and the replica. Looked at
+    /// before a round's task is spawned (until 2026-12-07 one was spawned for every
+    /// open shard every round), and again when the task starts: the task may wait for
+    /// a place among those running, and meanwhile a follower can be started over at a
+    /// base past the commit read before (`keep_epochs` with a floor below the base
+    /// panics) or its replica replaced (the old one's generations would be kept).
     fn retention_due(&self, s: &StreamShard, now: u64) -> Option<RetentionDue> {
         let k = &s.key;
         let spec = self
@@ -4149,21 +4153,18 @@ impl CoreBroker {
         (cut > s.log.base_offset()).then_some((spec.retention, floor, replica))
     }
 
-    /// One stream shard's retention round (see [`CoreBroker::enforce_retention`]), with
-    /// what [`CoreBroker::retention_due`] found.
-    async fn retain_shard(
-        self: &Rc<Self>,
-        s: &Rc<StreamShard>,
-        now: u64,
-        (retention, floor, replica): RetentionDue,
-    ) {
+    /// One stream shard's retention round (see [`CoreBroker::enforce_retention`]).
+    async fn retain_shard(self: &Rc<Self>, s: &Rc<StreamShard>, now: u64) {
+        let Some((retention, floor, replica)) = self.retention_due(s, now) else {
+            return;
+        };
         let k = &s.key;
         let age = retention.max_age_seconds.map(Duration::from_secs);
         let cut_now = |floor| {
             s.log
                 .retention_cut(now, retention.max_size_bytes, age, floor)
         };
-        // Written only when something goes (until 2026-12-07 every round: a file
+        // Written only when something goes (before 2026-12-07 every round: a file
         // written and synced, renamed and its directory synced, each second for
         // each replicated stream with retention, removing or not).
         if let Some(rs) = replica

@@ -137,7 +137,7 @@ impl CoreBroker {
     /// committed (no failover takes it back) and on this disk (no rollback does). When
     /// none does, the core that writes the shard asks its groups for one (built for it
     /// if no group request built them); a follower waits for its leader's. Until
-    /// 2026-12-08 retention took no notice: when less than a snapshot's worth of log was
+    /// 2026-12-07 retention took no notice: when less than a snapshot's worth of log was
     /// kept (a small size bound, an age bound on a slow stream), the next fold missed
     /// every group whose events all lay below the cut (an idle group vanished) and the
     /// seeks whose events went.
