@@ -1720,17 +1720,31 @@ impl CacheWatch {
                 Err(_) => {
                     // Moved to another broker: a last `shard_moved` naming it and where
                     // to resume, as the protocol ends a watch of a shard that moved (the
-                    // SDK follows it there; a `cache_watch_lagged` ended its watch).
-                    if let Resolved::Remote(route) = self.core.resolve(&self.key)
-                        && self.shard_moved
-                    {
-                        self.core
-                            .metrics
-                            .subscriptions_moved
-                            .fetch_add(1, Ordering::Relaxed);
-                        let _ = uni.write_chunk(shard_moved(sub_id, from, &route)).await;
-                        let _ = uni.finish();
-                        return Ok(());
+                    // SDK follows it there; a `cache_watch_lagged` ended its watch). The
+                    // cache's core may stop serving it (fenced by its successor) a moment
+                    // before this broker's view of the assignments names the successor:
+                    // the view is given a while to, or the watch ended lagged in the
+                    // middle of a planned move (seen once in a full test run).
+                    let deadline = clock::now().instant + MOVE_NOTICE_WAIT;
+                    loop {
+                        if let Resolved::Remote(route) = self.core.resolve(&self.key)
+                            && self.shard_moved
+                        {
+                            self.core
+                                .metrics
+                                .subscriptions_moved
+                                .fetch_add(1, Ordering::Relaxed);
+                            let _ = uni.write_chunk(shard_moved(sub_id, from, &route)).await;
+                            let _ = uni.finish();
+                            return Ok(());
+                        }
+                        if !self.shard_moved
+                            || clock::now().instant >= deadline
+                            || uni.stopped().is_some()
+                        {
+                            break;
+                        }
+                        task::sleep(Duration::from_millis(20)).await;
                     }
                     // The shard cannot be read here now (this broker lost it, or is
                     // taking it over): the watch ends and the client re-watches from
@@ -1752,6 +1766,10 @@ async fn deleted(uni: &mut SendStream, sub_id: SubscriptionId) {
     let _ = uni.write_chunk(last).await;
     let _ = uni.finish();
 }
+
+/// How long a watch whose cache stopped serving here waits for this broker's view of
+/// the assignments to name the broker it moved to, before it ends lagged.
+const MOVE_NOTICE_WAIT: Duration = Duration::from_secs(2);
 
 /// Ends a watch with `cache_watch_lagged`: the client watches again from `from`.
 async fn end_lagged(uni: &mut SendStream, from: u64) -> Result<(), ()> {
