@@ -1717,14 +1717,18 @@ impl CacheWatch {
                     }
                 }
                 Ok(_) => return Err(()),
-                Err(_) => {
+                Err(e) => {
                     // Moved to another broker: a last `shard_moved` naming it and where
                     // to resume, as the protocol ends a watch of a shard that moved (the
                     // SDK follows it there; a `cache_watch_lagged` ended its watch). The
-                    // cache's core may stop serving it (fenced by its successor) a moment
-                    // before this broker's view of the assignments names the successor:
-                    // the view is given a while to, or the watch ended lagged in the
-                    // middle of a planned move (seen once in a full test run).
+                    // cache's core may stop serving it (fenced by its successor: answered
+                    // `not_ready`) a moment before this broker's view of the assignments
+                    // names the successor: the view is given a while to, or the watch
+                    // ended lagged in the middle of a planned move (seen once in a full
+                    // test run; a drain hands shards on the same way). Other refusals (a
+                    // cut past the watch, a lapsed lease, a deleted cache, overload) end
+                    // it at once; a closed connection ends the pump.
+                    let fenced = matches!(&e, BrokerError::ShardUnavailable(r) if r == "not_ready");
                     let deadline = clock::now().instant + MOVE_NOTICE_WAIT;
                     loop {
                         if let Resolved::Remote(route) = self.core.resolve(&self.key)
@@ -1738,7 +1742,8 @@ impl CacheWatch {
                             let _ = uni.finish();
                             return Ok(());
                         }
-                        if !self.shard_moved
+                        if !fenced
+                            || !self.shard_moved
                             || clock::now().instant >= deadline
                             || uni.stopped().is_some()
                         {
