@@ -161,13 +161,16 @@ impl CoreBroker {
             .as_ref()
             .map_or(durable, |rs| rs.commit().min(durable));
         let base = shard.log.base_offset();
-        let mut scan = shard.group_snapshot_scan.get();
-        if scan.newest.is_some_and(|n| n < base) || scan.scanned_to > visible {
-            // The log was started over (a follower far behind): looked at from its base.
-            scan.scanned_to = base;
-            scan.newest = None;
-        }
-        let from = scan.scanned_to.max(base);
+        // The log was started over (a follower far behind): looked at from its base.
+        let stale = |s: &crate::groups::SnapshotScan| {
+            s.newest.is_some_and(|n| n < base) || s.scanned_to > visible
+        };
+        let before = shard.group_snapshot_scan.get();
+        let from = if stale(&before) {
+            base
+        } else {
+            before.scanned_to.max(base)
+        };
         let found = if from < visible {
             crate::groups::newest_snapshot(shard, from, visible).await?
         } else {
@@ -175,7 +178,7 @@ impl CoreBroker {
         };
         // Read again after the wait: the asking task may have changed other fields.
         let mut scan = shard.group_snapshot_scan.get();
-        if scan.newest.is_some_and(|n| n < base) || scan.scanned_to > visible {
+        if stale(&scan) {
             scan.newest = None;
         }
         scan.newest = found.or(scan.newest);
@@ -209,17 +212,10 @@ impl CoreBroker {
         let (core, stream) = (self.clone(), shard.clone());
         task::spawn(async move {
             let key = stream.key.clone();
-            let lease = || {
-                core.shared
-                    .cluster
-                    .as_ref()
-                    .is_none_or(|c| c.lease_valid(felix_core_runtime::clock::BootTime::now()))
-            };
+            // A lapsed lease or a lost leadership is looked at just before the write
+            // (`GroupShard::snapshot_for_retention`).
             let outcome = if stream.closing.get() || !core.serves(&key) || core.draining() {
                 Ok(R::Retired)
-            } else if !lease() {
-                // Its write would be refused, and a refused write stops snapshots.
-                Ok(R::Busy)
             } else {
                 match core.group_shard(&key, &stream).await {
                     Ok(groups) => {
@@ -251,13 +247,11 @@ impl CoreBroker {
                     stream.forget_groups_until(stream.log.next_offset());
                     tracing::info!(shard = %key, "groups built again for the snapshot retention needs");
                 }
-                Ok(R::TooLarge) | Err(_) if scan.warned => {
-                    scan.not_before_ms = now + ASK_AGAIN_AFTER_MS;
-                }
                 Ok(R::TooLarge) | Err(_) => {
                     scan.not_before_ms = now + ASK_AGAIN_AFTER_MS;
-                    scan.warned = true;
-                    tracing::warn!(shard = %key, outcome = ?outcome, "retention keeps the segments from the newest group snapshot on until a snapshot can be written");
+                    if !std::mem::replace(&mut scan.warned, true) {
+                        tracing::warn!(shard = %key, outcome = ?outcome, "retention keeps the segments from the newest group snapshot on until a snapshot can be written");
+                    }
                 }
             }
             stream.group_snapshot_scan.set(scan);

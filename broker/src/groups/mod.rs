@@ -1186,20 +1186,18 @@ impl GroupShard {
     /// and under steady acks one is nearly always in flight, so requests arriving
     /// meanwhile wait (at most [`QUIET_WAIT_MAX`]) before they touch the groups.
     pub async fn snapshot_for_retention(&self, size: u64, base: u64) -> RetentionSnapshot {
-        if self.retired.get() {
-            return RetentionSnapshot::Retired;
-        }
-        // What a snapshot would hold, checked before anything waits for it.
-        match self.folded.borrow_mut().as_mut() {
-            None => return RetentionSnapshot::Stopped,
-            Some(folded) => {
-                folded.values_mut().for_each(|t| t.forget_gone_below(base));
-                if encode_snapshot(folded).is_none() {
-                    return RetentionSnapshot::TooLarge;
-                }
-            }
+        if let Some(no) = self.cannot_snapshot() {
+            return no;
         }
         if self.pending.get() > 0 {
+            // What a snapshot would hold, checked before anything waits for it.
+            let too_large = self.folded.borrow_mut().as_mut().is_some_and(|folded| {
+                folded.values_mut().for_each(|t| t.forget_gone_below(base));
+                encode_snapshot(folded).is_none()
+            });
+            if too_large {
+                return RetentionSnapshot::TooLarge;
+            }
             let _quiet = Quiet::start(self);
             let drained = task::timeout(QUIET_WAIT_MAX, async {
                 while self.pending.get() > 0 {
@@ -1210,11 +1208,8 @@ impl GroupShard {
             if drained.is_none() {
                 return RetentionSnapshot::Busy;
             }
-            if self.retired.get() {
-                return RetentionSnapshot::Retired;
-            }
-            if self.folded.borrow().is_none() {
-                return RetentionSnapshot::Stopped;
+            if let Some(no) = self.cannot_snapshot() {
+                return no;
             }
         }
         // A write refused (a lapsed lease, a lost leadership) would stop snapshots.
@@ -1227,6 +1222,18 @@ impl GroupShard {
             RetentionSnapshot::Written
         } else {
             RetentionSnapshot::TooLarge
+        }
+    }
+
+    /// Why no snapshot can be taken now: the groups were dropped, or a failed write
+    /// stopped snapshots.
+    fn cannot_snapshot(&self) -> Option<RetentionSnapshot> {
+        if self.retired.get() {
+            Some(RetentionSnapshot::Retired)
+        } else if self.folded.borrow().is_none() {
+            Some(RetentionSnapshot::Stopped)
+        } else {
+            None
         }
     }
 
