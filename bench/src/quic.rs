@@ -279,6 +279,7 @@ pub fn serve_echo_child(
                     reuse_port: true,
                     reset_secret: None,
                     on_sent: None,
+                    windows: None,
                 },
             )
             .expect("bind");

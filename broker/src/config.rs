@@ -95,6 +95,9 @@ pub struct FileConfig {
     pub producer_snapshot_bytes: Option<u64>,
     /// Connections per core beyond which handshakes are refused.
     pub max_connections: Option<usize>,
+    /// Bytes of QUIC flow-control windows a core's connections may be granted together
+    /// (send and receive; once for clients' connections, once for peers').
+    pub max_quic_window_bytes_per_core: Option<u64>,
     /// Per-subscriber queue, in batches.
     pub subscriber_queue: Option<usize>,
     /// Segment size.
@@ -258,6 +261,8 @@ pub struct BrokerConfig {
     pub producer_snapshot_bytes: u64,
     /// Connection limit per core.
     pub max_connections: usize,
+    /// See [`FileConfig::max_quic_window_bytes_per_core`].
+    pub quic_window_bytes_per_core: u64,
     /// Subscriber queue capacity.
     pub subscriber_queue: usize,
     /// Segment size.
@@ -960,6 +965,21 @@ impl BrokerConfig {
             1,
             u64::MAX,
         )?;
+        let max_connections = file.max_connections.unwrap_or(10_000);
+        // Every connection a core may have is sure of its floor each way.
+        let window_floors = (max_connections as u64)
+            .saturating_mul(2 * felix_core_runtime::quic::WINDOW_FLOOR_BYTES);
+        let quic_window_bytes_per_core = file.max_quic_window_bytes_per_core.unwrap_or(2 << 30);
+        if quic_window_bytes_per_core < window_floors {
+            return Err(ConfigError {
+                key: "max_quic_window_bytes_per_core",
+                source_name: "config file",
+                message: format!(
+                    "{quic_window_bytes_per_core} is below {window_floors}: {} bytes each way for each of max_connections ({max_connections})",
+                    felix_core_runtime::quic::WINDOW_FLOOR_BYTES
+                ),
+            });
+        }
         at_least(
             "group_visibility_ms",
             file.group_visibility_ms,
@@ -1063,7 +1083,8 @@ impl BrokerConfig {
                     unwritten_acks: mutants.unwritten_group_acks,
                 }
             },
-            max_connections: file.max_connections.unwrap_or(10_000),
+            max_connections,
+            quic_window_bytes_per_core,
             subscriber_queue: file.subscriber_queue.unwrap_or(512),
             segment_bytes: file.segment_bytes.unwrap_or(256 << 20),
             spin: {
@@ -1231,6 +1252,14 @@ mod tests {
             ("segment_bytes: 4096\n", "segment_bytes"),
             ("segment_bytes: 100000000000000\n", "segment_bytes"),
             ("max_connections: 0\n", "max_connections"),
+            (
+                "max_quic_window_bytes_per_core: 655359999\n",
+                "max_quic_window_bytes_per_core",
+            ),
+            (
+                "max_connections: 100\nmax_quic_window_bytes_per_core: 6553599\n",
+                "max_quic_window_bytes_per_core",
+            ),
             ("group_visibility_ms: 0\n", "group_visibility_ms"),
             ("group_max_attempts: 0\n", "group_max_attempts"),
             ("group_max_in_flight: 0\n", "group_max_in_flight"),
@@ -1246,6 +1275,9 @@ mod tests {
             assert_eq!(resolved(yaml).err(), Some(key), "{yaml}");
         }
         assert!(resolved("segment_bytes: 16384\ngroup_visibility_ms: 100\n").is_ok());
+        assert!(
+            resolved("max_connections: 100\nmax_quic_window_bytes_per_core: 6553600\n").is_ok()
+        );
     }
 
     /// Beside a control plane no stream is made on first use: the next sync deleted a

@@ -277,6 +277,7 @@ impl Forwarder {
                 reuse_port: false,
                 reset_secret: None,
                 on_sent: None,
+                windows: None,
             },
         )
     }
@@ -615,6 +616,7 @@ mod tests {
                         reuse_port: false,
                         reset_secret: None,
                         on_sent: None,
+                        windows: None,
                     },
                 );
                 let ep = match bound {

@@ -402,6 +402,12 @@ pub fn start(
     let bound = Arc::new(AtomicUsize::new(0));
     let failed = Arc::new(Mutex::new(None::<String>));
     let max_connections = config.max_connections;
+    // A core's connections' QUIC windows, each endpoint's from a budget of its own.
+    let windows = quic::WindowBudget {
+        bytes: config.quic_window_bytes_per_core,
+        max_per_direction: u64::from(transport.connection_window_bytes)
+            .max(transport.send_window_bytes),
+    };
     let (shared2, bound2, failed2) = (shared.clone(), bound.clone(), failed.clone());
     let peer_config = Arc::new(peer_config);
     let (internal2, keys2, cluster2) = (internal.clone(), keys.clone(), cluster.clone());
@@ -495,6 +501,7 @@ pub fn start(
                             reuse_port: true,
                             reset_secret: Some(reset_secret),
                             on_sent: None,
+                            windows: Some(windows),
                         },
                     ) {
                         Ok(ep) => {
@@ -530,6 +537,7 @@ pub fn start(
                             let metrics = core.metrics.clone();
                             Arc::new(move |waited| metrics.answer_send.observe(waited))
                         }),
+                        windows: Some(windows),
                     },
                 ) {
                     Ok(ep) => ep,

@@ -98,6 +98,7 @@ fn start_server_with(max_connections: usize, limits: TransportLimits) -> Server 
                         reuse_port: false,
                         reset_secret: None,
                         on_sent: None,
+                        windows: None,
                     },
                 )
                 .unwrap();

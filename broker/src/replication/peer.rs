@@ -110,6 +110,7 @@ impl Outbound {
                 reuse_port: false,
                 reset_secret: None,
                 on_sent: None,
+                windows: None,
             },
         )?;
         let mut hello = BytesMut::new();

@@ -48,6 +48,7 @@ use quinn_proto::{
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::udp::{Received, UdpIo};
+use super::windows::{Grant, WindowPool};
 
 /// Datagrams per GSO burst.
 const MAX_GSO_SEGMENTS: usize = 16;
@@ -206,6 +207,19 @@ pub struct EndpointOptions {
     /// waited for the first datagram that connection sent after it (measured from the
     /// oldest write not followed by a send yet): the last stage of an answer's way out.
     pub on_sent: Option<SentHook>,
+    /// Draw every connection's flow-control windows from one budget (see
+    /// [`super::windows`]); `None`: each has the transport's full windows.
+    pub windows: Option<WindowBudget>,
+}
+
+/// The budget an endpoint's connections' flow-control windows are drawn from.
+#[derive(Debug, Clone, Copy)]
+pub struct WindowBudget {
+    /// Bytes for all connections' windows together, both directions.
+    pub bytes: u64,
+    /// A connection's full window, each way: the transport's send and (once trusted)
+    /// receive window.
+    pub max_per_direction: u64,
 }
 
 /// See [`EndpointOptions::on_sent`].
@@ -220,6 +234,7 @@ impl std::fmt::Debug for EndpointOptions {
             .field("reuse_port", &self.reuse_port)
             .field("reset_secret", &self.reset_secret.is_some())
             .field("on_sent", &self.on_sent.is_some())
+            .field("windows", &self.windows)
             .finish()
     }
 }
@@ -252,6 +267,9 @@ pub struct EndpointStats {
     pub handshakes_timed_out: u64,
     /// Datagrams the socket refused for good (logged at the 1st, 2nd, 4th, 8th...).
     pub send_errors: u64,
+    /// Flow-control window bytes granted to open connections, both directions
+    /// together (0 without [`EndpointOptions::windows`]).
+    pub windows_granted: u64,
 }
 
 /// Why a stream or connection operation failed.
@@ -337,6 +355,11 @@ struct ConnState {
     unsent_since: Option<Instant>,
     /// Counted as not trusted yet until its window is widened or it goes.
     untrusted: Option<Untrusted>,
+    /// Its windows, from the endpoint's pool (when it has one).
+    grant: Option<Grant>,
+    /// The receive window it was widened to (before its grant's cap); `None` while it
+    /// keeps the window it began with.
+    widened: Option<u32>,
 }
 
 /// A driver's connections not trusted yet, in all and by source: those whose address
@@ -430,6 +453,25 @@ struct Conn {
 }
 
 impl Conn {
+    /// Sets its windows to what its grant allows: the send window always, the receive
+    /// window once widened (before that it keeps the one it began with, bounded apart:
+    /// see [`super::UNTRUSTED_WINDOW_BYTES`]; a client connection, which is not
+    /// widened, keeps its transport's).
+    fn apply_windows(&mut self) {
+        let Some(g) = &self.s.grant else {
+            if let Some(w) = self.s.widened {
+                self.q.set_receive_window(VarInt::from_u32(w));
+            }
+            return;
+        };
+        let each = g.each();
+        self.q.set_send_window(each);
+        if let Some(w) = self.s.widened {
+            let w = u64::from(w).min(each) as u32;
+            self.q.set_receive_window(VarInt::from_u32(w));
+        }
+    }
+
     fn wake_all(&mut self) {
         for w in self
             .s
@@ -486,6 +528,8 @@ struct Driver {
     send_buf: Vec<u8>,
     stats: EndpointStats,
     on_sent: Option<SentHook>,
+    /// See [`EndpointOptions::windows`].
+    windows: Option<Rc<WindowPool>>,
 }
 
 impl Driver {
@@ -541,7 +585,17 @@ impl Driver {
             send_buf: Vec::with_capacity(MAX_GSO_SEGMENTS * 1500),
             stats: EndpointStats::default(),
             on_sent: None,
+            windows: None,
         })
+    }
+
+    /// Draws connections' windows from `budget` from now on.
+    fn set_windows(&mut self, budget: WindowBudget) {
+        self.windows = Some(WindowPool::new(
+            budget.bytes,
+            budget.max_per_direction,
+            self.max_connections,
+        ));
     }
 
     /// Starts a client handshake (the synchronous half of [`Endpoint::connect`]).
@@ -560,6 +614,12 @@ impl Driver {
             .connect(now, config, addr, server_name)
             .map_err(|e| QuicError::Connect(e.to_string()))?;
         let id = self.insert_conn(h, q, 1);
+        // Trusted from the start (we chose the peer): its receive window is bounded by
+        // its grant at once.
+        if let (Some(p), Some(c)) = (&self.windows, self.conns.get_mut(&id)) {
+            c.s.widened = Some(p.max().min(u64::from(u32::MAX)) as u32);
+            c.apply_windows();
+        }
         self.mark(id);
         Ok(id)
     }
@@ -568,7 +628,8 @@ impl Driver {
     /// See [`Connection::set_receive_window`].
     fn set_receive_window(&mut self, h: ConnId, bytes: u32) {
         if let Some(c) = self.conns.get_mut(&h) {
-            c.q.set_receive_window(VarInt::from_u32(bytes));
+            c.s.widened = Some(bytes);
+            c.apply_windows();
             // Trusted now: it no longer counts against the untrusted windows.
             c.s.untrusted = None;
         }
@@ -588,17 +649,17 @@ impl Driver {
             replaced.is_none(),
             "quinn-proto reused a handle it had not freed"
         );
-        self.conns.insert(
-            id,
-            Box::new(Conn {
-                q,
-                handle: h,
-                s: ConnState {
-                    handles,
-                    ..ConnState::default()
-                },
-            }),
-        );
+        let mut c = Box::new(Conn {
+            q,
+            handle: h,
+            s: ConnState {
+                handles,
+                grant: self.windows.as_ref().map(|p| p.grant()),
+                ..ConnState::default()
+            },
+        });
+        c.apply_windows();
+        self.conns.insert(id, c);
         id
     }
 
@@ -738,6 +799,10 @@ impl Driver {
         let Some(mut c) = self.conns.remove(&h) else {
             return;
         };
+        // Below its full windows, it takes its share of what others gave back.
+        if c.s.grant.as_mut().is_some_and(Grant::grow) {
+            c.apply_windows();
+        }
         while let Some(ev) = c.q.poll_endpoint_events() {
             let drained = ev.is_drained();
             if let Some(cev) = self.endpoint.handle_event(c.handle, ev) {
@@ -890,6 +955,9 @@ impl Endpoint {
         )?;
         driver.on_sent = options.on_sent;
         driver.crowded_server = options.crowded_server;
+        if let Some(w) = options.windows {
+            driver.set_windows(w);
+        }
         let d = Rc::new(RefCell::new(driver));
         let task = glommio::spawn_local(run(d.clone(), udp));
         Ok(Endpoint {
@@ -908,6 +976,7 @@ impl Endpoint {
         let d = self.d.borrow();
         EndpointStats {
             open: d.conns.len() as u64,
+            windows_granted: d.windows.as_ref().map_or(0, |p| p.granted()),
             ..d.stats
         }
     }
@@ -2177,6 +2246,60 @@ mod sans_io {
         let q = &mut c.conns.get_mut(&id).unwrap().q;
         let more = q.send_stream(s).write(&data[sent..]).unwrap();
         assert!(more > 0, "widened, it sends on");
+    }
+
+    /// A connection's windows come from the endpoint's budget: what the server buffers
+    /// for it unacknowledged (its send window) and what its peer may send ahead once
+    /// trusted (its receive window) are its grant, not the transport's 8 / 32 MiB. Many
+    /// connections of a peer that acknowledges nothing, or sends on streams nobody
+    /// reads, could otherwise make a core hold that much each.
+    #[test]
+    fn a_connections_windows_come_from_the_endpoints_budget() {
+        use crate::quic::{UNTRUSTED_WINDOW_BYTES, WINDOW_FLOOR_BYTES, WindowBudget};
+        use quinn_proto::{Dir, WriteError};
+        let mut f = fixture(16, TransportLimits::default());
+        // 16 connections' floors (1 MiB) and 1 MiB spare.
+        f.server.set_windows(WindowBudget {
+            bytes: 2 << 20,
+            max_per_direction: 32 << 20,
+        });
+        let mut c = connect(&mut f, 5600);
+        let server_id = *f.server.conns.keys().next().unwrap();
+        let each = f.server.conns[&server_id].s.grant.as_ref().unwrap().each();
+        assert!(
+            each >= WINDOW_FLOOR_BYTES && each < UNTRUSTED_WINDOW_BYTES as u64 / 2,
+            "a share of 2 MiB: {each}"
+        );
+        assert!(f.server.windows.as_ref().unwrap().granted() <= 2 << 20);
+        let written =
+            |q: &mut quinn_proto::Connection, s, data: &[u8]| match q.send_stream(s).write(data) {
+                Ok(n) => n,
+                Err(WriteError::Blocked) => 0,
+                Err(e) => panic!("{e}"),
+            };
+        let data = vec![7u8; 16 << 20];
+        // The server sends; the client takes nothing in (its datagrams are lost): the
+        // server holds at most its grant, though the client's credit is 8 MiB a stream.
+        let sq = &mut f.server.conns.get_mut(&server_id).unwrap().q;
+        let s = sq.streams().open(Dir::Uni).unwrap();
+        assert_eq!(written(sq, s, &data) as u64, each);
+        assert_eq!(written(sq, s, &data), 0);
+        // The client sends what its untrusted window allows; trusted, the window widens
+        // to the grant, which that already passed: nothing more until the server reads.
+        let id = *c.conns.keys().next().unwrap();
+        let q = &mut c.conns.get_mut(&id).unwrap().q;
+        let cs = q.streams().open(Dir::Uni).unwrap();
+        let sent = written(q, cs, &data);
+        assert_eq!(sent, UNTRUSTED_WINDOW_BYTES as usize);
+        f.server.set_receive_window(server_id, 32 << 20);
+        run(
+            &mut f,
+            std::slice::from_mut(&mut c),
+            20,
+            Duration::from_millis(1),
+        );
+        let q = &mut c.conns.get_mut(&id).unwrap().q;
+        assert_eq!(written(q, cs, &data[sent..]), 0, "held to the grant");
     }
 
     /// An answer of two or three packets is acknowledged by the client's next request,

@@ -11,6 +11,7 @@
 mod alpn;
 pub mod driver;
 mod udp;
+mod windows;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,8 +25,9 @@ pub use quinn_proto::{ClientConfig, ServerConfig};
 
 pub use driver::{
     ConnId, Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, RecvStream,
-    SendStream, missed_wakeups_total, send_errors_total,
+    SendStream, WindowBudget, missed_wakeups_total, send_errors_total,
 };
+pub use windows::{SPARE_SHARE, WINDOW_FLOOR_BYTES};
 
 /// The ALPN id Felix clients may offer; clients offering none are accepted too.
 pub const ALPN: &[u8] = felix_wire::CLIENT_ALPN;
