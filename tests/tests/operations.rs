@@ -1409,10 +1409,14 @@ fn requests_held_for_a_moving_shard_leave_their_senders_other_requests_room() {
         let repin = pin("dev/default/stuck/0=1");
         tokio::time::sleep(Duration::from_millis(200)).await;
         // Core 0 sends it more than its 8,192 slots' worth; core 1 holds half of them.
-        let flood = client_on_core(&b, 0).await;
+        // (From five connections: one has at most 2,048 requests at another core.)
+        let mut floods = Vec::new();
+        for _ in 0..5 {
+            floods.push(client_on_core(&b, 0).await);
+        }
         let held_before = b.metric("felix_broker_requests_held_total").unwrap();
         for i in 0..9_000u32 {
-            flood
+            floods[i as usize % 5]
                 .publish(
                     "dev",
                     "default",
@@ -1453,6 +1457,115 @@ fn requests_held_for_a_moving_shard_leave_their_senders_other_requests_room() {
         while owner_core(&b, "stuck").0 != 1 {
             assert!(Instant::now() < deadline, "the re-pin never ended");
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}
+
+/// One connection's requests in flight at another core take at most a quarter of its
+/// core's 8,192 slots there: a client pipelining thousands of requests to a shard on the
+/// other core (here held there by a re-pin whose release waits) waits for its own to end
+/// past 2,048, and another connection of its core still gets its requests through.
+/// Before, one connection could hold all the slots (its request budget allows 16,384),
+/// and every other request from its core to that core was refused `overloaded`. Nothing
+/// it sent is lost: the waiting ones go once the shard arrives.
+#[test]
+fn one_connection_holds_at_most_a_quarter_of_its_cores_slots_at_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = start_on_core_0(dir.path(), &["--fsync", "none"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let held_since =
+            |before: u64| b.metric("felix_broker_requests_held_total").unwrap() - before;
+        // A shard moving from core 0 to core 1 whose release waits (its open held).
+        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+        let opener = client_on_core(&b, 1).await;
+        let first = tokio::spawn(async move {
+            opener
+                .publish(
+                    "dev",
+                    "default",
+                    "stuck",
+                    b"first".to_vec(),
+                    AckMode::PerMessage,
+                )
+                .await
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let http = b.http;
+        let repin = tokio::task::spawn_blocking(move || {
+            felix_client::ops::http(
+                &http.to_string(),
+                "POST",
+                "/pins",
+                Some(&json!({ "rule": "dev/default/stuck/0=1" }).to_string()),
+            )
+            .unwrap()
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let before = b.metric("felix_broker_requests_held_total").unwrap();
+        let publish_all = |c: &'_ Client, n: u32, tag: u8| {
+            let c = c.clone();
+            async move {
+                for i in 0..n {
+                    let mut payload = vec![tag];
+                    payload.extend_from_slice(&i.to_be_bytes());
+                    c.publish("dev", "default", "stuck", payload, AckMode::None)
+                        .await
+                        .unwrap();
+                }
+            }
+        };
+        let heavy = client_on_core(&b, 0).await;
+        publish_all(&heavy, 3_000, 1).await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while held_since(before) < 2_048 {
+            assert!(Instant::now() < deadline, "held: {}", held_since(before));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            held_since(before),
+            2_048,
+            "one connection's requests held at core 1"
+        );
+        // Another connection of core 0 is not held back by it.
+        let light = client_on_core(&b, 0).await;
+        publish_all(&light, 1_000, 2).await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while held_since(before) < 3_048 {
+            assert!(Instant::now() < deadline, "held: {}", held_since(before));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            b.metric("felix_broker_requests_held_refused_total")
+                .unwrap(),
+            0
+        );
+        assert_eq!(b.http_post("/debug/hold-opens?hold=false").unwrap().0, 200);
+        let (status, answer) = repin.await.unwrap();
+        assert!(matches!(status, 200 | 202 | 503), "{status} {answer}");
+        let _ = first.await;
+        // Every record either connection sent is in the log once the shard arrived.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let read = heavy
+                .stream_read("dev", "default", "stuck", 0, 0, None, Some(10_000))
+                .await;
+            let count = |tag: u8, r: &[felix_wire::message::StreamRecord]| {
+                r.iter().filter(|x| x.payload.first() == Some(&tag)).count()
+            };
+            if let Ok((records, _)) = &read
+                && count(1, records) == 3_000
+                && count(2, records) == 1_000
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not every record was written: {:?}",
+                read.map(|(r, _)| (count(1, &r), count(2, &r)))
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
 }

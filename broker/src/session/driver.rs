@@ -80,6 +80,8 @@ pub struct ConnScope {
     subscriptions: Cell<usize>,
     /// Group polls of this connection waiting for records.
     waiting_polls: Rc<Cell<usize>>,
+    /// Its requests in flight at another core (see [`CROSS_CORE_PER_CONNECTION`]).
+    cross_core: Cell<usize>,
     next_subscription: Cell<u64>,
     closed: Cell<bool>,
     /// One waker per live subscription, woken when the connection ends.
@@ -113,6 +115,7 @@ impl ConnScope {
             budget_waiters: RefCell::default(),
             subscriptions: Cell::new(0),
             waiting_polls: Rc::default(),
+            cross_core: Cell::new(0),
             next_subscription: Cell::new(1),
             closed: Cell::new(false),
             on_close: RefCell::default(),
@@ -240,6 +243,27 @@ impl ConnScope {
         .await
     }
 
+    /// Takes a place among the connection's requests in flight at other cores, waiting
+    /// while it has [`CROSS_CORE_PER_CONNECTION`] of them. False when the connection
+    /// ended first.
+    async fn take_cross_core(&self) -> bool {
+        let mut place = None;
+        poll_fn(|cx| {
+            if self.closed.get() {
+                return Poll::Ready(false);
+            }
+            if self.cross_core.get() < CROSS_CORE_PER_CONNECTION {
+                self.cross_core.set(self.cross_core.get() + 1);
+                return Poll::Ready(true);
+            }
+            self.budget_waiters
+                .borrow_mut()
+                .register(&mut place, cx.waker());
+            Poll::Pending
+        })
+        .await
+    }
+
     fn release_budget(&self, n: usize) {
         if n > 0 {
             self.budget.borrow_mut().release(n);
@@ -299,6 +323,36 @@ struct Held {
     bytes: usize,
     /// Still counted in the core's budget.
     in_core: bool,
+    /// Holds one of the connection's places at other cores.
+    cross_core: bool,
+}
+
+/// Requests one connection may have in flight at other cores of this broker: a quarter
+/// of the slots a core has at each other core
+/// ([`crate::core::CROSS_CORE_REQUESTS_MAX`]), so one connection's pipelined requests
+/// to a shard there leave its core's other connections room. Past it, its next such
+/// request waits for one of them to end (its stream is not read meanwhile: QUIC flow
+/// control holds the client back). Before, a connection could hold all 8,192 (its
+/// request budget allows 16,384), and every other request from its core to that core
+/// was refused `overloaded` (`core_queue_full`) meanwhile.
+pub const CROSS_CORE_PER_CONNECTION: usize = crate::core::CROSS_CORE_REQUESTS_MAX / 4;
+
+/// Waits, when `key`'s shard is on another core, for a place among the connection's
+/// requests in flight there, held by `held` until the request ends. False when the
+/// connection ended first. A request held by nothing (a group poll, bounded by the
+/// waiting polls' own allowance) takes no place.
+async fn place_across_cores(core: &CoreBroker, key: &ShardKey, held: &mut Option<Held>) -> bool {
+    let Some(h) = held.as_mut() else {
+        return true;
+    };
+    if h.cross_core || core.owner(key) == core.core {
+        return true;
+    }
+    if !h.scope.take_cross_core().await {
+        return false;
+    }
+    h.cross_core = true;
+    true
 }
 
 impl Held {
@@ -315,6 +369,13 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
+        if self.cross_core {
+            let n = &self.scope.cross_core;
+            n.set(n.get().saturating_sub(1));
+            if self.bytes == 0 {
+                self.scope.wake_budget();
+            }
+        }
         self.scope.release_budget(self.bytes);
         self.leave_core();
     }
@@ -960,6 +1021,7 @@ async fn serve_requests(
             core: core.clone(),
             bytes,
             in_core: true,
+            cross_core: false,
         });
         let action = dispatch::decide(session, core.as_ref(), request, answered, clock::now());
         let go_on = execute(core, scope, conn, answers, session, answered, action, held).await;
@@ -979,7 +1041,7 @@ async fn execute(
     session: &Session,
     answered: bool,
     action: Action,
-    held: Option<Held>,
+    mut held: Option<Held>,
 ) -> bool {
     match action {
         Action::Answer(frame) => {
@@ -1020,6 +1082,9 @@ async fn execute(
             if let Err(e) = core.catalog_written_for(&key).await {
                 reply_publish(answers, session, answer, Err(e));
                 return true;
+            }
+            if !place_across_cores(core, &key, &mut held).await {
+                return false;
             }
             let bytes: usize = records.iter().map(Bytes::len).sum();
             core.metrics
@@ -1126,6 +1191,9 @@ async fn execute(
             // went on in whatever order their catalog writes finished, and writes of one
             // key took their places in the log out of the order sent.
             let written = core.catalog_written_for(&key).await;
+            if !place_across_cores(core, &key, &mut held).await {
+                return false;
+            }
             let (core, session) = (core.clone(), session.clone());
             // Started now, not when its answer's turn comes: pipelined requests are in
             // flight together (and share a group commit).
@@ -1155,8 +1223,13 @@ async fn execute(
             query,
             request_id,
         } => {
+            if !place_across_cores(core, &key, &mut held).await {
+                return false;
+            }
             let (core, session) = (core.clone(), session.clone());
             answers.push(Answer::Pending(Box::pin(async move {
+                // Its request budget and place at another core, until answered.
+                let _held = held;
                 let frame = match query {
                     dispatch::Query::Range(from, end, max_records, max_bytes) => {
                         match crate::reads::stream_read(
@@ -1235,6 +1308,9 @@ async fn execute(
         } => {
             // The catalog first, in arrival order (see the cache's).
             let written = core.catalog_written_for(&key).await;
+            if !place_across_cores(core, &key, &mut held).await {
+                return false;
+            }
             let (core, session) = (core.clone(), session.clone());
             let (encoding, places) = (session.clone(), answers.places.clone());
             let started = run_to_completion(async move {
@@ -1286,6 +1362,9 @@ async fn execute(
                     Some(frame)
                 })));
             } else {
+                if !place_across_cores(&core, &key, &mut held).await {
+                    return false;
+                }
                 let (encoding, places) = (session.clone(), answers.places.clone());
                 let started = run_to_completion(async move {
                     let _held = held;
