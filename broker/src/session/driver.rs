@@ -1223,6 +1223,8 @@ async fn execute(
             query,
             request_id,
         } => {
+            // On a one-way stream it is never answered, nor run: it holds nothing.
+            let mut held = held.filter(|_| answered);
             if !place_across_cores(core, &key, &mut held).await {
                 return false;
             }
