@@ -966,17 +966,19 @@ impl BrokerConfig {
             u64::MAX,
         )?;
         let max_connections = file.max_connections.unwrap_or(10_000);
-        // Every connection a core may have is sure of its floor each way.
-        let window_floors = (max_connections as u64)
-            .saturating_mul(2 * felix_core_runtime::quic::WINDOW_FLOOR_BYTES);
-        let quic_window_bytes_per_core = file.max_quic_window_bytes_per_core.unwrap_or(2 << 30);
+        // Every connection a core may have is sure of its floor: a send window and the
+        // receive credit it may begin with.
+        let per_connection = felix_core_runtime::quic::reserved_per_connection(u64::from(
+            felix_core_runtime::quic::CROWDED_WINDOW_BYTES,
+        ));
+        let window_floors = (max_connections as u64).saturating_mul(per_connection);
+        let quic_window_bytes_per_core = file.max_quic_window_bytes_per_core.unwrap_or(4 << 30);
         if quic_window_bytes_per_core < window_floors {
             return Err(ConfigError {
                 key: "max_quic_window_bytes_per_core",
                 source_name: "config file",
                 message: format!(
-                    "{quic_window_bytes_per_core} is below {window_floors}: {} bytes each way for each of max_connections ({max_connections})",
-                    felix_core_runtime::quic::WINDOW_FLOOR_BYTES
+                    "{quic_window_bytes_per_core} is below {window_floors}: {per_connection} bytes for each of max_connections ({max_connections})"
                 ),
             });
         }
@@ -1253,11 +1255,11 @@ mod tests {
             ("segment_bytes: 100000000000000\n", "segment_bytes"),
             ("max_connections: 0\n", "max_connections"),
             (
-                "max_quic_window_bytes_per_core: 655359999\n",
+                "max_quic_window_bytes_per_core: 1638399999\n",
                 "max_quic_window_bytes_per_core",
             ),
             (
-                "max_connections: 100\nmax_quic_window_bytes_per_core: 6553599\n",
+                "max_connections: 100\nmax_quic_window_bytes_per_core: 16383999\n",
                 "max_quic_window_bytes_per_core",
             ),
             ("group_visibility_ms: 0\n", "group_visibility_ms"),
@@ -1276,7 +1278,7 @@ mod tests {
         }
         assert!(resolved("segment_bytes: 16384\ngroup_visibility_ms: 100\n").is_ok());
         assert!(
-            resolved("max_connections: 100\nmax_quic_window_bytes_per_core: 6553600\n").is_ok()
+            resolved("max_connections: 100\nmax_quic_window_bytes_per_core: 16384000\n").is_ok()
         );
     }
 

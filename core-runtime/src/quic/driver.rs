@@ -49,6 +49,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::udp::{Received, UdpIo};
 use super::windows::{Grant, WindowPool};
+use super::{CROWDED_WINDOW_BYTES, UNTRUSTED_WINDOW_BYTES};
 
 /// Datagrams per GSO burst.
 const MAX_GSO_SEGMENTS: usize = 16;
@@ -464,10 +465,9 @@ impl Conn {
             }
             return;
         };
-        let each = g.each();
-        self.q.set_send_window(each);
+        self.q.set_send_window(g.each());
         if let Some(w) = self.s.widened {
-            let w = u64::from(w).min(each) as u32;
+            let w = g.receive_window(u64::from(w)).min(u64::from(u32::MAX)) as u32;
             self.q.set_receive_window(VarInt::from_u32(w));
         }
     }
@@ -594,6 +594,7 @@ impl Driver {
         self.windows = Some(WindowPool::new(
             budget.bytes,
             budget.max_per_direction,
+            u64::from(CROWDED_WINDOW_BYTES).min(budget.max_per_direction),
             self.max_connections,
         ));
     }
@@ -614,12 +615,6 @@ impl Driver {
             .connect(now, config, addr, server_name)
             .map_err(|e| QuicError::Connect(e.to_string()))?;
         let id = self.insert_conn(h, q, 1);
-        // Trusted from the start (we chose the peer): its receive window is bounded by
-        // its grant at once.
-        if let (Some(p), Some(c)) = (&self.windows, self.conns.get_mut(&id)) {
-            c.s.widened = Some(p.max().min(u64::from(u32::MAX)) as u32);
-            c.apply_windows();
-        }
         self.mark(id);
         Ok(id)
     }
@@ -649,17 +644,17 @@ impl Driver {
             replaced.is_none(),
             "quinn-proto reused a handle it had not freed"
         );
-        let mut c = Box::new(Conn {
-            q,
-            handle: h,
-            s: ConnState {
-                handles,
-                grant: self.windows.as_ref().map(|p| p.grant()),
-                ..ConnState::default()
-            },
-        });
-        c.apply_windows();
-        self.conns.insert(id, c);
+        self.conns.insert(
+            id,
+            Box::new(Conn {
+                q,
+                handle: h,
+                s: ConnState {
+                    handles,
+                    ..ConnState::default()
+                },
+            }),
+        );
         id
     }
 
@@ -769,15 +764,40 @@ impl Driver {
                     }
                     return;
                 }
-                let crowded = (self.untrusted.all() >= self.untrusted_full)
+                // The full untrusted window while few connections have it and the
+                // window budget's spare covers it, else the crowded one.
+                let full = self.windows.as_ref().is_none_or(|p| {
+                    p.may_begin_with(u64::from(UNTRUSTED_WINDOW_BYTES).min(p.max()))
+                });
+                let crowded = (self.untrusted.all() >= self.untrusted_full || !full)
                     .then(|| self.crowded_server.clone())
                     .flatten();
+                if !full && crowded.is_none() {
+                    // No smaller window to offer: past the budget, it is refused.
+                    self.stats.refused += 1;
+                    let t = self.endpoint.refuse(incoming, &mut response);
+                    self.send_buf.clear();
+                    self.send_buf.extend_from_slice(&response[..t.size]);
+                    self.send(t.size, t.destination, t.segment_size, t.ecn);
+                    return;
+                }
+                let credit = if crowded.is_some() {
+                    CROWDED_WINDOW_BYTES
+                } else {
+                    UNTRUSTED_WINDOW_BYTES
+                };
                 match self.endpoint.accept(incoming, now, &mut response, crowded) {
                     Ok((h, q)) => {
                         let id = self.insert_conn(h, q, 0);
+                        let grant = self
+                            .windows
+                            .as_ref()
+                            .map(|p| p.admit(u64::from(credit).min(p.max())));
                         if let Some(c) = self.conns.get_mut(&id) {
                             c.s.untrusted =
                                 Some(Untrusted::new(&self.untrusted, source, validated));
+                            c.s.grant = grant;
+                            c.apply_windows();
                         }
                         self.handshakes.push_back((now + HANDSHAKE_DEADLINE, id));
                         self.dirty.insert(id);
@@ -799,8 +819,11 @@ impl Driver {
         let Some(mut c) = self.conns.remove(&h) else {
             return;
         };
-        // Below its full windows, it takes its share of what others gave back.
-        if c.s.grant.as_mut().is_some_and(Grant::grow) {
+        // Trusted and below its full windows, it takes its share of what is spare.
+        if c.s.widened.is_some()
+            && c.s.lost.is_none()
+            && c.s.grant.as_mut().is_some_and(Grant::grow)
+        {
             c.apply_windows();
         }
         while let Some(ev) = c.q.poll_endpoint_events() {
@@ -2249,28 +2272,33 @@ mod sans_io {
     }
 
     /// A connection's windows come from the endpoint's budget: what the server buffers
-    /// for it unacknowledged (its send window) and what its peer may send ahead once
-    /// trusted (its receive window) are its grant, not the transport's 8 / 32 MiB. Many
+    /// for it unacknowledged (its send window) is its grant, not the transport's 8 / 32
+    /// MiB, and so is what its peer may send ahead once trusted (its receive window),
+    /// never less than the credit it began with, which the budget counts. Many
     /// connections of a peer that acknowledges nothing, or sends on streams nobody
-    /// reads, could otherwise make a core hold that much each.
+    /// reads, could otherwise make a core hold that much each. Until trusted a
+    /// connection holds its floor only; trusted, it grows from what is spare.
     #[test]
     fn a_connections_windows_come_from_the_endpoints_budget() {
-        use crate::quic::{UNTRUSTED_WINDOW_BYTES, WINDOW_FLOOR_BYTES, WindowBudget};
+        use crate::quic::windows::reserved_per_connection;
+        use crate::quic::{
+            CROWDED_WINDOW_BYTES, UNTRUSTED_WINDOW_BYTES, WINDOW_FLOOR_BYTES, WindowBudget,
+        };
         use quinn_proto::{Dir, WriteError};
         let mut f = fixture(16, TransportLimits::default());
-        // 16 connections' floors (1 MiB) and 1 MiB spare.
+        // 16 connections' reserves and 2 MiB spare.
+        let reserves = 16 * reserved_per_connection(u64::from(CROWDED_WINDOW_BYTES));
+        let budget = reserves + (2 << 20);
         f.server.set_windows(WindowBudget {
-            bytes: 2 << 20,
+            bytes: budget,
             max_per_direction: 32 << 20,
         });
         let mut c = connect(&mut f, 5600);
         let server_id = *f.server.conns.keys().next().unwrap();
-        let each = f.server.conns[&server_id].s.grant.as_ref().unwrap().each();
-        assert!(
-            each >= WINDOW_FLOOR_BYTES && each < UNTRUSTED_WINDOW_BYTES as u64 / 2,
-            "a share of 2 MiB: {each}"
-        );
-        assert!(f.server.windows.as_ref().unwrap().granted() <= 2 << 20);
+        let each = |f: &Fixture| f.server.conns[&server_id].s.grant.as_ref().unwrap().each();
+        assert_eq!(each(&f), WINDOW_FLOOR_BYTES, "untrusted: its floor only");
+        let pool = f.server.windows.clone().unwrap();
+        assert!(pool.granted() <= budget);
         let written =
             |q: &mut quinn_proto::Connection, s, data: &[u8]| match q.send_stream(s).write(data) {
                 Ok(n) => n,
@@ -2282,10 +2310,11 @@ mod sans_io {
         // server holds at most its grant, though the client's credit is 8 MiB a stream.
         let sq = &mut f.server.conns.get_mut(&server_id).unwrap().q;
         let s = sq.streams().open(Dir::Uni).unwrap();
-        assert_eq!(written(sq, s, &data) as u64, each);
+        assert_eq!(written(sq, s, &data) as u64, WINDOW_FLOOR_BYTES);
         assert_eq!(written(sq, s, &data), 0);
-        // The client sends what its untrusted window allows; trusted, the window widens
-        // to the grant, which that already passed: nothing more until the server reads.
+        // The client sends what its untrusted window allows; trusted, the window is
+        // its grant, which grows from what is spare but not past the credit already
+        // out here: nothing more until the server reads.
         let id = *c.conns.keys().next().unwrap();
         let q = &mut c.conns.get_mut(&id).unwrap().q;
         let cs = q.streams().open(Dir::Uni).unwrap();
@@ -2298,8 +2327,24 @@ mod sans_io {
             20,
             Duration::from_millis(1),
         );
+        let grown = each(&f);
+        assert!(
+            grown > WINDOW_FLOOR_BYTES && grown < u64::from(UNTRUSTED_WINDOW_BYTES),
+            "trusted, it grew from 1 MiB spare: {grown}"
+        );
+        assert!(pool.granted() <= budget);
         let q = &mut c.conns.get_mut(&id).unwrap().q;
         assert_eq!(written(q, cs, &data[sent..]), 0, "held to the grant");
+        // A connection past what is spare begins with the crowded window (the fixture's
+        // server has none to offer, so it is refused).
+        drop(c);
+        let refused = f.server.stats.refused;
+        let mut more = Vec::new();
+        for port in 5601..5605 {
+            more.push(try_connect(&mut f, addr(port)));
+        }
+        assert!(f.server.stats.refused > refused, "past the spare");
+        assert!(pool.granted() <= budget);
     }
 
     /// An answer of two or three packets is acknowledged by the client's next request,

@@ -27,7 +27,7 @@ pub use driver::{
     ConnId, Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, RecvStream,
     SendStream, WindowBudget, missed_wakeups_total, send_errors_total,
 };
-pub use windows::{SPARE_SHARE, WINDOW_FLOOR_BYTES};
+pub use windows::{SPARE_SHARE, WINDOW_FLOOR_BYTES, reserved_per_connection};
 
 /// The ALPN id Felix clients may offer; clients offering none are accepted too.
 pub const ALPN: &[u8] = felix_wire::CLIENT_ALPN;

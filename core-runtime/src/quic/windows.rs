@@ -9,31 +9,47 @@
 //! At 32 MiB each way and 10,000 connections a core, that was hundreds of GiB a peer
 //! with a token could make a core hold.
 //!
-//! A pool grants each connection its windows (the same number of bytes each way) from
-//! one budget, so their sum never passes it:
-//! - every connection the endpoint may have is sure of a floor ([`WINDOW_FLOOR_BYTES`]
-//!   each way), kept back for it before anything else is granted;
-//! - a new connection gets, above its floor, at most one [`SPARE_SHARE`]th of what is
-//!   left spare, up to the transport's window; the first connections of a quiet core
-//!   get the full window, later ones less as the budget fills;
-//! - no grant grows past a fair share (the budget over the live connections), so a
-//!   few busy connections cannot take all that is spare;
-//! - a grant never shrinks (a window handed to a peer cannot be taken back from it:
-//!   receive credit once advertised stays, data buffered stays until acknowledged); a
-//!   connection below the full window asks again as it works, for its share of what
-//!   connections that went gave back.
+//! A pool grants each connection its windows from one budget, so that what they may
+//! make the endpoint hold together never passes it:
+//! - a connection is charged its send window plus the larger of its receive window and
+//!   the receive credit it began with: credit advertised before it was trusted (the
+//!   untrusted window) cannot be taken back, so it stays charged for the connection's
+//!   life;
+//! - every connection the endpoint may have is sure of a floor: a send window of
+//!   [`WINDOW_FLOOR_BYTES`] and the least receive credit a connection begins with (the
+//!   crowded window), kept back for it before anything else is granted; a connection
+//!   begins with more credit (the full untrusted window) only while the spare budget
+//!   covers it, and is accepted with the crowded one otherwise;
+//! - nothing above the floor is granted before the connection is trusted (its receive
+//!   window widened), so connections that never authenticate, forged ones included,
+//!   hold only their floors; once trusted, a connection takes at most one
+//!   [`SPARE_SHARE`]th of what is spare each time it is driven, up to the lesser of the
+//!   transport's window and its fair share (the budget over the live connections), so
+//!   a few busy connections cannot take all that is spare;
+//! - a grant never shrinks (receive credit once advertised stays); a connection's grant
+//!   returns to the pool when the connection goes.
 
 use std::cell::Cell;
 use std::rc::Rc;
 
-/// The window every connection is sure of, each way. 32 KiB is twenty full datagrams:
-/// a connection on a LAN's round trip still moves hundreds of megabytes a second, and
-/// 10,000 connections hold 625 MiB at most.
+/// The send window (and, once trusted, receive window) every connection is sure of.
+/// 32 KiB is twenty full datagrams: a connection on a LAN's round trip still moves
+/// hundreds of megabytes a second.
 pub const WINDOW_FLOOR_BYTES: u64 = 32 << 10;
 
-/// A connection takes, above its floor, at most this fraction of the spare budget (both
-/// directions together).
+/// A trusted connection takes, each time it grows, at most this fraction of the spare
+/// budget (both directions together).
 pub const SPARE_SHARE: u64 = 16;
+
+/// What one connection is sure of, both directions together: see [`WindowPool::new`].
+pub const fn reserved_per_connection(first_window: u64) -> u64 {
+    let recv = if first_window > WINDOW_FLOOR_BYTES {
+        first_window
+    } else {
+        WINDOW_FLOOR_BYTES
+    };
+    WINDOW_FLOOR_BYTES + recv
+}
 
 /// One endpoint's budget for its connections' windows.
 #[derive(Debug)]
@@ -42,58 +58,74 @@ pub(crate) struct WindowPool {
     /// Most a connection's window may be, each way (the transport's).
     max: u64,
     floor: u64,
-    /// Connections the endpoint may have at once: each one's floor is kept back.
+    /// Kept back for each connection not here yet.
+    reserve: u64,
+    /// Connections the endpoint may have at once.
     connections: usize,
-    /// Granted to live connections, both directions.
+    /// Charged to live connections.
     granted: Cell<u64>,
     live: Cell<usize>,
+    /// Live connections that asked to grow (trusted ones).
+    trusted: Cell<usize>,
 }
 
 impl WindowPool {
     /// A pool of `budget` bytes for up to `connections` connections whose windows are
-    /// at most `max` bytes each way. A budget below every connection's floor is taken as
-    /// that floor's total (the caller validates it).
-    pub(crate) fn new(budget: u64, max: u64, connections: usize) -> Rc<WindowPool> {
+    /// at most `max` bytes each way and whose receive credit begins at least at
+    /// `first_window` (the crowded window). A budget below every connection's floor is
+    /// taken as that floor's total (the caller validates it).
+    pub(crate) fn new(
+        budget: u64,
+        max: u64,
+        first_window: u64,
+        connections: usize,
+    ) -> Rc<WindowPool> {
         let floor = WINDOW_FLOOR_BYTES.min(max);
+        let reserve = reserved_per_connection(first_window);
         Rc::new(WindowPool {
-            budget: budget.max(floor * 2 * connections as u64),
+            budget: budget.max(reserve.saturating_mul(connections as u64)),
             max,
             floor,
+            reserve,
             connections,
             granted: Cell::new(0),
             live: Cell::new(0),
+            trusted: Cell::new(0),
         })
     }
 
-    /// What is neither granted nor kept back for connections not here yet.
+    /// What is neither charged nor kept back for connections not here yet.
     fn spare(&self) -> u64 {
-        let kept = self.floor * 2 * self.connections.saturating_sub(self.live.get()) as u64;
-        self.budget.saturating_sub(self.granted.get() + kept)
+        let absent = self.connections.saturating_sub(self.live.get()) as u64;
+        let kept = self.reserve.saturating_mul(absent);
+        self.budget
+            .saturating_sub(self.granted.get().saturating_add(kept))
     }
 
-    /// A live connection's fair share of the budget, each way: no grant grows past it
-    /// (nor past the full window), so a few busy connections do not take all that is
-    /// spare while others sit at their floor.
+    /// Whether a new connection may begin with `credit` bytes of receive credit: up to
+    /// its reserve it may; past it, only while the spare budget covers the rest.
+    pub(crate) fn may_begin_with(&self, credit: u64) -> bool {
+        let charge = self.floor + credit.max(self.floor);
+        charge <= self.reserve || self.spare() >= charge - self.reserve
+    }
+
+    /// A trusted connection's fair share of the budget, each way (connections not
+    /// trusted, which hold their floors only, do not shrink it).
     fn fair(&self) -> u64 {
-        let live = self.live.get().max(1) as u64;
-        (self.budget / (2 * live)).clamp(self.floor, self.max)
+        let trusted = self.trusted.get().max(1) as u64;
+        (self.budget / (2 * trusted)).clamp(self.floor, self.max)
     }
 
-    /// The most a grant may take now above what it has, each way.
-    fn offer(&self, each: u64) -> u64 {
-        (self.spare() / (2 * SPARE_SHARE)).min(self.fair().saturating_sub(each))
-    }
-
-    /// A new connection's windows.
-    pub(crate) fn grant(self: &Rc<Self>) -> Grant {
+    /// A new connection's grant: its floor, and the receive `credit` it begins with.
+    pub(crate) fn admit(self: &Rc<Self>, credit: u64) -> Grant {
         self.live.set(self.live.get() + 1);
-        self.granted.set(self.granted.get() + 2 * self.floor);
-        let mut g = Grant {
+        let g = Grant {
             pool: self.clone(),
             each: self.floor,
+            began_with: credit,
+            trusted: false,
         };
-        let more = self.offer(g.each);
-        g.take(more);
+        self.granted.set(self.granted.get() + g.charge());
         g
     }
 
@@ -102,17 +134,22 @@ impl WindowPool {
         self.max
     }
 
-    /// Bytes granted to live connections, both directions together.
+    /// Charged to live connections, both directions together.
     pub(crate) fn granted(&self) -> u64 {
         self.granted.get()
     }
 }
 
-/// One connection's windows (each way), given back to the pool when dropped.
+/// One connection's windows, given back to the pool when dropped.
 #[derive(Debug)]
 pub(crate) struct Grant {
     pool: Rc<WindowPool>,
+    /// Its send window, and its receive window once trusted.
     each: u64,
+    /// The receive credit it was given before it was trusted.
+    began_with: u64,
+    /// It asked to grow: counted among the trusted connections.
+    trusted: bool,
 }
 
 impl Grant {
@@ -121,24 +158,40 @@ impl Grant {
         self.each
     }
 
-    fn take(&mut self, more: u64) {
-        self.each += more;
-        self.pool.granted.set(self.pool.granted.get() + 2 * more);
+    /// Its receive window once widened to `asked`: its grant, and never below the credit
+    /// it began with. (quinn-proto keeps credit it advertised: set lower, the window
+    /// owes the difference and, set higher again, adds to the credit still out, which
+    /// could then pass the grant.)
+    pub(crate) fn receive_window(&self, asked: u64) -> u64 {
+        asked.min(self.each).max(self.began_with)
+    }
+
+    /// What it holds of the pool: its send window and the most receive credit it can
+    /// have out ([`Grant::receive_window`]).
+    fn charge(&self) -> u64 {
+        self.each + self.each.max(self.began_with)
     }
 
     /// Takes more from what is spare, when below its fair share and at least a floor's
-    /// worth (or the rest of the way there) is offered: true when it grew.
+    /// worth (or the rest of the way there) is offered: true when it grew. Only for a
+    /// trusted connection: the caller asks for no other.
     pub(crate) fn grow(&mut self) -> bool {
         let p = &self.pool;
-        let fair = p.fair();
-        if self.each >= fair {
+        if !self.trusted {
+            self.trusted = true;
+            p.trusted.set(p.trusted.get() + 1);
+        }
+        let target = p.fair();
+        if self.each >= target {
             return false;
         }
-        let more = p.offer(self.each);
-        if more == 0 || (more < p.floor && self.each + more < fair) {
+        let more = (p.spare() / (2 * SPARE_SHARE)).min(target - self.each);
+        if more == 0 || (more < p.floor && self.each + more < target) {
             return false;
         }
-        self.take(more);
+        let before = self.charge();
+        self.each += more;
+        p.granted.set(p.granted.get() + self.charge() - before);
         true
     }
 }
@@ -146,8 +199,11 @@ impl Grant {
 impl Drop for Grant {
     fn drop(&mut self) {
         let p = &self.pool;
-        p.granted.set(p.granted.get().saturating_sub(2 * self.each));
+        p.granted.set(p.granted.get().saturating_sub(self.charge()));
         p.live.set(p.live.get().saturating_sub(1));
+        if self.trusted {
+            p.trusted.set(p.trusted.get().saturating_sub(1));
+        }
     }
 }
 
@@ -156,52 +212,97 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+    const CROWDED: u64 = 128 << 10;
 
-    /// However connections come and go, what is granted stays within the budget and
-    /// every connection has at least its floor, up to the endpoint's limit.
+    /// However connections come, grow and go, what is charged stays within the budget,
+    /// every connection has at least its floor, and none grows past its fair share as it
+    /// is when it grows, up to the endpoint's limit.
     #[test]
     fn grants_stay_within_the_budget_and_each_has_its_floor() {
-        let pool = WindowPool::new(64 * MIB, 8 * MIB, 100);
+        let pool = WindowPool::new(64 * MIB, 8 * MIB, CROWDED, 100);
         let mut grants: Vec<Grant> = Vec::new();
         let mut seed = 7u64;
-        for step in 0..5_000 {
+        for step in 0..20_000 {
             seed = seed
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             let r = (seed >> 33) % 10;
-            if r < 5 && grants.len() < 100 {
-                grants.push(pool.grant());
-            } else if r < 8 && !grants.is_empty() {
-                let i = (seed >> 40) as usize % grants.len();
-                grants.swap_remove(i);
-            } else if let Some(g) = grants.iter_mut().next() {
-                g.grow();
+            let i = (seed >> 40) as usize;
+            if r < 4 && grants.len() < 100 {
+                let credit = if pool.may_begin_with(MIB) {
+                    MIB
+                } else {
+                    CROWDED
+                };
+                grants.push(pool.admit(credit));
+            } else if r < 6 && !grants.is_empty() {
+                grants.swap_remove(i % grants.len());
+            } else if !grants.is_empty() {
+                let n = grants.len();
+                if grants[i % n].grow() {
+                    let trusted = grants.iter().filter(|g| g.trusted).count() as u64;
+                    let fair = (64 * MIB / (2 * trusted)).clamp(WINDOW_FLOOR_BYTES, 8 * MIB);
+                    let each = grants[i % n].each();
+                    assert!(each <= fair, "step {step}: {each} past {fair}");
+                }
             }
-            let sum: u64 = grants.iter().map(|g| 2 * g.each()).sum();
+            let sum: u64 = grants.iter().map(Grant::charge).sum();
             assert_eq!(sum, pool.granted(), "step {step}");
-            let kept = WINDOW_FLOOR_BYTES * 2 * (100 - grants.len() as u64);
+            let kept = reserved_per_connection(CROWDED) * (100 - grants.len() as u64);
             assert!(sum + kept <= 64 * MIB, "step {step}: {sum} + {kept}");
             assert!(grants.iter().all(|g| g.each() >= WINDOW_FLOOR_BYTES));
-            assert!(grants.iter().all(|g| g.each() <= 8 * MIB));
         }
     }
 
-    /// The first connections of a quiet endpoint get the full window; once the budget is
-    /// taken, new ones get their floor; those that stay grow back as others go.
+    /// A connection is admitted with its floor alone, whatever is spare: the budget
+    /// goes to connections once trusted, so ones that never authenticate (forged ones
+    /// included) hold their floors only. The first trusted ones of a quiet endpoint grow
+    /// to the full window; once the budget is taken, later ones stay near their floor
+    /// and grow as others go.
     #[test]
-    fn early_connections_get_the_full_window_and_later_ones_grow_as_others_go() {
-        let pool = WindowPool::new(256 * MIB, 4 * MIB, 1_000);
-        let first = pool.grant();
+    fn only_trusted_connections_grow_and_later_ones_grow_as_others_go() {
+        let pool = WindowPool::new(256 * MIB, 4 * MIB, CROWDED, 1_000);
+        let half_open: Vec<Grant> = (0..500).map(|_| pool.admit(CROWDED)).collect();
+        assert_eq!(pool.granted(), 500 * reserved_per_connection(CROWDED));
+        let mut first = pool.admit(MIB);
+        assert_eq!(first.each(), WINDOW_FLOOR_BYTES);
+        while first.grow() {}
         assert_eq!(first.each(), 4 * MIB);
-        let mut many: Vec<Grant> = (0..200).map(|_| pool.grant()).collect();
-        let mut late = pool.grant();
-        assert!(late.each() < MIB, "late: {}", late.each());
-        assert!(!late.grow(), "nothing spare yet");
-        many.clear();
+        let mut busy: Vec<Grant> = (0..200).map(|_| pool.admit(CROWDED)).collect();
+        for _ in 0..10 {
+            busy.iter_mut().for_each(|g| {
+                g.grow();
+            });
+        }
+        let mut late = pool.admit(CROWDED);
+        for _ in 0..10 {
+            late.grow();
+        }
+        assert_eq!(late.each(), WINDOW_FLOOR_BYTES, "nothing spare left");
+        busy.clear();
+        drop(half_open);
         assert!(late.grow());
         while late.grow() {}
         assert_eq!(late.each(), 4 * MIB);
         drop((first, late));
         assert_eq!(pool.granted(), 0);
+    }
+
+    /// Past what is spare, a connection begins with the crowded window, which its
+    /// reserve always covers.
+    #[test]
+    fn a_connection_begins_with_the_full_untrusted_window_only_while_spare_covers_it() {
+        // 8 connections' reserves (1.25 MiB) and 2 MiB spare.
+        let pool = WindowPool::new(3 * MIB + MIB / 4, 32 * MIB, CROWDED, 8);
+        let mut held = Vec::new();
+        while pool.may_begin_with(MIB) {
+            held.push(pool.admit(MIB));
+        }
+        assert_eq!(held.len(), 2);
+        assert!(pool.may_begin_with(CROWDED));
+        while held.len() < 8 {
+            held.push(pool.admit(CROWDED));
+        }
+        assert!(pool.granted() <= 3 * MIB + MIB / 4);
     }
 }
