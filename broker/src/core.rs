@@ -661,6 +661,9 @@ pub struct Shared {
     /// The receive window a client connection gets once it authenticated (until then
     /// `felix_core_runtime::quic::UNTRUSTED_WINDOW_BYTES`).
     pub connection_window_bytes: u32,
+    /// The streams a client connection may open each way once it authenticated (until
+    /// then `felix_core_runtime::quic::UNTRUSTED_STREAMS`).
+    pub max_streams: u32,
     /// Consumer-group bounds.
     pub group_limits: crate::groups::tracker::Limits,
     /// Cache compaction threshold (writes).

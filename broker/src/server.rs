@@ -339,6 +339,7 @@ pub fn start(
         client_addr: (!listen.ip().is_unspecified()).then_some(listen),
         publish_window: config.publish_window,
         connection_window_bytes: transport.connection_window_bytes,
+        max_streams: transport.max_streams,
         group_limits: config.group_limits,
         cache_compact_after: config.cache_compact_after,
         producer_snapshot_bytes: config.producer_snapshot_bytes,

@@ -336,11 +336,11 @@ async fn serve_connection(
                         Ok(node) => {
                             from = Some(node);
                             if !heard.replace(true) {
-                                // Trusted now: the receive window it was held to opens.
-                                conn.set_receive_window(
-                                    felix_core_runtime::quic::TransportLimits::default()
-                                        .connection_window_bytes,
-                                );
+                                // Trusted now: the receive window and streams it was
+                                // held to open (peers open no bidirectional ones).
+                                let limits = felix_core_runtime::quic::TransportLimits::default();
+                                conn.set_receive_window(limits.connection_window_bytes);
+                                conn.set_max_streams(0, limits.max_streams);
                             }
                             reader.set_max_payload_bytes(internal::DEFAULT_MAX_PAYLOAD_BYTES);
                         }

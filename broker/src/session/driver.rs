@@ -872,8 +872,9 @@ async fn serve_stream(
         authenticate(&core, &scope, &answers, answered, &mut recv, &mut input).await
     {
         if !scope.trusted.replace(true) {
-            // Trusted now: the receive window it was held to opens.
+            // Trusted now: the receive window and streams it was held to open.
             conn.set_receive_window(core.shared.connection_window_bytes);
+            conn.set_max_streams(core.shared.max_streams, core.shared.max_streams);
         }
         input
             .reader

@@ -631,6 +631,15 @@ impl Driver {
         self.mark(h);
     }
 
+    /// See [`Connection::set_max_streams`].
+    fn set_max_streams(&mut self, h: ConnId, bidi: u32, uni: u32) {
+        if let Some(c) = self.conns.get_mut(&h) {
+            c.q.set_max_concurrent_streams(Dir::Bi, VarInt::from_u32(bidi));
+            c.q.set_max_concurrent_streams(Dir::Uni, VarInt::from_u32(uni));
+        }
+        self.mark(h);
+    }
+
     fn insert_conn(
         &mut self,
         h: ConnectionHandle,
@@ -1197,6 +1206,12 @@ impl Connection {
     /// server widens a connection it trusts from [`super::UNTRUSTED_WINDOW_BYTES`].
     pub fn set_receive_window(&self, bytes: u32) {
         self.d.borrow_mut().set_receive_window(self.h, bytes);
+    }
+
+    /// Sets how many streams the peer may have open at once, each way: a server raises
+    /// them from [`super::UNTRUSTED_STREAMS`] once it trusts the connection.
+    pub fn set_max_streams(&self, bidi: u32, uni: u32) {
+        self.d.borrow_mut().set_max_streams(self.h, bidi, uni);
     }
 
     /// Closes the connection with an application error code.
@@ -2345,6 +2360,37 @@ mod sans_io {
         }
         assert!(f.server.stats.refused > refused, "past the spare");
         assert!(pool.granted() <= budget);
+    }
+
+    /// Until trusted, a connection may open [`crate::quic::UNTRUSTED_STREAMS`] streams each
+    /// way, not the transport's 1,024: quinn-proto holds up to ~32 KiB of received
+    /// datagrams behind each stream's out-of-order pieces whatever the window, so a peer
+    /// that never authenticated held some 64 MiB a connection. Trusted, it may open
+    /// them all.
+    #[test]
+    fn an_untrusted_connection_opens_few_streams_until_trusted() {
+        use crate::quic::UNTRUSTED_STREAMS;
+        use quinn_proto::Dir;
+        let mut f = fixture(16, TransportLimits::default());
+        let mut c = connect(&mut f, 5700);
+        let id = *c.conns.keys().next().unwrap();
+        let open_all = |c: &mut Driver, dir| {
+            let q = &mut c.conns.get_mut(&id).unwrap().q;
+            std::iter::from_fn(|| q.streams().open(dir)).count()
+        };
+        assert_eq!(open_all(&mut c, Dir::Bi), UNTRUSTED_STREAMS as usize);
+        assert_eq!(open_all(&mut c, Dir::Uni), UNTRUSTED_STREAMS as usize);
+        let server_id = *f.server.conns.keys().next().unwrap();
+        f.server.set_max_streams(server_id, 1024, 1024);
+        run(
+            &mut f,
+            std::slice::from_mut(&mut c),
+            20,
+            Duration::from_millis(1),
+        );
+        let more = 1024 - UNTRUSTED_STREAMS as usize;
+        assert_eq!(open_all(&mut c, Dir::Bi), more);
+        assert_eq!(open_all(&mut c, Dir::Uni), more);
     }
 
     /// An answer of two or three packets is acknowledged by the client's next request,

@@ -108,6 +108,15 @@ pub const UNTRUSTED_WINDOW_BYTES: u32 = 1 << 20;
 /// stream may send before it authenticates (64 KiB), twice.
 pub const CROWDED_WINDOW_BYTES: u32 = 128 << 10;
 
+/// Streams (each direction) a connection may open before it is trusted (see
+/// [`Connection::set_max_streams`]). quinn-proto keeps each received datagram whole
+/// behind any piece of it a stream holds out of order, up to about 32 KiB a stream
+/// before it compacts them, whatever the window: a peer sending one byte past a hole on
+/// every stream it may open held some 64 MiB a connection with 2,048 streams (1,024 each
+/// way) for a few tens of kilobytes of credit, before proving who it was. 64 covers the
+/// streams a client opens on a connection before its first authenticates.
+pub const UNTRUSTED_STREAMS: u32 = 64;
+
 /// Ack-eliciting packets a client may receive from us before it must acknowledge
 /// them at once (QUIC's ACK frequency extension, which quinn clients accept; without it
 /// a client acknowledges every second packet). An answer of two packets (a cache value
@@ -146,22 +155,24 @@ fn ask_fewer_acks(t: &mut TransportConfig) {
 /// some 10 GiB.
 pub fn crowded_server_config(config: &ServerConfig, limits: &TransportLimits) -> ServerConfig {
     let mut crowded = config.clone();
-    let mut t = limits.transport();
+    let mut t = server_transport(limits);
     t.receive_window(VarInt::from_u32(
         limits.connection_window_bytes.min(CROWDED_WINDOW_BYTES),
     ));
-    ask_fewer_acks(&mut t);
     crowded.transport_config(Arc::new(t));
     crowded
 }
 
 /// `limits`' transport config for a server: the connection's receive window starts at
-/// [`UNTRUSTED_WINDOW_BYTES`].
+/// [`UNTRUSTED_WINDOW_BYTES`], and its streams at [`UNTRUSTED_STREAMS`] each way.
 fn server_transport(limits: &TransportLimits) -> TransportConfig {
     let mut t = limits.transport();
     t.receive_window(VarInt::from_u32(
         limits.connection_window_bytes.min(UNTRUSTED_WINDOW_BYTES),
     ));
+    let streams = VarInt::from_u32(limits.max_streams.min(UNTRUSTED_STREAMS));
+    t.max_concurrent_bidi_streams(streams)
+        .max_concurrent_uni_streams(streams);
     ask_fewer_acks(&mut t);
     t
 }
