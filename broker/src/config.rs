@@ -45,6 +45,10 @@ pub struct StreamConfig {
     pub shards: u32,
 }
 
+/// Connections a core's replication listener accepts (from peers, and anyone reaching
+/// its port before a `Hello`).
+pub const PEER_CONNECTIONS_PER_CORE: usize = 1024;
+
 /// The YAML file (every key optional).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -967,18 +971,23 @@ impl BrokerConfig {
         )?;
         let max_connections = file.max_connections.unwrap_or(10_000);
         // Every connection a core may have is sure of its floor: a send window and the
-        // receive credit it may begin with.
-        let per_connection = felix_core_runtime::quic::reserved_per_connection(u64::from(
-            felix_core_runtime::quic::CROWDED_WINDOW_BYTES,
-        ));
-        let window_floors = (max_connections as u64).saturating_mul(per_connection);
+        // receive credit it may begin with (the crowded window on the clients' port; the
+        // full untrusted one on the peers', which has no other).
+        use felix_core_runtime::quic::{
+            CROWDED_WINDOW_BYTES, UNTRUSTED_WINDOW_BYTES, reserved_per_connection,
+        };
+        let per_connection = reserved_per_connection(u64::from(CROWDED_WINDOW_BYTES));
+        let window_floors = (max_connections as u64).saturating_mul(per_connection).max(
+            PEER_CONNECTIONS_PER_CORE as u64
+                * reserved_per_connection(u64::from(UNTRUSTED_WINDOW_BYTES)),
+        );
         let quic_window_bytes_per_core = file.max_quic_window_bytes_per_core.unwrap_or(4 << 30);
         if quic_window_bytes_per_core < window_floors {
             return Err(ConfigError {
                 key: "max_quic_window_bytes_per_core",
                 source_name: "config file",
                 message: format!(
-                    "{quic_window_bytes_per_core} is below {window_floors}: {per_connection} bytes for each of max_connections ({max_connections})"
+                    "{quic_window_bytes_per_core} is below {window_floors}: {per_connection} bytes for each of max_connections ({max_connections}), and the peers' port's floors"
                 ),
             });
         }
@@ -1259,7 +1268,7 @@ mod tests {
                 "max_quic_window_bytes_per_core",
             ),
             (
-                "max_connections: 100\nmax_quic_window_bytes_per_core: 16383999\n",
+                "max_connections: 100\nmax_quic_window_bytes_per_core: 1107296255\n",
                 "max_quic_window_bytes_per_core",
             ),
             ("group_visibility_ms: 0\n", "group_visibility_ms"),
@@ -1278,7 +1287,7 @@ mod tests {
         }
         assert!(resolved("segment_bytes: 16384\ngroup_visibility_ms: 100\n").is_ok());
         assert!(
-            resolved("max_connections: 100\nmax_quic_window_bytes_per_core: 16384000\n").is_ok()
+            resolved("max_connections: 100\nmax_quic_window_bytes_per_core: 1107296256\n").is_ok()
         );
     }
 

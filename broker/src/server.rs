@@ -498,7 +498,7 @@ pub fn start(
                         EndpointOptions {
                             server: Some(i.server.clone()),
                             crowded_server: None,
-                            max_connections: 1024,
+                            max_connections: crate::config::PEER_CONNECTIONS_PER_CORE,
                             reuse_port: true,
                             reset_secret: Some(reset_secret),
                             on_sent: None,

@@ -80,8 +80,9 @@ pub struct ConnScope {
     subscriptions: Cell<usize>,
     /// Group polls of this connection waiting for records.
     waiting_polls: Rc<Cell<usize>>,
-    /// Its requests in flight at another core (see [`CROSS_CORE_PER_CONNECTION`]).
-    cross_core: Cell<usize>,
+    /// Its requests in flight at each other core, by core index (see
+    /// [`CROSS_CORE_PER_CONNECTION`]).
+    cross_core: RefCell<Vec<usize>>,
     next_subscription: Cell<u64>,
     closed: Cell<bool>,
     /// One waker per live subscription, woken when the connection ends.
@@ -115,7 +116,7 @@ impl ConnScope {
             budget_waiters: RefCell::default(),
             subscriptions: Cell::new(0),
             waiting_polls: Rc::default(),
-            cross_core: Cell::new(0),
+            cross_core: RefCell::default(),
             next_subscription: Cell::new(1),
             closed: Cell::new(false),
             on_close: RefCell::default(),
@@ -243,19 +244,24 @@ impl ConnScope {
         .await
     }
 
-    /// Takes a place among the connection's requests in flight at other cores, waiting
-    /// while it has [`CROSS_CORE_PER_CONNECTION`] of them. False when the connection
-    /// ended first.
-    async fn take_cross_core(&self) -> bool {
+    /// Takes a place among the connection's requests in flight at core `at`, waiting
+    /// while it has [`CROSS_CORE_PER_CONNECTION`] of them there. False when the
+    /// connection ended first.
+    async fn take_cross_core(&self, at: usize) -> bool {
         let mut place = None;
         poll_fn(|cx| {
             if self.closed.get() {
                 return Poll::Ready(false);
             }
-            if self.cross_core.get() < CROSS_CORE_PER_CONNECTION {
-                self.cross_core.set(self.cross_core.get() + 1);
+            let mut counts = self.cross_core.borrow_mut();
+            if counts.len() <= at {
+                counts.resize(at + 1, 0);
+            }
+            if counts[at] < CROSS_CORE_PER_CONNECTION {
+                counts[at] += 1;
                 return Poll::Ready(true);
             }
+            drop(counts);
             self.budget_waiters
                 .borrow_mut()
                 .register(&mut place, cx.waker());
@@ -323,8 +329,8 @@ struct Held {
     bytes: usize,
     /// Still counted in the core's budget.
     in_core: bool,
-    /// Holds one of the connection's places at other cores.
-    cross_core: bool,
+    /// Holds one of the connection's places at this core (by index).
+    cross_core: Option<usize>,
 }
 
 /// Requests one connection may have in flight at other cores of this broker: a quarter
@@ -339,19 +345,20 @@ pub const CROSS_CORE_PER_CONNECTION: usize = crate::core::CROSS_CORE_REQUESTS_MA
 
 /// Waits, when `key`'s shard is on another core, for a place among the connection's
 /// requests in flight there, held by `held` until the request ends. False when the
-/// connection ended first. A request held by nothing (a group poll, bounded by the
-/// waiting polls' own allowance) takes no place.
+/// connection ended first. A request held by nothing (a group poll that waits, bounded
+/// by the waiting polls' own allowance) takes no place.
 async fn place_across_cores(core: &CoreBroker, key: &ShardKey, held: &mut Option<Held>) -> bool {
     let Some(h) = held.as_mut() else {
         return true;
     };
-    if h.cross_core || core.owner(key) == core.core {
+    let owner = core.owner(key);
+    if h.cross_core.is_some() || owner == core.core {
         return true;
     }
-    if !h.scope.take_cross_core().await {
+    if !h.scope.take_cross_core(owner.index()).await {
         return false;
     }
-    h.cross_core = true;
+    h.cross_core = Some(owner.index());
     true
 }
 
@@ -369,12 +376,12 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if self.cross_core {
-            let n = &self.scope.cross_core;
-            n.set(n.get().saturating_sub(1));
-            if self.bytes == 0 {
-                self.scope.wake_budget();
-            }
+        // (The budget's release just below wakes the waiters: every request is charged
+        // at least `REQUEST_MIN_CHARGE`.)
+        if let Some(at) = self.cross_core
+            && let Some(n) = self.scope.cross_core.borrow_mut().get_mut(at)
+        {
+            *n = n.saturating_sub(1);
         }
         self.scope.release_budget(self.bytes);
         self.leave_core();
@@ -1022,7 +1029,7 @@ async fn serve_requests(
             core: core.clone(),
             bytes,
             in_core: true,
-            cross_core: false,
+            cross_core: None,
         });
         let action = dispatch::decide(session, core.as_ref(), request, answered, clock::now());
         let go_on = execute(core, scope, conn, answers, session, answered, action, held).await;
@@ -1224,15 +1231,11 @@ async fn execute(
             query,
             request_id,
         } => {
-            // On a one-way stream it is never answered, nor run: it holds nothing.
-            let mut held = held.filter(|_| answered);
-            if !place_across_cores(core, &key, &mut held).await {
-                return false;
-            }
+            // It runs at its answer's turn, one at a time on its stream: it takes no
+            // place at another core (a stream's queued reads would hold places while
+            // waiting their turn), and holds no budget (`held` goes here).
             let (core, session) = (core.clone(), session.clone());
             answers.push(Answer::Pending(Box::pin(async move {
-                // Its request budget and place at another core, until answered.
-                let _held = held;
                 let frame = match query {
                     dispatch::Query::Range(from, end, max_records, max_bytes) => {
                         match crate::reads::stream_read(
@@ -1350,11 +1353,18 @@ async fn execute(
                 if cut {
                     core.metrics.poll_waits_cut.fetch_add(1, Ordering::Relaxed);
                 }
+                // A poll that waits is bounded by the waiting polls' allowance; one that
+                // does not (asked not to, or cut) is held like any request, and takes a
+                // place at the shard's core when that is another.
+                let mut held = held.filter(|_| waiting.is_none());
+                if !place_across_cores(&core, &key, &mut held).await {
+                    return false;
+                }
                 let (encoding, places) = (session.clone(), answers.places.clone());
-                drop(held);
                 let started = task::spawn(async move {
                     let _waiting = waiting;
                     let answer = core.group(key, op).await;
+                    drop(held);
                     if cut {
                         crate::core::pause_cut_poll(asked, &answer).await;
                     }

@@ -117,6 +117,17 @@ pub const CROWDED_WINDOW_BYTES: u32 = 128 << 10;
 /// streams a client opens on a connection before its first authenticates.
 pub const UNTRUSTED_STREAMS: u32 = 64;
 
+/// The streams a connection allowed `max` once trusted may open before: at most
+/// [`UNTRUSTED_STREAMS`], and (when raised at all) by more than an eighth of `max` below
+/// it, since quinn-proto announces a raise at once only past that (`diff > max / 8`).
+pub fn untrusted_streams(max: u32) -> u32 {
+    if max <= UNTRUSTED_STREAMS {
+        max
+    } else {
+        UNTRUSTED_STREAMS.min(max - (max / 8 + 1))
+    }
+}
+
 /// Ack-eliciting packets a client may receive from us before it must acknowledge
 /// them at once (QUIC's ACK frequency extension, which quinn clients accept; without it
 /// a client acknowledges every second packet). An answer of two packets (a cache value
@@ -170,7 +181,7 @@ fn server_transport(limits: &TransportLimits) -> TransportConfig {
     t.receive_window(VarInt::from_u32(
         limits.connection_window_bytes.min(UNTRUSTED_WINDOW_BYTES),
     ));
-    let streams = VarInt::from_u32(limits.max_streams.min(UNTRUSTED_STREAMS));
+    let streams = VarInt::from_u32(untrusted_streams(limits.max_streams));
     t.max_concurrent_bidi_streams(streams)
         .max_concurrent_uni_streams(streams);
     ask_fewer_acks(&mut t);
