@@ -2,6 +2,9 @@
 //!
 //! Every value is validated at start, and an error names the key it came from.
 
+use felix_core_runtime::quic::{
+    CROWDED_WINDOW_BYTES, UNTRUSTED_WINDOW_BYTES, reserved_per_connection,
+};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -973,21 +976,18 @@ impl BrokerConfig {
         // Every connection a core may have is sure of its floor: a send window and the
         // receive credit it may begin with (the crowded window on the clients' port; the
         // full untrusted one on the peers', which has no other).
-        use felix_core_runtime::quic::{
-            CROWDED_WINDOW_BYTES, UNTRUSTED_WINDOW_BYTES, reserved_per_connection,
-        };
         let per_connection = reserved_per_connection(u64::from(CROWDED_WINDOW_BYTES));
-        let window_floors = (max_connections as u64).saturating_mul(per_connection).max(
-            PEER_CONNECTIONS_PER_CORE as u64
-                * reserved_per_connection(u64::from(UNTRUSTED_WINDOW_BYTES)),
-        );
+        let per_peer = reserved_per_connection(u64::from(UNTRUSTED_WINDOW_BYTES));
+        let window_floors = (max_connections as u64)
+            .saturating_mul(per_connection)
+            .max(PEER_CONNECTIONS_PER_CORE as u64 * per_peer);
         let quic_window_bytes_per_core = file.max_quic_window_bytes_per_core.unwrap_or(4 << 30);
         if quic_window_bytes_per_core < window_floors {
             return Err(ConfigError {
                 key: "max_quic_window_bytes_per_core",
                 source_name: "config file",
                 message: format!(
-                    "{quic_window_bytes_per_core} is below {window_floors}: {per_connection} bytes for each of max_connections ({max_connections}), and the peers' port's floors"
+                    "{quic_window_bytes_per_core} is below {window_floors}, the larger of max_connections ({max_connections}) x {per_connection} and {PEER_CONNECTIONS_PER_CORE} x {per_peer} (the replication port's connections)"
                 ),
             });
         }

@@ -403,11 +403,12 @@ pub fn start(
     let bound = Arc::new(AtomicUsize::new(0));
     let failed = Arc::new(Mutex::new(None::<String>));
     let max_connections = config.max_connections;
-    // A core's connections' QUIC windows, each endpoint's from a budget of its own.
+    // A core's connections' QUIC windows, each endpoint's from a budget of its own (the
+    // peers' endpoint's transport limits are the defaults, as the clients' are).
     let windows = quic::WindowBudget {
         bytes: config.quic_window_bytes_per_core,
         max_per_direction: u64::from(transport.connection_window_bytes)
-            .max(transport.send_window_bytes),
+            .min(transport.send_window_bytes),
     };
     let (shared2, bound2, failed2) = (shared.clone(), bound.clone(), failed.clone());
     let peer_config = Arc::new(peer_config);

@@ -1463,11 +1463,13 @@ fn requests_held_for_a_moving_shard_leave_their_senders_other_requests_room() {
 
 /// One connection's requests in flight at another core take at most a quarter of its
 /// core's 8,192 slots there: a client pipelining thousands of requests to a shard on the
-/// other core (here held there by a re-pin whose release waits) waits for its own to end
-/// past 2,048, and another connection of its core still gets its requests through.
-/// Before, one connection could hold all the slots (its request budget allows 16,384),
-/// and every other request from its core to that core was refused `overloaded`. Nothing
-/// it sent is lost: the waiting ones go once the shard arrives.
+/// other core (here held there by a re-pin whose release waits) has exactly 2,048 there
+/// and waits for its own to end for the rest, while another connection of its core gets
+/// its requests there too. (Before, one connection could hold all the slots, its request
+/// budget allowing 16,384, and every other request from its core to that core was
+/// refused `overloaded`; this test's flood stays under what the re-pin holds, so only
+/// the count of 2,048 tells the two apart.) Nothing either sent is lost: the waiting
+/// ones go once the shard arrives.
 #[test]
 fn one_connection_holds_at_most_a_quarter_of_its_cores_slots_at_another() {
     let dir = tempfile::tempdir().unwrap();

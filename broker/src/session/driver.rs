@@ -228,12 +228,18 @@ impl ConnScope {
     /// Waits until `n` publish bytes fit the connection's budget, then takes them.
     /// False when the connection ended first.
     async fn take_budget(&self, n: usize) -> bool {
+        self.wait_for(|| self.budget.borrow_mut().try_take(n)).await
+    }
+
+    /// Waits until `take` succeeds, woken with the connection's budget waiters (every
+    /// request's end wakes them). False when the connection ended first.
+    async fn wait_for(&self, mut take: impl FnMut() -> bool) -> bool {
         let mut place = None;
         poll_fn(|cx| {
             if self.closed.get() {
                 return Poll::Ready(false);
             }
-            if self.budget.borrow_mut().try_take(n) {
+            if take() {
                 return Poll::Ready(true);
             }
             self.budget_waiters
@@ -248,24 +254,16 @@ impl ConnScope {
     /// while it has [`CROSS_CORE_PER_CONNECTION`] of them there. False when the
     /// connection ended first.
     async fn take_cross_core(&self, at: usize) -> bool {
-        let mut place = None;
-        poll_fn(|cx| {
-            if self.closed.get() {
-                return Poll::Ready(false);
-            }
+        self.wait_for(|| {
             let mut counts = self.cross_core.borrow_mut();
             if counts.len() <= at {
                 counts.resize(at + 1, 0);
             }
-            if counts[at] < CROSS_CORE_PER_CONNECTION {
+            let free = counts[at] < CROSS_CORE_PER_CONNECTION;
+            if free {
                 counts[at] += 1;
-                return Poll::Ready(true);
             }
-            drop(counts);
-            self.budget_waiters
-                .borrow_mut()
-                .register(&mut place, cx.waker());
-            Poll::Pending
+            free
         })
         .await
     }
@@ -329,12 +327,12 @@ struct Held {
     bytes: usize,
     /// Still counted in the core's budget.
     in_core: bool,
-    /// Holds one of the connection's places at this core (by index).
+    /// Holds one of the connection's places at the core of this index.
     cross_core: Option<usize>,
 }
 
-/// Requests one connection may have in flight at other cores of this broker: a quarter
-/// of the slots a core has at each other core
+/// Requests one connection may have in flight at each other core of this broker: a
+/// quarter of the slots a core has at each other core
 /// ([`crate::core::CROSS_CORE_REQUESTS_MAX`]), so one connection's pipelined requests
 /// to a shard there leave its core's other connections room. Past it, its next such
 /// request waits for one of them to end (its stream is not read meanwhile: QUIC flow
@@ -351,8 +349,9 @@ async fn place_across_cores(core: &CoreBroker, key: &ShardKey, held: &mut Option
     let Some(h) = held.as_mut() else {
         return true;
     };
+    debug_assert!(h.cross_core.is_none(), "one place per request");
     let owner = core.owner(key);
-    if h.cross_core.is_some() || owner == core.core {
+    if owner == core.core {
         return true;
     }
     if !h.scope.take_cross_core(owner.index()).await {
@@ -1139,7 +1138,6 @@ async fn execute(
             frame,
             answer: forwarded,
         } => {
-            let mut held = held;
             if let Some(h) = held.as_mut() {
                 h.leave_core();
             }

@@ -48,8 +48,7 @@ use quinn_proto::{
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::udp::{Received, UdpIo};
-use super::windows::{Grant, WindowPool};
-use super::{CROWDED_WINDOW_BYTES, UNTRUSTED_WINDOW_BYTES};
+use super::windows::{Credit, Grant, WindowPool};
 
 /// Datagrams per GSO burst.
 const MAX_GSO_SEGMENTS: usize = 16;
@@ -67,8 +66,9 @@ const TRANSMIT_BUDGET: usize = 64;
 /// was refused. A real client pays one round trip more, only then.
 const RETRY_ABOVE_SHARE: usize = 4;
 /// Connections not trusted yet (their receive window not widened since accept) that
-/// may have the full untrusted window; the ones accepted past them get the crowded
-/// server config's small one (`EndpointOptions::crowded_server`).
+/// may have the full untrusted window; the ones accepted past them, or past what the
+/// window budget has spare, get the crowded server config's small one
+/// (`EndpointOptions::crowded_server`).
 pub const UNTRUSTED_FULL_WINDOWS: usize = 256;
 /// Connections one source (an IPv4 address, an IPv6 /64) may have not trusted yet on a
 /// core. Past it counting handshakes not finished, a new one from there whose address
@@ -268,9 +268,6 @@ pub struct EndpointStats {
     pub handshakes_timed_out: u64,
     /// Datagrams the socket refused for good (logged at the 1st, 2nd, 4th, 8th...).
     pub send_errors: u64,
-    /// Flow-control window bytes granted to open connections, both directions
-    /// together (0 without [`EndpointOptions::windows`]).
-    pub windows_granted: u64,
 }
 
 /// Why a stream or connection operation failed.
@@ -467,8 +464,9 @@ impl Conn {
         };
         self.q.set_send_window(g.each());
         if let Some(w) = self.s.widened {
-            let w = g.receive_window(u64::from(w)).min(u64::from(u32::MAX)) as u32;
-            self.q.set_receive_window(VarInt::from_u32(w));
+            let w = g.receive_window(u64::from(w));
+            self.q
+                .set_receive_window(VarInt::from_u64(w).unwrap_or(VarInt::MAX));
         }
     }
 
@@ -593,15 +591,10 @@ impl Driver {
     /// if any, is set: an endpoint without one must give every connection the full
     /// untrusted window, and keeps that back for each).
     fn set_windows(&mut self, budget: WindowBudget) {
-        let first = if self.crowded_server.is_some() {
-            CROWDED_WINDOW_BYTES
-        } else {
-            UNTRUSTED_WINDOW_BYTES
-        };
         self.windows = Some(WindowPool::new(
             budget.bytes,
             budget.max_per_direction,
-            u64::from(first).min(budget.max_per_direction),
+            self.crowded_server.is_some(),
             self.max_connections,
         ));
     }
@@ -626,7 +619,6 @@ impl Driver {
         Ok(id)
     }
 
-    /// Tracks a connection quinn-proto just created under a fresh id.
     /// See [`Connection::set_receive_window`].
     fn set_receive_window(&mut self, h: ConnId, bytes: u32) {
         if let Some(c) = self.conns.get_mut(&h) {
@@ -647,6 +639,7 @@ impl Driver {
         self.mark(h);
     }
 
+    /// Tracks a connection quinn-proto just created under a fresh id.
     fn insert_conn(
         &mut self,
         h: ConnectionHandle,
@@ -781,34 +774,24 @@ impl Driver {
                     return;
                 }
                 // The full untrusted window while few connections have it and the
-                // window budget's spare covers it, else the crowded one.
-                let full = self.windows.as_ref().is_none_or(|p| {
-                    p.may_begin_with(u64::from(UNTRUSTED_WINDOW_BYTES).min(p.max()))
-                });
+                // window budget's spare covers it, else the crowded one. (Without a
+                // budget it is always full; an endpoint with a budget and no crowded
+                // config keeps the full window back for each connection, so always
+                // full too.)
+                let full = self.windows.as_ref().is_none_or(|p| p.may_begin_full());
+                debug_assert!(full || self.crowded_server.is_some());
                 let crowded = (self.untrusted.all() >= self.untrusted_full || !full)
                     .then(|| self.crowded_server.clone())
                     .flatten();
-                if !full && crowded.is_none() {
-                    // No smaller window to offer: past the budget, it is refused.
-                    self.stats.refused += 1;
-                    let t = self.endpoint.refuse(incoming, &mut response);
-                    self.send_buf.clear();
-                    self.send_buf.extend_from_slice(&response[..t.size]);
-                    self.send(t.size, t.destination, t.segment_size, t.ecn);
-                    return;
-                }
                 let credit = if crowded.is_some() {
-                    CROWDED_WINDOW_BYTES
+                    Credit::Crowded
                 } else {
-                    UNTRUSTED_WINDOW_BYTES
+                    Credit::Full
                 };
                 match self.endpoint.accept(incoming, now, &mut response, crowded) {
                     Ok((h, q)) => {
                         let id = self.insert_conn(h, q, 0);
-                        let grant = self
-                            .windows
-                            .as_ref()
-                            .map(|p| p.admit(u64::from(credit).min(p.max())));
+                        let grant = self.windows.as_ref().map(|p| p.admit(credit));
                         if let Some(c) = self.conns.get_mut(&id) {
                             c.s.untrusted =
                                 Some(Untrusted::new(&self.untrusted, source, validated));
@@ -1015,7 +998,6 @@ impl Endpoint {
         let d = self.d.borrow();
         EndpointStats {
             open: d.conns.len() as u64,
-            windows_granted: d.windows.as_ref().map_or(0, |p| p.granted()),
             ..d.stats
         }
     }
@@ -1210,7 +1192,9 @@ impl Connection {
     }
 
     /// Sets how many bytes the peer may have in flight on all streams together: a
-    /// server widens a connection it trusts from [`super::UNTRUSTED_WINDOW_BYTES`].
+    /// server widens a connection it trusts from [`super::UNTRUSTED_WINDOW_BYTES`]. On an
+    /// endpoint with a [`WindowBudget`] the window is the connection's grant, at most
+    /// `bytes` and never below the credit it began with.
     pub fn set_receive_window(&self, bytes: u32) {
         self.d.borrow_mut().set_receive_window(self.h, bytes);
     }
@@ -2356,7 +2340,7 @@ mod sans_io {
         let grown = each(&f);
         assert!(
             grown > WINDOW_FLOOR_BYTES && grown < u64::from(UNTRUSTED_WINDOW_BYTES),
-            "trusted, it grew from 1 MiB spare: {grown}"
+            "trusted, it grew from what was spare: {grown}"
         );
         assert!(pool.granted() <= budget);
         let q = &mut c.conns.get_mut(&id).unwrap().q;
@@ -2397,14 +2381,15 @@ mod sans_io {
         assert_eq!(open_all(&mut c, Dir::Bi), UNTRUSTED_STREAMS as usize);
         assert_eq!(open_all(&mut c, Dir::Uni), UNTRUSTED_STREAMS as usize);
         let server_id = *f.server.conns.keys().next().unwrap();
-        f.server.set_max_streams(server_id, 1024, 1024);
+        let max = TransportLimits::default().max_streams;
+        f.server.set_max_streams(server_id, max, max);
         run(
             &mut f,
             std::slice::from_mut(&mut c),
             20,
             Duration::from_millis(1),
         );
-        let more = 1024 - UNTRUSTED_STREAMS as usize;
+        let more = (max - UNTRUSTED_STREAMS) as usize;
         assert_eq!(open_all(&mut c, Dir::Bi), more);
         assert_eq!(open_all(&mut c, Dir::Uni), more);
     }

@@ -27,7 +27,7 @@ pub use driver::{
     ConnId, Connection, Endpoint, EndpointOptions, EndpointStats, QuicError, RecvStream,
     SendStream, WindowBudget, missed_wakeups_total, send_errors_total,
 };
-pub use windows::{SPARE_SHARE, WINDOW_FLOOR_BYTES, reserved_per_connection};
+pub use windows::{WINDOW_FLOOR_BYTES, reserved_per_connection};
 
 /// The ALPN id Felix clients may offer; clients offering none are accepted too.
 pub const ALPN: &[u8] = felix_wire::CLIENT_ALPN;
@@ -114,13 +114,13 @@ pub const CROWDED_WINDOW_BYTES: u32 = 128 << 10;
 /// before it compacts them, whatever the window: a peer sending one byte past a hole on
 /// every stream it may open held some 64 MiB a connection with 2,048 streams (1,024 each
 /// way) for a few tens of kilobytes of credit, before proving who it was. 64 covers the
-/// streams a client opens on a connection before its first authenticates.
+/// streams a client opens on a connection before its first stream authenticates.
 pub const UNTRUSTED_STREAMS: u32 = 64;
 
-/// The streams a connection allowed `max` once trusted may open before: at most
-/// [`UNTRUSTED_STREAMS`], and (when raised at all) by more than an eighth of `max` below
-/// it, since quinn-proto announces a raise at once only past that (`diff > max / 8`).
-pub fn untrusted_streams(max: u32) -> u32 {
+/// Streams each way a connection may open before it is trusted, given `max` after: at
+/// most [`UNTRUSTED_STREAMS`], and more than `max / 8` below `max` (when raised at all),
+/// since quinn-proto announces a raise at once only past that.
+fn untrusted_streams(max: u32) -> u32 {
     if max <= UNTRUSTED_STREAMS {
         max
     } else {

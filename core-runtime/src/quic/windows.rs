@@ -24,13 +24,15 @@
 //!   window widened), so connections that never authenticate, forged ones included,
 //!   hold only their floors; once trusted, a connection takes at most one
 //!   [`SPARE_SHARE`]th of what is spare each time it is driven, up to the lesser of the
-//!   transport's window and its fair share (the budget over the live connections), so
-//!   a few busy connections cannot take all that is spare;
+//!   transport's window and its fair share (the budget over the trusted connections),
+//!   so a few busy connections cannot take all that is spare;
 //! - a grant never shrinks (receive credit once advertised stays); a connection's grant
 //!   returns to the pool when the connection goes.
 
 use std::cell::Cell;
 use std::rc::Rc;
+
+use super::{CROWDED_WINDOW_BYTES, UNTRUSTED_WINDOW_BYTES};
 
 /// The send window (and, once trusted, receive window) every connection is sure of.
 /// 32 KiB is twenty full datagrams: a connection on a LAN's round trip still moves
@@ -39,9 +41,11 @@ pub const WINDOW_FLOOR_BYTES: u64 = 32 << 10;
 
 /// A trusted connection takes, each time it grows, at most this fraction of the spare
 /// budget (both directions together).
-pub const SPARE_SHARE: u64 = 16;
+pub(crate) const SPARE_SHARE: u64 = 16;
 
-/// What one connection is sure of, both directions together: see [`WindowPool::new`].
+/// What a pool keeps back for each connection, both directions together: a send window
+/// of [`WINDOW_FLOOR_BYTES`] and the receive credit it may begin with, `first_window`
+/// (the crowded window on an endpoint that has one, else the full untrusted one).
 pub const fn reserved_per_connection(first_window: u64) -> u64 {
     let recv = if first_window > WINDOW_FLOOR_BYTES {
         first_window
@@ -49,6 +53,15 @@ pub const fn reserved_per_connection(first_window: u64) -> u64 {
         WINDOW_FLOOR_BYTES
     };
     WINDOW_FLOOR_BYTES + recv
+}
+
+/// The receive credit a connection begins with, before it is trusted.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Credit {
+    /// The full untrusted window ([`UNTRUSTED_WINDOW_BYTES`]).
+    Full,
+    /// The crowded one ([`CROWDED_WINDOW_BYTES`]).
+    Crowded,
 }
 
 /// One endpoint's budget for its connections' windows.
@@ -60,6 +73,10 @@ pub(crate) struct WindowPool {
     floor: u64,
     /// Kept back for each connection not here yet.
     reserve: u64,
+    /// The receive credit a connection begins with untrusted: the full window, or the
+    /// crowded one.
+    full: u64,
+    crowded: u64,
     /// Connections the endpoint may have at once.
     connections: usize,
     /// Charged to live connections.
@@ -71,22 +88,21 @@ pub(crate) struct WindowPool {
 
 impl WindowPool {
     /// A pool of `budget` bytes for up to `connections` connections whose windows are
-    /// at most `max` bytes each way and whose receive credit begins at least at
-    /// `first_window` (the crowded window). A budget below every connection's floor is
-    /// taken as that floor's total (the caller validates it).
-    pub(crate) fn new(
-        budget: u64,
-        max: u64,
-        first_window: u64,
-        connections: usize,
-    ) -> Rc<WindowPool> {
-        let floor = WINDOW_FLOOR_BYTES.min(max);
-        let reserve = reserved_per_connection(first_window);
+    /// at most `max` bytes each way, on an endpoint that has a `crowded` config to fall
+    /// back on (each connection's reserve covers the crowded window) or not (it covers
+    /// the full untrusted one). A budget below every connection's reserve is taken as
+    /// their total (the caller validates it).
+    pub(crate) fn new(budget: u64, max: u64, crowded: bool, connections: usize) -> Rc<WindowPool> {
+        let window = |w: u32| u64::from(w).min(max);
+        let (full, crowded_window) = (window(UNTRUSTED_WINDOW_BYTES), window(CROWDED_WINDOW_BYTES));
+        let reserve = reserved_per_connection(if crowded { crowded_window } else { full });
         Rc::new(WindowPool {
             budget: budget.max(reserve.saturating_mul(connections as u64)),
             max,
-            floor,
+            floor: WINDOW_FLOOR_BYTES.min(max),
             reserve,
+            full,
+            crowded: crowded_window,
             connections,
             granted: Cell::new(0),
             live: Cell::new(0),
@@ -102,10 +118,10 @@ impl WindowPool {
             .saturating_sub(self.granted.get().saturating_add(kept))
     }
 
-    /// Whether a new connection may begin with `credit` bytes of receive credit: up to
-    /// its reserve it may; past it, only while the spare budget covers the rest.
-    pub(crate) fn may_begin_with(&self, credit: u64) -> bool {
-        let charge = self.floor + credit.max(self.floor);
+    /// Whether a new connection may begin with the full untrusted window: when its
+    /// reserve covers it, or the spare budget covers the rest.
+    pub(crate) fn may_begin_full(&self) -> bool {
+        let charge = self.floor + self.full.max(self.floor);
         charge <= self.reserve || self.spare() >= charge - self.reserve
     }
 
@@ -117,24 +133,23 @@ impl WindowPool {
     }
 
     /// A new connection's grant: its floor, and the receive `credit` it begins with.
-    pub(crate) fn admit(self: &Rc<Self>, credit: u64) -> Grant {
+    pub(crate) fn admit(self: &Rc<Self>, credit: Credit) -> Grant {
         self.live.set(self.live.get() + 1);
         let g = Grant {
             pool: self.clone(),
             each: self.floor,
-            began_with: credit,
+            began_with: match credit {
+                Credit::Full => self.full,
+                Credit::Crowded => self.crowded,
+            },
             trusted: false,
         };
         self.granted.set(self.granted.get() + g.charge());
         g
     }
 
-    /// A connection's full window, each way.
-    pub(crate) fn max(&self) -> u64 {
-        self.max
-    }
-
     /// Charged to live connections, both directions together.
+    #[cfg(test)]
     pub(crate) fn granted(&self) -> u64 {
         self.granted.get()
     }
@@ -219,7 +234,7 @@ mod tests {
     /// is when it grows, up to the endpoint's limit.
     #[test]
     fn grants_stay_within_the_budget_and_each_has_its_floor() {
-        let pool = WindowPool::new(64 * MIB, 8 * MIB, CROWDED, 100);
+        let pool = WindowPool::new(64 * MIB, 8 * MIB, true, 100);
         let mut grants: Vec<Grant> = Vec::new();
         let mut seed = 7u64;
         for step in 0..20_000 {
@@ -229,10 +244,10 @@ mod tests {
             let r = (seed >> 33) % 10;
             let i = (seed >> 40) as usize;
             if r < 4 && grants.len() < 100 {
-                let credit = if pool.may_begin_with(MIB) {
-                    MIB
+                let credit = if pool.may_begin_full() {
+                    Credit::Full
                 } else {
-                    CROWDED
+                    Credit::Crowded
                 };
                 grants.push(pool.admit(credit));
             } else if r < 6 && !grants.is_empty() {
@@ -261,20 +276,20 @@ mod tests {
     /// and grow as others go.
     #[test]
     fn only_trusted_connections_grow_and_later_ones_grow_as_others_go() {
-        let pool = WindowPool::new(256 * MIB, 4 * MIB, CROWDED, 1_000);
-        let half_open: Vec<Grant> = (0..500).map(|_| pool.admit(CROWDED)).collect();
+        let pool = WindowPool::new(256 * MIB, 4 * MIB, true, 1_000);
+        let half_open: Vec<Grant> = (0..500).map(|_| pool.admit(Credit::Crowded)).collect();
         assert_eq!(pool.granted(), 500 * reserved_per_connection(CROWDED));
-        let mut first = pool.admit(MIB);
+        let mut first = pool.admit(Credit::Full);
         assert_eq!(first.each(), WINDOW_FLOOR_BYTES);
         while first.grow() {}
         assert_eq!(first.each(), 4 * MIB);
-        let mut busy: Vec<Grant> = (0..200).map(|_| pool.admit(CROWDED)).collect();
+        let mut busy: Vec<Grant> = (0..200).map(|_| pool.admit(Credit::Crowded)).collect();
         for _ in 0..10 {
             busy.iter_mut().for_each(|g| {
                 g.grow();
             });
         }
-        let mut late = pool.admit(CROWDED);
+        let mut late = pool.admit(Credit::Crowded);
         for _ in 0..10 {
             late.grow();
         }
@@ -293,16 +308,25 @@ mod tests {
     #[test]
     fn a_connection_begins_with_the_full_untrusted_window_only_while_spare_covers_it() {
         // 8 connections' reserves (1.25 MiB) and 2 MiB spare.
-        let pool = WindowPool::new(3 * MIB + MIB / 4, 32 * MIB, CROWDED, 8);
+        let pool = WindowPool::new(3 * MIB + MIB / 4, 32 * MIB, true, 8);
         let mut held = Vec::new();
-        while pool.may_begin_with(MIB) {
-            held.push(pool.admit(MIB));
+        while pool.may_begin_full() {
+            held.push(pool.admit(Credit::Full));
         }
         assert_eq!(held.len(), 2);
-        assert!(pool.may_begin_with(CROWDED));
         while held.len() < 8 {
-            held.push(pool.admit(CROWDED));
+            held.push(pool.admit(Credit::Crowded));
+            assert!(pool.granted() <= 3 * MIB + MIB / 4);
         }
-        assert!(pool.granted() <= 3 * MIB + MIB / 4);
+        // An endpoint without a crowded config keeps the full window back for each.
+        let plain = WindowPool::new(0, 32 * MIB, false, 8);
+        let all: Vec<Grant> = (0..8)
+            .map(|_| {
+                assert!(plain.may_begin_full());
+                plain.admit(Credit::Full)
+            })
+            .collect();
+        assert_eq!(plain.granted(), 8 * reserved_per_connection(MIB));
+        drop(all);
     }
 }
