@@ -300,14 +300,16 @@ pub(crate) trait Datagrams {
     fn local_addr(&self) -> SocketAddr;
     /// The next datagram (or GRO run) without blocking.
     fn try_recv(&self, buf: &mut [u8]) -> io::Result<Option<Received>>;
-    /// Sends without blocking, with `ecn` in the IP header; `Ok(false)` when it would block.
+    /// Sends without blocking, with `ecn` in the IP header: the bytes taken, all of
+    /// `data` unless the socket was full (0, or as many whole `segment`s of a burst as
+    /// went out before it filled).
     fn try_send(
         &self,
         data: &[u8],
         dest: SocketAddr,
         segment: Option<usize>,
         ecn: Option<EcnCodepoint>,
-    ) -> io::Result<bool>;
+    ) -> io::Result<usize>;
 }
 
 impl Datagrams for UdpIo {
@@ -325,7 +327,7 @@ impl Datagrams for UdpIo {
         dest: SocketAddr,
         segment: Option<usize>,
         ecn: Option<EcnCodepoint>,
-    ) -> io::Result<bool> {
+    ) -> io::Result<usize> {
         UdpIo::try_send(self, data, dest, segment, ecn)
     }
 }
@@ -693,8 +695,11 @@ impl Driver {
             return;
         }
         match self.io.try_send(data, dest, segment, ecn) {
-            Ok(true) => {}
-            Ok(false) => self.blocked_sends.push_back((data.to_vec(), dest, segment)),
+            Ok(n) if n >= data.len() => {}
+            // The rest waits for room; what went out is not sent again.
+            Ok(n) => self
+                .blocked_sends
+                .push_back((data[n..].to_vec(), dest, segment)),
             Err(e) => self.send_failed(dest, &e),
         }
     }
@@ -1888,6 +1893,8 @@ mod sans_io {
         lose_next: RefCell<HashSet<SocketAddr>>,
         /// Destinations the socket refuses to send to (as the kernel refuses port 0).
         refused: RefCell<HashSet<SocketAddr>>,
+        /// Datagrams the socket takes before it is full (`None`: no limit).
+        room: std::cell::Cell<Option<usize>>,
     }
 
     struct MemIo {
@@ -1921,14 +1928,23 @@ mod sans_io {
             dest: SocketAddr,
             segment: Option<usize>,
             _ecn: Option<quinn_proto::EcnCodepoint>,
-        ) -> io::Result<bool> {
+        ) -> io::Result<usize> {
             if self.net.black_holes.borrow().contains(&dest) {
-                return Ok(true);
+                return Ok(data.len());
             }
             if self.net.refused.borrow().contains(&dest) {
                 return Err(io::Error::from_raw_os_error(libc::EINVAL));
             }
-            for piece in data.chunks(segment.unwrap_or(data.len()).max(1)) {
+            let step = segment.unwrap_or(data.len()).max(1);
+            let mut sent = 0;
+            for piece in data.chunks(step) {
+                if let Some(room) = self.net.room.get() {
+                    if room == 0 {
+                        return Ok(sent);
+                    }
+                    self.net.room.set(Some(room - 1));
+                }
+                sent += piece.len();
                 if self.net.lose_next.borrow_mut().remove(&dest) {
                     continue;
                 }
@@ -1937,7 +1953,7 @@ mod sans_io {
                     .borrow_mut()
                     .push_back((self.addr, dest, piece.to_vec()));
             }
-            Ok(true)
+            Ok(sent)
         }
     }
 
@@ -2392,6 +2408,22 @@ mod sans_io {
         let more = (max - UNTRUSTED_STREAMS) as usize;
         assert_eq!(open_all(&mut c, Dir::Bi), more);
         assert_eq!(open_all(&mut c, Dir::Uni), more);
+    }
+
+    /// A burst the socket takes only partly (sent piece by piece, without GSO) leaves only
+    /// its rest waiting for room: before, the whole burst was queued again and its first
+    /// pieces went twice.
+    #[test]
+    fn a_burst_the_socket_takes_partly_leaves_only_its_rest_waiting() {
+        let f = fixture(16, TransportLimits::default());
+        let mut d = client(&f, 5800);
+        f.net.room.set(Some(2));
+        d.send_buf = (0..3000u32).map(|i| i as u8).collect();
+        let rest = d.send_buf[2000..].to_vec();
+        d.send(3000, addr(9), Some(1000), None);
+        assert_eq!(f.net.queue.borrow().len(), 2, "two pieces went");
+        assert_eq!(d.blocked_sends.len(), 1);
+        assert_eq!(d.blocked_sends[0].0, rest, "only the rest waits");
     }
 
     /// An answer of two or three packets is acknowledged by the client's next request,

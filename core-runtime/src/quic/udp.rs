@@ -201,24 +201,23 @@ impl UdpIo {
     }
 
     /// Sends `data` to `dest` without blocking, as one datagram or (with `segment`) a GSO
-    /// burst. `Ok(false)` when the socket buffer is full.
+    /// burst. The bytes taken: all, or when the socket buffer is full 0, or (a burst
+    /// sent piece by piece, without GSO) the pieces that went out before it filled.
     pub(crate) fn try_send(
         &self,
         data: &[u8],
         dest: SocketAddr,
         segment: Option<usize>,
         ecn: Option<quinn_proto::EcnCodepoint>,
-    ) -> io::Result<bool> {
+    ) -> io::Result<usize> {
         let segment = segment.filter(|s| *s < data.len());
-        if segment.is_some() && !self.gso.get() {
-            for piece in data.chunks(segment.unwrap_or(data.len())) {
-                if !self.send_one(piece, dest, None, ecn)? {
-                    return Ok(false);
-                }
-            }
-            return Ok(true);
+        if let Some(step) = segment
+            && !self.gso.get()
+        {
+            return send_pieces(data, step, |piece| self.send_one(piece, dest, None, ecn));
         }
-        match self.send_one(data, dest, segment, ecn) {
+        let whole = |sent: bool| if sent { data.len() } else { 0 };
+        match self.send_one(data, dest, segment, ecn).map(whole) {
             Err(e) if segment.is_some() && e.raw_os_error() == Some(libc::EIO) => {
                 // The device cannot segment: stop asking, send this burst piece by piece.
                 self.gso.set(false);
@@ -315,7 +314,8 @@ impl UdpIo {
         }
     }
 
-    /// Sends, waiting for room when the socket buffer is full.
+    /// Sends, waiting for room when the socket buffer is full (`data` is what
+    /// [`UdpIo::try_send`] did not take).
     pub(crate) async fn send_waiting(
         &self,
         data: &[u8],
@@ -333,10 +333,50 @@ impl UdpIo {
     }
 }
 
+/// Sends `data` as `step`-sized datagrams through `send` (false: the socket is full),
+/// stopping at the first the socket refuses: the bytes that went out. Those are not
+/// sent again: before, the caller queued the whole burst, and its first pieces went
+/// twice.
+fn send_pieces(
+    data: &[u8],
+    step: usize,
+    mut send: impl FnMut(&[u8]) -> io::Result<bool>,
+) -> io::Result<usize> {
+    let mut sent = 0;
+    for piece in data.chunks(step.max(1)) {
+        if !send(piece)? {
+            break;
+        }
+        sent += piece.len();
+    }
+    Ok(sent)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use quinn_proto::EcnCodepoint;
+
+    /// A burst sent piece by piece into a socket that fills partway says how much went:
+    /// the rest is queued, and nothing is sent twice.
+    #[test]
+    fn a_burst_sent_piece_by_piece_reports_the_pieces_that_went() {
+        let data: Vec<u8> = (0..10u8).collect();
+        let mut went = Vec::new();
+        let mut room = 2;
+        let sent = send_pieces(&data, 4, |piece| {
+            if room == 0 {
+                return Ok(false);
+            }
+            room -= 1;
+            went.push(piece.to_vec());
+            Ok(true)
+        })
+        .unwrap();
+        assert_eq!(sent, 8);
+        assert_eq!(went, [vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+        assert_eq!(send_pieces(&data, 4, |_| Ok(true)).unwrap(), 10);
+    }
 
     #[test]
     fn ecn_marks_travel_through_the_kernel_both_ways() {
@@ -350,7 +390,7 @@ mod tests {
                 Some(EcnCodepoint::Ce),
                 None,
             ] {
-                assert!(a.try_send(b"hello", b.local_addr(), None, mark).unwrap());
+                assert_eq!(a.try_send(b"hello", b.local_addr(), None, mark).unwrap(), 5);
                 b.readable().await.unwrap();
                 let r = b.try_recv(&mut buf).unwrap().expect("a datagram");
                 assert_eq!(&buf[..r.len], b"hello");
@@ -358,9 +398,10 @@ mod tests {
             }
             // A GSO burst keeps its mark on every segment.
             let burst = vec![7u8; 3000];
-            assert!(
+            assert_eq!(
                 a.try_send(&burst, b.local_addr(), Some(1000), Some(EcnCodepoint::Ect0))
-                    .unwrap()
+                    .unwrap(),
+                3000
             );
             let mut got = 0;
             while got < 3000 {
