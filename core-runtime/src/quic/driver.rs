@@ -1872,7 +1872,7 @@ mod read_check {
 /// seconds take microseconds and every run is the same.
 #[cfg(test)]
 mod sans_io {
-    use std::cell::RefCell;
+    use std::cell::{Cell, RefCell};
     use std::collections::{HashSet, VecDeque};
     use std::io;
     use std::net::SocketAddr;
@@ -1894,7 +1894,7 @@ mod sans_io {
         /// Destinations the socket refuses to send to (as the kernel refuses port 0).
         refused: RefCell<HashSet<SocketAddr>>,
         /// Datagrams the socket takes before it is full (`None`: no limit).
-        room: std::cell::Cell<Option<usize>>,
+        room: Cell<Option<usize>>,
     }
 
     struct MemIo {
@@ -2411,8 +2411,9 @@ mod sans_io {
     }
 
     /// A burst the socket takes only partly (sent piece by piece, without GSO) leaves only
-    /// its rest waiting for room: before, the whole burst was queued again and its first
-    /// pieces went twice.
+    /// its rest waiting for room (the real socket's case: before, the whole burst was
+    /// queued again and its first pieces went twice). The rest's later sending, cut by
+    /// the segment size, runs in the glommio loop and is not covered here.
     #[test]
     fn a_burst_the_socket_takes_partly_leaves_only_its_rest_waiting() {
         let f = fixture(16, TransportLimits::default());
@@ -2421,7 +2422,12 @@ mod sans_io {
         d.send_buf = (0..3000u32).map(|i| i as u8).collect();
         let rest = d.send_buf[2000..].to_vec();
         d.send(3000, addr(9), Some(1000), None);
-        assert_eq!(f.net.queue.borrow().len(), 2, "two pieces went");
+        let went: Vec<Vec<u8>> = f.net.queue.borrow().iter().map(|q| q.2.clone()).collect();
+        assert_eq!(
+            went,
+            [&d.send_buf[..1000], &d.send_buf[1000..2000]],
+            "two pieces went"
+        );
         assert_eq!(d.blocked_sends.len(), 1);
         assert_eq!(d.blocked_sends[0].0, rest, "only the rest waits");
     }

@@ -334,9 +334,9 @@ impl UdpIo {
 }
 
 /// Sends `data` as `step`-sized datagrams through `send` (false: the socket is full),
-/// stopping at the first the socket refuses: the bytes that went out. Those are not
-/// sent again: before, the caller queued the whole burst, and its first pieces went
-/// twice.
+/// stopping at the first the socket refuses: returns the bytes that went out, so the
+/// caller queues only the rest. An error partway loses the rest of the burst (QUIC
+/// takes it as lost).
 fn send_pieces(
     data: &[u8],
     step: usize,
@@ -357,8 +357,8 @@ mod tests {
     use super::*;
     use quinn_proto::EcnCodepoint;
 
-    /// A burst sent piece by piece into a socket that fills partway says how much went:
-    /// the rest is queued, and nothing is sent twice.
+    /// A burst sent piece by piece into a socket that fills partway reports the bytes of
+    /// the pieces that went, stopping at the first refused.
     #[test]
     fn a_burst_sent_piece_by_piece_reports_the_pieces_that_went() {
         let data: Vec<u8> = (0..10u8).collect();
