@@ -1190,6 +1190,45 @@ async fn client_on_core(b: &BrokerProcess, core: usize) -> Client {
     panic!("no connection landed on core {core}");
 }
 
+/// Starts moving `dev/default/stuck/0` from core 0 to core 1 with its open held
+/// (`/debug/hold-opens`), so the re-pin's release waits and requests for the shard are
+/// held at core 1 until `/debug/hold-opens?hold=false`: `opener`'s first publish (which
+/// makes the shard) and the re-pin's answer, both still running.
+async fn hold_a_repin_to_core_1(
+    b: &BrokerProcess,
+    opener: Client,
+) -> (
+    tokio::task::JoinHandle<Result<Option<u64>, felix_client::ClientError>>,
+    tokio::task::JoinHandle<(u16, String)>,
+) {
+    assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
+    let first = tokio::spawn(async move {
+        opener
+            .publish(
+                "dev",
+                "default",
+                "stuck",
+                b"first".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let http = b.http;
+    let repin = tokio::task::spawn_blocking(move || {
+        felix_client::ops::http(
+            &http.to_string(),
+            "POST",
+            "/pins",
+            Some(&json!({ "rule": "dev/default/stuck/0=1" }).to_string()),
+        )
+        .unwrap()
+    });
+    // The release waits for the first publish's open: what follows is held.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    (first, repin)
+}
+
 fn start_on_core_0(dir: &Path, extra: &[&str]) -> BrokerProcess {
     let mut args = vec!["--cores", "0-1", "--shards", "1"];
     args.extend_from_slice(extra);
@@ -1235,33 +1274,7 @@ fn requests_held_for_a_moving_shard_are_bounded() {
         let c = Arc::new(client_on_core(&b, 1).await);
         // And one on core 0 for later: its requests cross to core 1 and are held there.
         let crossing = client_on_core(&b, 0).await;
-        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
-        let first = {
-            let c = c.clone();
-            tokio::spawn(async move {
-                c.publish(
-                    "dev",
-                    "default",
-                    "stuck",
-                    b"first".to_vec(),
-                    AckMode::PerMessage,
-                )
-                .await
-            })
-        };
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let http = b.http;
-        let pin = tokio::task::spawn_blocking(move || {
-            felix_client::ops::http(
-                &http.to_string(),
-                "POST",
-                "/pins",
-                Some(&json!({ "rule": "dev/default/stuck/0=1" }).to_string()),
-            )
-            .unwrap()
-        });
-        // The release waits for the first publish's open: what follows is held.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (first, pin) = hold_a_repin_to_core_1(&b, (*c).clone()).await;
         let held_before = b.metric("felix_broker_requests_held_total").unwrap();
         // On two connections: one holds at most 16,384 requests in flight (64 MiB of
         // request budget, each charged at least 4 KiB), the bound held here too.
@@ -1478,32 +1491,8 @@ fn one_connection_holds_at_most_a_quarter_of_its_cores_slots_at_another() {
     rt.block_on(async {
         let held_since =
             |before: u64| b.metric("felix_broker_requests_held_total").unwrap() - before;
-        // A shard moving from core 0 to core 1 whose release waits (its open held).
-        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
         let opener = client_on_core(&b, 1).await;
-        let first = tokio::spawn(async move {
-            opener
-                .publish(
-                    "dev",
-                    "default",
-                    "stuck",
-                    b"first".to_vec(),
-                    AckMode::PerMessage,
-                )
-                .await
-        });
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let http = b.http;
-        let repin = tokio::task::spawn_blocking(move || {
-            felix_client::ops::http(
-                &http.to_string(),
-                "POST",
-                "/pins",
-                Some(&json!({ "rule": "dev/default/stuck/0=1" }).to_string()),
-            )
-            .unwrap()
-        });
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (first, repin) = hold_a_repin_to_core_1(&b, opener).await;
         let before = b.metric("felix_broker_requests_held_total").unwrap();
         let publish_all = |c: &'_ Client, n: u32, tag: u8| {
             let c = c.clone();
