@@ -1405,22 +1405,8 @@ fn requests_held_for_a_moving_shard_leave_their_senders_other_requests_room() {
         publish_other(&sender).await.unwrap();
         assert_eq!(owner_core(&b, "other").0, 1);
         // A shard moving from core 0 to core 1 whose release waits (its open held).
-        assert_eq!(b.http_post("/debug/hold-opens?hold=true").unwrap().0, 200);
         let opener = client_on_core(&b, 1).await;
-        let first = tokio::spawn(async move {
-            opener
-                .publish(
-                    "dev",
-                    "default",
-                    "stuck",
-                    b"first".to_vec(),
-                    AckMode::PerMessage,
-                )
-                .await
-        });
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let repin = pin("dev/default/stuck/0=1");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (first, repin) = hold_a_repin_to_core_1(&b, opener).await;
         // Core 0 sends it more than its 8,192 slots' worth; core 1 holds half of them.
         // (From five connections: one has at most 2,048 requests at another core.)
         let mut floods = Vec::new();
