@@ -22,6 +22,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use crate::limits;
 use crate::model::*;
 use crate::placement;
 use crate::replication::{ReplicaReports, ReplicaStatus, StoredReport, Verdict};
@@ -300,6 +301,22 @@ fn name(field: &str, v: &str) -> ApiResult<()> {
         Err(ApiError::invalid(
             field,
             format!("{field} {v:?} must be 1-128 of [A-Za-z0-9-_.], starting alphanumeric"),
+        ))
+    }
+}
+
+/// The longest display name, in bytes: a cache's goes into the streams snapshot every
+/// broker reads whole (one of 64 KiB, the largest body, a cache, took 1,000 caches to
+/// reach what a broker reads).
+pub const DISPLAY_NAME_MAX_BYTES: usize = 256;
+
+fn display_name(v: &str) -> ApiResult<()> {
+    if v.len() <= DISPLAY_NAME_MAX_BYTES {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            "display_name",
+            format!("at most {DISPLAY_NAME_MAX_BYTES} bytes"),
         ))
     }
 }
@@ -687,6 +704,7 @@ async fn create_tenant(
     require(&g, "tenant.manage", "cluster", &["*"])?;
     let t: Tenant = body::<TenantCreate>(b).await?.into();
     name("tenant_id", &t.tenant_id)?;
+    display_name(&t.display_name)?;
     let (key_op, _) = new_key_op(&st.keyring, &t.tenant_id, true)?;
     st.store
         .batch(vec![
@@ -848,6 +866,7 @@ async fn create_namespace(
     let g = authenticate(&st, &h).await?;
     let mut ns: Namespace = body::<NamespaceCreate>(b).await?.into();
     name("namespace", &ns.namespace)?;
+    display_name(&ns.display_name)?;
     require(&g, "ns.manage", "namespace", &[&t, &ns.namespace])?;
     ns.tenant_id = t.clone();
     let tenant = must_exist(&st, Kind::Tenant, &t).await?;
@@ -990,40 +1009,61 @@ async fn create_stream(
         incarnation: random_hex(8),
     };
     let name = stream.spec.stream.clone();
-    let version = create_in_namespace(&st, &t, &ns, Kind::Stream, &name, val(&stream)).await?;
+    let shards = (Kind::Stream, name.as_str(), stream.spec.shards);
+    let version = create_in_namespace(&st, &t, &ns, shards, val(&stream)).await?;
     Ok((StatusCode::CREATED, Json(Stream { version, ..stream })))
 }
 
-/// Creates a stream or cache document, rewriting its namespace at the version read so
-/// that a namespace deleted meanwhile makes the create fail (and vice versa). Returns
-/// the new document's version.
+/// Creates a stream or cache document of `shards` shards, rewriting its namespace at the
+/// version read so that a namespace deleted meanwhile makes the create fail (and vice
+/// versa), and refusing it (409) past the tenant's or the cluster's shard bound
+/// ([`limits`]). A batch that raced another create counts again. Returns the new
+/// document's version.
 async fn create_in_namespace(
     st: &AppState,
     t: &str,
     ns: &str,
-    kind: Kind,
-    name: &str,
+    (kind, name, shards): (Kind, &str, u32),
     value: Value,
 ) -> ApiResult<u64> {
-    let ns_doc = namespace_must_exist(st, t, ns).await?;
-    let written = st
-        .store
-        .batch(vec![
-            Op::Put {
-                kind: Kind::Namespace,
-                key: ns_doc.key,
-                value: ns_doc.value,
-                expect: Expect::Version(ns_doc.version),
-            },
-            Op::Put {
-                kind,
-                key: format!("{t}/{ns}/{name}"),
-                value,
-                expect: Expect::Absent,
-            },
-        ])
-        .await?;
-    Ok(written[1].version)
+    let key = format!("{t}/{ns}/{name}");
+    let mut raced = 0;
+    loop {
+        let fence = limits::fence(st.store.as_ref()).await?;
+        let ns_doc = namespace_must_exist(st, t, ns).await?;
+        if st.store.get(kind, &key).await?.is_some() {
+            return Err(ApiError::conflict(format!(
+                "{} {key} already exists",
+                kind.name()
+            )));
+        }
+        limits::room_for_shards(st.store.as_ref(), t, shards)
+            .await?
+            .map_err(|e| ApiError::conflict(e.0))?;
+        let written = st
+            .store
+            .batch(vec![
+                fence,
+                Op::Put {
+                    kind: Kind::Namespace,
+                    key: ns_doc.key,
+                    value: ns_doc.value,
+                    expect: Expect::Version(ns_doc.version),
+                },
+                Op::Put {
+                    kind,
+                    key: key.clone(),
+                    value: value.clone(),
+                    expect: Expect::Absent,
+                },
+            ])
+            .await;
+        match written {
+            Ok(written) => return Ok(written[2].version),
+            Err(StoreError::Conflict { .. }) if raced < RACED_WRITES_MAX => raced += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Deletes a stream or cache and, in the same batch, its shard assignments.
@@ -1163,6 +1203,7 @@ async fn create_cache(
     let g = authenticate(&st, &h).await?;
     let spec: CacheCreate = body(b).await?;
     name("cache", &spec.cache)?;
+    display_name(&spec.display_name)?;
     require(&g, "cache.manage", "cache", &[&t, &ns, &spec.cache])?;
     if spec.shards == 0 || spec.shards > 4096 {
         return Err(ApiError::invalid("shards", "1 to 4096"));
@@ -1178,7 +1219,8 @@ async fn create_cache(
         incarnation: random_hex(8),
     };
     let name = cache.spec.cache.clone();
-    let version = create_in_namespace(&st, &t, &ns, Kind::Cache, &name, val(&cache)).await?;
+    let shards = (Kind::Cache, name.as_str(), cache.spec.shards);
+    let version = create_in_namespace(&st, &t, &ns, shards, val(&cache)).await?;
     Ok((StatusCode::CREATED, Json(Cache { version, ..cache })))
 }
 
@@ -1437,17 +1479,26 @@ async fn assignments_with_replication(st: &AppState) -> ApiResult<Vec<Value>> {
     let mut items = Vec::new();
     for d in st.store.list(Kind::Assignment, "").await? {
         let a: Assignment = to(&d)?;
-        let report = reports.get(&d.key);
-        let mut v = val(&a);
-        v["under_replicated"] = json!(crate::replication::under_replicated(
+        items.push(snapshot_item(
             &a,
             |n| ready.contains(n),
-            report
+            reports.get(&d.key),
         ));
-        v["positions"] = json!(report.map(StoredReport::positions).unwrap_or_default());
-        items.push(v);
     }
     Ok(items)
+}
+
+/// One assignment as the snapshot and the feed serve it: with whether it is
+/// under-replicated and its replicas' reported positions.
+fn snapshot_item(
+    a: &Assignment,
+    ready: impl Fn(&str) -> bool,
+    report: Option<&StoredReport>,
+) -> Value {
+    let mut v = val(a);
+    v["under_replicated"] = json!(crate::replication::under_replicated(a, ready, report));
+    v["positions"] = json!(report.map(StoredReport::positions).unwrap_or_default());
+    v
 }
 
 /// Ids of the nodes that are ready at `now`.
@@ -1797,45 +1848,55 @@ async fn replication_view(State(st): State<AppState>, h: HeaderMap) -> ApiResult
         if a.replicas.len() < 2 {
             continue;
         }
-        let report = reports.get(&d.key);
-        let positions = report.map(StoredReport::positions).unwrap_or_default();
-        let members: Vec<Value> = a
-            .replicas
-            .iter()
-            .map(|n| {
-                json!({
-                    "node_id": n,
-                    "leader": *n == a.leader,
-                    "ready": ready.contains(n),
-                    "position": positions.get(n),
-                    "halted": report.is_some_and(|r| r.halted(n)),
-                    "rebuilding": report.is_some_and(|r| r.rebuilding(n)),
-                })
-            })
-            .collect();
-        let mut v = val(&a.key);
-        v["leader"] = json!(a.leader);
-        v["generation"] = json!(a.generation);
-        v["members"] = json!(members);
-        v["under_replicated"] = json!(crate::replication::under_replicated(
+        items.push(view_item(
             &a,
             |n| ready.contains(n),
-            report
+            reports.get(&d.key),
+            now,
         ));
-        v["report"] = report.map_or(Value::Null, |r| {
-            json!({
-                "from": r.from,
-                "generation": r.report.generation,
-                "log_end": r.report.log_end,
-                "commit": r.report.commit,
-                "generation_committed": r.report.generation_committed,
-                "cannot_lead": r.report.cannot_lead,
-                "age_ms": now.saturating_sub(r.received_ms),
-            })
-        });
-        items.push(v);
     }
     Ok(Json(json!({"items": items})))
+}
+
+/// One replicated shard as the replication view serves it, at `now` (ms).
+fn view_item(
+    a: &Assignment,
+    ready: impl Fn(&str) -> bool,
+    report: Option<&StoredReport>,
+    now: u64,
+) -> Value {
+    let positions = report.map(StoredReport::positions).unwrap_or_default();
+    let members: Vec<Value> = a
+        .replicas
+        .iter()
+        .map(|n| {
+            json!({
+                "node_id": n,
+                "leader": *n == a.leader,
+                "ready": ready(n),
+                "position": positions.get(n),
+                "halted": report.is_some_and(|r| r.halted(n)),
+                "rebuilding": report.is_some_and(|r| r.rebuilding(n)),
+            })
+        })
+        .collect();
+    let mut v = val(&a.key);
+    v["leader"] = json!(a.leader);
+    v["generation"] = json!(a.generation);
+    v["members"] = json!(members);
+    v["under_replicated"] = json!(crate::replication::under_replicated(a, &ready, report));
+    v["report"] = report.map_or(Value::Null, |r| {
+        json!({
+            "from": r.from,
+            "generation": r.report.generation,
+            "log_end": r.report.log_end,
+            "commit": r.report.commit,
+            "generation_committed": r.report.generation_committed,
+            "cannot_lead": r.report.cannot_lead,
+            "age_ms": now.saturating_sub(r.received_ms),
+        })
+    });
+    v
 }
 
 #[derive(Deserialize)]
@@ -2135,15 +2196,47 @@ async fn deny_token(
         until,
         reason: req.reason.chars().take(256).collect(),
     };
-    st.store
-        .batch(vec![Op::Put {
+    let key = format!("{t}/{}", req.jti);
+    let mut raced = 0;
+    loop {
+        // Every denial of the cluster, counted against the bounds unless it renews one
+        // in force; the tenant's lapsed ones go in the same batch (they refuse nothing,
+        // and would otherwise stay in the store for good).
+        let fence = limits::fence(st.store.as_ref()).await?;
+        let held = st.store.list(Kind::Denial, "").await?;
+        let now = now_ms() / 1000;
+        let mut live = Vec::new();
+        let mut ops = vec![fence];
+        let mut renews = false;
+        for d in &held {
+            let old: Denial = to(d)?;
+            if in_force(&old, now) {
+                renews |= d.key == key;
+                live.push(old.tenant_id);
+            } else if old.tenant_id == t && d.key != key {
+                ops.push(Op::Delete {
+                    kind: Kind::Denial,
+                    key: d.key.clone(),
+                    expect: Expect::Version(d.version),
+                });
+            }
+        }
+        if !renews {
+            limits::room_for_denial(live.iter().map(String::as_str), &t)
+                .map_err(|e| ApiError::conflict(e.0))?;
+        }
+        ops.push(Op::Put {
             kind: Kind::Denial,
-            key: format!("{t}/{}", req.jti),
+            key: key.clone(),
             value: val(&denial),
             expect: Expect::Any,
-        }])
-        .await?;
-    Ok((StatusCode::CREATED, Json(val(&denial))))
+        });
+        match st.store.batch(ops).await {
+            Ok(_) => return Ok((StatusCode::CREATED, Json(val(&denial)))),
+            Err(StoreError::Conflict { .. }) if raced < RACED_WRITES_MAX => raced += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 async fn live_denials(store: &dyn Store, prefix: &str) -> ApiResult<Vec<Denial>> {
@@ -2515,5 +2608,132 @@ mod tests {
         .expect("the body read waited on");
         let e = got.expect_err("a half body");
         assert_eq!(e.status, StatusCode::REQUEST_TIMEOUT);
+    }
+
+    /// At the cluster's bounds, with every name, node id, replica set and optional field
+    /// at its longest, each answer a broker reads whole fits what it reads
+    /// ([`crate::client::MAX_ANSWER_BYTES`]): the assignment snapshot and replication
+    /// view (one item a shard), the streams snapshot (one a stream or cache, each at
+    /// least a shard), the denials in force.
+    #[test]
+    fn the_bounds_keep_every_snapshot_a_broker_reads_whole() {
+        use crate::limits::{CLUSTER_DENIALS_MAX, CLUSTER_SHARDS_MAX};
+        use crate::replication::{FollowerReport, ShardReport};
+
+        let longest = |c: char| c.to_string().repeat(128);
+        let node = |i: usize| format!("{i:02}{}", "n".repeat(126));
+        let replicas: Vec<String> = (0..7).map(node).collect();
+        let key = AssignmentKey {
+            tenant_id: longest('t'),
+            namespace: longest('s'),
+            kind: "stream".into(),
+            name: longest('x'),
+            shard: u32::MAX,
+        };
+        let a = Assignment {
+            key: key.clone(),
+            leader: node(0),
+            replicas: replicas.clone(),
+            generation: u64::MAX,
+            state: "active".into(),
+            routing: Some(felix_wire::routing::ShardRouting::JumpHash),
+            staging: Some(node(7)),
+            replaces: Some(node(8)),
+            retiring: Some(node(9)),
+            abandoned: Some(u64::MAX),
+            handoff: Some(Handoff {
+                from: node(10),
+                generation: u64::MAX,
+            }),
+        };
+        let report = StoredReport {
+            from: node(0),
+            received_ms: 0,
+            report: ShardReport {
+                kind: key.kind.clone(),
+                tenant_id: key.tenant_id.clone(),
+                namespace: key.namespace.clone(),
+                name: key.name.clone(),
+                shard: key.shard,
+                generation: u64::MAX,
+                log_end: u64::MAX,
+                commit: u64::MAX,
+                generation_committed: true,
+                followers: replicas
+                    .iter()
+                    .chain([&node(7)])
+                    .map(|n| FollowerReport {
+                        node_id: n.clone(),
+                        durable_end: u64::MAX,
+                        halted: true,
+                        staged: true,
+                        rebuilding: true,
+                    })
+                    .collect(),
+                cannot_lead: true,
+            },
+        };
+        // An item's bytes and the comma after it.
+        let size = |v: &Value| serde_json::to_vec(v).unwrap().len() as u64 + 1;
+        let bound = crate::client::MAX_ANSWER_BYTES - 4096;
+        let shards = CLUSTER_SHARDS_MAX;
+
+        let snapshot = size(&snapshot_item(&a, |_| false, Some(&report)));
+        assert!(snapshot * shards <= bound, "{snapshot} bytes a shard");
+        let view = size(&view_item(&a, |_| true, Some(&report), u64::MAX));
+        assert!(view * shards <= bound, "{view} bytes a shard");
+
+        let retention = Retention {
+            max_age_seconds: Some(u64::MAX),
+            max_size_bytes: Some(u64::MAX),
+        };
+        let stream = Stream {
+            tenant_id: longest('t'),
+            namespace: longest('s'),
+            spec: StreamCreate {
+                stream: longest('x'),
+                kind: "Stream".into(),
+                shards: 1,
+                replication_factor: 7,
+                retention,
+                consistency: Consistency::Quorum,
+                delivery: "AtLeastOnce".into(),
+                durable: true,
+                routing: felix_wire::routing::ShardRouting::JumpHash,
+            },
+            version: u64::MAX,
+            incarnation: random_hex(8),
+        };
+        let cache = Cache {
+            tenant_id: longest('t'),
+            namespace: longest('s'),
+            spec: CacheCreate {
+                cache: longest('x'),
+                // Control characters, escaped six bytes each.
+                display_name: "\u{1}".repeat(DISPLAY_NAME_MAX_BYTES),
+                shards: 1,
+                replication_factor: 7,
+                consistency: Consistency::Quorum,
+            },
+            version: u64::MAX,
+            incarnation: random_hex(8),
+        };
+        let streams = size(&val(&stream)).max(size(&val(&cache)));
+        assert!(
+            streams * shards <= bound,
+            "{streams} bytes a stream or cache"
+        );
+
+        let denial = Denial {
+            tenant_id: longest('t'),
+            jti: longest('j'),
+            until: u64::MAX,
+            reason: "\u{1}".repeat(256),
+        };
+        let denials = size(&val(&denial));
+        assert!(
+            denials * CLUSTER_DENIALS_MAX as u64 <= bound,
+            "{denials} bytes a denial"
+        );
     }
 }

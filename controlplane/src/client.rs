@@ -102,8 +102,9 @@ impl ClientTls {
     }
 }
 
-/// Largest answer read (a JWKS or snapshot past this is refused, not buffered).
-pub const MAX_ANSWER_BYTES: u64 = 16 << 20;
+/// Largest answer read (a JWKS or snapshot past this is refused, not buffered): room
+/// for what [`crate::limits`] lets the cluster hold, at its longest names.
+pub const MAX_ANSWER_BYTES: u64 = 64 << 20;
 
 /// A control-plane endpoint plus a bearer token.
 #[derive(Debug, Clone)]

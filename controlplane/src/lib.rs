@@ -7,11 +7,14 @@
 //! - [`placement`]: the timed pass that assigns shards to ready nodes and promotes
 //!   successors; [`replication`]: the replica reports it judges them by.
 //! - [`server`]: wiring it together; [`config`]: the binary's settings; [`bounded`]:
-//!   serving HTTP with bounds on connections and request heads.
+//!   serving HTTP with bounds on connections and request heads; [`limits`]: what one
+//!   tenant and the cluster may hold of what brokers read whole.
 //! - [`client`]: a blocking client brokers and the `felix` tool use; with default
 //!   features off, the crate is only this and [`model`].
 
 pub mod client;
+#[cfg(feature = "server")]
+pub mod limits;
 pub mod model;
 
 #[cfg(feature = "server")]

@@ -2855,3 +2855,196 @@ fn a_stop_does_not_wait_for_good_on_a_half_sent_request() {
     assert!(started.elapsed() < Duration::from_secs(5));
     drop(half);
 }
+
+/// The message of a refusal with status `want`.
+fn refused_saying(r: Result<Value, ClientError>, want: u16) -> String {
+    match r {
+        Err(ClientError::Api {
+            status, message, ..
+        }) if status == want => message,
+        other => panic!("expected HTTP {want}, got {other:?}"),
+    }
+}
+
+/// One tenant cannot grow what every broker reads whole past what a broker reads: its
+/// shards are bounded, and so are the cluster's, so no broker's sync is ever refused.
+/// A delete makes room again.
+#[test]
+fn a_tenants_shards_and_the_clusters_stay_within_their_bounds() {
+    use felix_controlplane::limits::{CLUSTER_SHARDS_MAX, TENANT_SHARDS_MAX};
+    assert_eq!((TENANT_SHARDS_MAX, CLUSTER_SHARDS_MAX), (8_192, 16_384));
+    let svc = memory_service();
+    let (_, admin) = bootstrapped(&svc);
+    for t in ["acme", "beta", "gamma"] {
+        admin.post("/v1/tenants", &json!({"tenant_id": t})).unwrap();
+        admin
+            .post(
+                &format!("/v1/tenants/{t}/namespaces"),
+                &json!({"namespace": "ns"}),
+            )
+            .unwrap();
+    }
+    let stream = |t: &str, name: &str, shards: u32| {
+        admin.post(
+            &format!("/v1/tenants/{t}/namespaces/ns/streams"),
+            &json!({"stream": name, "kind": "Stream", "shards": shards}),
+        )
+    };
+    let cache = |t: &str, name: &str, shards: u32| {
+        admin.post(
+            &format!("/v1/tenants/{t}/namespaces/ns/caches"),
+            &json!({"cache": name, "shards": shards}),
+        )
+    };
+    stream("acme", "a", 4096).unwrap();
+    stream("acme", "b", 4095).unwrap();
+    cache("acme", "c", 1).unwrap();
+    // The tenant's bound counts streams and caches together.
+    let m = refused_saying(stream("acme", "d", 1), 409);
+    assert!(m.contains("tenant acme holds 8192 shards"));
+    expect_err(cache("acme", "e", 1), 409);
+
+    stream("beta", "a", 4096).unwrap();
+    stream("beta", "b", 4096).unwrap();
+    // Past the cluster's bound, though gamma holds nothing.
+    let m = refused_saying(stream("gamma", "a", 1), 409);
+    assert!(m.contains("the cluster holds 16384 shards"));
+
+    admin
+        .delete("/v1/tenants/acme/namespaces/ns/caches/c")
+        .unwrap();
+    stream("gamma", "a", 1).unwrap();
+    expect_err(cache("acme", "c", 1), 409);
+    // A name taken is still told as such.
+    let m = refused_saying(stream("gamma", "a", 1), 409);
+    assert!(m.contains("already exists"));
+}
+
+/// Creates at once cannot together pass a bound each would pass alone: of eight
+/// 4,096-shard streams created at once by one tenant, in eight namespaces (so no
+/// namespace's version orders them), exactly two are taken.
+#[test]
+fn creates_at_once_cannot_pass_the_shard_bound_together() {
+    for svc in [memory_service(), postgres_service()] {
+        let (_, admin) = bootstrapped(&svc);
+        admin
+            .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+            .unwrap();
+        for i in 0..8 {
+            admin
+                .post(
+                    "/v1/tenants/acme/namespaces",
+                    &json!({"namespace": format!("ns{i}")}),
+                )
+                .unwrap();
+        }
+        let results: Vec<u16> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8)
+                .map(|i| {
+                    let admin = admin.clone();
+                    s.spawn(move || {
+                        status(admin.post(
+                            &format!("/v1/tenants/acme/namespaces/ns{i}/streams"),
+                            &json!({"stream": "s", "kind": "Stream", "shards": 4096}),
+                        ))
+                        .0
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(
+            results.iter().filter(|s| **s == 200).count(),
+            2,
+            "{results:?}"
+        );
+        assert!(
+            results.iter().all(|s| *s == 200 || *s == 409),
+            "{results:?}"
+        );
+    }
+}
+
+/// A tenant holds at most 1,024 denials in force: past them a denial is refused 409 (a
+/// renewal of one in force is not), and its lapsed denials are dropped from the store
+/// by its next denial rather than kept for good.
+#[test]
+fn a_tenants_denials_are_bounded_and_lapsed_ones_are_dropped() {
+    use felix_controlplane::limits::TENANT_DENIALS_MAX;
+    let svc = memory_service();
+    let (_, admin) = bootstrapped(&svc);
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "beta"}))
+        .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let deny = |t: &str, jti: &str, until: u64| {
+        admin.post(
+            &format!("/v1/tenants/{t}/token-denials"),
+            &json!({"jti": jti, "until": until}),
+        )
+    };
+    // Lapsed already: refuses nothing, counts for nothing.
+    deny("acme", "old", now - 3600).unwrap();
+    for i in 0..TENANT_DENIALS_MAX {
+        deny("acme", &format!("j{i}"), now + 3600).unwrap();
+    }
+    let m = refused_saying(deny("acme", "one-more", now + 3600), 409);
+    assert!(m.contains("retire"));
+    deny("acme", "j0", now + 7200).unwrap();
+    deny("beta", "j0", now + 3600).unwrap();
+    let stored = svc
+        .rt
+        .block_on(svc.store.list(Kind::Denial, "acme/"))
+        .unwrap();
+    assert_eq!(
+        stored.len(),
+        TENANT_DENIALS_MAX,
+        "the lapsed one was dropped"
+    );
+    assert!(stored.iter().all(|d| d.key != "acme/old"));
+}
+
+/// Display names are bounded: a cache's goes into the streams snapshot every broker
+/// reads whole.
+#[test]
+fn display_names_are_bounded() {
+    let svc = memory_service();
+    let (_, admin) = bootstrapped(&svc);
+    let long = "d".repeat(257);
+    expect_err(
+        admin.post(
+            "/v1/tenants",
+            &json!({"tenant_id": "acme", "display_name": long}),
+        ),
+        400,
+    );
+    admin
+        .post(
+            "/v1/tenants",
+            &json!({"tenant_id": "acme", "display_name": &long[1..]}),
+        )
+        .unwrap();
+    expect_err(
+        admin.post(
+            "/v1/tenants/acme/namespaces",
+            &json!({"namespace": "ns", "display_name": long}),
+        ),
+        400,
+    );
+    admin
+        .post("/v1/tenants/acme/namespaces", &json!({"namespace": "ns"}))
+        .unwrap();
+    expect_err(
+        admin.post(
+            "/v1/tenants/acme/namespaces/ns/caches",
+            &json!({"cache": "c", "display_name": long}),
+        ),
+        400,
+    );
+}
