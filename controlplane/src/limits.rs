@@ -8,11 +8,13 @@
 //! every tenant's leases would lapse. Shards and denials are therefore counted at
 //! create, per tenant and cluster-wide, and a create past a bound is answered 409.
 //!
-//! Two creates at once could each count before the other wrote; every counted create
-//! rewrites one fence document at the version it read before counting, so the later
-//! of the two fails its batch, counts again and is judged on what the other wrote.
+//! The cluster's totals are kept in one fence document, which every counted create and
+//! every delete rewrites at the version it read before it counted: two writes at once
+//! cannot both pass a count (the later one's batch fails, and it counts again), and no
+//! write counts more than its own tenant's documents.
 
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::store::{Expect, Kind, Op, Store, StoreError};
 
@@ -26,8 +28,8 @@ pub const CLUSTER_SHARDS_MAX: u64 = 16_384;
 /// Denials in force one tenant may hold. A tenant that must revoke more tokens than
 /// this retires the key that signed them instead.
 pub const TENANT_DENIALS_MAX: usize = 1_024;
-/// Denials in force the whole cluster may hold.
-pub const CLUSTER_DENIALS_MAX: usize = 16_384;
+/// Denials the whole cluster may store (in force, or lapsed and not yet dropped).
+pub const CLUSTER_DENIALS_MAX: u64 = 16_384;
 
 /// The `Meta` key of the fence document.
 const FENCE_KEY: &str = "limits-fence";
@@ -36,45 +38,93 @@ const FENCE_KEY: &str = "limits-fence";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OverLimit(pub String);
 
-/// The fence write a counted create adds to its batch, read *before* it counts: a
-/// counted create that wrote meanwhile moved its version, so this batch fails and the
-/// caller counts again.
-pub async fn fence(store: &dyn Store) -> Result<Op, StoreError> {
-    let expect = match store.get(Kind::Meta, FENCE_KEY).await? {
-        Some(d) => Expect::Version(d.version),
-        None => Expect::Absent,
-    };
-    Ok(Op::Put {
-        kind: Kind::Meta,
-        key: FENCE_KEY.to_owned(),
-        value: json!({}),
-        expect,
-    })
+/// The cluster's totals, kept in the fence document so that a create or a denial
+/// counts only its own tenant's documents, never the whole cluster's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Totals {
+    /// Shards of every stream and cache.
+    pub shards: u64,
+    /// Denial documents stored (lapsed ones until their tenant's next denial drops
+    /// them).
+    pub denials: u64,
 }
 
-/// Whether `tenant` may create `adding` more shards: the streams and caches held now,
-/// the tenant's and everyone's, counted against [`TENANT_SHARDS_MAX`] and
-/// [`CLUSTER_SHARDS_MAX`].
-pub async fn room_for_shards(
-    store: &dyn Store,
-    tenant: &str,
-    adding: u32,
-) -> Result<Result<(), OverLimit>, StoreError> {
-    let mine = format!("{tenant}/");
-    let (mut tenants, mut cluster) = (0u64, 0u64);
-    for kind in [Kind::Stream, Kind::Cache] {
-        for d in store.list(kind, "").await? {
-            let shards = shards_of(&d.value);
-            cluster += shards;
-            if d.key.starts_with(&mine) {
-                tenants += shards;
-            }
+/// The fence as read: the totals, and the version a write of new ones expects.
+#[derive(Debug, Clone, Copy)]
+pub struct Fence {
+    /// The cluster's totals as of the read.
+    pub totals: Totals,
+    expect: Expect,
+}
+
+impl Fence {
+    /// The write of `totals` at the version read, for the counted write's batch: a
+    /// counted write that landed meanwhile moved the version, so the batch fails and
+    /// the caller counts again.
+    pub fn write(&self, totals: Totals) -> Op {
+        Op::Put {
+            kind: Kind::Meta,
+            key: FENCE_KEY.to_owned(),
+            value: serde_json::to_value(totals).expect("totals serialize"),
+            expect: self.expect,
         }
     }
+}
+
+/// Reads the fence, read *before* anything a counted write counts. A store without one
+/// (or with one it cannot read) is counted whole, once, by the write that adds it.
+pub async fn fence(store: &dyn Store) -> Result<Fence, StoreError> {
+    let found = store.get(Kind::Meta, FENCE_KEY).await?;
+    let (kept, expect) = match found {
+        Some(d) => (
+            serde_json::from_value::<Totals>(d.value).ok(),
+            Expect::Version(d.version),
+        ),
+        None => (None, Expect::Absent),
+    };
+    let totals = match kept {
+        Some(t) => t,
+        None => Totals {
+            shards: shards_held(store, "").await?,
+            denials: store.list(Kind::Denial, "").await?.len() as u64,
+        },
+    };
+    Ok(Fence { totals, expect })
+}
+
+/// Shards of the streams and caches whose keys start with `prefix` (`"{tenant}/"`).
+pub async fn shards_held(store: &dyn Store, prefix: &str) -> Result<u64, StoreError> {
+    let mut held = 0;
+    for kind in [Kind::Stream, Kind::Cache] {
+        held += store
+            .list(kind, prefix)
+            .await?
+            .iter()
+            .map(|d| shards_of(&d.value))
+            .sum::<u64>();
+    }
+    Ok(held)
+}
+
+/// A stream's or cache's shard count (its creation fields are flattened into it; a
+/// cache written without one has one, as it reads).
+pub fn shards_of(v: &Value) -> u64 {
+    v["shards"].as_u64().unwrap_or(1)
+}
+
+/// Whether `tenant`, holding `held` shards, may create `adding` more while the cluster
+/// holds `cluster`.
+pub fn room_for_shards(
+    tenant: &str,
+    held: u64,
+    cluster: u64,
+    adding: u32,
+) -> Result<(), OverLimit> {
     let adding = u64::from(adding);
-    Ok(if tenants + adding > TENANT_SHARDS_MAX {
+    if held + adding > TENANT_SHARDS_MAX {
         Err(OverLimit(format!(
-            "tenant {tenant} holds {tenants} shards and may hold at most \
+            "tenant {tenant} holds {held} shards and may hold at most \
              {TENANT_SHARDS_MAX}: {adding} more do not fit (delete a stream or cache first)"
         )))
     } else if cluster + adding > CLUSTER_SHARDS_MAX {
@@ -85,37 +135,22 @@ pub async fn room_for_shards(
         )))
     } else {
         Ok(())
-    })
-}
-
-/// A stream's or cache's shard count (its creation fields are flattened into it; a
-/// cache written without one has one, as it reads).
-fn shards_of(v: &Value) -> u64 {
-    v["shards"].as_u64().unwrap_or(1)
-}
-
-/// Whether `tenant` may hold one more denial in force, given the denials in force now
-/// (`(tenant, jti)` each).
-pub fn room_for_denial<'a>(
-    in_force: impl IntoIterator<Item = &'a str>,
-    tenant: &str,
-) -> Result<(), OverLimit> {
-    let (mut tenants, mut cluster) = (0usize, 0usize);
-    for t in in_force {
-        cluster += 1;
-        if t == tenant {
-            tenants += 1;
-        }
     }
-    if tenants >= TENANT_DENIALS_MAX {
+}
+
+/// Whether `tenant`, holding `in_force` denials in force, may hold one more while the
+/// cluster would store `stored` denials with it.
+pub fn room_for_denial(tenant: &str, in_force: usize, stored: u64) -> Result<(), OverLimit> {
+    if in_force >= TENANT_DENIALS_MAX {
         Err(OverLimit(format!(
-            "tenant {tenant} holds {tenants} denials in force, the most it may: retire \
+            "tenant {tenant} holds {in_force} denials in force, the most it may: retire \
              the signing key of the tokens to revoke instead"
         )))
-    } else if cluster >= CLUSTER_DENIALS_MAX {
+    } else if stored > CLUSTER_DENIALS_MAX {
         Err(OverLimit(format!(
-            "the cluster holds {cluster} denials in force, the most it may (every broker \
-             reads them all at once)"
+            "the cluster stores {} denials, the most it may (every broker reads them all \
+             at once)",
+            stored - 1
         )))
     } else {
         Ok(())
@@ -130,16 +165,22 @@ mod tests {
     /// tenant holds none.
     #[test]
     fn denials_count_against_the_tenant_and_the_cluster() {
-        let mine = vec!["acme"; TENANT_DENIALS_MAX - 1];
-        assert!(room_for_denial(mine.iter().copied(), "acme").is_ok());
-        let full = vec!["acme"; TENANT_DENIALS_MAX];
-        let e = room_for_denial(full.iter().copied(), "acme").unwrap_err();
+        assert!(room_for_denial("acme", TENANT_DENIALS_MAX - 1, 1).is_ok());
+        let e = room_for_denial("acme", TENANT_DENIALS_MAX, 1).unwrap_err();
         assert!(e.0.contains("tenant acme"), "{e:?}");
-        assert!(room_for_denial(full.iter().copied(), "beta").is_ok());
+        assert!(room_for_denial("beta", 0, CLUSTER_DENIALS_MAX).is_ok());
+        let e = room_for_denial("beta", 0, CLUSTER_DENIALS_MAX + 1).unwrap_err();
+        assert!(e.0.contains("the cluster stores 16384"), "{e:?}");
+    }
 
-        let others: Vec<String> = (0..CLUSTER_DENIALS_MAX).map(|i| format!("t{i}")).collect();
-        let e = room_for_denial(others.iter().map(String::as_str), "acme").unwrap_err();
-        assert!(e.0.contains("the cluster"), "{e:?}");
-        assert!(room_for_denial(others[1..].iter().map(String::as_str), "acme").is_ok());
+    /// Shards are refused past the tenant's bound, and past the cluster's though the
+    /// tenant holds none.
+    #[test]
+    fn shards_count_against_the_tenant_and_the_cluster() {
+        assert!(room_for_shards("acme", TENANT_SHARDS_MAX - 1, 0, 1).is_ok());
+        assert!(room_for_shards("acme", TENANT_SHARDS_MAX - 1, 0, 2).is_err());
+        assert!(room_for_shards("beta", 0, CLUSTER_SHARDS_MAX - 4096, 4096).is_ok());
+        let e = room_for_shards("beta", 0, CLUSTER_SHARDS_MAX - 4095, 4096).unwrap_err();
+        assert!(e.0.contains("the cluster holds"), "{e:?}");
     }
 }

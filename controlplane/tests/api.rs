@@ -2875,6 +2875,17 @@ fn a_tenants_shards_and_the_clusters_stay_within_their_bounds() {
     assert_eq!((TENANT_SHARDS_MAX, CLUSTER_SHARDS_MAX), (8_192, 16_384));
     let svc = memory_service();
     let (_, admin) = bootstrapped(&svc);
+    // A stream stored before the bounds were kept (no totals yet): counted at the first
+    // counted write.
+    svc.rt
+        .block_on(svc.store.batch(vec![Op::Put {
+            kind: Kind::Stream,
+            key: "old/ns/s".into(),
+            value: json!({"tenant_id": "old", "namespace": "ns", "stream": "s",
+                          "kind": "Stream", "shards": 4096}),
+            expect: Expect::Absent,
+        }]))
+        .unwrap();
     for t in ["acme", "beta", "gamma"] {
         admin.post("/v1/tenants", &json!({"tenant_id": t})).unwrap();
         admin
@@ -2905,10 +2916,12 @@ fn a_tenants_shards_and_the_clusters_stay_within_their_bounds() {
     expect_err(cache("acme", "e", 1), 409);
 
     stream("beta", "a", 4096).unwrap();
-    stream("beta", "b", 4096).unwrap();
-    // Past the cluster's bound, though gamma holds nothing.
+    // Past the cluster's bound (with the old stream's), though beta holds 4,096 and
+    // gamma nothing.
+    let m = refused_saying(stream("beta", "b", 1), 409);
+    assert!(m.contains("the cluster holds 16384 shards"), "{m}");
     let m = refused_saying(stream("gamma", "a", 1), 409);
-    assert!(m.contains("the cluster holds 16384 shards"));
+    assert!(m.contains("the cluster holds 16384 shards"), "{m}");
 
     admin
         .delete("/v1/tenants/acme/namespaces/ns/caches/c")
