@@ -734,33 +734,55 @@ async fn delete_tenant(
             "tenant {t} holds the cluster's keys and cannot be deleted"
         )));
     }
-    // Creating a namespace rewrites its tenant: deleting at this version fails if one
-    // was created after the emptiness check.
-    let d = must_exist(&st, Kind::Tenant, &t).await?;
-    if !st
-        .store
-        .list(Kind::Namespace, &format!("{t}/"))
-        .await?
-        .is_empty()
-    {
-        return Err(ApiError::conflict(format!(
-            "tenant {t} still has namespaces"
-        )));
+    let mut raced = 0;
+    loop {
+        // Creating a namespace rewrites its tenant: deleting at this version fails if
+        // one was created after the emptiness check.
+        let d = must_exist(&st, Kind::Tenant, &t).await?;
+        if !st
+            .store
+            .list(Kind::Namespace, &format!("{t}/"))
+            .await?
+            .is_empty()
+        {
+            return Err(ApiError::conflict(format!(
+                "tenant {t} still has namespaces"
+            )));
+        }
+        // Its denials go with its keys (no token they signed verifies any more), and
+        // leave the cluster's total in the same batch.
+        let fence = limits::fence(st.store.as_ref()).await?;
+        let denials = st.store.list(Kind::Denial, &format!("{t}/")).await?;
+        let mut ops = vec![
+            fence.write(limits::Totals {
+                denials: fence.totals.denials.saturating_sub(denials.len() as u64),
+                ..fence.totals
+            }),
+            Op::Delete {
+                kind: Kind::Tenant,
+                key: t.clone(),
+                expect: Expect::Version(d.version),
+            },
+        ];
+        for k in st.store.list(Kind::SigningKey, &format!("{t}/")).await? {
+            ops.push(Op::Delete {
+                kind: Kind::SigningKey,
+                key: k.key,
+                expect: Expect::Any,
+            });
+        }
+        for n in denials {
+            ops.push(Op::Delete {
+                kind: Kind::Denial,
+                key: n.key,
+                expect: Expect::Version(n.version),
+            });
+        }
+        match st.store.batch(ops).await {
+            Ok(_) => return Ok(StatusCode::NO_CONTENT),
+            Err(e) => raced_again(e, &mut raced)?,
+        }
     }
-    let mut ops = vec![Op::Delete {
-        kind: Kind::Tenant,
-        key: t.clone(),
-        expect: Expect::Version(d.version),
-    }];
-    for k in st.store.list(Kind::SigningKey, &format!("{t}/")).await? {
-        ops.push(Op::Delete {
-            kind: Kind::SigningKey,
-            key: k.key,
-            expect: Expect::Any,
-        });
-    }
-    st.store.batch(ops).await?;
-    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn jwks(State(st): State<AppState>, Path(t): Path<String>) -> ApiResult<Json<Value>> {
@@ -1064,6 +1086,8 @@ async fn create_in_namespace(
             .await;
         match written {
             Ok(written) => return Ok(written[2].version),
+            // The name taken meanwhile is told as such at the next pass.
+            Err(StoreError::Conflict { .. }) if st.store.get(kind, &key).await?.is_some() => {}
             Err(e) => raced_again(e, &mut raced)?,
         }
     }
@@ -2234,9 +2258,16 @@ async fn deny_token(
         until,
         reason: req.reason.chars().take(256).collect(),
     };
+    // One already lapsed would refuse nothing, yet be stored and counted.
+    if !in_force(&denial, now) {
+        return Err(ApiError::invalid("until", "already past"));
+    }
     let key = format!("{t}/{}", req.jti);
     let mut raced = 0;
     loop {
+        // The fence first: a denial of this tenant's that lands after it moves it, so
+        // this pass's batch fails and counts again.
+        let fence = limits::fence(st.store.as_ref()).await?;
         let now = now_ms() / 1000;
         let mine = st.store.list(Kind::Denial, &format!("{t}/")).await?;
         let renewed = mine.iter().find(|d| d.key == key);
@@ -2252,16 +2283,15 @@ async fn deny_token(
         {
             match st.store.batch(vec![put(Expect::Version(d.version))]).await {
                 Ok(_) => return Ok((StatusCode::CREATED, Json(val(&denial)))),
-                Err(e) => {
-                    raced_again(e, &mut raced)?;
-                    continue;
-                }
+                // Dropped meanwhile as lapsed (another instance's clock): counted next.
+                Err(StoreError::NotFound { .. }) if raced < RACED_WRITES_MAX => raced += 1,
+                Err(e) => raced_again(e, &mut raced)?,
             }
+            continue;
         }
         // Otherwise counted: the tenant's denials in force against its bound, and every
         // stored one against the cluster's, the tenant's lapsed ones dropped in the same
         // batch (they refuse nothing, and would otherwise stay in the store for good).
-        let fence = limits::fence(st.store.as_ref()).await?;
         let mut in_force_now = 0;
         let mut ops = Vec::new();
         for d in mine.iter().filter(|d| d.key != key) {
@@ -2312,7 +2342,7 @@ async fn live_denials(store: &dyn Store, prefix: &str) -> ApiResult<Vec<Denial>>
 /// and the clock skew a token is allowed past its expiry. A denial dropped at `until`
 /// let a token denied until its `exp` verify again for that minute.
 fn in_force(d: &Denial, now: u64) -> bool {
-    d.until.saturating_add(felix_wire::token::SKEW_SECS) >= now
+    limits::denial_in_force(d.until, now)
 }
 
 async fn tenant_denials(

@@ -93,6 +93,53 @@ pub async fn fence(store: &dyn Store) -> Result<Fence, StoreError> {
     Ok(Fence { totals, expect })
 }
 
+/// Whether a denial kept until `until` (s since the epoch) still refuses its token at
+/// `now` (s): until then and the clock skew a token is allowed past its expiry.
+pub fn denial_in_force(until: u64, now: u64) -> bool {
+    until.saturating_add(felix_wire::token::SKEW_SECS) >= now
+}
+
+/// The placement pass's mend of the kept totals, which writes outside this control
+/// plane's own handlers (an instance of an older version beside it during an upgrade)
+/// could have moved from the truth: `shards` is the sum the pass just listed, after
+/// reading `fence`; and once stored denials reach half the cluster's bound, every
+/// lapsed one is dropped and the rest counted. Nothing is written when the totals hold;
+/// a write that raced another is left to the next pass.
+pub async fn mend(
+    store: &dyn Store,
+    fence: Fence,
+    shards: u64,
+    now: u64,
+) -> Result<(), StoreError> {
+    let mut totals = Totals {
+        shards,
+        ..fence.totals
+    };
+    let mut ops = Vec::new();
+    if fence.totals.denials >= CLUSTER_DENIALS_MAX / 2 {
+        let stored = store.list(Kind::Denial, "").await?;
+        for d in &stored {
+            let until = d.value["until"].as_u64().unwrap_or(u64::MAX);
+            if !denial_in_force(until, now) {
+                ops.push(Op::Delete {
+                    kind: Kind::Denial,
+                    key: d.key.clone(),
+                    expect: Expect::Version(d.version),
+                });
+            }
+        }
+        totals.denials = (stored.len() - ops.len()) as u64;
+    }
+    if totals == fence.totals {
+        return Ok(());
+    }
+    ops.insert(0, fence.write(totals));
+    match store.batch(ops).await {
+        Ok(_) | Err(StoreError::Conflict { .. } | StoreError::NotFound { .. }) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// Shards of the streams and caches whose keys start with `prefix` (`"{tenant}/"`).
 pub async fn shards_held(store: &dyn Store, prefix: &str) -> Result<u64, StoreError> {
     let mut held = 0;
@@ -148,9 +195,8 @@ pub fn room_for_denial(tenant: &str, in_force: usize, stored: u64) -> Result<(),
         )))
     } else if stored > CLUSTER_DENIALS_MAX {
         Err(OverLimit(format!(
-            "the cluster stores {} denials, the most it may (every broker reads them all \
-             at once)",
-            stored - 1
+            "the cluster would store {stored} denials, more than the {CLUSTER_DENIALS_MAX} \
+             it may (every broker reads them all at once)"
         )))
     } else {
         Ok(())
@@ -170,7 +216,7 @@ mod tests {
         assert!(e.0.contains("tenant acme"), "{e:?}");
         assert!(room_for_denial("beta", 0, CLUSTER_DENIALS_MAX).is_ok());
         let e = room_for_denial("beta", 0, CLUSTER_DENIALS_MAX + 1).unwrap_err();
-        assert!(e.0.contains("the cluster stores 16384"), "{e:?}");
+        assert!(e.0.contains("the cluster would store 16385"), "{e:?}");
     }
 
     /// Shards are refused past the tenant's bound, and past the cluster's though the

@@ -517,7 +517,9 @@ pub async fn pass_at(
     };
     let latest = reports.snapshot(now_ms, config.report_ttl().as_millis() as u64);
 
-    // 2. What should be placed.
+    // 2. What should be placed; the kept shard total mended from the same lists (read
+    //    before them, see `limits::mend`).
+    let fence = crate::limits::fence(store).await?;
     let streams: Vec<Stream> = store
         .list(Kind::Stream, "")
         .await?
@@ -530,6 +532,12 @@ pub async fn pass_at(
         .iter()
         .map(decode)
         .collect::<Result<_, _>>()?;
+    let shards = streams
+        .iter()
+        .map(|s| u64::from(s.spec.shards))
+        .sum::<u64>()
+        + caches.iter().map(|c| u64::from(c.spec.shards)).sum::<u64>();
+    crate::limits::mend(store, fence, shards, crate::api::now_ms() / 1000).await?;
     let mut wanted = targets(&streams, &caches);
 
     // 3. Existing assignments: drop the orphaned, keep or fix the rest.

@@ -3002,8 +3002,17 @@ fn a_tenants_denials_are_bounded_and_lapsed_ones_are_dropped() {
             &json!({"jti": jti, "until": until}),
         )
     };
-    // Lapsed already: refuses nothing, counts for nothing.
-    deny("acme", "old", now - 3600).unwrap();
+    // Lapsed already: refused, as it would refuse nothing.
+    expect_err(deny("acme", "past", now - 3600), 400);
+    // One that lapsed since (written here directly): counts for nothing, and goes.
+    svc.rt
+        .block_on(svc.store.batch(vec![Op::Put {
+            kind: Kind::Denial,
+            key: "acme/old".into(),
+            value: json!({"tenant_id": "acme", "jti": "old", "until": now - 3600}),
+            expect: Expect::Absent,
+        }]))
+        .unwrap();
     for i in 0..TENANT_DENIALS_MAX {
         deny("acme", &format!("j{i}"), now + 3600).unwrap();
     }
@@ -3021,6 +3030,96 @@ fn a_tenants_denials_are_bounded_and_lapsed_ones_are_dropped() {
         "the lapsed one was dropped"
     );
     assert!(stored.iter().all(|d| d.key != "acme/old"));
+
+    // Deleting a tenant takes its denials, and their count, with it.
+    admin.delete("/v1/tenants/acme").unwrap();
+    let left = svc.rt.block_on(svc.store.list(Kind::Denial, "")).unwrap();
+    assert_eq!(left.len(), 1, "beta's alone");
+    let fence = svc
+        .rt
+        .block_on(svc.store.get(Kind::Meta, "limits-fence"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(fence.value["denials"], 1);
+}
+
+/// Totals moved from the truth by writes outside the counted handlers (an older
+/// control plane beside this one during an upgrade) are mended by the next placement
+/// pass, both ways, and stored denials past half the cluster's bound lose their lapsed
+/// ones there.
+#[test]
+fn the_placement_pass_mends_the_kept_totals() {
+    let svc = memory_service();
+    let (_, admin) = bootstrapped(&svc);
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    admin
+        .post("/v1/tenants/acme/namespaces", &json!({"namespace": "ns"}))
+        .unwrap();
+    admin
+        .post(
+            "/v1/tenants/acme/namespaces/ns/streams",
+            &json!({"stream": "s", "kind": "Stream", "shards": 3}),
+        )
+        .unwrap();
+    let fence = || {
+        svc.rt
+            .block_on(svc.store.get(Kind::Meta, "limits-fence"))
+            .unwrap()
+            .unwrap()
+    };
+    let set = |value: Value| {
+        let d = fence();
+        svc.rt
+            .block_on(svc.store.batch(vec![Op::Put {
+                kind: Kind::Meta,
+                key: "limits-fence".into(),
+                value,
+                expect: Expect::Version(d.version),
+            }]))
+            .unwrap();
+    };
+    let pass = || {
+        svc.rt
+            .block_on(placement::pass(
+                svc.store.as_ref(),
+                &svc.config,
+                &svc.reports,
+            ))
+            .unwrap();
+    };
+    assert_eq!(fence().value, json!({"shards": 3, "denials": 0}));
+    // Over and under the truth.
+    set(json!({"shards": 16_000, "denials": 0}));
+    pass();
+    assert_eq!(fence().value["shards"], 3);
+    set(json!({"shards": 0, "denials": 0}));
+    pass();
+    assert_eq!(fence().value["shards"], 3);
+    // Denials: lapsed ones stored past half the bound are dropped.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let denial = |jti: &str, until: u64| Op::Put {
+        kind: Kind::Denial,
+        key: format!("acme/{jti}"),
+        value: json!({"tenant_id": "acme", "jti": jti, "until": until}),
+        expect: Expect::Absent,
+    };
+    svc.rt
+        .block_on(svc.store.batch(vec![
+            denial("lapsed", now - 3600),
+            denial("live", now + 3600),
+        ]))
+        .unwrap();
+    set(json!({"shards": 3, "denials": 9_000}));
+    pass();
+    assert_eq!(fence().value, json!({"shards": 3, "denials": 1}));
+    let left = svc.rt.block_on(svc.store.list(Kind::Denial, "")).unwrap();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].key, "acme/live");
 }
 
 /// Display names are bounded: a cache's goes into the streams snapshot every broker
