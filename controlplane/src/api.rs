@@ -2251,7 +2251,6 @@ async fn deny_token(
         .until
         .unwrap_or(now + DENIAL_MAX_SECS)
         .min(now + DENIAL_MAX_SECS);
-    must_exist(&st, Kind::Tenant, &t).await?;
     let denial = Denial {
         tenant_id: t.clone(),
         jti: req.jti.clone(),
@@ -2265,9 +2264,10 @@ async fn deny_token(
     let key = format!("{t}/{}", req.jti);
     let mut raced = 0;
     loop {
-        // The fence first: a denial of this tenant's that lands after it moves it, so
-        // this pass's batch fails and counts again.
+        // The fence first: a denial of this tenant's (or its delete) that lands after
+        // it moves it, so this pass's batch fails and counts again.
         let fence = limits::fence(st.store.as_ref()).await?;
+        must_exist(&st, Kind::Tenant, &t).await?;
         let now = now_ms() / 1000;
         let mine = st.store.list(Kind::Denial, &format!("{t}/")).await?;
         let renewed = mine.iter().find(|d| d.key == key);

@@ -56,6 +56,9 @@ pub struct Fence {
     /// The cluster's totals as of the read.
     pub totals: Totals,
     expect: Expect,
+    /// Whether the totals were read from the document (not counted whole for want of
+    /// one).
+    kept: bool,
 }
 
 impl Fence {
@@ -90,7 +93,11 @@ pub async fn fence(store: &dyn Store) -> Result<Fence, StoreError> {
             denials: store.list(Kind::Denial, "").await?.len() as u64,
         },
     };
-    Ok(Fence { totals, expect })
+    Ok(Fence {
+        totals,
+        expect,
+        kept: kept.is_some(),
+    })
 }
 
 /// Whether a denial kept until `until` (s since the epoch) still refuses its token at
@@ -99,12 +106,17 @@ pub fn denial_in_force(until: u64, now: u64) -> bool {
     until.saturating_add(felix_wire::token::SKEW_SECS) >= now
 }
 
+/// Lapsed denials the placement pass drops in one batch: each is two round trips
+/// under the Postgres store's write lock, and the batch has 20 s.
+const MEND_DROPS_MAX: usize = 256;
+
 /// The placement pass's mend of the kept totals, which writes outside this control
 /// plane's own handlers (an instance of an older version beside it during an upgrade)
 /// could have moved from the truth: `shards` is the sum the pass just listed, after
-/// reading `fence`; and once stored denials reach half the cluster's bound, every
-/// lapsed one is dropped and the rest counted. Nothing is written when the totals hold;
-/// a write that raced another is left to the next pass.
+/// reading `fence`; and once the kept denial total reaches half the cluster's bound,
+/// lapsed denials are dropped ([`MEND_DROPS_MAX`] a pass) and the rest counted.
+/// Nothing is written when the kept totals hold; a write that raced another is left to
+/// the next pass.
 pub async fn mend(
     store: &dyn Store,
     fence: Fence,
@@ -120,7 +132,7 @@ pub async fn mend(
         let stored = store.list(Kind::Denial, "").await?;
         for d in &stored {
             let until = d.value["until"].as_u64().unwrap_or(u64::MAX);
-            if !denial_in_force(until, now) {
+            if ops.len() < MEND_DROPS_MAX && !denial_in_force(until, now) {
                 ops.push(Op::Delete {
                     kind: Kind::Denial,
                     key: d.key.clone(),
@@ -130,7 +142,7 @@ pub async fn mend(
         }
         totals.denials = (stored.len() - ops.len()) as u64;
     }
-    if totals == fence.totals {
+    if fence.kept && totals == fence.totals {
         return Ok(());
     }
     ops.insert(0, fence.write(totals));

@@ -537,7 +537,10 @@ pub async fn pass_at(
         .map(|s| u64::from(s.spec.shards))
         .sum::<u64>()
         + caches.iter().map(|c| u64::from(c.spec.shards)).sum::<u64>();
-    crate::limits::mend(store, fence, shards, crate::api::now_ms() / 1000).await?;
+    // A failed mend holds up no placement: tried again next pass.
+    if let Err(e) = crate::limits::mend(store, fence, shards, crate::api::now_ms() / 1000).await {
+        tracing::warn!(error = %e, "mending the kept shard and denial totals failed");
+    }
     let mut wanted = targets(&streams, &caches);
 
     // 3. Existing assignments: drop the orphaned, keep or fix the rest.
