@@ -108,6 +108,26 @@ impl std::fmt::Debug for Queued {
     }
 }
 
+impl Queued {
+    /// Whether its client is gone: nobody waits for its answer, and no request budget
+    /// counts its records any more.
+    pub fn abandoned(&self) -> bool {
+        self.answer.is_canceled()
+    }
+}
+
+/// Queues `q` behind `queue`, dropping the publishes whose clients left each time the
+/// queue reaches a power of two (64 or more) long: amortised, a push costs O(1), and
+/// the queue holds at most about twice what live clients' budgets count. Kept until
+/// the table was built, a client that left and came back while a shard's table was
+/// built (up to seconds) could stack batch after batch no budget counted.
+pub fn enqueue(queue: &mut std::collections::VecDeque<Queued>, q: Queued) {
+    if queue.len() >= 64 && queue.len().is_power_of_two() {
+        queue.retain(|q| !q.abandoned());
+    }
+    queue.push_back(q);
+}
+
 /// Which table, and how many cuts it has taken ([`ProducerTable::cut_to`]): a claim's
 /// outcome is noted only in the table that admitted it, uncut since. Noted elsewhere it
 /// could hit another claim of the same `(producer, sequence)`: a re-send appended at
@@ -527,6 +547,37 @@ mod tests {
 
     /// Retention forgets what it removed: a producer whose every batch went is unknown,
     /// as after a restart; one with a batch left keeps its place.
+    /// Publishes queued for a table's build whose clients left are dropped as the queue
+    /// grows: a client leaving and coming back, 10,000 times, holds no more than the
+    /// live ones' share, and the live ones keep their order.
+    #[test]
+    fn queued_publishes_whose_clients_left_are_dropped_as_the_queue_grows() {
+        let mut queue = std::collections::VecDeque::new();
+        let mut live = Vec::new();
+        for i in 0..10_000u64 {
+            let (answer, rx) = futures_channel::oneshot::channel();
+            enqueue(
+                &mut queue,
+                Queued {
+                    records: vec![Bytes::from(vec![0u8; 1024])],
+                    tag: (1, i),
+                    answer,
+                },
+            );
+            if i % 1_000 == 0 {
+                live.push((i, rx));
+            }
+        }
+        assert!(queue.len() <= 128, "{} held", queue.len());
+        let kept: Vec<u64> = queue
+            .iter()
+            .filter(|q| !q.abandoned())
+            .map(|q| q.tag.1)
+            .collect();
+        let want: Vec<u64> = live.iter().map(|(i, _)| *i).collect();
+        assert_eq!(kept, want);
+    }
+
     #[test]
     fn retention_forgets_the_producers_it_removed() {
         let mut t = ProducerTable::at(0);

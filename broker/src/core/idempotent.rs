@@ -70,15 +70,17 @@ impl CoreBroker {
         };
         match shard {
             Some(shard) => {
-                shard.idempotent_queue.borrow_mut().push_back(queued);
+                crate::producers::enqueue(&mut shard.idempotent_queue.borrow_mut(), queued);
                 self.build_producers(shard, key);
             }
             None => {
                 let first = {
                     let mut opening = self.idempotent_opening.borrow_mut();
                     let waiting = opening.entry(key.clone()).or_default();
-                    waiting.push_back(queued);
-                    waiting.len() == 1
+                    // Judged before the push: dropping abandoned ones may leave it short.
+                    let first = waiting.is_empty();
+                    crate::producers::enqueue(waiting, queued);
+                    first
                 };
                 if first {
                     let this = self.clone();
@@ -246,7 +248,9 @@ impl CoreBroker {
             shard.building_producers.set(false);
             let queued: VecDeque<Queued> =
                 std::mem::take(&mut *shard.idempotent_queue.borrow_mut());
-            for q in queued {
+            // A publish whose client left is not written: nobody would learn of it,
+            // and a producer that comes back sends it again.
+            for q in queued.into_iter().filter(|q| !q.abandoned()) {
                 let outcome = match &built {
                     Ok(()) => this.decide_and_write(&shard, key.clone(), q.records, q.tag),
                     Err(e) => Box::pin(std::future::ready(Err(e.clone()))) as Outcome,
