@@ -1006,8 +1006,7 @@ pub struct CoreBroker {
     /// Idempotent publishes that arrived while their shard was not open here, in
     /// arrival order: one task per shard hands them to the shard's queue once it
     /// opens, and later publishes queue behind them (`core/idempotent.rs`).
-    idempotent_opening:
-        RefCell<HashMap<Arc<ShardKey>, std::collections::VecDeque<crate::producers::Queued>>>,
+    idempotent_opening: RefCell<HashMap<Arc<ShardKey>, crate::producers::Waiting>>,
     /// Per shard since the last load report: small requests this core received for it
     /// and, for shards it owns, small deliveries it sent to each core (index = core).
     load: RefCell<HashMap<Arc<ShardKey>, Vec<u32>>>,
@@ -1747,7 +1746,9 @@ impl CoreBroker {
 
     /// Appends on this (the owning) core. The offsets are claimed before this returns
     /// its future when the shard is open; the commit and fanout run in a task of their
-    /// own, so a publisher going away cannot cancel them half way.
+    /// own, so a publisher going away cannot cancel them half way. (An idempotent
+    /// publish still waiting for its producer table when its client leaves is not
+    /// written: see `producers::Waiting`.)
     pub fn append_local(
         self: &Rc<Self>,
         key: Arc<ShardKey>,

@@ -116,16 +116,75 @@ impl Queued {
     }
 }
 
-/// Queues `q` behind `queue`, dropping the publishes whose clients left each time the
-/// queue reaches a power of two (64 or more) long: amortised, a push costs O(1), and
-/// the queue holds at most about twice what live clients' budgets count. Kept until
-/// the table was built, a client that left and came back while a shard's table was
-/// built (up to seconds) could stack batch after batch no budget counted.
-pub fn enqueue(queue: &mut std::collections::VecDeque<Queued>, q: Queued) {
-    if queue.len() >= 64 && queue.len().is_power_of_two() {
-        queue.retain(|q| !q.abandoned());
+/// Idempotent publishes waiting for their shard to open or its producer table to be
+/// built, in arrival order. Those whose clients left are dropped as the queue grows and
+/// are not written when it is served, unless a live publish of the same producer
+/// follows them: kept until served (up to seconds), a client leaving and coming back
+/// while a table was built could stack batch after batch no request budget counted;
+/// dropped even then, a producer whose connection died mid-pipeline while its next
+/// batch came on another (a forwarder's new connection) was refused `sequence_gap` for
+/// the next. Only publishes whose connection is on the shard's own core can be
+/// abandoned here: one from another core or held for a move keeps its answer's
+/// receiver on this core until it is answered.
+#[derive(Debug, Default)]
+pub struct Waiting {
+    queue: std::collections::VecDeque<Queued>,
+    /// The length at which the next push sweeps: twice what the last sweep kept (64 at
+    /// least), so a push costs O(1) amortised whatever a sweep finds.
+    sweep_at: usize,
+}
+
+impl Waiting {
+    /// Queues `q` behind the rest.
+    pub fn push(&mut self, q: Queued) {
+        if self.queue.len() >= self.sweep_at.max(64) {
+            drop_abandoned(&mut self.queue);
+            self.sweep_at = 2 * self.queue.len();
+        }
+        self.queue.push_back(q);
     }
-    queue.push_back(q);
+
+    /// Whether none waits.
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// How many wait (abandoned ones not yet swept included).
+    pub fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Queues all of `other` behind the rest, in its order.
+    pub fn append(&mut self, mut other: Waiting) {
+        self.queue.append(&mut other.queue);
+    }
+
+    /// Takes every publish to serve, in arrival order, leaving none: those whose
+    /// clients left and no live publish of their producer follows are dropped.
+    pub fn take_to_serve(&mut self) -> std::collections::VecDeque<Queued> {
+        let mut queue = std::mem::take(&mut self.queue);
+        self.sweep_at = 0;
+        drop_abandoned(&mut queue);
+        queue
+    }
+}
+
+/// Drops the abandoned publishes of `queue` that no live publish of the same producer
+/// follows: written, one that is followed keeps the live one's sequence from a gap.
+fn drop_abandoned(queue: &mut std::collections::VecDeque<Queued>) {
+    let mut live_after = std::collections::HashSet::new();
+    let mut keep = vec![false; queue.len()];
+    for (i, q) in queue.iter().enumerate().rev() {
+        keep[i] = !q.abandoned() || live_after.contains(&q.tag.0);
+        if !q.abandoned() {
+            live_after.insert(q.tag.0);
+        }
+    }
+    let mut at = 0;
+    queue.retain(|_| {
+        at += 1;
+        keep[at - 1]
+    });
 }
 
 /// Which table, and how many cuts it has taken ([`ProducerTable::cut_to`]): a claim's
@@ -547,37 +606,6 @@ mod tests {
 
     /// Retention forgets what it removed: a producer whose every batch went is unknown,
     /// as after a restart; one with a batch left keeps its place.
-    /// Publishes queued for a table's build whose clients left are dropped as the queue
-    /// grows: a client leaving and coming back, 10,000 times, holds no more than the
-    /// live ones' share, and the live ones keep their order.
-    #[test]
-    fn queued_publishes_whose_clients_left_are_dropped_as_the_queue_grows() {
-        let mut queue = std::collections::VecDeque::new();
-        let mut live = Vec::new();
-        for i in 0..10_000u64 {
-            let (answer, rx) = futures_channel::oneshot::channel();
-            enqueue(
-                &mut queue,
-                Queued {
-                    records: vec![Bytes::from(vec![0u8; 1024])],
-                    tag: (1, i),
-                    answer,
-                },
-            );
-            if i % 1_000 == 0 {
-                live.push((i, rx));
-            }
-        }
-        assert!(queue.len() <= 128, "{} held", queue.len());
-        let kept: Vec<u64> = queue
-            .iter()
-            .filter(|q| !q.abandoned())
-            .map(|q| q.tag.1)
-            .collect();
-        let want: Vec<u64> = live.iter().map(|(i, _)| *i).collect();
-        assert_eq!(kept, want);
-    }
-
     #[test]
     fn retention_forgets_the_producers_it_removed() {
         let mut t = ProducerTable::at(0);
@@ -904,5 +932,89 @@ mod tests {
             Decision::Refuse(PublishRefusalReason::UnknownProducer)
         );
         assert_eq!(t.decide(99_999, 0, n(1)), Decision::Append, "a new one");
+    }
+
+    /// A queued publish and its answer's receiver (dropped: its client left).
+    fn queued(
+        producer: u64,
+        sequence: u64,
+    ) -> (
+        Queued,
+        futures_channel::oneshot::Receiver<
+            Result<felix_storage_uring::Appended, crate::error::BrokerError>,
+        >,
+    ) {
+        let (answer, rx) = futures_channel::oneshot::channel();
+        let q = Queued {
+            records: vec![Bytes::from(vec![0u8; 1024])],
+            tag: (producer, sequence),
+            answer,
+        };
+        (q, rx)
+    }
+
+    /// Publishes queued for a table's build whose clients left are dropped as the queue
+    /// grows: a client leaving and coming back, 10,000 times, holds no more than the
+    /// live ones' share, and the live ones keep their order. Each is its own producer.
+    #[test]
+    fn queued_publishes_whose_clients_left_are_dropped_as_the_queue_grows() {
+        let mut waiting = Waiting::default();
+        let mut live = Vec::new();
+        for i in 0..10_000u64 {
+            let (q, rx) = queued(i, 0);
+            waiting.push(q);
+            if i % 1_000 == 0 {
+                live.push((i, rx));
+            }
+        }
+        assert!(waiting.len() <= 128, "{} held", waiting.len());
+        let served: Vec<u64> = waiting.take_to_serve().iter().map(|q| q.tag.0).collect();
+        let want: Vec<u64> = live.iter().map(|(i, _)| *i).collect();
+        assert_eq!(served, want);
+        assert!(waiting.is_empty());
+    }
+
+    /// An abandoned publish that a live publish of its producer follows is kept and
+    /// served: a producer whose connection died mid-pipeline, its next batch come on
+    /// another connection, would otherwise be refused a gap for that next batch.
+    #[test]
+    fn an_abandoned_publish_its_producers_next_follows_is_served() {
+        let mut waiting = Waiting::default();
+        let (five, gone) = queued(7, 5);
+        drop(gone);
+        let (six, _six) = queued(7, 6);
+        let (other, gone) = queued(8, 1);
+        drop(gone);
+        waiting.push(five);
+        waiting.push(other);
+        waiting.push(six);
+        let served: Vec<(u64, u64)> = waiting.take_to_serve().iter().map(|q| q.tag).collect();
+        assert_eq!(served, [(7, 5), (7, 6)]);
+    }
+
+    /// A sweep that finds little to drop is not run again at the next push: a push
+    /// costs O(1) amortised.
+    #[test]
+    fn a_sweep_that_keeps_most_waits_for_the_queue_to_double() {
+        let mut waiting = Waiting::default();
+        let mut live = Vec::new();
+        for i in 0..64u64 {
+            let (q, rx) = queued(i, 0);
+            waiting.push(q);
+            live.push(rx);
+        }
+        // The 65th push sweeps (finding all live) and sets the next sweep at 128.
+        let (q, _gone) = queued(64, 0);
+        waiting.push(q);
+        assert_eq!(waiting.sweep_at, 128);
+        for i in 65..128u64 {
+            let (q, gone) = queued(i, 0);
+            drop(gone);
+            waiting.push(q);
+            assert_eq!(waiting.sweep_at, 128, "no sweep before the queue doubled");
+        }
+        let (q, _rx) = queued(128, 0);
+        waiting.push(q);
+        assert_eq!(waiting.len(), 66, "64 live, the 65th, and the last");
     }
 }

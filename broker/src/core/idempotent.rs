@@ -2,7 +2,6 @@
 //! batch against the shard's log (append, answer a re-send from the log, or refuse), in
 //! the order the batches arrived.
 
-use std::collections::VecDeque;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -70,7 +69,7 @@ impl CoreBroker {
         };
         match shard {
             Some(shard) => {
-                crate::producers::enqueue(&mut shard.idempotent_queue.borrow_mut(), queued);
+                shard.idempotent_queue.borrow_mut().push(queued);
                 self.build_producers(shard, key);
             }
             None => {
@@ -79,7 +78,7 @@ impl CoreBroker {
                     let waiting = opening.entry(key.clone()).or_default();
                     // Judged before the push: dropping abandoned ones may leave it short.
                     let first = waiting.is_empty();
-                    crate::producers::enqueue(waiting, queued);
+                    waiting.push(queued);
                     first
                 };
                 if first {
@@ -95,11 +94,12 @@ impl CoreBroker {
                             .unwrap_or_default();
                         match shard {
                             Ok(shard) => {
-                                shard.idempotent_queue.borrow_mut().extend(waiting);
+                                shard.idempotent_queue.borrow_mut().append(waiting);
                                 this.build_producers(shard, key);
                             }
                             Err(e) => {
-                                for queued in waiting {
+                                let mut waiting = waiting;
+                                for queued in waiting.take_to_serve() {
                                     let _ = queued.answer.send(Err(e.clone()));
                                 }
                             }
@@ -246,11 +246,11 @@ impl CoreBroker {
         task::spawn(async move {
             let built = this.read_producers(&shard).await;
             shard.building_producers.set(false);
-            let queued: VecDeque<Queued> =
-                std::mem::take(&mut *shard.idempotent_queue.borrow_mut());
-            // A publish whose client left is not written: nobody would learn of it,
-            // and a producer that comes back sends it again.
-            for q in queued.into_iter().filter(|q| !q.abandoned()) {
+            // Those whose clients left (and no live publish of their producer
+            // follows) are not written: nobody would learn of them, and a producer
+            // that comes back sends them again.
+            let queued = shard.idempotent_queue.borrow_mut().take_to_serve();
+            for q in queued {
                 let outcome = match &built {
                     Ok(()) => this.decide_and_write(&shard, key.clone(), q.records, q.tag),
                     Err(e) => Box::pin(std::future::ready(Err(e.clone()))) as Outcome,

@@ -897,7 +897,9 @@ async fn serve_stream(
         // writer and `answers`): a waiting group poll then hands back what it claimed,
         // uncounted, and one asked of another core is cancelled there. It waited on
         // for an answer nobody would read, claimed what came and counted an attempt.
-        // Writes and settles run to completion whatever happens to their answers.
+        // Writes and settles run to completion whatever happens to their answers
+        // (but an idempotent publish still waiting for its producer table is not
+        // written: `producers::Waiting`).
         let waiter = scope.next_waiter();
         futures_lite::future::or(w, scope.closed(waiter)).await;
         scope.stop_waiting(waiter);

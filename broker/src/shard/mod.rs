@@ -245,7 +245,7 @@ pub struct StreamShard {
     /// every claim on this core (`None` until built, or after a reset).
     pub producers: RefCell<Option<crate::producers::ProducerTable>>,
     /// Idempotent publishes waiting, in arrival order, while the table is built.
-    pub idempotent_queue: RefCell<std::collections::VecDeque<crate::producers::Queued>>,
+    pub idempotent_queue: RefCell<crate::producers::Waiting>,
     /// Whether a task is building the producer table.
     pub building_producers: std::cell::Cell<bool>,
     /// The first offset claimed while the shard had no producer table: every claim
