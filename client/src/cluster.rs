@@ -134,6 +134,15 @@ impl ClusterClient {
     /// rather than running the whole policy of connects again at once (callers queued
     /// behind a failed rebuild each ran theirs in turn: minutes with the seeds down).
     async fn reconnect(&self, seen: u64) -> Result<(), ClientError> {
+        self.reconnect_under(seen, &self.policy).await
+    }
+
+    /// [`ClusterClient::reconnect`], connecting under `policy`.
+    async fn reconnect_under(
+        &self,
+        seen: u64,
+        policy: &ReconnectPolicy,
+    ) -> Result<(), ClientError> {
         let installed = self
             .rebuild
             .run(
@@ -143,7 +152,7 @@ impl ClusterClient {
                         &self.endpoints(),
                         &self.server_name,
                         &self.config,
-                        &self.policy,
+                        policy,
                         &self.rng,
                     )
                     .await
@@ -252,8 +261,10 @@ impl ClusterClient {
         F: Fn(Arc<Client>) -> Fut,
         Fut: std::future::Future<Output = Result<T, ClientError>>,
     {
-        // The generation the failing attempt ran on: a reconnect replaces only that.
+        // The generation the failing attempt ran on: a reconnect replaces only that,
+        // in one round over the endpoints (this loop backs off and counts attempts).
         let seen = AtomicU64::new(0);
+        let round = self.policy.one_round();
         retry_under(
             &self.policy,
             resend,
@@ -263,7 +274,7 @@ impl ClusterClient {
                 seen.store(self.generation(), Ordering::Relaxed);
                 op(self.client())
             },
-            || self.reconnect(seen.load(Ordering::Relaxed)),
+            || self.reconnect_under(seen.load(Ordering::Relaxed), &round),
         )
         .await
     }
@@ -653,7 +664,9 @@ where
     let mut first_not_found: Option<Instant> = None;
     let mut last = None;
     let mut in_doubt = false;
+    let mut made = 0;
     for attempt in 0..policy.attempts.max(1) {
+        made = attempt + 1;
         let e = match op().await {
             Ok(v) => return Ok(v),
             Err(e) => e,
@@ -723,7 +736,8 @@ where
         tokio::time::sleep(wait).await;
     }
     Err(ClientError::GaveUp {
-        attempts: policy.attempts,
+        // Those made: a deadline can end the loop before the policy's count.
+        attempts: made,
         endpoints,
         in_doubt,
         last: Box::new(last.unwrap_or(ClientError::Timeout("no attempt made"))),
@@ -1118,6 +1132,77 @@ mod tests {
             );
         }
         assert!(start.elapsed() < Duration::from_secs(2));
+    }
+
+    /// A call its deadline ends early says how many attempts it made, not the policy's.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_ended_by_its_deadline_counts_the_attempts_it_made() {
+        let policy = ReconnectPolicy {
+            deadline: Some(Duration::from_millis(250)),
+            ..ReconnectPolicy::default()
+        };
+        let r: Result<(), _> = retry_under(
+            &policy,
+            Resend::Always,
+            1,
+            |_| Duration::from_millis(100),
+            || async { Err(ClientError::Timeout("request")) },
+            || async { Ok(()) },
+        )
+        .await;
+        // At 0, 100 and 200 ms; a fourth would start past the deadline.
+        assert!(
+            matches!(r, Err(ClientError::GaveUp { attempts: 3, .. })),
+            "{r:?}"
+        );
+    }
+
+    /// A retried call with every broker down makes `attempts` rounds over the
+    /// endpoints in all, not `attempts` rounds of reconnects of `attempts` rounds each:
+    /// at the defaults, with 6 s handshakes to two dead brokers, 5 x 2 connects and
+    /// about a minute, where it made 5 x 5 x 2 and about five.
+    #[tokio::test(start_paused = true)]
+    async fn a_retried_call_with_the_cluster_down_makes_its_attempts_rounds_in_all() {
+        let policy = ReconnectPolicy::default();
+        let round = policy.one_round();
+        let connects = RefCell::new(Vec::new());
+        let calls = RefCell::new(0);
+        let seeds = seeds();
+        let start = Instant::now();
+        let r: Result<(), _> = retry_under(
+            &policy,
+            Resend::Always,
+            2,
+            |_| Duration::from_millis(100),
+            || {
+                *calls.borrow_mut() += 1;
+                async { Err(ClientError::connection("x", "closed")) }
+            },
+            || {
+                connect_any(
+                    &seeds,
+                    &round,
+                    || 0.5,
+                    failing(
+                        Duration::from_secs(6),
+                        ClientError::Timeout("handshake"),
+                        &connects,
+                    ),
+                )
+            },
+        )
+        .await;
+        assert!(
+            matches!(r, Err(ClientError::GaveUp { attempts: 5, .. })),
+            "{r:?}"
+        );
+        assert_eq!(*calls.borrow(), 5);
+        assert_eq!(connects.borrow().len(), 5 * 2, "one round a reconnect");
+        assert!(
+            start.elapsed() < Duration::from_secs(61),
+            "{:?}",
+            start.elapsed()
+        );
     }
 
     #[tokio::test(start_paused = true)]

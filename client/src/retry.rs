@@ -10,7 +10,8 @@ use crate::error::ClientError;
 /// How hard a `ClusterClient` tries before giving up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReconnectPolicy {
-    /// Attempts; each attempt tries every endpoint.
+    /// Attempts; each attempt tries every endpoint. A retried call makes this many in
+    /// all, reconnecting after a lost connection with one round over the endpoints.
     pub attempts: usize,
     /// The first backoff ceiling: the first retry waits uniform in `[0, backoff]`.
     pub backoff: Duration,
@@ -46,6 +47,17 @@ impl ReconnectPolicy {
     /// Full jitter: uniform in `[0, ceiling]` given `unit` uniform in `[0, 1)`.
     pub fn delay(&self, attempt: usize, unit: f64) -> Duration {
         self.ceiling(attempt).mul_f64(unit.clamp(0.0, 1.0))
+    }
+
+    /// One round over the endpoints, no backoff: how a reconnect inside a retried call
+    /// connects, the call's own loop being the one that backs off and counts attempts.
+    /// With this policy there, a call with the cluster down made `attempts x attempts`
+    /// rounds (25 at the defaults, each up to a 6 s handshake an endpoint: minutes).
+    pub fn one_round(&self) -> ReconnectPolicy {
+        ReconnectPolicy {
+            attempts: 1,
+            ..*self
+        }
     }
 }
 
