@@ -1746,9 +1746,9 @@ impl CoreBroker {
 
     /// Appends on this (the owning) core. The offsets are claimed before this returns
     /// its future when the shard is open; the commit and fanout run in a task of their
-    /// own, so a publisher going away cannot cancel them half way. (An idempotent
-    /// publish still waiting for its producer table when its client leaves is not
-    /// written: see `producers::Waiting`.)
+    /// own, so a publisher going away cannot cancel them half way. (Idempotent
+    /// publishes still waiting for their producer table whose clients left may be
+    /// dropped past a bound: see `producers::Waiting`.)
     pub fn append_local(
         self: &Rc<Self>,
         key: Arc<ShardKey>,

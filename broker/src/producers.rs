@@ -116,32 +116,56 @@ impl Queued {
     }
 }
 
+/// Bytes of publishes whose clients left that one queue keeps: past them, at the next
+/// sweep, every such publish is dropped. Under them they are kept and written when the
+/// queue is served, as before there was a bound: a producer whose connection died
+/// mid-pipeline while its next batch came on another (a forwarding broker's new
+/// connection) needs the earlier batches written, or the next is refused
+/// `sequence_gap`. Only a client stacking abandoned batches reaches the bound.
+pub const ABANDONED_KEPT_BYTES: usize = 256 << 20;
+
+/// What a queued publish is counted at: its records and the entry's own keep.
+fn cost(q: &Queued) -> usize {
+    128 + q.records.iter().map(|r| r.len() + 16).sum::<usize>()
+}
+
 /// Idempotent publishes waiting for their shard to open or its producer table to be
-/// built, in arrival order. Those whose clients left are dropped as the queue grows and
-/// are not written when it is served, unless a live publish of the same producer
-/// follows them: kept until served (up to seconds), a client leaving and coming back
-/// while a table was built could stack batch after batch no request budget counted;
-/// dropped even then, a producer whose connection died mid-pipeline while its next
-/// batch came on another (a forwarder's new connection) was refused `sequence_gap` for
-/// the next. Only publishes whose connection is on the shard's own core can be
-/// abandoned here: one from another core or held for a move keeps its answer's
-/// receiver on this core until it is answered.
+/// built, in arrival order. Kept until served (up to seconds), those whose clients
+/// left (no request budget counting them any more) let a client leaving and coming
+/// back stack batch after batch; now, each time the queue's bytes have doubled since
+/// the last sweep (and are past [`ABANDONED_KEPT_BYTES`]), the abandoned ones are
+/// counted, and dropped if they hold more than that. Only publishes whose connection is
+/// on the shard's own core can be abandoned here: one from another core or held for a
+/// move keeps its answer's receiver on this core until it is answered.
 #[derive(Debug, Default)]
 pub struct Waiting {
     queue: std::collections::VecDeque<Queued>,
-    /// The length at which the next push sweeps: twice what the last sweep kept (64 at
-    /// least), so a push costs O(1) amortised whatever a sweep finds.
+    /// What the queue holds, by [`cost`].
+    bytes: usize,
+    /// The bytes past which the next push sweeps: twice what the last sweep kept
+    /// ([`ABANDONED_KEPT_BYTES`] at least), so a push costs O(1) amortised.
     sweep_at: usize,
 }
 
 impl Waiting {
     /// Queues `q` behind the rest.
     pub fn push(&mut self, q: Queued) {
-        if self.queue.len() >= self.sweep_at.max(64) {
-            drop_abandoned(&mut self.queue);
-            self.sweep_at = 2 * self.queue.len();
-        }
+        self.bytes += cost(&q);
         self.queue.push_back(q);
+        if self.bytes > self.sweep_at.max(ABANDONED_KEPT_BYTES) {
+            self.sweep();
+        }
+    }
+
+    /// Drops every abandoned publish if together they hold more than
+    /// [`ABANDONED_KEPT_BYTES`].
+    fn sweep(&mut self) {
+        let abandoned: usize = self.queue.iter().filter(|q| q.abandoned()).map(cost).sum();
+        if abandoned > ABANDONED_KEPT_BYTES {
+            self.queue.retain(|q| !q.abandoned());
+            self.bytes -= abandoned;
+        }
+        self.sweep_at = 2 * self.bytes;
     }
 
     /// Whether none waits.
@@ -149,42 +173,23 @@ impl Waiting {
         self.queue.is_empty()
     }
 
-    /// How many wait (abandoned ones not yet swept included).
+    /// How many wait.
     pub fn len(&self) -> usize {
         self.queue.len()
     }
 
     /// Queues all of `other` behind the rest, in its order.
     pub fn append(&mut self, mut other: Waiting) {
+        self.bytes += other.bytes;
         self.queue.append(&mut other.queue);
     }
 
-    /// Takes every publish to serve, in arrival order, leaving none: those whose
-    /// clients left and no live publish of their producer follows are dropped.
+    /// Takes every publish, in arrival order, leaving none.
     pub fn take_to_serve(&mut self) -> std::collections::VecDeque<Queued> {
-        let mut queue = std::mem::take(&mut self.queue);
+        self.bytes = 0;
         self.sweep_at = 0;
-        drop_abandoned(&mut queue);
-        queue
+        std::mem::take(&mut self.queue)
     }
-}
-
-/// Drops the abandoned publishes of `queue` that no live publish of the same producer
-/// follows: written, one that is followed keeps the live one's sequence from a gap.
-fn drop_abandoned(queue: &mut std::collections::VecDeque<Queued>) {
-    let mut live_after = std::collections::HashSet::new();
-    let mut keep = vec![false; queue.len()];
-    for (i, q) in queue.iter().enumerate().rev() {
-        keep[i] = !q.abandoned() || live_after.contains(&q.tag.0);
-        if !q.abandoned() {
-            live_after.insert(q.tag.0);
-        }
-    }
-    let mut at = 0;
-    queue.retain(|_| {
-        at += 1;
-        keep[at - 1]
-    });
 }
 
 /// Which table, and how many cuts it has taken ([`ProducerTable::cut_to`]): a claim's
@@ -934,10 +939,12 @@ mod tests {
         assert_eq!(t.decide(99_999, 0, n(1)), Decision::Append, "a new one");
     }
 
-    /// A queued publish and its answer's receiver (dropped: its client left).
+    /// A queued publish of `bytes` and its answer's receiver (dropped: its client
+    /// left).
     fn queued(
         producer: u64,
         sequence: u64,
+        bytes: usize,
     ) -> (
         Queued,
         futures_channel::oneshot::Receiver<
@@ -946,75 +953,78 @@ mod tests {
     ) {
         let (answer, rx) = futures_channel::oneshot::channel();
         let q = Queued {
-            records: vec![Bytes::from(vec![0u8; 1024])],
+            records: vec![Bytes::from(vec![0u8; bytes])],
             tag: (producer, sequence),
             answer,
         };
         (q, rx)
     }
 
-    /// Publishes queued for a table's build whose clients left are dropped as the queue
-    /// grows: a client leaving and coming back, 10,000 times, holds no more than the
-    /// live ones' share, and the live ones keep their order. Each is its own producer.
+    /// Publishes queued for a table's build whose clients left are dropped once they
+    /// hold more than their bound: a client leaving and coming back 10,000 times with a
+    /// 256 KiB batch (2.4 GiB) leaves at most about twice the bound queued, and the
+    /// live ones keep their order.
     #[test]
-    fn queued_publishes_whose_clients_left_are_dropped_as_the_queue_grows() {
+    fn queued_publishes_whose_clients_left_are_dropped_past_their_bound() {
         let mut waiting = Waiting::default();
         let mut live = Vec::new();
+        let mut most = 0;
         for i in 0..10_000u64 {
-            let (q, rx) = queued(i, 0);
+            let (q, rx) = queued(i, 0, 256 << 10);
             waiting.push(q);
+            most = most.max(waiting.bytes);
             if i % 1_000 == 0 {
                 live.push((i, rx));
             }
         }
-        assert!(waiting.len() <= 128, "{} held", waiting.len());
-        let served: Vec<u64> = waiting.take_to_serve().iter().map(|q| q.tag.0).collect();
+        assert!(
+            most <= 2 * ABANDONED_KEPT_BYTES + (1 << 20),
+            "{most} bytes held at most"
+        );
+        let served = waiting.take_to_serve();
+        let kept: Vec<u64> = served
+            .iter()
+            .filter(|q| !q.abandoned())
+            .map(|q| q.tag.0)
+            .collect();
         let want: Vec<u64> = live.iter().map(|(i, _)| *i).collect();
-        assert_eq!(served, want);
+        assert_eq!(kept, want);
         assert!(waiting.is_empty());
     }
 
-    /// An abandoned publish that a live publish of its producer follows is kept and
-    /// served: a producer whose connection died mid-pipeline, its next batch come on
-    /// another connection, would otherwise be refused a gap for that next batch.
+    /// Under their bound, publishes whose clients left are kept and served in order: a
+    /// producer whose connection died mid-pipeline, its next batch come on another
+    /// connection, would otherwise be refused a gap for that next batch.
     #[test]
-    fn an_abandoned_publish_its_producers_next_follows_is_served() {
+    fn an_abandoned_publish_under_the_bound_is_served() {
         let mut waiting = Waiting::default();
-        let (five, gone) = queued(7, 5);
+        let (five, gone) = queued(7, 5, 1024);
         drop(gone);
-        let (six, _six) = queued(7, 6);
-        let (other, gone) = queued(8, 1);
-        drop(gone);
+        let (six, _six) = queued(7, 6, 1024);
         waiting.push(five);
-        waiting.push(other);
         waiting.push(six);
         let served: Vec<(u64, u64)> = waiting.take_to_serve().iter().map(|q| q.tag).collect();
         assert_eq!(served, [(7, 5), (7, 6)]);
     }
 
-    /// A sweep that finds little to drop is not run again at the next push: a push
-    /// costs O(1) amortised.
+    /// A sweep that finds the abandoned ones within their bound is not run again before
+    /// the queue's bytes double: a push costs O(1) amortised.
     #[test]
-    fn a_sweep_that_keeps_most_waits_for_the_queue_to_double() {
+    fn a_sweep_that_drops_nothing_waits_for_the_queue_to_double() {
         let mut waiting = Waiting::default();
         let mut live = Vec::new();
-        for i in 0..64u64 {
-            let (q, rx) = queued(i, 0);
+        let mib = 1 << 20;
+        while waiting.bytes <= ABANDONED_KEPT_BYTES {
+            let (q, rx) = queued(0, 0, mib);
             waiting.push(q);
             live.push(rx);
         }
-        // The 65th push sweeps (finding all live) and sets the next sweep at 128.
-        let (q, _gone) = queued(64, 0);
-        waiting.push(q);
-        assert_eq!(waiting.sweep_at, 128);
-        for i in 65..128u64 {
-            let (q, gone) = queued(i, 0);
-            drop(gone);
+        let after = waiting.sweep_at;
+        assert_eq!(after, 2 * waiting.bytes, "swept once, nothing dropped");
+        while waiting.bytes + mib + 200 <= after {
+            let (q, _gone) = queued(0, 0, mib);
             waiting.push(q);
-            assert_eq!(waiting.sweep_at, 128, "no sweep before the queue doubled");
+            assert_eq!(waiting.sweep_at, after, "no sweep before the bytes doubled");
         }
-        let (q, _rx) = queued(128, 0);
-        waiting.push(q);
-        assert_eq!(waiting.len(), 66, "64 live, the 65th, and the last");
     }
 }

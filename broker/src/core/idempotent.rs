@@ -246,9 +246,9 @@ impl CoreBroker {
         task::spawn(async move {
             let built = this.read_producers(&shard).await;
             shard.building_producers.set(false);
-            // Those whose clients left (and no live publish of their producer
-            // follows) are not written: nobody would learn of them, and a producer
-            // that comes back sends them again.
+            // Those whose clients left are written too (a producer's later batch on
+            // another connection may follow them), unless a sweep dropped them past
+            // their bound (`producers::Waiting`).
             let queued = shard.idempotent_queue.borrow_mut().take_to_serve();
             for q in queued {
                 let outcome = match &built {

@@ -898,8 +898,8 @@ async fn serve_stream(
         // uncounted, and one asked of another core is cancelled there. It waited on
         // for an answer nobody would read, claimed what came and counted an attempt.
         // Writes and settles run to completion whatever happens to their answers
-        // (but an idempotent publish still waiting for its producer table is not
-        // written: `producers::Waiting`).
+        // (idempotent publishes still waiting for their producer table may be
+        // dropped past a bound: `producers::Waiting`).
         let waiter = scope.next_waiter();
         futures_lite::future::or(w, scope.closed(waiter)).await;
         scope.stop_waiting(waiter);
