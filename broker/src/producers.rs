@@ -132,9 +132,9 @@ fn cost(q: &Queued) -> usize {
 /// Idempotent publishes waiting for their shard to open or its producer table to be
 /// built, in arrival order. Kept until served (up to seconds), those whose clients
 /// left (no request budget counting them any more) let a client leaving and coming
-/// back stack batch after batch; now, each time the queue's bytes have doubled since
-/// the last sweep (and are past [`ABANDONED_KEPT_BYTES`]), the abandoned ones are
-/// counted, and dropped if they hold more than that. Only publishes whose connection is
+/// back stack batch after batch; now, each time [`ABANDONED_KEPT_BYTES`] more have
+/// come since the last look, the abandoned ones are counted, and dropped if they hold
+/// more than that. Only publishes whose connection is
 /// on the shard's own core can be abandoned here: one from another core or held for a
 /// move keeps its answer's receiver on this core until it is answered.
 #[derive(Debug, Default)]
@@ -142,8 +142,10 @@ pub struct Waiting {
     queue: std::collections::VecDeque<Queued>,
     /// What the queue holds, by [`cost`].
     bytes: usize,
-    /// The bytes past which the next push sweeps: twice what the last sweep kept
-    /// ([`ABANDONED_KEPT_BYTES`] at least), so a push costs O(1) amortised.
+    /// The bytes past which the next push sweeps: what the last sweep kept plus
+    /// [`ABANDONED_KEPT_BYTES`]. Abandoned publishes then hold at most twice that bound
+    /// plus the live bytes at the last sweep (which may all be abandoned since); a
+    /// sweep reads the queue once per [`ABANDONED_KEPT_BYTES`] pushed.
     sweep_at: usize,
 }
 
@@ -162,10 +164,16 @@ impl Waiting {
     fn sweep(&mut self) {
         let abandoned: usize = self.queue.iter().filter(|q| q.abandoned()).map(cost).sum();
         if abandoned > ABANDONED_KEPT_BYTES {
-            self.queue.retain(|q| !q.abandoned());
-            self.bytes -= abandoned;
+            let bytes = &mut self.bytes;
+            self.queue.retain(|q| {
+                let keep = !q.abandoned();
+                if !keep {
+                    *bytes -= cost(q);
+                }
+                keep
+            });
         }
-        self.sweep_at = 2 * self.bytes;
+        self.sweep_at = self.bytes + ABANDONED_KEPT_BYTES;
     }
 
     /// Whether none waits.
@@ -960,28 +968,36 @@ mod tests {
         (q, rx)
     }
 
+    /// What `waiting` holds, counted afresh.
+    fn held(waiting: &Waiting) -> usize {
+        waiting.queue.iter().map(cost).sum()
+    }
+
     /// Publishes queued for a table's build whose clients left are dropped once they
     /// hold more than their bound: a client leaving and coming back 10,000 times with a
-    /// 256 KiB batch (2.4 GiB) leaves at most about twice the bound queued, and the
-    /// live ones keep their order.
+    /// 256 KiB batch (2.4 GiB) leaves at most twice the bound (plus the live ones)
+    /// queued, and the live ones keep their order.
     #[test]
     fn queued_publishes_whose_clients_left_are_dropped_past_their_bound() {
         let mut waiting = Waiting::default();
         let mut live = Vec::new();
         let mut most = 0;
+        let one = cost(&queued(0, 0, 256 << 10).0);
         for i in 0..10_000u64 {
             let (q, rx) = queued(i, 0, 256 << 10);
             waiting.push(q);
+            assert_eq!(waiting.bytes, held(&waiting));
             most = most.max(waiting.bytes);
             if i % 1_000 == 0 {
                 live.push((i, rx));
             }
         }
         assert!(
-            most <= 2 * ABANDONED_KEPT_BYTES + (1 << 20),
+            most <= 2 * ABANDONED_KEPT_BYTES + 11 * one,
             "{most} bytes held at most"
         );
         let served = waiting.take_to_serve();
+        assert!(served.len() <= 2 * 1_025 + 10, "{} served", served.len());
         let kept: Vec<u64> = served
             .iter()
             .filter(|q| !q.abandoned())
@@ -992,9 +1008,10 @@ mod tests {
         assert!(waiting.is_empty());
     }
 
-    /// Under their bound, publishes whose clients left are kept and served in order: a
-    /// producer whose connection died mid-pipeline, its next batch come on another
-    /// connection, would otherwise be refused a gap for that next batch.
+    /// Under their bound, publishes whose clients left are kept and served in order,
+    /// through a sweep: a producer whose connection died mid-pipeline, its next batch
+    /// come on another connection, would otherwise be refused a gap for that next
+    /// batch.
     #[test]
     fn an_abandoned_publish_under_the_bound_is_served() {
         let mut waiting = Waiting::default();
@@ -1003,28 +1020,62 @@ mod tests {
         let (six, _six) = queued(7, 6, 1024);
         waiting.push(five);
         waiting.push(six);
-        let served: Vec<(u64, u64)> = waiting.take_to_serve().iter().map(|q| q.tag).collect();
+        let mut live = Vec::new();
+        while waiting.sweep_at == 0 {
+            let (q, rx) = queued(8, live.len() as u64, 1 << 20);
+            waiting.push(q);
+            live.push(rx);
+        }
+        let served: Vec<(u64, u64)> = waiting
+            .take_to_serve()
+            .iter()
+            .take(2)
+            .map(|q| q.tag)
+            .collect();
         assert_eq!(served, [(7, 5), (7, 6)]);
     }
 
     /// A sweep that finds the abandoned ones within their bound is not run again before
-    /// the queue's bytes double: a push costs O(1) amortised.
+    /// the bound's worth more has come (a push costs O(1) amortised), and the next one
+    /// drops them once they are past it.
     #[test]
-    fn a_sweep_that_drops_nothing_waits_for_the_queue_to_double() {
+    fn a_sweep_waits_for_the_bounds_worth_more_and_then_drops() {
         let mut waiting = Waiting::default();
         let mut live = Vec::new();
         let mib = 1 << 20;
-        while waiting.bytes <= ABANDONED_KEPT_BYTES {
+        while waiting.sweep_at == 0 {
             let (q, rx) = queued(0, 0, mib);
             waiting.push(q);
             live.push(rx);
         }
         let after = waiting.sweep_at;
-        assert_eq!(after, 2 * waiting.bytes, "swept once, nothing dropped");
-        while waiting.bytes + mib + 200 <= after {
+        assert_eq!(
+            after,
+            waiting.bytes + ABANDONED_KEPT_BYTES,
+            "nothing dropped"
+        );
+        let before = waiting.len();
+        let mut most = 0;
+        loop {
             let (q, _gone) = queued(0, 0, mib);
+            let (len, threshold) = (waiting.len(), waiting.sweep_at);
             waiting.push(q);
-            assert_eq!(waiting.sweep_at, after, "no sweep before the bytes doubled");
+            if waiting.len() <= len {
+                break;
+            }
+            if waiting.sweep_at != threshold {
+                // One that kept them (the one pushed with it still live, they were
+                // just within the bound): only once the bound's worth more had come.
+                assert!(waiting.bytes > after, "a sweep at {} bytes", waiting.bytes);
+            }
+            most = most.max(waiting.bytes);
         }
+        assert!(
+            most <= after + 2 * ABANDONED_KEPT_BYTES,
+            "{most} bytes held at most"
+        );
+        // The one pushed with the sweep was still live then.
+        assert_eq!(waiting.len(), before + 1, "the abandoned ones went");
+        assert_eq!(waiting.bytes, held(&waiting));
     }
 }

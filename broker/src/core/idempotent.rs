@@ -76,7 +76,7 @@ impl CoreBroker {
                 let first = {
                     let mut opening = self.idempotent_opening.borrow_mut();
                     let waiting = opening.entry(key.clone()).or_default();
-                    // Judged before the push: dropping abandoned ones may leave it short.
+                    // Judged before the push, which may drop abandoned ones.
                     let first = waiting.is_empty();
                     waiting.push(queued);
                     first
