@@ -1624,27 +1624,29 @@ fn concurrent_creates_of_one_name_admit_exactly_one() {
             )
             .unwrap();
         let admin = anon.with_token(boot["token"].as_str().unwrap());
-        let results: Vec<u16> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..8)
-                .map(|_| {
-                    let admin = admin.clone();
-                    s.spawn(move || {
-                        status(admin.post("/v1/tenants", &json!({"tenant_id": "race"}))).0
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        taken_at_once(1, |_| {
+            admin.post("/v1/tenants", &json!({"tenant_id": "race"}))
         });
-        assert_eq!(
-            results.iter().filter(|s| **s == 200).count(),
-            1,
-            "{results:?}"
-        );
-        assert!(
-            results.iter().all(|s| *s == 200 || *s == 409),
-            "{results:?}"
-        );
     }
+}
+
+/// Sends `post(i)` for `i` in 0..8 at once, from eight threads: exactly `taken` are
+/// taken and the others refused 409.
+fn taken_at_once(taken: usize, post: impl Fn(usize) -> Result<Value, ClientError> + Sync) {
+    let post = &post;
+    let results: Vec<u16> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..8).map(|i| s.spawn(move || status(post(i)).0)).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(
+        results.iter().filter(|s| **s == 200).count(),
+        taken,
+        "{results:?}"
+    );
+    assert!(
+        results.iter().all(|s| *s == 200 || *s == 409),
+        "{results:?}"
+    );
 }
 
 #[test]
@@ -2965,30 +2967,12 @@ fn creates_at_once_cannot_pass_the_shard_bound_together() {
                 )
                 .unwrap();
         }
-        let results: Vec<u16> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..8)
-                .map(|i| {
-                    let admin = admin.clone();
-                    s.spawn(move || {
-                        status(admin.post(
-                            &format!("/v1/tenants/acme/namespaces/ns{i}/streams"),
-                            &json!({"stream": "s", "kind": "Stream", "shards": 4096}),
-                        ))
-                        .0
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        taken_at_once(2, |i| {
+            admin.post(
+                &format!("/v1/tenants/acme/namespaces/ns{i}/streams"),
+                &json!({"stream": "s", "kind": "Stream", "shards": 4096}),
+            )
         });
-        assert_eq!(
-            results.iter().filter(|s| **s == 200).count(),
-            2,
-            "{results:?}"
-        );
-        assert!(
-            results.iter().all(|s| *s == 200 || *s == 409),
-            "{results:?}"
-        );
     }
 }
 
