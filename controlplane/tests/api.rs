@@ -2871,6 +2871,37 @@ fn forget_totals(svc: &Service) {
         .unwrap();
 }
 
+/// Writes `ops` straight to the store, past the handlers (and their counts).
+fn write_past_the_handlers(svc: &Service, ops: Vec<Op>) {
+    svc.rt.block_on(svc.store.batch(ops)).unwrap();
+}
+
+/// The cluster's kept totals (the fence document).
+fn kept_totals(svc: &Service) -> Doc {
+    svc.rt
+        .block_on(svc.store.get(Kind::Meta, "limits-fence"))
+        .unwrap()
+        .expect("totals kept")
+}
+
+/// A denial of `tenant`'s token `jti` until `until`, to write past the handlers.
+fn denial_doc(tenant: &str, jti: &str, until: u64) -> Op {
+    Op::Put {
+        kind: Kind::Denial,
+        key: format!("{tenant}/{jti}"),
+        value: json!({"tenant_id": tenant, "jti": jti, "until": until}),
+        expect: Expect::Absent,
+    }
+}
+
+/// Seconds since the epoch, as denials count them.
+fn epoch_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
 /// The message of a refusal with status `want`.
 fn refused_saying(r: Result<Value, ClientError>, want: u16) -> String {
     match r {
@@ -2892,15 +2923,16 @@ fn a_tenants_shards_and_the_clusters_stay_within_their_bounds() {
     let (_, admin) = bootstrapped(&svc);
     // A stream stored before the bounds were kept (no totals yet): counted at the first
     // counted write.
-    svc.rt
-        .block_on(svc.store.batch(vec![Op::Put {
+    write_past_the_handlers(
+        &svc,
+        vec![Op::Put {
             kind: Kind::Stream,
             key: "old/ns/s".into(),
             value: json!({"tenant_id": "old", "namespace": "ns", "stream": "s",
                           "kind": "Stream", "shards": 4096}),
             expect: Expect::Absent,
-        }]))
-        .unwrap();
+        }],
+    );
     forget_totals(&svc);
     for t in ["acme", "beta", "gamma"] {
         admin.post("/v1/tenants", &json!({"tenant_id": t})).unwrap();
@@ -2990,10 +3022,7 @@ fn a_tenants_denials_are_bounded_and_lapsed_ones_are_dropped() {
     admin
         .post("/v1/tenants", &json!({"tenant_id": "beta"}))
         .unwrap();
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
+    let now = epoch_secs();
     let deny = |t: &str, jti: &str, until: u64| {
         admin.post(
             &format!("/v1/tenants/{t}/token-denials"),
@@ -3003,14 +3032,7 @@ fn a_tenants_denials_are_bounded_and_lapsed_ones_are_dropped() {
     // Lapsed already: refused, as it would refuse nothing.
     expect_err(deny("acme", "past", now - 3600), 400);
     // One that lapsed since (written here directly): counts for nothing, and goes.
-    svc.rt
-        .block_on(svc.store.batch(vec![Op::Put {
-            kind: Kind::Denial,
-            key: "acme/old".into(),
-            value: json!({"tenant_id": "acme", "jti": "old", "until": now - 3600}),
-            expect: Expect::Absent,
-        }]))
-        .unwrap();
+    write_past_the_handlers(&svc, vec![denial_doc("acme", "old", now - 3600)]);
     forget_totals(&svc);
     for i in 0..TENANT_DENIALS_MAX {
         deny("acme", &format!("j{i}"), now + 3600).unwrap();
@@ -3034,12 +3056,7 @@ fn a_tenants_denials_are_bounded_and_lapsed_ones_are_dropped() {
     admin.delete("/v1/tenants/acme").unwrap();
     let left = svc.rt.block_on(svc.store.list(Kind::Denial, "")).unwrap();
     assert_eq!(left.len(), 1, "beta's alone");
-    let fence = svc
-        .rt
-        .block_on(svc.store.get(Kind::Meta, "limits-fence"))
-        .unwrap()
-        .unwrap();
-    assert_eq!(fence.value["denials"], 1);
+    assert_eq!(kept_totals(&svc).value["denials"], 1);
 }
 
 /// Totals moved from the truth by writes outside the counted handlers (an older
@@ -3062,22 +3079,18 @@ fn the_placement_pass_mends_the_kept_totals() {
             &json!({"stream": "s", "kind": "Stream", "shards": 3}),
         )
         .unwrap();
-    let fence = || {
-        svc.rt
-            .block_on(svc.store.get(Kind::Meta, "limits-fence"))
-            .unwrap()
-            .unwrap()
-    };
+    let fence = || kept_totals(&svc);
     let set = |value: Value| {
         let d = fence();
-        svc.rt
-            .block_on(svc.store.batch(vec![Op::Put {
+        write_past_the_handlers(
+            &svc,
+            vec![Op::Put {
                 kind: Kind::Meta,
                 key: "limits-fence".into(),
                 value,
                 expect: Expect::Version(d.version),
-            }]))
-            .unwrap();
+            }],
+        );
     };
     let pass = || {
         svc.rt
@@ -3097,22 +3110,14 @@ fn the_placement_pass_mends_the_kept_totals() {
     pass();
     assert_eq!(fence().value["shards"], 3);
     // Denials: lapsed ones stored past half the bound are dropped.
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let denial = |jti: &str, until: u64| Op::Put {
-        kind: Kind::Denial,
-        key: format!("acme/{jti}"),
-        value: json!({"tenant_id": "acme", "jti": jti, "until": until}),
-        expect: Expect::Absent,
-    };
-    svc.rt
-        .block_on(svc.store.batch(vec![
-            denial("lapsed", now - 3600),
-            denial("live", now + 3600),
-        ]))
-        .unwrap();
+    let now = epoch_secs();
+    write_past_the_handlers(
+        &svc,
+        vec![
+            denial_doc("acme", "lapsed", now - 3600),
+            denial_doc("acme", "live", now + 3600),
+        ],
+    );
     set(json!({"shards": 3, "denials": 9_000}));
     pass();
     assert_eq!(fence().value, json!({"shards": 3, "denials": 1}));
