@@ -160,18 +160,10 @@ impl ClusterClient {
             let cc = self.clone();
             let (t, n, s) = (tenant.to_owned(), namespace.to_owned(), stream.to_owned());
             async move {
-                let r = match cc.subscribe_shard(&t, &n, &s, shard, start_of(shard)).await {
-                    // Resumed where retention removed records since (positions taken
-                    // before a lag): from the oldest retained, as a lost shard does.
-                    Err(e) => match oldest_retained(&e, shard) {
-                        Some(o) => {
-                            let oldest = Some(StartPosition::Offset(Offset(o)));
-                            cc.subscribe_shard(&t, &n, &s, shard, oldest).await
-                        }
-                        None => Err(e),
-                    },
-                    ok => ok,
-                };
+                let r = open_past_retention(shard, start_of(shard), |at| {
+                    cc.subscribe_shard(&t, &n, &s, shard, at)
+                })
+                .await;
                 (shard, r)
             }
         }))
@@ -360,6 +352,37 @@ fn oldest_retained(e: &ClientError, shard: u32) -> Option<u64> {
     Some(c.available)
 }
 
+/// How many times a resume opens again at the oldest retained record while retention
+/// keeps removing it from under the open.
+const RETAINED_OPENS_MAX: usize = 8;
+
+/// Opens `shard` at `start`; where retention removed records since (positions taken
+/// before a lag), from the oldest retained, as a lost shard does. Retention running
+/// meanwhile may remove that one too before it opens: then again from the newer oldest,
+/// up to [`RETAINED_OPENS_MAX`] times.
+async fn open_past_retention<S, F, Fut>(
+    shard: u32,
+    start: Option<StartPosition>,
+    mut open: F,
+) -> Result<S, ClientError>
+where
+    F: FnMut(Option<StartPosition>) -> Fut,
+    Fut: std::future::Future<Output = Result<S, ClientError>>,
+{
+    let mut at = start;
+    let mut opens = 0;
+    loop {
+        opens += 1;
+        match open(at).await {
+            Err(e) if opens < RETAINED_OPENS_MAX => match oldest_retained(&e, shard) {
+                Some(o) => at = Some(StartPosition::Offset(Offset(o))),
+                None => return Err(e),
+            },
+            r => return r,
+        }
+    }
+}
+
 /// After the last offset delivered, or at `start` when none was.
 fn resume_at(
     positions: &Mutex<ShardOffsets>,
@@ -403,4 +426,68 @@ async fn futures_join_all<F: std::future::Future>(
     .await;
     out.extend(done.into_iter().map(|d| d.expect("all done")));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::SubscribeCursorError;
+    use felix_wire::message::CursorErrorReason;
+
+    fn too_old(requested: u64, available: u64) -> ClientError {
+        ClientError::Cursor(SubscribeCursorError {
+            reason: CursorErrorReason::TooOld,
+            requested,
+            available,
+        })
+    }
+
+    /// Retention removes the oldest record twice between a refusal naming it and the
+    /// open at it: the resume follows the oldest each time and opens at the fourth try.
+    #[tokio::test]
+    async fn a_resume_follows_retention_that_runs_while_it_opens() {
+        let oldest = std::cell::Cell::new(10);
+        let asked = std::cell::RefCell::new(Vec::new());
+        let opened = open_past_retention(0, Some(StartPosition::Offset(Offset(1))), |at| {
+            let StartPosition::Offset(Offset(o)) = at.expect("a position") else {
+                panic!("{at:?}")
+            };
+            asked.borrow_mut().push(o);
+            let held = oldest.get();
+            if o < held {
+                // Retention runs on twice while the refusals travel.
+                if asked.borrow().len() <= 2 {
+                    oldest.set(held + 5);
+                }
+                return std::future::ready(Err(too_old(o, held)));
+            }
+            std::future::ready(Ok(o))
+        })
+        .await
+        .unwrap();
+        assert_eq!(opened, 20);
+        assert_eq!(*asked.borrow(), [1, 10, 15, 20]);
+    }
+
+    /// Another refusal is the caller's at once; a resume that retention outruns gives up
+    /// after its bound with the last refusal.
+    #[tokio::test]
+    async fn a_resume_gives_up_on_other_errors_and_past_its_bound() {
+        let mut asked = 0;
+        let r: Result<u64, _> = open_past_retention(0, None, |_| {
+            asked += 1;
+            std::future::ready(Err(ClientError::Protocol("no".into())))
+        })
+        .await;
+        assert!(matches!(r, Err(ClientError::Protocol(_))), "{r:?}");
+        assert_eq!(asked, 1);
+        let mut asked = 0;
+        let r: Result<u64, _> = open_past_retention(0, None, |_| {
+            asked += 1;
+            std::future::ready(Err(too_old(0, asked)))
+        })
+        .await;
+        assert!(matches!(r, Err(ClientError::Cursor(_))), "{r:?}");
+        assert_eq!(asked, RETAINED_OPENS_MAX as u64);
+    }
 }
