@@ -181,14 +181,25 @@ impl ClusterClient {
         }
     }
 
+    /// After a one-shot call's result `r` on generation `seen`: a lost connection is
+    /// replaced in one round over the endpoints.
+    async fn replace_after<T>(&self, seen: u64, r: &Result<T, ClientError>) {
+        if let Err(e) = r
+            && classify(e, Duration::ZERO) == Decision::Reconnect
+        {
+            let _ = self.reconnect_under(seen, &self.policy.one_round()).await;
+        }
+    }
+
     fn jitter(&self, attempt: usize) -> Duration {
         let unit: f64 = self.rng.lock().expect("rng lock").random();
         self.policy.delay(attempt, unit)
     }
 
     /// Publishes once. On a connection failure the connection is replaced before the
-    /// error returns, so the next call goes somewhere live; the record is not resent
-    /// (it may have landed).
+    /// error returns, in one round over the endpoints (a one-shot call does not wait out
+    /// the whole policy with the cluster down), so the next call goes somewhere live;
+    /// the record is not resent (it may have landed).
     pub async fn publish(
         &self,
         tenant: &str,
@@ -202,11 +213,7 @@ impl ClusterClient {
             .client()
             .publish(tenant, namespace, stream, payload, ack)
             .await;
-        if let Err(e) = &r
-            && classify(e, Duration::ZERO) == Decision::Reconnect
-        {
-            let _ = self.reconnect(seen).await;
-        }
+        self.replace_after(seen, &r).await;
         r
     }
 
@@ -225,11 +232,7 @@ impl ClusterClient {
             .client()
             .publish_keyed(tenant, namespace, stream, key, payload, ack)
             .await;
-        if let Err(e) = &r
-            && classify(e, Duration::ZERO) == Decision::Reconnect
-        {
-            let _ = self.reconnect(seen).await;
-        }
+        self.replace_after(seen, &r).await;
         r
     }
 

@@ -102,6 +102,79 @@ fn the_guides_connect_with_policy_example_runs() {
     });
 }
 
+/// With the cluster gone, a one-shot publish returns after one round of connects over
+/// the endpoints, not the policy's five: it replaced its connection under the whole
+/// policy, waiting out every round and backoff (with 6 s handshakes, half a minute and
+/// more for a call meant to fail fast). The next call still finds a broker that is back.
+#[test]
+fn a_one_shot_publish_with_the_cluster_down_returns_after_one_round_of_connects() {
+    let (mut b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        // Idle connections end after 1 s here, and a handshake with no answer after
+        // about 3 s (quinn waits three probe timeouts at least): eight rounds take 24 s
+        // and more, one about 3.
+        let mut config = config(&b);
+        let mut transport = quinn::TransportConfig::default();
+        transport.max_idle_timeout(Some(Duration::from_secs(1).try_into().unwrap()));
+        config.quinn.transport_config(Arc::new(transport));
+        let policy = ReconnectPolicy {
+            attempts: 8,
+            backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(100),
+            deadline: None,
+        };
+        let client = ClusterClient::connect_with_policy(&[b.listen], "localhost", config, policy)
+            .await
+            .unwrap();
+        let publish = || {
+            client.publish(
+                "dev",
+                "default",
+                "orders",
+                b"x".to_vec(),
+                AckMode::PerMessage,
+            )
+        };
+        let keyed = || {
+            client.publish_keyed(
+                "dev",
+                "default",
+                "orders",
+                b"x".to_vec(),
+                bytes::Bytes::from_static(b"k"),
+                AckMode::PerMessage,
+            )
+        };
+        assert_eq!(publish().await.unwrap(), Some(0));
+        b.kill();
+        let started = Instant::now();
+        publish().await.unwrap_err();
+        let first = started.elapsed();
+        let started = Instant::now();
+        keyed().await.unwrap_err();
+        let second = started.elapsed();
+        eprintln!("with the broker gone: a publish failed in {first:?}, a keyed one in {second:?}");
+        assert!(first < Duration::from_secs(12), "{first:?}");
+        assert!(second < Duration::from_secs(12), "{second:?}");
+        // Back: a one-shot call fails at most once more (on the connection the last
+        // round could not replace), then lands.
+        b.restart().unwrap();
+        let mut landed = None;
+        for _ in 0..3 {
+            if let Ok(o) = publish().await {
+                landed = o;
+                break;
+            }
+        }
+        assert_eq!(
+            landed,
+            Some(1),
+            "the broker kept the first record and took this one"
+        );
+    });
+}
+
 #[test]
 fn publish_subscribe_and_cache_through_the_sdk() {
     let (b, _dir) = broker(&[]);
