@@ -114,6 +114,8 @@ pub struct AppState {
     pub reports: ReplicaReports,
     /// Seals and opens tenants' private signing keys.
     pub keyring: Arc<Keyring>,
+    /// This control plane's counted writes take turns (see [`limits::Turns`]).
+    pub counted: limits::Turns,
 }
 
 /// An API error.
@@ -751,7 +753,7 @@ async fn delete_tenant(
         }
         // Its denials go with its keys (no token they signed verifies any more), and
         // leave the cluster's total in the same batch.
-        let fence = limits::fence(st.store.as_ref()).await?;
+        let fence = limits::fence(st.store.as_ref(), &st.counted).await?;
         let denials = st.store.list(Kind::Denial, &format!("{t}/")).await?;
         let mut ops = vec![
             fence.write(limits::Totals {
@@ -780,7 +782,7 @@ async fn delete_tenant(
         }
         match st.store.batch(ops).await {
             Ok(_) => return Ok(StatusCode::NO_CONTENT),
-            Err(e) => raced_again(e, &mut raced)?,
+            Err(e) => raced_again(e, &mut raced, fence).await?,
         }
     }
 }
@@ -1051,7 +1053,7 @@ async fn create_in_namespace(
     let key = format!("{t}/{ns}/{name}");
     let mut raced = 0;
     loop {
-        let fence = limits::fence(st.store.as_ref()).await?;
+        let fence = limits::fence(st.store.as_ref(), &st.counted).await?;
         let ns_doc = namespace_must_exist(st, t, ns).await?;
         if st.store.get(kind, &key).await?.is_some() {
             return Err(ApiError::conflict(format!(
@@ -1088,17 +1090,23 @@ async fn create_in_namespace(
             Ok(written) => return Ok(written[2].version),
             // The name taken meanwhile is told as such at the next pass.
             Err(StoreError::Conflict { .. }) if st.store.get(kind, &key).await?.is_some() => {}
-            Err(e) => raced_again(e, &mut raced)?,
+            Err(e) => raced_again(e, &mut raced, fence).await?,
         }
     }
 }
 
 /// Whether a counted write whose batch failed with `e` should count and write again:
 /// a conflict (another write moved what it read) up to [`RACED_WRITES_MAX`] times,
-/// then 409; anything else is the answer.
-fn raced_again(e: StoreError, raced: &mut u32) -> ApiResult<()> {
+/// after a random pause under a ceiling that doubles each time (every counted write of
+/// the cluster rewrites one fence: tried again at once, writers that collided collide
+/// again, and of 32 creates at once most were refused), then 409; anything else is the
+/// answer. The `fence` read is dropped first: the pause is outside this control
+/// plane's turn of counted writes.
+async fn raced_again(e: StoreError, raced: &mut u32, fence: limits::Fence) -> ApiResult<()> {
+    drop(fence);
     match e {
         StoreError::Conflict { .. } if *raced < RACED_WRITES_MAX => {
+            tokio::time::sleep(raced_pause(*raced, random_unit())).await;
             *raced += 1;
             Ok(())
         }
@@ -1121,7 +1129,7 @@ async fn delete_with_assignments(
     let mut raced = 0;
     loop {
         // Its shards leave the cluster's total in the same batch.
-        let fence = limits::fence(st.store.as_ref()).await?;
+        let fence = limits::fence(st.store.as_ref(), &st.counted).await?;
         let d = must_exist(st, kind, &key).await?;
         let totals = limits::Totals {
             shards: fence
@@ -1154,7 +1162,7 @@ async fn delete_with_assignments(
         }
         match st.store.batch(ops).await {
             Ok(_) => return Ok(()),
-            Err(e) => raced_again(e, &mut raced)?,
+            Err(e) => raced_again(e, &mut raced, fence).await?,
         }
     }
 }
@@ -1511,6 +1519,28 @@ async fn heartbeat(
 /// How many times a handler reads a document again after a concurrent write moved its
 /// version under it, before it answers 409.
 const RACED_WRITES_MAX: u32 = 8;
+
+/// The first ceiling of the pause before a counted write tries again, and its cap: the
+/// eight pauses together come to 1.3 s at most.
+const RACED_PAUSE_FIRST: Duration = Duration::from_millis(5);
+const RACED_PAUSE_MAX: Duration = Duration::from_millis(320);
+
+/// The pause before try `raced + 1` of a counted write: `unit` (in `[0, 1)`) of
+/// `RACED_PAUSE_FIRST * 2^raced`, capped at `RACED_PAUSE_MAX`.
+fn raced_pause(raced: u32, unit: f64) -> Duration {
+    let ceiling = RACED_PAUSE_FIRST
+        .saturating_mul(1 << raced.min(16))
+        .min(RACED_PAUSE_MAX);
+    ceiling.mul_f64(unit.clamp(0.0, 1.0))
+}
+
+/// A random number in `[0, 1)`, from the standard library's per-map random keys.
+fn random_unit() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0);
+    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
 
 /// The timing a broker's lease follows: it heartbeats every `heartbeat_interval_ms`,
 /// keeps its lease for `expiry_timeout_ms - expiry_timeout_ms/4` from each heartbeat it
@@ -2266,7 +2296,7 @@ async fn deny_token(
     loop {
         // The fence first: a denial of this tenant's (or its delete) that lands after
         // it moves it, so this pass's batch fails and counts again.
-        let fence = limits::fence(st.store.as_ref()).await?;
+        let fence = limits::fence(st.store.as_ref(), &st.counted).await?;
         must_exist(&st, Kind::Tenant, &t).await?;
         let now = now_ms() / 1000;
         let mine = st.store.list(Kind::Denial, &format!("{t}/")).await?;
@@ -2285,7 +2315,7 @@ async fn deny_token(
                 Ok(_) => return Ok((StatusCode::CREATED, Json(val(&denial)))),
                 // Dropped meanwhile as lapsed (another instance's clock): counted next.
                 Err(StoreError::NotFound { .. }) if raced < RACED_WRITES_MAX => raced += 1,
-                Err(e) => raced_again(e, &mut raced)?,
+                Err(e) => raced_again(e, &mut raced, fence).await?,
             }
             continue;
         }
@@ -2320,7 +2350,7 @@ async fn deny_token(
         ));
         match st.store.batch(ops).await {
             Ok(_) => return Ok((StatusCode::CREATED, Json(val(&denial)))),
-            Err(e) => raced_again(e, &mut raced)?,
+            Err(e) => raced_again(e, &mut raced, fence).await?,
         }
     }
 }
@@ -2676,6 +2706,25 @@ pub fn router(state: AppState) -> Router {
 
 #[cfg(test)]
 mod tests {
+    /// The pause before a counted write tries again: under a ceiling of 5 ms that
+    /// doubles each try up to 320 ms; random within it.
+    #[test]
+    fn a_raced_write_pauses_under_a_doubling_ceiling() {
+        use super::{RACED_PAUSE_MAX, raced_pause, random_unit};
+        let ceilings: Vec<u64> = (0..9)
+            .map(|raced| raced_pause(raced, 0.999_999).as_millis() as u64)
+            .collect();
+        assert_eq!(ceilings, [4, 9, 19, 39, 79, 159, 319, 319, 319]);
+        assert_eq!(raced_pause(3, 0.0), std::time::Duration::ZERO);
+        assert!(raced_pause(u32::MAX, 1.0) <= RACED_PAUSE_MAX);
+        let units: Vec<f64> = (0..64).map(|_| random_unit()).collect();
+        assert!(units.iter().all(|u| (0.0..1.0).contains(u)), "{units:?}");
+        assert!(
+            units.windows(2).any(|w| w[0] != w[1]),
+            "random units vary: {units:?}"
+        );
+    }
+
     use super::*;
     use futures_lite::StreamExt as _;
 

@@ -51,8 +51,11 @@ pub struct Totals {
 }
 
 /// The fence as read: the totals, and the version a write of new ones expects.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct Fence {
+    /// This control plane's counted writes take turns while they hold a fence read
+    /// by [`fence`] (`None` for the placement pass's own read).
+    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
     /// The cluster's totals as of the read.
     pub totals: Totals,
     expect: Expect,
@@ -75,9 +78,29 @@ impl Fence {
     }
 }
 
-/// Reads the fence, read *before* anything a counted write counts. A store without one
-/// (or with one it cannot read) is counted whole, once, by the write that adds it.
-pub async fn fence(store: &dyn Store) -> Result<Fence, StoreError> {
+/// Counted writes of one control plane take turns from reading the fence to writing
+/// it: all of them rewrite that one document, and writes at once would otherwise
+/// collide, count again and collide again (of 32 creates at once, most were refused).
+/// Only writes of other control planes sharing the store, and the placement pass's
+/// mend, still race them (see `raced_again` in the API).
+#[derive(Debug, Clone, Default)]
+pub struct Turns(std::sync::Arc<tokio::sync::Mutex<()>>);
+
+/// Reads the fence, read *before* anything a counted write counts, in this control
+/// plane's turn of counted writes (`turns`), held until the [`Fence`] is dropped (after
+/// its batch). A store without one (or with one it cannot read) is counted whole, once,
+/// by the write that adds it.
+pub async fn fence(store: &dyn Store, turns: &Turns) -> Result<Fence, StoreError> {
+    let turn = turns.0.clone().lock_owned().await;
+    let mut fence = fence_outside_turns(store).await?;
+    fence._turn = Some(turn);
+    Ok(fence)
+}
+
+/// [`fence`] without a turn: the placement pass's read for its mend, which lists the
+/// whole cluster after it and must not hold creates back meanwhile (its write, raced,
+/// is left to the next pass).
+pub async fn fence_outside_turns(store: &dyn Store) -> Result<Fence, StoreError> {
     let found = store.get(Kind::Meta, FENCE_KEY).await?;
     let (kept, expect) = match found {
         Some(d) => (
@@ -94,6 +117,7 @@ pub async fn fence(store: &dyn Store) -> Result<Fence, StoreError> {
         },
     };
     Ok(Fence {
+        _turn: None,
         totals,
         expect,
         kept: kept.is_some(),
@@ -218,6 +242,34 @@ pub fn room_for_denial(tenant: &str, in_force: usize, stored: u64) -> Result<(),
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One control plane's counted writes take turns from the fence read until the
+    /// fence is dropped; the placement pass's read takes none, and another control
+    /// plane's turns are its own.
+    #[tokio::test]
+    async fn counted_writes_take_turns_until_their_fence_is_dropped() {
+        let store = crate::store::MemoryStore::new();
+        let (turns, others) = (Turns::default(), Turns::default());
+        let first = fence(&store, &turns).await.unwrap();
+        let waits = std::time::Duration::from_millis(50);
+        assert!(
+            tokio::time::timeout(waits, fence(&store, &turns))
+                .await
+                .is_err(),
+            "a second counted write waits for the first's turn"
+        );
+        fence_outside_turns(&store).await.unwrap();
+        drop(
+            tokio::time::timeout(waits, fence(&store, &others))
+                .await
+                .unwrap(),
+        );
+        drop(first);
+        tokio::time::timeout(waits, fence(&store, &turns))
+            .await
+            .expect("the turn passes on once the fence is dropped")
+            .unwrap();
+    }
 
     /// A denial is refused past the tenant's bound, and past the cluster's though the
     /// tenant holds none.

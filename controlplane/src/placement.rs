@@ -519,7 +519,7 @@ pub async fn pass_at(
 
     // 2. What should be placed; the kept shard total mended from the same lists (read
     //    before them, see `limits::mend`).
-    let fence = crate::limits::fence(store).await?;
+    let fence = crate::limits::fence_outside_turns(store).await?;
     let streams: Vec<Stream> = store
         .list(Kind::Stream, "")
         .await?

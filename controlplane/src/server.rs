@@ -200,6 +200,7 @@ pub async fn start_with_store(
         config: config.api.clone(),
         reports: reports.clone(),
         keyring,
+        counted: Default::default(),
     };
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     let app = api::router(state);
