@@ -850,17 +850,16 @@ async fn issue_token(
             )));
         }
     }
+    // No longer than the caller's own token: denying a token (or letting it lapse)
+    // would otherwise leave every token it minted meanwhile running for up to a year.
+    let ttl = req
+        .ttl_seconds
+        .min(g.expires_at.saturating_sub(now_ms() / 1000))
+        .max(1);
     let key = active_key(&st, &t).await?;
-    let (token, jti) = sign(
-        &key,
-        &t,
-        &req.sub,
-        &req.audience,
-        req.perms,
-        req.ttl_seconds,
-    );
+    let (token, jti) = sign(&key, &t, &req.sub, &req.audience, req.perms, ttl);
     Ok(Json(
-        json!({"token": token, "jti": jti, "kid": key.kid, "expires_in": req.ttl_seconds}),
+        json!({"token": token, "jti": jti, "kid": key.kid, "expires_in": ttl}),
     ))
 }
 
@@ -1521,7 +1520,7 @@ async fn heartbeat(
 const RACED_WRITES_MAX: u32 = 8;
 
 /// The first ceiling of the pause before a counted write tries again, and its cap: the
-/// eight pauses together come to 1.3 s at most.
+/// eight pauses together come to 955 ms at most.
 const RACED_PAUSE_FIRST: Duration = Duration::from_millis(5);
 const RACED_PAUSE_MAX: Duration = Duration::from_millis(320);
 
@@ -2266,6 +2265,7 @@ async fn deny_token(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let g = authenticate(&st, &h).await?;
     require(&g, "tenant.manage", "tenant", &[&t])?;
+    let operator = g.allows_object("tenant.manage", "cluster", &["*"]);
     let req: DenyRequest = body(b).await?;
     if req.jti.is_empty()
         || req.jti.len() > 128
@@ -2301,18 +2301,34 @@ async fn deny_token(
         let now = now_ms() / 1000;
         let mine = st.store.list(Kind::Denial, &format!("{t}/")).await?;
         let renewed = mine.iter().find(|d| d.key == key);
-        let put = |expect| Op::Put {
+        let put = |denial: &Denial, expect| Op::Put {
             kind: Kind::Denial,
             key: key.clone(),
-            value: val(&denial),
+            value: val(denial),
             expect,
         };
         // Renewing a denial in force changes no count: written at its version alone.
+        // It is extended, never shortened, but by the operator: a token of the tenant
+        // minted before the denial (by the denied token, say) would otherwise lift it
+        // by denying it again until a moment from now.
         if let Some(d) = renewed
-            && in_force(&to::<Denial>(d)?, now)
+            && let held = to::<Denial>(d)?
+            && in_force(&held, now)
         {
-            match st.store.batch(vec![put(Expect::Version(d.version))]).await {
-                Ok(_) => return Ok((StatusCode::CREATED, Json(val(&denial)))),
+            let renewal = Denial {
+                until: if operator {
+                    denial.until
+                } else {
+                    denial.until.max(held.until)
+                },
+                ..denial.clone()
+            };
+            match st
+                .store
+                .batch(vec![put(&renewal, Expect::Version(d.version))])
+                .await
+            {
+                Ok(_) => return Ok((StatusCode::CREATED, Json(val(&renewal)))),
                 // Dropped meanwhile as lapsed (another instance's clock): counted next.
                 Err(StoreError::NotFound { .. }) if raced < RACED_WRITES_MAX => raced += 1,
                 Err(e) => raced_again(e, &mut raced, fence).await?,
@@ -2346,7 +2362,8 @@ async fn deny_token(
             }),
         );
         ops.push(put(
-            renewed.map_or(Expect::Absent, |d| Expect::Version(d.version))
+            &denial,
+            renewed.map_or(Expect::Absent, |d| Expect::Version(d.version)),
         ));
         match st.store.batch(ops).await {
             Ok(_) => return Ok((StatusCode::CREATED, Json(val(&denial)))),

@@ -83,15 +83,42 @@ impl Fence {
 /// collide, count again and collide again (of 32 creates at once, most were refused).
 /// Only writes of other control planes sharing the store, and the placement pass's
 /// mend, still race them (see `raced_again` in the API).
-#[derive(Debug, Clone, Default)]
-pub struct Turns(std::sync::Arc<tokio::sync::Mutex<()>>);
+#[derive(Debug, Clone)]
+pub struct Turns {
+    turn: std::sync::Arc<tokio::sync::Mutex<()>>,
+    /// How long a write waits for its turn: [`TURN_WAIT_MAX`].
+    wait_max: std::time::Duration,
+}
+
+impl Default for Turns {
+    fn default() -> Self {
+        Turns {
+            turn: Default::default(),
+            wait_max: TURN_WAIT_MAX,
+        }
+    }
+}
+
+/// The longest a counted write waits for its turn before it fails `Unavailable`: the
+/// Postgres store's own bound on an operation. With the store stalled, each write in
+/// turn takes up to that bound on its operations, and those queued behind would
+/// otherwise wait for all of them.
+const TURN_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Reads the fence, read *before* anything a counted write counts, in this control
 /// plane's turn of counted writes (`turns`), held until the [`Fence`] is dropped (after
 /// its batch). A store without one (or with one it cannot read) is counted whole, once,
 /// by the write that adds it.
 pub async fn fence(store: &dyn Store, turns: &Turns) -> Result<Fence, StoreError> {
-    let turn = turns.0.clone().lock_owned().await;
+    let turn = tokio::time::timeout(turns.wait_max, turns.turn.clone().lock_owned())
+        .await
+        .map_err(|_| {
+            StoreError::Unavailable(format!(
+                "a counted write waited {:?} for its turn (the store is slow or stalled): \
+                 try again",
+                turns.wait_max
+            ))
+        })?;
     let mut fence = fence_outside_turns(store).await?;
     fence._turn = Some(turn);
     Ok(fence)
@@ -269,6 +296,23 @@ mod tests {
             .await
             .expect("the turn passes on once the fence is dropped")
             .unwrap();
+    }
+
+    /// A write that waits past its bound for its turn (the one before it stalled on the
+    /// store) fails `Unavailable` rather than queueing for good.
+    #[tokio::test]
+    async fn a_turn_waited_for_too_long_is_unavailable() {
+        let store = crate::store::MemoryStore::new();
+        let turns = Turns {
+            wait_max: std::time::Duration::from_millis(20),
+            ..Turns::default()
+        };
+        let _stalled = fence(&store, &turns).await.unwrap();
+        let e = fence(&store, &turns).await.unwrap_err();
+        assert!(
+            matches!(&e, StoreError::Unavailable(m) if m.contains("turn")),
+            "{e:?}"
+        );
     }
 
     /// A denial is refused past the tenant's bound, and past the cluster's though the

@@ -1630,6 +1630,40 @@ fn concurrent_creates_of_one_name_admit_exactly_one() {
     }
 }
 
+/// `n` control planes over one store, twice: over one memory store shared, then over
+/// one Postgres database through a connection each. A control plane's counted writes
+/// take turns; those of different control planes race over the fence.
+fn control_planes(n: usize) -> [Vec<Service>; 2] {
+    let memory: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let (url, _) = fresh_database();
+    [
+        (0..n).map(|_| start(memory.clone(), runtime())).collect(),
+        (0..n)
+            .map(|_| {
+                let rt = runtime();
+                start(Arc::new(postgres_store_at(&url, &rt)), rt)
+            })
+            .collect(),
+    ]
+}
+
+/// An operator client of each of `services` (bootstrapped through the first).
+fn admins_of(services: &[&Service]) -> Vec<ControlPlaneClient> {
+    let boot = ControlPlaneClient::new(&services[0].url, None)
+        .unwrap()
+        .post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+        )
+        .unwrap();
+    let token = boot["token"].as_str().unwrap();
+    services
+        .iter()
+        .map(|svc| ControlPlaneClient::new(&svc.url, Some(token.to_owned())).unwrap())
+        .collect()
+}
+
 /// Sends `post(i)` for `i` in 0..8 at once, from eight threads: exactly `taken` are
 /// taken and the others refused 409.
 fn taken_at_once(taken: usize, post: impl Fn(usize) -> Result<Value, ClientError> + Sync) {
@@ -2983,11 +3017,14 @@ fn a_tenants_shards_and_the_clusters_stay_within_their_bounds() {
 
 /// Creates at once cannot together pass a bound each would pass alone: of eight
 /// 4,096-shard streams created at once by one tenant, in eight namespaces (so no
-/// namespace's version orders them), exactly two are taken.
+/// namespace's version orders them), each through a control plane of its own over one
+/// store (whose counted writes do not take turns together: the fence's version alone
+/// orders them), exactly two are taken.
 #[test]
 fn creates_at_once_cannot_pass_the_shard_bound_together() {
-    for svc in [memory_service(), postgres_service()] {
-        let (_, admin) = bootstrapped(&svc);
+    for services in control_planes(8) {
+        let admins = admins_of(&services.iter().collect::<Vec<_>>());
+        let admin = &admins[0];
         admin
             .post("/v1/tenants", &json!({"tenant_id": "acme"}))
             .unwrap();
@@ -3000,7 +3037,7 @@ fn creates_at_once_cannot_pass_the_shard_bound_together() {
                 .unwrap();
         }
         taken_at_once(2, |i| {
-            admin.post(
+            admins[i].post(
                 &format!("/v1/tenants/acme/namespaces/ns{i}/streams"),
                 &json!({"stream": "s", "kind": "Stream", "shards": 4096}),
             )
@@ -3010,7 +3047,7 @@ fn creates_at_once_cannot_pass_the_shard_bound_together() {
 
 /// Counted writes within the bounds, 32 at once (creates in 32 namespaces, all
 /// rewriting the one fence that keeps the cluster's totals), on one control plane, then
-/// half on each of two over one store: every one is taken. Tried again at once after
+/// half on each of two over one store (memory, then Postgres): every one is taken. Tried again at once after
 /// each conflict, most lost all eight tries to the others and were refused 409 "retry"
 /// (23 of 32 on one control plane). One control plane's writes take turns (with only
 /// pauses between tries, about one of 32 was still refused there); two control planes'
@@ -3018,27 +3055,14 @@ fn creates_at_once_cannot_pass_the_shard_bound_together() {
 /// were refused).
 #[test]
 fn counted_writes_at_once_within_the_bounds_are_all_taken() {
-    let (url, rt) = fresh_database();
-    let pg = (
-        start(Arc::new(postgres_store_at(&url, &rt)), rt),
-        Some(start(
-            Arc::new(postgres_store_at(&url, &runtime())),
-            runtime(),
-        )),
-    );
-    for (one, other) in [(memory_service(), None), pg] {
-        let other = other.as_ref().unwrap_or(&one);
-        let boot = ControlPlaneClient::new(&one.url, None)
-            .unwrap()
-            .post_with(
-                "/internal/bootstrap",
-                &json!({}),
-                &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
-            )
-            .unwrap();
-        let token = boot["token"].as_str().unwrap().to_owned();
-        let admins = [&one, other]
-            .map(|svc| ControlPlaneClient::new(&svc.url, Some(token.clone())).unwrap());
+    let alone = memory_service();
+    let [memory, pg] = control_planes(2);
+    for services in [
+        vec![&alone, &alone],
+        memory.iter().collect(),
+        pg.iter().collect(),
+    ] {
+        let admins = admins_of(&services);
         let admin = &admins[0];
         admin
             .post("/v1/tenants", &json!({"tenant_id": "acme"}))
@@ -3068,6 +3092,78 @@ fn counted_writes_at_once_within_the_bounds_are_all_taken() {
         });
         assert!(results.iter().all(|s| *s == 200), "{results:?}");
     }
+}
+
+/// A token cannot outlive, through what it mints or denies, what revoking it ends: a
+/// tenant admin whose token has ten minutes left mints tokens of ten minutes at most
+/// (it minted tokens of a year, which denying it left running), and re-denying a
+/// denied token extends its denial but never shortens it (a tenant token minted before
+/// the denial lifted it by denying it again until a moment from now); the operator
+/// may still shorten one made in error.
+#[test]
+fn a_token_cannot_outlive_its_minter_or_lift_a_denial() {
+    use base64::Engine as _;
+    let svc = memory_service();
+    let (_, admin) = bootstrapped(&svc);
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    let mint = |c: &ControlPlaneClient, ttl: u64| {
+        c.post(
+            "/v1/tenants/acme/tokens",
+            &json!({"sub": "alice", "audience": "felix-controlplane",
+                    "perms": ["tenant.manage:tenant:acme"], "ttl_seconds": ttl}),
+        )
+        .unwrap()
+    };
+    let exp_of = |token: &str| -> u64 {
+        let claims = token.split('.').nth(1).unwrap();
+        let claims: Value = serde_json::from_slice(
+            &base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(claims)
+                .unwrap(),
+        )
+        .unwrap();
+        claims["exp"].as_u64().unwrap()
+    };
+    let short = mint(&admin, 600);
+    let acme = admin.clone().with_token(short["token"].as_str().unwrap());
+    let year = 365 * 24 * 3600;
+    let minted = mint(&acme, year);
+    let expires_in = minted["expires_in"].as_u64().unwrap();
+    assert!(expires_in <= 600, "{minted}");
+    assert!(
+        exp_of(minted["token"].as_str().unwrap()) <= exp_of(short["token"].as_str().unwrap()),
+        "the minted token expires no later than its minter"
+    );
+    // The operator's own token (a year) mints what it asks for, up to its own expiry.
+    assert!(mint(&admin, 7200)["expires_in"].as_u64().unwrap() == 7200);
+
+    let now = epoch_secs();
+    let deny = |c: &ControlPlaneClient, until: u64| {
+        c.post(
+            "/v1/tenants/acme/token-denials",
+            &json!({"jti": "leaked", "until": until}),
+        )
+        .unwrap()
+    };
+    let held = || -> u64 {
+        admin.get("/v1/tenants/acme/token-denials").unwrap()["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["jti"] == "leaked")
+            .expect("the denial is held")["until"]
+            .as_u64()
+            .unwrap()
+    };
+    deny(&admin, now + 3600);
+    assert_eq!(deny(&acme, now + 10)["until"], now + 3600);
+    assert_eq!(held(), now + 3600, "a tenant token cannot shorten a denial");
+    deny(&acme, now + 7200);
+    assert_eq!(held(), now + 7200, "it can extend one");
+    deny(&admin, now + 10);
+    assert_eq!(held(), now + 10, "the operator can shorten one");
 }
 
 /// A tenant holds at most 1,024 denials in force: past them a denial is refused 409 (a
