@@ -2600,10 +2600,14 @@ async fn audit_entries(st: &AppState, q: &AuditQuery, tenant: Option<&str>) -> A
         if e.at_ms < q.since_ms {
             continue;
         }
+        // A tenant's view: its own callers' writes, and the operator's (and tokenless
+        // callers') to its paths. Another tenant's callers writing to its paths (all
+        // refused) stay out of it: they named that tenant and its principals.
         if let Some(t) = tenant
             && e.tenant != t
-            && !e.path.starts_with(&format!("/v1/tenants/{t}/"))
-            && e.path != format!("/v1/tenants/{t}")
+            && !((e.tenant == OPERATOR_TENANT || e.tenant.is_empty())
+                && (e.path.starts_with(&format!("/v1/tenants/{t}/"))
+                    || e.path == format!("/v1/tenants/{t}")))
         {
             continue;
         }
