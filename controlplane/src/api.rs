@@ -510,15 +510,16 @@ pub async fn reseal_keys(store: &dyn Store, keyring: &Keyring) -> anyhow::Result
     Ok(rewritten)
 }
 
+/// A token of `tenant` signed by `key`, issued at `now` and expiring at `exp` (s since
+/// the epoch), with a fresh id: the token and its id.
 fn sign(
     key: &SigningKey,
     tenant: &str,
     sub: &str,
     audience: &str,
     perms: Vec<String>,
-    ttl: u64,
+    (now, exp): (u64, u64),
 ) -> (String, String) {
-    let now = now_ms() / 1000;
     let jti = random_hex(16);
     let token = key.sign(&Claims {
         iss: ISSUER.into(),
@@ -526,7 +527,7 @@ fn sign(
         sub: sub.into(),
         tid: tenant.into(),
         iat: now,
-        exp: now + ttl,
+        exp,
         nbf: None,
         perms,
         jti: Some(jti.clone()),
@@ -654,13 +655,14 @@ async fn bootstrap(
         "node.manage:cluster:*".to_owned(),
         "node.view:cluster:*".to_owned(),
     ];
+    let now = now_ms() / 1000;
     let (token, _) = sign(
         &key,
         OPERATOR_TENANT,
         &req.principal,
         CONTROLPLANE_AUDIENCE,
         perms,
-        365 * 24 * 3600,
+        (now, now + 365 * 24 * 3600),
     );
     Ok((
         StatusCode::OK,
@@ -850,16 +852,26 @@ async fn issue_token(
             )));
         }
     }
-    // No longer than the caller's own token: denying a token (or letting it lapse)
+    // A tenant's token mints none that outlives it: denying it (or letting it lapse)
     // would otherwise leave every token it minted meanwhile running for up to a year.
-    let ttl = req
-        .ttl_seconds
-        .min(g.expires_at.saturating_sub(now_ms() / 1000))
-        .max(1);
+    // The operator's are exempt: every token descends from the bootstrap token, and
+    // the cluster's tokens must outlive it (a year) by operators minting new ones.
+    let now = now_ms() / 1000;
+    let mut exp = now + req.ttl_seconds;
+    if !g.allows_object("tenant.manage", "cluster", &["*"]) {
+        if g.expires_at <= now {
+            // In the minute of skew a token is accepted past its expiry: a token minted
+            // now would outlive it, and could mint the next.
+            return Err(ApiError::unauthenticated(
+                "this token has expired: it mints no tokens",
+            ));
+        }
+        exp = exp.min(g.expires_at);
+    }
     let key = active_key(&st, &t).await?;
-    let (token, jti) = sign(&key, &t, &req.sub, &req.audience, req.perms, ttl);
+    let (token, jti) = sign(&key, &t, &req.sub, &req.audience, req.perms, (now, exp));
     Ok(Json(
-        json!({"token": token, "jti": jti, "kid": key.kid, "expires_in": ttl}),
+        json!({"token": token, "jti": jti, "kid": key.kid, "expires_in": exp - now}),
     ))
 }
 
