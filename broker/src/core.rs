@@ -1007,6 +1007,9 @@ pub struct CoreBroker {
     /// arrival order: one task per shard hands them to the shard's queue once it
     /// opens, and later publishes queue behind them (`core/idempotent.rs`).
     idempotent_opening: RefCell<HashMap<Arc<ShardKey>, crate::producers::Waiting>>,
+    /// The bound on abandoned publishes in this core's idempotent queues, opening and
+    /// open shards' together (`core/idempotent.rs`).
+    idempotent_abandoned: crate::producers::AbandonedBound,
     /// Per shard since the last load report: small requests this core received for it
     /// and, for shards it owns, small deliveries it sent to each core (index = core).
     load: RefCell<HashMap<Arc<ShardKey>, Vec<u32>>>,
@@ -1179,6 +1182,7 @@ impl CoreBroker {
             pending_takes: RefCell::default(),
             awaiting_shard: Rc::default(),
             idempotent_opening: RefCell::default(),
+            idempotent_abandoned: Default::default(),
             load: RefCell::default(),
         })
     }

@@ -116,10 +116,10 @@ impl Queued {
     }
 }
 
-/// Bytes of publishes whose clients left that one queue keeps: past them, at the next
-/// sweep, every such publish is dropped. Under them they are kept and written when the
-/// queue is served, as before there was a bound: a producer whose connection died
-/// mid-pipeline while its next batch came on another (a forwarding broker's new
+/// Bytes of publishes whose clients left that one core's queues keep: past them, at
+/// the next sweep, every such publish is dropped. Under them they are kept and written
+/// when their queue is served, as before there was a bound: a producer whose connection
+/// died mid-pipeline while its next batch came on another (a forwarding broker's new
 /// connection) needs the earlier batches written, or the next is refused
 /// `sequence_gap`. Only a client stacking abandoned batches reaches the bound.
 pub const ABANDONED_KEPT_BYTES: usize = 256 << 20;
@@ -132,48 +132,21 @@ fn cost(q: &Queued) -> usize {
 /// Idempotent publishes waiting for their shard to open or its producer table to be
 /// built, in arrival order. Kept until served (up to seconds), those whose clients
 /// left (no request budget counting them any more) let a client leaving and coming
-/// back stack batch after batch; now, each time [`ABANDONED_KEPT_BYTES`] more have
-/// come since the last look, the abandoned ones are counted, and dropped if they hold
-/// more than that. Only publishes whose connection is on the shard's own core can be
-/// abandoned here: one from another core or held for a move keeps its answer's
-/// receiver on this core until it is answered.
+/// back stack batch after batch: the core's [`AbandonedBound`] drops them past their
+/// bound. Only publishes whose connection is on the shard's own core can be abandoned
+/// here: one from another core or held for a move keeps its answer's receiver on this
+/// core until it is answered.
 #[derive(Debug, Default)]
 pub struct Waiting {
     queue: std::collections::VecDeque<Queued>,
-    /// What the queue holds, by [`cost`].
-    bytes: usize,
-    /// The bytes past which the next push sweeps: what the last sweep kept plus
-    /// [`ABANDONED_KEPT_BYTES`]. Abandoned publishes then hold at most twice that bound
-    /// plus the live bytes at the last sweep (which may all be abandoned since); a
-    /// sweep reads the queue once per [`ABANDONED_KEPT_BYTES`] pushed.
-    sweep_at: usize,
 }
 
 impl Waiting {
-    /// Queues `q` behind the rest.
-    pub fn push(&mut self, q: Queued) {
-        self.bytes += cost(&q);
+    /// Queues `q` behind the rest; what it is counted at.
+    pub fn push(&mut self, q: Queued) -> usize {
+        let bytes = cost(&q);
         self.queue.push_back(q);
-        if self.bytes > self.sweep_at.max(ABANDONED_KEPT_BYTES) {
-            self.sweep();
-        }
-    }
-
-    /// Drops every abandoned publish if together they hold more than
-    /// [`ABANDONED_KEPT_BYTES`].
-    fn sweep(&mut self) {
-        let abandoned: usize = self.queue.iter().filter(|q| q.abandoned()).map(cost).sum();
-        if abandoned > ABANDONED_KEPT_BYTES {
-            let bytes = &mut self.bytes;
-            self.queue.retain(|q| {
-                let keep = !q.abandoned();
-                if !keep {
-                    *bytes -= cost(q);
-                }
-                keep
-            });
-        }
-        self.sweep_at = self.bytes + ABANDONED_KEPT_BYTES;
+        bytes
     }
 
     /// Whether none waits.
@@ -188,15 +161,58 @@ impl Waiting {
 
     /// Queues all of `other` behind the rest, in its order.
     pub fn append(&mut self, mut other: Waiting) {
-        self.bytes += other.bytes;
         self.queue.append(&mut other.queue);
     }
 
     /// Takes every publish, in arrival order, leaving none.
     pub fn take_to_serve(&mut self) -> std::collections::VecDeque<Queued> {
-        self.bytes = 0;
-        self.sweep_at = 0;
         std::mem::take(&mut self.queue)
+    }
+
+    /// What the abandoned publishes hold.
+    fn abandoned_bytes(&self) -> usize {
+        self.queue.iter().filter(|q| q.abandoned()).map(cost).sum()
+    }
+
+    /// Drops every abandoned publish, keeping the others in order.
+    fn drop_abandoned(&mut self) {
+        self.queue.retain(|q| !q.abandoned());
+    }
+}
+
+/// One core's bound on the abandoned publishes of all its [`Waiting`] queues (a bound
+/// per queue let shards opening at once hold it each). Each time
+/// [`ABANDONED_KEPT_BYTES`] more have been queued on the core since the last sweep, the
+/// core sweeps: the abandoned publishes of all its queues are counted, and all dropped
+/// if they hold more than that. So they hold at most twice the bound plus what was
+/// live at the last sweep (the connection budgets' share, which may all be abandoned
+/// since), and a sweep reads the queues once per bound's worth queued.
+#[derive(Debug, Default)]
+pub struct AbandonedBound {
+    /// Bytes queued since the last sweep.
+    since_sweep: std::cell::Cell<usize>,
+}
+
+impl AbandonedBound {
+    /// Notes `bytes` queued on the core: whether its queues are due a sweep now.
+    pub fn queued(&self, bytes: usize) -> bool {
+        let since = self.since_sweep.get() + bytes;
+        self.since_sweep.set(since);
+        since > ABANDONED_KEPT_BYTES
+    }
+
+    /// Sweeps every queue of the core: drops all their abandoned publishes if together
+    /// they hold more than [`ABANDONED_KEPT_BYTES`]. Whether it dropped them.
+    pub fn sweep(&self, queues: &mut [&mut Waiting]) -> bool {
+        self.since_sweep.set(0);
+        let abandoned: usize = queues.iter().map(|w| w.abandoned_bytes()).sum();
+        if abandoned <= ABANDONED_KEPT_BYTES {
+            return false;
+        }
+        for w in queues.iter_mut() {
+            w.drop_abandoned();
+        }
+        true
     }
 }
 
@@ -968,26 +984,35 @@ mod tests {
         (q, rx)
     }
 
-    /// What `waiting` holds, counted afresh.
+    /// What `waiting` holds.
     fn held(waiting: &Waiting) -> usize {
         waiting.queue.iter().map(cost).sum()
     }
 
-    /// Publishes queued for a table's build whose clients left are dropped once they
-    /// hold more than their bound: a client leaving and coming back 10,000 times with a
-    /// 256 KiB batch (2.4 GiB) leaves at most twice the bound (plus the live ones)
-    /// queued, and the live ones keep their order.
+    /// Pushes `q` onto `queues[at]` as the core does, sweeping all of them when due.
+    fn push(bound: &AbandonedBound, queues: &mut [Waiting], at: usize, q: Queued) {
+        if bound.queued(queues[at].push(q)) {
+            bound.sweep(&mut queues.iter_mut().collect::<Vec<_>>());
+        }
+    }
+
+    /// Publishes queued for tables' builds whose clients left are dropped once they
+    /// hold more than their bound, counted over all the core's queues (a bound per
+    /// queue let shards opening at once hold it each): a client leaving and coming back
+    /// 10,000 times with a 256 KiB batch to one of eight shards in turn (2.4 GiB)
+    /// leaves at most twice the bound (plus the live ones) queued on the core, and the
+    /// live ones keep their order.
     #[test]
-    fn queued_publishes_whose_clients_left_are_dropped_past_their_bound() {
-        let mut waiting = Waiting::default();
+    fn queued_publishes_whose_clients_left_are_dropped_past_the_cores_bound() {
+        let bound = AbandonedBound::default();
+        let mut queues: Vec<Waiting> = (0..8).map(|_| Waiting::default()).collect();
         let mut live = Vec::new();
         let mut most = 0;
         let one = cost(&queued(0, 0, 256 << 10).0);
         for i in 0..10_000u64 {
             let (q, rx) = queued(i, 0, 256 << 10);
-            waiting.push(q);
-            assert_eq!(waiting.bytes, held(&waiting));
-            most = most.max(waiting.bytes);
+            push(&bound, &mut queues, i as usize % 8, q);
+            most = most.max(queues.iter().map(held).sum::<usize>());
             if i % 1_000 == 0 {
                 live.push((i, rx));
             }
@@ -996,16 +1021,18 @@ mod tests {
             most <= 2 * ABANDONED_KEPT_BYTES + 11 * one,
             "{most} bytes held at most"
         );
-        let served = waiting.take_to_serve();
-        assert!(served.len() <= 2 * 1_025 + 10, "{} served", served.len());
-        let kept: Vec<u64> = served
-            .iter()
-            .filter(|q| !q.abandoned())
-            .map(|q| q.tag.0)
-            .collect();
+        let mut kept = Vec::new();
+        let mut served = 0;
+        for w in &mut queues {
+            let queue = w.take_to_serve();
+            served += queue.len();
+            kept.extend(queue.iter().filter(|q| !q.abandoned()).map(|q| q.tag.0));
+            assert!(w.is_empty());
+        }
+        assert!(served <= 2 * 1_025 + 10, "{served} served");
+        kept.sort_unstable();
         let want: Vec<u64> = live.iter().map(|(i, _)| *i).collect();
         assert_eq!(kept, want);
-        assert!(waiting.is_empty());
     }
 
     /// Under their bound, publishes whose clients left are kept and served in order,
@@ -1014,19 +1041,24 @@ mod tests {
     /// batch.
     #[test]
     fn an_abandoned_publish_under_the_bound_is_served() {
-        let mut waiting = Waiting::default();
+        let bound = AbandonedBound::default();
+        let mut queues = vec![Waiting::default()];
         let (five, gone) = queued(7, 5, 1024);
         drop(gone);
         let (six, _six) = queued(7, 6, 1024);
-        waiting.push(five);
-        waiting.push(six);
+        push(&bound, &mut queues, 0, five);
+        push(&bound, &mut queues, 0, six);
         let mut live = Vec::new();
-        while waiting.sweep_at == 0 {
+        let mut swept = false;
+        while !swept {
             let (q, rx) = queued(8, live.len() as u64, 1 << 20);
-            waiting.push(q);
+            swept = bound.queued(queues[0].push(q));
+            if swept {
+                assert!(!bound.sweep(&mut [&mut queues[0]]), "nothing dropped");
+            }
             live.push(rx);
         }
-        let served: Vec<(u64, u64)> = waiting
+        let served: Vec<(u64, u64)> = queues[0]
             .take_to_serve()
             .iter()
             .take(2)
@@ -1040,46 +1072,50 @@ mod tests {
     /// drops them once they are past it.
     #[test]
     fn a_sweep_waits_for_the_bounds_worth_more_and_then_drops() {
+        let bound = AbandonedBound::default();
         let mut waiting = Waiting::default();
         let mut live = Vec::new();
         let mib = 1 << 20;
-        while waiting.sweep_at == 0 {
+        let mut pushed = 0;
+        loop {
             let (q, rx) = queued(0, 0, mib);
-            waiting.push(q);
             live.push(rx);
-        }
-        let after = waiting.sweep_at;
-        assert_eq!(
-            after,
-            waiting.bytes + ABANDONED_KEPT_BYTES,
-            "nothing dropped"
-        );
-        let before = waiting.len();
-        let mut most = 0;
-        let mut dropped = false;
-        // Twice the bound's worth: the drop comes well within it.
-        for _ in 0..2 * ABANDONED_KEPT_BYTES / mib {
-            let (q, _gone) = queued(0, 0, mib);
-            let (len, threshold) = (waiting.len(), waiting.sweep_at);
-            waiting.push(q);
-            if waiting.len() <= len {
-                dropped = true;
+            let bytes = waiting.push(q);
+            pushed += bytes;
+            if bound.queued(bytes) {
+                assert!(
+                    !bound.sweep(&mut [&mut waiting]),
+                    "all live: nothing dropped"
+                );
                 break;
             }
-            if waiting.sweep_at != threshold {
-                // One that kept them (the one pushed with it still live, they were
-                // just within the bound): only once the bound's worth more had come.
-                assert!(waiting.bytes > after, "a sweep at {} bytes", waiting.bytes);
+        }
+        assert!(pushed > ABANDONED_KEPT_BYTES);
+        let before = waiting.len();
+        let (mut since, mut most, mut dropped) = (0, 0, false);
+        // Three times the bound's worth: the drop comes well within it.
+        for _ in 0..3 * ABANDONED_KEPT_BYTES / mib {
+            let (q, _gone) = queued(0, 0, mib);
+            let bytes = waiting.push(q);
+            since += bytes;
+            most = most.max(held(&waiting));
+            if bound.queued(bytes) {
+                // (One that keeps them: the one pushed with it still live, they were
+                // just within the bound.)
+                assert!(since > ABANDONED_KEPT_BYTES, "a sweep after {since} bytes");
+                since = 0;
+                if bound.sweep(&mut [&mut waiting]) {
+                    dropped = true;
+                    break;
+                }
             }
-            most = most.max(waiting.bytes);
         }
         assert!(dropped, "the abandoned ones were never dropped");
         assert!(
-            most <= after + ABANDONED_KEPT_BYTES + 2 * mib,
+            most <= pushed + 2 * ABANDONED_KEPT_BYTES + 2 * mib,
             "{most} bytes held at most"
         );
         // The one pushed with the sweep was still live then.
         assert_eq!(waiting.len(), before + 1, "the abandoned ones went");
-        assert_eq!(waiting.bytes, held(&waiting));
     }
 }

@@ -69,18 +69,19 @@ impl CoreBroker {
         };
         match shard {
             Some(shard) => {
-                shard.idempotent_queue.borrow_mut().push(queued);
+                let bytes = shard.idempotent_queue.borrow_mut().push(queued);
+                self.idempotent_queued(bytes);
                 self.build_producers(shard, key);
             }
             None => {
-                let first = {
+                let (first, bytes) = {
                     let mut opening = self.idempotent_opening.borrow_mut();
-                    let waiting = opening.entry(key.clone()).or_default();
-                    // Judged before the push, which may drop abandoned ones.
-                    let first = waiting.is_empty();
-                    waiting.push(queued);
-                    first
+                    // By the entry, not its queue: a sweep may empty the queue while
+                    // its opening task runs.
+                    let first = !opening.contains_key(&key);
+                    (first, opening.entry(key.clone()).or_default().push(queued))
                 };
+                self.idempotent_queued(bytes);
                 if first {
                     let this = self.clone();
                     let awaiting = self.awaiting(&key);
@@ -116,6 +117,41 @@ impl CoreBroker {
                 ))
             })
         })
+    }
+
+    /// Notes `bytes` queued on this core's idempotent queues; each time the bound's
+    /// worth has come since the last sweep, sweeps them all: past the bound, every
+    /// publish whose client left is dropped, whichever shard's queue holds it
+    /// ([`crate::producers::AbandonedBound`]).
+    fn idempotent_queued(&self, bytes: usize) {
+        if !self.idempotent_abandoned.queued(bytes) {
+            return;
+        }
+        let shards: Vec<Rc<StreamShard>> = self
+            .streams
+            .borrow()
+            .values()
+            .filter_map(|s| match s {
+                Slot::Ready(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect();
+        let mut open: Vec<_> = shards
+            .iter()
+            .map(|s| s.idempotent_queue.borrow_mut())
+            .collect();
+        let mut opening = self.idempotent_opening.borrow_mut();
+        let mut queues: Vec<&mut crate::producers::Waiting> = open
+            .iter_mut()
+            .map(|q| &mut **q)
+            .chain(opening.values_mut())
+            .collect();
+        if self.idempotent_abandoned.sweep(&mut queues) {
+            tracing::warn!(
+                core = self.core.index(),
+                "idempotent publishes whose clients left held past their bound: dropped"
+            );
+        }
     }
 
     /// Decides the batch against the current table and carries the decision out. The
