@@ -1112,6 +1112,17 @@ impl Drop for BuildingGroups<'_> {
     }
 }
 
+/// The shards of `slots` that are open (those opening or failed left out).
+fn ready<T>(slots: &RefCell<HashMap<Arc<ShardKey>, Slot<Rc<T>>>>) -> Vec<Rc<T>> {
+    slots
+        .borrow()
+        .values()
+        .filter_map(|s| match s {
+            Slot::Ready(s) => Some(s.clone()),
+            _ => None,
+        })
+        .collect()
+}
 impl CoreBroker {
     /// Notes the core's request bytes in flight on its gauge.
     pub(crate) fn note_request_bytes(&self) {
@@ -4090,15 +4101,7 @@ impl CoreBroker {
     /// s for each such shard, every round, and every other housekeeping task of the core
     /// behind).
     pub async fn enforce_retention(self: &Rc<Self>) {
-        let shards: Vec<Rc<StreamShard>> = self
-            .streams
-            .borrow()
-            .values()
-            .filter_map(|s| match s {
-                Slot::Ready(s) => Some(s.clone()),
-                _ => None,
-            })
-            .collect();
+        let shards = ready(&self.streams);
         let now = clock::wall_micros();
         // At most `RETENTION_SHARDS_AT_ONCE` at a time (each may copy up to 4 MiB of
         // state and sync), the next starting when any one ends: waiting for the oldest,
@@ -4409,32 +4412,14 @@ impl CoreBroker {
                 s.close(Ending::Draining);
             }
         }
-        let streams: Vec<_> = self
-            .streams
-            .borrow()
-            .values()
-            .filter_map(|s| match s {
-                Slot::Ready(s) => Some(s.clone()),
-                _ => None,
-            })
-            .collect();
-        for s in streams {
+        for s in ready(&self.streams) {
             // The next open reads the log from here on to build the table.
             self.save_producers(&s).await;
             if let Err(e) = s.log.close().await {
                 tracing::warn!(shard = %s.key, error = %e, "closing a log");
             }
         }
-        let caches: Vec<_> = self
-            .caches
-            .borrow()
-            .values()
-            .filter_map(|s| match s {
-                Slot::Ready(s) => Some(s.clone()),
-                _ => None,
-            })
-            .collect();
-        for c in caches {
+        for c in ready(&self.caches) {
             if let Err(e) = c.close().await {
                 tracing::warn!(shard = %c.key, error = %e, "closing a cache log");
             }

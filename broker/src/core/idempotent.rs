@@ -127,15 +127,7 @@ impl CoreBroker {
         if !self.idempotent_abandoned.queued(bytes) {
             return;
         }
-        let shards: Vec<Rc<StreamShard>> = self
-            .streams
-            .borrow()
-            .values()
-            .filter_map(|s| match s {
-                Slot::Ready(s) => Some(s.clone()),
-                _ => None,
-            })
-            .collect();
+        let shards = super::ready(&self.streams);
         let mut open: Vec<_> = shards
             .iter()
             .map(|s| s.idempotent_queue.borrow_mut())
