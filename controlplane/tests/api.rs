@@ -1666,14 +1666,37 @@ fn admins_of(services: &[&Service]) -> Vec<ControlPlaneClient> {
         .collect()
 }
 
+/// The HTTP statuses of `post(i)` for `i` in 0..n, sent at once from `n` threads.
+fn statuses_at_once(
+    n: usize,
+    post: impl Fn(usize) -> Result<Value, ClientError> + Sync,
+) -> Vec<u16> {
+    let post = &post;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n).map(|i| s.spawn(move || status(post(i)).0)).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Tenant `acme` with namespaces `ns0` to `ns{n-1}`, made by `admin`.
+fn acme_with_namespaces(admin: &ControlPlaneClient, n: usize) {
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    for i in 0..n {
+        admin
+            .post(
+                "/v1/tenants/acme/namespaces",
+                &json!({"namespace": format!("ns{i}")}),
+            )
+            .unwrap();
+    }
+}
+
 /// Sends `post(i)` for `i` in 0..8 at once, from eight threads: exactly `taken` are
 /// taken and the others refused 409.
 fn taken_at_once(taken: usize, post: impl Fn(usize) -> Result<Value, ClientError> + Sync) {
-    let post = &post;
-    let results: Vec<u16> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..8).map(|i| s.spawn(move || status(post(i)).0)).collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let results = statuses_at_once(8, post);
     assert_eq!(
         results.iter().filter(|s| **s == 200).count(),
         taken,
@@ -3034,17 +3057,7 @@ fn creates_at_once_cannot_pass_the_shard_bound_together() {
     for services in control_planes(8) {
         let admins = admins_of(&services.iter().collect::<Vec<_>>());
         let admin = &admins[0];
-        admin
-            .post("/v1/tenants", &json!({"tenant_id": "acme"}))
-            .unwrap();
-        for i in 0..8 {
-            admin
-                .post(
-                    "/v1/tenants/acme/namespaces",
-                    &json!({"namespace": format!("ns{i}")}),
-                )
-                .unwrap();
-        }
+        acme_with_namespaces(admin, 8);
         taken_at_once(2, |i| {
             admins[i].post(
                 &format!("/v1/tenants/acme/namespaces/ns{i}/streams"),
@@ -3073,31 +3086,12 @@ fn counted_writes_at_once_within_the_bounds_are_all_taken() {
     ] {
         let admins = admins_of(&services);
         let admin = &admins[0];
-        admin
-            .post("/v1/tenants", &json!({"tenant_id": "acme"}))
-            .unwrap();
-        for i in 0..32 {
-            admin
-                .post(
-                    "/v1/tenants/acme/namespaces",
-                    &json!({"namespace": format!("ns{i}")}),
-                )
-                .unwrap();
-        }
-        let results: Vec<u16> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..32)
-                .map(|i| {
-                    let admin = &admins[i % 2];
-                    s.spawn(move || {
-                        status(admin.post(
-                            &format!("/v1/tenants/acme/namespaces/ns{i}/streams"),
-                            &json!({"stream": "s", "kind": "Stream", "shards": 1}),
-                        ))
-                        .0
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        acme_with_namespaces(admin, 32);
+        let results = statuses_at_once(32, |i| {
+            admins[i % 2].post(
+                &format!("/v1/tenants/acme/namespaces/ns{i}/streams"),
+                &json!({"stream": "s", "kind": "Stream", "shards": 1}),
+            )
         });
         assert!(results.iter().all(|s| *s == 200), "{results:?}");
     }
