@@ -105,7 +105,8 @@ fn the_guides_connect_with_policy_example_runs() {
 /// With the cluster gone, a one-shot publish returns after one round of connects over
 /// the endpoints, not the policy's five: it replaced its connection under the whole
 /// policy, waiting out every round and backoff (with 6 s handshakes, half a minute and
-/// more for a call meant to fail fast). The next call still finds a broker that is back.
+/// more for a call meant to fail fast). A retried one makes its attempts' rounds and no
+/// more. The next call still finds a broker that is back.
 #[test]
 fn a_one_shot_publish_with_the_cluster_down_returns_after_one_round_of_connects() {
     let (mut b, _dir) = broker(&[]);
@@ -124,9 +125,23 @@ fn a_one_shot_publish_with_the_cluster_down_returns_after_one_round_of_connects(
             max_backoff: Duration::from_millis(100),
             deadline: None,
         };
-        let client = ClusterClient::connect_with_policy(&[b.listen], "localhost", config, policy)
-            .await
-            .unwrap();
+        let client =
+            ClusterClient::connect_with_policy(&[b.listen], "localhost", config.clone(), policy)
+                .await
+                .unwrap();
+        // A retried call's reconnects make one round each too, within its three
+        // attempts: three rounds in all, not three for each reconnect.
+        let retried = ClusterClient::connect_with_policy(
+            &[b.listen],
+            "localhost",
+            config,
+            ReconnectPolicy {
+                attempts: 3,
+                ..policy
+            },
+        )
+        .await
+        .unwrap();
         let publish = || {
             client.publish(
                 "dev",
@@ -157,6 +172,20 @@ fn a_one_shot_publish_with_the_cluster_down_returns_after_one_round_of_connects(
         eprintln!("with the broker gone: a publish failed in {first:?}, a keyed one in {second:?}");
         assert!(first < Duration::from_secs(12), "{first:?}");
         assert!(second < Duration::from_secs(12), "{second:?}");
+        let started = Instant::now();
+        retried
+            .publish_at_least_once(
+                "dev",
+                "default",
+                "orders",
+                b"x".to_vec(),
+                AckMode::PerMessage,
+            )
+            .await
+            .unwrap_err();
+        let third = started.elapsed();
+        eprintln!("a retried publish gave up in {third:?}");
+        assert!(third < Duration::from_secs(17), "{third:?}");
         // Back: a one-shot call fails at most once more (on the connection the last
         // round could not replace), then lands.
         b.restart().unwrap();
