@@ -116,6 +116,9 @@ pub struct AppState {
     pub keyring: Arc<Keyring>,
     /// This control plane's counted writes take turns (see [`limits::Turns`]).
     pub counted: limits::Turns,
+    /// Audit entries this control plane has written (every [`AUDIT_PRUNE_EVERY`]th
+    /// prunes the log).
+    pub audited: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// An API error.
@@ -2442,8 +2445,8 @@ const BOOTSTRAP_PATH: &str = "/internal/bootstrap";
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct AuditEntry {
     at_ms: u64,
-    /// The caller's principal (`bootstrap` for the bootstrap token, `anonymous` without
-    /// a token). For an answer of 401 it is what the token claimed, unverified.
+    /// The caller's principal (`bootstrap` for the bootstrap token). Only writes whose
+    /// token verifies are recorded (a 401 is not).
     principal: String,
     /// The caller's tenant.
     tenant: String,
@@ -2499,6 +2502,45 @@ struct NoRoute;
 
 /// The longest path an audit entry keeps (characters); a longer one is cut.
 const AUDIT_PATH_MAX: usize = 1024;
+
+/// Audit entries the store keeps: past them the oldest go. Every write a verified
+/// caller makes is an entry, and a tenant admin writing in a loop grew the log (and
+/// every read of it, which lists it whole) without end.
+const AUDIT_KEPT: usize = 100_000;
+
+/// Entries one control plane writes between two prunes of the log to
+/// [`AUDIT_KEPT`]: a prune lists the log, so it runs once per this many.
+const AUDIT_PRUNE_EVERY: u64 = 1_000;
+
+/// Deletes in one batch of a prune (each is two round trips under the Postgres store's
+/// write lock, and a batch has 20 s).
+const AUDIT_PRUNE_BATCH: usize = 256;
+
+/// Deletes the oldest audit entries past the newest `kept` (keys sort by time): how
+/// many went.
+async fn prune_audit(store: &dyn Store, kept: usize) -> Result<usize, StoreError> {
+    let mut entries = store.list(Kind::Audit, "").await?;
+    if entries.len() <= kept {
+        return Ok(0);
+    }
+    entries.sort_by(|a, b| a.key.cmp(&b.key));
+    let excess = entries.len() - kept;
+    for batch in entries[..excess].chunks(AUDIT_PRUNE_BATCH) {
+        store
+            .batch(
+                batch
+                    .iter()
+                    .map(|d| Op::Delete {
+                        kind: Kind::Audit,
+                        key: d.key.clone(),
+                        expect: Expect::Any,
+                    })
+                    .collect(),
+            )
+            .await?;
+    }
+    Ok(excess)
+}
 
 /// Records every write (POST, PUT, PATCH, DELETE) with its outcome once answered: every
 /// write a caller could make, that is. A request no route takes, or one refused whose
@@ -2563,6 +2605,19 @@ async fn audit(
     {
         tracing::error!(error = %e, ?entry, "audit entry not stored");
     }
+    if st
+        .audited
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        % AUDIT_PRUNE_EVERY
+        == AUDIT_PRUNE_EVERY - 1
+    {
+        let store = st.store.clone();
+        tokio::spawn(async move {
+            if let Err(e) = prune_audit(store.as_ref(), AUDIT_KEPT).await {
+                tracing::warn!(error = %e, "pruning the audit log");
+            }
+        });
+    }
     answer
 }
 
@@ -2612,12 +2667,12 @@ async fn audit_entries(st: &AppState, q: &AuditQuery, tenant: Option<&str>) -> A
         if e.at_ms < q.since_ms {
             continue;
         }
-        // A tenant's view: its own callers' writes, and the operator's (and tokenless
-        // callers') to its paths. Another tenant's callers writing to its paths (all
-        // refused) stay out of it: they named that tenant and its principals.
+        // A tenant's view: its own callers' writes, and the operator's to its paths.
+        // Another tenant's callers writing to its paths (all refused) stay out of it:
+        // they named that tenant and its principals.
         if let Some(t) = tenant
             && e.tenant != t
-            && !((e.tenant == OPERATOR_TENANT || e.tenant.is_empty())
+            && !(e.tenant == OPERATOR_TENANT
                 && (e.path.starts_with(&format!("/v1/tenants/{t}/"))
                     || e.path == format!("/v1/tenants/{t}")))
         {
@@ -2739,6 +2794,39 @@ pub fn router(state: AppState) -> Router {
 
 #[cfg(test)]
 mod tests {
+    /// The audit log keeps its newest entries: a prune deletes the oldest past the
+    /// bound, in batches, and leaves a log within it alone.
+    #[tokio::test]
+    async fn a_prune_keeps_the_newest_audit_entries() {
+        use super::*;
+        let store = crate::store::MemoryStore::new();
+        let put = |i: usize| Op::Put {
+            kind: Kind::Audit,
+            key: format!("{:013}-{i:04x}", 1_000_000 + i),
+            value: json!({}),
+            expect: Expect::Absent,
+        };
+        store
+            .batch((0..700).rev().map(put).collect())
+            .await
+            .unwrap();
+        assert_eq!(prune_audit(&store, 700).await.unwrap(), 0);
+        assert_eq!(prune_audit(&store, 100).await.unwrap(), 600);
+        let left: Vec<String> = store
+            .list(Kind::Audit, "")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|d| d.key)
+            .collect();
+        let want: Vec<String> = (600..700)
+            .map(|i| format!("{:013}-{i:04x}", 1_000_000 + i))
+            .collect();
+        let mut sorted = left.clone();
+        sorted.sort();
+        assert_eq!(sorted, want, "the newest 100");
+    }
+
     /// The pause before a counted write tries again: under a ceiling of 5 ms that
     /// doubles each try up to 320 ms; random within it.
     #[test]

@@ -201,6 +201,7 @@ pub async fn start_with_store(
         reports: reports.clone(),
         keyring,
         counted: Default::default(),
+        audited: Default::default(),
     };
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     let app = api::router(state);
