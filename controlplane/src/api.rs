@@ -5,7 +5,9 @@
 //! 401 (no or bad token), 403 (missing permission), 404, 409 (conflict or version
 //! mismatch), 413 (body over 64 KiB), 503 (store unavailable).
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
@@ -117,8 +119,10 @@ pub struct AppState {
     /// This control plane's counted writes take turns (see [`limits::Turns`]).
     pub counted: limits::Turns,
     /// Audit entries this control plane has written (every [`AUDIT_PRUNE_EVERY`]th
-    /// prunes the log).
+    /// prunes the log, unless a prune is still running: `auditing`).
     pub audited: Arc<std::sync::atomic::AtomicU64>,
+    /// A prune of the audit log is running.
+    pub auditing: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// An API error.
@@ -2503,43 +2507,58 @@ struct NoRoute;
 /// The longest path an audit entry keeps (characters); a longer one is cut.
 const AUDIT_PATH_MAX: usize = 1024;
 
-/// Audit entries the store keeps: past them the oldest go. Every write a verified
-/// caller makes is an entry, and a tenant admin writing in a loop grew the log (and
-/// every read of it, which lists it whole) without end.
-const AUDIT_KEPT: usize = 100_000;
+/// Audit entries the store keeps of each tenant's callers: past them that tenant's
+/// oldest go. Every write a verified caller makes is an entry, refused ones too, and a
+/// tenant admin writing in a loop grew the log (and every read of it, which lists it
+/// whole) without end. Counted per tenant, a tenant's flood pushes out only its own
+/// history; the operator's entries are kept.
+const AUDIT_KEPT_PER_TENANT: usize = 10_000;
 
-/// Entries one control plane writes between two prunes of the log to
-/// [`AUDIT_KEPT`]: a prune lists the log, so it runs once per this many.
+/// Entries one control plane writes between two prunes: a prune lists the log, so it
+/// runs once per this many (and one at a time).
 const AUDIT_PRUNE_EVERY: u64 = 1_000;
 
 /// Deletes in one batch of a prune (each is two round trips under the Postgres store's
-/// write lock, and a batch has 20 s).
-const AUDIT_PRUNE_BATCH: usize = 256;
+/// write lock, which other control planes' writes wait for up to 5 s), and in one
+/// prune (the rest go at the next).
+const AUDIT_PRUNE_BATCH: usize = 64;
+const AUDIT_PRUNE_MAX: usize = 4_096;
 
-/// Deletes the oldest audit entries past the newest `kept` (keys sort by time): how
-/// many went.
+/// Deletes each tenant's oldest audit entries past its newest `kept` (keys sort by
+/// time; the operator's entries are kept), at most [`AUDIT_PRUNE_MAX`]: how many went.
 async fn prune_audit(store: &dyn Store, kept: usize) -> Result<usize, StoreError> {
-    let mut entries = store.list(Kind::Audit, "").await?;
-    if entries.len() <= kept {
-        return Ok(0);
+    let mut by_tenant: HashMap<String, Vec<String>> = HashMap::new();
+    for d in store.list(Kind::Audit, "").await? {
+        let tenant = d.value["tenant"].as_str().unwrap_or_default();
+        if tenant != OPERATOR_TENANT {
+            by_tenant.entry(tenant.to_owned()).or_default().push(d.key);
+        }
     }
-    entries.sort_by(|a, b| a.key.cmp(&b.key));
-    let excess = entries.len() - kept;
-    for batch in entries[..excess].chunks(AUDIT_PRUNE_BATCH) {
+    let mut excess = Vec::new();
+    for keys in by_tenant.values_mut() {
+        if keys.len() > kept {
+            keys.sort_unstable();
+            excess.extend(keys.drain(..keys.len() - kept));
+        }
+    }
+    // The oldest first, whoever's, when there are more than one prune takes.
+    excess.sort_unstable();
+    excess.truncate(AUDIT_PRUNE_MAX);
+    for batch in excess.chunks(AUDIT_PRUNE_BATCH) {
         store
             .batch(
                 batch
                     .iter()
-                    .map(|d| Op::Delete {
+                    .map(|key| Op::Delete {
                         kind: Kind::Audit,
-                        key: d.key.clone(),
+                        key: key.clone(),
                         expect: Expect::Any,
                     })
                     .collect(),
             )
             .await?;
     }
-    Ok(excess)
+    Ok(excess.len())
 }
 
 /// Records every write (POST, PUT, PATCH, DELETE) with its outcome once answered: every
@@ -2605,17 +2624,15 @@ async fn audit(
     {
         tracing::error!(error = %e, ?entry, "audit entry not stored");
     }
-    if st
-        .audited
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        % AUDIT_PRUNE_EVERY
-        == AUDIT_PRUNE_EVERY - 1
+    if st.audited.fetch_add(1, Ordering::Relaxed) % AUDIT_PRUNE_EVERY == AUDIT_PRUNE_EVERY - 1
+        && !st.auditing.swap(true, Ordering::AcqRel)
     {
-        let store = st.store.clone();
+        let (store, pruning) = (st.store.clone(), st.auditing.clone());
         tokio::spawn(async move {
-            if let Err(e) = prune_audit(store.as_ref(), AUDIT_KEPT).await {
+            if let Err(e) = prune_audit(store.as_ref(), AUDIT_KEPT_PER_TENANT).await {
                 tracing::warn!(error = %e, "pruning the audit log");
             }
+            pruning.store(false, Ordering::Release);
         });
     }
     answer
@@ -2794,37 +2811,44 @@ pub fn router(state: AppState) -> Router {
 
 #[cfg(test)]
 mod tests {
-    /// The audit log keeps its newest entries: a prune deletes the oldest past the
-    /// bound, in batches, and leaves a log within it alone.
+    /// The audit log keeps each tenant's newest entries: a prune deletes a tenant's
+    /// oldest past its bound, in batches, leaves another tenant within it and the
+    /// operator's entries alone (a tenant's flood pushes out only its own history).
     #[tokio::test]
-    async fn a_prune_keeps_the_newest_audit_entries() {
+    async fn a_prune_keeps_each_tenants_newest_audit_entries() {
         use super::*;
         let store = crate::store::MemoryStore::new();
+        let key = |i: usize| format!("{:013}-{i:04x}", 1_000_000 + i);
+        let tenant = |i: usize| match i % 10 {
+            0 | 1 => "operator",
+            2 => "quiet",
+            _ => "loud",
+        };
         let put = |i: usize| Op::Put {
             kind: Kind::Audit,
-            key: format!("{:013}-{i:04x}", 1_000_000 + i),
-            value: json!({}),
+            key: key(i),
+            value: json!({"tenant": tenant(i)}),
             expect: Expect::Absent,
         };
-        store
-            .batch((0..700).rev().map(put).collect())
-            .await
-            .unwrap();
+        store.batch((0..1000).map(put).collect()).await.unwrap();
         assert_eq!(prune_audit(&store, 700).await.unwrap(), 0);
-        assert_eq!(prune_audit(&store, 100).await.unwrap(), 600);
-        let left: Vec<String> = store
+        assert_eq!(prune_audit(&store, 150).await.unwrap(), 550);
+        let left: std::collections::BTreeSet<String> = store
             .list(Kind::Audit, "")
             .await
             .unwrap()
             .into_iter()
             .map(|d| d.key)
             .collect();
-        let want: Vec<String> = (600..700)
-            .map(|i| format!("{:013}-{i:04x}", 1_000_000 + i))
+        let loud: Vec<usize> = (0..1000).filter(|i| tenant(*i) == "loud").collect();
+        let want: std::collections::BTreeSet<String> = (0..1000)
+            .filter(|i| tenant(*i) != "loud" || loud[loud.len() - 150..].contains(i))
+            .map(key)
             .collect();
-        let mut sorted = left.clone();
-        sorted.sort();
-        assert_eq!(sorted, want, "the newest 100");
+        assert_eq!(
+            left, want,
+            "the loud tenant's newest 150, the quiet one's 100, the operator's 200"
+        );
     }
 
     /// The pause before a counted write tries again: under a ceiling of 5 ms that

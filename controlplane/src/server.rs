@@ -202,6 +202,7 @@ pub async fn start_with_store(
         keyring,
         counted: Default::default(),
         audited: Default::default(),
+        auditing: Default::default(),
     };
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     let app = api::router(state);
