@@ -2463,9 +2463,12 @@ struct AuditEntry {
 /// verifies; the audit log only labels the request. The bootstrap token's header labels
 /// only the bootstrap call, the one handler that reads it: on any other write it is
 /// ignored by the handler, and it labelled the write `bootstrap` (any caller could hide
-/// who made a write that way, until 2026-12-05).
-fn claimed_caller(headers: &HeaderMap, path: &str) -> (String, String) {
-    if path == BOOTSTRAP_PATH && headers.contains_key("x-felix-bootstrap-token") {
+/// who made a write that way, until 2026-12-05), and only once it bootstrapped: a
+/// refused call (another method, a wrong secret, bootstrap off) with a tenant's
+/// verifying token was recorded as the operator's, whose entries are never pruned
+/// (until 2026-12-07).
+fn claimed_caller(headers: &HeaderMap, path: &str, bootstrapped: bool) -> (String, String) {
+    if bootstrapped && path == BOOTSTRAP_PATH && headers.contains_key("x-felix-bootstrap-token") {
         return ("bootstrap".into(), OPERATOR_TENANT.into());
     }
     let claims = headers
@@ -2583,7 +2586,6 @@ async fn audit(
     if !write || routine(req.uri().path()) {
         return next.run(req).await;
     }
-    let (principal, tenant) = claimed_caller(req.headers(), &path);
     let headers = req.headers().clone();
     let answer = next.run(req).await;
     if answer.extensions().get::<NoRoute>().is_some() {
@@ -2598,6 +2600,8 @@ async fn audit(
     {
         return answer;
     }
+    let bootstrapped = method == axum::http::Method::POST && status.is_success();
+    let (principal, tenant) = claimed_caller(&headers, &path, bootstrapped);
     let path = match path.char_indices().nth(AUDIT_PATH_MAX) {
         Some((cut, _)) => format!("{}…", &path[..cut]),
         None => path,
@@ -2627,12 +2631,19 @@ async fn audit(
     if st.audited.fetch_add(1, Ordering::Relaxed) % AUDIT_PRUNE_EVERY == AUDIT_PRUNE_EVERY - 1
         && !st.auditing.swap(true, Ordering::AcqRel)
     {
-        let (store, pruning) = (st.store.clone(), st.auditing.clone());
+        /// Clears the prune's flag however the prune ends (a panic too).
+        struct Pruned(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Pruned {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let (store, pruned) = (st.store.clone(), Pruned(st.auditing.clone()));
         tokio::spawn(async move {
+            let _pruned = pruned;
             if let Err(e) = prune_audit(store.as_ref(), AUDIT_KEPT_PER_TENANT).await {
                 tracing::warn!(error = %e, "pruning the audit log");
             }
-            pruning.store(false, Ordering::Release);
         });
     }
     answer

@@ -2185,6 +2185,39 @@ fn anonymous_writes_do_not_fill_the_audit_log() {
     assert_eq!(entries.len(), before + 1, "{entries:#?}");
     let path = entries.last().unwrap()["path"].as_str().unwrap();
     assert!(path.chars().count() <= 1025, "{} characters", path.len());
+    // A tenant's token on a refused bootstrap call (done already) is recorded as the
+    // tenant's, not the operator's (whose entries are never pruned): a tenant could
+    // otherwise grow the log past its own bound.
+    admin
+        .post("/v1/tenants", &json!({"tenant_id": "acme"}))
+        .unwrap();
+    let acme = anon.clone().with_token(
+        admin
+            .post(
+                "/v1/tenants/acme/tokens",
+                &json!({"sub": "mallory", "audience": "felix-controlplane",
+                        "perms": ["tenant.manage:tenant:acme"]}),
+            )
+            .unwrap()["token"]
+            .as_str()
+            .unwrap(),
+    );
+    expect_err(
+        acme.post_with(
+            "/internal/bootstrap",
+            &json!({}),
+            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
+        ),
+        409,
+    );
+    let entries = admin.get("/v1/audit").unwrap()["items"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let last = entries.last().unwrap();
+    assert_eq!(last["path"], "/internal/bootstrap", "{last}");
+    assert_eq!(last["tenant"], "acme", "{last}");
+    assert_eq!(last["principal"], "mallory", "{last}");
 }
 
 #[test]
