@@ -869,7 +869,9 @@ async fn issue_token(
         if g.expires_at <= now {
             // In the minute of skew a token is accepted past its expiry: a token minted
             // now would outlive it, and could mint the next.
-            return Err(ApiError::unauthenticated(
+            // 403, not 401: a token that verifies but may not do this (and so the try is
+            // in the audit log, which records no 401).
+            return Err(ApiError::forbidden(
                 "this token has expired: it mints no tokens",
             ));
         }
