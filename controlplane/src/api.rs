@@ -1554,12 +1554,14 @@ fn raced_pause(raced: u32, unit: f64) -> Duration {
     ceiling.mul_f64(unit.clamp(0.0, 1.0))
 }
 
-/// A random number in `[0, 1)`, from the standard library's per-map random keys.
+/// A random number in `[0, 1)`, from the system random source [`random_hex`] uses.
 fn random_unit() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(0);
-    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+    use ring::rand::SecureRandom as _;
+    let mut b = [0u8; 8];
+    ring::rand::SystemRandom::new()
+        .fill(&mut b)
+        .expect("the system random source");
+    (u64::from_le_bytes(b) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// The timing a broker's lease follows: it heartbeats every `heartbeat_interval_ms`,

@@ -1651,18 +1651,10 @@ fn control_planes(n: usize) -> [Vec<Service>; 2] {
 
 /// An operator client of each of `services` (bootstrapped through the first).
 fn admins_of(services: &[&Service]) -> Vec<ControlPlaneClient> {
-    let boot = ControlPlaneClient::new(&services[0].url, None)
-        .unwrap()
-        .post_with(
-            "/internal/bootstrap",
-            &json!({}),
-            &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
-        )
-        .unwrap();
-    let token = boot["token"].as_str().unwrap();
+    let token = operator_token(services[0]);
     services
         .iter()
-        .map(|svc| ControlPlaneClient::new(&svc.url, Some(token.to_owned())).unwrap())
+        .map(|svc| ControlPlaneClient::new(&svc.url, Some(token.clone())).unwrap())
         .collect()
 }
 
@@ -2296,15 +2288,21 @@ fn keys_stored_in_clear_or_under_an_old_kek_are_sealed_again_at_start() {
 /// An anonymous client of `svc` and one holding the bootstrap admin token.
 fn bootstrapped(svc: &Service) -> (ControlPlaneClient, ControlPlaneClient) {
     let anon = ControlPlaneClient::new(&svc.url, None).unwrap();
-    let boot = anon
+    let admin = anon.clone().with_token(operator_token(svc));
+    (anon, admin)
+}
+
+/// Bootstraps `svc` and returns the operator token it answers.
+fn operator_token(svc: &Service) -> String {
+    let boot = ControlPlaneClient::new(&svc.url, None)
+        .unwrap()
         .post_with(
             "/internal/bootstrap",
             &json!({}),
             &[("X-Felix-Bootstrap-Token", BOOTSTRAP)],
         )
         .unwrap();
-    let admin = anon.clone().with_token(boot["token"].as_str().unwrap());
-    (anon, admin)
+    boot["token"].as_str().unwrap().to_owned()
 }
 
 /// Node `id` registered live with client port `port`: a client holding its node token.
