@@ -1978,6 +1978,13 @@ fn key_lifecycle_scenario(svc: &Service) {
     let page = admin.get("/v1/audit?limit=2").unwrap();
     assert_eq!(page["items"].as_array().unwrap().len(), 2);
     assert!(page["next_since_ms"].as_u64().is_some());
+    // The next page starts after the last entry given, by its id.
+    let after = page["next_after"].as_str().unwrap();
+    assert_eq!(page["items"][1]["id"], after);
+    let next = admin
+        .get(&format!("/v1/audit?limit=2&after={after}"))
+        .unwrap();
+    assert_eq!(next["items"][0], entries[2], "{next:#?}");
 }
 
 #[test]
