@@ -11,7 +11,9 @@
 //! error, 7 timed out, 8 output could not be written, 9 a condition did not hold (a
 //! conditional put or delete, a commit's `--expect-offset`, a publish's `--if-tail`:
 //! nothing was written). A write refused after a resend whose first try may have
-//! applied exits 3: its outcome is unknown.
+//! applied exits 3: its outcome is unknown. `felix pin` and `felix top` (the broker's
+//! operator endpoint) use the same scale: 2 a rule refused, 3 the endpoint unreachable
+//! or the broker stopping.
 
 use std::io::{BufRead, Write};
 use std::net::SocketAddr;
@@ -1529,7 +1531,7 @@ pub fn main() {
                 Ok(()) => 0,
                 Err(e) => {
                     eprintln!("felix: {e}");
-                    1
+                    e.code
                 }
             })
         }
@@ -1543,7 +1545,7 @@ pub fn main() {
                 Ok(()) => 0,
                 Err(e) => {
                     eprintln!("felix: {e}");
-                    1
+                    e.code
                 }
             })
         }

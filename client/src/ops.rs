@@ -13,6 +13,59 @@ use serde::Deserialize;
 /// How long one HTTP exchange with the broker may take.
 const HTTP_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Why an operator call failed, with the `felix` exit code it maps to: the scale every
+/// other command uses (`cli`'s module docs). Until 2026-12-08 `felix pin` and `felix
+/// top` exited 1 for every failure, a broker that was down and a rule it refused alike.
+#[derive(Debug)]
+pub struct OpsError {
+    /// The exit code: 2 refused as malformed, 3 unreachable (or stopping), 4 refused
+    /// credentials, 5 not found, 6 any other failure, 7 timed out.
+    pub code: i32,
+    /// What to tell the operator.
+    pub message: String,
+}
+
+impl std::fmt::Display for OpsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for OpsError {}
+
+impl OpsError {
+    /// The exchange with `addr` failed.
+    fn io(addr: &str, e: std::io::Error) -> Self {
+        use std::io::ErrorKind::{TimedOut, WouldBlock};
+        let code = if matches!(e.kind(), TimedOut | WouldBlock) {
+            7
+        } else {
+            3
+        };
+        Self {
+            code,
+            message: format!("{addr}: {e}"),
+        }
+    }
+
+    /// The broker answered something this does not read.
+    fn answer(message: String) -> Self {
+        Self { code: 6, message }
+    }
+
+    /// The broker refused with `status`.
+    fn refused(status: u16, message: String) -> Self {
+        let code = match status {
+            400 | 413 | 422 => 2,
+            401 | 403 => 4,
+            404 => 5,
+            503 => 3,
+            _ => 6,
+        };
+        Self { code, message }
+    }
+}
+
 /// `METHOD path` with an optional JSON body on a broker's operator endpoint (plain
 /// HTTP/1.1): `(status, body)`.
 pub fn http(
@@ -20,15 +73,21 @@ pub fn http(
     method: &str,
     path: &str,
     body: Option<&str>,
-) -> Result<(u16, String), String> {
+) -> Result<(u16, String), OpsError> {
     use std::net::ToSocketAddrs as _;
+    let io = |e| OpsError::io(addr, e);
     let sock = addr
         .to_socket_addrs()
-        .map_err(|e| format!("{addr}: {e}"))?
+        .map_err(|e| OpsError {
+            code: 2,
+            message: format!("{addr}: {e}"),
+        })?
         .next()
-        .ok_or_else(|| format!("{addr}: no address"))?;
-    let mut s = std::net::TcpStream::connect_timeout(&sock, HTTP_TIMEOUT)
-        .map_err(|e| format!("{addr}: {e}"))?;
+        .ok_or_else(|| OpsError {
+            code: 2,
+            message: format!("{addr}: no address"),
+        })?;
+    let mut s = std::net::TcpStream::connect_timeout(&sock, HTTP_TIMEOUT).map_err(io)?;
     s.set_read_timeout(Some(HTTP_TIMEOUT)).ok();
     s.set_write_timeout(Some(HTTP_TIMEOUT)).ok();
     let body = body.unwrap_or("");
@@ -37,20 +96,19 @@ pub fn http(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
-    .map_err(|e| format!("{addr}: {e}"))?;
+    .map_err(io)?;
     let mut text = Vec::new();
-    s.read_to_end(&mut text)
-        .map_err(|e| format!("{addr}: {e}"))?;
+    s.read_to_end(&mut text).map_err(io)?;
     let split = text
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| format!("{addr}: not an HTTP answer"))?;
+        .ok_or_else(|| OpsError::answer(format!("{addr}: not an HTTP answer")))?;
     let (head, rest) = (String::from_utf8_lossy(&text[..split]), &text[split + 4..]);
     let status = head
         .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
-        .ok_or_else(|| format!("{addr}: not an HTTP answer"))?;
+        .ok_or_else(|| OpsError::answer(format!("{addr}: not an HTTP answer")))?;
     let chunked = head.lines().any(|l| {
         l.to_ascii_lowercase()
             .starts_with("transfer-encoding: chunked")
@@ -338,16 +396,17 @@ pub fn render(v: &View, broker: &str, width: usize) -> String {
 }
 
 /// Fetches one sample.
-pub fn sample(addr: &str) -> Result<Sample, String> {
+pub fn sample(addr: &str) -> Result<Sample, OpsError> {
     let (status, body) = http(addr, "GET", "/cores", None)?;
     if status != 200 {
-        return Err(format!("{addr}/cores: HTTP {status}: {}", body.trim()));
+        let m = format!("{addr}/cores: HTTP {status}: {}", body.trim());
+        return Err(OpsError::refused(status, m));
     }
-    serde_json::from_str(&body).map_err(|e| format!("{addr}/cores: {e}"))
+    serde_json::from_str(&body).map_err(|e| OpsError::answer(format!("{addr}/cores: {e}")))
 }
 
 /// `felix pin RULE`: applies it, prints what moved.
-pub fn pin(addr: &str, rule: &str, json: bool) -> Result<(), String> {
+pub fn pin(addr: &str, rule: &str, json: bool) -> Result<(), OpsError> {
     let body = serde_json::json!({ "rule": rule }).to_string();
     let (status, answer) = http(addr, "POST", "/pins", Some(&body))?;
     match status {
@@ -356,8 +415,8 @@ pub fn pin(addr: &str, rule: &str, json: bool) -> Result<(), String> {
             Ok(())
         }
         200 => {
-            let v: serde_json::Value =
-                serde_json::from_str(&answer).map_err(|e| format!("{addr}/pins: {e}"))?;
+            let v: serde_json::Value = serde_json::from_str(&answer)
+                .map_err(|e| OpsError::answer(format!("{addr}/pins: {e}")))?;
             let moved = v["moved"].as_array().cloned().unwrap_or_default();
             println!(
                 "pinned {} (placement version {}): {} shard(s) moved, requests held {:.1} ms",
@@ -380,12 +439,15 @@ pub fn pin(addr: &str, rule: &str, json: bool) -> Result<(), String> {
             println!("{}", answer.trim());
             Ok(())
         }
-        _ => Err(format!("pin refused (HTTP {status}): {}", answer.trim())),
+        _ => Err(OpsError::refused(
+            status,
+            format!("pin refused (HTTP {status}): {}", answer.trim()),
+        )),
     }
 }
 
 /// `felix top`: redraws each `interval` until `q`/Ctrl-C (or `iterations` frames).
-pub fn top(addr: &str, interval: Duration, iterations: Option<u64>) -> Result<(), String> {
+pub fn top(addr: &str, interval: Duration, iterations: Option<u64>) -> Result<(), OpsError> {
     use std::io::IsTerminal as _;
     let tty = std::io::stdout().is_terminal();
     let width = terminal_width().unwrap_or(120);

@@ -2086,6 +2086,44 @@ fn a_standalone_broker_answers_topology_with_itself() {
     assert_eq!(text.trim(), format!("node-1 {}", b.listen), "{text}");
 }
 
+/// `felix pin` and `felix top` exit on the scale every other command uses: a rule the
+/// broker refuses 2, an operator endpoint nobody answers 3, where both exited 1 for
+/// every failure (until 2026-12-08).
+#[test]
+fn felix_pin_and_top_exit_with_the_codes_of_the_other_commands() {
+    let (b, _dir) = broker(&[]);
+    let code = |args: &[&str]| {
+        let out = felix(&b).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), stderr)
+    };
+    let http = b.http.to_string();
+    let (refused, why) = code(&["pin", "--http", &http, "dev/default/orders/0=99"]);
+    assert_eq!(refused, Some(2), "{why}");
+    let (malformed, why) = code(&["pin", "--http", &http, "not a rule"]);
+    assert_eq!(malformed, Some(2), "{why}");
+    // A port nothing listens on: bound, then let go.
+    let gone = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let (down, why) = code(&["pin", "--http", &gone, "dev/default/orders/0=0"]);
+    assert_eq!(down, Some(3), "{why}");
+    let (down, why) = code(&["top", "--http", &gone, "--iterations", "1"]);
+    assert_eq!(down, Some(3), "{why}");
+    let (served, why) = code(&[
+        "top",
+        "--http",
+        &http,
+        "--iterations",
+        "1",
+        "--interval",
+        "0.1",
+    ]);
+    assert_eq!(served, Some(0), "{why}");
+}
+
 #[test]
 fn felix_top_in_a_terminal_shows_per_core_rows_that_move_with_load() {
     let (b, _dir) = broker(&["--cores", "0-1", "--fsync", "none"]);
