@@ -174,11 +174,12 @@ impl ClusterClient {
     /// Replaces the `Client` in use if its connection has closed (whatever the broker
     /// serves: a reconnect forced through a request fails before sending on a broker
     /// that does not serve that request).
-    pub(crate) async fn replace_if_closed(&self) {
+    pub(crate) async fn replace_if_closed(&self) -> Result<(), ClientError> {
         let seen = self.generation();
         if self.client().is_closed() {
-            let _ = self.reconnect(seen).await;
+            return self.reconnect(seen).await;
         }
+        Ok(())
     }
 
     /// After a one-shot call's result `r` on generation `seen`: a lost connection is
@@ -189,6 +190,11 @@ impl ClusterClient {
         {
             let _ = self.reconnect_under(seen, &self.policy.one_round()).await;
         }
+    }
+
+    /// A random number in `[0, 1)`.
+    pub(crate) fn unit(&self) -> f64 {
+        self.rng.lock().expect("rng lock").random()
     }
 
     fn jitter(&self, attempt: usize) -> Duration {
@@ -674,7 +680,7 @@ where
             Ok(v) => return Ok(v),
             Err(e) => e,
         };
-        if matches!(&e, ClientError::Broker(b) if b.code == Some(felix_wire::ErrorCode::NotFound)) {
+        if crate::retry::is_not_found(&e) {
             first_not_found.get_or_insert_with(Instant::now);
         }
         let since_nf = first_not_found.map_or(Duration::ZERO, |t| t.elapsed());

@@ -141,6 +141,18 @@ impl ClientError {
         }
     }
 
+    /// The broker's refusal of a subscription's start, also when it came after an
+    /// attempt that failed otherwise (wrapped in `GaveUp`: a subscribe that timed out
+    /// once and was then refused `too_old` came back so, and a resume that follows
+    /// retention did not see the refusal, until 2026-12-08).
+    pub fn cursor(&self) -> Option<&SubscribeCursorError> {
+        match self {
+            ClientError::Cursor(c) => Some(c),
+            ClientError::GaveUp { last, .. } => last.cursor(),
+            _ => None,
+        }
+    }
+
     pub(crate) fn connection(addr: impl ToString, reason: impl ToString) -> ClientError {
         ClientError::Connection {
             addr: addr.to_string(),

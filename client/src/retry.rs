@@ -81,6 +81,11 @@ pub enum Decision {
 /// is about to serve as missing.
 pub const NOT_FOUND_GRACE: Duration = Duration::from_secs(5);
 
+/// True for the broker's `not_found`.
+pub(crate) fn is_not_found(e: &ClientError) -> bool {
+    matches!(e, ClientError::Broker(b) if b.code == Some(ErrorCode::NotFound))
+}
+
 /// Classifies an error. `since_first_not_found` is how long `not_found` has been seen.
 pub fn classify(e: &ClientError, since_first_not_found: Duration) -> Decision {
     match e {

@@ -6,6 +6,15 @@
 //! shards keep delivering. A shard that moved to another broker is followed there at
 //! once and announced with `ShardMoved`; a deleted stream's shards end with
 //! `StreamDeleted`.
+//!
+//! A lost shard is tried again after a pause that grows from 250 ms to a second. It
+//! resumes at the oldest retained record where retention removed where it would resume,
+//! and at its log's end where the log now ends before it (a `Leader` stream's old
+//! leader alone held what it delivered past there: the offsets are written again, and
+//! delivered again). A credential failure ends the shard's feed with a last
+//! `ShardLost` naming it (no `ShardRecovered` follows), as the guide has a credential
+//! failure terminal; `not_found` answered for 5 s without a break ends it with
+//! `StreamDeleted`.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -22,8 +31,10 @@ use crate::error::ClientError;
 /// One offset per shard: the last delivered.
 pub type ShardOffsets = BTreeMap<u32, u64>;
 
-/// Pause before re-establishing a lost shard.
+/// Pause before re-establishing a lost shard: the first try's ceiling.
 const RECOVER_PAUSE: Duration = Duration::from_millis(250);
+/// The longest pause between tries to re-establish a lost shard.
+const RECOVER_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 /// What a sharded subscription yields: the standard SDK's five kinds. Exhaustive, as
 /// there: code written from the guide's three-arm match adds the `ShardMoved` and
@@ -295,36 +306,63 @@ async fn forward(
                 }
             }
         }
-        // Re-establish forever, resuming after the last offset delivered.
+        // Re-establish, resuming after the last offset delivered: until it opens, or
+        // until a failure no retry mends (a credential failure; the stream deleted).
+        // Each try waits longer, up to a second (it tried 4 times a second for as long
+        // as the shard was down, and forever after a failure no retry mends, until
+        // 2026-12-08).
+        let mut tries = 0;
+        let mut first_not_found = None;
         sub = loop {
             tokio::time::sleep(pause).await;
-            pause = RECOVER_PAUSE;
+            pause = recover_pause(tries, cc.unit());
+            tries += 1;
             let resume = resume_at(&positions, shard, start);
             let client = cc.client();
-            match cc.subscribe_shard_once(&t, &n, &s, shard, resume).await {
+            let e = match cc.subscribe_shard_once(&t, &n, &s, shard, resume).await {
                 Ok(sub) => break sub,
-                // Retention removed where it would resume (a lagged subscription lands
-                // here): asking for it again failed forever. Go on from the oldest
-                // retained.
-                Err(e) => match oldest_retained(&e, shard) {
-                    Some(o) if o > 0 => {
-                        positions
-                            .lock()
-                            .expect("positions lock")
-                            .insert(shard, o - 1);
-                        pause = Duration::ZERO;
-                    }
-                    _ => {
-                        if crate::retry::classify(&e, Duration::ZERO)
-                            == crate::retry::Decision::Fail
-                        {
-                            tracing::warn!(shard, error = %e, "re-establishing a shard failed");
+                Err(e) => e,
+            };
+            // `not_found` answered without a break for the grace: the stream is gone (a
+            // broker promoted a moment ago says so briefly of one it is about to serve).
+            if crate::retry::is_not_found(&e) {
+                first_not_found.get_or_insert_with(tokio::time::Instant::now);
+            } else {
+                first_not_found = None;
+            }
+            let since_not_found = first_not_found.map_or(Duration::ZERO, |t| t.elapsed());
+            let reconnected = if client.is_closed() {
+                cc.replace_if_closed().await
+            } else {
+                Ok(())
+            };
+            match reopen_after(&e, reconnected.as_ref().err(), shard, since_not_found) {
+                Reopen::At(o) => {
+                    match o.checked_sub(1) {
+                        Some(before) => {
+                            positions
+                                .lock()
+                                .expect("positions lock")
+                                .insert(shard, before);
                         }
-                        if client.is_closed() {
-                            cc.replace_if_closed().await;
+                        None => {
+                            positions.lock().expect("positions lock").remove(&shard);
+                            start = Some(StartPosition::Offset(Offset(0)));
                         }
                     }
-                },
+                    pause = Duration::ZERO;
+                }
+                Reopen::Again => {}
+                Reopen::Deleted => {
+                    let _ = tx.send(ShardEvent::StreamDeleted { shard }).await;
+                    return;
+                }
+                Reopen::Never(error) => {
+                    // Terminal, as the guide has a credential failure: no
+                    // `ShardRecovered` follows, and the shard's feed ends.
+                    let _ = tx.send(ShardEvent::ShardLost { shard, error }).await;
+                    return;
+                }
             }
         };
         if tx.send(ShardEvent::ShardRecovered { shard }).await.is_err() {
@@ -337,9 +375,7 @@ async fn forward(
 /// removed the records between, which are logged as skipped); `None` for any other
 /// error.
 fn oldest_retained(e: &ClientError, shard: u32) -> Option<u64> {
-    let ClientError::Cursor(c) = e else {
-        return None;
-    };
+    let c = e.cursor()?;
     if c.reason != felix_wire::message::CursorErrorReason::TooOld {
         return None;
     }
@@ -350,6 +386,72 @@ fn oldest_retained(e: &ClientError, shard: u32) -> Option<u64> {
         "records removed by retention before they were delivered: skipped"
     );
     Some(c.available)
+}
+
+/// What a lost shard does after a try to open it again failed with `e` (and the
+/// connection's replacement, where it was closed, with `reconnect`).
+#[derive(Debug, PartialEq, Eq)]
+enum Reopen {
+    /// Open at this offset at once.
+    At(u64),
+    /// Try again after a pause.
+    Again,
+    /// The stream is gone: end with `StreamDeleted`.
+    Deleted,
+    /// No retry mends it: end with this error.
+    Never(String),
+}
+
+fn reopen_after(
+    e: &ClientError,
+    reconnect: Option<&ClientError>,
+    shard: u32,
+    since_not_found: Duration,
+) -> Reopen {
+    use felix_wire::message::CursorErrorReason;
+    if let Some(o) = oldest_retained(e, shard) {
+        return Reopen::At(o);
+    }
+    if let Some(c) = e.cursor()
+        && c.reason == CursorErrorReason::InFuture
+    {
+        // The shard's log now ends before where this resumes: what it delivered past
+        // that end is gone (a `Leader` stream's tail its old leader alone held) and
+        // the offsets are written again. Waiting for the log to grow back skipped
+        // every record written at them meanwhile (until 2026-12-08); from the end,
+        // nothing is skipped.
+        tracing::warn!(
+            shard,
+            resume = c.requested,
+            end = c.available,
+            "the shard's log ends before where it resumes: records delivered past its end were lost; resuming at its end"
+        );
+        return Reopen::At(c.available);
+    }
+    if let Some(credential) = [Some(e), reconnect]
+        .into_iter()
+        .flatten()
+        .find(|e| e.is_credential_failure())
+    {
+        return Reopen::Never(credential.to_string());
+    }
+    if crate::retry::classify(e, since_not_found) == crate::retry::Decision::Fail {
+        if crate::retry::is_not_found(e) {
+            return Reopen::Deleted;
+        }
+        tracing::warn!(shard, error = %e, "re-establishing a shard failed");
+    }
+    Reopen::Again
+}
+
+/// The pause before a lost shard's try number `tries` + 1 (0-based): under a ceiling
+/// of 250 ms doubling to 1 s, at least half of it (`unit` in `[0, 1)` picks where):
+/// random, so a cluster's subscribers do not retry in step.
+fn recover_pause(tries: u32, unit: f64) -> Duration {
+    let ceiling = RECOVER_PAUSE
+        .saturating_mul(1 << tries.min(2))
+        .min(RECOVER_PAUSE_MAX);
+    ceiling.mul_f64(0.5 + unit.clamp(0.0, 1.0) / 2.0)
 }
 
 /// How many times a resume opens again at the oldest retained record while retention
@@ -440,6 +542,100 @@ mod tests {
             requested,
             available,
         })
+    }
+
+    fn cursor(reason: CursorErrorReason, requested: u64, available: u64) -> ClientError {
+        ClientError::Cursor(SubscribeCursorError {
+            reason,
+            requested,
+            available,
+        })
+    }
+
+    fn coded(code: felix_wire::ErrorCode) -> ClientError {
+        ClientError::Broker(crate::error::BrokerError {
+            message: format!("{code:?}"),
+            code: Some(code),
+            retry: None,
+            detail: None,
+            context: "subscribe",
+        })
+    }
+
+    fn gave_up(last: ClientError) -> ClientError {
+        ClientError::GaveUp {
+            attempts: 2,
+            endpoints: 1,
+            in_doubt: true,
+            last: Box::new(last),
+        }
+    }
+
+    /// What a lost shard does after a failed try to open it again. Before 2026-12-08
+    /// it followed only a bare `too_old`, and tried again every 250 ms, forever, after
+    /// anything else: after `in_future` (its log now ends before where it resumes,
+    /// so the records written again at those offsets were skipped once it opened), a
+    /// credential failure, a stream gone for good.
+    #[test]
+    fn a_lost_shard_reopens_as_its_refusal_says() {
+        use felix_wire::ErrorCode;
+        let at = |e: &ClientError| reopen_after(e, None, 0, Duration::ZERO);
+        assert_eq!(at(&too_old(5, 10)), Reopen::At(10));
+        assert_eq!(at(&gave_up(too_old(5, 10))), Reopen::At(10));
+        let in_future = cursor(CursorErrorReason::InFuture, 20, 12);
+        assert_eq!(at(&in_future), Reopen::At(12));
+        assert_eq!(at(&gave_up(in_future)), Reopen::At(12));
+        assert!(matches!(at(&coded(ErrorCode::Forbidden)), Reopen::Never(_)));
+        let lost = ClientError::connection("127.0.0.1:1", "closed");
+        assert_eq!(at(&lost), Reopen::Again);
+        let refused = coded(ErrorCode::Unauthenticated);
+        assert!(matches!(
+            reopen_after(&lost, Some(&refused), 0, Duration::ZERO),
+            Reopen::Never(e) if e.contains("Unauthenticated")
+        ));
+        assert_eq!(
+            reopen_after(&lost, Some(&lost), 0, Duration::ZERO),
+            Reopen::Again
+        );
+        let gone = coded(ErrorCode::NotFound);
+        assert_eq!(at(&gone), Reopen::Again, "a new leader may not know it yet");
+        assert_eq!(
+            reopen_after(&gone, None, 0, crate::retry::NOT_FOUND_GRACE),
+            Reopen::Deleted
+        );
+        assert_eq!(at(&coded(ErrorCode::Overloaded)), Reopen::Again);
+    }
+
+    /// Tries to open a lost shard again wait longer each time, up to a second, and at
+    /// least half their ceiling.
+    #[test]
+    fn a_lost_shards_tries_back_off_to_a_second() {
+        let ms = |tries, unit| recover_pause(tries, unit).as_millis();
+        assert_eq!([ms(0, 0.0), ms(0, 0.999_999)], [125, 249]);
+        assert_eq!([ms(1, 0.0), ms(2, 0.0), ms(3, 0.0)], [250, 500, 500]);
+        assert_eq!(ms(u32::MAX, 1.0), 1000);
+    }
+
+    /// A resume refused `too_old` after a try that timed out (wrapped in `GaveUp`)
+    /// follows retention as a bare refusal does.
+    #[tokio::test]
+    async fn a_resume_follows_retention_through_a_retried_open() {
+        let asked = std::cell::RefCell::new(Vec::new());
+        let opened = open_past_retention(0, Some(StartPosition::Offset(Offset(1))), |at| {
+            let StartPosition::Offset(Offset(o)) = at.expect("a position") else {
+                panic!("{at:?}")
+            };
+            asked.borrow_mut().push(o);
+            std::future::ready(if o < 10 {
+                Err(gave_up(too_old(o, 10)))
+            } else {
+                Ok(o)
+            })
+        })
+        .await
+        .unwrap();
+        assert_eq!(opened, 10);
+        assert_eq!(*asked.borrow(), [1, 10]);
     }
 
     /// Retention removes the oldest record twice between a refusal naming it and the

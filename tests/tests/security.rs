@@ -189,16 +189,20 @@ fn broker_token(admin: &ControlPlaneClient) -> Value {
         .unwrap()
 }
 
+fn acme_config(ca: &Path, token: &Value) -> felix_client::ClientConfig {
+    let quinn = felix_client::quic_client_config_from_file(ca, false).unwrap();
+    let mut config = felix_client::ClientConfig::optimized_defaults(quinn);
+    config.auth_tenant_id = Some("acme".into());
+    config.auth_token = Some(token["token"].as_str().unwrap().to_owned());
+    config
+}
+
 async fn connect(
     addr: std::net::SocketAddr,
     ca: &Path,
     token: &Value,
 ) -> Result<felix_client::Client, felix_client::ClientError> {
-    let quinn = felix_client::quic_client_config_from_file(ca, false).unwrap();
-    let mut config = felix_client::ClientConfig::optimized_defaults(quinn);
-    config.auth_tenant_id = Some("acme".into());
-    config.auth_token = Some(token["token"].as_str().unwrap().to_owned());
-    felix_client::Client::connect(addr, "localhost", config).await
+    felix_client::Client::connect(addr, "localhost", acme_config(ca, token)).await
 }
 
 async fn publishes(c: &felix_client::Client) -> bool {
@@ -301,6 +305,19 @@ fn retired_keys_and_denied_tokens_close_live_connections_within_the_bound() {
             .expect("the first token is accepted");
         let two = connect(addr, &real.ca, &second).await.unwrap();
         assert!(publishes(&two).await);
+        // A sharded subscription on the first token.
+        let cc = felix_client::ClusterClient::connect(
+            &[addr],
+            "localhost",
+            acme_config(&real.ca, &first),
+        )
+        .await
+        .map(std::sync::Arc::new)
+        .unwrap();
+        let mut sharded = cc
+            .subscribe_sharded("acme", "payments", "orders", None)
+            .await
+            .unwrap();
 
         // Deny the first token by id: its connection closes; the other stays.
         admin
@@ -311,6 +328,30 @@ fn retired_keys_and_denied_tokens_close_live_connections_within_the_bound() {
             .unwrap();
         let took = closed_within(&one, REVOCATION_BOUND).await;
         eprintln!("denied token's connection closed after {took:?}");
+        // The sharded subscription's shard is lost with it, and, the token refused
+        // again when it reconnects, ends (a credential failure is terminal, as the
+        // guide has it): until 2026-12-08 it tried again 4 times a second for good.
+        let events = tokio::time::timeout(Duration::from_secs(20), async {
+            let mut events = Vec::new();
+            while let Some(e) = sharded.next().await {
+                events.push(e);
+            }
+            events
+        })
+        .await
+        .expect("the denied subscription ends");
+        let last = events.last().cloned();
+        assert!(
+            matches!(&last, Some(felix_client::ShardEvent::ShardLost { error, .. })
+                if error.contains("unauthenticated") || error.contains("forbidden")),
+            "{events:?}"
+        );
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, felix_client::ShardEvent::ShardRecovered { .. })),
+            "{events:?}"
+        );
         assert!(!two.is_closed() && publishes(&two).await);
         assert!(
             connect(addr, &real.ca, &first).await.is_err(),
@@ -353,7 +394,9 @@ fn retired_keys_and_denied_tokens_close_live_connections_within_the_bound() {
         .filter(|l| l.starts_with("felix_broker_revoked_connections_total{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum();
-    assert_eq!(revoked, 2, "{metrics}");
+    // The denied token's two connections (a client's, the sharded subscription's) and
+    // the retired key's.
+    assert_eq!(revoked, 3, "{metrics}");
 }
 
 /// A peer (the replication listener's other side) whose node token is denied by id after
