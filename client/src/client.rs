@@ -705,7 +705,9 @@ impl Client {
                 }
                 let p = publish.as_mut().expect("just opened");
                 if ack == AckMode::None {
-                    p.unacked_sent = true;
+                    // Marked once written: one whose write fails is this call's error
+                    // alone (it was also the next flush's, reported twice, until
+                    // 2026-12-08); the stream's reset then reports those before it.
                     break None;
                 }
                 match register_ack(&p.pending, id) {
@@ -729,6 +731,11 @@ impl Client {
                 Ok(()) => writing.done(),
                 // Dropping `writing` resets the stream and forgets it.
                 Err(e) => return Err(ClientError::connection(self.inner.addr, e)),
+            }
+            if rx.is_none()
+                && let Some(p) = publish.as_mut()
+            {
+                p.unacked_sent = true;
             }
             rx
         };

@@ -102,6 +102,65 @@ fn the_guides_connect_with_policy_example_runs() {
     });
 }
 
+/// A publish owed no ack whose write fails is that call's error, and only that: the
+/// next flush, with nothing else sent owed no ack, succeeds (it reported the same
+/// record lost again until 2026-12-08, and a caller resending on that error sent it
+/// twice).
+#[test]
+fn a_publish_owed_no_ack_whose_write_fails_is_reported_once() {
+    let (b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Idle connections end after 1 s.
+    let connect = || async {
+        let mut config = config(&b);
+        let mut transport = quinn::TransportConfig::default();
+        transport.max_idle_timeout(Some(Duration::from_secs(1).try_into().unwrap()));
+        config.quinn.transport_config(Arc::new(transport));
+        felix_client::Client::connect(b.listen, "localhost", config)
+            .await
+            .unwrap()
+    };
+    rt.block_on(async {
+        let c = connect().await;
+        c.publish(
+            "dev",
+            "default",
+            "once",
+            b"first".to_vec(),
+            AckMode::PerMessage,
+        )
+        .await
+        .unwrap();
+        // Stopped, the broker grants no more than its first window: the write of a
+        // record larger than that waits until the connection times out.
+        b.signal(libc::SIGSTOP);
+        let big = vec![7u8; 12 << 20];
+        let r = c
+            .publish("dev", "default", "once", big, AckMode::None)
+            .await;
+        b.signal(libc::SIGCONT);
+        assert!(
+            matches!(r, Err(felix_client::ClientError::Connection { .. })),
+            "{r:?}"
+        );
+        let flushed = c.flush_publishes().await;
+        assert!(flushed.is_ok(), "reported twice: {flushed:?}");
+        // One owed no ack sent before on that stream is still the flush's to report:
+        // the stream's reset may have cut it off unread.
+        let c = connect().await;
+        c.publish("dev", "default", "once", b"before".to_vec(), AckMode::None)
+            .await
+            .unwrap();
+        b.signal(libc::SIGSTOP);
+        let r = c
+            .publish("dev", "default", "once", vec![7u8; 12 << 20], AckMode::None)
+            .await;
+        b.signal(libc::SIGCONT);
+        assert!(r.is_err(), "{r:?}");
+        assert!(c.flush_publishes().await.is_err());
+    });
+}
+
 /// With the cluster gone, a one-shot publish returns after one round of connects over
 /// the endpoints, not the policy's five: it replaced its connection under the whole
 /// policy, waiting out every round and backoff (with 6 s handshakes, half a minute and
