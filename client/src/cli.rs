@@ -970,7 +970,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             if ack == AckMode::None {
                 // Unacknowledged publishes return once written to the send buffer:
                 // exiting then lost them (and said 0).
-                client.client().flush_publishes().await?;
+                client.flush_publishes().await?;
             }
         }
         Command::Sub {

@@ -781,6 +781,22 @@ impl Client {
         }
     }
 
+    /// Whether a flush has anything to say: publishes owed no ack sent on the stream in
+    /// use, or a loss of such publishes not yet reported. A stream in use by a call (its
+    /// lock held) counts as owing.
+    pub(crate) fn owes_unacked(&self) -> bool {
+        self.inner
+            .unacked_lost
+            .lock()
+            .expect("unacked lock")
+            .is_some()
+            || self
+                .inner
+                .publish
+                .try_lock()
+                .map_or(true, |p| p.as_ref().is_some_and(|p| p.unacked_sent))
+    }
+
     /// Waits until the broker has read every publish sent so far on this connection's
     /// publish stream, those sent without an ack included: the stream is finished and
     /// its acks reader runs to the broker's end of it (the next publish opens another).

@@ -38,6 +38,18 @@ pub struct ClusterClient {
     rng: Mutex<rand::rngs::StdRng>,
     /// Clients of the brokers `not_leader` answers named, kept for the next call.
     owners: Mutex<std::collections::HashMap<SocketAddr, Arc<Client>>>,
+    /// Flushes of replaced clients that had sent publishes owed no ack, and the first
+    /// loss they found: [`ClusterClient::flush_publishes`] waits for them and reports it.
+    replaced: Mutex<Replaced>,
+}
+
+/// What the clients a [`ClusterClient`] replaced owe its next flush.
+#[derive(Default)]
+struct Replaced {
+    /// Still running (those finished are let go at the next replacement).
+    flushes: Vec<tokio::task::JoinHandle<()>>,
+    /// The first loss a flush found.
+    lost: Arc<Mutex<Option<ClientError>>>,
 }
 
 impl std::fmt::Debug for ClusterClient {
@@ -88,6 +100,7 @@ impl ClusterClient {
             rebuild: Rebuild::default(),
             rng,
             owners: Mutex::default(),
+            replaced: Mutex::default(),
         };
         let _ = cc.refresh_topology().await;
         Ok(cc)
@@ -161,7 +174,9 @@ impl ClusterClient {
                 // generation, or it would connect a second time.
                 |client| {
                     let mut cur = self.current.write().expect("current lock");
-                    *cur = (Arc::new(client), seen + 1);
+                    let old = std::mem::replace(&mut *cur, (Arc::new(client), seen + 1)).0;
+                    drop(cur);
+                    self.flush_replaced(old);
                 },
             )
             .await?;
@@ -169,6 +184,49 @@ impl ClusterClient {
             let _ = self.refresh_topology().await;
         }
         Ok(())
+    }
+
+    /// Flushes a replaced client that sent publishes owed no ack, in the background, for
+    /// [`ClusterClient::flush_publishes`] to wait for: replaced in silence, its losses
+    /// went with it, and a flush of the client in use answered `Ok` (until 2026-12-08).
+    fn flush_replaced(&self, old: Arc<Client>) {
+        if !old.owes_unacked() {
+            return;
+        }
+        let mut replaced = self.replaced.lock().expect("replaced lock");
+        replaced.flushes.retain(|f| !f.is_finished());
+        let lost = replaced.lost.clone();
+        replaced.flushes.push(tokio::spawn(async move {
+            if let Err(e) = old.flush_publishes().await {
+                lost.lock().expect("lost lock").get_or_insert(e);
+            }
+        }));
+    }
+
+    /// Waits until every publish sent owed no ack has been read by a broker, on the
+    /// client in use ([`Client::flush_publishes`]) and on every client it replaced since
+    /// the last flush (a lost connection, a failover); the first loss found is the
+    /// error. Use this, not `client().flush_publishes()`, with a `ClusterClient`.
+    pub async fn flush_publishes(&self) -> Result<(), ClientError> {
+        let (flushes, lost) = {
+            let mut replaced = self.replaced.lock().expect("replaced lock");
+            (std::mem::take(&mut replaced.flushes), replaced.lost.clone())
+        };
+        for f in flushes {
+            if let Err(e) = f.await {
+                lost.lock()
+                    .expect("lost lock")
+                    .get_or_insert(ClientError::Protocol(format!(
+                        "flushing a replaced connection: {e}"
+                    )));
+            }
+        }
+        let lost = lost.lock().expect("lost lock").take();
+        let now = self.client().flush_publishes().await;
+        match lost {
+            Some(e) => Err(e),
+            None => now,
+        }
     }
 
     /// Replaces the `Client` in use if its connection has closed (whatever the broker

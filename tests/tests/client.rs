@@ -102,6 +102,50 @@ fn the_guides_connect_with_policy_example_runs() {
     });
 }
 
+/// Publishes owed no ack that a broker never read, on a connection a `ClusterClient`
+/// then replaced, are its next flush's error: the flush of the client in use alone
+/// answered `Ok` with them lost (until 2026-12-08).
+#[test]
+fn a_cluster_clients_flush_reports_what_a_replaced_connection_lost() {
+    let (mut b, _dir) = broker(&[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut config = config(&b);
+        let mut transport = quinn::TransportConfig::default();
+        transport.max_idle_timeout(Some(Duration::from_secs(1).try_into().unwrap()));
+        config.quinn.transport_config(Arc::new(transport));
+        let cc = ClusterClient::connect(&[b.listen], "localhost", config)
+            .await
+            .unwrap();
+        let publish =
+            |payload: &[u8], ack| cc.publish("dev", "default", "replaced", payload.to_vec(), ack);
+        publish(b"first", AckMode::PerMessage).await.unwrap();
+        // Killed, the broker reads none of these (stopped, it read them from its
+        // socket's buffer once let go on); the connection then times out.
+        b.kill();
+        for _ in 0..50 {
+            publish(b"unread", AckMode::None).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        b.restart().unwrap();
+        // The next call finds the connection lost and replaces it.
+        let replaced = publish(b"after", AckMode::PerMessage).await;
+        assert!(replaced.is_err(), "{replaced:?}");
+        publish(b"after", AckMode::PerMessage).await.unwrap();
+        let flushed = cc.flush_publishes().await;
+        assert!(flushed.is_err(), "{flushed:?}");
+        let (records, _) = cc
+            .client()
+            .stream_read("dev", "default", "replaced", 0, 0, None, None)
+            .await
+            .unwrap();
+        let payloads: Vec<&[u8]> = records.iter().map(|r| &r.payload[..]).collect();
+        assert_eq!(payloads, [&b"first"[..], b"after"], "the unread were lost");
+        // Reported once: the next flush has nothing to say.
+        cc.flush_publishes().await.unwrap();
+    });
+}
+
 /// A publish owed no ack whose write fails is that call's error, and only that: the
 /// next flush, with nothing else sent owed no ack, succeeds (it reported the same
 /// record lost again until 2026-12-08, and a caller resending on that error sent it
