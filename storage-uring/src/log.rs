@@ -635,6 +635,9 @@ struct Shared<B: Backend> {
     /// [`RecoveryReport::unsynced_life`] of this open, until its owner says it has
     /// recorded it ([`SegmentLog::unsynced_life_recorded`]).
     unsynced_life: std::cell::Cell<bool>,
+    /// An `on-commit` life's open could not remove an earlier life's [`UNSYNCED_LIFE`]
+    /// mark (a full device): retention's next removal and the close try again.
+    mark_left: std::cell::Cell<bool>,
 }
 
 /// A segment log over backend `B`. Cloning shares the log.
@@ -774,6 +777,7 @@ impl<B: Backend> SegmentLog<B> {
         }
         let started = Instant::now();
         let (segments, mut report) = recover(&backend, &config).await?;
+        let mut mark_left = false;
         if !config.read_only {
             // Before the first append: a snapshot past the end describes a tail a crash
             // took (or a truncation it interrupted), one below the base the old life of
@@ -796,8 +800,16 @@ impl<B: Backend> SegmentLog<B> {
             // a full device or quota: failed, the shard would stay closed until a
             // restart, its own retention unable to free the space; it opens unmarked
             // (its appends meet the full disk too, and are refused retryably).
-            match mark_life(&backend, config.fsync != FsyncMode::OnCommit).await {
-                Err(StorageError::Io { source, .. }) if is_no_space(&source) => {}
+            // An `on-commit` life that cannot remove an earlier life's mark there
+            // tries again once its retention freed space, and at its close: it kept the
+            // mark for its whole life, so the next open after a clean close still read
+            // the log as after an unsynced life, and recovery after a crash of this one
+            // cut acknowledged records it should refuse to (until 2026-12-08).
+            let unsynced = config.fsync != FsyncMode::OnCommit;
+            match mark_life(&backend, unsynced).await {
+                Err(StorageError::Io { source, .. }) if is_no_space(&source) => {
+                    mark_left = !unsynced;
+                }
                 marked => marked?,
             }
         }
@@ -856,6 +868,7 @@ impl<B: Backend> SegmentLog<B> {
                 config,
                 state: RefCell::new(state),
                 unsynced_life: std::cell::Cell::new(report.unsynced_life),
+                mark_left: std::cell::Cell::new(mark_left),
             }),
             tasks: Rc::new(RefCell::new(Vec::new())),
         };
@@ -1688,6 +1701,13 @@ impl<B: Backend> SegmentLog<B> {
                 .sync_dir()
                 .await
                 .map_err(|e| StorageError::io("retention sync_dir", "log directory", e))?;
+            // Space freed: an earlier life's mark this one could not remove at its open.
+            if self.shared.mark_left.get()
+                && !self.shared.state.borrow().closing
+                && mark_life(&self.shared.backend, false).await.is_ok()
+            {
+                self.shared.mark_left.set(false);
+            }
         }
         match failed {
             Some(e) => Err(e),
@@ -1758,7 +1778,7 @@ impl<B: Backend> SegmentLog<B> {
         if let Some((op, detail)) = poisoned {
             return Err(StorageError::Poisoned { op, detail });
         }
-        if self.shared.config.fsync != FsyncMode::OnCommit {
+        if self.shared.config.fsync != FsyncMode::OnCommit || self.shared.mark_left.get() {
             // Closing synced everything: the next open's recovery is strict again.
             // Best effort (a mark left behind only makes that recovery lenient).
             let _ = mark_life(&self.shared.backend, false).await;

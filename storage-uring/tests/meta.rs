@@ -302,6 +302,81 @@ fn a_log_opens_only_once_its_life_is_marked_as_its_fsync_mode_needs() {
     });
 }
 
+/// An `on-commit` life whose open could not remove an unsynced life's mark (a full
+/// device) removes it once retention frees space, or else at its close: it kept it for
+/// its whole life (until 2026-12-08), so the open after a clean close read the log as
+/// after an unsynced life (a replica then leads none of its old generations), and a
+/// crash of the life was recovered leniently, cutting acknowledged records at damage
+/// it should refuse.
+#[test]
+fn an_on_commit_life_removes_a_mark_its_full_disk_kept_once_it_can() {
+    run(|| async {
+        use felix_storage_uring::FsyncMode;
+        use felix_storage_uring::io::Backend;
+        let small = LogConfig {
+            segment_bytes_max: 64 * 1024,
+            index_interval_bytes: 1024,
+            ..LogConfig::default()
+        };
+        let unsynced = LogConfig {
+            fsync: FsyncMode::None,
+            ..small.clone()
+        };
+        let retained = LogConfig {
+            retention_bytes: Some(128 * 1024),
+            ..small
+        };
+        for by_retention in [false, true] {
+            let mem = MemBackend::new();
+            let (log, _) = SegmentLog::open(mem.clone(), retained.clone())
+                .await
+                .unwrap();
+            for _ in 0..400 {
+                log.append(&[vec![7u8; 1000]], 0).await.unwrap();
+            }
+            log.close().await.unwrap();
+            // An unsynced life that a power cut ends.
+            let (log, _) = SegmentLog::open(mem.clone(), unsynced.clone())
+                .await
+                .unwrap();
+            let crashed = mem.crash();
+            drop(log);
+            crashed.fail_with(MemOp::Remove, libc::ENOSPC, 0, FaultTimes::Once);
+            let (log, report) = SegmentLog::open(crashed.clone(), retained.clone())
+                .await
+                .expect("opens on a full disk");
+            assert!(report.unsynced_life);
+            assert!(
+                crashed.read_small("unsynced-life").await.unwrap().is_some(),
+                "no room to remove it"
+            );
+            crashed.clear_faults();
+            if by_retention {
+                assert!(log.enforce_retention(u64::MAX / 2).await.unwrap() > 0);
+                assert!(
+                    crashed
+                        .crash()
+                        .read_small("unsynced-life")
+                        .await
+                        .unwrap()
+                        .is_none(),
+                    "removed durably once retention freed space"
+                );
+            }
+            log.close().await.unwrap();
+            assert!(
+                crashed.read_small("unsynced-life").await.unwrap().is_none(),
+                "by_retention {by_retention}: left after the close"
+            );
+            let (log, report) = SegmentLog::open(crashed.clone(), retained.clone())
+                .await
+                .unwrap();
+            assert!(!report.unsynced_life, "the last life closed on-commit");
+            log.close().await.unwrap();
+        }
+    });
+}
+
 /// An open says whether the life before it ran under `none` or `periodic` and ended
 /// without its close: a replica then may have lost records it acknowledged, and must
 /// not lead its old generation again (`replication::machine`).
