@@ -23,6 +23,22 @@ pub fn is_out_of_descriptors(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
+/// The largest small file (index, metadata, snapshot, intent) read whole. Far above
+/// any the log writes (an index of a 256 MiB segment is about 1 MiB; the broker's
+/// snapshots are bounded at a few hundred KiB), far below what would take the process
+/// down: a file this large is damage. Its size was allocated before reading, so a
+/// sparse terabyte-long index (filesystem damage, a stray writer) aborted the broker at
+/// every open of its shard (until 2026-12-08).
+pub const SMALL_FILE_MAX_BYTES: u64 = 256 << 20;
+
+/// The refusal of a small file larger than [`SMALL_FILE_MAX_BYTES`].
+pub(crate) fn too_large(name: &str, size: u64) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("{name}: {size} bytes, more than a small file's {SMALL_FILE_MAX_BYTES}"),
+    )
+}
+
 /// A directory holding one log's files.
 #[allow(async_fn_in_trait)]
 pub trait Backend: Clone + 'static {
@@ -40,7 +56,8 @@ pub trait Backend: Clone + 'static {
     /// Writes a small whole file with ordinary buffered I/O (indexes: derived, never
     /// fsynced).
     async fn write_small(&self, name: &str, data: &[u8]) -> io::Result<()>;
-    /// Reads a small whole file; `Ok(None)` when it does not exist.
+    /// Reads a small whole file; `Ok(None)` when it does not exist. One larger than
+    /// [`SMALL_FILE_MAX_BYTES`] is refused (`InvalidData`), not read.
     async fn read_small(&self, name: &str) -> io::Result<Option<Vec<u8>>>;
     /// Creates or empties `name`, writes exactly `data` with ordinary buffered I/O and
     /// fdatasyncs it (metadata and intent files). Its directory entry is durable only

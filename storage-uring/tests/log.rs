@@ -422,6 +422,33 @@ fn fx_read<F: Fixture>(fx: &F, name: &str) -> Vec<u8> {
     std::fs::read(disk.0.join(name)).unwrap()
 }
 
+/// An index file far larger than any index (filesystem damage, a stray writer) is
+/// rebuilt, not read: its size was allocated before reading, so a sparse terabyte
+/// aborted the process at every open of its log (until 2026-12-08).
+#[test]
+fn an_index_larger_than_any_is_rebuilt_not_read() {
+    run(|| async {
+        let disk = Disk::new();
+        let (log, _) = SegmentLog::open(disk.backend().await, small_segments())
+            .await
+            .unwrap();
+        fill(&log, 200, 1000).await;
+        assert!(log.segment_count() > 1);
+        log.close().await.unwrap();
+        disk.set_len("00000000000000000000.idx", 1 << 40);
+        let (log, report) = SegmentLog::open(disk.backend().await, small_segments())
+            .await
+            .unwrap();
+        assert!(report.rebuilt_indexes >= 1, "{report:?}");
+        assert_eq!(read_all(&log).await.len(), 200);
+        log.close().await.unwrap();
+        assert!(
+            disk.len("00000000000000000000.idx") < 1 << 20,
+            "written back whole"
+        );
+    });
+}
+
 async fn retention_removes_whole_old_segments_only<F: Fixture>(fx: F) {
     let cfg = LogConfig {
         retention_bytes: Some(200 * 1024),

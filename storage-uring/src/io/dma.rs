@@ -201,6 +201,9 @@ impl Backend for DmaBackend {
         };
         let read = async {
             let size = file.file_size().await.map_err(to_io)?;
+            if size > super::SMALL_FILE_MAX_BYTES {
+                return Err(super::too_large(name, size));
+            }
             let mut out = Vec::with_capacity(size as usize);
             loop {
                 let want = (size as usize).saturating_sub(out.len()).max(BLOCK_BYTES);
@@ -209,6 +212,10 @@ impl Backend for DmaBackend {
                     return Ok::<_, io::Error>(out);
                 }
                 out.extend_from_slice(&r);
+                // Growing while read: the bound holds all the same.
+                if out.len() as u64 > super::SMALL_FILE_MAX_BYTES {
+                    return Err(super::too_large(name, out.len() as u64));
+                }
             }
         }
         .await;
@@ -429,6 +436,13 @@ mod tests {
                 Some(&b""[..])
             );
             assert_eq!(std::fs::read(path.join("big")).unwrap(), b"short");
+            // One past the bound (sparse: nothing is written) is refused, not read.
+            std::fs::File::create(path.join("huge"))
+                .unwrap()
+                .set_len(1 << 40)
+                .unwrap();
+            let refused = backend.read_small("huge").await.unwrap_err();
+            assert_eq!(refused.kind(), std::io::ErrorKind::InvalidData, "{refused}");
         });
     }
 

@@ -416,7 +416,12 @@ impl Backend for MemBackend {
     }
 
     async fn read_small(&self, name: &str) -> io::Result<Option<Vec<u8>>> {
-        Ok(self.contents(name))
+        match self.contents(name) {
+            Some(c) if c.len() as u64 > super::SMALL_FILE_MAX_BYTES => {
+                Err(super::too_large(name, c.len() as u64))
+            }
+            c => Ok(c),
+        }
     }
 
     async fn write_synced(&self, name: &str, data: &[u8]) -> io::Result<()> {

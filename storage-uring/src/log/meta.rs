@@ -121,6 +121,14 @@ impl<B: Backend> SegmentLog<B> {
         if self.shared.config.read_only {
             return Err(StorageError::Closed);
         }
+        // Never more than a read takes back.
+        if bytes.len() as u64 > crate::io::SMALL_FILE_MAX_BYTES {
+            return Err(StorageError::Config(format!(
+                "{file}: {} bytes, more than a small file's {}",
+                bytes.len(),
+                crate::io::SMALL_FILE_MAX_BYTES
+            )));
+        }
         let _turn = self.meta_turn().await;
         {
             let st = self.shared.state.borrow();

@@ -77,7 +77,8 @@ impl<B: Backend> SegmentLog<B> {
         body: &[u8],
     ) -> Result<(), StorageError> {
         let file = file_name(name)?;
-        if body.len() > u32::MAX as usize {
+        // Never more than a read takes back.
+        if (HEADER_BYTES + body.len()) as u64 > crate::io::SMALL_FILE_MAX_BYTES {
             return Err(StorageError::Config(format!(
                 "snapshot {name}: {} bytes",
                 body.len()
@@ -117,14 +118,12 @@ impl<B: Backend> SegmentLog<B> {
         // The read waits on the ring: a cut meanwhile may have made it describe records
         // that are gone (and the range check below pass on offsets written since).
         let cuts = self.shared.state.borrow().cuts;
-        let Some(bytes) = self
-            .shared
-            .backend
-            .read_small(&file)
-            .await
-            .map_err(|e| StorageError::io("read snapshot", &file, e))?
-        else {
-            return Ok(None);
+        let bytes = match self.shared.backend.read_small(&file).await {
+            Ok(Some(bytes)) => bytes,
+            // Past the bound: damaged, as one whose checksum fails.
+            Ok(None) => return Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => return Ok(None),
+            Err(e) => return Err(StorageError::io("read snapshot", &file, e)),
         };
         if self.shared.state.borrow().cuts != cuts {
             return Ok(None);
@@ -161,6 +160,8 @@ pub(super) async fn remove_outside<B: Backend>(
             Ok(Some(bytes)) => decode(&bytes)
                 .is_none_or(|(as_of, _)| keep.as_ref().is_none_or(|k| !k.contains(&as_of))),
             Ok(None) => false,
+            // Past the bound: damaged, removed as one whose checksum fails.
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => true,
             Err(e) => return Err(("read snapshot", e)),
         };
         if stale {
