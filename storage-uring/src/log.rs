@@ -2510,10 +2510,14 @@ async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), F
         )
     };
     // A sealed segment ends with its data: zeros written ahead of it (this life or one
-    // before a restart) are cut off, before the fdatasync below. Best effort: a segment
-    // with zeros after its data is valid (recovery reads them as its end), only longer.
-    if shared.config.zero_ahead_bytes > 0
-        && old_file.size().await.is_ok_and(|size| size > data_end)
+    // before a restart) are cut off, before the fdatasync below, and the rest of its
+    // reservation goes with them (a truncation to the size it has gives back blocks
+    // reserved past it: skipped when no zeros lengthened the file, a segment sealed
+    // early kept its whole reservation until retention removed it, until 2026-12-08).
+    // Best effort: a segment with zeros after its data is valid (recovery reads them as
+    // its end), only longer.
+    if (shared.config.zero_ahead_bytes > 0 || shared.config.preallocate)
+        && old_file.size().await.is_ok_and(|size| size >= data_end)
         && old_file.truncate(data_end).await.is_ok()
         && let Some(seg) = shared.state.borrow_mut().segments.back_mut()
     {

@@ -422,6 +422,39 @@ fn fx_read<F: Fixture>(fx: &F, name: &str) -> Vec<u8> {
     std::fs::read(disk.0.join(name)).unwrap()
 }
 
+/// A segment sealed before it filled gives back the rest of its reservation
+/// (`preallocate`) whether or not the log writes zeros ahead: without zeros ahead its
+/// file was no longer than its data, so the cut was skipped and the whole segment's
+/// reservation stayed allocated until retention removed it (until 2026-12-08).
+#[test]
+fn a_segment_sealed_early_gives_back_its_reservation() {
+    run(|| async {
+        use std::os::unix::fs::MetadataExt as _;
+        let disk = Disk::new();
+        let config = LogConfig {
+            segment_bytes_max: 64 << 20,
+            zero_ahead_bytes: 0,
+            preallocate: true,
+            ..LogConfig::default()
+        };
+        let (log, _) = SegmentLog::open(disk.backend().await, config.clone())
+            .await
+            .unwrap();
+        fill(&log, 256, 4000).await;
+        log.roll_next();
+        fill(&log, 1, 4000).await;
+        assert_eq!(log.segment_count(), 2);
+        log.close().await.unwrap();
+        let meta = std::fs::metadata(disk.0.join("00000000000000000000.seg")).unwrap();
+        assert!(
+            meta.blocks() * 512 < 2 << 20,
+            "{} bytes allocated for {} of data",
+            meta.blocks() * 512,
+            meta.len()
+        );
+    });
+}
+
 /// An index file far larger than any index (filesystem damage, a stray writer) is
 /// rebuilt, not read: its size was allocated before reading, so a sparse terabyte
 /// aborted the process at every open of its log (until 2026-12-08).
