@@ -4,7 +4,7 @@
 //!
 //! The index is derived, never trusted: it is rebuilt from the segment whenever the file
 //! is missing, short, garbled or stale, so it is never fsynced. File layout (BE):
-//! `FXIX` u32, version u16, kinds u16, base_offset u64, count u32, reserved u32, then
+//! `FXIX` u32, version u16, kinds u16, base_offset u64, count u32, newest u32, then
 //! count x (offset u64, position u64).
 //!
 //! `kinds` says which kinds of batch the sealed segment holds (a superset: a cut may
@@ -13,6 +13,13 @@
 //! kind as possible, as it does for any segment it did not read in full. It spares the
 //! broker a read of the whole log after a restart to learn, say, that a stream holds no
 //! consumer-group batches.
+//!
+//! `newest` is the segment's newest record's timestamp in seconds, rounded up, when bit
+//! 14 of the kinds field is set (files written before 2026-12-08 hold 0 there and leave
+//! the bit clear). An open that scans a sealed segment only from its last entry
+//! (`VerifyOnOpen::Tail`) ages it by this: from the last batches alone it took the
+//! segment for older than it is whenever timestamps inside it were not in order (a
+//! clock stepped back, batches of two leaders), and age retention removed it early.
 
 use bytes::BufMut;
 
@@ -20,6 +27,9 @@ use crate::format::{KindSet, SEGMENT_HEADER_BYTES};
 
 /// Bit 15 of the header's kinds field: the low byte is a [`KindSet`].
 const KINDS_KNOWN: u16 = 0x8000;
+/// Bit 14 of the header's kinds field: the newest field holds the newest record's
+/// timestamp, in seconds rounded up.
+const NEWEST_KNOWN: u16 = 0x4000;
 
 const INDEX_MAGIC: u32 = 0x4658_4958;
 const INDEX_VERSION: u16 = 1;
@@ -81,20 +91,30 @@ impl SparseIndex {
         self.entries.is_empty()
     }
 
-    /// The index file's bytes, for a segment that holds at most `kinds`.
-    pub fn encode(&self, base_offset: u64, kinds: KindSet) -> Vec<u8> {
+    /// The index file's bytes, for a segment that holds at most `kinds` and whose
+    /// newest record's timestamp is at most `newest_micros`.
+    pub fn encode(&self, base_offset: u64, kinds: KindSet, newest_micros: u64) -> Vec<u8> {
         let mut b = Vec::with_capacity(INDEX_HEADER_BYTES + self.entries.len() * 16);
         b.put_u32(INDEX_MAGIC);
         b.put_u16(INDEX_VERSION);
-        b.put_u16(KINDS_KNOWN | u16::from(kinds.bits()));
+        b.put_u16(KINDS_KNOWN | NEWEST_KNOWN | u16::from(kinds.bits()));
         b.put_u64(base_offset);
         b.put_u32(self.entries.len() as u32);
-        b.put_u32(0);
+        b.put_u32(u32::try_from(newest_micros.div_ceil(1_000_000)).unwrap_or(u32::MAX));
         for &(o, p) in &self.entries {
             b.put_u64(o);
             b.put_u64(p);
         }
         b
+    }
+
+    /// The newest record's timestamp an index file says its segment holds, in micros,
+    /// rounded up to a second (never below it); `None` when it does not say.
+    pub fn decode_newest(bytes: &[u8]) -> Option<u64> {
+        let field = u16::from_be_bytes([*bytes.get(6)?, *bytes.get(7)?]);
+        let secs = bytes.get(20..24)?;
+        (field & NEWEST_KNOWN != 0)
+            .then(|| u64::from(u32::from_be_bytes(secs.try_into().expect("4 bytes"))) * 1_000_000)
     }
 
     /// The kinds of batch an index file says its segment holds; `None` when it does not
@@ -165,7 +185,7 @@ mod tests {
         let mut idx = SparseIndex::default();
         idx.observe(10, 4096, 1);
         idx.observe(20, 5000, 1);
-        let bytes = idx.encode(10, KindSet::default());
+        let bytes = idx.encode(10, KindSet::default(), 0);
         assert_eq!(SparseIndex::decode(&bytes, 10, 6000), Some(idx.clone()));
         assert_eq!(SparseIndex::decode(&bytes, 11, 6000), None, "wrong base");
         assert_eq!(
@@ -195,13 +215,13 @@ mod tests {
         let mut kinds = KindSet::default();
         kinds.add(BatchKind::Data);
         kinds.add(BatchKind::Group);
-        let bytes = idx.encode(10, kinds);
+        let bytes = idx.encode(10, kinds, 0);
         assert_eq!(SparseIndex::decode(&bytes, 10, 6000), Some(idx.clone()));
         let read = SparseIndex::decode_kinds(&bytes).unwrap();
         assert!(read.has(BatchKind::Group) && read.has(BatchKind::Data));
         assert!(!read.has(BatchKind::State) && !read.has(BatchKind::Commit));
         // Nothing but data is not "unknown".
-        let plain = SparseIndex::decode_kinds(&idx.encode(10, KindSet::default())).unwrap();
+        let plain = SparseIndex::decode_kinds(&idx.encode(10, KindSet::default(), 0)).unwrap();
         assert!(!plain.has(BatchKind::Data));
         // A file from before the field: still a valid index, its kinds unknown.
         let mut old = bytes.clone();
@@ -209,5 +229,28 @@ mod tests {
         assert_eq!(SparseIndex::decode(&old, 10, 6000), Some(idx));
         assert_eq!(SparseIndex::decode_kinds(&old), None);
         assert_eq!(SparseIndex::decode_kinds(&bytes[..7]), None);
+    }
+
+    /// An index says its segment's newest timestamp, rounded up to a second (never
+    /// below it); one from before the field says nothing, and still reads.
+    #[test]
+    fn an_index_says_its_segments_newest_timestamp_rounded_up() {
+        let mut idx = SparseIndex::default();
+        idx.observe(10, 4096, 1);
+        let bytes = idx.encode(10, KindSet::default(), 5_000_001);
+        assert_eq!(SparseIndex::decode_newest(&bytes), Some(6_000_000));
+        assert_eq!(
+            SparseIndex::decode_newest(&idx.encode(10, KindSet::default(), 5_000_000)),
+            Some(5_000_000)
+        );
+        assert_eq!(
+            SparseIndex::decode_newest(&idx.encode(10, KindSet::default(), u64::MAX)),
+            Some(u64::from(u32::MAX) * 1_000_000)
+        );
+        let mut old = bytes.clone();
+        old[6..8].copy_from_slice(&(0x8000u16).to_be_bytes());
+        old[20..24].copy_from_slice(&[0; 4]);
+        assert_eq!(SparseIndex::decode_newest(&old), None);
+        assert_eq!(SparseIndex::decode(&old, 10, 6000), Some(idx));
     }
 }

@@ -1786,7 +1786,11 @@ impl<B: Backend> SegmentLog<B> {
         let (base, bytes) = {
             let st = self.shared.state.borrow();
             let last = st.segments.back().expect("at least one segment");
-            (last.base, last.index.encode(last.base, last.kinds))
+            (
+                last.base,
+                last.index
+                    .encode(last.base, last.kinds, last.max_timestamp_micros),
+            )
         };
         let _ = self
             .shared
@@ -2504,7 +2508,7 @@ async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), F
         (
             s.file.clone(),
             s.base,
-            s.index.encode(s.base, s.kinds),
+            s.index.encode(s.base, s.kinds, s.max_timestamp_micros),
             s.end_offset,
             data_end,
         )

@@ -422,6 +422,52 @@ fn fx_read<F: Fixture>(fx: &F, name: &str) -> Vec<u8> {
     std::fs::read(disk.0.join(name)).unwrap()
 }
 
+/// A sealed segment reopened from its index (`VerifyOnOpen::Tail`, a live re-pin's open)
+/// is aged by its newest record, as one read in full is: from its last batches alone, a
+/// segment whose timestamps fell (a clock stepped back, two leaders' batches) looked
+/// older than it is, and age retention removed it early (until 2026-12-08).
+#[test]
+fn a_segment_reopened_from_its_index_is_aged_by_its_newest_record() {
+    run(|| async {
+        let mem = MemBackend::new();
+        let config = LogConfig {
+            index_interval_bytes: 1024,
+            verify_on_open: VerifyOnOpen::Tail,
+            ..LogConfig::default()
+        };
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        // Timestamps from 200 s down to 1 s.
+        for i in 0..200u64 {
+            let p = log
+                .begin_append(&[vec![1u8; 1000]], (200 - i) * 1_000_000, None)
+                .unwrap();
+            log.commit(p).await.unwrap();
+        }
+        log.close().await.unwrap();
+        log.seal_active(0).await.unwrap();
+        // At 250 s its newest record is 50 s old; its last batches, 249 s.
+        let (now, age) = (250_000_000, Some(Duration::from_secs(100)));
+        for verify in [VerifyOnOpen::Tail, VerifyOnOpen::All] {
+            let (log, report) = SegmentLog::open(
+                mem.clone(),
+                LogConfig {
+                    verify_on_open: verify,
+                    ..config.clone()
+                },
+            )
+            .await
+            .unwrap();
+            assert_eq!(report.segments, 2);
+            assert_eq!(
+                log.retention_cut(now, None, age, u64::MAX).0,
+                0,
+                "{verify:?}: kept"
+            );
+            log.close().await.unwrap();
+        }
+    });
+}
+
 /// A segment sealed before it filled gives back the rest of its reservation
 /// (`preallocate`) whether or not the log writes zeros ahead: without zeros ahead its
 /// file was no longer than its data, so the cut was skipped and the whole segment's

@@ -135,12 +135,12 @@ pub(super) async fn recover<B: Backend>(
         }
         let mut index = SparseIndex::default();
         let mut start = (SEGMENT_HEADER_BYTES as u64, base);
-        let (loaded, loaded_kinds) = if newest {
-            (None, None)
+        let (loaded, loaded_kinds, loaded_newest) = if newest {
+            (None, None, None)
         } else {
             load_index(backend, &file, base, len)
                 .await
-                .map_or((None, None), |(i, k)| (Some(i), k))
+                .map_or((None, None, None), |(i, k, n)| (Some(i), k, n))
         };
         if let (Some(loaded), VerifyOnOpen::Tail) = (&loaded, config.verify_on_open) {
             let (o, p) = loaded.last().expect("decoded indexes are non-empty");
@@ -204,17 +204,27 @@ pub(super) async fn recover<B: Backend>(
         } else {
             loaded_kinds.map_or(KindSet::ALL, |k| k.union(end.kinds))
         };
+        // Likewise its newest timestamp: from the last batches alone a segment whose
+        // timestamps are not in order looked older than it is.
+        let newest_micros = if read_whole {
+            end.max_timestamp_micros
+        } else {
+            end.max_timestamp_micros.max(loaded_newest.unwrap_or(0))
+        };
         let stale = loaded.as_ref() != Some(&index);
-        // Read in full: an index file that says other kinds (or none: written before
-        // the field) is written again, so a later open from it knows them.
-        let kinds_stale = read_whole && loaded_kinds != Some(kinds);
+        // Read in full: an index file that says other kinds or another newest
+        // timestamp (or none: written before the field) is written again, so a later
+        // open from it knows them.
+        let kinds_stale = read_whole
+            && (loaded_kinds != Some(kinds)
+                || loaded_newest != Some(newest_micros.div_ceil(1_000_000) * 1_000_000));
         if !newest && (stale || kinds_stale) {
             report.rebuilt_indexes += usize::from(stale);
             // (A read-only open reports it, and writes nothing: `felix-log verify` and a
             // refused repair change nothing, in a directory a broker may own.)
             if !config.read_only {
                 let _ = backend
-                    .write_small(&index_name(base), &index.encode(base, kinds))
+                    .write_small(&index_name(base), &index.encode(base, kinds, newest_micros))
                     .await;
             }
         }
@@ -235,7 +245,7 @@ pub(super) async fn recover<B: Backend>(
             data_len: end.data_len,
             file: Rc::new(file),
             index,
-            max_timestamp_micros: end.max_timestamp_micros,
+            max_timestamp_micros: newest_micros,
             tail_block,
             last_batch: end.last_batch,
             kinds,
@@ -274,21 +284,24 @@ pub(super) async fn recover<B: Backend>(
 
 /// Loads and spot-checks a sealed segment's index: its last entry must point at a batch
 /// header that verifies and starts at that entry's offset. `None` means rebuild. With it,
-/// the kinds of batch the file says the segment holds, if it says.
+/// the kinds of batch the file says the segment holds and its newest record's
+/// timestamp, if it says.
 async fn load_index<B: Backend>(
     backend: &B,
     file: &B::File,
     base: u64,
     len: u64,
-) -> Option<(SparseIndex, Option<KindSet>)> {
+) -> Option<(SparseIndex, Option<KindSet>, Option<u64>)> {
     let bytes = backend.read_small(&index_name(base)).await.ok()??;
     let index = SparseIndex::decode(&bytes, base, len)?;
     let (offset, pos) = index.last()?;
     let head = file.read_at(pos, BATCH_HEADER_BYTES).await.ok()?;
     match format::decode_batch_header(&head) {
-        Ok(HeaderRead::Batch(h)) if h.base_offset == offset => {
-            Some((index, SparseIndex::decode_kinds(&bytes)))
-        }
+        Ok(HeaderRead::Batch(h)) if h.base_offset == offset => Some((
+            index,
+            SparseIndex::decode_kinds(&bytes),
+            SparseIndex::decode_newest(&bytes),
+        )),
         _ => None,
     }
 }
