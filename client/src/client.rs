@@ -1595,6 +1595,21 @@ impl Subscription {
     }
 }
 
+/// A batch of `n` events from `base` names offsets that exist: the reader's task
+/// panicked (debug builds) on one running past `u64::MAX`, and its subscriber saw a
+/// clean end.
+fn offsets_fit(base: Option<felix_wire::Offset>, n: usize) -> Result<(), ClientError> {
+    match base {
+        Some(o) if o.0.checked_add((n as u64).saturating_sub(1)).is_none() => {
+            Err(ClientError::Protocol(format!(
+                "an event batch of {n} from offset {} runs past the last offset",
+                o.0
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 async fn read_events(
     mut recv: quinn::RecvStream,
     mut reader: FrameReader,
@@ -1624,6 +1639,10 @@ async fn read_events(
         match frame.kind {
             FrameKind::EventBatch => match EventBatch::decode(frame.flags, &frame.payload) {
                 Ok(b) => {
+                    if let Err(e) = offsets_fit(b.base_offset, b.events.len()) {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
                     let skipped = b.skipped_before.unwrap_or(0);
                     for (i, e) in b.events.into_iter().enumerate() {
                         events.push(Event {
@@ -1657,6 +1676,10 @@ async fn read_events(
                     base_offset,
                     ..
                 }) => {
+                    if let Err(e) = offsets_fit(base_offset, payloads.len()) {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
                     for (i, p) in payloads.into_iter().enumerate() {
                         events.push(Event {
                             tenant_id: t.clone(),
@@ -1968,6 +1991,21 @@ async fn open_stream_now(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch whose offsets would run past the last one is the broker's protocol
+    /// error, not a panic of the task that reads events (which its subscriber saw as a
+    /// clean end).
+    #[test]
+    fn an_event_batch_past_the_last_offset_is_a_protocol_error() {
+        use felix_wire::Offset;
+        assert!(offsets_fit(Some(Offset(u64::MAX - 1)), 2).is_ok());
+        assert!(matches!(
+            offsets_fit(Some(Offset(u64::MAX)), 2),
+            Err(ClientError::Protocol(_))
+        ));
+        assert!(offsets_fit(Some(Offset(u64::MAX)), 1).is_ok());
+        assert!(offsets_fit(None, usize::MAX).is_ok());
+    }
 
     /// A publish without an ack that the broker could not read is refused with an
     /// `error` naming no request, and the broker goes on. The publishes waiting for

@@ -33,6 +33,8 @@ pub type ShardOffsets = BTreeMap<u32, u64>;
 
 /// Pause before re-establishing a lost shard: the first try's ceiling.
 const RECOVER_PAUSE: Duration = Duration::from_millis(250);
+/// The most shards a stream has.
+const STREAM_SHARDS_MAX: u32 = 4096;
 /// The longest pause between tries to re-establish a lost shard.
 const RECOVER_PAUSE_MAX: Duration = Duration::from_secs(1);
 
@@ -163,8 +165,16 @@ impl ClusterClient {
                 context: "subscribe_sharded",
             }));
         }
+        // A stream has at most 4,096 shards (the control plane's and the broker's
+        // bound): a broker answering more would have this open a subscription, and
+        // size a channel, for each.
+        if shards > STREAM_SHARDS_MAX {
+            return Err(ClientError::Protocol(format!(
+                "stream {tenant}/{namespace}/{stream}: the broker says {shards} shards, more than a stream has ({STREAM_SHARDS_MAX})"
+            )));
+        }
         let start_of = |shard: u32| match offsets.get(&shard) {
-            Some(o) => Some(StartPosition::Offset(Offset(o + 1))),
+            Some(o) => Some(StartPosition::Offset(Offset(o.saturating_add(1)))),
             None => start,
         };
         let opened = futures_join_all((0..shards).map(|shard| {
@@ -492,7 +502,7 @@ fn resume_at(
     start: Option<StartPosition>,
 ) -> Option<StartPosition> {
     match positions.lock().expect("positions lock").get(&shard) {
-        Some(o) => Some(StartPosition::Offset(Offset(o + 1))),
+        Some(o) => Some(StartPosition::Offset(Offset(o.saturating_add(1)))),
         None => start,
     }
 }
