@@ -46,11 +46,18 @@ pub struct ClusterClient {
 /// What the clients a [`ClusterClient`] replaced owe its next flush.
 #[derive(Default)]
 struct Replaced {
-    /// Still running (those finished are let go at the next replacement).
+    /// The newest replaced clients that may still owe one: a call that took one before
+    /// it was replaced may still publish on it.
+    kept: Vec<Arc<Client>>,
+    /// Flushes of older ones, still running (those finished are let go at the next
+    /// replacement).
     flushes: Vec<tokio::task::JoinHandle<()>>,
-    /// The first loss a flush found.
+    /// The first loss a flush of an older one found.
     lost: Arc<Mutex<Option<ClientError>>>,
 }
+
+/// Replaced clients kept for the next flush; past these, the oldest is flushed then.
+const REPLACED_KEPT: usize = 8;
 
 impl std::fmt::Debug for ClusterClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -186,44 +193,60 @@ impl ClusterClient {
         Ok(())
     }
 
-    /// Flushes a replaced client that sent publishes owed no ack, in the background, for
-    /// [`ClusterClient::flush_publishes`] to wait for: replaced in silence, its losses
-    /// went with it, and a flush of the client in use answered `Ok` (until 2026-12-08).
+    /// Keeps a replaced client for [`ClusterClient::flush_publishes`]: replaced in
+    /// silence, the losses of the publishes owed no ack it had sent went with it, and a
+    /// flush of the client in use answered `Ok` (until 2026-12-08). Kept as a client,
+    /// not flushed at once: a call that took it before it was replaced may publish on
+    /// it still. Past [`REPLACED_KEPT`], the oldest is flushed in the background.
     fn flush_replaced(&self, old: Arc<Client>) {
-        if !old.owes_unacked() {
-            return;
-        }
         let mut replaced = self.replaced.lock().expect("replaced lock");
         replaced.flushes.retain(|f| !f.is_finished());
-        let lost = replaced.lost.clone();
-        replaced.flushes.push(tokio::spawn(async move {
-            if let Err(e) = old.flush_publishes().await {
-                lost.lock().expect("lost lock").get_or_insert(e);
-            }
-        }));
+        // Closed and owing nothing, it has nothing to say, and nothing can be sent on it.
+        replaced.kept.retain(|c| c.owes_unacked() || !c.is_closed());
+        replaced.kept.push(old);
+        while replaced.kept.len() > REPLACED_KEPT {
+            let oldest = replaced.kept.remove(0);
+            let lost = replaced.lost.clone();
+            replaced.flushes.push(tokio::spawn(async move {
+                if let Err(e) = oldest.flush_publishes().await {
+                    lost.lock().expect("lost lock").get_or_insert(e);
+                }
+            }));
+        }
     }
 
     /// Waits until every publish sent owed no ack has been read by a broker, on the
-    /// client in use ([`Client::flush_publishes`]) and on every client it replaced since
-    /// the last flush (a lost connection, a failover); the first loss found is the
-    /// error. Use this, not `client().flush_publishes()`, with a `ClusterClient`.
+    /// client in use ([`Client::flush_publishes`]) and on the clients it replaced since
+    /// the last flush (a lost connection, a failover, a timeout); the first loss found
+    /// is the error. Use this, not `client().flush_publishes()`, with a
+    /// `ClusterClient`.
     pub async fn flush_publishes(&self) -> Result<(), ClientError> {
-        let (flushes, lost) = {
+        let (kept, flushes, lost) = {
             let mut replaced = self.replaced.lock().expect("replaced lock");
-            (std::mem::take(&mut replaced.flushes), replaced.lost.clone())
+            (
+                std::mem::take(&mut replaced.kept),
+                std::mem::take(&mut replaced.flushes),
+                replaced.lost.clone(),
+            )
         };
-        for f in flushes {
-            if let Err(e) = f.await {
-                lost.lock()
-                    .expect("lost lock")
-                    .get_or_insert(ClientError::Protocol(format!(
-                        "flushing a replaced connection: {e}"
-                    )));
+        let mut first = None;
+        for c in kept {
+            if c.owes_unacked()
+                && let Err(e) = c.flush_publishes().await
+            {
+                first.get_or_insert(e);
             }
         }
-        let lost = lost.lock().expect("lost lock").take();
+        for f in flushes {
+            if let Err(e) = f.await {
+                first.get_or_insert(ClientError::Protocol(format!(
+                    "flushing a replaced connection: {e}"
+                )));
+            }
+        }
+        let earlier = lost.lock().expect("lost lock").take();
         let now = self.client().flush_publishes().await;
-        match lost {
+        match earlier.or(first) {
             Some(e) => Err(e),
             None => now,
         }

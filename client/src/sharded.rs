@@ -11,10 +11,10 @@
 //! resumes at the oldest retained record where retention removed where it would resume,
 //! and at its log's end where the log now ends before it (a `Leader` stream's old
 //! leader alone held what it delivered past there: the offsets are written again, and
-//! delivered again). A credential failure ends the shard's feed with a last
-//! `ShardLost` naming it (no `ShardRecovered` follows), as the guide has a credential
-//! failure terminal; `not_found` answered for 5 s without a break ends it with
-//! `StreamDeleted`.
+//! delivered again; a resume from positions past the end opens there too). A
+//! credential failure ends the shard's feed with a last `ShardLost` saying so (no
+//! `ShardRecovered` follows), as the guide has a credential failure terminal;
+//! everything else, `not_found` included, is tried again.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -51,7 +51,9 @@ pub enum ShardEvent {
         event: Event,
     },
     /// The shard's owner is gone; it is being re-established. Not an error and not
-    /// silence: the other shards still deliver.
+    /// silence: the other shards still deliver. Unless `error` says a credential
+    /// failure stopped it: then no `ShardRecovered` follows and the shard's feed ends
+    /// (the guide has a credential failure terminal).
     ShardLost {
         /// The shard.
         shard: u32,
@@ -317,12 +319,13 @@ async fn forward(
             }
         }
         // Re-establish, resuming after the last offset delivered: until it opens, or
-        // until a failure no retry mends (a credential failure; the stream deleted).
-        // Each try waits longer, up to a second (it tried 4 times a second for as long
-        // as the shard was down, and forever after a failure no retry mends, until
-        // 2026-12-08).
+        // until a credential failure (which no retry mends: the guide has it
+        // terminal). Everything else is tried again, `not_found` included (a broker
+        // promoted a moment ago reports a stream it is about to serve as missing; a
+        // deletion while the shard is lost is not told apart). Each try waits longer,
+        // up to a second (it tried 4 times a second for as long as the shard was down,
+        // and forever after a credential failure, until 2026-12-08).
         let mut tries = 0;
-        let mut first_not_found = None;
         sub = loop {
             tokio::time::sleep(pause).await;
             pause = recover_pause(tries, cc.unit());
@@ -333,20 +336,12 @@ async fn forward(
                 Ok(sub) => break sub,
                 Err(e) => e,
             };
-            // `not_found` answered without a break for the grace: the stream is gone (a
-            // broker promoted a moment ago says so briefly of one it is about to serve).
-            if crate::retry::is_not_found(&e) {
-                first_not_found.get_or_insert_with(tokio::time::Instant::now);
-            } else {
-                first_not_found = None;
-            }
-            let since_not_found = first_not_found.map_or(Duration::ZERO, |t| t.elapsed());
             let reconnected = if client.is_closed() {
                 cc.replace_if_closed().await
             } else {
                 Ok(())
             };
-            match reopen_after(&e, reconnected.as_ref().err(), shard, since_not_found) {
+            match reopen_after(&e, reconnected.as_ref().err(), shard) {
                 Reopen::At(o) => {
                     match o.checked_sub(1) {
                         Some(before) => {
@@ -363,10 +358,6 @@ async fn forward(
                     pause = Duration::ZERO;
                 }
                 Reopen::Again => {}
-                Reopen::Deleted => {
-                    let _ = tx.send(ShardEvent::StreamDeleted { shard }).await;
-                    return;
-                }
                 Reopen::Never(error) => {
                     // Terminal, as the guide has a credential failure: no
                     // `ShardRecovered` follows, and the shard's feed ends.
@@ -398,6 +389,25 @@ fn oldest_retained(e: &ClientError, shard: u32) -> Option<u64> {
     Some(c.available)
 }
 
+/// Where `shard`'s log ends when `e` refused a resume past it: what was delivered past
+/// that end is gone (a `Leader` stream's tail its old leader alone held) and the offsets
+/// are written again. Waiting for the log to grow back skipped every record written at
+/// them meanwhile (until 2026-12-08); from the end, nothing is skipped, and what is
+/// written there again is delivered again. `None` for any other error.
+fn log_end_before(e: &ClientError, shard: u32) -> Option<u64> {
+    let c = e.cursor()?;
+    if c.reason != felix_wire::message::CursorErrorReason::InFuture {
+        return None;
+    }
+    tracing::warn!(
+        shard,
+        resume = c.requested,
+        end = c.available,
+        "the shard's log ends before where it resumes: records delivered past its end were lost; resuming at its end"
+    );
+    Some(c.available)
+}
+
 /// What a lost shard does after a try to open it again failed with `e` (and the
 /// connection's replacement, where it was closed, with `reconnect`).
 #[derive(Debug, PartialEq, Eq)]
@@ -406,49 +416,27 @@ enum Reopen {
     At(u64),
     /// Try again after a pause.
     Again,
-    /// The stream is gone: end with `StreamDeleted`.
-    Deleted,
     /// No retry mends it: end with this error.
     Never(String),
 }
 
-fn reopen_after(
-    e: &ClientError,
-    reconnect: Option<&ClientError>,
-    shard: u32,
-    since_not_found: Duration,
-) -> Reopen {
-    use felix_wire::message::CursorErrorReason;
+fn reopen_after(e: &ClientError, reconnect: Option<&ClientError>, shard: u32) -> Reopen {
     if let Some(o) = oldest_retained(e, shard) {
         return Reopen::At(o);
     }
-    if let Some(c) = e.cursor()
-        && c.reason == CursorErrorReason::InFuture
-    {
-        // The shard's log now ends before where this resumes: what it delivered past
-        // that end is gone (a `Leader` stream's tail its old leader alone held) and
-        // the offsets are written again. Waiting for the log to grow back skipped
-        // every record written at them meanwhile (until 2026-12-08); from the end,
-        // nothing is skipped.
-        tracing::warn!(
-            shard,
-            resume = c.requested,
-            end = c.available,
-            "the shard's log ends before where it resumes: records delivered past its end were lost; resuming at its end"
-        );
-        return Reopen::At(c.available);
+    if let Some(end) = log_end_before(e, shard) {
+        return Reopen::At(end);
     }
     if let Some(credential) = [Some(e), reconnect]
         .into_iter()
         .flatten()
         .find(|e| e.is_credential_failure())
     {
-        return Reopen::Never(credential.to_string());
+        return Reopen::Never(format!(
+            "{credential} (a credential failure: the shard is not re-established)"
+        ));
     }
-    if crate::retry::classify(e, since_not_found) == crate::retry::Decision::Fail {
-        if crate::retry::is_not_found(e) {
-            return Reopen::Deleted;
-        }
+    if crate::retry::classify(e, Duration::ZERO) == crate::retry::Decision::Fail {
         tracing::warn!(shard, error = %e, "re-establishing a shard failed");
     }
     Reopen::Again
@@ -486,10 +474,12 @@ where
     loop {
         opens += 1;
         match open(at).await {
-            Err(e) if opens < RETAINED_OPENS_MAX => match oldest_retained(&e, shard) {
-                Some(o) => at = Some(StartPosition::Offset(Offset(o))),
-                None => return Err(e),
-            },
+            Err(e) if opens < RETAINED_OPENS_MAX => {
+                match oldest_retained(&e, shard).or_else(|| log_end_before(&e, shard)) {
+                    Some(o) => at = Some(StartPosition::Offset(Offset(o))),
+                    None => return Err(e),
+                }
+            }
             r => return r,
         }
     }
@@ -584,12 +574,12 @@ mod tests {
     /// What a lost shard does after a failed try to open it again. Before 2026-12-08
     /// it followed only a bare `too_old`, and tried again every 250 ms, forever, after
     /// anything else: after `in_future` (its log now ends before where it resumes,
-    /// so the records written again at those offsets were skipped once it opened), a
-    /// credential failure, a stream gone for good.
+    /// so the records written again at those offsets were skipped once it opened) and
+    /// a credential failure.
     #[test]
     fn a_lost_shard_reopens_as_its_refusal_says() {
         use felix_wire::ErrorCode;
-        let at = |e: &ClientError| reopen_after(e, None, 0, Duration::ZERO);
+        let at = |e: &ClientError| reopen_after(e, None, 0);
         assert_eq!(at(&too_old(5, 10)), Reopen::At(10));
         assert_eq!(at(&gave_up(too_old(5, 10))), Reopen::At(10));
         let in_future = cursor(CursorErrorReason::InFuture, 20, 12);
@@ -600,19 +590,12 @@ mod tests {
         assert_eq!(at(&lost), Reopen::Again);
         let refused = coded(ErrorCode::Unauthenticated);
         assert!(matches!(
-            reopen_after(&lost, Some(&refused), 0, Duration::ZERO),
+            reopen_after(&lost, Some(&refused), 0),
             Reopen::Never(e) if e.contains("Unauthenticated")
         ));
-        assert_eq!(
-            reopen_after(&lost, Some(&lost), 0, Duration::ZERO),
-            Reopen::Again
-        );
+        assert_eq!(reopen_after(&lost, Some(&lost), 0), Reopen::Again);
         let gone = coded(ErrorCode::NotFound);
         assert_eq!(at(&gone), Reopen::Again, "a new leader may not know it yet");
-        assert_eq!(
-            reopen_after(&gone, None, 0, crate::retry::NOT_FOUND_GRACE),
-            Reopen::Deleted
-        );
         assert_eq!(at(&coded(ErrorCode::Overloaded)), Reopen::Again);
     }
 
@@ -624,6 +607,28 @@ mod tests {
         assert_eq!([ms(0, 0.0), ms(0, 0.999_999)], [125, 249]);
         assert_eq!([ms(1, 0.0), ms(2, 0.0), ms(3, 0.0)], [250, 500, 500]);
         assert_eq!(ms(u32::MAX, 1.0), 1000);
+    }
+
+    /// A resume past the log's end (its tail lost with an old leader since the
+    /// positions were taken) opens at the end.
+    #[tokio::test]
+    async fn a_resume_past_the_logs_end_opens_at_the_end() {
+        let asked = std::cell::RefCell::new(Vec::new());
+        let opened = open_past_retention(0, Some(StartPosition::Offset(Offset(20))), |at| {
+            let StartPosition::Offset(Offset(o)) = at.expect("a position") else {
+                panic!("{at:?}")
+            };
+            asked.borrow_mut().push(o);
+            std::future::ready(if o > 12 {
+                Err(cursor(CursorErrorReason::InFuture, o, 12))
+            } else {
+                Ok(o)
+            })
+        })
+        .await
+        .unwrap();
+        assert_eq!(opened, 12);
+        assert_eq!(*asked.borrow(), [20, 12]);
     }
 
     /// A resume refused `too_old` after a try that timed out (wrapped in `GaveUp`)
