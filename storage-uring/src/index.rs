@@ -92,15 +92,24 @@ impl SparseIndex {
     }
 
     /// The index file's bytes, for a segment that holds at most `kinds` and whose
-    /// newest record's timestamp is at most `newest_micros`.
-    pub fn encode(&self, base_offset: u64, kinds: KindSet, newest_micros: u64) -> Vec<u8> {
+    /// newest record's timestamp is `newest_micros`, when known (a segment read only
+    /// from its index's last entry, whose index did not say, knows only its last
+    /// batches').
+    pub fn encode(&self, base_offset: u64, kinds: KindSet, newest_micros: Option<u64>) -> Vec<u8> {
         let mut b = Vec::with_capacity(INDEX_HEADER_BYTES + self.entries.len() * 16);
         b.put_u32(INDEX_MAGIC);
         b.put_u16(INDEX_VERSION);
-        b.put_u16(KINDS_KNOWN | NEWEST_KNOWN | u16::from(kinds.bits()));
+        let known = if newest_micros.is_some() {
+            NEWEST_KNOWN
+        } else {
+            0
+        };
+        b.put_u16(KINDS_KNOWN | known | u16::from(kinds.bits()));
         b.put_u64(base_offset);
         b.put_u32(self.entries.len() as u32);
-        b.put_u32(u32::try_from(newest_micros.div_ceil(1_000_000)).unwrap_or(u32::MAX));
+        b.put_u32(newest_micros.map_or(0, |n| {
+            u32::try_from(n.div_ceil(1_000_000)).unwrap_or(u32::MAX)
+        }));
         for &(o, p) in &self.entries {
             b.put_u64(o);
             b.put_u64(p);
@@ -185,7 +194,7 @@ mod tests {
         let mut idx = SparseIndex::default();
         idx.observe(10, 4096, 1);
         idx.observe(20, 5000, 1);
-        let bytes = idx.encode(10, KindSet::default(), 0);
+        let bytes = idx.encode(10, KindSet::default(), None);
         assert_eq!(SparseIndex::decode(&bytes, 10, 6000), Some(idx.clone()));
         assert_eq!(SparseIndex::decode(&bytes, 11, 6000), None, "wrong base");
         assert_eq!(
@@ -215,13 +224,13 @@ mod tests {
         let mut kinds = KindSet::default();
         kinds.add(BatchKind::Data);
         kinds.add(BatchKind::Group);
-        let bytes = idx.encode(10, kinds, 0);
+        let bytes = idx.encode(10, kinds, None);
         assert_eq!(SparseIndex::decode(&bytes, 10, 6000), Some(idx.clone()));
         let read = SparseIndex::decode_kinds(&bytes).unwrap();
         assert!(read.has(BatchKind::Group) && read.has(BatchKind::Data));
         assert!(!read.has(BatchKind::State) && !read.has(BatchKind::Commit));
         // Nothing but data is not "unknown".
-        let plain = SparseIndex::decode_kinds(&idx.encode(10, KindSet::default(), 0)).unwrap();
+        let plain = SparseIndex::decode_kinds(&idx.encode(10, KindSet::default(), None)).unwrap();
         assert!(!plain.has(BatchKind::Data));
         // A file from before the field: still a valid index, its kinds unknown.
         let mut old = bytes.clone();
@@ -237,20 +246,25 @@ mod tests {
     fn an_index_says_its_segments_newest_timestamp_rounded_up() {
         let mut idx = SparseIndex::default();
         idx.observe(10, 4096, 1);
-        let bytes = idx.encode(10, KindSet::default(), 5_000_001);
+        let bytes = idx.encode(10, KindSet::default(), Some(5_000_001));
         assert_eq!(SparseIndex::decode_newest(&bytes), Some(6_000_000));
         assert_eq!(
-            SparseIndex::decode_newest(&idx.encode(10, KindSet::default(), 5_000_000)),
+            SparseIndex::decode_newest(&idx.encode(10, KindSet::default(), Some(5_000_000))),
             Some(5_000_000)
         );
         assert_eq!(
-            SparseIndex::decode_newest(&idx.encode(10, KindSet::default(), u64::MAX)),
+            SparseIndex::decode_newest(&idx.encode(10, KindSet::default(), Some(u64::MAX))),
             Some(u64::from(u32::MAX) * 1_000_000)
         );
         let mut old = bytes.clone();
         old[6..8].copy_from_slice(&(0x8000u16).to_be_bytes());
         old[20..24].copy_from_slice(&[0; 4]);
         assert_eq!(SparseIndex::decode_newest(&old), None);
+        assert_eq!(
+            idx.encode(10, KindSet::default(), None),
+            old,
+            "not known: said as before the field"
+        );
         assert_eq!(SparseIndex::decode(&old, 10, 6000), Some(idx));
     }
 }

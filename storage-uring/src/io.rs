@@ -23,13 +23,14 @@ pub fn is_out_of_descriptors(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
-/// The largest small file (index, metadata, snapshot, intent) read whole. Far above
-/// any the log writes (an index of a 256 MiB segment is about 1 MiB; the broker's
-/// snapshots are bounded at a few hundred KiB), far below what would take the process
-/// down: a file this large is damage. Its size was allocated before reading, so a
-/// sparse terabyte-long index (filesystem damage, a stray writer) aborted the broker at
-/// every open of its shard (until 2026-12-08).
-pub const SMALL_FILE_MAX_BYTES: u64 = 256 << 20;
+/// The largest small file (index, metadata, snapshot, intent) read whole. Above any
+/// the log writes (an index of a 256 MiB segment is about 1 MiB, of the broker's
+/// largest, 64 GiB, about 256 MiB; the log writes no index past this bound, and the
+/// broker's snapshots are bounded at a few hundred KiB), far below a size that takes
+/// the process down: a file larger is damage. Its size was allocated before reading,
+/// so a sparse terabyte-long index (filesystem damage, a stray writer) aborted the
+/// broker at every open of its shard (until 2026-12-08).
+pub const SMALL_FILE_MAX_BYTES: u64 = 1 << 30;
 
 /// The refusal of a small file larger than [`SMALL_FILE_MAX_BYTES`].
 pub(crate) fn too_large(name: &str, size: u64) -> io::Error {

@@ -1789,14 +1789,17 @@ impl<B: Backend> SegmentLog<B> {
             (
                 last.base,
                 last.index
-                    .encode(last.base, last.kinds, last.max_timestamp_micros),
+                    .encode(last.base, last.kinds, Some(last.max_timestamp_micros)),
             )
         };
-        let _ = self
-            .shared
-            .backend
-            .write_small(&index_name(base), &bytes)
-            .await;
+        // Past what a read takes back it is not written: rebuilt at each open.
+        if bytes.len() as u64 <= crate::io::SMALL_FILE_MAX_BYTES {
+            let _ = self
+                .shared
+                .backend
+                .write_small(&index_name(base), &bytes)
+                .await;
+        }
         Ok(())
     }
 
@@ -2508,7 +2511,8 @@ async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), F
         (
             s.file.clone(),
             s.base,
-            s.index.encode(s.base, s.kinds, s.max_timestamp_micros),
+            s.index
+                .encode(s.base, s.kinds, Some(s.max_timestamp_micros)),
             s.end_offset,
             data_end,
         )
@@ -2541,11 +2545,14 @@ async fn roll<B: Backend>(shared: &Rc<Shared<B>>, new_base: u64) -> Result<(), F
         // exists (which may wait for a descriptor, below).
         wake_acked(&mut st, shared.config.fsync);
     }
-    // Derived: a lost or torn index is rebuilt at open, so it is not fsynced.
-    let _ = shared
-        .backend
-        .write_small(&index_name(old_base), &old_index)
-        .await;
+    // Derived: a lost or torn index is rebuilt at open, so it is not fsynced (nor
+    // written past what a read takes back).
+    if old_index.len() as u64 <= crate::io::SMALL_FILE_MAX_BYTES {
+        let _ = shared
+            .backend
+            .write_small(&index_name(old_base), &old_index)
+            .await;
+    }
     let give_up = Instant::now() + ROLL_DESCRIPTOR_WAIT;
     let segment = match loop {
         match create_segment(&shared.backend, &shared.config, new_base).await {

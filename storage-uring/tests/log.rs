@@ -468,6 +468,57 @@ fn a_segment_reopened_from_its_index_is_aged_by_its_newest_record() {
     });
 }
 
+/// A `Tail` open that rebuilds the entries of an index from before the newest-timestamp
+/// field writes it back without the field: it knows only the last batches' timestamps,
+/// and saying them would age the segment by them at every later open.
+#[test]
+fn a_tail_open_writes_no_newest_timestamp_it_does_not_know() {
+    run(|| async {
+        let name = "00000000000000000000.idx";
+        let mem = MemBackend::new();
+        let config = LogConfig {
+            index_interval_bytes: 1024,
+            verify_on_open: VerifyOnOpen::Tail,
+            ..LogConfig::default()
+        };
+        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+        for i in 0..2000u64 {
+            let p = log
+                .begin_append(&[vec![1u8; 100]], (2000 - i) * 1_000_000, None)
+                .unwrap();
+            log.commit(p).await.unwrap();
+        }
+        log.close().await.unwrap();
+        log.seal_active(0).await.unwrap();
+        let said = |bytes: &[u8]| u16::from_be_bytes([bytes[6], bytes[7]]) & 0x4000 != 0;
+        let mut old = mem.contents(name).unwrap();
+        assert!(said(&old));
+        // As written before the field.
+        old[6] &= !0x40;
+        old[20..24].copy_from_slice(&[0; 4]);
+        mem.put_file(name, &old);
+        // A finer interval: entries past the last one are added, and the file rebuilt.
+        let finer = LogConfig {
+            index_interval_bytes: 256,
+            ..config.clone()
+        };
+        let (log, report) = SegmentLog::open(mem.clone(), finer).await.unwrap();
+        assert_eq!(report.rebuilt_indexes, 1, "{report:?}");
+        log.close().await.unwrap();
+        let rebuilt = mem.contents(name).unwrap();
+        assert_ne!(rebuilt, old);
+        assert!(!said(&rebuilt), "a newest timestamp it did not know");
+        // Read in full, it is known, and said.
+        let whole = LogConfig {
+            verify_on_open: VerifyOnOpen::All,
+            ..config
+        };
+        let (log, _) = SegmentLog::open(mem.clone(), whole).await.unwrap();
+        log.close().await.unwrap();
+        assert!(said(&mem.contents(name).unwrap()));
+    });
+}
+
 /// A segment sealed before it filled gives back the rest of its reservation
 /// (`preallocate`) whether or not the log writes zeros ahead: without zeros ahead its
 /// file was no longer than its data, so the cut was skipped and the whole segment's

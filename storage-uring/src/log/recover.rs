@@ -207,9 +207,9 @@ pub(super) async fn recover<B: Backend>(
         // Likewise its newest timestamp: from the last batches alone a segment whose
         // timestamps are not in order looked older than it is.
         let newest_micros = if read_whole {
-            end.max_timestamp_micros
+            Some(end.max_timestamp_micros)
         } else {
-            end.max_timestamp_micros.max(loaded_newest.unwrap_or(0))
+            loaded_newest.map(|n| n.max(end.max_timestamp_micros))
         };
         let stale = loaded.as_ref() != Some(&index);
         // Read in full: an index file that says other kinds or another newest
@@ -217,15 +217,17 @@ pub(super) async fn recover<B: Backend>(
         // open from it knows them.
         let kinds_stale = read_whole
             && (loaded_kinds != Some(kinds)
-                || loaded_newest != Some(newest_micros.div_ceil(1_000_000) * 1_000_000));
+                || loaded_newest
+                    != newest_micros
+                        .map(|n| n.div_ceil(1_000_000).min(u32::MAX.into()) * 1_000_000));
         if !newest && (stale || kinds_stale) {
             report.rebuilt_indexes += usize::from(stale);
             // (A read-only open reports it, and writes nothing: `felix-log verify` and a
             // refused repair change nothing, in a directory a broker may own.)
-            if !config.read_only {
-                let _ = backend
-                    .write_small(&index_name(base), &index.encode(base, kinds, newest_micros))
-                    .await;
+            let bytes = index.encode(base, kinds, newest_micros);
+            // Past what a read takes back it is not written: rebuilt at each open.
+            if !config.read_only && bytes.len() as u64 <= crate::io::SMALL_FILE_MAX_BYTES {
+                let _ = backend.write_small(&index_name(base), &bytes).await;
             }
         }
         let tail_start = format::align_down(end.data_len);
@@ -245,7 +247,8 @@ pub(super) async fn recover<B: Backend>(
             data_len: end.data_len,
             file: Rc::new(file),
             index,
-            max_timestamp_micros: newest_micros,
+            // Unknown, the last batches' (as before 2026-12-08).
+            max_timestamp_micros: newest_micros.unwrap_or(end.max_timestamp_micros),
             tail_block,
             last_batch: end.last_batch,
             kinds,
