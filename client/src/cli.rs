@@ -207,7 +207,7 @@ enum Command {
         #[arg(long)]
         http: Option<String>,
         /// Seconds between frames.
-        #[arg(long, default_value_t = 1.0)]
+        #[arg(long, default_value_t = 1.0, value_parser = seconds)]
         interval: f64,
         /// Stop after this many frames.
         #[arg(long)]
@@ -264,7 +264,7 @@ enum GroupCmd {
         #[arg(long, default_value_t = 32)]
         max: u32,
         /// Seconds the broker may wait for records.
-        #[arg(long, default_value_t = 5.0)]
+        #[arg(long, default_value_t = 5.0, value_parser = seconds)]
         wait: f64,
         /// Acknowledge each record once printed.
         #[arg(long)]
@@ -344,8 +344,8 @@ enum CacheCmd {
         key: String,
         /// Value.
         value: String,
-        /// Time to live, seconds.
-        #[arg(long)]
+        /// Time to live, seconds (more than 0).
+        #[arg(long, value_parser = positive_seconds)]
         ttl: Option<f64>,
         /// Only if the key has no live value.
         #[arg(long, conflicts_with = "if_version")]
@@ -618,6 +618,55 @@ fn read_token(f: &std::path::Path) -> Result<String, Failure> {
         })
 }
 
+/// Sets `v`'s `payload` to the payload's text, and, when it is not UTF-8, its bytes in
+/// base64 as `payload_base64` (its text then has U+FFFD in place of what was not: the
+/// bytes were lost to a `--json` reader until 2026-12-08).
+fn put_payload(v: &mut serde_json::Value, payload: &[u8]) {
+    use base64::Engine as _;
+    match std::str::from_utf8(payload) {
+        Ok(text) => v["payload"] = text.into(),
+        Err(_) => {
+            v["payload"] = String::from_utf8_lossy(payload).into_owned().into();
+            v["payload_base64"] = base64::engine::general_purpose::STANDARD
+                .encode(payload)
+                .into();
+        }
+    }
+}
+
+/// Standard input's lines as bytes, without their `\n` (or `\r\n`).
+fn stdin_lines() -> impl Iterator<Item = std::io::Result<Vec<u8>>> {
+    std::io::stdin().lock().split(b'\n').map(|line| {
+        line.map(|mut l| {
+            if l.last() == Some(&b'\r') {
+                l.pop();
+            }
+            l
+        })
+    })
+}
+
+/// A number of seconds, 0 or more: `nan` (which `f64` parses) panicked the command, and
+/// a negative one was taken as 0 or 1 ms (until 2026-12-08).
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("{s:?}: a number of seconds, 0 or more")),
+    }
+}
+
+/// A number of seconds more than 0 (a time to live: `--ttl -5` put a value that expired
+/// at once, and said it was put).
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    match seconds(s) {
+        Ok(v) if v > 0.0 => Ok(v),
+        _ => Err(format!("{s:?}: a number of seconds more than 0")),
+    }
+}
+
+/// Records asked of one read by `felix read`.
+const READ_PAGE_RECORDS: u32 = 1000;
+
 fn show(
     json: bool,
     out: &mut impl Write,
@@ -626,7 +675,7 @@ fn show(
 ) -> std::io::Result<()> {
     if json {
         let mut v = extra;
-        v["payload"] = serde_json::Value::String(String::from_utf8_lossy(payload).into_owned());
+        put_payload(&mut v, payload);
         writeln!(out, "{v}")
     } else {
         out.write_all(payload)?;
@@ -655,12 +704,15 @@ fn watch_again(follows: &mut u32) -> Result<Duration, Failure> {
 /// `json`, an object with its offset and expiry (`payload` null for a delete).
 fn show_change(json: bool, out: &mut impl Write, c: &crate::CacheChange) -> std::io::Result<()> {
     if json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "key": c.key,
-            "payload": c.value.as_ref().map(|v| String::from_utf8_lossy(v).into_owned()),
+            "payload": null,
             "offset": c.offset,
             "expires_at_millis": c.expires_at_millis,
         });
+        if let Some(value) = &c.value {
+            put_payload(&mut v, value);
+        }
         writeln!(out, "{v}")?;
     } else {
         match &c.value {
@@ -704,6 +756,11 @@ fn not_found(context: &'static str, message: String) -> Failure {
 
 /// Exit code for a control-plane failure, on the same scale as broker failures.
 fn controlplane_exit_code(e: &felix_controlplane::client::ClientError) -> i32 {
+    use felix_controlplane::client::ClientError as Cp;
+    if matches!(e, Cp::BadUrl(_) | Cp::Tls(_)) {
+        // Settings that cannot work: configuration, not an unreachable service.
+        return 2;
+    }
     match e.status() {
         None => 3,
         Some(401 | 403) => 4,
@@ -715,6 +772,16 @@ fn controlplane_exit_code(e: &felix_controlplane::client::ClientError) -> i32 {
 
 /// `felix stream ...`: talks to the control plane, not to a broker.
 fn run_controlplane(cli: &Cli) -> Result<(), i32> {
+    let mut out = Out::new(std::io::stdout().lock());
+    let ran = run_controlplane_to(cli, &mut out);
+    let written = out.finish().map_err(|e| {
+        eprintln!("felix: writing out: {e}");
+        8
+    });
+    ran.and(written)
+}
+
+fn run_controlplane_to(cli: &Cli, out: &mut Out<std::io::StdoutLock<'_>>) -> Result<(), i32> {
     use felix_controlplane::client::ControlPlaneClient;
     let usage = |f: Failure| {
         let m = match f {
@@ -781,7 +848,6 @@ fn run_controlplane(cli: &Cli) -> Result<(), i32> {
         eprintln!("felix: {e}");
         controlplane_exit_code(&e)
     };
-    let mut out = std::io::stdout().lock();
     let op = match &cli.command {
         Command::Stream { op } => op,
         Command::Shard {
@@ -900,9 +966,70 @@ fn run_controlplane(cli: &Cli) -> Result<(), i32> {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
-    let (client, tenant) = connect(&cli).await?;
+    let mut out = Out::new(std::io::stdout().lock());
+    let ran = run_to(&cli, &mut out).await;
+    let written = out.finish().map_err(Failure::Output);
+    ran.and(written)
+}
+
+/// Standard output that keeps its first write error for the command's exit code (8):
+/// a result printed to a closed or full output was dropped in silence, and the command
+/// exited 0 after it (until 2026-12-08). Later writes fail at once.
+struct Out<W: Write> {
+    inner: W,
+    failed: Option<std::io::Error>,
+}
+
+impl<W: Write> Out<W> {
+    fn new(inner: W) -> Self {
+        Self {
+            inner,
+            failed: None,
+        }
+    }
+
+    fn keep<T>(&mut self, r: std::io::Result<T>) -> std::io::Result<T> {
+        if let Err(e) = &r
+            && self.failed.is_none()
+        {
+            self.failed = Some(std::io::Error::new(e.kind(), e.to_string()));
+        }
+        r
+    }
+
+    fn check(&self) -> std::io::Result<()> {
+        match &self.failed {
+            Some(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+            None => Ok(()),
+        }
+    }
+
+    /// Flushes; the first write error, if any.
+    fn finish(mut self) -> std::io::Result<()> {
+        self.check()?;
+        let flushed = self.inner.flush();
+        self.keep(flushed)
+    }
+}
+
+impl<W: Write> Write for Out<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.check()?;
+        let r = self.inner.write(buf);
+        self.keep(r)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.check()?;
+        let r = self.inner.flush();
+        self.keep(r)
+    }
+}
+
+async fn run_to(cli: &Cli, out: &mut Out<std::io::StdoutLock<'_>>) -> Result<(), Failure> {
+    let (client, tenant) = connect(cli).await?;
     let ns = cli.namespace.as_str();
-    let mut out = std::io::stdout().lock();
+    let mut out = out;
     match &cli.command {
         Command::Pub {
             stream,
@@ -915,9 +1042,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             if let Some(expected) = if_tail.as_ref() {
                 let payloads: Vec<Bytes> = if messages.is_empty() {
                     let mut lines = Vec::new();
-                    for line in std::io::stdin().lock().lines() {
-                        let line = line.map_err(|e| Failure::Usage(format!("stdin: {e}")))?;
-                        lines.push(Bytes::from(line));
+                    for line in stdin_lines() {
+                        lines.push(Bytes::from(
+                            line.map_err(|e| Failure::Usage(format!("stdin: {e}")))?,
+                        ));
                     }
                     lines
                 } else {
@@ -950,27 +1078,37 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     }
                 }
             };
-            let emit = |o: Option<u64>, out: &mut std::io::StdoutLock<'_>| {
+            let emit = |o: Option<u64>, out: &mut dyn Write| {
                 if cli.json {
                     let _ = writeln!(out, "{}", serde_json::json!({"offset": o}));
                 }
             };
-            if messages.is_empty() {
-                for line in std::io::stdin().lock().lines() {
-                    let line = line.map_err(|e| Failure::Usage(format!("stdin: {e}")))?;
-                    let o = send(line.into_bytes()).await?;
-                    emit(o, &mut out);
+            let sent = async {
+                if messages.is_empty() {
+                    // Lines as bytes: a payload need not be text (one that was not ended
+                    // the command part-way, its lines before it sent, as a usage error).
+                    for line in stdin_lines() {
+                        let o =
+                            send(line.map_err(|e| Failure::Usage(format!("stdin: {e}")))?).await?;
+                        emit(o, &mut out);
+                    }
+                } else {
+                    for m in messages {
+                        let o = send(m.clone().into_bytes()).await?;
+                        emit(o, &mut out);
+                    }
                 }
-            } else {
-                for m in messages {
-                    let o = send(m.clone().into_bytes()).await?;
-                    emit(o, &mut out);
-                }
+                Ok::<_, Failure>(())
             }
+            .await;
             if ack == AckMode::None {
                 // Unacknowledged publishes return once written to the send buffer:
-                // exiting then lost them (and said 0).
-                client.flush_publishes().await?;
+                // exiting then lost them (and said 0). Those sent before a failure too.
+                let flushed = client.flush_publishes().await;
+                sent?;
+                flushed?;
+            } else {
+                sent?;
             }
         }
         Command::Sub {
@@ -1333,23 +1471,40 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             shard,
         } => {
             let tenant = tenant.as_str();
-            let (_, (records, next)) = client
-                .on_owner(|c| async move {
-                    c.stream_read(tenant, ns, stream, *shard, *from, *end, *max)
-                        .await
-                })
-                .await?;
-            for r in records {
-                shown(
-                    cli.json,
-                    &mut out,
-                    &r.payload,
-                    serde_json::json!({"offset": r.offset.0, "shard": shard,
-                        "timestamp_micros": r.timestamp_micros}),
-                )?;
+            // Page by page: a broker answers at most 10,000 records and about 4 MiB a
+            // read (1,000 when no maximum is asked), and one read printed only its first
+            // page and exited 0 (until 2026-12-08).
+            let (mut at, mut left) = (*from, *max);
+            loop {
+                let want = left
+                    .map(|l| l.min(READ_PAGE_RECORDS))
+                    .or(Some(READ_PAGE_RECORDS));
+                let (_, (records, next)) = client
+                    .on_owner(|c| async move {
+                        c.stream_read(tenant, ns, stream, *shard, at, *end, want)
+                            .await
+                    })
+                    .await?;
+                let taken = records.len() as u32;
+                for r in records {
+                    shown(
+                        cli.json,
+                        &mut out,
+                        &r.payload,
+                        serde_json::json!({"offset": r.offset.0, "shard": shard,
+                            "timestamp_micros": r.timestamp_micros}),
+                    )?;
+                }
+                left = left.map(|l| l.saturating_sub(taken));
+                let done =
+                    taken == 0 || next <= at || left == Some(0) || end.is_some_and(|e| next >= e);
+                at = next;
+                if done {
+                    break;
+                }
             }
             if cli.json {
-                let _ = writeln!(out, "{}", serde_json::json!({"next_offset": next}));
+                let _ = writeln!(out, "{}", serde_json::json!({"next_offset": at}));
             }
         }
         Command::OffsetAt {

@@ -19,7 +19,8 @@ const HTTP_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub struct OpsError {
     /// The exit code: 2 refused as malformed, 3 unreachable (or stopping), 4 refused
-    /// credentials, 5 not found, 6 any other failure, 7 timed out.
+    /// credentials, 5 not found, 6 any other failure, 7 timed out, 8 output not
+    /// written.
     pub code: i32,
     /// What to tell the operator.
     pub message: String,
@@ -407,18 +408,17 @@ pub fn sample(addr: &str) -> Result<Sample, OpsError> {
 
 /// `felix pin RULE`: applies it, prints what moved.
 pub fn pin(addr: &str, rule: &str, json: bool) -> Result<(), OpsError> {
+    use std::fmt::Write as _;
     let body = serde_json::json!({ "rule": rule }).to_string();
     let (status, answer) = http(addr, "POST", "/pins", Some(&body))?;
+    let mut text = String::new();
     match status {
-        200 if json => {
-            println!("{}", answer.trim());
-            Ok(())
-        }
-        200 => {
+        200 if !json => {
             let v: serde_json::Value = serde_json::from_str(&answer)
                 .map_err(|e| OpsError::answer(format!("{addr}/pins: {e}")))?;
             let moved = v["moved"].as_array().cloned().unwrap_or_default();
-            println!(
+            let _ = writeln!(
+                text,
                 "pinned {} (placement version {}): {} shard(s) moved, requests held {:.1} ms",
                 v["rule"].as_str().unwrap_or(rule),
                 v["version"],
@@ -426,24 +426,37 @@ pub fn pin(addr: &str, rule: &str, json: bool) -> Result<(), OpsError> {
                 v["hold_ms"].as_f64().unwrap_or(0.0)
             );
             for m in moved {
-                println!(
+                let _ = writeln!(
+                    text,
                     "  {} core {} -> {}",
                     m[0].as_str().unwrap_or("?"),
                     m[1],
                     m[2]
                 );
             }
-            Ok(())
         }
-        202 => {
-            println!("{}", answer.trim());
-            Ok(())
+        200 | 202 => {
+            let _ = writeln!(text, "{}", answer.trim());
         }
-        _ => Err(OpsError::refused(
-            status,
-            format!("pin refused (HTTP {status}): {}", answer.trim()),
-        )),
+        _ => {
+            return Err(OpsError::refused(
+                status,
+                format!("pin refused (HTTP {status}): {}", answer.trim()),
+            ));
+        }
     }
+    let mut out = std::io::stdout().lock();
+    written(out.write_all(text.as_bytes()).and_then(|()| out.flush()))
+}
+
+/// What could not be written out: exit 8, as the other commands (`println!` panicked
+/// on a closed output, exit 101, and `felix top` went on drawing into it for good,
+/// until 2026-12-08).
+fn written(r: std::io::Result<()>) -> Result<(), OpsError> {
+    r.map_err(|e| OpsError {
+        code: 8,
+        message: format!("writing out: {e}"),
+    })
 }
 
 /// `felix top`: redraws each `interval` until `q`/Ctrl-C (or `iterations` frames).
@@ -459,13 +472,15 @@ pub fn top(addr: &str, interval: Duration, iterations: Option<u64>) -> Result<()
         let after = sample(addr)?;
         let text = render(&view(&before, &after), addr, width);
         let mut out = std::io::stdout().lock();
-        if tty {
-            // Home, clear, draw.
-            let _ = write!(out, "\x1b[H\x1b[2J{}", text.replace('\n', "\r\n"));
-        } else {
-            let _ = writeln!(out, "{text}");
-        }
-        let _ = out.flush();
+        written(
+            if tty {
+                // Home, clear, draw.
+                write!(out, "\x1b[H\x1b[2J{}", text.replace('\n', "\r\n"))
+            } else {
+                writeln!(out, "{text}")
+            }
+            .and_then(|()| out.flush()),
+        )?;
         before = after;
         frames += 1;
         if iterations.is_some_and(|n| frames >= n)

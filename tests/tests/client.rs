@@ -566,6 +566,106 @@ fn felix_pub_piped_into_felix_sub() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "one\ntwo\nthree\n");
 }
 
+/// Runs `felix args` against `b` with `input` on its standard input; its output.
+fn felix_with_input(b: &BrokerProcess, args: &[&str], input: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    let mut child = felix(b)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// `felix read` reads every page up to `--end` or `--max` (a broker answers at most
+/// 1,000 records a read when no maximum is asked): it printed the first page and exited
+/// 0 (until 2026-12-08).
+#[test]
+fn felix_read_reads_every_page_it_was_asked_for() {
+    let (b, _dir) = broker(&[]);
+    let lines: String = (0..2500).map(|i| format!("r{i}\n")).collect();
+    let published = felix_with_input(&b, &["pub", "pages"], lines.as_bytes());
+    assert!(published.status.success(), "{published:?}");
+    let count = |args: &[&str]| felix_ok(&b, args).lines().count();
+    assert_eq!(count(&["read", "pages"]), 2500);
+    assert_eq!(count(&["read", "pages", "--end", "1500"]), 1500);
+    assert_eq!(
+        count(&["read", "pages", "--from", "100", "--max", "1200"]),
+        1200
+    );
+    let json = felix_ok(&b, &["--json", "read", "pages", "--from", "2000"]);
+    let last: serde_json::Value = serde_json::from_str(json.lines().last().unwrap()).unwrap();
+    assert_eq!(last["next_offset"], 2500, "{last}");
+    assert_eq!(json.lines().count(), 501);
+}
+
+/// Payloads need not be text: `felix pub` takes standard input's lines as bytes (a line
+/// that was not UTF-8 ended it part-way, exit 2), and `--json` gives a payload that is
+/// not UTF-8 in base64 beside its text (which has U+FFFD in place of the bytes, all a
+/// JSON reader got until 2026-12-08).
+#[test]
+fn felix_publishes_and_shows_payloads_that_are_not_text() {
+    let (b, _dir) = broker(&[]);
+    let published = felix_with_input(&b, &["pub", "bytes"], b"a\n\xff\xfe\r\nc\n");
+    assert!(published.status.success(), "{published:?}");
+    let json = felix_ok(&b, &["--json", "read", "bytes"]);
+    let rows: Vec<serde_json::Value> = json
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows[0]["payload"], "a");
+    assert!(rows[0].get("payload_base64").is_none(), "{}", rows[0]);
+    assert_eq!(rows[1]["payload_base64"], "//4=", "{}", rows[1]);
+    assert_eq!(rows[2]["payload"], "c");
+    assert_eq!(rows.len(), 4, "three records and the next offset: {json}");
+}
+
+/// What a command could not write out is exit 8 (as the module docs say), also where
+/// the result was printed and not otherwise needed: the commands ignored those write
+/// errors and exited 0; `felix pin` panicked (101) after pinning, and `felix top` drew
+/// into a closed output for good (until 2026-12-08). Bad numbers of seconds are usage
+/// errors: `nan` panicked, a negative time to live put a value that expired at once.
+#[test]
+fn felix_output_it_could_not_write_and_bad_seconds_are_failures() {
+    let (b, _dir) = broker(&[]);
+    let full = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap()
+    };
+    let code = |args: &[&str]| {
+        let out = felix(&b).args(args).stdout(full()).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (published, why) = code(&["--json", "pub", "full", "x"]);
+    assert_eq!(published, Some(8), "{why}");
+    let http = b.http.to_string();
+    let (pinned, why) = code(&["pin", "--http", &http, "dev/default/full/0=0"]);
+    assert_eq!(pinned, Some(8), "{why}");
+    let (drawn, why) = code(&["top", "--http", &http, "--interval", "0.1"]);
+    assert_eq!(drawn, Some(8), "{why}");
+    let usage = |args: &[&str]| felix(&b).args(args).output().unwrap().status.code();
+    assert_eq!(
+        usage(&["top", "--http", &http, "--interval", "nan"]),
+        Some(2)
+    );
+    assert_eq!(
+        usage(&["cache", "put", "c", "k", "v", "--ttl", "-5"]),
+        Some(2)
+    );
+    assert_eq!(
+        usage(&["cache", "put", "c", "k", "v", "--ttl", "0"]),
+        Some(2)
+    );
+}
+
 /// `felix pub --ack none` delivers every message before it exits: a publish without an
 /// ack returns once written to the send buffer, and the command exited (0) with its
 /// messages still there.
