@@ -129,7 +129,8 @@ enum Command {
         /// First offset.
         #[arg(long, default_value_t = 0)]
         from: u64,
-        /// Stop before this offset (default: as far as the log goes).
+        /// Stop before this offset (default: as far as the log goes, following it
+        /// while it grows).
         #[arg(long)]
         end: Option<u64>,
         /// At most this many records.
@@ -989,8 +990,11 @@ impl<W: Write> Out<W> {
     }
 
     fn keep<T>(&mut self, r: std::io::Result<T>) -> std::io::Result<T> {
+        // An interrupted write is tried again (by `write_all`): kept, it failed every
+        // try after it, for good.
         if let Err(e) = &r
             && self.failed.is_none()
+            && e.kind() != std::io::ErrorKind::Interrupted
         {
             self.failed = Some(std::io::Error::new(e.kind(), e.to_string()));
         }

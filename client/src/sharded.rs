@@ -86,10 +86,37 @@ pub enum ShardEvent {
     },
 }
 
+/// What a shard's task hands the subscription: an event for the application, or where
+/// the shard now resumes, for [`ShardedSubscription::positions`], in its place among
+/// the events.
+#[derive(Debug)]
+enum Item {
+    Event(ShardEvent),
+    /// The shard goes on after `before` (from its first offset: `None`): its log ended
+    /// before where it was (what was delivered past that end is written again), or
+    /// retention removed where it was. Positions taken after the events before this
+    /// and before the next record said the old offset, and a resume from them skipped
+    /// what was written again at those offsets (until 2026-12-08).
+    Rewound {
+        shard: u32,
+        before: Option<u64>,
+    },
+}
+
+/// A shard task's end of the channel.
+#[derive(Clone)]
+struct Feed(mpsc::Sender<Item>);
+
+impl Feed {
+    async fn send(&self, e: ShardEvent) -> Result<(), mpsc::error::SendError<Item>> {
+        self.0.send(Item::Event(e)).await
+    }
+}
+
 /// A subscription over every shard of a stream.
 #[derive(Debug)]
 pub struct ShardedSubscription {
-    rx: mpsc::Receiver<ShardEvent>,
+    rx: mpsc::Receiver<Item>,
     /// The last offset handed to the application per shard, by [`Self::next`]: what
     /// [`Self::positions`] answers. (The shard tasks' own positions run ahead of it by
     /// what waits in the channel: a resume from those skipped what the application
@@ -110,13 +137,26 @@ impl Drop for ShardedSubscription {
 impl ShardedSubscription {
     /// The next item.
     pub async fn next(&mut self) -> Option<ShardEvent> {
-        let item = self.rx.recv().await;
-        if let Some(ShardEvent::Record { shard, event }) = &item
-            && let Some(o) = event.offset
-        {
-            self.delivered.insert(*shard, o);
+        loop {
+            match self.rx.recv().await? {
+                Item::Event(item) => {
+                    if let ShardEvent::Record { shard, event } = &item
+                        && let Some(o) = event.offset
+                    {
+                        self.delivered.insert(*shard, o);
+                    }
+                    return Some(item);
+                }
+                Item::Rewound { shard, before } => match before {
+                    Some(o) => {
+                        self.delivered.insert(shard, o);
+                    }
+                    None => {
+                        self.delivered.remove(&shard);
+                    }
+                },
+            }
         }
-        item
     }
 
     /// The last offset handed out by [`Self::next`] per shard (only shards that
@@ -182,8 +222,11 @@ impl ClusterClient {
         let opened = futures_join_all((0..shards).map(|shard| {
             let cc = self.clone();
             let (t, n, s) = (tenant.to_owned(), namespace.to_owned(), stream.to_owned());
+            // Only a resumed position follows the log's end back: a start the caller
+            // named past the end is refused (records below it were asked to be skipped).
+            let resumed = offsets.contains_key(&shard);
             async move {
-                let r = open_past_retention(shard, start_of(shard), |at| {
+                let r = open_past_retention(shard, start_of(shard), resumed, |at| {
                     cc.subscribe_shard(&t, &n, &s, shard, at)
                 })
                 .await;
@@ -201,12 +244,27 @@ impl ClusterClient {
                 failed.join("; ")
             )));
         }
+        // A resumed shard that opened elsewhere (retention, the log's end) goes on from
+        // there: left at the old position, a loss before its first record resumed there
+        // again, past what was written again meanwhile.
+        let mut offsets = offsets;
+        for (shard, r) in &opened {
+            if let Ok((_, Some(at))) = r
+                && offsets.contains_key(shard)
+            {
+                match at.checked_sub(1) {
+                    Some(before) => offsets.insert(*shard, before),
+                    None => offsets.remove(shard),
+                };
+            }
+        }
         let (tx, rx) = mpsc::channel(64 * shards as usize);
+        let tx = Feed(tx);
         let delivered = offsets.clone();
         let positions = Arc::new(Mutex::new(offsets));
         let mut tasks = Vec::new();
-        for (shard, sub) in opened {
-            let sub = sub.expect("checked above");
+        for (shard, opened) in opened {
+            let (sub, _) = opened.expect("checked above");
             let (cc, tx, positions) = (self.clone(), tx.clone(), positions.clone());
             let (t, n, s) = (tenant.to_owned(), namespace.to_owned(), stream.to_owned());
             tasks.push(tokio::spawn(async move {
@@ -228,7 +286,7 @@ async fn forward(
     shard: u32,
     mut sub: crate::client::Subscription,
     start: Option<StartPosition>,
-    tx: mpsc::Sender<ShardEvent>,
+    tx: Feed,
     positions: Arc<Mutex<ShardOffsets>>,
 ) {
     // Where a shard that delivered nothing yet resumes: where its first subscription
@@ -326,6 +384,7 @@ async fn forward(
         // up to a second (it tried 4 times a second for as long as the shard was down,
         // and forever after a credential failure, until 2026-12-08).
         let mut tries = 0;
+        let mut first_not_found = None;
         sub = loop {
             tokio::time::sleep(pause).await;
             pause = recover_pause(tries, cc.unit());
@@ -336,6 +395,17 @@ async fn forward(
                 Ok(sub) => break sub,
                 Err(e) => e,
             };
+            // Retried for good, as the guide has it, but said once it lasts: the
+            // stream deleted meanwhile, or the token no longer reading it.
+            if crate::retry::is_not_found(&e) {
+                let since = *first_not_found.get_or_insert_with(tokio::time::Instant::now);
+                if since.elapsed() >= crate::retry::NOT_FOUND_GRACE {
+                    tracing::warn!(shard, error = %e, "the shard's stream is not found; trying again");
+                    first_not_found = Some(tokio::time::Instant::now());
+                }
+            } else {
+                first_not_found = None;
+            }
             let reconnected = if client.is_closed() {
                 cc.replace_if_closed().await
             } else {
@@ -343,7 +413,8 @@ async fn forward(
             };
             match reopen_after(&e, reconnected.as_ref().err(), shard) {
                 Reopen::At(o) => {
-                    match o.checked_sub(1) {
+                    let before = o.checked_sub(1);
+                    match before {
                         Some(before) => {
                             positions
                                 .lock()
@@ -354,6 +425,9 @@ async fn forward(
                             positions.lock().expect("positions lock").remove(&shard);
                             start = Some(StartPosition::Offset(Offset(0)));
                         }
+                    }
+                    if tx.0.send(Item::Rewound { shard, before }).await.is_err() {
+                        return;
                     }
                     pause = Duration::ZERO;
                 }
@@ -457,30 +531,37 @@ fn recover_pause(tries: u32, unit: f64) -> Duration {
 const RETAINED_OPENS_MAX: usize = 8;
 
 /// Opens `shard` at `start`; where retention removed records since (positions taken
-/// before a lag), from the oldest retained, as a lost shard does. Retention running
-/// meanwhile may remove that one too before it opens: then again from the newer oldest,
-/// up to [`RETAINED_OPENS_MAX`] times.
+/// before a lag), from the oldest retained, as a lost shard does, and with `resumed`
+/// (`start` follows positions), where the log now ends before it, from its end.
+/// Retention running meanwhile may remove the oldest too before it opens: then again
+/// from the newer oldest, up to [`RETAINED_OPENS_MAX`] times. With the subscription,
+/// where it opened when not at `start`.
 async fn open_past_retention<S, F, Fut>(
     shard: u32,
     start: Option<StartPosition>,
+    resumed: bool,
     mut open: F,
-) -> Result<S, ClientError>
+) -> Result<(S, Option<u64>), ClientError>
 where
     F: FnMut(Option<StartPosition>) -> Fut,
     Fut: std::future::Future<Output = Result<S, ClientError>>,
 {
     let mut at = start;
+    let mut moved = None;
     let mut opens = 0;
     loop {
         opens += 1;
         match open(at).await {
-            Err(e) if opens < RETAINED_OPENS_MAX => {
-                match oldest_retained(&e, shard).or_else(|| log_end_before(&e, shard)) {
-                    Some(o) => at = Some(StartPosition::Offset(Offset(o))),
-                    None => return Err(e),
+            Err(e) if opens < RETAINED_OPENS_MAX => match oldest_retained(&e, shard)
+                .or_else(|| log_end_before(&e, shard).filter(|_| resumed))
+            {
+                Some(o) => {
+                    at = Some(StartPosition::Offset(Offset(o)));
+                    moved = Some(o);
                 }
-            }
-            r => return r,
+                None => return Err(e),
+            },
+            r => return r.map(|s| (s, moved)),
         }
     }
 }
@@ -609,26 +690,84 @@ mod tests {
         assert_eq!(ms(u32::MAX, 1.0), 1000);
     }
 
+    /// Where a shard's task rewound it (its log ended before it), the positions say so
+    /// in its place among the events: taken after the records before and before the
+    /// next one, they said the old offset, and a resume from them skipped what was
+    /// written again at the offsets between.
+    #[tokio::test]
+    async fn positions_follow_a_rewound_shard_in_order() {
+        let (tx, rx) = mpsc::channel(8);
+        let mut sub = ShardedSubscription {
+            rx,
+            delivered: ShardOffsets::new(),
+            shards: 1,
+            tasks: Vec::new(),
+        };
+        let record = |offset| {
+            Item::Event(ShardEvent::Record {
+                shard: 0,
+                event: Event {
+                    tenant_id: "t".into(),
+                    namespace: "n".into(),
+                    stream: "s".into(),
+                    payload: bytes::Bytes::new(),
+                    offset: Some(offset),
+                    skipped_before: 0,
+                },
+            })
+        };
+        for item in [
+            record(19),
+            Item::Rewound {
+                shard: 0,
+                before: Some(11),
+            },
+            Item::Event(ShardEvent::ShardRecovered { shard: 0 }),
+            record(12),
+            Item::Rewound {
+                shard: 0,
+                before: None,
+            },
+            Item::Event(ShardEvent::ShardRecovered { shard: 0 }),
+        ] {
+            tx.send(item).await.unwrap();
+        }
+        drop(tx);
+        let mut seen = Vec::new();
+        while sub.next().await.is_some() {
+            seen.push(sub.positions().get(&0).copied());
+        }
+        assert_eq!(seen, [Some(19), Some(11), Some(12), None]);
+    }
+
     /// A resume past the log's end (its tail lost with an old leader since the
-    /// positions were taken) opens at the end.
+    /// positions were taken) opens at the end, and says so; a start the caller named
+    /// past the end is refused (it asked to skip what lies below it).
     #[tokio::test]
     async fn a_resume_past_the_logs_end_opens_at_the_end() {
-        let asked = std::cell::RefCell::new(Vec::new());
-        let opened = open_past_retention(0, Some(StartPosition::Offset(Offset(20))), |at| {
-            let StartPosition::Offset(Offset(o)) = at.expect("a position") else {
-                panic!("{at:?}")
-            };
-            asked.borrow_mut().push(o);
-            std::future::ready(if o > 12 {
-                Err(cursor(CursorErrorReason::InFuture, o, 12))
+        for resumed in [true, false] {
+            let asked = std::cell::RefCell::new(Vec::new());
+            let opened =
+                open_past_retention(0, Some(StartPosition::Offset(Offset(20))), resumed, |at| {
+                    let StartPosition::Offset(Offset(o)) = at.expect("a position") else {
+                        panic!("{at:?}")
+                    };
+                    asked.borrow_mut().push(o);
+                    std::future::ready(if o > 12 {
+                        Err(cursor(CursorErrorReason::InFuture, o, 12))
+                    } else {
+                        Ok(o)
+                    })
+                })
+                .await;
+            if resumed {
+                assert_eq!(opened.unwrap(), (12, Some(12)));
+                assert_eq!(*asked.borrow(), [20, 12]);
             } else {
-                Ok(o)
-            })
-        })
-        .await
-        .unwrap();
-        assert_eq!(opened, 12);
-        assert_eq!(*asked.borrow(), [20, 12]);
+                assert!(matches!(opened, Err(ClientError::Cursor(_))), "{opened:?}");
+                assert_eq!(*asked.borrow(), [20]);
+            }
+        }
     }
 
     /// A resume refused `too_old` after a try that timed out (wrapped in `GaveUp`)
@@ -636,7 +775,7 @@ mod tests {
     #[tokio::test]
     async fn a_resume_follows_retention_through_a_retried_open() {
         let asked = std::cell::RefCell::new(Vec::new());
-        let opened = open_past_retention(0, Some(StartPosition::Offset(Offset(1))), |at| {
+        let opened = open_past_retention(0, Some(StartPosition::Offset(Offset(1))), true, |at| {
             let StartPosition::Offset(Offset(o)) = at.expect("a position") else {
                 panic!("{at:?}")
             };
@@ -649,7 +788,7 @@ mod tests {
         })
         .await
         .unwrap();
-        assert_eq!(opened, 10);
+        assert_eq!(opened, (10, Some(10)));
         assert_eq!(*asked.borrow(), [1, 10]);
     }
 
@@ -659,7 +798,7 @@ mod tests {
     async fn a_resume_follows_retention_that_runs_while_it_opens() {
         let oldest = std::cell::Cell::new(10);
         let asked = std::cell::RefCell::new(Vec::new());
-        let opened = open_past_retention(0, Some(StartPosition::Offset(Offset(1))), |at| {
+        let opened = open_past_retention(0, Some(StartPosition::Offset(Offset(1))), true, |at| {
             let StartPosition::Offset(Offset(o)) = at.expect("a position") else {
                 panic!("{at:?}")
             };
@@ -676,7 +815,7 @@ mod tests {
         })
         .await
         .unwrap();
-        assert_eq!(opened, 20);
+        assert_eq!(opened, (20, Some(20)));
         assert_eq!(*asked.borrow(), [1, 10, 15, 20]);
     }
 
@@ -685,7 +824,7 @@ mod tests {
     #[tokio::test]
     async fn a_resume_gives_up_on_other_errors_and_past_its_bound() {
         let mut asked = 0;
-        let r: Result<u64, _> = open_past_retention(0, None, |_| {
+        let r: Result<(u64, _), _> = open_past_retention(0, None, true, |_| {
             asked += 1;
             std::future::ready(Err(ClientError::Protocol("no".into())))
         })
@@ -693,7 +832,7 @@ mod tests {
         assert!(matches!(r, Err(ClientError::Protocol(_))), "{r:?}");
         assert_eq!(asked, 1);
         let mut asked = 0;
-        let r: Result<u64, _> = open_past_retention(0, None, |_| {
+        let r: Result<(u64, _), _> = open_past_retention(0, None, true, |_| {
             asked += 1;
             std::future::ready(Err(too_old(0, asked)))
         })
