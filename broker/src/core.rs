@@ -547,7 +547,8 @@ pub struct CoreMetrics {
     pub request_bytes_in_flight: AtomicU64,
     /// Open logs poisoned by a failed write or fsync (sampled).
     pub poisoned_logs: AtomicU64,
-    /// 1 while the last append on this core failed for lack of disk space.
+    /// When an append on this core last failed for lack of disk space (`mono_ms` + 1),
+    /// 0 once one succeeded since: see [`CoreMetrics::disk_full_now`].
     pub disk_full: AtomicU64,
     /// Appends refused for lack of disk space.
     pub disk_full_refusals: AtomicU64,
@@ -596,6 +597,23 @@ pub struct CoreMetrics {
     pub subscriber_queued: AtomicU64,
     /// This core's open shards and where their logs end (sampled, for `/cores`).
     pub shards: std::sync::Mutex<Vec<ShardSample>>,
+}
+
+/// How long a refusal for lack of disk space keeps a core "disk full" with no append
+/// succeeding after it: the flag was cleared only by a later append on that core, so a
+/// core whose full shard was deleted or moved away, or that nobody wrote to again once
+/// `/readyz` said 503 and a balancer took the broker out, stayed unready until a
+/// restart (until 2026-12-08). A core whose disk is still full is refused again at
+/// the next append, and says so again.
+pub const DISK_FULL_FRESH_MS: u64 = 5_000;
+
+impl CoreMetrics {
+    /// Whether an append on this core failed for lack of disk space in the last
+    /// [`DISK_FULL_FRESH_MS`], with none succeeding since.
+    pub fn disk_full_now(&self) -> bool {
+        let at = self.disk_full.load(Ordering::Relaxed);
+        at > 0 && (crate::groups::mono_ms() + 1).saturating_sub(at) < DISK_FULL_FRESH_MS
+    }
 }
 
 /// Counters summed over a core's stream logs (see [`CoreMetrics::log_syncs`]).
@@ -2094,7 +2112,9 @@ impl CoreBroker {
                 Err(e) => {
                     this.metrics.publish_errors.fetch_add(1, Ordering::Relaxed);
                     if matches!(e, BrokerError::Overloaded(r) if r == "disk_full") {
-                        this.metrics.disk_full.store(1, Ordering::Relaxed);
+                        this.metrics
+                            .disk_full
+                            .store(crate::groups::mono_ms() + 1, Ordering::Relaxed);
                         this.metrics
                             .disk_full_refusals
                             .fetch_add(1, Ordering::Relaxed);

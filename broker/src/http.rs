@@ -314,8 +314,8 @@ const PER_CORE: &[(&str, &str, &str, Read)] = &[
     (
         "felix_broker_disk_full",
         "gauge",
-        "1 while appends fail for lack of disk space.",
-        |m| m.disk_full.load(Ordering::Relaxed),
+        "1 while appends fail for lack of disk space (one refused in the last 5 s, none taken since).",
+        |m| u64::from(m.disk_full_now()),
     ),
     (
         "felix_broker_disk_full_refusals_total",
@@ -503,9 +503,13 @@ impl prometheus_client::collector::Collector for Collector {
                         (le, n)
                     })
                     .collect();
+                // The count is the buckets' total as read: read apart while a core
+                // observes, `_count` could differ from the `+Inf` bucket, which the
+                // text format forbids.
+                let count = buckets.iter().map(|(_, n)| n).sum();
                 m.encode_family(labels)?.encode_histogram::<NoLabelSet>(
                     h.sum_seconds(),
-                    h.count(),
+                    count,
                     &buckets,
                     None,
                 )?;
@@ -602,7 +606,7 @@ impl prometheus_client::collector::Collector for Collector {
         )?;
         one(
             "felix_broker_placement_pin_rules",
-            "Operator pin rules.",
+            "Pin rules: operators' and load following's.",
             MetricType::Gauge,
             table.rules().len() as u64,
         )?;
@@ -638,7 +642,7 @@ pub fn unready_reasons(shared: &Shared) -> Vec<String> {
                 "core {core}: {poisoned} log(s) poisoned by a failed write or fsync (restart to recover)"
             ));
         }
-        if m.disk_full.load(Ordering::Relaxed) > 0 {
+        if m.disk_full_now() {
             reasons.push(format!("core {core}: disk full, appends refused"));
         }
     }
@@ -969,6 +973,34 @@ async fn panic_core(State(shared): State<Arc<Shared>>, Query(q): Query<PanicQuer
     "armed\n".into_response()
 }
 
+/// On a loopback listener, a request must name a loopback host (`127.0.0.1`, `[::1]`,
+/// `localhost`) or an IP address: a web page whose name was rebound to 127.0.0.1 (DNS
+/// rebinding) names its own, and could otherwise read `/placement` and `POST /pins`
+/// from the broker's host in the browser's same-origin rules (until 2026-12-08). Off
+/// loopback (a management network) any name is taken, as before.
+async fn loopback_host(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    match req.headers().get(axum::http::header::HOST) {
+        Some(host) if !loopback_name(host.to_str().unwrap_or("")) => (
+            StatusCode::MISDIRECTED_REQUEST,
+            "this endpoint answers only to a loopback host name or an IP address\n",
+        )
+            .into_response(),
+        _ => next.run(req).await,
+    }
+}
+
+/// Whether a `Host` header names an IP address or `localhost` (with any port).
+fn loopback_name(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        // `[::1]:9090`
+        Some(rest) => rest.split_once(']').map_or("", |(name, _)| name),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.parse::<std::net::IpAddr>().is_ok()
+        || name.eq_ignore_ascii_case("localhost")
+        || name.to_ascii_lowercase().ends_with(".localhost")
+}
+
 /// Serves on `addr` until the process exits; returns the bound address.
 pub fn spawn(addr: SocketAddr, shared: Arc<Shared>) -> anyhow::Result<SocketAddr> {
     let listener = std::net::TcpListener::bind(addr)
@@ -989,6 +1021,11 @@ pub fn spawn(addr: SocketAddr, shared: Arc<Shared>) -> anyhow::Result<SocketAddr
         .route("/debug/hold-opens", post(hold_opens))
         .with_state(shared)
         .layer(axum::middleware::from_fn(deadline));
+    let app = if bound.ip().is_loopback() {
+        app.layer(axum::middleware::from_fn(loopback_host))
+    } else {
+        app
+    };
     std::thread::Builder::new()
         .name("felix-http".into())
         .spawn(move || {
@@ -1027,5 +1064,36 @@ async fn deadline(req: axum::extract::Request, next: axum::middleware::Next) -> 
     match tokio::time::timeout(ANSWER_TIMEOUT, next.run(req)).await {
         Ok(r) => r,
         Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "timed out\n").into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Loopback names and IP addresses pass; any other name (a page's own, rebound to
+    /// 127.0.0.1) does not.
+    #[test]
+    fn only_loopback_names_and_addresses_pass() {
+        use super::loopback_name;
+        for ok in [
+            "127.0.0.1:9090",
+            "127.0.0.1",
+            "[::1]:9090",
+            "[::1]",
+            "localhost:9090",
+            "LocalHost",
+            "felix.localhost:9090",
+            "10.0.0.7:9090",
+        ] {
+            assert!(loopback_name(ok), "{ok}");
+        }
+        for refused in [
+            "evil.example:9090",
+            "evil.example",
+            "localhost.evil.example",
+            "",
+            "[::1",
+        ] {
+            assert!(!loopback_name(refused), "{refused}");
+        }
     }
 }

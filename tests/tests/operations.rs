@@ -2847,6 +2847,31 @@ fn pin_rules_are_bounded() {
     assert_eq!(status, 200, "the same shards again: {body}");
 }
 
+/// The operator endpoint on loopback answers only to a loopback name or an address: a
+/// web page whose name was rebound to 127.0.0.1 (DNS rebinding) named its own host and
+/// could move shards and read the placement from a browser on the broker's host (until
+/// 2026-12-08).
+#[test]
+fn the_loopback_endpoint_refuses_requests_naming_another_host() {
+    use std::io::{Read as _, Write as _};
+    let dir = tempfile::tempdir().unwrap();
+    let b = start(dir.path(), "", &[]);
+    let ask = |host: &str| {
+        let mut s = std::net::TcpStream::connect(b.http).unwrap();
+        write!(
+            s,
+            "POST /pins HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: 30\r\nConnection: close\r\n\r\n{{\"rule\": \"dev/default/page=0\"}}"
+        )
+        .unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        answer.split_whitespace().nth(1).unwrap().to_owned()
+    };
+    assert_eq!(ask("evil.example:9090"), "421");
+    assert_eq!(ask(&b.http.to_string()), "200");
+    assert_eq!(ask(&format!("localhost:{}", b.http.port())), "200");
+}
+
 /// `/placement` lists caches' shards too (placed by a hash of their own, they were left
 /// out), each entry saying its kind.
 #[test]

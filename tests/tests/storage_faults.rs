@@ -141,6 +141,12 @@ fn a_full_disk_refuses_appends_and_recovers_without_a_restart() {
         assert_eq!(status, 503);
         assert!(body.contains("disk full"), "{body}");
         arm(&b, "clear=true");
+        // Ready again with no append to say so: only a later append on the core
+        // cleared it, and a broker that balancers took out got none.
+        wait_for("/readyz to turn ready", Duration::from_secs(10), || {
+            (readyz(&b).0 == 200).then_some(())
+        })
+        .unwrap();
         for i in 20..30u32 {
             let p = format!("r{i}");
             acked.push((publish(&c, p.as_bytes()).await.unwrap(), p.into_bytes()));
