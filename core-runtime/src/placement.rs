@@ -118,6 +118,9 @@ impl fmt::Display for PinRule {
     }
 }
 
+/// The longest tenant, namespace, stream or cache name.
+const NAME_MAX_BYTES: usize = 128;
+
 impl FromStr for PinRule {
     type Err = PinRuleError;
 
@@ -138,6 +141,11 @@ impl FromStr for PinRule {
         }
         if parts.len() != 4 {
             return Err(err("pattern needs three or four parts"));
+        }
+        // A name is at most 128 bytes: a longer part matches nothing, and a rule held
+        // (and written to `pins.json`, and cloned at each re-pin) may be megabytes.
+        if parts[..3].iter().any(|p| p.len() > NAME_MAX_BYTES) {
+            return Err(err("a name is at most 128 bytes"));
         }
         let any = |p: &str| (p != "*").then(|| p.to_owned());
         Ok(PinRule {
@@ -313,6 +321,21 @@ mod tests {
             table.core_for(&key("orders", 1)),
             table.core_for(&key("orders", 1))
         );
+    }
+
+    /// A rule's names are at most 128 bytes, as a name is: an operator's rule of
+    /// megabytes was held, written to `pins.json` and cloned at every re-pin.
+    #[test]
+    fn a_rule_naming_more_than_a_name_holds_is_refused() {
+        let long = "n".repeat(129);
+        assert!(format!("t/default/{long}=0").parse::<PinRule>().is_err());
+        assert!(
+            format!("{long}/default/orders/1=0")
+                .parse::<PinRule>()
+                .is_err()
+        );
+        let longest = "n".repeat(128);
+        assert!(format!("t/default/{longest}=0").parse::<PinRule>().is_ok());
     }
 
     #[test]

@@ -575,8 +575,13 @@ impl CoreBroker {
                     let _ = job.answer.send(Err(BrokerError::Draining));
                     continue;
                 }
+                let rule = job.rule.to_string();
                 let r = core.repin(job.rule, job.auto).await;
-                let _ = job.answer.send(r);
+                // Its request answered 202 "still moving" already: a refusal said
+                // nowhere was lost (until 2026-12-08).
+                if let Err(Err(e)) = job.answer.send(r) {
+                    tracing::warn!(%rule, error = %e, "a pin rule refused after its request stopped waiting");
+                }
             }
         })
         .detach();
