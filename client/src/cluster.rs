@@ -201,9 +201,14 @@ impl ClusterClient {
     fn flush_replaced(&self, old: Arc<Client>) {
         let mut replaced = self.replaced.lock().expect("replaced lock");
         replaced.flushes.retain(|f| !f.is_finished());
-        // Closed and owing nothing, it has nothing to say, and nothing can be sent on it.
-        replaced.kept.retain(|c| c.owes_unacked() || !c.is_closed());
-        replaced.kept.push(old);
+        // One that owes nothing is kept only while a call still holds it (it may
+        // publish on it yet): kept otherwise, its connection stayed open, up to eight
+        // of them, against the broker's connection bounds.
+        let held = |c: &Arc<Client>| c.owes_unacked() || Arc::strong_count(c) > 1;
+        replaced.kept.retain(held);
+        if held(&old) {
+            replaced.kept.push(old);
+        }
         while replaced.kept.len() > REPLACED_KEPT {
             let oldest = replaced.kept.remove(0);
             let lost = replaced.lost.clone();
@@ -229,14 +234,18 @@ impl ClusterClient {
                 replaced.lost.clone(),
             )
         };
-        let mut first = None;
-        for c in kept {
-            if c.owes_unacked()
-                && let Err(e) = c.flush_publishes().await
-            {
-                first.get_or_insert(e);
+        // Together: each may wait out a request timeout.
+        let mut first = crate::sharded::futures_join_all(kept.into_iter().map(|c| async move {
+            if c.owes_unacked() {
+                c.flush_publishes().await.err()
+            } else {
+                None
             }
-        }
+        }))
+        .await
+        .into_iter()
+        .flatten()
+        .next();
         for f in flushes {
             if let Err(e) = f.await {
                 first.get_or_insert(ClientError::Protocol(format!(

@@ -395,8 +395,8 @@ async fn forward(
                 Ok(sub) => break sub,
                 Err(e) => e,
             };
-            // Retried for good, as the guide has it, but said once it lasts: the
-            // stream deleted meanwhile, or the token no longer reading it.
+            // Retried for good, as the guide has it, but said every 5 s while it
+            // lasts: the stream deleted meanwhile, or the token no longer reading it.
             if crate::retry::is_not_found(&e) {
                 let since = *first_not_found.get_or_insert_with(tokio::time::Instant::now);
                 if since.elapsed() >= crate::retry::NOT_FOUND_GRACE {
@@ -579,7 +579,7 @@ fn resume_at(
 }
 
 /// Runs futures concurrently and collects their outputs in order.
-async fn futures_join_all<F: std::future::Future>(
+pub(crate) async fn futures_join_all<F: std::future::Future>(
     futs: impl IntoIterator<Item = F>,
 ) -> Vec<F::Output> {
     let mut set = Vec::new();
