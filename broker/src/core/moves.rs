@@ -575,11 +575,14 @@ impl CoreBroker {
                     let _ = job.answer.send(Err(BrokerError::Draining));
                     continue;
                 }
-                let rule = job.rule.to_string();
-                let r = core.repin(job.rule, job.auto).await;
-                // Its request answered 202 "still moving" already: a refusal said
-                // nowhere was lost (until 2026-12-08).
-                if let Err(Err(e)) = job.answer.send(r) {
+                let (rule, auto) = (job.rule.to_string(), job.auto);
+                let r = core.repin(job.rule, auto).await;
+                // An operator's request answered 202 "still moving" already: a refusal
+                // said nowhere was lost (until 2026-12-08). (Load following does not
+                // wait for its answers.)
+                if let Err(Err(e)) = job.answer.send(r)
+                    && !auto
+                {
                     tracing::warn!(%rule, error = %e, "a pin rule refused after its request stopped waiting");
                 }
             }
@@ -1069,15 +1072,42 @@ pub fn read_pins(path: &std::path::Path) -> Result<Vec<PinRule>, String> {
     };
     let rules: Vec<String> =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    rules
+    // A rule a broker before 2026-12-08 took and this one refuses (a name over 128
+    // bytes, which matches nothing) is dropped with a warning, as a pin naming a core
+    // the broker no longer runs is, rather than refusing to start.
+    Ok(rules
         .iter()
-        .map(|r| r.parse().map_err(|e| format!("{}: {e}", path.display())))
-        .collect()
+        .filter_map(|r| match r.parse() {
+            Ok(rule) => Some(rule),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "dropping a live pin this broker refuses");
+                None
+            }
+        })
+        .collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A live pin an older broker took and this one refuses is dropped at start, not a
+    /// reason to refuse to start.
+    #[test]
+    fn a_live_pin_this_broker_refuses_is_dropped_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pins.json");
+        let long = "n".repeat(129);
+        std::fs::write(
+            &path,
+            serde_json::to_string(&[format!("t/default/{long}=0"), "t/default/orders=1".into()])
+                .unwrap(),
+        )
+        .unwrap();
+        let rules = read_pins(&path).unwrap();
+        assert_eq!(rules.len(), 1);
+        assert_eq!(rules[0].to_string(), "t/default/orders/*=1");
+    }
 
     /// A subscriber that leaves while a handover waits for its shard's open is taken off
     /// it: its core stays registered only while it has subscribers left.
