@@ -422,6 +422,29 @@ fn fx_read<F: Fixture>(fx: &F, name: &str) -> Vec<u8> {
     std::fs::read(disk.0.join(name)).unwrap()
 }
 
+/// Reopens sealed segments from their indexes.
+fn tail_config() -> LogConfig {
+    LogConfig {
+        index_interval_bytes: 1024,
+        verify_on_open: VerifyOnOpen::Tail,
+        ..LogConfig::default()
+    }
+}
+
+/// Appends `n` records of `len` bytes to a log in `mem`, timestamped from `n` s down to
+/// 1 s (a clock stepped back), and seals its segment.
+async fn sealed_with_falling_timestamps(mem: &MemBackend, config: &LogConfig, n: u64, len: usize) {
+    let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
+    for i in 0..n {
+        let p = log
+            .begin_append(&[vec![1u8; len]], (n - i) * 1_000_000, None)
+            .unwrap();
+        log.commit(p).await.unwrap();
+    }
+    log.close().await.unwrap();
+    log.seal_active(0).await.unwrap();
+}
+
 /// A sealed segment reopened from its index (`VerifyOnOpen::Tail`, a live re-pin's open)
 /// is aged by its newest record, as one read in full is: from its last batches alone, a
 /// segment whose timestamps fell (a clock stepped back, two leaders' batches) looked
@@ -429,22 +452,8 @@ fn fx_read<F: Fixture>(fx: &F, name: &str) -> Vec<u8> {
 #[test]
 fn a_segment_reopened_from_its_index_is_aged_by_its_newest_record() {
     run(|| async {
-        let mem = MemBackend::new();
-        let config = LogConfig {
-            index_interval_bytes: 1024,
-            verify_on_open: VerifyOnOpen::Tail,
-            ..LogConfig::default()
-        };
-        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
-        // Timestamps from 200 s down to 1 s.
-        for i in 0..200u64 {
-            let p = log
-                .begin_append(&[vec![1u8; 1000]], (200 - i) * 1_000_000, None)
-                .unwrap();
-            log.commit(p).await.unwrap();
-        }
-        log.close().await.unwrap();
-        log.seal_active(0).await.unwrap();
+        let (mem, config) = (MemBackend::new(), tail_config());
+        sealed_with_falling_timestamps(&mem, &config, 200, 1000).await;
         // At 250 s its newest record is 50 s old; its last batches, 249 s.
         let (now, age) = (250_000_000, Some(Duration::from_secs(100)));
         for verify in [VerifyOnOpen::Tail, VerifyOnOpen::All] {
@@ -475,21 +484,8 @@ fn a_segment_reopened_from_its_index_is_aged_by_its_newest_record() {
 fn a_tail_open_writes_no_newest_timestamp_it_does_not_know() {
     run(|| async {
         let name = "00000000000000000000.idx";
-        let mem = MemBackend::new();
-        let config = LogConfig {
-            index_interval_bytes: 1024,
-            verify_on_open: VerifyOnOpen::Tail,
-            ..LogConfig::default()
-        };
-        let (log, _) = SegmentLog::open(mem.clone(), config.clone()).await.unwrap();
-        for i in 0..2000u64 {
-            let p = log
-                .begin_append(&[vec![1u8; 100]], (2000 - i) * 1_000_000, None)
-                .unwrap();
-            log.commit(p).await.unwrap();
-        }
-        log.close().await.unwrap();
-        log.seal_active(0).await.unwrap();
+        let (mem, config) = (MemBackend::new(), tail_config());
+        sealed_with_falling_timestamps(&mem, &config, 2000, 100).await;
         let said = |bytes: &[u8]| u16::from_be_bytes([bytes[6], bytes[7]]) & 0x4000 != 0;
         let mut old = mem.contents(name).unwrap();
         assert!(said(&old));

@@ -234,6 +234,12 @@ fn a_rename_is_durable_only_after_a_directory_sync() {
     });
 }
 
+/// Whether the log in `mem` holds an unsynced life's mark.
+async fn marked(mem: &MemBackend) -> bool {
+    use felix_storage_uring::io::Backend;
+    mem.read_small("unsynced-life").await.unwrap().is_some()
+}
+
 /// A `none` or `periodic` life opens only once its mark (`unsynced-life`) is durable,
 /// and an `on-commit` life only once a mark left by one is gone: without the mark, a
 /// power cut of such a life was recovered with the strict reach (damage more than a
@@ -244,7 +250,6 @@ fn a_rename_is_durable_only_after_a_directory_sync() {
 fn a_log_opens_only_once_its_life_is_marked_as_its_fsync_mode_needs() {
     run(|| async {
         use felix_storage_uring::FsyncMode;
-        use felix_storage_uring::io::Backend;
         let mem = MemBackend::new();
         let (log, _) = SegmentLog::open(mem.clone(), LogConfig::default())
             .await
@@ -259,10 +264,7 @@ fn a_log_opens_only_once_its_life_is_marked_as_its_fsync_mode_needs() {
         let (log, _) = SegmentLog::open(mem.clone(), unsynced.clone())
             .await
             .expect("opens on a full disk");
-        assert!(
-            mem.read_small("unsynced-life").await.unwrap().is_none(),
-            "no room for the mark"
-        );
+        assert!(!marked(&mem).await, "no room for the mark");
         log.close().await.unwrap();
         mem.clear_faults();
         for op in [MemOp::Write, MemOp::SyncDir] {
@@ -274,10 +276,7 @@ fn a_log_opens_only_once_its_life_is_marked_as_its_fsync_mode_needs() {
         let (log, _) = SegmentLog::open(mem.clone(), unsynced).await.unwrap();
         // The power cut ends that life with its mark in place.
         let crashed = mem.crash();
-        assert!(
-            crashed.read_small("unsynced-life").await.unwrap().is_some(),
-            "marked durably"
-        );
+        assert!(marked(&crashed).await, "marked durably");
         drop(log);
         crashed.fail_with(MemOp::Remove, libc::EMFILE, 0, FaultTimes::Once);
         let refused = SegmentLog::open(crashed.clone(), LogConfig::default()).await;
@@ -289,15 +288,7 @@ fn a_log_opens_only_once_its_life_is_marked_as_its_fsync_mode_needs() {
         let (log, _) = SegmentLog::open(crashed.clone(), LogConfig::default())
             .await
             .unwrap();
-        assert!(
-            crashed
-                .crash()
-                .read_small("unsynced-life")
-                .await
-                .unwrap()
-                .is_none(),
-            "the mark is gone durably"
-        );
+        assert!(!marked(&crashed.crash()).await, "the mark is gone durably");
         log.close().await.unwrap();
     });
 }
@@ -312,7 +303,6 @@ fn a_log_opens_only_once_its_life_is_marked_as_its_fsync_mode_needs() {
 fn an_on_commit_life_removes_a_mark_its_full_disk_kept_once_it_can() {
     run(|| async {
         use felix_storage_uring::FsyncMode;
-        use felix_storage_uring::io::Backend;
         let small = LogConfig {
             segment_bytes_max: 64 * 1024,
             index_interval_bytes: 1024,
@@ -346,26 +336,18 @@ fn an_on_commit_life_removes_a_mark_its_full_disk_kept_once_it_can() {
                 .await
                 .expect("opens on a full disk");
             assert!(report.unsynced_life);
-            assert!(
-                crashed.read_small("unsynced-life").await.unwrap().is_some(),
-                "no room to remove it"
-            );
+            assert!(marked(&crashed).await, "no room to remove it");
             crashed.clear_faults();
             if by_retention {
                 assert!(log.enforce_retention(u64::MAX / 2).await.unwrap() > 0);
                 assert!(
-                    crashed
-                        .crash()
-                        .read_small("unsynced-life")
-                        .await
-                        .unwrap()
-                        .is_none(),
+                    !marked(&crashed.crash()).await,
                     "removed durably once retention freed space"
                 );
             }
             log.close().await.unwrap();
             assert!(
-                crashed.read_small("unsynced-life").await.unwrap().is_none(),
+                !marked(&crashed).await,
                 "by_retention {by_retention}: left after the close"
             );
             let (log, report) = SegmentLog::open(crashed.clone(), retained.clone())

@@ -38,6 +38,15 @@ fn config(b: &BrokerProcess) -> ClientConfig {
     config
 }
 
+/// [`config`] whose idle connections end after 1 s: a broker gone is seen at once.
+fn short_idle_config(b: &BrokerProcess) -> ClientConfig {
+    let mut config = config(b);
+    let mut transport = quinn::TransportConfig::default();
+    transport.max_idle_timeout(Some(Duration::from_secs(1).try_into().unwrap()));
+    config.quinn.transport_config(Arc::new(transport));
+    config
+}
+
 /// The `felix` command, pointed at `b` with its dev token and CA.
 fn felix(b: &BrokerProcess) -> std::process::Command {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_felix-under-test"));
@@ -110,10 +119,7 @@ fn a_cluster_clients_flush_reports_what_a_replaced_connection_lost() {
     let (mut b, _dir) = broker(&[]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let mut config = config(&b);
-        let mut transport = quinn::TransportConfig::default();
-        transport.max_idle_timeout(Some(Duration::from_secs(1).try_into().unwrap()));
-        config.quinn.transport_config(Arc::new(transport));
+        let config = short_idle_config(&b);
         let cc = ClusterClient::connect(&[b.listen], "localhost", config)
             .await
             .unwrap();
@@ -156,10 +162,7 @@ fn a_publish_owed_no_ack_whose_write_fails_is_reported_once() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     // Idle connections end after 1 s.
     let connect = || async {
-        let mut config = config(&b);
-        let mut transport = quinn::TransportConfig::default();
-        transport.max_idle_timeout(Some(Duration::from_secs(1).try_into().unwrap()));
-        config.quinn.transport_config(Arc::new(transport));
+        let config = short_idle_config(&b);
         felix_client::Client::connect(b.listen, "localhost", config)
             .await
             .unwrap()
@@ -218,10 +221,7 @@ fn a_one_shot_publish_with_the_cluster_down_returns_after_one_round_of_connects(
         // Idle connections end after 1 s here, and a handshake with no answer after
         // about 3 s (quinn waits three probe timeouts at least): eight rounds take 24 s
         // and more, one about 3.
-        let mut config = config(&b);
-        let mut transport = quinn::TransportConfig::default();
-        transport.max_idle_timeout(Some(Duration::from_secs(1).try_into().unwrap()));
-        config.quinn.transport_config(Arc::new(transport));
+        let config = short_idle_config(&b);
         let policy = ReconnectPolicy {
             attempts: 8,
             backoff: Duration::from_millis(100),
