@@ -38,8 +38,9 @@ pub struct ClusterClient {
     rng: Mutex<rand::rngs::StdRng>,
     /// Clients of the brokers `not_leader` answers named, kept for the next call.
     owners: Mutex<std::collections::HashMap<SocketAddr, Arc<Client>>>,
-    /// Flushes of replaced clients that had sent publishes owed no ack, and the first
-    /// loss they found: [`ClusterClient::flush_publishes`] waits for them and reports it.
+    /// Replaced clients that may still owe the next flush (owing, or held by a call),
+    /// background flushes of older ones, and the first loss those found:
+    /// [`ClusterClient::flush_publishes`] flushes and waits for them, and reports it.
     replaced: Mutex<Replaced>,
 }
 
@@ -56,7 +57,8 @@ struct Replaced {
     lost: Arc<Mutex<Option<ClientError>>>,
 }
 
-/// Replaced clients kept for the next flush; past these, the oldest is flushed then.
+/// Replaced clients kept for the next flush; past these, the oldest is flushed at once,
+/// in the background.
 const REPLACED_KEPT: usize = 8;
 
 impl std::fmt::Debug for ClusterClient {
@@ -183,7 +185,7 @@ impl ClusterClient {
                     let mut cur = self.current.write().expect("current lock");
                     let old = std::mem::replace(&mut *cur, (Arc::new(client), seen + 1)).0;
                     drop(cur);
-                    self.flush_replaced(old);
+                    self.keep_replaced(old);
                 },
             )
             .await?;
@@ -198,7 +200,7 @@ impl ClusterClient {
     /// flush of the client in use answered `Ok` (until 2026-12-08). Kept as a client,
     /// not flushed at once: a call that took it before it was replaced may publish on
     /// it still. Past [`REPLACED_KEPT`], the oldest is flushed in the background.
-    fn flush_replaced(&self, old: Arc<Client>) {
+    fn keep_replaced(&self, old: Arc<Client>) {
         let mut replaced = self.replaced.lock().expect("replaced lock");
         replaced.flushes.retain(|f| !f.is_finished());
         // One that owes nothing is kept only while a call still holds it (it may
@@ -234,18 +236,27 @@ impl ClusterClient {
                 replaced.lost.clone(),
             )
         };
-        // Together: each may wait out a request timeout.
-        let mut first = crate::sharded::futures_join_all(kept.into_iter().map(|c| async move {
-            if c.owes_unacked() {
-                c.flush_publishes().await.err()
-            } else {
-                None
-            }
-        }))
+        // Together: each may wait out a request timeout. One owing nothing that a call
+        // still holds is kept for the next flush: that call may publish on it yet.
+        let (owing, held): (Vec<_>, Vec<_>) = kept.into_iter().partition(|c| c.owes_unacked());
+        let held: Vec<_> = held
+            .into_iter()
+            .filter(|c| Arc::strong_count(c) > 1)
+            .collect();
+        let mut first = crate::sharded::futures_join_all(
+            owing
+                .into_iter()
+                .map(|c| async move { c.flush_publishes().await.err() }),
+        )
         .await
         .into_iter()
         .flatten()
         .next();
+        self.replaced
+            .lock()
+            .expect("replaced lock")
+            .kept
+            .extend(held);
         for f in flushes {
             if let Err(e) = f.await {
                 first.get_or_insert(ClientError::Protocol(format!(
@@ -263,7 +274,7 @@ impl ClusterClient {
 
     /// Replaces the `Client` in use if its connection has closed (whatever the broker
     /// serves: a reconnect forced through a request fails before sending on a broker
-    /// that does not serve that request).
+    /// that does not serve that request); the reconnect's failure, if it failed.
     pub(crate) async fn replace_if_closed(&self) -> Result<(), ClientError> {
         let seen = self.generation();
         if self.client().is_closed() {
@@ -288,8 +299,7 @@ impl ClusterClient {
     }
 
     fn jitter(&self, attempt: usize) -> Duration {
-        let unit: f64 = self.rng.lock().expect("rng lock").random();
-        self.policy.delay(attempt, unit)
+        self.policy.delay(attempt, self.unit())
     }
 
     /// Publishes once. On a connection failure the connection is replaced before the

@@ -66,7 +66,8 @@
 //!     match item {
 //!         ShardEvent::Record { shard, event } => handle(shard, event),
 //!         // Not an error and not silence: this shard is down and being
-//!         // re-established, and the others are still delivering.
+//!         // re-established, and the others are still delivering (unless a
+//!         // credential failure ended it: then this is the shard's last event).
 //!         ShardEvent::ShardLost { shard, error } => warn!(shard, %error, "shard down"),
 //!         ShardEvent::ShardRecovered { shard } => info!(shard, "shard back"),
 //!         // A planned move: followed at once, nothing missed.

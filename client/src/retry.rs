@@ -78,7 +78,8 @@ pub enum Decision {
 }
 
 /// How long `not_found` is retried: a broker promoted a moment ago reports the stream it
-/// is about to serve as missing.
+/// is about to serve as missing. Also how often a lost shard, which retries it for good,
+/// says so.
 pub const NOT_FOUND_GRACE: Duration = Duration::from_secs(5);
 
 /// True for the broker's `not_found`.

@@ -5,9 +5,12 @@
 //! offset it delivered, and announced with `ShardLost` / `ShardRecovered`; the other
 //! shards keep delivering. A shard that moved to another broker is followed there at
 //! once and announced with `ShardMoved`; a deleted stream's shards end with
-//! `StreamDeleted`.
+//! `StreamDeleted` (a stream deleted while a shard is lost answers `not_found`, which is
+//! not told apart from a broker that does not know it yet: that shard is tried again
+//! for good, logged every 5 s).
 //!
-//! A lost shard is tried again after a pause that grows from 250 ms to a second. It
+//! A lost shard is tried again after a random pause whose ceiling grows from 250 ms to
+//! a second. It
 //! resumes at the oldest retained record where retention removed where it would resume,
 //! and at its log's end where the log now ends before it (a `Leader` stream's old
 //! leader alone held what it delivered past there: the offsets are written again, and
@@ -31,7 +34,7 @@ use crate::error::ClientError;
 /// One offset per shard: the last delivered.
 pub type ShardOffsets = BTreeMap<u32, u64>;
 
-/// Pause before re-establishing a lost shard: the first try's ceiling.
+/// The ceiling of the pause before re-establishing a lost shard.
 const RECOVER_PAUSE: Duration = Duration::from_millis(250);
 /// The most shards a stream has.
 const STREAM_SHARDS_MAX: u32 = 4096;
@@ -60,7 +63,8 @@ pub enum ShardEvent {
         /// Why.
         error: String,
     },
-    /// The shard is delivering again, from where it stopped.
+    /// The shard is delivering again, from where it stopped, or from where retention or
+    /// its log's end moved it (see [`ShardedSubscription::positions`]).
     ShardRecovered {
         /// The shard.
         shard: u32,
@@ -117,10 +121,10 @@ impl Feed {
 #[derive(Debug)]
 pub struct ShardedSubscription {
     rx: mpsc::Receiver<Item>,
-    /// The last offset handed to the application per shard, by [`Self::next`]: what
-    /// [`Self::positions`] answers. (The shard tasks' own positions run ahead of it by
-    /// what waits in the channel: a resume from those skipped what the application
-    /// never got.)
+    /// The last offset handed to the application per shard, by [`Self::next`], or where
+    /// a rewound shard goes on after: what [`Self::positions`] answers. (The shard
+    /// tasks' own positions run ahead of it by what waits in the channel: a resume from
+    /// those skipped what the application never got.)
     delivered: ShardOffsets,
     shards: u32,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -160,8 +164,11 @@ impl ShardedSubscription {
     }
 
     /// The last offset handed out by [`Self::next`] per shard (only shards that
-    /// delivered, and those the subscription resumed): pass it to
-    /// [`ClusterClient::resubscribe_sharded`] to carry on after the last record taken.
+    /// delivered, and those the subscription resumed), or, where a shard's log ended
+    /// before it or retention removed where it was, where it now goes on after
+    /// (possibly below what was handed out; absent when it goes on from its first
+    /// offset): pass it to [`ClusterClient::resubscribe_sharded`] to carry on after the
+    /// last record taken.
     pub fn positions(&self) -> ShardOffsets {
         self.delivered.clone()
     }
@@ -186,7 +193,8 @@ impl ClusterClient {
     }
 
     /// Like [`ClusterClient::subscribe_sharded`], resuming listed shards at their
-    /// offset + 1 and starting the others at `start`.
+    /// offset + 1 (or at the oldest retained record, or at the log's end where it now
+    /// ends before that) and starting the others at `start`.
     pub async fn resubscribe_sharded(
         self: &Arc<Self>,
         tenant: &str,
@@ -312,7 +320,7 @@ async fn forward(
                 Err(e) => break e.to_string(),
             }
         };
-        let mut pause = RECOVER_PAUSE;
+        let mut pause = recover_pause(0, cc.unit());
         match sub.end() {
             Some(SubscriptionEnd::StreamDeleted) => {
                 let _ = tx.send(ShardEvent::StreamDeleted { shard }).await;
@@ -383,7 +391,7 @@ async fn forward(
         // deletion while the shard is lost is not told apart). Each try waits longer,
         // up to a second (it tried 4 times a second for as long as the shard was down,
         // and forever after a credential failure, until 2026-12-08).
-        let mut tries = 0;
+        let mut tries = 1;
         let mut first_not_found = None;
         sub = loop {
             tokio::time::sleep(pause).await;
@@ -526,8 +534,8 @@ fn recover_pause(tries: u32, unit: f64) -> Duration {
     ceiling.mul_f64(0.5 + unit.clamp(0.0, 1.0) / 2.0)
 }
 
-/// How many times a resume opens again at the oldest retained record while retention
-/// keeps removing it from under the open.
+/// How many times a resume opens again at the oldest retained record (or at the log's
+/// end) while retention keeps removing it from under the open.
 const RETAINED_OPENS_MAX: usize = 8;
 
 /// Opens `shard` at `start`; where retention removed records since (positions taken
@@ -618,11 +626,7 @@ mod tests {
     use felix_wire::message::CursorErrorReason;
 
     fn too_old(requested: u64, available: u64) -> ClientError {
-        ClientError::Cursor(SubscribeCursorError {
-            reason: CursorErrorReason::TooOld,
-            requested,
-            available,
-        })
+        cursor(CursorErrorReason::TooOld, requested, available)
     }
 
     fn cursor(reason: CursorErrorReason, requested: u64, available: u64) -> ClientError {

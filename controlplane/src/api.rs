@@ -2737,7 +2737,8 @@ fn audit_view(docs: Vec<Doc>, q: &AuditQuery, tenant: Option<&str>) -> ApiResult
     Ok(json!({"items": items, "next_after": after, "next_since_ms": next}))
 }
 
-/// `GET /v1/audit?since_ms=&limit=`: every write, oldest first (operators).
+/// `GET /v1/audit?since_ms=&after=&limit=`: every write, oldest first (operators), each
+/// entry with its `id`; `next_after` names the next page's start.
 async fn audit_log(
     State(st): State<AppState>,
     h: HeaderMap,

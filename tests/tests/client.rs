@@ -160,7 +160,6 @@ fn a_cluster_clients_flush_reports_what_a_replaced_connection_lost() {
 fn a_publish_owed_no_ack_whose_write_fails_is_reported_once() {
     let (b, _dir) = broker(&[]);
     let rt = tokio::runtime::Runtime::new().unwrap();
-    // Idle connections end after 1 s.
     let connect = || async {
         let config = short_idle_config(&b);
         felix_client::Client::connect(b.listen, "localhost", config)

@@ -215,12 +215,12 @@ pub(super) async fn recover<B: Backend>(
         // Read in full: an index file that says other kinds or another newest
         // timestamp (or none: written before the field) is written again, so a later
         // open from it knows them.
-        let kinds_stale = read_whole
+        let header_stale = read_whole
             && (loaded_kinds != Some(kinds)
                 || loaded_newest
                     != newest_micros
                         .map(|n| n.div_ceil(1_000_000).min(u32::MAX.into()) * 1_000_000));
-        if !newest && (stale || kinds_stale) {
+        if !newest && (stale || header_stale) {
             report.rebuilt_indexes += usize::from(stale);
             // (A read-only open reports it, and writes nothing: `felix-log verify` and a
             // refused repair change nothing, in a directory a broker may own.)

@@ -120,8 +120,8 @@ impl<B: Backend> SegmentLog<B> {
         let cuts = self.shared.state.borrow().cuts;
         let bytes = match self.shared.backend.read_small(&file).await {
             Ok(Some(bytes)) => bytes,
-            // Past the bound: damaged, as one whose checksum fails.
             Ok(None) => return Ok(None),
+            // Past the bound: damaged, as one whose checksum fails.
             Err(e) if e.kind() == io::ErrorKind::InvalidData => return Ok(None),
             Err(e) => return Err(StorageError::io("read snapshot", &file, e)),
         };
