@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use felix_wire::Offset;
-use felix_wire::message::StartPosition;
+use felix_wire::message::{CursorErrorReason, StartPosition};
 use tokio::sync::mpsc;
 
 use crate::client::{Event, SubscriptionEnd};
@@ -454,14 +454,19 @@ async fn forward(
     }
 }
 
+/// `e`'s refusal of a subscription's start for `reason`, if it is one.
+fn refused_start(
+    e: &ClientError,
+    reason: CursorErrorReason,
+) -> Option<&crate::error::SubscribeCursorError> {
+    e.cursor().filter(|c| c.reason == reason)
+}
+
 /// The oldest record `shard` still holds when `e` refused a resume below it (retention
 /// removed the records between, which are logged as skipped); `None` for any other
 /// error.
 fn oldest_retained(e: &ClientError, shard: u32) -> Option<u64> {
-    let c = e.cursor()?;
-    if c.reason != felix_wire::message::CursorErrorReason::TooOld {
-        return None;
-    }
+    let c = refused_start(e, CursorErrorReason::TooOld)?;
     tracing::warn!(
         shard,
         from = c.requested,
@@ -477,10 +482,7 @@ fn oldest_retained(e: &ClientError, shard: u32) -> Option<u64> {
 /// them meanwhile (until 2026-12-08); from the end, nothing is skipped, and what is
 /// written there again is delivered again. `None` for any other error.
 fn log_end_before(e: &ClientError, shard: u32) -> Option<u64> {
-    let c = e.cursor()?;
-    if c.reason != felix_wire::message::CursorErrorReason::InFuture {
-        return None;
-    }
+    let c = refused_start(e, CursorErrorReason::InFuture)?;
     tracing::warn!(
         shard,
         resume = c.requested,
